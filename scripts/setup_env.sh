@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# Create a CPU-only virtual environment that can import the REAL SGLang 0.5.23
+# NVFP4 linear modules (modelopt_quant, fp4_utils, compressed-tensors W4A4
+# NVFP4 scheme, sglang.srt.plugins) plus sm120_fp4's runtime and test deps.
+#
+# Usage: bash scripts/setup_env.sh [VENV_DIR]      (default: <repo>/.venv)
+#
+# - Needs only python3 (3.11) and pip with this machine's index configuration.
+# - No GPU needed; the torch wheel is the regular CUDA build (runs on CPU).
+# - Idempotent: a stamp file keyed on the hash of this script + pyproject.toml
+#   makes a re-run on a healthy venv a no-op (only a <1s version check runs).
+# - Set SETUP_ENV_FORCE=1 to reinstall everything into the existing venv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV_DIR="${1:-$ROOT/.venv}"
+PYTHON_BIN="${PYTHON:-python3}"
+
+TORCH_VERSION="2.14.1"
+TORCHVISION_VERSION="0.29.1"
+FLASHINFER_VERSION="0.7.2"
+SGLANG_VERSION="0.5.23"
+
+# flashinfer-python is installed with --no-deps: its full dependency set pulls
+# nvidia-cutlass-dsl (+ libs-base/core/cu12/cu13), cuda-tile, nccl4py,
+# nccl-extensions, nvidia-cudnn-frontend, cuda-python... none of which is
+# needed to `import flashinfer` on CPU. This is the minimal set for import.
+FLASHINFER_DEPS=(
+  "apache-tvm-ffi==0.1.11"   # sglang 0.5.23 pins ==0.1.11; flashinfer wants >=0.1.11,<0.2
+  numpy
+  "packaging>=24.2"
+  nvidia-ml-py
+  requests
+  tqdm
+)
+
+# sglang is installed with --no-deps (its metadata drags in GPU-only kernels:
+# sglang-kernel, flash-attn-4, sgl-deep-gemm, tilelang, torchaudio, ...).
+# Minimal pure-Python/CPU set, found by trial, so these imports succeed on CPU:
+#   sglang.srt.layers.quantization.modelopt_quant / fp4_utils,
+#   sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4,
+#   sglang.srt.plugins.load_plugins
+# Versions pinned where sglang 0.5.23's metadata pins them.
+SGLANG_DEPS=(
+  orjson
+  psutil
+  pybase64
+  pillow
+  starlette
+  msgspec
+  "pyzmq>=25.1.2"
+  IPython
+  aiohttp
+  pydantic
+  dill
+  gguf
+  "transformers==5.19.0"
+  "tokenizers==0.23.2"
+  "sentencepiece==0.2.1"
+  "compressed-tensors==0.18.0"
+)
+
+# sm120_fp4 runtime deps + test tools (also declared in pyproject.toml; listed
+# here so the environment is complete even before/without the editable install).
+PROJECT_DEPS=(
+  wrapt
+  pydantic
+  pydantic-settings
+  packaging
+  pytest
+  hypothesis
+  pytest-timeout
+)
+
+say() { printf '[setup_env] %s\n' "$*"; }
+
+LOG_DIR="$VENV_DIR/.setup_logs"
+
+# Run pip quietly; keep the full output in a log and show its tail on failure.
+# (pip always prints "sglang requires X, which is not installed" conflicts
+# because sglang is installed --no-deps: those are expected and harmless.)
+pipq() {
+  local name="$1"; shift
+  local log="$LOG_DIR/$name.log"
+  if ! "$VENV_PY" -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
+    say "pip install failed ($name); last lines of $log:"
+    tail -n 30 "$log" >&2
+    exit 1
+  fi
+}
+
+compute_stamp() {
+  {
+    cat "${BASH_SOURCE[0]}"
+    if [ -f "$ROOT/pyproject.toml" ]; then cat "$ROOT/pyproject.toml"; fi
+  } | sha256sum | cut -d' ' -f1
+}
+
+import_check() {
+  "$VENV_PY" - <<'EOF'
+import warnings
+warnings.simplefilter("ignore")
+import torch
+import flashinfer  # noqa: F401
+import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401
+import sglang.srt.layers.quantization.fp4_utils  # noqa: F401
+import sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4  # noqa: F401
+from sglang.srt.plugins import load_plugins  # noqa: F401
+import wrapt, pydantic, pydantic_settings, packaging, pytest, hypothesis  # noqa: F401,E401
+print("torch", torch.__version__, "cuda_available", torch.cuda.is_available())
+EOF
+}
+
+STAMP_FILE="$VENV_DIR/.sm120_fp4_setup_stamp"
+STAMP="$(compute_stamp)"
+VENV_PY="$VENV_DIR/bin/python"
+
+quick_check() {
+  # Cheap health check (<1s): the pinned distributions are present.
+  "$VENV_PY" - "$TORCH_VERSION" "$FLASHINFER_VERSION" "$SGLANG_VERSION" <<'EOF' >/dev/null 2>&1
+import sys
+from importlib.metadata import version
+want = dict(zip(["torch", "flashinfer-python", "sglang"], sys.argv[1:]))
+for dist, ver in want.items():
+    assert version(dist) == ver, (dist, version(dist), ver)
+for dist in ["transformers", "compressed-tensors", "apache-tvm-ffi", "wrapt",
+             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout"]:
+    version(dist)
+EOF
+}
+
+if [ "${SETUP_ENV_FORCE:-0}" != "1" ] && [ -x "$VENV_PY" ] && [ -f "$STAMP_FILE" ] \
+   && [ "$(cat "$STAMP_FILE")" = "$STAMP" ]; then
+  if quick_check; then
+    say "venv $VENV_DIR is up to date (stamp matches); nothing to do"
+    exit 0
+  fi
+  say "stamp matches but installed versions look wrong; reinstalling"
+fi
+
+START=$(date +%s)
+
+# 1. venv + pip
+if [ ! -x "$VENV_PY" ]; then
+  say "creating venv at $VENV_DIR"
+  "$PYTHON_BIN" -m venv "$VENV_DIR"
+fi
+mkdir -p "$LOG_DIR"
+rm -f "$STAMP_FILE"
+say "upgrading pip"
+pipq pip --upgrade pip
+
+# 2. torch (CUDA build; works on a CPU-only machine)
+say "installing torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION (large, ~5.5 GB)"
+pipq torch "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+
+# 3. flashinfer (no deps) + minimal import deps
+say "installing flashinfer-python==$FLASHINFER_VERSION (--no-deps) + minimal deps"
+pipq flashinfer --no-deps "flashinfer-python==$FLASHINFER_VERSION"
+pipq flashinfer-deps "torch==$TORCH_VERSION" "${FLASHINFER_DEPS[@]}"
+
+# 4. sglang (no deps) + minimal CPU import deps
+say "installing sglang==$SGLANG_VERSION (--no-deps) + minimal deps"
+pipq sglang --no-deps "sglang==$SGLANG_VERSION"
+pipq sglang-deps "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" \
+  "${FLASHINFER_DEPS[@]}" "${SGLANG_DEPS[@]}"
+
+# 5. our package: runtime deps + test tools, then editable install
+say "installing sm120_fp4 runtime/test deps"
+pipq project-deps "torch==$TORCH_VERSION" "${PROJECT_DEPS[@]}"
+if [ -f "$ROOT/pyproject.toml" ]; then
+  # --no-deps on purpose: every runtime/test dependency is installed explicitly
+  # above. Letting pip resolve pyproject's "flashinfer-python>=0.4" would make it
+  # walk flashinfer's full metadata and pull cuda-python, cuda-tile, nccl4py,
+  # nvidia-cudnn-frontend and nvidia-cutlass-dsl(+libs-cu12/cu13) into the venv.
+  say "installing sm120_fp4 (editable, [test])"
+  pipq project --no-deps -e "$ROOT[test]"
+else
+  say "WARNING: $ROOT/pyproject.toml not found; skipping editable install"
+fi
+
+say "verifying imports"
+if ! import_check; then
+  say "import check FAILED"
+  exit 1
+fi
+
+compute_stamp >"$STAMP_FILE"
+say "done in $(( $(date +%s) - START ))s; venv: $VENV_DIR ($(du -sh "$VENV_DIR" 2>/dev/null | cut -f1))"

@@ -1,0 +1,45 @@
+"""sm120_fp4: verified NVFP4 GEMM routing for SGLang on SM120/SM121 GPUs.
+
+``import sm120_fp4; sm120_fp4.install()`` patches SGLang's FP4 linear GEMM to a backend that has
+passed a numerical self-test on each GPU, and refuses to serve when none passes. Importing this
+package is cheap: torch, pydantic, FlashInfer and SGLang load only when an attribute needs them.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from ._version import __version__
+from .errors import ConfigError, InvalidArgument, RefusedToServe, SelfTestError, Sm120Fp4Error
+
+__all__ = [
+    "__version__",
+    "install",
+    "uninstall",
+    "status",
+    "decide",
+    "Settings",
+    "Sm120Fp4Error",
+    "InvalidArgument",
+    "ConfigError",
+    "RefusedToServe",
+    "SelfTestError",
+]
+
+_LAZY = {
+    "install": ("sm120_fp4.api", "install"),
+    "uninstall": ("sm120_fp4.api", "uninstall"),
+    "status": ("sm120_fp4.api", "status"),
+    "decide": ("sm120_fp4.selection", "decide"),
+    "Settings": ("sm120_fp4.config", "Settings"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sm120_fp4' has no attribute {name!r}")

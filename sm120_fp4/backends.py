@@ -1,0 +1,191 @@
+"""FP4 GEMM backends behind ``flashinfer.mm_fp4``'s calling convention.
+
+Every backend is called as ``fn(a, b, a_descale, b_descale, alpha, out_dtype, out)`` and must
+write the result into `out` (contiguous, preallocated by the caller) and return it.
+
+* FlashInfer backends (``cutlass``, ``b12x``, ``cudnn``, ``cute-dsl``) are called the verified
+  way: explicit ``backend=``, ``alpha`` always a float32 device tensor, a preallocated ``out``.
+  FlashInfer is imported only when a FlashInfer backend is asked about.
+* ``emulated``: :mod:`sm120_fp4.nvfp4` dequantize + float32 matmul; slow, exact, runs anywhere.
+* ``register()`` adds user or test backends (a fault-injecting one, another kernel library).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from .devices import Device
+from .errors import ConfigError, InvalidArgument
+
+__all__ = [
+    "Backend",
+    "FLASHINFER_BACKENDS",
+    "register",
+    "unregister",
+    "get",
+    "names",
+    "is_supported",
+    "resolve",
+    "flashinfer_version",
+    "emulated_mm_fp4",
+]
+
+GemmFn = Callable[..., object]
+SupportFn = Callable[[Device], "tuple[bool, str | None]"]
+
+# FlashInfer backends that read the same non-shuffled 128x4 layout SGLang prepares for cutlass.
+# trtllm (shuffled weights) and cutedsl_low_latency (SM100 only) are deliberately absent.
+FLASHINFER_BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
+EMULATED = "emulated"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named GEMM with its support check; `fn` is None until resolved (FlashInfer: lazily)."""
+
+    name: str
+    kind: str  # "flashinfer" | "emulated" | "registered"
+    fn: GemmFn | None
+    supported: SupportFn
+
+
+def flashinfer_version() -> str | None:
+    """The installed flashinfer-python version, without importing it."""
+    for dist in ("flashinfer-python", "flashinfer"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _mm_fp4() -> GemmFn:
+    from flashinfer import mm_fp4  # heavy: only when a FlashInfer backend is considered
+
+    return mm_fp4
+
+
+def _flashinfer_supported(name: str, device: Device) -> tuple[bool, str | None]:
+    if device.simulated:
+        return False, "FlashInfer kernels need a real GPU; this device is simulated"
+    if not device.is_cuda:
+        return False, "FlashInfer kernels need a CUDA device"
+    version = flashinfer_version()
+    if version is None:
+        return False, "flashinfer-python is not installed"
+    try:
+        mm_fp4 = _mm_fp4()
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return False, f"flashinfer {version} does not import: {type(exc).__name__}: {exc}"
+    if "backend" not in inspect.signature(mm_fp4).parameters:
+        return False, f"flashinfer {version} mm_fp4 has no backend= parameter (needs >= 0.2.11)"
+    check = getattr(mm_fp4, "is_backend_supported", None)
+    if check is not None:
+        try:
+            ok = check(name, device.sm)
+        except Exception as exc:
+            return False, f"flashinfer {version} could not check {name!r}: {exc}"
+        if not ok:
+            return False, f"flashinfer {version} has no {name!r} backend for sm_{device.sm}"
+    return True, None
+
+
+def _flashinfer_fn(name: str) -> GemmFn:
+    # A C-level partial: no Python frame of ours between dispatch and FlashInfer.
+    return functools.partial(_mm_fp4(), backend=name)
+
+
+def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
+    """The `emulated` backend: the nvfp4 reference GEMM (dequantize + float32 matmul)."""
+    from .nvfp4 import reference_mm_fp4
+
+    return reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
+
+
+def _always(device: Device) -> tuple[bool, str | None]:
+    return True, None
+
+
+_lock = threading.Lock()
+_registry: dict[str, Backend] = {}
+
+
+def _builtins() -> None:
+    for name in FLASHINFER_BACKENDS:
+        _registry[name] = Backend(name, "flashinfer", None, functools.partial(_flashinfer_supported, name))
+    _registry[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
+
+
+_builtins()
+
+
+def register(name: str, fn: GemmFn, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
+    """Add backend `name`: `fn` follows mm_fp4's convention; `is_supported(device) -> (ok, reason)`."""
+    if not isinstance(name, str) or not name or name != name.strip().lower() or "," in name:
+        raise InvalidArgument(f"register: name={name!r} is not accepted; expected a lower-case name without commas")
+    if not callable(fn):
+        raise InvalidArgument(f"register: fn={fn!r} is not accepted; expected a callable")
+    if is_supported is not None and not callable(is_supported):
+        raise InvalidArgument(f"register: is_supported={is_supported!r} is not accepted; expected a callable or None")
+    with _lock:
+        if name in _registry and not replace:
+            raise InvalidArgument(f"register: name={name!r} is already registered; pass replace=True to replace it")
+        _registry[name] = Backend(name, "registered", fn, is_supported or _always)
+
+
+def unregister(name: str) -> None:
+    """Remove a registered backend; built-ins are restored to their original definition."""
+    with _lock:
+        _registry.pop(name, None)
+        if name in FLASHINFER_BACKENDS or name == EMULATED:
+            _builtins()
+
+
+def names() -> tuple[str, ...]:
+    with _lock:
+        return tuple(_registry)
+
+
+def get(name: str) -> Backend:
+    with _lock:
+        backend = _registry.get(name)
+    if backend is None:
+        raise ConfigError(f"unknown FP4 GEMM backend {name!r}; known: {', '.join(names())}")
+    return backend
+
+
+def is_supported(name: str, device: Device) -> tuple[bool, str | None]:
+    """Whether backend `name` can run on `device`, and why not."""
+    backend = get(name)
+    try:
+        ok, reason = backend.supported(device)
+    except Exception as exc:
+        return False, f"support check raised {type(exc).__name__}: {exc}"
+    return bool(ok), (None if ok else reason or "not supported")
+
+
+def resolve(name: str) -> GemmFn:
+    """The callable to run for backend `name` (FlashInfer imported here, not before)."""
+    backend = get(name)
+    return backend.fn if backend.fn is not None else _flashinfer_fn(name)
+
+
+def flashinfer_quantizer(device: Device) -> tuple[str, GemmFn] | None:
+    """FlashInfer's activation quantizer for `device`, when it can run there (sm_100+, real GPU)."""
+    if device.simulated or not device.is_cuda or device.capability[0] < 10 or flashinfer_version() is None:
+        return None
+    try:
+        from flashinfer import fp4_quantize
+    except Exception:
+        return None
+
+    def quantize(x, global_scale):
+        return fp4_quantize(x, global_scale.reshape(1), 16, False, True)
+
+    return "flashinfer.fp4_quantize", quantize

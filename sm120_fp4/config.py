@@ -1,0 +1,181 @@
+"""Settings: keyword arguments > ``SM120_FP4_*`` environment variables > defaults.
+
+Every value is checked when the settings are built (at ``install()`` or CLI start), never at the
+first request: a bad value raises :class:`~sm120_fp4.errors.ConfigError` naming the variable, the
+value and what is accepted. Values are case-sensitive, lower case, as documented.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .errors import ConfigError
+
+__all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name", "toggle_state"]
+
+ENV_PREFIX = "SM120_FP4_"
+TOGGLE_VAR = "SM120_FP4"
+_TOGGLE_VALUES = {"1": True, "on": True, "0": False, "off": False}
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+_CAPABILITY = re.compile(r"^(\d{1,2})\.(\d)$")
+
+
+class Settings(BaseSettings):
+    """Everything the library can be told; see README for the table of variables."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, case_sensitive=False, extra="forbid", frozen=True, populate_by_name=True
+    )
+
+    toggle: bool | None = Field(
+        None,
+        validation_alias=AliasChoices("toggle", TOGGLE_VAR),
+        description="Master switch for deployment manifests: 1|on activates in every process, 0|off makes every install a no-op.",
+    )
+    enable: Literal["auto", "on", "off"] = Field(
+        "auto", description="auto: patch only where a 12.x GPU is visible; on: patch on any GPU; off: never patch."
+    )
+    backends: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("cutlass", "b12x"),
+        description="Ordered candidate backends (FlashInfer names, emulated, or registered names), comma-separated.",
+    )
+    selftest: Literal["strict", "warn", "off"] = Field(
+        "strict", description="strict: refuse to serve when no backend verifies; warn: log and serve; off: skip the test."
+    )
+    fallback: Literal["none", "emulated"] = Field(
+        "none", description="emulated: serve with the slow pure-PyTorch emulation instead of refusing."
+    )
+    select: Literal["first", "fastest"] = Field(
+        "first", description="first: the first candidate that verifies; fastest: time every verified candidate, take the fastest."
+    )
+    simulate: str | None = Field(
+        None, description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU."
+    )
+    report: Path | None = Field(
+        None, description="Write this process's JSON report here ({pid} is replaced; a directory gets one file per process)."
+    )
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _config_error(exc, values) from None
+
+    @field_validator("toggle", mode="before")
+    @classmethod
+    def _parse_toggle(cls, value: object) -> object:
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value in _TOGGLE_VALUES:
+            return _TOGGLE_VALUES[value]
+        raise ValueError("accepted: 1, on, 0, off (or unset)")
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _parse_backends(cls, value: object) -> object:
+        names = value.split(",") if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)) or not names:
+            raise ValueError("accepted: a comma-separated list of backend names, e.g. cutlass,b12x")
+        names = tuple(n.strip() if isinstance(n, str) else n for n in names)
+        bad = [n for n in names if not isinstance(n, str) or not _NAME.match(n)]
+        if bad:
+            raise ValueError(f"accepted: lower-case backend names such as cutlass,b12x,emulated; bad entries {bad}")
+        if len(set(names)) != len(names):
+            raise ValueError("accepted: each backend named once")
+        return names
+
+    @field_validator("simulate", mode="before")
+    @classmethod
+    def _parse_simulate(cls, value: object) -> object:
+        if value is None:
+            return None
+        match = _CAPABILITY.match(value) if isinstance(value, str) else None
+        if not match or not 1 <= int(match.group(1)) <= 99:
+            raise ValueError("accepted: a compute capability MAJOR.MINOR such as 12.0 or 12.1")
+        return value
+
+    @field_validator("report", mode="before")
+    @classmethod
+    def _parse_report(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("accepted: a file or directory path (unset for no report)")
+        return value
+
+    @property
+    def simulated_capability(self) -> tuple[int, int] | None:
+        if self.simulate is None:
+            return None
+        major, minor = self.simulate.split(".")
+        return int(major), int(minor)
+
+    @property
+    def active(self) -> bool:
+        """False when the master toggle or ENABLE switches the library off."""
+        return self.toggle is not False and self.enable != "off"
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets `field`."""
+    return TOGGLE_VAR if field == "toggle" else ENV_PREFIX + field.upper()
+
+
+def _config_error(exc: ValidationError, kwargs: dict[str, Any]) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        loc = str(err["loc"][0]) if err["loc"] else "?"
+        field = "toggle" if loc == TOGGLE_VAR else loc
+        if field not in Settings.model_fields:
+            close = difflib.get_close_matches(field, list(Settings.model_fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            lines.append(f"unknown setting {field!r}{hint}; accepted: {', '.join(Settings.model_fields)}")
+            continue
+        where = f"keyword {field}=" if field in kwargs else f"{env_name(field)}="
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}{err.get('input')!r} is not accepted; {msg}")
+    return ConfigError("invalid sm120_fp4 settings:\n  " + "\n  ".join(lines))
+
+
+def _check_unknown_env(environ: dict[str, str]) -> None:
+    known = {env_name(f) for f in Settings.model_fields}
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hints.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ConfigError(
+            "unknown sm120_fp4 environment variable(s): " + ", ".join(hints) + "; accepted: " + ", ".join(sorted(known))
+        )
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build Settings from keyword overrides and the environment, rejecting unknown variables."""
+    _check_unknown_env(dict(os.environ))
+    return Settings(**overrides)
+
+
+def toggle_state(environ: dict[str, str] | None = None) -> bool | None:
+    """The master toggle from the environment, without pydantic (for the start-up bootstrap)."""
+    value = (os.environ if environ is None else environ).get(TOGGLE_VAR)
+    return None if value is None else _TOGGLE_VALUES.get(value)
+
+
+def sources(settings_kwargs: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Where each setting's value came from: 'keyword', the environment variable, or 'default'."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for field in Settings.model_fields:
+        if field in settings_kwargs:
+            out[field] = "keyword"
+        elif env_name(field) in environ:
+            out[field] = f"env {env_name(field)}"
+        else:
+            out[field] = "default"
+    return out

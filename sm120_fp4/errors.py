@@ -1,0 +1,36 @@
+"""The library's exceptions: one root, so callers can catch everything of ours at once."""
+
+from __future__ import annotations
+
+__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError"]
+
+
+class Sm120Fp4Error(Exception):
+    """Root of every error raised by sm120_fp4."""
+
+
+class InvalidArgument(Sm120Fp4Error, ValueError):
+    """A function was called with a value it does not accept; the message names it."""
+
+
+class ConfigError(Sm120Fp4Error, ValueError):
+    """A setting (keyword or SM120_FP4_* variable) has a value that is not accepted."""
+
+
+class SelfTestError(Sm120Fp4Error, RuntimeError):
+    """A self-test could not be run at all (for example, asked for inside CUDA-graph capture)."""
+
+
+class RefusedToServe(Sm120Fp4Error, RuntimeError):
+    """No FP4 GEMM backend verified on this device: serving would risk silent garbage."""
+
+
+def describe(value: object) -> str:
+    """Short repr for error messages: tensors by shape/dtype/device, the rest by repr."""
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        device = getattr(value, "device", "?")
+        return f"tensor(shape={tuple(shape)}, dtype={dtype}, device={device})"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,318 @@
+"""The NVFP4 format in pure PyTorch: the oracle every backend is checked against.
+
+Layouts are FlashInfer's (``fp4_quantize`` / ``mm_fp4`` with the 128x4 scale layout,
+``do_shuffle=False``), written from its documented recipe, never by calling it:
+
+* E2M1 codes: bit 3 is the sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}; encoding
+  rounds to nearest with ties to the even code and saturates at 6 (``cvt.rn.satfinite``).
+* Two codes a byte: element ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
+* One E4M3 scale per 16 elements of a row, stored in the 128x4 swizzled layout, padded
+  to (ceil128(rows), ceil4(K/16)) with zeros.
+* Quantize (the CUDA kernel's order of operations, with round-to-nearest reciprocals):
+  ``sf = e4m3(min(gsf * (amax(block) * fl32(1/6)), 448))``,
+  ``code = e2m1(x * (1 / (float(sf) * (1 / gsf))))`` and 0 where ``sf == 0``.
+  FlashInfer's default fast-math build uses ``rcp.approx.ftz`` instead of exact
+  reciprocals, which can move a value sitting on a rounding boundary by one code.
+* Dequantize: ``e2m1(code) * float(sf) / gsf``.
+* GEMM: ``alpha * (A_unscaled @ B_unscaled^T)`` with float32 accumulation, where
+  "unscaled" means ``e2m1(code) * float(sf)``: alpha carries ``1 / (gsf_a * gsf_b)``.
+
+Everything is vectorised and runs on any device. Functions check their inputs and raise
+:class:`~sm120_fp4.errors.InvalidArgument` (a ``ValueError``) naming the parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidArgument, describe
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "E2M1_VALUES",
+    "encode_e2m1",
+    "decode_e2m1",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "swizzled_scale_shape",
+    "swizzle_scales",
+    "unswizzle_scales",
+    "global_scale",
+    "quantize",
+    "dequantize",
+    "dequantize_unscaled",
+    "reference_mm_fp4",
+]
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+_FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Thresholds between neighbouring E2M1 magnitudes. A value on a threshold goes to the even
+# code: down at 0.25, 1.25, 2.5, 5 (codes 0, 2, 4, 6 below) and up at 0.75, 1.75, 3.5.
+_ROUND_DOWN_AT = (0.25, 1.25, 2.5, 5.0)
+_ROUND_UP_AT = (0.75, 1.75, 3.5)
+_LUT_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _fail(func: str, param: str, value: object, accepted: str) -> InvalidArgument:
+    return InvalidArgument(f"{func}: {param}={describe(value)} is not accepted; expected {accepted}")
+
+
+def _check_tensor(func: str, param: str, value: object, dtypes: tuple, ndim: int | None = None) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise _fail(func, param, value, "a torch.Tensor")
+    if value.dtype not in dtypes:
+        raise _fail(func, param, value, "dtype in (" + ", ".join(str(d) for d in dtypes) + ")")
+    if ndim is not None and value.dim() != ndim:
+        raise _fail(func, param, value, f"a {ndim}-D tensor")
+
+
+def _check_k(func: str, param: str, value: torch.Tensor, k: int) -> None:
+    if k <= 0 or k % BLOCK_SIZE:
+        raise _fail(func, param, value, f"K (the element count of a row) a positive multiple of {BLOCK_SIZE}, got K={k}")
+
+
+def _e2m1_lut(device: torch.device) -> torch.Tensor:
+    lut = _LUT_CACHE.get(device)
+    if lut is None:
+        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+        _LUT_CACHE[device] = lut
+    return lut
+
+
+def _encode(x: torch.Tensor) -> torch.Tensor:
+    # Code = number of thresholds passed; NaN passes none (callers reject it first).
+    mag = x.abs()
+    codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for t in _ROUND_DOWN_AT:
+        codes += mag > t
+    for t in _ROUND_UP_AT:
+        codes += mag >= t
+    # Sign only on non-zero codes: -0.0 and tiny negatives encode as +0.
+    negative = (x < 0) & (codes > 0)
+    return codes | (negative.to(torch.uint8) << 3)
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Encode float values as E2M1 codes (uint8 in 0..15): nearest, ties to even, saturating at 6."""
+    _check_tensor("encode_e2m1", "x", x, _FLOAT_INPUTS + (torch.float64,))
+    if torch.isnan(x).any():
+        raise _fail("encode_e2m1", "x", x, "no NaN (E2M1 has no NaN encoding)")
+    return _encode(x)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Decode E2M1 codes (uint8 in 0..15) to float32 values."""
+    _check_tensor("decode_e2m1", "codes", codes, (torch.uint8,))
+    if codes.numel() and int(codes.max()) > 15:
+        raise _fail("decode_e2m1", "codes", codes, "values in 0..15")
+    return _e2m1_lut(codes.device)[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes (..., K) into bytes (..., K/2): element 2i low nibble, 2i+1 high nibble."""
+    _check_tensor("pack_nibbles", "codes", codes, (torch.uint8,))
+    if codes.dim() == 0 or codes.shape[-1] % 2:
+        raise _fail("pack_nibbles", "codes", codes, "a last dimension of even length")
+    if codes.numel() and int(codes.max()) > 15:
+        raise _fail("pack_nibbles", "codes", codes, "values in 0..15")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack bytes (..., K/2) into codes (..., K), low nibble first."""
+    _check_tensor("unpack_nibbles", "packed", packed, (torch.uint8,))
+    if packed.dim() == 0:
+        raise _fail("unpack_nibbles", "packed", packed, "at least 1 dimension")
+    pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def swizzled_scale_shape(rows: int, k: int) -> tuple[int, int]:
+    """Shape of the 128x4 swizzled scales for `rows` x `k` elements: (ceil128(rows), ceil4(k/16))."""
+    return _round_up(rows, 128), _round_up(k // BLOCK_SIZE, 4)
+
+
+def swizzle_scales(sf: torch.Tensor) -> torch.Tensor:
+    """Lay block scales (M, K/16) out in the 128x4 layout (ceil128(M), ceil4(K/16)), zero padded.
+
+    Byte offset of scale (r, c): (r//128)*128*Kp + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4.
+    """
+    _check_tensor("swizzle_scales", "sf", sf, _SCALE_DTYPES, ndim=2)
+    rows, cols = sf.shape
+    mp, kp = _round_up(rows, 128), _round_up(cols, 4)
+    raw = sf.view(torch.uint8)
+    padded = raw.new_zeros((mp, kp))
+    padded[:rows, :cols] = raw
+    tiles = padded.view(mp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().view(mp, kp).view(sf.dtype)
+
+
+def unswizzle_scales(sf_swizzled: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """Invert :func:`swizzle_scales`: (ceil128(m), ceil4(k/16)) or flat -> (m, k/16); k counts elements."""
+    func = "unswizzle_scales"
+    _check_tensor(func, "sf_swizzled", sf_swizzled, _SCALE_DTYPES)
+    if not isinstance(m, int) or m <= 0:
+        raise _fail(func, "m", m, "a positive int (rows)")
+    if not isinstance(k, int) or k <= 0 or k % BLOCK_SIZE:
+        raise _fail(func, "k", k, f"a positive int multiple of {BLOCK_SIZE} (elements per row)")
+    mp, kp = swizzled_scale_shape(m, k)
+    if tuple(sf_swizzled.shape) not in ((mp, kp), (mp * kp,)):
+        raise _fail(func, "sf_swizzled", sf_swizzled, f"shape ({mp}, {kp}) or ({mp * kp},) for m={m}, k={k}")
+    if not sf_swizzled.is_contiguous():
+        raise _fail(func, "sf_swizzled", sf_swizzled, "a contiguous tensor (the swizzled bytes in order)")
+    raw = sf_swizzled.view(torch.uint8).reshape(mp // 128, kp // 4, 32, 4, 4)
+    plain = raw.permute(0, 3, 2, 1, 4).reshape(mp, kp)
+    return plain[:m, : k // BLOCK_SIZE].view(sf_swizzled.dtype)
+
+
+def global_scale(x: torch.Tensor) -> torch.Tensor:
+    """The encode scale 448 * 6 / amax(|x|) as a float32 0-dim tensor on x's device."""
+    _check_tensor("global_scale", "x", x, _FLOAT_INPUTS)
+    if x.numel() == 0:
+        raise _fail("global_scale", "x", x, "a non-empty tensor")
+    amax = x.float().abs().amax()
+    if not torch.isfinite(amax) or amax == 0:
+        raise _fail("global_scale", "x", x, f"finite values, not all zero (amax(|x|)={float(amax)})")
+    return torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=x.device) / amax
+
+
+def _as_scale(func: str, param: str, value: object, device: torch.device, check: bool) -> torch.Tensor:
+    if isinstance(value, (float, int)) and not isinstance(value, bool):
+        value = torch.tensor(float(value), dtype=torch.float32, device=device)
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != 1:
+        raise _fail(func, param, value, "a positive finite float or a one-element float32 tensor")
+    if value.device != device:
+        raise _fail(func, param, value, f"a tensor on {device}")
+    if check and not (torch.isfinite(value).all() and (value > 0).all()):
+        raise _fail(func, param, value, f"a positive finite value, got {value.item()!r}")
+    return value.reshape(())
+
+
+def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x (M, K) to NVFP4: (packed uint8 (M, K/2), float8_e4m3fn scales, 128x4 swizzled).
+
+    `global_scale` is the encode scale (448*6/amax for a tensor's own range; SGLang passes
+    ``1 / input_scale``). ``check_finite=False`` skips the host-synchronising checks, for use
+    where the caller guarantees finite input (e.g. inside CUDA-graph capture).
+    """
+    _check_tensor("quantize", "x", x, _FLOAT_INPUTS, ndim=2)
+    m, k = x.shape
+    _check_k("quantize", "x", x, k)
+    if m == 0:
+        raise _fail("quantize", "x", x, "at least one row")
+    gsf = _as_scale("quantize", "global_scale", global_scale, x.device, check_finite)
+    if check_finite and not torch.isfinite(x).all():
+        raise _fail("quantize", "x", x, "finite values (found NaN or inf)")
+    blocks = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    amax = blocks.abs().amax(dim=-1)
+    rcp6 = torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=x.device)
+    sf = torch.clamp(gsf * (amax * rcp6), max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf_f = sf.float()
+    # The kernel's output scale: 1 / (float(sf) * (1 / gsf)), and 0 for an all-zero block.
+    out_scale = torch.where(sf_f != 0, 1.0 / (sf_f * (1.0 / gsf)), torch.zeros_like(sf_f))
+    codes = _encode(blocks * out_scale.unsqueeze(-1)).reshape(m, k)
+    return pack_nibbles(codes), swizzle_scales(sf)
+
+
+def _check_packed_and_scales(func: str, packed: torch.Tensor, scales: torch.Tensor, p_name: str, s_name: str) -> tuple[int, int]:
+    _check_tensor(func, p_name, packed, (torch.uint8,), ndim=2)
+    rows, k = packed.shape[0], packed.shape[1] * 2
+    _check_k(func, p_name, packed, k)
+    _check_tensor(func, s_name, scales, _SCALE_DTYPES)
+    mp, kp = swizzled_scale_shape(rows, k)
+    if scales.numel() != mp * kp or scales.dim() not in (1, 2) or (scales.dim() == 2 and tuple(scales.shape) != (mp, kp)):
+        raise _fail(func, s_name, scales, f"128x4 swizzled scales of shape ({mp}, {kp}) for {rows} rows and K={k}")
+    if scales.device != packed.device:
+        raise _fail(func, s_name, scales, f"a tensor on {packed.device} (where {p_name} is)")
+    return rows, k
+
+
+def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e2m1(code) * float(sf) as float32 (rows, K): dequantized values times the global scale."""
+    rows, k = _check_packed_and_scales("dequantize_unscaled", packed, scales, "packed", "scales")
+    values = _e2m1_lut(packed.device)[unpack_nibbles(packed).long()]
+    # uint8 scales hold E4M3 bytes: reinterpret them, never convert the integer value.
+    sf = unswizzle_scales(scales.contiguous(), rows, k).view(torch.float8_e4m3fn).float()
+    return (values.view(rows, k // BLOCK_SIZE, BLOCK_SIZE) * sf.unsqueeze(-1)).view(rows, k)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: object) -> torch.Tensor:
+    """Dequantize NVFP4 (packed (M, K/2), swizzled scales) to float32 (M, K): e2m1 * sf / gsf."""
+    _check_packed_and_scales("dequantize", packed, scales, "packed", "scales")
+    gsf = _as_scale("dequantize", "global_scale", global_scale, packed.device, True)
+    return dequantize_unscaled(packed, scales) / gsf
+
+
+def _check_alpha(alpha: object, m: int, device: torch.device) -> torch.Tensor | None:
+    if alpha is None:
+        return None
+    if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() not in (1, m):
+        raise _fail("reference_mm_fp4", "alpha", alpha, f"None or a float32 tensor of 1 or M={m} elements")
+    if alpha.device != device:
+        raise _fail("reference_mm_fp4", "alpha", alpha, f"a tensor on {device} (where a is)")
+    return alpha.reshape(-1, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
+
+
+def reference_mm_fp4(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_descale: torch.Tensor,
+    b_descale: torch.Tensor,
+    alpha: torch.Tensor | None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """NVFP4 GEMM with ``flashinfer.mm_fp4``'s calling convention, computed exactly in float32.
+
+    `a`: packed (M, K/2); `b`: the column-major (K/2, N) view ``w_packed.T`` of a contiguous
+    (N, K/2) weight; `a_descale`: A's swizzled scales; `b_descale`: the ``.T`` of the weight's
+    swizzled scales; `alpha`: float32, 1 element (or M, one per row) = 1/(gsf_a*gsf_b).
+    Returns ``alpha * (A @ B^T)`` in `out_dtype` (bf16, fp16, or fp32 to see it before the cast),
+    written into `out` when given.
+    """
+    func = "reference_mm_fp4"
+    _check_tensor(func, "b", b, (torch.uint8,), ndim=2)
+    if not b.T.is_contiguous():
+        raise _fail(func, "b", b, "the column-major (K/2, N) view w.T of a contiguous (N, K/2) weight")
+    m, k = _check_packed_and_scales(func, a, a_descale, "a", "a_descale")
+    if b.shape[0] != a.shape[1]:
+        raise _fail(func, "b", b, f"shape (K/2={a.shape[1]}, N) to match a={describe(a)}")
+    if b.device != a.device:
+        raise _fail(func, "b", b, f"a tensor on {a.device} (where a is)")
+    if not isinstance(b_descale, torch.Tensor) or b_descale.dim() != 2:
+        raise _fail(func, "b_descale", b_descale, "the 2-D .T view of the weight's swizzled scales")
+    n = b.shape[1]
+    w_scales = b_descale.T
+    _check_packed_and_scales(func, b.T, w_scales, "b", "b_descale.T")
+    if not w_scales.is_contiguous():
+        raise _fail(func, "b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
+    scale = _check_alpha(alpha, m, a.device)
+    if out_dtype not in _OUT_DTYPES:
+        raise _fail(func, "out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
+    if out is not None:
+        _check_tensor(func, "out", out, (out_dtype,), ndim=2)
+        if tuple(out.shape) != (m, n) or out.device != a.device:
+            raise _fail(func, "out", out, f"shape ({m}, {n}) on {a.device}")
+    deq_a = dequantize_unscaled(a, a_descale)
+    deq_b = dequantize_unscaled(b.T, w_scales)
+    # Products of E2M1 x E4M3 values are exact in float32 (and TF32), so only the summation
+    # order can differ from the kernel's accumulator.
+    acc = deq_a @ deq_b.T
+    if scale is not None:
+        acc = acc * scale
+    if out is None:
+        return acc.to(out_dtype)
+    out.copy_(acc)
+    return out

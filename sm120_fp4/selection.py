@@ -1,0 +1,269 @@
+"""Choose the FP4 GEMM backend for a device: ordered candidates, a self-test each, a cached Decision.
+
+Walk the candidates in order, skip unsupported ones with their reason, self-test the rest, and
+take the first that passes (or, with ``SM120_FP4_SELECT=fastest``, the fastest that passes).
+When none passes: ``FALLBACK=emulated`` serves with the emulation (logged loudly), otherwise
+:class:`~sm120_fp4.errors.RefusedToServe`. ``SELFTEST=warn`` logs the refusal and serves with the
+first supported candidate; ``SELFTEST=off`` skips the test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import backends, devices, selftest
+from .config import Settings, load_settings
+from .devices import Device
+from .errors import ConfigError, RefusedToServe
+
+__all__ = ["Decision", "decide", "decisions", "clear", "refusal_message"]
+
+_LOG = logging.getLogger("sm120_fp4")
+
+
+class Decision(BaseModel):
+    """The backend chosen for one device in this process, and how it was chosen."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    device: str
+    device_index: int
+    capability: str
+    simulated: bool
+    backend: str
+    verified: bool
+    reason: str
+    candidates: list[str]
+    rejected: dict[str, str] = Field(default_factory=dict)
+    reports: list[selftest.SelfTestReport] = Field(default_factory=list)
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+    flashinfer_version: str | None = None
+    duration_s: float = 0.0
+    fn: Callable = Field(exclude=True, repr=False)
+
+
+_lock = threading.Lock()
+_decisions: dict[tuple, Decision] = {}
+_key_locks: dict[tuple, threading.Lock] = {}
+
+
+def _operator_advice(candidates: list[str]) -> list[str]:
+    others = [n for n in backends.names() if n not in candidates]
+    version = backends.flashinfer_version() or "not installed"
+    return [
+        f"try other backends: SM120_FP4_BACKENDS={','.join(others[:3] or candidates)} (known: {', '.join(backends.names())})",
+        "serve slowly but correctly with the emulation: SM120_FP4_FALLBACK=emulated",
+        f"install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
+        "turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
+    ]
+
+
+def refusal_message(device: Device, candidates: list[str], rejected: dict[str, str]) -> str:
+    """The text of RefusedToServe: the device, each candidate and why, what the operator can do."""
+    lines = [
+        f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no FP4 GEMM backend passed verification.",
+        "Candidates (SM120_FP4_BACKENDS):",
+    ]
+    lines += [f"  - {name}: {rejected.get(name, 'not tried')}" for name in candidates]
+    lines.append("What you can do:")
+    lines += [f"  - {tip}" for tip in _operator_advice(candidates)]
+    return "\n".join(lines)
+
+
+def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5) -> float:
+    """Median milliseconds of one pass over the self-test shapes (for SELECT=fastest)."""
+    tdev = device.torch_device
+    prepared = []
+    for i, shape in enumerate(shapes):
+        _, _, args = selftest._inputs(shape, tdev, 1000 + i)
+        prepared.append((args, torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)))
+    times = []
+    for _ in range(repeats + 1):
+        if tdev.type == "cuda":
+            torch.cuda.synchronize(tdev)
+        start = time.perf_counter()
+        for args, out in prepared:
+            fn(*args, torch.bfloat16, out)
+        if tdev.type == "cuda":
+            torch.cuda.synchronize(tdev)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])  # the first pass warms up (JIT, caches)
+
+
+def _self_test(name: str, device: Device) -> selftest.SelfTestReport:
+    quantizer = backends.flashinfer_quantizer(device) if backends.get(name).kind == "flashinfer" else None
+    return selftest.run(name, device, quantizer=quantizer)
+
+
+def _choose(device: Device, candidates: list[str], settings: Settings) -> Decision:
+    start = time.perf_counter()
+    rejected: dict[str, str] = {}
+    supported: list[str] = []
+    for name in candidates:
+        ok, why = backends.is_supported(name, device)
+        if ok:
+            supported.append(name)
+        else:
+            rejected[name] = f"not supported: {why}"
+    reports: list[selftest.SelfTestReport] = []
+    passed: list[str] = []
+    if settings.selftest != "off":
+        for name in supported:
+            report = _self_test(name, device)
+            reports.append(report)
+            if report.passed:
+                passed.append(name)
+                if settings.select == "first":
+                    break
+            else:
+                rejected[name] = f"self-test failed: {report.reason}"
+    common = dict(
+        device=device.label(),
+        device_index=device.index,
+        capability=f"{device.capability[0]}.{device.capability[1]}",
+        simulated=device.simulated,
+        candidates=candidates,
+        rejected=rejected,
+        reports=reports,
+        flashinfer_version=backends.flashinfer_version(),
+    )
+    timings: dict[str, float] = {}
+    if passed:
+        choice, verified = passed[0], True
+        reason = "first candidate to pass its self-test"
+        if settings.select == "fastest" and len(passed) > 1:
+            timings = {n: _time_backend(backends.resolve(n), device, selftest.DEFAULT_SHAPES) for n in passed}
+            choice = min(passed, key=timings.__getitem__)
+            reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
+    elif settings.selftest == "off" and supported:
+        choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"
+    elif settings.selftest == "warn" and supported:
+        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", refusal_message(device, candidates, rejected), supported[0])
+        choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
+    elif settings.fallback == "emulated":
+        _LOG.warning(
+            "%s\nSM120_FP4_FALLBACK=emulated: serving with the slow pure-PyTorch emulation instead",
+            refusal_message(device, candidates, rejected),
+        )
+        choice, verified, reason = backends.EMULATED, True, "fallback: no candidate verified (SM120_FP4_FALLBACK=emulated)"
+    else:
+        raise RefusedToServe(refusal_message(device, candidates, rejected))
+    return Decision(
+        backend=choice,
+        verified=verified,
+        reason=reason,
+        timings_ms=timings,
+        fn=backends.resolve(choice),
+        duration_s=time.perf_counter() - start,
+        **common,
+    )
+
+
+def _log_decision(decision: Decision) -> None:
+    errs = [r.max_rel_err for r in decision.reports if r.backend == decision.backend and r.max_rel_err is not None]
+    tested = f"self-test max rel error {errs[0]:.2e}" if errs else "no self-test of the chosen backend"
+    level = logging.INFO if decision.verified else logging.WARNING
+    _LOG.log(
+        level,
+        "sm120_fp4: %s, FlashInfer %s: using %s (%s); %s, decided in %.2f s",
+        decision.device,
+        decision.flashinfer_version or "not installed",
+        decision.backend,
+        decision.reason,
+        tested,
+        decision.duration_s,
+    )
+
+
+def _candidates(settings: Settings, candidates: list[str] | tuple[str, ...] | None) -> list[str]:
+    names = list(candidates if candidates is not None else settings.backends)
+    known = backends.names()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(
+            f"SM120_FP4_BACKENDS names unknown backend(s) {unknown}; known: {', '.join(known)} "
+            "(register custom ones with sm120_fp4.backends.register before install)"
+        )
+    if not names:
+        raise ConfigError("SM120_FP4_BACKENDS is empty; name at least one backend")
+    return names
+
+
+def decide(
+    device: Device | int | None = None,
+    candidates: list[str] | tuple[str, ...] | None = None,
+    *,
+    settings: Settings | None = None,
+    refresh: bool = False,
+) -> Decision:
+    """The verified backend for `device` (a Device, a CUDA ordinal, or None for the current one).
+
+    Cached per device and process; concurrent callers for one device wait for one self-test.
+    """
+    settings = settings or load_settings()
+    if not isinstance(device, Device):
+        if device is None and torch.cuda.is_available() and not settings.simulate:
+            device = torch.cuda.current_device()
+        device = devices.get_device(device, settings.simulated_capability)
+    names = _candidates(settings, candidates)
+    key = (device.key, tuple(names), settings.selftest, settings.fallback, settings.select)
+    with _lock:
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    with key_lock:
+        if not refresh and key in _decisions:
+            return _decisions[key]
+        decision = _choose(device, names, settings)
+        with _lock:
+            _decisions[key] = decision
+    _log_decision(decision)
+    if settings.report is not None:
+        write_report(settings.report, {"pid": os.getpid(), "decisions": [d.model_dump(mode="json") for d in decisions()]})
+    return decision
+
+
+def decisions() -> list[Decision]:
+    """Every decision made in this process so far."""
+    with _lock:
+        return list(_decisions.values())
+
+
+def for_device_index(index: int) -> Decision | None:
+    """The latest decision for CUDA ordinal `index` (-1: the simulated CPU device), if any."""
+    with _lock:
+        found = [d for d in _decisions.values() if d.device_index == index]
+    return found[-1] if found else None
+
+
+def clear() -> None:
+    """Forget every decision (tests; a FlashInfer upgrade in a long-lived process)."""
+    with _lock:
+        _decisions.clear()
+        _key_locks.clear()
+
+
+def write_report(path: Path, payload: dict) -> Path:
+    """Write `payload` as JSON atomically (temp file + rename), mode 0644, never through a symlink."""
+    path = Path(str(path).replace("{pid}", str(os.getpid())))
+    if path.is_dir() and not path.is_symlink():
+        path = path / f"sm120_fp4-{os.getpid()}.json"
+    fd, tmp = tempfile.mkstemp(prefix=".sm120_fp4-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)  # rename replaces a planted symlink itself, never its target
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,229 @@
+"""Run one backend on one device over several shapes and compare it with the nvfp4 oracle.
+
+"Verified" means numbers, not "no exception": for each shape the inputs are quantized with
+:mod:`sm120_fp4.nvfp4` (seeded, never zeros), ``out`` is poisoned with NaN, the backend is called,
+and its output is checked against ``nvfp4.reference_mm_fp4`` of the same quantized inputs.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Callable
+
+import torch
+from pydantic import BaseModel, Field
+
+from . import backends, nvfp4
+from .devices import Device
+from .errors import SelfTestError
+
+__all__ = ["Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES", "run"]
+
+Shape = tuple[int, int, int]  # (M, N, K)
+
+# M: one token, an odd count, just above one 128-row tile, a prefill of a few thousand.
+# N and K: multiples of 32 but not of 128, so partial tiles and padded scales are exercised.
+DEFAULT_SHAPES: tuple[Shape, ...] = ((1, 96, 1056), (7, 224, 160), (129, 160, 480), (2500, 96, 160))
+
+
+class Bounds(BaseModel):
+    """Acceptance bounds; bf16 output rounding alone gives a relative error near 2e-3."""
+
+    max_rel_err: float = 1e-2
+    max_row_rel_err: float = 5e-2
+    norm_ratio: tuple[float, float] = (0.97, 1.03)
+
+
+class ShapeResult(BaseModel):
+    m: int
+    n: int
+    k: int
+    passed: bool
+    reason: str | None = None
+    rel_err: float | None = None
+    max_row_rel_err: float | None = None
+    max_abs_err: float | None = None
+    norm_ratio: float | None = None
+    nonfinite: int | None = None
+    zero_rows: int | None = None
+    duration_s: float = 0.0
+
+
+class QuantizerCheck(BaseModel):
+    """The activation quantizer under test compared with nvfp4.quantize on the same input."""
+
+    name: str
+    passed: bool
+    reason: str | None = None
+    code_mismatch: float | None = None
+    scale_mismatch: float | None = None
+
+
+class SelfTestReport(BaseModel):
+    backend: str
+    device: str
+    capability: str
+    simulated: bool
+    passed: bool
+    reason: str | None = None
+    shapes: list[ShapeResult] = Field(default_factory=list)
+    quantizer: QuantizerCheck | None = None
+    max_rel_err: float | None = None
+    duration_s: float = 0.0
+    torch_version: str = torch.__version__
+    flashinfer_version: str | None = None
+
+
+def _row_ranges(rows: list[int], limit: int = 4) -> str:
+    spans: list[list[int]] = []
+    for r in rows:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:limit])
+    return text + (", ..." if len(spans) > limit else "")
+
+
+def _inputs(shape: Shape, device: torch.device, seed: int):
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(seed)
+    # Random signs and magnitudes spanning a few octaves; never zeros, never a zero row.
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-3, 4, (m, 1), generator=gen).float())
+    w = torch.randn(n, k, generator=gen) * 0.02
+    x, w = x.to(torch.bfloat16).to(device), w.to(torch.bfloat16).to(device)
+    gx, gw = nvfp4.global_scale(x), nvfp4.global_scale(w)
+    qx, sx = nvfp4.quantize(x, gx)
+    qw, sw = nvfp4.quantize(w, gw)
+    alpha = (1.0 / (gx * gw)).reshape(1).to(torch.float32)
+    return x, gx, (qx, qw.T, sx, sw.T, alpha)
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult) -> str | None:
+    out32, ref32 = out.float(), ref.float()
+    finite = torch.isfinite(out32)
+    result.nonfinite = int((~finite).sum())
+    if result.nonfinite == out.numel():
+        return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
+    if result.nonfinite:
+        r, c = (~finite).nonzero()[0].tolist()
+        return f"{result.nonfinite} non-finite element(s), first at row {r}, column {c}"
+    out_zero_rows = (out32 == 0).all(dim=1)
+    ref_zero_rows = (ref32 == 0).all(dim=1)
+    if bool(out_zero_rows.all()):
+        result.zero_rows = out.shape[0]
+        return "output is all zeros"
+    bad_rows = (out_zero_rows & ~ref_zero_rows).nonzero().flatten().tolist()
+    result.zero_rows = len(bad_rows)
+    diff = out32 - ref32
+    ref_norm = ref32.norm()
+    result.rel_err = float(diff.norm() / ref_norm)
+    row_norms = ref32.norm(dim=1).clamp_min(1e-30)
+    result.max_row_rel_err = float((diff.norm(dim=1) / row_norms).max())
+    result.max_abs_err = float(diff.abs().max())
+    result.norm_ratio = float(out32.norm() / ref_norm)
+    if bad_rows:
+        return f"{len(bad_rows)} row(s) all zero where the reference is not (rows {_row_ranges(bad_rows)})"
+    lo, hi = bounds.norm_ratio
+    if not lo <= result.norm_ratio <= hi:
+        return f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo}..{hi}): a scale error"
+    if result.rel_err > bounds.max_rel_err:
+        return f"relative error {result.rel_err:.3g} above {bounds.max_rel_err}"
+    if result.max_row_rel_err > bounds.max_row_rel_err:
+        worst = int((diff.norm(dim=1) / row_norms).argmax())
+        return f"row {worst} relative error {result.max_row_rel_err:.3g} above {bounds.max_row_rel_err}"
+    return None
+
+
+def _check_shape(fn: Callable, shape: Shape, device: torch.device, seed: int, bounds: Bounds) -> ShapeResult:
+    m, n, k = shape
+    result = ShapeResult(m=m, n=n, k=k, passed=False)
+    _, _, args = _inputs(shape, device, seed)
+    ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+    start = time.perf_counter()
+    try:
+        returned = fn(*args, torch.bfloat16, out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:
+        result.reason = f"raised {type(exc).__name__}: {exc}".strip()
+        result.reason += "" if str(exc) else " (" + traceback.format_exc(limit=1).splitlines()[-1] + ")"
+        return result
+    finally:
+        result.duration_s = time.perf_counter() - start
+    if returned is not None and returned is not out:
+        result.reason = "returned a tensor other than `out` (backends must write into out and return it)"
+        return result
+    result.reason = _compare(out, ref, bounds, result)
+    result.passed = result.reason is None
+    return result
+
+
+def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:
+    """Compare `quantizer(x, global_scale) -> (packed, swizzled scales)` with nvfp4.quantize."""
+    x, gx, _ = _inputs((129, 64, 480), device, seed)
+    want_q, want_s = nvfp4.quantize(x, gx)
+    try:
+        got_q, got_s = quantizer(x, gx)
+    except Exception as exc:
+        return QuantizerCheck(name=name, passed=False, reason=f"raised {type(exc).__name__}: {exc}")
+    got_q, got_s = got_q.view(torch.uint8), got_s.view(torch.uint8)
+    if got_q.shape != want_q.shape or got_s.numel() != want_s.numel():
+        return QuantizerCheck(name=name, passed=False, reason=f"shapes {tuple(got_q.shape)}/{tuple(got_s.shape)} differ from nvfp4's")
+    codes = nvfp4.unpack_nibbles(got_q) != nvfp4.unpack_nibbles(want_q)
+    scales = got_s.reshape(-1) != want_s.view(torch.uint8).reshape(-1)
+    code_mm, scale_mm = float(codes.float().mean()), float(scales.float().mean())
+    # FlashInfer's fast-math reciprocals may move a boundary value by one code: allow a trace.
+    ok = code_mm <= 1e-3 and scale_mm <= 1e-3
+    reason = None if ok else f"{code_mm:.2%} of codes and {scale_mm:.2%} of scales differ from nvfp4.quantize"
+    return QuantizerCheck(name=name, passed=ok, reason=reason, code_mismatch=code_mm, scale_mismatch=scale_mm)
+
+
+def run(
+    backend: str,
+    device: Device,
+    shapes: tuple[Shape, ...] | list[Shape] | None = None,
+    *,
+    seed: int = 0,
+    bounds: Bounds | None = None,
+    quantizer: tuple[str, Callable] | None = None,
+) -> SelfTestReport:
+    """Self-test `backend` on `device` over `shapes` (default DEFAULT_SHAPES); never raises for a bad kernel."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise SelfTestError("sm120_fp4 self-test asked for inside CUDA-graph capture; run it before capturing")
+    bounds = bounds or Bounds()
+    shapes = tuple(shapes or DEFAULT_SHAPES)
+    for shape in shapes:
+        if len(shape) != 3 or any(int(v) <= 0 for v in shape) or shape[2] % 32 or shape[1] % 8:
+            raise SelfTestError(f"self-test shape {shape!r} is not (M, N, K) with N % 8 == 0 and K % 32 == 0")
+    report = SelfTestReport(
+        backend=backend,
+        device=device.label(),
+        capability=f"{device.capability[0]}.{device.capability[1]}",
+        simulated=device.simulated,
+        passed=False,
+        flashinfer_version=backends.flashinfer_version(),
+    )
+    start = time.perf_counter()
+    try:
+        fn = backends.resolve(backend)
+    except Exception as exc:
+        report.reason = f"could not load backend {backend!r}: {type(exc).__name__}: {exc}"
+        return report
+    tdev = device.torch_device
+    for i, shape in enumerate(shapes):
+        result = _check_shape(fn, shape, tdev, seed + i, bounds)
+        report.shapes.append(result)
+        if not result.passed and report.reason is None:
+            report.reason = f"M={shape[0]} N={shape[1]} K={shape[2]}: {result.reason}"
+    if quantizer is not None:
+        report.quantizer = check_quantizer(quantizer[0], quantizer[1], tdev, seed)
+        if not report.quantizer.passed and report.reason is None:
+            report.reason = f"activation quantizer {quantizer[0]}: {report.quantizer.reason}"
+    errors = [r.rel_err for r in report.shapes if r.rel_err is not None]
+    report.max_rel_err = max(errors) if errors else None
+    report.passed = report.reason is None
+    report.duration_s = time.perf_counter() - start
+    return report

@@ -1,0 +1,43 @@
+"""Shared fixtures: a fixed seed for every test, and the devices to run tensor tests on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(1234)
+    torch.manual_seed(1234)
+    yield
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Each tensor test runs on the CPU, and on CUDA where a GPU is present (the H200 run)."""
+    return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _clean_library_state(monkeypatch):
+    """No SM120_FP4* variable leaks in from the shell; decisions and device caches start empty."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("SM120_FP4"):
+            monkeypatch.delenv(name)
+    from sm120_fp4 import backends, devices, selection
+
+    registered = set(backends.names())
+    selection.clear()
+    devices.clear_cache()
+    yield
+    for name in set(backends.names()) - registered:
+        backends.unregister(name)
+    selection.clear()
+    devices.clear_cache()

@@ -1,0 +1,315 @@
+"""The NVFP4 reference pinned to FlashInfer's documented format, without calling FlashInfer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import scalar_recipe as recipe
+from sm120_fp4 import nvfp4
+from sm120_fp4.errors import InvalidArgument
+
+FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+RAGGED = [(1, 16), (3, 48), (127, 80), (129, 32), (300, 112)]
+
+
+# ---- E2M1 codec -------------------------------------------------------------------------
+
+TIES = [  # value on a threshold -> the value of the even code it must round to
+    (0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0),
+]
+
+
+@pytest.mark.parametrize("value, expected", TIES + [(-v, -e) for v, e in TIES])
+def test_every_tie_rounds_to_the_even_code(device, value, expected):
+    code = nvfp4.encode_e2m1(torch.tensor([value], device=device))
+    assert nvfp4.decode_e2m1(code).item() == expected
+    if expected == 0.0:
+        assert code.item() == 0, "zero must encode as +0 even from a negative input"
+
+
+def test_values_beside_each_tie_round_to_their_nearest(device):
+    eps = 1e-3
+    for value, _ in TIES:
+        lo, hi = value - eps, value + eps
+        got = nvfp4.decode_e2m1(nvfp4.encode_e2m1(torch.tensor([lo, hi], device=device))).tolist()
+        want = [min(recipe.E2M1, key=lambda e: abs(e - v)) for v in (lo, hi)]
+        assert got == want
+
+
+def test_all_sixteen_codes_round_trip_and_zero_is_positive(device):
+    codes = torch.arange(16, dtype=torch.uint8, device=device)
+    values = nvfp4.decode_e2m1(codes)
+    assert values.tolist() == list(nvfp4.E2M1_VALUES)
+    back = nvfp4.encode_e2m1(values)
+    expected = codes.clone()
+    expected[8] = 0  # -0.0 encodes as +0
+    assert torch.equal(back, expected)
+
+
+def test_encode_saturates_at_six_with_its_sign(device):
+    x = torch.tensor([6.0, 6.5, 100.0, float("inf"), -7.0, -float("inf")], device=device)
+    assert nvfp4.encode_e2m1(x).tolist() == [7, 7, 7, 7, 15, 15]
+
+
+def test_encode_rejects_nan_and_non_float(device):
+    with pytest.raises(InvalidArgument, match="encode_e2m1: x=.*NaN"):
+        nvfp4.encode_e2m1(torch.tensor([1.0, float("nan")], device=device))
+    with pytest.raises(InvalidArgument, match="dtype in"):
+        nvfp4.encode_e2m1(torch.tensor([1], device=device))
+
+
+def test_decode_rejects_codes_above_fifteen():
+    with pytest.raises(InvalidArgument, match="values in 0..15"):
+        nvfp4.decode_e2m1(torch.tensor([16], dtype=torch.uint8))
+
+
+# ---- nibble packing -----------------------------------------------------------------------
+
+def test_element_2i_is_the_low_nibble(device):
+    codes = torch.tensor([[0x1, 0x2, 0xF, 0x0, 0x7, 0x9]], dtype=torch.uint8, device=device)
+    packed = nvfp4.pack_nibbles(codes)
+    assert packed.tolist() == [[0x21, 0x0F, 0x97]]
+    assert torch.equal(nvfp4.unpack_nibbles(packed), codes)
+
+
+def test_pack_rejects_odd_length_and_wide_codes():
+    with pytest.raises(InvalidArgument, match="even length"):
+        nvfp4.pack_nibbles(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(InvalidArgument, match="0..15"):
+        nvfp4.pack_nibbles(torch.tensor([1, 16], dtype=torch.uint8))
+
+
+# ---- 128x4 scale layout -------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 127, 128, 129, 300])
+@pytest.mark.parametrize("kblocks", [1, 3, 4, 5, 7])
+def test_swizzle_matches_the_byte_offset_formula(m, kblocks):
+    sf = torch.randint(1, 256, (m, kblocks), dtype=torch.uint8)
+    out = nvfp4.swizzle_scales(sf)
+    mp, kp = recipe.ceil_to(m, 128), recipe.ceil_to(kblocks, 4)
+    assert tuple(out.shape) == (mp, kp) == nvfp4.swizzled_scale_shape(m, kblocks * 16)
+    flat = out.flatten().tolist()
+    rows = sf.tolist()
+    seen = set()
+    for r in range(m):
+        for c in range(kblocks):
+            off = recipe.swizzled_offset(r, c, kp)
+            assert flat[off] == rows[r][c], (r, c, off)
+            seen.add(off)
+    assert all(flat[i] == 0 for i in range(mp * kp) if i not in seen), "padding must be zero"
+
+
+@pytest.mark.parametrize("m, k", RAGGED)
+def test_unswizzle_inverts_swizzle_for_both_scale_dtypes(device, m, k):
+    sf = torch.randint(0, 0x7F, (m, k // 16), dtype=torch.uint8, device=device)
+    for s in (sf, sf.view(torch.float8_e4m3fn)):
+        sw = nvfp4.swizzle_scales(s)
+        assert sw.dtype == s.dtype
+        assert torch.equal(nvfp4.unswizzle_scales(sw, m, k).view(torch.uint8), sf)
+        assert torch.equal(nvfp4.unswizzle_scales(sw.flatten(), m, k).view(torch.uint8), sf)
+
+
+def test_unswizzle_names_the_shape_it_needs():
+    with pytest.raises(InvalidArgument, match=r"sf_swizzled=.*shape \(128, 4\)"):
+        nvfp4.unswizzle_scales(torch.zeros(128, 3, dtype=torch.uint8), 5, 48)
+    with pytest.raises(InvalidArgument, match="k=40"):
+        nvfp4.unswizzle_scales(torch.zeros(128, 4, dtype=torch.uint8), 5, 40)
+
+
+# ---- quantize: bit-exact against the scalar recipe ---------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("m, k", RAGGED[:4])
+def test_quantize_is_bit_exact_with_the_documented_recipe(device, dtype, m, k):
+    x = (torch.randn(m, k) * torch.logspace(-3, 3, m).unsqueeze(1)).to(dtype).to(device)
+    if m * k > 16:
+        x[0, :16] = 0  # one all-zero block
+    gsf = nvfp4.global_scale(x)
+    packed, scales = nvfp4.quantize(x, gsf)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (m, k // 2)
+    assert scales.dtype == torch.float8_e4m3fn
+    assert tuple(scales.shape) == (recipe.ceil_to(m, 128), recipe.ceil_to(k // 16, 4))
+    codes = nvfp4.unpack_nibbles(packed).cpu().tolist()
+    sf = nvfp4.unswizzle_scales(scales, m, k).view(torch.uint8).cpu().tolist()
+    rows = x.float().cpu().numpy()
+    for r in range(m):
+        want_codes, want_sf = recipe.quantize_row(rows[r], gsf.item())
+        assert sf[r] == want_sf, f"scale bytes of row {r}"
+        assert codes[r] == want_codes, f"codes of row {r}"
+
+
+def test_quantize_saturates_scales_when_the_global_scale_is_too_large(device):
+    x = torch.full((1, 16), 10.0, device=device)
+    packed, scales = nvfp4.quantize(x, 1000.0)  # gsf * amax / 6 = 1666 > 448
+    assert nvfp4.unswizzle_scales(scales, 1, 16).float().tolist() == [[448.0]]
+    assert set(nvfp4.unpack_nibbles(packed).flatten().tolist()) == {7}
+
+
+@pytest.mark.parametrize("m, k", RAGGED)
+def test_representable_values_round_trip_exactly(device, m, k):
+    codes = torch.randint(0, 16, (m, k), dtype=torch.uint8, device=device)
+    codes[:, 0] = 7  # every block holds its maximum, 6, so the scale is exact
+    codes[:, 16::16] = 7
+    sf_exp = torch.randint(-6, 8, (m, k // 16, 1), device=device).float()
+    gsf = torch.tensor(4.0, device=device)
+    x = nvfp4.decode_e2m1(codes).view(m, k // 16, 16) * torch.exp2(sf_exp) / gsf
+    packed, scales = nvfp4.quantize(x.view(m, k), gsf)
+    back = nvfp4.dequantize(packed, scales, gsf)
+    assert torch.equal(back, x.view(m, k))
+    same = nvfp4.unpack_nibbles(packed)
+    assert torch.equal(nvfp4.decode_e2m1(same), nvfp4.decode_e2m1(codes))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_round_trip_error_is_within_one_block_scale_step(device, dtype):
+    x = (torch.randn(129, 96) * 3).to(dtype).to(device)
+    gsf = nvfp4.global_scale(x)
+    packed, scales = nvfp4.quantize(x, gsf)
+    back = nvfp4.dequantize(packed, scales, gsf)
+    step = nvfp4.unswizzle_scales(scales, 129, 96).float().repeat_interleave(16, dim=1) / gsf
+    assert torch.all((back - x.float()).abs() <= step)
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+def test_quantize_errors_name_parameter_value_and_what_is_accepted():
+    with pytest.raises(InvalidArgument, match=r"quantize: x=tensor\(shape=\(2, 30\).*multiple of 16, got K=30"):
+        nvfp4.quantize(torch.randn(2, 30), 1.0)
+    with pytest.raises(InvalidArgument, match=r"quantize: x=.*int32.*dtype in"):
+        nvfp4.quantize(torch.ones(2, 32, dtype=torch.int32), 1.0)
+    with pytest.raises(InvalidArgument, match=r"quantize: x=.*finite values"):
+        nvfp4.quantize(torch.tensor([[float("inf")] + [0.0] * 15]), 1.0)
+    with pytest.raises(InvalidArgument, match=r"global_scale=.*positive finite"):
+        nvfp4.quantize(torch.ones(1, 16), 0.0)
+    with pytest.raises(InvalidArgument, match=r"global_scale=.*one-element float32"):
+        nvfp4.quantize(torch.ones(1, 16), torch.ones(2))
+    with pytest.raises(InvalidArgument, match="2-D"):
+        nvfp4.quantize(torch.ones(16), 1.0)
+
+
+def test_global_scale_is_448_times_6_over_amax_and_refuses_zeros(device):
+    x = torch.tensor([[0.5, -4.0]], device=device)
+    assert nvfp4.global_scale(x).item() == pytest.approx(448 * 6 / 4.0)
+    assert nvfp4.global_scale(x).dtype == torch.float32 and nvfp4.global_scale(x).dim() == 0
+    with pytest.raises(InvalidArgument, match="not all zero"):
+        nvfp4.global_scale(torch.zeros(2, 16, device=device))
+
+
+# ---- the GEMM reference -------------------------------------------------------------------
+
+def _operands(m, n, k, device, dtype=torch.bfloat16):
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device) * 0.05
+    ga, gb = nvfp4.global_scale(x), nvfp4.global_scale(w)
+    qa, sa = nvfp4.quantize(x, ga)
+    qb, sb = nvfp4.quantize(w, gb)
+    alpha = (1.0 / (ga * gb)).reshape(1)
+    return (qa, qb.T, sa, sb.T, alpha), (ga, gb)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 32, 64), (7, 96, 160), (129, 40, 48), (300, 64, 32)])
+def test_reference_mm_agrees_with_float64_matmul_of_dequantized_operands(device, m, n, k):
+    (qa, b, sa, b_sf, alpha), (ga, gb) = _operands(m, n, k, device)
+    got = nvfp4.reference_mm_fp4(qa, b, sa, b_sf, alpha, out_dtype=torch.float32)
+    deq_a = nvfp4.dequantize(qa, sa, ga).double()
+    deq_b = nvfp4.dequantize(b.T, b_sf.T, gb).double()
+    want = deq_a @ deq_b.T
+    rel = (got.double() - want).norm() / want.norm()
+    assert rel < 1e-5, rel
+    bf16 = nvfp4.reference_mm_fp4(qa, b, sa, b_sf, alpha)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, got.to(torch.bfloat16))
+
+
+def test_reference_mm_writes_into_out_and_accepts_uint8_scales(device):
+    (qa, b, sa, b_sf, alpha), _ = _operands(5, 32, 64, device)
+    out = torch.full((5, 32), float("nan"), dtype=torch.float16, device=device)
+    ret = nvfp4.reference_mm_fp4(qa, b, sa.view(torch.uint8), b_sf.view(torch.uint8), alpha, torch.float16, out)
+    assert ret is out and torch.isfinite(out).all()
+    assert torch.equal(out, nvfp4.reference_mm_fp4(qa, b, sa, b_sf, alpha, torch.float16))
+
+
+def test_reference_mm_rejects_row_major_b_and_mismatched_shapes():
+    (qa, b, sa, b_sf, alpha), _ = _operands(4, 32, 64, "cpu")
+    with pytest.raises(InvalidArgument, match=r"reference_mm_fp4: b=.*column-major"):
+        nvfp4.reference_mm_fp4(qa, b.contiguous(), sa, b_sf, alpha)
+    with pytest.raises(InvalidArgument, match=r"b=.*K/2=16"):
+        nvfp4.reference_mm_fp4(qa[:, :16], b, nvfp4.swizzle_scales(torch.zeros(4, 2, dtype=torch.uint8)), b_sf, alpha)
+    with pytest.raises(InvalidArgument, match=r"a_descale=.*\(128, 4\)"):
+        nvfp4.reference_mm_fp4(qa, b, sa[:, :2].contiguous(), b_sf, alpha)
+    with pytest.raises(InvalidArgument, match=r"alpha=.*float32 tensor of 1 or M=4"):
+        nvfp4.reference_mm_fp4(qa, b, sa, b_sf, torch.ones(3))
+    with pytest.raises(InvalidArgument, match="out_dtype"):
+        nvfp4.reference_mm_fp4(qa, b, sa, b_sf, alpha, torch.int8)
+    with pytest.raises(InvalidArgument, match=r"out=.*shape \(4, 32\)"):
+        nvfp4.reference_mm_fp4(qa, b, sa, b_sf, alpha, torch.bfloat16, torch.empty(4, 31, dtype=torch.bfloat16))
+
+
+# ---- properties over shapes and value ranges ----------------------------------------------
+
+MAGNITUDES = st.sampled_from([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e30])
+
+
+@st.composite
+def matrices(draw):
+    m = draw(st.integers(1, 140))
+    kblocks = draw(st.integers(1, 6))
+    scale = draw(MAGNITUDES)
+    kind = draw(st.sampled_from(["normal", "positive", "negative", "sparse"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, kblocks * 16, generator=gen, dtype=torch.float64)
+    if kind == "positive":
+        x = x.abs()
+    elif kind == "negative":
+        x = -x.abs()
+    elif kind == "sparse":
+        x = x * (torch.rand(x.shape, generator=gen, dtype=torch.float64) < 0.1)
+    return (x * scale).float()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=matrices())
+def test_property_quantize_dequantize_error_is_bounded(x):
+    m, k = x.shape
+    gsf = nvfp4.global_scale(x) if x.abs().max() > 0 else torch.tensor(1.0)
+    packed, scales = nvfp4.quantize(x, gsf)
+    sf = nvfp4.unswizzle_scales(scales, m, k).float()
+    assert torch.isfinite(sf).all() and (sf >= 0).all() and (sf <= 448).all()
+    back = nvfp4.dequantize(packed, scales, gsf)
+    assert torch.isfinite(back).all()
+    # One step of the block scale, or the E4M3 underflow floor where the scale became 0.
+    bound = (sf.repeat_interleave(16, dim=1) + 3 * 2.0**-9) / gsf
+    assert torch.all((back.double() - x.double()).abs() <= bound.double() * (1 + 1e-6))
+    assert torch.all((x == 0) <= (back == 0)), "zeros must stay zero"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=matrices(), n=st.integers(1, 48))
+def test_property_reference_mm_matches_float64(x, n):
+    m, k = x.shape
+    n = n * 8
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    gx = nvfp4.global_scale(x) if x.abs().max() > 0 else torch.tensor(1.0)
+    gw = nvfp4.global_scale(w)
+    qa, sa = nvfp4.quantize(x, gx)
+    qb, sb = nvfp4.quantize(w, gw)
+    alpha = (1.0 / (gx * gw)).reshape(1)
+    got = nvfp4.reference_mm_fp4(qa, qb.T, sa, sb.T, alpha, torch.float32)
+    want = nvfp4.dequantize(qa, sa, gx).double() @ nvfp4.dequantize(qb, sb, gw).double().T
+    assert torch.isfinite(got).all()
+    if want.norm() == 0:
+        assert torch.all(got == 0)
+    else:
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_numpy_recipe_agrees_with_itself_on_known_values():
+    # Guard the oracle: the scalar recipe's E4M3 table and ties are right.
+    assert recipe.e4m3_byte(448.0) == 0x7E and recipe.e4m3_byte(1000.0) == 0x7E
+    assert recipe.e4m3_value(recipe.e4m3_byte(2.0**-9)) == 2.0**-9
+    assert recipe.e4m3_byte(1.0625) == recipe.e4m3_byte(1.0)  # tie -> even mantissa
+    assert recipe.e2m1_code(np.float32(-0.1)) == 0
