@@ -93,6 +93,7 @@ compute_stamp() {
   {
     cat "${BASH_SOURCE[0]}"
     if [ -f "$ROOT/pyproject.toml" ]; then cat "$ROOT/pyproject.toml"; fi
+    if [ -f "$ROOT/sm120_fp4/_pth/sm120_fp4.pth" ]; then cat "$ROOT/sm120_fp4/_pth/sm120_fp4.pth"; fi
   } | sha256sum | cut -d' ' -f1
 }
 
@@ -175,6 +176,10 @@ if [ -f "$ROOT/pyproject.toml" ]; then
   # nvidia-cudnn-frontend and nvidia-cutlass-dsl(+libs-cu12/cu13) into the venv.
   say "installing sm120_fp4 (editable, [test])"
   pipq project --no-deps -e "$ROOT[test]"
+  # Editable (PEP 660) installs do not install the start-up .pth that a wheel install puts in
+  # site-packages; put the same file there so spawned workers activate as in production.
+  PURELIB="$("$VENV_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  cp "$ROOT/sm120_fp4/_pth/sm120_fp4.pth" "$PURELIB/sm120_fp4.pth"
 else
   say "WARNING: $ROOT/pyproject.toml not found; skipping editable install"
 fi
@@ -182,6 +187,10 @@ fi
 say "verifying imports"
 if ! import_check; then
   say "import check FAILED"
+  exit 1
+fi
+if [ -f "$ROOT/pyproject.toml" ] && ! "$VENV_PY" -c "import sm120_fp4" >/dev/null 2>&1; then
+  say "'import sm120_fp4' FAILED in the new venv"
   exit 1
 fi
 
