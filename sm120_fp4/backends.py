@@ -76,6 +76,10 @@ def _flashinfer_supported(name: str, device: Device) -> tuple[bool, str | None]:
         return False, "FlashInfer kernels need a real GPU; this device is simulated"
     if not device.is_cuda:
         return False, "FlashInfer kernels need a CUDA device"
+    import torch
+
+    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+        return False, f"torch {torch.__version__} cannot use CUDA device {device.index} (no driver, or a CPU build)"
     version = flashinfer_version()
     if version is None:
         return False, "flashinfer-python is not installed"

@@ -58,11 +58,12 @@ _decisions: dict[tuple, Decision] = {}
 _key_locks: dict[tuple, threading.Lock] = {}
 
 
-def _operator_advice(candidates: list[str]) -> list[str]:
-    others = [n for n in backends.names() if n not in candidates]
+def _operator_advice(device: Device, candidates: list[str]) -> list[str]:
+    others = [n for n in backends.names() if n not in candidates and backends.is_supported(n, device)[0]]
     version = backends.flashinfer_version() or "not installed"
+    tip = f"SM120_FP4_BACKENDS={','.join(others)} (supported here, not yet tried)" if others else "another backend"
     return [
-        f"try other backends: SM120_FP4_BACKENDS={','.join(others[:3] or candidates)} (known: {', '.join(backends.names())})",
+        f"try {tip}; known backends: {', '.join(backends.names())}",
         "serve slowly but correctly with the emulation: SM120_FP4_FALLBACK=emulated",
         f"install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
         "turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
@@ -77,7 +78,7 @@ def refusal_message(device: Device, candidates: list[str], rejected: dict[str, s
     ]
     lines += [f"  - {name}: {rejected.get(name, 'not tried')}" for name in candidates]
     lines.append("What you can do:")
-    lines += [f"  - {tip}" for tip in _operator_advice(candidates)]
+    lines += [f"  - {tip}" for tip in _operator_advice(device, candidates)]
     return "\n".join(lines)
 
 

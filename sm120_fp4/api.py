@@ -1,0 +1,217 @@
+"""The public entry points: ``install()``, ``uninstall()``, ``status()``.
+
+``install()`` is idempotent and thread-safe, works before or after SGLang is imported (post-import
+hooks), exports ``SM120_FP4=1`` (and any keyword overrides) so that processes spawned afterwards
+activate themselves, and changes nothing where there is nothing to fix: no SGLang, an unsupported
+release, or (``SM120_FP4_ENABLE=auto``) no 12.x GPU. ``uninstall()`` restores the original objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import wrapt
+from pydantic import BaseModel
+
+from . import __version__, devices, selection, sglang_targets, simulation
+from .config import Settings, env_name, load_settings, sources
+from .dispatch import Router
+from .patching import LedgerEntry, Patcher
+
+__all__ = ["install", "uninstall", "status", "Status"]
+
+_LOG = logging.getLogger("sm120_fp4")
+_lock = threading.RLock()
+_logged: set[str] = set()
+
+
+class Status(BaseModel):
+    """What the library is doing in this process (JSON-serialisable: ``status().model_dump_json()``)."""
+
+    version: str
+    installed: bool
+    message: str
+    settings: dict[str, Any]
+    setting_sources: dict[str, str]
+    sglang_version: str | None
+    sglang_supported: bool
+    devices: list[str]
+    patches: list[LedgerEntry]
+    routes: dict[int, str]
+    decisions: list[selection.Decision]
+
+
+@dataclass
+class _Install:
+    settings: Settings
+    kwargs: dict[str, Any]
+    router: Router
+    patcher: Patcher
+    sim: simulation.Simulation | None
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    live: bool = True
+
+
+_state: _Install | None = None
+_message = "not installed"
+
+
+def _log_once(key: str, level: int, msg: str, *args: Any) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        _LOG.log(level, msg, *args)
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (tuple, list)):
+        return ",".join(value)
+    return str(value)
+
+
+def _export_env(kwargs: dict[str, Any]) -> Callable[[], None]:
+    """SM120_FP4=1 plus keyword overrides, so spawned workers use the same settings."""
+    wanted = {env_name(k): _env_value(v) for k, v in kwargs.items() if v is not None}
+    wanted.setdefault(env_name("toggle"), "1")
+    previous = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+
+    def undo() -> None:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    return undo
+
+
+def _nothing_to_fix(settings: Settings) -> str | None:
+    if not settings.active:
+        return "disabled (SM120_FP4=0 or SM120_FP4_ENABLE=off): SGLang left untouched"
+    ok, why = sglang_targets.release_support()
+    if not ok:
+        return why
+    if settings.enable == "auto":
+        found = devices.list_devices(settings.simulated_capability)
+        if not any(devices.is_sm12x(d.capability) for d in found):
+            seen = ", ".join(d.label() for d in found) or "no GPU"
+            return f"no compute-capability 12.x GPU visible ({seen}): nothing to fix, SGLang left untouched (SM120_FP4_ENABLE=on forces it)"
+    return None
+
+
+def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
+    router = Router(settings)
+    patcher = Patcher()
+    sim = simulation.Simulation(settings.simulated_capability, patcher) if settings.simulate else None
+    state = _Install(settings, kwargs, router, patcher, sim)
+
+    def before_weights(index: int) -> None:
+        if router.ensure(index) is not None:  # decides on first use: RefusedToServe stops the worker
+            sglang_targets.pin_runner_backend(patcher)
+
+    def weights_scope():
+        return simulation.cuda_moves_stay_on_cpu(sim is not None)
+
+    specs = sglang_targets.specs(router.make_dispatch, before_weights, weights_scope)
+    if sim is not None:
+        _LOG.warning("sm120_fp4: SIMULATION of sm_%s: results prove the wiring, not an SM120 kernel", settings.simulate.replace(".", ""))
+        specs += simulation.specs()
+        _guarded_hook(state, sim.on_runtime_context, simulation.RUNTIME_CONTEXT)
+        _guarded_hook(state, sim.on_modelopt, simulation.MQ)
+        state.undo.append(sim.undo)
+    state.undo.append(_export_env(kwargs))
+    state.undo.append(sglang_targets.apply_env_knobs(patcher))
+    patcher.add(specs)
+    return state
+
+
+def _guarded_hook(state: _Install, fn: Callable, module: str) -> None:
+    def hook(mod: Any) -> None:
+        if not state.live:
+            return  # uninstalled since this hook was registered
+        try:
+            fn(mod)
+        except Exception as exc:  # noqa: BLE001 - never break the host import
+            _LOG.warning("sm120_fp4: simulation step %s failed: %s", fn.__name__, exc)
+
+    wrapt.register_post_import_hook(hook, module)
+
+
+def install(**overrides: Any) -> Status:
+    """Patch SGLang's FP4 linear GEMM (now or when imported); keyword overrides beat SM120_FP4_* env."""
+    global _state, _message
+    with _lock:
+        settings = load_settings(**overrides)
+        selection._candidates(settings, None)  # unknown backend names: ConfigError now, not at serve time
+        if _state is not None:
+            same = settings == _state.settings
+            _LOG.warning(
+                "sm120_fp4: install() called while already installed%s; nothing changed",
+                "" if same else " with other settings (call uninstall() first to change them)",
+            )
+            return status()
+        reason = _nothing_to_fix(settings)
+        if reason is not None:
+            _message = reason
+            _log_once(reason, logging.INFO if not settings.active else logging.WARNING, "sm120_fp4: %s", reason)
+            return status()
+        _state = _install(settings, dict(overrides))
+        _message = f"installed (sglang {sglang_targets.sglang_version()})"
+        _log_once("installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump())
+        return status()
+
+
+def uninstall() -> Status:
+    """Undo install(): original objects and enum value restored, hooks disarmed, env restored."""
+    global _state, _message
+    with _lock:
+        if _state is None:
+            _LOG.warning("sm120_fp4: uninstall() called while not installed; nothing changed")
+            return status()
+        state, _state = _state, None
+        state.live = False
+        state.patcher.remove_all()
+        for step in reversed(state.undo):
+            step()
+        selection.clear()
+        _message = "uninstalled"
+        _logged.discard("installed")
+        return status()
+
+
+def status() -> Status:
+    """Settings in force, each patch target and its state, and the decision per device."""
+    with _lock:
+        state = _state
+        if state is not None:
+            settings, kwargs = state.settings, state.kwargs
+        else:
+            try:
+                settings, kwargs = load_settings(), {}
+            except Exception:  # status() must answer even with a broken environment
+                settings, kwargs = Settings.model_construct(), {}
+        patches = state.patcher.ledger() if state else []
+        ok, _ = sglang_targets.release_support()
+        try:
+            found = [d.label() for d in devices.list_devices(settings.simulated_capability)]
+        except Exception as exc:  # noqa: BLE001
+            found = [f"device probe failed: {exc}"]
+        return Status(
+            version=__version__,
+            installed=state is not None,
+            message=_message,
+            settings=settings.model_dump(mode="json"),
+            setting_sources=sources(kwargs),
+            sglang_version=sglang_targets.sglang_version(),
+            sglang_supported=ok,
+            devices=found,
+            patches=patches,
+            routes=state.router.routes() if state else {},
+            decisions=selection.decisions(),
+        )

@@ -1,0 +1,101 @@
+"""The hot path: a plain function with ``flashinfer.mm_fp4``'s signature that routes to the decision.
+
+Per call: one dict lookup keyed by ``a.get_device()`` (cached capability + decision), a few
+comparisons, and the backend call with ``alpha`` and a contiguous preallocated ``out``. No host
+sync, no allocation but ``out``, nothing that breaks CUDA-graph capture. The first call on a
+device that has no decision yet takes the slow path once (``decide()``, which self-tests).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from . import devices, selection
+from .config import Settings
+
+__all__ = ["Router", "ROUTED_BACKENDS"]
+
+# Backends SGLang may pass that read the 128x4, non-shuffled layout the decided backend reads.
+# "cutlass" is included because the runner enum is pinned to FLASHINFER_CUTLASS, after which
+# SGLang passes backend="cutlass". trtllm, cute-dsl, marlin and others go to the original.
+ROUTED_BACKENDS = frozenset({None, "auto", "cudnn", "cutlass"})
+_PASS = object()  # route marker: this device is not ours, call the original
+
+
+class Router:
+    """Routing state of one install: settings, the route table, and the dispatch factory."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._routes: dict[int, object] = {}
+        self._alpha_one: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def ours(self, device: devices.Device) -> bool:
+        return self.settings.enable == "on" or devices.is_sm12x(device.capability)
+
+    def ensure(self, index: int) -> Callable | None:
+        """Decide (self-test) for CUDA ordinal `index` (-1: CPU in simulation) and cache the route."""
+        route = self._routes.get(index)
+        if route is not None:
+            return None if route is _PASS else route
+        with self._lock:
+            route = self._routes.get(index)
+            if route is None:
+                route = self._route_for(index)
+                self._routes[index] = route
+        return None if route is _PASS else route
+
+    def _route_for(self, index: int) -> object:
+        simulate = self.settings.simulated_capability
+        if index < 0 and simulate is None:
+            return _PASS  # a CPU tensor outside simulation: not a GPU we fix
+        device = devices.get_device(index, simulate)
+        if not self.ours(device):
+            return _PASS
+        return selection.decide(device, settings=self.settings).fn
+
+    def routes(self) -> dict[int, str]:
+        return {i: ("original" if r is _PASS else getattr(r, "__name__", repr(r))) for i, r in self._routes.items()}
+
+    def make_dispatch(self, original: Callable) -> Callable:
+        """Build the replacement for a module-level ``mm_fp4`` alias."""
+        routes = self._routes
+        ensure = self.ensure
+        alpha_one = self._alpha_one
+        routed = ROUTED_BACKENDS
+        bf16 = torch.bfloat16
+
+        def flashinfer_fp4_gemm(
+            a, b, a_descale, b_descale, alpha=None, out_dtype=bf16, out=None,
+            block_size=16, use_8x4_sf_layout=False, backend="auto", **kwargs,
+        ):
+            index = a.get_device()
+            fn = routes.get(index)
+            if fn is None:
+                fn = ensure(index) or _PASS
+            if fn is _PASS or backend not in routed or block_size != 16 or use_8x4_sf_layout or kwargs:
+                return original(
+                    a, b, a_descale, b_descale, alpha, out_dtype, out,
+                    block_size=block_size, use_8x4_sf_layout=use_8x4_sf_layout, backend=backend, **kwargs,
+                )
+            if alpha is None:
+                # The SM120 kernel requires alpha; 1.0 is what None means. Cached: no per-call allocation.
+                alpha = alpha_one.get(index)
+                if alpha is None:
+                    alpha = alpha_one.setdefault(index, torch.ones(1, dtype=torch.float32, device=a.device))
+            if out is not None and out.is_contiguous():
+                return fn(a, b, a_descale, b_descale, alpha, out_dtype, out)
+            result = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+            fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
+            if out is None:
+                return result
+            out.copy_(result)
+            return out
+
+        flashinfer_fp4_gemm.__wrapped__ = original
+        flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.dispatch.flashinfer_fp4_gemm"
+        return flashinfer_fp4_gemm

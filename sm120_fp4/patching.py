@@ -1,0 +1,248 @@
+"""A generic patch engine: post-import hooks, version guards, idempotent apply, exact undo, a ledger.
+
+Knows nothing about SGLang: :mod:`sm120_fp4.sglang_targets` describes what to patch with
+:class:`PatchSpec`; this module applies the specs when (or if) their modules are imported.
+A hook never raises into the import that triggered it: a failure leaves the target untouched,
+logs one warning, and is recorded as ``skipped`` with its reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Callable, Literal
+
+import wrapt
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel
+
+__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "installed_version", "MISSING"]
+
+_LOG = logging.getLogger("sm120_fp4")
+MISSING = object()
+State = Literal["pending", "applied", "skipped", "removed"]
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    """Replace `module`.`attribute` (a dotted path inside the module) with `make(original)`.
+
+    `check(original)` returns a reason to leave the target alone (wrong signature, not the
+    expected object) or None. `distribution`/`versions` guard the patch by installed version.
+    `why`, `upstream` and `remove_when` are the ledger: why it exists and when to delete it.
+    """
+
+    name: str
+    module: str
+    attribute: str
+    why: str
+    upstream: str
+    remove_when: str
+    make: Callable[[object], object] | None = None
+    distribution: str | None = None
+    versions: str | None = None
+    check: Callable[[object], str | None] | None = None
+
+
+class LedgerEntry(BaseModel):
+    name: str
+    module: str
+    attribute: str
+    state: State
+    reason: str | None = None
+    why: str
+    upstream: str
+    remove_when: str
+    versions: str | None = None
+
+
+@dataclass
+class _Record:
+    spec: PatchSpec
+    state: State = "pending"
+    reason: str | None = None
+    owner: object = None
+    original: object = MISSING
+    replacement: object = MISSING
+    extra: dict = field(default_factory=dict)
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _version_reason(spec: PatchSpec) -> str | None:
+    if spec.distribution is None or spec.versions is None:
+        return None
+    found = installed_version(spec.distribution)
+    if found is None:
+        return f"{spec.distribution} is not installed"
+    try:
+        ok = Version(found) in SpecifierSet(spec.versions)
+    except (InvalidVersion, InvalidSpecifier) as exc:
+        return f"cannot compare {spec.distribution} {found} with {spec.versions!r}: {exc}"
+    return None if ok else f"not needed in {spec.distribution} {found} (applies to {spec.versions})"
+
+
+def _resolve_owner(module: ModuleType, dotted: str) -> tuple[object, str]:
+    *path, leaf = dotted.split(".")
+    owner: object = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, leaf
+
+
+class Patcher:
+    """Holds the patches of one install; apply via import hooks, undo exactly, report a ledger."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._records: dict[str, _Record] = {}
+        self._generation = 0
+
+    def add(self, specs: list[PatchSpec]) -> None:
+        """Register `specs`; each applies now if its module is imported, else when it is."""
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+            for spec in specs:
+                if spec.name in self._records and self._records[spec.name].state == "applied":
+                    continue
+                record = _Record(spec)
+                self._records[spec.name] = record
+                reason = _version_reason(spec)
+                if reason is not None:
+                    record.state, record.reason = "skipped", reason
+                    _LOG.debug("sm120_fp4: not patching %s: %s", spec.name, reason)
+                    continue
+                wrapt.register_post_import_hook(self._hook(spec.name, generation), spec.module)
+
+    def _hook(self, name: str, generation: int) -> Callable[[ModuleType], None]:
+        def on_import(module: ModuleType) -> None:
+            # Runs inside the target's import: never let an exception escape into it.
+            try:
+                with self._lock:
+                    if generation != self._generation:
+                        return  # an uninstall happened since this hook was registered
+                    self._apply(self._records[name], module)
+            except Exception as exc:  # noqa: BLE001 - the host import must survive our bugs
+                record = self._records.get(name)
+                if record is not None:
+                    record.state, record.reason = "skipped", f"internal error: {type(exc).__name__}: {exc}"
+                _LOG.warning("sm120_fp4: patch %s failed, SGLang left unpatched there: %s", name, exc)
+
+        return on_import
+
+    def _apply(self, record: _Record, module: ModuleType) -> None:
+        spec = record.spec
+        if record.state == "applied":
+            return
+        try:
+            owner, leaf = _resolve_owner(module, spec.attribute)
+            original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+        except (AttributeError, KeyError):
+            record.state, record.reason = "skipped", f"{spec.module}.{spec.attribute} not found in this release"
+            _LOG.warning("sm120_fp4: not patching %s: %s", spec.name, record.reason)
+            return
+        if getattr(original, "__sm120_fp4_patch__", None) is not None:
+            source = next((r for r in self._records.values() if r.state == "applied" and r.replacement is original), None)
+            if source is None:
+                record.state, record.reason = "skipped", "already patched by another install of sm120_fp4"
+                return
+            # This module imported the name from a module we had already patched: it holds our
+            # replacement; remember the true original so uninstall restores it here too.
+            record.owner, record.original, record.replacement = owner, source.original, original
+            record.state, record.reason = "applied", f"imported already patched from {source.spec.module}"
+            return
+        reason = spec.check(original) if spec.check else None
+        if reason is not None:
+            record.state, record.reason = "skipped", reason
+            _LOG.warning("sm120_fp4: not patching %s: %s", spec.name, reason)
+            return
+        replacement = spec.make(original)
+        try:
+            replacement.__sm120_fp4_patch__ = spec.name
+        except AttributeError:
+            pass  # a builtin or slotted replacement: identity still guards the undo
+        setattr(owner, leaf, replacement)
+        record.owner, record.original, record.replacement = owner, original, replacement
+        record.state, record.reason = "applied", None
+        _LOG.info("sm120_fp4: patched %s.%s (%s)", spec.module, spec.attribute, spec.name)
+
+    def remove_all(self) -> None:
+        """Undo every applied patch (restoring the original objects) and disarm pending hooks."""
+        with self._lock:
+            self._generation += 1
+            for record in reversed(list(self._records.values())):
+                if record.state == "applied" and record.owner is not None and record.spec.module in sys.modules:
+                    owner = record.owner
+                    leaf = record.spec.attribute.rsplit(".", 1)[-1]
+                    current = owner.__dict__.get(leaf) if isinstance(owner, type) else getattr(owner, leaf, None)
+                    if current is record.replacement:
+                        setattr(owner, leaf, record.original)
+                    else:
+                        _LOG.warning(
+                            "sm120_fp4: %s was replaced by someone else since we patched it; leaving it as is",
+                            record.spec.name,
+                        )
+                record.state = "removed"
+            self._records.clear()
+
+    def pin(self, spec: PatchSpec, owner: object, value: object, applies: Callable[[object], bool]) -> bool:
+        """Set `owner`.`spec.attribute` to `value` when `applies(current)`; undone by remove_all.
+
+        For values SGLang computes at run time (an enum it initialises late): call again whenever
+        it may have changed. Returns True when the value is (now) pinned.
+        """
+        with self._lock:
+            current = getattr(owner, spec.attribute)
+            record = self._records.get(spec.name)
+            if record is not None and record.state == "applied" and current is value:
+                return True
+            if not applies(current):
+                return False
+            setattr(owner, spec.attribute, value)
+            if record is None or record.state != "applied":
+                record = self._records[spec.name] = _Record(spec)
+                record.original = current
+            record.owner, record.replacement, record.state, record.reason = owner, value, "applied", None
+            record.extra["pinned_from"] = current
+            _LOG.info("sm120_fp4: pinned %s.%s from %s to %s (%s)", spec.module, spec.attribute, current, value, spec.name)
+            return True
+
+    def note(self, spec: PatchSpec, state: State, reason: str | None) -> None:
+        """Record a ledger entry for something not applied through this engine (e.g. an env knob)."""
+        with self._lock:
+            if spec.name not in self._records or self._records[spec.name].state != "applied":
+                record = self._records[spec.name] = _Record(spec)
+                record.state, record.reason = state, reason
+
+    def original(self, name: str) -> object:
+        with self._lock:
+            record = self._records.get(name)
+            return MISSING if record is None else record.original
+
+    def ledger(self) -> list[LedgerEntry]:
+        with self._lock:
+            return [
+                LedgerEntry(
+                    name=r.spec.name,
+                    module=r.spec.module,
+                    attribute=r.spec.attribute,
+                    state=r.state,
+                    reason=r.reason,
+                    why=r.spec.why,
+                    upstream=r.spec.upstream,
+                    remove_when=r.spec.remove_when,
+                    versions=r.spec.versions,
+                )
+                for r in self._records.values()
+            ]

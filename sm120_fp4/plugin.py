@@ -1,0 +1,14 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``), loaded by SGLang 0.5.11+ in every
+scheduler process. Activates only when ``SM120_FP4`` is ``1``/``on``, like the ``.pth`` bootstrap."""
+
+from __future__ import annotations
+
+
+def load() -> None:
+    """Install the patches in this process when the SM120_FP4 toggle is on."""
+    from .bootstrap import enabled
+
+    if enabled():
+        from . import api
+
+        api.install()

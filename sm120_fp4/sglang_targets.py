@@ -1,0 +1,230 @@
+"""SGLang knowledge, and only that: which attribute to patch in which release, and why.
+
+Adding a release is an edit to this file alone. The facts behind each entry were read from every
+release's wheel (0.5.3 - 0.5.23); ``patches/LEDGER.md`` is generated from :func:`ledger_rows`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import sys
+from typing import Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .patching import PatchSpec, Patcher, installed_version
+
+__all__ = [
+    "DISTRIBUTION",
+    "SUPPORTED",
+    "MQ",
+    "FP4_UTILS",
+    "CT",
+    "sglang_version",
+    "release_support",
+    "specs",
+    "pin_runner_backend",
+    "apply_env_knobs",
+    "ledger_rows",
+]
+
+_LOG = logging.getLogger("sm120_fp4")
+DISTRIBUTION = "sglang"
+SUPPORTED = ">=0.5.3,<0.5.24"
+MQ = "sglang.srt.layers.quantization.modelopt_quant"
+FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
+CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
+RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+MM_FP4_HEAD = ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype")
+LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
+
+_ALIAS_WHY = (
+    "SM120 FP4 GEMM through FlashInfer's mm_fp4: backend='auto' tried cuDNN first "
+    "(CUDNN_STATUS_BAD_PARAM), cutlass without alpha raises 'Expected DLTensor* but got None', "
+    "SGLang never passes out, and nothing checks the numbers; route to the backend verified on "
+    "this GPU with alpha and a contiguous out"
+)
+_ALIAS_UPSTREAM = "flashinfer#2577 (all zeros), flashinfer#3398 (zeros at some M), sglang#20043 / PR 20047 (NaN rows)"
+_ALIAS_REMOVE = (
+    "when SGLang passes an explicit, verified backend with alpha and out on SM12x and checks the "
+    "output at start-up (patches/sglang-*-sm120-fp4.patch upstreamed), or `sm120-fp4 patches check` says fixed"
+)
+
+
+def sglang_version() -> str | None:
+    return installed_version(DISTRIBUTION)
+
+
+def release_support(version: str | None = None) -> tuple[bool, str]:
+    """Whether `version` (default: the installed one) is a release this library knows how to patch."""
+    version = version or sglang_version()
+    if version is None:
+        return False, "sglang is not installed"
+    try:
+        ok = Version(version) in SpecifierSet(SUPPORTED)
+    except InvalidVersion:
+        return False, f"sglang {version!r} is not a version this library can read"
+    return (True, f"sglang {version} is supported ({SUPPORTED})") if ok else (
+        False,
+        f"sglang {version} is outside the supported range {SUPPORTED}: left untouched",
+    )
+
+
+def _is_mm_fp4(original: object) -> str | None:
+    """None when `original` is FlashInfer's mm_fp4 with the expected leading parameters."""
+    name, module = getattr(original, "__name__", None), getattr(original, "__module__", "") or ""
+    if name != "mm_fp4" or not module.startswith("flashinfer"):
+        return f"expected FlashInfer's mm_fp4 here, found {original!r} (FlashInfer missing or another kernel)"
+    try:
+        params = tuple(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        return "cannot read mm_fp4's signature"
+    if params[: len(MM_FP4_HEAD)] != MM_FP4_HEAD or "backend" not in params:
+        return f"mm_fp4 has another signature {params}; expected it to start {MM_FP4_HEAD} and take backend="
+    return None
+
+
+def _layer_device_index(layer: object) -> int:
+    for param in layer.parameters():  # type: ignore[attr-defined]
+        return param.get_device()
+    return -1
+
+
+def make_weights_hook(original: Callable, before: Callable[[int], None], scope: Callable) -> Callable:
+    """Wrap process_weights_after_loading: decide (self-test) for the layer's device first."""
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self, layer, *args, **kwargs):
+        before(_layer_device_index(layer))
+        with scope():
+            return original(self, layer, *args, **kwargs)
+
+    return process_weights_after_loading
+
+
+def specs(make_dispatch: Callable, before_weights: Callable[[int], None], weights_scope: Callable) -> list[PatchSpec]:
+    """The runtime patches for every supported release (each guarded by its own version range)."""
+    hook = functools.partial(make_weights_hook, before=before_weights, scope=weights_scope)
+    weights_why = (
+        "run the self-test (decide) once per device at the first NVFP4 layer, before SGLang serves "
+        "or captures CUDA graphs, and pin the runner enum before the weight layout is chosen"
+    )
+    return [
+        PatchSpec(
+            name="flashinfer-fp4-gemm-alias",
+            module=MQ,
+            attribute="flashinfer_fp4_gemm",
+            make=make_dispatch,
+            check=_is_mm_fp4,
+            distribution=DISTRIBUTION,
+            versions=">=0.5.8,<0.5.24",
+            why=_ALIAS_WHY,
+            upstream=_ALIAS_UPSTREAM,
+            remove_when=_ALIAS_REMOVE,
+        ),
+        PatchSpec(
+            name="fp4-gemm-alias-legacy",
+            module=MQ,
+            attribute="fp4_gemm",
+            make=make_dispatch,
+            check=_is_mm_fp4,
+            distribution=DISTRIBUTION,
+            versions=">=0.5.3,<0.5.8",
+            why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; the sglang::fp4_gemm op body looks it up)",
+            upstream=_ALIAS_UPSTREAM,
+            remove_when=_ALIAS_REMOVE,
+        ),
+        PatchSpec(
+            name="modelopt-fp4-weights-hook",
+            module=MQ,
+            attribute="ModelOptFp4LinearMethod.process_weights_after_loading",
+            make=hook,
+            distribution=DISTRIBUTION,
+            versions=SUPPORTED,
+            why=weights_why,
+            upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
+            remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x",
+        ),
+        PatchSpec(
+            name="compressed-tensors-w4a4-weights-hook",
+            module=CT,
+            attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading",
+            make=hook,
+            distribution=DISTRIBUTION,
+            versions=">=0.5.7,<0.5.24",
+            why=weights_why + " (compressed-tensors W4A4 NVFP4 checkpoints)",
+            upstream="no upstream start-up check exists",
+            remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x",
+        ),
+    ]
+
+
+ENUM_PIN = PatchSpec(
+    name="fp4-runner-backend-pin",
+    module=FP4_UTILS,
+    attribute="FP4_GEMM_RUNNER_BACKEND",
+    distribution=DISTRIBUTION,
+    versions=">=0.5.8,<0.5.24",
+    why=(
+        "the runner enum picks the weight layout at load time and the backend name passed to "
+        "FlashInfer: AUTO reaches FlashInfer unresolved (0.5.8, and any process that never ran "
+        "initialize_fp4_gemm_config), and AUTO resolves to FLASHINFER_CUDNN on SM120 in 0.5.10-0.5.12; "
+        "pin only AUTO/FLASHINFER_CUDNN to FLASHINFER_CUTLASS (same 128x4 non-shuffled layout), "
+        "never trtllm, marlin, cute-dsl or SGLang's own cutlass"
+    ),
+    upstream="sglang#20043 / PR 20047 (auto -> cudnn on SM120), flashinfer auto order changes 0.6.9+",
+    remove_when="when SGLang resolves auto to a verified backend on SM12x itself",
+)
+
+LEGACY_KNOB_SPEC = PatchSpec(
+    name="legacy-cutlass-env-knob",
+    module=MQ,
+    attribute="USE_CUTLASS_BACKEND_FOR_FP4_GEMM",
+    distribution=DISTRIBUTION,
+    versions=">=0.5.3,<0.5.5",
+    why=f"0.5.3-0.5.4 read {LEGACY_KNOB} at import (default false in 0.5.3.x: FlashInfer's default, cuDNN, runs)",
+    upstream="sglang 0.5.4 made the default true",
+    remove_when="when 0.5.3.x is no longer supported",
+)
+
+
+def pin_runner_backend(patcher: Patcher) -> None:
+    """Pin fp4_utils.FP4_GEMM_RUNNER_BACKEND to FLASHINFER_CUTLASS when it is AUTO/FLASHINFER_CUDNN."""
+    module = sys.modules.get(FP4_UTILS)
+    if module is None:
+        return  # 0.5.3-0.5.7 have no enum; or SGLang has not imported it
+    enum = getattr(module, "Fp4GemmRunnerBackend", None)
+    if enum is None or not all(hasattr(enum, m) for m in ("AUTO", "FLASHINFER_CUDNN", "FLASHINFER_CUTLASS")):
+        patcher.note(ENUM_PIN, "skipped", "Fp4GemmRunnerBackend lacks AUTO/FLASHINFER_CUDNN/FLASHINFER_CUTLASS")
+        return
+    replaceable = (None, enum.AUTO, enum.FLASHINFER_CUDNN)
+    patcher.pin(ENUM_PIN, module, enum.FLASHINFER_CUTLASS, lambda current: current in replaceable)
+
+
+def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[], None]:
+    """0.5.3-0.5.4: ask for cutlass through the env knob SGLang reads at import; returns the undo."""
+    version = sglang_version()
+    try:
+        in_range = version is not None and Version(version) in SpecifierSet(LEGACY_KNOB_SPEC.versions)
+    except InvalidVersion:
+        in_range = False
+    if not in_range:
+        return lambda: None
+    if LEGACY_KNOB in environ:
+        patcher.note(LEGACY_KNOB_SPEC, "skipped", f"{LEGACY_KNOB} already set by the operator; left as is")
+        return lambda: None
+    environ[LEGACY_KNOB] = "1"
+    state = "applied" if MQ not in sys.modules else "skipped"
+    reason = None if state == "applied" else "modelopt_quant was imported before install(); the dispatch routes anyway"
+    patcher.note(LEGACY_KNOB_SPEC, state, reason)
+    return lambda: environ.pop(LEGACY_KNOB, None)
+
+
+def ledger_rows() -> list[PatchSpec]:
+    """Every runtime patch target, for the ledger and `doctor` (one source of truth)."""
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    return specs(noop, noop, noop) + [ENUM_PIN, LEGACY_KNOB_SPEC]

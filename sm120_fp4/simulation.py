@@ -1,0 +1,167 @@
+"""Every stand-in that lets SGLang's real FP4 linear path run without an SM120 GPU, in one place.
+
+Inert unless ``SM120_FP4_SIMULATE`` is set. Each stand-in is recorded in the patch ledger and
+undone by ``uninstall()``:
+
+* the activation quantizer SGLang calls (FlashInfer's, SM100+ only) -> :func:`nvfp4.quantize`;
+* SGLang's platform facts (``override_platform``, 0.5.19+) report a Blackwell SM12x device;
+* without CUDA: a CPU kernel for the CUDA-only custom op ``sglang::fp4_gemm`` (the op's own
+  Python body, so the patched FlashInfer alias is still what runs), and, scoped to
+  ``process_weights_after_loading`` only, ``Tensor.cuda()`` returning the tensor unchanged.
+
+Everything is logged as simulated: nothing here may ever run on a real deployment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import nvfp4
+from .patching import PatchSpec, Patcher
+
+_LOG = logging.getLogger("sm120_fp4")
+MQ = "sglang.srt.layers.quantization.modelopt_quant"
+CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
+RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+_WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
+_NEVER = "never used outside simulation"
+_cuda_lock = threading.Lock()
+
+
+def make_quantizer(original: Callable) -> Callable:
+    """FlashInfer's ``fp4_quantize`` calling convention, computed by nvfp4.quantize."""
+
+    def fp4_quantize(input, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True, *args, **kwargs):
+        if sf_vec_size != 16 or sf_use_ue8m0 or not is_sf_swizzled_layout or args or kwargs.get("is_sf_8x4_layout"):
+            return original(input, global_scale, sf_vec_size, sf_use_ue8m0, is_sf_swizzled_layout, *args, **kwargs)
+        rows = input.reshape(-1, input.shape[-1])
+        packed, scales = nvfp4.quantize(rows, global_scale.float().reshape(()), check_finite=False)
+        return packed.reshape(*input.shape[:-1], packed.shape[-1]), scales.view(torch.uint8)
+
+    fp4_quantize.__wrapped__ = original
+    return fp4_quantize
+
+
+def specs() -> list[PatchSpec]:
+    """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it."""
+    return [
+        PatchSpec(
+            name="sim-activation-quantizer",
+            module=MQ,
+            attribute="fp4_quantize",
+            make=make_quantizer,
+            why=_WHY + "; FlashInfer's FP4 quantizer needs an SM100+ GPU",
+            upstream="-",
+            remove_when=_NEVER,
+            check=lambda original: None if callable(original) else f"fp4_quantize is {original!r}, not callable",
+        ),
+        PatchSpec(
+            name="sim-activation-quantizer-ct",
+            module=CT,
+            attribute="fp4_quantize",
+            make=make_quantizer,
+            why=_WHY + "; the compressed-tensors scheme imported the quantizer by name",
+            upstream="-",
+            remove_when=_NEVER,
+            check=lambda original: None if callable(original) else f"fp4_quantize is {original!r}, not callable",
+        ),
+    ]
+
+
+class Simulation:
+    """The non-attribute stand-ins of one install (platform facts, the CPU op kernel)."""
+
+    def __init__(self, capability: tuple[int, int], patcher: Patcher) -> None:
+        self.capability = capability
+        self.patcher = patcher
+        self._undo: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def on_runtime_context(self, module: Any) -> None:
+        """Make SGLang's platform checks see the simulated Blackwell SM12x device (0.5.19+)."""
+        override = getattr(module, "override_platform", None)
+        spec = PatchSpec("sim-platform-facts", RUNTIME_CONTEXT, "override_platform", _WHY, "-", _NEVER)
+        if override is None:
+            self.patcher.note(spec, "skipped", "this SGLang release has no override_platform")
+            return
+        major, minor = self.capability
+        facts = {
+            "is_blackwell": major in (10, 11, 12),
+            "is_sm120": major == 12,
+            "is_sm100": major == 10,
+            "is_sm100_or_sm110": major in (10, 11),
+            "is_sm110": major == 11,
+            "device_capability": (major, minor),
+            "device_sm": major * 10 + minor,
+        }
+        known = set(getattr(module, "_PLATFORM_PROBES", {})) | set(getattr(module, "_PLATFORM_VALUES", {}))
+        scope = override(**{k: v for k, v in facts.items() if not known or k in known})
+        scope.install()
+        with self._lock:
+            self._undo.append(scope.restore)
+        self.patcher.note(spec, "applied", None)
+        _LOG.warning("sm120_fp4: SIMULATION: SGLang's platform facts now report sm_%d%d", major, minor)
+
+    def on_modelopt(self, module: Any) -> None:
+        """Without CUDA, give the CUDA-only op sglang::fp4_gemm a CPU kernel (its own Python body)."""
+        spec = PatchSpec("sim-fp4-gemm-cpu-kernel", MQ, "fp4_gemm", _WHY + "; sglang::fp4_gemm has only a CUDA kernel", "-", _NEVER)
+        if torch.cuda.is_available():
+            self.patcher.note(spec, "skipped", "CUDA is available: the op's own CUDA kernel runs")
+            return
+        body = _op_body(module)
+        if body is None:
+            self.patcher.note(spec, "skipped", "no sglang::fp4_gemm custom op in this release")
+            return
+        library = torch.library.Library("sglang", "IMPL")
+        library.impl("fp4_gemm", body, "CPU")
+        with self._lock:
+            self._undo.append(library._destroy)
+        self.patcher.note(spec, "applied", None)
+        _LOG.warning("sm120_fp4: SIMULATION: registered a CPU kernel for sglang::fp4_gemm")
+
+    def undo(self) -> None:
+        with self._lock:
+            undo, self._undo = self._undo, []
+        for step in reversed(undo):
+            with contextlib.suppress(Exception):
+                step()
+
+
+def _op_body(module: Any) -> Callable | None:
+    """The Python function behind sglang::fp4_gemm in `module` (several wrappers across releases)."""
+    if not hasattr(torch.ops.sglang, "fp4_gemm"):
+        return None
+    handle = getattr(module, "fp4_gemm", None)
+    seen = set()
+    while handle is not None and id(handle) not in seen:
+        seen.add(id(handle))
+        code = getattr(handle, "__code__", None)
+        if code is not None and "flashinfer_fp4_gemm" in code.co_names:
+            return handle
+        handle = getattr(handle, "__wrapped__", None) or getattr(handle, "op_func", None) or getattr(handle, "func", None)
+    return None
+
+
+@contextlib.contextmanager
+def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
+    """Scoped: ``Tensor.cuda()`` returns the tensor itself (simulation without CUDA only)."""
+    if not active or torch.cuda.is_available():
+        yield
+        return
+    with _cuda_lock:
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self
+        try:
+            yield
+        finally:
+            torch.Tensor.cuda = original
+
+
+def loaded(module_name: str) -> Any:
+    return sys.modules.get(module_name)

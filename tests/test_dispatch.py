@@ -1,0 +1,143 @@
+"""The dispatch function that replaces FlashInfer's alias: what it routes, what it passes through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import faults
+from sm120_fp4 import backends, devices, nvfp4
+from sm120_fp4.config import Settings
+from sm120_fp4.devices import Device
+from sm120_fp4.dispatch import Router
+from sm120_fp4.errors import RefusedToServe
+
+
+class Original:
+    """Stands in for flashinfer.mm_fp4 on a CPU: records how it was called."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return "original"
+
+
+def operands(m=5, n=32, k=64):
+    x = torch.randn(m, k)
+    w = torch.randn(n, k) * 0.1
+    gx, gw = nvfp4.global_scale(x), nvfp4.global_scale(w)
+    qx, sx = nvfp4.quantize(x, gx)
+    qw, sw = nvfp4.quantize(w, gw)
+    return qx, qw.T, sx, sw.T, (1 / (gx * gw)).reshape(1)
+
+
+def ready(settings, original, recording=None):
+    """A dispatch whose decision (and self-test calls) already happened."""
+    router = Router(settings)
+    router.ensure(-1)
+    if recording is not None:
+        recording.clear()
+    return router.make_dispatch(original)
+
+
+@pytest.fixture
+def recording():
+    seen = []
+
+    def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
+        seen.append((alpha, out))
+        return faults.healthy(a, b, a_sf, b_sf, alpha, dtype, out)
+
+    backends.register("recording", gemm)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["auto", "cudnn", "cutlass"])
+def test_routed_backends_go_to_the_decided_backend_with_alpha_and_out(recording, backend):
+    original = Original()
+    dispatch = ready(Settings(simulate="12.0", backends="recording"), original, recording)
+    args = operands()
+    result = dispatch(*args, torch.bfloat16, backend=backend)
+    assert original.calls == [] and len(recording) == 1
+    alpha, out = recording[0]
+    assert alpha is args[4] and out is result and out.is_contiguous()
+    assert torch.equal(result, nvfp4.reference_mm_fp4(*args))
+
+
+def test_no_backend_argument_is_routed_too(recording):
+    dispatch = ready(Settings(simulate="12.1", backends="recording"), Original(), recording)
+    dispatch(*operands(), torch.bfloat16)
+    assert len(recording) == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"backend": "trtllm"}, {"backend": "cute-dsl"}, {"use_8x4_sf_layout": True}, {"block_size": 32}, {"enable_pdl": False}])
+def test_other_backends_and_layouts_call_the_original_unchanged(recording, kwargs):
+    original = Original()
+    dispatch = ready(Settings(simulate="12.0", backends="recording"), original, recording)
+    args = operands()
+    assert dispatch(*args, torch.bfloat16, **kwargs) == "original"
+    (called_args, called_kwargs), = original.calls
+    assert called_args[:4] == args[:4] and called_kwargs.items() >= kwargs.items()
+    assert recording == []
+
+
+def test_a_device_that_is_not_12x_calls_the_original():
+    original = Original()
+    dispatch = Router(Settings(simulate="9.0", backends="emulated")).make_dispatch(original)
+    assert dispatch(*operands(), torch.bfloat16, backend="auto") == "original"
+    assert len(original.calls) == 1
+
+
+def test_enable_on_routes_any_gpu(recording):
+    dispatch = ready(Settings(simulate="9.0", enable="on", backends="recording"), Original(), recording)
+    dispatch(*operands(), torch.bfloat16)
+    assert len(recording) == 1
+
+
+def test_cpu_tensors_outside_simulation_call_the_original():
+    original = Original()
+    with devices.use_probe(lambda: [Device(0, "RTX PRO 6000", (12, 0))]):
+        dispatch = Router(Settings(backends="emulated")).make_dispatch(original)
+        assert dispatch(*operands(), torch.bfloat16) == "original"
+
+
+def test_missing_alpha_becomes_one_without_a_new_tensor_each_call(recording):
+    dispatch = ready(Settings(simulate="12.0", backends="recording"), Original(), recording)
+    args = operands()[:4]
+    dispatch(*args, None, torch.bfloat16)
+    dispatch(*args, None, torch.bfloat16)
+    (a1, _), (a2, _) = recording
+    assert a1 is a2 and a1.dtype == torch.float32 and a1.tolist() == [1.0]
+
+
+def test_non_contiguous_out_is_filled_through_a_contiguous_buffer(recording):
+    dispatch = ready(Settings(simulate="12.0", backends="recording"), Original(), recording)
+    args = operands(m=4, n=32)
+    out = torch.full((32, 4), float("nan"), dtype=torch.bfloat16).T
+    ret = dispatch(*args, torch.bfloat16, out)
+    assert ret is out and recording[0][1] is not out and recording[0][1].is_contiguous()
+    assert torch.equal(out, nvfp4.reference_mm_fp4(*args))
+
+
+def test_first_call_self_tests_once_and_a_failing_kernel_raises_not_zeros():
+    backends.register("zeros", faults.returns_zeros)
+    dispatch = Router(Settings(simulate="12.0", backends="zeros")).make_dispatch(Original())
+    with pytest.raises(RefusedToServe, match="zeros: self-test failed: .*all zeros"):
+        dispatch(*operands(), torch.bfloat16)
+
+
+def test_a_backend_error_at_serve_time_propagates():
+    state = {"calls": 0}
+
+    def flaky(*args):
+        state["calls"] += 1
+        if state["calls"] > len(__import__("sm120_fp4.selftest").selftest.DEFAULT_SHAPES):
+            raise RuntimeError("CUDA error: illegal memory access")
+        return faults.healthy(*args)
+
+    backends.register("flaky", flaky)
+    dispatch = Router(Settings(simulate="12.0", backends="flaky")).make_dispatch(Original())
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        dispatch(*operands(), torch.bfloat16)
