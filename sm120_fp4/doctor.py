@@ -1,0 +1,207 @@
+"""``sm120-fp4 doctor``: everything an issue report needs, every probe guarded (never crashes).
+
+Modelled on ``python -m torch.utils.collect_env`` and FlashInfer's ``collect_env.py``: each probe
+returns a value or the text of what went wrong, and the report is ready to paste (Markdown) or
+to parse (``--json``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import site
+import subprocess
+import sys
+from typing import Any, Callable
+
+__all__ = ["collect", "run"]
+
+
+def _probe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a doctor reports, it does not crash
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _torch() -> dict:
+    import torch
+
+    return {"version": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+
+
+def _nvcc() -> dict:
+    path = shutil.which("nvcc") or (
+        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None
+    )
+    if not path or not os.path.exists(path):
+        return {"found": False, "note": "FlashInfer JIT-compiles SM12x kernels with nvcc on first use: install the CUDA toolkit (>= 12.9 for sm_120f)"}
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
+    match = re.search(r"release (\d+\.\d+)", out)
+    return {"found": True, "path": path, "version": match.group(1) if match else out.strip()[-80:]}
+
+
+def _devices(settings) -> list[dict]:
+    from . import devices
+
+    return [
+        {"index": d.index, "name": d.name, "capability": f"{d.capability[0]}.{d.capability[1]}", "simulated": d.simulated, "source": d.source}
+        for d in devices.list_devices(settings.simulated_capability if settings else None)
+    ]
+
+
+def _activation() -> dict:
+    from .bootstrap import enabled
+
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    ours = [f"{ep.name} -> {ep.value}" for ep in eps if ep.value.startswith("sm120_fp4")]
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    pth = [os.path.join(d, "sm120_fp4.pth") for d in dirs if os.path.exists(os.path.join(d, "sm120_fp4.pth"))]
+    allow = os.environ.get("SGLANG_PLUGINS")
+    return {
+        "toggle": os.environ.get("SM120_FP4"),
+        "active": enabled(),
+        "plugin_entry_point": ours or None,
+        "plugin_allowed_by_SGLANG_PLUGINS": None if not allow else any(o.split(" ")[0] in allow.split(",") for o in ours),
+        "pth_bootstrap": pth or None,
+        "note": "both activate only when SM120_FP4=1|on; the plugin needs SGLang >= 0.5.11, the .pth works for all releases",
+    }
+
+
+def _settings() -> tuple[Any, dict]:
+    from .config import load_settings, sources
+
+    settings = load_settings()
+    return settings, {"values": settings.model_dump(mode="json"), "sources": sources({})}
+
+
+def _targets() -> dict:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from . import sglang_targets
+
+    version = sglang_targets.sglang_version()
+    ok, why = sglang_targets.release_support(version)
+    rows = []
+    for spec in sglang_targets.ledger_rows():
+        applies = bool(version and ok and Version(version) in SpecifierSet(spec.versions or ""))
+        rows.append({"name": spec.name, "target": f"{spec.module}.{spec.attribute}", "versions": spec.versions, "applies": applies})
+    return {"sglang": version, "supported": ok, "reason": why, "targets": rows}
+
+
+def _backends(devs: list[dict]) -> list[dict]:
+    from . import backends
+    from .devices import Device
+
+    out = []
+    for d in devs:
+        device = Device(d["index"], d["name"], tuple(int(p) for p in d["capability"].split(".")), d["simulated"], d["source"])
+        for name in backends.names():
+            ok, reason = backends.is_supported(name, device)
+            out.append({"device": device.label(), "backend": name, "supported": ok, "reason": reason})
+    return out
+
+
+def collect() -> dict:
+    """Every probe's result (values, or {'error': ...} where a probe failed)."""
+    from . import __version__
+
+    report: dict[str, Any] = {
+        "sm120_fp4": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": {d: _version(d) for d in ("torch", "flashinfer-python", "sglang", "nvidia-ml-py", "pydantic", "wrapt")},
+    }
+    settings_result = _probe(_settings)
+    settings = None
+    if isinstance(settings_result, tuple):
+        settings, report["settings"] = settings_result
+    else:
+        report["settings"] = settings_result
+    report["torch"] = _probe(_torch)
+    report["nvcc"] = _probe(_nvcc)
+    report["devices"] = _probe(lambda: _devices(settings))
+    report["activation"] = _probe(_activation)
+    report["sglang"] = _probe(_targets)
+    devs = report["devices"] if isinstance(report["devices"], list) else []
+    report["backends"] = _probe(lambda: _backends(devs))
+    report["problems"] = _problems(report)
+    return report
+
+
+def _problems(report: dict) -> list[str]:
+    problems = []
+    if "error" in report.get("settings", {}):
+        problems.append(f"settings: {report['settings']['error']}")
+    sg = report.get("sglang", {})
+    if isinstance(sg, dict) and sg.get("sglang") and not sg.get("supported"):
+        problems.append(sg.get("reason", "unsupported SGLang"))
+    devs = report.get("devices")
+    sm12x = [d for d in devs if isinstance(devs, list) and d["capability"].startswith("12.")] if isinstance(devs, list) else []
+    if isinstance(devs, list) and not sm12x:
+        problems.append("no compute-capability 12.x GPU visible: the library does nothing here (SM120_FP4_SIMULATE=12.0 to simulate)")
+    nvcc = report.get("nvcc", {})
+    if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
+        problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
+    return problems
+
+
+def _markdown(report: dict) -> str:
+    def block(value: Any) -> str:
+        return "```\n" + json.dumps(value, indent=2, default=str) + "\n```"
+
+    lines = [f"## sm120-fp4 doctor ({report['sm120_fp4']})", "", f"- Python {report['python']} on {report['platform']}"]
+    lines += [f"- {k}: {v or 'not installed'}" for k, v in report["versions"].items()]
+    torch_info = report["torch"]
+    if "error" not in torch_info:
+        lines.append(f"- torch CUDA build {torch_info['cuda_build']}, CUDA available: {torch_info['cuda_available']}")
+    nvcc = report["nvcc"]
+    lines.append(f"- nvcc: {nvcc.get('version', 'not found')} {nvcc.get('path', '')}".rstrip())
+    lines += ["", "### GPUs"]
+    devs = report["devices"]
+    if isinstance(devs, list):
+        lines += [f"- {d['index']}: {d['name']} (sm_{d['capability'].replace('.', '')}{', simulated' if d['simulated'] else ''}, via {d['source']})" for d in devs] or ["- none visible"]
+    else:
+        lines.append(block(devs))
+    lines += ["", "### Activation", block(report["activation"]), "", "### Settings"]
+    settings = report["settings"]
+    if "values" in settings:
+        lines += ["| setting | value | from |", "|---|---|---|"]
+        lines += [f"| {k} | {v} | {settings['sources'][k]} |" for k, v in settings["values"].items()]
+    else:
+        lines.append(block(settings))
+    lines += ["", "### SGLang patch targets"]
+    sg = report["sglang"]
+    if "targets" in sg:
+        lines.append(f"{sg['reason']}")
+        lines += ["", "| patch | target | releases | applies here |", "|---|---|---|---|"]
+        lines += [f"| {t['name']} | `{t['target']}` | {t['versions']} | {t['applies']} |" for t in sg["targets"]]
+    else:
+        lines.append(block(sg))
+    lines += ["", "### Backends"]
+    bk = report["backends"]
+    if isinstance(bk, list):
+        lines += ["| device | backend | supported | reason |", "|---|---|---|---|"]
+        lines += [f"| {b['device']} | {b['backend']} | {b['supported']} | {b['reason'] or ''} |" for b in bk]
+    else:
+        lines.append(block(bk))
+    lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])
+    return "\n".join(lines)
+
+
+def run(as_json: bool = False, strict: bool = False) -> int:
+    report = collect()
+    print(json.dumps(report, indent=2, default=str) if as_json else _markdown(report))
+    return 1 if strict and report["problems"] else 0
