@@ -130,6 +130,9 @@ for dist in ["transformers", "compressed-tensors", "apache-tvm-ffi", "wrapt",
 EOF
 }
 
+# Release wheels for the patches/ tests (cached under .cache/, downloaded once, never at test time).
+bash "$ROOT/scripts/fetch_release_sources.sh"
+
 if [ "${SETUP_ENV_FORCE:-0}" != "1" ] && [ -x "$VENV_PY" ] && [ -f "$STAMP_FILE" ] \
    && [ "$(cat "$STAMP_FILE")" = "$STAMP" ]; then
   if quick_check; then

@@ -97,6 +97,11 @@ def _nothing_to_fix(settings: Settings) -> str | None:
     ok, why = sglang_targets.release_support()
     if not ok:
         return why
+    from .upstream import runtime_patch_needed
+
+    needed, why = runtime_patch_needed()
+    if not needed:
+        return why
     if settings.enable == "auto":
         found = devices.list_devices(settings.simulated_capability)
         if not any(devices.is_sm12x(d.capability) for d in found):

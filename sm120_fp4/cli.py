@@ -1,4 +1,4 @@
-"""``sm120-fp4 doctor | selftest | launch | demo`` (also ``python -m sm120_fp4``).
+"""``sm120-fp4 doctor | selftest | launch | demo | patches`` (also ``python -m sm120_fp4``).
 
 Exit codes: 0 success; 1 a refusal (a kernel failed verification, or doctor --strict found a
 problem); 2 bad usage or environment (invalid setting, no device, unsupported release).
@@ -167,6 +167,10 @@ def _parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="preflight, then exec COMMAND with SM120_FP4=1")
     launch.add_argument("command", nargs=argparse.REMAINDER)
     sub.add_parser("demo", help="SGLang's real FP4 linear layer, patched and self-tested on a simulated SM120 (CPU)")
+    patches = sub.add_parser("patches", help="the same fix as upstream-ready diffs: check the installed SGLang, or apply")
+    patches.add_argument("action", choices=["check", "apply"])
+    patches.add_argument("--dry-run", action="store_true", help="apply: show whether the diff applies, change nothing")
+    patches.add_argument("--target", help="apply: a site-packages, unpacked wheel or SGLang source tree (default: installed)")
     worker = sub.add_parser("_selftest-worker")
     worker.add_argument("--device", type=int, required=True)
     worker.add_argument("--backend", action="append")
@@ -187,6 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_selftest(args)
     if args.cmd == "launch":
         return cmd_launch(args)
+    if args.cmd == "patches":
+        from .upstream import main as patches
+
+        return patches(args.action, dry_run=args.dry_run, target=args.target)
     if args.cmd == "demo":
         from .demo import main as demo
 

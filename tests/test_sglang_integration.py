@@ -228,3 +228,13 @@ def test_a_spawned_child_patches_itself_from_the_environment_toggle(monkeypatch,
     result = queue.get(timeout=240)
     child.join(timeout=60)
     assert child.exitcode == 0 and result == expected
+
+
+def test_an_sglang_that_already_contains_the_fix_is_left_alone(monkeypatch):
+    from sm120_fp4 import upstream
+
+    monkeypatch.setattr(upstream, "check", lambda site_dir=None: upstream.CheckResult(
+        state="fixed", version="0.5.23", message="sglang 0.5.23 carries sglang-0.5.23-sm120-fp4", patch_id="sglang-0.5.23-sm120-fp4"))
+    status = sm120_fp4.install(**SIM)
+    assert not status.installed and "already contains the fix" in status.message
+    assert_not_patched()
