@@ -8,7 +8,6 @@ package is cheap: torch, pydantic, FlashInfer and SGLang load only when an attri
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
 
 from ._version import __version__
 from .errors import ConfigError, InvalidArgument, RefusedToServe, SelfTestError, Sm120Fp4Error
@@ -36,7 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         module, attr = _LAZY[name]
         value = getattr(import_module(module), attr)

@@ -2,9 +2,9 @@
 
 The ``sm120_fp4.pth`` file installed into site-packages runs one line at interpreter start-up:
 when ``SM120_FP4`` is ``1``/``on`` it calls :func:`activate`, otherwise it does nothing (no import
-of this package, of torch or of pydantic). :func:`activate` only registers a post-import hook on
-``sglang``; ``install()`` runs when SGLang is imported, so plain Python processes pay almost
-nothing. Nothing here raises at start-up except an invalid setting, which must stop a worker
+of this package, of torch or of pydantic). :func:`activate` only puts a one-shot finder on
+``sys.meta_path`` (stdlib only); ``install()`` runs right after SGLang is imported, so plain
+Python processes pay almost nothing. Nothing here raises at start-up except an invalid setting, which must stop a worker
 loudly rather than let it serve unverified.
 """
 
@@ -34,15 +34,47 @@ def _on_sglang(module) -> None:
         sys.stderr.write(f"sm120_fp4: activation failed, SGLang runs unpatched: {type(exc).__name__}: {exc}\n")
 
 
+class _AfterSGLangImport:
+    """A one-shot, stdlib-only post-import hook for ``sglang`` (wrapt costs ~70 ms to import)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "sglang":
+            return None
+        _remove_finder()
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then_install(module):
+            exec_module(module)
+            _on_sglang(module)
+
+        loader.exec_module = exec_then_install
+        return spec
+
+
+_finder = _AfterSGLangImport()
+
+
+def _remove_finder() -> None:
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
 def activate() -> None:
     """Arrange for install() when SGLang is imported (idempotent; never raises)."""
     global _activated
     if _activated:
         return
+    _activated = True
     try:
-        import wrapt
-
-        wrapt.register_post_import_hook(_on_sglang, "sglang")
-        _activated = True
+        if "sglang" in sys.modules:
+            _on_sglang(sys.modules["sglang"])
+        else:
+            sys.meta_path.insert(0, _finder)
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"sm120_fp4: start-up bootstrap failed, SGLang runs unpatched: {exc!r}\n")

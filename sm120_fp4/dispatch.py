@@ -30,7 +30,8 @@ class Router:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._routes: dict[int, object] = {}
+        self._routes: dict[int, Callable] = {}  # device index -> decided backend (ours only)
+        self._passed: set[int] = set()  # device indices that are not ours: the original runs
         self._alpha_one: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -40,14 +41,16 @@ class Router:
     def ensure(self, index: int) -> Callable | None:
         """Decide (self-test) for CUDA ordinal `index` (-1: CPU in simulation) and cache the route."""
         route = self._routes.get(index)
-        if route is not None:
-            return None if route is _PASS else route
+        if route is not None or index in self._passed:
+            return route
         with self._lock:
-            route = self._routes.get(index)
-            if route is None:
+            if index not in self._routes and index not in self._passed:
                 route = self._route_for(index)
-                self._routes[index] = route
-        return None if route is _PASS else route
+                if route is _PASS:
+                    self._passed.add(index)
+                else:
+                    self._routes[index] = route
+        return self._routes.get(index)
 
     def _route_for(self, index: int) -> object:
         simulate = self.settings.simulated_capability
@@ -59,42 +62,50 @@ class Router:
         return selection.decide(device, settings=self.settings).fn
 
     def routes(self) -> dict[int, str]:
-        return {i: ("original" if r is _PASS else getattr(r, "__name__", repr(r))) for i, r in self._routes.items()}
+        routes = {i: getattr(r, "__name__", repr(r)) for i, r in self._routes.items()}
+        return {**routes, **{i: "original" for i in self._passed}}
 
     def make_dispatch(self, original: Callable) -> Callable:
         """Build the replacement for a module-level ``mm_fp4`` alias."""
-        routes = self._routes
+        route = self._routes.get
         ensure = self.ensure
         alpha_one = self._alpha_one
         routed = ROUTED_BACKENDS
         bf16 = torch.bfloat16
+        empty = torch.empty
 
-        def flashinfer_fp4_gemm(
-            a, b, a_descale, b_descale, alpha=None, out_dtype=bf16, out=None,
-            block_size=16, use_8x4_sf_layout=False, backend="auto", **kwargs,
-        ):
-            index = a.get_device()
-            fn = routes.get(index)
-            if fn is None:
-                fn = ensure(index) or _PASS
-            if fn is _PASS or backend not in routed or block_size != 16 or use_8x4_sf_layout or kwargs:
+        def slow_path(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, backend, kwargs):
+            fn = ensure(a.get_device())  # first call on this device: decide (self-test) once
+            if fn is None or backend not in routed or block_size != 16 or use_8x4_sf_layout or kwargs:
                 return original(
                     a, b, a_descale, b_descale, alpha, out_dtype, out,
                     block_size=block_size, use_8x4_sf_layout=use_8x4_sf_layout, backend=backend, **kwargs,
                 )
             if alpha is None:
-                # The SM120 kernel requires alpha; 1.0 is what None means. Cached: no per-call allocation.
+                # The SM120 kernel requires alpha; None means 1.0. Cached: no per-call allocation.
+                index = a.get_device()
                 alpha = alpha_one.get(index)
                 if alpha is None:
                     alpha = alpha_one.setdefault(index, torch.ones(1, dtype=torch.float32, device=a.device))
-            if out is not None and out.is_contiguous():
-                return fn(a, b, a_descale, b_descale, alpha, out_dtype, out)
-            result = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+            result = empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
             fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
             if out is None:
                 return result
-            out.copy_(result)
+            out.copy_(result)  # a non-contiguous out: the kernels need a contiguous one
             return out
+
+        def flashinfer_fp4_gemm(
+            a, b, a_descale, b_descale, alpha=None, out_dtype=bf16, out=None,
+            block_size=16, use_8x4_sf_layout=False, backend="auto", **kwargs,
+        ):
+            fn = route(a.get_device())
+            if fn is not None and backend in routed and alpha is not None and block_size == 16 and not use_8x4_sf_layout and not kwargs:
+                if out is None:
+                    # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
+                    return fn(a, b, a_descale, b_descale, alpha, out_dtype, empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device))
+                if out.is_contiguous():
+                    return fn(a, b, a_descale, b_descale, alpha, out_dtype, out)
+            return slow_path(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, backend, kwargs)
 
         flashinfer_fp4_gemm.__wrapped__ = original
         flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.dispatch.flashinfer_fp4_gemm"
