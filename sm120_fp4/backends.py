@@ -16,6 +16,7 @@ import functools
 import importlib.metadata
 import inspect
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +43,7 @@ SupportFn = Callable[[Device], "tuple[bool, str | None]"]
 # trtllm (shuffled weights) and cutedsl_low_latency (SM100 only) are deliberately absent.
 FLASHINFER_BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
 EMULATED = "emulated"
+EMULATED_CACHED = "emulated-cached"
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,52 @@ def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     return reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
 
 
+class _WeightCache:
+    """Dequantized bf16 weights for `emulated-cached`, valid while the weight is alive and unchanged.
+
+    Memory: 2 bytes per weight element, four times the packed FP4 weight (0.5 byte per element)
+    plus its scales: opt in by naming the backend in SM120_FP4_BACKENDS.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+
+    def get(self, b, b_descale):
+        import torch
+
+        from .nvfp4 import dequantize_unscaled
+
+        base = b._base if b._base is not None else b
+        key = id(base)
+        version = (base._version, b_descale._version, b.data_ptr(), b_descale.data_ptr(), tuple(b.shape))
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is base and entry[1] == version:
+            return entry[2]
+        weight = dequantize_unscaled(b.T, b_descale.T, torch.bfloat16)
+        with self._lock:
+            self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
+            self._entries[key] = (weakref.ref(base), version, weight)
+        return weight
+
+
+_weight_cache = _WeightCache()
+
+
+def emulated_cached_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
+    """`emulated` with the weight's bf16 dequantization cached (decode-speed emulation, more memory)."""
+    import torch
+
+    from .nvfp4 import dequantize_unscaled, reference_mm_fp4
+
+    if not (a.is_cuda and "out_dtype" in (torch.mm.__doc__ or "")):
+        return reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
+    weight = _weight_cache.get(b, b_descale)
+    acc = torch.mm(dequantize_unscaled(a, a_descale, torch.bfloat16), weight.T, out_dtype=torch.float32)
+    out.copy_(acc * alpha.reshape(()) if alpha.numel() == 1 else acc * alpha.reshape(-1, 1))
+    return out
+
+
 def _always(device: Device) -> tuple[bool, str | None]:
     return True, None
 
@@ -124,6 +172,7 @@ def _builtins() -> None:
     for name in FLASHINFER_BACKENDS:
         _registry[name] = Backend(name, "flashinfer", None, functools.partial(_flashinfer_supported, name))
     _registry[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
+    _registry[EMULATED_CACHED] = Backend(EMULATED_CACHED, "emulated", emulated_cached_mm_fp4, _always)
 
 
 _builtins()
@@ -147,7 +196,7 @@ def unregister(name: str) -> None:
     """Remove a registered backend; built-ins are restored to their original definition."""
     with _lock:
         _registry.pop(name, None)
-        if name in FLASHINFER_BACKENDS or name == EMULATED:
+        if name in FLASHINFER_BACKENDS or name in (EMULATED, EMULATED_CACHED):
             _builtins()
 
 

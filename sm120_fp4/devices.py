@@ -156,6 +156,9 @@ def list_devices(simulate: tuple[int, int] | None = None, *, refresh: bool = Fal
 def get_device(index: int | None, simulate: tuple[int, int] | None = None) -> Device:
     """The Device for a CUDA ordinal (or the CPU stand-in, index -1/None, in simulation)."""
     devices = list_devices(simulate)
+    if index == CPU_INDEX and simulate is not None and not any(d.index == CPU_INDEX for d in devices):
+        # In simulation, CPU tensors stand for the simulated GPU even where real GPUs exist.
+        return Device(CPU_INDEX, "simulated (CPU tensors)", simulate, simulated=True, source="simulate")
     if index is None:
         if not devices:
             raise LookupError("no CUDA device is visible (set SM120_FP4_SIMULATE=12.0 to simulate one)")

@@ -58,7 +58,9 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # code: down at 0.25, 1.25, 2.5, 5 (codes 0, 2, 4, 6 below) and up at 0.75, 1.75, 3.5.
 _ROUND_DOWN_AT = (0.25, 1.25, 2.5, 5.0)
 _ROUND_UP_AT = (0.75, 1.75, 3.5)
-_LUT_CACHE: dict[torch.device, torch.Tensor] = {}
+_LUT_CACHE: dict = {}
+# torch.mm(..., out_dtype=) (bf16 in, float32 out) exists on CUDA from torch 2.8.
+_HAS_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "")
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -239,12 +241,31 @@ def _check_packed_and_scales(func: str, packed: torch.Tensor, scales: torch.Tens
     return rows, k
 
 
-def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """e2m1(code) * float(sf) as float32 (rows, K): dequantized values times the global scale."""
+def _byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(256, 2) table: a packed byte -> its (low, high) E2M1 values."""
+    key = (device, dtype)
+    lut = _LUT_CACHE.get(key)
+    if lut is None:
+        codes = torch.arange(256)
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        lut = torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=-1).to(device=device, dtype=dtype)
+        _LUT_CACHE[key] = lut
+    return lut
+
+
+def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """e2m1(code) * float(sf) (rows, K): dequantized values times the global scale.
+
+    Exact in float32 and in bfloat16 too (an E2M1 times an E4M3 value needs 5 significant bits),
+    so `dtype=torch.bfloat16` halves the memory traffic without changing a single value.
+    """
     rows, k = _check_packed_and_scales("dequantize_unscaled", packed, scales, "packed", "scales")
-    values = _e2m1_lut(packed.device)[unpack_nibbles(packed).long()]
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise _fail("dequantize_unscaled", "dtype", dtype, "torch.float32 or torch.bfloat16")
+    # One table lookup per byte gives both nibbles' values.
+    values = torch.nn.functional.embedding(packed.int(), _byte_lut(packed.device, dtype))
     # uint8 scales hold E4M3 bytes: reinterpret them, never convert the integer value.
-    sf = unswizzle_scales(scales.contiguous(), rows, k).view(torch.float8_e4m3fn).float()
+    sf = unswizzle_scales(scales.contiguous(), rows, k).view(torch.float8_e4m3fn).to(dtype)
     return (values.view(rows, k // BLOCK_SIZE, BLOCK_SIZE) * sf.unsqueeze(-1)).view(rows, k)
 
 
@@ -305,11 +326,14 @@ def reference_mm_fp4(
         _check_tensor(func, "out", out, (out_dtype,), ndim=2)
         if tuple(out.shape) != (m, n) or out.device != a.device:
             raise _fail(func, "out", out, f"shape ({m}, {n}) on {a.device}")
-    deq_a = dequantize_unscaled(a, a_descale)
-    deq_b = dequantize_unscaled(b.T, w_scales)
-    # Products of E2M1 x E4M3 values are exact in float32 (and TF32), so only the summation
-    # order can differ from the kernel's accumulator.
-    acc = deq_a @ deq_b.T
+    # Products of E2M1 x E4M3 values are exact in bf16, float32 and TF32, so only the summation
+    # order can differ from the kernel's float32 accumulator. On CUDA: bf16 operands, float32
+    # output (half the bytes of a float32 GEMM); elsewhere a float32 GEMM.
+    if a.is_cuda and _HAS_MM_OUT_DTYPE:
+        acc = torch.mm(dequantize_unscaled(a, a_descale, torch.bfloat16),
+                       dequantize_unscaled(b.T, w_scales, torch.bfloat16).T, out_dtype=torch.float32)
+    else:
+        acc = dequantize_unscaled(a, a_descale) @ dequantize_unscaled(b.T, w_scales).T
     if scale is not None:
         acc = acc * scale
     if out is None:

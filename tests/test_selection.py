@@ -200,7 +200,8 @@ def test_refusal_names_device_candidates_reasons_and_remedies():
         selection.decide(candidates=["cutlass", "band"], settings=SIM)
     text = str(info.value)
     assert isinstance(info.value, RuntimeError)
-    assert "cpu 'simulated (no GPU)' (sm_120, simulated)" in text
+    assert f"{devices.list_devices((12, 0))[0].label()}: no FP4 GEMM backend passed verification" in text
+    assert "(sm_120, simulated)" in text
     assert "cutlass: not supported" in text and "band: self-test failed: M=129" in text
     for remedy in ("SM120_FP4_BACKENDS=", "SM120_FP4_FALLBACK=emulated", "FlashInfer", "SM120_FP4=0"):
         assert remedy in text
@@ -264,3 +265,19 @@ def test_report_file_is_written_atomically_without_following_symlinks(tmp_path):
     data = json.loads(link.read_text())
     assert data["decisions"][0]["backend"] == "emulated"
     assert oct(link.stat().st_mode & 0o777) == "0o644"
+
+
+def test_select_fastest_times_every_verified_candidate_and_records_it():
+    import time
+
+    def slow(*args):
+        time.sleep(0.005)
+        return faults.healthy(*args)
+
+    backends.register("slow", slow)
+    backends.register("fast", faults.healthy)
+    backends.register("zeros", faults.returns_zeros)
+    d = selection.decide(candidates=["zeros", "slow", "fast"], settings=Settings(simulate="12.0", select="fastest"))
+    assert d.backend == "fast" and set(d.timings_ms) == {"slow", "fast"}
+    assert d.timings_ms["slow"] > d.timings_ms["fast"] and "zeros" in d.rejected
+    assert "fastest of 2 verified candidates" in d.reason

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Everything that needs a real CUDA device, in one call (the H200 lent to sessions: SM90, so the
+# FP4 kernels themselves cannot run; this proves the reference, emulation, graphs, no-sync and
+# timings on a GPU). Usage on the device machine, from the repo root, with the wheels in .whl/:
+#   bash scripts/gpu_check.sh            (writes logs and JSON under $OUT, or ./gpu-results)
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-results}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1 BENCH_OUT="$OUT"
+status=0
+step() { echo; echo "=== $1"; shift; "$@" || { echo "!!! step failed: $?"; status=1; }; }
+step "nvidia-smi" bash -c "nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv | tee '$OUT/nvidia-smi.csv'"
+step "versions" python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+step "pytest on CUDA (nvfp4, selection, dispatch, gpu)" bash -c "python3 -m pytest -q -rs tests/test_nvfp4.py tests/test_selection.py tests/test_dispatch.py tests/test_gpu.py -s 2>&1 | tee '$OUT/pytest-gpu.log' | tail -40"
+step "doctor (simulated sm_120 on the real CUDA device)" bash -c "SM120_FP4_SIMULATE=12.0 python3 -m sm120_fp4 doctor | tee '$OUT/doctor-sim.md'"
+step "doctor --json (no simulation)" bash -c "python3 -m sm120_fp4 doctor --json > '$OUT/doctor.json'; python3 -c \"import json; d=json.load(open('$OUT/doctor.json')); print(d['devices'], d['problems'])\""
+step "selftest --backend emulated (simulated sm_120)" bash -c "SM120_FP4_SIMULATE=12.0 python3 -m sm120_fp4 selftest --backend emulated 2>&1 | tee '$OUT/selftest.txt'"
+step "benchmark: dispatch overhead" python3 benchmarks/dispatch_overhead.py
+step "benchmark: selftest cost" python3 benchmarks/selftest_cost.py
+step "benchmark: emulated gemm" python3 benchmarks/emulated_gemm.py
+exit $status

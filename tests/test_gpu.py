@@ -1,0 +1,132 @@
+"""CUDA-only evidence (run on the H200 by scripts/gpu_check.sh): graphs, no sync, fastest selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import faults
+from sm120_fp4 import backends, devices, nvfp4, selection, selftest
+from sm120_fp4.config import Settings
+from sm120_fp4.dispatch import Router
+from sm120_fp4.errors import SelfTestError
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+SIM = Settings(simulate="12.0", backends="emulated")
+
+
+def quantized(m, n, k, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=gen)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.05
+    gx, gw = nvfp4.global_scale(x), nvfp4.global_scale(w)
+    qx, sx = nvfp4.quantize(x, gx)
+    qw, sw = nvfp4.quantize(w, gw)
+    return qx, qw.T, sx, sw.T, (1 / (gx * gw)).reshape(1)
+
+
+def test_emulated_selftest_passes_on_cuda_and_reports_its_duration():
+    device = devices.list_devices((12, 0))[0]
+    assert device.is_cuda and device.simulated
+    report = selftest.run("emulated", device)
+    assert report.passed, report.reason
+    assert report.duration_s < 5.0
+    print(f"emulated self-test on {device.label()}: {report.duration_s:.3f} s, max rel err {report.max_rel_err:.2e}")
+
+
+def test_patched_dispatch_captured_in_a_cuda_graph_replays_new_inputs_like_eager():
+    router = Router(SIM)
+    router.ensure(0)  # decide (self-test) before capture, as the weight hook does
+    dispatch = router.make_dispatch(lambda *a, **k: pytest.fail("original called"))
+    static = [t.clone() for t in quantized(64, 256, 512, seed=1)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm up outside capture (allocator, cuBLAS workspace)
+            dispatch(*static, torch.bfloat16, backend="cutlass")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = dispatch(*static, torch.bfloat16, backend="cutlass")
+    for seed in (2, 3, 4):
+        fresh = quantized(64, 256, 512, seed=seed)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = dispatch(*fresh, torch.bfloat16, backend="cutlass")
+        assert torch.equal(static_out, eager)
+        assert torch.equal(eager, nvfp4.reference_mm_fp4(*fresh))
+
+
+def test_selftest_refuses_to_run_inside_graph_capture():
+    device = devices.list_devices((12, 0))[0]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(SelfTestError, match="inside CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            selftest.run("emulated", device)
+
+
+def test_the_routed_dispatch_never_synchronises():
+    router = Router(SIM)
+    router.ensure(0)
+    dispatch = router.make_dispatch(lambda *a, **k: None)
+    args = quantized(32, 128, 256, seed=5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dispatch(*args, torch.bfloat16, backend="auto")
+        dispatch(*args, torch.bfloat16, backend="cutlass", out=torch.empty(32, 128, dtype=torch.bfloat16, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def slow_emulated(*args):
+    for _ in range(20):  # the same answer, twenty times the work
+        out = faults.healthy(*args)
+    return out
+
+
+def fast_but_wrong(a, b, a_sf, b_sf, alpha, dtype, out):
+    return out.zero_()
+
+
+def test_select_fastest_picks_the_faster_of_two_verified_backends_on_the_gpu():
+    backends.register("slow", slow_emulated)
+    backends.register("fast", faults.healthy)
+    device = devices.list_devices((12, 0))[0]
+    d = selection.decide(device, ["slow", "fast"], settings=Settings(simulate="12.0", select="fastest"))
+    assert d.backend == "fast" and set(d.timings_ms) == {"slow", "fast"}
+    assert d.timings_ms["fast"] < d.timings_ms["slow"]
+    print(f"timings (ms over the self-test shapes): {d.timings_ms}")
+
+
+def test_select_fastest_never_picks_a_fast_backend_that_fails_verification():
+    backends.register("slow", slow_emulated)
+    backends.register("fast-wrong", fast_but_wrong)
+    device = devices.list_devices((12, 0))[0]
+    d = selection.decide(device, ["fast-wrong", "slow"], settings=Settings(simulate="12.0", select="fastest"))
+    assert d.backend == "slow" and "all zeros" in d.rejected["fast-wrong"]
+
+
+def test_emulated_cached_matches_emulated_and_never_serves_a_stale_weight():
+    x = torch.randn(8, 256, device="cuda")
+    w1, w2 = torch.randn(64, 256, device="cuda"), torch.randn(64, 256, device="cuda")
+    g = nvfp4.global_scale(torch.cat([w1, w2]))
+    gx = nvfp4.global_scale(x)
+    qx, sx = nvfp4.quantize(x, gx)
+    q1, s1 = nvfp4.quantize(w1, g)
+    q2, s2 = nvfp4.quantize(w2, g)
+    weight, scales = q1.clone(), s1.clone()  # the layer's parameters
+    alpha = (1 / (gx * g)).reshape(1)
+
+    def run(name):
+        out = torch.empty(8, 64, dtype=torch.bfloat16, device="cuda")
+        return backends.resolve(name)(qx, weight.T, sx, scales.T, alpha, torch.bfloat16, out)
+
+    first = run("emulated-cached")
+    assert torch.equal(first, run("emulated")) and torch.equal(run("emulated-cached"), first)
+    weight.copy_(q2)  # a weight reload writes in place: the cache must notice
+    scales.copy_(s2)
+    assert torch.equal(run("emulated-cached"), run("emulated"))
+    assert not torch.equal(run("emulated-cached"), first)
