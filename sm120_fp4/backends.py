@@ -102,9 +102,59 @@ def _flashinfer_supported(name: str, device: Device) -> tuple[bool, str | None]:
     return True, None
 
 
+# Alignment each FlashInfer backend needs on (K, N); off it, kernels return silent garbage
+# (vLLM #48898: K not a multiple of 32). cute-dsl on SM12x needs both multiples of 64.
+_ALIGN = {"cutlass": (32, 8), "b12x": (32, 8), "cudnn": (32, 8), "cute-dsl": (64, 64)}
+_SCALE_DTYPES = ("torch.uint8", "torch.float8_e4m3fn")
+
+
+def _bad(param: str, value: object, accepted: str) -> InvalidArgument:
+    from .errors import describe
+
+    return InvalidArgument(f"mm_fp4: {param}={describe(value)} is not accepted; expected {accepted}")
+
+
+def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(32, 8)) -> None:
+    """Validate mm_fp4 arguments from tensor metadata only (no host sync); raise InvalidArgument."""
+    import torch
+
+    if a.dtype != torch.uint8 or a.dim() != 2:
+        raise _bad("a", a, "packed FP4 activations: a 2-D uint8 tensor (M, K/2)")
+    m, k = a.shape[0], a.shape[1] * 2
+    if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[0] != a.shape[1]:
+        raise _bad("b", b, f"packed FP4 weights: a 2-D uint8 (K/2={a.shape[1]}, N) view")
+    n = b.shape[1]
+    if b.stride(0) != 1 or b.stride(1) != a.shape[1]:
+        raise _bad("b", b, "the column-major view w.T of a contiguous (N, K/2) weight (strides (1, K/2))")
+    if k % align[0] or n % align[1]:
+        raise _bad("b", b, f"K % {align[0]} == 0 and N % {align[1]} == 0 for this kernel (got K={k}, N={n})")
+    sf_k = -(-(k // 16) // 4) * 4
+    for name, sf, rows in (("a_descale", a_descale, m), ("b_descale", b_descale, n)):
+        if str(sf.dtype) not in _SCALE_DTYPES or sf.numel() != -(-rows // 128) * 128 * sf_k:
+            raise _bad(name, sf, f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of {-(-rows // 128) * 128 * sf_k} elements")
+    if alpha is None or alpha.dtype != torch.float32 or alpha.numel() != 1:
+        raise _bad("alpha", alpha, "a one-element float32 tensor (the SM120 kernel requires alpha)")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise _bad("out_dtype", out_dtype, "torch.bfloat16 or torch.float16")
+    if out.dtype != out_dtype or tuple(out.shape) != (m, n) or not out.is_contiguous():
+        raise _bad("out", out, f"a contiguous ({m}, {n}) {out_dtype} tensor")
+    index = a.get_device()
+    for name, t in (("b", b), ("a_descale", a_descale), ("b_descale", b_descale), ("alpha", alpha), ("out", out)):
+        if t.get_device() != index:
+            raise _bad(name, t, f"a tensor on the same device as a ({a.device})")
+
+
 def _flashinfer_fn(name: str) -> GemmFn:
-    # A C-level partial: no Python frame of ours between dispatch and FlashInfer.
-    return functools.partial(_mm_fp4(), backend=name)
+    mm_fp4 = _mm_fp4()
+    align = _ALIGN.get(name, (32, 8))
+    check = check_mm_fp4_args
+
+    def flashinfer_backend(a, b, a_descale, b_descale, alpha, out_dtype, out):
+        check(a, b, a_descale, b_descale, alpha, out_dtype, out, align)
+        return mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, backend=name)
+
+    flashinfer_backend.__name__ = f"flashinfer_{name.replace('-', '_')}"
+    return flashinfer_backend
 
 
 def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):

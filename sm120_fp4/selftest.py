@@ -7,8 +7,8 @@ and its output is checked against ``nvfp4.reference_mm_fp4`` of the same quantiz
 
 from __future__ import annotations
 
+import threading
 import time
-import traceback
 from typing import Callable
 
 import torch
@@ -33,6 +33,9 @@ class Bounds(BaseModel):
     max_rel_err: float = 1e-2
     max_row_rel_err: float = 5e-2
     norm_ratio: tuple[float, float] = (0.97, 1.03)
+    # A first FlashInfer call JIT-compiles its kernels (minutes on a cold cache); past this, a
+    # call is reported as hung. The hung thread cannot be killed: the worker then refuses to serve.
+    call_timeout_s: float = 900.0
 
 
 class ShapeResult(BaseModel):
@@ -136,6 +139,31 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: Shape
     return None
 
 
+class _Hung:
+    pass
+
+
+def _call_with_timeout(fn: Callable, args: tuple, device: torch.device, timeout_s: float) -> object:
+    """fn(*args) (synchronised), its exception, or _Hung when it outlives `timeout_s`."""
+    box: list = []
+
+    def call() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            value = fn(*args)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            box.append(value)
+        except BaseException as exc:  # noqa: BLE001 - reported as the self-test's finding
+            box.append(exc)
+
+    worker = threading.Thread(target=call, name="sm120_fp4-selftest-call", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return box[0] if box else _Hung()
+
+
 def _check_shape(fn: Callable, shape: Shape, device: torch.device, seed: int, bounds: Bounds) -> ShapeResult:
     m, n, k = shape
     result = ShapeResult(m=m, n=n, k=k, passed=False)
@@ -143,16 +171,15 @@ def _check_shape(fn: Callable, shape: Shape, device: torch.device, seed: int, bo
     ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
     start = time.perf_counter()
-    try:
-        returned = fn(*args, torch.bfloat16, out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as exc:
-        result.reason = f"raised {type(exc).__name__}: {exc}".strip()
-        result.reason += "" if str(exc) else " (" + traceback.format_exc(limit=1).splitlines()[-1] + ")"
+    outcome = _call_with_timeout(fn, (*args, torch.bfloat16, out), device, bounds.call_timeout_s)
+    result.duration_s = time.perf_counter() - start
+    if isinstance(outcome, _Hung):
+        result.reason = f"did not return within {bounds.call_timeout_s:g} s (a hung kernel?)"
         return result
-    finally:
-        result.duration_s = time.perf_counter() - start
+    if isinstance(outcome, BaseException):
+        result.reason = f"raised {type(outcome).__name__}: {outcome}".strip()
+        return result
+    returned = outcome
     if returned is not None and returned is not out:
         result.reason = "returned a tensor other than `out` (backends must write into out and return it)"
         return result

@@ -130,3 +130,12 @@ def test_emulated_cached_matches_emulated_and_never_serves_a_stale_weight():
     scales.copy_(s2)
     assert torch.equal(run("emulated-cached"), run("emulated"))
     assert not torch.equal(run("emulated-cached"), first)
+
+
+def test_flashinfer_backends_reject_operands_on_different_devices():
+    from sm120_fp4.errors import InvalidArgument
+
+    qx, b, sx, b_sf, alpha = quantized(4, 32, 64, seed=9)
+    out = torch.empty(4, 32, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(InvalidArgument, match=r"alpha=.*same device"):
+        backends.check_mm_fp4_args(qx, b, sx, b_sf, alpha.cpu(), torch.bfloat16, out)

@@ -281,3 +281,17 @@ def test_select_fastest_times_every_verified_candidate_and_records_it():
     assert d.backend == "fast" and set(d.timings_ms) == {"slow", "fast"}
     assert d.timings_ms["slow"] > d.timings_ms["fast"] and "zeros" in d.rejected
     assert "fastest of 2 verified candidates" in d.reason
+
+
+def test_a_backend_that_hangs_is_reported_after_the_bound_not_waited_on_forever():
+    import time
+
+    def hangs(*args):
+        time.sleep(2)
+        return faults.healthy(*args)
+
+    backends.register("hangs", hangs)
+    start = time.perf_counter()
+    report = selftest.run("hangs", devices.list_devices((12, 0))[0], shapes=[(1, 32, 64)], bounds=selftest.Bounds(call_timeout_s=0.2))
+    assert time.perf_counter() - start < 1.5
+    assert not report.passed and "did not return within 0.2 s (a hung kernel?)" in report.reason
