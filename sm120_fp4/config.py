@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     toggle: bool | None = Field(
         None,
         validation_alias=AliasChoices("toggle", TOGGLE_VAR),
-        description="Master switch for deployment manifests: 1|on activates in every process, 0|off makes every install a no-op.",
+        description="Master switch for deployment manifests: 1 or on activates in every process, 0 or off makes every install a no-op.",
     )
     enable: Literal["auto", "on", "off"] = Field(
         "auto", description="auto: patch only where a 12.x GPU is visible; on: patch on any GPU; off: never patch."
@@ -179,3 +179,25 @@ def sources(settings_kwargs: dict[str, Any], environ: dict[str, str] | None = No
         else:
             out[field] = "default"
     return out
+
+
+def _accepted(field: str) -> str:
+    import typing
+
+    annotation = Settings.model_fields[field].annotation
+    choices = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if field == "toggle":
+        return "`1`, `on`, `0`, `off`"
+    if choices and all(isinstance(c, str) for c in choices):
+        return ", ".join(f"`{c}`" for c in choices)
+    return {"backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`", "report": "a path"}.get(field, "")
+
+
+def settings_table() -> str:
+    """The README's table of every setting, generated from Settings (a test keeps README in sync)."""
+    rows = ["| variable | default | accepted | meaning |", "|---|---|---|---|"]
+    for field, info in Settings.model_fields.items():
+        default = info.default
+        shown = "unset" if default is None else ",".join(default) if isinstance(default, tuple) else str(default)
+        rows.append(f"| `{env_name(field)}` | `{shown}` | {_accepted(field)} | {info.description} |")
+    return "\n".join(rows)
