@@ -48,29 +48,19 @@ def make_quantizer(original: Callable) -> Callable:
     return fp4_quantize
 
 
+def _callable(original: object) -> str | None:
+    return None if callable(original) else f"fp4_quantize is {original!r}, not callable"
+
+
 def specs() -> list[PatchSpec]:
     """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it."""
+    where = [
+        ("sim-activation-quantizer", MQ, "FlashInfer's FP4 quantizer needs an SM100+ GPU"),
+        ("sim-activation-quantizer-ct", CT, "the compressed-tensors scheme imported the quantizer by name"),
+    ]
     return [
-        PatchSpec(
-            name="sim-activation-quantizer",
-            module=MQ,
-            attribute="fp4_quantize",
-            make=make_quantizer,
-            why=_WHY + "; FlashInfer's FP4 quantizer needs an SM100+ GPU",
-            upstream="-",
-            remove_when=_NEVER,
-            check=lambda original: None if callable(original) else f"fp4_quantize is {original!r}, not callable",
-        ),
-        PatchSpec(
-            name="sim-activation-quantizer-ct",
-            module=CT,
-            attribute="fp4_quantize",
-            make=make_quantizer,
-            why=_WHY + "; the compressed-tensors scheme imported the quantizer by name",
-            upstream="-",
-            remove_when=_NEVER,
-            check=lambda original: None if callable(original) else f"fp4_quantize is {original!r}, not callable",
-        ),
+        PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=make_quantizer, check=_callable)
+        for name, module, why in where
     ]
 
 
