@@ -155,7 +155,8 @@ def install(**overrides: Any) -> Status:
         settings = load_settings(**overrides)
         selection._candidates(settings, None)  # unknown backend names: ConfigError now, not at serve time
         if _state is not None:
-            same = settings == _state.settings
+            # install() itself exported SM120_FP4=1: a toggle that became "on" is not a change.
+            same = settings.model_copy(update={"toggle": None}) == _state.settings.model_copy(update={"toggle": None})
             _LOG.warning(
                 "sm120_fp4: install() called while already installed%s; nothing changed",
                 "" if same else " with other settings (call uninstall() first to change them)",
@@ -170,6 +171,11 @@ def install(**overrides: Any) -> Status:
         _message = f"installed (sglang {sglang_targets.sglang_version()})"
         _log_once("installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump())
         return status()
+
+
+def installed() -> bool:
+    """Whether install() is in force in this process (cheap; for the automatic activation paths)."""
+    return _state is not None
 
 
 def uninstall() -> Status:

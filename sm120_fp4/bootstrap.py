@@ -27,7 +27,8 @@ def _on_sglang(module) -> None:
     try:
         from . import api
 
-        api.install()
+        if not api.installed():
+            api.install()
     except ConfigError:
         raise  # the operator asked for the library with a bad setting: stop, naming it
     except Exception as exc:  # noqa: BLE001 - our own failure must not break SGLang

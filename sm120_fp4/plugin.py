@@ -11,4 +11,5 @@ def load() -> None:
     if enabled():
         from . import api
 
-        api.install()
+        if not api.installed():  # the .pth bootstrap or the user's own install() may have run first
+            api.install()
