@@ -24,4 +24,5 @@ step "selftest --backend emulated (simulated sm_120)" bash -c "SM120_FP4_SIMULAT
 step "benchmark: dispatch overhead" python3 benchmarks/dispatch_overhead.py
 step "benchmark: selftest cost" python3 benchmarks/selftest_cost.py
 step "benchmark: emulated gemm" python3 benchmarks/emulated_gemm.py
+step "benchmark: start-up" python3 benchmarks/startup.py
 exit $status
