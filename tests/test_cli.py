@@ -23,18 +23,27 @@ def run(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.C
 
 # ---- selftest -----------------------------------------------------------------------------
 
-def test_selftest_passes_with_exit_0_and_a_table():
-    proc = run("selftest", env=SIM_OK)
-    assert proc.returncode == 0, proc.stderr
-    assert "| cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in proc.stdout
-    assert "self-testing" in proc.stderr and "JIT-compiles" in proc.stderr  # progress for long steps
+def cli_in_process(monkeypatch, capsys, *args, env=None):
+    """Run the CLI in this process (the self-test workers are still subprocesses)."""
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    code = cli.main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
-def test_selftest_refusal_is_exit_1_with_the_refusal_message():
-    proc = run("selftest", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"})
-    assert proc.returncode == 1
-    assert "REFUSED" in proc.stdout and "refusing to serve NVFP4" in proc.stderr
-    assert "cutlass: not supported: FlashInfer kernels need a real GPU" in proc.stderr
+def test_selftest_passes_with_exit_0_a_table_and_progress(monkeypatch, capsys):
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=SIM_OK)
+    assert code == 0, err
+    assert "| cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out
+    assert "self-testing" in err and "JIT-compiles" in err  # progress for long steps
+
+
+def test_selftest_refusal_is_exit_1_with_the_refusal_message(monkeypatch, capsys):
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"})
+    assert code == 1
+    assert "REFUSED" in out and "refusing to serve NVFP4" in err
+    assert "cutlass: not supported: FlashInfer kernels need a real GPU" in err
 
 
 @pytest.mark.parametrize(
@@ -46,15 +55,20 @@ def test_selftest_refusal_is_exit_1_with_the_refusal_message():
         (("selftest", "--device", "x"), SIM_OK, "invalid int value"),
     ],
 )
-def test_selftest_bad_usage_or_environment_is_exit_2(args, env, message):
-    proc = run(*args, env=env)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_selftest_bad_usage_or_environment_is_exit_2(monkeypatch, capsys, args, env, message):
+    code, out, err = cli_in_process(monkeypatch, capsys, *args, env=env)
+    assert code == 2 and message in err
 
 
-def test_selftest_json_holds_the_decision():
-    proc = run("selftest", "--json", env=SIM_OK)
-    data = json.loads(proc.stdout)
-    assert data["-1"]["ok"] and data["-1"]["decision"]["backend"] == "emulated"
+def test_selftest_json_holds_the_decision(monkeypatch, capsys):
+    code, out, _ = cli_in_process(monkeypatch, capsys, "selftest", "--json", env=SIM_OK)
+    data = json.loads(out)
+    assert code == 0 and data["-1"]["ok"] and data["-1"]["decision"]["backend"] == "emulated"
+
+
+def test_the_console_script_runs_the_same_program():
+    proc = run("selftest", "--device", "7", env=SIM_OK)  # python -m sm120_fp4, as an operator runs it
+    assert proc.returncode == 2 and "not visible" in proc.stderr
 
 
 # ---- launch -------------------------------------------------------------------------------
@@ -78,23 +92,23 @@ def test_launch_without_a_command_is_usage_error():
 
 # ---- doctor -------------------------------------------------------------------------------
 
-def test_doctor_markdown_and_json_describe_this_machine():
-    md = run("doctor", env=SIM_OK)
-    assert md.returncode == 0, md.stderr
+def test_doctor_markdown_and_json_describe_this_machine(monkeypatch, capsys):
+    code, md, err = cli_in_process(monkeypatch, capsys, "doctor", env=SIM_OK)
+    assert code == 0, err
     for heading in ("## sm120-fp4 doctor", "### GPUs", "### Settings", "### SGLang patch targets", "### Backends", "### Activation"):
-        assert heading in md.stdout
-    assert "| simulate | 12.0 | env SM120_FP4_SIMULATE |" in md.stdout
-    data = json.loads(run("doctor", "--json", env=SIM_OK).stdout)
+        assert heading in md
+    assert "| simulate | 12.0 | env SM120_FP4_SIMULATE |" in md
+    data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--json")[1])
     assert data["versions"]["sglang"] and data["sglang"]["supported"] is True
     assert {t["name"] for t in data["sglang"]["targets"] if t["applies"]} >= {"flashinfer-fp4-gemm-alias", "modelopt-fp4-weights-hook"}
     assert any(b["backend"] == "emulated" and b["supported"] for b in data["backends"])
     assert data["activation"]["plugin_entry_point"], "the sglang.srt.plugins entry point is installed"
 
 
-def test_doctor_strict_fails_on_a_bad_setting_but_never_crashes():
-    proc = run("doctor", "--strict", env={"SM120_FP4_ENABLE": "maybe"})
-    assert proc.returncode == 1 and "SM120_FP4_ENABLE='maybe'" in proc.stdout
-    assert run("doctor", env={"SM120_FP4_ENABLE": "maybe"}).returncode == 0
+def test_doctor_strict_fails_on_a_bad_setting_but_never_crashes(monkeypatch, capsys):
+    code, out, _ = cli_in_process(monkeypatch, capsys, "doctor", "--strict", env={"SM120_FP4_ENABLE": "maybe"})
+    assert code == 1 and "SM120_FP4_ENABLE='maybe'" in out
+    assert cli_in_process(monkeypatch, capsys, "doctor")[0] == 0
 
 
 def test_doctor_works_without_sglang(monkeypatch, capsys):
@@ -126,10 +140,10 @@ def test_doctor_survives_a_broken_probe(monkeypatch, capsys):
 
 # ---- demo ---------------------------------------------------------------------------------
 
-def test_demo_runs_to_the_end_and_shows_the_refusal():
-    proc = run("demo")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
+def test_demo_runs_to_the_end_and_shows_the_refusal(capsys):
+    # In process (the README runs it as `python -m sm120_fp4 demo`; the console path is tested above).
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
     assert "bit-exact: True" in out and "decision: emulated" in out
     assert "flashinfer-fp4-gemm-alias" in out and "applied" in out
     assert "zero-band: self-test failed: M=129 N=160 K=480: 64 row(s) all zero" in out

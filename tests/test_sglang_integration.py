@@ -215,19 +215,26 @@ def test_bad_settings_fail_at_install_not_at_serve_time(monkeypatch):
 
 # ---- spawned workers -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("toggle, expected", [("1", "flashinfer-fp4-gemm-alias"), (None, None)])
-def test_a_spawned_child_patches_itself_from_the_environment_toggle(monkeypatch, toggle, expected):
-    if toggle is not None:
-        monkeypatch.setenv("SM120_FP4", toggle)
-        monkeypatch.setenv("SM120_FP4_SIMULATE", "12.0")
-        monkeypatch.setenv("SM120_FP4_BACKENDS", "emulated")
+def test_a_spawned_child_patches_itself_from_the_environment_toggle_and_only_with_it(monkeypatch):
     ctx = multiprocessing.get_context("spawn")  # how SGLang starts its schedulers
-    queue = ctx.Queue()
-    child = ctx.Process(target=spawn_target.report_alias_patch, args=(queue,))
-    child.start()
-    result = queue.get(timeout=240)
-    child.join(timeout=60)
-    assert child.exitcode == 0 and result == expected
+    children = {}
+    for toggle in ("1", None):  # both children run at once; each takes the environment of its start
+        if toggle is None:
+            for name in ("SM120_FP4", "SM120_FP4_SIMULATE", "SM120_FP4_BACKENDS"):
+                monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv("SM120_FP4", toggle)
+            monkeypatch.setenv("SM120_FP4_SIMULATE", "12.0")
+            monkeypatch.setenv("SM120_FP4_BACKENDS", "emulated")
+        queue = ctx.Queue()
+        child = ctx.Process(target=spawn_target.report_alias_patch, args=(queue,))
+        child.start()
+        children[toggle] = (child, queue)
+    results = {toggle: queue.get(timeout=240) for toggle, (_, queue) in children.items()}
+    for child, _ in children.values():
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    assert results == {"1": "flashinfer-fp4-gemm-alias", None: None}
 
 
 def test_an_sglang_that_already_contains_the_fix_is_left_alone(monkeypatch):
