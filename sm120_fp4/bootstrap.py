@@ -1,7 +1,8 @@
 """Start-up activation for every new interpreter (spawned SGLang schedulers included).
 
 The ``sm120_fp4.pth`` file installed into site-packages runs one line at interpreter start-up:
-when ``SM120_FP4`` is ``1``/``on`` it calls :func:`activate`, otherwise it does nothing (no import
+when ``SM120_FP4`` is set (to anything but ``0``/``off``) it calls :func:`activate`, once per
+interpreter, otherwise it does nothing (no import
 of this package, of torch or of pydantic). :func:`activate` only puts a one-shot finder on
 ``sys.meta_path`` (stdlib only); ``install()`` runs right after SGLang is imported, so plain
 Python processes pay almost nothing. Nothing here raises at start-up except an invalid setting, which must stop a worker
@@ -13,12 +14,14 @@ from __future__ import annotations
 import os
 import sys
 
-_ON = ("1", "on")
+_OFF = ("", "0", "off")
 _activated = False
 
 
 def enabled(environ=os.environ) -> bool:
-    return environ.get("SM120_FP4") in _ON
+    """True when SM120_FP4 is set to anything but 0/off/empty: a garbage value must reach
+    install(), which rejects it loudly, rather than leave a worker silently unpatched."""
+    return environ.get("SM120_FP4", "") not in _OFF
 
 
 def _on_sglang(module) -> None:

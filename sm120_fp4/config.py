@@ -84,7 +84,7 @@ class Settings(BaseSettings):
         if not isinstance(names, (list, tuple)) or not names:
             raise ValueError("accepted: a comma-separated list of backend names, e.g. cutlass,b12x")
         names = tuple(n.strip() if isinstance(n, str) else n for n in names)
-        bad = [n for n in names if not isinstance(n, str) or not _NAME.match(n)]
+        bad = [n for n in names if not isinstance(n, str) or not _NAME.fullmatch(n)]
         if bad:
             raise ValueError(f"accepted: lower-case backend names such as cutlass,b12x,emulated; bad entries {bad}")
         if len(set(names)) != len(names):
@@ -96,7 +96,8 @@ class Settings(BaseSettings):
     def _parse_simulate(cls, value: object) -> object:
         if value is None:
             return None
-        match = _CAPABILITY.match(value) if isinstance(value, str) else None
+        # fullmatch: re's `$` also matches before a trailing newline ("12.0\n" is not a capability).
+        match = _CAPABILITY.fullmatch(value) if isinstance(value, str) else None
         if not match or not 1 <= int(match.group(1)) <= 99:
             raise ValueError("accepted: a compute capability MAJOR.MINOR such as 12.0 or 12.1")
         return value
@@ -106,6 +107,12 @@ class Settings(BaseSettings):
     def _parse_report(cls, value: object) -> object:
         if isinstance(value, str) and not value.strip():
             raise ValueError("accepted: a file or directory path (unset for no report)")
+        if isinstance(value, (str, Path)):
+            # Checked now, not when the first decision writes the report in a serving worker.
+            path = Path(str(value).replace("{pid}", "0"))
+            folder = path if path.is_dir() else path.parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+                raise ValueError(f"accepted: a file in an existing, writable directory, or such a directory ({folder} is not one)")
         return value
 
     @property
@@ -144,12 +151,16 @@ def _config_error(exc: ValidationError, kwargs: dict[str, Any]) -> ConfigError:
 
 def _check_unknown_env(environ: dict[str, str]) -> None:
     known = {env_name(f) for f in Settings.model_fields}
-    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    # Names are upper case: pydantic would read sm120_fp4_selftest too, but the start-up bootstrap
+    # and spawned workers read SM120_FP4 exactly, so a wrong-case name is an error, not a synonym.
+    unknown = sorted(
+        k for k in environ if (k.upper().startswith(ENV_PREFIX) or k.upper() == TOGGLE_VAR) and k not in known
+    )
     if unknown:
         hints = []
         for name in unknown:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hints.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
+            close = [name.upper()] if name.upper() in known else difflib.get_close_matches(name.upper(), sorted(known), n=1)
+            hints.append(f"{name}={environ[name]!r}" + (f" (did you mean {close[0]}?)" if close else ""))
         raise ConfigError(
             "unknown sm120_fp4 environment variable(s): " + ", ".join(hints) + "; accepted: " + ", ".join(sorted(known))
         )

@@ -32,6 +32,7 @@ class Router:
         self.settings = settings
         self._routes: dict[int, Callable] = {}  # device index -> decided backend (ours only)
         self._passed: set[int] = set()  # device indices that are not ours: the original runs
+        self._names: dict[int, str] = {}  # device index -> decided backend's name (error context)
         self._alpha_one: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -59,7 +60,9 @@ class Router:
         device = devices.get_device(index, simulate)
         if not self.ours(device):
             return _PASS
-        return selection.decide(device, settings=self.settings).fn
+        decision = selection.decide(device, settings=self.settings)
+        self._names[index] = decision.backend
+        return decision.fn
 
     def routes(self) -> dict[int, str]:
         routes = {i: getattr(r, "__name__", repr(r)) for i, r in self._routes.items()}
@@ -73,6 +76,12 @@ class Router:
         routed = ROUTED_BACKENDS
         bf16 = torch.bfloat16
         empty = torch.empty
+        names = self._names
+
+        def describe(a, fn) -> str:
+            index = a.get_device()
+            return (f"sm120_fp4: raised by FP4 GEMM backend {names.get(index, getattr(fn, '__name__', fn))!r} "
+                    f"on device {index} (M={a.shape[0]}); never replaced by zeros")
 
         def slow_path(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, backend, kwargs):
             fn = ensure(a.get_device())  # first call on this device: decide (self-test) once
@@ -88,7 +97,11 @@ class Router:
                 if alpha is None:
                     alpha = alpha_one.setdefault(index, torch.ones(1, dtype=torch.float32, device=a.device))
             result = empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-            fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
+            try:
+                fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
+            except Exception as exc:
+                exc.add_note(describe(a, fn))
+                raise
             if out is None:
                 return result
             out.copy_(result)  # a non-contiguous out: the kernels need a contiguous one
@@ -100,11 +113,15 @@ class Router:
         ):
             fn = route(a.get_device())
             if fn is not None and backend in routed and alpha is not None and block_size == 16 and not use_8x4_sf_layout and not kwargs:
-                if out is None:
-                    # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
-                    return fn(a, b, a_descale, b_descale, alpha, out_dtype, empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device))
-                if out.is_contiguous():
-                    return fn(a, b, a_descale, b_descale, alpha, out_dtype, out)
+                try:  # free in Python 3.11+ when nothing is raised
+                    if out is None:
+                        # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
+                        return fn(a, b, a_descale, b_descale, alpha, out_dtype, empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device))
+                    if out.is_contiguous():
+                        return fn(a, b, a_descale, b_descale, alpha, out_dtype, out)
+                except Exception as exc:
+                    exc.add_note(describe(a, fn))
+                    raise
             return slow_path(a, b, a_descale, b_descale, alpha, out_dtype, out, block_size, use_8x4_sf_layout, backend, kwargs)
 
         flashinfer_fp4_gemm.__wrapped__ = original

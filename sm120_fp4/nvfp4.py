@@ -187,7 +187,10 @@ def global_scale(x: torch.Tensor) -> torch.Tensor:
     amax = x.float().abs().amax()
     if not torch.isfinite(amax) or amax == 0:
         raise _fail("global_scale", "x", x, f"finite values, not all zero (amax(|x|)={float(amax)})")
-    return torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=x.device) / amax
+    scale = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=x.device) / amax
+    if not torch.isfinite(scale):
+        raise _fail("global_scale", "x", x, f"amax(|x|) large enough for a finite float32 scale (amax={float(amax):.3g})")
+    return scale
 
 
 def _as_scale(func: str, param: str, value: object, device: torch.device, check: bool) -> torch.Tensor:

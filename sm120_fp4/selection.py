@@ -56,6 +56,7 @@ class Decision(BaseModel):
 _lock = threading.Lock()
 _decisions: dict[tuple, Decision] = {}
 _key_locks: dict[tuple, threading.Lock] = {}
+_report_lock = threading.Lock()
 
 
 def _operator_advice(device: Device, candidates: list[str]) -> list[str]:
@@ -229,7 +230,11 @@ def decide(
             _decisions[key] = decision
     _log_decision(decision)
     if settings.report is not None:
-        write_report(settings.report, {"pid": os.getpid(), "decisions": [d.model_dump(mode="json") for d in decisions()]})
+        with _report_lock:  # the newest report holds every decision, whichever device finished last
+            try:
+                write_report(settings.report, {"pid": os.getpid(), "decisions": [d.model_dump(mode="json") for d in decisions()]})
+            except OSError as exc:  # a report is evidence, not a reason to stop a verified worker
+                _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
     return decision
 
 
