@@ -11,6 +11,7 @@ Target: the patch adds at most 500 ns per call (median) and never synchronises h
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -70,7 +71,13 @@ def measure(device: torch.device) -> tuple[list[list], dict]:
     for fn in cases.values():  # warm up
         for _ in range(2000):
             fn()
-    times = {name: median_ns(fn, number=20000, repeat=15) for name, fn in cases.items()}
+    # Interleaved: each round times every case once, so drift (clocks, allocator state, the VM)
+    # lands on all of them alike; the median over rounds is reported.
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(15):
+        for name, fn in cases.items():
+            samples[name].append(median_ns(fn, number=20000, repeat=1))
+    times = {name: statistics.median(values) for name, values in samples.items()}
     names = list(cases)
     base, alias = times[names[0]], times[names[3]]
     alloc_base, alias_sglang = times[names[4]], times[names[5]]
