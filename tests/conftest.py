@@ -41,3 +41,18 @@ def _clean_library_state(monkeypatch):
         backends.unregister(name)
     selection.clear()
     devices.clear_cache()
+
+
+@pytest.fixture
+def sglang_unpatched():
+    """SGLang unpatched before and after the test, and its runner enum as SGLang left it."""
+    fp4_utils = pytest.importorskip("sglang.srt.layers.quantization.fp4_utils")
+    import sm120_fp4
+
+    enum_before = fp4_utils.FP4_GEMM_RUNNER_BACKEND
+    if sm120_fp4.status().installed:
+        sm120_fp4.uninstall()
+    yield
+    if sm120_fp4.status().installed:
+        sm120_fp4.uninstall()
+    fp4_utils.FP4_GEMM_RUNNER_BACKEND = enum_before

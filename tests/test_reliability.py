@@ -78,15 +78,8 @@ def _record_case(request):
 
 
 @pytest.fixture(autouse=True)
-def _uninstalled():
-    """Every test starts and ends with SGLang unpatched and the runner enum as SGLang left it."""
-    enum_before = fp4_utils.FP4_GEMM_RUNNER_BACKEND
-    if sm120_fp4.status().installed:
-        sm120_fp4.uninstall()
-    yield
-    if sm120_fp4.status().installed:
-        sm120_fp4.uninstall()
-    fp4_utils.FP4_GEMM_RUNNER_BACKEND = enum_before
+def _uninstalled(sglang_unpatched):
+    """Every test here starts and ends with SGLang unpatched (see conftest.sglang_unpatched)."""
 
 
 def assert_not_patched():

@@ -26,15 +26,8 @@ SIM = dict(simulate="12.0", backends="emulated")
 
 
 @pytest.fixture(autouse=True)
-def _uninstalled():
-    """Every test starts and ends with SGLang unpatched and the runner enum as SGLang left it."""
-    enum_before = fp4_utils.FP4_GEMM_RUNNER_BACKEND
-    if sm120_fp4.status().installed:
-        sm120_fp4.uninstall()
-    yield
-    if sm120_fp4.status().installed:
-        sm120_fp4.uninstall()
-    fp4_utils.FP4_GEMM_RUNNER_BACKEND = enum_before
+def _uninstalled(sglang_unpatched):
+    """Every test here starts and ends with SGLang unpatched (see conftest.sglang_unpatched)."""
 
 
 def patch_state(name: str) -> str:
