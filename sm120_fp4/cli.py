@@ -48,12 +48,19 @@ def _worker(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_worker(index: int, backend_args: list[str]) -> dict:
+def _run_worker(index: int, backend_args: list[str], label: str, heartbeat_s: float = 30.0) -> dict:
     cmd = [sys.executable, "-m", "sm120_fp4", "_selftest-worker", "--device", str(index), *backend_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy()) as proc:
+        start = time.perf_counter()
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=heartbeat_s)
+                break
+            except subprocess.TimeoutExpired:  # a first FlashInfer call may be compiling kernels
+                _eprint(f"[{label}] still running after {time.perf_counter() - start:.0f} s ...")
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if not lines:
-        return {"ok": False, "usage": True, "message": f"self-test worker exited {proc.returncode}:\n{proc.stderr[-2000:]}"}
+        return {"ok": False, "usage": True, "message": f"self-test worker exited {proc.returncode}:\n{stderr[-2000:]}"}
     return json.loads(lines[-1])
 
 
@@ -113,7 +120,7 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False) -> int:
         _eprint(f"[{label}] self-testing {', '.join(args.backend or ['the configured backends'])} "
                 "(the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes) ...")
         start = time.perf_counter()
-        results[index] = _run_worker(index, backend_args)
+        results[index] = _run_worker(index, backend_args, label)
         _eprint(f"[{label}] done in {time.perf_counter() - start:.1f} s")
     usage = [r for r in results.values() if not r.get("ok") and r.get("usage")]
     refused = [r for r in results.values() if not r.get("ok") and not r.get("usage")]

@@ -65,8 +65,8 @@ class Router:
         return decision.fn
 
     def routes(self) -> dict[int, str]:
-        routes = {i: getattr(r, "__name__", repr(r)) for i, r in self._routes.items()}
-        return {**routes, **{i: "original" for i in self._passed}}
+        """Device index -> the backend it is routed to, or "original" (not a device this install fixes)."""
+        return {**{i: self._names.get(i, "?") for i in self._routes}, **{i: "original" for i in self._passed}}
 
     def make_dispatch(self, original: Callable) -> Callable:
         """Build the replacement for a module-level ``mm_fp4`` alias."""

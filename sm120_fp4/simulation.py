@@ -53,7 +53,8 @@ def _callable(original: object) -> str | None:
 
 
 def specs() -> list[PatchSpec]:
-    """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it."""
+    """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it, and
+    the Blackwell check of releases older than SGLang's own override_platform seam."""
     where = [
         ("sim-activation-quantizer", MQ, "FlashInfer's FP4 quantizer needs an SM100+ GPU"),
         ("sim-activation-quantizer-ct", CT, "the compressed-tensors scheme imported the quantizer by name"),
@@ -61,7 +62,18 @@ def specs() -> list[PatchSpec]:
     return [
         PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=make_quantizer, check=_callable)
         for name, module, why in where
+    ] + [
+        PatchSpec(
+            "sim-blackwell-check", MQ, "is_blackwell_supported",
+            f"{_WHY}; 0.5.13-0.5.18 check is_blackwell_supported() and have no override_platform", "-", _NEVER,
+            make=lambda original: lambda *args, **kwargs: True,
+            distribution="sglang", versions=">=0.5.13,<0.5.19", check=_callable_check("is_blackwell_supported"),
+        )
     ]
+
+
+def _callable_check(name: str):
+    return lambda original: None if callable(original) else f"{name} is {original!r}, not callable"
 
 
 class Simulation:
@@ -135,7 +147,22 @@ def _op_body(module: Any) -> Callable | None:
         if code is not None and "flashinfer_fp4_gemm" in code.co_names:
             return handle
         handle = getattr(handle, "__wrapped__", None) or getattr(handle, "op_func", None) or getattr(handle, "func", None)
+    if hasattr(module, "flashinfer_fp4_gemm"):
+        return _op_body_stand_in(module)
     return None
+
+
+def _op_body_stand_in(module: Any) -> Callable:
+    """0.5.8-0.5.22 keep only the op handle: the same body (w4a4), calling the module's alias."""
+
+    def fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, out_features, quant_mode="w4a4"):
+        if quant_mode != "w4a4":
+            raise NotImplementedError(f"sm120_fp4 simulation: quant_mode {quant_mode!r} is not simulated")
+        fp4_utils = sys.modules.get("sglang.srt.layers.quantization.fp4_utils")
+        backend = fp4_utils.get_fp4_gemm_runner_backend().get_flashinfer_backend() if fp4_utils else "auto"
+        return module.flashinfer_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend=backend)
+
+    return fp4_gemm
 
 
 @contextlib.contextmanager

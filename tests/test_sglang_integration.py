@@ -66,7 +66,7 @@ def test_modelopt_layer_runs_through_the_patch_and_matches_the_reference(caplog,
     assert rel < 0.3, "quantized output tracks the dense bf16 layer"
     decided = [r.getMessage() for r in caplog.records if "using emulated" in r.getMessage()]
     assert len(decided) == 1 and "sm_120, simulated" in decided[0]
-    assert sm120_fp4.status().routes == {-1: "emulated_mm_fp4"}
+    assert sm120_fp4.status().routes == {-1: "emulated"}
 
 
 def test_a_misbehaving_backend_stops_process_weights_after_loading():
