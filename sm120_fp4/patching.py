@@ -47,6 +47,7 @@ class PatchSpec:
     distribution: str | None = None
     versions: str | None = None
     check: Callable[[object], str | None] | None = None
+    when_missing: str | None = None  # the likely cause when the target is absent
 
 
 class LedgerEntry(BaseModel):
@@ -149,7 +150,9 @@ class Patcher:
             owner, leaf = _resolve_owner(module, spec.attribute)
             original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
         except (AttributeError, KeyError):
-            record.state, record.reason = "skipped", f"{spec.module}.{spec.attribute} not found in this release"
+            record.state, record.reason = "skipped", f"{spec.module}.{spec.attribute} not found" + (
+                f": {spec.when_missing}" if spec.when_missing else " in this release"
+            )
             _LOG.warning("sm120_fp4: not patching %s: %s", spec.name, record.reason)
             return
         if getattr(original, "__sm120_fp4_patch__", None) is not None:

@@ -48,6 +48,7 @@ _ALIAS_WHY = (
     "SGLang never passes out, and nothing checks the numbers; route to the backend verified on "
     "this GPU with alpha and a contiguous out"
 )
+_ALIAS_MISSING = "SGLang binds it only when `from flashinfer import mm_fp4` succeeds: is FlashInfer installed and importable?"
 _ALIAS_UPSTREAM = "flashinfer#2577 (all zeros), flashinfer#3398 (zeros at some M), sglang#20043 / PR 20047 (NaN rows)"
 _ALIAS_REMOVE = (
     "when SGLang passes an explicit, verified backend with alpha and out on SM12x and checks the "
@@ -120,6 +121,7 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], None], weight
             attribute="flashinfer_fp4_gemm",
             make=make_dispatch,
             check=_is_mm_fp4,
+            when_missing=_ALIAS_MISSING,
             distribution=DISTRIBUTION,
             versions=">=0.5.8,<0.5.24",
             why=_ALIAS_WHY,
@@ -132,6 +134,7 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], None], weight
             attribute="fp4_gemm",
             make=make_dispatch,
             check=_is_mm_fp4,
+            when_missing=_ALIAS_MISSING,
             distribution=DISTRIBUTION,
             versions=">=0.5.3,<0.5.8",
             why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; the sglang::fp4_gemm op body looks it up)",
