@@ -75,7 +75,7 @@ def _activation() -> dict:
         "plugin_entry_point": ours or None,
         "plugin_allowed_by_SGLANG_PLUGINS": None if not allow else any(o.split(" ")[0] in allow.split(",") for o in ours),
         "pth_bootstrap": pth or None,
-        "note": "both activate only when SM120_FP4=1|on; the plugin needs SGLang >= 0.5.11, the .pth works for all releases",
+        "note": "both activate when SM120_FP4 is set (1 or on; any other value but 0/off is rejected loudly at install); the plugin needs SGLang >= 0.5.11, the .pth works for all releases",
     }
 
 
