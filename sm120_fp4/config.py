@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name", "toggle_state"]
+__all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name"]
 
 ENV_PREFIX = "SM120_FP4_"
 TOGGLE_VAR = "SM120_FP4"
@@ -170,12 +170,6 @@ def load_settings(**overrides: Any) -> Settings:
     """Build Settings from keyword overrides and the environment, rejecting unknown variables."""
     _check_unknown_env(dict(os.environ))
     return Settings(**overrides)
-
-
-def toggle_state(environ: dict[str, str] | None = None) -> bool | None:
-    """The master toggle from the environment, without pydantic (for the start-up bootstrap)."""
-    value = (os.environ if environ is None else environ).get(TOGGLE_VAR)
-    return None if value is None else _TOGGLE_VALUES.get(value)
 
 
 def sources(settings_kwargs: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -244,13 +244,6 @@ def decisions() -> list[Decision]:
         return list(_decisions.values())
 
 
-def for_device_index(index: int) -> Decision | None:
-    """The latest decision for CUDA ordinal `index` (-1: the simulated CPU device), if any."""
-    with _lock:
-        found = [d for d in _decisions.values() if d.device_index == index]
-    return found[-1] if found else None
-
-
 def clear() -> None:
     """Forget every decision (tests; a FlashInfer upgrade in a long-lived process)."""
     with _lock:

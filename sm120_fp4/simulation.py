@@ -179,6 +179,3 @@ def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
         finally:
             torch.Tensor.cuda = original
 
-
-def loaded(module_name: str) -> Any:
-    return sys.modules.get(module_name)
