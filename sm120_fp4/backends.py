@@ -20,8 +20,11 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from . import nvfp4
 from .devices import Device
-from .errors import ConfigError, InvalidArgument
+from .errors import ConfigError, InvalidArgument, describe
 
 __all__ = [
     "Backend",
@@ -78,8 +81,6 @@ def _flashinfer_supported(name: str, device: Device) -> tuple[bool, str | None]:
         return False, "FlashInfer kernels need a real GPU; this device is simulated"
     if not device.is_cuda:
         return False, "FlashInfer kernels need a CUDA device"
-    import torch
-
     if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
         return False, f"torch {torch.__version__} cannot use CUDA device {device.index} (no driver, or a CPU build)"
     version = flashinfer_version()
@@ -105,19 +106,15 @@ def _flashinfer_supported(name: str, device: Device) -> tuple[bool, str | None]:
 # Alignment each FlashInfer backend needs on (K, N); off it, kernels return silent garbage
 # (vLLM #48898: K not a multiple of 32). cute-dsl on SM12x needs both multiples of 64.
 _ALIGN = {"cutlass": (32, 8), "b12x": (32, 8), "cudnn": (32, 8), "cute-dsl": (64, 64)}
-_SCALE_DTYPES = ("torch.uint8", "torch.float8_e4m3fn")
+_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
 
 def _bad(param: str, value: object, accepted: str) -> InvalidArgument:
-    from .errors import describe
-
     return InvalidArgument(f"mm_fp4: {param}={describe(value)} is not accepted; expected {accepted}")
 
 
 def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(32, 8)) -> None:
     """Validate mm_fp4 arguments from tensor metadata only (no host sync); raise InvalidArgument."""
-    import torch
-
     if a.dtype != torch.uint8 or a.dim() != 2:
         raise _bad("a", a, "packed FP4 activations: a 2-D uint8 tensor (M, K/2)")
     m, k = a.shape[0], a.shape[1] * 2
@@ -128,10 +125,10 @@ def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(
         raise _bad("b", b, "the column-major view w.T of a contiguous (N, K/2) weight (strides (1, K/2))")
     if k % align[0] or n % align[1]:
         raise _bad("b", b, f"K % {align[0]} == 0 and N % {align[1]} == 0 for this kernel (got K={k}, N={n})")
-    sf_k = -(-(k // 16) // 4) * 4
     for name, sf, rows in (("a_descale", a_descale, m), ("b_descale", b_descale, n)):
-        if str(sf.dtype) not in _SCALE_DTYPES or sf.numel() != -(-rows // 128) * 128 * sf_k:
-            raise _bad(name, sf, f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of {-(-rows // 128) * 128 * sf_k} elements")
+        rows_padded, cols_padded = nvfp4.swizzled_scale_shape(rows, k)
+        if sf.dtype not in _SCALE_DTYPES or sf.numel() != rows_padded * cols_padded:
+            raise _bad(name, sf, f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of {rows_padded * cols_padded} elements")
     if alpha is None or alpha.dtype != torch.float32 or alpha.numel() != 1:
         raise _bad("alpha", alpha, "a one-element float32 tensor (the SM120 kernel requires alpha)")
     if out_dtype not in (torch.bfloat16, torch.float16):
@@ -159,9 +156,7 @@ def _flashinfer_fn(name: str) -> GemmFn:
 
 def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     """The `emulated` backend: the nvfp4 reference GEMM (dequantize + float32 matmul)."""
-    from .nvfp4 import reference_mm_fp4
-
-    return reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
+    return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
 
 
 class _WeightCache:
@@ -175,18 +170,14 @@ class _WeightCache:
         self._entries: dict[int, tuple] = {}
         self._lock = threading.Lock()
 
-    def get(self, b, b_descale):
-        import torch
-
-        from .nvfp4 import dequantize_unscaled
-
+    def get(self, b, b_descale, dtype):
         base = b._base if b._base is not None else b
         key = id(base)
-        version = (base._version, b_descale._version, b.data_ptr(), b_descale.data_ptr(), tuple(b.shape))
+        version = (base._version, b_descale._version, b.data_ptr(), b_descale.data_ptr(), tuple(b.shape), dtype)
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is base and entry[1] == version:
             return entry[2]
-        weight = dequantize_unscaled(b.T, b_descale.T, torch.bfloat16)
+        weight = nvfp4.dequantize_unscaled(b.T, b_descale.T, dtype)
         with self._lock:
             self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
             self._entries[key] = (weakref.ref(base), version, weight)
@@ -197,17 +188,13 @@ _weight_cache = _WeightCache()
 
 
 def emulated_cached_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
-    """`emulated` with the weight's bf16 dequantization cached (decode-speed emulation, more memory)."""
-    import torch
+    """`emulated` with the weight's dequantization cached (decode-speed emulation, more memory).
 
-    from .nvfp4 import dequantize_unscaled, reference_mm_fp4
-
-    if not (a.is_cuda and "out_dtype" in (torch.mm.__doc__ or "")):
-        return reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
-    weight = _weight_cache.get(b, b_descale)
-    acc = torch.mm(dequantize_unscaled(a, a_descale, torch.bfloat16), weight.T, out_dtype=torch.float32)
-    out.copy_(acc * alpha.reshape(()) if alpha.numel() == 1 else acc * alpha.reshape(-1, 1))
-    return out
+    Only where the reference runs its bf16 GEMM (CUDA): the cached copy is the bf16 one.
+    """
+    dtype = nvfp4.gemm_operand_dtype(a)
+    cached = _weight_cache.get(b, b_descale, dtype) if dtype == torch.bfloat16 else None
+    return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, dequantized_b=cached)
 
 
 def _always(device: Device) -> tuple[bool, str | None]:

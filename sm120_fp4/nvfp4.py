@@ -43,6 +43,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "dequantize_unscaled",
+    "gemm_operand_dtype",
     "reference_mm_fp4",
 ]
 
@@ -289,6 +290,12 @@ def _check_alpha(alpha: object, m: int, device: torch.device) -> torch.Tensor | 
     return alpha.reshape(-1, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
 
 
+def gemm_operand_dtype(a: torch.Tensor) -> torch.dtype:
+    """The dtype reference_mm_fp4 dequantizes to for `a`'s device: bf16 where a bf16 GEMM with
+    float32 output exists (CUDA), float32 elsewhere. Both hold the dequantized values exactly."""
+    return torch.bfloat16 if a.is_cuda and _HAS_MM_OUT_DTYPE else torch.float32
+
+
 def reference_mm_fp4(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -297,6 +304,8 @@ def reference_mm_fp4(
     alpha: torch.Tensor | None,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
+    *,
+    dequantized_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """NVFP4 GEMM with ``flashinfer.mm_fp4``'s calling convention, computed exactly in float32.
 
@@ -304,7 +313,8 @@ def reference_mm_fp4(
     (N, K/2) weight; `a_descale`: A's swizzled scales; `b_descale`: the ``.T`` of the weight's
     swizzled scales; `alpha`: float32, 1 element (or M, one per row) = 1/(gsf_a*gsf_b).
     Returns ``alpha * (A @ B^T)`` in `out_dtype` (bf16, fp16, or fp32 to see it before the cast),
-    written into `out` when given.
+    written into `out` when given. `dequantized_b`, when given, is a kept copy of
+    ``dequantize_unscaled(b.T, b_descale.T, gemm_operand_dtype(a))`` used instead of recomputing it.
     """
     func = "reference_mm_fp4"
     _check_tensor(func, "b", b, (torch.uint8,), ndim=2)
@@ -332,11 +342,16 @@ def reference_mm_fp4(
     # Products of E2M1 x E4M3 values are exact in bf16, float32 and TF32, so only the summation
     # order can differ from the kernel's float32 accumulator. On CUDA: bf16 operands, float32
     # output (half the bytes of a float32 GEMM); elsewhere a float32 GEMM.
-    if a.is_cuda and _HAS_MM_OUT_DTYPE:
-        acc = torch.mm(dequantize_unscaled(a, a_descale, torch.bfloat16),
-                       dequantize_unscaled(b.T, w_scales, torch.bfloat16).T, out_dtype=torch.float32)
+    dtype = gemm_operand_dtype(a)
+    if dequantized_b is None:
+        dequantized_b = dequantize_unscaled(b.T, w_scales, dtype)
+    elif dequantized_b.dtype != dtype or tuple(dequantized_b.shape) != (n, k):
+        raise _fail(func, "dequantized_b", dequantized_b, f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)")
+    deq_a = dequantize_unscaled(a, a_descale, dtype)
+    if dtype == torch.bfloat16:
+        acc = torch.mm(deq_a, dequantized_b.T, out_dtype=torch.float32)
     else:
-        acc = dequantize_unscaled(a, a_descale) @ dequantize_unscaled(b.T, w_scales).T
+        acc = deq_a @ dequantized_b.T
     if scale is not None:
         acc = acc * scale
     if out is None:
