@@ -48,10 +48,6 @@ def make_quantizer(original: Callable) -> Callable:
     return fp4_quantize
 
 
-def _callable(original: object) -> str | None:
-    return None if callable(original) else f"fp4_quantize is {original!r}, not callable"
-
-
 def specs() -> list[PatchSpec]:
     """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it, and
     the Blackwell check of releases older than SGLang's own override_platform seam."""
@@ -60,7 +56,7 @@ def specs() -> list[PatchSpec]:
         ("sim-activation-quantizer-ct", CT, "the compressed-tensors scheme imported the quantizer by name"),
     ]
     return [
-        PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=make_quantizer, check=_callable)
+        PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=make_quantizer, check=_callable_check("fp4_quantize"))
         for name, module, why in where
     ] + [
         PatchSpec(
