@@ -87,16 +87,14 @@ def _settings() -> tuple[Any, dict]:
 
 
 def _targets() -> dict:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
     from . import sglang_targets
+    from .patching import version_in
 
     version = sglang_targets.sglang_version()
     ok, why = sglang_targets.release_support(version)
     rows = []
     for spec in sglang_targets.ledger_rows():
-        applies = bool(version and ok and Version(version) in SpecifierSet(spec.versions or ""))
+        applies = ok and version_in(version, spec.versions)
         rows.append({"name": spec.name, "target": f"{spec.module}.{spec.attribute}", "versions": spec.versions, "applies": applies})
     return {"sglang": version, "supported": ok, "reason": why, "targets": rows}
 

@@ -21,7 +21,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel
 
-__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "installed_version", "MISSING"]
+__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "installed_version", "version_in", "MISSING"]
 
 _LOG = logging.getLogger("sm120_fp4")
 MISSING = object()
@@ -80,6 +80,16 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
+def version_in(version: str | None, specifier: str | None) -> bool:
+    """Whether `version` satisfies `specifier` (no specifier: any); unreadable versions never do."""
+    if specifier is None:
+        return True
+    try:
+        return version is not None and Version(version) in SpecifierSet(specifier)
+    except (InvalidVersion, InvalidSpecifier):
+        return False
+
+
 def _version_reason(spec: PatchSpec) -> str | None:
     if spec.distribution is None or spec.versions is None:
         return None
@@ -87,10 +97,10 @@ def _version_reason(spec: PatchSpec) -> str | None:
     if found is None:
         return f"{spec.distribution} is not installed"
     try:
-        ok = Version(found) in SpecifierSet(spec.versions)
+        Version(found), SpecifierSet(spec.versions)
     except (InvalidVersion, InvalidSpecifier) as exc:
         return f"cannot compare {spec.distribution} {found} with {spec.versions!r}: {exc}"
-    return None if ok else f"not needed in {spec.distribution} {found} (applies to {spec.versions})"
+    return None if version_in(found, spec.versions) else f"not needed in {spec.distribution} {found} (applies to {spec.versions})"
 
 
 def _resolve_owner(module: ModuleType, dotted: str) -> tuple[object, str]:

@@ -13,10 +13,9 @@ import os
 import sys
 from typing import Callable
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .patching import PatchSpec, Patcher, installed_version
+from .patching import PatchSpec, Patcher, installed_version, version_in
 
 __all__ = [
     "DISTRIBUTION",
@@ -66,9 +65,10 @@ def release_support(version: str | None = None) -> tuple[bool, str]:
     if version is None:
         return False, "sglang is not installed"
     try:
-        ok = Version(version) in SpecifierSet(SUPPORTED)
+        Version(version)
     except InvalidVersion:
         return False, f"sglang {version!r} is not a version this library can read"
+    ok = version_in(version, SUPPORTED)
     return (True, f"sglang {version} is supported ({SUPPORTED})") if ok else (
         False,
         f"sglang {version} is outside the supported range {SUPPORTED}: left untouched",
@@ -210,12 +210,7 @@ def pin_runner_backend(patcher: Patcher) -> None:
 
 def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[], None]:
     """0.5.3-0.5.4: ask for cutlass through the env knob SGLang reads at import; returns the undo."""
-    version = sglang_version()
-    try:
-        in_range = version is not None and Version(version) in SpecifierSet(LEGACY_KNOB_SPEC.versions)
-    except InvalidVersion:
-        in_range = False
-    if not in_range:
+    if not version_in(sglang_version(), LEGACY_KNOB_SPEC.versions):
         return lambda: None
     if LEGACY_KNOB in environ:
         patcher.note(LEGACY_KNOB_SPEC, "skipped", f"{LEGACY_KNOB} already set by the operator; left as is")
