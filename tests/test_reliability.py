@@ -28,13 +28,14 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings as hsettings, strategies as st
 
 import faults
+from threads import run_concurrently
 import reliability_child
 import sm120_fp4
 from sm120_fp4 import backends, bootstrap, devices, nvfp4, plugin, selection, selftest, sglang_targets
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.config import Settings
 from sm120_fp4.devices import Device
-from sm120_fp4.errors import ConfigError, InvalidArgument, RefusedToServe
+from sm120_fp4.errors import ConfigError, InvalidArgument
 
 mq = pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
 fp4_utils = pytest.importorskip("sglang.srt.layers.quantization.fp4_utils")
@@ -537,11 +538,7 @@ def test_install_uninstall_status_from_many_threads_stay_consistent():
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(repr(exc))
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(worker, [(seed,) for seed in range(8)])
     assert errors == []
     if sm120_fp4.status().installed:
         assert_patched_once()
@@ -581,11 +578,7 @@ def test_decide_for_several_devices_at_once_tests_each_device_once():
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(worker, [(n,) for n in range(12)])
     assert errors == []
     assert calls == {0: 1, 1: 1, 2: 1}
     for index in range(3):

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import faults
+from threads import run_concurrently
 from sm120_fp4 import backends, devices, selection, selftest
 from sm120_fp4.config import Settings
 from sm120_fp4.devices import Device
@@ -243,14 +244,7 @@ def test_concurrent_decides_on_one_device_share_one_selftest():
 
     backends.register("counting", counting)
     results = []
-    threads = [
-        threading.Thread(target=lambda: results.append(selection.decide(None, ["counting"], settings=SIM)))
-        for _ in range(8)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(lambda: results.append(selection.decide(None, ["counting"], settings=SIM)), [()] * 8)
     assert len(results) == 8 and all(r is results[0] for r in results)
     assert len(calls) == len(selftest.DEFAULT_SHAPES)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import faults
+from threads import run_concurrently
 import spawn_target
 import sm120_fp4
 from sm120_fp4 import backends, demo, sglang_targets
@@ -139,11 +140,7 @@ def test_installs_from_eight_threads_patch_exactly_once():
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=go) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(go, [()] * 8)
     assert errors == []
     assert_patched_once()
     sm120_fp4.uninstall()
