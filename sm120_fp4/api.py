@@ -14,7 +14,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import wrapt
 from pydantic import BaseModel
 
 from . import __version__, devices, selection, sglang_targets, simulation
@@ -53,7 +52,6 @@ class _Install:
     patcher: Patcher
     sim: simulation.Simulation | None
     undo: list[Callable[[], None]] = field(default_factory=list)
-    live: bool = True
 
 
 _state: _Install | None = None
@@ -127,25 +125,13 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%s: results prove the wiring, not an SM120 kernel", settings.simulate.replace(".", ""))
         specs += simulation.specs()
-        _guarded_hook(state, sim.on_runtime_context, simulation.RUNTIME_CONTEXT)
-        _guarded_hook(state, sim.on_modelopt, simulation.MQ)
+        patcher.when_imported(simulation.RUNTIME_CONTEXT, sim.on_runtime_context)
+        patcher.when_imported(simulation.MQ, sim.on_modelopt)
         state.undo.append(sim.undo)
     state.undo.append(_export_env(kwargs))
     state.undo.append(sglang_targets.apply_env_knobs(patcher))
     patcher.add(specs)
     return state
-
-
-def _guarded_hook(state: _Install, fn: Callable, module: str) -> None:
-    def hook(mod: Any) -> None:
-        if not state.live:
-            return  # uninstalled since this hook was registered
-        try:
-            fn(mod)
-        except Exception as exc:  # noqa: BLE001 - never break the host import
-            _LOG.warning("sm120_fp4: simulation step %s failed: %s", fn.__name__, exc)
-
-    wrapt.register_post_import_hook(hook, module)
 
 
 def install(**overrides: Any) -> Status:
@@ -186,8 +172,7 @@ def uninstall() -> Status:
             _LOG.warning("sm120_fp4: uninstall() called while not installed; nothing changed")
             return status()
         state, _state = _state, None
-        state.live = False
-        state.patcher.remove_all()
+        state.patcher.remove_all()  # also disarms the hooks of steps not yet run
         for step in reversed(state.undo):
             step()
         selection.clear()

@@ -122,7 +122,6 @@ class Patcher:
     def add(self, specs: list[PatchSpec]) -> None:
         """Register `specs`; each applies now if its module is imported, else when it is."""
         with self._lock:
-            self._generation += 1
             generation = self._generation
             for spec in specs:
                 if spec.name in self._records and self._records[spec.name].state == "applied":
@@ -151,6 +150,25 @@ class Patcher:
                 _LOG.warning("sm120_fp4: patch %s failed, SGLang left unpatched there: %s", name, exc)
 
         return on_import
+
+    def when_imported(self, module: str, fn: Callable[[ModuleType], None]) -> None:
+        """Run `fn(module)` once `module` is imported (now if it is), unless remove_all came first.
+
+        For steps that are not attribute replacements; like the patches, `fn` never raises into the
+        import: a failure is logged as one warning.
+        """
+        generation = self._generation
+
+        def on_import(mod: ModuleType) -> None:
+            try:
+                with self._lock:
+                    if generation != self._generation:
+                        return  # removed since this hook was registered
+                    fn(mod)
+            except Exception as exc:  # noqa: BLE001 - the host import must survive our bugs
+                _LOG.warning("sm120_fp4: step %s on import of %s failed: %s", getattr(fn, "__name__", fn), module, exc)
+
+        wrapt.register_post_import_hook(on_import, module)
 
     def _apply(self, record: _Record, module: ModuleType) -> None:
         spec = record.spec
