@@ -88,7 +88,7 @@ def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5)
     tdev = device.torch_device
     prepared = []
     for i, shape in enumerate(shapes):
-        _, _, args = selftest._inputs(shape, tdev, 1000 + i)
+        _, _, args = selftest.quantized_inputs(shape, tdev, 1000 + i)
         prepared.append((args, torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)))
     times = []
     for _ in range(repeats + 1):

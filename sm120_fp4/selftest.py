@@ -18,7 +18,7 @@ from . import backends, nvfp4
 from .devices import Device
 from .errors import SelfTestError
 
-__all__ = ["Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES", "run"]
+__all__ = ["quantized_inputs", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES", "run"]
 
 Shape = tuple[int, int, int]  # (M, N, K)
 
@@ -89,7 +89,8 @@ def _row_ranges(rows: list[int], limit: int = 4) -> str:
     return text + (", ..." if len(spans) > limit else "")
 
 
-def _inputs(shape: Shape, device: torch.device, seed: int):
+def quantized_inputs(shape: Shape, device: torch.device, seed: int):
+    """Seeded bf16 activations and weights of `shape`, quantized with nvfp4: (x, gsf_x, mm_fp4 args)."""
     m, n, k = shape
     gen = torch.Generator().manual_seed(seed)
     # Random signs and magnitudes spanning a few octaves; never zeros, never a zero row.
@@ -167,7 +168,7 @@ def _call_with_timeout(fn: Callable, args: tuple, device: torch.device, timeout_
 def _check_shape(fn: Callable, shape: Shape, device: torch.device, seed: int, bounds: Bounds) -> ShapeResult:
     m, n, k = shape
     result = ShapeResult(m=m, n=n, k=k, passed=False)
-    _, _, args = _inputs(shape, device, seed)
+    _, _, args = quantized_inputs(shape, device, seed)
     ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
     start = time.perf_counter()
@@ -190,7 +191,7 @@ def _check_shape(fn: Callable, shape: Shape, device: torch.device, seed: int, bo
 
 def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:
     """Compare `quantizer(x, global_scale) -> (packed, swizzled scales)` with nvfp4.quantize."""
-    x, gx, _ = _inputs((129, 64, 480), device, seed)
+    x, gx, _ = quantized_inputs((129, 64, 480), device, seed)
     want_q, want_s = nvfp4.quantize(x, gx)
     try:
         got_q, got_s = quantizer(x, gx)
