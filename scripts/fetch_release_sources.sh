@@ -4,7 +4,7 @@
 #
 # Usage: bash scripts/fetch_release_sources.sh [VERSION ...]   (default: every release with a diff)
 #
-# - The release list comes from sm120_fp4/upstream.py (DIFFS), run as a plain script: no venv needed.
+# - The release list is read from the DIFFS entries of sm120_fp4/upstream.py as text: no venv needed.
 # - A wheel already in the cache is not downloaded again; only the wheel itself (--no-deps).
 # - 0.5.11+ wheels are cp311 manylinux ones: the platform flags make any host fetch the same file.
 set -euo pipefail
@@ -16,7 +16,13 @@ PYTHON_BIN="${PYTHON:-python3}"
 if [ "$#" -gt 0 ]; then
   VERSIONS=("$@")
 else
-  mapfile -t VERSIONS < <("$PYTHON_BIN" "$ROOT/sm120_fp4/upstream.py" --releases)
+  # release="X", also=("Y", ...) in DIFFS, read as text (the package needs its venv to import).
+  mapfile -t VERSIONS < <("$PYTHON_BIN" -c '
+import re, sys
+text = open(sys.argv[1]).read()
+for release, also in re.findall(r"release=\"([^\"]+)\",\s*also=\(([^)]*)\)", text):
+    print("\n".join([release, *re.findall(r"\"([^\"]+)\"", also)]))
+' "$ROOT/sm120_fp4/upstream.py")
 fi
 
 mkdir -p "$CACHE"

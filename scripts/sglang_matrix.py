@@ -6,7 +6,7 @@
 
 Source check (default): downloads each release's wheel once (``pip download --no-deps``), extracts
 the few files the targets live in, and checks with ``ast`` (SGLang is never imported) that every
-spec of ``sm120_fp4.sglang_targets.ledger_rows()`` whose version range contains the release finds
+spec of ``sm120_fp4.sglang.targets.ledger_rows()`` whose version range contains the release finds
 its target there with the expected shape, and that every spec whose range excludes the release
 does *not* find it (a range that is too narrow would leave a release unpatched). Prints a table
 and exits 1 on any FAIL.
@@ -46,9 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 try:
-    from sm120_fp4 import sglang_targets as T
+    from sm120_fp4.kernels import MM_FP4_HEAD
+    from sm120_fp4.sglang import release as R
+    from sm120_fp4.sglang import targets as T
 except ImportError as exc:  # pragma: no cover - environment problem, explained to the user
-    sys.exit(f"cannot import sm120_fp4.sglang_targets ({exc}); run this with the repo's .venv/bin/python")
+    sys.exit(f"cannot import sm120_fp4.sglang ({exc}); run this with the repo's .venv/bin/python")
 
 # Every release on the index in the supported range (the index is not scanned: add new ones here).
 RELEASES = (
@@ -171,7 +173,7 @@ def check_alias(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
     for call in calls:
         where = f"{attr}(...) at line {call.lineno}"
         if len(call.args) != 6 or any(isinstance(a, ast.Starred) for a in call.args):
-            head = ", ".join(T.MM_FP4_HEAD)
+            head = ", ".join(MM_FP4_HEAD)
             return True, f"{where} passes {len(call.args)} positional args; mm_fp4's convention is 6 ({head})"
         alpha, dtype = ast.unparse(call.args[4]), ast.unparse(call.args[5])
         if "alpha" not in alpha or "dtype" not in dtype:
@@ -232,7 +234,7 @@ def kind(spec) -> str:
         return "knob"
     if "." in spec.attribute:
         return "method"
-    if spec.check is not None and getattr(spec.check, "__name__", "") == "_is_mm_fp4":
+    if spec.check is not None and getattr(spec.check, "__name__", "") == "is_mm_fp4":
         return "alias"
     return "unknown"
 
@@ -241,7 +243,7 @@ CHECKS = {"alias": check_alias, "method": check_method, "enum": check_enum, "kno
 
 
 def check_spec(spec, version: str, src: Path) -> tuple[str, str]:
-    applies = Version(version) in SpecifierSet(spec.versions or T.SUPPORTED)
+    applies = Version(version) in SpecifierSet(spec.versions or R.SUPPORTED)
     how = CHECKS.get(kind(spec))
     if how is None:
         return FAIL, f"no check for {spec.name} ({spec.module}.{spec.attribute}): extend CHECKS in this script"
@@ -293,9 +295,9 @@ def check_version(version: str, cache: Path = DEFAULT_CACHE) -> dict[str, tuple[
 
 def check_outside(version: str) -> str | None:
     """None when nothing applies to `version` (a release outside SUPPORTED), else what does."""
-    applying = [s.name for s in T.ledger_rows() if Version(version) in SpecifierSet(s.versions or T.SUPPORTED)]
+    applying = [s.name for s in T.ledger_rows() if Version(version) in SpecifierSet(s.versions or R.SUPPORTED)]
     if T.release_support(version)[0] or applying:
-        return f"{version} is outside {T.SUPPORTED} but is supported/covered by {applying}"
+        return f"{version} is outside {R.SUPPORTED} but is supported/covered by {applying}"
     return None
 
 
@@ -476,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     outside = {v: check_outside(v) for v in OUTSIDE_PROBES}
     print_table(results)
     for v, problem in outside.items():
-        print(f"outside {T.SUPPORTED}: {v}: " + (f"FAIL {problem}" if problem else "nothing applies (ok)"))
+        print(f"outside {R.SUPPORTED}: {v}: " + (f"FAIL {problem}" if problem else "nothing applies (ok)"))
     if args.json:
         args.json.write_text(json.dumps({"releases": results, "outside": outside}, indent=2))
     failed = any(s == FAIL for row in results.values() for s, _ in row.values()) or any(outside.values())

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from . import __version__, devices, selection, sglang_targets, simulation
+from . import __version__, devices, selection
+from . import sglang as sglang_support
 from .config import Settings, env_name, load_settings, sources
 from .dispatch import Router
 from .patching import LedgerEntry, Patcher
@@ -50,7 +51,6 @@ class _Install:
     kwargs: dict[str, Any]
     router: Router
     patcher: Patcher
-    sim: simulation.Simulation | None
     undo: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -92,12 +92,10 @@ def _export_env(kwargs: dict[str, Any]) -> Callable[[], None]:
 def _nothing_to_fix(settings: Settings) -> str | None:
     if not settings.active:
         return "disabled (SM120_FP4=0 or SM120_FP4_ENABLE=off): SGLang left untouched"
-    ok, why = sglang_targets.release_support()
+    ok, why = sglang_support.release_support()
     if not ok:
         return why
-    from .upstream import runtime_patch_needed
-
-    needed, why = runtime_patch_needed()
+    needed, why = sglang_support.runtime_patch_needed()
     if not needed:
         return why
     if settings.enable == "auto":
@@ -111,26 +109,9 @@ def _nothing_to_fix(settings: Settings) -> str | None:
 def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
     router = Router(settings)
     patcher = Patcher()
-    sim = simulation.Simulation(settings.simulated_capability, patcher) if settings.simulate else None
-    state = _Install(settings, kwargs, router, patcher, sim)
-
-    def before_weights(index: int) -> None:
-        if router.ensure(index) is not None:  # decides on first use: RefusedToServe stops the worker
-            sglang_targets.pin_runner_backend(patcher)
-
-    def weights_scope():
-        return simulation.cuda_moves_stay_on_cpu(sim is not None)
-
-    specs = sglang_targets.specs(router.make_dispatch, before_weights, weights_scope)
-    if sim is not None:
-        _LOG.warning("sm120_fp4: SIMULATION of sm_%s: results prove the wiring, not an SM120 kernel", settings.simulate.replace(".", ""))
-        specs += simulation.specs()
-        patcher.when_imported(simulation.RUNTIME_CONTEXT, sim.on_runtime_context)
-        patcher.when_imported(simulation.MQ, sim.on_modelopt)
-        state.undo.append(sim.undo)
+    state = _Install(settings, kwargs, router, patcher)
+    state.undo += sglang_support.attach(patcher, router.make_dispatch, router.ensure, settings.simulated_capability)
     state.undo.append(_export_env(kwargs))
-    state.undo.append(sglang_targets.apply_env_knobs(patcher))
-    patcher.add(specs)
     return state
 
 
@@ -139,7 +120,7 @@ def install(**overrides: Any) -> Status:
     global _state, _message
     with _lock:
         settings = load_settings(**overrides)
-        selection._candidates(settings, None)  # unknown backend names: ConfigError now, not at serve time
+        selection.candidate_names(settings)  # unknown backend names: ConfigError now, not at serve time
         if _state is not None:
             # install() itself exported SM120_FP4=1: a toggle that became "on" is not a change.
             same = settings.model_copy(update={"toggle": None}) == _state.settings.model_copy(update={"toggle": None})
@@ -154,7 +135,7 @@ def install(**overrides: Any) -> Status:
             _log_once(reason, logging.INFO if not settings.active else logging.WARNING, "sm120_fp4: %s", reason)
             return status()
         _state = _install(settings, dict(overrides))
-        _message = f"installed (sglang {sglang_targets.sglang_version()})"
+        _message = f"installed (sglang {sglang_support.sglang_version()})"
         _log_once("installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump())
         return status()
 
@@ -193,7 +174,7 @@ def status() -> Status:
             except Exception:  # status() must answer even with a broken environment
                 settings, kwargs = Settings.model_construct(), {}
         patches = state.patcher.ledger() if state else []
-        ok, _ = sglang_targets.release_support()
+        ok, _ = sglang_support.release_support()
         try:
             found = [d.label() for d in devices.list_devices(settings.simulated_capability)]
         except Exception as exc:  # noqa: BLE001
@@ -204,7 +185,7 @@ def status() -> Status:
             message=_message,
             settings=settings.model_dump(mode="json"),
             setting_sources=sources(kwargs),
-            sglang_version=sglang_targets.sglang_version(),
+            sglang_version=sglang_support.sglang_version(),
             sglang_supported=ok,
             devices=found,
             patches=patches,

@@ -1,20 +1,18 @@
-"""FP4 GEMM backends behind ``flashinfer.mm_fp4``'s calling convention.
+"""The registry of FP4 GEMM backends, all behind ``flashinfer.mm_fp4``'s calling convention.
 
 Every backend is called as ``fn(a, b, a_descale, b_descale, alpha, out_dtype, out)`` and must
 write the result into `out` (contiguous, preallocated by the caller) and return it.
 
-* FlashInfer backends (``cutlass``, ``b12x``, ``cudnn``, ``cute-dsl``) are called the verified
-  way: explicit ``backend=``, ``alpha`` always a float32 device tensor, a preallocated ``out``.
-  FlashInfer is imported only when a FlashInfer backend is asked about.
+* FlashInfer backends (``cutlass``, ``b12x``, ``cudnn``, ``cute-dsl``): :mod:`sm120_fp4.kernels`
+  calls them the verified way; FlashInfer is imported only when one is asked about.
 * ``emulated``: :mod:`sm120_fp4.nvfp4` dequantize + float32 matmul; slow, exact, runs anywhere.
+  ``emulated-cached`` keeps the dequantized weight (decode-speed emulation, more memory).
 * ``register()`` adds user or test backends (a fault-injecting one, another kernel library).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import inspect
 import threading
 import weakref
 from dataclasses import dataclass
@@ -22,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from . import nvfp4
+from . import kernels, nvfp4
 from .devices import Device
-from .errors import ConfigError, InvalidArgument, describe
+from .errors import ConfigError, InvalidArgument
 
 __all__ = [
     "Backend",
@@ -35,6 +33,7 @@ __all__ = [
     "names",
     "is_supported",
     "resolve",
+    "quantizer_for",
     "flashinfer_version",
     "emulated_mm_fp4",
 ]
@@ -42,11 +41,10 @@ __all__ = [
 GemmFn = Callable[..., object]
 SupportFn = Callable[[Device], "tuple[bool, str | None]"]
 
-# FlashInfer backends that read the same non-shuffled 128x4 layout SGLang prepares for cutlass.
-# trtllm (shuffled weights) and cutedsl_low_latency (SM100 only) are deliberately absent.
-FLASHINFER_BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
+FLASHINFER_BACKENDS = kernels.BACKENDS
 EMULATED = "emulated"
 EMULATED_CACHED = "emulated-cached"
+flashinfer_version = kernels.version
 
 
 @dataclass(frozen=True)
@@ -57,101 +55,6 @@ class Backend:
     kind: str  # "flashinfer" | "emulated" | "registered"
     fn: GemmFn | None
     supported: SupportFn
-
-
-def flashinfer_version() -> str | None:
-    """The installed flashinfer-python version, without importing it."""
-    for dist in ("flashinfer-python", "flashinfer"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def _mm_fp4() -> GemmFn:
-    from flashinfer import mm_fp4  # heavy: only when a FlashInfer backend is considered
-
-    return mm_fp4
-
-
-def _flashinfer_supported(name: str, device: Device) -> tuple[bool, str | None]:
-    if device.simulated:
-        return False, "FlashInfer kernels need a real GPU; this device is simulated"
-    if not device.is_cuda:
-        return False, "FlashInfer kernels need a CUDA device"
-    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
-        return False, f"torch {torch.__version__} cannot use CUDA device {device.index} (no driver, or a CPU build)"
-    version = flashinfer_version()
-    if version is None:
-        return False, "flashinfer-python is not installed"
-    try:
-        mm_fp4 = _mm_fp4()
-    except Exception as exc:  # ImportError, or a broken install raising anything
-        return False, f"flashinfer {version} does not import: {type(exc).__name__}: {exc}"
-    if "backend" not in inspect.signature(mm_fp4).parameters:
-        return False, f"flashinfer {version} mm_fp4 has no backend= parameter (needs >= 0.2.11)"
-    check = getattr(mm_fp4, "is_backend_supported", None)
-    if check is not None:
-        try:
-            ok = check(name, device.sm)
-        except Exception as exc:
-            return False, f"flashinfer {version} could not check {name!r}: {exc}"
-        if not ok:
-            return False, f"flashinfer {version} has no {name!r} backend for sm_{device.sm}"
-    return True, None
-
-
-# Alignment each FlashInfer backend needs on (K, N); off it, kernels return silent garbage
-# (vLLM #48898: K not a multiple of 32). cute-dsl on SM12x needs both multiples of 64.
-_ALIGN = {"cutlass": (32, 8), "b12x": (32, 8), "cudnn": (32, 8), "cute-dsl": (64, 64)}
-_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
-
-
-def _bad(param: str, value: object, accepted: str) -> InvalidArgument:
-    return InvalidArgument(f"mm_fp4: {param}={describe(value)} is not accepted; expected {accepted}")
-
-
-def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(32, 8)) -> None:
-    """Validate mm_fp4 arguments from tensor metadata only (no host sync); raise InvalidArgument."""
-    if a.dtype != torch.uint8 or a.dim() != 2:
-        raise _bad("a", a, "packed FP4 activations: a 2-D uint8 tensor (M, K/2)")
-    m, k = a.shape[0], a.shape[1] * 2
-    if b.dtype != torch.uint8 or b.dim() != 2 or b.shape[0] != a.shape[1]:
-        raise _bad("b", b, f"packed FP4 weights: a 2-D uint8 (K/2={a.shape[1]}, N) view")
-    n = b.shape[1]
-    if b.stride(0) != 1 or b.stride(1) != a.shape[1]:
-        raise _bad("b", b, "the column-major view w.T of a contiguous (N, K/2) weight (strides (1, K/2))")
-    if k % align[0] or n % align[1]:
-        raise _bad("b", b, f"K % {align[0]} == 0 and N % {align[1]} == 0 for this kernel (got K={k}, N={n})")
-    for name, sf, rows in (("a_descale", a_descale, m), ("b_descale", b_descale, n)):
-        rows_padded, cols_padded = nvfp4.swizzled_scale_shape(rows, k)
-        if sf.dtype not in _SCALE_DTYPES or sf.numel() != rows_padded * cols_padded:
-            raise _bad(name, sf, f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of {rows_padded * cols_padded} elements")
-    if alpha is None or alpha.dtype != torch.float32 or alpha.numel() != 1:
-        raise _bad("alpha", alpha, "a one-element float32 tensor (the SM120 kernel requires alpha)")
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise _bad("out_dtype", out_dtype, "torch.bfloat16 or torch.float16")
-    if out.dtype != out_dtype or tuple(out.shape) != (m, n) or not out.is_contiguous():
-        raise _bad("out", out, f"a contiguous ({m}, {n}) {out_dtype} tensor")
-    index = a.get_device()
-    for name, t in (("b", b), ("a_descale", a_descale), ("b_descale", b_descale), ("alpha", alpha), ("out", out)):
-        if t.get_device() != index:
-            raise _bad(name, t, f"a tensor on the same device as a ({a.device})")
-
-
-def _flashinfer_fn(name: str) -> GemmFn:
-    mm_fp4 = _mm_fp4()
-    align = _ALIGN.get(name, (32, 8))
-    check = check_mm_fp4_args
-
-    def flashinfer_backend(a, b, a_descale, b_descale, alpha, out_dtype, out):
-        check(a, b, a_descale, b_descale, alpha, out_dtype, out, align)
-        return mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, backend=name)
-
-    flashinfer_backend.__name__ = f"flashinfer_{name.replace('-', '_')}"
-    return flashinfer_backend
 
 
 def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
@@ -207,7 +110,7 @@ _registry: dict[str, Backend] = {}
 
 def _builtins() -> None:
     for name in FLASHINFER_BACKENDS:
-        _registry[name] = Backend(name, "flashinfer", None, functools.partial(_flashinfer_supported, name))
+        _registry[name] = Backend(name, "flashinfer", None, functools.partial(kernels.supported, name))
     _registry[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
     _registry[EMULATED_CACHED] = Backend(EMULATED_CACHED, "emulated", emulated_cached_mm_fp4, _always)
 
@@ -263,19 +166,10 @@ def is_supported(name: str, device: Device) -> tuple[bool, str | None]:
 def resolve(name: str) -> GemmFn:
     """The callable to run for backend `name` (FlashInfer imported here, not before)."""
     backend = get(name)
-    return backend.fn if backend.fn is not None else _flashinfer_fn(name)
+    return backend.fn if backend.fn is not None else kernels.mm_fp4_backend(name)
 
 
-def flashinfer_quantizer(device: Device) -> tuple[str, GemmFn] | None:
-    """FlashInfer's activation quantizer for `device`, when it can run there (sm_100+, real GPU)."""
-    if device.simulated or not device.is_cuda or device.capability[0] < 10 or flashinfer_version() is None:
-        return None
-    try:
-        from flashinfer import fp4_quantize
-    except Exception:
-        return None
-
-    def quantize(x, global_scale):
-        return fp4_quantize(x, global_scale.reshape(1), 16, False, True)
-
-    return "flashinfer.fp4_quantize", quantize
+def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
+    """The activation quantizer that serves alongside backend `name` on `device`, where it can be
+    checked there (FlashInfer's, for FlashInfer backends on sm_100+); None otherwise."""
+    return kernels.quantizer(device) if get(name).kind == "flashinfer" else None

@@ -16,13 +16,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .bootstrap import TOGGLE_VAR, parse_toggle
 from .errors import ConfigError
 
 __all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name"]
 
 ENV_PREFIX = "SM120_FP4_"
-TOGGLE_VAR = "SM120_FP4"
-_TOGGLE_VALUES = {"1": True, "on": True, "0": False, "off": False}
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 _CAPABILITY = re.compile(r"^(\d{1,2})\.(\d)$")
 
@@ -71,11 +70,7 @@ class Settings(BaseSettings):
     @field_validator("toggle", mode="before")
     @classmethod
     def _parse_toggle(cls, value: object) -> object:
-        if value is None or isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value in _TOGGLE_VALUES:
-            return _TOGGLE_VALUES[value]
-        raise ValueError("accepted: 1, on, 0, off (or unset)")
+        return parse_toggle(value)
 
     @field_validator("backends", mode="before")
     @classmethod

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from typing import Any, Callable
 
+from .versions import installed_version
+
 __all__ = ["collect", "run"]
 
 
@@ -26,13 +28,6 @@ def _probe(fn: Callable[[], Any]) -> Any:
         return fn()
     except Exception as exc:  # noqa: BLE001 - a doctor reports, it does not crash
         return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _torch() -> dict:
@@ -87,13 +82,13 @@ def _settings() -> tuple[Any, dict]:
 
 
 def _targets() -> dict:
-    from . import sglang_targets
-    from .patching import version_in
+    from .sglang import release, targets
+    from .versions import version_in
 
-    version = sglang_targets.sglang_version()
-    ok, why = sglang_targets.release_support(version)
+    version = release.sglang_version()
+    ok, why = release.release_support(version)
     rows = []
-    for spec in sglang_targets.ledger_rows():
+    for spec in targets.ledger_rows():
         applies = ok and version_in(version, spec.versions)
         rows.append({"name": spec.name, "target": f"{spec.module}.{spec.attribute}", "versions": spec.versions, "applies": applies})
     return {"sglang": version, "supported": ok, "reason": why, "targets": rows}
@@ -120,7 +115,7 @@ def collect() -> dict:
         "sm120_fp4": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "versions": {d: _version(d) for d in ("torch", "flashinfer-python", "sglang", "nvidia-ml-py", "pydantic", "wrapt")},
+        "versions": {d: installed_version(d) for d in ("torch", "flashinfer-python", "sglang", "nvidia-ml-py", "pydantic", "wrapt")},
     }
     settings_result = _probe(_settings)
     settings = None

@@ -1,6 +1,6 @@
 """A generic patch engine: post-import hooks, version guards, idempotent apply, exact undo, a ledger.
 
-Knows nothing about SGLang: :mod:`sm120_fp4.sglang_targets` describes what to patch with
+Knows nothing about SGLang: :mod:`sm120_fp4.sglang.targets` describes what to patch with
 :class:`PatchSpec`; this module applies the specs when (or if) their modules are imported.
 A hook never raises into the import that triggered it: a failure leaves the target untouched,
 logs one warning, and is recorded as ``skipped`` with its reason.
@@ -8,20 +8,19 @@ logs one warning, and is recorded as ``skipped`` with its reason.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Literal
 
 import wrapt
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel
 
-__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "installed_version", "version_in", "MISSING"]
+from .versions import comparable, installed_version, version_in
+
+__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "MISSING"]
 
 _LOG = logging.getLogger("sm120_fp4")
 MISSING = object()
@@ -70,24 +69,6 @@ class _Record:
     owner: object = None
     original: object = MISSING
     replacement: object = MISSING
-    extra: dict = field(default_factory=dict)
-
-
-def installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def version_in(version: str | None, specifier: str | None) -> bool:
-    """Whether `version` satisfies `specifier` (no specifier: any); unreadable versions never do."""
-    if specifier is None:
-        return True
-    try:
-        return version is not None and Version(version) in SpecifierSet(specifier)
-    except (InvalidVersion, InvalidSpecifier):
-        return False
 
 
 def _version_reason(spec: PatchSpec) -> str | None:
@@ -96,10 +77,9 @@ def _version_reason(spec: PatchSpec) -> str | None:
     found = installed_version(spec.distribution)
     if found is None:
         return f"{spec.distribution} is not installed"
-    try:
-        Version(found), SpecifierSet(spec.versions)
-    except (InvalidVersion, InvalidSpecifier) as exc:
-        return f"cannot compare {spec.distribution} {found} with {spec.versions!r}: {exc}"
+    problem = comparable(found, spec.versions)
+    if problem is not None:
+        return f"cannot compare {spec.distribution} {found} with {spec.versions!r}: {problem}"
     return None if version_in(found, spec.versions) else f"not needed in {spec.distribution} {found} (applies to {spec.versions})"
 
 
@@ -245,7 +225,6 @@ class Patcher:
                 record = self._records[spec.name] = _Record(spec)
                 record.original = current
             record.owner, record.replacement, record.state, record.reason = owner, value, "applied", None
-            record.extra["pinned_from"] = current
             _LOG.info("sm120_fp4: pinned %s.%s from %s to %s (%s)", spec.module, spec.attribute, current, value, spec.name)
             return True
 
@@ -255,11 +234,6 @@ class Patcher:
             if spec.name not in self._records or self._records[spec.name].state != "applied":
                 record = self._records[spec.name] = _Record(spec)
                 record.state, record.reason = state, reason
-
-    def original(self, name: str) -> object:
-        with self._lock:
-            record = self._records.get(name)
-            return MISSING if record is None else record.original
 
     def ledger(self) -> list[LedgerEntry]:
         with self._lock:

@@ -27,7 +27,7 @@ from .config import Settings, load_settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe
 
-__all__ = ["Decision", "decide", "decisions", "clear", "refusal_message"]
+__all__ = ["Decision", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -57,6 +57,11 @@ _lock = threading.Lock()
 _decisions: dict[tuple, Decision] = {}
 _key_locks: dict[tuple, threading.Lock] = {}
 _report_lock = threading.Lock()
+# The serving view of the decisions: CUDA ordinal (-1: CPU in simulation) -> the decided backend's
+# callable, or None for a device this library does not serve (the original runs there). Read on
+# every forward pass (one dict lookup); written only by route(); emptied with the decisions.
+_routes: dict[int, Callable | None] = {}
+_route_names: dict[int, str] = {}
 
 
 def _operator_advice(device: Device, candidates: list[str]) -> list[str]:
@@ -104,8 +109,7 @@ def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5)
 
 
 def _self_test(name: str, device: Device) -> selftest.SelfTestReport:
-    quantizer = backends.flashinfer_quantizer(device) if backends.get(name).kind == "flashinfer" else None
-    return selftest.run(name, device, quantizer=quantizer)
+    return selftest.run(name, device, quantizer=backends.quantizer_for(name, device))
 
 
 def _choose(device: Device, candidates: list[str], settings: Settings) -> Decision:
@@ -188,7 +192,8 @@ def _log_decision(decision: Decision) -> None:
     )
 
 
-def _candidates(settings: Settings, candidates: list[str] | tuple[str, ...] | None) -> list[str]:
+def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] | None = None) -> list[str]:
+    """The ordered candidate names (`candidates`, else SM120_FP4_BACKENDS); ConfigError for unknown ones."""
     names = list(candidates if candidates is not None else settings.backends)
     known = backends.names()
     unknown = [n for n in names if n not in known]
@@ -218,7 +223,7 @@ def decide(
         if device is None and torch.cuda.is_available() and not settings.simulate:
             device = torch.cuda.current_device()
         device = devices.get_device(device, settings.simulated_capability)
-    names = _candidates(settings, candidates)
+    names = candidate_names(settings, candidates)
     key = (device.key, tuple(names), settings.selftest, settings.fallback, settings.select)
     with _lock:
         key_lock = _key_locks.setdefault(key, threading.Lock())
@@ -245,10 +250,48 @@ def decisions() -> list[Decision]:
 
 
 def clear() -> None:
-    """Forget every decision (tests; a FlashInfer upgrade in a long-lived process)."""
+    """Forget every decision and route (uninstall; tests; a FlashInfer upgrade in a long-lived process)."""
     with _lock:
         _decisions.clear()
         _key_locks.clear()
+        _routes.clear()
+        _route_names.clear()
+
+
+def serves(device: Device, settings: Settings) -> bool:
+    """Whether this library serves `device`: a 12.x GPU, or any GPU with SM120_FP4_ENABLE=on."""
+    return settings.enable == "on" or devices.is_sm12x(device.capability)
+
+
+def route(index: int, settings: Settings) -> Callable | None:
+    """The backend callable serving CUDA ordinal `index` (-1: CPU tensors in simulation), deciding
+    (self-testing) on first use; None where this library does not serve the device."""
+    if index in _routes:
+        return _routes[index]
+    simulate = settings.simulated_capability
+    if index < 0 and simulate is None:
+        fn, name = None, "original"  # a CPU tensor outside simulation: not a GPU we fix
+    else:
+        device = devices.get_device(index, simulate)
+        if serves(device, settings):
+            decision = decide(device, settings=settings)
+            fn, name = decision.fn, decision.backend
+        else:
+            fn, name = None, "original"
+    with _lock:
+        _route_names[index] = name
+        return _routes.setdefault(index, fn)
+
+
+def route_table() -> dict[int, Callable | None]:
+    """The live route table (the hot path's lookup); never replace it, only read it."""
+    return _routes
+
+
+def routes() -> dict[int, str]:
+    """Device index -> the backend it is routed to, or "original" (a device this library does not serve)."""
+    with _lock:
+        return dict(_route_names)
 
 
 def write_report(path: Path, payload: dict) -> Path:

@@ -1,4 +1,4 @@
-"""The same fix as source diffs (``patches/``): their ledger, ``patches check`` and ``patches apply``.
+"""The same fix as source diffs (``patches/``): ``sm120-fp4 patches check`` and ``patches apply``.
 
 For teams that bake a patched SGLang into an image or send the fix upstream instead of patching at
 run time. Each diff in :data:`DIFFS` makes the runtime patch's decision in SGLang's own code (cutlass
@@ -6,19 +6,19 @@ with ``alpha`` and a contiguous ``out`` on SM12x, ``auto``/``cudnn`` only) and a
 that refuses to serve on wrong output. Every patched line carries the marker
 ``# sm120-fp4: sglang-<release>-sm120-fp4``, which is how :func:`check` recognises a patched tree.
 
-``patches/LEDGER.md`` is rendered by :func:`render_ledger` from ``sglang_targets.ledger_rows()`` and
-:data:`DIFFS` (``python -m sm120_fp4.upstream --write-ledger``); a test keeps the file equal to it.
+``patches/LEDGER.md`` is rendered by ``scripts/ledger.py`` from ``sm120_fp4.sglang.targets.ledger_rows()``
+and :data:`DIFFS`; a test keeps the file equal to it. ``apply`` runs the system's ``patch`` or
+``git apply``; without either it prints the exact command. Not on the ``install()`` path: the
+runtime asks only :func:`sm120_fp4.sglang.release.runtime_patch_needed` (the marker check).
 
 Standard library only (plus ``packaging``); SGLang is located and read, never imported.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.metadata
-import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,26 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = [
-    "Diff",
-    "DIFFS",
-    "UPSTREAM_FIXED_IN",
-    "CheckResult",
-    "check",
-    "apply",
-    "main",
-    "runtime_patch_needed",
-    "diff_for",
-    "patch_path",
-    "render_ledger",
-]
+from .sglang.release import FP4_UTILS_FILE, MQ_FILE, fix_marker, installed_root, release_support
+from .versions import installed_version
 
-MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
-FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"
-MARKER = re.compile(r"#\s*sm120-fp4:\s*(sglang-(\S+?)-sm120-fp4)\b")
-# SGLang releases that contain an equivalent fix themselves (a specifier, e.g. ">=0.6.0"). None
-# does as of 0.5.23; set this when one does, and `patches check` answers "fixed" for it.
-UPSTREAM_FIXED_IN = ""
+__all__ = ["Diff", "DIFFS", "CheckResult", "check", "apply", "main", "diff_for", "patch_path", "patches_dir"]
 
 _CHECK_SUMMARY = (
     "adds `_verify_fp4_gemm_once(device)`, called from "
@@ -190,17 +174,6 @@ def _sglang_root(target: Path) -> Path | None:
     return None
 
 
-def _installed_root() -> Path | None:
-    """The site-packages directory of the importable sglang, found without importing it."""
-    try:
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))).resolve().parent
-
-
 _VERSION_ASSIGN = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", re.M)
 
 
@@ -224,36 +197,13 @@ def tree_version(root: Path) -> str | None:
     return None
 
 
-def _distribution_version() -> str | None:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _version_in(version: str, specifier: str) -> bool:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return bool(specifier) and Version(version) in SpecifierSet(specifier)
-    except InvalidVersion:
-        return False
-
-
-def _supported(version: str) -> tuple[bool, str]:
-    from .sglang_targets import release_support
-
-    return release_support(version)
-
-
 # ---------------------------------------------------------------- check
 
 
 def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
     """Whether the SGLang in `site_dir` (default: the installed one) already contains the fix."""
     if site_dir is None:
-        root = _installed_root()
+        root = installed_root()
         if root is None:
             return CheckResult("no-sglang", "sglang is not installed (no importable 'sglang' package)")
     else:
@@ -262,13 +212,13 @@ def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
             return CheckResult(
                 "no-sglang", f"no sglang package in {site_dir} (looked for sglang/ and python/sglang/)"
             )
-    version = tree_version(root) or (_distribution_version() if site_dir is None else None)
+    version = tree_version(root) or (installed_version("sglang") if site_dir is None else None)
     diff = diff_for(version) if version else None
     where = f"sglang {version or '(unknown version)'} at {root / 'sglang'}"
     mq = root / MQ_FILE
     if not mq.is_file():
         return CheckResult("unsupported", f"{where} has no {MQ_FILE}: not a release this fix knows", version, root)
-    marker = MARKER.search(mq.read_text(errors="replace"))
+    marker = fix_marker(root)
     if marker:
         made_for = "" if version in (None, marker.group(2)) else f" (made for {marker.group(2)})"
         return CheckResult(
@@ -276,9 +226,7 @@ def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
         )
     if version is None:
         return CheckResult("unsupported", f"cannot read the sglang version in {root}", None, root)
-    if _version_in(version, UPSTREAM_FIXED_IN):
-        return CheckResult("fixed", f"{where} contains the fix upstream ({UPSTREAM_FIXED_IN})", version, root)
-    supported, reason = _supported(version)
+    supported, reason = release_support(version)
     if not supported:
         return CheckResult("unsupported", reason, version, root)
     remedy = (
@@ -289,102 +237,27 @@ def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
     return CheckResult("not-fixed", f"{where} does not contain the fix; use {remedy}", version, root, None, diff)
 
 
-def runtime_patch_needed() -> tuple[bool, str]:
-    """(False, why) when the installed SGLang already contains the fix, else (True, why)."""
-    result = check()
-    if result.fixed:
-        return False, f"the installed SGLang already contains the fix ({result.message}); runtime patch not needed"
-    return True, result.message
-
-
 # ---------------------------------------------------------------- apply
 
 
-def _tool() -> str:
-    """GNU patch if present, else git apply, else the built-in applier."""
-    for name in ("patch", "git"):
-        if shutil.which(name):
-            return name
-    return "python"
+def _tool() -> str | None:
+    """GNU patch if present, else git apply, else None (the command is then printed, not run)."""
+    return next((name for name in ("patch", "git") if shutil.which(name)), None)
+
+
+def _command(tool: str, root: Path, patch: Path, dry_run: bool) -> list[str]:
+    if tool == "patch":
+        cmd = ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch", "-d", str(root), "-i", str(patch)]
+        return cmd + (["--dry-run"] if dry_run else [])
+    return ["git", "apply", "-p1", "--verbose", *(["--check"] if dry_run else []), str(patch)]
 
 
 def _run(tool: str, root: Path, patch: Path, dry_run: bool) -> tuple[bool, str]:
     """Apply `patch` (-p1) under `root` with `tool`; (ok, what the tool printed)."""
-    if tool == "python":
-        return _apply_unified(root, patch.read_text(), dry_run)
-    if tool == "patch":
-        cmd = ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch"]
-        cmd += ["-d", str(root), "-i", str(patch)]
-        cmd += ["--dry-run"] if dry_run else []
-        env = None
-    else:
-        cmd = ["git", "apply", "-p1", "--verbose", *(["--check"] if dry_run else []), str(patch)]
-        # Never let git find a repository above root: paths in the diff are relative to root.
-        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)}
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    # git: never let it find a repository above root (paths in the diff are relative to root).
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)} if tool == "git" else None
+    proc = subprocess.run(_command(tool, root, patch, dry_run), cwd=root, env=env, capture_output=True, text=True)
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
-
-
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-
-
-def _parse_unified(text: str) -> list[tuple[str, list[tuple[int, list[str], list[str]]]]]:
-    """[(path without its first component, [(old start, old lines, new lines)])]."""
-    files: list[tuple[str, list]] = []
-    lines = text.splitlines(keepends=True)
-    i = 0
-    while i < len(lines):
-        if lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
-            path = lines[i + 1][4:].split("\t")[0].strip().split("/", 1)[-1]
-            if path.startswith("/") or ".." in Path(path).parts:
-                raise ValueError(f"unsafe path in diff: {path!r}")
-            files.append((path, []))
-            i += 2
-            continue
-        match = _HUNK.match(lines[i])
-        if match and files:
-            old_left, new_left = int(match.group(2) or 1), int(match.group(4) or 1)
-            old, new = [], []
-            i += 1
-            while (old_left or new_left) and i < len(lines):
-                tag, body = lines[i][:1], lines[i][1:]
-                if tag in (" ", "-"):
-                    old.append(body)
-                    old_left -= 1
-                if tag in (" ", "+"):
-                    new.append(body)
-                    new_left -= 1
-                i += 1
-            files[-1][1].append((int(match.group(1)), old, new))
-            continue
-        i += 1
-    return files
-
-
-def _apply_unified(root: Path, text: str, dry_run: bool) -> tuple[bool, str]:
-    """A strict unified-diff applier (exact context, offsets allowed) for hosts without patch/git."""
-    results: dict[Path, str] = {}
-    report = []
-    for path, hunks in _parse_unified(text):
-        target = root / path
-        if not target.is_file():
-            return False, f"can't find file to patch: {path}"
-        current = target.read_text().splitlines(keepends=True)
-        offset = 0
-        for number, (start, old, new) in enumerate(hunks, 1):
-            want = max(start - 1 + offset, 0)
-            candidates = [want] + [p for p in range(len(current) - len(old) + 1) if p != want]
-            at = next((p for p in candidates if current[p : p + len(old)] == old), None)
-            if at is None:
-                return False, f"hunk #{number} of {path} does not apply (context differs)"
-            current[at : at + len(old)] = new
-            offset = at - (start - 1) + len(new) - len(old)
-        results[target] = "".join(current)
-        report.append(f"{'checking' if dry_run else 'patching'} file {path}")
-    if not dry_run:
-        for target, content in results.items():
-            target.write_text(content)
-    return True, "\n".join(report)
 
 
 def apply(target: str | os.PathLike | None = None, dry_run: bool = False) -> int:
@@ -394,7 +267,7 @@ def apply(target: str | os.PathLike | None = None, dry_run: bool = False) -> int
     2 refused: no sglang, unreadable version, or no diff for that version.
     """
     if target is None:
-        root = _installed_root()
+        root = installed_root()
         if root is None:
             return _refuse("sglang is not installed; pass --target DIR (a site-packages or source tree)")
     else:
@@ -423,6 +296,9 @@ def apply(target: str | os.PathLike | None = None, dry_run: bool = False) -> int
     if not patch.is_file():
         return _refuse(f"{patch} is missing from this installation of sm120_fp4")
     tool = _tool()
+    if tool is None:
+        command = " ".join(shlex.quote(part) for part in _command("patch", root, patch, dry_run))
+        return _refuse(f"neither GNU patch nor git is installed; install one, or run this where one is:\n  {command}")
     ok, output = _run(tool, root, patch, dry_run=True)
     if output:
         print(output)
@@ -463,94 +339,3 @@ def main(action: str, dry_run: bool = False, target: str | None = None) -> int:
     if action == "apply":
         return apply(target, dry_run=dry_run)
     return _refuse(f"patches: unknown action {action!r} (expected 'check' or 'apply')")
-
-
-# ---------------------------------------------------------------- the ledger
-
-
-def render_ledger() -> str:
-    """patches/LEDGER.md, from sglang_targets.ledger_rows() and DIFFS (the single source of truth)."""
-    from .sglang_targets import SUPPORTED, ledger_rows
-
-    out = [
-        "# Ledger: the SM120 NVFP4 dense-GEMM fix, at run time and as source diffs",
-        "",
-        "Generated by `python -m sm120_fp4.upstream --write-ledger` from "
-        "`sm120_fp4.sglang_targets.ledger_rows()` and `sm120_fp4.upstream.DIFFS`; "
-        "`tests/test_upstream_patches.py` fails when this file and the code disagree. "
-        "Edit the code, then regenerate.",
-        "",
-        "`sm120-fp4 patches check` says whether the installed SGLang already contains the fix "
-        "(exit 0 fixed, 1 not fixed, 2 no or unsupported SGLang); "
-        "`sm120-fp4 patches apply [--dry-run] [--target DIR]` applies the matching diff below "
-        "to a site-packages or a source tree and refuses on any other version.",
-        "",
-        f"## Runtime patch targets (`sm120_fp4.install()`, SGLang {SUPPORTED})",
-        "",
-    ]
-    for spec in ledger_rows():
-        out += [
-            f"### `{spec.name}`",
-            "",
-            f"- **Changes:** `{spec.module}.{spec.attribute}`",
-            f"- **Releases:** `{spec.versions or SUPPORTED}`",
-            f"- **Why:** {spec.why}",
-            f"- **Upstream:** {spec.upstream}",
-            f"- **Remove:** {spec.remove_when}",
-            "",
-        ]
-    out += [
-        "## Source diffs (`patches/`)",
-        "",
-        "Paths are relative to site-packages / the wheel root: `patch -p1 -d <site-packages> < FILE` "
-        "or `git apply -p1 FILE` inside an unpacked wheel. Every added line block carries the "
-        "marker `# sm120-fp4: sglang-<release>-sm120-fp4`.",
-        "",
-    ]
-    for diff in DIFFS:
-        also = f" (files identical in {', '.join(diff.also)})" if diff.also else ""
-        out += [
-            f"### `{diff.filename}`",
-            "",
-            f"- **Releases:** {', '.join(diff.releases)}{also}",
-            f"- **Files:** {', '.join(f'`{f}`' for f in diff.files)}",
-            f"- **Changes:** {diff.changes}",
-            f"- **Why:** {diff.why}",
-            f"- **Upstream:** {diff.upstream}",
-            f"- **Remove:** {diff.remove_when}",
-            "",
-        ]
-    out += [
-        "Every other release in the supported range is covered by the runtime patch only "
-        f"(diffs exist for {', '.join(r for d in DIFFS for r in d.releases)}). "
-        "Not covered by the diffs: the start-up check for compressed-tensors W4A4 checkpoints "
-        "(they share the fixed `fp4_gemm` op, and the runtime patch checks them), NVFP4 MoE "
-        "kernels, and the multimodal FP4 path.",
-        "",
-    ]
-    return "\n".join(out)
-
-
-def _cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sm120_fp4.upstream", description=__doc__.splitlines()[0])
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--write-ledger", action="store_true", help="write patches/LEDGER.md")
-    group.add_argument("--check-ledger", action="store_true", help="exit 1 if patches/LEDGER.md is stale")
-    group.add_argument("--releases", action="store_true", help="print the SGLang releases that have a diff")
-    args = parser.parse_args(argv)
-    if args.releases:
-        print("\n".join(r for d in DIFFS for r in d.releases))
-        return 0
-    ledger = patches_dir() / "LEDGER.md"
-    if args.write_ledger:
-        ledger.write_text(render_ledger())
-        print(f"wrote {ledger}")
-        return 0
-    if not ledger.is_file() or ledger.read_text() != render_ledger():
-        print(f"{ledger} is stale: run python -m sm120_fp4.upstream --write-ledger", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_cli())

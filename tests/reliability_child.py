@@ -37,7 +37,7 @@ def scheduler_with_broken_backend(stderr_path: str) -> None:
     backends.register("zeros", all_zeros)
     import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401  (the bootstrap installs here)
 
-    from sm120_fp4 import demo
+    from sm120_fp4.sglang import layers
 
-    demo.build_modelopt_layer(demo.make_checkpoint(32, 64))
+    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
     sys.stderr.write("child: the layer loaded and the worker would serve\n")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import faults
-from sm120_fp4 import backends, devices, nvfp4
+from sm120_fp4 import backends, devices, kernels, nvfp4
 from sm120_fp4.config import Settings
 from sm120_fp4.devices import Device
 from sm120_fp4.dispatch import Router
@@ -173,7 +173,7 @@ def test_bad_mm_fp4_input_is_named_from_metadata_alone(case):
 
     make, message = BAD_INPUTS[case]
     with pytest.raises(InvalidArgument, match=message):
-        backends.check_mm_fp4_args(**make(_good()))
+        kernels.check_mm_fp4_args(**make(_good()))
 
 
 def test_flashinfer_backends_check_their_input_before_any_kernel():

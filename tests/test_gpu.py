@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import faults
-from sm120_fp4 import backends, devices, nvfp4, selection, selftest
+from sm120_fp4 import backends, devices, kernels, nvfp4, selection, selftest
 from sm120_fp4.config import Settings
 from sm120_fp4.dispatch import Router
 from sm120_fp4.errors import SelfTestError
@@ -138,4 +138,4 @@ def test_flashinfer_backends_reject_operands_on_different_devices():
     qx, b, sx, b_sf, alpha = quantized(4, 32, 64, seed=9)
     out = torch.empty(4, 32, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(InvalidArgument, match=r"alpha=.*same device"):
-        backends.check_mm_fp4_args(qx, b, sx, b_sf, alpha.cpu(), torch.bfloat16, out)
+        kernels.check_mm_fp4_args(qx, b, sx, b_sf, alpha.cpu(), torch.bfloat16, out)

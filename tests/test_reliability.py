@@ -31,7 +31,9 @@ import faults
 from threads import run_concurrently
 import reliability_child
 import sm120_fp4
-from sm120_fp4 import backends, bootstrap, devices, nvfp4, plugin, selection, selftest, sglang_targets
+from sm120_fp4 import backends, bootstrap, devices, kernels, nvfp4, selection, selftest
+from sm120_fp4.sglang import layers, plugin, release
+from sm120_fp4.sglang import targets as sglang_targets
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.config import Settings
 from sm120_fp4.devices import Device
@@ -192,8 +194,8 @@ sys.modules["flashinfer"] = None  # import flashinfer -> ImportError, as when it
 import sm120_fp4
 installed = sm120_fp4.install(simulate="12.0", backends="emulated").installed
 import sglang.srt.layers.quantization.modelopt_quant as mq
-from sm120_fp4 import demo
-demo.build_modelopt_layer(demo.make_checkpoint(32, 64))
+from sm120_fp4.sglang import layers
+layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
 status = sm120_fp4.status()
 print(json.dumps({"installed": installed, "sglang_has_mm_fp4": mq.enable_flashinfer_fp4_gemm,
                   "patches": {p.name: [p.state, p.reason] for p in status.patches},
@@ -390,10 +392,10 @@ def _raises_at_m5(a, b, a_sf, b_sf, alpha, dtype, out):
 def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
     backends.register("flaky", _raises_at_m5)
     sm120_fp4.install(simulate="12.0", backends="flaky")
-    ckpt = demo.make_checkpoint(32, 64)
-    method, layer = demo.build_modelopt_layer(ckpt)
+    ckpt = layers.make_checkpoint(32, 64)
+    method, layer = layers.build_modelopt_layer(ckpt)
     x = (torch.randn(4, 64) * 2).to(torch.bfloat16)
-    assert torch.equal(method.apply(layer, x), demo.reference_output(ckpt, x))  # M=4 serves
+    assert torch.equal(method.apply(layer, x), layers.reference_output(ckpt, x))  # M=4 serves
     with pytest.raises(RuntimeError, match="illegal memory access") as err:
         method.apply(layer, torch.randn(5, 64).to(torch.bfloat16))
     frames = [f.name for f in err.traceback]
@@ -404,7 +406,7 @@ def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
 def test_a_serve_time_exception_names_the_backend_and_device():
     backends.register("flaky", _raises_at_m5)
     sm120_fp4.install(simulate="12.0", backends="flaky", selftest="off")  # the serve-time path is under test
-    method, layer = demo.build_modelopt_layer(demo.make_checkpoint(32, 64))
+    method, layer = layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
     with pytest.raises(RuntimeError) as err:
         method.apply(layer, torch.randn(5, 64).to(torch.bfloat16))
     context = str(err.value) + "\n".join(getattr(err.value, "__notes__", []))
@@ -418,7 +420,7 @@ def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(mon
     def boom(original):
         raise RuntimeError("boom in a hook")
 
-    monkeypatch.setattr(sglang_targets, "_is_mm_fp4", boom)
+    monkeypatch.setattr(sglang_targets, "is_mm_fp4", boom)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     status = sm120_fp4.install(**SIM)  # modelopt_quant is imported already: its hooks run now
     assert mq.flashinfer_fp4_gemm is flashinfer.mm_fp4
@@ -426,7 +428,7 @@ def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(mon
     assert entry.state == "skipped" and entry.reason == "internal error: RuntimeError: boom in a hook"
     lines = [r.getMessage() for r in caplog.records if "flashinfer-fp4-gemm-alias" in r.getMessage()]
     assert lines == ["sm120_fp4: patch flashinfer-fp4-gemm-alias failed, SGLang left unpatched there: boom in a hook"]
-    demo.build_modelopt_layer(demo.make_checkpoint(32, 64))  # SGLang's load path still runs
+    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))  # SGLang's load path still runs
 
 
 @case("own failures", "package with a truncated bootstrap.py, SM120_FP4=1, new interpreter", "the interpreter starts and runs; stderr says the bootstrap failed and why; no import hook left behind")
@@ -463,13 +465,13 @@ def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    backends._mm_fp4.cache_clear()
+    kernels._mm_fp4.cache_clear()
     try:
         for name in backends.FLASHINFER_BACKENDS:
             ok, reason = backends.is_supported(name, Device(0, "mocked RTX PRO 6000", (12, 0)))
             assert not ok and re.search(r"does not import: (ModuleNotFound|Import)Error", reason), reason
     finally:
-        backends._mm_fp4.cache_clear()
+        kernels._mm_fp4.cache_clear()
 
 
 @pytest.mark.parametrize("version, message", [
@@ -479,7 +481,7 @@ def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(
 ])
 @case("own failures", "SGLang version {version}", "install() changes nothing and says why in its status message, without raising")
 def test_a_missing_or_unreadable_sglang_version_is_left_untouched(monkeypatch, version, message):
-    monkeypatch.setattr(sglang_targets, "sglang_version", lambda: version)
+    monkeypatch.setattr(release, "sglang_version", lambda: version)
     status = sm120_fp4.install(**SIM)
     assert not status.installed and message in status.message
     assert_not_patched()
@@ -490,7 +492,7 @@ def test_the_plugin_entry_point_never_raises_without_sglang(monkeypatch):
     monkeypatch.setenv("SM120_FP4", "1")
     for name, value in SIM_ENV.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sglang_targets, "sglang_version", lambda: None)
+    monkeypatch.setattr(release, "sglang_version", lambda: None)
     plugin.load()
     assert not sm120_fp4.status().installed
     assert_not_patched()

@@ -16,7 +16,9 @@ import faults
 from threads import run_concurrently
 import spawn_target
 import sm120_fp4
-from sm120_fp4 import backends, demo, sglang_targets
+from sm120_fp4 import backends
+from sm120_fp4.sglang import layers, release
+from sm120_fp4.sglang import targets as sglang_targets
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
 mq = pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
@@ -56,11 +58,11 @@ def test_modelopt_layer_runs_through_the_patch_and_matches_the_reference(caplog,
     caplog.set_level(logging.INFO, "sm120_fp4")
     status = sm120_fp4.install(**SIM)
     assert status.installed and patch_state("flashinfer-fp4-gemm-alias") == "applied"
-    ckpt = demo.make_checkpoint(n, k, seed=n)
-    method, layer = demo.build_modelopt_layer(ckpt)
+    ckpt = layers.make_checkpoint(n, k, seed=n)
+    method, layer = layers.build_modelopt_layer(ckpt)
     x = (torch.randn(m, k) * 2).to(torch.bfloat16)
     out = method.apply(layer, x)
-    want = demo.reference_output(ckpt, x)
+    want = layers.reference_output(ckpt, x)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert torch.equal(out, want)
     rel = ((out.float() - x.float() @ ckpt.dense.float().T).norm() / want.float().norm()).item()
@@ -74,11 +76,11 @@ def test_a_misbehaving_backend_stops_process_weights_after_loading():
     backends.register("band", faults.zeroes_row_band)
     sm120_fp4.install(simulate="12.0", backends="band")
     with pytest.raises(RefusedToServe, match=r"band: self-test failed: M=129 .*rows 64-127"):
-        demo.build_modelopt_layer(demo.make_checkpoint(32, 64))
+        layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
 
 
 def test_compressed_tensors_w4a4_weights_hook_decides_first():
-    ct = pytest.importorskip(sglang_targets.CT)
+    ct = pytest.importorskip(release.CT)
     backends.register("nan", faults.single_nan)
     sm120_fp4.install(simulate="12.0", backends="nan")
     assert patch_state("compressed-tensors-w4a4-weights-hook") == "applied"
@@ -96,7 +98,7 @@ def test_enum_is_pinned_to_cutlass_from_auto_or_cudnn_and_restored(start):
     fp4_utils.FP4_GEMM_RUNNER_BACKEND = None if start is None else enum[start]
     before = fp4_utils.FP4_GEMM_RUNNER_BACKEND
     sm120_fp4.install(**SIM)
-    demo.build_modelopt_layer(demo.make_checkpoint(32, 64))
+    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
     assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is enum.FLASHINFER_CUTLASS
     assert patch_state("fp4-runner-backend-pin") == "applied"
     sm120_fp4.uninstall()
@@ -160,7 +162,7 @@ def test_status_is_json_with_every_target_and_the_decision():
     import json
 
     sm120_fp4.install(**SIM)
-    demo.build_modelopt_layer(demo.make_checkpoint(32, 64))
+    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
     data = json.loads(sm120_fp4.status().model_dump_json())
     states = {p["name"]: p["state"] for p in data["patches"]}
     assert states["flashinfer-fp4-gemm-alias"] == "applied"
@@ -173,7 +175,7 @@ def test_status_is_json_with_every_target_and_the_decision():
 
 @pytest.mark.parametrize("version", ["0.5.2", "0.5.24", "0.6.0"])
 def test_a_release_outside_the_range_is_left_untouched_with_one_warning(monkeypatch, caplog, version):
-    monkeypatch.setattr(sglang_targets, "sglang_version", lambda: version)
+    monkeypatch.setattr(release, "sglang_version", lambda: version)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     status = sm120_fp4.install(**SIM)
     assert not status.installed and f"sglang {version} is outside the supported range" in status.message
@@ -228,10 +230,7 @@ def test_a_spawned_child_patches_itself_from_the_environment_toggle_and_only_wit
 
 
 def test_an_sglang_that_already_contains_the_fix_is_left_alone(monkeypatch):
-    from sm120_fp4 import upstream
-
-    monkeypatch.setattr(upstream, "check", lambda site_dir=None: upstream.CheckResult(
-        state="fixed", version="0.5.23", message="sglang 0.5.23 carries sglang-0.5.23-sm120-fp4", patch_id="sglang-0.5.23-sm120-fp4"))
+    monkeypatch.setattr(release, "fix_marker", lambda root: release.MARKER.search("# sm120-fp4: sglang-0.5.23-sm120-fp4"))
     status = sm120_fp4.install(**SIM)
     assert not status.installed and "already contains the fix" in status.message
     assert_not_patched()

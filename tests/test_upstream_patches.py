@@ -22,13 +22,17 @@ import pytest
 import torch
 
 from sm120_fp4 import nvfp4, upstream
-from sm120_fp4.upstream import DIFFS, FP4_UTILS_FILE, MQ_FILE
+from sm120_fp4.sglang import release
+from sm120_fp4.sglang.release import FP4_UTILS_FILE, MQ_FILE
+from sm120_fp4.upstream import DIFFS
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import ledger  # noqa: E402  (scripts/ledger.py renders patches/LEDGER.md)
 CACHE = ROOT / ".cache" / "sglang-wheels"
 RELEASES = [(diff, release) for diff in DIFFS for release in diff.releases]
 RELEASE_IDS = [release for _, release in RELEASES]
-TOOLS = ["patch", "git", "python"]
+TOOLS = ["patch", "git"]
 
 
 def _wheel(version: str) -> Path:
@@ -58,7 +62,7 @@ def tool(monkeypatch, request):
     name = getattr(request, "param", None)
     if name is None:
         return upstream._tool()
-    if name != "python" and shutil.which(name) is None:
+    if shutil.which(name) is None:
         pytest.skip(f"{name} is not installed")
     monkeypatch.setattr(upstream, "_tool", lambda: name)
     return name
@@ -67,15 +71,35 @@ def tool(monkeypatch, request):
 # ---------------------------------------------------------------- the ledger and the table of diffs
 
 
+def _gnu_patch(tree: Path, diff) -> None:
+    if shutil.which("patch") is None:
+        pytest.skip("GNU patch is not installed")
+    subprocess.run(["patch", "-p1", "--batch", "-s", "-d", str(tree), "-i", str(upstream.patch_path(diff))], check=True)
+
+
 def test_ledger_is_rendered_from_code():
-    ledger = ROOT / "patches" / "LEDGER.md"
-    assert ledger.read_text() == upstream.render_ledger(), "run: python -m sm120_fp4.upstream --write-ledger"
+    assert ledger.main(["--check"]) == 0, "run: python scripts/ledger.py --write"
+
+
+def test_upstream_diff_tooling_is_off_the_install_path():
+    proc = subprocess.run([sys.executable, "-c", "import sys, sm120_fp4.api; print('sm120_fp4.upstream' in sys.modules)"],
+                          capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"
+
+
+def test_apply_without_patch_or_git_prints_the_exact_command(tmp_path, monkeypatch, capsys):
+    tree = _unpack("0.5.23", tmp_path)
+    monkeypatch.setattr(upstream, "_tool", lambda: None)
+    assert upstream.apply(tree) == 2
+    err = capsys.readouterr().err
+    assert "neither GNU patch nor git" in err and f"patch -p1" in err and str(tree) in err
+    assert not upstream.check(tree).fixed, "nothing was changed"
 
 
 def test_ledger_names_every_runtime_target_and_diff():
-    from sm120_fp4.sglang_targets import ledger_rows
+    from sm120_fp4.sglang.targets import ledger_rows
 
-    text = upstream.render_ledger()
+    text = ledger.render_ledger()
     for spec in ledger_rows():
         assert f"`{spec.name}`" in text and spec.remove_when in text
     for diff in DIFFS:
@@ -122,11 +146,7 @@ def test_diff_applies_cleanly_with_gnu_patch_and_compiles(diff, release, tmp_pat
 @pytest.mark.parametrize(("diff", "release"), RELEASES, ids=RELEASE_IDS)
 def test_apply_gives_the_same_tree_with_every_tool(diff, release, tool, tmp_path, capsys):
     expected = _unpack(release, tmp_path / "expected")
-    if shutil.which("patch"):  # GNU patch is the reference where present
-        subprocess.run(["patch", "-p1", "--batch", "-s", "-d", str(expected), "-i", str(upstream.patch_path(diff))], check=True)
-    else:
-        ok, output = upstream._apply_unified(expected, upstream.patch_path(diff).read_text(), dry_run=False)
-        assert ok, output
+    _gnu_patch(expected, diff)  # GNU patch is the reference
     tree = _unpack(release, tmp_path / "tree")
     assert upstream.apply(tree) == 0, capsys.readouterr()
     assert _read(tree) == _read(expected)
@@ -205,13 +225,14 @@ def test_apply_to_a_source_checkout(tool, tmp_path):
 
 def test_runtime_patch_needed_follows_check(tmp_path, monkeypatch):
     tree = _unpack("0.5.23", tmp_path)
-    monkeypatch.setattr(upstream, "_installed_root", lambda: tree)
-    needed, why = upstream.runtime_patch_needed()
+    monkeypatch.setattr(release, "installed_root", lambda: tree)
+    monkeypatch.setattr(upstream, "installed_root", lambda: tree)
+    needed, why = release.runtime_patch_needed()
     assert needed and "does not contain the fix" in why
     assert upstream.apply(tree) == 0
-    needed, why = upstream.runtime_patch_needed()
+    needed, why = release.runtime_patch_needed()
     assert not needed and "runtime patch not needed" in why
-    monkeypatch.setattr(upstream, "_installed_root", lambda: None)
+    monkeypatch.setattr(upstream, "installed_root", lambda: None)
     assert upstream.check().exit_code == 2
 
 
@@ -267,8 +288,7 @@ def patched_sources(tmp_path_factory) -> dict[str, str]:
     sources = {}
     for diff in DIFFS:
         tree = _unpack(diff.release, tmp_path_factory.mktemp(diff.release))
-        ok, output = upstream._apply_unified(tree, upstream.patch_path(diff).read_text(), dry_run=False)
-        assert ok, output
+        _gnu_patch(tree, diff)
         sources[diff.release] = (tree / MQ_FILE).read_text()
     return sources
 

@@ -22,30 +22,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import nvfp4
-from .patching import PatchSpec, Patcher
+from ..kernels import fp4_quantize_stand_in
+from ..patching import PatchSpec, Patcher
+from .release import CT, FP4_UTILS, MQ, RUNTIME_CONTEXT
 
 _LOG = logging.getLogger("sm120_fp4")
-MQ = "sglang.srt.layers.quantization.modelopt_quant"
-CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
-RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
 _NEVER = "never used outside simulation"
 _cuda_lock = threading.Lock()
-
-
-def make_quantizer(original: Callable) -> Callable:
-    """FlashInfer's ``fp4_quantize`` calling convention, computed by nvfp4.quantize."""
-
-    def fp4_quantize(input, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True, *args, **kwargs):
-        if sf_vec_size != 16 or sf_use_ue8m0 or not is_sf_swizzled_layout or args or kwargs.get("is_sf_8x4_layout"):
-            return original(input, global_scale, sf_vec_size, sf_use_ue8m0, is_sf_swizzled_layout, *args, **kwargs)
-        rows = input.reshape(-1, input.shape[-1])
-        packed, scales = nvfp4.quantize(rows, global_scale.float().reshape(()), check_finite=False)
-        return packed.reshape(*input.shape[:-1], packed.shape[-1]), scales.view(torch.uint8)
-
-    fp4_quantize.__wrapped__ = original
-    return fp4_quantize
 
 
 def specs() -> list[PatchSpec]:
@@ -56,7 +40,7 @@ def specs() -> list[PatchSpec]:
         ("sim-activation-quantizer-ct", CT, "the compressed-tensors scheme imported the quantizer by name"),
     ]
     return [
-        PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=make_quantizer, check=_callable_check("fp4_quantize"))
+        PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=fp4_quantize_stand_in)
         for name, module, why in where
     ] + [
         PatchSpec(
@@ -80,6 +64,11 @@ class Simulation:
         self.patcher = patcher
         self._undo: list[Callable[[], None]] = []
         self._lock = threading.Lock()
+
+    def arm(self) -> None:
+        """Run the non-attribute stand-ins when (or if) SGLang imports their modules."""
+        self.patcher.when_imported(RUNTIME_CONTEXT, self.on_runtime_context)
+        self.patcher.when_imported(MQ, self.on_modelopt)
 
     def on_runtime_context(self, module: Any) -> None:
         """Make SGLang's platform checks see the simulated Blackwell SM12x device (0.5.19+)."""
@@ -154,7 +143,7 @@ def _op_body_stand_in(module: Any) -> Callable:
     def fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, out_features, quant_mode="w4a4"):
         if quant_mode != "w4a4":
             raise NotImplementedError(f"sm120_fp4 simulation: quant_mode {quant_mode!r} is not simulated")
-        fp4_utils = sys.modules.get("sglang.srt.layers.quantization.fp4_utils")
+        fp4_utils = sys.modules.get(FP4_UTILS)
         backend = fp4_utils.get_fp4_gemm_runner_backend().get_flashinfer_backend() if fp4_utils else "auto"
         return module.flashinfer_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend=backend)
 

@@ -1,44 +1,26 @@
-"""SGLang knowledge, and only that: which attribute to patch in which release, and why.
+"""Which SGLang attribute to patch in which release, and why (the runtime patch targets).
 
-Adding a release is an edit to this file alone. The facts behind each entry were read from every
-release's wheel (0.5.3 - 0.5.23); ``patches/LEDGER.md`` is generated from :func:`ledger_rows`.
+Adding a release or a target is an edit in this package alone. The facts behind each entry were
+read from every release's wheel (0.5.3 - 0.5.23, see docs/sglang-releases.md);
+``patches/LEDGER.md`` is generated from :func:`ledger_rows` (``scripts/ledger.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import sys
 from typing import Callable
 
-from packaging.version import InvalidVersion, Version
+from ..kernels import is_mm_fp4
+from ..patching import PatchSpec, Patcher
+from ..versions import version_in
+from .release import CT, DISTRIBUTION, FP4_UTILS, MQ, SUPPORTED, sglang_version
 
-from .patching import PatchSpec, Patcher, installed_version, version_in
-
-__all__ = [
-    "DISTRIBUTION",
-    "SUPPORTED",
-    "MQ",
-    "FP4_UTILS",
-    "CT",
-    "sglang_version",
-    "release_support",
-    "specs",
-    "pin_runner_backend",
-    "apply_env_knobs",
-    "ledger_rows",
-]
+__all__ = ["specs", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN", "LEGACY_KNOB_SPEC"]
 
 _LOG = logging.getLogger("sm120_fp4")
-DISTRIBUTION = "sglang"
-SUPPORTED = ">=0.5.3,<0.5.24"
-MQ = "sglang.srt.layers.quantization.modelopt_quant"
-FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
-CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
-RUNTIME_CONTEXT = "sglang.srt.runtime_context"
-MM_FP4_HEAD = ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype")
 LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
 
 _ALIAS_WHY = (
@@ -53,40 +35,6 @@ _ALIAS_REMOVE = (
     "when SGLang passes an explicit, verified backend with alpha and out on SM12x and checks the "
     "output at start-up (patches/sglang-*-sm120-fp4.patch upstreamed), or `sm120-fp4 patches check` says fixed"
 )
-
-
-def sglang_version() -> str | None:
-    return installed_version(DISTRIBUTION)
-
-
-def release_support(version: str | None = None) -> tuple[bool, str]:
-    """Whether `version` (default: the installed one) is a release this library knows how to patch."""
-    version = version or sglang_version()
-    if version is None:
-        return False, "sglang is not installed"
-    try:
-        Version(version)
-    except InvalidVersion:
-        return False, f"sglang {version!r} is not a version this library can read"
-    ok = version_in(version, SUPPORTED)
-    return (True, f"sglang {version} is supported ({SUPPORTED})") if ok else (
-        False,
-        f"sglang {version} is outside the supported range {SUPPORTED}: left untouched",
-    )
-
-
-def _is_mm_fp4(original: object) -> str | None:
-    """None when `original` is FlashInfer's mm_fp4 with the expected leading parameters."""
-    name, module = getattr(original, "__name__", None), getattr(original, "__module__", "") or ""
-    if name != "mm_fp4" or not module.startswith("flashinfer"):
-        return f"expected FlashInfer's mm_fp4 here, found {original!r} (FlashInfer missing or another kernel)"
-    try:
-        params = tuple(inspect.signature(original).parameters)
-    except (TypeError, ValueError):
-        return "cannot read mm_fp4's signature"
-    if params[: len(MM_FP4_HEAD)] != MM_FP4_HEAD or "backend" not in params:
-        return f"mm_fp4 has another signature {params}; expected it to start {MM_FP4_HEAD} and take backend="
-    return None
 
 
 def _layer_device_index(layer: object) -> int:
@@ -120,7 +68,7 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], None], weight
             module=MQ,
             attribute="flashinfer_fp4_gemm",
             make=make_dispatch,
-            check=_is_mm_fp4,
+            check=is_mm_fp4,
             when_missing=_ALIAS_MISSING,
             distribution=DISTRIBUTION,
             versions=">=0.5.8,<0.5.24",
@@ -133,11 +81,11 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], None], weight
             module=MQ,
             attribute="fp4_gemm",
             make=make_dispatch,
-            check=_is_mm_fp4,
+            check=is_mm_fp4,
             when_missing=_ALIAS_MISSING,
             distribution=DISTRIBUTION,
             versions=">=0.5.3,<0.5.8",
-            why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; the sglang::fp4_gemm op body looks it up)",
+            why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly or, from 0.5.6, through the sglang::fp4_gemm op)",
             upstream=_ALIAS_UPSTREAM,
             remove_when=_ALIAS_REMOVE,
         ),

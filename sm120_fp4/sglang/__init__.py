@@ -1,0 +1,52 @@
+"""Everything this library knows about SGLang, in one package.
+
+* :mod:`.release`: the installed release, the supported range, whether it already carries the fix;
+* :mod:`.targets`: what to patch in which release (the ledger), the runner-enum pin, env knobs;
+* :mod:`.simulation`: the stand-ins that let SGLang's real FP4 path run without an SM120 GPU;
+* :mod:`.plugin`: the ``sglang.srt.plugins`` entry point; :mod:`.layers`: real layers for the demo.
+
+:func:`attach` wires one install into SGLang. Nothing here imports SGLang at import time: every
+step runs from a post-import hook when (or if) SGLang imports the module it concerns.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from .release import release_support, runtime_patch_needed, sglang_version
+
+__all__ = ["attach", "release_support", "runtime_patch_needed", "sglang_version"]
+
+_LOG = logging.getLogger("sm120_fp4")
+
+
+def attach(patcher, make_dispatch: Callable, before_weights: Callable[[int], object], simulate: tuple[int, int] | None) -> list[Callable[[], None]]:
+    """Register this install's SGLang patches (and, with `simulate`, the simulation stand-ins).
+
+    `make_dispatch(original)` builds the FP4 GEMM alias replacement; `before_weights(device_index)`
+    runs before each NVFP4 layer's weights are processed: it decides (and may raise RefusedToServe)
+    and returns None for a device this library does not serve, where the runner enum stays as is.
+    Returns the undo steps that are not patches (the patcher undoes its own).
+    """
+    from . import simulation, targets
+
+    undo: list[Callable[[], None]] = []
+    sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
+
+    def before(index: int) -> None:
+        if before_weights(index) is not None:
+            targets.pin_runner_backend(patcher)
+
+    def weights_scope():
+        return simulation.cuda_moves_stay_on_cpu(sim is not None)
+
+    specs = targets.specs(make_dispatch, before, weights_scope)
+    if sim is not None:
+        _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)
+        specs += simulation.specs()
+        sim.arm()
+        undo.append(sim.undo)
+    undo.append(targets.apply_env_knobs(patcher))
+    patcher.add(specs)
+    return undo

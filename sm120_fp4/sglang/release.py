@@ -1,0 +1,88 @@
+"""Which SGLang is installed, whether this library knows it, and whether it already carries the fix.
+
+Read without importing SGLang: the distribution's metadata and, for the fix, the text of
+``modelopt_quant.py`` (every line a ``patches/`` diff adds carries a marker comment).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+from ..versions import comparable, installed_version, version_in
+
+__all__ = [
+    "DISTRIBUTION",
+    "SUPPORTED",
+    "MQ",
+    "FP4_UTILS",
+    "CT",
+    "RUNTIME_CONTEXT",
+    "MQ_FILE",
+    "FP4_UTILS_FILE",
+    "MARKER",
+    "sglang_version",
+    "release_support",
+    "installed_root",
+    "fix_marker",
+    "runtime_patch_needed",
+]
+
+DISTRIBUTION = "sglang"
+SUPPORTED = ">=0.5.3,<0.5.24"
+MQ = "sglang.srt.layers.quantization.modelopt_quant"
+FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
+CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
+RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
+FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"
+MARKER = re.compile(r"#\s*sm120-fp4:\s*(sglang-(\S+?)-sm120-fp4)\b")
+
+
+def sglang_version() -> str | None:
+    return installed_version(DISTRIBUTION)
+
+
+def release_support(version: str | None = None) -> tuple[bool, str]:
+    """Whether `version` (default: the installed one) is a release this library knows how to patch."""
+    version = version or sglang_version()
+    if version is None:
+        return False, "sglang is not installed"
+    if comparable(version) is not None:
+        return False, f"sglang {version!r} is not a version this library can read"
+    if version_in(version, SUPPORTED):
+        return True, f"sglang {version} is supported ({SUPPORTED})"
+    return False, f"sglang {version} is outside the supported range {SUPPORTED}: left untouched"
+
+
+def installed_root() -> Path | None:
+    """The site-packages directory of the importable sglang, found without importing it."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve().parent
+
+
+def fix_marker(root: Path) -> re.Match | None:
+    """The marker of a ``patches/`` diff in `root`'s modelopt_quant.py, or None."""
+    mq = root / MQ_FILE
+    try:
+        return MARKER.search(mq.read_text(errors="replace")) if mq.is_file() else None
+    except OSError:
+        return None
+
+
+def runtime_patch_needed() -> tuple[bool, str]:
+    """(False, why) when the installed SGLang already carries the fix (a patches/ diff), else (True, why)."""
+    root = installed_root()
+    if root is None:
+        return True, "sglang is not installed (no importable 'sglang' package)"
+    marker = fix_marker(root)
+    if marker is not None:
+        return False, (f"the installed SGLang at {root / 'sglang'} already contains the fix (patch {marker.group(1)}); "
+                       "runtime patch not needed")
+    return True, f"sglang at {root / 'sglang'} does not contain the fix"
