@@ -393,7 +393,7 @@ def reference_mm_fp4(
 #   num_experts_per_node) continue;"), so they add nothing. This oracle has no rank arguments,
 #   so an id outside [0, E) is far more likely a bug than a foreign expert: it is rejected.
 
-MOE_ACTIVATIONS = ("swiglu", "relu2")
+_MOE_ACTIVATIONS = ("swiglu", "relu2")
 _MOE_X_DTYPES = (torch.bfloat16, torch.float16)
 _MOE_ID_DTYPES = (torch.int32, torch.int64)
 
@@ -418,7 +418,9 @@ def _moe_activation(fc1: torch.Tensor, activation: str, inter: int) -> torch.Ten
     return relu * relu
 
 
-def _check_moe_expert_tensor(func: str, param: str, value: object, dtypes: tuple, shape: tuple, what: str, device: torch.device) -> None:
+def _check_moe_expert_tensor(
+    func: str, param: str, value: object, dtypes: tuple, shape: tuple, what: str, device: torch.device
+) -> None:
     _check_tensor(func, param, value, dtypes, ndim=len(shape))
     if tuple(value.shape) != shape:
         raise _fail(func, param, value, f"shape {shape} ({what})")
@@ -480,8 +482,8 @@ def reference_moe_fp4(
     if hidden == 0 or hidden % BLOCK_SIZE:
         raise _fail(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
     device = x.device
-    if not isinstance(activation, str) or activation not in MOE_ACTIVATIONS:
-        raise _fail(func, "activation", activation, "one of " + ", ".join(repr(a) for a in MOE_ACTIVATIONS))
+    if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
+        raise _fail(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
         raise _fail(func, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -494,7 +496,9 @@ def reference_moe_fp4(
     if topk_ids.device != device:
         raise _fail(func, "topk_ids", topk_ids, f"a tensor on {device} (where x is)")
     top_k = topk_ids.shape[1]
-    _check_moe_expert_tensor(func, "topk_weights", topk_weights, (torch.float32,), (tokens, top_k), "that of topk_ids", device)
+    _check_moe_expert_tensor(
+        func, "topk_weights", topk_weights, (torch.float32,), (tokens, top_k), "that of topk_ids", device
+    )
 
     _check_tensor(func, "w13", w13, (torch.uint8,), ndim=3)
     experts, rows13 = w13.shape[0], w13.shape[1]
@@ -510,7 +514,9 @@ def reference_moe_fp4(
     _check_moe_expert_tensor(func, "w13_sf", w13_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(rows13, hidden)),
                              f"128x4 swizzled scales of {rows13} rows and K={hidden} per expert", device)
     _check_moe_expert_tensor(func, "w13_alpha", w13_alpha, (torch.float32,), (experts,), per_expert, device)
-    _check_moe_expert_tensor(func, "w2", w2, (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}", device)
+    _check_moe_expert_tensor(
+        func, "w2", w2, (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}", device
+    )
     _check_moe_expert_tensor(func, "w2_sf", w2_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(hidden, inter)),
                              f"128x4 swizzled scales of {hidden} rows and K={inter} per expert", device)
     _check_moe_expert_tensor(func, "w2_alpha", w2_alpha, (torch.float32,), (experts,), per_expert, device)
@@ -522,7 +528,7 @@ def reference_moe_fp4(
     if tokens == 0:
         return torch.zeros((0, hidden), dtype=out_dtype, device=device)
     ids = topk_ids.reshape(-1).long()
-    low, high = (int(v) for v in torch.aminmax(ids))
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
     if low < 0 or high >= experts:
         raise _fail(func, "topk_ids", topk_ids, f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
                     "(expert-parallel ids of other ranks are not accepted)")
@@ -534,7 +540,7 @@ def reference_moe_fp4(
     # activations are not, so W4A16 multiplies in float32.
     dtype = gemm_operand_dtype(x) if quantize_activations else torch.float32
     # Routed rows (token * k + slot) sorted by expert, stable so each expert's rows keep token
-    # order: expert e owns sorted positions [starts[e], starts[e] + counts[e]).
+    # order: a span (expert, lo, hi) is that expert's rows, sorted positions lo..hi-1.
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=experts).tolist()
     token_of_row = order // top_k
