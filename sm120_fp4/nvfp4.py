@@ -45,6 +45,7 @@ __all__ = [
     "dequantize_unscaled",
     "gemm_operand_dtype",
     "reference_mm_fp4",
+    "reference_moe_fp4",
 ]
 
 BLOCK_SIZE = 16
@@ -358,3 +359,224 @@ def reference_mm_fp4(
         return acc.to(out_dtype)
     out.copy_(acc)
     return out
+
+
+# ---- the fused MoE (FlashInfer's cutlass_fused_moe, NVFP4) -----------------------------------
+#
+# What FlashInfer's kernels do, read in flashinfer-ai/flashinfer (commit fb28d72),
+# csrc/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh unless named otherwise:
+#
+# * Both grouped GEMMs write UnfusedGemmOutputType, which is BackBoneType, which must be the
+#   output type (moe_kernels.h: "using UnfusedGemmOutputType = BackBoneType;" and
+#   "static_assert(std::is_same_v<OutputType, BackBoneType>"): FC1's alpha*acc and each routed
+#   row of FC2 are rounded to the output dtype before anything else reads them.
+# * doActivationKernel reads the gate from the second half of FC1's row
+#   ("gemm_result_vec + elem_index + gated_off_vec", gated_off = inter_size) and the linear part
+#   from the first half, converts both to float and applies GLUAdaptor: "fn(gate) * linear".
+#   Relu2 is the ungated IdentityAdaptor<Relu2>: "val = relu_op(value); return mul(val, val)".
+# * It then quantizes through quantizePackedFPXValue, which first casts the float activation to
+#   the GEMM output type: "packed_vec.elts[i].x = static_cast<GemmOutputType>(post_act_val[...])".
+#   So the kernel quantizes the intermediate *after rounding it to the output dtype*. This oracle's
+#   contract (fixed by callers outside this repository) quantizes it from float32 instead; the
+#   two differ on values near a rounding boundary. To follow the kernel, quantize
+#   ``intermediate.to(round_dtype)`` in reference_moe_fp4 instead.
+# * finalizeMoeRoutingKernel sums in float over the k slots in slot order
+#   ("ComputeElem = cutlass::Array<float, ...>", "thread_output = thread_output + row_scale *
+#   expert_result") and converts once ("arrayConvert<ComputeElem, OutputElem>(thread_output)").
+#   With a FINALIZE-fused GEMM2 tactic (use_fused_finalize=True, flashinfer's default, offered
+#   for SM >= 90 including SM120) the epilogue instead rounds scale * (alpha * acc) to the output
+#   dtype and red.add's it into the output in that dtype, in no fixed order
+#   (cutlass_extensions/epilogue/fusion/sm90_visitor_scatter.hpp): up to k roundings more.
+# * Expert ids outside [start_expert, end_expert) belong to other expert-parallel ranks: routing
+#   sorts them past the local experts ("is_valid_expert ? (expert - start_expert) :
+#   num_experts_per_node") and finalize skips them ("if (expert_id < 0 || expert_id >=
+#   num_experts_per_node) continue;"), so they add nothing. This oracle has no rank arguments,
+#   so an id outside [0, E) is far more likely a bug than a foreign expert: it is rejected.
+
+_MOE_ACTIVATIONS = ("swiglu", "relu2")
+_MOE_X_DTYPES = (torch.bfloat16, torch.float16)
+_MOE_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _moe_mm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """alpha * (a @ w^T) in float32: a (M, K) and w (N, K) in the same dtype (bf16 or float32)."""
+    if a.dtype == torch.bfloat16:
+        acc = torch.mm(a, w.T, out_dtype=torch.float32)
+    else:
+        acc = a @ w.T
+    return acc * alpha
+
+
+def _moe_activation(fc1: torch.Tensor, activation: str, inter: int) -> torch.Tensor:
+    """The activation of FC1's float32 output (rows [up; gate] for swiglu), in float32."""
+    if activation == "swiglu":
+        up, gate = fc1[:, :inter], fc1[:, inter:]
+        # cutlass's SiLu is x * sigmoid(x) with sigmoid = 1 / (1 + exp(-x)); the scalar statement
+        # in tests/scalar_moe_recipe.py spells the same operations in the same order.
+        return (gate * (1.0 / (1.0 + torch.exp(-gate)))) * up
+    relu = torch.clamp_min(fc1, 0.0)
+    return relu * relu
+
+
+def _check_moe_expert_tensor(
+    func: str, param: str, value: object, dtypes: tuple, shape: tuple, what: str, device: torch.device
+) -> None:
+    _check_tensor(func, param, value, dtypes, ndim=len(shape))
+    if tuple(value.shape) != shape:
+        raise _fail(func, param, value, f"shape {shape} ({what})")
+    if value.device != device:
+        raise _fail(func, param, value, f"a tensor on {device} (where x is)")
+
+
+def reference_moe_fp4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_sf: torch.Tensor,
+    w13_alpha: torch.Tensor,
+    w2: torch.Tensor,
+    w2_sf: torch.Tensor,
+    w2_alpha: torch.Tensor,
+    a1_gscale: object,
+    a2_gscale: object,
+    activation: str = "swiglu",
+    out_dtype: torch.dtype | None = None,
+    *,
+    quantize_activations: bool = True,
+) -> torch.Tensor:
+    """NVFP4 fused MoE with FlashInfer ``cutlass_fused_moe``'s conventions, in plain PyTorch (T, H).
+
+    `x` (T, H) bf16/fp16; `topk_ids` (T, k) int32/int64 expert ids in [0, E); `topk_weights`
+    (T, k) float32, used as given (they need not sum to 1). `w13` (E, 2I, H/2) packed E2M1 with
+    rows [up; gate] for "swiglu", (E, I, H/2) for "relu2"; `w13_sf` (E, ceil128(rows),
+    ceil4(H/16)) float8_e4m3fn or its uint8 bytes, each expert's slice 128x4 swizzled;
+    `w13_alpha` (E,) float32 = 1 / (a1_gscale * w13's global encode scale). `w2` (E, H, I/2),
+    `w2_sf` (E, ceil128(H), ceil4(I/16)), `w2_alpha` (E,) likewise with a2_gscale. `a1_gscale`,
+    `a2_gscale`: the global encode scales of x and of the intermediate (float, or a one-element
+    float32 tensor). H and I must be multiples of 16.
+
+    Per routed (token, slot) with expert e, with the kernel's rounding points:
+    ``fc1 = w13_alpha[e] * (dq(quantize(x, a1)) @ dq(w13[e])^T)`` (float32 accumulation, dq =
+    :func:`dequantize_unscaled`) rounded to the output dtype; ``act = silu(gate) * up`` (gate =
+    rows I..2I) or ``relu(fc1)^2`` in float32; ``act`` quantized from float32 with a2_gscale;
+    ``row = w2_alpha[e] * (dq(act_q) @ dq(w2[e])^T)`` rounded to the output dtype; the output
+    is ``sum_j topk_weights[t, j] * row_j`` in float32 over the slots in order, cast to
+    `out_dtype`. A token routed twice to one expert gets both slots, each computed and summed
+    (as FlashInfer's kernels do; its routers never pick an expert twice).
+
+    `out_dtype`: None means x.dtype; bf16 or fp16 is also the rounding dtype of the GEMM
+    outputs; float32 returns the float32 sum before its final cast (GEMM outputs are then rounded
+    to x.dtype), so ``reference_moe_fp4(..., out_dtype=torch.float32).to(x.dtype)`` is the default.
+
+    ``quantize_activations=False`` is W4A16 (SGLang's Marlin MoE fallback): x and the
+    intermediate enter the GEMMs unquantized, in float32; `a1_gscale`/`a2_gscale` are ignored and
+    may be None; the alphas are then the weights' dequant factors (``w13_alpha[e]`` = 1 / w13's
+    global encode scale). The rounding of both GEMM outputs to the output dtype stays.
+
+    Rows are grouped by expert: only experts that receive rows are dequantized, one GEMM each.
+    """
+    func = "reference_moe_fp4"
+    _check_tensor(func, "x", x, _MOE_X_DTYPES, ndim=2)
+    tokens, hidden = x.shape
+    if hidden == 0 or hidden % BLOCK_SIZE:
+        raise _fail(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
+    device = x.device
+    if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
+        raise _fail(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise _fail(func, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not isinstance(quantize_activations, bool):
+        raise _fail(func, "quantize_activations", quantize_activations, "True or False")
+
+    _check_tensor(func, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
+    if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
+        raise _fail(func, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
+    if topk_ids.device != device:
+        raise _fail(func, "topk_ids", topk_ids, f"a tensor on {device} (where x is)")
+    top_k = topk_ids.shape[1]
+    _check_moe_expert_tensor(
+        func, "topk_weights", topk_weights, (torch.float32,), (tokens, top_k), "that of topk_ids", device
+    )
+
+    _check_tensor(func, "w13", w13, (torch.uint8,), ndim=3)
+    experts, rows13 = w13.shape[0], w13.shape[1]
+    gated = activation == "swiglu"
+    inter = rows13 // 2 if gated else rows13
+    if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
+        rows_text = "2I" if gated else "I"
+        raise _fail(func, "w13", w13, f"shape (E >= 1, {rows_text}, H/2={hidden // 2}) for activation={activation!r}, "
+                    f"I a positive multiple of {BLOCK_SIZE}")
+    if w13.device != device:
+        raise _fail(func, "w13", w13, f"a tensor on {device} (where x is)")
+    per_expert = f"one per expert, E={experts}"
+    _check_moe_expert_tensor(func, "w13_sf", w13_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(rows13, hidden)),
+                             f"128x4 swizzled scales of {rows13} rows and K={hidden} per expert", device)
+    _check_moe_expert_tensor(func, "w13_alpha", w13_alpha, (torch.float32,), (experts,), per_expert, device)
+    _check_moe_expert_tensor(
+        func, "w2", w2, (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}", device
+    )
+    _check_moe_expert_tensor(func, "w2_sf", w2_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(hidden, inter)),
+                             f"128x4 swizzled scales of {hidden} rows and K={inter} per expert", device)
+    _check_moe_expert_tensor(func, "w2_alpha", w2_alpha, (torch.float32,), (experts,), per_expert, device)
+    if quantize_activations:
+        a1 = _as_scale(func, "a1_gscale", a1_gscale, device, True)
+        a2 = _as_scale(func, "a2_gscale", a2_gscale, device, True)
+        if not torch.isfinite(x).all():
+            raise _fail(func, "x", x, "finite values (found NaN or inf)")
+    if tokens == 0:
+        return torch.zeros((0, hidden), dtype=out_dtype, device=device)
+    ids = topk_ids.reshape(-1).long()
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0 or high >= experts:
+        raise _fail(func, "topk_ids", topk_ids, f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
+                    "(expert-parallel ids of other ranks are not accepted)")
+
+    # The GEMM outputs are stored in the output dtype; a float32 output shows the sum before
+    # the final cast of a run in x's dtype.
+    round_dtype = x.dtype if out_dtype == torch.float32 else out_dtype
+    # E2M1 x E4M3 values are exact in bf16 (CUDA: bf16 GEMM, float32 output); unquantized
+    # activations are not, so W4A16 multiplies in float32.
+    dtype = gemm_operand_dtype(x) if quantize_activations else torch.float32
+    # Routed rows (token * k + slot) sorted by expert, stable so each expert's rows keep token
+    # order: a span (expert, lo, hi) is that expert's rows, sorted positions lo..hi-1.
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=experts).tolist()
+    token_of_row = order // top_k
+    spans = []
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            spans.append((expert, start, start + count))
+        start += count
+
+    if quantize_activations:
+        packed, scales = quantize(x, a1, check_finite=False)
+        acts = dequantize_unscaled(packed, scales, dtype)
+    else:
+        acts = x.float()
+    intermediate = torch.empty((ids.numel(), inter), dtype=torch.float32, device=device)
+    for expert, lo, hi in spans:
+        weight = dequantize_unscaled(w13[expert], w13_sf[expert], dtype)
+        fc1 = _moe_mm(acts[token_of_row[lo:hi]], weight, w13_alpha[expert])
+        intermediate[lo:hi] = _moe_activation(fc1.to(round_dtype).float(), activation, inter)
+
+    if quantize_activations:
+        if not torch.isfinite(intermediate).all():
+            raise InvalidArgument(f"{func}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
+                                  f"{round_dtype} and activated; expected inputs whose intermediate can be quantized")
+        packed, scales = quantize(intermediate, a2, check_finite=False)
+        intermediate = dequantize_unscaled(packed, scales, dtype)
+    # Each routed row lands at its unsorted position token * k + slot, for the finalize.
+    routed = torch.empty((ids.numel(), hidden), dtype=round_dtype, device=device)
+    for expert, lo, hi in spans:
+        weight = dequantize_unscaled(w2[expert], w2_sf[expert], dtype)
+        routed[order[lo:hi]] = _moe_mm(intermediate[lo:hi], weight, w2_alpha[expert]).to(round_dtype)
+
+    # finalizeMoeRoutingKernel's sum: float32, slot by slot, a product then an add.
+    routed = routed.view(tokens, top_k, hidden)
+    out = torch.zeros((tokens, hidden), dtype=torch.float32, device=device)
+    for slot in range(top_k):
+        out = out + topk_weights[:, slot : slot + 1] * routed[:, slot].float()
+    return out.to(out_dtype)
