@@ -43,6 +43,7 @@ class Status(BaseModel):
     patches: list[LedgerEntry]
     routes: dict[int, str]
     decisions: list[selection.Decision]
+    refusals: list[selection.Refusal]
 
 
 @dataclass
@@ -110,7 +111,7 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
     router = Router(settings)
     patcher = Patcher()
     state = _Install(settings, kwargs, router, patcher)
-    state.undo += sglang_support.attach(patcher, router.make_dispatch, router.ensure, settings.simulated_capability)
+    state.undo += sglang_support.attach(patcher, router, settings)
     state.undo.append(_export_env(kwargs))
     return state
 
@@ -191,4 +192,5 @@ def status() -> Status:
             patches=patches,
             routes=state.router.routes() if state else {},
             decisions=selection.decisions(),
+            refusals=selection.refusals(),
         )

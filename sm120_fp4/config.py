@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     fallback: Literal["none", "emulated"] = Field(
         "none", description="emulated: serve with the slow pure-PyTorch emulation instead of refusing."
     )
+    selftest_timeout: float = Field(
+        900.0,
+        description="Seconds one candidate's whole self-test may take (a first FlashInfer call JIT-compiles for minutes); past it the candidate is rejected as hung.",
+    )
     select: Literal["first", "fastest"] = Field(
         "first", description="first: the first candidate that verifies; fastest: time every verified candidate, take the fastest."
     )
@@ -85,6 +89,19 @@ class Settings(BaseSettings):
         if len(set(names)) != len(names):
             raise ValueError("accepted: each backend named once")
         return names
+
+    @field_validator("selftest_timeout", mode="before")
+    @classmethod
+    def _parse_timeout(cls, value: object) -> object:
+        try:
+            seconds = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+        except ValueError:
+            seconds = None
+        if isinstance(value, str) and not value.isascii():
+            seconds = None
+        if seconds is None or not 0 < seconds < float("inf"):
+            raise ValueError("accepted: a positive number of seconds, e.g. 900")
+        return seconds
 
     @field_validator("simulate", mode="before")
     @classmethod
@@ -190,7 +207,8 @@ def _accepted(field: str) -> str:
         return "`1`, `on`, `0`, `off`"
     if choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
-    return {"backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`", "report": "a path"}.get(field, "")
+    return {"backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`", "report": "a path",
+            "selftest_timeout": "seconds > 0"}.get(field, "")
 
 
 def settings_table() -> str:

@@ -9,6 +9,7 @@ first supported candidate; ``SELFTEST=off`` skips the test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -25,9 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import backends, devices, selftest
 from .config import Settings, load_settings
 from .devices import Device
-from .errors import ConfigError, RefusedToServe
+from .errors import ConfigError, RefusedToServe, SelfTestError
 
-__all__ = ["Decision", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes"]
+__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -50,7 +52,34 @@ class Decision(BaseModel):
     timings_ms: dict[str, float] = Field(default_factory=dict)
     flashinfer_version: str | None = None
     duration_s: float = 0.0
+    layers: list[selftest.SelfTestReport] = Field(default_factory=list)
     fn: Callable = Field(exclude=True, repr=False)
+
+
+class Refusal(BaseModel):
+    """A refusal to serve in this process: where, for which configuration, why (kept for status and the report)."""
+
+    device: str
+    config: str | None = None
+    message: str
+    reports: list[selftest.SelfTestReport] = Field(default_factory=list)
+
+
+@dataclass
+class LayerCheck:
+    """One layer configuration to verify on one device through the call that will serve it.
+
+    `key` identifies the configuration (layers that share it are verified once); `label` names it
+    in reports; `cases(ms)` builds the served calls for the batch sizes `ms` (with the layer's own
+    weights, checked against the oracle); `recheck_ms` are the batch sizes re-run after warm-up.
+    """
+
+    device_index: int
+    key: tuple
+    label: str
+    cases: Callable[[list[int]], list[selftest.Case]]
+    ms: list[int]
+    recheck_ms: list[int]
 
 
 _lock = threading.Lock()
@@ -62,6 +91,22 @@ _report_lock = threading.Lock()
 # every forward pass (one dict lookup); written only by route(); emptied with the decisions.
 _routes: dict[int, Callable | None] = {}
 _route_names: dict[int, str] = {}
+_refusals: list[Refusal] = []
+
+
+@dataclass
+class _Serving:
+    """What serves one device: its decision, every layer configuration verified on it, what failed."""
+
+    device: Device
+    decision: Decision
+    settings: Settings
+    checks: dict[tuple, LayerCheck] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+_serving: dict[int, _Serving] = {}
 
 
 def _operator_advice(device: Device, candidates: list[str]) -> list[str]:
@@ -76,10 +121,11 @@ def _operator_advice(device: Device, candidates: list[str]) -> list[str]:
     ]
 
 
-def refusal_message(device: Device, candidates: list[str], rejected: dict[str, str]) -> str:
+def refusal_message(device: Device, candidates: list[str], rejected: dict[str, str], config: str | None = None) -> str:
     """The text of RefusedToServe: the device, each candidate and why, what the operator can do."""
+    what = f" for {config}" if config else ""
     lines = [
-        f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no FP4 GEMM backend passed verification.",
+        f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no FP4 GEMM backend passed verification{what}.",
         "Candidates (SM120_FP4_BACKENDS):",
     ]
     lines += [f"  - {name}: {rejected.get(name, 'not tried')}" for name in candidates]
@@ -108,8 +154,9 @@ def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5)
     return statistics.median(times[1:])  # the first pass warms up (JIT, caches)
 
 
-def _self_test(name: str, device: Device) -> selftest.SelfTestReport:
-    return selftest.run(name, device, quantizer=backends.quantizer_for(name, device))
+def _self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
+    bounds = selftest.Bounds(timeout_s=settings.selftest_timeout)
+    return selftest.run(name, device, bounds=bounds, quantizer=backends.quantizer_for(name, device))
 
 
 def _choose(device: Device, candidates: list[str], settings: Settings) -> Decision:
@@ -126,7 +173,7 @@ def _choose(device: Device, candidates: list[str], settings: Settings) -> Decisi
     passed: list[str] = []
     if settings.selftest != "off":
         for name in supported:
-            report = _self_test(name, device)
+            report = _self_test(name, device, settings)
             reports.append(report)
             if report.passed:
                 passed.append(name)
@@ -154,15 +201,17 @@ def _choose(device: Device, candidates: list[str], settings: Settings) -> Decisi
             reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
     elif settings.selftest == "off" and supported:
         choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"
+    elif settings.fallback == "emulated":
+        # FALLBACK=emulated wins over SELFTEST=warn: a verified slow answer beats an unverified one.
+        also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
+        _LOG.warning(
+            "%s\nSM120_FP4_FALLBACK=emulated%s: serving with the slow pure-PyTorch emulation instead",
+            refusal_message(device, candidates, rejected), also,
+        )
+        choice, verified, reason = backends.EMULATED, True, "fallback: no candidate verified (SM120_FP4_FALLBACK=emulated)"
     elif settings.selftest == "warn" and supported:
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", refusal_message(device, candidates, rejected), supported[0])
         choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
-    elif settings.fallback == "emulated":
-        _LOG.warning(
-            "%s\nSM120_FP4_FALLBACK=emulated: serving with the slow pure-PyTorch emulation instead",
-            refusal_message(device, candidates, rejected),
-        )
-        choice, verified, reason = backends.EMULATED, True, "fallback: no candidate verified (SM120_FP4_FALLBACK=emulated)"
     else:
         raise RefusedToServe(refusal_message(device, candidates, rejected))
     return Decision(
@@ -230,17 +279,41 @@ def decide(
     with key_lock:
         if not refresh and key in _decisions:
             return _decisions[key]
-        decision = _choose(device, names, settings)
+        try:
+            decision = _choose(device, names, settings)
+        except RefusedToServe as exc:
+            _refuse(Refusal(device=device.label(), message=str(exc)), settings)
+            raise
         with _lock:
             _decisions[key] = decision
     _log_decision(decision)
-    if settings.report is not None:
-        with _report_lock:  # the newest report holds every decision, whichever device finished last
-            try:
-                write_report(settings.report, {"pid": os.getpid(), "decisions": [d.model_dump(mode="json") for d in decisions()]})
-            except OSError as exc:  # a report is evidence, not a reason to stop a verified worker
-                _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
+    _write_report(settings)
     return decision
+
+
+def _write_report(settings: Settings) -> None:
+    """The newest report holds every decision and refusal, whichever device finished last."""
+    if settings.report is None:
+        return
+    with _report_lock:
+        payload = {"pid": os.getpid(), "decisions": [d.model_dump(mode="json") for d in decisions()],
+                   "refusals": [r.model_dump(mode="json") for r in refusals()]}
+        try:
+            write_report(settings.report, payload)
+        except OSError as exc:  # a report is evidence, not a reason to stop a verified worker
+            _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
+
+
+def _refuse(refusal: Refusal, settings: Settings) -> None:
+    with _lock:
+        _refusals.append(refusal)
+    _write_report(settings)  # before the process exits: the record of why it refused
+
+
+def refusals() -> list[Refusal]:
+    """Every refusal to serve in this process so far."""
+    with _lock:
+        return list(_refusals)
 
 
 def decisions() -> list[Decision]:
@@ -256,6 +329,8 @@ def clear() -> None:
         _key_locks.clear()
         _routes.clear()
         _route_names.clear()
+        _refusals.clear()
+        _serving.clear()
 
 
 def serves(device: Device, settings: Settings) -> bool:
@@ -276,11 +351,139 @@ def route(index: int, settings: Settings) -> Callable | None:
         if serves(device, settings):
             decision = decide(device, settings=settings)
             fn, name = decision.fn, decision.backend
+            with _lock:
+                _serving.setdefault(index, _Serving(device, decision, settings))
         else:
             fn, name = None, "original"
     with _lock:
         _route_names[index] = name
         return _routes.setdefault(index, fn)
+
+
+def _set_route(serving: _Serving, decision: Decision) -> None:
+    """Serve the device with `decision` from now on (it takes the replaced decision's place)."""
+    index = serving.device.index
+    with _lock:
+        for key, known in list(_decisions.items()):
+            if known is serving.decision:
+                _decisions[key] = decision
+        serving.decision = decision
+        _routes[index] = decision.fn
+        _route_names[index] = decision.backend
+
+
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int]) -> selftest.SelfTestReport:
+    device = serving.device
+    report = selftest.report_for(serving.decision.backend, device, config=check.label)
+    start = time.perf_counter()
+    try:
+        cases = check.cases(ms)
+    except Exception as exc:  # building the served calls failed: that is a finding, not a crash
+        report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
+        report.duration_s = time.perf_counter() - start
+        return report
+    return selftest.finish(report, selftest.sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device), start)
+
+
+def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.SelfTestReport | None:
+    """Verify one layer configuration on CUDA ordinal `index` (-1: CPU in simulation) through the
+    call that will serve it, once per configuration and process; None where nothing is verified
+    (a device this library does not serve, or SM120_FP4_SELFTEST=off).
+
+    A failure rejects the backend for this device: the next candidate that passes the self-test and
+    every configuration verified so far takes over; with none left, FALLBACK=emulated serves (after
+    the same checks), SELFTEST=warn serves unverified, and otherwise RefusedToServe names the
+    configuration, the batch size and what was wrong.
+    """
+    if route(index, settings) is None or settings.selftest == "off":
+        return None
+    serving = _serving[index]
+    with serving.lock:
+        if check.key in serving.checks:
+            return next((r for r in serving.decision.layers if r.config == check.label), None)
+        serving.checks[check.key] = check
+        report = _run_check(serving, check, check.ms)
+        if report.passed:
+            serving.decision.layers.append(report)
+            _LOG.info("sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)", check.label,
+                      serving.decision.backend, serving.device.label(), len(check.ms), report.max_rel_err or 0.0)
+            _write_report(settings)
+            return report
+        return _replace_backend(serving, report, settings)
+
+
+def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, settings: Settings) -> selftest.SelfTestReport:
+    """The served backend failed `report`'s configuration: find one that passes everything, or refuse."""
+    failures = [report]
+    serving.failed[report.backend] = f"{report.config}: {report.reason}"
+    while True:
+        remaining = [n for n in candidate_names(settings) if n not in serving.failed]
+        decision = _next_decision(serving, remaining, settings)
+        if decision is None:
+            break
+        _set_route(serving, decision)
+        reports = [_run_check(serving, c, c.ms) for c in serving.checks.values()]
+        bad = next((r for r in reports if not r.passed), None)
+        if bad is None:
+            decision.layers = reports
+            _LOG.warning("sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration",
+                         serving.device.label(), report.backend, report.config, decision.backend)
+            _write_report(settings)
+            return next(r for r in reports if r.config == report.config)
+        failures.append(bad)
+        serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
+    message = refusal_message(serving.device, candidate_names(settings), {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}, config=report.config)
+    if settings.selftest == "warn":
+        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving UNVERIFIED with %s", message, serving.decision.backend)
+        serving.decision.verified = False
+        return report
+    _refuse(Refusal(device=serving.device.label(), config=report.config, message=message, reports=failures), settings)
+    raise RefusedToServe(message)
+
+
+def _next_decision(serving: _Serving, remaining: list[str], settings: Settings) -> Decision | None:
+    """The first of `remaining` that passes its self-test, else the verified emulation where
+    FALLBACK=emulated allows it (and it has not failed too), else None."""
+    strict = settings.model_copy(update={"selftest": "strict", "fallback": "none"})
+    if remaining:
+        with contextlib.suppress(RefusedToServe):
+            return _choose(serving.device, remaining, strict)
+    if settings.fallback != "emulated" or backends.EMULATED in serving.failed:
+        return None
+    try:
+        decision = _choose(serving.device, [backends.EMULATED], strict)
+    except RefusedToServe:
+        return None
+    decision.reason = "fallback: no candidate verified on every layer configuration (SM120_FP4_FALLBACK=emulated)"
+    _LOG.warning("sm120_fp4: %s: no candidate passed every layer configuration; SM120_FP4_FALLBACK=emulated: "
+                 "serving with the slow pure-PyTorch emulation", serving.device.label())
+    return decision
+
+
+def recheck(settings: Settings) -> list[selftest.SelfTestReport]:
+    """Re-run every verified layer configuration once, eagerly, at its re-check batch sizes (after
+    SGLang's warm-up and CUDA-graph capture, when autotuners have picked their tactics); a failure
+    refuses (RefusedToServe) with the configuration and batch size."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise SelfTestError("sm120_fp4 re-check asked for inside CUDA-graph capture; run it after capturing")
+    done = []
+    for serving in list(_serving.values()):
+        with serving.lock:
+            for check in list(serving.checks.values()):
+                report = _run_check(serving, check, check.recheck_ms)
+                report.config = f"{check.label} (re-check after warm-up)"
+                done.append(report)
+                if report.passed:
+                    continue
+                message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: {serving.decision.backend} "
+                           f"passed at start-up but fails after warm-up and CUDA-graph capture.\n"
+                           f"  {report.config}: {report.reason}\n"
+                           "The kernel changed behaviour after warm-up (autotuned tactics, captured graphs); "
+                           "try another backend (SM120_FP4_BACKENDS) or SM120_FP4_FALLBACK=emulated.")
+                _refuse(Refusal(device=serving.device.label(), config=report.config, message=message, reports=[report]), settings)
+                raise RefusedToServe(message)
+    _LOG.info("sm120_fp4: re-checked %d layer configuration(s) after warm-up: all pass", len(done))
+    return done
 
 
 def route_table() -> dict[int, Callable | None]:

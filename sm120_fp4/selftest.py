@@ -7,8 +7,10 @@ and its output is checked against ``nvfp4.reference_mm_fp4`` of the same quantiz
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,7 +20,10 @@ from . import backends, nvfp4
 from .devices import Device
 from .errors import SelfTestError
 
-__all__ = ["quantized_inputs", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES", "run"]
+__all__ = [
+    "quantized_inputs", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES",
+    "Case", "sweep", "run", "report_for",
+]
 
 Shape = tuple[int, int, int]  # (M, N, K)
 
@@ -33,16 +38,21 @@ class Bounds(BaseModel):
     max_rel_err: float = 1e-2
     max_row_rel_err: float = 5e-2
     norm_ratio: tuple[float, float] = (0.97, 1.03)
-    # A first FlashInfer call JIT-compiles its kernels (minutes on a cold cache); past this, a
-    # call is reported as hung. The hung thread cannot be killed: the worker then refuses to serve.
-    call_timeout_s: float = 900.0
+    # The whole self-test of one candidate (every call of every pass) must finish within this:
+    # a first FlashInfer call JIT-compiles its kernels (minutes on a cold cache). A call still
+    # running at the deadline is reported as hung and the candidate is rejected; its thread cannot
+    # be killed and keeps running in the background (a daemon thread: it never blocks exit).
+    timeout_s: float = 900.0
 
 
 class ShapeResult(BaseModel):
+    """One M (and N, K) of a self-test: every call made for it, and the first failure."""
+
     m: int
     n: int
     k: int
     passed: bool
+    calls: int = 0
     reason: str | None = None
     rel_err: float | None = None
     max_row_rel_err: float | None = None
@@ -64,8 +74,11 @@ class QuantizerCheck(BaseModel):
 
 
 class SelfTestReport(BaseModel):
+    """One backend on one device: over the default shapes, or over one layer configuration (`config`)."""
+
     backend: str
     device: str
+    config: str | None = None
     capability: str
     simulated: bool
     passed: bool
@@ -90,7 +103,10 @@ def _row_ranges(rows: list[int], limit: int = 4) -> str:
 
 
 def quantized_inputs(shape: Shape, device: torch.device, seed: int):
-    """Seeded bf16 activations and weights of `shape`, quantized with nvfp4: (x, gsf_x, mm_fp4 args)."""
+    """Seeded bf16 activations and weights of `shape`, quantized with nvfp4: (x, gsf_x, mm_fp4 args).
+
+    The activation scales are uint8 bytes, as SGLang's quantizer returns them; the weight's are
+    float8_e4m3fn, as SGLang stores them: a kernel must read both as E4M3 bytes."""
     m, n, k = shape
     gen = torch.Generator().manual_seed(seed)
     # Random signs and magnitudes spanning a few octaves; never zeros, never a zero row.
@@ -101,7 +117,7 @@ def quantized_inputs(shape: Shape, device: torch.device, seed: int):
     qx, sx = nvfp4.quantize(x, gx)
     qw, sw = nvfp4.quantize(w, gw)
     alpha = (1.0 / (gx * gw)).reshape(1).to(torch.float32)
-    return x, gx, (qx, qw.T, sx, sw.T, alpha)
+    return x, gx, (qx, qw.T, sx.view(torch.uint8), sw.T, alpha)
 
 
 def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult) -> str | None:
@@ -161,32 +177,79 @@ def _call_with_timeout(fn: Callable, args: tuple, device: torch.device, timeout_
 
     worker = threading.Thread(target=call, name="sm120_fp4-selftest-call", daemon=True)
     worker.start()
-    worker.join(timeout_s)
+    worker.join(max(timeout_s, 0.0))
     return box[0] if box else _Hung()
 
 
-def _check_shape(fn: Callable, shape: Shape, device: torch.device, seed: int, bounds: Bounds) -> ShapeResult:
-    m, n, k = shape
-    result = ShapeResult(m=m, n=n, k=k, passed=False)
-    _, _, args = quantized_inputs(shape, device, seed)
-    ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+@dataclass
+class Case:
+    """One M of a sweep: how to make the call, what it must equal, and what it must leave alone.
+
+    `invoke()` makes the call and returns what the caller would get; `out` is the tensor the call
+    must write and return (backend convention), or None where any (M, N) tensor may come back (a
+    served layer call). `inputs` must be bitwise unchanged after every call.
+    """
+
+    m: int
+    n: int
+    k: int
+    invoke: Callable[[], object]
+    reference: torch.Tensor
+    inputs: tuple[torch.Tensor, ...] = ()
+    out: torch.Tensor | None = None
+
+
+def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float, device: torch.device) -> str | None:
+    if case.out is not None:
+        case.out.fill_(float("nan"))  # poison: an unwritten out is caught, not read as a result
+    snapshots = [t.clone() for t in case.inputs]
     start = time.perf_counter()
-    outcome = _call_with_timeout(fn, (*args, torch.bfloat16, out), device, bounds.call_timeout_s)
-    result.duration_s = time.perf_counter() - start
+    outcome = _call_with_timeout(case.invoke, (), device, deadline - start)
+    result.duration_s += time.perf_counter() - start
+    result.calls += 1
     if isinstance(outcome, _Hung):
-        result.reason = f"did not return within {bounds.call_timeout_s:g} s (a hung kernel?)"
-        return result
+        return f"call {result.calls} did not return within the self-test's time bound (a hung kernel?)"
     if isinstance(outcome, BaseException):
-        result.reason = f"raised {type(outcome).__name__}: {outcome}".strip()
-        return result
-    returned = outcome
-    if returned is not None and returned is not out:
-        result.reason = "returned a tensor other than `out` (backends must write into out and return it)"
-        return result
-    result.reason = _compare(out, ref, bounds, result)
-    result.passed = result.reason is None
-    return result
+        return f"call {result.calls} raised {type(outcome).__name__}: {outcome}".strip()
+    if case.out is not None and outcome is not case.out:
+        what = "None" if outcome is None else "a tensor other than `out`"
+        return f"call {result.calls} returned {what} (backends must write into out and return it)"
+    if case.out is None and (not isinstance(outcome, torch.Tensor) or tuple(outcome.shape) != (case.m, case.n)):
+        return f"call {result.calls} returned {outcome!r:.80} instead of a ({case.m}, {case.n}) tensor"
+    reason = _compare(outcome, case.reference, bounds, result)
+    if reason is not None:
+        return f"call {result.calls}: {reason}"
+    changed = [i for i, (t, before) in enumerate(zip(case.inputs, snapshots)) if not torch.equal(t, before)]
+    if changed:
+        return f"call {result.calls} changed its input(s) {changed} in place (every later call would be wrong)"
+    return None
+
+
+def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2) -> list[ShapeResult]:
+    """Call every case `passes` times (pass after pass, so each M is called again after all others)
+    and check every call; stop at the deadline of `bounds.timeout_s` for the whole sweep."""
+    results = [ShapeResult(m=c.m, n=c.n, k=c.k, passed=True) for c in cases]
+    deadline = time.perf_counter() + bounds.timeout_s
+    for _ in range(passes):
+        for case, result in zip(cases, results):
+            if not result.passed:
+                continue  # its first failure is the finding
+            reason = _check_call(case, result, bounds, deadline, device)
+            if reason is not None:
+                result.passed, result.reason = False, reason
+                if "did not return" in reason:
+                    return results  # a hung call: no more calls into this backend
+    return results
+
+
+def _backend_cases(fn: Callable, shapes: tuple[Shape, ...], device: torch.device, seed: int, dtype: torch.dtype) -> list[Case]:
+    cases = []
+    for i, (m, n, k) in enumerate(shapes):
+        _, _, args = quantized_inputs((m, n, k), device, seed + i)
+        ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
+        out = torch.empty((m, n), dtype=dtype, device=device)
+        cases.append(Case(m, n, k, functools.partial(fn, *args, dtype, out), ref, inputs=args, out=out))
+    return cases
 
 
 def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:
@@ -209,6 +272,34 @@ def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: 
     return QuantizerCheck(name=name, passed=ok, reason=reason, code_mismatch=code_mm, scale_mismatch=scale_mm)
 
 
+def report_for(backend: str, device: Device, config: str | None = None) -> SelfTestReport:
+    """An empty report of `backend` on `device` (for `config`), to fill in."""
+    return SelfTestReport(
+        backend=backend,
+        device=device.label(),
+        config=config,
+        capability=f"{device.capability[0]}.{device.capability[1]}",
+        simulated=device.simulated,
+        passed=False,
+        flashinfer_version=backends.flashinfer_version(),
+    )
+
+
+def finish(report: SelfTestReport, results: list[ShapeResult], start: float) -> SelfTestReport:
+    """Fill `report` from the sweep `results`: passed, the first failure (with its M), the worst error."""
+    report.shapes = results
+    for r in results:
+        if not r.passed and report.reason is None:
+            report.reason = f"M={r.m} N={r.n} K={r.k}: {r.reason}"
+    if report.quantizer is not None and not report.quantizer.passed and report.reason is None:
+        report.reason = f"activation quantizer {report.quantizer.name}: {report.quantizer.reason}"
+    errors = [r.rel_err for r in results if r.rel_err is not None]
+    report.max_rel_err = max(errors) if errors else None
+    report.passed = report.reason is None
+    report.duration_s = time.perf_counter() - start
+    return report
+
+
 def run(
     backend: str,
     device: Device,
@@ -217,8 +308,13 @@ def run(
     seed: int = 0,
     bounds: Bounds | None = None,
     quantizer: tuple[str, Callable] | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> SelfTestReport:
-    """Self-test `backend` on `device` over `shapes` (default DEFAULT_SHAPES); never raises for a bad kernel."""
+    """Self-test `backend` on `device` over `shapes` (default DEFAULT_SHAPES); never raises for a bad kernel.
+
+    Two passes over the shapes, every call checked: it returns `out` itself, `out` matches the
+    oracle (after NaN poisoning), and its inputs are bitwise unchanged.
+    """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise SelfTestError("sm120_fp4 self-test asked for inside CUDA-graph capture; run it before capturing")
     bounds = bounds or Bounds()
@@ -226,14 +322,7 @@ def run(
     for shape in shapes:
         if len(shape) != 3 or any(int(v) <= 0 for v in shape) or shape[2] % 32 or shape[1] % 8:
             raise SelfTestError(f"self-test shape {shape!r} is not (M, N, K) with N % 8 == 0 and K % 32 == 0")
-    report = SelfTestReport(
-        backend=backend,
-        device=device.label(),
-        capability=f"{device.capability[0]}.{device.capability[1]}",
-        simulated=device.simulated,
-        passed=False,
-        flashinfer_version=backends.flashinfer_version(),
-    )
+    report = report_for(backend, device)
     start = time.perf_counter()
     try:
         fn = backends.resolve(backend)
@@ -241,17 +330,7 @@ def run(
         report.reason = f"could not load backend {backend!r}: {type(exc).__name__}: {exc}"
         return report
     tdev = device.torch_device
-    for i, shape in enumerate(shapes):
-        result = _check_shape(fn, shape, tdev, seed + i, bounds)
-        report.shapes.append(result)
-        if not result.passed and report.reason is None:
-            report.reason = f"M={shape[0]} N={shape[1]} K={shape[2]}: {result.reason}"
+    results = sweep(_backend_cases(fn, shapes, tdev, seed, out_dtype), bounds, tdev)
     if quantizer is not None:
         report.quantizer = check_quantizer(quantizer[0], quantizer[1], tdev, seed)
-        if not report.quantizer.passed and report.reason is None:
-            report.reason = f"activation quantizer {quantizer[0]}: {report.quantizer.reason}"
-    errors = [r.rel_err for r in report.shapes if r.rel_err is not None]
-    report.max_rel_err = max(errors) if errors else None
-    report.passed = report.reason is None
-    report.duration_s = time.perf_counter() - start
-    return report
+    return finish(report, results, start)

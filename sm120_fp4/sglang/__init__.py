@@ -21,27 +21,33 @@ __all__ = ["attach", "release_support", "runtime_patch_needed", "sglang_version"
 _LOG = logging.getLogger("sm120_fp4")
 
 
-def attach(patcher, make_dispatch: Callable, before_weights: Callable[[int], object], simulate: tuple[int, int] | None) -> list[Callable[[], None]]:
-    """Register this install's SGLang patches (and, with `simulate`, the simulation stand-ins).
+def attach(patcher, router, settings) -> list[Callable[[], None]]:
+    """Register this install's SGLang patches (and, in simulation, the simulation stand-ins).
 
-    `make_dispatch(original)` builds the FP4 GEMM alias replacement; `before_weights(device_index)`
-    runs before each NVFP4 layer's weights are processed: it decides (and may raise RefusedToServe)
-    and returns None for a device this library does not serve, where the runner enum stays as is.
-    Returns the undo steps that are not patches (the patcher undoes its own).
+    `router` (a dispatch.Router) builds the FP4 GEMM alias replacement and decides per device: its
+    ``ensure(index)`` may raise RefusedToServe and returns None for a device this library does not
+    serve (the runner enum then stays as is, and nothing is verified there). Returns the undo steps
+    that are not patches (the patcher undoes its own).
     """
+    from .. import selection
     from . import simulation, targets
 
     undo: list[Callable[[], None]] = []
+    simulate = settings.simulated_capability
     sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
 
     def before(index: int) -> None:
-        if before_weights(index) is not None:
+        if router.ensure(index) is not None:
             targets.pin_runner_backend(patcher)
+
+    def verify(check) -> None:
+        if check is not None:
+            selection.verify_layer(check.device_index, check, settings)
 
     def weights_scope():
         return simulation.cuda_moves_stay_on_cpu(sim is not None)
 
-    specs = targets.specs(make_dispatch, before, weights_scope)
+    specs = targets.specs(router.make_dispatch, before, weights_scope, verify, lambda: selection.recheck(settings))
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)
         specs += simulation.specs()

@@ -45,10 +45,11 @@ def make_checkpoint(n: int, k: int, seed: int = 0, calibration: torch.Tensor | N
     )
 
 
-def build_modelopt_layer(ckpt: Checkpoint, device: torch.device | str = "cpu"):
+def build_modelopt_layer(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16):
     """SGLang's ModelOptFp4LinearMethod: create_weights, load `ckpt`, process_weights_after_loading.
 
-    Returns (method, layer); ``method.apply(layer, x)`` runs SGLang's forward.
+    `dtype` is the model's activation dtype (SGLang's params_dtype). Returns (method, layer);
+    ``method.apply(layer, x)`` runs SGLang's forward.
     """
     from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
 
@@ -61,7 +62,7 @@ def build_modelopt_layer(ckpt: Checkpoint, device: torch.device | str = "cpu"):
         output_partition_sizes=[n],
         input_size=k,
         output_size=n,
-        params_dtype=torch.bfloat16,
+        params_dtype=dtype,
     )
     layer.to(device)
     with torch.no_grad():

@@ -19,6 +19,7 @@ __all__ = [
     "FP4_UTILS",
     "CT",
     "RUNTIME_CONTEXT",
+    "MODEL_RUNNER",
     "MQ_FILE",
     "FP4_UTILS_FILE",
     "MARKER",
@@ -35,6 +36,7 @@ MQ = "sglang.srt.layers.quantization.modelopt_quant"
 FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
 CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
 FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"
 MARKER = re.compile(r"#\s*sm120-fp4:\s*(sglang-(\S+?)-sm120-fp4)\b")

@@ -16,7 +16,8 @@ from typing import Callable
 from ..kernels import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
-from .release import CT, DISTRIBUTION, FP4_UTILS, MQ, SUPPORTED, sglang_version
+from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
+from .release import CT, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MQ, SUPPORTED, sglang_version
 
 __all__ = ["specs", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN", "LEGACY_KNOB_SPEC"]
 
@@ -37,30 +38,29 @@ _ALIAS_REMOVE = (
 )
 
 
-def _layer_device_index(layer: object) -> int:
-    for param in layer.parameters():  # type: ignore[attr-defined]
-        return param.get_device()
-    return -1
+def specs(make_dispatch: Callable, before_weights: Callable[[int], object], weights_scope: Callable,
+          verify: Callable[[object], None], recheck: Callable[[], object]) -> list[PatchSpec]:
+    """The runtime patches for every supported release (each guarded by its own version range).
 
+    `verify(check)` verifies one layer configuration (a LayerCheck, or None: nothing to verify);
+    `recheck()` re-runs every verified configuration after warm-up.
+    """
 
-def make_weights_hook(original: Callable, before: Callable[[int], None], scope: Callable) -> Callable:
-    """Wrap process_weights_after_loading: decide (self-test) for the layer's device first."""
+    def hook(check: Callable) -> Callable:
+        after = lambda method, layer: verify(check(method, layer))  # noqa: E731
+        return functools.partial(make_weights_hook, before=before_weights, scope=weights_scope, after=after)
 
-    @functools.wraps(original)
-    def process_weights_after_loading(self, layer, *args, **kwargs):
-        before(_layer_device_index(layer))
-        with scope():
-            return original(self, layer, *args, **kwargs)
-
-    return process_weights_after_loading
-
-
-def specs(make_dispatch: Callable, before_weights: Callable[[int], None], weights_scope: Callable) -> list[PatchSpec]:
-    """The runtime patches for every supported release (each guarded by its own version range)."""
-    hook = functools.partial(make_weights_hook, before=before_weights, scope=weights_scope)
+    warmup = functools.partial(make_warmup_hook, after=recheck)
+    warmup_why = (
+        "after SGLang's warm-up and CUDA-graph capture (FlashInfer's autotuner has picked its tactics by "
+        "then), re-run every verified layer configuration once, eagerly and outside capture; a kernel "
+        "that goes wrong only after warm-up refuses to serve"
+    )
     weights_why = (
-        "run the self-test (decide) once per device at the first NVFP4 layer, before SGLang serves "
-        "or captures CUDA graphs, and pin the runner enum before the weight layout is chosen"
+        "run the self-test (decide) once per device at the first NVFP4 layer and pin the runner enum "
+        "before the weight layout is chosen; then verify this layer's configuration (N, K, dtype, "
+        "scale dtypes, its own weights) through SGLang's own apply at every batch-size bucket, "
+        "before SGLang serves or captures CUDA graphs"
     )
     return [
         PatchSpec(
@@ -93,7 +93,7 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], None], weight
             name="modelopt-fp4-weights-hook",
             module=MQ,
             attribute="ModelOptFp4LinearMethod.process_weights_after_loading",
-            make=hook,
+            make=hook(modelopt_check),
             distribution=DISTRIBUTION,
             versions=SUPPORTED,
             why=weights_why,
@@ -104,12 +104,34 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], None], weight
             name="compressed-tensors-w4a4-weights-hook",
             module=CT,
             attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading",
-            make=hook,
+            make=hook(compressed_tensors_check),
             distribution=DISTRIBUTION,
             versions=">=0.5.7,<0.5.24",
             why=weights_why + " (compressed-tensors W4A4 NVFP4 checkpoints)",
             upstream="no upstream start-up check exists",
             remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x",
+        ),
+        PatchSpec(
+            name="post-warmup-recheck",
+            module=MODEL_RUNNER,
+            attribute="ModelRunner.init_cuda_graphs",
+            make=warmup,
+            distribution=DISTRIBUTION,
+            versions=">=0.5.15,<0.5.24",
+            why=warmup_why,
+            upstream="no upstream check exists",
+            remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x",
+        ),
+        PatchSpec(
+            name="post-warmup-recheck-legacy",
+            module=MODEL_RUNNER,
+            attribute="ModelRunner.init_device_graphs",
+            make=warmup,
+            distribution=DISTRIBUTION,
+            versions=">=0.5.3,<0.5.15",
+            why=warmup_why + " (0.5.3-0.5.14 name the method init_device_graphs)",
+            upstream="no upstream check exists",
+            remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x",
         ),
     ]
 
@@ -173,4 +195,4 @@ def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[]
 def ledger_rows() -> list[PatchSpec]:
     """Every runtime patch target, for the ledger and `doctor` (one source of truth)."""
     noop = lambda *args, **kwargs: None  # noqa: E731
-    return specs(noop, noop, noop) + [ENUM_PIN, LEGACY_KNOB_SPEC]
+    return specs(noop, noop, noop, noop, noop) + [ENUM_PIN, LEGACY_KNOB_SPEC]

@@ -1,0 +1,155 @@
+"""The hooks SGLang's load path runs through: verify each NVFP4 layer configuration with the call
+that will serve it, before SGLang serves or captures CUDA graphs, and once more after capture.
+
+At ``process_weights_after_loading`` (ModelOpt NVFP4 linear, compressed-tensors W4A4 NVFP4): first
+the device's backend is decided (a self-test; the runner enum is pinned), then SGLang processes the
+weights, then this layer's configuration (its N, K, activation dtype and scale dtypes, its own
+processed weights) is verified through SGLang's own ``apply`` at every batch-size bucket up to the
+largest CUDA-graph batch, against the oracle. After ``ModelRunner.init_cuda_graphs`` every verified
+configuration is re-run eagerly at a few batch sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Callable
+
+import torch
+
+from .. import nvfp4, selftest
+from ..selection import LayerCheck
+from .release import RUNTIME_CONTEXT
+
+_LOG = logging.getLogger("sm120_fp4")
+HALF = (torch.bfloat16, torch.float16)
+DEFAULT_MAX_BATCH = 512
+LARGE_BATCH = 2049  # one prefill-sized M >= 2048, not a power of two
+
+
+def layer_device_index(layer: object) -> int:
+    for param in layer.parameters():  # type: ignore[attr-defined]
+        return param.get_device()
+    return -1
+
+
+def make_weights_hook(original: Callable, before: Callable[[int], object], scope: Callable,
+                      after: Callable[[object, object], None]) -> Callable:
+    """Wrap process_weights_after_loading: decide for the layer's device first, verify the layer after."""
+
+    @functools.wraps(original)
+    def process_weights_after_loading(self, layer, *args, **kwargs):
+        before(layer_device_index(layer))
+        with scope():
+            result = original(self, layer, *args, **kwargs)
+        after(self, layer)
+        return result
+
+    return process_weights_after_loading
+
+
+def make_warmup_hook(original: Callable, after: Callable[[], object]) -> Callable:
+    """Wrap ModelRunner.init_cuda_graphs: once warm-up and capture are done, re-check eagerly."""
+
+    @functools.wraps(original)
+    def init_cuda_graphs(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        after()
+        return result
+
+    return init_cuda_graphs
+
+
+def max_capture_batch() -> int:
+    """The largest decode batch SGLang will capture in a CUDA graph, from its settings where this
+    process can see them (0.5.23: the runtime context's server args); DEFAULT_MAX_BATCH otherwise."""
+    context = sys.modules.get(RUNTIME_CONTEXT)
+    try:
+        args = context.get_server_args() if context is not None else None
+    except Exception:  # no context published in this process (a bare layer, a test)
+        args = None
+    for name in ("cuda_graph_max_bs_decode", "cuda_graph_max_bs"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    for name in ("cuda_graph_bs_decode", "cuda_graph_bs"):
+        value = getattr(args, name, None)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+            return max(value)
+    return DEFAULT_MAX_BATCH
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """At least one M in every power-of-two bucket up to `max_batch` (the bucket's first value and
+    an odd one inside it), `max_batch` itself, and one M >= 2048."""
+    ms = {1, 2, 3, max_batch, LARGE_BATCH}
+    power = 4
+    while power <= max_batch:
+        ms.update({power, min(power + power // 2 - 1, max_batch)})
+        power *= 2
+    return sorted(ms)
+
+
+def _activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
+    """The activation dtype SGLang will pass: the layer's params_dtype, else the default dtype SGLang
+    loads the model under; both half types when neither says."""
+    for dtype in (getattr(layer, "params_dtype", None), torch.get_default_dtype()):
+        if dtype in HALF:
+            return (dtype,)
+    return HALF
+
+
+def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: int, k: int, ms: list[int],
+                  dtype: torch.dtype, seed: int, watched: tuple) -> list[selftest.Case]:
+    """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range (the
+    first M rows of one batch, so the oracle runs once), quantized by SGLang inside `serve`; the
+    oracle quantizes the same rows with nvfp4 and multiplies with the layer's own weights."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = max(ms)
+    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / input_gsf.float().reshape(-1)[0].cpu())
+    spread = torch.exp2(torch.randint(-2, 1, (rows, 1), generator=gen).float())
+    x = (torch.randn(rows, k, generator=gen) * spread * (amax / 4)).clamp(-amax, amax).to(dtype).to(weight.device)
+    qx, sx = nvfp4.quantize(x, input_gsf.float().reshape(()))
+    k_weight = weight.shape[1] * 2
+    if k_weight > k:  # SGLang pads K for the kernel's alignment: zero codes add nothing
+        qx = torch.nn.functional.pad(qx, (0, (k_weight - k) // 2))
+    reference = nvfp4.reference_mm_fp4(qx, weight.T, sx, weight_sf.T, alpha.float().reshape(1), torch.float32)[:, :n_out]
+    return [selftest.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched) for m in ms]
+
+
+def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, alpha, input_gsf,
+                n_out: int, k: int) -> LayerCheck | None:
+    """The LayerCheck of one dense NVFP4 layer: its own weights, its call path, its batch sizes."""
+    if weight.numel() == 0 or weight.dtype != torch.uint8 or weight_sf.dim() != 2:
+        _LOG.info("sm120_fp4: %s N=%d K=%d: weights not in the cutlass layout (a fused path); not verified here", kind, n_out, k)
+        return None
+    dtypes = _activation_dtypes(layer)
+    max_batch = max_capture_batch()
+    watched = (weight, weight_sf, alpha, input_gsf)
+    label = f"{kind} N={n_out} K={k} {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} (weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
+    key = (kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
+
+    def cases(ms: list[int]) -> list[selftest.Case]:
+        return [case for i, dtype in enumerate(dtypes)
+                for case in _served_cases(serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched)]
+
+    return LayerCheck(weight.get_device(), key, label, cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH])
+
+
+def modelopt_check(method: object, layer: object) -> LayerCheck | None:
+    """ModelOptFp4LinearMethod after process_weights_after_loading (w4a4, the cutlass layout)."""
+    if getattr(method, "quant_mode", "w4a4") != "w4a4" or not hasattr(layer, "weight_scale_interleaved"):
+        return None
+    n_out = getattr(layer, "output_size_per_partition", layer.weight.shape[0])
+    k = getattr(layer, "input_size_per_partition", layer.weight.shape[1] * 2)
+    return dense_check("ModelOptFp4LinearMethod", functools.partial(method.apply, layer), layer, layer.weight,
+                       layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv, n_out, k)
+
+
+def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None:
+    """CompressedTensorsW4A4Fp4 after process_weights_after_loading."""
+    n_out = layer.weight_packed.shape[0]
+    k = getattr(layer, "input_size_per_partition", layer.weight_packed.shape[1] * 2)
+    return dense_check("CompressedTensorsW4A4Fp4", functools.partial(scheme.apply_weights, layer), layer, layer.weight_packed,
+                       layer.weight_scale, layer.alpha, layer.input_global_scale, n_out, k)

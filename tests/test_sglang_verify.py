@@ -1,0 +1,262 @@
+"""Verify exactly what will be served: each layer configuration through SGLang's real apply().
+
+Faulty kernels of the kinds SM12x reports describe (shape-, dtype-, batch-, call-count- and
+state-dependent) pass the generic self-test's small shapes but are wrong on what the layer serves;
+each must be refused at process_weights_after_loading with a reason naming the configuration and M.
+Healthy kernels that differ from the oracle only by rounding must serve, in bf16 and fp16.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+import sm120_fp4
+from sm120_fp4 import backends, nvfp4, selection
+from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4.errors import RefusedToServe
+from sm120_fp4.sglang import hooks, layers
+from sm120_fp4.sglang.release import MODEL_RUNNER
+
+pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
+
+
+@pytest.fixture(autouse=True)
+def _uninstalled(sglang_unpatched):
+    """Every test here starts and ends with SGLang unpatched."""
+
+
+def build(n: int, k: int, dtype=torch.bfloat16, seed: int = 0):
+    return layers.build_modelopt_layer(layers.make_checkpoint(n, k, seed=seed), dtype=dtype)
+
+
+# ---- faults: each is right on the self-test's shapes and wrong on what the layer serves ----------
+
+def zeros_when_wide(a, b, a_sf, b_sf, alpha, dtype, out):
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+    if b.shape[1] > 256:
+        out.zero_()
+    return out
+
+
+def wrong_for_fp16(a, b, a_sf, b_sf, alpha, dtype, out):
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+    if dtype == torch.float16:
+        out.mul_(0.5)
+    return out
+
+
+def zeros_for_decode_batches(a, b, a_sf, b_sf, alpha, dtype, out):
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+    if 8 <= a.shape[0] <= 128:
+        out.zero_()
+    return out
+
+
+def make_wears_out(good_calls: int):
+    calls = {"n": 0}
+
+    def wears_out(a, b, a_sf, b_sf, alpha, dtype, out):
+        calls["n"] += 1
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if calls["n"] > good_calls:
+            out.zero_()
+        return out
+
+    return wears_out
+
+
+def scales_its_weight_scales(a, b, a_sf, b_sf, alpha, dtype, out):
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+    if b.shape[1] == 288:  # the layer's weights, not the self-test's
+        raw = b_sf.view(torch.uint8)
+        raw.copy_(torch.where(raw > 8, raw - 8, raw))  # halves every E4M3 scale, in place
+    return out
+
+
+def returns_none(a, b, a_sf, b_sf, alpha, dtype, out):
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+    return None
+
+
+def reads_scale_bytes_as_values(a, b, a_sf, b_sf, alpha, dtype, out):
+    if a_sf.dtype == torch.uint8:  # SGLang's quantizer returns uint8 bytes: converted as integers
+        a_sf = a_sf.to(torch.float8_e4m3fn)
+    return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+
+
+FAULTS = {
+    "zeros when N > 256": (zeros_when_wide, dict(n=512, k=256), r"N=512 K=256 bfloat16.*M=1 .*all zeros"),
+    "wrong for fp16 out": (wrong_for_fp16, dict(n=96, k=160, dtype=torch.float16), r"N=96 K=160 float16.*M=1 .*norm is 0.5x"),
+    "zeros for decode batches 8..128": (zeros_for_decode_batches, dict(n=96, k=160), r"N=96 K=160 .*M=8 .*all zeros"),
+    "right for 16 calls, then zeros": (make_wears_out(16), dict(n=96, k=160), r"N=96 K=160 .*M=\d+ .*all zeros"),
+    "scales its own weight scales in place": (scales_its_weight_scales, dict(n=288, k=160),
+                                               r"N=288 K=160 .*M=1 .*changed its input\(s\) \[1\] in place"),
+    "writes out, returns None": (returns_none, dict(n=96, k=160), r"returned None"),
+    "reads uint8 scale bytes as values": (reads_scale_bytes_as_values, dict(n=96, k=160), r"M=1 N=96 K=1056"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_a_fault_in_what_the_layer_serves_is_refused_naming_configuration_and_m(name):
+    fault, shape, reason = FAULTS[name]
+    backends.register("faulty", fault)
+    sm120_fp4.install(simulate="12.0", backends="faulty")
+    with pytest.raises(RefusedToServe, match=reason):
+        build(**shape)
+    status = sm120_fp4.status()
+    assert status.refusals and status.refusals[-1].message.startswith("sm120_fp4: refusing to serve NVFP4")
+
+
+def test_a_backend_that_fails_one_layer_is_replaced_by_one_that_passes_every_layer(caplog):
+    backends.register("wide-zeros", zeros_when_wide)
+    sm120_fp4.install(simulate="12.0", backends="wide-zeros,emulated")
+    method_small, small = build(96, 160)
+    assert sm120_fp4.status().routes == {-1: "wide-zeros"}, "wide-zeros is right on narrow layers"
+    method_wide, wide = build(512, 256)
+    assert sm120_fp4.status().routes == {-1: "emulated"}
+    x = torch.randn(5, 160).to(torch.bfloat16)
+    assert torch.equal(method_small.apply(small, x), layers.reference_output(layers.make_checkpoint(96, 160), x))
+    [decision] = [d for d in selection.decisions() if d.backend == "emulated"]
+    assert {r.config.split(" (")[0] for r in decision.layers} == {
+        "ModelOptFp4LinearMethod N=96 K=160 bfloat16", "ModelOptFp4LinearMethod N=512 K=256 bfloat16"}
+    assert all(r.passed for r in decision.layers)
+
+
+def test_fallback_emulated_serves_when_no_candidate_passes_a_layer():
+    backends.register("wide-zeros", zeros_when_wide)
+    sm120_fp4.install(simulate="12.0", backends="wide-zeros", fallback="emulated")
+    method, layer = build(512, 256)
+    assert sm120_fp4.status().routes == {-1: "emulated"}
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    assert torch.equal(method.apply(layer, x), layers.reference_output(layers.make_checkpoint(512, 256), x))
+
+
+def test_each_distinct_configuration_is_verified_once_per_process():
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    for seed in range(3):
+        build(96, 160, seed=seed)
+    build(64, 160)
+    [decision] = selection.decisions()
+    assert [r.config for r in decision.layers] == [
+        "ModelOptFp4LinearMethod N=96 K=160 bfloat16 (weight scales float8_e4m3fn)",
+        "ModelOptFp4LinearMethod N=64 K=160 bfloat16 (weight scales float8_e4m3fn)",
+    ]
+    ms = [s.m for s in decision.layers[0].shapes]
+    assert ms == hooks.batch_sizes(512) and all(s.calls == 2 for s in decision.layers[0].shapes)
+
+
+def test_batch_sizes_cover_every_power_of_two_bucket_and_a_large_prefill():
+    for top in (1, 8, 160, 512, 1024):
+        ms = hooks.batch_sizes(top)
+        buckets = {m.bit_length() for m in ms if m <= top}
+        assert buckets == set(range(1, top.bit_length() + 1)), (top, ms)
+        assert top in ms and max(ms) >= 2048 and any(m & (m - 1) for m in ms if m > 2)
+
+
+# ---- healthy kernels: rounding-level differences must serve in bf16 and fp16 ------------------
+
+def bf16_products(a, b, a_sf, b_sf, alpha, dtype, out):  # bf16 operands, float32 accumulation
+    deq_a = nvfp4.dequantize_unscaled(a, a_sf.contiguous(), torch.bfloat16).float()
+    deq_b = nvfp4.dequantize_unscaled(b.T, b_sf.T, torch.bfloat16).float()
+    out.copy_((deq_a @ deq_b.T) * alpha)
+    return out
+
+
+def noisy(a, b, a_sf, b_sf, alpha, dtype, out):  # 1e-3 relative noise
+    acc = nvfp4.reference_mm_fp4(a, b, a_sf, b_sf, alpha, torch.float32)
+    gen = torch.Generator().manual_seed(a.shape[0])
+    out.copy_(acc * (1 + 1e-3 * torch.randn(acc.shape, generator=gen)))
+    return out
+
+
+def split_k(a, b, a_sf, b_sf, alpha, dtype, out):  # another summation order: two K halves
+    deq_a = nvfp4.dequantize_unscaled(a, a_sf.contiguous())
+    deq_b = nvfp4.dequantize_unscaled(b.T, b_sf.T)
+    half = deq_a.shape[1] // 2
+    acc = deq_a[:, half:] @ deq_b[:, half:].T + deq_a[:, :half] @ deq_b[:, :half].T
+    out.copy_(acc * alpha)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kernel", [bf16_products, noisy, split_k], ids=lambda f: f.__name__)
+def test_healthy_kernels_with_rounding_differences_serve(kernel, dtype):
+    backends.register("healthy", kernel)
+    sm120_fp4.install(simulate="12.0", backends="healthy")
+    method, layer = build(288, 512, dtype=dtype)
+    [decision] = selection.decisions()
+    assert decision.backend == "healthy" and decision.verified and decision.layers[0].passed
+    assert method.apply(layer, torch.randn(4, 512).to(dtype)).dtype == dtype
+
+
+# ---- after warm-up and CUDA-graph capture ------------------------------------------------------
+
+def _model_runner_stand_in(warmup):
+    """SGLang's model runner cannot be imported on a CPU: a stand-in with its init_cuda_graphs seam."""
+    module = types.ModuleType(MODEL_RUNNER)
+
+    class ModelRunner:
+        def init_cuda_graphs(self, capture_decode_cuda_graph=True):
+            warmup()  # what SGLang's warm-up and capture do: forward passes at the captured sizes
+            self.decode_cuda_graph_capture_bs = [1, 2, 4, 8]
+
+    module.ModelRunner = ModelRunner
+    return module
+
+
+def test_the_recheck_after_warmup_refuses_a_kernel_that_goes_wrong_after_warmup(monkeypatch, tmp_path):
+    state = {"warm": False}
+
+    def goes_wrong_after_warmup(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if state["warm"]:
+            out.mul_(0.04)  # an autotuned tactic that is wrong
+        return out
+
+    layer_box = {}
+
+    def warmup():
+        method, layer = layer_box["layer"]
+        method.apply(layer, torch.randn(8, 160).to(torch.bfloat16))
+        state["warm"] = True
+
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(warmup))
+    backends.register("tuned", goes_wrong_after_warmup)
+    report = tmp_path / "report.json"
+    status = sm120_fp4.install(simulate="12.0", backends="tuned", report=str(report))
+    assert {p.name: p.state for p in status.patches}["post-warmup-recheck"] == "applied"
+    layer_box["layer"] = build(96, 160)
+    with pytest.raises(RefusedToServe, match=r"(?s)fails after warm-up.*N=96 K=160 .*M=1 .*norm is 0.04x"):
+        sys.modules[MODEL_RUNNER].ModelRunner().init_cuda_graphs()
+    data = json.loads(report.read_text())
+    assert data["refusals"][-1]["config"].endswith("(re-check after warm-up)")
+    assert data["refusals"][-1]["reports"][0]["shapes"][0]["m"] == 1
+
+
+def test_the_recheck_after_warmup_passes_a_healthy_kernel(monkeypatch):
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None))
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    build(96, 160)
+    sys.modules[MODEL_RUNNER].ModelRunner().init_cuda_graphs()  # no refusal
+    sm120_fp4.uninstall()
+    assert not hasattr(sys.modules[MODEL_RUNNER].ModelRunner.init_cuda_graphs, "__sm120_fp4_patch__")
+
+
+def test_a_refusal_writes_the_report_before_raising_and_status_shows_it(tmp_path):
+    backends.register("wide-zeros", zeros_when_wide)
+    report = tmp_path / "r.json"
+    sm120_fp4.install(simulate="12.0", backends="wide-zeros", report=str(report))
+    with pytest.raises(RefusedToServe):
+        build(512, 256)
+    data = json.loads(report.read_text())
+    [refusal] = data["refusals"]
+    assert refusal["config"].startswith("ModelOptFp4LinearMethod N=512 K=256")
+    shapes = refusal["reports"][0]["shapes"]
+    assert shapes[0]["m"] == 1 and not shapes[0]["passed"] and "all zeros" in shapes[0]["reason"]
+    assert sm120_fp4.status().refusals[0].config == refusal["config"]
+    assert sm120_fp4.status().decisions, "the decision that was refused stays visible"
