@@ -8,6 +8,10 @@ write the result into `out` (contiguous, preallocated by the caller) and return 
 * ``emulated``: :mod:`sm120_fp4.nvfp4` dequantize + float32 matmul; slow, exact, runs anywhere.
   ``emulated-cached`` keeps the dequantized weight (decode-speed emulation, more memory).
 * ``register()`` adds user or test backends (a fault-injecting one, another kernel library).
+
+NVFP4 fused-MoE backends have a registry of their own (``register_moe()``, ...) with the convention
+of :func:`sm120_fp4.nvfp4.reference_moe_fp4`; built-ins: ``cutlass`` (FlashInfer's
+``cutlass_fused_moe``, called as SGLang calls it) and ``emulated`` (the oracle).
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ __all__ = [
     "quantizer_for",
     "flashinfer_version",
     "emulated_mm_fp4",
+    "emulated_moe",
+    "register_moe",
+    "unregister_moe",
+    "moe_names",
+    "get_moe",
+    "is_moe_supported",
+    "resolve_moe",
 ]
 
 GemmFn = Callable[..., object]
@@ -100,67 +111,104 @@ def emulated_cached_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, dequantized_b=cached)
 
 
+def emulated_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
+                 activation, out_dtype, out):
+    """The `emulated` MoE backend: nvfp4.reference_moe_fp4, written into `out`."""
+    out.copy_(nvfp4.reference_moe_fp4(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha,
+                                      a1_gscale, a2_gscale, activation=activation, out_dtype=out_dtype))
+    return out
+
+
 def _always(device: Device) -> tuple[bool, str | None]:
     return True, None
 
 
-_lock = threading.Lock()
-_registry: dict[str, Backend] = {}
+class _Registry:
+    """Named backends of one family (dense GEMM or fused MoE) and their built-ins."""
+
+    def __init__(self, family: str, builtins: Callable[[], dict[str, Backend]]) -> None:
+        self.family = family
+        self._builtins = builtins
+        self._lock = threading.Lock()
+        self._entries = builtins()
+
+    def register(self, name: str, fn: Callable, is_supported: SupportFn | None, replace: bool, caller: str) -> None:
+        if not isinstance(name, str) or not name or name != name.strip().lower() or "," in name:
+            raise InvalidArgument(f"{caller}: name={name!r} is not accepted; expected a lower-case name without commas")
+        if not callable(fn):
+            raise InvalidArgument(f"{caller}: fn={fn!r} is not accepted; expected a callable")
+        if is_supported is not None and not callable(is_supported):
+            raise InvalidArgument(f"{caller}: is_supported={is_supported!r} is not accepted; expected a callable or None")
+        with self._lock:
+            if name in self._entries and not replace:
+                raise InvalidArgument(f"{caller}: name={name!r} is already registered; pass replace=True to replace it")
+            self._entries[name] = Backend(name, "registered", fn, is_supported or _always)
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._entries.pop(name, None)
+            builtin = self._builtins().get(name)
+            if builtin is not None:
+                self._entries[name] = builtin
+
+    def names(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._entries)
+
+    def get(self, name: str) -> Backend:
+        with self._lock:
+            backend = self._entries.get(name)
+        if backend is None:
+            raise ConfigError(f"unknown {self.family} backend {name!r}; known: {', '.join(self.names())}")
+        return backend
+
+    def is_supported(self, name: str, device: Device) -> tuple[bool, str | None]:
+        backend = self.get(name)
+        try:
+            ok, reason = backend.supported(device)
+        except Exception as exc:
+            return False, f"support check raised {type(exc).__name__}: {exc}"
+        return bool(ok), (None if ok else reason or "not supported")
 
 
-def _builtins() -> None:
-    for name in FLASHINFER_BACKENDS:
-        _registry[name] = Backend(name, "flashinfer", None, functools.partial(kernels.supported, name))
-    _registry[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
-    _registry[EMULATED_CACHED] = Backend(EMULATED_CACHED, "emulated", emulated_cached_mm_fp4, _always)
+def _dense_builtins() -> dict[str, Backend]:
+    out = {name: Backend(name, "flashinfer", None, functools.partial(kernels.supported, name)) for name in FLASHINFER_BACKENDS}
+    out[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
+    out[EMULATED_CACHED] = Backend(EMULATED_CACHED, "emulated", emulated_cached_mm_fp4, _always)
+    return out
 
 
-_builtins()
+def _moe_builtins() -> dict[str, Backend]:
+    out = {name: Backend(name, "flashinfer", None, functools.partial(kernels.moe_supported, name)) for name in kernels.MOE_BACKENDS}
+    out[EMULATED] = Backend(EMULATED, "emulated", emulated_moe, _always)
+    return out
+
+
+_dense = _Registry("FP4 GEMM", _dense_builtins)
+_moe = _Registry("NVFP4 fused-MoE", _moe_builtins)
 
 
 def register(name: str, fn: GemmFn, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
     """Add backend `name`: `fn` follows mm_fp4's convention; `is_supported(device) -> (ok, reason)`."""
-    if not isinstance(name, str) or not name or name != name.strip().lower() or "," in name:
-        raise InvalidArgument(f"register: name={name!r} is not accepted; expected a lower-case name without commas")
-    if not callable(fn):
-        raise InvalidArgument(f"register: fn={fn!r} is not accepted; expected a callable")
-    if is_supported is not None and not callable(is_supported):
-        raise InvalidArgument(f"register: is_supported={is_supported!r} is not accepted; expected a callable or None")
-    with _lock:
-        if name in _registry and not replace:
-            raise InvalidArgument(f"register: name={name!r} is already registered; pass replace=True to replace it")
-        _registry[name] = Backend(name, "registered", fn, is_supported or _always)
+    _dense.register(name, fn, is_supported, replace, "register")
 
 
 def unregister(name: str) -> None:
     """Remove a registered backend; built-ins are restored to their original definition."""
-    with _lock:
-        _registry.pop(name, None)
-        if name in FLASHINFER_BACKENDS or name in (EMULATED, EMULATED_CACHED):
-            _builtins()
+    _dense.unregister(name)
 
 
 def names() -> tuple[str, ...]:
-    with _lock:
-        return tuple(_registry)
+    return _dense.names()
 
 
 def get(name: str) -> Backend:
-    with _lock:
-        backend = _registry.get(name)
-    if backend is None:
-        raise ConfigError(f"unknown FP4 GEMM backend {name!r}; known: {', '.join(names())}")
-    return backend
+    return _dense.get(name)
 
 
 def is_supported(name: str, device: Device) -> tuple[bool, str | None]:
     """Whether backend `name` can run on `device`, and why not."""
-    backend = get(name)
-    try:
-        ok, reason = backend.supported(device)
-    except Exception as exc:
-        return False, f"support check raised {type(exc).__name__}: {exc}"
-    return bool(ok), (None if ok else reason or "not supported")
+    return _dense.is_supported(name, device)
 
 
 def resolve(name: str) -> GemmFn:
@@ -173,3 +221,34 @@ def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
     """The activation quantizer that serves alongside backend `name` on `device`, where it can be
     checked there (FlashInfer's, for FlashInfer backends on sm_100+); None otherwise."""
     return kernels.quantizer(device) if get(name).kind == "flashinfer" else None
+
+
+def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
+    """Add NVFP4 fused-MoE backend `name`. `fn(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2,
+    w2_sf, w2_alpha, a1_gscale, a2_gscale, activation, out_dtype, out) -> out` follows
+    nvfp4.reference_moe_fp4's conventions and writes into `out` (T, H); `is_supported(device) -> (ok, reason)`."""
+    _moe.register(name, fn, is_supported, replace, "register_moe")
+
+
+def unregister_moe(name: str) -> None:
+    """Remove a registered MoE backend; built-ins are restored to their original definition."""
+    _moe.unregister(name)
+
+
+def moe_names() -> tuple[str, ...]:
+    return _moe.names()
+
+
+def get_moe(name: str) -> Backend:
+    return _moe.get(name)
+
+
+def is_moe_supported(name: str, device: Device) -> tuple[bool, str | None]:
+    """Whether MoE backend `name` can run on `device`, and why not."""
+    return _moe.is_supported(name, device)
+
+
+def resolve_moe(name: str) -> Callable:
+    """The callable to run for MoE backend `name` (FlashInfer imported here, not before)."""
+    backend = get_moe(name)
+    return backend.fn if backend.fn is not None else kernels.moe_backend(name)

@@ -45,6 +45,13 @@ class Settings(BaseSettings):
         ("cutlass", "b12x"),
         description="Ordered candidate backends (FlashInfer names, emulated, or registered names), comma-separated.",
     )
+    moe_backends: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("cutlass",),
+        description="Ordered candidate NVFP4 fused-MoE backends (FlashInfer's cutlass, emulated, or names registered with register_moe), comma-separated.",
+    )
+    moe_fallback: Literal["none", "emulated"] = Field(
+        "none", description="emulated: serve NVFP4 MoE layers with the slow pure-PyTorch emulation instead of refusing."
+    )
     selftest: Literal["strict", "warn", "off"] = Field(
         "strict", description="strict: refuse to serve when no backend verifies; warn: log and serve; off: skip the test."
     )
@@ -76,7 +83,7 @@ class Settings(BaseSettings):
     def _parse_toggle(cls, value: object) -> object:
         return parse_toggle(value)
 
-    @field_validator("backends", mode="before")
+    @field_validator("backends", "moe_backends", mode="before")
     @classmethod
     def _parse_backends(cls, value: object) -> object:
         names = value.split(",") if isinstance(value, str) else value
@@ -207,7 +214,7 @@ def _accepted(field: str) -> str:
         return "`1`, `on`, `0`, `off`"
     if choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
-    return {"backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`", "report": "a path",
+    return {"backends": "comma-separated names", "moe_backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`", "report": "a path",
             "selftest_timeout": "seconds > 0"}.get(field, "")
 
 

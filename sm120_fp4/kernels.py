@@ -36,6 +36,13 @@ __all__ = [
     "quantizer",
     "fp4_quantize_stand_in",
     "mm_fp4_front",
+    "MOE_BACKENDS",
+    "MOE_ACTIVATIONS",
+    "moe_supported",
+    "check_moe_args",
+    "moe_backend",
+    "moe_call_to_convention",
+    "moe_front",
 ]
 
 GemmFn = Callable[..., object]
@@ -67,17 +74,25 @@ def _mm_fp4() -> GemmFn:
     return mm_fp4
 
 
+def _unusable(device: Device) -> str | None:
+    """Why no FlashInfer kernel can run on `device`, or None."""
+    if device.simulated:
+        return "FlashInfer kernels need a real GPU; this device is simulated"
+    if not device.is_cuda:
+        return "FlashInfer kernels need a CUDA device"
+    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+        return f"torch {torch.__version__} cannot use CUDA device {device.index} (no driver, or a CPU build)"
+    if version() is None:
+        return "flashinfer-python is not installed"
+    return None
+
+
 def supported(name: str, device: Device) -> tuple[bool, str | None]:
     """Whether FlashInfer backend `name` can run on `device`, and why not."""
-    if device.simulated:
-        return False, "FlashInfer kernels need a real GPU; this device is simulated"
-    if not device.is_cuda:
-        return False, "FlashInfer kernels need a CUDA device"
-    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
-        return False, f"torch {torch.__version__} cannot use CUDA device {device.index} (no driver, or a CPU build)"
+    problem = _unusable(device)
+    if problem is not None:
+        return False, problem
     found = version()
-    if found is None:
-        return False, "flashinfer-python is not installed"
     try:
         mm_fp4 = _mm_fp4()
     except Exception as exc:  # ImportError, or a broken install raising anything
@@ -287,3 +302,164 @@ def _alpha_one(device: torch.device) -> torch.Tensor:
     if alpha is None:
         alpha = _alpha_cache.setdefault(device, torch.ones(1, dtype=torch.float32, device=device))
     return alpha
+
+
+# ---- fused MoE: flashinfer.fused_moe.cutlass_fused_moe ------------------------------------------
+
+# FlashInfer's fused-MoE kernels that take NVFP4 weights in the layout SGLang prepares for them
+# (w13 rows [up; gate], 128x4 swizzled block scales per expert, alphas per expert).
+MOE_BACKENDS = ("cutlass",)
+MOE_ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2"}
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_moe() -> tuple[Callable, type]:
+    from flashinfer.fused_moe import ActivationType, cutlass_fused_moe  # heavy: only when asked about
+
+    return cutlass_fused_moe, ActivationType
+
+
+def moe_supported(name: str, device: Device) -> tuple[bool, str | None]:
+    """Whether FlashInfer's fused-MoE kernel `name` can run NVFP4 on `device`, and why not."""
+    problem = _unusable(device)
+    if problem is not None:
+        return False, problem
+    found = version()
+    if device.capability[0] not in (10, 11, 12):
+        return False, f"FlashInfer's NVFP4 fused MoE needs sm_100/sm_110/sm_120 (found sm_{device.sm})"
+    try:
+        _fused_moe()
+    except Exception as exc:
+        return False, f"flashinfer {found} fused_moe does not import: {type(exc).__name__}: {exc}"
+    return True, None
+
+
+def _bad_moe(param: str, value: object, accepted: str) -> InvalidArgument:
+    return InvalidArgument(f"fused MoE: {param}={describe(value)} is not accepted; expected {accepted}")
+
+
+def check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
+                   activation, out_dtype, out) -> None:
+    """Validate fused-MoE arguments (the reference_moe_fp4 convention) from metadata only; no host sync."""
+    if activation not in MOE_ACTIVATIONS:
+        raise _bad_moe("activation", activation, f"one of {', '.join(MOE_ACTIVATIONS)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
+        raise _bad_moe("x", x, "a 2-D bf16 or fp16 tensor (T, H)")
+    t, h = x.shape
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        raise _bad_moe("topk_ids", topk_ids, f"an int32 (T={t}, k) tensor")
+    k = topk_ids.shape[1]
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (t, k):
+        raise _bad_moe("topk_weights", topk_weights, f"a float32 ({t}, {k}) tensor")
+    if not isinstance(w13, torch.Tensor) or w13.dtype != torch.uint8 or w13.dim() != 3 or w13.shape[2] * 2 != h:
+        raise _bad_moe("w13", w13, f"packed FP4 (E, 2I or I, H/2={h // 2}) uint8")
+    e, rows = w13.shape[0], w13.shape[1]
+    inter = rows // 2 if activation == "swiglu" else rows
+    if not isinstance(w2, torch.Tensor) or w2.dtype != torch.uint8 or tuple(w2.shape) != (e, h, inter // 2):
+        raise _bad_moe("w2", w2, f"packed FP4 ({e}, {h}, {inter // 2}) uint8")
+    for name, sf, r, cols in (("w13_sf", w13_sf, rows, h), ("w2_sf", w2_sf, h, inter)):
+        rp, cp = nvfp4.swizzled_scale_shape(r, cols)
+        if not isinstance(sf, torch.Tensor) or sf.dtype not in _SCALE_DTYPES or sf.numel() != e * rp * cp or not sf.is_contiguous():
+            raise _bad_moe(name, sf, f"contiguous 128x4 swizzled E4M3 scales of ({e}, {rp}, {cp})")
+    for name, alpha in (("w13_alpha", w13_alpha), ("w2_alpha", w2_alpha)):
+        if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() != e:
+            raise _bad_moe(name, alpha, f"a float32 tensor of E={e} elements")
+    for name, scale in (("a1_gscale", a1_gscale), ("a2_gscale", a2_gscale)):
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() not in (1, e):
+            raise _bad_moe(name, scale, f"a float32 tensor of 1 or E={e} elements (global encode scales)")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise _bad_moe("out_dtype", out_dtype, "torch.bfloat16 or torch.float16")
+    if not isinstance(out, torch.Tensor) or out.dtype != out_dtype or tuple(out.shape) != (t, h) or not out.is_contiguous():
+        raise _bad_moe("out", out, f"a contiguous ({t}, {h}) {out_dtype} tensor")
+
+
+def moe_backend(name: str) -> Callable:
+    """FlashInfer's fused-MoE kernel `name` in the MoE backend convention, called the way SGLang calls it."""
+    cutlass_fused_moe, activation_type = _fused_moe()
+
+    def flashinfer_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
+                       activation, out_dtype, out):
+        check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
+                       activation, out_dtype, out)
+        cutlass_fused_moe(
+            output=out, input=x, token_selected_experts=topk_ids.to(torch.int32), token_final_scales=topk_weights,
+            fc1_expert_weights=w13.view(torch.long), fc2_expert_weights=w2.view(torch.long), output_dtype=out_dtype,
+            input_sf=None,
+            quant_scales=[a1_gscale.reshape(()) if a1_gscale.numel() == 1 else a1_gscale, w13_sf.view(torch.int32), w13_alpha,
+                          a2_gscale.reshape(()) if a2_gscale.numel() == 1 else a2_gscale, w2_sf.view(torch.int32), w2_alpha],
+            activation_type=getattr(activation_type, MOE_ACTIVATIONS[activation]),
+            # SGLang's default (SGLANG_FLASHINFER_MOE_FUSED_FINALIZE unset); FlashInfer's own default is True.
+            use_fused_finalize=False,
+        )
+        return out
+
+    flashinfer_moe.__name__ = f"flashinfer_{name}_fused_moe"
+    return flashinfer_moe
+
+
+def moe_call_to_convention(kwargs: dict, activation_type: type) -> tuple | None:
+    """Map one ``cutlass_fused_moe(**kwargs)`` call to the MoE backend convention's arguments, or None
+    when it is not an NVFP4 call this library serves (another quantization, biases, swiglu clamps,
+    alltoall, per-token input scales): those go to the original unchanged.
+
+    Under expert parallelism the ids are global: slots routed to another rank's experts are given
+    local id 0 and weight 0 (they add nothing, as the kernel skips them).
+    """
+    scales = kwargs.get("quant_scales")
+    w13, w2, x = kwargs.get("fc1_expert_weights"), kwargs.get("fc2_expert_weights"), kwargs.get("input")
+    names = {getattr(activation_type, v): k for k, v in MOE_ACTIVATIONS.items()}
+    activation = names.get(kwargs.get("activation_type", getattr(activation_type, "Swiglu")))
+    if (activation is None or not isinstance(scales, (list, tuple)) or len(scales) != 6
+            or not isinstance(w13, torch.Tensor) or w13.dtype != torch.int64 or scales[1].dtype != torch.int32
+            or kwargs.get("input_sf") is not None or kwargs.get("enable_alltoall")
+            or any(kwargs.get(k) is not None for k in ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit"))
+            or kwargs.get("cluster_size", 1) != 1 or kwargs.get("min_latency_mode")):
+        return None
+    w13_u8, w2_u8 = w13.view(torch.uint8), w2.view(torch.uint8)
+    ids, weights = kwargs["token_selected_experts"], kwargs["token_final_scales"]
+    ep_size, ep_rank = kwargs.get("ep_size", 1), kwargs.get("ep_rank", 0)
+    if ep_size > 1:
+        local = w13_u8.shape[0]
+        ids = ids.to(torch.int32) - ep_rank * local
+        outside = (ids < 0) | (ids >= local)
+        ids = torch.where(outside, torch.zeros_like(ids), ids)
+        weights = torch.where(outside, torch.zeros_like(weights), weights)
+    out_dtype = kwargs.get("output_dtype", x.dtype)
+    out = kwargs.get("output")
+    if out is None:
+        out = torch.empty((x.shape[0], w2_u8.shape[1]), dtype=out_dtype, device=x.device)
+    return (x, ids, weights, w13_u8, scales[1].view(torch.float8_e4m3fn), scales[2], w2_u8, scales[4].view(torch.float8_e4m3fn),
+            scales[5], _gscale(scales[0]), _gscale(scales[3]), activation, out_dtype, out)
+
+
+def _gscale(scale: torch.Tensor) -> torch.Tensor:
+    """A global encode scale as the convention has it: (1,) for one scale, (E,) for one per expert."""
+    return scale.reshape(1) if scale.numel() == 1 else scale.reshape(-1)
+
+
+def moe_front(original: Callable, activation_type: type, route: Callable[[int], Callable | None],
+              name_of: Callable[[int], str]) -> Callable:
+    """A function with ``cutlass_fused_moe``'s keyword calling convention (as SGLang calls it) that serves
+    NVFP4 calls with the MoE backend routed for the input's device; others go to `original`. Returns
+    ``[output]`` as the kernel does."""
+
+    def cutlass_fused_moe(**kwargs):
+        x = kwargs.get("input")
+        fn = route(x.get_device()) if isinstance(x, torch.Tensor) else None
+        args = moe_call_to_convention(kwargs, activation_type) if fn is not None else None
+        if args is None:
+            return original(**kwargs)
+        out = args[-1]
+        if x.shape[0]:
+            try:
+                fn(*args)
+            except Exception as exc:
+                index = x.get_device()
+                exc.add_note(f"sm120_fp4: raised by fused-MoE backend {name_of(index)!r} on device {index} "
+                             f"(T={x.shape[0]}); never replaced by zeros")
+                raise
+        return [out]
+
+    cutlass_fused_moe.__wrapped__ = original
+    cutlass_fused_moe.__qualname__ = "sm120_fp4.kernels.cutlass_fused_moe"
+    return cutlass_fused_moe

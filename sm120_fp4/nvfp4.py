@@ -428,6 +428,17 @@ def _check_moe_expert_tensor(
         raise _fail(func, param, value, f"a tensor on {device} (where x is)")
 
 
+def _moe_gscale(func: str, param: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
+    """A global encode scale: one for all experts (0-dim result), or one per expert ((E,) result)."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim() == 1 and value.numel() == experts > 1:
+        if value.device != device:
+            raise _fail(func, param, value, f"a tensor on {device} (where x is)")
+        if not (torch.isfinite(value).all() and (value > 0).all()):
+            raise _fail(func, param, value, "positive finite values")
+        return value
+    return _as_scale(func, param, value, device, True)
+
+
 def reference_moe_fp4(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -444,6 +455,7 @@ def reference_moe_fp4(
     out_dtype: torch.dtype | None = None,
     *,
     quantize_activations: bool = True,
+    intermediate_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """NVFP4 fused MoE with FlashInfer ``cutlass_fused_moe``'s conventions, in plain PyTorch (T, H).
 
@@ -454,7 +466,8 @@ def reference_moe_fp4(
     `w13_alpha` (E,) float32 = 1 / (a1_gscale * w13's global encode scale). `w2` (E, H, I/2),
     `w2_sf` (E, ceil128(H), ceil4(I/16)), `w2_alpha` (E,) likewise with a2_gscale. `a1_gscale`,
     `a2_gscale`: the global encode scales of x and of the intermediate (float, or a one-element
-    float32 tensor). H and I must be multiples of 16.
+    float32 tensor; or, as compressed-tensors checkpoints have them, an (E,) float32 tensor of one
+    scale per expert, each expert's rows quantized with its own). H and I must be multiples of 16.
 
     Per routed (token, slot) with expert e, with the kernel's rounding points:
     ``fc1 = w13_alpha[e] * (dq(quantize(x, a1)) @ dq(w13[e])^T)`` (float32 accumulation, dq =
@@ -474,6 +487,11 @@ def reference_moe_fp4(
     may be None; the alphas are then the weights' dequant factors (``w13_alpha[e]`` = 1 / w13's
     global encode scale). The rounding of both GEMM outputs to the output dtype stays.
 
+    `intermediate_dtype` (bf16/fp16), when given, rounds the activated intermediate to that dtype
+    before it is re-quantized, as FlashInfer's kernel does (``quantizePackedFPXValue``); the default
+    (None) quantizes it from float32, as stated above. The two differ only where a value sits near a
+    rounding boundary; a self-test bound must allow that difference, and no more.
+
     Rows are grouped by expert: only experts that receive rows are dequantized, one GEMM each.
     """
     func = "reference_moe_fp4"
@@ -489,6 +507,8 @@ def reference_moe_fp4(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if not isinstance(quantize_activations, bool):
         raise _fail(func, "quantize_activations", quantize_activations, "True or False")
+    if intermediate_dtype not in (None, torch.bfloat16, torch.float16):
+        raise _fail(func, "intermediate_dtype", intermediate_dtype, "None, torch.bfloat16 or torch.float16")
 
     _check_tensor(func, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
     if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
@@ -521,8 +541,8 @@ def reference_moe_fp4(
                              f"128x4 swizzled scales of {hidden} rows and K={inter} per expert", device)
     _check_moe_expert_tensor(func, "w2_alpha", w2_alpha, (torch.float32,), (experts,), per_expert, device)
     if quantize_activations:
-        a1 = _as_scale(func, "a1_gscale", a1_gscale, device, True)
-        a2 = _as_scale(func, "a2_gscale", a2_gscale, device, True)
+        a1 = _moe_gscale(func, "a1_gscale", a1_gscale, experts, device)
+        a2 = _moe_gscale(func, "a2_gscale", a2_gscale, experts, device)
         if not torch.isfinite(x).all():
             raise _fail(func, "x", x, "finite values (found NaN or inf)")
     if tokens == 0:
@@ -551,23 +571,35 @@ def reference_moe_fp4(
             spans.append((expert, start, start + count))
         start += count
 
-    if quantize_activations:
-        packed, scales = quantize(x, a1, check_finite=False)
-        acts = dequantize_unscaled(packed, scales, dtype)
-    else:
+    def quantized(values: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+        packed, scales = quantize(values, gscale, check_finite=False)
+        return dequantize_unscaled(packed, scales, dtype)
+
+    # One global scale: x quantized once; one per expert (compressed-tensors): each expert's rows
+    # quantized with that expert's scale, as the kernel does.
+    if not quantize_activations:
         acts = x.float()
+    elif a1.dim() == 0:
+        acts = quantized(x, a1)
     intermediate = torch.empty((ids.numel(), inter), dtype=torch.float32, device=device)
     for expert, lo, hi in spans:
         weight = dequantize_unscaled(w13[expert], w13_sf[expert], dtype)
-        fc1 = _moe_mm(acts[token_of_row[lo:hi]], weight, w13_alpha[expert])
+        rows = acts[token_of_row[lo:hi]] if not quantize_activations or a1.dim() == 0 else quantized(x[token_of_row[lo:hi]], a1[expert])
+        fc1 = _moe_mm(rows, weight, w13_alpha[expert])
         intermediate[lo:hi] = _moe_activation(fc1.to(round_dtype).float(), activation, inter)
 
     if quantize_activations:
         if not torch.isfinite(intermediate).all():
             raise InvalidArgument(f"{func}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
                                   f"{round_dtype} and activated; expected inputs whose intermediate can be quantized")
-        packed, scales = quantize(intermediate, a2, check_finite=False)
-        intermediate = dequantize_unscaled(packed, scales, dtype)
+        if intermediate_dtype is not None:
+            intermediate = intermediate.to(intermediate_dtype).float()
+        if a2.dim() == 0:
+            intermediate = quantized(intermediate, a2)
+        else:
+            for expert, lo, hi in spans:
+                intermediate[lo:hi] = quantized(intermediate[lo:hi], a2[expert]).float()
+            intermediate = intermediate.to(dtype)  # exact: dequantized FP4 values fit bf16
     # Each routed row lands at its unsorted position token * k + slot, for the finalize.
     routed = torch.empty((ids.numel(), hidden), dtype=round_dtype, device=device)
     for expert, lo, hi in spans:

@@ -29,7 +29,7 @@ from .config import Settings, load_settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, SelfTestError
 
-__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes"]
+__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -53,6 +53,7 @@ class Decision(BaseModel):
     flashinfer_version: str | None = None
     duration_s: float = 0.0
     layers: list[selftest.SelfTestReport] = Field(default_factory=list)
+    family: str = "dense"
     fn: Callable = Field(exclude=True, repr=False)
 
 
@@ -77,9 +78,47 @@ class LayerCheck:
     device_index: int
     key: tuple
     label: str
+    family: str
     cases: Callable[[list[int]], list[selftest.Case]]
     ms: list[int]
     recheck_ms: list[int]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of kernel this library verifies and routes: the dense FP4 GEMM or the NVFP4 fused MoE."""
+
+    name: str  # "dense" | "moe"
+    what: str
+    backends_var: str
+    fallback_var: str
+    names: Callable[[], tuple[str, ...]]
+    is_supported: Callable[[str, Device], tuple[bool, str | None]]
+    resolve: Callable[[str], Callable]
+    candidates: Callable[[Settings], tuple[str, ...]]
+    fallback: Callable[[Settings], str]
+    self_test: Callable[[str, Device, Settings], selftest.SelfTestReport]
+
+
+def _dense_self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
+    bounds = selftest.Bounds(timeout_s=settings.selftest_timeout)
+    return selftest.run(name, device, bounds=bounds, quantizer=backends.quantizer_for(name, device))
+
+
+def _moe_self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
+    # A simulated CPU device runs the pure-PyTorch oracle against itself: the reduced configuration
+    # proves the wiring; every real GPU runs the full default configuration.
+    config = selftest.SIMULATION_MOE_CONFIG if device.simulated and not device.is_cuda else None
+    bounds = selftest.MOE_BOUNDS.model_copy(update={"timeout_s": settings.selftest_timeout})
+    return selftest.run_moe(name, device, config, bounds=bounds)
+
+
+DENSE = Family("dense", "FP4 GEMM", "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
+               backends.resolve, lambda s: s.backends, lambda s: s.fallback, _dense_self_test)
+MOE = Family("moe", "NVFP4 fused-MoE", "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
+             backends.is_moe_supported, backends.resolve_moe, lambda s: s.moe_backends, lambda s: s.moe_fallback,
+             _moe_self_test)
+FAMILIES = {"dense": DENSE, "moe": MOE}
 
 
 _lock = threading.Lock()
@@ -89,8 +128,8 @@ _report_lock = threading.Lock()
 # The serving view of the decisions: CUDA ordinal (-1: CPU in simulation) -> the decided backend's
 # callable, or None for a device this library does not serve (the original runs there). Read on
 # every forward pass (one dict lookup); written only by route(); emptied with the decisions.
-_routes: dict[int, Callable | None] = {}
-_route_names: dict[int, str] = {}
+_route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
+_route_names: dict[tuple[str, int], str] = {}
 _refusals: list[Refusal] = []
 
 
@@ -101,36 +140,39 @@ class _Serving:
     device: Device
     decision: Decision
     settings: Settings
+    family: Family
     checks: dict[tuple, LayerCheck] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
-_serving: dict[int, _Serving] = {}
+_serving: dict[tuple[str, int], _Serving] = {}
 
 
-def _operator_advice(device: Device, candidates: list[str]) -> list[str]:
-    others = [n for n in backends.names() if n not in candidates and backends.is_supported(n, device)[0]]
+def _operator_advice(device: Device, candidates: list[str], family: Family) -> list[str]:
+    others = [n for n in family.names() if n not in candidates and family.is_supported(n, device)[0]]
     version = backends.flashinfer_version() or "not installed"
-    tip = f"SM120_FP4_BACKENDS={','.join(others)} (supported here, not yet tried)" if others else "another backend"
+    tip = f"{family.backends_var}={','.join(others)} (supported here, not yet tried)" if others else "another backend"
     return [
-        f"try {tip}; known backends: {', '.join(backends.names())}",
-        "serve slowly but correctly with the emulation: SM120_FP4_FALLBACK=emulated",
+        f"try {tip}; known backends: {', '.join(family.names())}",
+        f"serve slowly but correctly with the emulation: {family.fallback_var}=emulated",
         f"install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
         "turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
     ]
 
 
-def refusal_message(device: Device, candidates: list[str], rejected: dict[str, str], config: str | None = None) -> str:
+def refusal_message(device: Device, candidates: list[str], rejected: dict[str, str], config: str | None = None,
+                    family: Family | None = None) -> str:
     """The text of RefusedToServe: the device, each candidate and why, what the operator can do."""
+    family = family or DENSE
     what = f" for {config}" if config else ""
     lines = [
-        f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no FP4 GEMM backend passed verification{what}.",
-        "Candidates (SM120_FP4_BACKENDS):",
+        f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no {family.what} backend passed verification{what}.",
+        f"Candidates ({family.backends_var}):",
     ]
     lines += [f"  - {name}: {rejected.get(name, 'not tried')}" for name in candidates]
     lines.append("What you can do:")
-    lines += [f"  - {tip}" for tip in _operator_advice(device, candidates)]
+    lines += [f"  - {tip}" for tip in _operator_advice(device, candidates, family)]
     return "\n".join(lines)
 
 
@@ -154,17 +196,13 @@ def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5)
     return statistics.median(times[1:])  # the first pass warms up (JIT, caches)
 
 
-def _self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
-    bounds = selftest.Bounds(timeout_s=settings.selftest_timeout)
-    return selftest.run(name, device, bounds=bounds, quantizer=backends.quantizer_for(name, device))
-
-
-def _choose(device: Device, candidates: list[str], settings: Settings) -> Decision:
+def _choose(device: Device, candidates: list[str], settings: Settings, family: Family | None = None) -> Decision:
+    family = family or DENSE
     start = time.perf_counter()
     rejected: dict[str, str] = {}
     supported: list[str] = []
     for name in candidates:
-        ok, why = backends.is_supported(name, device)
+        ok, why = family.is_supported(name, device)
         if ok:
             supported.append(name)
         else:
@@ -173,7 +211,7 @@ def _choose(device: Device, candidates: list[str], settings: Settings) -> Decisi
     passed: list[str] = []
     if settings.selftest != "off":
         for name in supported:
-            report = _self_test(name, device, settings)
+            report = family.self_test(name, device, settings)
             reports.append(report)
             if report.passed:
                 passed.append(name)
@@ -195,31 +233,32 @@ def _choose(device: Device, candidates: list[str], settings: Settings) -> Decisi
     if passed:
         choice, verified = passed[0], True
         reason = "first candidate to pass its self-test"
-        if settings.select == "fastest" and len(passed) > 1:
+        if settings.select == "fastest" and len(passed) > 1 and family is DENSE:
             timings = {n: _time_backend(backends.resolve(n), device, selftest.DEFAULT_SHAPES) for n in passed}
             choice = min(passed, key=timings.__getitem__)
             reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
     elif settings.selftest == "off" and supported:
         choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"
-    elif settings.fallback == "emulated":
+    elif family.fallback(settings) == "emulated":
         # FALLBACK=emulated wins over SELFTEST=warn: a verified slow answer beats an unverified one.
         also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
         _LOG.warning(
-            "%s\nSM120_FP4_FALLBACK=emulated%s: serving with the slow pure-PyTorch emulation instead",
-            refusal_message(device, candidates, rejected), also,
+            "%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead",
+            refusal_message(device, candidates, rejected, family=family), family.fallback_var, also,
         )
-        choice, verified, reason = backends.EMULATED, True, "fallback: no candidate verified (SM120_FP4_FALLBACK=emulated)"
+        choice, verified, reason = backends.EMULATED, True, f"fallback: no candidate verified ({family.fallback_var}=emulated)"
     elif settings.selftest == "warn" and supported:
-        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", refusal_message(device, candidates, rejected), supported[0])
+        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", refusal_message(device, candidates, rejected, family=family), supported[0])
         choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
     else:
-        raise RefusedToServe(refusal_message(device, candidates, rejected))
+        raise RefusedToServe(refusal_message(device, candidates, rejected, family=family))
     return Decision(
         backend=choice,
         verified=verified,
         reason=reason,
         timings_ms=timings,
-        fn=backends.resolve(choice),
+        fn=family.resolve(choice),
+        family=family.name,
         duration_s=time.perf_counter() - start,
         **common,
     )
@@ -241,19 +280,28 @@ def _log_decision(decision: Decision) -> None:
     )
 
 
-def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] | None = None) -> list[str]:
-    """The ordered candidate names (`candidates`, else SM120_FP4_BACKENDS); ConfigError for unknown ones."""
-    names = list(candidates if candidates is not None else settings.backends)
-    known = backends.names()
+def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] | None = None,
+                    family: Family | None = None) -> list[str]:
+    """The ordered candidate names (`candidates`, else the family's setting); ConfigError for unknown ones."""
+    family = family or DENSE
+    names = list(candidates if candidates is not None else family.candidates(settings))
+    known = family.names()
     unknown = [n for n in names if n not in known]
     if unknown:
+        register = "register" if family is DENSE else "register_moe"
         raise ConfigError(
-            f"SM120_FP4_BACKENDS names unknown backend(s) {unknown}; known: {', '.join(known)} "
-            "(register custom ones with sm120_fp4.backends.register before install)"
+            f"{family.backends_var} names unknown backend(s) {_capped(unknown)}; known: {', '.join(known)} "
+            f"(register custom ones with sm120_fp4.backends.{register} before install)"
         )
     if not names:
-        raise ConfigError("SM120_FP4_BACKENDS is empty; name at least one backend")
+        raise ConfigError(f"{family.backends_var} is empty; name at least one backend")
     return names
+
+
+def _capped(items: list, limit: int = 8) -> str:
+    """A list for an error message: at most `limit` entries, then "and N more"."""
+    shown = ", ".join(repr(i) for i in items[:limit])
+    return f"[{shown}{f', and {len(items) - limit} more' if len(items) > limit else ''}]"
 
 
 def decide(
@@ -262,6 +310,7 @@ def decide(
     *,
     settings: Settings | None = None,
     refresh: bool = False,
+    family: Family | str = "dense",
 ) -> Decision:
     """The verified backend for `device` (a Device, a CUDA ordinal, or None for the current one).
 
@@ -272,15 +321,16 @@ def decide(
         if device is None and torch.cuda.is_available() and not settings.simulate:
             device = torch.cuda.current_device()
         device = devices.get_device(device, settings.simulated_capability)
-    names = candidate_names(settings, candidates)
-    key = (device.key, tuple(names), settings.selftest, settings.fallback, settings.select)
+    family = FAMILIES[family] if isinstance(family, str) else family
+    names = candidate_names(settings, candidates, family)
+    key = (family.name, device.key, tuple(names), settings.selftest, family.fallback(settings), settings.select)
     with _lock:
         key_lock = _key_locks.setdefault(key, threading.Lock())
     with key_lock:
         if not refresh and key in _decisions:
             return _decisions[key]
         try:
-            decision = _choose(device, names, settings)
+            decision = _choose(device, names, settings, family)
         except RefusedToServe as exc:
             _refuse(Refusal(device=device.label(), message=str(exc)), settings)
             raise
@@ -327,7 +377,8 @@ def clear() -> None:
     with _lock:
         _decisions.clear()
         _key_locks.clear()
-        _routes.clear()
+        for table in _route_tables.values():
+            table.clear()
         _route_names.clear()
         _refusals.clear()
         _serving.clear()
@@ -338,38 +389,40 @@ def serves(device: Device, settings: Settings) -> bool:
     return settings.enable == "on" or devices.is_sm12x(device.capability)
 
 
-def route(index: int, settings: Settings) -> Callable | None:
-    """The backend callable serving CUDA ordinal `index` (-1: CPU tensors in simulation), deciding
-    (self-testing) on first use; None where this library does not serve the device."""
-    if index in _routes:
-        return _routes[index]
+def route(index: int, settings: Settings, family: str = "dense") -> Callable | None:
+    """The backend callable serving CUDA ordinal `index` (-1: CPU tensors in simulation) for kernel
+    `family` ("dense" or "moe"), deciding (self-testing) on first use; None where this library does
+    not serve the device."""
+    table = _route_tables[family]
+    if index in table:
+        return table[index]
     simulate = settings.simulated_capability
     if index < 0 and simulate is None:
         fn, name = None, "original"  # a CPU tensor outside simulation: not a GPU we fix
     else:
         device = devices.get_device(index, simulate)
         if serves(device, settings):
-            decision = decide(device, settings=settings)
+            decision = decide(device, settings=settings, family=family)
             fn, name = decision.fn, decision.backend
             with _lock:
-                _serving.setdefault(index, _Serving(device, decision, settings))
+                _serving.setdefault((family, index), _Serving(device, decision, settings, FAMILIES[family]))
         else:
             fn, name = None, "original"
     with _lock:
-        _route_names[index] = name
-        return _routes.setdefault(index, fn)
+        _route_names[(family, index)] = name
+        return table.setdefault(index, fn)
 
 
 def _set_route(serving: _Serving, decision: Decision) -> None:
     """Serve the device with `decision` from now on (it takes the replaced decision's place)."""
-    index = serving.device.index
+    index, family = serving.device.index, serving.family.name
     with _lock:
         for key, known in list(_decisions.items()):
             if known is serving.decision:
                 _decisions[key] = decision
         serving.decision = decision
-        _routes[index] = decision.fn
-        _route_names[index] = decision.backend
+        _route_tables[family][index] = decision.fn
+        _route_names[(family, index)] = decision.backend
 
 
 def _run_check(serving: _Serving, check: LayerCheck, ms: list[int]) -> selftest.SelfTestReport:
@@ -395,9 +448,9 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
     the same checks), SELFTEST=warn serves unverified, and otherwise RefusedToServe names the
     configuration, the batch size and what was wrong.
     """
-    if route(index, settings) is None or settings.selftest == "off":
+    if route(index, settings, check.family) is None or settings.selftest == "off":
         return None
-    serving = _serving[index]
+    serving = _serving[(check.family, index)]
     with serving.lock:
         if check.key in serving.checks:
             return next((r for r in serving.decision.layers if r.config == check.label), None)
@@ -417,7 +470,7 @@ def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, setting
     failures = [report]
     serving.failed[report.backend] = f"{report.config}: {report.reason}"
     while True:
-        remaining = [n for n in candidate_names(settings) if n not in serving.failed]
+        remaining = [n for n in candidate_names(settings, family=serving.family) if n not in serving.failed]
         decision = _next_decision(serving, remaining, settings)
         if decision is None:
             break
@@ -432,7 +485,9 @@ def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, setting
             return next(r for r in reports if r.config == report.config)
         failures.append(bad)
         serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
-    message = refusal_message(serving.device, candidate_names(settings), {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}, config=report.config)
+    message = refusal_message(serving.device, candidate_names(settings, family=serving.family),
+                              {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()},
+                              config=report.config, family=serving.family)
     if settings.selftest == "warn":
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving UNVERIFIED with %s", message, serving.decision.backend)
         serving.decision.verified = False
@@ -444,19 +499,20 @@ def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, setting
 def _next_decision(serving: _Serving, remaining: list[str], settings: Settings) -> Decision | None:
     """The first of `remaining` that passes its self-test, else the verified emulation where
     FALLBACK=emulated allows it (and it has not failed too), else None."""
-    strict = settings.model_copy(update={"selftest": "strict", "fallback": "none"})
+    family = serving.family
+    strict = settings.model_copy(update={"selftest": "strict", "fallback": "none", "moe_fallback": "none"})
     if remaining:
         with contextlib.suppress(RefusedToServe):
-            return _choose(serving.device, remaining, strict)
-    if settings.fallback != "emulated" or backends.EMULATED in serving.failed:
+            return _choose(serving.device, remaining, strict, family)
+    if family.fallback(settings) != "emulated" or backends.EMULATED in serving.failed:
         return None
     try:
-        decision = _choose(serving.device, [backends.EMULATED], strict)
+        decision = _choose(serving.device, [backends.EMULATED], strict, family)
     except RefusedToServe:
         return None
-    decision.reason = "fallback: no candidate verified on every layer configuration (SM120_FP4_FALLBACK=emulated)"
-    _LOG.warning("sm120_fp4: %s: no candidate passed every layer configuration; SM120_FP4_FALLBACK=emulated: "
-                 "serving with the slow pure-PyTorch emulation", serving.device.label())
+    decision.reason = f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
+    _LOG.warning("sm120_fp4: %s: no %s candidate passed every layer configuration; %s=emulated: "
+                 "serving with the slow pure-PyTorch emulation", serving.device.label(), family.what, family.fallback_var)
     return decision
 
 
@@ -486,15 +542,15 @@ def recheck(settings: Settings) -> list[selftest.SelfTestReport]:
     return done
 
 
-def route_table() -> dict[int, Callable | None]:
-    """The live route table (the hot path's lookup); never replace it, only read it."""
-    return _routes
+def route_table(family: str = "dense") -> dict[int, Callable | None]:
+    """The live route table of `family` (the hot path's lookup); never replace it, only read it."""
+    return _route_tables[family]
 
 
-def routes() -> dict[int, str]:
+def routes(family: str = "dense") -> dict[int, str]:
     """Device index -> the backend it is routed to, or "original" (a device this library does not serve)."""
     with _lock:
-        return dict(_route_names)
+        return {index: name for (fam, index), name in _route_names.items() if fam == family}
 
 
 def write_report(path: Path, payload: dict) -> Path:

@@ -30,7 +30,9 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     that are not patches (the patcher undoes its own).
     """
     from .. import selection
-    from . import simulation, targets
+    from ..errors import RefusedToServe
+    from ..versions import version_in
+    from . import hooks, moe, simulation, targets
 
     undo: list[Callable[[], None]] = []
     simulate = settings.simulated_capability
@@ -47,7 +49,25 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     def weights_scope():
         return simulation.cuda_moves_stay_on_cpu(sim is not None)
 
-    specs = targets.specs(router.make_dispatch, before, weights_scope, verify, lambda: selection.recheck(settings))
+    def before_moe(kind: str, layer) -> None:
+        if selection.route(hooks.layer_device_index(layer), settings, "moe") is None:
+            return  # a device this library does not serve
+        if not version_in(sglang_version(), moe.SEAM_VERSIONS):
+            moe.refuse_unverifiable(kind, settings)
+            return
+        problem = moe.gate_up_problem(layer)
+        if problem is not None and settings.selftest != "off":
+            message = f"sm120_fp4: refusing to serve the NVFP4 MoE layer ({kind}): {problem}"
+            if settings.selftest == "strict":
+                raise RefusedToServe(message)
+            _LOG.warning("%s (SM120_FP4_SELFTEST=warn: serving anyway)", message)
+
+    def moe_seam(original):
+        return moe.make_seam(original, lambda index: selection.route(index, settings, "moe"), sim is not None)
+
+    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, lambda: selection.recheck(settings),
+                            moe_seam, before_moe)
+    specs = targets.specs(wiring)
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)
         specs += simulation.specs()

@@ -34,13 +34,14 @@ def layer_device_index(layer: object) -> int:
     return -1
 
 
-def make_weights_hook(original: Callable, before: Callable[[int], object], scope: Callable,
+def make_weights_hook(original: Callable, before: Callable[[object, object], object], scope: Callable,
                       after: Callable[[object, object], None]) -> Callable:
-    """Wrap process_weights_after_loading: decide for the layer's device first, verify the layer after."""
+    """Wrap process_weights_after_loading: `before(method, layer)` (decide for the layer's device),
+    SGLang's processing inside `scope()`, then `after(method, layer)` (verify the layer)."""
 
     @functools.wraps(original)
     def process_weights_after_loading(self, layer, *args, **kwargs):
-        before(layer_device_index(layer))
+        before(self, layer)
         with scope():
             result = original(self, layer, *args, **kwargs)
         after(self, layer)
@@ -134,7 +135,7 @@ def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, al
         return [case for i, dtype in enumerate(dtypes)
                 for case in _served_cases(serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched)]
 
-    return LayerCheck(weight.get_device(), key, label, cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH])
+    return LayerCheck(weight.get_device(), key, label, "dense", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH])
 
 
 def modelopt_check(method: object, layer: object) -> LayerCheck | None:

@@ -20,6 +20,8 @@ __all__ = [
     "CT",
     "RUNTIME_CONTEXT",
     "MODEL_RUNNER",
+    "MOE_RUNNER_FC",
+    "CT_MOE",
     "MQ_FILE",
     "FP4_UTILS_FILE",
     "MARKER",
@@ -37,6 +39,8 @@ FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
 CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+MOE_RUNNER_FC = "sglang.srt.layers.moe.moe_runner.flashinfer_cutlass"
+CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe"
 MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
 FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"
 MARKER = re.compile(r"#\s*sm120-fp4:\s*(sglang-(\S+?)-sm120-fp4)\b")

@@ -11,15 +11,17 @@ import functools
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 from ..kernels import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
-from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
-from .release import CT, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MQ, SUPPORTED, sglang_version
+from .hooks import compressed_tensors_check, layer_device_index, make_warmup_hook, make_weights_hook, modelopt_check
+from .moe import SEAM_VERSIONS, moe_check
+from .release import CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MQ, SUPPORTED, sglang_version
 
-__all__ = ["specs", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN", "LEGACY_KNOB_SPEC"]
+__all__ = ["Wiring", "specs", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN", "LEGACY_KNOB_SPEC"]
 
 _LOG = logging.getLogger("sm120_fp4")
 LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
@@ -38,19 +40,84 @@ _ALIAS_REMOVE = (
 )
 
 
-def specs(make_dispatch: Callable, before_weights: Callable[[int], object], weights_scope: Callable,
-          verify: Callable[[object], None], recheck: Callable[[], object]) -> list[PatchSpec]:
-    """The runtime patches for every supported release (each guarded by its own version range).
+@dataclass(frozen=True)
+class Wiring:
+    """What the patches call into (one install's routing and verification).
 
-    `verify(check)` verifies one layer configuration (a LayerCheck, or None: nothing to verify);
-    `recheck()` re-runs every verified configuration after warm-up.
+    `make_dispatch(original)`: the FP4 GEMM alias replacement; `before_dense(device_index)`: decide
+    before a dense layer's weights are processed; `weights_scope()`: a context for that processing;
+    `verify(check)`: verify one layer configuration (a LayerCheck, or None: nothing to verify);
+    `recheck()`: re-run every verified configuration after warm-up; `make_moe_seam(original)`: the
+    fused-MoE seam replacement; `before_moe(kind, layer)`: decide (and check the checkpoint) before an
+    NVFP4 MoE layer's weights are processed.
     """
 
-    def hook(check: Callable) -> Callable:
-        after = lambda method, layer: verify(check(method, layer))  # noqa: E731
-        return functools.partial(make_weights_hook, before=before_weights, scope=weights_scope, after=after)
+    make_dispatch: Callable
+    before_dense: Callable[[int], object]
+    weights_scope: Callable
+    verify: Callable[[object], None]
+    recheck: Callable[[], object]
+    make_moe_seam: Callable
+    before_moe: Callable[[str, object], None]
 
-    warmup = functools.partial(make_warmup_hook, after=recheck)
+
+def specs(w: Wiring) -> list[PatchSpec]:
+    """The runtime patches for every supported release (each guarded by its own version range)."""
+
+    def hook(check: Callable) -> Callable:
+        before = lambda method, layer: w.before_dense(layer_device_index(layer))  # noqa: E731
+        after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
+        return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
+
+    def moe_hook(kind: str) -> Callable:
+        before = lambda method, layer: w.before_moe(kind, layer)  # noqa: E731
+        after = lambda method, layer: w.verify(moe_check(kind, layer))  # noqa: E731
+        return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
+
+    moe_why = (
+        "decide the NVFP4 fused-MoE backend for the layer's device, refuse a checkpoint whose gate and up global "
+        "scales differ (the cutlass path applies the gate's to both), then verify this layer's configuration "
+        "(this rank's experts and I slice, top-k, activation, dtype, its own processed weights) through the "
+        "fused-MoE seam as SGLang calls it, at every batch-size bucket and with >= 128 rows on one expert"
+    )
+    moe_specs = [
+        PatchSpec(
+            name="fused-moe-kernel-seam",
+            module=MOE_RUNNER_FC,
+            attribute="_flashinfer_cutlass_fused_moe",
+            make=w.make_moe_seam,
+            distribution=DISTRIBUTION,
+            versions=SEAM_VERSIONS,
+            why=("SGLang's NVFP4 MoE calls FlashInfer's cutlass_fused_moe through this lookup; route NVFP4 calls to the "
+                 "MoE backend verified on this GPU (bf16/fp8/MXFP4 calls go to FlashInfer unchanged)"),
+            upstream="flashinfer PR 3533 (rows 64-127 of a tile zeroed on SM120), flashinfer#2723 (grouped GEMM garbage), #5446",
+            remove_when="when SGLang verifies its fused-MoE output at start-up on SM12x",
+        ),
+        PatchSpec(
+            name="modelopt-nvfp4-moe-weights-hook",
+            module=MQ,
+            attribute="ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
+            make=moe_hook("ModelOptNvFp4FusedMoEMethod"),
+            distribution=DISTRIBUTION,
+            versions=SUPPORTED,
+            why=moe_why + f" (releases outside {SEAM_VERSIONS} have no seam: the layer is refused unless SELFTEST says otherwise)",
+            upstream="no upstream start-up check exists",
+            remove_when="when SGLang verifies its fused-MoE output at start-up on SM12x",
+        ),
+        PatchSpec(
+            name="compressed-tensors-nvfp4-moe-weights-hook",
+            module=CT_MOE,
+            attribute="CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading",
+            make=moe_hook("CompressedTensorsW4A4Nvfp4MoE"),
+            distribution=DISTRIBUTION,
+            versions=">=0.5.10,<0.5.24",
+            why=moe_why + " (compressed-tensors W4A4 NVFP4 MoE checkpoints: one activation scale per expert)",
+            upstream="no upstream start-up check exists",
+            remove_when="when SGLang verifies its fused-MoE output at start-up on SM12x",
+        ),
+    ]
+
+    warmup = functools.partial(make_warmup_hook, after=w.recheck)
     warmup_why = (
         "after SGLang's warm-up and CUDA-graph capture (FlashInfer's autotuner has picked its tactics by "
         "then), re-run every verified layer configuration once, eagerly and outside capture; a kernel "
@@ -67,7 +134,7 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], object], weig
             name="flashinfer-fp4-gemm-alias",
             module=MQ,
             attribute="flashinfer_fp4_gemm",
-            make=make_dispatch,
+            make=w.make_dispatch,
             check=is_mm_fp4,
             when_missing=_ALIAS_MISSING,
             distribution=DISTRIBUTION,
@@ -80,7 +147,7 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], object], weig
             name="fp4-gemm-alias-legacy",
             module=MQ,
             attribute="fp4_gemm",
-            make=make_dispatch,
+            make=w.make_dispatch,
             check=is_mm_fp4,
             when_missing=_ALIAS_MISSING,
             distribution=DISTRIBUTION,
@@ -133,7 +200,7 @@ def specs(make_dispatch: Callable, before_weights: Callable[[int], object], weig
             upstream="no upstream check exists",
             remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x",
         ),
-    ]
+    ] + moe_specs
 
 
 ENUM_PIN = PatchSpec(
@@ -195,4 +262,4 @@ def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[]
 def ledger_rows() -> list[PatchSpec]:
     """Every runtime patch target, for the ledger and `doctor` (one source of truth)."""
     noop = lambda *args, **kwargs: None  # noqa: E731
-    return specs(noop, noop, noop, noop, noop) + [ENUM_PIN, LEGACY_KNOB_SPEC]
+    return specs(Wiring(noop, noop, noop, noop, noop, noop, noop)) + [ENUM_PIN, LEGACY_KNOB_SPEC]

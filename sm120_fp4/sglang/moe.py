@@ -1,0 +1,192 @@
+"""SGLang's NVFP4 fused-MoE path: route its kernel seam to the verified backend, verify each layer.
+
+* The kernel seam (0.5.15+): ``moe_runner.flashinfer_cutlass._flashinfer_cutlass_fused_moe()`` returns
+  FlashInfer's ``cutlass_fused_moe`` (looked up at call time by every caller); the replacement returns
+  a front with its calling convention that serves NVFP4 calls with the MoE backend decided for the
+  device (bf16, fp8, MXFP4 and other calls go to FlashInfer unchanged).
+* The weights hooks (ModelOpt ``ModelOptNvFp4FusedMoEMethod``, compressed-tensors
+  ``CompressedTensorsW4A4Nvfp4MoE``): before processing, decide the MoE backend for the layer's device
+  and refuse a checkpoint whose gate and up global scales differ (SGLang applies the gate's to both:
+  silently wrong); after, verify this layer's configuration (this rank's experts and I slice, its
+  top-k, activation and dtype, its own processed weights) through the seam as SGLang calls it.
+* Releases before 0.5.15 have no such seam: an NVFP4 MoE layer there cannot be verified, and is
+  refused unless SM120_FP4_SELFTEST says otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Callable
+
+import torch
+
+from .. import kernels, nvfp4, selection, selftest
+from ..errors import RefusedToServe
+from ..selection import LayerCheck
+from .hooks import LARGE_BATCH, _activation_dtypes, batch_sizes, layer_device_index, max_capture_batch
+from .release import MOE_RUNNER_FC, sglang_version
+
+_LOG = logging.getLogger("sm120_fp4")
+SEAM_VERSIONS = ">=0.5.15,<0.5.24"
+VERIFIED_EXPERTS = 8  # a few of this rank's experts: the oracle dequantizes only the ones it routes to
+
+
+def make_seam(original: Callable, route: Callable[[int], Callable | None], simulated: bool) -> Callable:
+    """Replace ``_flashinfer_cutlass_fused_moe()``: (a front over cutlass_fused_moe, ActivationType)."""
+    fronts: dict[int, tuple] = {}
+
+    @functools.wraps(original)
+    def _flashinfer_cutlass_fused_moe(*args, **kwargs):
+        try:
+            fn, activation_type = original(*args, **kwargs)
+        except RuntimeError:
+            if not simulated:
+                raise
+            # Simulation on a CPU: SGLang's own lookup insists on CUDA; FlashInfer imports anyway.
+            fn, activation_type = kernels._fused_moe()
+        cached = fronts.get(id(fn))
+        if cached is None or cached[0] is not fn:
+            names = selection.routes
+            front = kernels.moe_front(fn, activation_type, route, lambda i: names("moe").get(i, "?"))
+            cached = fronts[id(fn)] = (fn, front)
+        return cached[1], activation_type
+
+    return _flashinfer_cutlass_fused_moe
+
+
+def _seam() -> tuple[Callable, type] | None:
+    """The patched seam's (front, ActivationType), or None where this release has none (or it is not ours)."""
+    module = sys.modules.get(MOE_RUNNER_FC)
+    seam = getattr(module, "_flashinfer_cutlass_fused_moe", None)
+    if seam is None or getattr(seam, "__sm120_fp4_patch__", None) is None:
+        return None
+    return seam()
+
+
+def gate_up_problem(layer: object) -> str | None:
+    """Why this ModelOpt checkpoint would serve wrong numbers: gate and up global scales that differ
+    (SGLang's cutlass path applies the gate's scale to the up rows too), or None."""
+    scale_2 = getattr(layer, "w13_weight_scale_2", None)
+    if not isinstance(scale_2, torch.Tensor) or scale_2.dim() != 2 or scale_2.shape[1] != 2:
+        return None
+    gate, up = scale_2[:, 0].float(), scale_2[:, 1].float()
+    differ = (gate - up).abs() > 1e-6 * gate.abs().clamp_min(1e-30)
+    if not bool(differ.any()):
+        return None
+    expert = int(differ.nonzero()[0])
+    return (f"expert {expert}'s gate and up weight_scale_2 differ ({float(gate[expert]):.6g} vs {float(up[expert]):.6g}): "
+            f"SGLang {sglang_version()}'s cutlass MoE applies the gate's scale to both halves, which serves wrong "
+            "numbers for every token routed there; requantize the checkpoint with one global scale for w1 and w3")
+
+
+def processed_weights(layer: object) -> dict | None:
+    """The tensors SGLang passes to the kernel, in reference_moe_fp4's names (None: not the cutlass layout)."""
+    w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dtype != torch.uint8 or w13.dim() != 3:
+        return None
+    # ModelOpt keeps the swizzled scales in *_blockscale_swizzled; compressed-tensors under *_weight_scale.
+    w13_sf = getattr(layer, "w13_blockscale_swizzled", None)
+    w2_sf = getattr(layer, "w2_blockscale_swizzled", None)
+    if w13_sf is None or w2_sf is None:
+        w13_sf, w2_sf = getattr(layer, "w13_weight_scale", None), getattr(layer, "w2_weight_scale", None)
+    experts, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
+    inter = w2.shape[2] * 2
+    activation = "swiglu" if rows == 2 * inter else "relu2" if rows == inter else None
+    if activation is None or w13_sf is None or w2_sf is None:
+        return None
+    return dict(
+        w13=w13, w13_sf=w13_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(rows, hidden)),
+        w13_alpha=layer.g1_alphas.float().reshape(experts),
+        w2=w2, w2_sf=w2_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(hidden, inter)),
+        w2_alpha=layer.g2_alphas.float().reshape(experts),
+        a1_gscale=kernels._gscale(layer.w13_input_scale_quant.float()),
+        a2_gscale=kernels._gscale(layer.w2_input_scale_quant.float()),
+        activation=activation, experts=experts, hidden=hidden, inter=inter,
+    )
+
+
+def _served_call(layer: object, weights: dict, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The kernel call exactly as SGLang's _run_flashinfer_cutlass makes it, through the (patched) seam."""
+    front, activation_type = _seam()
+    ep_size, ep_rank = getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_ep_rank", 0)
+    scales = [weights["a1_gscale"].reshape(()) if weights["a1_gscale"].numel() == 1 else weights["a1_gscale"],
+              weights["w13_sf"].view(torch.int32), weights["w13_alpha"],
+              weights["a2_gscale"].reshape(()) if weights["a2_gscale"].numel() == 1 else weights["a2_gscale"],
+              weights["w2_sf"].view(torch.int32), weights["w2_alpha"]]
+    swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
+    return front(
+        output=torch.empty(x.shape, dtype=x.dtype, device=x.device), input=x,
+        token_selected_experts=(ids + ep_rank * weights["experts"]).to(torch.int32),  # global ids, as SGLang passes
+        token_final_scales=topk_weights, fc1_expert_weights=weights["w13"].view(torch.long),
+        fc2_expert_weights=weights["w2"].view(torch.long), output_dtype=x.dtype, input_sf=None, quant_scales=scales,
+        swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], ep_size=ep_size, ep_rank=ep_rank,
+        tp_size=getattr(layer, "moe_tp_size", 1), tp_rank=getattr(layer, "moe_tp_rank", 0),
+        tune_max_num_tokens=8192, activation_type=getattr(activation_type, kernels.MOE_ACTIVATIONS[weights["activation"]]),
+        enable_alltoall=False, use_fused_finalize=False,
+    )[0]
+
+
+def _expert_subset(experts: int) -> list[int]:
+    """Up to VERIFIED_EXPERTS of this rank's experts, first and last included, spread between."""
+    if experts <= VERIFIED_EXPERTS:
+        return list(range(experts))
+    step = (experts - 1) / (VERIFIED_EXPERTS - 1)
+    return sorted({round(i * step) for i in range(VERIFIED_EXPERTS)})
+
+
+def moe_check(kind: str, layer: object) -> LayerCheck | None:
+    """The LayerCheck of one NVFP4 MoE layer on this rank, or None where it is not in the cutlass layout."""
+    weights = processed_weights(layer)
+    if weights is None:
+        _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
+        return None
+    subset = torch.tensor(_expert_subset(weights["experts"]))
+    top_k = max(1, min(int(getattr(layer, "top_k", 2) or 2), len(subset)))
+    dtypes = _activation_dtypes(layer)
+    max_batch = max_capture_batch()
+    hidden, inter, experts = weights["hidden"], weights["inter"], weights["experts"]
+    ep = f" EP rank {getattr(layer, 'moe_ep_rank', 0)}/{getattr(layer, 'moe_ep_size', 1)}" if getattr(layer, "moe_ep_size", 1) > 1 else ""
+    tp = f" TP rank {getattr(layer, 'moe_tp_rank', 0)}/{getattr(layer, 'moe_tp_size', 1)}" if getattr(layer, "moe_tp_size", 1) > 1 else ""
+    label = (f"{kind} E={experts} H={hidden} I={inter} top_k={top_k} {weights['activation']} "
+             f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}{ep}{tp}")
+    key = ("moe", kind, tuple(weights["w13"].shape), tuple(weights["w2"].shape), top_k, dtypes,
+           weights["a1_gscale"].numel(), getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_tp_size", 1))
+    device = weights["w13"].device
+    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights["a1_gscale"].float().max().cpu())
+    kernel_weights = {k: weights[k] for k in ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha", "a1_gscale", "a2_gscale")}
+
+    def cases(ms: list[int]) -> list[selftest.Case]:
+        gen = torch.Generator().manual_seed(2024)
+        plans = []
+        for dtype in dtypes:
+            # Every batch size with random routing, then one batch putting slot 0 of 160 tokens on one
+            # expert (>= 128 rows there: the second 64-row half of a kernel tile is exercised).
+            for m, routing in [(m, "random") for m in ms] + [(160, "skewed")]:
+                ids, topk_weights = selftest.moe_routing(m, top_k, len(subset), routing, gen)
+                x = (torch.randn(m, hidden, generator=gen) * (amax / 4)).clamp(-amax, amax).to(dtype)
+                name = f"{label} T={m} {routing} {str(dtype).removeprefix('torch.')}"
+                plans.append((name, x.to(device), subset[ids.long()].to(torch.int32).to(device), topk_weights.to(device)))
+        serve = functools.partial(_served_convention, layer, weights)
+        return selftest.moe_cases(serve, kernel_weights, weights["activation"], plans)
+
+    return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH])
+
+
+def _served_convention(layer, weights, x, ids, topk_weights, *rest):
+    """selftest.moe_cases calls in the backend convention; serve through the seam, write `out`."""
+    out = rest[-1]
+    out.copy_(_served_call(layer, weights, x, ids, topk_weights))
+    return out
+
+
+def refuse_unverifiable(kind: str, settings) -> None:
+    """An NVFP4 MoE layer on a release without the seam: refuse (strict), warn (warn), or nothing (off)."""
+    message = (f"sm120_fp4: an NVFP4 MoE layer ({kind}) is being loaded on SGLang {sglang_version()}, where sm120_fp4 "
+               f"cannot route or verify the fused-MoE kernel (its seam exists in SGLang {SEAM_VERSIONS}); "
+               "upgrade SGLang, or set SM120_FP4_SELFTEST=warn to serve these experts UNVERIFIED")
+    if settings.selftest == "strict":
+        raise RefusedToServe(message)
+    if settings.selftest == "warn":
+        _LOG.warning("%s", message)

@@ -1,0 +1,68 @@
+"""Misbehaving NVFP4 fused-MoE backends, each reproducing a reported SM12x failure, built on the oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from sm120_fp4 import nvfp4
+from sm120_fp4.backends import emulated_moe
+
+
+def _ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, out_dtype, **kw):
+    return nvfp4.reference_moe_fp4(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2,
+                                   activation=activation, out_dtype=out_dtype, **kw)
+
+
+def rounds_intermediate_first(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, out_dtype, out):
+    """Healthy: FlashInfer's own rounding (the intermediate rounded to the output dtype before it is
+    re-quantized, and each slot's row rounded before the sum)."""
+    original = nvfp4._moe_activation
+    nvfp4._moe_activation = lambda fc1, act, inter: original(fc1, act, inter).to(out_dtype).float()
+    try:
+        out.copy_(_ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, torch.float32).to(out_dtype))
+    finally:
+        nvfp4._moe_activation = original
+    return out
+
+
+def drops_tile_rows_64_127(x, ids, w, *rest):
+    """FlashInfer PR 3533: rows 64-127 of an expert's tile are zero when the expert gets > 64 rows."""
+    keep = torch.ones_like(w)
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=int(flat.max()) + 1)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.empty_like(flat)
+    rank_in_expert[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    dropped = ((rank_in_expert % 128) >= 64).reshape(ids.shape)
+    keep[dropped] = 0
+    return emulated_moe(x, ids, w * keep, *rest)
+
+
+def drops_one_expert(x, ids, w, *rest):
+    """One expert's output never reaches the sum (expert 5)."""
+    return emulated_moe(x, ids, torch.where(ids == 5, torch.zeros_like(w), w), *rest)
+
+
+def ignores_routing_weights(x, ids, w, *rest):
+    return emulated_moe(x, ids, torch.ones_like(w), *rest)
+
+
+def swaps_gate_and_up(x, ids, w, w13, w13_sf, w13_alpha, *rest):
+    """Reads w13 as [gate; up] (relu2 layers have no halves: unchanged)."""
+    activation = rest[5]
+    if activation != "swiglu":
+        return emulated_moe(x, ids, w, w13, w13_sf, w13_alpha, *rest)
+    inter = w13.shape[1] // 2
+    swapped = torch.cat((w13[:, inter:], w13[:, :inter]), dim=1)
+    sf = torch.stack([nvfp4.swizzle_scales(torch.cat((s[inter:], s[:inter]))) for s in
+                      (nvfp4.unswizzle_scales(e.contiguous(), 2 * inter, w13.shape[2] * 2) for e in w13_sf)])
+    return emulated_moe(x, ids, w, swapped, sf, w13_alpha, *rest)
+
+
+def drops_second_slot(x, ids, w, *rest):
+    if w.shape[1] < 2:
+        return emulated_moe(x, ids, w, *rest)
+    keep = torch.ones_like(w)
+    keep[:, 1] = 0
+    return emulated_moe(x, ids, w * keep, *rest)
