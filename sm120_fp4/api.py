@@ -42,6 +42,7 @@ class Status(BaseModel):
     devices: list[str]
     patches: list[LedgerEntry]
     routes: dict[int, str]
+    moe_routes: dict[int, str]
     decisions: list[selection.Decision]
     refusals: list[selection.Refusal]
 
@@ -191,6 +192,7 @@ def status() -> Status:
             devices=found,
             patches=patches,
             routes=state.router.routes() if state else {},
+            moe_routes=selection.routes("moe") if state else {},
             decisions=selection.decisions(),
             refusals=selection.refusals(),
         )

@@ -241,18 +241,18 @@ def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float
 
 def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2) -> list[ShapeResult]:
     """Call every case `passes` times (pass after pass, so each M is called again after all others)
-    and check every call; stop at the deadline of `bounds.timeout_s` for the whole sweep."""
+    and check every call, within the deadline of `bounds.timeout_s` for the whole sweep; stop at
+    the first failure (the results then list the cases tried)."""
     results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
     deadline = time.perf_counter() + bounds.timeout_s
     for _ in range(passes):
         for case, result in zip(cases, results):
-            if not result.passed:
-                continue  # its first failure is the finding
             reason = _check_call(case, result, bounds, deadline, device)
             if reason is not None:
+                # The first failure is the finding: no more calls into this backend (a hung one
+                # may still be running; a broken one only costs time).
                 result.passed, result.reason = False, reason
-                if "did not return" in reason:
-                    return results  # a hung call: no more calls into this backend
+                return [r for r in results if r.calls]
     return results
 
 

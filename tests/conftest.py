@@ -8,6 +8,9 @@ import pytest
 import torch
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# One intra-op thread: the tests run thousands of small tensor ops, which two threads (on two shared
+# cores) make several times slower, and one thread makes every float reduction order the same.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -33,12 +36,14 @@ def _clean_library_state(monkeypatch):
             monkeypatch.delenv(name)
     from sm120_fp4 import backends, devices, selection
 
-    registered = set(backends.names())
+    registered, registered_moe = set(backends.names()), set(backends.moe_names())
     selection.clear()
     devices.clear_cache()
     yield
     for name in set(backends.names()) - registered:
         backends.unregister(name)
+    for name in set(backends.moe_names()) - registered_moe:
+        backends.unregister_moe(name)
     selection.clear()
     devices.clear_cache()
 

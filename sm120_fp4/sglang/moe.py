@@ -166,7 +166,7 @@ def moe_check(kind: str, layer: object) -> LayerCheck | None:
             for m, routing in [(m, "random") for m in ms] + [(160, "skewed")]:
                 ids, topk_weights = selftest.moe_routing(m, top_k, len(subset), routing, gen)
                 x = (torch.randn(m, hidden, generator=gen) * (amax / 4)).clamp(-amax, amax).to(dtype)
-                name = f"{label} T={m} {routing} {str(dtype).removeprefix('torch.')}"
+                name = f"T={m} {routing} {str(dtype).removeprefix('torch.')}"
                 plans.append((name, x.to(device), subset[ids.long()].to(torch.int32).to(device), topk_weights.to(device)))
         serve = functools.partial(_served_convention, layer, weights)
         return selftest.moe_cases(serve, kernel_weights, weights["activation"], plans)
