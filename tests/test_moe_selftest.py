@@ -1,0 +1,134 @@
+"""selftest.run_moe over the default MoE configuration, the MoE registry, and FlashInfer's
+cutlass_fused_moe called the way SGLang calls it (with a recording stand-in: no SM100+ GPU here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_faults
+from sm120_fp4 import backends, kernels, nvfp4, selftest
+from sm120_fp4.devices import Device
+from sm120_fp4.errors import ConfigError, InvalidArgument
+
+SIM = Device(-1, "simulated (no GPU)", (12, 0), simulated=True, source="simulate")
+
+FAULTS = [moe_faults.drops_tile_rows_64_127, moe_faults.drops_one_expert, moe_faults.ignores_routing_weights,
+          moe_faults.swaps_gate_and_up, moe_faults.drops_second_slot]
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__)
+def test_run_moe_refuses_each_fault_on_the_default_configuration(fault):
+    backends.register_moe("faulty", fault)
+    report = selftest.run_moe("faulty", SIM)
+    assert not report.passed and report.reason.startswith("T=")
+    failed = [s for s in report.shapes if not s.passed]
+    assert len(failed) == 1 and failed[0].label in report.reason
+
+
+def test_run_moe_accepts_flashinfers_rounding_on_the_default_configuration():
+    backends.register_moe("flashinfer-rounding", moe_faults.rounds_intermediate_first)
+    report = selftest.run_moe("flashinfer-rounding", SIM)
+    assert report.passed, report.reason
+    assert len(report.shapes) == len(selftest.DEFAULT_MOE_CONFIG.cases) and all(s.calls == 2 for s in report.shapes)
+
+
+def test_run_moe_checks_every_call_returns_out_and_leaves_inputs_alone():
+    def returns_copy(*args):
+        return backends.emulated_moe(*args).clone()
+
+    def scales_alphas(x, ids, w, w13, w13_sf, w13_alpha, *rest):
+        out = backends.emulated_moe(x, ids, w, w13, w13_sf, w13_alpha, *rest)
+        w13_alpha.mul_(1.0)  # bumps nothing numerically ...
+        w13_alpha[0] *= 2  # ... but this changes the layer's alpha for every later call
+        return out
+
+    small = selftest.MoeConfig(cases=selftest.SIMULATION_MOE_CONFIG.cases[:1])
+    for name, fn, reason in (("copy", returns_copy, "other than `out`"), ("alphas", scales_alphas, "in place")):
+        backends.register_moe(name, fn)
+        report = selftest.run_moe(name, SIM, small)
+        assert not report.passed and reason in report.reason
+
+
+def test_the_moe_registry_names_what_it_accepts():
+    with pytest.raises(InvalidArgument, match=r"register_moe: name='Bad Name'"):
+        backends.register_moe("Bad Name", print)
+    with pytest.raises(InvalidArgument, match=r"register_moe: fn=3"):
+        backends.register_moe("x", 3)
+    with pytest.raises(ConfigError, match=r"unknown NVFP4 fused-MoE backend 'nope'; known: cutlass, emulated"):
+        backends.get_moe("nope")
+    ok, why = backends.is_moe_supported("cutlass", SIM)
+    assert not ok and "simulated" in why
+
+
+def _layer_args(experts=4, hidden=128, inter=64, tokens=3, top_k=2):
+    weights = selftest._moe_weights(experts, hidden, inter, "swiglu", torch.device("cpu"), 5)
+    ids, topk_weights = selftest.moe_routing(tokens, top_k, experts, "random", torch.Generator().manual_seed(0))
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    return x, ids, topk_weights, weights
+
+
+def test_the_flashinfer_moe_backend_calls_cutlass_fused_moe_as_sglang_does(monkeypatch):
+    calls = []
+
+    class ActivationType:
+        Swiglu, Relu2 = 3, 6
+
+    def recording_cutlass_fused_moe(**kwargs):
+        calls.append(kwargs)
+        return [kwargs["output"]]
+
+    monkeypatch.setattr(kernels, "_fused_moe", lambda: (recording_cutlass_fused_moe, ActivationType))
+    x, ids, topk_weights, w = _layer_args()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    fn = kernels.moe_backend("cutlass")
+    assert fn(x, ids, topk_weights, w["w13"], w["w13_sf"], w["w13_alpha"], w["w2"], w["w2_sf"], w["w2_alpha"],
+              w["a1_gscale"], w["a2_gscale"], "swiglu", torch.bfloat16, out) is out
+    [kw] = calls
+    assert kw["output"] is out and kw["input"] is x and kw["input_sf"] is None and kw["use_fused_finalize"] is False
+    assert kw["fc1_expert_weights"].dtype == torch.int64 and kw["fc1_expert_weights"].shape == (4, 128, 128 // 16)
+    assert kw["token_selected_experts"].dtype == torch.int32 and kw["activation_type"] == 3
+    scales = kw["quant_scales"]
+    assert [t.dtype for t in scales] == [torch.float32, torch.int32, torch.float32, torch.float32, torch.int32, torch.float32]
+    assert scales[0].dim() == 0 and torch.equal(scales[1].view(torch.float8_e4m3fn).view(torch.uint8), w["w13_sf"].view(torch.uint8))
+    with pytest.raises(InvalidArgument, match=r"fused MoE: topk_weights=.*float32 \(3, 2\)"):
+        fn(x, ids, topk_weights.double(), w["w13"], w["w13_sf"], w["w13_alpha"], w["w2"], w["w2_sf"], w["w2_alpha"],
+           w["a1_gscale"], w["a2_gscale"], "swiglu", torch.bfloat16, out)
+
+
+def test_the_seam_front_maps_sglangs_call_and_expert_parallel_ids():
+    class ActivationType:
+        Swiglu, Relu2 = 3, 6
+
+    original_calls = []
+    seen = []
+
+    def original(**kwargs):
+        original_calls.append(kwargs)
+        return [kwargs["output"]]
+
+    def backend(*args):
+        seen.append(args)
+        return backends.emulated_moe(*args)
+
+    front = kernels.moe_front(original, ActivationType, lambda index: backend, lambda index: "test")
+    x, ids, topk_weights, w = _layer_args(experts=4)
+    common = dict(input=x, token_final_scales=topk_weights, fc1_expert_weights=w["w13"].view(torch.long),
+                  fc2_expert_weights=w["w2"].view(torch.long), output_dtype=torch.bfloat16, input_sf=None,
+                  quant_scales=[w["a1_gscale"].reshape(()), w["w13_sf"].view(torch.int32), w["w13_alpha"],
+                                w["a2_gscale"].reshape(()), w["w2_sf"].view(torch.int32), w["w2_alpha"]],
+                  activation_type=3)
+    # Rank 1 of 2 holds global experts 4..7: ids 0..3 belong to rank 0 and add nothing here.
+    global_ids = torch.tensor([[4, 0], [5, 7], [1, 2]], dtype=torch.int32)
+    [out] = front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=global_ids,
+                  ep_size=2, ep_rank=1, **common)
+    local, weights = seen[-1][1], seen[-1][2]
+    assert local.tolist() == [[0, 0], [1, 3], [0, 0]]
+    assert torch.equal(weights[0, 1], torch.tensor(0.0)) and bool((weights[2] == 0).all())
+    want = nvfp4.reference_moe_fp4(x, local, weights, w["w13"], w["w13_sf"], w["w13_alpha"], w["w2"], w["w2_sf"],
+                                   w["w2_alpha"], w["a1_gscale"], w["a2_gscale"])
+    assert torch.equal(out, want) and not original_calls
+    # A call this library does not serve (biases) goes to FlashInfer unchanged.
+    front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=ids,
+          fc1_expert_biases=torch.zeros(1), **common)
+    assert len(original_calls) == 1
