@@ -1,11 +1,19 @@
-"""Shared fixtures: a fixed seed for every test, and the devices to run tensor tests on."""
+"""Shared fixtures: a fixed seed, clean library state, the devices to run tensor tests on, the
+reliability case properties, and the background subprocess jobs (helpers.procs.background)."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+from helpers.cases import fields
+from helpers.procs import TIMEOUT
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # One intra-op thread: the tests run thousands of small tensor ops, which two threads (on two shared
@@ -29,8 +37,6 @@ def device(request) -> torch.device:
 @pytest.fixture(autouse=True)
 def _clean_library_state(monkeypatch):
     """No SM120_FP4* variable leaks in from the shell; decisions and device caches start empty."""
-    import os
-
     for name in list(os.environ):
         if name.startswith("SM120_FP4"):
             monkeypatch.delenv(name)
@@ -61,3 +67,63 @@ def sglang_unpatched():
     if sm120_fp4.status().installed:
         sm120_fp4.uninstall()
     fp4_utils.FP4_GEMM_RUNNER_BACKEND = enum_before
+
+
+# ---- reliability cases: @case(...) -> JUnit properties (scripts/reliability_table.py) ----------
+
+@pytest.fixture(autouse=True)
+def _record_case(request):
+    described = getattr(request.function, "reliability_case", None)
+    if described is not None:
+        params = getattr(getattr(request.node, "callspec", None), "params", {})
+        request.node.user_properties += list(zip(("area", "case", "expected"), fields(described, params)))
+    yield
+
+
+# ---- background subprocess jobs: every selected one starts right after collection ------------
+
+_JOBS: dict[str, object] = {}
+_FOLDER: list[Path] = []
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    root = Path(tempfile.mkdtemp(prefix="sm120-fp4-jobs-"))
+    _FOLDER.append(root)
+    for n, item in enumerate(session.items):
+        start = getattr(getattr(item, "function", None), "background_job", None)
+        if start is not None:
+            folder = root / str(n)
+            folder.mkdir()
+            try:
+                _JOBS[item.nodeid] = start(folder, **getattr(getattr(item, "callspec", None), "params", {}))
+            except BaseException as exc:  # noqa: BLE001 - a skip or an error, raised again in the test
+                _JOBS[item.nodeid] = _Failed(exc)
+
+
+class _Failed:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def wait(self, timeout):
+        raise self.exc
+
+    def kill(self):
+        pass
+
+
+def pytest_sessionfinish(session):
+    for job in _JOBS.values():
+        job.kill()
+    _JOBS.clear()
+    for root in _FOLDER:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def background(request) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr) of this test's background job (started at session start)."""
+    job = _JOBS.get(request.node.nodeid)
+    assert job is not None, f"{request.node.nodeid} has no @background job (or it was not selected)"
+    return job.wait(TIMEOUT)

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
+from helpers.cases import case
+from helpers.common import SIM_ENV as SIM_OK
+from helpers.procs import Popen, background, clean_env
 from sm120_fp4 import cli, doctor
 
-SIM_OK = {"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "emulated"}
 
-
-def run(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SM120_FP4")}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "sm120_fp4", *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+def cli_job(*args: str, env: dict[str, str]):
+    """`python -m sm120_fp4 ARGS` as an operator runs it, started in the background."""
+    return lambda folder: Popen([sys.executable, "-m", "sm120_fp4", *args], clean_env(**env), folder)
 
 
 # ---- selftest -----------------------------------------------------------------------------
@@ -66,23 +64,51 @@ def test_selftest_json_holds_the_decision(monkeypatch, capsys):
     assert code == 0 and data["-1"]["ok"] and data["-1"]["decision"]["backend"] == "emulated"
 
 
-def test_the_console_script_runs_the_same_program():
-    proc = run("selftest", "--device", "7", env=SIM_OK)  # python -m sm120_fp4, as an operator runs it
-    assert proc.returncode == 2 and "not visible" in proc.stderr
+@background(cli_job("selftest", "--device", "7", env=SIM_OK))
+def test_the_console_script_runs_the_same_program(background):
+    rc, _, stderr = background
+    assert rc == 2 and "not visible" in stderr
+
+
+CLI_GARBAGE = [
+    ("SM120_FP4", "true"),
+    ("SM120_FP4_ENABLE", "yes"),
+    ("SM120_FP4_SELFTEST", "Strict"),
+    ("SM120_FP4_FALLBACK", "emulate"),
+    ("SM120_FP4_SELECT", "FIRST"),
+    ("SM120_FP4_BACKENDS", "cutlass;b12x"),
+    ("SM120_FP4_SIMULATE", "12.0.1"),
+    ("SM120_FP4_REPORT", "/nonexistent-sm120/{pid}.json"),
+    ("SM120_FP4_SELFTESTS", "off"),
+]
+
+
+@case("configuration", "`sm120-fp4 selftest` with {variable}={value}", "exit code 2 at start, before any self-test; stderr names the variable and the value")
+@pytest.mark.parametrize("variable, value", CLI_GARBAGE, ids=[f"{v}={x}" for v, x in CLI_GARBAGE])
+def test_garbage_settings_stop_the_cli_at_start_with_exit_2(monkeypatch, capsys, variable, value):
+    # In process: the same cli.main the console script runs (test_the_console_script_runs_the_same_program).
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env={**SIM_OK, variable: value})
+    assert code == 2, err
+    assert f"{variable}={value!r}" in err, err
+    assert "self-testing" not in err and out == ""
 
 
 # ---- launch -------------------------------------------------------------------------------
 
-def test_launch_execs_the_command_with_the_toggle_after_a_passing_preflight():
-    proc = run("launch", "--", sys.executable, "-c", "import os; print('child toggle', os.environ['SM120_FP4'])", env=SIM_OK)
-    assert proc.returncode == 0, proc.stderr
-    assert "child toggle 1" in proc.stdout and "preflight passed" in proc.stderr
+@background(cli_job("launch", "--", sys.executable, "-c", "import os; print('child toggle', os.environ['SM120_FP4'])", env=SIM_OK))
+def test_launch_execs_the_command_with_the_toggle_after_a_passing_preflight(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    assert "child toggle 1" in stdout and "preflight passed" in stderr
 
 
-def test_launch_refuses_to_start_the_server_when_preflight_fails(tmp_path):
+def test_launch_refuses_to_start_the_server_when_preflight_fails(monkeypatch, capsys, tmp_path):
     marker = tmp_path / "started"
-    proc = run("launch", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')", env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "cutlass"})
-    assert proc.returncode == 1 and "not starting the server" in proc.stderr
+    monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
+    monkeypatch.setattr(cli.os, "execvpe", lambda *args: pytest.fail(f"exec {args}"))
+    code, _, err = cli_in_process(monkeypatch, capsys, "launch", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
+                                  env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "cutlass"})
+    assert code == 1 and "not starting the server" in err
     assert not marker.exists()
 
 

@@ -1,7 +1,7 @@
 """Every file in examples/ is exercised here, so none can rot: run for real in simulation (CPU) where
 it can be, otherwise parsed and checked against the installed SGLang, FlashInfer and sm120_fp4.
 
-The three subprocesses start together (module fixture) so the file stays fast on a small machine.
+The three subprocesses are background jobs (conftest.py): they start with the session and run meanwhile.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tomllib
 from functools import cache
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.procs import Popen, background
 from sm120_fp4 import cli
 from sm120_fp4.config import Settings, env_name, load_settings
 
@@ -38,23 +38,6 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SM120_FP4")}
     env.update(extra)
     return env
-
-
-class _Background:
-    """A subprocess started now, awaited on first use."""
-
-    def __init__(self, args: list[str], env: dict[str, str], merge: bool = False) -> None:
-        self.proc = subprocess.Popen(
-            args, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT if merge else subprocess.PIPE,
-        )
-        self._result: tuple[int, str, str] | None = None
-
-    def result(self) -> tuple[int, str, str]:
-        if self._result is None:
-            out, err = self.proc.communicate(timeout=120)
-            self._result = (self.proc.returncode, out, err or "")
-        return self._result
 
 
 def _sglang_file(relative: str) -> Path:
@@ -132,13 +115,11 @@ def _precompile_snippet() -> str:
     return snippet
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, _Background]:
-    """Start every subprocess of this file at once; each test waits for its own."""
-    workspace = tmp_path_factory.mktemp("flashinfer-workspace")
+def _precompile_job(folder: Path) -> Popen:
+    """Run the Dockerfile's pre-compile program for real, nvcc aside: `build` only records the spec."""
     imports = [(node.module, alias.name) for node in ast.walk(ast.parse(_precompile_snippet()))
                if isinstance(node, ast.ImportFrom) for alias in node.names]
-    # Run the Dockerfile's pre-compile program for real, nvcc aside: `build` only records the spec.
+    workspace = folder / "flashinfer-workspace"
     driver = (
         "import importlib, json\n"
         f"missing = [(m, n) for m, n in {imports!r} if not hasattr(importlib.import_module(m), n)]\n"
@@ -146,22 +127,21 @@ def runs(tmp_path_factory) -> dict[str, _Background]:
         "built = []\n"
         "core.JitSpecNvcc.build = lambda self, *a, **k: built.append(self)\n"
         + _precompile_snippet()
-        + "print('RESULT=' + json.dumps({'missing': missing, 'specs': [[s.name, str(s.jit_library_path),"
-        " ' '.join(s.extra_cuda_cflags or [])] for s in built]}))\n"
+        + "print('RESULT=' + json.dumps({'workspace': %r, 'missing': missing, 'specs': [[s.name, str(s.jit_library_path),"
+        " ' '.join(s.extra_cuda_cflags or [])] for s in built]}))\n" % str(workspace)
     )
-    fi_env = _env({**_docker_env(), "FLASHINFER_WORKSPACE_BASE": str(workspace)})
-    return {
-        "launch_help": _Background([sys.executable, "examples/launch_sglang.py", "--help"], _env(SIM), merge=True),
-        "check_only": _Background([sys.executable, "examples/offline_engine.py", "--check-only"], _env(SIM)),
-        "precompile": _Background([sys.executable, "-c", driver], fi_env),
-        "workspace": workspace,
-    }
+    return Popen([sys.executable, "-c", driver], _env({**_docker_env(), "FLASHINFER_WORKSPACE_BASE": str(workspace)}), folder, cwd=ROOT)
+
+
+def _example(*args: str, merge: bool = False):
+    return lambda folder: Popen([sys.executable, *args], _env(SIM), folder, cwd=ROOT, merge=merge)
 
 
 # ---- launch_sglang.py ----------------------------------------------------------------------
 
-def test_launch_sglang_installs_then_hands_argv_to_sglangs_launcher(runs):
-    code, out, _ = runs["launch_help"].result()
+@background(_example("examples/launch_sglang.py", "--help", merge=True))
+def test_launch_sglang_installs_then_hands_argv_to_sglangs_launcher(background):
+    code, out, _ = background
     assert code == 0, out[-3000:]
     status = re.search(r"^sm120_fp4 \S+: installed \(sglang [\d.]+\); patches: (.*)$", out, re.M)
     assert status, out[:3000]
@@ -172,8 +152,9 @@ def test_launch_sglang_installs_then_hands_argv_to_sglangs_launcher(runs):
 
 # ---- offline_engine.py ---------------------------------------------------------------------
 
-def test_offline_engine_check_only_installs_in_simulation(runs):
-    code, out, err = runs["check_only"].result()
+@background(_example("examples/offline_engine.py", "--check-only"))
+def test_offline_engine_check_only_installs_in_simulation(background):
+    code, out, err = background
     assert code == 0, err[-3000:]
     status = json.loads(out)
     assert status["installed"] is True and status["message"].startswith("installed (sglang ")
@@ -312,14 +293,15 @@ def test_dockerfile_python_snippets_compile():
     assert re.search(r"127\.0\.0\.1:30000(/[\w]+)", health).group(1) in _sglang_routes()
 
 
-def test_dockerfile_precompiles_flashinfer_sm120_fp4_kernels_for_sm_120f(runs):
-    code, out, err = runs["precompile"].result()
+@background(_precompile_job)
+def test_dockerfile_precompiles_flashinfer_sm120_fp4_kernels_for_sm_120f(background):
+    code, out, err = background
     assert code == 0, err[-3000:]
     result = json.loads(out.split("RESULT=")[-1])
     assert result["missing"] == []  # every name the step imports exists in the installed FlashInfer
     names = {name for name, _, _ in result["specs"]}
     assert {"fp4_gemm_cutlass_sm120", "fp4_quantization_120f"} <= names
-    workspace = str(runs["workspace"])
+    workspace = result["workspace"]
     for _, library, flags in result["specs"]:
         assert "compute_120f" in flags and "sm_120f" in flags  # built for the family, no device asked
         assert library.startswith(workspace) and "/120f/cached_ops/" in library  # the cache a 12.x server reads

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import faults
+from helpers import faults
 from sm120_fp4 import backends, devices, kernels, nvfp4, selection, selftest
 from sm120_fp4.config import Settings
 from sm120_fp4.dispatch import Router

@@ -1,166 +1,28 @@
-"""Capability detection, backend support, the self-test and the refusal to serve (CPU, mocked GPUs)."""
+"""decide(): which backend serves a device, the refusal, the decision cache, SELECT=fastest, and
+the JSON report file. Devices are simulated or mocked (several 'GPUs' whose tensors live on the CPU)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import threading
+import time
+import types
+from pathlib import Path
 
 import pytest
 
-import faults
-from threads import run_concurrently
+from helpers import faults
+from helpers.cases import case
+from helpers.common import CpuGpu, run_concurrently
 from sm120_fp4 import backends, devices, selection, selftest
+from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.config import Settings
-from sm120_fp4.devices import Device
-from sm120_fp4.errors import ConfigError, InvalidArgument, RefusedToServe
+from sm120_fp4.errors import ConfigError, RefusedToServe
 
 SIM = Settings(simulate="12.0")
-FAULTS = {
-    "returns_zeros": (faults.returns_zeros, "output is all zeros"),
-    "leaves_out_unwritten": (faults.leaves_out_unwritten, "unwritten"),
-    "zeroes_row_band": (faults.zeroes_row_band, r"64 row\(s\) all zero where the reference is not \(rows 64-127\)"),
-    "wrong_for_large_m": (faults.wrong_for_large_m, r"M=2500 .*norm is 0.04x"),
-    "scale_error_4x": (faults.scale_error_4x, r"M=1 .*norm is 4x the reference's.*scale error"),
-    "single_nan": (faults.single_nan, r"1 non-finite element\(s\), first at row 0"),
-    "raises": (faults.raises, r"raised TypeError: Expected DLTensor\* but got None"),
-    "returns_new_tensor": (faults.returns_new_tensor, "other than `out`"),
-    "garbage_rows": (faults.garbage_rows, r"M=7 N=224 K=160: relative error 0.[0-9]+ above 0.01"),
-}
-
-
-def fake(*specs: tuple[str, tuple[int, int]]):
-    return devices.use_probe(lambda: [Device(i, name, cc) for i, (name, cc) in enumerate(specs)])
-
-
-# ---- devices ------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("cc", [(12, 0), (12, 1), (9, 0), (10, 0)])
-def test_mocked_capabilities_are_reported_as_probed(cc):
-    with fake(("GPU", cc), ("GPU", cc)):
-        found = devices.list_devices()
-    assert [d.capability for d in found] == [cc, cc]
-    assert [d.index for d in found] == [0, 1]
-    assert all(not d.simulated for d in found)
-    assert devices.is_sm12x(cc) == (cc[0] == 12)
-
-
-def test_no_gpu_lists_nothing_and_simulation_supplies_a_cpu_device():
-    with fake():
-        assert devices.list_devices() == []
-        sim = devices.list_devices((12, 1))
-    assert len(sim) == 1 and sim[0].index == -1 and sim[0].capability == (12, 1) and sim[0].simulated
-    assert "sm_121, simulated" in sim[0].label()
-
-
-def test_simulation_overrides_every_real_capability():
-    with fake(("NVIDIA H200", (9, 0)), ("NVIDIA H200", (9, 0))):
-        sim = devices.list_devices((12, 0))
-    assert [(d.index, d.capability, d.simulated) for d in sim] == [(0, (12, 0), True), (1, (12, 0), True)]
-
-
-def test_nvml_numbering_follows_cuda_visible_devices(monkeypatch):
-    class FakeNvml:
-        gpus = [("GPU-A", (12, 0)), ("GPU-B", (9, 0)), ("GPU-C", (12, 1))]
-
-        def nvmlInit(self): pass
-        def nvmlShutdown(self): pass
-        def nvmlDeviceGetCount(self): return len(self.gpus)
-        def nvmlDeviceGetHandleByIndex(self, i): return i
-        def nvmlDeviceGetName(self, h): return self.gpus[h][0]
-        def nvmlDeviceGetCudaComputeCapability(self, h): return self.gpus[h][1]
-
-    monkeypatch.setitem(__import__("sys").modules, "pynvml", FakeNvml())
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    found = devices.list_devices(refresh=True)
-    assert [(d.index, d.name, d.capability, d.source) for d in found] == [
-        (0, "GPU-C", (12, 1), "nvml"),
-        (1, "GPU-A", (12, 0), "nvml"),
-    ]
-
-
-# ---- backends -----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("cc", [(12, 0), (12, 1), (9, 0), (10, 0)])
-def test_flashinfer_backends_are_unsupported_without_a_usable_gpu(cc):
-    cpu_like = Device(-1, "simulated", cc, simulated=True)
-    for name in backends.FLASHINFER_BACKENDS:
-        ok, why = backends.is_supported(name, cpu_like)
-        assert not ok and "simulated" in why
-    real = Device(0, "GPU", cc)
-    ok, why = backends.is_supported("cutlass", real)
-    assert not ok and why  # no FlashInfer, or no CUDA here: either way a reason
-    assert backends.is_supported("emulated", real) == (True, None)
-
-
-def test_register_validates_its_arguments_and_refuses_silent_replacement():
-    with pytest.raises(InvalidArgument, match=r"name='Bad Name'"):
-        backends.register("Bad Name", faults.healthy)
-    with pytest.raises(InvalidArgument, match="fn=3"):
-        backends.register("x", 3)
-    backends.register("mine", faults.healthy)
-    with pytest.raises(InvalidArgument, match="already registered"):
-        backends.register("mine", faults.raises)
-    backends.register("mine", faults.raises, replace=True)
-    assert backends.get("mine").fn is faults.raises
-
-
-def test_a_support_check_that_raises_is_a_reason_not_a_crash():
-    def boom(device):
-        raise RuntimeError("driver exploded")
-
-    backends.register("fragile", faults.healthy, boom)
-    ok, why = backends.is_supported("fragile", Device(0, "GPU", (12, 0)))
-    assert not ok and "driver exploded" in why
-
-
-# ---- self-test ----------------------------------------------------------------------------
-
-def test_healthy_emulated_backend_passes_with_every_metric_reported():
-    device = devices.list_devices((12, 0))[0]
-    report = selftest.run("emulated", device)
-    assert report.passed and report.reason is None
-    assert [(s.m, s.n, s.k) for s in report.shapes] == list(selftest.DEFAULT_SHAPES)
-    ms = [s.m for s in report.shapes]
-    assert 1 in ms and any(m % 2 for m in ms if m > 1) and any(128 < m < 256 for m in ms) and max(ms) >= 2000
-    for s in report.shapes:
-        assert s.n % 32 == 0 and s.k % 32 == 0 and (s.n % 128 or s.k % 128)
-        assert s.passed and s.nonfinite == 0 and s.zero_rows == 0
-        assert 0 < s.rel_err < 5e-3 and 0.99 < s.norm_ratio < 1.01
-    assert json.loads(report.model_dump_json())["backend"] == "emulated"
-
-
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_each_misbehaving_backend_is_refused_for_the_right_reason(fault):
-    fn, reason = FAULTS[fault]
-    backends.register(fault, fn)
-    report = selftest.run(fault, devices.list_devices((12, 0))[0])
-    assert not report.passed
-    assert report.reason and __import__("re").search(reason, report.reason), report.reason
-
-
-def test_selftest_refuses_bad_shapes():
-    from sm120_fp4.errors import SelfTestError
-
-    with pytest.raises(SelfTestError, match="K % 32"):
-        selftest.run("emulated", devices.list_devices((12, 0))[0], shapes=[(4, 32, 48)])
-
-
-def test_quantizer_check_detects_a_wrong_activation_quantizer():
-    import torch
-    from sm120_fp4 import nvfp4
-
-    device = devices.list_devices((12, 0))[0]
-
-    def off_by_scale(x, g):
-        return nvfp4.quantize(x, g * 2)
-
-    good = selftest.run("emulated", device, shapes=[(1, 32, 64)], quantizer=("nvfp4", nvfp4.quantize))
-    bad = selftest.run("emulated", device, shapes=[(1, 32, 64)], quantizer=("x2", off_by_scale))
-    assert good.passed and good.quantizer.passed and good.quantizer.code_mismatch == 0
-    assert not bad.passed and "activation quantizer x2" in bad.reason
-    assert torch.float32  # the check ran on real tensors
 
 
 # ---- decide() -----------------------------------------------------------------------------
@@ -193,6 +55,7 @@ def test_first_passing_candidate_wins_and_rejections_keep_their_reasons():
     d = selection.decide(candidates=["zeros", "good", "emulated"], settings=SIM)
     assert d.backend == "good" and d.rejected == {"zeros": d.rejected["zeros"]}
     assert "all zeros" in d.rejected["zeros"] and [r.backend for r in d.reports] == ["zeros", "good"]
+    assert d.timings_ms == {}, "SELECT=first times nothing"
 
 
 def test_refusal_names_device_candidates_reasons_and_remedies():
@@ -249,43 +112,160 @@ def test_concurrent_decides_on_one_device_share_one_selftest():
     assert len(calls) == len(selftest.DEFAULT_SHAPES)
 
 
-def test_report_file_is_written_atomically_without_following_symlinks(tmp_path):
-    target = tmp_path / "elsewhere.json"
-    target.write_text("keep")
-    link = tmp_path / "report.json"
-    link.symlink_to(target)
-    selection.decide(candidates=["emulated"], settings=Settings(simulate="12.0", report=str(link)))
-    assert target.read_text() == "keep" and not link.is_symlink()
-    data = json.loads(link.read_text())
-    assert data["decisions"][0]["backend"] == "emulated"
-    assert oct(link.stat().st_mode & 0o777) == "0o644"
+def test_select_fastest_times_every_verified_candidate_and_records_it(monkeypatch):
+    # An injected clock: each call of "slow" costs 1000 ms and of "fast" 1 ms, whatever the machine's load.
+    clock = [0.0]
+    monkeypatch.setattr(selection, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
+    def costing(seconds):
+        done = {}  # the timing passes repeat the same inputs: compute each output once (speed only)
 
-def test_select_fastest_times_every_verified_candidate_and_records_it():
-    import time
+        def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
+            clock[0] += seconds
+            key = (a.data_ptr(), b.data_ptr(), a.shape, b.shape, out.data_ptr())
+            if key not in done:
+                done[key] = faults.healthy(a, b, a_sf, b_sf, alpha, dtype, out).clone()
+            return out.copy_(done[key])
 
-    def slow(*args):
-        time.sleep(0.005)
-        return faults.healthy(*args)
+        return gemm
 
-    backends.register("slow", slow)
-    backends.register("fast", faults.healthy)
+    backends.register("slow", costing(1.0))
+    backends.register("fast", costing(0.001))
     backends.register("zeros", faults.returns_zeros)
     d = selection.decide(candidates=["zeros", "slow", "fast"], settings=Settings(simulate="12.0", select="fastest"))
-    assert d.backend == "fast" and set(d.timings_ms) == {"slow", "fast"}
-    assert d.timings_ms["slow"] > d.timings_ms["fast"] and "zeros" in d.rejected
-    assert "fastest of 2 verified candidates" in d.reason
+    shapes = len(selftest.DEFAULT_SHAPES)
+    assert d.backend == "fast" and d.timings_ms == pytest.approx({"slow": 1000.0 * shapes, "fast": 1.0 * shapes})
+    assert "zeros" in d.rejected and "fastest of 2 verified candidates" in d.reason
 
 
-def test_a_backend_that_hangs_is_reported_after_the_bound_not_waited_on_forever():
-    import time
 
-    def hangs(*args):
-        time.sleep(2)
-        return faults.healthy(*args)
+# ---- concurrency (issue item 5) ---------------------------------------------------------------
 
-    backends.register("hangs", hangs)
-    start = time.perf_counter()
-    report = selftest.run("hangs", devices.list_devices((12, 0))[0], shapes=[(1, 32, 64)], bounds=selftest.Bounds(call_timeout_s=0.2))
-    assert time.perf_counter() - start < 1.5
-    assert not report.passed and "did not return within 0.2 s (a hung kernel?)" in report.reason
+@case("concurrency", "decide() for 3 devices from 12 threads at once", "one self-test per device, one Decision per device shared by all its callers, none lost")
+def test_decide_for_several_devices_at_once_tests_each_device_once():
+    calls: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def counted_support(device):
+        with lock:
+            calls[device.index] = calls.get(device.index, 0) + 1
+        return True, None
+
+    backends.register("counted", emulated_mm_fp4, counted_support)
+    gpus = [CpuGpu(i, f"mocked GPU {i}", (12, 0)) for i in range(3)]
+    barrier, results, errors = threading.Barrier(12), {}, []
+    settings = Settings(backends="counted")
+
+    def worker(n):
+        barrier.wait()
+        try:
+            results[n] = selection.decide(gpus[n % 3], settings=settings)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(repr(exc))
+
+    run_concurrently(worker, [(n,) for n in range(12)])
+    assert errors == []
+    assert calls == {0: 1, 1: 1, 2: 1}
+    for index in range(3):
+        mine = {id(results[n]) for n in range(12) if n % 3 == index}
+        assert len(mine) == 1 and results[index].device_index == index and results[index].verified
+    assert sorted(d.device_index for d in selection.decisions()) == [0, 1, 2]
+
+
+# ---- reports (issue item 7) --------------------------------------------------------------------------
+
+def _decide_with_report(path) -> Path:
+    # SELFTEST=off: the report, not the self-test, is under test here (and it is faster).
+    selection.decide(candidates=["emulated"], settings=Settings(simulate="12.0", report=str(path), selftest="off"))
+    return Path(str(path).replace("{pid}", str(os.getpid())))
+
+
+@case("reports", "report written under umask {umask}", "mode 0644 exactly; valid JSON; no temporary file left next to it")
+@pytest.mark.parametrize("umask", ["000", "022", "077"])
+def test_report_mode_is_0644_whatever_the_umask(tmp_path, umask):
+    previous = os.umask(int(umask, 8))
+    try:
+        path = _decide_with_report(tmp_path / "report-{pid}.json")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # chmod, whatever the umask
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@case("reports", "symlink planted at the report path (to a file, to a directory, dangling)", "the link itself is replaced by the report; its target is never written or created")
+@pytest.mark.parametrize("target_kind", ["file", "directory", "dangling"])
+def test_report_never_follows_a_planted_symlink(tmp_path, target_kind):
+    victim = tmp_path / "victim"
+    if target_kind == "file":
+        victim.write_text("precious")
+    elif target_kind == "directory":
+        victim.mkdir()
+    link = tmp_path / "report.json"
+    link.symlink_to(victim)
+    _decide_with_report(link)
+    assert not link.is_symlink() and json.loads(link.read_text())["decisions"][0]["backend"] == "emulated"
+    if target_kind == "file":
+        assert victim.read_text() == "precious"
+    elif target_kind == "directory":
+        assert list(victim.iterdir()) == []
+    else:
+        assert not victim.exists()
+
+
+@case("reports", "a report write that fails half-way (unserialisable payload)", "the previous report is intact; no temporary file is left")
+def test_a_failed_report_write_leaves_the_previous_report_and_no_temp_file(tmp_path):
+    path = _decide_with_report(tmp_path / "report.json")
+    before = path.read_text()
+    with pytest.raises(TypeError):
+        selection.write_report(path, {"bad": object()})
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+@case("reports", "secrets in the environment (HF_TOKEN, AWS_SECRET_ACCESS_KEY, any other variable)", "the report holds no environment value except the library's own settings")
+def test_report_contains_no_environment_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value_123")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value-456")
+    text = _decide_with_report(tmp_path / "report.json").read_text()
+    leaked = [k for k, v in os.environ.items() if not k.startswith("SM120_FP4") and len(v) >= 8 and v in text]
+    assert leaked == []
+
+
+@case("reports", "report directory removed after install(), then the first layer loads", "the decision stands (one warning says the report was not written); the worker does not crash")
+def test_an_unwritable_report_does_not_stop_a_worker(tmp_path, caplog):
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    settings = Settings(simulate="12.0", report=str(folder / "r.json"), selftest="off")
+    folder.rmdir()
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    assert selection.decide(candidates=["emulated"], settings=settings).backend == "emulated"
+    assert any("report" in r.getMessage() for r in caplog.records)
+
+
+@case("reports", "two decisions finish at once in one process, writers interleave", "the report lists both decisions (the last writer writes the latest state)")
+def test_concurrent_report_writes_never_lose_a_decision(tmp_path, monkeypatch):
+    path = tmp_path / "report.json"
+    settings = Settings(simulate="12.0", report=str(path), selftest="off")
+    first_dumping, second_decided = threading.Event(), threading.Event()
+    real_dump = json.dump
+
+    def ordered_dump(payload, handle, **kwargs):
+        if len(payload["decisions"]) == 1:  # the first writer is held mid-write until the second decision exists
+            first_dumping.set()
+            second_decided.wait(60)
+        return real_dump(payload, handle, **kwargs)
+
+    monkeypatch.setattr(selection.json, "dump", ordered_dump)
+    decide = lambda index: selection.decide(CpuGpu(index, f"gpu{index}", (12, 0)), ["emulated"], settings=settings)  # noqa: E731
+    first = threading.Thread(target=decide, args=(0,))
+    first.start()
+    assert first_dumping.wait(60)
+    second = threading.Thread(target=decide, args=(1,))
+    second.start()
+    deadline = time.monotonic() + 60
+    while len(selection.decisions()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    second_decided.set()  # the second decision is made; its writer now queues behind the first
+    first.join()
+    second.join()
+    assert len(json.loads(path.read_text())["decisions"]) == 2

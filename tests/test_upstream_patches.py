@@ -7,6 +7,8 @@ answer correctly. Nothing is downloaded here: the release wheels come from .cach
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import importlib.metadata
 import json
 import os
@@ -29,6 +31,7 @@ from sm120_fp4.upstream import DIFFS
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import ledger  # noqa: E402  (scripts/ledger.py renders patches/LEDGER.md)
+from helpers.procs import Popen, background, clean_env, python  # noqa: E402
 CACHE = ROOT / ".cache" / "sglang-wheels"
 RELEASES = [(diff, release) for diff in DIFFS for release in diff.releases]
 RELEASE_IDS = [release for _, release in RELEASES]
@@ -81,10 +84,10 @@ def test_ledger_is_rendered_from_code():
     assert ledger.main(["--check"]) == 0, "run: python scripts/ledger.py --write"
 
 
-def test_upstream_diff_tooling_is_off_the_install_path():
-    proc = subprocess.run([sys.executable, "-c", "import sys, sm120_fp4.api; print('sm120_fp4.upstream' in sys.modules)"],
-                          capture_output=True, text=True, check=True)
-    assert proc.stdout.strip() == "False"
+@background(lambda folder: python("import sys, sm120_fp4.api; print('sm120_fp4.upstream' in sys.modules)", folder))
+def test_upstream_diff_tooling_is_off_the_install_path(background):
+    rc, stdout, stderr = background
+    assert rc == 0 and stdout.strip() == "False", stderr
 
 
 def test_apply_without_patch_or_git_prints_the_exact_command(tmp_path, monkeypatch, capsys):
@@ -372,7 +375,8 @@ _IMPORT_PATCHED = textwrap.dedent(
 )
 
 
-def test_installed_release_imports_patched_and_makes_the_runtime_decision(tmp_path):
+def _import_patched(folder: Path) -> Popen:
+    """Unpack the installed release, apply its diff, and import it patched in a background child."""
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
@@ -380,18 +384,21 @@ def test_installed_release_imports_patched_and_makes_the_runtime_decision(tmp_pa
     diff = upstream.diff_for(version)
     if diff is None or diff.release != "0.5.23":
         pytest.skip(f"the import test knows 0.5.23's op signature; sglang {version} is installed")
-    tree = _unpack(version, tmp_path)
-    assert upstream.apply(tree) == 0
+    tree = _unpack(version, folder / "tree")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        if upstream.apply(tree) != 0:
+            raise RuntimeError(f"the diff does not apply to the installed release: {err.getvalue()}")
     patched = tree / MQ_FILE
-    proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_PATCHED, str(patched)],
-        capture_output=True, text=True, timeout=240,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SM120_FP4")},
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return Popen([sys.executable, "-c", _IMPORT_PATCHED, str(patched)], clean_env(), folder)
+
+
+@background(_import_patched)
+def test_installed_release_imports_patched_and_makes_the_runtime_decision(background):
+    _, stdout, stderr = background
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line, stdout[-3000:] + stderr[-3000:]
     result = json.loads(line[len("RESULT"):])
-    assert result["file"] == str(patched) and result["calls_check"]
+    assert result["file"].endswith("/tree/" + MQ_FILE) and result["calls_check"]  # the patched copy was imported
     out = [[3, 40], "torch.bfloat16", True]
     # SM12x: auto/cudnn -> cutlass, with a contiguous out; the others keep their backend, get out too.
     assert result["True/AUTO"] == {"backend": "cutlass", "out": out}

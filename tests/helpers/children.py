@@ -1,4 +1,4 @@
-"""Code that runs in spawned children for tests/test_reliability.py (importable without pytest).
+"""Code that runs in spawned children (importable without pytest).
 
 Nothing here imports SGLang or torch at module level: a spawned child imports this module to find
 its target before the target runs, and the target must register its backend before SGLang loads.
@@ -30,12 +30,15 @@ def scheduler_with_broken_backend(stderr_path: str) -> None:
     The backend named in SM120_FP4_BACKENDS is registered first (as a user's plugin would); the
     `.pth` bootstrap installs the library when SGLang is imported; the first layer's weight
     processing self-tests and, under SELFTEST=strict, raises RefusedToServe out of this function.
+    On the way it writes which patch SGLang's alias carries once SGLang is imported.
     """
     _stderr_to(stderr_path)
     from sm120_fp4 import backends
 
     backends.register("zeros", all_zeros)
-    import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401  (the bootstrap installs here)
+    import sglang.srt.layers.quantization.modelopt_quant as mq  # the bootstrap installs here
+
+    sys.stderr.write(f"child: alias patch {getattr(mq.flashinfer_fp4_gemm, '__sm120_fp4_patch__', None)}\n")
 
     from sm120_fp4.sglang import layers
 

@@ -1,0 +1,69 @@
+"""Settings, mocked devices, a thread runner and the SGLang patch assertions used across test files."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+import torch
+from hypothesis import HealthCheck
+
+from sm120_fp4 import devices
+from sm120_fp4.devices import Device
+
+SIM = dict(simulate="12.0", backends="emulated")  # install() keywords: simulation, the oracle backend
+SIM_ENV = {"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "emulated"}
+HYPOTHESIS = dict(derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+class CpuGpu(Device):
+    """A mocked CUDA ordinal whose tensors live on the CPU (several 'GPUs' without a GPU)."""
+
+    @property
+    def torch_device(self):
+        return torch.device("cpu")
+
+
+def fake_devices(*specs: tuple[str, tuple[int, int]]):
+    """devices.use_probe() with one mocked GPU per (name, capability)."""
+    return devices.use_probe(lambda: [Device(i, name, cc) for i, (name, cc) in enumerate(specs)])
+
+
+def run_concurrently(target: Callable, argument_tuples: Iterable[tuple]) -> None:
+    """Start one thread per argument tuple, then wait for all of them."""
+    threads = [threading.Thread(target=target, args=args) for args in argument_tuples]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+# ---- the real SGLang's patch targets (imported lazily: only tests that use SGLang pay for it) ----
+
+def _targets():
+    import flashinfer
+    import sglang.srt.layers.quantization.modelopt_quant as mq
+
+    return mq, flashinfer
+
+
+def assert_not_patched() -> None:
+    mq, flashinfer = _targets()
+    assert mq.flashinfer_fp4_gemm is flashinfer.mm_fp4
+    assert not hasattr(mq.ModelOptFp4LinearMethod.process_weights_after_loading, "__sm120_fp4_patch__")
+
+
+def assert_patched_once() -> None:
+    mq, flashinfer = _targets()
+    alias = mq.flashinfer_fp4_gemm
+    assert alias.__sm120_fp4_patch__ == "flashinfer-fp4-gemm-alias"
+    assert alias.__wrapped__ is flashinfer.mm_fp4, "exactly one layer of patching"
+    hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
+    assert hook.__sm120_fp4_patch__ == "modelopt-fp4-weights-hook"
+    assert not hasattr(hook.__wrapped__, "__sm120_fp4_patch__")
+
+
+def patch_state(name: str) -> str:
+    import sm120_fp4
+
+    return {p.name: p.state for p in sm120_fp4.status().patches}[name]

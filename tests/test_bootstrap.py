@@ -1,0 +1,147 @@
+"""Start-up activation: the `.pth` line, the toggle parser, the one-shot SGLang import hook, and what
+happens when the package is broken. New interpreters run as background jobs (see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import sm120_fp4
+from helpers.cases import case
+from helpers.common import SIM_ENV, assert_patched_once
+from helpers.procs import PACKAGE, background, broken_copy, fake_sglang, ours, python
+from sm120_fp4 import bootstrap
+
+PTH = (PACKAGE / "_pth" / "sm120_fp4.pth").read_text()
+
+
+# ---- the toggle ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, parsed", [(None, None), ("1", True), ("on", True), ("0", False), ("off", False), (1, True), (0, False), (True, True)])
+def test_parse_toggle_accepts_1_on_0_off(value, parsed):
+    assert bootstrap.parse_toggle(value) is parsed
+
+
+@pytest.mark.parametrize("value", ["", "true", "ON", " 1", 2, 1.0])
+def test_parse_toggle_rejects_anything_else_and_says_what_is_accepted(value):
+    with pytest.raises(ValueError, match="accepted: 1, on, 0, off"):
+        bootstrap.parse_toggle(value)
+
+
+@pytest.mark.parametrize("environ, on", [({}, False), ({"SM120_FP4": ""}, False), ({"SM120_FP4": "0"}, False),
+                                         ({"SM120_FP4": "off"}, False), ({"SM120_FP4": "1"}, True), ({"SM120_FP4": "garbage"}, True)])
+def test_enabled_lets_garbage_through_to_install_which_rejects_it(environ, on):
+    assert bootstrap.enabled(environ) is on
+
+
+def test_the_pth_line_repeats_the_off_values_of_the_toggle():
+    assert repr(bootstrap.TOGGLE_OFF) in PTH and "from sm120_fp4.bootstrap import activate; activate()" in PTH
+
+
+# ---- activate() in this process -----------------------------------------------------------------
+
+@case("own failures", "`bootstrap.activate()` twice, with SGLang already imported", "install() once; the second call is a no-op; never raises")
+def test_bootstrap_activate_is_idempotent_and_never_raises(monkeypatch, sglang_unpatched):
+    for name, value in {"SM120_FP4": "1", **SIM_ENV}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(bootstrap, "_activated", False)
+    bootstrap.activate()
+    bootstrap.activate()
+    assert sm120_fp4.status().installed
+    assert_patched_once()
+
+
+def test_activate_before_sglang_puts_one_finder_that_removes_itself(monkeypatch):
+    monkeypatch.setattr(bootstrap, "_activated", False)
+    monkeypatch.delitem(sys.modules, "sglang")  # as if SGLang were not imported yet
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    bootstrap.activate()
+    bootstrap.activate()
+    assert sys.meta_path.count(bootstrap._finder) == 1 and sys.meta_path[0] is bootstrap._finder
+    assert bootstrap._finder.find_spec("json") is None and bootstrap._finder in sys.meta_path
+    calls = []
+    monkeypatch.setattr(bootstrap, "_on_sglang", calls.append)
+    spec = bootstrap._finder.find_spec("sglang")
+    assert bootstrap._finder not in sys.meta_path, "one-shot"
+    module = type(sys)("sglang")
+    spec.loader.exec_module(module)  # SGLang's own __init__ runs, then the hook
+    assert calls == [module]
+
+
+# ---- new interpreters ---------------------------------------------------------------------------
+
+SHOW_IMPORTS = "import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'sm120_fp4'))))"
+TOGGLE_VALUES = {"unset": None, "0": "0", "off": "off", "empty": ""}
+
+
+@case("own failures", "`.pth` bootstrap with SM120_FP4 {value}", "nothing imported: no torch, no pydantic, no sm120_fp4; nothing on stderr")
+@pytest.mark.parametrize("value", list(TOGGLE_VALUES))
+@background(lambda folder, value: python(SHOW_IMPORTS, folder, **({} if TOGGLE_VALUES[value] is None else {"SM120_FP4": TOGGLE_VALUES[value]})))
+def test_the_pth_bootstrap_imports_nothing_when_the_toggle_is_off(background, value):
+    site = [p for p in sys.path if p.endswith("site-packages") and Path(p, "sm120_fp4.pth").exists()]
+    assert site, "the .pth is installed in this environment's site-packages"
+    rc, stdout, stderr = background
+    assert rc == 0 and json.loads(stdout) == [] and stderr == "", stderr
+
+
+# the worker's settings (the toggle on, or one setting bad) -> what the error must name
+BAD_WORKER = {
+    "SM120_FP4=true": ({"SM120_FP4": "true"}, "SM120_FP4='true'"),
+    "SM120_FP4=1 SM120_FP4_SELFTEST=bogus": ({"SM120_FP4": "1", "SM120_FP4_SELFTEST": "bogus"}, "SM120_FP4_SELFTEST='bogus' is not accepted"),
+}
+
+
+@case("configuration", "worker started with {setting} (the `.pth` bootstrap active) imports SGLang",
+      "the import raises ConfigError naming the variable and the value: the worker stops before serving, never silently unpatched")
+@pytest.mark.parametrize("setting", list(BAD_WORKER))
+@background(lambda folder, setting: python("import sglang", folder, cwd=folder, PYTHONPATH=str(fake_sglang(folder / "site")), **BAD_WORKER[setting][0]))
+def test_a_bad_setting_stops_a_bootstrapped_worker_at_the_sglang_import(background, setting):
+    rc, _, stderr = background
+    assert rc != 0
+    assert "ConfigError" in stderr and BAD_WORKER[setting][1] in stderr, stderr
+
+
+@case("own failures", "package with a truncated bootstrap.py, SM120_FP4=1, new interpreter",
+      "the interpreter starts and runs; exactly one stderr line (the .pth may be processed twice) says the bootstrap failed and why; no import hook left behind")
+@background(lambda folder: python("import sys; print([type(f).__name__ for f in sys.meta_path]); print('ran')", folder, cwd=folder,
+                                  SM120_FP4="1", PYTHONPATH=str(broken_copy(folder / "site", "bootstrap.py"))))
+def test_a_corrupted_bootstrap_never_raises_at_interpreter_start(background):
+    rc, stdout, stderr = background
+    assert rc == 0 and stdout.endswith("ran\n"), stderr
+    assert "_AfterSGLangImport" not in stdout
+    lines = ours(stderr)
+    assert len(lines) == 1 and lines[0].startswith("sm120_fp4: start-up bootstrap failed, SGLang runs unpatched: SyntaxError"), stderr
+
+
+def _partial_install(folder: Path) -> Path:
+    package = folder / "site" / "sm120_fp4"
+    package.mkdir(parents=True)  # an install interrupted after the first files: no bootstrap.py, api.py, ...
+    for name in ("__init__.py", "_version.py", "errors.py"):
+        shutil.copy(PACKAGE / name, package / name)
+    return package.parent
+
+
+@case("own failures", "partially installed package (the .pth present; only __init__, _version, errors copied), SM120_FP4=1", "the interpreter starts and runs; stderr says the bootstrap failed and why")
+@background(lambda folder: python("print('ran')", folder, cwd=folder, SM120_FP4="1", PYTHONPATH=str(_partial_install(folder))))
+def test_a_partially_installed_package_never_raises_at_interpreter_start(background):
+    rc, stdout, stderr = background
+    assert rc == 0 and stdout == "ran\n"
+    lines = ours(stderr)
+    assert lines and all("ModuleNotFoundError" in line and "sm120_fp4.bootstrap" in line for line in lines), stderr
+
+
+@case("own failures", "package copy with a truncated api.py, SM120_FP4=1, `.pth` bootstrap, `import sglang` (a stand-in package: the hook fires on the name)", "`import sglang` succeeds; exactly one stderr line says activation failed and why")
+@background(lambda folder: python("import json, sglang, sm120_fp4; print(json.dumps([sglang.__file__, sm120_fp4.__file__]))", folder,
+                                  cwd=broken_copy(folder / "broken", "api.py"), SM120_FP4="1", **SIM_ENV,
+                                  PYTHONPATH=f"{folder / 'broken'}:{fake_sglang(folder / 'fake')}"))
+def test_a_corrupted_package_leaves_sglang_importing_with_one_line_on_stderr(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    sglang_file, package = json.loads(stdout)
+    assert sglang_file.endswith("/fake/sglang/__init__.py") and "/broken/sm120_fp4/" in package, "the corrupted copy is what the bootstrap loaded"
+    lines = ours(stderr)
+    assert len(lines) == 1 and lines[0].startswith("sm120_fp4: activation failed, SGLang runs unpatched: SyntaxError"), stderr

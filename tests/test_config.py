@@ -1,0 +1,143 @@
+"""Settings: keyword > environment > default, every value checked when read, errors that name the
+variable (or keyword), the value and what is accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+import sm120_fp4
+from helpers.cases import case
+from helpers.common import SIM, SIM_ENV, assert_not_patched
+from sm120_fp4.config import Settings, env_name, load_settings, sources
+from sm120_fp4.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _uninstalled(sglang_unpatched):
+    """install() is the entry point under test: SGLang starts and ends unpatched."""
+
+
+# ---- precedence and the parsed values ----------------------------------------------------------
+
+def test_defaults_when_nothing_is_set():
+    s = load_settings()
+    assert (s.toggle, s.enable, s.backends, s.selftest, s.fallback, s.select, s.simulate, s.report) == (
+        None, "auto", ("cutlass", "b12x"), "strict", "none", "first", None, None)
+    assert s.active and s.simulated_capability is None
+
+
+def test_a_keyword_beats_the_environment_which_beats_the_default(monkeypatch):
+    monkeypatch.setenv("SM120_FP4_SELECT", "fastest")
+    monkeypatch.setenv("SM120_FP4_BACKENDS", "b12x, emulated")
+    s = load_settings(select="first")
+    assert s.select == "first" and s.backends == ("b12x", "emulated")  # names are stripped
+    assert sources({"select": "first"})["select"] == "keyword"
+    assert sources({})["backends"] == "env SM120_FP4_BACKENDS" and sources({})["fallback"] == "default"
+
+
+@pytest.mark.parametrize("value, toggle", [("1", True), ("on", True), ("0", False), ("off", False), (1, True), (0, False)])
+def test_the_toggle_accepts_exactly_1_on_0_off(value, toggle):
+    s = Settings(toggle=value)
+    assert s.toggle is toggle and s.active is toggle
+
+
+def test_enable_off_or_toggle_off_makes_the_settings_inactive(monkeypatch):
+    assert not Settings(enable="off").active
+    monkeypatch.setenv("SM120_FP4", "0")
+    assert not load_settings().active
+
+
+def test_simulate_is_parsed_into_a_capability():
+    assert Settings(simulate="12.1").simulated_capability == (12, 1)
+    assert Settings(simulate="9.0").simulated_capability == (9, 0)
+
+
+def test_report_may_be_a_directory_or_a_file_with_pid(tmp_path):
+    assert Settings(report=str(tmp_path)).report == tmp_path
+    assert str(Settings(report=str(tmp_path / "r-{pid}.json")).report).endswith("r-{pid}.json")
+
+
+def test_settings_are_frozen():
+    s = Settings()
+    with pytest.raises(Exception):
+        s.select = "fastest"
+
+
+def test_env_name_of_each_field():
+    assert env_name("toggle") == "SM120_FP4" and env_name("selftest") == "SM120_FP4_SELFTEST"
+
+
+# ---- garbage: an error at install(), nothing patched (reliability, issue item 1) --------------
+
+# (variable, garbage value, a piece of what is accepted that the error must show)
+ENV_GARBAGE = [
+    ("SM120_FP4", "yes", "1, on, 0, off"),
+    ("SM120_FP4", "ON", "1, on, 0, off"),
+    ("SM120_FP4", "", "1, on, 0, off"),
+    ("SM120_FP4_ENABLE", "On", "'auto', 'on' or 'off'"),
+    ("SM120_FP4_ENABLE", " on", "'auto', 'on' or 'off'"),
+    ("SM120_FP4_ENABLE", "", "'auto', 'on' or 'off'"),
+    ("SM120_FP4_SELFTEST", "STRICT", "'strict', 'warn' or 'off'"),
+    ("SM120_FP4_SELFTEST", "1", "'strict', 'warn' or 'off'"),
+    ("SM120_FP4_FALLBACK", "cutlass", "'none' or 'emulated'"),
+    ("SM120_FP4_SELECT", "fast", "'first' or 'fastest'"),
+    ("SM120_FP4_BACKENDS", "", "lower-case backend names"),
+    ("SM120_FP4_BACKENDS", "Cutlass", "lower-case backend names"),
+    ("SM120_FP4_BACKENDS", "cutlass,,b12x", "lower-case backend names"),
+    ("SM120_FP4_BACKENDS", "cutlass,cutlass", "each backend named once"),
+    ("SM120_FP4_BACKENDS", "cutlas", "known: cutlass"),
+    ("SM120_FP4_SIMULATE", "12", "MAJOR.MINOR"),
+    ("SM120_FP4_SIMULATE", "twelve", "MAJOR.MINOR"),
+    ("SM120_FP4_SIMULATE", "12.0.1", "MAJOR.MINOR"),
+    ("SM120_FP4_SIMULATE", "12.0\n", "MAJOR.MINOR"),
+    ("SM120_FP4_SIMULATE", "0.0", "MAJOR.MINOR"),
+    ("SM120_FP4_SIMULATE", "100.0", "MAJOR.MINOR"),
+    ("SM120_FP4_SIMULATE", "-12.0", "MAJOR.MINOR"),
+    ("SM120_FP4_SIMULATE", "", "MAJOR.MINOR"),
+    ("SM120_FP4_REPORT", "", "a file or directory path"),
+    ("SM120_FP4_REPORT", "/nonexistent-sm120/report.json", "existing, writable directory"),
+    ("SM120_FP4_SELFTES", "strict", "did you mean SM120_FP4_SELFTEST"),
+    ("sm120_fp4_selftest", "off", "did you mean SM120_FP4_SELFTEST"),
+    ("Sm120_Fp4", "1", "did you mean SM120_FP4"),
+]
+
+
+@case("configuration", "env {variable}={value} at install()", "ConfigError naming the variable, the value and what is accepted; nothing patched")
+@pytest.mark.parametrize("variable, value, accepted", ENV_GARBAGE, ids=[f"{v}={x!r}" for v, x, _ in ENV_GARBAGE])
+def test_garbage_in_an_environment_variable_is_an_error_at_install(monkeypatch, variable, value, accepted):
+    monkeypatch.setenv(variable, value)
+    if variable != "SM120_FP4_SIMULATE":
+        for name, setting in SIM_ENV.items():
+            if name != variable:
+                monkeypatch.setenv(name, setting)
+    with pytest.raises(ConfigError) as err:
+        sm120_fp4.install()
+    message = str(err.value)
+    assert variable in message and repr(value) in message and accepted in message, message
+    assert not sm120_fp4.status().installed
+    assert_not_patched()
+
+
+KEYWORD_GARBAGE = [
+    ("simulate", 12.0, "MAJOR.MINOR"),
+    ("simulate", 12, "MAJOR.MINOR"),
+    ("backends", [], "comma-separated list"),
+    ("backends", ("emulated", 3), "lower-case backend names"),
+    ("selftest", None, "'strict', 'warn' or 'off'"),
+    ("enable", True, "'auto', 'on' or 'off'"),
+    ("toggle", "true", "1, on, 0, off"),
+    ("report", "  ", "a file or directory path"),
+    ("selftes", "strict", "did you mean 'selftest'"),
+]
+
+
+@case("configuration", "keyword install({keyword}={value})", "ConfigError naming the keyword, the value and what is accepted")
+@pytest.mark.parametrize("keyword, value, accepted", KEYWORD_GARBAGE, ids=[f"{k}={v!r}" for k, v, _ in KEYWORD_GARBAGE])
+def test_garbage_in_a_keyword_is_an_error_at_install(keyword, value, accepted):
+    with pytest.raises(ConfigError) as err:
+        sm120_fp4.install(**{**SIM, keyword: value})
+    message = str(err.value)
+    assert keyword in message and accepted in message, message
+    if keyword != "selftes":
+        assert f"keyword {keyword}={value!r}" in message, message
+    assert_not_patched()

@@ -1,0 +1,141 @@
+"""The self-test (sm120_fp4.selftest): the shapes it tries, the metrics it reports, every fault it
+must name, the activation-quantizer check and the bound on a hung kernel."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+from hypothesis import assume, given, settings as hsettings, strategies as st
+
+from helpers import faults
+from helpers.cases import case
+from helpers.common import HYPOTHESIS
+from sm120_fp4 import backends, devices, nvfp4, selftest
+from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4.errors import SelfTestError
+
+
+def cpu12():
+    return devices.get_device(-1, (12, 0))
+
+
+def test_healthy_emulated_backend_passes_with_every_metric_reported():
+    report = selftest.run("emulated", devices.list_devices((12, 0))[0])
+    assert report.passed and report.reason is None
+    assert [(s.m, s.n, s.k) for s in report.shapes] == list(selftest.DEFAULT_SHAPES)
+    ms = [s.m for s in report.shapes]
+    assert 1 in ms and any(m % 2 for m in ms if m > 1) and any(128 < m < 256 for m in ms) and max(ms) >= 2000
+    for s in report.shapes:
+        assert s.n % 32 == 0 and s.k % 32 == 0 and (s.n % 128 or s.k % 128)
+        assert s.passed and s.nonfinite == 0 and s.zero_rows == 0
+        assert 0 < s.rel_err < 5e-3 and 0.99 < s.norm_ratio < 1.01
+    assert json.loads(report.model_dump_json())["backend"] == "emulated"
+
+
+# (fault, backend, what the reason must say) -- each fault reported on SM12x, run over the DEFAULT shapes
+FAULTS = [
+    ("raises", faults.raises, r"raised TypeError: Expected DLTensor\* but got None"),
+    ("returns zeros", faults.returns_zeros, "output is all zeros"),
+    ("writes one NaN", faults.single_nan, r"1 non-finite element\(s\), first at row 0"),
+    ("zeroes rows 64-127 (partial rows)", faults.zeroes_row_band, r"M=129 .*64 row\(s\) all zero where the reference is not \(rows 64-127\)"),
+    ("is off by 4x (wrong scale)", faults.scale_error_4x, r"M=1 .*norm is 4x the reference's.*scale error"),
+    ("is wrong only at large M", faults.wrong_for_large_m, r"M=2500 .*norm is 0.04x"),
+    ("leaves out unwritten", faults.leaves_out_unwritten, "output left unwritten"),
+    ("returns another tensor", faults.returns_new_tensor, "other than `out`"),
+    ("garbles a few rows (not zeros)", faults.garbage_rows, r"M=7 N=224 K=160: relative error 0.[0-9]+ above 0.01"),
+]
+
+
+@case("backend faults", "self-test (default shapes) of a backend that {fault}", "self-test fails and its reason names the fault")
+@pytest.mark.parametrize("fault, fn, reason", FAULTS, ids=[f[0] for f in FAULTS])
+def test_the_selftest_names_each_fault(fault, fn, reason):
+    backends.register("faulty", fn)
+    report = selftest.run("faulty", cpu12())
+    assert not report.passed and re.search(reason, report.reason), report.reason
+    assert json.loads(report.model_dump_json())["reason"] == report.reason
+
+
+def test_selftest_refuses_bad_shapes():
+    with pytest.raises(SelfTestError, match="K % 32"):
+        selftest.run("emulated", cpu12(), shapes=[(4, 32, 48)])
+
+
+def test_quantizer_check_detects_a_wrong_activation_quantizer():
+    def off_by_scale(x, g):
+        return nvfp4.quantize(x, g * 2)
+
+    good = selftest.run("emulated", cpu12(), shapes=[(1, 32, 64)], quantizer=("nvfp4", nvfp4.quantize))
+    bad = selftest.run("emulated", cpu12(), shapes=[(1, 32, 64)], quantizer=("x2", off_by_scale))
+    assert good.passed and good.quantizer.passed and good.quantizer.code_mismatch == 0
+    assert not bad.passed and not bad.quantizer.passed and "activation quantizer x2" in bad.reason
+
+
+def test_a_backend_that_hangs_is_reported_after_the_bound_not_waited_on_forever():
+    def hangs(*args):
+        time.sleep(30)  # far past both the bound and the assertion below, so load cannot flip it
+        return faults.healthy(*args)
+
+    backends.register("hangs", hangs)
+    start = time.perf_counter()
+    report = selftest.run("hangs", cpu12(), shapes=[(1, 32, 64)], bounds=selftest.Bounds(call_timeout_s=0.2))
+    assert time.perf_counter() - start < 20
+    assert not report.passed and "did not return within 0.2 s (a hung kernel?)" in report.reason
+
+
+# ---- properties of the metrics -------------------------------------------------------------------
+
+def _scaled_by(factor):
+    def scaled(a, b, a_sf, b_sf, alpha, dtype, out):
+        return emulated_mm_fp4(a, b, a_sf, b_sf, alpha * factor, dtype, out)
+
+    return scaled
+
+
+SMALL_SHAPES = [(1, 32, 64), (7, 96, 160), (129, 16, 32), (33, 40, 96)]
+
+
+@case("properties", "self-test of a backend off by a factor c in 0.5..2 over shapes", "norm_ratio == c and rel_err == |c-1| (to bf16 rounding); passes only when |c-1| <= 1%")
+@hsettings(max_examples=25, **HYPOTHESIS)
+@given(factor=st.floats(0.5, 2.0), shape=st.sampled_from(SMALL_SHAPES))
+def test_selftest_metrics_measure_a_scale_error(factor, shape):
+    assume(not 0.005 < abs(factor - 1) < 0.02)  # away from the acceptance bound, where bf16 rounding decides
+    backends.register("scaled", _scaled_by(factor), replace=True)
+    result = selftest.run("scaled", cpu12(), shapes=[shape]).shapes[0]
+    assert result.norm_ratio == pytest.approx(factor, rel=1e-2)
+    assert result.rel_err == pytest.approx(abs(factor - 1), abs=5e-3)
+    assert result.nonfinite == 0 and result.zero_rows == 0
+    assert result.passed == (abs(factor - 1) <= 0.005)
+
+
+@case("properties", "self-test of a backend that zeroes a chosen set of rows, or puts NaN at a chosen element", "zero_rows counts exactly those rows; the NaN's position is reported")
+@hsettings(max_examples=25, **HYPOTHESIS)
+@given(data=st.data(), shape=st.sampled_from(SMALL_SHAPES))
+def test_selftest_metrics_locate_zero_rows_and_nans(data, shape):
+    m, n, _ = shape
+    rows = sorted(data.draw(st.sets(st.integers(0, m - 1), min_size=1, max_size=m)))
+    nan_at = (data.draw(st.integers(0, m - 1)), data.draw(st.integers(0, n - 1)))
+
+    def zeroes(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        out[rows] = 0
+        return out
+
+    def nan(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        out[nan_at] = float("nan")
+        return out
+
+    backends.register("zero-rows", zeroes, replace=True)
+    backends.register("nan-at", nan, replace=True)
+    zeroed = selftest.run("zero-rows", cpu12(), shapes=[shape]).shapes[0]
+    assert not zeroed.passed
+    if len(rows) == m:
+        assert zeroed.reason == "output is all zeros" and zeroed.zero_rows == m
+    else:
+        assert zeroed.zero_rows == len(rows) and zeroed.reason.startswith(f"{len(rows)} row(s) all zero"), zeroed.reason
+    nanned = selftest.run("nan-at", cpu12(), shapes=[shape]).shapes[0]
+    assert nanned.nonfinite == 1 and f"first at row {nan_at[0]}, column {nan_at[1]}" in nanned.reason

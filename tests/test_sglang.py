@@ -1,0 +1,353 @@
+"""Against the real SGLang (the pinned release in the test environment): patch, serve, refuse, undo.
+
+No fake SGLang: the layer is SGLang's ModelOptFp4LinearMethod, the patched names are its modules'.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+import sm120_fp4
+from helpers import children, faults
+from helpers.cases import case
+from helpers.common import SIM, SIM_ENV, assert_not_patched, assert_patched_once, patch_state, run_concurrently
+from helpers.procs import Spawned, background, clean_env, ours, python
+from sm120_fp4 import backends
+from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4.sglang import layers, plugin, release
+from sm120_fp4.sglang import targets as sglang_targets
+from sm120_fp4.errors import ConfigError, RefusedToServe
+
+mq = pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
+fp4_utils = pytest.importorskip("sglang.srt.layers.quantization.fp4_utils")
+import flashinfer  # noqa: E402  (installed with SGLang's pin)
+
+
+
+@pytest.fixture(autouse=True)
+def _uninstalled(sglang_unpatched):
+    """Every test here starts and ends with SGLang unpatched (see conftest.sglang_unpatched)."""
+
+
+# ---- the real linear path in simulation ---------------------------------------------------
+
+@pytest.mark.parametrize("n, k, m", [(96, 160, 7), (40, 64, 1), (256, 512, 130)])
+def test_modelopt_layer_runs_through_the_patch_and_matches_the_reference(caplog, n, k, m):
+    caplog.set_level(logging.INFO, "sm120_fp4")
+    status = sm120_fp4.install(**SIM)
+    assert status.installed and patch_state("flashinfer-fp4-gemm-alias") == "applied"
+    ckpt = layers.make_checkpoint(n, k, seed=n)
+    method, layer = layers.build_modelopt_layer(ckpt)
+    x = (torch.randn(m, k) * 2).to(torch.bfloat16)
+    out = method.apply(layer, x)
+    want = layers.reference_output(ckpt, x)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert torch.equal(out, want)
+    rel = ((out.float() - x.float() @ ckpt.dense.float().T).norm() / want.float().norm()).item()
+    assert rel < 0.3, "quantized output tracks the dense bf16 layer"
+    decided = [r.getMessage() for r in caplog.records if "using emulated" in r.getMessage()]
+    assert len(decided) == 1 and "sm_120, simulated" in decided[0]
+    assert sm120_fp4.status().routes == {-1: "emulated"}
+
+
+def test_a_misbehaving_backend_stops_process_weights_after_loading():
+    backends.register("band", faults.zeroes_row_band)
+    sm120_fp4.install(simulate="12.0", backends="band")
+    with pytest.raises(RefusedToServe, match=r"band: self-test failed: M=129 .*rows 64-127"):
+        layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+
+
+def test_compressed_tensors_w4a4_weights_hook_decides_first():
+    ct = pytest.importorskip(release.CT)
+    backends.register("nan", faults.single_nan)
+    sm120_fp4.install(simulate="12.0", backends="nan")
+    assert patch_state("compressed-tensors-w4a4-weights-hook") == "applied"
+    layer = torch.nn.Module()
+    layer.weight_packed = torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.uint8), requires_grad=False)
+    with pytest.raises(RefusedToServe, match="nan: self-test failed"):
+        ct.CompressedTensorsW4A4Fp4.process_weights_after_loading(object.__new__(ct.CompressedTensorsW4A4Fp4), layer)
+
+
+# ---- the runner enum ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("start", ["AUTO", "FLASHINFER_CUDNN", None])
+def test_enum_is_pinned_to_cutlass_from_auto_or_cudnn_and_restored(start):
+    enum = fp4_utils.Fp4GemmRunnerBackend
+    fp4_utils.FP4_GEMM_RUNNER_BACKEND = None if start is None else enum[start]
+    before = fp4_utils.FP4_GEMM_RUNNER_BACKEND
+    sm120_fp4.install(**SIM)
+    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is enum.FLASHINFER_CUTLASS
+    assert patch_state("fp4-runner-backend-pin") == "applied"
+    sm120_fp4.uninstall()
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is before
+
+
+@pytest.mark.parametrize("kept", ["FLASHINFER_TRTLLM", "MARLIN", "FLASHINFER_CUTEDSL"])
+def test_enum_values_chosen_for_other_layouts_are_never_touched(kept):
+    enum = fp4_utils.Fp4GemmRunnerBackend
+    fp4_utils.FP4_GEMM_RUNNER_BACKEND = enum[kept]
+    sm120_fp4.install(**SIM)
+    sglang_targets.pin_runner_backend(sm120_fp4.api._state.patcher)
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is enum[kept]
+
+
+# ---- idempotence, undo, threads -----------------------------------------------------------
+
+def test_install_install_uninstall_install_leaves_one_layer_and_restores_identity(caplog):
+    original_hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
+    sm120_fp4.install(**SIM)
+    assert_patched_once()
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    sm120_fp4.install(**SIM)
+    assert any("already installed" in r.getMessage() for r in caplog.records)
+    assert_patched_once()
+    sm120_fp4.uninstall()
+    assert_not_patched()
+    assert mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"] is original_hook
+    sm120_fp4.install(**SIM)
+    assert_patched_once()
+
+
+def test_installs_from_eight_threads_patch_exactly_once():
+    barrier = threading.Barrier(8)
+    errors = []
+
+    def go():
+        barrier.wait()
+        try:
+            sm120_fp4.install(**SIM)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    run_concurrently(go, [()] * 8)
+    assert errors == []
+    assert_patched_once()
+    sm120_fp4.uninstall()
+    assert_not_patched()
+
+
+def test_uninstall_restores_the_environment_it_exported(monkeypatch):
+    sm120_fp4.install(**SIM)
+    assert os.environ["SM120_FP4"] == "1" and os.environ["SM120_FP4_SIMULATE"] == "12.0"
+    sm120_fp4.uninstall()
+    assert "SM120_FP4" not in os.environ and "SM120_FP4_SIMULATE" not in os.environ
+
+
+def test_status_is_json_with_every_target_and_the_decision():
+    sm120_fp4.install(**SIM)
+    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    data = json.loads(sm120_fp4.status().model_dump_json())
+    states = {p["name"]: p["state"] for p in data["patches"]}
+    assert states["flashinfer-fp4-gemm-alias"] == "applied"
+    assert states["fp4-gemm-alias-legacy"] == "skipped"  # 0.5.3-0.5.7 only
+    assert data["decisions"][0]["backend"] == "emulated" and data["settings"]["simulate"] == "12.0"
+    assert data["setting_sources"]["simulate"] == "keyword"
+
+
+# ---- fail closed ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", ["0.5.2", "0.5.24", "0.6.0"])
+def test_a_release_outside_the_range_is_left_untouched_with_one_warning(monkeypatch, caplog, version):
+    monkeypatch.setattr(release, "sglang_version", lambda: version)
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    status = sm120_fp4.install(**SIM)
+    assert not status.installed and f"sglang {version} is outside the supported range" in status.message
+    assert_not_patched()
+    assert sum("outside the supported range" in r.getMessage() for r in caplog.records) <= 1
+
+
+def test_no_12x_gpu_means_nothing_is_patched():
+    status = sm120_fp4.install(simulate="9.0", backends="emulated")
+    assert not status.installed and "no compute-capability 12.x GPU" in status.message
+    assert_not_patched()
+
+
+def test_toggle_off_makes_install_a_no_op(monkeypatch):
+    monkeypatch.setenv("SM120_FP4", "0")
+    status = sm120_fp4.install(**SIM)
+    assert not status.installed and "disabled" in status.message
+    assert_not_patched()
+
+
+def test_bad_settings_fail_at_install_not_at_serve_time(monkeypatch):
+    with pytest.raises(ConfigError, match="SM120_FP4_BACKENDS names unknown backend"):
+        sm120_fp4.install(simulate="12.0", backends="cutlas")
+    monkeypatch.setenv("SM120_FP4_SELFTEST", "Strict")
+    with pytest.raises(ConfigError, match="SM120_FP4_SELFTEST='Strict'"):
+        sm120_fp4.install(simulate="12.0")
+    assert_not_patched()
+
+
+def test_an_sglang_that_already_contains_the_fix_is_left_alone(monkeypatch):
+    monkeypatch.setattr(release, "fix_marker", lambda root: release.MARKER.search("# sm120-fp4: sglang-0.5.23-sm120-fp4"))
+    status = sm120_fp4.install(**SIM)
+    assert not status.installed and "already contains the fix" in status.message
+    assert_not_patched()
+
+
+@pytest.mark.parametrize("version, message", [
+    (None, "sglang is not installed"),
+    ("not-a-version", "'not-a-version' is not a version this library can read"),
+    ("0.5.24rc1", "outside the supported range"),
+])
+@case("own failures", "SGLang version {version}", "install() changes nothing and says why in its status message, without raising")
+def test_a_missing_or_unreadable_sglang_version_is_left_untouched(monkeypatch, version, message):
+    monkeypatch.setattr(release, "sglang_version", lambda: version)
+    status = sm120_fp4.install(**SIM)
+    assert not status.installed and message in status.message
+    assert_not_patched()
+
+
+@case("own failures", "plugin entry point with SM120_FP4=1 when SGLang's metadata is missing", "plugin.load() returns without raising; nothing patched")
+def test_the_plugin_entry_point_never_raises_without_sglang(monkeypatch):
+    monkeypatch.setenv("SM120_FP4", "1")
+    for name, value in SIM_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(release, "sglang_version", lambda: None)
+    plugin.load()
+    assert not sm120_fp4.status().installed
+    assert_not_patched()
+
+
+def test_the_plugin_entry_point_does_nothing_without_the_toggle(monkeypatch):
+    for name, value in SIM_ENV.items():
+        monkeypatch.setenv(name, value)
+    plugin.load()
+    assert not sm120_fp4.status().installed
+    assert_not_patched()
+    monkeypatch.setenv("SM120_FP4", "1")
+    plugin.load()
+    assert sm120_fp4.status().installed
+    assert_patched_once()
+
+
+# ---- faults at serve time, and the library's own failures ----------------------------------------
+
+def _raises_at_m5(a, b, a_sf, b_sf, alpha, dtype, out):
+    if a.shape[0] == 5:  # a shape the self-test never tries: the fault shows only at serve time
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+
+
+@case("backend faults", "verified backend raises at serve time (M=5, outside the self-test shapes)", "the original exception reaches SGLang's caller unchanged; no output, never zeros")
+def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
+    backends.register("flaky", _raises_at_m5)
+    sm120_fp4.install(simulate="12.0", backends="flaky")
+    ckpt = layers.make_checkpoint(32, 64)
+    method, layer = layers.build_modelopt_layer(ckpt)
+    x = (torch.randn(4, 64) * 2).to(torch.bfloat16)
+    assert torch.equal(method.apply(layer, x), layers.reference_output(ckpt, x))  # M=4 serves
+    with pytest.raises(RuntimeError, match="illegal memory access") as err:
+        method.apply(layer, torch.randn(5, 64).to(torch.bfloat16))
+    frames = [f.name for f in err.traceback]
+    assert "_raises_at_m5" in frames and "flashinfer_fp4_gemm" in frames, "the backend's own frame, through our dispatch"
+
+
+@case("backend faults", "serve-time exception from the decided backend", "the exception carries context: which sm120_fp4 backend on which device raised")
+def test_a_serve_time_exception_names_the_backend_and_device():
+    backends.register("flaky", _raises_at_m5)
+    sm120_fp4.install(simulate="12.0", backends="flaky", selftest="off")  # the serve-time path is under test
+    method, layer = layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    with pytest.raises(RuntimeError) as err:
+        method.apply(layer, torch.randn(5, 64).to(torch.bfloat16))
+    context = str(err.value) + "\n".join(getattr(err.value, "__notes__", []))
+    assert "flaky" in context and "sm120_fp4" in context
+
+
+# ---- 4. the library's own failures never break the host ----------------------------------
+
+@case("own failures", "a post-import hook raises inside the patch engine (alias check)", "install() returns; the alias is left as SGLang's; ledger says 'internal error'; one warning line; layers still load")
+def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(monkeypatch, caplog):
+    def boom(original):
+        raise RuntimeError("boom in a hook")
+
+    monkeypatch.setattr(sglang_targets, "is_mm_fp4", boom)
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    status = sm120_fp4.install(**SIM)  # modelopt_quant is imported already: its hooks run now
+    assert mq.flashinfer_fp4_gemm is flashinfer.mm_fp4
+    entry = {p.name: p for p in status.patches}["flashinfer-fp4-gemm-alias"]
+    assert entry.state == "skipped" and entry.reason == "internal error: RuntimeError: boom in a hook"
+    lines = [r.getMessage() for r in caplog.records if "flashinfer-fp4-gemm-alias" in r.getMessage()]
+    assert lines == ["sm120_fp4: patch flashinfer-fp4-gemm-alias failed, SGLang left unpatched there: boom in a hook"]
+    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))  # SGLang's load path still runs
+
+
+# ---- concurrency --------------------------------------------------------------------------------
+
+# ---- 5. concurrency ----------------------------------------------------------------------
+
+@case("concurrency", "8 threads x 15 seeded random install/uninstall/status calls", "no exception; afterwards patched exactly once or not at all, matching status(); uninstall restores every original")
+def test_install_uninstall_status_from_many_threads_stay_consistent():
+    original_hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
+    barrier, errors = threading.Barrier(8), []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        barrier.wait()
+        for _ in range(15):
+            try:
+                op = rng.choice(("install", "uninstall", "status"))
+                result = sm120_fp4.install(**SIM) if op == "install" else getattr(sm120_fp4, op)()
+                json.loads(result.model_dump_json())
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append(repr(exc))
+
+    run_concurrently(worker, [(seed,) for seed in range(8)])
+    assert errors == []
+    if sm120_fp4.status().installed:
+        assert_patched_once()
+        sm120_fp4.uninstall()
+    assert_not_patched()
+    assert mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"] is original_hook
+    assert not any(k.startswith("SM120_FP4") for k in os.environ), "the exported environment is restored"
+
+
+# ---- new interpreters (background jobs started at session start, see conftest.py) ---------------
+
+@case("backend faults", "spawned scheduler (SM120_FP4=1, SIMULATE=12.0, SELFTEST=strict, BACKENDS=zeros) imports SGLang and loads an NVFP4 layer",
+      "the child patched itself from the inherited environment; RefusedToServe: it exits non-zero and its stderr names the backend and the fault")
+@background(lambda folder: Spawned(children.scheduler_with_broken_backend, clean_env(
+    SM120_FP4="1", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros", SM120_FP4_SELFTEST="strict"), folder))
+def test_strict_worker_with_a_broken_backend_refuses_to_serve_with_a_nonzero_exit(background):
+    exitcode, _, stderr = background
+    assert "child: alias patch flashinfer-fp4-gemm-alias" in stderr, stderr
+    assert exitcode not in (0, None), stderr
+    assert "RefusedToServe" in stderr and "refusing to serve NVFP4 on cpu" in stderr, stderr
+    assert "zeros: self-test failed: M=1 N=96 K=1056: output is all zeros" in stderr
+    assert "the layer loaded" not in stderr
+
+
+MISSING_FLASHINFER = """
+import json, sys
+sys.modules["flashinfer"] = None  # import flashinfer -> ImportError, as when it is not installed
+import sm120_fp4
+installed = sm120_fp4.install(simulate="12.0", backends="emulated").installed
+import sglang.srt.layers.quantization.modelopt_quant as mq
+from sm120_fp4.sglang import layers
+layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+status = sm120_fp4.status()
+print(json.dumps({"installed": installed, "sglang_has_mm_fp4": mq.enable_flashinfer_fp4_gemm,
+                  "patches": {p.name: [p.state, p.reason] for p in status.patches},
+                  "decision": status.decisions[0].backend}))
+"""
+
+
+@case("own failures", "FlashInfer not importable, real SGLang import after install()", "install() and SGLang's import succeed; the alias is skipped with one warning line; the layer still loads and is self-tested")
+@background(lambda folder: python(MISSING_FLASHINFER, folder, cwd=folder))
+def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    assert "Traceback" not in stderr
+    data = json.loads(stdout)
+    assert data["installed"] and data["sglang_has_mm_fp4"] is False and data["decision"] == "emulated"
+    state, reason = data["patches"]["flashinfer-fp4-gemm-alias"]
+    assert state == "skipped" and "flashinfer_fp4_gemm not found" in reason
+    assert len([line for line in ours(stderr) if "flashinfer-fp4-gemm-alias" in line]) == 1, stderr
