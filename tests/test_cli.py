@@ -172,7 +172,7 @@ def test_demo_runs_to_the_end_and_shows_the_refusal(capsys):
     out = capsys.readouterr().out
     assert "bit-exact: True" in out and "decision: emulated" in out
     assert "flashinfer-fp4-gemm-alias" in out and "applied" in out
-    assert "zero-band: self-test failed: M=129 N=160 K=480: 64 row(s) all zero" in out
+    assert "zero-band: self-test failed: M=129 N=160 K=480: call 1: 64 row(s) all zero" in out
     from test_docs import readme_refusal
 
     shown = [line.removeprefix("   | ") for line in out.splitlines() if line.startswith("   | ")]

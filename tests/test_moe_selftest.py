@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moe_faults
+from helpers import moe_faults
 from sm120_fp4 import backends, kernels, nvfp4, selftest
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import ConfigError, InvalidArgument

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import scalar_moe_recipe as moe_recipe
+from helpers import scalar_moe_recipe as moe_recipe
 from sm120_fp4 import nvfp4
 from sm120_fp4.errors import InvalidArgument
 

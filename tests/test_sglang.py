@@ -231,33 +231,33 @@ def test_the_plugin_entry_point_does_nothing_without_the_toggle(monkeypatch):
 
 # ---- faults at serve time, and the library's own failures ----------------------------------------
 
-def _raises_at_m5(a, b, a_sf, b_sf, alpha, dtype, out):
-    if a.shape[0] == 5:  # a shape the self-test never tries: the fault shows only at serve time
+def _raises_at_m6(a, b, a_sf, b_sf, alpha, dtype, out):
+    if a.shape[0] == 6:  # a batch size neither the self-test nor the layer check tries: it shows only at serve time
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
 
-@case("backend faults", "verified backend raises at serve time (M=5, outside the self-test shapes)", "the original exception reaches SGLang's caller unchanged; no output, never zeros")
+@case("backend faults", "verified backend raises at serve time (M=6, outside the self-test shapes and the layer's batch sizes)", "the original exception reaches SGLang's caller unchanged; no output, never zeros")
 def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
-    backends.register("flaky", _raises_at_m5)
+    backends.register("flaky", _raises_at_m6)
     sm120_fp4.install(simulate="12.0", backends="flaky")
     ckpt = layers.make_checkpoint(32, 64)
     method, layer = layers.build_modelopt_layer(ckpt)
     x = (torch.randn(4, 64) * 2).to(torch.bfloat16)
     assert torch.equal(method.apply(layer, x), layers.reference_output(ckpt, x))  # M=4 serves
     with pytest.raises(RuntimeError, match="illegal memory access") as err:
-        method.apply(layer, torch.randn(5, 64).to(torch.bfloat16))
+        method.apply(layer, torch.randn(6, 64).to(torch.bfloat16))
     frames = [f.name for f in err.traceback]
-    assert "_raises_at_m5" in frames and "flashinfer_fp4_gemm" in frames, "the backend's own frame, through our dispatch"
+    assert "_raises_at_m6" in frames and "flashinfer_fp4_gemm" in frames, "the backend's own frame, through our dispatch"
 
 
 @case("backend faults", "serve-time exception from the decided backend", "the exception carries context: which sm120_fp4 backend on which device raised")
 def test_a_serve_time_exception_names_the_backend_and_device():
-    backends.register("flaky", _raises_at_m5)
+    backends.register("flaky", _raises_at_m6)
     sm120_fp4.install(simulate="12.0", backends="flaky", selftest="off")  # the serve-time path is under test
     method, layer = layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
     with pytest.raises(RuntimeError) as err:
-        method.apply(layer, torch.randn(5, 64).to(torch.bfloat16))
+        method.apply(layer, torch.randn(6, 64).to(torch.bfloat16))
     context = str(err.value) + "\n".join(getattr(err.value, "__notes__", []))
     assert "flaky" in context and "sm120_fp4" in context
 
@@ -277,7 +277,10 @@ def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(mon
     assert entry.state == "skipped" and entry.reason == "internal error: RuntimeError: boom in a hook"
     lines = [r.getMessage() for r in caplog.records if "flashinfer-fp4-gemm-alias" in r.getMessage()]
     assert lines == ["sm120_fp4: patch flashinfer-fp4-gemm-alias failed, SGLang left unpatched there: boom in a hook"]
-    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))  # SGLang's load path still runs
+    # SGLang's load path still runs, and the layer check finds that what would serve (the unpatched
+    # alias: FlashInfer's CUDA kernel, on this CPU) does not work: refused, not served unverified.
+    with pytest.raises(RefusedToServe, match=r"(?s)for ModelOptFp4LinearMethod N=32 K=64.*M=1 N=32 K=64: call 1 raised"):
+        layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
 
 
 # ---- concurrency --------------------------------------------------------------------------------
@@ -321,7 +324,7 @@ def test_strict_worker_with_a_broken_backend_refuses_to_serve_with_a_nonzero_exi
     assert "child: alias patch flashinfer-fp4-gemm-alias" in stderr, stderr
     assert exitcode not in (0, None), stderr
     assert "RefusedToServe" in stderr and "refusing to serve NVFP4 on cpu" in stderr, stderr
-    assert "zeros: self-test failed: M=1 N=96 K=1056: output is all zeros" in stderr
+    assert "zeros: self-test failed: M=1 N=96 K=1056: call 1: output is all zeros" in stderr
     assert "the layer loaded" not in stderr
 
 
@@ -332,15 +335,19 @@ import sm120_fp4
 installed = sm120_fp4.install(simulate="12.0", backends="emulated").installed
 import sglang.srt.layers.quantization.modelopt_quant as mq
 from sm120_fp4.sglang import layers
-layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+try:
+    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    refused = None
+except sm120_fp4.RefusedToServe as exc:
+    refused = str(exc)
 status = sm120_fp4.status()
 print(json.dumps({"installed": installed, "sglang_has_mm_fp4": mq.enable_flashinfer_fp4_gemm,
                   "patches": {p.name: [p.state, p.reason] for p in status.patches},
-                  "decision": status.decisions[0].backend}))
+                  "decision": status.decisions[0].backend, "refused": refused}))
 """
 
 
-@case("own failures", "FlashInfer not importable, real SGLang import after install()", "install() and SGLang's import succeed; the alias is skipped with one warning line; the layer still loads and is self-tested")
+@case("own failures", "FlashInfer not importable, real SGLang import after install()", "install() and SGLang's import succeed; the alias is skipped with one warning line; the layer check refuses the layer, whose served call cannot run")
 @background(lambda folder: python(MISSING_FLASHINFER, folder, cwd=folder))
 def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(background):
     rc, stdout, stderr = background
@@ -350,4 +357,5 @@ def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(b
     assert data["installed"] and data["sglang_has_mm_fp4"] is False and data["decision"] == "emulated"
     state, reason = data["patches"]["flashinfer-fp4-gemm-alias"]
     assert state == "skipped" and "flashinfer_fp4_gemm not found" in reason
+    assert "NVFP4 GEMM requires flashinfer's mm_fp4" in data["refused"]
     assert len([line for line in ours(stderr) if "flashinfer-fp4-gemm-alias" in line]) == 1, stderr

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moe_faults
+from helpers import moe_faults
 import sm120_fp4
 from sm120_fp4 import backends, nvfp4, selection, selftest
 from sm120_fp4.devices import Device

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-import scalar_recipe as recipe
+from helpers import scalar_recipe as recipe
 
 F32 = np.float32
 
