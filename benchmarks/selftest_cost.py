@@ -1,17 +1,28 @@
-"""Wall time of decide() (the start-up self-test) for the default shapes.
+"""What verification costs at start-up, per GPU: the generic self-tests and every layer check.
 
-    .venv/bin/python benchmarks/selftest_cost.py      # CPU, simulated sm_120, emulated backend
-    python3 benchmarks/selftest_cost.py                # on a GPU: emulated on CUDA
+    .venv/bin/python benchmarks/selftest_cost.py [--quick]   # CPU: simulated sm_120, emulated backend
+    python3 benchmarks/selftest_cost.py                       # on a GPU: emulated on CUDA
 
-Target on the GPU: under 1 second per device (FlashInfer's first JIT compile excluded: it is a
-one-off per machine and cached on disk).
+Measured, each on its own, with the `emulated` backend (the only one that runs off SM120):
+* decide(): the generic dense self-test (DEFAULT_SHAPES) and the generic MoE self-test
+  (DEFAULT_MOE_CONFIG);
+* the served-layer check of every distinct dense configuration of a 70B-class model (Llama-3-70B:
+  hidden 8192, intermediate 28672, 64 heads, 8 KV heads) at TP1 and TP8: qkv, o_proj, gate_up, down,
+  at every batch-size bucket up to 512 plus M=2049, two passes, with the layer's own weights;
+* the MoE layer check of a DeepSeek-V3 / GLM-class layer (E=256, H=7168, top-8, I=2048 at TP1, 256
+  at TP8), this rank's experts, a few of them routed to.
+Targets on the GPU: dense layer checks <= 1.5 s per GPU in total, each MoE configuration <= 2 s.
+The layer's call is the routed backend after SGLang's quantizer (nvfp4.quantize stands in for it).
+--quick uses small layers (CPU smoke run of the same code).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -19,33 +30,133 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
-from sm120_fp4 import devices, selection, selftest  # noqa: E402
+from sm120_fp4 import backends, devices, nvfp4, selection, selftest  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
+from sm120_fp4.sglang import hooks, moe  # noqa: E402
 
-TARGET_S = 1.0
+DENSE_TARGET_S = 1.5
+MOE_TARGET_S = 2.0
+LLAMA70B = {"qkv": (10240, 8192), "o_proj": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
+
+
+def tp_configs(tp: int) -> dict[str, tuple[int, int]]:
+    n_split = {"qkv": True, "o_proj": False, "gate_up": True, "down": False}  # column- or row-parallel
+    return {name: ((n // tp, k) if n_split[name] else (n, k // tp)) for name, (n, k) in LLAMA70B.items()}
+
+
+def synced(device: torch.device, fn):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def random_e4m3(shape, device, lo=0x20, hi=0x48) -> torch.Tensor:
+    """Valid, finite E4M3 scale bytes in a moderate range (never NaN), as float8_e4m3fn."""
+    return torch.randint(lo, hi, shape, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+
+
+def dense_layer(n: int, k: int, device: torch.device):
+    """A layer's processed NVFP4 weights (random codes, valid scales) and its served call."""
+    weight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
+    weight_sf = random_e4m3(nvfp4.swizzled_scale_shape(n, k), device)
+    input_gsf = torch.tensor(448.0 * 6 / 8.0, device=device)
+    alpha = (1.0 / (input_gsf * 448.0 * 6 / 0.05)).reshape(1).float()
+    fn = backends.resolve("emulated")
+
+    def serve(x):  # what SGLang's apply does: quantize, then the routed GEMM
+        qx, sx = nvfp4.quantize(x, input_gsf, check_finite=False)
+        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=device)
+        return fn(qx, weight.T, sx.view(torch.uint8), weight_sf.T, alpha, x.dtype, out)
+
+    layer = types.SimpleNamespace(params_dtype=torch.bfloat16)
+    return hooks.dense_check("bench", serve, layer, weight, weight_sf, alpha, input_gsf, n, k)
+
+
+class MoeLayer(torch.nn.Module):
+    """The processed state of one NVFP4 MoE layer as SGLang's ModelOpt method leaves it (random codes)."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, top_k: int, device: torch.device) -> None:
+        super().__init__()
+        p = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.w13_weight = p(torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8, device=device))
+        self.w2_weight = p(torch.randint(0, 256, (experts, hidden, inter // 2), dtype=torch.uint8, device=device))
+        self.w13_blockscale_swizzled = p(random_e4m3((experts, *nvfp4.swizzled_scale_shape(2 * inter, hidden)), device))
+        self.w2_blockscale_swizzled = p(random_e4m3((experts, *nvfp4.swizzled_scale_shape(hidden, inter)), device))
+        self.w13_input_scale_quant = p(torch.tensor(448.0 * 6 / 8.0, device=device))
+        self.w2_input_scale_quant = p(torch.tensor(448.0 * 6 / 2.0, device=device))
+        self.g1_alphas = p(torch.full((experts,), 1.0 / (448.0 * 6 / 8.0) / (448 * 6 / 0.05), device=device))
+        self.g2_alphas = p(torch.full((experts,), 1.0 / (448.0 * 6 / 2.0) / (448 * 6 / 0.05), device=device))
+        self.top_k, self.params_dtype = top_k, torch.bfloat16
+
+
+def time_check(check, device, settings) -> tuple[float, selftest.SelfTestReport]:
+    report, seconds = synced(device.torch_device, lambda: selection.verify_layer(device.index, check, settings))
+    return seconds, report
 
 
 def main() -> int:
-    settings = Settings(simulate="12.0", backends="emulated")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small layers (a CPU smoke run of the same code)")
+    args = parser.parse_args()
+    settings = Settings(simulate="12.0", backends="emulated", moe_backends="emulated")
     device = devices.list_devices(settings.simulated_capability)[0]
+    tdev = device.torch_device
+    scale = 16 if args.quick or not device.is_cuda else 1
+
     runs = []
-    for i in range(4):  # the first includes one-off costs (CUDA context, cuBLAS handles, caches)
+    for _ in range(3):  # the first includes one-off costs (CUDA context, cuBLAS handles, caches)
         selection.clear()
-        if device.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        decision = selection.decide(device, settings=settings)
-        runs.append(time.perf_counter() - start)
-    report = decision.reports[0]
-    rows = [[f"{s.m}x{s.n}x{s.k}", s.duration_s * 1e3, s.rel_err] for s in report.shapes]
-    print(f"decide() on {device.label()}: emulated backend, {len(report.shapes)} shapes\n")
-    print(table(["shape MxNxK", "backend call ms", "rel err"], rows))
-    steady = statistics.median(runs[1:])
-    print(f"\nfirst decide(): {runs[0]:.3f} s (one-off warm-up included); steady: {steady:.3f} s; "
-          f"target < {TARGET_S} s on a GPU: {'met' if steady < TARGET_S else 'NOT met'}")
+        _, seconds = synced(tdev, lambda: selection.route(device.index, settings))
+        runs.append(seconds)
+    dense_generic = statistics.median(runs[1:])
+    _, moe_generic = synced(tdev, lambda: selection.route(device.index, settings, "moe"))
+
+    rows, dense = [], {}
+    for tp in (1, 8):
+        total = 0.0
+        for name, (n, k) in tp_configs(tp).items():
+            n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
+            check = dense_layer(n, k, tdev)
+            seconds, report = time_check(check, device, settings)
+            assert report is not None and report.passed, report and report.reason
+            total += seconds
+            rows.append([f"TP{tp} {name}", f"N={n} K={k}", len(check.ms), seconds * 1e3])
+        dense[f"tp{tp}"] = total
+        rows.append([f"TP{tp} all four", "", "", total * 1e3])
+        selection.clear()
+        selection.route(device.index, settings)
+
+    moe_rows, moe_costs = [], {}
+    for tp in (1, 8):
+        experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (32, 512, 256 // tp)
+        layer = MoeLayer(experts, hidden, inter, 8, tdev)
+        fn = backends.resolve_moe("emulated")
+        check = moe.moe_check("bench-moe", layer, serve=fn)
+        seconds, report = time_check(check, device, settings)
+        assert report is not None and report.passed, report and report.reason
+        moe_costs[f"tp{tp}"] = seconds
+        moe_rows.append([f"TP{tp}", f"E={experts} H={hidden} I={inter} top-8", len(check.ms) + 1, seconds * 1e3])
+        del layer
+
+    print(f"on {device.label()}, emulated backend{' (--quick: layers / 16)' if scale > 1 else ''}\n")
+    print(f"generic dense self-test (decide): {dense_generic * 1e3:.0f} ms; generic MoE self-test: {moe_generic * 1e3:.0f} ms\n")
+    print(table(["dense layer", "shape", "batch sizes", "check ms"], rows))
+    print()
+    print(table(["MoE layer", "shape", "batches", "check ms"], moe_rows))
+    met_dense = all(v <= DENSE_TARGET_S for v in dense.values())
+    met_moe = all(v <= MOE_TARGET_S for v in moe_costs.values())
+    print(f"\ndense layer checks per GPU: {', '.join(f'{k} {v:.2f} s' for k, v in dense.items())} "
+          f"(target <= {DENSE_TARGET_S} s: {'met' if met_dense else 'NOT met'}); MoE per configuration: "
+          f"{', '.join(f'{k} {v:.2f} s' for k, v in moe_costs.items())} (target <= {MOE_TARGET_S} s: {'met' if met_moe else 'NOT met'})")
     write("selftest_cost", {
-        "device": device.label(), "shapes": [list(s) for s in selftest.DEFAULT_SHAPES], "runs_s": runs,
-        "first_s": runs[0], "steady_s": steady, "target_s": TARGET_S, "met": steady < TARGET_S, "rows": rows,
+        "device": device.label(), "quick": scale > 1, "dense_generic_s": dense_generic, "moe_generic_s": moe_generic,
+        "dense_rows": rows, "dense_total_s": dense, "moe_rows": moe_rows, "moe_s": moe_costs,
+        "targets": {"dense_per_gpu_s": DENSE_TARGET_S, "moe_per_config_s": MOE_TARGET_S},
+        "met": {"dense": met_dense, "moe": met_moe},
     })
     return 0
 

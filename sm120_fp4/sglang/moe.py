@@ -136,8 +136,11 @@ def _expert_subset(experts: int) -> list[int]:
     return sorted({round(i * step) for i in range(VERIFIED_EXPERTS)})
 
 
-def moe_check(kind: str, layer: object) -> LayerCheck | None:
-    """The LayerCheck of one NVFP4 MoE layer on this rank, or None where it is not in the cutlass layout."""
+def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
+    """The LayerCheck of one NVFP4 MoE layer on this rank, or None where it is not in the cutlass layout.
+
+    `serve` (backend convention) makes the calls; by default SGLang's own call through the seam.
+    """
     weights = processed_weights(layer)
     if weights is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
@@ -168,8 +171,8 @@ def moe_check(kind: str, layer: object) -> LayerCheck | None:
                 x = (torch.randn(m, hidden, generator=gen) * (amax / 4)).clamp(-amax, amax).to(dtype)
                 name = f"T={m} {routing} {str(dtype).removeprefix('torch.')}"
                 plans.append((name, x.to(device), subset[ids.long()].to(torch.int32).to(device), topk_weights.to(device)))
-        serve = functools.partial(_served_convention, layer, weights)
-        return selftest.moe_cases(serve, kernel_weights, weights["activation"], plans)
+        call = serve or functools.partial(_served_convention, layer, weights)
+        return selftest.moe_cases(call, kernel_weights, weights["activation"], plans)
 
     return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH])
 
