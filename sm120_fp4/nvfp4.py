@@ -456,6 +456,7 @@ def reference_moe_fp4(
     *,
     quantize_activations: bool = True,
     intermediate_dtype: torch.dtype | None = None,
+    weight_cache: dict | None = None,
 ) -> torch.Tensor:
     """NVFP4 fused MoE with FlashInfer ``cutlass_fused_moe``'s conventions, in plain PyTorch (T, H).
 
@@ -493,6 +494,8 @@ def reference_moe_fp4(
     rounding boundary; a self-test bound must allow that difference, and no more.
 
     Rows are grouped by expert: only experts that receive rows are dequantized, one GEMM each.
+    `weight_cache`, a dict the caller keeps, holds those dequantized experts across calls with the
+    same, unchanged weights (a self-test's references); the caller empties it when weights change.
     """
     func = "reference_moe_fp4"
     _check_tensor(func, "x", x, _MOE_X_DTYPES, ndim=2)
@@ -582,8 +585,18 @@ def reference_moe_fp4(
     elif a1.dim() == 0:
         acts = quantized(x, a1)
     intermediate = torch.empty((ids.numel(), inter), dtype=torch.float32, device=device)
+    def dequantized(which: str, expert: int) -> torch.Tensor:
+        key = (which, expert, dtype)
+        if weight_cache is not None and key in weight_cache:
+            return weight_cache[key]
+        packed_w, scales_w = (w13, w13_sf) if which == "w13" else (w2, w2_sf)
+        weight = dequantize_unscaled(packed_w[expert], scales_w[expert], dtype)
+        if weight_cache is not None:
+            weight_cache[key] = weight
+        return weight
+
     for expert, lo, hi in spans:
-        weight = dequantize_unscaled(w13[expert], w13_sf[expert], dtype)
+        weight = dequantized("w13", expert)
         rows = acts[token_of_row[lo:hi]] if not quantize_activations or a1.dim() == 0 else quantized(x[token_of_row[lo:hi]], a1[expert])
         fc1 = _moe_mm(rows, weight, w13_alpha[expert])
         intermediate[lo:hi] = _moe_activation(fc1.to(round_dtype).float(), activation, inter)
@@ -603,7 +616,7 @@ def reference_moe_fp4(
     # Each routed row lands at its unsorted position token * k + slot, for the finalize.
     routed = torch.empty((ids.numel(), hidden), dtype=round_dtype, device=device)
     for expert, lo, hi in spans:
-        weight = dequantize_unscaled(w2[expert], w2_sf[expert], dtype)
+        weight = dequantized("w2", expert)
         routed[order[lo:hi]] = _moe_mm(intermediate[lo:hi], weight, w2_alpha[expert]).to(round_dtype)
 
     # finalizeMoeRoutingKernel's sum: float32, slot by slot, a product then an add.

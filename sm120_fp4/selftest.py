@@ -462,16 +462,18 @@ def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.
 
 
 def moe_cases(fn: Callable, weights: dict, activation: str, plans: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
-              bounds: Bounds = MOE_BOUNDS) -> list[Case]:
+              bounds: Bounds = MOE_BOUNDS, cache: dict | None = None) -> list[Case]:
     """Backend-convention calls of `fn` with `weights` (reference_moe_fp4's names), one per plan
-    (label, x, topk_ids, topk_weights): each checked against the oracle, `out` poisoned first."""
+    (label, x, topk_ids, topk_weights): each checked against the oracle, `out` poisoned first.
+    `cache` keeps the references' dequantized experts for these weights (one dict per weights)."""
     cases = []
+    cache = {} if cache is None else cache  # shared across plans: the weights are the same
     for label, x, ids, topk_weights in plans:
         args = (x, ids, topk_weights, weights["w13"], weights["w13_sf"], weights["w13_alpha"], weights["w2"],
                 weights["w2_sf"], weights["w2_alpha"], weights["a1_gscale"], weights["a2_gscale"])
-        ref = nvfp4.reference_moe_fp4(*args, activation=activation, out_dtype=torch.float32)
+        ref = nvfp4.reference_moe_fp4(*args, activation=activation, out_dtype=torch.float32, weight_cache=cache)
         kernel_rounding = nvfp4.reference_moe_fp4(*args, activation=activation, out_dtype=torch.float32,
-                                                  intermediate_dtype=x.dtype)
+                                                  intermediate_dtype=x.dtype, weight_cache=cache)
         slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         cases.append(Case(x.shape[0], x.shape[1], weights["w2"].shape[2] * 2,
@@ -501,9 +503,11 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
     tdev = device.torch_device
     gen = torch.Generator().manual_seed(seed)
     cases: list[Case] = []
+    caches: dict[int, dict] = {}
     for i, case in enumerate(config.cases):
         weights = _moe_weights(case.experts, case.hidden, case.intermediate, case.activation, tdev, seed + 17)
         ids, topk_weights = moe_routing(case.tokens, case.top_k, case.experts, case.routing, gen)
         x = (torch.randn(case.tokens, case.hidden, generator=gen) * 1.5).clamp(-4, 4).to(getattr(torch, case.dtype)).to(tdev)
-        cases += moe_cases(fn, weights, case.activation, [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))], bounds)
+        cache = caches.setdefault(id(weights), {})
+        cases += moe_cases(fn, weights, case.activation, [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))], bounds, cache)
     return finish(report, sweep(cases, Bounds(timeout_s=bounds.timeout_s), tdev), start)
