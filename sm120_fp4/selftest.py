@@ -503,11 +503,11 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
     tdev = device.torch_device
     gen = torch.Generator().manual_seed(seed)
     cases: list[Case] = []
-    caches: dict[int, dict] = {}
+    caches: dict[tuple, dict] = {}  # per layer shape: the same seeded weights
     for i, case in enumerate(config.cases):
         weights = _moe_weights(case.experts, case.hidden, case.intermediate, case.activation, tdev, seed + 17)
         ids, topk_weights = moe_routing(case.tokens, case.top_k, case.experts, case.routing, gen)
         x = (torch.randn(case.tokens, case.hidden, generator=gen) * 1.5).clamp(-4, 4).to(getattr(torch, case.dtype)).to(tdev)
-        cache = caches.setdefault(id(weights), {})
+        cache = caches.setdefault((case.experts, case.hidden, case.intermediate, case.activation), {})
         cases += moe_cases(fn, weights, case.activation, [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))], bounds, cache)
     return finish(report, sweep(cases, Bounds(timeout_s=bounds.timeout_s), tdev), start)
