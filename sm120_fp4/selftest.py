@@ -213,10 +213,14 @@ class Case:
     slack: torch.Tensor | None = None  # per output row, relative error the oracle itself cannot decide
 
 
-def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float, device: torch.device) -> str | None:
+def _input_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float, device: torch.device,
+                snapshots: dict) -> str | None:
     if case.out is not None:
         case.out.fill_(float("nan"))  # poison: an unwritten out is caught, not read as a result
-    snapshots = [t.clone() for t in case.inputs]
     start = time.perf_counter()
     outcome = _call_with_timeout(case.invoke, (), device, deadline - start)
     result.duration_s += time.perf_counter() - start
@@ -233,7 +237,7 @@ def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float
     reason = _compare(outcome, case.reference, case.bounds or bounds, result, case.slack)
     if reason is not None:
         return f"call {result.calls}: {reason}"
-    changed = [i for i, (t, before) in enumerate(zip(case.inputs, snapshots)) if not torch.equal(t, before)]
+    changed = [i for i, t in enumerate(case.inputs) if not torch.equal(t, snapshots[_input_key(t)])]
     if changed:
         return f"call {result.calls} changed its input(s) {changed} in place (every later call would be wrong)"
     return None
@@ -245,9 +249,16 @@ def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int =
     the first failure (the results then list the cases tried)."""
     results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
     deadline = time.perf_counter() + bounds.timeout_s
+    # One copy of each distinct input (a layer's weights are shared by all its cases), taken before
+    # the first call; after every call each input must still equal it bit for bit.
+    snapshots: dict = {}
+    for case in cases:
+        for t in case.inputs:
+            if _input_key(t) not in snapshots:
+                snapshots[_input_key(t)] = t.clone()
     for _ in range(passes):
         for case, result in zip(cases, results):
-            reason = _check_call(case, result, bounds, deadline, device)
+            reason = _check_call(case, result, bounds, deadline, device, snapshots)
             if reason is not None:
                 # The first failure is the finding: no more calls into this backend (a hung one
                 # may still be running; a broken one only costs time).

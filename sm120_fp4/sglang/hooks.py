@@ -106,11 +106,12 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range (the
     first M rows of one batch, so the oracle runs once), quantized by SGLang inside `serve`; the
     oracle quantizes the same rows with nvfp4 and multiplies with the layer's own weights."""
-    gen = torch.Generator().manual_seed(seed)
+    device = weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)  # made where it is used: no host copy
     rows = max(ms)
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / input_gsf.float().reshape(-1)[0].cpu())
-    spread = torch.exp2(torch.randint(-2, 1, (rows, 1), generator=gen).float())
-    x = (torch.randn(rows, k, generator=gen) * spread * (amax / 4)).clamp(-amax, amax).to(dtype).to(weight.device)
+    spread = torch.exp2(torch.randint(-2, 1, (rows, 1), generator=gen, device=device).float())
+    x = (torch.randn(rows, k, generator=gen, device=device) * spread * (amax / 4)).clamp(-amax, amax).to(dtype)
     qx, sx = nvfp4.quantize(x, input_gsf.float().reshape(()))
     k_weight = weight.shape[1] * 2
     if k_weight > k:  # SGLang pads K for the kernel's alignment: zero codes add nothing

@@ -162,13 +162,14 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
 
     def cases(ms: list[int]) -> list[selftest.Case]:
         gen = torch.Generator().manual_seed(2024)
+        xgen = torch.Generator(device=device).manual_seed(2024)  # activations made where they are used
         plans = []
         for dtype in dtypes:
             # Every batch size with random routing, then one batch putting slot 0 of 160 tokens on one
             # expert (>= 128 rows there: the second 64-row half of a kernel tile is exercised).
             for m, routing in [(m, "random") for m in ms] + [(160, "skewed")]:
                 ids, topk_weights = selftest.moe_routing(m, top_k, len(subset), routing, gen)
-                x = (torch.randn(m, hidden, generator=gen) * (amax / 4)).clamp(-amax, amax).to(dtype)
+                x = (torch.randn(m, hidden, generator=xgen, device=device) * (amax / 4)).clamp(-amax, amax).to(dtype)
                 name = f"T={m} {routing} {str(dtype).removeprefix('torch.')}"
                 plans.append((name, x.to(device), subset[ids.long()].to(torch.int32).to(device), topk_weights.to(device)))
         call = serve or functools.partial(_served_convention, layer, weights)
