@@ -58,6 +58,10 @@ SGLANG_DEPS=(
   "tokenizers==0.23.2"
   "sentencepiece==0.2.1"
   "compressed-tensors==0.18.0"
+  # the NVFP4 MoE modules (layers/moe/..., the MoE runners) import these as well
+  einops
+  "openai==2.8.0"
+  partial_json_parser
 )
 
 # sm120_fp4 runtime deps + test tools (also declared in pyproject.toml; listed
@@ -106,6 +110,8 @@ import flashinfer  # noqa: F401
 import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401
 import sglang.srt.layers.quantization.fp4_utils  # noqa: F401
 import sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4  # noqa: F401
+import sglang.srt.layers.moe.moe_runner.flashinfer_cutlass  # noqa: F401
+import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
 from sglang.srt.plugins import load_plugins  # noqa: F401
 import wrapt, pydantic, pydantic_settings, packaging, pytest, hypothesis  # noqa: F401,E401
 print("torch", torch.__version__, "cuda_available", torch.cuda.is_available())

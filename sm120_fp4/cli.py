@@ -167,6 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="report GPUs, versions, settings, patch targets and backends")
     doctor.add_argument("--json", action="store_true", help="JSON instead of Markdown")
     doctor.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
+    doctor.add_argument("--quick", action="store_true", help="skip importing SGLang to check each patch target")
     selftest = sub.add_parser("selftest", help="self-test each GPU in a short-lived subprocess")
     selftest.add_argument("--device", type=int, action="append", help="CUDA ordinal (repeatable); default: every 12.x GPU")
     selftest.add_argument("--backend", action="append", help="candidate backend (repeatable); default: SM120_FP4_BACKENDS")
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "doctor":
         from .doctor import run as doctor
 
-        return doctor(as_json=args.json, strict=args.strict)
+        return doctor(as_json=args.json, strict=args.strict, deep=not args.quick)
     if args.cmd == "selftest":
         return cmd_selftest(args)
     if args.cmd == "launch":

@@ -101,14 +101,39 @@ def _backends(devs: list[dict]) -> list[dict]:
     out = []
     for d in devs:
         device = Device(d["index"], d["name"], tuple(int(p) for p in d["capability"].split(".")), d["simulated"], d["source"])
-        for name in backends.names():
-            ok, reason = backends.is_supported(name, device)
-            out.append({"device": device.label(), "backend": name, "supported": ok, "reason": reason})
+        for family, names, check in (("dense", backends.names, backends.is_supported), ("moe", backends.moe_names, backends.is_moe_supported)):
+            for name in names():
+                ok, reason = check(name, device)
+                out.append({"device": device.label(), "family": family, "backend": name, "supported": ok, "reason": reason})
     return out
 
 
-def collect() -> dict:
-    """Every probe's result (values, or {'error': ...} where a probe failed)."""
+# Targets whose failure means the runtime patch (or the simulation) cannot do its job here; the
+# model runner's post-warm-up seam is reported, but its module imports only on a GPU server.
+_ESSENTIAL = ("flashinfer-fp4-gemm-alias", "fp4-gemm-alias-legacy", "modelopt-fp4-weights-hook",
+              "compressed-tensors-w4a4-weights-hook", "fused-moe-kernel-seam", "modelopt-nvfp4-moe-weights-hook")
+
+
+def _import_check() -> dict:
+    """Import SGLang's FP4 modules here and check, without patching, that every target of this
+    release is there as expected, the simulation stand-ins included."""
+    from .patching import dry_run
+    from .sglang import release, simulation, targets
+
+    if not release.release_support()[0]:
+        return {"skipped": "no supported SGLang installed"}
+    rows = []
+    for spec in targets.ledger_rows() + simulation.specs():
+        if spec.make is None:
+            continue  # pins and env knobs: decided at run time
+        state, reason = dry_run(spec)
+        rows.append({"name": spec.name, "state": state, "reason": reason, "simulation": spec.name.startswith("sim-")})
+    return {"targets": rows}
+
+
+def collect(deep: bool = True) -> dict:
+    """Every probe's result (values, or {'error': ...} where a probe failed); `deep` also imports
+    SGLang's FP4 modules to check each patch target (seconds: SGLang's import is heavy)."""
     from . import __version__
 
     report: dict[str, Any] = {
@@ -130,6 +155,7 @@ def collect() -> dict:
     report["sglang"] = _probe(_targets)
     devs = report["devices"] if isinstance(report["devices"], list) else []
     report["backends"] = _probe(lambda: _backends(devs))
+    report["import_check"] = _probe(_import_check) if deep else {"skipped": "--quick"}
     report["problems"] = _problems(report)
     return report
 
@@ -148,6 +174,16 @@ def _problems(report: dict) -> list[str]:
     nvcc = report.get("nvcc", {})
     if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
+    check = report.get("import_check", {})
+    if "error" in check:
+        problems.append(f"SGLang import check failed: {check['error']}")
+    for row in check.get("targets", []):
+        if row["state"] != "fails":
+            continue
+        if row["simulation"]:
+            problems.append(f"simulation cannot run on this SGLang release: {row['name']}: {row['reason']}")
+        elif row["name"] in _ESSENTIAL:
+            problems.append(f"runtime patch {row['name']} does not apply: {row['reason']}")
     return problems
 
 
@@ -186,15 +222,22 @@ def _markdown(report: dict) -> str:
     lines += ["", "### Backends"]
     bk = report["backends"]
     if isinstance(bk, list):
-        lines += ["| device | backend | supported | reason |", "|---|---|---|---|"]
-        lines += [f"| {b['device']} | {b['backend']} | {b['supported']} | {b['reason'] or ''} |" for b in bk]
+        lines += ["| device | family | backend | supported | reason |", "|---|---|---|---|---|"]
+        lines += [f"| {b['device']} | {b['family']} | {b['backend']} | {b['supported']} | {b['reason'] or ''} |" for b in bk]
     else:
         lines.append(block(bk))
+    lines += ["", "### SGLang import check (each target of this release, not patched)"]
+    check = report["import_check"]
+    if "targets" in check:
+        lines += ["| target | here | reason |", "|---|---|---|"]
+        lines += [f"| {t['name']} | {t['state']} | {t['reason'] or ''} |" for t in check["targets"]]
+    else:
+        lines.append(block(check))
     lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])
     return "\n".join(lines)
 
 
-def run(as_json: bool = False, strict: bool = False) -> int:
-    report = collect()
+def run(as_json: bool = False, strict: bool = False, deep: bool = True) -> int:
+    report = collect(deep)
     print(json.dumps(report, indent=2, default=str) if as_json else _markdown(report))
     return 1 if strict and report["problems"] else 0

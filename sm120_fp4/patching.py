@@ -8,6 +8,7 @@ logs one warning, and is recorded as ``skipped`` with its reason.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import threading
@@ -20,7 +21,7 @@ from pydantic import BaseModel
 
 from .versions import comparable, installed_version, version_in
 
-__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "MISSING"]
+__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "MISSING", "dry_run"]
 
 _LOG = logging.getLogger("sm120_fp4")
 MISSING = object()
@@ -89,6 +90,31 @@ def _resolve_owner(module: ModuleType, dotted: str) -> tuple[object, str]:
     for part in path:
         owner = getattr(owner, part)
     return owner, leaf
+
+
+def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
+    """Would `spec` apply here, without applying it: ("applies"|"not needed"|"fails", reason).
+
+    Imports the target module (a diagnostic, not the install path): a module that cannot be imported,
+    a missing attribute or a failing check is "fails" with its reason.
+    """
+    reason = _version_reason(spec)
+    if reason is not None:
+        return "not needed", reason
+    try:
+        module = importlib.import_module(spec.module)
+    except Exception as exc:  # noqa: BLE001 - the reason is the finding
+        return "fails", f"cannot import {spec.module}: {type(exc).__name__}: {exc}"
+    try:
+        owner, leaf = _resolve_owner(module, spec.attribute)
+        original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+    except (AttributeError, KeyError):
+        return "fails", f"{spec.module}.{spec.attribute} not found" + (f": {spec.when_missing}" if spec.when_missing else "")
+    try:
+        problem = spec.check(original) if spec.check else None
+    except Exception as exc:  # noqa: BLE001
+        problem = f"check raised {type(exc).__name__}: {exc}"
+    return ("fails", problem) if problem is not None else ("applies", None)
 
 
 class Patcher:
