@@ -185,8 +185,8 @@ if [ -f "$ROOT/pyproject.toml" ]; then
   # nvidia-cudnn-frontend and nvidia-cutlass-dsl(+libs-cu12/cu13) into the venv.
   say "installing sm120_fp4 (editable, [test])"
   pipq project --no-deps -e "$ROOT[test]"
-  # Editable (PEP 660) installs do not install the start-up .pth that a wheel install puts in
-  # site-packages; put the same file there so spawned workers activate as in production.
+  # Whether an editable (PEP 660) install places the start-up .pth in site-packages depends on
+  # pip and the build backend; put the same file there so spawned workers activate as in production.
   PURELIB="$("$VENV_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   cp "$ROOT/sm120_fp4/_pth/sm120_fp4.pth" "$PURELIB/sm120_fp4.pth"
 else

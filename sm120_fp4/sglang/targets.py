@@ -152,7 +152,7 @@ def specs(w: Wiring) -> list[PatchSpec]:
             when_missing=_ALIAS_MISSING,
             distribution=DISTRIBUTION,
             versions=">=0.5.3,<0.5.8",
-            why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly or, from 0.5.6, through the sglang::fp4_gemm op)",
+            why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly in 0.5.5, through the sglang::fp4_gemm op from 0.5.5.post3)",
             upstream=_ALIAS_UPSTREAM,
             remove_when=_ALIAS_REMOVE,
         ),
