@@ -74,6 +74,7 @@ PROJECT_DEPS=(
   pytest
   hypothesis
   pytest-timeout
+  pyyaml
 )
 
 say() { printf '[setup_env] %s\n' "$*"; }
