@@ -91,6 +91,17 @@ def _export_env(kwargs: dict[str, Any]) -> Callable[[], None]:
     return undo
 
 
+def _log_precedence(settings: Settings) -> None:
+    """SELFTEST=warn together with FALLBACK=emulated: say once which wins (the verified emulation)."""
+    if settings.selftest != "warn":
+        return
+    for var, value in (("SM120_FP4_FALLBACK", settings.fallback), ("SM120_FP4_MOE_FALLBACK", settings.moe_fallback)):
+        if value == "emulated":
+            _log_once(f"precedence {var}", logging.WARNING,
+                      "sm120_fp4: %s=emulated and SM120_FP4_SELFTEST=warn are both set: where no candidate verifies, "
+                      "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)", var, var)
+
+
 def _nothing_to_fix(settings: Settings) -> str | None:
     if not settings.active:
         return "disabled (SM120_FP4=0 or SM120_FP4_ENABLE=off): SGLang left untouched"
@@ -122,7 +133,11 @@ def install(**overrides: Any) -> Status:
     global _state, _message
     with _lock:
         settings = load_settings(**overrides)
-        selection.candidate_names(settings)  # unknown backend names: ConfigError now, not at serve time
+        if settings.toggle is not False:  # off means off: nothing else is looked at
+            # Unknown backend names (after the entry points): ConfigError now, not at serve time.
+            selection.candidate_names(settings)
+            selection.candidate_names(settings, family=selection.MOE)
+            _log_precedence(settings)
         if _state is not None:
             # install() itself exported SM120_FP4=1: a toggle that became "on" is not a change.
             same = settings.model_copy(update={"toggle": None}) == _state.settings.model_copy(update={"toggle": None})

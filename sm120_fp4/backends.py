@@ -8,6 +8,11 @@ write the result into `out` (contiguous, preallocated by the caller) and return 
 * ``emulated``: :mod:`sm120_fp4.nvfp4` dequantize + float32 matmul; slow, exact, runs anywhere.
   ``emulated-cached`` keeps the dequantized weight (decode-speed emulation, more memory).
 * ``register()`` adds user or test backends (a fault-injecting one, another kernel library).
+* Entry points: a name no process registered is looked up in the entry-point group
+  ``sm120_fp4.backends`` (``sm120_fp4.moe_backends`` for MoE) of the installed distributions, so a
+  backend reaches spawned SGLang workers too (``register()`` in a launcher does not). The entry
+  point's name is the backend's name; its object is the backend function, with an optional
+  ``is_supported`` attribute (docs/operations.md has an example).
 
 NVFP4 fused-MoE backends have a registry of their own (``register_moe()``, ...) with the convention
 of :func:`sm120_fp4.nvfp4.reference_moe_fp4`; built-ins: ``cutlass`` (FlashInfer's
@@ -33,6 +38,8 @@ __all__ = [
     "FLASHINFER_BACKENDS",
     "register",
     "unregister",
+    "load_entry_points",
+    "ENTRY_POINT_GROUPS",
     "get",
     "names",
     "is_supported",
@@ -123,14 +130,42 @@ def _always(device: Device) -> tuple[bool, str | None]:
     return True, None
 
 
+ENTRY_POINT_GROUPS = {"FP4 GEMM": "sm120_fp4.backends", "NVFP4 fused-MoE": "sm120_fp4.moe_backends"}
+
+
 class _Registry:
     """Named backends of one family (dense GEMM or fused MoE) and their built-ins."""
 
     def __init__(self, family: str, builtins: Callable[[], dict[str, Backend]]) -> None:
         self.family = family
+        self.group = ENTRY_POINT_GROUPS[family]
         self._builtins = builtins
         self._lock = threading.Lock()
         self._entries = builtins()
+        self._looked_up: set[str] = set()
+
+    def load_entry_points(self, wanted) -> None:
+        """Register the entry points of this family's group named in `wanted` that no one has
+        registered yet (each name looked up once per process); a broken one is a ConfigError."""
+        from importlib.metadata import entry_points
+
+        with self._lock:
+            missing = [n for n in wanted if isinstance(n, str) and n not in self._entries and n not in self._looked_up]
+            self._looked_up.update(missing)
+        if not missing:
+            return
+        found = {ep.name: ep for ep in entry_points(group=self.group) if ep.name in missing}
+        for name, ep in found.items():
+            where = f"entry point {name!r} ({ep.value}) of group {self.group}"
+            try:
+                fn = ep.load()
+            except Exception as exc:
+                raise ConfigError(f"{where} failed to load: {type(exc).__name__}: {exc}") from exc
+            try:
+                self.register(name, fn, getattr(fn, "is_supported", None), False, where)
+            except InvalidArgument as exc:
+                if name not in self.names():
+                    raise ConfigError(str(exc)) from exc
 
     def register(self, name: str, fn: Callable, is_supported: SupportFn | None, replace: bool, caller: str) -> None:
         if not isinstance(name, str) or not name or name != name.strip().lower() or "," in name:
@@ -158,6 +193,10 @@ class _Registry:
     def get(self, name: str) -> Backend:
         with self._lock:
             backend = self._entries.get(name)
+        if backend is None:
+            self.load_entry_points([name])
+            with self._lock:
+                backend = self._entries.get(name)
         if backend is None:
             raise ConfigError(f"unknown {self.family} backend {name!r}; known: {', '.join(self.names())}")
         return backend
@@ -200,6 +239,12 @@ def unregister(name: str) -> None:
 
 def names() -> tuple[str, ...]:
     return _dense.names()
+
+
+def load_entry_points(wanted, family: str = "dense") -> None:
+    """Register the named backends of entry-point group sm120_fp4.backends (family "moe":
+    sm120_fp4.moe_backends) that are not registered yet; ConfigError when one fails to load."""
+    (_moe if family == "moe" else _dense).load_entry_points(list(wanted))
 
 
 def get(name: str) -> Backend:

@@ -5,8 +5,11 @@ when ``SM120_FP4`` is set (to anything but ``0``/``off``) it calls :func:`activa
 interpreter, otherwise it does nothing (no import
 of this package, of torch or of pydantic). :func:`activate` only puts a one-shot finder on
 ``sys.meta_path`` (stdlib only); ``install()`` runs right after SGLang is imported, so plain
-Python processes pay almost nothing. Nothing here raises at start-up except an invalid setting, which must stop a worker
-loudly rather than let it serve unverified.
+Python processes pay almost nothing. Nothing here raises at interpreter start-up. With the toggle on,
+no failure of ours may leave a worker serving unpatched and unverified: an invalid setting or any
+failure of ``install()`` makes ``import sglang`` raise (the worker stops, the last line of its
+traceback says why), and a package that cannot even be imported makes the ``.pth`` line put a
+stdlib finder on ``sys.meta_path`` that fails ``import sglang`` with a clear ImportError.
 """
 
 from __future__ import annotations
@@ -42,18 +45,42 @@ def enabled(environ=os.environ) -> bool:
     return environ.get(TOGGLE_VAR, "") not in TOGGLE_OFF
 
 
-def _on_sglang(module) -> None:
-    from .errors import ConfigError
+class ActivationFailed(ImportError):
+    """install() failed while the toggle is on: ``import sglang`` fails rather than serve unverified."""
 
+
+def _stop_message(exc: BaseException) -> str:
+    return (f"sm120_fp4: activation failed with {TOGGLE_VAR} on ({type(exc).__name__}: {exc}); stopping rather than "
+            f"letting SGLang serve unpatched and unverified. Fix the install, or turn this library off: {TOGGLE_VAR}=0")
+
+
+def _on_sglang(module) -> None:
+    """install() after SGLang's import. Only reached with the toggle on (the .pth line, or
+    activate()): any failure stops the import -- a bad setting as the ConfigError naming it,
+    anything else as one ActivationFailed line."""
     try:
         from . import api
 
         if not api.installed():
             api.install()
-    except ConfigError:
-        raise  # the operator asked for the library with a bad setting: stop, naming it
-    except Exception as exc:  # noqa: BLE001 - our own failure must not break SGLang
-        sys.stderr.write(f"sm120_fp4: activation failed, SGLang runs unpatched: {type(exc).__name__}: {exc}\n")
+    except Exception as exc:
+        from .errors import ConfigError
+
+        if isinstance(exc, ConfigError):
+            raise  # the operator asked for the library with a bad setting: stop, naming it
+        raise ActivationFailed(_stop_message(exc)) from exc
+
+
+class _RefuseSGLang:
+    """Fails every import of ``sglang`` (the package could not activate while the toggle is on)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "sglang" or name.startswith("sglang."):
+            raise ActivationFailed(self.message)
+        return None
 
 
 class _AfterSGLangImport:
@@ -88,15 +115,14 @@ def _remove_finder() -> None:
 
 
 def activate() -> None:
-    """Arrange for install() when SGLang is imported (idempotent; never raises)."""
+    """Arrange for install() when SGLang is imported (idempotent). Raises only where SGLang is
+    already imported and install() fails (then nothing may serve unverified); at interpreter
+    start-up (SGLang not imported yet) it only inserts the finder."""
     global _activated
     if _activated:
         return
     _activated = True
-    try:
-        if "sglang" in sys.modules:
-            _on_sglang(sys.modules["sglang"])
-        else:
-            sys.meta_path.insert(0, _finder)
-    except Exception as exc:  # noqa: BLE001
-        sys.stderr.write(f"sm120_fp4: start-up bootstrap failed, SGLang runs unpatched: {exc!r}\n")
+    if "sglang" in sys.modules:
+        _on_sglang(sys.modules["sglang"])
+    else:
+        sys.meta_path.insert(0, _finder)

@@ -1,7 +1,13 @@
 """``sm120-fp4 doctor | selftest | launch | demo | patches`` (also ``python -m sm120_fp4``).
 
-Exit codes: 0 success; 1 a refusal (a kernel failed verification, or doctor --strict found a
-problem); 2 bad usage or environment (invalid setting, no device, unsupported release).
+Exit codes (docs/operations.md):
+  0  verified: every GPU this library serves has a verified backend (or there is none to serve)
+  1  refused: no candidate verified on some GPU (a kernel failed, or crashed its process), or
+     doctor --strict found a problem
+  2  bad usage or environment: an invalid setting or argument, no such device, a worker that died
+     outside any candidate
+  3  unverified: a decision would serve without verification (SM120_FP4_SELFTEST=warn or off);
+     `launch` does not start the command on it unless given --allow-unverified
 """
 
 from __future__ import annotations
@@ -9,101 +15,209 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE", "EXIT_UNVERIFIED"]
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
+FAMILY_LABEL = {"dense": "FP4 GEMM", "moe": "NVFP4 fused MoE"}
 
 
 def _eprint(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-# ---- selftest ------------------------------------------------------------------------------
+def _emit(payload: dict) -> None:
+    print(json.dumps(payload), flush=True)  # flushed: the parent reads it even if this process dies next
+
+
+# ---- selftest: the worker (one device, one family, one short-lived process) -----------------
 
 def _worker(args: argparse.Namespace) -> int:
-    """Run decide() for one device in this (short-lived) process; print one JSON line."""
-    from . import devices, selection
+    """Run decide() for one device and family in this (short-lived) process; print JSON lines:
+    one event per candidate right before it runs, then the result."""
+    from . import backends, devices, selection, verdicts
     from .config import load_settings
     from .errors import ConfigError, RefusedToServe
 
+    family = "moe" if args.moe else "dense"
+    key: dict = {}
     try:
-        settings = load_settings()
+        settings = load_settings(toggle=True)  # the preflight verifies what workers would run with the toggle on
         device = devices.get_device(args.device, settings.simulated_capability)
-        decision = selection.decide(device, args.backend or None, settings=settings)
+        key = verdicts.device_key(device)
+        for item in args.crashed or []:
+            name, _, why = item.partition("=")
+            verdicts.note_crash(family, name, why)
+        if args.backend:
+            selection.candidate_names(settings, args.backend, selection.FAMILIES[family], device, source="--backend")
+        kind = backends.get_moe if family == "moe" else backends.get
+
+        def announce(event, fam, dev, name):
+            _emit({"event": event, "family": fam, "backend": name, "flashinfer": kind(name).kind == "flashinfer", "key": key})
+
+        selection.candidate_hook = announce
+        decision = selection.decide(device, args.backend or None, settings=settings, family=family)
     except ConfigError as exc:
-        print(json.dumps({"ok": False, "usage": True, "message": str(exc)}))
+        _emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
     except RefusedToServe as exc:
-        print(json.dumps({"ok": False, "usage": False, "message": str(exc), "device": args.device}))
+        reports = [r.model_dump(mode="json") for r in getattr(exc, "reports", [])]
+        _emit({"ok": False, "usage": False, "message": str(exc), "device": args.device, "key": key,
+               "rejected": getattr(exc, "rejected", {}), "reports": reports})
         return EXIT_REFUSED
     except LookupError as exc:
-        print(json.dumps({"ok": False, "usage": True, "message": str(exc)}))
+        _emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
-    print(json.dumps({"ok": True, "decision": decision.model_dump(mode="json")}))
-    return EXIT_OK
+    _emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key})
+    return EXIT_OK if decision.verified else EXIT_UNVERIFIED
 
 
-def _run_worker(index: int, backend_args: list[str], label: str, heartbeat_s: float = 30.0) -> dict:
+# ---- selftest: the parent -------------------------------------------------------------------
+
+def _died(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _run_worker(index: int, family: str, backend_args: list[str], crashed: dict[str, str], label: str,
+                env: dict[str, str], heartbeat_s: float = 30.0) -> tuple[dict | None, dict | None, int, str]:
+    """One worker run: (result, last candidate event, returncode, stderr tail)."""
     cmd = [sys.executable, "-m", "sm120_fp4", "_selftest-worker", "--device", str(index), *backend_args]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy()) as proc:
-        start = time.perf_counter()
+    cmd += ["--moe"] if family == "moe" else []
+    cmd += [a for name, why in crashed.items() for a in ("--crashed", f"{name}={why}")]
+    lines: queue.Queue = queue.Queue()
+    with tempfile.TemporaryFile("w+") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+        def read() -> None:
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        start, result, event = time.perf_counter(), None, None
         while True:
             try:
-                stdout, stderr = proc.communicate(timeout=heartbeat_s)
-                break
-            except subprocess.TimeoutExpired:  # a first FlashInfer call may be compiling kernels
+                line = lines.get(timeout=heartbeat_s)
+            except queue.Empty:  # a first FlashInfer call may be compiling kernels
                 _eprint(f"[{label}] still running after {time.perf_counter() - start:.0f} s ...")
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        return {"ok": False, "usage": True, "message": f"self-test worker exited {proc.returncode}:\n{stderr[-2000:]}"}
-    return json.loads(lines[-1])
+                continue
+            if line is None:
+                break
+            if not line.startswith("{"):
+                continue
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if "event" in data:
+                event = data
+                jit = " (the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes)" if data.get("flashinfer") else ""
+                _eprint(f"[{label}] {data['event']} of {data['backend']}{jit} ...")
+            else:
+                result = data
+        code = proc.wait()
+        err.seek(0)
+        stderr = err.read()[-2000:]
+    return result, event, code, stderr
 
 
-def _selftest_devices(indices: list[int] | None) -> tuple[list[int], str | None]:
+def _record(settings, family: str, result: dict) -> None:
+    """Record the passed and failed verdicts of one worker's result (crashes are recorded as they happen)."""
+    from . import verdicts
+
+    path, key = settings.verdicts_path, result.get("key")
+    if path is None or not key:
+        return
+    reports = result["decision"]["reports"] if result.get("ok") else result.get("reports", [])
+    try:
+        for r in reports:
+            verdicts.record(path, key, family, r["backend"], verdicts.PASSED if r["passed"] else verdicts.FAILED, r.get("reason"))
+    except OSError as exc:
+        _eprint(f"sm120-fp4: could not record verdicts in {path}: {exc}")
+
+
+def _preflight(index: int, family: str, backend_args: list[str], settings, env: dict[str, str]) -> dict:
+    """Self-test `family` on device `index` in short-lived worker processes: a candidate that kills
+    its worker is recorded as crashed (verdict file) and the worker re-runs without it."""
+    from . import verdicts
+
+    label = ("cpu (simulated)" if index < 0 else f"cuda:{index}") + ("" if family == "dense" else " moe")
+    crashed: dict[str, str] = {}
+    while True:
+        result, event, code, stderr = _run_worker(index, family, backend_args, crashed, label, env)
+        if result is not None:
+            result["crashed"] = dict(crashed)
+            _record(settings, family, result)
+            return result
+        if event is None or event["backend"] in crashed:
+            return {"ok": False, "usage": True, "message": f"self-test worker ({label}) {_died(code)} outside any candidate:\n{stderr}"}
+        why = f"the {event['event']} of {event['backend']} {_died(code)}"
+        crashed[event["backend"]] = why
+        _eprint(f"[{label}] {why}: recorded as crashed; re-running the self-test without it")
+        try:
+            verdicts.record(settings.verdicts_path, event["key"], family, event["backend"], verdicts.CRASHED, why)
+        except OSError as exc:
+            _eprint(f"sm120-fp4: could not record the crash in {settings.verdicts_path}: {exc}")
+
+
+def _selftest_devices(settings, indices: list[int] | None) -> tuple[list[int], str | None]:
+    """The devices to verify. One rule (docs/operations.md): every GPU a worker would serve -- each
+    12.x GPU (any GPU with SM120_FP4_ENABLE=on); none visible is "nothing to verify", unless
+    ENABLE=on asks for a GPU that is not there, or --device names one that is not visible."""
     from . import devices
-    from .config import load_settings
+    from .errors import capped
 
-    settings = load_settings()
     found = devices.list_devices(settings.simulated_capability)
-    if not found:
-        return [], "no CUDA device is visible (set SM120_FP4_SIMULATE=12.0 to simulate one)"
     known = [d.index for d in found]
     if indices:
         missing = [i for i in indices if i not in known]
         if missing:
-            return [], f"--device {missing} not visible; visible: {known}"
+            return [], f"--device {capped(missing)} not visible; visible: {known}"
         return indices, None
-    wanted = [d.index for d in found if settings.enable == "on" or devices.is_sm12x(d.capability)]
-    return wanted, None
+    if not found and settings.enable == "on":
+        return [], "SM120_FP4_ENABLE=on but no CUDA device is visible (set SM120_FP4_SIMULATE=12.0 to simulate one)"
+    return [d.index for d in found if settings.enable == "on" or devices.is_sm12x(d.capability)], None
 
 
-def _decision_rows(results: dict[int, dict]) -> list[str]:
-    rows = ["| device | backend | verified | max rel error | shapes | time (s) | note |", "|---|---|---|---|---|---|---|"]
-    for index, result in results.items():
+def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
+    rows = ["| kernel | device | backend | verified | max rel error | shapes | time (s) | note |", "|---|---|---|---|---|---|---|---|"]
+    for (family, index), result in results.items():
+        if result.get("usage"):
+            continue  # a usage error is not a verdict on the device: its message follows the table
         if result.get("ok"):
             d = result["decision"]
             mine = [r for r in d["reports"] if r["backend"] == d["backend"]]
             err = f"{mine[0]['max_rel_err']:.2e}" if mine and mine[0]["max_rel_err"] is not None else "-"
             shapes = f"{sum(s['passed'] for s in mine[0]['shapes'])}/{len(mine[0]['shapes'])}" if mine else "-"
-            rows.append(f"| {d['device']} | {d['backend']} | {d['verified']} | {err} | {shapes} | {d['duration_s']:.2f} | {d['reason']} |")
+            verified = "True" if d["verified"] else "UNVERIFIED"
+            rows.append(f"| {family} | {d['device']} | {d['backend']} | {verified} | {err} | {shapes} | {d['duration_s']:.2f} | {d['reason']} |")
         else:
             first = result["message"].splitlines()[0]
-            rows.append(f"| {index} | - | REFUSED | - | - | - | {first} |")
+            rows.append(f"| {family} | {index} | - | REFUSED | - | - | - | {first} |")
     return rows
 
 
-def cmd_selftest(args: argparse.Namespace, quiet: bool = False) -> int:
+def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None) -> int:
     from .config import load_settings
     from .errors import ConfigError
 
+    families = list(families or (["moe"] if getattr(args, "moe", False) else ["dense"]))
     try:
-        load_settings()
-        indices, problem = _selftest_devices(args.device)
+        # The preflight verifies what workers would do with the toggle on; garbage in SM120_FP4 is still named.
+        settings = load_settings(toggle=True) if os.environ.get("SM120_FP4") in ("0", "off") else load_settings()
+        indices, problem = _selftest_devices(settings, args.device)
     except ConfigError as exc:
         _eprint(str(exc))
         return EXIT_USAGE
@@ -111,28 +225,38 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False) -> int:
         _eprint(f"sm120-fp4 selftest: {problem}")
         return EXIT_USAGE
     if not indices:
-        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify")
+        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify (workers leave SGLang untouched)")
         return EXIT_OK
     backend_args = [a for name in (args.backend or []) for a in ("--backend", name)]
-    results: dict[int, dict] = {}
-    for index in indices:
-        label = "cpu (simulated)" if index < 0 else f"cuda:{index}"
-        _eprint(f"[{label}] self-testing {', '.join(args.backend or ['the configured backends'])} "
-                "(the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes) ...")
-        start = time.perf_counter()
-        results[index] = _run_worker(index, backend_args, label)
-        _eprint(f"[{label}] done in {time.perf_counter() - start:.1f} s")
+    env = {**os.environ, "SM120_FP4": "1"}
+    jobs = [(family, index) for family in families for index in indices]
+    for family, index in jobs:
+        what = ", ".join(args.backend) if args.backend else f"the configured {FAMILY_LABEL[family]} backends"
+        _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] self-testing {what} in a subprocess ...")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each its own short-lived process, all at once
+        futures = {job: pool.submit(_preflight, job[1], job[0], backend_args, settings, env) for job in jobs}
+        results = {job: futures[job].result() for job in jobs}  # the table keeps device order
+    _eprint(f"sm120-fp4 selftest: done in {time.perf_counter() - start:.1f} s")
     usage = [r for r in results.values() if not r.get("ok") and r.get("usage")]
     refused = [r for r in results.values() if not r.get("ok") and not r.get("usage")]
+    unverified = [r for r in results.values() if r.get("ok") and not r["decision"]["verified"]]
     if args.json:
-        print(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+        key = (lambda f, i: str(i)) if len(families) == 1 else (lambda f, i: f"{f}:{i}")
+        print(json.dumps({key(*job): v for job, v in results.items()}, indent=2))
     elif not quiet:
         print("\n".join(_decision_rows(results)))
     for r in usage + refused:
         _eprint("\n" + r["message"])
     if usage:
         return EXIT_USAGE
-    return EXIT_REFUSED if refused else EXIT_OK
+    if refused:
+        return EXIT_REFUSED
+    if unverified:
+        _eprint(f"sm120-fp4 selftest: {len(unverified)} decision(s) would serve UNVERIFIED (SM120_FP4_SELFTEST="
+                f"{settings.selftest}): exit {EXIT_UNVERIFIED}")
+        return EXIT_UNVERIFIED
+    return EXIT_OK
 
 
 # ---- launch --------------------------------------------------------------------------------
@@ -146,11 +270,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 "sm120-fp4 launch -- python -m sglang.launch_server --model-path ...")
         return EXIT_USAGE
     os.environ["SM120_FP4"] = "1"
-    code = cmd_selftest(argparse.Namespace(device=None, backend=None, json=False))
-    if code != EXIT_OK:
-        _eprint("sm120-fp4 launch: preflight failed; not starting the server")
+    # Both families: the server may load NVFP4 MoE layers as well as linear ones.
+    code = cmd_selftest(argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"))
+    if code == EXIT_UNVERIFIED and args.allow_unverified:
+        _eprint("sm120-fp4 launch: preflight UNVERIFIED; starting anyway because --allow-unverified was given")
+    elif code != EXIT_OK:
+        hint = " (pass --allow-unverified to start it anyway)" if code == EXIT_UNVERIFIED else ""
+        _eprint(f"sm120-fp4 launch: preflight failed (exit {code}); not starting the server{hint}")
         return code
-    _eprint(f"sm120-fp4 launch: preflight passed; exec {' '.join(command)} with SM120_FP4=1")
+    else:
+        _eprint("sm120-fp4 launch: preflight passed")
+    _eprint(f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1")
     try:
         os.execvpe(command[0], command, os.environ)
     except OSError as exc:
@@ -170,9 +300,13 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--quick", action="store_true", help="skip importing SGLang to check each patch target")
     selftest = sub.add_parser("selftest", help="self-test each GPU in a short-lived subprocess")
     selftest.add_argument("--device", type=int, action="append", help="CUDA ordinal (repeatable); default: every 12.x GPU")
-    selftest.add_argument("--backend", action="append", help="candidate backend (repeatable); default: SM120_FP4_BACKENDS")
+    selftest.add_argument("--backend", action="append",
+                          help="candidate backend (repeatable); default: SM120_FP4_BACKENDS (with --moe: MoE backends, default SM120_FP4_MOE_BACKENDS)")
+    selftest.add_argument("--moe", action="store_true", help="the NVFP4 fused-MoE family instead of the dense FP4 GEMM")
     selftest.add_argument("--json", action="store_true")
-    launch = sub.add_parser("launch", help="preflight, then exec COMMAND with SM120_FP4=1")
+    launch = sub.add_parser("launch", help="preflight (dense and MoE), then exec COMMAND with SM120_FP4=1")
+    launch.add_argument("--allow-unverified", action="store_true",
+                        help="start COMMAND even when a decision would serve unverified (SM120_FP4_SELFTEST=warn/off)")
     launch.add_argument("command", nargs=argparse.REMAINDER)
     sub.add_parser("demo", help="SGLang's real FP4 linear layer, patched and self-tested on a simulated SM120 (CPU)")
     patches = sub.add_parser("patches", help="the same fix as upstream-ready diffs: check the installed SGLang, or apply")
@@ -182,6 +316,8 @@ def _parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("_selftest-worker")
     worker.add_argument("--device", type=int, required=True)
     worker.add_argument("--backend", action="append")
+    worker.add_argument("--moe", action="store_true")
+    worker.add_argument("--crashed", action="append", help="NAME=REASON: a candidate that crashed an earlier worker")
     return parser
 
 

@@ -8,22 +8,50 @@ value and what is accepted. Values are case-sensitive, lower case, as documented
 from __future__ import annotations
 
 import difflib
+import errno
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .bootstrap import TOGGLE_VAR, parse_toggle
-from .errors import ConfigError
+from .errors import ConfigError, capped, describe
 
-__all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name"]
+__all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name", "AUTO", "default_verdicts_path"]
 
+_LOG = logging.getLogger("sm120_fp4")
 ENV_PREFIX = "SM120_FP4_"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
-_CAPABILITY = re.compile(r"^(\d{1,2})\.(\d)$")
+AUTO = "auto"
+# Every pattern is ASCII only (re.ASCII; [0-9], never \d): "١٢.٠" or a fullwidth "１２.０" is
+# not a capability, whatever Python's int() would make of it.
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*", re.ASCII)
+_CAPABILITY = re.compile(r"([0-9]{1,2})\.([0-9])", re.ASCII)
+_SECONDS = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+_ASCII_SPACE = " \t"
+_MAX_TIMEOUT_S = 86400.0  # a day: a bound, not a wish (threading refuses timeouts near 2**63 ns)
+
+
+def default_verdicts_path() -> Path:
+    """$XDG_CACHE_HOME/sm120_fp4/verdicts.json, else ~/.cache/sm120_fp4/verdicts.json."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sm120_fp4" / "verdicts.json"
+
+
+def _filesystem(check, value: object):
+    """Run a filesystem check of a setting: any OSError (ENAMETOOLONG, EACCES, ELOOP, ...) or
+    ValueError (an embedded NUL) becomes the setting's own error, never a raw traceback."""
+    try:
+        return check()
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.errno in errno.errorcode:
+            reason = f"{errno.errorcode[exc.errno]}: {exc.strerror}"
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"accepted: a path the filesystem can check (checking it failed with {reason})") from None
 
 
 class Settings(BaseSettings):
@@ -41,9 +69,10 @@ class Settings(BaseSettings):
     enable: Literal["auto", "on", "off"] = Field(
         "auto", description="auto: patch only where a 12.x GPU is visible; on: patch on any GPU; off: never patch."
     )
-    backends: Annotated[tuple[str, ...], NoDecode] = Field(
-        ("cutlass", "b12x"),
-        description="Ordered candidate backends (FlashInfer names, emulated, or registered names), comma-separated.",
+    backends: Annotated[tuple[str, ...] | Literal["auto"], NoDecode] = Field(
+        AUTO,
+        description="Ordered candidate backends (FlashInfer names, emulated, or registered names), comma-separated; "
+        "auto: the order known to work for each GPU's compute capability (docs/operations.md).",
     )
     moe_backends: Annotated[tuple[str, ...], NoDecode] = Field(
         ("cutlass",),
@@ -69,8 +98,15 @@ class Settings(BaseSettings):
         None, description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU."
     )
     report: Path | None = Field(
-        None, description="Write this process's JSON report here ({pid} is replaced; a directory gets one file per process)."
+        None, description="Write this process's JSON report here ({pid} is replaced; a directory, or a link to one, gets one file per process)."
     )
+    verdicts: str | None = Field(
+        None,
+        description="The verdict file `sm120-fp4 selftest`/`launch` record each candidate's outcome in (crashes included) "
+        "and workers read to skip a candidate that crashed; unset: $XDG_CACHE_HOME/sm120_fp4/verdicts.json "
+        "(~/.cache/...); off: none.",
+    )
+    _report_is_dir: bool = PrivateAttr(False)
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -83,16 +119,26 @@ class Settings(BaseSettings):
     def _parse_toggle(cls, value: object) -> object:
         return parse_toggle(value)
 
+    def model_post_init(self, context: Any) -> None:
+        # Remember now whether the report names a directory (a link to one is that directory): if it
+        # disappears later, the writer warns instead of creating a file at the directory's name.
+        if self.report is not None:
+            path = Path(str(self.report).replace("{pid}", "0"))
+            self._report_is_dir = bool(_filesystem(path.is_dir, self.report))
+
     @field_validator("backends", "moe_backends", mode="before")
     @classmethod
-    def _parse_backends(cls, value: object) -> object:
+    def _parse_backends(cls, value: object, info) -> object:
+        if value == AUTO and info.field_name == "backends":
+            return AUTO
         names = value.split(",") if isinstance(value, str) else value
         if not isinstance(names, (list, tuple)) or not names:
-            raise ValueError("accepted: a comma-separated list of backend names, e.g. cutlass,b12x")
-        names = tuple(n.strip() if isinstance(n, str) else n for n in names)
+            raise ValueError("accepted: a comma-separated list of backend names, e.g. cutlass,b12x"
+                             + (", or auto" if info.field_name == "backends" else ""))
+        names = tuple(n.strip(_ASCII_SPACE) if isinstance(n, str) else n for n in names)
         bad = [n for n in names if not isinstance(n, str) or not _NAME.fullmatch(n)]
         if bad:
-            raise ValueError(f"accepted: lower-case backend names such as cutlass,b12x,emulated; bad entries {bad}")
+            raise ValueError(f"accepted: lower-case backend names (ASCII) such as cutlass,b12x,emulated; bad entries {capped(bad)}")
         if len(set(names)) != len(names):
             raise ValueError("accepted: each backend named once")
         return names
@@ -100,14 +146,14 @@ class Settings(BaseSettings):
     @field_validator("selftest_timeout", mode="before")
     @classmethod
     def _parse_timeout(cls, value: object) -> object:
-        try:
-            seconds = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
-        except ValueError:
-            seconds = None
-        if isinstance(value, str) and not value.isascii():
-            seconds = None
-        if seconds is None or not 0 < seconds < float("inf"):
-            raise ValueError("accepted: a positive number of seconds, e.g. 900")
+        seconds = None
+        if isinstance(value, str):
+            # ASCII digits only: float() would take "١٢", "１２", "1_000" and " 9 ".
+            seconds = float(value) if _SECONDS.fullmatch(value) else None
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            seconds = float(value)
+        if seconds is None or not 0 < seconds <= _MAX_TIMEOUT_S:
+            raise ValueError(f"accepted: a positive number of seconds up to {_MAX_TIMEOUT_S:.0f} in ASCII digits, e.g. 900")
         return seconds
 
     @field_validator("simulate", mode="before")
@@ -127,12 +173,42 @@ class Settings(BaseSettings):
         if isinstance(value, str) and not value.strip():
             raise ValueError("accepted: a file or directory path (unset for no report)")
         if isinstance(value, (str, Path)):
-            # Checked now, not when the first decision writes the report in a serving worker.
+            # Checked now, not when the first decision writes the report in a serving worker. A
+            # filesystem error (a component too long, a loop of links) is this setting's error.
             path = Path(str(value).replace("{pid}", "0"))
-            folder = path if path.is_dir() else path.parent
-            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-                raise ValueError(f"accepted: a file in an existing, writable directory, or such a directory ({folder} is not one)")
+
+            def usable() -> Path | None:
+                folder = path if path.is_dir() else path.parent
+                return folder if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK) else None
+
+            if _filesystem(usable, value) is None:
+                folder = path.parent
+                raise ValueError(f"accepted: a file in an existing, writable directory, or such a directory "
+                                 f"({describe(str(folder))} is not one)")
         return value
+
+    @field_validator("verdicts", mode="before")
+    @classmethod
+    def _parse_verdicts(cls, value: object) -> object:
+        if value is None or value == "off":
+            return value
+        if not isinstance(value, (str, Path)) or not str(value).strip() or "\x00" in str(value):
+            raise ValueError("accepted: a file path, or off (unset: the default under the user's cache directory)")
+        if _filesystem(Path(value).is_dir, value):
+            raise ValueError(f"accepted: a file path, not a directory ({describe(str(value))} is one)")
+        return str(value)
+
+    @property
+    def report_is_dir(self) -> bool:
+        """Whether the report named a directory (or a link to one) when the settings were read."""
+        return self._report_is_dir
+
+    @property
+    def verdicts_path(self) -> Path | None:
+        """The verdict file, or None when SM120_FP4_VERDICTS=off."""
+        if self.verdicts == "off":
+            return None
+        return Path(self.verdicts) if self.verdicts is not None else default_verdicts_path()
 
     @property
     def simulated_capability(self) -> tuple[int, int] | None:
@@ -164,8 +240,15 @@ def _config_error(exc: ValidationError, kwargs: dict[str, Any]) -> ConfigError:
             continue
         where = f"keyword {field}=" if field in kwargs else f"{env_name(field)}="
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}{err.get('input')!r} is not accepted; {msg}")
+        lines.append(f"{where}{_shown(err.get('input'))} is not accepted; {msg}")
     return ConfigError("invalid sm120_fp4 settings:\n  " + "\n  ".join(lines))
+
+
+def _shown(value: object, limit: int = 200) -> str:
+    """A rejected value for the message: its repr, cut at `limit` characters (a 20,000-name list
+    must not make a 200 KB error)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def _check_unknown_env(environ: dict[str, str]) -> None:
@@ -177,16 +260,44 @@ def _check_unknown_env(environ: dict[str, str]) -> None:
     )
     if unknown:
         hints = []
-        for name in unknown:
+        for name in unknown[:8]:
             close = [name.upper()] if name.upper() in known else difflib.get_close_matches(name.upper(), sorted(known), n=1)
-            hints.append(f"{name}={environ[name]!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+            hints.append(f"{name}={_shown(environ[name])}" + (f" (did you mean {close[0]}?)" if close else ""))
+        more = f", and {len(unknown) - 8} more" if len(unknown) > 8 else ""
         raise ConfigError(
-            "unknown sm120_fp4 environment variable(s): " + ", ".join(hints) + "; accepted: " + ", ".join(sorted(known))
+            "unknown sm120_fp4 environment variable(s): " + ", ".join(hints) + more + "; accepted: " + ", ".join(sorted(known))
         )
 
 
+_ignored_logged: set[str] = set()
+
+
+def _toggled_off(overrides: dict[str, Any]) -> bool:
+    """Whether the master toggle is off: keyword toggle=0/False/"0"/"off", else env SM120_FP4=0/off."""
+    raw = overrides["toggle"] if "toggle" in overrides else os.environ.get(TOGGLE_VAR)
+    try:
+        return parse_toggle(raw) is False
+    except ValueError:
+        return False  # garbage in the toggle itself: named by the full validation
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Build Settings from keyword overrides and the environment, rejecting unknown variables."""
+    """Build Settings from keyword overrides and the environment, rejecting unknown variables.
+
+    Off means off: with the toggle off (SM120_FP4=0/off, or toggle=0/False) every other setting is
+    ignored -- a stale bad value, an unknown variable -- and logged once, so that the refusal's own
+    advice ("turn this library off: SM120_FP4=0") always works.
+    """
+    if _toggled_off(overrides):
+        try:
+            _check_unknown_env(dict(os.environ))
+            Settings(**overrides)
+        except ConfigError as exc:
+            text = str(exc)
+            if text not in _ignored_logged:
+                _ignored_logged.add(text)
+                _LOG.warning("sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: %s", text)
+        return Settings.model_construct(toggle=False)
     _check_unknown_env(dict(os.environ))
     return Settings(**overrides)
 
@@ -214,8 +325,8 @@ def _accepted(field: str) -> str:
         return "`1`, `on`, `0`, `off`"
     if choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
-    return {"backends": "comma-separated names", "moe_backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`", "report": "a path",
-            "selftest_timeout": "seconds > 0"}.get(field, "")
+    return {"backends": "`auto` or comma-separated names", "moe_backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`",
+            "report": "a path", "verdicts": "a file path, or `off`", "selftest_timeout": "seconds, 0 < s <= 86400"}.get(field, "")
 
 
 def settings_table() -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError"]
+__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError", "describe", "capped"]
 
 
 class Sm120Fp4Error(Exception):
@@ -34,3 +34,11 @@ def describe(value: object) -> str:
         return f"tensor(shape={tuple(shape)}, dtype={dtype}, device={device})"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def capped(items, limit: int = 8) -> str:
+    """A user-supplied list for a message: at most `limit` entries (each by describe()), then
+    "and N more" -- one helper for every message that echoes a list, so none is unbounded."""
+    items = list(items)
+    shown = ", ".join(describe(i) for i in items[:limit])
+    return f"[{shown}{f', and {len(items) - limit} more' if len(items) > limit else ''}]"

@@ -28,6 +28,9 @@ __all__ = [
     "BACKENDS",
     "ROUTED_BACKENDS",
     "MM_FP4_HEAD",
+    "DEFAULT_ORDER",
+    "ORDER_BY_CAPABILITY",
+    "default_order",
     "version",
     "supported",
     "mm_fp4_backend",
@@ -50,6 +53,26 @@ GemmFn = Callable[..., object]
 # FlashInfer backends that read the same non-shuffled 128x4 layout SGLang prepares for cutlass.
 # trtllm (shuffled weights) and cutedsl_low_latency (SM100 only) are deliberately absent.
 BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
+# The default candidate order per compute capability (SM120_FP4_BACKENDS=auto, the default), from
+# public reports; a capability not listed gets DEFAULT_ORDER. Each candidate is still self-tested.
+#   sm_121 (DGX Spark, GB10): b12x is absent -- FlashInfer #3170 reports the b12x GEMM crashing on
+#     SM121 with an illegal memory access, which poisons the CUDA context of the process (a crash,
+#     not a wrong answer the self-test could reject); name it explicitly to try it.
+#   sm_120 (RTX PRO 6000 / RTX 50xx): cutlass first, b12x second.
+# FlashInfer #5446 (the b12x MoE with 512 experts crashing) concerns a MoE kernel this library does
+# not route; MOE_BACKENDS has no b12x entry. docs/operations.md lists the same sources.
+DEFAULT_ORDER: tuple[str, ...] = ("cutlass", "b12x")
+ORDER_BY_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {
+    (12, 0): ("cutlass", "b12x"),
+    (12, 1): ("cutlass",),
+}
+
+
+def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
+    """The candidate order SM120_FP4_BACKENDS=auto means on a GPU of `capability`."""
+    return ORDER_BY_CAPABILITY.get(tuple(capability), DEFAULT_ORDER)
+
+
 # Backend names SGLang may pass that read that layout: the decided backend serves them. "cutlass"
 # is among them because the runner enum is pinned to FLASHINFER_CUTLASS, after which SGLang passes
 # backend="cutlass". trtllm, cute-dsl, marlin and others go to the original.

@@ -4,7 +4,8 @@ Walk the candidates in order, skip unsupported ones with their reason, self-test
 take the first that passes (or, with ``SM120_FP4_SELECT=fastest``, the fastest that passes).
 When none passes: ``FALLBACK=emulated`` serves with the emulation (logged loudly), otherwise
 :class:`~sm120_fp4.errors.RefusedToServe`. ``SELFTEST=warn`` logs the refusal and serves with the
-first supported candidate; ``SELFTEST=off`` skips the test.
+first supported candidate; ``SELFTEST=off`` skips the test. A candidate the preflight recorded as
+crashing its self-test process (:mod:`sm120_fp4.verdicts`) is skipped, with that reason.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import backends, devices, selftest
-from .config import Settings, load_settings
+from . import backends, devices, kernels, selftest, verdicts
+from .config import AUTO, Settings, load_settings
 from .devices import Device
-from .errors import ConfigError, RefusedToServe, SelfTestError
+from .errors import ConfigError, RefusedToServe, SelfTestError, capped
 
 __all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
 
@@ -62,7 +63,9 @@ class Refusal(BaseModel):
 
     device: str
     config: str | None = None
+    family: str = "dense"
     message: str
+    rejected: dict[str, str] = Field(default_factory=dict)  # candidate -> why it was not served
     reports: list[selftest.SelfTestReport] = Field(default_factory=list)
 
 
@@ -95,7 +98,7 @@ class Family:
     names: Callable[[], tuple[str, ...]]
     is_supported: Callable[[str, Device], tuple[bool, str | None]]
     resolve: Callable[[str], Callable]
-    candidates: Callable[[Settings], tuple[str, ...]]
+    candidates: Callable[[Settings, Device | None], tuple[str, ...]]
     fallback: Callable[[Settings], str]
     self_test: Callable[[str, Device, Settings], selftest.SelfTestReport]
 
@@ -113,11 +116,29 @@ def _moe_self_test(name: str, device: Device, settings: Settings) -> selftest.Se
     return selftest.run_moe(name, device, config, bounds=bounds)
 
 
+def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
+    """SM120_FP4_BACKENDS, where `auto` is the order for the device's capability (kernels.default_order)."""
+    if settings.backends != AUTO:
+        return settings.backends
+    return kernels.default_order(device.capability) if device is not None else kernels.DEFAULT_ORDER
+
+
 DENSE = Family("dense", "FP4 GEMM", "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
-               backends.resolve, lambda s: s.backends, lambda s: s.fallback, _dense_self_test)
+               backends.resolve, _dense_candidates, lambda s: s.fallback, _dense_self_test)
 MOE = Family("moe", "NVFP4 fused-MoE", "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
-             backends.is_moe_supported, backends.resolve_moe, lambda s: s.moe_backends, lambda s: s.moe_fallback,
+             backends.is_moe_supported, backends.resolve_moe, lambda s, d: s.moe_backends, lambda s: s.moe_fallback,
              _moe_self_test)
+
+# Called as hook(event, family, device, backend) right before a candidate runs on a device (event
+# "self-test" or "timing"): the preflight worker prints it, flushed, so that when a candidate
+# crashes the process its parent knows which one did. None: nothing is announced.
+candidate_hook: Callable[[str, str, Device, str], None] | None = None
+
+
+def _announce(event: str, family: Family, device: Device, name: str) -> None:
+    hook = candidate_hook
+    if hook is not None:
+        hook(event, family.name, device, name)
 FAMILIES = {"dense": DENSE, "moe": MOE}
 
 
@@ -203,7 +224,10 @@ def _choose(device: Device, candidates: list[str], settings: Settings, family: F
     supported: list[str] = []
     for name in candidates:
         ok, why = family.is_supported(name, device)
-        if ok:
+        crash = verdicts.crash_of(settings.verdicts_path, device, family.name, name) if ok else None
+        if crash is not None:
+            rejected[name] = crash
+        elif ok:
             supported.append(name)
         else:
             rejected[name] = f"not supported: {why}"
@@ -211,6 +235,7 @@ def _choose(device: Device, candidates: list[str], settings: Settings, family: F
     passed: list[str] = []
     if settings.selftest != "off":
         for name in supported:
+            _announce("self-test", family, device, name)
             report = family.self_test(name, device, settings)
             reports.append(report)
             if report.passed:
@@ -234,7 +259,9 @@ def _choose(device: Device, candidates: list[str], settings: Settings, family: F
         choice, verified = passed[0], True
         reason = "first candidate to pass its self-test"
         if settings.select == "fastest" and len(passed) > 1 and family is DENSE:
-            timings = {n: _time_backend(backends.resolve(n), device, selftest.DEFAULT_SHAPES) for n in passed}
+            for n in passed:
+                _announce("timing", family, device, n)
+                timings[n] = _time_backend(backends.resolve(n), device, selftest.DEFAULT_SHAPES)
             choice = min(passed, key=timings.__getitem__)
             reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
     elif settings.selftest == "off" and supported:
@@ -251,7 +278,9 @@ def _choose(device: Device, candidates: list[str], settings: Settings, family: F
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", refusal_message(device, candidates, rejected, family=family), supported[0])
         choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
     else:
-        raise RefusedToServe(refusal_message(device, candidates, rejected, family=family))
+        refused = RefusedToServe(refusal_message(device, candidates, rejected, family=family))
+        refused.rejected, refused.reports = dict(rejected), list(reports)
+        raise refused
     return Decision(
         backend=choice,
         verified=verified,
@@ -281,27 +310,30 @@ def _log_decision(decision: Decision) -> None:
 
 
 def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] | None = None,
-                    family: Family | None = None) -> list[str]:
-    """The ordered candidate names (`candidates`, else the family's setting); ConfigError for unknown ones."""
+                    family: Family | None = None, device: Device | None = None, source: str | None = None) -> list[str]:
+    """The ordered candidate names (`candidates`, else the family's setting for `device`: `auto`
+    is the order for its capability); ConfigError for unknown ones, naming `source` (what supplied
+    the names: default the family's variable). An unknown name is first looked up among the
+    installed entry points (backends.ENTRY_POINT_GROUPS)."""
     family = family or DENSE
-    names = list(candidates if candidates is not None else family.candidates(settings))
-    known = family.names()
-    unknown = [n for n in names if n not in known]
+    source = source or family.backends_var
+    names = list(candidates if candidates is not None else family.candidates(settings, device))
+    unknown = [n for n in names if n not in family.names()]
+    if unknown:
+        backends.load_entry_points(unknown, family.name)
+        known = family.names()
+        unknown = [n for n in names if n not in known]
     if unknown:
         register = "register" if family is DENSE else "register_moe"
+        group = backends.ENTRY_POINT_GROUPS[family.what]
         raise ConfigError(
-            f"{family.backends_var} names unknown backend(s) {_capped(unknown)}; known: {', '.join(known)} "
-            f"(register custom ones with sm120_fp4.backends.{register} before install)"
+            f"{source} names unknown backend(s) {capped(unknown)}; known: {', '.join(family.names())} "
+            f"(register custom ones with sm120_fp4.backends.{register} before install, or as entry points of group "
+            f"{group} so that spawned workers have them too)"
         )
     if not names:
-        raise ConfigError(f"{family.backends_var} is empty; name at least one backend")
+        raise ConfigError(f"{source} is empty; name at least one backend")
     return names
-
-
-def _capped(items: list, limit: int = 8) -> str:
-    """A list for an error message: at most `limit` entries, then "and N more"."""
-    shown = ", ".join(repr(i) for i in items[:limit])
-    return f"[{shown}{f', and {len(items) - limit} more' if len(items) > limit else ''}]"
 
 
 def decide(
@@ -322,7 +354,7 @@ def decide(
             device = torch.cuda.current_device()
         device = devices.get_device(device, settings.simulated_capability)
     family = FAMILIES[family] if isinstance(family, str) else family
-    names = candidate_names(settings, candidates, family)
+    names = candidate_names(settings, candidates, family, device)
     key = (family.name, device.key, tuple(names), settings.selftest, family.fallback(settings), settings.select)
     with _lock:
         key_lock = _key_locks.setdefault(key, threading.Lock())
@@ -332,7 +364,8 @@ def decide(
         try:
             decision = _choose(device, names, settings, family)
         except RefusedToServe as exc:
-            _refuse(Refusal(device=device.label(), message=str(exc)), settings)
+            _refuse(Refusal(device=device.label(), family=family.name, message=str(exc),
+                            rejected=getattr(exc, "rejected", {}), reports=getattr(exc, "reports", [])), settings)
             raise
         with _lock:
             _decisions[key] = decision
@@ -349,7 +382,7 @@ def _write_report(settings: Settings) -> None:
         payload = {"pid": os.getpid(), "decisions": [d.model_dump(mode="json") for d in decisions()],
                    "refusals": [r.model_dump(mode="json") for r in refusals()]}
         try:
-            write_report(settings.report, payload)
+            write_report(settings.report, payload, directory=settings.report_is_dir)
         except OSError as exc:  # a report is evidence, not a reason to stop a verified worker
             _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
 
@@ -470,7 +503,7 @@ def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, setting
     failures = [report]
     serving.failed[report.backend] = f"{report.config}: {report.reason}"
     while True:
-        remaining = [n for n in candidate_names(settings, family=serving.family) if n not in serving.failed]
+        remaining = [n for n in candidate_names(settings, family=serving.family, device=serving.device) if n not in serving.failed]
         decision = _next_decision(serving, remaining, settings)
         if decision is None:
             break
@@ -485,14 +518,15 @@ def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, setting
             return next(r for r in reports if r.config == report.config)
         failures.append(bad)
         serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
-    message = refusal_message(serving.device, candidate_names(settings, family=serving.family),
-                              {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()},
-                              config=report.config, family=serving.family)
+    rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
+    message = refusal_message(serving.device, candidate_names(settings, family=serving.family, device=serving.device),
+                              rejected, config=report.config, family=serving.family)
     if settings.selftest == "warn":
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving UNVERIFIED with %s", message, serving.decision.backend)
         serving.decision.verified = False
         return report
-    _refuse(Refusal(device=serving.device.label(), config=report.config, message=message, reports=failures), settings)
+    _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message,
+                    rejected=rejected, reports=failures), settings)
     raise RefusedToServe(message)
 
 
@@ -536,7 +570,9 @@ def recheck(settings: Settings) -> list[selftest.SelfTestReport]:
                            f"  {report.config}: {report.reason}\n"
                            "The kernel changed behaviour after warm-up (autotuned tactics, captured graphs); "
                            "try another backend (SM120_FP4_BACKENDS) or SM120_FP4_FALLBACK=emulated.")
-                _refuse(Refusal(device=serving.device.label(), config=report.config, message=message, reports=[report]), settings)
+                _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message,
+                                rejected={serving.decision.backend: f"failed the re-check after warm-up: {report.reason}"},
+                                reports=[report]), settings)
                 raise RefusedToServe(message)
     _LOG.info("sm120_fp4: re-checked %d layer configuration(s) after warm-up: all pass", len(done))
     return done
@@ -553,10 +589,21 @@ def routes(family: str = "dense") -> dict[int, str]:
         return {index: name for (fam, index), name in _route_names.items() if fam == family}
 
 
-def write_report(path: Path, payload: dict) -> Path:
-    """Write `payload` as JSON atomically (temp file + rename), mode 0644, never through a symlink."""
+def write_report(path: Path, payload: dict, directory: bool | None = None) -> Path:
+    """Write `payload` as JSON atomically (temp file + rename), mode 0644.
+
+    `directory` says whether the path named a directory when the settings were read (a link to a
+    directory is that directory): then one file per process goes inside it, and a directory that
+    has disappeared is an OSError (the caller warns), never a file created at its name. Otherwise
+    the path is a file: a symlink planted there later is replaced itself, its target never written.
+    None: decide now (a real directory, not a link, gets a file per process).
+    """
     path = Path(str(path).replace("{pid}", str(os.getpid())))
-    if path.is_dir() and not path.is_symlink():
+    if directory is None:
+        directory = path.is_dir() and not path.is_symlink()
+    if directory:
+        if not path.is_dir():
+            raise FileNotFoundError(f"the report directory {path} no longer exists (not creating a file at its name)")
         path = path / f"sm120_fp4-{os.getpid()}.json"
     fd, tmp = tempfile.mkstemp(prefix=".sm120_fp4-", suffix=".json", dir=path.parent)
     try:

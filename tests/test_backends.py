@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -10,6 +11,7 @@ import torch
 
 from helpers import faults
 from helpers.cases import case
+from helpers.procs import background
 from sm120_fp4 import backends, kernels, nvfp4
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import InvalidArgument
@@ -111,3 +113,92 @@ def test_flashinfer_backends_check_their_input_before_any_kernel():
         backends.resolve("cutlass")(**{**operands(), "b": operands()["b"].contiguous()})
     with pytest.raises(InvalidArgument, match=r"K % 64 == 0 and N % 64 == 0"):
         backends.resolve("cute-dsl")(**operands(n=96, k=128))
+
+
+@case("own failures", "mm_fp4 arguments with {what}", "InvalidArgument naming {param}, from metadata alone, before any kernel")
+@pytest.mark.parametrize("what, param", [("a non-contiguous a", "a"), ("a non-contiguous a_descale", "a_descale"),
+                                         ("b_descale contiguous itself instead of the .T view of a contiguous tensor", "b_descale")])
+def test_contiguity_and_scale_layout_are_checked(what, param):
+    g = operands()
+    if param == "a":
+        g["a"] = torch.cat([g["a"], g["a"]], 1)[:, ::2]
+    elif param == "a_descale":
+        g["a_descale"] = torch.cat([g["a_descale"], g["a_descale"]], 1)[:, ::2]
+    else:
+        g["b_descale"] = g["b_descale"].contiguous()
+    assert g[param].numel() == operands()[param].numel()
+    with pytest.raises(InvalidArgument, match=rf"mm_fp4: {param}="):
+        kernels.check_mm_fp4_args(**g)
+
+
+# ---- entry-point backends (groups sm120_fp4.backends / sm120_fp4.moe_backends) ------------------
+
+@pytest.fixture
+def plugins_on_path(tmp_path, monkeypatch):
+    from helpers.plugins import plugin_site
+
+    monkeypatch.syspath_prepend(str(plugin_site(tmp_path / "plugins")))
+    import importlib
+
+    importlib.invalidate_caches()
+    for registry in (backends._dense, backends._moe):
+        monkeypatch.setattr(registry, "_looked_up", set())
+
+
+@case("own failures", "a backend name nobody registered, installed as an entry point ({which})",
+      "{outcome}")
+@pytest.mark.parametrize("which, outcome", [
+    ("a GEMM function", "found and registered on first use, in any process"),
+    ("a function with an is_supported attribute", "its support check is used: not supported on sm_120, with its reason"),
+    ("an entry point whose module does not import", "ConfigError naming the entry point, its group and the error"),
+    ("a MoE backend in sm120_fp4.moe_backends", "found for the MoE family only"),
+])
+def test_entry_point_backends_are_loaded_when_asked_for(plugins_on_path, which, outcome):
+    from sm120_fp4.config import Settings
+    from sm120_fp4.errors import ConfigError
+    from sm120_fp4 import selection
+
+    if which.startswith("a GEMM"):
+        assert "zeros" not in backends.names()
+        assert selection.candidate_names(Settings(backends="zeros,emulated")) == ["zeros", "emulated"]
+        assert backends.get("zeros").kind == "registered"
+    elif "is_supported" in which:
+        assert backends.is_supported("good121", Device(0, "mocked", (12, 0))) == (False, "only on sm_121")
+        assert backends.is_supported("good121", Device(0, "mocked", (12, 1)))[0]
+    elif "does not import" in which:
+        with pytest.raises(ConfigError, match=r"entry point 'missing' .* of group sm120_fp4.backends failed to load: ModuleNotFoundError"):
+            selection.candidate_names(Settings(backends="missing"))
+    else:
+        assert selection.candidate_names(Settings(moe_backends="moe-crash"), family=selection.MOE) == ["moe-crash"]
+        with pytest.raises(ConfigError, match="unknown backend"):
+            selection.candidate_names(Settings(backends="moe-crash"))
+
+
+ENTRY_POINT_WORKER = """
+import json
+import sglang.srt.layers.quantization.modelopt_quant as mq  # the .pth bootstrap installs here
+import sm120_fp4
+from sm120_fp4.sglang import layers
+layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+d = sm120_fp4.status().decisions[0]
+print(json.dumps([getattr(mq.flashinfer_fp4_gemm, '__sm120_fp4_patch__', None), d.backend, d.rejected]))
+"""
+
+
+def _entry_point_worker(folder):
+    from helpers.plugins import plugin_site
+    from helpers.procs import REPO, python
+
+    return python(ENTRY_POINT_WORKER, folder, cwd=folder, PYTHONPATH=f"{plugin_site(folder / 'plugins')}:{REPO}",
+                  SM120_FP4="1", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros,good")
+
+
+@case("own failures", "a new worker process (SM120_FP4=1, `.pth` bootstrap, real SGLang import) asked for backends that exist only as entry points (BACKENDS=zeros,good)",
+      "the worker finds both without anyone calling register(): zeros is rejected by its self-test, good serves the layer")
+@background(_entry_point_worker)
+def test_entry_point_backends_reach_spawned_workers(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    patch, backend, rejected = json.loads(stdout.strip().splitlines()[-1])
+    assert patch == "flashinfer-fp4-gemm-alias" and backend == "good"
+    assert "all zeros" in rejected["zeros"] and "unknown" not in stderr

@@ -13,7 +13,7 @@ import pytest
 import sm120_fp4
 from helpers.cases import case
 from helpers.common import SIM_ENV, assert_patched_once
-from helpers.procs import PACKAGE, background, broken_copy, fake_sglang, ours, python
+from helpers.procs import PACKAGE, REPO, background, broken_copy, fake_sglang, ours, python, with_repo_pth
 from sm120_fp4 import bootstrap
 
 PTH = (PACKAGE / "_pth" / "sm120_fp4.pth").read_text()
@@ -98,23 +98,43 @@ BAD_WORKER = {
 @case("configuration", "worker started with {setting} (the `.pth` bootstrap active) imports SGLang",
       "the import raises ConfigError naming the variable and the value: the worker stops before serving, never silently unpatched")
 @pytest.mark.parametrize("setting", list(BAD_WORKER))
-@background(lambda folder, setting: python("import sglang", folder, cwd=folder, PYTHONPATH=str(fake_sglang(folder / "site")), **BAD_WORKER[setting][0]))
+@background(lambda folder, setting: python("import sglang", folder, cwd=folder, PYTHONPATH=f"{fake_sglang(folder / 'site')}:{REPO}", **BAD_WORKER[setting][0]))
 def test_a_bad_setting_stops_a_bootstrapped_worker_at_the_sglang_import(background, setting):
     rc, _, stderr = background
     assert rc != 0
     assert "ConfigError" in stderr and BAD_WORKER[setting][1] in stderr, stderr
 
 
-@case("own failures", "package with a truncated bootstrap.py, SM120_FP4=1, new interpreter",
-      "the interpreter starts and runs; exactly one stderr line (the .pth may be processed twice) says the bootstrap failed and why; no import hook left behind")
-@background(lambda folder: python("import sys; print([type(f).__name__ for f in sys.meta_path]); print('ran')", folder, cwd=folder,
-                                  SM120_FP4="1", PYTHONPATH=str(broken_copy(folder / "site", "bootstrap.py"))))
+@case("own failures", "package with a truncated bootstrap.py, SM120_FP4=1, new interpreter (this repository's `.pth` line)",
+      "the interpreter starts and runs; one stderr line says the bootstrap failed and why; only a finder that refuses `sglang` is left behind")
+@background(lambda folder: with_repo_pth("import sys; print([type(f).__name__ for f in sys.meta_path]); print('ran')", folder, cwd=folder,
+                                         SM120_FP4="1", PYTHONPATH=str(broken_copy(folder / "site", "bootstrap.py"))))
 def test_a_corrupted_bootstrap_never_raises_at_interpreter_start(background):
     rc, stdout, stderr = background
     assert rc == 0 and stdout.endswith("ran\n"), stderr
-    assert "_AfterSGLangImport" not in stdout
+    assert "_AfterSGLangImport" not in stdout and "_Sm120Fp4Refuse" in stdout
     lines = ours(stderr)
-    assert len(lines) == 1 and lines[0].startswith("sm120_fp4: start-up bootstrap failed, SGLang runs unpatched: SyntaxError"), stderr
+    assert len(lines) == 1 and lines[0].startswith("sm120_fp4: start-up bootstrap failed") and "SyntaxError" in lines[0], stderr
+
+
+@case("own failures", "package that cannot be imported (truncated bootstrap.py), SM120_FP4=1, `.pth` line, then `import sglang`",
+      "`import sglang` raises ImportError saying the bootstrap failed, why, and how to turn the library off: SGLang never runs unpatched")
+@background(lambda folder: with_repo_pth("import sglang", folder, cwd=folder, SM120_FP4="1",
+                                         PYTHONPATH=f"{broken_copy(folder / 'site', 'bootstrap.py')}:{fake_sglang(folder / 'fake')}"))
+def test_a_package_that_cannot_import_makes_import_sglang_fail(background):
+    rc, _, stderr = background
+    assert rc != 0
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: sm120_fp4: start-up bootstrap failed") and "SyntaxError" in last and "SM120_FP4=0" in last, stderr
+
+
+@case("own failures", "`.pth` line with SM120_FP4 unset, 0 or off (this repository's copy)", "nothing imported, no finder inserted")
+@pytest.mark.parametrize("value", ["unset", "0", "off"])
+@background(lambda folder, value: with_repo_pth("import sys, json; print(json.dumps([sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'sm120_fp4')), [type(f).__name__ for f in sys.meta_path if 'Sm120' in type(f).__name__ or 'SGLang' in type(f).__name__]]))",
+                                                folder, **({} if value == "unset" else {"SM120_FP4": value})))
+def test_the_repository_pth_line_is_free_when_off(background, value):
+    rc, stdout, stderr = background
+    assert rc == 0 and json.loads(stdout) == [[], []], stderr
 
 
 def _partial_install(folder: Path) -> Path:
@@ -134,14 +154,30 @@ def test_a_partially_installed_package_never_raises_at_interpreter_start(backgro
     assert lines and all("ModuleNotFoundError" in line and "sm120_fp4.bootstrap" in line for line in lines), stderr
 
 
-@case("own failures", "package copy with a truncated api.py, SM120_FP4=1, `.pth` bootstrap, `import sglang` (a stand-in package: the hook fires on the name)", "`import sglang` succeeds; exactly one stderr line says activation failed and why")
+@case("own failures", "package copy with a truncated api.py, SM120_FP4=1, `.pth` bootstrap, `import sglang` (a stand-in package: the hook fires on the name)",
+      "`import sglang` fails: the last stderr line says activation failed, why, and how to turn the library off; never SGLang unpatched")
 @background(lambda folder: python("import json, sglang, sm120_fp4; print(json.dumps([sglang.__file__, sm120_fp4.__file__]))", folder,
                                   cwd=broken_copy(folder / "broken", "api.py"), SM120_FP4="1", **SIM_ENV,
                                   PYTHONPATH=f"{folder / 'broken'}:{fake_sglang(folder / 'fake')}"))
-def test_a_corrupted_package_leaves_sglang_importing_with_one_line_on_stderr(background):
+def test_a_corrupted_package_stops_import_sglang_with_one_clear_line(background):
     rc, stdout, stderr = background
-    assert rc == 0, stderr
-    sglang_file, package = json.loads(stdout)
-    assert sglang_file.endswith("/fake/sglang/__init__.py") and "/broken/sm120_fp4/" in package, "the corrupted copy is what the bootstrap loaded"
-    lines = ours(stderr)
-    assert len(lines) == 1 and lines[0].startswith("sm120_fp4: activation failed, SGLang runs unpatched: SyntaxError"), stderr
+    assert rc != 0 and stdout == "", stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("sm120_fp4.bootstrap.ActivationFailed: sm120_fp4: activation failed with SM120_FP4 on (SyntaxError"), stderr
+    assert "SM120_FP4=0" in last
+    assert "runs unpatched" not in stderr
+
+
+LONG = "/tmp/" + "x" * 300 + "/report.json"
+
+
+@case("configuration", "worker (SM120_FP4=1, `.pth` bootstrap) with SM120_FP4_REPORT={what} imports SGLang",
+      "the import raises ConfigError naming SM120_FP4_REPORT and the filesystem error; the worker stops, never unpatched")
+@pytest.mark.parametrize("what", ["an over-long path component"])
+@background(lambda folder, what: python("import sglang", folder, cwd=folder, PYTHONPATH=f"{fake_sglang(folder / 'site')}:{REPO}",
+                                        SM120_FP4="1", SM120_FP4_REPORT=LONG, **SIM_ENV))
+def test_a_filesystem_error_in_a_setting_stops_a_worker_as_a_config_error(background, what):
+    rc, _, stderr = background
+    assert rc != 0
+    assert "ConfigError" in stderr and "SM120_FP4_REPORT=" in stderr and "ENAMETOOLONG" in stderr, stderr
+    assert "runs unpatched" not in stderr

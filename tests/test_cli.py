@@ -10,7 +10,8 @@ import pytest
 
 from helpers.cases import case
 from helpers.common import SIM_ENV as SIM_OK
-from helpers.procs import Popen, background, clean_env
+from helpers.plugins import plugin_site
+from helpers.procs import REPO, Popen, background, clean_env
 from sm120_fp4 import cli, doctor
 
 
@@ -34,13 +35,14 @@ def test_selftest_passes_with_exit_0_a_table_and_progress(monkeypatch, capsys):
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=SIM_OK)
     assert code == 0, err
     assert "| cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out
-    assert "self-testing" in err and "JIT-compiles" in err  # progress for long steps
+    assert "self-testing" in err and "self-test of emulated" in err  # progress for long steps
+    assert "JIT-compiles" not in err, "no FlashInfer backend is tested in simulation: no nvcc warning"
 
 
 def test_selftest_refusal_is_exit_1_with_the_refusal_message(monkeypatch, capsys):
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"})
     assert code == 1
-    assert "REFUSED" in out and "refusing to serve NVFP4" in err
+    assert "| dense | -1 | - | REFUSED |" in out and "refusing to serve NVFP4" in err
     assert "cutlass: not supported: FlashInfer kernels need a real GPU" in err
 
 
@@ -49,7 +51,7 @@ def test_selftest_refusal_is_exit_1_with_the_refusal_message(monkeypatch, capsys
     [
         (("selftest",), {"SM120_FP4_SELFTEST": "bogus"}, "SM120_FP4_SELFTEST='bogus' is not accepted"),
         (("selftest", "--device", "7"), SIM_OK, "--device [7] not visible"),
-        (("selftest", "--backend", "nope"), {"SM120_FP4_SIMULATE": "12.0"}, "unknown backend(s) ['nope']"),
+        (("selftest", "--backend", "nope"), {"SM120_FP4_SIMULATE": "12.0"}, "--backend names unknown backend(s) ['nope']"),
         (("selftest", "--device", "x"), SIM_OK, "invalid int value"),
     ],
 )
@@ -80,26 +82,32 @@ CLI_GARBAGE = [
     ("SM120_FP4_SIMULATE", "12.0.1"),
     ("SM120_FP4_REPORT", "/nonexistent-sm120/{pid}.json"),
     ("SM120_FP4_SELFTESTS", "off"),
+    ("SM120_FP4_REPORT", "/tmp/" + "y" * 300 + "/{pid}.json"),
+    ("SM120_FP4_SIMULATE", "\uff11\uff12.\uff10"),
 ]
 
 
 @case("configuration", "`sm120-fp4 selftest` with {variable}={value}", "exit code 2 at start, before any self-test; stderr names the variable and the value")
-@pytest.mark.parametrize("variable, value", CLI_GARBAGE, ids=[f"{v}={x}" for v, x in CLI_GARBAGE])
+@pytest.mark.parametrize("variable, value", CLI_GARBAGE, ids=[f"{v}={x[:30]}" for v, x in CLI_GARBAGE])
 def test_garbage_settings_stop_the_cli_at_start_with_exit_2(monkeypatch, capsys, variable, value):
     # In process: the same cli.main the console script runs (test_the_console_script_runs_the_same_program).
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env={**SIM_OK, variable: value})
     assert code == 2, err
-    assert f"{variable}={value!r}" in err, err
+    assert f"{variable}={value!r}"[:150] in err, err
     assert "self-testing" not in err and out == ""
 
 
 # ---- launch -------------------------------------------------------------------------------
 
-@background(cli_job("launch", "--", sys.executable, "-c", "import os; print('child toggle', os.environ['SM120_FP4'])", env=SIM_OK))
+SIM_BOTH = {**SIM_OK, "SM120_FP4_MOE_BACKENDS": "emulated"}
+
+
+@background(cli_job("launch", "--", sys.executable, "-c", "import os; print('child toggle', os.environ['SM120_FP4'])", env=SIM_BOTH))
 def test_launch_execs_the_command_with_the_toggle_after_a_passing_preflight(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
     assert "child toggle 1" in stdout and "preflight passed" in stderr
+    assert "| dense |" in stdout and "| moe |" in stdout, "launch runs the dense and the MoE preflight"
 
 
 def test_launch_refuses_to_start_the_server_when_preflight_fails(monkeypatch, capsys, tmp_path):
@@ -177,3 +185,97 @@ def test_demo_runs_to_the_end_and_shows_the_refusal(capsys):
 
     shown = [line.removeprefix("   | ") for line in out.splitlines() if line.startswith("   | ")]
     assert readme_refusal() == shown, "README's troubleshooting shows the refusal exactly as it prints"
+
+
+# ---- reliability: the preflight is for verification -------------------------------------------
+
+def plugin_env(folder, **env):
+    """clean_env with the throw-away entry-point distribution (helpers.plugins) on PYTHONPATH."""
+    return clean_env(PYTHONPATH=f"{plugin_site(folder / 'plugins')}:{REPO}", SM120_FP4_VERDICTS=str(folder / "verdicts.json"), **env)
+
+
+def cli_plugin_job(*args, **env):
+    return lambda folder, **params: Popen([sys.executable, "-m", "sm120_fp4", *args], plugin_env(folder, **env, **params), folder)
+
+
+UNVERIFIED = {"warn": {"SM120_FP4_SELFTEST": "warn"}, "off": {"SM120_FP4_SELFTEST": "off"}}
+
+
+@case("backend faults", "`sm120-fp4 selftest` with SM120_FP4_SELFTEST={mode} and a kernel that returns zeros (an entry-point backend)",
+      f"exit {cli.EXIT_UNVERIFIED} (unverified), never 0; the row says UNVERIFIED")
+@pytest.mark.parametrize("mode", list(UNVERIFIED))
+@background(lambda folder, mode: Popen([sys.executable, "-m", "sm120_fp4", "selftest"],
+                                       plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros", **UNVERIFIED[mode]), folder))
+def test_an_unverified_preflight_has_its_own_exit_code(background, mode):
+    rc, stdout, stderr = background
+    assert rc == cli.EXIT_UNVERIFIED, stderr
+    assert "| zeros | UNVERIFIED |" in stdout
+
+
+LAUNCH_CHILD = "open('started', 'w').write('yes')"
+
+
+@case("backend faults", "`sm120-fp4 launch {flag}` with SM120_FP4_SELFTEST=warn and a zero-returning kernel",
+      "{outcome}")
+@pytest.mark.parametrize("flag, outcome", [("", "exit 3; the command is not started"),
+                                           ("--allow-unverified", "the command starts, after a warning that it is unverified")])
+@background(lambda folder, flag, outcome: Popen([sys.executable, "-m", "sm120_fp4", "launch", *([flag] if flag else []), "--", sys.executable, "-c", LAUNCH_CHILD],
+                                                plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros", SM120_FP4_MOE_BACKENDS="emulated",
+                                                           SM120_FP4_SELFTEST="warn"), folder, cwd=folder))
+def test_launch_does_not_start_an_unverified_server_unless_told(background, flag, outcome):
+    rc, _, stderr = background
+    started = "yes" in stderr or rc == 0
+    if flag:
+        assert rc == 0 and "--allow-unverified was given" in stderr, stderr
+    else:
+        assert rc == cli.EXIT_UNVERIFIED and "not starting the server" in stderr and "--allow-unverified" in stderr, stderr
+    assert started is bool(flag)
+
+
+@case("configuration", "`sm120-fp4 selftest {args}`", "exit 2; stderr names --backend and the name; no table row")
+@pytest.mark.parametrize("args", ["--backend bogus", "--moe --backend bogus"])
+def test_an_unknown_backend_on_the_command_line_names_the_option(monkeypatch, capsys, args):
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", *args.split(), env=SIM_OK)
+    assert code == 2 and "--backend names unknown backend(s) ['bogus']" in err, err
+    assert "SM120_FP4_BACKENDS" not in err.split("known:")[0] and "REFUSED" not in out and "| -1 |" not in out
+
+
+@case("configuration", "`sm120-fp4 launch` with {gpus}", "one rule: nothing for the library to serve, so the command starts (exit 0) and stderr says nothing was verified")
+@pytest.mark.parametrize("gpus", ["no GPU visible", "only a non-12.x GPU (simulated 9.0)"])
+@background(lambda folder, gpus: Popen([sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-c", "print('started')"],
+                                       clean_env(CUDA_VISIBLE_DEVICES="", **({} if gpus.startswith("no") else {"SM120_FP4_SIMULATE": "9.0"})), folder))
+def test_launch_starts_the_command_when_there_is_nothing_to_verify(background, gpus):
+    rc, stdout, stderr = background
+    assert rc == 0 and "started" in stdout and "nothing to verify" in stderr, stderr
+
+
+@case("backend faults", "candidate that kills its process (SIGSEGV, as an illegal memory access does) in `sm120-fp4 selftest`, SELECT=fastest",
+      "the preflight survives: the crash is recorded in the verdict file (GPU, capability, driver, CUDA, FlashInfer, family, backend), the worker re-runs without it and verifies the next candidate (exit 0); a serving process then skips it, naming the crash and when it was recorded")
+@background(lambda folder: Popen([sys.executable, "-c", "import subprocess, sys, json\n"
+                                  "r = subprocess.run([sys.executable, '-m', 'sm120_fp4', 'selftest', '--json'], capture_output=True, text=True)\n"
+                                  "print(json.dumps([r.returncode, r.stdout, r.stderr]))\n"
+                                  "import sm120_fp4\n"
+                                  "d = sm120_fp4.decide()\n"
+                                  "print(json.dumps([d.backend, d.rejected]))\n"],
+                                 plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="crash,good", SM120_FP4_SELECT="fastest"), folder))
+def test_a_crashing_candidate_is_isolated_recorded_and_skipped_by_workers(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    first, second = stdout.splitlines()[:2]
+    code, out, err = json.loads(first)
+    assert code == 0, err
+    decision = json.loads(out)["-1"]["decision"]
+    assert decision["backend"] == "good" and decision["verified"]
+    assert "crash" in decision["rejected"] and "killed by SIGSEGV" in decision["rejected"]["crash"]
+    assert "self-test of crash" in err and "recorded as crashed" in err
+    backend, rejected = json.loads(second)
+    assert backend == "good" and "crashed the self-test process" in rejected["crash"] and "recorded 20" in rejected["crash"]
+
+
+@case("backend faults", "`sm120-fp4 selftest --moe` (MoE family: SM120_FP4_MOE_BACKENDS, --backend naming MoE backends)",
+      "MoE rows of its own in the table; a verified MoE backend exits 0, an unsupported one exits 1 (refused)")
+def test_selftest_moe_is_the_same_preflight_for_the_moe_family(monkeypatch, capsys):
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", "--moe", env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_MOE_BACKENDS": "emulated"})
+    assert code == 0 and "| moe | cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out, err
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", "--moe", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"})
+    assert code == 1 and "| moe | -1 | - | REFUSED |" in out and "NVFP4 fused-MoE" in err

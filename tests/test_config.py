@@ -22,7 +22,7 @@ def _uninstalled(sglang_unpatched):
 def test_defaults_when_nothing_is_set():
     s = load_settings()
     assert (s.toggle, s.enable, s.backends, s.selftest, s.fallback, s.select, s.simulate, s.report) == (
-        None, "auto", ("cutlass", "b12x"), "strict", "none", "first", None, None)
+        None, "auto", "auto", "strict", "none", "first", None, None)
     assert s.active and s.simulated_capability is None
 
 
@@ -94,6 +94,18 @@ ENV_GARBAGE = [
     ("SM120_FP4_SIMULATE", "100.0", "MAJOR.MINOR"),
     ("SM120_FP4_SIMULATE", "-12.0", "MAJOR.MINOR"),
     ("SM120_FP4_SIMULATE", "", "MAJOR.MINOR"),
+    ("SM120_FP4_SIMULATE", "\u0661\u0662.\u0660", "MAJOR.MINOR"),  # Arabic-Indic digits
+    ("SM120_FP4_SIMULATE", "\uff11\uff12.\uff10", "MAJOR.MINOR"),  # fullwidth digits
+    ("SM120_FP4_SELFTEST_TIMEOUT", "\u0661\u0660", "ASCII digits"),
+    ("SM120_FP4_SELFTEST_TIMEOUT", "1_000", "ASCII digits"),
+    ("SM120_FP4_SELFTEST_TIMEOUT", " 9", "ASCII digits"),
+    ("SM120_FP4_SELFTEST_TIMEOUT", "inf", "ASCII digits"),
+    ("SM120_FP4_SELFTEST_TIMEOUT", "1e300", "up to 86400"),
+    ("SM120_FP4_BACKENDS", "cutlass\u2003", "lower-case backend names"),  # a Unicode space is not stripped
+    ("SM120_FP4_REPORT", "/tmp/" + "x" * 300 + "/r.json", "ENAMETOOLONG"),
+    ("SM120_FP4_REPORT", "/tmp/" + "x" * 300, "ENAMETOOLONG"),
+    ("SM120_FP4_VERDICTS", "", "a file path"),
+    ("SM120_FP4_VERDICTS", "/tmp", "not a directory"),
     ("SM120_FP4_REPORT", "", "a file or directory path"),
     ("SM120_FP4_REPORT", "/nonexistent-sm120/report.json", "existing, writable directory"),
     ("SM120_FP4_SELFTES", "strict", "did you mean SM120_FP4_SELFTEST"),
@@ -103,7 +115,7 @@ ENV_GARBAGE = [
 
 
 @case("configuration", "env {variable}={value} at install()", "ConfigError naming the variable, the value and what is accepted; nothing patched")
-@pytest.mark.parametrize("variable, value, accepted", ENV_GARBAGE, ids=[f"{v}={x!r}" for v, x, _ in ENV_GARBAGE])
+@pytest.mark.parametrize("variable, value, accepted", ENV_GARBAGE, ids=[f"{v}={x[:40]!r}" for v, x, _ in ENV_GARBAGE])
 def test_garbage_in_an_environment_variable_is_an_error_at_install(monkeypatch, variable, value, accepted):
     monkeypatch.setenv(variable, value)
     if variable != "SM120_FP4_SIMULATE":
@@ -113,7 +125,7 @@ def test_garbage_in_an_environment_variable_is_an_error_at_install(monkeypatch, 
     with pytest.raises(ConfigError) as err:
         sm120_fp4.install()
     message = str(err.value)
-    assert variable in message and repr(value) in message and accepted in message, message
+    assert variable in message and repr(value)[:150] in message and accepted in message, message
     assert not sm120_fp4.status().installed
     assert_not_patched()
 
@@ -141,3 +153,68 @@ def test_garbage_in_a_keyword_is_an_error_at_install(keyword, value, accepted):
     if keyword != "selftes":
         assert f"keyword {keyword}={value!r}" in message, message
     assert_not_patched()
+
+
+# ---- off means off (issue: following the refusal's advice SM120_FP4=0 must always work) --------
+
+OFF_WAYS = {"env SM120_FP4=0": ({"SM120_FP4": "0"}, {}), "env SM120_FP4=off": ({"SM120_FP4": "off"}, {}),
+            "install(toggle=0)": ({}, {"toggle": 0}), "install(toggle=False)": ({}, {"toggle": False}),
+            "install(toggle='off') over env SM120_FP4=1": ({"SM120_FP4": "1"}, {"toggle": "off"})}
+
+
+@case("configuration", "{way} with stale bad values (SM120_FP4_SELFTEST=bogus, SM120_FP4_SIMULATE=twelve, an unknown SM120_FP4_FOO)",
+      "install() is a no-op: no error, nothing patched, status says disabled; the ignored values are logged once")
+@pytest.mark.parametrize("way", list(OFF_WAYS))
+def test_off_means_off_whatever_else_is_set(monkeypatch, caplog, way):
+    env, kwargs = OFF_WAYS[way]
+    for name, value in {**env, "SM120_FP4_SELFTEST": "bogus", "SM120_FP4_SIMULATE": "twelve", "SM120_FP4_FOO": "1"}.items():
+        monkeypatch.setenv(name, value)
+    from sm120_fp4 import config
+
+    monkeypatch.setattr(config, "_ignored_logged", set())
+    first = sm120_fp4.install(**kwargs)
+    second = sm120_fp4.install(**kwargs)
+    assert not first.installed and not second.installed and "disabled" in first.message
+    assert_not_patched()
+    logged = [r.getMessage() for r in caplog.records if "ignoring the other settings" in r.getMessage()]
+    assert len(logged) == 1 and "SM120_FP4_FOO" in logged[0], logged
+
+
+@case("configuration", "install(toggle=1) (an int, as the message lists 1 as accepted)", "accepted: installs as toggle='1' does")
+def test_an_int_toggle_is_accepted_by_install():
+    status = sm120_fp4.install(toggle=1, **SIM)
+    assert status.installed and status.settings["toggle"] is True
+
+
+@case("configuration", "SM120_FP4_SELFTEST=warn together with SM120_FP4_{which}=emulated at install()",
+      "one warning at install() says the emulated fallback wins (nothing is served unverified)")
+@pytest.mark.parametrize("which", ["FALLBACK", "MOE_FALLBACK"])
+def test_install_says_once_that_the_emulated_fallback_beats_selftest_warn(monkeypatch, caplog, which):
+    from sm120_fp4 import api
+
+    monkeypatch.setattr(api, "_logged", set())
+    monkeypatch.setenv("SM120_FP4_SELFTEST", "warn")
+    monkeypatch.setenv(f"SM120_FP4_{which}", "emulated")
+    sm120_fp4.install(**SIM)
+    lines = [r.getMessage() for r in caplog.records if "wins" in r.getMessage()]
+    assert len(lines) == 1 and f"SM120_FP4_{which}=emulated wins" in lines[0], lines
+
+
+HUGE = ",".join(f"nope{i}" for i in range(20000))
+
+
+@case("configuration", "{what} (20,000 entries) at install()", "ConfigError under 2 KB that shows the first entries and says 'and N more'")
+@pytest.mark.parametrize("what", ["SM120_FP4_BACKENDS of 20,000 unknown names", "SM120_FP4_BACKENDS of 20,000 malformed names",
+                                  "20,000 unknown SM120_FP4_* variables"])
+def test_error_messages_are_bounded_whatever_the_input(monkeypatch, what):
+    if "unknown names" in what:
+        monkeypatch.setenv("SM120_FP4_BACKENDS", HUGE)
+    elif "malformed" in what:
+        monkeypatch.setenv("SM120_FP4_BACKENDS", HUGE.upper())
+    else:
+        for i in range(20000):
+            monkeypatch.setenv(f"SM120_FP4_X{i}", "1")
+    with pytest.raises(ConfigError) as err:
+        sm120_fp4.install(simulate="12.0")
+    message = str(err.value)
+    assert len(message) < 2048 and "more" in message, (len(message), message[:500])

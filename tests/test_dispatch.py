@@ -127,3 +127,33 @@ def test_first_call_self_tests_once_and_a_failing_kernel_raises_not_zeros():
     with pytest.raises(RefusedToServe, match="zeros: self-test failed: .*all zeros"):
         dispatch(*operands(), torch.bfloat16)
 
+
+
+# ---- through the patched alias's front (Router.make_dispatch) -----------------------------------
+
+from helpers.cases import case  # noqa: E402
+from sm120_fp4.errors import InvalidArgument  # noqa: E402
+
+
+@case("own failures", "an empty batch (M=0) through the patched alias, out={out}", "an empty (0, N) result as torch.mm gives; the backend is not called")
+@pytest.mark.parametrize("out", ["None", "a (0, N) tensor"])
+def test_an_empty_batch_gives_an_empty_result(recording, out):
+    dispatch = ready(Settings(simulate="12.0", backends="recording"), Original(), recording)
+    a, b, a_sf, b_sf, alpha = operands()
+    empty_a = a[:0]
+    given = torch.empty(0, b.shape[1], dtype=torch.bfloat16) if out != "None" else None
+    result = dispatch(empty_a, b, a_sf, b_sf, alpha, torch.bfloat16, given)
+    assert tuple(result.shape) == (0, b.shape[1]) and result.dtype == torch.bfloat16
+    assert given is None or result is given
+    assert recording == []
+
+
+@case("own failures", "our own dispatch given {what}", "InvalidArgument naming {param} (not an IndexError/TypeError blamed on the backend)")
+@pytest.mark.parametrize("what, param", [("a 1-D b", "b"), ("out_dtype='bf16' (a string)", "out_dtype")])
+def test_bad_arguments_through_the_alias_name_the_parameter(recording, what, param):
+    dispatch = ready(Settings(simulate="12.0", backends="recording"), Original(), recording)
+    a, b, a_sf, b_sf, alpha = operands()
+    args = [a, b.reshape(-1) if param == "b" else b, a_sf, b_sf, alpha, "bf16" if param == "out_dtype" else torch.bfloat16]
+    with pytest.raises(InvalidArgument, match=rf"mm_fp4: {param}=") as err:
+        dispatch(*args)
+    assert "raised by FP4 GEMM backend" not in "".join(getattr(err.value, "__notes__", []))

@@ -193,7 +193,7 @@ def test_report_mode_is_0644_whatever_the_umask(tmp_path, umask):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
-@case("reports", "symlink planted at the report path (to a file, to a directory, dangling)", "the link itself is replaced by the report; its target is never written or created")
+@case("reports", "symlink planted at a file report path after start-up (to a file, to a directory, dangling)", "the link itself is replaced by the report; its target is never written or created")
 @pytest.mark.parametrize("target_kind", ["file", "directory", "dangling"])
 def test_report_never_follows_a_planted_symlink(tmp_path, target_kind):
     victim = tmp_path / "victim"
@@ -202,8 +202,9 @@ def test_report_never_follows_a_planted_symlink(tmp_path, target_kind):
     elif target_kind == "directory":
         victim.mkdir()
     link = tmp_path / "report.json"
+    settings = Settings(simulate="12.0", report=str(link), selftest="off")  # read while the path is no link
     link.symlink_to(victim)
-    _decide_with_report(link)
+    selection.decide(candidates=["emulated"], settings=settings)
     assert not link.is_symlink() and json.loads(link.read_text())["decisions"][0]["backend"] == "emulated"
     if target_kind == "file":
         assert victim.read_text() == "precious"
@@ -269,3 +270,79 @@ def test_concurrent_report_writes_never_lose_a_decision(tmp_path, monkeypatch):
     first.join()
     second.join()
     assert len(json.loads(path.read_text())["decisions"]) == 2
+
+
+@case("reports", "SM120_FP4_REPORT is a symlink to a directory (/logs -> /mnt/vol/logs), two processes write",
+      "the link is kept and is that directory: one sm120_fp4-PID.json per process inside the target")
+def test_a_report_link_to_a_directory_is_that_directory(tmp_path, monkeypatch):
+    target = tmp_path / "vol" / "logs"
+    target.mkdir(parents=True)
+    link = tmp_path / "logs"
+    link.symlink_to(target)
+    monkeypatch.setenv("SM120_FP4_REPORT", str(link))
+    settings = Settings(simulate="12.0", selftest="off")
+    selection.decide(candidates=["emulated"], settings=settings)
+    selection.write_report(link, {"pid": 1}, directory=settings.report_is_dir)  # as another worker's write lands
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert [p.name for p in target.iterdir()] == [f"sm120_fp4-{os.getpid()}.json"]
+
+
+@case("reports", "report directory (or the link to it) removed after start-up, then a decision is written",
+      "a warning; no file is created at the directory's name; the decision stands")
+@pytest.mark.parametrize("kind", ["directory", "link to a directory"])
+def test_a_vanished_report_directory_is_not_replaced_by_a_file(tmp_path, caplog, kind):
+    target = tmp_path / "logs"
+    target.mkdir()
+    path = target
+    if kind != "directory":
+        path = tmp_path / "link"
+        path.symlink_to(target)
+    settings = Settings(simulate="12.0", report=str(path), selftest="off")
+    target.rmdir()
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    assert selection.decide(candidates=["emulated"], settings=settings).backend == "emulated"
+    assert not target.exists() and any("report" in r.getMessage() and "no longer exists" in r.getMessage() for r in caplog.records)
+
+
+@case("properties", "SM120_FP4_BACKENDS unset (auto) on a GPU of compute capability {cc}",
+      "the candidates are the per-capability order of kernels.ORDER_BY_CAPABILITY: {order}")
+@pytest.mark.parametrize("cc, order", [("12.0", "cutlass,b12x"), ("12.1", "cutlass (b12x absent: FlashInfer #3170)")])
+def test_the_default_candidates_follow_the_capability(cc, order):
+    major, minor = map(int, cc.split("."))
+    gpu = CpuGpu(0, f"mocked sm_{major}{minor}", (major, minor))
+    settings = Settings(fallback="emulated")
+    decision = selection.decide(gpu, settings=settings)
+    assert decision.candidates == order.split(" ")[0].split(",")
+
+
+@case("own failures", "decide() refuses (every candidate fails its self-test)",
+      "status().refusals lists the refusal with the device, the family and each candidate's reason (decisions stay empty)")
+def test_a_refusal_from_decide_is_in_status_with_its_reasons():
+    import sm120_fp4
+
+    backends.register("zeros", faults.returns_zeros)
+    backends.register("band", faults.zeroes_row_band)
+    with pytest.raises(RefusedToServe):
+        sm120_fp4.decide(candidates=["zeros", "band"], settings=SIM)
+    status = sm120_fp4.status()
+    assert status.decisions == [] and len(status.refusals) == 1
+    refusal = status.refusals[0]
+    assert refusal.family == "dense" and "sm_120" in refusal.device
+    assert "all zeros" in refusal.rejected["zeros"] and "row(s) all zero" in refusal.rejected["band"]
+    assert [r.backend for r in refusal.reports] == ["zeros", "band"]
+
+
+@case("backend faults", "SM120_FP4_SELFTEST_TIMEOUT=1 and a kernel that takes 0.4 s per call (every call under the bound, 8 calls)",
+      "the bound is on the whole candidate: rejected as hung after about 1 s; the next candidate serves")
+def test_the_selftest_timeout_bounds_a_whole_candidate(monkeypatch):
+    def slow(*args):
+        time.sleep(0.4)
+        return faults.healthy(*args)
+
+    backends.register("slow", slow)
+    monkeypatch.setenv("SM120_FP4_SIMULATE", "12.0")
+    monkeypatch.setenv("SM120_FP4_SELFTEST_TIMEOUT", "1")
+    start = time.perf_counter()
+    decision = selection.decide(candidates=["slow", "emulated"])
+    assert decision.backend == "emulated" and "did not return within" in decision.rejected["slow"]
+    assert time.perf_counter() - start < 3.2 - 0.4 * 2

@@ -106,6 +106,21 @@ def python(code: str, folder: Path, cwd: Path | None = None, **env: str) -> Pope
     return Popen([sys.executable, "-c", code], clean_env(**env), folder, cwd)
 
 
+REPO = PACKAGE.parent
+PTH = PACKAGE / "_pth" / "sm120_fp4.pth"
+
+
+def with_repo_pth(code: str, folder: Path, cwd: Path | None = None, **env: str) -> Popen:
+    """A background `python -S -c code` that processes this repository's `.pth` line first (as
+    site-packages would; the environment's installed copy may be older), then the normal site."""
+    site_dir = folder / "pth-site"
+    site_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(PTH, site_dir / "sm120_fp4.pth")
+    prelude = f"import site; site.addsitedir({str(site_dir)!r}); site.main()\n"
+    env.setdefault("PYTHONPATH", str(REPO))
+    return Popen([sys.executable, "-S", "-c", prelude + code], clean_env(**env), folder, cwd)
+
+
 def background(start: Callable[..., object]):
     """Start `start(folder, **params)` at session start for each selected case of the decorated test.
 

@@ -1,0 +1,59 @@
+"""A throw-away distribution with sm120_fp4 backends as entry points (groups sm120_fp4.backends and
+sm120_fp4.moe_backends), for children that must find backends the way spawned workers do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MODULE = '''
+import os, signal
+
+
+def crash(a, b, a_sf, b_sf, alpha, dtype, out):
+    """Dies as an illegal memory access does: the process is gone (FlashInfer #3170)."""
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def zeros(a, b, a_sf, b_sf, alpha, dtype, out):
+    out.zero_()
+    return out
+
+
+def good(a, b, a_sf, b_sf, alpha, dtype, out):
+    from sm120_fp4.backends import emulated_mm_fp4
+    return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+
+
+def only_sm121(device):
+    return device.capability == (12, 1), "only on sm_121"
+
+
+good121 = lambda *args: good(*args)  # noqa: E731
+good121.is_supported = only_sm121
+
+
+def moe_crash(*args):
+    os.kill(os.getpid(), signal.SIGSEGV)
+'''
+
+ENTRY_POINTS = """[sm120_fp4.backends]
+crash = sm120_fp4_test_plugins:crash
+zeros = sm120_fp4_test_plugins:zeros
+good = sm120_fp4_test_plugins:good
+good121 = sm120_fp4_test_plugins:good121
+missing = sm120_fp4_no_such_module:fn
+
+[sm120_fp4.moe_backends]
+moe-crash = sm120_fp4_test_plugins:moe_crash
+"""
+
+
+def plugin_site(root: Path) -> Path:
+    """`root` holding the module and a dist-info with entry_points.txt; put it on PYTHONPATH."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sm120_fp4_test_plugins.py").write_text(MODULE)
+    info = root / "sm120_fp4_test_plugins-0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sm120-fp4-test-plugins\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    return root
