@@ -344,7 +344,12 @@ PINS: tuple[tuple[str, dict], ...] = (
     # 0.5.3-0.5.10.post1 import sgl_kernel on the way to modelopt_quant (0.5.5-0.5.7 unguarded, in
     # moe_runner/deep_gemm.py): install the pinned one so the run sees what a user's CPU sees.
     (">=0.5.3,<0.5.11", dict(kernel="pinned")),
-    (">=0.5.8,<0.5.10", dict(extra=("openai", "partial-json-parser"))),
+    # Beyond setup_env.sh's lists, each era's modelopt_quant import reaches (found by the trial loop
+    # below on 0.5.3, 0.5.5-0.5.10, 0.5.12, 0.5.13, 0.5.15; releases in between take their era's row):
+    (">=0.5.3,<0.5.5", dict(extra=("fastapi", "openai", "partial-json-parser", "einops"))),
+    (">=0.5.5,<0.5.8", dict(extra=("fastapi", "openai", "partial-json-parser"))),
+    (">=0.5.8,<0.5.11", dict(extra=("openai", "partial-json-parser"))),
+    (">=0.5.11,<0.5.18", dict(extra=("openai", "partial-json-parser", "einops"))),
 )
 KERNEL_DISTS = ("sgl-kernel", "sglang-kernel")
 
@@ -384,11 +389,12 @@ try:
     enum = getattr(fp4_utils, "Fp4GemmRunnerBackend", None)
     out["enum_members"] = None if enum is None else [m.name for m in enum]
     out["targets_present"] = {}
+    missing = object()
     for name, (module, attribute) in args["targets"].items():
-        owner = sys.modules.get(module)
+        owner = sys.modules.get(module, missing)
         for part in attribute.split("."):
-            owner = getattr(owner, part, None) if owner is not None else None
-        out["targets_present"][name] = owner is not None
+            owner = getattr(owner, part, missing) if owner is not missing else missing
+        out["targets_present"][name] = owner is not missing  # the name exists (its value may be None)
     out["stage"] = "uninstall()"
     sm120_fp4.uninstall()
     hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
@@ -399,7 +405,9 @@ try:
                            if type(f).__module__.startswith("sm120_fp4")]
     out["stage"] = "done"
 except BaseException as exc:
-    out["error"] = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:400]
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    cause = next((ln for ln in lines if "cannot open shared object" in ln), None)  # sgl_kernel's real reason
+    out["error"] = (type(exc).__name__ + ": " + " ".join(lines[:1] + ([cause] if cause and cause not in lines[:1] else [])))[:400]
     out["traceback"] = traceback.format_exc().splitlines()[-14:]
 print("MATRIX-RESULT " + json.dumps(out, default=str))
 sys.exit(1 if "error" in out else 0)
@@ -589,13 +597,14 @@ def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list
     results = []
     base = {"release": version, "pins": pins_summary(plan), "deviations": plan["deviations"],
             "date": datetime.date.today().isoformat()}
+    labels = {repo: repo_label(repo) for repo in repos}
     try:
         py = build_venv(version, cache, plan)
     except (RuntimeError, subprocess.CalledProcessError) as exc:
-        return [dict(base, repo=str(r), build_error=str(exc), ok=False) for r in repos]
+        return [dict(base, repo=str(r), code=labels[r], build_error=str(exc), ok=False) for r in repos]
     try:
         for repo in repos:
-            row = dict(base, repo=str(repo))
+            row = dict(base, repo=str(repo), code=labels[repo])
             if "import" in steps:
                 row["import"] = run_import(version, py, repo, plan)
                 print(f"[{version}] import+patches ({repo}): " + ("OK" if row["import"]["ok"] else "FAIL: " + "; ".join(row["import"]["problems"])), flush=True)
@@ -632,14 +641,27 @@ def cell(row: dict, step: str) -> str:
     return text[:400]
 
 
+def repo_label(repo: Path) -> str:
+    """`name@shorthash` (+ `+changes` when the work tree differs from it) of the checkout that ran."""
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return repo.name
+    return f"{repo.name}@{head}" + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def markdown(rows: list[dict]) -> str:
-    head = ["release", "pins (what the venv got)", "import + patches + uninstall", "demo", "integration tests", "outcome", "date"]
+    head = ["release", "sm120_fp4", "pins (what the venv got)", "import + patches + uninstall", "demo", "integration tests", "outcome", "date"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
+        code = row.get("code", row["repo"])
         if "build_error" in row:
-            cells = [row["release"], row["pins"], "venv build failed: " + row["build_error"].splitlines()[0], "not run", "not run", "FAIL", row["date"]]
+            cells = [row["release"], code, row["pins"], "venv build failed: " + row["build_error"].splitlines()[0], "not run", "not run", "FAIL", row["date"]]
         else:
-            cells = [row["release"], row["pins"], cell(row, "import"), cell(row, "demo"), cell(row, "tests"),
+            cells = [row["release"], code, row["pins"], cell(row, "import"), cell(row, "demo"), cell(row, "tests"),
                      "ok" if row["ok"] else "FAIL", row["date"]]
         out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     return "\n".join(out) + "\n"
