@@ -2,23 +2,30 @@
 """The SGLang release matrix: every patch target of sm120_fp4 checked against every release.
 
     .venv/bin/python scripts/sglang_matrix.py [--cache DIR] [--versions 0.5.3,0.5.8] [--json OUT]
-    .venv/bin/python scripts/sglang_matrix.py --import-check 0.5.22
+    .venv/bin/python scripts/sglang_matrix.py --import-check 0.5.22 [--demo] [--run-tests]
+    .venv/bin/python scripts/sglang_matrix.py --releases era --demo --run-tests --report docs/RELEASES.md
 
 Source check (default): downloads each release's wheel once (``pip download --no-deps``), extracts
 the few files the targets live in, and checks with ``ast`` (SGLang is never imported) that every
-spec of ``sm120_fp4.sglang.targets.ledger_rows()`` whose version range contains the release finds
-its target there with the expected shape, and that every spec whose range excludes the release
-does *not* find it (a range that is too narrow would leave a release unpatched). Prints a table
-and exits 1 on any FAIL.
+spec of the ledger (``ledger_rows()``) whose version range contains the release finds its target
+there with the expected shape, and that every spec whose range excludes the release does *not*
+find it (a range that is too narrow would leave a release unpatched). Prints a table and exits 1
+on any FAIL.
 
 Import check (``--import-check VERSION``): builds a CPU venv for that release under
-``.cache/venvs/sglang-VERSION`` (its own torch/flashinfer/transformers pins, read from the wheel),
-imports the real SGLang modules after ``sm120_fp4.install(simulate=...)`` and checks that the
-patches are applied, then that ``uninstall()`` restores the originals. Dependencies: the lists of
-``scripts/setup_env.sh`` with the release's pins, plus (found by trial, as the import fails) any
-module the release needs that its METADATA lists. ``--torch`` replaces the torch pin (0.5.18-0.5.21
-pin torch 2.13.0, whose only local build is CPU-only and has no matching torchvision);
-``--run-tests`` also runs tests/test_sglang_integration.py there. The venv is ~6 GB: delete it.
+``.cache/venvs/sglang-VERSION`` from the per-release pins recorded in ``PINS`` below (torch,
+torchvision, flashinfer-python, transformers, extra deps, how the CUDA-only kernel package is
+handled; no flag to find by hand), imports the real SGLang modules after
+``sm120_fp4.install(simulate="12.0")``, checks that the patches and the simulated activation
+quantizer are applied, then that ``uninstall()`` restores the originals and leaves no import
+finder. ``--demo`` also runs ``python -m sm120_fp4 demo`` there (must be bit-exact), ``--run-tests``
+tests/test_sglang_integration.py. The venv (~7 GB) is kept: delete it.
+
+Several releases (``--releases 0.5.3,0.5.9`` or ``--releases era``): the same, one release at a
+time, each venv deleted after its run (``--keep-venv`` keeps them); ``--report FILE`` writes the
+results as a Markdown table (release, pins, what was run and its outcome, date), rewritten after
+each release. ``--repo DIR`` (repeatable) runs another checkout's sm120_fp4 and test file in the
+same venv (on PYTHONPATH; the venv's editable install is this repo's).
 
 Needs ``packaging`` and an importable ``sm120_fp4`` (wrapt, pydantic): run it with the repo's
 ``.venv/bin/python`` (``bash scripts/setup_env.sh`` builds it).
@@ -28,8 +35,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import datetime
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -303,35 +313,105 @@ def check_outside(version: str) -> str | None:
 
 # ---------------------------------------------------------------- import check (real SGLang in a venv)
 
+# What each release's CPU venv gets, recorded here so that an import check needs no hand-found flag.
+# Rows are applied in order; a later row overrides the fields it names for the releases it matches.
+#   torch / torchvision: installed instead of the release's own pin. torch 2.14.1 (CUDA 13.0 build,
+#     runs on a CPU) and torchvision 0.29.1 are the only builds on this machine's disk (a local
+#     index); any other torch is a ~3-6 GB download with its own nvidia-* set. Every release below
+#     was run with them (import, patches, demo, integration tests: docs/RELEASES.md): SGLang's FP4
+#     linear path and the modules it imports use no torch API that 2.14 removed. (0.5.18-0.5.21 pin
+#     torch 2.13.0, whose only local build is CPU-only with no matching torchvision: that was the
+#     old --torch 2.14.1 flag; 0.5.3-0.5.17 pin 2.8.0/2.9.1/2.11.0, none of them on disk.)
+#   flashinfer / transformers: None = the release's own pin, read from its wheel's METADATA.
+#   extra: distributions the release's import of modelopt_quant needs beyond setup_env.sh's lists
+#     (found by trial once, recorded here); each is installed at the release's own pin when its
+#     METADATA has one, unpinned otherwise.
+#   kernel: the CUDA-only kernel package (sgl-kernel <= 0.5.10.post1, sglang-kernel from 0.5.11).
+#     "pinned": the release's own pin, --no-deps, as `pip install sglang==X` would bring it; on a
+#     CPU its import fails (libnvrtc.so.12/libcuda.so.1), which is the case the simulation's
+#     kernel stand-in must handle. "absent": not installed (SGLang's FP4 modules import without it).
+TORCH_LOCAL = {"torch": "2.14.1", "torchvision": "0.29.1"}
+PINS: tuple[tuple[str, dict], ...] = (
+    (">=0.5.3,<0.5.24", dict(**TORCH_LOCAL, flashinfer=None, transformers=None, extra=(), kernel="absent",
+                             why="torch 2.14.1: the local CUDA build; SGLang's FP4 path imports and runs with it")),
+    # 0.5.3-0.5.10.post1 import sgl_kernel on the way to modelopt_quant (0.5.5-0.5.7 unguarded, in
+    # moe_runner/deep_gemm.py): install the pinned one so the run sees what a user's CPU sees.
+    (">=0.5.3,<0.5.11", dict(kernel="pinned")),
+    # Beyond setup_env.sh's lists, each era's modelopt_quant import reaches (found by the trial loop
+    # below on 0.5.3, 0.5.5-0.5.10, 0.5.12, 0.5.13, 0.5.15; releases in between take their era's row):
+    (">=0.5.3,<0.5.5", dict(extra=("fastapi", "openai", "partial-json-parser", "einops"))),
+    (">=0.5.5,<0.5.8", dict(extra=("fastapi", "openai", "partial-json-parser"))),
+    (">=0.5.8,<0.5.11", dict(extra=("openai", "partial-json-parser"))),
+    (">=0.5.11,<0.5.18", dict(extra=("openai", "partial-json-parser", "einops"))),
+)
+KERNEL_DISTS = ("sgl-kernel", "sglang-kernel")
+
+
+def pins_for(version: str) -> dict:
+    """The PINS rows that match `version`, merged in order (fields of later rows win)."""
+    merged: dict = {}
+    for spec, fields in PINS:
+        if Version(version) in SpecifierSet(spec):
+            merged.update(fields)
+    if not merged:
+        raise RuntimeError(f"no PINS row covers sglang {version}: add one to scripts/sglang_matrix.py")
+    return merged
+
+
 SNIPPET = r"""
-import importlib, json, sys, warnings
+import importlib, json, sys, traceback, warnings
 warnings.simplefilter("ignore")
-modules = json.loads(sys.argv[1])
-import flashinfer
-original = flashinfer.mm_fp4
-import sm120_fp4
-sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
-for name in modules:
-    importlib.import_module(name)
-mq = sys.modules["sglang.srt.layers.quantization.modelopt_quant"]
-states = {p.name: (p.state, p.reason) for p in sm120_fp4.status().patches}
-alias = next(n for n in ("flashinfer_fp4_gemm", "fp4_gemm") if getattr(mq, n, None) is not None)
-patched = getattr(mq, alias) is not original and getattr(getattr(mq, alias), "__wrapped__", None) is original
-sm120_fp4.uninstall()
-hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
-print("MATRIX-RESULT " + json.dumps({
-    "states": states,
-    "alias": alias,
-    "alias_patched": patched,
-    "alias_restored": getattr(mq, alias) is original,
-    "hook_restored": not hasattr(hook, "__wrapped__"),
-    "left_after_uninstall": [p.name for p in sm120_fp4.status().patches],
-}))
+args = json.loads(sys.argv[1])
+out = {"stage": "import flashinfer"}
+try:
+    import flashinfer
+    original = flashinfer.mm_fp4
+    import sm120_fp4
+    out["stage"] = "install(simulate='12.0')"
+    sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
+    out["stage"] = "import SGLang"
+    for name in args["modules"]:
+        out["stage"] = "import " + name
+        importlib.import_module(name)
+    mq = sys.modules[args["mq"]]
+    out["stage"] = "check patches"
+    out["states"] = {p.name: [p.state, p.reason] for p in sm120_fp4.status().patches}
+    alias = args["alias"]
+    out["alias_patched"] = getattr(getattr(mq, alias, None), "__wrapped__", None) is original
+    fp4_utils = sys.modules.get(args["fp4_utils"])
+    enum = getattr(fp4_utils, "Fp4GemmRunnerBackend", None)
+    out["enum_members"] = None if enum is None else [m.name for m in enum]
+    out["targets_present"] = {}
+    missing = object()
+    for name, (module, attribute) in args["targets"].items():
+        owner = sys.modules.get(module, missing)
+        for part in attribute.split("."):
+            owner = getattr(owner, part, missing) if owner is not missing else missing
+        out["targets_present"][name] = owner is not missing  # the name exists (its value may be None)
+    out["stage"] = "uninstall()"
+    sm120_fp4.uninstall()
+    hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
+    out["alias_restored"] = getattr(mq, alias, None) is original
+    out["hook_restored"] = not hasattr(hook, "__wrapped__")
+    out["left_after_uninstall"] = [p.name for p in sm120_fp4.status().patches]
+    out["finders_left"] = [type(f).__module__ + "." + type(f).__name__ for f in sys.meta_path
+                           if type(f).__module__.startswith("sm120_fp4")]
+    out["stage"] = "done"
+except BaseException as exc:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    cause = next((ln for ln in lines if "cannot open shared object" in ln), None)  # sgl_kernel's real reason
+    out["error"] = (type(exc).__name__ + ": " + " ".join(lines[:1] + ([cause] if cause and cause not in lines[:1] else [])))[:400]
+    out["traceback"] = traceback.format_exc().splitlines()[-14:]
+print("MATRIX-RESULT " + json.dumps(out, default=str))
+sys.exit(1 if "error" in out else 0)
 """
 
 
 MAX_ADDED_DEPS = 20
-IMPORT_NAMES = {"zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow", "cv2": "opencv-python-headless"}
+IMPORT_NAMES = {"zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow", "cv2": "opencv-python-headless",
+                "partial_json_parser": "partial-json-parser"}
+STEPS = ("import", "demo", "tests")
+TEST_FILE = Path("tests") / "test_sglang_integration.py"
 
 
 def bash_array(script: str, name: str) -> list[str]:
@@ -353,23 +433,50 @@ def release_pins(src: Path) -> dict[str, str]:
     return pins
 
 
-def import_check(version: str, cache: Path, run_tests: bool = False, torch_pin: str | None = None) -> int:
-    src = sources(version, cache)
-    pins = release_pins(src)
-    if torch_pin:  # e.g. only the CPU build of the pinned torch exists here, and no matching torchvision
-        pins["torch"] = "==" + torch_pin
-    if "torch" not in pins or "flashinfer-python" not in pins:
-        print(f"sglang {version}: METADATA pins no torch/flashinfer-python ({pins})")
-        return 1
-    setup = (ROOT / "scripts" / "setup_env.sh").read_text()
-    deps = []  # setup_env.sh's list, with this release's pins where it has them (else unpinned)
-    for item in bash_array(setup, "FLASHINFER_DEPS") + bash_array(setup, "SGLANG_DEPS") + bash_array(setup, "PROJECT_DEPS"):
-        name = canonicalize_name(Requirement(item).name)
-        deps.append(name + pins.get(name, ""))
-    torch = "torch" + pins["torch"]  # passed to every pip call so that pip never swaps torch
-    venv = ROOT / ".cache" / "venvs" / f"sglang-{version}"
+def exact(specifier: str | None) -> str | None:
+    """'==1.2' -> '1.2' (None for anything looser)."""
+    match = re.fullmatch(r"==\s*([\w.+!-]+)", specifier or "")
+    return match.group(1) if match else None
+
+
+def resolve(version: str, cache: Path) -> dict:
+    """The install plan of one release: PINS merged with what its METADATA pins."""
+    meta = release_pins(sources(version, cache))
+    plan = pins_for(version)
+    for field, dist in (("flashinfer", "flashinfer-python"), ("transformers", "transformers")):
+        if plan[field] is None:
+            plan[field] = exact(meta.get(dist))
+            if plan[field] is None:
+                raise RuntimeError(f"sglang {version}: METADATA pins no exact {dist} ({meta.get(dist)!r}); set it in PINS")
+    plan["kernel_req"] = None
+    if plan["kernel"] == "pinned":
+        dist = next((d for d in KERNEL_DISTS if d in meta), None)
+        if dist is None or exact(meta[dist]) is None:
+            raise RuntimeError(f"sglang {version}: kernel 'pinned' but METADATA pins none of {KERNEL_DISTS}")
+        plan["kernel_req"] = f"{dist}=={exact(meta[dist])}"
+    plan["meta"] = meta
+    plan["deviations"] = [f"{name} {plan[field]} (release pins {meta.get(name)})"
+                          for field, name in (("torch", "torch"), ("torchvision", "torchvision"))
+                          if exact(meta.get(name)) not in (None, plan[field])]
+    return plan
+
+
+def pins_summary(plan: dict) -> str:
+    kernel = plan["kernel_req"] or "no kernel pkg"
+    extra = f", +{'/'.join(plan['extra'])}" if plan["extra"] else ""
+    return f"torch {plan['torch']}, flashinfer {plan['flashinfer']}, transformers {plan['transformers']}, {kernel}{extra}"
+
+
+def venv_dir(version: str) -> Path:
+    return ROOT / ".cache" / "venvs" / f"sglang-{version}"
+
+
+def build_venv(version: str, cache: Path, plan: dict) -> Path:
+    """Create (or top up) the release's CPU venv as `plan` says; returns its python."""
+    venv = venv_dir(version)
     logs = venv / ".logs"
     py = venv / "bin" / "python"
+    pinned = [f"torch=={plan['torch']}", f"torchvision=={plan['torchvision']}", "triton"]  # in every call: pip never swaps torch
 
     def pip(step: str, *args: str) -> None:
         print(f"[{version}] pip install {' '.join(args)}", flush=True)
@@ -381,53 +488,190 @@ def import_check(version: str, cache: Path, run_tests: bool = False, torch_pin: 
             tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-25:])
             raise RuntimeError(f"pip install failed at step {step} (full log {logs / step}.log):\n{tail}")
 
+    meta = plan["meta"]
+    setup = (ROOT / "scripts" / "setup_env.sh").read_text()
+    deps = []  # setup_env.sh's lists with this release's pins where it has them (else unpinned)
+    for item in bash_array(setup, "FLASHINFER_DEPS") + bash_array(setup, "SGLANG_DEPS") + bash_array(setup, "PROJECT_DEPS"):
+        name = canonicalize_name(Requirement(item).name)
+        deps.append(f"transformers=={plan['transformers']}" if name == "transformers" else name + meta.get(name, ""))
+    deps += [canonicalize_name(e) + meta.get(canonicalize_name(e), "") for e in plan["extra"]]
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip("pip", "--upgrade", "pip")
-    # sglang imports torchvision (pip takes the one matching the torch pin) and triton (which the
-    # CUDA torch build brings, the CPU build does not).
-    pip("torch", torch, "torchvision", "triton")
-    pip("flashinfer", "--no-deps", "flashinfer-python" + pins["flashinfer-python"])
+    pip("torch", *pinned)
+    pip("flashinfer", "--no-deps", f"flashinfer-python=={plan['flashinfer']}")
     pip("sglang", "--no-deps", str(wheel_for(version, cache)))
-    pip("deps", torch, "torchvision", "triton", *deps)
-    pip("project", "--no-deps", "-e", str(ROOT))
+    if plan["kernel_req"]:
+        pip("kernel", "--no-deps", plan["kernel_req"])
+    pip("deps", *pinned, *deps)
+    pip("project", "--no-deps", "-e", str(ROOT))  # also puts sm120_fp4.pth in site-packages (spawned workers)
+    return py
 
+
+def _env(repo: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SM120_FP4")}
+    env["PYTHONPATH"] = str(repo)  # before site-packages: `repo` is the sm120_fp4 that runs
+    return env
+
+
+def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
+    """install(simulate) + import SGLang's modules + patches checked + uninstall() restores."""
     v = Version(version)
-    runtime = [s for s in T.ledger_rows() if s.make is not None and v in SpecifierSet(s.versions)]
-    expected = sorted(s.name for s in runtime)
-    modules = sorted({s.module for s in runtime})
-    added = []  # older releases import more than setup_env.sh's list: add their own pins, by trial
-    for _ in range(MAX_ADDED_DEPS + 1):
-        run = subprocess.run([str(py), "-c", SNIPPET, json.dumps(modules)],
-                             capture_output=True, text=True, cwd=venv)
-        missing = re.search(r"ModuleNotFoundError: No module named '([\w]+)", run.stderr)
+    rows = T.ledger_rows()
+    runtime = [s for s in rows if s.make is not None and v in SpecifierSet(s.versions)]
+    alias = next(s.attribute for s in runtime if kind(s) == "alias")
+    args = {
+        "modules": sorted({s.module for s in runtime}),
+        "mq": R.MQ,
+        "fp4_utils": R.FP4_UTILS,
+        "alias": alias,
+        "targets": {s.name: (s.module, s.attribute) for s in rows},
+    }
+    added, run = [], None
+    for _ in range(MAX_ADDED_DEPS + 1):  # a release that needs more than PINS says: add by trial, report it
+        run = subprocess.run([str(py), "-c", SNIPPET, json.dumps(args)], capture_output=True, text=True,
+                             cwd=py.parent.parent, env=_env(repo), timeout=900)
+        missing = re.search(r"No module named '([\w]+)", run.stdout + run.stderr)
         name = missing and canonicalize_name(IMPORT_NAMES.get(missing.group(1), missing.group(1)))
-        if run.returncode == 0 or not missing or name not in pins or len(added) == MAX_ADDED_DEPS:
+        if run.returncode == 0 or not missing or name not in plan["meta"] or len(added) == MAX_ADDED_DEPS:
             break
-        added.append(name + pins[name])
-        pip(f"added-{name}", torch, "torchvision", "triton", added[-1])
+        added.append(name + plan["meta"][name])
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        f"torch=={plan['torch']}", f"torchvision=={plan['torchvision']}", added[-1]],
+                       capture_output=True, text=True)
     line = next((ln for ln in run.stdout.splitlines() if ln.startswith("MATRIX-RESULT ")), None)
-    if run.returncode != 0 or line is None:
-        print(f"sglang {version}: import-and-patch snippet failed (rc {run.returncode}):\n{run.stderr[-3000:]}")
-        return 1
-    got = json.loads(line.removeprefix("MATRIX-RESULT "))
-    problems = [f"{name}: {got['states'].get(name, ('missing', None))}" for name in expected
-                if got["states"].get(name, ("missing",))[0] != "applied"]
-    for key in ("alias_patched", "alias_restored", "hook_restored"):
-        if not got[key]:
-            problems.append(f"{key} is false")
-    if got["left_after_uninstall"]:
-        problems.append(f"patches left after uninstall: {got['left_after_uninstall']}")
-    print(f"sglang {version} (torch{pins['torch']}, flashinfer-python{pins['flashinfer-python']}): "
-          f"expected applied {expected}; states {got['states']}; alias {got['alias']}; "
-          f"deps added beyond setup_env.sh: {added or 'none'}")
-    print(f"import check {version}: " + ("OK" if not problems else "FAIL\n  " + "\n  ".join(problems)))
-    if run_tests:  # the repo's end-to-end tests (simulated SM120 on CPU) against this release
-        tests = subprocess.run([str(py), "-m", "pytest", "-q", str(ROOT / "tests" / "test_sglang_integration.py")], cwd=ROOT)
-        print(f"integration tests on {version}: " + ("OK" if tests.returncode == 0 else f"FAIL (pytest rc {tests.returncode})"))
-        problems += [] if tests.returncode == 0 else ["integration tests failed"]
-    print(f"venv kept at {venv} ({'remove with: rm -rf ' + str(venv)})")
-    return 1 if problems else 0
+    got = json.loads(line.removeprefix("MATRIX-RESULT ")) if line else {
+        "error": f"snippet died (rc {run.returncode})", "traceback": run.stderr.splitlines()[-14:]}
+    problems = []
+    if "error" in got:
+        problems.append(f"{got['stage']}: {got['error']}")
+    else:
+        states = got["states"]
+        expected = sorted(s.name for s in runtime)
+        problems += [f"{n}: {states.get(n, ['missing', None])}" for n in expected if states.get(n, ["missing"])[0] != "applied"]
+        quantizers = {n: st for n, st in states.items() if n.startswith("sim-activation-quantizer")}
+        if not any(st[0] == "applied" for st in quantizers.values()):
+            problems.append(f"simulated activation quantizer not applied: {quantizers}")
+        problems += [f"{key} is false" for key in ("alias_patched", "alias_restored", "hook_restored") if not got[key]]
+        if got["left_after_uninstall"]:
+            problems.append(f"patches left after uninstall: {got['left_after_uninstall']}")
+        if got["finders_left"]:
+            problems.append(f"import finders left after uninstall: {got['finders_left']}")
+    got.update(ok=not problems, problems=problems, deps_added=added, alias=alias)
+    return got
+
+
+def run_demo(py: Path, repo: Path) -> dict:
+    """`python -m sm120_fp4 demo`: must exit 0 and print a bit-exact forward pass."""
+    run = subprocess.run([str(py), "-m", "sm120_fp4", "demo"], capture_output=True, text=True,
+                         cwd=py.parent.parent, env=_env(repo), timeout=900)
+    text = run.stdout + run.stderr
+    exact_line = next((ln.strip() for ln in text.splitlines() if "bit-exact:" in ln), None)
+    ok = run.returncode == 0 and exact_line is not None and "bit-exact: True" in exact_line
+    error = None if ok else next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), f"rc {run.returncode}")
+    return {"ok": ok, "rc": run.returncode, "bit_exact": exact_line, "error": error, "tail": text.splitlines()[-30:]}
+
+
+def run_tests(py: Path, repo: Path) -> dict:
+    """The repo's integration test file against this release; its pytest summary and failures."""
+    run = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(repo / TEST_FILE)],
+                         capture_output=True, text=True, cwd=repo, env=_env(repo), timeout=1800)
+    lines = run.stdout.splitlines()
+    summary = next((ln.strip("= ") for ln in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", ln)), f"rc {run.returncode}")
+    failed = [ln.removeprefix("FAILED ").removeprefix("ERROR ") for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    skipped_all = run.returncode == 0 and "passed" not in summary
+    return {"ok": run.returncode == 0 and not skipped_all, "rc": run.returncode, "summary": summary,
+            "failed": failed, "tail": lines[-40:]}
+
+
+def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool) -> list[dict]:
+    """Build the release's venv, run `steps` with each repo's sm120_fp4, delete the venv unless kept."""
+    plan = resolve(version, cache)
+    results = []
+    base = {"release": version, "pins": pins_summary(plan), "deviations": plan["deviations"],
+            "date": datetime.date.today().isoformat()}
+    labels = {repo: repo_label(repo) for repo in repos}
+    try:
+        py = build_venv(version, cache, plan)
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        return [dict(base, repo=str(r), code=labels[r], build_error=str(exc), ok=False) for r in repos]
+    try:
+        for repo in repos:
+            row = dict(base, repo=str(repo), code=labels[repo])
+            if "import" in steps:
+                row["import"] = run_import(version, py, repo, plan)
+                print(f"[{version}] import+patches ({repo}): " + ("OK" if row["import"]["ok"] else "FAIL: " + "; ".join(row["import"]["problems"])), flush=True)
+            if "demo" in steps:
+                row["demo"] = run_demo(py, repo)
+                print(f"[{version}] demo ({repo}): " + ("OK " + row["demo"]["bit_exact"] if row["demo"]["ok"] else f"FAIL: {row['demo']['error']}"), flush=True)
+            if "tests" in steps:
+                row["tests"] = run_tests(py, repo)
+                print(f"[{version}] {TEST_FILE} ({repo}): {row['tests']['summary']}" + "".join(f"\n    FAILED {f}" for f in row["tests"]["failed"]), flush=True)
+            row["ok"] = all(row[s]["ok"] for s in steps if s in row)
+            results.append(row)
+    finally:
+        if keep_venv:
+            print(f"[{version}] venv kept at {venv_dir(version)} (remove with: rm -rf {venv_dir(version)})")
+        else:
+            shutil.rmtree(venv_dir(version), ignore_errors=True)
+            print(f"[{version}] venv deleted", flush=True)
+    return results
+
+
+def cell(row: dict, step: str) -> str:
+    got = row.get(step)
+    if got is None:
+        return "not run"
+    if step == "import":
+        if got["ok"]:
+            return "ok: patched, restored by uninstall()"
+        return "FAIL: " + "; ".join(got["problems"])[:300]
+    if step == "demo":
+        return ("ok: " + got["bit_exact"]) if got["ok"] else f"FAIL (rc {got['rc']}): {got['error']}"[:300]
+    text = got["summary"]
+    if got["failed"]:
+        text += ": " + "; ".join(f.split(" - ")[0].split("::")[-1] for f in got["failed"])
+    return text[:400]
+
+
+def repo_label(repo: Path) -> str:
+    """`name@shorthash` (+ `+changes` when the work tree differs from it) of the checkout that ran."""
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return repo.name
+    return f"{repo.name}@{head}" + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["release", "sm120_fp4", "pins (what the venv got)", "import + patches + uninstall", "demo", "integration tests", "outcome", "date"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        code = row.get("code", row["repo"])
+        if "build_error" in row:
+            cells = [row["release"], code, row["pins"], "venv build failed: " + row["build_error"].splitlines()[0], "not run", "not run", "FAIL", row["date"]]
+        else:
+            cells = [row["release"], code, row["pins"], cell(row, "import"), cell(row, "demo"), cell(row, "tests"),
+                     "ok" if row["ok"] else "FAIL", row["date"]]
+        out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def check_releases(versions: list[str], cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool,
+                   report: Path | None, json_out: Path | None) -> int:
+    """One release at a time (venv built, run, deleted): the disk holds one venv (~7 GB) at most."""
+    rows: list[dict] = []
+    for version in versions:
+        rows += check_release(version, cache, steps, repos, keep_venv)
+        if report:  # rewritten after each release: an interrupted run keeps what it did
+            report.write_text(markdown(rows))
+        if json_out:
+            json_out.write_text(json.dumps(rows, indent=2, default=str))
+    print(markdown(rows))
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 # ---------------------------------------------------------------- CLI
@@ -447,21 +691,40 @@ def print_table(results: dict[str, dict[str, tuple[str, str]]]) -> None:
         print(f"FAIL {v} {c}: {r}")
 
 
+
+# One release per era of SGLang's FP4 path (the issue's list): alias name, op wrapper, enum members,
+# activation quantizer, platform checks and kernel package each change somewhere along it.
+ERA_RELEASES = ("0.5.3", "0.5.5", "0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.12", "0.5.13", "0.5.15",
+                "0.5.18", "0.5.20", "0.5.22", "0.5.23")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"wheel/source cache (default {DEFAULT_CACHE})")
-    parser.add_argument("--versions", help="comma-separated subset of the matrix (default: all releases)")
+    parser.add_argument("--versions", help="source check: comma-separated subset of the matrix (default: all releases)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
-    parser.add_argument("--import-check", metavar="VERSION", help="build a venv for VERSION and import-and-patch the real SGLang")
-    parser.add_argument("--torch", metavar="VERSION", help="with --import-check: install this torch instead of the release's pin")
-    parser.add_argument("--run-tests", action="store_true", help="with --import-check: also run tests/test_sglang_integration.py in that venv")
+    parser.add_argument("--import-check", metavar="VERSION", help="build a venv for VERSION (kept) and import-and-patch the real SGLang")
+    parser.add_argument("--releases", metavar="LIST", help="like --import-check for each release of LIST (comma-separated, or 'era' for "
+                        f"{','.join(ERA_RELEASES)}), one at a time, each venv deleted after its run")
+    parser.add_argument("--demo", action="store_true", help="with --import-check/--releases: also run `python -m sm120_fp4 demo` there")
+    parser.add_argument("--run-tests", action="store_true", help=f"with --import-check/--releases: also run {TEST_FILE} there")
+    parser.add_argument("--repo", type=Path, action="append", help="run this checkout's sm120_fp4 and tests (PYTHONPATH); repeatable; default this repo")
+    parser.add_argument("--keep-venv", action="store_true", help="with --releases: keep each venv (~7 GB each)")
+    parser.add_argument("--report", type=Path, help="with --import-check/--releases: write the Markdown results table here")
     args = parser.parse_args(argv)
 
-    if args.import_check:
+    if args.import_check or args.releases:
+        versions = [args.import_check] if args.import_check else (
+            list(ERA_RELEASES) if args.releases == "era" else args.releases.split(","))
+        unknown = [v for v in versions if v not in RELEASES]
+        if unknown:
+            parser.error(f"not in the matrix: {unknown} (known: {', '.join(RELEASES)})")
+        steps = ("import",) + (("demo",) if args.demo else ()) + (("tests",) if args.run_tests else ())
+        repos = [r.resolve() for r in (args.repo or [ROOT])]
         try:
-            return import_check(args.import_check, args.cache, args.run_tests, args.torch)
+            return check_releases(versions, args.cache, steps, repos, bool(args.import_check or args.keep_venv), args.report, args.json)
         except RuntimeError as exc:
-            print(f"import check {args.import_check}: {exc}")
+            print(f"import check: {exc}")
             return 2
     versions = args.versions.split(",") if args.versions else list(RELEASES)
     unknown = [v for v in versions if v not in RELEASES]
