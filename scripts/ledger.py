@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sm120_fp4.sglang import simulation  # noqa: E402
 from sm120_fp4.sglang.release import SUPPORTED  # noqa: E402
 from sm120_fp4.sglang.targets import ledger_rows  # noqa: E402
 from sm120_fp4.upstream import DIFFS, patches_dir  # noqa: E402
@@ -56,6 +57,18 @@ def render_ledger() -> str:
             "",
         ]
     out += [
+        "## Simulation stand-ins (`SM120_FP4_SIMULATE` only)",
+        "",
+        "Never active on a real deployment: they let SGLang's real FP4 path run without an SM120 GPU "
+        "(CI, the demo, `sglang_matrix.py`); each is in the runtime ledger when used and undone by "
+        "`uninstall()`.",
+        "",
+    ]
+    for spec in simulation.ledger_rows():
+        out += [f"- `{spec.name}`: `{spec.module}.{spec.attribute}` ({spec.versions or SUPPORTED}): "
+                f"{spec.why.split('; ', 1)[-1]}"]
+    out += [
+        "",
         "## Source diffs (`patches/`)",
         "",
         "Paths are relative to site-packages / the wheel root: `patch -p1 -d <site-packages> < FILE` "

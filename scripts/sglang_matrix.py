@@ -19,7 +19,7 @@ handled; no flag to find by hand), imports the real SGLang modules after
 ``sm120_fp4.install(simulate="12.0")``, checks that the patches and the simulated activation
 quantizer are applied, then that ``uninstall()`` restores the originals and leaves no import
 finder. ``--demo`` also runs ``python -m sm120_fp4 demo`` there (must be bit-exact), ``--run-tests``
-tests/test_sglang_integration.py. The venv (~7 GB) is kept: delete it.
+the test files that import the real SGLang (``TEST_FILES``). The venv (~7 GB) is kept: delete it.
 
 Several releases (``--releases 0.5.3,0.5.9`` or ``--releases era``): the same, one release at a
 time, each venv deleted after its run (``--keep-venv`` keeps them); ``--report FILE`` writes the
@@ -411,7 +411,7 @@ MAX_ADDED_DEPS = 20
 IMPORT_NAMES = {"zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow", "cv2": "opencv-python-headless",
                 "partial_json_parser": "partial-json-parser"}
 STEPS = ("import", "demo", "tests")
-TEST_FILE = Path("tests") / "test_sglang_integration.py"
+TEST_FILES = tuple(Path("tests") / f for f in ("test_sglang.py", "test_sglang_verify.py", "test_sglang_moe.py", "test_sglang_moe_layers.py"))
 
 
 def bash_array(script: str, name: str) -> list[str]:
@@ -574,14 +574,15 @@ def run_demo(py: Path, repo: Path) -> dict:
 
 def run_tests(py: Path, repo: Path) -> dict:
     """The repo's integration test file against this release; its pytest summary and failures."""
-    run = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(repo / TEST_FILE)],
+    run = subprocess.run([str(py), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *(str(repo / f) for f in TEST_FILES)],
                          capture_output=True, text=True, cwd=repo, env=_env(repo), timeout=1800)
     lines = run.stdout.splitlines()
     summary = next((ln.strip("= ") for ln in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", ln)), f"rc {run.returncode}")
     failed = [ln.removeprefix("FAILED ").removeprefix("ERROR ") for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
     skipped_all = run.returncode == 0 and "passed" not in summary
+    skipped = sorted({re.sub(r"^SKIPPED \[(\d+)\] [^:]+:\d+: ", r"(\1) ", ln) for ln in lines if ln.startswith("SKIPPED [")})
     return {"ok": run.returncode == 0 and not skipped_all, "rc": run.returncode, "summary": summary,
-            "failed": failed, "tail": lines[-40:]}
+            "failed": failed, "skipped": skipped, "tail": lines[-40:]}
 
 
 def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool) -> list[dict]:
@@ -606,7 +607,7 @@ def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list
                 print(f"[{version}] demo ({repo}): " + ("OK " + row["demo"]["bit_exact"] if row["demo"]["ok"] else f"FAIL: {row['demo']['error']}"), flush=True)
             if "tests" in steps:
                 row["tests"] = run_tests(py, repo)
-                print(f"[{version}] {TEST_FILE} ({repo}): {row['tests']['summary']}" + "".join(f"\n    FAILED {f}" for f in row["tests"]["failed"]), flush=True)
+                print(f"[{version}] SGLang test files ({repo}): {row['tests']['summary']}" + "".join(f"\n    FAILED {f}" for f in row["tests"]["failed"]), flush=True)
             row["ok"] = all(row[s]["ok"] for s in steps if s in row)
             results.append(row)
     finally:
@@ -631,7 +632,9 @@ def cell(row: dict, step: str) -> str:
     text = got["summary"]
     if got["failed"]:
         text += ": " + "; ".join(f.split(" - ")[0].split("::")[-1] for f in got["failed"])
-    return text[:400]
+    if got.get("skipped"):
+        text += "; skipped: " + "; ".join(got["skipped"])
+    return text[:700]
 
 
 def repo_label(repo: Path) -> str:
@@ -707,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--releases", metavar="LIST", help="like --import-check for each release of LIST (comma-separated, or 'era' for "
                         f"{','.join(ERA_RELEASES)}), one at a time, each venv deleted after its run")
     parser.add_argument("--demo", action="store_true", help="with --import-check/--releases: also run `python -m sm120_fp4 demo` there")
-    parser.add_argument("--run-tests", action="store_true", help=f"with --import-check/--releases: also run {TEST_FILE} there")
+    parser.add_argument("--run-tests", action="store_true", help=f"with --import-check/--releases: also run the SGLang test files there")
     parser.add_argument("--repo", type=Path, action="append", help="run this checkout's sm120_fp4 and tests (PYTHONPATH); repeatable; default this repo")
     parser.add_argument("--keep-venv", action="store_true", help="with --releases: keep each venv (~7 GB each)")
     parser.add_argument("--report", type=Path, help="with --import-check/--releases: write the Markdown results table here")

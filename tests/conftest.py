@@ -57,16 +57,23 @@ def _clean_library_state(monkeypatch):
 @pytest.fixture
 def sglang_unpatched():
     """SGLang unpatched before and after the test, and its runner enum as SGLang left it."""
-    fp4_utils = pytest.importorskip("sglang.srt.layers.quantization.fp4_utils")
+    pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant")
+    import importlib
+
     import sm120_fp4
 
-    enum_before = fp4_utils.FP4_GEMM_RUNNER_BACKEND
+    try:  # the runner enum exists from 0.5.8
+        fp4_utils = importlib.import_module("sglang.srt.layers.quantization.fp4_utils")
+    except ImportError:
+        fp4_utils = None
+    enum_before = getattr(fp4_utils, "FP4_GEMM_RUNNER_BACKEND", None)
     if sm120_fp4.status().installed:
         sm120_fp4.uninstall()
     yield
     if sm120_fp4.status().installed:
         sm120_fp4.uninstall()
-    fp4_utils.FP4_GEMM_RUNNER_BACKEND = enum_before
+    if fp4_utils is not None:
+        fp4_utils.FP4_GEMM_RUNNER_BACKEND = enum_before
 
 
 # ---- reliability cases: @case(...) -> JUnit properties (scripts/reliability_table.py) ----------

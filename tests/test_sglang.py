@@ -17,7 +17,8 @@ import torch
 import sm120_fp4
 from helpers import children, faults
 from helpers.cases import case
-from helpers.common import SIM, SIM_ENV, assert_not_patched, assert_patched_once, patch_state, run_concurrently
+from helpers.common import (SIM, SIM_ENV, alias_name, alias_spec_name, assert_not_patched, assert_patched_once,
+                            patch_state, run_concurrently, sglang_alias)
 from helpers.procs import Spawned, background, clean_env, ours, python
 from sm120_fp4 import backends
 from sm120_fp4.backends import emulated_mm_fp4
@@ -26,8 +27,15 @@ from sm120_fp4.sglang import targets as sglang_targets
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
 mq = pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
-fp4_utils = pytest.importorskip("sglang.srt.layers.quantization.fp4_utils")
 import flashinfer  # noqa: E402  (installed with SGLang's pin)
+
+try:  # the runner enum: 0.5.8+ (scripts/sglang_matrix.py runs this file on every era)
+    from sglang.srt.layers.quantization import fp4_utils
+except ImportError:
+    fp4_utils = None
+ENUM = getattr(fp4_utils, "Fp4GemmRunnerBackend", None)
+REPINNED = ("AUTO", "FLASHINFER_CUDNN")  # targets.pin_runner_backend: only these become FLASHINFER_CUTLASS
+needs_enum = pytest.mark.skipif(ENUM is None, reason=f"SGLang {release.sglang_version()} has no Fp4GemmRunnerBackend (0.5.8+)")
 
 
 
@@ -42,7 +50,7 @@ def _uninstalled(sglang_unpatched):
 def test_modelopt_layer_runs_through_the_patch_and_matches_the_reference(caplog, n, k, m):
     caplog.set_level(logging.INFO, "sm120_fp4")
     status = sm120_fp4.install(**SIM)
-    assert status.installed and patch_state("flashinfer-fp4-gemm-alias") == "applied"
+    assert status.installed and patch_state(alias_spec_name()) == "applied"
     ckpt = layers.make_checkpoint(n, k, seed=n)
     method, layer = layers.build_modelopt_layer(ckpt)
     x = (torch.randn(m, k) * 2).to(torch.bfloat16)
@@ -75,28 +83,67 @@ def test_compressed_tensors_w4a4_weights_hook_decides_first():
         ct.CompressedTensorsW4A4Fp4.process_weights_after_loading(object.__new__(ct.CompressedTensorsW4A4Fp4), layer)
 
 
+@pytest.mark.parametrize("mode", ["strict", "warn"])
+def test_an_nvfp4_moe_layer_on_a_release_without_the_moe_seam_is_refused_before_sglang_processes_it(monkeypatch, caplog, mode):
+    """Before 0.5.15 (no fused-MoE seam) the experts cannot be routed or verified: strict refuses
+    before SGLang touches the weights; warn serves them with one warning. On a newer release the
+    installed version is made to read as 0.5.14 (the check is the version range, not the module)."""
+    import sm120_fp4.sglang as sglang_pkg
+    from sm120_fp4.sglang import moe
+    from sm120_fp4.versions import version_in
+
+    installed = release.sglang_version()
+    if version_in(installed, moe.SEAM_VERSIONS):
+        monkeypatch.setattr(sglang_pkg, "sglang_version", lambda: "0.5.14")
+        monkeypatch.setattr(moe, "sglang_version", lambda: "0.5.14")
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest=mode)
+    assert patch_state("modelopt-nvfp4-moe-weights-hook") == "applied"
+    hook = mq.ModelOptNvFp4FusedMoEMethod.__dict__["process_weights_after_loading"]
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(torch.zeros(2, 8, 8, dtype=torch.uint8), requires_grad=False)
+    method = object.__new__(mq.ModelOptNvFp4FusedMoEMethod)
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    if mode == "strict":
+        with pytest.raises(RefusedToServe, match=r"NVFP4 MoE layer .*cannot route or verify") as err:
+            hook(method, layer)  # a dummy layer: SGLang's own processing would fail differently
+        assert "0.5.14" in str(err.value) or installed in str(err.value)
+    else:
+        try:
+            hook(method, layer)
+        except RefusedToServe:
+            raise
+        except Exception:  # noqa: BLE001 - SGLang's own processing of a dummy layer may fail; not under test
+            pass
+        assert any("UNVERIFIED" in r.getMessage() for r in caplog.records)
+
+
 # ---- the runner enum ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("start", ["AUTO", "FLASHINFER_CUDNN", None])
+@needs_enum
+@pytest.mark.parametrize("start", [*REPINNED, None])
 def test_enum_is_pinned_to_cutlass_from_auto_or_cudnn_and_restored(start):
-    enum = fp4_utils.Fp4GemmRunnerBackend
-    fp4_utils.FP4_GEMM_RUNNER_BACKEND = None if start is None else enum[start]
+    if start is not None and start not in ENUM.__members__:
+        pytest.skip(f"SGLang {release.sglang_version()}'s enum has no {start}")
+    fp4_utils.FP4_GEMM_RUNNER_BACKEND = None if start is None else ENUM[start]
     before = fp4_utils.FP4_GEMM_RUNNER_BACKEND
     sm120_fp4.install(**SIM)
     layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
-    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is enum.FLASHINFER_CUTLASS
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is ENUM.FLASHINFER_CUTLASS
     assert patch_state("fp4-runner-backend-pin") == "applied"
     sm120_fp4.uninstall()
     assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is before
 
 
-@pytest.mark.parametrize("kept", ["FLASHINFER_TRTLLM", "MARLIN", "FLASHINFER_CUTEDSL"])
-def test_enum_values_chosen_for_other_layouts_are_never_touched(kept):
-    enum = fp4_utils.Fp4GemmRunnerBackend
-    fp4_utils.FP4_GEMM_RUNNER_BACKEND = enum[kept]
-    sm120_fp4.install(**SIM)
-    sglang_targets.pin_runner_backend(sm120_fp4.api._state.patcher)
-    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is enum[kept]
+@needs_enum
+def test_enum_values_chosen_for_other_layouts_are_never_touched():
+    kept = [m for m in ENUM if m.name not in REPINNED]  # whatever this release's enum has besides
+    assert ENUM.FLASHINFER_CUTLASS in kept
+    for member in kept:
+        fp4_utils.FP4_GEMM_RUNNER_BACKEND = member
+        sm120_fp4.install(**SIM)
+        sglang_targets.pin_runner_backend(sm120_fp4.api._state.patcher)
+        assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is member, member.name
+        sm120_fp4.uninstall()
 
 
 # ---- idempotence, undo, threads -----------------------------------------------------------
@@ -146,7 +193,7 @@ def test_status_is_json_with_every_target_and_the_decision():
     layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
     data = json.loads(sm120_fp4.status().model_dump_json())
     states = {p["name"]: p["state"] for p in data["patches"]}
-    assert states["flashinfer-fp4-gemm-alias"] == "applied"
+    assert states[alias_spec_name()] == "applied"
     assert states["fp4-gemm-alias-legacy"] == "skipped"  # 0.5.3-0.5.7 only
     assert data["decisions"][0]["backend"] == "emulated" and data["settings"]["simulate"] == "12.0"
     assert data["setting_sources"]["simulate"] == "keyword"
@@ -248,7 +295,7 @@ def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
     with pytest.raises(RuntimeError, match="illegal memory access") as err:
         method.apply(layer, torch.randn(6, 64).to(torch.bfloat16))
     frames = [f.name for f in err.traceback]
-    assert "_raises_at_m6" in frames and "flashinfer_fp4_gemm" in frames, "the backend's own frame, through our dispatch"
+    assert "_raises_at_m6" in frames and alias_name() in frames, "the backend's own frame, through our dispatch"
 
 
 @case("backend faults", "serve-time exception from the decided backend", "the exception carries context: which sm120_fp4 backend on which device raised")
@@ -272,11 +319,11 @@ def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(mon
     monkeypatch.setattr(sglang_targets, "is_mm_fp4", boom)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     status = sm120_fp4.install(**SIM)  # modelopt_quant is imported already: its hooks run now
-    assert mq.flashinfer_fp4_gemm is flashinfer.mm_fp4
-    entry = {p.name: p for p in status.patches}["flashinfer-fp4-gemm-alias"]
+    assert sglang_alias() is flashinfer.mm_fp4
+    entry = {p.name: p for p in status.patches}[alias_spec_name()]
     assert entry.state == "skipped" and entry.reason == "internal error: RuntimeError: boom in a hook"
-    lines = [r.getMessage() for r in caplog.records if "flashinfer-fp4-gemm-alias" in r.getMessage()]
-    assert lines == ["sm120_fp4: patch flashinfer-fp4-gemm-alias failed, SGLang left unpatched there: boom in a hook"]
+    lines = [r.getMessage() for r in caplog.records if alias_spec_name() in r.getMessage()]
+    assert lines == [f"sm120_fp4: patch {alias_spec_name()} failed, SGLang left unpatched there: boom in a hook"]
     # SGLang's load path still runs, and the layer check finds that what would serve (the unpatched
     # alias: FlashInfer's CUDA kernel, on this CPU) does not work: refused, not served unverified.
     with pytest.raises(RefusedToServe, match=r"(?s)for ModelOptFp4LinearMethod N=32 K=64.*M=1 N=32 K=64: call 1 raised"):
@@ -321,7 +368,7 @@ def test_install_uninstall_status_from_many_threads_stay_consistent():
     SM120_FP4="1", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros", SM120_FP4_SELFTEST="strict"), folder))
 def test_strict_worker_with_a_broken_backend_refuses_to_serve_with_a_nonzero_exit(background):
     exitcode, _, stderr = background
-    assert "child: alias patch flashinfer-fp4-gemm-alias" in stderr, stderr
+    assert f"child: alias patch {alias_spec_name()}" in stderr, stderr
     assert exitcode not in (0, None), stderr
     assert "RefusedToServe" in stderr and "refusing to serve NVFP4 on cpu" in stderr, stderr
     assert "zeros: self-test failed: M=1 N=96 K=1056: call 1: output is all zeros" in stderr
@@ -341,7 +388,7 @@ try:
 except sm120_fp4.RefusedToServe as exc:
     refused = str(exc)
 status = sm120_fp4.status()
-print(json.dumps({"installed": installed, "sglang_has_mm_fp4": mq.enable_flashinfer_fp4_gemm,
+print(json.dumps({"installed": installed, "sglang_has_mm_fp4": getattr(mq, "enable_flashinfer_fp4_gemm", None),
                   "patches": {p.name: [p.state, p.reason] for p in status.patches},
                   "decision": status.decisions[0].backend, "refused": refused}))
 """
@@ -355,7 +402,7 @@ def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(b
     assert "Traceback" not in stderr
     data = json.loads(stdout)
     assert data["installed"] and data["sglang_has_mm_fp4"] is False and data["decision"] == "emulated"
-    state, reason = data["patches"]["flashinfer-fp4-gemm-alias"]
-    assert state == "skipped" and "flashinfer_fp4_gemm not found" in reason
+    state, reason = data["patches"][alias_spec_name()]
+    assert state == "skipped" and f"{alias_name()} not found" in reason
     assert "NVFP4 GEMM requires flashinfer's mm_fp4" in data["refused"]
-    assert len([line for line in ours(stderr) if "flashinfer-fp4-gemm-alias" in line]) == 1, stderr
+    assert len([line for line in ours(stderr) if alias_spec_name() in line]) == 1, stderr

@@ -7,7 +7,11 @@ undone by ``uninstall()``:
 * SGLang's platform facts (``override_platform``, 0.5.19+) report a Blackwell SM12x device;
 * without CUDA: a CPU kernel for the CUDA-only custom op ``sglang::fp4_gemm`` (the op's own
   Python body, so the patched FlashInfer alias is still what runs), and, scoped to
-  ``process_weights_after_loading`` only, ``Tensor.cuda()`` returning the tensor unchanged.
+  ``process_weights_after_loading`` only, ``Tensor.cuda()`` returning the tensor unchanged;
+* without CUDA: an import-time stand-in for SGLang's CUDA-only kernel package ``sgl_kernel``
+  when the real one cannot load (0.5.5-0.5.7 import it unguarded on the way to the FP4 module;
+  on a CPU it fails on ``libcuda.so.1``). The real package is tried first; the stand-in's
+  functions raise when called, so nothing can silently compute with it.
 
 Everything is logged as simulated: nothing here may ever run on a real deployment.
 """
@@ -15,9 +19,13 @@ Everything is logged as simulated: nothing here may ever run on a real deploymen
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import sys
 import threading
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -30,6 +38,17 @@ _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
 _NEVER = "never used outside simulation"
 _cuda_lock = threading.Lock()
+KERNEL_PACKAGE = "sgl_kernel"
+PLATFORM_FACTS = PatchSpec(
+    "sim-platform-facts", RUNTIME_CONTEXT, "override_platform",
+    f"{_WHY}; SGLang's platform facts (0.5.19+) report the simulated Blackwell SM12x device", "-", _NEVER)
+FP4_GEMM_CPU_KERNEL = PatchSpec(
+    "sim-fp4-gemm-cpu-kernel", MQ, "fp4_gemm",
+    f"{_WHY}; without CUDA, the CUDA-only op sglang::fp4_gemm gets a CPU kernel (its own Python body)", "-", _NEVER)
+KERNEL_PACKAGE_STAND_IN = PatchSpec(
+    "sim-kernel-package", KERNEL_PACKAGE, "*",
+    f"{_WHY}; without CUDA, an installed {KERNEL_PACKAGE} that cannot load (0.5.5-0.5.7 import it unguarded on "
+    "the way to the FP4 module) is replaced at import by a stand-in whose functions raise when called", "-", _NEVER)
 
 
 def specs() -> list[PatchSpec]:
@@ -52,6 +71,11 @@ def specs() -> list[PatchSpec]:
     ]
 
 
+def ledger_rows() -> list[PatchSpec]:
+    """Every simulation stand-in, attribute or not, for the ledger (patches/LEDGER.md, doctor)."""
+    return specs() + [PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
+
+
 def _callable_check(name: str):
     return lambda original: None if callable(original) else f"{name} is {original!r}, not callable"
 
@@ -67,13 +91,14 @@ class Simulation:
 
     def arm(self) -> None:
         """Run the non-attribute stand-ins when (or if) SGLang imports their modules."""
+        self.arm_kernel_package()
         self.patcher.when_imported(RUNTIME_CONTEXT, self.on_runtime_context)
         self.patcher.when_imported(MQ, self.on_modelopt)
 
     def on_runtime_context(self, module: Any) -> None:
         """Make SGLang's platform checks see the simulated Blackwell SM12x device (0.5.19+)."""
         override = getattr(module, "override_platform", None)
-        spec = PatchSpec("sim-platform-facts", RUNTIME_CONTEXT, "override_platform", _WHY, "-", _NEVER)
+        spec = PLATFORM_FACTS
         if override is None:
             self.patcher.note(spec, "skipped", "this SGLang release has no override_platform")
             return
@@ -97,7 +122,7 @@ class Simulation:
 
     def on_modelopt(self, module: Any) -> None:
         """Without CUDA, give the CUDA-only op sglang::fp4_gemm a CPU kernel (its own Python body)."""
-        spec = PatchSpec("sim-fp4-gemm-cpu-kernel", MQ, "fp4_gemm", _WHY + "; sglang::fp4_gemm has only a CUDA kernel", "-", _NEVER)
+        spec = FP4_GEMM_CPU_KERNEL
         if torch.cuda.is_available():
             self.patcher.note(spec, "skipped", "CUDA is available: the op's own CUDA kernel runs")
             return
@@ -111,6 +136,33 @@ class Simulation:
             self._undo.append(library._destroy)
         self.patcher.note(spec, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: registered a CPU kernel for sglang::fp4_gemm")
+
+    def arm_kernel_package(self) -> None:
+        """Without CUDA: `import sgl_kernel` loads the real package if it can, else the stand-in."""
+        spec = KERNEL_PACKAGE_STAND_IN
+        if torch.cuda.is_available():
+            self.patcher.note(spec, "skipped", "CUDA is available: the real kernel package loads")
+            return
+        if KERNEL_PACKAGE in sys.modules:
+            self.patcher.note(spec, "skipped", f"{KERNEL_PACKAGE} was imported before install()")
+            return
+        finder = _KernelPackageFinder(lambda reason: self._kernel_stand_in_used(spec, reason))
+        sys.meta_path.insert(0, finder)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(finder)
+            for name in [n for n, m in sys.modules.items() if n == KERNEL_PACKAGE or n.startswith(KERNEL_PACKAGE + ".")]:
+                if getattr(sys.modules[name], "__sm120_fp4_stand_in__", False):
+                    del sys.modules[name]
+
+        with self._lock:
+            self._undo.append(remove)
+
+    def _kernel_stand_in_used(self, spec: PatchSpec, reason: str) -> None:
+        self.patcher.note(spec, "applied", None)
+        _LOG.warning("sm120_fp4: SIMULATION: %s cannot load here (%s); SGLang imports a stand-in whose "
+                     "functions raise when called", KERNEL_PACKAGE, reason)
 
     def undo(self) -> None:
         with self._lock:
@@ -164,3 +216,87 @@ def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
         finally:
             torch.Tensor.cuda = original
 
+
+
+
+
+class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an installed ``sgl_kernel`` first: the real package when it loads, else a stand-in.
+
+    A package that is not installed stays not installed (SGLang's guarded imports see their
+    ImportError, as without this library)."""
+
+    def __init__(self, used: Callable[[str], None]) -> None:
+        self._used = used
+        self._busy = threading.local()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != KERNEL_PACKAGE and not fullname.startswith(KERNEL_PACKAGE + "."):
+            return None
+        if getattr(self._busy, "on", False):
+            return None  # the real import, looked up without this finder
+        if fullname != KERNEL_PACKAGE:
+            stand_in = getattr(sys.modules.get(KERNEL_PACKAGE), "__sm120_fp4_stand_in__", False)
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True) if stand_in else None
+        self._busy.on = True
+        try:
+            installed = importlib.util.find_spec(KERNEL_PACKAGE) is not None
+        except (ImportError, ValueError):
+            installed = False
+        finally:
+            self._busy.on = False
+        if not installed:
+            return None  # not installed: SGLang sees the ImportError it expects
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        if spec.name == KERNEL_PACKAGE:
+            real = self._try_real()
+            if isinstance(real, types.ModuleType):
+                return real
+            self._used(real)
+        return _stand_in_module(spec.name)
+
+    def exec_module(self, module) -> None:
+        pass  # the real package ran its own code in _try_real; the stand-in has none
+
+    def _try_real(self) -> types.ModuleType | str:
+        """The real package, imported without this finder, or why it did not load."""
+        before = set(sys.modules)
+        self._busy.on = True
+        try:
+            sys.modules.pop(KERNEL_PACKAGE, None)  # the import system's placeholder for this spec
+            return importlib.import_module(KERNEL_PACKAGE)
+        except Exception as exc:  # noqa: BLE001 - any failure to load is the reason for the stand-in
+            for name in set(sys.modules) - before:
+                if name == KERNEL_PACKAGE or name.startswith(KERNEL_PACKAGE + "."):
+                    del sys.modules[name]  # half-loaded submodules of the real package
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+        finally:
+            self._busy.on = False
+
+
+def _stand_in_module(name: str) -> types.ModuleType:
+    """A module whose every public attribute is a function that raises when called."""
+    module = types.ModuleType(name, f"sm120_fp4 simulation stand-in for the CUDA-only {name}")
+    module.__sm120_fp4_stand_in__ = True
+    module.__path__ = []  # a package: `from sgl_kernel.x import y` finds the stand-in submodule
+
+    def __getattr__(attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _unavailable(f"{name}.{attr}")
+
+    module.__getattr__ = __getattr__
+    return module
+
+
+def _unavailable(qualname: str) -> Callable:
+    def unavailable(*args, **kwargs):
+        raise NotImplementedError(
+            f"sm120_fp4 simulation: {qualname} is CUDA-only and has no stand-in; the simulated FP4 path "
+            "must not call it (this is a bug in the simulation, never a result)")
+
+    unavailable.__name__ = unavailable.__qualname__ = qualname.rsplit(".", 1)[-1]
+    return unavailable

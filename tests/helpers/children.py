@@ -38,7 +38,7 @@ def scheduler_with_broken_backend(stderr_path: str) -> None:
     backends.register("zeros", all_zeros)
     import sglang.srt.layers.quantization.modelopt_quant as mq  # the bootstrap installs here
 
-    sys.stderr.write(f"child: alias patch {getattr(mq.flashinfer_fp4_gemm, '__sm120_fp4_patch__', None)}\n")
+    sys.stderr.write(f"child: alias patch {getattr(getattr(mq, 'flashinfer_fp4_gemm', None) or getattr(mq, 'fp4_gemm', None), '__sm120_fp4_patch__', None)}\n")
 
     from sm120_fp4.sglang import layers
 

@@ -47,16 +47,42 @@ def _targets():
     return mq, flashinfer
 
 
+def release_specs() -> dict:
+    """The ledger's runtime specs whose version range holds the installed SGLang, by name."""
+    from sm120_fp4.sglang import release, targets
+    from sm120_fp4.versions import version_in
+
+    installed = release.sglang_version()
+    return {s.name: s for s in targets.ledger_rows() if s.make is not None and version_in(installed, s.versions or release.SUPPORTED)}
+
+
+def alias_name() -> str:
+    """The installed release's name for FlashInfer's mm_fp4 in modelopt_quant (fp4_gemm before 0.5.8)."""
+    specs = release_specs()
+    return (specs.get("flashinfer-fp4-gemm-alias") or specs["fp4-gemm-alias-legacy"]).attribute
+
+
+def alias_spec_name() -> str:
+    specs = release_specs()
+    return "flashinfer-fp4-gemm-alias" if "flashinfer-fp4-gemm-alias" in specs else "fp4-gemm-alias-legacy"
+
+
+def sglang_alias():
+    """What modelopt_quant's mm_fp4 alias is bound to now (patched or not)."""
+    mq, _ = _targets()
+    return getattr(mq, alias_name())
+
+
 def assert_not_patched() -> None:
     mq, flashinfer = _targets()
-    assert mq.flashinfer_fp4_gemm is flashinfer.mm_fp4
+    assert getattr(mq, alias_name()) is flashinfer.mm_fp4
     assert not hasattr(mq.ModelOptFp4LinearMethod.process_weights_after_loading, "__sm120_fp4_patch__")
 
 
 def assert_patched_once() -> None:
     mq, flashinfer = _targets()
-    alias = mq.flashinfer_fp4_gemm
-    assert alias.__sm120_fp4_patch__ == "flashinfer-fp4-gemm-alias"
+    alias = getattr(mq, alias_name())
+    assert alias.__sm120_fp4_patch__ == alias_spec_name()
     assert alias.__wrapped__ is flashinfer.mm_fp4, "exactly one layer of patching"
     hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
     assert hook.__sm120_fp4_patch__ == "modelopt-fp4-weights-hook"
