@@ -63,7 +63,8 @@ def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(
     try:
         for name in backends.FLASHINFER_BACKENDS:
             ok, reason = backends.is_supported(name, Device(0, "mocked RTX PRO 6000", (12, 0)))
-            assert not ok and re.search(r"does not import: (ModuleNotFound|Import)Error", reason), reason
+            # installed but unimportable (this environment), or not installed at all (the H200 image)
+            assert not ok and re.search(r"does not import: (ModuleNotFound|Import)Error|flashinfer-python is not installed", reason), reason
     finally:
         kernels._mm_fp4.cache_clear()
 

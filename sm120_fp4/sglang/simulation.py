@@ -278,7 +278,7 @@ class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _stand_in_module(name: str) -> types.ModuleType:
-    """A module whose every public attribute is a function that raises when called."""
+    """A module whose every public attribute is an :class:`_Unavailable` (raises when called)."""
     module = types.ModuleType(name, f"sm120_fp4 simulation stand-in for the CUDA-only {name}")
     module.__sm120_fp4_stand_in__ = True
     module.__path__ = []  # a package: `from sgl_kernel.x import y` finds the stand-in submodule
@@ -286,17 +286,28 @@ def _stand_in_module(name: str) -> types.ModuleType:
     def __getattr__(attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
-        return _unavailable(f"{name}.{attr}")
+        return _Unavailable(f"{name}.{attr}")
 
     module.__getattr__ = __getattr__
     return module
 
 
-def _unavailable(qualname: str) -> Callable:
-    def unavailable(*args, **kwargs):
+class _Unavailable:
+    """A name from the stand-in package: its attributes are more of the same (``scalar_types.uint4b8``
+    at import), and calling it raises: nothing can compute with it."""
+
+    def __init__(self, qualname: str) -> None:
+        self._qualname = qualname
+
+    def __getattr__(self, attr: str) -> "_Unavailable":
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unavailable(f"{self._qualname}.{attr}")
+
+    def __call__(self, *args, **kwargs):
         raise NotImplementedError(
-            f"sm120_fp4 simulation: {qualname} is CUDA-only and has no stand-in; the simulated FP4 path "
+            f"sm120_fp4 simulation: {self._qualname} is CUDA-only and has no stand-in; the simulated FP4 path "
             "must not call it (this is a bug in the simulation, never a result)")
 
-    unavailable.__name__ = unavailable.__qualname__ = qualname.rsplit(".", 1)[-1]
-    return unavailable
+    def __repr__(self) -> str:
+        return f"<sm120_fp4 simulation stand-in {self._qualname}>"

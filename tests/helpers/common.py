@@ -49,10 +49,12 @@ def _targets():
 
 def release_specs() -> dict:
     """The ledger's runtime specs whose version range holds the installed SGLang, by name."""
+    from importlib.metadata import version
+
     from sm120_fp4.sglang import release, targets
     from sm120_fp4.versions import version_in
 
-    installed = release.sglang_version()
+    installed = version(release.DISTRIBUTION)  # the real one, also where a test fakes sglang_version()
     return {s.name: s for s in targets.ledger_rows() if s.make is not None and version_in(installed, s.versions or release.SUPPORTED)}
 
 
