@@ -20,6 +20,21 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # cores) make several times slower, and one thread makes every float reduction order the same.
 torch.set_num_threads(1)
 
+# The SGLang test files import SGLang's modules on a CPU. SGLang 0.5.3-0.5.10 bring a CUDA-only
+# kernel package (sgl_kernel) that cannot load here and 0.5.5-0.5.7 import it unguarded on the way
+# to the FP4 module: the simulation's stand-in covers it for the session, as install(simulate=...)
+# does for a process. Inert where no such package is installed (the pinned 0.5.23) or CUDA exists.
+_KERNEL_STAND_IN = None
+if not torch.cuda.is_available():
+    from sm120_fp4.sglang import simulation as _simulation
+
+    _KERNEL_STAND_IN = _simulation.kernel_package_stand_in()
+
+
+def pytest_unconfigure(config):
+    if _KERNEL_STAND_IN is not None:
+        _KERNEL_STAND_IN()
+
 
 @pytest.fixture(autouse=True)
 def _seed():

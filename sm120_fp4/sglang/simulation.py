@@ -146,16 +146,7 @@ class Simulation:
         if KERNEL_PACKAGE in sys.modules:
             self.patcher.note(spec, "skipped", f"{KERNEL_PACKAGE} was imported before install()")
             return
-        finder = _KernelPackageFinder(lambda reason: self._kernel_stand_in_used(spec, reason))
-        sys.meta_path.insert(0, finder)
-
-        def remove() -> None:
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(finder)
-            for name in [n for n, m in sys.modules.items() if n == KERNEL_PACKAGE or n.startswith(KERNEL_PACKAGE + ".")]:
-                if getattr(sys.modules[name], "__sm120_fp4_stand_in__", False):
-                    del sys.modules[name]
-
+        remove = kernel_package_stand_in(lambda reason: self._kernel_stand_in_used(spec, reason))
         with self._lock:
             self._undo.append(remove)
 
@@ -218,6 +209,25 @@ def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
 
 
 
+
+
+def kernel_package_stand_in(used: Callable[[str], None] = lambda reason: None) -> Callable[[], None]:
+    """Insert the import-time stand-in for an installed ``sgl_kernel`` that cannot load; returns its undo.
+
+    Also for a test session that imports SGLang's modules on a CPU before any install() (the
+    release matrix runs the SGLang test files on 0.5.3-0.5.10, whose pinned kernel package
+    cannot load there). `used(reason)` is called when the stand-in replaces the real package."""
+    finder = _KernelPackageFinder(used)
+    sys.meta_path.insert(0, finder)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)
+        for name in [n for n, m in sys.modules.items() if n == KERNEL_PACKAGE or n.startswith(KERNEL_PACKAGE + ".")]:
+            if getattr(sys.modules[name], "__sm120_fp4_stand_in__", False):
+                del sys.modules[name]
+
+    return remove
 
 
 class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
