@@ -574,7 +574,7 @@ def run_demo(py: Path, repo: Path) -> dict:
 
 def run_tests(py: Path, repo: Path) -> dict:
     """The repo's integration test file against this release; its pytest summary and failures."""
-    run = subprocess.run([str(py), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *(str(repo / f) for f in TEST_FILES)],
+    run = subprocess.run([str(py), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *(str(repo / f) for f in TEST_FILES)],
                          capture_output=True, text=True, cwd=repo, env=_env(repo), timeout=1800)
     lines = run.stdout.splitlines()
     summary = next((ln.strip("= ") for ln in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", ln)), f"rc {run.returncode}")
