@@ -21,6 +21,7 @@ from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER
+from helpers.common import release_specs
 
 pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
 
@@ -196,16 +197,25 @@ def test_healthy_kernels_with_rounding_differences_serve(kernel, dtype):
 
 # ---- after warm-up and CUDA-graph capture ------------------------------------------------------
 
+def _warmup_spec():
+    """The installed release's warm-up seam: init_cuda_graphs (0.5.15+) or init_device_graphs."""
+    specs = release_specs()
+    return specs.get("post-warmup-recheck") or specs["post-warmup-recheck-legacy"]
+
+
+def _warmup(runner) -> None:
+    getattr(runner, _warmup_spec().attribute.split(".")[1])()
+
+
 def _model_runner_stand_in(warmup):
-    """SGLang's model runner cannot be imported on a CPU: a stand-in with its init_cuda_graphs seam."""
+    """SGLang's model runner cannot be imported on a CPU: a stand-in with this release's warm-up seam."""
     module = types.ModuleType(MODEL_RUNNER)
 
-    class ModelRunner:
-        def init_cuda_graphs(self, capture_decode_cuda_graph=True):
-            warmup()  # what SGLang's warm-up and capture do: forward passes at the captured sizes
-            self.decode_cuda_graph_capture_bs = [1, 2, 4, 8]
+    def init_graphs(self, capture_decode_cuda_graph=True):
+        warmup()  # what SGLang's warm-up and capture do: forward passes at the captured sizes
+        self.decode_cuda_graph_capture_bs = [1, 2, 4, 8]
 
-    module.ModelRunner = ModelRunner
+    module.ModelRunner = type("ModelRunner", (), {_warmup_spec().attribute.split(".")[1]: init_graphs})
     return module
 
 
@@ -229,10 +239,10 @@ def test_the_recheck_after_warmup_refuses_a_kernel_that_goes_wrong_after_warmup(
     backends.register("tuned", goes_wrong_after_warmup)
     report = tmp_path / "report.json"
     status = sm120_fp4.install(simulate="12.0", backends="tuned", report=str(report))
-    assert {p.name: p.state for p in status.patches}["post-warmup-recheck"] == "applied"
+    assert {p.name: p.state for p in status.patches}[_warmup_spec().name] == "applied"
     layer_box["layer"] = build(96, 160)
     with pytest.raises(RefusedToServe, match=r"(?s)fails after warm-up.*N=96 K=160 .*M=1 .*norm is 0.04x"):
-        sys.modules[MODEL_RUNNER].ModelRunner().init_cuda_graphs()
+        _warmup(sys.modules[MODEL_RUNNER].ModelRunner())
     data = json.loads(report.read_text())
     assert data["refusals"][-1]["config"].endswith("(re-check after warm-up)")
     assert data["refusals"][-1]["reports"][0]["shapes"][0]["m"] == 1
@@ -242,9 +252,9 @@ def test_the_recheck_after_warmup_passes_a_healthy_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None))
     sm120_fp4.install(simulate="12.0", backends="emulated")
     build(96, 160)
-    sys.modules[MODEL_RUNNER].ModelRunner().init_cuda_graphs()  # no refusal
+    _warmup(sys.modules[MODEL_RUNNER].ModelRunner())  # no refusal
     sm120_fp4.uninstall()
-    assert not hasattr(sys.modules[MODEL_RUNNER].ModelRunner.init_cuda_graphs, "__sm120_fp4_patch__")
+    assert not hasattr(getattr(sys.modules[MODEL_RUNNER].ModelRunner, _warmup_spec().attribute.split(".")[1]), "__sm120_fp4_patch__")
 
 
 def test_a_refusal_writes_the_report_before_raising_and_status_shows_it(tmp_path):

@@ -56,6 +56,7 @@ def build_modelopt_layer(ckpt: Checkpoint, device: torch.device | str = "cpu", d
     n, k = ckpt.weight.shape[0], ckpt.weight.shape[1] * 2
     method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
     layer = torch.nn.Module()
+    layer.params_dtype = dtype  # as SGLang's LinearBase.__init__ sets it (some releases' create_weights do not)
     method.create_weights(
         layer,
         input_size_per_partition=k,
