@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 
 import pytest
@@ -406,5 +407,6 @@ def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(b
     state, reason = data["patches"][alias_spec_name()]
     # 0.5.8+ bind the alias only when FlashInfer imports; 0.5.3-0.5.7 bind it to None
     assert state == "skipped" and (f"{alias_name()} not found" in reason or "found None" in reason), reason
-    assert "NVFP4 GEMM requires flashinfer's mm_fp4" in data["refused"]
+    # SGLang's own error (0.5.8+), or its call of the None alias (0.5.3-0.5.7): refused either way
+    assert re.search(r"NVFP4 GEMM requires flashinfer's mm_fp4|call 1 raised TypeError: 'NoneType' object is not callable", data["refused"])
     assert len([line for line in ours(stderr) if alias_spec_name() in line]) == 1, stderr
