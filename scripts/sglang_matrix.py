@@ -194,19 +194,45 @@ def check_alias(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
     return True, None
 
 
-def check_method(tree: ast.Module, dotted: str) -> tuple[bool, str | None]:
-    """`class C: def method(self, layer)`."""
+def _method(tree: ast.Module, dotted: str) -> tuple[ast.FunctionDef | None, str | None]:
     cls_name, method = dotted.split(".")
     cls = find_class(tree, cls_name)
     if cls is None:
-        return False, f"no class {cls_name}"
+        return None, f"no class {cls_name}"
     fn = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == method), None)
+    return fn, None if fn is not None else f"{cls_name} defines no {method}"
+
+
+def check_method(tree: ast.Module, dotted: str) -> tuple[bool, str | None]:
+    """`class C: def method(self, layer)` (a weights hook: SGLang calls it with the layer only)."""
+    fn, problem = _method(tree, dotted)
     if fn is None:
-        return False, f"{cls_name} defines no {method}"
+        return False, problem
     a = fn.args
     names = [p.arg for p in a.posonlyargs + a.args]
     if names != ["self", "layer"] or a.vararg or a.kwarg or a.kwonlyargs:
         return True, f"{dotted} signature is ({ast.unparse(a)}), expected (self, layer)"
+    return True, None
+
+
+def check_warmup(tree: ast.Module, dotted: str) -> tuple[bool, str | None]:
+    """`class ModelRunner: def init_cuda_graphs(self, ...)`: the hook passes every argument through,
+    so only a method (first parameter self) is required."""
+    fn, problem = _method(tree, dotted)
+    if fn is None:
+        return False, problem
+    names = [p.arg for p in fn.args.posonlyargs + fn.args.args]
+    if names[:1] != ["self"] or any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list):
+        return True, f"{dotted} is not an instance method ({ast.unparse(fn.args)})"
+    return True, None
+
+
+def check_function(tree: ast.Module, name: str) -> tuple[bool, str | None]:
+    """A module-level `def name(...)` (the fused-MoE seam; the seam passes every argument through)."""
+    fn = next((n for n in top_level(tree.body) if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if fn is None:
+        bound = any(name in assigns(n) for n in top_level(tree.body))
+        return bound, f"{name} is bound at module level but not by a def" if bound else f"no function {name}"
     return True, None
 
 
@@ -242,14 +268,19 @@ def kind(spec) -> str:
         return "enum"
     if spec is T.LEGACY_KNOB_SPEC:
         return "knob"
+    if spec.attribute.startswith("ModelRunner."):
+        return "warmup"
     if "." in spec.attribute:
         return "method"
+    if spec.module.endswith(".flashinfer_cutlass"):
+        return "function"
     if spec.check is not None and getattr(spec.check, "__name__", "") == "is_mm_fp4":
         return "alias"
     return "unknown"
 
 
-CHECKS = {"alias": check_alias, "method": check_method, "enum": check_enum, "knob": check_knob}
+CHECKS = {"alias": check_alias, "method": check_method, "warmup": check_warmup, "function": check_function,
+          "enum": check_enum, "knob": check_knob}
 
 
 def check_spec(spec, version: str, src: Path) -> tuple[str, str]:
@@ -292,7 +323,7 @@ def check_version(version: str, cache: Path = DEFAULT_CACHE) -> dict[str, tuple[
     rows = T.ledger_rows()
     result = {spec.name: check_spec(spec, version, src) for spec in rows}
     aliases = [s.name for s in rows if kind(s) == "alias" and Version(version) in SpecifierSet(s.versions)]
-    supported, why = T.release_support(version)
+    supported, why = R.release_support(version)
     if not supported:
         result["coverage"] = (FAIL, why)
     elif not aliases:
@@ -306,7 +337,7 @@ def check_version(version: str, cache: Path = DEFAULT_CACHE) -> dict[str, tuple[
 def check_outside(version: str) -> str | None:
     """None when nothing applies to `version` (a release outside SUPPORTED), else what does."""
     applying = [s.name for s in T.ledger_rows() if Version(version) in SpecifierSet(s.versions or R.SUPPORTED)]
-    if T.release_support(version)[0] or applying:
+    if R.release_support(version)[0] or applying:
         return f"{version} is outside {R.SUPPORTED} but is supported/covered by {applying}"
     return None
 
