@@ -32,7 +32,8 @@ import torch
 
 from ..kernels import fp4_quantize_stand_in
 from ..patching import PatchSpec, Patcher
-from .release import CT, FP4_UTILS, MQ, RUNTIME_CONTEXT
+from ..versions import version_in
+from .release import CT, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version
 
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
@@ -45,6 +46,11 @@ PLATFORM_FACTS = PatchSpec(
 FP4_GEMM_CPU_KERNEL = PatchSpec(
     "sim-fp4-gemm-cpu-kernel", MQ, "fp4_gemm",
     f"{_WHY}; without CUDA, the CUDA-only op sglang::fp4_gemm gets a CPU kernel (its own Python body)", "-", _NEVER)
+LEGACY_QUANTIZER = PatchSpec(
+    "sim-activation-quantizer-legacy", MQ, "scaled_fp4_quant",
+    f"{_WHY}; 0.5.3-0.5.4 quantize activations with sgl_kernel's scaled_fp4_quant, bound only with CUDA: "
+    "bound (or replaced) by the oracle's quantizer, E4M3 scales in the 128x4 layout", "-", _NEVER,
+    distribution="sglang", versions=">=0.5.3,<0.5.5")
 KERNEL_PACKAGE_STAND_IN = PatchSpec(
     "sim-kernel-package", KERNEL_PACKAGE, "*",
     f"{_WHY}; without CUDA, an installed {KERNEL_PACKAGE} that cannot load (0.5.5-0.5.7 import it unguarded on "
@@ -55,12 +61,13 @@ def specs() -> list[PatchSpec]:
     """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it, and
     the Blackwell check of releases older than SGLang's own override_platform seam."""
     where = [
-        ("sim-activation-quantizer", MQ, "FlashInfer's FP4 quantizer needs an SM100+ GPU"),
-        ("sim-activation-quantizer-ct", CT, "the compressed-tensors scheme imported the quantizer by name"),
+        ("sim-activation-quantizer", MQ, "FlashInfer's FP4 quantizer needs an SM100+ GPU", ">=0.5.5,<0.5.24"),
+        ("sim-activation-quantizer-ct", CT, "the compressed-tensors scheme imported the quantizer by name", ">=0.5.7,<0.5.24"),
     ]
     return [
-        PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=fp4_quantize_stand_in)
-        for name, module, why in where
+        PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=fp4_quantize_stand_in,
+                  distribution="sglang", versions=versions)
+        for name, module, why, versions in where
     ] + [
         PatchSpec(
             "sim-blackwell-check", MQ, "is_blackwell_supported",
@@ -73,7 +80,7 @@ def specs() -> list[PatchSpec]:
 
 def ledger_rows() -> list[PatchSpec]:
     """Every simulation stand-in, attribute or not, for the ledger (patches/LEDGER.md, doctor)."""
-    return specs() + [PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
+    return specs() + [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
 
 
 def _callable_check(name: str):
@@ -121,6 +128,32 @@ class Simulation:
         _LOG.warning("sm120_fp4: SIMULATION: SGLang's platform facts now report sm_%d%d", major, minor)
 
     def on_modelopt(self, module: Any) -> None:
+        self.legacy_quantizer(module)
+        self.fp4_gemm_cpu_kernel(module)
+
+    def legacy_quantizer(self, module: Any) -> None:
+        """0.5.3-0.5.4 quantize with sgl_kernel's ``scaled_fp4_quant``, bound only when is_cuda():
+        bind (or replace) it with the oracle's quantizer in its convention (E4M3 scales)."""
+        spec = LEGACY_QUANTIZER
+        if not version_in(sglang_version(), spec.versions):
+            return
+        missing = object()
+        original = module.__dict__.get("scaled_fp4_quant", missing)
+        standin = _scaled_fp4_quant_stand_in(None if original is missing else original)
+        module.scaled_fp4_quant = standin
+
+        def undo() -> None:
+            if module.__dict__.get("scaled_fp4_quant") is standin:
+                if original is missing:
+                    del module.scaled_fp4_quant
+                else:
+                    module.scaled_fp4_quant = original
+
+        with self._lock:
+            self._undo.append(undo)
+        self.patcher.note(spec, "applied", None)
+
+    def fp4_gemm_cpu_kernel(self, module: Any) -> None:
         """Without CUDA, give the CUDA-only op sglang::fp4_gemm a CPU kernel (its own Python body)."""
         spec = FP4_GEMM_CPU_KERNEL
         if torch.cuda.is_available():
@@ -191,6 +224,18 @@ def _op_body_stand_in(module: Any) -> Callable:
         return module.flashinfer_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend=backend)
 
     return fp4_gemm
+
+
+def _scaled_fp4_quant_stand_in(original: Callable | None) -> Callable:
+    """sgl_kernel's ``scaled_fp4_quant(input, input_global_scale) -> (packed, E4M3 scales)``."""
+    quantize = fp4_quantize_stand_in(None)
+
+    def scaled_fp4_quant(input, input_global_scale):
+        packed, scales = quantize(input, input_global_scale)
+        return packed, scales.view(torch.float8_e4m3fn)
+
+    scaled_fp4_quant.__wrapped__ = original
+    return scaled_fp4_quant
 
 
 @contextlib.contextmanager
