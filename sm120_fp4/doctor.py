@@ -114,20 +114,35 @@ _ESSENTIAL = ("flashinfer-fp4-gemm-alias", "fp4-gemm-alias-legacy", "modelopt-fp
               "compressed-tensors-w4a4-weights-hook", "fused-moe-kernel-seam", "modelopt-nvfp4-moe-weights-hook")
 
 
-def _import_check() -> dict:
+def _import_check(settings=None) -> dict:
     """Import SGLang's FP4 modules here and check, without patching, that every target of this
-    release is there as expected, the simulation stand-ins included."""
+    release is there as expected, the simulation stand-ins included. When simulating without
+    CUDA, the import runs as the simulation's would: with the stand-in for a kernel package that
+    cannot load (0.5.3-0.5.10), reported as a row of its own."""
+    import torch
+
     from .patching import dry_run
     from .sglang import release, simulation, targets
 
     if not release.release_support()[0]:
         return {"skipped": "no supported SGLang installed"}
     rows = []
-    for spec in targets.ledger_rows() + simulation.specs():
-        if spec.make is None:
-            continue  # pins and env knobs: decided at run time
-        state, reason = dry_run(spec)
-        rows.append({"name": spec.name, "state": state, "reason": reason, "simulation": spec.name.startswith("sim-")})
+    simulating = getattr(settings, "simulated_capability", None) is not None and not torch.cuda.is_available()
+    used: list[str] = []
+    remove = simulation.kernel_package_stand_in(used.append) if simulating else None
+    try:
+        for spec in targets.ledger_rows() + simulation.specs():
+            if spec.make is None:
+                continue  # pins and env knobs: decided at run time
+            state, reason = dry_run(spec)
+            rows.append({"name": spec.name, "state": state, "reason": reason, "simulation": spec.name.startswith("sim-")})
+    finally:
+        if remove is not None:
+            remove()
+    if used:
+        rows.append({"name": simulation.KERNEL_PACKAGE_STAND_IN.name, "state": "applies",
+                     "reason": f"{simulation.KERNEL_PACKAGE} cannot load here ({used[0]}): the simulation imports a stand-in",
+                     "simulation": True})
     return {"targets": rows}
 
 
@@ -155,7 +170,7 @@ def collect(deep: bool = True) -> dict:
     report["sglang"] = _probe(_targets)
     devs = report["devices"] if isinstance(report["devices"], list) else []
     report["backends"] = _probe(lambda: _backends(devs))
-    report["import_check"] = _probe(_import_check) if deep else {"skipped": "--quick"}
+    report["import_check"] = _probe(lambda: _import_check(settings)) if deep else {"skipped": "--quick"}
     report["problems"] = _problems(report)
     return report
 

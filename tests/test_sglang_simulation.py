@@ -1,0 +1,83 @@
+"""sm120_fp4.sglang.simulation without SGLang: the import-time stand-in for a CUDA-only kernel
+package that is installed but cannot load (SGLang 0.5.3-0.5.10 bring sgl_kernel; on a CPU it fails
+on libcuda/libnvrtc). Each case runs in a fresh interpreter: the stand-in lives in sys.meta_path
+and sys.modules, which a test process must not share.
+"""
+
+from __future__ import annotations
+
+import json
+
+from helpers.cases import case
+from helpers.procs import REPO, background, python
+
+PACKAGE_INIT = "from . import helper\nraise ImportError('libnvrtc.so.12: cannot open shared object file')\n"
+
+CHILD = """
+import json, sys
+sys.path.insert(0, {site!r})
+import sm120_fp4
+out = {{}}
+sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
+import sgl_kernel
+from sgl_kernel import silu_and_mul
+from sgl_kernel.scalar_type import scalar_types
+out["stand_in"] = getattr(sgl_kernel, "__sm120_fp4_stand_in__", False)
+out["nested"] = repr(scalar_types.uint4b8)
+out["half_loaded_left"] = "sgl_kernel.helper" in sys.modules
+try:
+    silu_and_mul(1)
+    out["call"] = "returned"
+except NotImplementedError as exc:
+    out["call"] = str(exc)
+out["ledger"] = {{p.name: p.state for p in sm120_fp4.status().patches if p.name == "sim-kernel-package"}}
+sm120_fp4.uninstall()
+out["after_uninstall"] = sorted(n for n in sys.modules if n.startswith("sgl_kernel"))
+out["finders_left"] = [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("sm120_fp4")]
+try:
+    import sgl_kernel
+    out["reimport"] = "imported"
+except ImportError as exc:
+    out["reimport"] = str(exc)
+try:
+    import not_installed_kernel_package
+except ImportError:
+    pass
+print(json.dumps(out))
+"""
+
+
+def _kernel_child(folder, installed: bool):
+    site = folder / "site"
+    if installed:
+        (site / "sgl_kernel").mkdir(parents=True)
+        (site / "sgl_kernel" / "__init__.py").write_text(PACKAGE_INIT)
+        (site / "sgl_kernel" / "helper.py").write_text("X = 1\n")
+    else:
+        site.mkdir(parents=True)
+    return python(CHILD.format(site=str(site)), folder, cwd=folder, PYTHONPATH=str(REPO))
+
+
+@case("own failures", "install(simulate) on a CPU, sgl_kernel installed but failing to load (libnvrtc missing), then `from sgl_kernel import ...` as SGLang 0.5.5-0.5.7 do unguarded",
+      "the import succeeds with a stand-in whose names (and their attributes) raise NotImplementedError when called, never compute; in the ledger; uninstall() removes it and the real ImportError is back")
+@background(lambda folder: _kernel_child(folder, installed=True))
+def test_an_installed_kernel_package_that_cannot_load_gets_a_stand_in_that_raises(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    out = json.loads(stdout)
+    assert out["stand_in"] is True and "uint4b8" in out["nested"]
+    assert not out["half_loaded_left"], "the real package's half-loaded submodules are dropped"
+    assert "sgl_kernel.silu_and_mul is CUDA-only" in out["call"] and "never a result" in out["call"]
+    assert out["ledger"] == {"sim-kernel-package": "applied"}
+    assert out["after_uninstall"] == [] and out["finders_left"] == []
+    assert "libnvrtc" in out["reimport"]
+    assert "cannot load here (ImportError: libnvrtc.so.12" in stderr
+
+
+@case("own failures", "install(simulate) on a CPU, no sgl_kernel installed, then `import sgl_kernel`",
+      "ImportError as without this library (SGLang's guarded imports take their no-kernel branch); no stand-in, nothing in the ledger")
+@background(lambda folder: _kernel_child(folder, installed=False))
+def test_a_kernel_package_that_is_not_installed_stays_not_installed(background):
+    rc, stdout, stderr = background
+    assert rc != 0 and "ModuleNotFoundError: No module named 'sgl_kernel'" in stderr
+    assert "stand-in" not in stderr
