@@ -401,9 +401,15 @@ try:
     out["stage"] = "install(simulate='12.0')"
     sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
     out["stage"] = "import SGLang"
+    out["not_importable"] = {}
     for name in args["modules"]:
         out["stage"] = "import " + name
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            if name not in args["optional"]:
+                raise
+            out["not_importable"][name] = (type(exc).__name__ + ": " + str(exc).strip().splitlines()[0])[:200]
     mq = sys.modules[args["mq"]]
     out["stage"] = "check patches"
     out["states"] = {p.name: [p.state, p.reason] for p in sm120_fp4.status().patches}
@@ -557,6 +563,9 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
         "fp4_utils": R.FP4_UTILS,
         "alias": alias,
         "targets": {s.name: (s.module, s.attribute) for s in rows},
+        # the model runner is the GPU server's module: some releases import server-only packages
+        # there (0.5.7: vllm). Its warm-up hook is then source-checked only, and the row says so.
+        "optional": [R.MODEL_RUNNER],
     }
     added, run = [], None
     for _ in range(MAX_ADDED_DEPS + 1):  # a release that needs more than PINS says: add by trial, report it
@@ -578,7 +587,8 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
         problems.append(f"{got['stage']}: {got['error']}")
     else:
         states = got["states"]
-        expected = sorted(s.name for s in runtime)
+        skipped_modules = got.get("not_importable", {})
+        expected = sorted(s.name for s in runtime if s.module not in skipped_modules)
         problems += [f"{n}: {states.get(n, ['missing', None])}" for n in expected if states.get(n, ["missing"])[0] != "applied"]
         quantizers = {n: st for n, st in states.items() if n.startswith("sim-activation-quantizer")}
         if not any(st[0] == "applied" for st in quantizers.values()):
@@ -656,7 +666,9 @@ def cell(row: dict, step: str) -> str:
         return "not run"
     if step == "import":
         if got["ok"]:
-            return "ok: patched, restored by uninstall()"
+            missing = "; ".join(f"{m.rsplit('.', 1)[-1]} not importable on this CPU venv ({e}): its hook source-checked only"
+                                for m, e in got.get("not_importable", {}).items())
+            return "ok: patched, restored by uninstall()" + (f" ({missing})" if missing else "")
         return "FAIL: " + "; ".join(got["problems"])[:300]
     if step == "demo":
         return ("ok: " + got["bit_exact"]) if got["ok"] else f"FAIL (rc {got['rc']}): {got['error']}"[:300]
