@@ -125,6 +125,9 @@ def _moe_part() -> bool | None:
 
         if not version_in(sm120_fp4.status().sglang_version, SEAM_VERSIONS):
             raise ImportError(f"the fused-MoE seam exists in SGLang {SEAM_VERSIONS}")
+        problem = moe_layers.builder_problem()
+        if problem is not None:
+            raise ImportError(problem + "; the MoE patches are applied, see `sm120-fp4 doctor`")
         ckpt = moe_layers.make_moe_checkpoint(8, 256, 128, seed=11)
         _say("\n5. A real NVFP4 FusedMoE layer (ModelOptNvFp4FusedMoEMethod: 8 experts, H=256, I=128, top-2);")
         _say("   its process_weights_after_loading runs the MoE self-test, then checks the layer's own experts:")

@@ -43,6 +43,8 @@ import torch
 from .. import nvfp4
 
 __all__ = [
+    "BUILDER_VERSIONS",
+    "builder_problem",
     "MoeCheckpoint",
     "MoeContext",
     "make_moe_checkpoint",
@@ -56,6 +58,25 @@ __all__ = [
     "reference_moe_from_weights",
     "compressed_tensors_tensors",
 ]
+
+# The scoped seams above exist from SGLang 0.5.19 (runtime_context with override_platform,
+# create_context/use_context, get_parallel().override). 0.5.15-0.5.18 have the fused-MoE seam (their
+# MoE layers are routed and verified when served) but keep platform and parallel state in process
+# globals that cannot be scoped on a CPU: no simulated FusedMoE layer is built there.
+BUILDER_VERSIONS = ">=0.5.19,<0.5.24"
+
+
+def builder_problem() -> str | None:
+    """Why this SGLang cannot build a simulated MoE layer here, or None."""
+    from ..versions import version_in
+    from .release import sglang_version
+
+    installed = sglang_version()
+    if installed is None or not version_in(installed, BUILDER_VERSIONS):
+        return (f"building SGLang's FusedMoE on a CPU needs its scoped runtime seams (override_platform, "
+                f"use_context, get_parallel().override: SGLang {BUILDER_VERSIONS}); this is {installed}")
+    return None
+
 
 MODELOPT = "modelopt_fp4"
 COMPRESSED_TENSORS = "compressed-tensors"
