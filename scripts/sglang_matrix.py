@@ -693,10 +693,10 @@ def repo_label(repo: Path) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["release", "sm120_fp4", "pins (what the venv got)", "import + patches + uninstall", "demo", "integration tests", "outcome", "date"]
+    head = ["release", "sm120_fp4 commit", "pins (what the venv got)", "import + patches + uninstall", "demo", "integration tests", "outcome", "date"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        code = row.get("code", row["repo"])
+        code = row.get("code", row["repo"]).split("@", 1)[-1]  # the commit (a checkout's folder name says nothing)
         if "build_error" in row:
             cells = [row["release"], code, row["pins"], "venv build failed: " + row["build_error"].splitlines()[0], "not run", "not run", "FAIL", row["date"]]
         else:
@@ -797,16 +797,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-venv", action="store_true", help="with --releases: keep each venv (~7 GB each)")
     parser.add_argument("--report", type=Path, help="with --import-check/--releases: write the Markdown results table here")
     parser.add_argument("--render", type=Path, metavar="JSON", help="write --report from the --json of earlier --releases runs "
-                        "(several files: comma-separated) and, with --source-json, the source check's")
+                        "(several files: comma-separated; a release in several: the last file's row) and, with --source-json, "
+                        "the source check's")
     parser.add_argument("--source-json", type=Path, help="with --render: the --json of a source-check run")
     args = parser.parse_args(argv)
 
     if args.render:
         if not args.report:
             parser.error("--render needs --report")
-        rows = [row for part in str(args.render).split(",") for row in json.loads(Path(part).read_text())]
+        latest: dict[str, dict] = {}  # a release run again in a later file: the later run's row
+        for part in str(args.render).split(","):
+            for row in json.loads(Path(part).read_text()):
+                latest[row["release"]] = row
         order = {v: i for i, v in enumerate(RELEASES)}
-        rows.sort(key=lambda r: order.get(r["release"], len(order)))
+        rows = sorted(latest.values(), key=lambda r: order.get(r["release"], len(order)))
         write_report(args.report, rows, json.loads(args.source_json.read_text()) if args.source_json else None)
         print(f"wrote {args.report}")
         return 0
