@@ -80,7 +80,7 @@ DEFAULT_CACHE = ROOT / ".cache" / "sglang-wheels"
 # download does not depend on the Python that runs this script.
 WHEEL_TAGS = ["--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
               "--platform", "manylinux_2_34_x86_64"]
-PLUGINS = "sglang.srt.plugins"
+PLUGINS = R.PLUGIN_GROUP
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 MM_FP4_KEYWORDS = {"backend", "out", "block_size", "use_8x4_sf_layout", "use_nvfp4"}
 ENUM_MEMBERS = {"AUTO": "auto", "FLASHINFER_CUDNN": "flashinfer_cudnn", "FLASHINFER_CUTLASS": "flashinfer_cutlass"}

@@ -58,8 +58,9 @@ def _devices(settings) -> list[dict]:
 
 def _activation() -> dict:
     from .bootstrap import enabled
+    from .sglang.release import PLUGIN_GROUP
 
-    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    eps = importlib.metadata.entry_points(group=PLUGIN_GROUP)
     ours = [f"{ep.name} -> {ep.value}" for ep in eps if ep.value.startswith("sm120_fp4")]
     dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
     pth = [os.path.join(d, "sm120_fp4.pth") for d in dirs if os.path.exists(os.path.join(d, "sm120_fp4.pth"))]

@@ -14,6 +14,7 @@ from ..versions import comparable, installed_version, version_in
 
 __all__ = [
     "DISTRIBUTION",
+    "PLUGIN_GROUP",
     "SUPPORTED",
     "MQ",
     "FP4_UTILS",
@@ -41,6 +42,7 @@ RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 MOE_RUNNER_FC = "sglang.srt.layers.moe.moe_runner.flashinfer_cutlass"
 CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe"
+PLUGIN_GROUP = "sglang.srt.plugins"  # the entry-point group SGLang's plugin loader reads
 MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
 FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"
 MARKER = re.compile(r"#\s*sm120-fp4:\s*(sglang-(\S+?)-sm120-fp4)\b")
