@@ -9,6 +9,7 @@ slots itself, a different route from the library's reference (one call, non-loca
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -233,7 +234,25 @@ def test_ranks_partials_sum_to_the_single_rank_output(ckpt, seam, ep_size, tp_si
     assert torch.allclose(total, whole.float(), rtol=2 ** -7, atol=2 ** -7 * float(whole.float().abs().max()))
 
 
+@contextlib.contextmanager
+def _skip_where_sglang_needs_an_accelerator():
+    """SGLang 0.5.22's compressed-tensors MoE path asks get_device() for an accelerator, which a CPU
+    has not: that release cannot build the layer in simulation (the hook is still patched)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "No accelerator" not in str(exc):
+            raise
+        pytest.skip(f"SGLang {_release.sglang_version()} asks for an accelerator while building or running the "
+                    f"compressed-tensors MoE layer, which a CPU cannot simulate: {exc}")
+
+
 def test_compressed_tensors_layer(ckpt, seam):
+    with _skip_where_sglang_needs_an_accelerator():
+        _compressed_tensors_layer(ckpt, seam)
+
+
+def _compressed_tensors_layer(ckpt, seam):
     x, (ids, weights) = activations(T, H), routing(T, E, K)
     layer = ml.build_compressed_tensors_moe_layer(ckpt, K)
     assert type(layer.scheme).__name__ == "CompressedTensorsW4A4Nvfp4MoE"
