@@ -374,9 +374,6 @@ PINS: tuple[tuple[str, dict], ...] = (
     (">=0.5.5,<0.5.8", dict(extra=("fastapi", "openai", "partial-json-parser"))),
     (">=0.5.8,<0.5.11", dict(extra=("openai", "partial-json-parser"))),
     (">=0.5.11,<0.5.18", dict(extra=("openai", "partial-json-parser", "einops"))),
-    # 0.5.20's FusedMoE build (the MoE test files) imports xgrammar; found by --run-tests on 0.5.20
-    # (0.5.18: no simulated MoE layers; 0.5.22 and 0.5.23 ran without it; 0.5.19 and 0.5.21 not run).
-    (">=0.5.20,<0.5.21", dict(extra=("xgrammar",))),
 )
 KERNEL_DISTS = ("sgl-kernel", "sglang-kernel")
 

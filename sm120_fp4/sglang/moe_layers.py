@@ -43,7 +43,7 @@ import torch
 from .. import nvfp4
 
 __all__ = [
-    "BUILDER_VERSIONS",
+    "SEAMS",
     "builder_problem",
     "MoeCheckpoint",
     "MoeContext",
@@ -59,22 +59,28 @@ __all__ = [
     "compressed_tensors_tensors",
 ]
 
-# The scoped seams above exist from SGLang 0.5.19 (runtime_context with override_platform,
-# create_context/use_context, get_parallel().override). 0.5.15-0.5.18 have the fused-MoE seam (their
-# MoE layers are routed and verified when served) but keep platform and parallel state in process
-# globals that cannot be scoped on a CPU: no simulated FusedMoE layer is built there.
-BUILDER_VERSIONS = ">=0.5.19,<0.5.24"
+# The scoped seams above are SGLang's runtime context (override_platform, create_context,
+# use_context, get_parallel().override): 0.5.22 and 0.5.23 have all of them, 0.5.20 has
+# override_platform only, 0.5.15-0.5.18 none (they keep platform and parallel state in process
+# globals that cannot be scoped on a CPU). Where one is missing no simulated FusedMoE layer is built;
+# the fused-MoE seam and the MoE weights hooks still apply there when served.
+SEAMS = ("override_platform", "create_context", "use_context", "get_parallel")
 
 
 def builder_problem() -> str | None:
-    """Why this SGLang cannot build a simulated MoE layer here, or None."""
-    from ..versions import version_in
-    from .release import sglang_version
+    """Why this SGLang cannot build a simulated MoE layer here (a scoped seam it lacks), or None."""
+    from .release import RUNTIME_CONTEXT, sglang_version
 
-    installed = sglang_version()
-    if installed is None or not version_in(installed, BUILDER_VERSIONS):
-        return (f"building SGLang's FusedMoE on a CPU needs its scoped runtime seams (override_platform, "
-                f"use_context, get_parallel().override: SGLang {BUILDER_VERSIONS}); this is {installed}")
+    try:
+        import importlib
+
+        module = importlib.import_module(RUNTIME_CONTEXT)
+    except Exception as exc:  # noqa: BLE001 - the reason is the finding
+        return f"SGLang {sglang_version()}: {RUNTIME_CONTEXT} does not import ({type(exc).__name__}: {exc})"
+    missing = [name for name in SEAMS if not hasattr(module, name)]
+    if missing:
+        return (f"building SGLang's FusedMoE on a CPU needs its scoped runtime seams ({', '.join(SEAMS)}); "
+                f"SGLang {sglang_version()}'s runtime_context lacks {', '.join(missing)}")
     return None
 
 
