@@ -720,7 +720,12 @@ venv with the release's own wheel and the pins recorded in the script's `PINS` (
 - **integration tests**: the four test files that import the real SGLang (`tests/test_sglang.py`,
   `test_sglang_verify.py`, `test_sglang_moe.py`, `test_sglang_moe_layers.py`) with that release; the
   skipped ones and why are listed (expectations are read from the release: no runner enum before
-  0.5.8, no fused-MoE seam before 0.5.15, so its NVFP4 MoE layers are refused there).
+  0.5.8, no fused-MoE seam before 0.5.15, so its NVFP4 MoE layers are refused there; a simulated
+  FusedMoE layer needs SGLang's scoped runtime seams, which 0.5.22+ have, so on 0.5.15-0.5.20 the
+  MoE seam and hooks are checked by the import step, not at a running layer).
+
+Each row names the commit of sm120_fp4 that ran it (a release re-run after a fix shows the later
+commit).
 
 This is a simulation on a CPU: it proves the wiring on each release, not an SM120 kernel.
 Re-run: `.venv/bin/python scripts/sglang_matrix.py --releases era --demo --run-tests --report docs/RELEASES.md --json R.json`
