@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import backends, devices, kernels, selftest, verdicts
 from .config import AUTO, Settings, load_settings
 from .devices import Device
-from .errors import ConfigError, RefusedToServe, SelfTestError, capped
+from .errors import ConfigError, RefusedToServe, capped
 
 __all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
 
@@ -554,8 +554,7 @@ def recheck(settings: Settings) -> list[selftest.SelfTestReport]:
     """Re-run every verified layer configuration once, eagerly, at its re-check batch sizes (after
     SGLang's warm-up and CUDA-graph capture, when autotuners have picked their tactics); a failure
     refuses (RefusedToServe) with the configuration and batch size."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise SelfTestError("sm120_fp4 re-check asked for inside CUDA-graph capture; run it after capturing")
+    selftest.refuse_inside_capture("re-check", "after")
     done = []
     for serving in list(_serving.values()):
         with serving.lock:

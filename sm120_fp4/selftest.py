@@ -330,6 +330,13 @@ def finish(report: SelfTestReport, results: list[ShapeResult], start: float) -> 
     return report
 
 
+
+def refuse_inside_capture(what: str, when: str) -> None:
+    """SelfTestError when the current CUDA stream is capturing a graph: a `what` ("self-test",
+    "re-check") synchronises and allocates, so it runs `when` ("before", "after") capturing."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise SelfTestError(f"sm120_fp4 {what} asked for inside CUDA-graph capture; run it {when} capturing")
+
 def run(
     backend: str,
     device: Device,
@@ -345,8 +352,7 @@ def run(
     Two passes over the shapes, every call checked: it returns `out` itself, `out` matches the
     oracle (after NaN poisoning), and its inputs are bitwise unchanged.
     """
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise SelfTestError("sm120_fp4 self-test asked for inside CUDA-graph capture; run it before capturing")
+    refuse_inside_capture("self-test", "before")
     bounds = bounds or Bounds()
     shapes = tuple(shapes or DEFAULT_SHAPES)
     for shape in shapes:
@@ -505,8 +511,7 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
     never raises for a bad kernel. Two passes, every call checked per output row against
     nvfp4.reference_moe_fp4 (zero rows, non-finite values, per-row relative error), `out` returned,
     inputs unchanged."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise SelfTestError("sm120_fp4 self-test asked for inside CUDA-graph capture; run it before capturing")
+    refuse_inside_capture("self-test", "before")
     config = config or DEFAULT_MOE_CONFIG
     bounds = bounds or MOE_BOUNDS
     report = report_for(backend, device, config="NVFP4 fused MoE")
