@@ -12,8 +12,9 @@ import torch
 
 from helpers import faults
 from helpers.cases import case
+from helpers.common import mm_fp4_operands
 from helpers.procs import background
-from sm120_fp4 import backends, kernels, nvfp4
+from sm120_fp4 import backends, kernels
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import InvalidArgument
 
@@ -73,12 +74,8 @@ def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(
 # ---- argument checks before a FlashInfer kernel (metadata only) ---------------------------------
 
 def operands(m=4, n=32, k=64):
-    x = torch.randn(m, k)
-    w = torch.randn(n, k) * 0.1
-    gx, gw = nvfp4.global_scale(x), nvfp4.global_scale(w)
-    qx, sx = nvfp4.quantize(x, gx)
-    qw, sw = nvfp4.quantize(w, gw)
-    return dict(a=qx, b=qw.T, a_descale=sx, b_descale=sw.T, alpha=(1 / (gx * gw)).reshape(1), out_dtype=torch.bfloat16,
+    a, b, a_descale, b_descale, alpha = mm_fp4_operands(m, n, k)
+    return dict(a=a, b=b, a_descale=a_descale, b_descale=b_descale, alpha=alpha, out_dtype=torch.bfloat16,
                 out=torch.empty(m, n, dtype=torch.bfloat16))
 
 

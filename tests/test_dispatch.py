@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import faults
+from helpers.common import mm_fp4_operands
 from sm120_fp4 import backends, devices, nvfp4
 from sm120_fp4.config import Settings
 from sm120_fp4.devices import Device
@@ -25,12 +26,7 @@ class Original:
 
 
 def operands(m=5, n=32, k=64):
-    x = torch.randn(m, k)
-    w = torch.randn(n, k) * 0.1
-    gx, gw = nvfp4.global_scale(x), nvfp4.global_scale(w)
-    qx, sx = nvfp4.quantize(x, gx)
-    qw, sw = nvfp4.quantize(w, gw)
-    return qx, qw.T, sx, sw.T, (1 / (gx * gw)).reshape(1)
+    return mm_fp4_operands(m, n, k)
 
 
 def ready(settings, original, recording=None):

@@ -263,14 +263,19 @@ def matrices(draw):
     kind = draw(st.sampled_from(["normal", "positive", "negative", "sparse"]))
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, kblocks * 16, generator=gen, dtype=torch.float64)
+    return (_signed(m, kblocks * 16, kind, gen) * scale).float()
+
+
+def _signed(m: int, k: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """A float64 (m, k) normal sample made all positive, all negative or 90% zeros by `kind`."""
+    x = torch.randn(m, k, generator=gen, dtype=torch.float64)
     if kind == "positive":
-        x = x.abs()
-    elif kind == "negative":
-        x = -x.abs()
-    elif kind == "sparse":
-        x = x * (torch.rand(x.shape, generator=gen, dtype=torch.float64) < 0.1)
-    return (x * scale).float()
+        return x.abs()
+    if kind == "negative":
+        return -x.abs()
+    if kind == "sparse":
+        return x * (torch.rand(x.shape, generator=gen, dtype=torch.float64) < 0.1)
+    return x
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -352,14 +357,7 @@ def test_packing_and_swizzling_round_trip(rows, blocks, seed, extremes):
 def test_quantize_is_bounded_for_any_magnitude_and_zero_blocks(m, blocks, seed, exponent, zero_fraction, gsf_shift, kind):
     gen = torch.Generator().manual_seed(seed)
     k = blocks * 16
-    x = torch.randn(m, k, generator=gen, dtype=torch.float64)
-    if kind == "positive":
-        x = x.abs()
-    elif kind == "negative":
-        x = -x.abs()
-    elif kind == "sparse":
-        x = x * (torch.rand(x.shape, generator=gen, dtype=torch.float64) < 0.1)
-    x = (x * 2.0**exponent).float()
+    x = (_signed(m, k, kind, gen) * 2.0**exponent).float()
     zero = torch.rand(m, blocks, generator=gen) < zero_fraction
     x = (x.view(m, blocks, 16) * ~zero.unsqueeze(-1)).view(m, k)
     zero = zero | (x.view(m, blocks, 16) == 0).all(-1)

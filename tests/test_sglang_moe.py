@@ -11,22 +11,14 @@ import pytest
 import torch
 
 from helpers import moe_faults
+from helpers.common import simulated_moe_skip_reason
 import sm120_fp4
 from sm120_fp4 import backends, nvfp4, selection, selftest
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import RefusedToServe
 
-from sm120_fp4.sglang import moe as _moe, release as _release  # noqa: E402
-from sm120_fp4.versions import version_in as _version_in  # noqa: E402
-
-if _release.sglang_version() is not None and not _version_in(_release.sglang_version(), _moe.SEAM_VERSIONS):
-    pytest.skip(f"SGLang {_release.sglang_version()} has no fused-MoE seam ({_moe.SEAM_VERSIONS}): its NVFP4 MoE layers "
-                "are refused, tested in test_sglang.py (refused_before_sglang_processes_it)", allow_module_level=True)
-if _release.sglang_version() is not None and _version_in(_release.sglang_version(), _moe.SEAM_VERSIONS):
-    from sm120_fp4.sglang.moe_layers import builder_problem as _builder_problem  # noqa: E402
-
-    if _builder_problem() is not None:
-        pytest.skip(_builder_problem(), allow_module_level=True)
+if simulated_moe_skip_reason() is not None:
+    pytest.skip(simulated_moe_skip_reason(), allow_module_level=True)
 moe_layers = pytest.importorskip("sm120_fp4.sglang.moe_layers")
 pytest.importorskip("sglang.srt.layers.moe.moe_runner.flashinfer_cutlass", reason="needs the pinned SGLang's MoE modules")
 

@@ -18,17 +18,11 @@ import warnings
 import pytest
 import torch
 
-from sm120_fp4.sglang import moe as _moe, release as _release  # noqa: E402
-from sm120_fp4.versions import version_in as _version_in  # noqa: E402
+from sm120_fp4.sglang import release as _release  # noqa: E402
+from helpers.common import simulated_moe_skip_reason  # noqa: E402
 
-if _release.sglang_version() is not None and not _version_in(_release.sglang_version(), _moe.SEAM_VERSIONS):
-    pytest.skip(f"SGLang {_release.sglang_version()} has no fused-MoE seam ({_moe.SEAM_VERSIONS}): its NVFP4 MoE layers "
-                "are refused, tested in test_sglang.py (refused_before_sglang_processes_it)", allow_module_level=True)
-if _release.sglang_version() is not None and _version_in(_release.sglang_version(), _moe.SEAM_VERSIONS):
-    from sm120_fp4.sglang.moe_layers import builder_problem as _builder_problem  # noqa: E402
-
-    if _builder_problem() is not None:
-        pytest.skip(_builder_problem(), allow_module_level=True)
+if simulated_moe_skip_reason() is not None:
+    pytest.skip(simulated_moe_skip_reason(), allow_module_level=True)
 _WHY = "needs the pinned SGLang (scripts/setup_env.sh)"
 pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.layer", reason=_WHY)
 pytest.importorskip("sglang.srt.layers.moe.moe_runner.flashinfer_cutlass", reason=_WHY)

@@ -38,6 +38,19 @@ def run_concurrently(target: Callable, argument_tuples: Iterable[tuple]) -> None
         thread.join()
 
 
+def mm_fp4_operands(m: int, n: int = 32, k: int = 64):
+    """mm_fp4's positional operands (a, b, a_descale, b_descale, alpha) for random (m, k) x (n, k)
+    data, quantized with nvfp4 (the global torch RNG: tests seed it)."""
+    from sm120_fp4 import nvfp4
+
+    x = torch.randn(m, k)
+    w = torch.randn(n, k) * 0.1
+    gx, gw = nvfp4.global_scale(x), nvfp4.global_scale(w)
+    qx, sx = nvfp4.quantize(x, gx)
+    qw, sw = nvfp4.quantize(w, gw)
+    return qx, qw.T, sx, sw.T, (1 / (gx * gw)).reshape(1)
+
+
 # ---- the real SGLang's patch targets (imported lazily: only tests that use SGLang pay for it) ----
 
 def _targets():
@@ -89,6 +102,22 @@ def assert_patched_once() -> None:
     hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
     assert hook.__sm120_fp4_patch__ == "modelopt-fp4-weights-hook"
     assert not hasattr(hook.__wrapped__, "__sm120_fp4_patch__")
+
+
+def simulated_moe_skip_reason() -> str | None:
+    """Why the installed SGLang cannot run a simulated NVFP4 MoE layer here, or None: no fused-MoE
+    seam (its MoE layers are refused instead: test_sglang.py tests that on every release), or not
+    the scoped runtime seams a simulated FusedMoE needs (moe_layers.builder_problem)."""
+    from sm120_fp4.sglang import moe, moe_layers, release
+    from sm120_fp4.versions import version_in
+
+    installed = release.sglang_version()
+    if installed is None:
+        return None  # the test files' importorskip lines say SGLang is missing
+    if not version_in(installed, moe.SEAM_VERSIONS):
+        return (f"SGLang {installed} has no fused-MoE seam ({moe.SEAM_VERSIONS}): its NVFP4 MoE layers are refused, "
+                "tested in test_sglang.py (refused_before_sglang_processes_it)")
+    return moe_layers.builder_problem()
 
 
 def patch_state(name: str) -> str:
