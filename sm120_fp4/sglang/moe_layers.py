@@ -30,6 +30,7 @@ kernel, in ``reference_moe_fp4``'s argument names.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import tempfile
@@ -72,8 +73,6 @@ def builder_problem() -> str | None:
     from .release import RUNTIME_CONTEXT, sglang_version
 
     try:
-        import importlib
-
         module = importlib.import_module(RUNTIME_CONTEXT)
     except Exception as exc:  # noqa: BLE001 - the reason is the finding
         return f"SGLang {sglang_version()}: {RUNTIME_CONTEXT} does not import ({type(exc).__name__}: {exc})"

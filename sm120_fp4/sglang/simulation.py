@@ -256,6 +256,10 @@ def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
 
 
 
+def _is_kernel_module(name: str) -> bool:
+    return name == KERNEL_PACKAGE or name.startswith(KERNEL_PACKAGE + ".")
+
+
 def kernel_package_stand_in(used: Callable[[str], None] = lambda reason: None) -> Callable[[], None]:
     """Insert the import-time stand-in for an installed ``sgl_kernel`` that cannot load; returns its undo.
 
@@ -268,7 +272,7 @@ def kernel_package_stand_in(used: Callable[[str], None] = lambda reason: None) -
     def remove() -> None:
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(finder)
-        for name in [n for n, m in sys.modules.items() if n == KERNEL_PACKAGE or n.startswith(KERNEL_PACKAGE + ".")]:
+        for name in [n for n in sys.modules if _is_kernel_module(n)]:
             if getattr(sys.modules[name], "__sm120_fp4_stand_in__", False):
                 del sys.modules[name]
 
@@ -286,7 +290,7 @@ class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._busy = threading.local()
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != KERNEL_PACKAGE and not fullname.startswith(KERNEL_PACKAGE + "."):
+        if not _is_kernel_module(fullname):
             return None
         if getattr(self._busy, "on", False):
             return None  # the real import, looked up without this finder
@@ -320,11 +324,10 @@ class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         before = set(sys.modules)
         self._busy.on = True
         try:
-            sys.modules.pop(KERNEL_PACKAGE, None)  # the import system's placeholder for this spec
             return importlib.import_module(KERNEL_PACKAGE)
         except Exception as exc:  # noqa: BLE001 - any failure to load is the reason for the stand-in
             for name in set(sys.modules) - before:
-                if name == KERNEL_PACKAGE or name.startswith(KERNEL_PACKAGE + "."):
+                if _is_kernel_module(name):
                     del sys.modules[name]  # half-loaded submodules of the real package
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
