@@ -18,6 +18,10 @@ import os
 import sys
 
 TOGGLE_VAR = "SM120_FP4"
+# SGLang's top-level package, the one name the start-up hook waits for. It is spelled here, not
+# taken from sm120_fp4.sglang: this module is stdlib-only (it runs in every interpreter's start-up),
+# and importing that package would import packaging and the rest of its SGLang knowledge.
+SGLANG = "sglang"
 # The one definition of the toggle's values (config.Settings parses with it too). The .pth line
 # repeats TOGGLE_OFF as a literal: importing anything there would cost every interpreter start-up.
 TOGGLE_ON = ("1", "on")
@@ -78,7 +82,7 @@ class _RefuseSGLang:
         self.message = message
 
     def find_spec(self, name, path=None, target=None):
-        if name == "sglang" or name.startswith("sglang."):
+        if name == SGLANG or name.startswith(SGLANG + "."):
             raise ActivationFailed(self.message)
         return None
 
@@ -87,7 +91,7 @@ class _AfterSGLangImport:
     """A one-shot, stdlib-only post-import hook for ``sglang`` (wrapt costs ~70 ms to import)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "sglang":
+        if name != SGLANG:
             return None
         _remove_finder()
         from importlib.machinery import PathFinder
@@ -122,7 +126,7 @@ def activate() -> None:
     if _activated:
         return
     _activated = True
-    if "sglang" in sys.modules:
-        _on_sglang(sys.modules["sglang"])
+    if SGLANG in sys.modules:
+        _on_sglang(sys.modules[SGLANG])
     else:
         sys.meta_path.insert(0, _finder)
