@@ -343,4 +343,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import main as demo
 
         return demo()
-    return _worker(args)
+    return _worker_exit(_worker(args))
+
+
+def _worker_exit(code: int) -> int:
+    """The worker's exit code, kept: a call that outlived its bound may still be running and would
+    abort the interpreter's shutdown (selftest.calls_still_running), so the worker, always its own
+    short-lived process, then ends at once, after its result line is flushed."""
+    from . import selftest
+
+    if selftest.calls_still_running():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

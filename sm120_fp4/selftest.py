@@ -22,7 +22,7 @@ from .errors import SelfTestError
 
 __all__ = [
     "quantized_inputs", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES",
-    "Case", "sweep", "run", "report_for", "finish",
+    "Case", "sweep", "run", "report_for", "finish", "calls_still_running",
     "MoeCase", "MoeConfig", "MOE_BOUNDS", "DEFAULT_MOE_CONFIG", "SIMULATION_MOE_CONFIG", "moe_routing", "moe_cases", "run_moe",
 ]
 
@@ -42,7 +42,7 @@ class Bounds(BaseModel):
     # The whole self-test of one candidate (every call of every pass) must finish within this:
     # a first FlashInfer call JIT-compiles its kernels (minutes on a cold cache). A call still
     # running at the deadline is reported as hung and the candidate is rejected; its thread cannot
-    # be killed and keeps running in the background (a daemon thread: it never blocks exit).
+    # be killed and keeps running in the background (a daemon thread: see `calls_still_running`).
     timeout_s: float = 900.0
 
 
@@ -176,6 +176,19 @@ class _Hung:
     pass
 
 
+_CALL_THREAD = "sm120_fp4-selftest-call"
+
+
+def calls_still_running() -> int:
+    """How many checked calls outlived their bound and are still running in their threads.
+
+    Such a thread never blocks exit, but one that returns into a torch op while the interpreter
+    shuts down aborts the whole process (`terminate called without an active exception`, exit 134),
+    whatever exit code was meant: a process that must exit with a code ends itself at once
+    (os._exit) while this is non-zero."""
+    return sum(1 for t in threading.enumerate() if t.name == _CALL_THREAD and t.is_alive())
+
+
 def _call_with_timeout(fn: Callable, args: tuple, device: torch.device, timeout_s: float) -> object:
     """fn(*args) (synchronised), its exception, or _Hung when it outlives `timeout_s`."""
     box: list = []
@@ -191,7 +204,7 @@ def _call_with_timeout(fn: Callable, args: tuple, device: torch.device, timeout_
         except BaseException as exc:  # noqa: BLE001 - reported as the self-test's finding
             box.append(exc)
 
-    worker = threading.Thread(target=call, name="sm120_fp4-selftest-call", daemon=True)
+    worker = threading.Thread(target=call, name=_CALL_THREAD, daemon=True)
     worker.start()
     worker.join(max(timeout_s, 0.0))
     return box[0] if box else _Hung()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 MODULE = '''
-import os, signal
+import os, signal, time
 
 
 def crash(a, b, a_sf, b_sf, alpha, dtype, out):
@@ -22,6 +22,17 @@ def zeros(a, b, a_sf, b_sf, alpha, dtype, out):
 def good(a, b, a_sf, b_sf, alpha, dtype, out):
     from sm120_fp4.backends import emulated_mm_fp4
     return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+
+
+def late(a, b, a_sf, b_sf, alpha, dtype, out):
+    """Runs tensor ops for 5 s, then gives the right result: past a 1 s self-test bound, so its
+    thread is still inside torch ops when the rest of the self-test is done."""
+    import torch
+
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    return good(a, b, a_sf, b_sf, alpha, dtype, out)
 
 
 def only_sm121(device):
@@ -41,6 +52,7 @@ crash = sm120_fp4_test_plugins:crash
 zeros = sm120_fp4_test_plugins:zeros
 good = sm120_fp4_test_plugins:good
 good121 = sm120_fp4_test_plugins:good121
+late = sm120_fp4_test_plugins:late
 missing = sm120_fp4_no_such_module:fn
 
 [sm120_fp4.moe_backends]
