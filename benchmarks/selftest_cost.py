@@ -11,7 +11,11 @@ Measured, each on its own, with the `emulated` backend (the only one that runs o
   at every batch-size bucket up to 512 plus M=2049, two passes, with the layer's own weights;
 * the MoE layer check of a DeepSeek-V3 / GLM-class layer (E=256, H=7168, top-8, I=2048 at TP1, 256
   at TP8), this rank's experts, a few of them routed to.
-Targets on the GPU: dense layer checks <= 1.5 s per GPU in total, each MoE configuration <= 2 s.
+* the re-check after warm-up and CUDA-graph capture (selection.recheck) of the same configurations
+  at every graph size SGLang 0.5.23 captures by default: decode batch sizes up to 512 and prefill
+  token counts up to 2048 (CAPTURED, from SGLang's cuda_graph_hook.py).
+Targets on the GPU: dense layer checks <= 1.5 s per GPU in total, each MoE configuration <= 2 s
+(at load); the re-check is reported, not targeted.
 The layer's call is the routed backend after SGLang's quantizer (nvfp4.quantize stands in for it).
 --quick uses small layers (CPU smoke run of the same code).
 """
@@ -36,6 +40,11 @@ from sm120_fp4.sglang import hooks, moe  # noqa: E402
 
 DENSE_TARGET_S = 1.5
 MOE_TARGET_S = 2.0
+# SGLang 0.5.23's default CUDA-graph sizes (arg_groups/cuda_graph_hook.py): decode without
+# speculative decoding, max_bs 512; prefill (piecewise) token counts, the documented max 2048.
+DECODE_CAPTURED = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), 512]
+PREFILL_CAPTURED = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), *range(1280, 2049, 256)]
+CAPTURED = sorted(set(DECODE_CAPTURED) | set(PREFILL_CAPTURED))
 LLAMA70B = {"qkv": (10240, 8192), "o_proj": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 
 
@@ -117,7 +126,7 @@ def main() -> int:
     [moe_decision] = [d for d in selection.decisions() if d.family == "moe"]
     moe_generic_kernel = sum(s.duration_s for s in moe_decision.reports[0].shapes)
 
-    rows, dense = [], {}
+    rows, dense, rechecks = [], {}, {}
     for tp in (1, 8):
         total = 0.0
         for name, (n, k) in tp_configs(tp).items():
@@ -130,6 +139,11 @@ def main() -> int:
             rows.append([f"TP{tp} {name}", f"N={n} K={k}", len(check.ms), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3])
         dense[f"tp{tp}"] = total
         rows.append([f"TP{tp} all four", "", "", total * 1e3, "", ""])
+        reports, seconds = synced(tdev, lambda: selection.recheck(settings, CAPTURED))
+        assert all(r.passed for r in reports), [r.reason for r in reports]
+        rechecks[f"dense_tp{tp}"] = seconds
+        rows.append([f"TP{tp} re-check after capture", "", len(reports[0].shapes), seconds * 1e3,
+                     sum(r.duration_s for rep in reports for r in rep.shapes) * 1e3, ""])
         selection.clear()
         selection.route(device.index, settings)
     selection.route(device.index, settings, "moe")  # decided before the layer checks are timed
@@ -146,7 +160,14 @@ def main() -> int:
         kernel = sum(r.duration_s for r in report.shapes)
         moe_rows.append([f"TP{tp}", f"E={experts} H={hidden} I={inter} top-8", len(check.ms) + 1, seconds * 1e3,
                          kernel * 1e3, (seconds - kernel) * 1e3])
+        reports, seconds = synced(tdev, lambda: selection.recheck(settings, CAPTURED))
+        assert all(r.passed for r in reports), [r.reason for r in reports]
+        rechecks[f"moe_tp{tp}"] = seconds
+        kernel = sum(r.duration_s for rep in reports for r in rep.shapes)
+        moe_rows.append([f"TP{tp} re-check after capture", "", len(reports[0].shapes), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3])
         del layer
+        selection.clear()  # the next TP's layer is re-checked on its own
+        selection.route(device.index, settings, "moe")
 
     print(f"on {device.label()}, emulated backend{' (--quick: layers / 16)' if scale > 1 else ''}\n")
     print(f"generic dense self-test (decide): {dense_generic * 1e3:.0f} ms; generic MoE self-test: {moe_generic * 1e3:.0f} ms "
@@ -161,7 +182,10 @@ def main() -> int:
     print(f"\ndense layer checks per GPU: {', '.join(f'{k} {v:.2f} s' for k, v in dense.items())} "
           f"(target <= {DENSE_TARGET_S} s: {'met' if met_dense else 'NOT met'}); MoE per configuration: "
           f"{', '.join(f'{k} {v:.2f} s' for k, v in moe_costs.items())} (target <= {MOE_TARGET_S} s: {'met' if met_moe else 'NOT met'})")
+    print(f"re-check after capture at {len(CAPTURED)} graph sizes (dense: all four configurations; MoE: one layer): "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in rechecks.items()))
     write("selftest_cost", {
+        "recheck_s": rechecks, "recheck_sizes": len(CAPTURED),
         "device": device.label(), "quick": scale > 1, "dense_generic_s": dense_generic, "moe_generic_s": moe_generic, "moe_generic_kernel_s": moe_generic_kernel,
         "dense_rows": rows, "dense_total_s": dense, "moe_rows": moe_rows, "moe_s": moe_costs,
         "targets": {"dense_per_gpu_s": DENSE_TARGET_S, "moe_per_config_s": MOE_TARGET_S},

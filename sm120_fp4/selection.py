@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -550,16 +550,17 @@ def _next_decision(serving: _Serving, remaining: list[str], settings: Settings) 
     return decision
 
 
-def recheck(settings: Settings) -> list[selftest.SelfTestReport]:
-    """Re-run every verified layer configuration once, eagerly, at its re-check batch sizes (after
-    SGLang's warm-up and CUDA-graph capture, when autotuners have picked their tactics); a failure
-    refuses (RefusedToServe) with the configuration and batch size."""
+def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.SelfTestReport]:
+    """Re-run every verified layer configuration once, eagerly, at its re-check batch sizes and at
+    every M of `captured` (the token counts of the CUDA graphs SGLang just captured: the batch
+    sizes graphs will serve), after SGLang's warm-up and capture, when autotuners have picked their
+    tactics; a failure refuses (RefusedToServe) with the configuration and batch size."""
     selftest.refuse_inside_capture("re-check", "after")
     done = []
     for serving in list(_serving.values()):
         with serving.lock:
             for check in list(serving.checks.values()):
-                report = _run_check(serving, check, check.recheck_ms)
+                report = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
                 report.config = f"{check.label} (re-check after warm-up)"
                 done.append(report)
                 if report.passed:
@@ -573,7 +574,8 @@ def recheck(settings: Settings) -> list[selftest.SelfTestReport]:
                                 rejected={serving.decision.backend: f"failed the re-check after warm-up: {report.reason}"},
                                 reports=[report]), settings)
                 raise RefusedToServe(message)
-    _LOG.info("sm120_fp4: re-checked %d layer configuration(s) after warm-up: all pass", len(done))
+    _LOG.info("sm120_fp4: re-checked %d layer configuration(s) after warm-up at %d captured graph size(s): all pass",
+              len(done), len(set(captured)))
     return done
 
 

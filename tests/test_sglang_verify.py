@@ -20,7 +20,9 @@ from sm120_fp4 import backends, nvfp4, selection
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.sglang import hooks, layers
-from sm120_fp4.sglang.release import MODEL_RUNNER
+from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
+from sm120_fp4.versions import version_in
+from helpers.cases import case
 from helpers.common import release_specs
 
 pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
@@ -207,13 +209,25 @@ def _warmup(runner) -> None:
     getattr(runner, _warmup_spec().attribute.split(".")[1])()
 
 
-def _model_runner_stand_in(warmup):
+def _captured_graphs(runner, decode_bs, per_request, prefill_tokens):
+    """What this release's init_cuda_graphs / init_device_graphs leave on the model runner: the
+    decode graph runner (captured batch sizes, tokens per request) and the prefill graph runner."""
+    new = version_in(sglang_version(), ">=0.5.14")
+    width = "captured_req_width" if version_in(sglang_version(), ">=0.5.16") else "num_tokens_per_bs"
+    decode = types.SimpleNamespace(capture_bs=list(decode_bs), **{width: per_request})
+    prefill = types.SimpleNamespace(capture_num_tokens=list(prefill_tokens))
+    setattr(runner, "decode_cuda_graph_runner" if new else "graph_runner", decode)
+    setattr(runner, "prefill_cuda_graph_runner" if new else "piecewise_cuda_graph_runner", prefill)
+    runner.decode_cuda_graph_capture_bs = list(decode_bs)
+
+
+def _model_runner_stand_in(warmup, decode_bs=(1, 2, 4, 8), per_request=1, prefill_tokens=()):
     """SGLang's model runner cannot be imported on a CPU: a stand-in with this release's warm-up seam."""
     module = types.ModuleType(MODEL_RUNNER)
 
     def init_graphs(self, capture_decode_cuda_graph=True):
         warmup()  # what SGLang's warm-up and capture do: forward passes at the captured sizes
-        self.decode_cuda_graph_capture_bs = [1, 2, 4, 8]
+        _captured_graphs(self, decode_bs, per_request, prefill_tokens)
 
     module.ModelRunner = type("ModelRunner", (), {_warmup_spec().attribute.split(".")[1]: init_graphs})
     return module
@@ -246,6 +260,45 @@ def test_the_recheck_after_warmup_refuses_a_kernel_that_goes_wrong_after_warmup(
     data = json.loads(report.read_text())
     assert data["refusals"][-1]["config"].endswith("(re-check after warm-up)")
     assert data["refusals"][-1]["reports"][0]["shapes"][0]["m"] == 1
+
+
+@case("backend faults", "a kernel that zeros its output only at M=24 and M=96: a captured decode graph (12 requests x 2 tokens, speculative) and a captured prefill graph, between the batch sizes checked at load",
+      "the layer verifies at load; after warm-up and capture the re-check runs every captured graph size and refuses, naming M=24")
+def test_the_recheck_runs_every_captured_graph_size(monkeypatch, tmp_path):
+    def zeros_at_captured_sizes(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if a.shape[0] in (24, 96):
+            out.zero_()
+        return out
+
+    assert not {24, 96} & set(hooks.batch_sizes(hooks.max_capture_batch())), "the fault must be invisible at load"
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None, decode_bs=(1, 2, 4, 8, 12), per_request=2,
+                                                                          prefill_tokens=(96, 512)))
+    backends.register("captured", zeros_at_captured_sizes)
+    report = tmp_path / "report.json"
+    sm120_fp4.install(simulate="12.0", backends="captured", report=str(report))
+    build(96, 160)
+    assert sm120_fp4.status().decisions[0].backend == "captured"  # verified at load
+    with pytest.raises(RefusedToServe, match=r"(?s)fails after warm-up.*N=96 K=160 .*M=24 .*all zeros"):
+        _warmup(sys.modules[MODEL_RUNNER].ModelRunner())
+    assert json.loads(report.read_text())["refusals"][-1]["config"].endswith("(re-check after warm-up)")
+
+
+def test_the_recheck_calls_the_kernel_at_every_captured_graph_size(monkeypatch):
+    seen = []
+
+    def recording(a, b, a_sf, b_sf, alpha, dtype, out):
+        seen.append(a.shape[0])
+        return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None, decode_bs=(1, 2, 4, 8, 12), per_request=2,
+                                                                          prefill_tokens=(96, 512)))
+    backends.register("recording", recording)
+    sm120_fp4.install(simulate="12.0", backends="recording")
+    build(96, 160)
+    seen.clear()
+    _warmup(sys.modules[MODEL_RUNNER].ModelRunner())
+    assert {2, 4, 8, 16, 24, 96, 512} <= set(seen), "every captured graph's token count is re-checked"
 
 
 def test_the_recheck_after_warmup_passes_a_healthy_kernel(monkeypatch):

@@ -65,7 +65,7 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     def moe_seam(original):
         return moe.make_seam(original, lambda index: selection.route(index, settings, "moe"), sim is not None)
 
-    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, lambda: selection.recheck(settings),
+    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, lambda captured: selection.recheck(settings, captured),
                             moe_seam, before_moe)
     specs = targets.specs(wiring)
     if sim is not None:

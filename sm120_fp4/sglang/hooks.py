@@ -50,16 +50,47 @@ def make_weights_hook(original: Callable, before: Callable[[object, object], obj
     return process_weights_after_loading
 
 
-def make_warmup_hook(original: Callable, after: Callable[[], object]) -> Callable:
-    """Wrap ModelRunner.init_cuda_graphs: once warm-up and capture are done, re-check eagerly."""
+def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
+    """Wrap ModelRunner.init_cuda_graphs: once warm-up and capture are done, re-check eagerly,
+    `after(captured)` with the token counts of the decode graphs just captured."""
 
     @functools.wraps(original)
     def init_cuda_graphs(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        after()
+        after(captured_token_counts(self))
         return result
 
     return init_cuda_graphs
+
+
+def _int_list(value: object) -> list[int]:
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        return list(value)
+    return []
+
+
+def captured_token_counts(model_runner: object) -> list[int]:
+    """The M of every CUDA graph the model runner captured: each decode batch size times the tokens
+    per request (speculative decoding verifies several per request), the ragged verify token
+    buckets, and the prefill (piecewise) graphs' token counts. Every step that replays a graph runs
+    the GEMMs at one of these, so these are exactly the batch sizes graphs serve. [] where none was
+    captured.
+
+    SGLang 0.5.3-0.5.13 keep the decode runner in `graph_runner` (`num_tokens_per_bs`) and the
+    prefill one in `piecewise_cuda_graph_runner`; 0.5.14+ in `decode_cuda_graph_runner` and
+    `prefill_cuda_graph_runner`, 0.5.16+ with `captured_req_width`; token lists in `capture_num_tokens`."""
+    tokens: set[int] = set()
+    decode = getattr(model_runner, "decode_cuda_graph_runner", None) or getattr(model_runner, "graph_runner", None)
+    width = 1
+    for name in ("captured_req_width", "num_tokens_per_bs"):
+        value = getattr(decode, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            width = value
+            break
+    tokens.update(b * width for b in _int_list(getattr(decode, "capture_bs", None)))
+    for name in ("decode_cuda_graph_runner", "graph_runner", "prefill_cuda_graph_runner", "piecewise_cuda_graph_runner"):
+        tokens.update(_int_list(getattr(getattr(model_runner, name, None), "capture_num_tokens", None)))
+    return sorted(tokens)
 
 
 def max_capture_batch() -> int:

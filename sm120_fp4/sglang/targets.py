@@ -56,7 +56,7 @@ class Wiring:
     before_dense: Callable[[int], object]
     weights_scope: Callable
     verify: Callable[[object], None]
-    recheck: Callable[[], object]
+    recheck: Callable[[list[int]], object]
     make_moe_seam: Callable
     before_moe: Callable[[str, object], None]
 
