@@ -343,12 +343,12 @@ def finish(report: SelfTestReport, results: list[ShapeResult], start: float) -> 
     return report
 
 
-
 def refuse_inside_capture(what: str, when: str) -> None:
     """SelfTestError when the current CUDA stream is capturing a graph: a `what` ("self-test",
     "re-check") synchronises and allocates, so it runs `when` ("before", "after") capturing."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise SelfTestError(f"sm120_fp4 {what} asked for inside CUDA-graph capture; run it {when} capturing")
+
 
 def run(
     backend: str,

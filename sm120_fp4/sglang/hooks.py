@@ -52,7 +52,7 @@ def make_weights_hook(original: Callable, before: Callable[[object, object], obj
 
 def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
     """Wrap ModelRunner.init_cuda_graphs: once warm-up and capture are done, re-check eagerly,
-    `after(captured)` with the token counts of the decode graphs just captured."""
+    `after(captured)` with the token counts of the graphs just captured (captured_token_counts)."""
 
     @functools.wraps(original)
     def init_cuda_graphs(self, *args, **kwargs):
@@ -63,10 +63,12 @@ def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -
     return init_cuda_graphs
 
 
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _int_list(value: object) -> list[int]:
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
-        return list(value)
-    return []
+    return list(value) if isinstance(value, (list, tuple)) and all(map(_positive_int, value)) else []
 
 
 def captured_token_counts(model_runner: object) -> list[int]:
@@ -81,12 +83,8 @@ def captured_token_counts(model_runner: object) -> list[int]:
     `prefill_cuda_graph_runner`, 0.5.16+ with `captured_req_width`; token lists in `capture_num_tokens`."""
     tokens: set[int] = set()
     decode = getattr(model_runner, "decode_cuda_graph_runner", None) or getattr(model_runner, "graph_runner", None)
-    width = 1
-    for name in ("captured_req_width", "num_tokens_per_bs"):
-        value = getattr(decode, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            width = value
-            break
+    widths = [getattr(decode, name, None) for name in ("captured_req_width", "num_tokens_per_bs")]
+    width = next((w for w in widths if _positive_int(w)), 1)
     tokens.update(b * width for b in _int_list(getattr(decode, "capture_bs", None)))
     for name in ("decode_cuda_graph_runner", "graph_runner", "prefill_cuda_graph_runner", "piecewise_cuda_graph_runner"):
         tokens.update(_int_list(getattr(getattr(model_runner, name, None), "capture_num_tokens", None)))
