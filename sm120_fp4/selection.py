@@ -11,11 +11,9 @@ crashing its self-test process (:mod:`sm120_fp4.verdicts`) is skipped, with that
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -128,6 +126,7 @@ DENSE = Family("dense", "FP4 GEMM", "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", 
 MOE = Family("moe", "NVFP4 fused-MoE", "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
              backends.is_moe_supported, backends.resolve_moe, lambda s, d: s.moe_backends, lambda s: s.moe_fallback,
              _moe_self_test)
+FAMILIES = {"dense": DENSE, "moe": MOE}
 
 # Called as hook(event, family, device, backend) right before a candidate runs on a device (event
 # "self-test" or "timing"): the preflight worker prints it, flushed, so that when a candidate
@@ -139,7 +138,6 @@ def _announce(event: str, family: Family, device: Device, name: str) -> None:
     hook = candidate_hook
     if hook is not None:
         hook(event, family.name, device, name)
-FAMILIES = {"dense": DENSE, "moe": MOE}
 
 
 _lock = threading.Lock()
@@ -606,13 +604,5 @@ def write_report(path: Path, payload: dict, directory: bool | None = None) -> Pa
         if not path.is_dir():
             raise FileNotFoundError(f"the report directory {path} no longer exists (not creating a file at its name)")
         path = path / f"sm120_fp4-{os.getpid()}.json"
-    fd, tmp = tempfile.mkstemp(prefix=".sm120_fp4-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)  # rename replaces a planted symlink itself, never its target
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    verdicts.write_json(path, payload, ".sm120_fp4-")  # rename: a planted symlink is replaced itself, never its target
     return path

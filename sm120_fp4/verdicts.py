@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["device_key", "record", "crash_of", "note_crash", "load", "CRASHED", "PASSED", "FAILED"]
+__all__ = ["device_key", "record", "crash_of", "note_crash", "load", "write_json", "CRASHED", "PASSED", "FAILED"]
 
 _LOG = logging.getLogger("sm120_fp4")
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
@@ -96,15 +96,23 @@ def record(path: Path | None, key: dict, family: str, backend: str, verdict: str
         with open(path.with_name(path.name + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             entries = [e for e in load(path) if not _matches(e, key, family, backend)] + [entry]
-            fd, tmp = tempfile.mkstemp(prefix=".verdicts-", suffix=".json", dir=path.parent)
-            try:
-                with os.fdopen(fd, "w") as handle:
-                    json.dump({"version": 1, "verdicts": entries}, handle, indent=2, sort_keys=True)
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_json(path, {"version": 1, "verdicts": entries}, ".verdicts-")
+
+
+def write_json(path: Path, payload: dict, prefix: str) -> None:
+    """Write `payload` to `path` atomically: a temp file (`prefix`...) in the same directory, mode
+    0644, renamed over `path` -- which replaces a symlink planted there itself, never its target --
+    and removed on any failure. The one writer of this library's JSON files (this verdict file and
+    the report, selection.write_report); standard library only, like this module."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=Path(path).parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=True)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def note_crash(family: str, backend: str, reason: str) -> None:

@@ -256,7 +256,7 @@ def test_concurrent_report_writes_never_lose_a_decision(tmp_path, monkeypatch):
             second_decided.wait(60)
         return real_dump(payload, handle, **kwargs)
 
-    monkeypatch.setattr(selection.json, "dump", ordered_dump)
+    monkeypatch.setattr(json, "dump", ordered_dump)  # the json module every writer uses (verdicts.write_json)
     decide = lambda index: selection.decide(CpuGpu(index, f"gpu{index}", (12, 0)), ["emulated"], settings=settings)  # noqa: E731
     first = threading.Thread(target=decide, args=(0,))
     first.start()
