@@ -253,9 +253,6 @@ def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
             torch.Tensor.cuda = original
 
 
-
-
-
 def _is_kernel_module(name: str) -> bool:
     return name == KERNEL_PACKAGE or name.startswith(KERNEL_PACKAGE + ".")
 
@@ -340,13 +337,7 @@ def _stand_in_module(name: str) -> types.ModuleType:
     module = types.ModuleType(name, f"sm120_fp4 simulation stand-in for the CUDA-only {name}")
     module.__sm120_fp4_stand_in__ = True
     module.__path__ = []  # a package: `from sgl_kernel.x import y` finds the stand-in submodule
-
-    def __getattr__(attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Unavailable(f"{name}.{attr}")
-
-    module.__getattr__ = __getattr__
+    module.__getattr__ = _Unavailable(name).__getattr__  # module attributes are names of the stand-in
     return module
 
 
