@@ -81,7 +81,7 @@ DEFAULT_CACHE = ROOT / ".cache" / "sglang-wheels"
 WHEEL_TAGS = ["--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
               "--platform", "manylinux_2_34_x86_64"]
 PLUGINS = R.PLUGIN_GROUP
-RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+RUNTIME_CONTEXT = R.RUNTIME_CONTEXT
 MM_FP4_KEYWORDS = {"backend", "out", "block_size", "use_8x4_sf_layout", "use_nvfp4"}
 ENUM_MEMBERS = {"AUTO": "auto", "FLASHINFER_CUDNN": "flashinfer_cudnn", "FLASHINFER_CUTLASS": "flashinfer_cutlass"}
 OK, NA, FAIL = "ok", "n/a", "FAIL"
@@ -781,7 +781,6 @@ def print_table(results: dict[str, dict[str, tuple[str, str]]]) -> None:
         print(f"FAIL {v} {c}: {r}")
 
 
-
 # One release per era of SGLang's FP4 path (the list): alias name, op wrapper, enum members,
 # activation quantizer, platform checks and kernel package each change somewhere along it.
 ERA_RELEASES = ("0.5.3", "0.5.5", "0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.12", "0.5.13", "0.5.15",
@@ -797,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--releases", metavar="LIST", help="like --import-check for each release of LIST (comma-separated, or 'era' for "
                         f"{','.join(ERA_RELEASES)}), one at a time, each venv deleted after its run")
     parser.add_argument("--demo", action="store_true", help="with --import-check/--releases: also run `python -m sm120_fp4 demo` there")
-    parser.add_argument("--run-tests", action="store_true", help=f"with --import-check/--releases: also run the SGLang test files there")
+    parser.add_argument("--run-tests", action="store_true", help="with --import-check/--releases: also run the SGLang test files there")
     parser.add_argument("--repo", type=Path, action="append", help="run this checkout's sm120_fp4 and tests (PYTHONPATH); repeatable; default this repo")
     parser.add_argument("--keep-venv", action="store_true", help="with --releases: keep each venv (~7 GB each)")
     parser.add_argument("--report", type=Path, help="with --import-check/--releases: write the Markdown results table here")
