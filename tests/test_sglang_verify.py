@@ -262,6 +262,11 @@ def test_the_recheck_after_warmup_refuses_a_kernel_that_goes_wrong_after_warmup(
     assert data["refusals"][-1]["reports"][0]["shapes"][0]["m"] == 1
 
 
+# Decode graphs for 1-12 requests of 2 tokens each (speculative decoding) and two prefill graphs:
+# captured token counts 2, 4, 8, 16, 24, 96, 512.
+SPECULATIVE_GRAPHS = dict(decode_bs=(1, 2, 4, 8, 12), per_request=2, prefill_tokens=(96, 512))
+
+
 @case("backend faults", "a kernel that zeros its output only at M=24 and M=96: a captured decode graph (12 requests x 2 tokens, speculative) and a captured prefill graph, between the batch sizes checked at load",
       "the layer verifies at load; after warm-up and capture the re-check runs every captured graph size and refuses, naming M=24")
 def test_the_recheck_runs_every_captured_graph_size(monkeypatch, tmp_path):
@@ -272,8 +277,7 @@ def test_the_recheck_runs_every_captured_graph_size(monkeypatch, tmp_path):
         return out
 
     assert not {24, 96} & set(hooks.batch_sizes(hooks.max_capture_batch())), "the fault must be invisible at load"
-    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None, decode_bs=(1, 2, 4, 8, 12), per_request=2,
-                                                                          prefill_tokens=(96, 512)))
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None, **SPECULATIVE_GRAPHS))
     backends.register("captured", zeros_at_captured_sizes)
     report = tmp_path / "report.json"
     sm120_fp4.install(simulate="12.0", backends="captured", report=str(report))
@@ -291,8 +295,7 @@ def test_the_recheck_calls_the_kernel_at_every_captured_graph_size(monkeypatch):
         seen.append(a.shape[0])
         return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
-    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None, decode_bs=(1, 2, 4, 8, 12), per_request=2,
-                                                                          prefill_tokens=(96, 512)))
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None, **SPECULATIVE_GRAPHS))
     backends.register("recording", recording)
     sm120_fp4.install(simulate="12.0", backends="recording")
     build(96, 160)

@@ -36,9 +36,11 @@ def scheduler_with_broken_backend(stderr_path: str) -> None:
     from sm120_fp4 import backends
 
     backends.register("zeros", all_zeros)
-    import sglang.srt.layers.quantization.modelopt_quant as mq  # the bootstrap installs here
+    import sglang.srt.layers.quantization.modelopt_quant  # noqa: F401 - the bootstrap installs here
 
-    sys.stderr.write(f"child: alias patch {getattr(getattr(mq, 'flashinfer_fp4_gemm', None) or getattr(mq, 'fp4_gemm', None), '__sm120_fp4_patch__', None)}\n")
+    from helpers.common import sglang_alias  # after SGLang's import: it reads the installed release
+
+    sys.stderr.write(f"child: alias patch {getattr(sglang_alias(), '__sm120_fp4_patch__', None)}\n")
 
     from sm120_fp4.sglang import layers
 
