@@ -107,6 +107,14 @@ def time_check(check, device, settings) -> tuple[float, selftest.SelfTestReport]
     return seconds, report
 
 
+def time_recheck(label: str, tdev: torch.device, settings) -> tuple[float, list]:
+    """selection.recheck of every configuration verified so far at CAPTURED: (seconds, table row)."""
+    reports, seconds = synced(tdev, lambda: selection.recheck(settings, CAPTURED))
+    assert all(r.passed for r in reports), [r.reason for r in reports]
+    kernel = sum(r.duration_s for rep in reports for r in rep.shapes)
+    return seconds, [f"{label} re-check after capture", "", len(reports[0].shapes), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small layers (a CPU smoke run of the same code)")
@@ -139,11 +147,8 @@ def main() -> int:
             rows.append([f"TP{tp} {name}", f"N={n} K={k}", len(check.ms), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3])
         dense[f"tp{tp}"] = total
         rows.append([f"TP{tp} all four", "", "", total * 1e3, "", ""])
-        reports, seconds = synced(tdev, lambda: selection.recheck(settings, CAPTURED))
-        assert all(r.passed for r in reports), [r.reason for r in reports]
-        rechecks[f"dense_tp{tp}"] = seconds
-        rows.append([f"TP{tp} re-check after capture", "", len(reports[0].shapes), seconds * 1e3,
-                     sum(r.duration_s for rep in reports for r in rep.shapes) * 1e3, ""])
+        rechecks[f"dense_tp{tp}"], row = time_recheck(f"TP{tp}", tdev, settings)
+        rows.append(row)
         selection.clear()
         selection.route(device.index, settings)
     selection.route(device.index, settings, "moe")  # decided before the layer checks are timed
@@ -160,11 +165,8 @@ def main() -> int:
         kernel = sum(r.duration_s for r in report.shapes)
         moe_rows.append([f"TP{tp}", f"E={experts} H={hidden} I={inter} top-8", len(check.ms) + 1, seconds * 1e3,
                          kernel * 1e3, (seconds - kernel) * 1e3])
-        reports, seconds = synced(tdev, lambda: selection.recheck(settings, CAPTURED))
-        assert all(r.passed for r in reports), [r.reason for r in reports]
-        rechecks[f"moe_tp{tp}"] = seconds
-        kernel = sum(r.duration_s for rep in reports for r in rep.shapes)
-        moe_rows.append([f"TP{tp} re-check after capture", "", len(reports[0].shapes), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3])
+        rechecks[f"moe_tp{tp}"], row = time_recheck(f"TP{tp}", tdev, settings)
+        moe_rows.append(row)
         del layer
         selection.clear()  # the next TP's layer is re-checked on its own
         selection.route(device.index, settings, "moe")
