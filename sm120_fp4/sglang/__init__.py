@@ -29,8 +29,8 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     serve (the runner enum then stays as is, and nothing is verified there). Returns the undo steps
     that are not patches (the patcher undoes its own).
     """
-    from .. import selection
-    from ..errors import RefusedToServe
+    from .. import checkpoints, selection
+    from ..errors import ConfigError, RefusedToServe
     from ..versions import version_in
     from . import hooks, moe, simulation, targets
 
@@ -49,24 +49,36 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     def weights_scope():
         return simulation.cuda_moves_stay_on_cpu(sim is not None)
 
-    def before_moe(kind: str, layer) -> None:
+    def before_moe(kind: str, method, layer) -> None:
         if selection.route(hooks.layer_device_index(layer), settings, "moe") is None:
             return  # a device this library does not serve
         if not version_in(sglang_version(), moe.SEAM_VERSIONS):
             moe.refuse_unverifiable(kind, settings)
             return
-        problem = moe.gate_up_problem(layer)
+        problem = moe.runner_problem(kind, method) or moe.gate_up_problem(layer)
         if problem is not None and settings.selftest != "off":
             message = f"sm120_fp4: refusing to serve the NVFP4 MoE layer ({kind}): {problem}"
             if settings.selftest == "strict":
                 raise RefusedToServe(message)
             _LOG.warning("%s (SM120_FP4_SELFTEST=warn: serving anyway)", message)
 
+    def pin_moe_runner(model_path: str | None) -> None:
+        if not _serves_current_device(settings):
+            return
+        try:
+            quant = checkpoints.read_quantization(model_path) if model_path else None
+        except ConfigError as exc:
+            _LOG.warning("sm120_fp4: cannot read the checkpoint's quantization (%s); SGLang's MoE runner is left as "
+                         "it is, and each NVFP4 MoE layer's runner is checked when it loads", exc)
+            return
+        if quant is not None and quant.nvfp4:
+            moe.pin_auto_runner(patcher)
+
     def moe_seam(original):
         return moe.make_seam(original, lambda index: selection.route(index, settings, "moe"), sim is not None)
 
     wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, lambda captured: selection.recheck(settings, captured),
-                            moe_seam, before_moe)
+                            moe_seam, before_moe, pin_moe_runner)
     specs = targets.specs(wiring)
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)
@@ -76,3 +88,15 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     undo.append(targets.apply_env_knobs(patcher))
     patcher.add(specs)
     return undo
+
+
+def _serves_current_device(settings) -> bool:
+    """Whether this library serves the device this process computes on (CPU tensors: only in simulation)."""
+    import torch
+
+    from .. import devices, selection
+
+    index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    if index < 0 and settings.simulated_capability is None:
+        return False
+    return selection.serves(devices.get_device(index, settings.simulated_capability), settings)

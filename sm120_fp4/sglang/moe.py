@@ -9,6 +9,13 @@
   and refuse a checkpoint whose gate and up global scales differ (SGLang applies the gate's to both:
   silently wrong); after, verify this layer's configuration (this rank's experts and I slice, its
   top-k, activation and dtype, its own processed weights) through the seam as SGLang calls it.
+* The runner (0.5.15+): SGLang's ``auto`` MoE runner serves NVFP4 MoE with ``flashinfer_trtllm`` on every
+  capability >= 10.0, a kernel family that does not run on SM12x (SGLang turns ``auto`` into
+  ``flashinfer_cutlass`` on SM12x only when ``--quantization`` is given on the command line). After
+  SGLang's ``initialize_moe_config``, for an NVFP4 checkpoint on a device this library serves, ``auto``
+  is pinned to ``flashinfer_cutlass``, the runner whose seam is routed and verified. Each NVFP4 MoE layer's
+  own runner is read before its weights are processed: any other runner is refused, naming it and the
+  flag that fixes it, since nothing here verifies what it serves.
 * Releases before 0.5.15 have no such seam: an NVFP4 MoE layer there cannot be verified, and is
   refused unless SM120_FP4_SELFTEST says otherwise.
 """
@@ -24,13 +31,100 @@ import torch
 
 from .. import kernels, nvfp4, selection, selftest
 from ..errors import RefusedToServe
+from ..patching import PatchSpec, Patcher
 from ..selection import LayerCheck
 from .hooks import LARGE_BATCH, _activation_dtypes, batch_sizes, layer_device_index, max_capture_batch
-from .release import MOE_RUNNER_FC, sglang_version
+from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version
 
 _LOG = logging.getLogger("sm120_fp4")
 SEAM_VERSIONS = ">=0.5.15,<0.5.24"
 VERIFIED_EXPERTS = 8  # a few of this rank's experts: the oracle dequantizes only the ones it routes to
+VERIFIED_RUNNER = "flashinfer_cutlass"  # the one MoE runner whose kernel seam is routed and verified
+RUNNER_FLAG = f"--moe-runner-backend {VERIFIED_RUNNER}"
+_PIN_WHY = (
+    "SGLang's MoE runner 'auto' serves NVFP4 MoE with flashinfer_trtllm on every capability >= 10.0 (SM100-only "
+    "kernels; on SM12x the layer fails, e.g. 'cannot unpack non-iterable NoneType object') unless --quantization is "
+    "given; for an NVFP4 checkpoint on a served device pin 'auto' to flashinfer_cutlass, as SGLang's own SM120 rule "
+    "does with --quantization modelopt_fp4, so the routed and verified seam is what serves"
+)
+MOE_RUNNER_PIN = PatchSpec(
+    name="moe-runner-backend-pin", module=RUNTIME_CONTEXT, attribute="runner_backend", distribution=DISTRIBUTION,
+    versions=">=0.5.19,<0.5.24", why=_PIN_WHY + " (0.5.19+: get_flags().moe.runner_backend)",
+    upstream="no upstream issue; SGLang's SM120 rule lives in _moe_runner_backend_quant_constraints (CLI only)",
+    remove_when="when SGLang resolves 'auto' for NVFP4 MoE on SM12x from the checkpoint's own quantization")
+MOE_RUNNER_PIN_LEGACY = PatchSpec(
+    name="moe-runner-backend-pin-legacy", module=MOE_UTILS, attribute="MOE_RUNNER_BACKEND", distribution=DISTRIBUTION,
+    versions=">=0.5.15,<0.5.19", why=_PIN_WHY + " (0.5.15-0.5.18: the module global MOE_RUNNER_BACKEND)",
+    upstream=MOE_RUNNER_PIN.upstream, remove_when=MOE_RUNNER_PIN.remove_when)
+
+
+def _runner_name(value: object) -> str:
+    return str(getattr(value, "value", value))
+
+
+def make_config_hook(original: Callable, pin: Callable[[str | None], None]) -> Callable:
+    """Wrap SGLang's initialize_moe_config: once it has set the runner backend, ``pin(model_path)`` may pin 'auto'."""
+
+    @functools.wraps(original)
+    def initialize_moe_config(*args, **kwargs):
+        result = original(*args, **kwargs)
+        pin(_model_path(args))
+        return result
+
+    return initialize_moe_config
+
+
+def _model_path(args: tuple) -> str | None:
+    """The checkpoint directory this process serves: 0.5.15-0.5.18 pass server_args; 0.5.19+ publish it."""
+    path = getattr(args[0], "model_path", None) if args else None
+    if path is None:
+        context = sys.modules.get(RUNTIME_CONTEXT)
+        try:
+            path = getattr(context.get_model(), "model_path", None) if context is not None else None
+        except (AttributeError, ValueError):  # no published model namespace in this process
+            path = None
+    return path if isinstance(path, str) else None
+
+
+def pin_auto_runner(patcher: Patcher) -> bool:
+    """Pin SGLang's MoE runner backend from AUTO to FLASHINFER_CUTLASS (the caller decided it applies)."""
+    module = sys.modules.get(MOE_UTILS)
+    enum = getattr(module, "MoeRunnerBackend", None)
+    if enum is None or not all(hasattr(enum, m) for m in ("AUTO", "FLASHINFER_CUTLASS")):
+        patcher.note(MOE_RUNNER_PIN, "skipped", "MoeRunnerBackend lacks AUTO/FLASHINFER_CUTLASS")
+        return False
+    if "MOE_RUNNER_BACKEND" in vars(module):
+        spec, owner = MOE_RUNNER_PIN_LEGACY, module
+    else:
+        spec, owner = MOE_RUNNER_PIN, module.get_flags().moe
+    pinned = patcher.pin(spec, owner, enum.FLASHINFER_CUTLASS, lambda current: current in (None, enum.AUTO))
+    if pinned:
+        _LOG.warning("sm120_fp4: SGLang's MoE runner 'auto' would serve this NVFP4 checkpoint with flashinfer_trtllm, "
+                     "which does not run on SM12x; pinned to %s, the runner sm120_fp4 verifies", VERIFIED_RUNNER)
+    return pinned
+
+
+def served_runner(method: object) -> str:
+    """The MoE runner that will serve the layer of quant method `method` (read per layer, as SGLang set it)."""
+    backend = getattr(method, "_moe_runner_backend", None)  # set by create_moe_runner (ModelOpt, 0.5.19+)
+    if backend is None:
+        backend = getattr(getattr(method, "runner", None), "runner_backend", None)  # the MoeRunner it built
+    if backend is None and getattr(method, "use_flashinfer_trtllm", False):  # compressed-tensors' own switch
+        return "flashinfer_trtllm"
+    if backend is None:
+        module = sys.modules.get(MOE_UTILS)
+        backend = module.get_moe_runner_backend() if module is not None else None
+    return _runner_name(backend) if backend is not None else "unknown"
+
+
+def runner_problem(kind: str, method: object) -> str | None:
+    """Why this NVFP4 MoE layer cannot be verified: a runner other than the verified one serves it."""
+    runner = served_runner(method)
+    if runner == VERIFIED_RUNNER:
+        return None
+    return (f"the NVFP4 MoE layer ({kind}) is served by SGLang's MoE runner {runner!r}, which sm120_fp4 does not route "
+            f"or verify (on SM12x only {VERIFIED_RUNNER} is routed through the verified seam); start SGLang with "
+            f"{RUNNER_FLAG}, or set SM120_FP4_SELFTEST=warn to serve this layer UNVERIFIED")
 
 
 def make_seam(original: Callable, route: Callable[[int], Callable | None], simulated: bool) -> Callable:

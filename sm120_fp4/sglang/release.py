@@ -23,6 +23,8 @@ __all__ = [
     "MODEL_RUNNER",
     "MOE_RUNNER_FC",
     "CT_MOE",
+    "CT_CONFIG",
+    "MOE_UTILS",
     "MQ_FILE",
     "FP4_UTILS_FILE",
     "MARKER",
@@ -42,6 +44,8 @@ RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 MOE_RUNNER_FC = "sglang.srt.layers.moe.moe_runner.flashinfer_cutlass"
 CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe"
+CT_CONFIG = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
+MOE_UTILS = "sglang.srt.layers.moe.utils"  # the MoE runner backend: initialize_moe_config, get_moe_runner_backend
 PLUGIN_GROUP = "sglang.srt.plugins"  # the entry-point group SGLang's plugin loader reads
 MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
 FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"

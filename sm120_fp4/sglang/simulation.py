@@ -33,6 +33,7 @@ import torch
 from ..kernels import fp4_quantize_stand_in
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
+from . import cpu_engine
 from .release import CT, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -179,14 +180,16 @@ class Simulation:
         if KERNEL_PACKAGE in sys.modules:
             self.patcher.note(spec, "skipped", f"{KERNEL_PACKAGE} was imported before install()")
             return
-        remove = kernel_package_stand_in(lambda reason: self._kernel_stand_in_used(spec, reason))
+        serve = cpu_engine.OPS if cpu_engine.cpu_engine_selected() else None
+        remove = kernel_package_stand_in(lambda reason: self._kernel_stand_in_used(spec, reason, serve), serve)
         with self._lock:
             self._undo.append(remove)
 
-    def _kernel_stand_in_used(self, spec: PatchSpec, reason: str) -> None:
+    def _kernel_stand_in_used(self, spec: PatchSpec, reason: str, serve: dict | None) -> None:
         self.patcher.note(spec, "applied", None)
+        served = f"; it serves the CPU engine's {', '.join(sorted(serve))} in pure PyTorch" if serve else ""
         _LOG.warning("sm120_fp4: SIMULATION: %s cannot load here (%s); SGLang imports a stand-in whose "
-                     "functions raise when called", KERNEL_PACKAGE, reason)
+                     "other functions raise when called%s", KERNEL_PACKAGE, reason, served)
 
     def undo(self) -> None:
         with self._lock:
@@ -257,13 +260,16 @@ def _is_kernel_module(name: str) -> bool:
     return name == KERNEL_PACKAGE or name.startswith(KERNEL_PACKAGE + ".")
 
 
-def kernel_package_stand_in(used: Callable[[str], None] = lambda reason: None) -> Callable[[], None]:
+def kernel_package_stand_in(used: Callable[[str], None] = lambda reason: None,
+                            serve: dict[str, Callable] | None = None) -> Callable[[], None]:
     """Insert the import-time stand-in for an installed ``sgl_kernel`` that cannot load; returns its undo.
 
     Also for a test session that imports SGLang's modules on a CPU before any install() (the
     release matrix runs the SGLang test files on 0.5.3-0.5.10, whose pinned kernel package
-    cannot load there). `used(reason)` is called when the stand-in replaces the real package."""
-    finder = _KernelPackageFinder(used)
+    cannot load there). `used(reason)` is called when the stand-in replaces the real package.
+    With `serve` (SGLang's CPU engine selected: :data:`cpu_engine.OPS`), the stand-in also stands in for
+    a package that is not installed at all, and those names compute in pure PyTorch."""
+    finder = _KernelPackageFinder(used, serve)
     sys.meta_path.insert(0, finder)
 
     def remove() -> None:
@@ -280,10 +286,11 @@ class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds an installed ``sgl_kernel`` first: the real package when it loads, else a stand-in.
 
     A package that is not installed stays not installed (SGLang's guarded imports see their
-    ImportError, as without this library)."""
+    ImportError, as without this library), unless the CPU engine needs it (`serve`)."""
 
-    def __init__(self, used: Callable[[str], None]) -> None:
+    def __init__(self, used: Callable[[str], None], serve: dict[str, Callable] | None = None) -> None:
         self._used = used
+        self._serve = serve or {}
         self._busy = threading.local()
 
     def find_spec(self, fullname, path=None, target=None):
@@ -301,7 +308,7 @@ class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             installed = False
         finally:
             self._busy.on = False
-        if not installed:
+        if not installed and not self._serve:
             return None  # not installed: SGLang sees the ImportError it expects
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
@@ -311,6 +318,7 @@ class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             if isinstance(real, types.ModuleType):
                 return real
             self._used(real)
+            return _stand_in_module(spec.name, self._serve)
         return _stand_in_module(spec.name)
 
     def exec_module(self, module) -> None:
@@ -332,10 +340,12 @@ class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             self._busy.on = False
 
 
-def _stand_in_module(name: str) -> types.ModuleType:
-    """A module whose every public attribute is an :class:`_Unavailable` (raises when called)."""
+def _stand_in_module(name: str, serve: dict[str, Callable] | None = None) -> types.ModuleType:
+    """A module whose public attributes are `serve`'s functions and, for every other name, an
+    :class:`_Unavailable` (raises when called)."""
     module = types.ModuleType(name, f"sm120_fp4 simulation stand-in for the CUDA-only {name}")
     module.__sm120_fp4_stand_in__ = True
+    module.__dict__.update(serve or {})
     module.__path__ = []  # a package: `from sgl_kernel.x import y` finds the stand-in submodule
     module.__getattr__ = _Unavailable(name).__getattr__  # module attributes are names of the stand-in
     return module

@@ -18,8 +18,8 @@ from ..kernels import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
 from .hooks import compressed_tensors_check, layer_device_index, make_warmup_hook, make_weights_hook, modelopt_check
-from .moe import SEAM_VERSIONS, moe_check
-from .release import CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MQ, SUPPORTED, sglang_version
+from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
+from .release import CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SUPPORTED, sglang_version
 
 __all__ = ["Wiring", "specs", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN", "LEGACY_KNOB_SPEC"]
 
@@ -48,8 +48,9 @@ class Wiring:
     before a dense layer's weights are processed; `weights_scope()`: a context for that processing;
     `verify(check)`: verify one layer configuration (a LayerCheck, or None: nothing to verify);
     `recheck()`: re-run every verified configuration after warm-up; `make_moe_seam(original)`: the
-    fused-MoE seam replacement; `before_moe(kind, layer)`: decide (and check the checkpoint) before an
-    NVFP4 MoE layer's weights are processed.
+    fused-MoE seam replacement; `before_moe(kind, method, layer)`: decide (and check the checkpoint and the
+    layer's runner) before an NVFP4 MoE layer's weights are processed; `pin_moe_runner(model_path)`: after
+    SGLang's MoE config is initialised, pin its 'auto' runner for an NVFP4 checkpoint on a served device.
     """
 
     make_dispatch: Callable
@@ -58,7 +59,8 @@ class Wiring:
     verify: Callable[[object], None]
     recheck: Callable[[list[int]], object]
     make_moe_seam: Callable
-    before_moe: Callable[[str, object], None]
+    before_moe: Callable[[str, object, object], None]
+    pin_moe_runner: Callable[[str | None], None]
 
 
 def specs(w: Wiring) -> list[PatchSpec]:
@@ -70,7 +72,7 @@ def specs(w: Wiring) -> list[PatchSpec]:
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
     def moe_hook(kind: str) -> Callable:
-        before = lambda method, layer: w.before_moe(kind, layer)  # noqa: E731
+        before = lambda method, layer: w.before_moe(kind, method, layer)  # noqa: E731
         after = lambda method, layer: w.verify(moe_check(kind, layer))  # noqa: E731
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
@@ -81,6 +83,19 @@ def specs(w: Wiring) -> list[PatchSpec]:
         "fused-MoE seam as SGLang calls it, at every batch-size bucket and with >= 128 rows on one expert"
     )
     moe_specs = [
+        PatchSpec(
+            name="moe-runner-config-hook",
+            module=MOE_UTILS,
+            attribute="initialize_moe_config",
+            make=functools.partial(make_config_hook, pin=w.pin_moe_runner),
+            distribution=DISTRIBUTION,
+            versions=SEAM_VERSIONS,
+            why=("after SGLang initialises its MoE config in each scheduler, pin the runner 'auto' to flashinfer_cutlass "
+                 "for an NVFP4 checkpoint on a served device (moe-runner-backend-pin): 'auto' would serve NVFP4 MoE "
+                 "with flashinfer_trtllm, which does not run on SM12x"),
+            upstream=MOE_RUNNER_PIN.upstream,
+            remove_when=MOE_RUNNER_PIN.remove_when,
+        ),
         PatchSpec(
             name="fused-moe-kernel-seam",
             module=MOE_RUNNER_FC,
@@ -262,4 +277,5 @@ def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[]
 def ledger_rows() -> list[PatchSpec]:
     """Every runtime patch target, for the ledger and `doctor` (one source of truth)."""
     noop = lambda *args, **kwargs: None  # noqa: E731
-    return specs(Wiring(noop, noop, noop, noop, noop, noop, noop)) + [ENUM_PIN, LEGACY_KNOB_SPEC]
+    return specs(Wiring(noop, noop, noop, noop, noop, noop, noop, noop)) + [
+        ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY]

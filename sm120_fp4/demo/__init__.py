@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .sglang.layers import build_modelopt_layer, make_checkpoint, reference_output
+from ..sglang.layers import build_modelopt_layer, make_checkpoint, reference_output
 
 __all__ = ["main"]
 
@@ -119,9 +119,9 @@ def _moe_part() -> bool | None:
     from sm120_fp4.errors import RefusedToServe
 
     try:
-        from .sglang import moe_layers
-        from .sglang.moe import SEAM_VERSIONS
-        from .versions import version_in
+        from ..sglang import moe_layers
+        from ..sglang.moe import SEAM_VERSIONS
+        from ..versions import version_in
 
         if not version_in(sm120_fp4.status().sglang_version, SEAM_VERSIONS):
             raise ImportError(f"the fused-MoE seam exists in SGLang {SEAM_VERSIONS}")
