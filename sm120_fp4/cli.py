@@ -308,7 +308,11 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--allow-unverified", action="store_true",
                         help="start COMMAND even when a decision would serve unverified (SM120_FP4_SELFTEST=warn/off)")
     launch.add_argument("command", nargs=argparse.REMAINDER)
-    sub.add_parser("demo", help="SGLang's real FP4 linear layer, patched and self-tested on a simulated SM120 (CPU)")
+    demo = sub.add_parser("demo", help="SGLang's real FP4 linear layer, patched and self-tested on a simulated SM120 (CPU)")
+    demo.add_argument("--server", action="store_true",
+                      help="a real SGLang server on this CPU (simulation): an answer, then a broken kernel refused")
+    demo.add_argument("--model-path", help="with --server: serve this local NVFP4 checkpoint once instead")
+    demo.add_argument("server_args", nargs=argparse.REMAINDER, help="with --server: after --, arguments for SGLang")
     patches = sub.add_parser("patches", help="the same fix as upstream-ready diffs: check the installed SGLang, or apply")
     patches.add_argument("action", choices=["check", "apply"])
     patches.add_argument("--dry-run", action="store_true", help="apply: show whether the diff applies, change nothing")
@@ -340,6 +344,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return patches(args.action, dry_run=args.dry_run, target=args.target)
     if args.cmd == "demo":
+        if args.server or args.model_path or args.server_args:
+            if not args.server:
+                _eprint("sm120-fp4 demo: --model-path and SGLang arguments go with --server")
+                return EXIT_USAGE
+            from .demo.server import main as server_demo
+
+            return server_demo(args.model_path, args.server_args)
         from .demo import main as demo
 
         return demo()

@@ -1,7 +1,9 @@
 """A tiny NVFP4 checkpoint in NVIDIA ModelOpt's export format, written for ``sm120-fp4 demo --server``.
 
 Random weights (the server's answer is not meant to make sense), quantized with :mod:`sm120_fp4.nvfp4`
-exactly as ModelOpt's ``export_hf_checkpoint`` lays them out: per linear layer ``weight`` (uint8 (N, K/2),
+exactly as ModelOpt's ``export_hf_checkpoint`` lays them out (or, with ``fmt="compressed-tensors"``, as
+llm-compressor names them: ``weight_packed``, and the encode scales ``weight_global_scale`` /
+``input_global_scale`` instead of the decode scales): per linear layer ``weight`` (uint8 (N, K/2),
 packed E2M1), ``weight_scale`` (float8_e4m3fn (N, K/16), linear, not swizzled), ``weight_scale_2`` and
 ``input_scale`` (0-dim float32 decode scales, amax / (448 * 6)). The config carries the quantization both
 as ``config.json``'s ``quantization_config`` and as ``hf_quant_config.json``. The model is a two-layer
@@ -17,8 +19,10 @@ import os
 import torch
 
 from .. import nvfp4
+from ..checkpoints import COMPRESSED_TENSORS, MODELOPT
+from ..errors import InvalidArgument
 
-__all__ = ["write_checkpoint", "ARCHITECTURE"]
+__all__ = ["write_checkpoint", "ARCHITECTURE", "MODELOPT", "COMPRESSED_TENSORS"]
 
 ARCHITECTURE = dict(hidden=256, moe_intermediate=128, experts=8, top_k=2, layers=2,
                     heads=4, kv_heads=2, head_dim=64, vocab=512)
@@ -36,6 +40,23 @@ def _quantize(name: str, dense: torch.Tensor, calibration_amax: float) -> dict[s
         f"{name}.weight_scale_2": (1.0 / gsf_w).reshape(()).float(),
         f"{name}.input_scale": torch.tensor(calibration_amax / (nvfp4.E4M3_MAX * nvfp4.E2M1_MAX), dtype=torch.float32),
     }
+
+
+def _as_compressed_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same quantized bytes under llm-compressor's names: ``weight_packed``, ``weight_scale``, and the
+    encode scales themselves as ``weight_global_scale`` / ``input_global_scale`` (float32, shape (1,))."""
+    out = {}
+    for name, value in tensors.items():
+        stem, kind = name.rsplit(".", 1)
+        if kind == "weight" and value.dtype == torch.uint8:
+            out[stem + ".weight_packed"] = value
+        elif kind == "weight_scale_2":
+            out[stem + ".weight_global_scale"] = (1.0 / value.float()).reshape(1)
+        elif kind == "input_scale":
+            out[stem + ".input_global_scale"] = (1.0 / value.float()).reshape(1)
+        else:
+            out[name] = value
+    return out
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -76,10 +97,21 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _config() -> dict:
+def _quantization_config(fmt: str) -> dict:
+    if fmt == MODELOPT:
+        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                "ignore": ["lm_head"], "producer": {"name": "sm120_fp4", "version": "demo"}}
+    fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+           "dynamic": False, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp4, "format": "nvfp4-pack-quantized",
+                                          "input_activations": {**fp4, "dynamic": "local"}}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None}
+
+
+def _config(fmt: str) -> dict:
     a = ARCHITECTURE
-    quant = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-             "ignore": ["lm_head"], "producer": {"name": "sm120_fp4", "version": "demo"}}
+    quant = _quantization_config(fmt)
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
         "dtype": "bfloat16", "hidden_size": a["hidden"], "intermediate_size": 4 * a["moe_intermediate"],
@@ -119,22 +151,29 @@ def _write_json(path: str, value: dict) -> None:
         json.dump(value, f, indent=1)
 
 
-def write_checkpoint(root: str, seed: int = 0) -> str:
-    """Write the tiny checkpoint into the new, empty directory `root` (created owner-only); returns `root`."""
+def write_checkpoint(root: str, seed: int = 0, fmt: str = MODELOPT) -> str:
+    """Write the tiny checkpoint, in `fmt` (MODELOPT or COMPRESSED_TENSORS), into the new or empty directory
+    `root` (created owner-only); returns `root`."""
     from safetensors.torch import save_file
 
+    if fmt not in (MODELOPT, COMPRESSED_TENSORS):
+        raise InvalidArgument(f"write_checkpoint: fmt={fmt!r}; accepted: {MODELOPT!r}, {COMPRESSED_TENSORS!r}")
     os.makedirs(root, mode=0o700, exist_ok=True)
     if os.listdir(root):
-        raise FileExistsError(f"write_checkpoint: root {root!r} is not empty; give a new or empty directory")
-    config = _config()
+        raise InvalidArgument(f"write_checkpoint: root={root!r} is not empty; accepted: a new or empty directory")
+    config = _config(fmt)
     _write_json(os.path.join(root, "config.json"), config)
-    _write_json(os.path.join(root, "hf_quant_config.json"),
-                {"producer": config["quantization_config"]["producer"],
-                 "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                                  "exclude_modules": ["lm_head"]}})
+    tensors = _tensors(seed)
+    if fmt == MODELOPT:
+        _write_json(os.path.join(root, "hf_quant_config.json"),
+                    {"producer": config["quantization_config"]["producer"],
+                     "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                                      "exclude_modules": ["lm_head"]}})
+    else:
+        tensors = _as_compressed_tensors(tensors)
     _write_json(os.path.join(root, "generation_config.json"), {"bos_token_id": 256, "eos_token_id": 257})
     path = os.path.join(root, "model.safetensors")
-    save_file(_tensors(seed), path, metadata={"format": "pt"})
+    save_file(tensors, path, metadata={"format": "pt"})
     os.chmod(path, 0o600)
     _write_tokenizer(root)
     return root

@@ -82,7 +82,7 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     specs = targets.specs(wiring)
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)
-        specs += simulation.specs()
+        specs += simulation.specs(simulate)
         sim.arm()
         undo.append(sim.undo)
     undo.append(targets.apply_env_knobs(patcher))

@@ -34,7 +34,7 @@ from ..kernels import fp4_quantize_stand_in
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
 from . import cpu_engine
-from .release import CT, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version
+from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version
 
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
@@ -58,9 +58,10 @@ KERNEL_PACKAGE_STAND_IN = PatchSpec(
     "the way to the FP4 module) is replaced at import by a stand-in whose functions raise when called", "-", _NEVER)
 
 
-def specs() -> list[PatchSpec]:
-    """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it, and
-    the Blackwell check of releases older than SGLang's own override_platform seam."""
+def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
+    """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it, the
+    compressed-tensors capability check (answered for the simulated `capability`), and the Blackwell
+    check of releases older than SGLang's own override_platform seam."""
     where = [
         ("sim-activation-quantizer", MQ, "FlashInfer's FP4 quantizer needs an SM100+ GPU", ">=0.5.5,<0.5.24"),
         ("sim-activation-quantizer-ct", CT, "the compressed-tensors scheme imported the quantizer by name", ">=0.5.7,<0.5.24"),
@@ -70,6 +71,13 @@ def specs() -> list[PatchSpec]:
                   distribution="sglang", versions=versions)
         for name, module, why, versions in where
     ] + [
+        PatchSpec(
+            "sim-ct-capability-check", CT_CONFIG, "CompressedTensorsConfig._check_scheme_supported",
+            f"{_WHY}; compressed-tensors asks torch.cuda.get_device_capability() directly when it picks a layer's "
+            "scheme (no NVIDIA driver: the scheduler dies before any layer loads); answered from the simulated "
+            "capability", "-", _NEVER, make=lambda original: _scheme_check_stand_in(original, capability),
+            distribution="sglang", versions=">=0.5.3,<0.5.24", check=_callable_check("_check_scheme_supported"),
+        ),
         PatchSpec(
             "sim-blackwell-check", MQ, "is_blackwell_supported",
             f"{_WHY}; 0.5.13-0.5.18 check is_blackwell_supported() and have no override_platform", "-", _NEVER,
@@ -82,6 +90,21 @@ def specs() -> list[PatchSpec]:
 def ledger_rows() -> list[PatchSpec]:
     """Every simulation stand-in, attribute or not, for the ledger (patches/LEDGER.md, doctor)."""
     return specs() + [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
+
+
+def _scheme_check_stand_in(original: Callable, capability: tuple[int, int]) -> Callable:
+    """CompressedTensorsConfig._check_scheme_supported, answered for the simulated capability."""
+
+    def _check_scheme_supported(self, min_capability: int, error: bool = True) -> bool:
+        current = capability[0] * 10 + capability[1]
+        supported = current >= min_capability
+        if error and not supported:
+            raise RuntimeError(f"Quantization scheme is not supported for the current GPU. Min capability: "
+                               f"{min_capability}. Current capability: {current} (simulated).")
+        return supported
+
+    _check_scheme_supported.__wrapped__ = original
+    return _check_scheme_supported
 
 
 def _callable_check(name: str):

@@ -1,0 +1,262 @@
+"""``sm120-fp4 demo --server``: a real ``python -m sglang.launch_server`` behind ``sm120-fp4 launch``, on this CPU.
+
+In simulation (``SM120_FP4_SIMULATE=12.0``, SGLang's CPU engine), on 127.0.0.1 and a free port: the tiny
+NVFP4 checkpoint of :mod:`.checkpoint` (or ``--model-path DIR``) is served, one ``/generate`` request is
+answered, and the verification summary is read from the report files every SGLang process wrote; then
+(without ``--model-path``) the same server with a kernel that is wrong only at one of the checkpoint's own
+layer shapes: it passes the preflight self-test, the scheduler's layer check refuses it, the port never
+opens and the launcher exits non-zero. Every server is stopped by its PID (its whole process group), its
+log kept, and the log's path printed when something fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+__all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "Server", "free_port"]
+
+# What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU").
+CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                   "--skip-server-warmup", "--tp", "1", "--mem-fraction-static", "0.1"]
+CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "SM120_FP4": "1", "SM120_FP4_SIMULATE": "12.0",
+                  "SM120_FP4_BACKENDS": "cutlass,b12x,emulated", "SM120_FP4_MOE_BACKENDS": "cutlass,emulated"}
+START_TIMEOUT_S = 900.0
+PROMPT = "The capital of France is"
+
+_BROKEN_PLUGIN = '''
+"""The demo's broken kernel: right everywhere but at the demo checkpoint's fused qkv shape (N=512, K=256),
+where rows 64-127 come back zero (as reported for SM12x kernels): the self-test's shapes pass, the layer
+check of the layer that will serve does not."""
+
+
+def wrong_at_qkv(a, b, a_sf, b_sf, alpha, out_dtype, out):
+    from sm120_fp4.backends import emulated_mm_fp4
+
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, out_dtype, out)
+    if b.shape[1] == 512 and a.shape[1] * 2 == 256:
+        out[64:128] = 0
+    return out
+'''
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _http(method: str, url: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - 127.0.0.1 only
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+@dataclass
+class Server:
+    """One ``sm120-fp4 launch -- python -m sglang.launch_server ...`` in its own process group."""
+
+    model_path: str
+    workdir: str
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.workdir, f"server-{self.port}.log")
+
+    @property
+    def report_dir(self) -> str:
+        return os.path.join(self.workdir, f"reports-{self.port}")
+
+    def start(self) -> None:
+        self.port = self.port or free_port()
+        os.makedirs(self.report_dir, mode=0o700, exist_ok=True)
+        env = {**os.environ, **CPU_SERVER_ENV, "SM120_FP4_REPORT": self.report_dir, **self.env}
+        command = [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-m", "sglang.launch_server",
+                   "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port),
+                   *CPU_SERVER_ARGS, *self.extra_args]
+        log = open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
+        with log:
+            self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> bool:
+        """True once ``/health`` answers 200; False when the launcher exits first (or the time is up)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if _http("GET", f"http://127.0.0.1:{self.port}/health", timeout=5)[0] == 200:
+                    return True
+            except OSError:
+                pass
+            time.sleep(1.0)
+        return False
+
+    def generate(self, text: str, max_new_tokens: int = 16) -> dict:
+        status, body = _http("POST", f"http://127.0.0.1:{self.port}/generate",
+                             {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
+        if status != 200:
+            raise RuntimeError(f"/generate answered HTTP {status}: {body[:500]}")
+        return json.loads(body)
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """Stop the launcher and every process it started (its process group, by the launcher's PID)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left (SGLang's children)
+        return self.proc.wait()
+
+    def reports(self) -> list[dict]:
+        out = []
+        for path in sorted(glob.glob(os.path.join(self.report_dir, "*.json"))):
+            with contextlib.suppress(OSError, ValueError):
+                with open(path, encoding="utf-8") as f:
+                    out.append(json.load(f))
+        return out
+
+    def log_tail(self, lines: int = 25) -> str:
+        with contextlib.suppress(OSError):
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        return ""
+
+
+def summarize(reports: list[dict]) -> list[str]:
+    """One line per verified layer configuration and per refusal, from SGLang's processes' report files."""
+    rows = []
+    for report in reports:
+        for d in report.get("decisions", []):
+            for layer in d.get("layers", []):
+                state = "verified" if layer.get("passed") else "FAILED"
+                rows.append(f"   pid {report.get('pid')}: {d.get('family')} {layer.get('config')}: {state} with "
+                            f"{d.get('backend')} ({len(layer.get('shapes', []))} batch sizes)")
+            for check in d.get("rechecks", []) or []:
+                rows.append(f"   pid {report.get('pid')}: re-check after warm-up: {check}")
+        for refusal in report.get("refusals", []):
+            reason = refusal.get("message") if isinstance(refusal, dict) else str(refusal)
+            rows.append(f"   pid {report.get('pid')}: REFUSED: {str(reason).splitlines()[0]}")
+    return rows
+
+
+def _write_plugin(root: str) -> str:
+    """A throw-away distribution whose entry point (group sm120_fp4.backends) is the broken kernel; returns
+    the directory to put on the server's PYTHONPATH, as an operator installs a custom backend."""
+    path = os.path.join(root, "plugin")
+    os.makedirs(os.path.join(path, "sm120_fp4_demo_broken-0.0.dist-info"), mode=0o700)
+    files = {
+        "sm120_fp4_demo_broken.py": _BROKEN_PLUGIN,
+        "sm120_fp4_demo_broken-0.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: sm120-fp4-demo-broken\nVersion: 0.0\n",
+        "sm120_fp4_demo_broken-0.0.dist-info/entry_points.txt":
+            "[sm120_fp4.backends]\ndemo-wrong-at-qkv = sm120_fp4_demo_broken:wrong_at_qkv\n",
+    }
+    for name, text in files.items():
+        with open(os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(text)
+    return path
+
+
+def serve_once(model_path: str, workdir: str, extra_args: list[str], env: dict[str, str] | None = None,
+               expect_refusal: bool = False) -> int:
+    """Start one server, ask it once (or see it refuse), stop it; returns this step's exit code."""
+    server = Server(model_path, workdir, extra_args, env or {})
+    server.start()
+    _say(f"   started pid {server.proc.pid} on 127.0.0.1:{server.port}; waiting for it (log: {server.log_path})")
+    started = time.monotonic()
+    try:
+        ready = server.wait_ready()
+        took = time.monotonic() - started
+        if ready:
+            answer = server.generate(PROMPT)
+            _say(f"   up after {took:.0f} s; POST /generate {PROMPT!r} -> {answer.get('text')!r} "
+                 f"({answer.get('meta_info', {}).get('completion_tokens')} tokens; random weights: no sense expected)")
+    finally:
+        code = server.stop()
+        still = _listening(server.port)
+    summary = summarize(server.reports())
+    _say("   what every SGLang process verified (SM120_FP4_REPORT files):")
+    _say("\n".join(summary) if summary else "   (no report written)")
+    if still:
+        _say(f"   ERROR: something still listens on 127.0.0.1:{server.port} after the server was stopped")
+        return 1
+    if ready:
+        return 0 if not expect_refusal else 1
+    _say(f"   the server did not start: launcher exit {code}, nothing listening on 127.0.0.1:{server.port}")
+    refused = any("REFUSED" in line for line in summary)
+    if not expect_refusal or not refused:
+        _say(f"   server log: {server.log_path}\n" + "".join(f"   | {line}\n" for line in server.log_tail().splitlines()))
+    return 0 if expect_refusal and refused and code != 0 else 1
+
+
+def main(model_path: str | None = None, extra_args: list[str] | None = None) -> int:
+    """The server demo; with `model_path`, serve that checkpoint once instead (exit 0 on an answer)."""
+    extra = list(extra_args or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    _say("sm120_fp4 demo --server: a real SGLang server on this CPU, SIMULATED SM120 (SGLang's CPU engine)")
+    _say("=" * 78)
+    workdir = tempfile.mkdtemp(prefix="sm120_fp4_server_")
+    if model_path is not None:
+        _say(f"Serving {model_path} with SGLang's default flags{' + ' + ' '.join(extra) if extra else ''}:")
+        code = serve_once(os.path.abspath(model_path), workdir, extra)
+        _say(f"\nExit {code}. Logs and reports kept in {workdir}")
+        return code
+    from .checkpoint import write_checkpoint
+
+    ckpt = write_checkpoint(os.path.join(workdir, "tiny-nvfp4-moe"), seed=3)
+    _say(f"1. A tiny NVFP4 checkpoint (ModelOpt format: Qwen3-MoE, 2 layers, 8 experts, top-2) in {ckpt};")
+    _say("   sm120-fp4 launch -- python -m sglang.launch_server --model-path ... (MoE runner left at 'auto'):")
+    first = serve_once(ckpt, workdir, extra)
+    if first != 0:
+        _say(f"\nThe healthy server did not answer. Logs and reports kept in {workdir}")
+        return 1
+    _say("\n2. The same server with a kernel wrong only at this checkpoint's fused qkv shape (N=512, K=256),")
+    _say("   registered by an entry-point plugin and named in SM120_FP4_BACKENDS:")
+    plugin = _write_plugin(workdir)
+    env = {"SM120_FP4_BACKENDS": "demo-wrong-at-qkv",
+           "PYTHONPATH": os.pathsep.join(p for p in (plugin, os.environ.get("PYTHONPATH", "")) if p)}
+    second = serve_once(ckpt, workdir, extra, env, expect_refusal=True)
+    if second != 0:
+        _say(f"\nERROR: the broken kernel was not refused. Logs and reports kept in {workdir}")
+        return 1
+    _say("\nDone: the healthy server answered; the broken kernel never reached a request (the port never opened).")
+    _say(f"Logs and reports: {workdir}")
+    return 0
