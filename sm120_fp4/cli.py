@@ -81,6 +81,90 @@ def _worker(args: argparse.Namespace) -> int:
     return EXIT_OK if decision.verified else EXIT_UNVERIFIED
 
 
+def _model_worker(args: argparse.Namespace) -> int:
+    """Verify the checkpoint `args.model` on one device in this (short-lived) process; one JSON result line."""
+    import sm120_fp4
+
+    from . import devices, selection
+    from .config import load_settings
+    from .errors import ConfigError, RefusedToServe
+    from .sglang import model_check
+
+    try:
+        settings = load_settings(toggle=True)
+        device = devices.get_device(args.device, settings.simulated_capability)
+        status = sm120_fp4.install()
+        if not status.installed:
+            raise ConfigError(f"sm120_fp4 could not patch SGLang here: {status.message}")
+        checked = model_check.check_model(args.model, device.torch_device)
+    except ConfigError as exc:
+        _emit({"ok": False, "usage": True, "message": str(exc)})
+        return EXIT_USAGE
+    except RefusedToServe as exc:
+        _emit({"ok": False, "usage": False, "message": str(exc), "device": args.device})
+        return EXIT_REFUSED
+    decisions = [d.model_dump(mode="json") for d in selection.decisions() if d.device_index == args.device]
+    _emit({"ok": True, "checked": checked, "decisions": decisions})
+    return EXIT_OK if all(d["verified"] for d in decisions) else EXIT_UNVERIFIED
+
+
+def cmd_selftest_model(args: argparse.Namespace) -> int:
+    """``selftest --model DIR``: each distinct NVFP4 layer configuration of DIR, built and verified per GPU."""
+    from .config import load_settings
+    from .errors import ConfigError
+
+    try:
+        settings = load_settings(toggle=True) if os.environ.get("SM120_FP4") in ("0", "off") else load_settings()
+        indices, problem = _selftest_devices(settings, args.device)
+    except ConfigError as exc:
+        _eprint(str(exc))
+        return EXIT_USAGE
+    if problem or not os.path.isdir(args.model):
+        _eprint(f"sm120-fp4 selftest: {problem or f'--model {args.model!r} is not a directory'}")
+        return EXIT_USAGE
+    if not indices:
+        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify")
+        return EXIT_OK
+    env = {**os.environ, "SM120_FP4": "1"}
+    model = os.path.abspath(args.model)
+
+    def run(index: int) -> dict:
+        _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] building and verifying {model}'s NVFP4 layers ...")
+        cmd = [sys.executable, "-m", "sm120_fp4", "_model-worker", "--device", str(index), "--model", model]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        try:
+            return json.loads(lines[-1])
+        except (IndexError, ValueError):
+            return {"ok": False, "usage": False, "message": f"model check worker (device {index}) {_died(proc.returncode)} "
+                                                           f"before a result:\n{proc.stderr[-2000:]}"}
+
+    with ThreadPoolExecutor(max_workers=len(indices)) as pool:
+        results = dict(zip(indices, pool.map(run, indices)))
+    if args.json:
+        print(json.dumps({str(i): r for i, r in results.items()}, indent=2))
+    else:
+        rows = ["| device | kernel | layer configuration | backend | verified | batch sizes |", "|---|---|---|---|---|---|"]
+        for index, r in results.items():
+            for d in r.get("decisions", []):
+                for layer in d["layers"]:
+                    rows.append(f"| {d['device']} | {d['family']} | {layer['config']} | {d['backend']} | "
+                                f"{layer['passed'] and d['verified']} | {len(layer['shapes'])} |")
+            if not r.get("ok"):
+                rows.append(f"| {index} | - | - | - | REFUSED | {r['message'].splitlines()[0]} |")
+        print("\n".join(rows))
+    for r in results.values():
+        if not r.get("ok"):
+            _eprint("\n" + r["message"])
+    if any(r.get("usage") for r in results.values()):
+        return EXIT_USAGE
+    if any(not r.get("ok") for r in results.values()):
+        return EXIT_REFUSED
+    if any(not d["verified"] for r in results.values() for d in r["decisions"]):
+        return EXIT_UNVERIFIED
+    return EXIT_OK
+
+
 # ---- selftest: the parent -------------------------------------------------------------------
 
 def _died(code: int) -> str:
@@ -304,6 +388,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="candidate backend (repeatable); default: SM120_FP4_BACKENDS (with --moe: MoE backends, default SM120_FP4_MOE_BACKENDS)")
     selftest.add_argument("--moe", action="store_true", help="the NVFP4 fused-MoE family instead of the dense FP4 GEMM")
     selftest.add_argument("--json", action="store_true")
+    selftest.add_argument("--model", metavar="DIR",
+                          help="verify this local NVFP4 checkpoint's own layers (ModelOpt or compressed-tensors), no server")
     launch = sub.add_parser("launch", help="preflight (dense and MoE), then exec COMMAND with SM120_FP4=1")
     launch.add_argument("--allow-unverified", action="store_true",
                         help="start COMMAND even when a decision would serve unverified (SM120_FP4_SELFTEST=warn/off)")
@@ -322,6 +408,9 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--backend", action="append")
     worker.add_argument("--moe", action="store_true")
     worker.add_argument("--crashed", action="append", help="NAME=REASON: a candidate that crashed an earlier worker")
+    model_worker = sub.add_parser("_model-worker")
+    model_worker.add_argument("--device", type=int, required=True)
+    model_worker.add_argument("--model", required=True)
     return parser
 
 
@@ -336,7 +425,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return doctor(as_json=args.json, strict=args.strict, deep=not args.quick)
     if args.cmd == "selftest":
+        if args.model:
+            if args.moe or args.backend:
+                _eprint("sm120-fp4 selftest: --model verifies the checkpoint with the configured backends "
+                        "(SM120_FP4_BACKENDS, SM120_FP4_MOE_BACKENDS); --moe and --backend do not apply")
+                return EXIT_USAGE
+            return cmd_selftest_model(args)
         return cmd_selftest(args)
+    if args.cmd == "_model-worker":
+        return _worker_exit(_model_worker(args))
     if args.cmd == "launch":
         return cmd_launch(args)
     if args.cmd == "patches":

@@ -129,3 +129,48 @@ def test_the_default_moe_configuration_covers_what_the_issue_names():
     ids, _ = selftest.moe_routing(skew.tokens, skew.top_k, skew.experts, "skewed", gen)
     assert torch.bincount(ids.reshape(-1).long()).max() >= 128
     assert all(len(set(row.tolist())) == skew.top_k for row in ids), "distinct experts per token"
+
+
+# ---- the MoE runner that really serves (SGLang's 'auto' picks flashinfer_trtllm on every cc >= 10) ----
+
+def _runner():
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    return get_moe_runner_backend()
+
+
+def test_sglangs_auto_runner_is_pinned_to_the_verified_one_for_an_nvfp4_checkpoint():
+    # compressed-tensors is named by the checkpoint's config only, as SGLang's default flags leave it:
+    # SGLang's own SM120 rule (with --quantization) never fires, and 'auto' stays AUTO without us.
+    with moe_layers.sglang_moe_context("auto", quantization=moe_layers.COMPRESSED_TENSORS):
+        assert _runner().is_auto(), "the fault: nothing resolves 'auto' for this checkpoint on SM12x"
+    status = sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    assert {p.name: p.state for p in status.patches}["moe-runner-config-hook"] == "applied"
+    with moe_layers.sglang_moe_context("auto", quantization=moe_layers.COMPRESSED_TENSORS):
+        assert _runner().is_flashinfer_cutlass()
+        assert {p.name: p.state for p in sm120_fp4.status().patches}["moe-runner-backend-pin"] == "applied"
+        layer = moe_layers.build_compressed_tensors_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=2), TOP_K)
+        assert layer.quant_method is not None
+    [decision] = [d for d in selection.decisions() if d.family == "moe"]
+    assert decision.layers[0].passed and decision.layers[0].config.startswith("CompressedTensorsW4A4Nvfp4MoE")
+
+
+def test_an_explicit_runner_the_library_does_not_verify_is_refused_naming_it_and_the_flag():
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    with moe_layers.sglang_moe_context("flashinfer_trtllm"):
+        assert _runner().is_flashinfer_trtllm(), "an operator's explicit choice is never re-pinned"
+        with pytest.raises(RefusedToServe, match="served by SGLang's MoE runner 'flashinfer_trtllm'.*--moe-runner-backend flashinfer_cutlass"):
+            moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
+    assert not [d.layers for d in selection.decisions() if d.family == "moe" and d.layers], "nothing recorded as verified"
+
+
+def test_warn_serves_an_unverified_runner_saying_so(caplog):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest="warn")
+    with moe_layers.sglang_moe_context("flashinfer_trtllm"), caplog.at_level("WARNING", logger="sm120_fp4"):
+        try:
+            moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
+        except RefusedToServe:  # pragma: no cover - warn must not refuse for the runner
+            raise
+        except Exception:  # noqa: BLE001 - SGLang's trtllm weight processing may not run on a CPU
+            pass
+    assert any("flashinfer_trtllm" in r.getMessage() and "serving anyway" in r.getMessage() for r in caplog.records)

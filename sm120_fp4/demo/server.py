@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-__all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "Server", "free_port"]
+__all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "Server", "free_port", "group_members"]
 
 # What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU").
 CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
@@ -66,6 +66,28 @@ def _listening(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid` (Linux /proc; elsewhere: the leader, if alive)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [pgid]
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
 
 
 def _http(method: str, url: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, str]:
@@ -143,7 +165,11 @@ class Server:
                 pass
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left (SGLang's children)
-        return self.proc.wait()
+        code = self.proc.wait()
+        deadline = time.monotonic() + grace_s
+        while group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)  # SIGKILL is delivered, the processes are not all gone yet
+        return code
 
     def reports(self) -> list[dict]:
         out = []
@@ -211,6 +237,10 @@ def serve_once(model_path: str, workdir: str, extra_args: list[str], env: dict[s
     finally:
         code = server.stop()
         still = _listening(server.port)
+        left = group_members(server.proc.pid)
+    if left:
+        _say(f"   ERROR: processes {left} of the server's process group are still running")
+        return 1
     summary = summarize(server.reports())
     _say("   what every SGLang process verified (SM120_FP4_REPORT files):")
     _say("\n".join(summary) if summary else "   (no report written)")

@@ -58,6 +58,7 @@ __all__ = [
     "reference_moe_output",
     "reference_moe_from_weights",
     "compressed_tensors_tensors",
+    "build_moe_layer_from_tensors",
 ]
 
 # The scoped seams above are SGLang's runtime context (override_platform, create_context,
@@ -581,6 +582,34 @@ def build_compressed_tensors_moe_layer(
 
     settings = _Settings(_default_backend("auto"), COMPRESSED_TENSORS, ep_size, ep_rank, tp_size, tp_rank)
     return _build(ckpt, top_k, dtype, settings, quant)
+
+
+def build_moe_layer_from_tensors(spec, tensors: Mapping[str, torch.Tensor], top_k: int, *, fmt: str,
+                                 dtype: torch.dtype = torch.bfloat16):
+    """SGLang's FusedMoE for a checkpoint's own experts (``sm120-fp4 selftest --model``).
+
+    `spec` has ``num_experts``, ``hidden``, ``intermediate``, ``gated`` and ``activation``; `tensors` are
+    named ``experts.{e}.{gate_proj|up_proj|down_proj}.{kind}`` with the format's own kinds and values
+    (ModelOpt: weight, weight_scale, weight_scale_2, input_scale; compressed-tensors: weight_packed,
+    weight_scale, weight_global_scale, input_global_scale); `fmt` ("modelopt" or "compressed-tensors")
+    picks SGLang's quantization method, as the checkpoint's config does. Built at rank 0 of 1 on the
+    default device.
+    """
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
+
+    if fmt == "modelopt":
+        def quant(ck):
+            return ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16), tensors
+
+        return _build(spec, top_k, dtype, _Settings(_default_backend(), MODELOPT, 1, 0, 1, 0), quant)
+    if not spec.gated:
+        raise ValueError("CompressedTensorsW4A4Nvfp4MoE has gated (swiglu) experts only; the checkpoint's are not")
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    def ct_quant(ck):
+        return CompressedTensorsConfig.from_config(json.loads(json.dumps(_CT_QUANT_CONFIG))), tensors
+
+    return _build(spec, top_k, dtype, _Settings(_default_backend("auto"), COMPRESSED_TENSORS, 1, 0, 1, 0), ct_quant)
 
 
 def _platform_scheme_check(min_capability: int, error: bool = True) -> bool:

@@ -45,6 +45,12 @@ good121.is_supported = only_sm121
 
 def moe_crash(*args):
     os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def moe_zeros(*args):
+    out = args[-1]
+    out.zero_()
+    return out
 '''
 
 ENTRY_POINTS = """[sm120_fp4.backends]
@@ -57,6 +63,7 @@ missing = sm120_fp4_no_such_module:fn
 
 [sm120_fp4.moe_backends]
 moe-crash = sm120_fp4_test_plugins:moe_crash
+moe-zeros = sm120_fp4_test_plugins:moe_zeros
 """
 
 

@@ -7,8 +7,10 @@ selected test start together right after collection and run while the in-process
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -60,20 +62,28 @@ def fake_sglang(root: Path) -> Path:
 class Popen:
     """A subprocess whose output goes to files (no pipe fills up while nobody reads it)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], folder: Path, cwd: Path | None = None, merge: bool = False):
-        """`merge`: stderr goes into stdout, in the order written (stderr then reads as empty)."""
+    def __init__(self, args: list[str], env: dict[str, str], folder: Path, cwd: Path | None = None, merge: bool = False,
+                 group: bool = False, timeout: float | None = None):
+        """`merge`: stderr goes into stdout, in the order written (stderr then reads as empty). `group`: the
+        child leads a process group of its own, and kill() ends the whole group (a server and its workers).
+        `timeout`: how long wait() waits, whatever the caller asks (a real server starts in minutes)."""
         self.out, self.err = folder / "stdout", folder / "stderr"
+        self.group, self.timeout = group, timeout
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT if merge else err)
+            self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT if merge else err,
+                                         stdin=subprocess.DEVNULL, start_new_session=group)
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
-        rc = self.proc.wait(timeout)
+        rc = self.proc.wait(self.timeout or timeout)
         return rc, self.out.read_text(), self.err.read_text()
 
     def kill(self) -> None:
+        if self.group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+        self.proc.wait()
 
 
 class Spawned:

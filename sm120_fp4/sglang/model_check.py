@@ -1,0 +1,274 @@
+"""Verify a checkpoint's own NVFP4 layers on this device, without a server (``sm120-fp4 selftest --model DIR``).
+
+The checkpoint's tensors are listed from its safetensors headers (nothing is loaded but the layers
+checked). Its linear layers are grouped as SGLang serves them: shards SGLang fuses into one GEMM
+(``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``, as the model class's own
+``packed_modules_mapping`` says) become one layer of N = the sum of the shards. For each distinct
+configuration (dense: N, K; MoE: experts, hidden, intermediate, activation) the first such layer is built
+as SGLang builds it: its quantization method's ``create_weights``, the checkpoint's own tensors put where
+SGLang's loader puts them (dense: each shard's rows and per-shard scales at tensor-parallel size 1; MoE:
+through ``FusedMoE.weight_loader``), then ``process_weights_after_loading``, whose patched hooks decide
+the device's backend and run the layer checks (the served call, this layer's weights, every batch-size
+bucket) exactly as in a server. A failure raises RefusedToServe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import checkpoints
+from ..errors import ConfigError
+
+__all__ = ["ModelLayers", "discover", "check_model"]
+
+_DENSE_SUFFIX = {checkpoints.MODELOPT: "weight", checkpoints.COMPRESSED_TENSORS: "weight_packed"}
+_DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_SCALES = {checkpoints.MODELOPT: ("weight_scale", "weight_scale_2", "input_scale"),
+           checkpoints.COMPRESSED_TENSORS: ("weight_scale", "weight_global_scale", "input_global_scale")}
+
+
+@dataclass
+class DenseLayer:
+    name: str  # the fused module's name, e.g. model.layers.0.self_attn.qkv_proj
+    shards: list[str]  # the checkpoint modules, in SGLang's shard order
+    sizes: list[int]  # each shard's N
+    k: int
+
+    @property
+    def key(self) -> tuple:
+        return (tuple(self.sizes), self.k)
+
+
+@dataclass
+class MoeLayer:
+    prefix: str  # e.g. model.layers.3.mlp.experts
+    experts: int
+    hidden: int
+    inter: int
+    gated: bool
+
+    @property
+    def key(self) -> tuple:
+        return (self.experts, self.hidden, self.inter, self.gated)
+
+
+@dataclass
+class ModelLayers:
+    """What `discover` found: the format, the config, every NVFP4 layer, and where each tensor is."""
+
+    fmt: str
+    config: dict
+    dense: list[DenseLayer] = field(default_factory=list)
+    moe: list[MoeLayer] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # tensor name -> safetensors file
+    shapes: dict[str, tuple] = field(default_factory=dict)
+
+    def distinct(self) -> tuple[list[DenseLayer], list[MoeLayer]]:
+        """The first layer of every distinct configuration (what a server verifies in full)."""
+        dense, moe = {}, {}
+        for layer in self.dense:
+            dense.setdefault(layer.key, layer)
+        for layer in self.moe:
+            moe.setdefault(layer.key, layer)
+        return list(dense.values()), list(moe.values())
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+
+def _packed_modules(config: dict) -> dict[str, list[str]]:
+    """The model class's packed_modules_mapping (SGLang's fusion of shards), or the common one."""
+    try:
+        from sglang.srt.models.registry import ModelRegistry
+
+        cls, _ = ModelRegistry.resolve_model_cls(config.get("architectures") or [])
+        mapping = getattr(cls, "packed_modules_mapping", None)
+        if isinstance(mapping, dict) and mapping:
+            return {k: list(v) for k, v in mapping.items()}
+    except Exception:  # noqa: BLE001 - a model class that cannot import here: the common fusion
+        pass
+    return dict(_DEFAULT_PACKED)
+
+
+def _headers(model_dir: str) -> tuple[dict[str, str], dict[str, tuple], dict[str, torch.dtype]]:
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"model_dir={model_dir!r} has no *.safetensors files; expected a safetensors checkpoint")
+    where, shapes, dtypes = {}, {}, {}
+    for name in files:
+        path = os.path.join(model_dir, name)
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                where[key] = path
+                sl = f.get_slice(key)
+                shapes[key] = tuple(sl.get_shape())
+                dtypes[key] = sl.get_dtype()
+    return where, shapes, dtypes
+
+
+def discover(model_dir: str) -> ModelLayers:
+    """Every NVFP4 linear and MoE layer of the checkpoint in `model_dir`, from its config and headers."""
+    quant = checkpoints.read_quantization(model_dir)
+    if quant.format not in _DENSE_SUFFIX or not quant.nvfp4:
+        raise ConfigError(f"model_dir={model_dir!r}: quantization {quant.format or 'none'!r} is not NVFP4; "
+                          f"accepted: ModelOpt NVFP4 or compressed-tensors NVFP4 (W4A4) checkpoints")
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    where, shapes, dtypes = _headers(model_dir)
+    found = ModelLayers(quant.format, config, files=where, shapes=shapes)
+    suffix = _DENSE_SUFFIX[quant.format]
+    experts: dict[str, dict] = {}
+    linear: dict[str, tuple[int, int]] = {}
+    for name, shape in shapes.items():
+        m = _EXPERT.match(name)
+        if m is not None:
+            if m["kind"] == suffix and dtypes[name] in ("U8", "I8") and len(shape) == 2:
+                entry = experts.setdefault(m["prefix"], {})
+                entry.setdefault(_PROJ.get(m["proj"], m["proj"]), {})[int(m["e"])] = shape
+            continue
+        if name.endswith("." + suffix) and dtypes[name] in ("U8", "I8") and len(shape) == 2:
+            if name.removesuffix(suffix) + "weight_scale" in shapes:
+                linear[name.removesuffix("." + suffix)] = (shape[0], shape[1] * 2)
+    packed = _packed_modules(config)
+    done: set[str] = set()
+    for module in sorted(linear):
+        if module in done:
+            continue
+        parent, _, leaf = module.rpartition(".")
+        for fused, parts in packed.items():
+            names = [f"{parent}.{p}" for p in parts]
+            if leaf in parts and all(n in linear for n in names) and len({linear[n][1] for n in names}) == 1:
+                found.dense.append(DenseLayer(f"{parent}.{fused}", names, [linear[n][0] for n in names], linear[module][1]))
+                done.update(names)
+                break
+        else:
+            found.dense.append(DenseLayer(module, [module], [linear[module][0]], linear[module][1]))
+            done.add(module)
+    for prefix, projs in sorted(experts.items()):
+        if "down_proj" not in projs:
+            continue
+        count = len(projs["down_proj"])
+        hidden, half = projs["down_proj"][min(projs["down_proj"])]
+        found.moe.append(MoeLayer(prefix, count, hidden, half * 2, "gate_proj" in projs))
+    return found
+
+
+def _load(layers: ModelLayers, names: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out, by_file = {}, {}
+    for name in names:
+        by_file.setdefault(layers.files[name], []).append(name)
+    for path, keys in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for key in keys:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _dtype(config: dict) -> torch.dtype:
+    text = _text_config(config)
+    name = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return torch.float16 if name in ("float16", "half") else torch.bfloat16
+
+
+def _scalar_into(param: torch.Tensor, index: int, value: torch.Tensor) -> None:
+    param.data.view(-1)[index] = value.float().reshape(-1)[0].to(param.dtype)
+
+
+def _build_dense(layers: ModelLayers, layer: DenseLayer, device: torch.device) -> None:
+    """SGLang's linear method for this format, this layer's shards loaded, weights processed (the hooks verify)."""
+    fmt, dtype = layers.fmt, _dtype(layers.config)
+    weight_name, (block, global_name, input_name) = _DENSE_SUFFIX[fmt], _SCALES[fmt]
+    tensors = _load(layers, [f"{s}.{k}" for s in layer.shards for k in (weight_name, block, global_name, input_name)
+                             if f"{s}.{k}" in layers.files])
+    module = torch.nn.Module()
+    module.params_dtype = dtype
+    noop = lambda *args, **kwargs: None  # noqa: E731 - the tensors are placed below, as the loader would
+    if fmt == checkpoints.MODELOPT:
+        from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
+
+        method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
+        method.create_weights(module, input_size_per_partition=layer.k, output_partition_sizes=layer.sizes,
+                              input_size=layer.k, output_size=sum(layer.sizes), params_dtype=dtype, weight_loader=noop)
+        process = method.process_weights_after_loading
+    else:
+        from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 import (
+            CompressedTensorsW4A4Fp4,
+        )
+
+        scheme = CompressedTensorsW4A4Fp4()
+        scheme.create_weights(module, output_partition_sizes=layer.sizes, input_size_per_partition=layer.k,
+                              params_dtype=dtype, weight_loader=noop)
+        process = scheme.process_weights_after_loading
+    module.to(device)
+    with torch.no_grad():
+        row = 0
+        for i, (shard, n) in enumerate(zip(layer.shards, layer.sizes)):
+            getattr(module, weight_name).data[row:row + n].copy_(tensors[f"{shard}.{weight_name}"])
+            getattr(module, block).data[row:row + n].copy_(tensors[f"{shard}.{block}"].view(torch.float8_e4m3fn))
+            _scalar_into(getattr(module, global_name), i, tensors[f"{shard}.{global_name}"])
+            if f"{shard}.{input_name}" not in tensors:
+                raise ConfigError(f"{shard}: no {input_name} in the checkpoint; a W4A4 NVFP4 layer needs the "
+                                  "calibrated activation scale")
+            _scalar_into(getattr(module, input_name), i, tensors[f"{shard}.{input_name}"])
+            row += n
+    process(module)
+
+
+@dataclass
+class _Experts:
+    """What moe_layers' builder reads of a checkpoint: sizes and activation."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    gated: bool
+
+    @property
+    def activation(self) -> str:
+        return "swiglu" if self.gated else "relu2"
+
+
+def _build_moe(layers: ModelLayers, layer: MoeLayer, device: torch.device) -> None:
+    from . import moe_layers
+
+    kinds = (_DENSE_SUFFIX[layers.fmt], *_SCALES[layers.fmt])
+    names = [n for n in layers.files if n.startswith(layer.prefix + ".") and _EXPERT.match(n)
+             and _EXPERT.match(n)["kind"] in kinds]
+    tensors = {}
+    for name, value in _load(layers, names).items():
+        m = _EXPERT.match(name)
+        tensors[f"experts.{m['e']}.{_PROJ.get(m['proj'], m['proj'])}.{m['kind']}"] = value
+    top_k = int(_text_config(layers.config).get("num_experts_per_tok") or _text_config(layers.config).get("moe_topk") or 2)
+    spec = _Experts(layer.experts, layer.hidden, layer.inter, layer.gated)
+    with torch.device(device):
+        moe_layers.build_moe_layer_from_tensors(spec, tensors, top_k, fmt=layers.fmt, dtype=_dtype(layers.config))
+
+
+def check_model(model_dir: str, device: torch.device) -> dict:
+    """Build and verify every distinct NVFP4 layer configuration of `model_dir` on `device` (install() first).
+
+    Returns what was checked: {"format", "dense": [names], "moe": [prefixes], "layers": total NVFP4 layers}.
+    Raises RefusedToServe when a configuration does not verify, ConfigError for an unusable checkpoint.
+    """
+    layers = discover(model_dir)
+    dense, moe = layers.distinct()
+    if not dense and not moe:
+        raise ConfigError(f"model_dir={model_dir!r}: no NVFP4 linear or MoE layer found in its safetensors files")
+    for layer in dense:
+        _build_dense(layers, layer, device)
+    for layer in moe:
+        _build_moe(layers, layer, device)
+    return {"format": layers.fmt, "dense": [d.name for d in dense], "moe": [m.prefix for m in moe],
+            "layers": len(layers.dense) + len(layers.moe)}

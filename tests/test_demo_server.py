@@ -1,0 +1,71 @@
+"""End to end: a real ``python -m sglang.launch_server`` on this CPU (simulation), as a user starts it.
+
+``sm120-fp4 demo --server`` writes a tiny ModelOpt NVFP4 checkpoint (dense and MoE layers), starts SGLang's
+server through ``sm120-fp4 launch`` with SGLang's default flags (MoE runner left at 'auto'), asks it once,
+then starts it again with a kernel from an entry-point plugin that is wrong only at one of the
+checkpoint's layer shapes: the port never opens. ``--model-path`` serves a given llm-compressor-format
+checkpoint. Each job runs in the background from the start of the session (a server start costs a
+minute of CPU), in its own process group, and is killed with it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from helpers.procs import Popen, background, clean_env
+from sm120_fp4.demo.server import group_members
+
+pytest.importorskip("uvicorn", reason="the server packages (scripts/setup_env.sh installs them)")
+pytest.importorskip("sglang.srt.entrypoints.http_server", reason="SGLang's HTTP server")
+pytestmark = pytest.mark.sglang
+SERVER_TIMEOUT = 1500
+
+
+def _demo(folder, *args, **env):
+    return Popen([sys.executable, "-m", "sm120_fp4", "demo", "--server", *args], clean_env(**env), folder,
+                 cwd=folder, merge=True, group=True, timeout=SERVER_TIMEOUT)
+
+
+def _alive(pid: int) -> bool:
+    return bool(group_members(pid))
+
+
+def _pids(out: str) -> list[int]:
+    return [int(p) for p in re.findall(r"started pid (\d+) on 127\.0\.0\.1:\d+", out)]
+
+
+@background(lambda folder: _demo(folder))
+def test_server_demo_answers_then_refuses_a_kernel_wrong_at_one_layer_shape(background):
+    rc, out, _ = background
+    assert rc == 0, out[-4000:]
+    answer = re.search(r"POST /generate 'The capital of France is' -> '(.*)' \((\d+) tokens", out)
+    assert answer and int(answer.group(2)) > 0, out[-4000:]
+    # Every NVFP4 layer configuration of the checkpoint was verified in SGLang's scheduler, the MoE one
+    # through flashinfer_cutlass although the runner was left at 'auto'.
+    for config in ("ModelOptFp4LinearMethod N=512 K=256", "ModelOptFp4LinearMethod N=256 K=256",
+                   "ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu"):
+        assert re.search(re.escape(config) + r".*: verified with emulated", out), config
+    assert re.search(r"REFUSED: .*no FP4 GEMM backend passed verification for ModelOptFp4LinearMethod N=512 K=256", out)
+    assert re.search(r"the server did not start: launcher exit -?\d+, nothing listening", out)
+    pids = _pids(out)
+    assert len(pids) == 2 and not [p for p in pids if _alive(p)], "every server process group is gone"
+
+
+def _ct_checkpoint_demo(folder):
+    from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, write_checkpoint
+
+    path = write_checkpoint(str(folder / "ct"), seed=5, fmt=COMPRESSED_TENSORS)
+    return _demo(folder, "--model-path", path, "--", "--max-running-requests", "4")
+
+
+@background(_ct_checkpoint_demo)
+def test_model_path_serves_an_llm_compressor_checkpoint_with_default_flags(background):
+    rc, out, _ = background
+    assert rc == 0, out[-4000:]
+    assert re.search(r"POST /generate .* -> '.*' \(\d+ tokens", out)
+    assert re.search(r"CompressedTensorsW4A4Nvfp4MoE E=8 H=256 I=128 top_k=2 swiglu bfloat16: verified", out)
+    assert re.search(r"CompressedTensorsW4A4Fp4 N=512 K=256 .*: verified", out)
+    assert not [p for p in _pids(out) if _alive(p)]
