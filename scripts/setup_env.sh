@@ -64,6 +64,23 @@ SGLANG_DEPS=(
   partial_json_parser
 )
 
+# SGLang's HTTP server (pyproject extra [server]): `sm120-fp4 demo --server` and the end-to-end tests
+# start a real `python -m sglang.launch_server` on this CPU. xgrammar and soundfile at 0.5.23's pins.
+SERVER_DEPS=(
+  fastapi
+  "uvicorn>=0.51"
+  uvloop
+  python-multipart
+  setproctitle
+  "prometheus-client>=0.20.0"
+  interegular
+  zstandard
+  watchfiles
+  jsonschema
+  "xgrammar==0.2.7"
+  "soundfile==0.13.1"
+)
+
 # sm120_fp4 runtime deps + test tools (also declared in pyproject.toml; listed
 # here so the environment is complete even before/without the editable install).
 PROJECT_DEPS=(
@@ -114,6 +131,7 @@ import sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tens
 import sglang.srt.layers.moe.moe_runner.flashinfer_cutlass  # noqa: F401
 import sglang.srt.layers.moe.fused_moe_triton.layer  # noqa: F401
 from sglang.srt.plugins import load_plugins  # noqa: F401
+import sglang.srt.entrypoints.http_server  # noqa: F401  (SGLang's HTTP server: demo --server)
 import wrapt, pydantic, pydantic_settings, packaging, pytest, hypothesis  # noqa: F401,E401
 print("torch", torch.__version__, "cuda_available", torch.cuda.is_available())
 EOF
@@ -132,7 +150,7 @@ want = dict(zip(["torch", "flashinfer-python", "sglang"], sys.argv[1:]))
 for dist, ver in want.items():
     assert version(dist) == ver, (dist, version(dist), ver)
 for dist in ["transformers", "compressed-tensors", "apache-tvm-ffi", "wrapt",
-             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout"]:
+             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout", "uvicorn", "xgrammar", "fastapi"]:
     version(dist)
 EOF
 }
@@ -176,7 +194,11 @@ pipq sglang --no-deps "sglang==$SGLANG_VERSION"
 pipq sglang-deps "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" \
   "${FLASHINFER_DEPS[@]}" "${SGLANG_DEPS[@]}"
 
-# 5. our package: runtime deps + test tools, then editable install
+# 5. SGLang's HTTP server packages (the [server] extra)
+say "installing SGLang's HTTP server packages (for demo --server and the end-to-end tests)"
+pipq server-deps "torch==$TORCH_VERSION" "${SERVER_DEPS[@]}"
+
+# 6. our package: runtime deps + test tools, then editable install
 say "installing sm120_fp4 runtime/test deps"
 pipq project-deps "torch==$TORCH_VERSION" "${PROJECT_DEPS[@]}"
 if [ -f "$ROOT/pyproject.toml" ]; then
@@ -185,7 +207,7 @@ if [ -f "$ROOT/pyproject.toml" ]; then
   # walk flashinfer's full metadata and pull cuda-python, cuda-tile, nccl4py,
   # nvidia-cudnn-frontend and nvidia-cutlass-dsl(+libs-cu12/cu13) into the venv.
   say "installing sm120_fp4 (editable, [test])"
-  pipq project --no-deps -e "$ROOT[test]"
+  pipq project --no-deps -e "$ROOT[test,server]"
   # Whether an editable (PEP 660) install places the start-up .pth in site-packages depends on
   # pip and the build backend; put the same file there so spawned workers activate as in production.
   PURELIB="$("$VENV_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
