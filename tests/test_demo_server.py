@@ -61,6 +61,25 @@ def _ct_checkpoint_demo(folder):
     return _demo(folder, "--model-path", path, "--", "--max-running-requests", "4")
 
 
+def _broken_model_path(folder):
+    from helpers.plugins import plugin_site
+    from sm120_fp4.demo.checkpoint import write_checkpoint
+
+    path = write_checkpoint(str(folder / "mo"), seed=6)
+    return _demo(folder, "--model-path", path, PYTHONPATH=f"{plugin_site(folder / 'plugins')}",
+                 SM120_FP4_MOE_BACKENDS="moe-zeros")
+
+
+@background(_broken_model_path)
+def test_model_path_refuses_a_broken_entry_point_kernel_and_nothing_listens(background):
+    rc, out, _ = background
+    assert rc == 1, out[-4000:]
+    assert "POST /generate" not in out
+    assert re.search(r"the server did not start: launcher exit [1-9]\d*, nothing listening", out)
+    assert "moe-zeros" in out, "the log tail names the refused kernel"
+    assert not [p for p in _pids(out) if _alive(p)]
+
+
 @background(_ct_checkpoint_demo)
 def test_model_path_serves_an_llm_compressor_checkpoint_with_default_flags(background):
     rc, out, _ = background

@@ -25,13 +25,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-__all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "Server", "free_port", "group_members"]
+__all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "CPU_SERVER_DEFAULTS", "Server", "free_port", "group_members"]
 
 # What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU").
 CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
                    "--skip-server-warmup", "--tp", "1", "--mem-fraction-static", "0.1"]
-CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "SM120_FP4": "1", "SM120_FP4_SIMULATE": "12.0",
-                  "SM120_FP4_BACKENDS": "cutlass,b12x,emulated", "SM120_FP4_MOE_BACKENDS": "cutlass,emulated"}
+CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SM120_FP4": "1"}  # always: the CPU engine, the library on
+# Defaults the operator's environment may override (a broken kernel named in SM120_FP4_BACKENDS, say).
+CPU_SERVER_DEFAULTS = {"HF_HUB_OFFLINE": "1", "SM120_FP4_SIMULATE": "12.0",
+                       "SM120_FP4_BACKENDS": "cutlass,b12x,emulated", "SM120_FP4_MOE_BACKENDS": "cutlass,emulated"}
 START_TIMEOUT_S = 900.0
 PROMPT = "The capital of France is"
 
@@ -122,7 +124,7 @@ class Server:
     def start(self) -> None:
         self.port = self.port or free_port()
         os.makedirs(self.report_dir, mode=0o700, exist_ok=True)
-        env = {**os.environ, **CPU_SERVER_ENV, "SM120_FP4_REPORT": self.report_dir, **self.env}
+        env = {**CPU_SERVER_DEFAULTS, **os.environ, **CPU_SERVER_ENV, "SM120_FP4_REPORT": self.report_dir, **self.env}
         command = [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-m", "sglang.launch_server",
                    "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port),
                    *CPU_SERVER_ARGS, *self.extra_args]
