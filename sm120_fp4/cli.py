@@ -108,20 +108,33 @@ def _model_worker(args: argparse.Namespace) -> int:
     return EXIT_OK if all(d["verified"] for d in decisions) else EXIT_UNVERIFIED
 
 
-def cmd_selftest_model(args: argparse.Namespace) -> int:
-    """``selftest --model DIR``: each distinct NVFP4 layer configuration of DIR, built and verified per GPU."""
+def _settings_and_devices(args: argparse.Namespace):
+    """(settings, the device indices to verify), or the exit code after saying why not."""
     from .config import load_settings
     from .errors import ConfigError
 
     try:
+        # The preflight verifies what workers would do with the toggle on; garbage in SM120_FP4 is still named.
         settings = load_settings(toggle=True) if os.environ.get("SM120_FP4") in ("0", "off") else load_settings()
         indices, problem = _selftest_devices(settings, args.device)
     except ConfigError as exc:
         _eprint(str(exc))
         return EXIT_USAGE
-    if problem or not os.path.isdir(args.model):
-        _eprint(f"sm120-fp4 selftest: {problem or f'--model {args.model!r} is not a directory'}")
+    if problem:
+        _eprint(f"sm120-fp4 selftest: {problem}")
         return EXIT_USAGE
+    return settings, indices
+
+
+def cmd_selftest_model(args: argparse.Namespace) -> int:
+    """``selftest --model DIR``: each distinct NVFP4 layer configuration of DIR, built and verified per GPU."""
+    if not os.path.isdir(args.model):
+        _eprint(f"sm120-fp4 selftest: --model {args.model!r} is not a directory")
+        return EXIT_USAGE
+    found = _settings_and_devices(args)
+    if isinstance(found, int):
+        return found
+    settings, indices = found
     if not indices:
         _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify")
         return EXIT_OK
@@ -294,20 +307,11 @@ def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
 
 
 def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None) -> int:
-    from .config import load_settings
-    from .errors import ConfigError
-
     families = list(families or (["moe"] if getattr(args, "moe", False) else ["dense"]))
-    try:
-        # The preflight verifies what workers would do with the toggle on; garbage in SM120_FP4 is still named.
-        settings = load_settings(toggle=True) if os.environ.get("SM120_FP4") in ("0", "off") else load_settings()
-        indices, problem = _selftest_devices(settings, args.device)
-    except ConfigError as exc:
-        _eprint(str(exc))
-        return EXIT_USAGE
-    if problem:
-        _eprint(f"sm120-fp4 selftest: {problem}")
-        return EXIT_USAGE
+    found = _settings_and_devices(args)
+    if isinstance(found, int):
+        return found
+    settings, indices = found
     if not indices:
         _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify (workers leave SGLang untouched)")
         return EXIT_OK

@@ -3,6 +3,7 @@ reliability case properties, and the background subprocess jobs (helpers.procs.b
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from helpers.cases import fields
-from helpers.procs import TIMEOUT
+from helpers.procs import TIMEOUT, HeavyQueue, Queued
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # One intra-op thread: the tests run thousands of small tensor ops, which two threads (on two shared
@@ -137,6 +138,29 @@ _JOBS: dict[str, object] = {}
 _FOLDER: list[Path] = []
 
 
+def _heavy(item) -> bool:
+    return bool(getattr(getattr(item, "function", None), "background_heavy", False))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests of heavy background jobs (real servers) run last: the others run while those jobs do."""
+    items.sort(key=_heavy)  # stable: the order is otherwise unchanged
+
+
+def _finished(job) -> bool:
+    proc = getattr(job, "proc", None)  # a subprocess.Popen, a multiprocessing Process, or none (_Failed)
+    if hasattr(proc, "poll"):
+        return proc.poll() is not None
+    return proc is None or not proc.is_alive()
+
+
+def _others_done() -> bool:
+    return all(_finished(job) for job in _JOBS.values() if not isinstance(job, Queued))
+
+
+_HEAVY = HeavyQueue(_others_done)
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
@@ -147,10 +171,15 @@ def pytest_collection_finish(session):
         if start is not None:
             folder = root / str(n)
             folder.mkdir()
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if _heavy(item):
+                _JOBS[item.nodeid] = _HEAVY.add(functools.partial(start, folder, **params))
+                continue
             try:
-                _JOBS[item.nodeid] = start(folder, **getattr(getattr(item, "callspec", None), "params", {}))
+                _JOBS[item.nodeid] = start(folder, **params)
             except BaseException as exc:  # noqa: BLE001 - a skip or an error, raised again in the test
                 _JOBS[item.nodeid] = _Failed(exc)
+    _HEAVY.run()
 
 
 class _Failed:
@@ -165,6 +194,7 @@ class _Failed:
 
 
 def pytest_sessionfinish(session):
+    _HEAVY.stop()
     for job in _JOBS.values():
         job.kill()
     _JOBS.clear()

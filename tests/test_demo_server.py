@@ -37,7 +37,8 @@ def _pids(out: str) -> list[int]:
     return [int(p) for p in re.findall(r"started pid (\d+) on 127\.0\.0\.1:\d+", out)]
 
 
-@background(lambda folder: _demo(folder))
+@pytest.mark.timeout(3600)
+@background(lambda folder: _demo(folder), heavy=True)
 def test_server_demo_answers_then_refuses_a_kernel_wrong_at_one_layer_shape(background):
     rc, out, _ = background
     assert rc == 0, out[-4000:]
@@ -70,7 +71,8 @@ def _broken_model_path(folder):
                  SM120_FP4_MOE_BACKENDS="moe-zeros")
 
 
-@background(_broken_model_path)
+@pytest.mark.timeout(3600)
+@background(_broken_model_path, heavy=True)
 def test_model_path_refuses_a_broken_entry_point_kernel_and_nothing_listens(background):
     rc, out, _ = background
     assert rc == 1, out[-4000:]
@@ -80,7 +82,8 @@ def test_model_path_refuses_a_broken_entry_point_kernel_and_nothing_listens(back
     assert not [p for p in _pids(out) if _alive(p)]
 
 
-@background(_ct_checkpoint_demo)
+@pytest.mark.timeout(3600)
+@background(_ct_checkpoint_demo, heavy=True)
 def test_model_path_serves_an_llm_compressor_checkpoint_with_default_flags(background):
     rc, out, _ = background
     assert rc == 0, out[-4000:]

@@ -32,7 +32,8 @@ def _selftest_model(folder, fmt, **env):
 
 
 @pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
-@background(lambda folder, fmt: _selftest_model(folder, fmt))
+@pytest.mark.timeout(3600)
+@background(lambda folder, fmt: _selftest_model(folder, fmt), heavy=True)
 def test_selftest_model_verifies_each_distinct_layer_configuration(background, fmt):
     rc, out, err = background
     assert rc == 0, err[-3000:]
@@ -47,7 +48,8 @@ def test_selftest_model_verifies_each_distinct_layer_configuration(background, f
 @pytest.mark.parametrize("family", ["dense", "moe"])
 @background(lambda folder, family: _selftest_model(
     folder, MODELOPT, PYTHONPATH=str(folder), **({"SM120_FP4_BACKENDS": "zeros"} if family == "dense" else
-                                                 {"SM120_FP4_MOE_BACKENDS": "moe-zeros"})))
+                                                 {"SM120_FP4_MOE_BACKENDS": "moe-zeros"})), heavy=True)
+@pytest.mark.timeout(3600)
 def test_selftest_model_exits_1_with_a_broken_entry_point_kernel(background, family):
     rc, out, err = background
     assert rc == 1, err[-3000:]

@@ -14,6 +14,8 @@ import signal
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -131,15 +133,83 @@ def with_repo_pth(code: str, folder: Path, cwd: Path | None = None, **env: str) 
     return Popen([sys.executable, "-S", "-c", prelude + code], clean_env(**env), folder, cwd)
 
 
-def background(start: Callable[..., object]):
+def background(start: Callable[..., object], heavy: bool = False):
     """Start `start(folder, **params)` at session start for each selected case of the decorated test.
 
     `folder` is an empty directory for the job; `params` are the case's parameters. The test gets
-    `(returncode, stdout, stderr)` from the `background` fixture.
+    `(returncode, stdout, stderr)` from the `background` fixture. `heavy` (a real server, a minute of
+    CPU and more): the job waits in the HeavyQueue, which runs such jobs one at a time once the
+    session's other background jobs are done, and the test runs after every other test.
     """
 
     def mark(fn):
         fn.background_job = start
+        fn.background_heavy = heavy
         return fn
 
     return mark
+
+
+class HeavyQueue:
+    """Runs queued jobs one at a time on a thread, starting once `others_done()` (or after `delay_s`)."""
+
+    def __init__(self, others_done: Callable[[], bool], delay_s: float = 240.0):
+        self._items: list[Queued] = []
+        self._others_done, self._delay_s = others_done, delay_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, start: Callable[[], object]) -> "Queued":
+        item = Queued(start)
+        self._items.append(item)
+        return item
+
+    def run(self) -> None:
+        if self._items and self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="heavy-jobs", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        deadline = time.monotonic() + self._delay_s
+        while not self._others_done() and time.monotonic() < deadline and not self._stop.wait(1.0):
+            pass
+        for item in self._items:
+            if self._stop.is_set():
+                break
+            item.start_and_finish()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for item in self._items:
+            item.kill()
+
+
+class Queued:
+    """A heavy job: started by its HeavyQueue; wait() waits for its turn and its end."""
+
+    def __init__(self, start: Callable[[], object]):
+        self._start, self._done = start, threading.Event()
+        self.job, self.error, self.result = None, None, None
+
+    def start_and_finish(self) -> None:
+        try:
+            self.job = self._start()
+            self.result = self.job.wait(None)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        if not self._done.wait(HEAVY_TIMEOUT):
+            raise TimeoutError(f"a heavy background job did not finish within {HEAVY_TIMEOUT} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def kill(self) -> None:
+        if self.job is not None:
+            self.job.kill()
+
+
+HEAVY_TIMEOUT = 3000
