@@ -228,14 +228,18 @@ def serve_once(model_path: str, workdir: str, extra_args: list[str], env: dict[s
     server = Server(model_path, workdir, extra_args, env or {})
     server.start()
     _say(f"   started pid {server.proc.pid} on 127.0.0.1:{server.port}; waiting for it (log: {server.log_path})")
-    started = time.monotonic()
+    started, failed = time.monotonic(), None
     try:
         ready = server.wait_ready()
         took = time.monotonic() - started
         if ready:
-            answer = server.generate(PROMPT)
-            _say(f"   up after {took:.0f} s; POST /generate {PROMPT!r} -> {answer.get('text')!r} "
-                 f"({answer.get('meta_info', {}).get('completion_tokens')} tokens; random weights: no sense expected)")
+            try:
+                answer = server.generate(PROMPT)
+            except (OSError, RuntimeError, ValueError) as exc:
+                failed = f"the server is up but /generate failed: {exc}"
+            else:
+                _say(f"   up after {took:.0f} s; POST /generate {PROMPT!r} -> {answer.get('text')!r} "
+                     f"({answer.get('meta_info', {}).get('completion_tokens')} tokens; random weights: no sense expected)")
     finally:
         code = server.stop()
         still = _listening(server.port)
@@ -248,6 +252,9 @@ def serve_once(model_path: str, workdir: str, extra_args: list[str], env: dict[s
     _say("\n".join(summary) if summary else "   (no report written)")
     if still:
         _say(f"   ERROR: something still listens on 127.0.0.1:{server.port} after the server was stopped")
+        return 1
+    if failed is not None:
+        _say(f"   ERROR: {failed}\n   server log: {server.log_path}")
         return 1
     if ready:
         return 0 if not expect_refusal else 1
