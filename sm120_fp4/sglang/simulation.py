@@ -76,7 +76,7 @@ QUANTIZERS = (QUANTIZER, QUANTIZER_CT, LEGACY_QUANTIZER)
 KERNEL_PACKAGE_STAND_IN = PatchSpec(
     "sim-kernel-package", KERNEL_PACKAGE, "*",
     f"{_WHY}; without CUDA, an installed {KERNEL_PACKAGE} that cannot load (the releases that bring it, "
-    "0.5.3-0.5.10.post1, import it on the way to the FP4 module) is replaced at import by a stand-in whose functions "
+    "0.5.3-0.5.10.post1, may import it on the way to the FP4 module) is replaced at import by a stand-in whose functions "
     "raise when called", "-", _NEVER)
 
 
