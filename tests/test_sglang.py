@@ -434,6 +434,10 @@ class Keep(logging.Handler):
 logging.getLogger("sm120_fp4").addHandler(Keep())
 import sm120_fp4
 from sm120_fp4 import doctor
+from sm120_fp4.sglang import simulation
+# SGLang is imported before install() here (apply() is replaced first): 0.5.3-0.5.10's CUDA-only
+# kernel package that cannot load on a CPU gets the stand-in install(simulate) would give it
+simulation.kernel_package_stand_in()
 import sglang.srt.layers.quantization.modelopt_quant as mq
 method = mq.ModelOptFp4LinearMethod
 real_apply = method.apply
