@@ -774,8 +774,9 @@ def cell(row: dict, step: str) -> str:
             missing = "; ".join(f"{m.rsplit('.', 1)[-1]} not importable on this CPU venv ({e}): its hook source-checked only"
                                 for m, e in got.get("not_importable", {}).items())
             states = got.get("states", {})
-            quantizer = ", ".join(n.removeprefix("sim-activation-") for n, st in states.items()
-                                  if n.startswith("sim-activation-quantizer") and st[0] == "applied")
+            quantizer = "activation quantizer stand-in for " + (", ".join(
+                f"{spec.module.rsplit('.', 1)[-1]}.{spec.attribute}" for spec in S.QUANTIZERS
+                if states.get(spec.name, [None])[0] == "applied") or "nothing")
             kernel = "; the CUDA-only sgl_kernel cannot load here: its stand-in imported" if states.get(
                 S.KERNEL_PACKAGE_STAND_IN.name, [None])[0] == "applied" else ""
             notes = "; ".join(n for n in (missing,) if n)
