@@ -9,8 +9,10 @@ Source check (default): downloads each release's wheel once (``pip download --no
 the few files the targets live in, and checks with ``ast`` (SGLang is never imported) that every
 spec of the ledger (``ledger_rows()``) whose version range contains the release finds its target
 there with the expected shape, and that every spec whose range excludes the release does *not*
-find it (a range that is too narrow would leave a release unpatched). Prints a table and exits 1
-on any FAIL.
+find it (a range that is too narrow would leave a release unpatched), and that each of the
+simulation's stand-ins finds its target where the simulation uses it (``check_stand_ins``: the
+activation quantizer the release's ``apply()`` calls, exactly in the ledger's range). Prints a
+table and exits 1 on any FAIL.
 
 Import check (``--import-check VERSION``): builds a CPU venv for that release under
 ``.cache/venvs/sglang-VERSION`` from the per-release pins recorded in ``PINS`` below (torch,
@@ -21,10 +23,11 @@ quantizer are applied, then that ``uninstall()`` restores the originals and leav
 finder. ``--demo`` also runs ``python -m sm120_fp4 demo`` there (must be bit-exact), ``--run-tests``
 the test files that import the real SGLang (``TEST_FILES``). The venv (~7 GB) is kept: delete it.
 
-Several releases (``--releases 0.5.3,0.5.9`` or ``--releases era``): the same, one release at a
-time, each venv deleted after its run (``--keep-venv`` keeps them); ``--report FILE`` writes the
-results as a Markdown table (release, pins, what was run and its outcome, date), rewritten after
-each release. ``--repo DIR`` (repeatable) runs another checkout's sm120_fp4 and test file in the
+Several releases (``--releases 0.5.3,0.5.9``, ``era``, ``newest`` (the newest release of every
+minor) or ``table`` (both: docs/RELEASES.md's rows)): the same, one release at a time, each venv
+deleted after its run (``--keep-venv`` keeps them); ``--report FILE`` writes the results as a
+Markdown table (release, pins, what was run and its outcome, date), rewritten after each release,
+keeping the rows of FILE's other releases as they were. ``--repo DIR`` (repeatable) runs another checkout's sm120_fp4 and test file in the
 same venv (on PYTHONPATH; the venv's editable install is this repo's).
 
 Needs ``packaging`` and an importable ``sm120_fp4`` (wrapt, pydantic): run it with the repo's
@@ -58,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 try:
     from sm120_fp4.kernels import MM_FP4_HEAD
     from sm120_fp4.sglang import release as R
+    from sm120_fp4.sglang import simulation as S
     from sm120_fp4.sglang import targets as T
 except ImportError as exc:  # pragma: no cover - environment problem, explained to the user
     sys.exit(f"cannot import sm120_fp4.sglang ({exc}); run this with the repo's .venv/bin/python")
@@ -93,7 +97,7 @@ def module_path(module: str) -> str:
 
 def needed_files() -> list[str]:
     """Paths inside the wheel that the checks read (every spec's module + plugins + runtime_context)."""
-    modules = {spec.module for spec in T.ledger_rows()} | {RUNTIME_CONTEXT}
+    modules = {spec.module for spec in T.ledger_rows() + S.ledger_rows() if spec.module.startswith("sglang.")} | {RUNTIME_CONTEXT}
     return sorted({module_path(m) for m in modules} | {PLUGINS.replace(".", "/") + "/__init__.py"})
 
 
@@ -317,8 +321,81 @@ def check_extras(src: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
+# ---------------------------------------------------------------- the simulation's stand-ins
+# Where the simulation expects to use each stand-in, it must find its target; the quantizers (taken
+# by what SGLang's code calls, not by version) and the Blackwell check must be called exactly in
+# their ledger range, so that the ledger's "Releases" stays true.
+
+STAND_IN_CALLERS = {**{spec.name: S.QUANTIZER_CALLERS[spec.module] for spec in S.QUANTIZERS},
+                    "sim-blackwell-check": "ModelOptFp4LinearMethod.process_weights_after_loading"}
+
+
+def _loads(fn: ast.FunctionDef, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(fn))
+
+
+def _binds(tree: ast.Module, name: str) -> bool:
+    """A module-level binding of `name` (an import under that name or an assignment)."""
+    for node in top_level(tree.body):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == name for a in node.names):
+            return True
+        if name in assigns(node):
+            return True
+    return False
+
+
+def check_stand_in(spec, version: str, src: Path) -> tuple[str, str]:
+    """A caller-decided stand-in: called by its caller in its range (and, where it replaces a module
+    global, that global bound), not called outside it."""
+    caller = STAND_IN_CALLERS[spec.name]
+    applies = Version(version) in SpecifierSet(spec.versions or R.SUPPORTED)
+    tree = parse(src, spec.module)
+    fn, problem = (None, f"no module {spec.module}") if tree is None else _method(tree, caller)
+    called = fn is not None and _loads(fn, spec.attribute)
+    if not applies:
+        return (FAIL, f"{caller} calls {spec.attribute}, but the range {spec.versions} excludes {version}: the ledger "
+                      "would be wrong (range too narrow?)") if called else (NA, "")
+    if fn is None:
+        return FAIL, f"the simulation reads {caller}: {problem}"
+    if not called:
+        return FAIL, f"{caller} does not call {spec.attribute}: the stand-in cannot take effect (range too wide?)"
+    if spec is not S.LEGACY_QUANTIZER and not _binds(tree, spec.attribute):
+        return FAIL, f"{caller} calls {spec.attribute}, but {spec.module} binds no module global of that name to replace"
+    return OK, ""
+
+
+def check_cpu_kernel(src: Path) -> tuple[str, str]:
+    """sim-fp4-gemm-cpu-kernel: where modelopt_quant registers the CUDA-only op with SGLang's
+    register_custom_op (0.5.8+), the Python body the simulation registers for CPU is there."""
+    tree = parse(src, R.MQ)
+    fn = function(tree, "fp4_gemm")
+    if fn is None or not any("register_custom_op" in ast.unparse(d) for d in fn.decorator_list):
+        return NA, ""
+    if _loads(fn, "flashinfer_fp4_gemm") or _binds(tree, "flashinfer_fp4_gemm"):
+        return OK, ""
+    return FAIL, "the sglang::fp4_gemm op body neither calls nor has flashinfer_fp4_gemm: no Python body to register for CPU"
+
+
+def check_kernel_package(version: str, src: Path) -> tuple[str, str]:
+    """sim-kernel-package: where the import check installs the release's kernel package (PINS
+    kernel "pinned"), the release's METADATA requires one (the package the stand-in replaces)."""
+    if pins_for(version)["kernel"] != "pinned":
+        return NA, ""
+    meta = release_pins(src)
+    return (OK, "") if any(d in meta for d in KERNEL_DISTS) else (FAIL, f"METADATA requires none of {KERNEL_DISTS}")
+
+
+def check_stand_ins(version: str, src: Path) -> dict[str, tuple[str, str]]:
+    """{stand-in name: (state, reason)} for the simulation's stand-ins that have a target in SGLang's source."""
+    rows = {spec.name: check_stand_in(spec, version, src) for spec in S.ledger_rows() if spec.name in STAND_IN_CALLERS}
+    rows[S.FP4_GEMM_CPU_KERNEL.name] = check_cpu_kernel(src)
+    rows[S.KERNEL_PACKAGE_STAND_IN.name] = check_kernel_package(version, src)
+    return rows
+
+
 def check_version(version: str, cache: Path = DEFAULT_CACHE) -> dict[str, tuple[str, str]]:
-    """{column: (ok | n/a | FAIL, reason)} for one release; columns are spec names + coverage + extras."""
+    """{column: (ok | n/a | FAIL, reason)} for one release; columns are spec names + coverage + extras
+    + the simulation's stand-ins (sim-*; sim-platform-facts is the override_platform column)."""
     src = sources(version, cache)
     rows = T.ledger_rows()
     result = {spec.name: check_spec(spec, version, src) for spec in rows}
@@ -331,6 +408,7 @@ def check_version(version: str, cache: Path = DEFAULT_CACHE) -> dict[str, tuple[
     else:
         result["coverage"] = (OK, "")
     result.update(check_extras(src))
+    result.update(check_stand_ins(version, src))
     return result
 
 
@@ -357,17 +435,25 @@ def check_outside(version: str) -> str | None:
 #   extra: distributions the release's import of modelopt_quant needs beyond setup_env.sh's lists
 #     (found by trial once, recorded here); each is installed at the release's own pin when its
 #     METADATA has one, unpinned otherwise.
+#   flashinfer_build: build requirements when the release's flashinfer-python pin has no wheel on the
+#     index (0.4.0, 0.4.1: sdist only). The sdist is built once into <cache>/built/ with
+#     `pip wheel --no-deps --no-build-isolation` in the release's venv after installing these: its own
+#     build pin apache-tvm-ffi==0.1.0b15 is not on the index (0.1.0 is, and builds and imports it),
+#     and setuptools>=77 is needed to read its pyproject's license field. The venv keeps the same
+#     apache-tvm-ffi at run time.
 #   kernel: the CUDA-only kernel package (sgl-kernel <= 0.5.10.post1, sglang-kernel from 0.5.11).
 #     "pinned": the release's own pin, --no-deps, as `pip install sglang==X` would bring it; on a
 #     CPU its import fails (libnvrtc.so.12/libcuda.so.1), which is the case the simulation's
 #     kernel stand-in must handle. "absent": not installed (SGLang's FP4 modules import without it).
 TORCH_LOCAL = {"torch": "2.14.1", "torchvision": "0.29.1"}
 PINS: tuple[tuple[str, dict], ...] = (
-    (">=0.5.3,<0.5.24", dict(**TORCH_LOCAL, flashinfer=None, transformers=None, extra=(), kernel="absent",
+    (">=0.5.3,<0.5.24", dict(**TORCH_LOCAL, flashinfer=None, transformers=None, extra=(), kernel="absent", flashinfer_build=(),
                              why="torch 2.14.1: the local CUDA build; SGLang's FP4 path imports and runs with it")),
     # 0.5.3-0.5.10.post1 import sgl_kernel on the way to modelopt_quant (0.5.5-0.5.7 unguarded, in
     # moe_runner/deep_gemm.py): install the pinned one so the run sees what a user's CPU sees.
     (">=0.5.3,<0.5.11", dict(kernel="pinned")),
+    # flashinfer-python 0.4.0 (0.5.3.post1-post3) and 0.4.1 (0.5.4-0.5.4.post2): no wheel on the index
+    (">=0.5.3.post1,<0.5.4.post3", dict(flashinfer_build=("setuptools>=77", "packaging>=24.2", "wheel", "apache-tvm-ffi==0.1.0"))),
     # Beyond setup_env.sh's lists, each era's modelopt_quant import reaches (found by the trial loop
     # below on 0.5.3, 0.5.5-0.5.10, 0.5.12, 0.5.13, 0.5.15; releases in between take their era's row):
     (">=0.5.3,<0.5.5", dict(extra=("fastapi", "openai", "partial-json-parser", "einops"))),
@@ -501,7 +587,25 @@ def resolve(version: str, cache: Path) -> dict:
 def pins_summary(plan: dict) -> str:
     kernel = plan["kernel_req"] or "no kernel pkg"
     extra = f", +{'/'.join(plan['extra'])}" if plan["extra"] else ""
-    return f"torch {plan['torch']}, flashinfer {plan['flashinfer']}, transformers {plan['transformers']}, {kernel}{extra}"
+    built = f" (built from its sdist, {next(r for r in plan['flashinfer_build'] if 'tvm' in r)})" if plan["flashinfer_build"] else ""
+    return f"torch {plan['torch']}, flashinfer {plan['flashinfer']}{built}, transformers {plan['transformers']}, {kernel}{extra}"
+
+
+def flashinfer_wheel(py: Path, cache: Path, plan: dict, pip) -> str:
+    """What to install for flashinfer-python: the index's wheel, or (flashinfer_build) a wheel built
+    from its sdist once and cached in <cache>/built/."""
+    version = plan["flashinfer"]
+    if not plan["flashinfer_build"]:
+        return f"flashinfer-python=={version}"
+    built = cache / "built"
+    found = sorted(built.glob(f"flashinfer_python-{version}-*.whl"))
+    if not found:
+        pip("flashinfer-build-deps", *plan["flashinfer_build"])
+        pip("flashinfer-build", "--no-deps", "--no-build-isolation", f"flashinfer-python=={version}", "-w", str(built), command="wheel")
+        found = sorted(built.glob(f"flashinfer_python-{version}-*.whl"))
+        if not found:
+            raise RuntimeError(f"pip wheel flashinfer-python=={version} wrote no wheel into {built}")
+    return str(found[0])
 
 
 def venv_dir(version: str) -> Path:
@@ -515,10 +619,10 @@ def build_venv(version: str, cache: Path, plan: dict) -> Path:
     py = venv / "bin" / "python"
     pinned = [f"torch=={plan['torch']}", f"torchvision=={plan['torchvision']}", "triton"]  # in every call: pip never swaps torch
 
-    def pip(step: str, *args: str) -> None:
-        print(f"[{version}] pip install {' '.join(args)}", flush=True)
+    def pip(step: str, *args: str, command: str = "install") -> None:
+        print(f"[{version}] pip {command} {' '.join(args)}", flush=True)
         logs.mkdir(parents=True, exist_ok=True)
-        run = subprocess.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", *args],
+        run = subprocess.run([str(py), "-m", "pip", command, "--disable-pip-version-check", *args],
                              capture_output=True, text=True)
         (logs / f"{step}.log").write_text(run.stdout + run.stderr)
         if run.returncode != 0:
@@ -528,15 +632,16 @@ def build_venv(version: str, cache: Path, plan: dict) -> Path:
     meta = plan["meta"]
     setup = (ROOT / "scripts" / "setup_env.sh").read_text()
     deps = []  # setup_env.sh's lists with this release's pins where it has them (else unpinned)
+    kept = {canonicalize_name(Requirement(r).name): r for r in plan["flashinfer_build"]}  # what the built flashinfer was built with
     for item in bash_array(setup, "FLASHINFER_DEPS") + bash_array(setup, "SGLANG_DEPS") + bash_array(setup, "PROJECT_DEPS"):
         name = canonicalize_name(Requirement(item).name)
-        deps.append(f"transformers=={plan['transformers']}" if name == "transformers" else name + meta.get(name, ""))
+        deps.append(f"transformers=={plan['transformers']}" if name == "transformers" else kept.get(name) or name + meta.get(name, ""))
     deps += [canonicalize_name(e) + meta.get(canonicalize_name(e), "") for e in plan["extra"]]
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip("pip", "--upgrade", "pip")
     pip("torch", *pinned)
-    pip("flashinfer", "--no-deps", f"flashinfer-python=={plan['flashinfer']}")
+    pip("flashinfer", "--no-deps", flashinfer_wheel(py, cache, plan, pip))
     pip("sglang", "--no-deps", str(wheel_for(version, cache)))
     if plan["kernel_req"]:
         pip("kernel", "--no-deps", plan["kernel_req"])
@@ -668,7 +773,14 @@ def cell(row: dict, step: str) -> str:
         if got["ok"]:
             missing = "; ".join(f"{m.rsplit('.', 1)[-1]} not importable on this CPU venv ({e}): its hook source-checked only"
                                 for m, e in got.get("not_importable", {}).items())
-            return "ok: patched, restored by uninstall()" + (f" ({missing})" if missing else "")
+            states = got.get("states", {})
+            quantizer = "activation quantizer stand-in for " + (", ".join(
+                f"{spec.module.rsplit('.', 1)[-1]}.{spec.attribute}" for spec in S.QUANTIZERS
+                if states.get(spec.name, [None])[0] == "applied") or "nothing")
+            kernel = "; the CUDA-only sgl_kernel cannot load here: its stand-in imported" if states.get(
+                S.KERNEL_PACKAGE_STAND_IN.name, [None])[0] == "applied" else ""
+            notes = "; ".join(n for n in (missing,) if n)
+            return (f"ok: patched ({quantizer}{kernel}), restored by uninstall()" + (f" ({notes})" if notes else ""))
         return "FAIL: " + "; ".join(got["problems"])[:300]
     if step == "demo":
         return ("ok: " + got["bit_exact"]) if got["ok"] else f"FAIL (rc {got['rc']}): {got['error']}"[:300]
@@ -692,9 +804,19 @@ def repo_label(repo: Path) -> str:
     return f"{repo.name}@{head}" + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def markdown(rows: list[dict]) -> str:
+def earlier_rows(path: Path | None, run: set[str]) -> dict[str, str]:
+    """The table lines of an earlier report at `path` for the releases not in `run` (kept as they
+    are: each names the commit and date that ran it)."""
+    if path is None or not path.is_file():
+        return {}
+    found = (re.match(r"\| (\S+) \| ", line) for line in path.read_text().splitlines())
+    return {m.group(1): m.string for m in found if m and m.group(1) in RELEASES and m.group(1) not in run}
+
+
+def markdown(rows: list[dict], kept: dict[str, str] | None = None) -> str:
     head = ["release", "sm120_fp4 commit", "pins (what the venv got)", "import + patches + uninstall", "demo", "integration tests", "outcome", "date"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = dict(kept or {})
     for row in rows:
         code = row.get("code", row["repo"]).split("@", 1)[-1]  # the commit (a checkout's folder name says nothing)
         if "build_error" in row:
@@ -702,19 +824,26 @@ def markdown(rows: list[dict]) -> str:
         else:
             cells = [row["release"], code, row["pins"], cell(row, "import"), cell(row, "demo"), cell(row, "tests"),
                      "ok" if row["ok"] else "FAIL", row["date"]]
-        out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        lines[row["release"]] = "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+    order = {v: i for i, v in enumerate(RELEASES)}
+    out += [lines[v] for v in sorted(lines, key=lambda v: order.get(v, len(order)))]
     return "\n".join(out) + "\n"
 
 
 REPORT_HEAD = """# SGLang releases: what was run, and the outcome
 
-Generated by `scripts/sglang_matrix.py` (do not edit by hand). For each release below, one CPU
-venv with the release's own wheel and the pins recorded in the script's `PINS` (the table's
-"pins" column), then, with `sm120_fp4.install(simulate="12.0")`:
+Generated by `scripts/sglang_matrix.py` (do not edit by hand). The rows: one release per era of
+SGLang's FP4 path and the newest release (last post release) of every minor, the one
+`pip install "sglang~=0.5.N.0"` gets (`--releases table`). For each, one CPU venv with the
+release's own wheel and the pins recorded in the script's `PINS` (the table's "pins" column; a
+flashinfer-python pin without a wheel on the index is built from its sdist), then, with
+`sm120_fp4.install(simulate="12.0")`:
 
 - **import + patches + uninstall**: SGLang's real FP4 modules imported; every runtime patch of the
-  release applied (the ledger's rows for it), the simulated activation quantizer in place; then
-  `uninstall()` restored every original and left no import finder;
+  release applied (the ledger's rows for it), the simulated activation quantizer in place (in
+  parentheses: which one took effect, by what the release's `apply()` calls, and whether the
+  CUDA-only `sgl_kernel` needed its stand-in); then `uninstall()` restored every original and left
+  no import finder;
 - **demo**: `python -m sm120_fp4 demo` (a real `ModelOptFp4LinearMethod` layer through the patched
   path, bit-exact with the oracle; the MoE part and the refusals);
 - **integration tests**: the four test files that import the real SGLang (`tests/test_sglang.py`,
@@ -728,8 +857,9 @@ Each row names the commit of sm120_fp4 that ran it (a release re-run after a fix
 commit).
 
 This is a simulation on a CPU: it proves the wiring on each release, not an SM120 kernel.
-Re-run: `.venv/bin/python scripts/sglang_matrix.py --releases era --demo --run-tests --report docs/RELEASES.md --json R.json`
-(one venv at a time, ~7 GB, deleted after each; about 3-4 minutes per release on 2 cores).
+Re-run: `.venv/bin/python scripts/sglang_matrix.py --releases table --demo --run-tests --report docs/RELEASES.md --json R.json`
+(one venv at a time, ~7 GB, deleted after each; about 3-4 minutes per release on 2 idle cores;
+a subset, `--releases A,B`, rewrites its rows and keeps the others as they were).
 """
 
 
@@ -738,16 +868,28 @@ def source_section(source: dict) -> str:
     releases = source.get("releases", {})
     failing = {v: [k for k, (st, _) in r.items() if st == FAIL] for v, r in releases.items()}
     bad = {v: f for v, f in failing.items() if f}
-    lines = ["", "## Source check of every release", "",
+    lines = ["", SOURCE_TITLE, "",
              f"`scripts/sglang_matrix.py` (default mode) read the {len(releases)} releases' wheels "
              f"({', '.join(releases)}): every patch target is where its version range says, and absent where "
-             "the range excludes it; releases outside the supported range are left alone.", ""]
+             "the range excludes it; releases outside the supported range are left alone. The simulation's "
+             "stand-ins too: each activation quantizer and the Blackwell check is called by the method the "
+             "simulation reads exactly in its ledger range; the CPU op body and the kernel package are where "
+             "the simulation uses them.", ""]
     lines.append(f"Outcome ({source.get('date', 'date not recorded')}): " + ("all ok." if not bad else "FAIL: " + "; ".join(f"{v}: {', '.join(f)}" for v, f in bad.items())))
     return "\n".join(lines) + "\n"
 
 
+TABLE_TITLE = "## One release per era and the newest of every minor, run"
+SOURCE_TITLE = "## Source check of every release"
+
+
 def write_report(path: Path, rows: list[dict], source: dict | None = None) -> None:
-    path.write_text(REPORT_HEAD + "\n## One release per era, run\n\n" + markdown(rows) + (source_section(source) if source else ""))
+    """The report: `rows` plus the rows of the releases an earlier report at `path` has and `rows`
+    lack (kept as they were), and the source check's section (`source`, else the earlier one)."""
+    earlier = path.read_text() if path.is_file() else ""
+    kept = earlier_rows(path, {row["release"] for row in rows})
+    section = source_section(source) if source else ("\n" + earlier[earlier.index(SOURCE_TITLE):] if SOURCE_TITLE in earlier else "")
+    path.write_text(REPORT_HEAD + f"\n{TABLE_TITLE}\n\n" + markdown(rows, kept) + section)
 
 
 def check_releases(versions: list[str], cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool,
@@ -781,10 +923,27 @@ def print_table(results: dict[str, dict[str, tuple[str, str]]]) -> None:
         print(f"FAIL {v} {c}: {r}")
 
 
-# One release per era of SGLang's FP4 path (the issue's list): alias name, op wrapper, enum members,
-# activation quantizer, platform checks and kernel package each change somewhere along it.
-ERA_RELEASES = ("0.5.3", "0.5.5", "0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.12", "0.5.13", "0.5.15",
+# One release per era of SGLang's FP4 path: alias name, op wrapper, enum members, activation
+# quantizer (fp4_quantize from 0.5.4.post2), platform checks and kernel package each change somewhere along it.
+ERA_RELEASES = ("0.5.3", "0.5.4.post2", "0.5.5", "0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.12", "0.5.13", "0.5.15",
                 "0.5.18", "0.5.20", "0.5.22", "0.5.23")
+
+
+def newest_of_each_minor(releases=RELEASES) -> tuple[str, ...]:
+    """The newest release (its last post release, if any) of every minor version in `releases`."""
+    newest: dict[tuple[int, ...], str] = {}
+    for v in releases:
+        key = Version(v).release[:3]
+        if key not in newest or Version(v) > Version(newest[key]):
+            newest[key] = v
+    return tuple(newest[k] for k in sorted(newest))
+
+
+NEWEST_RELEASES = newest_of_each_minor()
+# The releases docs/RELEASES.md has a row for: one per era and the newest of every minor (what
+# `pip install "sglang~=0.5.N.0"` gives), in release order.
+TABLE_RELEASES = tuple(sorted(set(ERA_RELEASES) | set(NEWEST_RELEASES), key=Version))
+RELEASE_SETS = {"era": ERA_RELEASES, "newest": NEWEST_RELEASES, "table": TABLE_RELEASES}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -794,7 +953,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--import-check", metavar="VERSION", help="build a venv for VERSION (kept) and import-and-patch the real SGLang")
     parser.add_argument("--releases", metavar="LIST", help="like --import-check for each release of LIST (comma-separated, or 'era' for "
-                        f"{','.join(ERA_RELEASES)}), one at a time, each venv deleted after its run")
+                        f"{','.join(ERA_RELEASES)}; 'newest' for the newest of every minor, {','.join(NEWEST_RELEASES)}; 'table' for "
+                        "both, the rows of docs/RELEASES.md), one at a time, each venv deleted after its run")
     parser.add_argument("--demo", action="store_true", help="with --import-check/--releases: also run `python -m sm120_fp4 demo` there")
     parser.add_argument("--run-tests", action="store_true", help="with --import-check/--releases: also run the SGLang test files there")
     parser.add_argument("--repo", type=Path, action="append", help="run this checkout's sm120_fp4 and tests (PYTHONPATH); repeatable; default this repo")
@@ -821,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.import_check or args.releases:
         versions = [args.import_check] if args.import_check else (
-            list(ERA_RELEASES) if args.releases == "era" else args.releases.split(","))
+            list(RELEASE_SETS[args.releases]) if args.releases in RELEASE_SETS else args.releases.split(","))
         unknown = [v for v in versions if v not in RELEASES]
         if unknown:
             parser.error(f"not in the matrix: {unknown} (known: {', '.join(RELEASES)})")

@@ -137,6 +137,9 @@ def _import_check(settings=None) -> dict:
                 continue  # pins and env knobs: decided at run time
             state, reason = dry_run(spec)
             rows.append({"name": spec.name, "state": state, "reason": reason, "simulation": spec.name.startswith("sim-")})
+        # the activation quantizers: by what this release's linear path calls ("fails": none can take effect)
+        rows += [{"name": spec.name, "state": state, "reason": reason, "simulation": True}
+                 for spec, state, reason in simulation.quantizer_check()]
     finally:
         if remove is not None:
             remove()

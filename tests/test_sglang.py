@@ -20,7 +20,7 @@ from helpers import children, faults
 from helpers.cases import case
 from helpers.common import (SIM, SIM_ENV, alias_name, alias_spec_name, assert_not_patched, assert_patched_once,
                             patch_state, run_concurrently, sglang_alias)
-from helpers.procs import Spawned, background, clean_env, ours, python
+from helpers.procs import Spawned, background, clean_env, python
 from sm120_fp4 import backends
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.sglang import layers, plugin, release
@@ -378,7 +378,15 @@ def test_strict_worker_with_a_broken_backend_refuses_to_serve_with_a_nonzero_exi
 
 
 MISSING_FLASHINFER = """
-import json, sys
+import json, logging, sys
+# A dependency may reconfigure logging with its own line format (xgrammar 0.1.25 adds a timestamp):
+# our records are counted by logger name, whatever the format of the lines
+logging.basicConfig(format="[%(asctime)s] %(levelname)s %(name)s: %(message)s", force=True)
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append([record.name, record.getMessage()])
+logging.getLogger("sm120_fp4").addHandler(Keep())
 sys.modules["flashinfer"] = None  # import flashinfer -> ImportError, as when it is not installed
 import sm120_fp4
 installed = sm120_fp4.install(simulate="12.0", backends="emulated").installed
@@ -392,7 +400,8 @@ except sm120_fp4.RefusedToServe as exc:
 status = sm120_fp4.status()
 print(json.dumps({"installed": installed, "sglang_has_mm_fp4": getattr(mq, "enable_flashinfer_fp4_gemm", None),
                   "patches": {p.name: [p.state, p.reason] for p in status.patches},
-                  "decision": status.decisions[0].backend, "refused": refused}))
+                  "decision": status.decisions[0].backend, "refused": refused,
+                  "ours": [message for name, message in records if name.split(".")[0] == "sm120_fp4"]}))
 """
 
 
@@ -410,4 +419,97 @@ def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(b
     # The served call fails as this release fails without FlashInfer (SGLang's own error, a None alias
     # in 0.5.3-0.5.7, the kernel-less op or its unbound fallback in 0.5.8-0.5.10): refused either way
     assert re.search(r"NVFP4 GEMM requires flashinfer's mm_fp4|call 1 raised", data["refused"]), data["refused"]
-    assert len([line for line in ours(stderr) if alias_spec_name() in line]) == 1, stderr
+    assert len([message for message in data["ours"] if alias_spec_name() in message]) == 1, data["ours"]
+
+
+# ---- the activation quantizer: decided by what the release's linear path calls ------------------
+
+QUANTIZER_CHILD = """
+import inspect, json, logging, sys, warnings
+warnings.simplefilter("ignore")
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("sm120_fp4").addHandler(Keep())
+import sm120_fp4
+from sm120_fp4 import doctor
+from sm120_fp4.sglang import simulation
+# SGLang is imported before install() here (apply() is replaced first): 0.5.3-0.5.10's CUDA-only
+# kernel package that cannot load on a CPU gets the stand-in install(simulate) would give it
+simulation.kernel_package_stand_in()
+import sglang.srt.layers.quantization.modelopt_quant as mq
+method = mq.ModelOptFp4LinearMethod
+real_apply = method.apply
+had_scaled = mq.__dict__.get("scaled_fp4_quant")
+out = {"apply_source": inspect.getsource(real_apply)}
+
+def ledger():
+    return {p.name: [p.state, p.reason] for p in sm120_fp4.status().patches if p.name.startswith("sim-activation-quantizer")}
+
+def run(name, apply):
+    method.apply = apply
+    try:
+        sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
+        out[name] = {"ledger": ledger(), "scaled_fp4_quant": repr(mq.__dict__.get("scaled_fp4_quant")),
+                     "fp4_quantize_patched": getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None)}
+        sm120_fp4.uninstall()
+        out[name]["after_uninstall"] = [mq.__dict__.get("scaled_fp4_quant") is had_scaled, getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None)]
+        out[name]["problems"] = [p for p in doctor.collect()["problems"] if "sim-activation-quantizer" in p]
+    finally:
+        method.apply = real_apply
+
+# As the installed release calls it (0.5.4.post2+: fp4_quantize)
+run("installed", real_apply)
+
+# As 0.5.3-0.5.4.post1 call it: sgl_kernel's scaled_fp4_quant (bound only with CUDA)
+def legacy_apply(self, layer, x, bias=None):
+    x_fp4, x_scale = scaled_fp4_quant(x, layer.input_scale_inv)
+    return x_fp4
+run("legacy", legacy_apply)
+
+# A release whose linear path quantizes with a function no stand-in covers
+def other_apply(self, layer, x, bias=None):
+    x_fp4, x_scale = some_new_quantizer(x, layer.input_scale_inv)
+    return x_fp4
+start = len(records)
+run("unknown", other_apply)
+out["unknown"]["warnings"] = [m for m in records[start:] if "cannot take effect" in m]
+print(json.dumps(out))
+"""
+
+
+@background(lambda folder: python(QUANTIZER_CHILD, folder, cwd=folder))
+def test_the_activation_quantizer_stand_in_is_the_one_the_linear_path_calls(background):
+    """install(simulate) with ModelOptFp4LinearMethod.apply as this release has it, as 0.5.3-0.5.4.post1
+    have it (sgl_kernel's scaled_fp4_quant) and calling a quantizer no stand-in covers: the stand-in
+    that takes effect is the one apply calls (read here from apply's source text), the other is 'not
+    needed', and when none can, the ledger, one warning each and doctor's problems say so."""
+    rc, stdout, stderr = background
+    assert rc == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    legacy_release = "scaled_fp4_quant(" in out["apply_source"]  # 0.5.3-0.5.4.post1
+    assert legacy_release or "fp4_quantize(" in out["apply_source"], out["apply_source"]
+    used = "scaled_fp4_quant" if legacy_release else "fp4_quantize"
+    names = {"fp4_quantize": "sim-activation-quantizer", "scaled_fp4_quant": "sim-activation-quantizer-legacy"}
+
+    for run, called in (("installed", used), ("legacy", "scaled_fp4_quant")):
+        other = "fp4_quantize" if called == "scaled_fp4_quant" else "scaled_fp4_quant"
+        ledger = out[run]["ledger"]
+        assert ledger[names[called]] == ["applied", None], (run, ledger)
+        state, reason = ledger[names[other]]
+        assert state == "skipped" and reason.startswith("not needed:") and f"calls {called}, not {other}" in reason, (run, reason)
+        assert out[run]["fp4_quantize_patched"] == ("sim-activation-quantizer" if called == "fp4_quantize" else None), run
+        assert out[run]["after_uninstall"] == [True, None], (run, "uninstall() restores both names")
+        assert out[run]["problems"] == [], (run, out[run]["problems"])
+    assert "scaled_fp4_quant" in out["legacy"]["scaled_fp4_quant"], "bound to the oracle's quantizer"
+
+    unknown = out["unknown"]
+    for name in names.values():
+        state, reason = unknown["ledger"][name]
+        assert state == "skipped" and reason.startswith("cannot take effect:"), (name, reason)
+        assert "calls none of fp4_quantize, scaled_fp4_quant" in reason, reason
+    assert unknown["fp4_quantize_patched"] is None and unknown["after_uninstall"] == [True, None]
+    assert len(unknown["warnings"]) == 2, unknown["warnings"]
+    assert any(p.startswith("simulation cannot run on this SGLang release: sim-activation-quantizer: cannot take effect")
+               for p in unknown["problems"]), unknown["problems"]

@@ -81,3 +81,4 @@ def test_a_kernel_package_that_is_not_installed_stays_not_installed(background):
     rc, stdout, stderr = background
     assert rc != 0 and "ModuleNotFoundError: No module named 'sgl_kernel'" in stderr
     assert "stand-in" not in stderr
+

@@ -3,15 +3,21 @@
 Inert unless ``SM120_FP4_SIMULATE`` is set. Each stand-in is recorded in the patch ledger and
 undone by ``uninstall()``:
 
-* the activation quantizer SGLang calls (FlashInfer's, SM100+ only) -> :func:`nvfp4.quantize`;
+* the activation quantizer SGLang's linear path calls (FlashInfer's ``fp4_quantize``, SM100+ only,
+  or sgl_kernel's ``scaled_fp4_quant``, CUDA only) -> :func:`nvfp4.quantize`. Which one is decided
+  by the release's own code (the global names ``ModelOptFp4LinearMethod.apply`` loads), not by a
+  version range; a stand-in that cannot take effect there is recorded as such;
 * SGLang's platform facts (``override_platform``, 0.5.19+) report a Blackwell SM12x device;
 * without CUDA: a CPU kernel for the CUDA-only custom op ``sglang::fp4_gemm`` (the op's own
   Python body, so the patched FlashInfer alias is still what runs), and, scoped to
   ``process_weights_after_loading`` only, ``Tensor.cuda()`` returning the tensor unchanged;
 * without CUDA: an import-time stand-in for SGLang's CUDA-only kernel package ``sgl_kernel``
-  when the real one cannot load (0.5.5-0.5.7 import it unguarded on the way to the FP4 module;
-  on a CPU it fails on ``libcuda.so.1``). The real package is tried first; the stand-in's
-  functions raise when called, so nothing can silently compute with it.
+  when the real one cannot load (every release that brings it, 0.5.3-0.5.10.post1, may import it
+  on the way to the FP4 module, e.g. ``moe_runner/deep_gemm.py``'s unguarded
+  ``from sgl_kernel import silu_and_mul``; on a CPU it fails on ``libcuda.so.1``). Not tied to a
+  version range: it takes effect when, and only when, an installed package fails to import. The
+  real package is tried first; the stand-in's functions raise when called, so nothing can
+  silently compute with it.
 
 Everything is logged as simulated: nothing here may ever run on a real deployment.
 """
@@ -19,9 +25,12 @@ Everything is logged as simulated: nothing here may ever run on a real deploymen
 from __future__ import annotations
 
 import contextlib
+import dis
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import logging
 import sys
 import threading
@@ -32,7 +41,6 @@ import torch
 
 from ..kernels import fp4_quantize_stand_in
 from ..patching import PatchSpec, Patcher
-from ..versions import version_in
 from . import cpu_engine
 from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version
 
@@ -47,30 +55,38 @@ PLATFORM_FACTS = PatchSpec(
 FP4_GEMM_CPU_KERNEL = PatchSpec(
     "sim-fp4-gemm-cpu-kernel", MQ, "fp4_gemm",
     f"{_WHY}; without CUDA, the CUDA-only op sglang::fp4_gemm gets a CPU kernel (its own Python body)", "-", _NEVER)
+# The activation quantizer stand-ins. Each takes effect where the release's code calls its name:
+# the global names that `caller` (a method of the module) loads, read from the imported module at
+# import time, never a version range. `versions` (no `distribution`: not a guard) is where that
+# code is, for the ledger; scripts/sglang_matrix.py checks it against every release's source.
+QUANTIZER_CALLERS = {MQ: "ModelOptFp4LinearMethod.apply", CT: "CompressedTensorsW4A4Fp4.apply_weights"}
+QUANTIZER = PatchSpec(
+    "sim-activation-quantizer", MQ, "fp4_quantize",
+    f"{_WHY}; ModelOptFp4LinearMethod.apply quantizes with fp4_quantize (FlashInfer's, SM100+ only; or sgl_kernel's "
+    "scaled_fp4_quant under that name)", "-", _NEVER, make=fp4_quantize_stand_in, versions=">=0.5.4.post2,<0.5.24")
+QUANTIZER_CT = PatchSpec(
+    "sim-activation-quantizer-ct", CT, "fp4_quantize",
+    f"{_WHY}; CompressedTensorsW4A4Fp4.apply_weights quantizes with fp4_quantize, imported by name", "-", _NEVER,
+    make=fp4_quantize_stand_in, versions=">=0.5.7,<0.5.24")
 LEGACY_QUANTIZER = PatchSpec(
     "sim-activation-quantizer-legacy", MQ, "scaled_fp4_quant",
-    f"{_WHY}; 0.5.3-0.5.4 quantize activations with sgl_kernel's scaled_fp4_quant, bound only with CUDA: "
+    f"{_WHY}; ModelOptFp4LinearMethod.apply quantizes with sgl_kernel's scaled_fp4_quant, bound only with CUDA: "
     "bound (or replaced) by the oracle's quantizer, E4M3 scales in the 128x4 layout", "-", _NEVER,
-    distribution="sglang", versions=">=0.5.3,<0.5.5")
+    versions=">=0.5.3,<0.5.4.post2")
+QUANTIZERS = (QUANTIZER, QUANTIZER_CT, LEGACY_QUANTIZER)
 KERNEL_PACKAGE_STAND_IN = PatchSpec(
     "sim-kernel-package", KERNEL_PACKAGE, "*",
-    f"{_WHY}; without CUDA, an installed {KERNEL_PACKAGE} that cannot load (0.5.5-0.5.7 import it unguarded on "
-    "the way to the FP4 module) is replaced at import by a stand-in whose functions raise when called", "-", _NEVER)
+    f"{_WHY}; without CUDA, an installed {KERNEL_PACKAGE} that cannot load (the releases that bring it, "
+    "0.5.3-0.5.10.post1, may import it on the way to the FP4 module) is replaced at import by a stand-in whose functions "
+    "raise when called; with SGLang's CPU engine selected (SGLANG_USE_CPU_ENGINE=1) also a missing one, serving in pure "
+    "PyTorch the one op a request calls (assign_req_to_token_pool_cpu)", "-", _NEVER)
 
 
 def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
-    """Attribute stand-ins: SGLang's activation quantizer, in every module that imported it, the
-    compressed-tensors capability check (answered for the simulated `capability`), and the Blackwell
-    check of releases older than SGLang's own override_platform seam."""
-    where = [
-        ("sim-activation-quantizer", MQ, "FlashInfer's FP4 quantizer needs an SM100+ GPU", ">=0.5.5,<0.5.24"),
-        ("sim-activation-quantizer-ct", CT, "the compressed-tensors scheme imported the quantizer by name", ">=0.5.7,<0.5.24"),
-    ]
+    """Attribute stand-ins guarded by version: the compressed-tensors capability check (answered for the
+    simulated `capability`) and the Blackwell check of releases older than SGLang's own override_platform
+    seam. (The activation quantizers are decided by SGLang's code: QUANTIZERS.)"""
     return [
-        PatchSpec(name, module, "fp4_quantize", f"{_WHY}; {why}", "-", _NEVER, make=fp4_quantize_stand_in,
-                  distribution="sglang", versions=versions)
-        for name, module, why, versions in where
-    ] + [
         PatchSpec(
             "sim-ct-capability-check", CT_CONFIG, "CompressedTensorsConfig._check_scheme_supported",
             f"{_WHY}; compressed-tensors asks torch.cuda.get_device_capability() directly when it picks a layer's "
@@ -89,7 +105,72 @@ def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
 
 def ledger_rows() -> list[PatchSpec]:
     """Every simulation stand-in, attribute or not, for the ledger (patches/LEDGER.md, doctor)."""
-    return specs() + [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
+    return [QUANTIZER, QUANTIZER_CT] + specs() + [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
+
+
+def loaded_globals(module: Any, caller: str) -> set[str] | None:
+    """The global names `caller` (``Class.method`` of `module`) loads, nested functions included;
+    None when the module has no such method."""
+    owner: Any = module
+    for part in caller.split("."):
+        owner = inspect.getattr_static(owner, part, None)
+    code = getattr(inspect.unwrap(owner), "__code__", None) if callable(owner) else None
+    if code is None:
+        return None
+    names, todo = set(), [code]
+    while todo:
+        code = todo.pop()
+        names |= {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return names
+
+
+def quantizer_plan(module: Any) -> list[tuple[PatchSpec, str, str | None]]:
+    """Which activation-quantizer stand-ins of `module` (modelopt_quant or the compressed-tensors
+    scheme) take effect, by what its code calls: (spec, "applies" | "not needed" | "fails", reason).
+    "fails": SGLang's linear path there calls no quantizer this simulation stands in for, so a
+    simulated call would reach the real, CUDA-only one."""
+    caller = QUANTIZER_CALLERS[module.__name__]
+    mine = [spec for spec in QUANTIZERS if spec.module == module.__name__]
+    called = loaded_globals(module, caller)
+    known = sorted({spec.attribute for spec in mine})
+    if called is None:
+        why = f"cannot take effect: {module.__name__} has no {caller}, whose quantizer the simulation stands in for"
+        return [(spec, "fails", why) for spec in mine]
+    if not called & set(known):
+        why = (f"cannot take effect: {caller} calls none of {', '.join(known)} (the quantizers this simulation stands "
+               "in for): a simulated call would reach SGLang's real, CUDA-only quantizer")
+        return [(spec, "fails", why) for spec in mine]
+    plan = []
+    for spec in mine:
+        if spec.attribute not in called:
+            other = ", ".join(sorted(called & set(known)))
+            plan.append((spec, "not needed", f"{caller} in this release calls {other}, not {spec.attribute}"))
+        elif spec.make is not None and spec.attribute not in vars(module):
+            plan.append((spec, "fails", f"cannot take effect: {caller} calls {spec.attribute}, but {module.__name__} "
+                                        "binds no such module global to replace"))
+        else:
+            plan.append((spec, "applies", None))
+    return plan
+
+
+def quantizer_check() -> list[tuple[PatchSpec, str, str | None]]:
+    """doctor: quantizer_plan() for every module of QUANTIZERS, imported here (nothing patched); a
+    module this release does not have is "not needed"."""
+    rows = []
+    for name in QUANTIZER_CALLERS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and name.startswith(exc.name):
+                rows += [(spec, "not needed", f"this release has no {name}") for spec in QUANTIZERS if spec.module == name]
+                continue
+            rows += [(spec, "fails", f"cannot import {name}: {type(exc).__name__}: {exc}") for spec in QUANTIZERS if spec.module == name]
+        except Exception as exc:  # noqa: BLE001 - the reason is the finding
+            rows += [(spec, "fails", f"cannot import {name}: {type(exc).__name__}: {exc}") for spec in QUANTIZERS if spec.module == name]
+        else:
+            rows += quantizer_plan(module)
+    return rows
 
 
 def _scheme_check_stand_in(original: Callable, capability: tuple[int, int]) -> Callable:
@@ -125,6 +206,7 @@ class Simulation:
         self.arm_kernel_package()
         self.patcher.when_imported(RUNTIME_CONTEXT, self.on_runtime_context)
         self.patcher.when_imported(MQ, self.on_modelopt)
+        self.patcher.when_imported(CT, self.activation_quantizers)
 
     def on_runtime_context(self, module: Any) -> None:
         """Make SGLang's platform checks see the simulated Blackwell SM12x device (0.5.19+)."""
@@ -152,15 +234,26 @@ class Simulation:
         _LOG.warning("sm120_fp4: SIMULATION: SGLang's platform facts now report sm_%d%d", major, minor)
 
     def on_modelopt(self, module: Any) -> None:
-        self.legacy_quantizer(module)
+        self.activation_quantizers(module)
         self.fp4_gemm_cpu_kernel(module)
 
+    def activation_quantizers(self, module: Any) -> None:
+        """Stand in for the quantizer(s) `module`'s linear path calls (quantizer_plan); the others
+        are in the ledger as not needed, and one that cannot take effect as such, with a warning."""
+        for spec, state, reason in quantizer_plan(module):
+            if state == "applies" and spec is LEGACY_QUANTIZER:
+                self.legacy_quantizer(module)
+            elif state == "applies":
+                self.patcher.add([spec])  # the module is imported: applies now (or "imported already patched")
+            else:
+                self.patcher.note(spec, "skipped", reason if state == "fails" else f"not needed: {reason}")
+                if state == "fails":
+                    _LOG.warning("sm120_fp4: SIMULATION: %s %s (sglang %s)", spec.name, reason, sglang_version())
+
     def legacy_quantizer(self, module: Any) -> None:
-        """0.5.3-0.5.4 quantize with sgl_kernel's ``scaled_fp4_quant``, bound only when is_cuda():
-        bind (or replace) it with the oracle's quantizer in its convention (E4M3 scales)."""
+        """``scaled_fp4_quant`` (sgl_kernel's, bound only when is_cuda()): bind (or replace) it with
+        the oracle's quantizer in its convention (E4M3 scales)."""
         spec = LEGACY_QUANTIZER
-        if not version_in(sglang_version(), spec.versions):
-            return
         missing = object()
         original = module.__dict__.get("scaled_fp4_quant", missing)
         standin = _scaled_fp4_quant_stand_in(None if original is missing else original)

@@ -1,0 +1,114 @@
+"""scripts/sglang_matrix.py without downloads: the source check of the simulation's stand-ins, the
+flashinfer builds for pins the index has no wheel for, the run list and the report, on release
+source trees written here (the check reads SGLang's source with ast; nothing is imported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sglang_matrix.py"
+_spec = importlib.util.spec_from_file_location("sglang_matrix", _SCRIPT)
+matrix = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(matrix)
+
+METADATA = "Metadata-Version: 2.1\nName: sglang\nVersion: {v}\nRequires-Dist: flashinfer_python=={fi}\nRequires-Dist: sgl-kernel==0.3.16.post4\nRequires-Dist: transformers==4.57.1\n"
+MQ = '''
+try:
+    from flashinfer import fp4_quantize
+except ImportError:
+    fp4_quantize = None
+if is_cuda():
+    from sgl_kernel import scaled_fp4_quant
+
+class ModelOptFp4LinearMethod:
+    def process_weights_after_loading(self, layer):
+        pass
+
+    def apply(self, layer, x, bias=None):
+        x_fp4, x_scale = {quantizer}(x, layer.input_scale_inv)
+        return x_fp4
+'''
+
+
+def release_tree(cache: Path, version: str, quantizer: str, flashinfer: str = "0.4.1") -> Path:
+    """A release's extracted sources as sources() leaves them: modelopt_quant with `quantizer` in apply()."""
+    src = cache / "src" / version
+    mq = src / matrix.module_path(matrix.R.MQ)
+    mq.parent.mkdir(parents=True)
+    mq.write_text(MQ.format(quantizer=quantizer))
+    (src / "METADATA").write_text(METADATA.format(v=version, fi=flashinfer))
+    (src / ".extracted").write_text("\n".join(matrix.needed_files()))
+    return cache
+
+
+@pytest.mark.parametrize("version, quantizer, expected", [
+    ("0.5.4.post2", "fp4_quantize", {"sim-activation-quantizer": "ok", "sim-activation-quantizer-legacy": "n/a"}),
+    ("0.5.4.post1", "scaled_fp4_quant", {"sim-activation-quantizer": "n/a", "sim-activation-quantizer-legacy": "ok"}),
+    # a ledger range that misses the release whose apply() calls the name (the 0.5.5 start of old)
+    ("0.5.4.post1", "fp4_quantize", {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "FAIL"}),
+    ("0.5.5", "scaled_fp4_quant", {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "FAIL"}),
+    ("0.5.4.post2", "some_new_quantizer", {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "n/a"}),
+])
+def test_the_source_check_checks_the_quantizer_stand_ins_against_what_apply_calls(tmp_path, version, quantizer, expected):
+    result = matrix.check_version(version, release_tree(tmp_path, version, quantizer))
+    assert {name: result[name][0] for name in expected} == expected, {n: result[n] for n in expected}
+    if expected["sim-activation-quantizer"] == "FAIL":
+        assert "range too" in result["sim-activation-quantizer"][1] or "does not call" in result["sim-activation-quantizer"][1]
+    assert result["sim-kernel-package"] == ("ok", ""), "0.5.3-0.5.10 install the pinned sgl-kernel: METADATA names it"
+    assert result["sim-blackwell-check"][0] == "n/a"
+
+
+def test_the_stand_in_check_fails_where_apply_is_missing(tmp_path):
+    cache = release_tree(tmp_path, "0.5.4.post3", "fp4_quantize")
+    mq = cache / "src" / "0.5.4.post3" / matrix.module_path(matrix.R.MQ)
+    mq.write_text(mq.read_text().replace("def apply(", "def forward("))
+    state, reason = matrix.check_version("0.5.4.post3", cache)["sim-activation-quantizer"]
+    assert state == "FAIL" and "ModelOptFp4LinearMethod defines no apply" in reason
+
+
+def test_flashinfer_without_a_wheel_is_built_once_from_its_sdist_with_the_recorded_build_requirements(tmp_path):
+    cache = release_tree(tmp_path, "0.5.4", "scaled_fp4_quant", flashinfer="0.4.1")
+    plan = matrix.resolve("0.5.4", cache)
+    assert "apache-tvm-ffi==0.1.0" in plan["flashinfer_build"] and "built from its sdist" in matrix.pins_summary(plan)
+    calls = []
+
+    def pip(step, *args, command="install"):
+        calls.append((step, command, args))
+        if command == "wheel":
+            (cache / "built").mkdir(exist_ok=True)
+            (cache / "built" / "flashinfer_python-0.4.1-py3-none-any.whl").write_bytes(b"")
+
+    first = matrix.flashinfer_wheel(Path("python"), cache, plan, pip)
+    assert first.endswith("flashinfer_python-0.4.1-py3-none-any.whl")
+    assert [c[:2] for c in calls] == [("flashinfer-build-deps", "install"), ("flashinfer-build", "wheel")]
+    assert "--no-build-isolation" in calls[1][2] and "flashinfer-python==0.4.1" in calls[1][2]
+    assert matrix.flashinfer_wheel(Path("python"), cache, plan, pip) == first and len(calls) == 2, "built once, then cached"
+
+    later = matrix.resolve("0.5.4.post3", release_tree(tmp_path / "b", "0.5.4.post3", "fp4_quantize", flashinfer="0.5.0"))
+    assert later["flashinfer_build"] == () and matrix.flashinfer_wheel(Path("python"), cache, later, pip) == "flashinfer-python==0.5.0"
+
+
+def test_the_run_list_has_the_newest_release_of_every_minor():
+    assert "0.5.4.post3" in matrix.NEWEST_RELEASES and "0.5.4" not in matrix.NEWEST_RELEASES
+    minors = {".".join(v.split(".")[:3]) for v in matrix.RELEASES}
+    assert len(matrix.NEWEST_RELEASES) == len(minors)
+    assert set(matrix.NEWEST_RELEASES) | set(matrix.ERA_RELEASES) == set(matrix.TABLE_RELEASES)
+
+
+def test_the_report_keeps_the_rows_of_releases_not_run_again(tmp_path):
+    report = tmp_path / "RELEASES.md"
+    row = {"release": "0.5.4.post3", "repo": "r", "code": "r@abc1234", "pins": "p", "deviations": [], "date": "2026-12-01",
+           "build_error": "pip install failed", "ok": False}
+    matrix.write_report(report, [row, dict(row, release="0.5.5", code="r@0000001")], {"releases": {"0.5.3": {}}, "date": "d"})
+    fixed = dict(row, release="0.5.4.post3", code="r@fffffff")
+    (tmp_path / "r.json").write_text(json.dumps([fixed]))
+    assert matrix.main(["--render", str(tmp_path / "r.json"), "--report", str(report)]) == 0
+    text = report.read_text()
+    rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| 0.5.")]
+    assert rows == [["| 0.5.4.post3", "fffffff"], ["| 0.5.5", "0000001"]], rows
+    assert matrix.SOURCE_TITLE in text, "the earlier source-check section is kept"
