@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 TOGGLE_VAR = "SM120_FP4"
 # SGLang's top-level package, the one name the start-up hook waits for. It is spelled here, not
@@ -87,26 +88,82 @@ class _RefuseSGLang:
         return None
 
 
+def find_spec_as_imported(name: str, path=None, target=None, skip: object = None):
+    """The spec the import system would find for `name`: the first finder on sys.meta_path (other
+    than `skip`) that returns one -- the path finder, setuptools' editable finder
+    (``__editable___*_finder``, what ``pip install -e`` installs), a zip importer's, any other."""
+    for finder in list(sys.meta_path):
+        if finder is skip:
+            continue
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue  # a legacy finder with only find_module: the import system skips it too (3.12+)
+        spec = find_spec(name, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
+class InstallAfterExec:
+    """A loader that runs `loader`'s module, then `after(module)`: what a post-import hook needs,
+    without changing the loader SGLang's finder returned (it may be shared by other modules).
+    The module keeps its own loader (``__loader__``, ``__spec__.loader``)."""
+
+    def __init__(self, loader, after) -> None:
+        self.loader, self.after = loader, after
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec) if hasattr(self.loader, "create_module") else None
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self.loader
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self.loader
+        self.loader.exec_module(module)
+        self.after(module)
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, get_code, ... of the real loader
+        return getattr(self.loader, name)
+
+
 class _AfterSGLangImport:
-    """A one-shot, stdlib-only post-import hook for ``sglang`` (wrapt costs ~70 ms to import)."""
+    """A one-shot, stdlib-only post-import hook for ``sglang`` (wrapt costs ~70 ms to import).
+
+    SGLang is looked up as the import system looks it up (every finder after this one), so an
+    editable install is hooked too; a spec found whose loader cannot run a module (no exec_module)
+    makes the import fail loudly rather than let SGLang run without install(). Where a finder put
+    before this one found SGLang, install() runs at the import of SGLang's first submodule."""
+
+    def __init__(self) -> None:
+        self._busy = threading.local()
 
     def find_spec(self, name, path=None, target=None):
+        if getattr(self._busy, "on", False):
+            return None
         if name != SGLANG:
+            if name.startswith(SGLANG + ".") and SGLANG in sys.modules:
+                # SGLang itself was imported past this finder (one placed before it on sys.meta_path
+                # found it): install() now, before the first of its modules loads.
+                _remove_finder()
+                _on_sglang(sys.modules[SGLANG])
             return None
         _remove_finder()
-        from importlib.machinery import PathFinder
-
-        spec = PathFinder.find_spec(name, path)
-        loader = getattr(spec, "loader", None)
+        self._busy.on = True  # a finder that imports sglang while it looks: not found twice through us
+        try:
+            spec = find_spec_as_imported(name, path, target, skip=self)
+        finally:
+            self._busy.on = False
+        if spec is None:
+            return None  # SGLang is not installed: the ImportError the caller expects
+        loader = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then_install(module):
-            exec_module(module)
-            _on_sglang(module)
-
-        loader.exec_module = exec_then_install
+            raise ActivationFailed(
+                f"sm120_fp4: {TOGGLE_VAR} is on, but {SGLANG} was found by {type(loader).__name__ if loader else 'no loader'} "
+                f"({spec.origin or spec.submodule_search_locations}), which cannot run a module after which install() could "
+                f"run: stopping rather than letting SGLang serve unpatched and unverified; install SGLang normally (pip install), "
+                f"or turn this library off: {TOGGLE_VAR}=0")
+        spec.loader = InstallAfterExec(loader, _on_sglang)
         return spec
 
 
