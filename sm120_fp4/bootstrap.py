@@ -18,6 +18,8 @@ import os
 import sys
 import threading
 
+from .imports import AfterExec, find_spec_as_imported
+
 TOGGLE_VAR = "SM120_FP4"
 # SGLang's top-level package, the one name the start-up hook waits for. It is spelled here, not
 # taken from sm120_fp4.sglang: this module is stdlib-only (it runs in every interpreter's start-up),
@@ -88,45 +90,6 @@ class _RefuseSGLang:
         return None
 
 
-def find_spec_as_imported(name: str, path=None, target=None, skip: object = None):
-    """The spec the import system would find for `name`: the first finder on sys.meta_path (other
-    than `skip`) that returns one -- the path finder, setuptools' editable finder
-    (``__editable___*_finder``, what ``pip install -e`` installs), a zip importer's, any other."""
-    for finder in list(sys.meta_path):
-        if finder is skip:
-            continue
-        find_spec = getattr(finder, "find_spec", None)
-        if find_spec is None:
-            continue  # a legacy finder with only find_module: the import system skips it too (3.12+)
-        spec = find_spec(name, path, target)
-        if spec is not None:
-            return spec
-    return None
-
-
-class InstallAfterExec:
-    """A loader that runs `loader`'s module, then `after(module)`: what a post-import hook needs,
-    without changing the loader SGLang's finder returned (it may be shared by other modules).
-    The module keeps its own loader (``__loader__``, ``__spec__.loader``)."""
-
-    def __init__(self, loader, after) -> None:
-        self.loader, self.after = loader, after
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec) if hasattr(self.loader, "create_module") else None
-
-    def exec_module(self, module) -> None:
-        module.__loader__ = self.loader
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and spec.loader is self:
-            spec.loader = self.loader
-        self.loader.exec_module(module)
-        self.after(module)
-
-    def __getattr__(self, name):  # get_resource_reader, is_package, get_code, ... of the real loader
-        return getattr(self.loader, name)
-
-
 class _AfterSGLangImport:
     """A one-shot, stdlib-only post-import hook for ``sglang`` (wrapt costs ~70 ms to import).
 
@@ -163,7 +126,7 @@ class _AfterSGLangImport:
                 f"({spec.origin or spec.submodule_search_locations}), which cannot run a module after which install() could "
                 f"run: stopping rather than letting SGLang serve unpatched and unverified; install SGLang normally (pip install), "
                 f"or turn this library off: {TOGGLE_VAR}=0")
-        spec.loader = InstallAfterExec(loader, _on_sglang)
+        spec.loader = AfterExec(loader, _on_sglang)
         return spec
 
 

@@ -20,7 +20,8 @@ from typing import Callable, Literal
 import wrapt
 from pydantic import BaseModel
 
-from .bootstrap import InstallAfterExec, find_spec_as_imported
+from . import locks
+from .imports import AfterExec, find_spec_as_imported
 from .versions import comparable, installed_version, version_in
 
 __all__ = ["PatchSpec", "LedgerEntry", "Patcher", "MISSING", "dry_run"]
@@ -128,6 +129,16 @@ class _ReloadWatch:
         self.patchers: weakref.WeakSet[Patcher] = weakref.WeakSet()
         self._busy = threading.local()
 
+    def watch(self, patcher: "Patcher") -> None:
+        self.patchers.add(patcher)
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def unwatch(self, patcher: "Patcher") -> None:
+        self.patchers.discard(patcher)
+        if not self.patchers and self in sys.meta_path:
+            sys.meta_path.remove(self)  # nothing of ours left to patch again: off the import path
+
     def find_spec(self, name, path=None, target=None):
         if target is None or getattr(self._busy, "on", False):
             return None
@@ -146,7 +157,7 @@ class _ReloadWatch:
             for patcher in patchers:
                 patcher.reapply(module)
 
-        spec.loader = InstallAfterExec(spec.loader, again)
+        spec.loader = AfterExec(spec.loader, again)
         return spec
 
 
@@ -160,12 +171,9 @@ class Patcher:
     ledger says so); a patch undone by anything else shows as ``replaced`` in the ledger."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = locks.rlock()
         self._records: dict[str, _Record] = {}
         self._generation = 0
-        _reload_watch.patchers.add(self)
-        if _reload_watch not in sys.meta_path:
-            sys.meta_path.insert(0, _reload_watch)
 
     def watches(self, module: str) -> bool:
         """Whether `module` holds a patch of this Patcher that a reload would undo."""
@@ -212,6 +220,7 @@ class Patcher:
     def add(self, specs: list[PatchSpec]) -> None:
         """Register `specs`; each applies now if its module is imported, else when it is."""
         with self._lock:
+            _reload_watch.watch(self)
             generation = self._generation
             for spec in specs:
                 if spec.name in self._records and self._records[spec.name].state == "applied":
@@ -301,6 +310,7 @@ class Patcher:
     def remove_all(self) -> None:
         """Undo every applied patch (restoring the original objects) and disarm pending hooks."""
         with self._lock:
+            _reload_watch.unwatch(self)
             self._generation += 1
             for record in reversed(list(self._records.values())):
                 if record.state == "applied" and record.owner is not None and record.spec.module in sys.modules:

@@ -233,21 +233,23 @@ def test_an_editable_sglang_is_hooked_by_the_start_up_finder(background):
 
 FINDER = """
 import importlib.util, json, sys
-from importlib.machinery import ModuleSpec
+from importlib.machinery import ModuleSpec, PathFinder
 class LegacyLoader:  # only the pre-3.4 load_module protocol: nothing can run after the module
     def load_module(self, name):
         raise AssertionError('never reached')
-class Finder:  # re-enters the import system while it looks, as wrapt's finder does
+class Finder:
     busy = False
     def find_spec(self, name, path=None, target=None):
         if name != 'sglang' or self.busy:
             return None
+        if WHERE == 'before':  # finds SGLang itself, never asking the finders after it
+            return PathFinder.find_spec(name, path)
         self.busy = True
-        try:
-            found = importlib.util.find_spec('sglang')
+        try:  # re-enters the import system while it looks, as wrapt's finder does
+            importlib.util.find_spec('sglang')
         finally:
             self.busy = False
-        return ModuleSpec('sglang', LegacyLoader()) if WHERE == 'after' else found
+        return ModuleSpec('sglang', LegacyLoader())
 if WHERE == 'after':  # right after the start-up hook's finder: before the path finder
     sys.meta_path.insert([type(f).__name__ for f in sys.meta_path].index('_AfterSGLangImport') + 1, Finder())
 else:
@@ -261,13 +263,13 @@ else:
     import sm120_fp4
     print(json.dumps(sm120_fp4.status().installed))
 """
-FINDERS = {"after": ("a finder after the start-up hook's, whose loader has only the legacy load_module",
+FINDERS = {"after": ("a finder after the start-up hook's whose loader has only the legacy load_module (the finder re-enters the import system while it looks)",
                      "`import sglang` fails with ActivationFailed saying why and how to turn the library off"),
-           "before": ("a finder put before the start-up hook's (it finds SGLang itself)",
+           "before": ("a finder put before the start-up hook's that finds SGLang itself (the path finder, asked directly)",
                       "install() runs when SGLang's first submodule is imported, before it loads")}
 
 
-@case("own failures", "SGLang found by {where_}, SM120_FP4=1 (the finder re-enters the import system while it looks)",
+@case("own failures", "SGLang found by {where_}, SM120_FP4=1",
       "{outcome}: never SGLang running without install()")
 @pytest.mark.parametrize("where_, outcome", list(FINDERS.values()), ids=list(FINDERS))
 @background(lambda folder, where_, outcome: with_repo_pth(f"WHERE = {'after' if 'after' in where_ else 'before'!r}\n" + FINDER, folder,
