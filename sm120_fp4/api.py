@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from . import __version__, devices, selection
+from . import __version__, devices, locks, selection
 from . import sglang as sglang_support
 from .config import Settings, env_name, load_settings, sources
 from .errors import ConfigError
@@ -27,7 +26,7 @@ from .patching import LedgerEntry, Patcher
 __all__ = ["install", "uninstall", "status", "Status"]
 
 _LOG = logging.getLogger("sm120_fp4")
-_lock = threading.RLock()
+_lock = locks.rlock()
 _logged: set[str] = set()
 
 

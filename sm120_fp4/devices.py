@@ -29,10 +29,10 @@ import logging
 import os
 import re
 import sys
-import threading
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
+from . import locks
 from .errors import DeviceMappingError
 
 __all__ = ["Device", "list_devices", "get_device", "use_probe", "clear_cache", "is_sm12x", "SM12X", "same_uuid",
@@ -104,7 +104,7 @@ def same_uuid(a: object, b: object) -> bool:
 
 
 Probe = Callable[[], list[Device]]
-_lock = threading.Lock()
+_lock = locks.lock()
 _probe_override: Probe | None = None
 _cache: dict[tuple, list[Device]] = {}
 
