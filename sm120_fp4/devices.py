@@ -245,6 +245,10 @@ def _cuda_order(gpus: list[_Gpu], environ) -> list[Device]:
             elif entry[:4].upper() == "GPU-":
                 pick = _match(entry, gpus, "GPU", gpus)
             else:
+                bare = _uuid(entry)
+                if bare and any(g.uuid and g.uuid.startswith(bare) for g in gpus + migs):
+                    raise _unknown(f"CUDA_VISIBLE_DEVICES entry {entry!r} is a UUID without its GPU-/MIG- prefix, which "
+                                   "CUDA does not document; write it as `nvidia-smi -L` does", gpus)
                 pick = None  # not an index or a UUID: CUDA stops at the first invalid entry
             if pick is None:
                 break

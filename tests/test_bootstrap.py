@@ -55,7 +55,7 @@ def test_bootstrap_activate_is_idempotent_and_never_raises(monkeypatch, sglang_u
     assert_patched_once()
 
 
-def test_activate_before_sglang_puts_one_finder_that_removes_itself(monkeypatch):
+def test_activate_before_sglang_puts_one_finder_that_removes_itself_after_install(monkeypatch):
     monkeypatch.setattr(bootstrap, "_activated", False)
     monkeypatch.delitem(sys.modules, "sglang")  # as if SGLang were not imported yet
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
@@ -66,10 +66,10 @@ def test_activate_before_sglang_puts_one_finder_that_removes_itself(monkeypatch)
     calls = []
     monkeypatch.setattr(bootstrap, "_on_sglang", calls.append)
     spec = bootstrap._finder.find_spec("sglang")
-    assert bootstrap._finder not in sys.meta_path, "one-shot"
+    assert bootstrap._finder in sys.meta_path, "in place until install() has run"
     module = type(sys)("sglang")
     spec.loader.exec_module(module)  # SGLang's own __init__ runs, then the hook
-    assert calls == [module]
+    assert calls == [module] and bootstrap._finder not in sys.meta_path
 
 
 # ---- new interpreters ---------------------------------------------------------------------------
@@ -281,3 +281,32 @@ def test_sglang_found_by_any_other_finder_never_runs_without_install(background,
         assert stdout.startswith("ActivationFailed") and "LegacyLoader" in stdout and "SM120_FP4=0" in stdout, stdout
     else:
         assert stdout.strip() == "true", stdout + stderr
+
+
+FLAKY_SGLANG = """
+import json, sys
+try:
+    import sglang  # its __init__ fails the first time (a missing optional dependency, say)
+except RuntimeError as exc:
+    print('first import failed:', exc)
+import sglang
+import sm120_fp4
+print(json.dumps(sm120_fp4.status().installed))
+"""
+
+
+def _flaky_sglang(root: Path) -> Path:
+    fake_sglang(root)
+    (root / "sglang" / "__init__.py").write_text(
+        "import os\nif not os.path.exists('tried'):\n    open('tried', 'w').close()\n    raise RuntimeError('first try')\n")
+    return root
+
+
+@case("own failures", "SM120_FP4=1 and the first `import sglang` fails in SGLang's own __init__, the second succeeds",
+      "install() runs after the second import: the hook stays in place until install() has run")
+@background(lambda folder: with_repo_pth(FLAKY_SGLANG, folder, cwd=folder, SM120_FP4="1", **SIM_ENV,
+                                         PYTHONPATH=f"{_flaky_sglang(folder / 'fake')}:{REPO}"))
+def test_a_failed_first_import_of_sglang_is_hooked_again(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    assert "first import failed: first try" in stdout and stdout.strip().endswith("true"), stdout + stderr

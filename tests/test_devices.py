@@ -128,6 +128,7 @@ UNKNOWN = {
     "a MIG-enabled GPU, CUDA_VISIBLE_DEVICES unset": ([A6000, MIG], "PCI_BUS_ID", None, "has MIG enabled"),
     "two MIG devices": ([MIG], None, "MIG-dddd,MIG-eeee", "a MIG device together with other devices"),
     "the old MIG-GPU-<uuid>/<gi>/<ci> form": ([MIG], None, f"MIG-{B}/1/0", "older MIG-GPU"),
+    "a UUID without its GPU- prefix": (MIXED, "PCI_BUS_ID", "bbbb2222", "without its GPU-/MIG- prefix"),
 }
 
 
