@@ -9,8 +9,7 @@ import pytest
 
 from helpers.cases import case
 from helpers.common import fake_devices
-from helpers.nvml import A6000, PRO6000, fake_pynvml, pynvml_site
-from helpers.procs import REPO, Popen, background, clean_env
+from helpers.nvml import A6000, PRO6000, fake_pynvml
 from sm120_fp4 import devices
 from sm120_fp4.devices import Device
 
@@ -85,6 +84,7 @@ MIXED = [PRO6000, A6000]
 
 
 def _nvml(monkeypatch, gpus, order=None, visible=None):
+    devices.clear_cache()  # a fixture may have listed the devices already
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(gpus))
     for name, value in (("CUDA_DEVICE_ORDER", order), ("CUDA_VISIBLE_DEVICES", visible)):
         if value is None:
@@ -203,55 +203,42 @@ def test_uuid_spellings_compare_equal():
     assert not devices.same_uuid(None, None) and not devices.same_uuid("GPU-a", "GPU-b")
 
 
-# ---- through the public entry points, in new processes --------------------------------------
-
-MIXED_ENV = {"CUDA_DEVICE_ORDER": "", "SM120_FP4_VERDICTS": "off"}
-
-
-def _mixed_job(code_or_args, **env):
-    def start(folder):
-        site = pynvml_site(folder / "nvml", MIXED)
-        run_env = clean_env(PYTHONPATH=f"{site}:{REPO}", **env)
-        run_env.pop("CUDA_VISIBLE_DEVICES", None)
-        if env.get("CUDA_DEVICE_ORDER") == "":
-            run_env.pop("CUDA_DEVICE_ORDER")
-        args = ["-c", code_or_args] if isinstance(code_or_args, str) else ["-m", "sm120_fp4", *code_or_args]
-        return Popen([sys.executable, *args], run_env, folder)
-    return start
-
-
-STATUS = "import json, sm120_fp4; s = sm120_fp4.install(); print(json.dumps([s.installed, s.devices]))"
-
+# ---- through the public entry points: the CLI, install() ------------------------------------
 
 @case("devices", "`sm120-fp4 selftest` on a mixed box (sm_86 GPU in PCI slot 0, RTX PRO 6000 in slot 1), CUDA_DEVICE_ORDER unset",
       "exit 2 before any self-test: CUDA's FASTEST_FIRST numbering is not known without CUDA; the message says to set CUDA_DEVICE_ORDER=PCI_BUS_ID")
-@background(_mixed_job(["selftest"], **MIXED_ENV))
-def test_selftest_refuses_to_guess_the_numbering_of_a_mixed_box(background):
-    rc, stdout, stderr = background
-    assert rc == 2 and "GPUs of different models" in stderr and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in stderr, stderr
-    assert "self-testing" not in stderr
+def test_selftest_refuses_to_guess_the_numbering_of_a_mixed_box(monkeypatch, capsys):
+    from sm120_fp4 import cli
+
+    _nvml(monkeypatch, MIXED)
+    assert cli.main(["selftest"]) == 2
+    err = capsys.readouterr().err
+    assert "GPUs of different models" in err and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in err and "self-testing" not in err, err
 
 
-@case("devices", "install() in a new process on the mixed box: CUDA_DEVICE_ORDER=PCI_BUS_ID, then unset",
-      "PCI_BUS_ID: cuda:0 is the sm_86 GPU and cuda:1 the sm_120 one; unset: installed (a 12.x GPU may be visible), each GPU mapped by CUDA at its first layer")
+@case("devices", "install() on the mixed box: CUDA_DEVICE_ORDER={order}",
+      "PCI_BUS_ID: cuda:0 is the sm_86 GPU and cuda:1 the sm_120 one; unset: installed (a 12.x GPU may be visible) and status() says the numbering is known only through CUDA, never a guessed one")
 @pytest.mark.parametrize("order", ["PCI_BUS_ID", "unset"])
-@background(lambda folder, order: _mixed_job(STATUS, CUDA_DEVICE_ORDER="PCI_BUS_ID" if order != "unset" else "")(folder))
-def test_install_maps_a_mixed_box_as_cuda_numbers_it(background, order):
-    rc, stdout, stderr = background
-    assert rc == 0, stderr
-    installed, shown = json.loads(stdout.strip().splitlines()[-1])
-    assert installed
+def test_install_maps_a_mixed_box_as_cuda_numbers_it(monkeypatch, sglang_unpatched, order):
+    import sm120_fp4
+
+    _nvml(monkeypatch, MIXED, None if order == "unset" else order)
+    status = sm120_fp4.install()
+    assert status.installed, status.message
     if order == "PCI_BUS_ID":
-        assert shown == ["cuda:0 'NVIDIA RTX A6000' (sm_86)", "cuda:1 'NVIDIA RTX PRO 6000 Blackwell Workstation Edition' (sm_120)"]
+        assert status.devices == ["cuda:0 'NVIDIA RTX A6000' (sm_86)", "cuda:1 'NVIDIA RTX PRO 6000 Blackwell Workstation Edition' (sm_120)"]
     else:
-        assert "cannot tell which GPU" in shown[0]  # status() tells the truth instead of a guessed numbering
+        assert "cannot tell which GPU" in status.devices[0]
 
 
 @case("devices", "a self-test worker told the wrong GPU UUID for its --device (the parent's numbering differs from this process's)",
       "exit 2: the worker names both GPUs and does not self-test the other one")
-@background(_mixed_job(["_selftest-worker", "--device", "1", "--uuid", A], CUDA_DEVICE_ORDER="PCI_BUS_ID", SM120_FP4_VERDICTS="off"))
-def test_a_worker_refuses_a_gpu_other_than_the_one_named(background):
-    rc, stdout, stderr = background
-    result = json.loads(stdout.strip().splitlines()[-1])
-    assert rc == 2 and result["usage"] and "not self-testing a GPU other than the one named" in result["message"], stderr
+def test_a_worker_refuses_a_gpu_other_than_the_one_named(monkeypatch, capsys):
+    from sm120_fp4 import cli
+
+    _nvml(monkeypatch, MIXED, "PCI_BUS_ID")
+    monkeypatch.setenv("SM120_FP4_VERDICTS", "off")
+    assert cli.main(["_selftest-worker", "--device", "1", "--uuid", A]) == 2
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["usage"] and "not self-testing a GPU other than the one named" in result["message"]
     assert B.removeprefix("GPU-") in result["message"] and A in result["message"]

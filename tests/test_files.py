@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ import pytest
 import sm120_fp4
 from helpers.cases import case
 from helpers.common import SIM_ENV
-from helpers.procs import Popen, background, clean_env
 from sm120_fp4 import verdicts
 from sm120_fp4.config import Settings, load_settings
 from sm120_fp4.errors import ConfigError
@@ -39,22 +37,29 @@ def _planted_crash(store: Path) -> None:
     store.write_text(json.dumps({"version": 1, "verdicts": [entry]}))
 
 
-def _selftest(folder: Path, umask: int | None = None, **env: str) -> Popen:
-    run = [sys.executable, "-m", "sm120_fp4", "selftest"]
-    if umask is not None:  # and say which HOME it ran with (the job's folder)
-        run = ["sh", "-c", f'umask {umask:03o}; "$@"; rc=$?; echo "HOME=$HOME"; exit $rc', "sh", *run]
-    return Popen(run, clean_env(**SIM_ENV, **env), folder, cwd=folder)
+def _cli_selftest(monkeypatch, umask: int | None = None, **env: str) -> int:
+    """`sm120-fp4 selftest` in this process (its workers are subprocesses: they inherit the umask)."""
+    from sm120_fp4 import cli
+
+    for name, value in {**SIM_ENV, **env}.items():
+        monkeypatch.setenv(name, value)
+    previous = os.umask(umask) if umask is not None else None
+    try:
+        return cli.main(["selftest"])
+    finally:
+        if previous is not None:
+            os.umask(previous)
 
 
 # ---- created owner-only, whatever the umask ----------------------------------------------------
 
 @case("files and trust", "`sm120-fp4 selftest` under umask 000 with HOME holding no .cache yet (the default verdict store)",
       "~/.cache and ~/.cache/sm120_fp4 are created 0700, verdicts.json and its lock 0600")
-@background(lambda folder: _selftest(folder, umask=0, HOME=str(folder / "home"), XDG_CACHE_HOME=""))
-def test_the_default_store_is_created_owner_only_under_umask_000(background, tmp_path):
-    rc, stdout, stderr = background
-    assert rc == 0, stderr
-    cache = Path(stdout.strip().splitlines()[-1].removeprefix("HOME=")) / ".cache"
+def test_the_default_store_is_created_owner_only_under_umask_000(tmp_path, monkeypatch, capsys):
+    home = tmp_path / "home"
+    cache = home / ".cache"
+    code = _cli_selftest(monkeypatch, umask=0, HOME=str(home), XDG_CACHE_HOME="")
+    assert code == 0, capsys.readouterr().err
     store = cache / "sm120_fp4"
     assert _mode(cache) == 0o700 and _mode(store) == 0o700
     assert _mode(store / "verdicts.json") == 0o600 and _mode(store / "verdicts.json.lock") == 0o600
@@ -114,12 +119,13 @@ def test_an_untrusted_store_is_neither_read_nor_written(tmp_path, monkeypatch, c
 
 @case("files and trust", "`sm120-fp4 selftest` with SM120_FP4_VERDICTS in a directory owned by another user, holding a planted `crashed` entry",
       "exit 0: stderr says the store is neither read nor recorded there (owner named); the candidate is self-tested, not skipped")
-@background(lambda folder: _selftest(folder, SM120_FP4_VERDICTS=str(_untrusted(folder, "directory owned by another user"))))
-def test_selftest_reports_an_untrusted_store_and_ignores_it(background):
-    rc, stdout, stderr = background
-    assert rc == 0, stderr
-    assert "neither read nor recorded" in stderr and "owned by uid 12345" in stderr, stderr
-    assert "| emulated | True |" in stdout
+def test_selftest_reports_an_untrusted_store_and_ignores_it(tmp_path, monkeypatch, capsys):
+    store = _untrusted(tmp_path, "directory owned by another user")
+    code = _cli_selftest(monkeypatch, SM120_FP4_VERDICTS=str(store))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "neither read nor recorded" in err and "owned by uid 12345" in err, err
+    assert "| emulated | True |" in out
 
 
 def test_a_sticky_world_writable_directory_is_trusted_for_our_own_files(tmp_path):

@@ -76,24 +76,19 @@ def test_serving_processes_of_one_run_share_one_report(background):
     assert len(report["processes"]) == 3
 
 
-NEXT_RUN = """
-import json, os, subprocess, sys
-path = os.environ['SM120_FP4_REPORT']
-stale = {"version": 2, "pid": 1, "processes": [{"pid": 999999, "role": "worker", "run": "1@1", "started": "1"}],
-         "decisions": [], "refusals": [{"pid": 999999, "role": "worker", "message": "an old refusal"}]}
-fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-os.write(fd, json.dumps(stale).encode()); os.close(fd)
-subprocess.run([sys.executable, '-c', 'import sm120_fp4; sm120_fp4.decide()'], check=True)
-print(json.dumps(json.load(open(path))))
-"""
-
-
 @case("reports", "a report file left by an earlier run (a process that is gone, of another process group) when a new run writes",
       "the earlier run's sections are dropped: a stale refusal never reads as this run's")
-@background(lambda folder: Popen([sys.executable, "-c", NEXT_RUN], _env(folder, SM120_FP4_BACKENDS="emulated"), folder))
-def test_a_new_run_drops_the_sections_of_an_earlier_one(background):
-    rc, stdout, stderr = background
-    assert rc == 0, stderr
-    report = _report(stdout)
-    assert report["refusals"] == [] and [p["pid"] for p in report["processes"]] != [999999]
-    assert len(report["decisions"]) == 1 and os.getpid() not in [p["pid"] for p in report["processes"]]
+def test_a_new_run_drops_the_sections_of_an_earlier_one(tmp_path):
+    from sm120_fp4 import selection
+    from sm120_fp4.config import Settings
+
+    path = tmp_path / "report.json"
+    stale = {"version": 2, "pid": 1, "processes": [{"pid": 999999, "role": "worker", "run": "1@1", "started": "1"}],
+             "decisions": [], "refusals": [{"pid": 999999, "role": "worker", "message": "an old refusal"}]}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, json.dumps(stale).encode())
+    os.close(fd)
+    selection.decide(candidates=["emulated"], settings=Settings(simulate="12.0", report=str(path), selftest="off"))
+    report = json.loads(path.read_text())
+    assert report["refusals"] == [] and [p["pid"] for p in report["processes"]] == [os.getpid()]
+    assert len(report["decisions"]) == 1 and report["decisions"][0]["pid"] == os.getpid()

@@ -24,7 +24,6 @@ from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
 from sm120_fp4.versions import version_in
 from helpers.cases import case
 from helpers.common import release_specs
-from helpers.procs import REPO, background, python
 
 pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
 
@@ -329,24 +328,18 @@ def test_a_refusal_writes_the_report_before_raising_and_status_shows_it(tmp_path
     assert sm120_fp4.status().decisions, "the decision that was refused stays visible"
 
 
-NO_SERVER_ARGS = """
-import json, logging
-records = []
-logging.getLogger('sm120_fp4').addHandler(type('H', (logging.Handler,), {'emit': lambda self, r: records.append(r.getMessage())})())
-import sm120_fp4
-from sm120_fp4.sglang import layers
-sm120_fp4.install(simulate='12.0', backends='emulated')
-for n in (32, 48):  # two layer configurations, no server args published in this process
-    layers.build_modelopt_layer(layers.make_checkpoint(n, 64))
-print(json.dumps([r for r in records if 'server args' in r]))
-"""
-
-
 @case("own failures", "layers loaded where SGLang's server args cannot be read (no runtime context published), two configurations",
       "verified up to the default largest CUDA-graph batch (512), and one warning says so and why: never a silent fallback")
-@background(lambda folder: python(NO_SERVER_ARGS, folder, cwd=folder, PYTHONPATH=str(REPO)))
-def test_a_missing_max_batch_is_said_once(background):
-    rc, stdout, stderr = background
-    assert rc == 0, stderr
-    said = json.loads(stdout.strip().splitlines()[-1])
+def test_a_missing_max_batch_is_said_once(monkeypatch, caplog):
+    import logging
+
+    from sm120_fp4 import errors
+
+    monkeypatch.setattr(errors, "_said", set())  # "once per process": this test's process starts now
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    for n in (32, 48):  # two layer configurations, no server args published in this process
+        build(n, 64)
+    said = [r.getMessage() for r in caplog.records if "server args" in r.getMessage()]
     assert len(said) == 1 and "up to 512" in said[0] and "Global server args is not set" in said[0], said
+    assert [len(d.layers) for d in sm120_fp4.status().decisions] == [2]
