@@ -1,7 +1,8 @@
 """The public entry points: ``install()``, ``uninstall()``, ``status()``.
 
 ``install()`` is idempotent and thread-safe, works before or after SGLang is imported (post-import
-hooks), exports ``SM120_FP4=1`` (and any keyword overrides) so that processes spawned afterwards
+hooks; a reload of a patched SGLang module is patched again), applies other settings than the ones
+in force by installing again while nothing was decided (ConfigError once something was), exports ``SM120_FP4=1`` (and any keyword overrides) so that processes spawned afterwards
 activate themselves, and changes nothing where there is nothing to fix: no SGLang, an unsupported
 release, or (``SM120_FP4_ENABLE=auto``) no 12.x GPU. ``uninstall()`` restores the original objects.
 """
@@ -10,22 +11,22 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from . import __version__, devices, selection
+from . import __version__, devices, locks, selection
 from . import sglang as sglang_support
 from .config import Settings, env_name, load_settings, sources
+from .errors import ConfigError
 from .dispatch import Router
 from .patching import LedgerEntry, Patcher
 
 __all__ = ["install", "uninstall", "status", "Status"]
 
 _LOG = logging.getLogger("sm120_fp4")
-_lock = threading.RLock()
+_lock = locks.rlock()
 _logged: set[str] = set()
 
 
@@ -112,7 +113,14 @@ def _nothing_to_fix(settings: Settings) -> str | None:
     if not needed:
         return why
     if settings.enable == "auto":
-        found = devices.list_devices(settings.simulated_capability)
+        try:
+            found = devices.list_devices(settings.simulated_capability)
+        except devices.DeviceMappingError as exc:
+            # Which ordinal is which GPU is known once CUDA is initialised (each device is mapped when
+            # its first layer loads, or refused there); whether any 12.x GPU may be visible is known now.
+            simulate = settings.simulated_capability
+            found = [replace(d, capability=simulate, simulated=True) if simulate else d for d in exc.candidates]
+            _log_once("mapping", logging.INFO, "%s (install() goes on: each GPU is mapped through CUDA when its first layer loads)", exc)
         if not any(devices.is_sm12x(d.capability) for d in found):
             seen = ", ".join(d.label() for d in found) or "no GPU"
             return f"no compute-capability 12.x GPU visible ({seen}): nothing to fix, SGLang left untouched (SM120_FP4_ENABLE=on forces it)"
@@ -139,13 +147,11 @@ def install(**overrides: Any) -> Status:
             selection.candidate_names(settings, family=selection.MOE)
             _log_precedence(settings)
         if _state is not None:
-            # install() itself exported SM120_FP4=1: a toggle that became "on" is not a change.
-            same = settings.model_copy(update={"toggle": None}) == _state.settings.model_copy(update={"toggle": None})
-            _LOG.warning(
-                "sm120_fp4: install() called while already installed%s; nothing changed",
-                "" if same else " with other settings (call uninstall() first to change them)",
-            )
-            return status()
+            changed = _changed(_state.settings, settings)
+            if not changed:
+                _LOG.warning("sm120_fp4: install() called while already installed with these settings; nothing changed")
+                return status()
+            _reinstall_or_refuse(_state, changed, overrides)
         reason = _nothing_to_fix(settings)
         if reason is not None:
             _message = reason
@@ -157,6 +163,34 @@ def install(**overrides: Any) -> Status:
         return status()
 
 
+def _changed(old: Settings, new: Settings) -> dict[str, tuple[Any, Any]]:
+    """Each setting whose value differs: field -> (in force, asked). install() itself exports
+    SM120_FP4=1, so a toggle that became "on" is not a change."""
+    before, after = old.model_dump(), new.model_dump()
+    return {k: (before[k], after[k]) for k in before if k != "toggle" and before[k] != after[k]}
+
+
+def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], overrides: dict[str, Any]) -> None:
+    """install() with settings other than those in force (often: the SM120_FP4=1 start-up hook
+    installed from the environment when SGLang was imported, then the launcher calls install(...)).
+    Nothing decided yet: uninstall and install again with them (a warning says so). Something
+    decided already (layers verified with the settings in force): ConfigError -- a decision cannot
+    be re-made for layers already loaded, and the keywords are never ignored silently."""
+    shown = "; ".join(f"{k}: {old!r} in force, {new!r} asked" for k, (old, new) in changed.items())
+    by = (f"install({', '.join(f'{k}={v!r}' for k, v in state.kwargs.items())})" if state.kwargs else
+          "the environment (SM120_FP4=1: the start-up hook or SGLang's plugin installed it)")
+    decided = selection.decisions() or selection.refusals() or selection.routes("dense") or selection.routes("moe")
+    if decided:
+        raise ConfigError(
+            f"sm120_fp4: install({', '.join(f'{k}={v!r}' for k, v in overrides.items())}) asks for other settings than the "
+            f"ones in force, installed by {by} ({shown}); this process has already decided ({len(selection.decisions())} "
+            "decision(s), layers verified with them), so they cannot change now. Set them before SGLang loads the model "
+            f"(the environment: {', '.join(env_name(k) for k in changed)}), or call sm120_fp4.uninstall() first")
+    _LOG.warning("sm120_fp4: install() with other settings than the ones in force, installed by %s (%s): nothing was "
+                 "decided yet, so re-installing with them", by, shown)
+    _uninstall_locked()
+
+
 def installed() -> bool:
     """Whether install() is in force in this process (cheap; for the automatic activation paths)."""
     return _state is not None
@@ -164,19 +198,23 @@ def installed() -> bool:
 
 def uninstall() -> Status:
     """Undo install(): original objects and enum value restored, hooks disarmed, env restored."""
-    global _state, _message
     with _lock:
         if _state is None:
             _LOG.warning("sm120_fp4: uninstall() called while not installed; nothing changed")
             return status()
-        state, _state = _state, None
-        state.patcher.remove_all()  # also disarms the hooks of steps not yet run
-        for step in reversed(state.undo):
-            step()
-        selection.clear()
-        _message = "uninstalled"
-        _logged.discard("installed")
+        _uninstall_locked()
         return status()
+
+
+def _uninstall_locked() -> None:
+    global _state, _message
+    state, _state = _state, None
+    state.patcher.remove_all()  # also disarms the hooks of steps not yet run
+    for step in reversed(state.undo):
+        step()
+    selection.clear()
+    _message = "uninstalled"
+    _logged.discard("installed")
 
 
 def status() -> Status:

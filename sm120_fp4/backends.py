@@ -22,14 +22,13 @@ of :func:`sm120_fp4.nvfp4.reference_moe_fp4`; built-ins: ``cutlass`` (FlashInfer
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from . import kernels, nvfp4
+from . import kernels, locks, nvfp4
 from .devices import Device
 from .errors import ConfigError, InvalidArgument
 
@@ -89,7 +88,7 @@ class _WeightCache:
 
     def __init__(self) -> None:
         self._entries: dict[int, tuple] = {}
-        self._lock = threading.Lock()
+        self._lock = locks.lock()
 
     def get(self, b, b_descale, dtype):
         base = b._base if b._base is not None else b
@@ -140,7 +139,7 @@ class _Registry:
         self.family = family
         self.group = ENTRY_POINT_GROUPS[family]
         self._builtins = builtins
-        self._lock = threading.Lock()
+        self._lock = locks.lock()
         self._entries = builtins()
         self._looked_up: set[str] = set()
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+
+from .imports import AfterExec, find_spec_as_imported
 
 TOGGLE_VAR = "SM120_FP4"
 # SGLang's top-level package, the one name the start-up hook waits for. It is spelled here, not
@@ -88,26 +91,60 @@ class _RefuseSGLang:
 
 
 class _AfterSGLangImport:
-    """A one-shot, stdlib-only post-import hook for ``sglang`` (wrapt costs ~70 ms to import)."""
+    """A stdlib-only post-import hook for ``sglang`` (wrapt costs ~70 ms to import), on
+    sys.meta_path until install() has run after SGLang's import.
+
+    SGLang is looked up as the import system looks it up (every finder after this one), so an
+    editable install is hooked too; a spec found whose loader cannot run a module (no exec_module)
+    makes the import fail loudly rather than let SGLang run without install(). Where a finder put
+    before this one found SGLang, install() runs at the import of SGLang's first submodule. An
+    import of SGLang that fails (or an install() that fails) leaves the hook in place: the next
+    attempt is hooked too."""
+
+    def __init__(self) -> None:
+        self._busy = threading.local()
+        self.running = 0  # SGLang's own __init__ is running through this hook: its submodules are not a bypass
 
     def find_spec(self, name, path=None, target=None):
-        if name != SGLANG:
+        if getattr(self._busy, "on", False):
             return None
-        _remove_finder()
-        from importlib.machinery import PathFinder
-
-        spec = PathFinder.find_spec(name, path)
-        loader = getattr(spec, "loader", None)
+        if name != SGLANG:
+            if name.startswith(SGLANG + ".") and SGLANG in sys.modules and not self.running:
+                # SGLang itself was imported past this finder (one placed before it on sys.meta_path
+                # found it): install() now, before the first of its modules loads.
+                _installed(sys.modules[SGLANG])
+            return None
+        self._busy.on = True  # a finder that imports sglang while it looks: not found twice through us
+        try:
+            spec = find_spec_as_imported(name, path, target, skip=self)
+        finally:
+            self._busy.on = False
+        if spec is None:
+            return None  # SGLang is not installed: the ImportError the caller expects
+        loader = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then_install(module):
-            exec_module(module)
-            _on_sglang(module)
-
-        loader.exec_module = exec_then_install
+            raise ActivationFailed(
+                f"sm120_fp4: {TOGGLE_VAR} is on, but {SGLANG} was found by {type(loader).__name__ if loader else 'no loader'} "
+                f"({spec.origin or spec.submodule_search_locations}), which cannot run a module after which install() could "
+                f"run: stopping rather than letting SGLang serve unpatched and unverified; install SGLang normally (pip install), "
+                f"or turn this library off: {TOGGLE_VAR}=0")
+        spec.loader = _HookedLoader(loader, _installed)
         return spec
+
+
+class _HookedLoader(AfterExec):
+    def exec_module(self, module) -> None:
+        _finder.running += 1
+        try:
+            super().exec_module(module)
+        finally:
+            _finder.running -= 1
+
+
+def _installed(module) -> None:
+    """install() after SGLang's import; the hook leaves sys.meta_path only once that succeeded."""
+    _on_sglang(module)
+    _remove_finder()
 
 
 _finder = _AfterSGLangImport()

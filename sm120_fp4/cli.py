@@ -8,6 +8,8 @@ Exit codes (docs/operations.md):
      outside any candidate
   3  unverified: a decision would serve without verification (SM120_FP4_SELFTEST=warn or off);
      `launch` does not start the command on it unless given --allow-unverified
+  128+N  interrupted by signal N (130: SIGINT, 143: SIGTERM): the workers were stopped and nothing
+     was recorded for the candidates they were running
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
+
+from . import locks
 
 __all__ = ["main", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE", "EXIT_UNVERIFIED"]
 
@@ -52,7 +56,12 @@ def _worker(args: argparse.Namespace) -> int:
     key: dict = {}
     try:
         settings = load_settings(toggle=True)  # the preflight verifies what workers would run with the toggle on
-        device = devices.get_device(args.device, settings.simulated_capability)
+        # This process is about to use CUDA: CUDA itself says which GPU the ordinal is.
+        device = devices.get_device(args.device, settings.simulated_capability, init_cuda=True)
+        if args.uuid and device.uuid is not None and not devices.same_uuid(device.uuid, args.uuid):
+            raise LookupError(f"cuda:{args.device} is GPU {device.uuid} ({device.name!r}) in this self-test worker, but the "
+                              f"preflight numbered GPU {args.uuid} cuda:{args.device}: CUDA's numbering differs between the two "
+                              f"processes; not self-testing a GPU other than the one named ({devices.PCI_ORDER_FIX})")
         key = verdicts.device_key(device)
         for item in args.crashed or []:
             name, _, why = item.partition("=")
@@ -72,12 +81,12 @@ def _worker(args: argparse.Namespace) -> int:
     except RefusedToServe as exc:
         reports = [r.model_dump(mode="json") for r in getattr(exc, "reports", [])]
         _emit({"ok": False, "usage": False, "message": str(exc), "device": args.device, "key": key,
-               "rejected": getattr(exc, "rejected", {}), "reports": reports})
+               "rejected": getattr(exc, "rejected", {}), "reports": reports, "report": _own_report()})
         return EXIT_REFUSED
     except LookupError as exc:
         _emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
-    _emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key})
+    _emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key, "report": _own_report()})
     return EXIT_OK if decision.verified else EXIT_UNVERIFIED
 
 
@@ -110,6 +119,7 @@ def _model_worker(args: argparse.Namespace) -> int:
 
 def _settings_and_devices(args: argparse.Namespace):
     """(settings, the device indices to verify), or the exit code after saying why not."""
+    from . import devices
     from .config import load_settings
     from .errors import ConfigError
 
@@ -117,7 +127,7 @@ def _settings_and_devices(args: argparse.Namespace):
         # The preflight verifies what workers would do with the toggle on; garbage in SM120_FP4 is still named.
         settings = load_settings(toggle=True) if os.environ.get("SM120_FP4") in ("0", "off") else load_settings()
         indices, problem = _selftest_devices(settings, args.device)
-    except ConfigError as exc:
+    except (ConfigError, devices.DeviceMappingError) as exc:
         _eprint(str(exc))
         return EXIT_USAGE
     if problem:
@@ -178,6 +188,14 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _own_report() -> dict:
+    """This worker's decisions and refusals, for the one report the preflight parent writes."""
+    from . import selection
+
+    return {"decisions": [d.model_dump(mode="json") for d in selection.decisions()],
+            "refusals": [r.model_dump(mode="json") for r in selection.refusals()]}
+
+
 # ---- selftest: the parent -------------------------------------------------------------------
 
 def _died(code: int) -> str:
@@ -189,14 +207,73 @@ def _died(code: int) -> str:
     return f"exit code {code}"
 
 
+# A worker that dies by one of these was stopped from outside (Ctrl-C, a service manager's SIGTERM to
+# the whole group): an interruption, never a verdict on the candidate it was running.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# Retry policy for a worker killed by SIGKILL (the kernel's out-of-memory killer, or kill -9): not a
+# verdict either; the worker is re-run this many times with the same candidates, then the preflight
+# stops (exit 2) without recording anything (docs/operations.md).
+SIGKILL_RETRIES = 1
+
+
+class _Stop:
+    """The preflight's stop switch: SIGINT, SIGTERM or SIGHUP in the parent stops every worker (each
+    runs in its own session, so a terminal's Ctrl-C reaches only the parent), and nothing is recorded
+    for the candidates they were running. A second signal kills them at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._procs: set = set()
+        self._lock = locks.lock()
+
+    def add(self, proc) -> None:
+        with self._lock:
+            self._procs.add(proc)
+            stopped = self.signal is not None
+        if stopped:
+            self._kill(proc, signal.SIGTERM)
+
+    def discard(self, proc) -> None:
+        with self._lock:
+            self._procs.discard(proc)
+
+    def __call__(self, signum, frame=None) -> None:
+        with self._lock:
+            first = self.signal is None
+            self.signal = self.signal or signum
+            procs = list(self._procs)
+        for proc in procs:
+            self._kill(proc, signal.SIGTERM if first else signal.SIGKILL)
+
+    @staticmethod
+    def _kill(proc, signum) -> None:
+        try:
+            os.killpg(proc.pid, signum)  # the worker and anything it started (an nvcc JIT compile)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def handle_signals(self):
+        """Install this switch for SIGINT/SIGTERM/SIGHUP (main thread only); returns the undo."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+
 def _run_worker(index: int, family: str, backend_args: list[str], crashed: dict[str, str], label: str,
-                env: dict[str, str], heartbeat_s: float = 30.0) -> tuple[dict | None, dict | None, int, str]:
+                env: dict[str, str], stop: _Stop | None = None, uuid: str | None = None,
+                heartbeat_s: float = 30.0) -> tuple[dict | None, dict | None, int, str]:
     """One worker run: (result, last candidate event, returncode, stderr tail)."""
     cmd = [sys.executable, "-m", "sm120_fp4", "_selftest-worker", "--device", str(index), *backend_args]
     cmd += ["--moe"] if family == "moe" else []
+    cmd += ["--uuid", uuid] if uuid else []
     cmd += [a for name, why in crashed.items() for a in ("--crashed", f"{name}={why}")]
     lines: queue.Queue = queue.Queue()
-    with tempfile.TemporaryFile("w+") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as proc:
+    stop = stop or _Stop()
+    with tempfile.TemporaryFile("w+") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                                               start_new_session=True) as proc:
+        stop.add(proc)
+
         def read() -> None:
             for line in proc.stdout:
                 lines.put(line)
@@ -225,6 +302,7 @@ def _run_worker(index: int, family: str, backend_args: list[str], crashed: dict[
             else:
                 result = data
         code = proc.wait()
+        stop.discard(proc)
         err.seek(0)
         stderr = err.read()[-2000:]
     return result, event, code, stderr
@@ -245,28 +323,64 @@ def _record(settings, family: str, result: dict) -> None:
         _eprint(f"sm120-fp4: could not record verdicts in {path}: {exc}")
 
 
-def _preflight(index: int, family: str, backend_args: list[str], settings, env: dict[str, str]) -> dict:
+def _interrupted(code: int, stop: _Stop) -> int | None:
+    """The signal that interrupted a worker (the parent's, or one the worker died of), or None."""
+    if stop.signal is not None:
+        return stop.signal
+    if code < 0 and -code in INTERRUPTS:
+        return -code
+    return None
+
+
+def _preflight(index: int, family: str, backend_args: list[str], settings, env: dict[str, str],
+               stop: _Stop | None = None, uuid: str | None = None) -> dict:
     """Self-test `family` on device `index` in short-lived worker processes: a candidate that kills
-    its worker is recorded as crashed (verdict file) and the worker re-runs without it."""
+    its worker (a crash signal or exit code) is recorded as crashed (verdict file) and the worker
+    re-runs without it. An interruption (SIGINT/SIGTERM/SIGHUP/SIGQUIT, or the parent stopping)
+    records nothing and stops; SIGKILL (out of memory) records nothing and retries (SIGKILL_RETRIES)."""
     from . import verdicts
 
+    stop = stop or _Stop()
     label = ("cpu (simulated)" if index < 0 else f"cuda:{index}") + ("" if family == "dense" else " moe")
     crashed: dict[str, str] = {}
+    killed: dict[str, int] = {}
     while True:
-        result, event, code, stderr = _run_worker(index, family, backend_args, crashed, label, env)
+        if stop.signal is not None:
+            return _stopped(label, stop.signal, None)
+        result, event, code, stderr = _run_worker(index, family, backend_args, crashed, label, env, stop, uuid)
         if result is not None:
             result["crashed"] = dict(crashed)
             _record(settings, family, result)
             return result
+        interrupted = _interrupted(code, stop)
+        if interrupted is not None:
+            return _stopped(label, interrupted, event)
         if event is None or event["backend"] in crashed:
             return {"ok": False, "usage": True, "message": f"self-test worker ({label}) {_died(code)} outside any candidate:\n{stderr}"}
-        why = f"the {event['event']} of {event['backend']} {_died(code)}"
-        crashed[event["backend"]] = why
+        name = event["backend"]
+        if code == -signal.SIGKILL:
+            killed[name] = killed.get(name, 0) + 1
+            what = (f"[{label}] the self-test worker was killed by SIGKILL during the {event['event']} of {name} (the "
+                    "out-of-memory killer, or kill -9): not a verdict on the kernel, nothing recorded")
+            if killed[name] <= SIGKILL_RETRIES:
+                _eprint(f"{what}; running it again")
+                continue
+            return {"ok": False, "usage": True, "killed": True,
+                    "message": f"{what}; it happened {killed[name]} times, so the preflight stops here. Check the memory "
+                               "(dmesg, the container's limit) and run it again"}
+        why = f"the {event['event']} of {name} {_died(code)}"
+        crashed[name] = why
         _eprint(f"[{label}] {why}: recorded as crashed; re-running the self-test without it")
         try:
-            verdicts.record(settings.verdicts_path, event["key"], family, event["backend"], verdicts.CRASHED, why)
+            verdicts.record(settings.verdicts_path, event["key"], family, name, verdicts.CRASHED, why)
         except OSError as exc:
             _eprint(f"sm120-fp4: could not record the crash in {settings.verdicts_path}: {exc}")
+
+
+def _stopped(label: str, signum: int, event: dict | None) -> dict:
+    running = f" during the {event['event']} of {event['backend']}" if event else ""
+    return {"ok": False, "usage": False, "interrupted": signal.Signals(signum).name, "signal": int(signum),
+            "message": f"[{label}] interrupted by {signal.Signals(signum).name}{running}: stopped, nothing recorded for it"}
 
 
 def _selftest_devices(settings, indices: list[int] | None) -> tuple[list[int], str | None]:
@@ -307,6 +421,8 @@ def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
 
 
 def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None) -> int:
+    from . import devices, verdicts
+
     families = list(families or (["moe"] if getattr(args, "moe", False) else ["dense"]))
     found = _settings_and_devices(args)
     if isinstance(found, int):
@@ -315,17 +431,38 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
     if not indices:
         _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify (workers leave SGLang untouched)")
         return EXIT_OK
+    uuids = {d.index: d.uuid for d in devices.list_devices(settings.simulated_capability) if d.uuid}
+    store = verdicts.trouble(settings.verdicts_path)
+    if store is not None:
+        _eprint(f"sm120-fp4 selftest: {store}; verdicts are neither read nor recorded there (docs/operations.md, files)")
     backend_args = [a for name in (args.backend or []) for a in ("--backend", name)]
-    env = {**os.environ, "SM120_FP4": "1"}
+    # The workers write no report: this process writes one holding every worker's decisions.
+    env = {k: v for k, v in os.environ.items() if k != "SM120_FP4_REPORT"}
+    env["SM120_FP4"] = "1"
     jobs = [(family, index) for family in families for index in indices]
     for family, index in jobs:
         what = ", ".join(args.backend) if args.backend else f"the configured {FAMILY_LABEL[family]} backends"
         _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] self-testing {what} in a subprocess ...")
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each its own short-lived process, all at once
-        futures = {job: pool.submit(_preflight, job[1], job[0], backend_args, settings, env) for job in jobs}
-        results = {job: futures[job].result() for job in jobs}  # the table keeps device order
+    stop = _Stop()
+    restore = stop.handle_signals()
+    try:
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each its own short-lived process, all at once
+            futures = {job: pool.submit(_preflight, job[1], job[0], backend_args, settings, env, stop, uuids.get(job[1]))
+                       for job in jobs}
+            results = {job: futures[job].result() for job in jobs}  # the table keeps device order
+    finally:
+        restore()
     _eprint(f"sm120-fp4 selftest: done in {time.perf_counter() - start:.1f} s")
+    _write_preflight_report(settings, results)
+    interrupted = [r for r in results.values() if r.get("interrupted")]
+    if stop.signal is not None or interrupted:
+        signum = stop.signal or interrupted[0]["signal"]
+        for r in interrupted:
+            _eprint(r["message"])
+        _eprint(f"sm120-fp4 selftest: interrupted by {signal.Signals(signum).name}: the self-test workers were stopped; "
+                f"nothing was recorded for the candidates they were running (exit {128 + signum})")
+        return 128 + signum
     usage = [r for r in results.values() if not r.get("ok") and r.get("usage")]
     refused = [r for r in results.values() if not r.get("ok") and not r.get("usage")]
     unverified = [r for r in results.values() if r.get("ok") and not r["decision"]["verified"]]
@@ -345,6 +482,29 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
                 f"{settings.selftest}): exit {EXIT_UNVERIFIED}")
         return EXIT_UNVERIFIED
     return EXIT_OK
+
+
+def _write_preflight_report(settings, results: dict[tuple[str, int], dict]) -> None:
+    """SM120_FP4_REPORT: one report of the whole preflight (every worker's decisions and refusals,
+    and each job's outcome), merged into the file the serving processes write to after it."""
+    if settings.report is None:
+        return
+    from . import report
+
+    section: dict = {"decisions": [], "refusals": [], "preflight": []}
+    for (family, index), r in results.items():
+        own = r.get("report") or {}
+        section["decisions"] += own.get("decisions", [])
+        section["refusals"] += own.get("refusals", [])
+        outcome = ("interrupted" if r.get("interrupted") else "error" if r.get("usage") else "refused" if not r.get("ok")
+                   else "passed" if r["decision"]["verified"] else "unverified")
+        section["preflight"].append({"family": family, "device": index, "outcome": outcome, "crashed": r.get("crashed", {}),
+                                     "message": None if r.get("ok") else r.get("message")})
+    try:
+        written = report.write(settings.report, section, settings.report_is_dir, role="preflight")
+        _eprint(f"sm120-fp4 selftest: report written to {written}")
+    except OSError as exc:
+        _eprint(f"sm120-fp4: could not write the report to {settings.report}: {exc}")
 
 
 # ---- launch --------------------------------------------------------------------------------
@@ -415,6 +575,7 @@ def _parser() -> argparse.ArgumentParser:
     model_worker = sub.add_parser("_model-worker")
     model_worker.add_argument("--device", type=int, required=True)
     model_worker.add_argument("--model", required=True)
+    worker.add_argument("--uuid", help="the UUID of the GPU the parent numbered --device (checked against CUDA's numbering)")
     return parser
 
 

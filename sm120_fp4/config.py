@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -35,10 +36,43 @@ _ASCII_SPACE = " \t"
 _MAX_TIMEOUT_S = 86400.0  # a day: a bound, not a wish (threading refuses timeouts near 2**63 ns)
 
 
-def default_verdicts_path() -> Path:
-    """$XDG_CACHE_HOME/sm120_fp4/verdicts.json, else ~/.cache/sm120_fp4/verdicts.json."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sm120_fp4" / "verdicts.json"
+def _home() -> tuple[str | None, str]:
+    """This user's home directory (absolute, not /) and where it came from, or (None, why not).
+
+    $HOME when it is set and absolute; an empty or relative $HOME (`HOME=""`, as some service
+    managers and containers start processes) is not a home: the password database's entry for this
+    user is asked instead, as the shell does when HOME is unset."""
+    home = os.environ.get("HOME")
+    why = "HOME is unset" if home is None else f"HOME={home!r} is not an absolute path"
+    if home and os.path.isabs(home) and home.rstrip("/"):
+        return home, "HOME"
+    try:
+        import pwd
+
+        entry = pwd.getpwuid(os.geteuid()).pw_dir
+    except (ImportError, KeyError):
+        return None, f"{why}, and this user (uid {os.geteuid()}) has no entry in the password database"
+    if entry and os.path.isabs(entry) and entry.rstrip("/") and os.path.isdir(entry):
+        return entry, "the password database"
+    return None, f"{why}, and the password database gives {entry!r} for uid {os.geteuid()} (not an existing directory other than /)"
+
+
+def default_verdicts_path() -> Path | None:
+    """$XDG_CACHE_HOME/sm120_fp4/verdicts.json (an absolute XDG_CACHE_HOME: the XDG rule), else
+    ~/.cache/sm120_fp4/verdicts.json in this user's home (_home); None where there is no home --
+    then there is no default store (a warning once: set SM120_FP4_VERDICTS), never /.cache."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "sm120_fp4" / "verdicts.json"
+    home, why = _home()
+    if home is None:
+        message = (f"sm120_fp4: no verdict store: {why} (and XDG_CACHE_HOME is not an absolute path); crashes seen by "
+                   "`sm120-fp4 selftest` are not remembered. Set SM120_FP4_VERDICTS to a file path (or off)")
+        if message not in _ignored_logged:
+            _ignored_logged.add(message)
+            _LOG.warning("%s", message)
+        return None
+    return Path(home) / ".cache" / "sm120_fp4" / "verdicts.json"
 
 
 def _filesystem(check, value: object):
@@ -52,6 +86,17 @@ def _filesystem(check, value: object):
         else:
             reason = f"{type(exc).__name__}: {exc}"
         raise ValueError(f"accepted: a path the filesystem can check (checking it failed with {reason})") from None
+
+
+def _not_special(path: Path, accepted: str) -> None:
+    """ValueError when `path` exists and is not a regular file: a device node (/dev/null), a FIFO,
+    a socket or a symbolic link (/dev/stdout) is never written, followed or replaced (files.py)."""
+    from .files import kind_of
+
+    st = _filesystem(lambda: os.lstat(path) if os.path.lexists(path) else None, str(path))
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"accepted: {accepted} ({describe(str(path))} is {kind_of(st.st_mode)}, which is never "
+                         "written, followed or replaced)")
 
 
 class Settings(BaseSettings):
@@ -98,13 +143,15 @@ class Settings(BaseSettings):
         None, description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU."
     )
     report: Path | None = Field(
-        None, description="Write this process's JSON report here ({pid} is replaced; a directory, or a link to one, gets one file per process)."
+        None, description="Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, "
+        "or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md)."
     )
     verdicts: str | None = Field(
         None,
         description="The verdict file `sm120-fp4 selftest`/`launch` record each candidate's outcome in (crashes included) "
         "and workers read to skip a candidate that crashed; unset: $XDG_CACHE_HOME/sm120_fp4/verdicts.json "
-        "(~/.cache/...); off: none.",
+        "(~/.cache/...; none without a home directory); off: none. Owner-only, and never read or written where another "
+        "user could change it (docs/operations.md).",
     )
     _report_is_dir: bool = PrivateAttr(False)
 
@@ -185,6 +232,8 @@ class Settings(BaseSettings):
                 folder = path.parent
                 raise ValueError(f"accepted: a file in an existing, writable directory, or such a directory "
                                  f"({describe(str(folder))} is not one)")
+            if not _filesystem(path.is_dir, value):
+                _not_special(path, "a regular file, a new path, or a directory (or a link to one)")
         return value
 
     @field_validator("verdicts", mode="before")
@@ -196,6 +245,7 @@ class Settings(BaseSettings):
             raise ValueError("accepted: a file path, or off (unset: the default under the user's cache directory)")
         if _filesystem(Path(value).is_dir, value):
             raise ValueError(f"accepted: a file path, not a directory ({describe(str(value))} is one)")
+        _not_special(Path(value), "a regular file or a new path, or off for no verdict store")
         return str(value)
 
     @property

@@ -1,9 +1,25 @@
-"""Which GPUs exist and their compute capability: the one seam tests mock.
+"""Which GPUs exist, their compute capability, and which physical GPU each CUDA ordinal is: the one
+seam tests mock (``use_probe``).
 
-Asks NVML first (nvidia-ml-py, a FlashInfer dependency: ~20 ms, creates no CUDA context) when
-NVML's numbering is known to match CUDA's; otherwise asks torch (which initialises CUDA: only
-do that in a worker). ``simulate`` (``SM120_FP4_SIMULATE``) overrides every capability and
-supplies one CPU device when no GPU exists. ``use_probe()`` replaces the probe in tests.
+CUDA numbers GPUs by ``CUDA_DEVICE_ORDER`` -- ``FASTEST_FIRST``, the default, puts the GPU its
+heuristic deems fastest first and leaves the rest "unspecified"; ``PCI_BUS_ID`` numbers them by PCI
+bus id -- and ``CUDA_VISIBLE_DEVICES`` selects and re-numbers them in the order given (indices,
+GPU UUIDs or unique prefixes of them, MIG device UUIDs). The mapping is, in this order:
+
+1. CUDA's own, per ordinal through torch (name, capability, UUID, PCI bus id), where CUDA is already
+   initialised in this process (a serving worker loading weights) or the caller is about to use
+   CUDA anyway (``init_cuda=True``: the self-test worker);
+2. else computed from NVML (nvidia-ml-py: ~20 ms, no CUDA context) where it is determined:
+   ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; or GPUs that are all alike (same name and capability: whatever
+   order CUDA picks, every ordinal has the same facts; no UUID is claimed per ordinal then);
+3. else -- ``FASTEST_FIRST`` over GPUs that differ (an older GPU in slot 0 next to an RTX PRO 6000),
+   a MIG-enabled GPU not named by its MIG UUID, a GPU named twice, an ambiguous UUID prefix -- it is
+   not determined without CUDA: CUDA's heuristic is not documented well enough to reproduce from
+   NVML, so :class:`~sm120_fp4.errors.DeviceMappingError` names the problem and the fix
+   (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, or the GPUs named by UUID). Nothing is guessed.
+
+``simulate`` (``SM120_FP4_SIMULATE``) overrides every capability and supplies one CPU device when no
+GPU exists.
 """
 
 from __future__ import annotations
@@ -11,26 +27,36 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-from dataclasses import dataclass
+import re
+import sys
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-__all__ = ["Device", "list_devices", "get_device", "use_probe", "clear_cache", "is_sm12x", "SM12X"]
+from . import locks
+from .errors import DeviceMappingError
+
+__all__ = ["Device", "list_devices", "get_device", "use_probe", "clear_cache", "is_sm12x", "SM12X", "same_uuid",
+           "DeviceMappingError"]
 
 _LOG = logging.getLogger(__name__)
 SM12X = ((12, 0), (12, 1))
 CPU_INDEX = -1
+PCI_ORDER_FIX = ("set CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA then numbers GPUs by PCI bus id, as `nvidia-smi` lists them), "
+                 "or name the GPUs by UUID in CUDA_VISIBLE_DEVICES (`nvidia-smi -L`)")
 
 
 @dataclass(frozen=True)
 class Device:
-    """One device as the library sees it: CUDA ordinal (-1 for the simulated CPU), name, capability."""
+    """One device as the library sees it: CUDA ordinal (-1 for the simulated CPU), name, capability,
+    and, where known for this ordinal, its UUID (lower-case hex, no GPU-/MIG- prefix) and PCI bus id."""
 
     index: int
     name: str
     capability: tuple[int, int]
     simulated: bool = False
     source: str = "nvml"
+    uuid: str | None = None
+    pci_bus_id: str | None = None
 
     @property
     def sm(self) -> int:
@@ -60,22 +86,65 @@ def is_sm12x(capability: tuple[int, int]) -> bool:
     return capability[0] == 12
 
 
+def _uuid(value: object) -> str | None:
+    """A UUID as NVML ("GPU-8932f937-..."), CUDA_VISIBLE_DEVICES or torch write it, normalised."""
+    if value is None:
+        return None
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    text = text.strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        text = text.removeprefix(prefix)
+    return text or None
+
+
+def same_uuid(a: object, b: object) -> bool:
+    """Whether two spellings of a GPU UUID name the same device (None never matches)."""
+    a, b = _uuid(a), _uuid(b)
+    return a is not None and a == b
+
+
 Probe = Callable[[], list[Device]]
-_lock = threading.Lock()
+_lock = locks.lock()
 _probe_override: Probe | None = None
-_cache: dict[str | None, list[Device]] = {}
+_cache: dict[tuple, list[Device]] = {}
 
 
-def _nvml_order_matches_cuda() -> bool:
-    # NVML numbers GPUs by PCI bus; CUDA does too only with CUDA_DEVICE_ORDER=PCI_BUS_ID, and
-    # CUDA_VISIBLE_DEVICES renumbers them. Use NVML only where the mapping is certain.
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and not all(p.strip().isdigit() for p in visible.split(",") if p.strip()):
-        return False
-    return os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" or visible is None
+@dataclass(frozen=True)
+class _Gpu:
+    """What NVML says about one physical GPU (or one MIG device of one)."""
+
+    name: str
+    capability: tuple[int, int]
+    uuid: str | None
+    pci: tuple[int, int, int, int] | None
+    mig: bool = False  # MIG mode enabled: CUDA shows its MIG devices, not the GPU
+    migs: tuple["_Gpu", ...] = ()
+    parent: str | None = None  # a MIG device: its GPU's UUID
+
+    @property
+    def bus_id(self) -> str | None:
+        return None if self.pci is None else "{:04x}:{:02x}:{:02x}.{:x}".format(*self.pci)
+
+    def shown(self) -> str:
+        return f"{self.bus_id or '?'} {self.name!r} (sm_{self.capability[0]}{self.capability[1]}{', MIG enabled' if self.mig else ''})"
 
 
-def _probe_nvml() -> list[Device] | None:
+_BUS = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)", re.ASCII)
+
+
+def _pci(info) -> tuple[int, int, int, int] | None:
+    bus = getattr(info, "busId", None)
+    bus = bus.decode() if isinstance(bus, bytes) else bus
+    match = _BUS.fullmatch(bus.strip()) if isinstance(bus, str) else None
+    return tuple(int(g, 16) for g in match.groups()) if match else None  # type: ignore[return-value]
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_gpus() -> list[_Gpu] | None:
+    """Every GPU NVML sees (None without NVML or a driver)."""
     try:
         import pynvml
     except ImportError:
@@ -85,67 +154,189 @@ def _probe_nvml() -> list[Device] | None:
     except Exception:  # no driver: NVMLError_LibraryNotFound and friends
         return None
     try:
-        count = pynvml.nvmlDeviceGetCount()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         found = []
-        for handle in handles:
-            name = pynvml.nvmlDeviceGetName(handle)
-            name = name.decode() if isinstance(name, bytes) else name
-            found.append((name, tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))))
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            cc = tuple(int(c) for c in pynvml.nvmlDeviceGetCudaComputeCapability(handle))
+            name = _text(pynvml.nvmlDeviceGetName(handle))
+            uuid = pci = None
+            with contextlib.suppress(Exception):  # missing: the mapping that needs it is not determined
+                uuid = _uuid(pynvml.nvmlDeviceGetUUID(handle))
+            with contextlib.suppress(Exception):
+                pci = _pci(pynvml.nvmlDeviceGetPciInfo(handle))
+            mig, migs = False, []
+            try:
+                mig = int(pynvml.nvmlDeviceGetMigMode(handle)[0]) == 1
+            except Exception:  # NotSupported: no MIG on this GPU
+                mig = False
+            if mig:
+                for j in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+                    try:
+                        sub = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+                    except Exception:  # NotFound: an empty slot
+                        continue
+                    migs.append(_Gpu(_text(pynvml.nvmlDeviceGetName(sub)), cc, _uuid(pynvml.nvmlDeviceGetUUID(sub)), pci, parent=uuid))
+            found.append(_Gpu(name, cc, uuid, pci, mig, tuple(migs)))
+        return found
     except Exception as exc:
         _LOG.debug("NVML probe failed: %s", exc)
         return None
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        order = [int(p) for p in visible.split(",") if p.strip()]
-        # CUDA stops at the first invalid ordinal in CUDA_VISIBLE_DEVICES.
-        picked = []
-        for ordinal in order:
-            if not 0 <= ordinal < len(found):
+
+
+def _alike(gpus: list[_Gpu]) -> bool:
+    return len({(g.name, g.capability, g.mig) for g in gpus}) <= 1 and not any(g.mig for g in gpus)
+
+
+def _unknown(why: str, gpus: list[_Gpu]) -> DeviceMappingError:
+    listed = "; ".join(g.shown() for g in gpus) or "none"
+    return DeviceMappingError(
+        f"sm120_fp4: cannot tell which GPU CUDA numbers as each cuda:N here without initialising CUDA: {why} "
+        f"(NVML lists: {listed}). Not guessing (a wrong guess verifies one GPU and serves another): {PCI_ORDER_FIX}.",
+        [Device(CPU_INDEX, g.name, g.capability, source="nvml (unnumbered)", uuid=g.uuid, pci_bus_id=g.bus_id) for g in gpus],
+    )
+
+
+def _match(entry: str, pool: list[_Gpu], what: str, gpus: list[_Gpu]) -> _Gpu | None:
+    """The one device whose UUID starts with `entry` (CUDA accepts unique prefixes); None: invalid."""
+    prefix = _uuid(entry) or ""
+    hits = [g for g in pool if g.uuid is not None and prefix and g.uuid.startswith(prefix)]
+    if len(hits) > 1:
+        raise _unknown(f"CUDA_VISIBLE_DEVICES entry {entry!r} is a prefix of {len(hits)} {what} UUIDs", gpus)
+    if not hits and any(g.uuid is None for g in pool):
+        raise _unknown(f"NVML gives no UUID for some GPU, so CUDA_VISIBLE_DEVICES entry {entry!r} cannot be matched", gpus)
+    return hits[0] if hits else None
+
+
+def _cuda_order(gpus: list[_Gpu], environ) -> list[Device]:
+    """The Devices CUDA will number, computed from NVML facts and the environment, or DeviceMappingError."""
+    order = environ.get("CUDA_DEVICE_ORDER") or "FASTEST_FIRST"
+    by_pci = order == "PCI_BUS_ID"
+    if any(g.pci is None for g in gpus):
+        if not _alike(gpus):
+            raise _unknown("NVML gives no PCI bus id for some GPU", gpus)
+        ordered = list(gpus)
+    else:
+        ordered = sorted(gpus, key=lambda g: g.pci)
+    fastest = f"CUDA_DEVICE_ORDER={order} (CUDA's default FASTEST_FIRST: its own undocumented heuristic)" if not by_pci else ""
+
+    def base() -> list[_Gpu]:
+        if by_pci or _alike(gpus):
+            return ordered
+        raise _unknown(f"GPUs of different models with {fastest}", gpus)
+
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        chosen = base()
+    else:
+        chosen = []
+        migs = [m for g in gpus for m in g.migs]
+        for entry in (e.strip() for e in visible.split(",")):
+            if entry.isdigit() and entry.isascii():
+                every = base()
+                pick = every[int(entry)] if int(entry) < len(every) else None
+            elif entry[:4].upper() == "MIG-":
+                if "/" in entry:  # MIG-GPU-<uuid>/<gi>/<ci>: the pre-R470 form
+                    raise _unknown(f"CUDA_VISIBLE_DEVICES entry {entry!r} uses the older MIG-GPU-<uuid>/<gi>/<ci> form; "
+                                   "name the MIG device by its MIG-<uuid> (`nvidia-smi -L`)", gpus)
+                pick = _match(entry, migs, "MIG device", gpus)
+            elif entry[:4].upper() == "GPU-":
+                pick = _match(entry, gpus, "GPU", gpus)
+            else:
+                bare = _uuid(entry)
+                if bare and any(g.uuid and g.uuid.startswith(bare) for g in gpus + migs):
+                    raise _unknown(f"CUDA_VISIBLE_DEVICES entry {entry!r} is a UUID without its GPU-/MIG- prefix, which "
+                                   "CUDA does not document; write it as `nvidia-smi -L` does", gpus)
+                pick = None  # not an index or a UUID: CUDA stops at the first invalid entry
+            if pick is None:
                 break
-            picked.append(found[ordinal])
-        found = picked
-    return [Device(i, name, (int(cc[0]), int(cc[1])), source="nvml") for i, (name, cc) in enumerate(found)]
+            if any(pick is c for c in chosen):
+                raise _unknown(f"CUDA_VISIBLE_DEVICES={visible!r} names one GPU twice", gpus)
+            chosen.append(pick)
+    if any(g.mig for g in chosen):
+        raise _unknown("a chosen GPU has MIG enabled (CUDA then shows one of its MIG devices, not the GPU); "
+                       "name the MIG device by its MIG-<uuid> in CUDA_VISIBLE_DEVICES", gpus)
+    if any(g.parent is not None for g in chosen) and len(chosen) > 1:
+        raise _unknown("CUDA_VISIBLE_DEVICES names a MIG device together with other devices (CUDA enumerates a single "
+                       "MIG device per process in the releases documented)", gpus)
+    if not by_pci and not _alike(chosen):
+        raise _unknown(f"the chosen GPUs differ, with {fastest}", gpus)
+    exact = by_pci or len(chosen) <= 1
+    return [Device(i, g.name, g.capability, source="nvml", uuid=g.uuid if exact else None, pci_bus_id=g.bus_id if exact else None)
+            for i, g in enumerate(chosen)]
+
+
+def _torch():
+    """torch, only where this process already imported it (never imported just to ask)."""
+    return sys.modules.get("torch")
+
+
+def _cuda_ready() -> bool:
+    torch = _torch()
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a broken CUDA build: not initialised
+        return False
 
 
 def _probe_torch() -> list[Device]:
+    """CUDA's own numbering, through torch (initialises CUDA in this process)."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             return []
-        return [
-            Device(i, torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)), source="torch")
-            for i in range(torch.cuda.device_count())
-        ]
+        found = []
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            pci = None
+            if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+                pci = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            found.append(Device(i, props.name, (int(props.major), int(props.minor)), source="torch",
+                                uuid=_uuid(getattr(props, "uuid", None)), pci_bus_id=pci))
+        return found
     except Exception as exc:  # a broken CUDA install must not break the host process
         _LOG.warning("sm120_fp4: could not list CUDA devices through torch: %s", exc)
         return []
 
 
-def _probe() -> list[Device]:
-    if _nvml_order_matches_cuda():
-        found = _probe_nvml()
-        if found is not None:
-            return found
-    return _probe_torch()
+def _torch_has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
 
 
-def list_devices(simulate: tuple[int, int] | None = None, *, refresh: bool = False) -> list[Device]:
-    """The devices of this process, with `simulate` overriding every capability (cached per process)."""
-    key = None if simulate is None else f"{simulate[0]}.{simulate[1]}"
+def _probe(init_cuda: bool = False) -> list[Device]:
+    if _cuda_ready() or (init_cuda and _torch_has_cuda()):
+        return _probe_torch()
+    gpus = _nvml_gpus()
+    if gpus is None:
+        return _probe_torch()
+    return _cuda_order(gpus, os.environ)
+
+
+def list_devices(simulate: tuple[int, int] | None = None, *, refresh: bool = False, init_cuda: bool = False) -> list[Device]:
+    """The devices of this process in CUDA's numbering, with `simulate` overriding every capability
+    (cached per process, and probed again once CUDA is initialised: then CUDA's own answer counts).
+
+    `init_cuda`: this process is about to use CUDA anyway, so CUDA may be asked (through torch)
+    instead of computing its numbering from NVML. DeviceMappingError where the numbering cannot be
+    determined (see the module docstring); never a guess."""
+    key = (None if simulate is None else f"{simulate[0]}.{simulate[1]}", _cuda_ready() or init_cuda)
     with _lock:
         if not refresh and key in _cache:
             return list(_cache[key])
-        probe = _probe_override or _probe
+        probe = _probe_override or (lambda: _probe(init_cuda))
     real = probe()
     if simulate is None:
         result = real
     elif real:
-        result = [Device(d.index, d.name, simulate, simulated=True, source=d.source) for d in real]
+        result = [replace(d, capability=simulate, simulated=True) for d in real]
     else:
         result = [Device(CPU_INDEX, "simulated (no GPU)", simulate, simulated=True, source="simulate")]
     with _lock:
@@ -153,12 +344,17 @@ def list_devices(simulate: tuple[int, int] | None = None, *, refresh: bool = Fal
     return list(result)
 
 
-def get_device(index: int | None, simulate: tuple[int, int] | None = None) -> Device:
+def get_device(index: int | None, simulate: tuple[int, int] | None = None, *, init_cuda: bool = False) -> Device:
     """The Device for a CUDA ordinal (or the CPU stand-in, index -1/None, in simulation)."""
-    devices = list_devices(simulate)
-    if index == CPU_INDEX and simulate is not None and not any(d.index == CPU_INDEX for d in devices):
-        # In simulation, CPU tensors stand for the simulated GPU even where real GPUs exist.
-        return Device(CPU_INDEX, "simulated (CPU tensors)", simulate, simulated=True, source="simulate")
+    if index == CPU_INDEX and simulate is not None:
+        try:
+            simulated_cpu = not any(d.index == CPU_INDEX for d in list_devices(simulate, init_cuda=init_cuda))
+        except DeviceMappingError:
+            simulated_cpu = True  # CPU tensors need no GPU numbering
+        if simulated_cpu:
+            # In simulation, CPU tensors stand for the simulated GPU even where real GPUs exist.
+            return Device(CPU_INDEX, "simulated (CPU tensors)", simulate, simulated=True, source="simulate")
+    devices = list_devices(simulate, init_cuda=init_cuda)
     if index is None:
         if not devices:
             raise LookupError("no CUDA device is visible (set SM120_FP4_SIMULATE=12.0 to simulate one)")

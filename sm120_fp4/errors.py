@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError", "describe", "capped"]
+__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError", "DeviceMappingError", "describe",
+           "capped", "say_once"]
 
 
 class Sm120Fp4Error(Exception):
@@ -42,3 +43,27 @@ def capped(items, limit: int = 8) -> str:
     items = list(items)
     shown = ", ".join(describe(i) for i in items[:limit])
     return f"[{shown}{f', and {len(items) - limit} more' if len(items) > limit else ''}]"
+
+
+class DeviceMappingError(Sm120Fp4Error, LookupError):
+    """Which physical GPU CUDA numbers as a given ordinal cannot be determined here (the message
+    says why and how to make it determined); nothing is guessed."""
+
+    def __init__(self, message: str, candidates: list | None = None) -> None:
+        super().__init__(message)
+        self.candidates = list(candidates or [])  # every device that may be visible, unnumbered
+
+
+_said: set[str] = set()
+
+
+def say_once(level: int, message: str, *args: object) -> None:
+    """Log `message % args` on the library's logger once per process (the first time that text is
+    seen): for a failure we work around, which must be said, but not at every call."""
+    import logging
+
+    text = message % args if args else message
+    if text in _said:
+        return
+    _said.add(text)
+    logging.getLogger("sm120_fp4").log(level, "%s", text)

@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Literal
@@ -19,13 +20,15 @@ from typing import Callable, Literal
 import wrapt
 from pydantic import BaseModel
 
+from . import locks
+from .imports import AfterExec, find_spec_as_imported
 from .versions import comparable, installed_version, version_in
 
 __all__ = ["PatchSpec", "LedgerEntry", "Patcher", "MISSING", "dry_run"]
 
 _LOG = logging.getLogger("sm120_fp4")
 MISSING = object()
-State = Literal["pending", "applied", "skipped", "removed"]
+State = Literal["pending", "applied", "skipped", "removed", "replaced"]
 
 
 @dataclass(frozen=True)
@@ -117,17 +120,107 @@ def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
     return ("fails", problem) if problem is not None else ("applies", None)
 
 
-class Patcher:
-    """Holds the patches of one install; apply via import hooks, undo exactly, report a ledger."""
+class _ReloadWatch:
+    """Sees ``importlib.reload`` of a module that holds applied patches (reload passes the module as
+    `target` to every finder) and has each live Patcher patch the module again once its code has
+    run again: a reload puts SGLang's originals back, and post-import hooks fire only once."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self.patchers: weakref.WeakSet[Patcher] = weakref.WeakSet()
+        self._busy = threading.local()
+
+    def watch(self, patcher: "Patcher") -> None:
+        self.patchers.add(patcher)
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def unwatch(self, patcher: "Patcher") -> None:
+        self.patchers.discard(patcher)
+        if not self.patchers and self in sys.meta_path:
+            sys.meta_path.remove(self)  # nothing of ours left to patch again: off the import path
+
+    def find_spec(self, name, path=None, target=None):
+        if target is None or getattr(self._busy, "on", False):
+            return None
+        patchers = [p for p in list(self.patchers) if p.watches(name)]
+        if not patchers:
+            return None
+        self._busy.on = True
+        try:
+            spec = find_spec_as_imported(name, path, target, skip=self)
+        finally:
+            self._busy.on = False
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return spec  # cannot run anything after it: the ledger reports the patches as replaced
+
+        def again(module: ModuleType) -> None:
+            for patcher in patchers:
+                patcher.reapply(module)
+
+        spec.loader = AfterExec(spec.loader, again)
+        return spec
+
+
+_reload_watch = _ReloadWatch()
+
+
+class Patcher:
+    """Holds the patches of one install; apply via import hooks, undo exactly, report a ledger.
+
+    A reload of a patched module (``importlib.reload``) is patched again right after it (the
+    ledger says so); a patch undone by anything else shows as ``replaced`` in the ledger."""
+
+    def __init__(self) -> None:
+        self._lock = locks.rlock()
         self._records: dict[str, _Record] = {}
         self._generation = 0
+
+    def watches(self, module: str) -> bool:
+        """Whether `module` holds a patch of this Patcher that a reload would undo."""
+        with self._lock:
+            return any(r.spec.module == module and r.state == "applied" and r.spec.make is not None for r in self._records.values())
+
+    def reapply(self, module: ModuleType) -> None:
+        """Patch `module` again after a reload put its original objects back (never raises into it)."""
+        try:
+            with self._lock:
+                again = [r.spec.name for r in list(self._records.values())
+                         if r.spec.module == module.__name__ and r.state == "applied" and r.spec.make is not None and self._reapply(r, module)]
+            if again:
+                _LOG.warning("sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s", module.__name__, ", ".join(again))
+        except Exception as exc:  # noqa: BLE001 - the host import must survive our bugs
+            _LOG.warning("sm120_fp4: patching %s again after its reload failed: %s", module.__name__, exc)
+
+    def _reapply(self, record: _Record, module: ModuleType) -> bool:
+        spec = record.spec
+        try:
+            owner, leaf = _resolve_owner(module, spec.attribute)
+            current = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+        except (AttributeError, KeyError):
+            record.state, record.reason = "skipped", f"{spec.module}.{spec.attribute} not found after a reload of {spec.module}"
+            _LOG.warning("sm120_fp4: not patching %s again: %s", spec.name, record.reason)
+            return False
+        if current is record.replacement:
+            return False  # still ours (the name comes from another module)
+        reason = spec.check(current) if spec.check else None
+        if reason is not None:
+            record.state, record.reason = "skipped", f"after a reload of {spec.module}: {reason}"
+            _LOG.warning("sm120_fp4: not patching %s again: %s", spec.name, record.reason)
+            return False
+        replacement = spec.make(current)
+        try:
+            replacement.__sm120_fp4_patch__ = spec.name
+        except AttributeError:
+            pass
+        setattr(owner, leaf, replacement)
+        record.owner, record.original, record.replacement = owner, current, replacement
+        record.reason = f"patched again after a reload of {spec.module}"
+        return True
 
     def add(self, specs: list[PatchSpec]) -> None:
         """Register `specs`; each applies now if its module is imported, else when it is."""
         with self._lock:
+            _reload_watch.watch(self)
             generation = self._generation
             for spec in specs:
                 if spec.name in self._records and self._records[spec.name].state == "applied":
@@ -217,6 +310,7 @@ class Patcher:
     def remove_all(self) -> None:
         """Undo every applied patch (restoring the original objects) and disarm pending hooks."""
         with self._lock:
+            _reload_watch.unwatch(self)
             self._generation += 1
             for record in reversed(list(self._records.values())):
                 if record.state == "applied" and record.owner is not None and record.spec.module in sys.modules:
@@ -261,15 +355,32 @@ class Patcher:
                 record = self._records[spec.name] = _Record(spec)
                 record.state, record.reason = state, reason
 
+    def _truth(self, record: _Record) -> tuple[State, str | None]:
+        """A record's state as the target is now: an applied patch no longer in place is "replaced"."""
+        if record.state != "applied" or record.owner is None or record.replacement is MISSING:
+            return record.state, record.reason
+        owner, leaf = record.owner, record.spec.attribute.rsplit(".", 1)[-1]
+        if record.spec.make is not None and record.spec.module in sys.modules:
+            try:  # the module object may have been replaced too (a reload without our finder)
+                owner, leaf = _resolve_owner(sys.modules[record.spec.module], record.spec.attribute)
+            except AttributeError:
+                return "replaced", f"{record.spec.module}.{record.spec.attribute} is gone since it was patched"
+        current = owner.__dict__.get(leaf, MISSING) if isinstance(owner, type) else getattr(owner, leaf, MISSING)
+        if current is record.replacement:
+            return record.state, record.reason
+        return "replaced", (f"{record.spec.module}.{record.spec.attribute} was replaced since it was patched (a reload that "
+                            "could not be patched again, or other code): SGLang calls that object, not this library's")
+
     def ledger(self) -> list[LedgerEntry]:
         with self._lock:
+            truth = {name: self._truth(r) for name, r in self._records.items()}
             return [
                 LedgerEntry(
                     name=r.spec.name,
                     module=r.spec.module,
                     attribute=r.spec.attribute,
-                    state=r.state,
-                    reason=r.reason,
+                    state=truth[r.spec.name][0],
+                    reason=truth[r.spec.name][1],
                     why=r.spec.why,
                     upstream=r.spec.upstream,
                     remove_when=r.spec.remove_when,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import statistics
 import threading
 import time
@@ -23,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import backends, devices, kernels, selftest, verdicts
+from . import backends, devices, kernels, locks, report, selftest, verdicts
 from .config import AUTO, Settings, load_settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
@@ -140,10 +139,10 @@ def _announce(event: str, family: Family, device: Device, name: str) -> None:
         hook(event, family.name, device, name)
 
 
-_lock = threading.Lock()
+_lock = locks.lock()
 _decisions: dict[tuple, Decision] = {}
 _key_locks: dict[tuple, threading.Lock] = {}
-_report_lock = threading.Lock()
+_report_lock = locks.lock()
 # The serving view of the decisions: CUDA ordinal (-1: CPU in simulation) -> the decided backend's
 # callable, or None for a device this library does not serve (the original runs there). Read on
 # every forward pass (one dict lookup); written only by route(); emptied with the decisions.
@@ -162,7 +161,7 @@ class _Serving:
     family: Family
     checks: dict[tuple, LayerCheck] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    lock: threading.RLock = field(default_factory=locks.rlock)
 
 
 _serving: dict[tuple[str, int], _Serving] = {}
@@ -355,7 +354,7 @@ def decide(
     names = candidate_names(settings, candidates, family, device)
     key = (family.name, device.key, tuple(names), settings.selftest, family.fallback(settings), settings.select)
     with _lock:
-        key_lock = _key_locks.setdefault(key, threading.Lock())
+        key_lock = _key_locks.setdefault(key, locks.lock())
     with key_lock:
         if not refresh and key in _decisions:
             return _decisions[key]
@@ -377,7 +376,7 @@ def _write_report(settings: Settings) -> None:
     if settings.report is None:
         return
     with _report_lock:
-        payload = {"pid": os.getpid(), "decisions": [d.model_dump(mode="json") for d in decisions()],
+        payload = {"decisions": [d.model_dump(mode="json") for d in decisions()],
                    "refusals": [r.model_dump(mode="json") for r in refusals()]}
         try:
             write_report(settings.report, payload, directory=settings.report_is_dir)
@@ -589,20 +588,7 @@ def routes(family: str = "dense") -> dict[int, str]:
 
 
 def write_report(path: Path, payload: dict, directory: bool | None = None) -> Path:
-    """Write `payload` as JSON atomically (temp file + rename), mode 0644.
-
-    `directory` says whether the path named a directory when the settings were read (a link to a
-    directory is that directory): then one file per process goes inside it, and a directory that
-    has disappeared is an OSError (the caller warns), never a file created at its name. Otherwise
-    the path is a file: a symlink planted there later is replaced itself, its target never written.
-    None: decide now (a real directory, not a link, gets a file per process).
-    """
-    path = Path(str(path).replace("{pid}", str(os.getpid())))
-    if directory is None:
-        directory = path.is_dir() and not path.is_symlink()
-    if directory:
-        if not path.is_dir():
-            raise FileNotFoundError(f"the report directory {path} no longer exists (not creating a file at its name)")
-        path = path / f"sm120_fp4-{os.getpid()}.json"
-    verdicts.write_json(path, payload, ".sm120_fp4-")  # rename: a planted symlink is replaced itself, never its target
-    return path
+    """Merge `payload` (this process's ``decisions`` and ``refusals``) into the report at `path`
+    (sm120_fp4.report: one file for every process of the run, 0600, never over a link or a special
+    file; a directory, or a link to one, gets one file per process) and return the file written."""
+    return report.write(path, payload, directory)

@@ -6,30 +6,30 @@ keyed by GPU name, capability, driver, CUDA, FlashInfer version, family (dense o
 and serving workers skip it -- with a reason naming the crash and when it was recorded -- rather
 than crash themselves. Passed and failed verdicts are recorded too (evidence; workers still
 self-test). The file is ``SM120_FP4_VERDICTS`` (default ``~/.cache/sm120_fp4/verdicts.json``);
-writes are atomic and serialised with an advisory lock. A verdict for another driver, CUDA or
+writes are atomic and serialised with an advisory lock; the directory, the lock and the file are
+owner-only and must be this user's (:mod:`sm120_fp4.files`), or they are neither read nor written. A verdict for another driver, CUDA or
 FlashInfer version does not apply: upgrading re-tries the candidate.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
 import os
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["device_key", "record", "crash_of", "note_crash", "load", "write_json", "CRASHED", "PASSED", "FAILED"]
+from . import files, locks
+
+__all__ = ["device_key", "record", "crash_of", "note_crash", "load", "trouble", "write_json", "CRASHED", "PASSED", "FAILED"]
 
 _LOG = logging.getLogger("sm120_fp4")
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
-_lock = threading.Lock()
+_lock = locks.lock()
 # Crashes this process was told about (the preflight worker's --crashed), used with or without a file.
 _session: dict[tuple[str, str], str] = {}
+_warned: set[str] = set()
 
 
 def _driver_version() -> str | None:
@@ -70,49 +70,68 @@ def _matches(entry: dict, key: dict, family: str, backend: str) -> bool:
 
 
 def load(path: Path | None) -> list[dict]:
-    """Every verdict in `path` ([] when there is none, or it cannot be read: a warning)."""
+    """Every verdict in `path` ([] when there is none, or it cannot be trusted or read: a warning,
+    once per reason). Never blocks: a FIFO or device at the name is refused, not opened to wait."""
     if path is None:
         return []
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return []
+        data = files.read_json(Path(path), "verdict file")
     except (OSError, ValueError) as exc:
-        _LOG.warning("sm120_fp4: could not read the verdict file %s (%s); treating it as empty", path, exc)
+        _warn_once(f"sm120_fp4: not reading the verdict file {path} ({exc}); treating it as empty")
         return []
     entries = data.get("verdicts") if isinstance(data, dict) else None
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
+def trouble(path: Path | None) -> str | None:
+    """Why the verdict store at `path` is neither read nor written (an untrusted directory, lock or
+    file, or one that is not JSON), or None. For the preflight to say so up front."""
+    if path is None:
+        return None
+    try:
+        files.read_json(Path(path), "verdict file")
+        lock = Path(path).with_name(Path(path).name + ".lock")
+        if os.path.lexists(lock):
+            with files.locked(lock, "verdict lock file"):
+                pass
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def _warn_once(message: str) -> None:
+    with _lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    _LOG.warning("%s", message)
+
+
 def record(path: Path | None, key: dict, family: str, backend: str, verdict: str, reason: str | None) -> None:
-    """Record (replace) the verdict on `backend` of `family` for `key`; atomic, under a file lock."""
+    """Record (replace) the verdict on `backend` of `family` for `key`; atomic, under a file lock.
+    The directory is created owner-only (0700) where missing; a directory, lock or file that is
+    not this user's (files.UntrustedPath, an OSError) is never written."""
     if path is None:
         return
     path = Path(path)
     entry = {"key": key, "family": family, "backend": backend, "verdict": verdict, "reason": reason,
              "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "recorded_by": "sm120-fp4 selftest"}
     with _lock:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            entries = [e for e in load(path) if not _matches(e, key, family, backend)] + [entry]
-            write_json(path, {"version": 1, "verdicts": entries}, ".verdicts-")
+        files.make_private_dirs(path.parent)
+        with files.locked(path.with_name(path.name + ".lock"), "verdict lock file"):
+            try:
+                data = files.read_json(path, "verdict file")
+            except ValueError:
+                data = None  # not JSON: replaced by a valid file (it held nothing we can use)
+            old = data.get("verdicts") if isinstance(data, dict) else None
+            old = [e for e in old if isinstance(e, dict)] if isinstance(old, list) else []
+            entries = [e for e in old if not _matches(e, key, family, backend)] + [entry]
+            write_json(path, {"version": 1, "verdicts": entries}, "verdict file")
 
 
-def write_json(path: Path, payload: dict, prefix: str) -> None:
-    """Write `payload` to `path` atomically: a temp file (`prefix`...) in the same directory, mode
-    0644, renamed over `path` -- which replaces a symlink planted there itself, never its target --
-    and removed on any failure. The one writer of this library's JSON files (this verdict file and
-    the report, selection.write_report); standard library only, like this module."""
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=Path(path).parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def write_json(path: Path, payload: dict, what: str = "file") -> None:
+    """Write `payload` to `path` atomically, owner-only (files.write_json: the one JSON writer)."""
+    files.write_json(path, payload, what)
 
 
 def note_crash(family: str, backend: str, reason: str) -> None:

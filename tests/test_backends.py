@@ -203,3 +203,20 @@ def test_entry_point_backends_reach_spawned_workers(background):
     patch, backend, rejected = json.loads(stdout.strip().splitlines()[-1])
     assert patch in ("flashinfer-fp4-gemm-alias", "fp4-gemm-alias-legacy") and backend == "good"
     assert "all zeros" in rejected["zeros"] and "unknown" not in stderr
+
+
+@case("own failures", "FlashInfer's activation quantizer does not import (ImportError) where it would be checked (sm_120, a FlashInfer backend), asked four times",
+      "no quantizer (the self-test runs without it) and one warning naming the error: never skipped silently, never repeated")
+def test_a_quantizer_that_does_not_import_is_said_once(monkeypatch, caplog):
+    import logging
+    import types
+
+    from sm120_fp4 import errors
+
+    monkeypatch.setattr(errors, "_said", set())  # "once per process": this test's process starts now
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))  # an install whose fp4_quantize does not import
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    gpus = [Device(0, "NVIDIA RTX PRO 6000", (12, 0)), Device(1, "NVIDIA RTX PRO 6000", (12, 0))]
+    assert [backends.quantizer_for("cutlass", gpu) for gpu in gpus + gpus] == [None] * 4
+    said = [r.getMessage() for r in caplog.records if "fp4_quantize" in r.getMessage()]
+    assert len(said) == 1 and "ImportError" in said[0] and "not checked" in said[0], said

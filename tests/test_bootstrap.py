@@ -13,7 +13,7 @@ import pytest
 import sm120_fp4
 from helpers.cases import case
 from helpers.common import SIM_ENV, assert_patched_once
-from helpers.procs import PACKAGE, REPO, background, broken_copy, fake_sglang, ours, python, with_repo_pth
+from helpers.procs import PACKAGE, REPO, Popen, background, broken_copy, clean_env, fake_sglang, ours, python, with_repo_pth
 from sm120_fp4 import bootstrap
 
 PTH = (PACKAGE / "_pth" / "sm120_fp4.pth").read_text()
@@ -55,7 +55,7 @@ def test_bootstrap_activate_is_idempotent_and_never_raises(monkeypatch, sglang_u
     assert_patched_once()
 
 
-def test_activate_before_sglang_puts_one_finder_that_removes_itself(monkeypatch):
+def test_activate_before_sglang_puts_one_finder_that_removes_itself_after_install(monkeypatch):
     monkeypatch.setattr(bootstrap, "_activated", False)
     monkeypatch.delitem(sys.modules, "sglang")  # as if SGLang were not imported yet
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
@@ -66,10 +66,10 @@ def test_activate_before_sglang_puts_one_finder_that_removes_itself(monkeypatch)
     calls = []
     monkeypatch.setattr(bootstrap, "_on_sglang", calls.append)
     spec = bootstrap._finder.find_spec("sglang")
-    assert bootstrap._finder not in sys.meta_path, "one-shot"
+    assert bootstrap._finder in sys.meta_path, "in place until install() has run"
     module = type(sys)("sglang")
     spec.loader.exec_module(module)  # SGLang's own __init__ runs, then the hook
-    assert calls == [module]
+    assert calls == [module] and bootstrap._finder not in sys.meta_path
 
 
 # ---- new interpreters ---------------------------------------------------------------------------
@@ -181,3 +181,132 @@ def test_a_filesystem_error_in_a_setting_stops_a_worker_as_a_config_error(backgr
     assert rc != 0
     assert "ConfigError" in stderr and "SM120_FP4_REPORT=" in stderr and "ENAMETOOLONG" in stderr, stderr
     assert "runs unpatched" not in stderr
+
+
+# ---- SGLang found by another finder than the path finder (issue 22, item 1) --------------------
+
+def _editable_sglang_site(folder: Path) -> Path:
+    """This environment's site-packages without the `sglang` package itself (its dist-info stays),
+    plus the `.pth` and the finder setuptools writes for `pip install -e` of SGLang, mapping
+    `sglang` to the real package: SGLang is found only by that editable finder."""
+    import sglang
+    import site
+    from setuptools.command.editable_wheel import _finder_template
+
+    real = Path(sglang.__file__).parent
+    farm = folder / "site"
+    farm.mkdir(parents=True)
+    skip = {"sglang", "sm120_fp4.pth", "_editable_impl_sm120_fp4.pth", "__pycache__"}
+    for entry in Path(site.getsitepackages()[0]).iterdir():
+        if entry.name not in skip and not entry.name.startswith("__editable__"):
+            (farm / entry.name).symlink_to(entry)
+    name = "__editable___sglang_0_5_23_finder"
+    (farm / f"{name}.py").write_text(_finder_template(name, {"sglang": str(real)}, {}))
+    (farm / "__editable__.sglang-0.5.23.pth").write_text(f"import {name}; {name}.install()\n")
+    shutil.copy(PACKAGE / "_pth" / "sm120_fp4.pth", farm / "sm120_fp4.pth")  # this repository's line
+    return farm
+
+
+EDITABLE_CHECK = """
+import json, sys
+import sglang
+import sglang.srt.layers.quantization.modelopt_quant as mq
+import sm120_fp4
+finders = [getattr(f, '__name__', type(f).__name__) for f in sys.meta_path]
+patched = getattr(getattr(mq, 'flashinfer_fp4_gemm', None), '__sm120_fp4_patch__', None)
+print(json.dumps([sglang.__file__, finders, sm120_fp4.status().installed, patched]))
+"""
+
+
+@case("own failures", "SGLang installed editable (`pip install -e`: found only by setuptools' `__editable___*_finder` on sys.meta_path), SM120_FP4=1, a new interpreter imports it",
+      "the start-up hook finds SGLang as the import system does: install() runs and SGLang's FP4 alias is patched")
+@background(lambda folder: Popen([sys.executable, "-S", "-c", f"import site; site.addsitedir({str(_editable_sglang_site(folder))!r})\n" + EDITABLE_CHECK],
+                                 clean_env(SM120_FP4="1", PYTHONPATH=str(REPO), **SIM_ENV), folder, cwd=folder))
+def test_an_editable_sglang_is_hooked_by_the_start_up_finder(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    where, finders, installed, patched = json.loads(stdout.strip().splitlines()[-1])
+    assert "site-packages/sglang/__init__.py" in where and "/site/sglang" not in where  # the real package, not a farm link
+    assert "_EditableFinder" in finders and "_AfterSGLangImport" not in finders
+    assert installed and patched == "flashinfer-fp4-gemm-alias", stderr
+
+
+FINDER = """
+import importlib.util, json, sys
+from importlib.machinery import ModuleSpec, PathFinder
+class LegacyLoader:  # only the pre-3.4 load_module protocol: nothing can run after the module
+    def load_module(self, name):
+        raise AssertionError('never reached')
+class Finder:
+    busy = False
+    def find_spec(self, name, path=None, target=None):
+        if name != 'sglang' or self.busy:
+            return None
+        if WHERE == 'before':  # finds SGLang itself, never asking the finders after it
+            return PathFinder.find_spec(name, path)
+        self.busy = True
+        try:  # re-enters the import system while it looks, as wrapt's finder does
+            importlib.util.find_spec('sglang')
+        finally:
+            self.busy = False
+        return ModuleSpec('sglang', LegacyLoader())
+if WHERE == 'after':  # right after the start-up hook's finder: before the path finder
+    sys.meta_path.insert([type(f).__name__ for f in sys.meta_path].index('_AfterSGLangImport') + 1, Finder())
+else:
+    sys.meta_path.insert(0, Finder())
+try:
+    import sglang
+    import sglang.srt
+except ImportError as exc:
+    print(type(exc).__name__, exc)
+else:
+    import sm120_fp4
+    print(json.dumps(sm120_fp4.status().installed))
+"""
+FINDERS = {"after": ("a finder after the start-up hook's whose loader has only the legacy load_module (the finder re-enters the import system while it looks)",
+                     "`import sglang` fails with ActivationFailed saying why and how to turn the library off"),
+           "before": ("a finder put before the start-up hook's that finds SGLang itself (the path finder, asked directly)",
+                      "install() runs when SGLang's first submodule is imported, before it loads")}
+
+
+@case("own failures", "SGLang found by {where_}, SM120_FP4=1",
+      "{outcome}: never SGLang running without install()")
+@pytest.mark.parametrize("where_, outcome", list(FINDERS.values()), ids=list(FINDERS))
+@background(lambda folder, where_, outcome: with_repo_pth(f"WHERE = {'after' if 'after' in where_ else 'before'!r}\n" + FINDER, folder,
+                                                          cwd=folder, SM120_FP4="1", **SIM_ENV))
+def test_sglang_found_by_any_other_finder_never_runs_without_install(background, where_, outcome):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    if "after" in where_:
+        assert stdout.startswith("ActivationFailed") and "LegacyLoader" in stdout and "SM120_FP4=0" in stdout, stdout
+    else:
+        assert stdout.strip() == "true", stdout + stderr
+
+
+FLAKY_SGLANG = """
+import json, sys
+try:
+    import sglang  # its __init__ fails the first time (a missing optional dependency, say)
+except RuntimeError as exc:
+    print('first import failed:', exc)
+import sglang
+import sm120_fp4
+print(json.dumps(sm120_fp4.status().installed))
+"""
+
+
+def _flaky_sglang(root: Path) -> Path:
+    fake_sglang(root)
+    (root / "sglang" / "__init__.py").write_text(
+        "import os\nif not os.path.exists('tried'):\n    open('tried', 'w').close()\n    raise RuntimeError('first try')\n")
+    return root
+
+
+@case("own failures", "SM120_FP4=1 and the first `import sglang` fails in SGLang's own __init__, the second succeeds",
+      "install() runs after the second import: the hook stays in place until install() has run")
+@background(lambda folder: with_repo_pth(FLAKY_SGLANG, folder, cwd=folder, SM120_FP4="1", **SIM_ENV,
+                                         PYTHONPATH=f"{_flaky_sglang(folder / 'fake')}:{REPO}"))
+def test_a_failed_first_import_of_sglang_is_hooked_again(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    assert "first import failed: first try" in stdout and stdout.strip().endswith("true"), stdout + stderr

@@ -299,3 +299,122 @@ def test_selftest_moe_is_the_same_preflight_for_the_moe_family(monkeypatch, caps
     assert code == 0 and "| moe | cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out, err
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", "--moe", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"})
     assert code == 1 and "| moe | -1 | - | REFUSED |" in out and "NVFP4 fused-MoE" in err
+
+
+# ---- interrupts and killed workers (issue 22, item 7) ----------------------------------------
+
+INTERRUPT = """
+import json, os, signal, subprocess, sys, time
+command, how = sys.argv[1], sys.argv[2]
+args = [sys.executable, '-m', 'sm120_fp4', *(['selftest'] if command == 'selftest' else ['launch', '--', sys.executable, '-c', "open('started', 'w')"])]
+parent = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # as a shell job
+deadline = time.monotonic() + 200
+while not os.path.exists('hanging') and time.monotonic() < deadline and parent.poll() is None:
+    time.sleep(0.05)
+worker = int(open('hanging').read() or 0) if os.path.exists('hanging') else 0
+if how == 'Ctrl-C':
+    os.killpg(parent.pid, signal.SIGINT)  # what a terminal sends: the whole foreground process group
+else:
+    os.kill(parent.pid, signal.SIGTERM)  # what a service manager sends the main process
+out, err = parent.communicate(timeout=200)
+try:
+    os.kill(worker, 0)
+    alive = worker > 0
+except ProcessLookupError:
+    alive = False
+verdicts = json.load(open('verdicts.json')) if os.path.exists('verdicts.json') else {'verdicts': []}
+print(json.dumps([parent.returncode, out, err, alive, verdicts, os.path.exists('started')]))
+"""
+HOW = {"Ctrl-C": 130, "SIGTERM": 143}
+
+
+@case("interrupts", "{how} while `sm120-fp4 {command}` self-tests a candidate (SM120_FP4_BACKENDS=hang,good)",
+      "exit {code}; the preflight stops: the next candidate is not tried, nothing is recorded for the interrupted one (no `crashed` verdict), the worker is gone, launch starts nothing")
+@pytest.mark.parametrize("command, how, code", [("selftest", "Ctrl-C", HOW["Ctrl-C"]), ("launch", "SIGTERM", HOW["SIGTERM"])])
+@background(lambda folder, command, how, code: Popen([sys.executable, "-c", INTERRUPT, command, how],
+                                                     plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="hang,good",
+                                                                SM120_FP4_MOE_BACKENDS="emulated", TEST_HANG_MARK=str(folder / "hanging")),
+                                                     folder, cwd=folder))
+def test_an_interrupt_stops_the_preflight_and_records_nothing(background, command, how, code):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    returncode, out, err, alive, recorded, started = json.loads(stdout.strip().splitlines()[-1])
+    assert returncode == code, err
+    assert "interrupted by" in err and "nothing was recorded" in err, err
+    assert "self-test of good" not in err and "recorded as crashed" not in err
+    assert not any(v["verdict"] == "crashed" for v in recorded["verdicts"]), recorded
+    assert not alive and not started
+
+
+@case("interrupts", "a self-test worker killed by SIGKILL (as the out-of-memory killer kills) {when}",
+      "{outcome}; never recorded as a `crashed` verdict (retry policy: SIGKILL_RETRIES = 1)")
+@pytest.mark.parametrize("when, outcome, backends", [
+    ("once, then not", "the worker runs again with the same candidate, which verifies: exit 0", "oom-once"),
+    ("every time", "run once more, then the preflight stops with exit 2 saying it was SIGKILL (out of memory?), not a verdict", "oom,good"),
+])
+@background(lambda folder, when, outcome, backends: Popen([sys.executable, "-m", "sm120_fp4", "selftest"],
+                                                          plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS=backends), folder, cwd=folder))
+def test_a_worker_killed_by_sigkill_is_not_a_kernel_verdict(background, when, outcome, backends, tmp_path):
+    rc, stdout, stderr = background
+    assert "killed by SIGKILL" in stderr and "not a verdict on the kernel, nothing recorded" in stderr, stderr
+    assert "recorded as crashed" not in stderr
+    if backends == "oom-once":
+        assert rc == 0 and "running it again" in stderr and "| oom-once | True |" in stdout, stderr
+    else:
+        assert rc == 2 and "it happened 2 times" in stderr and "self-test of good" not in stderr, stderr
+
+
+FORK = """
+import json, os, sys, threading, time
+import torch
+torch.set_num_threads(1)
+import sm120_fp4
+from sm120_fp4 import backends, selection
+from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4.config import Settings
+
+parent, started, release = os.getpid(), threading.Event(), threading.Event()
+
+def slow_in_parent(*args):
+    if os.getpid() == parent:
+        started.set()
+        release.wait(120)  # the parent's self-test holds its locks meanwhile
+    return emulated_mm_fp4(*args)
+
+backends.register('slow', slow_in_parent)
+settings = Settings(simulate='12.0', selftest_timeout=300)
+thread = threading.Thread(target=lambda: sm120_fp4.decide(candidates=['slow'], settings=settings))
+thread.start()
+started.wait(120)
+pid = os.fork()  # while another thread is inside the self-test
+if pid == 0:
+    try:
+        decision = sm120_fp4.decide(candidates=['slow'], settings=settings)
+        ok = decision.backend == 'slow' and decision.verified and sm120_fp4.status().decisions
+    except BaseException as exc:
+        sys.stderr.write(repr(exc))
+        ok = False
+    os._exit(0 if ok else 3)
+deadline, code = time.monotonic() + 120, None
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        code = os.waitstatus_to_exitcode(status)
+        break
+    time.sleep(0.1)
+if code is None:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+release.set()
+thread.join()
+print(json.dumps(code))
+"""
+
+
+@case("interrupts", "fork() from another thread while a self-test holds the library's locks; the child decides on the same device",
+      "the child does not deadlock: it runs its own self-test and verifies (exit 0); the parent's self-test finishes too")
+@background(lambda folder: Popen([sys.executable, "-c", FORK], clean_env(PYTHONPATH=str(REPO)), folder))
+def test_fork_during_a_selftest_does_not_deadlock_the_child(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    assert json.loads(stdout.strip().splitlines()[-1]) == 0, "the child deadlocked (killed after 120 s) or failed: " + stderr

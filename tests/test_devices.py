@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 
+from helpers.cases import case
 from helpers.common import fake_devices
+from helpers.nvml import A6000, PRO6000, fake_pynvml
 from sm120_fp4 import devices
 from sm120_fp4.devices import Device
 
@@ -70,53 +73,172 @@ def test_label_and_sm():
     assert d.key == (3, (12, 0), False)
 
 
-class FakeNvml:
-    gpus = [("GPU-A", (12, 0)), ("GPU-B", (9, 0)), ("GPU-C", (12, 1))]
+# ---- CUDA's numbering, from NVML facts (no GPU here: a stand-in pynvml) ---------------------
 
-    def nvmlInit(self): pass
-    def nvmlShutdown(self): pass
-    def nvmlDeviceGetCount(self): return len(self.gpus)
-    def nvmlDeviceGetHandleByIndex(self, i): return i
-    def nvmlDeviceGetName(self, h): return self.gpus[h][0].encode()  # older pynvml returns bytes
-    def nvmlDeviceGetCudaComputeCapability(self, h): return self.gpus[h][1]
+B, A = PRO6000["uuid"], A6000["uuid"]
+ALIKE = [PRO6000, {**PRO6000, "uuid": "GPU-bbbb3333-0000-0000-0000-000000000003", "bus": "00000000:41:00.0"}]
+MIG = {**PRO6000, "mig": [("MIG-dddd4444-0000-0000-0000-000000000004", "NVIDIA RTX PRO 6000 Blackwell MIG 1g.24gb"),
+                          ("MIG-eeee5555-0000-0000-0000-000000000005", "NVIDIA RTX PRO 6000 Blackwell MIG 1g.24gb")]}
+# NVML lists the PRO 6000 (bus 02) before the A6000 (bus 01): NVML's index order promises nothing.
+MIXED = [PRO6000, A6000]
 
 
-def test_nvml_numbering_follows_cuda_visible_devices(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+def _nvml(monkeypatch, gpus, order=None, visible=None):
+    devices.clear_cache()  # a fixture may have listed the devices already
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(gpus))
+    for name, value in (("CUDA_DEVICE_ORDER", order), ("CUDA_VISIBLE_DEVICES", visible)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
+MAPPED = {
+    # (gpus, CUDA_DEVICE_ORDER, CUDA_VISIBLE_DEVICES) -> [(name, capability, uuid)] per CUDA ordinal
+    "PCI_BUS_ID, all visible: by bus id, not NVML's index": (MIXED, "PCI_BUS_ID", None, [(A6000, A), (PRO6000, B)]),
+    "PCI_BUS_ID, indices 1,0": (MIXED, "PCI_BUS_ID", "1,0", [(PRO6000, B), (A6000, A)]),
+    "PCI_BUS_ID, 1,9,0 (CUDA stops at the invalid 9)": (MIXED, "PCI_BUS_ID", "1,9,0", [(PRO6000, B)]),
+    "PCI_BUS_ID, 0,-1,1 (stops at -1)": (MIXED, "PCI_BUS_ID", "0,-1,1", [(A6000, A)]),
+    "PCI_BUS_ID, UUIDs in the order given": (MIXED, "PCI_BUS_ID", f"{B},{A}", [(PRO6000, B), (A6000, A)]),
+    "FASTEST_FIRST, one GPU by a UUID prefix": (MIXED, None, "GPU-bbbb", [(PRO6000, B)]),
+    "FASTEST_FIRST, lower-case prefix": (MIXED, "FASTEST_FIRST", "gpu-aaaa1111", [(A6000, A)]),
+    "empty CUDA_VISIBLE_DEVICES: no GPU": (MIXED, None, "", []),
+    "no such UUID: invalid, nothing after it": (MIXED, "PCI_BUS_ID", "GPU-ffff,0", []),
+    "FASTEST_FIRST over identical GPUs: facts per ordinal, no UUID claimed": (ALIKE, None, None, [(PRO6000, None), (PRO6000, None)]),
+    "one MIG device by its MIG UUID": (MIXED[1:] + [MIG], None, "MIG-dddd", [({**PRO6000, "name": MIG["mig"][0][1]}, "dddd4444-0000-0000-0000-000000000004")]),
+}
+
+
+@case("devices", "CUDA numbering computed from NVML: {what}", "each cuda:N is the GPU CUDA numbers N (name, capability, UUID where it is certain)")
+@pytest.mark.parametrize("what", list(MAPPED))
+def test_cuda_numbering_from_nvml(monkeypatch, what):
+    gpus, order, visible, expected = MAPPED[what]
+    _nvml(monkeypatch, gpus, order, visible)
     found = devices.list_devices(refresh=True)
-    assert [(d.index, d.name, d.capability, d.source) for d in found] == [
-        (0, "GPU-C", (12, 1), "nvml"),
-        (1, "GPU-A", (12, 0), "nvml"),
-    ]
+    assert [(d.index, d.name, d.capability, d.uuid) for d in found] == [
+        (i, gpu["name"], gpu["cc"], None if uuid is None else uuid.lower().removeprefix("gpu-")) for i, (gpu, uuid) in enumerate(expected)]
 
 
-def test_nvml_stops_at_the_first_invalid_visible_ordinal_as_cuda_does(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,9,0")
-    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    assert [d.name for d in devices.list_devices(refresh=True)] == ["GPU-B"]
+UNKNOWN = {
+    "mixed GPUs, CUDA_DEVICE_ORDER unset (FASTEST_FIRST)": (MIXED, None, None, "GPUs of different models"),
+    "mixed GPUs, FASTEST_FIRST, index 1": (MIXED, "FASTEST_FIRST", "1", "GPUs of different models"),
+    "mixed GPUs, FASTEST_FIRST, both by UUID": (MIXED, None, f"{B},{A}", "the chosen GPUs differ"),
+    "an ambiguous UUID prefix": (ALIKE, None, "GPU-bbbb", "is a prefix of 2 GPU UUIDs"),
+    "one GPU named twice": (MIXED, "PCI_BUS_ID", "1,1", "names one GPU twice"),
+    "a MIG-enabled GPU, CUDA_VISIBLE_DEVICES unset": ([A6000, MIG], "PCI_BUS_ID", None, "has MIG enabled"),
+    "two MIG devices": ([MIG], None, "MIG-dddd,MIG-eeee", "a MIG device together with other devices"),
+    "the old MIG-GPU-<uuid>/<gi>/<ci> form": ([MIG], None, f"MIG-{B}/1/0", "older MIG-GPU"),
+    "a UUID without its GPU- prefix": (MIXED, "PCI_BUS_ID", "bbbb2222", "without its GPU-/MIG- prefix"),
+}
 
 
-@pytest.mark.parametrize("visible, order", [("GPU-uuid-1", "PCI_BUS_ID"), ("1,0", None)])
-def test_nvml_is_not_asked_when_its_numbering_may_differ_from_cudas(monkeypatch, visible, order):
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    if order is None:
-        monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_DEVICE_ORDER", order)
-    monkeypatch.setattr(devices, "_probe_torch", lambda: ["torch"])
-    assert devices.list_devices(refresh=True) == ["torch"]
+@case("devices", "CUDA numbering not determined from NVML: {what}, CUDA not initialised",
+      "DeviceMappingError naming the problem and the fix (CUDA_DEVICE_ORDER=PCI_BUS_ID or UUIDs); never a guess")
+@pytest.mark.parametrize("what", list(UNKNOWN))
+def test_an_undetermined_numbering_fails_closed(monkeypatch, what):
+    gpus, order, visible, why = UNKNOWN[what]
+    _nvml(monkeypatch, gpus, order, visible)
+    with pytest.raises(devices.DeviceMappingError, match="CUDA_DEVICE_ORDER=PCI_BUS_ID") as raised:
+        devices.list_devices(refresh=True)
+    assert why in str(raised.value) and "Not guessing" in str(raised.value)
+    assert {d.name for d in raised.value.candidates} == {g["name"] for g in gpus}  # what may be visible
+
+
+class _Props:
+    def __init__(self, gpu):
+        self.name, (self.major, self.minor) = gpu["name"], gpu["cc"]
+        self.uuid = gpu["uuid"].removeprefix("GPU-")  # torch prints CUDA's UUID without the prefix
+        self.pci_domain_id, self.pci_bus_id, self.pci_device_id = 0, int(gpu["bus"].split(":")[1], 16), 0
+
+
+def _torch_cuda(monkeypatch, order, initialised=True):
+    """torch.cuda as a CUDA build would answer, numbering `order` (CUDA's own FASTEST_FIRST choice)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(order))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props(order[i]))
+
+
+@case("devices", "mixed GPUs with FASTEST_FIRST (an sm_86 GPU in PCI slot 0, the RTX PRO 6000 in slot 1) once CUDA is initialised (a serving worker at its first layer)",
+      "cuda:0 is the PRO 6000 (sm_120), as CUDA numbers it: decided and served as sm_120, never as the sm_86 GPU")
+def test_once_cuda_is_initialised_its_own_numbering_counts(monkeypatch):
+    from sm120_fp4 import selection
+    from sm120_fp4.config import Settings
+
+    _nvml(monkeypatch, MIXED)
+    _torch_cuda(monkeypatch, [PRO6000, A6000])  # CUDA put the fastest, the PRO 6000, first
+    found = devices.list_devices(refresh=True)
+    assert [(d.index, d.capability, d.uuid, d.source) for d in found] == [
+        (0, (12, 0), B.removeprefix("GPU-"), "torch"), (1, (8, 6), A.removeprefix("GPU-"), "torch")]
+    decision = selection.decide(0, ["emulated"], settings=Settings(selftest="off"))
+    assert decision.device.startswith("cuda:0 'NVIDIA RTX PRO 6000") and decision.capability == "12.0"
+    assert selection.serves(devices.get_device(0), Settings()) and not selection.serves(devices.get_device(1), Settings())
+
+
+def test_a_process_about_to_use_cuda_asks_cuda_when_nvml_cannot_tell(monkeypatch):
+    _nvml(monkeypatch, MIXED)
+    _torch_cuda(monkeypatch, [PRO6000, A6000], initialised=False)
+    with pytest.raises(devices.DeviceMappingError):
+        devices.list_devices(refresh=True)  # the CLI parent: never initialises CUDA
+    assert [d.capability for d in devices.list_devices(refresh=True, init_cuda=True)] == [(12, 0), (8, 6)]
 
 
 def test_a_broken_nvml_falls_back_to_torch(monkeypatch):
-    class Broken(FakeNvml):
-        def nvmlInit(self):
-            raise RuntimeError("NVML: driver not loaded")
+    broken = fake_pynvml(MIXED)
 
-    monkeypatch.setitem(sys.modules, "pynvml", Broken())
+    def fail():
+        raise RuntimeError("NVML: driver not loaded")
+
+    broken.nvmlInit = fail
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(devices, "_probe_torch", lambda: ["torch"])
     assert devices.list_devices(refresh=True) == ["torch"]
+
+
+def test_uuid_spellings_compare_equal():
+    assert devices.same_uuid("GPU-ABCD-1", "abcd-1") and devices.same_uuid("MIG-x", "mig-X")
+    assert not devices.same_uuid(None, None) and not devices.same_uuid("GPU-a", "GPU-b")
+
+
+# ---- through the public entry points: the CLI, install() ------------------------------------
+
+@case("devices", "`sm120-fp4 selftest` on a mixed box (sm_86 GPU in PCI slot 0, RTX PRO 6000 in slot 1), CUDA_DEVICE_ORDER unset",
+      "exit 2 before any self-test: CUDA's FASTEST_FIRST numbering is not known without CUDA; the message says to set CUDA_DEVICE_ORDER=PCI_BUS_ID")
+def test_selftest_refuses_to_guess_the_numbering_of_a_mixed_box(monkeypatch, capsys):
+    from sm120_fp4 import cli
+
+    _nvml(monkeypatch, MIXED)
+    assert cli.main(["selftest"]) == 2
+    err = capsys.readouterr().err
+    assert "GPUs of different models" in err and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in err and "self-testing" not in err, err
+
+
+@case("devices", "install() on the mixed box: CUDA_DEVICE_ORDER={order}",
+      "PCI_BUS_ID: cuda:0 is the sm_86 GPU and cuda:1 the sm_120 one; unset: installed (a 12.x GPU may be visible) and status() says the numbering is known only through CUDA, never a guessed one")
+@pytest.mark.parametrize("order", ["PCI_BUS_ID", "unset"])
+def test_install_maps_a_mixed_box_as_cuda_numbers_it(monkeypatch, sglang_unpatched, order):
+    import sm120_fp4
+
+    _nvml(monkeypatch, MIXED, None if order == "unset" else order)
+    status = sm120_fp4.install()
+    assert status.installed, status.message
+    if order == "PCI_BUS_ID":
+        assert status.devices == ["cuda:0 'NVIDIA RTX A6000' (sm_86)", "cuda:1 'NVIDIA RTX PRO 6000 Blackwell Workstation Edition' (sm_120)"]
+    else:
+        assert "cannot tell which GPU" in status.devices[0]
+
+
+@case("devices", "a self-test worker told the wrong GPU UUID for its --device (the parent's numbering differs from this process's)",
+      "exit 2: the worker names both GPUs and does not self-test the other one")
+def test_a_worker_refuses_a_gpu_other_than_the_one_named(monkeypatch, capsys):
+    from sm120_fp4 import cli
+
+    _nvml(monkeypatch, MIXED, "PCI_BUS_ID")
+    monkeypatch.setenv("SM120_FP4_VERDICTS", "off")
+    assert cli.main(["_selftest-worker", "--device", "1", "--uuid", A]) == 2
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["usage"] and "not self-testing a GPU other than the one named" in result["message"]
+    assert B.removeprefix("GPU-") in result["message"] and A in result["message"]

@@ -180,22 +180,23 @@ def _decide_with_report(path) -> Path:
     return Path(str(path).replace("{pid}", str(os.getpid())))
 
 
-@case("reports", "report written under umask {umask}", "mode 0644 exactly; valid JSON; no temporary file left next to it")
-@pytest.mark.parametrize("umask", ["000", "022", "077"])
-def test_report_mode_is_0644_whatever_the_umask(tmp_path, umask):
+@case("reports", "report written under umask {umask}", "mode 0600 exactly (owner-only); valid JSON; no temporary file left next to it")
+@pytest.mark.parametrize("umask", ["000", "022", "077", "777"])
+def test_report_mode_is_0600_whatever_the_umask(tmp_path, umask):
     previous = os.umask(int(umask, 8))
     try:
         path = _decide_with_report(tmp_path / "report-{pid}.json")
     finally:
         os.umask(previous)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # chmod, whatever the umask
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # fchmod, whatever the umask
     assert json.loads(path.read_text())["pid"] == os.getpid()
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
-@case("reports", "symlink planted at a file report path after start-up (to a file, to a directory, dangling)", "the link itself is replaced by the report; its target is never written or created")
+@case("reports", "symlink planted at a file report path after start-up (to a file, to a directory, dangling)",
+      "the link is neither followed nor replaced (a warning names it); its target is never written or created; the decision stands")
 @pytest.mark.parametrize("target_kind", ["file", "directory", "dangling"])
-def test_report_never_follows_a_planted_symlink(tmp_path, target_kind):
+def test_report_never_follows_or_replaces_a_planted_symlink(tmp_path, target_kind, caplog):
     victim = tmp_path / "victim"
     if target_kind == "file":
         victim.write_text("precious")
@@ -204,8 +205,10 @@ def test_report_never_follows_a_planted_symlink(tmp_path, target_kind):
     link = tmp_path / "report.json"
     settings = Settings(simulate="12.0", report=str(link), selftest="off")  # read while the path is no link
     link.symlink_to(victim)
-    selection.decide(candidates=["emulated"], settings=settings)
-    assert not link.is_symlink() and json.loads(link.read_text())["decisions"][0]["backend"] == "emulated"
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    assert selection.decide(candidates=["emulated"], settings=settings).backend == "emulated"
+    assert link.is_symlink() and os.readlink(link) == str(victim)
+    assert any("is a symbolic link" in r.getMessage() for r in caplog.records)
     if target_kind == "file":
         assert victim.read_text() == "precious"
     elif target_kind == "directory":

@@ -20,7 +20,7 @@ from helpers import children, faults
 from helpers.cases import case
 from helpers.common import (SIM, SIM_ENV, alias_name, alias_spec_name, assert_not_patched, assert_patched_once,
                             patch_state, run_concurrently, sglang_alias)
-from helpers.procs import Spawned, background, clean_env, python
+from helpers.procs import REPO, Spawned, background, clean_env, ours, python, with_repo_pth
 from sm120_fp4 import backends
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.sglang import layers, plugin, release
@@ -513,3 +513,73 @@ def test_the_activation_quantizer_stand_in_is_the_one_the_linear_path_calls(back
     assert len(unknown["warnings"]) == 2, unknown["warnings"]
     assert any(p.startswith("simulation cannot run on this SGLang release: sim-activation-quantizer: cannot take effect")
                for p in unknown["problems"]), unknown["problems"]
+
+
+# ---- install() after the start-up hook; reloads (issue 22, item 3) -----------------------------
+
+AFTER_HOOK = """
+import json, os, logging
+logging.basicConfig(level=logging.WARNING)
+import sglang.srt.layers.quantization.modelopt_quant  # the start-up hook installs from the environment here
+import sm120_fp4
+from helpers.common import assert_patched_once
+before = sm120_fp4.status().settings['fallback']
+after = sm120_fp4.install(fallback='emulated')  # the launcher's own install(), after the hook
+assert_patched_once()
+sm120_fp4.decide()
+try:
+    sm120_fp4.install(select='fastest')
+    refused = None
+except sm120_fp4.ConfigError as exc:
+    refused = str(exc)
+print(json.dumps([before, after.settings['fallback'], os.environ.get('SM120_FP4_FALLBACK'), refused, sm120_fp4.status().settings['select']]))
+"""
+
+
+@case("own failures", "`install(fallback='emulated')` in a worker the SM120_FP4=1 start-up hook already installed from the environment, then `install(select='fastest')` after a decision",
+      "the first applies the keyword (installed again, exported to the environment, patched once, a warning says so); the second raises ConfigError naming the setting, the values and SM120_FP4_SELECT: never ignored silently")
+@background(lambda folder: with_repo_pth(AFTER_HOOK, folder, cwd=folder, SM120_FP4="1", **SIM_ENV, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"))
+def test_install_after_the_start_up_hook_applies_or_refuses_the_keywords(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    before, after, exported, refused, select = json.loads(stdout.strip().splitlines()[-1])
+    assert (before, after, exported) == ("none", "emulated", "emulated"), stderr
+    assert "re-installing with them" in stderr and "installed by the environment" in stderr
+    assert refused is not None and "select: 'first' in force, 'fastest' asked" in refused and "SM120_FP4_SELECT" in refused
+    assert select == "first"
+
+
+RELOAD = """
+import importlib, json
+import sm120_fp4
+from helpers.common import SIM, alias_name
+from sm120_fp4.sglang import layers
+sm120_fp4.install(**SIM)
+import sglang.srt.layers.quantization.modelopt_quant as mq
+original = getattr(mq, alias_name()).__wrapped__
+importlib.reload(mq)
+alias = getattr(mq, alias_name())
+states = {e.name: [e.state, e.reason] for e in sm120_fp4.status().patches if e.module == mq.__name__}
+layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+verified = [len(d.layers) for d in sm120_fp4.status().decisions]
+setattr(mq, alias_name(), original)  # other code puts the original back
+replaced = {e.name: e.state for e in sm120_fp4.status().patches if e.module == mq.__name__}
+sm120_fp4.uninstall()
+print(json.dumps([getattr(alias, '__sm120_fp4_patch__', None), states, verified, replaced,
+                  getattr(getattr(mq, alias_name()), '__sm120_fp4_patch__', None)]))
+"""
+
+
+@case("own failures", "`importlib.reload()` of SGLang's real modelopt_quant after install(), then a layer loads; then other code puts the original alias back",
+      "the reload is patched again (alias and weights hooks; status() says so) and the layer is verified; the put-back original shows as `replaced` in status(), never `applied`")
+@background(lambda folder: python(RELOAD, folder, cwd=folder, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"))
+def test_a_reload_of_modelopt_quant_is_patched_again_and_status_tells_the_truth(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    alias, states, verified, replaced, after_uninstall = json.loads(stdout.strip().splitlines()[-1])
+    assert alias == alias_spec_name()
+    for name in (alias_spec_name(), "modelopt-fp4-weights-hook"):
+        assert states[name] == ["applied", f"patched again after a reload of {mq.__name__}"], states
+    assert verified == [1], "the layer loaded after the reload went through the (re-applied) weights hook"
+    assert replaced[alias_spec_name()] == "replaced" and replaced["modelopt-fp4-weights-hook"] == "applied"
+    assert after_uninstall is None

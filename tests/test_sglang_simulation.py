@@ -82,3 +82,32 @@ def test_a_kernel_package_that_is_not_installed_stays_not_installed(background):
     assert rc != 0 and "ModuleNotFoundError: No module named 'sgl_kernel'" in stderr
     assert "stand-in" not in stderr
 
+
+UNDO_FAILS = """
+import json, logging, sys
+records = []
+logging.getLogger('sm120_fp4').addHandler(type('H', (logging.Handler,), {'emit': lambda self, r: records.append(r.getMessage())})())
+import torch
+import sm120_fp4
+sm120_fp4.install(simulate='12.0', backends='emulated')
+import sglang.srt.layers.quantization.modelopt_quant  # the CPU kernel for sglang::fp4_gemm is registered here
+destroy = torch.library.Library._destroy  # the undo step holds it bound: change what it runs
+def broken(self):
+    raise RuntimeError('boom')
+code, destroy.__code__ = destroy.__code__, broken.__code__
+status = sm120_fp4.uninstall()
+destroy.__code__ = code
+left = [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith('sm120_fp4')]
+print(json.dumps([status.installed, [r for r in records if 'undoing' in r], left]))
+"""
+
+
+@case("own failures", "uninstall() in simulation while one stand-in's undo step fails (RuntimeError)",
+      "one warning names the step and the error; every other stand-in is still undone; uninstall completes")
+@background(lambda folder: python(UNDO_FAILS, folder, cwd=folder, PYTHONPATH=str(REPO)))
+def test_a_failing_undo_step_is_said_and_the_rest_still_undone(background):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    installed, said, left = json.loads(stdout.strip().splitlines()[-1])
+    assert not installed and left == []
+    assert len(said) == 1 and "Library._destroy" in said[0] and "RuntimeError: boom" in said[0], said

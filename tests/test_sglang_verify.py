@@ -326,3 +326,20 @@ def test_a_refusal_writes_the_report_before_raising_and_status_shows_it(tmp_path
     assert shapes[0]["m"] == 1 and not shapes[0]["passed"] and "all zeros" in shapes[0]["reason"]
     assert sm120_fp4.status().refusals[0].config == refusal["config"]
     assert sm120_fp4.status().decisions, "the decision that was refused stays visible"
+
+
+@case("own failures", "layers loaded where SGLang's server args cannot be read (no runtime context published), two configurations",
+      "verified up to the default largest CUDA-graph batch (512), and one warning says so and why: never a silent fallback")
+def test_a_missing_max_batch_is_said_once(monkeypatch, caplog):
+    import logging
+
+    from sm120_fp4 import errors
+
+    monkeypatch.setattr(errors, "_said", set())  # "once per process": this test's process starts now
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    for n in (32, 48):  # two layer configurations, no server args published in this process
+        build(n, 64)
+    said = [r.getMessage() for r in caplog.records if "server args" in r.getMessage()]
+    assert len(said) == 1 and "up to 512" in said[0] and "Global server args is not set" in said[0], said
+    assert [len(d.layers) for d in sm120_fp4.status().decisions] == [2]

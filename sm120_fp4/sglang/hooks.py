@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from .. import nvfp4, selftest
+from ..errors import say_once
 from ..selection import LayerCheck
 from .release import RUNTIME_CONTEXT
 
@@ -97,8 +98,11 @@ def max_capture_batch() -> int:
     context = sys.modules.get(RUNTIME_CONTEXT)
     try:
         args = context.get_server_args() if context is not None else None
-    except Exception:  # no context published in this process (a bare layer, a test)
+    except Exception as exc:  # no context published in this process (a bare layer, a test)
         args = None
+        say_once(logging.WARNING, "sm120_fp4: SGLang's server args are not readable in this process (%s: %s): layers are "
+                 "verified at batch sizes up to %d, the default largest CUDA-graph batch (the re-check after warm-up "
+                 "still runs every captured size)", type(exc).__name__, exc, DEFAULT_MAX_BATCH)
     for name in ("cuda_graph_max_bs_decode", "cuda_graph_max_bs"):
         value = getattr(args, name, None)
         if isinstance(value, int) and value > 0:

@@ -34,14 +34,13 @@ import importlib
 import json
 import os
 import tempfile
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
 
-from .. import nvfp4
+from .. import locks, nvfp4
 
 __all__ = [
     "SEAMS",
@@ -321,7 +320,7 @@ class MoeContext:
 
 
 _ACTIVE: list[MoeContext] = []  # innermost last; SGLang's use_context is process-global too
-_LOCK = threading.RLock()  # serializes the scopes: SGLang's seams are process globals
+_LOCK = locks.rlock()  # serializes the scopes: SGLang's seams are process globals
 _LAYER_SETTINGS: "weakref.WeakKeyDictionary[torch.nn.Module, _Settings]" = weakref.WeakKeyDictionary()
 
 

@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import locks
+from ..errors import say_once
 from ..kernels import fp4_quantize_stand_in
 from ..patching import PatchSpec, Patcher
 from . import cpu_engine
@@ -47,7 +49,7 @@ from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_versi
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
 _NEVER = "never used outside simulation"
-_cuda_lock = threading.Lock()
+_cuda_lock = locks.lock()
 KERNEL_PACKAGE = "sgl_kernel"
 PLATFORM_FACTS = PatchSpec(
     "sim-platform-facts", RUNTIME_CONTEXT, "override_platform",
@@ -199,7 +201,7 @@ class Simulation:
         self.capability = capability
         self.patcher = patcher
         self._undo: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
+        self._lock = locks.lock()
 
     def arm(self) -> None:
         """Run the non-attribute stand-ins when (or if) SGLang imports their modules."""
@@ -311,8 +313,11 @@ class Simulation:
         with self._lock:
             undo, self._undo = self._undo, []
         for step in reversed(undo):
-            with contextlib.suppress(Exception):
+            try:
                 step()
+            except Exception as exc:  # noqa: BLE001 - every other stand-in is still undone
+                say_once(logging.WARNING, "sm120_fp4: SIMULATION: undoing %s failed (%s: %s); the other stand-ins were undone",
+                         getattr(step, "__qualname__", step), type(exc).__name__, exc)
 
 
 def _op_body(module: Any) -> Callable | None:

@@ -51,6 +51,26 @@ def moe_zeros(*args):
     out = args[-1]
     out.zero_()
     return out
+
+
+def hang(a, b, a_sf, b_sf, alpha, dtype, out):
+    """Writes its process id to $TEST_HANG_MARK, then blocks like a hung kernel (until killed)."""
+    with open(os.environ.get("TEST_HANG_MARK", "hanging"), "w") as mark:
+        mark.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def oom(a, b, a_sf, b_sf, alpha, dtype, out):
+    """Dies as the out-of-memory killer kills: SIGKILL."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def oom_once(a, b, a_sf, b_sf, alpha, dtype, out):
+    """SIGKILL the first time (no ./oom-once mark yet), the right result after."""
+    if not os.path.exists("oom-once"):
+        open("oom-once", "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return good(a, b, a_sf, b_sf, alpha, dtype, out)
 '''
 
 ENTRY_POINTS = """[sm120_fp4.backends]
@@ -60,6 +80,9 @@ good = sm120_fp4_test_plugins:good
 good121 = sm120_fp4_test_plugins:good121
 late = sm120_fp4_test_plugins:late
 missing = sm120_fp4_no_such_module:fn
+hang = sm120_fp4_test_plugins:hang
+oom = sm120_fp4_test_plugins:oom
+oom-once = sm120_fp4_test_plugins:oom_once
 
 [sm120_fp4.moe_backends]
 moe-crash = sm120_fp4_test_plugins:moe_crash

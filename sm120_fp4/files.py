@@ -1,0 +1,198 @@
+"""The files this library creates and reads (the verdict store, its lock, the report): owner-only,
+and never following, replacing or blocking on what is not ours. Standard library only.
+
+Rules (docs/operations.md, "Files: owner and mode"):
+
+* directories we create are 0700 and files 0600, whatever the umask;
+* a directory we read or write in must be owned by this user (or root) and not writable by group
+  or others -- unless it has the sticky bit (``/tmp``): there nobody else can remove or rename our
+  entries, and every file we use there must still be ours. It is opened once and used through
+  its descriptor, so a path swapped after the check is never followed;
+* a file we read or replace must be a regular file owned by this user and not writable by group
+  or others; a symbolic link, FIFO, socket or device node at its name is never followed, opened
+  for reading or writing, or renamed over (:class:`UntrustedPath`, an OSError naming what was
+  found). Reads open with O_NONBLOCK | O_NOFOLLOW and check the descriptor, so a FIFO never blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["UntrustedPath", "make_private_dirs", "write_json", "read_json", "locked", "locked_directory", "kind_of", "DIR_MODE", "FILE_MODE"]
+
+DIR_MODE, FILE_MODE = 0o700, 0o600
+_OPEN = os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+class UntrustedPath(OSError):
+    """A path this library will not read, write or replace (what it is and why is in the message)."""
+
+
+def kind_of(mode: int) -> str:
+    """What a stat mode is, in words ("a regular file", "a FIFO", "a character device", ...)."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _me() -> int:
+    return os.geteuid()
+
+
+def dir_problem(st: os.stat_result) -> str | None:
+    """Why a directory (its stat) is not trusted, or None."""
+    if st.st_uid not in (_me(), 0):
+        return f"owned by uid {st.st_uid}, not by this user (uid {_me()}) or root"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit)"
+    return None
+
+
+def file_problem(st: os.stat_result) -> str | None:
+    """Why a file (its lstat or fstat) is not one of ours to read or replace, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {kind_of(st.st_mode)}, not a regular file (never followed, read or replaced)"
+    if st.st_uid != _me():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {_me()})"
+    if st.st_mode & 0o022:
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create `path` and its missing parents, each 0700 whatever the umask; existing ones are left
+    as they are (the trust check of the directory used says what is wrong with them)."""
+    path = Path(os.path.abspath(path))
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, DIR_MODE)
+        except FileExistsError:
+            continue  # made meanwhile (another process of ours, or someone else: checked where used)
+        # The umask may have taken bits away (never added any): set 0700 on what we just made,
+        # through a descriptor that refuses a link swapped in since.
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_uid == _me():
+                os.fchmod(fd, DIR_MODE)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _directory(path: Path, what: str) -> Iterator[int]:
+    """A descriptor of directory `path`, checked (dir_problem); UntrustedPath when it is not trusted."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        problem = dir_problem(os.fstat(fd))
+        if problem is not None:
+            raise UntrustedPath(errno.EPERM, f"not using the {what} directory {path}: it is {problem}; "
+                                f"make it owned by you with mode 700 (chmod 700 {path}) and check what is in it")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _check_name(dfd: int, name: str, path: Path, what: str) -> os.stat_result | None:
+    """The lstat of `name` in the directory (None when absent); UntrustedPath when it is there but
+    is not a regular file of ours."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    problem = file_problem(st)
+    if problem is not None:
+        raise UntrustedPath(errno.EPERM, f"not using the {what} {path}: it {problem}")
+    return st
+
+
+def write_json(path: Path, payload: dict, what: str = "file") -> None:
+    """Write `payload` to `path` atomically: a new 0600 file (O_EXCL, random name) in the same,
+    trusted directory, renamed over `path` only when `path` is absent or a regular file of ours;
+    removed on any failure. The one writer of this library's JSON files."""
+    path = Path(path)
+    with _directory(path.parent, what) as dfd:
+        _check_name(dfd, path.name, path, what)
+        tmp = f".{path.name}.{secrets.token_hex(6)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                os.fchmod(handle.fileno(), FILE_MODE)  # whatever the umask
+                json.dump(payload, handle, indent=2, sort_keys=True)
+            _check_name(dfd, path.name, path, what)  # still absent or ours, right before the rename
+            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+
+
+def read_json(path: Path, what: str = "file") -> object | None:
+    """The JSON in `path`, or None when it (or its directory) does not exist. UntrustedPath when
+    the directory or the file is not trusted (never blocks: a FIFO is refused, not opened to wait);
+    ValueError when it is not JSON."""
+    path = Path(path)
+    try:
+        with _directory(path.parent, what) as dfd:
+            before = _check_name(dfd, path.name, path, what)
+            if before is None:
+                return None
+            fd = os.open(path.name, os.O_RDONLY | _OPEN, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as handle:
+                st = os.fstat(handle.fileno())
+                problem = file_problem(st)
+                if problem is None and (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                    problem = "was replaced while being opened"
+                if problem is not None:
+                    raise UntrustedPath(errno.EPERM, f"not using the {what} {path}: it {problem}")
+                text = handle.read().decode()
+    except FileNotFoundError:
+        return None
+    return json.loads(text)
+
+
+@contextlib.contextmanager
+def locked(path: Path, what: str = "lock file") -> Iterator[None]:
+    """Hold an exclusive advisory lock on `path` (created 0600 in a trusted directory; an existing
+    one must be a regular file of ours, never a link or a FIFO; one of ours made 0666 under an old
+    umask is set to 0600: what is in a lock file does not matter, only who can replace it)."""
+    path = Path(path)
+    with _directory(path.parent, what) as dfd:
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):  # never opened: a device may act on open
+                raise UntrustedPath(errno.EPERM, f"not using the {what} {path}: it {file_problem(st)}")
+        fd = os.open(path.name, os.O_RDWR | os.O_CREAT | _OPEN, FILE_MODE, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != _me():
+                raise UntrustedPath(errno.EPERM, f"not using the {what} {path}: it {file_problem(st)}")
+            if stat.S_IMODE(st.st_mode) != FILE_MODE:
+                os.fchmod(fd, FILE_MODE)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_directory(folder: Path, what: str = "directory") -> Iterator[None]:
+    """Hold an exclusive advisory lock on the trusted directory `folder` itself (no lock file left
+    beside the files: the report's writers use it)."""
+    with _directory(Path(folder), what) as dfd:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        yield

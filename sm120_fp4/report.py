@@ -1,0 +1,111 @@
+"""The report file (``SM120_FP4_REPORT``): one JSON file holding every process's decisions and refusals.
+
+Several processes write one report: the tensor-parallel scheduler processes SGLang spawns, and the
+preflight of ``sm120-fp4 launch``, whose process becomes the server (``exec``). Each write is a
+merge under a lock (an advisory lock on the report's directory): this process's section replaces its previous one, and the
+sections of the other processes of the same run (same process group and group leader) are kept,
+whether those processes are still running or have exited -- a worker that refused and exited keeps
+its refusal in the report. Sections of earlier runs are dropped unless their process is still
+running. A directory (``SM120_FP4_REPORT=/logs``) gets one file per process instead, as does a
+path with ``{pid}``.
+
+The file::
+
+    {"version": 2, "pid": <last writer>, "updated_at": ...,
+     "processes": [{"pid", "role", "run", "started", "written_at", ... what the role adds}],
+     "decisions": [... each with "pid" and "role"], "refusals": [... each with "pid" and "role"]}
+
+Written through files.write_json: 0600, in a trusted directory, never over a link or special file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from . import files, locks
+
+__all__ = ["write", "resolve", "VERSION"]
+
+VERSION = 2
+_lock = locks.lock()
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, from /proc), or None (gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()  # field 22 of stat(5), counted after the command name
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    now = _started(pid)
+    return started is None or now is None or now == started  # a reused pid is not the same process
+
+
+def _run() -> str:
+    """This run: the process group and when its leader started (a restarted container's pid 1 is another run)."""
+    group = os.getpgid(0)
+    return f"{group}@{_started(group) or '?'}"
+
+
+def resolve(path: Path, directory: bool | None) -> Path:
+    """The file to write for `path` ({pid} replaced; a directory holds one file per process).
+
+    `directory` says whether the path named a directory when the settings were read (a link to a
+    directory is that directory): a directory that has disappeared since is an OSError, never a
+    file created at its name. None: decide now (a real directory, not a link)."""
+    path = Path(str(path).replace("{pid}", str(os.getpid())))
+    if directory is None:
+        directory = path.is_dir() and not path.is_symlink()
+    if directory:
+        if not path.is_dir():
+            raise FileNotFoundError(f"the report directory {path} no longer exists (not creating a file at its name)")
+        path = path / f"sm120_fp4-{os.getpid()}.json"
+    return path
+
+
+def write(path: Path, section: dict, directory: bool | None = None, role: str = "worker") -> Path:
+    """Merge this process's `section` (``decisions``, ``refusals`` and any other keys) into the
+    report at `path` and return the file written. OSError (files.UntrustedPath among them) when it
+    cannot be written; the previous report is then intact."""
+    target = resolve(path, directory)
+    me = {**{k: v for k, v in section.items() if k not in ("decisions", "refusals")},
+          "pid": os.getpid(), "role": role, "run": _run(), "started": _started(os.getpid()),
+          "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with _lock, files.locked_directory(target.parent, "report"):
+        try:
+            old = files.read_json(target, "report")
+        except ValueError:
+            old = None  # not JSON (a report of an older release, a torn copy): replaced
+        keep = []
+        if isinstance(old, dict) and old.get("version") == VERSION and isinstance(old.get("processes"), list):
+            for proc in old["processes"]:
+                if not isinstance(proc, dict) or (proc.get("pid"), proc.get("role")) == (me["pid"], role):
+                    continue
+                pid = proc.get("pid")
+                if proc.get("run") == me["run"] or (isinstance(pid, int) and _alive(pid, proc.get("started"))):
+                    keep.append(proc)
+        kept = {(p["pid"], p.get("role")) for p in keep}
+
+        def entries(name: str) -> list:
+            mine = [{**e, "pid": me["pid"], "role": role} for e in section.get(name, [])]
+            theirs = [e for e in (old.get(name, []) if keep else []) if isinstance(e, dict) and (e.get("pid"), e.get("role")) in kept]
+            return theirs + mine  # this process's last: the newest entry is at the end
+
+        payload = {"version": VERSION, "pid": me["pid"], "updated_at": me["written_at"], "processes": keep + [me],
+                   "decisions": entries("decisions"), "refusals": entries("refusals")}
+        files.write_json(target, payload, "report")
+    return target
