@@ -69,7 +69,6 @@ MOE_MODE = ("W4A16: bf16/fp16 activations, not quantized, through Humming's grou
             "(checked against the oracle's W4A16 mode, reference_moe_fp4(quantize_activations=False))")
 # Releases that crash on GB10 (sm_121) at an NVML memory-clock query (vllm #49554).
 _GB10_CRASH = ">=0.1.10,<0.1.12"
-_HALF = (torch.bfloat16, torch.float16)
 # The padding SGLang's own Humming methods ask for (some of Humming's per-M kernels tile N by 256
 # and K by 128; the H200 run showed K=480/N=160 failing with less): a weight already aligned keeps
 # its size and is converted in place; any other is padded by Humming and kept next to SGLang's.

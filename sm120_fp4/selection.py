@@ -593,6 +593,9 @@ def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, setting
             return next(r for r in reports if r.config == report.config)
         failures.append(bad)
         serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
+        stuck = _release(serving, decision.backend)
+        if stuck is not None:
+            serving.failed[decision.backend] += f" ({stuck})"
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
     message = refusal_message(serving.device, candidate_names(settings, family=serving.family, device=serving.device),
                               rejected, config=report.config, family=serving.family)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import sm120_fp4
+from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
 from sm120_fp4 import backends, devices, doctor, humming, kernels, nvfp4, selection, selftest
 from sm120_fp4.config import Settings
@@ -52,6 +53,8 @@ def test_moe_backends_auto_and_explicit_lists_are_accepted_and_bad_ones_named():
         Settings(moe_backends="humming,,x")
 
 
+@case("own failures", "humming-kernels not installed, the default chain on a simulated sm_120",
+      "humming is a 'not supported: humming-kernels is not installed' candidate in the refusal, never a crash")
 @pytest.mark.skipif(HAS_HUMMING, reason="humming-kernels is installed here")
 def test_missing_humming_is_a_clear_not_supported_reason_and_the_refusal_names_it():
     ok, why = backends.is_supported("humming", SIM_CPU)
@@ -105,6 +108,8 @@ def test_moe_self_test_passes_against_the_w4a16_oracle_and_fails_against_w4a4(st
     assert not all(r.passed for r in selftest.sweep(cases, selftest.Bounds(), torch.device("cpu")))
 
 
+@case("backend faults", "a Humming call given SGLang's 128x4-swizzled scale bytes as linear ones (dense and MoE)",
+      "both self-tests fail with a scale error; decide() refuses humming")
 def test_a_wrong_scale_layout_is_refused_in_both_families():
     with engine(WrongScaleLayout(StandInEngine())):
         dense = selftest.run("humming", SIM_CPU)
@@ -163,6 +168,8 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
         sm120_fp4.uninstall()
 
 
+@case("backend faults", "humming fails a second layer configuration after converting only the first (checked) layer",
+      "the kept bytes are written back and the fallback (emulated) serves every configuration")
 @pytest.mark.sglang
 def test_a_humming_failure_after_only_checked_layers_restores_them_for_the_fallback(stand_in, monkeypatch):
     sm120_fp4.install(simulate="12.0", backends="humming", fallback="emulated")
@@ -185,6 +192,8 @@ def test_a_humming_failure_after_only_checked_layers_restores_them_for_the_fallb
         sm120_fp4.uninstall()
 
 
+@case("backend faults", "humming fails a layer configuration after converting layers whose bytes it did not keep",
+      "the worker refuses, saying those layers are in humming's layout and no other backend can serve them")
 @pytest.mark.sglang
 def test_a_humming_failure_after_unchecked_layers_were_converted_refuses_saying_why(stand_in, monkeypatch):
     sm120_fp4.install(simulate="12.0", backends="humming", fallback="emulated")
@@ -194,6 +203,35 @@ def test_a_humming_failure_after_unchecked_layers_were_converted_refuses_saying_
         monkeypatch.setattr(stand_in, "gemm", lambda p, x, s, out: out.zero_())
         with pytest.raises(RefusedToServe, match="converted served layers' weights to its own layout in place"):
             _served_layer(256, 1024, seed=3)
+    finally:
+        sm120_fp4.uninstall()
+
+
+@case("backend faults", "the first candidate passes its self-test, then fails a later layer configuration; humming is next",
+      "humming converts every layer seen so far (the checked ones keeping their bytes), passes every configuration and serves them all")
+@pytest.mark.sglang
+def test_humming_taking_over_converts_the_layers_seen_before_and_serves_them(stand_in):
+    from sm120_fp4.sglang import layers
+
+    def right_until_k_1024(a, b, a_sf, b_sf, alpha, out_dtype, out):
+        backends.emulated_mm_fp4(a, b, a_sf, b_sf, alpha, out_dtype, out)
+        if a.shape[1] * 2 == 1024:
+            out.mul_(1.25)
+        return out
+
+    backends.register("flaky", right_until_k_1024)
+    sm120_fp4.install(simulate="12.0", backends="flaky,humming")
+    try:
+        served = [_served_layer(256, 512, seed=1), _served_layer(256, 512, seed=2)]
+        assert humming.converted_layers("dense") == 0
+        served.append(_served_layer(256, 1024, seed=3))  # flaky fails here; humming takes over
+        [decision] = selection.decisions()
+        assert decision.backend == "humming" and decision.verified and len(decision.layers) == 2
+        assert humming.converted_layers("dense") == 3
+        for ckpt, method, layer in served:
+            assert not torch.equal(layer.weight, ckpt.weight)
+            x = torch.randn(4, ckpt.weight.shape[1] * 2, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+            assert torch.equal(method.apply(layer, x), layers.reference_output(ckpt, x))
     finally:
         sm120_fp4.uninstall()
 
