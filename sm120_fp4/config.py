@@ -325,7 +325,7 @@ def _accepted(field: str) -> str:
         return "`1`, `on`, `0`, `off`"
     if choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
-    return {"backends": "`auto` or comma-separated names", "moe_backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`",
+    return {"backends": "`auto` or comma-separated names", "moe_backends": "`auto` or comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`",
             "report": "a path", "verdicts": "a file path, or `off`", "selftest_timeout": "seconds, 0 < s <= 86400"}.get(field, "")
 
 
