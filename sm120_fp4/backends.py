@@ -53,6 +53,10 @@ __all__ = [
     "get_moe",
     "is_moe_supported",
     "resolve_moe",
+    "backend_of",
+    "mode_of",
+    "original",
+    "HUMMING",
 ]
 
 GemmFn = Callable[..., object]
@@ -69,9 +73,18 @@ class Backend:
     """A named GEMM with its support check; `fn` is None until resolved (FlashInfer: lazily)."""
 
     name: str
-    kind: str  # "flashinfer" | "emulated" | "registered"
+    kind: str  # "flashinfer" | "emulated" | "humming" | "registered"
     fn: GemmFn | None
     supported: SupportFn
+    # What it computes: "w4a4" (activations quantized to FP4, as the checkpoint says) or "w4a16"
+    # (activations not quantized); a backend is verified against the oracle mode that matches.
+    mode: str = "w4a4"
+    # Backends that serve a converted copy of each layer's weights (humming): `prepare(tensors,
+    # keep_original)` converts one served layer at load, `restore()` undoes every conversion it can
+    # (True: all undone, another backend can take over), `describe()` says what status shows.
+    prepare: Callable[[dict, bool], None] | None = None
+    restore: Callable[[], bool] | None = None
+    describe: Callable[[], dict] | None = None
 
 
 def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
@@ -127,6 +140,27 @@ def emulated_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w
 
 def _always(device: Device) -> tuple[bool, str | None]:
     return True, None
+
+
+HUMMING = "humming"
+
+
+def _humming_dense() -> Backend:
+    """Humming's bf16/fp16-activation kernel on SGLang's FP4 activations, dequantized exactly (W4A4)."""
+    from . import humming  # light: Humming itself is imported only when it is asked about
+
+    return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4",
+                   lambda t, keep: humming.prepare_dense(t["weight"], t["weight_sf"], t["dtype"], keep),
+                   lambda: humming.restore("dense"), lambda: humming.describe_backend("dense"))
+
+
+def _humming_moe() -> Backend:
+    """Humming's grouped kernel on unquantized activations (W4A16)."""
+    from . import humming
+
+    return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16",
+                   lambda t, keep: humming.prepare_moe(t, t["dtype"], keep),
+                   lambda: humming.restore("moe"), lambda: humming.describe_backend("moe"))
 
 
 ENTRY_POINT_GROUPS = {"FP4 GEMM": "sm120_fp4.backends", "NVFP4 fused-MoE": "sm120_fp4.moe_backends"}
@@ -213,12 +247,14 @@ def _dense_builtins() -> dict[str, Backend]:
     out = {name: Backend(name, "flashinfer", None, functools.partial(kernels.supported, name)) for name in FLASHINFER_BACKENDS}
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
     out[EMULATED_CACHED] = Backend(EMULATED_CACHED, "emulated", emulated_cached_mm_fp4, _always)
+    out[HUMMING] = _humming_dense()
     return out
 
 
 def _moe_builtins() -> dict[str, Backend]:
     out = {name: Backend(name, "flashinfer", None, functools.partial(kernels.moe_supported, name)) for name in kernels.MOE_BACKENDS}
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_moe, _always)
+    out[HUMMING] = _humming_moe()
     return out
 
 
@@ -259,6 +295,26 @@ def resolve(name: str) -> GemmFn:
     """The callable to run for backend `name` (FlashInfer imported here, not before)."""
     backend = get(name)
     return backend.fn if backend.fn is not None else kernels.mm_fp4_backend(name)
+
+
+def backend_of(family: str, name: str) -> Backend:
+    """Backend `name` of `family` ("dense" or "moe")."""
+    return get_moe(name) if family == "moe" else get(name)
+
+
+def mode_of(family: str, name: str) -> str:
+    """What backend `name` of `family` computes: "w4a4" or "w4a16" (the oracle mode it is checked
+    against); "w4a4" for a name that is no backend (the original kernel SGLang would call)."""
+    registry = _moe if family == "moe" else _dense
+    return registry.get(name).mode if name in registry.names() else "w4a4"
+
+
+def original(t):
+    """A weight tensor as the checkpoint has it, for the oracle: where a backend converted its storage
+    in place (humming), a copy of the bytes it kept; otherwise the tensor itself."""
+    from . import humming
+
+    return humming.original(t)
 
 
 def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:

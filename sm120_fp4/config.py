@@ -116,12 +116,13 @@ class Settings(BaseSettings):
     )
     backends: Annotated[tuple[str, ...] | Literal["auto"], NoDecode] = Field(
         AUTO,
-        description="Ordered candidate backends (FlashInfer names, emulated, or registered names), comma-separated; "
+        description="Ordered candidate backends (FlashInfer names, humming, emulated, or registered names), comma-separated; "
         "auto: the order known to work for each GPU's compute capability (docs/operations.md).",
     )
-    moe_backends: Annotated[tuple[str, ...], NoDecode] = Field(
-        ("cutlass",),
-        description="Ordered candidate NVFP4 fused-MoE backends (FlashInfer's cutlass, emulated, or names registered with register_moe), comma-separated.",
+    moe_backends: Annotated[tuple[str, ...] | Literal["auto"], NoDecode] = Field(
+        AUTO,
+        description="Ordered candidate NVFP4 fused-MoE backends (FlashInfer's cutlass, humming, emulated, or names registered with "
+        "register_moe), comma-separated; auto: cutlass, then humming on 12.x (docs/operations.md).",
     )
     moe_fallback: Literal["none", "emulated"] = Field(
         "none", description="emulated: serve NVFP4 MoE layers with the slow pure-PyTorch emulation instead of refusing."
@@ -176,12 +177,11 @@ class Settings(BaseSettings):
     @field_validator("backends", "moe_backends", mode="before")
     @classmethod
     def _parse_backends(cls, value: object, info) -> object:
-        if value == AUTO and info.field_name == "backends":
+        if value == AUTO:
             return AUTO
         names = value.split(",") if isinstance(value, str) else value
         if not isinstance(names, (list, tuple)) or not names:
-            raise ValueError("accepted: a comma-separated list of backend names, e.g. cutlass,b12x"
-                             + (", or auto" if info.field_name == "backends" else ""))
+            raise ValueError("accepted: a comma-separated list of backend names, e.g. cutlass,b12x, or auto")
         names = tuple(n.strip(_ASCII_SPACE) if isinstance(n, str) else n for n in names)
         bad = [n for n in names if not isinstance(n, str) or not _NAME.fullmatch(n)]
         if bad:
@@ -375,7 +375,7 @@ def _accepted(field: str) -> str:
         return "`1`, `on`, `0`, `off`"
     if choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
-    return {"backends": "`auto` or comma-separated names", "moe_backends": "comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`",
+    return {"backends": "`auto` or comma-separated names", "moe_backends": "`auto` or comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`",
             "report": "a path", "verdicts": "a file path, or `off`", "selftest_timeout": "seconds, 0 < s <= 86400"}.get(field, "")
 
 

@@ -47,6 +47,12 @@ def _nvcc() -> dict:
     return {"found": True, "path": path, "version": match.group(1) if match else out.strip()[-80:]}
 
 
+def _humming() -> dict:
+    from . import humming
+
+    return humming.doctor_info()
+
+
 def _devices(settings) -> list[dict]:
     from . import devices
 
@@ -159,7 +165,7 @@ def collect(deep: bool = True) -> dict:
         "sm120_fp4": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "versions": {d: installed_version(d) for d in ("torch", "flashinfer-python", "sglang", "nvidia-ml-py", "pydantic", "wrapt")},
+        "versions": {d: installed_version(d) for d in ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")},
     }
     settings_result = _probe(_settings)
     settings = None
@@ -169,6 +175,7 @@ def collect(deep: bool = True) -> dict:
         report["settings"] = settings_result
     report["torch"] = _probe(_torch)
     report["nvcc"] = _probe(_nvcc)
+    report["humming"] = _probe(_humming)
     report["devices"] = _probe(lambda: _devices(settings))
     report["activation"] = _probe(_activation)
     report["sglang"] = _probe(_targets)
@@ -217,6 +224,13 @@ def _markdown(report: dict) -> str:
         lines.append(f"- torch CUDA build {torch_info['cuda_build']}, CUDA available: {torch_info['cuda_available']}")
     nvcc = report["nvcc"]
     lines.append(f"- nvcc: {nvcc.get('version', 'not found')} {nvcc.get('path', '')}".rstrip())
+    hum = report.get("humming", {})
+    if "error" in hum:
+        lines.append(f"- humming-kernels: probe failed: {hum['error']}")
+    else:
+        compiles = f"can compile here ({hum['compiler']}: {hum['compiler_detail']})" if hum.get("can_compile") else \
+            f"cannot compile here: {hum.get('compiler_detail')}"
+        lines.append(f"- humming-kernels: {hum.get('version') or 'not installed'}; {compiles}; kernel cache {hum.get('cache_dir')}")
     lines += ["", "### GPUs"]
     devs = report["devices"]
     if isinstance(devs, list):

@@ -32,6 +32,9 @@ __all__ = [
     "DEFAULT_ORDER",
     "ORDER_BY_CAPABILITY",
     "default_order",
+    "DEFAULT_MOE_ORDER",
+    "MOE_ORDER_BY_CAPABILITY",
+    "default_moe_order",
     "version",
     "supported",
     "mm_fp4_backend",
@@ -62,16 +65,31 @@ BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
 #   sm_120 (RTX PRO 6000 / RTX 50xx): cutlass first, b12x second.
 # FlashInfer #5446 (the b12x MoE with 512 experts crashing) concerns a MoE kernel this library does
 # not route; MOE_BACKENDS has no b12x entry. docs/operations.md lists the same sources.
+#   Last on 12.x: humming (humming-kernels, JIT-compiled, bf16-activation kernels on the FP4
+#     weights; sm120_fp4/humming.py): the verified fallback that keeps a GPU serving when no FP4
+#     kernel verifies. Off 12.x the order is unchanged (nothing is served there unless enabled).
 DEFAULT_ORDER: tuple[str, ...] = ("cutlass", "b12x")
 ORDER_BY_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {
-    (12, 0): ("cutlass", "b12x"),
-    (12, 1): ("cutlass",),
+    (12, 0): ("cutlass", "b12x", "humming"),
+    (12, 1): ("cutlass", "humming"),
+}
+# The fused-MoE order SM120_FP4_MOE_BACKENDS=auto means: FlashInfer's cutlass, then Humming's
+# grouped W4A16 kernel on 12.x.
+DEFAULT_MOE_ORDER: tuple[str, ...] = ("cutlass",)
+MOE_ORDER_BY_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {
+    (12, 0): ("cutlass", "humming"),
+    (12, 1): ("cutlass", "humming"),
 }
 
 
 def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
     """The candidate order SM120_FP4_BACKENDS=auto means on a GPU of `capability`."""
     return ORDER_BY_CAPABILITY.get(tuple(capability), DEFAULT_ORDER)
+
+
+def default_moe_order(capability: tuple[int, int]) -> tuple[str, ...]:
+    """The candidate order SM120_FP4_MOE_BACKENDS=auto means on a GPU of `capability`."""
+    return MOE_ORDER_BY_CAPABILITY.get(tuple(capability), DEFAULT_MOE_ORDER)
 
 
 # Backend names SGLang may pass that read that layout: the decided backend serves them. "cutlass"

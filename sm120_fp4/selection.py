@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from . import backends, devices, kernels, locks, report, selftest, verdicts
 from .config import AUTO, Settings, load_settings
@@ -52,7 +52,22 @@ class Decision(BaseModel):
     duration_s: float = 0.0
     layers: list[selftest.SelfTestReport] = Field(default_factory=list)
     family: str = "dense"
+    mode: str = "w4a4"  # what serves: "w4a4" (activations quantized, as the checkpoint) or "w4a16"
     fn: Callable = Field(exclude=True, repr=False)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def backend_info(self) -> dict | None:
+        """What the serving backend says about itself now (humming: its mode, JIT time per kernel
+        configuration, cache, memory of the converted layers); None for backends that say nothing."""
+        names = backends.moe_names() if self.family == "moe" else backends.names()
+        if self.backend not in names:
+            return None  # unregistered since (a test's backend)
+        try:
+            describe = backends.backend_of(self.family, self.backend).describe
+            return describe() if describe is not None else None
+        except Exception as exc:  # noqa: BLE001 - status must answer
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 class Refusal(BaseModel):
@@ -82,6 +97,9 @@ class LayerCheck:
     cases: Callable[[list[int]], list[selftest.Case]]
     ms: list[int]
     recheck_ms: list[int]
+    # The layer's own tensors, for a backend that converts each served layer at load (humming):
+    # dense {"weight", "weight_sf", "dtype"}; MoE reference_moe_fp4's names and "dtype".
+    tensors: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -122,8 +140,15 @@ def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, .
 
 DENSE = Family("dense", "FP4 GEMM", "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
                backends.resolve, _dense_candidates, lambda s: s.fallback, _dense_self_test)
+def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
+    """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (kernels.default_moe_order)."""
+    if settings.moe_backends != AUTO:
+        return settings.moe_backends
+    return kernels.default_moe_order(device.capability) if device is not None else kernels.DEFAULT_MOE_ORDER
+
+
 MOE = Family("moe", "NVFP4 fused-MoE", "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
-             backends.is_moe_supported, backends.resolve_moe, lambda s, d: s.moe_backends, lambda s: s.moe_fallback,
+             backends.is_moe_supported, backends.resolve_moe, _moe_candidates, lambda s: s.moe_fallback,
              _moe_self_test)
 FAMILIES = {"dense": DENSE, "moe": MOE}
 
@@ -161,6 +186,9 @@ class _Serving:
     family: Family
     checks: dict[tuple, LayerCheck] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
+    # Every served layer's tensors seen so far (SGLang's own objects: no copy), so that a backend that
+    # converts layers at load (humming) and takes over later converts the earlier ones too.
+    seen: list[dict] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=locks.rlock)
 
 
@@ -280,6 +308,7 @@ def _choose(device: Device, candidates: list[str], settings: Settings, family: F
         raise refused
     return Decision(
         backend=choice,
+        mode=backends.backend_of(family.name, choice).mode,
         verified=verified,
         reason=reason,
         timings_ms=timings,
@@ -403,8 +432,11 @@ def decisions() -> list[Decision]:
 
 
 def clear() -> None:
-    """Forget every decision and route (uninstall; tests; a FlashInfer upgrade in a long-lived process)."""
+    """Forget every decision and route (uninstall; tests; a FlashInfer upgrade in a long-lived process),
+    and undo what a backend converted at load where it can (humming: the layers whose original bytes
+    it kept); a layer it cannot restore is named in a warning (only that backend can serve it)."""
     with _lock:
+        serving = list(_serving.values())
         _decisions.clear()
         _key_locks.clear()
         for table in _route_tables.values():
@@ -412,6 +444,10 @@ def clear() -> None:
         _route_names.clear()
         _refusals.clear()
         _serving.clear()
+    for record in serving:
+        stuck = _release(record, record.decision.backend)
+        if stuck is not None:
+            _LOG.warning("sm120_fp4: %s: %s", record.device.label(), stuck)
 
 
 def serves(device: Device, settings: Settings) -> bool:
@@ -478,14 +514,24 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
     the same checks), SELFTEST=warn serves unverified, and otherwise RefusedToServe names the
     configuration, the batch size and what was wrong.
     """
-    if route(index, settings, check.family) is None or settings.selftest == "off":
+    if route(index, settings, check.family) is None:
         return None
     serving = _serving[(check.family, index)]
     with serving.lock:
-        if check.key in serving.checks:
+        first = check.key not in serving.checks
+        problem = _prepare(serving, check.tensors, keep_original=first and settings.selftest != "off")
+        if check.tensors is not None:
+            serving.seen.append(check.tensors)
+        if settings.selftest == "off":
+            return None
+        if not first:
             return next((r for r in serving.decision.layers if r.config == check.label), None)
         serving.checks[check.key] = check
-        report = _run_check(serving, check, check.ms)
+        if problem is None:
+            report = _run_check(serving, check, check.ms)
+        else:
+            report = selftest.report_for(serving.decision.backend, serving.device, config=check.label)
+            report.reason = problem
         if report.passed:
             serving.decision.layers.append(report)
             _LOG.info("sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)", check.label,
@@ -495,17 +541,48 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
         return _replace_backend(serving, report, settings)
 
 
+def _prepare(serving: _Serving, tensors: dict | None, keep_original: bool) -> str | None:
+    """Let the serving backend convert one layer at load (humming); None, or why it could not."""
+    backend = backends.backend_of(serving.family.name, serving.decision.backend)
+    if backend.prepare is None or tensors is None:
+        return None
+    try:
+        backend.prepare(tensors, keep_original)
+    except Exception as exc:  # a finding about this backend, like a failed check
+        return f"could not convert the layer's weights for {backend.name}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _release(serving: _Serving, name: str) -> str | None:
+    """Undo what backend `name` converted on this device; None, or why no other backend can take over."""
+    try:
+        backend = backends.backend_of(serving.family.name, name)
+    except ConfigError:  # unregistered since (a test's backend): it converted nothing of ours
+        return None
+    if backend.restore is None or backend.restore():
+        return None
+    return (f"{name} converted served layers' weights to its own layout in place at load and kept the original bytes "
+            "of the checked layers only, so no other backend can serve them in this process; restart with "
+            f"{serving.family.backends_var} naming a backend that verifies")
+
+
 def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, settings: Settings) -> selftest.SelfTestReport:
     """The served backend failed `report`'s configuration: find one that passes everything, or refuse."""
     failures = [report]
     serving.failed[report.backend] = f"{report.config}: {report.reason}"
-    while True:
+    stuck = _release(serving, report.backend)
+    if stuck is not None:
+        serving.failed[report.backend] += f" ({stuck})"
+    while stuck is None:
         remaining = [n for n in candidate_names(settings, family=serving.family, device=serving.device) if n not in serving.failed]
         decision = _next_decision(serving, remaining, settings)
         if decision is None:
             break
         _set_route(serving, decision)
+        problems = [p for p in (_prepare(serving, t, any(t is c.tensors for c in serving.checks.values())) for t in serving.seen) if p]
         reports = [_run_check(serving, c, c.ms) for c in serving.checks.values()]
+        if problems:
+            reports[0].passed, reports[0].reason = False, problems[0]
         bad = next((r for r in reports if not r.passed), None)
         if bad is None:
             decision.layers = reports
@@ -515,6 +592,9 @@ def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, setting
             return next(r for r in reports if r.config == report.config)
         failures.append(bad)
         serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
+        stuck = _release(serving, decision.backend)
+        if stuck is not None:
+            serving.failed[decision.backend] += f" ({stuck})"
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
     message = refusal_message(serving.device, candidate_names(settings, family=serving.family, device=serving.device),
                               rejected, config=report.config, family=serving.family)

@@ -497,19 +497,35 @@ def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.
 
 
 def moe_cases(fn: Callable, weights: dict, activation: str, plans: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
-              bounds: Bounds = MOE_BOUNDS, cache: dict | None = None) -> list[Case]:
+              bounds: Bounds = MOE_BOUNDS, cache: dict | None = None, mode: str = "w4a4",
+              reference_weights: dict | None = None) -> list[Case]:
     """Backend-convention calls of `fn` with `weights` (reference_moe_fp4's names), one per plan
     (label, x, topk_ids, topk_weights): each checked against the oracle, `out` poisoned first.
-    `cache` keeps the references' dequantized experts for these weights (one dict per weights)."""
+    `cache` keeps the references' dequantized experts for these weights (one dict per weights).
+
+    `mode` is what the backend computes: "w4a4" against the oracle with quantized activations,
+    "w4a16" against its W4A16 mode (``quantize_activations=False``, each expert's alpha times the
+    activation scale it was made for: 1 / the weight's global scale). `reference_weights` (default
+    `weights`) are what the oracle reads: the checkpoint's bytes where the served ones were converted."""
     cases = []
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
+    ref_w = reference_weights or weights
     for label, x, ids, topk_weights in plans:
         args = (x, ids, topk_weights, weights["w13"], weights["w13_sf"], weights["w13_alpha"], weights["w2"],
                 weights["w2_sf"], weights["w2_alpha"], weights["a1_gscale"], weights["a2_gscale"])
-        ref = nvfp4.reference_moe_fp4(*args, activation=activation, out_dtype=torch.float32, weight_cache=cache)
-        kernel_rounding = nvfp4.reference_moe_fp4(*args, activation=activation, out_dtype=torch.float32,
-                                                  intermediate_dtype=x.dtype, weight_cache=cache)
-        slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+        if mode == "w4a16":
+            ref = nvfp4.reference_moe_fp4(x, ids, topk_weights, ref_w["w13"], ref_w["w13_sf"],
+                                          ref_w["w13_alpha"] * ref_w["a1_gscale"], ref_w["w2"], ref_w["w2_sf"],
+                                          ref_w["w2_alpha"] * ref_w["a2_gscale"], None, None, activation=activation,
+                                          out_dtype=torch.float32, quantize_activations=False, weight_cache=cache)
+            slack = None  # nothing is re-quantized: no rounding point the oracle cannot decide
+        else:
+            ref_args = args[:3] + tuple(ref_w[k] for k in ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha",
+                                                         "a1_gscale", "a2_gscale"))
+            ref = nvfp4.reference_moe_fp4(*ref_args, activation=activation, out_dtype=torch.float32, weight_cache=cache)
+            kernel_rounding = nvfp4.reference_moe_fp4(*ref_args, activation=activation, out_dtype=torch.float32,
+                                                      intermediate_dtype=x.dtype, weight_cache=cache)
+            slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         cases.append(Case(x.shape[0], x.shape[1], weights["w2"].shape[2] * 2,
                           functools.partial(fn, *args, activation, x.dtype, out), ref,
@@ -535,6 +551,7 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
         report.reason = f"could not load MoE backend {backend!r}: {type(exc).__name__}: {exc}"
         return report
     tdev = device.torch_device
+    mode = backends.get_moe(backend).mode
     gen = torch.Generator().manual_seed(seed)
     cases: list[Case] = []
     caches: dict[tuple, dict] = {}  # per layer shape: the same seeded weights
@@ -543,5 +560,6 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
         ids, topk_weights = moe_routing(case.tokens, case.top_k, case.experts, case.routing, gen)
         x = (torch.randn(case.tokens, case.hidden, generator=gen) * 1.5).clamp(-4, 4).to(getattr(torch, case.dtype)).to(tdev)
         cache = caches.setdefault((case.experts, case.hidden, case.intermediate, case.activation), {})
-        cases += moe_cases(fn, weights, case.activation, [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))], bounds, cache)
+        cases += moe_cases(fn, weights, case.activation, [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))], bounds, cache,
+                           mode=mode)
     return finish(report, sweep(cases, Bounds(timeout_s=bounds.timeout_s), tdev), start)

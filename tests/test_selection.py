@@ -309,7 +309,7 @@ def test_a_vanished_report_directory_is_not_replaced_by_a_file(tmp_path, caplog,
 
 @case("properties", "SM120_FP4_BACKENDS unset (auto) on a GPU of compute capability {cc}",
       "the candidates are the per-capability order of kernels.ORDER_BY_CAPABILITY: {order}")
-@pytest.mark.parametrize("cc, order", [("12.0", "cutlass,b12x"), ("12.1", "cutlass (b12x absent: FlashInfer #3170)")])
+@pytest.mark.parametrize("cc, order", [("12.0", "cutlass,b12x,humming"), ("12.1", "cutlass,humming (b12x absent: FlashInfer #3170)")])
 def test_the_default_candidates_follow_the_capability(cc, order):
     major, minor = map(int, cc.split("."))
     gpu = CpuGpu(0, f"mocked sm_{major}{minor}", (major, minor))

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .. import nvfp4, selftest
+from .. import backends, nvfp4, selftest
 from ..errors import say_once
 from ..selection import LayerCheck
 from .release import RUNTIME_CONTEXT
@@ -149,7 +149,9 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     k_weight = weight.shape[1] * 2
     if k_weight > k:  # SGLang pads K for the kernel's alignment: zero codes add nothing
         qx = torch.nn.functional.pad(qx, (0, (k_weight - k) // 2))
-    reference = nvfp4.reference_mm_fp4(qx, weight.T, sx, weight_sf.T, alpha.float().reshape(1), torch.float32)[:, :n_out]
+    # The checkpoint's bytes: where a backend converted the served storage in place (humming), its kept copy.
+    ref_weight, ref_sf = backends.original(weight), backends.original(weight_sf)
+    reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)[:, :n_out]
     return [selftest.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched) for m in ms]
 
 
@@ -169,7 +171,8 @@ def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, al
         return [case for i, dtype in enumerate(dtypes)
                 for case in _served_cases(serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched)]
 
-    return LayerCheck(weight.get_device(), key, label, "dense", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH])
+    return LayerCheck(weight.get_device(), key, label, "dense", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH],
+                      tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]})
 
 
 def modelopt_check(method: object, layer: object) -> LayerCheck | None:

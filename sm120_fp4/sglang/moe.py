@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .. import kernels, nvfp4, selection, selftest
+from .. import backends, kernels, nvfp4, selection, selftest
 from ..errors import RefusedToServe
 from ..patching import PatchSpec, Patcher
 from ..selection import LayerCheck
@@ -267,9 +267,15 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
                 name = f"T={m} {routing} {str(dtype).removeprefix('torch.')}"
                 plans.append((name, x.to(device), subset[ids.long()].to(torch.int32).to(device), topk_weights.to(device)))
         call = serve or functools.partial(_served_convention, layer, weights)
-        return selftest.moe_cases(call, kernel_weights, weights["activation"], plans)
+        # What the serving backend computes (humming: W4A16), and the checkpoint's bytes for the oracle
+        # where it converted the served storage in place.
+        index = layer_device_index(layer)
+        mode = backends.mode_of("moe", selection.routes("moe").get(index, backends.EMULATED))
+        originals = {k: backends.original(v) for k, v in kernel_weights.items()}
+        return selftest.moe_cases(call, kernel_weights, weights["activation"], plans, mode=mode, reference_weights=originals)
 
-    return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH])
+    return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH],
+                      tensors={**kernel_weights, "dtype": dtypes[0]})
 
 
 def _served_convention(layer, weights, x, ids, topk_weights, *rest):

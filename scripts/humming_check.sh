@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The humming fallback on a real CUDA GPU, in one call (the H200 lent to sessions: SM90, where
+# Humming's bf16-activation kernels and its JIT compiler run). From a directory holding sm120_fp4/,
+# tests/, benchmarks/, pyproject.toml and the wheels in whl/common (our dependencies) and
+# whl/w<VERSION> (one humming-kernels release):
+#   bash scripts/humming_check.sh 19 ["--part dense" | --quick]   (logs and JSON under $OUT, or ./humming-results)
+# Steps: doctor; the GPU tests of tests/test_humming.py (self-tests, a wrong scale layout refused,
+# both routed fronts captured and replayed, no host sync); the benchmark in a fresh kernel cache
+# (first start); the same configurations again in a second process over that cache (second start).
+set -uo pipefail
+VER="${1:?humming release suffix, e.g. 19 for whl/w19}"
+BENCH_ARGS="${2:-}"
+OUT="${OUT:-$PWD/humming-results}"
+mkdir -p "$OUT"
+SITE="/tmp/site-$VER"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" whl/common/*.whl whl/w"$VER"/*.whl || exit 2
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 BENCH_OUT="$OUT" HUMMING_CACHE_DIR="/tmp/humming-cache-$VER"
+rm -rf "$HUMMING_CACHE_DIR"
+LOG="$OUT/log-$VER.txt"
+status=0
+step() { local limit="$1" name="$2"; shift 2; echo; echo "=== $name (limit ${limit}s)"; timeout "$limit" "$@" || { echo "!!! step failed: $?"; status=1; }; }
+{
+step 30 "versions" python3 -c "import torch, sys, humming; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), 'humming', humming.__version__)"
+step 40 "doctor (simulated sm_120 on the real CUDA device)" bash -c "SM120_FP4_SIMULATE=12.0 python3 -m sm120_fp4 doctor --quick"
+step 130 "GPU tests: tests/test_humming.py -m gpu" python3 -m pytest -q -rs -s -p no:cacheprovider -p no:randomly -m gpu tests/test_humming.py
+step 190 "benchmark (first start: empty kernel cache for the benchmark's shapes)" python3 benchmarks/humming_fallback.py $BENCH_ARGS
+step 45 "second start: a new process over the same kernel cache" python3 benchmarks/humming_fallback.py --part startup
+} 2>&1 | tee "$LOG"
+exit $status
