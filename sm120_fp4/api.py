@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from . import __version__, devices, selection
+from . import __version__, canary, devices, selection
+from .canary import CanaryStatus
 from . import sglang as sglang_support
 from .config import Settings, env_name, load_settings, sources
 from .dispatch import Router
@@ -45,6 +46,7 @@ class Status(BaseModel):
     moe_routes: dict[int, str]
     decisions: list[selection.Decision]
     refusals: list[selection.Refusal]
+    canary: CanaryStatus
 
 
 @dataclass
@@ -210,4 +212,5 @@ def status() -> Status:
             moe_routes=selection.routes("moe") if state else {},
             decisions=selection.decisions(),
             refusals=selection.refusals(),
+            canary=canary.status(settings),
         )
