@@ -380,15 +380,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def _canary_problem() -> str | None:
     """Why the serving canary the settings ask for cannot run with this SGLang (a bad setting is
     the preflight's to report)."""
+    from .canary import settings_problem
     from .config import load_settings
     from .errors import ConfigError
-    from .sglang import canary_problem, release_support
+    from .sglang import idle_point_problem, release_support
 
     try:
         settings = load_settings(toggle=True)
     except ConfigError:
         return None
-    return canary_problem(settings) if release_support()[0] else None
+    return settings_problem(settings) or (idle_point_problem(settings) if release_support()[0] else None)
 
 
 # ---- entry point ---------------------------------------------------------------------------

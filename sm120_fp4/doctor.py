@@ -152,13 +152,15 @@ def _canary(settings) -> dict:
     serving process last wrote about it in its report file (SM120_FP4_REPORT)."""
     import glob
 
-    from .sglang import canary_problem, release, targets
+    from .canary import settings_problem
+    from .sglang import idle_point_problem, release, targets
 
     idle = targets.idle_spec(lambda stream: None)
     out = {"enabled": settings.canary_period is not None, "period_s": settings.canary_period,
            "action": settings.canary_action, "slice_ms": settings.canary_slice_ms,
            "idle_point": f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None,
-           "problem": canary_problem(settings) if release.release_support()[0] else None, "processes": []}
+           "problem": settings_problem(settings) or (idle_point_problem(settings) if release.release_support()[0] else None),
+           "processes": []}
     report = str(settings.report) if settings.report is not None else None
     if report is not None:
         pattern = os.path.join(report, "*.json") if os.path.isdir(report) else report.replace("{pid}", "*")

@@ -16,27 +16,25 @@ from typing import Callable
 
 from .release import release_support, runtime_patch_needed, sglang_version
 
-__all__ = ["attach", "canary_problem", "release_support", "runtime_patch_needed", "sglang_version"]
+__all__ = ["attach", "idle_point_problem", "release_support", "runtime_patch_needed", "sglang_version"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
 
-def attach(patcher, router, settings) -> list[Callable[[], None]]:
+def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     """Register this install's SGLang patches (and, in simulation, the simulation stand-ins).
 
     `router` (a dispatch.Router) builds the FP4 GEMM alias replacement and decides per device: its
     ``ensure(index)`` may raise RefusedToServe and returns None for a device this library does not
-    serve (the runner enum then stays as is, and nothing is verified there). Returns the undo steps
-    that are not patches (the patcher undoes its own).
+    serve (the runner enum then stays as is, and nothing is verified there). `canary` (the module
+    sm120_fp4.canary, passed in so that nothing here imports it) runs at the scheduler's idle point
+    when SM120_FP4_CANARY is on. Returns the undo steps that are not patches (the patcher undoes its own).
     """
-    from .. import canary, checkpoints, selection
+    from .. import checkpoints, selection
     from ..errors import ConfigError, RefusedToServe
     from ..versions import version_in
     from . import hooks, moe, simulation, targets
 
-    problem = canary_problem(settings)
-    if problem is not None:
-        raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
     undo: list[Callable[[], None]] = []
     simulate = settings.simulated_capability
     sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
@@ -80,7 +78,9 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     def moe_seam(original):
         return moe.make_seam(original, lambda index: selection.route(index, settings, "moe"), sim is not None)
 
-    idle = targets.idle_spec(canary.idle) if settings.canary_period is not None else None
+    idle = targets.idle_spec(canary.idle) if canary is not None and settings.canary_period is not None else None
+    if settings.canary_period is not None and idle is None:
+        raise ConfigError(f"invalid sm120_fp4 settings:\n  {idle_point_problem(settings) or 'the serving canary is not wired'}")
 
     def recheck(captured: list[int]) -> object:
         done = selection.recheck(settings, captured)
@@ -105,21 +105,17 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     return undo
 
 
-def canary_problem(settings) -> str | None:
-    """Why the serving canary cannot run as these settings ask with the installed SGLang (None: it
-    can, or it is off): a release whose scheduler loop has no idle point it can use, or nothing verified."""
-    from .. import canary
+def idle_point_problem(settings) -> str | None:
+    """Why the serving canary these settings ask for cannot run with the installed SGLang: its
+    scheduler loop has no idle point this library can use (None: it has one, or the canary is off)."""
     from . import targets
 
-    if settings.canary_period is None:
+    if settings.canary_period is None or targets.idle_spec(lambda stream: None) is not None:
         return None
-    problem = canary.settings_problem(settings)
-    if problem is None and targets.idle_spec(lambda stream: None) is None:
-        known = ", ".join(f"{s.attribute} ({s.versions})" for s in targets.idle_specs(lambda stream: None))
-        problem = (f"SM120_FP4_CANARY={settings.canary_period:g} is not available with SGLang {sglang_version()}: its "
-                   f"scheduler loop has no idle point sm120_fp4 can run the canary at (known: {known}); "
-                   "set SM120_FP4_CANARY=off to serve without the serving canary, or use a release listed")
-    return problem
+    known = ", ".join(f"{s.attribute} ({s.versions})" for s in targets.idle_specs(lambda stream: None))
+    return (f"SM120_FP4_CANARY={settings.canary_period:g} is not available with SGLang {sglang_version()}: its "
+            f"scheduler loop has no idle point sm120_fp4 can run the canary at (known: {known}); "
+            "set SM120_FP4_CANARY=off to serve without the serving canary, or use a release listed")
 
 
 def _require_idle_hook(patcher, spec, settings) -> None:
