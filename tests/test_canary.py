@@ -381,3 +381,21 @@ def test_off_by_default_and_after_uninstall():
     assert canary.active() is not None
     sm120_fp4.uninstall()
     assert canary.active() is None and "canary" not in selection.report_sections
+
+
+def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path, monkeypatch):
+    from sm120_fp4 import doctor
+
+    c, _ = serve(emulated_mm_fp4, (96, 160), report=str(tmp_path))
+    next_run(c)  # this process's report file now has a canary section
+    for name, value in {"SM120_FP4_CANARY": "60", "SM120_FP4_REPORT": str(tmp_path), "SM120_FP4_SIMULATE": "12.0"}.items():
+        monkeypatch.setenv(name, value)
+    shown = doctor.collect(deep=False)["canary"]
+    assert shown["enabled"] and shown["period_s"] == 60 and shown["action"] == "exit" and shown["problem"] is None
+    assert shown["idle_point"].startswith("sglang.srt.managers.")
+    [process] = shown["processes"]
+    assert process["runs"] == 1 and process["failures"] == 0 and process["last_run"]["passed"]
+    monkeypatch.setenv("SM120_FP4_SELFTEST", "off")
+    report = doctor.collect(deep=False)
+    assert any("serving canary: SM120_FP4_CANARY=60 re-verifies" in p for p in report["problems"])
+    assert "### Serving canary" in doctor._markdown(report)
