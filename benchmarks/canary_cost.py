@@ -113,7 +113,7 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int) ->
 
 def rounds_needed(checks) -> int:
     """Runs per configuration that cover every decode and larger batch size of its rotation."""
-    ms = sorted(set(CAPTURED) | {m for c in checks for m in c.recheck_ms})
+    ms = sorted(set(CAPTURED) | {m for c in checks for m in (*c.ms, *c.recheck_ms)})
     return max(sum(m < canary.SMALL_M for m in ms), sum(m >= canary.SMALL_M for m in ms))
 
 

@@ -5,7 +5,8 @@ later: a tactic re-chosen, a driver or firmware fault, a degrading card. With th
 period each serving process re-verifies, for each kernel family it serves (the dense FP4 GEMM, the
 NVFP4 fused MoE) on each device, one of that family's verified layer configurations, in rotation:
 through the exact routed call with the layer's own weights, at one decode batch size and one larger
-batch size (both rotating through the re-check's batch sizes and the captured graph sizes), against
+batch size (both rotating through the batch sizes verified at load, the re-check's and the captured
+graph sizes), against
 the oracle. It is the re-check's own check (:func:`selection.check_served`: two passes, every call
 checked), run one batch size per step.
 
@@ -234,8 +235,8 @@ class Canary:
 
     def _batch_sizes(self, check: selection.LayerCheck, round_: int) -> list[int]:
         """One decode batch size and one larger one, each rotating with the configuration's runs
-        through the re-check's batch sizes and the captured graph sizes."""
-        ms = sorted(set(check.recheck_ms) | self._captured)
+        through the batch sizes verified at load, the re-check's and the captured graph sizes."""
+        ms = sorted(set(check.ms) | set(check.recheck_ms) | self._captured)
         small = [m for m in ms if m < SMALL_M] or ms[:1]
         large = [m for m in ms if m >= SMALL_M] or ms[-1:]
         return sorted({small[round_ % len(small)], large[round_ % len(large)]})

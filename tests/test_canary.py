@@ -99,14 +99,14 @@ def test_a_kernel_that_turns_wrong_while_serving_is_refused_at_the_next_run(tmp_
         method.apply(layer, torch.randn(3, 160).to(torch.bfloat16))
     c.clock.now += PERIOD
     with pytest.raises(RefusedToServe, match=r"(?s)while serving: wear failed the serving canary's re-check of "
-                                             r"ModelOptFp4LinearMethod N=96 K=160 .*M=7 .*norm is"):
+                                             r"ModelOptFp4LinearMethod N=96 K=160 .*M=2 .*norm is"):
         for _ in range(10):
             canary.idle()
     data = json.loads(report.read_text())
     refusal = data["refusals"][-1]
     assert refusal["config"].endswith("(while serving)") and "while serving" in refusal["message"]
     shape = refusal["reports"][0]["shapes"][0]
-    assert shape["m"] == 7 and not shape["passed"] and shape["norm_ratio"] == pytest.approx(factor, rel=0.01)
+    assert shape["m"] == 2 and not shape["passed"] and shape["norm_ratio"] == pytest.approx(factor, rel=0.01)
     assert data["canary"]["failures"] == 1 and data["canary"]["state"].startswith("stopped the process")
     assert sm120_fp4.status().refusals[-1].config == refusal["config"]
     with pytest.raises(RefusedToServe, match="while serving"):
@@ -157,16 +157,16 @@ def wrong_at_n_64(a, b, out):
 
 
 LATE_FAULTS = {
-    "rows 64-127 zeroed": (zero_rows_64_127, r"M=512 .*rows 64-127"),
+    "rows 64-127 zeroed": (zero_rows_64_127, r"M=128 .*rows 64-127"),
     "one NaN in one row": (nan_in_one_row, r"M=1 .*non-finite"),
-    "two rows swapped (no zeros, no NaN)": (swap_two_rows, r"M=512 .*relative error"),
+    "two rows swapped (no zeros, no NaN)": (swap_two_rows, r"M=128 .*relative error"),
     "zeros above M=1000 only": (zeros_above_1000_rows, r"M=2049 .*all zeros"),
     "wrong at one of two configurations (N=64)": (wrong_at_n_64, r"N=64 K=160 .*norm is 0.9"),
 }
 
 
 @case("backend faults", "a dense kernel that goes wrong after start-up in one way: {fault}, canary on (two layer configurations)",
-      "caught within as many runs as it takes the rotation to reach the broken configuration and batch size (at most 2 here), refused while serving, naming them")
+      "caught by the first run that reaches the broken configuration and batch size (M > 1000: the 11th here), refused while serving, naming them")
 @pytest.mark.parametrize("fault", list(LATE_FAULTS))
 def test_each_way_of_going_wrong_later_is_caught_by_the_rotation(fault):
     fn, reason = LATE_FAULTS[fault]
@@ -174,7 +174,7 @@ def test_each_way_of_going_wrong_later_is_caught_by_the_rotation(fault):
     c, _ = serve(wear, (96, 160), (64, 160))
     wear.armed = True
     with pytest.raises(RefusedToServe, match=r"(?s)while serving: .*" + reason):
-        for _ in range(4):  # (N=96: M 1, 512), (N=64: M 1, 512), (N=96: M 7, 2049), (N=64: M 7, 2049)
+        for _ in range(12):  # N=96 and N=64 in turn, each at (1, 128), (2, 191), (3, 256), (4, 383), (5, 512), (7, 2049)
             next_run(c)
 
 
@@ -187,7 +187,7 @@ def test_a_healthy_kernel_passes_every_run_and_the_rotation_covers_configuration
     n96 = [r.ms for r in runs if "N=96" in r.config]
     n64 = [r.ms for r in runs if "N=64" in r.config]
     assert len(n96) == len(n64) == 4, "one configuration per period, in turn"
-    assert n96 == [[1, 512], [7, 2049], [1, 512], [7, 2049]], "a decode M and a larger M, rotating"
+    assert n96 == [[1, 128], [2, 191], [3, 256], [4, 383]], "a decode M and a larger M, rotating"
     status = c.status()
     assert status.runs == 8 and status.failures == 0 and status.busy_s > 0 and status.longest_step
     assert status.recent[-1] == runs[-1] and status.state.startswith("next run in")
@@ -195,9 +195,9 @@ def test_a_healthy_kernel_passes_every_run_and_the_rotation_covers_configuration
 
 def test_captured_graph_sizes_join_the_rotation():
     c, _ = serve(emulated_mm_fp4, (96, 160))
-    canary.on_warmup([2, 48, 256])
-    ms = [next_run(c).ms for _ in range(5)]
-    assert ms == [[1, 256], [2, 512], [7, 2049], [48, 256], [1, 512]]
+    canary.on_warmup([6, 300])
+    ms = [next_run(c).ms for _ in range(6)]
+    assert ms == [[1, 128], [2, 191], [3, 256], [4, 300], [5, 383], [6, 512]]
 
 
 def test_each_kernel_family_on_each_device_is_rechecked_every_period():
@@ -215,6 +215,34 @@ def test_each_kernel_family_on_each_device_is_rechecked_every_period():
             break
     assert {r.family for r in c.status().recent} == {"dense", "moe"}, "one run per family in one period"
     assert all(r.passed for r in c.status().recent)
+
+
+@case("backend faults", "an NVFP4 fused-MoE kernel (register_moe) that drops the second routed expert of every token once the process serves, canary on, a dense layer served too",
+      "the MoE kernel's next run (every period re-checks each family) refuses while serving, naming the MoE configuration; the dense run passes")
+def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run():
+    from sm120_fp4.sglang import moe_layers
+
+    problem = moe_layers.builder_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    state = {"worn": False}
+
+    def drops_second_slot(x, ids, weights, *rest):
+        if state["worn"]:
+            weights = weights.clone()
+            weights[:, 1:] = 0
+        return backends.emulated_moe(x, ids, weights, *rest)
+
+    backends.register_moe("moe-wear", drops_second_slot)
+    c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends="moe-wear")
+    moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    state["worn"] = True
+    c.clock.now += PERIOD
+    with pytest.raises(RefusedToServe, match=r"(?s)while serving: moe-wear failed the serving canary's re-check of "
+                                             r"ModelOptNvFp4FusedMoEMethod E=8 .*T=1 random"):
+        for _ in range(40):
+            canary.idle()
+    assert [r.passed for r in c.status().recent if r.family == "dense"] == [True]
 
 
 # ---- slices: bounded, always progressing, long steps deferred; saturation; capture ---------------
@@ -237,12 +265,13 @@ def test_a_slice_stops_before_a_step_it_knows_would_overrun_it_and_always_makes_
     timer = StepTimer()
     c, _ = serve(timer.kernel, (96, 160), canary_slice_ms="5")
     c.timer = timer
-    first = next_run(c)  # round 0: M 1 (2 calls: 2 ms) then M 512 (6 ms), neither measured before
-    assert first.passed and first.slices == 1 and c.status().longest_slice_ms == pytest.approx(8.0, abs=1e-6)
-    next_run(c)  # round 1: M 7 and 2049, measured now
-    third = next_run(c)  # round 2: M 1 (2 ms), and M 512 is known to take 6 ms: it waits
-    assert third.passed and third.slices == 2
-    assert c.status().longest_step_ms == pytest.approx(6.0, abs=1e-6) and c.status().longest_step.endswith(("M=512", "M=2049"))
+    runs = [next_run(c) for _ in range(7)]
+    # Run 1: M=1 (2 calls: 2 ms) then M=128 (6 ms), neither measured before: one slice of 8 ms.
+    assert runs[0].ms == [1, 128] and runs[0].slices == 1 and c.status().longest_slice_ms == pytest.approx(8.0, abs=1e-6)
+    # Run 7: M=8 (2 ms), and M=128 is known to take 6 ms: it waits for the next idle point.
+    assert runs[6].ms == [8, 128] and runs[6].passed and runs[6].slices == 2
+    assert all(r.slices == 1 for r in runs[1:6]), "steps never measured run in the slice that has room"
+    assert c.status().longest_step_ms == pytest.approx(6.0, abs=1e-6) and int(c.status().longest_step.rsplit("M=", 1)[1]) >= 128
 
 
 def test_the_first_idle_point_only_arms_and_the_first_run_is_one_period_later():

@@ -24,8 +24,10 @@ from sm120_fp4.demo.server import group_members
 
 pytest.importorskip("uvicorn", reason="the server packages (scripts/setup_env.sh installs them)")
 pytest.importorskip("sglang.srt.entrypoints.http_server", reason="SGLang's HTTP server")
-pytestmark = pytest.mark.sglang
 SERVER_TIMEOUT = 1800
+# Each test waits for its job, started at session start: it may still be starting its servers when
+# the test begins (pyproject's 300 s per test is for in-process work).
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(SERVER_TIMEOUT + 60)]
 
 
 def _scenario(name: str):
