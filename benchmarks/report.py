@@ -44,6 +44,12 @@ def main() -> int:
             out += [f"### Self-test cost, {label} ({d['device']})", "",
                     md(["shape MxNxK", "backend call ms", "rel err"], d["rows"]), "",
                     f"decide(): first {d['first_s']:.3f} s, steady {d['steady_s']:.3f} s (target < {d['target_s']} s on a GPU).", ""]
+    d = load("canary_cost", "h200")
+    if d:
+        rows = [[r["label"], r["runs"], r["per_period_ms"], f"{r['share']:.3%}", r["longest_slice_ms"],
+                 sorted(r["steps"].values())[len(r["steps"]) // 2], f"{r['peak_extra_mib']:.0f}"] for r in d["results"]]
+        out += [f"### The serving canary, h200 (`benchmarks/canary_cost.py`, period {d['period_s']:g} s, `emulated` on CUDA)", "",
+                md(["model", "runs", "ms per period", "share of the period", "longest slice ms", "median step ms", "peak extra MiB"], rows), ""]
     d = load("emulated_gemm", "h200")
     if d:
         rows = [[r["shape"], r["m"], r["n"], r["k"], r["emulated_ms"], r.get("emulated_cached_ms", "-"), r["bf16_matmul_ms"],

@@ -22,6 +22,7 @@ step "doctor (simulated sm_120 on the real CUDA device)" bash -c "SM120_FP4_SIMU
 step "doctor --json (no simulation)" bash -c "python3 -m sm120_fp4 doctor --json > '$OUT/doctor.json'; python3 -c \"import json; d=json.load(open('$OUT/doctor.json')); print(d['devices'], d['problems'])\""
 step "selftest --backend emulated (simulated sm_120)" bash -c "SM120_FP4_SIMULATE=12.0 python3 -m sm120_fp4 selftest --backend emulated 2>&1 | tee '$OUT/selftest.txt'"
 step "benchmark: selftest cost (generic self-tests, dense and MoE layer checks)" python3 benchmarks/selftest_cost.py
+step "benchmark: the serving canary's share and slices" python3 benchmarks/canary_cost.py
 if [ "${GPU_CHECK_ALL:-0}" = "1" ]; then
   step "benchmark: dispatch overhead" python3 benchmarks/dispatch_overhead.py
   step "benchmark: emulated gemm" python3 benchmarks/emulated_gemm.py

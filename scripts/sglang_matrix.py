@@ -231,6 +231,17 @@ def check_warmup(tree: ast.Module, dotted: str) -> tuple[bool, str | None]:
     return True, None
 
 
+def check_idle(tree: ast.Module, dotted: str) -> tuple[bool, str | None]:
+    """`class Scheduler: def on_idle(self)` (or the mixin's): the scheduler loop calls it with no argument."""
+    fn, problem = _method(tree, dotted)
+    if fn is None:
+        return False, problem
+    a = fn.args
+    if [p.arg for p in a.posonlyargs + a.args] != ["self"] or a.kwonlyargs:
+        return True, f"{dotted} signature is ({ast.unparse(a)}), expected (self)"
+    return True, None
+
+
 def check_function(tree: ast.Module, name: str) -> tuple[bool, str | None]:
     """A module-level `def name(...)` (the fused-MoE seam; the seam passes every argument through)."""
     fn = next((n for n in top_level(tree.body) if isinstance(n, ast.FunctionDef) and n.name == name), None)
@@ -274,6 +285,8 @@ def kind(spec) -> str:
         return "knob"
     if spec.attribute.startswith("ModelRunner."):
         return "warmup"
+    if spec.name.startswith("scheduler-idle-canary"):
+        return "idle"
     if "." in spec.attribute:
         return "method"
     if spec.module.endswith(".flashinfer_cutlass"):
@@ -283,7 +296,7 @@ def kind(spec) -> str:
     return "unknown"
 
 
-CHECKS = {"alias": check_alias, "method": check_method, "warmup": check_warmup, "function": check_function,
+CHECKS = {"alias": check_alias, "method": check_method, "warmup": check_warmup, "idle": check_idle, "function": check_function,
           "enum": check_enum, "knob": check_knob}
 
 
@@ -485,7 +498,8 @@ try:
     original = flashinfer.mm_fp4
     import sm120_fp4
     out["stage"] = "install(simulate='12.0')"
-    sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
+    # The serving canary on: its idle hook (patched only then) is checked with the others.
+    sm120_fp4.install(simulate="12.0", backends="emulated", enable="on", canary="60")
     out["stage"] = "import SGLang"
     out["not_importable"] = {}
     for name in args["modules"]:
@@ -668,9 +682,10 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
         "fp4_utils": R.FP4_UTILS,
         "alias": alias,
         "targets": {s.name: (s.module, s.attribute) for s in rows},
-        # the model runner is the GPU server's module: some releases import server-only packages
-        # there (0.5.7: vllm). Its warm-up hook is then source-checked only, and the row says so.
-        "optional": [R.MODEL_RUNNER],
+        # the model runner and the scheduler are the GPU server's modules: some releases import
+        # server-only packages there (0.5.7: vllm). Their hooks are then source-checked only, and the
+        # row says so.
+        "optional": [R.MODEL_RUNNER, R.SCHEDULER, R.SCHEDULER_CHECKER],
     }
     added, run = [], None
     for _ in range(MAX_ADDED_DEPS + 1):  # a release that needs more than PINS says: add by trial, report it

@@ -16,11 +16,13 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from . import __version__, devices, locks, selection
+from . import __version__, canary, devices, locks, selection
+from .canary import CanaryStatus
 from . import sglang as sglang_support
 from .config import Settings, env_name, load_settings, sources
 from .errors import ConfigError
 from .dispatch import Router
+from .errors import ConfigError
 from .patching import LedgerEntry, Patcher
 
 __all__ = ["install", "uninstall", "status", "Status"]
@@ -46,6 +48,7 @@ class Status(BaseModel):
     moe_routes: dict[int, str]
     decisions: list[selection.Decision]
     refusals: list[selection.Refusal]
+    canary: CanaryStatus
 
 
 @dataclass
@@ -128,10 +131,13 @@ def _nothing_to_fix(settings: Settings) -> str | None:
 
 
 def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
+    problem = canary.settings_problem(settings) or sglang_support.idle_point_problem(settings)
+    if problem is not None:  # the serving canary asked for, and it could not run: refused, never silently off
+        raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
     router = Router(settings)
     patcher = Patcher()
     state = _Install(settings, kwargs, router, patcher)
-    state.undo += sglang_support.attach(patcher, router, settings)
+    state.undo += sglang_support.attach(patcher, router, settings, canary)
     state.undo.append(_export_env(kwargs))
     return state
 
@@ -248,4 +254,5 @@ def status() -> Status:
             moe_routes=selection.routes("moe") if state else {},
             decisions=selection.decisions(),
             refusals=selection.refusals(),
+            canary=canary.status(settings),
         )

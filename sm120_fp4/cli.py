@@ -518,6 +518,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 "sm120-fp4 launch -- python -m sglang.launch_server --model-path ...")
         return EXIT_USAGE
     os.environ["SM120_FP4"] = "1"
+    problem = _canary_problem()
+    if problem is not None:  # refused now, not in every scheduler after the preflight
+        _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
+        return EXIT_USAGE
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
     code = cmd_selftest(argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"))
     if code == EXIT_UNVERIFIED and args.allow_unverified:
@@ -535,6 +539,21 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _eprint(f"sm120-fp4 launch: cannot run {command[0]!r}: {exc}")
         return EXIT_USAGE
     return EXIT_OK  # pragma: no cover - exec does not return
+
+
+def _canary_problem() -> str | None:
+    """Why the serving canary the settings ask for cannot run with this SGLang (a bad setting is
+    the preflight's to report)."""
+    from .canary import settings_problem
+    from .config import load_settings
+    from .errors import ConfigError
+    from .sglang import idle_point_problem, release_support
+
+    try:
+        settings = load_settings(toggle=True)
+    except ConfigError:
+        return None
+    return settings_problem(settings) or (idle_point_problem(settings) if release_support()[0] else None)
 
 
 # ---- entry point ---------------------------------------------------------------------------

@@ -34,6 +34,8 @@ _CAPABILITY = re.compile(r"([0-9]{1,2})\.([0-9])", re.ASCII)
 _SECONDS = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 _ASCII_SPACE = " \t"
 _MAX_TIMEOUT_S = 86400.0  # a day: a bound, not a wish (threading refuses timeouts near 2**63 ns)
+_MAX_SLICE_MS = 1000.0  # a canary slice holds the serving thread: a second is already far too long
+OFF = "off"
 
 
 def _home() -> tuple[str | None, str]:
@@ -154,6 +156,21 @@ class Settings(BaseSettings):
         "(~/.cache/...; none without a home directory); off: none. Owner-only, and never read or written where another "
         "user could change it (docs/operations.md).",
     )
+    canary: float | Literal["off"] = Field(
+        OFF,
+        description="The serving canary: off, or a period in seconds; every period each scheduler re-verifies one "
+        "verified layer configuration per kernel (dense, MoE), in slices at its idle points (docs/operations.md).",
+    )
+    canary_action: Literal["exit", "log"] = Field(
+        "exit",
+        description="What a canary failure does: exit (write the refusal to the report and the log, stop the process "
+        "non-zero so an orchestrator restarts it) or log (log once per configuration, count it, keep serving).",
+    )
+    canary_slice_ms: float = Field(
+        5.0,
+        description="Milliseconds of GPU time the canary may hold the serving thread at one idle point (it runs one "
+        "step at least; a longer step is reported in status).",
+    )
     _report_is_dir: bool = PrivateAttr(False)
 
     def __init__(self, **values: Any) -> None:
@@ -193,15 +210,29 @@ class Settings(BaseSettings):
     @field_validator("selftest_timeout", mode="before")
     @classmethod
     def _parse_timeout(cls, value: object) -> object:
-        seconds = None
-        if isinstance(value, str):
-            # ASCII digits only: float() would take "١٢", "１２", "1_000" and " 9 ".
-            seconds = float(value) if _SECONDS.fullmatch(value) else None
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            seconds = float(value)
+        seconds = _number(value)
         if seconds is None or not 0 < seconds <= _MAX_TIMEOUT_S:
             raise ValueError(f"accepted: a positive number of seconds up to {_MAX_TIMEOUT_S:.0f} in ASCII digits, e.g. 900")
         return seconds
+
+    @field_validator("canary", mode="before")
+    @classmethod
+    def _parse_canary(cls, value: object) -> object:
+        if value == OFF:
+            return OFF
+        seconds = _number(value)
+        if seconds is None or not 0 < seconds <= _MAX_TIMEOUT_S:
+            raise ValueError(f"accepted: off, or the period in seconds, a positive number up to {_MAX_TIMEOUT_S:.0f} "
+                             "in ASCII digits, e.g. 60")
+        return seconds
+
+    @field_validator("canary_slice_ms", mode="before")
+    @classmethod
+    def _parse_slice(cls, value: object) -> object:
+        ms = _number(value)
+        if ms is None or not 0 < ms <= _MAX_SLICE_MS:
+            raise ValueError(f"accepted: a positive number of milliseconds up to {_MAX_SLICE_MS:.0f} in ASCII digits, e.g. 5")
+        return ms
 
     @field_validator("simulate", mode="before")
     @classmethod
@@ -261,6 +292,11 @@ class Settings(BaseSettings):
         return Path(self.verdicts) if self.verdicts is not None else default_verdicts_path()
 
     @property
+    def canary_period(self) -> float | None:
+        """The serving canary's period in seconds, or None when SM120_FP4_CANARY=off."""
+        return None if self.canary == OFF else float(self.canary)
+
+    @property
     def simulated_capability(self) -> tuple[int, int] | None:
         if self.simulate is None:
             return None
@@ -271,6 +307,16 @@ class Settings(BaseSettings):
     def active(self) -> bool:
         """False when the master toggle or ENABLE switches the library off."""
         return self.toggle is not False and self.enable != "off"
+
+
+def _number(value: object) -> float | None:
+    """A setting's number: an int or float, or a string of ASCII digits (float() would also take
+    "١٢", "１２", "1_000", " 9 " and "inf"); None for anything else."""
+    if isinstance(value, str):
+        return float(value) if _SECONDS.fullmatch(value) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def env_name(field: str) -> str:
@@ -376,7 +422,8 @@ def _accepted(field: str) -> str:
     if choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
     return {"backends": "`auto` or comma-separated names", "moe_backends": "`auto` or comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`",
-            "report": "a path", "verdicts": "a file path, or `off`", "selftest_timeout": "seconds, 0 < s <= 86400"}.get(field, "")
+            "report": "a path", "verdicts": "a file path, or `off`", "selftest_timeout": "seconds, 0 < s <= 86400",
+            "canary": "`off`, or seconds, 0 < s <= 86400", "canary_slice_ms": "milliseconds, 0 < ms <= 1000"}.get(field, "")
 
 
 def settings_table() -> str:

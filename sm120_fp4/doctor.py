@@ -156,6 +156,36 @@ def _import_check(settings=None) -> dict:
     return {"targets": rows}
 
 
+def _canary(settings) -> dict:
+    """The serving canary: its settings, whether this SGLang has an idle point for it, and what each
+    serving process last wrote about it in its report file (SM120_FP4_REPORT)."""
+    import glob
+
+    from .canary import settings_problem
+    from .sglang import idle_point_problem, release, targets
+
+    idle = targets.idle_spec(lambda stream: None)
+    out = {"enabled": settings.canary_period is not None, "period_s": settings.canary_period,
+           "action": settings.canary_action, "slice_ms": settings.canary_slice_ms,
+           "idle_point": f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None,
+           "problem": settings_problem(settings) or (idle_point_problem(settings) if release.release_support()[0] else None),
+           "processes": []}
+    report = str(settings.report) if settings.report is not None else None
+    if report is not None:
+        pattern = os.path.join(report, "*.json") if os.path.isdir(report) else report.replace("{pid}", "*")
+        for path in sorted(glob.glob(pattern))[:64]:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                continue
+            section = data.get("canary") if isinstance(data, dict) else None
+            if isinstance(section, dict) and section.get("enabled"):
+                keys = ("state", "runs", "failures", "last_run", "busy_s", "share", "longest_slice_ms", "skipped_saturated")
+                out["processes"].append({"pid": data.get("pid"), "report": path, **{k: section.get(k) for k in keys}})
+    return out
+
+
 def collect(deep: bool = True) -> dict:
     """Every probe's result (values, or {'error': ...} where a probe failed); `deep` also imports
     SGLang's FP4 modules to check each patch target (seconds: SGLang's import is heavy)."""
@@ -182,6 +212,7 @@ def collect(deep: bool = True) -> dict:
     devs = report["devices"] if isinstance(report["devices"], list) else []
     report["backends"] = _probe(lambda: _backends(devs))
     report["import_check"] = _probe(lambda: _import_check(settings)) if deep else {"skipped": "--quick"}
+    report["canary"] = _probe(lambda: _canary(settings)) if settings is not None else {"skipped": "no valid settings"}
     report["problems"] = _problems(report)
     return report
 
@@ -200,6 +231,9 @@ def _problems(report: dict) -> list[str]:
     nvcc = report.get("nvcc", {})
     if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
+    canary = report.get("canary", {})
+    if canary.get("problem"):
+        problems.append(f"serving canary: {canary['problem']}")
     check = report.get("import_check", {})
     if "error" in check:
         problems.append(f"SGLang import check failed: {check['error']}")
@@ -259,6 +293,22 @@ def _markdown(report: dict) -> str:
         lines += [f"| {b['device']} | {b['family']} | {b['backend']} | {b['supported']} | {b['reason'] or ''} |" for b in bk]
     else:
         lines.append(block(bk))
+    lines += ["", "### Serving canary (SM120_FP4_CANARY)"]
+    canary = report.get("canary", {})
+    if "enabled" in canary:
+        on = f"on, every {canary['period_s']:g} s, action {canary['action']}, slice {canary['slice_ms']:g} ms" if canary["enabled"] else "off"
+        lines.append(f"- {on}; idle point here: {canary['idle_point'] or 'none (the canary cannot run on this SGLang)'}")
+        for p in canary["processes"]:
+            last = p.get("last_run") or {}
+            share = f"{p['share']:.3%}" if isinstance(p.get("share"), (int, float)) else "-"
+            lines.append(f"- pid {p['pid']}: {p['state']}; runs {p['runs']}, failures {p['failures']}, last run "
+                         f"{last.get('config', '-')} {'passed' if last.get('passed') else 'FAILED' if last else ''}, "
+                         f"serving-thread time {p['busy_s']:.3f} s ({share}), longest slice {p['longest_slice_ms']:.1f} ms, "
+                         f"skipped (saturated) {p['skipped_saturated']}")
+        if canary["enabled"] and not canary["processes"]:
+            lines.append("- no serving process has reported yet (set SM120_FP4_REPORT for the servers to see their counters here)")
+    else:
+        lines.append(block(canary))
     lines += ["", "### SGLang import check (each target of this release, not patched)"]
     check = report["import_check"]
     if "targets" in check:

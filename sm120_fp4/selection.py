@@ -400,6 +400,11 @@ def decide(
     return decision
 
 
+# More sections of the report file: name -> a function returning its JSON-serialisable value (the
+# serving canary adds "canary"), called whenever the report is written.
+report_sections: dict[str, Callable[[], object]] = {}
+
+
 def _write_report(settings: Settings) -> None:
     """The newest report holds every decision and refusal, whichever device finished last."""
     if settings.report is None:
@@ -407,6 +412,7 @@ def _write_report(settings: Settings) -> None:
     with _report_lock:
         payload = {"decisions": [d.model_dump(mode="json") for d in decisions()],
                    "refusals": [r.model_dump(mode="json") for r in refusals()]}
+        payload.update({name: section() for name, section in list(report_sections.items())})
         try:
             write_report(settings.report, payload, directory=settings.report_is_dir)
         except OSError as exc:  # a report is evidence, not a reason to stop a verified worker
@@ -654,6 +660,57 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.S
     _LOG.info("sm120_fp4: re-checked %d layer configuration(s) after warm-up at %d captured graph size(s): all pass",
               len(done), len(set(captured)))
     return done
+
+
+# ---- for the serving canary (sm120_fp4.canary) --------------------------------------------------
+
+__all__ += ["Served", "served_configurations", "check_served", "record_refusal", "report_sections", "update_report"]
+
+
+@dataclass(frozen=True)
+class Served:
+    """One layer configuration verified in this process, on the device and kernel family that serve it."""
+
+    family: str
+    device: Device
+    check: LayerCheck
+
+    @property
+    def backend(self) -> str:
+        """The backend serving this configuration now."""
+        return _serving[(self.family, self.device.index)].decision.backend
+
+
+def served_configurations() -> list[Served]:
+    """Every layer configuration verified in this process (passed, with the backend serving it now;
+    not one served unverified under SELFTEST=warn), per family and device in the order verified."""
+    with _lock:
+        servings = list(_serving.values())
+    served = []
+    for s in servings:
+        with s.lock:
+            passed = {r.config for r in s.decision.layers if r.passed}
+            served += [Served(s.family.name, s.device, c) for c in s.checks.values() if c.label in passed]
+    return served
+
+
+def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:
+    """Run one verified configuration once more through the call that serves it, at batch sizes
+    `ms`: the re-check's check (two passes, every call against the oracle), for the serving canary.
+    Never raises for a bad kernel: the report says what was wrong."""
+    serving = _serving[(served.family, served.device.index)]
+    with serving.lock:
+        return _run_check(serving, served.check, list(ms))
+
+
+def record_refusal(refusal: Refusal, settings: Settings) -> None:
+    """Record a refusal decided outside this module (the serving canary's): status and the report file."""
+    _refuse(refusal, settings)
+
+
+def update_report(settings: Settings) -> None:
+    """Write the report file now (SM120_FP4_REPORT), with every section of `report_sections`."""
+    _write_report(settings)
 
 
 def route_table(family: str = "dense") -> dict[int, Callable | None]:

@@ -47,6 +47,13 @@ def test_enable_off_or_toggle_off_makes_the_settings_inactive(monkeypatch):
     assert not load_settings().active
 
 
+def test_the_canary_is_off_by_default_or_a_period_in_seconds():
+    s = load_settings()
+    assert (s.canary, s.canary_period, s.canary_action, s.canary_slice_ms) == ("off", None, "exit", 5.0)
+    s = Settings(canary="0.5", canary_action="log", canary_slice_ms="2.5")
+    assert (s.canary_period, s.canary_action, s.canary_slice_ms) == (0.5, "log", 2.5)
+
+
 def test_simulate_is_parsed_into_a_capability():
     assert Settings(simulate="12.1").simulated_capability == (12, 1)
     assert Settings(simulate="9.0").simulated_capability == (9, 0)
@@ -108,6 +115,13 @@ ENV_GARBAGE = [
     ("SM120_FP4_VERDICTS", "/tmp", "not a directory"),
     ("SM120_FP4_REPORT", "", "a file or directory path"),
     ("SM120_FP4_REPORT", "/nonexistent-sm120/report.json", "existing, writable directory"),
+    ("SM120_FP4_CANARY", "on", "off, or the period in seconds"),
+    ("SM120_FP4_CANARY", "0", "off, or the period in seconds"),
+    ("SM120_FP4_CANARY", "60s", "off, or the period in seconds"),
+    ("SM120_FP4_CANARY", "1e6", "up to 86400"),
+    ("SM120_FP4_CANARY_ACTION", "raise", "'exit' or 'log'"),
+    ("SM120_FP4_CANARY_SLICE_MS", "0", "positive number of milliseconds"),
+    ("SM120_FP4_CANARY_SLICE_MS", "5000", "up to 1000"),
     ("SM120_FP4_SELFTES", "strict", "did you mean SM120_FP4_SELFTEST"),
     ("sm120_fp4_selftest", "off", "did you mean SM120_FP4_SELFTEST"),
     ("Sm120_Fp4", "1", "did you mean SM120_FP4"),

@@ -16,18 +16,19 @@ from typing import Callable
 
 from .release import release_support, runtime_patch_needed, sglang_version
 
-__all__ = ["attach", "release_support", "runtime_patch_needed", "sglang_version"]
+__all__ = ["attach", "idle_point_problem", "release_support", "runtime_patch_needed", "sglang_version"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
 
-def attach(patcher, router, settings) -> list[Callable[[], None]]:
+def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     """Register this install's SGLang patches (and, in simulation, the simulation stand-ins).
 
     `router` (a dispatch.Router) builds the FP4 GEMM alias replacement and decides per device: its
     ``ensure(index)`` may raise RefusedToServe and returns None for a device this library does not
-    serve (the runner enum then stays as is, and nothing is verified there). Returns the undo steps
-    that are not patches (the patcher undoes its own).
+    serve (the runner enum then stays as is, and nothing is verified there). `canary` (the module
+    sm120_fp4.canary, passed in so that nothing here imports it) runs at the scheduler's idle point
+    when SM120_FP4_CANARY is on. Returns the undo steps that are not patches (the patcher undoes its own).
     """
     from .. import checkpoints, selection
     from ..errors import ConfigError, RefusedToServe
@@ -77,9 +78,23 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     def moe_seam(original):
         return moe.make_seam(original, lambda index: selection.route(index, settings, "moe"), sim is not None)
 
-    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, lambda captured: selection.recheck(settings, captured),
-                            moe_seam, before_moe, pin_moe_runner)
+    idle = targets.idle_spec(canary.idle) if canary is not None and settings.canary_period is not None else None
+    if settings.canary_period is not None and idle is None:
+        raise ConfigError(f"invalid sm120_fp4 settings:\n  {idle_point_problem(settings) or 'the serving canary is not wired'}")
+
+    def recheck(captured: list[int]) -> object:
+        done = selection.recheck(settings, captured)
+        if idle is not None:  # the serving canary: its idle hook must be in place, or nothing would run it
+            _require_idle_hook(patcher, idle, settings)
+            canary.on_warmup(captured)
+        return done
+
+    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner)
     specs = targets.specs(wiring)
+    if idle is not None:
+        canary.configure(settings, f"{idle.module}.{idle.attribute}")
+        undo.append(canary.stop)
+        specs.append(idle)
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)
         specs += simulation.specs(simulate)
@@ -88,6 +103,34 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
     undo.append(targets.apply_env_knobs(patcher))
     patcher.add(specs)
     return undo
+
+
+def idle_point_problem(settings) -> str | None:
+    """Why the serving canary these settings ask for cannot run with the installed SGLang: its
+    scheduler loop has no idle point this library can use (None: it has one, or the canary is off)."""
+    from . import targets
+
+    if settings.canary_period is None or targets.idle_spec(lambda stream: None) is not None:
+        return None
+    known = ", ".join(f"{s.attribute} ({s.versions})" for s in targets.idle_specs(lambda stream: None))
+    return (f"SM120_FP4_CANARY={settings.canary_period:g} is not available with SGLang {sglang_version()}: its "
+            f"scheduler loop has no idle point sm120_fp4 can run the canary at (known: {known}); "
+            "set SM120_FP4_CANARY=off to serve without the serving canary, or use a release listed")
+
+
+def _require_idle_hook(patcher, spec, settings) -> None:
+    """After warm-up in a scheduler: the canary's idle hook is applied here, else RefusedToServe
+    (the canary is on, and silently off is never what was asked for)."""
+    from ..errors import RefusedToServe
+
+    entry = next((e for e in patcher.ledger() if e.name == spec.name), None)
+    if entry is not None and entry.state == "applied":
+        return
+    state = f"{entry.state}: {entry.reason}" if entry is not None else f"{spec.module} was never imported"
+    raise RefusedToServe(
+        f"sm120_fp4: refusing to serve: SM120_FP4_CANARY={settings.canary_period:g} is on, but the serving canary's idle "
+        f"hook ({spec.module}.{spec.attribute}, patch {spec.name}) is not in place in this scheduler process ({state}); "
+        "nothing would run the canary. Set SM120_FP4_CANARY=off to serve without it, or report this SGLang release.")
 
 
 def _serves_current_device(settings) -> bool:

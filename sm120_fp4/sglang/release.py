@@ -25,6 +25,8 @@ __all__ = [
     "CT_MOE",
     "CT_CONFIG",
     "MOE_UTILS",
+    "SCHEDULER",
+    "SCHEDULER_CHECKER",
     "MQ_FILE",
     "FP4_UTILS_FILE",
     "MARKER",
@@ -46,6 +48,8 @@ MOE_RUNNER_FC = "sglang.srt.layers.moe.moe_runner.flashinfer_cutlass"
 CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe"
 CT_CONFIG = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
 MOE_UTILS = "sglang.srt.layers.moe.utils"  # the MoE runner backend: initialize_moe_config, get_moe_runner_backend
+SCHEDULER = "sglang.srt.managers.scheduler"  # the scheduler loop (its idle point: the serving canary)
+SCHEDULER_CHECKER = "sglang.srt.managers.scheduler_runtime_checker_mixin"  # 0.5.4-0.5.12: the idle point's home
 PLUGIN_GROUP = "sglang.srt.plugins"  # the entry-point group SGLang's plugin loader reads
 MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
 FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"

@@ -18,10 +18,13 @@ from ..kernels import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
 from .hooks import compressed_tensors_check, layer_device_index, make_warmup_hook, make_weights_hook, modelopt_check
+from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
-from .release import CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SUPPORTED, sglang_version
+from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
+                      SUPPORTED, sglang_version)
 
-__all__ = ["Wiring", "specs", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN", "LEGACY_KNOB_SPEC"]
+__all__ = ["Wiring", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
+           "LEGACY_KNOB_SPEC"]
 
 _LOG = logging.getLogger("sm120_fp4")
 LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
@@ -218,6 +221,38 @@ def specs(w: Wiring) -> list[PatchSpec]:
     ] + moe_specs
 
 
+_IDLE_WHY = (
+    "the serving canary (SM120_FP4_CANARY, opt-in; patched only when it is on) runs its bounded slices here: the "
+    "scheduler loop calls this when it found no batch to run, between forward passes, on the scheduler thread, never "
+    "inside graph capture; a refusal raised here stops the scheduler and SGLang kills its server"
+)
+_IDLE_UPSTREAM = "no upstream check exists (sglang --kv-canary checks the KV cache, not the GEMMs)"
+_IDLE_REMOVE = "when SGLang re-verifies its FP4 GEMM and fused-MoE output while serving"
+
+
+def idle_specs(run: Callable) -> list[PatchSpec]:
+    """The scheduler loop's idle point in each release, wrapped to call `run(stream)` first (the canary)."""
+    make = functools.partial(make_idle_hook, run=run)
+    where = [
+        ("scheduler-idle-canary", SCHEDULER, "Scheduler.on_idle", ">=0.5.13,<0.5.24", ""),
+        ("scheduler-idle-canary-mixin", SCHEDULER_CHECKER, "SchedulerRuntimeCheckerMixin.on_idle", ">=0.5.11,<0.5.13",
+         " (0.5.11-0.5.12: on the runtime-checker mixin the Scheduler inherits it from)"),
+        ("scheduler-idle-canary-self-check", SCHEDULER_CHECKER, "SchedulerRuntimeCheckerMixin.self_check_during_idle",
+         ">=0.5.4,<0.5.11", " (0.5.4-0.5.10 name it self_check_during_idle, on the runtime-checker mixin)"),
+        ("scheduler-idle-canary-legacy", SCHEDULER, "Scheduler.self_check_during_idle", ">=0.5.3,<0.5.4",
+         " (0.5.3 names it self_check_during_idle, on the Scheduler)"),
+    ]
+    return [PatchSpec(name=name, module=module, attribute=attribute, make=make, distribution=DISTRIBUTION, versions=versions,
+                      why=_IDLE_WHY + note, upstream=_IDLE_UPSTREAM, remove_when=_IDLE_REMOVE)
+            for name, module, attribute, versions, note in where]
+
+
+def idle_spec(run: Callable, version: str | None = None) -> PatchSpec | None:
+    """The idle point of SGLang `version` (default: the installed one); None where it has none."""
+    version = version or sglang_version()
+    return next((s for s in idle_specs(run) if version is not None and version_in(version, s.versions)), None)
+
+
 ENUM_PIN = PatchSpec(
     name="fp4-runner-backend-pin",
     module=FP4_UTILS,
@@ -278,4 +313,4 @@ def ledger_rows() -> list[PatchSpec]:
     """Every runtime patch target, for the ledger and `doctor` (one source of truth)."""
     noop = lambda *args, **kwargs: None  # noqa: E731
     return specs(Wiring(noop, noop, noop, noop, noop, noop, noop, noop)) + [
-        ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY]
+        ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY] + idle_specs(noop)

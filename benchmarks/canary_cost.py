@@ -1,0 +1,184 @@
+"""What the serving canary costs a server: its share of the time at a period of 60 s, and the longest
+slice it adds between two forward passes.
+
+    .venv/bin/python benchmarks/canary_cost.py [--quick]   # CPU: simulated sm_120, layers / 16
+    python3 benchmarks/canary_cost.py                       # on a GPU: emulated on CUDA
+
+The distinct dense configurations of a 70B-class model (Llama-3-70B: qkv, o_proj, gate_up, down) at
+TP1 and TP8, and an NVFP4 MoE layer of a DeepSeek-V3 / GLM-class model (E=256, H=7168, top-8) at TP1
+and TP8, are verified as at load (selection.verify_layer, the emulated backend: the only one that runs
+off SM120; the layer's call is the routed backend after a quantizer, as benchmarks/selftest_cost.py).
+Then the canary (sm120_fp4.canary.Canary, SM120_FP4_CANARY=60, SM120_FP4_SLICE_MS=5, the captured
+graph sizes of SGLang 0.5.23's defaults) is driven one period at a time, its idle point called back to
+back, through enough periods that every configuration runs at every decode and larger batch size of
+its rotation. Reported per configuration and batch size: the step (one M, both passes, every call
+checked) as the serving thread measures it; per model: the mean time per period and its share of 60 s,
+the longest slice, the peak memory the steps add. Targets: share <= 0.5 %, longest slice <= 5 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from _common import table, write  # noqa: E402
+from selftest_cost import CAPTURED, MoeLayer, dense_layer, tp_configs  # noqa: E402
+from sm120_fp4 import backends, canary, devices, selection  # noqa: E402
+from sm120_fp4.config import Settings  # noqa: E402
+from sm120_fp4.sglang import moe  # noqa: E402
+
+PERIOD_S = 60.0
+SHARE_TARGET = 0.005
+SLICE_TARGET_MS = 5.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drive(c: canary.Canary, periods: int) -> list[canary.CanaryRun]:
+    """`periods` periods of an idle server: the clock moves one period, the idle point is called until
+    the period's runs are done."""
+    runs = []
+    for _ in range(periods):
+        c.clock.now += c.period
+        done = c.runs
+        for _ in range(10_000):
+            c.idle()
+            if c.runs > done and not c._queue:
+                break
+        runs += c.status().recent[-(c.runs - done):]
+    return runs
+
+
+KERNEL_MS: dict[tuple[str, int], float] = {}  # (configuration, M) -> the backend's calls in its step (longest)
+_check_served = selection.check_served
+
+
+def _recording(served, ms):
+    """selection.check_served, recording how much of each step is the backend's own calls (the rest, the
+    inputs, the oracle and the comparisons, stays the same on SM120, where the kernel is far faster)."""
+    report = _check_served(served, ms)
+    key = (served.check.label, ms[0])
+    KERNEL_MS[key] = max(KERNEL_MS.get(key, 0.0), sum(s.duration_s for s in report.shapes) * 1e3)
+    return report
+
+
+selection.check_served = _recording
+
+
+def measure(label: str, settings: Settings, tdev: torch.device, periods: int) -> dict:
+    """The canary over the configurations verified so far (selection's state)."""
+    c = canary.Canary(settings)
+    c.clock = Clock()
+    c.on_warmup(CAPTURED)
+    c.idle()  # armed
+    if tdev.type == "cuda":
+        torch.cuda.synchronize(tdev)
+        torch.cuda.reset_peak_memory_stats(tdev)
+        before = torch.cuda.memory_allocated(tdev)
+    start = time.perf_counter()
+    runs = drive(c, periods)
+    wall = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated(tdev) - before) / 2**20 if tdev.type == "cuda" else None
+    assert all(r.passed for r in runs), [r.reason for r in runs if not r.passed]
+    status = c.status()
+    per_period = sum(r.busy_ms for r in runs) / periods
+    steps: dict[tuple[str, int], float] = {}
+    for (family, index, key, m), seconds in c._estimate.items():
+        config = next(s.check.label for s in selection.served_configurations() if s.check.key == key)
+        steps[(config, m)] = max(steps.get((config, m), 0.0), seconds * 1e3)
+    print(f"{label}: {len(runs)} runs, {per_period:.2f} ms per period ({per_period / 1e3 / PERIOD_S:.4%} of {PERIOD_S:g} s), "
+          f"longest slice {status.longest_slice_ms:.1f} ms, longest step {status.longest_step_ms:.1f} ms ({status.longest_step})",
+          flush=True)
+    return {"label": label, "periods": periods, "runs": len(runs), "wall_s": wall, "per_period_ms": per_period,
+            "share": per_period / 1e3 / PERIOD_S, "longest_slice_ms": status.longest_slice_ms,
+            "longest_step_ms": status.longest_step_ms, "longest_step": status.longest_step,
+            "max_slices_per_run": max(r.slices for r in runs), "peak_extra_mib": peak,
+            "steps": {f"{config} M={m}": ms for (config, m), ms in sorted(steps.items(), key=lambda kv: (kv[0][0], kv[0][1]))},
+            "kernel_ms": {f"{config} M={m}": KERNEL_MS.get((config, m)) for (config, m) in sorted(steps)}}
+
+
+def rounds_needed(checks) -> int:
+    """Runs per configuration that cover every decode and larger batch size of its rotation."""
+    ms = sorted(set(CAPTURED) | {m for c in checks for m in (*c.ms, *c.recheck_ms)})
+    return max(sum(m < canary.SMALL_M for m in ms), sum(m >= canary.SMALL_M for m in ms))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small layers, few periods (a CPU smoke run of the same code)")
+    args = parser.parse_args()
+    settings = Settings(simulate="12.0", backends="emulated", moe_backends="emulated", canary=str(PERIOD_S), canary_slice_ms="5")
+    device = devices.list_devices(settings.simulated_capability)[0]
+    tdev = device.torch_device
+    scale = 16 if args.quick or not device.is_cuda else 1
+    results, rows = [], []
+
+    for tp in (1, 8):
+        selection.clear()
+        selection.route(device.index, settings)
+        checks = []
+        for name, (n, k) in tp_configs(tp).items():
+            n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
+            check = dense_layer(n, k, tdev)
+            report = selection.verify_layer(device.index, check, settings)
+            assert report is not None and report.passed, report and report.reason
+            checks.append(check)
+        periods = len(checks) * (3 if args.quick else rounds_needed(checks))
+        results.append(measure(f"70B-class dense TP{tp}", settings, tdev, periods))
+
+    for tp in (1, 8):
+        selection.clear()
+        selection.route(device.index, settings, "moe")
+        experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (32, 512, 256 // tp)
+        layer = MoeLayer(experts, hidden, inter, 8, tdev)
+        check = moe.moe_check("bench-moe", layer, serve=backends.resolve_moe("emulated"))
+        report = selection.verify_layer(device.index, check, settings)
+        assert report is not None and report.passed, report and report.reason
+        periods = 3 if args.quick else rounds_needed([check])
+        results.append(measure(f"MoE E={experts} H={hidden} I={inter} top-8 TP{tp}", settings, tdev, periods))
+        del layer
+
+    print(f"on {device.label()}, emulated backend{' (--quick: layers / 16)' if scale > 1 else ''}; "
+          f"SM120_FP4_CANARY={PERIOD_S:g}, slice bound {SLICE_TARGET_MS:g} ms, {len(CAPTURED)} captured graph sizes\n")
+    for r in results:
+        rows.append([r["label"], r["runs"], r["per_period_ms"], f"{r['share']:.4%}", r["longest_slice_ms"], r["max_slices_per_run"],
+                     "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"])
+    print(table(["model", "runs", "ms per period", "share of 60 s", "longest slice ms", "slices per run (max)",
+                 "peak extra MiB"], rows))
+    for r in results:
+        by_m: dict[int, float] = {}
+        for name, ms in r["steps"].items():
+            m = int(name.rsplit("M=", 1)[1])
+            by_m[m] = max(by_m.get(m, 0.0), ms)
+        over = sorted(m for m, ms in by_m.items() if ms > SLICE_TARGET_MS)
+        print(f"\n{r['label']}: longest step {r['longest_step_ms']:.1f} ms ({r['longest_step']}); steps above "
+              f"{SLICE_TARGET_MS:g} ms at M = {', '.join(map(str, over)) or 'none'}; median step "
+              f"{statistics.median(r['steps'].values()):.2f} ms")
+        worst = sorted(r["steps"].items(), key=lambda kv: -kv[1])[:6]
+        print(table(["step (configuration, M)", "ms", "of it the backend's calls, ms"], [[k, v, r["kernel_ms"].get(k) or "-"] for k, v in worst]))
+    share_met = all(r["share"] <= SHARE_TARGET for r in results)
+    slice_met = all(r["longest_slice_ms"] <= SLICE_TARGET_MS for r in results)
+    print(f"\nshare of GPU time at {PERIOD_S:g} s: target <= {SHARE_TARGET:.1%}: {'met' if share_met else 'NOT met'}; "
+          f"longest slice: target <= {SLICE_TARGET_MS:g} ms: {'met' if slice_met else 'NOT met'}")
+    write("canary_cost", {"device": device.label(), "quick": scale > 1, "period_s": PERIOD_S, "captured": len(CAPTURED),
+                          "results": results, "met": {"share": share_met, "slice": slice_met},
+                          "targets": {"share": SHARE_TARGET, "slice_ms": SLICE_TARGET_MS}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

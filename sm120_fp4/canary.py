@@ -1,0 +1,430 @@
+"""The serving canary (``SM120_FP4_CANARY``): while the server runs, re-verify the kernels it serves.
+
+The start-up verification and the re-check after warm-up say nothing about a kernel that goes wrong
+later: a tactic re-chosen, a driver or firmware fault, a degrading card. With the canary on, every
+period each serving process re-verifies, for each kernel family it serves (the dense FP4 GEMM, the
+NVFP4 fused MoE) on each device, one of that family's verified layer configurations, in rotation:
+through the exact routed call with the layer's own weights, at one decode batch size and one larger
+batch size (both rotating through the batch sizes verified at load, the re-check's and the captured
+graph sizes), against
+the oracle. It is the re-check's own check (:func:`selection.check_served`: two passes, every call
+checked), run one batch size per step.
+
+Engine-neutral: the engine integration calls :func:`idle` where its serving loop is between forward
+passes (for SGLang: the scheduler loop's idle point, on the serving thread, with the stream the
+forward passes use made current). A step never runs inside CUDA-graph capture. At one idle point
+the canary runs steps for at most ``SM120_FP4_CANARY_SLICE_MS`` (one step at least, so a run always
+progresses; a step whose previous run took longer than what is left waits for the next idle point).
+A saturated loop has no idle point: the run waits for the next one, each period it missed is
+counted as skipped, and :func:`status` says so.
+
+On a failure, ``SM120_FP4_CANARY_ACTION=exit`` (the default) records the refusal ("while serving:
+...", the configuration, the numbers) in status and the report file, logs it and raises
+RefusedToServe out of the idle point: the engine's loop stops the process non-zero (SGLang then
+kills its server), so that an orchestrator restarts it and the start-up verification runs again.
+``log`` logs the first failure of each configuration, counts every one, and keeps serving.
+
+The time a step or a slice takes is measured on the serving thread; every step waits for its
+results (each call is synchronised and compared on the host), so it bounds the GPU time from above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
+
+import torch
+from pydantic import BaseModel, Field
+
+from . import selection, selftest
+from .config import Settings
+from .errors import RefusedToServe
+
+__all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "Canary", "configure", "stop", "active", "idle",
+           "on_warmup", "status", "settings_problem", "SMALL_M"]
+
+_LOG = logging.getLogger("sm120_fp4")
+SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from here on the larger one
+RECENT = 16  # runs kept in status
+
+
+class CanaryRun(BaseModel):
+    """One re-check of one configuration while serving (times are seconds since the epoch)."""
+
+    family: str
+    device: str
+    backend: str
+    config: str
+    ms: list[int]
+    passed: bool
+    reason: str | None = None
+    max_rel_err: float | None = None
+    due_at: float
+    started_at: float
+    finished_at: float
+    late_s: float = Field(description="how long after it was due the run started (no idle point meanwhile)")
+    busy_ms: float = Field(description="time the serving thread spent in this run's steps")
+    slices: int
+
+
+class CanaryFailure(BaseModel):
+    """A configuration that failed while serving: how often, and the first time."""
+
+    family: str
+    device: str
+    config: str
+    count: int
+    first_reason: str
+    first_at: float
+
+
+class CanaryStatus(BaseModel):
+    """The serving canary in this process (JSON-serialisable; the "canary" section of the report file)."""
+
+    enabled: bool
+    period_s: float | None = None
+    action: str
+    slice_ms: float
+    state: str
+    idle_point: str | None = None
+    fingerprints: str = "not compared: this build has no weight fingerprints (selection.fingerprint_problem)"
+    armed_at: float | None = None
+    runs: int = 0
+    failures: int = 0
+    failed: list[CanaryFailure] = Field(default_factory=list)
+    last_run: CanaryRun | None = None
+    recent: list[CanaryRun] = Field(default_factory=list)
+    skipped_saturated: int = Field(0, description="periods that passed with no idle point (the run waited)")
+    skipped_capturing: int = Field(0, description="idle points skipped because a CUDA graph was being captured")
+    longest_wait_s: float = Field(0.0, description="the longest a due run waited for an idle point")
+    busy_s: float = Field(0.0, description="time the serving thread spent in the canary")
+    share: float | None = Field(None, description="busy_s over the time since the canary was armed")
+    slices: int = 0
+    longest_slice_ms: float = 0.0
+    longest_step_ms: float = 0.0
+    longest_step: str | None = None
+
+
+def settings_problem(settings: Settings) -> str | None:
+    """Why the canary cannot do what these settings ask (None: it can), independent of the engine."""
+    if settings.canary_period is not None and settings.selftest == "off":
+        return (f"SM120_FP4_CANARY={settings.canary_period:g} re-verifies the verified layer configurations while "
+                "serving, but SM120_FP4_SELFTEST=off verifies none; set SM120_FP4_SELFTEST=strict (or warn), "
+                "or SM120_FP4_CANARY=off")
+    return None
+
+
+def _fingerprint_problem(served: selection.Served) -> str | None:
+    """Hook point for weight fingerprints: whether the layer's weights still equal what was verified.
+
+    A weight corrupted in memory after start-up is invisible to the oracle, which reads the same
+    corrupted weight. The comparison belongs to selection (`selection.fingerprint_problem(check)
+    -> str | None`, a reason when the weights changed); until it exists nothing is compared, and
+    status says so.
+    """
+    compare = getattr(selection, "fingerprint_problem", None)
+    return compare(served.check) if compare is not None else None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class _Job:
+    """One configuration's run in progress: its batch sizes, one step each."""
+
+    served: selection.Served
+    ms: list[int]
+    due: float  # clock time it became due
+    late_s: float
+    due_at: float  # the same, wall time
+    started_at: float | None = None
+    reports: list[selftest.SelfTestReport] = field(default_factory=list)
+    busy_s: float = 0.0
+    slices: int = 0
+
+    @property
+    def key(self) -> tuple:
+        return (self.served.family, self.served.device.index, self.served.check.key)
+
+
+class Canary:
+    """The canary of one process: rotation, slices, counters and the action on a failure."""
+
+    def __init__(self, settings: Settings, idle_point: str | None = None) -> None:
+        if settings.canary_period is None:
+            raise ValueError("Canary needs SM120_FP4_CANARY set to a period")
+        self.settings = settings
+        self.period = settings.canary_period
+        self.budget_s = settings.canary_slice_ms / 1e3
+        self.idle_point = idle_point
+        self.clock: Callable[[], float] = time.monotonic  # when runs are due (tests replace it)
+        self.timer: Callable[[], float] = time.perf_counter  # what a step costs the serving thread
+        self._lock = threading.Lock()
+        self._armed: float | None = None
+        self._armed_at: float | None = None
+        self._due = math.inf
+        self._last_idle: float | None = None
+        self._queue: list[_Job] = []
+        self._cursor: dict[tuple, int] = {}
+        self._rounds: dict[tuple, int] = {}
+        self._estimate: dict[tuple, float] = {}
+        self._captured: set[int] = set()
+        self._failed: dict[tuple, CanaryFailure] = {}
+        self._recent: deque[CanaryRun] = deque(maxlen=RECENT)
+        self._stopped: str | None = None
+        self._stopped_message = ""
+        self.runs = self.failures = self.slices = self.skipped_saturated = self.skipped_capturing = 0
+        self.busy_s = self.longest_wait_s = self.longest_slice_s = self.longest_step_s = 0.0
+        self.longest_step: str | None = None
+
+    # ---- what the engine calls ----------------------------------------------------------------
+
+    def on_warmup(self, captured: list[int]) -> None:
+        """The batch sizes of the graphs the engine captured: the runs rotate through them too."""
+        self._captured.update(m for m in captured if isinstance(m, int) and m > 0)
+
+    def idle(self, serving_stream: Callable[[], ContextManager] | None = None) -> None:
+        """The serving loop is between forward passes: run a slice if a run is due or in progress.
+
+        The first call arms the canary (the first run is due one period later). Cheap otherwise."""
+        now = self.clock()
+        self._last_idle = now
+        if self._armed is None:
+            self._armed, self._armed_at, self._due = now, time.time(), now + self.period
+            return
+        if self._stopped is not None:  # the loop went on after the refusal: tell it again
+            raise RefusedToServe(self._stopped_message)
+        if not self._queue and now < self._due:
+            return
+        with (serving_stream or contextlib.nullcontext)():
+            if _capturing():
+                self.skipped_capturing += 1
+                return
+            if not self._queue:
+                self._start_period(now)
+            self._slice()
+
+    # ---- rotation -----------------------------------------------------------------------------
+
+    def _start_period(self, now: float) -> None:
+        late = max(0.0, now - self._due)
+        self.skipped_saturated += int(late // self.period)
+        self.longest_wait_s = max(self.longest_wait_s, late)
+        due, due_at = self._due, time.time() - late
+        self._due = now + self.period
+        groups: dict[tuple, list[selection.Served]] = {}
+        for served in selection.served_configurations():
+            groups.setdefault((served.family, served.device.index), []).append(served)
+        for group, configs in groups.items():
+            position = self._cursor.get(group, 0)
+            self._cursor[group] = position + 1
+            served = configs[position % len(configs)]
+            job = _Job(served, [], due, late, due_at)
+            round_ = self._rounds.get(job.key, 0)
+            self._rounds[job.key] = round_ + 1
+            job.ms = self._batch_sizes(served.check, round_)
+            self._queue.append(job)
+
+    def _batch_sizes(self, check: selection.LayerCheck, round_: int) -> list[int]:
+        """One decode batch size and one larger one, each rotating with the configuration's runs
+        through the batch sizes verified at load, the re-check's and the captured graph sizes."""
+        ms = sorted(set(check.ms) | set(check.recheck_ms) | self._captured)
+        small = [m for m in ms if m < SMALL_M] or ms[:1]
+        large = [m for m in ms if m >= SMALL_M] or ms[-1:]
+        return sorted({small[round_ % len(small)], large[round_ % len(large)]})
+
+    # ---- slices and steps ---------------------------------------------------------------------
+
+    def _slice(self) -> None:
+        start = self.timer()
+        touched: list[_Job] = []
+        try:
+            while self._queue:
+                job = self._queue[0]
+                m = job.ms[len(job.reports)]
+                estimate = self._estimate.get(job.key + (m,), 0.0)
+                if touched and self.timer() - start + estimate > self.budget_s:
+                    break  # would overrun the slice: the next idle point runs it
+                if job not in touched:
+                    touched.append(job)
+                if job.started_at is None:
+                    job.started_at = time.time()
+                began = self.timer()
+                report = self._step(job, m)
+                took = self.timer() - began
+                self._estimate[job.key + (m,)] = took
+                job.busy_s += took
+                if took > self.longest_step_s:
+                    self.longest_step_s, self.longest_step = took, f"{job.served.check.label} M={m}"
+                job.reports.append(report)
+                if not report.passed or len(job.reports) == len(job.ms):
+                    self._queue.pop(0)
+                    self._finish(job)  # raises on a failure with SM120_FP4_CANARY_ACTION=exit
+                if self.timer() - start >= self.budget_s:
+                    break
+        finally:
+            spent = self.timer() - start
+            for job in touched:
+                job.slices += 1
+            self.busy_s += spent
+            self.slices += 1
+            self.longest_slice_s = max(self.longest_slice_s, spent)
+
+    def _step(self, job: _Job, m: int) -> selftest.SelfTestReport:
+        served = job.served
+        try:
+            problem = _fingerprint_problem(served) if not job.reports else None
+            if problem is None:
+                return selection.check_served(served, [m])
+            reason = f"the layer's weights changed since they were verified: {problem}"
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
+            reason = f"the canary could not run the check: {type(exc).__name__}: {exc}"
+        report = selftest.report_for(served.backend, served.device, config=served.check.label)
+        report.reason = reason
+        return report
+
+    def _finish(self, job: _Job) -> None:
+        failing = next((r for r in job.reports if not r.passed), None)
+        errors = [r.max_rel_err for r in job.reports if r.max_rel_err is not None]
+        served = job.served
+        run = CanaryRun(family=served.family, device=served.device.label(), backend=job.reports[-1].backend,
+                        config=served.check.label, ms=job.ms, passed=failing is None,
+                        reason=failing.reason if failing else None, max_rel_err=max(errors) if errors else None,
+                        due_at=job.due_at, started_at=job.started_at or time.time(), finished_at=time.time(),
+                        late_s=job.late_s, busy_ms=job.busy_s * 1e3, slices=job.slices + 1)
+        with self._lock:
+            self.runs += 1
+            self._recent.append(run)
+            if failing is not None:
+                self.failures += 1
+                known = self._failed.get(job.key)
+                if known is None:
+                    self._failed[job.key] = CanaryFailure(family=run.family, device=run.device, config=run.config, count=1,
+                                                          first_reason=run.reason or "", first_at=run.finished_at)
+                else:
+                    known.count += 1
+        if failing is None:
+            selection.update_report(self.settings)
+        elif self.settings.canary_action == "exit":
+            self._exit(job, run, failing)
+        else:
+            if self._failed[job.key].count == 1:
+                _LOG.warning("sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
+                             "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
+                             run.backend, run.config, run.device, run.reason)
+            selection.update_report(self.settings)
+
+    def _exit(self, job: _Job, run: CanaryRun, report: selftest.SelfTestReport) -> None:
+        served = job.served
+        family = selection.FAMILIES[served.family]
+        message = (
+            f"sm120_fp4: refusing to serve NVFP4 on {run.device}: while serving: {run.backend} failed the serving canary's "
+            f"re-check of {run.config}.\n"
+            f"  {run.reason}\n"
+            "It passed at start-up and after warm-up: the kernel, the driver or the GPU changed behaviour while serving. "
+            "This process stops (SM120_FP4_CANARY_ACTION=exit) so that it is restarted and verified again; if that "
+            f"happens again, try another backend ({family.backends_var}), {family.fallback_var}=emulated, or check the GPU."
+        )
+        self._stopped = f"stopped the process: {run.config} failed while serving"
+        self._stopped_message = message
+        refusal = selection.Refusal(device=run.device, config=f"{run.config} (while serving)", family=served.family,
+                                    message=message, rejected={run.backend: f"failed while serving: {run.reason}"},
+                                    reports=[report])
+        selection.record_refusal(refusal, self.settings)  # the report file, before the process goes
+        _LOG.error("%s", message)
+        raise RefusedToServe(message)
+
+    # ---- status -------------------------------------------------------------------------------
+
+    def _state(self) -> str:
+        if self._stopped is not None:
+            return self._stopped
+        if self._armed is None:
+            return "on; armed at the serving loop's first idle point (none in this process yet)"
+        now = self.clock()
+        waited = now - (self._last_idle or now)
+        saturated = (f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
+                     "the run waits for the next one") if waited > self.period else ""
+        if self._queue:
+            job = self._queue[0]
+            return f"re-checking {job.served.check.label} (step {len(job.reports) + 1} of {len(job.ms)}){saturated}"
+        if now >= self._due:
+            return "due: runs at the next idle point" + saturated
+        return f"next run in {self._due - now:.1f} s"
+
+    def status(self) -> CanaryStatus:
+        with self._lock:
+            recent = list(self._recent)
+            failed = [f.model_copy() for f in self._failed.values()]
+        elapsed = time.time() - self._armed_at if self._armed_at is not None else None
+        has_fingerprints = getattr(selection, "fingerprint_problem", None) is not None
+        return CanaryStatus(
+            enabled=True, period_s=self.period, action=self.settings.canary_action, slice_ms=self.budget_s * 1e3,
+            state=self._state(), idle_point=self.idle_point, armed_at=self._armed_at, runs=self.runs,
+            failures=self.failures, failed=failed, last_run=recent[-1] if recent else None, recent=recent,
+            skipped_saturated=self.skipped_saturated, skipped_capturing=self.skipped_capturing,
+            longest_wait_s=self.longest_wait_s, busy_s=self.busy_s,
+            share=self.busy_s / elapsed if elapsed else None, slices=self.slices,
+            longest_slice_ms=self.longest_slice_s * 1e3, longest_step_ms=self.longest_step_s * 1e3,
+            longest_step=self.longest_step,
+            **({"fingerprints": "compared at the first step of every run"} if has_fingerprints else {}),
+        )
+
+
+# ---- the process's canary -----------------------------------------------------------------------
+
+_active: Canary | None = None
+
+
+def configure(settings: Settings, idle_point: str | None = None) -> Canary | None:
+    """Start this process's canary (install): None, and nothing runs, with SM120_FP4_CANARY=off."""
+    global _active
+    if settings.canary_period is None:
+        return None
+    _active = Canary(settings, idle_point)
+    selection.report_sections["canary"] = lambda: status(settings).model_dump(mode="json")
+    return _active
+
+
+def stop() -> None:
+    """Forget this process's canary (uninstall)."""
+    global _active
+    _active = None
+    selection.report_sections.pop("canary", None)
+
+
+def active() -> Canary | None:
+    return _active
+
+
+def idle(serving_stream: Callable[[], ContextManager] | None = None) -> None:
+    """The engine's serving loop is between forward passes (see Canary.idle); nothing when off."""
+    canary = _active
+    if canary is not None:
+        canary.idle(serving_stream)
+
+
+def on_warmup(captured: list[int]) -> None:
+    canary = _active
+    if canary is not None:
+        canary.on_warmup(captured)
+
+
+def status(settings: Settings | None = None) -> CanaryStatus:
+    """This process's canary, or what the settings say where none runs here."""
+    canary = _active
+    if canary is not None:
+        return canary.status()
+    period = settings.canary_period if settings is not None else None
+    action = settings.canary_action if settings is not None else "exit"
+    slice_ms = settings.canary_slice_ms if settings is not None else 5.0
+    state = "off (SM120_FP4_CANARY=off)" if period is None else "not running: sm120_fp4 is not installed in this process"
+    return CanaryStatus(enabled=False, period_s=period, action=action, slice_ms=slice_ms, state=state)

@@ -1,0 +1,430 @@
+"""The serving canary (sm120_fp4.canary): in-process, through SGLang's real layers, driven at the
+serving loop's idle point (`canary.idle()`, what the scheduler's idle hook calls) with a controlled
+clock (when runs are due) and, where the slice rule is under test, a controlled step timer.
+
+A kernel that goes wrong only after the process has verified and started serving (after a number of
+served calls, at one configuration, at large M only, in rows 64-127, ...) must be caught by the next
+re-check of the configuration it breaks; `exit` refuses with the reason in the report file, `log`
+counts and keeps serving. Healthy kernels pass every run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import sm120_fp4
+from sm120_fp4 import backends, canary, selection
+from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4.errors import ConfigError, RefusedToServe
+from sm120_fp4.sglang import layers
+from helpers.cases import case
+
+pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
+PERIOD = 30.0
+
+
+@pytest.fixture(autouse=True)
+def _uninstalled(sglang_unpatched):
+    """Every test starts and ends with SGLang unpatched (and so with no canary)."""
+
+
+class Clock:
+    """The canary's clock: time moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Wear:
+    """Kernel state a test flips once the process is serving: from then on `fault` applies."""
+
+    def __init__(self, fault, after: int = 0):
+        self.fault, self.after, self.armed, self.calls = fault, after, False, 0
+
+    def __call__(self, a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if self.armed:
+            self.calls += 1
+            if self.calls > self.after:
+                self.fault(a, b, out)
+        return out
+
+
+def serve(kernel, *shapes, **settings):
+    """install() with the canary on and `kernel` as the dense backend, layers of `shapes` built and
+    verified (the process is now serving); the canary armed at its first idle point."""
+    backends.register("wear", kernel)
+    sm120_fp4.install(simulate="12.0", backends="wear", canary=str(settings.pop("period", PERIOD)), **settings)
+    built = [layers.build_modelopt_layer(layers.make_checkpoint(n, k, seed=i)) for i, (n, k) in enumerate(shapes)]
+    c = canary.active()
+    c.clock = Clock()
+    canary.idle()  # the first idle point arms it
+    return c, built
+
+
+def next_run(c, idle_points: int = 50) -> canary.CanaryRun | None:
+    """Move one period on and call the idle point until the run(s) of that period are done."""
+    c.clock.now += c.period
+    runs = c.runs
+    for _ in range(idle_points):
+        canary.idle()
+        if c.runs > runs and not c._queue:
+            break
+    return c.status().last_run
+
+
+def scale(factor):
+    return lambda a, b, out: out.mul_(factor)
+
+
+# ---- the Must-show, in-process: wrong after N served calls, caught by the next run -------------
+
+@case("backend faults", "a dense kernel right at start-up and after warm-up that returns results {factor}x too large after 20 calls made while serving, SM120_FP4_CANARY on, action exit",
+      "the first canary run after the fault raises RefusedToServe 'while serving' out of the idle point, naming the configuration and M; the report file holds the refusal with the numbers; every later idle point raises again")
+@pytest.mark.parametrize("factor", [1.06, 4.0])
+def test_a_kernel_that_turns_wrong_while_serving_is_refused_at_the_next_run(tmp_path, factor):
+    wear = Wear(scale(factor), after=20)
+    report = tmp_path / "report.json"
+    c, [(method, layer)] = serve(wear, (96, 160), report=str(report))
+    assert next_run(c).passed, "healthy while not yet worn"
+    wear.armed = True
+    for _ in range(21):  # served calls: forward passes of the layer
+        method.apply(layer, torch.randn(3, 160).to(torch.bfloat16))
+    c.clock.now += PERIOD
+    with pytest.raises(RefusedToServe, match=r"(?s)while serving: wear failed the serving canary's re-check of "
+                                             r"ModelOptFp4LinearMethod N=96 K=160 .*M=2 .*norm is"):
+        for _ in range(10):
+            canary.idle()
+    data = json.loads(report.read_text())
+    refusal = data["refusals"][-1]
+    assert refusal["config"].endswith("(while serving)") and "while serving" in refusal["message"]
+    shape = refusal["reports"][0]["shapes"][0]
+    assert shape["m"] == 2 and not shape["passed"] and shape["norm_ratio"] == pytest.approx(factor, rel=0.01)
+    assert data["canary"]["failures"] == 1 and data["canary"]["state"].startswith("stopped the process")
+    assert sm120_fp4.status().refusals[-1].config == refusal["config"]
+    with pytest.raises(RefusedToServe, match="while serving"):
+        canary.idle()
+
+
+@case("backend faults", "the same kernel turning wrong while serving with SM120_FP4_CANARY_ACTION=log",
+      "no exception: every failing run is counted, one warning per configuration, the next runs go on")
+def test_with_action_log_a_failure_is_logged_once_per_configuration_and_counted(caplog):
+    wear = Wear(scale(0.5))
+    c, _ = serve(wear, (96, 160), (64, 160), canary_action="log")
+    wear.armed = True
+    with caplog.at_level(logging.WARNING, logger="sm120_fp4"):
+        runs = [next_run(c) for _ in range(4)]
+    assert [r.passed for r in runs] == [False] * 4
+    assert {r.config.split(" (")[0] for r in runs} == {"ModelOptFp4LinearMethod N=96 K=160 bfloat16",
+                                                       "ModelOptFp4LinearMethod N=64 K=160 bfloat16"}
+    status = c.status()
+    assert status.failures == 4 and sorted(f.count for f in status.failed) == [2, 2]
+    warned = [r.getMessage() for r in caplog.records if "while serving" in r.getMessage()]
+    assert len(warned) == 2 and all("SM120_FP4_CANARY_ACTION=log" in w for w in warned), warned
+    assert sm120_fp4.status().refusals == [], "log never refuses"
+
+
+# ---- faults that only a re-check of the right configuration or batch size can see --------------
+
+def zero_rows_64_127(a, b, out):
+    out[64:128] = 0
+
+
+def nan_in_one_row(a, b, out):
+    out[out.shape[0] // 2, 0] = float("nan")
+
+
+def swap_two_rows(a, b, out):
+    if out.shape[0] > 3:
+        out[[1, 3]] = out[[3, 1]].clone()
+
+
+def zeros_above_1000_rows(a, b, out):
+    if out.shape[0] > 1000:
+        out.zero_()
+
+
+def wrong_at_n_64(a, b, out):
+    if b.shape[1] == 64:
+        out.mul_(0.9)
+
+
+LATE_FAULTS = {
+    "rows 64-127 zeroed": (zero_rows_64_127, r"M=128 .*rows 64-127"),
+    "one NaN in one row": (nan_in_one_row, r"M=1 .*non-finite"),
+    "two rows swapped (no zeros, no NaN)": (swap_two_rows, r"M=128 .*relative error"),
+    "zeros above M=1000 only": (zeros_above_1000_rows, r"M=2049 .*all zeros"),
+    "wrong at one of two configurations (N=64)": (wrong_at_n_64, r"N=64 K=160 .*norm is 0.9"),
+}
+
+
+@case("backend faults", "a dense kernel that goes wrong after start-up in one way: {fault}, canary on (two layer configurations)",
+      "caught by the first run that reaches the broken configuration and batch size (M > 1000: the 11th here), refused while serving, naming them")
+@pytest.mark.parametrize("fault", list(LATE_FAULTS))
+def test_each_way_of_going_wrong_later_is_caught_by_the_rotation(fault):
+    fn, reason = LATE_FAULTS[fault]
+    wear = Wear(lambda a, b, out: fn(a, b, out))
+    c, _ = serve(wear, (96, 160), (64, 160))
+    wear.armed = True
+    with pytest.raises(RefusedToServe, match=r"(?s)while serving: .*" + reason):
+        for _ in range(12):  # N=96 and N=64 in turn, each at (1, 128), (2, 191), (3, 256), (4, 383), (5, 512), (7, 2049)
+            next_run(c)
+
+
+@case("properties", "a healthy kernel with the canary on for 8 periods (two dense layer configurations)",
+      "every run passes; the rotation alternates the configurations and walks each one's decode and larger batch sizes")
+def test_a_healthy_kernel_passes_every_run_and_the_rotation_covers_configurations_and_batch_sizes():
+    c, _ = serve(emulated_mm_fp4, (96, 160), (64, 160))
+    runs = [next_run(c) for _ in range(8)]
+    assert all(r.passed for r in runs)
+    n96 = [r.ms for r in runs if "N=96" in r.config]
+    n64 = [r.ms for r in runs if "N=64" in r.config]
+    assert len(n96) == len(n64) == 4, "one configuration per period, in turn"
+    assert n96 == [[1, 128], [2, 191], [3, 256], [4, 383]], "a decode M and a larger M, rotating"
+    status = c.status()
+    assert status.runs == 8 and status.failures == 0 and status.busy_s > 0 and status.longest_step
+    assert status.recent[-1] == runs[-1] and status.state.startswith("next run in")
+
+
+def test_captured_graph_sizes_join_the_rotation():
+    c, _ = serve(emulated_mm_fp4, (96, 160))
+    canary.on_warmup([6, 300])
+    ms = [next_run(c).ms for _ in range(6)]
+    assert ms == [[1, 128], [2, 191], [3, 256], [4, 300], [5, 383], [6, 512]]
+
+
+def test_each_kernel_family_on_each_device_is_rechecked_every_period():
+    from sm120_fp4.sglang import moe_layers
+
+    problem = moe_layers.builder_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends="emulated")
+    moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    c.clock.now += PERIOD
+    for _ in range(40):
+        canary.idle()
+        if c.runs >= 2:
+            break
+    assert {r.family for r in c.status().recent} == {"dense", "moe"}, "one run per family in one period"
+    assert all(r.passed for r in c.status().recent)
+
+
+@case("backend faults", "an NVFP4 fused-MoE kernel (register_moe) that drops the second routed expert of every token once the process serves, canary on, a dense layer served too",
+      "the MoE kernel's next run (every period re-checks each family) refuses while serving, naming the MoE configuration; the dense run passes")
+def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run():
+    from sm120_fp4.sglang import moe_layers
+
+    problem = moe_layers.builder_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    state = {"worn": False}
+
+    def drops_second_slot(x, ids, weights, *rest):
+        if state["worn"]:
+            weights = weights.clone()
+            weights[:, 1:] = 0
+        return backends.emulated_moe(x, ids, weights, *rest)
+
+    backends.register_moe("moe-wear", drops_second_slot)
+    c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends="moe-wear")
+    moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    state["worn"] = True
+    c.clock.now += PERIOD
+    with pytest.raises(RefusedToServe, match=r"(?s)while serving: moe-wear failed the serving canary's re-check of "
+                                             r"ModelOptNvFp4FusedMoEMethod E=8 .*T=1 random"):
+        for _ in range(40):
+            canary.idle()
+    assert [r.passed for r in c.status().recent if r.family == "dense"] == [True]
+
+
+# ---- slices: bounded, always progressing, long steps deferred; saturation; capture ---------------
+
+class StepTimer:
+    """The canary's step timer, advanced by the kernel: a call with M rows costs 1 ms, 3 ms from 128."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+
+    def __call__(self) -> float:
+        return self.ms / 1e3
+
+    def kernel(self, a, b, a_sf, b_sf, alpha, dtype, out):
+        self.ms += 1.0 if a.shape[0] < 128 else 3.0
+        return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+
+
+def test_a_slice_stops_before_a_step_it_knows_would_overrun_it_and_always_makes_progress():
+    timer = StepTimer()
+    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms="5")
+    c.timer = timer
+    runs = [next_run(c) for _ in range(7)]
+    # Run 1: M=1 (2 calls: 2 ms) then M=128 (6 ms), neither measured before: one slice of 8 ms.
+    assert runs[0].ms == [1, 128] and runs[0].slices == 1 and c.status().longest_slice_ms == pytest.approx(8.0, abs=1e-6)
+    # Run 7: M=8 (2 ms), and M=128 is known to take 6 ms: it waits for the next idle point.
+    assert runs[6].ms == [8, 128] and runs[6].passed and runs[6].slices == 2
+    assert all(r.slices == 1 for r in runs[1:6]), "steps never measured run in the slice that has room"
+    assert c.status().longest_step_ms == pytest.approx(6.0, abs=1e-6) and int(c.status().longest_step.rsplit("M=", 1)[1]) >= 128
+
+
+def test_the_first_idle_point_only_arms_and_the_first_run_is_one_period_later():
+    c, _ = serve(emulated_mm_fp4, (96, 160))
+    for _ in range(5):
+        canary.idle()
+    assert c.runs == 0 and c.status().state == f"next run in {PERIOD:.1f} s"
+    c.clock.now += PERIOD - 1
+    canary.idle()
+    assert c.runs == 0
+
+
+@case("concurrency", "the serving loop saturated (no idle point) for 2.5 periods while a run is due",
+      "status says the run is skipped for want of an idle point; the next idle point runs it, 1.5 periods late, and counts the period it skipped")
+def test_a_saturated_loop_skips_periods_and_status_says_so():
+    c, _ = serve(emulated_mm_fp4, (96, 160))
+    c.clock.now += 2.5 * PERIOD  # no idle point meanwhile: the loop is running batches back to back
+    assert "no idle point for 75 s (saturated)" in c.status().state
+    for _ in range(10):
+        canary.idle()
+        if c.runs:
+            break
+    run = c.status().last_run
+    assert run.passed and run.late_s == pytest.approx(1.5 * PERIOD)
+    assert c.status().skipped_saturated == 1 and c.status().longest_wait_s == pytest.approx(1.5 * PERIOD)
+
+
+def test_no_step_runs_while_a_cuda_graph_is_being_captured(monkeypatch):
+    c, _ = serve(emulated_mm_fp4, (96, 160))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    c.clock.now += PERIOD
+    for _ in range(3):
+        canary.idle()
+    assert c.runs == 0 and c.slices == 0 and c.status().skipped_capturing == 3
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for _ in range(10):
+        canary.idle()
+    assert c.runs == 1
+
+
+def test_the_idle_point_runs_inside_the_serving_stream_it_is_given():
+    entered = []
+
+    class Stream:
+        def __enter__(self):
+            entered.append("in")
+
+        def __exit__(self, *exc):
+            entered.append("out")
+
+    c, _ = serve(emulated_mm_fp4, (96, 160))
+    canary.idle(Stream)
+    assert entered == [], "nothing due: the serving stream is not even entered"
+    c.clock.now += PERIOD
+    canary.idle(Stream)
+    assert entered == ["in", "out"] and c.slices == 1
+
+
+# ---- what the canary re-checks, and where it cannot ---------------------------------------------
+
+def test_with_nothing_verified_the_canary_runs_nothing_and_says_so():
+    sm120_fp4.install(simulate="12.0", backends="emulated", canary="5")
+    c = canary.active()
+    c.clock = Clock()
+    canary.idle()
+    c.clock.now += 5
+    canary.idle()
+    assert c.runs == 0 and sm120_fp4.status().canary.enabled
+
+
+def test_a_weight_fingerprint_mismatch_from_selection_fails_the_run(monkeypatch):
+    """The hook point for weight fingerprints (selection.fingerprint_problem, when it exists)."""
+    c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
+    monkeypatch.setattr(selection, "fingerprint_problem", lambda check: "weight bytes 17-18 differ", raising=False)
+    run = next_run(c)
+    assert not run.passed and "weights changed since they were verified: weight bytes 17-18 differ" in run.reason
+    assert c.status().fingerprints.startswith("compared")
+
+
+def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
+    c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
+
+    def broken(served, ms):
+        raise KeyError("no such serving entry")
+
+    monkeypatch.setattr(selection, "check_served", broken)
+    run = next_run(c)
+    assert not run.passed and "the canary could not run the check: KeyError" in run.reason
+
+
+def test_unverified_configurations_are_not_rechecked():
+    def wide_zeros(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if b.shape[1] == 64:
+            out.zero_()
+        return out
+
+    backends.register("wide", wide_zeros)
+    sm120_fp4.install(simulate="12.0", backends="wide", selftest="warn", canary="5")
+    layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+    layers.build_modelopt_layer(layers.make_checkpoint(64, 160))  # fails, served UNVERIFIED under warn
+    assert [s.check.label.split(" (")[0] for s in selection.served_configurations()] == [
+        "ModelOptFp4LinearMethod N=96 K=160 bfloat16"]
+
+
+# ---- settings and status ----------------------------------------------------------------------
+
+@case("configuration", "SM120_FP4_CANARY=60 with SM120_FP4_SELFTEST=off at install()",
+      "ConfigError: the canary re-verifies verified configurations and none would be; nothing patched")
+def test_the_canary_with_selftest_off_is_refused_at_install():
+    with pytest.raises(ConfigError, match=r"SM120_FP4_CANARY=60 re-verifies .* SM120_FP4_SELFTEST=off verifies none"):
+        sm120_fp4.install(simulate="12.0", backends="emulated", canary="60", selftest="off")
+    assert not sm120_fp4.status().installed
+
+
+def test_status_and_the_report_show_the_canary(tmp_path):
+    report = tmp_path / "r.json"
+    c, _ = serve(emulated_mm_fp4, (96, 160), report=str(report), canary_slice_ms="2.5")
+    next_run(c)
+    shown = sm120_fp4.status().canary
+    assert (shown.enabled, shown.period_s, shown.action, shown.slice_ms, shown.runs) == (True, PERIOD, "exit", 2.5, 1)
+    assert shown.idle_point.endswith("on_idle") or shown.idle_point.endswith("self_check_during_idle")
+    section = json.loads(report.read_text())["canary"]
+    assert section["runs"] == 1 and section["last_run"]["passed"] and section["busy_s"] > 0
+    assert json.loads(sm120_fp4.status().model_dump_json())["canary"]["runs"] == 1
+
+
+def test_off_by_default_and_after_uninstall():
+    status = sm120_fp4.install(simulate="12.0", backends="emulated")
+    assert not status.canary.enabled and status.canary.state.startswith("off") and canary.active() is None
+    assert "scheduler-idle-canary" not in {p.name for p in status.patches}, "nothing patched for it when off"
+    sm120_fp4.uninstall()
+    sm120_fp4.install(simulate="12.0", backends="emulated", canary="5")
+    assert canary.active() is not None
+    sm120_fp4.uninstall()
+    assert canary.active() is None and "canary" not in selection.report_sections
+
+
+def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path, monkeypatch):
+    from sm120_fp4 import doctor
+
+    c, _ = serve(emulated_mm_fp4, (96, 160), report=str(tmp_path))
+    next_run(c)  # this process's report file now has a canary section
+    for name, value in {"SM120_FP4_CANARY": "60", "SM120_FP4_REPORT": str(tmp_path), "SM120_FP4_SIMULATE": "12.0"}.items():
+        monkeypatch.setenv(name, value)
+    shown = doctor.collect(deep=False)["canary"]
+    assert shown["enabled"] and shown["period_s"] == 60 and shown["action"] == "exit" and shown["problem"] is None
+    assert shown["idle_point"].startswith("sglang.srt.managers.")
+    [process] = shown["processes"]
+    assert process["runs"] == 1 and process["failures"] == 0 and process["last_run"]["passed"]
+    monkeypatch.setenv("SM120_FP4_SELFTEST", "off")
+    report = doctor.collect(deep=False)
+    assert any("serving canary: SM120_FP4_CANARY=60 re-verifies" in p for p in report["problems"])
+    assert "### Serving canary" in doctor._markdown(report)
