@@ -904,7 +904,10 @@ def write_report(path: Path, rows: list[dict], source: dict | None = None) -> No
     earlier = path.read_text() if path.is_file() else ""
     kept = earlier_rows(path, {row["release"] for row in rows})
     section = source_section(source) if source else ("\n" + earlier[earlier.index(SOURCE_TITLE):] if SOURCE_TITLE in earlier else "")
-    path.write_text(REPORT_HEAD + f"\n{TABLE_TITLE}\n\n" + markdown(rows, kept) + section)
+    have = set(kept) | {row["release"] for row in rows}
+    missing = [v for v in TABLE_RELEASES if v not in have]
+    todo = (f"\nNot run yet (of `--releases table`): {', '.join(missing)}.\n" if missing else "")
+    path.write_text(REPORT_HEAD + f"\n{TABLE_TITLE}\n\n" + markdown(rows, kept) + todo + section)
 
 
 def check_releases(versions: list[str], cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool,

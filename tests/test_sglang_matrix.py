@@ -112,3 +112,5 @@ def test_the_report_keeps_the_rows_of_releases_not_run_again(tmp_path):
     rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| 0.5.")]
     assert rows == [["| 0.5.4.post3", "fffffff"], ["| 0.5.5", "0000001"]], rows
     assert matrix.SOURCE_TITLE in text, "the earlier source-check section is kept"
+    missing = [v for v in matrix.TABLE_RELEASES if v not in ("0.5.4.post3", "0.5.5")]
+    assert f"Not run yet (of `--releases table`): {', '.join(missing)}." in text
