@@ -813,8 +813,9 @@ def repo_label(repo: Path) -> str:
         run = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
         return run.stdout.strip() if run.returncode == 0 else ""
 
+    top = git("rev-parse", "--show-toplevel")
     head = git("rev-parse", "--short", "HEAD")
-    if not head:
+    if not head or Path(top).resolve() != repo.resolve():  # a folder inside another checkout (an exported snapshot)
         return repo.name
     return f"{repo.name}@{head}" + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 

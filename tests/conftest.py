@@ -24,8 +24,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 torch.set_num_threads(1)
 
 # The SGLang test files import SGLang's modules on a CPU. SGLang 0.5.3-0.5.10.post1 bring a CUDA-only
-# kernel package (sgl_kernel) that cannot load here and some import it unguarded on the way to the
-# FP4 module (0.5.4.post3 and 0.5.5-0.5.7 among them, seen by scripts/sglang_matrix.py): the simulation's stand-in covers it for the session, as install(simulate=...)
+# kernel package (sgl_kernel) that cannot load here and import it on the way to the FP4 module
+# (every one scripts/sglang_matrix.py ran, docs/RELEASES.md): the simulation's stand-in covers it for the session, as install(simulate=...)
 # does for a process. Inert where no such package is installed (the pinned 0.5.23) or CUDA exists.
 _KERNEL_STAND_IN = None
 if not torch.cuda.is_available():

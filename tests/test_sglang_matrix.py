@@ -114,3 +114,16 @@ def test_the_report_keeps_the_rows_of_releases_not_run_again(tmp_path):
     assert matrix.SOURCE_TITLE in text, "the earlier source-check section is kept"
     missing = [v for v in matrix.TABLE_RELEASES if v not in ("0.5.4.post3", "0.5.5")]
     assert f"Not run yet (of `--releases table`): {', '.join(missing)}." in text
+
+
+def test_a_snapshot_folder_inside_a_checkout_is_labelled_by_its_own_name(tmp_path):
+    """--repo .cache/snap/<commit> (an exported snapshot inside this checkout) ran that commit, not
+    the enclosing checkout's HEAD."""
+    snapshot = matrix.ROOT / ".cache" / "snap-label-test" / "abc1234"
+    snapshot.mkdir(parents=True, exist_ok=True)
+    try:
+        assert matrix.repo_label(snapshot) == "abc1234"
+        assert matrix.repo_label(matrix.ROOT).startswith(matrix.ROOT.name + "@")
+    finally:
+        snapshot.rmdir()
+        snapshot.parent.rmdir()
