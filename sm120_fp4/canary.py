@@ -142,7 +142,6 @@ class _Job:
 
     served: selection.Served
     ms: list[int]
-    due: float  # clock time it became due
     late_s: float
     due_at: float  # the same, wall time
     started_at: float | None = None
@@ -218,7 +217,7 @@ class Canary:
         late = max(0.0, now - self._due)
         self.skipped_saturated += int(late // self.period)
         self.longest_wait_s = max(self.longest_wait_s, late)
-        due, due_at = self._due, time.time() - late
+        due_at = time.time() - late
         self._due = now + self.period
         groups: dict[tuple, list[selection.Served]] = {}
         for served in selection.served_configurations():
@@ -227,16 +226,19 @@ class Canary:
             position = self._cursor.get(group, 0)
             self._cursor[group] = position + 1
             served = configs[position % len(configs)]
-            job = _Job(served, [], due, late, due_at)
+            job = _Job(served, [], late, due_at)
             round_ = self._rounds.get(job.key, 0)
             self._rounds[job.key] = round_ + 1
             job.ms = self._batch_sizes(served.check, round_)
-            self._queue.append(job)
+            if job.ms:  # a configuration with no batch size to check has nothing to run
+                self._queue.append(job)
 
     def _batch_sizes(self, check: selection.LayerCheck, round_: int) -> list[int]:
         """One decode batch size and one larger one, each rotating with the configuration's runs
         through the batch sizes verified at load, the re-check's and the captured graph sizes."""
         ms = sorted(set(check.ms) | set(check.recheck_ms) | self._captured)
+        if not ms:
+            return []
         small = [m for m in ms if m < SMALL_M] or ms[:1]
         large = [m for m in ms if m >= SMALL_M] or ms[-1:]
         return sorted({small[round_ % len(small)], large[round_ % len(large)]})
