@@ -179,10 +179,13 @@ def _canary(settings) -> dict:
                     data = json.load(f)
             except (OSError, ValueError):
                 continue
-            section = data.get("canary") if isinstance(data, dict) else None
-            if isinstance(section, dict) and section.get("enabled"):
-                keys = ("state", "runs", "failures", "last_run", "busy_s", "share", "longest_slice_ms", "skipped_saturated")
-                out["processes"].append({"pid": data.get("pid"), "report": path, **{k: section.get(k) for k in keys}})
+            # A report holds one section per process (report.py); each may carry its canary's counters.
+            procs = data.get("processes") if isinstance(data, dict) and isinstance(data.get("processes"), list) else [data]
+            for proc in procs:
+                section = proc.get("canary") if isinstance(proc, dict) else None
+                if isinstance(section, dict) and section.get("enabled"):
+                    keys = ("state", "runs", "failures", "last_run", "busy_s", "share", "longest_slice_ms", "skipped_saturated")
+                    out["processes"].append({"pid": proc.get("pid"), "report": path, **{k: section.get(k) for k in keys}})
     return out
 
 

@@ -46,7 +46,7 @@ def _result(background) -> dict:
     return json.loads(line.removeprefix("CANARY-RESULT "))
 
 
-@background(_scenario("exit"))
+@background(_scenario("exit"), heavy=True)
 def test_a_kernel_worn_out_while_serving_stops_the_server_within_one_period(background):
     r = _result(background)
     assert r["ready"] and r["answer"] is not None and r["passed_before"], r.get("log", "")[-3000:]
@@ -72,7 +72,7 @@ def test_a_kernel_worn_out_while_serving_stops_the_server_within_one_period(back
     assert "Scheduler hit an exception" in r["log"], "SGLang's own path: the scheduler raised, the server killed its tree"
 
 
-@background(_scenario("log"))
+@background(_scenario("log"), heavy=True)
 def test_with_action_log_the_server_keeps_serving_and_counts_and_the_canary_changes_no_answer(background):
     r = _result(background)
     assert r["ready"] and r["passed_before"], r.get("log", "")[-3000:]

@@ -73,9 +73,10 @@ def plugin(root: Path) -> Path:
 def canary_section(server: Server) -> dict:
     """The scheduler's canary section (the report whose canary is armed), or {}."""
     for report in server.reports():
-        section = report.get("canary") or {}
-        if section.get("armed_at"):
-            return {**section, "pid": report.get("pid")}
+        for proc in report.get("processes") or [report]:  # one section per process (sm120_fp4.report)
+            section = proc.get("canary") or {}
+            if section.get("armed_at"):
+                return {**section, "pid": proc.get("pid")}
     return {}
 
 
