@@ -16,6 +16,7 @@ import os
 import statistics
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,7 +29,7 @@ from .config import AUTO, Settings, load_settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
 
-__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
+__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -69,11 +70,16 @@ class Refusal(BaseModel):
 
 @dataclass
 class LayerCheck:
-    """One layer configuration to verify on one device through the call that will serve it.
+    """One NVFP4 layer to verify on one device through the call that will serve it.
 
-    `key` identifies the configuration (layers that share it are verified once); `label` names it
-    in reports; `cases(ms)` builds the served calls for the batch sizes `ms` (with the layer's own
-    weights, checked against the oracle); `recheck_ms` are the batch sizes re-run after warm-up.
+    `key` identifies the configuration: the first layer of a configuration gets the full sweep (its
+    batch sizes `ms`, two passes), every later layer of it a light check of its own weights at
+    `light_ms` (one pass); `label` names the configuration in reports, `layer` this layer; `cases(ms)`
+    builds the served calls for the batch sizes `ms` (with the layer's own weights, checked against
+    the oracle); `recheck_ms` are the batch sizes re-run after warm-up. `weights()` returns the tensors
+    the layer serves with, read from the layer now (fingerprinted: a verified layer whose weights
+    change outside SGLang's weight-update path is refused); `rebuild()` the check again from the
+    layer's current state (after a weight update); `owner` the layer itself (one record per layer).
     """
 
     device_index: int
@@ -83,6 +89,14 @@ class LayerCheck:
     cases: Callable[[list[int]], list[selftest.Case]]
     ms: list[int]
     recheck_ms: list[int]
+    layer: str = ""
+    light_ms: list[int] = field(default_factory=lambda: [8])
+    weights: Callable[[], tuple] | None = None
+    rebuild: Callable[[], "LayerCheck | None"] | None = None
+    owner: object = None
+
+    def named(self) -> str:
+        return f"{self.label} [{self.layer}]" if self.layer else self.label
 
 
 @dataclass(frozen=True)
@@ -153,14 +167,28 @@ _refusals: list[Refusal] = []
 
 
 @dataclass
+class _Layer:
+    """One verified layer: its check and the fingerprint of its weights when they were verified."""
+
+    check: LayerCheck
+    fingerprint: torch.Tensor | None
+    owner: Callable[[], object] | None  # a weak reference to the layer (None: no layer object given)
+
+    def alive(self) -> bool:
+        return self.owner is None or self.owner() is not None
+
+
+@dataclass
 class _Serving:
-    """What serves one device: its decision, every layer configuration verified on it, what failed."""
+    """What serves one device: its decision, every layer configuration and every layer verified on
+    it, what failed."""
 
     device: Device
     decision: Decision
     settings: Settings
     family: Family
-    checks: dict[tuple, LayerCheck] = field(default_factory=dict)
+    checks: dict[tuple, LayerCheck] = field(default_factory=dict)  # one per configuration: its full sweep
+    layers: dict[int, _Layer] = field(default_factory=dict)  # id(layer) -> its record (light checks, fingerprints)
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -346,7 +374,9 @@ def decide(
 
     Cached per device and process; concurrent callers for one device wait for one self-test.
     """
+    global _last_settings
     settings = settings or load_settings()
+    _last_settings = settings
     if not isinstance(device, Device):
         if device is None and torch.cuda.is_available() and not settings.simulate:
             device = torch.cuda.current_device()
@@ -456,9 +486,10 @@ def _set_route(serving: _Serving, decision: Decision) -> None:
         _route_names[(family, index)] = decision.backend
 
 
-def _run_check(serving: _Serving, check: LayerCheck, ms: list[int]) -> selftest.SelfTestReport:
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,
+               config: str | None = None) -> selftest.SelfTestReport:
     device = serving.device
-    report = selftest.report_for(serving.decision.backend, device, config=check.label)
+    report = selftest.report_for(serving.decision.backend, device, config=config or check.label)
     start = time.perf_counter()
     try:
         cases = check.cases(ms)
@@ -466,56 +497,140 @@ def _run_check(serving: _Serving, check: LayerCheck, ms: list[int]) -> selftest.
         report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
         report.duration_s = time.perf_counter() - start
         return report
-    return selftest.finish(report, selftest.sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device), start)
+    where = f" of {serving.decision.backend!r} on {device.label()} for {check.named()}"
+    results = selftest.sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device,
+                             passes=passes, where=where)
+    return selftest.finish(report, results, start)
+
+
+def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
+    return selftest.fingerprint(check.weights()) if check.weights is not None else None
+
+
+def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
+    if check.owner is None:
+        return None
+    try:
+        return weakref.ref(check.owner)
+    except TypeError:
+        owner = check.owner
+        return lambda: owner
+
+
+def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[selftest.SelfTestReport, torch.Tensor | None]:
+    """The full sweep (a configuration's first layer) or the light check (any other layer) of
+    `check`, then its fingerprint: a call that wrote into the layer's own weights fails the check.
+    Returns the report and the fingerprint the layer's weights had when they were checked."""
+    before = _fingerprint(check)
+    if full:
+        report = _run_check(serving, check, check.ms)
+    else:
+        report = _run_check(serving, check, check.light_ms, passes=1, config=f"{check.label} (layer check)")
+    if report.passed and before is not None and not torch.equal(before, _fingerprint(check)):
+        report.passed = False
+        report.reason = f"{check.named()}: the checked calls changed this layer's own weights in place"
+    return report, before
+
+
+def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
+    serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
+    key = id(check.owner) if check.owner is not None else id(check)
+    serving.layers[key] = _Layer(check, fingerprint, _owner_ref(check))
 
 
 def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.SelfTestReport | None:
-    """Verify one layer configuration on CUDA ordinal `index` (-1: CPU in simulation) through the
-    call that will serve it, once per configuration and process; None where nothing is verified
-    (a device this library does not serve, or SM120_FP4_SELFTEST=off).
+    """Verify one NVFP4 layer on CUDA ordinal `index` (-1: CPU in simulation) through the call that
+    will serve it; None where nothing is verified (a device this library does not serve, or
+    SM120_FP4_SELFTEST=off).
 
-    A failure rejects the backend for this device: the next candidate that passes the self-test and
-    every configuration verified so far takes over; with none left, FALLBACK=emulated serves (after
-    the same checks), SELFTEST=warn serves unverified, and otherwise RefusedToServe names the
-    configuration, the batch size and what was wrong.
+    The first layer of each configuration gets the full sweep; every other layer a light check of
+    its own weights (one decode batch), and its weights' fingerprint is kept for the re-checks.
+    Nothing is recorded before it passed: an interrupted check (Ctrl-C, any BaseException) leaves no
+    trace, so the next attempt checks again. A failure rejects the backend for this device: the next
+    candidate that passes the self-test and every configuration and layer verified so far takes
+    over; with none left, FALLBACK=emulated serves (after the same checks), SELFTEST=warn serves
+    unverified, and otherwise RefusedToServe names the configuration, the batch size and what was
+    wrong.
     """
+    global _last_settings
+    _last_settings = settings
     if route(index, settings, check.family) is None or settings.selftest == "off":
         return None
     serving = _serving[(check.family, index)]
     with serving.lock:
-        if check.key in serving.checks:
-            return next((r for r in serving.decision.layers if r.config == check.label), None)
-        serving.checks[check.key] = check
-        report = _run_check(serving, check, check.ms)
-        if report.passed:
+        known = serving.checks.get(check.key)
+        full = known is None
+        report, fingerprint = _layer_check(serving, check, full)
+        if not report.passed:
+            return _replace_backend(serving, check, report, settings)
+        _record_layer(serving, check, fingerprint)
+        if full:
+            serving.checks[check.key] = check
             serving.decision.layers.append(report)
             _LOG.info("sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)", check.label,
                       serving.decision.backend, serving.device.label(), len(check.ms), report.max_rel_err or 0.0)
             _write_report(settings)
-            return report
-        return _replace_backend(serving, report, settings)
+        elif check.owner is not None and known.owner is check.owner:
+            serving.checks[check.key] = check  # the same layer again (its weights reloaded): re-checks use these
+        return report
 
 
-def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, settings: Settings) -> selftest.SelfTestReport:
-    """The served backend failed `report`'s configuration: find one that passes everything, or refuse."""
+def _verify_everything(serving: _Serving, extra: LayerCheck, extra_full: bool) -> tuple[list, selftest.SelfTestReport | None]:
+    """Every configuration's full sweep, every recorded layer's light check, and `extra`'s, with the
+    backend now routed: (the configurations' reports, the first failure or None)."""
+    reports = []
+    for check in serving.checks.values():
+        report, _ = _layer_check(serving, check, True)
+        if not report.passed:
+            return reports, report
+        reports.append(report)
+    representatives = {id(c) for c in serving.checks.values()}
+    for record in list(serving.layers.values()):
+        if record.alive() and id(record.check) not in representatives:
+            report, _ = _layer_check(serving, record.check, False)
+            if not report.passed:
+                return reports, report
+    report, _ = _layer_check(serving, extra, extra_full)
+    if not report.passed:
+        return reports, report
+    if extra_full:
+        reports.append(report)
+    return reports, None
+
+
+def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.SelfTestReport,
+                     settings: Settings) -> selftest.SelfTestReport:
+    """The served backend failed `check` (`report`): find one that passes everything, or refuse.
+
+    Until one passes every configuration and every layer, nothing new is recorded; on a refusal or
+    an interruption the device goes back to the backend it had (which still serves what it passed)."""
+    original = serving.decision
+    full = check.key not in serving.checks
     failures = [report]
     serving.failed[report.backend] = f"{report.config}: {report.reason}"
-    while True:
-        remaining = [n for n in candidate_names(settings, family=serving.family, device=serving.device) if n not in serving.failed]
-        decision = _next_decision(serving, remaining, settings)
-        if decision is None:
-            break
-        _set_route(serving, decision)
-        reports = [_run_check(serving, c, c.ms) for c in serving.checks.values()]
-        bad = next((r for r in reports if not r.passed), None)
-        if bad is None:
-            decision.layers = reports
-            _LOG.warning("sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration",
-                         serving.device.label(), report.backend, report.config, decision.backend)
-            _write_report(settings)
-            return next(r for r in reports if r.config == report.config)
-        failures.append(bad)
-        serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
+    try:
+        while True:
+            remaining = [n for n in candidate_names(settings, family=serving.family, device=serving.device) if n not in serving.failed]
+            decision = _next_decision(serving, remaining, settings)
+            if decision is None:
+                break
+            _set_route(serving, decision)
+            reports, bad = _verify_everything(serving, check, full)
+            if bad is None:
+                decision.layers = reports
+                if full:
+                    serving.checks[check.key] = check
+                _record_layer(serving, check, _fingerprint(check))
+                _LOG.warning("sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
+                             serving.device.label(), report.backend, report.config, decision.backend)
+                _write_report(settings)
+                return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
+            failures.append(bad)
+            serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
+    except BaseException:
+        _set_route(serving, original)  # interrupted: back to what was verified
+        raise
+    _set_route(serving, original)
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
     message = refusal_message(serving.device, candidate_names(settings, family=serving.family, device=serving.device),
                               rejected, config=report.config, family=serving.family)
@@ -548,15 +663,54 @@ def _next_decision(serving: _Serving, remaining: list[str], settings: Settings) 
     return decision
 
 
+_updating = 0  # SGLang weight updates in progress (weights_updating)
+_last_settings: Settings | None = None
+
+
+def _changed_layers(serving: _Serving) -> list[_Layer]:
+    """The recorded layers whose weights differ from their fingerprint now (or can no longer be read)."""
+    serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
+    changed = []
+    for record in serving.layers.values():
+        if record.fingerprint is None:
+            continue
+        try:
+            now = _fingerprint(record.check)
+        except Exception:  # noqa: BLE001 - a weight the layer no longer has: changed
+            now = None
+        if now is None or now.shape != record.fingerprint.shape or not torch.equal(now, record.fingerprint):
+            changed.append(record)
+    return changed
+
+
+def _refuse_changed(serving: _Serving, changed: list[_Layer], settings: Settings) -> None:
+    names = [r.check.named() for r in changed]
+    message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: the weights of {len(names)} verified "
+               f"layer(s) changed after they were verified, and not through SGLang's weight-update path "
+               f"(update_weights_from_disk / _from_tensor / _from_distributed / _from_ipc): {capped(names)}.\n"
+               "Something wrote into them since (a kernel writing out of bounds?); serving them would compute with "
+               f"weights nobody loaded. Backend in use: {serving.decision.backend}.")
+    _refuse(Refusal(device=serving.device.label(), config=names[0], family=serving.family.name, message=message,
+                    rejected={serving.decision.backend: f"a verified layer's weights changed: {names[0]}"}), settings)
+    raise RefusedToServe(message)
+
+
 def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.SelfTestReport]:
-    """Re-run every verified layer configuration once, eagerly, at its re-check batch sizes and at
-    every M of `captured` (the token counts of the CUDA graphs SGLang just captured: the batch
-    sizes graphs will serve), after SGLang's warm-up and capture, when autotuners have picked their
-    tactics; a failure refuses (RefusedToServe) with the configuration and batch size."""
+    """After SGLang's warm-up and CUDA-graph capture, when autotuners have picked their tactics:
+    first every verified layer's weights against their fingerprint (a change outside SGLang's
+    weight-update path refuses, naming the layer), then every verified layer configuration once
+    more, eagerly, at its re-check batch sizes and at every M of `captured` (the token counts of the
+    CUDA graphs SGLang just captured: the batch sizes graphs will serve); a failure refuses
+    (RefusedToServe) with the configuration and batch size."""
     selftest.refuse_inside_capture("re-check", "after")
+    if _updating:
+        reverify(settings)  # a capture inside a weight update: the new weights are verified first
     done = []
     for serving in list(_serving.values()):
         with serving.lock:
+            changed = _changed_layers(serving)
+            if changed:
+                _refuse_changed(serving, changed, settings)
             for check in list(serving.checks.values()):
                 report = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
                 report.config = f"{check.label} (re-check after warm-up)"
@@ -575,6 +729,66 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.S
     _LOG.info("sm120_fp4: re-checked %d layer configuration(s) after warm-up at %d captured graph size(s): all pass",
               len(done), len(set(captured)))
     return done
+
+
+@contextlib.contextmanager
+def weights_updating(settings: Settings):
+    """Around one of SGLang's weight-update calls: caches of dequantized weights are dropped first
+    (nothing stale is served), and afterwards every layer whose weights changed is verified again
+    (its light check; its configuration's full sweep) and its new fingerprint kept."""
+    global _updating
+    backends.invalidate_caches()
+    with _lock:
+        _updating += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _updating -= 1
+        backends.invalidate_caches()
+    reverify(settings)
+
+
+def reverify(settings: Settings) -> list[selftest.SelfTestReport]:
+    """Verify again every recorded layer whose weights changed (a weight update): each is rebuilt
+    from the layer's current state and checked (a configuration's representative layer with the full
+    sweep, any other with its light check), its fingerprint renewed; a failure refuses
+    (RefusedToServe) naming the layer."""
+    done = []
+    for serving in list(_serving.values()):
+        with serving.lock:
+            for record in _changed_layers(serving):
+                check = record.check.rebuild() if record.check.rebuild is not None else record.check
+                key = next((k for k, c in serving.checks.items() if c is record.check), None)
+                if check is None:  # no longer an NVFP4 layer in a layout this library serves
+                    serving.layers = {k: v for k, v in serving.layers.items() if v is not record}
+                    continue
+                report, fingerprint = _layer_check(serving, check, key is not None)
+                report.config = f"{check.named()} (after a weight update)"
+                done.append(report)
+                if not report.passed:
+                    message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: after SGLang's weight "
+                               f"update, {report.config} fails with {serving.decision.backend}: {report.reason}")
+                    _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name,
+                                    message=message, rejected={serving.decision.backend: report.reason or ""},
+                                    reports=[report]), settings)
+                    raise RefusedToServe(message)
+                if key is not None:
+                    serving.checks[key] = check
+                _record_layer(serving, check, fingerprint)
+    if done:
+        _LOG.info("sm120_fp4: re-verified %d layer(s) after SGLang's weight update: all pass", len(done))
+    return done
+
+
+def _on_hang(message: str) -> None:
+    """selftest's watchdog is about to end the process: record the refusal in the report first."""
+    settings = _last_settings
+    if settings is not None:
+        _refuse(Refusal(device="?", message=message), settings)
+
+
+selftest.hang_hooks.append(_on_hang)
 
 
 def route_table(family: str = "dense") -> dict[int, Callable | None]:

@@ -118,16 +118,21 @@ def test_the_seam_front_maps_sglangs_call_and_expert_parallel_ids():
                   quant_scales=[w["a1_gscale"].reshape(()), w["w13_sf"].view(torch.int32), w["w13_alpha"],
                                 w["a2_gscale"].reshape(()), w["w2_sf"].view(torch.int32), w["w2_alpha"]],
                   activation_type=3)
-    # Rank 1 of 2 holds global experts 4..7: ids 0..3 belong to rank 0 and add nothing here.
-    global_ids = torch.tensor([[4, 0], [5, 7], [1, 2]], dtype=torch.int32)
+    # Rank 1 of 2 holds global experts 4..7: ids 0..3 belong to rank 0, -1 is SGLang's dropped slot;
+    # the convention gives each of them -1 (skipped: no work on a local expert), weights unchanged.
+    global_ids = torch.tensor([[4, 0], [5, 7], [1, -1]], dtype=torch.int32)
     [out] = front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=global_ids,
                   ep_size=2, ep_rank=1, **common)
     local, weights = seen[-1][1], seen[-1][2]
-    assert local.tolist() == [[0, 0], [1, 3], [0, 0]]
-    assert torch.equal(weights[0, 1], torch.tensor(0.0)) and bool((weights[2] == 0).all())
-    want = nvfp4.reference_moe_fp4(x, local, weights, w["w13"], w["w13_sf"], w["w13_alpha"], w["w2"], w["w2_sf"],
-                                   w["w2_alpha"], w["a1_gscale"], w["a2_gscale"])
-    assert torch.equal(out, want) and not original_calls
+    assert local.tolist() == [[0, -1], [1, 3], [-1, -1]]
+    assert torch.equal(weights, topk_weights)
+    mine = local >= 0
+    want = nvfp4.reference_moe_fp4(x, torch.where(mine, local, 0), torch.where(mine, weights, 0), w["w13"], w["w13_sf"],
+                                   w["w13_alpha"], w["w2"], w["w2_sf"], w["w2_alpha"], w["a1_gscale"], w["a2_gscale"])
+    assert torch.equal(out, want) and not original_calls and bool((out[2] == 0).all())
+    # Without expert parallelism an id outside [0, E) is skipped the same way.
+    front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=torch.tensor([[3, -1], [0, 9], [1, 2]], dtype=torch.int32), **common)
+    assert seen[-1][1].tolist() == [[3, -1], [0, -1], [1, 2]]
     # A call this library does not serve (biases) goes to FlashInfer unchanged.
     front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=ids,
           fc1_expert_biases=torch.zeros(1), **common)

@@ -61,10 +61,11 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
 def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
     backends.register_moe("faulty", fault)
     calls = {"n": 0}
+    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes of the generic self-test
 
     def passes_the_generic_selftest_then_faulty(*args):
-        calls["n"] += 1  # the generic self-test runs first (a few calls); the layer check after it
-        return (backends.emulated_moe if calls["n"] <= 8 else fault)(*args)
+        calls["n"] += 1  # the generic self-test runs first; the layer check after it
+        return (backends.emulated_moe if calls["n"] <= generic else fault)(*args)
 
     backends.register_moe("late-faulty", passes_the_generic_selftest_then_faulty)
     for name in ("faulty", "late-faulty"):
