@@ -29,7 +29,7 @@ from .config import AUTO, Settings, load_settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
 
-__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
+__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -435,7 +435,9 @@ def decisions() -> list[Decision]:
 
 def clear() -> None:
     """Forget every decision and route (uninstall; tests; a FlashInfer upgrade in a long-lived process)."""
+    global _updating
     with _lock:
+        _updating = 0
         _decisions.clear()
         _key_locks.clear()
         for table in _route_tables.values():
@@ -731,22 +733,34 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.S
     return done
 
 
-@contextlib.contextmanager
-def weights_updating(settings: Settings):
-    """Around one of SGLang's weight-update calls: caches of dequantized weights are dropped first
-    (nothing stale is served), and afterwards every layer whose weights changed is verified again
-    (its light check; its configuration's full sweep) and its new fingerprint kept."""
+def weights_update_begin() -> None:
+    """SGLang starts writing weights (a weight-update call, or a weight-update session): caches of
+    dequantized weights are dropped, and fingerprint changes are expected until the matching end."""
     global _updating
     backends.invalidate_caches()
     with _lock:
         _updating += 1
+
+
+def weights_update_end(settings: Settings) -> list[selftest.SelfTestReport]:
+    """SGLang is done writing weights: when no other update is open, every layer whose weights
+    changed is verified again (reverify) before anything else is served."""
+    global _updating
+    with _lock:
+        _updating = max(0, _updating - 1)
+        last = _updating == 0
+    backends.invalidate_caches()
+    return reverify(settings) if last else []
+
+
+@contextlib.contextmanager
+def weights_updating(settings: Settings):
+    """weights_update_begin() ... weights_update_end(settings) around one of SGLang's weight updates."""
+    weights_update_begin()
     try:
         yield
     finally:
-        with _lock:
-            _updating -= 1
-        backends.invalidate_caches()
-    reverify(settings)
+        weights_update_end(settings)
 
 
 def reverify(settings: Settings) -> list[selftest.SelfTestReport]:

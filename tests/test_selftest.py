@@ -171,3 +171,29 @@ def test_selftest_metrics_locate_zero_rows_and_nans(data, shape):
         assert zeroed.zero_rows == len(rows) and zeroed.reason.startswith(f"call 1: {len(rows)} row(s) all zero"), zeroed.reason
     nanned = selftest.run("nan-at", cpu12(), shapes=[shape]).shapes[0]
     assert nanned.nonfinite == 1 and f"first at row {nan_at[0]}, column {nan_at[1]}" in nanned.reason
+
+
+def _divides_by_column_amax(a, b, a_sf, b_sf, alpha, dtype, out):
+    """A kernel that rescales by each output column's weight amax (0/0 on a zeroed column)."""
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+    amax = nvfp4.unpack_nibbles(b.T.contiguous()).amax(dim=1).float()
+    out.mul_(amax / amax)
+    return out
+
+
+@case("backend faults", "a kernel that divides by each output column's weight amax (NaN where a weight row is all zero: a zeroed output column)",
+      "the generic self-test's weights have zeroed and subnormal-scaled rows, its activations every row kind: refused (non-finite)")
+def test_the_selftest_data_has_zeroed_columns_subnormal_scales_and_structured_rows():
+    x, _, (qx, qw, sx, sw, _) = selftest.quantized_inputs((64, 96, 256), torch.device("cpu"), 0)
+    act = nvfp4.unswizzle_scales(sx.view(torch.float8_e4m3fn), 64, 256).float()
+    weight = nvfp4.unswizzle_scales(sw.T.contiguous(), 96, 256).float()
+    for scales in (act, weight):
+        assert bool(((scales > 0) & (scales < 2 ** -6)).any()), "E4M3 subnormal block scales"
+    assert bool((weight == 0).all(dim=1).any()), "a zeroed weight row: a zero output column"
+    assert bool((x >= 0).all(dim=1).any()) and bool(((x == 0).float().mean(dim=1) > 0.8).any()), "one-signed and sparse rows"
+    ratio = x.abs().amax(dim=1) / x.abs().median(dim=1).values.clamp_min(1e-30)
+    assert bool((ratio > 1e3).any()), "rows with outliers 1e3-1e4 times the rest"
+    assert not bool((x == 0).all(dim=1).any()), "never an all-zero row"
+    backends.register("column-amax", _divides_by_column_amax)
+    report = selftest.run("column-amax", cpu12())
+    assert not report.passed and "non-finite" in report.reason

@@ -66,7 +66,7 @@ def attach(patcher, router, settings) -> list[Callable[[], None]]:
         return moe.make_seam(original, lambda index: selection.route(index, settings, "moe"), sim is not None)
 
     wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, lambda captured: selection.recheck(settings, captured),
-                            moe_seam, before_moe)
+                            moe_seam, before_moe, selection.weights_update_begin, lambda: selection.weights_update_end(settings))
     specs = targets.specs(wiring)
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 from typing import Callable
 
 import torch
@@ -53,17 +54,51 @@ def make_weights_hook(original: Callable, before: Callable[[object, object], obj
     return process_weights_after_loading
 
 
+_graphs = threading.local()  # the token counts collected by the outermost capture hook running on this thread
+
+
 def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
-    """Wrap ModelRunner.init_cuda_graphs: once warm-up and capture are done, re-check eagerly,
-    `after(captured)` with the token counts of the graphs just captured (captured_token_counts)."""
+    """Wrap a call that captures CUDA graphs (ModelRunner.init_cuda_graphs; the scheduler's
+    init_all_cuda_graphs / init_model_worker, which capture the draft model's graphs too): once
+    warm-up and capture are done, re-check eagerly, `after(captured)` with the token counts of every
+    graph just captured (graph_token_counts). Nested hooks (the model runners inside the scheduler's
+    call) add their counts to the outermost one, which re-checks once, after every capture."""
 
     @functools.wraps(original)
     def init_cuda_graphs(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        after(captured_token_counts(self))
+        outer = getattr(_graphs, "counts", None) is None
+        if outer:
+            _graphs.counts = set()
+        try:
+            result = original(self, *args, **kwargs)
+            _graphs.counts.update(graph_token_counts(self))
+            counts = sorted(_graphs.counts)
+        finally:
+            if outer:
+                _graphs.counts = None
+        if outer:
+            after(counts)
         return result
 
     return init_cuda_graphs
+
+
+def make_update_hook(original: Callable, begin: Callable[[], object] | None, end: Callable[[], object] | None) -> Callable:
+    """Wrap one of SGLang's weight-update calls: `begin()` before it (caches dropped), `end()` after
+    it, whatever it did (the changed layers verified again). A begin-only or an end-only hook wraps
+    the two halves of a weight-update session (begin_weight_update / end_weight_update)."""
+
+    @functools.wraps(original)
+    def update_weights(self, *args, **kwargs):
+        if begin is not None:
+            begin()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if end is not None:
+                end()
+
+    return update_weights
 
 
 def _positive_int(value: object) -> bool:
@@ -74,24 +109,54 @@ def _int_list(value: object) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) and all(map(_positive_int, value)) else []
 
 
-def captured_token_counts(model_runner: object) -> list[int]:
-    """The M of every CUDA graph the model runner captured: each decode batch size times the tokens
-    per request (speculative decoding verifies several per request), the ragged verify token
-    buckets, and the prefill (piecewise) graphs' token counts. Every step that replays a graph runs
-    the GEMMs at one of these, so these are exactly the batch sizes graphs serve. [] where none was
-    captured.
+def _runner_counts(runner: object) -> set[int]:
+    """The token counts of one CUDA-graph runner: each captured batch size times the tokens per
+    request (captured_req_width 0.5.16+, num_tokens_per_bs before), and capture_num_tokens."""
+    tokens: set[int] = set()
+    widths = [getattr(runner, name, None) for name in ("captured_req_width", "num_tokens_per_bs")]
+    width = next((w for w in widths if _positive_int(w)), 1)
+    tokens.update(b * width for b in _int_list(getattr(runner, "capture_bs", None)))
+    tokens.update(_int_list(getattr(runner, "capture_num_tokens", None)))
+    return tokens
+
+
+_RUNNERS = ("decode_cuda_graph_runner", "graph_runner", "prefill_cuda_graph_runner", "piecewise_cuda_graph_runner",
+            "cuda_graph_runner", "cuda_graph_runner_for_draft_extend")
+_HOLDERS = ("tp_worker", "model_runner", "draft_worker", "_draft_worker", "draft_runner", "draft_model_runner", "target_worker")
+
+
+def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
+    """The M of every CUDA graph captured under `owner` (a model runner, a speculative worker, the
+    scheduler): every graph runner it holds (decode, prefill/piecewise, a draft model's decode and
+    draft-extend runners), and those of the workers and model runners it holds, `depth` levels
+    down. Every step that replays a graph runs the GEMMs at one of these. [] where none was captured.
 
     SGLang 0.5.3-0.5.13 keep the decode runner in `graph_runner` (`num_tokens_per_bs`) and the
     prefill one in `piecewise_cuda_graph_runner`; 0.5.14+ in `decode_cuda_graph_runner` and
-    `prefill_cuda_graph_runner`, 0.5.16+ with `captured_req_width`; token lists in `capture_num_tokens`."""
+    `prefill_cuda_graph_runner`, 0.5.16+ with `captured_req_width`; token lists in
+    `capture_num_tokens`; speculative draft workers in `cuda_graph_runner` and
+    `cuda_graph_runner_for_draft_extend`."""
     tokens: set[int] = set()
-    decode = getattr(model_runner, "decode_cuda_graph_runner", None) or getattr(model_runner, "graph_runner", None)
-    widths = [getattr(decode, name, None) for name in ("captured_req_width", "num_tokens_per_bs")]
-    width = next((w for w in widths if _positive_int(w)), 1)
-    tokens.update(b * width for b in _int_list(getattr(decode, "capture_bs", None)))
-    for name in ("decode_cuda_graph_runner", "graph_runner", "prefill_cuda_graph_runner", "piecewise_cuda_graph_runner"):
-        tokens.update(_int_list(getattr(getattr(model_runner, name, None), "capture_num_tokens", None)))
+    seen: set[int] = set()
+
+    def walk(obj: object, left: int) -> None:
+        if obj is None or id(obj) in seen or left < 0:
+            return
+        seen.add(id(obj))
+        for name in _RUNNERS:
+            runner = getattr(obj, name, None)
+            if runner is not None:
+                tokens.update(_runner_counts(runner))
+        for name in _HOLDERS:
+            walk(getattr(obj, name, None), left - 1)
+
+    walk(owner, depth)
     return sorted(tokens)
+
+
+def captured_token_counts(model_runner: object) -> list[int]:
+    """graph_token_counts of one model runner (its own decode and prefill graphs)."""
+    return graph_token_counts(model_runner, 0)
 
 
 def _server_args() -> object | None:
