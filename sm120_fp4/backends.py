@@ -320,7 +320,12 @@ def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
 def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
     """Add NVFP4 fused-MoE backend `name`. `fn(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2,
     w2_sf, w2_alpha, a1_gscale, a2_gscale, activation, out_dtype, out) -> out` follows
-    nvfp4.reference_moe_fp4's conventions and writes into `out` (T, H); `is_supported(device) -> (ok, reason)`."""
+    nvfp4.reference_moe_fp4's conventions and writes into `out` (T, H), except that a `topk_ids`
+    entry of -1 is a slot that is not this rank's (another expert-parallel rank's expert, or a slot
+    SGLang dropped): it must add nothing and cost nothing, whatever its weight (FlashInfer's kernel
+    skips such ids). `is_supported(device) -> (ok, reason)`. Every call comes from the thread, and on
+    the CUDA stream, that will serve; it must not synchronise with the host (SGLang captures MoE
+    layers in CUDA graphs)."""
     _moe.register(name, fn, is_supported, replace, "register_moe")
 
 

@@ -78,8 +78,9 @@ class LayerCheck:
     builds the served calls for the batch sizes `ms` (with the layer's own weights, checked against
     the oracle); `recheck_ms` are the batch sizes re-run after warm-up. `weights()` returns the tensors
     the layer serves with, read from the layer now (fingerprinted: a verified layer whose weights
-    change outside SGLang's weight-update path is refused); `rebuild()` the check again from the
-    layer's current state (after a weight update); `owner` the layer itself (one record per layer).
+    change outside SGLang's weight-update path is refused); `rebuild(owner)` the check again from
+    the layer's current state (re-checks, weight updates); `owner` the layer itself (one record per
+    layer, kept by a weak reference: a model that is dropped is not kept alive by its records).
     """
 
     device_index: int
@@ -92,7 +93,7 @@ class LayerCheck:
     layer: str = ""
     light_ms: list[int] = field(default_factory=lambda: [8])
     weights: Callable[[], tuple] | None = None
-    rebuild: Callable[[], "LayerCheck | None"] | None = None
+    rebuild: Callable[[object], "LayerCheck | None"] | None = None
     owner: object = None
 
     def named(self) -> str:
@@ -168,14 +169,24 @@ _refusals: list[Refusal] = []
 
 @dataclass
 class _Layer:
-    """One verified layer: its check and the fingerprint of its weights when they were verified."""
+    """One verified layer: how to check it again and the fingerprint of its weights when verified.
+    With a layer to rebuild from, only a weak reference to it is kept (and the check is made again
+    from it when needed); otherwise the check itself."""
 
-    check: LayerCheck
+    label: str
     fingerprint: torch.Tensor | None
-    owner: Callable[[], object] | None  # a weak reference to the layer (None: no layer object given)
+    owner: Callable[[], object] | None
+    rebuild: Callable[[object], "LayerCheck | None"] | None
+    check: LayerCheck | None  # kept only where it cannot be rebuilt
 
     def alive(self) -> bool:
         return self.owner is None or self.owner() is not None
+
+    def current(self) -> LayerCheck | None:
+        if self.check is not None:
+            return self.check
+        owner = self.owner() if self.owner is not None else None
+        return self.rebuild(owner) if owner is not None else None
 
 
 @dataclass
@@ -190,6 +201,8 @@ class _Serving:
     checks: dict[tuple, LayerCheck] = field(default_factory=dict)  # one per configuration: its full sweep
     layers: dict[int, _Layer] = field(default_factory=dict)  # id(layer) -> its record (light checks, fingerprints)
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
+    timings: dict[str, dict[tuple, float]] = field(default_factory=dict)  # SELECT=fastest: backend -> configuration -> ms
+    candidate_layers: dict[str, list] = field(default_factory=dict)  # SELECT=fastest: each candidate's configuration reports
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
@@ -510,11 +523,9 @@ def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
 
 
 def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
-    if check.owner is None:
-        return None
     try:
         return weakref.ref(check.owner)
-    except TypeError:
+    except TypeError:  # not weak-referenceable: kept
         owner = check.owner
         return lambda: owner
 
@@ -536,8 +547,12 @@ def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[self
 
 def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
     serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
-    key = id(check.owner) if check.owner is not None else id(check)
-    serving.layers[key] = _Layer(check, fingerprint, _owner_ref(check))
+    if check.owner is None:
+        serving.layers[id(check)] = _Layer(check.named(), fingerprint, None, None, check)
+        return
+    owner = _owner_ref(check)
+    weak = isinstance(owner, weakref.ref) and check.rebuild is not None
+    serving.layers[id(check.owner)] = _Layer(check.named(), fingerprint, owner, check.rebuild, None if weak else check)
 
 
 def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.SelfTestReport | None:
@@ -571,25 +586,98 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
             serving.decision.layers.append(report)
             _LOG.info("sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)", check.label,
                       serving.decision.backend, serving.device.label(), len(check.ms), report.max_rel_err or 0.0)
+            if settings.select == "fastest":
+                _route_fastest(serving, check, settings)
             _write_report(settings)
         elif check.owner is not None and known.owner is check.owner:
             serving.checks[check.key] = check  # the same layer again (its weights reloaded): re-checks use these
         return report
 
 
-def _verify_everything(serving: _Serving, extra: LayerCheck, extra_full: bool) -> tuple[list, selftest.SelfTestReport | None]:
-    """Every configuration's full sweep, every recorded layer's light check, and `extra`'s, with the
-    backend now routed: (the configurations' reports, the first failure or None)."""
+def _time_served(serving: _Serving, check: LayerCheck, repeats: int = 3) -> float:
+    """Milliseconds of one served call of `check` at each of its serving batch sizes (decode and
+    prefill: its re-check sizes), summed: the median of `repeats` after a first call."""
+    tdev = serving.device.torch_device
+    total = 0.0
+    for case in check.cases(check.recheck_ms):
+        case.invoke()  # JIT, autotuner caches, workspaces
+        samples = []
+        for _ in range(repeats):
+            if tdev.type == "cuda":
+                torch.cuda.current_stream(tdev).synchronize()
+            start = time.perf_counter()
+            case.invoke()
+            if tdev.type == "cuda":
+                torch.cuda.current_stream(tdev).synchronize()
+            samples.append(time.perf_counter() - start)
+        total += statistics.median(samples)
+    return total * 1e3
+
+
+def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> None:
+    """SELECT=fastest, at each new layer configuration: every candidate that passed its self-test
+    and every configuration so far is checked on this one too and timed on its served calls at the
+    serving batch sizes; the device is routed to the one fastest over all configurations (which
+    first passes every layer's light check). Timing the self-test's shapes would rank kernels on
+    calls that never serve."""
+    original = serving.decision
+    names = [r.backend for r in original.reports if r.passed] or [original.backend]
+    names = [n for n in dict.fromkeys([original.backend, *names]) if n not in serving.failed]
+    if len(names) < 2:
+        return
+    decisions = {original.backend: original}
+    try:
+        for name in names:
+            if name != original.backend:
+                decisions[name] = original.model_copy(update={"backend": name, "fn": serving.family.resolve(name),
+                                                              "layers": [], "timings_ms": {}})
+                _set_route(serving, decisions[name])
+                report, _ = _layer_check(serving, check, True)
+                if not report.passed:
+                    serving.failed[name] = f"{report.config}: {report.reason}"
+                    continue
+                serving.candidate_layers.setdefault(name, []).append(report)
+            else:
+                _set_route(serving, original)
+            serving.timings.setdefault(name, {})[check.key] = _time_served(serving, check)
+        keys = list(serving.checks)
+        eligible = [n for n in names if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
+        totals = {n: sum(serving.timings[n][k] for k in keys) for n in eligible}
+        best = min(eligible, key=totals.__getitem__)
+        chosen = decisions[best]
+        _set_route(serving, chosen)
+        if best != original.backend:
+            _, bad = _verify_everything(serving, check, False, configurations=False)  # every layer so far, its own weights
+            if bad is not None:
+                serving.failed[best] = f"{bad.config}: {bad.reason}"
+                _set_route(serving, original)
+                return
+            serving.candidate_layers[original.backend] = list(original.layers)
+            chosen.layers = list(serving.candidate_layers.get(best, []))
+        chosen.timings_ms = totals
+        chosen.reason = (f"fastest of {len(eligible)} verified candidates on the served layer configurations at their "
+                         f"serving batch sizes ({totals[best]:.3g} ms over {len(keys)} configuration(s))")
+    except BaseException:
+        _set_route(serving, original)
+        raise
+
+
+def _verify_everything(serving: _Serving, extra: LayerCheck, extra_full: bool,
+                       configurations: bool = True) -> tuple[list, selftest.SelfTestReport | None]:
+    """Every configuration's full sweep (unless `configurations` is False: already passed), every
+    recorded layer's light check, and `extra`'s, with the backend now routed: (the configurations'
+    reports, the first failure or None)."""
     reports = []
-    for check in serving.checks.values():
+    for check in serving.checks.values() if configurations else ():
         report, _ = _layer_check(serving, check, True)
         if not report.passed:
             return reports, report
         reports.append(report)
-    representatives = {id(c) for c in serving.checks.values()}
-    for record in list(serving.layers.values()):
-        if record.alive() and id(record.check) not in representatives:
-            report, _ = _layer_check(serving, record.check, False)
+    representatives = {id(c.owner) if c.owner is not None else id(c) for c in serving.checks.values()}
+    for key, record in list(serving.layers.items()):
+        current = record.current() if record.alive() and key not in representatives else None
+        if current is not None:
+            report, _ = _layer_check(serving, current, False)
             if not report.passed:
                 return reports, report
     report, _ = _layer_check(serving, extra, extra_full)
@@ -669,24 +757,26 @@ _updating = 0  # SGLang weight updates in progress (weights_updating)
 _last_settings: Settings | None = None
 
 
-def _changed_layers(serving: _Serving) -> list[_Layer]:
-    """The recorded layers whose weights differ from their fingerprint now (or can no longer be read)."""
+def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | None]]:
+    """(key, record, its check now) of the recorded layers whose weights differ from their
+    fingerprint now (or can no longer be read)."""
     serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
     changed = []
-    for record in serving.layers.values():
+    for key, record in serving.layers.items():
         if record.fingerprint is None:
             continue
         try:
-            now = _fingerprint(record.check)
+            check = record.current()
+            now = _fingerprint(check) if check is not None else None
         except Exception:  # noqa: BLE001 - a weight the layer no longer has: changed
-            now = None
+            check, now = None, None
         if now is None or now.shape != record.fingerprint.shape or not torch.equal(now, record.fingerprint):
-            changed.append(record)
+            changed.append((key, record, check))
     return changed
 
 
-def _refuse_changed(serving: _Serving, changed: list[_Layer], settings: Settings) -> None:
-    names = [r.check.named() for r in changed]
+def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> None:
+    names = [record.label for _, record, _ in changed]
     message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: the weights of {len(names)} verified "
                f"layer(s) changed after they were verified, and not through SGLang's weight-update path "
                f"(update_weights_from_disk / _from_tensor / _from_distributed / _from_ipc): {capped(names)}.\n"
@@ -771,13 +861,12 @@ def reverify(settings: Settings) -> list[selftest.SelfTestReport]:
     done = []
     for serving in list(_serving.values()):
         with serving.lock:
-            for record in _changed_layers(serving):
-                check = record.check.rebuild() if record.check.rebuild is not None else record.check
-                key = next((k for k, c in serving.checks.items() if c is record.check), None)
+            for key, record, check in _changed_layers(serving):
+                config = next((k for k, c in serving.checks.items() if (c.owner is not None and id(c.owner) == key) or id(c) == key), None)
                 if check is None:  # no longer an NVFP4 layer in a layout this library serves
-                    serving.layers = {k: v for k, v in serving.layers.items() if v is not record}
+                    serving.layers.pop(key, None)
                     continue
-                report, fingerprint = _layer_check(serving, check, key is not None)
+                report, fingerprint = _layer_check(serving, check, config is not None)
                 report.config = f"{check.named()} (after a weight update)"
                 done.append(report)
                 if not report.passed:
@@ -787,8 +876,8 @@ def reverify(settings: Settings) -> list[selftest.SelfTestReport]:
                                     message=message, rejected={serving.decision.backend: report.reason or ""},
                                     reports=[report]), settings)
                     raise RefusedToServe(message)
-                if key is not None:
-                    serving.checks[key] = check
+                if config is not None:
+                    serving.checks[config] = check
                 _record_layer(serving, check, fingerprint)
     if done:
         _LOG.info("sm120_fp4: re-verified %d layer(s) after SGLang's weight update: all pass", len(done))

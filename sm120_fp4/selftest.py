@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from . import backends, nvfp4
 from .devices import Device
-from .errors import SelfTestError
+from .errors import EXIT_HUNG, SelfTestError
 
 __all__ = [
     "quantized_inputs", "structured_activations", "ROW_KINDS", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES",
@@ -255,7 +255,6 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: Shape
 # candidate; a call still running HANG_GRACE past the bound holds the serving thread for good (a
 # hung kernel cannot be stopped), so the watchdog writes what it knows (hang_hooks: the report) and
 # ends the process with EXIT_HUNG instead of serving from a process that can never return.
-EXIT_HUNG = 4
 hang_hooks: list[Callable[[str], None]] = []  # called with the message before the process ends
 
 

@@ -287,10 +287,10 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
 
 def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, alpha, input_gsf,
                 n_out: int, k: int, weights: Callable[[], tuple] | None = None,
-                rebuild: Callable[[], LayerCheck | None] | None = None) -> LayerCheck | None:
+                rebuild: Callable[[object], LayerCheck | None] | None = None) -> LayerCheck | None:
     """The LayerCheck of one dense NVFP4 layer: its own weights, its call path, its batch sizes.
     `weights()` reads the tensors the layer serves with from the layer (default: the ones given);
-    `rebuild()` makes the check again from the layer's current state (after a weight update)."""
+    `rebuild(layer)` makes the check again from the layer's current state (re-checks, weight updates)."""
     if weight.numel() == 0 or weight.dtype != torch.uint8 or weight_sf.dim() != 2:
         _LOG.info("sm120_fp4: %s N=%d K=%d: weights not in the cutlass layout (a fused path); not verified here", kind, n_out, k)
         return None
@@ -318,7 +318,7 @@ def modelopt_check(method: object, layer: object) -> LayerCheck | None:
     return dense_check("ModelOptFp4LinearMethod", functools.partial(method.apply, layer), layer, layer.weight,
                        layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv, n_out, k,
                        weights=lambda: (layer.weight, layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv),
-                       rebuild=functools.partial(modelopt_check, method, layer))
+                       rebuild=functools.partial(modelopt_check, method))
 
 
 def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None:
@@ -328,4 +328,4 @@ def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None
     return dense_check("CompressedTensorsW4A4Fp4", functools.partial(scheme.apply_weights, layer), layer, layer.weight_packed,
                        layer.weight_scale, layer.alpha, layer.input_global_scale, n_out, k,
                        weights=lambda: (layer.weight_packed, layer.weight_scale, layer.alpha, layer.input_global_scale),
-                       rebuild=functools.partial(compressed_tensors_check, scheme, layer))
+                       rebuild=functools.partial(compressed_tensors_check, scheme))

@@ -209,7 +209,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
 
     return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), recheck_sizes(max_batch),
                       layer=layer_name(layer), light_ms=[LIGHT_BATCH], weights=current,
-                      rebuild=functools.partial(moe_check, kind, layer, serve), owner=layer)
+                      rebuild=lambda owner: moe_check(kind, owner, serve), owner=layer)
 
 
 def _served_convention(layer, weights, x, ids, topk_weights, *rest):
