@@ -462,6 +462,11 @@ def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: 
     return QuantizerCheck(name=name, passed=ok, reason=reason, code_mismatch=code_mm, scale_mismatch=scale_mm)
 
 
+@functools.lru_cache(maxsize=1)
+def _flashinfer_version() -> str | None:
+    return backends.flashinfer_version()  # a metadata read: once per process, not once per layer check
+
+
 def report_for(backend: str, device: Device, config: str | None = None) -> SelfTestReport:
     """An empty report of `backend` on `device` (for `config`), to fill in."""
     return SelfTestReport(
@@ -471,7 +476,7 @@ def report_for(backend: str, device: Device, config: str | None = None) -> SelfT
         capability=f"{device.capability[0]}.{device.capability[1]}",
         simulated=device.simulated,
         passed=False,
-        flashinfer_version=backends.flashinfer_version(),
+        flashinfer_version=_flashinfer_version(),
     )
 
 
@@ -491,7 +496,7 @@ def finish(report: SelfTestReport, results: list[ShapeResult], start: float) -> 
 
 
 _FP_WIDTH = 4096  # words per row of the position-weighted sum
-_FP_CHUNK = 1 << 24  # words summed at a time: a layer's weights never need more temporary memory than this
+_FP_CHUNK = 1 << 26  # words hashed at a time: a layer's weights never need more temporary memory than this
 _fp_patterns: dict[torch.device, torch.Tensor] = {}
 
 
@@ -499,16 +504,17 @@ def _fp_pattern(device: torch.device) -> torch.Tensor:
     pattern = _fp_patterns.get(device)
     if pattern is None:
         gen = torch.Generator().manual_seed(0x5EED)
-        pattern = torch.randint(1, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int64) * 2 + 1
-        pattern = _fp_patterns.setdefault(device, pattern.to(device))
+        pattern = (torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int32) * 2 + 1).to(device)
+        pattern = _fp_patterns.setdefault(device, pattern)
     return pattern
 
 
 def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
     """A device tensor that changes when any byte of `tensors` changes: per tensor, the sum of its
-    32-bit words and a position-weighted sum (a swap, a negation, a stray write are all seen).
-    Computed where the tensors live, a chunk at a time, with no host synchronisation; two calls on
-    unchanged tensors give equal results (integer sums, exact in any order)."""
+    32-bit words and a position-weighted sum (products wrap around in 32 bits), both summed in 64
+    bits (a swap, a negation, a stray write are all seen). Computed where the tensors live, a chunk
+    at a time, with no host synchronisation; two calls on unchanged tensors give equal results
+    (integer sums: exact in any order)."""
     parts = []
     for t in tensors:
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -519,12 +525,12 @@ def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch
         full = words.numel() // _FP_WIDTH * _FP_WIDTH
         step = _FP_CHUNK // _FP_WIDTH * _FP_WIDTH
         for lo in range(0, full, step):
-            block = words[lo:min(lo + step, full)].view(-1, _FP_WIDTH).to(torch.int64)
-            plain += block.sum()
-            weighted += (block * pattern).sum()
-        tail = words[full:].to(torch.int64)
-        plain += tail.sum()
-        weighted += (tail * pattern[:tail.numel()]).sum()
+            block = words[lo:min(lo + step, full)].view(-1, _FP_WIDTH)
+            plain += block.sum(dtype=torch.int64)
+            weighted += (block * pattern).sum(dtype=torch.int64)
+        tail = words[full:]
+        plain += tail.sum(dtype=torch.int64)
+        weighted += (tail * pattern[:tail.numel()]).sum(dtype=torch.int64)
         parts += [plain, weighted, torch.full((), t.numel(), dtype=torch.int64, device=words.device)]
     return torch.stack(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
