@@ -203,6 +203,7 @@ class _Serving:
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
     timings: dict[str, dict[tuple, float]] = field(default_factory=dict)  # SELECT=fastest: backend -> configuration -> ms
     candidate_layers: dict[str, list] = field(default_factory=dict)  # SELECT=fastest: each candidate's configuration reports
+    unverified: dict[tuple, selftest.SelfTestReport] = field(default_factory=dict)  # SELFTEST=warn: failed, served anyway
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
@@ -578,6 +579,8 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
         return None
     serving = _serving[(check.family, index)]
     with serving.lock:
+        if check.key in serving.unverified:  # SELFTEST=warn has already said so for this configuration
+            return serving.unverified[check.key]
         known = serving.checks.get(check.key)
         full = known is None
         report, fingerprint = _layer_check(serving, check, full)
@@ -730,6 +733,7 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.Self
     if settings.selftest == "warn":
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving UNVERIFIED with %s", message, serving.decision.backend)
         serving.decision.verified = False
+        serving.unverified[check.key] = report
         return report
     _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message,
                     rejected=rejected, reports=failures), settings)

@@ -224,20 +224,21 @@ def prefill_sizes() -> tuple[int, int]:
 def batch_sizes(max_batch: int, largest_prefill: int | None = None) -> list[int]:
     """At least one M in every power-of-two bucket up to `max_batch` (the bucket's first value and
     an odd one inside it), `max_batch` itself, one M >= 2048, and then the prefill sizes up to
-    `largest_prefill` (default: prefill_sizes()): every power of two between, an odd M in the top
-    bucket, and the largest prefill itself (a long prompt's every chunk but the last)."""
+    `largest_prefill` (default: prefill_sizes()) the same way -- every bucket's first value and an
+    odd one inside it -- and the largest prefill itself (a long prompt's every chunk but the last)."""
     largest = prefill_sizes()[1] if largest_prefill is None else largest_prefill
     ms = {1, 2, 3, max_batch, min(LARGE_BATCH, max(largest, max_batch))}
     power = 4
     while power <= max_batch:
         ms.update({power, min(power + power // 2 - 1, max_batch)})
         power *= 2
-    power = 4096
+    power = 2048
     while power < largest:
-        ms.add(power)
+        if power > 2048:  # 2049 stands for the 2048 bucket
+            ms.add(power)
+        ms.add(min(power + power // 2 - 1, largest))
         power *= 2
-    if largest > LARGE_BATCH:
-        ms.update({largest, max(LARGE_BATCH + 2, largest // 2 + largest // 4 + 1)})
+    ms.add(max(largest, max_batch))
     return sorted(ms)
 
 
