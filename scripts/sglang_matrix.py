@@ -283,10 +283,10 @@ def kind(spec) -> str:
         return "enum"
     if spec is T.LEGACY_KNOB_SPEC:
         return "knob"
-    if spec.attribute.startswith("ModelRunner."):
-        return "warmup"
     if spec.name.startswith("scheduler-idle-canary"):
         return "idle"
+    if spec.attribute.startswith(("ModelRunner.", "Scheduler.", "WeightUpdater.")):
+        return "warmup"  # a pass-through wrapper (capture, weight updates): any instance method
     if "." in spec.attribute:
         return "method"
     if spec.module.endswith(".flashinfer_cutlass"):
@@ -295,6 +295,11 @@ def kind(spec) -> str:
         return "alias"
     return "unknown"
 
+
+# Specs whose target also exists outside their range, deliberately unpatched there (why).
+NARROW_ON_PURPOSE = {
+    "post-capture-recheck-model-workers": "from 0.5.14 graphs are captured later, in init_all_cuda_graphs (patched instead)",
+}
 
 CHECKS = {"alias": check_alias, "method": check_method, "warmup": check_warmup, "idle": check_idle, "function": check_function,
           "enum": check_enum, "knob": check_knob}
@@ -309,7 +314,7 @@ def check_spec(spec, version: str, src: Path) -> tuple[str, str]:
     present, problem = (False, f"no module {spec.module}") if tree is None else how(tree, spec.attribute)
     if applies:
         return (OK, "") if problem is None else (FAIL, problem)
-    if present and problem is None:
+    if present and problem is None and spec.name not in NARROW_ON_PURPOSE:
         return FAIL, f"{spec.attribute} is there, but the range {spec.versions} excludes {version} (range too narrow?)"
     return NA, ""
 

@@ -16,7 +16,7 @@ write the result into `out` (contiguous, preallocated by the caller) and return 
 
 NVFP4 fused-MoE backends have a registry of their own (``register_moe()``, ...) with the convention
 of :func:`sm120_fp4.nvfp4.reference_moe_fp4`; built-ins: ``cutlass`` (FlashInfer's
-``cutlass_fused_moe``, called as SGLang calls it) and ``emulated`` (the oracle).
+``cutlass_fused_moe``, called as SGLang calls it) and ``emulated`` (the oracle's arithmetic, capture-safe).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ __all__ = [
     "flashinfer_version",
     "emulated_mm_fp4",
     "emulated_moe",
+    "invalidate_caches",
     "register_moe",
     "unregister_moe",
     "moe_names",
@@ -81,10 +82,13 @@ class Backend:
     mode: str = "w4a4"
     # Backends that serve a converted copy of each layer's weights (humming): `prepare(tensors,
     # keep_original)` converts one served layer at load, `restore()` undoes every conversion it can
-    # (True: all undone, another backend can take over), `describe()` says what status shows.
+    # (True: all undone, another backend can take over), `describe()` says what status shows,
+    # `settle(tensors)` drops what `prepare` kept of one layer only for its check (the host copy of
+    # its original bytes: kept for each configuration's first layer, the one the re-checks compare).
     prepare: Callable[[dict, bool], None] | None = None
     restore: Callable[[], bool] | None = None
     describe: Callable[[], dict] | None = None
+    settle: Callable[[dict], None] | None = None
 
 
 def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
@@ -96,7 +100,10 @@ class _WeightCache:
     """Dequantized bf16 weights for `emulated-cached`, valid while the weight is alive and unchanged.
 
     Memory: 2 bytes per weight element, four times the packed FP4 weight (0.5 byte per element)
-    plus its scales: opt in by naming the backend in SM120_FP4_BACKENDS.
+    plus its scales: opt in by naming the backend in SM120_FP4_BACKENDS. An entry is never made
+    while a CUDA graph is being captured (its values would exist only once the graph replays), and
+    every entry is dropped around SGLang's weight-update calls (:func:`invalidate_caches`), which
+    write weights in place through ``param.data`` without bumping their version counter.
     """
 
     def __init__(self) -> None:
@@ -111,13 +118,24 @@ class _WeightCache:
         if entry is not None and entry[0]() is base and entry[1] == version:
             return entry[2]
         weight = nvfp4.dequantize_unscaled(b.T, b_descale.T, dtype)
+        if b.is_cuda and torch.cuda.is_current_stream_capturing():
+            return weight  # computed by the graph at every replay; never kept as if it held values now
         with self._lock:
             self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
             self._entries[key] = (weakref.ref(base), version, weight)
         return weight
 
+    def clear(self) -> None:
+        with self._lock:
+            self._entries = {}
+
 
 _weight_cache = _WeightCache()
+
+
+def invalidate_caches() -> None:
+    """Drop every kept copy of dequantized weights (SGLang is about to write, or has written, weights)."""
+    _weight_cache.clear()
 
 
 def emulated_cached_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
@@ -130,11 +148,45 @@ def emulated_cached_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, dequantized_b=cached)
 
 
+def _quantized(values: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    packed, scales = nvfp4.quantize(values, gscale.reshape(()), check_finite=False)
+    return nvfp4.dequantize_unscaled(packed, scales, dtype)
+
+
 def emulated_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
                  activation, out_dtype, out):
-    """The `emulated` MoE backend: nvfp4.reference_moe_fp4, written into `out`."""
-    out.copy_(nvfp4.reference_moe_fp4(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha,
-                                      a1_gscale, a2_gscale, activation=activation, out_dtype=out_dtype))
+    """The `emulated` MoE backend: nvfp4.reference_moe_fp4's arithmetic, written into `out`, with no
+    host synchronisation (it runs inside CUDA-graph capture).
+
+    The oracle's rounding points (FC1 and FC2 outputs rounded to the output dtype, the intermediate
+    quantized from float32, the slots summed in slot order in float32), so its result is the
+    oracle's: with NVFP4 operands every GEMM sum is exact in float32, whatever rows share a GEMM.
+    Instead of grouping rows by expert (which needs the counts on the host), every expert runs over
+    all T tokens and each slot takes its own expert's row: E times the oracle's GEMM work, no sync.
+    A slot whose id is outside [0, E) -- another expert-parallel rank's expert, or SGLang's -1 drop
+    sentinel -- is never computed and adds exactly nothing (no row of it, finite or not, is read).
+    """
+    tokens, hidden = x.shape
+    experts, rows13 = w13.shape[0], w13.shape[1]
+    inter = rows13 // 2 if activation == "swiglu" else rows13
+    dtype = nvfp4.gemm_operand_dtype(x)
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < experts)
+    routed = torch.zeros((tokens, ids.shape[1], hidden), dtype=out_dtype, device=x.device)
+    per_expert_a1, per_expert_a2 = a1_gscale.numel() > 1, a2_gscale.numel() > 1
+    acts = None if per_expert_a1 else _quantized(x, a1_gscale, dtype)
+    for e in range(experts):
+        rows = _quantized(x, a1_gscale.reshape(-1)[e], dtype) if per_expert_a1 else acts
+        fc1 = nvfp4._moe_mm(rows, nvfp4.dequantize_unscaled(w13[e], w13_sf[e], dtype), w13_alpha[e])
+        act = nvfp4._moe_activation(fc1.to(out_dtype).float(), activation, inter)
+        act = _quantized(act, a2_gscale.reshape(-1)[e] if per_expert_a2 else a2_gscale, dtype)
+        row = nvfp4._moe_mm(act, nvfp4.dequantize_unscaled(w2[e], w2_sf[e], dtype), w2_alpha[e]).to(out_dtype)
+        routed = torch.where((ids == e).unsqueeze(-1), row.unsqueeze(1), routed)
+    total = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
+    for slot in range(ids.shape[1]):
+        term = topk_weights[:, slot : slot + 1] * routed[:, slot].float()
+        total = total + torch.where(valid[:, slot : slot + 1], term, torch.zeros_like(term))
+    out.copy_(total)
     return out
 
 
@@ -151,7 +203,7 @@ def _humming_dense() -> Backend:
 
     return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4",
                    lambda t, keep: humming.prepare_dense(t["weight"], t["weight_sf"], t["dtype"], keep),
-                   lambda: humming.restore("dense"), lambda: humming.describe_backend("dense"))
+                   lambda: humming.restore("dense"), lambda: humming.describe_backend("dense"), humming.drop_originals)
 
 
 def _humming_moe() -> Backend:
@@ -160,7 +212,7 @@ def _humming_moe() -> Backend:
 
     return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16",
                    lambda t, keep: humming.prepare_moe(t, t["dtype"], keep),
-                   lambda: humming.restore("moe"), lambda: humming.describe_backend("moe"))
+                   lambda: humming.restore("moe"), lambda: humming.describe_backend("moe"), humming.drop_originals)
 
 
 ENTRY_POINT_GROUPS = {"FP4 GEMM": "sm120_fp4.backends", "NVFP4 fused-MoE": "sm120_fp4.moe_backends"}
@@ -326,7 +378,12 @@ def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
 def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
     """Add NVFP4 fused-MoE backend `name`. `fn(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2,
     w2_sf, w2_alpha, a1_gscale, a2_gscale, activation, out_dtype, out) -> out` follows
-    nvfp4.reference_moe_fp4's conventions and writes into `out` (T, H); `is_supported(device) -> (ok, reason)`."""
+    nvfp4.reference_moe_fp4's conventions and writes into `out` (T, H), except that a `topk_ids`
+    entry of -1 is a slot that is not this rank's (another expert-parallel rank's expert, or a slot
+    SGLang dropped): it must add nothing and cost nothing, whatever its weight (FlashInfer's kernel
+    skips such ids). `is_supported(device) -> (ok, reason)`. Every call comes from the thread, and on
+    the CUDA stream, that will serve; it must not synchronise with the host (SGLang captures MoE
+    layers in CUDA graphs)."""
     _moe.register(name, fn, is_supported, replace, "register_moe")
 
 

@@ -199,6 +199,10 @@ def _own_report() -> dict:
 # ---- selftest: the parent -------------------------------------------------------------------
 
 def _died(code: int) -> str:
+    from .errors import EXIT_HUNG
+
+    if code == EXIT_HUNG:  # selftest's watchdog: a call still running past the bound held the thread
+        return f"did not return within the self-test's time bound (its worker exited with code {EXIT_HUNG})"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

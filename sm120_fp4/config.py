@@ -140,7 +140,7 @@ class Settings(BaseSettings):
         description="Seconds one candidate's whole self-test may take (a first FlashInfer call JIT-compiles for minutes); past it the candidate is rejected as hung.",
     )
     select: Literal["first", "fastest"] = Field(
-        "first", description="first: the first candidate that verifies; fastest: time every verified candidate, take the fastest."
+        "first", description="first: the first candidate that verifies; fastest: time every verified candidate (the self-test's shapes, then each layer configuration's served calls at its serving batch sizes), take the fastest."
     )
     simulate: str | None = Field(
         None, description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU."

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 __all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError", "DeviceMappingError", "describe",
-           "capped", "say_once"]
+           "capped", "say_once", "EXIT_HUNG"]
+
+# The exit code of a process whose checked call is still running past the self-test's bound (its
+# thread, the one that would serve, is held by a hung kernel): selftest's watchdog ends it so.
+EXIT_HUNG = 4
 
 
 class Sm120Fp4Error(Exception):

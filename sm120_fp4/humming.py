@@ -438,6 +438,18 @@ def original(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def drop_originals(tensors: dict) -> None:
+    """Forget the host copies of one converted layer's original bytes (`tensors`: a dense layer's
+    "weight" or a MoE layer's "w13" and "w2"), kept only while it was checked: that layer then stays
+    in Humming's layout (restore() reports it), and no host memory is held per served layer."""
+    with _lock:
+        for name in ("weight", "w13", "w2"):
+            t = tensors.get(name)
+            conv = _converted.get((_storage_key(t), IN_PLACE)) if isinstance(t, torch.Tensor) else None
+            if conv is not None:
+                conv.originals.clear()
+
+
 def converted_layers(family: str) -> int:
     """How many `family` weights this process converted in place (another backend cannot read them)."""
     with _lock:
@@ -577,10 +589,15 @@ def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_a
     c2 = _entry(w2, w2_sf, x.dtype, experts, "moe")
     tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
+    # The convention's -1 (another rank's slot, or one SGLang dropped) adds nothing: such a slot rides
+    # with expert 0 as a zero row (Humming's grouped layout has no row without an expert; no host
+    # sync to count them), and its result is discarded below, so nothing of it, finite or not, is summed.
+    valid = flat >= 0
+    flat = torch.where(valid, flat, torch.zeros_like(flat))
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
-    rows = x.index_select(0, order // top_k)
+    rows = torch.where(valid[order].unsqueeze(1), x.index_select(0, order // top_k), torch.zeros((), dtype=x.dtype, device=x.device))
     s13 = (w13_alpha * a1_gscale).float()
     s2 = (w2_alpha * a2_gscale).float()
     if c13.prepared.scale_2 is not None:
@@ -598,6 +615,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_a
     fc2 = torch.empty((rows.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
     _first_call(c2.prepared, "moe", lambda: _engine.grouped_gemm(c2.prepared, act, s2, offsets, fc2))
     routed = torch.empty_like(fc2).index_copy_(0, order, fc2).view(tokens, top_k, -1).float()
+    routed = torch.where(valid.view(tokens, top_k, 1), routed, torch.zeros((), device=x.device))
     out.copy_((routed * topk_weights.unsqueeze(-1)).sum(dim=1))
     return out
 

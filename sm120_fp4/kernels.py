@@ -385,7 +385,8 @@ def _bad_moe(param: str, value: object, accepted: str) -> InvalidArgument:
 
 def check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
                    activation, out_dtype, out) -> None:
-    """Validate fused-MoE arguments (the reference_moe_fp4 convention) from metadata only; no host sync."""
+    """Validate fused-MoE arguments (the backend convention: reference_moe_fp4's, with -1 for a slot
+    that is not this rank's) from metadata only; no host sync."""
     if activation not in MOE_ACTIVATIONS:
         raise _bad_moe("activation", activation, f"one of {', '.join(MOE_ACTIVATIONS)}")
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
@@ -447,8 +448,11 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> tuple | None:
     when it is not an NVFP4 call this library serves (another quantization, biases, swiglu clamps,
     alltoall, per-token input scales): those go to the original unchanged.
 
-    Under expert parallelism the ids are global: slots routed to another rank's experts are given
-    local id 0 and weight 0 (they add nothing, as the kernel skips them).
+    The ids SGLang passes are global under expert parallelism (this rank's experts start at
+    ep_rank * E) and -1 for a slot it dropped (padding rows). The convention's ids are this rank's
+    local ones, and -1 for every slot that is not this rank's: a backend skips such a slot (as
+    FlashInfer's kernel skips ids outside its experts), so it costs no work on any local expert and
+    no row of it, finite or not, reaches the sum. Weights are passed unchanged.
     """
     scales = kwargs.get("quant_scales")
     w13, w2, x = kwargs.get("fc1_expert_weights"), kwargs.get("fc2_expert_weights"), kwargs.get("input")
@@ -463,12 +467,11 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> tuple | None:
     w13_u8, w2_u8 = w13.view(torch.uint8), w2.view(torch.uint8)
     ids, weights = kwargs["token_selected_experts"], kwargs["token_final_scales"]
     ep_size, ep_rank = kwargs.get("ep_size", 1), kwargs.get("ep_rank", 0)
+    local = w13_u8.shape[0]
+    ids = ids.to(torch.int32)
     if ep_size > 1:
-        local = w13_u8.shape[0]
-        ids = ids.to(torch.int32) - ep_rank * local
-        outside = (ids < 0) | (ids >= local)
-        ids = torch.where(outside, torch.zeros_like(ids), ids)
-        weights = torch.where(outside, torch.zeros_like(weights), weights)
+        ids = torch.where(ids >= 0, ids - ep_rank * local, ids)
+    ids = torch.where((ids >= 0) & (ids < local), ids, torch.full_like(ids, -1))  # not this rank's: skipped
     out_dtype = kwargs.get("output_dtype", x.dtype)
     out = kwargs.get("output")
     if out is None:

@@ -15,6 +15,7 @@ import logging
 import statistics
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -27,7 +28,7 @@ from .config import AUTO, Settings, load_settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
 
-__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
+__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -83,11 +84,17 @@ class Refusal(BaseModel):
 
 @dataclass
 class LayerCheck:
-    """One layer configuration to verify on one device through the call that will serve it.
+    """One NVFP4 layer to verify on one device through the call that will serve it.
 
-    `key` identifies the configuration (layers that share it are verified once); `label` names it
-    in reports; `cases(ms)` builds the served calls for the batch sizes `ms` (with the layer's own
-    weights, checked against the oracle); `recheck_ms` are the batch sizes re-run after warm-up.
+    `key` identifies the configuration: the first layer of a configuration gets the full sweep (its
+    batch sizes `ms`, two passes), every later layer of it a light check of its own weights at
+    `light_ms` (one pass); `label` names the configuration in reports, `layer` this layer; `cases(ms)`
+    builds the served calls for the batch sizes `ms` (with the layer's own weights, checked against
+    the oracle); `recheck_ms` are the batch sizes re-run after warm-up. `weights()` returns the tensors
+    the layer serves with, read from the layer now (fingerprinted: a verified layer whose weights
+    change outside SGLang's weight-update path is refused); `rebuild(owner)` the check again from
+    the layer's current state (re-checks, weight updates); `owner` the layer itself (one record per
+    layer, kept by a weak reference: a model that is dropped is not kept alive by its records).
     """
 
     device_index: int
@@ -97,9 +104,17 @@ class LayerCheck:
     cases: Callable[[list[int]], list[selftest.Case]]
     ms: list[int]
     recheck_ms: list[int]
+    layer: str = ""
+    light_ms: list[int] = field(default_factory=lambda: [8])
+    weights: Callable[[], tuple] | None = None
+    rebuild: Callable[[object], "LayerCheck | None"] | None = None
+    owner: object = None
     # The layer's own tensors, for a backend that converts each served layer at load (humming):
     # dense {"weight", "weight_sf", "dtype"}; MoE reference_moe_fp4's names and "dtype".
     tensors: dict | None = None
+
+    def named(self) -> str:
+        return f"{self.label} [{self.layer}]" if self.layer else self.label
 
 
 @dataclass(frozen=True)
@@ -177,15 +192,42 @@ _refusals: list[Refusal] = []
 
 
 @dataclass
+class _Layer:
+    """One verified layer: how to check it again and the fingerprint of its weights when verified.
+    With a layer to rebuild from, only a weak reference to it is kept (and the check is made again
+    from it when needed); otherwise the check itself."""
+
+    label: str
+    fingerprint: torch.Tensor | None
+    owner: Callable[[], object] | None
+    rebuild: Callable[[object], "LayerCheck | None"] | None
+    check: LayerCheck | None  # kept only where it cannot be rebuilt
+
+    def alive(self) -> bool:
+        return self.owner is None or self.owner() is not None
+
+    def current(self) -> LayerCheck | None:
+        if self.check is not None:
+            return self.check
+        owner = self.owner() if self.owner is not None else None
+        return self.rebuild(owner) if owner is not None else None
+
+
+@dataclass
 class _Serving:
-    """What serves one device: its decision, every layer configuration verified on it, what failed."""
+    """What serves one device: its decision, every layer configuration and every layer verified on
+    it, what failed."""
 
     device: Device
     decision: Decision
     settings: Settings
     family: Family
-    checks: dict[tuple, LayerCheck] = field(default_factory=dict)
+    checks: dict[tuple, LayerCheck] = field(default_factory=dict)  # one per configuration: its full sweep
+    layers: dict[int, _Layer] = field(default_factory=dict)  # id(layer) -> its record (light checks, fingerprints)
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
+    timings: dict[str, dict[tuple, float]] = field(default_factory=dict)  # SELECT=fastest: backend -> configuration -> ms
+    candidate_layers: dict[str, list] = field(default_factory=dict)  # SELECT=fastest: each candidate's configuration reports
+    unverified: dict[tuple, selftest.SelfTestReport] = field(default_factory=dict)  # SELFTEST=warn: failed, served anyway
     # Every served layer's tensors seen so far (SGLang's own objects: no copy), so that a backend that
     # converts layers at load (humming) and takes over later converts the earlier ones too.
     seen: list[dict] = field(default_factory=list)
@@ -374,7 +416,9 @@ def decide(
 
     Cached per device and process; concurrent callers for one device wait for one self-test.
     """
+    global _last_settings
     settings = settings or load_settings()
+    _last_settings = settings
     if not isinstance(device, Device):
         if device is None and torch.cuda.is_available() and not settings.simulate:
             device = torch.cuda.current_device()
@@ -441,7 +485,9 @@ def clear() -> None:
     """Forget every decision and route (uninstall; tests; a FlashInfer upgrade in a long-lived process),
     and undo what a backend converted at load where it can (humming: the layers whose original bytes
     it kept); a layer it cannot restore is named in a warning (only that backend can serve it)."""
+    global _updating
     with _lock:
+        _updating = 0
         serving = list(_serving.values())
         _decisions.clear()
         _key_locks.clear()
@@ -497,9 +543,10 @@ def _set_route(serving: _Serving, decision: Decision) -> None:
         _route_names[(family, index)] = decision.backend
 
 
-def _run_check(serving: _Serving, check: LayerCheck, ms: list[int]) -> selftest.SelfTestReport:
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,
+               config: str | None = None, light: bool = False) -> selftest.SelfTestReport:
     device = serving.device
-    report = selftest.report_for(serving.decision.backend, device, config=check.label)
+    report = selftest.report_for(serving.decision.backend, device, config=config or check.label)
     start = time.perf_counter()
     try:
         cases = check.cases(ms)
@@ -507,44 +554,105 @@ def _run_check(serving: _Serving, check: LayerCheck, ms: list[int]) -> selftest.
         report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
         report.duration_s = time.perf_counter() - start
         return report
-    return selftest.finish(report, selftest.sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device), start)
+    where = f" of {serving.decision.backend!r} on {device.label()} for {check.named()}"
+    if light and check.weights is not None:
+        for case in cases:  # the layer's fingerprint before and after covers its weights (no copies of them)
+            case.inputs = ()
+    results = selftest.sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device,
+                             passes=passes, where=where)
+    return selftest.finish(report, results, start)
+
+
+def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
+    return selftest.fingerprint(check.weights()) if check.weights is not None else None
+
+
+def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
+    try:
+        return weakref.ref(check.owner)
+    except TypeError:  # not weak-referenceable: kept
+        owner = check.owner
+        return lambda: owner
+
+
+def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[selftest.SelfTestReport, torch.Tensor | None]:
+    """The full sweep (a configuration's first layer) or the light check (any other layer) of
+    `check`, then its fingerprint: a call that wrote into the layer's own weights fails the check.
+    Returns the report and the fingerprint the layer's weights had when they were checked."""
+    before = _fingerprint(check)
+    if full:
+        report = _run_check(serving, check, check.ms)
+    else:
+        report = _run_check(serving, check, check.light_ms, passes=1, config=f"{check.label} (layer check)", light=True)
+    if report.passed and before is not None and not torch.equal(before, _fingerprint(check)):
+        report.passed = False
+        report.reason = f"{check.named()}: the checked calls changed this layer's own weights in place"
+    return report, before
+
+
+def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
+    serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
+    if check.owner is None:
+        serving.layers[id(check)] = _Layer(check.named(), fingerprint, None, None, check)
+        return
+    owner = _owner_ref(check)
+    weak = isinstance(owner, weakref.ref) and check.rebuild is not None
+    serving.layers[id(check.owner)] = _Layer(check.named(), fingerprint, owner, check.rebuild, None if weak else check)
 
 
 def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.SelfTestReport | None:
-    """Verify one layer configuration on CUDA ordinal `index` (-1: CPU in simulation) through the
-    call that will serve it, once per configuration and process; None where nothing is verified
-    (a device this library does not serve, or SM120_FP4_SELFTEST=off).
+    """Verify one NVFP4 layer on CUDA ordinal `index` (-1: CPU in simulation) through the call that
+    will serve it; None where nothing is verified (a device this library does not serve, or
+    SM120_FP4_SELFTEST=off).
 
-    A failure rejects the backend for this device: the next candidate that passes the self-test and
-    every configuration verified so far takes over; with none left, FALLBACK=emulated serves (after
-    the same checks), SELFTEST=warn serves unverified, and otherwise RefusedToServe names the
-    configuration, the batch size and what was wrong.
+    The first layer of each configuration gets the full sweep; every other layer a light check of
+    its own weights (one decode batch), and its weights' fingerprint is kept for the re-checks.
+    Nothing is recorded before it passed: an interrupted check (Ctrl-C, any BaseException) leaves no
+    trace, so the next attempt checks again. A failure rejects the backend for this device: the next
+    candidate that passes the self-test and every configuration and layer verified so far takes
+    over; with none left, FALLBACK=emulated serves (after the same checks), SELFTEST=warn serves
+    unverified, and otherwise RefusedToServe names the configuration, the batch size and what was
+    wrong.
     """
+    global _last_settings
+    _last_settings = settings
     if route(index, settings, check.family) is None:
         return None
     serving = _serving[(check.family, index)]
     with serving.lock:
-        first = check.key not in serving.checks
-        problem = _prepare(serving, check.tensors, keep_original=first and settings.selftest != "off")
-        if check.tensors is not None:
+        checking = settings.selftest != "off"
+        # A backend that serves converted weights converts this layer now (keeping its original
+        # bytes while it is checked: the oracle reads them); every later backend switch converts it too.
+        problem = _prepare(serving, check.tensors, keep_original=checking)
+        if check.tensors is not None and not any(_same_layer(t, check.tensors) for t in serving.seen):
             serving.seen.append(check.tensors)
-        if settings.selftest == "off":
+        if not checking:
             return None
-        if not first:
-            return next((r for r in serving.decision.layers if r.config == check.label), None)
-        serving.checks[check.key] = check
+        if check.key in serving.unverified:  # SELFTEST=warn has already said so for this configuration
+            return serving.unverified[check.key]
+        known = serving.checks.get(check.key)
+        full = known is None
         if problem is None:
-            report = _run_check(serving, check, check.ms)
+            report, fingerprint = _layer_check(serving, check, full)
         else:
-            report = selftest.report_for(serving.decision.backend, serving.device, config=check.label)
+            report, fingerprint = selftest.report_for(serving.decision.backend, serving.device, config=check.label), None
             report.reason = problem
-        if report.passed:
+        if not report.passed:
+            return _replace_backend(serving, check, report, settings)
+        if not full:
+            _settle(serving, check.tensors)
+        _record_layer(serving, check, fingerprint)
+        if full:
+            serving.checks[check.key] = check
             serving.decision.layers.append(report)
             _LOG.info("sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)", check.label,
                       serving.decision.backend, serving.device.label(), len(check.ms), report.max_rel_err or 0.0)
+            if settings.select == "fastest":
+                _route_fastest(serving, check, settings)
             _write_report(settings)
-            return report
-        return _replace_backend(serving, report, settings)
+        elif check.owner is not None and known.owner is check.owner:
+            serving.checks[check.key] = check  # the same layer again (its weights reloaded): re-checks use these
+        return report
 
 
 def _prepare(serving: _Serving, tensors: dict | None, keep_original: bool) -> str | None:
@@ -572,41 +680,204 @@ def _release(serving: _Serving, name: str) -> str | None:
             f"{serving.family.backends_var} naming a backend that verifies")
 
 
-def _replace_backend(serving: _Serving, report: selftest.SelfTestReport, settings: Settings) -> selftest.SelfTestReport:
-    """The served backend failed `report`'s configuration: find one that passes everything, or refuse."""
+def _same_layer(a: dict | None, b: dict | None) -> bool:
+    """Whether two `tensors` dicts describe the same served layer (the same packed weight storage)."""
+    if a is None or b is None:
+        return False
+    if a is b:
+        return True
+    wa, wb = a.get("weight", a.get("w13")), b.get("weight", b.get("w13"))
+    return isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor) and wa.data_ptr() == wb.data_ptr()
+
+
+def _representative(serving: _Serving, tensors: dict) -> bool:
+    """Whether `tensors` are a configuration's first layer: the one the re-checks compare."""
+    return any(_same_layer(c.tensors, tensors) for c in serving.checks.values())
+
+
+def _settle(serving: _Serving, tensors: dict | None) -> None:
+    """A checked layer that is not its configuration's first: drop what the backend kept for its check."""
+    backend = backends.backend_of(serving.family.name, serving.decision.backend)
+    if backend.settle is not None and tensors is not None and not _representative(serving, tensors):
+        backend.settle(tensors)
+
+
+def _prepare_seen(serving: _Serving) -> str | None:
+    """Let the backend now routed convert every layer served so far (originals kept while checked)."""
+    return next((p for p in (_prepare(serving, t, True) for t in serving.seen) if p), None)
+
+
+def _settle_seen(serving: _Serving) -> None:
+    for tensors in serving.seen:
+        _settle(serving, tensors)
+
+
+def _refingerprint(serving: _Serving) -> None:
+    """After a backend switch that converted or restored weights: every layer's fingerprint anew."""
+    for record in serving.layers.values():
+        current = record.current() if record.alive() else None
+        if current is not None:
+            record.fingerprint = _fingerprint(current)
+
+
+def _back_to(serving: _Serving, original: Decision) -> None:
+    """Route the device to `original` again (a refusal or an interruption while replacing it),
+    converting the layers again where that backend serves converted weights."""
+    _set_route(serving, original)
+    backend = backends.backend_of(serving.family.name, original.backend)
+    if backend.prepare is not None:
+        for tensors in serving.seen:
+            _prepare(serving, tensors, _representative(serving, tensors))
+        _refingerprint(serving)
+
+
+def _time_served(serving: _Serving, check: LayerCheck, repeats: int = 3) -> float:
+    """Milliseconds of one served call of `check` at each of its serving batch sizes (decode and
+    prefill: its re-check sizes), summed: the median of `repeats` after a first call."""
+    tdev = serving.device.torch_device
+    total = 0.0
+    for case in check.cases(check.recheck_ms):
+        case.invoke()  # JIT, autotuner caches, workspaces
+        samples = []
+        for _ in range(repeats):
+            if tdev.type == "cuda":
+                torch.cuda.current_stream(tdev).synchronize()
+            start = time.perf_counter()
+            case.invoke()
+            if tdev.type == "cuda":
+                torch.cuda.current_stream(tdev).synchronize()
+            samples.append(time.perf_counter() - start)
+        total += statistics.median(samples)
+    return total * 1e3
+
+
+def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> None:
+    """SELECT=fastest, at each new layer configuration: every candidate that passed its self-test
+    and every configuration so far is checked on this one too and timed on its served calls at the
+    serving batch sizes; the device is routed to the one fastest over all configurations (which
+    first passes every layer's light check). Timing the self-test's shapes would rank kernels on
+    calls that never serve."""
+    original = serving.decision
+    names = [r.backend for r in original.reports if r.passed] or [original.backend]
+    names = [n for n in dict.fromkeys([original.backend, *names]) if n not in serving.failed]
+    if len(names) < 2:
+        return
+    decisions = {original.backend: original}
+    try:
+        for name in names:
+            if name != original.backend:
+                decisions[name] = original.model_copy(update={"backend": name, "fn": serving.family.resolve(name),
+                                                              "layers": [], "timings_ms": {}})
+                _set_route(serving, decisions[name])
+                report, _ = _layer_check(serving, check, True)
+                if not report.passed:
+                    serving.failed[name] = f"{report.config}: {report.reason}"
+                    continue
+                serving.candidate_layers.setdefault(name, []).append(report)
+            else:
+                _set_route(serving, original)
+            serving.timings.setdefault(name, {})[check.key] = _time_served(serving, check)
+        keys = list(serving.checks)
+        eligible = [n for n in names if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
+        totals = {n: sum(serving.timings[n][k] for k in keys) for n in eligible}
+        best = min(eligible, key=totals.__getitem__)
+        chosen = decisions[best]
+        _set_route(serving, chosen)
+        if best != original.backend:
+            _, bad = _verify_everything(serving, check, False, configurations=False)  # every layer so far, its own weights
+            if bad is not None:
+                serving.failed[best] = f"{bad.config}: {bad.reason}"
+                _set_route(serving, original)
+                return
+            serving.candidate_layers[original.backend] = list(original.layers)
+            chosen.layers = list(serving.candidate_layers.get(best, []))
+        chosen.timings_ms = totals
+        chosen.reason = (f"fastest of {len(eligible)} verified candidates on the served layer configurations at their "
+                         f"serving batch sizes ({totals[best]:.3g} ms over {len(keys)} configuration(s))")
+    except BaseException:
+        _set_route(serving, original)
+        raise
+
+
+def _verify_everything(serving: _Serving, extra: LayerCheck, extra_full: bool,
+                       configurations: bool = True) -> tuple[list, selftest.SelfTestReport | None]:
+    """Every configuration's full sweep (unless `configurations` is False: already passed), every
+    recorded layer's light check, and `extra`'s, with the backend now routed: (the configurations'
+    reports, the first failure or None)."""
+    reports = []
+    for check in serving.checks.values() if configurations else ():
+        report, _ = _layer_check(serving, check, True)
+        if not report.passed:
+            return reports, report
+        reports.append(report)
+    representatives = {id(c.owner) if c.owner is not None else id(c) for c in serving.checks.values()}
+    for key, record in list(serving.layers.items()):
+        current = record.current() if record.alive() and key not in representatives else None
+        if current is not None:
+            report, _ = _layer_check(serving, current, False)
+            if not report.passed:
+                return reports, report
+    report, _ = _layer_check(serving, extra, extra_full)
+    if not report.passed:
+        return reports, report
+    if extra_full:
+        reports.append(report)
+    return reports, None
+
+
+def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.SelfTestReport,
+                     settings: Settings) -> selftest.SelfTestReport:
+    """The served backend failed `check` (`report`): find one that passes everything, or refuse.
+
+    Until one passes every configuration and every layer, nothing new is recorded; on a refusal or
+    an interruption the device goes back to the backend it had (which still serves what it passed)."""
+    original = serving.decision
+    full = check.key not in serving.checks
     failures = [report]
     serving.failed[report.backend] = f"{report.config}: {report.reason}"
     stuck = _release(serving, report.backend)
     if stuck is not None:
         serving.failed[report.backend] += f" ({stuck})"
-    while stuck is None:
-        remaining = [n for n in candidate_names(settings, family=serving.family, device=serving.device) if n not in serving.failed]
-        decision = _next_decision(serving, remaining, settings)
-        if decision is None:
-            break
-        _set_route(serving, decision)
-        problems = [p for p in (_prepare(serving, t, any(t is c.tensors for c in serving.checks.values())) for t in serving.seen) if p]
-        reports = [_run_check(serving, c, c.ms) for c in serving.checks.values()]
-        if problems:
-            reports[0].passed, reports[0].reason = False, problems[0]
-        bad = next((r for r in reports if not r.passed), None)
-        if bad is None:
-            decision.layers = reports
-            _LOG.warning("sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration",
-                         serving.device.label(), report.backend, report.config, decision.backend)
-            _write_report(settings)
-            return next(r for r in reports if r.config == report.config)
-        failures.append(bad)
-        serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
-        stuck = _release(serving, decision.backend)
-        if stuck is not None:
-            serving.failed[decision.backend] += f" ({stuck})"
+    try:
+        while stuck is None:
+            remaining = [n for n in candidate_names(settings, family=serving.family, device=serving.device) if n not in serving.failed]
+            decision = _next_decision(serving, remaining, settings)
+            if decision is None:
+                break
+            _set_route(serving, decision)
+            problem = _prepare_seen(serving)
+            if problem is None:
+                reports, bad = _verify_everything(serving, check, full)
+            else:
+                reports, bad = [], selftest.report_for(decision.backend, serving.device, config=check.label)
+                bad.reason = problem
+            if bad is None:
+                decision.layers = reports
+                if full:
+                    serving.checks[check.key] = check
+                _settle_seen(serving)
+                _refingerprint(serving)
+                _record_layer(serving, check, _fingerprint(check))
+                _LOG.warning("sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
+                             serving.device.label(), report.backend, report.config, decision.backend)
+                _write_report(settings)
+                return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
+            failures.append(bad)
+            serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
+            stuck = _release(serving, decision.backend)
+            if stuck is not None:
+                serving.failed[decision.backend] += f" ({stuck})"
+    except BaseException:
+        _back_to(serving, original)  # interrupted: back to what was verified
+        raise
+    _back_to(serving, original)
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
     message = refusal_message(serving.device, candidate_names(settings, family=serving.family, device=serving.device),
                               rejected, config=report.config, family=serving.family)
     if settings.selftest == "warn":
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving UNVERIFIED with %s", message, serving.decision.backend)
         serving.decision.verified = False
+        serving.unverified[check.key] = report
         return report
     _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message,
                     rejected=rejected, reports=failures), settings)
@@ -633,15 +904,56 @@ def _next_decision(serving: _Serving, remaining: list[str], settings: Settings) 
     return decision
 
 
+_updating = 0  # SGLang weight updates in progress (weights_updating)
+_last_settings: Settings | None = None
+
+
+def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | None]]:
+    """(key, record, its check now) of the recorded layers whose weights differ from their
+    fingerprint now (or can no longer be read)."""
+    serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
+    changed = []
+    for key, record in serving.layers.items():
+        if record.fingerprint is None:
+            continue
+        try:
+            check = record.current()
+            now = _fingerprint(check) if check is not None else None
+        except Exception:  # noqa: BLE001 - a weight the layer no longer has: changed
+            check, now = None, None
+        if now is None or now.shape != record.fingerprint.shape or not torch.equal(now, record.fingerprint):
+            changed.append((key, record, check))
+    return changed
+
+
+def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> None:
+    names = [record.label for _, record, _ in changed]
+    message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: the weights of {len(names)} verified "
+               f"layer(s) changed after they were verified, and not through SGLang's weight-update path "
+               f"(update_weights_from_disk / _from_tensor / _from_distributed / _from_ipc): {capped(names)}.\n"
+               "Something wrote into them since (a kernel writing out of bounds?); serving them would compute with "
+               f"weights nobody loaded. Backend in use: {serving.decision.backend}.")
+    _refuse(Refusal(device=serving.device.label(), config=names[0], family=serving.family.name, message=message,
+                    rejected={serving.decision.backend: f"a verified layer's weights changed: {names[0]}"}), settings)
+    raise RefusedToServe(message)
+
+
 def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.SelfTestReport]:
-    """Re-run every verified layer configuration once, eagerly, at its re-check batch sizes and at
-    every M of `captured` (the token counts of the CUDA graphs SGLang just captured: the batch
-    sizes graphs will serve), after SGLang's warm-up and capture, when autotuners have picked their
-    tactics; a failure refuses (RefusedToServe) with the configuration and batch size."""
+    """After SGLang's warm-up and CUDA-graph capture, when autotuners have picked their tactics:
+    first every verified layer's weights against their fingerprint (a change outside SGLang's
+    weight-update path refuses, naming the layer), then every verified layer configuration once
+    more, eagerly, at its re-check batch sizes and at every M of `captured` (the token counts of the
+    CUDA graphs SGLang just captured: the batch sizes graphs will serve); a failure refuses
+    (RefusedToServe) with the configuration and batch size."""
     selftest.refuse_inside_capture("re-check", "after")
+    if _updating:
+        reverify(settings)  # a capture inside a weight update: the new weights are verified first
     done = []
     for serving in list(_serving.values()):
         with serving.lock:
+            changed = _changed_layers(serving)
+            if changed:
+                _refuse_changed(serving, changed, settings)
             for check in list(serving.checks.values()):
                 report = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
                 report.config = f"{check.label} (re-check after warm-up)"
@@ -660,6 +972,87 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.S
     _LOG.info("sm120_fp4: re-checked %d layer configuration(s) after warm-up at %d captured graph size(s): all pass",
               len(done), len(set(captured)))
     return done
+
+
+def weights_update_begin() -> None:
+    """SGLang starts writing weights (a weight-update call, or a weight-update session): caches of
+    dequantized weights are dropped, and fingerprint changes are expected until the matching end."""
+    global _updating
+    backends.invalidate_caches()
+    with _lock:
+        _updating += 1
+
+
+def weights_update_end(settings: Settings) -> list[selftest.SelfTestReport]:
+    """SGLang is done writing weights: when no other update is open, every layer whose weights
+    changed is verified again (reverify) before anything else is served."""
+    global _updating
+    with _lock:
+        _updating = max(0, _updating - 1)
+        last = _updating == 0
+    backends.invalidate_caches()
+    return reverify(settings) if last else []
+
+
+@contextlib.contextmanager
+def weights_updating(settings: Settings):
+    """weights_update_begin() ... weights_update_end(settings) around one of SGLang's weight updates."""
+    weights_update_begin()
+    try:
+        yield
+    finally:
+        weights_update_end(settings)
+
+
+def reverify(settings: Settings) -> list[selftest.SelfTestReport]:
+    """Verify again every recorded layer whose weights changed (a weight update): each is rebuilt
+    from the layer's current state and checked (a configuration's representative layer with the full
+    sweep, any other with its light check), its fingerprint renewed; a failure refuses
+    (RefusedToServe) naming the layer."""
+    done = []
+    for serving in list(_serving.values()):
+        with serving.lock:
+            changed = _changed_layers(serving)
+            if changed and backends.backend_of(serving.family.name, serving.decision.backend).prepare is not None:
+                names = [record.label for _, record, _ in changed]
+                message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: SGLang updated the weights of "
+                           f"{len(names)} layer(s) ({capped(names)}), but {serving.decision.backend} converted every "
+                           "served layer to its own layout in place at load, and the new weights cannot be verified "
+                           "or served in that layout in this process; restart the server with the new weights")
+                _refuse(Refusal(device=serving.device.label(), config=names[0], family=serving.family.name,
+                                message=message, rejected={serving.decision.backend: "weights updated in place"}), settings)
+                raise RefusedToServe(message)
+            for key, record, check in changed:
+                config = next((k for k, c in serving.checks.items() if (c.owner is not None and id(c.owner) == key) or id(c) == key), None)
+                if check is None:  # no longer an NVFP4 layer in a layout this library serves
+                    serving.layers.pop(key, None)
+                    continue
+                report, fingerprint = _layer_check(serving, check, config is not None)
+                report.config = f"{check.named()} (after a weight update)"
+                done.append(report)
+                if not report.passed:
+                    message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: after SGLang's weight "
+                               f"update, {report.config} fails with {serving.decision.backend}: {report.reason}")
+                    _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name,
+                                    message=message, rejected={serving.decision.backend: report.reason or ""},
+                                    reports=[report]), settings)
+                    raise RefusedToServe(message)
+                if config is not None:
+                    serving.checks[config] = check
+                _record_layer(serving, check, fingerprint)
+    if done:
+        _LOG.info("sm120_fp4: re-verified %d layer(s) after SGLang's weight update: all pass", len(done))
+    return done
+
+
+def _on_hang(message: str) -> None:
+    """selftest's watchdog is about to end the process: record the refusal in the report first."""
+    settings = _last_settings
+    if settings is not None:
+        _refuse(Refusal(device="?", message=message), settings)
+
+
+selftest.hang_hooks.append(_on_hang)
 
 
 # ---- for the serving canary (sm120_fp4.canary) --------------------------------------------------
@@ -700,7 +1093,16 @@ def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:
     Never raises for a bad kernel: the report says what was wrong."""
     serving = _serving[(served.family, served.device.index)]
     with serving.lock:
-        return _run_check(serving, served.check, list(ms))
+        check = served.check
+        record = serving.layers.get(id(check.owner) if check.owner is not None else id(check))
+        if record is not None and record.fingerprint is not None and not _updating:
+            now = _fingerprint(check)
+            if now is None or now.shape != record.fingerprint.shape or not torch.equal(now, record.fingerprint):
+                report = selftest.report_for(serving.decision.backend, serving.device, config=check.label)
+                report.reason = (f"{check.named()}: the layer's weights changed after they were verified, and not "
+                                 "through SGLang's weight-update path")
+                return report
+        return _run_check(serving, check, list(ms))
 
 
 def record_refusal(refusal: Refusal, settings: Settings) -> None:

@@ -7,7 +7,10 @@ and its output is checked against ``nvfp4.reference_mm_fp4`` of the same quantiz
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -18,12 +21,12 @@ from pydantic import BaseModel, Field
 
 from . import backends, nvfp4
 from .devices import Device
-from .errors import SelfTestError
+from .errors import EXIT_HUNG, SelfTestError
 
 __all__ = [
-    "quantized_inputs", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES",
-    "Case", "sweep", "run", "report_for", "finish", "calls_still_running",
-    "MoeCase", "MoeConfig", "MOE_BOUNDS", "DEFAULT_MOE_CONFIG", "SIMULATION_MOE_CONFIG", "moe_routing", "moe_cases", "run_moe",
+    "quantized_inputs", "structured_activations", "ROW_KINDS", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES",
+    "Case", "sweep", "run", "report_for", "finish", "calls_still_running", "fingerprint", "EXIT_HUNG", "hang_hooks",
+    "MoeCase", "MoeConfig", "MOE_BOUNDS", "ExpertCache", "DEFAULT_MOE_CONFIG", "SIMULATION_MOE_CONFIG", "moe_routing", "moe_cases", "run_moe",
 ]
 
 Shape = tuple[int, int, int]  # (M, N, K)
@@ -104,6 +107,37 @@ def _row_ranges(rows: list[int], limit: int = 4) -> str:
     return text + (", ..." if len(spans) > limit else "")
 
 
+ROW_KINDS = ("gaussian", "gaussian, an octave apart", "ReLU^2 (non-negative, half zero)", "sparse (90% zero)",
+             "sign-structured (one sign per 16-block)", "outliers (1e3-1e4 x the rest)",
+             "tiny (subnormal E4M3 block scales)", "half tiny, half normal blocks")
+
+
+def structured_activations(rows: int, cols: int, amax: float, generator: torch.Generator,
+                           device: torch.device | str = "cpu") -> torch.Tensor:
+    """Float32 activations (rows, cols) in [-amax, amax] whose row i is of kind ROW_KINDS[i % 8]:
+    what models feed a GEMM besides Gaussian noise (ReLU^2 MLPs, sparse and one-signed rows, rare
+    outliers 1e3-1e4 times the rest of their row, rows so small that their NVFP4 block scales are
+    E4M3 subnormals). Never an all-zero row. `generator` lives on `device` (no host copy)."""
+    g = generator
+    kind = torch.arange(rows, device=device).remainder(len(ROW_KINDS)).unsqueeze(1)
+    base = torch.randn(rows, cols, generator=g, device=device)
+    octave = torch.exp2(torch.randint(-2, 1, (rows, 1), generator=g, device=device).float())
+    u = torch.rand(rows, cols, generator=g, device=device)
+    block = torch.arange(cols, device=device).div(16, rounding_mode="floor").remainder(2).unsqueeze(0) * 2 - 1
+    x = base * (amax / 4)
+    x = torch.where(kind == 1, base * octave * (amax / 4), x)
+    x = torch.where(kind == 2, torch.relu(base).square() * (amax / 16), x)
+    x = torch.where(kind == 3, torch.where(u < 0.9, torch.zeros_like(base), base * (amax / 4)), x)
+    x = torch.where(kind == 4, base.abs() * block * (amax / 4), x)
+    outliers = torch.where(u < 1 / 64, torch.sign(base) * (amax / 2), base * (amax / 2) / (1e3 + 9e3 * u))
+    x = torch.where(kind == 5, outliers, x)
+    tiny = base * (amax * 4e-6)  # block amax ~1e-5 * amax: E4M3 scale ~0.005, below its smallest normal 2^-6
+    x = torch.where(kind == 6, tiny, x)
+    x = torch.where(kind == 7, torch.where(block > 0, tiny, base * (amax / 4)), x)
+    x[:, 0] = torch.where(x[:, 0] == 0, torch.full_like(x[:, 0], amax / 8), x[:, 0])  # no all-zero row
+    return x.clamp(-amax, amax)
+
+
 def quantized_inputs(shape: Shape, device: torch.device, seed: int):
     """Seeded bf16 activations and weights of `shape`, quantized with nvfp4: (x, gsf_x, mm_fp4 args).
 
@@ -111,9 +145,12 @@ def quantized_inputs(shape: Shape, device: torch.device, seed: int):
     float8_e4m3fn, as SGLang stores them: a kernel must read both as E4M3 bytes."""
     m, n, k = shape
     gen = torch.Generator().manual_seed(seed)
-    # Random signs and magnitudes spanning a few octaves; never zeros, never a zero row.
-    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-3, 4, (m, 1), generator=gen).float())
+    # Structured rows (structured_activations); weights with zeroed rows (zero output columns) and
+    # rows small enough for subnormal E4M3 block scales.
+    x = structured_activations(m, k, 8.0, gen)
     w = torch.randn(n, k, generator=gen) * 0.02
+    row = torch.arange(n).unsqueeze(1) % 13
+    w = torch.where(row == 5, torch.zeros_like(w), torch.where(row == 9, w * 2e-5, w))
     x, w = x.to(torch.bfloat16).to(device), w.to(torch.bfloat16).to(device)
     gx, gw = nvfp4.global_scale(x), nvfp4.global_scale(w)
     qx, sx = nvfp4.quantize(x, gx)
@@ -122,46 +159,86 @@ def quantized_inputs(shape: Shape, device: torch.device, seed: int):
     return x, gx, (qx, qw.T, sx.view(torch.uint8), sw.T, alpha)
 
 
+_COMPARE_ELEMENTS = 1 << 24  # rows compared at a time: a large prefill M never needs more than this in float32
+
+
+def _resolution(dtype: torch.dtype, n: int) -> float:
+    """The norm of a row of `n` values each off by the output dtype's smallest subnormal step: what
+    rounding alone can leave of a row whose true values lie near the bottom of the dtype's range
+    (fp16 outputs of tiny activations), so such a row is neither a "zero row" nor a relative error."""
+    if not dtype.is_floating_point or dtype == torch.float32:
+        return 0.0
+    info = torch.finfo(dtype)
+    return float(info.smallest_normal * info.eps) * n ** 0.5
+
+
 def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult,
              slack: torch.Tensor | None = None) -> str | None:
-    """None when `out` matches `ref` within `bounds` (each row's bound widened by its `slack`), else why not."""
-    out32, ref32 = out.float(), ref.float()
-    finite = torch.isfinite(out32)
-    result.nonfinite = int((~finite).sum())
+    """None when `out` matches `ref` within `bounds` (each row's bound widened by its `slack`), else why not.
+
+    Every row is checked (finite, not zero where the reference is not, its relative error), a few
+    thousand rows at a time, so a prefill-sized M costs no more memory than a chunk of it."""
+    rows, cols = out.shape
+    floor = _resolution(out.dtype, cols)
+    step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
+    nonfinite = torch.zeros((), dtype=torch.int64, device=out.device)
+    for lo in range(0, rows, step):
+        nonfinite += (~torch.isfinite(out[lo:lo + step])).sum()
+    result.nonfinite = int(nonfinite)
     if result.nonfinite == out.numel():
         return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
     if result.nonfinite:
-        r, c = (~finite).nonzero()[0].tolist()
-        return f"{result.nonfinite} non-finite element(s), first at row {r}, column {c}"
-    out_zero_rows = (out32 == 0).all(dim=1)
-    ref_zero_rows = (ref32 == 0).all(dim=1)
+        for lo in range(0, rows, step):
+            bad = (~torch.isfinite(out[lo:lo + step])).nonzero()
+            if bad.numel():
+                r, c = bad[0].tolist()
+                return f"{result.nonfinite} non-finite element(s), first at row {lo + r}, column {c}"
+    out_zero_rows = torch.empty(rows, dtype=torch.bool, device=out.device)
+    row_norms = torch.empty(rows, dtype=torch.float32, device=out.device)
+    out_norms = torch.empty(rows, dtype=torch.float32, device=out.device)
+    diff_norms = torch.empty(rows, dtype=torch.float32, device=out.device)
+    max_abs = torch.zeros((), dtype=torch.float32, device=out.device)
+    for lo in range(0, rows, step):
+        o, r = out[lo:lo + step].float(), ref[lo:lo + step].float()
+        diff = o - r
+        out_zero_rows[lo:lo + step] = (o == 0).all(dim=1)
+        row_norms[lo:lo + step] = r.norm(dim=1)
+        out_norms[lo:lo + step] = o.norm(dim=1)
+        diff_norms[lo:lo + step] = diff.norm(dim=1)
+        max_abs = torch.maximum(max_abs, diff.abs().max())
+    ref_zero_rows = row_norms <= floor  # rounding to the output dtype may leave nothing of such a row
+    if bool((row_norms == 0).all()) and bool(out_zero_rows.all()):
+        result.zero_rows = 0
+        result.rel_err = result.max_row_rel_err = result.max_abs_err = 0.0
+        result.norm_ratio = 1.0
+        return None  # nothing routed here (every slot another rank's): zeros are the answer
     if bool(out_zero_rows.all()):
-        result.zero_rows = out.shape[0]
+        result.zero_rows = rows
         return "output is all zeros"
     bad_rows = (out_zero_rows & ~ref_zero_rows).nonzero().flatten().tolist()
     result.zero_rows = len(bad_rows)
-    diff = out32 - ref32
-    ref_norm = ref32.norm()
-    result.rel_err = float(diff.norm() / ref_norm)
-    row_norms = ref32.norm(dim=1).clamp_min(1e-30)
-    result.max_row_rel_err = float((diff.norm(dim=1) / row_norms).max())
-    result.max_abs_err = float(diff.abs().max())
-    result.norm_ratio = float(out32.norm() / ref_norm)
+    ref_norm = row_norms.norm().clamp_min(1e-30)
+    result.rel_err = float(diff_norms.norm() / ref_norm)
+    safe_norms = row_norms.clamp_min(1e-30)
+    row_err = diff_norms / safe_norms
+    result.max_row_rel_err = float(row_err.max())
+    result.max_abs_err = float(max_abs)
+    result.norm_ratio = float(out_norms.norm() / ref_norm)
     if bad_rows:
         return f"{len(bad_rows)} row(s) all zero where the reference is not (rows {_row_ranges(bad_rows)})"
-    lo, hi = bounds.norm_ratio
-    if not lo <= result.norm_ratio <= hi:
-        ratios = out32.norm(dim=1) / row_norms
-        if float(ratios.max() - ratios.min()) <= 0.02:  # every row off by the same factor
-            return f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo}..{hi}): a scale error"
-        worst = int((ratios - 1).abs().argmax())
-        return (f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo}..{hi}); "
+    lo_ratio, hi_ratio = bounds.norm_ratio
+    if not lo_ratio <= result.norm_ratio <= hi_ratio:
+        ratios = out_norms / safe_norms
+        big = row_norms > floor
+        if bool(big.any()) and float(ratios[big].max() - ratios[big].min()) <= 0.02:  # every row off by the same factor
+            return f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio}): a scale error"
+        worst = int(((ratios - 1).abs() * big).argmax())
+        return (f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio}); "
                 f"worst row {worst} at {float(ratios[worst]):.3g}x")
-    row_err = diff.norm(dim=1) / row_norms
-    allowed_rel = bounds.max_rel_err
-    allowed_rows = torch.full_like(row_err, bounds.max_row_rel_err)
+    allowed_rel = bounds.max_rel_err + 2 * floor * rows ** 0.5 / float(ref_norm)
+    allowed_rows = bounds.max_row_rel_err + 2 * floor / safe_norms
     if slack is not None:
-        allowed_rows += 2 * slack  # twice what the oracle cannot decide, on that row only
+        allowed_rows = allowed_rows + 2 * slack  # twice what the oracle cannot decide, on that row only
         allowed_rel += 2 * float((slack * row_norms).norm() / ref_norm)
     if result.rel_err > allowed_rel:
         return f"relative error {result.rel_err:.3g} above {allowed_rel:.3g}"
@@ -172,42 +249,109 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: Shape
     return None
 
 
-class _Hung:
-    pass
+# A checked call runs on the calling thread (the thread that will serve, on its current CUDA
+# stream): a kernel with per-thread state, or one that runs on the stream it is given, is checked as
+# it serves. A watchdog thread only observes: a call that returns after the bound fails the
+# candidate; a call still running HANG_GRACE past the bound holds the serving thread for good (a
+# hung kernel cannot be stopped), so the watchdog writes what it knows (hang_hooks: the report) and
+# ends the process with EXIT_HUNG instead of serving from a process that can never return.
+hang_hooks: list[Callable[[str], None]] = []  # called with the message before the process ends
 
 
-_CALL_THREAD = "sm120_fp4-selftest-call"
+def hang_grace(timeout_s: float) -> float:
+    """How long past its bound a running call is waited for before the process gives up on it."""
+    return min(max(5.0, 0.1 * timeout_s), 60.0)
+
+
+class _Watchdog:
+    """Watches the checked calls in progress (one per thread); never runs one."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._watches: dict[int, tuple[float, float, str]] = {}  # token -> (deadline, give up at, what)
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def watch(self, deadline: float, give_up_at: float, what: str) -> int:
+        with self._cond:
+            self._next += 1
+            self._watches[self._next] = (deadline, give_up_at, what)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="sm120_fp4-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def done(self, token: int) -> None:
+        with self._cond:
+            self._watches.pop(token, None)
+            self._cond.notify()
+
+    def overdue(self) -> int:
+        now = time.perf_counter()
+        with self._cond:
+            return sum(1 for deadline, _, _ in self._watches.values() if now > deadline)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                if not self._watches:
+                    self._cond.wait()
+                    continue
+                token, (_, give_up_at, what) = min(self._watches.items(), key=lambda item: item[1][1])
+                left = give_up_at - time.perf_counter()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._watches.pop(token)
+                break
+        _give_up(what)
+
+
+def _give_up(what: str) -> None:
+    message = (f"sm120_fp4: refusing to serve: {what} is still running past the self-test's time bound "
+               "(SM120_FP4_SELFTEST_TIMEOUT): a hung kernel holds the thread that would serve, so this process "
+               f"cannot continue; exiting with code {EXIT_HUNG}. Exclude that backend (SM120_FP4_BACKENDS / "
+               "SM120_FP4_MOE_BACKENDS), or run `sm120-fp4 selftest`, which records it and re-runs without it.")
+    for hook in list(hang_hooks):
+        try:
+            hook(message)
+        except Exception:  # noqa: BLE001 - the exit below must happen whatever a hook does
+            pass
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        os._exit(EXIT_HUNG)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def calls_still_running() -> int:
-    """How many checked calls outlived their bound and are still running in their threads.
+    """How many checked calls are still running past their bound (on their calling threads).
 
-    Such a thread never blocks exit, but one that returns into a torch op while the interpreter
-    shuts down aborts the whole process (`terminate called without an active exception`, exit 134),
-    whatever exit code was meant: a process that must exit with a code ends itself at once
-    (os._exit) while this is non-zero."""
-    return sum(1 for t in threading.enumerate() if t.name == _CALL_THREAD and t.is_alive())
+    Calls run on the thread that will serve; one past its bound plus the grace ends the process
+    (EXIT_HUNG), so this is non-zero only during that grace."""
+    return _WATCHDOG.overdue()
 
 
-def _call_with_timeout(fn: Callable, args: tuple, device: torch.device, timeout_s: float) -> object:
-    """fn(*args) (synchronised), its exception, or _Hung when it outlives `timeout_s`."""
-    box: list = []
-
-    def call() -> None:
-        try:
+def _call(fn: Callable[[], object], device: torch.device, deadline: float, give_up_at: float, what: str) -> object:
+    """fn() on this thread and its current stream, synchronised: its value or its exception (an
+    Exception is a finding; a BaseException such as KeyboardInterrupt propagates: an interrupted
+    check is never a result)."""
+    token = _WATCHDOG.watch(deadline, give_up_at, what)
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            value = fn()
             if device.type == "cuda":
-                torch.cuda.set_device(device)  # the current device is per thread
-            value = fn(*args)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            box.append(value)
-        except BaseException as exc:  # noqa: BLE001 - reported as the self-test's finding
-            box.append(exc)
-
-    worker = threading.Thread(target=call, name=_CALL_THREAD, daemon=True)
-    worker.start()
-    worker.join(max(timeout_s, 0.0))
-    return box[0] if box else _Hung()
+                torch.cuda.current_stream(device).synchronize()  # the stream that serves, not the device
+        return value
+    except Exception as exc:  # noqa: BLE001 - reported as the check's finding
+        return exc
+    finally:
+        _WATCHDOG.done(token)
 
 
 @dataclass
@@ -235,15 +379,17 @@ def _input_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float, device: torch.device,
-                snapshots: dict) -> str | None:
+def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float, grace: float, device: torch.device,
+                snapshots: dict, where: str = "") -> str | None:
     if case.out is not None:
         case.out.fill_(float("nan"))  # poison: an unwritten out is caught, not read as a result
     start = time.perf_counter()
-    outcome = _call_with_timeout(case.invoke, (), device, deadline - start)
-    result.duration_s += time.perf_counter() - start
+    what = f"call {result.calls + 1} ({case.label or f'M={case.m} N={case.n} K={case.k}'}){where}"
+    outcome = _call(case.invoke, device, deadline, deadline + grace, what)
+    end = time.perf_counter()
+    result.duration_s += end - start
     result.calls += 1
-    if isinstance(outcome, _Hung):
+    if end > deadline:
         return f"call {result.calls} did not return within the self-test's time bound (a hung kernel?)"
     if isinstance(outcome, BaseException):
         return f"call {result.calls} raised {type(outcome).__name__}: {outcome}".strip()
@@ -261,12 +407,13 @@ def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float
     return None
 
 
-def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2) -> list[ShapeResult]:
+def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2, where: str = "") -> list[ShapeResult]:
     """Call every case `passes` times (pass after pass, so each M is called again after all others)
     and check every call, within the deadline of `bounds.timeout_s` for the whole sweep; stop at
     the first failure (the results then list the cases tried)."""
     results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
     deadline = time.perf_counter() + bounds.timeout_s
+    grace = hang_grace(bounds.timeout_s)
     # One copy of each distinct input (a layer's weights are shared by all its cases), taken before
     # the first call; after every call each input must still equal it bit for bit.
     snapshots: dict = {}
@@ -276,7 +423,7 @@ def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int =
                 snapshots[_input_key(t)] = t.clone()
     for _ in range(passes):
         for case, result in zip(cases, results):
-            reason = _check_call(case, result, bounds, deadline, device, snapshots)
+            reason = _check_call(case, result, bounds, deadline, grace, device, snapshots, where)
             if reason is not None:
                 # The first failure is the finding: no more calls into this backend (a hung one
                 # may still be running; a broken one only costs time).
@@ -315,6 +462,11 @@ def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: 
     return QuantizerCheck(name=name, passed=ok, reason=reason, code_mismatch=code_mm, scale_mismatch=scale_mm)
 
 
+@functools.lru_cache(maxsize=1)
+def _flashinfer_version() -> str | None:
+    return backends.flashinfer_version()  # a metadata read: once per process, not once per layer check
+
+
 def report_for(backend: str, device: Device, config: str | None = None) -> SelfTestReport:
     """An empty report of `backend` on `device` (for `config`), to fill in."""
     return SelfTestReport(
@@ -324,7 +476,7 @@ def report_for(backend: str, device: Device, config: str | None = None) -> SelfT
         capability=f"{device.capability[0]}.{device.capability[1]}",
         simulated=device.simulated,
         passed=False,
-        flashinfer_version=backends.flashinfer_version(),
+        flashinfer_version=_flashinfer_version(),
     )
 
 
@@ -341,6 +493,46 @@ def finish(report: SelfTestReport, results: list[ShapeResult], start: float) -> 
     report.passed = report.reason is None
     report.duration_s = time.perf_counter() - start
     return report
+
+
+_FP_WIDTH = 4096  # words per row of the position-weighted sum
+_FP_CHUNK = 1 << 26  # words hashed at a time: a layer's weights never need more temporary memory than this
+_fp_patterns: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp_pattern(device: torch.device) -> torch.Tensor:
+    pattern = _fp_patterns.get(device)
+    if pattern is None:
+        gen = torch.Generator().manual_seed(0x5EED)
+        pattern = (torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int32) * 2 + 1).to(device)
+        pattern = _fp_patterns.setdefault(device, pattern)
+    return pattern
+
+
+def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+    """A device tensor that changes when any byte of `tensors` changes: per tensor, the sum of its
+    32-bit words and a position-weighted sum (products wrap around in 32 bits), both summed in 64
+    bits (a swap, a negation, a stray write are all seen). Computed where the tensors live, a chunk
+    at a time, with no host synchronisation; two calls on unchanged tensors give equal results
+    (integer sums: exact in any order)."""
+    parts = []
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat.to(torch.int32)
+        pattern = _fp_pattern(words.device)
+        plain = torch.zeros((), dtype=torch.int64, device=words.device)
+        weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+        full = words.numel() // _FP_WIDTH * _FP_WIDTH
+        step = _FP_CHUNK // _FP_WIDTH * _FP_WIDTH
+        for lo in range(0, full, step):
+            block = words[lo:min(lo + step, full)].view(-1, _FP_WIDTH)
+            plain += block.sum(dtype=torch.int64)
+            weighted += (block * pattern).sum(dtype=torch.int64)
+        tail = words[full:]
+        plain += tail.sum(dtype=torch.int64)
+        weighted += (tail * pattern[:tail.numel()]).sum(dtype=torch.int64)
+        parts += [plain, weighted, torch.full((), t.numel(), dtype=torch.int64, device=words.device)]
+    return torch.stack(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def refuse_inside_capture(what: str, when: str) -> None:
@@ -379,7 +571,7 @@ def run(
         report.reason = f"could not load backend {backend!r}: {type(exc).__name__}: {exc}"
         return report
     tdev = device.torch_device
-    results = sweep(_backend_cases(fn, shapes, tdev, seed, out_dtype), bounds, tdev)
+    results = sweep(_backend_cases(fn, shapes, tdev, seed, out_dtype), bounds, tdev, where=f" of backend {backend!r} on {device.label()}")
     if quantizer is not None:
         report.quantizer = check_quantizer(quantizer[0], quantizer[1], tdev, seed)
     return finish(report, results, start)
@@ -401,7 +593,8 @@ class MoeCase(BaseModel):
 
     `routing`: "balanced" gives every expert rows; "skewed" puts slot 0 of every token on one
     expert (>= 128 rows there when tokens >= 128: a kernel's second 64-row half of a tile is
-    exercised); "random" picks k distinct experts per token.
+    exercised); "random" picks k distinct experts per token; "padded" adds SGLang's -1 drop
+    sentinel (slots a kernel must skip: padding rows, other ranks' experts).
     """
 
     experts: int
@@ -411,7 +604,7 @@ class MoeCase(BaseModel):
     top_k: int
     tokens: int
     dtype: Literal["bfloat16", "float16"]
-    routing: Literal["balanced", "skewed", "random"]
+    routing: Literal["balanced", "skewed", "random", "padded"]
 
     def label(self) -> str:
         return (f"T={self.tokens} top_k={self.top_k} E={self.experts} H={self.hidden} I={self.intermediate} "
@@ -436,7 +629,7 @@ DEFAULT_MOE_CONFIG = MoeConfig(cases=(
                (8, 1024, "bfloat16", "balanced"), (8, 160, "bfloat16", "skewed"), (8, 1, "bfloat16", "random"),
                (8, 7, "float16", "random"), (1, 512, "bfloat16", "balanced"), (1, 300, "float16", "skewed")),
     *_moe_grid(16, 160, 96, "swiglu", (2, 130, "float16", "skewed"), (2, 5, "bfloat16", "random")),
-    *_moe_grid(16, 160, 96, "relu2", (2, 130, "bfloat16", "skewed"), (1, 33, "float16", "random")),
+    *_moe_grid(16, 160, 96, "relu2", (2, 130, "bfloat16", "skewed"), (1, 33, "float16", "random"), (2, 40, "bfloat16", "padded")),
 ))
 
 # For a simulated CPU device (the oracle checked against itself: the wiring, not a kernel): the
@@ -444,14 +637,16 @@ DEFAULT_MOE_CONFIG = MoeConfig(cases=(
 SIMULATION_MOE_CONFIG = MoeConfig(cases=(
     *_moe_grid(32, 128, 64, "swiglu", (8, 64, "bfloat16", "balanced"), (4, 160, "bfloat16", "skewed"),
                (1, 130, "float16", "skewed")),
-    *_moe_grid(8, 160, 96, "relu2", (2, 9, "bfloat16", "random")),
+    *_moe_grid(8, 160, 96, "relu2", (2, 9, "bfloat16", "random"), (2, 12, "float16", "padded")),
 ))
 
 _moe_weight_cache: dict[tuple, dict] = {}
 
 
 def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int) -> dict:
-    """Seeded NVFP4 expert weights (each expert its own global scale) in reference_moe_fp4's layout."""
+    """Seeded NVFP4 expert weights (each expert its own global scale) in reference_moe_fp4's layout;
+    every 11th row zero (a zero output column of FC2, a dead channel of FC1) and another small
+    enough for subnormal E4M3 block scales."""
     key = (experts, hidden, inter, activation, str(device), seed)
     if key in _moe_weight_cache:
         return _moe_weight_cache[key]
@@ -463,7 +658,9 @@ def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device:
     def experts_of(rows: int, cols: int, act_gsf: torch.Tensor):
         packed, scales, alphas = [], [], []
         for e in range(experts):
-            w = (torch.randn(rows, cols, generator=gen) * 0.05 * (1 + e % 7 / 7)).to(torch.bfloat16).to(device)
+            w = torch.randn(rows, cols, generator=gen) * 0.05 * (1 + e % 7 / 7)
+            row = torch.arange(rows).unsqueeze(1) % 11  # zeroed rows (zero output columns), rows of subnormal scales
+            w = torch.where(row == 3, torch.zeros_like(w), torch.where(row == 7, w * 2e-5, w)).to(torch.bfloat16).to(device)
             gsf = nvfp4.global_scale(w)
             q, sf = nvfp4.quantize(w, gsf)
             packed.append(q)
@@ -482,7 +679,9 @@ def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device:
 
 def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_ids int32 (T, k), topk_weights float32 (T, k)) with distinct experts per token, weights
-    in [0.1, 1] that do not sum to 1 (a kernel that ignores or renormalises them is seen)."""
+    in [0.1, 1] that do not sum to 1 (a kernel that ignores or renormalises them is seen).
+    "padded" is "random" with SGLang's -1 drop sentinel in the last quarter of the tokens (every
+    slot: the padding rows of a captured graph) and in the last slot of every fifth token."""
     if routing == "balanced":
         perm = torch.randperm(experts, generator=gen)
         ids = perm[(torch.arange(tokens).unsqueeze(1) * top_k + torch.arange(top_k)) % experts]
@@ -492,16 +691,38 @@ def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.
             hot = int(torch.randint(experts, (1,), generator=gen))
             ids[ids == hot] = ids[:, :1].expand_as(ids)[ids == hot]  # keep ids distinct per token
             ids[:, 0] = hot
+        elif routing == "padded" and tokens > 1:
+            ids[torch.arange(tokens) % 5 == 4, -1] = -1
+            ids[tokens - tokens // 4:] = -1
     weights = 0.1 + 0.9 * torch.rand(tokens, top_k, generator=gen)
     return ids.to(torch.int32), weights.float()
 
 
+class ExpertCache(dict):
+    """A reference_moe_fp4 `weight_cache` that keeps only the experts in `keep`: a check that routes
+    to every one of a layer's experts dequantizes the others per call instead of holding them all."""
+
+    def __init__(self, keep) -> None:
+        super().__init__()
+        self.keep = set(keep)
+
+    def __setitem__(self, key, value) -> None:
+        if key[1] in self.keep:
+            super().__setitem__(key, value)
+
+
 def moe_cases(fn: Callable, weights: dict, activation: str, plans: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
-              bounds: Bounds = MOE_BOUNDS, cache: dict | None = None, mode: str = "w4a4",
-              reference_weights: dict | None = None) -> list[Case]:
-    """Backend-convention calls of `fn` with `weights` (reference_moe_fp4's names), one per plan
-    (label, x, topk_ids, topk_weights): each checked against the oracle, `out` poisoned first.
-    `cache` keeps the references' dequantized experts for these weights (one dict per weights).
+              bounds: Bounds = MOE_BOUNDS, cache: dict | None = None, *, first_expert: int = 0,
+              served_ids: bool = False, mode: str = "w4a4", reference_weights: dict | None = None) -> list[Case]:
+    """Calls of `fn` with `weights` (reference_moe_fp4's names), one per plan (label, x, topk_ids,
+    topk_weights): each checked against the oracle, `out` poisoned first. `cache` keeps the
+    references' dequantized experts for these weights (one dict per weights).
+
+    The plans' ids are as SGLang serves them: global expert ids (this rank's experts are
+    `first_expert` .. `first_expert` + E - 1, any other belongs to another expert-parallel rank) and
+    SGLang's -1 drop sentinel. `fn` gets them in the backend convention (this rank's local ids, -1
+    for every other slot: kernels.moe_call_to_convention), or unchanged with `served_ids` (a call
+    through SGLang's seam). The oracle computes this rank's slots only: the others add nothing.
 
     `mode` is what the backend computes: "w4a4" against the oracle with quantized activations,
     "w4a16" against its W4A16 mode (``quantize_activations=False``, each expert's alpha times the
@@ -510,23 +731,29 @@ def moe_cases(fn: Callable, weights: dict, activation: str, plans: list[tuple[st
     cases = []
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
     ref_w = reference_weights or weights
+    experts = weights["w13"].shape[0]
     for label, x, ids, topk_weights in plans:
-        args = (x, ids, topk_weights, weights["w13"], weights["w13_sf"], weights["w13_alpha"], weights["w2"],
-                weights["w2_sf"], weights["w2_alpha"], weights["a1_gscale"], weights["a2_gscale"])
+        local = ids.long() - first_expert
+        mine = (ids >= 0) & (local >= 0) & (local < experts)
+        call_ids = ids if served_ids else torch.where(mine, local, torch.full_like(local, -1)).to(torch.int32)
+        tensors = (weights["w13"], weights["w13_sf"], weights["w13_alpha"], weights["w2"], weights["w2_sf"],
+                   weights["w2_alpha"], weights["a1_gscale"], weights["a2_gscale"])
+        routed = (x, torch.where(mine, local, torch.zeros_like(local)), torch.where(mine, topk_weights, torch.zeros_like(topk_weights)))
         if mode == "w4a16":
-            ref = nvfp4.reference_moe_fp4(x, ids, topk_weights, ref_w["w13"], ref_w["w13_sf"],
-                                          ref_w["w13_alpha"] * ref_w["a1_gscale"], ref_w["w2"], ref_w["w2_sf"],
-                                          ref_w["w2_alpha"] * ref_w["a2_gscale"], None, None, activation=activation,
-                                          out_dtype=torch.float32, quantize_activations=False, weight_cache=cache)
+            ref = nvfp4.reference_moe_fp4(*routed, ref_w["w13"], ref_w["w13_sf"], ref_w["w13_alpha"] * ref_w["a1_gscale"],
+                                          ref_w["w2"], ref_w["w2_sf"], ref_w["w2_alpha"] * ref_w["a2_gscale"], None, None,
+                                          activation=activation, out_dtype=torch.float32, quantize_activations=False,
+                                          weight_cache=cache)
             slack = None  # nothing is re-quantized: no rounding point the oracle cannot decide
         else:
-            ref_args = args[:3] + tuple(ref_w[k] for k in ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha",
-                                                         "a1_gscale", "a2_gscale"))
-            ref = nvfp4.reference_moe_fp4(*ref_args, activation=activation, out_dtype=torch.float32, weight_cache=cache)
-            kernel_rounding = nvfp4.reference_moe_fp4(*ref_args, activation=activation, out_dtype=torch.float32,
+            oracle = (*routed, *(ref_w[k] for k in ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha",
+                                                    "a1_gscale", "a2_gscale")))
+            ref = nvfp4.reference_moe_fp4(*oracle, activation=activation, out_dtype=torch.float32, weight_cache=cache)
+            kernel_rounding = nvfp4.reference_moe_fp4(*oracle, activation=activation, out_dtype=torch.float32,
                                                       intermediate_dtype=x.dtype, weight_cache=cache)
             slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        args = (x, call_ids, topk_weights, *tensors)
         cases.append(Case(x.shape[0], x.shape[1], weights["w2"].shape[2] * 2,
                           functools.partial(fn, *args, activation, x.dtype, out), ref,
                           inputs=tuple(a for a in args if isinstance(a, torch.Tensor)), out=out, label=label, bounds=bounds,
@@ -558,8 +785,8 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
     for i, case in enumerate(config.cases):
         weights = _moe_weights(case.experts, case.hidden, case.intermediate, case.activation, tdev, seed + 17)
         ids, topk_weights = moe_routing(case.tokens, case.top_k, case.experts, case.routing, gen)
-        x = (torch.randn(case.tokens, case.hidden, generator=gen) * 1.5).clamp(-4, 4).to(getattr(torch, case.dtype)).to(tdev)
+        x = structured_activations(case.tokens, case.hidden, 4.0, gen).to(getattr(torch, case.dtype)).to(tdev)
         cache = caches.setdefault((case.experts, case.hidden, case.intermediate, case.activation), {})
         cases += moe_cases(fn, weights, case.activation, [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))], bounds, cache,
                            mode=mode)
-    return finish(report, sweep(cases, Bounds(timeout_s=bounds.timeout_s), tdev), start)
+    return finish(report, sweep(cases, Bounds(timeout_s=bounds.timeout_s), tdev, where=f" of MoE backend {backend!r} on {device.label()}"), start)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -139,3 +141,110 @@ def test_flashinfer_backends_reject_operands_on_different_devices():
     out = torch.empty(4, 32, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(InvalidArgument, match=r"alpha=.*same device"):
         kernels.check_mm_fp4_args(qx, b, sx, b_sf, alpha.cpu(), torch.bfloat16, out)
+
+
+class _ActivationType:  # FlashInfer's values for the two activations the MoE front serves
+    Swiglu, Relu2 = 3, 6
+
+
+def _moe_inputs(seed, tokens=32, top_k=4, experts=16, hidden=256):
+    gen = torch.Generator().manual_seed(seed)
+    ids, topk_weights = selftest.moe_routing(tokens, top_k, 2 * experts, "padded", gen)  # global ids of 2 ranks, -1 dropped
+    x = selftest.structured_activations(tokens, hidden, 4.0, gen).to(torch.bfloat16)
+    return [x.cuda(), ids.cuda(), topk_weights.cuda()]
+
+
+def test_the_moe_front_with_the_emulated_moe_is_captured_and_replays_like_eager():
+    """The MoE fallback serves inside SGLang's decode graphs: SGLang's call through the front
+    (expert-parallel rank 1 of 2, global ids and -1 slots), captured in a CUDA graph, replayed with
+    new inputs: equal to the eager call and to the oracle; the eager call never synchronises."""
+    weights = selftest._moe_weights(16, 256, 128, "swiglu", torch.device("cuda"), 3)
+    front = kernels.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
+                              lambda index: backends.emulated_moe, lambda index: "emulated")
+    static = _moe_inputs(1)
+    out = torch.empty_like(static[0])
+    scales = [weights["a1_gscale"].reshape(()), weights["w13_sf"].view(torch.int32), weights["w13_alpha"],
+              weights["a2_gscale"].reshape(()), weights["w2_sf"].view(torch.int32), weights["w2_alpha"]]
+
+    def call(x, ids, topk_weights):
+        return front(output=out, input=x, token_selected_experts=ids, token_final_scales=topk_weights,
+                     fc1_expert_weights=weights["w13"].view(torch.long), fc2_expert_weights=weights["w2"].view(torch.long),
+                     output_dtype=torch.bfloat16, input_sf=None, quant_scales=scales, ep_size=2, ep_rank=1,
+                     activation_type=_ActivationType.Swiglu)[0]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call(*static)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(*static)
+    for seed in (2, 3):
+        fresh = _moe_inputs(seed)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = captured.clone()
+        eager = call(*fresh).clone()
+        assert torch.equal(replayed, eager)
+        x, ids, topk_weights = fresh
+        local = ids.long() - 16
+        mine = (ids >= 0) & (local >= 0) & (local < 16)
+        want = nvfp4.reference_moe_fp4(x, torch.where(mine, local, 0), torch.where(mine, topk_weights, 0), weights["w13"],
+                                       weights["w13_sf"], weights["w13_alpha"], weights["w2"], weights["w2_sf"],
+                                       weights["w2_alpha"], weights["a1_gscale"], weights["a2_gscale"])
+        assert torch.equal(eager, want)
+
+
+def test_checked_calls_run_on_the_callers_thread_and_current_stream():
+    seen = []
+
+    def recording(*args):
+        seen.append((threading.get_ident(), torch.cuda.current_stream().cuda_stream))
+        return faults.healthy(*args)
+
+    backends.register("recording", recording)
+    device = devices.list_devices((12, 0))[0]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        report = selftest.run("recording", device)
+    assert report.passed, report.reason
+    assert set(seen) == {(threading.get_ident(), side.cuda_stream)}, "the serving thread's own stream, every call"
+
+
+def test_emulated_cached_is_never_kept_from_a_capture_and_sglangs_weight_update_drops_it():
+    x = torch.randn(8, 256, device="cuda")
+    w1, w2 = torch.randn(64, 256, device="cuda"), torch.randn(64, 256, device="cuda")
+    g, gx = nvfp4.global_scale(torch.cat([w1, w2])), nvfp4.global_scale(x)
+    qx, sx = nvfp4.quantize(x, gx)
+    q1, s1 = nvfp4.quantize(w1, g)
+    q2, _ = nvfp4.quantize(w2, g)
+    weight = torch.nn.Parameter(q1.clone(), requires_grad=False)
+    alpha = (1 / (gx * g)).reshape(1)
+    out = torch.empty(8, 64, dtype=torch.bfloat16, device="cuda")
+    cached = backends.resolve("emulated-cached")
+
+    def run(name="emulated-cached"):
+        return backends.resolve(name)(qx, weight.T, sx, s1.T, alpha, torch.bfloat16, out).clone()
+
+    run("emulated")  # lookup tables made outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cached(qx, weight.T, sx, s1.T, alpha, torch.bfloat16, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run("emulated")) and torch.equal(run(), run("emulated")), "no entry made during capture"
+    weight.data.copy_(q2)  # how SGLang's loaders write: .data, no version bump
+    assert not torch.equal(run(), run("emulated")), "the hazard: a stale copy"
+    selection.weights_update_begin()
+    selection.weights_update_end(SIM)
+    assert torch.equal(run(), run("emulated")), "SGLang's weight-update path drops the copy"

@@ -168,6 +168,28 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
         sm120_fp4.uninstall()
 
 
+@case("backend faults", "humming wrong only on a later layer of a configuration already verified (its own converted weights)",
+      "that layer's own check (its original bytes kept while it is checked, then dropped) refuses it: no layer is served unchecked")
+@pytest.mark.sglang
+def test_a_later_layer_of_a_verified_configuration_is_checked_with_its_own_weights(stand_in, monkeypatch):
+    sm120_fp4.install(simulate="12.0", backends="humming")
+    try:
+        _, _, first = _served_layer(256, 512, seed=1)
+        original_gemm, verified = stand_in.gemm, humming.prepared_for(first.weight, torch.bfloat16)
+        assert verified is not None
+
+        def wrong_on_the_second_layer(prepared, x, scale_2, out):
+            original_gemm(prepared, x, scale_2, out)
+            if prepared is not verified:
+                out.mul_(-1.0)
+
+        monkeypatch.setattr(stand_in, "gemm", wrong_on_the_second_layer)
+        with pytest.raises(RefusedToServe, match="layer check"):
+            _served_layer(256, 512, seed=2)
+    finally:
+        sm120_fp4.uninstall()
+
+
 @case("backend faults", "humming fails a second layer configuration after converting only the first (checked) layer",
       "the kept bytes are written back and the fallback (emulated) serves every configuration")
 @pytest.mark.sglang

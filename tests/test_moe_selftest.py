@@ -3,6 +3,8 @@ cutlass_fused_moe called the way SGLang calls it (with a recording stand-in: no 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -118,17 +120,77 @@ def test_the_seam_front_maps_sglangs_call_and_expert_parallel_ids():
                   quant_scales=[w["a1_gscale"].reshape(()), w["w13_sf"].view(torch.int32), w["w13_alpha"],
                                 w["a2_gscale"].reshape(()), w["w2_sf"].view(torch.int32), w["w2_alpha"]],
                   activation_type=3)
-    # Rank 1 of 2 holds global experts 4..7: ids 0..3 belong to rank 0 and add nothing here.
-    global_ids = torch.tensor([[4, 0], [5, 7], [1, 2]], dtype=torch.int32)
+    # Rank 1 of 2 holds global experts 4..7: ids 0..3 belong to rank 0, -1 is SGLang's dropped slot;
+    # the convention gives each of them -1 (skipped: no work on a local expert), weights unchanged.
+    global_ids = torch.tensor([[4, 0], [5, 7], [1, -1]], dtype=torch.int32)
     [out] = front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=global_ids,
                   ep_size=2, ep_rank=1, **common)
     local, weights = seen[-1][1], seen[-1][2]
-    assert local.tolist() == [[0, 0], [1, 3], [0, 0]]
-    assert torch.equal(weights[0, 1], torch.tensor(0.0)) and bool((weights[2] == 0).all())
-    want = nvfp4.reference_moe_fp4(x, local, weights, w["w13"], w["w13_sf"], w["w13_alpha"], w["w2"], w["w2_sf"],
-                                   w["w2_alpha"], w["a1_gscale"], w["a2_gscale"])
-    assert torch.equal(out, want) and not original_calls
+    assert local.tolist() == [[0, -1], [1, 3], [-1, -1]]
+    assert torch.equal(weights, topk_weights)
+    mine = local >= 0
+    want = nvfp4.reference_moe_fp4(x, torch.where(mine, local, 0), torch.where(mine, weights, 0), w["w13"], w["w13_sf"],
+                                   w["w13_alpha"], w["w2"], w["w2_sf"], w["w2_alpha"], w["a1_gscale"], w["a2_gscale"])
+    assert torch.equal(out, want) and not original_calls and bool((out[2] == 0).all())
+    # Without expert parallelism an id outside [0, E) is skipped the same way.
+    front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=torch.tensor([[3, -1], [0, 9], [1, 2]], dtype=torch.int32), **common)
+    assert seen[-1][1].tolist() == [[3, -1], [0, -1], [1, 2]]
     # A call this library does not serve (biases) goes to FlashInfer unchanged.
     front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=ids,
           fc1_expert_biases=torch.zeros(1), **common)
     assert len(original_calls) == 1
+
+
+class _HostSync(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Every way Python reads a tensor's value on the host raises inside: what a CUDA-graph capture
+    forbids (`.tolist()`, `.item()`, `bool(t)`, `int(t)`, `float(t)`)."""
+
+    def forbidden(name):
+        def read(self, *args, **kwargs):
+            raise _HostSync(f"Tensor.{name} read a value on the host")
+
+        return read
+
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, forbidden(name))
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.Tensor, name, value)
+
+
+@pytest.mark.parametrize("activation,per_expert", [("swiglu", False), ("relu2", True)], ids=["swiglu", "relu2, per-expert scales"])
+def test_the_emulated_moe_front_is_the_oracle_bit_for_bit_without_a_host_sync(activation, per_expert):
+    """The emulation serves inside CUDA-graph capture: the front and the backend read no value on
+    the host, and the answer is still the oracle's, with SGLang's -1 slots skipped."""
+    class ActivationType:
+        Swiglu, Relu2 = 3, 6
+
+    weights = selftest._moe_weights(8, 128, 64, activation, torch.device("cpu"), 9)
+    ids, topk_weights = selftest.moe_routing(40, 3, 8, "padded", torch.Generator().manual_seed(4))
+    x = selftest.structured_activations(40, 128, 4.0, torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    a1 = weights["a1_gscale"].expand(8) * (1 + torch.arange(8) / 8) if per_expert else weights["a1_gscale"].reshape(())
+    front = kernels.moe_front(lambda **kw: pytest.fail("original called"), ActivationType, lambda index: backends.emulated_moe,
+                              lambda index: "emulated")
+    scales = [a1, weights["w13_sf"].view(torch.int32), weights["w13_alpha"], weights["a2_gscale"].reshape(()),
+              weights["w2_sf"].view(torch.int32), weights["w2_alpha"]]
+    nvfp4.quantize(x[:1], weights["a2_gscale"].reshape(()))  # per-device constants made before, as the self-test does
+    with no_host_sync():
+        [out] = front(output=torch.empty(x.shape, dtype=torch.bfloat16), input=x, token_selected_experts=ids,
+                      token_final_scales=topk_weights, fc1_expert_weights=weights["w13"].view(torch.long),
+                      fc2_expert_weights=weights["w2"].view(torch.long), output_dtype=torch.bfloat16, input_sf=None,
+                      quant_scales=scales, activation_type=3 if activation == "swiglu" else 6)
+    mine = ids >= 0
+    want = nvfp4.reference_moe_fp4(x, torch.where(mine, ids, 0), torch.where(mine, topk_weights, 0), weights["w13"],
+                                   weights["w13_sf"], weights["w13_alpha"], weights["w2"], weights["w2_sf"],
+                                   weights["w2_alpha"], a1.reshape(-1) if per_expert else a1, weights["a2_gscale"],
+                                   activation=activation)
+    assert torch.equal(out, want)

@@ -349,3 +349,35 @@ def test_the_selftest_timeout_bounds_a_whole_candidate(monkeypatch):
     decision = selection.decide(candidates=["slow", "emulated"])
     assert decision.backend == "emulated" and "did not return within" in decision.rejected["slow"]
     assert time.perf_counter() - start < 3.2 - 0.4 * 2
+
+
+@case("configuration", "SELECT=fastest with two verified kernels: one fast on the self-test's shapes but 1000x slower at a prefill M, one steady",
+      "the layer configuration's served calls are timed at its serving batch sizes (decode and the prefill chunk): the steady kernel serves, its time per configuration recorded")
+def test_select_fastest_times_the_served_layer_configurations_at_their_serving_batch_sizes(monkeypatch):
+    pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
+    import sm120_fp4
+    from sm120_fp4.sglang import hooks, layers
+
+    clock = [0.0]
+    monkeypatch.setattr(selection, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def costing(cost):
+        def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
+            clock[0] += cost(a.shape[0])
+            return faults.healthy(a, b, a_sf, b_sf, alpha, dtype, out)
+
+        return gemm
+
+    backends.register("prefill-slow", costing(lambda m: 1.0 if m >= 4096 else 0.001))
+    backends.register("steady", costing(lambda m: 0.01))
+    sm120_fp4.install(simulate="12.0", backends="prefill-slow,steady", select="fastest")
+    try:
+        layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+        [decision] = selection.decisions()
+        assert decision.backend == "steady" and sm120_fp4.status().routes == {-1: "steady"}
+        assert "served layer configurations at their serving batch sizes" in decision.reason
+        sizes = hooks.recheck_sizes(hooks.max_capture_batch())
+        assert 8192 in sizes and decision.timings_ms == pytest.approx({"steady": 10.0 * len(sizes),
+                                                                       "prefill-slow": 1000.0 + 1.0 * (len(sizes) - 1)})
+    finally:
+        sm120_fp4.uninstall()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import moe_faults
+from helpers.cases import case
 from helpers.common import simulated_moe_skip_reason
 import sm120_fp4
 from sm120_fp4 import backends, nvfp4, selection, selftest
@@ -61,10 +62,11 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
 def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
     backends.register_moe("faulty", fault)
     calls = {"n": 0}
+    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes of the generic self-test
 
     def passes_the_generic_selftest_then_faulty(*args):
-        calls["n"] += 1  # the generic self-test runs first (a few calls); the layer check after it
-        return (backends.emulated_moe if calls["n"] <= 8 else fault)(*args)
+        calls["n"] += 1  # the generic self-test runs first; the layer check after it
+        return (backends.emulated_moe if calls["n"] <= generic else fault)(*args)
 
     backends.register_moe("late-faulty", passes_the_generic_selftest_then_faulty)
     for name in ("faulty", "late-faulty"):
@@ -174,3 +176,141 @@ def test_warn_serves_an_unverified_runner_saying_so(caplog):
         except Exception:  # noqa: BLE001 - SGLang's trtllm weight processing may not run on a CPU
             pass
     assert any("flashinfer_trtllm" in r.getMessage() and "serving anyway" in r.getMessage() for r in caplog.records)
+
+
+# ---- what serves, round three: the layer's own top-k, every expert, expert-parallel calls as served --
+
+def _after_generic(fault):
+    """`fault` on every call after the generic MoE self-test's (so only the layer check can see it)."""
+    calls = {"n": 0}
+    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases)
+
+    def kernel(*args):
+        calls["n"] += 1
+        return (backends.emulated_moe if calls["n"] <= generic else fault)(*args)
+
+    return kernel
+
+
+def at_most_8_slots(x, ids, w, *rest):
+    """Handles the first 8 slots of a token and drops the rest (a kernel sized for top-k <= 8)."""
+    keep = (torch.arange(ids.shape[1]) < 8).to(w.dtype)
+    return backends.emulated_moe(x, ids, w * keep, *rest)
+
+
+def drops_expert_12(x, ids, w, *rest):
+    return backends.emulated_moe(x, ids, torch.where(ids == 12, torch.zeros_like(w), w), *rest)
+
+
+def wraps_skipped_slots(x, ids, w, *rest):
+    """Reads a -1 slot (not this rank's, or dropped) as the last local expert (Python's negative index)."""
+    experts = rest[0].shape[0]
+    return backends.emulated_moe(x, torch.where(ids < 0, ids + experts, ids), w, *rest)
+
+
+def combines_by_token_and_expert(x, ids, w, *rest):
+    """Adds each (token, expert) once, with the weight of the last slot naming it: right for SGLang's
+    routers (distinct experts per token), wrong wherever a call repeats an expert in a token."""
+    w = w.clone()
+    for j in range(ids.shape[1]):
+        later = (ids[:, j + 1:] == ids[:, j : j + 1]).any(dim=1)
+        w[:, j] = torch.where(later, torch.zeros_like(w[:, j]), w[:, j])
+        for i in range(j):
+            w[:, i] = torch.where(ids[:, i] == ids[:, j], w[:, j], w[:, i])
+    return backends.emulated_moe(x, ids, w, *rest)
+
+
+@case("backend faults", "a MoE kernel that handles at most 8 slots per token, under a layer with top_k=10 (Qwen3-Next routes 10)",
+      "refused at load: the layer is checked with its own top_k=10 (no clamp to 8), naming top_k=10")
+def test_a_kernel_handling_at_most_8_slots_is_refused_for_a_top_10_layer():
+    backends.register_moe("top-8", _after_generic(at_most_8_slots))
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="top-8")
+    with pytest.raises(RefusedToServe, match=r"served-layer check: ModelOptNvFp4FusedMoEMethod E=16 H=256 I=128 top_k=10 swiglu"):
+        moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(16, H, I, seed=11), 10)
+
+
+@case("backend faults", "a MoE kernel that drops expert 12 of 16 (not among the 8 experts every batch routes to)",
+      "refused at load by the batch that routes to every expert of the rank")
+def test_every_local_expert_is_exercised():
+    backends.register_moe("no-12", _after_generic(drops_expert_12))
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="no-12")
+    with pytest.raises(RefusedToServe, match=r"E=16 .*: T=\d+ balanced \(every expert\)"):
+        moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(16, H, I, seed=12), TOP_K)
+
+
+@pytest.mark.parametrize("ep_size", [1, 2], ids=["no EP (SGLang's -1 drop sentinel)", "EP rank 1/2 (other ranks' experts)"])
+@case("backend faults", "a MoE kernel that reads a slot not on this rank (another rank's expert, SGLang's -1) as a local expert, {ep_size}",
+      "refused at load: the checks pass ids as SGLang serves them (global under EP, -1 dropped slots)")
+def test_a_kernel_mishandling_slots_not_on_this_rank_is_refused(ep_size):
+    backends.register_moe("wraps", wraps_skipped_slots)
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="wraps")
+    with pytest.raises(RefusedToServe, match=r"(?s)wraps: (self-test failed|failed the served-layer check).*(padded|random)"):
+        moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=13), TOP_K, ep_size=ep_size,
+                                            ep_rank=ep_size - 1)
+
+
+@case("backend faults", "expert parallelism (rank 1 of 2) with a kernel that combines slots by (token, expert), and a recording kernel",
+      "served right (no call repeats an expert in a token: other ranks' slots are -1, not local expert 0); local expert 0 gets only its own rows")
+def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
+    seen = []
+
+    def recording(x, ids, w, *rest):
+        seen.append(ids.clone())
+        return combines_by_token_and_expert(x, ids, w, *rest)
+
+    backends.register_moe("by-token-expert", recording)
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="by-token-expert")
+    ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=14)
+    layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K, ep_size=2, ep_rank=1)
+    assert sm120_fp4.status().moe_routes == {-1: "by-token-expert"}
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(64)]).to(torch.int32)
+    weights = torch.rand(64, TOP_K, generator=gen).float()
+    x = (torch.randn(64, H, generator=gen) * 2).to(torch.bfloat16)
+    seen.clear()
+    with moe_layers.sglang_moe_context(ep_size=2, ep_rank=1):
+        out = moe_layers.moe_forward(layer, x, ids, weights)
+        want = moe_layers.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1)
+    assert torch.equal(out, want)
+    [local] = seen
+    real = ((ids >= 4) & (ids < 8)).sum()
+    assert int((local >= 0).sum()) == int(real) and int((local == 0).sum()) == int((ids == 4).sum())
+    assert all(len(set(row.tolist()) - {-1}) == int((row >= 0).sum()) for row in local), "no expert twice in a token"
+
+
+@case("backend faults", "expert parallelism (rank 1 of 2): local expert 0's output overflows (its alpha set to inf after loading) for tokens that never route to it",
+      "their output stays finite: other ranks' slots are never computed on expert 0, so no 0 * inf = NaN")
+def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=15)
+    layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K, ep_size=2, ep_rank=1)
+    with torch.no_grad():
+        layer.g1_alphas[0] = float("inf")  # global expert 4
+    ids = torch.tensor([[0, 5], [1, 2], [6, 3], [4, 7]], dtype=torch.int32)  # token 3 alone routes to expert 4
+    weights = torch.full((4, TOP_K), 0.5)
+    x = (torch.randn(4, H, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
+    with moe_layers.sglang_moe_context(ep_size=2, ep_rank=1):
+        out = moe_layers.moe_forward(layer, x, ids, weights)
+    assert bool(torch.isfinite(out[:3]).all()) and not bool(torch.isfinite(out[3]).all())
+    assert bool((out[1] == 0).all()), "a token with no slot on this rank gets exactly zero"
+
+
+@case("own failures", "Ctrl-C (KeyboardInterrupt) during an MoE layer check, then the same load again, the kernel now dropping an expert",
+      "nothing recorded as verified; the retry checks the layer again and refuses")
+def test_an_interrupted_moe_layer_check_is_checked_again():
+    calls = {"n": 0}
+    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases)
+
+    def interrupted_then_faulty(*args):
+        calls["n"] += 1
+        if calls["n"] == generic + 2:
+            raise KeyboardInterrupt
+        return (backends.emulated_moe if calls["n"] <= generic + 2 else moe_faults.drops_one_expert)(*args)
+
+    backends.register_moe("interrupted", interrupted_then_faulty)
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="interrupted")
+    ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=16)
+    with pytest.raises(KeyboardInterrupt):
+        moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
+    with pytest.raises(RefusedToServe, match=r"failed the served-layer check: ModelOptNvFp4FusedMoEMethod E=8"):
+        moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)

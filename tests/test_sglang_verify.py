@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import types
 
 import pytest
 import torch
 
 import sm120_fp4
-from sm120_fp4 import backends, nvfp4, selection
+from sm120_fp4 import backends, nvfp4, selection, selftest
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.sglang import hooks, layers
@@ -343,3 +344,265 @@ def test_a_missing_max_batch_is_said_once(monkeypatch, caplog):
     said = [r.getMessage() for r in caplog.records if "server args" in r.getMessage()]
     assert len(said) == 1 and "up to 512" in said[0] and "Global server args is not set" in said[0], said
     assert [len(d.layers) for d in sm120_fp4.status().decisions] == [2]
+
+
+# ---- what serves, round three: every M, the serving thread, every layer, the weights as loaded -----
+
+def _after_the_selftest(fault, healthy=emulated_mm_fp4):
+    """`fault` on every call after the generic self-test's (two passes over its shapes): a kernel
+    the self-test cannot see, so only the layer checks can."""
+    calls = {"n": 0}
+    generic = 2 * len(selftest.DEFAULT_SHAPES)
+
+    def kernel(*args):
+        calls["n"] += 1
+        return (healthy if calls["n"] <= generic else fault)(*args)
+
+    return kernel
+
+
+@case("backend faults", "a kernel wrong only at M >= 4096 (a quarter of the right output), SGLang's settings not visible",
+      "refused at load naming M=4096: the layer checks run the prefill sizes up to SGLang's chunk on 90-160 GB GPUs (8192)")
+def test_a_kernel_wrong_only_at_large_m_is_refused_at_load():
+    def quarter_at_large_m(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if a.shape[0] >= 4096:
+            out.mul_(0.25)
+        return out
+
+    assert hooks.prefill_sizes() == (8192, 8192) and {4096, 8192} <= set(hooks.batch_sizes(512))
+    backends.register("large-m", quarter_at_large_m)
+    sm120_fp4.install(simulate="12.0", backends="large-m")
+    with pytest.raises(RefusedToServe, match=r"N=96 K=160 .*M=4096 .*norm is 0.25x"):
+        build(96, 160)
+
+
+@case("configuration", "SGLang's server arguments set chunked_prefill_size=3000 (its runtime context, as a scheduler publishes it)",
+      "the layer checks and the re-check run M=3000 (the chunk every long prompt is served in), and no larger M")
+def test_the_layer_checks_run_sglangs_own_chunked_prefill_size():
+    from sm120_fp4.sglang import moe_layers
+
+    def wrong_above_2900(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if a.shape[0] > 2900:
+            out[a.shape[0] // 2:] = 0
+        return out
+
+    backends.register("wrong-above-2900", wrong_above_2900)
+    sm120_fp4.install(simulate="12.0", backends="emulated,wrong-above-2900")
+    with moe_layers.sglang_moe_context(server_args={"chunked_prefill_size": 3000}):
+        assert hooks.prefill_sizes() == (3000, 3000) and 3000 in hooks.recheck_sizes(hooks.max_capture_batch())
+        build(96, 160)
+        [decision] = selection.decisions()
+        assert max(s.m for s in decision.layers[0].shapes) == 3000
+        sm120_fp4.uninstall()
+        sm120_fp4.install(simulate="12.0", backends="wrong-above-2900")
+        with pytest.raises(RefusedToServe, match=r"N=96 K=160 .*M=3000 .*row\(s\) all zero"):
+            build(96, 160)
+
+
+@case("backend faults", "a kernel with per-thread state (a split-K workspace it never clears): right on a thread's first call only",
+      "refused at load: every checked call runs on the thread that will serve, so the second call is wrong and seen")
+def test_a_kernel_with_per_thread_state_is_refused_and_checks_run_on_the_calling_thread():
+    state = threading.local()
+    threads = set()
+
+    def split_k_workspace(a, b, a_sf, b_sf, alpha, dtype, out):
+        threads.add(threading.get_ident())
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if not hasattr(state, "workspace"):
+            state.workspace = torch.zeros(4096, 1024)  # made once per thread, zero only then
+        part = state.workspace[: out.shape[0], : out.shape[1]]
+        out.add_(part)  # the previous call's partial sums, never cleared
+        part.copy_(out)
+        return out
+
+    backends.register("per-thread", split_k_workspace)
+    sm120_fp4.install(simulate="12.0", backends="per-thread")
+    with pytest.raises(RefusedToServe, match=r"self-test failed: M=7 N=224 K=160: call 1: output norm"):
+        build(96, 160)
+    assert threads == {threading.get_ident()}, "every checked call ran on this (the loading) thread"
+
+
+@case("backend faults", "a kernel that corrupts another, already verified layer's weights (an out-of-bounds write flipping its FP4 signs) while serving a second layer",
+      "both layers pass their own checks; the re-check after warm-up compares every verified layer's fingerprint and refuses, naming the corrupted layer")
+def test_a_verified_layers_weights_corrupted_later_are_refused_naming_the_layer(monkeypatch):
+    victim = {}
+
+    def writes_out_of_bounds(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if b.shape[1] == 512 and "layer" in victim:
+            victim.pop("layer").weight.data.bitwise_xor_(0x88)  # once: negates every code of the other layer
+        return out
+
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None))
+    backends.register("oob", writes_out_of_bounds)
+    sm120_fp4.install(simulate="12.0", backends="oob")
+    _, victim["layer"] = build(96, 160)
+    build(512, 256)  # verified: its own output is right
+    with pytest.raises(RefusedToServe, match=r"(?s)weights of 1 verified layer\(s\) changed after they were verified.*N=96 K=160"):
+        _warmup(sys.modules[MODEL_RUNNER].ModelRunner())
+
+
+@case("own failures", "Ctrl-C (KeyboardInterrupt) during a layer check, then the same load again in the same process (a notebook), the kernel now returning zeros",
+      "the interrupt propagates and nothing is recorded as verified; the retry checks the layer again and refuses the zeros")
+def test_an_interrupted_layer_check_is_never_recorded_and_the_retry_checks_again():
+    calls = {"n": 0}
+
+    def interrupted_then_zeros(a, b, a_sf, b_sf, alpha, dtype, out):
+        calls["n"] += 1
+        if calls["n"] <= 2 * len(selftest.DEFAULT_SHAPES):
+            return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if calls["n"] == 2 * len(selftest.DEFAULT_SHAPES) + 3:
+            raise KeyboardInterrupt
+        return out.zero_() if calls["n"] > 2 * len(selftest.DEFAULT_SHAPES) + 3 else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+
+    backends.register("interrupted", interrupted_then_zeros)
+    sm120_fp4.install(simulate="12.0", backends="interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        build(96, 160)
+    assert not selection.decisions()[0].layers, "an interrupted check is no verified configuration"
+    with pytest.raises(RefusedToServe, match=r"N=96 K=160 .*all zeros"):
+        build(96, 160)
+
+
+@case("backend faults", "a kernel right for the first layer of a configuration and wrong for every other layer's weights (same N, K, dtype)",
+      "the second layer's own light check (one decode batch, its own weights) refuses it, naming the layer check")
+def test_every_layer_of_a_configuration_gets_a_check_with_its_own_weights():
+    first = {}
+
+    def right_for_one_weight_only(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if b.shape[1] == 96:
+            first.setdefault("ptr", b.data_ptr())
+            if b.data_ptr() != first["ptr"]:
+                out.neg_()
+        return out
+
+    backends.register("one-weight", _after_the_selftest(right_for_one_weight_only))
+    sm120_fp4.install(simulate="12.0", backends="one-weight")
+    build(96, 160, seed=0)
+    with pytest.raises(RefusedToServe, match=r"N=96 K=160 bfloat16 .*\(layer check\): M=8 "):
+        build(96, 160, seed=1)
+
+
+def _subnormal_scales_flushed(a, b, a_sf, b_sf, alpha, dtype, out):
+    raw = a_sf.view(torch.uint8)
+    subnormal = ((raw & 0x78) == 0) & ((raw & 0x07) != 0)  # E4M3 exponent 0, mantissa not: a subnormal
+    flushed = torch.where(subnormal, torch.zeros_like(raw), raw).view(a_sf.dtype)  # flush-to-zero
+    return emulated_mm_fp4(a, b, flushed, b_sf, alpha, dtype, out)
+
+
+def _one_signed_rows_zeroed(a, b, a_sf, b_sf, alpha, dtype, out):
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+    codes = nvfp4.unpack_nibbles(a)
+    out[~(codes >= 8).any(dim=1)] = 0  # a row without a negative code: a ReLU^2 row
+    return out
+
+
+def _mostly_zero_blocks_skipped(a, b, a_sf, b_sf, alpha, dtype, out):
+    """A sparsity shortcut: a 16-block with at most 4 non-zero codes is skipped. Gaussian rows never
+    have such blocks; sparse rows, and rows with outliers 1e3-1e4 times the rest (whose other values
+    quantize to zero next to the outlier), are made of them."""
+    codes = nvfp4.unpack_nibbles(a)
+    blocks = codes.view(codes.shape[0], -1, 16)
+    sparse = ((blocks & 7) != 0).sum(dim=-1, keepdim=True) <= 4
+    kept = nvfp4.pack_nibbles(torch.where(sparse, torch.zeros_like(blocks), blocks).view_as(codes))
+    return emulated_mm_fp4(kept, b, a_sf, b_sf, alpha, dtype, out)
+
+
+@pytest.mark.parametrize("fault", [_subnormal_scales_flushed, _one_signed_rows_zeroed, _mostly_zero_blocks_skipped],
+                         ids=["subnormal scales flushed", "ReLU^2 rows zeroed", "sparse and outlier blocks skipped"])
+@case("backend faults", "a kernel right on Gaussian activations and wrong on {fault} (the generic self-test passes it)",
+      "refused at load: the layer checks' activations include every row kind of selftest.ROW_KINDS")
+def test_a_kernel_wrong_on_structured_activations_is_refused_at_load(fault):
+    backends.register("structured", _after_the_selftest(fault))
+    sm120_fp4.install(simulate="12.0", backends="structured")
+    with pytest.raises(RefusedToServe, match=r"failed the served-layer check: ModelOptFp4LinearMethod N=96 K=160 .*M="):
+        build(96, 160)
+
+
+def _updater(model):
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    return WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+                         get_model=lambda: model, update_model_fields=lambda **kw: None,
+                         recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+
+
+@pytest.mark.skipif(not version_in(sglang_version() or "0", ">=0.5.21"), reason="the WeightUpdater with weight-update sessions (0.5.21+)")
+@case("configuration", "SGLang's own weight update (WeightUpdater.update_weights_from_tensor in a begin/end session) writes new weights into a verified layer",
+      "the changed layer is verified again with its new weights (light check) and its fingerprint renewed: the re-check after it passes")
+def test_sglangs_weight_update_reverifies_the_layer_and_the_recheck_accepts_it(monkeypatch):
+    from sm120_fp4.sglang import moe_layers
+
+    seen = []
+
+    def recording(a, b, a_sf, b_sf, alpha, dtype, out):
+        seen.append(b.data_ptr())
+        return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None))
+    backends.register("recording", recording)
+    sm120_fp4.install(simulate="12.0", backends="recording")
+    with moe_layers.sglang_moe_context():
+        method, layer = build(96, 160)
+        updater = _updater(layer)
+        assert {p.name: p.state for p in sm120_fp4.status().patches}["weight-update-session-end"] == "applied"
+        new = layers.make_checkpoint(96, 160, seed=7).weight
+        seen.clear()
+        updater.begin_weight_update()
+        assert updater.update_weights_from_tensor(named_tensors=[("weight", new)], load_format="direct")[0]
+        assert not seen, "nothing is verified while the session is open"
+        try:
+            updater.end_weight_update(run_post_load=False)
+        except Exception as exc:  # SGLang's own postprocess may need more than this CPU stand-in has
+            pytest.skip(f"SGLang's end_weight_update cannot run on this CPU stand-in: {type(exc).__name__}: {exc}")
+        assert torch.equal(layer.weight, new) and seen, "the layer was checked again after the update"
+        _warmup(sys.modules[MODEL_RUNNER].ModelRunner())  # the re-check: the new fingerprint, no refusal
+        layer.weight.data.bitwise_xor_(0x01)  # a write outside SGLang's update path
+        with pytest.raises(RefusedToServe, match=r"changed after they were verified"):
+            _warmup(sys.modules[MODEL_RUNNER].ModelRunner())
+
+
+@pytest.mark.skipif(not version_in(sglang_version() or "0", ">=0.5.14"), reason="Scheduler.init_all_cuda_graphs (0.5.14+)")
+@case("backend faults", "speculative decoding: a kernel that zeros its output only at M=9, the token count of the draft model's own decode graphs (3 requests x 3 tokens), captured after the model runners'",
+      "the re-check runs once, after the scheduler's init_all_cuda_graphs has captured every graph, the draft worker's included, and refuses naming M=9")
+def test_the_recheck_runs_after_every_capture_the_draft_models_included(monkeypatch):
+    from sglang.srt.managers.scheduler import Scheduler
+
+    rechecks = []
+
+    def zeros_at_9(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if a.shape[0] == 9:
+            out.zero_()
+        return out
+
+    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: rechecks.append("target"), decode_bs=(1, 2, 4)))
+    backends.register("zeros-at-9", zeros_at_9)
+    sm120_fp4.install(simulate="12.0", backends="zeros-at-9")
+    assert {p.name: p.state for p in sm120_fp4.status().patches}["post-capture-recheck-all-graphs"] == "applied"
+    build(96, 160)
+    runner_cls = sys.modules[MODEL_RUNNER].ModelRunner
+    graphs = _warmup_spec().attribute.split(".")[1]
+
+    class TpWorker:
+        model_runner = runner_cls()
+
+        def init_cuda_graphs(self, capture_decode_cuda_graph=True):
+            getattr(self.model_runner, graphs)()
+
+    class DraftWorker:  # what EAGLEWorkerV2's draft worker does: its runner's graphs, then its own
+        draft_runner = runner_cls()
+
+        def init_cuda_graphs(self):
+            getattr(self.draft_runner, graphs)()
+            self.cuda_graph_runner = types.SimpleNamespace(capture_bs=[1, 2, 3], num_tokens_per_bs=3)
+
+    scheduler = types.SimpleNamespace(tp_worker=TpWorker(), draft_worker=DraftWorker())
+    real_recheck = selection.recheck
+    monkeypatch.setattr(selection, "recheck", lambda settings, captured: rechecks.append(sorted(captured)) or real_recheck(settings, captured))
+    with pytest.raises(RefusedToServe, match=r"(?s)fails after warm-up.*N=96 K=160 .*M=9 .*all zeros"):
+        Scheduler.init_all_cuda_graphs(scheduler)
+    assert rechecks == ["target", "target", [1, 2, 3, 4, 6, 9]], "both captures first, then one re-check of every graph size"

@@ -89,7 +89,8 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
             canary.on_warmup(captured)
         return done
 
-    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner)
+    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
+                            selection.weights_update_begin, lambda: selection.weights_update_end(settings))
     specs = targets.specs(wiring)
     if idle is not None:
         canary.configure(settings, f"{idle.module}.{idle.attribute}")

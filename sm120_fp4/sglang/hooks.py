@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 from typing import Callable
 
 import torch
@@ -21,12 +22,15 @@ import torch
 from .. import backends, nvfp4, selftest
 from ..errors import say_once
 from ..selection import LayerCheck
-from .release import RUNTIME_CONTEXT
+from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
 
 _LOG = logging.getLogger("sm120_fp4")
 HALF = (torch.bfloat16, torch.float16)
 DEFAULT_MAX_BATCH = 512
 LARGE_BATCH = 2049  # one prefill-sized M >= 2048, not a power of two
+DEFAULT_CHUNKED_PREFILL = 8192  # SGLang 0.5.23's chunk on 90-160 GB GPUs, where no settings are visible
+DEFAULT_MAX_PREFILL = 16384  # SGLang's max_prefill_tokens default
+LIGHT_BATCH = 8  # every layer of an already verified configuration: one decode batch of its own weights
 
 
 def layer_device_index(layer: object) -> int:
@@ -51,17 +55,51 @@ def make_weights_hook(original: Callable, before: Callable[[object, object], obj
     return process_weights_after_loading
 
 
+_graphs = threading.local()  # the token counts collected by the outermost capture hook running on this thread
+
+
 def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
-    """Wrap ModelRunner.init_cuda_graphs: once warm-up and capture are done, re-check eagerly,
-    `after(captured)` with the token counts of the graphs just captured (captured_token_counts)."""
+    """Wrap a call that captures CUDA graphs (ModelRunner.init_cuda_graphs; the scheduler's
+    init_all_cuda_graphs / init_model_worker, which capture the draft model's graphs too): once
+    warm-up and capture are done, re-check eagerly, `after(captured)` with the token counts of every
+    graph just captured (graph_token_counts). Nested hooks (the model runners inside the scheduler's
+    call) add their counts to the outermost one, which re-checks once, after every capture."""
 
     @functools.wraps(original)
     def init_cuda_graphs(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        after(captured_token_counts(self))
+        outer = getattr(_graphs, "counts", None) is None
+        if outer:
+            _graphs.counts = set()
+        try:
+            result = original(self, *args, **kwargs)
+            _graphs.counts.update(graph_token_counts(self))
+            counts = sorted(_graphs.counts)
+        finally:
+            if outer:
+                _graphs.counts = None
+        if outer:
+            after(counts)
         return result
 
     return init_cuda_graphs
+
+
+def make_update_hook(original: Callable, begin: Callable[[], object] | None, end: Callable[[], object] | None) -> Callable:
+    """Wrap one of SGLang's weight-update calls: `begin()` before it (caches dropped), `end()` after
+    it, whatever it did (the changed layers verified again). A begin-only or an end-only hook wraps
+    the two halves of a weight-update session (begin_weight_update / end_weight_update)."""
+
+    @functools.wraps(original)
+    def update_weights(self, *args, **kwargs):
+        if begin is not None:
+            begin()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if end is not None:
+                end()
+
+    return update_weights
 
 
 def _positive_int(value: object) -> bool:
@@ -72,57 +110,150 @@ def _int_list(value: object) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) and all(map(_positive_int, value)) else []
 
 
-def captured_token_counts(model_runner: object) -> list[int]:
-    """The M of every CUDA graph the model runner captured: each decode batch size times the tokens
-    per request (speculative decoding verifies several per request), the ragged verify token
-    buckets, and the prefill (piecewise) graphs' token counts. Every step that replays a graph runs
-    the GEMMs at one of these, so these are exactly the batch sizes graphs serve. [] where none was
-    captured.
+def _runner_counts(runner: object) -> set[int]:
+    """The token counts of one CUDA-graph runner: each captured batch size times the tokens per
+    request (captured_req_width 0.5.16+, num_tokens_per_bs before), and capture_num_tokens."""
+    tokens: set[int] = set()
+    widths = [getattr(runner, name, None) for name in ("captured_req_width", "num_tokens_per_bs")]
+    width = next((w for w in widths if _positive_int(w)), 1)
+    tokens.update(b * width for b in _int_list(getattr(runner, "capture_bs", None)))
+    tokens.update(_int_list(getattr(runner, "capture_num_tokens", None)))
+    return tokens
+
+
+_RUNNERS = ("decode_cuda_graph_runner", "graph_runner", "prefill_cuda_graph_runner", "piecewise_cuda_graph_runner",
+            "cuda_graph_runner", "cuda_graph_runner_for_draft_extend")
+_HOLDERS = ("tp_worker", "model_runner", "draft_worker", "_draft_worker", "draft_runner", "draft_model_runner", "target_worker")
+
+
+def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
+    """The M of every CUDA graph captured under `owner` (a model runner, a speculative worker, the
+    scheduler): every graph runner it holds (decode, prefill/piecewise, a draft model's decode and
+    draft-extend runners), and those of the workers and model runners it holds, `depth` levels
+    down. Every step that replays a graph runs the GEMMs at one of these. [] where none was captured.
 
     SGLang 0.5.3-0.5.13 keep the decode runner in `graph_runner` (`num_tokens_per_bs`) and the
     prefill one in `piecewise_cuda_graph_runner`; 0.5.14+ in `decode_cuda_graph_runner` and
-    `prefill_cuda_graph_runner`, 0.5.16+ with `captured_req_width`; token lists in `capture_num_tokens`."""
+    `prefill_cuda_graph_runner`, 0.5.16+ with `captured_req_width`; token lists in
+    `capture_num_tokens`; speculative draft workers in `cuda_graph_runner` and
+    `cuda_graph_runner_for_draft_extend`."""
     tokens: set[int] = set()
-    decode = getattr(model_runner, "decode_cuda_graph_runner", None) or getattr(model_runner, "graph_runner", None)
-    widths = [getattr(decode, name, None) for name in ("captured_req_width", "num_tokens_per_bs")]
-    width = next((w for w in widths if _positive_int(w)), 1)
-    tokens.update(b * width for b in _int_list(getattr(decode, "capture_bs", None)))
-    for name in ("decode_cuda_graph_runner", "graph_runner", "prefill_cuda_graph_runner", "piecewise_cuda_graph_runner"):
-        tokens.update(_int_list(getattr(getattr(model_runner, name, None), "capture_num_tokens", None)))
+    seen: set[int] = set()
+
+    def walk(obj: object, left: int) -> None:
+        if obj is None or id(obj) in seen or left < 0:
+            return
+        seen.add(id(obj))
+        for name in _RUNNERS:
+            runner = getattr(obj, name, None)
+            if runner is not None:
+                tokens.update(_runner_counts(runner))
+        for name in _HOLDERS:
+            walk(getattr(obj, name, None), left - 1)
+
+    walk(owner, depth)
     return sorted(tokens)
+
+
+def captured_token_counts(model_runner: object) -> list[int]:
+    """graph_token_counts of one model runner (its own decode and prefill graphs)."""
+    return graph_token_counts(model_runner, 0)
+
+
+def _server_args() -> object | None:
+    """SGLang's ServerArgs of this process, where it publishes them: 0.5.19+ through the runtime
+    context, earlier through server_args.get_global_server_args() (retired, raising, in 0.5.23).
+    Where none is published, one warning per process says why and what is verified instead."""
+    problem = None
+    for module_name, getter in ((RUNTIME_CONTEXT, "get_server_args"), (SERVER_ARGS, "get_global_server_args")):
+        module = sys.modules.get(module_name)
+        try:
+            args = getattr(module, getter)() if module is not None and hasattr(module, getter) else None
+        except Exception as exc:  # nothing published in this process (a bare layer, a test), or retired
+            args, problem = None, problem or f"{type(exc).__name__}: {exc}"
+        if args is not None:
+            return args
+    say_once(logging.WARNING, "sm120_fp4: SGLang's server args are not readable in this process (%s): layers are "
+             "verified at batch sizes up to %d, the default largest CUDA-graph batch, and prefill sizes up to %d, "
+             "SGLang's default chunk on 90-160 GB GPUs (the re-check after warm-up still runs every captured size)",
+             problem or "none published", DEFAULT_MAX_BATCH, DEFAULT_CHUNKED_PREFILL)
+    return None
+
+
+def server_setting(name: str) -> object:
+    """One of SGLang's server settings as it is in effect here: 0.5.23 resolves defaults after
+    parsing (arg_groups.overrides.resolution_result: e.g. chunked_prefill_size from the GPU's
+    memory); earlier releases write them into the ServerArgs. None where nothing is visible."""
+    args = _server_args()
+    if args is None:
+        return None
+    overrides = sys.modules.get(ARG_OVERRIDES)
+    resolve = getattr(overrides, "resolution_result", None)
+    if resolve is not None:
+        try:
+            return resolve(args, name)
+        except Exception:  # a field this release does not have
+            pass
+    return getattr(args, name, None)
 
 
 def max_capture_batch() -> int:
     """The largest decode batch SGLang will capture in a CUDA graph, from its settings where this
-    process can see them (0.5.23: the runtime context's server args); DEFAULT_MAX_BATCH otherwise."""
-    context = sys.modules.get(RUNTIME_CONTEXT)
-    try:
-        args = context.get_server_args() if context is not None else None
-    except Exception as exc:  # no context published in this process (a bare layer, a test)
-        args = None
-        say_once(logging.WARNING, "sm120_fp4: SGLang's server args are not readable in this process (%s: %s): layers are "
-                 "verified at batch sizes up to %d, the default largest CUDA-graph batch (the re-check after warm-up "
-                 "still runs every captured size)", type(exc).__name__, exc, DEFAULT_MAX_BATCH)
-    for name in ("cuda_graph_max_bs_decode", "cuda_graph_max_bs"):
-        value = getattr(args, name, None)
-        if isinstance(value, int) and value > 0:
+    process can see them (0.5.23: the resolved cuda_graph_config's decode max_bs; earlier
+    cuda_graph_max_bs); DEFAULT_MAX_BATCH otherwise."""
+    config = server_setting("cuda_graph_config")
+    decode = getattr(config, "decode", None)
+    for value in (getattr(decode, "max_bs", None), server_setting("cuda_graph_max_bs_decode"), server_setting("cuda_graph_max_bs")):
+        if _positive_int(value):
             return value
-    for name in ("cuda_graph_bs_decode", "cuda_graph_bs"):
-        value = getattr(args, name, None)
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+    for value in (getattr(decode, "bs", None), server_setting("cuda_graph_bs_decode"), server_setting("cuda_graph_bs")):
+        if _int_list(value):
             return max(value)
     return DEFAULT_MAX_BATCH
 
 
-def batch_sizes(max_batch: int) -> list[int]:
+def prefill_sizes() -> tuple[int, int]:
+    """(SGLang's chunked-prefill size, the largest M a prefill batch reaches) as this process's
+    settings have them. A prefill batch never exceeds the chunk (0.5.23's PrefillAdder budgets
+    rem_chunk_tokens, mixed decode tokens included); with chunked prefill off (-1) it is bounded by
+    max_prefill_tokens. Where no settings are visible: DEFAULT_CHUNKED_PREFILL, the size SGLang
+    picks on the 90-160 GB GPUs (RTX PRO 6000, GB10); a 32 GB RTX 5090 gets 4096 from SGLang."""
+    chunk = server_setting("chunked_prefill_size")
+    largest_batch = server_setting("max_prefill_tokens")
+    if _positive_int(chunk):
+        return chunk, chunk
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk < 0:  # chunked prefill disabled
+        largest = largest_batch if _positive_int(largest_batch) else DEFAULT_MAX_PREFILL
+        return largest, largest
+    return DEFAULT_CHUNKED_PREFILL, DEFAULT_CHUNKED_PREFILL
+
+
+def batch_sizes(max_batch: int, largest_prefill: int | None = None) -> list[int]:
     """At least one M in every power-of-two bucket up to `max_batch` (the bucket's first value and
-    an odd one inside it), `max_batch` itself, and one M >= 2048."""
-    ms = {1, 2, 3, max_batch, LARGE_BATCH}
+    an odd one inside it), `max_batch` itself, one M >= 2048, and then the prefill sizes up to
+    `largest_prefill` (default: prefill_sizes()) the same way -- every bucket's first value and an
+    odd one inside it -- and the largest prefill itself (a long prompt's every chunk but the last)."""
+    largest = prefill_sizes()[1] if largest_prefill is None else largest_prefill
+    ms = {1, 2, 3, max_batch, min(LARGE_BATCH, max(largest, max_batch))}
     power = 4
     while power <= max_batch:
         ms.update({power, min(power + power // 2 - 1, max_batch)})
         power *= 2
+    power = 2048
+    while power < largest:
+        if power > 2048:  # 2049 stands for the 2048 bucket
+            ms.add(power)
+        ms.add(min(power + power // 2 - 1, largest))
+        power *= 2
+    ms.add(max(largest, max_batch))
     return sorted(ms)
+
+
+def recheck_sizes(max_batch: int) -> list[int]:
+    """The batch sizes every verified configuration runs again after warm-up (besides the captured
+    graphs' token counts): decode 1 and 7, the largest graph batch, 2049, and the prefill sizes."""
+    chunk, largest = prefill_sizes()
+    return sorted({1, 7, max_batch, LARGE_BATCH, chunk, largest})
 
 
 def _activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
@@ -134,17 +265,26 @@ def _activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
     return HALF
 
 
+def layer_name(layer: object) -> str:
+    """The layer's name in the model (SGLang's `prefix`), else its layer id, else ""."""
+    prefix = getattr(layer, "prefix", None)
+    if isinstance(prefix, str) and prefix:
+        return prefix
+    layer_id = getattr(layer, "layer_id", None)
+    return f"layer {layer_id}" if isinstance(layer_id, int) else ""
+
+
 def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: int, k: int, ms: list[int],
                   dtype: torch.dtype, seed: int, watched: tuple) -> list[selftest.Case]:
-    """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range (the
-    first M rows of one batch, so the oracle runs once), quantized by SGLang inside `serve`; the
-    oracle quantizes the same rows with nvfp4 and multiplies with the layer's own weights."""
+    """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range, of
+    every kind selftest.structured_activations makes (the first M rows of one batch, so the oracle
+    runs once), quantized by SGLang inside `serve`; the oracle quantizes the same rows with nvfp4
+    and multiplies with the layer's own weights."""
     device = weight.device
     gen = torch.Generator(device=device).manual_seed(seed)  # made where it is used: no host copy
     rows = max(ms)
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / input_gsf.float().reshape(-1)[0].cpu())
-    spread = torch.exp2(torch.randint(-2, 1, (rows, 1), generator=gen, device=device).float())
-    x = (torch.randn(rows, k, generator=gen, device=device) * spread * (amax / 4)).clamp(-amax, amax).to(dtype)
+    x = selftest.structured_activations(rows, k, amax, gen, device).to(dtype)
     qx, sx = nvfp4.quantize(x, input_gsf.float().reshape(()))
     k_weight = weight.shape[1] * 2
     if k_weight > k:  # SGLang pads K for the kernel's alignment: zero codes add nothing
@@ -156,8 +296,11 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
 
 
 def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, alpha, input_gsf,
-                n_out: int, k: int) -> LayerCheck | None:
-    """The LayerCheck of one dense NVFP4 layer: its own weights, its call path, its batch sizes."""
+                n_out: int, k: int, weights: Callable[[], tuple] | None = None,
+                rebuild: Callable[[object], LayerCheck | None] | None = None) -> LayerCheck | None:
+    """The LayerCheck of one dense NVFP4 layer: its own weights, its call path, its batch sizes.
+    `weights()` reads the tensors the layer serves with from the layer (default: the ones given);
+    `rebuild(layer)` makes the check again from the layer's current state (re-checks, weight updates)."""
     if weight.numel() == 0 or weight.dtype != torch.uint8 or weight_sf.dim() != 2:
         _LOG.info("sm120_fp4: %s N=%d K=%d: weights not in the cutlass layout (a fused path); not verified here", kind, n_out, k)
         return None
@@ -171,8 +314,9 @@ def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, al
         return [case for i, dtype in enumerate(dtypes)
                 for case in _served_cases(serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched)]
 
-    return LayerCheck(weight.get_device(), key, label, "dense", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH],
-                      tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]})
+    return LayerCheck(weight.get_device(), key, label, "dense", cases, batch_sizes(max_batch), recheck_sizes(max_batch),
+                      layer=layer_name(layer), light_ms=[LIGHT_BATCH], weights=weights or (lambda: watched),
+                      rebuild=rebuild, owner=layer, tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]})
 
 
 def modelopt_check(method: object, layer: object) -> LayerCheck | None:
@@ -182,7 +326,9 @@ def modelopt_check(method: object, layer: object) -> LayerCheck | None:
     n_out = getattr(layer, "output_size_per_partition", layer.weight.shape[0])
     k = getattr(layer, "input_size_per_partition", layer.weight.shape[1] * 2)
     return dense_check("ModelOptFp4LinearMethod", functools.partial(method.apply, layer), layer, layer.weight,
-                       layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv, n_out, k)
+                       layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv, n_out, k,
+                       weights=lambda: (layer.weight, layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv),
+                       rebuild=functools.partial(modelopt_check, method))
 
 
 def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None:
@@ -190,4 +336,6 @@ def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None
     n_out = layer.weight_packed.shape[0]
     k = getattr(layer, "input_size_per_partition", layer.weight_packed.shape[1] * 2)
     return dense_check("CompressedTensorsW4A4Fp4", functools.partial(scheme.apply_weights, layer), layer, layer.weight_packed,
-                       layer.weight_scale, layer.alpha, layer.input_global_scale, n_out, k)
+                       layer.weight_scale, layer.alpha, layer.input_global_scale, n_out, k,
+                       weights=lambda: (layer.weight_packed, layer.weight_scale, layer.alpha, layer.input_global_scale),
+                       rebuild=functools.partial(compressed_tensors_check, scheme))

@@ -33,7 +33,7 @@ from .. import backends, kernels, nvfp4, selection, selftest
 from ..errors import RefusedToServe
 from ..patching import PatchSpec, Patcher
 from ..selection import LayerCheck
-from .hooks import LARGE_BATCH, _activation_dtypes, batch_sizes, layer_device_index, max_capture_batch
+from .hooks import LIGHT_BATCH, _activation_dtypes, batch_sizes, layer_device_index, layer_name, max_capture_batch, recheck_sizes
 from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -202,7 +202,9 @@ def processed_weights(layer: object) -> dict | None:
 
 
 def _served_call(layer: object, weights: dict, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The kernel call exactly as SGLang's _run_flashinfer_cutlass makes it, through the (patched) seam."""
+    """The kernel call exactly as SGLang's _run_flashinfer_cutlass makes it, through the (patched)
+    seam: `ids` as SGLang's router and dispatcher leave them (global expert ids, -1 for a dropped
+    slot; flashinfer_cutlass keeps global ids under expert parallelism)."""
     front, activation_type = _seam()
     ep_size, ep_rank = getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_ep_rank", 0)
     scales = [weights["a1_gscale"].reshape(()) if weights["a1_gscale"].numel() == 1 else weights["a1_gscale"],
@@ -212,74 +214,106 @@ def _served_call(layer: object, weights: dict, x: torch.Tensor, ids: torch.Tenso
     swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
     return front(
         output=torch.empty(x.shape, dtype=x.dtype, device=x.device), input=x,
-        token_selected_experts=(ids + ep_rank * weights["experts"]).to(torch.int32),  # global ids, as SGLang passes
-        token_final_scales=topk_weights, fc1_expert_weights=weights["w13"].view(torch.long),
-        fc2_expert_weights=weights["w2"].view(torch.long), output_dtype=x.dtype, input_sf=None, quant_scales=scales,
-        swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1], swiglu_limit=swiglu[2], ep_size=ep_size, ep_rank=ep_rank,
+        token_selected_experts=ids.to(torch.int32), token_final_scales=topk_weights,
+        fc1_expert_weights=weights["w13"].view(torch.long), fc2_expert_weights=weights["w2"].view(torch.long),
+        output_dtype=x.dtype, input_sf=None, quant_scales=scales, swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1],
+        swiglu_limit=swiglu[2], ep_size=ep_size, ep_rank=ep_rank,
         tp_size=getattr(layer, "moe_tp_size", 1), tp_rank=getattr(layer, "moe_tp_rank", 0),
         tune_max_num_tokens=8192, activation_type=getattr(activation_type, kernels.MOE_ACTIVATIONS[weights["activation"]]),
         enable_alltoall=False, use_fused_finalize=False,
     )[0]
 
 
-def _expert_subset(experts: int) -> list[int]:
-    """Up to VERIFIED_EXPERTS of this rank's experts, first and last included, spread between."""
-    if experts <= VERIFIED_EXPERTS:
+def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
+    """max(VERIFIED_EXPERTS, `at_least`) of this rank's experts (all when there are no more),
+    first and last included, spread between."""
+    count = min(experts, max(VERIFIED_EXPERTS, at_least))
+    if count >= experts:
         return list(range(experts))
-    step = (experts - 1) / (VERIFIED_EXPERTS - 1)
-    return sorted({round(i * step) for i in range(VERIFIED_EXPERTS)})
+    step = (experts - 1) / (count - 1)
+    return sorted({round(i * step) for i in range(count)})
+
+
+def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
+    """selftest.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
+    ids, weights = selftest.moe_routing(tokens, top_k, pool.numel(), routing, gen)
+    return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(torch.int32), weights
 
 
 def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
     """The LayerCheck of one NVFP4 MoE layer on this rank, or None where it is not in the cutlass layout.
 
     `serve` (backend convention) makes the calls; by default SGLang's own call through the seam.
+    The layer's own top-k (any k); ids as SGLang serves them: global expert ids under expert
+    parallelism (a few other ranks' experts in every batch, which must add nothing) and SGLang's -1
+    drop sentinel in one batch. Every batch size routes among max(8, top-k) of this rank's experts
+    (the oracle keeps those dequantized), one batch puts >= 128 rows on one expert, and one routes
+    to every expert of the rank, so each of them is exercised with its own weights.
     """
     weights = processed_weights(layer)
     if weights is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
         return None
-    subset = torch.tensor(_expert_subset(weights["experts"]))
-    top_k = max(1, min(int(getattr(layer, "top_k", 2) or 2), len(subset)))
+    hidden, inter, experts = weights["hidden"], weights["inter"], weights["experts"]
+    ep_size, ep_rank = getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_ep_rank", 0)
+    first, total = ep_rank * experts, experts * ep_size
+    top_k = int(getattr(layer, "top_k", 2) or 2)
+    if top_k > total:
+        _LOG.warning("sm120_fp4: %s: top_k=%d is more than its %d experts; verified with top_k=%d", kind, top_k, total, total)
+        top_k = total
+    subset = _expert_subset(experts, top_k)
+    foreign = [e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total]
+    pool = torch.tensor(sorted(set(first + e for e in subset) | set(foreign)))
+    everyone = torch.arange(total)
     dtypes = _activation_dtypes(layer)
     max_batch = max_capture_batch()
-    hidden, inter, experts = weights["hidden"], weights["inter"], weights["experts"]
-    ep = f" EP rank {getattr(layer, 'moe_ep_rank', 0)}/{getattr(layer, 'moe_ep_size', 1)}" if getattr(layer, "moe_ep_size", 1) > 1 else ""
+    ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
     tp = f" TP rank {getattr(layer, 'moe_tp_rank', 0)}/{getattr(layer, 'moe_tp_size', 1)}" if getattr(layer, "moe_tp_size", 1) > 1 else ""
     label = (f"{kind} E={experts} H={hidden} I={inter} top_k={top_k} {weights['activation']} "
              f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}{ep}{tp}")
     key = ("moe", kind, tuple(weights["w13"].shape), tuple(weights["w2"].shape), top_k, dtypes,
-           weights["a1_gscale"].numel(), getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_tp_size", 1))
+           weights["a1_gscale"].numel(), ep_size, getattr(layer, "moe_tp_size", 1))
     device = weights["w13"].device
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights["a1_gscale"].float().max().cpu())
-    kernel_weights = {k: weights[k] for k in ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha", "a1_gscale", "a2_gscale")}
+    names = ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha", "a1_gscale", "a2_gscale")
+    kernel_weights = {k: weights[k] for k in names}
+    cover = max(8, -(-2 * total // top_k))  # tokens that give every expert (of every rank) >= 2 rows
 
     def cases(ms: list[int]) -> list[selftest.Case]:
         gen = torch.Generator().manual_seed(2024)
         xgen = torch.Generator(device=device).manual_seed(2024)  # activations made where they are used
         plans = []
+        batches = [(m, "random", pool) for m in ms]
+        if len(ms) > 1:  # the full sweep (a light check is one decode batch)
+            batches += [(160, "skewed", pool), (max(16, top_k), "padded", pool), (cover, "balanced", everyone)]
         for dtype in dtypes:
-            # Every batch size with random routing, then one batch putting slot 0 of 160 tokens on one
-            # expert (>= 128 rows there: the second 64-row half of a kernel tile is exercised).
-            for m, routing in [(m, "random") for m in ms] + [(160, "skewed")]:
-                ids, topk_weights = selftest.moe_routing(m, top_k, len(subset), routing, gen)
-                x = (torch.randn(m, hidden, generator=xgen, device=device) * (amax / 4)).clamp(-amax, amax).to(dtype)
-                name = f"T={m} {routing} {str(dtype).removeprefix('torch.')}"
-                plans.append((name, x.to(device), subset[ids.long()].to(torch.int32).to(device), topk_weights.to(device)))
+            for m, routing, among in batches:
+                ids, topk_weights = _routed(m, min(top_k, among.numel()), among, routing, gen)
+                x = selftest.structured_activations(m, hidden, amax, xgen, device).to(dtype)
+                name = f"T={m} {routing}{' (every expert)' if among is everyone else ''} {str(dtype).removeprefix('torch.')}"
+                plans.append((name, x, ids.to(device), topk_weights.to(device)))
         call = serve or functools.partial(_served_convention, layer, weights)
         # What the serving backend computes (humming: W4A16), and the checkpoint's bytes for the oracle
         # where it converted the served storage in place.
         index = layer_device_index(layer)
         mode = backends.mode_of("moe", selection.routes("moe").get(index, backends.EMULATED))
         originals = {k: backends.original(v) for k, v in kernel_weights.items()}
-        return selftest.moe_cases(call, kernel_weights, weights["activation"], plans, mode=mode, reference_weights=originals)
+        cache = selftest.ExpertCache(subset)  # every-expert batches dequantize the others per call
+        return selftest.moe_cases(call, kernel_weights, weights["activation"], plans, cache=cache,
+                                  first_expert=first, served_ids=serve is None, mode=mode, reference_weights=originals)
 
-    return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), [1, 7, max_batch, LARGE_BATCH],
+    def current() -> tuple:
+        now = processed_weights(layer)
+        return tuple(now[k] for k in names) if now is not None else ()
+
+    return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), recheck_sizes(max_batch),
+                      layer=layer_name(layer), light_ms=[LIGHT_BATCH], weights=current,
+                      rebuild=lambda owner: moe_check(kind, owner, serve), owner=layer,
                       tensors={**kernel_weights, "dtype": dtypes[0]})
 
 
 def _served_convention(layer, weights, x, ids, topk_weights, *rest):
-    """selftest.moe_cases calls in the backend convention; serve through the seam, write `out`."""
+    """selftest.moe_cases calls in the backend convention's order; serve through the seam, write `out`."""
     out = rest[-1]
     out.copy_(_served_call(layer, weights, x, ids, topk_weights))
     return out

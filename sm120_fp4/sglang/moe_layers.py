@@ -382,8 +382,10 @@ def sglang_moe_context(
     tp_size: int = 1,
     tp_rank: int = 0,
     quantization: str = MODELOPT,
+    server_args: dict | None = None,
 ) -> Iterator[MoeContext]:
     """Hold SGLang's scoped seams for building and running one simulated rank's MoE layers.
+    `server_args`: more ServerArgs fields (e.g. chunked_prefill_size), as a server would be started with.
 
     In order: ``override_platform`` (SM120 facts), ``ServerArgs`` for a throw-away local model
     directory whose ``config.json`` carries `quantization`'s config ("modelopt_fp4", also passed as
@@ -418,7 +420,7 @@ def sglang_moe_context(
         # SGLang refuses an explicit --quantization compressed-tensors with flashinfer_cutlass.
         server_args = ServerArgs(model_path=model_dir, moe_runner_backend=moe_runner_backend, device="cpu",
                                  skip_tokenizer_init=True,
-                                 quantization=quantization if quantization == MODELOPT else None)
+                                 quantization=quantization if quantization == MODELOPT else None, **(server_args or {}))
         context = rc.create_context(server_args, role="scheduler")
         stack.enter_context(rc.use_context(context))
         stack.enter_context(rc.get_parallel().override(

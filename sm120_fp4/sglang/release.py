@@ -20,6 +20,10 @@ __all__ = [
     "FP4_UTILS",
     "CT",
     "RUNTIME_CONTEXT",
+    "SERVER_ARGS",
+    "ARG_OVERRIDES",
+    "SCHEDULER",
+    "WEIGHT_UPDATER",
     "MODEL_RUNNER",
     "MOE_RUNNER_FC",
     "CT_MOE",
@@ -43,6 +47,10 @@ MQ = "sglang.srt.layers.quantization.modelopt_quant"
 FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
 CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
+SERVER_ARGS = "sglang.srt.server_args"  # get_global_server_args(): the scheduler's ServerArgs up to 0.5.22
+ARG_OVERRIDES = "sglang.srt.arg_groups.overrides"  # resolution_result(): 0.5.23's resolved settings
+SCHEDULER = "sglang.srt.managers.scheduler"
+WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 MOE_RUNNER_FC = "sglang.srt.layers.moe.moe_runner.flashinfer_cutlass"
 CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe"

@@ -17,11 +17,12 @@ from typing import Callable
 from ..kernels import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
-from .hooks import compressed_tensors_check, layer_device_index, make_warmup_hook, make_weights_hook, modelopt_check
+from .hooks import (compressed_tensors_check, layer_device_index, make_update_hook, make_warmup_hook, make_weights_hook,
+                    modelopt_check)
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
 from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
-                      SUPPORTED, sglang_version)
+                      SUPPORTED, WEIGHT_UPDATER, sglang_version)
 
 __all__ = ["Wiring", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
            "LEGACY_KNOB_SPEC"]
@@ -53,7 +54,9 @@ class Wiring:
     `recheck()`: re-run every verified configuration after warm-up; `make_moe_seam(original)`: the
     fused-MoE seam replacement; `before_moe(kind, method, layer)`: decide (and check the checkpoint and the
     layer's runner) before an NVFP4 MoE layer's weights are processed; `pin_moe_runner(model_path)`: after
-    SGLang's MoE config is initialised, pin its 'auto' runner for an NVFP4 checkpoint on a served device.
+    SGLang's MoE config is initialised, pin its 'auto' runner for an NVFP4 checkpoint on a served device;
+    `weights_update_begin()` / `weights_update_end()`: around SGLang's weight-update calls (drop caches;
+    verify the layers whose weights changed).
     """
 
     make_dispatch: Callable
@@ -64,6 +67,8 @@ class Wiring:
     make_moe_seam: Callable
     before_moe: Callable[[str, object, object], None]
     pin_moe_runner: Callable[[str | None], None]
+    weights_update_begin: Callable[[], object] = lambda: None  # SGLang starts writing weights
+    weights_update_end: Callable[[], object] = lambda: None  # ... and is done: verify what changed
 
 
 def specs(w: Wiring) -> list[PatchSpec]:
@@ -218,7 +223,48 @@ def specs(w: Wiring) -> list[PatchSpec]:
             upstream="no upstream check exists",
             remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x",
         ),
-    ] + moe_specs
+    ] + moe_specs + _capture_and_update_specs(w, warmup_why)
+
+
+def _capture_and_update_specs(w: Wiring, warmup_why: str) -> list[PatchSpec]:
+    """The scheduler's capture calls (so the draft model's graphs are re-checked too) and SGLang's
+    weight-update calls (ModelRunner's up to 0.5.15, its WeightUpdater component from 0.5.16)."""
+    warmup = functools.partial(make_warmup_hook, after=w.recheck)
+    whole = functools.partial(make_update_hook, begin=w.weights_update_begin, end=w.weights_update_end)
+    update_why = ("SGLang writes weights in place (param.data, no version bump): drop the caches of dequantized weights "
+                  "first, and verify every layer whose weights changed (its light check, its configuration's sweep, a new "
+                  "fingerprint) before it serves again; without this the re-check would refuse the new weights as corrupted")
+    common = dict(distribution=DISTRIBUTION, upstream="no upstream check exists",
+                  remove_when="when SGLang verifies FP4 output after its weight updates on SM12x")
+    capture = [
+        PatchSpec(name="post-capture-recheck-all-graphs", module=SCHEDULER, attribute="Scheduler.init_all_cuda_graphs",
+                  make=warmup, versions=">=0.5.14,<0.5.24",
+                  why=warmup_why + " (once, after the target's and the speculative draft model's graphs are all captured: the "
+                      "draft worker captures its own decode and draft-extend graphs after its model runner's)", **common),
+        PatchSpec(name="post-capture-recheck-model-workers", module=SCHEDULER, attribute="Scheduler.init_model_worker",
+                  make=warmup, versions=">=0.5.7,<0.5.14",
+                  why=warmup_why + " (once, after the target and the speculative draft workers are built: 0.5.7-0.5.13 "
+                      "capture graphs while building them, the draft worker's own graphs in its constructor)", **common),
+    ]
+    legacy = [(name, ">=0.5.4,<0.5.16" if name.endswith("ipc") else ">=0.5.3,<0.5.16") for name in
+              ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc")]
+    component = [("update_weights_from_disk", ">=0.5.16,<0.5.24"), ("update_weights_from_tensor", ">=0.5.16,<0.5.24"),
+                 ("update_weights_from_ipc", ">=0.5.16,<0.5.24"), ("update_weights_from_distributed", ">=0.5.16,<0.5.21"),
+                 ("load_weights_from_distributed", ">=0.5.21,<0.5.24")]
+    updates = [PatchSpec(name=f"reverify-after-{name.replace('_', '-')}", module=MODEL_RUNNER, attribute=f"ModelRunner.{name}",
+                         make=whole, versions=versions, why=update_why, **common) for name, versions in legacy]
+    updates += [PatchSpec(name=f"reverify-after-{name.replace('_', '-')}-component", module=WEIGHT_UPDATER,
+                          attribute=f"WeightUpdater.{name}", make=whole, versions=versions, why=update_why, **common)
+                for name, versions in component]
+    updates += [
+        PatchSpec(name="weight-update-session-begin", module=WEIGHT_UPDATER, attribute="WeightUpdater.begin_weight_update",
+                  make=functools.partial(make_update_hook, begin=w.weights_update_begin, end=None), versions=">=0.5.21,<0.5.24",
+                  why=update_why + " (a weight-update session: tensor and distributed loads run between begin and end)", **common),
+        PatchSpec(name="weight-update-session-end", module=WEIGHT_UPDATER, attribute="WeightUpdater.end_weight_update",
+                  make=functools.partial(make_update_hook, begin=None, end=w.weights_update_end), versions=">=0.5.21,<0.5.24",
+                  why=update_why + " (the session's end, after SGLang post-processes the new weights)", **common),
+    ]
+    return capture + updates
 
 
 _IDLE_WHY = (

@@ -9,6 +9,8 @@ from sm120_fp4.backends import emulated_moe
 
 
 def _ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, out_dtype, **kw):
+    skipped = ids < 0  # the convention's -1: a slot that is not this rank's adds nothing
+    ids, w = torch.where(skipped, torch.zeros_like(ids), ids), torch.where(skipped, torch.zeros_like(w), w)
     return nvfp4.reference_moe_fp4(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2,
                                    activation=activation, out_dtype=out_dtype, **kw)
 
@@ -28,7 +30,7 @@ def rounds_intermediate_first(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_a
 def drops_tile_rows_64_127(x, ids, w, *rest):
     """FlashInfer PR 3533: rows 64-127 of an expert's tile are zero when the expert gets > 64 rows."""
     keep = torch.ones_like(w)
-    flat = ids.reshape(-1).long()
+    flat = ids.reshape(-1).long() + 1  # -1 (a slot that is not this rank's) sorts first, as its own group
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=int(flat.max()) + 1)
     starts = torch.cumsum(counts, 0) - counts
