@@ -5,8 +5,10 @@ At ``process_weights_after_loading`` (ModelOpt NVFP4 linear, compressed-tensors 
 the device's backend is decided (a self-test; the runner enum is pinned), then SGLang processes the
 weights, then this layer's configuration (its N, K, activation dtype and scale dtypes, its own
 processed weights) is verified through SGLang's own ``apply`` at every batch-size bucket up to the
-largest CUDA-graph batch, against the oracle. After ``ModelRunner.init_cuda_graphs`` every verified
-configuration is re-run eagerly at a few batch sizes.
+largest CUDA-graph batch, against the oracle. Every later layer of a configuration gets a light
+check with its own weights and a fingerprint of them. After every CUDA-graph capture (the draft
+model's included) every layer's fingerprint is compared and every verified configuration re-run
+eagerly at its re-check sizes (decode, 2049, the prefill chunk) and at every captured graph size.
 """
 
 from __future__ import annotations
