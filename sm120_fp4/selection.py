@@ -41,6 +41,8 @@ class Decision(BaseModel):
     device: str
     device_index: int
     capability: str
+    device_uuid: str | None = None  # the GPU this decision is for, as NVML/CUDA name it (several GPUs: which is which)
+    device_pci_bus_id: str | None = None
     simulated: bool
     backend: str
     verified: bool
@@ -314,6 +316,8 @@ def _choose(device: Device, candidates: list[str], settings: Settings, family: F
     common = dict(
         device=device.label(),
         device_index=device.index,
+        device_uuid=device.uuid,
+        device_pci_bus_id=device.pci_bus_id,
         capability=f"{device.capability[0]}.{device.capability[1]}",
         simulated=device.simulated,
         candidates=candidates,

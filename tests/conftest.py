@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.cases import fields
-from helpers.procs import TIMEOUT, HeavyQueue, Queued
+from helpers.procs import TIMEOUT, HeavyQueue, JobPool
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # One intra-op thread: the tests run thousands of small tensor ops, which two threads (on two shared
@@ -129,18 +129,8 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=_heavy)  # stable: the order is otherwise unchanged
 
 
-def _finished(job) -> bool:
-    proc = getattr(job, "proc", None)  # a subprocess.Popen, a multiprocessing Process, or none (_Failed)
-    if hasattr(proc, "poll"):
-        return proc.poll() is not None
-    return proc is None or not proc.is_alive()
-
-
-def _others_done() -> bool:
-    return all(_finished(job) for job in _JOBS.values() if not isinstance(job, Queued))
-
-
-_HEAVY = HeavyQueue(_others_done)
+_POOL = JobPool(limit=max(2, os.cpu_count() or 2))
+_HEAVY = HeavyQueue(_POOL.done)  # real servers: one at a time, once every other job is done
 
 
 def pytest_collection_finish(session):
@@ -157,25 +147,13 @@ def pytest_collection_finish(session):
             if _heavy(item):
                 _JOBS[item.nodeid] = _HEAVY.add(functools.partial(start, folder, **params))
                 continue
-            try:
-                _JOBS[item.nodeid] = start(folder, **params)
-            except BaseException as exc:  # noqa: BLE001 - a skip or an error, raised again in the test
-                _JOBS[item.nodeid] = _Failed(exc)
+            _JOBS[item.nodeid] = _POOL.add(functools.partial(start, folder, **params))
+    _POOL.run()
     _HEAVY.run()
 
 
-class _Failed:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-    def wait(self, timeout):
-        raise self.exc
-
-    def kill(self):
-        pass
-
-
 def pytest_sessionfinish(session):
+    _POOL.stop()
     _HEAVY.stop()
     for job in _JOBS.values():
         job.kill()

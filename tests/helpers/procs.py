@@ -184,17 +184,70 @@ class HeavyQueue:
             item.kill()
 
 
-class Queued:
-    """A heavy job: started by its HeavyQueue; wait() waits for its turn and its end."""
+class JobPool:
+    """Runs queued jobs at most `limit` at a time, in the order added (the order the tests need them).
 
-    def __init__(self, start: Callable[[], object]):
+    Starting every background job of the session at once made each of them crawl (dozens of
+    interpreters importing torch and SGLang on two cores) and the first ones waited on time out; a
+    job's time bound (`timeout`) counts from its own start."""
+
+    def __init__(self, limit: int, timeout: float = 300.0):
+        self._items: list[Queued] = []
+        self._slots = threading.BoundedSemaphore(max(1, limit))
+        self._timeout = timeout
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, start: Callable[[], object]) -> "Queued":
+        item = Queued(start, self._timeout)
+        self._items.append(item)
+        return item
+
+    def run(self) -> None:
+        if self._items and self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="background-jobs", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        for item in self._items:
+            while not self._slots.acquire(timeout=1.0):
+                if self._stop.is_set():
+                    return
+            if self._stop.is_set():
+                self._slots.release()
+                return
+            threading.Thread(target=self._one, args=(item,), daemon=True).start()
+
+    def _one(self, item: "Queued") -> None:
+        try:
+            item.start_and_finish()
+        finally:
+            self._slots.release()
+
+    def done(self) -> bool:
+        return all(item.finished() for item in self._items)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for item in self._items:
+            item.kill()
+
+
+class Queued:
+    """A queued job: started by its HeavyQueue or JobPool; wait() waits for its turn and its end."""
+
+    def __init__(self, start: Callable[[], object], timeout: float | None = None):
         self._start, self._done = start, threading.Event()
+        self._timeout = timeout  # from the job's own start; None: the job's own bound (a server's)
         self.job, self.error, self.result = None, None, None
+
+    def finished(self) -> bool:
+        return self._done.is_set()
 
     def start_and_finish(self) -> None:
         try:
             self.job = self._start()
-            self.result = self.job.wait(None)
+            self.result = self.job.wait(self._timeout)
         except BaseException as exc:  # noqa: BLE001 - raised again in the test
             self.error = exc
         finally:
@@ -202,7 +255,7 @@ class Queued:
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
         if not self._done.wait(HEAVY_TIMEOUT):
-            raise TimeoutError(f"a heavy background job did not finish within {HEAVY_TIMEOUT} s")
+            raise TimeoutError(f"a queued background job did not finish within {HEAVY_TIMEOUT} s")
         if self.error is not None:
             raise self.error
         return self.result
