@@ -57,7 +57,8 @@ def plugin_site(root: Path) -> Path:
 
 def env(**extra: str) -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith("SM120_FP4")}
-    out.update(SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="emulated", SM120_FP4_MOE_BACKENDS="emulated", **extra)
+    out.update({"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "emulated", "SM120_FP4_MOE_BACKENDS": "emulated"})
+    out.update(extra)
     return out
 
 
@@ -81,7 +82,7 @@ def selftests(out: Path, count: int) -> dict:
         report = out / f"report-{label}.json"
         rc, stdout, stderr, wall = run([sys.executable, "-m", "sm120_fp4", "selftest", "--json", *args], SM120_FP4_REPORT=str(report))
         data = json.loads(report.read_text()) if report.exists() else {}
-        decisions = [d for p in data.get("processes", []) for d in p.get("decisions", [])]
+        decisions = data.get("decisions", [])
         result[label] = {"rc": rc, "wall_s": round(wall, 2), "stderr_tail": stderr[-1500:],
                          "decisions": [{"device": d.get("device"), "uuid": d.get("device_uuid"),
                                         "pci": d.get("device_pci_bus_id"), "backend": d.get("backend"), "family": d.get("family"),
@@ -199,8 +200,7 @@ def fault(out: Path, count: int) -> dict:
     report = out / "report-fault.json"
     rc, stdout, stderr, wall = run([sys.executable, "-m", "sm120_fp4", "selftest", "--json"], SM120_FP4_REPORT=str(report), **extra)
     data = json.loads(report.read_text()) if report.exists() else {}
-    refusals = [r for p in data.get("processes", []) for r in p.get("refusals", [])]
-    decisions = [d for p in data.get("processes", []) for d in p.get("decisions", [])]
+    refusals, decisions = data.get("refusals", []), data.get("decisions", [])
     lrc, lout, lerr, lwall = run([sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-c", "print('LAUNCHED')"], **extra)
     return {"selftest_rc": rc, "refused_devices": [r.get("device") for r in refusals],
             "verified_devices": [d.get("device") for d in decisions if d.get("verified")],

@@ -125,7 +125,7 @@ def _fingerprint_problem(served: selection.Served) -> str | None:
 
     A weight corrupted in memory after start-up is invisible to the oracle, which reads the same
     corrupted weight. The comparison belongs to selection (`selection.fingerprint_problem(check)
-    -> str | None`, a reason when the weights changed); until it exists nothing is compared, and
+    -> str | None`, a reason when the weights changed); a build without it compares nothing, and
     status says so.
     """
     compare = getattr(selection, "fingerprint_problem", None)

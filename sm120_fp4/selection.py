@@ -1061,7 +1061,7 @@ selftest.hang_hooks.append(_on_hang)
 
 # ---- for the serving canary (sm120_fp4.canary) --------------------------------------------------
 
-__all__ += ["Served", "served_configurations", "check_served", "record_refusal", "report_sections", "update_report"]
+__all__ += ["Served", "served_configurations", "check_served", "fingerprint_problem", "record_refusal", "report_sections", "update_report"]
 
 
 @dataclass(frozen=True)
@@ -1097,16 +1097,28 @@ def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:
     Never raises for a bad kernel: the report says what was wrong."""
     serving = _serving[(served.family, served.device.index)]
     with serving.lock:
-        check = served.check
-        record = serving.layers.get(id(check.owner) if check.owner is not None else id(check))
-        if record is not None and record.fingerprint is not None and not _updating:
-            now = _fingerprint(check)
+        return _run_check(serving, served.check, list(ms))
+
+
+def fingerprint_problem(check: LayerCheck) -> str | None:
+    """Whether the verified layer of `check` still has the weights it was verified with: None, or
+    why not (the serving canary asks at the first step of every run; a weight corrupted in memory is
+    invisible to the oracle, which reads the same corrupted weight). During SGLang's weight updates
+    changes are expected: None."""
+    key = id(check.owner) if check.owner is not None else id(check)
+    for serving in list(_serving.values()):
+        with serving.lock:
+            record = serving.layers.get(key)
+            if record is None or record.fingerprint is None or _updating:
+                continue
+            try:
+                now = _fingerprint(check)
+            except Exception as exc:  # noqa: BLE001 - a weight the layer no longer has: changed
+                return f"{check.named()}: its weights can no longer be read ({type(exc).__name__}: {exc})"
             if now is None or now.shape != record.fingerprint.shape or not torch.equal(now, record.fingerprint):
-                report = selftest.report_for(serving.decision.backend, serving.device, config=check.label)
-                report.reason = (f"{check.named()}: the layer's weights changed after they were verified, and not "
-                                 "through SGLang's weight-update path")
-                return report
-        return _run_check(serving, check, list(ms))
+                return (f"{check.named()}: the layer's weights changed after they were verified, and not through "
+                        "SGLang's weight-update path")
+    return None
 
 
 def record_refusal(refusal: Refusal, settings: Settings) -> None:

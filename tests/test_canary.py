@@ -357,6 +357,17 @@ def test_a_weight_fingerprint_mismatch_from_selection_fails_the_run(monkeypatch)
     assert c.status().fingerprints.startswith("compared")
 
 
+@case("backend faults", "a verified layer's weight bytes flipped in GPU memory while serving (not through SGLang's weight updates)",
+      "the canary's first step compares the layer's fingerprint and fails the run naming the layer: the oracle alone would read the same corrupted weight")
+def test_a_weight_corrupted_in_memory_while_serving_fails_the_next_run():
+    c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_action="log")
+    assert c.status().fingerprints.startswith("compared")
+    assert next_run(c).passed
+    layer.weight.data[3, 5] ^= 0x11  # two codes of one byte: what a stray write does
+    run = next_run(c)
+    assert not run.passed and "weights changed after they were verified" in run.reason, run.reason
+
+
 def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
 
