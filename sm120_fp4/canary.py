@@ -429,4 +429,5 @@ def status(settings: Settings | None = None) -> CanaryStatus:
     action = settings.canary_action if settings is not None else "exit"
     slice_ms = settings.canary_slice_ms if settings is not None else 5.0
     state = "off (SM120_FP4_CANARY=off)" if period is None else "not running: sm120_fp4 is not installed in this process"
-    return CanaryStatus(enabled=False, period_s=period, action=action, slice_ms=slice_ms, state=state)
+    return CanaryStatus(enabled=False, period_s=period, action=action, slice_ms=slice_ms, state=state,
+                        fingerprints="not compared: the canary is off")
