@@ -167,15 +167,16 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({str(i): r for i, r in results.items()}, indent=2))
     else:
-        rows = ["| device | kernel | layer configuration | backend | verified | batch sizes |", "|---|---|---|---|---|---|"]
+        from .tables import markdown_table
+
+        rows = []
         for index, r in results.items():
             for d in r.get("decisions", []):
-                for layer in d["layers"]:
-                    rows.append(f"| {d['device']} | {d['family']} | {layer['config']} | {d['backend']} | "
-                                f"{layer['passed'] and d['verified']} | {len(layer['shapes'])} |")
+                rows += [(d["device"], d["family"], layer["config"], d["backend"], layer["passed"] and d["verified"],
+                          len(layer["shapes"])) for layer in d["layers"]]
             if not r.get("ok"):
-                rows.append(f"| {index} | - | - | - | REFUSED | {r['message'].splitlines()[0]} |")
-        print("\n".join(rows))
+                rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
+        print("\n".join(markdown_table(("device", "kernel", "layer configuration", "backend", "verified", "batch sizes"), rows)))
     for r in results.values():
         if not r.get("ok"):
             _eprint("\n" + r["message"])
@@ -407,7 +408,9 @@ def _selftest_devices(settings, indices: list[int] | None) -> tuple[list[int], s
 
 
 def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
-    rows = ["| kernel | device | backend | verified | max rel error | shapes | time (s) | note |", "|---|---|---|---|---|---|---|---|"]
+    from .tables import markdown_table
+
+    rows = []
     for (family, index), result in results.items():
         if result.get("usage"):
             continue  # a usage error is not a verdict on the device: its message follows the table
@@ -417,11 +420,10 @@ def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
             err = f"{mine[0]['max_rel_err']:.2e}" if mine and mine[0]["max_rel_err"] is not None else "-"
             shapes = f"{sum(s['passed'] for s in mine[0]['shapes'])}/{len(mine[0]['shapes'])}" if mine else "-"
             verified = "True" if d["verified"] else "UNVERIFIED"
-            rows.append(f"| {family} | {d['device']} | {d['backend']} | {verified} | {err} | {shapes} | {d['duration_s']:.2f} | {d['reason']} |")
+            rows.append((family, d["device"], d["backend"], verified, err, shapes, f"{d['duration_s']:.2f}", d["reason"]))
         else:
-            first = result["message"].splitlines()[0]
-            rows.append(f"| {family} | {index} | - | REFUSED | - | - | - | {first} |")
-    return rows
+            rows.append((family, index, "-", "REFUSED", "-", "-", "-", result["message"].splitlines()[0]))
+    return markdown_table(("kernel", "device", "backend", "verified", "max rel error", "shapes", "time (s)", "note"), rows)
 
 
 def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None) -> int:

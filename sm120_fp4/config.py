@@ -428,9 +428,11 @@ def _accepted(field: str) -> str:
 
 def settings_table() -> str:
     """The README's table of every setting, generated from Settings (a test keeps README in sync)."""
-    rows = ["| variable | default | accepted | meaning |", "|---|---|---|---|"]
+    from .tables import markdown_table
+
+    rows = []
     for field, info in Settings.model_fields.items():
         default = info.default
         shown = "unset" if default is None else ",".join(default) if isinstance(default, tuple) else str(default)
-        rows.append(f"| `{env_name(field)}` | `{shown}` | {_accepted(field)} | {info.description} |")
-    return "\n".join(rows)
+        rows.append((f"`{env_name(field)}`", f"`{shown}`", _accepted(field), info.description))
+    return "\n".join(markdown_table(("variable", "default", "accepted", "meaning"), rows))

@@ -19,6 +19,7 @@ import sys
 from typing import Any, Callable
 
 from .versions import installed_version
+from .tables import markdown_table
 
 __all__ = ["collect", "run"]
 
@@ -277,23 +278,22 @@ def _markdown(report: dict) -> str:
     lines += ["", "### Activation", block(report["activation"]), "", "### Settings"]
     settings = report["settings"]
     if "values" in settings:
-        lines += ["| setting | value | from |", "|---|---|---|"]
-        lines += [f"| {k} | {v} | {settings['sources'][k]} |" for k, v in settings["values"].items()]
+        lines += markdown_table(("setting", "value", "from"), [(k, v, settings["sources"][k]) for k, v in settings["values"].items()])
     else:
         lines.append(block(settings))
     lines += ["", "### SGLang patch targets"]
     sg = report["sglang"]
     if "targets" in sg:
         lines.append(f"{sg['reason']}")
-        lines += ["", "| patch | target | releases | applies here |", "|---|---|---|---|"]
-        lines += [f"| {t['name']} | `{t['target']}` | {t['versions']} | {t['applies']} |" for t in sg["targets"]]
+        lines += ["", *markdown_table(("patch", "target", "releases", "applies here"),
+                                      [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in sg["targets"]])]
     else:
         lines.append(block(sg))
     lines += ["", "### Backends"]
     bk = report["backends"]
     if isinstance(bk, list):
-        lines += ["| device | family | backend | supported | reason |", "|---|---|---|---|---|"]
-        lines += [f"| {b['device']} | {b['family']} | {b['backend']} | {b['supported']} | {b['reason'] or ''} |" for b in bk]
+        lines += markdown_table(("device", "family", "backend", "supported", "reason"),
+                                [(b["device"], b["family"], b["backend"], b["supported"], b["reason"] or "") for b in bk])
     else:
         lines.append(block(bk))
     lines += ["", "### Serving canary (SM120_FP4_CANARY)"]
@@ -315,8 +315,7 @@ def _markdown(report: dict) -> str:
     lines += ["", "### SGLang import check (each target of this release, not patched)"]
     check = report["import_check"]
     if "targets" in check:
-        lines += ["| target | here | reason |", "|---|---|---|"]
-        lines += [f"| {t['name']} | {t['state']} | {t['reason'] or ''} |" for t in check["targets"]]
+        lines += markdown_table(("target", "here", "reason"), [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]])
     else:
         lines.append(block(check))
     lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])
