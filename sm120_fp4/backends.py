@@ -39,6 +39,7 @@ __all__ = [
     "unregister",
     "load_entry_points",
     "ENTRY_POINT_GROUPS",
+    "FAMILY_LABELS",
     "get",
     "names",
     "is_supported",
@@ -215,14 +216,17 @@ def _humming_moe() -> Backend:
                    lambda: humming.restore("moe"), lambda: humming.describe_backend("moe"), humming.drop_originals)
 
 
-ENTRY_POINT_GROUPS = {"FP4 GEMM": "sm120_fp4.backends", "NVFP4 fused-MoE": "sm120_fp4.moe_backends"}
+# The two kernel families, by the one identifier used everywhere ("dense", "moe"): what messages call
+# them, and the entry-point group each family's backends are found in.
+FAMILY_LABELS = {"dense": "FP4 GEMM", "moe": "NVFP4 fused-MoE"}
+ENTRY_POINT_GROUPS = {"dense": "sm120_fp4.backends", "moe": "sm120_fp4.moe_backends"}
 
 
 class _Registry:
     """Named backends of one family (dense GEMM or fused MoE) and their built-ins."""
 
     def __init__(self, family: str, builtins: Callable[[], dict[str, Backend]]) -> None:
-        self.family = family
+        self.family = FAMILY_LABELS[family]  # for messages
         self.group = ENTRY_POINT_GROUPS[family]
         self._builtins = builtins
         self._lock = locks.lock()
@@ -310,8 +314,8 @@ def _moe_builtins() -> dict[str, Backend]:
     return out
 
 
-_dense = _Registry("FP4 GEMM", _dense_builtins)
-_moe = _Registry("NVFP4 fused-MoE", _moe_builtins)
+_dense = _Registry("dense", _dense_builtins)
+_moe = _Registry("moe", _moe_builtins)
 
 
 def register(name: str, fn: GemmFn, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:

@@ -32,7 +32,6 @@ from . import locks
 __all__ = ["main", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE", "EXIT_UNVERIFIED"]
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
-FAMILY_LABEL = {"dense": "FP4 GEMM", "moe": "NVFP4 fused MoE"}
 
 
 def _eprint(*args: Any) -> None:
@@ -427,7 +426,7 @@ def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
 
 
 def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None) -> int:
-    from . import devices, verdicts
+    from . import devices, selection, verdicts
 
     families = list(families or (["moe"] if getattr(args, "moe", False) else ["dense"]))
     found = _settings_and_devices(args)
@@ -447,7 +446,7 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
     env["SM120_FP4"] = "1"
     jobs = [(family, index) for family in families for index in indices]
     for family, index in jobs:
-        what = ", ".join(args.backend) if args.backend else f"the configured {FAMILY_LABEL[family]} backends"
+        what = ", ".join(args.backend) if args.backend else f"the configured {selection.FAMILIES[family].what} backends"
         _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] self-testing {what} in a subprocess ...")
     start = time.perf_counter()
     stop = _Stop()

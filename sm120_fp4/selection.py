@@ -155,7 +155,7 @@ def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, .
     return kernels.default_order(device.capability) if device is not None else kernels.DEFAULT_ORDER
 
 
-DENSE = Family("dense", "FP4 GEMM", "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
+DENSE = Family("dense", backends.FAMILY_LABELS["dense"], "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
                backends.resolve, _dense_candidates, lambda s: s.fallback, _dense_self_test)
 def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
     """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (kernels.default_moe_order)."""
@@ -164,7 +164,7 @@ def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...
     return kernels.default_moe_order(device.capability) if device is not None else kernels.DEFAULT_MOE_ORDER
 
 
-MOE = Family("moe", "NVFP4 fused-MoE", "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
+MOE = Family("moe", backends.FAMILY_LABELS["moe"], "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
              backends.is_moe_supported, backends.resolve_moe, _moe_candidates, lambda s: s.moe_fallback,
              _moe_self_test)
 FAMILIES = {"dense": DENSE, "moe": MOE}
@@ -397,7 +397,7 @@ def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] 
         unknown = [n for n in names if n not in known]
     if unknown:
         register = "register" if family is DENSE else "register_moe"
-        group = backends.ENTRY_POINT_GROUPS[family.what]
+        group = backends.ENTRY_POINT_GROUPS[family.name]
         raise ConfigError(
             f"{source} names unknown backend(s) {capped(unknown)}; known: {', '.join(family.names())} "
             f"(register custom ones with sm120_fp4.backends.{register} before install, or as entry points of group "
