@@ -1,7 +1,9 @@
 """sm120_fp4: verified NVFP4 GEMM routing for SGLang on SM120/SM121 GPUs.
 
-``import sm120_fp4; sm120_fp4.install()`` patches SGLang's FP4 linear GEMM to a backend that has
-passed a numerical self-test on each GPU, and refuses to serve when none passes. Importing this
+``import sm120_fp4; sm120_fp4.install()`` routes SGLang's FP4 GEMMs -- the dense linear GEMM and
+the NVFP4 fused MoE -- to backends verified on each GPU against the pure-PyTorch oracle (a
+self-test, then every served layer through the call that serves it), and refuses to serve when
+none passes. Importing this
 package is cheap: torch, pydantic, FlashInfer and SGLang load only when an attribute needs them.
 """
 

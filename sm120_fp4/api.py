@@ -143,7 +143,8 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
 
 
 def install(**overrides: Any) -> Status:
-    """Patch SGLang's FP4 linear GEMM (now or when imported); keyword overrides beat SM120_FP4_* env."""
+    """Patch SGLang's FP4 GEMMs, dense and NVFP4 MoE (now, or when SGLang is imported); keyword
+    overrides beat SM120_FP4_* env."""
     global _state, _message
     with _lock:
         settings = load_settings(**overrides)

@@ -19,37 +19,13 @@ import sys
 import threading
 
 from .imports import AfterExec, find_spec_as_imported
+from .toggle import TOGGLE_OFF, TOGGLE_ON, TOGGLE_VAR, enabled, parse_toggle  # noqa: F401 - re-exported
 
-TOGGLE_VAR = "SM120_FP4"
 # SGLang's top-level package, the one name the start-up hook waits for. It is spelled here, not
 # taken from sm120_fp4.sglang: this module is stdlib-only (it runs in every interpreter's start-up),
 # and importing that package would import packaging and the rest of its SGLang knowledge.
 SGLANG = "sglang"
-# The one definition of the toggle's values (config.Settings parses with it too). The .pth line
-# repeats TOGGLE_OFF as a literal: importing anything there would cost every interpreter start-up.
-TOGGLE_ON = ("1", "on")
-TOGGLE_OFF = ("", "0", "off")
 _activated = False
-
-
-def parse_toggle(value: object) -> bool | None:
-    """True for 1/on (or the int 1), False for 0/off (or 0), None for unset; ValueError otherwise.
-
-    An empty string is rejected here although the start-up line treats it as off: a variable set
-    to nothing is a mistake worth naming when the settings are read."""
-    if value is None or isinstance(value, bool):
-        return value
-    if type(value) is int and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value and (value in TOGGLE_ON or value in TOGGLE_OFF):
-        return value in TOGGLE_ON
-    raise ValueError("accepted: 1, on, 0, off (or unset)")
-
-
-def enabled(environ=os.environ) -> bool:
-    """True when SM120_FP4 is set to anything but 0/off/empty: a garbage value must reach
-    install(), which rejects it loudly, rather than leave a worker silently unpatched."""
-    return environ.get(TOGGLE_VAR, "") not in TOGGLE_OFF
 
 
 class ActivationFailed(ImportError):
@@ -76,18 +52,6 @@ def _on_sglang(module) -> None:
         if isinstance(exc, ConfigError):
             raise  # the operator asked for the library with a bad setting: stop, naming it
         raise ActivationFailed(_stop_message(exc)) from exc
-
-
-class _RefuseSGLang:
-    """Fails every import of ``sglang`` (the package could not activate while the toggle is on)."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def find_spec(self, name, path=None, target=None):
-        if name == SGLANG or name.startswith(SGLANG + "."):
-            raise ActivationFailed(self.message)
-        return None
 
 
 class _AfterSGLangImport:
@@ -167,3 +131,14 @@ def activate() -> None:
         _on_sglang(sys.modules[SGLANG])
     else:
         sys.meta_path.insert(0, _finder)
+
+
+def load_plugin() -> None:
+    """SGLang's plugin entry point (group ``sglang.srt.plugins``), which SGLang 0.5.11+ loads in
+    every scheduler process: install the patches there when the SM120_FP4 toggle is on (the .pth
+    line's job on earlier releases). Idempotent: the .pth hook or the user's install() may have run."""
+    if enabled():
+        from . import api
+
+        if not api.installed():
+            api.install()

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .bootstrap import TOGGLE_VAR, parse_toggle
+from .toggle import TOGGLE_VAR, parse_toggle
 from .errors import ConfigError, capped, describe
 
 __all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name", "AUTO", "default_verdicts_path"]

@@ -35,11 +35,10 @@ from typing import Callable, Iterator
 from . import locks
 from .errors import DeviceMappingError
 
-__all__ = ["Device", "list_devices", "get_device", "use_probe", "clear_cache", "is_sm12x", "SM12X", "same_uuid",
+__all__ = ["Device", "list_devices", "get_device", "use_probe", "clear_cache", "is_sm12x", "same_uuid",
            "DeviceMappingError"]
 
 _LOG = logging.getLogger(__name__)
-SM12X = ((12, 0), (12, 1))
 CPU_INDEX = -1
 PCI_ORDER_FIX = ("set CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA then numbers GPUs by PCI bus id, as `nvidia-smi` lists them), "
                  "or name the GPUs by UUID in CUDA_VISIBLE_DEVICES (`nvidia-smi -L`)")

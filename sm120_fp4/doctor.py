@@ -63,7 +63,7 @@ def _devices(settings) -> list[dict]:
 
 
 def _activation() -> dict:
-    from .bootstrap import enabled
+    from .toggle import enabled
     from .sglang.release import PLUGIN_GROUP
 
     eps = importlib.metadata.entry_points(group=PLUGIN_GROUP)

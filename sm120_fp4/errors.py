@@ -27,7 +27,8 @@ class SelfTestError(Sm120Fp4Error, RuntimeError):
 
 
 class RefusedToServe(Sm120Fp4Error, RuntimeError):
-    """No FP4 GEMM backend verified on this device: serving would risk silent garbage."""
+    """No FP4 backend (dense GEMM or NVFP4 fused MoE) verified on this device, for this layer or
+    while serving: serving would risk silent garbage."""
 
 
 def describe(value: object) -> str:

@@ -2,8 +2,8 @@
 
 * ``mm_fp4``: how it is called (positional head, keywords, ``backend=``), which of its backends
   read the 128x4 non-shuffled layout SGLang prepares for cutlass, their alignment, the argument
-  checks made from tensor metadata before any kernel runs, and the front function with its
-  signature that replaces SGLang's alias of it (:func:`mm_fp4_front`).
+  checks made from tensor metadata before any kernel runs (the hot-path fronts that use them are
+  in :mod:`sm120_fp4.dispatch`).
 * ``fp4_quantize``: the activation quantizer (checked against :mod:`sm120_fp4.nvfp4`), and the
   stand-in with its calling convention that simulation uses where the CUDA one cannot run.
 * Support checks: whether a FlashInfer backend can run on a device, and why not.
@@ -42,14 +42,14 @@ __all__ = [
     "is_mm_fp4",
     "quantizer",
     "fp4_quantize_stand_in",
-    "mm_fp4_front",
     "MOE_BACKENDS",
     "MOE_ACTIVATIONS",
     "moe_supported",
     "check_moe_args",
     "moe_backend",
     "moe_call_to_convention",
-    "moe_front",
+    "fused_moe_kernel",
+    "global_scale",
 ]
 
 GemmFn = Callable[..., object]
@@ -274,90 +274,6 @@ def fp4_quantize_stand_in(original: Callable | None) -> Callable:
     return fp4_quantize
 
 
-def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure: Callable[[int], GemmFn | None],
-                 name_of: Callable[[int], str]) -> GemmFn:
-    """A function with mm_fp4's signature that serves routable calls with the routed backend.
-
-    `route(index)` is the hot-path lookup of the backend decided for a device (None: not decided
-    yet, or not ours); `ensure(index)` decides on first use (and returns None for a device this
-    library does not serve). Calls it cannot serve the same way (another backend, another scale
-    layout or block size, keywords it does not know) go to `original` unchanged. It always returns
-    the tensor the backend wrote, never what the backend returned; an empty batch gives an empty
-    result. A failure is explained: bad arguments raise InvalidArgument naming the parameter, a
-    backend's own error gets a note naming the backend (never replaced by zeros).
-    """
-    routed = ROUTED_BACKENDS
-    bf16 = torch.bfloat16
-    empty = torch.empty
-
-    def explain(exc, a, b, a_descale, b_descale, alpha, out_dtype) -> None:
-        try:  # only on failure: validation costs nothing on the served path
-            check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, None, align=(2, 1))
-        except InvalidArgument as bad:
-            raise bad from exc
-        index = a.get_device()
-        exc.add_note(f"sm120_fp4: raised by FP4 GEMM backend {name_of(index)!r} on device {index} "
-                     f"(M={a.shape[0]}); never replaced by zeros")
-
-    def serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out):
-        try:
-            result = out if out is not None and out.is_contiguous() else empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-            if a.shape[0]:
-                fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
-        except Exception as exc:
-            explain(exc, a, b, a_descale, b_descale, alpha, out_dtype)
-            raise
-        if out is None or out is result:
-            return result
-        out.copy_(result)  # a non-contiguous out: the kernels need a contiguous one
-        return out
-
-    def flashinfer_fp4_gemm(
-        a, b, a_descale, b_descale, alpha=None, out_dtype=bf16, out=None,
-        block_size=16, use_8x4_sf_layout=False, backend="auto", **kwargs,
-    ):
-        try:
-            index = a.get_device()
-        except AttributeError:
-            raise _bad("a", a, "packed FP4 activations: a 2-D uint8 tensor (M, K/2)") from None
-        fn = route(index)
-        if fn is not None and backend in routed and alpha is not None and block_size == 16 and not use_8x4_sf_layout and not kwargs:
-            if out is None:
-                # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
-                try:
-                    out = empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-                    if a.shape[0]:
-                        fn(a, b, a_descale, b_descale, alpha, out_dtype, out)
-                except Exception as exc:
-                    explain(exc, a, b, a_descale, b_descale, alpha, out_dtype)
-                    raise
-                return out
-            return serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out)
-        fn = ensure(index)  # first call on this device: decide (self-test) once
-        if fn is None or backend not in routed or block_size != 16 or use_8x4_sf_layout or kwargs:
-            return original(
-                a, b, a_descale, b_descale, alpha, out_dtype, out,
-                block_size=block_size, use_8x4_sf_layout=use_8x4_sf_layout, backend=backend, **kwargs,
-            )
-        if alpha is None:
-            alpha = _alpha_one(a.device)  # the SM120 kernel requires alpha; None means 1.0
-        return serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out)
-
-    flashinfer_fp4_gemm.__wrapped__ = original
-    flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.kernels.flashinfer_fp4_gemm"
-    return flashinfer_fp4_gemm
-
-
-_alpha_cache: dict[torch.device, torch.Tensor] = {}
-
-
-def _alpha_one(device: torch.device) -> torch.Tensor:
-    alpha = _alpha_cache.get(device)
-    if alpha is None:
-        alpha = _alpha_cache.setdefault(device, torch.ones(1, dtype=torch.float32, device=device))
-    return alpha
-
-
 # ---- fused MoE: flashinfer.fused_moe.cutlass_fused_moe ------------------------------------------
 
 # FlashInfer's fused-MoE kernels that take NVFP4 weights in the layout SGLang prepares for them
@@ -367,7 +283,8 @@ MOE_ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2"}
 
 
 @functools.lru_cache(maxsize=1)
-def _fused_moe() -> tuple[Callable, type]:
+def fused_moe_kernel() -> tuple[Callable, type]:
+    """FlashInfer's (cutlass_fused_moe, ActivationType), imported on first use."""
     from flashinfer.fused_moe import ActivationType, cutlass_fused_moe  # heavy: only when asked about
 
     return cutlass_fused_moe, ActivationType
@@ -382,7 +299,7 @@ def moe_supported(name: str, device: Device) -> tuple[bool, str | None]:
     if device.capability[0] not in (10, 11, 12):
         return False, f"FlashInfer's NVFP4 fused MoE needs sm_100/sm_110/sm_120 (found sm_{device.sm})"
     try:
-        _fused_moe()
+        fused_moe_kernel()
     except Exception as exc:
         return False, f"flashinfer {found} fused_moe does not import: {type(exc).__name__}: {exc}"
     return True, None
@@ -430,7 +347,7 @@ def check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf,
 
 def moe_backend(name: str) -> Callable:
     """FlashInfer's fused-MoE kernel `name` in the MoE backend convention, called the way SGLang calls it."""
-    cutlass_fused_moe, activation_type = _fused_moe()
+    cutlass_fused_moe, activation_type = fused_moe_kernel()
 
     def flashinfer_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
                        activation, out_dtype, out):
@@ -486,37 +403,9 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> tuple | None:
     if out is None:
         out = torch.empty((x.shape[0], w2_u8.shape[1]), dtype=out_dtype, device=x.device)
     return (x, ids, weights, w13_u8, scales[1].view(torch.float8_e4m3fn), scales[2], w2_u8, scales[4].view(torch.float8_e4m3fn),
-            scales[5], _gscale(scales[0]), _gscale(scales[3]), activation, out_dtype, out)
+            scales[5], global_scale(scales[0]), global_scale(scales[3]), activation, out_dtype, out)
 
 
-def _gscale(scale: torch.Tensor) -> torch.Tensor:
+def global_scale(scale: torch.Tensor) -> torch.Tensor:
     """A global encode scale as the convention has it: (1,) for one scale, (E,) for one per expert."""
     return scale.reshape(1) if scale.numel() == 1 else scale.reshape(-1)
-
-
-def moe_front(original: Callable, activation_type: type, route: Callable[[int], Callable | None],
-              name_of: Callable[[int], str]) -> Callable:
-    """A function with ``cutlass_fused_moe``'s keyword calling convention (as SGLang calls it) that serves
-    NVFP4 calls with the MoE backend routed for the input's device; others go to `original`. Returns
-    ``[output]`` as the kernel does."""
-
-    def cutlass_fused_moe(**kwargs):
-        x = kwargs.get("input")
-        fn = route(x.get_device()) if isinstance(x, torch.Tensor) else None
-        args = moe_call_to_convention(kwargs, activation_type) if fn is not None else None
-        if args is None:
-            return original(**kwargs)
-        out = args[-1]
-        if x.shape[0]:
-            try:
-                fn(*args)
-            except Exception as exc:
-                index = x.get_device()
-                exc.add_note(f"sm120_fp4: raised by fused-MoE backend {name_of(index)!r} on device {index} "
-                             f"(T={x.shape[0]}); never replaced by zeros")
-                raise
-        return [out]
-
-    cutlass_fused_moe.__wrapped__ = original
-    cutlass_fused_moe.__qualname__ = "sm120_fp4.kernels.cutlass_fused_moe"
-    return cutlass_fused_moe

@@ -46,7 +46,7 @@ _OP_SUMMARY = (
 _REMOVE_DIFF = (
     "when the image moves to a release with no diff here (use the runtime patch there), or to an "
     "SGLang release that passes a verified backend with alpha and out on SM12x and checks the "
-    "output at start-up (then `sm120-fp4 patches check` says fixed and UPSTREAM_FIXED_IN lists it)"
+    "output at start-up (then `sm120-fp4 patches check` says 'fixed' for that tree)"
 )
 
 

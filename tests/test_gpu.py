@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import faults
-from sm120_fp4 import backends, devices, kernels, nvfp4, selection, selftest
+from sm120_fp4 import backends, devices, dispatch, kernels, nvfp4, selection, selftest
 from sm120_fp4.config import Settings
 from sm120_fp4.dispatch import Router
 from sm120_fp4.errors import SelfTestError
@@ -159,7 +159,7 @@ def test_the_moe_front_with_the_emulated_moe_is_captured_and_replays_like_eager(
     (expert-parallel rank 1 of 2, global ids and -1 slots), captured in a CUDA graph, replayed with
     new inputs: equal to the eager call and to the oracle; the eager call never synchronises."""
     weights = selftest._moe_weights(16, 256, 128, "swiglu", torch.device("cuda"), 3)
-    front = kernels.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
+    front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
                               lambda index: backends.emulated_moe, lambda index: "emulated")
     static = _moe_inputs(1)
     out = torch.empty_like(static[0])

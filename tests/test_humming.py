@@ -17,7 +17,7 @@ import torch
 import sm120_fp4
 from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
-from sm120_fp4 import backends, devices, doctor, humming, kernels, nvfp4, selection, selftest
+from sm120_fp4 import backends, devices, dispatch, doctor, humming, kernels, nvfp4, selection, selftest
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
@@ -381,7 +381,7 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
     weights = selftest._moe_weights(experts, hidden, inter, "swiglu", device, 3)
     kept = {name: t.clone() for name, t in weights.items()}
     humming.prepare_moe({**weights, "dtype": torch.bfloat16}, torch.bfloat16, keep_original=True)
-    front = kernels.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
+    front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
                               lambda index: humming.fused_moe, lambda index: "humming")
     gen = torch.Generator().manual_seed(9)
     # "padded": SGLang's -1 slots (another rank's expert, the padding rows of a captured graph): each

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import moe_faults
-from sm120_fp4 import backends, kernels, nvfp4, selftest
+from sm120_fp4 import backends, dispatch, kernels, nvfp4, selftest
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import ConfigError, InvalidArgument
 
@@ -80,7 +80,7 @@ def test_the_flashinfer_moe_backend_calls_cutlass_fused_moe_as_sglang_does(monke
         calls.append(kwargs)
         return [kwargs["output"]]
 
-    monkeypatch.setattr(kernels, "_fused_moe", lambda: (recording_cutlass_fused_moe, ActivationType))
+    monkeypatch.setattr(kernels, "fused_moe_kernel", lambda: (recording_cutlass_fused_moe, ActivationType))
     x, ids, topk_weights, w = _layer_args()
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     fn = kernels.moe_backend("cutlass")
@@ -113,7 +113,7 @@ def test_the_seam_front_maps_sglangs_call_and_expert_parallel_ids():
         seen.append(args)
         return backends.emulated_moe(*args)
 
-    front = kernels.moe_front(original, ActivationType, lambda index: backend, lambda index: "test")
+    front = dispatch.moe_front(original, ActivationType, lambda index: backend, lambda index: "test")
     x, ids, topk_weights, w = _layer_args(experts=4)
     common = dict(input=x, token_final_scales=topk_weights, fc1_expert_weights=w["w13"].view(torch.long),
                   fc2_expert_weights=w["w2"].view(torch.long), output_dtype=torch.bfloat16, input_sf=None,
@@ -178,7 +178,7 @@ def test_the_emulated_moe_front_is_the_oracle_bit_for_bit_without_a_host_sync(ac
     ids, topk_weights = selftest.moe_routing(40, 3, 8, "padded", torch.Generator().manual_seed(4))
     x = selftest.structured_activations(40, 128, 4.0, torch.Generator().manual_seed(5)).to(torch.bfloat16)
     a1 = weights["a1_gscale"].expand(8) * (1 + torch.arange(8) / 8) if per_expert else weights["a1_gscale"].reshape(())
-    front = kernels.moe_front(lambda **kw: pytest.fail("original called"), ActivationType, lambda index: backends.emulated_moe,
+    front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), ActivationType, lambda index: backends.emulated_moe,
                               lambda index: "emulated")
     scales = [a1, weights["w13_sf"].view(torch.int32), weights["w13_alpha"], weights["a2_gscale"].reshape(()),
               weights["w2_sf"].view(torch.int32), weights["w2_alpha"]]

@@ -338,17 +338,19 @@ def test_a_refusal_from_decide_is_in_status_with_its_reasons():
 @case("backend faults", "SM120_FP4_SELFTEST_TIMEOUT=1 and a kernel that takes 0.4 s per call (every call under the bound, 8 calls)",
       "the bound is on the whole candidate: rejected as hung after about 1 s; the next candidate serves")
 def test_the_selftest_timeout_bounds_a_whole_candidate(monkeypatch):
+    calls = []
+
     def slow(*args):
+        calls.append(1)
         time.sleep(0.4)
         return faults.healthy(*args)
 
     backends.register("slow", slow)
     monkeypatch.setenv("SM120_FP4_SIMULATE", "12.0")
     monkeypatch.setenv("SM120_FP4_SELFTEST_TIMEOUT", "1")
-    start = time.perf_counter()
     decision = selection.decide(candidates=["slow", "emulated"])
     assert decision.backend == "emulated" and "did not return within" in decision.rejected["slow"]
-    assert time.perf_counter() - start < 3.2 - 0.4 * 2
+    assert len(calls) <= 3, f"{len(calls)} calls of 0.4 s: the bound is on the whole candidate, not per call"
 
 
 @case("configuration", "SELECT=fastest with two verified kernels: one fast on the self-test's shapes but 1000x slower at a prefill M, one steady",

@@ -23,7 +23,7 @@ from helpers.common import (SIM, SIM_ENV, alias_name, alias_spec_name, assert_no
 from helpers.procs import REPO, Spawned, background, clean_env, ours, python, with_repo_pth
 from sm120_fp4 import backends
 from sm120_fp4.backends import emulated_mm_fp4
-from sm120_fp4.sglang import layers, plugin, release
+from sm120_fp4.sglang import layers, release
 from sm120_fp4.sglang import targets as sglang_targets
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
@@ -255,13 +255,21 @@ def test_a_missing_or_unreadable_sglang_version_is_left_untouched(monkeypatch, v
     assert_not_patched()
 
 
-@case("own failures", "plugin entry point with SM120_FP4=1 when SGLang's metadata is missing", "plugin.load() returns without raising; nothing patched")
+def sglang_plugin():
+    """Our plugin as SGLang loads it: the `sglang.srt.plugins` entry point named sm120_fp4."""
+    from importlib.metadata import entry_points
+
+    [point] = [p for p in entry_points(group="sglang.srt.plugins") if p.name == "sm120_fp4"]
+    return point.load()
+
+
+@case("own failures", "plugin entry point with SM120_FP4=1 when SGLang's metadata is missing", "the entry point returns without raising; nothing patched")
 def test_the_plugin_entry_point_never_raises_without_sglang(monkeypatch):
     monkeypatch.setenv("SM120_FP4", "1")
     for name, value in SIM_ENV.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(release, "sglang_version", lambda: None)
-    plugin.load()
+    sglang_plugin()()
     assert not sm120_fp4.status().installed
     assert_not_patched()
 
@@ -269,11 +277,11 @@ def test_the_plugin_entry_point_never_raises_without_sglang(monkeypatch):
 def test_the_plugin_entry_point_does_nothing_without_the_toggle(monkeypatch):
     for name, value in SIM_ENV.items():
         monkeypatch.setenv(name, value)
-    plugin.load()
+    sglang_plugin()()
     assert not sm120_fp4.status().installed
     assert_not_patched()
     monkeypatch.setenv("SM120_FP4", "1")
-    plugin.load()
+    sglang_plugin()()
     assert sm120_fp4.status().installed
     assert_patched_once()
 

@@ -76,7 +76,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
             moe.pin_auto_runner(patcher)
 
     def moe_seam(original):
-        return moe.make_seam(original, lambda index: selection.route(index, settings, "moe"), sim is not None)
+        return moe.make_seam(original, router.make_moe_front, sim is not None)
 
     idle = targets.idle_spec(canary.idle) if canary is not None and settings.canary_period is not None else None
     if settings.canary_period is not None and idle is None:

@@ -5,8 +5,10 @@ At ``process_weights_after_loading`` (ModelOpt NVFP4 linear, compressed-tensors 
 the device's backend is decided (a self-test; the runner enum is pinned), then SGLang processes the
 weights, then this layer's configuration (its N, K, activation dtype and scale dtypes, its own
 processed weights) is verified through SGLang's own ``apply`` at every batch-size bucket up to the
-largest CUDA-graph batch, against the oracle. After ``ModelRunner.init_cuda_graphs`` every verified
-configuration is re-run eagerly at a few batch sizes.
+largest CUDA-graph batch, against the oracle. Every later layer of a configuration gets a light
+check with its own weights and a fingerprint of them. After every CUDA-graph capture (the draft
+model's included) every layer's fingerprint is compared and every verified configuration re-run
+eagerly at its re-check sizes (decode, 2049, the prefill chunk) and at every captured graph size.
 """
 
 from __future__ import annotations
@@ -256,7 +258,7 @@ def recheck_sizes(max_batch: int) -> list[int]:
     return sorted({1, 7, max_batch, LARGE_BATCH, chunk, largest})
 
 
-def _activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
+def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
     """The activation dtype SGLang will pass: the layer's params_dtype, else the default dtype SGLang
     loads the model under; both half types when neither says."""
     for dtype in (getattr(layer, "params_dtype", None), torch.get_default_dtype()):
@@ -304,7 +306,7 @@ def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, al
     if weight.numel() == 0 or weight.dtype != torch.uint8 or weight_sf.dim() != 2:
         _LOG.info("sm120_fp4: %s N=%d K=%d: weights not in the cutlass layout (a fused path); not verified here", kind, n_out, k)
         return None
-    dtypes = _activation_dtypes(layer)
+    dtypes = activation_dtypes(layer)
     max_batch = max_capture_batch()
     watched = (weight, weight_sf, alpha, input_gsf)
     label = f"{kind} N={n_out} K={k} {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} (weight scales {str(weight_sf.dtype).removeprefix('torch.')})"

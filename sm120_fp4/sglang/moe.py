@@ -33,7 +33,7 @@ from .. import backends, kernels, nvfp4, selection, selftest
 from ..errors import RefusedToServe
 from ..patching import PatchSpec, Patcher
 from ..selection import LayerCheck
-from .hooks import LIGHT_BATCH, _activation_dtypes, batch_sizes, layer_device_index, layer_name, max_capture_batch, recheck_sizes
+from .hooks import LIGHT_BATCH, activation_dtypes, batch_sizes, layer_device_index, layer_name, max_capture_batch, recheck_sizes
 from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -127,8 +127,9 @@ def runner_problem(kind: str, method: object) -> str | None:
             f"{RUNNER_FLAG}, or set SM120_FP4_SELFTEST=warn to serve this layer UNVERIFIED")
 
 
-def make_seam(original: Callable, route: Callable[[int], Callable | None], simulated: bool) -> Callable:
-    """Replace ``_flashinfer_cutlass_fused_moe()``: (a front over cutlass_fused_moe, ActivationType)."""
+def make_seam(original: Callable, make_front: Callable[[Callable, type], Callable], simulated: bool) -> Callable:
+    """Replace ``_flashinfer_cutlass_fused_moe()``: (a front over cutlass_fused_moe, ActivationType);
+    `make_front(cutlass_fused_moe, ActivationType)` builds the front (dispatch.Router.make_moe_front)."""
     fronts: dict[int, tuple] = {}
 
     @functools.wraps(original)
@@ -139,12 +140,10 @@ def make_seam(original: Callable, route: Callable[[int], Callable | None], simul
             if not simulated:
                 raise
             # Simulation on a CPU: SGLang's own lookup insists on CUDA; FlashInfer imports anyway.
-            fn, activation_type = kernels._fused_moe()
+            fn, activation_type = kernels.fused_moe_kernel()
         cached = fronts.get(id(fn))
         if cached is None or cached[0] is not fn:
-            names = selection.routes
-            front = kernels.moe_front(fn, activation_type, route, lambda i: names("moe").get(i, "?"))
-            cached = fronts[id(fn)] = (fn, front)
+            cached = fronts[id(fn)] = (fn, make_front(fn, activation_type))
         return cached[1], activation_type
 
     return _flashinfer_cutlass_fused_moe
@@ -195,8 +194,8 @@ def processed_weights(layer: object) -> dict | None:
         w13_alpha=layer.g1_alphas.float().reshape(experts),
         w2=w2, w2_sf=w2_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(hidden, inter)),
         w2_alpha=layer.g2_alphas.float().reshape(experts),
-        a1_gscale=kernels._gscale(layer.w13_input_scale_quant.float()),
-        a2_gscale=kernels._gscale(layer.w2_input_scale_quant.float()),
+        a1_gscale=kernels.global_scale(layer.w13_input_scale_quant.float()),
+        a2_gscale=kernels.global_scale(layer.w2_input_scale_quant.float()),
         activation=activation, experts=experts, hidden=hidden, inter=inter,
     )
 
@@ -265,7 +264,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     foreign = [e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total]
     pool = torch.tensor(sorted(set(first + e for e in subset) | set(foreign)))
     everyone = torch.arange(total)
-    dtypes = _activation_dtypes(layer)
+    dtypes = activation_dtypes(layer)
     max_batch = max_capture_batch()
     ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
     tp = f" TP rank {getattr(layer, 'moe_tp_rank', 0)}/{getattr(layer, 'moe_tp_size', 1)}" if getattr(layer, "moe_tp_size", 1) > 1 else ""

@@ -43,7 +43,7 @@ from .. import locks
 from ..errors import say_once
 from ..kernels import fp4_quantize_stand_in
 from ..patching import PatchSpec, Patcher
-from . import cpu_engine
+from .cpu_engine import OPS as CPU_ENGINE_OPS, cpu_engine_selected
 from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -298,7 +298,7 @@ class Simulation:
         if KERNEL_PACKAGE in sys.modules:
             self.patcher.note(spec, "skipped", f"{KERNEL_PACKAGE} was imported before install()")
             return
-        serve = cpu_engine.OPS if cpu_engine.cpu_engine_selected() else None
+        serve = CPU_ENGINE_OPS if cpu_engine_selected() else None
         remove = kernel_package_stand_in(lambda reason: self._kernel_stand_in_used(spec, reason, serve), serve)
         with self._lock:
             self._undo.append(remove)
@@ -388,7 +388,7 @@ def kernel_package_stand_in(used: Callable[[str], None] = lambda reason: None,
     Also for a test session that imports SGLang's modules on a CPU before any install() (the
     release matrix runs the SGLang test files on 0.5.3-0.5.10, whose pinned kernel package
     cannot load there). `used(reason)` is called when the stand-in replaces the real package.
-    With `serve` (SGLang's CPU engine selected: :data:`cpu_engine.OPS`), the stand-in also stands in for
+    With `serve` (SGLang's CPU engine selected: :data:`sm120_fp4.sglang.cpu_engine.OPS`), the stand-in also stands in for
     a package that is not installed at all, and those names compute in pure PyTorch."""
     finder = _KernelPackageFinder(used, serve)
     sys.meta_path.insert(0, finder)
