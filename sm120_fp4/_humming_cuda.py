@@ -162,11 +162,15 @@ def launch(a: torch.Tensor, sf_bytes: torch.Tensor, out: torch.Tensor, kp: int) 
     `out` must be a fresh contiguous allocation (16-byte aligned rows); the kernel was load()-ed."""
     from cuda.bindings import driver
 
+    index = a.device.index
+    if torch.cuda.current_device() != index:  # a driver launch uses the current context: the tensors' device's
+        with torch.cuda.device(index):
+            return launch(a, sf_bytes, out, kp)
     m, half_k = a.shape
     if half_k % 8 or out.data_ptr() % 16:
         raise ValueError(f"the CUDA dequantization kernel needs K % 16 == 0 and a 16-byte aligned output (K={2 * half_k})")
-    function = _functions[a.device.index]
-    stream = _raw_stream(a.device.index)
+    function = _functions[index]
+    stream = _raw_stream(index)
     blocks = (half_k // 8 + THREADS - 1) // THREADS
     args = ((a.data_ptr(), sf_bytes.data_ptr(), out.data_ptr(), half_k, kp, 1 if out.dtype == torch.bfloat16 else 0), _ARG_TYPES)
     _check(driver.cuLaunchKernel(function, m, blocks, 1, THREADS, 1, 1, 0, stream, args, 0), "cuLaunchKernel")
