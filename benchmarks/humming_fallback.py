@@ -25,6 +25,7 @@ speed against M where matplotlib is installed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -49,6 +50,8 @@ DECODE_M = (1, 4, 16, 64)
 PREFILL_M = (1024, 4096, 8192)
 MOE = {"DeepSeek E=256 H=7168 I=256 top-8 (TP8)": (256, 7168, 256, 8),
        "DeepSeek E=256 H=7168 I=2048 top-8 (TP1)": (256, 7168, 2048, 8)}
+GRAPH_CALLS = 20  # decode calls per timed graph (per-call times: the graph's own launch amortised)
+COLD_BYTES = 200 * 2**20  # the rotated copies of a layer exceed the H200's 60 MB L2 by this much
 MOE_T_DECODE = (1, 8, 64)
 MOE_T_PREFILL = (512,)
 DEV = torch.device("cuda", 0)
@@ -82,6 +85,16 @@ def graph_ms(fn, reps: int = 50) -> float:
     with torch.cuda.graph(graph):
         fn()
     return events_ms(graph.replay, reps)
+
+
+def graph_calls_ms(fns: list, reps: int = 20) -> float:
+    """Median ms per call of a CUDA graph holding the calls `fns`, in order, replayed."""
+    return graph_ms(lambda: [f() for f in fns], reps) / len(fns)
+
+
+def cycle(fns: list) -> list:
+    """`fns` repeated to at least GRAPH_CALLS calls (every copy of a rotation equally often)."""
+    return fns * max(1, math.ceil(GRAPH_CALLS / len(fns)))
 
 
 def random_nvfp4(rows: int, k: int, experts: int | None = None, seed: int = 0):
@@ -129,6 +142,18 @@ def dense_row(name: str, n: int, k: int, ms: tuple, emulated_ms: tuple) -> dict:
            "memory_ratio": round((nvfp4_bytes + resident) / nvfp4_bytes, 4),
            "conversion_transient_ratio": round((nvfp4_bytes + transient) / nvfp4_bytes, 3), "m": {}}
     w_bf16 = torch.randn(n, k, device=DEV).to(BF16)  # the bf16 model's weight (speed only)
+    # L2-cold decode: a model's layers evict each other's weights from the 60 MB L2, so decode is
+    # also timed over copies of the layer (each converted in place like a served layer) rotated in
+    # one graph, enough to exceed the L2 by COLD_BYTES; the same for the bf16 weight.
+    copies_fp4 = max(1, min(32, math.ceil(COLD_BYTES / nvfp4_bytes)))
+    copies_bf16 = max(1, min(32, math.ceil(COLD_BYTES / (2 * n * k))))
+    cold = [(w, sf)]
+    for _ in range(copies_fp4 - 1):
+        cw, csf = orig_w.clone(), orig_sf.clone()
+        humming.prepare_dense(cw, csf, BF16, keep_original=False)
+        cold.append((cw, csf))
+    cold_bf16 = [w_bf16] + [w_bf16.clone() for _ in range(copies_bf16 - 1)]
+    row["cold_copies"] = {"fp4": copies_fp4, "bf16": copies_bf16}
     for m in ms:
         x, gx, a, a_sf = activations(m, k, seed=m)
         out = torch.empty(m, n, dtype=BF16, device=DEV)
@@ -158,9 +183,28 @@ def dense_row(name: str, n: int, k: int, ms: tuple, emulated_ms: tuple) -> dict:
         cell["speedup_vs_bf16"] = cell["bf16_ms"] / cell["humming_ms"]
         if "emulated_ms" in cell:
             cell["speedup_vs_emulated"] = cell["emulated_ms"] / cell["humming_ms"]
+        if decode:
+            # Per call inside a graph of GRAPH_CALLS calls (a served decode step is one graph of
+            # every layer: the graph's own launch, which the one-call replays above include for
+            # both sides, is not paid per GEMM): L2-hot (one weight) and L2-cold (copies rotated).
+            hot = graph_calls_ms([bf16_fn] * GRAPH_CALLS), graph_calls_ms([call] * GRAPH_CALLS)
+            cell["bf16_hot_ms"], cell["humming_hot_ms"] = hot
+            cell["humming_gemm_only_hot_ms"] = graph_calls_ms([gemm_only] * GRAPH_CALLS)
+            cell["bf16_cold_ms"] = graph_calls_ms(cycle([(lambda wb=wb: torch.matmul(x, wb.T)) for wb in cold_bf16]))
+            cell["humming_cold_ms"] = graph_calls_ms(cycle([
+                (lambda cw=cw, csf=csf: humming.mm_fp4(a, cw.T, a_sf, csf.T, alpha, BF16, out)) for cw, csf in cold]))
+            cell["speedup_vs_bf16_hot"] = cell["bf16_hot_ms"] / cell["humming_hot_ms"]
+            cell["speedup_vs_bf16_cold"] = cell["bf16_cold_ms"] / cell["humming_cold_ms"]
+            if "emulated_ms" in cell:
+                cell["emulated_hot_ms"] = graph_calls_ms([emu] * 4, reps=10)
+                cell["speedup_vs_emulated_hot"] = cell["emulated_hot_ms"] / cell["humming_hot_ms"]
+        elif m == 1024:  # prefill's GPU time alone (eager, above, includes the host's launch cost)
+            cell["bf16_graph_ms"] = graph_calls_ms([bf16_fn] * 4, reps=20)
+            cell["humming_graph_ms"] = graph_calls_ms([call] * 4, reps=20)
+            cell["speedup_vs_bf16_graph"] = cell["bf16_graph_ms"] / cell["humming_graph_ms"]
         row["m"][m] = cell
         del x, a, a_sf, out, xq
-    del w_bf16, orig_w, orig_sf
+    del w_bf16, orig_w, orig_sf, cold, cold_bf16
     return row
 
 
@@ -225,8 +269,6 @@ def moe_row(name: str, e: int, h: int, i: int, top_k: int, decode_t: tuple, pref
 
 
 def geomean(values):
-    import math
-
     values = [v for v in values if v]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
@@ -242,12 +284,16 @@ def plot(dense_rows: list, path: Path) -> str:
     fig, ax = plt.subplots(figsize=(8, 5))
     for row in dense_rows:
         ms = sorted(row["m"])
-        ax.plot(ms, [row["m"][m]["speedup_vs_bf16"] for m in ms], marker="o", label=row["shape"])
+        line, = ax.plot(ms, [row["m"][m]["speedup_vs_bf16"] for m in ms], marker="o", label=row["shape"])
+        cold = [m for m in ms if "speedup_vs_bf16_cold" in row["m"][m]]
+        if cold:
+            ax.plot(cold, [row["m"][m]["speedup_vs_bf16_cold"] for m in cold], ls="--", marker=".", color=line.get_color())
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("M (tokens)")
     ax.set_ylabel("bf16 torch.matmul time / humming time")
-    ax.set_title(f"humming fallback vs bf16 (H200, humming {humming.version()})")
+    ax.set_title(f"humming fallback vs bf16 (H200, humming {humming.version()}); dashed: decode in a graph, L2-cold",
+                 fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -258,6 +304,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("all", "dense", "moe", "startup"), default="all")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--shapes", default="", help="comma-separated dense shape names (default: all)")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU with humming-kernels; nothing to measure here")
@@ -282,7 +329,7 @@ def main() -> int:
         payload["startup"] = humming.startup()
         write(f"humming_fallback-{tag}", payload)
 
-    shapes = QUICK_DENSE if opts.quick else tuple(DENSE)
+    shapes = tuple(opts.shapes.split(",")) if opts.shapes else QUICK_DENSE if opts.quick else tuple(DENSE)
     if opts.part in ("all", "dense"):
         for name in shapes:
             try:
@@ -309,18 +356,39 @@ def main() -> int:
     payload["startup"] = humming.startup()
     decode = [c["speedup_vs_bf16"] for r in dense_rows for m, c in r["m"].items() if m <= 64]
     prefill = [c["speedup_vs_bf16"] for r in dense_rows for m, c in r["m"].items() if m >= 1024]
+    cold = [c["speedup_vs_bf16_cold"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_bf16_cold" in c]
+    hot = [c["speedup_vs_bf16_hot"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_bf16_hot" in c]
+    emu_hot = [c["speedup_vs_emulated_hot"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_emulated_hot" in c]
+    graph_prefill = [c["speedup_vs_bf16_graph"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_bf16_graph" in c]
+    gemm_only = {"decode": [c["bf16_ms"] / c["humming_gemm_only_ms"] for r in dense_rows for m, c in r["m"].items() if m <= 64],
+                 "prefill": [c["bf16_ms"] / c["humming_gemm_only_ms"] for r in dense_rows for m, c in r["m"].items() if m >= 1024]}
+    split = {f"{part} {tp}": geomean([c["speedup_vs_bf16"] for r in dense_rows if r["shape"].endswith(tp)
+                                      for m, c in r["m"].items() if (m <= 64) == (part == "decode")])
+             for part in ("decode", "prefill") for tp in ("TP1", "TP8")}
     emu = [c["speedup_vs_emulated"] for r in dense_rows for m, c in r["m"].items() if m <= 64 and "speedup_vs_emulated" in c]
     moe_emu = [c["speedup_vs_emulated"] for r in moe_rows for c in r["t"].values() if "speedup_vs_emulated" in c]
     payload["summary"] = {"dense_geomean_vs_bf16_decode_M1-64": geomean(decode),
                           "dense_geomean_vs_bf16_prefill_M1024+": geomean(prefill),
+                          "dense_geomean_vs_bf16_decode_M1-64_in_graph_L2hot": geomean(hot),
+                          "dense_geomean_vs_bf16_decode_M1-64_in_graph_L2cold": geomean(cold),
+                          "dense_geomean_vs_bf16_prefill_M1024_in_graph": geomean(graph_prefill),
+                          "dense_min_vs_emulated_decode_in_graph": min(emu_hot) if emu_hot else None,
+                          "dense_cells_under_8x_emulated_decode_in_graph": sum(1 for v in emu_hot if v < 8),
+                          "dense_gemm_only_geomean_decode": geomean(gemm_only["decode"]),
+                          "dense_gemm_only_geomean_prefill": geomean(gemm_only["prefill"]),
+                          "dense_geomean_by_tp": split,
                           "dense_min_vs_emulated_decode": min(emu) if emu else None,
+                          "dense_cells_under_8x_emulated_decode": sum(1 for v in emu if v < 8), "dense_cells_vs_emulated_decode": len(emu),
                           "moe_min_vs_emulated_T1-64": min(moe_emu) if moe_emu else None}
     out_dir = Path(os.environ.get("BENCH_OUT", Path(__file__).resolve().parent / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     payload["plot"] = plot(dense_rows, out_dir / f"humming_speed-{tag}.png") if dense_rows else None
     rows = [[r["shape"], m, c["bf16_ms"], c["humming_ms"], c["humming_gemm_only_ms"], c.get("emulated_ms", ""),
-             c["speedup_vs_bf16"], c.get("rel_err_vs_w4a4_oracle", "")] for r in dense_rows for m, c in r["m"].items()]
-    print(table(["shape", "M", "bf16 ms", "humming ms", "gemm only ms", "emulated ms", "bf16/humming", "rel err"], rows))
+             c["speedup_vs_bf16"], c.get("speedup_vs_bf16_hot", c.get("speedup_vs_bf16_graph", "")),
+             c.get("speedup_vs_bf16_cold", ""), c.get("rel_err_vs_w4a4_oracle", "")]
+            for r in dense_rows for m, c in r["m"].items()]
+    print(table(["shape", "M", "bf16 ms", "humming ms", "gemm only ms", "emulated ms", "bf16/humming",
+                 "in graph", "in graph L2-cold", "rel err"], rows))
     rows = [[r["config"], t, c["humming_ms"], c.get("emulated_ms", ""), c.get("speedup_vs_emulated", "")]
             for r in moe_rows for t, c in r["t"].items()]
     print(table(["MoE", "T", "humming ms", "emulated ms", "emulated/humming"], rows))

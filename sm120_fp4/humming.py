@@ -36,7 +36,6 @@ only: ``tests/helpers``), so that the wiring around the kernel is tested.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -132,6 +131,7 @@ class Prepared:
     dtype: torch.dtype
     scale_2: torch.Tensor | None = None
     locks: torch.Tensor | None = None
+    kernels: Any = None  # the engine's compiled kernel table (Humming: its configs tensor), made at the first call
 
 
 class Engine:
@@ -218,13 +218,26 @@ class _HummingEngine(Engine):
         return Prepared(out, config, label, n, k, experts, dtype, scale_2, locks)
 
     @staticmethod
-    def _launch(prepared, x, scale_2, out, **moe):
+    def _kernels(prepared):
+        """The layer's kernel table (one compiled kernel per M range: Humming's own choice, or the
+        measured one of `tuning_config`), resolved once at its first call (outside capture: the
+        layer check makes it) instead of at every call: Humming's per-call path (ops.humming_gemm)
+        re-serialises and looks up its three configuration strings each time."""
+        if prepared.kernels is None:
+            from humming.kernel.humming import HummingKernel
+
+            with torch.cuda.device(prepared.tensors["weight"].device):
+                prepared.kernels = HummingKernel.prepare_kernels(prepared.meta["layer_config"], prepared.meta["compute_config"],
+                                                                 prepared.meta.get("tuning_config"))
+        return prepared.kernels
+
+    @classmethod
+    def _launch(cls, prepared, x, scale_2, out, **moe):
         from humming import ops
 
-        ops.humming_gemm(layer_config=prepared.meta["layer_config"], compute_config=prepared.meta["compute_config"],
-                         tuning_config=None, inputs=x, weight=prepared.tensors["weight"],
-                         weight_scale=prepared.tensors["weight_scale"], weight_scale_2=scale_2, outputs=out,
-                         locks=prepared.locks, **moe)
+        ops.launch_kernel(configs=cls._kernels(prepared), inputs=x, weight=prepared.tensors["weight"],
+                          weight_scale=prepared.tensors["weight_scale"], weight_scale_2=scale_2, outputs=out,
+                          locks=prepared.locks, **moe)
 
     def gemm(self, prepared, x, scale_2, out):
         self._launch(prepared, x, scale_2, out)
@@ -286,6 +299,7 @@ def clear() -> None:
         _converted.clear()
         _startup.clear()
         _memory.clear()
+        _dequant_engines.clear()  # chosen again (and reported) at the next call; built kernels stay loaded
 
 
 def _cubins() -> int:
@@ -522,49 +536,85 @@ def mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     """The dense ``humming`` backend (mm_fp4's convention): out = alpha * (A_unscaled @ W_unscaled^T),
     the activations dequantized exactly to `out_dtype`, the weight through Humming."""
     _check_dense(a, b, a_descale, b_descale, alpha, out_dtype, out)
-    weight, weight_sf = b.T, b_descale.T
-    conv = _entry(weight, weight_sf, out_dtype, None, "dense")
+    # A served layer converted at load, looked up without making the .T views (b and b.T share the
+    # storage the key is); anything else (a dead record, another dtype, no record) goes through
+    # _entry, which converts, raises or refuses as it must.
+    conv = _converted.get((_storage_key(b), IN_PLACE))
+    if conv is None or conv.owner() is None or conv.prepared.dtype != out_dtype:
+        conv = _entry(b.T, b_descale.T, out_dtype, None, "dense")
+    prepared = conv.prepared
     x = dequantize_activations(a, a_descale, out_dtype)
-    scale = alpha.reshape(1) if conv.prepared.scale_2 is None else alpha.reshape(1) * conv.prepared.scale_2
-    _first_call(conv.prepared, "dense", lambda: _engine.gemm(conv.prepared, x, scale, out))
+    scale = alpha if alpha.dim() == 1 else alpha.reshape(1)
+    if prepared.scale_2 is not None:
+        scale = scale * prepared.scale_2
+    _first_call(prepared, "dense", lambda: _engine.gemm(prepared, x, scale, out))
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _dequant_kernel():
-    """The Triton activation-dequantization kernel (its module imports Triton: only when asked for)."""
-    import triton
-
-    from ._humming_dequant import dequant
-
-    return triton, dequant
+_dequant_engines: dict[int, tuple[str, Callable]] = {}  # device index -> (engine, launch)
 
 
-_DEQUANT_BLOCK = 256
+def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
+    """The activation-dequantization kernel for `device`, chosen at its first use (outside capture):
+    the CUDA C kernel (NVRTC, a driver launch: a few us of host time per call), else the Triton
+    kernel (about 30 us of host time per call on the H200), with the reason kept for the report."""
+    index = device.index
+    found = _dequant_engines.get(index)
+    if found is not None:
+        return found
+    if torch.cuda.is_current_stream_capturing():
+        from . import _humming_cuda
+
+        if _humming_cuda.loaded(device):  # built before (the records were cleared since): nothing to build now
+            with _lock:
+                return _dequant_engines.setdefault(index, ("cuda", _humming_cuda.launch))
+        raise SelfTestError("sm120_fp4: Humming's activation dequantization kernel was never run on this GPU before "
+                            "CUDA-graph capture (it cannot be built inside capture); the layer check runs it at load")
+    reason = None
+    try:
+        from . import _humming_cuda
+
+        _humming_cuda.load(device)
+        found = ("cuda", _humming_cuda.launch)
+    except Exception as exc:  # noqa: BLE001 - no NVRTC, an NVRTC that does not know this GPU: Triton's kernel
+        reason = f"{type(exc).__name__}: {exc}"
+        from ._humming_dequant import launch as triton_launch
+
+        def launch(a, sf, out, kp):
+            triton_launch(a, sf.view(torch.uint8), out, kp)
+
+        found = ("triton", launch)
+        _LOG.info("sm120_fp4: Humming's activation dequantization runs as a Triton kernel on cuda:%s (%s)", index, reason)
+    with _lock:
+        _dequant_engines[index] = found
+        _startup.setdefault("dequant", {"first_call_s": None, "kernels_compiled": None, "from_cache": None,
+                                        "engine": found[0], "version": "the activation dequantization kernel "
+                                        + ("(CUDA C through NVRTC)" if found[0] == "cuda" else "(Triton's own cache)"),
+                                        "fallback_reason": reason})
+    return found
 
 
 def dequantize_activations(a: torch.Tensor, a_descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SGLang's FP4 activations (M, K/2) with their swizzled scales, dequantized exactly to `dtype`
-    (e2m1(code) * float(scale): 5 significant bits, which bf16 and fp16 hold): a Triton kernel on
-    CUDA, nvfp4's decode elsewhere (the stand-in's CPU)."""
+    (e2m1(code) * float(scale): 5 significant bits, which bf16 and fp16 hold): one CUDA kernel
+    (NVRTC; Triton's where NVRTC cannot build it) on CUDA, nvfp4's decode elsewhere (the stand-in's CPU)."""
     m, half_k = a.shape
     if not a.is_cuda:
         x = nvfp4.dequantize_unscaled(a, a_descale.reshape(-1), torch.float32)
         return x.to(dtype)
-    triton, kernel = _dequant_kernel()
     out = torch.empty((m, 2 * half_k), dtype=dtype, device=a.device)
     if m:
-        kp = nvfp4.swizzled_scale_shape(m, 2 * half_k)[1]
-        first = "dequant" not in _startup
+        first = a.device.index not in _dequant_engines
         start = time.perf_counter()
-        kernel[(m, triton.cdiv(half_k, _DEQUANT_BLOCK))](a, a_descale.view(torch.uint8), out, half_k, kp,
-                                                          BLOCK=_DEQUANT_BLOCK)
-        if first and not torch.cuda.is_current_stream_capturing():
+        _engine_name, launch = _dequant_engine(a.device)
+        # The scale bytes as they are (uint8 or float8_e4m3fn: the kernels read bytes); kp, the
+        # swizzled layout's scale columns, is nvfp4.swizzled_scale_shape(m, K)[1]: ceil4(K / 16).
+        launch(a, a_descale, out, (half_k // 8 + 3) // 4 * 4)
+        entry = _startup.get("dequant") if first else None
+        if entry is not None and entry["first_call_s"] is None:  # its build and first run, timed (never inside capture)
             torch.cuda.synchronize(a.device)
             with _lock:
-                _startup.setdefault("dequant", {"first_call_s": round(time.perf_counter() - start, 3), "kernels_compiled": None,
-                                                "from_cache": None, "engine": "triton",
-                                                "version": "the activation dequantization kernel (Triton's own cache)"})
+                entry["first_call_s"] = round(time.perf_counter() - start, 3)
     return out
 
 

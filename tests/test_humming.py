@@ -384,7 +384,9 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
     front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
                               lambda index: humming.fused_moe, lambda index: "humming")
     gen = torch.Generator().manual_seed(9)
-    ids, tw = selftest.moe_routing(tokens, top_k, experts, "random", gen)
+    # "padded": SGLang's -1 slots (another rank's expert, the padding rows of a captured graph): each
+    # rides with expert 0 as a zero row and is discarded, inside the graph, with no host sync.
+    ids, tw = selftest.moe_routing(tokens, top_k, experts, "padded", gen)
     static = {"x": (torch.randn(tokens, hidden, generator=gen)).to(torch.bfloat16).to(device),
               "ids": ids.to(device), "tw": tw.to(device)}
     scales = [weights["a1_gscale"].reshape(()), weights["w13_sf"].view(torch.int32), weights["w13_alpha"],
@@ -398,10 +400,11 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
 
     graph, static_out = _capture(call)
     fresh = []
-    for _ in range(2):  # made on the device before the no-sync region
-        ids, tw = selftest.moe_routing(tokens, top_k, experts, "random", gen)
-        fresh.append((torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device), ids.to(device), tw.to(device)))
-    for x, ids, tw in fresh:
+    for routing in ("padded", "random"):  # made on the device before the no-sync region
+        ids, tw = selftest.moe_routing(tokens, top_k, experts, routing, gen)
+        fresh.append((routing, torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device), ids.to(device),
+                      tw.to(device)))
+    for routing, x, ids, tw in fresh:
         static["x"].copy_(x)
         static["ids"].copy_(ids)
         static["tw"].copy_(tw)
@@ -413,21 +416,39 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         assert torch.equal(static_out, eager)
-    ref = nvfp4.reference_moe_fp4(static["x"], static["ids"], static["tw"], kept["w13"], kept["w13_sf"],
-                                  kept["w13_alpha"] * kept["a1_gscale"], kept["w2"], kept["w2_sf"],
-                                  kept["w2_alpha"] * kept["a2_gscale"], None, None, quantize_activations=False)
-    assert float((eager.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+        mine = static["ids"] >= 0  # the oracle's convention for the others: expert 0 with weight 0 (they add nothing)
+        ref = nvfp4.reference_moe_fp4(static["x"], torch.where(mine, static["ids"], 0), torch.where(mine, static["tw"], 0),
+                                      kept["w13"], kept["w13_sf"],
+                                      kept["w13_alpha"] * kept["a1_gscale"], kept["w2"], kept["w2_sf"],
+                                      kept["w2_alpha"] * kept["a2_gscale"], None, None, quantize_activations=False)
+        assert float((eager.float() - ref.float()).norm() / ref.float().norm()) < 1e-2, routing
+        dropped = (~mine).all(dim=1)
+        if routing == "padded":
+            assert bool(dropped.any()) and bool((eager[dropped] == 0).all())  # rows of -1 slots only: nothing added
 
 
 @pytest.mark.gpu
 @ON_GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_activation_dequantization_kernel_is_bitwise_the_oracles_decode(dtype):
-    for m, k in ((1, 160), (7, 480), (129, 1056), (300, 8192)):
-        _, _, (qx, _, sx, _, _) = selftest.quantized_inputs((m, 32, k), torch.device("cuda"), m)
+    """The served path (the CUDA C kernel where NVRTC builds it) and both kernels directly, the
+    Triton one too (the fallback), on NaN-poisoned outputs, codes at an odd byte offset included."""
+    from sm120_fp4 import _humming_cuda, _humming_dequant
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    _humming_cuda.load(device)  # NVRTC is there wherever Humming compiles with it (the H200's image)
+    for m, k in ((1, 160), (7, 480), (129, 1056), (300, 8192), (1000, 28672)):
+        _, _, (qx, _, sx, _, _) = selftest.quantized_inputs((m, 32, k), device, m)
         want = nvfp4.dequantize_unscaled(qx, sx, torch.float32).to(dtype)
         got = humming.dequantize_activations(qx, sx.view(torch.uint8), dtype)
         assert torch.equal(got, want), (m, k)
+        kp = nvfp4.swizzled_scale_shape(m, k)[1]
+        odd = torch.empty(qx.numel() + 1, dtype=torch.uint8, device=device)[1:].view(qx.shape).copy_(qx)
+        for launch, codes in ((_humming_cuda.launch, qx), (_humming_cuda.launch, odd), (_humming_dequant.launch, qx)):
+            out = torch.full((m, k), float("nan"), dtype=dtype, device=device)
+            launch(codes, sx.view(torch.uint8), out, kp)
+            assert torch.equal(out, want), (launch.__module__, m, k, codes.data_ptr() % 8)
+    assert humming.startup()["configurations"]["dequant"]["engine"] == "cuda"
 
 
 @pytest.mark.gpu
@@ -480,12 +501,12 @@ def test_activation_dequantization_kernel_matches_the_oracle_in_tritons_interpre
     code = textwrap.dedent("""
         import torch, triton
         from sm120_fp4 import nvfp4, selftest
-        from sm120_fp4._humming_dequant import dequant
-        for m, k in ((1, 160), (7, 480), (129, 1056)):
+        from sm120_fp4._humming_dequant import launch
+        for m, k in ((1, 160), (7, 480), (129, 1056), (20, 1024)):
             _, _, (qx, _, sx, _, _) = selftest.quantized_inputs((m, 32, k), torch.device("cpu"), m)
-            out = torch.empty((m, k), dtype=torch.float32)
+            out = torch.full((m, k), float("nan"), dtype=torch.float32)  # every element must be written
             kp = nvfp4.swizzled_scale_shape(m, k)[1]
-            dequant[(m, triton.cdiv(k // 2, 256))](qx, sx.view(torch.uint8), out, k // 2, kp, BLOCK=256)
+            launch(qx, sx.view(torch.uint8), out, kp)
             assert torch.equal(out, nvfp4.dequantize_unscaled(qx, sx, torch.float32)), (m, k)
         print("ok")
     """)
