@@ -382,16 +382,55 @@ def check_stand_in(spec, version: str, src: Path) -> tuple[str, str]:
     return OK, ""
 
 
-def check_cpu_kernel(src: Path) -> tuple[str, str]:
-    """sim-fp4-gemm-cpu-kernel: where modelopt_quant registers the CUDA-only op with SGLang's
-    register_custom_op (0.5.8+), the Python body the simulation registers for CPU is there."""
+def _op_registrations(tree: ast.Module) -> list[tuple[ast.FunctionDef, ast.expr]]:
+    """The module-level functions registered as the op sglang::fp4_gemm, with their decorator:
+    SGLang's ``register_custom_op`` (op name = function name; it registers a GPU kernel only) or
+    ``torch.library.custom_op("sglang::fp4_gemm", ...)``."""
+    found = []
+    for fn in (n for n in top_level(tree.body) if isinstance(n, ast.FunctionDef)):
+        for d in fn.decorator_list:
+            call = d.func if isinstance(d, ast.Call) else d
+            name = ast.unparse(call)
+            if name.endswith("register_custom_op") and fn.name == "fp4_gemm":
+                found.append((fn, d))
+            elif name.endswith("custom_op") and isinstance(d, ast.Call) and d.args and \
+                    isinstance(d.args[0], ast.Constant) and d.args[0].value == S.OP_NAME:
+                found.append((fn, d))
+    return found
+
+
+def _device_specific(decorator: ast.expr) -> bool:
+    """Whether the registration gives the op a kernel for some devices only (no CPU kernel on a CPU):
+    SGLang's register_custom_op (CUDA/XPU/NPU/MUSA, never CPU), or custom_op(..., device_types=...)."""
+    call = decorator.func if isinstance(decorator, ast.Call) else decorator
+    if ast.unparse(call).endswith("register_custom_op"):
+        return True
+    return any(k.arg == "device_types" and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+               for k in getattr(decorator, "keywords", []))
+
+
+def check_cpu_kernel(version: str, src: Path) -> tuple[str, str]:
+    """sim-fp4-gemm-cpu-kernel, exactly in its ledger range: where modelopt_quant registers
+    sglang::fp4_gemm for the GPU only, the simulation registers the op's Python body for CPU (a
+    body that calls flashinfer_fp4_gemm, the patched alias); where the op is registered for every
+    device (torch.library.custom_op without device_types) or absent, nothing is needed."""
+    spec = S.FP4_GEMM_CPU_KERNEL
+    applies = Version(version) in SpecifierSet(spec.versions or R.SUPPORTED)
     tree = parse(src, R.MQ)
-    fn = function(tree, "fp4_gemm")
-    if fn is None or not any("register_custom_op" in ast.unparse(d) for d in fn.decorator_list):
+    registered = [] if tree is None else _op_registrations(tree)
+    needs = [(fn, d) for fn, d in registered if _device_specific(d)]
+    if not applies:
+        if needs:
+            return FAIL, (f"{S.OP_NAME} is registered for the GPU only ({ast.unparse(needs[0][1])} at line "
+                          f"{needs[0][0].lineno}), but the range {spec.versions} excludes {version}: no CPU kernel (range too narrow?)")
         return NA, ""
+    if not needs:
+        how = f"registered for every device ({ast.unparse(registered[0][1])})" if registered else "absent"
+        return FAIL, f"{S.OP_NAME} is {how} in {version}: no CPU kernel needed, the range {spec.versions} is too wide"
+    fn = needs[0][0]
     if _loads(fn, "flashinfer_fp4_gemm") or _binds(tree, "flashinfer_fp4_gemm"):
         return OK, ""
-    return FAIL, "the sglang::fp4_gemm op body neither calls nor has flashinfer_fp4_gemm: no Python body to register for CPU"
+    return FAIL, f"the {S.OP_NAME} op body neither calls nor has flashinfer_fp4_gemm: no Python body to register for CPU"
 
 
 def check_kernel_package(version: str, src: Path) -> tuple[str, str]:
@@ -406,7 +445,7 @@ def check_kernel_package(version: str, src: Path) -> tuple[str, str]:
 def check_stand_ins(version: str, src: Path) -> dict[str, tuple[str, str]]:
     """{stand-in name: (state, reason)} for the simulation's stand-ins that have a target in SGLang's source."""
     rows = {spec.name: check_stand_in(spec, version, src) for spec in S.ledger_rows() if spec.name in STAND_IN_CALLERS}
-    rows[S.FP4_GEMM_CPU_KERNEL.name] = check_cpu_kernel(src)
+    rows[S.FP4_GEMM_CPU_KERNEL.name] = check_cpu_kernel(version, src)
     rows[S.KERNEL_PACKAGE_STAND_IN.name] = check_kernel_package(version, src)
     return rows
 

@@ -127,3 +127,37 @@ def test_a_snapshot_folder_inside_a_checkout_is_labelled_by_its_own_name(tmp_pat
     finally:
         snapshot.rmdir()
         snapshot.parent.rmdir()
+
+
+OP_EVERY_DEVICE = '''
+@torch.library.custom_op("sglang::fp4_gemm", mutates_args=())
+def _sglang_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, out_features):
+    return fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend="cutlass")
+'''
+OP_GPU_ONLY = '''
+from flashinfer import mm_fp4 as flashinfer_fp4_gemm
+
+@register_custom_op(fake_impl=_sglang_fp4_gemm_fake)
+def fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, out_features):
+    return flashinfer_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend="cutlass")
+'''
+OP_CUDA_TYPES = OP_EVERY_DEVICE.replace("mutates_args=()", 'mutates_args=(), device_types="cuda"')
+
+
+@pytest.mark.parametrize("version, op, expected, says", [
+    ("0.5.8", OP_GPU_ONLY, "ok", ""),
+    ("0.5.6", OP_EVERY_DEVICE, "n/a", ""),
+    ("0.5.5", "", "n/a", ""),
+    # 0.5.5.post3-0.5.7's op runs on every device: a range reaching them would claim a CPU kernel there
+    ("0.5.9", OP_EVERY_DEVICE, "FAIL", "too wide"),
+    # a GPU-only op outside the range would leave the simulated GEMM without a CPU kernel
+    ("0.5.6", OP_GPU_ONLY, "FAIL", "too narrow"),
+    ("0.5.6", OP_CUDA_TYPES, "FAIL", "too narrow"),
+])
+def test_the_cpu_kernel_check_follows_how_each_release_registers_the_op(tmp_path, version, op, expected, says):
+    """sim-fp4-gemm-cpu-kernel's ledger range is exactly where sglang::fp4_gemm has no CPU kernel."""
+    cache = release_tree(tmp_path, version, "fp4_quantize")
+    mq = cache / "src" / version / matrix.module_path(matrix.R.MQ)
+    mq.write_text(mq.read_text() + op)
+    state, reason = matrix.check_version(version, cache)["sim-fp4-gemm-cpu-kernel"]
+    assert state == expected and says in reason, (state, reason)
