@@ -63,6 +63,7 @@ try:
     from sm120_fp4.sglang import release as R
     from sm120_fp4.sglang import simulation as S
     from sm120_fp4.sglang import targets as T
+    from sm120_fp4.sglang.moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY
 except ImportError as exc:  # pragma: no cover - environment problem, explained to the user
     sys.exit(f"cannot import sm120_fp4.sglang ({exc}); run this with the repo's .venv/bin/python")
 
@@ -278,9 +279,60 @@ def check_knob(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
     return True, None
 
 
+def check_moe_config(tree: ast.Module, name: str) -> tuple[bool, str | None]:
+    """`def initialize_moe_config(...)` at module level that sets the MoE runner backend (the module
+    global MOE_RUNNER_BACKEND or `<flags>.runner_backend`): the hook pins 'auto' right after it."""
+    present, problem = check_function(tree, name)
+    if problem is not None:
+        return present, problem
+    fn = next(n for n in top_level(tree.body) if isinstance(n, ast.FunctionDef) and n.name == name)
+    sets = any(isinstance(t, ast.Name) and t.id == "MOE_RUNNER_BACKEND" or isinstance(t, ast.Attribute) and t.attr == "runner_backend"
+               for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+    return True, None if sets else f"{name} sets neither MOE_RUNNER_BACKEND nor <flags>.runner_backend: pinning after it pins nothing"
+
+
+def _moe_enum_problem(utils: ast.Module | None) -> str | None:
+    """What the MoE runner pins need of moe/utils.py: enum MoeRunnerBackend with AUTO and FLASHINFER_CUTLASS."""
+    cls = None if utils is None else find_class(utils, "MoeRunnerBackend")
+    if cls is None:
+        return "no enum MoeRunnerBackend in " + R.MOE_UTILS
+    members = {name for stmt in cls.body for name in assigns(stmt)}
+    missing = sorted({"AUTO", "FLASHINFER_CUTLASS"} - members)
+    return f"MoeRunnerBackend lacks {missing}" if missing else None
+
+
+def check_moe_global(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
+    """moe-runner-backend-pin-legacy: the module global MOE_RUNNER_BACKEND of moe/utils.py (pinned there)."""
+    if not any(attr in assigns(n) for n in top_level(tree.body)):
+        return False, f"no module global {attr}"
+    return True, _moe_enum_problem(tree)
+
+
+def check_moe_flags(tree: ast.Module, attr: str, src: Path) -> tuple[bool, str | None]:
+    """moe-runner-backend-pin: runtime_context's MoeFlags has `runner_backend` (pinned on get_flags().moe),
+    and moe/utils.py keeps no module global MOE_RUNNER_BACKEND (the pin takes the global where there is one)."""
+    cls = find_class(tree, "MoeFlags")
+    fields = set() if cls is None else {name for stmt in cls.body for name in assigns(stmt)}
+    if attr not in fields:
+        return False, f"runtime_context has no MoeFlags.{attr}"
+    utils = parse(src, R.MOE_UTILS)
+    if utils is not None and any("MOE_RUNNER_BACKEND" in assigns(n) for n in top_level(utils.body)):
+        return True, "moe/utils.py still has the module global MOE_RUNNER_BACKEND, which the pin takes instead"
+    if utils is None or not _binds(utils, "get_flags"):
+        return True, f"{R.MOE_UTILS} does not bind get_flags (the pin reads get_flags().moe there)"
+    return True, _moe_enum_problem(utils)
+
+
 def kind(spec) -> str:
     if spec is T.ENUM_PIN:
         return "enum"
+    if spec is MOE_RUNNER_PIN:
+        return "moe-flags"
+    if spec is MOE_RUNNER_PIN_LEGACY:
+        return "moe-global"
+    if spec.module == R.MOE_UTILS and spec.attribute == "initialize_moe_config":
+        return "moe-config"
     if spec is T.LEGACY_KNOB_SPEC:
         return "knob"
     if spec.name.startswith("scheduler-idle-canary"):
@@ -297,12 +349,17 @@ def kind(spec) -> str:
 
 
 # Specs whose target also exists outside their range, deliberately unpatched there (why).
+_NO_SEAM = "before 0.5.15 there is no fused-MoE seam to verify: NVFP4 MoE layers are refused there, nothing to pin"
 NARROW_ON_PURPOSE = {
     "post-capture-recheck-model-workers": "from 0.5.14 graphs are captured later, in init_all_cuda_graphs (patched instead)",
+    "moe-runner-config-hook": _NO_SEAM,
+    "moe-runner-backend-pin-legacy": _NO_SEAM,
 }
 
 CHECKS = {"alias": check_alias, "method": check_method, "warmup": check_warmup, "idle": check_idle, "function": check_function,
-          "enum": check_enum, "knob": check_knob}
+          "enum": check_enum, "knob": check_knob, "moe-config": check_moe_config, "moe-global": check_moe_global,
+          "moe-flags": check_moe_flags}
+NEEDS_SOURCES = {"moe-flags"}  # checks that read a second module of the release
 
 
 def check_spec(spec, version: str, src: Path) -> tuple[str, str]:
@@ -311,7 +368,8 @@ def check_spec(spec, version: str, src: Path) -> tuple[str, str]:
     if how is None:
         return FAIL, f"no check for {spec.name} ({spec.module}.{spec.attribute}): extend CHECKS in this script"
     tree = parse(src, spec.module)
-    present, problem = (False, f"no module {spec.module}") if tree is None else how(tree, spec.attribute)
+    extra = (src,) if kind(spec) in NEEDS_SOURCES else ()
+    present, problem = (False, f"no module {spec.module}") if tree is None else how(tree, spec.attribute, *extra)
     if applies:
         return (OK, "") if problem is None else (FAIL, problem)
     if present and problem is None and spec.name not in NARROW_ON_PURPOSE:
