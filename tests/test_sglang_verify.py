@@ -575,8 +575,6 @@ def _updater(model):
 @case("configuration", "SGLang's own weight update (WeightUpdater.update_weights_from_tensor in a begin/end session) writes new weights into a verified layer",
       "the changed layer is verified again with its new weights (light check) and its fingerprint renewed: the re-check after it passes")
 def test_sglangs_weight_update_reverifies_the_layer_and_the_recheck_accepts_it(monkeypatch):
-    from sm120_fp4.sglang import moe_layers
-
     seen = []
 
     def recording(a, b, a_sf, b_sf, alpha, dtype, out):
@@ -586,7 +584,7 @@ def test_sglangs_weight_update_reverifies_the_layer_and_the_recheck_accepts_it(m
     monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None))
     backends.register("recording", recording)
     sm120_fp4.install(simulate="12.0", backends="recording")
-    with moe_layers.sglang_moe_context():
+    with published_server_args():  # 0.5.21 lacks the seams of a scheduler context: its own scoped override
         method, layer = build(96, 160)
         updater = _updater(layer)
         assert {p.name: p.state for p in sm120_fp4.status().patches}["weight-update-session-end"] == "applied"
