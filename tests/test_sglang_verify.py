@@ -608,7 +608,13 @@ def test_sglangs_weight_update_reverifies_the_layer_and_the_recheck_accepts_it(m
 @case("backend faults", "speculative decoding: a kernel that zeros its output only at M=9, the token count of the draft model's own decode graphs (3 requests x 3 tokens), captured after the model runners'",
       "the re-check runs once, after the scheduler's init_all_cuda_graphs has captured every graph, the draft worker's included, and refuses naming M=9")
 def test_the_recheck_runs_after_every_capture_the_draft_models_included(monkeypatch):
-    from sglang.srt.managers.scheduler import Scheduler
+    try:
+        from sglang.srt.managers.scheduler import Scheduler
+    except ModuleNotFoundError as exc:  # a server package SGLang's scheduler imports, absent from this venv
+        if not exc.name or exc.name.split(".")[0] == "sglang":
+            raise
+        pytest.skip(f"SGLang {sglang_version()}'s scheduler module needs {exc.name}, which this venv does not have "
+                    "(SGLang installed --no-deps; the import step source-checks its hooks)")
 
     rechecks = []
 
