@@ -968,15 +968,18 @@ flashinfer-python pin without a wheel on the index is built from its sdist), the
   `test_sglang_verify.py`, `test_sglang_moe.py`, `test_sglang_moe_layers.py`) with that release; the
   skipped ones and why are listed (expectations are read from the release: no runner enum before
   0.5.8, no fused-MoE seam before 0.5.15, so its NVFP4 MoE layers are refused there; a simulated
-  FusedMoE layer needs SGLang's scoped runtime seams, which 0.5.22+ have, so on 0.5.15-0.5.20 the
-  MoE seam and hooks are checked by the import step, not at a running layer).
+  FusedMoE layer needs SGLang's scoped runtime seams, which 0.5.22+ have, so on 0.5.15-0.5.21 the
+  MoE seam and hooks are checked by the import step, not at a running layer). SGLang is installed
+  `--no-deps` with what its FP4 modules import, not its server packages: where the scheduler or
+  model runner module needs one (setproctitle, xgrammar, uvicorn), the import step checks their
+  hooks in the source (the row says so) and a test that needs the module is skipped, naming it.
 
 Each row names the commit of sm120_fp4 that ran it (a release re-run after a fix shows the later
 commit).
 
 This is a simulation on a CPU: it proves the wiring on each release, not an SM120 kernel.
 Re-run: `.venv/bin/python scripts/sglang_matrix.py --releases table --demo --run-tests --report docs/RELEASES.md --json R.json`
-(one venv at a time, ~7 GB, deleted after each; about 3-4 minutes per release on 2 idle cores;
+(one venv at a time, ~7 GB, deleted after each; about 10 minutes per release, the venv's build included, on 2 idle cores;
 a subset, `--releases A,B`, rewrites its rows and keeps the others as they were).
 """
 
