@@ -63,6 +63,7 @@ try:
     from sm120_fp4.sglang import release as R
     from sm120_fp4.sglang import simulation as S
     from sm120_fp4.sglang import targets as T
+    from sm120_fp4.sglang.moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY
 except ImportError as exc:  # pragma: no cover - environment problem, explained to the user
     sys.exit(f"cannot import sm120_fp4.sglang ({exc}); run this with the repo's .venv/bin/python")
 
@@ -278,9 +279,60 @@ def check_knob(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
     return True, None
 
 
+def check_moe_config(tree: ast.Module, name: str) -> tuple[bool, str | None]:
+    """`def initialize_moe_config(...)` at module level that sets the MoE runner backend (the module
+    global MOE_RUNNER_BACKEND or `<flags>.runner_backend`): the hook pins 'auto' right after it."""
+    present, problem = check_function(tree, name)
+    if problem is not None:
+        return present, problem
+    fn = next(n for n in top_level(tree.body) if isinstance(n, ast.FunctionDef) and n.name == name)
+    sets = any(isinstance(t, ast.Name) and t.id == "MOE_RUNNER_BACKEND" or isinstance(t, ast.Attribute) and t.attr == "runner_backend"
+               for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+    return True, None if sets else f"{name} sets neither MOE_RUNNER_BACKEND nor <flags>.runner_backend: pinning after it pins nothing"
+
+
+def _moe_enum_problem(utils: ast.Module | None) -> str | None:
+    """What the MoE runner pins need of moe/utils.py: enum MoeRunnerBackend with AUTO and FLASHINFER_CUTLASS."""
+    cls = None if utils is None else find_class(utils, "MoeRunnerBackend")
+    if cls is None:
+        return "no enum MoeRunnerBackend in " + R.MOE_UTILS
+    members = {name for stmt in cls.body for name in assigns(stmt)}
+    missing = sorted({"AUTO", "FLASHINFER_CUTLASS"} - members)
+    return f"MoeRunnerBackend lacks {missing}" if missing else None
+
+
+def check_moe_global(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
+    """moe-runner-backend-pin-legacy: the module global MOE_RUNNER_BACKEND of moe/utils.py (pinned there)."""
+    if not any(attr in assigns(n) for n in top_level(tree.body)):
+        return False, f"no module global {attr}"
+    return True, _moe_enum_problem(tree)
+
+
+def check_moe_flags(tree: ast.Module, attr: str, src: Path) -> tuple[bool, str | None]:
+    """moe-runner-backend-pin: runtime_context's MoeFlags has `runner_backend` (pinned on get_flags().moe),
+    and moe/utils.py keeps no module global MOE_RUNNER_BACKEND (the pin takes the global where there is one)."""
+    cls = find_class(tree, "MoeFlags")
+    fields = set() if cls is None else {name for stmt in cls.body for name in assigns(stmt)}
+    if attr not in fields:
+        return False, f"runtime_context has no MoeFlags.{attr}"
+    utils = parse(src, R.MOE_UTILS)
+    if utils is not None and any("MOE_RUNNER_BACKEND" in assigns(n) for n in top_level(utils.body)):
+        return True, "moe/utils.py still has the module global MOE_RUNNER_BACKEND, which the pin takes instead"
+    if utils is None or not _binds(utils, "get_flags"):
+        return True, f"{R.MOE_UTILS} does not bind get_flags (the pin reads get_flags().moe there)"
+    return True, _moe_enum_problem(utils)
+
+
 def kind(spec) -> str:
     if spec is T.ENUM_PIN:
         return "enum"
+    if spec is MOE_RUNNER_PIN:
+        return "moe-flags"
+    if spec is MOE_RUNNER_PIN_LEGACY:
+        return "moe-global"
+    if spec.module == R.MOE_UTILS and spec.attribute == "initialize_moe_config":
+        return "moe-config"
     if spec is T.LEGACY_KNOB_SPEC:
         return "knob"
     if spec.name.startswith("scheduler-idle-canary"):
@@ -297,12 +349,17 @@ def kind(spec) -> str:
 
 
 # Specs whose target also exists outside their range, deliberately unpatched there (why).
+_NO_SEAM = "before 0.5.15 there is no fused-MoE seam to verify: NVFP4 MoE layers are refused there, nothing to pin"
 NARROW_ON_PURPOSE = {
     "post-capture-recheck-model-workers": "from 0.5.14 graphs are captured later, in init_all_cuda_graphs (patched instead)",
+    "moe-runner-config-hook": _NO_SEAM,
+    "moe-runner-backend-pin-legacy": _NO_SEAM,
 }
 
 CHECKS = {"alias": check_alias, "method": check_method, "warmup": check_warmup, "idle": check_idle, "function": check_function,
-          "enum": check_enum, "knob": check_knob}
+          "enum": check_enum, "knob": check_knob, "moe-config": check_moe_config, "moe-global": check_moe_global,
+          "moe-flags": check_moe_flags}
+NEEDS_SOURCES = {"moe-flags"}  # checks that read a second module of the release
 
 
 def check_spec(spec, version: str, src: Path) -> tuple[str, str]:
@@ -311,7 +368,8 @@ def check_spec(spec, version: str, src: Path) -> tuple[str, str]:
     if how is None:
         return FAIL, f"no check for {spec.name} ({spec.module}.{spec.attribute}): extend CHECKS in this script"
     tree = parse(src, spec.module)
-    present, problem = (False, f"no module {spec.module}") if tree is None else how(tree, spec.attribute)
+    extra = (src,) if kind(spec) in NEEDS_SOURCES else ()
+    present, problem = (False, f"no module {spec.module}") if tree is None else how(tree, spec.attribute, *extra)
     if applies:
         return (OK, "") if problem is None else (FAIL, problem)
     if present and problem is None and spec.name not in NARROW_ON_PURPOSE:
@@ -382,16 +440,55 @@ def check_stand_in(spec, version: str, src: Path) -> tuple[str, str]:
     return OK, ""
 
 
-def check_cpu_kernel(src: Path) -> tuple[str, str]:
-    """sim-fp4-gemm-cpu-kernel: where modelopt_quant registers the CUDA-only op with SGLang's
-    register_custom_op (0.5.8+), the Python body the simulation registers for CPU is there."""
+def _op_registrations(tree: ast.Module) -> list[tuple[ast.FunctionDef, ast.expr]]:
+    """The module-level functions registered as the op sglang::fp4_gemm, with their decorator:
+    SGLang's ``register_custom_op`` (op name = function name; it registers a GPU kernel only) or
+    ``torch.library.custom_op("sglang::fp4_gemm", ...)``."""
+    found = []
+    for fn in (n for n in top_level(tree.body) if isinstance(n, ast.FunctionDef)):
+        for d in fn.decorator_list:
+            call = d.func if isinstance(d, ast.Call) else d
+            name = ast.unparse(call)
+            if name.endswith("register_custom_op") and fn.name == "fp4_gemm":
+                found.append((fn, d))
+            elif name.endswith("custom_op") and isinstance(d, ast.Call) and d.args and \
+                    isinstance(d.args[0], ast.Constant) and d.args[0].value == S.OP_NAME:
+                found.append((fn, d))
+    return found
+
+
+def _device_specific(decorator: ast.expr) -> bool:
+    """Whether the registration gives the op a kernel for some devices only (no CPU kernel on a CPU):
+    SGLang's register_custom_op (CUDA/XPU/NPU/MUSA, never CPU), or custom_op(..., device_types=...)."""
+    call = decorator.func if isinstance(decorator, ast.Call) else decorator
+    if ast.unparse(call).endswith("register_custom_op"):
+        return True
+    return any(k.arg == "device_types" and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+               for k in getattr(decorator, "keywords", []))
+
+
+def check_cpu_kernel(version: str, src: Path) -> tuple[str, str]:
+    """sim-fp4-gemm-cpu-kernel, exactly in its ledger range: where modelopt_quant registers
+    sglang::fp4_gemm for the GPU only, the simulation registers the op's Python body for CPU (a
+    body that calls flashinfer_fp4_gemm, the patched alias); where the op is registered for every
+    device (torch.library.custom_op without device_types) or absent, nothing is needed."""
+    spec = S.FP4_GEMM_CPU_KERNEL
+    applies = Version(version) in SpecifierSet(spec.versions or R.SUPPORTED)
     tree = parse(src, R.MQ)
-    fn = function(tree, "fp4_gemm")
-    if fn is None or not any("register_custom_op" in ast.unparse(d) for d in fn.decorator_list):
+    registered = [] if tree is None else _op_registrations(tree)
+    needs = [(fn, d) for fn, d in registered if _device_specific(d)]
+    if not applies:
+        if needs:
+            return FAIL, (f"{S.OP_NAME} is registered for the GPU only ({ast.unparse(needs[0][1])} at line "
+                          f"{needs[0][0].lineno}), but the range {spec.versions} excludes {version}: no CPU kernel (range too narrow?)")
         return NA, ""
+    if not needs:
+        how = f"registered for every device ({ast.unparse(registered[0][1])})" if registered else "absent"
+        return FAIL, f"{S.OP_NAME} is {how} in {version}: no CPU kernel needed, the range {spec.versions} is too wide"
+    fn = needs[0][0]
     if _loads(fn, "flashinfer_fp4_gemm") or _binds(tree, "flashinfer_fp4_gemm"):
         return OK, ""
-    return FAIL, "the sglang::fp4_gemm op body neither calls nor has flashinfer_fp4_gemm: no Python body to register for CPU"
+    return FAIL, f"the {S.OP_NAME} op body neither calls nor has flashinfer_fp4_gemm: no Python body to register for CPU"
 
 
 def check_kernel_package(version: str, src: Path) -> tuple[str, str]:
@@ -406,7 +503,7 @@ def check_kernel_package(version: str, src: Path) -> tuple[str, str]:
 def check_stand_ins(version: str, src: Path) -> dict[str, tuple[str, str]]:
     """{stand-in name: (state, reason)} for the simulation's stand-ins that have a target in SGLang's source."""
     rows = {spec.name: check_stand_in(spec, version, src) for spec in S.ledger_rows() if spec.name in STAND_IN_CALLERS}
-    rows[S.FP4_GEMM_CPU_KERNEL.name] = check_cpu_kernel(src)
+    rows[S.FP4_GEMM_CPU_KERNEL.name] = check_cpu_kernel(version, src)
     rows[S.KERNEL_PACKAGE_STAND_IN.name] = check_kernel_package(version, src)
     return rows
 
@@ -871,15 +968,18 @@ flashinfer-python pin without a wheel on the index is built from its sdist), the
   `test_sglang_verify.py`, `test_sglang_moe.py`, `test_sglang_moe_layers.py`) with that release; the
   skipped ones and why are listed (expectations are read from the release: no runner enum before
   0.5.8, no fused-MoE seam before 0.5.15, so its NVFP4 MoE layers are refused there; a simulated
-  FusedMoE layer needs SGLang's scoped runtime seams, which 0.5.22+ have, so on 0.5.15-0.5.20 the
-  MoE seam and hooks are checked by the import step, not at a running layer).
+  FusedMoE layer needs SGLang's scoped runtime seams, which 0.5.22+ have, so on 0.5.15-0.5.21 the
+  MoE seam and hooks are checked by the import step, not at a running layer). SGLang is installed
+  `--no-deps` with what its FP4 modules import, not its server packages: where the scheduler or
+  model runner module needs one (setproctitle, xgrammar, uvicorn), the import step checks their
+  hooks in the source (the row says so) and a test that needs the module is skipped, naming it.
 
 Each row names the commit of sm120_fp4 that ran it (a release re-run after a fix shows the later
 commit).
 
 This is a simulation on a CPU: it proves the wiring on each release, not an SM120 kernel.
 Re-run: `.venv/bin/python scripts/sglang_matrix.py --releases table --demo --run-tests --report docs/RELEASES.md --json R.json`
-(one venv at a time, ~7 GB, deleted after each; about 3-4 minutes per release on 2 idle cores;
+(one venv at a time, ~7 GB, deleted after each; about 10 minutes per release, the venv's build included, on 2 idle cores;
 a subset, `--releases A,B`, rewrites its rows and keeps the others as they were).
 """
 

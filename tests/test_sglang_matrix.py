@@ -127,3 +127,86 @@ def test_a_snapshot_folder_inside_a_checkout_is_labelled_by_its_own_name(tmp_pat
     finally:
         snapshot.rmdir()
         snapshot.parent.rmdir()
+
+
+OP_EVERY_DEVICE = '''
+@torch.library.custom_op("sglang::fp4_gemm", mutates_args=())
+def _sglang_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, out_features):
+    return fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend="cutlass")
+'''
+OP_GPU_ONLY = '''
+from flashinfer import mm_fp4 as flashinfer_fp4_gemm
+
+@register_custom_op(fake_impl=_sglang_fp4_gemm_fake)
+def fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, out_features):
+    return flashinfer_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend="cutlass")
+'''
+OP_CUDA_TYPES = OP_EVERY_DEVICE.replace("mutates_args=()", 'mutates_args=(), device_types="cuda"')
+
+
+@pytest.mark.parametrize("version, op, expected, says", [
+    ("0.5.8", OP_GPU_ONLY, "ok", ""),
+    ("0.5.6", OP_EVERY_DEVICE, "n/a", ""),
+    ("0.5.5", "", "n/a", ""),
+    # 0.5.5.post3-0.5.7's op runs on every device: a range reaching them would claim a CPU kernel there
+    ("0.5.9", OP_EVERY_DEVICE, "FAIL", "too wide"),
+    # a GPU-only op outside the range would leave the simulated GEMM without a CPU kernel
+    ("0.5.6", OP_GPU_ONLY, "FAIL", "too narrow"),
+    ("0.5.6", OP_CUDA_TYPES, "FAIL", "too narrow"),
+])
+def test_the_cpu_kernel_check_follows_how_each_release_registers_the_op(tmp_path, version, op, expected, says):
+    """sim-fp4-gemm-cpu-kernel's ledger range is exactly where sglang::fp4_gemm has no CPU kernel."""
+    cache = release_tree(tmp_path, version, "fp4_quantize")
+    mq = cache / "src" / version / matrix.module_path(matrix.R.MQ)
+    mq.write_text(mq.read_text() + op)
+    state, reason = matrix.check_version(version, cache)["sim-fp4-gemm-cpu-kernel"]
+    assert state == expected and says in reason, (state, reason)
+
+
+MOE_UTILS_GLOBAL = '''
+class MoeRunnerBackend(Enum):
+    AUTO = "auto"
+    FLASHINFER_CUTLASS = "flashinfer_cutlass"
+
+MOE_RUNNER_BACKEND: Optional[MoeRunnerBackend] = None
+
+def initialize_moe_config(server_args):
+    global MOE_RUNNER_BACKEND
+    MOE_RUNNER_BACKEND = MoeRunnerBackend(server_args.moe_runner_backend)
+'''
+MOE_UTILS_FLAGS = '''
+from sglang.srt.runtime_context import get_flags
+
+class MoeRunnerBackend(Enum):
+    AUTO = "auto"
+    FLASHINFER_CUTLASS = "flashinfer_cutlass"
+
+def initialize_moe_config(server_args):
+    moe = get_flags().moe
+    moe.runner_backend = MoeRunnerBackend(server_args.moe_runner_backend)
+'''
+FLAGS = '''
+class MoeFlags(_FlagGroupBase):
+    runner_backend: Any = None
+'''
+PINS = ("moe-runner-config-hook", "moe-runner-backend-pin", "moe-runner-backend-pin-legacy")
+
+
+@pytest.mark.parametrize("version, utils, flags, expected", [
+    ("0.5.15.post1", MOE_UTILS_GLOBAL, "", ("ok", "n/a", "ok")),
+    ("0.5.16", MOE_UTILS_FLAGS, FLAGS, ("ok", "ok", "n/a")),
+    ("0.5.14", MOE_UTILS_GLOBAL, "", ("n/a", "n/a", "n/a")),  # no seam before 0.5.15: nothing pinned, on purpose
+    # a release that keeps the runner on get_flags().moe outside the flags pin's range (0.5.16-0.5.18 were,
+    # under the ranges of old: flags from 0.5.19, the module global up to 0.5.18)
+    ("0.5.15", MOE_UTILS_FLAGS, FLAGS, ("ok", "FAIL", "FAIL")),
+    ("0.5.17", MOE_UTILS_FLAGS.replace("get_flags", "get_exec"), FLAGS, ("ok", "FAIL", "n/a")),
+    ("0.5.19", MOE_UTILS_GLOBAL.replace("    MOE_RUNNER_BACKEND = ", "    backend = "), FLAGS, ("FAIL", "FAIL", "n/a")),
+])
+def test_the_moe_runner_pins_are_checked_where_each_release_keeps_the_runner(tmp_path, version, utils, flags, expected):
+    cache = release_tree(tmp_path, version, "fp4_quantize")
+    for module, text in ((matrix.R.MOE_UTILS, utils), (matrix.R.RUNTIME_CONTEXT, flags)):
+        path = cache / "src" / version / matrix.module_path(module)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    result = matrix.check_version(version, cache)
+    assert tuple(result[name][0] for name in PINS) == expected, {name: result[name] for name in PINS}

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers.cases import case
 from helpers.procs import REPO, background, python
 
@@ -111,3 +113,36 @@ def test_a_failing_undo_step_is_said_and_the_rest_still_undone(background):
     installed, said, left = json.loads(stdout.strip().splitlines()[-1])
     assert not installed and left == []
     assert len(said) == 1 and "Library._destroy" in said[0] and "RuntimeError: boom" in said[0], said
+
+
+OP_FOR_EVERY_DEVICE = """
+import json, sys
+import torch
+import sm120_fp4
+if {every_device}:
+    # sglang::fp4_gemm registered before SGLang's import, for every device, as 0.5.5.post3-0.5.7 register it
+    # (torch.library.custom_op without device types); SGLang's own registration then finds it and keeps it
+    @torch.library.custom_op("sglang::fp4_gemm", mutates_args=())
+    def fp4_gemm(input: torch.Tensor) -> torch.Tensor:
+        return input
+sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
+import sglang.srt.layers.quantization.modelopt_quant
+entry = next(p for p in sm120_fp4.status().patches if p.name == "sim-fp4-gemm-cpu-kernel")
+print(json.dumps([entry.state, entry.reason]))
+"""
+
+
+@pytest.mark.parametrize("every_device, expected", [
+    (False, ["applied", None]),
+    (True, ["skipped", "not needed: SGLang registered sglang::fp4_gemm for every device (no device-specific kernel), "
+                       "so its own Python body already runs on a CPU"]),
+])
+@background(lambda folder, every_device, expected: python(OP_FOR_EVERY_DEVICE.format(every_device=every_device), folder,
+                                                          cwd=folder, PYTHONPATH=str(REPO)))
+def test_the_fp4_gemm_op_gets_a_cpu_kernel_only_where_it_has_none(background, every_device, expected):
+    """SGLang's register_custom_op (0.5.8+) registers sglang::fp4_gemm for the GPU only: the simulation
+    registers its Python body for CPU. An op registered for every device already runs its body on a
+    CPU: nothing is added, and the ledger says why (not that the op is missing)."""
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    assert json.loads(stdout.strip().splitlines()[-1]) == expected

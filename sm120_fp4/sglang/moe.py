@@ -49,12 +49,12 @@ _PIN_WHY = (
 )
 MOE_RUNNER_PIN = PatchSpec(
     name="moe-runner-backend-pin", module=RUNTIME_CONTEXT, attribute="runner_backend", distribution=DISTRIBUTION,
-    versions=">=0.5.19,<0.5.24", why=_PIN_WHY + " (0.5.19+: get_flags().moe.runner_backend)",
+    versions=">=0.5.16,<0.5.24", why=_PIN_WHY + " (0.5.16+: get_flags().moe.runner_backend)",
     upstream="no upstream issue; SGLang's SM120 rule lives in _moe_runner_backend_quant_constraints (CLI only)",
     remove_when="when SGLang resolves 'auto' for NVFP4 MoE on SM12x from the checkpoint's own quantization")
 MOE_RUNNER_PIN_LEGACY = PatchSpec(
     name="moe-runner-backend-pin-legacy", module=MOE_UTILS, attribute="MOE_RUNNER_BACKEND", distribution=DISTRIBUTION,
-    versions=">=0.5.15,<0.5.19", why=_PIN_WHY + " (0.5.15-0.5.18: the module global MOE_RUNNER_BACKEND)",
+    versions=">=0.5.15,<0.5.16", why=_PIN_WHY + " (0.5.15-0.5.15.post1: the module global MOE_RUNNER_BACKEND)",
     upstream=MOE_RUNNER_PIN.upstream, remove_when=MOE_RUNNER_PIN.remove_when)
 
 

@@ -51,12 +51,16 @@ _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run 
 _NEVER = "never used outside simulation"
 _cuda_lock = locks.lock()
 KERNEL_PACKAGE = "sgl_kernel"
+OP_NAME = "sglang::fp4_gemm"
 PLATFORM_FACTS = PatchSpec(
     "sim-platform-facts", RUNTIME_CONTEXT, "override_platform",
     f"{_WHY}; SGLang's platform facts (0.5.19+) report the simulated Blackwell SM12x device", "-", _NEVER)
 FP4_GEMM_CPU_KERNEL = PatchSpec(
     "sim-fp4-gemm-cpu-kernel", MQ, "fp4_gemm",
-    f"{_WHY}; without CUDA, the CUDA-only op sglang::fp4_gemm gets a CPU kernel (its own Python body)", "-", _NEVER)
+    f"{_WHY}; without CUDA, SGLang's op sglang::fp4_gemm, when it has no CPU kernel (0.5.8+ register it for the GPU "
+    "only, with register_custom_op), gets one: its own Python body, which calls the patched alias (0.5.5.post3-0.5.7 "
+    "register it with torch.library.custom_op for every device and 0.5.3-0.5.5.post2 have no op: nothing to add)",
+    "-", _NEVER, versions=">=0.5.8,<0.5.24")
 # The activation quantizer stand-ins. Each takes effect where the release's code calls its name:
 # the global names that `caller` (a method of the module) loads, read from the imported module at
 # import time, never a version range. `versions` (no `distribution`: not a guard) is where that
@@ -273,14 +277,27 @@ class Simulation:
         self.patcher.note(spec, "applied", None)
 
     def fp4_gemm_cpu_kernel(self, module: Any) -> None:
-        """Without CUDA, give the CUDA-only op sglang::fp4_gemm a CPU kernel (its own Python body)."""
+        """Without CUDA, give the op sglang::fp4_gemm a CPU kernel (its own Python body) when it has none.
+
+        Decided by the op as SGLang registered it, not by a version: an op registered for every
+        device (``torch.library.custom_op`` without device types) already runs its body on a CPU."""
         spec = FP4_GEMM_CPU_KERNEL
         if torch.cuda.is_available():
             self.patcher.note(spec, "skipped", "CUDA is available: the op's own CUDA kernel runs")
             return
+        if not hasattr(torch.ops.sglang, "fp4_gemm"):
+            self.patcher.note(spec, "skipped", "not needed: this release has no sglang::fp4_gemm custom op")
+            return
+        if _has_cpu_kernel(OP_NAME):
+            self.patcher.note(spec, "skipped", f"not needed: SGLang registered {OP_NAME} for every device (no "
+                                               "device-specific kernel), so its own Python body already runs on a CPU")
+            return
         body = _op_body(module)
         if body is None:
-            self.patcher.note(spec, "skipped", "no sglang::fp4_gemm custom op in this release")
+            reason = (f"cannot take effect: {OP_NAME} has no CPU kernel and {module.__name__} has no Python body for it "
+                      "(neither the op's function nor flashinfer_fp4_gemm): a simulated GEMM fails in the dispatcher")
+            self.patcher.note(spec, "skipped", reason)
+            _LOG.warning("sm120_fp4: SIMULATION: %s %s (sglang %s)", spec.name, reason, sglang_version())
             return
         library = torch.library.Library("sglang", "IMPL")
         library.impl("fp4_gemm", body, "CPU")
@@ -318,6 +335,14 @@ class Simulation:
             except Exception as exc:  # noqa: BLE001 - every other stand-in is still undone
                 say_once(logging.WARNING, "sm120_fp4: SIMULATION: undoing %s failed (%s: %s); the other stand-ins were undone",
                          getattr(step, "__qualname__", step), type(exc).__name__, exc)
+
+
+def _has_cpu_kernel(name: str) -> bool:
+    """Whether the dispatcher has a kernel for op `name` on CPU (a CompositeExplicitAutograd one included)."""
+    try:
+        return bool(torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, "CPU"))
+    except (AttributeError, RuntimeError):  # a torch without that query, or no such op: register ours
+        return False
 
 
 def _op_body(module: Any) -> Callable | None:
