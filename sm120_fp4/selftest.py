@@ -19,7 +19,7 @@ from typing import Callable, Literal
 import torch
 from pydantic import BaseModel, Field
 
-from . import backends, nvfp4
+from . import backends, locks, nvfp4
 from .devices import Device
 from .errors import EXIT_HUNG, SelfTestError
 
@@ -267,7 +267,12 @@ class _Watchdog:
     """Watches the checked calls in progress (one per thread); never runs one."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fresh state (also in a fork() child: the parent's watches are not the child's calls, and
+        its condition may have been held by the parent's watchdog thread, which the child lacks)."""
+        self._cond = threading.Condition(locks.lock())
         self._watches: dict[int, tuple[float, float, str]] = {}  # token -> (deadline, give up at, what)
         self._next = 0
         self._thread: threading.Thread | None = None
@@ -327,6 +332,7 @@ def _give_up(what: str) -> None:
 
 
 _WATCHDOG = _Watchdog()
+os.register_at_fork(after_in_child=_WATCHDOG._reset)
 
 
 def calls_still_running() -> int:

@@ -240,16 +240,22 @@ class Queued:
         self._start, self._done = start, threading.Event()
         self._timeout = timeout  # from the job's own start; None: the job's own bound (a server's)
         self.job, self.error, self.result = None, None, None
+        self._lock, self._killed = threading.Lock(), False
 
     def finished(self) -> bool:
         return self._done.is_set()
 
     def start_and_finish(self) -> None:
         try:
-            self.job = self._start()
+            with self._lock:  # a kill() before or while it starts: the job never outlives the session
+                if self._killed:
+                    raise RuntimeError("the session ended before this background job started")
+                self.job = self._start()
             self.result = self.job.wait(self._timeout)
         except BaseException as exc:  # noqa: BLE001 - raised again in the test
             self.error = exc
+            if self.job is not None:
+                self.job.kill()  # past its bound (or failed): stopped by its PID, not left running
         finally:
             self._done.set()
 
@@ -261,8 +267,11 @@ class Queued:
         return self.result
 
     def kill(self) -> None:
-        if self.job is not None:
-            self.job.kill()
+        with self._lock:
+            self._killed = True
+            job = self.job
+        if job is not None:
+            job.kill()
 
 
 HEAVY_TIMEOUT = 3000
