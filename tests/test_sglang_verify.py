@@ -385,7 +385,7 @@ def published_server_args(**fields):
     what was published before back afterwards: a scheduler runtime context where SGLang has the scoped
     seams (0.5.22+, moe_layers.sglang_moe_context); else the runtime context's own scoped
     override_server_args (0.5.16+); else set_global_server_args_for_scheduler, as the scheduler calls it
-    (0.5.3.post3-0.5.15.post1: a module global, or from 0.5.15 the runtime context's slot). A release
+    (0.5.3.post3-0.5.15.post1: into a module global, or from 0.5.15 the runtime context's slot). A release
     with none of them publishes no server args: skipped."""
     from sm120_fp4.sglang import moe_layers
 
@@ -406,10 +406,15 @@ def published_server_args(**fields):
     publish = getattr(sglang_server_args, "set_global_server_args_for_scheduler", None)
     if publish is None:
         pytest.skip(f"SGLang {sglang_version()} publishes no server args (no set_global_server_args_for_scheduler)")
-    if get_context is not None:
-        owner, slot = get_context(), "_server_args"
+    # where that function stores them, read from the release (0.5.14 has a runtime context, but without the
+    # slot: the module global still holds them)
+    context = get_context() if get_context is not None else None
+    for owner, slot in ((sglang_server_args, "_global_server_args"), (context, "_server_args")):
+        if owner is not None and hasattr(owner, slot):
+            break
     else:
-        owner, slot = sglang_server_args, "_global_server_args"
+        raise AssertionError(f"SGLang {sglang_version()}: set_global_server_args_for_scheduler stores the server args in "
+                             "neither server_args._global_server_args nor the runtime context's _server_args")
     previous = getattr(owner, slot)
     with tempfile.TemporaryDirectory(prefix="sm120_fp4_args_") as root:
         publish(sglang_server_args.ServerArgs(model_path=moe_layers._write_model_dir(root, moe_layers.MODELOPT),
