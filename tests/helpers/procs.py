@@ -8,7 +8,6 @@ selected test start together right after collection and run while the in-process
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import shutil
@@ -23,9 +22,18 @@ TIMEOUT = 240
 PACKAGE = Path(__file__).resolve().parents[2] / "sm120_fp4"
 
 
+# The environment as the session started: background jobs start on pool threads while the tests on
+# the main thread change os.environ (monkeypatch); iterating it there meanwhile raised KeyError.
+_SESSION_ENV = dict(os.environ)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any SM120_FP4* variable, plus `extra`; one thread per child."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("SM120_FP4")}
+    """This environment without any SM120_FP4* variable, plus `extra`; one thread per child.
+
+    On the main thread "this environment" is os.environ now; on any other thread (a background job)
+    it is the environment the session started with, never read while a test changes it."""
+    base = os.environ if threading.current_thread() is threading.main_thread() else _SESSION_ENV
+    env = {k: v for k, v in base.items() if not k.upper().startswith("SM120_FP4")}
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -88,29 +96,34 @@ class Popen:
         self.proc.wait()
 
 
-class Spawned:
-    """A `spawn` child started the way SGLang starts its schedulers; `target(stderr_path)` runs in it."""
+SPAWN_PARENT = """
+import multiprocessing, sys
+sys.path.insert(0, {tests!r})
+from {module} import {name} as target
+child = multiprocessing.get_context("spawn").Process(target=target, args=({err!r},))
+child.start()
+child.join()
+sys.exit(child.exitcode if child.exitcode >= 0 else 128 - child.exitcode)
+"""
+
+
+class Spawned(Popen):
+    """A `spawn` child started the way SGLang starts its schedulers; `target(stderr_path)` runs in it.
+
+    The spawning parent is an interpreter of its own started in `env` (the child inherits it, as a
+    scheduler inherits the launcher's): this process's os.environ is never swapped (that raced with
+    the tests changing it on the main thread). `target` is a module-level function of tests/helpers."""
 
     def __init__(self, target: Callable[[str], None], env: dict[str, str], folder: Path):
-        self.err = folder / "stderr"
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(env)  # the child inherits the environment at start()
-        try:
-            self.proc = multiprocessing.get_context("spawn").Process(target=target, args=(str(self.err),))
-            self.proc.start()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        self.child_err = folder / "child-stderr"
+        code = SPAWN_PARENT.format(tests=str(Path(__file__).resolve().parents[1]), module=target.__module__,
+                                   name=target.__qualname__, err=str(self.child_err))
+        super().__init__([sys.executable, "-c", code], env, folder)
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
-        self.proc.join(timeout)
-        return self.proc.exitcode, "", self.err.read_text() if self.err.exists() else ""
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        rc, out, err = super().wait(timeout)
+        child = self.child_err.read_text() if self.child_err.exists() else ""
+        return rc, out, child + err
 
 
 def python(code: str, folder: Path, cwd: Path | None = None, **env: str) -> Popen:
