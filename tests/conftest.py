@@ -4,6 +4,7 @@ reliability case properties, and the background subprocess jobs (helpers.procs.b
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import shutil
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from helpers.cases import fields
-from helpers.procs import TIMEOUT, HeavyQueue, JobPool
+from helpers.procs import TIMEOUT, JobPool
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # One intra-op thread: the tests run thousands of small tensor ops, which two threads (on two shared
@@ -130,7 +131,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 _POOL = JobPool(limit=max(2, os.cpu_count() or 2))
-_HEAVY = HeavyQueue(_POOL.done)  # real servers: one at a time, once every other job is done
+# Real servers (minutes of CPU each, in several processes): one at a time, from the start, beside the
+# other jobs; waiting for those first left one core idle for the last several minutes of the session.
+_HEAVY = JobPool(limit=1, timeout=None)
 
 
 def pytest_collection_finish(session):
@@ -153,6 +156,11 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
+    if os.environ.get("JOB_TIMES"):  # where each background job ran, for tuning the pools (JOB_TIMES=path.json)
+        t0 = min((j.started_at for j in _JOBS.values() if j.started_at is not None), default=0.0)
+        Path(os.environ["JOB_TIMES"]).write_text(json.dumps(
+            [[node, None if j.started_at is None else j.started_at - t0, None if j.ended_at is None else j.ended_at - t0]
+             for node, j in _JOBS.items()], indent=1))
     _POOL.stop()
     _HEAVY.stop()
     for job in _JOBS.values():

@@ -151,8 +151,8 @@ def background(start: Callable[..., object], heavy: bool = False):
 
     `folder` is an empty directory for the job; `params` are the case's parameters. The test gets
     `(returncode, stdout, stderr)` from the `background` fixture. `heavy` (a real server, a minute of
-    CPU and more): the job waits in the HeavyQueue, which runs such jobs one at a time once the
-    session's other background jobs are done, and the test runs after every other test.
+    CPU and more): the job goes to the heavy pool, which runs such jobs one at a time from the session's
+    start beside the other jobs, and the test runs after every other test.
     """
 
     def mark(fn):
@@ -161,40 +161,6 @@ def background(start: Callable[..., object], heavy: bool = False):
         return fn
 
     return mark
-
-
-class HeavyQueue:
-    """Runs queued jobs one at a time on a thread, starting once `others_done()` (or after `delay_s`)."""
-
-    def __init__(self, others_done: Callable[[], bool], delay_s: float = 240.0):
-        self._items: list[Queued] = []
-        self._others_done, self._delay_s = others_done, delay_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def add(self, start: Callable[[], object]) -> "Queued":
-        item = Queued(start)
-        self._items.append(item)
-        return item
-
-    def run(self) -> None:
-        if self._items and self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="heavy-jobs", daemon=True)
-            self._thread.start()
-
-    def _work(self) -> None:
-        deadline = time.monotonic() + self._delay_s
-        while not self._others_done() and time.monotonic() < deadline and not self._stop.wait(1.0):
-            pass
-        for item in self._items:
-            if self._stop.is_set():
-                break
-            item.start_and_finish()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for item in self._items:
-            item.kill()
 
 
 class JobPool:
@@ -247,13 +213,14 @@ class JobPool:
 
 
 class Queued:
-    """A queued job: started by its HeavyQueue or JobPool; wait() waits for its turn and its end."""
+    """A queued job: started by its JobPool; wait() waits for its turn and its end."""
 
     def __init__(self, start: Callable[[], object], timeout: float | None = None):
         self._start, self._done = start, threading.Event()
         self._timeout = timeout  # from the job's own start; None: the job's own bound (a server's)
         self.job, self.error, self.result = None, None, None
         self._lock, self._killed = threading.Lock(), False
+        self.started_at = self.ended_at = None  # time.monotonic() at its start and end (JOB_TIMES)
 
     def finished(self) -> bool:
         return self._done.is_set()
@@ -263,6 +230,7 @@ class Queued:
             with self._lock:  # a kill() before or while it starts: the job never outlives the session
                 if self._killed:
                     raise RuntimeError("the session ended before this background job started")
+                self.started_at = time.monotonic()
                 self.job = self._start()
             self.result = self.job.wait(self._timeout)
         except BaseException as exc:  # noqa: BLE001 - raised again in the test
@@ -270,6 +238,7 @@ class Queued:
             if self.job is not None:
                 self.job.kill()  # past its bound (or failed): stopped by its PID, not left running
         finally:
+            self.ended_at = time.monotonic()
             self._done.set()
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
