@@ -11,8 +11,10 @@ serving canary reads :func:`served_configurations` and :func:`check_served`.
 
 The records are the one store of this state. The route table the hot path reads
 (:func:`route_table`, one dict lookup per call in :mod:`sm120_fp4.dispatch`) is derived from them:
-every change of what serves a record goes through :meth:`_Serving.serve` / :meth:`_Serving.route_to`,
-which rebuild its entry (``_publish``); nothing else writes the table.
+every change of what serves a record (``_Serving.serve`` / ``route_to`` / ``store``, and clear()
+dropping it) rebuilds that device's entry from the store through ``_publish``, the one writer of
+the table. A refresh (``decide(refresh=True)``) of the decision a device is served with serves the
+refreshed one.
 """
 
 from __future__ import annotations
@@ -183,10 +185,13 @@ _refusals: list[Refusal] = []
 
 
 def _publish(record: _Serving) -> None:
-    """Make the route table say what `record` says (under _lock): the one writer of the route tables."""
+    """Make the route table entry of `record`'s family and device say what the store says now (under
+    _lock): the callable of the record kept for them, where it is routed; no entry where none is (a
+    record dropped by clear(), or one not routed yet). The one writer of the route tables."""
     table = _route_tables[record.family.name]
-    if record.routed:
-        table[record.index] = record.fn
+    current = _records.get((record.family.name, record.index))
+    if current is not None and current.routed:
+        table[record.index] = current.fn
     else:
         table.pop(record.index, None)
 
@@ -282,11 +287,12 @@ def clear() -> None:
     global _updating
     with _lock:
         _updating = 0
-        served = [(record, record.decision.backend) for record in _records.values() if record.serving is not None]
+        dropped = list(_records.values())
         _records.clear()
         _refusals.clear()
-        for table in _route_tables.values():
-            table.clear()  # the tables of an empty store
+        for record in dropped:
+            _publish(record)  # its entry goes with it
+        served = [(record, record.decision.backend) for record in dropped if record.serving is not None]
     for record, backend in served:
         stuck = _release(record, backend)
         if stuck is not None:
