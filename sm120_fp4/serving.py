@@ -14,7 +14,8 @@ The records are the one store of this state. The route table the hot path reads
 every change of what serves a record (``_Serving.serve`` / ``route_to`` / ``store``, and clear()
 dropping it) rebuilds that device's entry from the store through ``_publish``, the one writer of
 the table. A refresh (``decide(refresh=True)``) of the decision a device is served with serves the
-refreshed one.
+refreshed one while no layer was verified with it; after that it is refused (ConfigError): the
+refreshed backend would serve layers never checked with it.
 """
 
 from __future__ import annotations
@@ -241,6 +242,11 @@ def _decide(device: Device | int | None, candidates: list[str] | tuple[str, ...]
     with key_lock:
         if not refresh and key in record.decided:
             return record, key, record.decided[key]
+        if refresh and key == record.serving and record.checks:
+            raise ConfigError(
+                f"decide(refresh=True): {device.label()} already serves {len(record.checks)} verified layer "
+                f"configuration(s) with {record.decision.backend}; a refreshed decision would serve them unchecked. "
+                "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first")
         try:
             choice = choose(device, names, settings, family)
         except RefusedToServe as exc:
