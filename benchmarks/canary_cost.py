@@ -6,7 +6,7 @@ slice it adds between two forward passes.
 
 The distinct dense configurations of a 70B-class model (Llama-3-70B: qkv, o_proj, gate_up, down) at
 TP1 and TP8, and an NVFP4 MoE layer of a DeepSeek-V3 / GLM-class model (E=256, H=7168, top-8) at TP1
-and TP8, are verified as at load (selection.verify_layer, the emulated backend: the only one that runs
+and TP8, are verified as at load (serving.verify_layer, the emulated backend: the only one that runs
 off SM120; the layer's call is the routed backend after a quantizer, as benchmarks/selftest_cost.py).
 Then the canary (sm120_fp4.canary.Canary, SM120_FP4_CANARY=60, SM120_FP4_SLICE_MS=5, the captured
 graph sizes of SGLang 0.5.23's defaults) is driven one period at a time, its idle point called back to
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
 from selftest_cost import CAPTURED, MoeLayer, dense_layer, tp_configs  # noqa: E402
-from sm120_fp4 import backends, canary, devices, selection  # noqa: E402
+from sm120_fp4 import backends, canary, devices, serving  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
 from sm120_fp4.sglang import moe  # noqa: E402
 
@@ -64,11 +64,11 @@ def drive(c: canary.Canary, periods: int) -> list[canary.CanaryRun]:
 
 
 KERNEL_MS: dict[tuple[str, int], float] = {}  # (configuration, M) -> the backend's calls in its step (longest)
-_check_served = selection.check_served
+_check_served = serving.check_served
 
 
 def _recording(served, ms):
-    """selection.check_served, recording how much of each step is the backend's own calls (the rest, the
+    """serving.check_served, recording how much of each step is the backend's own calls (the rest, the
     inputs, the oracle and the comparisons, stays the same on SM120, where the kernel is far faster)."""
     report = _check_served(served, ms)
     key = (served.check.label, ms[0])
@@ -76,11 +76,11 @@ def _recording(served, ms):
     return report
 
 
-selection.check_served = _recording
+serving.check_served = _recording
 
 
 def measure(label: str, settings: Settings, tdev: torch.device, periods: int) -> dict:
-    """The canary over the configurations verified so far (selection's state)."""
+    """The canary over the configurations verified so far (serving's state)."""
     c = canary.Canary(settings)
     c.clock = Clock()
     c.on_warmup(CAPTURED)
@@ -98,7 +98,7 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int) ->
     per_period = sum(r.busy_ms for r in runs) / periods
     steps: dict[tuple[str, int], float] = {}
     for (family, index, key, m), seconds in c._estimate.items():
-        config = next(s.check.label for s in selection.served_configurations() if s.check.key == key)
+        config = next(s.check.label for s in serving.served_configurations() if s.check.key == key)
         steps[(config, m)] = max(steps.get((config, m), 0.0), seconds * 1e3)
     print(f"{label}: {len(runs)} runs, {per_period:.2f} ms per period ({per_period / 1e3 / PERIOD_S:.4%} of {PERIOD_S:g} s), "
           f"longest slice {status.longest_slice_ms:.1f} ms, longest step {status.longest_step_ms:.1f} ms ({status.longest_step})",
@@ -128,25 +128,25 @@ def main() -> int:
     results, rows = [], []
 
     for tp in (1, 8):
-        selection.clear()
-        selection.route(device.index, settings)
+        serving.clear()
+        serving.route(device.index, settings)
         checks = []
         for name, (n, k) in tp_configs(tp).items():
             n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
             check = dense_layer(n, k, tdev)
-            report = selection.verify_layer(device.index, check, settings)
+            report = serving.verify_layer(device.index, check, settings)
             assert report is not None and report.passed, report and report.reason
             checks.append(check)
         periods = len(checks) * (3 if args.quick else rounds_needed(checks))
         results.append(measure(f"70B-class dense TP{tp}", settings, tdev, periods))
 
     for tp in (1, 8):
-        selection.clear()
-        selection.route(device.index, settings, "moe")
+        serving.clear()
+        serving.route(device.index, settings, "moe")
         experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (32, 512, 256 // tp)
         layer = MoeLayer(experts, hidden, inter, 8, tdev)
         check = moe.moe_check("bench-moe", layer, serve=backends.resolve_moe("emulated"))
-        report = selection.verify_layer(device.index, check, settings)
+        report = serving.verify_layer(device.index, check, settings)
         assert report is not None and report.passed, report and report.reason
         periods = 3 if args.quick else rounds_needed([check])
         results.append(measure(f"MoE E={experts} H={hidden} I={inter} top-8 TP{tp}", settings, tdev, periods))

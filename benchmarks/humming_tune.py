@@ -93,7 +93,7 @@ def _legal(layer_config, m: int, config: dict) -> tuple[bool, str]:
 
 
 def _finish(layer_config, config: dict) -> dict:
-    """What Humming's own selection does to a chosen configuration (tile fitting, raster order)."""
+    """What Humming's own kernel choice does to a chosen configuration (tile fitting, raster order)."""
     from humming.config import GemmType
     from humming.tune import _apply_raster_group_m
     from humming.tune.sm90_policies import fit_sm90_tile

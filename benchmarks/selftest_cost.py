@@ -16,7 +16,7 @@ Measured, each on its own, with the `emulated` backend (the only one that runs o
   one with SGLang's -1 slots, T up to the chunk; plus a few more layers' light checks. The kernel
   for these is the oracle-backed stand-in `oracle_moe` (what `emulated` was before it became
   capture-safe); the capture-safe `emulated` MoE is timed per call on its own;
-* the re-check after warm-up and CUDA-graph capture (selection.recheck) of the same layers: every
+* the re-check after warm-up and CUDA-graph capture (serving.recheck) of the same layers: every
   layer's fingerprint, then every configuration at every graph size SGLang 0.5.23 captures by
   default (decode batch sizes up to 512 and prefill token counts up to 2048: CAPTURED, from
   SGLang's cuda_graph_hook.py) and its re-check sizes.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
-from sm120_fp4 import backends, devices, nvfp4, selection, selftest  # noqa: E402
+from sm120_fp4 import backends, devices, nvfp4, selftest, serving  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
 from sm120_fp4.sglang import hooks, moe  # noqa: E402
 
@@ -109,7 +109,7 @@ class MoeLayer(torch.nn.Module):
 
 
 def time_check(check, device, settings) -> tuple[float, selftest.SelfTestReport]:
-    report, seconds = synced(device.torch_device, lambda: selection.verify_layer(device.index, check, settings))
+    report, seconds = synced(device.torch_device, lambda: serving.verify_layer(device.index, check, settings))
     return seconds, report
 
 
@@ -124,8 +124,8 @@ def oracle_moe(x, ids, w, *rest):
 
 
 def time_recheck(label: str, tdev: torch.device, settings) -> tuple[float, list]:
-    """selection.recheck of every layer and configuration verified so far at CAPTURED: (seconds, table row)."""
-    reports, seconds = synced(tdev, lambda: selection.recheck(settings, CAPTURED))
+    """serving.recheck of every layer and configuration verified so far at CAPTURED: (seconds, table row)."""
+    reports, seconds = synced(tdev, lambda: serving.recheck(settings, CAPTURED))
     assert all(r.passed for r in reports), [r.reason for r in reports]
     kernel = sum(r.duration_s for rep in reports for r in rep.shapes)
     return seconds, [f"{label} re-check after capture", "", len(reports[0].shapes), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3]
@@ -150,12 +150,12 @@ def main() -> int:
 
     runs = []
     for _ in range(3):  # the first includes one-off costs (CUDA context, cuBLAS handles, caches)
-        selection.clear()
-        _, seconds = synced(tdev, lambda: selection.route(device.index, settings))
+        serving.clear()
+        _, seconds = synced(tdev, lambda: serving.route(device.index, settings))
         runs.append(seconds)
     dense_generic = statistics.median(runs[1:])
-    _, moe_generic = synced(tdev, lambda: selection.route(device.index, settings, "moe"))
-    [moe_decision] = [d for d in selection.decisions() if d.family == "moe"]
+    _, moe_generic = synced(tdev, lambda: serving.route(device.index, settings, "moe"))
+    [moe_decision] = [d for d in serving.decisions() if d.family == "moe"]
     moe_generic_kernel = sum(s.duration_s for s in moe_decision.reports[0].shapes)
 
     rows, dense, rechecks = [], {}, {}
@@ -184,9 +184,9 @@ def main() -> int:
         rows.append([f"TP{tp} all four x {layers} layers", "", "", total * 1e3, "", ""])
         rechecks[f"dense_tp{tp}"], row = time_recheck(f"TP{tp}", tdev, settings)
         rows.append(row)
-        selection.clear()
-        selection.route(device.index, settings)
-    selection.route(device.index, settings, "moe")  # decided before the layer checks are timed
+        serving.clear()
+        serving.route(device.index, settings)
+    serving.route(device.index, settings, "moe")  # decided before the layer checks are timed
 
     moe_rows, moe_costs, moe_light = [], {}, {}
     for tp in (1, 8):
@@ -212,8 +212,8 @@ def main() -> int:
         rechecks[f"moe_tp{tp}"], row = time_recheck(f"TP{tp}", tdev, settings)
         moe_rows.append(row)
         del layer, extra
-        selection.clear()  # the next TP's layer is re-checked on its own
-        selection.route(device.index, settings, "moe")
+        serving.clear()  # the next TP's layer is re-checked on its own
+        serving.route(device.index, settings, "moe")
 
     # The capture-safe `emulated` MoE (the fallback SGLang's graphs replay): one call, TP8's layer shape.
     emulated_rows = []

@@ -17,7 +17,7 @@ status=0
 step() { echo; echo "=== $1"; shift; "$@" || { echo "!!! step failed: $?"; status=1; }; }
 step "nvidia-smi" bash -c "nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv | tee '$OUT/nvidia-smi.csv'"
 step "versions" python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
-step "pytest on CUDA (oracles, self-tests, selection, dispatch, gpu)" bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_nvfp4.py tests/test_nvfp4_moe.py tests/test_selftest.py tests/test_moe_selftest.py tests/test_selection.py tests/test_dispatch.py tests/test_backends.py tests/test_gpu.py tests/test_humming.py 2>&1 | tee '$OUT/pytest-gpu.log' | tail -40"
+step "pytest on CUDA (oracles, self-tests, deciding, serving, dispatch, gpu)" bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_nvfp4.py tests/test_nvfp4_moe.py tests/test_selftest.py tests/test_moe_selftest.py tests/test_deciding.py tests/test_serving.py tests/test_dispatch.py tests/test_backends.py tests/test_gpu.py tests/test_humming.py 2>&1 | tee '$OUT/pytest-gpu.log' | tail -40"
 step "doctor (simulated sm_120 on the real CUDA device)" bash -c "SM120_FP4_SIMULATE=12.0 python3 -m sm120_fp4 doctor | tee '$OUT/doctor-sim.md'"
 step "doctor --json (no simulation)" bash -c "python3 -m sm120_fp4 doctor --json > '$OUT/doctor.json'; python3 -c \"import json; d=json.load(open('$OUT/doctor.json')); print(d['devices'], d['problems'])\""
 step "selftest --backend emulated (simulated sm_120)" bash -c "SM120_FP4_SIMULATE=12.0 python3 -m sm120_fp4 selftest --backend emulated 2>&1 | tee '$OUT/selftest.txt'"

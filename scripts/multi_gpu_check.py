@@ -138,14 +138,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     facts: dict = {"rank": rank}
     try:
         import sm120_fp4
-        from sm120_fp4 import canary, dispatch, nvfp4, selection
+        from sm120_fp4 import canary, dispatch, nvfp4, serving
         from sm120_fp4.config import load_settings
 
         sm120_fp4.install()
         settings = load_settings()
         router = dispatch.Router(settings)
         dense, moe = router.ensure(rank), router.ensure(rank, "moe")
-        facts["routes"] = {"dense": selection.routes().get(rank), "moe": selection.routes("moe").get(rank)}
+        facts["routes"] = {"dense": serving.routes().get(rank), "moe": serving.routes("moe").get(rank)}
         facts["device_uuid"] = str(torch.cuda.get_device_properties(rank).uuid)
         gen = torch.Generator(device="cuda").manual_seed(rank)
         x = torch.randn(16, 512, device="cuda", generator=gen)

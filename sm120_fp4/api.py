@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from . import __version__, canary, devices, locks, selection
+from . import __version__, canary, deciding, devices, locks, serving
 from .canary import CanaryStatus
 from . import sglang as sglang_support
 from .config import Settings, env_name, load_settings, sources
@@ -46,8 +46,8 @@ class Status(BaseModel):
     patches: list[LedgerEntry]
     routes: dict[int, str]
     moe_routes: dict[int, str]
-    decisions: list[selection.Decision]
-    refusals: list[selection.Refusal]
+    decisions: list[deciding.Decision]
+    refusals: list[deciding.Refusal]
     canary: CanaryStatus
 
 
@@ -150,8 +150,8 @@ def install(**overrides: Any) -> Status:
         settings = load_settings(**overrides)
         if settings.toggle is not False:  # off means off: nothing else is looked at
             # Unknown backend names (after the entry points): ConfigError now, not at serve time.
-            selection.candidate_names(settings)
-            selection.candidate_names(settings, family=selection.MOE)
+            deciding.candidate_names(settings)
+            deciding.candidate_names(settings, family=deciding.MOE)
             _log_precedence(settings)
         if _state is not None:
             changed = _changed(_state.settings, settings)
@@ -186,11 +186,11 @@ def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], o
     shown = "; ".join(f"{k}: {old!r} in force, {new!r} asked" for k, (old, new) in changed.items())
     by = (f"install({', '.join(f'{k}={v!r}' for k, v in state.kwargs.items())})" if state.kwargs else
           "the environment (SM120_FP4=1: the start-up hook or SGLang's plugin installed it)")
-    decided = selection.decisions() or selection.refusals() or selection.routes("dense") or selection.routes("moe")
+    decided = serving.decisions() or serving.refusals() or serving.routes("dense") or serving.routes("moe")
     if decided:
         raise ConfigError(
             f"sm120_fp4: install({', '.join(f'{k}={v!r}' for k, v in overrides.items())}) asks for other settings than the "
-            f"ones in force, installed by {by} ({shown}); this process has already decided ({len(selection.decisions())} "
+            f"ones in force, installed by {by} ({shown}); this process has already decided ({len(serving.decisions())} "
             "decision(s), layers verified with them), so they cannot change now. Set them before SGLang loads the model "
             f"(the environment: {', '.join(env_name(k) for k in changed)}), or call sm120_fp4.uninstall() first")
     _LOG.warning("sm120_fp4: install() with other settings than the ones in force, installed by %s (%s): nothing was "
@@ -219,7 +219,7 @@ def _uninstall_locked() -> None:
     state.patcher.remove_all()  # also disarms the hooks of steps not yet run
     for step in reversed(state.undo):
         step()
-    selection.clear()
+    serving.clear()
     _message = "uninstalled"
     _logged.discard("installed")
 
@@ -252,8 +252,8 @@ def status() -> Status:
             devices=found,
             patches=patches,
             routes=state.router.routes() if state else {},
-            moe_routes=selection.routes("moe") if state else {},
-            decisions=selection.decisions(),
-            refusals=selection.refusals(),
+            moe_routes=serving.routes("moe") if state else {},
+            decisions=serving.decisions(),
+            refusals=serving.refusals(),
             canary=canary.status(settings),
         )

@@ -7,7 +7,7 @@ NVFP4 fused MoE) on each device, one of that family's verified layer configurati
 through the exact routed call with the layer's own weights, at one decode batch size and one larger
 batch size (both rotating through the batch sizes verified at load, the re-check's and the captured
 graph sizes), against
-the oracle. It is the re-check's own check (:func:`selection.check_served`: two passes, every call
+the oracle. It is the re-check's own check (:func:`serving.check_served`: two passes, every call
 checked), run one batch size per step.
 
 Engine-neutral: the engine integration calls :func:`idle` where its serving loop is between forward
@@ -42,7 +42,7 @@ from typing import Callable, ContextManager
 import torch
 from pydantic import BaseModel, Field
 
-from . import selection, selftest
+from . import deciding, report as report_file, selftest, serving
 from .config import Settings
 from .errors import RefusedToServe
 
@@ -93,7 +93,7 @@ class CanaryStatus(BaseModel):
     slice_ms: float
     state: str
     idle_point: str | None = None
-    fingerprints: str = "not compared: this build has no weight fingerprints (selection.fingerprint_problem)"
+    fingerprints: str = "not compared: this build has no weight fingerprints (serving.fingerprint_problem)"
     armed_at: float | None = None
     runs: int = 0
     failures: int = 0
@@ -120,15 +120,15 @@ def settings_problem(settings: Settings) -> str | None:
     return None
 
 
-def _fingerprint_problem(served: selection.Served) -> str | None:
+def _fingerprint_problem(served: serving.Served) -> str | None:
     """Hook point for weight fingerprints: whether the layer's weights still equal what was verified.
 
     A weight corrupted in memory after start-up is invisible to the oracle, which reads the same
-    corrupted weight. The comparison belongs to selection (`selection.fingerprint_problem(check)
+    corrupted weight. The comparison belongs to serving (`serving.fingerprint_problem(check)
     -> str | None`, a reason when the weights changed); a build without it compares nothing, and
     status says so.
     """
-    compare = getattr(selection, "fingerprint_problem", None)
+    compare = getattr(serving, "fingerprint_problem", None)
     return compare(served.check) if compare is not None else None
 
 
@@ -140,7 +140,7 @@ def _capturing() -> bool:
 class _Job:
     """One configuration's run in progress: its batch sizes, one step each."""
 
-    served: selection.Served
+    served: serving.Served
     ms: list[int]
     late_s: float
     due_at: float  # the same, wall time
@@ -219,8 +219,8 @@ class Canary:
         self.longest_wait_s = max(self.longest_wait_s, late)
         due_at = time.time() - late
         self._due = now + self.period
-        groups: dict[tuple, list[selection.Served]] = {}
-        for served in selection.served_configurations():
+        groups: dict[tuple, list[serving.Served]] = {}
+        for served in serving.served_configurations():
             groups.setdefault((served.family, served.device.index), []).append(served)
         for group, configs in groups.items():
             position = self._cursor.get(group, 0)
@@ -233,7 +233,7 @@ class Canary:
             if job.ms:  # a configuration with no batch size to check has nothing to run
                 self._queue.append(job)
 
-    def _batch_sizes(self, check: selection.LayerCheck, round_: int) -> list[int]:
+    def _batch_sizes(self, check: serving.LayerCheck, round_: int) -> list[int]:
         """One decode batch size and one larger one, each rotating with the configuration's runs
         through the batch sizes verified at load, the re-check's and the captured graph sizes."""
         ms = sorted(set(check.ms) | set(check.recheck_ms) | self._captured)
@@ -285,7 +285,7 @@ class Canary:
         try:
             problem = _fingerprint_problem(served) if not job.reports else None
             if problem is None:
-                return selection.check_served(served, [m])
+                return serving.check_served(served, [m])
             reason = f"the layer's weights changed since they were verified: {problem}"
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
             reason = f"the canary could not run the check: {type(exc).__name__}: {exc}"
@@ -314,7 +314,7 @@ class Canary:
                 else:
                     known.count += 1
         if failing is None:
-            selection.update_report(self.settings)
+            report_file.update(self.settings)
         elif self.settings.canary_action == "exit":
             self._exit(job, run, failing)
         else:
@@ -322,11 +322,11 @@ class Canary:
                 _LOG.warning("sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
                              "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
                              run.backend, run.config, run.device, run.reason)
-            selection.update_report(self.settings)
+            report_file.update(self.settings)
 
     def _exit(self, job: _Job, run: CanaryRun, report: selftest.SelfTestReport) -> None:
         served = job.served
-        family = selection.FAMILIES[served.family]
+        family = deciding.FAMILIES[served.family]
         message = (
             f"sm120_fp4: refusing to serve NVFP4 on {run.device}: while serving: {run.backend} failed the serving canary's "
             f"re-check of {run.config}.\n"
@@ -337,10 +337,10 @@ class Canary:
         )
         self._stopped = f"stopped the process: {run.config} failed while serving"
         self._stopped_message = message
-        refusal = selection.Refusal(device=run.device, config=f"{run.config} (while serving)", family=served.family,
-                                    message=message, rejected={run.backend: f"failed while serving: {run.reason}"},
-                                    reports=[report])
-        selection.record_refusal(refusal, self.settings)  # the report file, before the process goes
+        refusal = deciding.Refusal(device=run.device, config=f"{run.config} (while serving)", family=served.family,
+                                   message=message, rejected={run.backend: f"failed while serving: {run.reason}"},
+                                   reports=[report])
+        serving.record_refusal(refusal, self.settings)  # the report file, before the process goes
         _LOG.error("%s", message)
         raise RefusedToServe(message)
 
@@ -367,7 +367,7 @@ class Canary:
             recent = list(self._recent)
             failed = [f.model_copy() for f in self._failed.values()]
         elapsed = time.time() - self._armed_at if self._armed_at is not None else None
-        has_fingerprints = getattr(selection, "fingerprint_problem", None) is not None
+        has_fingerprints = getattr(serving, "fingerprint_problem", None) is not None
         return CanaryStatus(
             enabled=True, period_s=self.period, action=self.settings.canary_action, slice_ms=self.budget_s * 1e3,
             state=self._state(), idle_point=self.idle_point, armed_at=self._armed_at, runs=self.runs,
@@ -392,7 +392,7 @@ def configure(settings: Settings, idle_point: str | None = None) -> Canary | Non
     if settings.canary_period is None:
         return None
     _active = Canary(settings, idle_point)
-    selection.report_sections["canary"] = lambda: status(settings).model_dump(mode="json")
+    report_file.sections["canary"] = lambda: status(settings).model_dump(mode="json")
     return _active
 
 
@@ -400,7 +400,7 @@ def stop() -> None:
     """Forget this process's canary (uninstall)."""
     global _active
     _active = None
-    selection.report_sections.pop("canary", None)
+    report_file.sections.pop("canary", None)
 
 
 def active() -> Canary | None:

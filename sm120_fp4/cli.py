@@ -47,7 +47,7 @@ def _emit(payload: dict) -> None:
 def _worker(args: argparse.Namespace) -> int:
     """Run decide() for one device and family in this (short-lived) process; print JSON lines:
     one event per candidate right before it runs, then the result."""
-    from . import backends, devices, selection, verdicts
+    from . import backends, deciding, devices, serving, verdicts
     from .config import load_settings
     from .errors import ConfigError, RefusedToServe
 
@@ -66,14 +66,14 @@ def _worker(args: argparse.Namespace) -> int:
             name, _, why = item.partition("=")
             verdicts.note_crash(family, name, why)
         if args.backend:
-            selection.candidate_names(settings, args.backend, selection.FAMILIES[family], device, source="--backend")
+            deciding.candidate_names(settings, args.backend, deciding.FAMILIES[family], device, source="--backend")
         kind = backends.get_moe if family == "moe" else backends.get
 
         def announce(event, fam, dev, name):
             _emit({"event": event, "family": fam, "backend": name, "flashinfer": kind(name).kind == "flashinfer", "key": key})
 
-        selection.candidate_hook = announce
-        decision = selection.decide(device, args.backend or None, settings=settings, family=family)
+        deciding.candidate_hook = announce
+        decision = serving.decide(device, args.backend or None, settings=settings, family=family)
     except ConfigError as exc:
         _emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
@@ -93,7 +93,7 @@ def _model_worker(args: argparse.Namespace) -> int:
     """Verify the checkpoint `args.model` on one device in this (short-lived) process; one JSON result line."""
     import sm120_fp4
 
-    from . import devices, selection
+    from . import devices, serving
     from .config import load_settings
     from .errors import ConfigError, RefusedToServe
     from .sglang import model_check
@@ -111,7 +111,7 @@ def _model_worker(args: argparse.Namespace) -> int:
     except RefusedToServe as exc:
         _emit({"ok": False, "usage": False, "message": str(exc), "device": args.device})
         return EXIT_REFUSED
-    decisions = [d.model_dump(mode="json") for d in selection.decisions() if d.device_index == args.device]
+    decisions = [d.model_dump(mode="json") for d in serving.decisions() if d.device_index == args.device]
     _emit({"ok": True, "checked": checked, "decisions": decisions})
     return EXIT_OK if all(d["verified"] for d in decisions) else EXIT_UNVERIFIED
 
@@ -190,10 +190,10 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
 
 def _own_report() -> dict:
     """This worker's decisions and refusals, for the one report the preflight parent writes."""
-    from . import selection
+    from . import serving
 
-    return {"decisions": [d.model_dump(mode="json") for d in selection.decisions()],
-            "refusals": [r.model_dump(mode="json") for r in selection.refusals()]}
+    return {"decisions": [d.model_dump(mode="json") for d in serving.decisions()],
+            "refusals": [r.model_dump(mode="json") for r in serving.refusals()]}
 
 
 # ---- selftest: the parent -------------------------------------------------------------------
@@ -426,7 +426,7 @@ def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
 
 
 def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None) -> int:
-    from . import devices, selection, verdicts
+    from . import deciding, devices, verdicts
 
     families = list(families or (["moe"] if getattr(args, "moe", False) else ["dense"]))
     found = _settings_and_devices(args)
@@ -446,7 +446,7 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
     env["SM120_FP4"] = "1"
     jobs = [(family, index) for family in families for index in indices]
     for family, index in jobs:
-        what = ", ".join(args.backend) if args.backend else f"the configured {selection.FAMILIES[family].what} backends"
+        what = ", ".join(args.backend) if args.backend else f"the configured {deciding.FAMILIES[family].what} backends"
         _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] self-testing {what} in a subprocess ...")
     start = time.perf_counter()
     stop = _Stop()

@@ -6,8 +6,8 @@
 * :func:`moe_front` (NVFP4 fused MoE): ``cutlass_fused_moe``'s keyword convention as SGLang calls
   it, mapped to the backend convention (:func:`sm120_fp4.kernels.moe_call_to_convention`).
 
-Both are wired the same way, by :class:`Router` over :mod:`sm120_fp4.selection`'s route table (the
-one decision cache); FlashInfer's conventions and argument checks come from :mod:`sm120_fp4.kernels`.
+Both are wired the same way, by :class:`Router` over :mod:`sm120_fp4.serving`'s route tables (derived
+from its one store of serving records); FlashInfer's conventions and argument checks come from :mod:`sm120_fp4.kernels`.
 No host sync, no allocation but ``out``, nothing that breaks CUDA-graph capture. The first call on a
 device without a decision decides once (a self-test). A backend's error gets a note naming it and is
 never replaced by zeros.
@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from . import kernels, selection
+from . import kernels, serving
 from .config import Settings
 from .errors import InvalidArgument, describe
 
@@ -29,7 +29,7 @@ GemmFn = Callable[..., object]
 
 
 class Router:
-    """The routing of one install: its settings, over selection's route tables (one per family)."""
+    """The routing of one install: its settings, over serving's route tables (one per family)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -37,20 +37,20 @@ class Router:
     def ensure(self, index: int, family: str = "dense") -> Callable | None:
         """Decide (self-test) `family` for CUDA ordinal `index` (-1: CPU in simulation) once; the
         backend, or None where this library does not serve the device."""
-        return selection.route(index, self.settings, family)
+        return serving.route(index, self.settings, family)
 
     def routes(self, family: str = "dense") -> dict[int, str]:
         """Device index -> the backend it is routed to, or "original" (a device this install does not serve)."""
-        return selection.routes(family)
+        return serving.routes(family)
 
     def make_dispatch(self, original: Callable) -> Callable:
         """The replacement for a module-level ``mm_fp4`` alias (dense)."""
-        names = selection.routes
-        return mm_fp4_front(original, selection.route_table().get, self.ensure, lambda i: names().get(i, "?"))
+        names = serving.routes
+        return mm_fp4_front(original, serving.route_table().get, self.ensure, lambda i: names().get(i, "?"))
 
     def make_moe_front(self, original: Callable, activation_type: type) -> Callable:
         """The front over FlashInfer's ``cutlass_fused_moe`` that SGLang's MoE seam hands out (MoE)."""
-        names = selection.routes
+        names = serving.routes
         return moe_front(original, activation_type, lambda i: self.ensure(i, "moe"), lambda i: names("moe").get(i, "?"))
 
 

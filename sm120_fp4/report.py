@@ -15,21 +15,35 @@ The file::
      "processes": [{"pid", "role", "run", "started", "written_at", ... what the role adds}],
      "decisions": [... each with "pid" and "role"], "refusals": [... each with "pid" and "role"]}
 
-Written through files.write_json: 0600, in a trusted directory, never over a link or special file.
+Written through files.write_json (the one atomic writer): 0600, in a trusted directory, never over
+a link or special file. :func:`update` writes this process's section from :data:`sections`
+(:mod:`sm120_fp4.serving` adds ``decisions`` and ``refusals``, the serving canary ``canary``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from . import files, locks
 
-__all__ = ["write", "resolve", "VERSION"]
+if TYPE_CHECKING:
+    from .config import Settings
+
+__all__ = ["write", "resolve", "update", "sections", "VERSION"]
 
 VERSION = 2
+_LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
+_update_lock = locks.lock()
+
+# This process's section of the report: name -> a function returning its JSON-serialisable value,
+# called whenever the report is written (serving adds "decisions" and "refusals", the serving
+# canary "canary").
+sections: dict[str, Callable[[], object]] = {}
 
 
 def _started(pid: int) -> str | None:
@@ -109,3 +123,18 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
                    "decisions": entries("decisions"), "refusals": entries("refusals")}
         files.write_json(target, payload, "report")
     return target
+
+
+def update(settings: Settings) -> None:
+    """Write the report file now (SM120_FP4_REPORT; nothing when unset) with every one of
+    :data:`sections`, gathered and written under one lock: the newest report holds the latest state,
+    whichever thread writes last. A write that fails is logged, never raised: a report is evidence,
+    not a reason to stop a verified worker."""
+    if settings.report is None:
+        return
+    with _update_lock:
+        payload = {name: section() for name, section in list(sections.items())}
+        try:
+            write(settings.report, payload, directory=settings.report_is_dir)
+        except OSError as exc:
+            _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)

@@ -57,17 +57,17 @@ def _clean_library_state(monkeypatch):
     for name in list(os.environ):
         if name.startswith("SM120_FP4"):
             monkeypatch.delenv(name)
-    from sm120_fp4 import backends, devices, selection
+    from sm120_fp4 import backends, devices, serving
 
     registered, registered_moe = set(backends.names()), set(backends.moe_names())
-    selection.clear()
+    serving.clear()
     devices.clear_cache()
     yield
     for name in set(backends.names()) - registered:
         backends.unregister(name)
     for name in set(backends.moe_names()) - registered_moe:
         backends.unregister_moe(name)
-    selection.clear()
+    serving.clear()
     devices.clear_cache()
 
 

@@ -155,22 +155,22 @@ def plugins_on_path(tmp_path, monkeypatch):
 def test_entry_point_backends_are_loaded_when_asked_for(plugins_on_path, which, outcome):
     from sm120_fp4.config import Settings
     from sm120_fp4.errors import ConfigError
-    from sm120_fp4 import selection
+    from sm120_fp4 import deciding
 
     if which.startswith("a GEMM"):
         assert "zeros" not in backends.names()
-        assert selection.candidate_names(Settings(backends="zeros,emulated")) == ["zeros", "emulated"]
+        assert deciding.candidate_names(Settings(backends="zeros,emulated")) == ["zeros", "emulated"]
         assert backends.get("zeros").kind == "registered"
     elif "is_supported" in which:
         assert backends.is_supported("good121", Device(0, "mocked", (12, 0))) == (False, "only on sm_121")
         assert backends.is_supported("good121", Device(0, "mocked", (12, 1)))[0]
     elif "does not import" in which:
         with pytest.raises(ConfigError, match=r"entry point 'missing' .* of group sm120_fp4.backends failed to load: ModuleNotFoundError"):
-            selection.candidate_names(Settings(backends="missing"))
+            deciding.candidate_names(Settings(backends="missing"))
     else:
-        assert selection.candidate_names(Settings(moe_backends="moe-crash"), family=selection.MOE) == ["moe-crash"]
+        assert deciding.candidate_names(Settings(moe_backends="moe-crash"), family=deciding.MOE) == ["moe-crash"]
         with pytest.raises(ConfigError, match="unknown backend"):
-            selection.candidate_names(Settings(backends="moe-crash"))
+            deciding.candidate_names(Settings(backends="moe-crash"))
 
 
 ENTRY_POINT_WORKER = """

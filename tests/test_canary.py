@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import sm120_fp4
-from sm120_fp4 import backends, canary, selection
+from sm120_fp4 import backends, canary, report, serving
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import ConfigError, RefusedToServe
 from sm120_fp4.sglang import layers
@@ -348,10 +348,10 @@ def test_with_nothing_verified_the_canary_runs_nothing_and_says_so():
     assert c.runs == 0 and sm120_fp4.status().canary.enabled
 
 
-def test_a_weight_fingerprint_mismatch_from_selection_fails_the_run(monkeypatch):
-    """The hook point for weight fingerprints (selection.fingerprint_problem, when it exists)."""
+def test_a_weight_fingerprint_mismatch_from_serving_fails_the_run(monkeypatch):
+    """The hook point for weight fingerprints (serving.fingerprint_problem, when it exists)."""
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
-    monkeypatch.setattr(selection, "fingerprint_problem", lambda check: "weight bytes 17-18 differ", raising=False)
+    monkeypatch.setattr(serving, "fingerprint_problem", lambda check: "weight bytes 17-18 differ", raising=False)
     run = next_run(c)
     assert not run.passed and "weights changed since they were verified: weight bytes 17-18 differ" in run.reason
     assert c.status().fingerprints.startswith("compared")
@@ -374,7 +374,7 @@ def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
     def broken(served, ms):
         raise KeyError("no such serving entry")
 
-    monkeypatch.setattr(selection, "check_served", broken)
+    monkeypatch.setattr(serving, "check_served", broken)
     run = next_run(c)
     assert not run.passed and "the canary could not run the check: KeyError" in run.reason
 
@@ -390,7 +390,7 @@ def test_unverified_configurations_are_not_rechecked():
     sm120_fp4.install(simulate="12.0", backends="wide", selftest="warn", canary="5")
     layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
     layers.build_modelopt_layer(layers.make_checkpoint(64, 160))  # fails, served UNVERIFIED under warn
-    assert [s.check.label.split(" (")[0] for s in selection.served_configurations()] == [
+    assert [s.check.label.split(" (")[0] for s in serving.served_configurations()] == [
         "ModelOptFp4LinearMethod N=96 K=160 bfloat16"]
 
 
@@ -424,7 +424,7 @@ def test_off_by_default_and_after_uninstall():
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="5")
     assert canary.active() is not None
     sm120_fp4.uninstall()
-    assert canary.active() is None and "canary" not in selection.report_sections
+    assert canary.active() is None and "canary" not in report.sections
 
 
 def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path, monkeypatch):

@@ -370,7 +370,7 @@ import json, os, sys, threading, time
 import torch
 torch.set_num_threads(1)
 import sm120_fp4
-from sm120_fp4 import backends, selection
+from sm120_fp4 import backends, serving
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.config import Settings
 

@@ -164,7 +164,7 @@ def _torch_cuda(monkeypatch, order, initialised=True):
 @case("devices", "mixed GPUs with FASTEST_FIRST (an sm_86 GPU in PCI slot 0, the RTX PRO 6000 in slot 1) once CUDA is initialised (a serving worker at its first layer)",
       "cuda:0 is the PRO 6000 (sm_120), as CUDA numbers it: decided and served as sm_120, never as the sm_86 GPU")
 def test_once_cuda_is_initialised_its_own_numbering_counts(monkeypatch):
-    from sm120_fp4 import selection
+    from sm120_fp4 import deciding, serving
     from sm120_fp4.config import Settings
 
     _nvml(monkeypatch, MIXED)
@@ -172,9 +172,9 @@ def test_once_cuda_is_initialised_its_own_numbering_counts(monkeypatch):
     found = devices.list_devices(refresh=True)
     assert [(d.index, d.capability, d.uuid, d.source) for d in found] == [
         (0, (12, 0), B.removeprefix("GPU-"), "torch"), (1, (8, 6), A.removeprefix("GPU-"), "torch")]
-    decision = selection.decide(0, ["emulated"], settings=Settings(selftest="off"))
+    decision = serving.decide(0, ["emulated"], settings=Settings(selftest="off"))
     assert decision.device.startswith("cuda:0 'NVIDIA RTX PRO 6000") and decision.capability == "12.0"
-    assert selection.serves(devices.get_device(0), Settings()) and not selection.serves(devices.get_device(1), Settings())
+    assert deciding.serves(devices.get_device(0), Settings()) and not deciding.serves(devices.get_device(1), Settings())
 
 
 def test_a_process_about_to_use_cuda_asks_cuda_when_nvml_cannot_tell(monkeypatch):

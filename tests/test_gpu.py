@@ -1,4 +1,4 @@
-"""CUDA-only evidence (run on the H200 by scripts/gpu_check.sh): graphs, no sync, fastest selection."""
+"""CUDA-only evidence (run on the H200 by scripts/gpu_check.sh): graphs, no sync, SELECT=fastest."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import faults
-from sm120_fp4 import backends, devices, dispatch, kernels, nvfp4, selection, selftest
+from sm120_fp4 import backends, devices, dispatch, kernels, nvfp4, selftest, serving
 from sm120_fp4.config import Settings
 from sm120_fp4.dispatch import Router
 from sm120_fp4.errors import SelfTestError
@@ -97,7 +97,7 @@ def test_select_fastest_picks_the_faster_of_two_verified_backends_on_the_gpu():
     backends.register("slow", slow_emulated)
     backends.register("fast", faults.healthy)
     device = devices.list_devices((12, 0))[0]
-    d = selection.decide(device, ["slow", "fast"], settings=Settings(simulate="12.0", select="fastest"))
+    d = serving.decide(device, ["slow", "fast"], settings=Settings(simulate="12.0", select="fastest"))
     assert d.backend == "fast" and set(d.timings_ms) == {"slow", "fast"}
     assert d.timings_ms["fast"] < d.timings_ms["slow"]
     print(f"timings (ms over the self-test shapes): {d.timings_ms}")
@@ -107,7 +107,7 @@ def test_select_fastest_never_picks_a_fast_backend_that_fails_verification():
     backends.register("slow", slow_emulated)
     backends.register("fast-wrong", fast_but_wrong)
     device = devices.list_devices((12, 0))[0]
-    d = selection.decide(device, ["fast-wrong", "slow"], settings=Settings(simulate="12.0", select="fastest"))
+    d = serving.decide(device, ["fast-wrong", "slow"], settings=Settings(simulate="12.0", select="fastest"))
     assert d.backend == "slow" and "all zeros" in d.rejected["fast-wrong"]
 
 
@@ -245,6 +245,6 @@ def test_emulated_cached_is_never_kept_from_a_capture_and_sglangs_weight_update_
     assert torch.equal(out, run("emulated")) and torch.equal(run(), run("emulated")), "no entry made during capture"
     weight.data.copy_(q2)  # how SGLang's loaders write: .data, no version bump
     assert not torch.equal(run(), run("emulated")), "the hazard: a stale copy"
-    selection.weights_update_begin()
-    selection.weights_update_end(SIM)
+    serving.weights_update_begin()
+    serving.weights_update_end(SIM)
     assert torch.equal(run(), run("emulated")), "SGLang's weight-update path drops the copy"

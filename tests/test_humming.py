@@ -17,7 +17,7 @@ import torch
 import sm120_fp4
 from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
-from sm120_fp4 import backends, devices, dispatch, doctor, humming, kernels, nvfp4, selection, selftest
+from sm120_fp4 import backends, deciding, devices, dispatch, doctor, humming, kernels, nvfp4, selftest, serving
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
@@ -42,8 +42,8 @@ def test_default_chains_on_12x_end_with_humming_and_nothing_changes_elsewhere():
     assert kernels.default_order((9, 0)) == ("cutlass", "b12x")
     assert kernels.default_moe_order((9, 0)) == ("cutlass",)
     settings = Settings(simulate="12.0")
-    assert selection.candidate_names(settings, family=selection.MOE, device=SIM_CPU) == ["cutlass", "humming"]
-    assert "emulated" not in selection.candidate_names(settings, device=SIM_CPU)  # opt-in only
+    assert deciding.candidate_names(settings, family=deciding.MOE, device=SIM_CPU) == ["cutlass", "humming"]
+    assert "emulated" not in deciding.candidate_names(settings, device=SIM_CPU)  # opt-in only
 
 
 def test_moe_backends_auto_and_explicit_lists_are_accepted_and_bad_ones_named():
@@ -62,7 +62,7 @@ def test_missing_humming_is_a_clear_not_supported_reason_and_the_refusal_names_i
     ok, why = backends.is_moe_supported("humming", SIM_CPU)
     assert not ok and "humming-kernels is not installed" in why
     with pytest.raises(RefusedToServe, match="humming: not supported: humming-kernels is not installed"):
-        selection.decide(SIM_CPU, settings=Settings(simulate="12.0"))
+        serving.decide(SIM_CPU, settings=Settings(simulate="12.0"))
 
 
 def test_no_compiler_is_a_clear_reason(monkeypatch):
@@ -117,7 +117,7 @@ def test_a_wrong_scale_layout_is_refused_in_both_families():
         assert not dense.passed and "reference" in dense.reason
         assert not moe.passed
         with pytest.raises(RefusedToServe, match="humming: self-test failed"):
-            selection.decide(SIM_CPU, ["humming"], settings=Settings(simulate="12.0"))
+            serving.decide(SIM_CPU, ["humming"], settings=Settings(simulate="12.0"))
 
 
 def test_dense_rejects_what_it_cannot_serve(stand_in):
@@ -145,7 +145,7 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
     try:
         ckpt, method, layer = _served_layer(seed=1)
         other_ckpt, other_method, other_layer = _served_layer(seed=2)  # same configuration: not re-checked
-        [decision] = selection.decisions()
+        [decision] = serving.decisions()
         assert decision.backend == "humming" and decision.verified and decision.mode == "w4a4"
         assert len(decision.layers) == 1 and decision.layers[0].passed
         for c, m, lay in ((ckpt, method, layer), (other_ckpt, other_method, other_layer)):
@@ -160,7 +160,7 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
         assert torch.equal(backends.original(layer.weight), ckpt.weight)
         with pytest.raises(sm120_fp4.SelfTestError, match="not kept"):
             backends.original(other_layer.weight)
-        reports = selection.recheck(Settings(simulate="12.0", backends="humming"), [3, 64])
+        reports = serving.recheck(Settings(simulate="12.0", backends="humming"), [3, 64])
         assert reports and all(r.passed for r in reports)
         status = sm120_fp4.status().model_dump(mode="json")
         assert status["decisions"][0]["mode"] == "w4a4" and status["decisions"][0]["backend_info"]["memory"]
@@ -206,7 +206,7 @@ def test_a_humming_failure_after_only_checked_layers_restores_them_for_the_fallb
 
         monkeypatch.setattr(stand_in, "gemm", fails_on_k_1024)
         _served_layer(256, 1024, seed=2)  # a second configuration: humming fails it, emulated takes over
-        [decision] = selection.decisions()
+        [decision] = serving.decisions()
         assert decision.backend == "emulated" and decision.mode == "w4a4"
         assert torch.equal(layer.weight, ckpt.weight)  # restored from the kept bytes
         assert humming.converted_layers("dense") == 0
@@ -247,7 +247,7 @@ def test_humming_taking_over_converts_the_layers_seen_before_and_serves_them(sta
         served = [_served_layer(256, 512, seed=1), _served_layer(256, 512, seed=2)]
         assert humming.converted_layers("dense") == 0
         served.append(_served_layer(256, 1024, seed=3))  # flaky fails here; humming takes over
-        [decision] = selection.decisions()
+        [decision] = serving.decisions()
         assert decision.backend == "humming" and decision.verified and len(decision.layers) == 2
         assert humming.converted_layers("dense") == 3
         for ckpt, method, layer in served:
@@ -270,7 +270,7 @@ def test_served_moe_layer_is_converted_and_verified_in_w4a16(stand_in):
     try:
         ckpt = moe_layers.make_moe_checkpoint(8, 128, 64, seed=1)
         layer = moe_layers.build_modelopt_moe_layer(ckpt, 2)
-        [decision] = [d for d in selection.decisions() if d.family == "moe"]
+        [decision] = [d for d in serving.decisions() if d.family == "moe"]
         assert decision.backend == "humming" and decision.mode == "w4a16" and decision.verified
         assert decision.layers and decision.layers[0].passed
         assert "W4A16" in decision.backend_info["mode"]
@@ -319,7 +319,7 @@ def test_real_humming_with_a_wrong_scale_layout_is_refused():
         print(f"wrong scale layout: dense {dense.reason}; MoE {moe.reason}")
         assert not dense.passed and not moe.passed
         with pytest.raises(RefusedToServe):
-            selection.decide(device, ["humming"], settings=Settings(simulate="12.0"))
+            serving.decide(device, ["humming"], settings=Settings(simulate="12.0"))
 
 
 class _ActivationType(enum.IntEnum):  # FlashInfer's enum (FlashInfer cannot run on the H200)
@@ -479,13 +479,13 @@ def test_real_humming_layer_check_and_recheck_pass_through_the_routed_front():
         return dispatch(qx, weight.T, sx.view(torch.uint8), weight_sf.T, alpha, torch.bfloat16, backend="cutlass")
 
     check = hooks.dense_check("test layer", serve, layer, weight, weight_sf, alpha, gx.reshape(1), n, k)
-    report = selection.verify_layer(0, check, settings)
+    report = serving.verify_layer(0, check, settings)
     assert report is not None and report.passed, report and report.reason
     assert not torch.equal(weight, kept)  # served from SGLang's storage, converted in place
     assert torch.equal(backends.original(weight), kept)
-    rechecked = selection.recheck(settings, [3, 77, 160])
+    rechecked = serving.recheck(settings, [3, 77, 160])
     assert rechecked and all(r.passed for r in rechecked)
-    [decision] = selection.decisions()
+    [decision] = serving.decisions()
     print(f"layer check {report.duration_s:.1f} s over {len(report.shapes)} calls-per-M, max rel {report.max_rel_err:.2e}; "
           f"memory {decision.backend_info['memory']}")
 

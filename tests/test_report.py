@@ -4,13 +4,23 @@ server `launch` starts, several serving processes; merged under a lock, earlier 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import stat
 import sys
+import threading
+import time
 from pathlib import Path
 
+import pytest
+
+import sm120_fp4
 from helpers.cases import case
+from helpers.common import CpuGpu
 from helpers.plugins import plugin_site
 from helpers.procs import REPO, Popen, background, clean_env
+from sm120_fp4 import report, serving
+from sm120_fp4.config import Settings
 
 
 def _env(folder: Path, **env: str) -> dict[str, str]:
@@ -79,16 +89,149 @@ def test_serving_processes_of_one_run_share_one_report(background):
 @case("reports", "a report file left by an earlier run (a process that is gone, of another process group) when a new run writes",
       "the earlier run's sections are dropped: a stale refusal never reads as this run's")
 def test_a_new_run_drops_the_sections_of_an_earlier_one(tmp_path):
-    from sm120_fp4 import selection
-    from sm120_fp4.config import Settings
-
     path = tmp_path / "report.json"
     stale = {"version": 2, "pid": 1, "processes": [{"pid": 999999, "role": "worker", "run": "1@1", "started": "1"}],
              "decisions": [], "refusals": [{"pid": 999999, "role": "worker", "message": "an old refusal"}]}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, json.dumps(stale).encode())
     os.close(fd)
-    selection.decide(candidates=["emulated"], settings=Settings(simulate="12.0", report=str(path), selftest="off"))
+    sm120_fp4.decide(candidates=["emulated"], settings=Settings(simulate="12.0", report=str(path), selftest="off"))
     report = json.loads(path.read_text())
     assert report["refusals"] == [] and [p["pid"] for p in report["processes"]] == [os.getpid()]
     assert len(report["decisions"]) == 1 and report["decisions"][0]["pid"] == os.getpid()
+
+
+# ---- the report file of one process (sm120_fp4.report.update through decide()) ------------------------
+
+def _decide_with_report(path) -> Path:
+    # SELFTEST=off: the report, not the self-test, is under test here (and it is faster).
+    sm120_fp4.decide(candidates=["emulated"], settings=Settings(simulate="12.0", report=str(path), selftest="off"))
+    return Path(str(path).replace("{pid}", str(os.getpid())))
+
+
+@case("reports", "report written under umask {umask}", "mode 0600 exactly (owner-only); valid JSON; no temporary file left next to it")
+@pytest.mark.parametrize("umask", ["000", "022", "077", "777"])
+def test_report_mode_is_0600_whatever_the_umask(tmp_path, umask):
+    previous = os.umask(int(umask, 8))
+    try:
+        path = _decide_with_report(tmp_path / "report-{pid}.json")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # fchmod, whatever the umask
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@case("reports", "symlink planted at a file report path after start-up (to a file, to a directory, dangling)",
+      "the link is neither followed nor replaced (a warning names it); its target is never written or created; the decision stands")
+@pytest.mark.parametrize("target_kind", ["file", "directory", "dangling"])
+def test_report_never_follows_or_replaces_a_planted_symlink(tmp_path, target_kind, caplog):
+    victim = tmp_path / "victim"
+    if target_kind == "file":
+        victim.write_text("precious")
+    elif target_kind == "directory":
+        victim.mkdir()
+    link = tmp_path / "report.json"
+    settings = Settings(simulate="12.0", report=str(link), selftest="off")  # read while the path is no link
+    link.symlink_to(victim)
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    assert sm120_fp4.decide(candidates=["emulated"], settings=settings).backend == "emulated"
+    assert link.is_symlink() and os.readlink(link) == str(victim)
+    assert any("is a symbolic link" in r.getMessage() for r in caplog.records)
+    if target_kind == "file":
+        assert victim.read_text() == "precious"
+    elif target_kind == "directory":
+        assert list(victim.iterdir()) == []
+    else:
+        assert not victim.exists()
+
+
+@case("reports", "a report write that fails half-way (unserialisable payload)", "the previous report is intact; no temporary file is left")
+def test_a_failed_report_write_leaves_the_previous_report_and_no_temp_file(tmp_path):
+    path = _decide_with_report(tmp_path / "report.json")
+    before = path.read_text()
+    with pytest.raises(TypeError):
+        report.write(path, {"bad": object()})
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+@case("reports", "secrets in the environment (HF_TOKEN, AWS_SECRET_ACCESS_KEY, any other variable)", "the report holds no environment value except the library's own settings")
+def test_report_contains_no_environment_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value_123")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value-456")
+    text = _decide_with_report(tmp_path / "report.json").read_text()
+    leaked = [k for k, v in os.environ.items() if not k.startswith("SM120_FP4") and len(v) >= 8 and v in text]
+    assert leaked == []
+
+
+@case("reports", "report directory removed after install(), then the first layer loads", "the decision stands (one warning says the report was not written); the worker does not crash")
+def test_an_unwritable_report_does_not_stop_a_worker(tmp_path, caplog):
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    settings = Settings(simulate="12.0", report=str(folder / "r.json"), selftest="off")
+    folder.rmdir()
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    assert sm120_fp4.decide(candidates=["emulated"], settings=settings).backend == "emulated"
+    assert any("report" in r.getMessage() for r in caplog.records)
+
+
+@case("reports", "two decisions finish at once in one process, writers interleave", "the report lists both decisions (the last writer writes the latest state)")
+def test_concurrent_report_writes_never_lose_a_decision(tmp_path, monkeypatch):
+    path = tmp_path / "report.json"
+    settings = Settings(simulate="12.0", report=str(path), selftest="off")
+    first_dumping, second_decided = threading.Event(), threading.Event()
+    real_dump = json.dump
+
+    def ordered_dump(payload, handle, **kwargs):
+        if len(payload["decisions"]) == 1:  # the first writer is held mid-write until the second decision exists
+            first_dumping.set()
+            second_decided.wait(60)
+        return real_dump(payload, handle, **kwargs)
+
+    monkeypatch.setattr(json, "dump", ordered_dump)  # the json module every writer uses (verdicts.write_json)
+    decide = lambda index: sm120_fp4.decide(CpuGpu(index, f"gpu{index}", (12, 0)), ["emulated"], settings=settings)  # noqa: E731
+    first = threading.Thread(target=decide, args=(0,))
+    first.start()
+    assert first_dumping.wait(60)
+    second = threading.Thread(target=decide, args=(1,))
+    second.start()
+    deadline = time.monotonic() + 60
+    while len(serving.decisions()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    second_decided.set()  # the second decision is made; its writer now queues behind the first
+    first.join()
+    second.join()
+    assert len(json.loads(path.read_text())["decisions"]) == 2
+
+
+@case("reports", "SM120_FP4_REPORT is a symlink to a directory (/logs -> /mnt/vol/logs), two processes write",
+      "the link is kept and is that directory: one sm120_fp4-PID.json per process inside the target")
+def test_a_report_link_to_a_directory_is_that_directory(tmp_path, monkeypatch):
+    target = tmp_path / "vol" / "logs"
+    target.mkdir(parents=True)
+    link = tmp_path / "logs"
+    link.symlink_to(target)
+    monkeypatch.setenv("SM120_FP4_REPORT", str(link))
+    settings = Settings(simulate="12.0", selftest="off")
+    sm120_fp4.decide(candidates=["emulated"], settings=settings)
+    report.write(link, {"pid": 1}, directory=settings.report_is_dir)  # as another worker's write lands
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert [p.name for p in target.iterdir()] == [f"sm120_fp4-{os.getpid()}.json"]
+
+
+@case("reports", "report directory (or the link to it) removed after start-up, then a decision is written",
+      "a warning; no file is created at the directory's name; the decision stands")
+@pytest.mark.parametrize("kind", ["directory", "link to a directory"])
+def test_a_vanished_report_directory_is_not_replaced_by_a_file(tmp_path, caplog, kind):
+    target = tmp_path / "logs"
+    target.mkdir()
+    path = target
+    if kind != "directory":
+        path = tmp_path / "link"
+        path.symlink_to(target)
+    settings = Settings(simulate="12.0", report=str(path), selftest="off")
+    target.rmdir()
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    assert sm120_fp4.decide(candidates=["emulated"], settings=settings).backend == "emulated"
+    assert not target.exists() and any("report" in r.getMessage() and "no longer exists" in r.getMessage() for r in caplog.records)
+

@@ -14,7 +14,7 @@ from helpers import moe_faults
 from helpers.cases import case
 from helpers.common import simulated_moe_skip_reason
 import sm120_fp4
-from sm120_fp4 import backends, nvfp4, selection, selftest
+from sm120_fp4 import backends, nvfp4, selftest, serving
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import RefusedToServe
 
@@ -46,7 +46,7 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
     assert states["modelopt-nvfp4-moe-weights-hook"] == "applied"
     ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=3)
     layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
-    [decision] = [d for d in selection.decisions() if d.family == "moe"]
+    [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.backend == "emulated" and decision.verified
     assert decision.layers and decision.layers[0].passed and decision.layers[0].config.startswith("ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu")
     x, ids, weights = routing(130)
@@ -94,7 +94,7 @@ def test_a_healthy_kernel_with_flashinfers_rounding_serves(dtype):
     backends.register_moe("flashinfer-rounding", moe_faults.rounds_intermediate_first)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="flashinfer-rounding")
     moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=4), TOP_K, dtype=dtype)
-    [decision] = [d for d in selection.decisions() if d.family == "moe"]
+    [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.backend == "flashinfer-rounding" and all(r.passed for r in decision.layers)
 
 
@@ -109,7 +109,7 @@ def test_unequal_gate_and_up_scales_are_refused():
 def test_under_expert_parallelism_this_ranks_experts_are_verified():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=6), TOP_K, ep_size=2, ep_rank=1)
-    [decision] = [d for d in selection.decisions() if d.family == "moe"]
+    [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.layers[0].config.startswith("ModelOptNvFp4FusedMoEMethod E=4 H=256 I=128 top_k=2 swiglu bfloat16 EP rank 1/2")
     assert decision.layers[0].passed
 
@@ -153,7 +153,7 @@ def test_sglangs_auto_runner_is_pinned_to_the_verified_one_for_an_nvfp4_checkpoi
         assert {p.name: p.state for p in sm120_fp4.status().patches}["moe-runner-backend-pin"] == "applied"
         layer = moe_layers.build_compressed_tensors_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=2), TOP_K)
         assert layer.quant_method is not None
-    [decision] = [d for d in selection.decisions() if d.family == "moe"]
+    [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.layers[0].passed and decision.layers[0].config.startswith("CompressedTensorsW4A4Nvfp4MoE")
 
 
@@ -163,7 +163,7 @@ def test_an_explicit_runner_the_library_does_not_verify_is_refused_naming_it_and
         assert _runner().is_flashinfer_trtllm(), "an operator's explicit choice is never re-pinned"
         with pytest.raises(RefusedToServe, match="served by SGLang's MoE runner 'flashinfer_trtllm'.*--moe-runner-backend flashinfer_cutlass"):
             moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
-    assert not [d.layers for d in selection.decisions() if d.family == "moe" and d.layers], "nothing recorded as verified"
+    assert not [d.layers for d in serving.decisions() if d.family == "moe" and d.layers], "nothing recorded as verified"
 
 
 def test_warn_serves_an_unverified_runner_saying_so(caplog):

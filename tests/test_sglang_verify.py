@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import sm120_fp4
-from sm120_fp4 import backends, nvfp4, selection, selftest
+from sm120_fp4 import backends, nvfp4, selftest, serving
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.sglang import hooks, layers
@@ -127,7 +127,7 @@ def test_a_backend_that_fails_one_layer_is_replaced_by_one_that_passes_every_lay
     assert sm120_fp4.status().routes == {-1: "emulated"}
     x = torch.randn(5, 160).to(torch.bfloat16)
     assert torch.equal(method_small.apply(small, x), layers.reference_output(layers.make_checkpoint(96, 160), x))
-    [decision] = [d for d in selection.decisions() if d.backend == "emulated"]
+    [decision] = [d for d in serving.decisions() if d.backend == "emulated"]
     assert {r.config.split(" (")[0] for r in decision.layers} == {
         "ModelOptFp4LinearMethod N=96 K=160 bfloat16", "ModelOptFp4LinearMethod N=512 K=256 bfloat16"}
     assert all(r.passed for r in decision.layers)
@@ -147,7 +147,7 @@ def test_each_distinct_configuration_is_verified_once_per_process():
     for seed in range(3):
         build(96, 160, seed=seed)
     build(64, 160)
-    [decision] = selection.decisions()
+    [decision] = serving.decisions()
     assert [r.config for r in decision.layers] == [
         "ModelOptFp4LinearMethod N=96 K=160 bfloat16 (weight scales float8_e4m3fn)",
         "ModelOptFp4LinearMethod N=64 K=160 bfloat16 (weight scales float8_e4m3fn)",
@@ -195,7 +195,7 @@ def test_healthy_kernels_with_rounding_differences_serve(kernel, dtype):
     backends.register("healthy", kernel)
     sm120_fp4.install(simulate="12.0", backends="healthy")
     method, layer = build(288, 512, dtype=dtype)
-    [decision] = selection.decisions()
+    [decision] = serving.decisions()
     assert decision.backend == "healthy" and decision.verified and decision.layers[0].passed
     assert method.apply(layer, torch.randn(4, 512).to(dtype)).dtype == dtype
 
@@ -439,7 +439,7 @@ def test_the_layer_checks_run_sglangs_own_chunked_prefill_size():
     with published_server_args(chunked_prefill_size=3000):
         assert hooks.prefill_sizes() == (3000, 3000) and 3000 in hooks.recheck_sizes(hooks.max_capture_batch())
         build(96, 160)
-        [decision] = selection.decisions()
+        [decision] = serving.decisions()
         assert max(s.m for s in decision.layers[0].shapes) == 3000
         sm120_fp4.uninstall()
         sm120_fp4.install(simulate="12.0", backends="wrong-above-2900")
@@ -507,7 +507,7 @@ def test_an_interrupted_layer_check_is_never_recorded_and_the_retry_checks_again
     sm120_fp4.install(simulate="12.0", backends="interrupted")
     with pytest.raises(KeyboardInterrupt):
         build(96, 160)
-    assert not selection.decisions()[0].layers, "an interrupted check is no verified configuration"
+    assert not serving.decisions()[0].layers, "an interrupted check is no verified configuration"
     with pytest.raises(RefusedToServe, match=r"N=96 K=160 .*all zeros"):
         build(96, 160)
 
@@ -651,8 +651,8 @@ def test_the_recheck_runs_after_every_capture_the_draft_models_included(monkeypa
             self.cuda_graph_runner = types.SimpleNamespace(capture_bs=[1, 2, 3], num_tokens_per_bs=3)
 
     scheduler = types.SimpleNamespace(tp_worker=TpWorker(), draft_worker=DraftWorker())
-    real_recheck = selection.recheck
-    monkeypatch.setattr(selection, "recheck", lambda settings, captured: rechecks.append(sorted(captured)) or real_recheck(settings, captured))
+    real_recheck = serving.recheck
+    monkeypatch.setattr(serving, "recheck", lambda settings, captured: rechecks.append(sorted(captured)) or real_recheck(settings, captured))
     with pytest.raises(RefusedToServe, match=r"(?s)fails after warm-up.*N=96 K=160 .*M=9 .*all zeros"):
         Scheduler.init_all_cuda_graphs(scheduler)
     assert rechecks == ["target", "target", [1, 2, 3, 4, 6, 9]], "both captures first, then one re-check of every graph size"

@@ -31,7 +31,7 @@ def main() -> int:
     import logging
 
     import sm120_fp4
-    from sm120_fp4 import backends, selection
+    from sm120_fp4 import backends, serving
     from sm120_fp4.errors import RefusedToServe
 
     import warnings
@@ -58,7 +58,7 @@ def main() -> int:
     _say("   its process_weights_after_loading runs the self-test on this device before serving:")
     ckpt = make_checkpoint(n, k, seed=7)
     method, layer = build_modelopt_layer(ckpt)
-    decision = selection.decisions()[0]
+    decision = serving.decisions()[0]
     _say(f"   decision: {decision.backend} ({decision.reason}), verified={decision.verified}")
     _say("\n".join(_selftest_table(decision)))
     for report in decision.layers:
@@ -115,7 +115,7 @@ def _moe_part() -> bool | None:
     """Steps 5-6: SGLang's real NVFP4 FusedMoE layer, verified; then a broken MoE kernel refused.
     None when this SGLang has no MoE modules to run (the step is skipped, saying why)."""
     import sm120_fp4
-    from sm120_fp4 import backends, selection
+    from sm120_fp4 import backends, serving
     from sm120_fp4.errors import RefusedToServe
 
     try:
@@ -135,7 +135,7 @@ def _moe_part() -> bool | None:
     except ImportError as exc:
         _say(f"\n5-6. NVFP4 MoE: skipped on this SGLang ({exc})")
         return None
-    [decision] = [d for d in selection.decisions() if d.family == "moe"]
+    [decision] = [d for d in serving.decisions() if d.family == "moe"]
     _say(f"   MoE decision: {decision.backend} ({decision.reason}), verified={decision.verified}; "
          f"candidates: {', '.join(f'{n}: {why}' for n, why in decision.rejected.items()) or 'first passed'}")
     for report in decision.layers:

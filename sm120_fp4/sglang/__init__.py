@@ -30,7 +30,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     sm120_fp4.canary, passed in so that nothing here imports it) runs at the scheduler's idle point
     when SM120_FP4_CANARY is on. Returns the undo steps that are not patches (the patcher undoes its own).
     """
-    from .. import checkpoints, selection
+    from .. import checkpoints, serving
     from ..errors import ConfigError, RefusedToServe
     from ..versions import version_in
     from . import hooks, moe, simulation, targets
@@ -45,13 +45,13 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
 
     def verify(check) -> None:
         if check is not None:
-            selection.verify_layer(check.device_index, check, settings)
+            serving.verify_layer(check.device_index, check, settings)
 
     def weights_scope():
         return simulation.cuda_moves_stay_on_cpu(sim is not None)
 
     def before_moe(kind: str, method, layer) -> None:
-        if selection.route(hooks.layer_device_index(layer), settings, "moe") is None:
+        if serving.route(hooks.layer_device_index(layer), settings, "moe") is None:
             return  # a device this library does not serve
         if not version_in(sglang_version(), moe.SEAM_VERSIONS):
             moe.refuse_unverifiable(kind, settings)
@@ -83,14 +83,14 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         raise ConfigError(f"invalid sm120_fp4 settings:\n  {idle_point_problem(settings) or 'the serving canary is not wired'}")
 
     def recheck(captured: list[int]) -> object:
-        done = selection.recheck(settings, captured)
+        done = serving.recheck(settings, captured)
         if idle is not None:  # the serving canary: its idle hook must be in place, or nothing would run it
             _require_idle_hook(patcher, idle, settings)
             canary.on_warmup(captured)
         return done
 
     wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
-                            selection.weights_update_begin, lambda: selection.weights_update_end(settings))
+                            serving.weights_update_begin, lambda: serving.weights_update_end(settings))
     specs = targets.specs(wiring)
     if idle is not None:
         canary.configure(settings, f"{idle.module}.{idle.attribute}")
@@ -138,9 +138,9 @@ def _serves_current_device(settings) -> bool:
     """Whether this library serves the device this process computes on (CPU tensors: only in simulation)."""
     import torch
 
-    from .. import devices, selection
+    from .. import deciding, devices
 
     index = torch.cuda.current_device() if torch.cuda.is_available() else -1
     if index < 0 and settings.simulated_capability is None:
         return False
-    return selection.serves(devices.get_device(index, settings.simulated_capability), settings)
+    return deciding.serves(devices.get_device(index, settings.simulated_capability), settings)

@@ -23,7 +23,7 @@ import torch
 
 from .. import backends, nvfp4, selftest
 from ..errors import say_once
-from ..selection import LayerCheck
+from ..serving import LayerCheck
 from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
 
 _LOG = logging.getLogger("sm120_fp4")

@@ -29,10 +29,10 @@ from typing import Callable
 
 import torch
 
-from .. import backends, kernels, nvfp4, selection, selftest
+from .. import backends, kernels, nvfp4, selftest, serving
 from ..errors import RefusedToServe
 from ..patching import PatchSpec, Patcher
-from ..selection import LayerCheck
+from ..serving import LayerCheck
 from .hooks import LIGHT_BATCH, activation_dtypes, batch_sizes, layer_device_index, layer_name, max_capture_batch, recheck_sizes
 from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version
 
@@ -295,7 +295,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         # What the serving backend computes (humming: W4A16), and the checkpoint's bytes for the oracle
         # where it converted the served storage in place.
         index = layer_device_index(layer)
-        mode = backends.mode_of("moe", selection.routes("moe").get(index, backends.EMULATED))
+        mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
         originals = {k: backends.original(v) for k, v in kernel_weights.items()}
         cache = selftest.ExpertCache(subset)  # every-expert batches dequantize the others per call
         return selftest.moe_cases(call, kernel_weights, weights["activation"], plans, cache=cache,

@@ -1,11 +1,21 @@
-"""Choose the FP4 GEMM backend for a device: ordered candidates, a self-test each, a cached Decision.
+"""Serving: one record per (kernel family, device) -- what was decided for it, what serves it, the
+layers verified on it -- and everything done with the layers.
 
-Walk the candidates in order, skip unsupported ones with their reason, self-test the rest, and
-take the first that passes (or, with ``SM120_FP4_SELECT=fastest``, the fastest that passes).
-When none passes: ``FALLBACK=emulated`` serves with the emulation (logged loudly), otherwise
-:class:`~sm120_fp4.errors.RefusedToServe`. ``SELFTEST=warn`` logs the refusal and serves with the
-first supported candidate; ``SELFTEST=off`` skips the test. A candidate the preflight recorded as
-crashing its self-test process (:mod:`sm120_fp4.verdicts`) is skipped, with that reason.
+:func:`route` decides (:mod:`sm120_fp4.deciding`) on first use and routes the device;
+:func:`verify_layer` checks each served layer through the call that will serve it (the full sweep
+per configuration, a light check and a fingerprint per layer), converts it for a backend that
+serves converted weights, and replaces a backend that fails a layer (the next candidate that passes
+everything so far, FALLBACK=emulated, SELFTEST=warn, or a refusal); SELECT=fastest is settled on the
+served calls; :func:`recheck` runs after warm-up, :func:`reverify` after SGLang's weight updates; the
+serving canary reads :func:`served_configurations` and :func:`check_served`.
+
+The records are the one store of this state. The route table the hot path reads
+(:func:`route_table`, one dict lookup per call in :mod:`sm120_fp4.dispatch`) is derived from them:
+every change of what serves a record (``_Serving.serve`` / ``route_to`` / ``store``, and clear()
+dropping it) rebuilds that device's entry from the store through ``_publish``, the one writer of
+the table. A refresh (``decide(refresh=True)``) of the decision a device is served with serves the
+refreshed one while no layer was verified with it; after that it is refused (ConfigError): the
+refreshed backend would serve layers never checked with it.
 """
 
 from __future__ import annotations
@@ -17,71 +27,22 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from . import backends, devices, kernels, locks, report, selftest, verdicts
-from .config import AUTO, Settings, load_settings
+from . import backends, devices, locks, selftest
+from . import report as report_file
+from .config import Settings, load_settings
+from .deciding import FAMILIES, Choice, Decision, Family, Refusal, candidate_names, choose, log_decision, refusal_message, serves
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
 
-__all__ = ["Decision", "Refusal", "LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end", "refusals", "decide", "decisions", "clear", "refusal_message", "candidate_names", "route", "route_table", "routes", "Family", "DENSE", "MOE"]
+__all__ = ["LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end",
+           "refusals", "record_refusal", "decide", "decisions", "clear", "route", "route_table", "routes",
+           "Served", "served_configurations", "check_served", "fingerprint_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
-
-
-class Decision(BaseModel):
-    """The backend chosen for one device in this process, and how it was chosen."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    device: str
-    device_index: int
-    capability: str
-    device_uuid: str | None = None  # the GPU this decision is for, as NVML/CUDA name it (several GPUs: which is which)
-    device_pci_bus_id: str | None = None
-    simulated: bool
-    backend: str
-    verified: bool
-    reason: str
-    candidates: list[str]
-    rejected: dict[str, str] = Field(default_factory=dict)
-    reports: list[selftest.SelfTestReport] = Field(default_factory=list)
-    timings_ms: dict[str, float] = Field(default_factory=dict)
-    flashinfer_version: str | None = None
-    duration_s: float = 0.0
-    layers: list[selftest.SelfTestReport] = Field(default_factory=list)
-    family: str = "dense"
-    mode: str = "w4a4"  # what serves: "w4a4" (activations quantized, as the checkpoint) or "w4a16"
-    fn: Callable = Field(exclude=True, repr=False)
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def backend_info(self) -> dict | None:
-        """What the serving backend says about itself now (humming: its mode, JIT time per kernel
-        configuration, cache, memory of the converted layers); None for backends that say nothing."""
-        names = backends.moe_names() if self.family == "moe" else backends.names()
-        if self.backend not in names:
-            return None  # unregistered since (a test's backend)
-        try:
-            describe = backends.backend_of(self.family, self.backend).describe
-            return describe() if describe is not None else None
-        except Exception as exc:  # noqa: BLE001 - status must answer
-            return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-class Refusal(BaseModel):
-    """A refusal to serve in this process: where, for which configuration, why (kept for status and the report)."""
-
-    device: str
-    config: str | None = None
-    family: str = "dense"
-    message: str
-    rejected: dict[str, str] = Field(default_factory=dict)  # candidate -> why it was not served
-    reports: list[selftest.SelfTestReport] = Field(default_factory=list)
 
 
 @dataclass
@@ -119,80 +80,6 @@ class LayerCheck:
         return f"{self.label} [{self.layer}]" if self.layer else self.label
 
 
-@dataclass(frozen=True)
-class Family:
-    """One kind of kernel this library verifies and routes: the dense FP4 GEMM or the NVFP4 fused MoE."""
-
-    name: str  # "dense" | "moe"
-    what: str
-    backends_var: str
-    fallback_var: str
-    names: Callable[[], tuple[str, ...]]
-    is_supported: Callable[[str, Device], tuple[bool, str | None]]
-    resolve: Callable[[str], Callable]
-    candidates: Callable[[Settings, Device | None], tuple[str, ...]]
-    fallback: Callable[[Settings], str]
-    self_test: Callable[[str, Device, Settings], selftest.SelfTestReport]
-
-
-def _dense_self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
-    bounds = selftest.Bounds(timeout_s=settings.selftest_timeout)
-    return selftest.run(name, device, bounds=bounds, quantizer=backends.quantizer_for(name, device))
-
-
-def _moe_self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
-    # A simulated CPU device runs the pure-PyTorch oracle against itself: the reduced configuration
-    # proves the wiring; every real GPU runs the full default configuration.
-    config = selftest.SIMULATION_MOE_CONFIG if device.simulated and not device.is_cuda else None
-    bounds = selftest.MOE_BOUNDS.model_copy(update={"timeout_s": settings.selftest_timeout})
-    return selftest.run_moe(name, device, config, bounds=bounds)
-
-
-def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
-    """SM120_FP4_BACKENDS, where `auto` is the order for the device's capability (kernels.default_order)."""
-    if settings.backends != AUTO:
-        return settings.backends
-    return kernels.default_order(device.capability) if device is not None else kernels.DEFAULT_ORDER
-
-
-DENSE = Family("dense", backends.FAMILY_LABELS["dense"], "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
-               backends.resolve, _dense_candidates, lambda s: s.fallback, _dense_self_test)
-def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
-    """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (kernels.default_moe_order)."""
-    if settings.moe_backends != AUTO:
-        return settings.moe_backends
-    return kernels.default_moe_order(device.capability) if device is not None else kernels.DEFAULT_MOE_ORDER
-
-
-MOE = Family("moe", backends.FAMILY_LABELS["moe"], "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
-             backends.is_moe_supported, backends.resolve_moe, _moe_candidates, lambda s: s.moe_fallback,
-             _moe_self_test)
-FAMILIES = {"dense": DENSE, "moe": MOE}
-
-# Called as hook(event, family, device, backend) right before a candidate runs on a device (event
-# "self-test" or "timing"): the preflight worker prints it, flushed, so that when a candidate
-# crashes the process its parent knows which one did. None: nothing is announced.
-candidate_hook: Callable[[str, str, Device, str], None] | None = None
-
-
-def _announce(event: str, family: Family, device: Device, name: str) -> None:
-    hook = candidate_hook
-    if hook is not None:
-        hook(event, family.name, device, name)
-
-
-_lock = locks.lock()
-_decisions: dict[tuple, Decision] = {}
-_key_locks: dict[tuple, threading.Lock] = {}
-_report_lock = locks.lock()
-# The serving view of the decisions: CUDA ordinal (-1: CPU in simulation) -> the decided backend's
-# callable, or None for a device this library does not serve (the original runs there). Read on
-# every forward pass (one dict lookup); written only by route(); emptied with the decisions.
-_route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
-_route_names: dict[tuple[str, int], str] = {}
-_refusals: list[Refusal] = []
-
-
 @dataclass
 class _Layer:
     """One verified layer: how to check it again and the fingerprint of its weights when verified.
@@ -217,13 +104,23 @@ class _Layer:
 
 @dataclass
 class _Serving:
-    """What serves one device: its decision, every layer configuration and every layer verified on
-    it, what failed."""
+    """Everything about one kernel family on one device index in this process: decide()'s decisions
+    for it, whether and with what it is routed, every layer configuration and every layer verified
+    on it, what failed.
 
-    device: Device
-    decision: Decision
-    settings: Settings
+    `decided` caches decide() (the rest of its key -> the choice); `serving` names which of them
+    serves the device (None: not routed to a backend). `routed` says whether route() has answered
+    for this device (with `serving` None: the original kernel runs there). Change what serves only
+    through :meth:`serve` and :meth:`route_to`: they keep the route table in step."""
+
     family: Family
+    index: int
+    device: Device | None = None
+    settings: Settings | None = None
+    decided: dict[tuple, Choice] = field(default_factory=dict)
+    deciding: dict[tuple, threading.Lock] = field(default_factory=dict)  # one lock per decide() key: one self-test each
+    serving: tuple | None = None
+    routed: bool = False
     checks: dict[tuple, LayerCheck] = field(default_factory=dict)  # one per configuration: its full sweep
     layers: dict[int, _Layer] = field(default_factory=dict)  # id(layer) -> its record (light checks, fingerprints)
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
@@ -235,177 +132,80 @@ class _Serving:
     seen: list[dict] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=locks.rlock)
 
+    @property
+    def choice(self) -> Choice:
+        """What serves the device (only where `serving` is set)."""
+        return self.decided[self.serving]
 
-_serving: dict[tuple[str, int], _Serving] = {}
+    @property
+    def decision(self) -> Decision:
+        return self.choice.decision
 
+    @property
+    def route_name(self) -> str:
+        """The backend the device is routed to, or "original" (a device this library does not serve)."""
+        return self.decision.backend if self.serving is not None else "original"
 
-def _operator_advice(device: Device, candidates: list[str], family: Family) -> list[str]:
-    others = [n for n in family.names() if n not in candidates and family.is_supported(n, device)[0]]
-    version = backends.flashinfer_version() or "not installed"
-    tip = f"{family.backends_var}={','.join(others)} (supported here, not yet tried)" if others else "another backend"
-    return [
-        f"try {tip}; known backends: {', '.join(family.names())}",
-        f"serve slowly but correctly with the emulation: {family.fallback_var}=emulated",
-        f"install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
-        "turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
-    ]
+    @property
+    def fn(self) -> Callable | None:
+        """The callable the hot path calls for this device, or None (the original kernel runs)."""
+        return self.choice.fn if self.routed and self.serving is not None else None
 
+    def store(self, key: tuple, choice: Choice) -> None:
+        """decide()'s result for `key` (a refresh of the key that serves routes the device to it)."""
+        with _lock:
+            self.decided[key] = choice
+            if key == self.serving:
+                _publish(self)
 
-def refusal_message(device: Device, candidates: list[str], rejected: dict[str, str], config: str | None = None,
-                    family: Family | None = None) -> str:
-    """The text of RefusedToServe: the device, each candidate and why, what the operator can do."""
-    family = family or DENSE
-    what = f" for {config}" if config else ""
-    lines = [
-        f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no {family.what} backend passed verification{what}.",
-        f"Candidates ({family.backends_var}):",
-    ]
-    lines += [f"  - {name}: {rejected.get(name, 'not tried')}" for name in candidates]
-    lines.append("What you can do:")
-    lines += [f"  - {tip}" for tip in _operator_advice(device, candidates, family)]
-    return "\n".join(lines)
+    def route_to(self, device: Device | None, key: tuple | None, settings: Settings | None) -> Callable | None:
+        """route()'s answer for this device, once: served with decide()'s choice for `key` (None: not
+        served, the original runs); the callable the hot path calls (the first answer stands)."""
+        with _lock:
+            if not self.routed:
+                self.routed, self.serving = True, key
+                if key is not None:
+                    self.device, self.settings = device, settings
+                _publish(self)
+            return self.fn
 
-
-def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5) -> float:
-    """Median milliseconds of one pass over the self-test shapes (for SELECT=fastest)."""
-    tdev = device.torch_device
-    prepared = []
-    for i, shape in enumerate(shapes):
-        _, _, args = selftest.quantized_inputs(shape, tdev, 1000 + i)
-        prepared.append((args, torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)))
-    times = []
-    for _ in range(repeats + 1):
-        if tdev.type == "cuda":
-            torch.cuda.synchronize(tdev)
-        start = time.perf_counter()
-        for args, out in prepared:
-            fn(*args, torch.bfloat16, out)
-        if tdev.type == "cuda":
-            torch.cuda.synchronize(tdev)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])  # the first pass warms up (JIT, caches)
+    def serve(self, choice: Choice) -> None:
+        """Serve the device with `choice` from now on (it takes the replaced decision's place)."""
+        with _lock:
+            self.decided[self.serving] = choice
+            _publish(self)
 
 
-def _choose(device: Device, candidates: list[str], settings: Settings, family: Family | None = None) -> Decision:
-    family = family or DENSE
-    start = time.perf_counter()
-    rejected: dict[str, str] = {}
-    supported: list[str] = []
-    for name in candidates:
-        ok, why = family.is_supported(name, device)
-        crash = verdicts.crash_of(settings.verdicts_path, device, family.name, name) if ok else None
-        if crash is not None:
-            rejected[name] = crash
-        elif ok:
-            supported.append(name)
-        else:
-            rejected[name] = f"not supported: {why}"
-    reports: list[selftest.SelfTestReport] = []
-    passed: list[str] = []
-    if settings.selftest != "off":
-        for name in supported:
-            _announce("self-test", family, device, name)
-            report = family.self_test(name, device, settings)
-            reports.append(report)
-            if report.passed:
-                passed.append(name)
-                if settings.select == "first":
-                    break
-            else:
-                rejected[name] = f"self-test failed: {report.reason}"
-    common = dict(
-        device=device.label(),
-        device_index=device.index,
-        device_uuid=device.uuid,
-        device_pci_bus_id=device.pci_bus_id,
-        capability=f"{device.capability[0]}.{device.capability[1]}",
-        simulated=device.simulated,
-        candidates=candidates,
-        rejected=rejected,
-        reports=reports,
-        flashinfer_version=backends.flashinfer_version(),
-    )
-    timings: dict[str, float] = {}
-    if passed:
-        choice, verified = passed[0], True
-        reason = "first candidate to pass its self-test"
-        if settings.select == "fastest" and len(passed) > 1 and family is DENSE:
-            for n in passed:
-                _announce("timing", family, device, n)
-                timings[n] = _time_backend(backends.resolve(n), device, selftest.DEFAULT_SHAPES)
-            choice = min(passed, key=timings.__getitem__)
-            reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
-    elif settings.selftest == "off" and supported:
-        choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"
-    elif family.fallback(settings) == "emulated":
-        # FALLBACK=emulated wins over SELFTEST=warn: a verified slow answer beats an unverified one.
-        also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
-        _LOG.warning(
-            "%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead",
-            refusal_message(device, candidates, rejected, family=family), family.fallback_var, also,
-        )
-        choice, verified, reason = backends.EMULATED, True, f"fallback: no candidate verified ({family.fallback_var}=emulated)"
-    elif settings.selftest == "warn" and supported:
-        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", refusal_message(device, candidates, rejected, family=family), supported[0])
-        choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
+_lock = locks.lock()
+_records: dict[tuple[str, int], _Serving] = {}  # (family, device index) -> its record: the one store
+# Derived from _records by _publish alone: CUDA ordinal (-1: CPU in simulation) -> the callable
+# serving it, or None for a device this library does not serve (the original runs there). Read on
+# every forward pass (one dict lookup); emptied, never replaced, by clear().
+_route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
+_refusals: list[Refusal] = []
+
+
+def _publish(record: _Serving) -> None:
+    """Make the route table entry of `record`'s family and device say what the store says now (under
+    _lock): the callable of the record kept for them, where it is routed; no entry where none is (a
+    record dropped by clear(), or one not routed yet). The one writer of the route tables."""
+    table = _route_tables[record.family.name]
+    current = _records.get((record.family.name, record.index))
+    if current is not None and current.routed:
+        table[record.index] = current.fn
     else:
-        refused = RefusedToServe(refusal_message(device, candidates, rejected, family=family))
-        refused.rejected, refused.reports = dict(rejected), list(reports)
-        raise refused
-    return Decision(
-        backend=choice,
-        mode=backends.backend_of(family.name, choice).mode,
-        verified=verified,
-        reason=reason,
-        timings_ms=timings,
-        fn=family.resolve(choice),
-        family=family.name,
-        duration_s=time.perf_counter() - start,
-        **common,
-    )
+        table.pop(record.index, None)
 
 
-def _log_decision(decision: Decision) -> None:
-    errs = [r.max_rel_err for r in decision.reports if r.backend == decision.backend and r.max_rel_err is not None]
-    tested = f"self-test max rel error {errs[0]:.2e}" if errs else "no self-test of the chosen backend"
-    level = logging.INFO if decision.verified else logging.WARNING
-    _LOG.log(
-        level,
-        "sm120_fp4: %s, FlashInfer %s: using %s (%s); %s, decided in %.2f s",
-        decision.device,
-        decision.flashinfer_version or "not installed",
-        decision.backend,
-        decision.reason,
-        tested,
-        decision.duration_s,
-    )
+def _record(family: Family, index: int, device: Device | None = None) -> _Serving:
+    with _lock:
+        return _records.setdefault((family.name, index), _Serving(family, index, device))
 
 
-def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] | None = None,
-                    family: Family | None = None, device: Device | None = None, source: str | None = None) -> list[str]:
-    """The ordered candidate names (`candidates`, else the family's setting for `device`: `auto`
-    is the order for its capability); ConfigError for unknown ones, naming `source` (what supplied
-    the names: default the family's variable). An unknown name is first looked up among the
-    installed entry points (backends.ENTRY_POINT_GROUPS)."""
-    family = family or DENSE
-    source = source or family.backends_var
-    names = list(candidates if candidates is not None else family.candidates(settings, device))
-    unknown = [n for n in names if n not in family.names()]
-    if unknown:
-        backends.load_entry_points(unknown, family.name)
-        known = family.names()
-        unknown = [n for n in names if n not in known]
-    if unknown:
-        register = "register" if family is DENSE else "register_moe"
-        group = backends.ENTRY_POINT_GROUPS[family.name]
-        raise ConfigError(
-            f"{source} names unknown backend(s) {capped(unknown)}; known: {', '.join(family.names())} "
-            f"(register custom ones with sm120_fp4.backends.{register} before install, or as entry points of group "
-            f"{group} so that spawned workers have them too)"
-        )
-    if not names:
-        raise ConfigError(f"{source} is empty; name at least one backend")
-    return names
+def _served() -> list[_Serving]:
+    """Every record routed to a backend of ours, in the order they were made."""
+    with _lock:
+        return [r for r in _records.values() if r.serving is not None]
 
 
 def decide(
@@ -420,6 +220,12 @@ def decide(
 
     Cached per device and process; concurrent callers for one device wait for one self-test.
     """
+    return _decide(device, candidates, settings, refresh, family)[2].decision
+
+
+def _decide(device: Device | int | None, candidates: list[str] | tuple[str, ...] | None, settings: Settings | None,
+            refresh: bool, family: Family | str) -> tuple[_Serving, tuple, Choice]:
+    """decide(): the device's record, the key its choice is cached under, the choice."""
     global _last_settings
     settings = settings or load_settings()
     _last_settings = settings
@@ -429,48 +235,39 @@ def decide(
         device = devices.get_device(device, settings.simulated_capability)
     family = FAMILIES[family] if isinstance(family, str) else family
     names = candidate_names(settings, candidates, family, device)
-    key = (family.name, device.key, tuple(names), settings.selftest, family.fallback(settings), settings.select)
+    key = (device.capability, device.simulated, tuple(names), settings.selftest, family.fallback(settings), settings.select)
+    record = _record(family, device.index, device)
     with _lock:
-        key_lock = _key_locks.setdefault(key, locks.lock())
+        key_lock = record.deciding.setdefault(key, locks.lock())
     with key_lock:
-        if not refresh and key in _decisions:
-            return _decisions[key]
+        if not refresh and key in record.decided:
+            return record, key, record.decided[key]
+        if refresh and key == record.serving and record.checks:
+            raise ConfigError(
+                f"decide(refresh=True): {device.label()} already serves {len(record.checks)} verified layer "
+                f"configuration(s) with {record.decision.backend}; a refreshed decision would serve them unchecked. "
+                "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first")
         try:
-            decision = _choose(device, names, settings, family)
+            choice = choose(device, names, settings, family)
         except RefusedToServe as exc:
             _refuse(Refusal(device=device.label(), family=family.name, message=str(exc),
                             rejected=getattr(exc, "rejected", {}), reports=getattr(exc, "reports", [])), settings)
             raise
-        with _lock:
-            _decisions[key] = decision
-    _log_decision(decision)
-    _write_report(settings)
-    return decision
-
-
-# More sections of the report file: name -> a function returning its JSON-serialisable value (the
-# serving canary adds "canary"), called whenever the report is written.
-report_sections: dict[str, Callable[[], object]] = {}
-
-
-def _write_report(settings: Settings) -> None:
-    """The newest report holds every decision and refusal, whichever device finished last."""
-    if settings.report is None:
-        return
-    with _report_lock:
-        payload = {"decisions": [d.model_dump(mode="json") for d in decisions()],
-                   "refusals": [r.model_dump(mode="json") for r in refusals()]}
-        payload.update({name: section() for name, section in list(report_sections.items())})
-        try:
-            write_report(settings.report, payload, directory=settings.report_is_dir)
-        except OSError as exc:  # a report is evidence, not a reason to stop a verified worker
-            _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
+        record.store(key, choice)
+    log_decision(choice.decision)
+    report_file.update(settings)
+    return record, key, choice
 
 
 def _refuse(refusal: Refusal, settings: Settings) -> None:
     with _lock:
         _refusals.append(refusal)
-    _write_report(settings)  # before the process exits: the record of why it refused
+    report_file.update(settings)  # before the process exits: the record of why it refused
+
+
+def record_refusal(refusal: Refusal, settings: Settings) -> None:
+    """Record a refusal decided outside this module (the serving canary's): status and the report file."""
+    _refuse(refusal, settings)
 
 
 def refusals() -> list[Refusal]:
@@ -480,9 +277,13 @@ def refusals() -> list[Refusal]:
 
 
 def decisions() -> list[Decision]:
-    """Every decision made in this process so far."""
+    """Every decision made in this process so far (a replaced backend's in the place of the one it replaced)."""
     with _lock:
-        return list(_decisions.values())
+        return [choice.decision for record in _records.values() for choice in record.decided.values()]
+
+
+report_file.sections["decisions"] = lambda: [d.model_dump(mode="json") for d in decisions()]
+report_file.sections["refusals"] = lambda: [r.model_dump(mode="json") for r in refusals()]
 
 
 def clear() -> None:
@@ -492,23 +293,16 @@ def clear() -> None:
     global _updating
     with _lock:
         _updating = 0
-        serving = list(_serving.values())
-        _decisions.clear()
-        _key_locks.clear()
-        for table in _route_tables.values():
-            table.clear()
-        _route_names.clear()
+        dropped = list(_records.values())
+        _records.clear()
         _refusals.clear()
-        _serving.clear()
-    for record in serving:
-        stuck = _release(record, record.decision.backend)
+        for record in dropped:
+            _publish(record)  # its entry goes with it
+        served = [(record, record.decision.backend) for record in dropped if record.serving is not None]
+    for record, backend in served:
+        stuck = _release(record, backend)
         if stuck is not None:
             _LOG.warning("sm120_fp4: %s: %s", record.device.label(), stuck)
-
-
-def serves(device: Device, settings: Settings) -> bool:
-    """Whether this library serves `device`: a 12.x GPU, or any GPU with SM120_FP4_ENABLE=on."""
-    return settings.enable == "on" or devices.is_sm12x(device.capability)
 
 
 def route(index: int, settings: Settings, family: str = "dense") -> Callable | None:
@@ -518,33 +312,27 @@ def route(index: int, settings: Settings, family: str = "dense") -> Callable | N
     table = _route_tables[family]
     if index in table:
         return table[index]
+    kind = FAMILIES[family]
     simulate = settings.simulated_capability
     if index < 0 and simulate is None:
-        fn, name = None, "original"  # a CPU tensor outside simulation: not a GPU we fix
-    else:
-        device = devices.get_device(index, simulate)
-        if serves(device, settings):
-            decision = decide(device, settings=settings, family=family)
-            fn, name = decision.fn, decision.backend
-            with _lock:
-                _serving.setdefault((family, index), _Serving(device, decision, settings, FAMILIES[family]))
-        else:
-            fn, name = None, "original"
-    with _lock:
-        _route_names[(family, index)] = name
-        return table.setdefault(index, fn)
+        return _record(kind, index).route_to(None, None, None)  # a CPU tensor outside simulation: not a GPU we fix
+    device = devices.get_device(index, simulate)
+    if not serves(device, settings):
+        return _record(kind, index, device).route_to(device, None, None)
+    record, key, _ = _decide(device, None, settings, False, kind)
+    return record.route_to(device, key, settings)
 
 
-def _set_route(serving: _Serving, decision: Decision) -> None:
-    """Serve the device with `decision` from now on (it takes the replaced decision's place)."""
-    index, family = serving.device.index, serving.family.name
+def route_table(family: str = "dense") -> dict[int, Callable | None]:
+    """The live route table of `family` (the hot path's lookup, derived from the records); never
+    replace or write it, only read it."""
+    return _route_tables[family]
+
+
+def routes(family: str = "dense") -> dict[int, str]:
+    """Device index -> the backend it is routed to, or "original" (a device this library does not serve)."""
     with _lock:
-        for key, known in list(_decisions.items()):
-            if known is serving.decision:
-                _decisions[key] = decision
-        serving.decision = decision
-        _route_tables[family][index] = decision.fn
-        _route_names[(family, index)] = decision.backend
+        return {r.index: r.route_name for (fam, _), r in _records.items() if fam == family and r.routed}
 
 
 def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,
@@ -622,7 +410,7 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
     _last_settings = settings
     if route(index, settings, check.family) is None:
         return None
-    serving = _serving[(check.family, index)]
+    serving = _records[(check.family, index)]
     with serving.lock:
         checking = settings.selftest != "off"
         # A backend that serves converted weights converts this layer now (keeping its original
@@ -653,7 +441,7 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
                       serving.decision.backend, serving.device.label(), len(check.ms), report.max_rel_err or 0.0)
             if settings.select == "fastest":
                 _route_fastest(serving, check, settings)
-            _write_report(settings)
+            report_file.update(settings)
         elif check.owner is not None and known.owner is check.owner:
             serving.checks[check.key] = check  # the same layer again (its weights reloaded): re-checks use these
         return report
@@ -724,11 +512,11 @@ def _refingerprint(serving: _Serving) -> None:
             record.fingerprint = _fingerprint(current)
 
 
-def _back_to(serving: _Serving, original: Decision) -> None:
+def _back_to(serving: _Serving, original: Choice) -> None:
     """Route the device to `original` again (a refusal or an interruption while replacing it),
     converting the layers again where that backend serves converted weights."""
-    _set_route(serving, original)
-    backend = backends.backend_of(serving.family.name, original.backend)
+    serving.serve(original)
+    backend = backends.backend_of(serving.family.name, original.decision.backend)
     if backend.prepare is not None:
         for tensors in serving.seen:
             _prepare(serving, tensors, _representative(serving, tensors))
@@ -761,37 +549,38 @@ def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> 
     serving batch sizes; the device is routed to the one fastest over all configurations (which
     first passes every layer's light check). Timing the self-test's shapes would rank kernels on
     calls that never serve."""
-    original = serving.decision
+    chosen_first = serving.choice
+    original = chosen_first.decision
     names = [r.backend for r in original.reports if r.passed] or [original.backend]
     names = [n for n in dict.fromkeys([original.backend, *names]) if n not in serving.failed]
     if len(names) < 2:
         return
-    decisions = {original.backend: original}
+    choices = {original.backend: chosen_first}
     try:
         for name in names:
             if name != original.backend:
-                decisions[name] = original.model_copy(update={"backend": name, "fn": serving.family.resolve(name),
-                                                              "layers": [], "timings_ms": {}})
-                _set_route(serving, decisions[name])
+                copy = original.model_copy(update={"backend": name, "layers": [], "timings_ms": {}})
+                choices[name] = Choice(copy, serving.family.resolve(name))
+                serving.serve(choices[name])
                 report, _ = _layer_check(serving, check, True)
                 if not report.passed:
                     serving.failed[name] = f"{report.config}: {report.reason}"
                     continue
                 serving.candidate_layers.setdefault(name, []).append(report)
             else:
-                _set_route(serving, original)
+                serving.serve(chosen_first)
             serving.timings.setdefault(name, {})[check.key] = _time_served(serving, check)
         keys = list(serving.checks)
         eligible = [n for n in names if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
         totals = {n: sum(serving.timings[n][k] for k in keys) for n in eligible}
         best = min(eligible, key=totals.__getitem__)
-        chosen = decisions[best]
-        _set_route(serving, chosen)
+        serving.serve(choices[best])
+        chosen = choices[best].decision
         if best != original.backend:
             _, bad = _verify_everything(serving, check, False, configurations=False)  # every layer so far, its own weights
             if bad is not None:
                 serving.failed[best] = f"{bad.config}: {bad.reason}"
-                _set_route(serving, original)
+                serving.serve(chosen_first)
                 return
             serving.candidate_layers[original.backend] = list(original.layers)
             chosen.layers = list(serving.candidate_layers.get(best, []))
@@ -799,7 +588,7 @@ def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> 
         chosen.reason = (f"fastest of {len(eligible)} verified candidates on the served layer configurations at their "
                          f"serving batch sizes ({totals[best]:.3g} ms over {len(keys)} configuration(s))")
     except BaseException:
-        _set_route(serving, original)
+        serving.serve(chosen_first)
         raise
 
 
@@ -835,7 +624,7 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.Self
 
     Until one passes every configuration and every layer, nothing new is recorded; on a refusal or
     an interruption the device goes back to the backend it had (which still serves what it passed)."""
-    original = serving.decision
+    original = serving.choice
     full = check.key not in serving.checks
     failures = [report]
     serving.failed[report.backend] = f"{report.config}: {report.reason}"
@@ -845,10 +634,11 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.Self
     try:
         while stuck is None:
             remaining = [n for n in candidate_names(settings, family=serving.family, device=serving.device) if n not in serving.failed]
-            decision = _next_decision(serving, remaining, settings)
-            if decision is None:
+            choice = _next_choice(serving, remaining, settings)
+            if choice is None:
                 break
-            _set_route(serving, decision)
+            serving.serve(choice)
+            decision = choice.decision
             problem = _prepare_seen(serving)
             if problem is None:
                 reports, bad = _verify_everything(serving, check, full)
@@ -864,7 +654,7 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.Self
                 _record_layer(serving, check, _fingerprint(check))
                 _LOG.warning("sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
                              serving.device.label(), report.backend, report.config, decision.backend)
-                _write_report(settings)
+                report_file.update(settings)
                 return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
             failures.append(bad)
             serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
@@ -888,24 +678,24 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.Self
     raise RefusedToServe(message)
 
 
-def _next_decision(serving: _Serving, remaining: list[str], settings: Settings) -> Decision | None:
+def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) -> Choice | None:
     """The first of `remaining` that passes its self-test, else the verified emulation where
     FALLBACK=emulated allows it (and it has not failed too), else None."""
     family = serving.family
     strict = settings.model_copy(update={"selftest": "strict", "fallback": "none", "moe_fallback": "none"})
     if remaining:
         with contextlib.suppress(RefusedToServe):
-            return _choose(serving.device, remaining, strict, family)
+            return choose(serving.device, remaining, strict, family)
     if family.fallback(settings) != "emulated" or backends.EMULATED in serving.failed:
         return None
     try:
-        decision = _choose(serving.device, [backends.EMULATED], strict, family)
+        choice = choose(serving.device, [backends.EMULATED], strict, family)
     except RefusedToServe:
         return None
-    decision.reason = f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
+    choice.decision.reason = f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
     _LOG.warning("sm120_fp4: %s: no %s candidate passed every layer configuration; %s=emulated: "
                  "serving with the slow pure-PyTorch emulation", serving.device.label(), family.what, family.fallback_var)
-    return decision
+    return choice
 
 
 _updating = 0  # SGLang weight updates in progress (weights_updating)
@@ -953,7 +743,7 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.S
     if _updating:
         reverify(settings)  # a capture inside a weight update: the new weights are verified first
     done = []
-    for serving in list(_serving.values()):
+    for serving in _served():
         with serving.lock:
             changed = _changed_layers(serving)
             if changed:
@@ -1014,7 +804,7 @@ def reverify(settings: Settings) -> list[selftest.SelfTestReport]:
     sweep, any other with its light check), its fingerprint renewed; a failure refuses
     (RefusedToServe) naming the layer."""
     done = []
-    for serving in list(_serving.values()):
+    for serving in _served():
         with serving.lock:
             changed = _changed_layers(serving)
             if changed and backends.backend_of(serving.family.name, serving.decision.backend).prepare is not None:
@@ -1061,9 +851,6 @@ selftest.hang_hooks.append(_on_hang)
 
 # ---- for the serving canary (sm120_fp4.canary) --------------------------------------------------
 
-__all__ += ["Served", "served_configurations", "check_served", "fingerprint_problem", "record_refusal", "report_sections", "update_report"]
-
-
 @dataclass(frozen=True)
 class Served:
     """One layer configuration verified in this process, on the device and kernel family that serve it."""
@@ -1075,14 +862,13 @@ class Served:
     @property
     def backend(self) -> str:
         """The backend serving this configuration now."""
-        return _serving[(self.family, self.device.index)].decision.backend
+        return _records[(self.family, self.device.index)].decision.backend
 
 
 def served_configurations() -> list[Served]:
     """Every layer configuration verified in this process (passed, with the backend serving it now;
     not one served unverified under SELFTEST=warn), per family and device in the order verified."""
-    with _lock:
-        servings = list(_serving.values())
+    servings = _served()
     served = []
     for s in servings:
         with s.lock:
@@ -1095,7 +881,7 @@ def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:
     """Run one verified configuration once more through the call that serves it, at batch sizes
     `ms`: the re-check's check (two passes, every call against the oracle), for the serving canary.
     Never raises for a bad kernel: the report says what was wrong."""
-    serving = _serving[(served.family, served.device.index)]
+    serving = _records[(served.family, served.device.index)]
     with serving.lock:
         return _run_check(serving, served.check, list(ms))
 
@@ -1106,7 +892,7 @@ def fingerprint_problem(check: LayerCheck) -> str | None:
     invisible to the oracle, which reads the same corrupted weight). During SGLang's weight updates
     changes are expected: None."""
     key = id(check.owner) if check.owner is not None else id(check)
-    for serving in list(_serving.values()):
+    for serving in _served():
         with serving.lock:
             record = serving.layers.get(key)
             if record is None or record.fingerprint is None or _updating:
@@ -1120,30 +906,3 @@ def fingerprint_problem(check: LayerCheck) -> str | None:
                         "SGLang's weight-update path")
     return None
 
-
-def record_refusal(refusal: Refusal, settings: Settings) -> None:
-    """Record a refusal decided outside this module (the serving canary's): status and the report file."""
-    _refuse(refusal, settings)
-
-
-def update_report(settings: Settings) -> None:
-    """Write the report file now (SM120_FP4_REPORT), with every section of `report_sections`."""
-    _write_report(settings)
-
-
-def route_table(family: str = "dense") -> dict[int, Callable | None]:
-    """The live route table of `family` (the hot path's lookup); never replace it, only read it."""
-    return _route_tables[family]
-
-
-def routes(family: str = "dense") -> dict[int, str]:
-    """Device index -> the backend it is routed to, or "original" (a device this library does not serve)."""
-    with _lock:
-        return {index: name for (fam, index), name in _route_names.items() if fam == family}
-
-
-def write_report(path: Path, payload: dict, directory: bool | None = None) -> Path:
-    """Merge `payload` (this process's ``decisions`` and ``refusals``) into the report at `path`
-    (sm120_fp4.report: one file for every process of the run, 0600, never over a link or a special
-    file; a directory, or a link to one, gets one file per process) and return the file written."""
-    return report.write(path, payload, directory)

@@ -1,0 +1,332 @@
+"""Deciding: which FP4 backend a device should serve with, and why (or why none can).
+
+Walk the candidates in order, skip unsupported ones with their reason, self-test the rest, and
+take the first that passes (or, with ``SM120_FP4_SELECT=fastest``, the fastest that passes).
+When none passes: ``FALLBACK=emulated`` serves with the emulation (logged loudly), otherwise
+:class:`~sm120_fp4.errors.RefusedToServe` with :func:`refusal_message`. ``SELFTEST=warn`` logs the
+refusal and serves with the first supported candidate; ``SELFTEST=off`` skips the test. A candidate
+the preflight recorded as crashing its self-test process (:mod:`sm120_fp4.verdicts`) is skipped,
+with that reason.
+
+This module only decides: :func:`choose` returns a :class:`Choice` (the report model
+:class:`Decision` and the callable that was tested); caching decisions per device, routing and
+verifying the served layers is :mod:`sm120_fp4.serving`'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from pydantic import BaseModel, Field, computed_field
+
+from . import backends, devices, kernels, selftest, verdicts
+from .config import AUTO, Settings
+from .devices import Device
+from .errors import ConfigError, RefusedToServe, capped
+
+__all__ = ["Decision", "Refusal", "Choice", "Family", "DENSE", "MOE", "FAMILIES", "candidate_hook", "candidate_names",
+           "choose", "log_decision", "refusal_message", "serves"]
+
+_LOG = logging.getLogger("sm120_fp4")
+
+class Decision(BaseModel):
+    """The backend chosen for one device in this process, and how it was chosen."""
+
+    device: str
+    device_index: int
+    capability: str
+    device_uuid: str | None = None  # the GPU this decision is for, as NVML/CUDA name it (several GPUs: which is which)
+    device_pci_bus_id: str | None = None
+    simulated: bool
+    backend: str
+    verified: bool
+    reason: str
+    candidates: list[str]
+    rejected: dict[str, str] = Field(default_factory=dict)
+    reports: list[selftest.SelfTestReport] = Field(default_factory=list)
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+    flashinfer_version: str | None = None
+    duration_s: float = 0.0
+    layers: list[selftest.SelfTestReport] = Field(default_factory=list)
+    family: str = "dense"
+    mode: str = "w4a4"  # what serves: "w4a4" (activations quantized, as the checkpoint) or "w4a16"
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def backend_info(self) -> dict | None:
+        """What the serving backend says about itself now (humming: its mode, JIT time per kernel
+        configuration, cache, memory of the converted layers); None for backends that say nothing."""
+        names = backends.moe_names() if self.family == "moe" else backends.names()
+        if self.backend not in names:
+            return None  # unregistered since (a test's backend)
+        try:
+            describe = backends.backend_of(self.family, self.backend).describe
+            return describe() if describe is not None else None
+        except Exception as exc:  # noqa: BLE001 - status must answer
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+class Refusal(BaseModel):
+    """A refusal to serve in this process: where, for which configuration, why (kept for status and the report)."""
+
+    device: str
+    config: str | None = None
+    family: str = "dense"
+    message: str
+    rejected: dict[str, str] = Field(default_factory=dict)  # candidate -> why it was not served
+    reports: list[selftest.SelfTestReport] = Field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` decided: the report model and the callable its backend resolved to when it
+    was tested (what serves, if the device is routed to it; never part of the report)."""
+
+    decision: Decision
+    fn: Callable = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of kernel this library verifies and routes: the dense FP4 GEMM or the NVFP4 fused MoE."""
+
+    name: str  # "dense" | "moe"
+    what: str
+    backends_var: str
+    fallback_var: str
+    names: Callable[[], tuple[str, ...]]
+    is_supported: Callable[[str, Device], tuple[bool, str | None]]
+    resolve: Callable[[str], Callable]
+    candidates: Callable[[Settings, Device | None], tuple[str, ...]]
+    fallback: Callable[[Settings], str]
+    self_test: Callable[[str, Device, Settings], selftest.SelfTestReport]
+
+
+def _dense_self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
+    bounds = selftest.Bounds(timeout_s=settings.selftest_timeout)
+    return selftest.run(name, device, bounds=bounds, quantizer=backends.quantizer_for(name, device))
+
+
+def _moe_self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
+    # A simulated CPU device runs the pure-PyTorch oracle against itself: the reduced configuration
+    # proves the wiring; every real GPU runs the full default configuration.
+    config = selftest.SIMULATION_MOE_CONFIG if device.simulated and not device.is_cuda else None
+    bounds = selftest.MOE_BOUNDS.model_copy(update={"timeout_s": settings.selftest_timeout})
+    return selftest.run_moe(name, device, config, bounds=bounds)
+
+
+def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
+    """SM120_FP4_BACKENDS, where `auto` is the order for the device's capability (kernels.default_order)."""
+    if settings.backends != AUTO:
+        return settings.backends
+    return kernels.default_order(device.capability) if device is not None else kernels.DEFAULT_ORDER
+
+
+DENSE = Family("dense", backends.FAMILY_LABELS["dense"], "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
+               backends.resolve, _dense_candidates, lambda s: s.fallback, _dense_self_test)
+def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
+    """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (kernels.default_moe_order)."""
+    if settings.moe_backends != AUTO:
+        return settings.moe_backends
+    return kernels.default_moe_order(device.capability) if device is not None else kernels.DEFAULT_MOE_ORDER
+
+
+MOE = Family("moe", backends.FAMILY_LABELS["moe"], "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
+             backends.is_moe_supported, backends.resolve_moe, _moe_candidates, lambda s: s.moe_fallback,
+             _moe_self_test)
+FAMILIES = {"dense": DENSE, "moe": MOE}
+
+# Called as hook(event, family, device, backend) right before a candidate runs on a device (event
+# "self-test" or "timing"): the preflight worker prints it, flushed, so that when a candidate
+# crashes the process its parent knows which one did. None: nothing is announced.
+candidate_hook: Callable[[str, str, Device, str], None] | None = None
+
+
+def _announce(event: str, family: Family, device: Device, name: str) -> None:
+    hook = candidate_hook
+    if hook is not None:
+        hook(event, family.name, device, name)
+
+
+def _operator_advice(device: Device, candidates: list[str], family: Family) -> list[str]:
+    others = [n for n in family.names() if n not in candidates and family.is_supported(n, device)[0]]
+    version = backends.flashinfer_version() or "not installed"
+    tip = f"{family.backends_var}={','.join(others)} (supported here, not yet tried)" if others else "another backend"
+    return [
+        f"try {tip}; known backends: {', '.join(family.names())}",
+        f"serve slowly but correctly with the emulation: {family.fallback_var}=emulated",
+        f"install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
+        "turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
+    ]
+
+
+def refusal_message(device: Device, candidates: list[str], rejected: dict[str, str], config: str | None = None,
+                    family: Family | None = None) -> str:
+    """The text of RefusedToServe: the device, each candidate and why, what the operator can do."""
+    family = family or DENSE
+    what = f" for {config}" if config else ""
+    lines = [
+        f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no {family.what} backend passed verification{what}.",
+        f"Candidates ({family.backends_var}):",
+    ]
+    lines += [f"  - {name}: {rejected.get(name, 'not tried')}" for name in candidates]
+    lines.append("What you can do:")
+    lines += [f"  - {tip}" for tip in _operator_advice(device, candidates, family)]
+    return "\n".join(lines)
+
+
+def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5) -> float:
+    """Median milliseconds of one pass over the self-test shapes (for SELECT=fastest)."""
+    tdev = device.torch_device
+    prepared = []
+    for i, shape in enumerate(shapes):
+        _, _, args = selftest.quantized_inputs(shape, tdev, 1000 + i)
+        prepared.append((args, torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)))
+    times = []
+    for _ in range(repeats + 1):
+        if tdev.type == "cuda":
+            torch.cuda.synchronize(tdev)
+        start = time.perf_counter()
+        for args, out in prepared:
+            fn(*args, torch.bfloat16, out)
+        if tdev.type == "cuda":
+            torch.cuda.synchronize(tdev)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])  # the first pass warms up (JIT, caches)
+
+
+def choose(device: Device, candidates: list[str], settings: Settings, family: Family | None = None) -> Choice:
+    """Self-test `candidates` in order on `device` under `settings` and choose one (see the module's
+    docstring); RefusedToServe (with ``rejected`` and ``reports`` attached) when none may serve."""
+    family = family or DENSE
+    start = time.perf_counter()
+    rejected: dict[str, str] = {}
+    supported: list[str] = []
+    for name in candidates:
+        ok, why = family.is_supported(name, device)
+        crash = verdicts.crash_of(settings.verdicts_path, device, family.name, name) if ok else None
+        if crash is not None:
+            rejected[name] = crash
+        elif ok:
+            supported.append(name)
+        else:
+            rejected[name] = f"not supported: {why}"
+    reports: list[selftest.SelfTestReport] = []
+    passed: list[str] = []
+    if settings.selftest != "off":
+        for name in supported:
+            _announce("self-test", family, device, name)
+            report = family.self_test(name, device, settings)
+            reports.append(report)
+            if report.passed:
+                passed.append(name)
+                if settings.select == "first":
+                    break
+            else:
+                rejected[name] = f"self-test failed: {report.reason}"
+    common = dict(
+        device=device.label(),
+        device_index=device.index,
+        device_uuid=device.uuid,
+        device_pci_bus_id=device.pci_bus_id,
+        capability=f"{device.capability[0]}.{device.capability[1]}",
+        simulated=device.simulated,
+        candidates=candidates,
+        rejected=rejected,
+        reports=reports,
+        flashinfer_version=backends.flashinfer_version(),
+    )
+    timings: dict[str, float] = {}
+    if passed:
+        choice, verified = passed[0], True
+        reason = "first candidate to pass its self-test"
+        if settings.select == "fastest" and len(passed) > 1 and family is DENSE:
+            for n in passed:
+                _announce("timing", family, device, n)
+                timings[n] = _time_backend(backends.resolve(n), device, selftest.DEFAULT_SHAPES)
+            choice = min(passed, key=timings.__getitem__)
+            reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
+    elif settings.selftest == "off" and supported:
+        choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"
+    elif family.fallback(settings) == "emulated":
+        # FALLBACK=emulated wins over SELFTEST=warn: a verified slow answer beats an unverified one.
+        also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
+        _LOG.warning(
+            "%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead",
+            refusal_message(device, candidates, rejected, family=family), family.fallback_var, also,
+        )
+        choice, verified, reason = backends.EMULATED, True, f"fallback: no candidate verified ({family.fallback_var}=emulated)"
+    elif settings.selftest == "warn" and supported:
+        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", refusal_message(device, candidates, rejected, family=family), supported[0])
+        choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
+    else:
+        refused = RefusedToServe(refusal_message(device, candidates, rejected, family=family))
+        refused.rejected, refused.reports = dict(rejected), list(reports)
+        raise refused
+    decision = Decision(
+        backend=choice,
+        mode=backends.backend_of(family.name, choice).mode,
+        verified=verified,
+        reason=reason,
+        timings_ms=timings,
+        family=family.name,
+        duration_s=time.perf_counter() - start,
+        **common,
+    )
+    return Choice(decision, family.resolve(choice))
+
+
+def log_decision(decision: Decision) -> None:
+    """Log `decision` once: device, FlashInfer version, backend, why, its self-test error, how long it took."""
+    errs = [r.max_rel_err for r in decision.reports if r.backend == decision.backend and r.max_rel_err is not None]
+    tested = f"self-test max rel error {errs[0]:.2e}" if errs else "no self-test of the chosen backend"
+    level = logging.INFO if decision.verified else logging.WARNING
+    _LOG.log(
+        level,
+        "sm120_fp4: %s, FlashInfer %s: using %s (%s); %s, decided in %.2f s",
+        decision.device,
+        decision.flashinfer_version or "not installed",
+        decision.backend,
+        decision.reason,
+        tested,
+        decision.duration_s,
+    )
+
+
+def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] | None = None,
+                    family: Family | None = None, device: Device | None = None, source: str | None = None) -> list[str]:
+    """The ordered candidate names (`candidates`, else the family's setting for `device`: `auto`
+    is the order for its capability); ConfigError for unknown ones, naming `source` (what supplied
+    the names: default the family's variable). An unknown name is first looked up among the
+    installed entry points (backends.ENTRY_POINT_GROUPS)."""
+    family = family or DENSE
+    source = source or family.backends_var
+    names = list(candidates if candidates is not None else family.candidates(settings, device))
+    unknown = [n for n in names if n not in family.names()]
+    if unknown:
+        backends.load_entry_points(unknown, family.name)
+        known = family.names()
+        unknown = [n for n in names if n not in known]
+    if unknown:
+        register = "register" if family is DENSE else "register_moe"
+        group = backends.ENTRY_POINT_GROUPS[family.name]
+        raise ConfigError(
+            f"{source} names unknown backend(s) {capped(unknown)}; known: {', '.join(family.names())} "
+            f"(register custom ones with sm120_fp4.backends.{register} before install, or as entry points of group "
+            f"{group} so that spawned workers have them too)"
+        )
+    if not names:
+        raise ConfigError(f"{source} is empty; name at least one backend")
+    return names
+
+
+def serves(device: Device, settings: Settings) -> bool:
+    """Whether this library serves `device`: a 12.x GPU, or any GPU with SM120_FP4_ENABLE=on."""
+    return settings.enable == "on" or devices.is_sm12x(device.capability)
+
+

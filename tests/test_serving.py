@@ -1,0 +1,156 @@
+"""Serving (sm120_fp4.serving): the decision cache per device and process, concurrent decides,
+refusals kept for status, SELECT=fastest settled on the served layer configurations. Devices are
+simulated or mocked (several 'GPUs' whose tensors live on the CPU)."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+
+from helpers import faults
+from helpers.cases import case
+from helpers.common import CpuGpu, run_concurrently
+from sm120_fp4 import backends, deciding, selftest, serving
+from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4.config import Settings
+from sm120_fp4.errors import RefusedToServe
+
+SIM = Settings(simulate="12.0")
+
+
+def test_decision_is_cached_per_device_and_process():
+    calls = []
+
+    def counting(*args):
+        calls.append(1)
+        return faults.healthy(*args)
+
+    backends.register("counting", counting)
+    first = serving.decide(candidates=["counting"], settings=SIM)
+    again = serving.decide(candidates=["counting"], settings=SIM)
+    assert first is again and len(calls) == 2 * len(selftest.DEFAULT_SHAPES), "two passes, once per process"
+
+
+def test_concurrent_decides_on_one_device_share_one_selftest():
+    calls = []
+    lock = threading.Lock()
+
+    def counting(*args):
+        with lock:
+            calls.append(1)
+        return faults.healthy(*args)
+
+    backends.register("counting", counting)
+    results = []
+    run_concurrently(lambda: results.append(serving.decide(None, ["counting"], settings=SIM)), [()] * 8)
+    assert len(results) == 8 and all(r is results[0] for r in results)
+    assert len(calls) == 2 * len(selftest.DEFAULT_SHAPES)
+
+
+@case("concurrency", "decide() for 3 devices from 12 threads at once", "one self-test per device, one Decision per device shared by all its callers, none lost")
+def test_decide_for_several_devices_at_once_tests_each_device_once():
+    calls: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def counted_support(device):
+        with lock:
+            calls[device.index] = calls.get(device.index, 0) + 1
+        return True, None
+
+    backends.register("counted", emulated_mm_fp4, counted_support)
+    gpus = [CpuGpu(i, f"mocked GPU {i}", (12, 0)) for i in range(3)]
+    barrier, results, errors = threading.Barrier(12), {}, []
+    settings = Settings(backends="counted")
+
+    def worker(n):
+        barrier.wait()
+        try:
+            results[n] = serving.decide(gpus[n % 3], settings=settings)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(repr(exc))
+
+    run_concurrently(worker, [(n,) for n in range(12)])
+    assert errors == []
+    assert calls == {0: 1, 1: 1, 2: 1}
+    for index in range(3):
+        mine = {id(results[n]) for n in range(12) if n % 3 == index}
+        assert len(mine) == 1 and results[index].device_index == index and results[index].verified
+    assert sorted(d.device_index for d in serving.decisions()) == [0, 1, 2]
+
+
+@case("own failures", "decide() refuses (every candidate fails its self-test)",
+      "status().refusals lists the refusal with the device, the family and each candidate's reason (decisions stay empty)")
+def test_a_refusal_from_decide_is_in_status_with_its_reasons():
+    import sm120_fp4
+
+    backends.register("zeros", faults.returns_zeros)
+    backends.register("band", faults.zeroes_row_band)
+    with pytest.raises(RefusedToServe):
+        sm120_fp4.decide(candidates=["zeros", "band"], settings=SIM)
+    status = sm120_fp4.status()
+    assert status.decisions == [] and len(status.refusals) == 1
+    refusal = status.refusals[0]
+    assert refusal.family == "dense" and "sm_120" in refusal.device
+    assert "all zeros" in refusal.rejected["zeros"] and "row(s) all zero" in refusal.rejected["band"]
+    assert [r.backend for r in refusal.reports] == ["zeros", "band"]
+
+
+@case("configuration", "SELECT=fastest with two verified kernels: one fast on the self-test's shapes but 1000x slower at a prefill M, one steady",
+      "the layer configuration's served calls are timed at its serving batch sizes (decode and the prefill chunk): the steady kernel serves, its time per configuration recorded")
+def test_select_fastest_times_the_served_layer_configurations_at_their_serving_batch_sizes(monkeypatch):
+    pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
+    import sm120_fp4
+    from sm120_fp4.sglang import hooks, layers
+
+    clock = [0.0]
+    clock_only = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(deciding, "time", clock_only)  # the self-test's timing
+    monkeypatch.setattr(serving, "time", clock_only)  # the served calls' timing
+
+    def costing(cost):
+        def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
+            clock[0] += cost(a.shape[0])
+            return faults.healthy(a, b, a_sf, b_sf, alpha, dtype, out)
+
+        return gemm
+
+    backends.register("prefill-slow", costing(lambda m: 1.0 if m >= 4096 else 0.001))
+    backends.register("steady", costing(lambda m: 0.01))
+    sm120_fp4.install(simulate="12.0", backends="prefill-slow,steady", select="fastest")
+    try:
+        layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+        [decision] = serving.decisions()
+        assert decision.backend == "steady" and sm120_fp4.status().routes == {-1: "steady"}
+        assert "served layer configurations at their serving batch sizes" in decision.reason
+        sizes = hooks.recheck_sizes(hooks.max_capture_batch())
+        assert 8192 in sizes and decision.timings_ms == pytest.approx({"steady": 10.0 * len(sizes),
+                                                                       "prefill-slow": 1000.0 + 1.0 * (len(sizes) - 1)})
+    finally:
+        sm120_fp4.uninstall()
+
+
+
+@case("configuration", "decide(refresh=True) for the device whose decision serves, before and after a layer was verified with it",
+      "before: the refreshed decision serves (status and the route agree); after: ConfigError naming the device and the backend, the route unchanged")
+def test_a_refresh_of_the_serving_decision_is_refused_once_layers_were_verified_with_it():
+    pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
+    import sm120_fp4
+    from sm120_fp4.errors import ConfigError
+    from sm120_fp4.sglang import layers
+
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    try:
+        settings = sm120_fp4.config.load_settings()
+        serving.route(-1, settings)
+        [first] = serving.decisions()
+        refreshed = serving.decide(-1, settings=settings, refresh=True)
+        assert refreshed is not first and serving.decisions() == [refreshed] and sm120_fp4.status().routes == {-1: "emulated"}
+        layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+        served = serving.route_table()[-1]
+        with pytest.raises(ConfigError, match=r"simulated.*already serves 1 verified layer configuration\(s\) with emulated"):
+            serving.decide(-1, settings=settings, refresh=True)
+        assert serving.route_table()[-1] is served and sm120_fp4.status().routes == {-1: "emulated"}
+    finally:
+        sm120_fp4.uninstall()
