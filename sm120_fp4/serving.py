@@ -559,7 +559,8 @@ def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> 
     try:
         for name in names:
             if name != original.backend:
-                copy = original.model_copy(update={"backend": name, "layers": [], "timings_ms": {}})
+                copy = original.model_copy(update={"backend": name, "mode": backends.mode_of(serving.family.name, name),
+                                                   "layers": [], "timings_ms": {}})
                 choices[name] = Choice(copy, serving.family.resolve(name))
                 serving.serve(choices[name])
                 report, _ = _layer_check(serving, check, True)

@@ -289,6 +289,36 @@ def test_served_moe_layer_is_converted_and_verified_in_w4a16(stand_in):
         sm120_fp4.uninstall()
 
 
+
+@case("configuration", "SELECT=fastest over MoE candidates of different modes (humming w4a16 first, emulated w4a4 faster)",
+      "the faster one serves and its decision says its own mode (w4a4), not the first candidate's")
+@pytest.mark.sglang
+def test_select_fastest_across_modes_records_the_winners_own_mode(stand_in, monkeypatch):
+    from helpers.common import simulated_moe_skip_reason
+
+    if simulated_moe_skip_reason() is not None:
+        pytest.skip(simulated_moe_skip_reason())
+    import time
+
+    from sm120_fp4.sglang import moe_layers
+
+    grouped = stand_in.grouped_gemm
+
+    def slow_grouped_gemm(prepared, x, scale_2, offsets, out):
+        time.sleep(0.05)
+        return grouped(prepared, x, scale_2, offsets, out)
+
+    monkeypatch.setattr(stand_in, "grouped_gemm", slow_grouped_gemm)
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="humming,emulated", select="fastest")
+    try:
+        moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(8, 128, 64, seed=1), 2)
+        [decision] = [d for d in serving.decisions() if d.family == "moe"]
+        assert set(decision.timings_ms) == {"humming", "emulated"}, decision.timings_ms
+        assert decision.backend == "emulated" and decision.mode == "w4a4"
+    finally:
+        sm120_fp4.uninstall()
+
+
 # ---- on a CUDA device with humming-kernels (the H200) ------------------------------------------
 
 def _cuda_sim() -> devices.Device:
