@@ -131,9 +131,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 _POOL = JobPool(limit=max(2, os.cpu_count() or 2))
-# Real servers (minutes of CPU each, in several processes): one at a time, from the start, beside the
+# Real servers (minutes of CPU each, in several processes): two at a time, from the start, beside the
 # other jobs; waiting for those first left one core idle for the last several minutes of the session.
-_HEAVY = JobPool(limit=1, timeout=None)
+_HEAVY = JobPool(limit=2, timeout=None)
 
 
 def pytest_collection_finish(session):

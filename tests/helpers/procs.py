@@ -151,7 +151,7 @@ def background(start: Callable[..., object], heavy: bool = False):
 
     `folder` is an empty directory for the job; `params` are the case's parameters. The test gets
     `(returncode, stdout, stderr)` from the `background` fixture. `heavy` (a real server, a minute of
-    CPU and more): the job goes to the heavy pool, which runs such jobs one at a time from the session's
+    CPU and more): the job goes to the heavy pool, which runs two such jobs at a time from the session's
     start beside the other jobs, and the test runs after every other test.
     """
 
