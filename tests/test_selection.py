@@ -358,6 +358,7 @@ def test_the_selftest_timeout_bounds_a_whole_candidate(monkeypatch):
 def test_select_fastest_times_the_served_layer_configurations_at_their_serving_batch_sizes(monkeypatch):
     pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
     import sm120_fp4
+    from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import hooks, layers
 
     clock = [0.0]
@@ -374,7 +375,7 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
     backends.register("steady", costing(lambda m: 0.01))
     sm120_fp4.install(simulate="12.0", backends="prefill-slow,steady", select="fastest")
     try:
-        layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+        layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
         [decision] = selection.decisions()
         assert decision.backend == "steady" and sm120_fp4.status().routes == {-1: "steady"}
         assert "served layer configurations at their serving batch sizes" in decision.reason
