@@ -177,8 +177,9 @@ ENTRY_POINT_WORKER = """
 import json
 import sglang.srt.layers.quantization.modelopt_quant as mq  # the .pth bootstrap installs here
 import sm120_fp4
+from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import layers
-layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
 d = sm120_fp4.status().decisions[0]
 alias = getattr(mq, "flashinfer_fp4_gemm", None) or getattr(mq, "fp4_gemm", None)  # 0.5.8+ / 0.5.3-0.5.7
 print(json.dumps([getattr(alias, '__sm120_fp4_patch__', None), d.backend, d.rejected]))

@@ -20,6 +20,7 @@ import sm120_fp4
 from sm120_fp4 import backends, canary, report, serving
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import ConfigError, RefusedToServe
+from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import layers
 from helpers.cases import case
 
@@ -62,7 +63,7 @@ def serve(kernel, *shapes, **settings):
     verified (the process is now serving); the canary armed at its first idle point."""
     backends.register("wear", kernel)
     sm120_fp4.install(simulate="12.0", backends="wear", canary=str(settings.pop("period", PERIOD)), **settings)
-    built = [layers.build_modelopt_layer(layers.make_checkpoint(n, k, seed=i)) for i, (n, k) in enumerate(shapes)]
+    built = [layers.build_modelopt_layer(synthetic.make_checkpoint(n, k, seed=i)) for i, (n, k) in enumerate(shapes)]
     c = canary.active()
     c.clock = Clock()
     canary.idle()  # the first idle point arms it
@@ -208,7 +209,7 @@ def test_each_kernel_family_on_each_device_is_rechecked_every_period():
     if problem is not None:
         pytest.skip(problem)
     c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends="emulated")
-    moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
     c.clock.now += PERIOD
     for _ in range(40):
         canary.idle()
@@ -236,7 +237,7 @@ def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run
 
     backends.register_moe("moe-wear", drops_second_slot)
     c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends="moe-wear")
-    moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
     state["worn"] = True
     c.clock.now += PERIOD
     with pytest.raises(RefusedToServe, match=r"(?s)while serving: moe-wear failed the serving canary's re-check of "
@@ -388,8 +389,8 @@ def test_unverified_configurations_are_not_rechecked():
 
     backends.register("wide", wide_zeros)
     sm120_fp4.install(simulate="12.0", backends="wide", selftest="warn", canary="5")
-    layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
-    layers.build_modelopt_layer(layers.make_checkpoint(64, 160))  # fails, served UNVERIFIED under warn
+    layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
+    layers.build_modelopt_layer(synthetic.make_checkpoint(64, 160))  # fails, served UNVERIFIED under warn
     assert [s.check.label.split(" (")[0] for s in serving.served_configurations()] == [
         "ModelOptFp4LinearMethod N=96 K=160 bfloat16"]
 

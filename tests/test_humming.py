@@ -130,16 +130,17 @@ def test_dense_rejects_what_it_cannot_serve(stand_in):
 
 
 def _served_layer(n=256, k=512, seed=1):
+    from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import layers
 
-    ckpt = layers.make_checkpoint(n, k, seed=seed)
+    ckpt = synthetic.make_checkpoint(n, k, seed=seed)
     method, layer = layers.build_modelopt_layer(ckpt)
     return ckpt, method, layer
 
 
 @pytest.mark.sglang
 def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand_in):
-    from sm120_fp4.sglang import layers
+    from sm120_fp4.demo import synthetic
 
     sm120_fp4.install(simulate="12.0", backends="humming")
     try:
@@ -151,7 +152,7 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
         for c, m, lay in ((ckpt, method, layer), (other_ckpt, other_method, other_layer)):
             assert not torch.equal(lay.weight, c.weight)  # SGLang's storage now holds the engine's layout
             x = torch.randn(7, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-            assert torch.equal(m.apply(lay, x), layers.reference_output(c, x))
+            assert torch.equal(m.apply(lay, x), synthetic.reference_output(c, x))
         info = decision.backend_info
         assert "W4A4" in info["mode"] and info["engine"] == "stand-in"
         [memory] = [v for k, v in info["memory"].items() if k.startswith("dense N=256 K=512")]
@@ -233,7 +234,7 @@ def test_a_humming_failure_after_unchecked_layers_were_converted_refuses_saying_
       "humming converts every layer seen so far (the checked ones keeping their bytes), passes every configuration and serves them all")
 @pytest.mark.sglang
 def test_humming_taking_over_converts_the_layers_seen_before_and_serves_them(stand_in):
-    from sm120_fp4.sglang import layers
+    from sm120_fp4.demo import synthetic
 
     def right_until_k_1024(a, b, a_sf, b_sf, alpha, out_dtype, out):
         backends.emulated_mm_fp4(a, b, a_sf, b_sf, alpha, out_dtype, out)
@@ -253,7 +254,7 @@ def test_humming_taking_over_converts_the_layers_seen_before_and_serves_them(sta
         for ckpt, method, layer in served:
             assert not torch.equal(layer.weight, ckpt.weight)
             x = torch.randn(4, ckpt.weight.shape[1] * 2, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-            assert torch.equal(method.apply(layer, x), layers.reference_output(ckpt, x))
+            assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
     finally:
         sm120_fp4.uninstall()
 
@@ -264,11 +265,13 @@ def test_served_moe_layer_is_converted_and_verified_in_w4a16(stand_in):
 
     if simulated_moe_skip_reason() is not None:
         pytest.skip(simulated_moe_skip_reason())
+    from helpers import sglang_layers
+    from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import moe_layers
 
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="humming")
     try:
-        ckpt = moe_layers.make_moe_checkpoint(8, 128, 64, seed=1)
+        ckpt = synthetic.make_moe_checkpoint(8, 128, 64, seed=1)
         layer = moe_layers.build_modelopt_moe_layer(ckpt, 2)
         [decision] = [d for d in serving.decisions() if d.family == "moe"]
         assert decision.backend == "humming" and decision.mode == "w4a16" and decision.verified
@@ -279,7 +282,7 @@ def test_served_moe_layer_is_converted_and_verified_in_w4a16(stand_in):
         tw = torch.rand(5, 2, generator=gen)
         x = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
         out = moe_layers.moe_forward(layer, x, ids, tw)
-        w = moe_layers.moe_weights(layer)
+        w = sglang_layers.moe_weights(layer)
         ref = nvfp4.reference_moe_fp4(x, ids, tw, backends.original(w["w13"]), backends.original(w["w13_sf"]),
                                       w["w13_alpha"] * w["a1_gscale"], backends.original(w["w2"]),
                                       backends.original(w["w2_sf"]), w["w2_alpha"] * w["a2_gscale"], None, None,
@@ -300,6 +303,7 @@ def test_select_fastest_across_modes_records_the_winners_own_mode(stand_in, monk
         pytest.skip(simulated_moe_skip_reason())
     import time
 
+    from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import moe_layers
 
     grouped = stand_in.grouped_gemm
@@ -311,7 +315,7 @@ def test_select_fastest_across_modes_records_the_winners_own_mode(stand_in, monk
     monkeypatch.setattr(stand_in, "grouped_gemm", slow_grouped_gemm)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="humming,emulated", select="fastest")
     try:
-        moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(8, 128, 64, seed=1), 2)
+        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 64, seed=1), 2)
         [decision] = [d for d in serving.decisions() if d.family == "moe"]
         assert set(decision.timings_ms) == {"humming", "emulated"}, decision.timings_ms
         assert decision.backend == "emulated" and decision.mode == "w4a4"

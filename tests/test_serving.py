@@ -102,6 +102,7 @@ def test_a_refusal_from_decide_is_in_status_with_its_reasons():
 def test_select_fastest_times_the_served_layer_configurations_at_their_serving_batch_sizes(monkeypatch):
     pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
     import sm120_fp4
+    from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import hooks, layers
 
     clock = [0.0]
@@ -120,7 +121,7 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
     backends.register("steady", costing(lambda m: 0.01))
     sm120_fp4.install(simulate="12.0", backends="prefill-slow,steady", select="fastest")
     try:
-        layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+        layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
         [decision] = serving.decisions()
         assert decision.backend == "steady" and sm120_fp4.status().routes == {-1: "steady"}
         assert "served layer configurations at their serving batch sizes" in decision.reason
@@ -137,6 +138,7 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
 def test_a_refresh_of_the_serving_decision_is_refused_once_layers_were_verified_with_it():
     pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
     import sm120_fp4
+    from sm120_fp4.demo import synthetic
     from sm120_fp4.errors import ConfigError
     from sm120_fp4.sglang import layers
 
@@ -147,7 +149,7 @@ def test_a_refresh_of_the_serving_decision_is_refused_once_layers_were_verified_
         [first] = serving.decisions()
         refreshed = serving.decide(-1, settings=settings, refresh=True)
         assert refreshed is not first and serving.decisions() == [refreshed] and sm120_fp4.status().routes == {-1: "emulated"}
-        layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+        layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
         served = serving.route_table()[-1]
         with pytest.raises(ConfigError, match=r"simulated.*already serves 1 verified layer configuration\(s\) with emulated"):
             serving.decide(-1, settings=settings, refresh=True)

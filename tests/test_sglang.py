@@ -23,6 +23,7 @@ from helpers.common import (SIM, SIM_ENV, alias_name, alias_spec_name, assert_no
 from helpers.procs import REPO, Spawned, background, clean_env, ours, python, with_repo_pth
 from sm120_fp4 import backends
 from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import layers, release
 from sm120_fp4.sglang import targets as sglang_targets
 from sm120_fp4.errors import ConfigError, RefusedToServe
@@ -52,11 +53,11 @@ def test_modelopt_layer_runs_through_the_patch_and_matches_the_reference(caplog,
     caplog.set_level(logging.INFO, "sm120_fp4")
     status = sm120_fp4.install(**SIM)
     assert status.installed and patch_state(alias_spec_name()) == "applied"
-    ckpt = layers.make_checkpoint(n, k, seed=n)
+    ckpt = synthetic.make_checkpoint(n, k, seed=n)
     method, layer = layers.build_modelopt_layer(ckpt)
     x = (torch.randn(m, k) * 2).to(torch.bfloat16)
     out = method.apply(layer, x)
-    want = layers.reference_output(ckpt, x)
+    want = synthetic.reference_output(ckpt, x)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert torch.equal(out, want)
     rel = ((out.float() - x.float() @ ckpt.dense.float().T).norm() / want.float().norm()).item()
@@ -70,7 +71,7 @@ def test_a_misbehaving_backend_stops_process_weights_after_loading():
     backends.register("band", faults.zeroes_row_band)
     sm120_fp4.install(simulate="12.0", backends="band")
     with pytest.raises(RefusedToServe, match=r"band: self-test failed: M=129 .*rows 64-127"):
-        layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
 
 
 def test_compressed_tensors_w4a4_weights_hook_decides_first():
@@ -128,7 +129,7 @@ def test_enum_is_pinned_to_cutlass_from_auto_or_cudnn_and_restored(start):
     fp4_utils.FP4_GEMM_RUNNER_BACKEND = None if start is None else ENUM[start]
     before = fp4_utils.FP4_GEMM_RUNNER_BACKEND
     sm120_fp4.install(**SIM)
-    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
     assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is ENUM.FLASHINFER_CUTLASS
     assert patch_state("fp4-runner-backend-pin") == "applied"
     sm120_fp4.uninstall()
@@ -191,7 +192,7 @@ def test_uninstall_restores_the_environment_it_exported(monkeypatch):
 
 def test_status_is_json_with_every_target_and_the_decision():
     sm120_fp4.install(**SIM)
-    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
     data = json.loads(sm120_fp4.status().model_dump_json())
     states = {p["name"]: p["state"] for p in data["patches"]}
     assert states[alias_spec_name()] == "applied"
@@ -298,10 +299,10 @@ def _raises_at_m6(a, b, a_sf, b_sf, alpha, dtype, out):
 def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
     backends.register("flaky", _raises_at_m6)
     sm120_fp4.install(simulate="12.0", backends="flaky")
-    ckpt = layers.make_checkpoint(32, 64)
+    ckpt = synthetic.make_checkpoint(32, 64)
     method, layer = layers.build_modelopt_layer(ckpt)
     x = (torch.randn(4, 64) * 2).to(torch.bfloat16)
-    assert torch.equal(method.apply(layer, x), layers.reference_output(ckpt, x))  # M=4 serves
+    assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))  # M=4 serves
     with pytest.raises(RuntimeError, match="illegal memory access") as err:
         method.apply(layer, torch.randn(6, 64).to(torch.bfloat16))
     frames = [f.name for f in err.traceback]
@@ -312,7 +313,7 @@ def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
 def test_a_serve_time_exception_names_the_backend_and_device():
     backends.register("flaky", _raises_at_m6)
     sm120_fp4.install(simulate="12.0", backends="flaky", selftest="off")  # the serve-time path is under test
-    method, layer = layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    method, layer = layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
     with pytest.raises(RuntimeError) as err:
         method.apply(layer, torch.randn(6, 64).to(torch.bfloat16))
     context = str(err.value) + "\n".join(getattr(err.value, "__notes__", []))
@@ -337,7 +338,7 @@ def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(mon
     # SGLang's load path still runs, and the layer check finds that what would serve (the unpatched
     # alias: FlashInfer's CUDA kernel, on this CPU) does not work: refused, not served unverified.
     with pytest.raises(RefusedToServe, match=r"(?s)for ModelOptFp4LinearMethod N=32 K=64.*M=1 N=32 K=64: call 1 raised"):
-        layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
 
 
 # ---- concurrency --------------------------------------------------------------------------------
@@ -399,9 +400,10 @@ sys.modules["flashinfer"] = None  # import flashinfer -> ImportError, as when it
 import sm120_fp4
 installed = sm120_fp4.install(simulate="12.0", backends="emulated").installed
 import sglang.srt.layers.quantization.modelopt_quant as mq
+from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import layers
 try:
-    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
     refused = None
 except sm120_fp4.RefusedToServe as exc:
     refused = str(exc)
@@ -561,6 +563,7 @@ RELOAD = """
 import importlib, json
 import sm120_fp4
 from helpers.common import SIM, alias_name
+from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import layers
 sm120_fp4.install(**SIM)
 import sglang.srt.layers.quantization.modelopt_quant as mq
@@ -568,7 +571,7 @@ original = getattr(mq, alias_name()).__wrapped__
 importlib.reload(mq)
 alias = getattr(mq, alias_name())
 states = {e.name: [e.state, e.reason] for e in sm120_fp4.status().patches if e.module == mq.__name__}
-layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
 verified = [len(d.layers) for d in sm120_fp4.status().decisions]
 setattr(mq, alias_name(), original)  # other code puts the original back
 replaced = {e.name: e.state for e in sm120_fp4.status().patches if e.module == mq.__name__}

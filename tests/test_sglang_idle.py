@@ -13,6 +13,7 @@ import pytest
 import sm120_fp4
 from sm120_fp4 import canary
 from sm120_fp4.errors import ConfigError, RefusedToServe
+from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import idle, layers, targets
 from sm120_fp4.sglang.release import MODEL_RUNNER, SCHEDULER, sglang_version
 from helpers.cases import case
@@ -135,7 +136,7 @@ def test_warmup_refuses_when_the_idle_hook_is_not_in_place(monkeypatch):
     runner, name = _model_runner_with_warmup([1, 2, 4])
     monkeypatch.setitem(sys.modules, MODEL_RUNNER, runner)
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="60")
-    layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+    layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
     with pytest.raises(RefusedToServe, match=rf"(?s)SM120_FP4_CANARY=60 is on, but the serving canary's idle hook "
                                              rf"\({spec.module}\.{spec.attribute}.*not found.*nothing would run the canary"):
         getattr(runner.ModelRunner(), name)()
@@ -146,6 +147,6 @@ def test_warmup_hands_the_captured_graph_sizes_to_the_canary(monkeypatch):
     runner, name = _model_runner_with_warmup([1, 2, 4, 48])
     monkeypatch.setitem(sys.modules, MODEL_RUNNER, runner)
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="60")
-    layers.build_modelopt_layer(layers.make_checkpoint(96, 160))
+    layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
     getattr(runner.ModelRunner(), name)()
     assert canary.active()._captured == {1, 2, 4, 48}

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import moe_faults
+from helpers import moe_faults, sglang_layers
 from helpers.cases import case
 from helpers.common import simulated_moe_skip_reason
 import sm120_fp4
 from sm120_fp4 import backends, nvfp4, selftest, serving
+from sm120_fp4.demo import synthetic
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import RefusedToServe
 
@@ -44,14 +45,14 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
     states = {p.name: p.state for p in status.patches}
     assert states["fused-moe-kernel-seam"] == "applied"
     assert states["modelopt-nvfp4-moe-weights-hook"] == "applied"
-    ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=3)
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=3)
     layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.backend == "emulated" and decision.verified
     assert decision.layers and decision.layers[0].passed and decision.layers[0].config.startswith("ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu")
     x, ids, weights = routing(130)
     out = moe_layers.moe_forward(layer, x, ids, weights)
-    want = moe_layers.reference_moe_output(ckpt, x, ids, weights)
+    want = synthetic.reference_moe_output(ckpt, x, ids, weights)
     assert torch.equal(out, want), "SGLang's MoE apply() agrees with reference_moe_fp4 (bit-exact with the emulated backend)"
     assert sm120_fp4.status().moe_routes == {-1: "emulated"}
 
@@ -76,14 +77,14 @@ def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
         reason = (r"(?s)failed the served-layer check: ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu bfloat16: T=\d+ "
                   if name == "late-faulty" else r"(?s)no NVFP4 fused-MoE backend passed verification.*faulty: self-test failed: T=")
         with pytest.raises(RefusedToServe, match=reason):
-            moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
+            moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
         sm120_fp4.uninstall()
 
 
 def test_moe_fallback_emulated_serves_when_the_kernel_fails_the_layer():
     backends.register_moe("faulty", moe_faults.drops_one_expert)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="faulty", moe_fallback="emulated")
-    layer = moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=2), TOP_K)
+    layer = moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=2), TOP_K)
     assert sm120_fp4.status().moe_routes == {-1: "emulated"}
     x, ids, weights = routing(9)
     assert torch.isfinite(moe_layers.moe_forward(layer, x, ids, weights)).all()
@@ -93,14 +94,14 @@ def test_moe_fallback_emulated_serves_when_the_kernel_fails_the_layer():
 def test_a_healthy_kernel_with_flashinfers_rounding_serves(dtype):
     backends.register_moe("flashinfer-rounding", moe_faults.rounds_intermediate_first)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="flashinfer-rounding")
-    moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=4), TOP_K, dtype=dtype)
+    moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=4), TOP_K, dtype=dtype)
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.backend == "flashinfer-rounding" and all(r.passed for r in decision.layers)
 
 
 def test_unequal_gate_and_up_scales_are_refused():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
-    ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=5)
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=5)
     ckpt.w13_weight_scale_2[:, 1] *= 1.5
     with pytest.raises(RefusedToServe, match=r"gate and up weight_scale_2 differ"):
         moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
@@ -108,7 +109,7 @@ def test_unequal_gate_and_up_scales_are_refused():
 
 def test_under_expert_parallelism_this_ranks_experts_are_verified():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
-    moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=6), TOP_K, ep_size=2, ep_rank=1)
+    moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=6), TOP_K, ep_size=2, ep_rank=1)
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.layers[0].config.startswith("ModelOptNvFp4FusedMoEMethod E=4 H=256 I=128 top_k=2 swiglu bfloat16 EP rank 1/2")
     assert decision.layers[0].passed
@@ -151,7 +152,7 @@ def test_sglangs_auto_runner_is_pinned_to_the_verified_one_for_an_nvfp4_checkpoi
     with moe_layers.sglang_moe_context("auto", quantization=moe_layers.COMPRESSED_TENSORS):
         assert _runner().is_flashinfer_cutlass()
         assert {p.name: p.state for p in sm120_fp4.status().patches}["moe-runner-backend-pin"] == "applied"
-        layer = moe_layers.build_compressed_tensors_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=2), TOP_K)
+        layer = sglang_layers.build_compressed_tensors_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=2), TOP_K)
         assert layer.quant_method is not None
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.layers[0].passed and decision.layers[0].config.startswith("CompressedTensorsW4A4Nvfp4MoE")
@@ -162,7 +163,7 @@ def test_an_explicit_runner_the_library_does_not_verify_is_refused_naming_it_and
     with moe_layers.sglang_moe_context("flashinfer_trtllm"):
         assert _runner().is_flashinfer_trtllm(), "an operator's explicit choice is never re-pinned"
         with pytest.raises(RefusedToServe, match="served by SGLang's MoE runner 'flashinfer_trtllm'.*--moe-runner-backend flashinfer_cutlass"):
-            moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
+            moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
     assert not [d.layers for d in serving.decisions() if d.family == "moe" and d.layers], "nothing recorded as verified"
 
 
@@ -170,7 +171,7 @@ def test_warn_serves_an_unverified_runner_saying_so(caplog):
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest="warn")
     with moe_layers.sglang_moe_context("flashinfer_trtllm"), caplog.at_level("WARNING", logger="sm120_fp4"):
         try:
-            moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
+            moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
         except RefusedToServe:  # pragma: no cover - warn must not refuse for the runner
             raise
         except Exception:  # noqa: BLE001 - SGLang's trtllm weight processing may not run on a CPU
@@ -226,7 +227,7 @@ def test_a_kernel_handling_at_most_8_slots_is_refused_for_a_top_10_layer():
     backends.register_moe("top-8", _after_generic(at_most_8_slots))
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="top-8")
     with pytest.raises(RefusedToServe, match=r"served-layer check: ModelOptNvFp4FusedMoEMethod E=16 H=256 I=128 top_k=10 swiglu"):
-        moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(16, H, I, seed=11), 10)
+        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(16, H, I, seed=11), 10)
 
 
 @case("backend faults", "a MoE kernel that drops expert 12 of 16 (not among the 8 experts every batch routes to)",
@@ -235,7 +236,7 @@ def test_every_local_expert_is_exercised():
     backends.register_moe("no-12", _after_generic(drops_expert_12))
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="no-12")
     with pytest.raises(RefusedToServe, match=r"E=16 .*: T=\d+ balanced \(every expert\)"):
-        moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(16, H, I, seed=12), TOP_K)
+        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(16, H, I, seed=12), TOP_K)
 
 
 @pytest.mark.parametrize("ep_size", [1, 2], ids=["no EP (SGLang's -1 drop sentinel)", "EP rank 1/2 (other ranks' experts)"])
@@ -245,7 +246,7 @@ def test_a_kernel_mishandling_slots_not_on_this_rank_is_refused(ep_size):
     backends.register_moe("wraps", wraps_skipped_slots)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="wraps")
     with pytest.raises(RefusedToServe, match=r"(?s)wraps: (self-test failed|failed the served-layer check).*(padded|random)"):
-        moe_layers.build_modelopt_moe_layer(moe_layers.make_moe_checkpoint(E, H, I, seed=13), TOP_K, ep_size=ep_size,
+        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=13), TOP_K, ep_size=ep_size,
                                             ep_rank=ep_size - 1)
 
 
@@ -260,7 +261,7 @@ def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
 
     backends.register_moe("by-token-expert", recording)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="by-token-expert")
-    ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=14)
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=14)
     layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K, ep_size=2, ep_rank=1)
     assert sm120_fp4.status().moe_routes == {-1: "by-token-expert"}
     gen = torch.Generator().manual_seed(5)
@@ -270,7 +271,7 @@ def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
     seen.clear()
     with moe_layers.sglang_moe_context(ep_size=2, ep_rank=1):
         out = moe_layers.moe_forward(layer, x, ids, weights)
-        want = moe_layers.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1)
+        want = synthetic.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1)
     assert torch.equal(out, want)
     [local] = seen
     real = ((ids >= 4) & (ids < 8)).sum()
@@ -282,7 +283,7 @@ def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
       "their output stays finite: other ranks' slots are never computed on expert 0, so no 0 * inf = NaN")
 def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
-    ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=15)
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=15)
     layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K, ep_size=2, ep_rank=1)
     with torch.no_grad():
         layer.g1_alphas[0] = float("inf")  # global expert 4
@@ -309,7 +310,7 @@ def test_an_interrupted_moe_layer_check_is_checked_again():
 
     backends.register_moe("interrupted", interrupted_then_faulty)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="interrupted")
-    ckpt = moe_layers.make_moe_checkpoint(E, H, I, seed=16)
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=16)
     with pytest.raises(KeyboardInterrupt):
         moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
     with pytest.raises(RefusedToServe, match=r"failed the served-layer check: ModelOptNvFp4FusedMoEMethod E=8"):

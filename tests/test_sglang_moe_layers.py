@@ -32,7 +32,9 @@ pytest.importorskip("sglang.srt.runtime_context", reason=_WHY)
 from sglang.srt import runtime_context as rc  # noqa: E402
 from sglang.srt.layers.moe.moe_runner import flashinfer_cutlass as fc  # noqa: E402
 
+from helpers import sglang_layers  # noqa: E402
 from sm120_fp4 import nvfp4  # noqa: E402
+from sm120_fp4.demo import synthetic  # noqa: E402
 from sm120_fp4.sglang import moe_layers as ml  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -134,7 +136,7 @@ def activations(tokens: int, hidden: int, seed: int = 1) -> torch.Tensor:
     return (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)) * 1.5).to(BF16)
 
 
-def dense_moe(ckpt: ml.MoeCheckpoint, x, ids, weights) -> torch.Tensor:
+def dense_moe(ckpt: synthetic.MoeCheckpoint, x, ids, weights) -> torch.Tensor:
     """Float32 MoE of the unquantized weights: a sanity bound on quantization noise."""
     out = torch.zeros(x.shape[0], ckpt.hidden)
     for e in range(ckpt.num_experts):
@@ -158,7 +160,7 @@ def direct_reference(w: dict, x, ids, weights) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def ckpt():
-    return ml.make_moe_checkpoint(E, H, I, seed=5)
+    return synthetic.make_moe_checkpoint(E, H, I, seed=5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,13 +173,13 @@ def test_modelopt_layer_forward_is_the_checkpoint_reference(ckpt, seam):
     layer = ml.build_modelopt_moe_layer(ckpt, K)  # no context active: the build holds its own
     out = ml.moe_forward(layer, x, ids, weights)
     assert out.dtype == BF16 and out.shape == (T, H)
-    want = ml.reference_moe_output(ckpt, x, ids, weights)
+    want = synthetic.reference_moe_output(ckpt, x, ids, weights)
     assert torch.equal(out, want)
     assert rel(out, dense_moe(ckpt, x, ids, weights)) < 0.3  # quantization noise, not garbage
 
-    w = ml.moe_weights(layer)
+    w = sglang_layers.moe_weights(layer)
     assert torch.equal(direct_reference(w, x, ids, weights), out)
-    assert torch.equal(ml.reference_moe_from_weights(w, x, ids, weights), out)
+    assert torch.equal(synthetic.reference_moe_from_weights(w, x, ids, weights), out)
     # The loader wrote [up; gate]; moe_weights are exactly what reached the kernel.
     assert torch.equal(w["w13"][:, :I], ckpt.w13_weight[:, I:]) and torch.equal(w["w13"][:, I:], ckpt.w13_weight[:, :I])
     (call,) = seam
@@ -191,14 +193,14 @@ def test_modelopt_layer_forward_is_the_checkpoint_reference(ckpt, seam):
 
 
 def test_relu2_non_gated_layer_padded_by_sglang(seam):
-    ck = ml.make_moe_checkpoint(4, H, 96, activation="relu2", seed=9)  # I=96: SGLang pads the kernel's I to 128
+    ck = synthetic.make_moe_checkpoint(4, H, 96, activation="relu2", seed=9)  # I=96: SGLang pads the kernel's I to 128
     x, (ids, weights) = activations(T, H), routing(T, 4, K, seed=4)
     layer = ml.build_modelopt_moe_layer(ck, K)
     out = ml.moe_forward(layer, x, ids, weights)
-    w = ml.moe_weights(layer)
+    w = sglang_layers.moe_weights(layer)
     assert w["activation"] == "relu2" and w["w13"].shape == (4, 128, H // 2) and w["intermediate_per_partition"] == 96
     assert seam[0]["activation_type"] == ActivationType.Relu2
-    assert torch.equal(out, ml.reference_moe_output(ck, x, ids, weights))
+    assert torch.equal(out, synthetic.reference_moe_output(ck, x, ids, weights))
     assert torch.equal(out, direct_reference(w, x, ids, weights))
     assert rel(out, dense_moe(ck, x, ids, weights)) < 0.3
 
@@ -206,7 +208,7 @@ def test_relu2_non_gated_layer_padded_by_sglang(seam):
 @pytest.mark.parametrize("ep_size,tp_size", [(2, 1), (1, 2)], ids=["ep2", "tp2"])
 def test_ranks_partials_sum_to_the_single_rank_output(ckpt, seam, ep_size, tp_size):
     x, (ids, weights) = activations(T, H, seed=2), routing(T, E, K, seed=6)
-    whole = ml.reference_moe_output(ckpt, x, ids, weights)
+    whole = synthetic.reference_moe_output(ckpt, x, ids, weights)
     total = torch.zeros(T, H)
     for ep_rank in range(ep_size):
         for tp_rank in range(tp_size):
@@ -214,14 +216,14 @@ def test_ranks_partials_sum_to_the_single_rank_output(ckpt, seam, ep_size, tp_si
             with ml.sglang_moe_context(**ranks):
                 layer = ml.build_modelopt_moe_layer(ckpt, K, **ranks)
                 out = ml.moe_forward(layer, x, ids, weights)
-            w = ml.moe_weights(layer)
+            w = sglang_layers.moe_weights(layer)
             assert (w["num_local_experts"], w["intermediate_per_partition"]) == (E // ep_size, I // tp_size)
             assert (w["ep_rank"], w["tp_rank"], w["first_expert"]) == (ep_rank, tp_rank, ep_rank * E // ep_size)
             call = seam[-1]
             assert torch.equal(call["ids"], ids)  # global ids reach the kernel
             assert (call["ep_size"], call["ep_rank"], call["tp_size"], call["tp_rank"]) == tuple(ranks.values())
-            assert torch.equal(out, ml.reference_moe_output(ckpt, x, ids, weights, **ranks))
-            assert torch.equal(out, ml.reference_moe_from_weights(w, x, ids, weights))
+            assert torch.equal(out, synthetic.reference_moe_output(ckpt, x, ids, weights, **ranks))
+            assert torch.equal(out, synthetic.reference_moe_from_weights(w, x, ids, weights))
             total += out.float()
     # Partials are each rounded to bf16: the sum agrees with one rank to bf16 rounding, not bits.
     assert rel(total, whole) < 1e-2
@@ -248,20 +250,20 @@ def test_compressed_tensors_layer(ckpt, seam):
 
 def _compressed_tensors_layer(ckpt, seam):
     x, (ids, weights) = activations(T, H), routing(T, E, K)
-    layer = ml.build_compressed_tensors_moe_layer(ckpt, K)
+    layer = sglang_layers.build_compressed_tensors_moe_layer(ckpt, K)
     assert type(layer.scheme).__name__ == "CompressedTensorsW4A4Nvfp4MoE"
     out = ml.moe_forward(layer, x, ids, weights)
-    assert torch.equal(out, ml.reference_moe_output(ckpt, x, ids, weights, quantization="compressed-tensors"))
-    w = ml.moe_weights(layer)
+    assert torch.equal(out, synthetic.reference_moe_output(ckpt, x, ids, weights, quantization="compressed-tensors"))
+    w = sglang_layers.moe_weights(layer)
     assert w["a1_gscale"].shape == (E,) and w["quantization"] == "compressed-tensors"
     assert seam[0]["quant_scales"][1].data_ptr() == layer.w13_weight_scale.data_ptr() == w["w13_sf"].data_ptr()
-    assert torch.equal(ml.reference_moe_from_weights(w, x, ids, weights), out)
+    assert torch.equal(synthetic.reference_moe_from_weights(w, x, ids, weights), out)
     assert rel(out, dense_moe(ckpt, x, ids, weights)) < 0.3
     # EP rank 1: (E/2,) per-expert activation scales, global ids, only its experts.
-    layer1 = ml.build_compressed_tensors_moe_layer(ckpt, K, ep_size=2, ep_rank=1)
+    layer1 = sglang_layers.build_compressed_tensors_moe_layer(ckpt, K, ep_size=2, ep_rank=1)
     out1 = ml.moe_forward(layer1, x, ids, weights)
-    assert ml.moe_weights(layer1)["a1_gscale"].shape == (E // 2,)
-    assert torch.equal(out1, ml.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1,
+    assert sglang_layers.moe_weights(layer1)["a1_gscale"].shape == (E // 2,)
+    assert torch.equal(out1, synthetic.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1,
                                                      quantization="compressed-tensors"))
 
 
@@ -285,11 +287,11 @@ def test_context_restores_everything(ckpt, seam):
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
 
     before = _state()
-    small = ml.make_moe_checkpoint(2, 64, 64, seed=2)
+    small = synthetic.make_moe_checkpoint(2, 64, 64, seed=2)
     x, (ids, weights) = activations(4, 64), routing(4, 2, 1)
     layer = ml.build_modelopt_moe_layer(small, 1)  # each call holds, then drops, its own context
     assert _state() == before
-    assert torch.equal(ml.moe_forward(layer, x, ids, weights), ml.reference_moe_output(small, x, ids, weights))
+    assert torch.equal(ml.moe_forward(layer, x, ids, weights), synthetic.reference_moe_output(small, x, ids, weights))
     assert _state() == before
     with ml.sglang_moe_context(ep_size=2, ep_rank=1) as ctx:
         assert rc.get_context() is ctx.runtime_context and ml.active_moe_context() is ctx

@@ -22,6 +22,7 @@ import sm120_fp4
 from sm120_fp4 import backends, nvfp4, selftest, serving
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import RefusedToServe
+from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
 from sm120_fp4.versions import version_in
@@ -37,7 +38,7 @@ def _uninstalled(sglang_unpatched):
 
 
 def build(n: int, k: int, dtype=torch.bfloat16, seed: int = 0):
-    return layers.build_modelopt_layer(layers.make_checkpoint(n, k, seed=seed), dtype=dtype)
+    return layers.build_modelopt_layer(synthetic.make_checkpoint(n, k, seed=seed), dtype=dtype)
 
 
 # ---- faults: each is right on the self-test's shapes and wrong on what the layer serves ----------
@@ -126,7 +127,7 @@ def test_a_backend_that_fails_one_layer_is_replaced_by_one_that_passes_every_lay
     method_wide, wide = build(512, 256)
     assert sm120_fp4.status().routes == {-1: "emulated"}
     x = torch.randn(5, 160).to(torch.bfloat16)
-    assert torch.equal(method_small.apply(small, x), layers.reference_output(layers.make_checkpoint(96, 160), x))
+    assert torch.equal(method_small.apply(small, x), synthetic.reference_output(synthetic.make_checkpoint(96, 160), x))
     [decision] = [d for d in serving.decisions() if d.backend == "emulated"]
     assert {r.config.split(" (")[0] for r in decision.layers} == {
         "ModelOptFp4LinearMethod N=96 K=160 bfloat16", "ModelOptFp4LinearMethod N=512 K=256 bfloat16"}
@@ -139,7 +140,7 @@ def test_fallback_emulated_serves_when_no_candidate_passes_a_layer():
     method, layer = build(512, 256)
     assert sm120_fp4.status().routes == {-1: "emulated"}
     x = torch.randn(3, 256).to(torch.bfloat16)
-    assert torch.equal(method.apply(layer, x), layers.reference_output(layers.make_checkpoint(512, 256), x))
+    assert torch.equal(method.apply(layer, x), synthetic.reference_output(synthetic.make_checkpoint(512, 256), x))
 
 
 def test_each_distinct_configuration_is_verified_once_per_process():
@@ -593,7 +594,7 @@ def test_sglangs_weight_update_reverifies_the_layer_and_the_recheck_accepts_it(m
         method, layer = build(96, 160)
         updater = _updater(layer)
         assert {p.name: p.state for p in sm120_fp4.status().patches}["weight-update-session-end"] == "applied"
-        new = layers.make_checkpoint(96, 160, seed=7).weight
+        new = synthetic.make_checkpoint(96, 160, seed=7).weight
         seen.clear()
         updater.begin_weight_update()
         assert updater.update_weights_from_tensor(named_tensors=[("weight", new)], load_format="direct")[0]

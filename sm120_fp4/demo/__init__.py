@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sglang.layers import build_modelopt_layer, make_checkpoint, reference_output
+from ..sglang.layers import build_modelopt_layer
+from .synthetic import make_checkpoint, make_moe_checkpoint, reference_moe_output, reference_output
 
 __all__ = ["main"]
 
@@ -128,7 +129,7 @@ def _moe_part() -> bool | None:
         problem = moe_layers.builder_problem()
         if problem is not None:
             raise ImportError(problem + "; the MoE patches are applied, see `sm120-fp4 doctor`")
-        ckpt = moe_layers.make_moe_checkpoint(8, 256, 128, seed=11)
+        ckpt = make_moe_checkpoint(8, 256, 128, seed=11)
         _say("\n5. A real NVFP4 FusedMoE layer (ModelOptNvFp4FusedMoEMethod: 8 experts, H=256, I=128, top-2);")
         _say("   its process_weights_after_loading runs the MoE self-test, then checks the layer's own experts:")
         layer = moe_layers.build_modelopt_moe_layer(ckpt, top_k=2)
@@ -146,7 +147,7 @@ def _moe_part() -> bool | None:
     weights = torch.rand(64, 2, generator=gen)
     x = (torch.randn(64, 256, generator=gen) * 2).to(torch.bfloat16)
     out = moe_layers.moe_forward(layer, x, ids, weights)
-    diff = (out.float() - moe_layers.reference_moe_output(ckpt, x, ids, weights).float()).abs().max().item()
+    diff = (out.float() - reference_moe_output(ckpt, x, ids, weights).float()).abs().max().item()
     _say(f"   SGLang's MoE forward (64 tokens) vs reference_moe_fp4: max diff {diff:.3g} (bit-exact: {diff == 0})")
 
     _say("\n6. A broken MoE kernel: rows 64-127 of an expert's tile zeroed when it gets more than 64 rows")

@@ -42,7 +42,8 @@ def scheduler_with_broken_backend(stderr_path: str) -> None:
 
     sys.stderr.write(f"child: alias patch {getattr(sglang_alias(), '__sm120_fp4_patch__', None)}\n")
 
+    from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import layers
 
-    layers.build_modelopt_layer(layers.make_checkpoint(32, 64))
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
     sys.stderr.write("child: the layer loaded and the worker would serve\n")

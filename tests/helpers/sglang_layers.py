@@ -1,0 +1,118 @@
+"""Test-only helpers around SGLang's real NVFP4 FusedMoE layer (tests of sm120_fp4.sglang.moe_layers).
+
+:func:`build_compressed_tensors_moe_layer` builds the layer from a synthetic checkpoint in
+compressed-tensors' names; :func:`moe_weights` reads what SGLang hands the kernel, in
+``nvfp4.reference_moe_fp4``'s argument names. The runtime builder is
+:func:`sm120_fp4.sglang.moe_layers.build_moe_layer_from_tensors`; the checkpoints and the reference
+are :mod:`sm120_fp4.demo.synthetic`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sm120_fp4 import nvfp4
+from sm120_fp4.demo.synthetic import COMPRESSED_TENSORS, MODELOPT, MoeCheckpoint, compressed_tensors_tensors
+from sm120_fp4.sglang import moe_layers
+
+__all__ = ["build_compressed_tensors_moe_layer", "moe_weights"]
+
+
+def build_compressed_tensors_moe_layer(ckpt: MoeCheckpoint, top_k: int, *, dtype: torch.dtype = torch.bfloat16,
+                                       ep_size: int = 1, ep_rank: int = 0, tp_size: int = 1, tp_rank: int = 0):
+    """SGLang's FusedMoE + CompressedTensorsConfig (CompressedTensorsW4A4Nvfp4MoE) for rank (ep_rank, tp_rank),
+    the checkpoint converted by ``compressed_tensors_tensors``: ``build_moe_layer_from_tensors`` with
+    ``fmt="compressed-tensors"`` (its context has ``quantization="compressed-tensors"``)."""
+    return moe_layers.build_moe_layer_from_tensors(ckpt, compressed_tensors_tensors(ckpt), top_k, fmt="compressed-tensors",
+                                                   dtype=dtype, ep_size=ep_size, ep_rank=ep_rank, tp_size=tp_size,
+                                                   tp_rank=tp_rank)
+
+
+def _method_kind(layer) -> str:
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
+
+    if isinstance(layer.quant_method, ModelOptNvFp4FusedMoEMethod):
+        return MODELOPT
+    scheme = getattr(layer, "scheme", None)
+    if scheme is not None and type(scheme).__name__ == "CompressedTensorsW4A4Nvfp4MoE":
+        return COMPRESSED_TENSORS
+    raise TypeError(f"not an NVFP4 MoE layer this helper knows: quant_method {type(layer.quant_method).__name__}, "
+                    f"scheme {type(scheme).__name__}")
+
+
+def moe_weights(layer) -> dict:
+    """The processed tensors SGLang passes to the kernel, in ``nvfp4.reference_moe_fp4``'s names.
+
+    Read from the layer as ``process_weights_after_loading`` left it (views, not copies):
+
+    ========== =============================================== =========================================
+    key        ModelOptNvFp4FusedMoEMethod                     CompressedTensorsW4A4Nvfp4MoE
+    ========== =============================================== =========================================
+    w13        ``w13_weight`` uint8 (E_loc, 2I, H/2) [up; gate] (relu2: (E_loc, I_pad, H/2))
+    w13_sf     ``w13_blockscale_swizzled`` (never               ``w13_weight_scale`` (swizzled in place
+               ``w13_weight_scale``: it is an alias only when   under the same name)
+               the swizzled shape equals the plain one)
+    w13_alpha  ``g1_alphas`` (E_loc,) (gate's; ``g1_alphas_up`` ``g1_alphas``
+               is not passed to cutlass)
+    w2, w2_sf  ``w2_weight``, ``w2_blockscale_swizzled``        ``w2_weight``, ``w2_weight_scale``
+    w2_alpha   ``g2_alphas`` (E_loc,)                           ``g2_alphas``
+    a1_gscale  ``w13_input_scale_quant`` 0-dim (1 / max over    ``w13_input_scale_quant`` **(E_loc,)**
+               all experts' input scales)                       (one per local expert)
+    a2_gscale  ``w2_input_scale_quant`` 0-dim                   ``w2_input_scale_quant`` **(E_loc,)**
+    ========== =============================================== =========================================
+
+    ``w13_sf``/``w2_sf`` are float8_e4m3fn, (E_loc, ceil128(rows), ceil4(K/16)). Per-expert
+    ``a1_gscale``/``a2_gscale`` (compressed-tensors) are beyond one ``reference_moe_fp4`` call, which
+    takes one scale or one per expert (as :func:`sm120_fp4.demo.synthetic.reference_moe_from_weights` passes them). Also: ``activation`` ("swiglu" /
+    "relu2"), ``quantization``, ``num_local_experts``, ``num_experts`` (global), ``first_expert``
+    (``ep_rank * num_local_experts``: kernel-side ids are global), ``hidden``,
+    ``intermediate_per_partition`` (SGLang's, before relu2 padding; ``w13.shape[1]`` is the padded
+    size the kernel sees), ``top_k``, ``ep_rank``, ``ep_size``, ``tp_rank``, ``tp_size``, ``dtype``.
+    A configured SwiGLU clamp (``_cutlass_swiglu_params``) is not modelled: NotImplementedError.
+    """
+    kind = _method_kind(layer)
+    config = layer.moe_runner_config
+    if config.is_gated and config.activation == "silu":
+        activation = "swiglu"
+    elif not config.is_gated and config.activation == "relu2":
+        activation = "relu2"
+    else:
+        raise NotImplementedError(f"activation {config.activation!r} (is_gated={config.is_gated}) is not modelled")
+    swiglu = getattr(layer, "_cutlass_swiglu_params", (None, None, None))
+    if any(p is not None for p in swiglu):
+        raise NotImplementedError("a SwiGLU clamp (swiglu_alpha/beta/limit) reaches the kernel; not modelled")
+    if kind == MODELOPT:
+        w13_sf, w2_sf = layer.w13_blockscale_swizzled, layer.w2_blockscale_swizzled
+    else:
+        w13_sf, w2_sf = layer.w13_weight_scale, layer.w2_weight_scale
+    w13 = layer.w13_weight.detach().view(torch.uint8)
+    w2 = layer.w2_weight.detach().view(torch.uint8)
+    e_loc, rows13, h_half = w13.shape
+    for name, sf, rows, k in (("w13_sf", w13_sf, rows13, h_half * 2), ("w2_sf", w2_sf, w2.shape[1], w2.shape[2] * 2)):
+        want = (e_loc, *nvfp4.swizzled_scale_shape(rows, k))
+        if tuple(sf.shape) != want:
+            raise RuntimeError(f"{name}: SGLang's processed scales have shape {tuple(sf.shape)}, expected the "
+                               f"swizzled {want}")
+    return {
+        "w13": w13,
+        "w13_sf": w13_sf.detach().view(torch.float8_e4m3fn),
+        "w13_alpha": layer.g1_alphas.detach(),
+        "w2": w2,
+        "w2_sf": w2_sf.detach().view(torch.float8_e4m3fn),
+        "w2_alpha": layer.g2_alphas.detach(),
+        "a1_gscale": layer.w13_input_scale_quant.detach(),
+        "a2_gscale": layer.w2_input_scale_quant.detach(),
+        "activation": activation,
+        "quantization": kind,
+        "num_local_experts": int(layer.num_local_experts),
+        "num_experts": int(layer.num_experts),
+        "first_expert": int(layer.moe_ep_rank) * int(layer.num_local_experts),
+        "hidden": int(layer.hidden_size),
+        "intermediate_per_partition": int(layer.intermediate_size_per_partition),
+        "top_k": layer.top_k,
+        "ep_rank": int(layer.moe_ep_rank),
+        "ep_size": int(layer.moe_ep_size),
+        "tp_rank": int(layer.moe_tp_rank),
+        "tp_size": int(layer.moe_tp_size),
+        "dtype": layer.params_dtype,
+    }
