@@ -4,6 +4,7 @@ reliability case properties, and the background subprocess jobs (helpers.procs.b
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import random
@@ -126,8 +127,15 @@ def _heavy(item) -> bool:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests of heavy background jobs (real servers) run last: the others run while those jobs do."""
+    """Tests of heavy background jobs (real servers) run last: the others run while those jobs do.
+    Where SGLang is not installed (the GPU machine's run of scripts/gpu_check.sh), the tests marked
+    `sglang` are skipped saying so, rather than failing on the import."""
     items.sort(key=_heavy)  # stable: the order is otherwise unchanged
+    if importlib.util.find_spec("sglang") is None:
+        skip = pytest.mark.skip(reason="needs the real SGLang release, not installed here")
+        for item in items:
+            if item.get_closest_marker("sglang") is not None:
+                item.add_marker(skip)
 
 
 _POOL = JobPool(limit=max(2, os.cpu_count() or 2))
