@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError", "DeviceMappingError", "describe",
+__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError", "DeviceMappingError", "describe", "not_accepted", "check_ranks",
            "capped", "say_once", "EXIT_HUNG"]
 
 # The exit code of a process whose checked call is still running past the self-test's bound (its
@@ -40,6 +40,21 @@ def describe(value: object) -> str:
         return f"tensor(shape={tuple(shape)}, dtype={dtype}, device={device})"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def not_accepted(func: str, param: str, value: object, accepted: str) -> InvalidArgument:
+    """The InvalidArgument for one bad argument: the function, the parameter, the value (by
+    describe()) and what is accepted."""
+    return InvalidArgument(f"{func}: {param}={describe(value)} is not accepted; expected {accepted}")
+
+
+def check_ranks(func: str, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int) -> None:
+    """Expert- and tensor-parallel sizes (ints >= 1) and ranks (ints in [0, size)), or not_accepted()."""
+    for size, rank, what in ((ep_size, ep_rank, "ep"), (tp_size, tp_rank, "tp")):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise not_accepted(func, f"{what}_size", size, "an int >= 1")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+            raise not_accepted(func, f"{what}_rank", rank, f"an int in [0, {what}_size={size})")
 
 
 def capped(items, limit: int = 8) -> str:

@@ -50,7 +50,7 @@ import torch
 
 from . import nvfp4
 from .devices import Device
-from .errors import InvalidArgument, SelfTestError, describe
+from .errors import InvalidArgument, SelfTestError, not_accepted
 from .versions import installed_version, version_in
 
 __all__ = [
@@ -619,7 +619,7 @@ def dequantize_activations(a: torch.Tensor, a_descale: torch.Tensor, dtype: torc
 
 
 def _bad_moe(param: str, value: object, accepted: str) -> InvalidArgument:
-    return InvalidArgument(f"humming fused MoE: {param}={describe(value)} is not accepted; expected {accepted}")
+    return not_accepted("humming fused MoE", param, value, accepted)
 
 
 def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,

@@ -22,7 +22,7 @@ import torch
 
 from . import nvfp4
 from .devices import Device
-from .errors import InvalidArgument, describe, say_once
+from .errors import InvalidArgument, not_accepted, say_once
 from .versions import installed_version
 
 __all__ = [
@@ -153,7 +153,7 @@ def supported(name: str, device: Device) -> tuple[bool, str | None]:
 
 
 def _bad(param: str, value: object, accepted: str) -> InvalidArgument:
-    return InvalidArgument(f"mm_fp4: {param}={describe(value)} is not accepted; expected {accepted}")
+    return not_accepted("mm_fp4", param, value, accepted)
 
 
 def _transposed_contiguous(t: torch.Tensor) -> bool:
@@ -306,7 +306,7 @@ def moe_supported(name: str, device: Device) -> tuple[bool, str | None]:
 
 
 def _bad_moe(param: str, value: object, accepted: str) -> InvalidArgument:
-    return InvalidArgument(f"fused MoE: {param}={describe(value)} is not accepted; expected {accepted}")
+    return not_accepted("fused MoE", param, value, accepted)
 
 
 def check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,

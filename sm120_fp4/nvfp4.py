@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import InvalidArgument, describe
+from .errors import InvalidArgument, describe, not_accepted
 
 __all__ = [
     "BLOCK_SIZE",
@@ -69,22 +69,18 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _fail(func: str, param: str, value: object, accepted: str) -> InvalidArgument:
-    return InvalidArgument(f"{func}: {param}={describe(value)} is not accepted; expected {accepted}")
-
-
 def _check_tensor(func: str, param: str, value: object, dtypes: tuple, ndim: int | None = None) -> None:
     if not isinstance(value, torch.Tensor):
-        raise _fail(func, param, value, "a torch.Tensor")
+        raise not_accepted(func, param, value, "a torch.Tensor")
     if value.dtype not in dtypes:
-        raise _fail(func, param, value, "dtype in (" + ", ".join(str(d) for d in dtypes) + ")")
+        raise not_accepted(func, param, value, "dtype in (" + ", ".join(str(d) for d in dtypes) + ")")
     if ndim is not None and value.dim() != ndim:
-        raise _fail(func, param, value, f"a {ndim}-D tensor")
+        raise not_accepted(func, param, value, f"a {ndim}-D tensor")
 
 
 def _check_k(func: str, param: str, value: torch.Tensor, k: int) -> None:
     if k <= 0 or k % BLOCK_SIZE:
-        raise _fail(func, param, value, f"K (the element count of a row) a positive multiple of {BLOCK_SIZE}, got K={k}")
+        raise not_accepted(func, param, value, f"K (the element count of a row) a positive multiple of {BLOCK_SIZE}, got K={k}")
 
 
 def _e2m1_lut(device: torch.device) -> torch.Tensor:
@@ -122,7 +118,7 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Encode float values as E2M1 codes (uint8 in 0..15): nearest, ties to even, saturating at 6."""
     _check_tensor("encode_e2m1", "x", x, _FLOAT_INPUTS + (torch.float64,))
     if torch.isnan(x).any():
-        raise _fail("encode_e2m1", "x", x, "no NaN (E2M1 has no NaN encoding)")
+        raise not_accepted("encode_e2m1", "x", x, "no NaN (E2M1 has no NaN encoding)")
     return _encode(x)
 
 
@@ -130,7 +126,7 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Decode E2M1 codes (uint8 in 0..15) to float32 values."""
     _check_tensor("decode_e2m1", "codes", codes, (torch.uint8,))
     if codes.numel() and int(codes.max()) > 15:
-        raise _fail("decode_e2m1", "codes", codes, "values in 0..15")
+        raise not_accepted("decode_e2m1", "codes", codes, "values in 0..15")
     return _e2m1_lut(codes.device)[codes.long()]
 
 
@@ -138,9 +134,9 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Pack codes (..., K) into bytes (..., K/2): element 2i low nibble, 2i+1 high nibble."""
     _check_tensor("pack_nibbles", "codes", codes, (torch.uint8,))
     if codes.dim() == 0 or codes.shape[-1] % 2:
-        raise _fail("pack_nibbles", "codes", codes, "a last dimension of even length")
+        raise not_accepted("pack_nibbles", "codes", codes, "a last dimension of even length")
     if codes.numel() and int(codes.max()) > 15:
-        raise _fail("pack_nibbles", "codes", codes, "values in 0..15")
+        raise not_accepted("pack_nibbles", "codes", codes, "values in 0..15")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -148,7 +144,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Unpack bytes (..., K/2) into codes (..., K), low nibble first."""
     _check_tensor("unpack_nibbles", "packed", packed, (torch.uint8,))
     if packed.dim() == 0:
-        raise _fail("unpack_nibbles", "packed", packed, "at least 1 dimension")
+        raise not_accepted("unpack_nibbles", "packed", packed, "at least 1 dimension")
     pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
     return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
@@ -178,14 +174,14 @@ def unswizzle_scales(sf_swizzled: torch.Tensor, m: int, k: int) -> torch.Tensor:
     func = "unswizzle_scales"
     _check_tensor(func, "sf_swizzled", sf_swizzled, _SCALE_DTYPES)
     if not isinstance(m, int) or m <= 0:
-        raise _fail(func, "m", m, "a positive int (rows)")
+        raise not_accepted(func, "m", m, "a positive int (rows)")
     if not isinstance(k, int) or k <= 0 or k % BLOCK_SIZE:
-        raise _fail(func, "k", k, f"a positive int multiple of {BLOCK_SIZE} (elements per row)")
+        raise not_accepted(func, "k", k, f"a positive int multiple of {BLOCK_SIZE} (elements per row)")
     mp, kp = swizzled_scale_shape(m, k)
     if tuple(sf_swizzled.shape) not in ((mp, kp), (mp * kp,)):
-        raise _fail(func, "sf_swizzled", sf_swizzled, f"shape ({mp}, {kp}) or ({mp * kp},) for m={m}, k={k}")
+        raise not_accepted(func, "sf_swizzled", sf_swizzled, f"shape ({mp}, {kp}) or ({mp * kp},) for m={m}, k={k}")
     if not sf_swizzled.is_contiguous():
-        raise _fail(func, "sf_swizzled", sf_swizzled, "a contiguous tensor (the swizzled bytes in order)")
+        raise not_accepted(func, "sf_swizzled", sf_swizzled, "a contiguous tensor (the swizzled bytes in order)")
     raw = sf_swizzled.view(torch.uint8).reshape(mp // 128, kp // 4, 32, 4, 4)
     plain = raw.permute(0, 3, 2, 1, 4).reshape(mp, kp)
     return plain[:m, : k // BLOCK_SIZE].view(sf_swizzled.dtype)
@@ -195,13 +191,13 @@ def global_scale(x: torch.Tensor) -> torch.Tensor:
     """The encode scale 448 * 6 / amax(|x|) as a float32 0-dim tensor on x's device."""
     _check_tensor("global_scale", "x", x, _FLOAT_INPUTS)
     if x.numel() == 0:
-        raise _fail("global_scale", "x", x, "a non-empty tensor")
+        raise not_accepted("global_scale", "x", x, "a non-empty tensor")
     amax = x.float().abs().amax()
     if not torch.isfinite(amax) or amax == 0:
-        raise _fail("global_scale", "x", x, f"finite values, not all zero (amax(|x|)={float(amax)})")
+        raise not_accepted("global_scale", "x", x, f"finite values, not all zero (amax(|x|)={float(amax)})")
     scale = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=x.device) / amax
     if not torch.isfinite(scale):
-        raise _fail("global_scale", "x", x, f"amax(|x|) large enough for a finite float32 scale (amax={float(amax):.3g})")
+        raise not_accepted("global_scale", "x", x, f"amax(|x|) large enough for a finite float32 scale (amax={float(amax):.3g})")
     return scale
 
 
@@ -209,11 +205,11 @@ def _as_scale(func: str, param: str, value: object, device: torch.device, check:
     if isinstance(value, (float, int)) and not isinstance(value, bool):
         value = torch.tensor(float(value), dtype=torch.float32, device=device)
     if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.numel() != 1:
-        raise _fail(func, param, value, "a positive finite float or a one-element float32 tensor")
+        raise not_accepted(func, param, value, "a positive finite float or a one-element float32 tensor")
     if value.device != device:
-        raise _fail(func, param, value, f"a tensor on {device}")
+        raise not_accepted(func, param, value, f"a tensor on {device}")
     if check and not (torch.isfinite(value).all() and (value > 0).all()):
-        raise _fail(func, param, value, f"a positive finite value, got {value.item()!r}")
+        raise not_accepted(func, param, value, f"a positive finite value, got {value.item()!r}")
     return value.reshape(())
 
 
@@ -228,10 +224,10 @@ def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True
     m, k = x.shape
     _check_k("quantize", "x", x, k)
     if m == 0:
-        raise _fail("quantize", "x", x, "at least one row")
+        raise not_accepted("quantize", "x", x, "at least one row")
     gsf = _as_scale("quantize", "global_scale", global_scale, x.device, check_finite)
     if check_finite and not torch.isfinite(x).all():
-        raise _fail("quantize", "x", x, "finite values (found NaN or inf)")
+        raise not_accepted("quantize", "x", x, "finite values (found NaN or inf)")
     blocks = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
     amax = blocks.abs().amax(dim=-1)
     rcp6 = _rcp6(x.device)
@@ -250,9 +246,9 @@ def _check_packed_and_scales(func: str, packed: torch.Tensor, scales: torch.Tens
     _check_tensor(func, s_name, scales, _SCALE_DTYPES)
     mp, kp = swizzled_scale_shape(rows, k)
     if scales.numel() != mp * kp or scales.dim() not in (1, 2) or (scales.dim() == 2 and tuple(scales.shape) != (mp, kp)):
-        raise _fail(func, s_name, scales, f"128x4 swizzled scales of shape ({mp}, {kp}) for {rows} rows and K={k}")
+        raise not_accepted(func, s_name, scales, f"128x4 swizzled scales of shape ({mp}, {kp}) for {rows} rows and K={k}")
     if scales.device != packed.device:
-        raise _fail(func, s_name, scales, f"a tensor on {packed.device} (where {p_name} is)")
+        raise not_accepted(func, s_name, scales, f"a tensor on {packed.device} (where {p_name} is)")
     return rows, k
 
 
@@ -276,7 +272,7 @@ def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch
     """
     rows, k = _check_packed_and_scales("dequantize_unscaled", packed, scales, "packed", "scales")
     if dtype not in (torch.float32, torch.bfloat16):
-        raise _fail("dequantize_unscaled", "dtype", dtype, "torch.float32 or torch.bfloat16")
+        raise not_accepted("dequantize_unscaled", "dtype", dtype, "torch.float32 or torch.bfloat16")
     # One table lookup per byte gives both nibbles' values.
     values = torch.nn.functional.embedding(packed.int(), _byte_lut(packed.device, dtype))
     # uint8 scales hold E4M3 bytes: reinterpret them, never convert the integer value.
@@ -295,9 +291,9 @@ def _check_alpha(alpha: object, m: int, device: torch.device) -> torch.Tensor | 
     if alpha is None:
         return None
     if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() not in (1, m):
-        raise _fail("reference_mm_fp4", "alpha", alpha, f"None or a float32 tensor of 1 or M={m} elements")
+        raise not_accepted("reference_mm_fp4", "alpha", alpha, f"None or a float32 tensor of 1 or M={m} elements")
     if alpha.device != device:
-        raise _fail("reference_mm_fp4", "alpha", alpha, f"a tensor on {device} (where a is)")
+        raise not_accepted("reference_mm_fp4", "alpha", alpha, f"a tensor on {device} (where a is)")
     return alpha.reshape(-1, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
 
 
@@ -330,26 +326,26 @@ def reference_mm_fp4(
     func = "reference_mm_fp4"
     _check_tensor(func, "b", b, (torch.uint8,), ndim=2)
     if not b.T.is_contiguous():
-        raise _fail(func, "b", b, "the column-major (K/2, N) view w.T of a contiguous (N, K/2) weight")
+        raise not_accepted(func, "b", b, "the column-major (K/2, N) view w.T of a contiguous (N, K/2) weight")
     m, k = _check_packed_and_scales(func, a, a_descale, "a", "a_descale")
     if b.shape[0] != a.shape[1]:
-        raise _fail(func, "b", b, f"shape (K/2={a.shape[1]}, N) to match a={describe(a)}")
+        raise not_accepted(func, "b", b, f"shape (K/2={a.shape[1]}, N) to match a={describe(a)}")
     if b.device != a.device:
-        raise _fail(func, "b", b, f"a tensor on {a.device} (where a is)")
+        raise not_accepted(func, "b", b, f"a tensor on {a.device} (where a is)")
     if not isinstance(b_descale, torch.Tensor) or b_descale.dim() != 2:
-        raise _fail(func, "b_descale", b_descale, "the 2-D .T view of the weight's swizzled scales")
+        raise not_accepted(func, "b_descale", b_descale, "the 2-D .T view of the weight's swizzled scales")
     n = b.shape[1]
     w_scales = b_descale.T
     _check_packed_and_scales(func, b.T, w_scales, "b", "b_descale.T")
     if not w_scales.is_contiguous():
-        raise _fail(func, "b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
+        raise not_accepted(func, "b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
     scale = _check_alpha(alpha, m, a.device)
     if out_dtype not in _OUT_DTYPES:
-        raise _fail(func, "out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
+        raise not_accepted(func, "out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
     if out is not None:
         _check_tensor(func, "out", out, (out_dtype,), ndim=2)
         if tuple(out.shape) != (m, n) or out.device != a.device:
-            raise _fail(func, "out", out, f"shape ({m}, {n}) on {a.device}")
+            raise not_accepted(func, "out", out, f"shape ({m}, {n}) on {a.device}")
     # Products of E2M1 x E4M3 values are exact in bf16, float32 and TF32, so only the summation
     # order can differ from the kernel's float32 accumulator. On CUDA: bf16 operands, float32
     # output (half the bytes of a float32 GEMM); elsewhere a float32 GEMM.
@@ -357,7 +353,7 @@ def reference_mm_fp4(
     if dequantized_b is None:
         dequantized_b = dequantize_unscaled(b.T, w_scales, dtype)
     elif dequantized_b.dtype != dtype or tuple(dequantized_b.shape) != (n, k):
-        raise _fail(func, "dequantized_b", dequantized_b, f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)")
+        raise not_accepted(func, "dequantized_b", dequantized_b, f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)")
     deq_a = dequantize_unscaled(a, a_descale, dtype)
     if dtype == torch.bfloat16:
         acc = torch.mm(deq_a, dequantized_b.T, out_dtype=torch.float32)
@@ -433,18 +429,18 @@ def _check_moe_expert_tensor(
 ) -> None:
     _check_tensor(func, param, value, dtypes, ndim=len(shape))
     if tuple(value.shape) != shape:
-        raise _fail(func, param, value, f"shape {shape} ({what})")
+        raise not_accepted(func, param, value, f"shape {shape} ({what})")
     if value.device != device:
-        raise _fail(func, param, value, f"a tensor on {device} (where x is)")
+        raise not_accepted(func, param, value, f"a tensor on {device} (where x is)")
 
 
 def _moe_gscale(func: str, param: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
     """A global encode scale: one for all experts (0-dim result), or one per expert ((E,) result)."""
     if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim() == 1 and value.numel() == experts > 1:
         if value.device != device:
-            raise _fail(func, param, value, f"a tensor on {device} (where x is)")
+            raise not_accepted(func, param, value, f"a tensor on {device} (where x is)")
         if not (torch.isfinite(value).all() and (value > 0).all()):
-            raise _fail(func, param, value, "positive finite values")
+            raise not_accepted(func, param, value, "positive finite values")
         return value
     return _as_scale(func, param, value, device, True)
 
@@ -511,23 +507,23 @@ def reference_moe_fp4(
     _check_tensor(func, "x", x, _MOE_X_DTYPES, ndim=2)
     tokens, hidden = x.shape
     if hidden == 0 or hidden % BLOCK_SIZE:
-        raise _fail(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
+        raise not_accepted(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
     device = x.device
     if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
-        raise _fail(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
+        raise not_accepted(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
-        raise _fail(func, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
+        raise not_accepted(func, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if not isinstance(quantize_activations, bool):
-        raise _fail(func, "quantize_activations", quantize_activations, "True or False")
+        raise not_accepted(func, "quantize_activations", quantize_activations, "True or False")
     if intermediate_dtype not in (None, torch.bfloat16, torch.float16):
-        raise _fail(func, "intermediate_dtype", intermediate_dtype, "None, torch.bfloat16 or torch.float16")
+        raise not_accepted(func, "intermediate_dtype", intermediate_dtype, "None, torch.bfloat16 or torch.float16")
 
     _check_tensor(func, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
     if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
-        raise _fail(func, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
+        raise not_accepted(func, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
     if topk_ids.device != device:
-        raise _fail(func, "topk_ids", topk_ids, f"a tensor on {device} (where x is)")
+        raise not_accepted(func, "topk_ids", topk_ids, f"a tensor on {device} (where x is)")
     top_k = topk_ids.shape[1]
     _check_moe_expert_tensor(
         func, "topk_weights", topk_weights, (torch.float32,), (tokens, top_k), "that of topk_ids", device
@@ -539,10 +535,10 @@ def reference_moe_fp4(
     inter = rows13 // 2 if gated else rows13
     if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
         rows_text = "2I" if gated else "I"
-        raise _fail(func, "w13", w13, f"shape (E >= 1, {rows_text}, H/2={hidden // 2}) for activation={activation!r}, "
+        raise not_accepted(func, "w13", w13, f"shape (E >= 1, {rows_text}, H/2={hidden // 2}) for activation={activation!r}, "
                     f"I a positive multiple of {BLOCK_SIZE}")
     if w13.device != device:
-        raise _fail(func, "w13", w13, f"a tensor on {device} (where x is)")
+        raise not_accepted(func, "w13", w13, f"a tensor on {device} (where x is)")
     per_expert = f"one per expert, E={experts}"
     _check_moe_expert_tensor(func, "w13_sf", w13_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(rows13, hidden)),
                              f"128x4 swizzled scales of {rows13} rows and K={hidden} per expert", device)
@@ -557,13 +553,13 @@ def reference_moe_fp4(
         a1 = _moe_gscale(func, "a1_gscale", a1_gscale, experts, device)
         a2 = _moe_gscale(func, "a2_gscale", a2_gscale, experts, device)
         if not torch.isfinite(x).all():
-            raise _fail(func, "x", x, "finite values (found NaN or inf)")
+            raise not_accepted(func, "x", x, "finite values (found NaN or inf)")
     if tokens == 0:
         return torch.zeros((0, hidden), dtype=out_dtype, device=device)
     ids = topk_ids.reshape(-1).long()
     low, high = torch.stack(torch.aminmax(ids)).tolist()
     if low < 0 or high >= experts:
-        raise _fail(func, "topk_ids", topk_ids, f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
+        raise not_accepted(func, "topk_ids", topk_ids, f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
                     "(expert-parallel ids of other ranks are not accepted)")
 
     # The GEMM outputs are stored in the output dtype; a float32 output shows the sum before

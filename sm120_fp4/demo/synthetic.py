@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import nvfp4
-from ..errors import InvalidArgument, describe
+from ..errors import check_ranks, not_accepted
 
 __all__ = [
     "Checkpoint",
@@ -42,18 +42,6 @@ COMPRESSED_TENSORS = "compressed-tensors"
 _QUANTIZATIONS = (MODELOPT, COMPRESSED_TENSORS)
 ACTIVATIONS = ("swiglu", "relu2")
 _KERNEL_TENSORS = ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha", "a1_gscale", "a2_gscale")
-
-
-def _fail(func: str, param: str, value: object, accepted: str) -> InvalidArgument:
-    return InvalidArgument(f"{func}: {param}={describe(value)} is not accepted; expected {accepted}")
-
-
-def _check_ranks(func: str, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int) -> None:
-    for size, rank, what in ((ep_size, ep_rank, "ep"), (tp_size, tp_rank, "tp")):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise _fail(func, f"{what}_size", size, "an int >= 1")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
-            raise _fail(func, f"{what}_rank", rank, f"an int in [0, {what}_size={size})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,12 +174,12 @@ def make_moe_checkpoint(
     """
     func = "make_moe_checkpoint"
     if activation not in ACTIVATIONS:
-        raise _fail(func, "activation", activation, f"one of {ACTIVATIONS}")
+        raise not_accepted(func, "activation", activation, f"one of {ACTIVATIONS}")
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
-        raise _fail(func, "num_experts", num_experts, "a positive int")
+        raise not_accepted(func, "num_experts", num_experts, "a positive int")
     for name, value in (("hidden", hidden), ("intermediate", intermediate)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % nvfp4.BLOCK_SIZE:
-            raise _fail(func, name, value, f"a positive int, a multiple of {nvfp4.BLOCK_SIZE}")
+            raise not_accepted(func, name, value, f"a positive int, a multiple of {nvfp4.BLOCK_SIZE}")
     gated = activation == "swiglu"
     gen = torch.Generator().manual_seed(seed)
     bf16 = torch.bfloat16
@@ -339,16 +327,16 @@ def reference_moe_output(
     is an InvalidArgument (SGLang's cutlass path would apply the gate's alpha to the up rows).
     """
     func = "reference_moe_output"
-    _check_ranks(func, ep_size, ep_rank, tp_size, tp_rank)
+    check_ranks(func, ep_size, ep_rank, tp_size, tp_rank)
     if quantization not in _QUANTIZATIONS:
-        raise _fail(func, "quantization", quantization, f"one of {_QUANTIZATIONS}")
+        raise not_accepted(func, "quantization", quantization, f"one of {_QUANTIZATIONS}")
     if ckpt.num_experts % ep_size:
-        raise _fail(func, "ep_size", ep_size, f"a divisor of the checkpoint's {ckpt.num_experts} experts")
+        raise not_accepted(func, "ep_size", ep_size, f"a divisor of the checkpoint's {ckpt.num_experts} experts")
     if ckpt.intermediate % (tp_size * nvfp4.BLOCK_SIZE):
-        raise _fail(func, "tp_size", tp_size, f"a size that splits the intermediate {ckpt.intermediate} into "
+        raise not_accepted(func, "tp_size", tp_size, f"a size that splits the intermediate {ckpt.intermediate} into "
                     f"{nvfp4.BLOCK_SIZE}-blocks")
     if ckpt.gated and not torch.equal(ckpt.w13_weight_scale_2[:, 0], ckpt.w13_weight_scale_2[:, 1]):
-        raise _fail(func, "ckpt", ckpt.w13_weight_scale_2,
+        raise not_accepted(func, "ckpt", ckpt.w13_weight_scale_2,
                     "gate and up weight_scale_2 equal per expert (the cutlass path applies the gate's alpha to both "
                     "halves, and no single-alpha reference states what a checkpoint with unequal ones means)")
     experts, w13, w13_sf, w2, w2_sf = _rank_tensors(ckpt, ep_size, ep_rank, tp_size, tp_rank)
@@ -360,7 +348,7 @@ def reference_moe_output(
         alpha2 = (in2 * ckpt.w2_weight_scale_2[experts]).to(torch.float32)
     else:
         if not ckpt.gated:
-            raise _fail(func, "quantization", quantization, f"{MODELOPT!r} for a relu2 checkpoint "
+            raise not_accepted(func, "quantization", quantization, f"{MODELOPT!r} for a relu2 checkpoint "
                         "(compressed-tensors NVFP4 MoE has gated (swiglu) experts only)")
         ct = compressed_tensors_tensors(ckpt)
         ids = range(experts.start, experts.stop)

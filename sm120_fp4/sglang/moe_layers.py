@@ -42,7 +42,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .. import locks
-from ..errors import ConfigError, InvalidArgument, describe
+from ..errors import ConfigError, InvalidArgument, check_ranks, not_accepted
 
 __all__ = [
     "SEAMS",
@@ -158,18 +158,6 @@ def active_moe_context() -> MoeContext | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def _fail(func: str, param: str, value: object, accepted: str) -> InvalidArgument:
-    return InvalidArgument(f"{func}: {param}={describe(value)} is not accepted; expected {accepted}")
-
-
-def _check_ranks(func: str, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int) -> None:
-    for size, rank, what in ((ep_size, ep_rank, "ep"), (tp_size, tp_rank, "tp")):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise _fail(func, f"{what}_size", size, "an int >= 1")
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
-            raise _fail(func, f"{what}_rank", rank, f"an int in [0, {what}_size={size})")
-
-
 def _write_model_dir(root: str, quantization: str) -> str:
     """A local model directory SGLang's ModelConfig reads without the hub (config.json only).
 
@@ -235,9 +223,9 @@ def sglang_moe_context(
     the server-args resolution set is undone. Nested contexts are allowed; they are process-global,
     like SGLang's ``use_context``, so a lock serializes threads.
     """
-    _check_ranks("sglang_moe_context", ep_size, ep_rank, tp_size, tp_rank)
+    check_ranks("sglang_moe_context", ep_size, ep_rank, tp_size, tp_rank)
     if quantization not in _QUANTIZATIONS:
-        raise _fail("sglang_moe_context", "quantization", quantization, f"one of {_QUANTIZATIONS}")
+        raise not_accepted("sglang_moe_context", "quantization", quantization, f"one of {_QUANTIZATIONS}")
     from sglang.srt import runtime_context as rc
     from sglang.srt.layers.moe import utils as moe_utils
     from sglang.srt.server_args import ServerArgs
@@ -336,12 +324,12 @@ def _load_into(layer, ckpt, tensors: Mapping[str, torch.Tensor]) -> int:
 
 def _build(ckpt, top_k: int, dtype: torch.dtype, settings: _Settings, make_quant_config, func: str):
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= ckpt.num_experts:
-        raise _fail(func, "top_k", top_k, f"an int in [1, {ckpt.num_experts}] (the layer's experts)")
-    _check_ranks(func, settings.ep_size, settings.ep_rank, settings.tp_size, settings.tp_rank)
+        raise not_accepted(func, "top_k", top_k, f"an int in [1, {ckpt.num_experts}] (the layer's experts)")
+    check_ranks(func, settings.ep_size, settings.ep_rank, settings.tp_size, settings.tp_rank)
     if ckpt.num_experts % settings.ep_size:
-        raise _fail(func, "ep_size", settings.ep_size, f"a divisor of the layer's {ckpt.num_experts} experts")
+        raise not_accepted(func, "ep_size", settings.ep_size, f"a divisor of the layer's {ckpt.num_experts} experts")
     if ckpt.intermediate % settings.tp_size:
-        raise _fail(func, "tp_size", settings.tp_size, f"a divisor of the layer's intermediate size {ckpt.intermediate}")
+        raise not_accepted(func, "tp_size", settings.tp_size, f"a divisor of the layer's intermediate size {ckpt.intermediate}")
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     sglang_activation, is_gated = _ACTIVATIONS[ckpt.activation]
@@ -415,10 +403,10 @@ def build_moe_layer_from_tensors(
     """
     func = "build_moe_layer_from_tensors"
     if fmt not in _FORMATS:
-        raise _fail(func, "fmt", fmt, f"one of {tuple(_FORMATS)}")
+        raise not_accepted(func, "fmt", fmt, f"one of {tuple(_FORMATS)}")
     activation = getattr(spec, "activation", None)
     if activation not in _ACTIVATIONS:
-        raise _fail(func, "spec.activation", activation, f"one of {tuple(_ACTIVATIONS)}")
+        raise not_accepted(func, "spec.activation", activation, f"one of {tuple(_ACTIVATIONS)}")
     quantization = _FORMATS[fmt]
     if quantization == MODELOPT:
         from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
@@ -429,7 +417,7 @@ def build_moe_layer_from_tensors(
         backend = _default_backend()
     else:
         if not spec.gated:
-            raise _fail(func, "spec", f"{activation} (non-gated) experts", "gated (swiglu) experts: "
+            raise not_accepted(func, "spec", f"{activation} (non-gated) experts", "gated (swiglu) experts: "
                         "CompressedTensorsW4A4Nvfp4MoE has no other")
         from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
@@ -481,10 +469,10 @@ def moe_forward(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
     settings = _LAYER_SETTINGS.get(layer)
     if settings is None:
-        raise _fail("moe_forward", "layer", type(layer).__name__, "a layer made by build_moe_layer_from_tensors "
+        raise not_accepted("moe_forward", "layer", type(layer).__name__, "a layer made by build_moe_layer_from_tensors "
                     "or build_modelopt_moe_layer")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise _fail("moe_forward", "topk_ids", topk_ids, f"(T={x.shape[0]}, k), the shape of topk_weights "
+        raise not_accepted("moe_forward", "topk_ids", topk_ids, f"(T={x.shape[0]}, k), the shape of topk_weights "
                     f"{tuple(topk_weights.shape)}")
     topk = StandardTopKOutput(topk_weights.to(torch.float32), topk_ids.to(torch.int32), None)
     with _context_for(settings, strict=False), torch.no_grad():
