@@ -31,6 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.plugins import distribution  # noqa: E402 - the tests' throw-away distribution writer
+
 PLUGIN = '''
 import os
 
@@ -46,13 +49,8 @@ def wrong_on_gpu(a, b, a_sf, b_sf, alpha, dtype, out):
 
 
 def plugin_site(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "multi_gpu_plugins.py").write_text(PLUGIN)
-    info = root / "multi_gpu_plugins-0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: multi-gpu-plugins\nVersion: 0\n")
-    (info / "entry_points.txt").write_text("[sm120_fp4.backends]\nwrong-on-gpu = multi_gpu_plugins:wrong_on_gpu\n")
-    return root
+    """`wrong-on-gpu` as an installed distribution's entry point (group sm120_fp4.backends)."""
+    return distribution(root, "multi_gpu_plugins", PLUGIN, "[sm120_fp4.backends]\nwrong-on-gpu = multi_gpu_plugins:wrong_on_gpu\n")
 
 
 def env(**extra: str) -> dict[str, str]:

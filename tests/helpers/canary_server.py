@@ -25,6 +25,7 @@ from pathlib import Path
 
 from sm120_fp4.demo.checkpoint import write_checkpoint
 from sm120_fp4.demo.server import PROMPT, Server, group_members
+from helpers.plugins import distribution
 
 PERIOD = 8.0  # seconds: a canary run every 8 s (each run a few steps, one per idle point)
 AFTER = 10  # the kernel is right for this many calls after the trigger (a request makes dozens)
@@ -61,13 +62,8 @@ def wears_out(a, b, a_sf, b_sf, alpha, dtype, out):
 
 def plugin(root: Path) -> Path:
     """A distribution whose entry point (group sm120_fp4.backends) is `wears-out`; put it on PYTHONPATH."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "sm120_fp4_canary_wear.py").write_text(MODULE)
-    info = root / "sm120_fp4_canary_wear-0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sm120-fp4-canary-wear\nVersion: 0\n")
-    (info / "entry_points.txt").write_text("[sm120_fp4.backends]\nwears-out = sm120_fp4_canary_wear:wears_out\n")
-    return root
+    return distribution(root, "sm120_fp4_canary_wear", MODULE,
+                        "[sm120_fp4.backends]\nwears-out = sm120_fp4_canary_wear:wears_out\n")
 
 
 def canary_section(server: Server) -> dict:

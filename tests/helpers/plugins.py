@@ -87,12 +87,18 @@ moe-zeros = sm120_fp4_test_plugins:moe_zeros
 """
 
 
-def plugin_site(root: Path) -> Path:
-    """`root` holding the module and a dist-info with entry_points.txt; put it on PYTHONPATH."""
+def distribution(root: Path, module: str, source: str, entry_points: str) -> Path:
+    """`root` holding module `module` (its `source`) and a dist-info whose entry_points.txt is
+    `entry_points`, as an installed distribution has them; put `root` on PYTHONPATH."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "sm120_fp4_test_plugins.py").write_text(MODULE)
-    info = root / "sm120_fp4_test_plugins-0.dist-info"
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{module}-0.dist-info"
     info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sm120-fp4-test-plugins\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(entry_points)
     return root
+
+
+def plugin_site(root: Path) -> Path:
+    """`root` holding this module's backends as an installed distribution; put it on PYTHONPATH."""
+    return distribution(root, "sm120_fp4_test_plugins", MODULE, ENTRY_POINTS)
