@@ -93,7 +93,7 @@ class CanaryStatus(BaseModel):
     slice_ms: float
     state: str
     idle_point: str | None = None
-    fingerprints: str = "not compared: this build has no weight fingerprints (serving.fingerprint_problem)"
+    fingerprints: str = "compared at the first step of every run"
     armed_at: float | None = None
     runs: int = 0
     failures: int = 0
@@ -118,18 +118,6 @@ def settings_problem(settings: Settings) -> str | None:
                 "serving, but SM120_FP4_SELFTEST=off verifies none; set SM120_FP4_SELFTEST=strict (or warn), "
                 "or SM120_FP4_CANARY=off")
     return None
-
-
-def _fingerprint_problem(served: serving.Served) -> str | None:
-    """Hook point for weight fingerprints: whether the layer's weights still equal what was verified.
-
-    A weight corrupted in memory after start-up is invisible to the oracle, which reads the same
-    corrupted weight. The comparison belongs to serving (`serving.fingerprint_problem(check)
-    -> str | None`, a reason when the weights changed); a build without it compares nothing, and
-    status says so.
-    """
-    compare = getattr(serving, "fingerprint_problem", None)
-    return compare(served.check) if compare is not None else None
 
 
 def _capturing() -> bool:
@@ -283,7 +271,9 @@ class Canary:
     def _step(self, job: _Job, m: int) -> selftest.SelfTestReport:
         served = job.served
         try:
-            problem = _fingerprint_problem(served) if not job.reports else None
+            # A weight corrupted in memory after start-up is invisible to the oracle, which reads
+            # the same corrupted weight: the layer's fingerprint says whether it is what was verified.
+            problem = serving.fingerprint_problem(served.check) if not job.reports else None
             if problem is None:
                 return serving.check_served(served, [m])
             reason = f"the layer's weights changed since they were verified: {problem}"
@@ -367,7 +357,6 @@ class Canary:
             recent = list(self._recent)
             failed = [f.model_copy() for f in self._failed.values()]
         elapsed = time.time() - self._armed_at if self._armed_at is not None else None
-        has_fingerprints = getattr(serving, "fingerprint_problem", None) is not None
         return CanaryStatus(
             enabled=True, period_s=self.period, action=self.settings.canary_action, slice_ms=self.budget_s * 1e3,
             state=self._state(), idle_point=self.idle_point, armed_at=self._armed_at, runs=self.runs,
@@ -377,7 +366,6 @@ class Canary:
             share=self.busy_s / elapsed if elapsed else None, slices=self.slices,
             longest_slice_ms=self.longest_slice_s * 1e3, longest_step_ms=self.longest_step_s * 1e3,
             longest_step=self.longest_step,
-            **({"fingerprints": "compared at the first step of every run"} if has_fingerprints else {}),
         )
 
 

@@ -350,9 +350,9 @@ def test_with_nothing_verified_the_canary_runs_nothing_and_says_so():
 
 
 def test_a_weight_fingerprint_mismatch_from_serving_fails_the_run(monkeypatch):
-    """The hook point for weight fingerprints (serving.fingerprint_problem, when it exists)."""
+    """The canary asks serving.fingerprint_problem at the first step of a run: a reason fails the run."""
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
-    monkeypatch.setattr(serving, "fingerprint_problem", lambda check: "weight bytes 17-18 differ", raising=False)
+    monkeypatch.setattr(serving, "fingerprint_problem", lambda check: "weight bytes 17-18 differ")
     run = next_run(c)
     assert not run.passed and "weights changed since they were verified: weight bytes 17-18 differ" in run.reason
     assert c.status().fingerprints.startswith("compared")
