@@ -25,6 +25,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from ..sglang.release import LAUNCH_SERVER
+
 __all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "CPU_SERVER_DEFAULTS", "Server", "free_port", "group_members"]
 
 # What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU").
@@ -125,7 +127,7 @@ class Server:
         self.port = self.port or free_port()
         os.makedirs(self.report_dir, mode=0o700, exist_ok=True)
         env = {**CPU_SERVER_DEFAULTS, **os.environ, **CPU_SERVER_ENV, "SM120_FP4_REPORT": self.report_dir, **self.env}
-        command = [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-m", "sglang.launch_server",
+        command = [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-m", LAUNCH_SERVER,
                    "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port),
                    *CPU_SERVER_ARGS, *self.extra_args]
         log = open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")

@@ -52,6 +52,7 @@ ARG_OVERRIDES = "sglang.srt.arg_groups.overrides"  # resolution_result(): 0.5.23
 SCHEDULER = "sglang.srt.managers.scheduler"
 WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+LAUNCH_SERVER = "sglang.launch_server"  # `python -m` it: SGLang's HTTP server
 MOE_RUNNER_FC = "sglang.srt.layers.moe.moe_runner.flashinfer_cutlass"
 CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe"
 CT_CONFIG = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
