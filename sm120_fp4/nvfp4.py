@@ -101,14 +101,22 @@ def _rcp6(device: torch.device) -> torch.Tensor:
     return value
 
 
+def _thresholds(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounding thresholds on `device`, made once (quantize then copies nothing to the device)."""
+    key = ("thresholds", device, dtype)
+    value = _LUT_CACHE.get(key)
+    if value is None:
+        value = _LUT_CACHE.setdefault(key, (torch.tensor(_ROUND_DOWN_AT, dtype=dtype, device=device),
+                                            torch.tensor(_ROUND_UP_AT, dtype=dtype, device=device)))
+    return value
+
+
 def _encode(x: torch.Tensor) -> torch.Tensor:
-    # Code = number of thresholds passed; NaN passes none (callers reject it first).
-    mag = x.abs()
-    codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for t in _ROUND_DOWN_AT:
-        codes += mag > t
-    for t in _ROUND_UP_AT:
-        codes += mag >= t
+    # Code = number of thresholds passed (> a round-down one, >= a round-up one: ties to even), in
+    # two sorted searches; NaN passes none (callers reject it first).
+    mag = x.abs().nan_to_num(nan=0.0)
+    down, up = _thresholds(x.device, mag.dtype)
+    codes = (torch.bucketize(mag, down, out_int32=True) + torch.bucketize(mag, up, out_int32=True, right=True)).to(torch.uint8)
     # Sign only on non-zero codes: -0.0 and tiny negatives encode as +0.
     negative = (x < 0) & (codes > 0)
     return codes | (negative.to(torch.uint8) << 3)

@@ -24,7 +24,7 @@ from .devices import Device
 from .errors import EXIT_HUNG, SelfTestError
 
 __all__ = [
-    "quantized_inputs", "structured_activations", "ROW_KINDS", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES",
+    "quantized_inputs", "structured_activations", "seeded_activations", "ROW_KINDS", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES",
     "Case", "sweep", "run", "report_for", "finish", "calls_still_running", "fingerprint", "EXIT_HUNG", "hang_hooks",
     "MoeCase", "MoeConfig", "MOE_BOUNDS", "ExpertCache", "DEFAULT_MOE_CONFIG", "SIMULATION_MOE_CONFIG", "moe_routing", "moe_cases", "run_moe",
 ]
@@ -138,6 +138,34 @@ def structured_activations(rows: int, cols: int, amax: float, generator: torch.G
     return x.clamp(-amax, amax)
 
 
+_SEEDED_ELEMENTS = 1 << 22  # seeded activations kept per (device, shape, seed) up to this size (decode batch sizes)
+_SEEDED_BUDGET = 1 << 24  # and this many in all (64 MB of float32 per process)
+_seeded: dict[tuple, torch.Tensor] = {}
+_seeded_lock = threading.Lock()
+
+
+def seeded_activations(rows: int, cols: int, amax: float, seed: int, device: torch.device) -> torch.Tensor:
+    """structured_activations from a generator on `device` seeded with `seed`, scaled to [-amax, amax].
+
+    The unscaled rows of a decode-sized batch are made once per (device, shape, seed) and kept
+    (every layer's check at that batch size draws the same rows, scaled to its own range), so a
+    layer's light check or a serving canary step draws nothing; larger batches are drawn each time."""
+    key = (torch.device(device), rows, cols, seed)
+    with _seeded_lock:
+        unit = _seeded.pop(key, None)
+        if unit is not None:
+            _seeded[key] = unit  # most recently used last
+    if unit is None:
+        gen = torch.Generator(device=device).manual_seed(seed)  # made where it is used: no host copy
+        unit = structured_activations(rows, cols, 1.0, gen, device)
+        if rows * cols <= _SEEDED_ELEMENTS:
+            with _seeded_lock:
+                _seeded[key] = unit
+                while sum(t.numel() for t in _seeded.values()) > _SEEDED_BUDGET:
+                    _seeded.pop(next(iter(_seeded)))
+    return unit * amax
+
+
 def quantized_inputs(shape: Shape, device: torch.device, seed: int):
     """Seeded bf16 activations and weights of `shape`, quantized with nvfp4: (x, gsf_x, mm_fp4 args).
 
@@ -172,59 +200,76 @@ def _resolution(dtype: torch.dtype, n: int) -> float:
     return float(info.smallest_normal * info.eps) * n ** 0.5
 
 
+def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per row of `out` against `ref` (float32): non-finite count (0-dim), all-zero, the reference's,
+    the output's and the difference's norm, and the largest absolute difference (0-dim); a few
+    thousand rows at a time, so a prefill-sized M costs no more memory than a chunk of it."""
+    rows, cols = out.shape
+    step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
+    parts = []
+    for lo in range(0, rows, step):
+        o, r = out[lo:lo + step].float(), ref[lo:lo + step].float()
+        diff = o - r
+        parts.append(((~torch.isfinite(o)).sum(), (o == 0).all(dim=1), r.norm(dim=1), o.norm(dim=1), diff.norm(dim=1),
+                      diff.abs().amax()))
+    if len(parts) == 1:
+        return parts[0]
+    nonfinite, zero, ref_n, out_n, diff_n, max_abs = zip(*parts)
+    return (torch.stack(nonfinite).sum(), torch.cat(zero), torch.cat(ref_n), torch.cat(out_n), torch.cat(diff_n),
+            torch.stack(max_abs).amax())
+
+
 def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult,
              slack: torch.Tensor | None = None) -> str | None:
     """None when `out` matches `ref` within `bounds` (each row's bound widened by its `slack`), else why not.
 
-    Every row is checked (finite, not zero where the reference is not, its relative error), a few
-    thousand rows at a time, so a prefill-sized M costs no more memory than a chunk of it."""
+    Every row is checked: finite, not zero where the reference is not, its relative error. The
+    statistics are computed where the tensors live and read back at once (one host synchronisation
+    for a passing call); only a failure reads more, to say where."""
     rows, cols = out.shape
     floor = _resolution(out.dtype, cols)
-    step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
-    nonfinite = torch.zeros((), dtype=torch.int64, device=out.device)
-    for lo in range(0, rows, step):
-        nonfinite += (~torch.isfinite(out[lo:lo + step])).sum()
-    result.nonfinite = int(nonfinite)
+    nonfinite, out_zero_rows, row_norms, out_norms, diff_norms, max_abs = _row_stats(out, ref)
+    ref_zero_rows = row_norms <= floor  # rounding to the output dtype may leave nothing of such a row
+    safe_norms = row_norms.clamp_min(1e-30)
+    row_err = diff_norms / safe_norms
+    allowed_rows = bounds.max_row_rel_err + 2 * floor / safe_norms
+    if slack is not None:
+        allowed_rows = allowed_rows + 2 * slack  # twice what the oracle cannot decide, on that row only
+    excess = row_err - allowed_rows
+    slack_norm = (slack * row_norms).norm() if slack is not None else torch.zeros((), device=out.device)
+    counts = torch.stack([nonfinite, (out_zero_rows & ~ref_zero_rows).sum(), excess.argmax(),
+                          (row_norms == 0).all().long(), out_zero_rows.all().long()])
+    norms = torch.stack([row_norms.norm(), diff_norms.norm(), row_err.amax(), max_abs, out_norms.norm(), excess.amax(),
+                         slack_norm.float()])
+    stats = torch.cat([counts.double(), norms.double()]).tolist()  # the one read-back of a passing call
+    (nonfinite_n, bad_n, worst_excess, ref_all_zero, out_all_zero, ref_norm, diff_norm, max_row_err, max_abs_v, out_norm,
+     max_excess, slack_n) = stats
+    result.nonfinite = int(nonfinite_n)
     if result.nonfinite == out.numel():
         return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
     if result.nonfinite:
-        for lo in range(0, rows, step):
+        step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
+        for lo in range(0, rows, step):  # the failure path: read where, a chunk at a time
             bad = (~torch.isfinite(out[lo:lo + step])).nonzero()
             if bad.numel():
                 r, c = bad[0].tolist()
                 return f"{result.nonfinite} non-finite element(s), first at row {lo + r}, column {c}"
-    out_zero_rows = torch.empty(rows, dtype=torch.bool, device=out.device)
-    row_norms = torch.empty(rows, dtype=torch.float32, device=out.device)
-    out_norms = torch.empty(rows, dtype=torch.float32, device=out.device)
-    diff_norms = torch.empty(rows, dtype=torch.float32, device=out.device)
-    max_abs = torch.zeros((), dtype=torch.float32, device=out.device)
-    for lo in range(0, rows, step):
-        o, r = out[lo:lo + step].float(), ref[lo:lo + step].float()
-        diff = o - r
-        out_zero_rows[lo:lo + step] = (o == 0).all(dim=1)
-        row_norms[lo:lo + step] = r.norm(dim=1)
-        out_norms[lo:lo + step] = o.norm(dim=1)
-        diff_norms[lo:lo + step] = diff.norm(dim=1)
-        max_abs = torch.maximum(max_abs, diff.abs().max())
-    ref_zero_rows = row_norms <= floor  # rounding to the output dtype may leave nothing of such a row
-    if bool((row_norms == 0).all()) and bool(out_zero_rows.all()):
+    if ref_all_zero and out_all_zero:
         result.zero_rows = 0
         result.rel_err = result.max_row_rel_err = result.max_abs_err = 0.0
         result.norm_ratio = 1.0
         return None  # nothing routed here (every slot another rank's): zeros are the answer
-    if bool(out_zero_rows.all()):
+    if out_all_zero:
         result.zero_rows = rows
         return "output is all zeros"
-    bad_rows = (out_zero_rows & ~ref_zero_rows).nonzero().flatten().tolist()
-    result.zero_rows = len(bad_rows)
-    ref_norm = row_norms.norm().clamp_min(1e-30)
-    result.rel_err = float(diff_norms.norm() / ref_norm)
-    safe_norms = row_norms.clamp_min(1e-30)
-    row_err = diff_norms / safe_norms
-    result.max_row_rel_err = float(row_err.max())
-    result.max_abs_err = float(max_abs)
-    result.norm_ratio = float(out_norms.norm() / ref_norm)
-    if bad_rows:
+    result.zero_rows = int(bad_n)
+    ref_norm = max(ref_norm, 1e-30)
+    result.rel_err = diff_norm / ref_norm
+    result.max_row_rel_err = max_row_err
+    result.max_abs_err = max_abs_v
+    result.norm_ratio = out_norm / ref_norm
+    if result.zero_rows:
+        bad_rows = (out_zero_rows & ~ref_zero_rows).nonzero().flatten().tolist()
         return f"{len(bad_rows)} row(s) all zero where the reference is not (rows {_row_ranges(bad_rows)})"
     lo_ratio, hi_ratio = bounds.norm_ratio
     if not lo_ratio <= result.norm_ratio <= hi_ratio:
@@ -235,16 +280,11 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: Shape
         worst = int(((ratios - 1).abs() * big).argmax())
         return (f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio}); "
                 f"worst row {worst} at {float(ratios[worst]):.3g}x")
-    allowed_rel = bounds.max_rel_err + 2 * floor * rows ** 0.5 / float(ref_norm)
-    allowed_rows = bounds.max_row_rel_err + 2 * floor / safe_norms
-    if slack is not None:
-        allowed_rows = allowed_rows + 2 * slack  # twice what the oracle cannot decide, on that row only
-        allowed_rel += 2 * float((slack * row_norms).norm() / ref_norm)
+    allowed_rel = bounds.max_rel_err + 2 * floor * rows ** 0.5 / ref_norm + 2 * slack_n / ref_norm
     if result.rel_err > allowed_rel:
         return f"relative error {result.rel_err:.3g} above {allowed_rel:.3g}"
-    excess = row_err - allowed_rows
-    if bool((excess > 0).any()):
-        worst = int(excess.argmax())
+    if max_excess > 0:
+        worst = int(worst_excess)
         return f"row {worst} relative error {float(row_err[worst]):.3g} above {float(allowed_rows[worst]):.3g}"
     return None
 
@@ -516,29 +556,32 @@ def _fp_pattern(device: torch.device) -> torch.Tensor:
 
 
 def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-    """A device tensor that changes when any byte of `tensors` changes: per tensor, the sum of its
-    32-bit words and a position-weighted sum (products wrap around in 32 bits), both summed in 64
-    bits (a swap, a negation, a stray write are all seen). Computed where the tensors live, a chunk
-    at a time, with no host synchronisation; two calls on unchanged tensors give equal results
-    (integer sums: exact in any order)."""
-    parts = []
+    """A device tensor that changes when any byte of `tensors` changes: per tensor and chunk, the
+    sum of its 32-bit words and a position-weighted sum (products wrap around in 32 bits), both
+    summed in 64 bits (a swap, a negation, a stray write are all seen), and one element for the
+    tensors' sizes. Computed where the tensors live, a chunk at a time, with no host
+    synchronisation and a few launches per tensor; two calls on unchanged tensors give equal
+    results (integer sums: exact in any order)."""
+    parts: list[torch.Tensor] = []
+    sizes = 0
+    device = None
     for t in tensors:
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat.to(torch.int32)
-        pattern = _fp_pattern(words.device)
-        plain = torch.zeros((), dtype=torch.int64, device=words.device)
-        weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+        device = words.device
+        pattern = _fp_pattern(device)
         full = words.numel() // _FP_WIDTH * _FP_WIDTH
         step = _FP_CHUNK // _FP_WIDTH * _FP_WIDTH
         for lo in range(0, full, step):
             block = words[lo:min(lo + step, full)].view(-1, _FP_WIDTH)
-            plain += block.sum(dtype=torch.int64)
-            weighted += (block * pattern).sum(dtype=torch.int64)
+            parts += [block.sum(dtype=torch.int64), (block * pattern).sum(dtype=torch.int64)]
         tail = words[full:]
-        plain += tail.sum(dtype=torch.int64)
-        weighted += (tail * pattern[:tail.numel()]).sum(dtype=torch.int64)
-        parts += [plain, weighted, torch.full((), t.numel(), dtype=torch.int64, device=words.device)]
-    return torch.stack(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        if tail.numel():
+            parts += [tail.sum(dtype=torch.int64), (tail * pattern[:tail.numel()]).sum(dtype=torch.int64)]
+        sizes = (sizes * 1_000_003 + t.numel() + 1) % (1 << 62)
+    if device is None:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([*parts, torch.full((), sizes, dtype=torch.int64, device=device)])
 
 
 def refuse_inside_capture(what: str, when: str) -> None:

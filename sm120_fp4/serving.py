@@ -881,10 +881,19 @@ def served_configurations() -> list[Served]:
 def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:
     """Run one verified configuration once more through the call that serves it, at batch sizes
     `ms`: the re-check's check (two passes, every call against the oracle), for the serving canary.
-    Never raises for a bad kernel: the report says what was wrong."""
+    The layer's weights are not copied for it: their fingerprint after the calls must still be the
+    one they were verified with (a call that wrote into them fails). Never raises for a bad kernel:
+    the report says what was wrong."""
     serving = _records[(served.family, served.device.index)]
+    check = served.check
     with serving.lock:
-        return _run_check(serving, served.check, list(ms))
+        report = _run_check(serving, check, list(ms), light=True)
+        record = serving.layers.get(id(check.owner) if check.owner is not None else id(check))
+        if (report.passed and record is not None and record.fingerprint is not None and not _updating
+                and not torch.equal(record.fingerprint, _fingerprint(check))):
+            report.passed = False
+            report.reason = f"{check.named()}: the checked calls changed this layer's own weights in place"
+        return report
 
 
 def fingerprint_problem(check: LayerCheck) -> str | None:

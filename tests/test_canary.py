@@ -369,6 +369,20 @@ def test_a_weight_corrupted_in_memory_while_serving_fails_the_next_run():
     assert not run.passed and "weights changed after they were verified" in run.reason, run.reason
 
 
+@case("backend faults", "a dense kernel that, once serving, writes into the weight it is given during its call (an out-of-bounds write into its own operand)",
+      "the canary's step compares the layer's fingerprint after its calls (no copy of the weights) and fails naming the in-place change")
+def test_a_kernel_that_writes_into_its_own_weight_fails_the_step_that_called_it():
+    def scribble(a, b, out):
+        b.T[0, 0] += 1  # b is the (K/2, N) view of the layer's own packed weight
+
+    wear = Wear(scribble)
+    c, _ = serve(wear, (96, 160), canary_action="log")
+    assert next_run(c).passed
+    wear.armed = True
+    run = next_run(c)
+    assert not run.passed and "changed this layer's own weights in place" in run.reason, run.reason
+
+
 def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
 

@@ -197,3 +197,33 @@ def test_the_selftest_data_has_zeroed_columns_subnormal_scales_and_structured_ro
     backends.register("column-amax", _divides_by_column_amax)
     report = selftest.run("column-amax", cpu12())
     assert not report.passed and "non-finite" in report.reason
+
+
+@case("properties", "the fingerprint of a layer's weights after one byte changed, two words swapped, a value negated, or a tensor resized",
+      "differs from the one taken before; equal for unchanged tensors (no host synchronisation on CUDA)")
+@pytest.mark.parametrize("change", ["one byte", "two words swapped", "negated", "resized"])
+def test_a_weight_fingerprint_sees_each_kind_of_change(device, change):
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randint(0, 256, (96, 200), dtype=torch.uint8, generator=gen).to(device)  # 4800 words: a row of 4096 and a tail
+    scales = torch.randn(96, 16, generator=gen).to(torch.float8_e4m3fn).to(device)
+    alpha = torch.tensor([0.25], device=device)
+    before = selftest.fingerprint((weight, scales, alpha))
+    if device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = selftest.fingerprint((weight, scales, alpha))
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(before, again)
+    if change == "one byte":
+        weight[50, 3] ^= 1
+    elif change == "two words swapped":
+        words = weight.view(-1)[:16].view(torch.int32)
+        words[[1, 2]] = words[[2, 1]].clone()
+    elif change == "negated":
+        alpha.neg_()
+    else:
+        alpha = torch.tensor([0.25, 0.0], device=device)
+    after = selftest.fingerprint((weight, scales, alpha))
+    assert after.shape != before.shape or not torch.equal(before, after)

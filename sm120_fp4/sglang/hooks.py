@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 import threading
 from typing import Callable
@@ -22,7 +23,7 @@ from typing import Callable
 import torch
 
 from .. import backends, nvfp4, selftest
-from ..errors import say_once
+from ..errors import not_accepted, say_once
 from ..serving import LayerCheck
 from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
 
@@ -283,11 +284,12 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     runs once), quantized by SGLang inside `serve`; the oracle quantizes the same rows with nvfp4
     and multiplies with the layer's own weights."""
     device = weight.device
-    gen = torch.Generator(device=device).manual_seed(seed)  # made where it is used: no host copy
     rows = max(ms)
-    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / input_gsf.float().reshape(-1)[0].cpu())
-    x = selftest.structured_activations(rows, k, amax, gen, device).to(dtype)
-    qx, sx = nvfp4.quantize(x, input_gsf.float().reshape(()))
+    gsf = float(input_gsf.float().reshape(-1)[0].cpu())
+    if not (math.isfinite(gsf) and gsf > 0):
+        raise not_accepted("dense layer check", "input_gsf", input_gsf, "the layer's positive finite input global scale")
+    x = selftest.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
+    qx, sx = nvfp4.quantize(x, input_gsf.float().reshape(()), check_finite=False)  # finite by construction, scale read above
     k_weight = weight.shape[1] * 2
     if k_weight > k:  # SGLang pads K for the kernel's alignment: zero codes add nothing
         qx = torch.nn.functional.pad(qx, (0, (k_weight - k) // 2))
