@@ -215,27 +215,26 @@ def moe_weights(e, h, i, seed):
     a2 = torch.tensor([2688.0 / 2.0], device=DEV)
     w13_alpha = (1.0 / (a1 * 2688.0 * 8)).expand(e).contiguous() * (1 + torch.arange(e, device=DEV) % 3 / 10)
     w2_alpha = (1.0 / (a2 * 2688.0 * 30)).expand(e).contiguous()
-    return dict(w13=w13, w13_sf=w13_sf.view(torch.float8_e4m3fn), w13_alpha=w13_alpha.float(), w2=w2,
-                w2_sf=w2_sf.view(torch.float8_e4m3fn), w2_alpha=w2_alpha.float(), a1_gscale=a1, a2_gscale=a2)
+    return nvfp4.MoeWeights(w13, w13_sf.view(torch.float8_e4m3fn), w13_alpha.float(), w2, w2_sf.view(torch.float8_e4m3fn),
+                            w2_alpha.float(), a1, a2)
 
 
 def moe_row(name: str, e: int, h: int, i: int, top_k: int, decode_t: tuple, prefill_t: tuple, emulated_t: tuple) -> dict:
     weights = moe_weights(e, h, i, seed=7)
-    originals = {k: v.clone() for k, v in weights.items()}
+    originals = weights.map(torch.clone)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    humming.prepare_moe({**weights, "dtype": BF16}, BF16, keep_original=False)
+    humming.prepare_moe({**weights._asdict(), "dtype": BF16}, BF16, keep_original=False)
     torch.cuda.synchronize()
-    nvfp4_bytes = sum(weights[k].numel() for k in ("w13", "w13_sf", "w2", "w2_sf"))
+    nvfp4_bytes = sum(t.numel() for t in (weights.w13, weights.w13_sf, weights.w2, weights.w2_sf))
     row = {"config": name, "convert_s": round(time.perf_counter() - t0, 3),
            "memory_ratio": round((nvfp4_bytes + torch.cuda.memory_allocated() - base) / nvfp4_bytes, 4),
            "conversion_transient_ratio": round((nvfp4_bytes + torch.cuda.max_memory_allocated() - base) / nvfp4_bytes, 3),
            "t": {}}
     gen = torch.Generator().manual_seed(3)
-    args_of = lambda x, ids, tw, wts: (x, ids, tw, wts["w13"], wts["w13_sf"], wts["w13_alpha"], wts["w2"], wts["w2_sf"],  # noqa: E731
-                                       wts["w2_alpha"], wts["a1_gscale"], wts["a2_gscale"])
+    args_of = lambda x, ids, tw, wts: (x, ids, tw, *wts)  # noqa: E731
     for t in decode_t + prefill_t:
         ids, tw = selftest.moe_routing(t, top_k, e, "random", gen)
         ids, tw = ids.to(DEV), tw.to(DEV)

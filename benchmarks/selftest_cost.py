@@ -219,15 +219,14 @@ def main() -> int:
     emulated_rows = []
     experts, hidden, inter = (256, 7168, 256) if scale == 1 else (max(8, 512 // scale), 512, 32)
     w = MoeLayer(experts, hidden, inter, 8, tdev)
-    weights = moe.processed_weights(w)
+    weights = moe.processed_weights(w).weights
     fn = backends.resolve_moe("emulated")
     for tokens in (1, 64, 512):
         gen = torch.Generator().manual_seed(tokens)
         ids, tw = selftest.moe_routing(tokens, 8, experts, "random", gen)
         x = (torch.randn(tokens, hidden, generator=gen) * 2).to(torch.bfloat16).to(tdev)
         out = torch.empty_like(x)
-        call = lambda: fn(x, ids.to(tdev), tw.to(tdev), *(weights[k] for k in ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha",  # noqa: E731
-                                                                               "a1_gscale", "a2_gscale")), "swiglu", torch.bfloat16, out)
+        call = lambda: fn(x, ids.to(tdev), tw.to(tdev), *weights, "swiglu", torch.bfloat16, out)  # noqa: E731
         call()
         _, seconds = synced(tdev, call)
         emulated_rows.append([f"T={tokens}", f"E={experts} H={hidden} I={inter} top-8", seconds * 1e3])

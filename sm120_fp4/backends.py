@@ -178,10 +178,10 @@ def emulated_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w
     acts = None if per_expert_a1 else _quantized(x, a1_gscale, dtype)
     for e in range(experts):
         rows = _quantized(x, a1_gscale.reshape(-1)[e], dtype) if per_expert_a1 else acts
-        fc1 = nvfp4._moe_mm(rows, nvfp4.dequantize_unscaled(w13[e], w13_sf[e], dtype), w13_alpha[e])
-        act = nvfp4._moe_activation(fc1.to(out_dtype).float(), activation, inter)
+        fc1 = nvfp4.expert_mm(rows, nvfp4.dequantize_unscaled(w13[e], w13_sf[e], dtype), w13_alpha[e])
+        act = nvfp4.expert_activation(fc1.to(out_dtype).float(), activation, inter)
         act = _quantized(act, a2_gscale.reshape(-1)[e] if per_expert_a2 else a2_gscale, dtype)
-        row = nvfp4._moe_mm(act, nvfp4.dequantize_unscaled(w2[e], w2_sf[e], dtype), w2_alpha[e]).to(out_dtype)
+        row = nvfp4.expert_mm(act, nvfp4.dequantize_unscaled(w2[e], w2_sf[e], dtype), w2_alpha[e]).to(out_dtype)
         routed = torch.where((ids == e).unsqueeze(-1), row.unsqueeze(1), routed)
     total = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
     for slot in range(ids.shape[1]):

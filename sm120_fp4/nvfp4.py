@@ -23,6 +23,8 @@ Everything is vectorised and runs on any device. Functions check their inputs an
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .errors import InvalidArgument, describe, not_accepted
@@ -46,6 +48,9 @@ __all__ = [
     "gemm_operand_dtype",
     "reference_mm_fp4",
     "reference_moe_fp4",
+    "MoeWeights",
+    "expert_mm",
+    "expert_activation",
 ]
 
 BLOCK_SIZE = 16
@@ -412,7 +417,7 @@ _MOE_X_DTYPES = (torch.bfloat16, torch.float16)
 _MOE_ID_DTYPES = (torch.int32, torch.int64)
 
 
-def _moe_mm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+def expert_mm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """alpha * (a @ w^T) in float32: a (M, K) and w (N, K) in the same dtype (bf16 or float32)."""
     if a.dtype == torch.bfloat16:
         acc = torch.mm(a, w.T, out_dtype=torch.float32)
@@ -421,7 +426,7 @@ def _moe_mm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor) -> torch.Tens
     return acc * alpha
 
 
-def _moe_activation(fc1: torch.Tensor, activation: str, inter: int) -> torch.Tensor:
+def expert_activation(fc1: torch.Tensor, activation: str, inter: int) -> torch.Tensor:
     """The activation of FC1's float32 output (rows [up; gate] for swiglu), in float32."""
     if activation == "swiglu":
         up, gate = fc1[:, :inter], fc1[:, inter:]
@@ -451,6 +456,180 @@ def _moe_gscale(func: str, param: str, value: object, experts: int, device: torc
             raise not_accepted(func, param, value, "positive finite values")
         return value
     return _as_scale(func, param, value, device, True)
+
+
+class MoeWeights(NamedTuple):
+    """One NVFP4 MoE layer's eight kernel tensors, in the fused-MoE convention's order: after x,
+    topk_ids and topk_weights, before activation, out_dtype and out. ``reference_moe_fp4(x, ids, w,
+    *weights)`` and every MoE backend ``fn(x, ids, w, *weights, activation, out_dtype, out)`` take
+    them so; reference_moe_fp4's docstring says what each holds."""
+
+    w13: torch.Tensor
+    w13_sf: torch.Tensor
+    w13_alpha: torch.Tensor
+    w2: torch.Tensor
+    w2_sf: torch.Tensor
+    w2_alpha: torch.Tensor
+    a1_gscale: torch.Tensor | None
+    a2_gscale: torch.Tensor | None
+
+    def map(self, fn) -> "MoeWeights":
+        """The same weights with `fn` applied to each tensor (None stays None)."""
+        return MoeWeights(*(None if t is None else fn(t) for t in self))
+
+
+class _MoeShape(NamedTuple):
+    """What reference_moe_fp4's argument checks established, for its math."""
+
+    tokens: int
+    hidden: int
+    experts: int
+    inter: int
+    top_k: int
+    out_dtype: torch.dtype
+    a1: torch.Tensor | None  # the activation global scales as tensors (None for W4A16)
+    a2: torch.Tensor | None
+
+
+def _check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
+                    activation, out_dtype, quantize_activations, intermediate_dtype) -> _MoeShape:
+    """reference_moe_fp4's argument checks: each names the parameter, the value and what is accepted."""
+    func = "reference_moe_fp4"
+    _check_tensor(func, "x", x, _MOE_X_DTYPES, ndim=2)
+    tokens, hidden = x.shape
+    if hidden == 0 or hidden % BLOCK_SIZE:
+        raise not_accepted(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
+    device = x.device
+    if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
+        raise not_accepted(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise not_accepted(func, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not isinstance(quantize_activations, bool):
+        raise not_accepted(func, "quantize_activations", quantize_activations, "True or False")
+    if intermediate_dtype not in (None, torch.bfloat16, torch.float16):
+        raise not_accepted(func, "intermediate_dtype", intermediate_dtype, "None, torch.bfloat16 or torch.float16")
+
+    _check_tensor(func, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
+    if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
+        raise not_accepted(func, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
+    if topk_ids.device != device:
+        raise not_accepted(func, "topk_ids", topk_ids, f"a tensor on {device} (where x is)")
+    top_k = topk_ids.shape[1]
+    _check_moe_expert_tensor(
+        func, "topk_weights", topk_weights, (torch.float32,), (tokens, top_k), "that of topk_ids", device
+    )
+
+    _check_tensor(func, "w13", w13, (torch.uint8,), ndim=3)
+    experts, rows13 = w13.shape[0], w13.shape[1]
+    gated = activation == "swiglu"
+    inter = rows13 // 2 if gated else rows13
+    if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
+        rows_text = "2I" if gated else "I"
+        raise not_accepted(func, "w13", w13, f"shape (E >= 1, {rows_text}, H/2={hidden // 2}) for activation={activation!r}, "
+                    f"I a positive multiple of {BLOCK_SIZE}")
+    if w13.device != device:
+        raise not_accepted(func, "w13", w13, f"a tensor on {device} (where x is)")
+    per_expert = f"one per expert, E={experts}"
+    _check_moe_expert_tensor(func, "w13_sf", w13_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(rows13, hidden)),
+                             f"128x4 swizzled scales of {rows13} rows and K={hidden} per expert", device)
+    _check_moe_expert_tensor(func, "w13_alpha", w13_alpha, (torch.float32,), (experts,), per_expert, device)
+    _check_moe_expert_tensor(
+        func, "w2", w2, (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}", device
+    )
+    _check_moe_expert_tensor(func, "w2_sf", w2_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(hidden, inter)),
+                             f"128x4 swizzled scales of {hidden} rows and K={inter} per expert", device)
+    _check_moe_expert_tensor(func, "w2_alpha", w2_alpha, (torch.float32,), (experts,), per_expert, device)
+    if quantize_activations:
+        a1 = _moe_gscale(func, "a1_gscale", a1_gscale, experts, device)
+        a2 = _moe_gscale(func, "a2_gscale", a2_gscale, experts, device)
+        if not torch.isfinite(x).all():
+            raise not_accepted(func, "x", x, "finite values (found NaN or inf)")
+    low, high = torch.stack(torch.aminmax(topk_ids.reshape(-1).long())).tolist() if tokens else (0, 0)
+    if low < 0 or high >= experts:
+        raise not_accepted(func, "topk_ids", topk_ids, f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
+                    "(expert-parallel ids of other ranks are not accepted)")
+
+    return _MoeShape(tokens, hidden, experts, inter, top_k, out_dtype, a1 if quantize_activations else None,
+                     a2 if quantize_activations else None)
+
+
+def _moe_forward(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, shape: _MoeShape, activation,
+                 quantize_activations, intermediate_dtype, weight_cache) -> torch.Tensor:
+    """reference_moe_fp4's math, on checked arguments (its docstring states it)."""
+    tokens, hidden, experts, inter, top_k, out_dtype, a1, a2 = shape
+    device = x.device
+    func = "reference_moe_fp4"
+    ids = topk_ids.reshape(-1).long()
+    # The GEMM outputs are stored in the output dtype; a float32 output shows the sum before
+    # the final cast of a run in x's dtype.
+    round_dtype = x.dtype if out_dtype == torch.float32 else out_dtype
+    # E2M1 x E4M3 values are exact in bf16 (CUDA: bf16 GEMM, float32 output); unquantized
+    # activations are not, so W4A16 multiplies in float32.
+    dtype = gemm_operand_dtype(x) if quantize_activations else torch.float32
+    # Routed rows (token * k + slot) sorted by expert, stable so each expert's rows keep token
+    # order: a span (expert, lo, hi) is that expert's rows, sorted positions lo..hi-1.
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=experts).tolist()
+    token_of_row = order // top_k
+    spans = []
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            spans.append((expert, start, start + count))
+        start += count
+
+    def quantized(values: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+        packed, scales = quantize(values, gscale, check_finite=False)
+        return dequantize_unscaled(packed, scales, dtype)
+
+    # One global scale: x quantized once; one per expert (compressed-tensors): each expert's rows
+    # quantized with that expert's scale, as the kernel does.
+    if not quantize_activations:
+        acts = x.float()
+    elif a1.dim() == 0:
+        acts = quantized(x, a1)
+    intermediate = torch.empty((ids.numel(), inter), dtype=torch.float32, device=device)
+    def dequantized(which: str, expert: int) -> torch.Tensor:
+        key = (which, expert, dtype)
+        if weight_cache is not None and key in weight_cache:
+            return weight_cache[key]
+        packed_w, scales_w = (w13, w13_sf) if which == "w13" else (w2, w2_sf)
+        weight = dequantize_unscaled(packed_w[expert], scales_w[expert], dtype)
+        if weight_cache is not None:
+            weight_cache[key] = weight
+        return weight
+
+    for expert, lo, hi in spans:
+        weight = dequantized("w13", expert)
+        rows = acts[token_of_row[lo:hi]] if not quantize_activations or a1.dim() == 0 else quantized(x[token_of_row[lo:hi]], a1[expert])
+        fc1 = expert_mm(rows, weight, w13_alpha[expert])
+        intermediate[lo:hi] = expert_activation(fc1.to(round_dtype).float(), activation, inter)
+
+    if quantize_activations:
+        if not torch.isfinite(intermediate).all():
+            raise InvalidArgument(f"{func}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
+                                  f"{round_dtype} and activated; expected inputs whose intermediate can be quantized")
+        if intermediate_dtype is not None:
+            intermediate = intermediate.to(intermediate_dtype).float()
+        if a2.dim() == 0:
+            intermediate = quantized(intermediate, a2)
+        else:
+            for expert, lo, hi in spans:
+                intermediate[lo:hi] = quantized(intermediate[lo:hi], a2[expert]).float()
+            intermediate = intermediate.to(dtype)  # exact: dequantized FP4 values fit bf16
+    # Each routed row lands at its unsorted position token * k + slot, for the finalize.
+    routed = torch.empty((ids.numel(), hidden), dtype=round_dtype, device=device)
+    for expert, lo, hi in spans:
+        weight = dequantized("w2", expert)
+        routed[order[lo:hi]] = expert_mm(intermediate[lo:hi], weight, w2_alpha[expert]).to(round_dtype)
+
+    # finalizeMoeRoutingKernel's sum: float32, slot by slot, a product then an add.
+    routed = routed.view(tokens, top_k, hidden)
+    out = torch.zeros((tokens, hidden), dtype=torch.float32, device=device)
+    for slot in range(top_k):
+        out = out + topk_weights[:, slot : slot + 1] * routed[:, slot].float()
+    return out.to(out_dtype)
 
 
 def reference_moe_fp4(
@@ -511,131 +690,9 @@ def reference_moe_fp4(
     `weight_cache`, a dict the caller keeps, holds those dequantized experts across calls with the
     same, unchanged weights (a self-test's references); the caller empties it when weights change.
     """
-    func = "reference_moe_fp4"
-    _check_tensor(func, "x", x, _MOE_X_DTYPES, ndim=2)
-    tokens, hidden = x.shape
-    if hidden == 0 or hidden % BLOCK_SIZE:
-        raise not_accepted(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
-    device = x.device
-    if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
-        raise not_accepted(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
-    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
-        raise not_accepted(func, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if not isinstance(quantize_activations, bool):
-        raise not_accepted(func, "quantize_activations", quantize_activations, "True or False")
-    if intermediate_dtype not in (None, torch.bfloat16, torch.float16):
-        raise not_accepted(func, "intermediate_dtype", intermediate_dtype, "None, torch.bfloat16 or torch.float16")
-
-    _check_tensor(func, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
-    if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
-        raise not_accepted(func, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
-    if topk_ids.device != device:
-        raise not_accepted(func, "topk_ids", topk_ids, f"a tensor on {device} (where x is)")
-    top_k = topk_ids.shape[1]
-    _check_moe_expert_tensor(
-        func, "topk_weights", topk_weights, (torch.float32,), (tokens, top_k), "that of topk_ids", device
-    )
-
-    _check_tensor(func, "w13", w13, (torch.uint8,), ndim=3)
-    experts, rows13 = w13.shape[0], w13.shape[1]
-    gated = activation == "swiglu"
-    inter = rows13 // 2 if gated else rows13
-    if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
-        rows_text = "2I" if gated else "I"
-        raise not_accepted(func, "w13", w13, f"shape (E >= 1, {rows_text}, H/2={hidden // 2}) for activation={activation!r}, "
-                    f"I a positive multiple of {BLOCK_SIZE}")
-    if w13.device != device:
-        raise not_accepted(func, "w13", w13, f"a tensor on {device} (where x is)")
-    per_expert = f"one per expert, E={experts}"
-    _check_moe_expert_tensor(func, "w13_sf", w13_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(rows13, hidden)),
-                             f"128x4 swizzled scales of {rows13} rows and K={hidden} per expert", device)
-    _check_moe_expert_tensor(func, "w13_alpha", w13_alpha, (torch.float32,), (experts,), per_expert, device)
-    _check_moe_expert_tensor(
-        func, "w2", w2, (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}", device
-    )
-    _check_moe_expert_tensor(func, "w2_sf", w2_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(hidden, inter)),
-                             f"128x4 swizzled scales of {hidden} rows and K={inter} per expert", device)
-    _check_moe_expert_tensor(func, "w2_alpha", w2_alpha, (torch.float32,), (experts,), per_expert, device)
-    if quantize_activations:
-        a1 = _moe_gscale(func, "a1_gscale", a1_gscale, experts, device)
-        a2 = _moe_gscale(func, "a2_gscale", a2_gscale, experts, device)
-        if not torch.isfinite(x).all():
-            raise not_accepted(func, "x", x, "finite values (found NaN or inf)")
-    if tokens == 0:
-        return torch.zeros((0, hidden), dtype=out_dtype, device=device)
-    ids = topk_ids.reshape(-1).long()
-    low, high = torch.stack(torch.aminmax(ids)).tolist()
-    if low < 0 or high >= experts:
-        raise not_accepted(func, "topk_ids", topk_ids, f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
-                    "(expert-parallel ids of other ranks are not accepted)")
-
-    # The GEMM outputs are stored in the output dtype; a float32 output shows the sum before
-    # the final cast of a run in x's dtype.
-    round_dtype = x.dtype if out_dtype == torch.float32 else out_dtype
-    # E2M1 x E4M3 values are exact in bf16 (CUDA: bf16 GEMM, float32 output); unquantized
-    # activations are not, so W4A16 multiplies in float32.
-    dtype = gemm_operand_dtype(x) if quantize_activations else torch.float32
-    # Routed rows (token * k + slot) sorted by expert, stable so each expert's rows keep token
-    # order: a span (expert, lo, hi) is that expert's rows, sorted positions lo..hi-1.
-    order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids, minlength=experts).tolist()
-    token_of_row = order // top_k
-    spans = []
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            spans.append((expert, start, start + count))
-        start += count
-
-    def quantized(values: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
-        packed, scales = quantize(values, gscale, check_finite=False)
-        return dequantize_unscaled(packed, scales, dtype)
-
-    # One global scale: x quantized once; one per expert (compressed-tensors): each expert's rows
-    # quantized with that expert's scale, as the kernel does.
-    if not quantize_activations:
-        acts = x.float()
-    elif a1.dim() == 0:
-        acts = quantized(x, a1)
-    intermediate = torch.empty((ids.numel(), inter), dtype=torch.float32, device=device)
-    def dequantized(which: str, expert: int) -> torch.Tensor:
-        key = (which, expert, dtype)
-        if weight_cache is not None and key in weight_cache:
-            return weight_cache[key]
-        packed_w, scales_w = (w13, w13_sf) if which == "w13" else (w2, w2_sf)
-        weight = dequantize_unscaled(packed_w[expert], scales_w[expert], dtype)
-        if weight_cache is not None:
-            weight_cache[key] = weight
-        return weight
-
-    for expert, lo, hi in spans:
-        weight = dequantized("w13", expert)
-        rows = acts[token_of_row[lo:hi]] if not quantize_activations or a1.dim() == 0 else quantized(x[token_of_row[lo:hi]], a1[expert])
-        fc1 = _moe_mm(rows, weight, w13_alpha[expert])
-        intermediate[lo:hi] = _moe_activation(fc1.to(round_dtype).float(), activation, inter)
-
-    if quantize_activations:
-        if not torch.isfinite(intermediate).all():
-            raise InvalidArgument(f"{func}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
-                                  f"{round_dtype} and activated; expected inputs whose intermediate can be quantized")
-        if intermediate_dtype is not None:
-            intermediate = intermediate.to(intermediate_dtype).float()
-        if a2.dim() == 0:
-            intermediate = quantized(intermediate, a2)
-        else:
-            for expert, lo, hi in spans:
-                intermediate[lo:hi] = quantized(intermediate[lo:hi], a2[expert]).float()
-            intermediate = intermediate.to(dtype)  # exact: dequantized FP4 values fit bf16
-    # Each routed row lands at its unsorted position token * k + slot, for the finalize.
-    routed = torch.empty((ids.numel(), hidden), dtype=round_dtype, device=device)
-    for expert, lo, hi in spans:
-        weight = dequantized("w2", expert)
-        routed[order[lo:hi]] = _moe_mm(intermediate[lo:hi], weight, w2_alpha[expert]).to(round_dtype)
-
-    # finalizeMoeRoutingKernel's sum: float32, slot by slot, a product then an add.
-    routed = routed.view(tokens, top_k, hidden)
-    out = torch.zeros((tokens, hidden), dtype=torch.float32, device=device)
-    for slot in range(top_k):
-        out = out + topk_weights[:, slot : slot + 1] * routed[:, slot].float()
-    return out.to(out_dtype)
+    shape = _check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
+                            activation, out_dtype, quantize_activations, intermediate_dtype)
+    if shape.tokens == 0:
+        return torch.zeros((0, shape.hidden), dtype=shape.out_dtype, device=x.device)
+    return _moe_forward(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, shape, activation,
+                        quantize_activations, intermediate_dtype, weight_cache)

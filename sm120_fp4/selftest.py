@@ -692,7 +692,7 @@ SIMULATION_MOE_CONFIG = MoeConfig(cases=(
 _moe_weight_cache: dict[tuple, dict] = {}
 
 
-def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int) -> dict:
+def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int) -> nvfp4.MoeWeights:
     """Seeded NVFP4 expert weights (each expert its own global scale) in reference_moe_fp4's layout;
     every 11th row zero (a zero output column of FC2, a dead channel of FC1) and another small
     enough for subnormal E4M3 block scales."""
@@ -719,8 +719,7 @@ def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device:
 
     w13, w13_sf, w13_alpha = experts_of(rows13, hidden, a1)
     w2, w2_sf, w2_alpha = experts_of(hidden, inter, a2)
-    weights = dict(w13=w13, w13_sf=w13_sf, w13_alpha=w13_alpha, w2=w2, w2_sf=w2_sf, w2_alpha=w2_alpha,
-                   a1_gscale=a1.reshape(1).float(), a2_gscale=a2.reshape(1).float())
+    weights = nvfp4.MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1.reshape(1).float(), a2.reshape(1).float())
     _moe_weight_cache.clear()  # keep one layer's weights: a self-test walks its cases layer by layer
     _moe_weight_cache[key] = weights
     return weights
@@ -760,10 +759,10 @@ class ExpertCache(dict):
             super().__setitem__(key, value)
 
 
-def moe_cases(fn: Callable, weights: dict, activation: str, plans: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
+def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
               bounds: Bounds = MOE_BOUNDS, cache: dict | None = None, *, first_expert: int = 0,
-              served_ids: bool = False, mode: str = "w4a4", reference_weights: dict | None = None) -> list[Case]:
-    """Calls of `fn` with `weights` (reference_moe_fp4's names), one per plan (label, x, topk_ids,
+              served_ids: bool = False, mode: str = "w4a4", reference_weights: nvfp4.MoeWeights | None = None) -> list[Case]:
+    """Calls of `fn` with `weights`, one per plan (label, x, topk_ids,
     topk_weights): each checked against the oracle, `out` poisoned first. `cache` keeps the
     references' dequantized experts for these weights (one dict per weights).
 
@@ -780,30 +779,27 @@ def moe_cases(fn: Callable, weights: dict, activation: str, plans: list[tuple[st
     cases = []
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
     ref_w = reference_weights or weights
-    experts = weights["w13"].shape[0]
+    experts = weights.w13.shape[0]
     for label, x, ids, topk_weights in plans:
         local = ids.long() - first_expert
         mine = (ids >= 0) & (local >= 0) & (local < experts)
         call_ids = ids if served_ids else torch.where(mine, local, torch.full_like(local, -1)).to(torch.int32)
-        tensors = (weights["w13"], weights["w13_sf"], weights["w13_alpha"], weights["w2"], weights["w2_sf"],
-                   weights["w2_alpha"], weights["a1_gscale"], weights["a2_gscale"])
         routed = (x, torch.where(mine, local, torch.zeros_like(local)), torch.where(mine, topk_weights, torch.zeros_like(topk_weights)))
         if mode == "w4a16":
-            ref = nvfp4.reference_moe_fp4(*routed, ref_w["w13"], ref_w["w13_sf"], ref_w["w13_alpha"] * ref_w["a1_gscale"],
-                                          ref_w["w2"], ref_w["w2_sf"], ref_w["w2_alpha"] * ref_w["a2_gscale"], None, None,
-                                          activation=activation, out_dtype=torch.float32, quantize_activations=False,
-                                          weight_cache=cache)
+            w4a16 = ref_w._replace(w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale, w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale,
+                                   a1_gscale=None, a2_gscale=None)
+            ref = nvfp4.reference_moe_fp4(*routed, *w4a16, activation=activation, out_dtype=torch.float32,
+                                          quantize_activations=False, weight_cache=cache)
             slack = None  # nothing is re-quantized: no rounding point the oracle cannot decide
         else:
-            oracle = (*routed, *(ref_w[k] for k in ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha",
-                                                    "a1_gscale", "a2_gscale")))
+            oracle = (*routed, *ref_w)
             ref = nvfp4.reference_moe_fp4(*oracle, activation=activation, out_dtype=torch.float32, weight_cache=cache)
             kernel_rounding = nvfp4.reference_moe_fp4(*oracle, activation=activation, out_dtype=torch.float32,
                                                       intermediate_dtype=x.dtype, weight_cache=cache)
             slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        args = (x, call_ids, topk_weights, *tensors)
-        cases.append(Case(x.shape[0], x.shape[1], weights["w2"].shape[2] * 2,
+        args = (x, call_ids, topk_weights, *weights)
+        cases.append(Case(x.shape[0], x.shape[1], weights.w2.shape[2] * 2,
                           functools.partial(fn, *args, activation, x.dtype, out), ref,
                           inputs=tuple(a for a in args if isinstance(a, torch.Tensor)), out=out, label=label, bounds=bounds,
                           slack=slack))

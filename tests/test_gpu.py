@@ -163,12 +163,12 @@ def test_the_moe_front_with_the_emulated_moe_is_captured_and_replays_like_eager(
                               lambda index: backends.emulated_moe, lambda index: "emulated")
     static = _moe_inputs(1)
     out = torch.empty_like(static[0])
-    scales = [weights["a1_gscale"].reshape(()), weights["w13_sf"].view(torch.int32), weights["w13_alpha"],
-              weights["a2_gscale"].reshape(()), weights["w2_sf"].view(torch.int32), weights["w2_alpha"]]
+    scales = [weights.a1_gscale.reshape(()), weights.w13_sf.view(torch.int32), weights.w13_alpha,
+              weights.a2_gscale.reshape(()), weights.w2_sf.view(torch.int32), weights.w2_alpha]
 
     def call(x, ids, topk_weights):
         return front(output=out, input=x, token_selected_experts=ids, token_final_scales=topk_weights,
-                     fc1_expert_weights=weights["w13"].view(torch.long), fc2_expert_weights=weights["w2"].view(torch.long),
+                     fc1_expert_weights=weights.w13.view(torch.long), fc2_expert_weights=weights.w2.view(torch.long),
                      output_dtype=torch.bfloat16, input_sf=None, quant_scales=scales, ep_size=2, ep_rank=1,
                      activation_type=_ActivationType.Swiglu)[0]
 
@@ -199,9 +199,9 @@ def test_the_moe_front_with_the_emulated_moe_is_captured_and_replays_like_eager(
         x, ids, topk_weights = fresh
         local = ids.long() - 16
         mine = (ids >= 0) & (local >= 0) & (local < 16)
-        want = nvfp4.reference_moe_fp4(x, torch.where(mine, local, 0), torch.where(mine, topk_weights, 0), weights["w13"],
-                                       weights["w13_sf"], weights["w13_alpha"], weights["w2"], weights["w2_sf"],
-                                       weights["w2_alpha"], weights["a1_gscale"], weights["a2_gscale"])
+        want = nvfp4.reference_moe_fp4(x, torch.where(mine, local, 0), torch.where(mine, topk_weights, 0), weights.w13,
+                                       weights.w13_sf, weights.w13_alpha, weights.w2, weights.w2_sf,
+                                       weights.w2_alpha, weights.a1_gscale, weights.a2_gscale)
         assert torch.equal(eager, want)
 
 

@@ -413,8 +413,8 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
     device = torch.device("cuda")
     experts, hidden, inter, top_k, tokens = 16, 256, 128, 4, 8
     weights = selftest._moe_weights(experts, hidden, inter, "swiglu", device, 3)
-    kept = {name: t.clone() for name, t in weights.items()}
-    humming.prepare_moe({**weights, "dtype": torch.bfloat16}, torch.bfloat16, keep_original=True)
+    kept = weights.map(torch.clone)
+    humming.prepare_moe({**weights._asdict(), "dtype": torch.bfloat16}, torch.bfloat16, keep_original=True)
     front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
                               lambda index: humming.fused_moe, lambda index: "humming")
     gen = torch.Generator().manual_seed(9)
@@ -423,13 +423,13 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
     ids, tw = selftest.moe_routing(tokens, top_k, experts, "padded", gen)
     static = {"x": (torch.randn(tokens, hidden, generator=gen)).to(torch.bfloat16).to(device),
               "ids": ids.to(device), "tw": tw.to(device)}
-    scales = [weights["a1_gscale"].reshape(()), weights["w13_sf"].view(torch.int32), weights["w13_alpha"],
-              weights["a2_gscale"].reshape(()), weights["w2_sf"].view(torch.int32), weights["w2_alpha"]]
+    scales = [weights.a1_gscale.reshape(()), weights.w13_sf.view(torch.int32), weights.w13_alpha,
+              weights.a2_gscale.reshape(()), weights.w2_sf.view(torch.int32), weights.w2_alpha]
 
     def call():
         return front(output=torch.empty_like(static["x"]), input=static["x"], token_selected_experts=static["ids"],
-                     token_final_scales=static["tw"], fc1_expert_weights=weights["w13"].view(torch.long),
-                     fc2_expert_weights=weights["w2"].view(torch.long), output_dtype=torch.bfloat16, input_sf=None,
+                     token_final_scales=static["tw"], fc1_expert_weights=weights.w13.view(torch.long),
+                     fc2_expert_weights=weights.w2.view(torch.long), output_dtype=torch.bfloat16, input_sf=None,
                      quant_scales=scales, activation_type=_ActivationType.Swiglu)[0]
 
     graph, static_out = _capture(call)
@@ -452,9 +452,9 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
         assert torch.equal(static_out, eager)
         mine = static["ids"] >= 0  # the oracle's convention for the others: expert 0 with weight 0 (they add nothing)
         ref = nvfp4.reference_moe_fp4(static["x"], torch.where(mine, static["ids"], 0), torch.where(mine, static["tw"], 0),
-                                      kept["w13"], kept["w13_sf"],
-                                      kept["w13_alpha"] * kept["a1_gscale"], kept["w2"], kept["w2_sf"],
-                                      kept["w2_alpha"] * kept["a2_gscale"], None, None, quantize_activations=False)
+                                      kept.w13, kept.w13_sf,
+                                      kept.w13_alpha * kept.a1_gscale, kept.w2, kept.w2_sf,
+                                      kept.w2_alpha * kept.a2_gscale, None, None, quantize_activations=False)
         assert float((eager.float() - ref.float()).norm() / ref.float().norm()) < 1e-2, routing
         dropped = (~mine).all(dim=1)
         if routing == "padded":

@@ -41,7 +41,7 @@ MODELOPT = "modelopt_fp4"
 COMPRESSED_TENSORS = "compressed-tensors"
 _QUANTIZATIONS = (MODELOPT, COMPRESSED_TENSORS)
 ACTIVATIONS = ("swiglu", "relu2")
-_KERNEL_TENSORS = ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha", "a1_gscale", "a2_gscale")
+_KERNEL_TENSORS = nvfp4.MoeWeights._fields
 
 
 # --------------------------------------------------------------------------------------------

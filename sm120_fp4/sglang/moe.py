@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -174,8 +174,18 @@ def gate_up_problem(layer: object) -> str | None:
             "numbers for every token routed there; requantize the checkpoint with one global scale for w1 and w3")
 
 
-def processed_weights(layer: object) -> dict | None:
-    """The tensors SGLang passes to the kernel, in reference_moe_fp4's names (None: not the cutlass layout)."""
+class ProcessedMoe(NamedTuple):
+    """One NVFP4 MoE layer as SGLang passes it to the kernel: its eight tensors and their sizes."""
+
+    weights: nvfp4.MoeWeights
+    activation: str  # "swiglu" or "relu2"
+    experts: int  # this rank's
+    hidden: int
+    inter: int
+
+
+def processed_weights(layer: object) -> ProcessedMoe | None:
+    """The tensors SGLang passes to the kernel (None: not the cutlass layout)."""
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dtype != torch.uint8 or w13.dim() != 3:
         return None
@@ -189,36 +199,35 @@ def processed_weights(layer: object) -> dict | None:
     activation = "swiglu" if rows == 2 * inter else "relu2" if rows == inter else None
     if activation is None or w13_sf is None or w2_sf is None:
         return None
-    return dict(
+    weights = nvfp4.MoeWeights(
         w13=w13, w13_sf=w13_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(rows, hidden)),
         w13_alpha=layer.g1_alphas.float().reshape(experts),
         w2=w2, w2_sf=w2_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(hidden, inter)),
         w2_alpha=layer.g2_alphas.float().reshape(experts),
         a1_gscale=kernels.global_scale(layer.w13_input_scale_quant.float()),
         a2_gscale=kernels.global_scale(layer.w2_input_scale_quant.float()),
-        activation=activation, experts=experts, hidden=hidden, inter=inter,
     )
+    return ProcessedMoe(weights, activation, experts, hidden, inter)
 
 
-def _served_call(layer: object, weights: dict, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def _served_call(layer: object, processed: ProcessedMoe, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """The kernel call exactly as SGLang's _run_flashinfer_cutlass makes it, through the (patched)
     seam: `ids` as SGLang's router and dispatcher leave them (global expert ids, -1 for a dropped
     slot; flashinfer_cutlass keeps global ids under expert parallelism)."""
     front, activation_type = _seam()
     ep_size, ep_rank = getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_ep_rank", 0)
-    scales = [weights["a1_gscale"].reshape(()) if weights["a1_gscale"].numel() == 1 else weights["a1_gscale"],
-              weights["w13_sf"].view(torch.int32), weights["w13_alpha"],
-              weights["a2_gscale"].reshape(()) if weights["a2_gscale"].numel() == 1 else weights["a2_gscale"],
-              weights["w2_sf"].view(torch.int32), weights["w2_alpha"]]
+    w = processed.weights
+    scales = [w.a1_gscale.reshape(()) if w.a1_gscale.numel() == 1 else w.a1_gscale, w.w13_sf.view(torch.int32), w.w13_alpha,
+              w.a2_gscale.reshape(()) if w.a2_gscale.numel() == 1 else w.a2_gscale, w.w2_sf.view(torch.int32), w.w2_alpha]
     swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
     return front(
         output=torch.empty(x.shape, dtype=x.dtype, device=x.device), input=x,
         token_selected_experts=ids.to(torch.int32), token_final_scales=topk_weights,
-        fc1_expert_weights=weights["w13"].view(torch.long), fc2_expert_weights=weights["w2"].view(torch.long),
+        fc1_expert_weights=w.w13.view(torch.long), fc2_expert_weights=w.w2.view(torch.long),
         output_dtype=x.dtype, input_sf=None, quant_scales=scales, swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1],
         swiglu_limit=swiglu[2], ep_size=ep_size, ep_rank=ep_rank,
         tp_size=getattr(layer, "moe_tp_size", 1), tp_rank=getattr(layer, "moe_tp_rank", 0),
-        tune_max_num_tokens=8192, activation_type=getattr(activation_type, kernels.MOE_ACTIVATIONS[weights["activation"]]),
+        tune_max_num_tokens=8192, activation_type=getattr(activation_type, kernels.MOE_ACTIVATIONS[processed.activation]),
         enable_alltoall=False, use_fused_finalize=False,
     )[0]
 
@@ -249,11 +258,11 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     (the oracle keeps those dequantized), one batch puts >= 128 rows on one expert, and one routes
     to every expert of the rank, so each of them is exercised with its own weights.
     """
-    weights = processed_weights(layer)
-    if weights is None:
+    processed = processed_weights(layer)
+    if processed is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
         return None
-    hidden, inter, experts = weights["hidden"], weights["inter"], weights["experts"]
+    weights, hidden, inter, experts = processed.weights, processed.hidden, processed.inter, processed.experts
     ep_size, ep_rank = getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_ep_rank", 0)
     first, total = ep_rank * experts, experts * ep_size
     top_k = int(getattr(layer, "top_k", 2) or 2)
@@ -268,19 +277,16 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     max_batch = max_capture_batch()
     ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
     tp = f" TP rank {getattr(layer, 'moe_tp_rank', 0)}/{getattr(layer, 'moe_tp_size', 1)}" if getattr(layer, "moe_tp_size", 1) > 1 else ""
-    label = (f"{kind} E={experts} H={hidden} I={inter} top_k={top_k} {weights['activation']} "
+    label = (f"{kind} E={experts} H={hidden} I={inter} top_k={top_k} {processed.activation} "
              f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}{ep}{tp}")
-    key = ("moe", kind, tuple(weights["w13"].shape), tuple(weights["w2"].shape), top_k, dtypes,
-           weights["a1_gscale"].numel(), ep_size, getattr(layer, "moe_tp_size", 1))
-    device = weights["w13"].device
-    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights["a1_gscale"].float().max().cpu())
-    names = ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha", "a1_gscale", "a2_gscale")
-    kernel_weights = {k: weights[k] for k in names}
+    key = ("moe", kind, tuple(weights.w13.shape), tuple(weights.w2.shape), top_k, dtypes,
+           weights.a1_gscale.numel(), ep_size, getattr(layer, "moe_tp_size", 1))
+    device = weights.w13.device
+    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
     cover = max(8, -(-2 * total // top_k))  # tokens that give every expert (of every rank) >= 2 rows
 
     def cases(ms: list[int]) -> list[selftest.Case]:
         gen = torch.Generator().manual_seed(2024)
-        xgen = torch.Generator(device=device).manual_seed(2024)  # activations made where they are used
         plans = []
         batches = [(m, "random", pool) for m in ms]
         if len(ms) > 1:  # the full sweep (a light check is one decode batch)
@@ -288,33 +294,33 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         for dtype in dtypes:
             for m, routing, among in batches:
                 ids, topk_weights = _routed(m, min(top_k, among.numel()), among, routing, gen)
-                x = selftest.structured_activations(m, hidden, amax, xgen, device).to(dtype)
+                x = selftest.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)  # made where used
                 name = f"T={m} {routing}{' (every expert)' if among is everyone else ''} {str(dtype).removeprefix('torch.')}"
                 plans.append((name, x, ids.to(device), topk_weights.to(device)))
-        call = serve or functools.partial(_served_convention, layer, weights)
+        call = serve or functools.partial(_served_convention, layer, processed)
         # What the serving backend computes (humming: W4A16), and the checkpoint's bytes for the oracle
         # where it converted the served storage in place.
         index = layer_device_index(layer)
         mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
-        originals = {k: backends.original(v) for k, v in kernel_weights.items()}
+        originals = weights.map(backends.original)
         cache = selftest.ExpertCache(subset)  # every-expert batches dequantize the others per call
-        return selftest.moe_cases(call, kernel_weights, weights["activation"], plans, cache=cache,
+        return selftest.moe_cases(call, weights, processed.activation, plans, cache=cache,
                                   first_expert=first, served_ids=serve is None, mode=mode, reference_weights=originals)
 
     def current() -> tuple:
         now = processed_weights(layer)
-        return tuple(now[k] for k in names) if now is not None else ()
+        return tuple(now.weights) if now is not None else ()
 
     return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), recheck_sizes(max_batch),
                       layer=layer_name(layer), light_ms=[LIGHT_BATCH], weights=current,
                       rebuild=lambda owner: moe_check(kind, owner, serve), owner=layer,
-                      tensors={**kernel_weights, "dtype": dtypes[0]})
+                      tensors={**weights._asdict(), "dtype": dtypes[0]})
 
 
-def _served_convention(layer, weights, x, ids, topk_weights, *rest):
+def _served_convention(layer, processed, x, ids, topk_weights, *rest):
     """selftest.moe_cases calls in the backend convention's order; serve through the seam, write `out`."""
     out = rest[-1]
-    out.copy_(_served_call(layer, weights, x, ids, topk_weights))
+    out.copy_(_served_call(layer, processed, x, ids, topk_weights))
     return out
 
 

@@ -18,12 +18,12 @@ def _ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activat
 def rounds_intermediate_first(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, out_dtype, out):
     """Healthy: FlashInfer's own rounding (the intermediate rounded to the output dtype before it is
     re-quantized, and each slot's row rounded before the sum)."""
-    original = nvfp4._moe_activation
-    nvfp4._moe_activation = lambda fc1, act, inter: original(fc1, act, inter).to(out_dtype).float()
+    original = nvfp4.expert_activation
+    nvfp4.expert_activation = lambda fc1, act, inter: original(fc1, act, inter).to(out_dtype).float()
     try:
         out.copy_(_ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, torch.float32).to(out_dtype))
     finally:
-        nvfp4._moe_activation = original
+        nvfp4.expert_activation = original
     return out
 
 
