@@ -30,8 +30,10 @@ from ..sglang.release import LAUNCH_SERVER
 __all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "CPU_SERVER_DEFAULTS", "Server", "free_port", "group_members"]
 
 # What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU").
+# The KV cache capped (SGLang sizes it from the machine's free memory on a CPU): small and quick to
+# allocate, and room for another process that allocates while this one loads.
 CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                   "--skip-server-warmup", "--tp", "1", "--mem-fraction-static", "0.1"]
+                   "--skip-server-warmup", "--tp", "1", "--mem-fraction-static", "0.5", "--max-total-tokens", "32768"]
 CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SM120_FP4": "1"}  # always: the CPU engine, the library on
 # Defaults the operator's environment may override (a broken kernel named in SM120_FP4_BACKENDS, say).
 CPU_SERVER_DEFAULTS = {"HF_HUB_OFFLINE": "1", "SM120_FP4_SIMULATE": "12.0",
