@@ -11,8 +11,8 @@
   the failures counted in the report; then a server with the canary off answers the same prompt.
 
 Each server is one ``sm120-fp4 launch -- python -m sglang.launch_server`` (demo/server.py's Server),
-in its own process group, stopped by its PID; the scenarios of one session run one after the other
-(a lock file beside their folders).
+in its own process group, stopped by its PID. The suite runs at most two real-server jobs at a time
+(tests/conftest.py); a scenario may run beside the other.
 """
 
 from __future__ import annotations
@@ -175,13 +175,7 @@ def _listening(server: Server) -> bool:
 
 
 def main(scenario: str, folder: str) -> int:
-    import fcntl
-
     root = Path(folder)
-    # One scenario's servers at a time (the jobs of a session share a parent folder): each start costs
-    # minutes of CPU, and the suite's other subprocesses have time bounds of their own.
-    lock = open(root.parent / ".canary-servers.lock", "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)
     ckpt = write_checkpoint(str(root / "ckpt"), seed=3)
     site = plugin(root / "plugin")
     env = {"SM120_FP4_BACKENDS": "wears-out", "SM120_FP4_MOE_BACKENDS": "emulated", "SM120_FP4_CANARY": f"{PERIOD:g}",
