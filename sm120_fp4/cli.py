@@ -25,11 +25,11 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import locks
 
-__all__ = ["main", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE", "EXIT_UNVERIFIED"]
+__all__ = ["main", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE", "EXIT_UNVERIFIED", "use_worker_runner", "worker_argv", "WorkerOutput"]
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
 
@@ -44,9 +44,9 @@ def _emit(payload: dict) -> None:
 
 # ---- selftest: the worker (one device, one family, one short-lived process) -----------------
 
-def _worker(args: argparse.Namespace) -> int:
-    """Run decide() for one device and family in this (short-lived) process; print JSON lines:
-    one event per candidate right before it runs, then the result."""
+def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
+    """Run decide() for one device and family in this (short-lived) process; `emit` JSON lines
+    (standard output): one event per candidate right before it runs, then the result."""
     from . import backends, deciding, devices, serving, verdicts
     from .config import load_settings
     from .errors import ConfigError, RefusedToServe
@@ -70,22 +70,25 @@ def _worker(args: argparse.Namespace) -> int:
         kind = backends.get_moe if family == "moe" else backends.get
 
         def announce(event, fam, dev, name):
-            _emit({"event": event, "family": fam, "backend": name, "flashinfer": kind(name).kind == "flashinfer", "key": key})
+            emit({"event": event, "family": fam, "backend": name, "flashinfer": kind(name).kind == "flashinfer", "key": key})
 
         deciding.candidate_hook = announce
-        decision = serving.decide(device, args.backend or None, settings=settings, family=family)
+        try:
+            decision = serving.decide(device, args.backend or None, settings=settings, family=family)
+        finally:
+            deciding.candidate_hook = None
     except ConfigError as exc:
-        _emit({"ok": False, "usage": True, "message": str(exc)})
+        emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
     except RefusedToServe as exc:
         reports = [r.model_dump(mode="json") for r in getattr(exc, "reports", [])]
-        _emit({"ok": False, "usage": False, "message": str(exc), "device": args.device, "key": key,
+        emit({"ok": False, "usage": False, "message": str(exc), "device": args.device, "key": key,
                "rejected": getattr(exc, "rejected", {}), "reports": reports, "report": _own_report()})
         return EXIT_REFUSED
     except LookupError as exc:
-        _emit({"ok": False, "usage": True, "message": str(exc)})
+        emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
-    _emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key, "report": _own_report()})
+    emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key, "report": _own_report()})
     return EXIT_OK if decision.verified else EXIT_UNVERIFIED
 
 
@@ -264,16 +267,60 @@ class _Stop:
         return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
 
 
+def worker_argv(index: int, family: str, backend_args: list[str], crashed: dict[str, str], uuid: str | None) -> list[str]:
+    """The arguments of one self-test worker (after ``python -m sm120_fp4``)."""
+    argv = ["_selftest-worker", "--device", str(index), *backend_args]
+    argv += ["--moe"] if family == "moe" else []
+    argv += ["--uuid", uuid] if uuid else []
+    return argv + [a for name, why in crashed.items() for a in ("--crashed", f"{name}={why}")]
+
+
+WorkerRunner = Callable[..., "tuple[dict | None, dict | None, int, str]"]
+_worker_runner: WorkerRunner | None = None
+
+
+def use_worker_runner(runner: WorkerRunner | None) -> WorkerRunner | None:
+    """Run the preflight's workers through `runner` (None: each its own short-lived process, the
+    default); returns the previous one. The seam for tests of what the preflight makes of its
+    workers' results (exit codes, the table, launch's gating): they run the worker in-process
+    (tests/helpers/workers.py), and the crash, hang, signal and exec cases keep real processes.
+    `runner(index, family, backend_args, crashed, label, env, stop, uuid)` returns what
+    :func:`_run_worker` returns."""
+    global _worker_runner
+    previous, _worker_runner = _worker_runner, runner
+    return previous
+
+
+class WorkerOutput:
+    """What one worker's JSON lines say, read as they come: the result, the last candidate event
+    (the one running when a worker dies), and a progress line on stderr for each event."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.result, self.event = label, None, None
+
+    def feed(self, line: str) -> None:
+        if not line.startswith("{"):
+            return
+        try:
+            data = json.loads(line)
+        except ValueError:
+            return
+        if "event" in data:
+            self.event = data
+            jit = " (the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes)" if data.get("flashinfer") else ""
+            _eprint(f"[{self.label}] {data['event']} of {data['backend']}{jit} ...")
+        else:
+            self.result = data
+
+
 def _run_worker(index: int, family: str, backend_args: list[str], crashed: dict[str, str], label: str,
                 env: dict[str, str], stop: _Stop | None = None, uuid: str | None = None,
                 heartbeat_s: float = 30.0) -> tuple[dict | None, dict | None, int, str]:
     """One worker run: (result, last candidate event, returncode, stderr tail)."""
-    cmd = [sys.executable, "-m", "sm120_fp4", "_selftest-worker", "--device", str(index), *backend_args]
-    cmd += ["--moe"] if family == "moe" else []
-    cmd += ["--uuid", uuid] if uuid else []
-    cmd += [a for name, why in crashed.items() for a in ("--crashed", f"{name}={why}")]
+    cmd = [sys.executable, "-m", "sm120_fp4", *worker_argv(index, family, backend_args, crashed, uuid)]
     lines: queue.Queue = queue.Queue()
     stop = stop or _Stop()
+    output = WorkerOutput(label)
     with tempfile.TemporaryFile("w+") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
                                                                start_new_session=True) as proc:
         stop.add(proc)
@@ -284,7 +331,7 @@ def _run_worker(index: int, family: str, backend_args: list[str], crashed: dict[
             lines.put(None)
 
         threading.Thread(target=read, daemon=True).start()
-        start, result, event = time.perf_counter(), None, None
+        start = time.perf_counter()
         while True:
             try:
                 line = lines.get(timeout=heartbeat_s)
@@ -293,23 +340,12 @@ def _run_worker(index: int, family: str, backend_args: list[str], crashed: dict[
                 continue
             if line is None:
                 break
-            if not line.startswith("{"):
-                continue
-            try:
-                data = json.loads(line)
-            except ValueError:
-                continue
-            if "event" in data:
-                event = data
-                jit = " (the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes)" if data.get("flashinfer") else ""
-                _eprint(f"[{label}] {data['event']} of {data['backend']}{jit} ...")
-            else:
-                result = data
+            output.feed(line)
         code = proc.wait()
         stop.discard(proc)
         err.seek(0)
         stderr = err.read()[-2000:]
-    return result, event, code, stderr
+    return output.result, output.event, code, stderr
 
 
 def _record(settings, family: str, result: dict) -> None:
@@ -351,7 +387,7 @@ def _preflight(index: int, family: str, backend_args: list[str], settings, env: 
     while True:
         if stop.signal is not None:
             return _stopped(label, stop.signal, None)
-        result, event, code, stderr = _run_worker(index, family, backend_args, crashed, label, env, stop, uuid)
+        result, event, code, stderr = (_worker_runner or _run_worker)(index, family, backend_args, crashed, label, env, stop, uuid)
         if result is not None:
             result["crashed"] = dict(crashed)
             _record(settings, family, result)

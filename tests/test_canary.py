@@ -247,6 +247,32 @@ def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run
     assert [r.passed for r in c.status().recent if r.family == "dense"] == [True]
 
 
+@case("backend faults", "an MoE kernel that, once serving, returns the right result and then doubles a row of its input activations x in place (the caller's hidden states)",
+      "the canary's MoE step still compares the call's activations and routing bit for bit (only the layer's weights go by their fingerprint): refused, naming the changed input")
+def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
+    from sm120_fp4.sglang import moe_layers
+
+    problem = moe_layers.builder_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    state = {"worn": False}
+
+    def scales_x(x, ids, weights, *rest):
+        out = backends.emulated_moe(x, ids, weights, *rest)  # the right result ...
+        if state["worn"]:
+            x[0].mul_(2)  # ... then the caller's hidden state of token 0 doubled: only the inputs' check sees it
+        return out
+
+    backends.register_moe("moe-x", scales_x)
+    c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends="moe-x")
+    moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    state["worn"] = True
+    c.clock.now += PERIOD
+    with pytest.raises(RefusedToServe, match=r"(?s)while serving: moe-x failed .*changed its input\(s\) \[0\] in place"):
+        for _ in range(40):
+            canary.idle()
+
+
 # ---- slices: bounded, always progressing, long steps deferred; saturation; capture ---------------
 
 class StepTimer:

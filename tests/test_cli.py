@@ -7,12 +7,15 @@ import json
 import sys
 
 import pytest
+import torch
 
 from helpers.cases import case
+from helpers.children import all_zeros as zeros
 from helpers.common import SIM_ENV as SIM_OK
 from helpers.plugins import plugin_site
 from helpers.procs import REPO, Popen, background, clean_env
-from sm120_fp4 import cli, doctor
+from helpers.workers import workers_in_process
+from sm120_fp4 import backends, cli, doctor
 
 
 def cli_job(*args: str, env: dict[str, str]):
@@ -23,10 +26,12 @@ def cli_job(*args: str, env: dict[str, str]):
 # ---- selftest -----------------------------------------------------------------------------
 
 def cli_in_process(monkeypatch, capsys, *args, env=None):
-    """Run the CLI in this process (the self-test workers are still subprocesses)."""
+    """Run the CLI in this process, its self-test workers too (helpers.workers: the real worker, its
+    lines read as the preflight reads a worker process's); the background jobs run it as processes."""
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
-    code = cli.main(list(args))
+    with workers_in_process():
+        code = cli.main(list(args))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -209,35 +214,42 @@ def cli_plugin_job(*args, **env):
 UNVERIFIED = {"warn": {"SM120_FP4_SELFTEST": "warn"}, "off": {"SM120_FP4_SELFTEST": "off"}}
 
 
-@case("backend faults", "`sm120-fp4 selftest` with SM120_FP4_SELFTEST={mode} and a kernel that returns zeros (an entry-point backend)",
+@case("backend faults", "`sm120-fp4 selftest` with SM120_FP4_SELFTEST={mode} and a kernel that returns zeros (a registered backend)",
       f"exit {cli.EXIT_UNVERIFIED} (unverified), never 0; the row says UNVERIFIED")
 @pytest.mark.parametrize("mode", list(UNVERIFIED))
-@background(lambda folder, mode: Popen([sys.executable, "-m", "sm120_fp4", "selftest"],
-                                       plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros", **UNVERIFIED[mode]), folder))
-def test_an_unverified_preflight_has_its_own_exit_code(background, mode):
-    rc, stdout, stderr = background
-    assert rc == cli.EXIT_UNVERIFIED, stderr
-    assert "| zeros | UNVERIFIED |" in stdout
+def test_an_unverified_preflight_has_its_own_exit_code(monkeypatch, capsys, mode):
+    backends.register("zeros", zeros)
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest",
+                                    env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "zeros", **UNVERIFIED[mode]})
+    assert code == cli.EXIT_UNVERIFIED, err
+    assert "| zeros | UNVERIFIED |" in out
 
 
-LAUNCH_CHILD = "import sys; print('launched command: started', file=sys.stderr)"  # launch execs it: same stderr
+def launch_in_process(monkeypatch, capsys, *args, env):
+    """`sm120-fp4 launch ARGS` in this process, its workers too; exec recorded, not made:
+    (exit code, stderr, the exec'd argv and its SM120_FP4, or None)."""
+    execs = []
+    monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
+    monkeypatch.setattr(cli.os, "execvpe", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4"))))
+    code, _, err = cli_in_process(monkeypatch, capsys, "launch", *args, env=env)
+    return code, err, (execs[0] if execs else None)
 
 
 @case("backend faults", "`sm120-fp4 launch {flag}` with SM120_FP4_SELFTEST=warn and a zero-returning kernel",
       "{outcome}")
 @pytest.mark.parametrize("flag, outcome", [("", "exit 3; the command is not started"),
                                            ("--allow-unverified", "the command starts, after a warning that it is unverified")])
-@background(lambda folder, flag, outcome: Popen([sys.executable, "-m", "sm120_fp4", "launch", *([flag] if flag else []), "--", sys.executable, "-c", LAUNCH_CHILD],
-                                                plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros", SM120_FP4_MOE_BACKENDS="emulated",
-                                                           SM120_FP4_SELFTEST="warn"), folder, cwd=folder))
-def test_launch_does_not_start_an_unverified_server_unless_told(background, flag, outcome):
-    rc, _, stderr = background
-    started = "launched command: started" in stderr
+def test_launch_does_not_start_an_unverified_server_unless_told(monkeypatch, capsys, flag, outcome):
+    backends.register("zeros", zeros)
+    command = [sys.executable, "-c", "print('started')"]
+    code, err, started = launch_in_process(monkeypatch, capsys, *([flag] if flag else []), "--", *command,
+                                           env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "zeros",
+                                                "SM120_FP4_MOE_BACKENDS": "emulated", "SM120_FP4_SELFTEST": "warn"})
     if flag:
-        assert rc == 0 and "--allow-unverified was given" in stderr, stderr
+        assert code == 0 and "--allow-unverified was given" in err and started == (command, "1"), err
     else:
-        assert rc == cli.EXIT_UNVERIFIED and "not starting the server" in stderr and "--allow-unverified" in stderr, stderr
-    assert started is bool(flag)
+        assert code == cli.EXIT_UNVERIFIED and "not starting the server" in err and "--allow-unverified" in err, err
+        assert started is None
 
 
 @case("configuration", "`sm120-fp4 selftest {args}`", "exit 2; stderr names --backend and the name; no table row")
@@ -250,11 +262,13 @@ def test_an_unknown_backend_on_the_command_line_names_the_option(monkeypatch, ca
 
 @case("configuration", "`sm120-fp4 launch` with {gpus}", "one rule: nothing for the library to serve, so the command starts (exit 0) and stderr says nothing was verified")
 @pytest.mark.parametrize("gpus", ["no GPU visible", "only a non-12.x GPU (simulated 9.0)"])
-@background(lambda folder, gpus: Popen([sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-c", "print('started')"],
-                                       clean_env(CUDA_VISIBLE_DEVICES="", **({} if gpus.startswith("no") else {"SM120_FP4_SIMULATE": "9.0"})), folder))
-def test_launch_starts_the_command_when_there_is_nothing_to_verify(background, gpus):
-    rc, stdout, stderr = background
-    assert rc == 0 and "started" in stdout and "nothing to verify" in stderr, stderr
+def test_launch_starts_the_command_when_there_is_nothing_to_verify(monkeypatch, capsys, gpus):
+    if gpus.startswith("no") and torch.cuda.is_available():
+        pytest.skip("this process sees a GPU (the CPU runs show no GPU visible)")
+    command = [sys.executable, "-c", "print('started')"]
+    code, err, started = launch_in_process(monkeypatch, capsys, "--", *command,
+                                           env={} if gpus.startswith("no") else {"SM120_FP4_SIMULATE": "9.0"})
+    assert code == 0 and started == (command, "1") and "nothing to verify" in err, err
 
 
 @case("backend faults", "candidate that kills its process (SIGSEGV, as an illegal memory access does) in `sm120-fp4 selftest`, SELECT=fastest",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.procs import Popen, background
+from helpers.procs import Popen, background, clean_env
 from sm120_fp4 import cli
 from sm120_fp4.config import Settings, env_name, load_settings
 
@@ -35,9 +35,7 @@ SETTING_VARS = {env_name(field) for field in Settings.model_fields}
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SM120_FP4")}
-    env.update(extra)
-    return env
+    return clean_env(**extra)  # a job's thread reads the session's environment, never os.environ
 
 
 def _sglang_file(relative: str) -> Path:

@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..kernels import is_mm_fp4
@@ -24,7 +24,7 @@ from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_conf
 from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
                       SUPPORTED, WEIGHT_UPDATER, sglang_version)
 
-__all__ = ["Wiring", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
+__all__ = ["Wiring", "TARGETS", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
            "LEGACY_KNOB_SPEC"]
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -71,10 +71,114 @@ class Wiring:
     weights_update_end: Callable[[], object] = lambda: None  # ... and is done: verify what changed
 
 
-def specs(w: Wiring) -> list[PatchSpec]:
-    """The runtime patches for every supported release (each guarded by its own version range)."""
+_MOE_WHY = (
+    "decide the NVFP4 fused-MoE backend for the layer's device, refuse a checkpoint whose gate and up global "
+    "scales differ (the cutlass path applies the gate's to both), then verify this layer's configuration "
+    "(this rank's experts and I slice, top-k, activation, dtype, its own processed weights) through the "
+    "fused-MoE seam as SGLang calls it, at every batch-size bucket and with >= 128 rows on one expert"
+)
+_WARMUP_WHY = (
+    "after SGLang's warm-up and CUDA-graph capture (FlashInfer's autotuner has picked its tactics by "
+    "then), re-run every verified layer configuration once, eagerly and outside capture; a kernel "
+    "that goes wrong only after warm-up refuses to serve"
+)
+_WEIGHTS_WHY = (
+    "run the self-test (decide) once per device at the first NVFP4 layer and pin the runner enum "
+    "before the weight layout is chosen; then verify this layer's configuration (N, K, dtype, "
+    "scale dtypes, its own weights) through SGLang's own apply at every batch-size bucket, "
+    "before SGLang serves or captures CUDA graphs"
+)
+_UPDATE_WHY = ("SGLang writes weights in place (param.data, no version bump): drop the caches of dequantized weights "
+               "first, and verify every layer whose weights changed (its light check, its configuration's sweep, a new "
+               "fingerprint) before it serves again; without this the re-check would refuse the new weights as corrupted")
+_MOE_REMOVE = "when SGLang verifies its fused-MoE output at start-up on SM12x"
+_CAPTURE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x")
+_UPDATE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 output after its weight updates on SM12x")
 
-    def hook(check: Callable) -> Callable:
+
+def _is_the_alias(original: object) -> str | None:
+    """The alias targets' check: is what SGLang bound FlashInfer's mm_fp4 (looked up when it runs)."""
+    return is_mm_fp4(original)
+
+
+def _target(makes: str, **fields) -> tuple[str, PatchSpec]:
+    return makes, PatchSpec(distribution=DISTRIBUTION, **fields)
+
+
+# Every runtime patch target of every supported release, in the order they are applied: (what
+# replaces it -- a key of _makers --, the target with its version guard and its ledger text).
+TARGETS: tuple[tuple[str, PatchSpec], ...] = (
+    _target("dispatch", name="flashinfer-fp4-gemm-alias", module=MQ, attribute="flashinfer_fp4_gemm", check=_is_the_alias,
+            when_missing=_ALIAS_MISSING, versions=">=0.5.8,<0.5.24", why=_ALIAS_WHY, upstream=_ALIAS_UPSTREAM,
+            remove_when=_ALIAS_REMOVE),
+    _target("dispatch", name="fp4-gemm-alias-legacy", module=MQ, attribute="fp4_gemm", check=_is_the_alias,
+            when_missing=_ALIAS_MISSING, versions=">=0.5.3,<0.5.8",
+            why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly in 0.5.5, through the sglang::fp4_gemm op from 0.5.5.post3)",
+            upstream=_ALIAS_UPSTREAM, remove_when=_ALIAS_REMOVE),
+    _target("modelopt-weights", name="modelopt-fp4-weights-hook", module=MQ,
+            attribute="ModelOptFp4LinearMethod.process_weights_after_loading", versions=SUPPORTED, why=_WEIGHTS_WHY,
+            upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
+            remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x"),
+    _target("compressed-tensors-weights", name="compressed-tensors-w4a4-weights-hook", module=CT,
+            attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading", versions=">=0.5.7,<0.5.24",
+            why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)", upstream="no upstream start-up check exists",
+            remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x"),
+    _target("recheck", name="post-warmup-recheck", module=MODEL_RUNNER, attribute="ModelRunner.init_cuda_graphs",
+            versions=">=0.5.14,<0.5.24", why=_WARMUP_WHY, **_CAPTURE),
+    _target("recheck", name="post-warmup-recheck-legacy", module=MODEL_RUNNER, attribute="ModelRunner.init_device_graphs",
+            versions=">=0.5.3,<0.5.14", why=_WARMUP_WHY + " (0.5.3-0.5.13 name the method init_device_graphs)", **_CAPTURE),
+    _target("moe-runner-config", name="moe-runner-config-hook", module=MOE_UTILS, attribute="initialize_moe_config",
+            versions=SEAM_VERSIONS,
+            why=("after SGLang initialises its MoE config in each scheduler, pin the runner 'auto' to flashinfer_cutlass "
+                 "for an NVFP4 checkpoint on a served device (moe-runner-backend-pin): 'auto' would serve NVFP4 MoE "
+                 "with flashinfer_trtllm, which does not run on SM12x"),
+            upstream=MOE_RUNNER_PIN.upstream, remove_when=MOE_RUNNER_PIN.remove_when),
+    _target("moe-seam", name="fused-moe-kernel-seam", module=MOE_RUNNER_FC, attribute="_flashinfer_cutlass_fused_moe",
+            versions=SEAM_VERSIONS,
+            why=("SGLang's NVFP4 MoE calls FlashInfer's cutlass_fused_moe through this lookup; route NVFP4 calls to the "
+                 "MoE backend verified on this GPU (bf16/fp8/MXFP4 calls go to FlashInfer unchanged)"),
+            upstream="flashinfer PR 3533 (rows 64-127 of a tile zeroed on SM120), flashinfer#2723 (grouped GEMM garbage), #5446",
+            remove_when=_MOE_REMOVE),
+    _target("modelopt-moe-weights", name="modelopt-nvfp4-moe-weights-hook", module=MQ,
+            attribute="ModelOptNvFp4FusedMoEMethod.process_weights_after_loading", versions=SUPPORTED,
+            why=_MOE_WHY + f" (releases outside {SEAM_VERSIONS} have no seam: the layer is refused unless SELFTEST says otherwise)",
+            upstream="no upstream start-up check exists", remove_when=_MOE_REMOVE),
+    _target("compressed-tensors-moe-weights", name="compressed-tensors-nvfp4-moe-weights-hook", module=CT_MOE,
+            attribute="CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading", versions=">=0.5.9,<0.5.24",
+            why=_MOE_WHY + " (compressed-tensors W4A4 NVFP4 MoE checkpoints: one activation scale per expert)",
+            upstream="no upstream start-up check exists", remove_when=_MOE_REMOVE),
+    # The scheduler's capture calls, so that the draft model's graphs are re-checked too.
+    _target("recheck", name="post-capture-recheck-all-graphs", module=SCHEDULER, attribute="Scheduler.init_all_cuda_graphs",
+            versions=">=0.5.14,<0.5.24",
+            why=_WARMUP_WHY + " (once, after the target's and the speculative draft model's graphs are all captured: the "
+                "draft worker captures its own decode and draft-extend graphs after its model runner's)", **_CAPTURE),
+    _target("recheck", name="post-capture-recheck-model-workers", module=SCHEDULER, attribute="Scheduler.init_model_worker",
+            versions=">=0.5.7,<0.5.14",
+            why=_WARMUP_WHY + " (once, after the target and the speculative draft workers are built: 0.5.7-0.5.13 "
+                "capture graphs while building them, the draft worker's own graphs in its constructor)", **_CAPTURE),
+    # SGLang's weight-update calls: ModelRunner's up to 0.5.15, its WeightUpdater component from 0.5.16.
+    *(_target("weights-update", name=f"reverify-after-{method.replace('_', '-')}", module=MODEL_RUNNER,
+              attribute=f"ModelRunner.{method}", versions=versions, why=_UPDATE_WHY, **_UPDATE)
+      for method, versions in (("update_weights_from_disk", ">=0.5.3,<0.5.16"), ("update_weights_from_tensor", ">=0.5.3,<0.5.16"),
+                               ("update_weights_from_distributed", ">=0.5.3,<0.5.16"), ("update_weights_from_ipc", ">=0.5.4,<0.5.16"))),
+    *(_target("weights-update", name=f"reverify-after-{method.replace('_', '-')}-component", module=WEIGHT_UPDATER,
+              attribute=f"WeightUpdater.{method}", versions=versions, why=_UPDATE_WHY, **_UPDATE)
+      for method, versions in (("update_weights_from_disk", ">=0.5.16,<0.5.24"), ("update_weights_from_tensor", ">=0.5.16,<0.5.24"),
+                               ("update_weights_from_ipc", ">=0.5.16,<0.5.24"), ("update_weights_from_distributed", ">=0.5.16,<0.5.21"),
+                               ("load_weights_from_distributed", ">=0.5.21,<0.5.24"))),
+    _target("weights-update-begin", name="weight-update-session-begin", module=WEIGHT_UPDATER,
+            attribute="WeightUpdater.begin_weight_update", versions=">=0.5.21,<0.5.24",
+            why=_UPDATE_WHY + " (a weight-update session: tensor and distributed loads run between begin and end)", **_UPDATE),
+    _target("weights-update-end", name="weight-update-session-end", module=WEIGHT_UPDATER,
+            attribute="WeightUpdater.end_weight_update", versions=">=0.5.21,<0.5.24",
+            why=_UPDATE_WHY + " (the session's end, after SGLang post-processes the new weights)", **_UPDATE),
+)
+
+
+def _makers(w: Wiring) -> dict[str, Callable]:
+    """What replaces each kind of target, wired to one install's routing and verification."""
+
+    def dense_hook(check: Callable) -> Callable:
         before = lambda method, layer: w.before_dense(layer_device_index(layer))  # noqa: E731
         after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
@@ -84,187 +188,26 @@ def specs(w: Wiring) -> list[PatchSpec]:
         after = lambda method, layer: w.verify(moe_check(kind, layer))  # noqa: E731
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
-    moe_why = (
-        "decide the NVFP4 fused-MoE backend for the layer's device, refuse a checkpoint whose gate and up global "
-        "scales differ (the cutlass path applies the gate's to both), then verify this layer's configuration "
-        "(this rank's experts and I slice, top-k, activation, dtype, its own processed weights) through the "
-        "fused-MoE seam as SGLang calls it, at every batch-size bucket and with >= 128 rows on one expert"
-    )
-    moe_specs = [
-        PatchSpec(
-            name="moe-runner-config-hook",
-            module=MOE_UTILS,
-            attribute="initialize_moe_config",
-            make=functools.partial(make_config_hook, pin=w.pin_moe_runner),
-            distribution=DISTRIBUTION,
-            versions=SEAM_VERSIONS,
-            why=("after SGLang initialises its MoE config in each scheduler, pin the runner 'auto' to flashinfer_cutlass "
-                 "for an NVFP4 checkpoint on a served device (moe-runner-backend-pin): 'auto' would serve NVFP4 MoE "
-                 "with flashinfer_trtllm, which does not run on SM12x"),
-            upstream=MOE_RUNNER_PIN.upstream,
-            remove_when=MOE_RUNNER_PIN.remove_when,
-        ),
-        PatchSpec(
-            name="fused-moe-kernel-seam",
-            module=MOE_RUNNER_FC,
-            attribute="_flashinfer_cutlass_fused_moe",
-            make=w.make_moe_seam,
-            distribution=DISTRIBUTION,
-            versions=SEAM_VERSIONS,
-            why=("SGLang's NVFP4 MoE calls FlashInfer's cutlass_fused_moe through this lookup; route NVFP4 calls to the "
-                 "MoE backend verified on this GPU (bf16/fp8/MXFP4 calls go to FlashInfer unchanged)"),
-            upstream="flashinfer PR 3533 (rows 64-127 of a tile zeroed on SM120), flashinfer#2723 (grouped GEMM garbage), #5446",
-            remove_when="when SGLang verifies its fused-MoE output at start-up on SM12x",
-        ),
-        PatchSpec(
-            name="modelopt-nvfp4-moe-weights-hook",
-            module=MQ,
-            attribute="ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
-            make=moe_hook("ModelOptNvFp4FusedMoEMethod"),
-            distribution=DISTRIBUTION,
-            versions=SUPPORTED,
-            why=moe_why + f" (releases outside {SEAM_VERSIONS} have no seam: the layer is refused unless SELFTEST says otherwise)",
-            upstream="no upstream start-up check exists",
-            remove_when="when SGLang verifies its fused-MoE output at start-up on SM12x",
-        ),
-        PatchSpec(
-            name="compressed-tensors-nvfp4-moe-weights-hook",
-            module=CT_MOE,
-            attribute="CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading",
-            make=moe_hook("CompressedTensorsW4A4Nvfp4MoE"),
-            distribution=DISTRIBUTION,
-            versions=">=0.5.9,<0.5.24",
-            why=moe_why + " (compressed-tensors W4A4 NVFP4 MoE checkpoints: one activation scale per expert)",
-            upstream="no upstream start-up check exists",
-            remove_when="when SGLang verifies its fused-MoE output at start-up on SM12x",
-        ),
-    ]
-
-    warmup = functools.partial(make_warmup_hook, after=w.recheck)
-    warmup_why = (
-        "after SGLang's warm-up and CUDA-graph capture (FlashInfer's autotuner has picked its tactics by "
-        "then), re-run every verified layer configuration once, eagerly and outside capture; a kernel "
-        "that goes wrong only after warm-up refuses to serve"
-    )
-    weights_why = (
-        "run the self-test (decide) once per device at the first NVFP4 layer and pin the runner enum "
-        "before the weight layout is chosen; then verify this layer's configuration (N, K, dtype, "
-        "scale dtypes, its own weights) through SGLang's own apply at every batch-size bucket, "
-        "before SGLang serves or captures CUDA graphs"
-    )
-    return [
-        PatchSpec(
-            name="flashinfer-fp4-gemm-alias",
-            module=MQ,
-            attribute="flashinfer_fp4_gemm",
-            make=w.make_dispatch,
-            check=is_mm_fp4,
-            when_missing=_ALIAS_MISSING,
-            distribution=DISTRIBUTION,
-            versions=">=0.5.8,<0.5.24",
-            why=_ALIAS_WHY,
-            upstream=_ALIAS_UPSTREAM,
-            remove_when=_ALIAS_REMOVE,
-        ),
-        PatchSpec(
-            name="fp4-gemm-alias-legacy",
-            module=MQ,
-            attribute="fp4_gemm",
-            make=w.make_dispatch,
-            check=is_mm_fp4,
-            when_missing=_ALIAS_MISSING,
-            distribution=DISTRIBUTION,
-            versions=">=0.5.3,<0.5.8",
-            why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly in 0.5.5, through the sglang::fp4_gemm op from 0.5.5.post3)",
-            upstream=_ALIAS_UPSTREAM,
-            remove_when=_ALIAS_REMOVE,
-        ),
-        PatchSpec(
-            name="modelopt-fp4-weights-hook",
-            module=MQ,
-            attribute="ModelOptFp4LinearMethod.process_weights_after_loading",
-            make=hook(modelopt_check),
-            distribution=DISTRIBUTION,
-            versions=SUPPORTED,
-            why=weights_why,
-            upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
-            remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x",
-        ),
-        PatchSpec(
-            name="compressed-tensors-w4a4-weights-hook",
-            module=CT,
-            attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading",
-            make=hook(compressed_tensors_check),
-            distribution=DISTRIBUTION,
-            versions=">=0.5.7,<0.5.24",
-            why=weights_why + " (compressed-tensors W4A4 NVFP4 checkpoints)",
-            upstream="no upstream start-up check exists",
-            remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x",
-        ),
-        PatchSpec(
-            name="post-warmup-recheck",
-            module=MODEL_RUNNER,
-            attribute="ModelRunner.init_cuda_graphs",
-            make=warmup,
-            distribution=DISTRIBUTION,
-            versions=">=0.5.14,<0.5.24",
-            why=warmup_why,
-            upstream="no upstream check exists",
-            remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x",
-        ),
-        PatchSpec(
-            name="post-warmup-recheck-legacy",
-            module=MODEL_RUNNER,
-            attribute="ModelRunner.init_device_graphs",
-            make=warmup,
-            distribution=DISTRIBUTION,
-            versions=">=0.5.3,<0.5.14",
-            why=warmup_why + " (0.5.3-0.5.13 name the method init_device_graphs)",
-            upstream="no upstream check exists",
-            remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x",
-        ),
-    ] + moe_specs + _capture_and_update_specs(w, warmup_why)
+    return {
+        "dispatch": w.make_dispatch,
+        "modelopt-weights": dense_hook(modelopt_check),
+        "compressed-tensors-weights": dense_hook(compressed_tensors_check),
+        "recheck": functools.partial(make_warmup_hook, after=w.recheck),
+        "moe-runner-config": functools.partial(make_config_hook, pin=w.pin_moe_runner),
+        "moe-seam": w.make_moe_seam,
+        "modelopt-moe-weights": moe_hook("ModelOptNvFp4FusedMoEMethod"),
+        "compressed-tensors-moe-weights": moe_hook("CompressedTensorsW4A4Nvfp4MoE"),
+        "weights-update": functools.partial(make_update_hook, begin=w.weights_update_begin, end=w.weights_update_end),
+        "weights-update-begin": functools.partial(make_update_hook, begin=w.weights_update_begin, end=None),
+        "weights-update-end": functools.partial(make_update_hook, begin=None, end=w.weights_update_end),
+    }
 
 
-def _capture_and_update_specs(w: Wiring, warmup_why: str) -> list[PatchSpec]:
-    """The scheduler's capture calls (so the draft model's graphs are re-checked too) and SGLang's
-    weight-update calls (ModelRunner's up to 0.5.15, its WeightUpdater component from 0.5.16)."""
-    warmup = functools.partial(make_warmup_hook, after=w.recheck)
-    whole = functools.partial(make_update_hook, begin=w.weights_update_begin, end=w.weights_update_end)
-    update_why = ("SGLang writes weights in place (param.data, no version bump): drop the caches of dequantized weights "
-                  "first, and verify every layer whose weights changed (its light check, its configuration's sweep, a new "
-                  "fingerprint) before it serves again; without this the re-check would refuse the new weights as corrupted")
-    common = dict(distribution=DISTRIBUTION, upstream="no upstream check exists",
-                  remove_when="when SGLang verifies FP4 output after its weight updates on SM12x")
-    capture = [
-        PatchSpec(name="post-capture-recheck-all-graphs", module=SCHEDULER, attribute="Scheduler.init_all_cuda_graphs",
-                  make=warmup, versions=">=0.5.14,<0.5.24",
-                  why=warmup_why + " (once, after the target's and the speculative draft model's graphs are all captured: the "
-                      "draft worker captures its own decode and draft-extend graphs after its model runner's)", **common),
-        PatchSpec(name="post-capture-recheck-model-workers", module=SCHEDULER, attribute="Scheduler.init_model_worker",
-                  make=warmup, versions=">=0.5.7,<0.5.14",
-                  why=warmup_why + " (once, after the target and the speculative draft workers are built: 0.5.7-0.5.13 "
-                      "capture graphs while building them, the draft worker's own graphs in its constructor)", **common),
-    ]
-    legacy = [(name, ">=0.5.4,<0.5.16" if name.endswith("ipc") else ">=0.5.3,<0.5.16") for name in
-              ("update_weights_from_disk", "update_weights_from_tensor", "update_weights_from_distributed", "update_weights_from_ipc")]
-    component = [("update_weights_from_disk", ">=0.5.16,<0.5.24"), ("update_weights_from_tensor", ">=0.5.16,<0.5.24"),
-                 ("update_weights_from_ipc", ">=0.5.16,<0.5.24"), ("update_weights_from_distributed", ">=0.5.16,<0.5.21"),
-                 ("load_weights_from_distributed", ">=0.5.21,<0.5.24")]
-    updates = [PatchSpec(name=f"reverify-after-{name.replace('_', '-')}", module=MODEL_RUNNER, attribute=f"ModelRunner.{name}",
-                         make=whole, versions=versions, why=update_why, **common) for name, versions in legacy]
-    updates += [PatchSpec(name=f"reverify-after-{name.replace('_', '-')}-component", module=WEIGHT_UPDATER,
-                          attribute=f"WeightUpdater.{name}", make=whole, versions=versions, why=update_why, **common)
-                for name, versions in component]
-    updates += [
-        PatchSpec(name="weight-update-session-begin", module=WEIGHT_UPDATER, attribute="WeightUpdater.begin_weight_update",
-                  make=functools.partial(make_update_hook, begin=w.weights_update_begin, end=None), versions=">=0.5.21,<0.5.24",
-                  why=update_why + " (a weight-update session: tensor and distributed loads run between begin and end)", **common),
-        PatchSpec(name="weight-update-session-end", module=WEIGHT_UPDATER, attribute="WeightUpdater.end_weight_update",
-                  make=functools.partial(make_update_hook, begin=None, end=w.weights_update_end), versions=">=0.5.21,<0.5.24",
-                  why=update_why + " (the session's end, after SGLang post-processes the new weights)", **common),
-    ]
-    return capture + updates
+def specs(w: Wiring) -> list[PatchSpec]:
+    """The runtime patches for every supported release (TARGETS, each guarded by its own version
+    range), each with what replaces it."""
+    makers = _makers(w)
+    return [replace(spec, make=makers[makes]) for makes, spec in TARGETS]
 
 
 _IDLE_WHY = (
