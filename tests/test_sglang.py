@@ -434,70 +434,59 @@ def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(b
 
 # ---- the activation quantizer: decided by what the release's linear path calls ------------------
 
-QUANTIZER_CHILD = """
-import inspect, json, logging, sys, warnings
-warnings.simplefilter("ignore")
-records = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        records.append(record.getMessage())
-logging.getLogger("sm120_fp4").addHandler(Keep())
-import sm120_fp4
-from sm120_fp4 import doctor
-from sm120_fp4.sglang import simulation
-# SGLang is imported before install() here (apply() is replaced first): 0.5.3-0.5.10's CUDA-only
-# kernel package that cannot load on a CPU gets the stand-in install(simulate) would give it
-simulation.kernel_package_stand_in()
-import sglang.srt.layers.quantization.modelopt_quant as mq
-method = mq.ModelOptFp4LinearMethod
-real_apply = method.apply
-had_scaled = mq.__dict__.get("scaled_fp4_quant")
-out = {"apply_source": inspect.getsource(real_apply)}
-
-def ledger():
-    return {p.name: [p.state, p.reason] for p in sm120_fp4.status().patches if p.name.startswith("sim-activation-quantizer")}
-
-def run(name, apply):
-    method.apply = apply
-    try:
-        sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
-        out[name] = {"ledger": ledger(), "scaled_fp4_quant": repr(mq.__dict__.get("scaled_fp4_quant")),
-                     "fp4_quantize_patched": getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None)}
-        sm120_fp4.uninstall()
-        out[name]["after_uninstall"] = [mq.__dict__.get("scaled_fp4_quant") is had_scaled, getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None)]
-        out[name]["problems"] = [p for p in doctor.collect()["problems"] if "sim-activation-quantizer" in p]
-    finally:
-        method.apply = real_apply
-
-# As the installed release calls it (0.5.4.post2+: fp4_quantize)
-run("installed", real_apply)
-
-# As 0.5.3-0.5.4.post1 call it: sgl_kernel's scaled_fp4_quant (bound only with CUDA)
 def legacy_apply(self, layer, x, bias=None):
-    x_fp4, x_scale = scaled_fp4_quant(x, layer.input_scale_inv)
+    """0.5.3-0.5.4.post1's linear path: sgl_kernel's scaled_fp4_quant (bound only with CUDA)."""
+    x_fp4, x_scale = scaled_fp4_quant(x, layer.input_scale_inv)  # noqa: F821 - read as source text only
     return x_fp4
-run("legacy", legacy_apply)
 
-# A release whose linear path quantizes with a function no stand-in covers
+
 def other_apply(self, layer, x, bias=None):
-    x_fp4, x_scale = some_new_quantizer(x, layer.input_scale_inv)
+    """A release whose linear path quantizes with a function no stand-in covers."""
+    x_fp4, x_scale = some_new_quantizer(x, layer.input_scale_inv)  # noqa: F821 - read as source text only
     return x_fp4
-start = len(records)
-run("unknown", other_apply)
-out["unknown"]["warnings"] = [m for m in records[start:] if "cannot take effect" in m]
-print(json.dumps(out))
-"""
 
 
-@background(lambda folder: python(QUANTIZER_CHILD, folder, cwd=folder))
-def test_the_activation_quantizer_stand_in_is_the_one_the_linear_path_calls(background):
+def _quantizer_runs(caplog) -> dict:
+    """install(simulate) and uninstall() with ModelOptFp4LinearMethod.apply as this release has it,
+    as 0.5.3-0.5.4.post1 have it, and calling a quantizer no stand-in covers: what the ledger, the
+    module's names and doctor say each time."""
+    import inspect
+
+    import sglang.srt.layers.quantization.modelopt_quant as mq
+    from sm120_fp4 import doctor
+
+    method = mq.ModelOptFp4LinearMethod
+    real_apply = method.apply
+    had_scaled = mq.__dict__.get("scaled_fp4_quant")
+    out = {"apply_source": inspect.getsource(real_apply)}
+
+    def ledger():
+        return {p.name: [p.state, p.reason] for p in sm120_fp4.status().patches if p.name.startswith("sim-activation-quantizer")}
+
+    for name, apply in (("installed", real_apply), ("legacy", legacy_apply), ("unknown", other_apply)):
+        start = len(caplog.records)
+        method.apply = apply
+        try:
+            sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
+            out[name] = {"ledger": ledger(), "scaled_fp4_quant": repr(mq.__dict__.get("scaled_fp4_quant")),
+                         "fp4_quantize_patched": getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None)}
+            sm120_fp4.uninstall()
+            out[name]["after_uninstall"] = [mq.__dict__.get("scaled_fp4_quant") is had_scaled,
+                                            getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None)]
+            out[name]["problems"] = [p for p in doctor.collect()["problems"] if "sim-activation-quantizer" in p]
+            out[name]["warnings"] = [r.getMessage() for r in caplog.records[start:] if "cannot take effect" in r.getMessage()]
+        finally:
+            method.apply = real_apply
+    return out
+
+
+def test_the_activation_quantizer_stand_in_is_the_one_the_linear_path_calls(sglang_unpatched, caplog):
     """install(simulate) with ModelOptFp4LinearMethod.apply as this release has it, as 0.5.3-0.5.4.post1
     have it (sgl_kernel's scaled_fp4_quant) and calling a quantizer no stand-in covers: the stand-in
     that takes effect is the one apply calls (read here from apply's source text), the other is 'not
     needed', and when none can, the ledger, one warning each and doctor's problems say so."""
-    rc, stdout, stderr = background
-    assert rc == 0, stderr[-3000:]
-    out = json.loads(stdout.strip().splitlines()[-1])
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    out = _quantizer_runs(caplog)
     legacy_release = "scaled_fp4_quant(" in out["apply_source"]  # 0.5.3-0.5.4.post1
     assert legacy_release or "fp4_quantize(" in out["apply_source"], out["apply_source"]
     used = "scaled_fp4_quant" if legacy_release else "fp4_quantize"
