@@ -219,14 +219,24 @@ def test_each_kernel_family_on_each_device_is_rechecked_every_period():
     assert all(r.passed for r in c.status().recent)
 
 
-@case("backend faults", "an NVFP4 fused-MoE kernel (register_moe) that drops the second routed expert of every token once the process serves, canary on, a dense layer served too",
-      "the MoE kernel's next run (every period re-checks each family) refuses while serving, naming the MoE configuration; the dense run passes")
-def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run():
+def serve_moe(name: str, kernel) -> canary.Canary:
+    """serve() a dense layer with the emulated kernel and an NVFP4 MoE layer with `kernel` (the MoE
+    backend `name`); the canary's first run is due."""
     from sm120_fp4.sglang import moe_layers
 
     problem = moe_layers.builder_problem()
     if problem is not None:
         pytest.skip(problem)
+    backends.register_moe(name, kernel)
+    c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends=name)
+    moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    c.clock.now += PERIOD
+    return c
+
+
+@case("backend faults", "an NVFP4 fused-MoE kernel (register_moe) that drops the second routed expert of every token once the process serves, canary on, a dense layer served too",
+      "the MoE kernel's next run (every period re-checks each family) refuses while serving, naming the MoE configuration; the dense run passes")
+def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run():
     state = {"worn": False}
 
     def drops_second_slot(x, ids, weights, *rest):
@@ -235,11 +245,8 @@ def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run
             weights[:, 1:] = 0
         return backends.emulated_moe(x, ids, weights, *rest)
 
-    backends.register_moe("moe-wear", drops_second_slot)
-    c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends="moe-wear")
-    moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    c = serve_moe("moe-wear", drops_second_slot)
     state["worn"] = True
-    c.clock.now += PERIOD
     with pytest.raises(RefusedToServe, match=r"(?s)while serving: moe-wear failed the serving canary's re-check of "
                                              r"ModelOptNvFp4FusedMoEMethod E=8 .*T=1 random"):
         for _ in range(40):
@@ -250,11 +257,6 @@ def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run
 @case("backend faults", "an MoE kernel that, once serving, returns the right result and then doubles a row of its input activations x in place (the caller's hidden states)",
       "the canary's MoE step still compares the call's activations and routing bit for bit (only the layer's weights go by their fingerprint): refused, naming the changed input")
 def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
-    from sm120_fp4.sglang import moe_layers
-
-    problem = moe_layers.builder_problem()
-    if problem is not None:
-        pytest.skip(problem)
     state = {"worn": False}
 
     def scales_x(x, ids, weights, *rest):
@@ -263,11 +265,8 @@ def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
             x[0].mul_(2)  # ... then the caller's hidden state of token 0 doubled: only the inputs' check sees it
         return out
 
-    backends.register_moe("moe-x", scales_x)
-    c, _ = serve(emulated_mm_fp4, (96, 160), moe_backends="moe-x")
-    moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 64, seed=2), top_k=2)
+    serve_moe("moe-x", scales_x)
     state["worn"] = True
-    c.clock.now += PERIOD
     with pytest.raises(RefusedToServe, match=r"(?s)while serving: moe-x failed .*changed its input\(s\) \[0\] in place"):
         for _ in range(40):
             canary.idle()
