@@ -4,11 +4,13 @@ The start-up verification and the re-check after warm-up say nothing about a ker
 later: a tactic re-chosen, a driver or firmware fault, a degrading card. With the canary on, every
 period each serving process re-verifies, for each kernel family it serves (the dense FP4 GEMM, the
 NVFP4 fused MoE) on each device, one of that family's verified layer configurations, in rotation:
-through the exact routed call with the layer's own weights, at one decode batch size and one larger
-batch size (both rotating through the batch sizes verified at load, the re-check's and the captured
-graph sizes), against
-the oracle. It is the re-check's own check (:func:`serving.check_served`: two passes, every call
-checked), run one batch size per step.
+through the exact routed call with one of its layers' own weights (rotating through every verified
+layer of the configuration: a kernel wrong with one layer's weights only is reached too), at one
+decode batch size and one larger batch size (both rotating through the batch sizes verified at load,
+the re-check's and the captured graph sizes), against the oracle. It is the re-check's own check
+(:func:`serving.check_served`: two passes, every call checked), run one batch size per step. The
+first step of a run compares that layer's weight fingerprint and SWEEP more layers' in rotation
+(:func:`serving.fingerprint_sweep`), so a weight changed in memory is found on any layer.
 
 Engine-neutral: the engine integration calls :func:`idle` where its serving loop is between forward
 passes (for SGLang: the scheduler loop's idle point, on the serving thread, with the stream the
@@ -52,6 +54,7 @@ __all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "Canary", "configure", 
 _LOG = logging.getLogger("sm120_fp4")
 SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from here on the larger one
 RECENT = 16  # runs kept in status
+SWEEP = 4  # at every run's first step, besides the re-checked layer's, the fingerprints of this many more layers in rotation
 
 
 class CanaryRun(BaseModel):
@@ -61,6 +64,7 @@ class CanaryRun(BaseModel):
     device: str
     backend: str
     config: str
+    layer: str | None = Field(None, description="the layer of the configuration whose weights this run used")
     ms: list[int]
     passed: bool
     reason: str | None = None
@@ -93,7 +97,8 @@ class CanaryStatus(BaseModel):
     slice_ms: float
     state: str
     idle_point: str | None = None
-    fingerprints: str = "compared at the first step of every run"
+    fingerprints: str = (f"compared at the first step of every run: the re-checked layer's, and {SWEEP} more layers' of "
+                         "its family and device in rotation")
     armed_at: float | None = None
     runs: int = 0
     failures: int = 0
@@ -161,6 +166,7 @@ class Canary:
         self._last_idle: float | None = None
         self._queue: list[_Job] = []
         self._cursor: dict[tuple, int] = {}
+        self._sweep: dict[tuple, int] = {}  # (family, device index) -> where the next fingerprint sweep starts
         self._rounds: dict[tuple, int] = {}
         self._estimate: dict[tuple, float] = {}
         self._captured: set[int] = set()
@@ -213,11 +219,12 @@ class Canary:
         for group, configs in groups.items():
             position = self._cursor.get(group, 0)
             self._cursor[group] = position + 1
-            served = configs[position % len(configs)]
-            job = _Job(served, [], late, due_at)
+            config = configs[position % len(configs)]
+            job = _Job(config, [], late, due_at)
             round_ = self._rounds.get(job.key, 0)
             self._rounds[job.key] = round_ + 1
-            job.ms = self._batch_sizes(served.check, round_)
+            job.served = serving.served_layer(config, round_)  # this run's layer of the configuration
+            job.ms = self._batch_sizes(job.served.check, round_)
             if job.ms:  # a configuration with no batch size to check has nothing to run
                 self._queue.append(job)
 
@@ -273,7 +280,12 @@ class Canary:
         try:
             # A weight corrupted in memory after start-up is invisible to the oracle, which reads
             # the same corrupted weight: the layer's fingerprint says whether it is what was verified.
-            problem = serving.fingerprint_problem(served.check) if not job.reports else None
+            problem = None
+            if not job.reports:
+                problem = serving.fingerprint_problem(served.check)
+                if problem is None:
+                    group = (served.family, served.device.index)
+                    problem, self._sweep[group] = serving.fingerprint_sweep(*group, self._sweep.get(group, 0), SWEEP)
             if problem is None:
                 return serving.check_served(served, [m])
             reason = f"the layer's weights changed since they were verified: {problem}"
@@ -288,7 +300,7 @@ class Canary:
         errors = [r.max_rel_err for r in job.reports if r.max_rel_err is not None]
         served = job.served
         run = CanaryRun(family=served.family, device=served.device.label(), backend=job.reports[-1].backend,
-                        config=served.check.label, ms=job.ms, passed=failing is None,
+                        config=served.check.label, layer=served.check.layer, ms=job.ms, passed=failing is None,
                         reason=failing.reason if failing else None, max_rel_err=max(errors) if errors else None,
                         due_at=job.due_at, started_at=job.started_at or time.time(), finished_at=time.time(),
                         late_s=job.late_s, busy_ms=job.busy_s * 1e3, slices=job.slices + 1)

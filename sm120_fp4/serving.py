@@ -40,7 +40,7 @@ from .errors import ConfigError, RefusedToServe, capped
 
 __all__ = ["LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end",
            "refusals", "record_refusal", "decide", "decisions", "clear", "route", "route_table", "routes",
-           "Served", "served_configurations", "check_served", "fingerprint_problem"]
+           "Served", "served_configurations", "served_layer", "check_served", "fingerprint_problem", "fingerprint_sweep"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -91,6 +91,7 @@ class _Layer:
     owner: Callable[[], object] | None
     rebuild: Callable[[object], "LayerCheck | None"] | None
     check: LayerCheck | None  # kept only where it cannot be rebuilt
+    key: tuple | None = None  # its configuration's (LayerCheck.key)
 
     def alive(self) -> bool:
         return self.owner is None or self.owner() is not None
@@ -388,11 +389,11 @@ def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[self
 def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
     serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
     if check.owner is None:
-        serving.layers[id(check)] = _Layer(check.named(), fingerprint, None, None, check)
+        serving.layers[id(check)] = _Layer(check.named(), fingerprint, None, None, check, check.key)
         return
     owner = _owner_ref(check)
     weak = isinstance(owner, weakref.ref) and check.rebuild is not None
-    serving.layers[id(check.owner)] = _Layer(check.named(), fingerprint, owner, check.rebuild, None if weak else check)
+    serving.layers[id(check.owner)] = _Layer(check.named(), fingerprint, owner, check.rebuild, None if weak else check, check.key)
 
 
 def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.SelfTestReport | None:
@@ -879,6 +880,53 @@ def served_configurations() -> list[Served]:
             passed = {r.config for r in s.decision.layers if r.passed}
             served += [Served(s.family.name, s.device, c) for c in s.checks.values() if c.label in passed]
     return served
+
+
+def served_layer(served: Served, turn: int) -> Served:
+    """The `turn`-th (in rotation) verified layer of `served`'s configuration, as a Served whose
+    check uses that layer's own weights (the serving canary walks every layer this way, so that a
+    kernel wrong with one layer's weights only, or one layer's weights changed, is reached); the
+    configuration's first layer where no other is alive or it cannot be rebuilt."""
+    serving = _records[(served.family, served.device.index)]
+    with serving.lock:
+        layers = [r for r in serving.layers.values() if r.key == served.check.key and r.alive()]
+        if not layers:
+            return served
+        check = layers[turn % len(layers)].current()
+    return Served(served.family, served.device, check) if check is not None else served
+
+
+def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[str | None, int]:
+    """Compare the fingerprints of `count` verified layers of `family` on device `index`, from the
+    `start`-th on (in rotation; one host read for all of them): (the first changed layer's problem
+    or None, where the next sweep starts). None during SGLang's weight updates."""
+    serving = _records.get((family, index))
+    if serving is None or _updating:
+        return None, start
+    with serving.lock:
+        records = [r for r in serving.layers.values() if r.fingerprint is not None and r.alive()]
+        if not records:
+            return None, 0
+        chosen = [records[(start + i) % len(records)] for i in range(min(count, len(records)))]
+        same, problems = [], {}
+        for n, record in enumerate(chosen):
+            try:
+                check = record.current()
+                now = _fingerprint(check) if check is not None else None
+            except Exception as exc:  # noqa: BLE001 - a weight the layer no longer has: changed
+                problems[n] = f"{record.label}: its weights can no longer be read ({type(exc).__name__}: {exc})"
+                continue
+            if now is None or now.shape != record.fingerprint.shape:
+                problems[n] = f"{record.label}: its weights can no longer be fingerprinted as they were"
+                continue
+            same.append((n, (now == record.fingerprint.to(now.device)).all()))
+        flags = torch.stack([f for _, f in same]).tolist() if same else []  # the one read-back
+        for (n, _), ok in zip(same, flags):
+            if not ok:
+                problems[n] = (f"{chosen[n].label}: the layer's weights changed after they were verified, and not through "
+                               "SGLang's weight-update path")
+    first = min(problems) if problems else None
+    return (problems[first] if first is not None else None), (start + len(chosen)) % len(records)
 
 
 def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:

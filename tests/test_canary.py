@@ -408,6 +408,37 @@ def test_a_kernel_that_writes_into_its_own_weight_fails_the_step_that_called_it(
     assert not run.passed and "changed this layer's own weights in place" in run.reason, run.reason
 
 
+@case("backend faults", "a dense kernel that goes wrong while serving with the weights of one layer only (the third of four layers of one configuration)",
+      "the canary's runs walk the configuration's layers, each with its own weights: exactly one run of a walk over the four layers fails")
+def test_a_kernel_wrong_with_one_layers_weights_only_is_caught_by_the_walk_over_layers():
+    state = {"weight": None}
+
+    def wrong_for_one_layer(a, b, out):
+        if state["weight"] is not None and b.data_ptr() == state["weight"]:
+            out.mul_(0.5)
+
+    wear = Wear(wrong_for_one_layer)
+    c, built = serve(wear, *[(96, 160)] * 4, canary_action="log")
+    wear.armed = True
+    state["weight"] = built[2][1].weight.data_ptr()
+    runs = [next_run(c) for _ in range(4)]
+    failed = [r for r in runs if not r.passed]
+    # One run in four: each used another layer's weights (always the first layer's: none would fail).
+    assert len(failed) == 1 and "norm is 0.5x" in failed[0].reason, [(r.layer, r.reason) for r in runs]
+
+
+@case("backend faults", "the weight bytes of a verified layer other than the configuration's first changed in memory while serving (six layers, one configuration)",
+      "a run's first step compares the re-checked layer's fingerprint and more layers' in rotation: within two runs one fails, saying the weights changed")
+def test_a_later_layers_weights_corrupted_in_memory_fail_a_run_within_the_sweep():
+    c, built = serve(emulated_mm_fp4, *[(96, 160)] * 6, canary_action="log")
+    assert next_run(c).passed
+    built[4][1].weight.data[3, 5] ^= 0x11
+    runs = [next_run(c) for _ in range(2)]
+    failed = [r for r in runs if not r.passed]
+    assert failed and "weights changed after they were verified" in failed[0].reason, [r.reason for r in runs]
+    assert c.status().fingerprints.startswith("compared at the first step of every run")
+
+
 def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
 
