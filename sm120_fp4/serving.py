@@ -886,9 +886,13 @@ def served_layer(served: Served, turn: int) -> Served:
     """The `turn`-th (in rotation) verified layer of `served`'s configuration, as a Served whose
     check uses that layer's own weights (the serving canary walks every layer this way, so that a
     kernel wrong with one layer's weights only, or one layer's weights changed, is reached); the
-    configuration's first layer where no other is alive or it cannot be rebuilt."""
+    configuration's first layer where no other is alive or it cannot be rebuilt, and where the
+    serving backend converted the layers in place (humming: the oracle has the checkpoint's bytes of
+    the first layer only; the fingerprint sweep still covers the others)."""
     serving = _records[(served.family, served.device.index)]
     with serving.lock:
+        if backends.backend_of(served.family, serving.decision.backend).settle is not None:
+            return served  # a backend that converts layers in place keeps the checkpoint's bytes of the first one only
         layers = [r for r in serving.layers.values() if r.key == served.check.key and r.alive()]
         if not layers:
             return served

@@ -169,6 +169,30 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
         sm120_fp4.uninstall()
 
 
+@case("properties", "the serving canary on with humming serving three layers of one configuration (converted in place; the oracle keeps the first layer's checkpoint bytes only)",
+      "every run passes: the canary re-checks the configuration's first layer (its kept bytes) and sweeps every layer's fingerprint; it never asks the oracle for bytes not kept")
+@pytest.mark.sglang
+def test_the_canary_with_humming_rechecks_the_layer_whose_bytes_are_kept(stand_in):
+    from sm120_fp4 import canary
+
+    sm120_fp4.install(simulate="12.0", backends="humming", canary="30", canary_action="log")
+    try:
+        served = [_served_layer(seed=seed) for seed in (1, 2, 3)]  # kept alive, as a model keeps its layers
+        c = canary.active()
+        now = [1000.0]
+        c.clock = lambda: now[0]
+        canary.idle()  # arms it
+        for _ in range(4):
+            now[0] += 30.0
+            for _ in range(20):
+                canary.idle()
+        status = c.status()
+        assert status.runs >= 4 and status.failures == 0, [r.reason for r in status.recent if not r.passed]
+        del served
+    finally:
+        sm120_fp4.uninstall()
+
+
 @case("backend faults", "humming wrong only on a later layer of a configuration already verified (its own converted weights)",
       "that layer's own check (its original bytes kept while it is checked, then dropped) refuses it: no layer is served unchecked")
 @pytest.mark.sglang
