@@ -380,10 +380,16 @@ def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[self
         report = _run_check(serving, check, check.ms)
     else:
         report = _run_check(serving, check, check.light_ms, passes=1, config=f"{check.label} (layer check)", light=True)
+    _fail_if_written(report, check, before)
+    return report, before
+
+
+def _fail_if_written(report: selftest.SelfTestReport, check: LayerCheck, before: torch.Tensor | None) -> None:
+    """A passing check fails when the layer's weights no longer have the fingerprint `before` they
+    had: its calls wrote into them."""
     if report.passed and before is not None and not torch.equal(before, _fingerprint(check)):
         report.passed = False
         report.reason = f"{check.named()}: the checked calls changed this layer's own weights in place"
-    return report, before
 
 
 def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
@@ -707,22 +713,46 @@ _updating = 0  # SGLang weight updates in progress (weights_updating)
 _last_settings: Settings | None = None
 
 
+def _layer_key(check: LayerCheck) -> int:
+    """The key of `check`'s layer in _Serving.layers."""
+    return id(check.owner) if check.owner is not None else id(check)
+
+
+_CHANGED = "the layer's weights changed after they were verified, and not through SGLang's weight-update path"
+
+
+def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> list[tuple[LayerCheck | None, str | None]]:
+    """For each (record, its check or None: rebuilt from the record) of one device: the check, and
+    why its weights are not the ones fingerprinted when verified (None: they are). The comparisons
+    run on the device and are read back at once."""
+    results: list[tuple[LayerCheck | None, str | None]] = []
+    pending: list[tuple[int, torch.Tensor]] = []
+    for record, check in layers:
+        try:
+            check = check if check is not None else record.current()
+            now = _fingerprint(check) if check is not None else None
+        except Exception as exc:  # noqa: BLE001 - a weight the layer no longer has: changed
+            results.append((None, f"its weights can no longer be read ({type(exc).__name__}: {exc})"))
+            continue
+        if now is None or now.shape != record.fingerprint.shape:
+            results.append((check, _CHANGED))
+            continue
+        pending.append((len(results), (now == record.fingerprint).all()))
+        results.append((check, None))
+    same = torch.stack([eq for _, eq in pending]).tolist() if pending else []
+    for (i, _), ok in zip(pending, same):
+        if not ok:
+            results[i] = (results[i][0], _CHANGED)
+    return results
+
+
 def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | None]]:
     """(key, record, its check now) of the recorded layers whose weights differ from their
     fingerprint now (or can no longer be read)."""
     serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
-    changed = []
-    for key, record in serving.layers.items():
-        if record.fingerprint is None:
-            continue
-        try:
-            check = record.current()
-            now = _fingerprint(check) if check is not None else None
-        except Exception:  # noqa: BLE001 - a weight the layer no longer has: changed
-            check, now = None, None
-        if now is None or now.shape != record.fingerprint.shape or not torch.equal(now, record.fingerprint):
-            changed.append((key, record, check))
-    return changed
+    kept = [(key, record) for key, record in serving.layers.items() if record.fingerprint is not None]
+    compared = _compare_fingerprints([(record, None) for _, record in kept])
+    return [(key, record, check) for (key, record), (check, why) in zip(kept, compared) if why is not None]
 
 
 def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> None:
@@ -912,25 +942,9 @@ def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[
         if not records:
             return None, 0
         chosen = [records[(start + i) % len(records)] for i in range(min(count, len(records)))]
-        same, problems = [], {}
-        for n, record in enumerate(chosen):
-            try:
-                check = record.current()
-                now = _fingerprint(check) if check is not None else None
-            except Exception as exc:  # noqa: BLE001 - a weight the layer no longer has: changed
-                problems[n] = f"{record.label}: its weights can no longer be read ({type(exc).__name__}: {exc})"
-                continue
-            if now is None or now.shape != record.fingerprint.shape:
-                problems[n] = f"{record.label}: its weights can no longer be fingerprinted as they were"
-                continue
-            same.append((n, (now == record.fingerprint.to(now.device)).all()))
-        flags = torch.stack([f for _, f in same]).tolist() if same else []  # the one read-back
-        for (n, _), ok in zip(same, flags):
-            if not ok:
-                problems[n] = (f"{chosen[n].label}: the layer's weights changed after they were verified, and not through "
-                               "SGLang's weight-update path")
-    first = min(problems) if problems else None
-    return (problems[first] if first is not None else None), (start + len(chosen)) % len(records)
+        compared = _compare_fingerprints([(record, None) for record in chosen])
+    problem = next((f"{record.label}: {why}" for record, (_, why) in zip(chosen, compared) if why is not None), None)
+    return problem, (start + len(chosen)) % len(records)
 
 
 def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:
@@ -943,11 +957,9 @@ def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:
     check = served.check
     with serving.lock:
         report = _run_check(serving, check, list(ms), light=True)
-        record = serving.layers.get(id(check.owner) if check.owner is not None else id(check))
-        if (report.passed and record is not None and record.fingerprint is not None and not _updating
-                and not torch.equal(record.fingerprint, _fingerprint(check))):
-            report.passed = False
-            report.reason = f"{check.named()}: the checked calls changed this layer's own weights in place"
+        record = serving.layers.get(_layer_key(check))
+        if record is not None and not _updating:
+            _fail_if_written(report, check, record.fingerprint)
         return report
 
 
@@ -956,18 +968,14 @@ def fingerprint_problem(check: LayerCheck) -> str | None:
     why not (the serving canary asks at the first step of every run; a weight corrupted in memory is
     invisible to the oracle, which reads the same corrupted weight). During SGLang's weight updates
     changes are expected: None."""
-    key = id(check.owner) if check.owner is not None else id(check)
+    key = _layer_key(check)
     for serving in _served():
         with serving.lock:
             record = serving.layers.get(key)
             if record is None or record.fingerprint is None or _updating:
                 continue
-            try:
-                now = _fingerprint(check)
-            except Exception as exc:  # noqa: BLE001 - a weight the layer no longer has: changed
-                return f"{check.named()}: its weights can no longer be read ({type(exc).__name__}: {exc})"
-            if now is None or now.shape != record.fingerprint.shape or not torch.equal(now, record.fingerprint):
-                return (f"{check.named()}: the layer's weights changed after they were verified, and not through "
-                        "SGLang's weight-update path")
+            [(_, why)] = _compare_fingerprints([(record, check)])
+            if why is not None:
+                return f"{check.named()}: {why}"
     return None
 
