@@ -88,32 +88,29 @@ def _check_k(func: str, param: str, value: torch.Tensor, k: int) -> None:
         raise not_accepted(func, param, value, f"K (the element count of a row) a positive multiple of {BLOCK_SIZE}, got K={k}")
 
 
+def _device_constant(key: tuple, make):
+    """`make()`, made once per `key` (its device among it) and kept: the quantizer and the oracle then
+    copy nothing to the device (they run inside CUDA-graph capture once a first call outside capture
+    has made their constants)."""
+    value = _LUT_CACHE.get(key)
+    if value is None:
+        value = _LUT_CACHE.setdefault(key, make())
+    return value
+
+
 def _e2m1_lut(device: torch.device) -> torch.Tensor:
-    lut = _LUT_CACHE.get(device)
-    if lut is None:
-        lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-        _LUT_CACHE[device] = lut
-    return lut
+    return _device_constant(("e2m1", device), lambda: torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device))
 
 
 def _rcp6(device: torch.device) -> torch.Tensor:
-    """fl32(1/6) on `device`, made once per device: quantize then needs no host-to-device copy (it
-    runs inside CUDA-graph capture once a first call outside capture has made this)."""
-    key = ("rcp6", device)
-    value = _LUT_CACHE.get(key)
-    if value is None:
-        value = _LUT_CACHE.setdefault(key, torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=device))
-    return value
+    """fl32(1/6) on `device`."""
+    return _device_constant(("rcp6", device), lambda: torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=device))
 
 
 def _thresholds(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rounding thresholds on `device`, made once (quantize then copies nothing to the device)."""
-    key = ("thresholds", device, dtype)
-    value = _LUT_CACHE.get(key)
-    if value is None:
-        value = _LUT_CACHE.setdefault(key, (torch.tensor(_ROUND_DOWN_AT, dtype=dtype, device=device),
-                                            torch.tensor(_ROUND_UP_AT, dtype=dtype, device=device)))
-    return value
+    """The rounding thresholds on `device` (round down at, round up at)."""
+    return _device_constant(("thresholds", device, dtype), lambda: (torch.tensor(_ROUND_DOWN_AT, dtype=dtype, device=device),
+                                                                      torch.tensor(_ROUND_UP_AT, dtype=dtype, device=device)))
 
 
 def _encode(x: torch.Tensor) -> torch.Tensor:
@@ -276,14 +273,12 @@ def _check_packed_and_scales(func: str, packed: torch.Tensor, scales: torch.Tens
 
 def _byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """(256, 2) table: a packed byte -> its (low, high) E2M1 values."""
-    key = (device, dtype)
-    lut = _LUT_CACHE.get(key)
-    if lut is None:
+    def make() -> torch.Tensor:
         codes = torch.arange(256)
         values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-        lut = torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=-1).to(device=device, dtype=dtype)
-        _LUT_CACHE[key] = lut
-    return lut
+        return torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=-1).to(device=device, dtype=dtype)
+
+    return _device_constant(("bytes", device, dtype), make)
 
 
 def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -500,10 +495,11 @@ class _MoeShape(NamedTuple):
     a2: torch.Tensor | None
 
 
-def _check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                    activation, out_dtype, quantize_activations, intermediate_dtype) -> _MoeShape:
+def _check_moe_args(x, topk_ids, topk_weights, weights: MoeWeights, activation, out_dtype, quantize_activations,
+                    intermediate_dtype) -> _MoeShape:
     """reference_moe_fp4's argument checks: each names the parameter, the value and what is accepted."""
     func = "reference_moe_fp4"
+    w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale = weights
     _check_tensor(func, "x", x, _MOE_X_DTYPES, ndim=2)
     tokens, hidden = x.shape
     if hidden == 0 or hidden % BLOCK_SIZE:
@@ -563,10 +559,11 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf
                      a2 if quantize_activations else None)
 
 
-def _moe_forward(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, shape: _MoeShape, activation,
-                 quantize_activations, intermediate_dtype, weight_cache) -> torch.Tensor:
+def _moe_forward(x, topk_ids, topk_weights, weights: MoeWeights, shape: _MoeShape, activation, quantize_activations,
+                 intermediate_dtype, weight_cache) -> torch.Tensor:
     """reference_moe_fp4's math, on checked arguments (its docstring states it)."""
     tokens, hidden, experts, inter, top_k, out_dtype, a1, a2 = shape
+    w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha = weights[:6]  # the activation scales: a1, a2 as checked
     device = x.device
     func = "reference_moe_fp4"
     ids = topk_ids.reshape(-1).long()
@@ -699,9 +696,9 @@ def reference_moe_fp4(
     `weight_cache`, a dict the caller keeps, holds those dequantized experts across calls with the
     same, unchanged weights (a self-test's references); the caller empties it when weights change.
     """
-    shape = _check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                            activation, out_dtype, quantize_activations, intermediate_dtype)
+    weights = MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale)
+    shape = _check_moe_args(x, topk_ids, topk_weights, weights, activation, out_dtype, quantize_activations, intermediate_dtype)
     if shape.tokens == 0:
         return torch.zeros((0, shape.hidden), dtype=shape.out_dtype, device=x.device)
-    return _moe_forward(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, shape, activation,
-                        quantize_activations, intermediate_dtype, weight_cache)
+    return _moe_forward(x, topk_ids, topk_weights, weights, shape, activation, quantize_activations, intermediate_dtype,
+                        weight_cache)

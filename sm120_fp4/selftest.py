@@ -237,7 +237,8 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: Shape
         allowed_rows = allowed_rows + 2 * slack  # twice what the oracle cannot decide, on that row only
     excess = row_err - allowed_rows
     slack_norm = (slack * row_norms).norm() if slack is not None else torch.zeros((), device=out.device)
-    counts = torch.stack([nonfinite, (out_zero_rows & ~ref_zero_rows).sum(), excess.argmax(),
+    zero_not_ref = out_zero_rows & ~ref_zero_rows  # a row of zeros where the reference has values
+    counts = torch.stack([nonfinite, zero_not_ref.sum(), excess.argmax(),
                           (row_norms == 0).all().long(), out_zero_rows.all().long()])
     norms = torch.stack([row_norms.norm(), diff_norms.norm(), row_err.amax(), max_abs, out_norms.norm(), excess.amax(),
                          slack_norm.float()])
@@ -269,7 +270,7 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: Shape
     result.max_abs_err = max_abs_v
     result.norm_ratio = out_norm / ref_norm
     if result.zero_rows:
-        bad_rows = (out_zero_rows & ~ref_zero_rows).nonzero().flatten().tolist()
+        bad_rows = zero_not_ref.nonzero().flatten().tolist()
         return f"{len(bad_rows)} row(s) all zero where the reference is not (rows {_row_ranges(bad_rows)})"
     lo_ratio, hi_ratio = bounds.norm_ratio
     if not lo_ratio <= result.norm_ratio <= hi_ratio:
@@ -689,7 +690,7 @@ SIMULATION_MOE_CONFIG = MoeConfig(cases=(
     *_moe_grid(8, 160, 96, "relu2", (2, 9, "bfloat16", "random"), (2, 12, "float16", "padded")),
 ))
 
-_moe_weight_cache: dict[tuple, dict] = {}
+_moe_weight_cache: dict[tuple, nvfp4.MoeWeights] = {}
 
 
 def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int) -> nvfp4.MoeWeights:
