@@ -19,12 +19,11 @@ import sys
 import threading
 
 from .imports import AfterExec, find_spec_as_imported
+# SGLang's top-level package, the one name the start-up hook waits for (sm120_fp4.sglang.names:
+# stdlib-only, and importing sm120_fp4.sglang itself loads nothing else).
+from .sglang.names import TOP_LEVEL as SGLANG
 from .toggle import TOGGLE_OFF, TOGGLE_ON, TOGGLE_VAR, enabled, parse_toggle  # noqa: F401 - re-exported
 
-# SGLang's top-level package, the one name the start-up hook waits for. It is spelled here, not
-# taken from sm120_fp4.sglang: this module is stdlib-only (it runs in every interpreter's start-up),
-# and importing that package would import packaging and the rest of its SGLang knowledge.
-SGLANG = "sglang"
 _activated = False
 
 

@@ -90,13 +90,13 @@ def test_an_nvfp4_moe_layer_on_a_release_without_the_moe_seam_is_refused_before_
     """Before 0.5.15 (no fused-MoE seam) the experts cannot be routed or verified: strict refuses
     before SGLang touches the weights; warn serves them with one warning. On a newer release the
     installed version is made to read as 0.5.14 (the check is the version range, not the module)."""
-    import sm120_fp4.sglang as sglang_pkg
+    from sm120_fp4.sglang import wiring
     from sm120_fp4.sglang import moe
     from sm120_fp4.versions import version_in
 
     installed = release.sglang_version()
     if version_in(installed, moe.SEAM_VERSIONS):
-        monkeypatch.setattr(sglang_pkg, "sglang_version", lambda: "0.5.14")
+        monkeypatch.setattr(wiring, "sglang_version", lambda: "0.5.14")
         monkeypatch.setattr(moe, "sglang_version", lambda: "0.5.14")
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest=mode)
     assert patch_state("modelopt-nvfp4-moe-weights-hook") == "applied"

@@ -1,146 +1,27 @@
 """Everything this library knows about SGLang, in one package.
 
+* :mod:`.names`: SGLang's top-level import name (stdlib-only: the start-up hook reads it);
 * :mod:`.release`: the installed release, the supported range, whether it already carries the fix;
 * :mod:`.targets`: what to patch in which release (the ledger), the runner-enum pin, env knobs;
+* :mod:`.wiring`: :func:`attach`, which wires one install into SGLang;
 * :mod:`.simulation`: the stand-ins that let SGLang's real FP4 path run without an SM120 GPU;
-* :mod:`.plugin`: the ``sglang.srt.plugins`` entry point; :mod:`.layers`: real layers for the demo.
+* :mod:`.layers`, :mod:`.moe_layers`, :mod:`.model_check`: real layers for the demo and ``selftest --model``.
 
-:func:`attach` wires one install into SGLang. Nothing here imports SGLang at import time: every
-step runs from a post-import hook when (or if) SGLang imports the module it concerns.
+Importing this package imports nothing else (the start-up hook imports :mod:`.names` in every
+interpreter with the toggle on); its functions load their module when first asked for.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Callable
-
-from .release import release_support, runtime_patch_needed, sglang_version
+from importlib import import_module
 
 __all__ = ["attach", "idle_point_problem", "release_support", "runtime_patch_needed", "sglang_version"]
 
-_LOG = logging.getLogger("sm120_fp4")
+_LAZY = {"attach": "wiring", "idle_point_problem": "wiring", "release_support": "release",
+         "runtime_patch_needed": "release", "sglang_version": "release"}
 
 
-def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
-    """Register this install's SGLang patches (and, in simulation, the simulation stand-ins).
-
-    `router` (a dispatch.Router) builds the FP4 GEMM alias replacement and decides per device: its
-    ``ensure(index)`` may raise RefusedToServe and returns None for a device this library does not
-    serve (the runner enum then stays as is, and nothing is verified there). `canary` (the module
-    sm120_fp4.canary, passed in so that nothing here imports it) runs at the scheduler's idle point
-    when SM120_FP4_CANARY is on. Returns the undo steps that are not patches (the patcher undoes its own).
-    """
-    from .. import checkpoints, serving
-    from ..errors import ConfigError, RefusedToServe
-    from ..versions import version_in
-    from . import hooks, moe, simulation, targets
-
-    undo: list[Callable[[], None]] = []
-    simulate = settings.simulated_capability
-    sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
-
-    def before(index: int) -> None:
-        if router.ensure(index) is not None:
-            targets.pin_runner_backend(patcher)
-
-    def verify(check) -> None:
-        if check is not None:
-            serving.verify_layer(check.device_index, check, settings)
-
-    def weights_scope():
-        return simulation.cuda_moves_stay_on_cpu(sim is not None)
-
-    def before_moe(kind: str, method, layer) -> None:
-        if serving.route(hooks.layer_device_index(layer), settings, "moe") is None:
-            return  # a device this library does not serve
-        if not version_in(sglang_version(), moe.SEAM_VERSIONS):
-            moe.refuse_unverifiable(kind, settings)
-            return
-        problem = moe.runner_problem(kind, method) or moe.gate_up_problem(layer)
-        if problem is not None and settings.selftest != "off":
-            message = f"sm120_fp4: refusing to serve the NVFP4 MoE layer ({kind}): {problem}"
-            if settings.selftest == "strict":
-                raise RefusedToServe(message)
-            _LOG.warning("%s (SM120_FP4_SELFTEST=warn: serving anyway)", message)
-
-    def pin_moe_runner(model_path: str | None) -> None:
-        if not _serves_current_device(settings):
-            return
-        try:
-            quant = checkpoints.read_quantization(model_path) if model_path else None
-        except ConfigError as exc:
-            _LOG.warning("sm120_fp4: cannot read the checkpoint's quantization (%s); SGLang's MoE runner is left as "
-                         "it is, and each NVFP4 MoE layer's runner is checked when it loads", exc)
-            return
-        if quant is not None and quant.nvfp4:
-            moe.pin_auto_runner(patcher)
-
-    def moe_seam(original):
-        return moe.make_seam(original, router.make_moe_front, sim is not None)
-
-    idle = targets.idle_spec(canary.idle) if canary is not None and settings.canary_period is not None else None
-    if settings.canary_period is not None and idle is None:
-        raise ConfigError(f"invalid sm120_fp4 settings:\n  {idle_point_problem(settings) or 'the serving canary is not wired'}")
-
-    def recheck(captured: list[int]) -> object:
-        done = serving.recheck(settings, captured)
-        if idle is not None:  # the serving canary: its idle hook must be in place, or nothing would run it
-            _require_idle_hook(patcher, idle, settings)
-            canary.on_warmup(captured)
-        return done
-
-    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
-                            serving.weights_update_begin, lambda: serving.weights_update_end(settings))
-    specs = targets.specs(wiring)
-    if idle is not None:
-        canary.configure(settings, f"{idle.module}.{idle.attribute}")
-        undo.append(canary.stop)
-        specs.append(idle)
-    if sim is not None:
-        _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)
-        specs += simulation.specs(simulate)
-        sim.arm()
-        undo.append(sim.undo)
-    undo.append(targets.apply_env_knobs(patcher))
-    patcher.add(specs)
-    return undo
-
-
-def idle_point_problem(settings) -> str | None:
-    """Why the serving canary these settings ask for cannot run with the installed SGLang: its
-    scheduler loop has no idle point this library can use (None: it has one, or the canary is off)."""
-    from . import targets
-
-    if settings.canary_period is None or targets.idle_spec(lambda stream: None) is not None:
-        return None
-    known = ", ".join(f"{s.attribute} ({s.versions})" for s in targets.idle_specs(lambda stream: None))
-    return (f"SM120_FP4_CANARY={settings.canary_period:g} is not available with SGLang {sglang_version()}: its "
-            f"scheduler loop has no idle point sm120_fp4 can run the canary at (known: {known}); "
-            "set SM120_FP4_CANARY=off to serve without the serving canary, or use a release listed")
-
-
-def _require_idle_hook(patcher, spec, settings) -> None:
-    """After warm-up in a scheduler: the canary's idle hook is applied here, else RefusedToServe
-    (the canary is on, and silently off is never what was asked for)."""
-    from ..errors import RefusedToServe
-
-    entry = next((e for e in patcher.ledger() if e.name == spec.name), None)
-    if entry is not None and entry.state == "applied":
-        return
-    state = f"{entry.state}: {entry.reason}" if entry is not None else f"{spec.module} was never imported"
-    raise RefusedToServe(
-        f"sm120_fp4: refusing to serve: SM120_FP4_CANARY={settings.canary_period:g} is on, but the serving canary's idle "
-        f"hook ({spec.module}.{spec.attribute}, patch {spec.name}) is not in place in this scheduler process ({state}); "
-        "nothing would run the canary. Set SM120_FP4_CANARY=off to serve without it, or report this SGLang release.")
-
-
-def _serves_current_device(settings) -> bool:
-    """Whether this library serves the device this process computes on (CPU tensors: only in simulation)."""
-    import torch
-
-    from .. import deciding, devices
-
-    index = torch.cuda.current_device() if torch.cuda.is_available() else -1
-    if index < 0 and settings.simulated_capability is None:
-        return False
-    return deciding.serves(devices.get_device(index, settings.simulated_capability), settings)
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
