@@ -203,9 +203,6 @@ class JobPool:
         finally:
             self._slots.release()
 
-    def done(self) -> bool:
-        return all(item.finished() for item in self._items)
-
     def stop(self) -> None:
         self._stop.set()
         for item in self._items:
@@ -221,9 +218,6 @@ class Queued:
         self.job, self.error, self.result = None, None, None
         self._lock, self._killed = threading.Lock(), False
         self.started_at = self.ended_at = None  # time.monotonic() at its start and end (JOB_TIMES)
-
-    def finished(self) -> bool:
-        return self._done.is_set()
 
     def start_and_finish(self) -> None:
         try:
