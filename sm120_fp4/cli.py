@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence
 
 from . import locks
 
-__all__ = ["main", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE", "EXIT_UNVERIFIED", "use_worker_runner", "worker_argv", "WorkerOutput"]
+__all__ = ["main", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE", "EXIT_UNVERIFIED", "use_worker_runner", "worker_argv", "WorkerOutput",
+           "use_model_worker_runner", "model_worker_argv"]
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
 
@@ -92,8 +93,9 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
     return EXIT_OK if decision.verified else EXIT_UNVERIFIED
 
 
-def _model_worker(args: argparse.Namespace) -> int:
-    """Verify the checkpoint `args.model` on one device in this (short-lived) process; one JSON result line."""
+def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
+    """Verify the checkpoint `args.model` on one device in this (short-lived) process; `emit` one JSON
+    result (standard output)."""
     import sm120_fp4
 
     from . import devices, serving
@@ -109,13 +111,13 @@ def _model_worker(args: argparse.Namespace) -> int:
             raise ConfigError(f"sm120_fp4 could not patch SGLang here: {status.message}")
         checked = model_check.check_model(args.model, device.torch_device)
     except ConfigError as exc:
-        _emit({"ok": False, "usage": True, "message": str(exc)})
+        emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
     except RefusedToServe as exc:
-        _emit({"ok": False, "usage": False, "message": str(exc), "device": args.device})
+        emit({"ok": False, "usage": False, "message": str(exc), "device": args.device})
         return EXIT_REFUSED
     decisions = [d.model_dump(mode="json") for d in serving.decisions() if d.device_index == args.device]
-    _emit({"ok": True, "checked": checked, "decisions": decisions})
+    emit({"ok": True, "checked": checked, "decisions": decisions})
     return EXIT_OK if all(d["verified"] for d in decisions) else EXIT_UNVERIFIED
 
 
@@ -155,14 +157,7 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
 
     def run(index: int) -> dict:
         _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] building and verifying {model}'s NVFP4 layers ...")
-        cmd = [sys.executable, "-m", "sm120_fp4", "_model-worker", "--device", str(index), "--model", model]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        try:
-            return json.loads(lines[-1])
-        except (IndexError, ValueError):
-            return {"ok": False, "usage": False, "message": f"model check worker (device {index}) {_died(proc.returncode)} "
-                                                           f"before a result:\n{proc.stderr[-2000:]}"}
+        return (_model_worker_runner or _run_model_worker)(index, model, env)
 
     with ThreadPoolExecutor(max_workers=len(indices)) as pool:
         results = dict(zip(indices, pool.map(run, indices)))
@@ -189,6 +184,23 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     if any(not d["verified"] for r in results.values() for d in r["decisions"]):
         return EXIT_UNVERIFIED
     return EXIT_OK
+
+
+def model_worker_argv(index: int, model: str) -> list[str]:
+    """The arguments of one model-check worker (after ``python -m sm120_fp4``)."""
+    return ["_model-worker", "--device", str(index), "--model", model]
+
+
+def _run_model_worker(index: int, model: str, env: dict[str, str]) -> dict:
+    """One model-check worker process: its result line, or why it gave none."""
+    cmd = [sys.executable, "-m", "sm120_fp4", *model_worker_argv(index, model)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return {"ok": False, "usage": False, "message": f"model check worker (device {index}) {_died(proc.returncode)} "
+                                                       f"before a result:\n{proc.stderr[-2000:]}"}
 
 
 def _own_report() -> dict:
@@ -288,6 +300,20 @@ def use_worker_runner(runner: WorkerRunner | None) -> WorkerRunner | None:
     :func:`_run_worker` returns."""
     global _worker_runner
     previous, _worker_runner = _worker_runner, runner
+    return previous
+
+
+ModelWorkerRunner = Callable[[int, str, "dict[str, str]"], dict]
+_model_worker_runner: ModelWorkerRunner | None = None
+
+
+def use_model_worker_runner(runner: ModelWorkerRunner | None) -> ModelWorkerRunner | None:
+    """Run ``selftest --model``'s workers through `runner` (None: each its own short-lived process,
+    the default); returns the previous one. The same seam as :func:`use_worker_runner`, for the
+    model check: `runner(index, model_dir, env)` returns the worker's result (what
+    :func:`_run_model_worker` returns)."""
+    global _model_worker_runner
+    previous, _model_worker_runner = _model_worker_runner, runner
     return previous
 
 

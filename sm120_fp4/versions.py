@@ -3,21 +3,51 @@
 from __future__ import annotations
 
 import importlib.metadata
+import threading
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-__all__ = ["installed_version", "version_in", "comparable"]
+__all__ = ["installed_version", "version_in", "comparable", "clear_cache"]
+
+
+# name -> version (None: not installed), as read by the lookup in _read_with. Each read parses the
+# distribution's METADATA file (milliseconds); patch guards and layer checks ask thousands of times
+# while a large model loads. The modules a process imported do not change with a later pip run, so
+# the first answer stays true for them; a different lookup function (a test's) starts afresh.
+_read: dict[str, str | None] = {}
+_read_with: list = [None]
+_read_lock = threading.Lock()
 
 
 def installed_version(*distributions: str) -> str | None:
-    """The installed version of the first of `distributions` that is installed, without importing it."""
+    """The installed version of the first of `distributions` that is installed, without importing
+    it; read once per process (clear_cache() reads again)."""
+    lookup = importlib.metadata.version
+    with _read_lock:
+        if _read_with[0] is not lookup:
+            _read.clear()
+            _read_with[0] = lookup
     for name in distributions:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+        if name not in _read:
+            try:
+                found = lookup(name)
+            except importlib.metadata.PackageNotFoundError:
+                found = None
+            with _read_lock:
+                if _read_with[0] is lookup:
+                    _read[name] = found
+        else:
+            found = _read[name]
+        if found is not None:
+            return found
     return None
+
+
+def clear_cache() -> None:
+    """Forget the versions read so far (a distribution installed or removed since)."""
+    with _read_lock:
+        _read.clear()
 
 
 def comparable(version: str | None, specifier: str | None = None) -> str | None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers.cases import fields
+from helpers.procs import JOBS as _JOBS
 from helpers.procs import TIMEOUT, JobPool
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -118,19 +119,19 @@ def _record_case(request):
 
 # ---- background subprocess jobs: every selected one starts right after collection ------------
 
-_JOBS: dict[str, object] = {}
 _FOLDER: list[Path] = []
 
 
-def _heavy(item) -> bool:
-    return bool(getattr(getattr(item, "function", None), "background_heavy", False))
+def _heavy(item) -> int:
+    """How heavy the item's background job is: 0 (not heavy), or about how many real-server starts."""
+    return int(getattr(getattr(item, "function", None), "background_heavy", False))
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Tests of heavy background jobs (real servers) run last: the others run while those jobs do.
     Where SGLang is not installed (the GPU machine's run of scripts/gpu_check.sh), the tests marked
     `sglang` are skipped saying so, rather than failing on the import."""
-    items.sort(key=_heavy)  # stable: the order is otherwise unchanged
+    items.sort(key=lambda item: _heavy(item) > 0)  # stable: the order is otherwise unchanged
     if importlib.util.find_spec("sglang") is None:
         skip = pytest.mark.skip(reason="needs the real SGLang release, not installed here")
         for item in items:
@@ -149,7 +150,9 @@ def pytest_collection_finish(session):
         return
     root = Path(tempfile.mkdtemp(prefix="sm120-fp4-jobs-"))
     _FOLDER.append(root)
-    for n, item in enumerate(session.items):
+    # Heavy jobs start the longest first (a job of two server starts before one of one), then in order.
+    heavy_first = sorted(enumerate(session.items), key=lambda pair: -int(_heavy(pair[1])))
+    for n, item in heavy_first:
         start = getattr(getattr(item, "function", None), "background_job", None)
         if start is not None:
             folder = root / str(n)

@@ -2,38 +2,47 @@
 
 ``sm120-fp4 launch -- python -m sglang.launch_server`` with SM120_FP4_CANARY on and a dense kernel, from
 an entry-point plugin, that is right at start-up and turns wrong after a number of calls made while
-serving (tests/helpers/canary_server.py). With ``exit`` the next canary run of the dense kernel, within
-one period, refuses: the scheduler raises at its idle point, SGLang kills its server, the launcher
-exits non-zero and the report holds the reason. With ``log`` the server keeps serving and counts; a
-healthy server with the canary on answers the prompt as the same server with it off.
+serving (tests/helpers/canary_server.py). With ``exit`` (a compressed-tensors checkpoint with SGLang's
+default flags) the next canary run of the dense kernel, within one period, refuses: the scheduler
+raises at its idle point, SGLang kills its server, the launcher exits non-zero and the report holds
+the reason. With ``log`` (the demo's ModelOpt checkpoint) the server keeps serving and counts; a
+healthy server with the canary on answers the prompt as the demo's server, the same checkpoint with
+the canary off, does (test_demo_server.py's job; a server of its own when that test is not selected).
 
-Two background jobs (three server starts): each costs minutes of CPU, so each checks everything
-its servers can show.
+Two background jobs, a server start each: a start costs a minute of CPU, so each checks everything
+its server can show.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import sys
 
 import pytest
 
-from helpers.procs import REPO, Popen, background, clean_env
+from helpers.common import module_installed
+from helpers.procs import REPO, TIMEOUT, Popen, background, clean_env, job_of
 from sm120_fp4.demo.server import group_members
 
 pytest.importorskip("uvicorn", reason="the server packages (scripts/setup_env.sh installs them)")
-pytest.importorskip("sglang.srt.entrypoints.http_server", reason="SGLang's HTTP server")
+if not module_installed("sglang.srt.entrypoints.http_server"):  # found, not imported (seconds of CPU)
+    pytest.skip("SGLang's HTTP server is not installed", allow_module_level=True)
 SERVER_TIMEOUT = 1800
 # Each test waits for its job, started at session start: it may still be starting its servers when
 # the test begins (pyproject's 300 s per test is for in-process work).
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(SERVER_TIMEOUT + 60)]
 
 
+DEMO = "test_demo_server.py::test_server_demo_answers_then_refuses_a_kernel_wrong_at_one_layer_shape"
+
+
 def _scenario(name: str):
     def start(folder):
         tests = REPO / "tests"
-        return Popen([sys.executable, "-m", "helpers.canary_server", name, str(folder)],
+        flags = ["off"] if name == "log" and job_of(DEMO) is None else []  # no demo server this session: its own
+        return Popen([sys.executable, "-m", "helpers.canary_server", name, str(folder), *flags],
                      clean_env(PYTHONPATH=f"{REPO}:{tests}"), folder, cwd=tests, merge=True, group=True, timeout=SERVER_TIMEOUT)
 
     return start
@@ -50,6 +59,11 @@ def _result(background) -> dict:
 def test_a_kernel_worn_out_while_serving_stops_the_server_within_one_period(background):
     r = _result(background)
     assert r["ready"] and r["answer"] is not None and r["passed_before"], r.get("log", "")[-3000:]
+    # An llm-compressor checkpoint with SGLang's default flags (MoE runner 'auto'): each of its NVFP4
+    # layer configurations verified in the scheduler before it served.
+    summary = "\n".join(r["summary"])
+    assert re.search(r"CompressedTensorsW4A4Nvfp4MoE E=8 H=256 I=128 top_k=2 swiglu bfloat16: verified", summary), summary
+    assert re.search(r"CompressedTensorsW4A4Fp4 N=512 K=256 .*: verified", summary), summary
     # The launcher (SGLang's server process, exec'd by sm120-fp4 launch) exited by itself, non-zero,
     # and nothing of the server is left or listening.
     assert r["rc"] is not None and r["rc"] != 0, r["log"][-3000:]
@@ -68,7 +82,7 @@ def test_a_kernel_worn_out_while_serving_stops_the_server_within_one_period(back
     shape = refusal["reports"][0]["shapes"][0]
     assert not shape["passed"] and shape["norm_ratio"] == pytest.approx(0.5, abs=0.01) and shape["m"] == caught["ms"][0]
     assert r["canary"]["state"].startswith("stopped the process")
-    assert re.search(r"while serving: wears-out failed the serving canary's re-check of ModelOptFp4LinearMethod", r["log"])
+    assert re.search(r"while serving: wears-out failed the serving canary's re-check of CompressedTensorsW4A4Fp4", r["log"])
     assert "Scheduler hit an exception" in r["log"], "SGLang's own path: the scheduler raised, the server killed its tree"
 
 
@@ -76,10 +90,15 @@ def test_a_kernel_worn_out_while_serving_stops_the_server_within_one_period(back
 def test_with_action_log_the_server_keeps_serving_and_counts_and_the_canary_changes_no_answer(background):
     r = _result(background)
     assert r["ready"] and r["passed_before"], r.get("log", "")[-3000:]
-    # A healthy server with the canary on (runs passed) answers as the same server with it off.
-    assert r["off_ready"] and r["answer_on"] and r["answer_on"] == r["answer_off"], (r["answer_on"], r["answer_off"])
-    assert r["off_canary"] == {}, "the canary is off there"
-    assert r["off_left"] == [] and r["left"] == []
+    # A healthy server with the canary on (runs passed) answers as a server of the same checkpoint with
+    # it off: the demo's (its canary off), or one of the scenario's own.
+    if "off_ready" in r:
+        assert r["off_ready"] and r["off_canary"] == {} and r["off_left"] == [], "the canary is off there"
+        answer_off = r["answer_off"]
+    else:
+        answer_off = _demo_answer(job_of(DEMO).wait(TIMEOUT))
+    assert r["answer_on"] and r["answer_on"] == answer_off, (r["answer_on"], answer_off)
+    assert r["left"] == []
     # Worn out: every failing run counted, one warning per configuration, still answering.
     assert r["counted"] and r["alive"] and isinstance(r["answer_after"], str), r["log"][-3000:]
     section = r["canary"]
@@ -88,3 +107,11 @@ def test_with_action_log_the_server_keeps_serving_and_counts_and_the_canary_chan
     assert sorted(warned) == sorted(f["config"] for f in section["failed"]), warned
     assert all(f["family"] == "dense" for f in section["failed"]), "the MoE kernel was not worn"
     assert r["refusals"] == [], "log never refuses"
+
+
+def _demo_answer(demo) -> str:
+    """The text the demo's healthy server answered (``sm120-fp4 demo --server``'s output)."""
+    rc, out, _ = demo
+    found = re.findall(r"POST /generate '[^']*' -> (.*) \(\d+ tokens; random weights", out)
+    assert rc == 0 and found, f"the demo's healthy server gave no answer to compare with:\n{out[-3000:]}"
+    return ast.literal_eval(found[0])

@@ -3,8 +3,9 @@
 ``sm120-fp4 demo --server`` writes a tiny ModelOpt NVFP4 checkpoint (dense and MoE layers), starts SGLang's
 server through ``sm120-fp4 launch`` with SGLang's default flags (MoE runner left at 'auto'), asks it once,
 then starts it again with a kernel from an entry-point plugin that is wrong only at one of the
-checkpoint's layer shapes: the port never opens. ``--model-path`` serves a given llm-compressor-format
-checkpoint. Each job runs in the background from the start of the session (a server start costs a
+checkpoint's layer shapes: the port never opens. ``--model-path`` with a kernel that fails its self-test:
+refused before SGLang starts. (An llm-compressor checkpoint served with SGLang's default flags is
+test_canary_server.py's exit scenario.) Each job runs in the background from the start of the session (a server start costs a
 minute of CPU), in its own process group, and is killed with it.
 """
 
@@ -15,11 +16,13 @@ import sys
 
 import pytest
 
+from helpers.common import module_installed
 from helpers.procs import Popen, background, clean_env
 from sm120_fp4.demo.server import group_members
 
 pytest.importorskip("uvicorn", reason="the server packages (scripts/setup_env.sh installs them)")
-pytest.importorskip("sglang.srt.entrypoints.http_server", reason="SGLang's HTTP server")
+if not module_installed("sglang.srt.entrypoints.http_server"):  # found, not imported (seconds of CPU)
+    pytest.skip("SGLang's HTTP server is not installed", allow_module_level=True)
 pytestmark = pytest.mark.sglang
 SERVER_TIMEOUT = 1500
 
@@ -38,7 +41,7 @@ def _pids(out: str) -> list[int]:
 
 
 @pytest.mark.timeout(3600)
-@background(lambda folder: _demo(folder), heavy=True)
+@background(lambda folder: _demo(folder), heavy=2)  # two server starts
 def test_server_demo_answers_then_refuses_a_kernel_wrong_at_one_layer_shape(background):
     rc, out, _ = background
     assert rc == 0, out[-4000:]
@@ -53,13 +56,6 @@ def test_server_demo_answers_then_refuses_a_kernel_wrong_at_one_layer_shape(back
     assert re.search(r"the server did not start: launcher exit -?\d+, nothing listening", out)
     pids = _pids(out)
     assert len(pids) == 2 and not [p for p in pids if _alive(p)], "every server process group is gone"
-
-
-def _ct_checkpoint_demo(folder):
-    from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, write_checkpoint
-
-    path = write_checkpoint(str(folder / "ct"), seed=5, fmt=COMPRESSED_TENSORS)
-    return _demo(folder, "--model-path", path, "--", "--max-running-requests", "4")
 
 
 def _broken_model_path(folder):
@@ -79,15 +75,4 @@ def test_model_path_refuses_a_broken_entry_point_kernel_and_nothing_listens(back
     assert "POST /generate" not in out
     assert re.search(r"the server did not start: launcher exit [1-9]\d*, nothing listening", out)
     assert "moe-zeros" in out, "the log tail names the refused kernel"
-    assert not [p for p in _pids(out) if _alive(p)]
-
-
-@pytest.mark.timeout(3600)
-@background(_ct_checkpoint_demo, heavy=True)
-def test_model_path_serves_an_llm_compressor_checkpoint_with_default_flags(background):
-    rc, out, _ = background
-    assert rc == 0, out[-4000:]
-    assert re.search(r"POST /generate .* -> '.*' \(\d+ tokens", out)
-    assert re.search(r"CompressedTensorsW4A4Nvfp4MoE E=8 H=256 I=128 top_k=2 swiglu bfloat16: verified", out)
-    assert re.search(r"CompressedTensorsW4A4Fp4 N=512 K=256 .*: verified", out)
     assert not [p for p in _pids(out) if _alive(p)]

@@ -10,9 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import faults
 from helpers.common import simulated_moe_skip_reason
 from helpers.plugins import plugin_site
 from helpers.procs import Popen, background, clean_env
+from helpers.workers import model_workers_in_process
+from sm120_fp4 import backends, cli
 from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, MODELOPT, write_checkpoint
 from sm120_fp4.errors import ConfigError
 
@@ -31,13 +34,21 @@ def _selftest_model(folder, fmt, **env):
                  clean_env(**{**SIM, **env}), folder, cwd=folder, timeout=900)
 
 
+def _selftest_model_in_process(tmp_path, monkeypatch, capsys, fmt, **env) -> tuple[int, dict]:
+    """``sm120-fp4 selftest --model DIR --json`` with its worker in this process (cli's worker seam)."""
+    path = write_checkpoint(str(tmp_path / "ckpt"), seed=9, fmt=fmt)
+    for name, value in {**SIM, **env}.items():
+        monkeypatch.setenv(name, value)
+    with model_workers_in_process():
+        rc = cli.main(["selftest", "--model", path, "--json"])
+    [result] = json.loads(capsys.readouterr().out).values()
+    return rc, result
+
+
 @pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
-@pytest.mark.timeout(3600)
-@background(lambda folder, fmt: _selftest_model(folder, fmt), heavy=True)
-def test_selftest_model_verifies_each_distinct_layer_configuration(background, fmt):
-    rc, out, err = background
-    assert rc == 0, err[-3000:]
-    [result] = json.loads(out).values()
+def test_selftest_model_verifies_each_distinct_layer_configuration(sglang_unpatched, tmp_path, monkeypatch, capsys, fmt):
+    rc, result = _selftest_model_in_process(tmp_path, monkeypatch, capsys, fmt)
+    assert rc == 0, result
     configs = [layer["config"] for d in result["decisions"] for layer in d["layers"] if layer["passed"]]
     kind = "ModelOpt" if fmt == MODELOPT else "CompressedTensors"
     assert len(configs) == 3 and all(c.startswith(kind) for c in configs), configs
@@ -45,17 +56,23 @@ def test_selftest_model_verifies_each_distinct_layer_configuration(background, f
     assert result["checked"]["layers"] == 6, "2 layers x (qkv, o_proj, experts)"
 
 
-@pytest.mark.parametrize("family", ["dense", "moe"])
-@background(lambda folder, family: _selftest_model(
-    folder, MODELOPT, PYTHONPATH=str(folder), **({"SM120_FP4_BACKENDS": "zeros"} if family == "dense" else
-                                                 {"SM120_FP4_MOE_BACKENDS": "moe-zeros"})), heavy=True)
+def test_selftest_model_exits_1_with_a_broken_dense_kernel(sglang_unpatched, tmp_path, monkeypatch, capsys):
+    backends.register("zeros", faults.returns_zeros)
+    rc, result = _selftest_model_in_process(tmp_path, monkeypatch, capsys, MODELOPT, SM120_FP4_BACKENDS="zeros")
+    assert rc == 1, result
+    assert not result["ok"] and "refusing to serve NVFP4" in result["message"] and "zeros" in result["message"]
+
+
+# One true end to end: the CLI, its worker process, an entry-point kernel found there, the exit code.
+@background(lambda folder: _selftest_model(folder, MODELOPT, PYTHONPATH=str(folder), SM120_FP4_MOE_BACKENDS="moe-zeros"),
+            heavy=True)
 @pytest.mark.timeout(3600)
-def test_selftest_model_exits_1_with_a_broken_entry_point_kernel(background, family):
+def test_selftest_model_worker_process_exits_1_with_a_broken_entry_point_moe_kernel(background):
     rc, out, err = background
     assert rc == 1, err[-3000:]
     [result] = json.loads(out).values()
     assert not result["ok"] and "refusing to serve NVFP4" in result["message"]
-    assert ("zeros" if family == "dense" else "moe-zeros") in result["message"]
+    assert "moe-zeros" in result["message"]
 
 
 def test_discover_groups_shards_as_sglang_fuses_them(tmp_path):

@@ -218,6 +218,27 @@ def test_the_version_guard_applies_only_inside_the_range(patcher, fakedist, dist
     assert (json.dumps is original) == (state == "skipped")
 
 
+
+def test_installed_versions_are_read_once_per_lookup_and_again_after_clear_cache(monkeypatch):
+    from sm120_fp4 import versions
+
+    asked: list[str] = []
+
+    def version(name):
+        asked.append(name)
+        if name == "fakedist":
+            return "1.5"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    for _ in range(3):
+        assert versions.installed_version("no-such-dist-sm120", "fakedist") == "1.5"
+    assert asked == ["no-such-dist-sm120", "fakedist"], "each distribution's METADATA is read once"
+    versions.clear_cache()
+    assert versions.installed_version("fakedist") == "1.5" and asked[-1] == "fakedist" and len(asked) == 3
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0")  # another lookup: read afresh
+    assert versions.installed_version("fakedist") == "2.0"
+
 # ---- pin and note --------------------------------------------------------------------------------
 
 def test_pin_sets_a_value_when_it_applies_and_remove_all_restores_it(patcher, monkeypatch):

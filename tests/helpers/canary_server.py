@@ -1,14 +1,18 @@
 """Real SGLang servers on this CPU (simulation) with the serving canary on, for tests/test_canary_server.py.
 
-``python -m helpers.canary_server SCENARIO FOLDER`` (tests/ on the path) prints one line
+``python -m helpers.canary_server SCENARIO FOLDER [off]`` (tests/ on the path) prints one line
 ``CANARY-RESULT {json}`` and exits 0 when it could run the scenario (the test judges the result):
 
-* ``exit``: a dense kernel from an entry-point plugin (``wears-out``) that returns half the right
-  result once CANARY_TEST_TRIGGER exists and it has made CANARY_TEST_AFTER more calls. The server
-  answers, a canary run passes, the trigger is created, a request makes the served calls that wear
-  the kernel out; then the launcher must exit on its own (the canary's refusal).
-* ``log``: the same kernel with SM120_FP4_CANARY_ACTION=log: answers before and after the fault,
-  the failures counted in the report; then a server with the canary off answers the same prompt.
+* ``exit``: a compressed-tensors (llm-compressor) checkpoint, served with SGLang's default flags, and a
+  dense kernel from an entry-point plugin (``wears-out``) that returns half the right result once
+  CANARY_TEST_TRIGGER exists and it has made CANARY_TEST_AFTER more calls. The server answers, a
+  canary run passes, the trigger is created, a request makes the served calls that wear the kernel
+  out; then the launcher must exit on its own (the canary's refusal).
+* ``log``: the demo's ModelOpt checkpoint (``sm120-fp4 demo --server``'s, same seed) and the same
+  kernel with SM120_FP4_CANARY_ACTION=log: answers before and after the fault, the failures counted
+  in the report. With ``off``, a server with the canary off then answers the same prompt; without,
+  the test compares with the demo's healthy server, which serves that checkpoint with the canary
+  off (a server start is a minute of CPU: the suite starts it once).
 
 Each server is one ``sm120-fp4 launch -- python -m sglang.launch_server`` (demo/server.py's Server),
 in its own process group, stopped by its PID. The suite runs at most two real-server jobs at a time
@@ -23,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from sm120_fp4.demo.checkpoint import write_checkpoint
-from sm120_fp4.demo.server import PROMPT, Server, group_members
+from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, write_checkpoint
+from sm120_fp4.demo.server import PROMPT, Server, group_members, summarize
 from helpers.plugins import distribution
 
 PERIOD = 8.0  # seconds: a canary run every 8 s (each run a few steps, one per idle point)
@@ -96,7 +100,8 @@ def start(folder: Path, name: str, ckpt: str, env: dict[str, str]) -> Server:
 
 
 def answer(server: Server) -> str:
-    return server.generate(PROMPT, max_new_tokens=8)["text"]
+    """The demo's request (its prompt and length, greedy): answers compare with the demo server's."""
+    return server.generate(PROMPT)["text"]
 
 
 def scenario_exit(folder: Path, ckpt: str, env: dict[str, str]) -> dict:
@@ -125,6 +130,7 @@ def scenario_exit(folder: Path, ckpt: str, env: dict[str, str]) -> dict:
         out["stop_rc"] = server.stop()
         out["left"] = group_members(server.proc.pid)
         out["canary"] = canary_section(server)
+        out["summary"] = summarize(server.reports())
         out["refusals"] = [r for report in server.reports() for r in report.get("refusals", [])]
         out["log"] = server.log_tail(400)
         wrong = Path(env["CANARY_TEST_TRIGGER"] + ".wrong")
@@ -132,7 +138,7 @@ def scenario_exit(folder: Path, ckpt: str, env: dict[str, str]) -> dict:
     return out
 
 
-def scenario_log(folder: Path, ckpt: str, env: dict[str, str]) -> dict:
+def scenario_log(folder: Path, ckpt: str, env: dict[str, str], off_server: bool) -> dict:
     server = start(folder, "log", ckpt, {**env, "SM120_FP4_CANARY_ACTION": "log"})
     out: dict = {"pid": server.proc.pid}
     try:
@@ -153,6 +159,8 @@ def scenario_log(folder: Path, ckpt: str, env: dict[str, str]) -> dict:
         out["canary"] = canary_section(server)
         out["refusals"] = [r for report in server.reports() for r in report.get("refusals", [])]
         out["log"] = server.log_tail(100000)
+    if not off_server:
+        return out
     healthy = {**{k: v for k, v in env.items() if not k.startswith("SM120_FP4_CANARY")},
                "CANARY_TEST_TRIGGER": str(folder / "never")}  # the same kernel, never worn out
     off = start(folder, "off", ckpt, healthy)
@@ -174,14 +182,20 @@ def _listening(server: Server) -> bool:
         return s.connect_ex(("127.0.0.1", server.port)) == 0
 
 
-def main(scenario: str, folder: str) -> int:
+def main(scenario: str, folder: str, *flags: str) -> int:
     root = Path(folder)
-    ckpt = write_checkpoint(str(root / "ckpt"), seed=3)
+    if scenario == "exit":
+        ckpt = write_checkpoint(str(root / "ckpt"), seed=5, fmt=COMPRESSED_TENSORS)
+    else:
+        ckpt = write_checkpoint(str(root / "ckpt"), seed=3)  # the demo's checkpoint (demo/server.py)
     site = plugin(root / "plugin")
     env = {"SM120_FP4_BACKENDS": "wears-out", "SM120_FP4_MOE_BACKENDS": "emulated", "SM120_FP4_CANARY": f"{PERIOD:g}",
            "CANARY_TEST_TRIGGER": str(root / "trigger"), "CANARY_TEST_AFTER": str(AFTER),
            "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
-    result = {"exit": scenario_exit, "log": scenario_log}[scenario](root, ckpt, env)
+    if scenario == "exit":
+        result = scenario_exit(root, ckpt, env)
+    else:
+        result = scenario_log(root, ckpt, env, off_server="off" in flags)
     print("CANARY-RESULT " + json.dumps({"period": PERIOD, **result}, default=str), flush=True)
     return 0
 

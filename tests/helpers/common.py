@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from typing import Callable, Iterable
 
@@ -102,6 +103,14 @@ def assert_patched_once() -> None:
     hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
     assert hook.__sm120_fp4_patch__ == "modelopt-fp4-weights-hook"
     assert not hasattr(hook.__wrapped__, "__sm120_fp4_patch__")
+
+
+def module_installed(name: str) -> bool:
+    """Whether `name` can be imported here, found without importing it (its parent packages are)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def simulated_moe_skip_reason() -> str | None:

@@ -146,13 +146,24 @@ def with_repo_pth(code: str, folder: Path, cwd: Path | None = None, **env: str) 
     return Popen([sys.executable, "-S", "-c", prelude + code], clean_env(**env), folder, cwd)
 
 
-def background(start: Callable[..., object], heavy: bool = False):
+# The session's background jobs by test node id (filled by conftest.py right after collection, before
+# any job starts): a job's start function may ask which other jobs the session runs.
+JOBS: dict[str, "Queued"] = {}
+
+
+def job_of(test: str) -> "Queued | None":
+    """The background job of the selected test whose node id ends with `test` ("file.py::name"), or None."""
+    return next((job for node, job in JOBS.items() if node.endswith(test)), None)
+
+
+def background(start: Callable[..., object], heavy: bool | int = False):
     """Start `start(folder, **params)` at session start for each selected case of the decorated test.
 
     `folder` is an empty directory for the job; `params` are the case's parameters. The test gets
     `(returncode, stdout, stderr)` from the `background` fixture. `heavy` (a real server, a minute of
-    CPU and more): the job goes to the heavy pool, which runs two such jobs at a time from the session's
-    start beside the other jobs, and the test runs after every other test.
+    CPU and more; an int: about how many server starts): the job goes to the heavy pool, which runs
+    two such jobs at a time from the session's start beside the other jobs, the heaviest first, and
+    the test runs after every other test.
     """
 
     def mark(fn):

@@ -1,5 +1,6 @@
 """The preflight's self-test workers run in this process (cli.use_worker_runner), for the tests of
-what the preflight makes of their results: exit codes, the table, launch's gating.
+what the preflight makes of their results: exit codes, the table, launch's gating; and so do
+``selftest --model``'s workers (cli.use_model_worker_runner).
 
 The worker is the real one (``cli._worker``, the same arguments a worker process gets, the
 environment the parent gives it), one at a time, on the preflight's own thread; its JSON lines are
@@ -14,6 +15,7 @@ import json
 import os
 import threading
 
+import sm120_fp4
 from sm120_fp4 import cli, devices, serving
 
 _one_at_a_time = threading.Lock()  # a worker process is alone in its process; here, one after the other
@@ -60,3 +62,31 @@ def workers_in_process():
         yield
     finally:
         cli.use_worker_runner(previous)
+
+
+def model_in_process(index: int, model: str, env: dict[str, str]) -> dict:
+    """A cli ModelWorkerRunner: the result of one model-check worker. The worker installs the library
+    (a worker process then exits); here it is uninstalled after, unless it was installed before."""
+    args = cli._parser().parse_args(cli.model_worker_argv(index, model))
+    results: list[dict] = []
+    with _one_at_a_time, _environment(env):
+        serving.clear()
+        devices.clear_cache()
+        installed = sm120_fp4.status().installed
+        try:
+            cli._model_worker(args, emit=results.append)
+        finally:
+            if not installed and sm120_fp4.status().installed:
+                sm120_fp4.uninstall()
+    assert results, "the model-check worker gave no result"
+    return results[-1]
+
+
+@contextlib.contextmanager
+def model_workers_in_process():
+    """Every ``selftest --model`` of the block runs its workers in this process."""
+    previous = cli.use_model_worker_runner(model_in_process)
+    try:
+        yield
+    finally:
+        cli.use_model_worker_runner(previous)
