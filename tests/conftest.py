@@ -170,8 +170,8 @@ def pytest_sessionfinish(session):
     if os.environ.get("JOB_TIMES"):  # where each background job ran, for tuning the pools (JOB_TIMES=path.json)
         t0 = min((j.started_at for j in _JOBS.values() if j.started_at is not None), default=0.0)
         Path(os.environ["JOB_TIMES"]).write_text(json.dumps(
-            [[node, None if j.started_at is None else j.started_at - t0, None if j.ended_at is None else j.ended_at - t0]
-             for node, j in _JOBS.items()], indent=1))
+            [[node, None if j.started_at is None else j.started_at - t0, None if j.ended_at is None else j.ended_at - t0,
+              getattr(j.job, "cpu_s", None)] for node, j in _JOBS.items()], indent=1))
     _POOL.stop()
     _HEAVY.stop()
     for job in _JOBS.values():

@@ -84,8 +84,21 @@ class Popen:
                                          stdin=subprocess.DEVNULL, start_new_session=group)
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
-        rc = self.proc.wait(self.timeout or timeout)
+        rc = self._wait_measured(self.timeout or timeout) if os.environ.get("JOB_TIMES") else self.proc.wait(self.timeout or timeout)
         return rc, self.out.read_text(), self.err.read_text()
+
+    def _wait_measured(self, timeout: float) -> int:
+        """proc.wait(timeout), keeping the CPU seconds the child and its reaped descendants used (JOB_TIMES)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                self.cpu_s = usage.ru_utime + usage.ru_stime
+                return self.proc.returncode
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.proc.args, timeout)
+            time.sleep(0.05)
 
     def kill(self) -> None:
         if self.group:
