@@ -6,6 +6,7 @@ This machine runs the tests as root: "another user" is a chown to uid 12345 (roo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import pytest
 import sm120_fp4
 from helpers.cases import case
 from helpers.common import SIM_ENV
+from helpers.workers import workers_in_process
 from sm120_fp4 import verdicts
 from sm120_fp4.config import Settings, load_settings
 from sm120_fp4.errors import ConfigError
@@ -37,15 +39,17 @@ def _planted_crash(store: Path) -> None:
     store.write_text(json.dumps({"version": 1, "verdicts": [entry]}))
 
 
-def _cli_selftest(monkeypatch, umask: int | None = None, **env: str) -> int:
-    """`sm120-fp4 selftest` in this process (its workers are subprocesses: they inherit the umask)."""
+def _cli_selftest(monkeypatch, umask: int | None = None, in_process: bool = False, **env: str) -> int:
+    """`sm120-fp4 selftest` in this process; its workers are subprocesses (they inherit the umask), or
+    with `in_process` run here too (helpers.workers)."""
     from sm120_fp4 import cli
 
     for name, value in {**SIM_ENV, **env}.items():
         monkeypatch.setenv(name, value)
     previous = os.umask(umask) if umask is not None else None
     try:
-        return cli.main(["selftest"])
+        with workers_in_process() if in_process else contextlib.nullcontext():
+            return cli.main(["selftest"])
     finally:
         if previous is not None:
             os.umask(previous)
@@ -121,7 +125,7 @@ def test_an_untrusted_store_is_neither_read_nor_written(tmp_path, monkeypatch, c
       "exit 0: stderr says the store is neither read nor recorded there (owner named); the candidate is self-tested, not skipped")
 def test_selftest_reports_an_untrusted_store_and_ignores_it(tmp_path, monkeypatch, capsys):
     store = _untrusted(tmp_path, "directory owned by another user")
-    code = _cli_selftest(monkeypatch, SM120_FP4_VERDICTS=str(store))
+    code = _cli_selftest(monkeypatch, in_process=True, SM120_FP4_VERDICTS=str(store))
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "neither read nor recorded" in err and "owned by uid 12345" in err, err

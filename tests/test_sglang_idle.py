@@ -17,7 +17,6 @@ from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import idle, layers, targets
 from sm120_fp4.sglang.release import MODEL_RUNNER, SCHEDULER, sglang_version
 from helpers.cases import case
-from helpers.procs import run_cli
 
 pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
 
@@ -104,13 +103,18 @@ def test_a_release_without_an_idle_point_refuses_the_canary_at_install(monkeypat
 
 @case("configuration", "`sm120-fp4 launch` with SM120_FP4_CANARY=60 and SM120_FP4_SELFTEST=off",
       "exit code 2 before the preflight, naming both settings; the command is not started")
-def test_launch_refuses_a_canary_that_could_not_run_before_the_preflight(tmp_path):
+def test_launch_refuses_a_canary_that_could_not_run_before_the_preflight(tmp_path, monkeypatch, capsys):
+    from sm120_fp4 import cli
+
     marker = tmp_path / "started"
-    run = run_cli("launch", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
-                  env={"SM120_FP4_CANARY": "60", "SM120_FP4_SELFTEST": "off", "SM120_FP4_SIMULATE": "12.0"})
-    assert run.returncode == 2, run.stderr
-    assert "SM120_FP4_CANARY=60" in run.stderr and "SM120_FP4_SELFTEST=off" in run.stderr and "not starting" in run.stderr
-    assert "self-testing" not in run.stderr and not marker.exists()
+    for name, value in {"SM120_FP4_CANARY": "60", "SM120_FP4_SELFTEST": "off", "SM120_FP4_SIMULATE": "12.0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli.os, "execvpe", lambda *args: pytest.fail(f"exec {args}"))  # never this process replaced
+    code = cli.main(["launch", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "SM120_FP4_CANARY=60" in err and "SM120_FP4_SELFTEST=off" in err and "not starting" in err
+    assert "self-testing" not in err and not marker.exists()
 
 
 def _model_runner_with_warmup(captured):
