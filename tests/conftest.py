@@ -128,10 +128,16 @@ def _heavy(item) -> int:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests of heavy background jobs (real servers) run last: the others run while those jobs do.
-    Where SGLang is not installed (the GPU machine's run of scripts/gpu_check.sh), the tests marked
-    `sglang` are skipped saying so, rather than failing on the import."""
-    items.sort(key=lambda item: _heavy(item) > 0)  # stable: the order is otherwise unchanged
+    """The in-process tests run first, while every background job runs; then the tests of background
+    jobs, those of heavy jobs (real servers) last. (A test of a job that is still running waits for
+    it: early in the session the main thread waited minutes so, and then ran alone on one core of
+    two for the last minutes.) Where SGLang is not installed (the GPU machine's run of
+    scripts/gpu_check.sh), the tests marked `sglang` are skipped saying so, rather than failing on
+    the import."""
+    def _has_job(item) -> bool:
+        return getattr(getattr(item, "function", None), "background_job", None) is not None
+
+    items.sort(key=lambda item: (_has_job(item), _heavy(item) > 0))  # stable: the order is otherwise unchanged
     if importlib.util.find_spec("sglang") is None:
         skip = pytest.mark.skip(reason="needs the real SGLang release, not installed here")
         for item in items:
