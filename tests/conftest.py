@@ -148,7 +148,9 @@ def pytest_collection_modifyitems(session, config, items):
 _POOL = JobPool(limit=max(2, os.cpu_count() or 2))
 # Real servers (minutes of CPU each, in several processes): two at a time, from the start, beside the
 # other jobs; waiting for those first left one core idle for the last several minutes of the session.
-_HEAVY = JobPool(limit=2, timeout=None)
+# They run niced: they use what the main thread's in-process tests leave, and those ran last alone
+# (the session's critical path) when the servers took their share of its core.
+_HEAVY = JobPool(limit=2, timeout=None, nice=5)
 
 
 def pytest_collection_finish(session):

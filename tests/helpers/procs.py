@@ -194,7 +194,10 @@ class JobPool:
     interpreters importing torch and SGLang on two cores) and the first ones waited on time out; a
     job's time bound (`timeout`) counts from its own start."""
 
-    def __init__(self, limit: int, timeout: float = 300.0):
+    def __init__(self, limit: int, timeout: float = 300.0, nice: int = 0):
+        """`nice`: each job's process (and what it starts later) runs at this niceness, so that the
+        session's main thread, which runs the in-process tests, keeps its core."""
+        self._nice = nice
         self._items: list[Queued] = []
         self._slots = threading.BoundedSemaphore(max(1, limit))
         self._timeout = timeout
@@ -202,7 +205,7 @@ class JobPool:
         self._thread: threading.Thread | None = None
 
     def add(self, start: Callable[[], object]) -> "Queued":
-        item = Queued(start, self._timeout)
+        item = Queued(start, self._timeout, self._nice)
         self._items.append(item)
         return item
 
@@ -236,8 +239,8 @@ class JobPool:
 class Queued:
     """A queued job: started by its JobPool; wait() waits for its turn and its end."""
 
-    def __init__(self, start: Callable[[], object], timeout: float | None = None):
-        self._start, self._done = start, threading.Event()
+    def __init__(self, start: Callable[[], object], timeout: float | None = None, nice: int = 0):
+        self._start, self._done, self._nice = start, threading.Event(), nice
         self._timeout = timeout  # from the job's own start; None: the job's own bound (a server's)
         self.job, self.error, self.result = None, None, None
         self._lock, self._killed = threading.Lock(), False
@@ -250,6 +253,9 @@ class Queued:
                     raise RuntimeError("the session ended before this background job started")
                 self.started_at = time.monotonic()
                 self.job = self._start()
+                if self._nice:
+                    with contextlib.suppress(OSError, AttributeError):
+                        os.setpriority(os.PRIO_PROCESS, self.job.proc.pid, self._nice)
             self.result = self.job.wait(self._timeout)
         except BaseException as exc:  # noqa: BLE001 - raised again in the test
             self.error = exc
