@@ -133,8 +133,8 @@ def activate() -> None:
 
 
 def load_plugin() -> None:
-    """SGLang's plugin entry point (group ``sglang.srt.plugins``), which SGLang 0.5.11+ loads in
-    every scheduler process: install the patches there when the SM120_FP4 toggle is on (the .pth
+    """SGLang's plugin entry point (this package's entry point in SGLang's plugin group,
+    sm120_fp4.sglang.release.PLUGIN_GROUP), which SGLang 0.5.11+ loads in every scheduler process: install the patches there when the SM120_FP4 toggle is on (the .pth
     line's job on earlier releases). Idempotent: the .pth hook or the user's install() may have run."""
     if enabled():
         from . import api

@@ -11,34 +11,35 @@ from packaging.version import InvalidVersion, Version
 __all__ = ["installed_version", "version_in", "comparable", "clear_cache"]
 
 
-# name -> version (None: not installed), as read by the lookup in _read_with. Each read parses the
+# name -> version (None: not installed), as read by the lookup _read_with. Each read parses the
 # distribution's METADATA file (milliseconds); patch guards and layer checks ask thousands of times
 # while a large model loads. The modules a process imported do not change with a later pip run, so
 # the first answer stays true for them; a different lookup function (a test's) starts afresh.
 _read: dict[str, str | None] = {}
-_read_with: list = [None]
+_read_with = None
 _read_lock = threading.Lock()
 
 
 def installed_version(*distributions: str) -> str | None:
     """The installed version of the first of `distributions` that is installed, without importing
     it; read once per process (clear_cache() reads again)."""
+    global _read_with
     lookup = importlib.metadata.version
     with _read_lock:
-        if _read_with[0] is not lookup:
+        if _read_with is not lookup:
             _read.clear()
-            _read_with[0] = lookup
+            _read_with = lookup
     for name in distributions:
-        if name not in _read:
+        if name in _read:
+            found = _read[name]
+        else:
             try:
                 found = lookup(name)
             except importlib.metadata.PackageNotFoundError:
                 found = None
             with _read_lock:
-                if _read_with[0] is lookup:
+                if _read_with is lookup:  # not a lookup replaced meanwhile
                     _read[name] = found
-        else:
-            found = _read[name]
         if found is not None:
             return found
     return None

@@ -122,6 +122,11 @@ def _record_case(request):
 _FOLDER: list[Path] = []
 
 
+def _job(item):
+    """The item's background job start function (@background), or None."""
+    return getattr(getattr(item, "function", None), "background_job", None)
+
+
 def _heavy(item) -> int:
     """How heavy the item's background job is: 0 (not heavy), or about how many real-server starts."""
     return int(getattr(getattr(item, "function", None), "background_heavy", False))
@@ -134,10 +139,7 @@ def pytest_collection_modifyitems(session, config, items):
     two for the last minutes.) Where SGLang is not installed (the GPU machine's run of
     scripts/gpu_check.sh), the tests marked `sglang` are skipped saying so, rather than failing on
     the import."""
-    def _has_job(item) -> bool:
-        return getattr(getattr(item, "function", None), "background_job", None) is not None
-
-    items.sort(key=lambda item: (_has_job(item), _heavy(item) > 0))  # stable: the order is otherwise unchanged
+    items.sort(key=lambda item: (_job(item) is not None, _heavy(item) > 0))  # stable: the order is otherwise unchanged
     if importlib.util.find_spec("sglang") is None:
         skip = pytest.mark.skip(reason="needs the real SGLang release, not installed here")
         for item in items:
@@ -161,7 +163,7 @@ def pytest_collection_finish(session):
     # Heavy jobs start the longest first (a job of two server starts before one of one), then in order.
     heavy_first = sorted(enumerate(session.items), key=lambda pair: -int(_heavy(pair[1])))
     for n, item in heavy_first:
-        start = getattr(getattr(item, "function", None), "background_job", None)
+        start = _job(item)
         if start is not None:
             folder = root / str(n)
             folder.mkdir()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .release import release_support, runtime_patch_needed, sglang_version
+from .release import sglang_version
 
-__all__ = ["attach", "idle_point_problem", "release_support", "runtime_patch_needed", "sglang_version"]
+__all__ = ["attach", "idle_point_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
 

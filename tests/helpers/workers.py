@@ -42,26 +42,39 @@ def _environment(env: dict[str, str]):
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _as_a_worker_process(env: dict[str, str]):
+    """One worker at a time, in the environment its parent gives it, starting as a worker process
+    does: nothing decided (its report is its own), no device cached."""
+    with _one_at_a_time, _environment(env):
+        serving.clear()
+        devices.clear_cache()
+        yield
+
+
+@contextlib.contextmanager
+def _runner(use, runner):
+    """`use(runner)` for the block (a cli seam: use_worker_runner, use_model_worker_runner), then the previous one."""
+    previous = use(runner)
+    try:
+        yield
+    finally:
+        use(previous)
+
+
 def in_process(index: int, family: str, backend_args: list[str], crashed: dict[str, str], label: str,
                env: dict[str, str], stop=None, uuid: str | None = None) -> tuple[dict | None, dict | None, int, str]:
     """A cli WorkerRunner: (result, last candidate event, exit code, stderr tail) of one worker."""
     args = cli._parser().parse_args(cli.worker_argv(index, family, backend_args, crashed, uuid))
     output = cli.WorkerOutput(label)  # what the preflight makes of a worker process's lines
-    with _one_at_a_time, _environment(env):
-        serving.clear()  # a worker process starts with nothing decided: its report is its own
-        devices.clear_cache()
+    with _as_a_worker_process(env):
         code = cli._worker(args, emit=lambda payload: output.feed(json.dumps(payload)))
     return output.result, output.event, code, ""
 
 
-@contextlib.contextmanager
 def workers_in_process():
     """Every preflight of the block runs its workers in this process."""
-    previous = cli.use_worker_runner(in_process)
-    try:
-        yield
-    finally:
-        cli.use_worker_runner(previous)
+    return _runner(cli.use_worker_runner, in_process)
 
 
 def model_in_process(index: int, model: str, env: dict[str, str]) -> dict:
@@ -69,9 +82,7 @@ def model_in_process(index: int, model: str, env: dict[str, str]) -> dict:
     (a worker process then exits); here it is uninstalled after, unless it was installed before."""
     args = cli._parser().parse_args(cli.model_worker_argv(index, model))
     results: list[dict] = []
-    with _one_at_a_time, _environment(env):
-        serving.clear()
-        devices.clear_cache()
+    with _as_a_worker_process(env):
         installed = sm120_fp4.status().installed
         try:
             cli._model_worker(args, emit=results.append)
@@ -82,11 +93,6 @@ def model_in_process(index: int, model: str, env: dict[str, str]) -> dict:
     return results[-1]
 
 
-@contextlib.contextmanager
 def model_workers_in_process():
     """Every ``selftest --model`` of the block runs its workers in this process."""
-    previous = cli.use_model_worker_runner(model_in_process)
-    try:
-        yield
-    finally:
-        cli.use_model_worker_runner(previous)
+    return _runner(cli.use_model_worker_runner, model_in_process)
