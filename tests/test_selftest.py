@@ -104,10 +104,10 @@ print("returned after", time.perf_counter() - start, flush=True)
 @case("backend faults", "a kernel that returns after the self-test's bound, and one that never returns (the call runs on the thread that will serve)",
       "the slow one is rejected when its call returns late; the hung one holds the serving thread, so past the bound and its grace the watchdog writes what it knows and ends the process with EXIT_HUNG, naming the call and the backend")
 def test_a_hung_call_ends_the_process_after_its_bound_and_a_late_one_is_rejected():
-    from helpers.procs import run_python
+    from helpers.procs import pythonpath, run_python
 
     start = time.perf_counter()
-    done = run_python(_HANGS, env={"PYTHONPATH": f"{Path(__file__).parent}:{Path(__file__).parents[1]}"})
+    done = run_python(_HANGS, env={"PYTHONPATH": pythonpath(Path(__file__).parent, Path(__file__).parents[1])})
     assert time.perf_counter() - start < 60, "the bound plus its grace, not the kernel's two minutes"
     assert done.returncode == selftest.EXIT_HUNG, (done.returncode, done.stdout, done.stderr)
     lines = done.stdout.splitlines()

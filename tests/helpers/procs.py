@@ -38,6 +38,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def pythonpath(*folders: Path | str) -> str:
+    """`folders` first, then the PYTHONPATH this session inherited (where the GPU run installs the
+    dependencies it carries: a child given only `folders` would not find them there)."""
+    inherited = _SESSION_ENV.get("PYTHONPATH", "")
+    return os.pathsep.join([*map(str, folders), *([inherited] if inherited else [])])
+
+
 def run_python(code: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(**(env or {})), cwd=cwd, timeout=TIMEOUT)
 
