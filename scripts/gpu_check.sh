@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Everything that needs a real CUDA device, in one call (the H200 lent to sessions: SM90, so the
 # FP4 kernels themselves cannot run; this proves the reference, emulation, graphs, no-sync and
-# timings on a GPU). Usage on the device machine, from the repo root, with the wheels in .whl/:
+# timings on a GPU). Usage on the device machine, from the repo root, with the wheels in .whl/
+# (or in the folders WHEELS names, separated by spaces; with humming-kernels among them the
+# humming GPU tests run too):
 #   bash scripts/gpu_check.sh            (writes logs and JSON under $OUT, or ./gpu-results)
+# The cost benchmarks run first: a call stopped at its time limit keeps the measurements.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-results}"
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
+WHEELS="${WHEELS:-.whl}"
+wheels=$(for d in $WHEELS; do ls "$d"/*.whl 2>/dev/null; done)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 2
   export PYTHONPATH="/tmp/site:$PWD"
 else
   export PYTHONPATH="$PWD"
@@ -17,12 +23,12 @@ status=0
 step() { echo; echo "=== $1"; shift; "$@" || { echo "!!! step failed: $?"; status=1; }; }
 step "nvidia-smi" bash -c "nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv | tee '$OUT/nvidia-smi.csv'"
 step "versions" python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+step "benchmark: selftest cost (generic self-tests, dense and MoE layer checks)" python3 benchmarks/selftest_cost.py
+step "benchmark: the serving canary's share and slices" python3 benchmarks/canary_cost.py
 step "pytest on CUDA (oracles, self-tests, deciding, serving, dispatch, gpu)" bash -c "python3 -m pytest -q -rs -p no:cacheprovider tests/test_nvfp4.py tests/test_nvfp4_moe.py tests/test_selftest.py tests/test_moe_selftest.py tests/test_deciding.py tests/test_serving.py tests/test_dispatch.py tests/test_backends.py tests/test_gpu.py tests/test_humming.py 2>&1 | tee '$OUT/pytest-gpu.log' | tail -40"
 step "doctor (simulated sm_120 on the real CUDA device)" bash -c "SM120_FP4_SIMULATE=12.0 python3 -m sm120_fp4 doctor | tee '$OUT/doctor-sim.md'"
 step "doctor --json (no simulation)" bash -c "python3 -m sm120_fp4 doctor --json > '$OUT/doctor.json'; python3 -c \"import json; d=json.load(open('$OUT/doctor.json')); print(d['devices'], d['problems'])\""
 step "selftest --backend emulated (simulated sm_120)" bash -c "SM120_FP4_SIMULATE=12.0 python3 -m sm120_fp4 selftest --backend emulated 2>&1 | tee '$OUT/selftest.txt'"
-step "benchmark: selftest cost (generic self-tests, dense and MoE layer checks)" python3 benchmarks/selftest_cost.py
-step "benchmark: the serving canary's share and slices" python3 benchmarks/canary_cost.py
 if [ "${GPU_CHECK_ALL:-0}" = "1" ]; then
   step "benchmark: dispatch overhead" python3 benchmarks/dispatch_overhead.py
   step "benchmark: emulated gemm" python3 benchmarks/emulated_gemm.py
