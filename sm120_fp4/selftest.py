@@ -542,8 +542,8 @@ def finish(report: SelfTestReport, results: list[ShapeResult], start: float) -> 
     return report
 
 
-_FP_WIDTH = 4096  # words per row of the position-weighted sum
-_FP_CHUNK = 1 << 26  # words hashed at a time: a layer's weights never need more temporary memory than this
+_FP_WIDTH = 4096  # words per row: the sums are kept per column of rows this wide
+_FP_CHUNK = 1 << 26  # words summed at a time: a layer's weights never need more temporary memory than this
 _fp_patterns: dict[torch.device, torch.Tensor] = {}
 
 
@@ -551,38 +551,47 @@ def _fp_pattern(device: torch.device) -> torch.Tensor:
     pattern = _fp_patterns.get(device)
     if pattern is None:
         gen = torch.Generator().manual_seed(0x5EED)
-        pattern = (torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int32) * 2 + 1).to(device)
+        pattern = (torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int64) * 2 + 1).to(device)
         pattern = _fp_patterns.setdefault(device, pattern)
     return pattern
 
 
 def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-    """A device tensor that changes when any byte of `tensors` changes: per tensor and chunk, the
-    sum of its 32-bit words and a position-weighted sum (products wrap around in 32 bits), both
-    summed in 64 bits (a swap, a negation, a stray write are all seen), and one element for the
-    tensors' sizes. Computed where the tensors live, a chunk at a time, with no host
-    synchronisation and a few launches per tensor; two calls on unchanged tensors give equal
-    results (integer sums: exact in any order)."""
-    parts: list[torch.Tensor] = []
+    """A device tensor that changes when any byte of `tensors` changes: each tensor's 32-bit words
+    laid out in rows of _FP_WIDTH, summed per column (in 64 bits, a chunk of rows at a time), then
+    per tensor and chunk the sum of those column sums and their sum weighted by a fixed odd pattern
+    (64-bit products, wrapping: exact in any order), and one element for the tensors' sizes. A
+    changed word changes its column's sum; two words swapped between columns change the weighted
+    sum; a negation, a stray write and a resize are all seen. Computed where the tensors live with
+    no host synchronisation: one reduction per chunk (a layer's tensors are one chunk each, up to
+    256 MiB) and a few launches for all the rest together; two calls on unchanged tensors give
+    equal results. (Two words swapped within one column, _FP_WIDTH words apart, are not seen.)"""
+    columns: list[torch.Tensor] = []
+    tails: list[torch.Tensor] = []  # the words past each tensor's last full row (all of a small tensor), summed together
     sizes = 0
     device = None
     for t in tensors:
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat.to(torch.int32)
+        flat = t.reshape(-1)  # a copy only for a non-contiguous tensor
+        if flat.element_size() != 4:
+            flat = flat.view(torch.uint8)
+        words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.to(torch.int32)
         device = words.device
-        pattern = _fp_pattern(device)
         full = words.numel() // _FP_WIDTH * _FP_WIDTH
         step = _FP_CHUNK // _FP_WIDTH * _FP_WIDTH
         for lo in range(0, full, step):
-            block = words[lo:min(lo + step, full)].view(-1, _FP_WIDTH)
-            parts += [block.sum(dtype=torch.int64), (block * pattern).sum(dtype=torch.int64)]
-        tail = words[full:]
-        if tail.numel():
-            parts += [tail.sum(dtype=torch.int64), (tail * pattern[:tail.numel()]).sum(dtype=torch.int64)]
+            columns.append(words[lo:min(lo + step, full)].view(-1, _FP_WIDTH).sum(0, dtype=torch.int64))
+        if full < words.numel():
+            tails.append(words[full:] if full else words)
         sizes = (sizes * 1_000_003 + t.numel() + 1) % (1 << 62)
     if device is None:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([*parts, torch.full((), sizes, dtype=torch.int64, device=device)])
+    if tails:
+        tail = torch.cat(tails) if len(tails) > 1 else tails[0]
+        tail = torch.nn.functional.pad(tail.to(torch.int64), (0, -tail.numel() % _FP_WIDTH))
+        columns.append(tail.view(-1, _FP_WIDTH).sum(0))
+    stacked = torch.stack(columns)
+    size = torch.full((1,), sizes, dtype=torch.int64, device=device)
+    return torch.cat((stacked.sum(1), (stacked * _fp_pattern(device)).sum(1), size))
 
 
 def refuse_inside_capture(what: str, when: str) -> None:
