@@ -11,8 +11,9 @@ off SM120; the layer's call is the routed backend after a quantizer, as benchmar
 Then the canary (sm120_fp4.canary.Canary, SM120_FP4_CANARY=60, SM120_FP4_SLICE_MS=5, the captured
 graph sizes of SGLang 0.5.23's defaults) is driven one period at a time, its idle point called back to
 back, through enough periods that every configuration runs at every decode and larger batch size of
-its rotation. Reported per configuration and batch size: the step (one M, both passes, every call
-checked) as the serving thread measures it; per model: the mean time per period and its share of 60 s,
+its rotation. Reported per configuration and batch size: each step (a run's weight fingerprints; a
+decode size's two passes, one step each; a larger size's both passes in one; every call checked) as
+the serving thread measures it; per model: the mean time per period and its share of 60 s,
 the longest slice, the peak memory the steps add. Targets: share <= 0.5 %, longest slice <= 5 ms.
 """
 
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
 from selftest_cost import CAPTURED, MoeLayer, dense_layer, tp_configs  # noqa: E402
-from sm120_fp4 import backends, canary, devices, serving  # noqa: E402
+from sm120_fp4 import backends, canary, devices, selftest, serving  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
 from sm120_fp4.sglang import moe  # noqa: E402
 
@@ -63,20 +64,37 @@ def drive(c: canary.Canary, periods: int) -> list[canary.CanaryRun]:
     return runs
 
 
-KERNEL_MS: dict[tuple[str, int], float] = {}  # (configuration, M) -> the backend's calls in its step (longest)
-_check_served = serving.check_served
+KERNEL_MS: dict[tuple, float] = {}  # (family, index, key, kind, M) -> the backend's calls in that step (longest)
+_in_step = [0.0]
+_run_pass = selftest.Sweep.run_pass
+_step = canary.Canary._step
 
 
-def _recording(served, ms):
-    """serving.check_served, recording how much of each step is the backend's own calls (the rest, the
-    inputs, the oracle and the comparisons, stays the same on SM120, where the kernel is far faster)."""
-    report = _check_served(served, ms)
-    key = (served.check.label, ms[0])
-    KERNEL_MS[key] = max(KERNEL_MS.get(key, 0.0), sum(s.duration_s for s in report.shapes) * 1e3)
+def _recording_pass(self, *args, **kwargs):
+    """selftest.Sweep.run_pass, adding up how long the backend's own calls took in it (the rest of a
+    step, the inputs, the oracle and the comparisons, stays the same on SM120, where the kernel is
+    far faster)."""
+    before = sum(r.duration_s for r in self.results)
+    try:
+        return _run_pass(self, *args, **kwargs)
+    finally:
+        _in_step[0] += sum(r.duration_s for r in self.results) - before
+
+
+def _recording_step(self, job, kind, m):
+    _in_step[0] = 0.0
+    report = _step(self, job, kind, m)
+    key = job.key + (kind, m)
+    KERNEL_MS[key] = max(KERNEL_MS.get(key, 0.0), _in_step[0] * 1e3)
     return report
 
 
-serving.check_served = _recording
+selftest.Sweep.run_pass = _recording_pass
+canary.Canary._step = _recording_step
+
+
+def step_name(config: str, kind: str, m: int) -> str:
+    return f"{config}: weight fingerprints" if kind == "weights" else f"{config} M={m}" + ("" if kind == "passes" else f" ({kind})")
 
 
 def measure(label: str, settings: Settings, tdev: torch.device, periods: int) -> dict:
@@ -96,10 +114,12 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int) ->
     assert all(r.passed for r in runs), [r.reason for r in runs if not r.passed]
     status = c.status()
     per_period = sum(r.busy_ms for r in runs) / periods
-    steps: dict[tuple[str, int], float] = {}
-    for (family, index, key, m), seconds in c._estimate.items():
+    steps, kernel = [], {}
+    for (family, index, key, kind, m), seconds in c._estimate.items():
         config = next(s.check.label for s in serving.served_configurations() if s.check.key == key)
-        steps[(config, m)] = max(steps.get((config, m), 0.0), seconds * 1e3)
+        name = step_name(config, kind, m)
+        steps.append({"step": name, "kind": kind, "m": m, "ms": seconds * 1e3})
+        kernel[name] = KERNEL_MS.get((family, index, key, kind, m))
     print(f"{label}: {len(runs)} runs, {per_period:.2f} ms per period ({per_period / 1e3 / PERIOD_S:.4%} of {PERIOD_S:g} s), "
           f"longest slice {status.longest_slice_ms:.1f} ms, longest step {status.longest_step_ms:.1f} ms ({status.longest_step})",
           flush=True)
@@ -107,8 +127,7 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int) ->
             "share": per_period / 1e3 / PERIOD_S, "longest_slice_ms": status.longest_slice_ms,
             "longest_step_ms": status.longest_step_ms, "longest_step": status.longest_step,
             "max_slices_per_run": max(r.slices for r in runs), "peak_extra_mib": peak,
-            "steps": {f"{config} M={m}": ms for (config, m), ms in sorted(steps.items(), key=lambda kv: (kv[0][0], kv[0][1]))},
-            "kernel_ms": {f"{config} M={m}": KERNEL_MS.get((config, m)) for (config, m) in sorted(steps)}}
+            "steps": sorted(steps, key=lambda st: (st["step"].split(" M=")[0], st["m"], st["kind"])), "kernel_ms": kernel}
 
 
 def rounds_needed(checks) -> int:
@@ -160,16 +179,18 @@ def main() -> int:
     print(table(["model", "runs", "ms per period", "share of 60 s", "longest slice ms", "slices per run (max)",
                  "peak extra MiB"], rows))
     for r in results:
-        by_m: dict[int, float] = {}
-        for name, ms in r["steps"].items():
-            m = int(name.rsplit("M=", 1)[1])
-            by_m[m] = max(by_m.get(m, 0.0), ms)
-        over = sorted(m for m, ms in by_m.items() if ms > SLICE_TARGET_MS)
+        over = sorted({st["m"] for st in r["steps"] if st["ms"] > SLICE_TARGET_MS and st["kind"] != "weights"})
+        decode = [st["ms"] for st in r["steps"] if st["kind"].startswith("pass ")]
+        library = [st["ms"] - (r["kernel_ms"].get(st["step"]) or 0.0) for st in r["steps"] if st["kind"].startswith("pass ")]
+        prints = [st["ms"] for st in r["steps"] if st["kind"] == "weights"]
         print(f"\n{r['label']}: longest step {r['longest_step_ms']:.1f} ms ({r['longest_step']}); steps above "
-              f"{SLICE_TARGET_MS:g} ms at M = {', '.join(map(str, over)) or 'none'}; median step "
-              f"{statistics.median(r['steps'].values()):.2f} ms")
-        worst = sorted(r["steps"].items(), key=lambda kv: -kv[1])[:6]
-        print(table(["step (configuration, M)", "ms", "of it the backend's calls, ms"], [[k, v, r["kernel_ms"].get(k) or "-"] for k, v in worst]))
+              f"{SLICE_TARGET_MS:g} ms at M = {', '.join(map(str, over)) or 'none'}; decode-size steps (one pass each): "
+              f"median {statistics.median(decode):.2f} ms, longest {max(decode):.2f} ms, less the backend's calls median "
+              f"{statistics.median(library):.2f} ms; the weight fingerprints' step: longest {max(prints):.2f} ms"
+              if decode and prints else f"\n{r['label']}: longest step {r['longest_step_ms']:.1f} ms ({r['longest_step']})")
+        worst = sorted(r["steps"], key=lambda st: -st["ms"])[:6]
+        print(table(["step (configuration, M)", "ms", "of it the backend's calls, ms"],
+                    [[st["step"], st["ms"], r["kernel_ms"].get(st["step"]) or "-"] for st in worst]))
     share_met = all(r["share"] <= SHARE_TARGET for r in results)
     slice_met = all(r["longest_slice_ms"] <= SLICE_TARGET_MS for r in results)
     print(f"\nshare of GPU time at {PERIOD_S:g} s: target <= {SHARE_TARGET:.1%}: {'met' if share_met else 'NOT met'}; "

@@ -8,9 +8,12 @@ through the exact routed call with one of its layers' own weights (rotating thro
 layer of the configuration: a kernel wrong with one layer's weights only is reached too), at one
 decode batch size and one larger batch size (both rotating through the batch sizes verified at load,
 the re-check's and the captured graph sizes), against the oracle. It is the re-check's own check
-(:func:`serving.check_served`: two passes, every call checked), run one batch size per step. The
-first step of a run compares that layer's weight fingerprint and SWEEP more layers' in rotation
-(:func:`serving.fingerprint_sweep`), so a weight changed in memory is found on any layer.
+(two passes, every call checked): a larger batch size in one step (:func:`serving.check_served`),
+a decode size's two passes in two steps, at two idle points with the server's forward passes between
+them (:class:`serving.ServedCheck`: its calls and reference are small and kept meanwhile; built again
+when SGLang updated weights in between). The first step of a run compares that layer's weight
+fingerprint and SWEEP more layers' in rotation (:func:`serving.fingerprint_sweep`), so a weight
+changed in memory is found on any layer.
 
 Engine-neutral: the engine integration calls :func:`idle` where its serving loop is between forward
 passes (for SGLang: the scheduler loop's idle point, on the serving thread, with the stream the
@@ -131,7 +134,8 @@ def _capturing() -> bool:
 
 @dataclass
 class _Job:
-    """One configuration's run in progress: its batch sizes, one step each."""
+    """One configuration's run in progress: its steps (the weight fingerprints, then one step per
+    batch size, two for a decode size: one pass each), and what they found."""
 
     served: serving.Served
     ms: list[int]
@@ -141,10 +145,23 @@ class _Job:
     reports: list[selftest.SelfTestReport] = field(default_factory=list)
     busy_s: float = 0.0
     slices: int = 0
+    steps: list[tuple[str, int]] = field(default_factory=list)  # (kind, M): "weights", "pass 1", "pass 2", "passes"
+    done: int = 0  # steps done
+    pending: serving.ServedCheck | None = None  # a decode size between its two passes
 
     @property
     def key(self) -> tuple:
         return (self.served.family, self.served.device.index, self.served.check.key)
+
+
+def _steps(ms: list[int]) -> list[tuple[str, int]]:
+    """A run's steps: the fingerprints first; a decode size's two passes apart (its calls and
+    reference are small, kept between the two idle points); a larger size's both at once (its
+    reference is the size of a prefill's output, never kept between forward passes)."""
+    steps = [("weights", 0)]
+    for m in ms:
+        steps += [("pass 1", m), ("pass 2", m)] if m < SMALL_M else [("passes", m)]
+    return steps
 
 
 class Canary:
@@ -225,6 +242,7 @@ class Canary:
             self._rounds[job.key] = round_ + 1
             job.served = serving.served_layer(config, round_)  # this run's layer of the configuration
             job.ms = self._batch_sizes(job.served.check, round_)
+            job.steps = _steps(job.ms)
             if job.ms:  # a configuration with no batch size to check has nothing to run
                 self._queue.append(job)
 
@@ -246,8 +264,8 @@ class Canary:
         try:
             while self._queue:
                 job = self._queue[0]
-                m = job.ms[len(job.reports)]
-                estimate = self._estimate.get(job.key + (m,), 0.0)
+                kind, m = job.steps[job.done]
+                estimate = self._estimate.get(job.key + (kind, m), 0.0)
                 if touched and self.timer() - start + estimate > self.budget_s:
                     break  # would overrun the slice: the next idle point runs it
                 if job not in touched:
@@ -255,15 +273,18 @@ class Canary:
                 if job.started_at is None:
                     job.started_at = time.time()
                 began = self.timer()
-                report = self._step(job, m)
+                report = self._step(job, kind, m)
                 took = self.timer() - began
-                self._estimate[job.key + (m,)] = took
+                self._estimate[job.key + (kind, m)] = took
                 job.busy_s += took
                 if took > self.longest_step_s:
-                    self.longest_step_s, self.longest_step = took, f"{job.served.check.label} M={m}"
-                job.reports.append(report)
-                if not report.passed or len(job.reports) == len(job.ms):
+                    what = "the weight fingerprints" if kind == "weights" else f"M={m}" + ("" if kind == "passes" else f" ({kind})")
+                    self.longest_step_s, self.longest_step = took, f"{job.served.check.label} {what}"
+                if report is not None:
+                    job.reports.append(report)
+                if (report is not None and not report.passed) or job.done == len(job.steps):
                     self._queue.pop(0)
+                    job.pending = None
                     self._finish(job)  # raises on a failure with SM120_FP4_CANARY_ACTION=exit
                 if self.timer() - start >= self.budget_s:
                     break
@@ -275,20 +296,40 @@ class Canary:
             self.slices += 1
             self.longest_slice_s = max(self.longest_slice_s, spent)
 
-    def _step(self, job: _Job, m: int) -> selftest.SelfTestReport:
+    def _step(self, job: _Job, kind: str, m: int) -> selftest.SelfTestReport | None:
+        """Run step `kind` of `job` at batch size `m`: its report when it completes a batch size (or
+        fails), None while a batch size is between its passes or for passing fingerprints."""
         served = job.served
         try:
-            # A weight corrupted in memory after start-up is invisible to the oracle, which reads
-            # the same corrupted weight: the layer's fingerprint says whether it is what was verified.
-            problem = None
-            if not job.reports:
+            if kind == "weights":
+                # A weight corrupted in memory after start-up is invisible to the oracle, which reads
+                # the same corrupted weight: the layer's fingerprint says whether it is what was verified.
+                job.done += 1
                 problem = serving.fingerprint_problem(served.check)
                 if problem is None:
                     group = (served.family, served.device.index)
                     problem, self._sweep[group] = serving.fingerprint_sweep(*group, self._sweep.get(group, 0), SWEEP)
-            if problem is None:
+                if problem is None:
+                    return None
+                reason = f"the layer's weights changed since they were verified: {problem}"
+            elif kind == "passes":
+                job.done += 1
                 return serving.check_served(served, [m])
-            reason = f"the layer's weights changed since they were verified: {problem}"
+            elif kind == "pass 1":
+                job.done += 1
+                job.pending = serving.served_check(served, m)
+                if job.pending.run_pass():
+                    return None
+                pending, job.pending = job.pending, None
+                return pending.report()
+            else:  # "pass 2"
+                pending, job.pending = job.pending, None
+                if pending is None or pending.stale:  # SGLang updated weights since pass 1: this size again
+                    job.done -= 1
+                    return None
+                job.done += 1
+                pending.run_pass()
+                return pending.report()
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
             reason = f"the canary could not run the check: {type(exc).__name__}: {exc}"
         report = selftest.report_for(served.backend, served.device, config=served.check.label)

@@ -25,7 +25,7 @@ from .errors import EXIT_HUNG, SelfTestError
 
 __all__ = [
     "quantized_inputs", "structured_activations", "seeded_activations", "ROW_KINDS", "Shape", "ShapeResult", "QuantizerCheck", "SelfTestReport", "Bounds", "DEFAULT_SHAPES",
-    "Case", "sweep", "run", "report_for", "finish", "calls_still_running", "fingerprint", "EXIT_HUNG", "hang_hooks",
+    "Case", "Sweep", "sweep", "run", "report_for", "finish", "calls_still_running", "fingerprint", "EXIT_HUNG", "hang_hooks",
     "MoeCase", "MoeConfig", "MOE_BOUNDS", "ExpertCache", "DEFAULT_MOE_CONFIG", "SIMULATION_MOE_CONFIG", "moe_routing", "moe_cases", "run_moe",
 ]
 
@@ -454,29 +454,61 @@ def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float
     return None
 
 
+class Sweep:
+    """A sweep over `cases` run one pass at a time (every case called once per pass, every call
+    checked), for a caller that spreads the passes out (the serving canary runs a decode-sized
+    check's two passes at two idle points, with the server's forward passes between them).
+
+    A copy of each distinct input (a layer's weights are shared by all its cases) is taken before
+    the first call; after every call each input must still equal it bit for bit. A pass has the
+    deadline it is given, else `bounds.timeout_s` from its start; the first failure ends the sweep."""
+
+    def __init__(self, cases: list[Case], bounds: Bounds, device: torch.device, where: str = "") -> None:
+        self.cases, self.bounds, self.device, self.where = cases, bounds, device, where
+        self.results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
+        self.passes = 0
+        self.failed = False
+        self._snapshots: dict = {}
+        for case in cases:
+            for t in case.inputs:
+                if _input_key(t) not in self._snapshots:
+                    self._snapshots[_input_key(t)] = t.clone()
+
+    def run_pass(self, deadline: float | None = None) -> bool:
+        """One more pass; False once a call failed (no more calls into this backend: a hung one may
+        still be running, a broken one only costs time)."""
+        if self.failed:
+            return False
+        if deadline is None:
+            deadline = time.perf_counter() + self.bounds.timeout_s
+        grace = hang_grace(self.bounds.timeout_s)
+        for case, result in zip(self.cases, self.results):
+            reason = _check_call(case, result, self.bounds, deadline, grace, self.device, self._snapshots, self.where)
+            if reason is not None:
+                result.passed, result.reason = False, reason
+                self.failed = True
+                return False
+        self.passes += 1
+        return True
+
+    def run(self, passes: int) -> list[ShapeResult]:
+        """`passes` passes within one deadline of `bounds.timeout_s` for all of them; the outcome."""
+        deadline = time.perf_counter() + self.bounds.timeout_s
+        for _ in range(passes):
+            if not self.run_pass(deadline):
+                break
+        return self.outcome()
+
+    def outcome(self) -> list[ShapeResult]:
+        """The results so far: every case, or after a failure the cases tried."""
+        return [r for r in self.results if r.calls] if self.failed else self.results
+
+
 def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2, where: str = "") -> list[ShapeResult]:
     """Call every case `passes` times (pass after pass, so each M is called again after all others)
     and check every call, within the deadline of `bounds.timeout_s` for the whole sweep; stop at
     the first failure (the results then list the cases tried)."""
-    results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
-    deadline = time.perf_counter() + bounds.timeout_s
-    grace = hang_grace(bounds.timeout_s)
-    # One copy of each distinct input (a layer's weights are shared by all its cases), taken before
-    # the first call; after every call each input must still equal it bit for bit.
-    snapshots: dict = {}
-    for case in cases:
-        for t in case.inputs:
-            if _input_key(t) not in snapshots:
-                snapshots[_input_key(t)] = t.clone()
-    for _ in range(passes):
-        for case, result in zip(cases, results):
-            reason = _check_call(case, result, bounds, deadline, grace, device, snapshots, where)
-            if reason is not None:
-                # The first failure is the finding: no more calls into this backend (a hung one
-                # may still be running; a broken one only costs time).
-                result.passed, result.reason = False, reason
-                return [r for r in results if r.calls]
-    return results
+    return Sweep(cases, bounds, device, where).run(passes)
 
 
 def _backend_cases(fn: Callable, shapes: tuple[Shape, ...], device: torch.device, seed: int, dtype: torch.dtype) -> list[Case]:

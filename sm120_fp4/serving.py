@@ -40,7 +40,8 @@ from .errors import ConfigError, RefusedToServe, capped
 
 __all__ = ["LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end",
            "refusals", "record_refusal", "decide", "decisions", "clear", "route", "route_table", "routes",
-           "Served", "served_configurations", "served_layer", "check_served", "fingerprint_problem", "fingerprint_sweep"]
+           "Served", "served_configurations", "served_layer", "check_served", "ServedCheck", "served_check",
+           "fingerprint_problem", "fingerprint_sweep"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -291,9 +292,10 @@ def clear() -> None:
     """Forget every decision and route (uninstall; tests; a FlashInfer upgrade in a long-lived process),
     and undo what a backend converted at load where it can (humming: the layers whose original bytes
     it kept); a layer it cannot restore is named in a warning (only that backend can serve it)."""
-    global _updating
+    global _updating, _generation
     with _lock:
         _updating = 0
+        _generation += 1
         dropped = list(_records.values())
         _records.clear()
         _refusals.clear()
@@ -336,8 +338,10 @@ def routes(family: str = "dense") -> dict[int, str]:
         return {r.index: r.route_name for (fam, _), r in _records.items() if fam == family and r.routed}
 
 
-def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,
-               config: str | None = None, light: bool = False) -> selftest.SelfTestReport:
+def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: str | None = None,
+                 light: bool = False) -> tuple[selftest.SelfTestReport, selftest.Sweep | None, float]:
+    """The served calls of `check` at batch sizes `ms`, ready to be called pass by pass: (the report
+    to fill, the sweep or None where building the calls failed (the report says why), the start)."""
     device = serving.device
     report = selftest.report_for(serving.decision.backend, device, config=config or check.label)
     start = time.perf_counter()
@@ -346,7 +350,7 @@ def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int 
     except Exception as exc:  # building the served calls failed: that is a finding, not a crash
         report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
         report.duration_s = time.perf_counter() - start
-        return report
+        return report, None, start
     where = f" of {serving.decision.backend!r} on {device.label()} for {check.named()}"
     if light and check.weights is not None:
         # The layer's fingerprint after the calls covers its weights: no copies of them. The call's
@@ -354,9 +358,15 @@ def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int 
         weights = {t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor)}
         for case in cases:
             case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
-    results = selftest.sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device,
-                             passes=passes, where=where)
-    return selftest.finish(report, results, start)
+    return report, selftest.Sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where), start
+
+
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,
+               config: str | None = None, light: bool = False) -> selftest.SelfTestReport:
+    report, run, start = _start_check(serving, check, ms, config, light)
+    if run is None:
+        return report
+    return selftest.finish(report, run.run(passes), start)
 
 
 def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
@@ -710,6 +720,7 @@ def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) ->
 
 
 _updating = 0  # SGLang weight updates in progress (weights_updating)
+_generation = 0  # bumped at every weight update's begin and end: a ServedCheck built before one is stale
 _last_settings: Settings | None = None
 
 
@@ -806,18 +817,20 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.S
 def weights_update_begin() -> None:
     """SGLang starts writing weights (a weight-update call, or a weight-update session): caches of
     dequantized weights are dropped, and fingerprint changes are expected until the matching end."""
-    global _updating
+    global _updating, _generation
     backends.invalidate_caches()
     with _lock:
         _updating += 1
+        _generation += 1
 
 
 def weights_update_end(settings: Settings) -> list[selftest.SelfTestReport]:
     """SGLang is done writing weights: when no other update is open, every layer whose weights
     changed is verified again (reverify) before anything else is served."""
-    global _updating
+    global _updating, _generation
     with _lock:
         _updating = max(0, _updating - 1)
+        _generation += 1
         last = _updating == 0
     backends.invalidate_caches()
     return reverify(settings) if last else []
@@ -945,6 +958,49 @@ def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[
         compared = _compare_fingerprints([(record, None) for record in chosen])
     problem = next((f"{record.label}: {why}" for record, (_, why) in zip(chosen, compared) if why is not None), None)
     return problem, (start + len(chosen)) % len(records)
+
+
+class ServedCheck:
+    """One batch size of a verified configuration checked through the call that serves it, one pass
+    at a time (the serving canary's decode-sized steps: two short steps at two idle points instead
+    of one): the calls and the oracle's reference are built once, by :func:`served_check`; each
+    :meth:`run_pass` calls and checks once more; :meth:`report` says what was found, including a
+    call that wrote into the layer's weights (their fingerprint after the calls must still be the
+    one they were verified with). `stale` is true once SGLang updated weights after it was built
+    (its reference may no longer be the layer's): build it again."""
+
+    def __init__(self, served: Served, m: int) -> None:
+        self.served, self.m = served, m
+        self._serving = _records[(served.family, served.device.index)]
+        self._generation = _generation
+        with self._serving.lock:
+            self._report, self._run, self._start = _start_check(self._serving, served.check, [m], light=True)
+
+    @property
+    def stale(self) -> bool:
+        return self._generation != _generation
+
+    def run_pass(self) -> bool:
+        """Call and check once more; False once a call failed (or the calls could not be built)."""
+        if self._run is None:
+            return False
+        with self._serving.lock:
+            return self._run.run_pass()
+
+    def report(self) -> selftest.SelfTestReport:
+        with self._serving.lock:
+            if self._run is None:
+                return self._report
+            report = selftest.finish(self._report, self._run.outcome(), self._start)
+            record = self._serving.layers.get(_layer_key(self.served.check))
+            if record is not None and not _updating:
+                _fail_if_written(report, self.served.check, record.fingerprint)
+            return report
+
+
+def served_check(served: Served, m: int) -> ServedCheck:
+    """The check of `served` at batch size `m`, to be run pass by pass (:class:`ServedCheck`)."""
+    return ServedCheck(served, m)
 
 
 def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:

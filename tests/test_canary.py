@@ -304,6 +304,47 @@ def test_a_slice_stops_before_a_step_it_knows_would_overrun_it_and_always_makes_
     assert c.status().longest_step_ms == pytest.approx(6.0, abs=1e-6) and int(c.status().longest_step.rsplit("M=", 1)[1]) >= 128
 
 
+def _idle_steps(c, count: int) -> None:
+    """`count` idle points of a due run (a slice bound of 0.001 ms: one step each)."""
+    for _ in range(count):
+        canary.idle()
+
+
+@case("backend faults", "a dense kernel that turns wrong (results 4x too large) between the two passes of a decode-sized canary check, while the server's forward passes run between them (slice bound 0.001 ms: one step per idle point)",
+      "a run is four steps at four idle points (the weight fingerprints, the decode size's pass 1, its pass 2, the larger size); the fault is caught at pass 2, naming that decode size")
+def test_a_decode_sizes_two_passes_are_two_steps_and_a_fault_between_them_is_caught():
+    wear = Wear(scale(4.0))
+    c, [(method, layer)] = serve(wear, (96, 160), canary_slice_ms="0.001", canary_action="log")
+    first = next_run(c)
+    assert first.passed and first.slices == 4 and first.ms[0] < canary.SMALL_M <= first.ms[1], first
+    c.clock.now += c.period
+    _idle_steps(c, 2)  # the fingerprints, then the decode size's first pass
+    assert c.runs == 1 and c._queue and c._queue[0].pending is not None
+    wear.armed = True
+    method.apply(layer, torch.randn(3, 160).to(torch.bfloat16))  # a forward pass between the two
+    _idle_steps(c, 1)
+    run = c.status().last_run
+    assert c.runs == 2 and not run.passed and "norm is 4" in run.reason and f"M={run.ms[0]}" in run.reason, run
+
+
+@case("configuration", "SGLang updates a verified layer's weights (its weight-update path) between the two passes of a decode-sized canary check",
+      "the check built before the update is built again from the new weights: the run passes, no failure is reported for a reference the update made stale")
+def test_a_weight_update_between_the_two_passes_builds_the_check_again():
+    c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_slice_ms="0.001", canary_action="log")
+    assert next_run(c).passed
+    c.clock.now += c.period
+    _idle_steps(c, 2)
+    assert c._queue[0].pending is not None
+    with serving.weights_updating(c.settings):  # as SGLang's weight updates write: in place
+        layer.weight.data.copy_(layer.weight.data.flip(0))  # other valid NVFP4 weights: rows reversed, scales kept
+    for _ in range(10):
+        canary.idle()
+        if c.runs == 2:
+            break
+    run = c.status().last_run
+    assert c.runs == 2 and run.passed and c.failures == 0, run
+
+
 def test_the_first_idle_point_only_arms_and_the_first_run_is_one_period_later():
     c, _ = serve(emulated_mm_fp4, (96, 160))
     for _ in range(5):
