@@ -139,6 +139,7 @@ def rounds_needed(checks) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small layers, few periods (a CPU smoke run of the same code)")
+    parser.add_argument("--part", choices=("all", "dense", "moe"), default="all", help="the dense configurations, the MoE layer, or both")
     args = parser.parse_args()
     settings = Settings(simulate="12.0", backends="emulated", moe_backends="emulated", canary=str(PERIOD_S), canary_slice_ms="5")
     device = devices.list_devices(settings.simulated_capability)[0]
@@ -146,7 +147,7 @@ def main() -> int:
     scale = 16 if args.quick or not device.is_cuda else 1
     results, rows = [], []
 
-    for tp in (1, 8):
+    for tp in (1, 8) if args.part != "moe" else ():
         serving.clear()
         serving.route(device.index, settings)
         checks = []
@@ -159,7 +160,7 @@ def main() -> int:
         periods = len(checks) * (3 if args.quick else rounds_needed(checks))
         results.append(measure(f"70B-class dense TP{tp}", settings, tdev, periods))
 
-    for tp in (1, 8):
+    for tp in (1, 8) if args.part != "dense" else ():
         serving.clear()
         serving.route(device.index, settings, "moe")
         experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (32, 512, 256 // tp)
