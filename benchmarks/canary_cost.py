@@ -181,14 +181,16 @@ def main() -> int:
                  "peak extra MiB"], rows))
     for r in results:
         over = sorted({st["m"] for st in r["steps"] if st["ms"] > SLICE_TARGET_MS and st["kind"] != "weights"})
-        decode = [st["ms"] for st in r["steps"] if st["kind"].startswith("pass ")]
-        library = [st["ms"] - (r["kernel_ms"].get(st["step"]) or 0.0) for st in r["steps"] if st["kind"].startswith("pass ")]
         prints = [st["ms"] for st in r["steps"] if st["kind"] == "weights"]
         print(f"\n{r['label']}: longest step {r['longest_step_ms']:.1f} ms ({r['longest_step']}); steps above "
-              f"{SLICE_TARGET_MS:g} ms at M = {', '.join(map(str, over)) or 'none'}; decode-size steps (one pass each): "
-              f"median {statistics.median(decode):.2f} ms, longest {max(decode):.2f} ms, less the backend's calls median "
-              f"{statistics.median(library):.2f} ms; the weight fingerprints' step: longest {max(prints):.2f} ms"
-              if decode and prints else f"\n{r['label']}: longest step {r['longest_step_ms']:.1f} ms ({r['longest_step']})")
+              f"{SLICE_TARGET_MS:g} ms at M = {', '.join(map(str, over)) or 'none'}; the weight fingerprints' step: longest "
+              f"{max(prints, default=0.0):.2f} ms")
+        for what, sizes in (("decode sizes (M < 128)", lambda m: m < canary.SMALL_M), ("larger sizes", lambda m: m >= canary.SMALL_M)):
+            took = [(st["ms"], st["ms"] - (r["kernel_ms"].get(st["step"]) or 0.0)) for st in r["steps"]
+                    if st["kind"] != "weights" and sizes(st["m"])]
+            if took:
+                print(f"  steps at {what}: median {statistics.median(t for t, _ in took):.2f} ms, longest {max(t for t, _ in took):.2f} ms; "
+                      f"less the backend's calls: median {statistics.median(x for _, x in took):.2f} ms, longest {max(x for _, x in took):.2f} ms")
         worst = sorted(r["steps"], key=lambda st: -st["ms"])[:6]
         print(table(["step (configuration, M)", "ms", "of it the backend's calls, ms"],
                     [[st["step"], st["ms"], r["kernel_ms"].get(st["step"]) or "-"] for st in worst]))

@@ -8,10 +8,10 @@ through the exact routed call with one of its layers' own weights (rotating thro
 layer of the configuration: a kernel wrong with one layer's weights only is reached too), at one
 decode batch size and one larger batch size (both rotating through the batch sizes verified at load,
 the re-check's and the captured graph sizes), against the oracle. It is the re-check's own check
-(two passes, every call checked): a larger batch size in one step (:func:`serving.check_served`),
-a decode size's two passes in two steps, at two idle points with the server's forward passes between
-them (:class:`serving.ServedCheck`: its calls and reference are small and kept meanwhile; built again
-when SGLang updated weights in between). The first step of a run compares that layer's weight
+(two passes, every call checked, :class:`serving.ServedCheck`), each pass a step of its own, at two
+idle points with the server's forward passes between them, where the check holds at most KEEP_BYTES
+(its activations and reference, kept meanwhile; built again when SGLang updated weights in between);
+a larger check (a prefill-sized reference) runs both passes in one step. The first step of a run compares that layer's weight
 fingerprint and SWEEP more layers' in rotation (:func:`serving.fingerprint_sweep`), so a weight
 changed in memory is found on any layer.
 
@@ -52,10 +52,11 @@ from .config import Settings
 from .errors import RefusedToServe
 
 __all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "Canary", "configure", "stop", "active", "idle",
-           "on_warmup", "status", "settings_problem", "SMALL_M"]
+           "on_warmup", "status", "settings_problem", "SMALL_M", "KEEP_BYTES"]
 
 _LOG = logging.getLogger("sm120_fp4")
 SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from here on the larger one
+KEEP_BYTES = 64 << 20  # a check holding at most this (its activations and reference) waits between its two passes
 RECENT = 16  # runs kept in status
 SWEEP = 4  # at every run's first step, besides the re-checked layer's, the fingerprints of this many more layers in rotation
 
@@ -134,8 +135,8 @@ def _capturing() -> bool:
 
 @dataclass
 class _Job:
-    """One configuration's run in progress: its steps (the weight fingerprints, then one step per
-    batch size, two for a decode size: one pass each), and what they found."""
+    """One configuration's run in progress: its steps (the weight fingerprints, then each batch
+    size's two passes), and what they found."""
 
     served: serving.Served
     ms: list[int]
@@ -145,7 +146,7 @@ class _Job:
     reports: list[selftest.SelfTestReport] = field(default_factory=list)
     busy_s: float = 0.0
     slices: int = 0
-    steps: list[tuple[str, int]] = field(default_factory=list)  # (kind, M): "weights", "pass 1", "pass 2", "passes"
+    steps: list[tuple[str, int]] = field(default_factory=list)  # (kind, M): "weights", "pass 1", "pass 2"
     done: int = 0  # steps done
     pending: serving.ServedCheck | None = None  # a decode size between its two passes
 
@@ -155,13 +156,10 @@ class _Job:
 
 
 def _steps(ms: list[int]) -> list[tuple[str, int]]:
-    """A run's steps: the fingerprints first; a decode size's two passes apart (its calls and
-    reference are small, kept between the two idle points); a larger size's both at once (its
-    reference is the size of a prefill's output, never kept between forward passes)."""
-    steps = [("weights", 0)]
-    for m in ms:
-        steps += [("pass 1", m), ("pass 2", m)] if m < SMALL_M else [("passes", m)]
-    return steps
+    """A run's steps: the fingerprints first, then each batch size's two passes; the second runs in
+    the first's step where the check holds more than KEEP_BYTES (a prefill-sized reference is never
+    kept between forward passes)."""
+    return [("weights", 0)] + [(kind, m) for m in ms for kind in ("pass 1", "pass 2")]
 
 
 class Canary:
@@ -278,7 +276,7 @@ class Canary:
                 self._estimate[job.key + (kind, m)] = took
                 job.busy_s += took
                 if took > self.longest_step_s:
-                    what = "the weight fingerprints" if kind == "weights" else f"M={m}" + ("" if kind == "passes" else f" ({kind})")
+                    what = "the weight fingerprints" if kind == "weights" else f"M={m} ({kind})"
                     self.longest_step_s, self.longest_step = took, f"{job.served.check.label} {what}"
                 if report is not None:
                     job.reports.append(report)
@@ -312,15 +310,14 @@ class Canary:
                 if problem is None:
                     return None
                 reason = f"the layer's weights changed since they were verified: {problem}"
-            elif kind == "passes":
-                job.done += 1
-                return serving.check_served(served, [m])
             elif kind == "pass 1":
                 job.done += 1
-                job.pending = serving.served_check(served, m)
-                if job.pending.run_pass():
+                pending = serving.served_check(served, m)
+                if pending.run_pass() and pending.held_bytes <= KEEP_BYTES:
+                    job.pending = pending  # the second pass at the next step
                     return None
-                pending, job.pending = job.pending, None
+                job.done += 1  # failed, or too large to keep: the second pass now (if any)
+                pending.run_pass()
                 return pending.report()
             else:  # "pass 2"
                 pending, job.pending = job.pending, None

@@ -40,7 +40,7 @@ from .errors import ConfigError, RefusedToServe, capped
 
 __all__ = ["LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end",
            "refusals", "record_refusal", "decide", "decisions", "clear", "route", "route_table", "routes",
-           "Served", "served_configurations", "served_layer", "check_served", "ServedCheck", "served_check",
+           "Served", "served_configurations", "served_layer", "ServedCheck", "served_check",
            "fingerprint_problem", "fingerprint_sweep"]
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -961,9 +961,10 @@ def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[
 
 
 class ServedCheck:
-    """One batch size of a verified configuration checked through the call that serves it, one pass
-    at a time (the serving canary's decode-sized steps: two short steps at two idle points instead
-    of one): the calls and the oracle's reference are built once, by :func:`served_check`; each
+    """One batch size of a verified configuration checked through the call that serves it, the
+    re-check's check (two passes, every call against the oracle) one pass at a time, for the serving
+    canary (two short steps at two idle points instead of one long one where the check is small enough
+    to keep meanwhile): the calls and the oracle's reference are built once, by :func:`served_check`; each
     :meth:`run_pass` calls and checks once more; :meth:`report` says what was found, including a
     call that wrote into the layer's weights (their fingerprint after the calls must still be the
     one they were verified with). `stale` is true once SGLang updated weights after it was built
@@ -979,6 +980,16 @@ class ServedCheck:
     @property
     def stale(self) -> bool:
         return self._generation != _generation
+
+    @property
+    def held_bytes(self) -> int:
+        """What this check keeps on the device between its passes: the references, the calls' tensor
+        arguments (the activations) and the copies of the inputs compared after every call; not the
+        layer's own weights."""
+        if self._run is None:
+            return 0
+        weights = self.served.check.weights() if self.served.check.weights is not None else ()
+        return self._run.held_bytes(frozenset(t.untyped_storage().data_ptr() for t in weights if isinstance(t, torch.Tensor)))
 
     def run_pass(self) -> bool:
         """Call and check once more; False once a call failed (or the calls could not be built)."""
@@ -1001,22 +1012,6 @@ class ServedCheck:
 def served_check(served: Served, m: int) -> ServedCheck:
     """The check of `served` at batch size `m`, to be run pass by pass (:class:`ServedCheck`)."""
     return ServedCheck(served, m)
-
-
-def check_served(served: Served, ms: Sequence[int]) -> selftest.SelfTestReport:
-    """Run one verified configuration once more through the call that serves it, at batch sizes
-    `ms`: the re-check's check (two passes, every call against the oracle), for the serving canary.
-    The layer's weights are not copied for it: their fingerprint after the calls must still be the
-    one they were verified with (a call that wrote into them fails). Never raises for a bad kernel:
-    the report says what was wrong."""
-    serving = _records[(served.family, served.device.index)]
-    check = served.check
-    with serving.lock:
-        report = _run_check(serving, check, list(ms), light=True)
-        record = serving.layers.get(_layer_key(check))
-        if record is not None and not _updating:
-            _fail_if_written(report, check, record.fingerprint)
-        return report
 
 
 def fingerprint_problem(check: LayerCheck) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -290,18 +291,20 @@ class StepTimer:
 
 def test_a_slice_stops_before_a_step_it_knows_would_overrun_it_and_always_makes_progress():
     timer = StepTimer()
-    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms="5")
+    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms="4")
     c.timer = timer
     runs = [next_run(c)]
     while runs[-1].ms[1] != 128 or len(runs) == 1:  # the larger M rotates through every size >= 128 checked
         runs.append(next_run(c))
         assert len(runs) < 40, [r.ms for r in runs]
-    # Run 1: M=1 (2 calls: 2 ms) then M=128 (6 ms), neither measured before: one slice of 8 ms.
-    assert runs[0].ms == [1, 128] and runs[0].slices == 1 and c.status().longest_slice_ms == pytest.approx(8.0, abs=1e-6)
-    # M=128 again, known to take 6 ms: it waits for the next idle point.
-    assert runs[-1].passed and runs[-1].slices == 2, runs[-1]
-    assert all(r.slices == 1 for r in runs[1:-1]), "steps never measured run in the slice that has room"
-    assert c.status().longest_step_ms == pytest.approx(6.0, abs=1e-6) and int(c.status().longest_step.rsplit("M=", 1)[1]) >= 128
+    # Run 1, nothing measured yet: the fingerprints (0 ms), M=1's two passes (1 ms each), M=128's
+    # first pass (3 ms): 5 ms, past the bound, so the slice ends; M=128's second pass in the next.
+    assert runs[0].ms == [1, 128] and runs[0].slices == 2 and c.status().longest_slice_ms == pytest.approx(5.0, abs=1e-6)
+    # M=128 again, each pass known to take 3 ms: after the 2 ms of M=1 neither fits: a slice each.
+    assert runs[-1].passed and runs[-1].slices == 3, runs[-1]
+    assert all(r.slices == 2 for r in runs[1:-1]), "steps never measured run in the slice that has room"
+    assert c.status().longest_step_ms == pytest.approx(3.0, abs=1e-6)
+    assert int(re.search(r"M=(\d+) \(pass [12]\)$", c.status().longest_step).group(1)) >= 128, c.status().longest_step
 
 
 def _idle_steps(c, count: int) -> None:
@@ -311,12 +314,12 @@ def _idle_steps(c, count: int) -> None:
 
 
 @case("backend faults", "a dense kernel that turns wrong (results 4x too large) between the two passes of a decode-sized canary check, while the server's forward passes run between them (slice bound 0.001 ms: one step per idle point)",
-      "a run is four steps at four idle points (the weight fingerprints, the decode size's pass 1, its pass 2, the larger size); the fault is caught at pass 2, naming that decode size")
+      "a run is five steps at five idle points (the weight fingerprints, then each batch size's pass 1 and pass 2); the fault is caught at the decode size's pass 2, naming that size")
 def test_a_decode_sizes_two_passes_are_two_steps_and_a_fault_between_them_is_caught():
     wear = Wear(scale(4.0))
     c, [(method, layer)] = serve(wear, (96, 160), canary_slice_ms="0.001", canary_action="log")
     first = next_run(c)
-    assert first.passed and first.slices == 4 and first.ms[0] < canary.SMALL_M <= first.ms[1], first
+    assert first.passed and first.slices == 5 and first.ms[0] < canary.SMALL_M <= first.ms[1], first
     c.clock.now += c.period
     _idle_steps(c, 2)  # the fingerprints, then the decode size's first pass
     assert c.runs == 1 and c._queue and c._queue[0].pending is not None
@@ -325,6 +328,19 @@ def test_a_decode_sizes_two_passes_are_two_steps_and_a_fault_between_them_is_cau
     _idle_steps(c, 1)
     run = c.status().last_run
     assert c.runs == 2 and not run.passed and "norm is 4" in run.reason and f"M={run.ms[0]}" in run.reason, run
+
+
+@case("properties", "a check that would keep more than canary.KEEP_BYTES (its activations and reference) between its passes: the bound set to 0 bytes, slice bound 0.001 ms",
+      "both passes of each batch size run in one step: a run is three steps (the fingerprints, then one per batch size), nothing is kept between idle points")
+def test_a_check_too_large_to_keep_runs_both_passes_in_one_step(monkeypatch):
+    monkeypatch.setattr(canary, "KEEP_BYTES", 0)
+    c, _ = serve(emulated_mm_fp4, (96, 160), canary_slice_ms="0.001")
+    run = next_run(c)
+    assert run.passed and run.slices == 3 and len(run.ms) == 2, run
+    c.clock.now += c.period
+    for _ in range(2):
+        canary.idle()
+        assert all(job.pending is None for job in c._queue)
 
 
 @case("configuration", "SGLang updates a verified layer's weights (its weight-update path) between the two passes of a decode-sized canary check",
@@ -483,10 +499,10 @@ def test_a_later_layers_weights_corrupted_in_memory_fail_a_run_within_the_sweep(
 def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
 
-    def broken(served, ms):
+    def broken(served, m):
         raise KeyError("no such serving entry")
 
-    monkeypatch.setattr(serving, "check_served", broken)
+    monkeypatch.setattr(serving, "served_check", broken)
     run = next_run(c)
     assert not run.passed and "the canary could not run the check: KeyError" in run.reason
 
