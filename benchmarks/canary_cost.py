@@ -12,7 +12,8 @@ Then the canary (sm120_fp4.canary.Canary, SM120_FP4_CANARY=60, SM120_FP4_SLICE_M
 graph sizes of SGLang 0.5.23's defaults) is driven one period at a time, its idle point called back to
 back, through enough periods that every configuration runs at every decode and larger batch size of
 its rotation. Reported per configuration and batch size: each step (a run's weight fingerprints; a
-decode size's two passes, one step each; a larger size's both passes in one; every call checked) as
+batch size's two passes, one step each where the check keeps at most canary.KEEP_BYTES meanwhile,
+else both in its first step; every call checked) as
 the serving thread measures it; per model: the mean time per period and its share of 60 s,
 the longest slice, the peak memory the steps add. Targets: share <= 0.5 %, longest slice <= 5 ms.
 """
@@ -94,7 +95,7 @@ canary.Canary._step = _recording_step
 
 
 def step_name(config: str, kind: str, m: int) -> str:
-    return f"{config}: weight fingerprints" if kind == "weights" else f"{config} M={m}" + ("" if kind == "passes" else f" ({kind})")
+    return f"{config}: weight fingerprints" if kind == "weights" else f"{config} M={m} ({kind})"
 
 
 def measure(label: str, settings: Settings, tdev: torch.device, periods: int) -> dict:

@@ -312,7 +312,7 @@ class Canary:
                 reason = f"the layer's weights changed since they were verified: {problem}"
             elif kind == "pass 1":
                 job.done += 1
-                pending = serving.served_check(served, m)
+                pending = serving.ServedCheck(served, m)
                 if pending.run_pass() and pending.held_bytes <= KEEP_BYTES:
                     job.pending = pending  # the second pass at the next step
                     return None

@@ -456,8 +456,8 @@ def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float
 
 class Sweep:
     """A sweep over `cases` run one pass at a time (every case called once per pass, every call
-    checked), for a caller that spreads the passes out (the serving canary runs a decode-sized
-    check's two passes at two idle points, with the server's forward passes between them).
+    checked), for a caller that spreads the passes out (the serving canary runs a small check's two
+    passes at two idle points, with the server's forward passes between them).
 
     A copy of each distinct input (a layer's weights are shared by all its cases) is taken before
     the first call; after every call each input must still equal it bit for bit. A pass has the
@@ -466,7 +466,6 @@ class Sweep:
     def __init__(self, cases: list[Case], bounds: Bounds, device: torch.device, where: str = "") -> None:
         self.cases, self.bounds, self.device, self.where = cases, bounds, device, where
         self.results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
-        self.passes = 0
         self.failed = False
         self._snapshots: dict = {}
         for case in cases:
@@ -488,7 +487,6 @@ class Sweep:
                 result.passed, result.reason = False, reason
                 self.failed = True
                 return False
-        self.passes += 1
         return True
 
     def run(self, passes: int) -> list[ShapeResult]:

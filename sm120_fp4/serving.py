@@ -40,7 +40,7 @@ from .errors import ConfigError, RefusedToServe, capped
 
 __all__ = ["LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end",
            "refusals", "record_refusal", "decide", "decisions", "clear", "route", "route_table", "routes",
-           "Served", "served_configurations", "served_layer", "ServedCheck", "served_check",
+           "Served", "served_configurations", "served_layer", "ServedCheck",
            "fingerprint_problem", "fingerprint_sweep"]
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -355,7 +355,7 @@ def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: st
     if light and check.weights is not None:
         # The layer's fingerprint after the calls covers its weights: no copies of them. The call's
         # other inputs (an MoE layer's activations and routing) are still compared bit for bit.
-        weights = {t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor)}
+        weights = _weight_storages(check)
         for case in cases:
             case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
     return report, selftest.Sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where), start
@@ -367,6 +367,13 @@ def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int 
     if run is None:
         return report
     return selftest.finish(report, run.run(passes), start)
+
+
+def _weight_storages(check: LayerCheck) -> frozenset[int]:
+    """The storages of the tensors the layer of `check` serves with (its weights)."""
+    if check.weights is None:
+        return frozenset()
+    return frozenset(t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor))
 
 
 def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
@@ -964,7 +971,7 @@ class ServedCheck:
     """One batch size of a verified configuration checked through the call that serves it, the
     re-check's check (two passes, every call against the oracle) one pass at a time, for the serving
     canary (two short steps at two idle points instead of one long one where the check is small enough
-    to keep meanwhile): the calls and the oracle's reference are built once, by :func:`served_check`; each
+    to keep meanwhile): the calls and the oracle's reference are built once, when it is made; each
     :meth:`run_pass` calls and checks once more; :meth:`report` says what was found, including a
     call that wrote into the layer's weights (their fingerprint after the calls must still be the
     one they were verified with). `stale` is true once SGLang updated weights after it was built
@@ -986,10 +993,7 @@ class ServedCheck:
         """What this check keeps on the device between its passes: the references, the calls' tensor
         arguments (the activations) and the copies of the inputs compared after every call; not the
         layer's own weights."""
-        if self._run is None:
-            return 0
-        weights = self.served.check.weights() if self.served.check.weights is not None else ()
-        return self._run.held_bytes(frozenset(t.untyped_storage().data_ptr() for t in weights if isinstance(t, torch.Tensor)))
+        return 0 if self._run is None else self._run.held_bytes(_weight_storages(self.served.check))
 
     def run_pass(self) -> bool:
         """Call and check once more; False once a call failed (or the calls could not be built)."""
@@ -1007,11 +1011,6 @@ class ServedCheck:
             if record is not None and not _updating:
                 _fail_if_written(report, self.served.check, record.fingerprint)
             return report
-
-
-def served_check(served: Served, m: int) -> ServedCheck:
-    """The check of `served` at batch size `m`, to be run pass by pass (:class:`ServedCheck`)."""
-    return ServedCheck(served, m)
 
 
 def fingerprint_problem(check: LayerCheck) -> str | None:

@@ -502,7 +502,7 @@ def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
     def broken(served, m):
         raise KeyError("no such serving entry")
 
-    monkeypatch.setattr(serving, "served_check", broken)
+    monkeypatch.setattr(serving, "ServedCheck", broken)
     run = next_run(c)
     assert not run.passed and "the canary could not run the check: KeyError" in run.reason
 
