@@ -551,11 +551,6 @@ def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: 
     return QuantizerCheck(name=name, passed=ok, reason=reason, code_mismatch=code_mm, scale_mismatch=scale_mm)
 
 
-@functools.lru_cache(maxsize=1)
-def _flashinfer_version() -> str | None:
-    return backends.flashinfer_version()  # a metadata read: once per process, not once per layer check
-
-
 def report_for(backend: str, device: Device, config: str | None = None) -> SelfTestReport:
     """An empty report of `backend` on `device` (for `config`), to fill in."""
     return SelfTestReport(
@@ -565,7 +560,7 @@ def report_for(backend: str, device: Device, config: str | None = None) -> SelfT
         capability=f"{device.capability[0]}.{device.capability[1]}",
         simulated=device.simulated,
         passed=False,
-        flashinfer_version=_flashinfer_version(),
+        flashinfer_version=backends.flashinfer_version(),  # read once per process (versions.installed_version)
     )
 
 
