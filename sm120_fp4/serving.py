@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import backends, devices, locks, selftest
+from . import backends, devices, graphs, locks, selftest
 from . import report as report_file
 from .config import Settings, load_settings
 from .deciding import FAMILIES, Choice, Decision, Family, Refusal, candidate_names, choose, log_decision, refusal_message, serves
@@ -131,7 +131,9 @@ class _Serving:
     unverified: dict[tuple, selftest.SelfTestReport] = field(default_factory=dict)  # SELFTEST=warn: failed, served anyway
     # Every served layer's tensors seen so far (SGLang's own objects: no copy), so that a backend that
     # converts layers at load (humming) and takes over later converts the earlier ones too.
-    seen: list[dict] = field(default_factory=list)
+    # Keyed by the layer's packed weight storage (_seen_key): finding a layer among hundreds costs one lookup.
+    seen: dict[tuple, dict] = field(default_factory=dict)
+    prune_at: int = 64  # _record_layer drops dropped layers' records when this many are kept
     lock: threading.RLock = field(default_factory=locks.rlock)
 
     @property
@@ -302,6 +304,7 @@ def clear() -> None:
         for record in dropped:
             _publish(record)  # its entry goes with it
         served = [(record, record.decision.backend) for record in dropped if record.serving is not None]
+    graphs.clear()  # the checks' graphs (their memory) go with the layers they checked
     for record, backend in served:
         stuck = _release(record, backend)
         if stuck is not None:
@@ -410,7 +413,9 @@ def _fail_if_written(report: selftest.SelfTestReport, check: LayerCheck, before:
 
 
 def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
-    serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
+    if len(serving.layers) >= serving.prune_at:  # amortised: a model's hundreds of layers cost no quadratic walk
+        serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
+        serving.prune_at = max(64, 2 * len(serving.layers))
     if check.owner is None:
         serving.layers[id(check)] = _Layer(check.named(), fingerprint, None, None, check, check.key)
         return
@@ -443,8 +448,8 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
         # A backend that serves converted weights converts this layer now (keeping its original
         # bytes while it is checked: the oracle reads them); every later backend switch converts it too.
         problem = _prepare(serving, check.tensors, keep_original=checking)
-        if check.tensors is not None and not any(_same_layer(t, check.tensors) for t in serving.seen):
-            serving.seen.append(check.tensors)
+        if check.tensors is not None:
+            serving.seen.setdefault(_seen_key(check.tensors), check.tensors)
         if not checking:
             return None
         if check.key in serving.unverified:  # SELFTEST=warn has already said so for this configuration
@@ -499,14 +504,18 @@ def _release(serving: _Serving, name: str) -> str | None:
             f"{serving.family.backends_var} naming a backend that verifies")
 
 
+def _seen_key(tensors: dict) -> tuple:
+    """What identifies the served layer `tensors` describe: its packed weight's storage (two dicts
+    of the same layer share it), else the dict itself."""
+    weight = tensors.get("weight", tensors.get("w13"))
+    return ("storage", weight.data_ptr()) if isinstance(weight, torch.Tensor) else ("dict", id(tensors))
+
+
 def _same_layer(a: dict | None, b: dict | None) -> bool:
     """Whether two `tensors` dicts describe the same served layer (the same packed weight storage)."""
     if a is None or b is None:
         return False
-    if a is b:
-        return True
-    wa, wb = a.get("weight", a.get("w13")), b.get("weight", b.get("w13"))
-    return isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor) and wa.data_ptr() == wb.data_ptr()
+    return a is b or _seen_key(a) == _seen_key(b)
 
 
 def _representative(serving: _Serving, tensors: dict) -> bool:
@@ -523,11 +532,11 @@ def _settle(serving: _Serving, tensors: dict | None) -> None:
 
 def _prepare_seen(serving: _Serving) -> str | None:
     """Let the backend now routed convert every layer served so far (originals kept while checked)."""
-    return next((p for p in (_prepare(serving, t, True) for t in serving.seen) if p), None)
+    return next((p for p in (_prepare(serving, t, True) for t in serving.seen.values()) if p), None)
 
 
 def _settle_seen(serving: _Serving) -> None:
-    for tensors in serving.seen:
+    for tensors in serving.seen.values():
         _settle(serving, tensors)
 
 
@@ -545,7 +554,7 @@ def _back_to(serving: _Serving, original: Choice) -> None:
     serving.serve(original)
     backend = backends.backend_of(serving.family.name, original.decision.backend)
     if backend.prepare is not None:
-        for tensors in serving.seen:
+        for tensors in serving.seen.values():
             _prepare(serving, tensors, _representative(serving, tensors))
         _refingerprint(serving)
 
