@@ -48,6 +48,7 @@ __all__ = [
     "gemm_operand_dtype",
     "reference_mm_fp4",
     "reference_moe_fp4",
+    "reference_moe_fp4_roundings",
     "MoeWeights",
     "expert_mm",
     "expert_activation",
@@ -271,14 +272,19 @@ def _check_packed_and_scales(func: str, packed: torch.Tensor, scales: torch.Tens
     return rows, k
 
 
-def _byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(256, 2) table: a packed byte -> its (low, high) E2M1 values."""
+def _scaled_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(65536, 2) table: ``byte | scale_byte << 8`` -> the packed byte's (low, high) E2M1 values
+    times the E4M3 scale the byte's block has. Every entry is exact in float32 and in bf16 (an
+    E2M1 value has 2 significant bits, an E4M3 one 4; 2**-10 <= |product| <= 2688), and a NaN
+    scale byte gives NaN: the values of ``e2m1(code) * float(sf)`` in one lookup."""
     def make() -> torch.Tensor:
-        codes = torch.arange(256)
+        index = torch.arange(1 << 16)
         values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-        return torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=-1).to(device=device, dtype=dtype)
+        scale = (index >> 8).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        pairs = torch.stack((values[index & 0x0F], values[(index >> 4) & 0x0F]), dim=-1) * scale.unsqueeze(-1)
+        return pairs.to(device=device, dtype=dtype)
 
-    return _device_constant(("bytes", device, dtype), make)
+    return _device_constant(("scaled", device, dtype), make)
 
 
 def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -290,11 +296,11 @@ def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch
     rows, k = _check_packed_and_scales("dequantize_unscaled", packed, scales, "packed", "scales")
     if dtype not in (torch.float32, torch.bfloat16):
         raise not_accepted("dequantize_unscaled", "dtype", dtype, "torch.float32 or torch.bfloat16")
-    # One table lookup per byte gives both nibbles' values.
-    values = torch.nn.functional.embedding(packed.int(), _byte_lut(packed.device, dtype))
-    # uint8 scales hold E4M3 bytes: reinterpret them, never convert the integer value.
-    sf = unswizzle_scales(scales.contiguous(), rows, k).view(torch.float8_e4m3fn).to(dtype)
-    return (values.view(rows, k // BLOCK_SIZE, BLOCK_SIZE) * sf.unsqueeze(-1)).view(rows, k)
+    # One lookup per byte gives both nibbles' values already times their block's scale: the index
+    # is the byte and its scale's byte (uint8 scales hold E4M3 bytes: reinterpreted, never converted).
+    sf = unswizzle_scales(scales.contiguous(), rows, k).view(torch.uint8)
+    index = (sf.int() << 8).unsqueeze(-1) | packed.reshape(rows, k // BLOCK_SIZE, BLOCK_SIZE // 2)
+    return torch.nn.functional.embedding(index, _scaled_lut(packed.device, dtype)).view(rows, k)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: object) -> torch.Tensor:
@@ -560,8 +566,9 @@ def _check_moe_args(x, topk_ids, topk_weights, weights: MoeWeights, activation, 
 
 
 def _moe_forward(x, topk_ids, topk_weights, weights: MoeWeights, shape: _MoeShape, activation, quantize_activations,
-                 intermediate_dtype, weight_cache) -> torch.Tensor:
-    """reference_moe_fp4's math, on checked arguments (its docstring states it)."""
+                 intermediate_dtypes: tuple, weight_cache) -> list[torch.Tensor]:
+    """reference_moe_fp4's math, on checked arguments (its docstring states it): one output per
+    entry of `intermediate_dtypes` (its `intermediate_dtype`), FC1 computed once for all."""
     tokens, hidden, experts, inter, top_k, out_dtype, a1, a2 = shape
     w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha = weights[:6]  # the activation scales: a1, a2 as checked
     device = x.device
@@ -612,27 +619,38 @@ def _moe_forward(x, topk_ids, topk_weights, weights: MoeWeights, shape: _MoeShap
         fc1 = expert_mm(rows, weight, w13_alpha[expert])
         intermediate[lo:hi] = expert_activation(fc1.to(round_dtype).float(), activation, inter)
 
-    if quantize_activations:
-        if not torch.isfinite(intermediate).all():
-            raise InvalidArgument(f"{func}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
-                                  f"{round_dtype} and activated; expected inputs whose intermediate can be quantized")
+    if quantize_activations and not torch.isfinite(intermediate).all():
+        raise InvalidArgument(f"{func}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
+                              f"{round_dtype} and activated; expected inputs whose intermediate can be quantized")
+    return [_moe_finish(intermediate, intermediate_dtype, topk_weights, weights, shape, spans, order, dtype, round_dtype,
+                        quantized, dequantized) for intermediate_dtype in intermediate_dtypes]
+
+
+def _moe_finish(intermediate, intermediate_dtype, topk_weights, weights: MoeWeights, shape: _MoeShape, spans, order, dtype,
+                round_dtype, quantized, dequantized) -> torch.Tensor:
+    """_moe_forward from the activated intermediate on: its re-quantization (rounded to
+    `intermediate_dtype` first where given), FC2 and the finalize's sum."""
+    tokens, hidden, _, _, top_k, out_dtype, _, a2 = shape
+    w2_alpha = weights.w2_alpha
+    if a2 is not None:  # quantized activations
         if intermediate_dtype is not None:
             intermediate = intermediate.to(intermediate_dtype).float()
         if a2.dim() == 0:
             intermediate = quantized(intermediate, a2)
         else:
+            intermediate = intermediate.clone()  # the per-expert writes below must not reach a shared FC1 result
             for expert, lo, hi in spans:
                 intermediate[lo:hi] = quantized(intermediate[lo:hi], a2[expert]).float()
             intermediate = intermediate.to(dtype)  # exact: dequantized FP4 values fit bf16
     # Each routed row lands at its unsorted position token * k + slot, for the finalize.
-    routed = torch.empty((ids.numel(), hidden), dtype=round_dtype, device=device)
+    routed = torch.empty((tokens * top_k, hidden), dtype=round_dtype, device=intermediate.device)
     for expert, lo, hi in spans:
         weight = dequantized("w2", expert)
         routed[order[lo:hi]] = expert_mm(intermediate[lo:hi], weight, w2_alpha[expert]).to(round_dtype)
 
     # finalizeMoeRoutingKernel's sum: float32, slot by slot, a product then an add.
     routed = routed.view(tokens, top_k, hidden)
-    out = torch.zeros((tokens, hidden), dtype=torch.float32, device=device)
+    out = torch.zeros((tokens, hidden), dtype=torch.float32, device=intermediate.device)
     for slot in range(top_k):
         out = out + topk_weights[:, slot : slot + 1] * routed[:, slot].float()
     return out.to(out_dtype)
@@ -696,9 +714,46 @@ def reference_moe_fp4(
     `weight_cache`, a dict the caller keeps, holds those dequantized experts across calls with the
     same, unchanged weights (a self-test's references); the caller empties it when weights change.
     """
+    return reference_moe_fp4_roundings(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale,
+                                       a2_gscale, activation, out_dtype, quantize_activations=quantize_activations,
+                                       intermediate_dtypes=(intermediate_dtype,), weight_cache=weight_cache)[0]
+
+
+def reference_moe_fp4_roundings(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_sf: torch.Tensor,
+    w13_alpha: torch.Tensor,
+    w2: torch.Tensor,
+    w2_sf: torch.Tensor,
+    w2_alpha: torch.Tensor,
+    a1_gscale: object,
+    a2_gscale: object,
+    activation: str = "swiglu",
+    out_dtype: torch.dtype | None = None,
+    *,
+    quantize_activations: bool = True,
+    intermediate_dtypes: tuple = (None,),
+    weight_cache: dict | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`reference_moe_fp4` once per entry of `intermediate_dtypes` (each its
+    `intermediate_dtype`), in one pass: the routing, FC1 and the activation are computed once and
+    shared, so ``reference_moe_fp4_roundings(..., intermediate_dtypes=(None, torch.bfloat16))``
+    equals the two reference_moe_fp4 calls bit for bit at about two thirds of their cost (a
+    self-test's reference and the kernel's rounding of the intermediate, whose difference bounds
+    what the oracle cannot decide)."""
+    if not isinstance(intermediate_dtypes, tuple) or not intermediate_dtypes:
+        raise not_accepted("reference_moe_fp4_roundings", "intermediate_dtypes", intermediate_dtypes,
+                           "a non-empty tuple of None, torch.bfloat16 or torch.float16")
+    for dtype in intermediate_dtypes:
+        if dtype not in (None, torch.bfloat16, torch.float16):
+            raise not_accepted("reference_moe_fp4", "intermediate_dtype", dtype, "None, torch.bfloat16 or torch.float16")
     weights = MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale)
-    shape = _check_moe_args(x, topk_ids, topk_weights, weights, activation, out_dtype, quantize_activations, intermediate_dtype)
+    shape = _check_moe_args(x, topk_ids, topk_weights, weights, activation, out_dtype, quantize_activations,
+                            intermediate_dtypes[0])
     if shape.tokens == 0:
-        return torch.zeros((0, shape.hidden), dtype=shape.out_dtype, device=x.device)
-    return _moe_forward(x, topk_ids, topk_weights, weights, shape, activation, quantize_activations, intermediate_dtype,
-                        weight_cache)
+        return tuple(torch.zeros((0, shape.hidden), dtype=shape.out_dtype, device=x.device) for _ in intermediate_dtypes)
+    return tuple(_moe_forward(x, topk_ids, topk_weights, weights, shape, activation, quantize_activations, intermediate_dtypes,
+                              weight_cache))

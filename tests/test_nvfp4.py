@@ -176,6 +176,24 @@ def test_round_trip_error_is_within_one_block_scale_step(device, dtype):
     assert torch.all((back - x.float()).abs() <= step)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_unscaled_is_code_value_times_scale_for_every_byte_and_scale_byte(device, dtype):
+    # Every packed byte (both nibbles) under every E4M3 scale byte, NaN bytes included, from the
+    # documented decode: e2m1(code) * float(sf), exactly, in float32 and in bf16.
+    rows = 256  # row r: scale byte r in every block; the 256 bytes, 16 to a block, over 16 blocks
+    packed = torch.arange(256, dtype=torch.uint8, device=device).repeat(rows, 1)
+    sf_bytes = torch.arange(256, dtype=torch.uint8, device=device).unsqueeze(1).repeat(1, 32)
+    scales = nvfp4.swizzle_scales(sf_bytes)
+    got = nvfp4.dequantize_unscaled(packed, scales, dtype)
+    codes = nvfp4.unpack_nibbles(packed)
+    want = (nvfp4.decode_e2m1(codes) * sf_bytes.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)).to(dtype)
+    assert got.dtype == dtype and got.shape == (rows, 512)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and int(nan.any(dim=1).sum()) == 2  # the two NaN scale bytes, 0x7f and 0xff
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.equal(got[~nan].signbit(), want[~nan].signbit())  # -0.0 stays -0.0
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 def test_quantize_errors_name_parameter_value_and_what_is_accepted():

@@ -173,6 +173,30 @@ def test_int64_ids_and_uint8_scale_bytes_give_the_same_result(device):
     assert torch.equal(same, want)
 
 
+@pytest.mark.parametrize("activation, dtype, per_expert, w4a16", [
+    ("swiglu", BF16, False, False), ("relu2", FP16, False, False), ("swiglu", BF16, True, False), ("swiglu", BF16, False, True),
+])
+def test_several_roundings_in_one_pass_equal_one_call_each(device, activation, dtype, per_expert, w4a16):
+    # The self-tests' reference and the kernel's rounding of the intermediate share FC1: one pass
+    # must give, bit for bit, what one reference_moe_fp4 call per intermediate_dtype gives.
+    args = make_moe(17, 9, 5, 3, 48, 32, activation, dtype, device)
+    if per_expert:  # compressed-tensors: one activation scale per expert
+        experts = args["w13"].shape[0]
+        args["a1_gscale"] = args["a1_gscale"].reshape(1).repeat(experts) * torch.linspace(0.9, 1.1, experts, device=device)
+        args["a2_gscale"] = args["a2_gscale"].reshape(1).repeat(experts) * torch.linspace(1.1, 0.9, experts, device=device)
+    kwargs = {k: v for k, v in args.items() if not k.startswith("_")}
+    extra = dict(quantize_activations=False) if w4a16 else {}
+    roundings = (None, dtype, None) if not w4a16 else (None,)
+    together = nvfp4.reference_moe_fp4_roundings(**kwargs, out_dtype=torch.float32, intermediate_dtypes=roundings, **extra)
+    assert len(together) == len(roundings)
+    for got, rounding in zip(together, roundings):
+        assert torch.equal(got, nvfp4.reference_moe_fp4(**kwargs, out_dtype=torch.float32, intermediate_dtype=rounding, **extra))
+    with pytest.raises(InvalidArgument, match="intermediate_dtypes"):
+        nvfp4.reference_moe_fp4_roundings(**kwargs, intermediate_dtypes=())
+    with pytest.raises(InvalidArgument, match="intermediate_dtype"):
+        nvfp4.reference_moe_fp4_roundings(**kwargs, intermediate_dtypes=(None, torch.float32))
+
+
 def test_no_tokens_gives_an_empty_output(device):
     args = make_moe(1, 2, 3, 2, 32, 16, "swiglu", BF16, device)
     empty = dict(args, x=args["x"][:0], topk_ids=args["topk_ids"][:0], topk_weights=args["topk_weights"][:0])
