@@ -19,7 +19,7 @@ from typing import Callable, Literal
 import torch
 from pydantic import BaseModel, Field
 
-from . import backends, locks, nvfp4
+from . import backends, graphs, locks, nvfp4
 from .devices import Device
 from .errors import EXIT_HUNG, SelfTestError
 
@@ -219,20 +219,16 @@ def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]
             torch.stack(max_abs).amax())
 
 
-def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult,
-             slack: torch.Tensor | None = None) -> str | None:
-    """None when `out` matches `ref` within `bounds` (each row's bound widened by its `slack`), else why not.
-
-    Every row is checked: finite, not zero where the reference is not, its relative error. The
-    statistics are computed where the tensors live and read back at once (one host synchronisation
-    for a passing call); only a failure reads more, to say where."""
-    rows, cols = out.shape
-    floor = _resolution(out.dtype, cols)
+def _compare_stats(floor: float, max_row_rel_err: float, out: torch.Tensor, ref: torch.Tensor,
+                   slack: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The comparison's statistics, computed where the tensors live with no host synchronisation:
+    (the 12 numbers _compare reads at once, as float64; then per row: zero where the reference is
+    not, the output's norm, the reference's (clamped), its relative error, its allowed error)."""
     nonfinite, out_zero_rows, row_norms, out_norms, diff_norms, max_abs = _row_stats(out, ref)
     ref_zero_rows = row_norms <= floor  # rounding to the output dtype may leave nothing of such a row
     safe_norms = row_norms.clamp_min(1e-30)
     row_err = diff_norms / safe_norms
-    allowed_rows = bounds.max_row_rel_err + 2 * floor / safe_norms
+    allowed_rows = max_row_rel_err + 2 * floor / safe_norms
     if slack is not None:
         allowed_rows = allowed_rows + 2 * slack  # twice what the oracle cannot decide, on that row only
     excess = row_err - allowed_rows
@@ -242,7 +238,29 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: Shape
                           (row_norms == 0).all().long(), out_zero_rows.all().long()])
     norms = torch.stack([row_norms.norm(), diff_norms.norm(), row_err.amax(), max_abs, out_norms.norm(), excess.amax(),
                          slack_norm.float()])
-    stats = torch.cat([counts.double(), norms.double()]).tolist()  # the one read-back of a passing call
+    return torch.cat([counts.double(), norms.double()]), zero_not_ref, out_norms, safe_norms, row_norms, row_err, allowed_rows
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult,
+             slack: torch.Tensor | None = None) -> str | None:
+    """None when `out` matches `ref` within `bounds` (each row's bound widened by its `slack`), else why not.
+
+    Every row is checked: finite, not zero where the reference is not, its relative error. The
+    statistics are computed where the tensors live and read back at once (one host synchronisation
+    for a passing call; at a decode batch size from a CUDA graph, :mod:`sm120_fp4.graphs`); only a
+    failure reads more, to say where."""
+    floor = _resolution(out.dtype, out.shape[1])
+    inputs = (out, ref) if slack is None else (out, ref, slack)
+    return graphs.run("compare", functools.partial(_compare_stats, floor, bounds.max_row_rel_err), inputs,
+                      lambda stats: _judge(out, bounds, result, floor, *stats), extra=(floor, bounds.max_row_rel_err))
+
+
+def _judge(out: torch.Tensor, bounds: Bounds, result: ShapeResult, floor: float, stats: torch.Tensor,
+           zero_not_ref: torch.Tensor, out_norms: torch.Tensor, safe_norms: torch.Tensor, row_norms: torch.Tensor,
+           row_err: torch.Tensor, allowed_rows: torch.Tensor) -> str | None:
+    """_compare's verdict from its statistics (read here, while they are valid)."""
+    rows, cols = out.shape
+    stats = stats.tolist()  # the one read-back of a passing call
     (nonfinite_n, bad_n, worst_excess, ref_all_zero, out_all_zero, ref_norm, diff_norm, max_row_err, max_abs_v, out_norm,
      max_excess, slack_n) = stats
     result.nonfinite = int(nonfinite_n)
@@ -839,10 +857,9 @@ def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: l
                                           quantize_activations=False, weight_cache=cache)
             slack = None  # nothing is re-quantized: no rounding point the oracle cannot decide
         else:
-            oracle = (*routed, *ref_w)
-            ref = nvfp4.reference_moe_fp4(*oracle, activation=activation, out_dtype=torch.float32, weight_cache=cache)
-            kernel_rounding = nvfp4.reference_moe_fp4(*oracle, activation=activation, out_dtype=torch.float32,
-                                                      intermediate_dtype=x.dtype, weight_cache=cache)
+            # The reference, and the kernel's rounding of the intermediate (one pass: FC1 shared).
+            ref, kernel_rounding = nvfp4.reference_moe_fp4_roundings(*routed, *ref_w, activation=activation, out_dtype=torch.float32,
+                                                                     intermediate_dtypes=(None, x.dtype), weight_cache=cache)
             slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         args = (x, call_ids, topk_weights, *weights)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .. import backends, nvfp4, selftest
+from .. import backends, graphs, nvfp4, selftest
 from ..errors import not_accepted, say_once
 from ..serving import LayerCheck
 from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
@@ -277,6 +277,10 @@ def layer_name(layer: object) -> str:
     return f"layer {layer_id}" if isinstance(layer_id, int) else ""
 
 
+def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return nvfp4.quantize(x, gsf, check_finite=False)
+
+
 def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: int, k: int, ms: list[int],
                   dtype: torch.dtype, seed: int, watched: tuple) -> list[selftest.Case]:
     """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range, of
@@ -289,7 +293,8 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     if not (math.isfinite(gsf) and gsf > 0):
         raise not_accepted("dense layer check", "input_gsf", input_gsf, "the layer's positive finite input global scale")
     x = selftest.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
-    qx, sx = nvfp4.quantize(x, input_gsf.float().reshape(()), check_finite=False)  # finite by construction, scale read above
+    # Finite by construction, its scale read above; at a decode batch size from a CUDA graph (launch-bound).
+    qx, sx = graphs.run("quantize", _quantize, (x, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone()))
     k_weight = weight.shape[1] * 2
     if k_weight > k:  # SGLang pads K for the kernel's alignment: zero codes add nothing
         qx = torch.nn.functional.pad(qx, (0, (k_weight - k) // 2))

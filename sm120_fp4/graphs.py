@@ -1,0 +1,172 @@
+"""Small fixed-shape computations of the checks, replayed from CUDA graphs.
+
+A layer's light check (one decode batch) and a serving canary step at a decode batch size are bound
+by host-side launches, not by the GPU: a few hundred PyTorch operations, each some microseconds of
+Python and driver time, on kilobytes of data. The parts that are pure functions of small tensors
+-- the oracle's quantization of the activations, the comparison's statistics -- are captured once
+per (function, shapes, dtypes, strides, device) and then replayed: the inputs are copied into the
+graph's own buffers, the graph runs on the caller's current stream, and the caller reads the
+outputs while it holds the graph (so a second caller cannot overwrite them first). A graph
+replays the same kernels as the eager calls, so it computes the same numbers.
+
+Where a graph does not fit, the function runs eagerly, as it would without this module: a CPU
+tensor, inputs larger than MAX_INPUT_BYTES, the stream already capturing (the engine's own
+capture), a key used fewer than CAPTURE_AT times so far (a capture costs more than a few eager
+calls: a full sweep's two passes of a batch size stay eager, a light check's batch size, the same
+for every layer of a configuration, is captured at the third layer), or a capture that failed (that key then stays eager). Memory: one private
+pool per device shared by its graphs (replays never overlap: one lock per device), and the graphs'
+input buffers kept within BUDGET_BYTES per device, least recently used dropped first. Nothing here
+runs in the serving path: only the checks call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Callable, TypeVar
+
+import torch
+
+__all__ = ["run", "clear", "stats", "MAX_INPUT_BYTES", "BUDGET_BYTES", "CAPTURE_AT"]
+
+_LOG = logging.getLogger("sm120_fp4")
+T = TypeVar("T")
+
+MAX_INPUT_BYTES = 8 << 20  # a call whose inputs are larger runs eagerly (it is not launch-bound)
+BUDGET_BYTES = 64 << 20  # the graphs' input buffers kept per device, at most
+CAPTURE_AT = 3  # a key is captured at its third use: a sweep's two passes of one batch size never pay for a capture
+_SEEN_LIMIT = 4096  # keys counted before their second use, per device (then counted afresh)
+
+
+class _Graph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], outputs: tuple, size: int) -> None:
+        self.graph, self.inputs, self.outputs, self.size = graph, inputs, outputs, size
+
+
+class _Device:
+    """The graphs of one CUDA device: their shared pool, the lock around a replay and its reading."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pool = None
+        self.stream: torch.cuda.Stream | None = None  # every capture on one side stream: the pool's blocks are reused
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.seen: dict[tuple, int] = {}  # uses of a key not (yet) captured
+        self.eager: set[tuple] = set()  # keys whose capture failed
+        self.replays = 0
+        self.captures = 0
+
+
+_devices: dict[int, _Device] = {}
+_devices_lock = threading.Lock()
+
+
+def _key(name: str, inputs: tuple[torch.Tensor, ...], extra: tuple) -> tuple:
+    return (name, extra) + tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs)
+
+
+def _eligible(inputs: tuple[torch.Tensor, ...]) -> int | None:
+    """The CUDA device index where a graph may run these inputs, else None."""
+    if not inputs or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+        return None
+    index = inputs[0].device.index
+    if any(t.device.index != index for t in inputs):
+        return None
+    if sum(t.numel() * t.element_size() for t in inputs) > MAX_INPUT_BYTES:
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return index
+
+
+def run(name: str, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], read: Callable[[tuple], T],
+        extra: tuple = ()) -> T:
+    """``read(fn(*inputs))``, from a CUDA graph of `fn` where one fits (see the module's text).
+
+    `fn` must be a pure function of its tensor arguments returning a tuple of tensors, with no host
+    synchronisation; `extra` holds whatever else its result depends on (Python constants it closes
+    over), so that two calls with different constants never share a graph. `read` gets the outputs
+    and must be done with them when it returns (they are the graph's own buffers): it may read them
+    to the host, or copy what it keeps."""
+    index = _eligible(inputs)
+    if index is None:
+        return read(fn(*inputs))
+    with _devices_lock:
+        dev = _devices.setdefault(index, _Device())
+    key = _key(name, inputs, extra)
+    with dev.lock:
+        graph = dev.graphs.get(key)
+        if graph is None and key not in dev.eager:
+            uses = dev.seen.get(key, 0)
+            if uses >= CAPTURE_AT - 1:
+                graph = _capture(dev, key, fn, inputs)
+            else:
+                if len(dev.seen) >= _SEEN_LIMIT:
+                    dev.seen.clear()
+                dev.seen[key] = uses + 1
+        if graph is not None:
+            dev.graphs.move_to_end(key)
+            for buffer, value in zip(graph.inputs, inputs):
+                buffer.copy_(value)
+            graph.graph.replay()
+            dev.replays += 1
+            return read(graph.outputs)
+    return read(fn(*inputs))
+
+
+def _capture(dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...]) -> _Graph | None:
+    """Capture `fn` over buffers shaped like `inputs` (on a side stream, in the device's pool)."""
+    dev.seen.pop(key, None)
+    device = inputs[0].device
+    current = torch.cuda.current_stream(device)
+    if dev.stream is None:
+        dev.stream = torch.cuda.Stream(device)
+    side = dev.stream
+    try:
+        buffers = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in inputs]
+        for buffer, value in zip(buffers, inputs):
+            buffer.copy_(value)
+        fn(*buffers)  # outside capture first: whatever fn makes once (its device constants) exists before
+        if dev.pool is None:
+            dev.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=dev.pool, capture_error_mode="thread_local")
+            try:
+                outputs = fn(*buffers)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+    except Exception as exc:  # noqa: BLE001 - not capturable: this key runs eagerly from now on
+        current.wait_stream(side)
+        dev.eager.add(key)
+        _LOG.debug("sm120_fp4: %s runs eagerly (capture failed: %s: %s)", key[0], type(exc).__name__, exc)
+        return None
+    size = sum(b.numel() * b.element_size() for b in buffers)
+    entry = _Graph(graph, buffers, tuple(outputs), size)
+    dev.graphs[key] = entry
+    dev.captures += 1
+    while sum(g.size for g in dev.graphs.values()) > BUDGET_BYTES and len(dev.graphs) > 1:
+        dev.graphs.popitem(last=False)
+    return entry
+
+
+def clear() -> None:
+    """Drop every graph (their pools' memory returns to PyTorch's allocator) and every count."""
+    with _devices_lock:
+        devices = list(_devices.values())
+        _devices.clear()
+    for dev in devices:
+        with dev.lock:
+            dev.graphs.clear()
+            dev.seen.clear()
+
+
+def stats() -> dict[int, dict[str, int]]:
+    """Per CUDA device index: graphs kept, their input bytes, captures and replays so far."""
+    with _devices_lock:
+        devices = dict(_devices)
+    return {i: {"graphs": len(d.graphs), "input_bytes": sum(g.size for g in d.graphs.values()),
+                "captures": d.captures, "replays": d.replays} for i, d in devices.items()}
