@@ -76,3 +76,42 @@ def test_model_path_refuses_a_broken_entry_point_kernel_and_nothing_listens(back
     assert re.search(r"the server did not start: launcher exit [1-9]\d*, nothing listening", out)
     assert "moe-zeros" in out, "the log tail names the refused kernel"
     assert not [p for p in _pids(out) if _alive(p)]
+
+
+_TAKEN = "import sys; print(f'ERROR:    [Errno 98] error while attempting to bind on address (127.0.0.1, {sys.argv[1]}): address already in use')"
+_HEALTHY = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_port_taken_before_the_server_binds_it_is_started_again_on_another(tmp_path, monkeypatch, capsys):
+    # The launcher is replaced by two stand-ins: the first reports the bind failure SGLang's uvicorn
+    # logs and exits; the second answers /health. The real start / wait_ready / stop run.
+    from sm120_fp4.demo import server as demo_server
+
+    real = demo_server.subprocess.Popen
+    attempts = []
+
+    def launcher(command, **kwargs):
+        port = command[command.index("--port") + 1]
+        attempts.append(port)
+        return real([sys.executable, "-c", _TAKEN if len(attempts) == 1 else _HEALTHY, port], **kwargs)
+
+    monkeypatch.setattr(demo_server.subprocess, "Popen", launcher)
+    server = demo_server.Server(model_path=str(tmp_path / "model"), workdir=str(tmp_path))
+    server.start()
+    try:
+        assert server.wait_ready(timeout=60)
+        assert len(attempts) == 2 and attempts[0] != attempts[1] and str(server.port) == attempts[1]
+        out = capsys.readouterr().out
+        assert f"port {attempts[0]} was taken" in out and _pids(out) == [server.proc.pid]
+    finally:
+        server.stop()
+    assert not _alive(server.proc.pid)
+    low, high = demo_server._ephemeral_range()
+    assert all(not low <= int(p) <= high for p in attempts)  # never a port the kernel hands out by itself

@@ -15,6 +15,7 @@ import contextlib
 import glob
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -61,9 +62,31 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it hands out by itself (outgoing connections, bind to port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(v) for v in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that is free now, outside the kernel's ephemeral range: a port the
+    kernel hands out by itself (another process's outgoing connection, or its bind to port 0) can
+    be taken between this choice and the server's bind, which a port outside that range cannot."""
+    low, high = _ephemeral_range()
+    choices = [p for p in range(20000, 65536) if not low <= p <= high]
+    rng = random.SystemRandom()
+    for port in (rng.choice(choices) for _ in range(100)) if choices else ():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every one tried is taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -137,11 +160,22 @@ class Server:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> bool:
-        """True once ``/health`` answers 200; False when the launcher exits first (or the time is up)."""
+    def wait_ready(self, timeout: float = START_TIMEOUT_S, restarts: int = 2) -> bool:
+        """True once ``/health`` answers 200; False when the launcher exits first (or the time is up).
+        A server whose port was taken before it could bind it ("address already in use": another
+        process got there first) is started again on another free port, up to `restarts` times."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if restarts > 0 and self._port_was_taken():
+                    restarts -= 1
+                    taken = self.port
+                    self.stop()
+                    self.port = 0
+                    self.start()
+                    _say(f"   port {taken} was taken before the server could bind it: started pid {self.proc.pid} on "
+                         f"127.0.0.1:{self.port} instead (log: {self.log_path})")
+                    continue
                 return False
             try:
                 if _http("GET", f"http://127.0.0.1:{self.port}/health", timeout=5)[0] == 200:
@@ -150,6 +184,13 @@ class Server:
                 pass
             time.sleep(1.0)
         return False
+
+    def _port_was_taken(self) -> bool:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return any("address already in use" in line and str(self.port) in line for line in f)
+        except OSError:
+            return False
 
     def generate(self, text: str, max_new_tokens: int = 16) -> dict:
         status, body = _http("POST", f"http://127.0.0.1:{self.port}/generate",
