@@ -89,21 +89,21 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def test_a_port_taken_before_the_server_binds_it_is_started_again_on_another(tmp_path, monkeypatch, capsys):
+def test_a_port_taken_before_the_server_binds_it_is_started_again_on_another(tmp_path, capsys):
     # The launcher is replaced by two stand-ins: the first reports the bind failure SGLang's uvicorn
     # logs and exits; the second answers /health. The real start / wait_ready / stop run.
+    import subprocess
+
     from sm120_fp4.demo import server as demo_server
 
-    real = demo_server.subprocess.Popen
     attempts = []
 
     def launcher(command, **kwargs):
         port = command[command.index("--port") + 1]
         attempts.append(port)
-        return real([sys.executable, "-c", _TAKEN if len(attempts) == 1 else _HEALTHY, port], **kwargs)
+        return subprocess.Popen([sys.executable, "-c", _TAKEN if len(attempts) == 1 else _HEALTHY, port], **kwargs)
 
-    monkeypatch.setattr(demo_server.subprocess, "Popen", launcher)
-    server = demo_server.Server(model_path=str(tmp_path / "model"), workdir=str(tmp_path))
+    server = demo_server.Server(model_path=str(tmp_path / "model"), workdir=str(tmp_path), popen=launcher)
     server.start()
     try:
         assert server.wait_ready(timeout=60)

@@ -25,6 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..sglang.release import LAUNCH_SERVER
 
@@ -139,6 +140,7 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     port: int = 0
     proc: subprocess.Popen | None = None
+    popen: Callable[..., subprocess.Popen] = subprocess.Popen  # how the launcher is started (a test's stand-in)
 
     @property
     def log_path(self) -> str:
@@ -157,8 +159,8 @@ class Server:
                    *CPU_SERVER_ARGS, *self.extra_args]
         log = open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
         with log:
-            self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+            self.proc = self.popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   env=env, start_new_session=True)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S, restarts: int = 2) -> bool:
         """True once ``/health`` answers 200; False when the launcher exits first (or the time is up).
