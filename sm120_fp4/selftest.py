@@ -444,6 +444,34 @@ def _input_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
+COPY_LIMIT = 16 << 20  # a call's input larger than this is watched by its fingerprint, not by a copy
+
+
+@dataclass
+class _Fingerprinted:
+    """What a sweep keeps of a large input (a layer's weights): its fingerprint, not a copy of it."""
+
+    value: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.numel() * self.value.element_size()
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor | _Fingerprinted:
+    """A copy of input `t`, or for one above COPY_LIMIT its fingerprint: a layer's experts are
+    gigabytes (an MoE layer's at TP1: 5.6 GB), which a copy would double at load and every call
+    would compare byte for byte; its fingerprint sees any changed byte (fingerprint's one blind
+    spot, two words swapped exactly _FP_WIDTH words apart, is no write a kernel makes by mistake)."""
+    return _Fingerprinted(fingerprint((t,))) if t.numel() * t.element_size() > COPY_LIMIT else t.clone()
+
+
+def _unchanged(t: torch.Tensor, kept: torch.Tensor | _Fingerprinted) -> bool:
+    if isinstance(kept, _Fingerprinted):
+        return torch.equal(fingerprint((t,)), kept.value)
+    return torch.equal(t, kept)
+
+
 def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float, grace: float, device: torch.device,
                 snapshots: dict, where: str = "") -> str | None:
     if case.out is not None:
@@ -466,7 +494,7 @@ def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float
     reason = _compare(outcome, case.reference, case.bounds or bounds, result, case.slack)
     if reason is not None:
         return f"call {result.calls}: {reason}"
-    changed = [i for i, t in enumerate(case.inputs) if not torch.equal(t, snapshots[_input_key(t)])]
+    changed = [i for i, t in enumerate(case.inputs) if not _unchanged(t, snapshots[_input_key(t)])]
     if changed:
         return f"call {result.calls} changed its input(s) {changed} in place (every later call would be wrong)"
     return None
@@ -477,8 +505,9 @@ class Sweep:
     checked), for a caller that spreads the passes out (the serving canary runs a small check's two
     passes at two idle points, with the server's forward passes between them).
 
-    A copy of each distinct input (a layer's weights are shared by all its cases) is taken before
-    the first call; after every call each input must still equal it bit for bit. A pass has the
+    A copy of each distinct input (a layer's weights are shared by all its cases; one above
+    COPY_LIMIT: its fingerprint) is taken before the first call; after every call each input must
+    still equal it bit for bit (match its fingerprint). A pass has the
     deadline it is given, else `bounds.timeout_s` from its start; the first failure ends the sweep."""
 
     def __init__(self, cases: list[Case], bounds: Bounds, device: torch.device, where: str = "") -> None:
@@ -489,7 +518,7 @@ class Sweep:
         for case in cases:
             for t in case.inputs:
                 if _input_key(t) not in self._snapshots:
-                    self._snapshots[_input_key(t)] = t.clone()
+                    self._snapshots[_input_key(t)] = _kept(t)
 
     def run_pass(self, deadline: float | None = None) -> bool:
         """One more pass; False once a call failed (no more calls into this backend: a hung one may
@@ -525,7 +554,8 @@ class Sweep:
             for t in (case.reference, case.out, case.slack, *bound):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in exclude:
                     seen[_input_key(t)] = t.numel() * t.element_size()
-        return sum(seen.values()) + sum(t.numel() * t.element_size() for t in self._snapshots.values())
+        return sum(seen.values()) + sum(k.nbytes if isinstance(k, _Fingerprinted) else k.numel() * k.element_size()
+                                        for k in self._snapshots.values())
 
     def outcome(self) -> list[ShapeResult]:
         """The results so far: every case, or after a failure the cases tried."""

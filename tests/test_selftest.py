@@ -227,3 +227,33 @@ def test_a_weight_fingerprint_sees_each_kind_of_change(device, change):
         alpha = torch.tensor([0.25, 0.0], device=device)
     after = selftest.fingerprint((weight, scales, alpha))
     assert after.shape != before.shape or not torch.equal(before, after)
+
+
+@pytest.mark.parametrize("where", ["first word", "last word", "a scale in the tail"])
+def test_a_call_that_writes_into_a_large_input_is_caught_without_a_copy_of_it(where):
+    # A layer's weights above COPY_LIMIT are watched by their fingerprint (no copy of gigabytes of
+    # experts): a call that changes one word of them still fails, naming the input, at that call.
+    big = torch.randint(0, 256, (selftest.COPY_LIMIT // 1000 + 8, 1000), dtype=torch.uint8)
+    small = torch.ones(3)
+    x = torch.randn(4, 8)
+    reference = (x * 2).float()
+    calls = {"n": 0}
+
+    def invoke():
+        calls["n"] += 1
+        if calls["n"] == 3:  # the second pass's first call
+            if where == "first word":
+                big.view(-1)[0] ^= 1
+            elif where == "last word":
+                big.view(-1)[-1] ^= 0x80
+            else:
+                small[2] = 1.5
+        return x * 2
+
+    cases = [selftest.Case(4, 8, 16, invoke, reference, inputs=(x, big, small)), selftest.Case(4, 8, 16, invoke, reference, inputs=(x, big, small))]
+    run = selftest.Sweep(cases, selftest.Bounds(), torch.device("cpu"))
+    assert run.held_bytes() < 1 << 16  # x's and small's copies and big's fingerprint: not big itself
+    results = run.run(2)
+    index = 2 if where == "a scale in the tail" else 1
+    assert [r.passed for r in results] == [False, True]
+    assert f"call 2 changed its input(s) [{index}] in place" in results[0].reason
