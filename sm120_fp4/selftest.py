@@ -751,7 +751,8 @@ MOE_BOUNDS = Bounds(max_rel_err=1e-2, max_row_rel_err=5e-2)
 class MoeCase(BaseModel):
     """One fused-MoE call of a self-test: the layer (E, H, I, activation), the batch and its routing.
 
-    `routing`: "balanced" gives every expert rows; "skewed" puts slot 0 of every token on one
+    `routing`: "balanced" gives every expert rows, and (tokens >= experts) lets every expert lead
+    some token, carrying most of its output; "skewed" puts slot 0 of every token on one
     expert (>= 128 rows there when tokens >= 128: a kernel's second 64-row half of a tile is
     exercised); "random" picks k distinct experts per token; "padded" adds SGLang's -1 drop
     sentinel (slots a kernel must skip: padding rows, other ranks' experts).
@@ -840,12 +841,21 @@ def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.
     """(topk_ids int32 (T, k), topk_weights float32 (T, k)) with distinct experts per token, weights
     in [0.1, 1] that do not sum to 1 (a kernel that ignores or renormalises them is seen).
     "padded" is "random" with SGLang's -1 drop sentinel in the last quarter of the tokens (every
-    slot: the padding rows of a captured graph) and in the last slot of every fifth token."""
+    slot: the padding rows of a captured graph) and in the last slot of every fifth token.
+    "balanced": token t leads with expert perm[t % E] (weight in [0.8, 1]) and has the next k - 1
+    experts of a random permutation in its other slots (weights in [0.02, 0.1]), so with T >= E
+    every expert leads some token and carries most of that token's output: an expert that is
+    dropped or computed wrong shows in those rows, whatever the other slots add."""
     if routing == "balanced":
         perm = torch.randperm(experts, generator=gen)
-        ids = perm[(torch.arange(tokens).unsqueeze(1) * top_k + torch.arange(top_k)) % experts]
+        ids = perm[(torch.arange(tokens).unsqueeze(1) + torch.arange(top_k)) % experts]
+        weights = torch.cat((0.8 + 0.2 * torch.rand(tokens, 1, generator=gen),
+                             0.02 + 0.08 * torch.rand(tokens, top_k - 1, generator=gen)), dim=1)
+        return ids.to(torch.int32), weights.float()
     else:
-        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+        # A random permutation of the experts per token (the order of uniform draws), k of them:
+        # one draw for every token at once, not one randperm call per token.
+        ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k]
         if routing == "skewed":
             hot = int(torch.randint(experts, (1,), generator=gen))
             ids[ids == hot] = ids[:, :1].expand_as(ids)[ids == hot]  # keep ids distinct per token

@@ -256,7 +256,8 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     parallelism (a few other ranks' experts in every batch, which must add nothing) and SGLang's -1
     drop sentinel in one batch. Every batch size routes among max(8, top-k) of this rank's experts
     (the oracle keeps those dequantized), one batch puts >= 128 rows on one expert, and one routes
-    to every expert of the rank, so each of them is exercised with its own weights.
+    to every expert of the rank, each leading two tokens (most of their output: selftest.moe_routing,
+    "balanced"), so each of them is exercised with its own weights where a wrong result shows.
     """
     processed = processed_weights(layer)
     if processed is None:
@@ -283,7 +284,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
            weights.a1_gscale.numel(), ep_size, getattr(layer, "moe_tp_size", 1))
     device = weights.w13.device
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
-    cover = max(8, -(-2 * total // top_k))  # tokens that give every expert (of every rank) >= 2 rows
+    cover = max(8, 2 * total)  # tokens that let every expert (of every rank) lead two tokens ("balanced")
 
     def cases(ms: list[int]) -> list[selftest.Case]:
         gen = torch.Generator().manual_seed(2024)
