@@ -194,3 +194,14 @@ def test_the_emulated_moe_front_is_the_oracle_bit_for_bit_without_a_host_sync(ac
                                    weights.w2_alpha, a1.reshape(-1) if per_expert else a1, weights.a2_gscale,
                                    activation=activation)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(16, 2, 8), (64, 8, 32), (512, 8, 256), (20, 1, 20)])
+def test_balanced_routing_lets_every_expert_lead_a_token(tokens, top_k, experts):
+    # So that a dropped or wrong expert shows in the rows it leads, whatever the other slots add.
+    ids, weights = selftest.moe_routing(tokens, top_k, experts, "balanced", torch.Generator().manual_seed(5))
+    assert ids.dtype == torch.int32 and tuple(ids.shape) == (tokens, top_k) == tuple(weights.shape)
+    assert all(len(set(row)) == top_k for row in ids.tolist())  # distinct experts per token
+    assert set(ids[:, 0].tolist()) == set(range(experts))  # every expert leads
+    assert bool((weights[:, 0] >= 0.8).all()) and bool((weights[:, 1:] <= 0.1).all())
+    assert set(ids.flatten().tolist()) == set(range(experts))

@@ -199,8 +199,10 @@ def at_most_8_slots(x, ids, w, *rest):
     return backends.emulated_moe(x, ids, w * keep, *rest)
 
 
-def drops_expert_12(x, ids, w, *rest):
-    return backends.emulated_moe(x, ids, torch.where(ids == 12, torch.zeros_like(w), w), *rest)
+def drops_expert(expert: int):
+    def kernel(x, ids, w, *rest):
+        return backends.emulated_moe(x, ids, torch.where(ids == expert, torch.zeros_like(w), w), *rest)
+    return kernel
 
 
 def wraps_skipped_slots(x, ids, w, *rest):
@@ -232,9 +234,12 @@ def test_a_kernel_handling_at_most_8_slots_is_refused_for_a_top_10_layer():
 
 @case("backend faults", "a MoE kernel that drops expert 12 of 16 (not among the 8 experts every batch routes to)",
       "refused at load by the batch that routes to every expert of the rank")
-def test_every_local_expert_is_exercised():
-    backends.register_moe("no-12", _after_generic(drops_expert_12))
-    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="no-12")
+@pytest.mark.parametrize("expert", [12, 1, 7, 14])  # none of the 8 experts the batch sizes route among (0, 2, 4, 6, 9, 11, 13, 15)
+def test_every_local_expert_is_exercised(expert):
+    # Outside the experts every batch size routes among: only the batch that routes to every
+    # expert, where each leads two tokens (most of their output), can see it.
+    backends.register_moe(f"no-{expert}", _after_generic(drops_expert(expert)))
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends=f"no-{expert}")
     with pytest.raises(RefusedToServe, match=r"E=16 .*: T=\d+ balanced \(every expert\)"):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(16, H, I, seed=12), TOP_K)
 
