@@ -107,11 +107,12 @@ def run(name: str, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], r
                 dev.seen[key] = uses + 1
         if graph is not None:
             dev.graphs.move_to_end(key)
-            for buffer, value in zip(graph.inputs, inputs):
-                buffer.copy_(value)
-            graph.graph.replay()
-            dev.replays += 1
-            return read(graph.outputs)
+            with torch.cuda.device(index):  # the graph's device current: replay runs on its current stream
+                for buffer, value in zip(graph.inputs, inputs):
+                    buffer.copy_(value)
+                graph.graph.replay()
+                dev.replays += 1
+                return read(graph.outputs)
     return read(fn(*inputs))
 
 
@@ -119,6 +120,12 @@ def _capture(dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[t
     """Capture `fn` over buffers shaped like `inputs` (on a side stream, in the device's pool)."""
     dev.seen.pop(key, None)
     device = inputs[0].device
+    with torch.cuda.device(device):
+        return _capture_on(dev, key, fn, inputs, device)
+
+
+def _capture_on(dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...],
+                device: torch.device) -> _Graph | None:
     current = torch.cuda.current_stream(device)
     if dev.stream is None:
         dev.stream = torch.cuda.Stream(device)
