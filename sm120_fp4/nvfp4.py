@@ -502,7 +502,7 @@ class _MoeShape(NamedTuple):
 
 
 def _check_moe_args(x, topk_ids, topk_weights, weights: MoeWeights, activation, out_dtype, quantize_activations,
-                    intermediate_dtype) -> _MoeShape:
+                    intermediate_dtypes: tuple) -> _MoeShape:
     """reference_moe_fp4's argument checks: each names the parameter, the value and what is accepted."""
     func = "reference_moe_fp4"
     w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale = weights
@@ -518,8 +518,9 @@ def _check_moe_args(x, topk_ids, topk_weights, weights: MoeWeights, activation, 
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if not isinstance(quantize_activations, bool):
         raise not_accepted(func, "quantize_activations", quantize_activations, "True or False")
-    if intermediate_dtype not in (None, torch.bfloat16, torch.float16):
-        raise not_accepted(func, "intermediate_dtype", intermediate_dtype, "None, torch.bfloat16 or torch.float16")
+    for intermediate_dtype in intermediate_dtypes:
+        if intermediate_dtype not in (None, torch.bfloat16, torch.float16):
+            raise not_accepted(func, "intermediate_dtype", intermediate_dtype, "None, torch.bfloat16 or torch.float16")
 
     _check_tensor(func, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
     if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
@@ -747,12 +748,9 @@ def reference_moe_fp4_roundings(
     if not isinstance(intermediate_dtypes, tuple) or not intermediate_dtypes:
         raise not_accepted("reference_moe_fp4_roundings", "intermediate_dtypes", intermediate_dtypes,
                            "a non-empty tuple of None, torch.bfloat16 or torch.float16")
-    for dtype in intermediate_dtypes:
-        if dtype not in (None, torch.bfloat16, torch.float16):
-            raise not_accepted("reference_moe_fp4", "intermediate_dtype", dtype, "None, torch.bfloat16 or torch.float16")
     weights = MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale)
     shape = _check_moe_args(x, topk_ids, topk_weights, weights, activation, out_dtype, quantize_activations,
-                            intermediate_dtypes[0])
+                            intermediate_dtypes)
     if shape.tokens == 0:
         return tuple(torch.zeros((0, shape.hidden), dtype=shape.out_dtype, device=x.device) for _ in intermediate_dtypes)
     return tuple(_moe_forward(x, topk_ids, topk_weights, weights, shape, activation, quantize_activations, intermediate_dtypes,
