@@ -852,17 +852,16 @@ def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.
         weights = torch.cat((0.8 + 0.2 * torch.rand(tokens, 1, generator=gen),
                              0.02 + 0.08 * torch.rand(tokens, top_k - 1, generator=gen)), dim=1)
         return ids.to(torch.int32), weights.float()
-    else:
-        # A random permutation of the experts per token (the order of uniform draws), k of them:
-        # one draw for every token at once, not one randperm call per token.
-        ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k]
-        if routing == "skewed":
-            hot = int(torch.randint(experts, (1,), generator=gen))
-            ids[ids == hot] = ids[:, :1].expand_as(ids)[ids == hot]  # keep ids distinct per token
-            ids[:, 0] = hot
-        elif routing == "padded" and tokens > 1:
-            ids[torch.arange(tokens) % 5 == 4, -1] = -1
-            ids[tokens - tokens // 4:] = -1
+    # A random permutation of the experts per token (the order of uniform draws), k of them:
+    # one draw for every token at once, not one randperm call per token.
+    ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k]
+    if routing == "skewed":
+        hot = int(torch.randint(experts, (1,), generator=gen))
+        ids[ids == hot] = ids[:, :1].expand_as(ids)[ids == hot]  # keep ids distinct per token
+        ids[:, 0] = hot
+    elif routing == "padded" and tokens > 1:
+        ids[torch.arange(tokens) % 5 == 4, -1] = -1
+        ids[tokens - tokens // 4:] = -1
     weights = 0.1 + 0.9 * torch.rand(tokens, top_k, generator=gen)
     return ids.to(torch.int32), weights.float()
 
