@@ -7,7 +7,8 @@ NVFP4 fused MoE) on each device, one of that family's verified layer configurati
 through the exact routed call with one of its layers' own weights (rotating through every verified
 layer of the configuration: a kernel wrong with one layer's weights only is reached too), at one
 decode batch size and one larger batch size (both rotating through the batch sizes verified at load,
-the re-check's and the captured graph sizes), against the oracle. It is the re-check's own check
+the re-check's and the captured graph sizes whose step fits the slice: see :meth:`Canary._batch_sizes`;
+the sizes that do not, prefill sizes mostly, are listed in status), against the oracle. It is the re-check's own check
 (two passes, every call checked, :class:`serving.ServedCheck`), each pass a step of its own, at two
 idle points with the server's forward passes between them, where the check holds at most KEEP_BYTES
 (its activations and reference, kept meanwhile; built again when SGLang updated weights in between);
@@ -118,6 +119,9 @@ class CanaryStatus(BaseModel):
     longest_slice_ms: float = 0.0
     longest_step_ms: float = 0.0
     longest_step: str | None = None
+    beyond_slice: list[str] = Field(default_factory=list, description=(
+        "per configuration, the batch sizes a step of which does not fit the slice: verified at load and after "
+        "warm-up, not re-checked while serving (SM120_FP4_CANARY_SLICE_MS includes them)"))
 
 
 def settings_problem(settings: Settings) -> str | None:
@@ -183,7 +187,10 @@ class Canary:
         self._cursor: dict[tuple, int] = {}
         self._sweep: dict[tuple, int] = {}  # (family, device index) -> where the next fingerprint sweep starts
         self._rounds: dict[tuple, int] = {}
-        self._estimate: dict[tuple, float] = {}
+        self._estimate: dict[tuple, float] = {}  # job key + (step kind, M) -> what the step took last
+        self._beyond: dict[tuple, dict[int, float]] = {}  # job key -> sizes whose step is estimated over the slice
+        self._labels: dict[tuple, str] = {}
+        self._told: set[tuple] = set()
         self._captured: set[int] = set()
         self._failed: dict[tuple, CanaryFailure] = {}
         self._recent: deque[CanaryRun] = deque(maxlen=RECENT)
@@ -239,20 +246,59 @@ class Canary:
             round_ = self._rounds.get(job.key, 0)
             self._rounds[job.key] = round_ + 1
             job.served = serving.served_layer(config, round_)  # this run's layer of the configuration
-            job.ms = self._batch_sizes(job.served.check, round_)
+            job.ms = self._batch_sizes(job, round_)
             job.steps = _steps(job.ms)
             if job.ms:  # a configuration with no batch size to check has nothing to run
                 self._queue.append(job)
 
-    def _batch_sizes(self, check: serving.LayerCheck, round_: int) -> list[int]:
-        """One decode batch size and one larger one, each rotating with the configuration's runs
-        through the batch sizes verified at load, the re-check's and the captured graph sizes."""
+    def _batch_sizes(self, job: _Job, round_: int) -> list[int]:
+        """One decode batch size and one larger one, from the batch sizes verified at load, the
+        re-check's and the captured graph sizes whose step fits the slice: a size not measured yet
+        first (smallest first), else rotating with the configuration's runs."""
+        check = job.served.check
         ms = sorted(set(check.ms) | set(check.recheck_ms) | self._captured)
         if not ms:
             return []
-        small = [m for m in ms if m < SMALL_M] or ms[:1]
-        large = [m for m in ms if m >= SMALL_M] or ms[-1:]
-        return sorted({small[round_ % len(small)], large[round_ % len(large)]})
+        self._labels[job.key] = f"{check.label} on {job.served.device.label()}"
+        picked = set()
+        for sizes in ([m for m in ms if m < SMALL_M] or ms[:1], [m for m in ms if m >= SMALL_M] or ms[-1:]):
+            fits = self._within(job.key, sizes)
+            new = [m for m in fits if self._step_estimate(job.key, m, measured_only=True) is None]
+            picked.add(new[0] if new else fits[round_ % len(fits)])
+        return sorted(picked)
+
+    def _step_estimate(self, key: tuple, m: int, measured_only: bool = False) -> float | None:
+        """What one step at batch size `m` takes: the longest measured; else an upper bound, from
+        the largest size measured below it scaled by M (a GEMM's time and the oracle's grow at most
+        in proportion to M, their fixed costs do not grow); None where there is neither."""
+        measured: dict[int, float] = {}
+        for (*job_key, kind, size), took in self._estimate.items():
+            if tuple(job_key) == key and kind != "weights":
+                measured[size] = max(took, measured.get(size, 0.0))
+        if m in measured or measured_only:
+            return measured.get(m)
+        below = [size for size in measured if size < m]
+        return measured[max(below)] * m / max(below) if below else None
+
+    def _within(self, key: tuple, sizes: list[int]) -> list[int]:
+        """The sizes of `sizes` whose step fits the slice: the smallest always (a run checks a decode
+        size and a larger one); any other once its estimate fits. A size estimated over the slice is
+        listed in status: verified at load and after warm-up, not re-checked while serving."""
+        fits, beyond = sizes[:1], self._beyond.setdefault(key, {})
+        for m in sizes[1:]:
+            estimate = self._step_estimate(key, m)
+            beyond.pop(m, None)
+            if estimate is not None and estimate <= self.budget_s:
+                fits.append(m)
+            elif estimate is not None:
+                beyond[m] = estimate
+        if beyond and key not in self._told:
+            self._told.add(key)
+            _LOG.info("sm120_fp4: the serving canary does not re-check %s at M=%s while serving: a step there is "
+                      "estimated over SM120_FP4_CANARY_SLICE_MS=%g (those sizes were verified at load and after "
+                      "warm-up; a larger slice includes them)", self._labels.get(key, key),
+                      ", ".join(map(str, sorted(beyond))), self.budget_s * 1e3)
+        return fits
 
     # ---- slices and steps ---------------------------------------------------------------------
 
@@ -263,7 +309,9 @@ class Canary:
             while self._queue:
                 job = self._queue[0]
                 kind, m = job.steps[job.done]
-                estimate = self._estimate.get(job.key + (kind, m), 0.0)
+                estimate = self._estimate.get(job.key + (kind, m))
+                if estimate is None:  # never measured: a pass costs what the size's other pass did, or the bound
+                    estimate = (self._step_estimate(job.key, m) if kind != "weights" else None) or 0.0
                 if touched and self.timer() - start + estimate > self.budget_s:
                     break  # would overrun the slice: the next idle point runs it
                 if job not in touched:
@@ -406,6 +454,7 @@ class Canary:
         with self._lock:
             recent = list(self._recent)
             failed = [f.model_copy() for f in self._failed.values()]
+            beyond = [self._beyond_text(key, sizes) for key, sizes in self._beyond.items() if sizes]
         elapsed = time.time() - self._armed_at if self._armed_at is not None else None
         return CanaryStatus(
             enabled=True, period_s=self.period, action=self.settings.canary_action, slice_ms=self.budget_s * 1e3,
@@ -415,8 +464,12 @@ class Canary:
             longest_wait_s=self.longest_wait_s, busy_s=self.busy_s,
             share=self.busy_s / elapsed if elapsed else None, slices=self.slices,
             longest_slice_ms=self.longest_slice_s * 1e3, longest_step_ms=self.longest_step_s * 1e3,
-            longest_step=self.longest_step,
+            longest_step=self.longest_step, beyond_slice=beyond,
         )
+
+    def _beyond_text(self, key: tuple, sizes: dict[int, float]) -> str:
+        return (f"{self._labels.get(key, key)}: M={', '.join(map(str, sorted(sizes)))} (a step estimated at "
+                f"{min(sizes.values()) * 1e3:.3g} ms or more)")
 
 
 # ---- the process's canary -----------------------------------------------------------------------

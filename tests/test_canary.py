@@ -63,6 +63,7 @@ def serve(kernel, *shapes, **settings):
     """install() with the canary on and `kernel` as the dense backend, layers of `shapes` built and
     verified (the process is now serving); the canary armed at its first idle point."""
     backends.register("wear", kernel)
+    settings.setdefault("canary_slice_ms", "1000")  # every CPU step fits: the rotation under test, not the slice bound
     sm120_fp4.install(simulate="12.0", backends="wear", canary=str(settings.pop("period", PERIOD)), **settings)
     built = [layers.build_modelopt_layer(synthetic.make_checkpoint(n, k, seed=i)) for i, (n, k) in enumerate(shapes)]
     c = canary.active()
@@ -276,7 +277,7 @@ def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
 # ---- slices: bounded, always progressing, long steps deferred; saturation; capture ---------------
 
 class StepTimer:
-    """The canary's step timer, advanced by the kernel: a call with M rows costs 1 ms, 3 ms from 128."""
+    """The canary's step timer, advanced by the kernel: a call with M rows costs 1 + M/128 ms."""
 
     def __init__(self) -> None:
         self.ms = 0.0
@@ -285,26 +286,53 @@ class StepTimer:
         return self.ms / 1e3
 
     def kernel(self, a, b, a_sf, b_sf, alpha, dtype, out):
-        self.ms += 1.0 if a.shape[0] < 128 else 3.0
+        self.ms += 1.0 + a.shape[0] / 128
         return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
 
-def test_a_slice_stops_before_a_step_it_knows_would_overrun_it_and_always_makes_progress():
+def _timed(slice_ms: str, periods: int) -> tuple[canary.Canary, list[canary.CanaryRun], list[int]]:
     timer = StepTimer()
-    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms="4")
+    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms=slice_ms)
     c.timer = timer
-    runs = [next_run(c)]
-    while runs[-1].ms[1] != 128 or len(runs) == 1:  # the larger M rotates through every size >= 128 checked
-        runs.append(next_run(c))
-        assert len(runs) < 40, [r.ms for r in runs]
-    # Run 1, nothing measured yet: the fingerprints (0 ms), M=1's two passes (1 ms each), M=128's
-    # first pass (3 ms): 5 ms, past the bound, so the slice ends; M=128's second pass in the next.
-    assert runs[0].ms == [1, 128] and runs[0].slices == 2 and c.status().longest_slice_ms == pytest.approx(5.0, abs=1e-6)
-    # M=128 again, each pass known to take 3 ms: after the 2 ms of M=1 neither fits: a slice each.
-    assert runs[-1].passed and runs[-1].slices == 3, runs[-1]
-    assert all(r.slices == 2 for r in runs[1:-1]), "steps never measured run in the slice that has room"
-    assert c.status().longest_step_ms == pytest.approx(3.0, abs=1e-6)
-    assert int(re.search(r"M=(\d+) \(pass [12]\)$", c.status().longest_step).group(1)) >= 128, c.status().longest_step
+    [served] = serving.served_configurations()
+    sizes = sorted(set(served.check.ms) | set(served.check.recheck_ms))
+    return c, [next_run(c) for _ in range(periods)], sizes
+
+
+@case("properties", "the serving canary with SM120_FP4_CANARY_SLICE_MS=5 and a kernel whose call at M rows takes 1 + M/128 ms (controlled step timer), 16 periods",
+      "no slice and no step over 5 ms: every run checks a decode size and a larger one, the larger ones climb to the largest whose step fits (M=383, 4 ms; M=512 is estimated over the slice); status lists M=512 up to the prefill sizes as not re-checked while serving")
+def test_no_canary_slice_or_step_exceeds_the_bound_and_the_sizes_that_cannot_fit_are_listed():
+    c, runs, sizes = _timed("5", 16)
+    assert all(r.passed and len(r.ms) == 2 and r.ms[0] < canary.SMALL_M <= r.ms[1] for r in runs), runs
+    status = c.status()
+    assert status.longest_step_ms <= 5.0 + 1e-9 and status.longest_slice_ms <= 5.0 + 1e-9, status
+    larger = {r.ms[1] for r in runs}
+    assert larger == {m for m in sizes if canary.SMALL_M <= m <= 383}, larger
+    assert {r.ms[0] for r in runs} == {m for m in sizes if m < canary.SMALL_M}, "every decode size fits, and is reached"
+    [beyond] = status.beyond_slice
+    over = [m for m in sizes if m > 383]
+    assert over[0] == 512 and f"M={', '.join(map(str, over))} " in beyond and "N=96 K=160" in beyond, beyond
+
+
+@case("properties", "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=1000, 24 periods",
+      "the larger size rotates through every verified size up to the largest prefill size; nothing is listed as beyond the slice")
+def test_a_larger_slice_re_checks_the_prefill_sizes_too():
+    c, runs, sizes = _timed("1000", 24)
+    assert all(r.passed for r in runs)
+    assert {r.ms[1] for r in runs} == {m for m in sizes if m >= canary.SMALL_M}
+    assert c.status().beyond_slice == []
+
+
+def test_a_slice_stops_before_a_step_it_knows_would_overrun_it_and_always_makes_progress():
+    c, runs, _ = _timed("4.5", 2)
+    # Run 1, nothing measured yet: the fingerprints (0 ms), M=1's two passes (1 ms each; the second
+    # known from the first); M=128's first pass is bounded by M=1's scaled (128 ms): the slice ends.
+    # Then M=128's passes, 2 ms each: one slice. Run 2: M=2's passes (1 ms each); M=191's first pass
+    # (bounded by M=128's scaled: 3 ms) does not fit after them, nor its second (2.5 ms) after it.
+    assert runs[0].ms == [1, 128] and runs[0].slices == 2, runs[0]
+    assert runs[1].ms == [2, 191] and runs[1].slices == 3, runs[1]
+    assert c.status().longest_slice_ms <= 4.5 and c.status().longest_step_ms == pytest.approx(1 + 191 / 128)
+    assert int(re.search(r"M=(\d+) \(pass [12]\)$", c.status().longest_step).group(1)) == 191, c.status().longest_step
 
 
 def _idle_steps(c, count: int) -> None:
