@@ -84,12 +84,13 @@ class Backend:
     # Backends that serve a converted copy of each layer's weights (humming): `prepare(tensors,
     # keep_original)` converts one served layer at load, `restore()` undoes every conversion it can
     # (True: all undone, another backend can take over), `describe()` says what status shows,
-    # `settle(tensors)` drops what `prepare` kept of one layer only for its check (the host copy of
-    # its original bytes: kept for each configuration's first layer, the one the re-checks compare).
+    # `settle(tensors, keep)` ends one layer's check: drops what `prepare` kept of it for the check
+    # (the device copy of its original bytes), or with `keep` (each configuration's first layer, the
+    # one the re-checks compare) keeps it for good its long-term way (humming: pinned host memory).
     prepare: Callable[[dict, bool], None] | None = None
     restore: Callable[[], bool] | None = None
     describe: Callable[[], dict] | None = None
-    settle: Callable[[dict], None] | None = None
+    settle: Callable[[dict, bool], None] | None = None
 
 
 def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):

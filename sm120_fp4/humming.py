@@ -280,7 +280,7 @@ class _Converted:
     in_place: bool
     extra_bytes: int  # GPU bytes beyond SGLang's own tensors (scales that did not fit; a cache copy)
     family: str = "dense"
-    originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # storage ptr -> (host copy, target)
+    originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # storage ptr -> (kept copy, target)
     written: set[int] = field(default_factory=set)  # storages of SGLang's that now hold Humming's bytes
     owner: Any = None  # weakref to the tensor whose storage is the key: a dead one means a stale record
 
@@ -367,7 +367,8 @@ def _root(t: torch.Tensor) -> torch.Tensor:
 def _convert(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype, experts: int | None,
              in_place: bool, keep_original: bool, family: str) -> _Converted:
     """Convert one weight (its packed codes and swizzled scales) to Humming's layout: into SGLang's
-    storage (`in_place`, keeping a host copy of the bytes overwritten when `keep_original`), or next to it."""
+    storage (`in_place`, keeping a copy of the bytes overwritten when `keep_original`: on the device
+    while the layer is checked, see drop_originals), or next to it."""
     rows, k = weight.shape[-2], weight.shape[-1] * 2
     if rows % _N_ALIGN or k % _K_ALIGN:
         in_place = False  # Humming pads such a weight: its layout does not fit SGLang's storage
@@ -390,7 +391,7 @@ def _convert(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype
             continue
         key = _storage_key(target)
         if keep_original:
-            conv.originals[key] = (target.detach().cpu().clone(), target)
+            conv.originals[key] = (target.detach().clone(), target)  # the oracle reads it during the check: no copy
         new[name] = _write_into(src, target)
         conv.written.add(key)
     prepared.tensors = new
@@ -409,8 +410,9 @@ def prepare_dense(weight: torch.Tensor, weight_sf: torch.Tensor, dtype: torch.dt
     """Convert one served dense layer in place, at load (the weights hook's layer check).
 
     `weight` (N, K/2) uint8 and `weight_sf` (the swizzled (ceil128(N), ceil4(K/16)) scales) are
-    SGLang's own tensors; `keep_original` keeps a host copy of their bytes for the oracle (the
-    first layer of each configuration: the one the layer check and the re-check compare)."""
+    SGLang's own tensors; `keep_original` keeps a copy of their bytes for the oracle while the layer
+    is checked (and, in pinned host memory, for good for the first layer of each configuration: the
+    one the re-checks and the canary compare)."""
     key = (_storage_key(weight), IN_PLACE)
     with _lock:
         if key in _converted:
@@ -442,26 +444,45 @@ def original(t: torch.Tensor) -> torch.Tensor:
         for conv in _converted.values():
             kept = conv.originals.get(key)
             if kept is not None:
-                host, target = kept
-                if host.dtype != t.dtype or tuple(host.shape) != tuple(t.shape):
-                    host = host.reshape(-1).view(torch.uint8)[: _bytes(t)].view(t.dtype).view(t.shape)
-                return host.to(t.device)
+                copy, target = kept
+                if copy.dtype != t.dtype or tuple(copy.shape) != tuple(t.shape):
+                    copy = copy.reshape(-1).view(torch.uint8)[: _bytes(t)].view(t.dtype).view(t.shape)
+                # On the device while checked (no copy); from pinned host memory for good (one copy,
+                # ordered on the current stream before the oracle's reads).
+                return copy.to(t.device, non_blocking=copy.is_pinned())
             if conv.in_place and key in conv.written:
                 raise SelfTestError("sm120_fp4: this weight was converted to Humming's layout in place and its "
                                     "original bytes were not kept; the oracle cannot read it")
     return t
 
 
-def drop_originals(tensors: dict) -> None:
-    """Forget the host copies of one converted layer's original bytes (`tensors`: a dense layer's
-    "weight" or a MoE layer's "w13" and "w2"), kept only while it was checked: that layer then stays
-    in Humming's layout (restore() reports it), and no host memory is held per served layer."""
+def drop_originals(tensors: dict, keep: bool = False) -> None:
+    """One converted layer's check is over (`tensors`: a dense layer's "weight" or a MoE layer's
+    "w13" and "w2"): forget the copy of its original bytes, kept on the device while it was checked
+    (that layer then stays in Humming's layout, restore() reports it, and nothing is held per served
+    layer); with `keep` (the first layer of its configuration, which the re-checks and the canary
+    compare) move the copy to pinned host memory instead: no GPU memory held, and each later oracle
+    read is one host-to-device copy at the link's full speed."""
     with _lock:
         for name in ("weight", "w13", "w2"):
             t = tensors.get(name)
             conv = _converted.get((_storage_key(t), IN_PLACE)) if isinstance(t, torch.Tensor) else None
-            if conv is not None:
+            if conv is None:
+                continue
+            if not keep:
                 conv.originals.clear()
+                continue
+            for key, (copy, target) in list(conv.originals.items()):
+                conv.originals[key] = (_pinned(copy), target)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in pinned host memory (a device tensor copied there; one already on the host stays)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)  # synchronous: the device copy is freed when this returns
+    return host
 
 
 def converted_layers(family: str) -> int:
@@ -482,8 +503,8 @@ def restore(family: str) -> bool:
             if conv.in_place and not conv.originals:
                 complete = False
                 continue
-            for host, target in conv.originals.values():
-                _write_into(host.to(target.device), target)
+            for copy, target in conv.originals.values():
+                _write_into(copy.to(target.device), target)
             del _converted[key]
         return complete
 

@@ -463,11 +463,11 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
             report.reason = problem
         if not report.passed:
             return _replace_backend(serving, check, report, settings)
-        if not full:
-            _settle(serving, check.tensors)
         _record_layer(serving, check, fingerprint)
         if full:
             serving.checks[check.key] = check
+        _settle(serving, check.tensors)
+        if full:
             serving.decision.layers.append(report)
             _LOG.info("sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)", check.label,
                       serving.decision.backend, serving.device.label(), len(check.ms), report.max_rel_err or 0.0)
@@ -524,10 +524,11 @@ def _representative(serving: _Serving, tensors: dict) -> bool:
 
 
 def _settle(serving: _Serving, tensors: dict | None) -> None:
-    """A checked layer that is not its configuration's first: drop what the backend kept for its check."""
+    """A layer's check is over: the backend drops what it kept for the check, or, for its
+    configuration's first layer (the one the re-checks compare), keeps it its long-term way."""
     backend = backends.backend_of(serving.family.name, serving.decision.backend)
-    if backend.settle is not None and tensors is not None and not _representative(serving, tensors):
-        backend.settle(tensors)
+    if backend.settle is not None and tensors is not None:
+        backend.settle(tensors, _representative(serving, tensors))
 
 
 def _prepare_seen(serving: _Serving) -> str | None:
