@@ -468,7 +468,9 @@ class Canary:
         )
 
     def _beyond_text(self, key: tuple, sizes: dict[int, float]) -> str:
-        return (f"{self._labels.get(key, key)}: M={', '.join(map(str, sorted(sizes)))} (a step estimated at "
+        ms = sorted(sizes)
+        listed = ", ".join(map(str, ms)) if len(ms) <= 8 else f"{', '.join(map(str, ms[:4]))}, ..., {', '.join(map(str, ms[-2:]))}"
+        return (f"{self._labels.get(key, key)}: {len(ms)} size(s), M={listed} (a step estimated at "
                 f"{min(sizes.values()) * 1e3:.3g} ms or more)")
 
 
