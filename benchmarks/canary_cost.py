@@ -7,7 +7,8 @@ slice it adds between two forward passes.
 The distinct dense configurations of a 70B-class model (Llama-3-70B: qkv, o_proj, gate_up, down) at
 TP1 and TP8, and an NVFP4 MoE layer of a DeepSeek-V3 / GLM-class model (E=256, H=7168, top-8) at TP1
 and TP8, are verified as at load (serving.verify_layer, the emulated backend: the only one that runs
-off SM120; the layer's call is the routed backend after a quantizer, as benchmarks/selftest_cost.py).
+off SM120, or --kernel humming; the layer's call is the routed backend after a quantizer, as
+benchmarks/selftest_cost.py), then re-checked at every captured graph size as after SGLang's warm-up.
 Then the canary (sm120_fp4.canary.Canary, SM120_FP4_CANARY=60, SM120_FP4_SLICE_MS=5, the captured
 graph sizes of SGLang 0.5.23's defaults) is driven one period at a time, its idle point called back to
 back, through enough periods that every configuration runs at every decode and larger batch size of
@@ -99,7 +100,11 @@ def step_name(config: str, kind: str, m: int) -> str:
 
 
 def measure(label: str, settings: Settings, tdev: torch.device, periods: int) -> dict:
-    """The canary over the configurations verified so far (serving's state)."""
+    """The canary over the configurations verified so far (serving's state), after the re-check
+    SGLang's warm-up triggers at every captured graph size (as in a server; a JIT-compiling backend
+    compiles those sizes' kernels there)."""
+    reports = serving.recheck(settings, CAPTURED)
+    assert all(r.passed for r in reports), [r.reason for r in reports if not r.passed]
     c = canary.Canary(settings)
     c.clock = Clock()
     c.on_warmup(CAPTURED)
@@ -127,7 +132,8 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int) ->
     return {"label": label, "periods": periods, "runs": len(runs), "wall_s": wall, "per_period_ms": per_period,
             "share": per_period / 1e3 / PERIOD_S, "longest_slice_ms": status.longest_slice_ms,
             "longest_step_ms": status.longest_step_ms, "longest_step": status.longest_step,
-            "max_slices_per_run": max(r.slices for r in runs), "peak_extra_mib": peak,
+            "max_slices_per_run": max(r.slices for r in runs), "peak_extra_mib": peak, "beyond_slice": status.beyond_slice,
+            "larger_sizes_run": sorted({r.ms[-1] for r in runs}), "decode_sizes_run": sorted({r.ms[0] for r in runs}),
             "steps": sorted(steps, key=lambda st: (st["step"].split(" M=")[0], st["m"], st["kind"])), "kernel_ms": kernel}
 
 
@@ -141,39 +147,43 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small layers, few periods (a CPU smoke run of the same code)")
     parser.add_argument("--part", choices=("all", "dense", "moe"), default="all", help="the dense configurations, the MoE layer, or both")
+    parser.add_argument("--kernel", choices=("emulated", "humming"), default="emulated",
+                        help="the served backend (humming: a real NVFP4-weight kernel on SM90)")
+    parser.add_argument("--tp", default="1,8", help="the tensor-parallel sizes whose layer shapes are measured (default 1,8)")
     args = parser.parse_args()
-    settings = Settings(simulate="12.0", backends="emulated", moe_backends="emulated", canary=str(PERIOD_S), canary_slice_ms="5")
+    tps = tuple(int(t) for t in args.tp.split(","))
+    settings = Settings(simulate="12.0", backends=args.kernel, moe_backends=args.kernel, canary=str(PERIOD_S), canary_slice_ms="5")
     device = devices.list_devices(settings.simulated_capability)[0]
     tdev = device.torch_device
     scale = 16 if args.quick or not device.is_cuda else 1
     results, rows = [], []
 
-    for tp in (1, 8) if args.part != "moe" else ():
+    for tp in tps if args.part != "moe" else ():
         serving.clear()
         serving.route(device.index, settings)
         checks = []
         for name, (n, k) in tp_configs(tp).items():
             n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
-            check = dense_layer(n, k, tdev)
+            check = dense_layer(n, k, tdev, args.kernel)
             report = serving.verify_layer(device.index, check, settings)
             assert report is not None and report.passed, report and report.reason
             checks.append(check)
         periods = len(checks) * (3 if args.quick else rounds_needed(checks))
         results.append(measure(f"70B-class dense TP{tp}", settings, tdev, periods))
 
-    for tp in (1, 8) if args.part != "dense" else ():
+    for tp in tps if args.part != "dense" else ():
         serving.clear()
         serving.route(device.index, settings, "moe")
         experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (32, 512, 256 // tp)
         layer = MoeLayer(experts, hidden, inter, 8, tdev)
-        check = moe.moe_check("bench-moe", layer, serve=backends.resolve_moe("emulated"))
+        check = moe.moe_check("bench-moe", layer, serve=backends.resolve_moe(args.kernel))
         report = serving.verify_layer(device.index, check, settings)
         assert report is not None and report.passed, report and report.reason
         periods = 3 if args.quick else rounds_needed([check])
         results.append(measure(f"MoE E={experts} H={hidden} I={inter} top-8 TP{tp}", settings, tdev, periods))
         del layer
 
-    print(f"on {device.label()}, emulated backend{' (--quick: layers / 16)' if scale > 1 else ''}; "
+    print(f"on {device.label()}, {args.kernel} backend{' (--quick: layers / 16)' if scale > 1 else ''}; "
           f"SM120_FP4_CANARY={PERIOD_S:g}, slice bound {SLICE_TARGET_MS:g} ms, {len(CAPTURED)} captured graph sizes\n")
     for r in results:
         rows.append([r["label"], r["runs"], r["per_period_ms"], f"{r['share']:.4%}", r["longest_slice_ms"], r["max_slices_per_run"],
@@ -186,6 +196,8 @@ def main() -> int:
         print(f"\n{r['label']}: longest step {r['longest_step_ms']:.1f} ms ({r['longest_step']}); steps above "
               f"{SLICE_TARGET_MS:g} ms at M = {', '.join(map(str, over)) or 'none'}; the weight fingerprints' step: longest "
               f"{max(prints, default=0.0):.2f} ms")
+        print(f"  batch sizes re-checked: decode {r['decode_sizes_run']}, larger {r['larger_sizes_run']}; beyond the slice: "
+              f"{'; '.join(r['beyond_slice']) or 'none'}")
         for what, sizes in (("decode sizes (M < 128)", lambda m: m < canary.SMALL_M), ("larger sizes", lambda m: m >= canary.SMALL_M)):
             took = [(st["ms"], st["ms"] - (r["kernel_ms"].get(st["step"]) or 0.0)) for st in r["steps"]
                     if st["kind"] != "weights" and sizes(st["m"])]
@@ -199,7 +211,7 @@ def main() -> int:
     slice_met = all(r["longest_slice_ms"] <= SLICE_TARGET_MS for r in results)
     print(f"\nshare of GPU time at {PERIOD_S:g} s: target <= {SHARE_TARGET:.1%}: {'met' if share_met else 'NOT met'}; "
           f"longest slice: target <= {SLICE_TARGET_MS:g} ms: {'met' if slice_met else 'NOT met'}")
-    write("canary_cost", {"device": device.label(), "quick": scale > 1, "period_s": PERIOD_S, "captured": len(CAPTURED),
+    write("canary_cost", {"device": device.label(), "quick": scale > 1, "kernel": args.kernel, "period_s": PERIOD_S, "captured": len(CAPTURED),
                           "results": results, "met": {"share": share_met, "slice": slice_met},
                           "targets": {"share": SHARE_TARGET, "slice_ms": SLICE_TARGET_MS}})
     return 0

@@ -23,7 +23,9 @@ Measured, each on its own, with the `emulated` backend (the only one that runs o
 Targets on the GPU: dense layer checks <= 1.5 s per GPU in total (all layers), each MoE layer
 configuration <= 2 s (at load); the re-check is reported, not targeted.
 The layer's call is the routed backend after SGLang's quantizer (nvfp4.quantize stands in for it).
---quick uses small layers and few of them (CPU smoke run of the same code).
+--quick uses small layers and few of them (CPU smoke run of the same code). --kernel humming serves
+through Humming (a real NVFP4-weight kernel that runs on SM90) instead of `emulated`, its kernels
+compiled first on throwaway layers, so the kernel column is a real kernel's.
 """
 
 from __future__ import annotations
@@ -74,13 +76,14 @@ def random_e4m3(shape, device, lo=0x20, hi=0x48) -> torch.Tensor:
     return torch.randint(lo, hi, shape, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
 
 
-def dense_layer(n: int, k: int, device: torch.device):
-    """A layer's processed NVFP4 weights (random codes, valid scales) and its served call."""
+def dense_layer(n: int, k: int, device: torch.device, kernel: str = "emulated"):
+    """A layer's processed NVFP4 weights (random codes, valid scales) and its served call through
+    backend `kernel` (humming converts the weights in place when the layer is verified)."""
     weight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
     weight_sf = random_e4m3(nvfp4.swizzled_scale_shape(n, k), device)
     input_gsf = torch.tensor(448.0 * 6 / 8.0, device=device)
     alpha = (1.0 / (input_gsf * 448.0 * 6 / 0.05)).reshape(1).float()
-    fn = backends.resolve("emulated")
+    fn = backends.resolve(kernel)
 
     def serve(x):  # what SGLang's apply does: quantize, then the routed GEMM
         qx, sx = nvfp4.quantize(x, input_gsf, check_finite=False)
@@ -108,7 +111,47 @@ class MoeLayer(torch.nn.Module):
         self.top_k, self.params_dtype = top_k, torch.bfloat16
 
 
+def moe_serve(kernel: str):
+    """The MoE layer's served call: the oracle-backed stand-in for `emulated`, else the backend."""
+    return oracle_moe if kernel == "emulated" else backends.resolve_moe(kernel)
+
+
+def warm_up(kernel: str, scale: int, device, settings, tps: tuple[int, ...]) -> float:
+    """A backend that compiles its kernels on first use (humming's JIT: 10-20 s per layer shape)
+    compiles them here, on throwaway layers of every configuration timed, so that the times below
+    are a server's second start (kernels from the cache). Returns the seconds it took."""
+    if kernel == "emulated":
+        return 0.0
+    start = time.perf_counter()
+    for tp in tps:
+        for n, k in tp_configs(tp).values():
+            n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
+            report = serving.verify_layer(device.index, dense_layer(n, k, device.torch_device, kernel), settings)
+            assert report is not None and report.passed, report and report.reason
+        experts, hidden, inter = moe_shape(tp, scale)
+        layer = MoeLayer(experts, hidden, inter, 8, device.torch_device)
+        report = serving.verify_layer(device.index, moe.moe_check("bench-moe", layer, serve=moe_serve(kernel)), settings)
+        assert report is not None and report.passed, report and report.reason
+        del layer
+        serving.clear()
+    return time.perf_counter() - start
+
+
+def moe_shape(tp: int, scale: int) -> tuple[int, int, int]:
+    return (256, 7168, 2048 // tp) if scale == 1 else (max(8, 512 // scale), 512, max(32, 4096 // scale // tp // 32 * 32))
+
+
+CONVERSION_S = [0.0]  # a backend's conversion of the layers' weights at load (humming), timed apart
+
+
 def time_check(check, device, settings) -> tuple[float, selftest.SelfTestReport]:
+    """serving.verify_layer of one layer: (seconds, report). A backend that converts each layer's
+    weights at load (humming) converts it first, timed apart (CONVERSION_S): serving it costs that
+    with or without verification."""
+    backend = backends.backend_of(check.family, (settings.backends if check.family == "dense" else settings.moe_backends)[0])
+    if backend.prepare is not None and check.tensors is not None:
+        _, seconds = synced(device.torch_device, lambda: backend.prepare(check.tensors, True))
+        CONVERSION_S[0] += seconds
     report, seconds = synced(device.torch_device, lambda: serving.verify_layer(device.index, check, settings))
     return seconds, report
 
@@ -138,15 +181,20 @@ def main() -> int:
     parser.add_argument("--scale", type=int, default=None, help="divide the layer shapes by this (default 1 on a GPU, 16 otherwise)")
     parser.add_argument("--layers", type=int, default=None, help="layers per dense configuration (default 80, --quick 3)")
     parser.add_argument("--moe-layers", type=int, default=None, help="more MoE layers light-checked (default 4, --quick 1)")
+    parser.add_argument("--kernel", choices=("emulated", "humming"), default="emulated",
+                        help="the served backend (humming: a real NVFP4-weight kernel on SM90; its kernels compiled first)")
+    parser.add_argument("--tp", default="1,8", help="the tensor-parallel sizes whose layer shapes are timed (default 1,8)")
     args = parser.parse_args()
     args.layers = args.layers or (3 if args.quick else 80)
     args.moe_layers = (1 if args.quick else 4) if args.moe_layers is None else args.moe_layers
     if args.prefill or args.quick:  # SGLang's chunk where its settings are not visible (a CPU smoke run: its smallest)
         hooks.DEFAULT_CHUNKED_PREFILL = args.prefill or 2048
-    settings = Settings(simulate="12.0", backends="emulated", moe_backends="emulated")
+    settings = Settings(simulate="12.0", backends=args.kernel, moe_backends=args.kernel)
     device = devices.list_devices(settings.simulated_capability)[0]
     tdev = device.torch_device
     scale = args.scale or (16 if args.quick or not device.is_cuda else 1)
+    tps = tuple(int(t) for t in args.tp.split(","))
+    warm_s = warm_up(args.kernel, scale, device, settings, tps)
 
     runs = []
     for _ in range(3):  # the first includes one-off costs (CUDA context, cuBLAS handles, caches)
@@ -160,17 +208,17 @@ def main() -> int:
 
     rows, dense, rechecks = [], {}, {}
     layers = args.layers
-    for tp in (1, 8):
+    for tp in tps:
         total = 0.0
         for name, (n, k) in tp_configs(tp).items():
             n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
-            check = dense_layer(n, k, tdev)
+            check = dense_layer(n, k, tdev, args.kernel)
             seconds, report = time_check(check, device, settings)
             assert report is not None and report.passed, report and report.reason
             kernel = sum(r.duration_s for r in report.shapes)
             light, light_kernel = 0.0, 0.0
             for _ in range(layers - 1):  # the configuration's other layers: each its own weights
-                other = dense_layer(n, k, tdev)
+                other = dense_layer(n, k, tdev, args.kernel)
                 s, r = time_check(other, device, settings)
                 assert r is not None and r.passed, r and r.reason
                 light += s
@@ -189,10 +237,10 @@ def main() -> int:
     serving.route(device.index, settings, "moe")  # decided before the layer checks are timed
 
     moe_rows, moe_costs, moe_light = [], {}, {}
-    for tp in (1, 8):
-        experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (max(8, 512 // scale), 512, max(32, 4096 // scale // tp // 32 * 32))
+    for tp in tps:
+        experts, hidden, inter = moe_shape(tp, scale)
         layer = MoeLayer(experts, hidden, inter, 8, tdev)
-        check = moe.moe_check("bench-moe", layer, serve=oracle_moe)
+        check = moe.moe_check("bench-moe", layer, serve=moe_serve(args.kernel))
         seconds, report = time_check(check, device, settings)
         assert report is not None and report.passed, report and report.reason
         moe_costs[f"tp{tp}"] = seconds
@@ -203,7 +251,7 @@ def main() -> int:
         light = 0.0
         for _ in range(args.moe_layers):
             extra.append(MoeLayer(experts, hidden, inter, 8, tdev))
-            s, r = time_check(moe.moe_check("bench-moe", extra[-1], serve=oracle_moe), device, settings)
+            s, r = time_check(moe.moe_check("bench-moe", extra[-1], serve=moe_serve(args.kernel)), device, settings)
             assert r is not None and r.passed, r and r.reason
             light += s
         if args.moe_layers:
@@ -215,24 +263,26 @@ def main() -> int:
         serving.clear()  # the next TP's layer is re-checked on its own
         serving.route(device.index, settings, "moe")
 
-    # The capture-safe `emulated` MoE (the fallback SGLang's graphs replay): one call, TP8's layer shape.
     emulated_rows = []
-    experts, hidden, inter = (256, 7168, 256) if scale == 1 else (max(8, 512 // scale), 512, 32)
-    w = MoeLayer(experts, hidden, inter, 8, tdev)
-    weights = moe.processed_weights(w).weights
-    fn = backends.resolve_moe("emulated")
-    for tokens in (1, 64, 512):
-        gen = torch.Generator().manual_seed(tokens)
-        ids, tw = selftest.moe_routing(tokens, 8, experts, "random", gen)
-        x = (torch.randn(tokens, hidden, generator=gen) * 2).to(torch.bfloat16).to(tdev)
-        out = torch.empty_like(x)
-        call = lambda: fn(x, ids.to(tdev), tw.to(tdev), *weights, "swiglu", torch.bfloat16, out)  # noqa: E731
-        call()
-        _, seconds = synced(tdev, call)
-        emulated_rows.append([f"T={tokens}", f"E={experts} H={hidden} I={inter} top-8", seconds * 1e3])
-    del w, weights
+    if args.kernel == "emulated":
+        # The capture-safe `emulated` MoE (the fallback SGLang's graphs replay): one call, TP8's layer shape.
+        experts, hidden, inter = (256, 7168, 256) if scale == 1 else (max(8, 512 // scale), 512, 32)
+        w = MoeLayer(experts, hidden, inter, 8, tdev)
+        weights = moe.processed_weights(w).weights
+        fn = backends.resolve_moe("emulated")
+        for tokens in (1, 64, 512):
+            gen = torch.Generator().manual_seed(tokens)
+            ids, tw = selftest.moe_routing(tokens, 8, experts, "random", gen)
+            x = (torch.randn(tokens, hidden, generator=gen) * 2).to(torch.bfloat16).to(tdev)
+            out = torch.empty_like(x)
+            call = lambda: fn(x, ids.to(tdev), tw.to(tdev), *weights, "swiglu", torch.bfloat16, out)  # noqa: E731
+            call()
+            _, seconds = synced(tdev, call)
+            emulated_rows.append([f"T={tokens}", f"E={experts} H={hidden} I={inter} top-8", seconds * 1e3])
+        del w, weights
 
-    print(f"on {device.label()}, emulated backend{' (--quick: layers / 16)' if scale > 1 else ''}\n")
+    print(f"on {device.label()}, {args.kernel} backend{' (--quick: layers / 16)' if scale > 1 else ''}"
+          + (f"; its kernels compiled first, on throwaway layers ({warm_s:.0f} s)" if warm_s else "") + "\n")
     print(f"generic dense self-test (decide): {dense_generic * 1e3:.0f} ms; generic MoE self-test: {moe_generic * 1e3:.0f} ms "
           f"(its kernel calls: {moe_generic_kernel * 1e3:.0f} ms)\n")
     # "kernel ms": the emulated backend's own calls (on SM120 the FlashInfer kernel's, far shorter);
@@ -242,6 +292,9 @@ def main() -> int:
     print(table(["MoE layer", "shape", "batches", "check ms", "kernel ms", "oracle + checks ms"], moe_rows))
     print()
     print(table(["capture-safe emulated MoE, one call", "shape", "ms"], emulated_rows))
+    if CONVERSION_S[0]:
+        print(f"\n{args.kernel}'s own conversion of the layers' weights at load (timed apart, not in the rows above): "
+              f"{CONVERSION_S[0]:.1f} s in all")
     met_dense = all(v <= DENSE_TARGET_S for v in dense.values())
     met_moe = all(v <= MOE_TARGET_S for v in moe_costs.values())
     print(f"\ndense layer checks per GPU ({layers} layers per configuration): {', '.join(f'{k} {v:.2f} s' for k, v in dense.items())} "
@@ -251,7 +304,7 @@ def main() -> int:
           + ", ".join(f"{k} {v:.2f} s" for k, v in rechecks.items()))
     write("selftest_cost", {
         "recheck_s": rechecks, "recheck_sizes": len(CAPTURED),
-        "device": device.label(), "quick": scale > 1, "dense_generic_s": dense_generic, "moe_generic_s": moe_generic, "moe_generic_kernel_s": moe_generic_kernel,
+        "device": device.label(), "quick": scale > 1, "kernel": args.kernel, "warm_up_s": warm_s, "conversion_s": CONVERSION_S[0], "dense_generic_s": dense_generic, "moe_generic_s": moe_generic, "moe_generic_kernel_s": moe_generic_kernel,
         "dense_rows": rows, "dense_total_s": dense, "moe_rows": moe_rows, "moe_s": moe_costs, "moe_light_per_layer_s": moe_light,
         "layers": layers, "emulated_moe_rows": emulated_rows,
         "targets": {"dense_per_gpu_s": DENSE_TARGET_S, "moe_per_config_s": MOE_TARGET_S},
