@@ -169,7 +169,8 @@ class Settings(BaseSettings):
     canary_slice_ms: float = Field(
         5.0,
         description="Milliseconds of GPU time the canary may hold the serving thread at one idle point (it runs one "
-        "step at least; a longer step is reported in status).",
+        "step at least); batch sizes whose step is estimated over it are not re-checked while serving (listed in "
+        "status).",
     )
     _report_is_dir: bool = PrivateAttr(False)
 
