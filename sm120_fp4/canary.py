@@ -260,33 +260,39 @@ class Canary:
         if not ms:
             return []
         self._labels[job.key] = f"{check.label} on {job.served.device.label()}"
+        measured = self._measured(job.key)
         picked = set()
         for sizes in ([m for m in ms if m < SMALL_M] or ms[:1], [m for m in ms if m >= SMALL_M] or ms[-1:]):
-            fits = self._within(job.key, sizes)
-            new = [m for m in fits if self._step_estimate(job.key, m, measured_only=True) is None]
+            fits = self._within(job.key, sizes, measured)
+            new = [m for m in fits if m not in measured]
             picked.add(new[0] if new else fits[round_ % len(fits)])
         return sorted(picked)
 
-    def _step_estimate(self, key: tuple, m: int, measured_only: bool = False) -> float | None:
-        """What one step at batch size `m` takes: the longest measured; else an upper bound, from
-        the largest size measured below it scaled by M (a GEMM's time and the oracle's grow at most
-        in proportion to M, their fixed costs do not grow); None where there is neither."""
+    def _measured(self, key: tuple) -> dict[int, float]:
+        """Batch size -> the longest of its steps' last measurements, for job key `key`."""
         measured: dict[int, float] = {}
         for (*job_key, kind, size), took in self._estimate.items():
             if tuple(job_key) == key and kind != "weights":
                 measured[size] = max(took, measured.get(size, 0.0))
-        if m in measured or measured_only:
-            return measured.get(m)
+        return measured
+
+    @staticmethod
+    def _step_estimate(measured: dict[int, float], m: int) -> float | None:
+        """What one step at batch size `m` takes: the longest measured; else an upper bound, from
+        the largest size measured below it scaled by M (a GEMM's time and the oracle's grow at most
+        in proportion to M, their fixed costs do not grow); None where there is neither."""
+        if m in measured:
+            return measured[m]
         below = [size for size in measured if size < m]
         return measured[max(below)] * m / max(below) if below else None
 
-    def _within(self, key: tuple, sizes: list[int]) -> list[int]:
+    def _within(self, key: tuple, sizes: list[int], measured: dict[int, float]) -> list[int]:
         """The sizes of `sizes` whose step fits the slice: the smallest always (a run checks a decode
         size and a larger one); any other once its estimate fits. A size estimated over the slice is
         listed in status: verified at load and after warm-up, not re-checked while serving."""
         fits, beyond = sizes[:1], self._beyond.setdefault(key, {})
         for m in sizes[1:]:
-            estimate = self._step_estimate(key, m)
+            estimate = self._step_estimate(measured, m)
             beyond.pop(m, None)
             if estimate is not None and estimate <= self.budget_s:
                 fits.append(m)
@@ -311,7 +317,7 @@ class Canary:
                 kind, m = job.steps[job.done]
                 estimate = self._estimate.get(job.key + (kind, m))
                 if estimate is None:  # never measured: a pass costs what the size's other pass did, or the bound
-                    estimate = (self._step_estimate(job.key, m) if kind != "weights" else None) or 0.0
+                    estimate = (self._step_estimate(self._measured(job.key), m) if kind != "weights" else None) or 0.0
                 if touched and self.timer() - start + estimate > self.budget_s:
                     break  # would overrun the slice: the next idle point runs it
                 if job not in touched:
