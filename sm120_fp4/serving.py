@@ -466,7 +466,7 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
         _record_layer(serving, check, fingerprint)
         if full:
             serving.checks[check.key] = check
-        _settle(serving, check.tensors)
+        _settle(serving, check.tensors)  # after the line above: a configuration's first layer keeps its kept bytes
         if full:
             serving.decision.layers.append(report)
             _LOG.info("sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)", check.label,
