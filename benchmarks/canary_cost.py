@@ -162,8 +162,7 @@ def main() -> int:
         serving.clear()
         serving.route(device.index, settings)
         checks = []
-        for name, (n, k) in tp_configs(tp).items():
-            n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
+        for name, (n, k) in tp_configs(tp, scale).items():
             check = dense_layer(n, k, tdev, args.kernel)
             report = serving.verify_layer(device.index, check, settings)
             assert report is not None and report.passed, report and report.reason

@@ -56,9 +56,12 @@ CAPTURED = sorted(set(DECODE_CAPTURED) | set(PREFILL_CAPTURED))
 LLAMA70B = {"qkv": (10240, 8192), "o_proj": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 
 
-def tp_configs(tp: int) -> dict[str, tuple[int, int]]:
+def tp_configs(tp: int, scale: int = 1) -> dict[str, tuple[int, int]]:
+    """The 70B-class (N, K) of each dense configuration on one of `tp` ranks, divided by `scale`
+    (kept multiples of the FP4 GEMM's alignment)."""
     n_split = {"qkv": True, "o_proj": False, "gate_up": True, "down": False}  # column- or row-parallel
-    return {name: ((n // tp, k) if n_split[name] else (n, k // tp)) for name, (n, k) in LLAMA70B.items()}
+    shapes = {name: ((n // tp, k) if n_split[name] else (n, k // tp)) for name, (n, k) in LLAMA70B.items()}
+    return {name: (max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)) for name, (n, k) in shapes.items()}
 
 
 def synced(device: torch.device, fn):
@@ -124,8 +127,7 @@ def warm_up(kernel: str, scale: int, device, settings, tps: tuple[int, ...]) -> 
         return 0.0
     start = time.perf_counter()
     for tp in tps:
-        for n, k in tp_configs(tp).values():
-            n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
+        for n, k in tp_configs(tp, scale).values():
             report = serving.verify_layer(device.index, dense_layer(n, k, device.torch_device, kernel), settings)
             assert report is not None and report.passed, report and report.reason
         experts, hidden, inter = moe_shape(tp, scale)
@@ -210,8 +212,7 @@ def main() -> int:
     layers = args.layers
     for tp in tps:
         total = 0.0
-        for name, (n, k) in tp_configs(tp).items():
-            n, k = max(32, n // scale // 32 * 32), max(64, k // scale // 64 * 64)
+        for name, (n, k) in tp_configs(tp, scale).items():
             check = dense_layer(n, k, tdev, args.kernel)
             seconds, report = time_check(check, device, settings)
             assert report is not None and report.passed, report and report.reason
