@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import types
 
 import pytest
 import torch
@@ -325,15 +326,17 @@ def test_select_fastest_across_modes_records_the_winners_own_mode(stand_in, monk
 
     if simulated_moe_skip_reason() is not None:
         pytest.skip(simulated_moe_skip_reason())
-    import time
-
     from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import moe_layers
 
     grouped = stand_in.grouped_gemm
+    clock = [0.0]  # the timings' clock: only humming's calls advance it, so the ranking cannot depend on load
+    clock_only = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(deciding, "time", clock_only)  # the self-test's timing
+    monkeypatch.setattr(serving, "time", clock_only)  # the served calls' timing
 
     def slow_grouped_gemm(prepared, x, scale_2, offsets, out):
-        time.sleep(0.05)
+        clock[0] += 0.05
         return grouped(prepared, x, scale_2, offsets, out)
 
     monkeypatch.setattr(stand_in, "grouped_gemm", slow_grouped_gemm)
