@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
 from selftest_cost import CAPTURED, MoeLayer, dense_layer, tp_configs  # noqa: E402
-from sm120_fp4 import backends, canary, devices, selftest, serving  # noqa: E402
+from sm120_fp4 import backends, canary, devices, graphs, selftest, serving  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
 from sm120_fp4.sglang import moe  # noqa: E402
 
@@ -83,10 +83,21 @@ def _recording_pass(self, *args, **kwargs):
         _in_step[0] += sum(r.duration_s for r in self.results) - before
 
 
+LONGEST: dict[tuple, tuple[float, int]] = {}  # (family, index, key, kind, M) -> its longest step: (ms, graph captures in it)
+
+
+def _captures() -> int:
+    return sum(d["captures"] for d in graphs.stats().values())
+
+
 def _recording_step(self, job, kind, m):
     _in_step[0] = 0.0
+    captures, start = _captures(), time.perf_counter()
     report = _step(self, job, kind, m)
     key = job.key + (kind, m)
+    ms = (time.perf_counter() - start) * 1e3
+    if ms > LONGEST.get(key, (0.0, 0))[0]:
+        LONGEST[key] = (ms, _captures() - captures)
     KERNEL_MS[key] = max(KERNEL_MS.get(key, 0.0), _in_step[0] * 1e3)
     return report
 
@@ -124,7 +135,8 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int) ->
     for (family, index, key, kind, m), seconds in c._estimate.items():
         config = next(s.check.label for s in serving.served_configurations() if s.check.key == key)
         name = step_name(config, kind, m)
-        steps.append({"step": name, "kind": kind, "m": m, "ms": seconds * 1e3})
+        longest, captures = LONGEST.get((family, index, key, kind, m), (0.0, 0))
+        steps.append({"step": name, "kind": kind, "m": m, "ms": seconds * 1e3, "longest_ms": longest, "captures_in_longest": captures})
         kernel[name] = KERNEL_MS.get((family, index, key, kind, m))
     print(f"{label}: {len(runs)} runs, {per_period:.2f} ms per period ({per_period / 1e3 / PERIOD_S:.4%} of {PERIOD_S:g} s), "
           f"longest slice {status.longest_slice_ms:.1f} ms, longest step {status.longest_step_ms:.1f} ms ({status.longest_step})",
@@ -206,6 +218,9 @@ def main() -> int:
         worst = sorted(r["steps"], key=lambda st: -st["ms"])[:6]
         print(table(["step (configuration, M)", "ms", "of it the backend's calls, ms"],
                     [[st["step"], st["ms"], r["kernel_ms"].get(st["step"]) or "-"] for st in worst]))
+        once = sorted(r["steps"], key=lambda st: -st["longest_ms"])[:6]
+        print(table(["step (configuration, M)", "its longest time, ms", "graph captures in it"],
+                    [[st["step"], st["longest_ms"], st["captures_in_longest"]] for st in once]))
     share_met = all(r["share"] <= SHARE_TARGET for r in results)
     slice_met = all(r["longest_slice_ms"] <= SLICE_TARGET_MS for r in results)
     print(f"\nshare of GPU time at {PERIOD_S:g} s: target <= {SHARE_TARGET:.1%}: {'met' if share_met else 'NOT met'}; "
