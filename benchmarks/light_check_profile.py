@@ -37,6 +37,7 @@ from sm120_fp4.sglang import hooks  # noqa: E402
 STEPS = [(hooks, "_served_cases", "inputs + oracle"), (nvfp4, "reference_mm_fp4", "reference_mm_fp4 (the oracle's and emulated's own)"),
          (selftest, "_call", "the served call (kernel), synchronised"), (selftest, "fingerprint", "fingerprints (2)"),
          (selftest, "_compare", "comparison")]
+LABELS = [label for _, _, label in STEPS]  # their ranges on the GPU's timeline are annotations, not work
 
 
 def _traced(mod, name: str, label: str) -> None:
@@ -88,16 +89,16 @@ def main() -> int:
         cpu = torch.autograd.DeviceType.CPU
         count = {e.key: e.count for e in events}
         cpu_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / layers
-        labels = {label for _, _, label in STEPS}  # their ranges on the GPU's timeline are annotations, not work
-        gpu_ms = sum(_device_us(e) for e in events if e.device_type != cpu and e.key not in labels) / 1e3 / layers
+        gpu_ms = sum(_device_us(e) for e in events if e.device_type != cpu and e.key not in LABELS) / 1e3 / layers
         launches = (count.get("cudaLaunchKernel", 0) + count.get("cudaLaunchKernelExC", 0) + count.get("cudaGraphLaunch", 0)) / layers
         syncs = (count.get("cudaStreamSynchronize", 0) + count.get("cudaDeviceSynchronize", 0)) / layers
         wall_ms = statistics.median(walls) * 1e3
         rows.append([name, f"N={n} K={k}", wall_ms, cpu_ms, gpu_ms, launches, syncs])
         total = {e.key: e.cpu_time_total / 1e3 / layers for e in events if e.device_type == cpu}
-        steps.append([name, *(total.get(label, 0.0) for _, _, label in STEPS)])
+        step_ms = [total.get(label, 0.0) for label in LABELS]
+        steps.append([name, *step_ms])
         payload[name] = {"n": n, "k": k, "wall_ms": wall_ms, "cpu_ms_profiled": cpu_ms, "gpu_busy_ms": gpu_ms,
-                         "launches": launches, "host_syncs": syncs, "steps_cpu_ms": dict(zip([s[2] for s in STEPS], steps[-1][1:]))}
+                         "launches": launches, "host_syncs": syncs, "steps_cpu_ms": dict(zip(LABELS, step_ms))}
         del others
         serving.clear()
         serving.route(device.index, settings)
@@ -106,7 +107,7 @@ def main() -> int:
     print(table(["configuration", "shape", "light check ms (median)", "CPU ms (profiled)", "GPU busy ms", "launches",
                  "host syncs"], rows))
     print("\nCPU ms per light check in the library's steps (profiled; inclusive, so nested steps overlap):\n")
-    print(table(["configuration", *(label for _, _, label in STEPS)], steps))
+    print(table(["configuration", *LABELS], steps))
     write("light_check_profile", {"device": device.label(), "quick": scale > 1, "layers": layers, "configurations": payload})
     return 0
 
