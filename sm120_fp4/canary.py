@@ -30,7 +30,9 @@ RefusedToServe out of the idle point: the engine's loop stops the process non-ze
 kills its server), so that an orchestrator restarts it and the start-up verification runs again.
 ``log`` logs the first failure of each configuration, counts every one, and keeps serving.
 
-The time a step or a slice takes is measured on the serving thread; every step waits for its
+A step never captures a CUDA graph of the checks' own (:func:`graphs.no_capture`): it replays
+the graphs the start-up checks captured and runs anything else eagerly, since a capture costs several
+eager calls. The time a step or a slice takes is measured on the serving thread; every step waits for its
 results (each call is synchronised and compared on the host), so it bounds the GPU time from above.
 """
 
@@ -48,7 +50,7 @@ from typing import Callable, ContextManager
 import torch
 from pydantic import BaseModel, Field
 
-from . import deciding, report as report_file, selftest, serving
+from . import deciding, graphs, report as report_file, selftest, serving
 from .config import Settings
 from .errors import RefusedToServe
 
@@ -325,7 +327,8 @@ class Canary:
                 if job.started_at is None:
                     job.started_at = time.time()
                 began = self.timer()
-                report = self._step(job, kind, m)
+                with graphs.no_capture():  # a graph capture costs several eager calls: never inside a slice
+                    report = self._step(job, kind, m)
                 took = self.timer() - began
                 self._estimate[job.key + (kind, m)] = took
                 job.busy_s += took

@@ -13,7 +13,9 @@ Where a graph does not fit, the function runs eagerly, as it would without this 
 tensor, inputs larger than MAX_INPUT_BYTES, the stream already capturing (the engine's own
 capture), a key used fewer than CAPTURE_AT times so far (a capture costs more than a few eager
 calls: a full sweep's two passes of a batch size stay eager, a light check's batch size, the same
-for every layer of a configuration, is captured at the third layer), or a capture that failed (that key then stays eager). Memory: one private
+for every layer of a configuration, is captured at the third layer), a key not captured yet inside
+:func:`no_capture` (the serving canary's steps: a capture costs several eager calls, and a step
+must fit its slice between two forward passes), or a capture that failed (that key then stays eager). Memory: one private
 pool per device shared by its graphs (replays never overlap: one lock per device), and the graphs'
 input buffers kept within BUDGET_BYTES per device, least recently used dropped first. Nothing here
 runs in the serving path: only the checks call it.
@@ -21,6 +23,7 @@ runs in the serving path: only the checks call it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -28,7 +31,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["run", "clear", "stats", "MAX_INPUT_BYTES", "BUDGET_BYTES", "CAPTURE_AT"]
+__all__ = ["run", "no_capture", "captures_allowed", "clear", "stats", "MAX_INPUT_BYTES", "BUDGET_BYTES", "CAPTURE_AT"]
 
 _LOG = logging.getLogger("sm120_fp4")
 T = TypeVar("T")
@@ -60,6 +63,24 @@ class _Device:
 
 _devices: dict[int, _Device] = {}
 _devices_lock = threading.Lock()
+_thread = threading.local()  # .no_capture: this thread is inside no_capture()
+
+
+@contextlib.contextmanager
+def no_capture():
+    """Within it, on this thread, :func:`run` captures nothing: a key with a graph replays it, any
+    other runs eagerly (its uses are still counted, so a later use outside may capture it)."""
+    previous = getattr(_thread, "no_capture", False)
+    _thread.no_capture = True
+    try:
+        yield
+    finally:
+        _thread.no_capture = previous
+
+
+def captures_allowed() -> bool:
+    """False inside :func:`no_capture` on this thread."""
+    return not getattr(_thread, "no_capture", False)
 
 
 def _key(name: str, inputs: tuple[torch.Tensor, ...], extra: tuple) -> tuple:
@@ -99,7 +120,7 @@ def run(name: str, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], r
         graph = dev.graphs.get(key)
         if graph is None and key not in dev.eager:
             uses = dev.seen.get(key, 0)
-            if uses >= CAPTURE_AT - 1:
+            if uses >= CAPTURE_AT - 1 and captures_allowed():
                 graph = _capture(dev, key, fn, inputs)
             else:
                 if len(dev.seen) >= _SEEN_LIMIT:

@@ -300,7 +300,11 @@ def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch
     # is the byte and its scale's byte (uint8 scales hold E4M3 bytes: reinterpreted, never converted).
     sf = unswizzle_scales(scales.contiguous(), rows, k).view(torch.uint8)
     index = (sf.int() << 8).unsqueeze(-1) | packed.reshape(rows, k // BLOCK_SIZE, BLOCK_SIZE // 2)
-    return torch.nn.functional.embedding(index, _scaled_lut(packed.device, dtype)).view(rows, k)
+    # Gathered as one word per pair (the pair's two values' bytes): index_select of words moves the
+    # same bytes as an embedding of 2-value rows in about half the GPU time (H200, 235M bytes: 0.67
+    # against 1.30 ms).
+    words = _scaled_lut(packed.device, dtype).view(torch.int32 if dtype == torch.bfloat16 else torch.int64).reshape(-1)
+    return torch.index_select(words, 0, index.reshape(-1)).view(dtype).view(rows, k)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: object) -> torch.Tensor:

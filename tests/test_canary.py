@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import sm120_fp4
-from sm120_fp4 import backends, canary, report, serving
+from sm120_fp4 import backends, canary, graphs, report, serving
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import ConfigError, RefusedToServe
 from sm120_fp4.demo import synthetic
@@ -428,6 +428,22 @@ def test_no_step_runs_while_a_cuda_graph_is_being_captured(monkeypatch):
     for _ in range(10):
         canary.idle()
     assert c.runs == 1
+
+
+def test_a_canary_step_never_captures_a_graph_of_the_checks_own():
+    """A graph capture costs several eager calls: the start-up checks may capture, a step may not."""
+    allowed = []
+
+    def kernel(*args):
+        allowed.append(graphs.captures_allowed())
+        return emulated_mm_fp4(*args)
+
+    c, _ = serve(kernel, (96, 160))
+    assert allowed and all(allowed), "the start-up checks may capture"
+    del allowed[:]
+    assert next_run(c).passed
+    assert allowed and not any(allowed), "every call of a canary step runs inside graphs.no_capture()"
+    assert graphs.captures_allowed(), "and only inside it"
 
 
 def test_the_idle_point_runs_inside_the_serving_stream_it_is_given():

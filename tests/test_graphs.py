@@ -78,6 +78,25 @@ def test_what_cannot_be_captured_runs_eagerly_and_is_not_tried_again():
 
 
 @cuda
+def test_inside_no_capture_a_graph_replays_and_nothing_new_is_captured():
+    graphs.clear()
+    x, y = torch.ones(4, device="cuda"), torch.ones(8, device="cuda")
+    for _ in range(graphs.CAPTURE_AT):
+        graphs.run("t", _double_and_sum, (x,), lambda o: None)
+    assert graphs.stats()[0]["captures"] == 1
+    replays = graphs.stats()[0]["replays"]
+    with graphs.no_capture():
+        assert not graphs.captures_allowed()
+        for i in range(graphs.CAPTURE_AT + 2):
+            assert graphs.run("t", _double_and_sum, (x * i,), lambda o: float(o[1])) == 4.0 * i  # replayed
+            assert graphs.run("t", _double_and_sum, (y * i,), lambda o: float(o[1])) == 8.0 * i  # eager
+    assert graphs.stats()[0]["captures"] == 1 and graphs.stats()[0]["replays"] == replays + graphs.CAPTURE_AT + 2
+    assert graphs.captures_allowed()
+    graphs.run("t", _double_and_sum, (y,), lambda o: None)  # its uses were counted: captured at once outside
+    assert graphs.stats()[0]["captures"] == 2
+
+
+@cuda
 def test_inside_the_engines_own_capture_nothing_is_captured_here():
     graphs.clear()
     x = torch.ones(4, device="cuda")
