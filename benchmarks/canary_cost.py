@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
-from selftest_cost import CAPTURED, MoeLayer, dense_layer, tp_configs  # noqa: E402
+from selftest_cost import CAPTURED, MoeLayer, dense_layer, prepare_quantizer, tp_configs  # noqa: E402
 from sm120_fp4 import backends, canary, devices, graphs, selftest, serving  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
-from sm120_fp4.sglang import moe  # noqa: E402
+from sm120_fp4.sglang import hooks, moe  # noqa: E402
 
 PERIOD_S = 60.0
 SHARE_TARGET = 0.005
@@ -178,6 +178,9 @@ def main() -> int:
     tdev = device.torch_device
     scale = 16 if args.quick or not device.is_cuda else 1
     results, rows = [], []
+    if args.part != "moe":  # the stand-in for SGLang's quantizer replayed from graphs, captured here (selftest_cost.StandInQuantizer)
+        prepare_quantizer(tdev, tps, scale, {hooks.LIGHT_BATCH, *CAPTURED, *hooks.batch_sizes(hooks.max_capture_batch()),
+                                             *hooks.recheck_sizes(hooks.max_capture_batch())})
 
     for tp in tps if args.part != "moe" else ():
         serving.clear()

@@ -22,7 +22,8 @@ Measured, each on its own, with the `emulated` backend (the only one that runs o
   SGLang's cuda_graph_hook.py) and its re-check sizes.
 Targets on the GPU: dense layer checks <= 1.5 s per GPU in total (all layers), each MoE layer
 configuration <= 2 s (at load); the re-check is reported, not targeted.
-The layer's call is the routed backend after SGLang's quantizer (nvfp4.quantize stands in for it).
+The layer's call is the routed backend after SGLang's quantizer (nvfp4.quantize stands in for it,
+replayed from a CUDA graph per batch size: StandInQuantizer; --eager-quantizer calls it eagerly).
 --quick uses small layers and few of them (CPU smoke run of the same code). --kernel humming serves
 through Humming (a real NVFP4-weight kernel that runs on SM90) instead of `emulated`, its kernels
 compiled first on throwaway layers, so the kernel column is a real kernel's.
@@ -79,6 +80,72 @@ def random_e4m3(shape, device, lo=0x20, hi=0x48) -> torch.Tensor:
     return torch.randint(lo, hi, shape, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
 
 
+class StandInQuantizer:
+    """SGLang's activation quantizer, stood in for by nvfp4.quantize (FlashInfer's, one kernel on
+    SM120, is not on the H200). Eagerly that is ~35 launches and ~0.5-0.8 ms of host time per call,
+    which the real quantizer does not cost; so where an input shape was prepared (prepare(), outside
+    every timed region; on CUDA, inputs up to GRAPH_BYTES) it is replayed from a CUDA graph: two
+    input copies, one replay, two output copies. `eager` (--eager-quantizer) keeps the eager calls,
+    the method before 2026-12-02's fifth session."""
+
+    GRAPH_BYTES = 8 << 20
+
+    def __init__(self) -> None:
+        self.eager = False
+        self._graphs: dict[tuple, tuple] = {}
+        self._pool = None
+
+    def prepare(self, device: torch.device, ks, ms, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Capture a graph for every (M, K) of `ms` x `ks` whose input fits; the number captured."""
+        if self.eager or device.type != "cuda":
+            return 0
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        made = 0
+        for k in sorted(set(ks)):
+            for m in sorted(set(ms)):
+                key = (m, k, dtype, device)
+                if key in self._graphs or m * k * torch.finfo(dtype).bits // 8 > self.GRAPH_BYTES:
+                    continue
+                x = torch.zeros((m, k), dtype=dtype, device=device)
+                gsf = torch.ones((), dtype=torch.float32, device=device)
+                nvfp4.quantize(x, gsf, check_finite=False)  # its device constants exist before capture
+                graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):  # torch.cuda.graph() would also gc.collect() and empty the cache, per shape
+                    graph.capture_begin(pool=self._pool)
+                    try:
+                        out = nvfp4.quantize(x, gsf, check_finite=False)
+                    finally:
+                        graph.capture_end()
+                torch.cuda.current_stream(device).wait_stream(side)
+                self._graphs[key] = (graph, x, gsf, out)
+                made += 1
+                if made == 1:  # the replay computes what the eager call does, with each call's own inputs
+                    probe, scale = torch.randn((m, k), device=device).to(dtype), torch.tensor(448.0 * 6 / 3.0, device=device)
+                    got, want = self(probe, scale), nvfp4.quantize(probe, scale, check_finite=False)
+                    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want)), "stand-in graph differs"
+        return made
+
+    def __call__(self, x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = None if self.eager else self._graphs.get((x.shape[0], x.shape[1], x.dtype, x.device))
+        if entry is None:
+            return nvfp4.quantize(x, gsf, check_finite=False)
+        graph, static_x, static_gsf, (qx, sx) = entry
+        static_x.copy_(x)
+        static_gsf.copy_(gsf.reshape(()))
+        graph.replay()
+        return qx.clone(), sx.clone()
+
+
+QUANTIZER = StandInQuantizer()
+
+
+def prepare_quantizer(device: torch.device, tps, scale: int, ms) -> int:
+    """The stand-in quantizer's graphs for every configuration's K at batch sizes `ms`."""
+    return QUANTIZER.prepare(device, [k for tp in tps for _, k in tp_configs(tp, scale).values()], ms)
+
+
 def dense_layer(n: int, k: int, device: torch.device, kernel: str = "emulated"):
     """A layer's processed NVFP4 weights (random codes, valid scales) and its served call through
     backend `kernel` (humming converts the weights in place when the layer is verified)."""
@@ -88,8 +155,8 @@ def dense_layer(n: int, k: int, device: torch.device, kernel: str = "emulated"):
     alpha = (1.0 / (input_gsf * 448.0 * 6 / 0.05)).reshape(1).float()
     fn = backends.resolve(kernel)
 
-    def serve(x):  # what SGLang's apply does: quantize, then the routed GEMM
-        qx, sx = nvfp4.quantize(x, input_gsf, check_finite=False)
+    def serve(x):  # what SGLang's apply does: quantize (StandInQuantizer), then the routed GEMM
+        qx, sx = QUANTIZER(x, input_gsf)
         out = torch.empty((x.shape[0], n), dtype=x.dtype, device=device)
         return fn(qx, weight.T, sx.view(torch.uint8), weight_sf.T, alpha, x.dtype, out)
 
@@ -186,7 +253,10 @@ def main() -> int:
     parser.add_argument("--kernel", choices=("emulated", "humming"), default="emulated",
                         help="the served backend (humming: a real NVFP4-weight kernel on SM90; its kernels compiled first)")
     parser.add_argument("--tp", default="1,8", help="the tensor-parallel sizes whose layer shapes are timed (default 1,8)")
+    parser.add_argument("--eager-quantizer", action="store_true", help=(
+        "call the stand-in for SGLang's activation quantizer eagerly (~35 launches per call), not from a graph"))
     args = parser.parse_args()
+    QUANTIZER.eager = args.eager_quantizer
     args.layers = args.layers or (3 if args.quick else 80)
     args.moe_layers = (1 if args.quick else 4) if args.moe_layers is None else args.moe_layers
     if args.prefill or args.quick:  # SGLang's chunk where its settings are not visible (a CPU smoke run: its smallest)
@@ -197,6 +267,8 @@ def main() -> int:
     scale = args.scale or (16 if args.quick or not device.is_cuda else 1)
     tps = tuple(int(t) for t in args.tp.split(","))
     warm_s = warm_up(args.kernel, scale, device, settings, tps)
+    ms = {hooks.LIGHT_BATCH, *CAPTURED, *hooks.batch_sizes(hooks.max_capture_batch()), *hooks.recheck_sizes(hooks.max_capture_batch())}
+    quantizer_graphs = prepare_quantizer(tdev, tps, scale, ms)
 
     runs = []
     for _ in range(3):  # the first includes one-off costs (CUDA context, cuBLAS handles, caches)
@@ -283,7 +355,9 @@ def main() -> int:
         del w, weights
 
     print(f"on {device.label()}, {args.kernel} backend{' (--quick: layers / 16)' if scale > 1 else ''}"
-          + (f"; its kernels compiled first, on throwaway layers ({warm_s:.0f} s)" if warm_s else "") + "\n")
+          + (f"; its kernels compiled first, on throwaway layers ({warm_s:.0f} s)" if warm_s else "")
+          + ("; the stand-in quantizer eager (--eager-quantizer)" if QUANTIZER.eager else
+             f"; the stand-in quantizer from {quantizer_graphs} CUDA graphs (eager where none fits)") + "\n")
     print(f"generic dense self-test (decide): {dense_generic * 1e3:.0f} ms; generic MoE self-test: {moe_generic * 1e3:.0f} ms "
           f"(its kernel calls: {moe_generic_kernel * 1e3:.0f} ms)\n")
     # "kernel ms": the emulated backend's own calls (on SM120 the FlashInfer kernel's, far shorter);
@@ -305,7 +379,7 @@ def main() -> int:
           + ", ".join(f"{k} {v:.2f} s" for k, v in rechecks.items()))
     write("selftest_cost", {
         "recheck_s": rechecks, "recheck_sizes": len(CAPTURED),
-        "device": device.label(), "quick": scale > 1, "kernel": args.kernel, "warm_up_s": warm_s, "conversion_s": CONVERSION_S[0], "dense_generic_s": dense_generic, "moe_generic_s": moe_generic, "moe_generic_kernel_s": moe_generic_kernel,
+        "device": device.label(), "quick": scale > 1, "kernel": args.kernel, "warm_up_s": warm_s, "quantizer": "eager" if QUANTIZER.eager else f"{quantizer_graphs} graphs", "conversion_s": CONVERSION_S[0], "dense_generic_s": dense_generic, "moe_generic_s": moe_generic, "moe_generic_kernel_s": moe_generic_kernel,
         "dense_rows": rows, "dense_total_s": dense, "moe_rows": moe_rows, "moe_s": moe_costs, "moe_light_per_layer_s": moe_light,
         "layers": layers, "emulated_moe_rows": emulated_rows,
         "targets": {"dense_per_gpu_s": DENSE_TARGET_S, "moe_per_config_s": MOE_TARGET_S},
