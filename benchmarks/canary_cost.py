@@ -37,7 +37,7 @@ from _common import table, write  # noqa: E402
 from selftest_cost import CAPTURED, MoeLayer, dense_layer, prepare_quantizer, tp_configs  # noqa: E402
 from sm120_fp4 import backends, canary, devices, graphs, selftest, serving  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
-from sm120_fp4.sglang import hooks, moe  # noqa: E402
+from sm120_fp4.sglang import moe  # noqa: E402
 
 PERIOD_S = 60.0
 SHARE_TARGET = 0.005
@@ -179,8 +179,7 @@ def main() -> int:
     scale = 16 if args.quick or not device.is_cuda else 1
     results, rows = [], []
     if args.part != "moe":  # the stand-in for SGLang's quantizer replayed from graphs, captured here (selftest_cost.StandInQuantizer)
-        prepare_quantizer(tdev, tps, scale, {hooks.LIGHT_BATCH, *CAPTURED, *hooks.batch_sizes(hooks.max_capture_batch()),
-                                             *hooks.recheck_sizes(hooks.max_capture_batch())})
+        prepare_quantizer(tdev, tps, scale)
 
     for tp in tps if args.part != "moe" else ():
         serving.clear()
@@ -240,9 +239,8 @@ def main() -> int:
           f"longest slice: target <= {SLICE_TARGET_MS:g} ms: {'met' if slice_met else 'NOT met'}")
     write("canary_cost_captures" if args.captures else "canary_cost", {
         "device": device.label(), "quick": scale > 1, "kernel": args.kernel, "captures_in_steps": args.captures,
-        "period_s": PERIOD_S, "captured": len(CAPTURED),
-                          "results": results, "met": {"share": share_met, "slice": slice_met},
-                          "targets": {"share": SHARE_TARGET, "slice_ms": SLICE_TARGET_MS}})
+        "period_s": PERIOD_S, "captured": len(CAPTURED), "results": results, "met": {"share": share_met, "slice": slice_met},
+        "targets": {"share": SHARE_TARGET, "slice_ms": SLICE_TARGET_MS}})
     return 0
 
 

@@ -71,7 +71,7 @@ def main() -> int:
         _traced(mod, name, label)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
     serving.route(device.index, settings)
-    sc.prepare_quantizer(tdev, (1,), scale, {hooks.LIGHT_BATCH, *hooks.batch_sizes(hooks.max_capture_batch())})
+    sc.prepare_quantizer(tdev, (1,), scale)
     rows, steps, payload = [], [], {}
     for name, (n, k) in sc.tp_configs(1, scale).items():
         _, report = sc.time_check(sc.dense_layer(n, k, tdev), device, settings)  # the full sweep: the configuration's first layer

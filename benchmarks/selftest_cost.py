@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
-from sm120_fp4 import backends, devices, nvfp4, selftest, serving  # noqa: E402
+from sm120_fp4 import backends, devices, graphs, nvfp4, selftest, serving  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
 from sm120_fp4.sglang import hooks, moe  # noqa: E402
 
@@ -84,11 +84,10 @@ class StandInQuantizer:
     """SGLang's activation quantizer, stood in for by nvfp4.quantize (FlashInfer's, one kernel on
     SM120, is not on the H200). Eagerly that is ~35 launches and ~0.5-0.8 ms of host time per call,
     which the real quantizer does not cost; so where an input shape was prepared (prepare(), outside
-    every timed region; on CUDA, inputs up to GRAPH_BYTES) it is replayed from a CUDA graph: two
+    every timed region; on CUDA, inputs up to graphs.MAX_INPUT_BYTES, the bound the checks' own
+graphs have) it is replayed from a CUDA graph: two
     input copies, one replay, two output copies. `eager` (--eager-quantizer) keeps the eager calls,
     the method before 2026-12-02's fifth session."""
-
-    GRAPH_BYTES = 8 << 20
 
     def __init__(self) -> None:
         self.eager = False
@@ -105,7 +104,7 @@ class StandInQuantizer:
         for k in sorted(set(ks)):
             for m in sorted(set(ms)):
                 key = (m, k, dtype, device)
-                if key in self._graphs or m * k * torch.finfo(dtype).bits // 8 > self.GRAPH_BYTES:
+                if key in self._graphs or m * k * torch.finfo(dtype).bits // 8 > graphs.MAX_INPUT_BYTES:
                     continue
                 x = torch.zeros((m, k), dtype=dtype, device=device)
                 gsf = torch.ones((), dtype=torch.float32, device=device)
@@ -141,8 +140,12 @@ class StandInQuantizer:
 QUANTIZER = StandInQuantizer()
 
 
-def prepare_quantizer(device: torch.device, tps, scale: int, ms) -> int:
-    """The stand-in quantizer's graphs for every configuration's K at batch sizes `ms`."""
+def prepare_quantizer(device: torch.device, tps, scale: int) -> int:
+    """The stand-in quantizer's graphs for every configuration's K at every batch size the checks
+    use: the light check's, the full sweep's, the re-check's and the captured graph sizes (which
+    the canary rotates through too)."""
+    max_batch = hooks.max_capture_batch()
+    ms = {hooks.LIGHT_BATCH, *CAPTURED, *hooks.batch_sizes(max_batch), *hooks.recheck_sizes(max_batch)}
     return QUANTIZER.prepare(device, [k for tp in tps for _, k in tp_configs(tp, scale).values()], ms)
 
 
@@ -267,8 +270,7 @@ def main() -> int:
     scale = args.scale or (16 if args.quick or not device.is_cuda else 1)
     tps = tuple(int(t) for t in args.tp.split(","))
     warm_s = warm_up(args.kernel, scale, device, settings, tps)
-    ms = {hooks.LIGHT_BATCH, *CAPTURED, *hooks.batch_sizes(hooks.max_capture_batch()), *hooks.recheck_sizes(hooks.max_capture_batch())}
-    quantizer_graphs = prepare_quantizer(tdev, tps, scale, ms)
+    quantizer_graphs = prepare_quantizer(tdev, tps, scale)
 
     runs = []
     for _ in range(3):  # the first includes one-off costs (CUDA context, cuBLAS handles, caches)
