@@ -114,24 +114,54 @@ def _thresholds(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor,
                                                                       torch.tensor(_ROUND_UP_AT, dtype=dtype, device=device)))
 
 
-def _encode(x: torch.Tensor) -> torch.Tensor:
+def _encode_by_comparison(x: torch.Tensor) -> torch.Tensor:
     # Code = number of thresholds passed (> a round-down one, >= a round-up one: ties to even); NaN
-    # passes none (callers reject it first). On CUDA two sorted searches (4 launches instead of 15:
-    # a decode-sized quantize is launch-bound); on the CPU the comparisons, which vectorise there.
+    # passes none (callers reject it first). -0.0 and tiny negatives encode as +0 (sign only on a
+    # non-zero code).
     mag = x.abs()
-    if mag.is_cuda:
+    codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for t in _ROUND_DOWN_AT:
+        codes += mag > t
+    for t in _ROUND_UP_AT:
+        codes += mag >= t
+    negative = (x < 0) & (codes > 0)
+    return codes | (negative.to(torch.uint8) << 3)
+
+
+# A float32's code is fixed by its top 12 bits (sign, exponent, 3 mantissa bits) and by whether any
+# of its 20 lower bits is set: every threshold has at most 2 mantissa bits, so none lies strictly
+# inside such a group of floats, and a group's lowest float (lower bits 0) is the only one that can
+# equal a threshold. The table holds, per group, the code of that lowest float and of the float one
+# step above it, each by the comparisons themselves.
+_GROUP_SHIFT = 20
+
+
+def _float32_code_table(device: torch.device) -> torch.Tensor:
+    def make() -> torch.Tensor:
+        top = torch.arange(1 << (32 - _GROUP_SHIFT), dtype=torch.int64) << _GROUP_SHIFT
+        lowest = torch.where(top >= 1 << 31, top - (1 << 32), top).to(torch.int32)  # as a signed 32-bit word
+        members = torch.stack((lowest, lowest | 1), dim=-1).view(torch.float32)
+        return _encode_by_comparison(members).reshape(-1).to(device)
+
+    return _device_constant(("e2m1 codes", device), make)
+
+
+def _encode(x: torch.Tensor) -> torch.Tensor:
+    # On CUDA two sorted searches (4 launches instead of 15: a decode-sized quantize is
+    # launch-bound); on the CPU, for float32 (what quantize encodes), one lookup per element in the
+    # table of _float32_code_table, 2.5-3x faster than the comparisons, which any other dtype gets.
+    if x.is_cuda:
+        mag = x.abs()
         down, up = _thresholds(x.device, mag.dtype)
         mag = mag.nan_to_num(nan=0.0)
         codes = (torch.bucketize(mag, down, out_int32=True) + torch.bucketize(mag, up, out_int32=True, right=True)).to(torch.uint8)
-    else:
-        codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-        for t in _ROUND_DOWN_AT:
-            codes += mag > t
-        for t in _ROUND_UP_AT:
-            codes += mag >= t
-    # Sign only on non-zero codes: -0.0 and tiny negatives encode as +0.
-    negative = (x < 0) & (codes > 0)
-    return codes | (negative.to(torch.uint8) << 3)
+        negative = (x < 0) & (codes > 0)
+        return codes | (negative.to(torch.uint8) << 3)
+    if x.dtype != torch.float32:
+        return _encode_by_comparison(x)
+    bits = x.view(torch.int32)
+    group = ((bits >> (_GROUP_SHIFT - 1)) & ((1 << (33 - _GROUP_SHIFT)) - 2)) | ((bits & ((1 << _GROUP_SHIFT) - 1)) != 0)
+    return torch.index_select(_float32_code_table(x.device), 0, group.reshape(-1)).reshape(x.shape)
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:

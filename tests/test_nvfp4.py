@@ -57,6 +57,27 @@ def test_encode_saturates_at_six_with_its_sign(device):
     assert nvfp4.encode_e2m1(x).tolist() == [7, 7, 7, 7, 15, 15]
 
 
+def test_encode_is_nearest_even_at_every_group_of_float32_bit_patterns(device):
+    # The CPU encodes float32 by the float's top 12 bits and whether a lower bit is set: every such
+    # group of floats (sign, exponent, 3 mantissa bits), at its lowest, second-lowest, middle and
+    # highest member, against the rounding rule written out in float64 (all 2**32 patterns agree
+    # too; that run takes minutes, too long for the suite).
+    top = torch.arange(1 << 12, dtype=torch.int64) << 20
+    low = torch.tensor([0, 1, 0x7FFFF, 0x80000, 0xFFFFF], dtype=torch.int64)
+    words = (top.unsqueeze(1) | low).reshape(-1)
+    x = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).view(torch.float32)
+    x = x[~torch.isnan(x)]
+    codes = nvfp4.encode_e2m1(x.to(device)).cpu()
+    target = x.double().abs().clamp(max=6.0)
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)
+    distance = (magnitudes - target.unsqueeze(1)).abs()
+    nearest = distance == distance.min(dim=1, keepdim=True).values
+    even = nearest & (torch.arange(8) % 2 == 0)
+    want = torch.where(nearest.sum(dim=1) == 2, even.int().argmax(dim=1), nearest.int().argmax(dim=1))
+    want = want + 8 * ((x < 0) & (want > 0)).long()
+    assert torch.equal(codes.long(), want)
+
+
 def test_encode_rejects_nan_and_non_float(device):
     with pytest.raises(InvalidArgument, match="encode_e2m1: x=.*NaN"):
         nvfp4.encode_e2m1(torch.tensor([1.0, float("nan")], device=device))
