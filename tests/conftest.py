@@ -147,7 +147,7 @@ def pytest_collection_modifyitems(session, config, items):
                 item.add_marker(skip)
 
 
-_POOL = JobPool(limit=max(2, os.cpu_count() or 2))
+_POOL = JobPool(limit=max(2, os.cpu_count() or 2), nice=5)
 # Real servers (minutes of CPU each, in several processes): two at a time, from the start, beside the
 # other jobs; waiting for those first left one core idle for the last several minutes of the session.
 # They run niced: they use what the main thread's in-process tests leave, and those ran last alone
