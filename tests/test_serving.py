@@ -99,6 +99,7 @@ def test_a_refusal_from_decide_is_in_status_with_its_reasons():
 
 @case("configuration", "SELECT=fastest with two verified kernels: one fast on the self-test's shapes but 1000x slower at a prefill M, one steady",
       "the layer configuration's served calls are timed at its serving batch sizes (decode and the prefill chunk): the steady kernel serves, its time per configuration recorded")
+@pytest.mark.default_prefill
 def test_select_fastest_times_the_served_layer_configurations_at_their_serving_batch_sizes(monkeypatch):
     pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
     import sm120_fp4

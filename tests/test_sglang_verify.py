@@ -366,6 +366,7 @@ def _after_the_selftest(fault, healthy=emulated_mm_fp4):
 
 @case("backend faults", "a kernel wrong only at M >= 4096 (a quarter of the right output), SGLang's settings not visible",
       "refused at load naming M=4096: the layer checks run the prefill sizes up to SGLang's chunk on 90-160 GB GPUs (8192)")
+@pytest.mark.default_prefill
 def test_a_kernel_wrong_only_at_large_m_is_refused_at_load():
     def quarter_at_large_m(a, b, a_sf, b_sf, alpha, dtype, out):
         emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)

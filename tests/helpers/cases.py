@@ -57,8 +57,9 @@ def _parameter_sets(fn) -> list[dict[str, object]]:
         names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
         axis = []
         for value in values:
-            value = getattr(value, "values", value)  # pytest.param(...)
-            axis.append(dict(zip(names, value if len(names) > 1 else (value,))))
+            # pytest.param(...) holds its values as a tuple whatever the number of names
+            value = value.values if hasattr(value, "values") and hasattr(value, "marks") else (value,) if len(names) == 1 else value
+            axis.append(dict(zip(names, value)))
         axes.append(axis)
     return [dict(kv for part in combo for kv in part.items()) for combo in itertools.product(*axes)]
 
