@@ -6,11 +6,11 @@ This machine runs the tests as root: "another user" is a chown to uid 12345 (roo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ import pytest
 import sm120_fp4
 from helpers.cases import case
 from helpers.common import SIM_ENV
+from helpers.procs import Popen, background, clean_env
 from helpers.workers import workers_in_process
 from sm120_fp4 import verdicts
 from sm120_fp4.config import Settings, load_settings
@@ -39,35 +40,47 @@ def _planted_crash(store: Path) -> None:
     store.write_text(json.dumps({"version": 1, "verdicts": [entry]}))
 
 
-def _cli_selftest(monkeypatch, umask: int | None = None, in_process: bool = False, **env: str) -> int:
-    """`sm120-fp4 selftest` in this process; its workers are subprocesses (they inherit the umask), or
-    with `in_process` run here too (helpers.workers)."""
+def _cli_selftest(monkeypatch, **env: str) -> int:
+    """`sm120-fp4 selftest` in this process, its workers too (helpers.workers)."""
     from sm120_fp4 import cli
 
     for name, value in {**SIM_ENV, **env}.items():
         monkeypatch.setenv(name, value)
-    previous = os.umask(umask) if umask is not None else None
-    try:
-        with workers_in_process() if in_process else contextlib.nullcontext():
-            return cli.main(["selftest"])
-    finally:
-        if previous is not None:
-            os.umask(previous)
+    with workers_in_process():
+        return cli.main(["selftest"])
 
 
 # ---- created owner-only, whatever the umask ----------------------------------------------------
 
+_MODES = """
+import json, os, stat, sys
+store = os.path.join(sys.argv[1], ".cache", "sm120_fp4")
+paths = [os.path.dirname(store), store, os.path.join(store, "verdicts.json"), os.path.join(store, "verdicts.json.lock")]
+with open(paths[2]) as f:
+    verdict = json.load(f)["verdicts"][0]["verdict"]
+print("MODES " + json.dumps([[stat.S_IMODE(os.lstat(p).st_mode) for p in paths], verdict]))
+"""
+
+
+def _selftest_under_umask_000(folder: Path) -> Popen:
+    """`sm120-fp4 selftest` in a new process under umask 000 (its workers inherit it), HOME holding no
+    .cache yet; then the modes of what it created, from another interpreter."""
+    home = folder / "home"
+    script = 'umask 000 && "$1" -m sm120_fp4 selftest; rc=$?; "$1" -c "$2" "$3"; exit $rc'
+    return Popen(["sh", "-c", script, "sh", sys.executable, _MODES, str(home)],
+                 clean_env(**SIM_ENV, HOME=str(home), XDG_CACHE_HOME=""), folder)
+
+
 @case("files and trust", "`sm120-fp4 selftest` under umask 000 with HOME holding no .cache yet (the default verdict store)",
       "~/.cache and ~/.cache/sm120_fp4 are created 0700, verdicts.json and its lock 0600")
-def test_the_default_store_is_created_owner_only_under_umask_000(tmp_path, monkeypatch, capsys):
-    home = tmp_path / "home"
-    cache = home / ".cache"
-    code = _cli_selftest(monkeypatch, umask=0, HOME=str(home), XDG_CACHE_HOME="")
-    assert code == 0, capsys.readouterr().err
-    store = cache / "sm120_fp4"
-    assert _mode(cache) == 0o700 and _mode(store) == 0o700
-    assert _mode(store / "verdicts.json") == 0o600 and _mode(store / "verdicts.json.lock") == 0o600
-    assert json.loads((store / "verdicts.json").read_text())["verdicts"][0]["verdict"] == "passed"
+@background(_selftest_under_umask_000)
+def test_the_default_store_is_created_owner_only_under_umask_000(background):
+    rc, out, err = background
+    assert rc == 0, err
+    [line] = [ln for ln in out.splitlines() if ln.startswith("MODES ")]
+    modes, verdict = json.loads(line.removeprefix("MODES "))
+    assert modes == [0o700, 0o700, 0o600, 0o600], [oct(m) for m in modes]
+    assert verdict == "passed"
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o777])
@@ -125,7 +138,7 @@ def test_an_untrusted_store_is_neither_read_nor_written(tmp_path, monkeypatch, c
       "exit 0: stderr says the store is neither read nor recorded there (owner named); the candidate is self-tested, not skipped")
 def test_selftest_reports_an_untrusted_store_and_ignores_it(tmp_path, monkeypatch, capsys):
     store = _untrusted(tmp_path, "directory owned by another user")
-    code = _cli_selftest(monkeypatch, in_process=True, SM120_FP4_VERDICTS=str(store))
+    code = _cli_selftest(monkeypatch, SM120_FP4_VERDICTS=str(store))
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "neither read nor recorded" in err and "owned by uid 12345" in err, err

@@ -18,6 +18,7 @@ import torch
 import sm120_fp4
 from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
+from helpers.procs import REPO, background, python, pythonpath
 from sm120_fp4 import backends, deciding, devices, dispatch, doctor, humming, kernels, nvfp4, selftest, serving
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
@@ -551,26 +552,23 @@ def test_real_humming_layer_check_and_recheck_pass_through_the_routed_front():
           f"memory {decision.backend_info['memory']}")
 
 
-def test_activation_dequantization_kernel_matches_the_oracle_in_tritons_interpreter():
-    """The Triton kernel, run by Triton's CPU interpreter in a subprocess (the GPU test compares it on CUDA)."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
+_TRITON_INTERPRETED = """
+import torch, triton
+from sm120_fp4 import nvfp4, selftest
+from sm120_fp4._humming_dequant import launch
+for m, k in ((1, 160), (7, 480), (129, 1056), (20, 1024)):
+    _, _, (qx, _, sx, _, _) = selftest.quantized_inputs((m, 32, k), torch.device("cpu"), m)
+    out = torch.full((m, k), float("nan"), dtype=torch.float32)  # every element must be written
+    kp = nvfp4.swizzled_scale_shape(m, k)[1]
+    launch(qx, sx.view(torch.uint8), out, kp)
+    assert torch.equal(out, nvfp4.dequantize_unscaled(qx, sx, torch.float32)), (m, k)
+print("ok")
+"""
 
+
+@background(lambda folder: python(_TRITON_INTERPRETED, folder, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(REPO)))
+def test_activation_dequantization_kernel_matches_the_oracle_in_tritons_interpreter(background):
+    """The Triton kernel, run by Triton's CPU interpreter in a subprocess (the GPU test compares it on CUDA)."""
     pytest.importorskip("triton")
-    code = textwrap.dedent("""
-        import torch, triton
-        from sm120_fp4 import nvfp4, selftest
-        from sm120_fp4._humming_dequant import launch
-        for m, k in ((1, 160), (7, 480), (129, 1056), (20, 1024)):
-            _, _, (qx, _, sx, _, _) = selftest.quantized_inputs((m, 32, k), torch.device("cpu"), m)
-            out = torch.full((m, k), float("nan"), dtype=torch.float32)  # every element must be written
-            kp = nvfp4.swizzled_scale_shape(m, k)[1]
-            launch(qx, sx.view(torch.uint8), out, kp)
-            assert torch.equal(out, nvfp4.dequantize_unscaled(qx, sx, torch.float32)), (m, k)
-        print("ok")
-    """)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    returncode, stdout, stderr = background
+    assert returncode == 0 and stdout.strip() == "ok", stderr[-2000:]
