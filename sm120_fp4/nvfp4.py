@@ -116,14 +116,18 @@ def _thresholds(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor,
 
 def _encode_by_comparison(x: torch.Tensor) -> torch.Tensor:
     # Code = number of thresholds passed (> a round-down one, >= a round-up one: ties to even); NaN
-    # passes none (callers reject it first). -0.0 and tiny negatives encode as +0 (sign only on a
-    # non-zero code).
+    # passes none (callers reject it first).
     mag = x.abs()
     codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for t in _ROUND_DOWN_AT:
         codes += mag > t
     for t in _ROUND_UP_AT:
         codes += mag >= t
+    return _signed(x, codes)
+
+
+def _signed(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """`codes` (magnitudes) with x's sign bit, only on non-zero codes: -0.0 and tiny negatives encode as +0."""
     negative = (x < 0) & (codes > 0)
     return codes | (negative.to(torch.uint8) << 3)
 
@@ -155,8 +159,7 @@ def _encode(x: torch.Tensor) -> torch.Tensor:
         down, up = _thresholds(x.device, mag.dtype)
         mag = mag.nan_to_num(nan=0.0)
         codes = (torch.bucketize(mag, down, out_int32=True) + torch.bucketize(mag, up, out_int32=True, right=True)).to(torch.uint8)
-        negative = (x < 0) & (codes > 0)
-        return codes | (negative.to(torch.uint8) << 3)
+        return _signed(x, codes)
     if x.dtype != torch.float32:
         return _encode_by_comparison(x)
     bits = x.view(torch.int32)
