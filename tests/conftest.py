@@ -55,8 +55,8 @@ def _prefill_chunk(request, monkeypatch):
     20 GB (an RTX 5080), where SGLang 0.5.23 picks a chunk of 2048: every batch size up to 2049 still
     runs. The tests of the larger sizes and of the 8192 default are marked `default_prefill`; the
     real-server tests run SGLang's own choice, in processes of their own."""
-    if request.node.get_closest_marker("default_prefill") is None and importlib.util.find_spec("sglang") is not None:
-        from sm120_fp4.sglang import hooks
+    if request.node.get_closest_marker("default_prefill") is None:
+        from sm120_fp4.sglang import hooks  # ours: imports no SGLang module
 
         monkeypatch.setattr(hooks, "DEFAULT_CHUNKED_PREFILL", 2048)
     yield
@@ -183,10 +183,8 @@ def pytest_collection_finish(session):
             folder = root / str(n)
             folder.mkdir()
             params = getattr(getattr(item, "callspec", None), "params", {})
-            if _heavy(item):
-                _JOBS[item.nodeid] = _HEAVY.add(functools.partial(start, folder, **params))
-                continue
-            _JOBS[item.nodeid] = _POOL.add(functools.partial(start, folder, **params))
+            _JOBS[item.nodeid] = (_HEAVY if _heavy(item) else _POOL).add(functools.partial(start, folder, **params))
+            _JOBS[item.nodeid].folder = folder
     _POOL.run()
     _HEAVY.run()
 
@@ -212,3 +210,9 @@ def background(request) -> tuple[int, str, str]:
     job = _JOBS.get(request.node.nodeid)
     assert job is not None, f"{request.node.nodeid} has no @background job (or it was not selected)"
     return job.wait(TIMEOUT)
+
+
+@pytest.fixture
+def background_job(request, background):
+    """This test's background job itself, once it ended: its folder and its start and end times."""
+    return _JOBS[request.node.nodeid]

@@ -52,35 +52,25 @@ def _cli_selftest(monkeypatch, **env: str) -> int:
 
 # ---- created owner-only, whatever the umask ----------------------------------------------------
 
-_MODES = """
-import json, os, stat, sys
-store = os.path.join(sys.argv[1], ".cache", "sm120_fp4")
-paths = [os.path.dirname(store), store, os.path.join(store, "verdicts.json"), os.path.join(store, "verdicts.json.lock")]
-with open(paths[2]) as f:
-    verdict = json.load(f)["verdicts"][0]["verdict"]
-print("MODES " + json.dumps([[stat.S_IMODE(os.lstat(p).st_mode) for p in paths], verdict]))
-"""
-
-
 def _selftest_under_umask_000(folder: Path) -> Popen:
-    """`sm120-fp4 selftest` in a new process under umask 000 (its workers inherit it), HOME holding no
-    .cache yet; then the modes of what it created, from another interpreter."""
+    """`sm120-fp4 selftest` in a new process under umask 000 (its workers inherit it), HOME holding
+    no .cache yet."""
     home = folder / "home"
-    script = 'umask 000 && "$1" -m sm120_fp4 selftest; rc=$?; "$1" -c "$2" "$3"; exit $rc'
-    return Popen(["sh", "-c", script, "sh", sys.executable, _MODES, str(home)],
+    return Popen(["sh", "-c", 'umask 000 && exec "$@"', "sh", sys.executable, "-m", "sm120_fp4", "selftest"],
                  clean_env(**SIM_ENV, HOME=str(home), XDG_CACHE_HOME=""), folder)
 
 
 @case("files and trust", "`sm120-fp4 selftest` under umask 000 with HOME holding no .cache yet (the default verdict store)",
       "~/.cache and ~/.cache/sm120_fp4 are created 0700, verdicts.json and its lock 0600")
 @background(_selftest_under_umask_000)
-def test_the_default_store_is_created_owner_only_under_umask_000(background):
-    rc, out, err = background
+def test_the_default_store_is_created_owner_only_under_umask_000(background, background_job):
+    rc, _, err = background
     assert rc == 0, err
-    [line] = [ln for ln in out.splitlines() if ln.startswith("MODES ")]
-    modes, verdict = json.loads(line.removeprefix("MODES "))
-    assert modes == [0o700, 0o700, 0o600, 0o600], [oct(m) for m in modes]
-    assert verdict == "passed"
+    cache = background_job.folder / "home" / ".cache"
+    store = cache / "sm120_fp4"
+    assert _mode(cache) == 0o700 and _mode(store) == 0o700
+    assert _mode(store / "verdicts.json") == 0o600 and _mode(store / "verdicts.json.lock") == 0o600
+    assert json.loads((store / "verdicts.json").read_text())["verdicts"][0]["verdict"] == "passed"
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o777])

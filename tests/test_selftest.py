@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings as hsettings, strategies as st
 from helpers import faults
 from helpers.cases import case
 from helpers.common import HYPOTHESIS
-from helpers.procs import background, job_of, python, pythonpath
+from helpers.procs import background, python, pythonpath
 from sm120_fp4 import backends, devices, nvfp4, selftest
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import SelfTestError
@@ -103,10 +103,9 @@ print("returned after", time.perf_counter() - start, flush=True)
 @case("backend faults", "a kernel that returns after the self-test's bound, and one that never returns (the call runs on the thread that will serve)",
       "the slow one is rejected when its call returns late; the hung one holds the serving thread, so past the bound and its grace the watchdog writes what it knows and ends the process with EXIT_HUNG, naming the call and the backend")
 @background(lambda folder: python(_HANGS, folder, PYTHONPATH=pythonpath(Path(__file__).parent, Path(__file__).parents[1])))
-def test_a_hung_call_ends_the_process_after_its_bound_and_a_late_one_is_rejected(background):
+def test_a_hung_call_ends_the_process_after_its_bound_and_a_late_one_is_rejected(background, background_job):
     returncode, stdout, stderr = background
-    job = job_of("test_selftest.py::test_a_hung_call_ends_the_process_after_its_bound_and_a_late_one_is_rejected")
-    assert job.ended_at - job.started_at < 60, "the bound plus its grace, not the kernel's two minutes"
+    assert background_job.ended_at - background_job.started_at < 60, "the bound plus its grace, not the kernel's two minutes"
     assert returncode == selftest.EXIT_HUNG, (returncode, stdout, stderr)
     lines = stdout.splitlines()
     assert re.fullmatch(r"slow: False M=1 N=32 K=64: call 1 did not return within the self-test's time bound .*\[1, 1\]", lines[0]), lines

@@ -252,6 +252,7 @@ class Queued:
         self.job, self.error, self.result = None, None, None
         self._lock, self._killed = threading.Lock(), False
         self.started_at = self.ended_at = None  # time.monotonic() at its start and end (JOB_TIMES)
+        self.folder = None  # the job's own directory (conftest.py)
 
     def start_and_finish(self) -> None:
         try:
