@@ -1,7 +1,7 @@
 """Where a light layer check's time goes: CPU, GPU, launches and host synchronisations per check.
 
     .venv/bin/python benchmarks/light_check_profile.py --quick   # CPU: small layers (a smoke run)
-    python3 benchmarks/light_check_profile.py                     # on a GPU: 70B-class TP1 shapes, emulated
+    python3 benchmarks/light_check_profile.py [--kernel humming]  # on a GPU: 70B-class TP1 shapes
 
 Every NVFP4 layer after a configuration's first gets a light check (its own weights, one decode
 batch, its fingerprint before and after): 316 of a 70B-class model's 320 layers, most of the
@@ -59,9 +59,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small layers, few checks (a CPU smoke run of the same code)")
     parser.add_argument("--layers", type=int, default=None, help="light checks timed, and as many profiled (default 20, --quick 3)")
+    parser.add_argument("--kernel", choices=("emulated", "humming"), default="emulated",
+                        help="the served backend (humming: a real NVFP4-weight kernel on SM90; its kernels compiled first)")
     args = parser.parse_args()
     layers = args.layers or (3 if args.quick else 20)
-    settings = Settings(simulate="12.0", backends="emulated", moe_backends="emulated")
+    settings = Settings(simulate="12.0", backends=args.kernel, moe_backends=args.kernel)
     device = devices.list_devices(settings.simulated_capability)[0]
     tdev = device.torch_device
     scale = 16 if args.quick or not device.is_cuda else 1
@@ -70,13 +72,14 @@ def main() -> int:
     for mod, name, label in STEPS:
         _traced(mod, name, label)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.is_cuda else [])
+    sc.warm_up(args.kernel, scale, device, settings, (1,))
     serving.route(device.index, settings)
     sc.prepare_quantizer(tdev, (1,), scale)
     rows, steps, payload = [], [], {}
     for name, (n, k) in sc.tp_configs(1, scale).items():
-        _, report = sc.time_check(sc.dense_layer(n, k, tdev), device, settings)  # the full sweep: the configuration's first layer
+        _, report = sc.time_check(sc.dense_layer(n, k, tdev, args.kernel), device, settings)  # the full sweep: the configuration's first layer
         assert report is not None and report.passed, report and report.reason
-        others = [sc.dense_layer(n, k, tdev) for _ in range(2 * layers)]
+        others = [sc.dense_layer(n, k, tdev, args.kernel) for _ in range(2 * layers)]
         walls = []
         for layer in others[:layers]:
             seconds, report = sc.time_check(layer, device, settings)
@@ -103,13 +106,14 @@ def main() -> int:
         del others
         serving.clear()
         serving.route(device.index, settings)
-    print(f"on {device.label()}, emulated backend, {layers} light checks timed and {layers} profiled per configuration"
+    print(f"on {device.label()}, {args.kernel} backend, {layers} light checks timed and {layers} profiled per configuration"
           + (" (--quick: layers / 16)" if scale > 1 else "") + "\n")
     print(table(["configuration", "shape", "light check ms (median)", "CPU ms (profiled)", "GPU busy ms", "launches",
                  "host syncs"], rows))
     print("\nCPU ms per light check in the library's steps (profiled; inclusive, so nested steps overlap):\n")
     print(table(["configuration", *LABELS], steps))
-    write("light_check_profile", {"device": device.label(), "quick": scale > 1, "layers": layers, "configurations": payload})
+    write("light_check_profile", {"device": device.label(), "kernel": args.kernel, "quick": scale > 1, "layers": layers,
+                                  "configurations": payload})
     return 0
 
 

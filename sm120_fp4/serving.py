@@ -346,14 +346,15 @@ def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: st
     """The served calls of `check` at batch sizes `ms`, ready to be called pass by pass: (the report
     to fill, the sweep or None where building the calls failed (the report says why), the start)."""
     device = serving.device
-    report = selftest.report_for(serving.decision.backend, device, config=config or check.label)
     start = time.perf_counter()
     try:
-        cases = check.cases(ms)
+        cases = check.cases(ms)  # first: the oracle's GPU work is queued, and the host's work below overlaps it
     except Exception as exc:  # building the served calls failed: that is a finding, not a crash
+        report = selftest.report_for(serving.decision.backend, device, config=config or check.label)
         report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
         report.duration_s = time.perf_counter() - start
         return report, None, start
+    report = selftest.report_for(serving.decision.backend, device, config=config or check.label)
     where = f" of {serving.decision.backend!r} on {device.label()} for {check.named()}"
     if light and check.weights is not None:
         # The layer's fingerprint after the calls covers its weights: no copies of them. The call's
@@ -395,11 +396,16 @@ def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[self
     """The full sweep (a configuration's first layer) or the light check (any other layer) of
     `check`, then its fingerprint: a call that wrote into the layer's own weights fails the check.
     Returns the report and the fingerprint the layer's weights had when they were checked."""
-    before = _fingerprint(check)
     if full:
-        report = _run_check(serving, check, check.ms)
+        report, run, start = _start_check(serving, check, check.ms)
     else:
-        report = _run_check(serving, check, check.light_ms, passes=1, config=f"{check.label} (layer check)", light=True)
+        report, run, start = _start_check(serving, check, check.light_ms, f"{check.label} (layer check)", light=True)
+    if run is None:
+        return report, None
+    # Taken after the oracle's work is queued (it reads the weights and writes none) and before
+    # the first served call: on a GPU its launches overlap the oracle's dequantization.
+    before = _fingerprint(check)
+    report = selftest.finish(report, run.run(2 if full else 1), start)
     _fail_if_written(report, check, before)
     return report, before
 
