@@ -9,10 +9,12 @@ layer of the configuration: a kernel wrong with one layer's weights only is reac
 decode batch size and one larger batch size (both rotating through the batch sizes verified at load,
 the re-check's and the captured graph sizes whose step fits the slice: see :meth:`Canary._batch_sizes`;
 the sizes that do not, prefill sizes mostly, are listed in status), against the oracle. It is the re-check's own check
-(two passes, every call checked, :class:`serving.ServedCheck`), each pass a step of its own, at two
-idle points with the server's forward passes between them, where the check holds at most KEEP_BYTES
-(its activations and reference, kept meanwhile; built again when SGLang updated weights in between);
-a larger check (a prefill-sized reference) runs both passes in one step. The first step of a run compares that layer's weight
+(two passes, every call checked, :class:`serving.ServedCheck`): building it (the activations and
+the oracle's reference, which dequantizes the layer's whole weight) is a step, and each pass a step
+of its own, at three idle points with the server's forward passes between them, where the check
+holds at most KEEP_BYTES (its activations and reference, kept meanwhile; built again when SGLang
+updated weights in between); a larger check (a prefill-sized reference) is built and runs both
+passes in one step. The first step of a run compares that layer's weight
 fingerprint and SWEEP more layers' in rotation (:func:`serving.fingerprint_sweep`), so a weight
 changed in memory is found on any layer.
 
@@ -141,8 +143,8 @@ def _capturing() -> bool:
 
 @dataclass
 class _Job:
-    """One configuration's run in progress: its steps (the weight fingerprints, then each batch
-    size's two passes), and what they found."""
+    """One configuration's run in progress: its steps (the weight fingerprints, then per batch size
+    its check built and its two passes), and what they found."""
 
     served: serving.Served
     ms: list[int]
@@ -152,20 +154,23 @@ class _Job:
     reports: list[selftest.SelfTestReport] = field(default_factory=list)
     busy_s: float = 0.0
     slices: int = 0
-    steps: list[tuple[str, int]] = field(default_factory=list)  # (kind, M): "weights", "pass 1", "pass 2"
+    steps: list[tuple[str, int]] = field(default_factory=list)  # (kind, M): "weights", "build", "pass 1", "pass 2"
     done: int = 0  # steps done
-    pending: serving.ServedCheck | None = None  # a decode size between its two passes
+    pending: serving.ServedCheck | None = None  # a batch size's check, built, before its second pass
 
     @property
     def key(self) -> tuple:
         return (self.served.family, self.served.device.index, self.served.check.key)
 
 
+_PASSES = ("pass 1", "pass 2")  # a batch size's steps after its build: alike in cost, so estimated together
+
+
 def _steps(ms: list[int]) -> list[tuple[str, int]]:
-    """A run's steps: the fingerprints first, then each batch size's two passes; the second runs in
-    the first's step where the check holds more than KEEP_BYTES (a prefill-sized reference is never
-    kept between forward passes)."""
-    return [("weights", 0)] + [(kind, m) for m in ms for kind in ("pass 1", "pass 2")]
+    """A run's steps: the fingerprints first, then per batch size its check built, then its two
+    passes; where the check holds more than KEEP_BYTES, its build step runs both passes too (a
+    prefill-sized reference is never kept between forward passes)."""
+    return [("weights", 0)] + [(kind, m) for m in ms for kind in ("build", *_PASSES)]
 
 
 class Canary:
@@ -270,11 +275,11 @@ class Canary:
             picked.add(new[0] if new else fits[round_ % len(fits)])
         return sorted(picked)
 
-    def _measured(self, key: tuple) -> dict[int, float]:
-        """Batch size -> the longest of its steps' last measurements, for job key `key`."""
+    def _measured(self, key: tuple, kinds: tuple[str, ...] = ("build", *_PASSES)) -> dict[int, float]:
+        """Batch size -> the longest last measurement of its steps of `kinds`, for job key `key`."""
         measured: dict[int, float] = {}
         for (*job_key, kind, size), took in self._estimate.items():
-            if tuple(job_key) == key and kind != "weights":
+            if tuple(job_key) == key and kind in kinds:
                 measured[size] = max(took, measured.get(size, 0.0))
         return measured
 
@@ -318,8 +323,10 @@ class Canary:
                 job = self._queue[0]
                 kind, m = job.steps[job.done]
                 estimate = self._estimate.get(job.key + (kind, m))
-                if estimate is None:  # never measured: a pass costs what the size's other pass did, or the bound
-                    estimate = (self._step_estimate(self._measured(job.key), m) if kind != "weights" else None) or 0.0
+                if estimate is None and kind != "weights":  # never measured: a pass costs what the size's other
+                    # pass did, else the bound from a smaller size's passes; a build, the bound from smaller builds
+                    estimate = self._step_estimate(self._measured(job.key, _PASSES if kind in _PASSES else (kind,)), m)
+                estimate = estimate or 0.0
                 if touched and self.timer() - start + estimate > self.budget_s:
                     break  # would overrun the slice: the next idle point runs it
                 if job not in touched:
@@ -353,7 +360,7 @@ class Canary:
 
     def _step(self, job: _Job, kind: str, m: int) -> selftest.SelfTestReport | None:
         """Run step `kind` of `job` at batch size `m`: its report when it completes a batch size (or
-        fails), None while a batch size is between its passes or for passing fingerprints."""
+        fails), None while a batch size is between its steps or for passing fingerprints."""
         served = job.served
         try:
             if kind == "weights":
@@ -367,28 +374,42 @@ class Canary:
                 if problem is None:
                     return None
                 reason = f"the layer's weights changed since they were verified: {problem}"
-            elif kind == "pass 1":
+            elif kind == "build":
                 job.done += 1
                 pending = serving.ServedCheck(served, m)
-                if pending.run_pass() and pending.held_bytes <= KEEP_BYTES:
-                    job.pending = pending  # the second pass at the next step
+                if pending.built and pending.held_bytes <= KEEP_BYTES:
+                    job.pending = pending  # its passes at the next steps
                     return None
-                job.done += 1  # failed, or too large to keep: the second pass now (if any)
-                pending.run_pass()
+                job.done += 2  # not built (its report says why), or too large to keep: both passes now
+                if pending.run_pass():
+                    pending.run_pass()
                 return pending.report()
-            else:  # "pass 2"
-                pending, job.pending = job.pending, None
-                if pending is None or pending.stale:  # SGLang updated weights since pass 1: this size again
-                    job.done -= 1
-                    return None
-                job.done += 1
-                pending.run_pass()
-                return pending.report()
+            else:  # "pass 1", "pass 2"
+                return self._pass(job, kind)
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
             reason = f"the canary could not run the check: {type(exc).__name__}: {exc}"
         report = selftest.report_for(served.backend, served.device, config=served.check.label)
         report.reason = reason
         return report
+
+    @staticmethod
+    def _pass(job: _Job, kind: str) -> selftest.SelfTestReport | None:
+        """Pass `kind` of the batch size whose check `job` built: its report after the second pass
+        (or a failing first), None after a passing first pass or when the check is built again."""
+        pending = job.pending
+        if pending is None or pending.stale:  # SGLang updated weights since it was built: build it again
+            job.pending = None
+            job.done -= _PASSES.index(kind) + 1
+            return None
+        job.done += 1
+        if kind == "pass 1" and pending.run_pass():
+            return None  # the second pass at the next step
+        job.pending = None
+        if kind == "pass 1":
+            job.done += 1  # it failed: no second pass
+        else:
+            pending.run_pass()
+        return pending.report()
 
     def _finish(self, job: _Job) -> None:
         failing = next((r for r in job.reports if not r.passed), None)

@@ -1005,6 +1005,11 @@ class ServedCheck:
         return self._generation != _generation
 
     @property
+    def built(self) -> bool:
+        """Whether its calls and the oracle's reference were built (else :meth:`report` says why not)."""
+        return self._run is not None
+
+    @property
     def held_bytes(self) -> int:
         """What this check keeps on the device between its passes: the references, the calls' tensor
         arguments (the activations) and the copies of the inputs compared after every call; not the

@@ -343,14 +343,14 @@ def _idle_steps(c, count: int) -> None:
 
 
 @case("backend faults", "a dense kernel that turns wrong (results 4x too large) between the two passes of a decode-sized canary check, while the server's forward passes run between them (slice bound 0.001 ms: one step per idle point)",
-      "a run is five steps at five idle points (the weight fingerprints, then each batch size's pass 1 and pass 2); the fault is caught at the decode size's pass 2, naming that size")
-def test_a_decode_sizes_two_passes_are_two_steps_and_a_fault_between_them_is_caught():
+      "a run is seven steps at seven idle points (the weight fingerprints, then per batch size its check built, its pass 1 and its pass 2); the fault is caught at the decode size's pass 2, naming that size")
+def test_a_checks_build_and_two_passes_are_three_steps_and_a_fault_between_the_passes_is_caught():
     wear = Wear(scale(4.0))
     c, [(method, layer)] = serve(wear, (96, 160), canary_slice_ms="0.001", canary_action="log")
     first = next_run(c)
-    assert first.passed and first.slices == 5 and first.ms[0] < canary.SMALL_M <= first.ms[1], first
+    assert first.passed and first.slices == 7 and first.ms[0] < canary.SMALL_M <= first.ms[1], first
     c.clock.now += c.period
-    _idle_steps(c, 2)  # the fingerprints, then the decode size's first pass
+    _idle_steps(c, 3)  # the fingerprints, the decode size's check built, its first pass
     assert c.runs == 1 and c._queue and c._queue[0].pending is not None
     wear.armed = True
     method.apply(layer, torch.randn(3, 160).to(torch.bfloat16))  # a forward pass between the two
@@ -360,7 +360,7 @@ def test_a_decode_sizes_two_passes_are_two_steps_and_a_fault_between_them_is_cau
 
 
 @case("properties", "a check that would keep more than canary.KEEP_BYTES (its activations and reference) between its passes: the bound set to 0 bytes, slice bound 0.001 ms",
-      "both passes of each batch size run in one step: a run is three steps (the fingerprints, then one per batch size), nothing is kept between idle points")
+      "each batch size's check is built and runs both passes in one step: a run is three steps (the fingerprints, then one per batch size), nothing is kept between idle points")
 def test_a_check_too_large_to_keep_runs_both_passes_in_one_step(monkeypatch):
     monkeypatch.setattr(canary, "KEEP_BYTES", 0)
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_slice_ms="0.001")
@@ -372,13 +372,14 @@ def test_a_check_too_large_to_keep_runs_both_passes_in_one_step(monkeypatch):
         assert all(job.pending is None for job in c._queue)
 
 
-@case("configuration", "SGLang updates a verified layer's weights (its weight-update path) between the two passes of a decode-sized canary check",
+@case("configuration", "SGLang updates a verified layer's weights (its weight-update path) after a decode-sized canary check was built: before its first pass, or between its two passes",
       "the check built before the update is built again from the new weights: the run passes, no failure is reported for a reference the update made stale")
-def test_a_weight_update_between_the_two_passes_builds_the_check_again():
+@pytest.mark.parametrize("steps", [pytest.param(2, id="before pass 1"), pytest.param(3, id="between the passes")])
+def test_a_weight_update_after_a_check_was_built_builds_it_again(steps):
     c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_slice_ms="0.001", canary_action="log")
     assert next_run(c).passed
     c.clock.now += c.period
-    _idle_steps(c, 2)
+    _idle_steps(c, steps)  # the fingerprints, the check built (and its first pass)
     assert c._queue[0].pending is not None
     with serving.weights_updating(c.settings):  # as SGLang's weight updates write: in place
         layer.weight.data.copy_(layer.weight.data.flip(0))  # other valid NVFP4 weights: rows reversed, scales kept
