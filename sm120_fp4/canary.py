@@ -195,6 +195,7 @@ class Canary:
         self._sweep: dict[tuple, int] = {}  # (family, device index) -> where the next fingerprint sweep starts
         self._rounds: dict[tuple, int] = {}
         self._estimate: dict[tuple, float] = {}  # job key + (step kind, M) -> what the step took last
+        self._held: dict[tuple, int] = {}  # job key + (M,) -> the bytes its check held when last built
         self._beyond: dict[tuple, dict[int, float]] = {}  # job key -> sizes whose step is estimated over the slice
         self._labels: dict[tuple, str] = {}
         self._told: set[tuple] = set()
@@ -270,7 +271,7 @@ class Canary:
         measured = self._measured(job.key)
         picked = set()
         for sizes in ([m for m in ms if m < SMALL_M] or ms[:1], [m for m in ms if m >= SMALL_M] or ms[-1:]):
-            fits = self._within(job.key, sizes, measured)
+            fits = self._within(job.key, sizes)
             new = [m for m in fits if m not in measured]
             picked.add(new[0] if new else fits[round_ % len(fits)])
         return sorted(picked)
@@ -283,6 +284,36 @@ class Canary:
                 measured[size] = max(took, measured.get(size, 0.0))
         return measured
 
+    def _kept(self, key: tuple, m: int) -> bool:
+        """Whether the check at batch size `m` holds at most KEEP_BYTES once built (so its passes are
+        steps of their own): as measured at `m`; else the bytes of the largest smaller size's check
+        scaled by M (activations and references grow in proportion to M); kept where none is known."""
+        held = {size: took for (*job_key, size), took in self._held.items() if tuple(job_key) == key}
+        below = [size for size in held if size < m]
+        if m not in held and not below:
+            return True
+        return (held[m] if m in held else held[max(below)] * m / max(below)) <= KEEP_BYTES
+
+    def _step_time(self, key: tuple, kind: str, m: int) -> float | None:
+        """What step `kind` at batch size `m` takes: its last measurement; else an upper bound from
+        the same kind of step (both passes alike) at smaller sizes. A build whose check will not be
+        kept runs both passes in its step, so its bound includes them. None where nothing is known."""
+        took = self._estimate.get(key + (kind, m))
+        if took is not None or kind == "weights":
+            return took
+        passes = self._step_estimate(self._measured(key, _PASSES), m)
+        if kind in _PASSES:
+            return passes
+        build = self._step_estimate(self._measured(key, ("build",)), m)
+        if build is not None and not self._kept(key, m):
+            build += 2 * (passes or 0.0)
+        return build
+
+    def _size_time(self, key: tuple, m: int) -> float | None:
+        """The longest step at batch size `m` (_step_time), None where nothing is known."""
+        known = [t for t in (self._step_time(key, kind, m) for kind in ("build", *_PASSES)) if t is not None]
+        return max(known) if known else None
+
     @staticmethod
     def _step_estimate(measured: dict[int, float], m: int) -> float | None:
         """What one step at batch size `m` takes: the longest measured; else an upper bound, from
@@ -293,13 +324,13 @@ class Canary:
         below = [size for size in measured if size < m]
         return measured[max(below)] * m / max(below) if below else None
 
-    def _within(self, key: tuple, sizes: list[int], measured: dict[int, float]) -> list[int]:
+    def _within(self, key: tuple, sizes: list[int]) -> list[int]:
         """The sizes of `sizes` whose step fits the slice: the smallest always (a run checks a decode
         size and a larger one); any other once its estimate fits. A size estimated over the slice is
         listed in status: verified at load and after warm-up, not re-checked while serving."""
         fits, beyond = sizes[:1], self._beyond.setdefault(key, {})
         for m in sizes[1:]:
-            estimate = self._step_estimate(measured, m)
+            estimate = self._size_time(key, m)
             beyond.pop(m, None)
             if estimate is not None and estimate <= self.budget_s:
                 fits.append(m)
@@ -322,11 +353,7 @@ class Canary:
             while self._queue:
                 job = self._queue[0]
                 kind, m = job.steps[job.done]
-                estimate = self._estimate.get(job.key + (kind, m))
-                if estimate is None and kind != "weights":  # never measured: a pass costs what the size's other
-                    # pass did, else the bound from a smaller size's passes; a build, the bound from smaller builds
-                    estimate = self._step_estimate(self._measured(job.key, _PASSES if kind in _PASSES else (kind,)), m)
-                estimate = estimate or 0.0
+                estimate = self._step_time(job.key, kind, m) or 0.0
                 if touched and self.timer() - start + estimate > self.budget_s:
                     break  # would overrun the slice: the next idle point runs it
                 if job not in touched:
@@ -377,6 +404,8 @@ class Canary:
             elif kind == "build":
                 job.done += 1
                 pending = serving.ServedCheck(served, m)
+                if pending.built:
+                    self._held[job.key + (m,)] = pending.held_bytes
                 if pending.built and pending.held_bytes <= KEEP_BYTES:
                     job.pending = pending  # its passes at the next steps
                     return None

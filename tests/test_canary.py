@@ -315,6 +315,23 @@ def test_no_canary_slice_or_step_exceeds_the_bound_and_the_sizes_that_cannot_fit
     assert "N=96 K=160" in beyond, beyond
 
 
+@case("properties", "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=5, and canary.KEEP_BYTES just below what the check at M=256 holds: from there on a check is built and runs both its passes in one step (at M=256, 2 x 3 ms); 16 periods",
+      "no slice and no step over 5 ms: the first size whose check will not be kept is estimated with both its passes in its build step (from the bytes a smaller size's check held, scaled by M), so it is listed as beyond the slice with every larger size, and the larger sizes re-checked are M=128 and 191")
+def test_a_check_too_large_to_keep_is_estimated_with_both_its_passes_and_no_step_overruns(monkeypatch):
+    timer = StepTimer()
+    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms="5")
+    c.timer = timer
+    [served] = serving.served_configurations()
+    monkeypatch.setattr(canary, "KEEP_BYTES", serving.ServedCheck(served, 256).held_bytes - 1)
+    runs = [next_run(c) for _ in range(16)]
+    assert all(r.passed for r in runs), runs
+    status = c.status()
+    assert status.longest_step_ms <= 5.0 + 1e-9 and status.longest_slice_ms <= 5.0 + 1e-9, status
+    assert sorted({r.ms[1] for r in runs}) == [128, 191], runs
+    [beyond] = status.beyond_slice
+    assert re.search(r"size\(s\), M=256, 383, 512, ", beyond), beyond
+
+
 @case("properties", "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=1000, 24 periods",
       "the larger size rotates through every verified size up to the largest prefill size; nothing is listed as beyond the slice")
 def test_a_larger_slice_re_checks_the_prefill_sizes_too():
