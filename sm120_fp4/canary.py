@@ -22,7 +22,7 @@ Engine-neutral: the engine integration calls :func:`idle` where its serving loop
 passes (for SGLang: the scheduler loop's idle point, on the serving thread, with the stream the
 forward passes use made current). A step never runs inside CUDA-graph capture. At one idle point
 the canary runs steps for at most ``SM120_FP4_CANARY_SLICE_MS`` (one step at least, so a run always
-progresses; a step whose recent runs took longer than what is left, or that never ran, waits for the next idle point).
+progresses; a step whose last run took longer than what is left, or that never ran, waits for the next idle point).
 A saturated loop has no idle point: the run waits for the next one, each period it missed is
 counted as skipped, and :func:`status` says so.
 
@@ -64,7 +64,6 @@ SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from her
 KEEP_BYTES = 64 << 20  # a check holding at most this (its activations and reference) waits between its two passes
 RECENT = 16  # runs kept in status
 SWEEP = 4  # at every run's first step, besides the re-checked layer's, the fingerprints of this many more layers in rotation
-RECENT_STEPS = 3  # a step is estimated at the longest of its last this many times (a step's time varies run to run)
 
 
 class CanaryRun(BaseModel):
@@ -195,8 +194,7 @@ class Canary:
         self._cursor: dict[tuple, int] = {}
         self._sweep: dict[tuple, int] = {}  # (family, device index) -> where the next fingerprint sweep starts
         self._rounds: dict[tuple, int] = {}
-        self._estimate: dict[tuple, float] = {}  # job key + (step kind, M) -> the longest of its recent times
-        self._times: dict[tuple, deque[float]] = {}  # the same keys -> the step's last RECENT_STEPS times
+        self._estimate: dict[tuple, float] = {}  # job key + (step kind, M) -> what the step took last
         self._held: dict[tuple, int] = {}  # job key + (M,) -> the bytes its check held when last built
         self._beyond: dict[tuple, dict[int, float]] = {}  # job key -> sizes whose step is estimated over the slice
         self._labels: dict[tuple, str] = {}
@@ -279,7 +277,7 @@ class Canary:
         return sorted(picked)
 
     def _measured(self, key: tuple, kinds: tuple[str, ...] = ("build", *_PASSES)) -> dict[int, float]:
-        """Batch size -> the longest recent time of its steps of `kinds`, for job key `key`."""
+        """Batch size -> the longest last time of its steps of `kinds`, for job key `key`."""
         measured: dict[int, float] = {}
         for (*job_key, kind, size), took in self._estimate.items():
             if tuple(job_key) == key and kind in kinds:
@@ -297,7 +295,7 @@ class Canary:
         return (held[m] if m in held else held[max(below)] * m / max(below)) <= KEEP_BYTES
 
     def _step_time(self, key: tuple, kind: str, m: int) -> float | None:
-        """What step `kind` at batch size `m` takes: the longest of its recent times; else an upper bound from
+        """What step `kind` at batch size `m` takes: its last time; else an upper bound from
         the same kind of step (both passes alike) at smaller sizes. A build whose check will not be
         kept runs both passes in its step, so its bound includes them. None where nothing is known."""
         took = self._estimate.get(key + (kind, m))
@@ -369,9 +367,7 @@ class Canary:
                 with graphs.no_capture():  # a graph capture costs several eager calls: never inside a slice
                     report = self._step(job, kind, m)
                 took = self.timer() - began
-                times = self._times.setdefault(job.key + (kind, m), deque(maxlen=RECENT_STEPS))
-                times.append(took)
-                self._estimate[job.key + (kind, m)] = max(times)
+                self._estimate[job.key + (kind, m)] = took
                 job.busy_s += took
                 if took > self.longest_step_s:
                     what = "the weight fingerprints" if kind == "weights" else f"M={m} ({kind})"
