@@ -22,9 +22,9 @@ Engine-neutral: the engine integration calls :func:`idle` where its serving loop
 passes (for SGLang: the scheduler loop's idle point, on the serving thread, with the stream the
 forward passes use made current). A step never runs inside CUDA-graph capture. At one idle point
 the canary runs steps for at most ``SM120_FP4_CANARY_SLICE_MS`` (one step at least, so a run always
-progresses; a step whose last run took longer than what is left, or that never ran, waits for the next idle point).
-A saturated loop has no idle point: the run waits for the next one, each period it missed is
-counted as skipped, and :func:`status` says so.
+progresses; a step whose last run took longer than what is left, or that never ran, waits for the
+next idle point). A saturated loop has no idle point: the run waits for the next one, each period
+it missed is counted as skipped, and :func:`status` says so.
 
 On a failure, ``SM120_FP4_CANARY_ACTION=exit`` (the default) records the refusal ("while serving:
 ...", the configuration, the numbers) in status and the report file, logs it and raises
@@ -288,7 +288,7 @@ class Canary:
         """Whether the check at batch size `m` holds at most KEEP_BYTES once built (so its passes are
         steps of their own): as measured at `m`; else the bytes of the largest smaller size's check
         scaled by M (activations and references grow in proportion to M); kept where none is known."""
-        held = {size: took for (*job_key, size), took in self._held.items() if tuple(job_key) == key}
+        held = {size: nbytes for (*job_key, size), nbytes in self._held.items() if tuple(job_key) == key}
         below = [size for size in held if size < m]
         if m not in held and not below:
             return True
