@@ -173,6 +173,37 @@ def _steps(ms: list[int]) -> list[tuple[str, int]]:
     return [("weights", 0)] + [(kind, m) for m in ms for kind in ("build", *_PASSES)]
 
 
+def _scaled(measured: dict[int, float], m: int) -> float | None:
+    """measured[m]; else an upper bound, from the largest size measured below `m` scaled by M (a
+    GEMM's time and the oracle's grow at most in proportion to M, their fixed costs do not grow;
+    a check's activations and references grow in proportion to M); None where there is neither."""
+    if m in measured:
+        return measured[m]
+    below = [size for size in measured if size < m]
+    return measured[max(below)] * m / max(below) if below else None
+
+
+@dataclass
+class _SizeTimes:
+    """One configuration's steps as measured so far, per batch size: the last time of its build, the
+    longest last time of its passes, and the bytes its check held when built (read once per run)."""
+
+    builds: dict[int, float]
+    passes: dict[int, float]
+    held: dict[int, int]
+
+    def longest_step(self, m: int) -> float | None:
+        """The longest step at batch size `m` (bounded from smaller sizes where `m` never ran); None
+        where nothing is known. A build not run yet whose check will not be kept (over KEEP_BYTES, its
+        bytes bounded likewise; kept where none is known) runs both passes in its step, so its bound
+        includes them."""
+        passes, build, held = _scaled(self.passes, m), _scaled(self.builds, m), _scaled(self.held, m)
+        if build is not None and m not in self.builds and held is not None and held > KEEP_BYTES:
+            build += 2 * (passes or 0.0)
+        known = [t for t in (build, passes) if t is not None]
+        return max(known) if known else None
+
+
 class Canary:
     """The canary of one process: rotation, slices, counters and the action on a failure."""
 
@@ -268,15 +299,16 @@ class Canary:
         if not ms:
             return []
         self._labels[job.key] = f"{check.label} on {job.served.device.label()}"
-        measured = self._measured(job.key)
+        times = _SizeTimes(self._measured(job.key, ("build",)), self._measured(job.key, _PASSES),
+                           {size: nbytes for (*key, size), nbytes in self._held.items() if tuple(key) == job.key})
         picked = set()
         for sizes in ([m for m in ms if m < SMALL_M] or ms[:1], [m for m in ms if m >= SMALL_M] or ms[-1:]):
-            fits = self._within(job.key, sizes)
-            new = [m for m in fits if m not in measured]
+            fits = self._within(job.key, sizes, times)
+            new = [m for m in fits if m not in times.builds and m not in times.passes]
             picked.add(new[0] if new else fits[round_ % len(fits)])
         return sorted(picked)
 
-    def _measured(self, key: tuple, kinds: tuple[str, ...] = ("build", *_PASSES)) -> dict[int, float]:
+    def _measured(self, key: tuple, kinds: tuple[str, ...]) -> dict[int, float]:
         """Batch size -> the longest last time of its steps of `kinds`, for job key `key`."""
         measured: dict[int, float] = {}
         for (*job_key, kind, size), took in self._estimate.items():
@@ -284,53 +316,13 @@ class Canary:
                 measured[size] = max(took, measured.get(size, 0.0))
         return measured
 
-    def _kept(self, key: tuple, m: int) -> bool:
-        """Whether the check at batch size `m` holds at most KEEP_BYTES once built (so its passes are
-        steps of their own): as measured at `m`; else the bytes of the largest smaller size's check
-        scaled by M (activations and references grow in proportion to M); kept where none is known."""
-        held = {size: nbytes for (*job_key, size), nbytes in self._held.items() if tuple(job_key) == key}
-        below = [size for size in held if size < m]
-        if m not in held and not below:
-            return True
-        return (held[m] if m in held else held[max(below)] * m / max(below)) <= KEEP_BYTES
-
-    def _step_time(self, key: tuple, kind: str, m: int) -> float | None:
-        """What step `kind` at batch size `m` takes: its last time; else an upper bound from
-        the same kind of step (both passes alike) at smaller sizes. A build whose check will not be
-        kept runs both passes in its step, so its bound includes them. None where nothing is known."""
-        took = self._estimate.get(key + (kind, m))
-        if took is not None or kind == "weights":
-            return took
-        passes = self._step_estimate(self._measured(key, _PASSES), m)
-        if kind in _PASSES:
-            return passes
-        build = self._step_estimate(self._measured(key, ("build",)), m)
-        if build is not None and not self._kept(key, m):
-            build += 2 * (passes or 0.0)
-        return build
-
-    def _size_time(self, key: tuple, m: int) -> float | None:
-        """The longest step at batch size `m` (_step_time), None where nothing is known."""
-        known = [t for t in (self._step_time(key, kind, m) for kind in ("build", *_PASSES)) if t is not None]
-        return max(known) if known else None
-
-    @staticmethod
-    def _step_estimate(measured: dict[int, float], m: int) -> float | None:
-        """What one step at batch size `m` takes: the longest measured; else an upper bound, from
-        the largest size measured below it scaled by M (a GEMM's time and the oracle's grow at most
-        in proportion to M, their fixed costs do not grow); None where there is neither."""
-        if m in measured:
-            return measured[m]
-        below = [size for size in measured if size < m]
-        return measured[max(below)] * m / max(below) if below else None
-
-    def _within(self, key: tuple, sizes: list[int]) -> list[int]:
+    def _within(self, key: tuple, sizes: list[int], times: _SizeTimes) -> list[int]:
         """The sizes of `sizes` whose step fits the slice: the smallest always (a run checks a decode
         size and a larger one); any other once its estimate fits. A size estimated over the slice is
         listed in status: verified at load and after warm-up, not re-checked while serving."""
         fits, beyond = sizes[:1], self._beyond.setdefault(key, {})
         for m in sizes[1:]:
-            estimate = self._size_time(key, m)
+            estimate = times.longest_step(m)
             beyond.pop(m, None)
             if estimate is not None and estimate <= self.budget_s:
                 fits.append(m)
