@@ -400,10 +400,10 @@ class Canary:
                 job.done += 1
                 pending = serving.ServedCheck(served, m)
                 if pending.built:
-                    self._held[job.key + (m,)] = pending.held_bytes
-                if pending.built and pending.held_bytes <= KEEP_BYTES:
-                    job.pending = pending  # its passes at the next steps
-                    return None
+                    held = self._held[job.key + (m,)] = pending.held_bytes
+                    if held <= KEEP_BYTES:
+                        job.pending = pending  # its passes at the next steps
+                        return None
                 job.done += 2  # not built (its report says why), or too large to keep: both passes now
                 if pending.run_pass():
                     pending.run_pass()
