@@ -35,7 +35,12 @@ kills its server), so that an orchestrator restarts it and the start-up verifica
 A step never captures a CUDA graph of the checks' own (:func:`graphs.no_capture`): it replays
 the graphs the start-up checks captured and runs anything else eagerly, since a capture costs several
 eager calls. The time a step or a slice takes is measured on the serving thread; every step waits for its
-results (each call is synchronised and compared on the host), so it bounds the GPU time from above.
+GPU work on the serving stream before the next step or forward pass (its calls are synchronised and
+compared on the host, and a step ends with the stream synchronised), so it measures the GPU time a
+slice holds the forward passes back, from above. Where the oracle reads a converted layer's weights
+from pinned host memory (humming keeps the first layer's checkpoint bytes there), the run's first
+step starts copying them to the device on a side stream (:func:`backends.fetch_originals`) and the
+build waits at idle points for them to arrive (FETCH_WAIT_S at most), so the transfer holds no slice.
 """
 
 from __future__ import annotations
@@ -47,12 +52,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from pydantic import BaseModel, Field
 
-from . import deciding, graphs, report as report_file, selftest, serving
+from . import backends, deciding, graphs, report as report_file, selftest, serving
 from .config import Settings
 from .errors import RefusedToServe
 
@@ -64,6 +69,7 @@ SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from her
 KEEP_BYTES = 64 << 20  # a check holding at most this (its activations and reference) waits between its two passes
 RECENT = 16  # runs kept in status
 SWEEP = 4  # at every run's first step, besides the re-checked layer's, the fingerprints of this many more layers in rotation
+FETCH_WAIT_S = 1.0  # a build waits at most this for its weights' fetch, then runs (its step waits for the rest)
 
 
 class CanaryRun(BaseModel):
@@ -157,6 +163,8 @@ class _Job:
     steps: list[tuple[str, int]] = field(default_factory=list)  # (kind, M): "weights", "build", "pass 1", "pass 2"
     done: int = 0  # steps done
     pending: serving.ServedCheck | None = None  # a batch size's check, built, before its second pass
+    fetch: Any = None  # backends.fetch_originals' handle: the oracle's weight bytes on their way
+    fetch_since: float = 0.0  # when the fetch began (the timer's clock)
 
     @property
     def key(self) -> tuple:
@@ -258,6 +266,8 @@ class Canary:
             raise RefusedToServe(self._stopped_message)
         if not self._queue and now < self._due:
             return
+        if self._queue and self._fetching(self._queue[0], self._queue[0].steps[self._queue[0].done][0]):
+            return  # nothing to run until the copy arrives (the forward passes run meanwhile)
         with (serving_stream or contextlib.nullcontext)():
             if _capturing():
                 self.skipped_capturing += 1
@@ -338,6 +348,12 @@ class Canary:
 
     # ---- slices and steps ---------------------------------------------------------------------
 
+    def _fetching(self, job: _Job, kind: str) -> bool:
+        """Whether step `kind` of `job` is a build still waiting for its weights' fetch (the oracle's
+        copy of them moving to the device off the serving stream), for at most FETCH_WAIT_S."""
+        return (kind == "build" and job.fetch is not None and self.timer() - job.fetch_since < FETCH_WAIT_S
+                and not job.fetch.ready())
+
     def _slice(self) -> None:
         start = self.timer()
         touched: list[_Job] = []
@@ -345,6 +361,8 @@ class Canary:
             while self._queue:
                 job = self._queue[0]
                 kind, m = job.steps[job.done]
+                if self._fetching(job, kind):
+                    break
                 measured = self._estimate.get(job.key + (kind, m))
                 if touched and (measured is None or self.timer() - start + measured > self.budget_s):
                     # It would overrun the slice, or it never ran (a first run pays one-off costs, an
@@ -358,6 +376,7 @@ class Canary:
                 began = self.timer()
                 with graphs.no_capture():  # a graph capture costs several eager calls: never inside a slice
                     report = self._step(job, kind, m)
+                report = self._wait(job, report)
                 took = self.timer() - began
                 self._estimate[job.key + (kind, m)] = took
                 job.busy_s += took
@@ -380,6 +399,32 @@ class Canary:
             self.slices += 1
             self.longest_slice_s = max(self.longest_slice_s, spent)
 
+    def _wait(self, job: _Job, report: selftest.SelfTestReport | None) -> selftest.SelfTestReport | None:
+        """Wait for the step's GPU work on the serving stream (a build queues the oracle's and reads
+        nothing back): the step's time is then its GPU time, and the next forward pass is not queued
+        behind work the slice did not count. A device error there is the step's finding."""
+        tdev = job.served.device.torch_device
+        if tdev.type != "cuda":
+            return report
+        try:
+            torch.cuda.current_stream(tdev).synchronize()
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
+            return self._could_not(job, exc)
+        return report
+
+    @staticmethod
+    def _could_not(job: _Job, exc: BaseException) -> selftest.SelfTestReport:
+        served = job.served
+        report = selftest.report_for(served.backend, served.device, config=served.check.label)
+        report.reason = f"the canary could not run the check: {type(exc).__name__}: {exc}"
+        return report
+
+    @staticmethod
+    def _release(job: _Job) -> None:
+        if job.fetch is not None:
+            job.fetch.release()
+            job.fetch = None
+
     def _step(self, job: _Job, kind: str, m: int) -> selftest.SelfTestReport | None:
         """Run step `kind` of `job` at batch size `m`: its report when it completes a batch size (or
         fails), None while a batch size is between its steps or for passing fingerprints."""
@@ -394,11 +439,23 @@ class Canary:
                     group = (served.family, served.device.index)
                     problem, self._sweep[group] = serving.fingerprint_sweep(*group, self._sweep.get(group, 0), SWEEP)
                 if problem is None:
+                    # Where the oracle reads a converted layer's kept bytes from host memory (humming),
+                    # they move to the device now, off the serving stream, while forward passes run.
+                    job.fetch_since = self.timer()
+                    try:
+                        job.fetch = backends.fetch_originals(served.check.tensors)
+                    except torch.OutOfMemoryError:  # no room to hold them between steps: the build copies them
+                        _LOG.info("sm120_fp4: the serving canary could not fetch %s's weights ahead of its build "
+                                  "(out of memory): the build step copies them", served.check.label)
                     return None
                 reason = f"the layer's weights changed since they were verified: {problem}"
             elif kind == "build":
                 job.done += 1
-                pending = serving.ServedCheck(served, m)
+                try:
+                    pending = serving.ServedCheck(served, m)
+                finally:
+                    if all(k != "build" for k, _ in job.steps[job.done:]):
+                        self._release(job)  # the run's last build read them
                 if pending.built:
                     held = self._held[job.key + (m,)] = pending.held_bytes
                     if held <= KEEP_BYTES:
@@ -411,7 +468,7 @@ class Canary:
             else:  # "pass 1", "pass 2"
                 return self._pass(job, kind)
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
-            reason = f"the canary could not run the check: {type(exc).__name__}: {exc}"
+            return self._could_not(job, exc)
         report = selftest.report_for(served.backend, served.device, config=served.check.label)
         report.reason = reason
         return report
@@ -436,6 +493,7 @@ class Canary:
         return pending.report()
 
     def _finish(self, job: _Job) -> None:
+        self._release(job)
         failing = next((r for r in job.reports if not r.passed), None)
         errors = [r.max_rel_err for r in job.reports if r.max_rel_err is not None]
         served = job.served

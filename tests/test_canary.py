@@ -392,6 +392,78 @@ def test_a_check_too_large_to_keep_runs_both_passes_in_one_step(monkeypatch):
         assert all(job.pending is None for job in c._queue)
 
 
+class Fetch:
+    """backends.fetch_originals' handle, controlled: the copy arrives after `polls` ready() queries
+    (never with polls=None); what the canary asked of it is recorded."""
+
+    def __init__(self, log: list, polls: int | None) -> None:
+        self.log, self.polls = log, polls
+
+    def ready(self) -> bool:
+        self.log.append("ready?")
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def release(self) -> None:
+        self.log.append("release")
+
+
+def _fetching(monkeypatch, polls: int | None):
+    log: list = []
+    steps = StepTimer()
+    c, _ = serve(steps.kernel, (96, 160), canary_slice_ms="1000")
+    c.timer = steps
+    assert next_run(c).passed
+    built = []
+    real = serving.ServedCheck
+
+    def served_check(served, m):  # when each build reads the oracle's weights
+        built.append(m)
+        log.append(f"build M={m}")
+        return real(served, m)
+
+    monkeypatch.setattr(serving, "ServedCheck", served_check)
+    monkeypatch.setattr(backends, "fetch_originals", lambda tensors: (log.append("fetch"), Fetch(log, polls))[1])
+    c.clock.now += c.period
+    return c, steps, log, built
+
+
+@case("properties", "a backend whose oracle bytes are fetched to the device off the serving stream after a run's first step (humming's pinned copy; a controlled handle whose copy arrives after 4 polls)",
+      "the idle points before it arrives run nothing (no slice); then the builds run, the fetch is released once, right after the run's last build; the run passes")
+def test_a_build_waits_at_idle_points_for_its_weights_fetch_and_releases_it_after_the_last_build(monkeypatch):
+    c, _, log, built = _fetching(monkeypatch, polls=4)
+    slices = c.slices
+    canary.idle()  # the fingerprints, then the fetch starts; the first build waits for it
+    assert log[0] == "fetch" and not built and c.slices == slices + 1
+    for _ in range(3):
+        canary.idle()
+    assert not built and c.slices == slices + 1, "an idle point while the copy is on its way runs nothing"
+    for _ in range(20):
+        canary.idle()
+        if c.runs == 2:
+            break
+    assert c.runs == 2 and c.status().last_run.passed and len(built) == 2
+    assert log.count("release") == 1 and log.index("release") > log.index(f"build M={built[1]}"), log
+
+
+@case("own failures", "a fetch of the oracle's weights that never arrives (its event never completes)",
+      "the build waits for it at most canary.FETCH_WAIT_S, then runs (its own read waits on the device): the run completes and passes, the fetch is released")
+def test_a_fetch_that_never_arrives_holds_the_build_back_for_a_bounded_time_only(monkeypatch):
+    c, steps, log, built = _fetching(monkeypatch, polls=None)
+    canary.idle()
+    for _ in range(3):
+        canary.idle()
+    assert not built
+    steps.ms += canary.FETCH_WAIT_S * 1e3
+    for _ in range(20):
+        canary.idle()
+        if c.runs == 2:
+            break
+    assert c.runs == 2 and c.status().last_run.passed and len(built) == 2 and log.count("release") == 1, log
+
+
 @case("configuration", "SGLang updates a verified layer's weights (its weight-update path) after a decode-sized canary check was built: before its first pass, or between its two passes",
       "the check built before the update is built again from the new weights: the run passes, no failure is reported for a reference the update made stale")
 @pytest.mark.parametrize("steps", [pytest.param(2, id="before pass 1"), pytest.param(3, id="between the passes")])
