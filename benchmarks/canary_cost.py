@@ -13,10 +13,11 @@ Then the canary (sm120_fp4.canary.Canary, SM120_FP4_CANARY=60, SM120_FP4_SLICE_M
 graph sizes of SGLang 0.5.23's defaults) is driven one period at a time, its idle point called back to
 back, through enough periods that every configuration runs at every decode and larger batch size of
 its rotation. Reported per configuration and batch size: each step (a run's weight fingerprints; a
-batch size's two passes, one step each where the check keeps at most canary.KEEP_BYTES meanwhile,
-else both in its first step; every call checked) as
-the serving thread measures it; per model: the mean time per period and its share of 60 s,
-the longest slice, the peak memory the steps add. Targets: share <= 0.5 %, longest slice <= 5 ms.
+batch size's check built, then its two passes, a step each where the check keeps at most
+canary.KEEP_BYTES meanwhile, else all three in one step; every call checked) as the serving thread
+measures it; per model: the mean time per period and its share of 60 s,
+the longest slice (also less the backend's calls, which take microseconds on SM120), the peak memory
+the steps add. Targets: share <= 0.5 %, longest slice <= 5 ms.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def drive(c: canary.Canary, periods: int) -> list[canary.CanaryRun]:
     runs = []
     for _ in range(periods):
         c.clock.now += c.period
-        done = c.runs
-        for _ in range(10_000):
+        done, give_up = c.runs, time.monotonic() + 60.0
+        while time.monotonic() < give_up:  # an idle point may run nothing (a fetch on its way)
             c.idle()
             if c.runs > done and not c._queue:
                 break
@@ -104,11 +105,29 @@ def _recording_step(self, job, kind, m):
     if ms > LONGEST.get(key, (0.0, 0))[0]:
         LONGEST[key] = (ms, _captures() - captures)
     KERNEL_MS[key] = max(KERNEL_MS.get(key, 0.0), _in_step[0] * 1e3)
+    _in_slice[0] += _in_step[0]
     return report
+
+
+SLICES: list[tuple[float, float]] = []  # every slice: (ms, of it the backend's calls, ms)
+_slice = canary.Canary._slice
+_in_slice = [0.0]
+
+
+def _recording_slice(self):
+    """canary.Canary._slice, timed as the serving thread sees it, with its steps' backend calls added
+    up: on SM120 a FlashInfer call at these sizes takes microseconds, so the slice less the backend's
+    calls is what the slice bound holds there (the oracle's part grows there, see BENCHMARKS.md)."""
+    _in_slice[0], start = 0.0, time.perf_counter()
+    try:
+        return _slice(self)
+    finally:
+        SLICES.append(((time.perf_counter() - start) * 1e3, _in_slice[0] * 1e3))
 
 
 selftest.Sweep.run_pass = _recording_pass
 canary.Canary._step = _recording_step
+canary.Canary._slice = _recording_slice
 
 
 def step_name(config: str, kind: str, m: int) -> str:
@@ -130,7 +149,10 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int) ->
         torch.cuda.reset_peak_memory_stats(tdev)
         before = torch.cuda.memory_allocated(tdev)
     start = time.perf_counter()
+    SLICES.clear()
     runs = drive(c, periods)
+    slices = [ms for ms, _ in SLICES]
+    less = [ms - backend for ms, backend in SLICES]
     wall = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated(tdev) - before) / 2**20 if tdev.type == "cuda" else None
     assert all(r.passed for r in runs), [r.reason for r in runs if not r.passed]
@@ -144,10 +166,15 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int) ->
         steps.append({"step": name, "kind": kind, "m": m, "ms": seconds * 1e3, "longest_ms": longest, "captures_in_longest": captures})
         kernel[name] = KERNEL_MS.get((family, index, key, kind, m))
     print(f"{label}: {len(runs)} runs, {per_period:.2f} ms per period ({per_period / 1e3 / PERIOD_S:.4%} of {PERIOD_S:g} s), "
-          f"longest slice {status.longest_slice_ms:.1f} ms, longest step {status.longest_step_ms:.1f} ms ({status.longest_step})",
+          f"longest slice {status.longest_slice_ms:.1f} ms ({max(less):.1f} ms less the backend's calls; slices over "
+          f"{SLICE_TARGET_MS:g} ms: {sum(ms > SLICE_TARGET_MS for ms in slices)} of {len(slices)}, less the backend's: "
+          f"{sum(ms > SLICE_TARGET_MS for ms in less)}), longest step {status.longest_step_ms:.1f} ms ({status.longest_step})",
           flush=True)
     return {"label": label, "periods": periods, "runs": len(runs), "wall_s": wall, "per_period_ms": per_period,
             "share": per_period / 1e3 / PERIOD_S, "longest_slice_ms": status.longest_slice_ms,
+            "longest_slice_less_backend_ms": max(less), "slices": len(slices),
+            "slices_over": sum(ms > SLICE_TARGET_MS for ms in slices), "slices_over_less_backend": sum(ms > SLICE_TARGET_MS for ms in less),
+            "slice_ms_p50_p99": [statistics.median(slices), sorted(slices)[int(0.99 * (len(slices) - 1))]],
             "longest_step_ms": status.longest_step_ms, "longest_step": status.longest_step,
             "max_slices_per_run": max(r.slices for r in runs), "peak_extra_mib": peak, "beyond_slice": status.beyond_slice,
             "larger_sizes_run": sorted({r.ms[-1] for r in runs}), "decode_sizes_run": sorted({r.ms[0] for r in runs}),
@@ -209,9 +236,12 @@ def main() -> int:
           f"{', the steps may capture graphs (--captures)' if args.captures else ''}; "
           f"SM120_FP4_CANARY={PERIOD_S:g}, slice bound {SLICE_TARGET_MS:g} ms, {len(CAPTURED)} captured graph sizes\n")
     for r in results:
-        rows.append([r["label"], r["runs"], r["per_period_ms"], f"{r['share']:.4%}", r["longest_slice_ms"], r["max_slices_per_run"],
+        rows.append([r["label"], r["runs"], r["per_period_ms"], f"{r['share']:.4%}", r["longest_slice_ms"],
+                     r["longest_slice_less_backend_ms"], f"{r['slices_over']} / {r['slices_over_less_backend']} of {r['slices']}",
+                     r["max_slices_per_run"],
                      "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"])
-    print(table(["model", "runs", "ms per period", "share of 60 s", "longest slice ms", "slices per run (max)",
+    print(table(["model", "runs", "ms per period", "share of 60 s", "longest slice ms", "less the backend's calls",
+                 f"slices over {SLICE_TARGET_MS:g} ms (less the backend's)", "slices per run (max)",
                  "peak extra MiB"], rows))
     for r in results:
         over = sorted({st["m"] for st in r["steps"] if st["ms"] > SLICE_TARGET_MS and st["kind"] != "weights"})
@@ -235,11 +265,14 @@ def main() -> int:
                     [[st["step"], st["longest_ms"], st["captures_in_longest"]] for st in once]))
     share_met = all(r["share"] <= SHARE_TARGET for r in results)
     slice_met = all(r["longest_slice_ms"] <= SLICE_TARGET_MS for r in results)
+    less_met = all(r["longest_slice_less_backend_ms"] <= SLICE_TARGET_MS for r in results)
     print(f"\nshare of GPU time at {PERIOD_S:g} s: target <= {SHARE_TARGET:.1%}: {'met' if share_met else 'NOT met'}; "
-          f"longest slice: target <= {SLICE_TARGET_MS:g} ms: {'met' if slice_met else 'NOT met'}")
+          f"longest slice: target <= {SLICE_TARGET_MS:g} ms: {'met' if slice_met else 'NOT met'} "
+          f"({'met' if less_met else 'NOT met'} less the {args.kernel} backend's calls)")
     write("canary_cost_captures" if args.captures else "canary_cost", {
         "device": device.label(), "quick": scale > 1, "kernel": args.kernel, "captures_in_steps": args.captures,
-        "period_s": PERIOD_S, "captured": len(CAPTURED), "results": results, "met": {"share": share_met, "slice": slice_met},
+        "period_s": PERIOD_S, "captured": len(CAPTURED), "results": results,
+        "met": {"share": share_met, "slice": slice_met, "slice_less_backend": less_met},
         "targets": {"share": SHARE_TARGET, "slice_ms": SLICE_TARGET_MS}})
     return 0
 
