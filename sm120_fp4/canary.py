@@ -266,7 +266,7 @@ class Canary:
             raise RefusedToServe(self._stopped_message)
         if not self._queue and now < self._due:
             return
-        if self._queue and self._fetching(self._queue[0], self._queue[0].steps[self._queue[0].done][0]):
+        if self._queue and self._fetching(self._queue[0]):
             return  # nothing to run until the copy arrives (the forward passes run meanwhile)
         with (serving_stream or contextlib.nullcontext)():
             if _capturing():
@@ -348,11 +348,11 @@ class Canary:
 
     # ---- slices and steps ---------------------------------------------------------------------
 
-    def _fetching(self, job: _Job, kind: str) -> bool:
-        """Whether step `kind` of `job` is a build still waiting for its weights' fetch (the oracle's
-        copy of them moving to the device off the serving stream), for at most FETCH_WAIT_S."""
-        return (kind == "build" and job.fetch is not None and self.timer() - job.fetch_since < FETCH_WAIT_S
-                and not job.fetch.ready())
+    def _fetching(self, job: _Job) -> bool:
+        """Whether the next step of `job` is a build still waiting for its weights' fetch (the
+        oracle's copy of them moving to the device off the serving stream), for at most FETCH_WAIT_S."""
+        return (job.steps[job.done][0] == "build" and job.fetch is not None
+                and self.timer() - job.fetch_since < FETCH_WAIT_S and not job.fetch.ready())
 
     def _slice(self) -> None:
         start = self.timer()
@@ -360,9 +360,9 @@ class Canary:
         try:
             while self._queue:
                 job = self._queue[0]
-                kind, m = job.steps[job.done]
-                if self._fetching(job, kind):
+                if self._fetching(job):
                     break
+                kind, m = job.steps[job.done]
                 measured = self._estimate.get(job.key + (kind, m))
                 if touched and (measured is None or self.timer() - start + measured > self.budget_s):
                     # It would overrun the slice, or it never ran (a first run pays one-off costs, an
@@ -413,11 +413,15 @@ class Canary:
         return report
 
     @staticmethod
-    def _could_not(job: _Job, exc: BaseException) -> selftest.SelfTestReport:
+    def _failed_step(job: _Job, reason: str) -> selftest.SelfTestReport:
         served = job.served
         report = selftest.report_for(served.backend, served.device, config=served.check.label)
-        report.reason = f"the canary could not run the check: {type(exc).__name__}: {exc}"
+        report.reason = reason
         return report
+
+    @classmethod
+    def _could_not(cls, job: _Job, exc: BaseException) -> selftest.SelfTestReport:
+        return cls._failed_step(job, f"the canary could not run the check: {type(exc).__name__}: {exc}")
 
     @staticmethod
     def _release(job: _Job) -> None:
@@ -469,9 +473,7 @@ class Canary:
                 return self._pass(job, kind)
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
             return self._could_not(job, exc)
-        report = selftest.report_for(served.backend, served.device, config=served.check.label)
-        report.reason = reason
-        return report
+        return self._failed_step(job, reason)
 
     @staticmethod
     def _pass(job: _Job, kind: str) -> selftest.SelfTestReport | None:

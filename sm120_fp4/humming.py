@@ -462,6 +462,18 @@ def original(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _layer_conversions(tensors: dict) -> list[_Converted]:
+    """The in-place conversions of one layer's weights (`tensors`: a dense layer's "weight" or a MoE
+    layer's "w13" and "w2"); the caller holds _lock."""
+    found = []
+    for name in ("weight", "w13", "w2"):
+        t = tensors.get(name)
+        conv = _converted.get((_storage_key(t), IN_PLACE)) if isinstance(t, torch.Tensor) else None
+        if conv is not None:
+            found.append(conv)
+    return found
+
+
 def drop_originals(tensors: dict, keep: bool = False) -> None:
     """One converted layer's check is over (`tensors`: a dense layer's "weight" or a MoE layer's
     "w13" and "w2"): forget the copy of its original bytes, kept on the device while it was checked
@@ -470,11 +482,7 @@ def drop_originals(tensors: dict, keep: bool = False) -> None:
     compare) move the copy to pinned host memory instead: no GPU memory held, and each later oracle
     read is one host-to-device copy at the link's full speed."""
     with _lock:
-        for name in ("weight", "w13", "w2"):
-            t = tensors.get(name)
-            conv = _converted.get((_storage_key(t), IN_PLACE)) if isinstance(t, torch.Tensor) else None
-            if conv is None:
-                continue
+        for conv in _layer_conversions(tensors):
             if not keep:
                 conv.originals.clear()
                 continue
@@ -523,14 +531,8 @@ def fetch_originals(tensors: dict, limit: int = FETCH_BYTES) -> Fetch | None:
     it for the transfer (a 70B-class gate_up's 264 MB: about 5 ms over PCIe 5). None where nothing
     is kept in host memory or the layer keeps more than `limit` bytes (its build step then copies)."""
     with _lock:
-        pending = []
-        for name in ("weight", "w13", "w2"):
-            t = tensors.get(name)
-            conv = _converted.get((_storage_key(t), IN_PLACE)) if isinstance(t, torch.Tensor) else None
-            if conv is None:
-                continue
-            pending += [(key, copy, target) for key, (copy, target) in conv.originals.items()
-                        if copy.is_pinned() and target.is_cuda]
+        pending = [(key, copy, target) for conv in _layer_conversions(tensors)
+                   for key, (copy, target) in conv.originals.items() if copy.is_pinned() and target.is_cuda]
         nbytes = sum(_bytes(copy) for _, copy, _ in pending)
         if not pending or nbytes > limit:
             return None
