@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 
 import pytest
 import torch
@@ -85,6 +86,27 @@ def next_run(c, idle_points: int = 50) -> canary.CanaryRun | None:
 
 def scale(factor):
     return lambda a, b, out: out.mul_(factor)
+
+
+@case("concurrency", "the report's directory lock held by another process (a second writer stuck for minutes) when a canary run passes",
+      "the run ends within the lock bound (files.LOCK_TIMEOUT_S) on the serving thread; the skipped report write is logged; "
+      "the next write after the holder lets go holds the run")
+def test_a_held_report_lock_never_blocks_the_serving_thread(tmp_path, caplog):
+    from helpers.procs import lock_held_elsewhere
+    from sm120_fp4 import files
+
+    report = tmp_path / "report.json"
+    c, _ = serve(emulated_mm_fp4, (96, 160), report=str(report))
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    with lock_held_elsewhere(tmp_path):
+        began = time.monotonic()
+        assert next_run(c).passed
+        took = time.monotonic() - began
+    assert took < files.LOCK_TIMEOUT_S + 5, took
+    assert any("skipped a report write" in r.getMessage() and "locked by another process" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert next_run(c).passed
+    assert json.loads(report.read_text())["processes"][-1]["canary"]["runs"] == 2
 
 
 # ---- the Must-show, in-process: wrong after N served calls, caught by the next run -------------
