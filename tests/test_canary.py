@@ -109,6 +109,44 @@ def test_a_held_report_lock_never_blocks_the_serving_thread(tmp_path, caplog):
     assert json.loads(report.read_text())["processes"][-1]["canary"]["runs"] == 2
 
 
+@case("configuration", "SM120_FP4_CANARY on with SM120_FP4_SELFTEST=warn and a kernel that fails at load (nothing verified, served unverified)",
+      "status().canary.state says the canary has nothing to re-check, and why; the idle points run nothing")
+def test_the_canary_says_when_it_has_nothing_to_recheck():
+    wear = Wear(scale(4.0))
+    wear.armed = True  # wrong from the start: the layer is served unverified under warn
+    c, _ = serve(wear, (96, 160), selftest="warn")
+    state = sm120_fp4.status().canary.state
+    assert "nothing to re-check" in state and "SM120_FP4_SELFTEST=warn" in state, state
+    assert next_run(c) is None and c.runs == 0
+
+
+@case("configuration", "SGLang's weight-update session begun (WeightUpdater.begin_weight_update) and never ended, the canary on",
+      "status().canary says for how long the update is open and that fingerprints are not compared meanwhile; past "
+      "canary.WEIGHT_UPDATE_LIMIT_S one warning says the session may never have ended; after end_weight_update, compared again")
+def test_a_weight_update_that_never_ends_is_said_in_status(monkeypatch, caplog):
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    c, [(method, layer)] = serve(emulated_mm_fp4, (96, 160))
+    updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+                            get_model=lambda: layer, update_model_fields=lambda **kw: None,
+                            recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+    assert sm120_fp4.status().canary.weights_update is None
+    updater.begin_weight_update()
+    shown = sm120_fp4.status().canary
+    assert "weight update has been open for" in shown.weights_update and shown.fingerprints.startswith("not compared"), shown
+    monkeypatch.setattr(canary, "WEIGHT_UPDATE_LIMIT_S", 0.0)  # the limit, reached without waiting minutes
+    caplog.set_level(logging.WARNING, "sm120_fp4")
+    assert next_run(c).passed and next_run(c).passed
+    told = [r for r in caplog.records if "never ended" in r.getMessage()]
+    assert len(told) == 1, [r.getMessage() for r in caplog.records]
+    assert "never ended" in sm120_fp4.status().canary.weights_update
+    try:
+        updater.end_weight_update(run_post_load=False)
+    except Exception as exc:  # SGLang's own postprocess may need more than this CPU stand-in has
+        pytest.skip(f"SGLang's end_weight_update cannot run on this CPU stand-in: {type(exc).__name__}: {exc}")
+    assert sm120_fp4.status().canary.weights_update is None
+
+
 # ---- the Must-show, in-process: wrong after N served calls, caught by the next run -------------
 
 @case("backend faults", "a dense kernel right at start-up and after warm-up that returns results {factor}x too large after 20 calls made while serving, SM120_FP4_CANARY on, action exit",
