@@ -70,6 +70,9 @@ KEEP_BYTES = 64 << 20  # a check holding at most this (its activations and refer
 RECENT = 16  # runs kept in status
 SWEEP = 4  # at every run's first step, besides the re-checked layer's, the fingerprints of this many more layers in rotation
 FETCH_WAIT_S = 1.0  # a build waits at most this for its weights' fetch, then runs (its step waits for the rest)
+# A weight update open longer than this (a session begun and never ended) is reported: a warning once,
+# and status says the fingerprints have not been compared since (the oracle checks still run).
+WEIGHT_UPDATE_LIMIT_S = 300.0
 
 
 class CanaryRun(BaseModel):
@@ -114,6 +117,9 @@ class CanaryStatus(BaseModel):
     idle_point: str | None = None
     fingerprints: str = (f"compared at the first step of every run: the re-checked layer's, and {SWEEP} more layers' of "
                          "its family and device in rotation")
+    weights_update: str | None = Field(None, description=(
+        "while SGLang's weight update (a call, or a session begun and not ended) is open: for how long; weight "
+        "fingerprints are not compared meanwhile"))
     armed_at: float | None = None
     runs: int = 0
     failures: int = 0
@@ -243,6 +249,7 @@ class Canary:
         self._recent: deque[CanaryRun] = deque(maxlen=RECENT)
         self._stopped: str | None = None
         self._stopped_message = ""
+        self._told_update = False  # the open weight update past WEIGHT_UPDATE_LIMIT_S was logged
         self.runs = self.failures = self.slices = self.skipped_saturated = self.skipped_capturing = 0
         self.busy_s = self.longest_wait_s = self.longest_slice_s = self.longest_step_s = 0.0
         self.longest_step: str | None = None
@@ -259,6 +266,7 @@ class Canary:
         The first call arms the canary (the first run is due one period later). Cheap otherwise."""
         now = self.clock()
         self._last_idle = now
+        self._check_update()
         if self._armed is None:
             self._armed, self._armed_at, self._due = now, time.time(), now + self.period
             return
@@ -275,6 +283,15 @@ class Canary:
             if not self._queue:
                 self._start_period(now)
             self._slice()
+
+    def _check_update(self) -> None:
+        """Log once when a weight update has been open past WEIGHT_UPDATE_LIMIT_S (cheap otherwise)."""
+        open_s = serving.weights_update_open_s()
+        if open_s is None:
+            self._told_update = False
+        elif open_s > WEIGHT_UPDATE_LIMIT_S and not self._told_update:
+            self._told_update = True
+            _LOG.warning("sm120_fp4: %s", _update_text(open_s))
 
     # ---- rotation -----------------------------------------------------------------------------
 
@@ -551,6 +568,9 @@ class Canary:
     def _state(self) -> str:
         if self._stopped is not None:
             return self._stopped
+        nothing = _nothing_to_check(self.settings)
+        if nothing is not None:
+            return nothing
         if self._armed is None:
             return "on; armed at the serving loop's first idle point (none in this process yet)"
         now = self.clock()
@@ -570,7 +590,11 @@ class Canary:
             failed = [f.model_copy() for f in self._failed.values()]
             beyond = [self._beyond_text(key, sizes) for key, sizes in self._beyond.items() if sizes]
         elapsed = time.time() - self._armed_at if self._armed_at is not None else None
+        open_s = serving.weights_update_open_s()
+        update = _update_text(open_s) if open_s is not None else None
         return CanaryStatus(
+            weights_update=update,
+            **({"fingerprints": f"not compared now: {update}"} if update else {}),
             enabled=True, period_s=self.period, action=self.settings.canary_action, slice_ms=self.budget_s * 1e3,
             state=self._state(), idle_point=self.idle_point, armed_at=self._armed_at, runs=self.runs,
             failures=self.failures, failed=failed, last_run=recent[-1] if recent else None, recent=recent,
@@ -586,6 +610,27 @@ class Canary:
         listed = ", ".join(map(str, ms)) if len(ms) <= 8 else f"{', '.join(map(str, ms[:4]))}, ..., {', '.join(map(str, ms[-2:]))}"
         return (f"{self._labels.get(key, key)}: {len(ms)} size(s), M={listed} (a step estimated at "
                 f"{min(sizes.values()) * 1e3:.3g} ms or more)")
+
+
+def _update_text(open_s: float) -> str:
+    text = (f"SGLang's weight update has been open for {open_s:.0f} s: weight fingerprints are not compared until it "
+            "ends (the canary's checks against the oracle still run)")
+    if open_s > WEIGHT_UPDATE_LIMIT_S:
+        text += (f"; that is over {WEIGHT_UPDATE_LIMIT_S:.0f} s: a weight-update session begun "
+                 "(begin_weight_update) and never ended (end_weight_update)?")
+    return text
+
+
+def _nothing_to_check(settings: Settings) -> str | None:
+    """Why the canary has nothing to re-check although layers were decided (all served unverified), or None."""
+    if serving.served_configurations():
+        return None
+    unverified = [d for d in serving.decisions() if d.layers or not d.verified]
+    if not unverified:
+        return None
+    return (f"on, but nothing to re-check: no layer configuration is verified in this process ({len(unverified)} "
+            f"decision(s) serve unverified under SM120_FP4_SELFTEST={settings.selftest}); the canary re-checks only "
+            "what was verified")
 
 
 # ---- the process's canary -----------------------------------------------------------------------

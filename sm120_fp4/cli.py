@@ -386,7 +386,19 @@ def _record(settings, family: str, result: dict) -> None:
         for r in reports:
             verdicts.record(path, key, family, r["backend"], verdicts.PASSED if r["passed"] else verdicts.FAILED, r.get("reason"))
     except OSError as exc:
-        _eprint(f"sm120-fp4: could not record verdicts in {path}: {exc}")
+        _store_failed(path, exc)
+
+
+_told_stores: set[str] = set()
+
+
+def _store_failed(path, exc: OSError) -> str:
+    """Why the verdict store at `path` could not be written, said once per store and process."""
+    why = f"the verdict store {path} cannot be written ({exc})"
+    if str(path) not in _told_stores:
+        _told_stores.add(str(path))
+        _eprint(f"sm120-fp4: {why}")
+    return why
 
 
 def _interrupted(code: int, stop: _Stop) -> int | None:
@@ -409,13 +421,14 @@ def _preflight(index: int, family: str, backend_args: list[str], settings, env: 
     stop = stop or _Stop()
     label = ("cpu (simulated)" if index < 0 else f"cuda:{index}") + ("" if family == "dense" else " moe")
     crashed: dict[str, str] = {}
+    unrecorded: dict[str, str] = {}  # crashed candidates the verdict store does not hold: serving workers would load them
     killed: dict[str, int] = {}
     while True:
         if stop.signal is not None:
             return _stopped(label, stop.signal, None)
         result, event, code, stderr = (_worker_runner or _run_worker)(index, family, backend_args, crashed, label, env, stop, uuid)
         if result is not None:
-            result["crashed"] = dict(crashed)
+            result["crashed"], result["unrecorded"] = dict(crashed), dict(unrecorded)
             _record(settings, family, result)
             return result
         interrupted = _interrupted(code, stop)
@@ -436,11 +449,17 @@ def _preflight(index: int, family: str, backend_args: list[str], settings, env: 
                                "(dmesg, the container's limit) and run it again"}
         why = f"the {event['event']} of {name} {_died(code)}"
         crashed[name] = why
-        _eprint(f"[{label}] {why}: recorded as crashed; re-running the self-test without it")
-        try:
-            verdicts.record(settings.verdicts_path, event["key"], family, name, verdicts.CRASHED, why)
-        except OSError as exc:
-            _eprint(f"sm120-fp4: could not record the crash in {settings.verdicts_path}: {exc}")
+        path = settings.verdicts_path
+        if path is None:
+            unrecorded[name] = "no verdict store (SM120_FP4_VERDICTS=off, or no home directory for the default one)"
+        else:
+            try:
+                verdicts.record(path, event["key"], family, name, verdicts.CRASHED, why)
+            except OSError as exc:
+                unrecorded[name] = _store_failed(path, exc)
+        # Said once: recorded, or not (and why); serving workers skip only what the store holds.
+        where = f"NOT recorded as crashed: {unrecorded[name]}" if name in unrecorded else f"recorded as crashed in {path}"
+        _eprint(f"[{label}] {why}: {where}; re-running the self-test without it")
 
 
 def _stopped(label: str, signum: int, event: dict | None) -> dict:
@@ -487,7 +506,9 @@ def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
     return markdown_table(("kernel", "device", "backend", "verified", "max rel error", "shapes", "time (s)", "note"), rows)
 
 
-def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None) -> int:
+def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None,
+                 seen: list[tuple[str, dict]] | None = None) -> int:
+    """``selftest``: each family on each device in short-lived workers; `seen` (launch) gets each job's (family, result)."""
     from . import deciding, devices, verdicts
 
     families = list(families or (["moe"] if getattr(args, "moe", False) else ["dense"]))
@@ -520,6 +541,8 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
             results = {job: futures[job].result() for job in jobs}  # the table keeps device order
     finally:
         restore()
+    if seen is not None:
+        seen.extend((family, r) for (family, _), r in results.items())
     _eprint(f"sm120-fp4 selftest: done in {time.perf_counter() - start:.1f} s")
     _write_preflight_report(settings, results)
     interrupted = [r for r in results.values() if r.get("interrupted")]
@@ -584,13 +607,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _eprint("sm120-fp4 launch: give the command to run after --, e.g. "
                 "sm120-fp4 launch -- python -m sglang.launch_server --model-path ...")
         return EXIT_USAGE
+    problem = _command_problem(command[0])
+    if problem is not None:  # said now, not after minutes of preflight
+        _eprint(f"sm120-fp4 launch: {problem}; not running the preflight")
+        return EXIT_USAGE
     os.environ["SM120_FP4"] = "1"
     problem = _canary_problem()
     if problem is not None:  # refused now, not in every scheduler after the preflight
         _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
         return EXIT_USAGE
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
-    code = cmd_selftest(argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"))
+    seen: list[tuple[str, dict]] = []
+    code = cmd_selftest(argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"),
+                        seen=seen)
+    unrecorded = _unrecorded_crashes(seen)
+    if unrecorded is not None and code in (EXIT_OK, EXIT_UNVERIFIED):
+        _eprint(f"sm120-fp4 launch: {unrecorded}; not starting the server")
+        return EXIT_USAGE
     if code == EXIT_UNVERIFIED and args.allow_unverified:
         _eprint("sm120-fp4 launch: preflight UNVERIFIED; starting anyway because --allow-unverified was given")
     elif code != EXIT_OK:
@@ -599,13 +632,53 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return code
     else:
         _eprint("sm120-fp4 launch: preflight passed")
-    _eprint(f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1")
+    if COREDUMP_WAIT_VAR not in os.environ:
+        # SGLang 0.5.x sleeps this long (default 60 s) for CUDA coredumps before it kills its process tree
+        # when a scheduler fails -- a canary's exit among them -- while the port stays open: shortened here.
+        os.environ[COREDUMP_WAIT_VAR] = LAUNCH_COREDUMP_WAIT_S
+    _eprint(f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1 and {COREDUMP_WAIT_VAR}={os.environ[COREDUMP_WAIT_VAR]}")
     try:
         os.execvpe(command[0], command, os.environ)
     except OSError as exc:
         _eprint(f"sm120-fp4 launch: cannot run {command[0]!r}: {exc}")
         return EXIT_USAGE
     return EXIT_OK  # pragma: no cover - exec does not return
+
+
+COREDUMP_WAIT_VAR = "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS"
+LAUNCH_COREDUMP_WAIT_S = "0"  # what launch sets unless the operator did (docs/operations.md)
+
+
+def _command_problem(name: str) -> str | None:
+    """Why `name` cannot be executed as the launched command (not found on PATH, not an executable file), or None."""
+    import shutil
+
+    if shutil.which(name) is not None:
+        return None
+    if os.sep in name:
+        what = "does not exist" if not os.path.exists(name) else "is not an executable file"
+        return f"the command {name!r} {what}"
+    return f"the command {name!r} is not found on PATH ({os.environ.get('PATH', '')!r}) as an executable file"
+
+
+def _unrecorded_crashes(seen: list[tuple[str, dict]]) -> str | None:
+    """Why the server must not start: candidates that crashed the preflight and that the verdict
+    store does not hold (the server's workers read only the store, so they would load them and
+    crash), or None."""
+    from .deciding import FAMILIES
+
+    lost: dict[str, dict[str, str]] = {}
+    for family, result in seen:
+        for name, why in (result.get("unrecorded") or {}).items():
+            lost.setdefault(family, {})[name] = why
+    if not lost:
+        return None
+    names = "; ".join(f"{FAMILIES[f].what} {', '.join(sorted(n))}" for f, n in lost.items())
+    why = next(iter(next(iter(lost.values())).values()))
+    leave_out = " or ".join(f"{FAMILIES[f].backends_var} without {', '.join(sorted(n))}" for f, n in lost.items())
+    return (f"candidate(s) crashed the preflight and are not recorded ({names}): {why}. The server's workers would "
+            f"load them and crash; make the verdict store writable (SM120_FP4_VERDICTS, a file in a writable directory), "
+            f"or leave them out ({leave_out})")
 
 
 def _canary_problem() -> str | None:

@@ -33,8 +33,20 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*", re.ASCII)
 _CAPABILITY = re.compile(r"([0-9]{1,2})\.([0-9])", re.ASCII)
 _SECONDS = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 _ASCII_SPACE = " \t"
-_MAX_TIMEOUT_S = 86400.0  # a day: a bound, not a wish (threading refuses timeouts near 2**63 ns)
-_MAX_SLICE_MS = 1000.0  # a canary slice holds the serving thread: a second is already far too long
+# Every duration setting is bounded from below and above: (least, most, unit). A value too small
+# for its use is as wrong as one too large: a period of 1e-320 s makes `late // period` infinite
+# (OverflowError in the scheduler), and threading refuses timeouts near 2**63 ns.
+_DAY_S = 86400.0
+DURATIONS: dict[str, tuple[float, float, str]] = {
+    "selftest_timeout": (1.0, _DAY_S, "seconds"),  # a whole candidate's self-test: never under a second
+    "canary": (0.1, _DAY_S, "seconds"),  # the canary's period
+    "canary_slice_ms": (0.001, 1000.0, "milliseconds"),  # a slice holds the serving thread: a second is far too long
+}
+# The capabilities SM120_FP4_SIMULATE may pretend: what the library serves (12.0, 12.1: patched and
+# verified) and those of NVIDIA's other CUDA GPUs (the library leaves SGLang untouched there, as on
+# such a GPU). Another value would be simulated as nothing the library knows what to do with.
+SERVED_CAPABILITIES = ((12, 0), (12, 1))
+OTHER_CAPABILITIES = ((7, 0), (7, 2), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0))
 OFF = "off"
 
 
@@ -208,42 +220,31 @@ class Settings(BaseSettings):
             raise ValueError("accepted: each backend named once")
         return names
 
-    @field_validator("selftest_timeout", mode="before")
+    @field_validator("selftest_timeout", "canary_slice_ms", mode="before")
     @classmethod
-    def _parse_timeout(cls, value: object) -> object:
-        seconds = _number(value)
-        if seconds is None or not 0 < seconds <= _MAX_TIMEOUT_S:
-            raise ValueError(f"accepted: a positive number of seconds up to {_MAX_TIMEOUT_S:.0f} in ASCII digits, e.g. 900")
-        return seconds
+    def _parse_duration(cls, value: object, info) -> object:
+        return _duration(info.field_name, value)
 
     @field_validator("canary", mode="before")
     @classmethod
     def _parse_canary(cls, value: object) -> object:
         if value == OFF:
             return OFF
-        seconds = _number(value)
-        if seconds is None or not 0 < seconds <= _MAX_TIMEOUT_S:
-            raise ValueError(f"accepted: off, or the period in seconds, a positive number up to {_MAX_TIMEOUT_S:.0f} "
-                             "in ASCII digits, e.g. 60")
-        return seconds
-
-    @field_validator("canary_slice_ms", mode="before")
-    @classmethod
-    def _parse_slice(cls, value: object) -> object:
-        ms = _number(value)
-        if ms is None or not 0 < ms <= _MAX_SLICE_MS:
-            raise ValueError(f"accepted: a positive number of milliseconds up to {_MAX_SLICE_MS:.0f} in ASCII digits, e.g. 5")
-        return ms
+        return _duration("canary", value, "off, or the period in seconds: ")
 
     @field_validator("simulate", mode="before")
     @classmethod
     def _parse_simulate(cls, value: object) -> object:
         if value is None:
             return None
+        if isinstance(value, float):
+            value = repr(value)  # 12.0 -> "12.0", as the variable is written; 12.05 stays ambiguous (rejected)
         # fullmatch: re's `$` also matches before a trailing newline ("12.0\n" is not a capability).
         match = _CAPABILITY.fullmatch(value) if isinstance(value, str) else None
-        if not match or not 1 <= int(match.group(1)) <= 99:
-            raise ValueError("accepted: a compute capability MAJOR.MINOR such as 12.0 or 12.1")
+        if not match or (int(match.group(1)), int(match.group(2))) not in SERVED_CAPABILITIES + OTHER_CAPABILITIES:
+            raise ValueError(f"accepted: a compute capability MAJOR.MINOR the library knows: {_capabilities(SERVED_CAPABILITIES)} "
+                             f"(patched and verified), or another NVIDIA GPU's ({_capabilities(OTHER_CAPABILITIES)}: SGLang "
+                             "is left untouched, as on such a GPU)")
         return value
 
     @field_validator("report", mode="before")
@@ -273,6 +274,9 @@ class Settings(BaseSettings):
     def _parse_verdicts(cls, value: object) -> object:
         if value is None or value == "off":
             return value
+        if isinstance(value, str) and value.strip(_ASCII_SPACE).lower() == "off":
+            # Values are lower case, as every other setting's: "OFF" is not a file named OFF.
+            raise ValueError("accepted: off in lower case for no verdict store, or a file path")
         if not isinstance(value, (str, Path)) or not str(value).strip() or "\x00" in str(value):
             raise ValueError("accepted: a file path, or off (unset: the default under the user's cache directory)")
         if _filesystem(Path(value).is_dir, value):
@@ -318,6 +322,19 @@ def _number(value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+def _capabilities(capabilities: tuple[tuple[int, int], ...]) -> str:
+    return ", ".join(f"{major}.{minor}" for major, minor in capabilities)
+
+
+def _duration(field: str, value: object, prefix: str = "") -> float:
+    """The value of duration setting `field`, within its bounds (DURATIONS), or ValueError saying the range."""
+    least, most, unit = DURATIONS[field]
+    number = _number(value)
+    if number is None or not least <= number <= most:
+        raise ValueError(f"accepted: {prefix}{least:g} <= {unit} <= {most:g}, in ASCII digits")
+    return number
 
 
 def env_name(field: str) -> str:
@@ -422,9 +439,10 @@ def _accepted(field: str) -> str:
         return "`1`, `on`, `0`, `off`"
     if choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
-    return {"backends": "`auto` or comma-separated names", "moe_backends": "`auto` or comma-separated names", "simulate": "`MAJOR.MINOR`, e.g. `12.0`",
-            "report": "a path", "verdicts": "a file path, or `off`", "selftest_timeout": "seconds, 0 < s <= 86400",
-            "canary": "`off`, or seconds, 0 < s <= 86400", "canary_slice_ms": "milliseconds, 0 < ms <= 1000"}.get(field, "")
+    return {"backends": "`auto` or comma-separated names", "moe_backends": "`auto` or comma-separated names", "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
+            "report": "a path", "verdicts": "a file path, or `off`",
+            **{f: ("`off`, or " if f == "canary" else "") + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
+               for f, (least, most, unit) in DURATIONS.items()}}.get(field, "")
 
 
 def settings_table() -> str:

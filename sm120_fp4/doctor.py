@@ -221,10 +221,21 @@ def collect(deep: bool = True) -> dict:
     return report
 
 
+def _errors(value: Any, where: str) -> list[str]:
+    """Every probe error shown anywhere in `value` (a dict with an "error"), each with where it is shown."""
+    if isinstance(value, dict):
+        if isinstance(value.get("error"), str):
+            return [f"{where}: {value['error']}"]
+        return [e for key, item in value.items() for e in _errors(item, f"{where}.{key}")]
+    if isinstance(value, list):
+        return [e for i, item in enumerate(value) for e in _errors(item, f"{where}[{i}]")]
+    return []
+
+
 def _problems(report: dict) -> list[str]:
-    problems = []
-    if "error" in report.get("settings", {}):
-        problems.append(f"settings: {report['settings']['error']}")
+    # Every error doctor shows, in any section (a probe that failed: the GPUs' numbering, NVML,
+    # SGLang's import), is a problem: what the report shows and what --strict judges never differ.
+    problems = [e for section, value in report.items() if section != "import_check" for e in _errors(value, section)]
     sg = report.get("sglang", {})
     if isinstance(sg, dict) and sg.get("sglang") and not sg.get("supported"):
         problems.append(sg.get("reason", "unsupported SGLang"))
@@ -239,7 +250,7 @@ def _problems(report: dict) -> list[str]:
     if canary.get("problem"):
         problems.append(f"serving canary: {canary['problem']}")
     check = report.get("import_check", {})
-    if "error" in check:
+    if isinstance(check.get("error"), str):
         problems.append(f"SGLang import check failed: {check['error']}")
     for row in check.get("targets", []):
         if row["state"] != "fails":

@@ -23,10 +23,11 @@ import json
 import os
 import secrets
 import stat
+import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["UntrustedPath", "make_private_dirs", "write_json", "read_json", "locked", "locked_directory", "kind_of", "DIR_MODE", "FILE_MODE"]
+__all__ = ["UntrustedPath", "LockTimeout", "LOCK_TIMEOUT_S", "make_private_dirs", "write_json", "read_json", "locked", "locked_directory", "kind_of", "DIR_MODE", "FILE_MODE"]
 
 DIR_MODE, FILE_MODE = 0o700, 0o600
 _OPEN = os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -34,6 +35,32 @@ _OPEN = os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 class UntrustedPath(OSError):
     """A path this library will not read, write or replace (what it is and why is in the message)."""
+
+
+class LockTimeout(OSError):
+    """A lock another process (or thread) held for longer than the bound: nothing was written."""
+
+
+# How long a write waits for one of this library's locks. Report writes run on serving threads (a
+# decision, the canary's outcome), where nothing may block without a bound: past it the write is
+# skipped (the caller logs it), never waited for.
+LOCK_TIMEOUT_S = 2.0
+
+
+def _flock(fd: int, path: Path, what: str, timeout_s: float) -> None:
+    """flock(LOCK_EX) on `fd`, waiting at most `timeout_s` (polling: flock has no timeout of its own)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise LockTimeout(errno.EWOULDBLOCK, f"the {what} {path} is locked by another process for more than "
+                                  f"{timeout_s:g} s; not waiting longer") from None
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.05)
 
 
 def kind_of(mode: int) -> str:
@@ -166,10 +193,11 @@ def read_json(path: Path, what: str = "file") -> object | None:
 
 
 @contextlib.contextmanager
-def locked(path: Path, what: str = "lock file") -> Iterator[None]:
+def locked(path: Path, what: str = "lock file", timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Hold an exclusive advisory lock on `path` (created 0600 in a trusted directory; an existing
     one must be a regular file of ours, never a link or a FIFO; one of ours made 0666 under an old
-    umask is set to 0600: what is in a lock file does not matter, only who can replace it)."""
+    umask is set to 0600: what is in a lock file does not matter, only who can replace it).
+    LockTimeout when another holder keeps it past `timeout_s`."""
     path = Path(path)
     with _directory(path.parent, what) as dfd:
         with contextlib.suppress(FileNotFoundError):
@@ -183,16 +211,16 @@ def locked(path: Path, what: str = "lock file") -> Iterator[None]:
                 raise UntrustedPath(errno.EPERM, f"not using the {what} {path}: it {file_problem(st)}")
             if stat.S_IMODE(st.st_mode) != FILE_MODE:
                 os.fchmod(fd, FILE_MODE)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _flock(fd, path, what, timeout_s)
             yield
         finally:
             os.close(fd)
 
 
 @contextlib.contextmanager
-def locked_directory(folder: Path, what: str = "directory") -> Iterator[None]:
+def locked_directory(folder: Path, what: str = "directory", timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Hold an exclusive advisory lock on the trusted directory `folder` itself (no lock file left
-    beside the files: the report's writers use it)."""
+    beside the files: the report's writers use it). LockTimeout when another holder keeps it past `timeout_s`."""
     with _directory(Path(folder), what) as dfd:
-        fcntl.flock(dfd, fcntl.LOCK_EX)
+        _flock(dfd, Path(folder), f"{what} directory", timeout_s)
         yield

@@ -22,6 +22,7 @@ a link or special file. :func:`update` writes this process's section from :data:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -96,10 +97,23 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
     report at `path` and return the file written. OSError (files.UntrustedPath among them) when it
     cannot be written; the previous report is then intact."""
     target = resolve(path, directory)
+    # Bounded, both the thread lock and the file lock: this runs on serving threads.
+    if not _lock.acquire(timeout=files.LOCK_TIMEOUT_S):
+        raise files.LockTimeout(errno.EWOULDBLOCK, f"another thread of this process has been writing the report {target} "
+                                f"for more than {files.LOCK_TIMEOUT_S:g} s; not waiting longer")
+    try:
+        _merge(target, section, role)
+    finally:
+        _lock.release()
+    return target
+
+
+def _merge(target: Path, section: dict, role: str) -> None:
+    """write()'s merge of this process's `section` into `target`, under the report directory's lock."""
     me = {**{k: v for k, v in section.items() if k not in ("decisions", "refusals")},
           "pid": os.getpid(), "role": role, "run": _run(), "started": _started(os.getpid()),
           "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    with _lock, files.locked_directory(target.parent, "report"):
+    with files.locked_directory(target.parent, "report"):
         try:
             old = files.read_json(target, "report")
         except ValueError:
@@ -122,7 +136,6 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
         payload = {"version": VERSION, "pid": me["pid"], "updated_at": me["written_at"], "processes": keep + [me],
                    "decisions": entries("decisions"), "refusals": entries("refusals")}
         files.write_json(target, payload, "report")
-    return target
 
 
 def update(settings: Settings) -> None:
@@ -132,9 +145,17 @@ def update(settings: Settings) -> None:
     not a reason to stop a verified worker."""
     if settings.report is None:
         return
-    with _update_lock:
+    if not _update_lock.acquire(timeout=files.LOCK_TIMEOUT_S):  # never an unbounded wait on a serving thread
+        _LOG.warning("sm120_fp4: skipped a report write to %s: another thread of this process has been writing it for "
+                     "more than %g s (the next write holds the latest state)", settings.report, files.LOCK_TIMEOUT_S)
+        return
+    try:
         payload = {name: section() for name, section in list(sections.items())}
         try:
             write(settings.report, payload, directory=settings.report_is_dir)
+        except files.LockTimeout as exc:
+            _LOG.warning("sm120_fp4: skipped a report write: %s (the next write holds the latest state)", exc)
         except OSError as exc:
             _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
+    finally:
+        _update_lock.release()

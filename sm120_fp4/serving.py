@@ -39,6 +39,7 @@ from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
 
 __all__ = ["LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end",
+           "weights_update_open_s",
            "refusals", "record_refusal", "decide", "decisions", "clear", "route", "route_table", "routes",
            "Served", "served_configurations", "served_layer", "ServedCheck",
            "fingerprint_problem", "fingerprint_sweep"]
@@ -294,9 +295,9 @@ def clear() -> None:
     """Forget every decision and route (uninstall; tests; a FlashInfer upgrade in a long-lived process),
     and undo what a backend converted at load where it can (humming: the layers whose original bytes
     it kept); a layer it cannot restore is named in a warning (only that backend can serve it)."""
-    global _updating, _generation
+    global _updating, _updating_since, _generation
     with _lock:
-        _updating = 0
+        _updating, _updating_since = 0, None
         _generation += 1
         dropped = list(_records.values())
         _records.clear()
@@ -743,6 +744,7 @@ def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) ->
 
 
 _updating = 0  # SGLang weight updates in progress (weights_updating)
+_updating_since: float | None = None  # time.monotonic() when the open weight updates began (None: none open)
 _generation = 0  # bumped at every weight update's begin and end: a ServedCheck built before one is stale
 _last_settings: Settings | None = None
 
@@ -840,9 +842,11 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.S
 def weights_update_begin() -> None:
     """SGLang starts writing weights (a weight-update call, or a weight-update session): caches of
     dequantized weights are dropped, and fingerprint changes are expected until the matching end."""
-    global _updating, _generation
+    global _updating, _updating_since, _generation
     backends.invalidate_caches()
     with _lock:
+        if not _updating:
+            _updating_since = time.monotonic()
         _updating += 1
         _generation += 1
 
@@ -850,13 +854,22 @@ def weights_update_begin() -> None:
 def weights_update_end(settings: Settings) -> list[selftest.SelfTestReport]:
     """SGLang is done writing weights: when no other update is open, every layer whose weights
     changed is verified again (reverify) before anything else is served."""
-    global _updating, _generation
+    global _updating, _updating_since, _generation
     with _lock:
         _updating = max(0, _updating - 1)
         _generation += 1
         last = _updating == 0
+        if last:
+            _updating_since = None
     backends.invalidate_caches()
     return reverify(settings) if last else []
+
+
+def weights_update_open_s() -> float | None:
+    """How long SGLang's weight update (a call, or a session begun and not ended) has been open, or
+    None when none is: meanwhile weight fingerprints are not compared (changes are expected)."""
+    with _lock:
+        return None if _updating_since is None else time.monotonic() - _updating_since
 
 
 @contextlib.contextmanager

@@ -118,7 +118,8 @@ def record(path: Path | None, key: dict, family: str, backend: str, verdict: str
              "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "recorded_by": "sm120-fp4 selftest"}
     with _lock:
         files.make_private_dirs(path.parent)
-        with files.locked(path.with_name(path.name + ".lock"), "verdict lock file"):
+        # Bounded (files.LockTimeout, an OSError the caller reports): the preflight never hangs on a lock.
+        with files.locked(path.with_name(path.name + ".lock"), "verdict lock file", timeout_s=10.0):
             try:
                 data = files.read_json(path, "verdict file")
             except ValueError:

@@ -177,6 +177,29 @@ def test_doctor_survives_a_broken_probe(monkeypatch, capsys):
     assert "NVML exploded" in capsys.readouterr().out
 
 
+@case("devices", "`sm120-fp4 doctor --json` where {what}",
+      "every error a section shows is also under problems, and --strict exits 1")
+@pytest.mark.parametrize("what", ["the GPUs' numbering cannot be determined (a mixed box, CUDA_DEVICE_ORDER unset)",
+                                  "a probe raises (NVML fails while listing the devices)"])
+def test_every_error_doctor_shows_is_a_problem(monkeypatch, capsys, what):
+    from helpers.nvml import A6000, PRO6000, fake_pynvml
+    from sm120_fp4 import devices
+
+    devices.clear_cache()
+    if "mixed" in what:
+        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([PRO6000, A6000]))
+        monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setattr(devices, "list_devices", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("NVML exploded")))
+    monkeypatch.delenv("SM120_FP4_SIMULATE", raising=False)
+    assert cli.main(["doctor", "--json", "--quick", "--strict"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    shown = data["devices"]["error"]
+    assert any(shown in p and p.startswith("devices") for p in data["problems"]), (shown, data["problems"])
+    devices.clear_cache()
+
+
 # ---- demo ---------------------------------------------------------------------------------
 
 def test_demo_runs_to_the_end_and_shows_the_refusal(capsys):
@@ -269,6 +292,72 @@ def test_launch_starts_the_command_when_there_is_nothing_to_verify(monkeypatch, 
     code, err, started = launch_in_process(monkeypatch, capsys, "--", *command,
                                            env={} if gpus.startswith("no") else {"SM120_FP4_SIMULATE": "9.0"})
     assert code == 0 and started == (command, "1") and "nothing to verify" in err, err
+
+
+def _crashing_first(name: str):
+    """A WorkerRunner whose dense worker dies of SIGSEGV while self-testing `name` (as an illegal
+    memory access kills it), then runs for real (helpers.workers) without it."""
+    from helpers.workers import in_process
+
+    def runner(index, family, backend_args, crashed, label, env, stop=None, uuid=None):
+        if family == "dense" and name not in crashed:
+            return None, {"event": "self-test", "family": family, "backend": name, "flashinfer": False, "key": {"gpu": "x"}}, -11, ""
+        return in_process(index, family, backend_args, crashed, label, env, stop, uuid)
+
+    return runner
+
+
+@case("files and trust", "`sm120-fp4 launch` where a candidate crashes the preflight and the verdict store {store}",
+      "the server is not started (exit 2): its workers would load the crashed candidate; stderr says once that the crash "
+      "is not recorded and why, and how to proceed")
+@pytest.mark.parametrize("store", ["is a path under a regular file", "is off"])
+def test_launch_never_starts_a_server_that_would_load_a_crash_it_could_not_record(monkeypatch, capsys, tmp_path, store):
+    (tmp_path / "file").write_text("")
+    backends.register("crash", zeros)
+    verdicts = str(tmp_path / "file" / "verdicts.json") if "regular" in store else "off"
+    monkeypatch.setattr(cli, "_worker_runner", None)
+    with pytest.MonkeyPatch.context() as mp:
+        execs = []
+        mp.setenv("SM120_FP4", "0")
+        mp.setattr(cli.os, "execvpe", lambda file, argv, environ: execs.append(argv))
+        for k, v in {**SIM_BOTH, "SM120_FP4_BACKENDS": "crash,emulated", "SM120_FP4_VERDICTS": verdicts}.items():
+            mp.setenv(k, v)
+        previous = cli.use_worker_runner(_crashing_first("crash"))
+        try:
+            code = cli.main(["launch", "--", sys.executable, "-c", "print('started')"])
+        finally:
+            cli.use_worker_runner(previous)
+    err = capsys.readouterr().err
+    assert code == 2 and not execs, err
+    assert "NOT recorded as crashed" in err and "recorded as crashed in" not in err, err
+    assert "not starting the server" in err and "SM120_FP4_BACKENDS without crash" in err, err
+
+
+@case("configuration", "`sm120-fp4 launch -- {command}`", "exit 2 at once, naming the command, before any self-test")
+@pytest.mark.parametrize("command", ["/nonexistent/server", "no-such-command-sm120", "a file without the execute bit"])
+def test_launch_checks_its_command_before_the_preflight(monkeypatch, capsys, tmp_path, command):
+    monkeypatch.setattr(cli, "cmd_selftest", lambda *a, **k: pytest.fail("the preflight ran"))
+    name = command
+    if command.startswith("a file"):
+        name = str(tmp_path / "server.sh")
+        (tmp_path / "server.sh").write_text("#!/bin/sh\n")
+        (tmp_path / "server.sh").chmod(0o644)
+    assert cli.main(["launch", "--", name, "--port", "30000"]) == 2
+    err = capsys.readouterr().err
+    assert repr(name) in err and "not running the preflight" in err, err
+
+
+def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, capsys):
+    command = [sys.executable, "-c", "print('started')"]
+    seen = []
+    monkeypatch.delenv(cli.COREDUMP_WAIT_VAR, raising=False)
+    monkeypatch.setattr(cli, "cmd_selftest", lambda *a, **k: 0)
+    monkeypatch.setattr(cli.os, "execvpe", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR)))
+    monkeypatch.setenv("SM120_FP4", "0")
+    assert cli.main(["launch", "--", *command]) == 0
+    monkeypatch.setenv(cli.COREDUMP_WAIT_VAR, "30")
+    assert cli.main(["launch", "--", *command]) == 0
+    assert seen == ["0", "30"]
 
 
 @case("backend faults", "candidate that kills its process (SIGSEGV, as an illegal memory access does) in `sm120-fp4 selftest`, SELECT=fastest",

@@ -107,7 +107,9 @@ ENV_GARBAGE = [
     ("SM120_FP4_SELFTEST_TIMEOUT", "1_000", "ASCII digits"),
     ("SM120_FP4_SELFTEST_TIMEOUT", " 9", "ASCII digits"),
     ("SM120_FP4_SELFTEST_TIMEOUT", "inf", "ASCII digits"),
-    ("SM120_FP4_SELFTEST_TIMEOUT", "1e300", "up to 86400"),
+    ("SM120_FP4_SELFTEST_TIMEOUT", "1e300", "<= 86400"),
+    ("SM120_FP4_SELFTEST_TIMEOUT", "0.5", "1 <= seconds <= 86400"),
+    ("SM120_FP4_SELFTEST_TIMEOUT", "1e-320", "1 <= seconds <= 86400"),
     ("SM120_FP4_BACKENDS", "cutlass\u2003", "lower-case backend names"),  # a Unicode space is not stripped
     ("SM120_FP4_REPORT", "/tmp/" + "x" * 300 + "/r.json", "ENAMETOOLONG"),
     ("SM120_FP4_REPORT", "/tmp/" + "x" * 300, "ENAMETOOLONG"),
@@ -118,10 +120,13 @@ ENV_GARBAGE = [
     ("SM120_FP4_CANARY", "on", "off, or the period in seconds"),
     ("SM120_FP4_CANARY", "0", "off, or the period in seconds"),
     ("SM120_FP4_CANARY", "60s", "off, or the period in seconds"),
-    ("SM120_FP4_CANARY", "1e6", "up to 86400"),
+    ("SM120_FP4_CANARY", "1e6", "0.1 <= seconds <= 86400"),
+    ("SM120_FP4_CANARY", "1e-320", "0.1 <= seconds <= 86400"),
+    ("SM120_FP4_CANARY", "0.01", "0.1 <= seconds <= 86400"),
     ("SM120_FP4_CANARY_ACTION", "raise", "'exit' or 'log'"),
-    ("SM120_FP4_CANARY_SLICE_MS", "0", "positive number of milliseconds"),
-    ("SM120_FP4_CANARY_SLICE_MS", "5000", "up to 1000"),
+    ("SM120_FP4_CANARY_SLICE_MS", "0", "0.001 <= milliseconds <= 1000"),
+    ("SM120_FP4_CANARY_SLICE_MS", "1e-9", "0.001 <= milliseconds <= 1000"),
+    ("SM120_FP4_CANARY_SLICE_MS", "5000", "0.001 <= milliseconds <= 1000"),
     ("SM120_FP4_SELFTES", "strict", "did you mean SM120_FP4_SELFTEST"),
     ("sm120_fp4_selftest", "off", "did you mean SM120_FP4_SELFTEST"),
     ("Sm120_Fp4", "1", "did you mean SM120_FP4"),
@@ -145,8 +150,13 @@ def test_garbage_in_an_environment_variable_is_an_error_at_install(monkeypatch, 
 
 
 KEYWORD_GARBAGE = [
-    ("simulate", 12.0, "MAJOR.MINOR"),
     ("simulate", 12, "MAJOR.MINOR"),
+    ("simulate", 12.05, "MAJOR.MINOR"),
+    ("simulate", 99.9, "MAJOR.MINOR the library knows"),
+    ("canary", 1e-320, "0.1 <= seconds <= 86400"),
+    ("canary", float("inf"), "0.1 <= seconds <= 86400"),
+    ("selftest_timeout", float("nan"), "1 <= seconds <= 86400"),
+    ("canary_slice_ms", -1, "0.001 <= milliseconds <= 1000"),
     ("backends", [], "comma-separated list"),
     ("backends", ("emulated", 3), "lower-case backend names"),
     ("selftest", None, "'strict', 'warn' or 'off'"),
@@ -167,6 +177,16 @@ def test_garbage_in_a_keyword_is_an_error_at_install(keyword, value, accepted):
     if keyword != "selftes":
         assert f"keyword {keyword}={value!r}" in message, message
     assert_not_patched()
+
+
+@case("configuration", "keyword install(simulate=12.0) (a float), or simulate=12.1",
+      "accepted as the variable's string 12.0 / 12.1 would be: the same capability, installed")
+@pytest.mark.parametrize("value", [12.0, 12.1])
+def test_a_float_capability_is_accepted_where_it_is_unambiguous(value):
+    status = sm120_fp4.install(**{**SIM, "simulate": value})
+    assert status.installed, status.message
+    assert status.settings["simulate"] == str(value)
+    sm120_fp4.uninstall()
 
 
 # ---- off means off (issue: following the refusal's advice SM120_FP4=0 must always work) --------

@@ -289,3 +289,19 @@ class Queued:
 
 
 HEAVY_TIMEOUT = 3000
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(path: Path):
+    """Another process holds an exclusive flock on `path` (a file or a directory) for the block,
+    as a second writer of the report or the verdict store would; stopped by its PID after."""
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDONLY | (0 if os.path.isdir(sys.argv[1]) else os.O_CREAT))\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(120)\n", str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
