@@ -10,12 +10,13 @@ import importlib.util
 import re
 from pathlib import Path
 
-from ..versions import comparable, installed_version, version_in
+from ..versions import capped, comparable, installed_version, version_in
 
 __all__ = [
     "DISTRIBUTION",
     "PLUGIN_GROUP",
     "SUPPORTED",
+    "supported",
     "MQ",
     "FP4_UTILS",
     "CT",
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 DISTRIBUTION = "sglang"
+# The one upper bound: raising the supported range is this line (and scripts/sglang_matrix.py's pins).
 SUPPORTED = ">=0.5.3,<0.5.24"
 MQ = "sglang.srt.layers.quantization.modelopt_quant"
 FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
@@ -63,6 +65,12 @@ PLUGIN_GROUP = "sglang.srt.plugins"  # the entry-point group SGLang's plugin loa
 MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
 FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"
 MARKER = re.compile(r"#\s*sm120-fp4:\s*(sglang-(\S+?)-sm120-fp4)\b")
+
+
+def supported(versions: str) -> str:
+    """A patch target's version range: where it starts (and, where it disappears in a release, where
+    it ends), capped by SUPPORTED."""
+    return capped(versions, SUPPORTED)
 
 
 def sglang_version() -> str | None:
