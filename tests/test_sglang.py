@@ -204,14 +204,23 @@ def test_status_is_json_with_every_target_and_the_decision():
 
 # ---- fail closed ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", ["0.5.2", "0.5.24", "0.6.0"])
+@pytest.mark.parametrize("version", ["0.5.2", "0.5.24", "0.5.24.dev0", "0.6.0"])
+@case("own failures", "install() with the toggle on, a 12.x GPU and SGLang {version} installed (outside the supported range)",
+      "nothing patched; one WARNING says the NVFP4 layers are served UNVERIFIED, naming the version, the supported range "
+      "and how to proceed; with SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified it says so as asked")
 def test_a_release_outside_the_range_is_left_untouched_with_one_warning(monkeypatch, caplog, version):
     monkeypatch.setattr(release, "sglang_version", lambda: version)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     status = sm120_fp4.install(**SIM)
-    assert not status.installed and f"sglang {version} is outside the supported range" in status.message
+    assert not status.installed and f"SGLang {version} is installed, outside the releases" in status.message
     assert_not_patched()
-    assert sum("outside the supported range" in r.getMessage() for r in caplog.records) <= 1
+    [warning] = [r.getMessage() for r in caplog.records if "outside the releases" in r.getMessage()]
+    assert "NVFP4 layers on a 12.x GPU are served UNVERIFIED" in warning and release.SUPPORTED in warning
+    assert "pip install -U sm120-fp4" in warning and release.OPT_OUT in warning
+    sm120_fp4.install(**SIM)
+    assert sum("outside the releases" in r.getMessage() for r in caplog.records) == 1, "once per process"
+    status = sm120_fp4.install(**SIM, unsupported_release="serve-unverified")
+    assert not status.installed and "served UNVERIFIED" in status.message and f"{release.OPT_OUT}: as asked" in status.message
 
 
 def test_no_12x_gpu_means_nothing_is_patched():
@@ -245,8 +254,8 @@ def test_an_sglang_that_already_contains_the_fix_is_left_alone(monkeypatch):
 
 @pytest.mark.parametrize("version, message", [
     (None, "sglang is not installed"),
-    ("not-a-version", "'not-a-version' is not a version this library can read"),
-    ("0.5.24rc1", "outside the supported range"),
+    ("not-a-version", "SGLang 'not-a-version' is installed, a version sm120_fp4 cannot read"),
+    ("0.5.24rc1", "outside the releases"),
 ])
 @case("own failures", "SGLang version {version}", "install() changes nothing and says why in its status message, without raising")
 def test_a_missing_or_unreadable_sglang_version_is_left_untouched(monkeypatch, version, message):

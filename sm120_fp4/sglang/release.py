@@ -37,6 +37,9 @@ __all__ = [
     "MARKER",
     "sglang_version",
     "release_support",
+    "unverified_release",
+    "OPT_OUT",
+    "OPT_OUT_SAYS",
     "installed_root",
     "fix_marker",
     "runtime_patch_needed",
@@ -87,6 +90,28 @@ def release_support(version: str | None = None) -> tuple[bool, str]:
     if version_in(version, SUPPORTED):
         return True, f"sglang {version} is supported ({SUPPORTED})"
     return False, f"sglang {version} is outside the supported range {SUPPORTED}: left untouched"
+
+
+OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
+OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"
+
+
+def unverified_release(version: str | None = None) -> tuple[str, str] | None:
+    """(what it means, what makes it verified) when SGLang `version` (default: the installed one) is installed
+    but is not a release this library can patch: with the library asked for on a 12.x GPU, its NVFP4
+    layers are served by SGLang's own calls, none of them verified. None: supported, or not installed."""
+    from .._version import __version__
+
+    version = version or sglang_version()
+    if version is None or release_support(version)[0]:
+        return None
+    what = (f"SGLang {version!r} is installed, a version sm120_fp4 cannot read" if comparable(version) is not None
+            else f"SGLang {version} is installed, outside the releases sm120_fp4 {__version__} supports ({SUPPORTED})")
+    means = (f"{what}: sm120_fp4 patches nothing in it, so NVFP4 layers on a 12.x GPU are served UNVERIFIED (SGLang's "
+             "own FP4 GEMM and fused-MoE calls; no self-test, layer check, re-check or canary of sm120_fp4 runs there)")
+    remedy = (f"upgrade sm120_fp4 to a release that supports SGLang {version} (pip install -U sm120-fp4), or install "
+              f"an SGLang in {SUPPORTED}")
+    return means, remedy
 
 
 def installed_root() -> Path | None:
