@@ -119,9 +119,6 @@ def _nothing_to_fix(settings: Settings) -> str | None:
         if settings.unsupported_release == "serve-unverified":
             return f"{means} ({sglang_support.OPT_OUT}: as asked)"
         return f"{means}. To verify them: {remedy}; or {sglang_support.OPT_OUT_SAYS}"
-    needed, why = sglang_support.runtime_patch_needed()
-    if not needed:
-        return why
     return _no_12x_gpu(settings)
 
 
@@ -177,7 +174,8 @@ def install(**overrides: Any) -> Status:
             _log_once(reason, logging.INFO if not settings.active else logging.WARNING, "sm120_fp4: %s", reason)
             return status()
         _state = _install(settings, dict(overrides))
-        _message = f"installed (sglang {sglang_support.sglang_version()})"
+        carried = sglang_support.carried_fix()
+        _message = f"installed (sglang {sglang_support.sglang_version()})" + (f"; {carried}" if carried else "")
         _log_once("installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump())
         return status()
 

@@ -245,13 +245,6 @@ def test_bad_settings_fail_at_install_not_at_serve_time(monkeypatch):
     assert_not_patched()
 
 
-def test_an_sglang_that_already_contains_the_fix_is_left_alone(monkeypatch):
-    monkeypatch.setattr(release, "fix_marker", lambda root: release.MARKER.search("# sm120-fp4: sglang-0.5.23-sm120-fp4"))
-    status = sm120_fp4.install(**SIM)
-    assert not status.installed and "already contains the fix" in status.message
-    assert_not_patched()
-
-
 @pytest.mark.parametrize("version, message", [
     (None, "sglang is not installed"),
     ("not-a-version", "SGLang 'not-a-version' is installed, a version sm120_fp4 cannot read"),

@@ -42,7 +42,7 @@ __all__ = [
     "OPT_OUT_SAYS",
     "installed_root",
     "fix_marker",
-    "runtime_patch_needed",
+    "carried_fix",
 ]
 
 DISTRIBUTION = "sglang"
@@ -134,13 +134,15 @@ def fix_marker(root: Path) -> re.Match | None:
         return None
 
 
-def runtime_patch_needed() -> tuple[bool, str]:
-    """(False, why) when the installed SGLang already carries the fix (a patches/ diff), else (True, why)."""
+def carried_fix() -> str | None:
+    """What the installed SGLang carries of a ``patches/`` diff (None: none, or no SGLang).
+
+    A diff fixes the dense GEMM's routing and adds one start-up check of it; it verifies no layer, no
+    MoE, nothing after warm-up and nothing while serving, so it never replaces the runtime patch:
+    ``install()`` patches such a tree as any other (the diff's own routing runs under it)."""
     root = installed_root()
-    if root is None:
-        return True, "sglang is not installed (no importable 'sglang' package)"
-    marker = fix_marker(root)
-    if marker is not None:
-        return False, (f"the installed SGLang at {root / 'sglang'} already contains the fix (patch {marker.group(1)}); "
-                       "runtime patch not needed")
-    return True, f"sglang at {root / 'sglang'} does not contain the fix"
+    marker = fix_marker(root) if root is not None else None
+    if marker is None:
+        return None
+    return (f"the installed SGLang at {root / 'sglang'} carries the patches/ diff {marker.group(1)} (the dense GEMM's "
+            "routing and one start-up check); every runtime check stays on: layer checks, MoE, the re-check and the canary")
