@@ -19,7 +19,7 @@ import sm120_fp4
 from helpers import children, faults
 from helpers.cases import case
 from helpers.common import (SIM, SIM_ENV, alias_name, alias_spec_name, assert_not_patched, assert_patched_once,
-                            patch_state, run_concurrently, sglang_alias)
+                            mm_fp4_operands, patch_state, run_concurrently, sglang_alias)
 from helpers.procs import REPO, Spawned, background, clean_env, ours, python, with_repo_pth
 from sm120_fp4 import backends
 from sm120_fp4.backends import emulated_mm_fp4
@@ -134,6 +134,40 @@ def test_enum_is_pinned_to_cutlass_from_auto_or_cudnn_and_restored(start):
     assert patch_state("fp4-runner-backend-pin") == "applied"
     sm120_fp4.uninstall()
     assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is before
+
+
+@needs_enum
+@case("backend faults", "SGLang's runner enum with a member this library does not know ({member}, as a later SGLang adds "
+      "it), chosen for the dense FP4 GEMM on a 12.x GPU",
+      "refused at the first NVFP4 layer's weights, before SGLang processes them: the message names the member and the "
+      "flag to use instead (--fp4-gemm-backend flashinfer_cutlass); the enum is left as SGLang set it")
+@pytest.mark.parametrize("member, value", [("FLASHINFER_B12X", "flashinfer_b12x"), ("FLASHINFER_NEXT", "flashinfer_next")])
+def test_an_unknown_runner_enum_member_is_refused_by_name(monkeypatch, member, value):
+    from helpers.common import extend_enum
+
+    new = extend_enum(monkeypatch, ENUM, member, value)
+    assert ENUM(value) is new and new.get_flashinfer_backend() == value.removeprefix("flashinfer_")
+    monkeypatch.setattr(fp4_utils, "FP4_GEMM_RUNNER_BACKEND", new)
+    sm120_fp4.install(**SIM)
+    with pytest.raises(RefusedToServe, match=rf"(?s){member}.*does not know.*--fp4-gemm-backend flashinfer_cutlass"):
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is new, "never pinned to another layout behind the operator's back"
+
+
+@case("backend faults", "an FP4 GEMM call with backend={backend!r} (a FlashInfer backend this library does not route) on a "
+      "verified 12.x device", "refused by name with the flag to use instead; never the unverified original")
+@pytest.mark.parametrize("backend", ["b12x", "cutlass_v2"])
+def test_a_call_naming_an_unknown_backend_is_refused_not_served_unverified(backend):
+    import sglang.srt.layers.quantization.modelopt_quant as mq
+
+    sm120_fp4.install(**SIM)
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))  # the device is decided and verified
+    alias = getattr(mq, alias_name())
+    a, b, a_sf, b_sf, alpha = mm_fp4_operands(8)
+    with pytest.raises(RefusedToServe, match=rf"backend={backend!r} on device -1.*--fp4-gemm-backend flashinfer_cutlass"):
+        alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=backend)
+    for passed in ("auto", "cudnn", "cutlass"):  # the names it routes still serve
+        assert alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=passed).shape == (8, 32)
 
 
 @needs_enum

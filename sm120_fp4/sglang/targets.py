@@ -25,7 +25,7 @@ from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUN
                       SUPPORTED, WEIGHT_UPDATER, sglang_version, supported)
 
 __all__ = ["Wiring", "TARGETS", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
-           "LEGACY_KNOB_SPEC"]
+           "LEGACY_KNOB_SPEC", "KNOWN_RUNNERS", "runner_backend_problem", "unknown_backend_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
 LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
@@ -271,6 +271,39 @@ LEGACY_KNOB_SPEC = PatchSpec(
     upstream="sglang 0.5.4 made the default true",
     remove_when="when 0.5.3.x is no longer supported",
 )
+
+
+# The runner enum's values this library knows (0.5.8-0.5.23): AUTO and FLASHINFER_CUDNN are pinned to
+# FLASHINFER_CUTLASS, whose calls are routed and verified; TRTLLM (shuffled weights), CUTEDSL and MARLIN
+# are the operator's choice of another layout or path, never changed. Any other value (a member added
+# after this library, e.g. FLASHINFER_B12X) prepares a layout this library has never read: refused.
+KNOWN_RUNNERS = frozenset({"auto", "flashinfer_cudnn", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl", "marlin"})
+DENSE_FLAG = "--fp4-gemm-backend flashinfer_cutlass"
+
+
+def runner_backend_problem() -> str | None:
+    """Why the FP4 GEMM runner SGLang chose cannot be served verified: a runner enum member this library
+    does not know (None: a known one, or no enum)."""
+    module = sys.modules.get(FP4_UTILS)
+    current = getattr(module, "FP4_GEMM_RUNNER_BACKEND", None)
+    value = getattr(current, "value", None)
+    if current is None or value in KNOWN_RUNNERS:
+        return None
+    try:
+        flashinfer = current.get_flashinfer_backend()
+    except Exception:  # noqa: BLE001 - a member whose mapping fails is still named
+        flashinfer = "?"
+    return (f"SGLang's FP4 GEMM runner backend is {current} ({value!r}, FlashInfer backend {flashinfer!r}), which this "
+            "sm120_fp4 does not know: neither the weight layout SGLang prepares for it nor the kernel is verified on this "
+            f"GPU. Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4")
+
+
+def unknown_backend_problem(index: int, backend: object) -> str:
+    """Why a FlashInfer mm_fp4 call naming `backend` on served device `index` is not served: a backend
+    name this library does not route, nor leave to SGLang on purpose."""
+    return (f"SGLang called FlashInfer's mm_fp4 with backend={backend!r} on device {index}, a backend this sm120_fp4 "
+            "does not know: neither the weight layout SGLang prepared for it nor the kernel is verified on this GPU. "
+            f"Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4")
 
 
 def pin_runner_backend(patcher: Patcher) -> None:
