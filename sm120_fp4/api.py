@@ -111,10 +111,19 @@ def _nothing_to_fix(settings: Settings) -> str | None:
         return "disabled (SM120_FP4=0 or SM120_FP4_ENABLE=off): SGLang left untouched"
     ok, why = sglang_support.release_support()
     if not ok:
-        return why
-    needed, why = sglang_support.runtime_patch_needed()
-    if not needed:
-        return why
+        unverified = sglang_support.unverified_release()
+        no_gpu = _no_12x_gpu(settings)
+        if unverified is None or no_gpu is not None:
+            return why if no_gpu is None else f"{why}; {no_gpu}"
+        means, remedy = unverified
+        if settings.unsupported_release == "serve-unverified":
+            return f"{means} ({sglang_support.OPT_OUT}: as asked)"
+        return f"{means}. To verify them: {remedy}; or {sglang_support.OPT_OUT_SAYS}"
+    return _no_12x_gpu(settings)
+
+
+def _no_12x_gpu(settings: Settings) -> str | None:
+    """Why there is nothing to fix for want of a GPU (SM120_FP4_ENABLE=auto and no 12.x GPU visible), or None."""
     if settings.enable == "auto":
         try:
             found = devices.list_devices(settings.simulated_capability)
@@ -165,7 +174,8 @@ def install(**overrides: Any) -> Status:
             _log_once(reason, logging.INFO if not settings.active else logging.WARNING, "sm120_fp4: %s", reason)
             return status()
         _state = _install(settings, dict(overrides))
-        _message = f"installed (sglang {sglang_support.sglang_version()})"
+        carried = sglang_support.carried_fix()
+        _message = f"installed (sglang {sglang_support.sglang_version()})" + (f"; {carried}" if carried else "")
         _log_once("installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump())
         return status()
 

@@ -5,9 +5,11 @@ Exit codes (docs/operations.md):
   1  refused: no candidate verified on some GPU (a kernel failed, or crashed its process), or
      doctor --strict found a problem
   2  bad usage or environment: an invalid setting or argument, no such device, a worker that died
-     outside any candidate
-  3  unverified: a decision would serve without verification (SM120_FP4_SELFTEST=warn or off);
-     `launch` does not start the command on it unless given --allow-unverified
+     outside any candidate; under SM120_FP4_SELFTEST=strict, an SGLang release outside the supported
+     range (unless SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified)
+  3  unverified: a decision would serve without verification (SM120_FP4_SELFTEST=warn or off), or
+     the SGLang release is outside the supported range and not refused; `launch` does not start the
+     command on it unless given --allow-unverified (or, for the release, the opt-out setting)
   128+N  interrupted by signal N (130: SIGINT, 143: SIGTERM): the workers were stopped and nothing
      was recorded for the candidates they were running
 """
@@ -152,6 +154,9 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     if not indices:
         _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify")
         return EXIT_OK
+    engine = _unverified_engine()
+    if engine is not None:  # the checkpoint's layers are built through SGLang's: nothing of it is patched to verify them
+        return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
     env = {**os.environ, "SM120_FP4": "1"}
     model = os.path.abspath(args.model)
 
@@ -519,6 +524,10 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
     if not indices:
         _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify (workers leave SGLang untouched)")
         return EXIT_OK
+    engine = _unverified_engine()
+    refused = _refuse_engine("selftest", settings, engine) if engine is not None else None
+    if refused is not None:
+        return refused
     uuids = {d.index: d.uuid for d in devices.list_devices(settings.simulated_capability) if d.uuid}
     store = verdicts.trouble(settings.verdicts_path)
     if store is not None:
@@ -567,11 +576,41 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
         return EXIT_USAGE
     if refused:
         return EXIT_REFUSED
+    if engine is not None:
+        return _say_unverified_engine(engine, "the table verifies the kernels, not what SGLang will serve")
     if unverified:
         _eprint(f"sm120-fp4 selftest: {len(unverified)} decision(s) would serve UNVERIFIED (SM120_FP4_SELFTEST="
                 f"{settings.selftest}): exit {EXIT_UNVERIFIED}")
         return EXIT_UNVERIFIED
     return EXIT_OK
+
+
+def _unverified_engine() -> tuple[str, str] | None:
+    """(what it means, what makes it verified) when the installed SGLang is a release this library cannot patch."""
+    from .sglang import unverified_release
+
+    return unverified_release()
+
+
+def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | None:
+    """Under SM120_FP4_SELFTEST=strict, unless the operator opted out (SM120_FP4_UNSUPPORTED_RELEASE=
+    serve-unverified): refuse to start, saying what it means and how to proceed (exit 2, an environment
+    to change, not a verdict on a kernel). None: not refused."""
+    if settings.selftest != "strict" or settings.unsupported_release != "refuse":
+        return None
+    from .sglang import OPT_OUT_SAYS
+
+    means, remedy = engine
+    _eprint(f"sm120-fp4 {command}: refusing to start: {means}.\nTo proceed: {remedy}; or {OPT_OUT_SAYS}.")
+    return EXIT_USAGE
+
+
+def _say_unverified_engine(engine: tuple[str, str], what: str) -> int:
+    """The engine outside the supported range, not refused: say so; the exit is 'unverified' (3),
+    since nothing of what SGLang serves was verified."""
+    means, remedy = engine
+    _eprint(f"sm120-fp4 selftest: {means}; {what}: exit {EXIT_UNVERIFIED}.\nTo verify them: {remedy}.")
+    return EXIT_UNVERIFIED
 
 
 def _write_preflight_report(settings, results: dict[tuple[str, int], dict]) -> None:
@@ -616,6 +655,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if problem is not None:  # refused now, not in every scheduler after the preflight
         _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
         return EXIT_USAGE
+    found = _settings_and_devices(argparse.Namespace(device=None))
+    if isinstance(found, int):
+        return found
+    settings, indices = found
+    engine = _unverified_engine() if indices else None
+    if engine is not None:  # nothing of this library runs in that server: no preflight would mean anything
+        return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
     seen: list[tuple[str, dict]] = []
     code = cmd_selftest(argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"),
@@ -632,6 +678,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return code
     else:
         _eprint("sm120-fp4 launch: preflight passed")
+    return _exec(command)
+
+
+def _exec(command: list[str]) -> int:
     if COREDUMP_WAIT_VAR not in os.environ:
         # SGLang 0.5.x sleeps this long (default 60 s) for CUDA coredumps before it kills its process tree
         # when a scheduler fails -- a canary's exit among them -- while the port stays open: shortened here.
@@ -679,6 +729,26 @@ def _unrecorded_crashes(seen: list[tuple[str, dict]]) -> str | None:
     return (f"candidate(s) crashed the preflight and are not recorded ({names}): {why}. The server's workers would "
             f"load them and crash; make the verdict store writable (SM120_FP4_VERDICTS, a file in a writable directory), "
             f"or leave them out ({leave_out})")
+
+
+def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, str], allow_unverified: bool) -> int:
+    """launch with an SGLang this library cannot patch: refused under strict (unless opted out); else
+    started only when the operator said so (the opt-out setting, or --allow-unverified), never silently."""
+    from .sglang import OPT_OUT, OPT_OUT_SAYS
+
+    refused = _refuse_engine("launch", settings, engine)
+    if refused is not None:
+        _eprint("sm120-fp4 launch: not starting the server")
+        return refused
+    means, remedy = engine
+    if settings.unsupported_release == "serve-unverified" or allow_unverified:
+        why = OPT_OUT if settings.unsupported_release == "serve-unverified" else "--allow-unverified"
+        _eprint(f"sm120-fp4 launch: {means}.\nStarting the server anyway ({why} was given): no preflight ran, and nothing "
+                f"of what it serves is verified. To verify it: {remedy}.")
+        return _exec(command)
+    _eprint(f"sm120-fp4 launch: {means}; not starting the server (exit {EXIT_UNVERIFIED}).\nTo proceed: {remedy}; or "
+            f"{OPT_OUT_SAYS} (or pass --allow-unverified).")
+    return EXIT_UNVERIFIED
 
 
 def _canary_problem() -> str | None:

@@ -147,6 +147,13 @@ class Settings(BaseSettings):
     fallback: Literal["none", "emulated"] = Field(
         "none", description="emulated: serve with the slow pure-PyTorch emulation instead of refusing."
     )
+    unsupported_release: Literal["refuse", "serve-unverified"] = Field(
+        "refuse",
+        description="An SGLang release outside the range this library supports, with the library asked for on a 12.x "
+        "GPU (nothing of SGLang is patched or verified there): refuse: `launch` and `selftest` refuse to start (exit 2) "
+        "under SELFTEST=strict, and say so with exit 3 otherwise; serve-unverified: `launch` starts the server anyway, "
+        "its NVFP4 layers served unverified (docs/operations.md).",
+    )
     selftest_timeout: float = Field(
         900.0,
         description="Seconds one candidate's whole self-test may take (a first FlashInfer call JIT-compiles for minutes); past it the candidate is rejected as hung.",

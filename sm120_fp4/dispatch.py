@@ -43,10 +43,12 @@ class Router:
         """Device index -> the backend it is routed to, or "original" (a device this install does not serve)."""
         return serving.routes(family)
 
-    def make_dispatch(self, original: Callable) -> Callable:
-        """The replacement for a module-level ``mm_fp4`` alias (dense)."""
+    def make_dispatch(self, original: Callable, unknown: Callable[[int, object], None] | None = None) -> Callable:
+        """The replacement for a module-level ``mm_fp4`` alias (dense); `unknown(index, backend)`: a call
+        on a served device naming a backend this library does not know (it raises, or returns to let
+        the original serve it)."""
         names = serving.routes
-        return mm_fp4_front(original, serving.route_table().get, self.ensure, lambda i: names().get(i, "?"))
+        return mm_fp4_front(original, serving.route_table().get, self.ensure, lambda i: names().get(i, "?"), unknown)
 
     def make_moe_front(self, original: Callable, activation_type: type) -> Callable:
         """The front over FlashInfer's ``cutlass_fused_moe`` that SGLang's MoE seam hands out (MoE)."""
@@ -65,18 +67,21 @@ def _alpha_one(device: torch.device) -> torch.Tensor:
 
 
 def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure: Callable[[int], GemmFn | None],
-                 name_of: Callable[[int], str]) -> GemmFn:
+                 name_of: Callable[[int], str], unknown: Callable[[int, object], None] | None = None) -> GemmFn:
     """A function with mm_fp4's signature that serves routable calls with the routed backend.
 
     `route(index)` is the hot-path lookup of the backend decided for a device (None: not decided
     yet, or not ours); `ensure(index)` decides on first use (and returns None for a device this
     library does not serve). Calls it cannot serve the same way (another backend, another scale
-    layout or block size, keywords it does not know) go to `original` unchanged. It always returns
+    layout or block size, keywords it does not know) go to `original` unchanged, except a backend
+    name it does not know (neither routed nor kernels.PASSED_THROUGH_BACKENDS) on a device it serves:
+    `unknown(index, backend)` is asked first, and refuses it by name. It always returns
     the tensor the backend wrote, never what the backend returned; an empty batch gives an empty
     result. A failure is explained: bad arguments raise InvalidArgument naming the parameter, a
     backend's own error gets a note naming the backend (never replaced by zeros).
     """
     routed = kernels.ROUTED_BACKENDS
+    passed = kernels.PASSED_THROUGH_BACKENDS
     bf16 = torch.bfloat16
     empty = torch.empty
 
@@ -125,6 +130,8 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
                 return out
             return serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out)
         fn = ensure(index)  # first call on this device: decide (self-test) once
+        if fn is not None and backend not in routed and backend not in passed and unknown is not None:
+            unknown(index, backend)  # a backend added after this library: refused by name (or SELFTEST says serve it)
         if fn is None or backend not in routed or block_size != 16 or use_8x4_sf_layout or kwargs:
             return original(
                 a, b, a_descale, b_descale, alpha, out_dtype, out,

@@ -28,6 +28,7 @@ from .versions import installed_version
 __all__ = [
     "BACKENDS",
     "ROUTED_BACKENDS",
+    "PASSED_THROUGH_BACKENDS",
     "MM_FP4_HEAD",
     "DEFAULT_ORDER",
     "ORDER_BY_CAPABILITY",
@@ -96,6 +97,11 @@ def default_moe_order(capability: tuple[int, int]) -> tuple[str, ...]:
 # is among them because the runner enum is pinned to FLASHINFER_CUTLASS, after which SGLang passes
 # backend="cutlass". trtllm, cute-dsl, marlin and others go to the original.
 ROUTED_BACKENDS = frozenset({None, "auto", "cudnn", "cutlass"})
+# Backend names known to read another layout or path and left to the original on purpose (trtllm:
+# shuffled weights; cute-dsl: the operator's explicit choice). Any other name (a backend added after
+# this library, such as b12x through SGLang's runner enum) is not served unverified on a served
+# device: the front refuses it by name (dispatch.mm_fp4_front's `unknown`).
+PASSED_THROUGH_BACKENDS = frozenset({"trtllm", "cute-dsl"})
 # mm_fp4's leading positional parameters in every release this library knows (0.2.11 - 0.7.x).
 MM_FP4_HEAD = ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype")
 # Alignment each backend needs on (K, N); off it, kernels return silent garbage (vLLM #48898:

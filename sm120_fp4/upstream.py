@@ -8,8 +8,9 @@ that refuses to serve on wrong output. Every patched line carries the marker
 
 ``patches/LEDGER.md`` is rendered by ``scripts/ledger.py`` from ``sm120_fp4.sglang.targets.ledger_rows()``
 and :data:`DIFFS`; a test keeps the file equal to it. ``apply`` runs the system's ``patch`` or
-``git apply``; without either it prints the exact command. Not on the ``install()`` path: the
-runtime asks only :func:`sm120_fp4.sglang.release.runtime_patch_needed` (the marker check).
+``git apply``; without either it prints the exact command. Not on the ``install()`` path: a diff
+fixes the dense GEMM only, so ``install()`` patches a patched tree as any other and keeps every
+check on (:func:`sm120_fp4.sglang.release.carried_fix` only names the diff in its status).
 
 Standard library only (plus ``packaging``); SGLang is located and read, never imported.
 """

@@ -8,7 +8,7 @@ import threading
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-__all__ = ["installed_version", "version_in", "comparable", "clear_cache"]
+__all__ = ["installed_version", "version_in", "comparable", "clear_cache", "capped"]
 
 
 # name -> version (None: not installed), as read by the lookup _read_with. Each read parses the
@@ -70,3 +70,13 @@ def version_in(version: str | None, specifier: str | None) -> bool:
     if version is None or comparable(version, specifier) is not None:
         return False
     return Version(version) in SpecifierSet(specifier)
+
+
+def capped(versions: str, cap: str) -> str:
+    """`versions` bounded above by `cap`'s upper bounds, unless `versions` has an upper bound of its
+    own (a target that disappears in a release): a patch target declares where it starts, and the
+    supported range says where everything ends."""
+    own = SpecifierSet(versions)
+    if any(s.operator in ("<", "<=") for s in own):
+        return versions
+    return ",".join([versions, *sorted(str(s) for s in SpecifierSet(cap) if s.operator in ("<", "<="))])

@@ -89,6 +89,8 @@ CLI_GARBAGE = [
     ("SM120_FP4_SELFTESTS", "off"),
     ("SM120_FP4_REPORT", "/tmp/" + "y" * 300 + "/{pid}.json"),
     ("SM120_FP4_SIMULATE", "\uff11\uff12.\uff10"),
+    ("SM120_FP4_UNSUPPORTED_RELEASE", "yes"),
+    ("SM120_FP4_UNSUPPORTED_RELEASE", "Serve-Unverified"),
 ]
 
 
@@ -273,6 +275,79 @@ def test_launch_does_not_start_an_unverified_server_unless_told(monkeypatch, cap
     else:
         assert code == cli.EXIT_UNVERIFIED and "not starting the server" in err and "--allow-unverified" in err, err
         assert started is None
+
+
+# ---- an SGLang release outside the supported range ------------------------------------------
+
+OUTSIDE = ["0.5.24.dev0", "0.6.0", "0.5.2"]  # a pre-release of the next, a later, an earlier release
+
+
+def sglang_release(monkeypatch, version):
+    """Make the library read `version` as the installed SGLang (its own version seam)."""
+    from sm120_fp4.sglang import release
+
+    monkeypatch.setattr(release, "sglang_version", lambda: version)
+    return release
+
+
+def says_unverified(err: str, version: str) -> None:
+    from sm120_fp4.sglang.release import SUPPORTED
+
+    assert f"SGLang {version} is installed, outside the releases" in err and SUPPORTED in err, err
+    assert "served UNVERIFIED" in err and "pip install -U sm120-fp4" in err, err
+
+
+@case("configuration", "`sm120-fp4 selftest` (SELFTEST=strict) with SGLang {version} installed on a 12.x GPU",
+      "exit 2 before any self-test: stderr says its NVFP4 layers would be served UNVERIFIED, the version and the supported "
+      "range, and how to proceed (upgrade sm120_fp4, or SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified)")
+@pytest.mark.parametrize("version", OUTSIDE)
+def test_selftest_refuses_an_sglang_outside_the_supported_range_under_strict(monkeypatch, capsys, version):
+    sglang_release(monkeypatch, version)
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=SIM_OK)
+    assert code == cli.EXIT_USAGE and "refusing to start" in err and "self-testing" not in err and out == "", err
+    says_unverified(err, version)
+    assert "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified" in err
+    code, _, err = cli_in_process(monkeypatch, capsys, "selftest", "--model", str(REPO), env=SIM_OK)
+    assert code == cli.EXIT_USAGE and "refusing to start" in err, err
+
+
+@case("configuration", "`sm120-fp4 selftest` with SGLang 0.6.0 installed and {setting}",
+      "the kernels are self-tested, then exit 3 (unverified): stderr says nothing of what SGLang serves was verified")
+@pytest.mark.parametrize("setting", ["SM120_FP4_SELFTEST=warn", "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"])
+def test_selftest_with_an_sglang_outside_the_range_never_passes(monkeypatch, capsys, setting):
+    sglang_release(monkeypatch, "0.6.0")
+    name, value = setting.split("=")
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env={**SIM_OK, name: value})
+    assert code == cli.EXIT_UNVERIFIED and "| emulated | True |" in out, err
+    says_unverified(err, "0.6.0")
+    assert "not what SGLang will serve" in err
+    code, _, err = cli_in_process(monkeypatch, capsys, "selftest", "--model", str(REPO), env={**SIM_OK, name: value})
+    assert code == cli.EXIT_UNVERIFIED and "nothing was verified" in err, err
+
+
+@case("configuration", "`sm120-fp4 launch {flag}` with SGLang {version} installed on a 12.x GPU, {setting}",
+      "{outcome}")
+@pytest.mark.parametrize("version, setting, flag, outcome", [
+    ("0.5.24.dev0", "SM120_FP4_SELFTEST=strict", "", "exit 2, the command not started; stderr says UNVERIFIED and how to proceed"),
+    ("0.6.0", "SM120_FP4_SELFTEST=strict", "--allow-unverified", "exit 2: the flag does not override strict"),
+    ("0.6.0", "SM120_FP4_SELFTEST=warn", "", "exit 3, the command not started"),
+    ("0.6.0", "SM120_FP4_SELFTEST=warn", "--allow-unverified", "the command starts after stderr says it serves unverified"),
+    ("0.5.2", "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified", "", "the command starts after stderr says it serves unverified"),
+])
+def test_launch_with_an_sglang_outside_the_range_refuses_or_says_unverified(monkeypatch, capsys, version, setting, flag, outcome):
+    sglang_release(monkeypatch, version)
+    name, value = setting.split("=")
+    command = [sys.executable, "-c", "print('started')"]
+    code, err, started = launch_in_process(monkeypatch, capsys, *([flag] if flag else []), "--", *command,
+                                           env={**SIM_BOTH, name: value})
+    says_unverified(err, version)
+    assert "self-testing" not in err, "no preflight: nothing of the library runs in that server"
+    if outcome.startswith("the command starts"):
+        assert code == 0 and started == (command, "1") and "Starting the server anyway" in err, err
+    else:
+        assert started is None and "not starting the server" in err, err
+        assert code == (cli.EXIT_USAGE if "strict" in setting else cli.EXIT_UNVERIFIED), err
+        assert "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified" in err
 
 
 @case("configuration", "`sm120-fp4 selftest {args}`", "exit 2; stderr names --backend and the name; no table row")

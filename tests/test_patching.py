@@ -239,6 +239,29 @@ def test_installed_versions_are_read_once_per_lookup_and_again_after_clear_cache
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0")  # another lookup: read afresh
     assert versions.installed_version("fakedist") == "2.0"
 
+def test_a_target_range_is_capped_by_the_supported_range_unless_it_ends_earlier():
+    from sm120_fp4 import versions
+
+    assert versions.capped(">=0.5.8", ">=0.5.3,<0.5.24") == ">=0.5.8,<0.5.24"
+    assert versions.capped(">=0.5.16,<0.5.21", ">=0.5.3,<0.5.24") == ">=0.5.16,<0.5.21"  # disappears in 0.5.21
+    assert versions.capped(">=1.0", ">=0.9,<=2.0") == ">=1.0,<=2.0"
+
+
+def test_the_supported_upper_bound_is_written_once_in_the_package():
+    """Raising the supported SGLang range is one line: every target's range is capped by SUPPORTED."""
+    from pathlib import Path
+
+    from packaging.specifiers import SpecifierSet
+
+    from sm120_fp4.sglang import release
+
+    [upper] = [s.version for s in SpecifierSet(release.SUPPORTED) if s.operator == "<"]
+    package = Path(release.__file__).resolve().parents[1]
+    hits = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) if upper in line]
+    assert hits == ["sglang/release.py:" + hits[0].rsplit(":", 1)[1]] and len(hits) == 1, hits
+
+
 # ---- pin and note --------------------------------------------------------------------------------
 
 def test_pin_sets_a_value_when_it_applies_and_remove_all_restores_it(patcher, monkeypatch):

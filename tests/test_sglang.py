@@ -19,7 +19,7 @@ import sm120_fp4
 from helpers import children, faults
 from helpers.cases import case
 from helpers.common import (SIM, SIM_ENV, alias_name, alias_spec_name, assert_not_patched, assert_patched_once,
-                            patch_state, run_concurrently, sglang_alias)
+                            mm_fp4_operands, patch_state, run_concurrently, sglang_alias)
 from helpers.procs import REPO, Spawned, background, clean_env, ours, python, with_repo_pth
 from sm120_fp4 import backends
 from sm120_fp4.backends import emulated_mm_fp4
@@ -137,6 +137,40 @@ def test_enum_is_pinned_to_cutlass_from_auto_or_cudnn_and_restored(start):
 
 
 @needs_enum
+@case("backend faults", "SGLang's runner enum with a member this library does not know ({member}, as a later SGLang adds "
+      "it), chosen for the dense FP4 GEMM on a 12.x GPU",
+      "refused at the first NVFP4 layer's weights, before SGLang processes them: the message names the member and the "
+      "flag to use instead (--fp4-gemm-backend flashinfer_cutlass); the enum is left as SGLang set it")
+@pytest.mark.parametrize("member, value", [("FLASHINFER_B12X", "flashinfer_b12x"), ("FLASHINFER_NEXT", "flashinfer_next")])
+def test_an_unknown_runner_enum_member_is_refused_by_name(monkeypatch, member, value):
+    from helpers.common import extend_enum
+
+    new = extend_enum(monkeypatch, ENUM, member, value)
+    assert ENUM(value) is new and new.get_flashinfer_backend() == value.removeprefix("flashinfer_")
+    monkeypatch.setattr(fp4_utils, "FP4_GEMM_RUNNER_BACKEND", new)
+    sm120_fp4.install(**SIM)
+    with pytest.raises(RefusedToServe, match=rf"(?s){member}.*does not know.*--fp4-gemm-backend flashinfer_cutlass"):
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
+    assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is new, "never pinned to another layout behind the operator's back"
+
+
+@case("backend faults", "an FP4 GEMM call with backend={backend!r} (a FlashInfer backend this library does not route) on a "
+      "verified 12.x device", "refused by name with the flag to use instead; never the unverified original")
+@pytest.mark.parametrize("backend", ["b12x", "cutlass_v2"])
+def test_a_call_naming_an_unknown_backend_is_refused_not_served_unverified(backend):
+    import sglang.srt.layers.quantization.modelopt_quant as mq
+
+    sm120_fp4.install(**SIM)
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))  # the device is decided and verified
+    alias = getattr(mq, alias_name())
+    a, b, a_sf, b_sf, alpha = mm_fp4_operands(8)
+    with pytest.raises(RefusedToServe, match=rf"backend={backend!r} on device -1.*--fp4-gemm-backend flashinfer_cutlass"):
+        alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=backend)
+    for passed in ("auto", "cudnn", "cutlass"):  # the names it routes still serve
+        assert alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=passed).shape == (8, 32)
+
+
+@needs_enum
 def test_enum_values_chosen_for_other_layouts_are_never_touched():
     kept = [m for m in ENUM if m.name not in REPINNED]  # whatever this release's enum has besides
     assert ENUM.FLASHINFER_CUTLASS in kept
@@ -204,14 +238,23 @@ def test_status_is_json_with_every_target_and_the_decision():
 
 # ---- fail closed ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", ["0.5.2", "0.5.24", "0.6.0"])
+@pytest.mark.parametrize("version", ["0.5.2", "0.5.24", "0.5.24.dev0", "0.6.0"])
+@case("own failures", "install() with the toggle on, a 12.x GPU and SGLang {version} installed (outside the supported range)",
+      "nothing patched; one WARNING says the NVFP4 layers are served UNVERIFIED, naming the version, the supported range "
+      "and how to proceed; with SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified it says so as asked")
 def test_a_release_outside_the_range_is_left_untouched_with_one_warning(monkeypatch, caplog, version):
     monkeypatch.setattr(release, "sglang_version", lambda: version)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     status = sm120_fp4.install(**SIM)
-    assert not status.installed and f"sglang {version} is outside the supported range" in status.message
+    assert not status.installed and f"SGLang {version} is installed, outside the releases" in status.message
     assert_not_patched()
-    assert sum("outside the supported range" in r.getMessage() for r in caplog.records) <= 1
+    [warning] = [r.getMessage() for r in caplog.records if "outside the releases" in r.getMessage()]
+    assert "NVFP4 layers on a 12.x GPU are served UNVERIFIED" in warning and release.SUPPORTED in warning
+    assert "pip install -U sm120-fp4" in warning and release.OPT_OUT in warning
+    sm120_fp4.install(**SIM)
+    assert sum("outside the releases" in r.getMessage() for r in caplog.records) == 1, "once per process"
+    status = sm120_fp4.install(**SIM, unsupported_release="serve-unverified")
+    assert not status.installed and "served UNVERIFIED" in status.message and f"{release.OPT_OUT}: as asked" in status.message
 
 
 def test_no_12x_gpu_means_nothing_is_patched():
@@ -236,17 +279,10 @@ def test_bad_settings_fail_at_install_not_at_serve_time(monkeypatch):
     assert_not_patched()
 
 
-def test_an_sglang_that_already_contains_the_fix_is_left_alone(monkeypatch):
-    monkeypatch.setattr(release, "fix_marker", lambda root: release.MARKER.search("# sm120-fp4: sglang-0.5.23-sm120-fp4"))
-    status = sm120_fp4.install(**SIM)
-    assert not status.installed and "already contains the fix" in status.message
-    assert_not_patched()
-
-
 @pytest.mark.parametrize("version, message", [
     (None, "sglang is not installed"),
-    ("not-a-version", "'not-a-version' is not a version this library can read"),
-    ("0.5.24rc1", "outside the supported range"),
+    ("not-a-version", "SGLang 'not-a-version' is installed, a version sm120_fp4 cannot read"),
+    ("0.5.24rc1", "outside the releases"),
 ])
 @case("own failures", "SGLang version {version}", "install() changes nothing and says why in its status message, without raising")
 def test_a_missing_or_unreadable_sglang_version_is_left_untouched(monkeypatch, version, message):

@@ -31,6 +31,7 @@ from sm120_fp4.upstream import DIFFS
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import ledger  # noqa: E402  (scripts/ledger.py renders patches/LEDGER.md)
+from helpers.cases import case  # noqa: E402
 from helpers.procs import Popen, background, clean_env, python  # noqa: E402
 CACHE = ROOT / ".cache" / "sglang-wheels"
 RELEASES = [(diff, release) for diff in DIFFS for release in diff.releases]
@@ -226,17 +227,81 @@ def test_apply_to_a_source_checkout(tool, tmp_path):
     assert upstream.check(tmp_path).fixed
 
 
-def test_runtime_patch_needed_follows_check(tmp_path, monkeypatch):
+def test_carried_fix_follows_check(tmp_path, monkeypatch):
     tree = _unpack("0.5.23", tmp_path)
     monkeypatch.setattr(release, "installed_root", lambda: tree)
     monkeypatch.setattr(upstream, "installed_root", lambda: tree)
-    needed, why = release.runtime_patch_needed()
-    assert needed and "does not contain the fix" in why
+    assert release.carried_fix() is None
     assert upstream.apply(tree) == 0
-    needed, why = release.runtime_patch_needed()
-    assert not needed and "runtime patch not needed" in why
+    assert "carries the patches/ diff sglang-0.5.23-sm120-fp4" in release.carried_fix()
     monkeypatch.setattr(upstream, "installed_root", lambda: None)
     assert upstream.check().exit_code == 2
+
+
+def _ledger_states() -> dict[str, str]:
+    import sm120_fp4
+
+    return {p.name: p.state for p in sm120_fp4.status().patches}
+
+
+@case("own failures", "SGLang patched with `sm120-fp4 patches apply` (the dense-GEMM diff) and SM120_FP4=1, with a {kernel} kernel",
+      "install() patches as on an unpatched tree (the same ledger), the status names the diff, and every dense and MoE layer "
+      "is still checked: a kernel that turns wrong after the generic self-test is refused at the layer, naming it")
+@pytest.mark.parametrize("kernel", ["dense", "MoE"])
+def test_a_tree_patched_with_the_upstream_diff_keeps_every_check_on(tmp_path, monkeypatch, sglang_unpatched, kernel):
+    import sm120_fp4
+    from sm120_fp4 import backends, selftest, serving
+    from sm120_fp4.demo import synthetic
+    from sm120_fp4.errors import RefusedToServe
+    from sm120_fp4.sglang import layers
+    from helpers import moe_faults
+    from helpers.children import all_zeros
+    from helpers.common import simulated_moe_skip_reason
+
+    if kernel == "MoE" and simulated_moe_skip_reason() is not None:
+        pytest.skip(simulated_moe_skip_reason())
+    moe_layers = pytest.importorskip("sm120_fp4.sglang.moe_layers")
+    plain, patched = _unpack("0.5.23", tmp_path / "plain"), _unpack("0.5.23", tmp_path / "patched")
+    assert upstream.apply(patched) == 0 and upstream.check(patched).fixed
+    sim = dict(simulate="12.0", backends="emulated", moe_backends="emulated")
+    monkeypatch.setattr(release, "installed_root", lambda: plain)
+    sm120_fp4.install(**sim)
+    unpatched_ledger = _ledger_states()
+    sm120_fp4.uninstall()
+
+    monkeypatch.setattr(release, "installed_root", lambda: patched)
+    status = sm120_fp4.install(**sim)
+    assert status.installed and "carries the patches/ diff sglang-0.5.23-sm120-fp4" in status.message
+    assert _ledger_states() == unpatched_ledger, "the same runtime patches, re-check and MoE seam included"
+    if kernel == "dense":
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
+    else:
+        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 256, 128, seed=1), 2)
+    [decision] = [d for d in serving.decisions() if d.family == kernel.lower()]
+    assert decision.verified and decision.layers and decision.layers[0].passed
+    sm120_fp4.uninstall()
+
+    calls = {"n": 0}
+    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases) if kernel == "MoE" else None
+
+    def late_moe(*args):  # passes the generic MoE self-test, then drops an expert
+        calls["n"] += 1
+        return (backends.emulated_moe if calls["n"] <= generic else moe_faults.drops_one_expert)(*args)
+
+    def late_dense(*args):  # passes the generic self-test, then returns zeros (at the layer's own check)
+        calls["n"] += 1
+        return (backends.emulated_mm_fp4 if not serving.decisions() else all_zeros)(*args)
+
+    if kernel == "dense":
+        backends.register("late-zeros", late_dense)
+        sm120_fp4.install(**{**sim, "backends": "late-zeros"})
+        with pytest.raises(RefusedToServe, match=r"(?s)failed the served-layer check: ModelOptFp4LinearMethod N=32 K=64"):
+            layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
+    else:
+        backends.register_moe("late-faulty", late_moe)
+        sm120_fp4.install(**{**sim, "moe_backends": "late-faulty"})
+        with pytest.raises(RefusedToServe, match=r"(?s)failed the served-layer check: ModelOptNvFp4FusedMoEMethod E=8"):
+            moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 256, 128, seed=1), 2)
 
 
 def test_unknown_action_is_2(capsys):

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__all__ = ["attach", "idle_point_problem", "release_support", "runtime_patch_needed", "sglang_version"]
+__all__ = ["attach", "idle_point_problem", "release_support", "carried_fix", "sglang_version", "unverified_release", "OPT_OUT", "OPT_OUT_SAYS"]
 
 _LAZY = {"attach": "wiring", "idle_point_problem": "wiring", "release_support": "release",
-         "runtime_patch_needed": "release", "sglang_version": "release"}
+         "carried_fix": "release", "sglang_version": "release",
+         "unverified_release": "release", "OPT_OUT": "release",
+         "OPT_OUT_SAYS": "release"}
 
 
 def __getattr__(name: str) -> object:

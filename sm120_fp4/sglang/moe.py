@@ -34,10 +34,10 @@ from ..errors import RefusedToServe
 from ..patching import PatchSpec, Patcher
 from ..serving import LayerCheck
 from .hooks import LIGHT_BATCH, activation_dtypes, batch_sizes, layer_device_index, layer_name, max_capture_batch, recheck_sizes
-from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version
+from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version, supported
 
 _LOG = logging.getLogger("sm120_fp4")
-SEAM_VERSIONS = ">=0.5.15,<0.5.24"
+SEAM_VERSIONS = supported(">=0.5.15")
 VERIFIED_EXPERTS = 8  # a few of this rank's experts: the oracle dequantizes only the ones it routes to
 VERIFIED_RUNNER = "flashinfer_cutlass"  # the one MoE runner whose kernel seam is routed and verified
 RUNNER_FLAG = f"--moe-runner-backend {VERIFIED_RUNNER}"
@@ -49,7 +49,7 @@ _PIN_WHY = (
 )
 MOE_RUNNER_PIN = PatchSpec(
     name="moe-runner-backend-pin", module=RUNTIME_CONTEXT, attribute="runner_backend", distribution=DISTRIBUTION,
-    versions=">=0.5.16,<0.5.24", why=_PIN_WHY + " (0.5.16+: get_flags().moe.runner_backend)",
+    versions=supported(">=0.5.16"), why=_PIN_WHY + " (0.5.16+: get_flags().moe.runner_backend)",
     upstream="no upstream issue; SGLang's SM120 rule lives in _moe_runner_backend_quant_constraints (CLI only)",
     remove_when="when SGLang resolves 'auto' for NVFP4 MoE on SM12x from the checkpoint's own quantization")
 MOE_RUNNER_PIN_LEGACY = PatchSpec(

@@ -10,12 +10,13 @@ import importlib.util
 import re
 from pathlib import Path
 
-from ..versions import comparable, installed_version, version_in
+from ..versions import capped, comparable, installed_version, version_in
 
 __all__ = [
     "DISTRIBUTION",
     "PLUGIN_GROUP",
     "SUPPORTED",
+    "supported",
     "MQ",
     "FP4_UTILS",
     "CT",
@@ -36,12 +37,16 @@ __all__ = [
     "MARKER",
     "sglang_version",
     "release_support",
+    "unverified_release",
+    "OPT_OUT",
+    "OPT_OUT_SAYS",
     "installed_root",
     "fix_marker",
-    "runtime_patch_needed",
+    "carried_fix",
 ]
 
 DISTRIBUTION = "sglang"
+# The one upper bound: raising the supported range is this line (and scripts/sglang_matrix.py's pins).
 SUPPORTED = ">=0.5.3,<0.5.24"
 MQ = "sglang.srt.layers.quantization.modelopt_quant"
 FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
@@ -65,6 +70,12 @@ FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"
 MARKER = re.compile(r"#\s*sm120-fp4:\s*(sglang-(\S+?)-sm120-fp4)\b")
 
 
+def supported(versions: str) -> str:
+    """A patch target's version range: where it starts (and, where it disappears in a release, where
+    it ends), capped by SUPPORTED."""
+    return capped(versions, SUPPORTED)
+
+
 def sglang_version() -> str | None:
     return installed_version(DISTRIBUTION)
 
@@ -79,6 +90,28 @@ def release_support(version: str | None = None) -> tuple[bool, str]:
     if version_in(version, SUPPORTED):
         return True, f"sglang {version} is supported ({SUPPORTED})"
     return False, f"sglang {version} is outside the supported range {SUPPORTED}: left untouched"
+
+
+OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
+OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"
+
+
+def unverified_release(version: str | None = None) -> tuple[str, str] | None:
+    """(what it means, what makes it verified) when SGLang `version` (default: the installed one) is installed
+    but is not a release this library can patch: with the library asked for on a 12.x GPU, its NVFP4
+    layers are served by SGLang's own calls, none of them verified. None: supported, or not installed."""
+    from .._version import __version__
+
+    version = version or sglang_version()
+    if version is None or release_support(version)[0]:
+        return None
+    what = (f"SGLang {version!r} is installed, a version sm120_fp4 cannot read" if comparable(version) is not None
+            else f"SGLang {version} is installed, outside the releases sm120_fp4 {__version__} supports ({SUPPORTED})")
+    means = (f"{what}: sm120_fp4 patches nothing in it, so NVFP4 layers on a 12.x GPU are served UNVERIFIED (SGLang's "
+             "own FP4 GEMM and fused-MoE calls; no self-test, layer check, re-check or canary of sm120_fp4 runs there)")
+    remedy = (f"upgrade sm120_fp4 to a release that supports SGLang {version} (pip install -U sm120-fp4), or install "
+              f"an SGLang in {SUPPORTED}")
+    return means, remedy
 
 
 def installed_root() -> Path | None:
@@ -101,13 +134,15 @@ def fix_marker(root: Path) -> re.Match | None:
         return None
 
 
-def runtime_patch_needed() -> tuple[bool, str]:
-    """(False, why) when the installed SGLang already carries the fix (a patches/ diff), else (True, why)."""
+def carried_fix() -> str | None:
+    """What the installed SGLang carries of a ``patches/`` diff (None: none, or no SGLang).
+
+    A diff fixes the dense GEMM's routing and adds one start-up check of it; it verifies no layer, no
+    MoE, nothing after warm-up and nothing while serving, so it never replaces the runtime patch:
+    ``install()`` patches such a tree as any other (the diff's own routing runs under it)."""
     root = installed_root()
-    if root is None:
-        return True, "sglang is not installed (no importable 'sglang' package)"
-    marker = fix_marker(root)
-    if marker is not None:
-        return False, (f"the installed SGLang at {root / 'sglang'} already contains the fix (patch {marker.group(1)}); "
-                       "runtime patch not needed")
-    return True, f"sglang at {root / 'sglang'} does not contain the fix"
+    marker = fix_marker(root) if root is not None else None
+    if marker is None:
+        return None
+    return (f"the installed SGLang at {root / 'sglang'} carries the patches/ diff {marker.group(1)} (the dense GEMM's "
+            "routing and one start-up check); every runtime check stays on: layer checks, MoE, the re-check and the canary")

@@ -44,7 +44,7 @@ from ..errors import say_once
 from ..kernels import fp4_quantize_stand_in
 from ..patching import PatchSpec, Patcher
 from .cpu_engine import OPS as CPU_ENGINE_OPS, cpu_engine_selected
-from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version
+from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version, supported
 
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
@@ -60,7 +60,7 @@ FP4_GEMM_CPU_KERNEL = PatchSpec(
     f"{_WHY}; without CUDA, SGLang's op sglang::fp4_gemm, when it has no CPU kernel (0.5.8+ register it for the GPU "
     "only, with register_custom_op), gets one: its own Python body, which calls the patched alias (0.5.5.post3-0.5.7 "
     "register it with torch.library.custom_op for every device and 0.5.3-0.5.5.post2 have no op: nothing to add)",
-    "-", _NEVER, versions=">=0.5.8,<0.5.24")
+    "-", _NEVER, versions=supported(">=0.5.8"))
 # The activation quantizer stand-ins. Each takes effect where the release's code calls its name:
 # the global names that `caller` (a method of the module) loads, read from the imported module at
 # import time, never a version range. `versions` (no `distribution`: not a guard) is where that
@@ -69,11 +69,11 @@ QUANTIZER_CALLERS = {MQ: "ModelOptFp4LinearMethod.apply", CT: "CompressedTensors
 QUANTIZER = PatchSpec(
     "sim-activation-quantizer", MQ, "fp4_quantize",
     f"{_WHY}; ModelOptFp4LinearMethod.apply quantizes with fp4_quantize (FlashInfer's, SM100+ only; or sgl_kernel's "
-    "scaled_fp4_quant under that name)", "-", _NEVER, make=fp4_quantize_stand_in, versions=">=0.5.4.post2,<0.5.24")
+    "scaled_fp4_quant under that name)", "-", _NEVER, make=fp4_quantize_stand_in, versions=supported(">=0.5.4.post2"))
 QUANTIZER_CT = PatchSpec(
     "sim-activation-quantizer-ct", CT, "fp4_quantize",
     f"{_WHY}; CompressedTensorsW4A4Fp4.apply_weights quantizes with fp4_quantize, imported by name", "-", _NEVER,
-    make=fp4_quantize_stand_in, versions=">=0.5.7,<0.5.24")
+    make=fp4_quantize_stand_in, versions=supported(">=0.5.7"))
 LEGACY_QUANTIZER = PatchSpec(
     "sim-activation-quantizer-legacy", MQ, "scaled_fp4_quant",
     f"{_WHY}; ModelOptFp4LinearMethod.apply quantizes with sgl_kernel's scaled_fp4_quant, bound only with CUDA: "
@@ -98,7 +98,7 @@ def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
             f"{_WHY}; compressed-tensors asks torch.cuda.get_device_capability() directly when it picks a layer's "
             "scheme (no NVIDIA driver: the scheduler dies before any layer loads); answered from the simulated "
             "capability", "-", _NEVER, make=lambda original: _scheme_check_stand_in(original, capability),
-            distribution="sglang", versions=">=0.5.3,<0.5.24", check=_callable_check("_check_scheme_supported"),
+            distribution="sglang", versions=supported(">=0.5.3"), check=_callable_check("_check_scheme_supported"),
         ),
         PatchSpec(
             "sim-blackwell-check", MQ, "is_blackwell_supported",

@@ -22,10 +22,10 @@ from .hooks import (compressed_tensors_check, layer_device_index, make_update_ho
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
 from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
-                      SUPPORTED, WEIGHT_UPDATER, sglang_version)
+                      SUPPORTED, WEIGHT_UPDATER, sglang_version, supported)
 
 __all__ = ["Wiring", "TARGETS", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
-           "LEGACY_KNOB_SPEC"]
+           "LEGACY_KNOB_SPEC", "KNOWN_RUNNERS", "runner_backend_problem", "unknown_backend_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
 LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
@@ -101,15 +101,17 @@ def _is_the_alias(original: object) -> str | None:
     return is_mm_fp4(original)
 
 
-def _target(makes: str, **fields) -> tuple[str, PatchSpec]:
-    return makes, PatchSpec(distribution=DISTRIBUTION, **fields)
+def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
+    """One declared target: `versions` says where it starts (and where it disappears, if it does);
+    SUPPORTED caps the rest."""
+    return makes, PatchSpec(distribution=DISTRIBUTION, versions=supported(versions), **fields)
 
 
 # Every runtime patch target of every supported release, in the order they are applied: (what
 # replaces it -- a key of _makers --, the target with its version guard and its ledger text).
 TARGETS: tuple[tuple[str, PatchSpec], ...] = (
     _target("dispatch", name="flashinfer-fp4-gemm-alias", module=MQ, attribute="flashinfer_fp4_gemm", check=_is_the_alias,
-            when_missing=_ALIAS_MISSING, versions=">=0.5.8,<0.5.24", why=_ALIAS_WHY, upstream=_ALIAS_UPSTREAM,
+            when_missing=_ALIAS_MISSING, versions=">=0.5.8", why=_ALIAS_WHY, upstream=_ALIAS_UPSTREAM,
             remove_when=_ALIAS_REMOVE),
     _target("dispatch", name="fp4-gemm-alias-legacy", module=MQ, attribute="fp4_gemm", check=_is_the_alias,
             when_missing=_ALIAS_MISSING, versions=">=0.5.3,<0.5.8",
@@ -120,11 +122,11 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
             upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
             remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x"),
     _target("compressed-tensors-weights", name="compressed-tensors-w4a4-weights-hook", module=CT,
-            attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading", versions=">=0.5.7,<0.5.24",
+            attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading", versions=">=0.5.7",
             why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)", upstream="no upstream start-up check exists",
             remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x"),
     _target("recheck", name="post-warmup-recheck", module=MODEL_RUNNER, attribute="ModelRunner.init_cuda_graphs",
-            versions=">=0.5.14,<0.5.24", why=_WARMUP_WHY, **_CAPTURE),
+            versions=">=0.5.14", why=_WARMUP_WHY, **_CAPTURE),
     _target("recheck", name="post-warmup-recheck-legacy", module=MODEL_RUNNER, attribute="ModelRunner.init_device_graphs",
             versions=">=0.5.3,<0.5.14", why=_WARMUP_WHY + " (0.5.3-0.5.13 name the method init_device_graphs)", **_CAPTURE),
     _target("moe-runner-config", name="moe-runner-config-hook", module=MOE_UTILS, attribute="initialize_moe_config",
@@ -144,12 +146,12 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
             why=_MOE_WHY + f" (releases outside {SEAM_VERSIONS} have no seam: the layer is refused unless SELFTEST says otherwise)",
             upstream="no upstream start-up check exists", remove_when=_MOE_REMOVE),
     _target("compressed-tensors-moe-weights", name="compressed-tensors-nvfp4-moe-weights-hook", module=CT_MOE,
-            attribute="CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading", versions=">=0.5.9,<0.5.24",
+            attribute="CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading", versions=">=0.5.9",
             why=_MOE_WHY + " (compressed-tensors W4A4 NVFP4 MoE checkpoints: one activation scale per expert)",
             upstream="no upstream start-up check exists", remove_when=_MOE_REMOVE),
     # The scheduler's capture calls, so that the draft model's graphs are re-checked too.
     _target("recheck", name="post-capture-recheck-all-graphs", module=SCHEDULER, attribute="Scheduler.init_all_cuda_graphs",
-            versions=">=0.5.14,<0.5.24",
+            versions=">=0.5.14",
             why=_WARMUP_WHY + " (once, after the target's and the speculative draft model's graphs are all captured: the "
                 "draft worker captures its own decode and draft-extend graphs after its model runner's)", **_CAPTURE),
     _target("recheck", name="post-capture-recheck-model-workers", module=SCHEDULER, attribute="Scheduler.init_model_worker",
@@ -163,14 +165,14 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
                                ("update_weights_from_distributed", ">=0.5.3,<0.5.16"), ("update_weights_from_ipc", ">=0.5.4,<0.5.16"))),
     *(_target("weights-update", name=f"reverify-after-{method.replace('_', '-')}-component", module=WEIGHT_UPDATER,
               attribute=f"WeightUpdater.{method}", versions=versions, why=_UPDATE_WHY, **_UPDATE)
-      for method, versions in (("update_weights_from_disk", ">=0.5.16,<0.5.24"), ("update_weights_from_tensor", ">=0.5.16,<0.5.24"),
-                               ("update_weights_from_ipc", ">=0.5.16,<0.5.24"), ("update_weights_from_distributed", ">=0.5.16,<0.5.21"),
-                               ("load_weights_from_distributed", ">=0.5.21,<0.5.24"))),
+      for method, versions in (("update_weights_from_disk", ">=0.5.16"), ("update_weights_from_tensor", ">=0.5.16"),
+                               ("update_weights_from_ipc", ">=0.5.16"), ("update_weights_from_distributed", ">=0.5.16,<0.5.21"),
+                               ("load_weights_from_distributed", ">=0.5.21"))),
     _target("weights-update-begin", name="weight-update-session-begin", module=WEIGHT_UPDATER,
-            attribute="WeightUpdater.begin_weight_update", versions=">=0.5.21,<0.5.24",
+            attribute="WeightUpdater.begin_weight_update", versions=">=0.5.21",
             why=_UPDATE_WHY + " (a weight-update session: tensor and distributed loads run between begin and end)", **_UPDATE),
     _target("weights-update-end", name="weight-update-session-end", module=WEIGHT_UPDATER,
-            attribute="WeightUpdater.end_weight_update", versions=">=0.5.21,<0.5.24",
+            attribute="WeightUpdater.end_weight_update", versions=">=0.5.21",
             why=_UPDATE_WHY + " (the session's end, after SGLang post-processes the new weights)", **_UPDATE),
 )
 
@@ -223,7 +225,7 @@ def idle_specs(run: Callable) -> list[PatchSpec]:
     """The scheduler loop's idle point in each release, wrapped to call `run(stream)` first (the canary)."""
     make = functools.partial(make_idle_hook, run=run)
     where = [
-        ("scheduler-idle-canary", SCHEDULER, "Scheduler.on_idle", ">=0.5.13,<0.5.24", ""),
+        ("scheduler-idle-canary", SCHEDULER, "Scheduler.on_idle", ">=0.5.13", ""),
         ("scheduler-idle-canary-mixin", SCHEDULER_CHECKER, "SchedulerRuntimeCheckerMixin.on_idle", ">=0.5.11,<0.5.13",
          " (0.5.11-0.5.12: on the runtime-checker mixin the Scheduler inherits it from)"),
         ("scheduler-idle-canary-self-check", SCHEDULER_CHECKER, "SchedulerRuntimeCheckerMixin.self_check_during_idle",
@@ -231,7 +233,7 @@ def idle_specs(run: Callable) -> list[PatchSpec]:
         ("scheduler-idle-canary-legacy", SCHEDULER, "Scheduler.self_check_during_idle", ">=0.5.3,<0.5.4",
          " (0.5.3 names it self_check_during_idle, on the Scheduler)"),
     ]
-    return [PatchSpec(name=name, module=module, attribute=attribute, make=make, distribution=DISTRIBUTION, versions=versions,
+    return [PatchSpec(name=name, module=module, attribute=attribute, make=make, distribution=DISTRIBUTION, versions=supported(versions),
                       why=_IDLE_WHY + note, upstream=_IDLE_UPSTREAM, remove_when=_IDLE_REMOVE)
             for name, module, attribute, versions, note in where]
 
@@ -247,7 +249,7 @@ ENUM_PIN = PatchSpec(
     module=FP4_UTILS,
     attribute="FP4_GEMM_RUNNER_BACKEND",
     distribution=DISTRIBUTION,
-    versions=">=0.5.8,<0.5.24",
+    versions=supported(">=0.5.8"),
     why=(
         "the runner enum picks the weight layout at load time and the backend name passed to "
         "FlashInfer: AUTO reaches FlashInfer unresolved (0.5.8, and any process that never ran "
@@ -269,6 +271,39 @@ LEGACY_KNOB_SPEC = PatchSpec(
     upstream="sglang 0.5.4 made the default true",
     remove_when="when 0.5.3.x is no longer supported",
 )
+
+
+# The runner enum's values this library knows (0.5.8-0.5.23): AUTO and FLASHINFER_CUDNN are pinned to
+# FLASHINFER_CUTLASS, whose calls are routed and verified; TRTLLM (shuffled weights), CUTEDSL and MARLIN
+# are the operator's choice of another layout or path, never changed. Any other value (a member added
+# after this library, e.g. FLASHINFER_B12X) prepares a layout this library has never read: refused.
+KNOWN_RUNNERS = frozenset({"auto", "flashinfer_cudnn", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl", "marlin"})
+DENSE_FLAG = "--fp4-gemm-backend flashinfer_cutlass"
+
+
+def runner_backend_problem() -> str | None:
+    """Why the FP4 GEMM runner SGLang chose cannot be served verified: a runner enum member this library
+    does not know (None: a known one, or no enum)."""
+    module = sys.modules.get(FP4_UTILS)
+    current = getattr(module, "FP4_GEMM_RUNNER_BACKEND", None)
+    value = getattr(current, "value", None)
+    if current is None or value in KNOWN_RUNNERS:
+        return None
+    try:
+        flashinfer = current.get_flashinfer_backend()
+    except Exception:  # noqa: BLE001 - a member whose mapping fails is still named
+        flashinfer = "?"
+    return (f"SGLang's FP4 GEMM runner backend is {current} ({value!r}, FlashInfer backend {flashinfer!r}), which this "
+            "sm120_fp4 does not know: neither the weight layout SGLang prepares for it nor the kernel is verified on this "
+            f"GPU. Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4")
+
+
+def unknown_backend_problem(index: int, backend: object) -> str:
+    """Why a FlashInfer mm_fp4 call naming `backend` on served device `index` is not served: a backend
+    name this library does not route, nor leave to SGLang on purpose."""
+    return (f"SGLang called FlashInfer's mm_fp4 with backend={backend!r} on device {index}, a backend this sm120_fp4 "
+            "does not know: neither the weight layout SGLang prepared for it nor the kernel is verified on this GPU. "
+            f"Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4")
 
 
 def pin_runner_backend(patcher: Patcher) -> None:

@@ -27,7 +27,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     when SM120_FP4_CANARY is on. Returns the undo steps that are not patches (the patcher undoes its own).
     """
     from .. import checkpoints, serving
-    from ..errors import ConfigError, RefusedToServe
+    from ..errors import ConfigError, RefusedToServe, say_once
     from ..versions import version_in
     from . import hooks, moe, simulation, targets
 
@@ -35,9 +35,27 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     simulate = settings.simulated_capability
     sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
 
+    def refuse(what: str, problem: str) -> None:
+        """A call this library cannot verify: RefusedToServe (SELFTEST=strict), logged once (warn), or nothing (off)."""
+        if settings.selftest == "off":
+            return
+        message = f"sm120_fp4: refusing to serve {what}: {problem}"
+        if settings.selftest == "strict":
+            raise RefusedToServe(message)
+        say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
+
     def before(index: int) -> None:
         if router.ensure(index) is not None:
+            problem = targets.runner_backend_problem()
+            if problem is not None:
+                refuse(f"NVFP4 dense layers on device {index}", problem)
             targets.pin_runner_backend(patcher)
+
+    def unknown_backend(index: int, backend: object) -> None:
+        refuse(f"an FP4 GEMM on device {index}", targets.unknown_backend_problem(index, backend))
+
+    def make_dispatch(original):
+        return router.make_dispatch(original, unknown_backend)
 
     def verify(check) -> None:
         if check is not None:
@@ -85,7 +103,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
             canary.on_warmup(captured)
         return done
 
-    wiring = targets.Wiring(router.make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
+    wiring = targets.Wiring(make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
                             serving.weights_update_begin, lambda: serving.weights_update_end(settings))
     specs = targets.specs(wiring)
     if idle is not None:

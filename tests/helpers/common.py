@@ -133,3 +133,17 @@ def patch_state(name: str) -> str:
     import sm120_fp4
 
     return {p.name: p.state for p in sm120_fp4.status().patches}[name]
+
+
+def extend_enum(monkeypatch, enum: type, name: str, value: str):
+    """Add member `name` = `value` to the real enum class `enum` for one test (as a later release of
+    the library that defines it would), with the class's own methods; monkeypatch removes it again."""
+    member = object.__new__(enum)
+    member._name_, member._value_ = name, value
+    # Attributes only, so that monkeypatch undoes them in reverse: the maps first, then the member
+    # (Enum refuses to set or delete an attribute named in its member map).
+    monkeypatch.setattr(enum, name, member, raising=False)
+    monkeypatch.setattr(enum, "_member_map_", {**enum._member_map_, name: member})
+    monkeypatch.setattr(enum, "_value2member_map_", {**enum._value2member_map_, value: member})
+    monkeypatch.setattr(enum, "_member_names_", [*enum._member_names_, name])
+    return member
