@@ -305,7 +305,7 @@ def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tupl
     """One NVFP4 module's four tensors: present, of an accepted dtype and shape; its (N, K)."""
     packed, block, global_name, input_name = NAMES[fmt]
     where = next(tensors[f"{module}.{k}"].file for k in NAMES[fmt] if f"{module}.{k}" in tensors)
-    needs = f"an NVFP4 layer ({fmt}) needs {module}.{packed}, .{block}, .{global_name} and .{input_name}"
+    needs = f"accepted: an NVFP4 layer ({fmt}) with {module}.{packed}, .{block}, .{global_name} and .{input_name}"
     for kind in NAMES[fmt]:
         if f"{module}.{kind}" not in tensors:
             raise CheckpointError(f"{where}: {module}.{kind} is missing; {needs}")

@@ -151,7 +151,7 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     try:  # the checkpoint's faults are named here, in one line, before any worker or kernel runs
         checkpoints.inspect(args.model)
     except (CheckpointError, ConfigError) as exc:
-        _eprint(f"sm120-fp4 selftest: checkpoint {args.model}: {exc}")
+        _eprint(f"sm120-fp4 selftest: {exc}")
         return EXIT_USAGE
     found = _settings_and_devices(args)
     if isinstance(found, int):
