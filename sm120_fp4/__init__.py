@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib import import_module
 
 from ._version import __version__
-from .errors import ConfigError, InvalidArgument, RefusedToServe, SelfTestError, Sm120Fp4Error
+from .errors import CheckpointError, ConfigError, InvalidArgument, RefusedToServe, SelfTestError, Sm120Fp4Error
 
 __all__ = [
     "__version__",
@@ -24,6 +24,7 @@ __all__ = [
     "Sm120Fp4Error",
     "InvalidArgument",
     "ConfigError",
+    "CheckpointError",
     "RefusedToServe",
     "SelfTestError",
 ]

@@ -102,7 +102,7 @@ def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit
 
     from . import devices, serving
     from .config import load_settings
-    from .errors import ConfigError, RefusedToServe
+    from .errors import CheckpointError, ConfigError, RefusedToServe
     from .sglang import model_check
 
     try:
@@ -112,7 +112,7 @@ def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit
         if not status.installed:
             raise ConfigError(f"sm120_fp4 could not patch SGLang here: {status.message}")
         checked = model_check.check_model(args.model, device.torch_device)
-    except ConfigError as exc:
+    except (CheckpointError, ConfigError) as exc:
         emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
     except RefusedToServe as exc:
@@ -144,8 +144,16 @@ def _settings_and_devices(args: argparse.Namespace):
 
 def cmd_selftest_model(args: argparse.Namespace) -> int:
     """``selftest --model DIR``: each distinct NVFP4 layer configuration of DIR, built and verified per GPU."""
+    from . import checkpoints
+    from .errors import CheckpointError, ConfigError
+
     if not os.path.isdir(args.model):
         _eprint(f"sm120-fp4 selftest: --model {args.model!r} is not a directory")
+        return EXIT_USAGE
+    try:  # the checkpoint's faults are named here, in one line, before any worker or kernel runs
+        checkpoints.inspect(args.model)
+    except (CheckpointError, ConfigError) as exc:
+        _eprint(f"sm120-fp4 selftest: {exc}")
         return EXIT_USAGE
     found = _settings_and_devices(args)
     if isinstance(found, int):
@@ -176,7 +184,7 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
             for d in r.get("decisions", []):
                 rows += [(d["device"], d["family"], layer["config"], d["backend"], layer["passed"] and d["verified"],
                           len(layer["shapes"])) for layer in d["layers"]]
-            if not r.get("ok"):
+            if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
                 rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
         print("\n".join(markdown_table(("device", "kernel", "layer configuration", "backend", "verified", "batch sizes"), rows)))
     for r in results.values():

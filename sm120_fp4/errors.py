@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "RefusedToServe", "SelfTestError", "DeviceMappingError", "describe", "not_accepted", "check_ranks",
+__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "CheckpointError", "RefusedToServe", "SelfTestError", "DeviceMappingError", "describe", "not_accepted", "check_ranks",
            "capped", "say_once", "EXIT_HUNG"]
 
 # The exit code of a process whose checked call is still running past the self-test's bound (its
@@ -20,6 +20,12 @@ class InvalidArgument(Sm120Fp4Error, ValueError):
 
 class ConfigError(Sm120Fp4Error, ValueError):
     """A setting (keyword or SM120_FP4_* variable) has a value that is not accepted."""
+
+
+class CheckpointError(Sm120Fp4Error, ValueError):
+    """A checkpoint's files or NVFP4 tensors are not what its layers need (unreadable, missing, of the
+    wrong dtype or shape, non-finite or non-positive scales, contradicting its config): the message
+    names the file, the tensor and what is accepted. A fault of the checkpoint, never of a kernel."""
 
 
 class SelfTestError(Sm120Fp4Error, RuntimeError):

@@ -4,6 +4,7 @@ without a server, through SGLang's real layers (simulated SM120, CPU)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -11,13 +12,14 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import faults
+from helpers.cases import case
 from helpers.common import simulated_moe_skip_reason
 from helpers.plugins import plugin_site
 from helpers.procs import Popen, background, clean_env
 from helpers.workers import model_workers_in_process
-from sm120_fp4 import backends, cli
+from sm120_fp4 import backends, checkpoints, cli
 from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, MODELOPT, write_checkpoint
-from sm120_fp4.errors import ConfigError
+from sm120_fp4.errors import CheckpointError, ConfigError
 
 if simulated_moe_skip_reason() is not None:
     pytest.skip(simulated_moe_skip_reason(), allow_module_level=True)
@@ -107,9 +109,140 @@ def test_a_checkpoint_without_nvfp4_is_a_config_error(tmp_path):
         model_check.discover(path)
 
 
-def test_no_safetensors_is_a_config_error(tmp_path):
+def test_no_safetensors_is_a_checkpoint_error(tmp_path):
     path = write_checkpoint(str(tmp_path / "m"), seed=1)
     (tmp_path / "m" / "model.safetensors").unlink()
-    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         model_check.discover(path)
     assert torch.__version__  # the module imported torch: nothing else needed it
+
+
+# ---- a checkpoint's faults: named in one line (file, tensor, what is accepted), exit 2, no kernel blamed ----
+
+def _edit_tensors(path, change):
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{path}/model.safetensors")
+    change(tensors)
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+
+
+def _edit_config(path, change):
+    config = json.loads((path / "config.json").read_text())
+    change(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _set(name, value):
+    def change(tensors):
+        tensors[name] = torch.full_like(tensors[name], value)
+    return change
+
+
+def _nan_block_byte(name):
+    def change(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(torch.uint8)[1, 3] = 0xFF
+    return change
+
+
+def _drop(*names):
+    def change(tensors):
+        for key in [k for k in tensors if any(k.startswith(n) for n in names)]:
+            del tensors[key]
+    return change
+
+
+ATTN, EXPERTS = "model.layers.1.self_attn", "model.layers.0.mlp.experts"
+# (checkpoint format, what is done to it, what the one line must name)
+FAULTS = {
+    "missing weight_scale": (MODELOPT, lambda p: _edit_tensors(p, _drop(f"{ATTN}.k_proj.weight_scale")), f"{ATTN}.k_proj.weight_scale is missing"),
+    "missing weight_scale_2": (MODELOPT, lambda p: _edit_tensors(p, _drop(f"{ATTN}.o_proj.weight_scale_2")), f"{ATTN}.o_proj.weight_scale_2 is missing"),
+    "missing input_global_scale": (COMPRESSED_TENSORS, lambda p: _edit_tensors(p, _drop(f"{ATTN}.q_proj.input_global_scale")),
+                                   f"{ATTN}.q_proj.input_global_scale is missing"),
+    "float16 block scales": (MODELOPT, lambda p: _edit_tensors(p, lambda t: t.__setitem__(f"{ATTN}.v_proj.weight_scale",
+                                                                                         t[f"{ATTN}.v_proj.weight_scale"].half())),
+                             "float16; accepted: float8_e4m3fn"),
+    "an expert missing": (MODELOPT, lambda p: _edit_tensors(p, _drop(f"{EXPERTS}.5.down_proj.")),
+                          f"{EXPERTS}.5.down_proj.weight is missing (expert 5 of 8)"),
+    "an expert's block scales missing": (COMPRESSED_TENSORS, lambda p: _edit_tensors(p, _drop(f"{EXPERTS}.2.up_proj.weight_scale")),
+                                         f"{EXPERTS}.2.up_proj.weight_scale is missing"),
+    "NaN weight_scale_2": (MODELOPT, lambda p: _edit_tensors(p, _set(f"{ATTN}.o_proj.weight_scale_2", float("nan"))),
+                           f"{ATTN}.o_proj.weight_scale_2 = nan; accepted: a finite positive scale"),
+    "negative weight_scale_2 of an expert": (MODELOPT, lambda p: _edit_tensors(p, _set(f"{EXPERTS}.1.gate_proj.weight_scale_2", -0.5)),
+                                             f"{EXPERTS}.1.gate_proj.weight_scale_2 = -0.5"),
+    "zero input_scale": (MODELOPT, lambda p: _edit_tensors(p, _set(f"{ATTN}.q_proj.input_scale", 0.0)), f"{ATTN}.q_proj.input_scale = 0.0"),
+    "infinite weight_global_scale": (COMPRESSED_TENSORS, lambda p: _edit_tensors(p, _set(f"{ATTN}.k_proj.weight_global_scale", float("inf"))),
+                                     f"{ATTN}.k_proj.weight_global_scale = inf"),
+    "zero input_global_scale": (COMPRESSED_TENSORS, lambda p: _edit_tensors(p, _set(f"{EXPERTS}.0.down_proj.input_global_scale", 0.0)),
+                                f"{EXPERTS}.0.down_proj.input_global_scale = 0.0"),
+    "a NaN block-scale byte": (MODELOPT, lambda p: _edit_tensors(p, _nan_block_byte(f"{EXPERTS}.7.down_proj.weight_scale")),
+                               f"{EXPERTS}.7.down_proj.weight_scale holds a NaN block scale (E4M3 byte 0xff at row 1, block 3)"),
+    "truncated safetensors": (MODELOPT, lambda p: os.truncate(p / "model.safetensors", os.path.getsize(p / "model.safetensors") - 100),
+                              "model.safetensors: tensor"),
+    "a corrupt header": (COMPRESSED_TENSORS, lambda p: _overwrite(p / "model.safetensors", 8, b"\x00garbage{"),
+                         "model.safetensors: its safetensors header is not valid JSON"),
+    "a header length past the end": (MODELOPT, lambda p: _overwrite(p / "model.safetensors", 0, (1 << 40).to_bytes(8, "little")),
+                                     "model.safetensors: "),
+    "a symlink loop": (MODELOPT, lambda p: os.symlink("loop.safetensors", p / "loop.safetensors"), "loop.safetensors: cannot open it"),
+    "group_size 32": (MODELOPT, lambda p: _edit_config(p, lambda c: c["quantization_config"].update(group_size=32)),
+                      "config.json: group_size = 32; accepted: 16"),
+    "compressed-tensors group_size 32": (COMPRESSED_TENSORS, lambda p: _edit_config(
+        p, lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=32)),
+        "config.json: config_groups.group_0.weights.group_size = 32; accepted: 16"),
+    "an ignore list naming a quantized layer": (MODELOPT, lambda p: _edit_config(p, lambda c: c["quantization_config"].update(
+        ignore=["lm_head", "model.layers.1.self_attn.o_proj"])), "names model.layers.1.self_attn.o_proj"),
+    "a compressed-tensors ignore regex naming the experts": (COMPRESSED_TENSORS, lambda p: _edit_config(
+        p, lambda c: c["quantization_config"].update(ignore=["lm_head", "re:.*mlp.experts.*"])), "re:.*mlp.experts.*"),
+    "hidden_size contradicting the tensors": (MODELOPT, lambda p: _edit_config(p, lambda c: c.update(hidden_size=512)),
+                                              "config.json's hidden_size is 512"),
+    "num_experts contradicting the tensors": (COMPRESSED_TENSORS, lambda p: _edit_config(
+        p, lambda c: c.update(num_experts=16, num_local_experts=16)), "is missing (expert 8 of 16)"),
+    "heads * head_dim contradicting the tensors": (MODELOPT, lambda p: _edit_config(p, lambda c: c.update(num_key_value_heads=4)),
+                                                   "num_key_value_heads * head_dim is 256"),
+}
+
+
+def _overwrite(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@case("configuration", "`sm120-fp4 selftest --model DIR` with a checkpoint with {fault}",
+      "exit 2 before any worker or kernel runs; one line on stderr naming the file and the tensor (or config key) and what "
+      "is accepted; no traceback, no REFUSED row")
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_checkpoint_fault_is_named_in_one_line_and_exits_2(tmp_path, monkeypatch, capsys, fault):
+    fmt, damage, named = FAULTS[fault]
+    path = tmp_path / "ckpt"
+    write_checkpoint(str(path), seed=9, fmt=fmt)
+    damage(path)
+    for name, value in SIM.items():
+        monkeypatch.setenv(name, value)
+    with model_workers_in_process():
+        rc = cli.main(["selftest", "--model", str(path)])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, (out, err)
+    assert len(lines) == 1 and named in lines[0] and "accepted" in lines[0], err
+    assert "Traceback" not in err and "REFUSED" not in out and "kernel" not in lines[0].replace("not a kernel", "")
+
+
+@case("configuration", "`sm120-fp4 selftest --model DIR` with a safetensors file that cannot be read (mode 000)",
+      "exit 2; one line naming the file and that it cannot be opened")
+def test_an_unreadable_safetensors_file_is_named(tmp_path, monkeypatch, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root reads a mode-000 file")
+    path = write_checkpoint(str(tmp_path / "ckpt"), seed=9)
+    os.chmod(f"{path}/model.safetensors", 0)
+    monkeypatch.setenv("SM120_FP4_SIMULATE", "12.0")
+    assert cli.main(["selftest", "--model", path]) == 2
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert "model.safetensors: cannot open it" in line
+
+
+def test_both_demo_checkpoints_pass_the_validation_pass(tmp_path):
+    for fmt in (MODELOPT, COMPRESSED_TENSORS):
+        checkpoint = checkpoints.inspect(write_checkpoint(str(tmp_path / fmt), seed=3, fmt=fmt))
+        assert len(checkpoint.linear()) == 8 and sorted(checkpoint.experts) == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]

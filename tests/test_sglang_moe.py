@@ -107,6 +107,35 @@ def test_unequal_gate_and_up_scales_are_refused():
         moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
 
 
+@case("configuration", "a served NVFP4 MoE layer ({fmt}) whose checkpoint has {fault}",
+      "refused at its weights hook before any kernel is checked; the message names the tensor and says checkpoint")
+@pytest.mark.parametrize("fmt, fault", [("ModelOpt", "expert 2's w2_input_scale infinite"),
+                                        ("ModelOpt", "expert 0's w13_weight_scale_2 zero (both shards)"),
+                                        ("compressed-tensors", "expert 5's w2 weight_global_scale NaN"),
+                                        ("compressed-tensors", "a NaN w13 block-scale byte (0xff)")])
+def test_a_moe_layer_with_bad_checkpoint_scales_is_refused_naming_the_tensor(fmt, fault):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=7)
+    if "w2_input_scale" in fault:
+        ckpt.w2_input_scale[2] = float("inf")
+        named = "the checkpoint's w2_input_scale[2] = inf"
+    elif "w13_weight_scale_2" in fault:
+        ckpt.w13_weight_scale_2[0] = 0.0
+        named = "the checkpoint's w13_weight_scale_2[0, 0] = 0.0"
+    elif "global_scale" in fault:
+        ckpt.w2_weight_scale_2[5] = float("nan")
+        named = "the checkpoint's w2_weight_global_scale[5] = nan"
+    else:
+        ckpt.w13_weight_scale.view(torch.uint8)[1, 2, 3] = 0xFF
+        named = "the checkpoint's w13_weight_scale["
+    build = sglang_layers.build_compressed_tensors_moe_layer if fmt == "compressed-tensors" else moe_layers.build_modelopt_moe_layer
+    with pytest.raises(RefusedToServe) as err:
+        build(ckpt, TOP_K)
+    message = str(err.value)
+    assert named in message and "checkpoint" in message and "candidate" not in message, message
+    assert not any(d.layers for d in serving.decisions()), "no kernel was checked or blamed"
+
+
 def test_under_expert_parallelism_this_ranks_experts_are_verified():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=6), TOP_K, ep_size=2, ep_rank=1)

@@ -317,6 +317,33 @@ def test_the_recheck_after_warmup_passes_a_healthy_kernel(monkeypatch):
     assert not hasattr(getattr(sys.modules[MODEL_RUNNER].ModelRunner, _warmup_spec().attribute.split(".")[1]), "__sm120_fp4_patch__")
 
 
+def _nan_block_scale(ckpt):
+    ckpt.weight_scale.view(torch.uint8)[5, 1] = 0x7F
+
+
+@case("configuration", "a served ModelOpt NVFP4 linear layer whose checkpoint has {fault}",
+      "refused at its weights hook before any layer check: the message names the tensor and says it is the checkpoint's, "
+      "never that every kernel failed")
+@pytest.mark.parametrize("fault, tensor", [
+    ("a NaN weight_scale_2", "weight_scale_2[0] = nan"), ("an infinite weight_scale_2", "weight_scale_2[0] = inf"),
+    ("a zero input_scale", "input_scale[0] = 0.0"), ("a negative input_scale", "input_scale[0] = -1.0"),
+    ("a NaN block scale (E4M3 0x7f)", "weight_scale[5, 1] is a NaN block scale"),
+])
+def test_a_layer_with_bad_checkpoint_scales_is_refused_naming_the_tensor(fault, tensor):
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    ckpt = synthetic.make_checkpoint(128, 256, seed=3)
+    if "block" in fault:
+        _nan_block_scale(ckpt)
+    else:
+        value = {"NaN": float("nan"), "infinite": float("inf"), "zero": 0.0, "negative": -1.0}[fault.split()[1]]
+        getattr(ckpt, tensor.split("[")[0]).fill_(value)
+    with pytest.raises(RefusedToServe) as err:
+        layers.build_modelopt_layer(ckpt)
+    message = str(err.value)
+    assert f"the checkpoint's {tensor}" in message and "ModelOptFp4LinearMethod" in message, message
+    assert "candidate" not in message and not any(d.layers for d in serving.decisions()), "no kernel was checked or blamed"
+
+
 def test_a_refusal_writes_the_report_before_raising_and_status_shows_it(tmp_path):
     backends.register("wide-zeros", zeros_when_wide)
     report = tmp_path / "r.json"

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .. import backends, graphs, nvfp4, selftest
+from .. import backends, checkpoints, graphs, nvfp4, selftest
 from ..errors import not_accepted, say_once
 from ..serving import LayerCheck
 from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
@@ -275,6 +275,54 @@ def layer_name(layer: object) -> str:
         return prefix
     layer_id = getattr(layer, "layer_id", None)
     return f"layer {layer_id}" if isinstance(layer_id, int) else ""
+
+
+# The checkpoint's scales each hooked NVFP4 method has loaded into its layer when its
+# process_weights_after_loading starts: (block scales, weight global scales, activation global scales).
+CHECKPOINT_SCALES = {
+    "ModelOptFp4LinearMethod": (("weight_scale",), ("weight_scale_2",), ("input_scale",)),
+    "CompressedTensorsW4A4Fp4": (("weight_scale",), ("weight_global_scale",), ("input_global_scale",)),
+    "ModelOptNvFp4FusedMoEMethod": (("w13_weight_scale", "w2_weight_scale"), ("w13_weight_scale_2", "w2_weight_scale_2"),
+                                    ("w13_input_scale", "w2_input_scale")),
+    "CompressedTensorsW4A4Nvfp4MoE": (("w13_weight_scale", "w2_weight_scale"),
+                                      ("w13_weight_global_scale", "w2_weight_global_scale"),
+                                      ("w13_input_global_scale", "w2_input_global_scale")),
+}
+
+
+def _first(mask: torch.Tensor) -> str:
+    """The index of the first True of `mask`, as ``[i, j]`` (empty for a 0-dim tensor)."""
+    flat = int(mask.reshape(-1).nonzero()[0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape)] if mask.dim() else []
+    return f"[{', '.join(map(str, index))}]" if index else ""
+
+
+def checkpoint_scale_problem(kind: str, method: object, layer: object) -> str | None:
+    """Why the checkpoint scales `layer` loaded cannot serve (before SGLang processes them): a global or
+    activation scale that is NaN, infinite, zero or negative, or a NaN E4M3 block scale (byte 0x7f/0xff);
+    None when they are fine. These are the checkpoint's faults, whatever kernel would run."""
+    block, weight_global, activation = CHECKPOINT_SCALES[kind]
+    if getattr(method, "quant_mode", "w4a4") != "w4a4":
+        activation = ()  # weight-only: no activation scale is loaded or read
+    for name in (*weight_global, *activation):
+        tensor = getattr(layer, name, None)
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            continue
+        values = tensor.detach().float()
+        bad = ~(torch.isfinite(values) & (values > 0))
+        if bool(bad.any()):
+            at = _first(bad)
+            value = float(values.reshape(-1)[int(bad.reshape(-1).nonzero()[0])])
+            return checkpoints.scale_problem(f"the checkpoint's {name}{at}", value)
+    for name in block:
+        tensor = getattr(layer, name, None)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            continue
+        nan = (tensor.detach().view(torch.uint8) & 0x7F) == 0x7F
+        if bool(nan.any()):
+            return (f"the checkpoint's {name}{_first(nan)} is a NaN block scale (E4M3 byte 0x7f/0xff); accepted: "
+                    "block scales that are not NaN (the checkpoint is corrupt, not a kernel)")
+    return None
 
 
 def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

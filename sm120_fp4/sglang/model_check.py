@@ -14,8 +14,6 @@ bucket) exactly as in a server. A failure raises RefusedToServe.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -26,12 +24,11 @@ from ..errors import ConfigError
 
 __all__ = ["ModelLayers", "discover", "check_model"]
 
-_DENSE_SUFFIX = {checkpoints.MODELOPT: "weight", checkpoints.COMPRESSED_TENSORS: "weight_packed"}
+_DENSE_SUFFIX = {fmt: names[0] for fmt, names in checkpoints.NAMES.items()}
 _DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$")
-_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_SCALES = {checkpoints.MODELOPT: ("weight_scale", "weight_scale_2", "input_scale"),
-           checkpoints.COMPRESSED_TENSORS: ("weight_scale", "weight_global_scale", "input_global_scale")}
+_PROJ = checkpoints.ROLES
+_SCALES = {fmt: names[1:] for fmt, names in checkpoints.NAMES.items()}
 
 
 @dataclass
@@ -98,48 +95,14 @@ def _packed_modules(config: dict) -> dict[str, list[str]]:
     return dict(_DEFAULT_PACKED)
 
 
-def _headers(model_dir: str) -> tuple[dict[str, str], dict[str, tuple], dict[str, torch.dtype]]:
-    from safetensors import safe_open
-
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise ConfigError(f"model_dir={model_dir!r} has no *.safetensors files; expected a safetensors checkpoint")
-    where, shapes, dtypes = {}, {}, {}
-    for name in files:
-        path = os.path.join(model_dir, name)
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                where[key] = path
-                sl = f.get_slice(key)
-                shapes[key] = tuple(sl.get_shape())
-                dtypes[key] = sl.get_dtype()
-    return where, shapes, dtypes
-
-
-def discover(model_dir: str) -> ModelLayers:
-    """Every NVFP4 linear and MoE layer of the checkpoint in `model_dir`, from its config and headers."""
-    quant = checkpoints.read_quantization(model_dir)
-    if quant.format not in _DENSE_SUFFIX or not quant.nvfp4:
-        raise ConfigError(f"model_dir={model_dir!r}: quantization {quant.format or 'none'!r} is not NVFP4; "
-                          f"accepted: ModelOpt NVFP4 or compressed-tensors NVFP4 (W4A4) checkpoints")
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    where, shapes, dtypes = _headers(model_dir)
-    found = ModelLayers(quant.format, config, files=where, shapes=shapes)
-    suffix = _DENSE_SUFFIX[quant.format]
-    experts: dict[str, dict] = {}
-    linear: dict[str, tuple[int, int]] = {}
-    for name, shape in shapes.items():
-        m = _EXPERT.match(name)
-        if m is not None:
-            if m["kind"] == suffix and dtypes[name] in ("U8", "I8") and len(shape) == 2:
-                entry = experts.setdefault(m["prefix"], {})
-                entry.setdefault(_PROJ.get(m["proj"], m["proj"]), {})[int(m["e"])] = shape
-            continue
-        if name.endswith("." + suffix) and dtypes[name] in ("U8", "I8") and len(shape) == 2:
-            if name.removesuffix(suffix) + "weight_scale" in shapes:
-                linear[name.removesuffix("." + suffix)] = (shape[0], shape[1] * 2)
-    packed = _packed_modules(config)
+def discover(model_dir: str, values: bool = False) -> ModelLayers:
+    """Every NVFP4 linear and MoE layer of the checkpoint in `model_dir`, from its config and headers,
+    after checkpoints.inspect() validated them (CheckpointError names what is wrong; `values`: its scales too)."""
+    checkpoint = checkpoints.inspect(model_dir, values=values)
+    found = ModelLayers(checkpoint.format, checkpoint.config, files={k: v.file for k, v in checkpoint.tensors.items()},
+                        shapes={k: v.shape for k, v in checkpoint.tensors.items()})
+    linear = checkpoint.linear()
+    packed = _packed_modules(checkpoint.config)
     done: set[str] = set()
     for module in sorted(linear):
         if module in done:
@@ -154,12 +117,10 @@ def discover(model_dir: str) -> ModelLayers:
         else:
             found.dense.append(DenseLayer(module, [module], [linear[module][0]], linear[module][1]))
             done.add(module)
-    for prefix, projs in sorted(experts.items()):
-        if "down_proj" not in projs:
-            continue
-        count = len(projs["down_proj"])
-        hidden, half = projs["down_proj"][min(projs["down_proj"])]
-        found.moe.append(MoeLayer(prefix, count, hidden, half * 2, "gate_proj" in projs))
+    for prefix, roles in sorted(checkpoint.experts.items()):
+        down = roles["down_proj"]
+        hidden, inter = checkpoint.modules[down[min(down)]]
+        found.moe.append(MoeLayer(prefix, len(down), hidden, inter, "gate_proj" in roles))
     return found
 
 
@@ -218,9 +179,6 @@ def _build_dense(layers: ModelLayers, layer: DenseLayer, device: torch.device) -
             getattr(module, weight_name).data[row:row + n].copy_(tensors[f"{shard}.{weight_name}"])
             getattr(module, block).data[row:row + n].copy_(tensors[f"{shard}.{block}"].view(torch.float8_e4m3fn))
             _scalar_into(getattr(module, global_name), i, tensors[f"{shard}.{global_name}"])
-            if f"{shard}.{input_name}" not in tensors:
-                raise ConfigError(f"{shard}: no {input_name} in the checkpoint; a W4A4 NVFP4 layer needs the "
-                                  "calibrated activation scale")
             _scalar_into(getattr(module, input_name), i, tensors[f"{shard}.{input_name}"])
             row += n
     process(module)
@@ -260,7 +218,8 @@ def check_model(model_dir: str, device: torch.device) -> dict:
     """Build and verify every distinct NVFP4 layer configuration of `model_dir` on `device` (install() first).
 
     Returns what was checked: {"format", "dense": [names], "moe": [prefixes], "layers": total NVFP4 layers}.
-    Raises RefusedToServe when a configuration does not verify, ConfigError for an unusable checkpoint.
+    Raises RefusedToServe when a configuration does not verify, CheckpointError for an unusable checkpoint
+    (ConfigError for one that is not NVFP4).
     """
     layers = discover(model_dir)
     dense, moe = layers.distinct()

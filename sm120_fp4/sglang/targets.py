@@ -56,7 +56,8 @@ class Wiring:
     layer's runner) before an NVFP4 MoE layer's weights are processed; `pin_moe_runner(model_path)`: after
     SGLang's MoE config is initialised, pin its 'auto' runner for an NVFP4 checkpoint on a served device;
     `weights_update_begin()` / `weights_update_end()`: around SGLang's weight-update calls (drop caches;
-    verify the layers whose weights changed).
+    verify the layers whose weights changed); `check_scales(kind, method, layer)`: refuse a dense layer whose
+    checkpoint scales cannot serve, before its weights are processed (before_moe does so for MoE layers).
     """
 
     make_dispatch: Callable
@@ -69,6 +70,7 @@ class Wiring:
     pin_moe_runner: Callable[[str | None], None]
     weights_update_begin: Callable[[], object] = lambda: None  # SGLang starts writing weights
     weights_update_end: Callable[[], object] = lambda: None  # ... and is done: verify what changed
+    check_scales: Callable[[str, object, object], None] = lambda kind, method, layer: None  # the checkpoint's scales
 
 
 _MOE_WHY = (
@@ -180,8 +182,11 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
 def _makers(w: Wiring) -> dict[str, Callable]:
     """What replaces each kind of target, wired to one install's routing and verification."""
 
-    def dense_hook(check: Callable) -> Callable:
-        before = lambda method, layer: w.before_dense(layer_device_index(layer))  # noqa: E731
+    def dense_hook(check: Callable, kind: str) -> Callable:
+        def before(method, layer):
+            w.before_dense(layer_device_index(layer))
+            w.check_scales(kind, method, layer)
+
         after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
@@ -192,8 +197,8 @@ def _makers(w: Wiring) -> dict[str, Callable]:
 
     return {
         "dispatch": w.make_dispatch,
-        "modelopt-weights": dense_hook(modelopt_check),
-        "compressed-tensors-weights": dense_hook(compressed_tensors_check),
+        "modelopt-weights": dense_hook(modelopt_check, "ModelOptFp4LinearMethod"),
+        "compressed-tensors-weights": dense_hook(compressed_tensors_check, "CompressedTensorsW4A4Fp4"),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
         "moe-runner-config": functools.partial(make_config_hook, pin=w.pin_moe_runner),
         "moe-seam": w.make_moe_seam,

@@ -64,9 +64,23 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     def weights_scope():
         return simulation.cuda_moves_stay_on_cpu(sim is not None)
 
+    def check_scales(kind: str, method, layer, family: str = "dense") -> None:
+        """A layer whose checkpoint scales cannot serve is refused naming the tensor, before any kernel is blamed."""
+        if settings.selftest == "off" or serving.route(hooks.layer_device_index(layer), settings, family) is None:
+            return
+        problem = hooks.checkpoint_scale_problem(kind, method, layer)
+        if problem is None:
+            return
+        name = hooks.layer_name(layer)
+        message = f"sm120_fp4: refusing to serve the NVFP4 layer {name + ' ' if name else ''}({kind}): {problem}"
+        if settings.selftest == "strict":
+            raise RefusedToServe(message)
+        _LOG.warning("%s (SM120_FP4_SELFTEST=warn: serving anyway)", message)
+
     def before_moe(kind: str, method, layer) -> None:
         if serving.route(hooks.layer_device_index(layer), settings, "moe") is None:
             return  # a device this library does not serve
+        check_scales(kind, method, layer, "moe")
         if not version_in(sglang_version(), moe.SEAM_VERSIONS):
             moe.refuse_unverifiable(kind, settings)
             return
@@ -104,7 +118,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         return done
 
     wiring = targets.Wiring(make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
-                            serving.weights_update_begin, lambda: serving.weights_update_end(settings))
+                            serving.weights_update_begin, lambda: serving.weights_update_end(settings), check_scales)
     specs = targets.specs(wiring)
     if idle is not None:
         canary.configure(settings, f"{idle.module}.{idle.attribute}")
