@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import faults
+from helpers.cases import case
 from helpers.common import simulated_moe_skip_reason
 from helpers.plugins import plugin_site
 from helpers.procs import Popen, background, clean_env
@@ -113,3 +114,29 @@ def test_no_safetensors_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no \\*.safetensors"):
         model_check.discover(path)
     assert torch.__version__  # the module imported torch: nothing else needed it
+
+
+def _rescale(path: str, name: str, factor: float) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{path}/model.safetensors")
+    tensors[name] = tensors[name] * factor
+    save_file(tensors, f"{path}/model.safetensors")
+
+
+@pytest.mark.parametrize("fmt, tensor", [(MODELOPT, "weight_scale_2"), (COMPRESSED_TENSORS, "weight_global_scale")])
+@pytest.mark.parametrize("factor", [0.25, 0.0], ids=["4x smaller", "zero"])
+@case("configuration", "selftest --model on a checkpoint ({fmt}) whose second layer's q_proj {tensor} is {factor} times k_proj's and v_proj's",
+      "refused, naming the fused layer, its shards and their values, although its configuration's first layer is fine")
+def test_selftest_model_refuses_shards_with_different_global_scales(sglang_unpatched, tmp_path, monkeypatch, capsys, fmt, tensor,
+                                                                    factor):
+    path = write_checkpoint(str(tmp_path / "ckpt"), seed=9, fmt=fmt)
+    _rescale(path, f"model.layers.1.self_attn.q_proj.{tensor}", factor)
+    for name, value in SIM.items():
+        monkeypatch.setenv(name, value)
+    with model_workers_in_process():
+        rc = cli.main(["selftest", "--model", path, "--json"])
+    [result] = json.loads(capsys.readouterr().out).values()
+    assert rc == 1 and not result["ok"], result
+    assert "model.layers.1.self_attn.qkv_proj" in result["message"] and "q_proj" in result["message"], result["message"]
+    assert ("differ in the checkpoint" if factor else "not a usable global scale") in result["message"], result["message"]

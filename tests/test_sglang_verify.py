@@ -658,3 +658,47 @@ def test_the_recheck_runs_after_every_capture_the_draft_models_included(monkeypa
     with pytest.raises(RefusedToServe, match=r"(?s)fails after warm-up.*N=96 K=160 .*M=9 .*all zeros"):
         Scheduler.init_all_cuda_graphs(scheduler)
     assert rechecks == ["target", "target", [1, 2, 3, 4, 6, 9]], "both captures first, then one re-check of every graph size"
+
+
+# ---- fused layers: the shards' own global scales, read before SGLang reduces them to one ----------
+
+from helpers.sglang_layers import build_fused_dense_layer, fused_dense_shards  # noqa: E402
+
+QKV = [128, 64, 64]
+
+
+def _shards(scale_q: float = 1.0, input_k: float = 1.0):
+    shards = fused_dense_shards(QKV, 160)
+    shards[0]["weight_scale_2"] = shards[0]["weight_scale_2"] * scale_q
+    shards[1]["input_scale"] = shards[1]["input_scale"] * input_k
+    return shards
+
+
+@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+@pytest.mark.parametrize("scale_q, expected", [(0.25, r"weight_\w+ differ in the checkpoint \(shard 0 [\d.e-]+, shard 1 [\d.e-]+, "
+                                                      r"shard 2 [\d.e-]+\).*rows of shard \d by (4|0.25)\b"),
+                                               (0.0, r"weight_\w+ of shard 0 is (0.0|inf), not a usable global scale.*checkpoint")],
+                         ids=["q 4x smaller", "q zero"])
+@case("configuration", "a fused q/k/v layer ({fmt}) whose q shard's global scale is {scale_q} times k's and v's (SGLang serves it with the largest)",
+      "refused before SGLang processes the weights, naming the layer, the shards and their values (the layer check cannot see it)")
+def test_a_fused_layer_whose_shards_global_scales_differ_is_refused_naming_them(fmt, scale_q, expected):
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    with pytest.raises(RefusedToServe, match=r"refusing to serve the NVFP4 layer model.layers.0.self_attn.qkv_proj .*" + expected):
+        build_fused_dense_layer(_shards(scale_q=scale_q), fmt)
+
+
+@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+def test_a_fused_layer_with_one_global_scale_serves_and_activation_scales_may_differ(fmt):
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    method, layer = build_fused_dense_layer(_shards(input_k=2.0), fmt)
+    assert sm120_fp4.status().refusals == []
+    assert any(c.passed for d in serving.decisions() for c in d.layers), "the fused layer was verified"
+
+
+@case("configuration", "a fused layer whose shards' global scales differ, with SM120_FP4_SELFTEST=warn",
+      "served, with one warning naming the layer and the shards' values")
+def test_different_shard_scales_under_warn_are_said_and_served(caplog):
+    sm120_fp4.install(simulate="12.0", backends="emulated", selftest="warn")
+    with caplog.at_level("WARNING", logger="sm120_fp4"):
+        build_fused_dense_layer(_shards(scale_q=0.25), synthetic.MODELOPT)
+    assert any("differ in the checkpoint" in r.getMessage() and "SELFTEST=warn" in r.getMessage() for r in caplog.records)

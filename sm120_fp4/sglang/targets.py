@@ -48,8 +48,9 @@ _ALIAS_REMOVE = (
 class Wiring:
     """What the patches call into (one install's routing and verification).
 
-    `make_dispatch(original)`: the FP4 GEMM alias replacement; `before_dense(device_index)`: decide
-    before a dense layer's weights are processed; `weights_scope()`: a context for that processing;
+    `make_dispatch(original)`: the FP4 GEMM alias replacement; `before_dense(kind, method, layer)`: decide
+    before a dense layer's weights are processed (and check the shards' own global scales, which SGLang's
+    processing reduces to one); `weights_scope()`: a context for that processing;
     `verify(check)`: verify one layer configuration (a LayerCheck, or None: nothing to verify);
     `recheck()`: re-run every verified configuration after warm-up; `make_moe_seam(original)`: the
     fused-MoE seam replacement; `before_moe(kind, method, layer)`: decide (and check the checkpoint and the
@@ -60,7 +61,7 @@ class Wiring:
     """
 
     make_dispatch: Callable
-    before_dense: Callable[[int], object]
+    before_dense: Callable[[str, object, object], object]
     weights_scope: Callable
     verify: Callable[[object], None]
     recheck: Callable[[list[int]], object]
@@ -84,7 +85,8 @@ _WARMUP_WHY = (
 )
 _WEIGHTS_WHY = (
     "run the self-test (decide) once per device at the first NVFP4 layer and pin the runner enum "
-    "before the weight layout is chosen; then verify this layer's configuration (N, K, dtype, "
+    "before the weight layout is chosen; refuse a fused layer whose shards' global scales differ (SGLang "
+    "serves it with the largest: the other shards' rows come out scaled); then verify this layer's configuration (N, K, dtype, "
     "scale dtypes, its own weights) through SGLang's own apply at every batch-size bucket, "
     "before SGLang serves or captures CUDA graphs"
 )
@@ -178,8 +180,8 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
 def _makers(w: Wiring) -> dict[str, Callable]:
     """What replaces each kind of target, wired to one install's routing and verification."""
 
-    def dense_hook(check: Callable) -> Callable:
-        before = lambda method, layer: w.before_dense(layer_device_index(layer))  # noqa: E731
+    def dense_hook(kind: str, check: Callable) -> Callable:
+        before = lambda method, layer: w.before_dense(kind, method, layer)  # noqa: E731
         after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
@@ -190,8 +192,8 @@ def _makers(w: Wiring) -> dict[str, Callable]:
 
     return {
         "dispatch": w.make_dispatch,
-        "modelopt-weights": dense_hook(modelopt_check),
-        "compressed-tensors-weights": dense_hook(compressed_tensors_check),
+        "modelopt-weights": dense_hook("ModelOptFp4LinearMethod", modelopt_check),
+        "compressed-tensors-weights": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
         "moe-runner-config": functools.partial(make_config_hook, pin=w.pin_moe_runner),
         "moe-seam": w.make_moe_seam,

@@ -35,9 +35,19 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     simulate = settings.simulated_capability
     sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
 
-    def before(index: int) -> None:
-        if router.ensure(index) is not None:
-            targets.pin_runner_backend(patcher)
+    def refuse_or_warn(what: str, problem: str | None) -> None:
+        if problem is not None and settings.selftest != "off":
+            message = f"sm120_fp4: refusing to serve {what}: {problem}"
+            if settings.selftest == "strict":
+                raise RefusedToServe(message)
+            _LOG.warning("%s (SM120_FP4_SELFTEST=warn: serving anyway)", message)
+
+    def before(kind: str, method, layer) -> None:
+        if router.ensure(hooks.layer_device_index(layer)) is None:
+            return  # a device this library does not serve
+        targets.pin_runner_backend(patcher)
+        name = hooks.layer_name(layer)
+        refuse_or_warn(f"the NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.layer_scales_problem(kind, method, layer))
 
     def verify(check) -> None:
         if check is not None:
@@ -52,12 +62,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         if not version_in(sglang_version(), moe.SEAM_VERSIONS):
             moe.refuse_unverifiable(kind, settings)
             return
-        problem = moe.runner_problem(kind, method) or moe.gate_up_problem(layer)
-        if problem is not None and settings.selftest != "off":
-            message = f"sm120_fp4: refusing to serve the NVFP4 MoE layer ({kind}): {problem}"
-            if settings.selftest == "strict":
-                raise RefusedToServe(message)
-            _LOG.warning("%s (SM120_FP4_SELFTEST=warn: serving anyway)", message)
+        refuse_or_warn(f"the NVFP4 MoE layer ({kind})", moe.runner_problem(kind, method) or moe.gate_up_problem(layer))
 
     def pin_moe_runner(model_path: str | None) -> None:
         if not _serves_current_device(settings):
