@@ -26,6 +26,7 @@ from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
 from sm120_fp4.versions import version_in
+from helpers import faults
 from helpers.cases import case
 from helpers.common import release_specs
 
@@ -154,7 +155,7 @@ def test_each_distinct_configuration_is_verified_once_per_process():
         "ModelOptFp4LinearMethod N=64 K=160 bfloat16 (weight scales float8_e4m3fn)",
     ]
     ms = [s.m for s in decision.layers[0].shapes]
-    assert ms == hooks.batch_sizes(512) and all(s.calls == 2 for s in decision.layers[0].shapes)
+    assert ms == hooks.batch_sizes(512) and all(s.calls == 3 for s in decision.layers[0].shapes)  # M twice in a row, then again
 
 
 def test_batch_sizes_cover_every_power_of_two_bucket_and_a_large_prefill():
@@ -352,10 +353,10 @@ def test_a_missing_max_batch_is_said_once(monkeypatch, caplog):
 # ---- what serves, round three: every M, the serving thread, every layer, the weights as loaded -----
 
 def _after_the_selftest(fault, healthy=emulated_mm_fp4):
-    """`fault` on every call after the generic self-test's (two passes over its shapes): a kernel
+    """`fault` on every call after the generic self-test's (two passes over its shapes, the first calling each twice in a row): a kernel
     the self-test cannot see, so only the layer checks can."""
     calls = {"n": 0}
-    generic = 2 * len(selftest.DEFAULT_SHAPES)
+    generic = 3 * len(selftest.DEFAULT_SHAPES)
 
     def kernel(*args):
         calls["n"] += 1
@@ -467,7 +468,7 @@ def test_a_kernel_with_per_thread_state_is_refused_and_checks_run_on_the_calling
 
     backends.register("per-thread", split_k_workspace)
     sm120_fp4.install(simulate="12.0", backends="per-thread")
-    with pytest.raises(RefusedToServe, match=r"self-test failed: M=7 N=224 K=160: call 1: output norm"):
+    with pytest.raises(RefusedToServe, match=r"self-test failed: M=1 N=96 K=1056: call 2: output is all zeros"):
         build(96, 160)
     assert threads == {threading.get_ident()}, "every checked call ran on this (the loading) thread"
 
@@ -499,11 +500,11 @@ def test_an_interrupted_layer_check_is_never_recorded_and_the_retry_checks_again
 
     def interrupted_then_zeros(a, b, a_sf, b_sf, alpha, dtype, out):
         calls["n"] += 1
-        if calls["n"] <= 2 * len(selftest.DEFAULT_SHAPES):
+        if calls["n"] <= 3 * len(selftest.DEFAULT_SHAPES):
             return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
-        if calls["n"] == 2 * len(selftest.DEFAULT_SHAPES) + 3:
+        if calls["n"] == 3 * len(selftest.DEFAULT_SHAPES) + 3:
             raise KeyboardInterrupt
-        return out.zero_() if calls["n"] > 2 * len(selftest.DEFAULT_SHAPES) + 3 else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        return out.zero_() if calls["n"] > 3 * len(selftest.DEFAULT_SHAPES) + 3 else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
     backends.register("interrupted", interrupted_then_zeros)
     sm120_fp4.install(simulate="12.0", backends="interrupted")
@@ -702,3 +703,17 @@ def test_different_shard_scales_under_warn_are_said_and_served(caplog):
     with caplog.at_level("WARNING", logger="sm120_fp4"):
         build_fused_dense_layer(_shards(scale_q=0.25), synthetic.MODELOPT)
     assert any("differ in the checkpoint" in r.getMessage() and "SELFTEST=warn" in r.getMessage() for r in caplog.records)
+
+
+@case("backend faults", "a kernel with a per-thread workspace kept between calls of one shape (never cleared): right on the self-test's shapes and on a shape's first call, its previous result from the second call in a row of the layer's shape (N=288) on",
+      "refused at load: the layer check calls each served M twice in a row, the second time with other rows, and names that call")
+def test_a_kernel_wrong_from_the_second_call_in_a_row_of_a_served_shape_is_refused():
+    stale = faults.make_stale_workspace()
+
+    def stale_at_288(a, b, a_sf, b_sf, alpha, dtype, out):
+        return (stale if b.shape[1] == 288 else emulated_mm_fp4)(a, b, a_sf, b_sf, alpha, dtype, out)
+
+    backends.register("stale", stale_at_288)
+    sm120_fp4.install(simulate="12.0", backends="stale")
+    with pytest.raises(RefusedToServe, match=r"N=288 K=160 .*M=1 .*call 2: .*the same shape called again right after its first call"):
+        build(288, 160)

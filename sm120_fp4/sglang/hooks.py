@@ -13,6 +13,7 @@ eagerly at its re-check sizes (decode, 2049, the prefill chunk) and at every cap
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -363,7 +364,22 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     # The checkpoint's bytes: where a backend converted the served storage in place (humming), its kept copy.
     ref_weight, ref_sf = backends.original(weight), backends.original(weight_sf)
     reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)[:, :n_out]
-    return [selftest.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched) for m in ms]
+    cases = []
+    for m in ms:
+        case = selftest.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
+        # The repeat of M right after it, other data: the batch's next M rows (views) where there
+        # are more rows, else these rows rolled by one.
+        if m < rows:
+            case.twin = functools.partial(dataclasses.replace, case, invoke=functools.partial(serve, x[1:m + 1]),
+                                          reference=reference[1:m + 1], twin=None)
+        else:
+            case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
+        cases.append(case)
+    return cases
+
+
+def _rolled_rows(case: selftest.Case, serve: Callable, x: torch.Tensor) -> selftest.Case:
+    return selftest.rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
 
 
 def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, alpha, input_gsf,
