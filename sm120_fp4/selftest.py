@@ -600,9 +600,10 @@ class Sweep:
 
 
 def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2, where: str = "") -> list[ShapeResult]:
-    """Call every case `passes` times (pass after pass, so each M is called again after all others)
-    and check every call, within the deadline of `bounds.timeout_s` for the whole sweep; stop at
-    the first failure (the results then list the cases tried)."""
+    """Call every case `passes` times (pass after pass, so each M is called again after all others;
+    in the first pass each case's twin right after it) and check every call, within the deadline
+    of `bounds.timeout_s` for the whole sweep; stop at the first failure (the results then list the
+    cases tried)."""
     return Sweep(cases, bounds, device, where).run(passes)
 
 
@@ -759,8 +760,9 @@ def run(
 ) -> SelfTestReport:
     """Self-test `backend` on `device` over `shapes` (default DEFAULT_SHAPES); never raises for a bad kernel.
 
-    Two passes over the shapes, every call checked: it returns `out` itself, `out` matches the
-    oracle (after NaN poisoning), and its inputs are bitwise unchanged.
+    Two passes over the shapes, the first calling each shape twice in a row (the second time with
+    the activation negated), every call checked: it returns `out` itself, `out` matches the oracle
+    (after NaN poisoning), and its inputs are bitwise unchanged.
     """
     refuse_inside_capture("self-test", "before")
     bounds = bounds or Bounds()

@@ -32,7 +32,8 @@ def test_run_moe_accepts_flashinfers_rounding_on_the_default_configuration():
     backends.register_moe("flashinfer-rounding", moe_faults.rounds_intermediate_first)
     report = selftest.run_moe("flashinfer-rounding", SIM)
     assert report.passed, report.reason
-    assert len(report.shapes) == len(selftest.DEFAULT_MOE_CONFIG.cases) and all(s.calls == 3 for s in report.shapes)  # two passes, the first calling each twice in a row
+    # Two passes, the first calling each case twice in a row.
+    assert len(report.shapes) == len(selftest.DEFAULT_MOE_CONFIG.cases) and all(s.calls == 3 for s in report.shapes)
 
 
 def test_run_moe_checks_every_call_returns_out_and_leaves_inputs_alone():

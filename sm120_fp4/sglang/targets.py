@@ -17,7 +17,7 @@ from typing import Callable
 from ..kernels import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
-from .hooks import (compressed_tensors_check, layer_device_index, make_update_hook, make_warmup_hook, make_weights_hook,
+from .hooks import (compressed_tensors_check, make_update_hook, make_warmup_hook, make_weights_hook,
                     modelopt_check)
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
