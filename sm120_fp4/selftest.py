@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
 import torch
@@ -438,6 +438,19 @@ class Case:
     label: str | None = None
     bounds: Bounds | None = None  # this case's own bounds (MoE), else the sweep's
     slack: torch.Tensor | None = None  # per output row, relative error the oracle itself cannot decide
+    # The same shape with other data (the same out), called right after this case's first call: a
+    # kernel that carries state from one call of a shape to the next (a workspace it never clears, a
+    # cached previous result) is right on every first call and wrong from the second on, which is
+    # all serving does. Made when called, so a sweep holds none of its tensors between passes.
+    twin: Callable[[], "Case"] | None = None
+
+
+def rolled(case: Case, invoke: Callable[[], object], inputs: tuple[torch.Tensor, ...]) -> Case:
+    """The twin of `case` whose call computes `case`'s rows rolled by one (row i is row i-1's):
+    `invoke` makes that call; the reference and the slack are rolled the same way (rows are
+    independent: each is quantized and multiplied on its own)."""
+    slack = case.slack.roll(1, 0) if case.slack is not None else None
+    return replace(case, invoke=invoke, reference=case.reference.roll(1, 0), inputs=inputs, slack=slack, twin=None)
 
 
 def _input_key(t: torch.Tensor) -> tuple:
@@ -510,10 +523,12 @@ class Sweep:
     still equal it bit for bit (match its fingerprint). A pass has the
     deadline it is given, else `bounds.timeout_s` from its start; the first failure ends the sweep."""
 
-    def __init__(self, cases: list[Case], bounds: Bounds, device: torch.device, where: str = "") -> None:
+    def __init__(self, cases: list[Case], bounds: Bounds, device: torch.device, where: str = "", repeat: bool = True) -> None:
         self.cases, self.bounds, self.device, self.where = cases, bounds, device, where
         self.results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
         self.failed = False
+        self.repeat = repeat  # the first pass calls each case's twin right after it
+        self.passes = 0
         self._snapshots: dict = {}
         for case in cases:
             for t in case.inputs:
@@ -528,13 +543,35 @@ class Sweep:
         if deadline is None:
             deadline = time.perf_counter() + self.bounds.timeout_s
         grace = hang_grace(self.bounds.timeout_s)
+        twins = self.repeat and self.passes == 0
+        self.passes += 1
         for case, result in zip(self.cases, self.results):
             reason = _check_call(case, result, self.bounds, deadline, grace, self.device, self._snapshots, self.where)
+            if reason is None and twins and case.twin is not None:
+                reason = self._call_twin(case, result, deadline, grace)
             if reason is not None:
                 result.passed, result.reason = False, reason
                 self.failed = True
                 return False
         return True
+
+    def _call_twin(self, case: Case, result: ShapeResult, deadline: float, grace: float) -> str | None:
+        """`case`'s twin, called and checked right after it (the same shape twice in a row, other data)."""
+        try:
+            twin = case.twin()
+        except Exception as exc:  # noqa: BLE001 - building the call failed: a finding, not a crash
+            return f"could not build the repeated call: {type(exc).__name__}: {exc}"
+        added = []  # the twin's own inputs (its activations): watched for this one call
+        for t in twin.inputs:
+            if _input_key(t) not in self._snapshots:
+                self._snapshots[_input_key(t)] = _kept(t)
+                added.append(_input_key(t))
+        try:
+            reason = _check_call(twin, result, self.bounds, deadline, grace, self.device, self._snapshots, self.where)
+        finally:
+            for key in added:
+                self._snapshots.pop(key, None)
+        return None if reason is None else f"{reason} (the same shape called again right after its first call, other data)"
 
     def run(self, passes: int) -> list[ShapeResult]:
         """`passes` passes within one deadline of `bounds.timeout_s` for all of them; the outcome."""
@@ -563,9 +600,10 @@ class Sweep:
 
 
 def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2, where: str = "") -> list[ShapeResult]:
-    """Call every case `passes` times (pass after pass, so each M is called again after all others)
-    and check every call, within the deadline of `bounds.timeout_s` for the whole sweep; stop at
-    the first failure (the results then list the cases tried)."""
+    """Call every case `passes` times (pass after pass, so each M is called again after all others;
+    in the first pass each case's twin right after it) and check every call, within the deadline
+    of `bounds.timeout_s` for the whole sweep; stop at the first failure (the results then list the
+    cases tried)."""
     return Sweep(cases, bounds, device, where).run(passes)
 
 
@@ -575,8 +613,16 @@ def _backend_cases(fn: Callable, shapes: tuple[Shape, ...], device: torch.device
         _, _, args = quantized_inputs((m, n, k), device, seed + i)
         ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
         out = torch.empty((m, n), dtype=dtype, device=device)
-        cases.append(Case(m, n, k, functools.partial(fn, *args, dtype, out), ref, inputs=args, out=out))
+        cases.append(Case(m, n, k, functools.partial(fn, *args, dtype, out), ref, inputs=args, out=out,
+                          twin=functools.partial(_negated, fn, args, dtype, out, ref)))
     return cases
+
+
+def _negated(fn: Callable, args: tuple, dtype: torch.dtype, out: torch.Tensor, ref: torch.Tensor) -> Case:
+    """The same call with the activation negated (every FP4 code's sign bit flipped): exactly -ref."""
+    a = args[0] ^ 0x88
+    m, n = out.shape
+    return Case(m, n, a.shape[1] * 2, functools.partial(fn, a, *args[1:], dtype, out), -ref, inputs=(a, *args[1:]), out=out)
 
 
 def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:
@@ -714,8 +760,9 @@ def run(
 ) -> SelfTestReport:
     """Self-test `backend` on `device` over `shapes` (default DEFAULT_SHAPES); never raises for a bad kernel.
 
-    Two passes over the shapes, every call checked: it returns `out` itself, `out` matches the
-    oracle (after NaN poisoning), and its inputs are bitwise unchanged.
+    Two passes over the shapes, the first calling each shape twice in a row (the second time with
+    the activation negated), every call checked: it returns `out` itself, `out` matches the oracle
+    (after NaN poisoning), and its inputs are bitwise unchanged.
     """
     refuse_inside_capture("self-test", "before")
     bounds = bounds or Bounds()
@@ -918,11 +965,18 @@ def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: l
             slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         args = (x, call_ids, topk_weights, *weights)
-        cases.append(Case(x.shape[0], x.shape[1], weights.w2.shape[2] * 2,
-                          functools.partial(fn, *args, activation, x.dtype, out), ref,
-                          inputs=tuple(a for a in args if isinstance(a, torch.Tensor)), out=out, label=label, bounds=bounds,
-                          slack=slack))
+        case = Case(x.shape[0], x.shape[1], weights.w2.shape[2] * 2, functools.partial(fn, *args, activation, x.dtype, out), ref,
+                    inputs=tuple(a for a in args if isinstance(a, torch.Tensor)), out=out, label=label, bounds=bounds, slack=slack)
+        case.twin = functools.partial(_rolled_tokens, case, fn, args, activation, out)
+        cases.append(case)
     return cases
+
+
+def _rolled_tokens(case: Case, fn: Callable, args: tuple, activation: str, out: torch.Tensor) -> Case:
+    """The same MoE call with its tokens rolled by one (their activations, routing and weights)."""
+    moved = tuple(a.roll(1, 0) for a in args[:3]) + args[3:]
+    invoke = functools.partial(fn, *moved, activation, args[0].dtype, out)
+    return rolled(case, invoke, tuple(a for a in moved if isinstance(a, torch.Tensor)))
 
 
 def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, seed: int = 0,

@@ -363,7 +363,11 @@ def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: st
         weights = _weight_storages(check)
         for case in cases:
             case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
-    return report, selftest.Sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where), start
+    # A light check (any other layer of a verified configuration, the canary's) calls each M once: its
+    # configuration's sweep already called each M twice in a row.
+    sweep = selftest.Sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where,
+                           repeat=not light)
+    return report, sweep, start
 
 
 def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,

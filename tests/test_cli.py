@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from helpers import faults
 from helpers.cases import case
 from helpers.children import all_zeros as zeros
 from helpers.common import SIM_ENV as SIM_OK
@@ -49,6 +50,15 @@ def test_selftest_refusal_is_exit_1_with_the_refusal_message(monkeypatch, capsys
     assert code == 1
     assert "| dense | -1 | - | REFUSED |" in out and "refusing to serve NVFP4" in err
     assert "cutlass: not supported: FlashInfer kernels need a real GPU" in err
+
+
+@case("backend faults", "sm120-fp4 selftest with a kernel whose workspace is kept between calls of one shape (right on a shape's first call, the previous result from the second call in a row on)",
+      "exit 1, the refusal names the second call of the same shape")
+def test_selftest_refuses_a_kernel_wrong_from_the_second_call_of_one_shape(monkeypatch, capsys):
+    backends.register("stale", faults.make_stale_workspace())
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "stale"})
+    assert code == 1, err
+    assert "REFUSED" in out and "the same shape called again right after its first call" in err
 
 
 @pytest.mark.parametrize(

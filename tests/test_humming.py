@@ -93,7 +93,7 @@ def test_doctor_shows_humming_version_and_whether_it_can_compile():
 def test_dense_self_test_passes_against_the_w4a4_oracle(stand_in):
     report = selftest.run("humming", SIM_CPU)
     assert report.passed, report.reason
-    assert stand_in.prepared == len(selftest.DEFAULT_SHAPES) and stand_in.calls == 2 * len(selftest.DEFAULT_SHAPES)
+    assert stand_in.prepared == len(selftest.DEFAULT_SHAPES) and stand_in.calls == 3 * len(selftest.DEFAULT_SHAPES)
     assert backends.mode_of("dense", "humming") == "w4a4"
 
 

@@ -246,3 +246,29 @@ def test_both_demo_checkpoints_pass_the_validation_pass(tmp_path):
     for fmt in (MODELOPT, COMPRESSED_TENSORS):
         checkpoint = checkpoints.inspect(write_checkpoint(str(tmp_path / fmt), seed=3, fmt=fmt))
         assert len(checkpoint.linear()) == 8 and sorted(checkpoint.experts) == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+
+
+def _rescale(path: str, name: str, factor: float) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{path}/model.safetensors")
+    tensors[name] = tensors[name] * factor
+    save_file(tensors, f"{path}/model.safetensors")
+
+
+@pytest.mark.parametrize("fmt, tensor", [(MODELOPT, "weight_scale_2"), (COMPRESSED_TENSORS, "weight_global_scale")])
+@pytest.mark.parametrize("factor", [0.25, 0.0], ids=["4x smaller", "zero"])
+@case("configuration", "selftest --model on a checkpoint ({fmt}) whose second layer's q_proj {tensor} is {factor} times k_proj's and v_proj's",
+      "refused, naming the fused layer, its shards and their values, although its configuration's first layer is fine")
+def test_selftest_model_refuses_shards_with_different_global_scales(sglang_unpatched, tmp_path, monkeypatch, capsys, fmt, tensor,
+                                                                    factor):
+    path = write_checkpoint(str(tmp_path / "ckpt"), seed=9, fmt=fmt)
+    _rescale(path, f"model.layers.1.self_attn.q_proj.{tensor}", factor)
+    for name, value in SIM.items():
+        monkeypatch.setenv(name, value)
+    with model_workers_in_process():
+        rc = cli.main(["selftest", "--model", path, "--json"])
+    [result] = json.loads(capsys.readouterr().out).values()
+    assert rc == 1 and not result["ok"], result
+    assert "model.layers.1.self_attn.qkv_proj" in result["message"] and "q_proj" in result["message"], result["message"]
+    assert ("differ in the checkpoint" if factor else "not a usable global scale") in result["message"], result["message"]

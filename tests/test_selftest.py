@@ -48,6 +48,10 @@ FAULTS = [
     ("leaves out unwritten", faults.leaves_out_unwritten, "output left unwritten"),
     ("returns another tensor", faults.returns_new_tensor, "other than `out`"),
     ("garbles a few rows (not zeros)", faults.garbage_rows, r"M=7 N=224 K=160: call 1: relative error 0.[0-9]+ above 0.01"),
+    ("returns its previous result on the second call in a row of one shape (a stale workspace)", faults.make_stale_workspace(),
+     r"M=1 N=\d+ K=\d+: call 2: .*the same shape called again right after its first call"),
+    ("adds its previous partial sums on the second call in a row of one shape", faults.make_stale_workspace(mode="accumulates"),
+     r"M=1 N=\d+ K=\d+: call 2: .*the same shape called again right after its first call"),
 ]
 
 
@@ -108,8 +112,8 @@ def test_a_hung_call_ends_the_process_after_its_bound_and_a_late_one_is_rejected
     assert background_job.ended_at - background_job.started_at < 60, "the bound plus its grace, not the kernel's two minutes"
     assert returncode == selftest.EXIT_HUNG, (returncode, stdout, stderr)
     lines = stdout.splitlines()
-    assert re.fullmatch(r"slow: False M=1 N=32 K=64: call 1 did not return within the self-test's time bound .*\[1, 1\]", lines[0]), lines
-    # 0.3 s a call, 0.5 s for all: the second call returns late, and no call follows it
+    assert re.fullmatch(r"slow: False M=1 N=32 K=64: call 2 did not return within the self-test's time bound .*\[2\]", lines[0]), lines
+    # 0.3 s a call, 0.5 s for all: the second call (the first shape's repeat) returns late, and no call follows it
     assert lines[1].startswith("hook: sm120_fp4: refusing to serve: call 1 (M=1 N=32 K=64) of backend 'hangs'"), lines
     assert not any(line.startswith("returned") for line in lines)
     assert "is still running past the self-test's time bound" in stderr and "exiting with code 4" in stderr

@@ -59,11 +59,12 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
 
 @pytest.mark.parametrize("fault", [moe_faults.drops_tile_rows_64_127, moe_faults.drops_one_expert,
                                    moe_faults.ignores_routing_weights, moe_faults.swaps_gate_and_up,
-                                   moe_faults.drops_second_slot], ids=lambda f: f.__name__)
+                                   moe_faults.drops_second_slot, moe_faults.make_stale_workspace()], ids=lambda f: f.__name__)
 def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
     backends.register_moe("faulty", fault)
     calls = {"n": 0}
-    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes of the generic self-test
+    # Two passes of the generic self-test, the first calling each case twice in a row.
+    generic = 3 * len(selftest.SIMULATION_MOE_CONFIG.cases)
 
     def passes_the_generic_selftest_then_faulty(*args):
         calls["n"] += 1  # the generic self-test runs first; the layer check after it
@@ -213,7 +214,7 @@ def test_warn_serves_an_unverified_runner_saying_so(caplog):
 def _after_generic(fault):
     """`fault` on every call after the generic MoE self-test's (so only the layer check can see it)."""
     calls = {"n": 0}
-    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases)
+    generic = 3 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
 
     def kernel(*args):
         calls["n"] += 1
@@ -334,7 +335,7 @@ def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
       "nothing recorded as verified; the retry checks the layer again and refuses")
 def test_an_interrupted_moe_layer_check_is_checked_again():
     calls = {"n": 0}
-    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases)
+    generic = 3 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
 
     def interrupted_then_faulty(*args):
         calls["n"] += 1

@@ -26,6 +26,7 @@ from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
 from sm120_fp4.versions import version_in
+from helpers import faults
 from helpers.cases import case
 from helpers.common import release_specs
 
@@ -154,7 +155,7 @@ def test_each_distinct_configuration_is_verified_once_per_process():
         "ModelOptFp4LinearMethod N=64 K=160 bfloat16 (weight scales float8_e4m3fn)",
     ]
     ms = [s.m for s in decision.layers[0].shapes]
-    assert ms == hooks.batch_sizes(512) and all(s.calls == 2 for s in decision.layers[0].shapes)
+    assert ms == hooks.batch_sizes(512) and all(s.calls == 3 for s in decision.layers[0].shapes)  # M twice in a row, then again
 
 
 def test_batch_sizes_cover_every_power_of_two_bucket_and_a_large_prefill():
@@ -379,10 +380,10 @@ def test_a_missing_max_batch_is_said_once(monkeypatch, caplog):
 # ---- what serves, round three: every M, the serving thread, every layer, the weights as loaded -----
 
 def _after_the_selftest(fault, healthy=emulated_mm_fp4):
-    """`fault` on every call after the generic self-test's (two passes over its shapes): a kernel
+    """`fault` on every call after the generic self-test's (two passes over its shapes, the first calling each twice in a row): a kernel
     the self-test cannot see, so only the layer checks can."""
     calls = {"n": 0}
-    generic = 2 * len(selftest.DEFAULT_SHAPES)
+    generic = 3 * len(selftest.DEFAULT_SHAPES)
 
     def kernel(*args):
         calls["n"] += 1
@@ -494,7 +495,7 @@ def test_a_kernel_with_per_thread_state_is_refused_and_checks_run_on_the_calling
 
     backends.register("per-thread", split_k_workspace)
     sm120_fp4.install(simulate="12.0", backends="per-thread")
-    with pytest.raises(RefusedToServe, match=r"self-test failed: M=7 N=224 K=160: call 1: output norm"):
+    with pytest.raises(RefusedToServe, match=r"self-test failed: M=1 N=96 K=1056: call 2: output is all zeros"):
         build(96, 160)
     assert threads == {threading.get_ident()}, "every checked call ran on this (the loading) thread"
 
@@ -526,11 +527,11 @@ def test_an_interrupted_layer_check_is_never_recorded_and_the_retry_checks_again
 
     def interrupted_then_zeros(a, b, a_sf, b_sf, alpha, dtype, out):
         calls["n"] += 1
-        if calls["n"] <= 2 * len(selftest.DEFAULT_SHAPES):
+        if calls["n"] <= 3 * len(selftest.DEFAULT_SHAPES):
             return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
-        if calls["n"] == 2 * len(selftest.DEFAULT_SHAPES) + 3:
+        if calls["n"] == 3 * len(selftest.DEFAULT_SHAPES) + 3:
             raise KeyboardInterrupt
-        return out.zero_() if calls["n"] > 2 * len(selftest.DEFAULT_SHAPES) + 3 else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        return out.zero_() if calls["n"] > 3 * len(selftest.DEFAULT_SHAPES) + 3 else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
     backends.register("interrupted", interrupted_then_zeros)
     sm120_fp4.install(simulate="12.0", backends="interrupted")
@@ -685,3 +686,61 @@ def test_the_recheck_runs_after_every_capture_the_draft_models_included(monkeypa
     with pytest.raises(RefusedToServe, match=r"(?s)fails after warm-up.*N=96 K=160 .*M=9 .*all zeros"):
         Scheduler.init_all_cuda_graphs(scheduler)
     assert rechecks == ["target", "target", [1, 2, 3, 4, 6, 9]], "both captures first, then one re-check of every graph size"
+
+
+# ---- fused layers: the shards' own global scales, read before SGLang reduces them to one ----------
+
+from helpers.sglang_layers import build_fused_dense_layer, fused_dense_shards  # noqa: E402
+
+QKV = [128, 64, 64]
+
+
+def _shards(scale_q: float = 1.0, input_k: float = 1.0):
+    shards = fused_dense_shards(QKV, 160)
+    shards[0]["weight_scale_2"] = shards[0]["weight_scale_2"] * scale_q
+    shards[1]["input_scale"] = shards[1]["input_scale"] * input_k
+    return shards
+
+
+@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+@pytest.mark.parametrize("scale_q, expected", [(0.25, r"weight_\w+ differ in the checkpoint \(shard 0 [\d.e-]+, shard 1 [\d.e-]+, "
+                                                      r"shard 2 [\d.e-]+\).*rows of shard \d by (4|0.25)\b"),
+                                               (0.0, r"weight_\w+ of shard 0 is (0.0|inf), not a usable global scale.*checkpoint")],
+                         ids=["q 4x smaller", "q zero"])
+@case("configuration", "a fused q/k/v layer ({fmt}) whose q shard's global scale is {scale_q} times k's and v's (SGLang serves it with the largest)",
+      "refused before SGLang processes the weights, naming the layer, the shards and their values (the layer check cannot see it)")
+def test_a_fused_layer_whose_shards_global_scales_differ_is_refused_naming_them(fmt, scale_q, expected):
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    with pytest.raises(RefusedToServe, match=r"refusing to serve the NVFP4 layer model.layers.0.self_attn.qkv_proj .*" + expected):
+        build_fused_dense_layer(_shards(scale_q=scale_q), fmt)
+
+
+@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+def test_a_fused_layer_with_one_global_scale_serves_and_activation_scales_may_differ(fmt):
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    method, layer = build_fused_dense_layer(_shards(input_k=2.0), fmt)
+    assert sm120_fp4.status().refusals == []
+    assert any(c.passed for d in serving.decisions() for c in d.layers), "the fused layer was verified"
+
+
+@case("configuration", "a fused layer whose shards' global scales differ, with SM120_FP4_SELFTEST=warn",
+      "served, with one warning naming the layer and the shards' values")
+def test_different_shard_scales_under_warn_are_said_and_served(caplog):
+    sm120_fp4.install(simulate="12.0", backends="emulated", selftest="warn")
+    with caplog.at_level("WARNING", logger="sm120_fp4"):
+        build_fused_dense_layer(_shards(scale_q=0.25), synthetic.MODELOPT)
+    assert any("differ in the checkpoint" in r.getMessage() and "SELFTEST=warn" in r.getMessage() for r in caplog.records)
+
+
+@case("backend faults", "a kernel with a per-thread workspace kept between calls of one shape (never cleared): right on the self-test's shapes and on a shape's first call, its previous result from the second call in a row of the layer's shape (N=288) on",
+      "refused at load: the layer check calls each served M twice in a row, the second time with other rows, and names that call")
+def test_a_kernel_wrong_from_the_second_call_in_a_row_of_a_served_shape_is_refused():
+    stale = faults.make_stale_workspace()
+
+    def stale_at_288(a, b, a_sf, b_sf, alpha, dtype, out):
+        return (stale if b.shape[1] == 288 else emulated_mm_fp4)(a, b, a_sf, b_sf, alpha, dtype, out)
+
+    backends.register("stale", stale_at_288)
+    sm120_fp4.install(simulate="12.0", backends="stale")
+    with pytest.raises(RefusedToServe, match=r"N=288 K=160 .*M=1 .*call 2: .*the same shape called again right after its first call"):
+        build(288, 160)

@@ -78,8 +78,17 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
         out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         out[f"{p}.self_attn.q_norm.weight"] = torch.ones(a["head_dim"], dtype=torch.bfloat16)
         out[f"{p}.self_attn.k_norm.weight"] = torch.ones(a["head_dim"], dtype=torch.bfloat16)
-        for proj, n, k in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
-            out.update(_quantize(f"{p}.self_attn.{proj}", rand(n, k), 8.0))
+        # q, k and v with one global scale, as ModelOpt's export makes the shards of a fused layer (SGLang
+        # serves qkv_proj with one, the largest): quantize them together, then split.
+        qkv = _quantize("x", torch.cat([rand(q, h), rand(kv, h), rand(kv, h)]), 8.0)
+        row = 0
+        for proj, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            name = f"{p}.self_attn.{proj}"
+            for kind in ("weight", "weight_scale"):
+                out[f"{name}.{kind}"] = qkv[f"x.{kind}"][row:row + n].clone()
+            out[f"{name}.weight_scale_2"], out[f"{name}.input_scale"] = qkv["x.weight_scale_2"].clone(), qkv["x.input_scale"].clone()
+            row += n
+        out.update(_quantize(f"{p}.self_attn.o_proj", rand(h, q), 8.0))
         out[f"{p}.mlp.gate.weight"] = rand(a["experts"], h, std=0.5)
         inter = a["moe_intermediate"]
         for e in range(a["experts"]):

@@ -13,6 +13,7 @@ eagerly at its re-check sizes (decode, 2049, the prefill chunk) and at every cap
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -325,6 +326,68 @@ def checkpoint_scale_problem(kind: str, method: object, layer: object) -> str | 
     return None
 
 
+# Where each dense format keeps its per-shard global scales before processing, and whether they are
+# decode scales (ModelOpt: amax / (448 * 6), dequantized = code x block scale x it) or encode scales
+# (compressed-tensors: the inverse).
+SHARD_SCALES = {"ModelOptFp4LinearMethod": ("weight_scale_2", "input_scale", False),
+                "CompressedTensorsW4A4Fp4": ("weight_global_scale", "input_global_scale", True)}
+_QKV = ("q", "k", "v")
+
+
+def shard_scales_problem(kind: str, shards: list[str], weight_scales: list[float], input_scales: list[float]) -> str | None:
+    """Why a fused layer of format `kind` would serve wrong numbers from its shards' own
+    global scales (as the checkpoint has them, before SGLang processes them), or None.
+
+    SGLang (0.5.3-0.5.23) serves a fused layer (q/k/v, gate/up, any merged column layer) with ONE
+    weight global scale, the largest over its shards (``weight_scale_2.max()`` /
+    ``weight_global_scale.max()``): a shard quantized with another scale comes out scaled by the
+    ratio, and the layer check cannot see it (its oracle reads the same processed alpha). A shard's
+    scale that is zero, negative or not finite is hidden by the same max. The activation scales are
+    reduced the same way, but every shard multiplies the same activation, quantized once with the
+    reduced scale that the alpha also carries: different activation scales only change the
+    activation's quantization, never the result's scale; one that is not a positive finite number
+    is still a broken checkpoint, and named."""
+    weight_name, input_name, encode = SHARD_SCALES[kind]
+    for name, values in ((weight_name, weight_scales), (input_name, input_scales)):
+        for shard, value in zip(shards, values):
+            if not (math.isfinite(value) and value > 0):
+                return (f"the checkpoint's {name} of {shard} is {value!r}, not a usable global scale "
+                        f"(accepted: a positive finite number); SGLang serves the fused layer with the largest of its "
+                        f"shards' {name} ({', '.join(f'{s} {v:.6g}' for s, v in zip(shards, values))}), which hides it: "
+                        "fix or requantize the checkpoint")
+    served = max(weight_scales)
+    wrong = [(s, v) for s, v in zip(shards, weight_scales) if abs(v - served) > 1e-6 * served]
+    if not wrong:
+        return None
+    # The served scale over the shard's own: decode scales multiply, encode scales divide.
+    factors = ", ".join(f"{s} by {(v / served if encode else served / v):.4g}" for s, v in wrong)
+    return (f"its shards' {weight_name} differ in the checkpoint "
+            f"({', '.join(f'{s} {v:.6g}' for s, v in zip(shards, weight_scales))}): SGLang serves the fused layer with "
+            f"one global scale, the largest, which scales the rows of {factors} (wrong numbers for every token); "
+            f"requantize the checkpoint with one {weight_name} for the shards fused into this layer")
+
+
+def shard_names(layer: object, count: int) -> list[str]:
+    """How a fused layer's shards are named: q, k, v (SGLang's QKVParallelLinear), else their index."""
+    if count == 3 and type(layer).__name__ == "QKVParallelLinear":
+        return list(_QKV)
+    return [f"shard {i}" for i in range(count)] if count > 1 else ["(the only shard)"]
+
+
+def layer_scales_problem(kind: str, method: object, layer: object) -> str | None:
+    """shard_scales_problem of a dense NVFP4 layer as SGLang loaded it, read before it processes
+    the weights (afterwards only the reduced scale is left). None for what is not served W4A4."""
+    if kind not in SHARD_SCALES or getattr(method, "quant_mode", "w4a4") != "w4a4":
+        return None
+    weight_name, input_name, _ = SHARD_SCALES[kind]
+    weights, inputs = getattr(layer, weight_name, None), getattr(layer, input_name, None)
+    if not isinstance(weights, torch.Tensor) or not isinstance(inputs, torch.Tensor):
+        return None
+    weights, inputs = weights.detach().float().reshape(-1).cpu().tolist(), inputs.detach().float().reshape(-1).cpu().tolist()
+    names = shard_names(layer, len(weights))
+    return shard_scales_problem(kind, names, weights, inputs)
+
+
 def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return nvfp4.quantize(x, gsf, check_finite=False)
 
@@ -349,7 +412,22 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     # The checkpoint's bytes: where a backend converted the served storage in place (humming), its kept copy.
     ref_weight, ref_sf = backends.original(weight), backends.original(weight_sf)
     reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)[:, :n_out]
-    return [selftest.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched) for m in ms]
+    cases = []
+    for m in ms:
+        case = selftest.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
+        # The repeat of M right after it, other data: the batch's next M rows (views) where there
+        # are more rows, else these rows rolled by one.
+        if m < rows:
+            case.twin = functools.partial(dataclasses.replace, case, invoke=functools.partial(serve, x[1:m + 1]),
+                                          reference=reference[1:m + 1], twin=None)
+        else:
+            case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
+        cases.append(case)
+    return cases
+
+
+def _rolled_rows(case: selftest.Case, serve: Callable, x: torch.Tensor) -> selftest.Case:
+    return selftest.rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
 
 
 def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, alpha, input_gsf,

@@ -184,6 +184,28 @@ def _build_dense(layers: ModelLayers, layer: DenseLayer, device: torch.device) -
     process(module)
 
 
+def _check_shard_scales(layers: ModelLayers) -> None:
+    """Every dense layer's shards' own global scales (not only each configuration's first layer: only
+    scalars are read), as SGLang's fusion would serve them: RefusedToServe naming the layer, its
+    shards and their values where one global scale would serve some shard's rows wrong: CheckpointError
+    naming the layer, its shards and their values (the checkpoint's fault, whatever kernel would run)."""
+    from ..errors import CheckpointError
+    from .hooks import shard_scales_problem
+
+    kind = "ModelOptFp4LinearMethod" if layers.fmt == checkpoints.MODELOPT else "CompressedTensorsW4A4Fp4"
+    _, global_name, input_name = _SCALES[layers.fmt]
+    names = [f"{s}.{k}" for layer in layers.dense for s in layer.shards for k in (global_name, input_name)
+             if f"{s}.{k}" in layers.files]
+    scales = {name: value.float().reshape(-1) for name, value in _load(layers, names).items()}
+    for layer in layers.dense:
+        values = [[float(scales[f"{s}.{k}"][0]) for s in layer.shards if f"{s}.{k}" in scales] for k in (global_name, input_name)]
+        if any(len(v) != len(layer.shards) for v in values):
+            continue  # a missing scale: said where the layer is built
+        problem = shard_scales_problem(kind, [s.rpartition(".")[2] for s in layer.shards], *values)
+        if problem is not None:
+            raise CheckpointError(f"the NVFP4 layer {layer.name} ({kind}, shards {', '.join(layer.shards)}): {problem}")
+
+
 @dataclass
 class _Experts:
     """What moe_layers' builder reads of a checkpoint: sizes and activation."""
@@ -225,6 +247,7 @@ def check_model(model_dir: str, device: torch.device) -> dict:
     dense, moe = layers.distinct()
     if not dense and not moe:
         raise ConfigError(f"model_dir={model_dir!r}: no NVFP4 linear or MoE layer found in its safetensors files")
+    _check_shard_scales(layers)
     for layer in dense:
         _build_dense(layers, layer, device)
     for layer in moe:

@@ -17,7 +17,7 @@ from typing import Callable
 from ..kernels import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
-from .hooks import (compressed_tensors_check, layer_device_index, make_update_hook, make_warmup_hook, make_weights_hook,
+from .hooks import (compressed_tensors_check, make_update_hook, make_warmup_hook, make_weights_hook,
                     modelopt_check)
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
@@ -48,20 +48,21 @@ _ALIAS_REMOVE = (
 class Wiring:
     """What the patches call into (one install's routing and verification).
 
-    `make_dispatch(original)`: the FP4 GEMM alias replacement; `before_dense(device_index)`: decide
-    before a dense layer's weights are processed; `weights_scope()`: a context for that processing;
+    `make_dispatch(original)`: the FP4 GEMM alias replacement; `before_dense(kind, method, layer)`: decide
+    before a dense layer's weights are processed (and refuse a checkpoint whose scales cannot serve: a
+    non-finite or non-positive one, or shards' own global scales that differ, which SGLang's processing
+    reduces to one); `weights_scope()`: a context for that processing;
     `verify(check)`: verify one layer configuration (a LayerCheck, or None: nothing to verify);
     `recheck()`: re-run every verified configuration after warm-up; `make_moe_seam(original)`: the
     fused-MoE seam replacement; `before_moe(kind, method, layer)`: decide (and check the checkpoint and the
     layer's runner) before an NVFP4 MoE layer's weights are processed; `pin_moe_runner(model_path)`: after
     SGLang's MoE config is initialised, pin its 'auto' runner for an NVFP4 checkpoint on a served device;
     `weights_update_begin()` / `weights_update_end()`: around SGLang's weight-update calls (drop caches;
-    verify the layers whose weights changed); `check_scales(kind, method, layer)`: refuse a dense layer whose
-    checkpoint scales cannot serve, before its weights are processed (before_moe does so for MoE layers).
+    verify the layers whose weights changed).
     """
 
     make_dispatch: Callable
-    before_dense: Callable[[int], object]
+    before_dense: Callable[[str, object, object], object]
     weights_scope: Callable
     verify: Callable[[object], None]
     recheck: Callable[[list[int]], object]
@@ -70,7 +71,6 @@ class Wiring:
     pin_moe_runner: Callable[[str | None], None]
     weights_update_begin: Callable[[], object] = lambda: None  # SGLang starts writing weights
     weights_update_end: Callable[[], object] = lambda: None  # ... and is done: verify what changed
-    check_scales: Callable[[str, object, object], None] = lambda kind, method, layer: None  # the checkpoint's scales
 
 
 _MOE_WHY = (
@@ -86,7 +86,8 @@ _WARMUP_WHY = (
 )
 _WEIGHTS_WHY = (
     "run the self-test (decide) once per device at the first NVFP4 layer and pin the runner enum "
-    "before the weight layout is chosen; then verify this layer's configuration (N, K, dtype, "
+    "before the weight layout is chosen; refuse a fused layer whose shards' global scales differ (SGLang "
+    "serves it with the largest: the other shards' rows come out scaled); then verify this layer's configuration (N, K, dtype, "
     "scale dtypes, its own weights) through SGLang's own apply at every batch-size bucket, "
     "before SGLang serves or captures CUDA graphs"
 )
@@ -182,11 +183,8 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
 def _makers(w: Wiring) -> dict[str, Callable]:
     """What replaces each kind of target, wired to one install's routing and verification."""
 
-    def dense_hook(check: Callable, kind: str) -> Callable:
-        def before(method, layer):
-            w.before_dense(layer_device_index(layer))
-            w.check_scales(kind, method, layer)
-
+    def dense_hook(kind: str, check: Callable) -> Callable:
+        before = lambda method, layer: w.before_dense(kind, method, layer)  # noqa: E731
         after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
@@ -197,8 +195,8 @@ def _makers(w: Wiring) -> dict[str, Callable]:
 
     return {
         "dispatch": w.make_dispatch,
-        "modelopt-weights": dense_hook(modelopt_check, "ModelOptFp4LinearMethod"),
-        "compressed-tensors-weights": dense_hook(compressed_tensors_check, "CompressedTensorsW4A4Fp4"),
+        "modelopt-weights": dense_hook("ModelOptFp4LinearMethod", modelopt_check),
+        "compressed-tensors-weights": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
         "moe-runner-config": functools.partial(make_config_hook, pin=w.pin_moe_runner),
         "moe-seam": w.make_moe_seam,

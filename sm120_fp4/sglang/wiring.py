@@ -35,21 +35,28 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     simulate = settings.simulated_capability
     sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
 
-    def refuse(what: str, problem: str) -> None:
-        """A call this library cannot verify: RefusedToServe (SELFTEST=strict), logged once (warn), or nothing (off)."""
-        if settings.selftest == "off":
+    def refuse(what: str, problem: str | None) -> None:
+        """A layer or call this library cannot verify: RefusedToServe (SELFTEST=strict), logged once (warn),
+        or nothing (off, or no problem)."""
+        if problem is None or settings.selftest == "off":
             return
         message = f"sm120_fp4: refusing to serve {what}: {problem}"
         if settings.selftest == "strict":
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
 
-    def before(index: int) -> None:
-        if router.ensure(index) is not None:
-            problem = targets.runner_backend_problem()
-            if problem is not None:
-                refuse(f"NVFP4 dense layers on device {index}", problem)
-            targets.pin_runner_backend(patcher)
+    def layer_what(kind: str, layer, family: str = "") -> str:
+        name = hooks.layer_name(layer)
+        return f"the NVFP4 {family}layer {name + ' ' if name else ''}({kind})"
+
+    def before(kind: str, method, layer) -> None:
+        index = hooks.layer_device_index(layer)
+        if router.ensure(index) is None:
+            return  # a device this library does not serve
+        refuse(f"NVFP4 dense layers on device {index}", targets.runner_backend_problem())
+        targets.pin_runner_backend(patcher)
+        check_scales(kind, method, layer)
+        refuse(layer_what(kind, layer), hooks.layer_scales_problem(kind, method, layer))
 
     def unknown_backend(index: int, backend: object) -> None:
         refuse(f"an FP4 GEMM on device {index}", targets.unknown_backend_problem(index, backend))
@@ -68,14 +75,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         """A layer whose checkpoint scales cannot serve is refused naming the tensor, before any kernel is blamed."""
         if settings.selftest == "off" or serving.route(hooks.layer_device_index(layer), settings, family) is None:
             return
-        problem = hooks.checkpoint_scale_problem(kind, method, layer)
-        if problem is None:
-            return
-        name = hooks.layer_name(layer)
-        message = f"sm120_fp4: refusing to serve the NVFP4 layer {name + ' ' if name else ''}({kind}): {problem}"
-        if settings.selftest == "strict":
-            raise RefusedToServe(message)
-        _LOG.warning("%s (SM120_FP4_SELFTEST=warn: serving anyway)", message)
+        refuse(layer_what(kind, layer, "MoE " if family == "moe" else ""), hooks.checkpoint_scale_problem(kind, method, layer))
 
     def before_moe(kind: str, method, layer) -> None:
         if serving.route(hooks.layer_device_index(layer), settings, "moe") is None:
@@ -84,12 +84,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         if not version_in(sglang_version(), moe.SEAM_VERSIONS):
             moe.refuse_unverifiable(kind, settings)
             return
-        problem = moe.runner_problem(kind, method) or moe.gate_up_problem(layer)
-        if problem is not None and settings.selftest != "off":
-            message = f"sm120_fp4: refusing to serve the NVFP4 MoE layer ({kind}): {problem}"
-            if settings.selftest == "strict":
-                raise RefusedToServe(message)
-            _LOG.warning("%s (SM120_FP4_SELFTEST=warn: serving anyway)", message)
+        refuse(f"the NVFP4 MoE layer ({kind})", moe.runner_problem(kind, method) or moe.gate_up_problem(layer))
 
     def pin_moe_runner(model_path: str | None) -> None:
         if not _serves_current_device(settings):
@@ -118,7 +113,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         return done
 
     wiring = targets.Wiring(make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
-                            serving.weights_update_begin, lambda: serving.weights_update_end(settings), check_scales)
+                            serving.weights_update_begin, lambda: serving.weights_update_end(settings))
     specs = targets.specs(wiring)
     if idle is not None:
         canary.configure(settings, f"{idle.module}.{idle.attribute}")

@@ -57,3 +57,28 @@ def garbage_rows(a, b, a_sf, b_sf, alpha, dtype, out):  # wrong values in a few 
     if out.shape[0] > 3:
         out[3] = torch.flip(out[3], dims=[0])
     return out
+
+
+def make_stale_workspace(kernel=emulated_mm_fp4, mode: str = "previous"):
+    """A kernel with a per-thread workspace kept from one call to the next of the same shape, never
+    cleared: right on every call whose shape differs from the thread's previous call, and from the
+    second call in a row of one shape on wrong -- the previous call's result returned again
+    (``mode="previous"``), or its partial sums added to this one's (``"accumulates"``).
+    `kernel` is the healthy call (dense: mm_fp4's arguments; MoE: the MoE convention's)."""
+    import threading
+
+    state = threading.local()
+
+    def stale_workspace(*args):
+        out = args[-1]
+        key = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+        if getattr(state, "key", None) == key:
+            if mode == "previous":
+                return out.copy_(state.result)
+            kernel(*args)
+            return out.add_(state.result)
+        kernel(*args)
+        state.key, state.result = key, out.clone()
+        return out
+
+    return stale_workspace

@@ -15,7 +15,7 @@ from sm120_fp4 import nvfp4
 from sm120_fp4.demo.synthetic import COMPRESSED_TENSORS, MODELOPT, MoeCheckpoint, compressed_tensors_tensors
 from sm120_fp4.sglang import moe_layers
 
-__all__ = ["build_compressed_tensors_moe_layer", "moe_weights"]
+__all__ = ["build_compressed_tensors_moe_layer", "moe_weights", "fused_dense_shards", "build_fused_dense_layer"]
 
 
 def build_compressed_tensors_moe_layer(ckpt: MoeCheckpoint, top_k: int, *, dtype: torch.dtype = torch.bfloat16,
@@ -116,3 +116,61 @@ def moe_weights(layer) -> dict:
         "tp_size": int(layer.moe_tp_size),
         "dtype": layer.params_dtype,
     }
+
+
+def fused_dense_shards(sizes: list[int], k: int, seed: int = 0) -> list[dict]:
+    """One fused layer's shards (rows `sizes`, K `k`) quantized together, as ModelOpt's export makes a
+    fused layer's shards: one weight_scale_2 and one input_scale shared by all. Each shard: ModelOpt's
+    ``weight``, ``weight_scale`` (linear e4m3), ``weight_scale_2``, ``input_scale`` (shape (1,))."""
+    from sm120_fp4.demo import synthetic
+
+    whole = synthetic.make_checkpoint(sum(sizes), k, seed=seed)
+    shards, row = [], 0
+    for n in sizes:
+        shards.append({"weight": whole.weight[row:row + n].clone(), "weight_scale": whole.weight_scale[row:row + n].clone(),
+                       "weight_scale_2": whole.weight_scale_2.clone(), "input_scale": whole.input_scale.clone()})
+        row += n
+    return shards
+
+
+def build_fused_dense_layer(shards: list[dict], fmt: str = MODELOPT, *, dtype: torch.dtype = torch.bfloat16,
+                            prefix: str = "model.layers.0.self_attn.qkv_proj"):
+    """SGLang's real dense NVFP4 linear method of `fmt` (ModelOptFp4LinearMethod, or compressed-tensors'
+    CompressedTensorsW4A4Fp4 with the encode scales 1 / ModelOpt's) over a fused layer of `shards`
+    (fused_dense_shards), each shard's rows and per-shard scales placed where SGLang's loader puts them,
+    then process_weights_after_loading (the patched hook). Returns (method or scheme, layer)."""
+    sizes = [s["weight"].shape[0] for s in shards]
+    k = shards[0]["weight"].shape[1] * 2
+    layer = torch.nn.Module()
+    layer.params_dtype, layer.prefix = dtype, prefix
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    if fmt == MODELOPT:
+        from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
+
+        method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
+        method.create_weights(layer, input_size_per_partition=k, output_partition_sizes=sizes, input_size=k,
+                              output_size=sum(sizes), params_dtype=dtype, weight_loader=noop)
+        names = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+        process = method.process_weights_after_loading
+    else:
+        from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 import (
+            CompressedTensorsW4A4Fp4,
+        )
+
+        method = CompressedTensorsW4A4Fp4()
+        method.create_weights(layer, output_partition_sizes=sizes, input_size_per_partition=k, params_dtype=dtype,
+                              weight_loader=noop)
+        names = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+        process = method.process_weights_after_loading
+    with torch.no_grad():
+        row = 0
+        for i, shard in enumerate(shards):
+            n = shard["weight"].shape[0]
+            getattr(layer, names[0]).data[row:row + n].copy_(shard["weight"])
+            getattr(layer, names[1]).data[row:row + n].copy_(shard["weight_scale"].view(torch.float8_e4m3fn))
+            for name, key in ((names[2], "weight_scale_2"), (names[3], "input_scale")):
+                value = shard[key].float().reshape(-1)[0]
+                getattr(layer, name).data.view(-1)[i] = value if fmt == MODELOPT else 1.0 / value
+            row += n
+    process(layer)
+    return method, layer
