@@ -39,10 +39,10 @@ def test_reliability_md_has_exactly_the_declared_cases():
         return text.replace("|", "\\|").replace("\n", " ")
 
     text = (Path(__file__).resolve().parents[1] / "RELIABILITY.md").read_text()
-    rows = [re.split(r"(?<!\\) \| ", line[2:-2]) for line in text.splitlines() if line.startswith("| ") and not line.startswith("| item |")]
-    assert all(len(row) == 5 for row in rows), [row for row in rows if len(row) != 5]
-    assert all(AREAS[area.replace("\\|", "|")] == item for item, area, *_ in rows)
-    in_file = Counter((area, case, expected) for _, area, case, expected, _ in rows)
+    rows = [re.split(r"(?<!\\) \| ", line[2:-2]) for line in text.splitlines() if line.startswith("| ") and not line.startswith("| area |")]
+    assert all(len(row) == 4 for row in rows), [row for row in rows if len(row) != 4]
+    assert all(area.replace("\\|", "|") in AREAS for area, *_ in rows)
+    in_file = Counter((area, case, expected) for area, case, expected, _ in rows)
     declared = Counter(tuple(cell(field) for field in fields) for fields in declared_cases())
     assert in_file == declared, (
         f"stale RELIABILITY.md: run python scripts/reliability_table.py\n"
