@@ -6,7 +6,7 @@ process -- the helpers of procs.py, `subprocess`, `os.fork`, `multiprocessing` -
 fixture it uses, or by a function of the tests that either calls (followed through the test modules and
 helpers, not into the library). What this cannot see (a library call that starts workers, such as an
 in-process `cli.main(["selftest"])`) gets an explicit `@pytest.mark.subprocess`; `Guard` fails a test
-that started a process without the mark, naming the mark to add.
+that started a Python interpreter, a fork or a multiprocessing child without the mark, naming the mark.
 
 The inner loop is `python -m pytest -m "not server and not subprocess"` (docs/development.md).
 """
@@ -56,7 +56,7 @@ def starts_processes(fn: object, seen: set[int] | None = None) -> bool:
     seen.add(id(fn))
     names = _names(code)
     for name in names:
-        obj = fn.__globals__.get(name)
+        obj = fn.__globals__.get(name, sys.modules.get(name))  # a module imported inside the function too
         if obj is None:
             continue
         if id(obj) in _STARTERS or (isinstance(obj, types.ModuleType) and names & _STARTING.get(obj, set())):
@@ -83,8 +83,18 @@ def tiers(item) -> set[str]:
     return marks
 
 
+def _python(argv) -> bool:
+    """Whether a Popen argv starts a Python interpreter (seconds of CPU each: what the inner loop avoids).
+    Quick tool calls that libraries make on their own, some only at their first import (ldconfig,
+    lscpu, nvcc --version, git, patch), are not counted: which test meets them depends on the order."""
+    first = argv if isinstance(argv, (str, bytes, os.PathLike)) else (argv[0] if argv else "")
+    first = os.fsdecode(first).split()[0] if os.fsdecode(first).strip() else ""
+    return first == sys.executable or os.path.basename(first).startswith("python")
+
+
 class Guard:
-    """Records a process started during a test from outside a background job (while it is in place)."""
+    """Records a Python interpreter, fork or multiprocessing child started during a test from outside a
+    background job (while it is in place)."""
 
     def __init__(self):
         self.started: list[str] = []
@@ -97,16 +107,17 @@ class Guard:
             frame = frame.f_back
         return False
 
-    def wrap(self, what: str, original):
+    def wrap(self, what: str, original, counted=lambda *args: True):
         def recording(*args, **kwargs):
-            if not self._from_a_background_job():
+            if counted(*args) and not self._from_a_background_job():
                 self.started.append(what)
             return original(*args, **kwargs)
 
         return recording
 
     def install(self, monkeypatch) -> None:
-        monkeypatch.setattr(subprocess.Popen, "_execute_child", self.wrap("subprocess.Popen", subprocess.Popen._execute_child))
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", self.wrap(
+            "a Python interpreter", subprocess.Popen._execute_child, lambda popen, argv, *rest: _python(argv)))
         monkeypatch.setattr(os, "fork", self.wrap("os.fork", os.fork))
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
                             self.wrap("multiprocessing", multiprocessing.process.BaseProcess.start))
