@@ -156,7 +156,7 @@ ELSEWHERE = {
 def test_readme_cpu_commands_work_as_written(tmp_path):
     """The README's cheap CPU command lines, run here as written (`sm120-fp4 X` as `python -m sm120_fp4 X`,
     the same program; DIR a checkpoint); the others are listed in ELSEWHERE with where they are tested."""
-    from helpers.procs import run_cli
+    from helpers.procs import run_cli, run_python
     from sm120_fp4.demo.checkpoint import write_checkpoint
 
     ckpt = write_checkpoint(str(tmp_path / "ckpt"), seed=1)
@@ -175,3 +175,7 @@ def test_readme_cpu_commands_work_as_written(tmp_path):
     # On a CPU, `selftest --model DIR` says exactly what the README shows for verifying there.
     assert "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated" in said["sm120-fp4 selftest --model DIR"]
     assert f"sm120-fp4 {__import__('sm120_fp4').__version__}" in said["sm120-fp4 --version"]
+    # The Python block, as written: on a CPU it installs nothing and says why.
+    block = re.search(r"```python\n(.*?)\n```", README, re.S).group(1)
+    done = run_python(block)
+    assert done.returncode == 0 and "no compute-capability 12.x GPU visible" in done.stdout, done.stderr[-2000:]
