@@ -195,7 +195,7 @@ def main() -> int:
                         help="the served backend (humming: a real NVFP4-weight kernel on SM90)")
     parser.add_argument("--tp", default="1,8", help="the tensor-parallel sizes whose layer shapes are measured (default 1,8)")
     parser.add_argument("--captures", action="store_true", help=(
-        "let the canary's steps capture CUDA graphs, as they did before graphs.no_capture (an A/B in one device call)"))
+        "let the canary's steps capture CUDA graphs, as they did before graphs.no_capture (an A/B in one run)"))
     args = parser.parse_args()
     if args.captures:
         graphs.no_capture = contextlib.nullcontext

@@ -5,7 +5,7 @@
 
 Every NVFP4 layer after a configuration's first gets a light check (its own weights, one decode
 batch, its fingerprint before and after): 316 of a 70B-class model's 320 layers, most of the
-dense layer-check cost (issue 20's target: all of them <= 1.5 s per GPU). Per configuration of
+dense layer-check cost (the target: all of them <= 1.5 s per GPU). Per configuration of
 `selftest_cost.py`'s shapes this times `--layers` light checks through serving.verify_layer, then
 profiles as many more (torch.profiler): per check the wall time, the CPU time, the time the GPU was
 busy, the kernel launches and the host synchronisations, and which of the library's steps hold the

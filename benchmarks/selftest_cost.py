@@ -86,7 +86,7 @@ class StandInQuantizer:
     which the real quantizer does not cost; so where an input shape was prepared (prepare(), outside
     every timed region; on CUDA, inputs up to graphs.MAX_INPUT_BYTES, the bound the checks' own
     graphs have) it is replayed from a CUDA graph: two input copies, one replay, two output copies.
-    `eager` (--eager-quantizer) keeps the eager calls, the method before 2026-12-02's fifth session."""
+    `eager` (--eager-quantizer) keeps the eager calls, the method before 2026-12-02."""
 
     def __init__(self) -> None:
         self.eager = False

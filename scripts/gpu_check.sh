@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Everything that needs a real CUDA device, in one call (the H200 lent to sessions: SM90, so the
+# Everything that needs a real CUDA device, in one run (on an H200, SM90, the
 # FP4 kernels themselves cannot run; this proves the reference, emulation, graphs, no-sync and
 # timings on a GPU). Usage on the device machine, from the repo root, with the wheels in .whl/
 # (or in the folders WHEELS names, separated by spaces; with humming-kernels among them the
 # humming GPU tests run too):
 #   bash scripts/gpu_check.sh            (writes logs and JSON under $OUT, or ./gpu-results)
-# The cost benchmarks run first: a call stopped at its time limit keeps the measurements.
+# The cost benchmarks run first: a run stopped at a time limit keeps the measurements.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-results}"
 mkdir -p "$OUT"

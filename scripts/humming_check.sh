@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The humming fallback on a real CUDA GPU, in one call (the H200 lent to sessions: SM90, where
-# Humming's bf16-activation kernels and its JIT compiler run). From a directory holding sm120_fp4/,
+# The humming fallback on a real CUDA GPU, in one run (an H200, SM90, is enough:
+# Humming's bf16-activation kernels and its JIT compiler run there). From a directory holding sm120_fp4/,
 # tests/, benchmarks/, pyproject.toml and the wheels in whl/common (our dependencies) and
 # whl/w<VERSION> (one humming-kernels release):
 #   bash scripts/humming_check.sh 19 ["--part dense" | --quick]   (logs and JSON under $OUT, or ./humming-results)

@@ -142,6 +142,11 @@ def _settings_and_devices(args: argparse.Namespace):
     return settings, indices
 
 
+# What `selftest --model DIR` needs to run on a machine without a 12.x GPU: a simulated device and the
+# backends that run on a CPU (FlashInfer's and Humming's kernels need a real GPU, so the default chain refuses).
+SIMULATE_ON_CPU = "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated"
+
+
 def cmd_selftest_model(args: argparse.Namespace) -> int:
     """``selftest --model DIR``: each distinct NVFP4 layer configuration of DIR, built and verified per GPU."""
     from . import checkpoints
@@ -160,7 +165,8 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
         return found
     settings, indices = found
     if not indices:
-        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify")
+        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify "
+                f"(to verify the checkpoint on this CPU, in simulation: {SIMULATE_ON_CPU})")
         return EXIT_OK
     engine = _unverified_engine()
     if engine is not None:  # the checkpoint's layers are built through SGLang's: nothing of it is patched to verify them
@@ -777,7 +783,10 @@ def _canary_problem() -> str | None:
 # ---- entry point ---------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
+    from ._version import __version__
+
     parser = argparse.ArgumentParser(prog="sm120-fp4", description="Verified NVFP4 GEMM for SGLang on SM120/SM121 GPUs.")
+    parser.add_argument("--version", action="version", version=f"sm120-fp4 {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     doctor = sub.add_parser("doctor", help="report GPUs, versions, settings, patch targets and backends")
     doctor.add_argument("--json", action="store_true", help="JSON instead of Markdown")

@@ -1,5 +1,6 @@
 """Shared fixtures: a fixed seed, clean library state, the devices to run tensor tests on, the
-reliability case properties, and the background subprocess jobs (helpers.procs.background)."""
+reliability case properties, the test tiers (helpers.tiers: the `subprocess` and `server` marks) and
+the background subprocess jobs (helpers.procs.background)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from helpers.cases import fields
 from helpers.procs import JOBS as _JOBS
 from helpers.procs import TIMEOUT, JobPool
+from helpers.tiers import Guard, tiers
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # One intra-op thread: the tests run thousands of small tensor ops, which two threads (on two shared
@@ -124,6 +126,22 @@ def sglang_unpatched():
 # ---- reliability cases: @case(...) -> JUnit properties (scripts/reliability_table.py) ----------
 
 @pytest.fixture(autouse=True)
+def _tier_marks_are_complete(request, monkeypatch):
+    """A test not marked `subprocess` that starts a process anyway (through a library call the marks
+    cannot see) fails, naming the mark to add: the inner loop (-m "not server and not subprocess")
+    stays free of process starts."""
+    if request.node.get_closest_marker("subprocess") is not None:
+        yield
+        return
+    guard = Guard()
+    guard.install(monkeypatch)
+    yield
+    if guard.started:
+        pytest.fail(f"{request.node.nodeid} started a process ({', '.join(sorted(set(guard.started)))}) "
+                    "without the mark: add @pytest.mark.subprocess (@pytest.mark.server if it is a real server)")
+
+
+@pytest.fixture(autouse=True)
 def _record_case(request):
     described = getattr(request.function, "reliability_case", None)
     if described is not None:
@@ -147,13 +165,19 @@ def _heavy(item) -> int:
     return int(getattr(getattr(item, "function", None), "background_heavy", False))
 
 
+@pytest.hookimpl(tryfirst=True)  # the tier marks are in place before `-m` deselects by them
 def pytest_collection_modifyitems(session, config, items):
-    """The in-process tests run first, while every background job runs; then the tests of background
-    jobs, those of heavy jobs (real servers) last. (A test of a job that is still running waits for
+    """Each test gets the tier marks of what it uses (helpers.tiers). The in-process tests run first,
+    while every background job runs; then the tests of background jobs, those of heavy jobs (real
+    servers) last. (A test of a job that is still running waits for
     it: early in the session the main thread waited minutes so, and then ran alone on one core of
     two for the last minutes.) Where SGLang is not installed (the GPU machine's run of
     scripts/gpu_check.sh), the tests marked `sglang` are skipped saying so, rather than failing on
     the import."""
+    for item in items:
+        for name in sorted(tiers(item)):
+            if item.get_closest_marker(name) is None:
+                item.add_marker(name)
     items.sort(key=lambda item: (_job(item) is not None, _heavy(item) > 0))  # stable: the order is otherwise unchanged
     if importlib.util.find_spec("sglang") is None:
         skip = pytest.mark.skip(reason="needs the real SGLang release, not installed here")

@@ -183,7 +183,7 @@ def test_a_filesystem_error_in_a_setting_stops_a_worker_as_a_config_error(backgr
     assert "ConfigError" in stderr[stderr.rindex("Traceback"):], "the import raised it: the interpreter ended with it"
 
 
-# ---- SGLang found by another finder than the path finder (issue 22, item 1) --------------------
+# ---- SGLang found by another finder than the path finder --------------------------------------
 
 def _editable_sglang_site(folder: Path) -> Path:
     """This environment's site-packages without the `sglang` package itself (its dist-info stays),

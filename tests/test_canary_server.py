@@ -41,7 +41,7 @@ DEMO = "test_demo_server.py::test_server_demo_answers_then_refuses_a_kernel_wron
 def _scenario(name: str):
     def start(folder):
         tests = REPO / "tests"
-        flags = ["off"] if name == "log" and job_of(DEMO) is None else []  # no demo server this session: its own
+        flags = ["off"] if name == "log" and job_of(DEMO) is None else []  # no demo server in this run: its own
         return Popen([sys.executable, "-m", "helpers.canary_server", name, str(folder), *flags],
                      clean_env(PYTHONPATH=f"{REPO}:{tests}"), folder, cwd=tests, merge=True, group=True, timeout=SERVER_TIMEOUT)
 

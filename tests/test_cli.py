@@ -490,7 +490,7 @@ def test_selftest_moe_is_the_same_preflight_for_the_moe_family(monkeypatch, caps
     assert code == 1 and "| moe | -1 | - | REFUSED |" in out and "NVFP4 fused-MoE" in err
 
 
-# ---- interrupts and killed workers (issue 22, item 7) ----------------------------------------
+# ---- interrupts and killed workers ----------------------------------------------------------
 
 INTERRUPT = """
 import json, os, signal, subprocess, sys, time

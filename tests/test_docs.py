@@ -39,13 +39,143 @@ def test_reliability_md_has_exactly_the_declared_cases():
         return text.replace("|", "\\|").replace("\n", " ")
 
     text = (Path(__file__).resolve().parents[1] / "RELIABILITY.md").read_text()
-    rows = [re.split(r"(?<!\\) \| ", line[2:-2]) for line in text.splitlines() if line.startswith("| ") and not line.startswith("| item |")]
-    assert all(len(row) == 5 for row in rows), [row for row in rows if len(row) != 5]
-    assert all(AREAS[area.replace("\\|", "|")] == item for item, area, *_ in rows)
-    in_file = Counter((area, case, expected) for _, area, case, expected, _ in rows)
+    rows = [re.split(r"(?<!\\) \| ", line[2:-2]) for line in text.splitlines() if line.startswith("| ") and not line.startswith("| area |")]
+    assert all(len(row) == 4 for row in rows), [row for row in rows if len(row) != 4]
+    assert all(area.replace("\\|", "|") in AREAS for area, *_ in rows)
+    in_file = Counter((area, case, expected) for area, case, expected, _ in rows)
     declared = Counter(tuple(cell(field) for field in fields) for fields in declared_cases())
     assert in_file == declared, (
         f"stale RELIABILITY.md: run python scripts/reliability_table.py\n"
         f"  declared, not in the file: {sorted(declared - in_file)}\n  in the file, not declared: {sorted(in_file - declared)}"
     )
     assert f"**{len(rows)} cases:" in text
+
+
+# ---- README and docs for readers ----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_is_short_and_shows_install_in_python_near_the_top():
+    lines = README.splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; at most 200 (details go to docs/)"
+    block = re.search(r"```python\n(.*?)\n```", README, re.S)
+    assert block and "sm120_fp4.install()" in block.group(1), "README lost its Python block with install()"
+    assert README[: block.start()].count("\n") < 60, "the install() block is not within README's first 60 lines"
+
+
+def test_benchmarks_is_current_only():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(text.splitlines()) <= 250, "BENCHMARKS.md keeps the current numbers only (the history is in git)"
+    cells = [cell for line in text.splitlines() if line.startswith("|") for cell in re.split(r"(?<!\\)\|", line)]
+    long = [cell.strip()[:80] for cell in cells if len(cell.strip()) > 200]
+    assert not long, f"table cells over 200 characters: {long}"
+
+
+# Words about how the project was built, not about the product. Written so this file does not match
+# itself; upstream projects' issues ("FlashInfer issue 2577", "SGLang #123") are fine.
+PROCESS_WORDS = re.compile(
+    r"(second|third|fourth|fifth|sixth|seventh|this|next|last) session|issue #?[0-9]|items? (numbered )?[0-9]+\."
+    r"|round (two|three|four)|the lent[ ]|device[ ]call|this[ ]stop", re.I)
+UPSTREAM = re.compile(r"(FlashInfer|SGLang|vLLM|Humming|CUTLASS|torch|Triton|upstream)\S*\s+(\S+\s+){0,2}$", re.I)
+SHIPPED = ("README.md", "BENCHMARKS.md", "RELIABILITY.md", "CHANGELOG.md", "ARCHITECTURE.md", "docs/**/*.md",
+           "scripts/*", "benchmarks/**/*.py", "sm120_fp4/**/*.py", "tests/**/*.py")
+
+
+def process_words(text: str) -> list[str]:
+    found = []
+    for line in text.splitlines():
+        for match in PROCESS_WORDS.finditer(line):
+            if match.group(0).lower().startswith("issue") and UPSTREAM.search(line[: match.start()]):
+                continue
+            found.append(line.strip()[:160])
+    return found
+
+
+def test_process_words_finds_them_and_leaves_upstream_issues_alone():
+    assert process_words("as measured in the fifth session") and process_words("see issue 20, items numbered 22.1")
+    assert process_words("the lent H200") and process_words("in one device call") and process_words("round two")
+    assert not process_words("FlashInfer issue 2577 and SGLang #20047") and not process_words("the weight-update session")
+
+
+def test_no_process_words_in_shipped_files():
+    files = {path for pattern in SHIPPED for path in ROOT.glob(pattern) if path.is_file() and path.suffix not in (".png", ".pyc")}
+    files.discard(Path(__file__).resolve())  # the word list itself
+    hits = [f"{path.relative_to(ROOT)}: {line}" for path in sorted(files) for line in process_words(path.read_text())]
+    assert not hits, "the product speaks of itself only:\n" + "\n".join(hits)
+
+
+def test_version_is_the_newest_release_of_the_changelog():
+    from helpers.procs import run_cli
+    from sm120_fp4._version import __version__
+
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert re.search(r"^## \[Unreleased\]$", changelog, re.M), "CHANGELOG.md has an [Unreleased] section on top"
+    newest = re.search(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M)
+    assert newest, "CHANGELOG.md has no dated release heading (## [X.Y.Z] - YYYY-MM-DD)"
+    done = run_cli("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"sm120-fp4 {__version__}" and __version__ == newest.group(1)
+
+
+def test_sglang_extra_pins_the_supported_range():
+    import tomllib
+
+    from sm120_fp4.sglang.release import SUPPORTED
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["sglang"] == [f"sglang{SUPPORTED}"]
+
+
+def readme_commands() -> list[str]:
+    """Every command line of README's bash blocks (continuations joined, comments dropped)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)\n```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line:
+                commands.append(re.sub(r"\s+", " ", line))
+    return commands
+
+
+# README's command lines that need a 12.x GPU, a network, or minutes, with where they are tested
+# instead; every other one of ours is run below, on this CPU, as written.
+ELSEWHERE = {
+    "bash scripts/setup_env.sh && .venv/bin/python -m sm120_fp4 demo": "test_cli.py (the demo); .ci/run",
+    "bash scripts/setup_env.sh && .venv/bin/python -m pytest": ".ci/run",
+    "pip install sm120-fp4": "a network",
+    'pip install "sm120-fp4[sglang]"': "a network; test_sglang_extra_pins_the_supported_range",
+    "SM120_FP4=1 python -m sglang.launch_server --model-path nvidia/Llama-3.1-8B-Instruct-FP4 --quantization modelopt_fp4": "a 12.x GPU",
+    "sm120-fp4 launch -- python -m sglang.launch_server --model-path nvidia/Llama-3.1-8B-Instruct-FP4 --quantization modelopt_fp4": "a 12.x GPU",
+    "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated .venv/bin/python -m sm120_fp4 selftest --model DIR":
+        "test_model_check.py (a minute of CPU)",
+    ".venv/bin/python -m sm120_fp4 demo --server --model-path DIR": "test_demo_server.py (a real server)",
+}
+
+
+def test_readme_cpu_commands_work_as_written(tmp_path):
+    """The README's cheap CPU command lines, run here as written (`sm120-fp4 X` as `python -m sm120_fp4 X`,
+    the same program; DIR a checkpoint); the others are listed in ELSEWHERE with where they are tested."""
+    from helpers.procs import run_cli, run_python
+    from sm120_fp4.demo.checkpoint import write_checkpoint
+
+    ckpt = write_checkpoint(str(tmp_path / "ckpt"), seed=1)
+    ran = []
+    for command in readme_commands():
+        if command in ELSEWHERE:
+            continue
+        words = command.split()
+        assert words[0] == "sm120-fp4" and "=" not in words[0], f"README command not run and not listed in ELSEWHERE: {command}"
+        args = [ckpt if word == "DIR" else word for word in words[1:]]
+        done = run_cli(*args)
+        assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stderr[-2000:]}"
+        ran.append((command, done))
+    said = {command: done.stdout + done.stderr for command, done in ran}
+    assert {"sm120-fp4 --version", "sm120-fp4 doctor", "sm120-fp4 selftest", "sm120-fp4 selftest --model DIR"} <= set(said)
+    # On a CPU, `selftest --model DIR` says exactly what the README shows for verifying there.
+    assert "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated" in said["sm120-fp4 selftest --model DIR"]
+    assert f"sm120-fp4 {__import__('sm120_fp4').__version__}" in said["sm120-fp4 --version"]
+    # The Python block, as written: on a CPU it installs nothing and says why.
+    block = re.search(r"```python\n(.*?)\n```", README, re.S).group(1)
+    done = run_python(block)
+    assert done.returncode == 0 and "no compute-capability 12.x GPU visible" in done.stdout, done.stderr[-2000:]

@@ -1,5 +1,5 @@
 """The files this library creates and reads -- the verdict store, its lock, the report -- against
-another user, odd umasks and special files (issue 22, items 4 and 5), through the public entry
+another user, odd umasks and special files, through the public entry
 points: the settings from the environment, decide(), `sm120-fp4 selftest` in a new process.
 
 This machine runs the tests as root: "another user" is a chown to uid 12345 (root may do that)."""

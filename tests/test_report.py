@@ -1,4 +1,4 @@
-"""One report for every process that writes it (issue 22, item 6): the preflight's workers, the
+"""One report for every process that writes it -- the preflight's workers, the
 server `launch` starts, several serving processes; merged under a lock, earlier runs dropped."""
 
 from __future__ import annotations

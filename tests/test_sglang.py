@@ -550,7 +550,7 @@ def test_the_activation_quantizer_stand_in_is_the_one_the_linear_path_calls(sgla
                for p in unknown["problems"]), unknown["problems"]
 
 
-# ---- install() after the start-up hook; reloads (issue 22, item 3) -----------------------------
+# ---- install() after the start-up hook; reloads ----------------------------------------------
 
 AFTER_HOOK = """
 import json, os, logging

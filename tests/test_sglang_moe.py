@@ -209,7 +209,7 @@ def test_warn_serves_an_unverified_runner_saying_so(caplog):
     assert any("flashinfer_trtllm" in r.getMessage() and "serving anyway" in r.getMessage() for r in caplog.records)
 
 
-# ---- what serves, round three: the layer's own top-k, every expert, expert-parallel calls as served --
+# ---- what serves: the layer's own top-k, every expert, expert-parallel calls as served ----------------
 
 def _after_generic(fault):
     """`fault` on every call after the generic MoE self-test's (so only the layer check can see it)."""

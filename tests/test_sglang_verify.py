@@ -377,7 +377,7 @@ def test_a_missing_max_batch_is_said_once(monkeypatch, caplog):
     assert [len(d.layers) for d in sm120_fp4.status().decisions] == [2]
 
 
-# ---- what serves, round three: every M, the serving thread, every layer, the weights as loaded -----
+# ---- what serves: every M, the serving thread, every layer, the weights as loaded -----------------------
 
 def _after_the_selftest(fault, healthy=emulated_mm_fp4):
     """`fault` on every call after the generic self-test's (two passes over its shapes, the first calling each twice in a row): a kernel

@@ -39,7 +39,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def pythonpath(*folders: Path | str) -> str:
-    """`folders` first, then the PYTHONPATH this session inherited (where the GPU run installs the
+    """`folders` first, then the PYTHONPATH the test run inherited (where the GPU run installs the
     dependencies it carries: a child given only `folders` would not find them there)."""
     inherited = _SESSION_ENV.get("PYTHONPATH", "")
     return os.pathsep.join([*map(str, folders), *([inherited] if inherited else [])])
