@@ -206,21 +206,10 @@ def test_warn_serves_an_unverified_runner_saying_so(caplog):
             raise
         except Exception:  # noqa: BLE001 - SGLang's trtllm weight processing may not run on a CPU
             pass
-    assert any("flashinfer_trtllm" in r.getMessage() and "serving anyway" in r.getMessage() for r in caplog.records)
+    assert any("flashinfer_trtllm" in r.getMessage() and "serving it UNVERIFIED" in r.getMessage() for r in caplog.records)
 
 
 # ---- what serves: the layer's own top-k, every expert, expert-parallel calls as served ----------------
-
-def _after_generic(fault):
-    """`fault` on every call after the generic MoE self-test's (so only the layer check can see it)."""
-    calls = {"n": 0}
-    generic = 3 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
-
-    def kernel(*args):
-        calls["n"] += 1
-        return (backends.emulated_moe if calls["n"] <= generic else fault)(*args)
-
-    return kernel
 
 
 def at_most_8_slots(x, ids, w, *rest):
@@ -256,7 +245,7 @@ def combines_by_token_and_expert(x, ids, w, *rest):
 @case("backend faults", "a MoE kernel that handles at most 8 slots per token, under a layer with top_k=10 (Qwen3-Next routes 10)",
       "refused at load: the layer is checked with its own top_k=10 (no clamp to 8), naming top_k=10")
 def test_a_kernel_handling_at_most_8_slots_is_refused_for_a_top_10_layer():
-    backends.register_moe("top-8", _after_generic(at_most_8_slots))
+    backends.register_moe("top-8", moe_faults.after_generic(at_most_8_slots))
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="top-8")
     with pytest.raises(RefusedToServe, match=r"served-layer check: ModelOptNvFp4FusedMoEMethod E=16 H=256 I=128 top_k=10 swiglu"):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(16, H, I, seed=11), 10)
@@ -268,7 +257,7 @@ def test_a_kernel_handling_at_most_8_slots_is_refused_for_a_top_10_layer():
 def test_every_local_expert_is_exercised(expert):
     # Outside the experts every batch size routes among: only the batch that routes to every
     # expert, where each leads two tokens (most of their output), can see it.
-    backends.register_moe(f"no-{expert}", _after_generic(drops_expert(expert)))
+    backends.register_moe(f"no-{expert}", moe_faults.after_generic(drops_expert(expert)))
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends=f"no-{expert}")
     with pytest.raises(RefusedToServe, match=r"E=16 .*: T=\d+ balanced \(every expert\)"):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(16, H, I, seed=12), TOP_K)

@@ -281,15 +281,9 @@ def test_a_tree_patched_with_the_upstream_diff_keeps_every_check_on(tmp_path, mo
     assert decision.verified and decision.layers and decision.layers[0].passed
     sm120_fp4.uninstall()
 
-    calls = {"n": 0}
-    generic = 2 * len(selftest.SIMULATION_MOE_CONFIG.cases) if kernel == "MoE" else None
-
-    def late_moe(*args):  # passes the generic MoE self-test, then drops an expert
-        calls["n"] += 1
-        return (backends.emulated_moe if calls["n"] <= generic else moe_faults.drops_one_expert)(*args)
+    late_moe = moe_faults.after_generic(moe_faults.drops_one_expert)  # passes the generic MoE self-test, then drops an expert
 
     def late_dense(*args):  # passes the generic self-test, then returns zeros (at the layer's own check)
-        calls["n"] += 1
         return (backends.emulated_mm_fp4 if not serving.decisions() else all_zeros)(*args)
 
     if kernel == "dense":

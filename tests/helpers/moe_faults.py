@@ -75,3 +75,17 @@ def make_stale_workspace(mode: str = "previous"):
     from helpers.faults import make_stale_workspace as dense
 
     return dense(emulated_moe, mode)
+
+
+def after_generic(fault):
+    """`fault` on every call after the generic MoE self-test's (so only the layer check can see it)."""
+    from sm120_fp4 import selftest
+
+    calls = {"n": 0}
+    generic = 3 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
+
+    def kernel(*args):
+        calls["n"] += 1
+        return (emulated_moe if calls["n"] <= generic else fault)(*args)
+
+    return kernel
