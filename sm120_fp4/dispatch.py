@@ -23,7 +23,7 @@ from . import kernels, serving
 from .config import Settings
 from .errors import InvalidArgument, describe
 
-__all__ = ["Router", "mm_fp4_front", "moe_front"]
+__all__ = ["Router", "mm_fp4_front", "moe_front", "decline_front"]
 
 GemmFn = Callable[..., object]
 
@@ -49,6 +49,12 @@ class Router:
         the original serve it)."""
         names = serving.routes
         return mm_fp4_front(original, serving.route_table().get, self.ensure, lambda i: names().get(i, "?"), unknown)
+
+    def make_decline(self, original: Callable, declined: Callable[[int], None]) -> Callable:
+        """The replacement for an engine's own "this kernel, or None" fast path in front of the dense alias:
+        None on a device this install serves (the call goes on to the routed alias); `declined(index)` is
+        told (it logs once)."""
+        return decline_front(original, serving.route_table().get, self.ensure, declined)
 
     def make_moe_front(self, original: Callable, activation_type: type) -> Callable:
         """The front over FlashInfer's ``cutlass_fused_moe`` that SGLang's MoE seam hands out (MoE)."""
@@ -144,6 +150,30 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
     flashinfer_fp4_gemm.__wrapped__ = original
     flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.dispatch.flashinfer_fp4_gemm"
     return flashinfer_fp4_gemm
+
+
+def decline_front(original: Callable, route: Callable[[int], GemmFn | None], ensure: Callable[[int], GemmFn | None],
+                  declined: Callable[[int], None]) -> Callable:
+    """A function with the signature of `original`, an engine's "run my own FP4 GEMM, or return None"
+    gate whose first argument is the activation tensor: None on a device this library serves, so the
+    engine goes on to the FP4 GEMM alias, routed and verified; `original` everywhere else.
+
+    `route(index)` is the hot-path lookup (a device already decided costs one dict lookup);
+    `ensure(index)` decides on first use. A first argument that is not a tensor goes to `original`."""
+
+    def declining(input, *args, **kwargs):
+        try:
+            index = input.get_device()
+        except AttributeError:
+            return original(input, *args, **kwargs)
+        if route(index) is not None or ensure(index) is not None:
+            declined(index)
+            return None
+        return original(input, *args, **kwargs)
+
+    declining.__wrapped__ = original
+    declining.__qualname__ = "sm120_fp4.dispatch.declining"
+    return declining
 
 
 def moe_front(original: Callable, activation_type: type, route: Callable[[int], Callable | None],

@@ -170,6 +170,69 @@ def test_a_call_naming_an_unknown_backend_is_refused_not_served_unverified(backe
         assert alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=passed).shape == (8, 32)
 
 
+needs_kda = pytest.mark.skipif(not release.sglang_version() or not __import__("sm120_fp4.versions").versions.version_in(
+    release.sglang_version(), ">=0.5.20"), reason="SGLang's KDA NVFP4 GEMM fast path exists from 0.5.20")
+
+
+@pytest.fixture
+def kda_fires(monkeypatch):
+    """SGLang's own KDA NVFP4 GEMM gate made to fire on the CPU for every shape, with a stand-in kernel that
+    returns garbage (the real gate, its `_supports` answering yes, its SM120 kernel module a stand-in)."""
+    import sys
+    import types
+
+    import sglang.kernels.ops.gemm  # noqa: F401  (the gate the op imports at call time)
+    from sglang.kernels.kda_kernels import qwen3x_nvfp4_gemm as kda
+
+    calls = []
+
+    def garbage(input, weight, input_sf, weight_sf, alpha):
+        calls.append(input.shape[0])
+        return torch.full((input.shape[0], weight.shape[1]), 7.0, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(kda, "_supports", lambda *args: True)
+    monkeypatch.setitem(sys.modules, "sglang.kernels.kda_kernels.qwen3x_nvfp4_gemm_sm120",
+                        types.SimpleNamespace(_run_qwen3x_nvfp4_gemm=garbage))
+    return calls
+
+
+@needs_kda
+@case("backend faults", "SGLang's own KDA NVFP4 GEMM fast path (try_qwen3x_nvfp4_gemm, 0.5.20+) firing for a layer on a "
+      "12.x device, its kernel returning garbage", "never serves there: the gate declines (logged once), the layer's "
+      "output is the oracle's through the routed alias; SGLang's gate is back after uninstall")
+def test_sglangs_kda_fast_path_never_serves_on_a_served_device(kda_fires, caplog):
+    import sglang.kernels.ops.gemm as ops_gemm
+
+    gate = ops_gemm.try_qwen3x_nvfp4_gemm
+    a, b, a_sf, b_sf, alpha = mm_fp4_operands(4)
+    # The op itself runs on a CPU only under install()'s simulation: the gate it calls stands for it here.
+    assert torch.all(gate(a, b, a_sf, b_sf, alpha, torch.bfloat16, 32) == 7), "the stand-in fires without us"
+    caplog.set_level(logging.INFO, "sm120_fp4")
+    sm120_fp4.install(**SIM)
+    assert patch_state("kda-nvfp4-gemm-fast-path-declined") == "applied"
+    ckpt = synthetic.make_checkpoint(32, 64)
+    method, layer = layers.build_modelopt_layer(ckpt)  # the layer check runs through the op as well
+    for m in (1, 4, 8, 9):
+        x = torch.randn(m, 64).to(torch.bfloat16)
+        assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+    assert kda_fires == [4], "only the call made without the library"
+    said = [r.getMessage() for r in caplog.records if "KDA NVFP4 GEMM fast path" in r.getMessage()]
+    assert len(said) == 1 and "device -1" in said[0]
+    sm120_fp4.uninstall()
+    assert ops_gemm.try_qwen3x_nvfp4_gemm is gate
+    assert torch.all(ops_gemm.try_qwen3x_nvfp4_gemm(a, b, a_sf, b_sf, alpha, torch.bfloat16, 32) == 7)
+    assert kda_fires == [4, 4]
+
+
+@needs_kda
+def test_sglangs_kda_fast_path_stays_on_a_device_not_served(kda_fires):
+    import sglang.kernels.ops.gemm as ops_gemm
+
+    sm120_fp4.install(simulate="9.0", backends="emulated")
+    a, b, a_sf, b_sf, alpha = mm_fp4_operands(2)
+    assert torch.all(ops_gemm.try_qwen3x_nvfp4_gemm(a, b, a_sf, b_sf, alpha, torch.bfloat16, 32) == 7) and kda_fires == [2]
+
+
 @needs_enum
 def test_enum_values_chosen_for_other_layouts_are_never_touched():
     kept = [m for m in ENUM if m.name not in REPINNED]  # whatever this release's enum has besides

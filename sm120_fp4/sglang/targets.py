@@ -21,7 +21,7 @@ from .hooks import (compressed_tensors_check, layer_device_index, make_update_ho
                     modelopt_check)
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
-from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
+from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, KERNEL_OPS_GEMM, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
                       SUPPORTED, WEIGHT_UPDATER, sglang_version, supported)
 
 __all__ = ["Wiring", "TARGETS", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
@@ -71,6 +71,7 @@ class Wiring:
     weights_update_begin: Callable[[], object] = lambda: None  # SGLang starts writing weights
     weights_update_end: Callable[[], object] = lambda: None  # ... and is done: verify what changed
     check_scales: Callable[[str, object, object], None] = lambda kind, method, layer: None  # the checkpoint's scales
+    make_decline: Callable = lambda original: original  # SGLang's own FP4 GEMM fast path: None on a served device
 
 
 _MOE_WHY = (
@@ -93,6 +94,12 @@ _WEIGHTS_WHY = (
 _UPDATE_WHY = ("SGLang writes weights in place (param.data, no version bump): drop the caches of dequantized weights "
                "first, and verify every layer whose weights changed (its light check, its configuration's sweep, a new "
                "fingerprint) before it serves again; without this the re-check would refuse the new weights as corrupted")
+_KDA_WHY = (
+    "0.5.20+: SGLang's fp4_gemm op first tries its own KDA NVFP4 GEMM (try_qwen3x_nvfp4_gemm: CuTe DSL, compute "
+    "capability 12.0, fixed Qwen3.x shapes at M 1, 2, 4, 8 and one more) and returns its output without reaching the "
+    "FP4 GEMM alias, so neither the route nor the layer check would see that kernel; on a device this library serves "
+    "the gate returns None (the call goes on to the routed, verified alias), logged once; elsewhere SGLang's gate runs"
+)
 _MOE_REMOVE = "when SGLang verifies its fused-MoE output at start-up on SM12x"
 _CAPTURE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x")
 _UPDATE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 output after its weight updates on SM12x")
@@ -101,6 +108,11 @@ _UPDATE = dict(upstream="no upstream check exists", remove_when="when SGLang ver
 def _is_the_alias(original: object) -> str | None:
     """The alias targets' check: is what SGLang bound FlashInfer's mm_fp4 (looked up when it runs)."""
     return is_mm_fp4(original)
+
+
+def _is_callable(original: object) -> str | None:
+    """The fast-path gate's check: SGLang's gate is a function (its signature is the op's)."""
+    return None if callable(original) else f"not a function: {type(original).__name__}"
 
 
 def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
@@ -119,6 +131,10 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
             when_missing=_ALIAS_MISSING, versions=">=0.5.3,<0.5.8",
             why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly in 0.5.5, through the sglang::fp4_gemm op from 0.5.5.post3)",
             upstream=_ALIAS_UPSTREAM, remove_when=_ALIAS_REMOVE),
+    _target("decline", name="kda-nvfp4-gemm-fast-path-declined", module=KERNEL_OPS_GEMM, attribute="try_qwen3x_nvfp4_gemm",
+            versions=">=0.5.20", check=_is_callable, why=_KDA_WHY,
+            upstream="no upstream check of this kernel's output on the device exists",
+            remove_when="when this kernel is a verified candidate of the dense family (self-test, layer checks)"),
     _target("modelopt-weights", name="modelopt-fp4-weights-hook", module=MQ,
             attribute="ModelOptFp4LinearMethod.process_weights_after_loading", versions=SUPPORTED, why=_WEIGHTS_WHY,
             upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
@@ -197,6 +213,7 @@ def _makers(w: Wiring) -> dict[str, Callable]:
 
     return {
         "dispatch": w.make_dispatch,
+        "decline": w.make_decline,
         "modelopt-weights": dense_hook(modelopt_check, "ModelOptFp4LinearMethod"),
         "compressed-tensors-weights": dense_hook(compressed_tensors_check, "CompressedTensorsW4A4Fp4"),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),

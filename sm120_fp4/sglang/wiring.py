@@ -57,6 +57,18 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     def make_dispatch(original):
         return router.make_dispatch(original, unknown_backend)
 
+    declined_on: set[int] = set()
+
+    def declined(index: int) -> None:
+        if index not in declined_on:  # once per device: this runs at every FP4 GEMM call
+            declined_on.add(index)
+            _LOG.info("sm120_fp4: SGLang's KDA NVFP4 GEMM fast path (%s.try_qwen3x_nvfp4_gemm) is not used on device %d: "
+                      "that kernel is not verified here; its calls go to the routed, verified FP4 GEMM", targets.KERNEL_OPS_GEMM,
+                      index)
+
+    def make_decline(original):
+        return router.make_decline(original, declined)
+
     def verify(check) -> None:
         if check is not None:
             serving.verify_layer(check.device_index, check, settings)
@@ -118,7 +130,8 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         return done
 
     wiring = targets.Wiring(make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
-                            serving.weights_update_begin, lambda: serving.weights_update_end(settings), check_scales)
+                            serving.weights_update_begin, lambda: serving.weights_update_end(settings), check_scales,
+                            make_decline)
     specs = targets.specs(wiring)
     if idle is not None:
         canary.configure(settings, f"{idle.module}.{idle.attribute}")
