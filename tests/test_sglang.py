@@ -170,6 +170,23 @@ def test_a_call_naming_an_unknown_backend_is_refused_not_served_unverified(backe
         assert alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=passed).shape == (8, 32)
 
 
+@case("backend faults", "a routed FP4 GEMM call with {kwargs} (an argument the verified backend was not verified for) on a "
+      "verified 12.x device", "refused by name, naming the argument and its value; never the unverified original")
+@pytest.mark.parametrize("kwargs", [{"block_size": 32}, {"use_8x4_sf_layout": True}, {"batch_invariant": True},
+                                    {"use_nvfp4": False}, {"enable_pdl": True, "tactic": 3}])
+def test_a_routed_call_with_an_argument_not_verified_is_refused_by_name(kwargs):
+    sm120_fp4.install(**SIM)
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))  # the device is decided and verified
+    alias = getattr(mq, alias_name())
+    a, b, a_sf, b_sf, alpha = mm_fp4_operands(8)
+    name, value = next((k, v) for k, v in kwargs.items() if k != "enable_pdl")
+    with pytest.raises(RefusedToServe, match=rf"mm_fp4 with {name}={value!r} on device -1: .*verified.*SM120_FP4_SELFTEST=warn"):
+        alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend="cutlass", **kwargs)
+    want = emulated_mm_fp4(a, b, a_sf, b_sf, alpha, torch.bfloat16, torch.empty(8, 32, dtype=torch.bfloat16))
+    served = alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend="cutlass", enable_pdl=True, batch_invariant=False)
+    assert torch.equal(served, want), "keywords that leave the numbers as verified are routed"
+
+
 needs_kda = pytest.mark.skipif(not release.sglang_version() or not __import__("sm120_fp4.versions").versions.version_in(
     release.sglang_version(), ">=0.5.20"), reason="SGLang's KDA NVFP4 GEMM fast path exists from 0.5.20")
 

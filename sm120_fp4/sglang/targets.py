@@ -25,7 +25,8 @@ from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, KERNEL_OPS_GEMM, MODE
                       SUPPORTED, WEIGHT_UPDATER, sglang_version, supported)
 
 __all__ = ["Wiring", "TARGETS", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
-           "LEGACY_KNOB_SPEC", "KNOWN_RUNNERS", "runner_backend_problem", "unknown_backend_problem"]
+           "LEGACY_KNOB_SPEC", "KNOWN_RUNNERS", "runner_backend_problem", "unknown_backend_problem",
+           "unverified_argument_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
 LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
@@ -326,6 +327,15 @@ def unknown_backend_problem(index: int, backend: object) -> str:
     return (f"SGLang called FlashInfer's mm_fp4 with backend={backend!r} on device {index}, a backend this sm120_fp4 "
             "does not know: neither the weight layout SGLang prepared for it nor the kernel is verified on this GPU. "
             f"Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4")
+
+
+def unverified_argument_problem(index: int, name: str, value: object) -> str:
+    """Why a FlashInfer mm_fp4 call on served device `index` with argument `name`=`value` is not served: the
+    backend routed there was verified for NVFP4 (block_size 16, the 128x4 scale layout) without that argument."""
+    return (f"SGLang called FlashInfer's mm_fp4 with {name}={value!r} on device {index}: the FP4 GEMM backend verified "
+            "on this GPU was verified for NVFP4 calls with block_size=16, the 128x4 scale layout and no such argument, "
+            "so it would reach FlashInfer's own kernel unverified. Upgrade sm120_fp4 to a release that knows this argument, "
+            "or set SM120_FP4_SELFTEST=warn to serve it unverified")
 
 
 def pin_runner_backend(patcher: Patcher) -> None:

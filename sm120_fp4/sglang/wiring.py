@@ -51,8 +51,10 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
                 refuse(f"NVFP4 dense layers on device {index}", problem)
             targets.pin_runner_backend(patcher)
 
-    def unknown_backend(index: int, backend: object) -> None:
-        refuse(f"an FP4 GEMM on device {index}", targets.unknown_backend_problem(index, backend))
+    def unknown_backend(index: int, name: str, value: object) -> None:
+        problem = (targets.unknown_backend_problem(index, value) if name == "backend"
+                   else targets.unverified_argument_problem(index, name, value))
+        refuse(f"an FP4 GEMM on device {index}", problem)
 
     def make_dispatch(original):
         return router.make_dispatch(original, unknown_backend)
