@@ -187,6 +187,21 @@ def test_a_routed_call_with_an_argument_not_verified_is_refused_by_name(kwargs):
     assert torch.equal(served, want), "keywords that leave the numbers as verified are routed"
 
 
+@needs_enum
+@pytest.mark.skipif(not hasattr(mq.ModelOptFp4LinearMethod, "create_weights") or "quant_mode" not in
+                    __import__("inspect").getsource(mq.ModelOptFp4LinearMethod.__init__),
+                    reason="ModelOptFp4LinearMethod has no quant_mode before 0.5.19")
+@case("backend faults", "a ModelOpt NVFP4 layer SGLang serves with quant_mode='w4a16' (SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16 "
+      "with the flashinfer_cutedsl runner: FlashInfer's mm_bf16_fp4, past the routed alias) on a 12.x GPU",
+      "refused at the layer's load, before SGLang processes its weights, naming the quant mode, the knob and what to do")
+def test_a_w4a16_quant_mode_layer_is_refused_at_load(monkeypatch):
+    monkeypatch.setenv("SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", "1")
+    monkeypatch.setattr(fp4_utils, "FP4_GEMM_RUNNER_BACKEND", ENUM.FLASHINFER_CUTEDSL)
+    sm120_fp4.install(**SIM)
+    with pytest.raises(RefusedToServe, match=r"(?s)quant_mode='w4a16'.*mm_bf16_fp4.*Unset SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"):
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
+
+
 needs_kda = pytest.mark.skipif(not release.sglang_version() or not __import__("sm120_fp4.versions").versions.version_in(
     release.sglang_version(), ">=0.5.20"), reason="SGLang's KDA NVFP4 GEMM fast path exists from 0.5.20")
 

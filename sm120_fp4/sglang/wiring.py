@@ -79,10 +79,10 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         return simulation.cuda_moves_stay_on_cpu(sim is not None)
 
     def check_scales(kind: str, method, layer, family: str = "dense") -> None:
-        """A layer whose checkpoint scales cannot serve is refused naming the tensor, before any kernel is blamed."""
+        """A layer whose quant mode or checkpoint scales cannot serve is refused naming them, before any kernel is blamed."""
         if settings.selftest == "off" or serving.route(hooks.layer_device_index(layer), settings, family) is None:
             return
-        problem = hooks.checkpoint_scale_problem(kind, method, layer)
+        problem = hooks.quant_mode_problem(kind, method) or hooks.checkpoint_scale_problem(kind, method, layer)
         if problem is None:
             return
         name = hooks.layer_name(layer)
