@@ -23,7 +23,7 @@ from . import kernels, serving
 from .config import Settings
 from .errors import InvalidArgument, describe
 
-__all__ = ["Router", "mm_fp4_front", "moe_front"]
+__all__ = ["Router", "mm_fp4_front", "moe_front", "decline_front"]
 
 GemmFn = Callable[..., object]
 
@@ -43,12 +43,18 @@ class Router:
         """Device index -> the backend it is routed to, or "original" (a device this install does not serve)."""
         return serving.routes(family)
 
-    def make_dispatch(self, original: Callable, unknown: Callable[[int, object], None] | None = None) -> Callable:
-        """The replacement for a module-level ``mm_fp4`` alias (dense); `unknown(index, backend)`: a call
-        on a served device naming a backend this library does not know (it raises, or returns to let
-        the original serve it)."""
+    def make_dispatch(self, original: Callable, unknown: Callable[[int, str, object], None] | None = None) -> Callable:
+        """The replacement for a module-level ``mm_fp4`` alias (dense); `unknown(index, name, value)`: a call
+        on a served device naming a backend this library does not know, or an argument its routed backend
+        was not verified for (it raises, or returns to let the original serve it)."""
         names = serving.routes
         return mm_fp4_front(original, serving.route_table().get, self.ensure, lambda i: names().get(i, "?"), unknown)
+
+    def make_decline(self, original: Callable, declined: Callable[[int], None]) -> Callable:
+        """The replacement for an engine's own "this kernel, or None" fast path in front of the dense alias:
+        None on a device this install serves (the call goes on to the routed alias); `declined(index)` is
+        told (it logs once)."""
+        return decline_front(original, serving.route_table().get, self.ensure, declined)
 
     def make_moe_front(self, original: Callable, activation_type: type) -> Callable:
         """The front over FlashInfer's ``cutlass_fused_moe`` that SGLang's MoE seam hands out (MoE)."""
@@ -67,21 +73,25 @@ def _alpha_one(device: torch.device) -> torch.Tensor:
 
 
 def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure: Callable[[int], GemmFn | None],
-                 name_of: Callable[[int], str], unknown: Callable[[int, object], None] | None = None) -> GemmFn:
+                 name_of: Callable[[int], str], unknown: Callable[[int, str, object], None] | None = None) -> GemmFn:
     """A function with mm_fp4's signature that serves routable calls with the routed backend.
 
     `route(index)` is the hot-path lookup of the backend decided for a device (None: not decided
     yet, or not ours); `ensure(index)` decides on first use (and returns None for a device this
-    library does not serve). Calls it cannot serve the same way (another backend, another scale
-    layout or block size, keywords it does not know) go to `original` unchanged, except a backend
-    name it does not know (neither routed nor kernels.PASSED_THROUGH_BACKENDS) on a device it serves:
-    `unknown(index, backend)` is asked first, and refuses it by name. It always returns
+    library does not serve). Keywords that never change the numbers (kernels.NEUTRAL_MM_FP4_KEYWORDS:
+    enable_pdl, use_nvfp4=True, batch_invariant=False) are served by the routed backend. Calls naming a
+    backend left to the engine on purpose (kernels.PASSED_THROUGH_BACKENDS) go to `original` unchanged.
+    On a device it serves, a backend name it does not know, or a routed backend's call with a block size,
+    scale layout or keyword (value) the routed backend was not verified for: `unknown(index, name, value)`
+    is asked first, and refuses it by name (or returns: `original` serves it). It always returns
     the tensor the backend wrote, never what the backend returned; an empty batch gives an empty
     result. A failure is explained: bad arguments raise InvalidArgument naming the parameter, a
     backend's own error gets a note naming the backend (never replaced by zeros).
     """
     routed = kernels.ROUTED_BACKENDS
     passed = kernels.PASSED_THROUGH_BACKENDS
+    neutral = kernels.neutral_mm_fp4_keywords
+    unrouted = kernels.unrouted_mm_fp4_argument
     bf16 = torch.bfloat16
     empty = torch.empty
 
@@ -117,7 +127,8 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
             raise InvalidArgument(f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: "
                                   "a 2-D uint8 tensor (M, K/2)") from None
         fn = route(index)
-        if fn is not None and backend in routed and alpha is not None and block_size == 16 and not use_8x4_sf_layout and not kwargs:
+        if (fn is not None and backend in routed and alpha is not None and block_size == 16 and not use_8x4_sf_layout
+                and (not kwargs or neutral(kwargs))):
             if out is None:
                 # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
                 try:
@@ -130,9 +141,14 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
                 return out
             return serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out)
         fn = ensure(index)  # first call on this device: decide (self-test) once
-        if fn is not None and backend not in routed and backend not in passed and unknown is not None:
-            unknown(index, backend)  # a backend added after this library: refused by name (or SELFTEST says serve it)
-        if fn is None or backend not in routed or block_size != 16 or use_8x4_sf_layout or kwargs:
+        if fn is not None and unknown is not None:
+            if backend not in routed and backend not in passed:
+                unknown(index, "backend", backend)  # a backend added after this library: refused by name
+            elif backend in routed:  # a block size, layout or keyword the routed backend was not verified for
+                bad = unrouted(block_size, use_8x4_sf_layout, kwargs)
+                if bad is not None:
+                    unknown(index, *bad)  # refused by name (or SELFTEST says serve it: the original does)
+        if fn is None or backend not in routed or block_size != 16 or use_8x4_sf_layout or (kwargs and not neutral(kwargs)):
             return original(
                 a, b, a_descale, b_descale, alpha, out_dtype, out,
                 block_size=block_size, use_8x4_sf_layout=use_8x4_sf_layout, backend=backend, **kwargs,
@@ -144,6 +160,30 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
     flashinfer_fp4_gemm.__wrapped__ = original
     flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.dispatch.flashinfer_fp4_gemm"
     return flashinfer_fp4_gemm
+
+
+def decline_front(original: Callable, route: Callable[[int], GemmFn | None], ensure: Callable[[int], GemmFn | None],
+                  declined: Callable[[int], None]) -> Callable:
+    """A function with the signature of `original`, an engine's "run my own FP4 GEMM, or return None"
+    gate whose first argument is the activation tensor: None on a device this library serves, so the
+    engine goes on to the FP4 GEMM alias, routed and verified; `original` everywhere else.
+
+    `route(index)` is the hot-path lookup (a device already decided costs one dict lookup);
+    `ensure(index)` decides on first use. A first argument that is not a tensor goes to `original`."""
+
+    def declining(input, *args, **kwargs):
+        try:
+            index = input.get_device()
+        except AttributeError:
+            return original(input, *args, **kwargs)
+        if route(index) is not None or ensure(index) is not None:
+            declined(index)
+            return None
+        return original(input, *args, **kwargs)
+
+    declining.__wrapped__ = original
+    declining.__qualname__ = "sm120_fp4.dispatch.declining"
+    return declining
 
 
 def moe_front(original: Callable, activation_type: type, route: Callable[[int], Callable | None],

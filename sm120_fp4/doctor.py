@@ -95,6 +95,9 @@ def _targets() -> dict:
 
     version = release.sglang_version()
     ok, why = release.release_support(version)
+    unverified = release.unverified_release(version) if version is not None else None
+    if unverified is not None:  # what the worker says: an NVFP4 layer there is served by SGLang's own calls
+        why = "; ".join(unverified)
     rows = []
     for spec in targets.ledger_rows():
         applies = ok and version_in(version, spec.versions)

@@ -29,6 +29,9 @@ __all__ = [
     "BACKENDS",
     "ROUTED_BACKENDS",
     "PASSED_THROUGH_BACKENDS",
+    "NEUTRAL_MM_FP4_KEYWORDS",
+    "neutral_mm_fp4_keywords",
+    "unrouted_mm_fp4_argument",
     "MM_FP4_HEAD",
     "DEFAULT_ORDER",
     "ORDER_BY_CAPABILITY",
@@ -102,6 +105,34 @@ ROUTED_BACKENDS = frozenset({None, "auto", "cudnn", "cutlass"})
 # this library, such as b12x through SGLang's runner enum) is not served unverified on a served
 # device: the front refuses it by name (dispatch.mm_fp4_front's `unknown`).
 PASSED_THROUGH_BACKENDS = frozenset({"trtllm", "cute-dsl"})
+# mm_fp4 keywords that never change the numbers, with the values that leave them so (None: any value):
+# a routed call carrying them is served by the routed backend. Any other keyword or value, block_size != 16
+# or use_8x4_sf_layout=True asks for something the routed backend was not verified for.
+NEUTRAL_MM_FP4_KEYWORDS: dict[str, tuple | None] = {"enable_pdl": None, "use_nvfp4": (True,), "batch_invariant": (False,)}
+
+
+def neutral_mm_fp4_keywords(kwargs: dict) -> bool:
+    """Whether every keyword of an mm_fp4 call (beyond its named head) leaves the numbers as verified."""
+    for name, value in kwargs.items():
+        allowed = NEUTRAL_MM_FP4_KEYWORDS.get(name, ())
+        if allowed is not None and not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+            return False
+    return True
+
+
+def unrouted_mm_fp4_argument(block_size: object, use_8x4_sf_layout: object, kwargs: dict) -> tuple[str, object] | None:
+    """The first argument of an mm_fp4 call naming a routed backend that the routed backend was not verified
+    for, as (name, value); None when it can be routed."""
+    if block_size != 16:
+        return "block_size", block_size
+    if use_8x4_sf_layout:
+        return "use_8x4_sf_layout", use_8x4_sf_layout
+    for name, value in kwargs.items():
+        if not neutral_mm_fp4_keywords({name: value}):
+            return name, value
+    return None
+
+
 # mm_fp4's leading positional parameters in every release this library knows (0.2.11 - 0.7.x).
 MM_FP4_HEAD = ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype")
 # Alignment each backend needs on (K, N); off it, kernels return silent garbage (vLLM #48898:

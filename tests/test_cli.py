@@ -321,6 +321,15 @@ def test_selftest_refuses_an_sglang_outside_the_supported_range_under_strict(mon
     assert code == cli.EXIT_USAGE and "refusing to start" in err, err
 
 
+@pytest.mark.parametrize("version", OUTSIDE)
+def test_doctor_says_an_sglang_outside_the_range_would_serve_unverified(monkeypatch, capsys, version):
+    sglang_release(monkeypatch, version)
+    code, out, err = cli_in_process(monkeypatch, capsys, "doctor", env=SIM_OK)
+    problems = out.split("### Problems", 1)[1]
+    says_unverified(problems, version)
+    assert "left untouched" not in out
+
+
 @case("configuration", "`sm120-fp4 selftest` with SGLang 0.6.0 installed and {setting}",
       "the kernels are self-tested, then exit 3 (unverified): stderr says nothing of what SGLang serves was verified")
 @pytest.mark.parametrize("setting", ["SM120_FP4_SELFTEST=warn", "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"])

@@ -68,7 +68,18 @@ def test_no_backend_argument_is_routed_too(recording):
     assert len(recording) == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"backend": "trtllm"}, {"backend": "cute-dsl"}, {"use_8x4_sf_layout": True}, {"block_size": 32}, {"enable_pdl": False}])
+@pytest.mark.parametrize("kwargs", [{"enable_pdl": False}, {"enable_pdl": True}, {"use_nvfp4": True}, {"batch_invariant": False},
+                                    {"enable_pdl": True, "batch_invariant": False}])
+def test_keywords_that_never_change_the_numbers_are_routed(recording, kwargs):
+    original = Original()
+    dispatch = ready(Settings(simulate="12.0", backends="recording"), original, recording)
+    args = operands()
+    result = dispatch(*args, torch.bfloat16, backend="cutlass", **kwargs)
+    assert original.calls == [] and len(recording) == 1
+    assert torch.equal(result, nvfp4.reference_mm_fp4(*args))
+
+
+@pytest.mark.parametrize("kwargs", [{"backend": "trtllm"}, {"backend": "cute-dsl"}, {"use_8x4_sf_layout": True}, {"block_size": 32}])
 def test_other_backends_and_layouts_call_the_original_unchanged(recording, kwargs):
     original = Original()
     dispatch = ready(Settings(simulate="12.0", backends="recording"), original, recording)

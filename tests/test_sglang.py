@@ -170,6 +170,101 @@ def test_a_call_naming_an_unknown_backend_is_refused_not_served_unverified(backe
         assert alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=passed).shape == (8, 32)
 
 
+@case("backend faults", "a routed FP4 GEMM call with {kwargs} (an argument the verified backend was not verified for) on a "
+      "verified 12.x device", "refused by name, naming the argument and its value; never the unverified original")
+@pytest.mark.parametrize("kwargs", [{"block_size": 32}, {"use_8x4_sf_layout": True}, {"batch_invariant": True},
+                                    {"use_nvfp4": False}, {"enable_pdl": True, "tactic": 3}])
+def test_a_routed_call_with_an_argument_not_verified_is_refused_by_name(kwargs):
+    sm120_fp4.install(**SIM)
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))  # the device is decided and verified
+    alias = getattr(mq, alias_name())
+    a, b, a_sf, b_sf, alpha = mm_fp4_operands(8)
+    name, value = next((k, v) for k, v in kwargs.items() if k != "enable_pdl")
+    with pytest.raises(RefusedToServe, match=rf"mm_fp4 with {name}={value!r} on device -1: .*verified.*SM120_FP4_SELFTEST=warn"):
+        alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend="cutlass", **kwargs)
+    want = emulated_mm_fp4(a, b, a_sf, b_sf, alpha, torch.bfloat16, torch.empty(8, 32, dtype=torch.bfloat16))
+    served = alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend="cutlass", enable_pdl=True, batch_invariant=False)
+    assert torch.equal(served, want), "keywords that leave the numbers as verified are routed"
+
+
+@needs_enum
+@pytest.mark.skipif(not hasattr(mq.ModelOptFp4LinearMethod, "create_weights") or "quant_mode" not in
+                    __import__("inspect").getsource(mq.ModelOptFp4LinearMethod.__init__),
+                    reason="ModelOptFp4LinearMethod has no quant_mode before 0.5.19")
+@case("backend faults", "a ModelOpt NVFP4 layer SGLang serves with quant_mode='w4a16' (SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16 "
+      "with the flashinfer_cutedsl runner: FlashInfer's mm_bf16_fp4, past the routed alias) on a 12.x GPU",
+      "refused at the layer's load, before SGLang processes its weights, naming the quant mode, the knob and what to do")
+def test_a_w4a16_quant_mode_layer_is_refused_at_load(monkeypatch):
+    monkeypatch.setenv("SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", "1")
+    monkeypatch.setattr(fp4_utils, "FP4_GEMM_RUNNER_BACKEND", ENUM.FLASHINFER_CUTEDSL)
+    sm120_fp4.install(**SIM)
+    with pytest.raises(RefusedToServe, match=r"(?s)quant_mode='w4a16'.*mm_bf16_fp4.*Unset SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"):
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
+
+
+needs_kda = pytest.mark.skipif(not release.sglang_version() or not __import__("sm120_fp4.versions").versions.version_in(
+    release.sglang_version(), ">=0.5.20"), reason="SGLang's KDA NVFP4 GEMM fast path exists from 0.5.20")
+
+
+@pytest.fixture
+def kda_fires(monkeypatch):
+    """SGLang's own KDA NVFP4 GEMM gate made to fire on the CPU for every shape, with a stand-in kernel that
+    returns garbage (the real gate, its `_supports` answering yes, its SM120 kernel module a stand-in)."""
+    import sys
+    import types
+
+    import sglang.kernels.ops.gemm  # noqa: F401  (the gate the op imports at call time)
+    from sglang.kernels.kda_kernels import qwen3x_nvfp4_gemm as kda
+
+    calls = []
+
+    def garbage(input, weight, input_sf, weight_sf, alpha):
+        calls.append(input.shape[0])
+        return torch.full((input.shape[0], weight.shape[1]), 7.0, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(kda, "_supports", lambda *args: True)
+    monkeypatch.setitem(sys.modules, "sglang.kernels.kda_kernels.qwen3x_nvfp4_gemm_sm120",
+                        types.SimpleNamespace(_run_qwen3x_nvfp4_gemm=garbage))
+    return calls
+
+
+@needs_kda
+@case("backend faults", "SGLang's own KDA NVFP4 GEMM fast path (try_qwen3x_nvfp4_gemm, 0.5.20+) firing for a layer on a "
+      "12.x device, its kernel returning garbage", "never serves there: the gate declines (logged once), the layer's "
+      "output is the oracle's through the routed alias; SGLang's gate is back after uninstall")
+def test_sglangs_kda_fast_path_never_serves_on_a_served_device(kda_fires, caplog):
+    import sglang.kernels.ops.gemm as ops_gemm
+
+    gate = ops_gemm.try_qwen3x_nvfp4_gemm
+    a, b, a_sf, b_sf, alpha = mm_fp4_operands(4)
+    # The op itself runs on a CPU only under install()'s simulation: the gate it calls stands for it here.
+    assert torch.all(gate(a, b, a_sf, b_sf, alpha, torch.bfloat16, 32) == 7), "the stand-in fires without us"
+    caplog.set_level(logging.INFO, "sm120_fp4")
+    sm120_fp4.install(**SIM)
+    assert patch_state("kda-nvfp4-gemm-fast-path-declined") == "applied"
+    ckpt = synthetic.make_checkpoint(32, 64)
+    method, layer = layers.build_modelopt_layer(ckpt)  # the layer check runs through the op as well
+    for m in (1, 4, 8, 9):
+        x = torch.randn(m, 64).to(torch.bfloat16)
+        assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+    assert kda_fires == [4], "only the call made without the library"
+    said = [r.getMessage() for r in caplog.records if "KDA NVFP4 GEMM fast path" in r.getMessage()]
+    assert len(said) == 1 and "device -1" in said[0]
+    sm120_fp4.uninstall()
+    assert ops_gemm.try_qwen3x_nvfp4_gemm is gate
+    assert torch.all(ops_gemm.try_qwen3x_nvfp4_gemm(a, b, a_sf, b_sf, alpha, torch.bfloat16, 32) == 7)
+    assert kda_fires == [4, 4]
+
+
+@needs_kda
+def test_sglangs_kda_fast_path_stays_on_a_device_not_served(kda_fires):
+    import sglang.kernels.ops.gemm as ops_gemm
+
+    sm120_fp4.install(simulate="9.0", backends="emulated")
+    a, b, a_sf, b_sf, alpha = mm_fp4_operands(2)
+    assert torch.all(ops_gemm.try_qwen3x_nvfp4_gemm(a, b, a_sf, b_sf, alpha, torch.bfloat16, 32) == 7) and kda_fires == [2]
+
+
 @needs_enum
 def test_enum_values_chosen_for_other_layouts_are_never_touched():
     kept = [m for m in ENUM if m.name not in REPINNED]  # whatever this release's enum has besides

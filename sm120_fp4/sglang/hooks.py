@@ -298,6 +298,24 @@ def _first(mask: torch.Tensor) -> str:
     return f"[{', '.join(map(str, index))}]" if index else ""
 
 
+W4A16_KNOB = "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
+
+
+def quant_mode_problem(kind: str, method: object) -> str | None:
+    """Why a dense NVFP4 layer's quant mode cannot be served verified (None: W4A4, routed and verified).
+
+    0.5.19+: ModelOptFp4LinearMethod takes quant_mode 'w4a16' when SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16 is
+    set and the runner is flashinfer_cutedsl; its fp4_gemm op then calls FlashInfer's mm_bf16_fp4 directly
+    (bf16 activations, FP4 weights), past the FP4 GEMM alias: no backend of this library serves that call."""
+    mode = getattr(method, "quant_mode", "w4a4")
+    if mode == "w4a4":
+        return None
+    return (f"SGLang serves {kind} with quant_mode={mode!r} ({W4A16_KNOB} with --fp4-gemm-backend flashinfer_cutedsl): "
+            "its FP4 GEMM calls FlashInfer's mm_bf16_fp4 directly, which sm120_fp4 neither routes nor verifies on this "
+            f"GPU. Unset {W4A16_KNOB} (the layer then runs W4A4 through the FP4 GEMM verified here), or set "
+            "SM120_FP4_SELFTEST=warn to serve it unverified")
+
+
 def checkpoint_scale_problem(kind: str, method: object, layer: object) -> str | None:
     """Why the checkpoint scales `layer` loaded cannot serve (before SGLang processes them): a global or
     activation scale that is NaN, infinite, zero or negative, or a NaN E4M3 block scale (byte 0x7f/0xff);

@@ -21,11 +21,12 @@ from .hooks import (compressed_tensors_check, make_update_hook, make_warmup_hook
                     modelopt_check)
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
-from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
+from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, KERNEL_OPS_GEMM, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
                       SUPPORTED, WEIGHT_UPDATER, sglang_version, supported)
 
 __all__ = ["Wiring", "TARGETS", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
-           "LEGACY_KNOB_SPEC", "KNOWN_RUNNERS", "runner_backend_problem", "unknown_backend_problem"]
+           "LEGACY_KNOB_SPEC", "KNOWN_RUNNERS", "runner_backend_problem", "unknown_backend_problem",
+           "unverified_argument_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
 LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
@@ -71,6 +72,7 @@ class Wiring:
     pin_moe_runner: Callable[[str | None], None]
     weights_update_begin: Callable[[], object] = lambda: None  # SGLang starts writing weights
     weights_update_end: Callable[[], object] = lambda: None  # ... and is done: verify what changed
+    make_decline: Callable = lambda original: original  # SGLang's own FP4 GEMM fast path: None on a served device
 
 
 _MOE_WHY = (
@@ -94,6 +96,12 @@ _WEIGHTS_WHY = (
 _UPDATE_WHY = ("SGLang writes weights in place (param.data, no version bump): drop the caches of dequantized weights "
                "first, and verify every layer whose weights changed (its light check, its configuration's sweep, a new "
                "fingerprint) before it serves again; without this the re-check would refuse the new weights as corrupted")
+_KDA_WHY = (
+    "0.5.20+: SGLang's fp4_gemm op first tries its own KDA NVFP4 GEMM (try_qwen3x_nvfp4_gemm: CuTe DSL, compute "
+    "capability 12.0, fixed Qwen3.x shapes at M 1, 2, 4, 8 and one more) and returns its output without reaching the "
+    "FP4 GEMM alias, so neither the route nor the layer check would see that kernel; on a device this library serves "
+    "the gate returns None (the call goes on to the routed, verified alias), logged once; elsewhere SGLang's gate runs"
+)
 _MOE_REMOVE = "when SGLang verifies its fused-MoE output at start-up on SM12x"
 _CAPTURE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x")
 _UPDATE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 output after its weight updates on SM12x")
@@ -102,6 +110,11 @@ _UPDATE = dict(upstream="no upstream check exists", remove_when="when SGLang ver
 def _is_the_alias(original: object) -> str | None:
     """The alias targets' check: is what SGLang bound FlashInfer's mm_fp4 (looked up when it runs)."""
     return is_mm_fp4(original)
+
+
+def _is_callable(original: object) -> str | None:
+    """The fast-path gate's check: SGLang's gate is a function (its signature is the op's)."""
+    return None if callable(original) else f"not a function: {type(original).__name__}"
 
 
 def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
@@ -120,6 +133,10 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
             when_missing=_ALIAS_MISSING, versions=">=0.5.3,<0.5.8",
             why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly in 0.5.5, through the sglang::fp4_gemm op from 0.5.5.post3)",
             upstream=_ALIAS_UPSTREAM, remove_when=_ALIAS_REMOVE),
+    _target("decline", name="kda-nvfp4-gemm-fast-path-declined", module=KERNEL_OPS_GEMM, attribute="try_qwen3x_nvfp4_gemm",
+            versions=">=0.5.20", check=_is_callable, why=_KDA_WHY,
+            upstream="no upstream check of this kernel's output on the device exists",
+            remove_when="when this kernel is a verified candidate of the dense family (self-test, layer checks)"),
     _target("modelopt-weights", name="modelopt-fp4-weights-hook", module=MQ,
             attribute="ModelOptFp4LinearMethod.process_weights_after_loading", versions=SUPPORTED, why=_WEIGHTS_WHY,
             upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
@@ -195,6 +212,7 @@ def _makers(w: Wiring) -> dict[str, Callable]:
 
     return {
         "dispatch": w.make_dispatch,
+        "decline": w.make_decline,
         "modelopt-weights": dense_hook("ModelOptFp4LinearMethod", modelopt_check),
         "compressed-tensors-weights": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
@@ -307,6 +325,15 @@ def unknown_backend_problem(index: int, backend: object) -> str:
     return (f"SGLang called FlashInfer's mm_fp4 with backend={backend!r} on device {index}, a backend this sm120_fp4 "
             "does not know: neither the weight layout SGLang prepared for it nor the kernel is verified on this GPU. "
             f"Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4")
+
+
+def unverified_argument_problem(index: int, name: str, value: object) -> str:
+    """Why a FlashInfer mm_fp4 call on served device `index` with argument `name`=`value` is not served: the
+    backend routed there was verified for NVFP4 (block_size 16, the 128x4 scale layout) without that argument."""
+    return (f"SGLang called FlashInfer's mm_fp4 with {name}={value!r} on device {index}: the FP4 GEMM backend verified "
+            "on this GPU was verified for NVFP4 calls with block_size=16, the 128x4 scale layout and no such argument, "
+            "so it would reach FlashInfer's own kernel unverified. Upgrade sm120_fp4 to a release that knows this argument, "
+            "or set SM120_FP4_SELFTEST=warn to serve it unverified")
 
 
 def pin_runner_backend(patcher: Patcher) -> None:

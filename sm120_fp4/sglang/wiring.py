@@ -58,11 +58,25 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         check_scales(kind, method, layer)
         refuse(layer_what(kind, layer), hooks.layer_scales_problem(kind, method, layer))
 
-    def unknown_backend(index: int, backend: object) -> None:
-        refuse(f"an FP4 GEMM on device {index}", targets.unknown_backend_problem(index, backend))
+    def unknown_backend(index: int, name: str, value: object) -> None:
+        problem = (targets.unknown_backend_problem(index, value) if name == "backend"
+                   else targets.unverified_argument_problem(index, name, value))
+        refuse(f"an FP4 GEMM on device {index}", problem)
 
     def make_dispatch(original):
         return router.make_dispatch(original, unknown_backend)
+
+    declined_on: set[int] = set()
+
+    def declined(index: int) -> None:
+        if index not in declined_on:  # once per device: this runs at every FP4 GEMM call
+            declined_on.add(index)
+            _LOG.info("sm120_fp4: SGLang's KDA NVFP4 GEMM fast path (%s.try_qwen3x_nvfp4_gemm) is not used on device %d: "
+                      "that kernel is not verified here; its calls go to the routed, verified FP4 GEMM", targets.KERNEL_OPS_GEMM,
+                      index)
+
+    def make_decline(original):
+        return router.make_decline(original, declined)
 
     def verify(check) -> None:
         if check is not None:
@@ -72,10 +86,11 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         return simulation.cuda_moves_stay_on_cpu(sim is not None)
 
     def check_scales(kind: str, method, layer, family: str = "dense") -> None:
-        """A layer whose checkpoint scales cannot serve is refused naming the tensor, before any kernel is blamed."""
+        """A layer whose quant mode or checkpoint scales cannot serve is refused naming them, before any kernel is blamed."""
         if settings.selftest == "off" or serving.route(hooks.layer_device_index(layer), settings, family) is None:
             return
-        refuse(layer_what(kind, layer, "MoE " if family == "moe" else ""), hooks.checkpoint_scale_problem(kind, method, layer))
+        problem = hooks.quant_mode_problem(kind, method) or hooks.checkpoint_scale_problem(kind, method, layer)
+        refuse(layer_what(kind, layer, "MoE " if family == "moe" else ""), problem)
 
     def before_moe(kind: str, method, layer) -> None:
         if serving.route(hooks.layer_device_index(layer), settings, "moe") is None:
@@ -113,7 +128,8 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         return done
 
     wiring = targets.Wiring(make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
-                            serving.weights_update_begin, lambda: serving.weights_update_end(settings))
+                            serving.weights_update_begin, lambda: serving.weights_update_end(settings),
+                            make_decline=make_decline)
     specs = targets.specs(wiring)
     if idle is not None:
         canary.configure(settings, f"{idle.module}.{idle.attribute}")
