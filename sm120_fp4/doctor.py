@@ -48,6 +48,12 @@ def _nvcc() -> dict:
     return {"found": True, "path": path, "version": match.group(1) if match else out.strip()[-80:]}
 
 
+def _flashinfer_env() -> dict:
+    from .config import flashinfer_overrides, flashinfer_problem
+
+    return {"variables": flashinfer_overrides(), "problem": flashinfer_problem()}
+
+
 def _humming() -> dict:
     from . import humming
 
@@ -209,6 +215,7 @@ def collect(deep: bool = True) -> dict:
         report["settings"] = settings_result
     report["torch"] = _probe(_torch)
     report["nvcc"] = _probe(_nvcc)
+    report["flashinfer_env"] = _probe(_flashinfer_env)
     report["humming"] = _probe(_humming)
     report["devices"] = _probe(lambda: _devices(settings))
     report["activation"] = _probe(_activation)
@@ -235,6 +242,9 @@ def _problems(report: dict) -> list[str]:
     nvcc = report.get("nvcc", {})
     if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
+    fi_env = report.get("flashinfer_env", {})
+    if fi_env.get("problem"):
+        problems.append(f"FlashInfer NVFP4 environment: {fi_env['problem']}")
     canary = report.get("canary", {})
     if canary.get("problem"):
         problems.append(f"serving canary: {canary['problem']}")
@@ -262,6 +272,9 @@ def _markdown(report: dict) -> str:
         lines.append(f"- torch CUDA build {torch_info['cuda_build']}, CUDA available: {torch_info['cuda_available']}")
     nvcc = report["nvcc"]
     lines.append(f"- nvcc: {nvcc.get('version', 'not found')} {nvcc.get('path', '')}".rstrip())
+    fi_env = report.get("flashinfer_env", {})
+    shown = ", ".join(f"{k}={v!r}" for k, v in fi_env.get("variables", {}).items())
+    lines.append(f"- FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*): {shown or 'none set'}")
     hum = report.get("humming", {})
     if "error" in hum:
         lines.append(f"- humming-kernels: probe failed: {hum['error']}")

@@ -65,6 +65,23 @@ def test_selftest_bad_usage_or_environment_is_exit_2(monkeypatch, capsys, args, 
     assert code == 2 and message in err
 
 
+@case("configuration", "FLASHINFER_NVFP4_4OVER6=1 set for `selftest` and `doctor`",
+      "selftest exits 2 naming the variable and its value before any candidate runs; doctor lists it under problems "
+      "(text and --json)")
+def test_flashinfer_fp4_knobs_are_named_by_selftest_and_doctor(monkeypatch, capsys):
+    env = {**SIM_OK, "FLASHINFER_NVFP4_4OVER6": "1"}
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=env)
+    assert code == 2 and "FLASHINFER_NVFP4_4OVER6='1'" in err and "unset FLASHINFER_NVFP4_4OVER6" in err, err
+    assert "self-test of emulated" not in err, "refused before any candidate ran (it would have been blamed)"
+    code, md, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--strict")
+    assert code == 1 and "- FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*): FLASHINFER_NVFP4_4OVER6='1'" in md
+    problems = md.split("### Problems")[1]
+    assert "FLASHINFER_NVFP4_4OVER6='1'" in problems and "quantization recipe" in problems
+    data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
+    assert data["flashinfer_env"]["variables"] == {"FLASHINFER_NVFP4_4OVER6": "1"}
+    assert any("FLASHINFER_NVFP4_4OVER6='1'" in p for p in data["problems"])
+
+
 def test_selftest_json_holds_the_decision(monkeypatch, capsys):
     code, out, _ = cli_in_process(monkeypatch, capsys, "selftest", "--json", env=SIM_OK)
     data = json.loads(out)
