@@ -264,8 +264,8 @@ def b12x_problem(tc: Toolchain | None = None) -> str | None:
 
 def supported(name: str, device: Device) -> tuple[bool, str | None]:
     """Whether FlashInfer backend `name` can run on `device`, and why not."""
-    if device.simulated:
-        return False, _unusable(device)
+    if device.simulated or version() is None:
+        return False, _unusable(device) or "flashinfer-python is not installed"
     if name == "b12x":  # its toolchain first: a real reason, not a self-test call that fails
         problem = b12x_problem()
         if problem is not None:
