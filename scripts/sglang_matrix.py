@@ -324,6 +324,11 @@ def check_moe_flags(tree: ast.Module, attr: str, src: Path) -> tuple[bool, str |
     return True, _moe_enum_problem(utils)
 
 
+# What replaces each declared target (targets.TARGETS: (replacement kind, spec)): the FP4 GEMM alias is
+# the one the "dispatch" replacement swaps, whatever check function guards it.
+_REPLACED_BY = {spec.name: makes for makes, spec in T.TARGETS}
+
+
 def kind(spec) -> str:
     if spec is T.ENUM_PIN:
         return "enum"
@@ -343,9 +348,19 @@ def kind(spec) -> str:
         return "method"
     if spec.module.endswith(".flashinfer_cutlass"):
         return "function"
-    if spec.check is not None and getattr(spec.check, "__name__", "") == "is_mm_fp4":
+    if _REPLACED_BY.get(spec.name) == "dispatch":
         return "alias"
     return "unknown"
+
+
+def alias_spec(version: str):
+    """The FP4 GEMM alias spec that covers `version` (exactly one for every supported release); a
+    RuntimeError naming the release otherwise."""
+    found = [s for s in T.ledger_rows() if kind(s) == "alias" and Version(version) in SpecifierSet(s.versions)]
+    if len(found) != 1:
+        raise RuntimeError(f"sglang {version}: {len(found)} FP4 GEMM alias specs cover it ({[s.name for s in found]}); "
+                           "exactly one must (sm120_fp4/sglang/targets.py)")
+    return found[0]
 
 
 # Specs whose target also exists outside their range, deliberately unpatched there (why).
@@ -777,7 +792,7 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
     v = Version(version)
     rows = T.ledger_rows()
     runtime = [s for s in rows if s.make is not None and v in SpecifierSet(s.versions)]
-    alias = next(s.attribute for s in runtime if kind(s) == "alias")
+    alias = alias_spec(version).attribute
     args = {
         "modules": sorted({s.module for s in runtime}),
         "mq": R.MQ,

@@ -210,3 +210,22 @@ def test_the_moe_runner_pins_are_checked_where_each_release_keeps_the_runner(tmp
         path.write_text(text)
     result = matrix.check_version(version, cache)
     assert tuple(result[name][0] for name in PINS) == expected, {name: result[name] for name in PINS}
+
+
+@pytest.mark.parametrize("version", matrix.RELEASES)
+def test_every_supported_release_has_one_alias_spec_and_no_target_of_unknown_kind(version):
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from sm120_fp4.sglang import release, targets
+
+    assert Version(version) in SpecifierSet(release.SUPPORTED), f"{version} listed but outside {release.SUPPORTED}"
+    spec = matrix.alias_spec(version)  # what run_import patches and checks there
+    assert spec.module == release.MQ and spec.attribute in ("flashinfer_fp4_gemm", "fp4_gemm")
+    runtime = [s for s in targets.ledger_rows() if s.make is not None and Version(version) in SpecifierSet(s.versions)]
+    assert [s.name for s in runtime if matrix.kind(s) == "unknown"] == []
+
+
+def test_a_release_without_an_alias_spec_is_named_not_a_stop_iteration():
+    with pytest.raises(RuntimeError, match=r"sglang 0\.6\.0: 0 FP4 GEMM alias specs cover it"):
+        matrix.alias_spec("0.6.0")
