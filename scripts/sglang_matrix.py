@@ -1031,6 +1031,10 @@ flashinfer-python pin without a wheel on the index is built from its sdist), the
 Each row names the commit of sm120_fp4 that ran it (a release re-run after a fix shows the later
 commit).
 
+A row `RELEASE+flashinfer-VERSION` is the FlashInfer axis: the same release with another
+flashinfer-python installed (`--flashinfer VERSION`, `--no-deps`) in place of its pin, what a user who
+upgrades FlashInfer gets; its "pins" column names the FlashInfer that ran.
+
 This is a simulation on a CPU: it proves the wiring on each release, not an SM120 kernel.
 Re-run: `.venv/bin/python scripts/sglang_matrix.py --releases table --demo --run-tests --report docs/RELEASES.md --json R.json`
 (one venv at a time, ~7 GB, deleted after each; about 10 minutes per release, the venv's build included, on 2 idle cores;
