@@ -182,7 +182,8 @@ def _cuda_toolkit() -> tuple[tuple[int, int] | None, str]:
                 out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
             except (OSError, subprocess.SubprocessError):
                 continue
-            version = _major_minor(re.search(r"release ([0-9.]+)", out).group(1) if "release " in out else None)
+            release = re.search(r"release ([0-9]+\.[0-9]+)", out, re.ASCII)
+            version = _major_minor(release.group(1)) if release else None
             if version is not None:
                 return version, f"nvcc {nvcc}"
     return _major_minor(torch.version.cuda), "torch.version.cuda" if torch.version.cuda else "none found (no nvcc, CPU torch)"
