@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/sglang_matrix.py [--cache DIR] [--versions 0.5.3,0.5.8] [--json OUT]
     .venv/bin/python scripts/sglang_matrix.py --import-check 0.5.22 [--demo] [--run-tests]
+    .venv/bin/python scripts/sglang_matrix.py --import-check 0.5.23 --flashinfer 0.7.4 [--venv DIR] --demo --run-tests
     .venv/bin/python scripts/sglang_matrix.py --releases era --demo --run-tests --report docs/RELEASES.md
 
 Source check (default): downloads each release's wheel once (``pip download --no-deps``), extracts
@@ -27,7 +28,11 @@ Several releases (``--releases 0.5.3,0.5.9``, ``era``, ``newest`` (the newest re
 minor) or ``table`` (both: docs/RELEASES.md's rows)): the same, one release at a time, each venv
 deleted after its run (``--keep-venv`` keeps them); ``--report FILE`` writes the results as a
 Markdown table (release, pins, what was run and its outcome, date), rewritten after each release,
-keeping the rows of FILE's other releases as they were. ``--repo DIR`` (repeatable) runs another checkout's sm120_fp4 and test file in the
+keeping the rows of FILE's other releases as they were. ``--flashinfer VERSION`` installs that
+flashinfer-python (``--no-deps``) into each release's venv instead of the release's pin (what a user
+who upgrades FlashInfer gets); its rows are keyed ``RELEASE+flashinfer-VERSION``, beside the
+release's own. ``--venv DIR`` (with ``--import-check``) uses an existing venv of that release
+(a copy of another, say) instead of building one; it is never deleted. ``--repo DIR`` (repeatable) runs another checkout's sm120_fp4 and test file in the
 same venv (on PYTHONPATH; the venv's editable install is this repo's).
 
 Needs ``packaging`` and an importable ``sm120_fp4`` (wrapt, pydantic): run it with the repo's
@@ -324,6 +329,11 @@ def check_moe_flags(tree: ast.Module, attr: str, src: Path) -> tuple[bool, str |
     return True, _moe_enum_problem(utils)
 
 
+# What replaces each declared target (targets.TARGETS: (replacement kind, spec)): the FP4 GEMM alias is
+# the one the "dispatch" replacement swaps, whatever check function guards it.
+_REPLACED_BY = {spec.name: makes for makes, spec in T.TARGETS}
+
+
 def kind(spec) -> str:
     if spec is T.ENUM_PIN:
         return "enum"
@@ -343,9 +353,19 @@ def kind(spec) -> str:
         return "method"
     if spec.module.endswith(".flashinfer_cutlass"):
         return "function"
-    if spec.check is not None and getattr(spec.check, "__name__", "") == "is_mm_fp4":
+    if _REPLACED_BY.get(spec.name) == "dispatch":
         return "alias"
     return "unknown"
+
+
+def alias_spec(version: str):
+    """The FP4 GEMM alias spec that covers `version` (exactly one for every supported release); a
+    RuntimeError naming the release otherwise."""
+    found = [s for s in T.ledger_rows() if kind(s) == "alias" and Version(version) in SpecifierSet(s.versions)]
+    if len(found) != 1:
+        raise RuntimeError(f"sglang {version}: {len(found)} FP4 GEMM alias specs cover it ({[s.name for s in found]}); "
+                           "exactly one must (sm120_fp4/sglang/targets.py)")
+    return found[0]
 
 
 # Specs whose target also exists outside their range, deliberately unpatched there (why).
@@ -678,8 +698,9 @@ def exact(specifier: str | None) -> str | None:
     return match.group(1) if match else None
 
 
-def resolve(version: str, cache: Path) -> dict:
-    """The install plan of one release: PINS merged with what its METADATA pins."""
+def resolve(version: str, cache: Path, flashinfer: str | None = None) -> dict:
+    """The install plan of one release: PINS merged with what its METADATA pins; `flashinfer`, when
+    given, replaces the release's flashinfer-python pin (the FlashInfer axis)."""
     meta = release_pins(sources(version, cache))
     plan = pins_for(version)
     for field, dist in (("flashinfer", "flashinfer-python"), ("transformers", "transformers")):
@@ -694,10 +715,22 @@ def resolve(version: str, cache: Path) -> dict:
             raise RuntimeError(f"sglang {version}: kernel 'pinned' but METADATA pins none of {KERNEL_DISTS}")
         plan["kernel_req"] = f"{dist}=={exact(meta[dist])}"
     plan["meta"] = meta
+    plan["flashinfer_axis"] = flashinfer
+    if flashinfer is not None:
+        plan["flashinfer"], plan["flashinfer_build"] = flashinfer, []  # the index's wheel
     plan["deviations"] = [f"{name} {plan[field]} (release pins {meta.get(name)})"
-                          for field, name in (("torch", "torch"), ("torchvision", "torchvision"))
+                          for field, name in (("torch", "torch"), ("torchvision", "torchvision"), ("flashinfer", "flashinfer-python"))
                           if exact(meta.get(name)) not in (None, plan[field])]
     return plan
+
+
+def row_key(version: str, flashinfer: str | None) -> str:
+    """A results row's release cell: the release, or RELEASE+flashinfer-VERSION on the FlashInfer axis."""
+    return version if flashinfer is None else f"{version}+flashinfer-{flashinfer}"
+
+
+def release_of(key: str) -> str:
+    return key.split("+flashinfer-", 1)[0]
 
 
 def pins_summary(plan: dict) -> str:
@@ -724,13 +757,13 @@ def flashinfer_wheel(py: Path, cache: Path, plan: dict, pip) -> str:
     return str(found[0])
 
 
-def venv_dir(version: str) -> Path:
-    return ROOT / ".cache" / "venvs" / f"sglang-{version}"
+def venv_dir(version: str, flashinfer: str | None = None) -> Path:
+    return ROOT / ".cache" / "venvs" / f"sglang-{row_key(version, flashinfer)}"
 
 
 def build_venv(version: str, cache: Path, plan: dict) -> Path:
     """Create (or top up) the release's CPU venv as `plan` says; returns its python."""
-    venv = venv_dir(version)
+    venv = venv_dir(version, plan["flashinfer_axis"])
     logs = venv / ".logs"
     py = venv / "bin" / "python"
     pinned = [f"torch=={plan['torch']}", f"torchvision=={plan['torchvision']}", "triton"]  # in every call: pip never swaps torch
@@ -777,7 +810,7 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
     v = Version(version)
     rows = T.ledger_rows()
     runtime = [s for s in rows if s.make is not None and v in SpecifierSet(s.versions)]
-    alias = next(s.attribute for s in runtime if kind(s) == "alias")
+    alias = alias_spec(version).attribute
     args = {
         "modules": sorted({s.module for s in runtime}),
         "mq": R.MQ,
@@ -848,15 +881,31 @@ def run_tests(py: Path, repo: Path) -> dict:
             "failed": failed, "skipped": skipped, "tail": lines[-40:]}
 
 
-def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool) -> list[dict]:
-    """Build the release's venv, run `steps` with each repo's sm120_fp4, delete the venv unless kept."""
-    plan = resolve(version, cache)
+def use_venv(venv: Path, version: str, plan: dict) -> Path:
+    """An existing venv of `version` (--venv): its SGLang checked, the FlashInfer axis's release installed."""
+    py = venv / "bin" / "python"
+    run = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('sglang'))"], capture_output=True, text=True)
+    if run.returncode != 0 or run.stdout.strip() != version:
+        raise RuntimeError(f"--venv {venv}: holds sglang {run.stdout.strip() or '(none: ' + run.stderr.strip()[-200:] + ')'}, not {version}")
+    if plan["flashinfer_axis"] is not None:
+        print(f"[{version}] pip install --no-deps flashinfer-python=={plan['flashinfer']} into {venv}", flush=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                        f"flashinfer-python=={plan['flashinfer']}"], check=True)
+    return py
+
+
+def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool,
+                  flashinfer: str | None = None, venv: Path | None = None) -> list[dict]:
+    """Build the release's venv (or use `venv`), run `steps` with each repo's sm120_fp4, delete the venv unless kept."""
+    plan = resolve(version, cache, flashinfer)
     results = []
-    base = {"release": version, "pins": pins_summary(plan), "deviations": plan["deviations"],
+    base = {"release": row_key(version, flashinfer), "pins": pins_summary(plan), "deviations": plan["deviations"],
             "date": datetime.date.today().isoformat()}
     labels = {repo: repo_label(repo) for repo in repos}
+    keep_venv = keep_venv or venv is not None
+    built = venv or venv_dir(version, flashinfer)
     try:
-        py = build_venv(version, cache, plan)
+        py = use_venv(venv, version, plan) if venv is not None else build_venv(version, cache, plan)
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         return [dict(base, repo=str(r), code=labels[r], build_error=str(exc), ok=False) for r in repos]
     try:
@@ -875,9 +924,9 @@ def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list
             results.append(row)
     finally:
         if keep_venv:
-            print(f"[{version}] venv kept at {venv_dir(version)} (remove with: rm -rf {venv_dir(version)})")
+            print(f"[{version}] venv kept at {built} (remove with: rm -rf {built})")
         else:
-            shutil.rmtree(venv_dir(version), ignore_errors=True)
+            shutil.rmtree(built, ignore_errors=True)
             print(f"[{version}] venv deleted", flush=True)
     return results
 
@@ -928,7 +977,13 @@ def earlier_rows(path: Path | None, run: set[str]) -> dict[str, str]:
     if path is None or not path.is_file():
         return {}
     found = (re.match(r"\| (\S+) \| ", line) for line in path.read_text().splitlines())
-    return {m.group(1): m.string for m in found if m and m.group(1) in RELEASES and m.group(1) not in run}
+    return {m.group(1): m.string for m in found if m and release_of(m.group(1)) in RELEASES and m.group(1) not in run}
+
+
+def row_order(key: str) -> tuple[int, str]:
+    """Rows by release, the release's own row before its FlashInfer-axis rows."""
+    order = {v: i for i, v in enumerate(RELEASES)}
+    return order.get(release_of(key), len(order)), key
 
 
 def markdown(rows: list[dict], kept: dict[str, str] | None = None) -> str:
@@ -943,8 +998,7 @@ def markdown(rows: list[dict], kept: dict[str, str] | None = None) -> str:
             cells = [row["release"], code, row["pins"], cell(row, "import"), cell(row, "demo"), cell(row, "tests"),
                      "ok" if row["ok"] else "FAIL", row["date"]]
         lines[row["release"]] = "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
-    order = {v: i for i, v in enumerate(RELEASES)}
-    out += [lines[v] for v in sorted(lines, key=lambda v: order.get(v, len(order)))]
+    out += [lines[v] for v in sorted(lines, key=row_order)]
     return "\n".join(out) + "\n"
 
 
@@ -976,6 +1030,10 @@ flashinfer-python pin without a wheel on the index is built from its sdist), the
 
 Each row names the commit of sm120_fp4 that ran it (a release re-run after a fix shows the later
 commit).
+
+A row `RELEASE+flashinfer-VERSION` is the FlashInfer axis: the same release with another
+flashinfer-python installed (`--flashinfer VERSION`, `--no-deps`) in place of its pin, what a user who
+upgrades FlashInfer gets; its "pins" column names the FlashInfer that ran.
 
 This is a simulation on a CPU: it proves the wiring on each release, not an SM120 kernel.
 Re-run: `.venv/bin/python scripts/sglang_matrix.py --releases table --demo --run-tests --report docs/RELEASES.md --json R.json`
@@ -1017,11 +1075,11 @@ def write_report(path: Path, rows: list[dict], source: dict | None = None) -> No
 
 
 def check_releases(versions: list[str], cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool,
-                   report: Path | None, json_out: Path | None) -> int:
+                   report: Path | None, json_out: Path | None, flashinfer: str | None = None, venv: Path | None = None) -> int:
     """One release at a time (venv built, run, deleted): the disk holds one venv (~7 GB) at most."""
     rows: list[dict] = []
     for version in versions:
-        rows += check_release(version, cache, steps, repos, keep_venv)
+        rows += check_release(version, cache, steps, repos, keep_venv, flashinfer, venv)
         if report:  # rewritten after each release: an interrupted run keeps what it did
             write_report(report, rows)
         if json_out:
@@ -1083,6 +1141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-tests", action="store_true", help="with --import-check/--releases: also run the SGLang test files there")
     parser.add_argument("--repo", type=Path, action="append", help="run this checkout's sm120_fp4 and tests (PYTHONPATH); repeatable; default this repo")
     parser.add_argument("--keep-venv", action="store_true", help="with --releases: keep each venv (~7 GB each)")
+    parser.add_argument("--flashinfer", metavar="VERSION", help="with --import-check/--releases: install this flashinfer-python "
+                        "(--no-deps) instead of the release's pin; rows RELEASE+flashinfer-VERSION")
+    parser.add_argument("--venv", type=Path, metavar="DIR", help="with --import-check: an existing venv of that release "
+                        "(a copy of another; never deleted) instead of building one")
     parser.add_argument("--report", type=Path, help="with --import-check/--releases: write the Markdown results table here")
     parser.add_argument("--render", type=Path, metavar="JSON", help="write --report from the --json of earlier --releases runs "
                         "(several files: comma-separated; a release in several: the last file's row) and, with --source-json, "
@@ -1097,8 +1159,7 @@ def main(argv: list[str] | None = None) -> int:
         for part in str(args.render).split(","):
             for row in json.loads(Path(part).read_text()):
                 latest[row["release"]] = row
-        order = {v: i for i, v in enumerate(RELEASES)}
-        rows = sorted(latest.values(), key=lambda r: order.get(r["release"], len(order)))
+        rows = sorted(latest.values(), key=lambda r: row_order(r["release"]))
         write_report(args.report, rows, json.loads(args.source_json.read_text()) if args.source_json else None)
         print(f"wrote {args.report}")
         return 0
@@ -1109,10 +1170,15 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [v for v in versions if v not in RELEASES]
         if unknown:
             parser.error(f"not in the matrix: {unknown} (known: {', '.join(RELEASES)})")
+        if args.venv is not None and not args.import_check:
+            parser.error("--venv needs --import-check (one release's venv)")
+        if args.flashinfer is not None and not re.fullmatch(r"[0-9]+(\.[0-9]+)*([a-z]+[0-9]*)?(\.post[0-9]+)?", args.flashinfer, re.ASCII):
+            parser.error(f"--flashinfer {args.flashinfer!r}: a flashinfer-python release such as 0.7.4 or 0.7.2.post1")
         steps = ("import",) + (("demo",) if args.demo else ()) + (("tests",) if args.run_tests else ())
         repos = [r.resolve() for r in (args.repo or [ROOT])]
         try:
-            return check_releases(versions, args.cache, steps, repos, bool(args.import_check or args.keep_venv), args.report, args.json)
+            return check_releases(versions, args.cache, steps, repos, bool(args.import_check or args.keep_venv), args.report, args.json,
+                                  args.flashinfer, args.venv)
         except RuntimeError as exc:
             print(f"import check: {exc}")
             return 2

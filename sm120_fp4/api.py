@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from . import __version__, canary, deciding, devices, locks, serving
 from .canary import CanaryStatus
 from . import sglang as sglang_support
-from .config import Settings, env_name, load_settings, sources
+from .config import Settings, check_flashinfer_env, env_name, flashinfer_overrides, load_settings, sources
 from .errors import ConfigError
 from .dispatch import Router
 from .errors import ConfigError
@@ -49,6 +49,7 @@ class Status(BaseModel):
     decisions: list[deciding.Decision]
     refusals: list[deciding.Refusal]
     canary: CanaryStatus
+    flashinfer_overrides: dict[str, str] = {}  # FLASHINFER_NVFP4_* set here: install() refuses while any is
 
 
 @dataclass
@@ -140,6 +141,7 @@ def _no_12x_gpu(settings: Settings) -> str | None:
 
 
 def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
+    check_flashinfer_env()  # FlashInfer's own FP4 recipe knobs: nothing it computes could be verified
     problem = canary.settings_problem(settings) or sglang_support.idle_point_problem(settings)
     if problem is not None:  # the serving canary asked for, and it could not run: refused, never silently off
         raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
@@ -266,4 +268,5 @@ def status() -> Status:
             decisions=serving.decisions(),
             refusals=serving.refusals(),
             canary=canary.status(settings),
+            flashinfer_overrides=flashinfer_overrides(),
         )

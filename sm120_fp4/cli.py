@@ -51,13 +51,14 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
     """Run decide() for one device and family in this (short-lived) process; `emit` JSON lines
     (standard output): one event per candidate right before it runs, then the result."""
     from . import backends, deciding, devices, serving, verdicts
-    from .config import load_settings
+    from .config import check_flashinfer_env, load_settings
     from .errors import ConfigError, RefusedToServe
 
     family = "moe" if args.moe else "dense"
     key: dict = {}
     try:
         settings = load_settings(toggle=True)  # the preflight verifies what workers would run with the toggle on
+        check_flashinfer_env()
         # This process is about to use CUDA: CUDA itself says which GPU the ordinal is.
         device = devices.get_device(args.device, settings.simulated_capability, init_cuda=True)
         if args.uuid and device.uuid is not None and not devices.same_uuid(device.uuid, args.uuid):
@@ -126,13 +127,15 @@ def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit
 def _settings_and_devices(args: argparse.Namespace):
     """(settings, the device indices to verify), or the exit code after saying why not."""
     from . import devices
-    from .config import load_settings
+    from .config import check_flashinfer_env, load_settings
     from .errors import ConfigError
 
     try:
         # The preflight verifies what workers would do with the toggle on; garbage in SM120_FP4 is still named.
         settings = load_settings(toggle=True) if os.environ.get("SM120_FP4") in ("0", "off") else load_settings()
         indices, problem = _selftest_devices(settings, args.device)
+        if indices:  # a 12.x GPU to verify on: FlashInfer's own FP4 knobs would make every candidate fail
+            check_flashinfer_env()
     except (ConfigError, devices.DeviceMappingError) as exc:
         _eprint(str(exc))
         return EXIT_USAGE

@@ -22,7 +22,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from .toggle import TOGGLE_VAR, parse_toggle
 from .errors import ConfigError, capped, describe
 
-__all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name", "AUTO", "default_verdicts_path"]
+__all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name", "AUTO", "default_verdicts_path",
+           "flashinfer_overrides", "flashinfer_problem", "check_flashinfer_env"]
 
 _LOG = logging.getLogger("sm120_fp4")
 ENV_PREFIX = "SM120_FP4_"
@@ -388,6 +389,39 @@ def _check_unknown_env(environ: dict[str, str]) -> None:
         raise ConfigError(
             "unknown sm120_fp4 environment variable(s): " + ", ".join(hints) + more + "; accepted: " + ", ".join(sorted(known))
         )
+
+
+# FlashInfer's own NVFP4 knobs: fp4_quantize (SGLang's activation quantizer) and cutlass_fused_moe read
+# FLASHINFER_NVFP4_4OVER6, ..._4OVER6_E4M3_USE_256, ..._4OVER6_ERR_MODE, ..._4OVER6_ERR_USE_FAST_MATH (0.7.2 to 0.7.4)
+# when called without nvfp4_4over6=, as SGLang calls them: per-block scales chosen from amax/6 or amax/4, block scales
+# clamped at 256. The oracle models the standard recipe only, so with any of them set no result can be verified.
+# Every FLASHINFER_NVFP4_* name counts, a future knob too: the library cannot tell which leave the numbers alone.
+FLASHINFER_PREFIX = "FLASHINFER_NVFP4_"
+
+
+def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Every FLASHINFER_NVFP4_* variable set in `environ` (default: this process's environment), by name."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in sorted(environ) if k.upper().startswith(FLASHINFER_PREFIX)}
+
+
+def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:
+    """Why FlashInfer's FP4 results cannot be verified in this environment, or None."""
+    found = flashinfer_overrides(environ)
+    if not found:
+        return None
+    shown = ", ".join(f"{k}={_shown(v, 60)}" for k, v in found.items())
+    return (f"{shown} set: this changes FlashInfer's FP4 quantization recipe (fp4_quantize, the activation quantizer "
+            f"SGLang calls, and cutlass_fused_moe read the {FLASHINFER_PREFIX}* variables: 4over6 block scales, block "
+            "scales clamped at 256), which this library's oracle does not model, so no NVFP4 result could be verified; "
+            f"unset {', '.join(found)} (or turn this library off: {TOGGLE_VAR}=0)")
+
+
+def check_flashinfer_env(environ: dict[str, str] | None = None) -> None:
+    """Raise ConfigError where FlashInfer's own NVFP4 knobs are set (see flashinfer_problem)."""
+    problem = flashinfer_problem(environ)
+    if problem is not None:
+        raise ConfigError(f"sm120_fp4 cannot verify FlashInfer's FP4 results here: {problem}")
 
 
 _ignored_logged: set[str] = set()

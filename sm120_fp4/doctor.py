@@ -48,6 +48,22 @@ def _nvcc() -> dict:
     return {"found": True, "path": path, "version": match.group(1) if match else out.strip()[-80:]}
 
 
+def _flashinfer_env() -> dict:
+    from .config import flashinfer_overrides, flashinfer_problem
+
+    return {"variables": flashinfer_overrides(), "problem": flashinfer_problem()}
+
+
+def _toolchain() -> dict:
+    from . import kernels
+
+    tc = kernels.toolchain()
+    shown = lambda v: None if v is None else f"{v[0]}.{v[1]}"  # noqa: E731
+    return {"cuda": shown(tc.cuda), "cuda_source": tc.cuda_source, "glibc": shown(tc.glibc),
+            "cute_dsl": tc.cute_dsl_problem or "importable", "jit_problem": kernels.jit_problem(tc),
+            "b12x_problem": kernels.b12x_problem(tc)}
+
+
 def _humming() -> dict:
     from . import humming
 
@@ -212,6 +228,8 @@ def collect(deep: bool = True) -> dict:
         report["settings"] = settings_result
     report["torch"] = _probe(_torch)
     report["nvcc"] = _probe(_nvcc)
+    report["toolchain"] = _probe(_toolchain)
+    report["flashinfer_env"] = _probe(_flashinfer_env)
     report["humming"] = _probe(_humming)
     report["devices"] = _probe(lambda: _devices(settings))
     report["activation"] = _probe(_activation)
@@ -249,6 +267,12 @@ def _problems(report: dict) -> list[str]:
     nvcc = report.get("nvcc", {})
     if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
+    fi_env = report.get("flashinfer_env", {})
+    if fi_env.get("problem"):
+        problems.append(f"FlashInfer NVFP4 environment: {fi_env['problem']}")
+    tc = report.get("toolchain", {})
+    if tc.get("jit_problem"):
+        problems.append(f"JIT builds will fail: {tc['jit_problem']}")
     canary = report.get("canary", {})
     if canary.get("problem"):
         problems.append(f"serving canary: {canary['problem']}")
@@ -276,6 +300,13 @@ def _markdown(report: dict) -> str:
         lines.append(f"- torch CUDA build {torch_info['cuda_build']}, CUDA available: {torch_info['cuda_available']}")
     nvcc = report["nvcc"]
     lines.append(f"- nvcc: {nvcc.get('version', 'not found')} {nvcc.get('path', '')}".rstrip())
+    tc = report.get("toolchain", {})
+    if "error" not in tc:
+        lines.append(f"- toolchain: CUDA {tc.get('cuda') or 'unknown'} ({tc.get('cuda_source')}), glibc {tc.get('glibc') or 'unknown'}, "
+                     f"CuTe DSL: {tc.get('cute_dsl')}; b12x: {tc.get('b12x_problem') or 'can run'}")
+    fi_env = report.get("flashinfer_env", {})
+    shown = ", ".join(f"{k}={v!r}" for k, v in fi_env.get("variables", {}).items())
+    lines.append(f"- FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*): {shown or 'none set'}")
     hum = report.get("humming", {})
     if "error" in hum:
         lines.append(f"- humming-kernels: probe failed: {hum['error']}")

@@ -13,10 +13,18 @@ FlashInfer itself is imported lazily, only when one of its kernels is asked abou
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 import inspect
 import logging
-from typing import Callable
+import os
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -41,6 +49,11 @@ __all__ = [
     "default_moe_order",
     "version",
     "supported",
+    "Toolchain",
+    "toolchain",
+    "use_toolchain",
+    "jit_problem",
+    "b12x_problem",
     "mm_fp4_backend",
     "check_mm_fp4_args",
     "is_mm_fp4",
@@ -166,8 +179,135 @@ def _unusable(device: Device) -> str | None:
     return None
 
 
+# ---- the toolchain FlashInfer's kernels are built with ---------------------------------------
+
+# FlashInfer's b12x NVFP4 GEMM (_b12x_gemm_fp4_requirement, 0.7.2 to 0.7.4) raises below CUDA 12.9 (its
+# get_cuda_version(): nvcc, else torch.version.cuda), and needs the CuTe DSL (nvidia-cutlass-dsl:
+# `cutlass` and `cutlass.cute` importable); its b12x MoE needs CUDA 13.
+B12X_MIN_CUDA = (12, 9)
+# nvcc's crt/math_functions.h up to CUDA 13.0 declares rsqrt/cospi (and friends) in a way that
+# clashes with glibc 2.41's own declarations: FlashInfer's and SGLang's JIT modules fail to build.
+GLIBC_CLASH = (2, 41)
+CUDA_HEADERS_CLASH = (13, 0)  # the newest toolkit whose headers clash
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """What JIT builds here would use: the CUDA toolkit's version and where it was read, the C
+    library's version, and why the CuTe DSL cannot be imported (None: it can)."""
+
+    cuda: tuple[int, int] | None
+    cuda_source: str
+    glibc: tuple[int, int] | None
+    cute_dsl_problem: str | None
+
+
+def _major_minor(text: str | None) -> tuple[int, int] | None:
+    match = re.search(r"([0-9]+)\.([0-9]+)", text or "", re.ASCII)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _cuda_toolkit() -> tuple[tuple[int, int] | None, str]:
+    """The CUDA version FlashInfer's get_cuda_version() would read: nvcc (CUDA_HOME, CUDA_PATH, PATH,
+    /usr/local/cuda), else torch.version.cuda."""
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    found = shutil.which("nvcc")
+    candidates = [os.path.join(h, "bin", "nvcc") for h in homes if h] + ([found] if found else []) + ["/usr/local/cuda/bin/nvcc"]
+    for nvcc in candidates:
+        if os.path.isfile(nvcc):
+            try:
+                out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
+            except (OSError, subprocess.SubprocessError):
+                continue
+            release = re.search(r"release ([0-9]+\.[0-9]+)", out, re.ASCII)
+            version = _major_minor(release.group(1)) if release else None
+            if version is not None:
+                return version, f"nvcc {nvcc}"
+    return _major_minor(torch.version.cuda), "torch.version.cuda" if torch.version.cuda else "none found (no nvcc, CPU torch)"
+
+
+def _glibc() -> tuple[int, int] | None:
+    try:
+        text = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.41"
+    except (AttributeError, ValueError, OSError):
+        text = None
+    if not text:
+        lib, ver = platform.libc_ver()
+        text = ver if lib == "glibc" else None
+    return _major_minor(text)
+
+
+def _cute_dsl() -> str | None:
+    try:
+        if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cutlass.cute") is None:
+            return "nvidia-cutlass-dsl is not installed (`cutlass.cute` not found)"
+    except (ImportError, ValueError) as exc:
+        return f"nvidia-cutlass-dsl cannot be imported: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _probe_toolchain() -> Toolchain:
+    cuda, source = _cuda_toolkit()
+    return Toolchain(cuda, source, _glibc(), _cute_dsl())
+
+
+_toolchain_probe: Callable[[], Toolchain] = _probe_toolchain
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_toolchain(probe: Callable[[], Toolchain]) -> Toolchain:
+    return probe()
+
+
+def toolchain() -> Toolchain:
+    """This machine's toolchain for FlashInfer's kernels (probed once per process)."""
+    return _cached_toolchain(_toolchain_probe)
+
+
+@contextlib.contextmanager
+def use_toolchain(probe: Callable[[], Toolchain]) -> Iterator[None]:
+    """Answer toolchain() with `probe` inside the block (the seam tests use; nvcc and glibc as given)."""
+    global _toolchain_probe
+    previous, _toolchain_probe = _toolchain_probe, probe
+    try:
+        yield
+    finally:
+        _toolchain_probe = previous
+        _cached_toolchain.cache_clear()
+
+
+def _shown_version(version: tuple[int, int] | None) -> str:
+    return "unknown" if version is None else f"{version[0]}.{version[1]}"
+
+
+def jit_problem(tc: Toolchain | None = None) -> str | None:
+    """Why JIT-compiled kernels (FlashInfer's, SGLang's) will fail to build here, where that is known."""
+    tc = tc or toolchain()
+    if tc.glibc is not None and tc.glibc >= GLIBC_CLASH and tc.cuda is not None and tc.cuda <= CUDA_HEADERS_CLASH:
+        return (f"glibc {_shown_version(tc.glibc)} with CUDA {_shown_version(tc.cuda)} headers ({tc.cuda_source}): nvcc's "
+                "crt/math_functions.h clashes with glibc >= 2.41's rsqrt/cospi declarations, so FlashInfer's and SGLang's "
+                "JIT kernels fail to build; use a CUDA toolkit newer than 13.0, or a system with glibc < 2.41")
+    return None
+
+
+def b12x_problem(tc: Toolchain | None = None) -> str | None:
+    """Why FlashInfer's b12x NVFP4 GEMM cannot run here (CUDA toolkit, CuTe DSL), or None."""
+    tc = tc or toolchain()
+    if tc.cuda is None or tc.cuda < B12X_MIN_CUDA:
+        return (f"b12x needs CUDA >= {_shown_version(B12X_MIN_CUDA)}; found {_shown_version(tc.cuda)} ({tc.cuda_source})")
+    if tc.cute_dsl_problem is not None:
+        return f"b12x needs the CuTe DSL: {tc.cute_dsl_problem}"
+    return None
+
+
 def supported(name: str, device: Device) -> tuple[bool, str | None]:
     """Whether FlashInfer backend `name` can run on `device`, and why not."""
+    if device.simulated or version() is None:
+        return False, _unusable(device) or "flashinfer-python is not installed"
+    if name == "b12x":  # its toolchain first: a real reason, not a self-test call that fails
+        problem = b12x_problem()
+        if problem is not None:
+            return False, problem
     problem = _unusable(device)
     if problem is not None:
         return False, problem

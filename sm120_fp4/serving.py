@@ -33,7 +33,7 @@ import torch
 
 from . import backends, devices, graphs, locks, selftest
 from . import report as report_file
-from .config import Settings, load_settings
+from .config import Settings, check_flashinfer_env, load_settings
 from .deciding import FAMILIES, Choice, Decision, Family, Refusal, candidate_names, choose, log_decision, refusal_message, serves
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
@@ -240,6 +240,9 @@ def _decide(device: Device | int | None, candidates: list[str] | tuple[str, ...]
         device = devices.get_device(device, settings.simulated_capability)
     family = FAMILIES[family] if isinstance(family, str) else family
     names = candidate_names(settings, candidates, family, device)
+    # FlashInfer's own FP4 knobs, set since install() (or where decide() is called without it): every
+    # candidate would fail against the oracle and be blamed; name the variable instead.
+    check_flashinfer_env()
     key = (device.capability, device.simulated, tuple(names), settings.selftest, family.fallback(settings), settings.select)
     record = _record(family, device.index, device)
     with _lock:

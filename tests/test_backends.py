@@ -62,9 +62,11 @@ def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     kernels._mm_fp4.cache_clear()
+    able = kernels.Toolchain((13, 0), "nvcc", (2, 39), None)  # b12x's own requirements met: the import is the reason
     try:
         for name in backends.FLASHINFER_BACKENDS:
-            ok, reason = backends.is_supported(name, Device(0, "mocked RTX PRO 6000", (12, 0)))
+            with kernels.use_toolchain(lambda: able):
+                ok, reason = backends.is_supported(name, Device(0, "mocked RTX PRO 6000", (12, 0)))
             # installed but unimportable (this environment), or not installed at all (the H200 image)
             assert not ok and re.search(r"does not import: (ModuleNotFound|Import)Error|flashinfer-python is not installed", reason), reason
     finally:

@@ -75,6 +75,23 @@ def test_selftest_bad_usage_or_environment_is_exit_2(monkeypatch, capsys, args, 
     assert code == 2 and message in err
 
 
+@case("configuration", "FLASHINFER_NVFP4_4OVER6=1 set for `selftest` and `doctor`",
+      "selftest exits 2 naming the variable and its value before any candidate runs; doctor lists it under problems "
+      "(text and --json)")
+def test_flashinfer_fp4_knobs_are_named_by_selftest_and_doctor(monkeypatch, capsys):
+    env = {**SIM_OK, "FLASHINFER_NVFP4_4OVER6": "1"}
+    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=env)
+    assert code == 2 and "FLASHINFER_NVFP4_4OVER6='1'" in err and "unset FLASHINFER_NVFP4_4OVER6" in err, err
+    assert "self-test of emulated" not in err, "refused before any candidate ran (it would have been blamed)"
+    code, md, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--strict")
+    assert code == 1 and "- FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*): FLASHINFER_NVFP4_4OVER6='1'" in md
+    problems = md.split("### Problems")[1]
+    assert "FLASHINFER_NVFP4_4OVER6='1'" in problems and "quantization recipe" in problems
+    data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
+    assert data["flashinfer_env"]["variables"] == {"FLASHINFER_NVFP4_4OVER6": "1"}
+    assert any("FLASHINFER_NVFP4_4OVER6='1'" in p for p in data["problems"])
+
+
 def test_selftest_json_holds_the_decision(monkeypatch, capsys):
     code, out, _ = cli_in_process(monkeypatch, capsys, "selftest", "--json", env=SIM_OK)
     data = json.loads(out)
@@ -154,6 +171,42 @@ def test_doctor_markdown_and_json_describe_this_machine(monkeypatch, capsys):
     assert {t["name"] for t in data["sglang"]["targets"] if t["applies"]} >= {"flashinfer-fp4-gemm-alias", "modelopt-fp4-weights-hook"}
     assert any(b["backend"] == "emulated" and b["supported"] for b in data["backends"])
     assert data["activation"]["plugin_entry_point"], "the sglang.srt.plugins entry point is installed"
+
+
+def test_doctor_says_jit_builds_will_fail_with_glibc_2_41_and_cuda_13_0_headers(monkeypatch, capsys):
+    from sm120_fp4 import kernels
+
+    clash = kernels.Toolchain((13, 0), "nvcc /opt/cuda/bin/nvcc", (2, 41), None)
+    with kernels.use_toolchain(lambda: clash):
+        code, md, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--strict", env=SIM_OK)
+        data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
+    assert code == 1 and "- toolchain: CUDA 13.0 (nvcc /opt/cuda/bin/nvcc), glibc 2.41" in md
+    jit = [p for p in data["problems"] if p.startswith("JIT builds will fail")]
+    assert jit and "glibc 2.41 with CUDA 13.0 headers" in jit[0] and "rsqrt/cospi" in jit[0], data["problems"]
+    assert jit[0] in md.split("### Problems")[1]
+    fixed = kernels.Toolchain((13, 1), "nvcc /opt/cuda/bin/nvcc", (2, 41), None)
+    older_libc = kernels.Toolchain((12, 9), "torch.version.cuda", (2, 40), None)
+    for tc in (fixed, older_libc):
+        with kernels.use_toolchain(lambda: tc):
+            data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
+        assert not any(p.startswith("JIT builds") for p in data["problems"]), (tc, data["problems"])
+
+
+@pytest.mark.parametrize("tc, reason", [
+    (((12, 8), None), "b12x needs CUDA >= 12.9; found 12.8 (nvcc /usr/local/cuda/bin/nvcc)"),
+    (((13, 0), "nvidia-cutlass-dsl is not installed (`cutlass.cute` not found)"), "b12x needs the CuTe DSL: nvidia-cutlass-dsl is not installed"),
+], ids=["cuda-12.8", "no-cute-dsl"])
+def test_doctor_names_why_b12x_cannot_run_on_a_real_sm120(monkeypatch, capsys, tc, reason):
+    from helpers.common import fake_devices
+    from sm120_fp4 import kernels
+
+    cuda, cute = tc
+    probe = kernels.Toolchain(cuda, "nvcc /usr/local/cuda/bin/nvcc", (2, 36), cute)
+    with kernels.use_toolchain(lambda: probe), fake_devices(("NVIDIA RTX PRO 6000 Blackwell", (12, 0))):
+        data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
+    rows = {(b["family"], b["backend"]): b for b in data["backends"]}
+    assert rows[("dense", "b12x")]["supported"] is False and reason in rows[("dense", "b12x")]["reason"], rows[("dense", "b12x")]
+    assert "b12x" not in (rows[("dense", "cutlass")]["reason"] or ""), "cutlass says its own reason"
 
 
 def test_doctor_strict_fails_on_a_bad_setting_but_never_crashes(monkeypatch, capsys):

@@ -149,6 +149,35 @@ def test_garbage_in_an_environment_variable_is_an_error_at_install(monkeypatch, 
     assert_not_patched()
 
 
+FLASHINFER_KNOBS = [
+    ("FLASHINFER_NVFP4_4OVER6", "1"),
+    ("FLASHINFER_NVFP4_4OVER6_E4M3_USE_256", "1"),
+    ("FLASHINFER_NVFP4_4OVER6_ERR_MODE", "MSE"),
+    ("FLASHINFER_NVFP4_4OVER6_ERR_USE_FAST_MATH", "true"),
+    ("FLASHINFER_NVFP4_SCALE_RECIPE", "anything"),  # a knob of a later FlashInfer: the same refusal
+]
+
+
+@case("configuration", "FlashInfer's own FP4 knob {variable}={value} set at install()",
+      "ConfigError naming the variable and its value, saying it changes FlashInfer's FP4 quantization recipe "
+      "and to unset it; nothing patched; status() shows the variable")
+@pytest.mark.parametrize("variable, value", FLASHINFER_KNOBS, ids=[v for v, _ in FLASHINFER_KNOBS])
+def test_flashinfer_fp4_knobs_are_refused_at_install_naming_the_variable(monkeypatch, variable, value):
+    for name, setting in SIM_ENV.items():
+        monkeypatch.setenv(name, setting)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as err:
+        sm120_fp4.install()
+    message = str(err.value)
+    assert f"{variable}={value!r}" in message and "changes FlashInfer's FP4 quantization recipe" in message, message
+    assert f"unset {variable}" in message and "SM120_FP4=0" in message
+    status = sm120_fp4.status()
+    assert not status.installed and status.flashinfer_overrides == {variable: value}
+    assert_not_patched()
+    monkeypatch.delenv(variable)
+    assert sm120_fp4.install().installed and sm120_fp4.status().flashinfer_overrides == {}
+
+
 KEYWORD_GARBAGE = [
     ("simulate", 12, "MAJOR.MINOR"),
     ("simulate", 12.05, "MAJOR.MINOR"),

@@ -97,6 +97,23 @@ def test_a_refusal_from_decide_is_in_status_with_its_reasons():
     assert [r.backend for r in refusal.reports] == ["zeros", "band"]
 
 
+@case("configuration", "FLASHINFER_NVFP4_4OVER6=1 set after install(), before the first layer's decision",
+      "ConfigError naming the variable and its value, before any candidate runs (none is blamed, nothing cached); "
+      "once it is unset the decision verifies")
+def test_a_flashinfer_fp4_knob_set_after_install_is_named_at_the_decision(monkeypatch):
+    import sm120_fp4
+    from sm120_fp4.errors import ConfigError
+
+    calls = []
+    backends.register("counting", lambda *args: calls.append(1) or faults.healthy(*args))
+    monkeypatch.setenv("FLASHINFER_NVFP4_4OVER6", "1")
+    with pytest.raises(ConfigError, match=r"FLASHINFER_NVFP4_4OVER6='1' set: this changes FlashInfer's FP4 quantization recipe"):
+        sm120_fp4.decide(candidates=["counting"], settings=SIM)
+    assert calls == [] and sm120_fp4.status().refusals == [], "no candidate ran, none was blamed"
+    monkeypatch.delenv("FLASHINFER_NVFP4_4OVER6")
+    assert sm120_fp4.decide(candidates=["counting"], settings=SIM).verified
+
+
 @case("configuration", "SELECT=fastest with two verified kernels: one fast on the self-test's shapes but 1000x slower at a prefill M, one steady",
       "the layer configuration's served calls are timed at its serving batch sizes (decode and the prefill chunk): the steady kernel serves, its time per configuration recorded")
 @pytest.mark.default_prefill

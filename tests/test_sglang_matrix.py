@@ -210,3 +210,45 @@ def test_the_moe_runner_pins_are_checked_where_each_release_keeps_the_runner(tmp
         path.write_text(text)
     result = matrix.check_version(version, cache)
     assert tuple(result[name][0] for name in PINS) == expected, {name: result[name] for name in PINS}
+
+
+@pytest.mark.parametrize("version", matrix.RELEASES)
+def test_every_supported_release_has_one_alias_spec_and_no_target_of_unknown_kind(version):
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from sm120_fp4.sglang import release, targets
+
+    assert Version(version) in SpecifierSet(release.SUPPORTED), f"{version} listed but outside {release.SUPPORTED}"
+    spec = matrix.alias_spec(version)  # what run_import patches and checks there
+    assert spec.module == release.MQ and spec.attribute in ("flashinfer_fp4_gemm", "fp4_gemm")
+    runtime = [s for s in targets.ledger_rows() if s.make is not None and Version(version) in SpecifierSet(s.versions)]
+    assert [s.name for s in runtime if matrix.kind(s) == "unknown"] == []
+
+
+def test_a_release_without_an_alias_spec_is_named_not_a_stop_iteration():
+    with pytest.raises(RuntimeError, match=r"sglang 0\.6\.0: 0 FP4 GEMM alias specs cover it"):
+        matrix.alias_spec("0.6.0")
+
+
+def test_the_flashinfer_axis_replaces_the_pin_and_keeps_its_rows_beside_the_releases(tmp_path):
+    cache = release_tree(tmp_path, "0.5.4", "scaled_fp4_quant", flashinfer="0.4.1")
+    plan = matrix.resolve("0.5.4", cache, flashinfer="0.7.4")
+    assert plan["flashinfer"] == "0.7.4" and plan["flashinfer_build"] == [], "the index's wheel, not the release's sdist build"
+    assert "flashinfer 0.7.4" in matrix.pins_summary(plan)
+    assert any(d.startswith("flashinfer-python 0.7.4 (release pins ==0.4.1)") for d in plan["deviations"]), plan["deviations"]
+    assert matrix.venv_dir("0.5.4", "0.7.4") != matrix.venv_dir("0.5.4")
+    report = tmp_path / "RELEASES.md"
+    row = {"release": "0.5.5", "repo": "r", "code": "r@abc1234", "pins": "p", "deviations": [], "date": "d",
+           "build_error": "x", "ok": False}
+    matrix.write_report(report, [row])
+    matrix.write_report(report, [dict(row, release=matrix.row_key("0.5.4", "0.7.4"), code="r@1111111"),
+                                 dict(row, release=matrix.row_key("0.5.5", "0.7.4"), code="r@2222222")])
+    rows = [line.split(" | ")[:2] for line in report.read_text().splitlines() if line.startswith("| 0.5.")]
+    assert rows == [["| 0.5.4+flashinfer-0.7.4", "1111111"], ["| 0.5.5", "abc1234"], ["| 0.5.5+flashinfer-0.7.4", "2222222"]], rows
+
+
+def test_flashinfer_option_rejects_what_is_not_a_release(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        matrix.main(["--import-check", "0.5.23", "--flashinfer", "0.7.4; rm -rf /"])
+    assert exit_.value.code == 2 and "--flashinfer '0.7.4; rm -rf /': a flashinfer-python release" in capsys.readouterr().err
