@@ -396,13 +396,18 @@ def _check_unknown_env(environ: dict[str, str]) -> None:
 # when called without nvfp4_4over6=, as SGLang calls them: per-block scales chosen from amax/6 or amax/4, block scales
 # clamped at 256. The oracle models the standard recipe only, so with any of them set no result can be verified.
 # Every FLASHINFER_NVFP4_* name counts, a future knob too: the library cannot tell which leave the numbers alone.
+# Except the quantizer's launch knobs (threads per token, the TMA load path): they change how the same recipe runs,
+# not the recipe, and every check runs with them set, so what they do to the numbers is verified like anything else.
 FLASHINFER_PREFIX = "FLASHINFER_NVFP4_"
+FLASHINFER_LAUNCH_KNOBS = frozenset({"FLASHINFER_NVFP4_PER_TOKEN_THREADS", "FLASHINFER_NVFP4_QUANTIZE_USE_TMA"})
 
 
 def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Every FLASHINFER_NVFP4_* variable set in `environ` (default: this process's environment), by name."""
+    """Every FLASHINFER_NVFP4_* variable set in `environ` (default: this process's environment) that may change
+    FlashInfer's FP4 recipe (all but its launch knobs), by name."""
     environ = os.environ if environ is None else environ
-    return {k: environ[k] for k in sorted(environ) if k.upper().startswith(FLASHINFER_PREFIX)}
+    return {k: environ[k] for k in sorted(environ)
+            if k.upper().startswith(FLASHINFER_PREFIX) and k.upper() not in FLASHINFER_LAUNCH_KNOBS}
 
 
 def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:

@@ -178,6 +178,17 @@ def test_flashinfer_fp4_knobs_are_refused_at_install_naming_the_variable(monkeyp
     assert sm120_fp4.install().installed and sm120_fp4.status().flashinfer_overrides == {}
 
 
+@case("configuration", "FlashInfer's quantizer launch knob {variable}={value} set at install()",
+      "installed: it changes how the standard recipe runs, not the recipe, and every check runs with it set")
+@pytest.mark.parametrize("variable, value", [("FLASHINFER_NVFP4_PER_TOKEN_THREADS", "64"),
+                                             ("FLASHINFER_NVFP4_QUANTIZE_USE_TMA", "1")])
+def test_flashinfer_launch_knobs_are_verified_not_refused(monkeypatch, variable, value):
+    for name, setting in SIM_ENV.items():
+        monkeypatch.setenv(name, setting)
+    monkeypatch.setenv(variable, value)
+    assert sm120_fp4.install().installed and sm120_fp4.status().flashinfer_overrides == {}
+
+
 KEYWORD_GARBAGE = [
     ("simulate", 12, "MAJOR.MINOR"),
     ("simulate", 12.05, "MAJOR.MINOR"),
