@@ -13,6 +13,7 @@ The inner loop is `python -m pytest -m "not server and not subprocess"` (docs/de
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import os
 import subprocess
@@ -61,8 +62,16 @@ def starts_processes(fn: object, seen: set[int] | None = None) -> bool:
             continue
         if id(obj) in _STARTERS or (isinstance(obj, types.ModuleType) and names & _STARTING.get(obj, set())):
             return True
-        if isinstance(obj, types.FunctionType) and _ours(obj) and starts_processes(obj, seen):
-            return True
+        # A function of the tests named directly, or as an attribute of a test module (procs.something()); a
+        # decorated one (a context manager) through what it wraps.
+        if isinstance(obj, types.ModuleType) and obj.__name__.startswith("helpers"):
+            called = [getattr(obj, n) for n in names if callable(getattr(obj, n, None))]
+        else:
+            called = [obj]
+        for f in called:
+            f = inspect.unwrap(f) if isinstance(f, types.FunctionType) else f
+            if isinstance(f, types.FunctionType) and _ours(f) and starts_processes(f, seen):
+                return True
     return False
 
 
