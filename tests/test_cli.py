@@ -17,6 +17,7 @@ from helpers.plugins import plugin_site
 from helpers.procs import REPO, Popen, background, clean_env
 from helpers.workers import workers_in_process
 from sm120_fp4 import backends, cli, doctor
+from sm120_fp4.demo.checkpoint import write_checkpoint
 
 
 def cli_job(*args: str, env: dict[str, str]):
@@ -364,13 +365,14 @@ def says_unverified(err: str, version: str) -> None:
       "exit 2 before any self-test: stderr says its NVFP4 layers would be served UNVERIFIED, the version and the supported "
       "range, and how to proceed (upgrade sm120_fp4, or SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified)")
 @pytest.mark.parametrize("version", OUTSIDE)
-def test_selftest_refuses_an_sglang_outside_the_supported_range_under_strict(monkeypatch, capsys, version):
+def test_selftest_refuses_an_sglang_outside_the_supported_range_under_strict(monkeypatch, capsys, tmp_path, version):
     sglang_release(monkeypatch, version)
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=SIM_OK)
     assert code == cli.EXIT_USAGE and "refusing to start" in err and "self-testing" not in err and out == "", err
     says_unverified(err, version)
     assert "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified" in err
-    code, _, err = cli_in_process(monkeypatch, capsys, "selftest", "--model", str(REPO), env=SIM_OK)
+    checkpoint = write_checkpoint(str(tmp_path / "ckpt"), seed=9)  # a sound one: only the release is refused
+    code, _, err = cli_in_process(monkeypatch, capsys, "selftest", "--model", checkpoint, env=SIM_OK)
     assert code == cli.EXIT_USAGE and "refusing to start" in err, err
 
 
@@ -386,14 +388,15 @@ def test_doctor_says_an_sglang_outside_the_range_would_serve_unverified(monkeypa
 @case("configuration", "`sm120-fp4 selftest` with SGLang 0.6.0 installed and {setting}",
       "the kernels are self-tested, then exit 3 (unverified): stderr says nothing of what SGLang serves was verified")
 @pytest.mark.parametrize("setting", ["SM120_FP4_SELFTEST=warn", "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"])
-def test_selftest_with_an_sglang_outside_the_range_never_passes(monkeypatch, capsys, setting):
+def test_selftest_with_an_sglang_outside_the_range_never_passes(monkeypatch, capsys, tmp_path, setting):
     sglang_release(monkeypatch, "0.6.0")
     name, value = setting.split("=")
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env={**SIM_OK, name: value})
     assert code == cli.EXIT_UNVERIFIED and "| emulated | True |" in out, err
     says_unverified(err, "0.6.0")
     assert "not what SGLang will serve" in err
-    code, _, err = cli_in_process(monkeypatch, capsys, "selftest", "--model", str(REPO), env={**SIM_OK, name: value})
+    checkpoint = write_checkpoint(str(tmp_path / "ckpt"), seed=9)
+    code, _, err = cli_in_process(monkeypatch, capsys, "selftest", "--model", checkpoint, env={**SIM_OK, name: value})
     assert code == cli.EXIT_UNVERIFIED and "nothing was verified" in err, err
 
 
