@@ -788,7 +788,7 @@ def run(
 
 # Per output row: a token's k routed rows are summed, each rounded to the output dtype, and the
 # intermediate is re-quantized to FP4, where a kernel may round before quantizing (FlashInfer
-# rounds it to the output dtype first: see nvfp4.py). That rounding point moves some rows by up to
+# rounds it to the output dtype first: see nvfp4/reference.py). That rounding point moves some rows by up to
 # ~10%: each case computes the oracle both ways and widens each row's bound by twice their
 # difference on that row (its "slack"), so the bound neither trips on the kernel's rounding nor
 # hides a dropped slot, a dropped expert, ignored routing weights or swapped gate/up halves.
