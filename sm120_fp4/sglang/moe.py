@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import backends, kernels, nvfp4, selftest, serving
+from .. import backends, kernels, nvfp4, serving, verify
 from ..errors import RefusedToServe
 from ..patching import PatchSpec, Patcher
 from ..serving import LayerCheck
@@ -244,7 +244,7 @@ def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
 
 def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
     """selftest.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
-    ids, weights = selftest.moe_routing(tokens, top_k, pool.numel(), routing, gen)
+    ids, weights = verify.moe_routing(tokens, top_k, pool.numel(), routing, gen)
     return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(torch.int32), weights
 
 
@@ -256,7 +256,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     parallelism (a few other ranks' experts in every batch, which must add nothing) and SGLang's -1
     drop sentinel in one batch. Every batch size routes among max(8, top-k) of this rank's experts
     (the oracle keeps those dequantized), one batch puts >= 128 rows on one expert, and one routes
-    to every expert of the rank, each leading two tokens (most of their output: selftest.moe_routing,
+    to every expert of the rank, each leading two tokens (most of their output: verify.moe_routing,
     "balanced"), so each of them is exercised with its own weights where a wrong result shows.
     """
     processed = processed_weights(layer)
@@ -286,7 +286,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
     cover = max(8, 2 * total)  # tokens that let every expert (of every rank) lead two tokens ("balanced")
 
-    def cases(ms: list[int]) -> list[selftest.Case]:
+    def cases(ms: list[int]) -> list[verify.Case]:
         gen = torch.Generator().manual_seed(2024)
         plans = []
         batches = [(m, "random", pool) for m in ms]
@@ -295,7 +295,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         for dtype in dtypes:
             for m, routing, among in batches:
                 ids, topk_weights = _routed(m, min(top_k, among.numel()), among, routing, gen)
-                x = selftest.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)  # made where used
+                x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)  # made where used
                 name = f"T={m} {routing}{' (every expert)' if among is everyone else ''} {str(dtype).removeprefix('torch.')}"
                 plans.append((name, x, ids.to(device), topk_weights.to(device)))
         call = serve or functools.partial(_served_convention, layer, processed)
@@ -304,8 +304,8 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         index = layer_device_index(layer)
         mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
         originals = weights.map(backends.original)
-        cache = selftest.ExpertCache(subset)  # every-expert batches dequantize the others per call
-        return selftest.moe_cases(call, weights, processed.activation, plans, cache=cache,
+        cache = verify.ExpertCache(subset)  # every-expert batches dequantize the others per call
+        return verify.moe_cases(call, weights, processed.activation, plans, cache=cache,
                                   first_expert=first, served_ids=serve is None, mode=mode, reference_weights=originals)
 
     def current() -> tuple:
