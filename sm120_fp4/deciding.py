@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 from pydantic import BaseModel, Field, computed_field
 
-from . import backends, devices, kernels, verdicts, verify
+from . import backends, devices, verdicts, verify
+from .backends import flashinfer
 from .config import AUTO, Settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
@@ -121,19 +122,19 @@ def _moe_self_test(name: str, device: Device, settings: Settings) -> verify.Self
 
 
 def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
-    """SM120_FP4_BACKENDS, where `auto` is the order for the device's capability (kernels.default_order)."""
+    """SM120_FP4_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_order)."""
     if settings.backends != AUTO:
         return settings.backends
-    return kernels.default_order(device.capability) if device is not None else kernels.DEFAULT_ORDER
+    return flashinfer.default_order(device.capability) if device is not None else flashinfer.DEFAULT_ORDER
 
 
 DENSE = Family("dense", backends.FAMILY_LABELS["dense"], "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
                backends.resolve, _dense_candidates, lambda s: s.fallback, _dense_self_test)
 def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
-    """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (kernels.default_moe_order)."""
+    """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_moe_order)."""
     if settings.moe_backends != AUTO:
         return settings.moe_backends
-    return kernels.default_moe_order(device.capability) if device is not None else kernels.DEFAULT_MOE_ORDER
+    return flashinfer.default_moe_order(device.capability) if device is not None else flashinfer.DEFAULT_MOE_ORDER
 
 
 MOE = Family("moe", backends.FAMILY_LABELS["moe"], "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,

@@ -104,7 +104,7 @@ def test_select_fastest_times_every_verified_candidate_and_records_it(monkeypatc
 
 
 @case("properties", "SM120_FP4_BACKENDS unset (auto) on a GPU of compute capability {cc}",
-      "the candidates are the per-capability order of kernels.ORDER_BY_CAPABILITY: {order}")
+      "the candidates are the per-capability order of flashinfer.ORDER_BY_CAPABILITY: {order}")
 @pytest.mark.parametrize("cc, order", [("12.0", "cutlass,b12x,humming"), ("12.1", "cutlass,humming (b12x absent: FlashInfer #3170)")])
 def test_the_default_candidates_follow_the_capability(cc, order):
     major, minor = map(int, cc.split("."))

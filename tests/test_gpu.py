@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import faults
-from sm120_fp4 import backends, devices, dispatch, kernels, nvfp4, serving, verify
+from sm120_fp4 import backends, devices, dispatch, nvfp4, serving, verify
+from sm120_fp4.backends import flashinfer
 from sm120_fp4.config import Settings
 from sm120_fp4.dispatch import Router
 from sm120_fp4.errors import SelfTestError
@@ -140,7 +141,7 @@ def test_flashinfer_backends_reject_operands_on_different_devices():
     qx, b, sx, b_sf, alpha = quantized(4, 32, 64, seed=9)
     out = torch.empty(4, 32, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(InvalidArgument, match=r"alpha=.*same device"):
-        kernels.check_mm_fp4_args(qx, b, sx, b_sf, alpha.cpu(), torch.bfloat16, out)
+        flashinfer.check_mm_fp4_args(qx, b, sx, b_sf, alpha.cpu(), torch.bfloat16, out)
 
 
 class _ActivationType:  # FlashInfer's values for the two activations the MoE front serves

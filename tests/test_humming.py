@@ -19,7 +19,8 @@ import sm120_fp4
 from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
 from helpers.procs import REPO, background, python, pythonpath
-from sm120_fp4 import backends, deciding, devices, dispatch, doctor, humming, kernels, nvfp4, serving, verify
+from sm120_fp4 import backends, deciding, devices, dispatch, doctor, humming, nvfp4, serving, verify
+from sm120_fp4.backends import flashinfer
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
@@ -38,11 +39,11 @@ def stand_in():
 
 
 def test_default_chains_on_12x_end_with_humming_and_nothing_changes_elsewhere():
-    assert kernels.default_order((12, 0)) == ("cutlass", "b12x", "humming")
-    assert kernels.default_order((12, 1)) == ("cutlass", "humming")
-    assert kernels.default_moe_order((12, 0)) == ("cutlass", "humming")
-    assert kernels.default_order((9, 0)) == ("cutlass", "b12x")
-    assert kernels.default_moe_order((9, 0)) == ("cutlass",)
+    assert flashinfer.default_order((12, 0)) == ("cutlass", "b12x", "humming")
+    assert flashinfer.default_order((12, 1)) == ("cutlass", "humming")
+    assert flashinfer.default_moe_order((12, 0)) == ("cutlass", "humming")
+    assert flashinfer.default_order((9, 0)) == ("cutlass", "b12x")
+    assert flashinfer.default_moe_order((9, 0)) == ("cutlass",)
     settings = Settings(simulate="12.0")
     assert deciding.candidate_names(settings, family=deciding.MOE, device=SIM_CPU) == ["cutlass", "humming"]
     assert "emulated" not in deciding.candidate_names(settings, device=SIM_CPU)  # opt-in only

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import moe_faults
-from sm120_fp4 import backends, dispatch, kernels, nvfp4, verify
+from sm120_fp4 import backends, dispatch, nvfp4, verify
+from sm120_fp4.backends import flashinfer
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import ConfigError, InvalidArgument
 
@@ -81,10 +82,10 @@ def test_the_flashinfer_moe_backend_calls_cutlass_fused_moe_as_sglang_does(monke
         calls.append(kwargs)
         return [kwargs["output"]]
 
-    monkeypatch.setattr(kernels, "fused_moe_kernel", lambda: (recording_cutlass_fused_moe, ActivationType))
+    monkeypatch.setattr(flashinfer, "fused_moe_kernel", lambda: (recording_cutlass_fused_moe, ActivationType))
     x, ids, topk_weights, w = _layer_args()
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    fn = kernels.moe_backend("cutlass")
+    fn = flashinfer.moe_backend("cutlass")
     assert fn(x, ids, topk_weights, w.w13, w.w13_sf, w.w13_alpha, w.w2, w.w2_sf, w.w2_alpha,
               w.a1_gscale, w.a2_gscale, "swiglu", torch.bfloat16, out) is out
     [kw] = calls

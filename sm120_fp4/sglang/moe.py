@@ -29,7 +29,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import backends, kernels, nvfp4, serving, verify
+from .. import backends, nvfp4, serving, verify
+from ..backends import flashinfer
 from ..errors import RefusedToServe
 from ..patching import PatchSpec, Patcher
 from ..serving import LayerCheck
@@ -140,7 +141,7 @@ def make_seam(original: Callable, make_front: Callable[[Callable, type], Callabl
             if not simulated:
                 raise
             # Simulation on a CPU: SGLang's own lookup insists on CUDA; FlashInfer imports anyway.
-            fn, activation_type = kernels.fused_moe_kernel()
+            fn, activation_type = flashinfer.fused_moe_kernel()
         cached = fronts.get(id(fn))
         if cached is None or cached[0] is not fn:
             cached = fronts[id(fn)] = (fn, make_front(fn, activation_type))
@@ -204,8 +205,8 @@ def processed_weights(layer: object) -> ProcessedMoe | None:
         w13_alpha=layer.g1_alphas.float().reshape(experts),
         w2=w2, w2_sf=w2_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(hidden, inter)),
         w2_alpha=layer.g2_alphas.float().reshape(experts),
-        a1_gscale=kernels.global_scale(layer.w13_input_scale_quant.float()),
-        a2_gscale=kernels.global_scale(layer.w2_input_scale_quant.float()),
+        a1_gscale=flashinfer.global_scale(layer.w13_input_scale_quant.float()),
+        a2_gscale=flashinfer.global_scale(layer.w2_input_scale_quant.float()),
     )
     return ProcessedMoe(weights, activation, experts, hidden, inter)
 
@@ -227,7 +228,7 @@ def _served_call(layer: object, processed: ProcessedMoe, x: torch.Tensor, ids: t
         output_dtype=x.dtype, input_sf=None, quant_scales=scales, swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1],
         swiglu_limit=swiglu[2], ep_size=ep_size, ep_rank=ep_rank,
         tp_size=getattr(layer, "moe_tp_size", 1), tp_rank=getattr(layer, "moe_tp_rank", 0),
-        tune_max_num_tokens=8192, activation_type=getattr(activation_type, kernels.MOE_ACTIVATIONS[processed.activation]),
+        tune_max_num_tokens=8192, activation_type=getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation]),
         enable_alltoall=False, use_fused_finalize=False,
     )[0]
 

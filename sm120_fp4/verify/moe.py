@@ -180,7 +180,7 @@ def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: l
     The plans' ids are as SGLang serves them: global expert ids (this rank's experts are
     `first_expert` .. `first_expert` + E - 1, any other belongs to another expert-parallel rank) and
     SGLang's -1 drop sentinel. `fn` gets them in the backend convention (this rank's local ids, -1
-    for every other slot: kernels.moe_call_to_convention), or unchanged with `served_ids` (a call
+    for every other slot: flashinfer.moe_call_to_convention), or unchanged with `served_ids` (a call
     through SGLang's seam). The oracle computes this rank's slots only: the others add nothing.
 
     `mode` is what the backend computes: "w4a4" against the oracle with quantized activations,
