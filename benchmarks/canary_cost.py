@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
 from selftest_cost import CAPTURED, MoeLayer, dense_layer, prepare_quantizer, tp_configs  # noqa: E402
-from sm120_fp4 import backends, canary, devices, graphs, selftest, serving  # noqa: E402
+from sm120_fp4 import backends, canary, devices, graphs, serving, verify  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
 from sm120_fp4.sglang import moe  # noqa: E402
 
@@ -70,7 +70,7 @@ def drive(c: canary.Canary, periods: int) -> list[canary.CanaryRun]:
 
 KERNEL_MS: dict[tuple, float] = {}  # (family, index, key, kind, M) -> the backend's calls in that step (longest)
 _in_step = [0.0]
-_run_pass = selftest.Sweep.run_pass
+_run_pass = verify.Sweep.run_pass
 _step = canary.Canary._step
 
 
@@ -125,7 +125,7 @@ def _recording_slice(self):
         SLICES.append(((time.perf_counter() - start) * 1e3, _in_slice[0] * 1e3))
 
 
-selftest.Sweep.run_pass = _recording_pass
+verify.Sweep.run_pass = _recording_pass
 canary.Canary._step = _recording_step
 canary.Canary._slice = _recording_slice
 

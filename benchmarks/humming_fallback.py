@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
-from sm120_fp4 import backends, humming, nvfp4, selftest  # noqa: E402
+from sm120_fp4 import backends, humming, nvfp4, verify  # noqa: E402
 
 DENSE = {  # (N, K): Llama-3-70B projections; TP8 slices N (column-parallel) or K (row-parallel)
     "70B qkv TP1": (10240, 8192), "70B o_proj TP1": (8192, 8192),
@@ -236,7 +236,7 @@ def moe_row(name: str, e: int, h: int, i: int, top_k: int, decode_t: tuple, pref
     gen = torch.Generator().manual_seed(3)
     args_of = lambda x, ids, tw, wts: (x, ids, tw, *wts)  # noqa: E731
     for t in decode_t + prefill_t:
-        ids, tw = selftest.moe_routing(t, top_k, e, "random", gen)
+        ids, tw = verify.moe_routing(t, top_k, e, "random", gen)
         ids, tw = ids.to(DEV), tw.to(DEV)
         x = (torch.randn(t, h, device=DEV) * 1.5).clamp(-4, 4).to(BF16)
         out = torch.empty(t, h, dtype=BF16, device=DEV)
@@ -256,11 +256,11 @@ def moe_row(name: str, e: int, h: int, i: int, top_k: int, decode_t: tuple, pref
     # two passes, per-row bounds) against the oracle's W4A16 mode, reading the original bytes.
     plans = []
     for t, routing in ((1, "random"), (7, "random"), (64, "random"), (160, "skewed")):
-        ids, tw = selftest.moe_routing(t, top_k, e, routing, gen)
+        ids, tw = verify.moe_routing(t, top_k, e, routing, gen)
         x = (torch.randn(t, h, generator=gen) * 1.5).clamp(-4, 4).to(BF16).to(DEV)
         plans.append((f"T={t} {routing}", x, ids.to(DEV), tw.to(DEV)))
-    cases = selftest.moe_cases(humming.fused_moe, weights, "swiglu", plans, mode="w4a16", reference_weights=originals)
-    results = selftest.sweep(cases, selftest.Bounds(timeout_s=300), DEV)
+    cases = verify.moe_cases(humming.fused_moe, weights, "swiglu", plans, mode="w4a16", reference_weights=originals)
+    results = verify.sweep(cases, verify.Bounds(timeout_s=300), DEV)
     row["verified"] = {"passed": all(r.passed for r in results),
                        "cases": [{"label": r.label, "passed": r.passed, "rel_err": r.rel_err,
                                   "max_row_rel_err": r.max_row_rel_err, "reason": r.reason} for r in results]}

@@ -29,15 +29,15 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import selftest_cost as sc  # noqa: E402
 from _common import table, write  # noqa: E402
-from sm120_fp4 import devices, nvfp4, selftest, serving  # noqa: E402
+from sm120_fp4 import devices, nvfp4, serving, verify  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
 from sm120_fp4.sglang import hooks  # noqa: E402
 
 # The library's steps of a light check, each shown with its CPU time per check.
 STEPS = [(hooks, "_served_cases", "inputs + oracle"), (nvfp4, "reference_mm_fp4", "reference_mm_fp4 (the oracle's and emulated's own)"),
-         (selftest, "_call", "the served call (kernel), synchronised"), (selftest, "fingerprint", "fingerprints (2)"),
-         (selftest, "_compare", "comparison")]
-LABELS = [label for _, _, label in STEPS]  # their ranges on the GPU's timeline are annotations, not work
+         (verify.engine, "_call", "the served call (kernel), synchronised"), (verify.engine, "fingerprint", "fingerprints (2)"),
+         (verify, "fingerprint", "fingerprints (2)"), (verify.engine, "_compare", "comparison")]
+LABELS = list(dict.fromkeys(label for _, _, label in STEPS))  # their ranges on the GPU's timeline are annotations, not work
 
 
 def _traced(mod, name: str, label: str) -> None:

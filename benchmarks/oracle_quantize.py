@@ -5,7 +5,7 @@
 
 On the CPU a float32 is now encoded by one table lookup on its top 12 bits (and whether a lower
 bit is set), and finiteness is checked on the block maxima; the earlier path counted the seven
-rounding thresholds each value passes (`nvfp4._encode_by_comparison`, which other dtypes still
+rounding thresholds each value passes (`nvfp4.format._encode_by_comparison`, which other dtypes still
 use) and checked every input value. Both give the same bytes (asserted here for every shape); the
 table gives their ratio, measured in one process with one intra-op thread, as the test suite runs.
 CUDA keeps its own encoding (two sorted searches), so this is a CPU benchmark.
@@ -33,12 +33,12 @@ def earlier(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     the seven threshold comparisons."""
     if not torch.isfinite(x).all():
         raise ValueError("non-finite")
-    encode = nvfp4._encode
-    nvfp4._encode = nvfp4._encode_by_comparison
+    encode = nvfp4.format._encode
+    nvfp4.format._encode = nvfp4.format._encode_by_comparison
     try:
         return nvfp4.quantize(x, gsf, check_finite=False)
     finally:
-        nvfp4._encode = encode
+        nvfp4.format._encode = encode
 
 
 def main(argv: list[str] | None = None) -> int:

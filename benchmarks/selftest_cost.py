@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
-from sm120_fp4 import backends, devices, graphs, nvfp4, selftest, serving  # noqa: E402
+from sm120_fp4 import backends, devices, graphs, nvfp4, serving, verify  # noqa: E402
 from sm120_fp4.config import Settings  # noqa: E402
 from sm120_fp4.sglang import hooks, moe  # noqa: E402
 
@@ -215,7 +215,7 @@ def moe_shape(tp: int, scale: int) -> tuple[int, int, int]:
 CONVERSION_S = [0.0]  # a backend's conversion of the layers' weights at load (humming), timed apart
 
 
-def time_check(check, device, settings) -> tuple[float, selftest.SelfTestReport]:
+def time_check(check, device, settings) -> tuple[float, verify.SelfTestReport]:
     """serving.verify_layer of one layer: (seconds, report). A backend that converts each layer's
     weights at load (humming) converts it first, timed apart (CONVERSION_S): serving it costs that
     with or without verification."""
@@ -346,7 +346,7 @@ def main() -> int:
         fn = backends.resolve_moe("emulated")
         for tokens in (1, 64, 512):
             gen = torch.Generator().manual_seed(tokens)
-            ids, tw = selftest.moe_routing(tokens, 8, experts, "random", gen)
+            ids, tw = verify.moe_routing(tokens, 8, experts, "random", gen)
             x = (torch.randn(tokens, hidden, generator=gen) * 2).to(torch.bfloat16).to(tdev)
             out = torch.empty_like(x)
             call = lambda: fn(x, ids.to(tdev), tw.to(tdev), *weights, "swiglu", torch.bfloat16, out)  # noqa: E731

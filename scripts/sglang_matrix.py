@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 try:
-    from sm120_fp4.kernels import MM_FP4_HEAD
+    from sm120_fp4.backends.flashinfer import MM_FP4_HEAD
     from sm120_fp4.sglang import release as R
     from sm120_fp4.sglang import simulation as S
     from sm120_fp4.sglang import targets as T

@@ -57,7 +57,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from pydantic import BaseModel, Field
 
-from . import backends, deciding, graphs, report as report_file, selftest, serving
+from . import backends, deciding, graphs, report as report_file, serving, verify
 from .config import Settings
 from .errors import RefusedToServe
 
@@ -163,7 +163,7 @@ class _Job:
     late_s: float
     due_at: float  # the same, wall time
     started_at: float | None = None
-    reports: list[selftest.SelfTestReport] = field(default_factory=list)
+    reports: list[verify.SelfTestReport] = field(default_factory=list)
     busy_s: float = 0.0
     slices: int = 0
     steps: list[tuple[str, int]] = field(default_factory=list)  # (kind, M): "weights", "build", "pass 1", "pass 2"
@@ -416,7 +416,7 @@ class Canary:
             self.slices += 1
             self.longest_slice_s = max(self.longest_slice_s, spent)
 
-    def _wait(self, job: _Job, report: selftest.SelfTestReport | None) -> selftest.SelfTestReport | None:
+    def _wait(self, job: _Job, report: verify.SelfTestReport | None) -> verify.SelfTestReport | None:
         """Wait for the step's GPU work on the serving stream (a build queues the oracle's and reads
         nothing back): the step's time is then its GPU time, and the next forward pass is not queued
         behind work the slice did not count. A device error there is the step's finding."""
@@ -430,14 +430,14 @@ class Canary:
         return report
 
     @staticmethod
-    def _failed_step(job: _Job, reason: str) -> selftest.SelfTestReport:
+    def _failed_step(job: _Job, reason: str) -> verify.SelfTestReport:
         served = job.served
-        report = selftest.report_for(served.backend, served.device, config=served.check.label)
+        report = verify.report_for(served.backend, served.device, config=served.check.label)
         report.reason = reason
         return report
 
     @classmethod
-    def _could_not(cls, job: _Job, exc: BaseException) -> selftest.SelfTestReport:
+    def _could_not(cls, job: _Job, exc: BaseException) -> verify.SelfTestReport:
         return cls._failed_step(job, f"the canary could not run the check: {type(exc).__name__}: {exc}")
 
     @staticmethod
@@ -446,7 +446,7 @@ class Canary:
             job.fetch.release()
             job.fetch = None
 
-    def _step(self, job: _Job, kind: str, m: int) -> selftest.SelfTestReport | None:
+    def _step(self, job: _Job, kind: str, m: int) -> verify.SelfTestReport | None:
         """Run step `kind` of `job` at batch size `m`: its report when it completes a batch size (or
         fails), None while a batch size is between its steps or for passing fingerprints."""
         served = job.served
@@ -493,7 +493,7 @@ class Canary:
         return self._failed_step(job, reason)
 
     @staticmethod
-    def _pass(job: _Job, kind: str) -> selftest.SelfTestReport | None:
+    def _pass(job: _Job, kind: str) -> verify.SelfTestReport | None:
         """Pass `kind` of the batch size whose check `job` built: its report after the second pass
         (or a failing first), None after a passing first pass or when the check is built again."""
         pending = job.pending
@@ -543,7 +543,7 @@ class Canary:
                              run.backend, run.config, run.device, run.reason)
             report_file.update(self.settings)
 
-    def _exit(self, job: _Job, run: CanaryRun, report: selftest.SelfTestReport) -> None:
+    def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         served = job.served
         family = deciding.FAMILIES[served.family]
         message = (

@@ -870,11 +870,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _worker_exit(code: int) -> int:
     """The worker's exit code, kept: a call that outlived its bound may still be running and would
-    abort the interpreter's shutdown (selftest.calls_still_running), so the worker, always its own
+    abort the interpreter's shutdown (verify.calls_still_running), so the worker, always its own
     short-lived process, then ends at once, after its result line is flushed."""
-    from . import selftest
+    from . import verify
 
-    if selftest.calls_still_running():
+    if verify.calls_still_running():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 from pydantic import BaseModel, Field, computed_field
 
-from . import backends, devices, kernels, selftest, verdicts
+from . import backends, devices, verdicts, verify
+from .backends import flashinfer
 from .config import AUTO, Settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
@@ -48,11 +49,11 @@ class Decision(BaseModel):
     reason: str
     candidates: list[str]
     rejected: dict[str, str] = Field(default_factory=dict)
-    reports: list[selftest.SelfTestReport] = Field(default_factory=list)
+    reports: list[verify.SelfTestReport] = Field(default_factory=list)
     timings_ms: dict[str, float] = Field(default_factory=dict)
     flashinfer_version: str | None = None
     duration_s: float = 0.0
-    layers: list[selftest.SelfTestReport] = Field(default_factory=list)
+    layers: list[verify.SelfTestReport] = Field(default_factory=list)
     family: str = "dense"
     mode: str = "w4a4"  # what serves: "w4a4" (activations quantized, as the checkpoint) or "w4a16"
 
@@ -79,7 +80,7 @@ class Refusal(BaseModel):
     family: str = "dense"
     message: str
     rejected: dict[str, str] = Field(default_factory=dict)  # candidate -> why it was not served
-    reports: list[selftest.SelfTestReport] = Field(default_factory=list)
+    reports: list[verify.SelfTestReport] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -104,36 +105,36 @@ class Family:
     resolve: Callable[[str], Callable]
     candidates: Callable[[Settings, Device | None], tuple[str, ...]]
     fallback: Callable[[Settings], str]
-    self_test: Callable[[str, Device, Settings], selftest.SelfTestReport]
+    self_test: Callable[[str, Device, Settings], verify.SelfTestReport]
 
 
-def _dense_self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
-    bounds = selftest.Bounds(timeout_s=settings.selftest_timeout)
-    return selftest.run(name, device, bounds=bounds, quantizer=backends.quantizer_for(name, device))
+def _dense_self_test(name: str, device: Device, settings: Settings) -> verify.SelfTestReport:
+    bounds = verify.Bounds(timeout_s=settings.selftest_timeout)
+    return verify.run(name, device, bounds=bounds, quantizer=backends.quantizer_for(name, device))
 
 
-def _moe_self_test(name: str, device: Device, settings: Settings) -> selftest.SelfTestReport:
+def _moe_self_test(name: str, device: Device, settings: Settings) -> verify.SelfTestReport:
     # A simulated CPU device runs the pure-PyTorch oracle against itself: the reduced configuration
     # proves the wiring; every real GPU runs the full default configuration.
-    config = selftest.SIMULATION_MOE_CONFIG if device.simulated and not device.is_cuda else None
-    bounds = selftest.MOE_BOUNDS.model_copy(update={"timeout_s": settings.selftest_timeout})
-    return selftest.run_moe(name, device, config, bounds=bounds)
+    config = verify.SIMULATION_MOE_CONFIG if device.simulated and not device.is_cuda else None
+    bounds = verify.MOE_BOUNDS.model_copy(update={"timeout_s": settings.selftest_timeout})
+    return verify.run_moe(name, device, config, bounds=bounds)
 
 
 def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
-    """SM120_FP4_BACKENDS, where `auto` is the order for the device's capability (kernels.default_order)."""
+    """SM120_FP4_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_order)."""
     if settings.backends != AUTO:
         return settings.backends
-    return kernels.default_order(device.capability) if device is not None else kernels.DEFAULT_ORDER
+    return flashinfer.default_order(device.capability) if device is not None else flashinfer.DEFAULT_ORDER
 
 
 DENSE = Family("dense", backends.FAMILY_LABELS["dense"], "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
                backends.resolve, _dense_candidates, lambda s: s.fallback, _dense_self_test)
 def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
-    """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (kernels.default_moe_order)."""
+    """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_moe_order)."""
     if settings.moe_backends != AUTO:
         return settings.moe_backends
-    return kernels.default_moe_order(device.capability) if device is not None else kernels.DEFAULT_MOE_ORDER
+    return flashinfer.default_moe_order(device.capability) if device is not None else flashinfer.DEFAULT_MOE_ORDER
 
 
 MOE = Family("moe", backends.FAMILY_LABELS["moe"], "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
@@ -185,7 +186,7 @@ def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5)
     tdev = device.torch_device
     prepared = []
     for i, shape in enumerate(shapes):
-        _, _, args = selftest.quantized_inputs(shape, tdev, 1000 + i)
+        _, _, args = verify.quantized_inputs(shape, tdev, 1000 + i)
         prepared.append((args, torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)))
     times = []
     for _ in range(repeats + 1):
@@ -216,7 +217,7 @@ def choose(device: Device, candidates: list[str], settings: Settings, family: Fa
             supported.append(name)
         else:
             rejected[name] = f"not supported: {why}"
-    reports: list[selftest.SelfTestReport] = []
+    reports: list[verify.SelfTestReport] = []
     passed: list[str] = []
     if settings.selftest != "off":
         for name in supported:
@@ -248,7 +249,7 @@ def choose(device: Device, candidates: list[str], settings: Settings, family: Fa
         if settings.select == "fastest" and len(passed) > 1 and family is DENSE:
             for n in passed:
                 _announce("timing", family, device, n)
-                timings[n] = _time_backend(backends.resolve(n), device, selftest.DEFAULT_SHAPES)
+                timings[n] = _time_backend(backends.resolve(n), device, verify.DEFAULT_SHAPES)
             choice = min(passed, key=timings.__getitem__)
             reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
     elif settings.selftest == "off" and supported:

@@ -4,10 +4,10 @@
   mm_fp4's signature. Per call: one dict lookup keyed by ``a.get_device()``, a few comparisons and
   the backend call with ``alpha`` and a contiguous preallocated ``out``.
 * :func:`moe_front` (NVFP4 fused MoE): ``cutlass_fused_moe``'s keyword convention as SGLang calls
-  it, mapped to the backend convention (:func:`sm120_fp4.kernels.moe_call_to_convention`).
+  it, mapped to the backend convention (:func:`sm120_fp4.backends.flashinfer.moe_call_to_convention`).
 
 Both are wired the same way, by :class:`Router` over :mod:`sm120_fp4.serving`'s route tables (derived
-from its one store of serving records); FlashInfer's conventions and argument checks come from :mod:`sm120_fp4.kernels`.
+from its one store of serving records); FlashInfer's conventions and argument checks come from :mod:`sm120_fp4.backends.flashinfer`.
 No host sync, no allocation but ``out``, nothing that breaks CUDA-graph capture. The first call on a
 device without a decision decides once (a self-test). A backend's error gets a note naming it and is
 never replaced by zeros.
@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from . import kernels, serving
+from . import serving
+from .backends import flashinfer
 from .config import Settings
 from .errors import InvalidArgument, describe
 
@@ -78,9 +79,9 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
 
     `route(index)` is the hot-path lookup of the backend decided for a device (None: not decided
     yet, or not ours); `ensure(index)` decides on first use (and returns None for a device this
-    library does not serve). Keywords that never change the numbers (kernels.NEUTRAL_MM_FP4_KEYWORDS:
+    library does not serve). Keywords that never change the numbers (flashinfer.NEUTRAL_MM_FP4_KEYWORDS:
     enable_pdl, use_nvfp4=True, batch_invariant=False) are served by the routed backend. Calls naming a
-    backend left to the engine on purpose (kernels.PASSED_THROUGH_BACKENDS) go to `original` unchanged.
+    backend left to the engine on purpose (flashinfer.PASSED_THROUGH_BACKENDS) go to `original` unchanged.
     On a device it serves, a backend name it does not know, or a routed backend's call with a block size,
     scale layout or keyword (value) the routed backend was not verified for: `unknown(index, name, value)`
     is asked first, and refuses it by name (or returns: `original` serves it). It always returns
@@ -88,16 +89,16 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
     result. A failure is explained: bad arguments raise InvalidArgument naming the parameter, a
     backend's own error gets a note naming the backend (never replaced by zeros).
     """
-    routed = kernels.ROUTED_BACKENDS
-    passed = kernels.PASSED_THROUGH_BACKENDS
-    neutral = kernels.neutral_mm_fp4_keywords
-    unrouted = kernels.unrouted_mm_fp4_argument
+    routed = flashinfer.ROUTED_BACKENDS
+    passed = flashinfer.PASSED_THROUGH_BACKENDS
+    neutral = flashinfer.neutral_mm_fp4_keywords
+    unrouted = flashinfer.unrouted_mm_fp4_argument
     bf16 = torch.bfloat16
     empty = torch.empty
 
     def explain(exc, a, b, a_descale, b_descale, alpha, out_dtype) -> None:
         try:  # only on failure: validation costs nothing on the served path
-            kernels.check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, None, align=(2, 1))
+            flashinfer.check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, None, align=(2, 1))
         except InvalidArgument as bad:
             raise bad from exc
         index = a.get_device()
@@ -195,7 +196,7 @@ def moe_front(original: Callable, activation_type: type, route: Callable[[int], 
     def cutlass_fused_moe(**kwargs):
         x = kwargs.get("input")
         fn = route(x.get_device()) if isinstance(x, torch.Tensor) else None
-        args = kernels.moe_call_to_convention(kwargs, activation_type) if fn is not None else None
+        args = flashinfer.moe_call_to_convention(kwargs, activation_type) if fn is not None else None
         if args is None:
             return original(**kwargs)
         out = args[-1]

@@ -55,13 +55,13 @@ def _flashinfer_env() -> dict:
 
 
 def _toolchain() -> dict:
-    from . import kernels
+    from .backends import flashinfer
 
-    tc = kernels.toolchain()
+    tc = flashinfer.toolchain()
     shown = lambda v: None if v is None else f"{v[0]}.{v[1]}"  # noqa: E731
     return {"cuda": shown(tc.cuda), "cuda_source": tc.cuda_source, "glibc": shown(tc.glibc),
-            "cute_dsl": tc.cute_dsl_problem or "importable", "jit_problem": kernels.jit_problem(tc),
-            "b12x_problem": kernels.b12x_problem(tc)}
+            "cute_dsl": tc.cute_dsl_problem or "importable", "jit_problem": flashinfer.jit_problem(tc),
+            "b12x_problem": flashinfer.b12x_problem(tc)}
 
 
 def _humming() -> dict:

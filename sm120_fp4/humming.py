@@ -628,7 +628,7 @@ def _entry(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype, 
 
 
 def _check_dense(a, b, a_descale, b_descale, alpha, out_dtype, out) -> None:
-    from .kernels import check_mm_fp4_args
+    from .backends.flashinfer import check_mm_fp4_args
 
     check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(_K_CALL, 8))
 
@@ -729,7 +729,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_a
     expert's weight factor is its alpha times the activation scale it was made for (w13_alpha *
     a1_gscale: 1 / the weight's global scale). Rows are grouped by expert (stable), both GEMMs run
     grouped, and each token's k rows are summed with its routing weights in float32."""
-    from .kernels import check_moe_args
+    from .backends.flashinfer import check_moe_args
 
     check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
                    activation, out_dtype, out)

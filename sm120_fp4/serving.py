@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import backends, devices, graphs, locks, selftest
+from . import backends, devices, graphs, locks, verify
 from . import report as report_file
 from .config import Settings, check_flashinfer_env, load_settings
 from .deciding import FAMILIES, Choice, Decision, Family, Refusal, candidate_names, choose, log_decision, refusal_message, serves
@@ -66,7 +66,7 @@ class LayerCheck:
     key: tuple
     label: str
     family: str
-    cases: Callable[[list[int]], list[selftest.Case]]
+    cases: Callable[[list[int]], list[verify.Case]]
     ms: list[int]
     recheck_ms: list[int]
     layer: str = ""
@@ -129,7 +129,7 @@ class _Serving:
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
     timings: dict[str, dict[tuple, float]] = field(default_factory=dict)  # SELECT=fastest: backend -> configuration -> ms
     candidate_layers: dict[str, list] = field(default_factory=dict)  # SELECT=fastest: each candidate's configuration reports
-    unverified: dict[tuple, selftest.SelfTestReport] = field(default_factory=dict)  # SELFTEST=warn: failed, served anyway
+    unverified: dict[tuple, verify.SelfTestReport] = field(default_factory=dict)  # SELFTEST=warn: failed, served anyway
     # Every served layer's tensors seen so far (SGLang's own objects: no copy), so that a backend that
     # converts layers at load (humming) and takes over later converts the earlier ones too.
     # Keyed by the layer's packed weight storage (_seen_key): finding a layer among hundreds costs one lookup.
@@ -346,7 +346,7 @@ def routes(family: str = "dense") -> dict[int, str]:
 
 
 def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: str | None = None,
-                 light: bool = False) -> tuple[selftest.SelfTestReport, selftest.Sweep | None, float]:
+                 light: bool = False) -> tuple[verify.SelfTestReport, verify.Sweep | None, float]:
     """The served calls of `check` at batch sizes `ms`, ready to be called pass by pass: (the report
     to fill, the sweep or None where building the calls failed (the report says why), the start)."""
     device = serving.device
@@ -354,11 +354,11 @@ def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: st
     try:
         cases = check.cases(ms)  # first: the oracle's GPU work is queued, and the host's work below overlaps it
     except Exception as exc:  # building the served calls failed: that is a finding, not a crash
-        report = selftest.report_for(serving.decision.backend, device, config=config or check.label)
+        report = verify.report_for(serving.decision.backend, device, config=config or check.label)
         report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
         report.duration_s = time.perf_counter() - start
         return report, None, start
-    report = selftest.report_for(serving.decision.backend, device, config=config or check.label)
+    report = verify.report_for(serving.decision.backend, device, config=config or check.label)
     where = f" of {serving.decision.backend!r} on {device.label()} for {check.named()}"
     if light and check.weights is not None:
         # The layer's fingerprint after the calls covers its weights: no copies of them. The call's
@@ -368,17 +368,17 @@ def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: st
             case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
     # A light check (any other layer of a verified configuration, the canary's) calls each M once: its
     # configuration's sweep already called each M twice in a row.
-    sweep = selftest.Sweep(cases, selftest.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where,
+    sweep = verify.Sweep(cases, verify.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where,
                            repeat=not light)
     return report, sweep, start
 
 
 def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,
-               config: str | None = None, light: bool = False) -> selftest.SelfTestReport:
+               config: str | None = None, light: bool = False) -> verify.SelfTestReport:
     report, run, start = _start_check(serving, check, ms, config, light)
     if run is None:
         return report
-    return selftest.finish(report, run.run(passes), start)
+    return verify.finish(report, run.run(passes), start)
 
 
 def _weight_storages(check: LayerCheck) -> frozenset[int]:
@@ -389,7 +389,7 @@ def _weight_storages(check: LayerCheck) -> frozenset[int]:
 
 
 def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
-    return selftest.fingerprint(check.weights()) if check.weights is not None else None
+    return verify.fingerprint(check.weights()) if check.weights is not None else None
 
 
 def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
@@ -400,7 +400,7 @@ def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
         return lambda: owner
 
 
-def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[selftest.SelfTestReport, torch.Tensor | None]:
+def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[verify.SelfTestReport, torch.Tensor | None]:
     """The full sweep (a configuration's first layer) or the light check (any other layer) of
     `check`, then its fingerprint: a call that wrote into the layer's own weights fails the check.
     Returns the report and the fingerprint the layer's weights had when they were checked."""
@@ -413,12 +413,12 @@ def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[self
     # Taken after the oracle's work is queued (it reads the weights and writes none) and before
     # the first served call: on a GPU its launches overlap the oracle's dequantization.
     before = _fingerprint(check)
-    report = selftest.finish(report, run.run(2 if full else 1), start)
+    report = verify.finish(report, run.run(2 if full else 1), start)
     _fail_if_written(report, check, before)
     return report, before
 
 
-def _fail_if_written(report: selftest.SelfTestReport, check: LayerCheck, before: torch.Tensor | None) -> None:
+def _fail_if_written(report: verify.SelfTestReport, check: LayerCheck, before: torch.Tensor | None) -> None:
     """A passing check fails when the layer's weights no longer have the fingerprint `before` they
     had: its calls wrote into them."""
     if report.passed and before is not None and not torch.equal(before, _fingerprint(check)):
@@ -438,7 +438,7 @@ def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tenso
     serving.layers[id(check.owner)] = _Layer(check.named(), fingerprint, owner, check.rebuild, None if weak else check, check.key)
 
 
-def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.SelfTestReport | None:
+def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.SelfTestReport | None:
     """Verify one NVFP4 layer on CUDA ordinal `index` (-1: CPU in simulation) through the call that
     will serve it; None where nothing is verified (a device this library does not serve, or
     SM120_FP4_SELFTEST=off).
@@ -473,7 +473,7 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> selftest.
         if problem is None:
             report, fingerprint = _layer_check(serving, check, full)
         else:
-            report, fingerprint = selftest.report_for(serving.decision.backend, serving.device, config=check.label), None
+            report, fingerprint = verify.report_for(serving.decision.backend, serving.device, config=check.label), None
             report.reason = problem
         if not report.passed:
             return _replace_backend(serving, check, report, settings)
@@ -645,7 +645,7 @@ def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> 
 
 
 def _verify_everything(serving: _Serving, extra: LayerCheck, extra_full: bool,
-                       configurations: bool = True) -> tuple[list, selftest.SelfTestReport | None]:
+                       configurations: bool = True) -> tuple[list, verify.SelfTestReport | None]:
     """Every configuration's full sweep (unless `configurations` is False: already passed), every
     recorded layer's light check, and `extra`'s, with the backend now routed: (the configurations'
     reports, the first failure or None)."""
@@ -670,8 +670,8 @@ def _verify_everything(serving: _Serving, extra: LayerCheck, extra_full: bool,
     return reports, None
 
 
-def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.SelfTestReport,
-                     settings: Settings) -> selftest.SelfTestReport:
+def _replace_backend(serving: _Serving, check: LayerCheck, report: verify.SelfTestReport,
+                     settings: Settings) -> verify.SelfTestReport:
     """The served backend failed `check` (`report`): find one that passes everything, or refuse.
 
     Until one passes every configuration and every layer, nothing new is recorded; on a refusal or
@@ -695,7 +695,7 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: selftest.Self
             if problem is None:
                 reports, bad = _verify_everything(serving, check, full)
             else:
-                reports, bad = [], selftest.report_for(decision.backend, serving.device, config=check.label)
+                reports, bad = [], verify.report_for(decision.backend, serving.device, config=check.label)
                 bad.reason = problem
             if bad is None:
                 decision.layers = reports
@@ -810,14 +810,14 @@ def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> Non
     raise RefusedToServe(message)
 
 
-def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[selftest.SelfTestReport]:
+def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.SelfTestReport]:
     """After SGLang's warm-up and CUDA-graph capture, when autotuners have picked their tactics:
     first every verified layer's weights against their fingerprint (a change outside SGLang's
     weight-update path refuses, naming the layer), then every verified layer configuration once
     more, eagerly, at its re-check batch sizes and at every M of `captured` (the token counts of the
     CUDA graphs SGLang just captured: the batch sizes graphs will serve); a failure refuses
     (RefusedToServe) with the configuration and batch size."""
-    selftest.refuse_inside_capture("re-check", "after")
+    verify.refuse_inside_capture("re-check", "after")
     if _updating:
         reverify(settings)  # a capture inside a weight update: the new weights are verified first
     done = []
@@ -858,7 +858,7 @@ def weights_update_begin() -> None:
         _generation += 1
 
 
-def weights_update_end(settings: Settings) -> list[selftest.SelfTestReport]:
+def weights_update_end(settings: Settings) -> list[verify.SelfTestReport]:
     """SGLang is done writing weights: when no other update is open, every layer whose weights
     changed is verified again (reverify) before anything else is served."""
     global _updating, _updating_since, _generation
@@ -889,7 +889,7 @@ def weights_updating(settings: Settings):
         weights_update_end(settings)
 
 
-def reverify(settings: Settings) -> list[selftest.SelfTestReport]:
+def reverify(settings: Settings) -> list[verify.SelfTestReport]:
     """Verify again every recorded layer whose weights changed (a weight update): each is rebuilt
     from the layer's current state and checked (a configuration's representative layer with the full
     sweep, any other with its light check), its fingerprint renewed; a failure refuses
@@ -937,7 +937,7 @@ def _on_hang(message: str) -> None:
         _refuse(Refusal(device="?", message=message), settings)
 
 
-selftest.hang_hooks.append(_on_hang)
+verify.hang_hooks.append(_on_hang)
 
 
 # ---- for the serving canary (sm120_fp4.canary) --------------------------------------------------
@@ -1043,11 +1043,11 @@ class ServedCheck:
         with self._serving.lock:
             return self._run.run_pass()
 
-    def report(self) -> selftest.SelfTestReport:
+    def report(self) -> verify.SelfTestReport:
         with self._serving.lock:
             if self._run is None:
                 return self._report
-            report = selftest.finish(self._report, self._run.outcome(), self._start)
+            report = verify.finish(self._report, self._run.outcome(), self._start)
             record = self._serving.layers.get(_layer_key(self.served.check))
             if record is not None and not _updating:
                 _fail_if_written(report, self.served.check, record.fingerprint)

@@ -48,7 +48,7 @@ def _driver_version() -> str | None:
 
 def device_key(device) -> dict[str, Any]:
     """What a verdict about `device` is keyed by (besides family and backend)."""
-    from .kernels import version as flashinfer_version
+    from .backends.flashinfer import version as flashinfer_version
 
     cuda = None
     with contextlib.suppress(Exception):

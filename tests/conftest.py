@@ -95,9 +95,9 @@ def _no_call_outlives_its_test(request):
     """No checked call is still running past its bound when its test ends (checked calls run on the
     calling thread; one held past its bound and grace ends the process, which no test may cause)."""
     yield
-    from sm120_fp4 import selftest
+    from sm120_fp4 import verify
 
-    left = selftest.calls_still_running()
+    left = verify.calls_still_running()
     assert not left, f"{left} checked call(s) still running past their bound after {request.node.nodeid}"
 
 

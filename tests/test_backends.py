@@ -1,4 +1,4 @@
-"""The backend registry (sm120_fp4.backends) and FlashInfer's argument checks (sm120_fp4.kernels)."""
+"""The backend registry (sm120_fp4.backends) and FlashInfer's argument checks (sm120_fp4.backends.flashinfer)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from helpers import faults
 from helpers.cases import case
 from helpers.common import mm_fp4_operands
 from helpers.procs import background
-from sm120_fp4 import backends, kernels
+from sm120_fp4 import backends
+from sm120_fp4.backends import flashinfer
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import InvalidArgument
 
@@ -61,16 +62,16 @@ def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    kernels._mm_fp4.cache_clear()
-    able = kernels.Toolchain((13, 0), "nvcc", (2, 39), None)  # b12x's own requirements met: the import is the reason
+    flashinfer._mm_fp4.cache_clear()
+    able = flashinfer.Toolchain((13, 0), "nvcc", (2, 39), None)  # b12x's own requirements met: the import is the reason
     try:
         for name in backends.FLASHINFER_BACKENDS:
-            with kernels.use_toolchain(lambda: able):
+            with flashinfer.use_toolchain(lambda: able):
                 ok, reason = backends.is_supported(name, Device(0, "mocked RTX PRO 6000", (12, 0)))
             # installed but unimportable (this environment), or not installed at all (the H200 image)
             assert not ok and re.search(r"does not import: (ModuleNotFound|Import)Error|flashinfer-python is not installed", reason), reason
     finally:
-        kernels._mm_fp4.cache_clear()
+        flashinfer._mm_fp4.cache_clear()
 
 
 # ---- argument checks before a FlashInfer kernel (metadata only) ---------------------------------
@@ -101,11 +102,11 @@ BAD_INPUTS = {
 def test_bad_mm_fp4_input_is_named_from_metadata_alone(case):
     make, message = BAD_INPUTS[case]
     with pytest.raises(InvalidArgument, match=message):
-        kernels.check_mm_fp4_args(**make(operands()))
+        flashinfer.check_mm_fp4_args(**make(operands()))
 
 
 def test_good_mm_fp4_input_passes_the_check():
-    kernels.check_mm_fp4_args(**operands())  # raises on any problem
+    flashinfer.check_mm_fp4_args(**operands())  # raises on any problem
 
 
 def test_flashinfer_backends_check_their_input_before_any_kernel():
@@ -129,7 +130,7 @@ def test_contiguity_and_scale_layout_are_checked(what, param):
         g["b_descale"] = g["b_descale"].contiguous()
     assert g[param].numel() == operands()[param].numel()
     with pytest.raises(InvalidArgument, match=rf"mm_fp4: {param}="):
-        kernels.check_mm_fp4_args(**g)
+        flashinfer.check_mm_fp4_args(**g)
 
 
 # ---- entry-point backends (groups sm120_fp4.backends / sm120_fp4.moe_backends) ------------------
@@ -142,7 +143,7 @@ def plugins_on_path(tmp_path, monkeypatch):
     import importlib
 
     importlib.invalidate_caches()
-    for registry in (backends._dense, backends._moe):
+    for registry in (backends.registry._dense, backends.registry._moe):
         monkeypatch.setattr(registry, "_looked_up", set())
 
 
@@ -218,7 +219,7 @@ def test_a_quantizer_that_does_not_import_is_said_once(monkeypatch, caplog):
 
     monkeypatch.setattr(errors, "_said", set())  # "once per process": this test's process starts now
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))  # an install whose fp4_quantize does not import
-    monkeypatch.setattr(kernels, "version", lambda: "0.7.2")  # installed, as its metadata says (also where it is not: the H200 run)
+    monkeypatch.setattr(flashinfer, "version", lambda: "0.7.2")  # installed, as its metadata says (also where it is not: the H200 run)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     gpus = [Device(0, "NVIDIA RTX PRO 6000", (12, 0)), Device(1, "NVIDIA RTX PRO 6000", (12, 0))]
     assert [backends.quantizer_for("cutlass", gpu) for gpu in gpus + gpus] == [None] * 4

@@ -175,20 +175,20 @@ def test_doctor_markdown_and_json_describe_this_machine(monkeypatch, capsys):
 
 
 def test_doctor_says_jit_builds_will_fail_with_glibc_2_41_and_cuda_13_0_headers(monkeypatch, capsys):
-    from sm120_fp4 import kernels
+    from sm120_fp4.backends import flashinfer
 
-    clash = kernels.Toolchain((13, 0), "nvcc /opt/cuda/bin/nvcc", (2, 41), None)
-    with kernels.use_toolchain(lambda: clash):
+    clash = flashinfer.Toolchain((13, 0), "nvcc /opt/cuda/bin/nvcc", (2, 41), None)
+    with flashinfer.use_toolchain(lambda: clash):
         code, md, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--strict", env=SIM_OK)
         data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
     assert code == 1 and "- toolchain: CUDA 13.0 (nvcc /opt/cuda/bin/nvcc), glibc 2.41" in md
     jit = [p for p in data["problems"] if p.startswith("JIT builds will fail")]
     assert jit and "glibc 2.41 with CUDA 13.0 headers" in jit[0] and "rsqrt/cospi" in jit[0], data["problems"]
     assert jit[0] in md.split("### Problems")[1]
-    fixed = kernels.Toolchain((13, 1), "nvcc /opt/cuda/bin/nvcc", (2, 41), None)
-    older_libc = kernels.Toolchain((12, 9), "torch.version.cuda", (2, 40), None)
+    fixed = flashinfer.Toolchain((13, 1), "nvcc /opt/cuda/bin/nvcc", (2, 41), None)
+    older_libc = flashinfer.Toolchain((12, 9), "torch.version.cuda", (2, 40), None)
     for tc in (fixed, older_libc):
-        with kernels.use_toolchain(lambda: tc):
+        with flashinfer.use_toolchain(lambda: tc):
             data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
         assert not any(p.startswith("JIT builds") for p in data["problems"]), (tc, data["problems"])
 
@@ -199,11 +199,11 @@ def test_doctor_says_jit_builds_will_fail_with_glibc_2_41_and_cuda_13_0_headers(
 ], ids=["cuda-12.8", "no-cute-dsl"])
 def test_doctor_names_why_b12x_cannot_run_on_a_real_sm120(monkeypatch, capsys, tc, reason):
     from helpers.common import fake_devices
-    from sm120_fp4 import kernels
+    from sm120_fp4.backends import flashinfer
 
     cuda, cute = tc
-    probe = kernels.Toolchain(cuda, "nvcc /usr/local/cuda/bin/nvcc", (2, 36), cute)
-    with kernels.use_toolchain(lambda: probe), fake_devices(("NVIDIA RTX PRO 6000 Blackwell", (12, 0))):
+    probe = flashinfer.Toolchain(cuda, "nvcc /usr/local/cuda/bin/nvcc", (2, 36), cute)
+    with flashinfer.use_toolchain(lambda: probe), fake_devices(("NVIDIA RTX PRO 6000 Blackwell", (12, 0))):
         data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
     rows = {(b["family"], b["backend"]): b for b in data["backends"]}
     assert rows[("dense", "b12x")]["supported"] is False and reason in rows[("dense", "b12x")]["reason"], rows[("dense", "b12x")]

@@ -14,7 +14,7 @@ import sm120_fp4
 from helpers import faults
 from helpers.cases import case
 from helpers.common import CpuGpu
-from sm120_fp4 import backends, deciding, devices, selftest
+from sm120_fp4 import backends, deciding, devices, verify
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
@@ -98,13 +98,13 @@ def test_select_fastest_times_every_verified_candidate_and_records_it(monkeypatc
     backends.register("fast", costing(0.001))
     backends.register("zeros", faults.returns_zeros)
     d = sm120_fp4.decide(candidates=["zeros", "slow", "fast"], settings=Settings(simulate="12.0", select="fastest"))
-    shapes = len(selftest.DEFAULT_SHAPES)
+    shapes = len(verify.DEFAULT_SHAPES)
     assert d.backend == "fast" and d.timings_ms == pytest.approx({"slow": 1000.0 * shapes, "fast": 1.0 * shapes})
     assert "zeros" in d.rejected and "fastest of 2 verified candidates" in d.reason
 
 
 @case("properties", "SM120_FP4_BACKENDS unset (auto) on a GPU of compute capability {cc}",
-      "the candidates are the per-capability order of kernels.ORDER_BY_CAPABILITY: {order}")
+      "the candidates are the per-capability order of flashinfer.ORDER_BY_CAPABILITY: {order}")
 @pytest.mark.parametrize("cc, order", [("12.0", "cutlass,b12x,humming"), ("12.1", "cutlass,humming (b12x absent: FlashInfer #3170)")])
 def test_the_default_candidates_follow_the_capability(cc, order):
     major, minor = map(int, cc.split("."))

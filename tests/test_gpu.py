@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from helpers import faults
-from sm120_fp4 import backends, devices, dispatch, kernels, nvfp4, selftest, serving
+from sm120_fp4 import backends, devices, dispatch, nvfp4, serving, verify
+from sm120_fp4.backends import flashinfer
 from sm120_fp4.config import Settings
 from sm120_fp4.dispatch import Router
 from sm120_fp4.errors import SelfTestError
@@ -30,7 +31,7 @@ def quantized(m, n, k, seed):
 def test_emulated_selftest_passes_on_cuda_and_reports_its_duration():
     device = devices.list_devices((12, 0))[0]
     assert device.is_cuda and device.simulated
-    report = selftest.run("emulated", device)
+    report = verify.run("emulated", device)
     assert report.passed, report.reason
     assert report.duration_s < 5.0
     print(f"emulated self-test on {device.label()}: {report.duration_s:.3f} s, max rel err {report.max_rel_err:.2e}")
@@ -66,7 +67,7 @@ def test_selftest_refuses_to_run_inside_graph_capture():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(SelfTestError, match="inside CUDA-graph capture"):
         with torch.cuda.graph(graph):
-            selftest.run("emulated", device)
+            verify.run("emulated", device)
 
 
 def test_the_routed_dispatch_never_synchronises():
@@ -140,7 +141,7 @@ def test_flashinfer_backends_reject_operands_on_different_devices():
     qx, b, sx, b_sf, alpha = quantized(4, 32, 64, seed=9)
     out = torch.empty(4, 32, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(InvalidArgument, match=r"alpha=.*same device"):
-        kernels.check_mm_fp4_args(qx, b, sx, b_sf, alpha.cpu(), torch.bfloat16, out)
+        flashinfer.check_mm_fp4_args(qx, b, sx, b_sf, alpha.cpu(), torch.bfloat16, out)
 
 
 class _ActivationType:  # FlashInfer's values for the two activations the MoE front serves
@@ -149,8 +150,8 @@ class _ActivationType:  # FlashInfer's values for the two activations the MoE fr
 
 def _moe_inputs(seed, tokens=32, top_k=4, experts=16, hidden=256):
     gen = torch.Generator().manual_seed(seed)
-    ids, topk_weights = selftest.moe_routing(tokens, top_k, 2 * experts, "padded", gen)  # global ids of 2 ranks, -1 dropped
-    x = selftest.structured_activations(tokens, hidden, 4.0, gen).to(torch.bfloat16)
+    ids, topk_weights = verify.moe_routing(tokens, top_k, 2 * experts, "padded", gen)  # global ids of 2 ranks, -1 dropped
+    x = verify.structured_activations(tokens, hidden, 4.0, gen).to(torch.bfloat16)
     return [x.cuda(), ids.cuda(), topk_weights.cuda()]
 
 
@@ -158,7 +159,7 @@ def test_the_moe_front_with_the_emulated_moe_is_captured_and_replays_like_eager(
     """The MoE fallback serves inside SGLang's decode graphs: SGLang's call through the front
     (expert-parallel rank 1 of 2, global ids and -1 slots), captured in a CUDA graph, replayed with
     new inputs: equal to the eager call and to the oracle; the eager call never synchronises."""
-    weights = selftest._moe_weights(16, 256, 128, "swiglu", torch.device("cuda"), 3)
+    weights = verify.moe._moe_weights(16, 256, 128, "swiglu", torch.device("cuda"), 3)
     front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
                               lambda index: backends.emulated_moe, lambda index: "emulated")
     static = _moe_inputs(1)
@@ -216,7 +217,7 @@ def test_checked_calls_run_on_the_callers_thread_and_current_stream():
     device = devices.list_devices((12, 0))[0]
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        report = selftest.run("recording", device)
+        report = verify.run("recording", device)
     assert report.passed, report.reason
     assert set(seen) == {(threading.get_ident(), side.cuda_stream)}, "the serving thread's own stream, every call"
 

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from sm120_fp4 import backends, devices, graphs, nvfp4, selftest, serving
+from sm120_fp4 import backends, devices, graphs, nvfp4, serving, verify
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.sglang import hooks
@@ -46,17 +46,17 @@ def test_replays_compute_what_eager_calls_do_with_each_calls_own_inputs():
 def test_the_comparison_from_a_graph_gives_the_eager_verdict_pass_or_fail():
     graphs.clear()
     gen = torch.Generator(device="cuda").manual_seed(1)
-    bounds = selftest.Bounds()
+    bounds = verify.Bounds()
     for i in range(graphs.CAPTURE_AT + 5):
         ref = torch.randn(8, 1024, device="cuda", generator=gen)
         out = ref.to(torch.bfloat16)
         if i % 2:  # every other call wrong in one row: the replay must see this call's output
             out[i % 8].zero_()
-        graphed, eager = selftest.ShapeResult(m=8, n=1024, k=64, passed=True), selftest.ShapeResult(m=8, n=1024, k=64, passed=True)
-        reason = selftest._compare(out, ref, bounds, graphed)
+        graphed, eager = verify.ShapeResult(m=8, n=1024, k=64, passed=True), verify.ShapeResult(m=8, n=1024, k=64, passed=True)
+        reason = verify.engine._compare(out, ref, bounds, graphed)
         graphs.MAX_INPUT_BYTES, saved = 0, graphs.MAX_INPUT_BYTES  # the same call, eagerly
         try:
-            assert selftest._compare(out, ref, bounds, eager) == reason
+            assert verify.engine._compare(out, ref, bounds, eager) == reason
         finally:
             graphs.MAX_INPUT_BYTES = saved
         assert graphed == eager

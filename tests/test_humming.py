@@ -19,7 +19,8 @@ import sm120_fp4
 from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
 from helpers.procs import REPO, background, python, pythonpath
-from sm120_fp4 import backends, deciding, devices, dispatch, doctor, humming, kernels, nvfp4, selftest, serving
+from sm120_fp4 import backends, deciding, devices, dispatch, doctor, humming, nvfp4, serving, verify
+from sm120_fp4.backends import flashinfer
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
@@ -38,11 +39,11 @@ def stand_in():
 
 
 def test_default_chains_on_12x_end_with_humming_and_nothing_changes_elsewhere():
-    assert kernels.default_order((12, 0)) == ("cutlass", "b12x", "humming")
-    assert kernels.default_order((12, 1)) == ("cutlass", "humming")
-    assert kernels.default_moe_order((12, 0)) == ("cutlass", "humming")
-    assert kernels.default_order((9, 0)) == ("cutlass", "b12x")
-    assert kernels.default_moe_order((9, 0)) == ("cutlass",)
+    assert flashinfer.default_order((12, 0)) == ("cutlass", "b12x", "humming")
+    assert flashinfer.default_order((12, 1)) == ("cutlass", "humming")
+    assert flashinfer.default_moe_order((12, 0)) == ("cutlass", "humming")
+    assert flashinfer.default_order((9, 0)) == ("cutlass", "b12x")
+    assert flashinfer.default_moe_order((9, 0)) == ("cutlass",)
     settings = Settings(simulate="12.0")
     assert deciding.candidate_names(settings, family=deciding.MOE, device=SIM_CPU) == ["cutlass", "humming"]
     assert "emulated" not in deciding.candidate_names(settings, device=SIM_CPU)  # opt-in only
@@ -91,31 +92,31 @@ def test_doctor_shows_humming_version_and_whether_it_can_compile():
 
 
 def test_dense_self_test_passes_against_the_w4a4_oracle(stand_in):
-    report = selftest.run("humming", SIM_CPU)
+    report = verify.run("humming", SIM_CPU)
     assert report.passed, report.reason
-    assert stand_in.prepared == len(selftest.DEFAULT_SHAPES) and stand_in.calls == 3 * len(selftest.DEFAULT_SHAPES)
+    assert stand_in.prepared == len(verify.DEFAULT_SHAPES) and stand_in.calls == 3 * len(verify.DEFAULT_SHAPES)
     assert backends.mode_of("dense", "humming") == "w4a4"
 
 
 def test_moe_self_test_passes_against_the_w4a16_oracle_and_fails_against_w4a4(stand_in):
-    report = selftest.run_moe("humming", SIM_CPU, selftest.SIMULATION_MOE_CONFIG)
+    report = verify.run_moe("humming", SIM_CPU, verify.SIMULATION_MOE_CONFIG)
     assert report.passed, report.reason
     assert backends.mode_of("moe", "humming") == "w4a16"
     # The same backend judged by the W4A4 oracle (quantized activations) is caught: the modes differ.
-    weights = selftest._moe_weights(8, 160, 96, "relu2", torch.device("cpu"), 5)
+    weights = verify.moe._moe_weights(8, 160, 96, "relu2", torch.device("cpu"), 5)
     gen = torch.Generator().manual_seed(1)
-    ids, tw = selftest.moe_routing(9, 2, 8, "random", gen)
+    ids, tw = verify.moe_routing(9, 2, 8, "random", gen)
     x = (torch.randn(9, 160, generator=gen) * 1.5).clamp(-4, 4).to(torch.bfloat16)
-    cases = selftest.moe_cases(humming.fused_moe, weights, "relu2", [("T=9", x, ids, tw)], mode="w4a4")
-    assert not all(r.passed for r in selftest.sweep(cases, selftest.Bounds(), torch.device("cpu")))
+    cases = verify.moe_cases(humming.fused_moe, weights, "relu2", [("T=9", x, ids, tw)], mode="w4a4")
+    assert not all(r.passed for r in verify.sweep(cases, verify.Bounds(), torch.device("cpu")))
 
 
 @case("backend faults", "a Humming call given SGLang's 128x4-swizzled scale bytes as linear ones (dense and MoE)",
       "both self-tests fail with a scale error; decide() refuses humming")
 def test_a_wrong_scale_layout_is_refused_in_both_families():
     with engine(WrongScaleLayout(StandInEngine())):
-        dense = selftest.run("humming", SIM_CPU)
-        moe = selftest.run_moe("humming", SIM_CPU, selftest.SIMULATION_MOE_CONFIG)
+        dense = verify.run("humming", SIM_CPU)
+        moe = verify.run_moe("humming", SIM_CPU, verify.SIMULATION_MOE_CONFIG)
         assert not dense.passed and "reference" in dense.reason
         assert not moe.passed
         with pytest.raises(RefusedToServe, match="humming: self-test failed"):
@@ -123,7 +124,7 @@ def test_a_wrong_scale_layout_is_refused_in_both_families():
 
 
 def test_dense_rejects_what_it_cannot_serve(stand_in):
-    a, b, a_sf, b_sf, alpha = selftest.quantized_inputs((3, 96, 160), torch.device("cpu"), 1)[2]
+    a, b, a_sf, b_sf, alpha = verify.quantized_inputs((3, 96, 160), torch.device("cpu"), 1)[2]
     out = torch.empty(3, 96, dtype=torch.bfloat16)
     with pytest.raises(sm120_fp4.InvalidArgument, match="alpha"):
         humming.mm_fp4(a, b, a_sf, b_sf, None, torch.bfloat16, out)
@@ -363,8 +364,8 @@ def _cuda_sim() -> devices.Device:
 @ON_GPU
 def test_real_humming_self_tests_pass_on_cuda():
     device = _cuda_sim()
-    dense = selftest.run("humming", device)
-    moe = selftest.run_moe("humming", device)
+    dense = verify.run("humming", device)
+    moe = verify.run_moe("humming", device)
     print(f"humming {humming.version()} dense self-test {dense.duration_s:.1f} s max rel {dense.max_rel_err}; "
           f"MoE {moe.duration_s:.1f} s max rel {moe.max_rel_err}; startup {humming.startup()['configurations']}")
     assert dense.passed, dense.reason
@@ -376,8 +377,8 @@ def test_real_humming_self_tests_pass_on_cuda():
 def test_real_humming_with_a_wrong_scale_layout_is_refused():
     device = _cuda_sim()
     with engine(WrongScaleLayout(humming._HummingEngine())):
-        dense = selftest.run("humming", device)
-        moe = selftest.run_moe("humming", device)
+        dense = verify.run("humming", device)
+        moe = verify.run_moe("humming", device)
         print(f"wrong scale layout: dense {dense.reason}; MoE {moe.reason}")
         assert not dense.passed and not moe.passed
         with pytest.raises(RefusedToServe):
@@ -390,7 +391,7 @@ def test_kept_bytes_fetched_off_the_serving_stream_are_the_checkpoints_and_read_
     """The first layer of a configuration keeps its checkpoint bytes in pinned host memory; the
     canary's fetch moves them to the device on a side stream, and the oracle's read takes them there."""
     n, k = 1024, 2048
-    _, _, (_, qw_t, _, sw_t, _) = selftest.quantized_inputs((16, n, k), torch.device("cuda"), 5)
+    _, _, (_, qw_t, _, sw_t, _) = verify.quantized_inputs((16, n, k), torch.device("cuda"), 5)
     weight, weight_sf = qw_t.T, sw_t.T
     kept_w, kept_sf = weight.clone(), weight_sf.clone()
     tensors = {"weight": weight, "weight_sf": weight_sf}
@@ -443,7 +444,7 @@ def test_real_humming_dense_front_captures_replays_and_never_syncs():
     assert router.ensure(0) is not None  # decide (self-test) before capture, as the weights hook does
     dispatch = router.make_dispatch(lambda *a, **k: pytest.fail("original called"))
     n, k, m = 512, 1024, 16
-    _, _, (qx, qw_t, sx, sw_t, alpha) = selftest.quantized_inputs((m, n, k), torch.device("cuda"), 5)
+    _, _, (qx, qw_t, sx, sw_t, alpha) = verify.quantized_inputs((m, n, k), torch.device("cuda"), 5)
     weight, weight_sf = qw_t.T, sw_t.T
     kept_w, kept_sf = weight.clone(), weight_sf.clone()
     humming.prepare_dense(weight, weight_sf, torch.bfloat16, keep_original=True)  # as the layer check does
@@ -451,7 +452,7 @@ def test_real_humming_dense_front_captures_replays_and_never_syncs():
     static = [qx.clone(), sx.view(torch.uint8).clone()]
     graph, static_out = _capture(lambda: dispatch(static[0], qw_t, static[1], sw_t, alpha, torch.bfloat16, backend="cutlass"))
     for seed in (6, 7):
-        _, _, (fx, _, fsx, _, _) = selftest.quantized_inputs((m, n, k), torch.device("cuda"), seed)
+        _, _, (fx, _, fsx, _, _) = verify.quantized_inputs((m, n, k), torch.device("cuda"), seed)
         static[0].copy_(fx)
         static[1].copy_(fsx.view(torch.uint8))
         torch.cuda.set_sync_debug_mode("error")
@@ -471,7 +472,7 @@ def test_real_humming_dense_front_captures_replays_and_never_syncs():
 def test_real_humming_moe_front_captures_replays_and_never_syncs():
     device = torch.device("cuda")
     experts, hidden, inter, top_k, tokens = 16, 256, 128, 4, 8
-    weights = selftest._moe_weights(experts, hidden, inter, "swiglu", device, 3)
+    weights = verify.moe._moe_weights(experts, hidden, inter, "swiglu", device, 3)
     kept = weights.map(torch.clone)
     humming.prepare_moe({**weights._asdict(), "dtype": torch.bfloat16}, torch.bfloat16, keep_original=True)
     front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
@@ -479,7 +480,7 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
     gen = torch.Generator().manual_seed(9)
     # "padded": SGLang's -1 slots (another rank's expert, the padding rows of a captured graph): each
     # rides with expert 0 as a zero row and is discarded, inside the graph, with no host sync.
-    ids, tw = selftest.moe_routing(tokens, top_k, experts, "padded", gen)
+    ids, tw = verify.moe_routing(tokens, top_k, experts, "padded", gen)
     static = {"x": (torch.randn(tokens, hidden, generator=gen)).to(torch.bfloat16).to(device),
               "ids": ids.to(device), "tw": tw.to(device)}
     scales = [weights.a1_gscale.reshape(()), weights.w13_sf.view(torch.int32), weights.w13_alpha,
@@ -494,7 +495,7 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
     graph, static_out = _capture(call)
     fresh = []
     for routing in ("padded", "random"):  # made on the device before the no-sync region
-        ids, tw = selftest.moe_routing(tokens, top_k, experts, routing, gen)
+        ids, tw = verify.moe_routing(tokens, top_k, experts, routing, gen)
         fresh.append((routing, torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device), ids.to(device),
                       tw.to(device)))
     for routing, x, ids, tw in fresh:
@@ -531,7 +532,7 @@ def test_activation_dequantization_kernel_is_bitwise_the_oracles_decode(dtype):
     device = torch.device("cuda", torch.cuda.current_device())
     _humming_cuda.load(device)  # NVRTC is there wherever Humming compiles with it (the H200's image)
     for m, k in ((1, 160), (7, 480), (129, 1056), (300, 8192), (1000, 28672)):
-        _, _, (qx, _, sx, _, _) = selftest.quantized_inputs((m, 32, k), device, m)
+        _, _, (qx, _, sx, _, _) = verify.quantized_inputs((m, 32, k), device, m)
         want = nvfp4.dequantize_unscaled(qx, sx, torch.float32).to(dtype)
         got = humming.dequantize_activations(qx, sx.view(torch.uint8), dtype)
         assert torch.equal(got, want), (m, k)
@@ -585,10 +586,10 @@ def test_real_humming_layer_check_and_recheck_pass_through_the_routed_front():
 
 _TRITON_INTERPRETED = """
 import torch, triton
-from sm120_fp4 import nvfp4, selftest
+from sm120_fp4 import nvfp4, verify
 from sm120_fp4._humming_dequant import launch
 for m, k in ((1, 160), (7, 480), (129, 1056), (20, 1024)):
-    _, _, (qx, _, sx, _, _) = selftest.quantized_inputs((m, 32, k), torch.device("cpu"), m)
+    _, _, (qx, _, sx, _, _) = verify.quantized_inputs((m, 32, k), torch.device("cpu"), m)
     out = torch.full((m, k), float("nan"), dtype=torch.float32)  # every element must be written
     kp = nvfp4.swizzled_scale_shape(m, k)[1]
     launch(qx, sx.view(torch.uint8), out, kp)

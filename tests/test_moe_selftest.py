@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import moe_faults
-from sm120_fp4 import backends, dispatch, kernels, nvfp4, selftest
+from sm120_fp4 import backends, dispatch, nvfp4, verify
+from sm120_fp4.backends import flashinfer
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import ConfigError, InvalidArgument
 
@@ -22,7 +23,7 @@ FAULTS = [moe_faults.drops_tile_rows_64_127, moe_faults.drops_one_expert, moe_fa
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__)
 def test_run_moe_refuses_each_fault_on_the_default_configuration(fault):
     backends.register_moe("faulty", fault)
-    report = selftest.run_moe("faulty", SIM)
+    report = verify.run_moe("faulty", SIM)
     assert not report.passed and report.reason.startswith("T=")
     failed = [s for s in report.shapes if not s.passed]
     assert len(failed) == 1 and failed[0].label in report.reason
@@ -30,10 +31,10 @@ def test_run_moe_refuses_each_fault_on_the_default_configuration(fault):
 
 def test_run_moe_accepts_flashinfers_rounding_on_the_default_configuration():
     backends.register_moe("flashinfer-rounding", moe_faults.rounds_intermediate_first)
-    report = selftest.run_moe("flashinfer-rounding", SIM)
+    report = verify.run_moe("flashinfer-rounding", SIM)
     assert report.passed, report.reason
     # Two passes, the first calling each case twice in a row.
-    assert len(report.shapes) == len(selftest.DEFAULT_MOE_CONFIG.cases) and all(s.calls == 3 for s in report.shapes)
+    assert len(report.shapes) == len(verify.DEFAULT_MOE_CONFIG.cases) and all(s.calls == 3 for s in report.shapes)
 
 
 def test_run_moe_checks_every_call_returns_out_and_leaves_inputs_alone():
@@ -46,10 +47,10 @@ def test_run_moe_checks_every_call_returns_out_and_leaves_inputs_alone():
         w13_alpha[0] *= 2  # ... but this changes the layer's alpha for every later call
         return out
 
-    small = selftest.MoeConfig(cases=selftest.SIMULATION_MOE_CONFIG.cases[:1])
+    small = verify.MoeConfig(cases=verify.SIMULATION_MOE_CONFIG.cases[:1])
     for name, fn, reason in (("copy", returns_copy, "other than `out`"), ("alphas", scales_alphas, "in place")):
         backends.register_moe(name, fn)
-        report = selftest.run_moe(name, SIM, small)
+        report = verify.run_moe(name, SIM, small)
         assert not report.passed and reason in report.reason
 
 
@@ -65,8 +66,8 @@ def test_the_moe_registry_names_what_it_accepts():
 
 
 def _layer_args(experts=4, hidden=128, inter=64, tokens=3, top_k=2):
-    weights = selftest._moe_weights(experts, hidden, inter, "swiglu", torch.device("cpu"), 5)
-    ids, topk_weights = selftest.moe_routing(tokens, top_k, experts, "random", torch.Generator().manual_seed(0))
+    weights = verify.moe._moe_weights(experts, hidden, inter, "swiglu", torch.device("cpu"), 5)
+    ids, topk_weights = verify.moe_routing(tokens, top_k, experts, "random", torch.Generator().manual_seed(0))
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     return x, ids, topk_weights, weights
 
@@ -81,10 +82,10 @@ def test_the_flashinfer_moe_backend_calls_cutlass_fused_moe_as_sglang_does(monke
         calls.append(kwargs)
         return [kwargs["output"]]
 
-    monkeypatch.setattr(kernels, "fused_moe_kernel", lambda: (recording_cutlass_fused_moe, ActivationType))
+    monkeypatch.setattr(flashinfer, "fused_moe_kernel", lambda: (recording_cutlass_fused_moe, ActivationType))
     x, ids, topk_weights, w = _layer_args()
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    fn = kernels.moe_backend("cutlass")
+    fn = flashinfer.moe_backend("cutlass")
     assert fn(x, ids, topk_weights, w.w13, w.w13_sf, w.w13_alpha, w.w2, w.w2_sf, w.w2_alpha,
               w.a1_gscale, w.a2_gscale, "swiglu", torch.bfloat16, out) is out
     [kw] = calls
@@ -175,9 +176,9 @@ def test_the_emulated_moe_front_is_the_oracle_bit_for_bit_without_a_host_sync(ac
     class ActivationType:
         Swiglu, Relu2 = 3, 6
 
-    weights = selftest._moe_weights(8, 128, 64, activation, torch.device("cpu"), 9)
-    ids, topk_weights = selftest.moe_routing(40, 3, 8, "padded", torch.Generator().manual_seed(4))
-    x = selftest.structured_activations(40, 128, 4.0, torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    weights = verify.moe._moe_weights(8, 128, 64, activation, torch.device("cpu"), 9)
+    ids, topk_weights = verify.moe_routing(40, 3, 8, "padded", torch.Generator().manual_seed(4))
+    x = verify.structured_activations(40, 128, 4.0, torch.Generator().manual_seed(5)).to(torch.bfloat16)
     a1 = weights.a1_gscale.expand(8) * (1 + torch.arange(8) / 8) if per_expert else weights.a1_gscale.reshape(())
     front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), ActivationType, lambda index: backends.emulated_moe,
                               lambda index: "emulated")
@@ -200,7 +201,7 @@ def test_the_emulated_moe_front_is_the_oracle_bit_for_bit_without_a_host_sync(ac
 @pytest.mark.parametrize("tokens, top_k, experts", [(16, 2, 8), (64, 8, 32), (512, 8, 256), (20, 1, 20)])
 def test_balanced_routing_lets_every_expert_lead_a_token(tokens, top_k, experts):
     # So that a dropped or wrong expert shows in the rows it leads, whatever the other slots add.
-    ids, weights = selftest.moe_routing(tokens, top_k, experts, "balanced", torch.Generator().manual_seed(5))
+    ids, weights = verify.moe_routing(tokens, top_k, experts, "balanced", torch.Generator().manual_seed(5))
     assert ids.dtype == torch.int32 and tuple(ids.shape) == (tokens, top_k) == tuple(weights.shape)
     assert all(len(set(row)) == top_k for row in ids.tolist())  # distinct experts per token
     assert set(ids[:, 0].tolist()) == set(range(experts))  # every expert leads

@@ -229,7 +229,7 @@ def test_moving_one_rounding_point_changes_the_result(rounding_case, moved):
     # The oracle is the statement with its rounding points where they are, and each one moved
     # changes some output values on this case: none of them is left unexercised.
     # "intermediate-quantized-after-rounding" is what FlashInfer's doActivationKernel does and
-    # "fused-finalize" what its FINALIZE-fused GEMM2 epilogue does (see nvfp4.py).
+    # "fused-finalize" what its FINALIZE-fused GEMM2 epilogue does (see nvfp4/reference.py).
     args, got, want = rounding_case
     np.testing.assert_array_equal(got, want)
     differing = int((_scalar(args, **moved) != got).sum())

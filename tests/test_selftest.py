@@ -15,7 +15,7 @@ from helpers import faults
 from helpers.cases import case
 from helpers.common import HYPOTHESIS
 from helpers.procs import background, python, pythonpath
-from sm120_fp4 import backends, devices, nvfp4, selftest
+from sm120_fp4 import backends, devices, nvfp4, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import SelfTestError
 
@@ -25,9 +25,9 @@ def cpu12():
 
 
 def test_healthy_emulated_backend_passes_with_every_metric_reported():
-    report = selftest.run("emulated", devices.list_devices((12, 0))[0])
+    report = verify.run("emulated", devices.list_devices((12, 0))[0])
     assert report.passed and report.reason is None
-    assert [(s.m, s.n, s.k) for s in report.shapes] == list(selftest.DEFAULT_SHAPES)
+    assert [(s.m, s.n, s.k) for s in report.shapes] == list(verify.DEFAULT_SHAPES)
     ms = [s.m for s in report.shapes]
     assert 1 in ms and any(m % 2 for m in ms if m > 1) and any(128 < m < 256 for m in ms) and max(ms) >= 2000
     for s in report.shapes:
@@ -59,29 +59,29 @@ FAULTS = [
 @pytest.mark.parametrize("fault, fn, reason", FAULTS, ids=[f[0] for f in FAULTS])
 def test_the_selftest_names_each_fault(fault, fn, reason):
     backends.register("faulty", fn)
-    report = selftest.run("faulty", cpu12())
+    report = verify.run("faulty", cpu12())
     assert not report.passed and re.search(reason, report.reason), report.reason
     assert json.loads(report.model_dump_json())["reason"] == report.reason
 
 
 def test_selftest_refuses_bad_shapes():
     with pytest.raises(SelfTestError, match="K % 32"):
-        selftest.run("emulated", cpu12(), shapes=[(4, 32, 48)])
+        verify.run("emulated", cpu12(), shapes=[(4, 32, 48)])
 
 
 def test_quantizer_check_detects_a_wrong_activation_quantizer():
     def off_by_scale(x, g):
         return nvfp4.quantize(x, g * 2)
 
-    good = selftest.run("emulated", cpu12(), shapes=[(1, 32, 64)], quantizer=("nvfp4", nvfp4.quantize))
-    bad = selftest.run("emulated", cpu12(), shapes=[(1, 32, 64)], quantizer=("x2", off_by_scale))
+    good = verify.run("emulated", cpu12(), shapes=[(1, 32, 64)], quantizer=("nvfp4", nvfp4.quantize))
+    bad = verify.run("emulated", cpu12(), shapes=[(1, 32, 64)], quantizer=("x2", off_by_scale))
     assert good.passed and good.quantizer.passed and good.quantizer.code_mismatch == 0
     assert not bad.passed and not bad.quantizer.passed and "activation quantizer x2" in bad.reason
 
 
 _HANGS = """
 import threading, time
-from sm120_fp4 import backends, devices, selftest
+from sm120_fp4 import backends, devices, verify
 from helpers import faults
 
 def hangs(*args):
@@ -95,11 +95,11 @@ def slow(*args):
 backends.register("hangs", hangs)
 backends.register("slow", slow)
 device = devices.get_device(-1, (12, 0))
-report = selftest.run("slow", device, shapes=[(1, 32, 64)] * 4, bounds=selftest.Bounds(timeout_s=0.5))
+report = verify.run("slow", device, shapes=[(1, 32, 64)] * 4, bounds=verify.Bounds(timeout_s=0.5))
 print("slow:", report.passed, report.reason, [s.calls for s in report.shapes], flush=True)
-selftest.hang_hooks.append(lambda message: print("hook:", message, flush=True))
+verify.hang_hooks.append(lambda message: print("hook:", message, flush=True))
 start = time.perf_counter()
-selftest.run("hangs", device, shapes=[(1, 32, 64), (7, 32, 64)], bounds=selftest.Bounds(timeout_s=0.2))
+verify.run("hangs", device, shapes=[(1, 32, 64), (7, 32, 64)], bounds=verify.Bounds(timeout_s=0.2))
 print("returned after", time.perf_counter() - start, flush=True)
 """
 
@@ -110,7 +110,7 @@ print("returned after", time.perf_counter() - start, flush=True)
 def test_a_hung_call_ends_the_process_after_its_bound_and_a_late_one_is_rejected(background, background_job):
     returncode, stdout, stderr = background
     assert background_job.ended_at - background_job.started_at < 60, "the bound plus its grace, not the kernel's two minutes"
-    assert returncode == selftest.EXIT_HUNG, (returncode, stdout, stderr)
+    assert returncode == verify.EXIT_HUNG, (returncode, stdout, stderr)
     lines = stdout.splitlines()
     assert re.fullmatch(r"slow: False M=1 N=32 K=64: call 2 did not return within the self-test's time bound .*\[2\]", lines[0]), lines
     # 0.3 s a call, 0.5 s for all: the second call (the first shape's repeat) returns late, and no call follows it
@@ -137,7 +137,7 @@ SMALL_SHAPES = [(1, 32, 64), (7, 96, 160), (129, 16, 32), (33, 40, 96)]
 def test_selftest_metrics_measure_a_scale_error(factor, shape):
     assume(not 0.005 < abs(factor - 1) < 0.02)  # away from the acceptance bound, where bf16 rounding decides
     backends.register("scaled", _scaled_by(factor), replace=True)
-    result = selftest.run("scaled", cpu12(), shapes=[shape]).shapes[0]
+    result = verify.run("scaled", cpu12(), shapes=[shape]).shapes[0]
     assert result.norm_ratio == pytest.approx(factor, rel=1e-2)
     assert result.rel_err == pytest.approx(abs(factor - 1), abs=5e-3)
     assert result.nonfinite == 0 and result.zero_rows == 0
@@ -164,13 +164,13 @@ def test_selftest_metrics_locate_zero_rows_and_nans(data, shape):
 
     backends.register("zero-rows", zeroes, replace=True)
     backends.register("nan-at", nan, replace=True)
-    zeroed = selftest.run("zero-rows", cpu12(), shapes=[shape]).shapes[0]
+    zeroed = verify.run("zero-rows", cpu12(), shapes=[shape]).shapes[0]
     assert not zeroed.passed
     if len(rows) == m:
         assert zeroed.reason == "call 1: output is all zeros" and zeroed.zero_rows == m
     else:
         assert zeroed.zero_rows == len(rows) and zeroed.reason.startswith(f"call 1: {len(rows)} row(s) all zero"), zeroed.reason
-    nanned = selftest.run("nan-at", cpu12(), shapes=[shape]).shapes[0]
+    nanned = verify.run("nan-at", cpu12(), shapes=[shape]).shapes[0]
     assert nanned.nonfinite == 1 and f"first at row {nan_at[0]}, column {nan_at[1]}" in nanned.reason
 
 
@@ -185,7 +185,7 @@ def _divides_by_column_amax(a, b, a_sf, b_sf, alpha, dtype, out):
 @case("backend faults", "a kernel that divides by each output column's weight amax (NaN where a weight row is all zero: a zeroed output column)",
       "the generic self-test's weights have zeroed and subnormal-scaled rows, its activations every row kind: refused (non-finite)")
 def test_the_selftest_data_has_zeroed_columns_subnormal_scales_and_structured_rows():
-    x, _, (qx, qw, sx, sw, _) = selftest.quantized_inputs((64, 96, 256), torch.device("cpu"), 0)
+    x, _, (qx, qw, sx, sw, _) = verify.quantized_inputs((64, 96, 256), torch.device("cpu"), 0)
     act = nvfp4.unswizzle_scales(sx.view(torch.float8_e4m3fn), 64, 256).float()
     weight = nvfp4.unswizzle_scales(sw.T.contiguous(), 96, 256).float()
     for scales in (act, weight):
@@ -196,7 +196,7 @@ def test_the_selftest_data_has_zeroed_columns_subnormal_scales_and_structured_ro
     assert bool((ratio > 1e3).any()), "rows with outliers 1e3-1e4 times the rest"
     assert not bool((x == 0).all(dim=1).any()), "never an all-zero row"
     backends.register("column-amax", _divides_by_column_amax)
-    report = selftest.run("column-amax", cpu12())
+    report = verify.run("column-amax", cpu12())
     assert not report.passed and "non-finite" in report.reason
 
 
@@ -208,11 +208,11 @@ def test_a_weight_fingerprint_sees_each_kind_of_change(device, change):
     weight = torch.randint(0, 256, (96, 200), dtype=torch.uint8, generator=gen).to(device)  # 4800 words: a row of 4096 and a tail
     scales = torch.randn(96, 16, generator=gen).to(torch.float8_e4m3fn).to(device)
     alpha = torch.tensor([0.25], device=device)
-    before = selftest.fingerprint((weight, scales, alpha))
+    before = verify.fingerprint((weight, scales, alpha))
     if device.type == "cuda":
         torch.cuda.set_sync_debug_mode("error")
     try:
-        again = selftest.fingerprint((weight, scales, alpha))
+        again = verify.fingerprint((weight, scales, alpha))
     finally:
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
@@ -226,7 +226,7 @@ def test_a_weight_fingerprint_sees_each_kind_of_change(device, change):
         alpha.neg_()
     else:
         alpha = torch.tensor([0.25, 0.0], device=device)
-    after = selftest.fingerprint((weight, scales, alpha))
+    after = verify.fingerprint((weight, scales, alpha))
     assert after.shape != before.shape or not torch.equal(before, after)
 
 
@@ -234,7 +234,7 @@ def test_a_weight_fingerprint_sees_each_kind_of_change(device, change):
 def test_a_call_that_writes_into_a_large_input_is_caught_without_a_copy_of_it(where):
     # A layer's weights above COPY_LIMIT are watched by their fingerprint (no copy of gigabytes of
     # experts): a call that changes one word of them still fails, naming the input, at that call.
-    big = torch.randint(0, 256, (selftest.COPY_LIMIT // 1000 + 8, 1000), dtype=torch.uint8)
+    big = torch.randint(0, 256, (verify.COPY_LIMIT // 1000 + 8, 1000), dtype=torch.uint8)
     small = torch.ones(3)
     x = torch.randn(4, 8)
     reference = (x * 2).float()
@@ -251,8 +251,8 @@ def test_a_call_that_writes_into_a_large_input_is_caught_without_a_copy_of_it(wh
                 small[2] = 1.5
         return x * 2
 
-    cases = [selftest.Case(4, 8, 16, invoke, reference, inputs=(x, big, small)), selftest.Case(4, 8, 16, invoke, reference, inputs=(x, big, small))]
-    run = selftest.Sweep(cases, selftest.Bounds(), torch.device("cpu"))
+    cases = [verify.Case(4, 8, 16, invoke, reference, inputs=(x, big, small)), verify.Case(4, 8, 16, invoke, reference, inputs=(x, big, small))]
+    run = verify.Sweep(cases, verify.Bounds(), torch.device("cpu"))
     assert run.held_bytes() < 1 << 16  # x's and small's copies and big's fingerprint: not big itself
     results = run.run(2)
     index = 2 if where == "a scale in the tail" else 1

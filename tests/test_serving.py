@@ -12,7 +12,7 @@ import pytest
 from helpers import faults
 from helpers.cases import case
 from helpers.common import CpuGpu, run_concurrently
-from sm120_fp4 import backends, deciding, selftest, serving
+from sm120_fp4 import backends, deciding, serving, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import RefusedToServe
@@ -30,7 +30,7 @@ def test_decision_is_cached_per_device_and_process():
     backends.register("counting", counting)
     first = serving.decide(candidates=["counting"], settings=SIM)
     again = serving.decide(candidates=["counting"], settings=SIM)
-    assert first is again and len(calls) == 3 * len(selftest.DEFAULT_SHAPES), "two passes (each shape twice in a row in the first), once per process"
+    assert first is again and len(calls) == 3 * len(verify.DEFAULT_SHAPES), "two passes (each shape twice in a row in the first), once per process"
 
 
 def test_concurrent_decides_on_one_device_share_one_selftest():
@@ -46,7 +46,7 @@ def test_concurrent_decides_on_one_device_share_one_selftest():
     results = []
     run_concurrently(lambda: results.append(serving.decide(None, ["counting"], settings=SIM)), [()] * 8)
     assert len(results) == 8 and all(r is results[0] for r in results)
-    assert len(calls) == 3 * len(selftest.DEFAULT_SHAPES)
+    assert len(calls) == 3 * len(verify.DEFAULT_SHAPES)
 
 
 @case("concurrency", "decide() for 3 devices from 12 threads at once", "one self-test per device, one Decision per device shared by all its callers, none lost")

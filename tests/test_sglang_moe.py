@@ -14,7 +14,7 @@ from helpers import moe_faults, sglang_layers
 from helpers.cases import case
 from helpers.common import simulated_moe_skip_reason
 import sm120_fp4
-from sm120_fp4 import backends, nvfp4, selftest, serving
+from sm120_fp4 import backends, nvfp4, serving, verify
 from sm120_fp4.demo import synthetic
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import RefusedToServe
@@ -35,7 +35,7 @@ def _uninstalled(sglang_unpatched):
 
 def routing(tokens: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    ids, weights = selftest.moe_routing(tokens, TOP_K, E, "random", gen)
+    ids, weights = verify.moe_routing(tokens, TOP_K, E, "random", gen)
     x = (torch.randn(tokens, H, generator=gen) * 2).to(torch.bfloat16)
     return x, ids, weights
 
@@ -64,7 +64,7 @@ def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
     backends.register_moe("faulty", fault)
     calls = {"n": 0}
     # Two passes of the generic self-test, the first calling each case twice in a row.
-    generic = 3 * len(selftest.SIMULATION_MOE_CONFIG.cases)
+    generic = 3 * len(verify.SIMULATION_MOE_CONFIG.cases)
 
     def passes_the_generic_selftest_then_faulty(*args):
         calls["n"] += 1  # the generic self-test runs first; the layer check after it
@@ -148,7 +148,7 @@ def test_under_expert_parallelism_this_ranks_experts_are_verified():
 # ---- run_moe: the generic MoE self-test, its default configuration ------------------------------
 
 def test_the_default_moe_configuration_covers_what_the_issue_names():
-    cases = selftest.DEFAULT_MOE_CONFIG.cases
+    cases = verify.DEFAULT_MOE_CONFIG.cases
     assert max(c.experts for c in cases) >= 256
     assert {1, 8} <= {c.top_k for c in cases} and max(c.tokens for c in cases) >= 1024 and min(c.tokens for c in cases) == 1
     assert {c.activation for c in cases} == {"swiglu", "relu2"} and {c.dtype for c in cases} == {"bfloat16", "float16"}
@@ -156,10 +156,10 @@ def test_the_default_moe_configuration_covers_what_the_issue_names():
     assert any(c.intermediate % 128 == 0 for c in cases) and any(c.intermediate % 128 for c in cases)
     gen = torch.Generator().manual_seed(0)
     big = next(c for c in cases if c.experts >= 256 and c.routing == "balanced" and c.top_k == 8)
-    ids, _ = selftest.moe_routing(big.tokens, big.top_k, big.experts, "balanced", gen)
+    ids, _ = verify.moe_routing(big.tokens, big.top_k, big.experts, "balanced", gen)
     assert torch.bincount(ids.reshape(-1).long(), minlength=big.experts).min() > 0, "every expert receives rows"
     skew = next(c for c in cases if c.routing == "skewed" and c.experts >= 256)
-    ids, _ = selftest.moe_routing(skew.tokens, skew.top_k, skew.experts, "skewed", gen)
+    ids, _ = verify.moe_routing(skew.tokens, skew.top_k, skew.experts, "skewed", gen)
     assert torch.bincount(ids.reshape(-1).long()).max() >= 128
     assert all(len(set(row.tolist())) == skew.top_k for row in ids), "distinct experts per token"
 
@@ -324,7 +324,7 @@ def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
       "nothing recorded as verified; the retry checks the layer again and refuses")
 def test_an_interrupted_moe_layer_check_is_checked_again():
     calls = {"n": 0}
-    generic = 3 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
+    generic = 3 * len(verify.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
 
     def interrupted_then_faulty(*args):
         calls["n"] += 1

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import sm120_fp4
-from sm120_fp4 import backends, nvfp4, selftest, serving
+from sm120_fp4 import backends, nvfp4, serving, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.demo import synthetic
@@ -383,7 +383,7 @@ def _after_the_selftest(fault, healthy=emulated_mm_fp4):
     """`fault` on every call after the generic self-test's (two passes over its shapes, the first calling each twice in a row): a kernel
     the self-test cannot see, so only the layer checks can."""
     calls = {"n": 0}
-    generic = 3 * len(selftest.DEFAULT_SHAPES)
+    generic = 3 * len(verify.DEFAULT_SHAPES)
 
     def kernel(*args):
         calls["n"] += 1
@@ -527,11 +527,11 @@ def test_an_interrupted_layer_check_is_never_recorded_and_the_retry_checks_again
 
     def interrupted_then_zeros(a, b, a_sf, b_sf, alpha, dtype, out):
         calls["n"] += 1
-        if calls["n"] <= 3 * len(selftest.DEFAULT_SHAPES):
+        if calls["n"] <= 3 * len(verify.DEFAULT_SHAPES):
             return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
-        if calls["n"] == 3 * len(selftest.DEFAULT_SHAPES) + 3:
+        if calls["n"] == 3 * len(verify.DEFAULT_SHAPES) + 3:
             raise KeyboardInterrupt
-        return out.zero_() if calls["n"] > 3 * len(selftest.DEFAULT_SHAPES) + 3 else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        return out.zero_() if calls["n"] > 3 * len(verify.DEFAULT_SHAPES) + 3 else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
     backends.register("interrupted", interrupted_then_zeros)
     sm120_fp4.install(simulate="12.0", backends="interrupted")
@@ -590,7 +590,7 @@ def _mostly_zero_blocks_skipped(a, b, a_sf, b_sf, alpha, dtype, out):
 @pytest.mark.parametrize("fault", [_subnormal_scales_flushed, _one_signed_rows_zeroed, _mostly_zero_blocks_skipped],
                          ids=["subnormal scales flushed", "ReLU^2 rows zeroed", "sparse and outlier blocks skipped"])
 @case("backend faults", "a kernel right on Gaussian activations and wrong on {fault} (the generic self-test passes it)",
-      "refused at load: the layer checks' activations include every row kind of selftest.ROW_KINDS")
+      "refused at load: the layer checks' activations include every row kind of verify.ROW_KINDS")
 def test_a_kernel_wrong_on_structured_activations_is_refused_at_load(fault):
     backends.register("structured", _after_the_selftest(fault))
     sm120_fp4.install(simulate="12.0", backends="structured")

@@ -250,7 +250,7 @@ def _ledger_states() -> dict[str, str]:
 @pytest.mark.parametrize("kernel", ["dense", "MoE"])
 def test_a_tree_patched_with_the_upstream_diff_keeps_every_check_on(tmp_path, monkeypatch, sglang_unpatched, kernel):
     import sm120_fp4
-    from sm120_fp4 import backends, selftest, serving
+    from sm120_fp4 import backends, serving, verify
     from sm120_fp4.demo import synthetic
     from sm120_fp4.errors import RefusedToServe
     from sm120_fp4.sglang import layers

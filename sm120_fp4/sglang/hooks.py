@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .. import backends, checkpoints, graphs, nvfp4, selftest
+from .. import backends, checkpoints, graphs, nvfp4, verify
 from ..errors import not_accepted, say_once
 from ..serving import LayerCheck
 from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
@@ -411,9 +411,9 @@ def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: int, k: int, ms: list[int],
-                  dtype: torch.dtype, seed: int, watched: tuple) -> list[selftest.Case]:
+                  dtype: torch.dtype, seed: int, watched: tuple) -> list[verify.Case]:
     """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range, of
-    every kind selftest.structured_activations makes (the first M rows of one batch, so the oracle
+    every kind verify.structured_activations makes (the first M rows of one batch, so the oracle
     runs once), quantized by SGLang inside `serve`; the oracle quantizes the same rows with nvfp4
     and multiplies with the layer's own weights."""
     device = weight.device
@@ -421,7 +421,7 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     gsf = float(input_gsf.float().reshape(-1)[0].cpu())
     if not (math.isfinite(gsf) and gsf > 0):
         raise not_accepted("dense layer check", "input_gsf", input_gsf, "the layer's positive finite input global scale")
-    x = selftest.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
+    x = verify.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
     # Finite by construction, its scale read above; at a decode batch size from a CUDA graph (launch-bound).
     qx, sx = graphs.run("quantize", _quantize, (x, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone()))
     k_weight = weight.shape[1] * 2
@@ -432,7 +432,7 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)[:, :n_out]
     cases = []
     for m in ms:
-        case = selftest.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
+        case = verify.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
         # The repeat of M right after it, other data: the batch's next M rows (views) where there
         # are more rows, else these rows rolled by one.
         if m < rows:
@@ -444,8 +444,8 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     return cases
 
 
-def _rolled_rows(case: selftest.Case, serve: Callable, x: torch.Tensor) -> selftest.Case:
-    return selftest.rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
+def _rolled_rows(case: verify.Case, serve: Callable, x: torch.Tensor) -> verify.Case:
+    return verify.rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
 
 
 def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, alpha, input_gsf,
@@ -463,7 +463,7 @@ def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, al
     label = f"{kind} N={n_out} K={k} {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} (weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
     key = (kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
-    def cases(ms: list[int]) -> list[selftest.Case]:
+    def cases(ms: list[int]) -> list[verify.Case]:
         return [case for i, dtype in enumerate(dtypes)
                 for case in _served_cases(serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched)]
 

@@ -29,7 +29,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import backends, kernels, nvfp4, selftest, serving
+from .. import backends, nvfp4, serving, verify
+from ..backends import flashinfer
 from ..errors import RefusedToServe
 from ..patching import PatchSpec, Patcher
 from ..serving import LayerCheck
@@ -140,7 +141,7 @@ def make_seam(original: Callable, make_front: Callable[[Callable, type], Callabl
             if not simulated:
                 raise
             # Simulation on a CPU: SGLang's own lookup insists on CUDA; FlashInfer imports anyway.
-            fn, activation_type = kernels.fused_moe_kernel()
+            fn, activation_type = flashinfer.fused_moe_kernel()
         cached = fronts.get(id(fn))
         if cached is None or cached[0] is not fn:
             cached = fronts[id(fn)] = (fn, make_front(fn, activation_type))
@@ -204,8 +205,8 @@ def processed_weights(layer: object) -> ProcessedMoe | None:
         w13_alpha=layer.g1_alphas.float().reshape(experts),
         w2=w2, w2_sf=w2_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(hidden, inter)),
         w2_alpha=layer.g2_alphas.float().reshape(experts),
-        a1_gscale=kernels.global_scale(layer.w13_input_scale_quant.float()),
-        a2_gscale=kernels.global_scale(layer.w2_input_scale_quant.float()),
+        a1_gscale=flashinfer.global_scale(layer.w13_input_scale_quant.float()),
+        a2_gscale=flashinfer.global_scale(layer.w2_input_scale_quant.float()),
     )
     return ProcessedMoe(weights, activation, experts, hidden, inter)
 
@@ -227,7 +228,7 @@ def _served_call(layer: object, processed: ProcessedMoe, x: torch.Tensor, ids: t
         output_dtype=x.dtype, input_sf=None, quant_scales=scales, swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1],
         swiglu_limit=swiglu[2], ep_size=ep_size, ep_rank=ep_rank,
         tp_size=getattr(layer, "moe_tp_size", 1), tp_rank=getattr(layer, "moe_tp_rank", 0),
-        tune_max_num_tokens=8192, activation_type=getattr(activation_type, kernels.MOE_ACTIVATIONS[processed.activation]),
+        tune_max_num_tokens=8192, activation_type=getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation]),
         enable_alltoall=False, use_fused_finalize=False,
     )[0]
 
@@ -244,7 +245,7 @@ def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
 
 def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
     """selftest.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
-    ids, weights = selftest.moe_routing(tokens, top_k, pool.numel(), routing, gen)
+    ids, weights = verify.moe_routing(tokens, top_k, pool.numel(), routing, gen)
     return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(torch.int32), weights
 
 
@@ -256,7 +257,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     parallelism (a few other ranks' experts in every batch, which must add nothing) and SGLang's -1
     drop sentinel in one batch. Every batch size routes among max(8, top-k) of this rank's experts
     (the oracle keeps those dequantized), one batch puts >= 128 rows on one expert, and one routes
-    to every expert of the rank, each leading two tokens (most of their output: selftest.moe_routing,
+    to every expert of the rank, each leading two tokens (most of their output: verify.moe_routing,
     "balanced"), so each of them is exercised with its own weights where a wrong result shows.
     """
     processed = processed_weights(layer)
@@ -286,7 +287,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
     cover = max(8, 2 * total)  # tokens that let every expert (of every rank) lead two tokens ("balanced")
 
-    def cases(ms: list[int]) -> list[selftest.Case]:
+    def cases(ms: list[int]) -> list[verify.Case]:
         gen = torch.Generator().manual_seed(2024)
         plans = []
         batches = [(m, "random", pool) for m in ms]
@@ -295,7 +296,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         for dtype in dtypes:
             for m, routing, among in batches:
                 ids, topk_weights = _routed(m, min(top_k, among.numel()), among, routing, gen)
-                x = selftest.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)  # made where used
+                x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)  # made where used
                 name = f"T={m} {routing}{' (every expert)' if among is everyone else ''} {str(dtype).removeprefix('torch.')}"
                 plans.append((name, x, ids.to(device), topk_weights.to(device)))
         call = serve or functools.partial(_served_convention, layer, processed)
@@ -304,8 +305,8 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         index = layer_device_index(layer)
         mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
         originals = weights.map(backends.original)
-        cache = selftest.ExpertCache(subset)  # every-expert batches dequantize the others per call
-        return selftest.moe_cases(call, weights, processed.activation, plans, cache=cache,
+        cache = verify.ExpertCache(subset)  # every-expert batches dequantize the others per call
+        return verify.moe_cases(call, weights, processed.activation, plans, cache=cache,
                                   first_expert=first, served_ids=serve is None, mode=mode, reference_weights=originals)
 
     def current() -> tuple:

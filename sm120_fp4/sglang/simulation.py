@@ -41,7 +41,7 @@ import torch
 
 from .. import locks
 from ..errors import say_once
-from ..kernels import fp4_quantize_stand_in
+from ..backends.flashinfer import fp4_quantize_stand_in
 from ..patching import PatchSpec, Patcher
 from .cpu_engine import OPS as CPU_ENGINE_OPS, cpu_engine_selected
 from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version, supported

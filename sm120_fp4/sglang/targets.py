@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..kernels import is_mm_fp4
+from ..backends.flashinfer import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
 from .hooks import (compressed_tensors_check, make_update_hook, make_warmup_hook, make_weights_hook,

@@ -79,10 +79,10 @@ def make_stale_workspace(mode: str = "previous"):
 
 def after_generic(fault):
     """`fault` on every call after the generic MoE self-test's (so only the layer check can see it)."""
-    from sm120_fp4 import selftest
+    from sm120_fp4 import verify
 
     calls = {"n": 0}
-    generic = 3 * len(selftest.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
+    generic = 3 * len(verify.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
 
     def kernel(*args):
         calls["n"] += 1

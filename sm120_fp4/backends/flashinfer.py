@@ -28,10 +28,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import nvfp4
-from .devices import Device
-from .errors import InvalidArgument, not_accepted, say_once
-from .versions import installed_version
+from .. import nvfp4
+from ..devices import Device
+from ..errors import InvalidArgument, not_accepted, say_once
+from ..versions import installed_version
 
 __all__ = [
     "BACKENDS",

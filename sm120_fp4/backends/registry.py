@@ -1,36 +1,28 @@
-"""The registry of FP4 GEMM backends, all behind ``flashinfer.mm_fp4``'s calling convention.
-
-Every backend is called as ``fn(a, b, a_descale, b_descale, alpha, out_dtype, out)`` and must
-write the result into `out` (contiguous, preallocated by the caller) and return it.
-
-* FlashInfer backends (``cutlass``, ``b12x``, ``cudnn``, ``cute-dsl``): :mod:`sm120_fp4.kernels`
-  calls them the verified way; FlashInfer is imported only when one is asked about.
-* ``emulated``: :mod:`sm120_fp4.nvfp4` dequantize + float32 matmul; slow, exact, runs anywhere.
-  ``emulated-cached`` keeps the dequantized weight (decode-speed emulation, more memory).
-* ``register()`` adds user or test backends (a fault-injecting one, another kernel library).
-* Entry points: a name no process registered is looked up in the entry-point group
-  ``sm120_fp4.backends`` (``sm120_fp4.moe_backends`` for MoE) of the installed distributions, so a
-  backend reaches spawned SGLang workers too (``register()`` in a launcher does not). The entry
-  point's name is the backend's name; its object is the backend function, with an optional
-  ``is_supported`` attribute (docs/operations.md has an example).
-
-NVFP4 fused-MoE backends have a registry of their own (``register_moe()``, ...) with the convention
-of :func:`sm120_fp4.nvfp4.reference_moe_fp4`; built-ins: ``cutlass`` (FlashInfer's
-``cutlass_fused_moe``, called as SGLang calls it) and ``emulated`` (the oracle's arithmetic, capture-safe).
+"""The registries of backends, one per kernel family (dense FP4 GEMM, NVFP4 fused MoE), and their
+built-ins: FlashInfer's (:mod:`.flashinfer`), ``emulated`` (:mod:`.emulated`), ``humming``; what
+``register()`` / ``register_moe()`` and the entry-point groups add.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
-from . import kernels, locks, nvfp4
-from .devices import Device
-from .errors import ConfigError, InvalidArgument
+from .. import locks
+from ..devices import Device
+from ..errors import ConfigError, InvalidArgument
+from .flashinfer import (
+    BACKENDS as FLASHINFER_BACKENDS,
+    MOE_BACKENDS as _MOE_BACKENDS,
+    mm_fp4_backend,
+    moe_backend,
+    moe_supported as _moe_supported,
+    quantizer as _quantizer,
+    supported as _supported,
+    version as flashinfer_version,
+)
+from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 
 __all__ = [
     "Backend",
@@ -46,9 +38,6 @@ __all__ = [
     "resolve",
     "quantizer_for",
     "flashinfer_version",
-    "emulated_mm_fp4",
-    "emulated_moe",
-    "invalidate_caches",
     "register_moe",
     "unregister_moe",
     "moe_names",
@@ -60,15 +49,18 @@ __all__ = [
     "original",
     "fetch_originals",
     "HUMMING",
+    "EMULATED",
+    "EMULATED_CACHED",
+    "GemmFn",
+    "SupportFn",
 ]
+
 
 GemmFn = Callable[..., object]
 SupportFn = Callable[[Device], "tuple[bool, str | None]"]
 
-FLASHINFER_BACKENDS = kernels.BACKENDS
 EMULATED = "emulated"
 EMULATED_CACHED = "emulated-cached"
-flashinfer_version = kernels.version
 
 
 @dataclass(frozen=True)
@@ -94,105 +86,6 @@ class Backend:
     settle: Callable[[dict, bool], None] | None = None
 
 
-def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
-    """The `emulated` backend: the nvfp4 reference GEMM (dequantize + float32 matmul)."""
-    return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
-
-
-class _WeightCache:
-    """Dequantized bf16 weights for `emulated-cached`, valid while the weight is alive and unchanged.
-
-    Memory: 2 bytes per weight element, four times the packed FP4 weight (0.5 byte per element)
-    plus its scales: opt in by naming the backend in SM120_FP4_BACKENDS. An entry is never made
-    while a CUDA graph is being captured (its values would exist only once the graph replays), and
-    every entry is dropped around SGLang's weight-update calls (:func:`invalidate_caches`), which
-    write weights in place through ``param.data`` without bumping their version counter.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple] = {}
-        self._lock = locks.lock()
-
-    def get(self, b, b_descale, dtype):
-        base = b._base if b._base is not None else b
-        key = id(base)
-        version = (base._version, b_descale._version, b.data_ptr(), b_descale.data_ptr(), tuple(b.shape), dtype)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is base and entry[1] == version:
-            return entry[2]
-        weight = nvfp4.dequantize_unscaled(b.T, b_descale.T, dtype)
-        if b.is_cuda and torch.cuda.is_current_stream_capturing():
-            return weight  # computed by the graph at every replay; never kept as if it held values now
-        with self._lock:
-            self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}
-            self._entries[key] = (weakref.ref(base), version, weight)
-        return weight
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries = {}
-
-
-_weight_cache = _WeightCache()
-
-
-def invalidate_caches() -> None:
-    """Drop every kept copy of dequantized weights (SGLang is about to write, or has written, weights)."""
-    _weight_cache.clear()
-
-
-def emulated_cached_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
-    """`emulated` with the weight's dequantization cached (decode-speed emulation, more memory).
-
-    Only where the reference runs its bf16 GEMM (CUDA): the cached copy is the bf16 one.
-    """
-    dtype = nvfp4.gemm_operand_dtype(a)
-    cached = _weight_cache.get(b, b_descale, dtype) if dtype == torch.bfloat16 else None
-    return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, dequantized_b=cached)
-
-
-def _quantized(values: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    packed, scales = nvfp4.quantize(values, gscale.reshape(()), check_finite=False)
-    return nvfp4.dequantize_unscaled(packed, scales, dtype)
-
-
-def emulated_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                 activation, out_dtype, out):
-    """The `emulated` MoE backend: nvfp4.reference_moe_fp4's arithmetic, written into `out`, with no
-    host synchronisation (it runs inside CUDA-graph capture).
-
-    The oracle's rounding points (FC1 and FC2 outputs rounded to the output dtype, the intermediate
-    quantized from float32, the slots summed in slot order in float32), so its result is the
-    oracle's: with NVFP4 operands every GEMM sum is exact in float32, whatever rows share a GEMM.
-    Instead of grouping rows by expert (which needs the counts on the host), every expert runs over
-    all T tokens and each slot takes its own expert's row: E times the oracle's GEMM work, no sync.
-    A slot whose id is outside [0, E) -- another expert-parallel rank's expert, or SGLang's -1 drop
-    sentinel -- is never computed and adds exactly nothing (no row of it, finite or not, is read).
-    """
-    tokens, hidden = x.shape
-    experts, rows13 = w13.shape[0], w13.shape[1]
-    inter = rows13 // 2 if activation == "swiglu" else rows13
-    dtype = nvfp4.gemm_operand_dtype(x)
-    ids = topk_ids.long()
-    valid = (ids >= 0) & (ids < experts)
-    routed = torch.zeros((tokens, ids.shape[1], hidden), dtype=out_dtype, device=x.device)
-    per_expert_a1, per_expert_a2 = a1_gscale.numel() > 1, a2_gscale.numel() > 1
-    acts = None if per_expert_a1 else _quantized(x, a1_gscale, dtype)
-    for e in range(experts):
-        rows = _quantized(x, a1_gscale.reshape(-1)[e], dtype) if per_expert_a1 else acts
-        fc1 = nvfp4.expert_mm(rows, nvfp4.dequantize_unscaled(w13[e], w13_sf[e], dtype), w13_alpha[e])
-        act = nvfp4.expert_activation(fc1.to(out_dtype).float(), activation, inter)
-        act = _quantized(act, a2_gscale.reshape(-1)[e] if per_expert_a2 else a2_gscale, dtype)
-        row = nvfp4.expert_mm(act, nvfp4.dequantize_unscaled(w2[e], w2_sf[e], dtype), w2_alpha[e]).to(out_dtype)
-        routed = torch.where((ids == e).unsqueeze(-1), row.unsqueeze(1), routed)
-    total = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
-    for slot in range(ids.shape[1]):
-        term = topk_weights[:, slot : slot + 1] * routed[:, slot].float()
-        total = total + torch.where(valid[:, slot : slot + 1], term, torch.zeros_like(term))
-    out.copy_(total)
-    return out
-
-
 def _always(device: Device) -> tuple[bool, str | None]:
     return True, None
 
@@ -202,7 +95,7 @@ HUMMING = "humming"
 
 def _humming_dense() -> Backend:
     """Humming's bf16/fp16-activation kernel on SGLang's FP4 activations, dequantized exactly (W4A4)."""
-    from . import humming  # light: Humming itself is imported only when it is asked about
+    from .. import humming  # light: Humming itself is imported only when it is asked about
 
     return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4",
                    lambda t, keep: humming.prepare_dense(t["weight"], t["weight_sf"], t["dtype"], keep),
@@ -211,7 +104,7 @@ def _humming_dense() -> Backend:
 
 def _humming_moe() -> Backend:
     """Humming's grouped kernel on unquantized activations (W4A16)."""
-    from . import humming
+    from .. import humming
 
     return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16",
                    lambda t, keep: humming.prepare_moe(t, t["dtype"], keep),
@@ -302,7 +195,7 @@ class _Registry:
 
 
 def _dense_builtins() -> dict[str, Backend]:
-    out = {name: Backend(name, "flashinfer", None, functools.partial(kernels.supported, name)) for name in FLASHINFER_BACKENDS}
+    out = {name: Backend(name, "flashinfer", None, functools.partial(_supported, name)) for name in FLASHINFER_BACKENDS}
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
     out[EMULATED_CACHED] = Backend(EMULATED_CACHED, "emulated", emulated_cached_mm_fp4, _always)
     out[HUMMING] = _humming_dense()
@@ -310,7 +203,7 @@ def _dense_builtins() -> dict[str, Backend]:
 
 
 def _moe_builtins() -> dict[str, Backend]:
-    out = {name: Backend(name, "flashinfer", None, functools.partial(kernels.moe_supported, name)) for name in kernels.MOE_BACKENDS}
+    out = {name: Backend(name, "flashinfer", None, functools.partial(_moe_supported, name)) for name in _MOE_BACKENDS}
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_moe, _always)
     out[HUMMING] = _humming_moe()
     return out
@@ -352,7 +245,7 @@ def is_supported(name: str, device: Device) -> tuple[bool, str | None]:
 def resolve(name: str) -> GemmFn:
     """The callable to run for backend `name` (FlashInfer imported here, not before)."""
     backend = get(name)
-    return backend.fn if backend.fn is not None else kernels.mm_fp4_backend(name)
+    return backend.fn if backend.fn is not None else mm_fp4_backend(name)
 
 
 def backend_of(family: str, name: str) -> Backend:
@@ -370,7 +263,7 @@ def mode_of(family: str, name: str) -> str:
 def original(t):
     """A weight tensor as the checkpoint has it, for the oracle: where a backend converted its storage
     in place (humming), a copy of the bytes it kept; otherwise the tensor itself."""
-    from . import humming
+    from .. import humming
 
     return humming.original(t)
 
@@ -382,7 +275,7 @@ def fetch_originals(tensors: dict | None):
     bytes already on the device, or more than humming.FETCH_BYTES)."""
     if not tensors:
         return None
-    from . import humming
+    from .. import humming
 
     return humming.fetch_originals(tensors)
 
@@ -390,7 +283,7 @@ def fetch_originals(tensors: dict | None):
 def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
     """The activation quantizer that serves alongside backend `name` on `device`, where it can be
     checked there (FlashInfer's, for FlashInfer backends on sm_100+); None otherwise."""
-    return kernels.quantizer(device) if get(name).kind == "flashinfer" else None
+    return _quantizer(device) if get(name).kind == "flashinfer" else None
 
 
 def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
@@ -426,4 +319,4 @@ def is_moe_supported(name: str, device: Device) -> tuple[bool, str | None]:
 def resolve_moe(name: str) -> Callable:
     """The callable to run for MoE backend `name` (FlashInfer imported here, not before)."""
     backend = get_moe(name)
-    return backend.fn if backend.fn is not None else kernels.moe_backend(name)
+    return backend.fn if backend.fn is not None else moe_backend(name)

@@ -1,0 +1,109 @@
+"""The dense self-test: one backend on one device over several GEMM shapes, against the oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import torch
+
+from .. import backends, nvfp4
+from ..devices import Device
+from ..errors import SelfTestError
+from .engine import (
+    Bounds,
+    Case,
+    QuantizerCheck,
+    SelfTestReport,
+    finish,
+    refuse_inside_capture,
+    report_for,
+    sweep,
+)
+from .data import Shape, quantized_inputs
+
+__all__ = [
+    "DEFAULT_SHAPES",
+    "run",
+]
+
+
+# M: one token, an odd count, just above one 128-row tile, a prefill of a few thousand.
+# N and K: multiples of 32 but not of 128, so partial tiles and padded scales are exercised.
+DEFAULT_SHAPES: tuple[Shape, ...] = ((1, 96, 1056), (7, 224, 160), (129, 160, 480), (2500, 96, 160))
+
+
+def _backend_cases(fn: Callable, shapes: tuple[Shape, ...], device: torch.device, seed: int, dtype: torch.dtype) -> list[Case]:
+    cases = []
+    for i, (m, n, k) in enumerate(shapes):
+        _, _, args = quantized_inputs((m, n, k), device, seed + i)
+        ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
+        out = torch.empty((m, n), dtype=dtype, device=device)
+        cases.append(Case(m, n, k, functools.partial(fn, *args, dtype, out), ref, inputs=args, out=out,
+                          twin=functools.partial(_negated, fn, args, dtype, out, ref)))
+    return cases
+
+
+def _negated(fn: Callable, args: tuple, dtype: torch.dtype, out: torch.Tensor, ref: torch.Tensor) -> Case:
+    """The same call with the activation negated (every FP4 code's sign bit flipped): exactly -ref."""
+    a = args[0] ^ 0x88
+    m, n = out.shape
+    return Case(m, n, a.shape[1] * 2, functools.partial(fn, a, *args[1:], dtype, out), -ref, inputs=(a, *args[1:]), out=out)
+
+
+def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:
+    """Compare `quantizer(x, global_scale) -> (packed, swizzled scales)` with nvfp4.quantize."""
+    x, gx, _ = quantized_inputs((129, 64, 480), device, seed)
+    want_q, want_s = nvfp4.quantize(x, gx)
+    try:
+        got_q, got_s = quantizer(x, gx)
+    except Exception as exc:
+        return QuantizerCheck(name=name, passed=False, reason=f"raised {type(exc).__name__}: {exc}")
+    got_q, got_s = got_q.view(torch.uint8), got_s.view(torch.uint8)
+    if got_q.shape != want_q.shape or got_s.numel() != want_s.numel():
+        return QuantizerCheck(name=name, passed=False, reason=f"shapes {tuple(got_q.shape)}/{tuple(got_s.shape)} differ from nvfp4's")
+    codes = nvfp4.unpack_nibbles(got_q) != nvfp4.unpack_nibbles(want_q)
+    scales = got_s.reshape(-1) != want_s.view(torch.uint8).reshape(-1)
+    code_mm, scale_mm = float(codes.float().mean()), float(scales.float().mean())
+    # FlashInfer's fast-math reciprocals may move a boundary value by one code: allow a trace.
+    ok = code_mm <= 1e-3 and scale_mm <= 1e-3
+    reason = None if ok else f"{code_mm:.2%} of codes and {scale_mm:.2%} of scales differ from nvfp4.quantize"
+    return QuantizerCheck(name=name, passed=ok, reason=reason, code_mismatch=code_mm, scale_mismatch=scale_mm)
+
+
+def run(
+    backend: str,
+    device: Device,
+    shapes: tuple[Shape, ...] | list[Shape] | None = None,
+    *,
+    seed: int = 0,
+    bounds: Bounds | None = None,
+    quantizer: tuple[str, Callable] | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> SelfTestReport:
+    """Self-test `backend` on `device` over `shapes` (default DEFAULT_SHAPES); never raises for a bad kernel.
+
+    Two passes over the shapes, the first calling each shape twice in a row (the second time with
+    the activation negated), every call checked: it returns `out` itself, `out` matches the oracle
+    (after NaN poisoning), and its inputs are bitwise unchanged.
+    """
+    refuse_inside_capture("self-test", "before")
+    bounds = bounds or Bounds()
+    shapes = tuple(shapes or DEFAULT_SHAPES)
+    for shape in shapes:
+        if len(shape) != 3 or any(int(v) <= 0 for v in shape) or shape[2] % 32 or shape[1] % 8:
+            raise SelfTestError(f"self-test shape {shape!r} is not (M, N, K) with N % 8 == 0 and K % 32 == 0")
+    report = report_for(backend, device)
+    start = time.perf_counter()
+    try:
+        fn = backends.resolve(backend)
+    except Exception as exc:
+        report.reason = f"could not load backend {backend!r}: {type(exc).__name__}: {exc}"
+        return report
+    tdev = device.torch_device
+    results = sweep(_backend_cases(fn, shapes, tdev, seed, out_dtype), bounds, tdev, where=f" of backend {backend!r} on {device.label()}")
+    if quantizer is not None:
+        report.quantizer = check_quantizer(quantizer[0], quantizer[1], tdev, seed)
+    return finish(report, results, start)
