@@ -1,6 +1,6 @@
 """SGLang's FlashInfer autotune gate, for the NVFP4 layers this library serves.
 
-SGLang (0.5.18+) tunes FlashInfer's kernels in a dummy forward at warm-up when its gate
+SGLang (0.5.15+) tunes FlashInfer's kernels in a dummy forward at warm-up when its gate
 ``should_run_flashinfer_autotune`` says yes: only when the MoE runner *server-argument string* names a
 FlashInfer runner, or the checkpoint's quantization is ``modelopt_fp4`` / ``modelopt_mixed`` with a
 FlashInfer dense backend. A compressed-tensors NVFP4 checkpoint is therefore never tuned for its dense
@@ -25,7 +25,8 @@ import logging
 import sys
 from typing import Callable, Iterator
 
-from .release import RUNTIME_CONTEXT
+from ..versions import version_in
+from .release import RUNTIME_CONTEXT, sglang_version
 
 __all__ = ["RUNNER", "TUNABLE", "make_gate", "tunable_backends"]
 
@@ -43,8 +44,17 @@ def tunable_backends(routes: dict[str, dict[int, str]], index: int) -> list[str]
             if routes.get(family, {}).get(index) in TUNABLE[family]]
 
 
-def _configured_runner(for_speculative_draft: bool) -> str | None:
+def _reads_server_args() -> bool:
+    """0.5.15-0.5.17: the gate reads the model runner's ServerArgs; 0.5.18+ SGLang's runtime context."""
+    return not version_in(sglang_version() or "0", ">=0.5.18")
+
+
+def _configured_runner(model_runner, for_speculative_draft: bool) -> str | None:
     """The MoE runner string SGLang's gate reads (the draft's own one first, for the draft)."""
+    if _reads_server_args():
+        args = model_runner.server_args
+        own = getattr(args, "speculative_moe_runner_backend", None) if for_speculative_draft else None
+        return own or args.moe_runner_backend
     context = sys.modules[RUNTIME_CONTEXT]
     target = context.get_exec().moe.moe_runner_backend
     if for_speculative_draft:
@@ -53,9 +63,22 @@ def _configured_runner(for_speculative_draft: bool) -> str | None:
 
 
 @contextlib.contextmanager
-def _as_explicit_runner(for_speculative_draft: bool) -> Iterator[None]:
-    """SGLang's configured MoE runner string(s) read as `RUNNER` (SGLang's scoped override of its own
-    config bags, restored on exit). Only for one call of SGLang's gate at warm-up, before serving."""
+def _as_explicit_runner(model_runner, for_speculative_draft: bool) -> Iterator[None]:
+    """SGLang's configured MoE runner string(s) read as `RUNNER`, restored on exit (0.5.18+: SGLang's scoped
+    override of its own config bags). Only for one call of SGLang's gate at warm-up, before serving."""
+    if _reads_server_args():
+        args = model_runner.server_args
+        names = ["moe_runner_backend"] + (["speculative_moe_runner_backend"] if for_speculative_draft and
+                                          getattr(args, "speculative_moe_runner_backend", None) else [])
+        saved = {name: getattr(args, name) for name in names}
+        try:
+            for name in names:
+                setattr(args, name, RUNNER)
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(args, name, value)
+        return
     context = sys.modules[RUNTIME_CONTEXT]
     with contextlib.ExitStack() as stack:
         stack.enter_context(context.get_exec().moe.override(moe_runner_backend=RUNNER))
@@ -80,13 +103,13 @@ def make_gate(original: Callable, served: Callable[[], list[str]], said: set[str
         if answer:
             return answer
         try:
-            runner = _configured_runner(for_speculative_draft)
+            runner = _configured_runner(model_runner, for_speculative_draft)
             if isinstance(runner, str) and runner.startswith("flashinfer_"):
                 return answer  # SGLang read a FlashInfer runner: its no is for another reason
             families = served()
             if not families:
                 return answer
-            with _as_explicit_runner(for_speculative_draft):
+            with _as_explicit_runner(model_runner, for_speculative_draft):
                 if not original(model_runner, for_speculative_draft=for_speculative_draft):
                     return answer  # one of SGLang's other refusals
         except Exception as exc:  # noqa: BLE001 - SGLang's warm-up must survive our bugs

@@ -113,7 +113,7 @@ _AUTOTUNE_WHY = (
     "with a backend FlashInfer tunes (dense cutlass or b12x, MoE cutlass), say yes, as for an explicit "
     f"--moe-runner-backend {AUTOTUNE_RUNNER} ModelOpt configuration; otherwise SGLang's answer, unchanged"
 )
-_AUTOTUNE = dict(versions=">=0.5.18",
+_AUTOTUNE = dict(versions=">=0.5.15",
                  upstream="no upstream issue; SGLang's gate reads the runner string and the quantization name only",
                  remove_when="when SGLang's autotune gate asks the NVFP4 layers' resolved backends instead of the strings")
 _MOE_REMOVE = "when SGLang verifies its fused-MoE output at start-up on SM12x"
