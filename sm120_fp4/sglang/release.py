@@ -31,6 +31,8 @@ __all__ = [
     "CT_CONFIG",
     "MOE_UTILS",
     "KERNEL_OPS_GEMM",
+    "AUTOTUNE",
+    "BASE_RUNNER",
     "SCHEDULER",
     "SCHEDULER_CHECKER",
     "MQ_FILE",
@@ -63,6 +65,8 @@ MOE_RUNNER_FC = "sglang.srt.layers.moe.moe_runner.flashinfer_cutlass"
 CT_MOE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe"
 CT_CONFIG = "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors"
 KERNEL_OPS_GEMM = "sglang.kernels.ops.gemm"  # 0.5.20+: SGLang's own kernels, try_qwen3x_nvfp4_gemm among them
+AUTOTUNE = "sglang.srt.model_executor.runner.flashinfer_autotune"  # 0.5.15+: should_run_flashinfer_autotune
+BASE_RUNNER = "sglang.srt.model_executor.runner.base_runner"  # imports that gate by name (its warm-up calls it)
 MOE_UTILS = "sglang.srt.layers.moe.utils"  # the MoE runner backend: initialize_moe_config, get_moe_runner_backend
 SCHEDULER = "sglang.srt.managers.scheduler"  # the scheduler loop (its idle point: the serving canary)
 SCHEDULER_CHECKER = "sglang.srt.managers.scheduler_runtime_checker_mixin"  # 0.5.4-0.5.12: the idle point's home

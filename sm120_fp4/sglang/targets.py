@@ -17,11 +17,12 @@ from typing import Callable
 from ..backends.flashinfer import is_mm_fp4
 from ..patching import PatchSpec, Patcher
 from ..versions import version_in
+from .autotune import RUNNER as AUTOTUNE_RUNNER, make_gate as make_autotune_gate
 from .hooks import (compressed_tensors_check, make_update_hook, make_warmup_hook, make_weights_hook,
                     modelopt_check)
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
-from .release import (CT, CT_MOE, DISTRIBUTION, FP4_UTILS, KERNEL_OPS_GEMM, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
+from .release import (AUTOTUNE, BASE_RUNNER, CT, CT_MOE, DISTRIBUTION, FP4_UTILS, KERNEL_OPS_GEMM, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
                       SUPPORTED, WEIGHT_UPDATER, sglang_version, supported)
 
 __all__ = ["Wiring", "TARGETS", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
@@ -73,6 +74,7 @@ class Wiring:
     weights_update_begin: Callable[[], object] = lambda: None  # SGLang starts writing weights
     weights_update_end: Callable[[], object] = lambda: None  # ... and is done: verify what changed
     make_decline: Callable = lambda original: original  # SGLang's own FP4 GEMM fast path: None on a served device
+    tuned_families: Callable[[], list[str]] = lambda: []  # served here with a backend FlashInfer's autotuner tunes
 
 
 _MOE_WHY = (
@@ -102,6 +104,18 @@ _KDA_WHY = (
     "FP4 GEMM alias, so neither the route nor the layer check would see that kernel; on a device this library serves "
     "the gate returns None (the call goes on to the routed, verified alias), logged once; elsewhere SGLang's gate runs"
 )
+_AUTOTUNE_WHY = (
+    "SGLang runs FlashInfer's autotune at warm-up only when the MoE runner server-argument string names a FlashInfer "
+    "runner or the quantization is modelopt_fp4/modelopt_mixed: a compressed-tensors NVFP4 checkpoint's dense layers "
+    "are never tuned, and its MoE layers are not either with the runner pinned from 'auto' through SGLang's flags (the "
+    "string stays 'auto'); where SGLang's gate says no for that reason alone (asked again with the runner string "
+    f"{AUTOTUNE_RUNNER}, so each of its other refusals stands) and this library serves NVFP4 layers on the device "
+    "with a backend FlashInfer tunes (dense cutlass or b12x, MoE cutlass), say yes, as for an explicit "
+    f"--moe-runner-backend {AUTOTUNE_RUNNER} ModelOpt configuration; otherwise SGLang's answer, unchanged"
+)
+_AUTOTUNE = dict(versions=">=0.5.15",
+                 upstream="no upstream issue; SGLang's gate reads the runner string and the quantization name only",
+                 remove_when="when SGLang's autotune gate asks the NVFP4 layers' resolved backends instead of the strings")
 _MOE_REMOVE = "when SGLang verifies its fused-MoE output at start-up on SM12x"
 _CAPTURE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x")
 _UPDATE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 output after its weight updates on SM12x")
@@ -137,6 +151,13 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
             versions=">=0.5.20", check=_is_callable, why=_KDA_WHY,
             upstream="no upstream check of this kernel's output on the device exists",
             remove_when="when this kernel is a verified candidate of the dense family (self-test, layer checks)"),
+    _target("autotune-gate", name="flashinfer-autotune-gate", module=AUTOTUNE, attribute="should_run_flashinfer_autotune",
+            why=_AUTOTUNE_WHY + " (the module's function: the speculative draft's warm-up calls it through the module)",
+            check=_is_callable, **_AUTOTUNE),
+    _target("autotune-gate", name="flashinfer-autotune-gate-base-runner", module=BASE_RUNNER,
+            attribute="should_run_flashinfer_autotune",
+            why=_AUTOTUNE_WHY + " (base_runner's own name for it: BaseRunner._warmup calls it, imported by name)",
+            check=_is_callable, **_AUTOTUNE),
     _target("modelopt-weights", name="modelopt-fp4-weights-hook", module=MQ,
             attribute="ModelOptFp4LinearMethod.process_weights_after_loading", versions=SUPPORTED, why=_WEIGHTS_WHY,
             upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
@@ -213,6 +234,7 @@ def _makers(w: Wiring) -> dict[str, Callable]:
     return {
         "dispatch": w.make_dispatch,
         "decline": w.make_decline,
+        "autotune-gate": functools.partial(make_autotune_gate, served=w.tuned_families, said=set()),
         "modelopt-weights": dense_hook("ModelOptFp4LinearMethod", modelopt_check),
         "compressed-tensors-weights": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),

@@ -127,9 +127,15 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
             canary.on_warmup(captured)
         return done
 
+    def tuned_families() -> list[str]:
+        """The NVFP4 families served on this process's device with a backend FlashInfer's autotuner tunes."""
+        from .autotune import tunable_backends
+
+        return tunable_backends({f: serving.routes(f) for f in ("dense", "moe")}, _current_index(settings))
+
     wiring = targets.Wiring(make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
                             serving.weights_update_begin, lambda: serving.weights_update_end(settings),
-                            make_decline=make_decline)
+                            make_decline=make_decline, tuned_families=tuned_families)
     specs = targets.specs(wiring)
     if idle is not None:
         canary.configure(settings, f"{idle.module}.{idle.attribute}")
@@ -173,13 +179,18 @@ def _require_idle_hook(patcher, spec, settings) -> None:
         "nothing would run the canary. Set SM120_FP4_CANARY=off to serve without it, or report this SGLang release.")
 
 
-def _serves_current_device(settings) -> bool:
-    """Whether this library serves the device this process computes on (CPU tensors: only in simulation)."""
+def _current_index(settings) -> int:
+    """The CUDA ordinal this process computes on (-1: CPU tensors, in simulation)."""
     import torch
 
+    return torch.cuda.current_device() if torch.cuda.is_available() else -1
+
+
+def _serves_current_device(settings) -> bool:
+    """Whether this library serves the device this process computes on (CPU tensors: only in simulation)."""
     from .. import deciding, devices
 
-    index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    index = _current_index(settings)
     if index < 0 and settings.simulated_capability is None:
         return False
     return deciding.serves(devices.get_device(index, settings.simulated_capability), settings)

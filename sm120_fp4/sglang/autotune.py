@@ -1,0 +1,131 @@
+"""SGLang's FlashInfer autotune gate, for the NVFP4 layers this library serves.
+
+SGLang (0.5.15+) tunes FlashInfer's kernels in a dummy forward at warm-up when its gate
+``should_run_flashinfer_autotune`` says yes: only when the MoE runner *server-argument string* names a
+FlashInfer runner, or the checkpoint's quantization is ``modelopt_fp4`` / ``modelopt_mixed`` with a
+FlashInfer dense backend. A compressed-tensors NVFP4 checkpoint is therefore never tuned for its dense
+layers, and its MoE layers only with an explicit ``--moe-runner-backend flashinfer_cutlass``: this
+library pins ``auto`` through SGLang's flags, which leaves that string ``auto``.
+
+The replacement asks SGLang's own gate first and keeps its answer, except where that answer is no and
+the one reason is the runner string or the quantization name: it asks SGLang's gate again with the
+configured runner string set to ``flashinfer_cutlass`` (SGLang's scoped override, restored at once),
+so every other refusal of SGLang's (not CUDA, KV-cache sharding, ``--disable-flashinfer-autotune``,
+deterministic inference, compute capability below 9, the speculative worker roles, any refusal a
+later release adds) stands as SGLang wrote it; and it says yes only where this library serves NVFP4
+layers on this device with a backend FlashInfer's autotuner tunes. SGLang's cache, its TP
+synchronisation and its dummy forward are then SGLang's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from typing import Callable, Iterator
+
+from ..versions import version_in
+from .release import RUNTIME_CONTEXT, sglang_version
+
+__all__ = ["RUNNER", "TUNABLE", "make_gate", "tunable_backends"]
+
+_LOG = logging.getLogger("sm120_fp4")
+RUNNER = "flashinfer_cutlass"  # the explicit configuration whose tuning the served layers get
+# The routed backends whose FlashInfer kernels consult FlashInfer's autotuner (mm_fp4's cutlass and
+# b12x GEMMs; cutlass_fused_moe). Other backends (emulated, humming, ...) have nothing to tune there.
+TUNABLE = {"dense": frozenset({"cutlass", "b12x"}), "moe": frozenset({"cutlass"})}
+
+
+def tunable_backends(routes: dict[str, dict[int, str]], index: int) -> list[str]:
+    """The families served on device `index` with a tunable backend, as 'family:backend' (`routes`:
+    family -> device index -> routed backend, serving.routes)."""
+    return [f"{family}:{routes[family][index]}" for family in ("dense", "moe")
+            if routes.get(family, {}).get(index) in TUNABLE[family]]
+
+
+def _reads_server_args() -> bool:
+    """0.5.15-0.5.17: the gate reads the model runner's ServerArgs; 0.5.18+ SGLang's runtime context."""
+    return not version_in(sglang_version() or "0", ">=0.5.18")
+
+
+def _configured_runner(model_runner, for_speculative_draft: bool) -> str | None:
+    """The MoE runner string SGLang's gate reads (the draft's own one first, for the draft)."""
+    if _reads_server_args():
+        args = model_runner.server_args
+        own = getattr(args, "speculative_moe_runner_backend", None) if for_speculative_draft else None
+        return own or args.moe_runner_backend
+    context = sys.modules[RUNTIME_CONTEXT]
+    target = context.get_exec().moe.moe_runner_backend
+    if for_speculative_draft:
+        return context.get_spec().speculative_moe_runner_backend or target
+    return target
+
+
+@contextlib.contextmanager
+def _as_explicit_runner(model_runner, for_speculative_draft: bool) -> Iterator[None]:
+    """SGLang's configured MoE runner string(s) read as `RUNNER`, restored on exit (0.5.18+: SGLang's scoped
+    override of its own config bags). Only for one call of SGLang's gate at warm-up, before serving."""
+    if _reads_server_args():
+        args = model_runner.server_args
+        names = ["moe_runner_backend"] + (["speculative_moe_runner_backend"] if for_speculative_draft and
+                                          getattr(args, "speculative_moe_runner_backend", None) else [])
+        saved = {name: getattr(args, name) for name in names}
+        try:
+            for name in names:
+                setattr(args, name, RUNNER)
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(args, name, value)
+        return
+    context = sys.modules[RUNTIME_CONTEXT]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(context.get_exec().moe.override(moe_runner_backend=RUNNER))
+        spec = context.get_spec()
+        if for_speculative_draft and spec.speculative_moe_runner_backend:
+            stack.enter_context(spec.override(speculative_moe_runner_backend=RUNNER))
+        yield
+
+
+def make_gate(original: Callable, served: Callable[[], list[str]], said: set[str] | None = None) -> Callable:
+    """Replace SGLang's ``should_run_flashinfer_autotune(model_runner, *, for_speculative_draft=False)``.
+
+    `served()`: the families this library serves on this process's device with a tunable backend
+    (empty: none, or a device it does not serve). Never raises an error of ours into SGLang's warm-up:
+    where the second question cannot be asked, SGLang's answer stands (logged once). `said`: what was
+    logged, shared by the replacements of one install (both of SGLang's names for the gate)."""
+    said = set() if said is None else said
+
+    @functools.wraps(original)
+    def should_run_flashinfer_autotune(model_runner, *, for_speculative_draft: bool = False):
+        answer = original(model_runner, for_speculative_draft=for_speculative_draft)
+        if answer:
+            return answer
+        try:
+            runner = _configured_runner(model_runner, for_speculative_draft)
+            if isinstance(runner, str) and runner.startswith("flashinfer_"):
+                return answer  # SGLang read a FlashInfer runner: its no is for another reason
+            families = served()
+            if not families:
+                return answer
+            with _as_explicit_runner(model_runner, for_speculative_draft):
+                if not original(model_runner, for_speculative_draft=for_speculative_draft):
+                    return answer  # one of SGLang's other refusals
+        except Exception as exc:  # noqa: BLE001 - SGLang's warm-up must survive our bugs
+            if "error" not in said:
+                said.add("error")
+                _LOG.warning("sm120_fp4: cannot tell whether SGLang's FlashInfer autotune applies to the NVFP4 layers "
+                             "served here (%s: %s); SGLang's own answer (no) stands: those layers run FlashInfer's "
+                             "untuned tactics", type(exc).__name__, exc)
+            return answer
+        key = f"{for_speculative_draft}:{','.join(families)}"
+        if key not in said:
+            said.add(key)
+            _LOG.info("sm120_fp4: SGLang's FlashInfer autotune runs for the NVFP4 layers served here (%s%s), as it "
+                      "would for an explicit --moe-runner-backend %s configuration (its cache and TP synchronisation; "
+                      "--disable-flashinfer-autotune turns it off)", ", ".join(families),
+                      "; speculative draft" if for_speculative_draft else "", RUNNER)
+        return True
+
+    return should_run_flashinfer_autotune
