@@ -1,4 +1,4 @@
-"""The self-test (sm120_fp4.selftest): the shapes it tries, the metrics it reports, every fault it
+"""The self-test (sm120_fp4.verify): the shapes it tries, the metrics it reports, every fault it
 must name, the activation-quantizer check and the bound on a hung kernel."""
 
 from __future__ import annotations
