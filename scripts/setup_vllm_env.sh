@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create a virtual environment with vLLM for sm120_fp4's vLLM tests (tests/vllm/), on a CPU.
+# Create a virtual environment with vLLM for sm120_fp4's vLLM tests (tests/engine_vllm/), on a CPU.
 #
 # Usage: bash scripts/setup_vllm_env.sh [VENV_DIR] [--cpu-server]
 #   default:       vllm==0.33.0 (its real NVFP4 linear and MoE modules; the layer-level tests in simulation).
