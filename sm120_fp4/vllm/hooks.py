@@ -25,7 +25,7 @@ from ..errors import not_accepted
 from ..serving import LayerCheck
 from .release import NVFP4_BASE
 
-__all__ = ["ROUTABLE_KERNELS", "LINEAR_FLAG", "make_weights_hook", "layer_device_index", "layer_name", "kernel_problem",
+__all__ = ["ROUTABLE_KERNELS", "LINEAR_FLAG", "make_weights_hook", "make_warmup_hook", "graph_sizes", "layer_device_index", "layer_name", "kernel_problem",
            "batch_sizes", "dense_check", "modelopt_check", "compressed_tensors_check"]
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -55,6 +55,29 @@ def make_weights_hook(original: Callable, before: Callable[[object, object], obj
         return result
 
     return process_weights_after_loading
+
+
+def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
+    """Wrap vLLM's ``kernel_warmup(worker)`` (FlashInfer's autotuner picks its tactics there, right before CUDA-graph
+    capture): once it returns, `after(sizes)` with the batch sizes of every graph the worker is about to capture
+    (none with enforce_eager)."""
+
+    @functools.wraps(original)
+    def kernel_warmup(worker, *args, **kwargs):
+        result = original(worker, *args, **kwargs)
+        after(graph_sizes(worker))
+        return result
+
+    return kernel_warmup
+
+
+def graph_sizes(worker: object) -> list[int]:
+    """The batch sizes of the CUDA graphs `worker` captures after its warm-up ([] under enforce_eager)."""
+    config = getattr(worker, "vllm_config", None)
+    if getattr(getattr(config, "model_config", None), "enforce_eager", False):
+        return []
+    sizes = getattr(getattr(config, "compilation_config", None), "cudagraph_capture_sizes", None) or []
+    return sorted({s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0})
 
 
 def layer_device_index(layer: object) -> int:

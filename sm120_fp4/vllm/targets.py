@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..patching import PatchSpec
-from .hooks import compressed_tensors_check, make_weights_hook, modelopt_check
-from .release import CT, LINEAR_FLASHINFER, MODELOPT, distribution, supported
+from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
+from .release import CT, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
 
 __all__ = ["Wiring", "TARGETS", "specs", "ledger_rows", "ALIAS_BACKEND"]
 
@@ -29,6 +29,11 @@ _WEIGHTS_WHY = (
     "dtype, its own processed weights) through vLLM's own apply at every batch-size bucket, before vLLM serves or "
     "captures CUDA graphs"
 )
+_WARMUP_WHY = (
+    "after vLLM's kernel warm-up (FlashInfer's autotuner has picked its tactics by then) and before it captures CUDA "
+    "graphs, re-run every verified layer configuration once, eagerly, also at every graph batch size about to be "
+    "captured; a kernel that goes wrong only after tuning refuses to serve"
+)
 _UPSTREAM = "no upstream check exists (vLLM's warm-ups compile and tune; none compares FP4 outputs with a reference)"
 _REMOVE = "when vLLM verifies its NVFP4 GEMM output at start-up on SM12x"
 
@@ -41,12 +46,14 @@ def _is_callable(original: object) -> str | None:
 class Wiring:
     """What the patches call into: `make_alias(original)` (the alias replacement), `before_dense(kind, method,
     layer)` (decide, refuse an unroutable kernel), `weights_scope()` (a context for vLLM's processing),
-    `verify(check)` (verify one LayerCheck, or None)."""
+    `verify(check)` (verify one LayerCheck, or None), `recheck(sizes)` (every verified configuration again, after
+    the warm-up, at `sizes` too)."""
 
     make_alias: Callable
     before_dense: Callable[[str, object, object], object]
     weights_scope: Callable
     verify: Callable[[object], None]
+    recheck: Callable[[list[int]], object] = lambda sizes: None
 
 
 def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
@@ -66,6 +73,8 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
     _target("compressed-tensors-weights", name="vllm-compressed-tensors-w4a4-nvfp4-weights-hook", module=CT,
             attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading", versions=">=0.32",
             why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)"),
+    _target("recheck", name="vllm-post-warmup-recheck", module=GPU_WORKER, attribute="kernel_warmup", check=_is_callable,
+            versions=">=0.32", why=_WARMUP_WHY),
 )
 
 
@@ -79,6 +88,7 @@ def _makers(w: Wiring) -> dict[str, Callable]:
         "alias": w.make_alias,
         "modelopt-weights": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
         "compressed-tensors-weights": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
+        "recheck": functools.partial(make_warmup_hook, after=w.recheck),
     }
 
 

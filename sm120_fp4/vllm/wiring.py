@@ -82,7 +82,10 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     def weights_scope():
         return simulation.cuda_moves_stay_on_cpu(sim is not None)
 
-    specs = targets.specs(targets.Wiring(make_alias, before, weights_scope, verify))
+    def recheck(sizes: list[int]) -> object:
+        return serving.recheck(settings, sizes)
+
+    specs = targets.specs(targets.Wiring(make_alias, before, weights_scope, verify, recheck))
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d in vLLM: results prove the wiring, not an SM120 kernel", *simulate)
         specs += simulation.specs()

@@ -118,3 +118,50 @@ def test_uninstall_restores_vllms_alias_and_weights_hook():
     assert linear.flashinfer_scaled_fp4_mm is not before[0]
     sm120_fp4.uninstall()
     assert (linear.flashinfer_scaled_fp4_mm, ModelOptLinearMethod.process_weights_after_loading) == before
+
+
+def _worker(capture_sizes: list[int], enforce_eager: bool = False):
+    """What the warm-up hook reads of vLLM's GPU worker: its config's graph sizes and enforce_eager."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=capture_sizes),
+                                                       model_config=SimpleNamespace(enforce_eager=enforce_eager)))
+
+
+@case("backend faults", "vLLM 0.33 (simulated 12.0): a dense kernel right at load that zeros its output after vLLM's "
+      "kernel_warmup (as a tactic FlashInfer's autotuner picks there could), only at M=24, a graph batch size about to be captured",
+      "refused right after kernel_warmup, before CUDA-graph capture, naming the configuration and M=24")
+def test_a_kernel_that_goes_wrong_in_vllms_warmup_is_refused_before_graph_capture(monkeypatch):
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    tuned = []
+
+    def zeros_at_24_once_tuned(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if tuned and a.shape[0] == 24:
+            out.zero_()
+        return out
+
+    # vLLM's warm-up, standing in for the real one (which needs a GPU worker): it tunes the kernels.
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker, **kwargs: tuned.append(True))
+    backends.register("tuned-wrong", zeros_at_24_once_tuned)
+    sm120_fp4.install(simulate="12.0", backends="tuned-wrong")
+    with vllm_layers.vllm_context():
+        vllm_layers.build_modelopt_layer(synthetic.make_checkpoint(128, 256, seed=4))
+    assert [layer.passed for layer in _layer_reports()] == [True]
+    with pytest.raises(RefusedToServe, match=r"N=128 K=256 .*M=24 .*all zeros"):
+        gpu_worker.kernel_warmup(_worker([1, 2, 4, 8, 16, 24, 32]))
+
+
+def test_the_recheck_after_vllms_warmup_passes_a_healthy_kernel(monkeypatch):
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    calls = []
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker, **kwargs: calls.append(worker))
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    with vllm_layers.vllm_context():
+        vllm_layers.build_modelopt_layer(synthetic.make_checkpoint(128, 256, seed=5))
+    worker = _worker([1, 2, 4, 8, 24])
+    gpu_worker.kernel_warmup(worker)
+    assert calls == [worker]
+    assert {p.name: p.state for p in sm120_fp4.status().patches}["vllm-post-warmup-recheck"] == "applied"

@@ -81,6 +81,7 @@ def import_modules() -> None:
     import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4  # noqa: F401
     import vllm.model_executor.layers.quantization.modelopt  # noqa: F401
     import vllm.model_executor.model_loader.weight_utils  # noqa: F401
+    import vllm.v1.worker.gpu_worker  # noqa: F401
 
 
 def available() -> str | None:
