@@ -13,7 +13,7 @@ from ..patching import PatchSpec
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
 from .release import CT, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
 
-__all__ = ["Wiring", "TARGETS", "specs", "ledger_rows", "ALIAS_BACKEND"]
+__all__ = ["Wiring", "TARGETS", "specs", "ledger_rows", "doctor_section", "ALIAS_BACKEND"]
 
 # The backend FlashInferCutlassNvFp4LinearKernel passes to the alias: the one this library routes.
 ALIAS_BACKEND = "cutlass"
@@ -95,6 +95,29 @@ def _makers(w: Wiring) -> dict[str, Callable]:
 def specs(w: Wiring) -> list[PatchSpec]:
     makers = _makers(w)
     return [replace(spec, make=makers[makes]) for makes, spec in TARGETS]
+
+
+def doctor_section() -> dict:
+    """What ``sm120-fp4 doctor`` shows of vLLM (read without importing vLLM): the installed release, whether it is
+    supported, the plugin entry point, and every patch target (the simulation's included) with whether it applies."""
+    import importlib.metadata
+
+    from ..versions import version_in
+    from . import simulation
+    from .release import PLUGIN_GROUP, engine_version, release_support, unverified_release
+
+    version = engine_version()
+    ok, why = release_support(version)
+    unverified = unverified_release(version) if version is not None else None
+    if unverified is not None:
+        why = "; ".join(unverified)
+    plugins = [f"{e.name} -> {e.value}" for e in importlib.metadata.entry_points(group=PLUGIN_GROUP)
+               if e.value.startswith("sm120_fp4")]
+    rows = [{"name": spec.name, "target": f"{spec.module}.{spec.attribute}", "versions": spec.versions,
+             "applies": ok and version_in(version, spec.versions)}
+            for spec in ledger_rows() + simulation.ledger_rows()]
+    return {"engine": "vLLM", "version": version, "distribution": distribution(), "supported": ok, "reason": why,
+            "plugin_entry_point": plugins or None, "targets": rows}
 
 
 def ledger_rows() -> list[PatchSpec]:
