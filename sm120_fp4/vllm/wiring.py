@@ -41,6 +41,8 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
 
     def before(kind: str, method, layer) -> None:
+        if hooks.nvfp4_kernel(method) is None:
+            return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
         index = hooks.layer_device_index(layer)
         if router.ensure(index) is None:
             return  # a device this library does not serve

@@ -165,3 +165,24 @@ def test_the_recheck_after_vllms_warmup_passes_a_healthy_kernel(monkeypatch):
     gpu_worker.kernel_warmup(worker)
     assert calls == [worker]
     assert {p.name: p.state for p in sm120_fp4.status().patches}["vllm-post-warmup-recheck"] == "applied"
+
+
+@case("configuration", "a ModelOpt FP8 linear layer under vLLM (ModelOptLinearMethod serves FP8 too), with a broken FP4 "
+      "GEMM backend the only candidate", "left to vLLM: no FP4 self-test, no decision, no refusal (it is not an NVFP4 layer)")
+def test_a_modelopt_fp8_layer_is_left_alone():
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptFp8Config
+
+    backends.register("broken", faults.returns_zeros)
+    sm120_fp4.install(simulate="12.0", backends="broken")
+    config = ModelOptFp8Config(quant_method="FP8", is_checkpoint_fp8_serialized=True, kv_cache_quant_method=None,
+                               exclude_modules=[])
+    with vllm_layers.vllm_context():
+        layer = ReplicatedLinear(256, 128, bias=False, quant_config=config, prefix="fp8", params_dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.data.zero_()
+            layer.weight_scale.data.fill_(1.0)
+            layer.input_scale.data.fill_(1.0)
+        layer.quant_method.process_weights_after_loading(layer)
+    status = sm120_fp4.status()
+    assert not status.decisions and not status.refusals
