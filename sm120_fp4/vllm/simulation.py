@@ -181,6 +181,7 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._used = used
         self._busy = threading.local()
         self._decided: dict[str, str | None] = {}  # name -> why it cannot load (None: it loads)
+        self._loaded: dict[str, types.ModuleType] = {}  # a real module the check executed, until it is imported
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in EXTENSIONS or getattr(self._busy, "on", False):
@@ -190,7 +191,10 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             if self._decided[fullname] is not None:
                 self._used(fullname, self._decided[fullname])
         if self._decided[fullname] is None:
-            return None  # the real one
+            # The real one, already executed by the check: handed over as it is (never executed twice).
+            real = self._loaded.pop(fullname, None)
+            return None if real is None else importlib.util.spec_from_loader(fullname, _Loaded(real),
+                                                                             origin=getattr(real, "__file__", None))
         return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "vllm.vllm_flash_attn")
 
     def _why_not(self, name: str) -> str | None:
@@ -201,6 +205,7 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 return "not installed"
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
+            self._loaded[name] = module
             return None
         except (ImportError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"
@@ -225,6 +230,19 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if spec.submodule_search_locations is not None:
             module.__path__ = []
         return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+class _Loaded(importlib.abc.Loader):
+    """Hands over a module already executed (the real extension, loaded by the finder's check)."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self._module = module
+
+    def create_module(self, spec):
+        return self._module
 
     def exec_module(self, module) -> None:
         pass
