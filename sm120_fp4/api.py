@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from . import __version__, canary, deciding, devices, locks, serving
 from .canary import CanaryStatus
 from . import sglang as sglang_support
+from . import vllm as vllm_support
 from .config import Settings, check_flashinfer_env, env_name, flashinfer_overrides, load_settings, sources
 from .errors import ConfigError
 from .dispatch import Router
@@ -28,6 +29,10 @@ from .patching import LedgerEntry, Patcher
 __all__ = ["install", "uninstall", "status", "Status"]
 
 _LOG = logging.getLogger("sm120_fp4")
+# The engine homes install() wires into, in this order. Each is a package with the same small interface
+# (NAME, engine_version, release_support, unverified_release, carried_fix, attach, idle_point_problem, OPT_OUT,
+# OPT_OUT_SAYS); nothing else in the core names an engine.
+ENGINES = (sglang_support, vllm_support)
 _lock = locks.rlock()
 _logged: set[str] = set()
 
@@ -49,6 +54,7 @@ class Status(BaseModel):
     decisions: list[deciding.Decision]
     refusals: list[deciding.Refusal]
     canary: CanaryStatus
+    engines: dict[str, dict[str, Any]] = {}  # each engine home: its installed version, supported or not, and why
     flashinfer_overrides: dict[str, str] = {}  # FLASHINFER_NVFP4_* set here: install() refuses while any is
 
 
@@ -107,19 +113,26 @@ def _log_precedence(settings: Settings) -> None:
                       "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)", var, var)
 
 
+def _supported_engines() -> list:
+    """The engine homes whose installed release this library knows how to patch."""
+    return [engine for engine in ENGINES if engine.release_support()[0]]
+
+
 def _nothing_to_fix(settings: Settings) -> str | None:
     if not settings.active:
         return "disabled (SM120_FP4=0 or SM120_FP4_ENABLE=off): SGLang left untouched"
-    ok, why = sglang_support.release_support()
-    if not ok:
-        unverified = sglang_support.unverified_release()
+    if not _supported_engines():
+        installed = [engine for engine in ENGINES if engine.engine_version() is not None]
+        why = "; ".join(engine.release_support()[1] for engine in installed or ENGINES)
+        engine = next((e for e in installed if e.unverified_release() is not None), None)
+        unverified = engine.unverified_release() if engine is not None else None
         no_gpu = _no_12x_gpu(settings)
         if unverified is None or no_gpu is not None:
             return why if no_gpu is None else f"{why}; {no_gpu}"
         means, remedy = unverified
         if settings.unsupported_release == "serve-unverified":
-            return f"{means} ({sglang_support.OPT_OUT}: as asked)"
-        return f"{means}. To verify them: {remedy}; or {sglang_support.OPT_OUT_SAYS}"
+            return f"{means} ({engine.OPT_OUT}: as asked)"
+        return f"{means}. To verify them: {remedy}; or {engine.OPT_OUT_SAYS}"
     return _no_12x_gpu(settings)
 
 
@@ -142,13 +155,16 @@ def _no_12x_gpu(settings: Settings) -> str | None:
 
 def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
     check_flashinfer_env()  # FlashInfer's own FP4 recipe knobs: nothing it computes could be verified
-    problem = canary.settings_problem(settings) or sglang_support.idle_point_problem(settings)
+    engines = _supported_engines()
+    problem = canary.settings_problem(settings) or next(
+        (p for p in (engine.idle_point_problem(settings) for engine in engines) if p is not None), None)
     if problem is not None:  # the serving canary asked for, and it could not run: refused, never silently off
         raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
     router = Router(settings)
     patcher = Patcher()
     state = _Install(settings, kwargs, router, patcher)
-    state.undo += sglang_support.attach(patcher, router, settings, canary)
+    for engine in engines:
+        state.undo += engine.attach(patcher, router, settings, canary)
     state.undo.append(_export_env(kwargs))
     return state
 
@@ -176,8 +192,10 @@ def install(**overrides: Any) -> Status:
             _log_once(reason, logging.INFO if not settings.active else logging.WARNING, "sm120_fp4: %s", reason)
             return status()
         _state = _install(settings, dict(overrides))
-        carried = sglang_support.carried_fix()
-        _message = f"installed (sglang {sglang_support.sglang_version()})" + (f"; {carried}" if carried else "")
+        engines = _supported_engines()
+        carried = next((c for c in (engine.carried_fix() for engine in engines) if c), None)
+        served = ", ".join(f"{engine.NAME} {engine.engine_version()}" for engine in engines)
+        _message = f"installed ({served})" + (f"; {carried}" if carried else "")
         _log_once("installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump())
         return status()
 
@@ -268,5 +286,7 @@ def status() -> Status:
             decisions=serving.decisions(),
             refusals=serving.refusals(),
             canary=canary.status(settings),
+            engines={engine.NAME: {"version": engine.engine_version(), "supported": engine.release_support()[0],
+                                   "reason": engine.release_support()[1]} for engine in ENGINES},
             flashinfer_overrides=flashinfer_overrides(),
         )

@@ -121,6 +121,13 @@ def _targets() -> dict:
     return {"sglang": version, "supported": ok, "reason": why, "targets": rows}
 
 
+def _engines() -> dict:
+    """The other engine homes' sections (each its own ``doctor_section()``: version, plugin, patch targets)."""
+    from .api import ENGINES
+
+    return {engine.NAME: _probe(engine.doctor_section) for engine in ENGINES if hasattr(engine, "doctor_section")}
+
+
 def _backends(devs: list[dict]) -> list[dict]:
     from . import backends
     from .devices import Device
@@ -234,6 +241,7 @@ def collect(deep: bool = True) -> dict:
     report["devices"] = _probe(lambda: _devices(settings))
     report["activation"] = _probe(_activation)
     report["sglang"] = _probe(_targets)
+    report["engines"] = _probe(_engines)
     devs = report["devices"] if isinstance(report["devices"], list) else []
     report["backends"] = _probe(lambda: _backends(devs))
     report["import_check"] = _probe(lambda: _import_check(settings)) if deep else {"skipped": "--quick"}
@@ -334,6 +342,15 @@ def _markdown(report: dict) -> str:
                                       [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in sg["targets"]])]
     else:
         lines.append(block(sg))
+    for section in (report.get("engines") or {}).values():
+        if not isinstance(section, dict) or "targets" not in section:
+            lines += ["", "### Engine", block(section)]
+            continue
+        lines += ["", f"### {section['engine']} patch targets",
+                  f"{section['engine']} {section['version'] or 'not installed'}: {section['reason']}; plugin entry point: "
+                  f"{', '.join(section['plugin_entry_point'] or ['none'])}", "",
+                  *markdown_table(("patch", "target", "releases", "applies here"),
+                                  [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in section["targets"]])]
     lines += ["", "### Backends"]
     bk = report["backends"]
     if isinstance(bk, list):

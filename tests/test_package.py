@@ -79,3 +79,16 @@ def test_only_the_sglang_subpackage_names_sglangs_modules():
     from sm120_fp4.sglang import names
 
     assert bootstrap.SGLANG is names.TOP_LEVEL
+
+
+def test_only_the_vllm_subpackage_names_vllms_modules():
+    """Outside sm120_fp4/vllm/ no module imports vLLM or spells one of its module paths (api.ENGINES lists the
+    engine homes by our own package names)."""
+    found = []
+    for name, path in _modules().items():
+        if name == "sm120_fp4.vllm" or name.startswith("sm120_fp4.vllm."):
+            continue
+        found += [(name, line, target) for line, target in _imports(name, path) if re.match(r"vllm(\.|$)", target)]
+        found += [(name, node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"vllm\.[a-z_.]+", node.value)]
+    assert found == []

@@ -86,6 +86,11 @@ def sglang_version() -> str | None:
     return installed_version(DISTRIBUTION)
 
 
+def engine_version() -> str | None:
+    """The engine homes' common name for it (api.ENGINES)."""
+    return sglang_version()
+
+
 def release_support(version: str | None = None) -> tuple[bool, str]:
     """Whether `version` (default: the installed one) is a release this library knows how to patch."""
     version = version or sglang_version()

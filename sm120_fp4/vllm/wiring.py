@@ -1,0 +1,105 @@
+"""How one install is wired into vLLM: :func:`attach` (post-import hooks for the installed release's patch
+targets and, in simulation, the stand-ins), and whether the serving canary can run with vLLM (not yet: no idle
+point is wired).
+
+Nothing here imports vLLM at import time: every step runs from a post-import hook when (or if) vLLM imports the
+module it concerns.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from .release import engine_version
+
+__all__ = ["attach", "idle_point_problem"]
+
+_LOG = logging.getLogger("sm120_fp4")
+
+
+def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
+    """Register this install's vLLM patches (and, in simulation, the stand-ins). `router` is the install's
+    dispatch.Router; returns the undo steps that are not patches (the patcher undoes its own)."""
+    import torch
+
+    from .. import serving
+    from ..errors import RefusedToServe, say_once
+    from . import hooks, simulation, targets
+
+    undo: list[Callable[[], None]] = []
+    simulate = settings.simulated_capability
+    sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
+
+    def refuse(what: str, problem: str | None) -> None:
+        """Something this library cannot verify: RefusedToServe (SELFTEST=strict), logged once (warn), or nothing."""
+        if problem is None or settings.selftest == "off":
+            return
+        message = f"sm120_fp4: refusing to serve {what}: {problem}"
+        if settings.selftest == "strict":
+            raise RefusedToServe(message)
+        say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
+
+    def before(kind: str, method, layer) -> None:
+        if hooks.nvfp4_kernel(method) is None:
+            return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
+        index = hooks.layer_device_index(layer)
+        if router.ensure(index) is None:
+            return  # a device this library does not serve
+        name = hooks.layer_name(layer)
+        refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
+
+    def unknown(index: int, name: str, value: object) -> None:
+        refuse(f"an FP4 GEMM on device {index}",
+               f"vLLM called its FlashInfer FP4 GEMM wrapper with {name}={value!r}, which the backend verified on this GPU "
+               f"was not verified for; start vLLM with {hooks.LINEAR_FLAG}, or upgrade sm120_fp4")
+
+    def make_alias(original: Callable) -> Callable:
+        """vLLM's ``flashinfer_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dtype, backend, ...)``
+        over the library's dense front, which has mm_fp4's convention: vLLM's wrapper transposes b and its scales
+        itself (``mm_fp4(a, b.t(), sa, sb.t(), ...)``), so this does the same; what the front does not serve goes
+        back to vLLM's wrapper in vLLM's convention."""
+
+        def in_vllm_convention(a, b_t, scale_a, scale_b_t, alpha, out_dtype, out=None, block_size=16,
+                               use_8x4_sf_layout=False, backend="cutlass", **kwargs):
+            return original(a, b_t.t(), scale_a, scale_b_t.t(), alpha, out_dtype, backend, block_size=block_size, **kwargs)
+
+        front = router.make_dispatch(in_vllm_convention, unknown)
+
+        def flashinfer_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dtype, backend, block_size=16,
+                                     use_nvfp4=True):
+            if backend in ("cutlass", "cudnn"):  # as vLLM's wrapper: the kernels read the E4M3 scales as bytes
+                block_scale_a, block_scale_b = block_scale_a.view(torch.uint8), block_scale_b.view(torch.uint8)
+            return front(a, b.t(), block_scale_a, block_scale_b.t(), alpha, out_dtype, backend=backend,
+                         block_size=block_size, use_nvfp4=use_nvfp4)
+
+        flashinfer_scaled_fp4_mm.__wrapped__ = original
+        flashinfer_scaled_fp4_mm.__qualname__ = "sm120_fp4.vllm.flashinfer_scaled_fp4_mm"
+        return flashinfer_scaled_fp4_mm
+
+    def verify(check) -> None:
+        if check is not None:
+            serving.verify_layer(check.device_index, check, settings)
+
+    def weights_scope():
+        return simulation.cuda_moves_stay_on_cpu(sim is not None)
+
+    def recheck(sizes: list[int]) -> object:
+        return serving.recheck(settings, sizes)
+
+    specs = targets.specs(targets.Wiring(make_alias, before, weights_scope, verify, recheck))
+    if sim is not None:
+        _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d in vLLM: results prove the wiring, not an SM120 kernel", *simulate)
+        specs += simulation.specs()
+        sim.arm()
+        undo.append(sim.undo)
+    patcher.add(specs)
+    return undo
+
+
+def idle_point_problem(settings) -> str | None:
+    """The serving canary needs an idle point in the engine's loop; none is wired for vLLM yet."""
+    if settings.canary_period is None:
+        return None
+    return (f"SM120_FP4_CANARY={settings.canary_period:g} is not available with vLLM {engine_version()}: sm120_fp4 wires "
+            "no idle point in vLLM's engine loop yet; set SM120_FP4_CANARY=off to serve without the serving canary")

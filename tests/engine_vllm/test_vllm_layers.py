@@ -1,0 +1,188 @@
+"""vLLM's real NVFP4 linear layers (vLLM 0.32-0.33) on a CPU with the device simulated as 12.0: each layer
+configuration verified with its own weights through vLLM's own apply path, broken kernels and kernels this
+library cannot route refused. Run with vLLM's venv (scripts/setup_vllm_env.sh):
+``PYTHONPATH=$PWD .venv-vllm/bin/python -m pytest tests/engine_vllm -q``; skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import vllm_layers
+
+pytestmark = pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available()))
+
+import sm120_fp4  # noqa: E402
+from sm120_fp4 import backends  # noqa: E402
+from sm120_fp4.backends import emulated_mm_fp4  # noqa: E402
+from sm120_fp4.demo import synthetic  # noqa: E402
+from sm120_fp4.errors import RefusedToServe  # noqa: E402
+from helpers import faults  # noqa: E402
+from helpers.cases import case  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_imported():
+    """vLLM's modules imported once, in simulation (its import chain starts a helper interpreter once per process,
+    which the per-test process guard would count against the first test)."""
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    try:
+        vllm_layers.import_modules()
+    finally:
+        sm120_fp4.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _uninstalled():
+    if sm120_fp4.status().installed:
+        sm120_fp4.uninstall()
+    yield
+    if sm120_fp4.status().installed:
+        sm120_fp4.uninstall()
+
+
+def _layer_reports():
+    return [layer for decision in sm120_fp4.status().decisions for layer in decision.layers]
+
+
+def test_a_modelopt_nvfp4_layer_is_verified_through_vllms_apply_and_serves_the_oracles_numbers():
+    status = sm120_fp4.install(simulate="12.0", backends="emulated")
+    assert status.message.startswith("installed (vllm ")
+    ckpt = synthetic.make_checkpoint(128, 256, seed=0)
+    with vllm_layers.vllm_context():
+        layer = vllm_layers.build_modelopt_layer(ckpt)
+        assert type(layer.quant_method.kernel).__name__ == "FlashInferCutlassNvFp4LinearKernel"
+        x = torch.randn(5, 256, dtype=torch.bfloat16)
+        out = layer(x)[0]
+    assert torch.equal(out, synthetic.reference_output(ckpt, x))
+    [report] = _layer_reports()
+    assert report.passed and report.config.startswith("vLLM ModelOptLinearMethod (NVFP4) N=128 K=256 bfloat16")
+    assert {s.m for s in report.shapes} >= {1, 8, 512, 2048}
+    ledger = {p.name: p.state for p in sm120_fp4.status().patches}
+    assert ledger["vllm-flashinfer-scaled-fp4-mm-alias"] == "applied"
+    assert ledger["vllm-modelopt-linear-weights-hook"] == "applied"
+
+
+def test_a_compressed_tensors_nvfp4_layer_is_verified_through_vllms_apply():
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    ckpt = synthetic.make_checkpoint(96, 160, seed=1)
+    with vllm_layers.vllm_context():
+        scheme, layer = vllm_layers.build_compressed_tensors_layer(ckpt)
+        x = torch.randn(3, 160, dtype=torch.bfloat16)
+        out = scheme.apply_weights(layer, x)
+    assert torch.equal(out, synthetic.reference_output(ckpt, x))
+    [report] = _layer_reports()
+    assert report.passed and report.config.startswith("vLLM CompressedTensorsW4A4Fp4 N=96 K=160")
+
+
+def zeros_when_wide(a, b, a_sf, b_sf, alpha, dtype, out):  # right on the self-test's shapes, zeros for N > 256
+    emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+    if out.shape[1] > 256:
+        out.zero_()
+    return out
+
+
+@case("backend faults", "vLLM 0.33's ModelOpt NVFP4 layer (simulated 12.0) with a registered dense kernel that {fault}",
+      "refused at vLLM's process_weights_after_loading ({where}); the layer never serves")
+@pytest.mark.parametrize("fault, where, reason", [
+    (faults.returns_zeros, "by the self-test at the first NVFP4 layer", r"no FP4 GEMM backend passed verification"),
+    (zeros_when_wide, "by the layer check of N=512 K=256, naming it and M", r"N=512 K=256 bfloat16.*M=1 .*all zeros"),
+])
+def test_a_broken_dense_kernel_is_refused_at_vllms_weight_processing(fault, where, reason):
+    backends.register("broken", fault)
+    sm120_fp4.install(simulate="12.0", backends="broken")
+    with vllm_layers.vllm_context(), pytest.raises(RefusedToServe, match=reason):
+        vllm_layers.build_modelopt_layer(synthetic.make_checkpoint(512, 256, seed=2))
+
+
+@case("configuration", "vLLM selects an NVFP4 linear kernel whose GEMM does not pass the routed FlashInfer alias "
+      "(FlashInferCutlassNvFp4LinearKernel disabled through VLLM_DISABLED_KERNELS)",
+      "refused at process_weights_after_loading naming the kernel vLLM selected and --linear-backend flashinfer_cutlass")
+def test_a_layer_on_a_kernel_the_library_cannot_route_is_refused_naming_it_and_the_flag(monkeypatch):
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "FlashInferCutlassNvFp4LinearKernel")
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    with vllm_layers.vllm_context(), pytest.raises(RefusedToServe) as refused:
+        vllm_layers.build_modelopt_layer(synthetic.make_checkpoint(128, 256, seed=3))
+    message = str(refused.value)
+    assert "vLLM selected " in message and "--linear-backend flashinfer_cutlass" in message
+    assert "FlashInferCutlassNvFp4LinearKernel" in message  # the remedy names the routed kernel
+
+
+def test_uninstall_restores_vllms_alias_and_weights_hook():
+    from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as linear
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptLinearMethod
+
+    before = linear.flashinfer_scaled_fp4_mm, ModelOptLinearMethod.process_weights_after_loading
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    assert linear.flashinfer_scaled_fp4_mm is not before[0]
+    sm120_fp4.uninstall()
+    assert (linear.flashinfer_scaled_fp4_mm, ModelOptLinearMethod.process_weights_after_loading) == before
+
+
+def _worker(capture_sizes: list[int], enforce_eager: bool = False):
+    """What the warm-up hook reads of vLLM's GPU worker: its config's graph sizes and enforce_eager."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=capture_sizes),
+                                                       model_config=SimpleNamespace(enforce_eager=enforce_eager)))
+
+
+@case("backend faults", "vLLM 0.33 (simulated 12.0): a dense kernel right at load that zeros its output after vLLM's "
+      "kernel_warmup (as a tactic FlashInfer's autotuner picks there could), only at M=24, a graph batch size about to be captured",
+      "refused right after kernel_warmup, before CUDA-graph capture, naming the configuration and M=24")
+def test_a_kernel_that_goes_wrong_in_vllms_warmup_is_refused_before_graph_capture(monkeypatch):
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    tuned = []
+
+    def zeros_at_24_once_tuned(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if tuned and a.shape[0] == 24:
+            out.zero_()
+        return out
+
+    # vLLM's warm-up, standing in for the real one (which needs a GPU worker): it tunes the kernels.
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker, **kwargs: tuned.append(True))
+    backends.register("tuned-wrong", zeros_at_24_once_tuned)
+    sm120_fp4.install(simulate="12.0", backends="tuned-wrong")
+    with vllm_layers.vllm_context():
+        vllm_layers.build_modelopt_layer(synthetic.make_checkpoint(128, 256, seed=4))
+    assert [layer.passed for layer in _layer_reports()] == [True]
+    with pytest.raises(RefusedToServe, match=r"N=128 K=256 .*M=24 .*all zeros"):
+        gpu_worker.kernel_warmup(_worker([1, 2, 4, 8, 16, 24, 32]))
+
+
+def test_the_recheck_after_vllms_warmup_passes_a_healthy_kernel(monkeypatch):
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    calls = []
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker, **kwargs: calls.append(worker))
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    with vllm_layers.vllm_context():
+        vllm_layers.build_modelopt_layer(synthetic.make_checkpoint(128, 256, seed=5))
+    worker = _worker([1, 2, 4, 8, 24])
+    gpu_worker.kernel_warmup(worker)
+    assert calls == [worker]
+    assert {p.name: p.state for p in sm120_fp4.status().patches}["vllm-post-warmup-recheck"] == "applied"
+
+
+@case("configuration", "a ModelOpt FP8 linear layer under vLLM (ModelOptLinearMethod serves FP8 too), with a broken FP4 "
+      "GEMM backend the only candidate", "left to vLLM: no FP4 self-test, no decision, no refusal (it is not an NVFP4 layer)")
+def test_a_modelopt_fp8_layer_is_left_alone():
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptFp8Config
+
+    backends.register("broken", faults.returns_zeros)
+    sm120_fp4.install(simulate="12.0", backends="broken")
+    config = ModelOptFp8Config(quant_method="FP8", is_checkpoint_fp8_serialized=True, kv_cache_quant_method=None,
+                               exclude_modules=[])
+    with vllm_layers.vllm_context():
+        layer = ReplicatedLinear(256, 128, bias=False, quant_config=config, prefix="fp8", params_dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.data.zero_()
+            layer.weight_scale.data.fill_(1.0)
+            layer.input_scale.data.fill_(1.0)
+        layer.quant_method.process_weights_after_loading(layer)
+    status = sm120_fp4.status()
+    assert not status.decisions and not status.refusals

@@ -1,0 +1,99 @@
+"""vLLM's real NVFP4 linear layers built from one layer's checkpoint tensors (tests/engine_vllm/, run with vLLM's venv).
+
+:func:`vllm_context` is vLLM's config and a one-rank process group, as a worker has them when it loads a model
+(set up once per process: vLLM's process group cannot be made twice). :func:`build_modelopt_layer` runs vLLM's
+ModelOpt NVFP4 layer (``ReplicatedLinear`` with ``ModelOptNvFp4Config``: ModelOptLinearMethod) and
+:func:`build_compressed_tensors_layer` its compressed-tensors W4A4 NVFP4 scheme through create_weights, the
+checkpoint load and process_weights_after_loading (where the library's hook verifies the layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+
+import torch
+
+_group: list[bool] = []
+
+
+@contextlib.contextmanager
+def vllm_context(**kernel_config):
+    """vLLM's current config (its kernel config's fields from `kernel_config`) and, once per process, a
+    one-rank gloo process group with model parallel state."""
+    from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    config = VllmConfig(kernel_config=KernelConfig(**kernel_config)) if kernel_config else VllmConfig()
+    with set_current_vllm_config(config):
+        if not _group:
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"file://{tempfile.mkdtemp()}/init")
+            initialize_model_parallel(1, 1)
+            _group.append(True)
+        yield config
+
+
+def build_modelopt_layer(ckpt, dtype: torch.dtype = torch.bfloat16, prefix: str = "model.layers.0.mlp.down_proj"):
+    """vLLM's ModelOpt NVFP4 linear layer loaded with `ckpt` (:func:`sm120_fp4.demo.synthetic.make_checkpoint`)."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    n, k = ckpt.weight.shape[0], ckpt.weight.shape[1] * 2
+    layer = ReplicatedLinear(k, n, bias=False, quant_config=ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True),
+                             prefix=prefix, params_dtype=dtype)
+    with torch.no_grad():
+        for name in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+            param = getattr(layer, name)
+            param.weight_loader(param, getattr(ckpt, name))
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def build_compressed_tensors_layer(ckpt, dtype: torch.dtype = torch.bfloat16):
+    """vLLM's compressed-tensors W4A4 NVFP4 scheme (CompressedTensorsW4A4Fp4) loaded with `ckpt`'s tensors in
+    compressed-tensors' convention (encode global scales, the inverse of ModelOpt's). Returns (scheme, layer)."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 import (
+        CompressedTensorsW4A4Fp4)
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    n, k = ckpt.weight.shape[0], ckpt.weight.shape[1] * 2
+    scheme = CompressedTensorsW4A4Fp4()
+    layer = torch.nn.Module()
+    layer.params_dtype = dtype
+    scheme.create_weights(layer, output_partition_sizes=[n], input_size_per_partition=k, params_dtype=dtype,
+                          weight_loader=default_weight_loader)
+    tensors = {"weight_packed": ckpt.weight, "weight_scale": ckpt.weight_scale,
+               "weight_global_scale": 1.0 / ckpt.weight_scale_2, "input_global_scale": 1.0 / ckpt.input_scale}
+    with torch.no_grad():
+        for name, value in tensors.items():
+            getattr(layer, name).data.copy_(value)
+    scheme.process_weights_after_loading(layer)
+    return scheme, layer
+
+
+def import_modules() -> None:
+    """Import the vLLM modules these helpers build layers from (with the simulation installed: vLLM's CUDA
+    extensions cannot load on a CPU)."""
+    import vllm.config  # noqa: F401
+    import vllm.distributed  # noqa: F401
+    import vllm.model_executor.layers.linear  # noqa: F401
+    import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4  # noqa: F401
+    import vllm.model_executor.layers.quantization.modelopt  # noqa: F401
+    import vllm.model_executor.model_loader.weight_utils  # noqa: F401
+    import vllm.v1.worker.gpu_worker  # noqa: F401
+
+
+def available() -> str | None:
+    """Why vLLM's layers cannot be built here (None: they can): no vLLM, or a release this library does not support."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed here (its tests run with scripts/setup_vllm_env.sh's venv)"
+    from sm120_fp4.vllm import release
+
+    ok, why = release.release_support()
+    return None if ok else why
+
+
+__all__ = ["vllm_context", "build_modelopt_layer", "build_compressed_tensors_layer", "available", "import_modules"]
