@@ -123,7 +123,7 @@ def test_the_canary_says_when_it_has_nothing_to_recheck():
 
 @case("configuration", "SGLang's weight-update session begun (WeightUpdater.begin_weight_update) and never ended, the canary on",
       "status().canary says for how long the update is open and that fingerprints are not compared meanwhile; past "
-      "canary.WEIGHT_UPDATE_LIMIT_S one warning says the session may never have ended; after end_weight_update, compared again")
+      "canary.models.WEIGHT_UPDATE_LIMIT_S one warning says the session may never have ended; after end_weight_update, compared again")
 def test_a_weight_update_that_never_ends_is_said_in_status(monkeypatch, caplog):
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
@@ -135,7 +135,7 @@ def test_a_weight_update_that_never_ends_is_said_in_status(monkeypatch, caplog):
     updater.begin_weight_update()
     shown = sm120_fp4.status().canary
     assert "weight update has been open for" in shown.weights_update and shown.fingerprints.startswith("not compared"), shown
-    monkeypatch.setattr(canary, "WEIGHT_UPDATE_LIMIT_S", 0.0)  # the limit, reached without waiting minutes
+    monkeypatch.setattr(canary.models, "WEIGHT_UPDATE_LIMIT_S", 0.0)  # the limit, reached without waiting minutes
     caplog.set_level(logging.WARNING, "sm120_fp4")
     assert next_run(c).passed and next_run(c).passed
     told = [r for r in caplog.records if "never ended" in r.getMessage()]

@@ -1,45 +1,5 @@
-"""The serving canary (``SM120_FP4_CANARY``): while the server runs, re-verify the kernels it serves.
-
-The start-up verification and the re-check after warm-up say nothing about a kernel that goes wrong
-later: a tactic re-chosen, a driver or firmware fault, a degrading card. With the canary on, every
-period each serving process re-verifies, for each kernel family it serves (the dense FP4 GEMM, the
-NVFP4 fused MoE) on each device, one of that family's verified layer configurations, in rotation:
-through the exact routed call with one of its layers' own weights (rotating through every verified
-layer of the configuration: a kernel wrong with one layer's weights only is reached too), at one
-decode batch size and one larger batch size (both rotating through the batch sizes verified at load,
-the re-check's and the captured graph sizes: see :meth:`Canary._batch_sizes`), against the oracle.
-A run is the re-check's own light check (two passes, every call checked,
-:func:`serving.check_served`), after comparing that layer's weight fingerprint and SWEEP more
-layers' in rotation (:func:`serving.fingerprint_sweep`), so a weight changed in memory is found on
-any layer.
-
-Engine-neutral: the engine integration calls :func:`idle` where its serving loop is between forward
-passes (for SGLang: the scheduler loop's idle point, on the serving thread, with the stream the
-forward passes use made current). A run never runs inside CUDA-graph capture. One idle point runs
-one whole run (a slice), a family's at most: the runs of one period take one idle point each.
-
-The bound (``SM120_FP4_CANARY_SLICE_MS``, the budget of one slice): a run's time is measured on the
-serving thread, with the serving stream synchronised at its end (so it is the GPU time it held the
-forward passes back, from above). A run that took longer than the budget caps its configuration's
-larger batch sizes below the one it checked: from then on that size and every larger one are not
-re-checked while serving (verified at load and after warm-up; :func:`status` lists them), so every
-later run of the configuration checks sizes whose run fitted. The sizes climb one at a time, so the
-one run that finds the cap is over the budget by about one size step. The smallest decode size and
-the smallest larger size are always checked (a canary that checks nothing guarantees nothing): where
-even that run is over the budget, it still runs, and status says so with its measured time.
-A saturated loop has no idle point: the run waits for the next one, each period it missed is counted
-as skipped, and :func:`status` says so.
-
-On a failure, ``SM120_FP4_CANARY_ACTION=exit`` (the default) records the refusal ("while serving:
-...", the configuration, the numbers) in status and the report file, logs it and raises
-RefusedToServe out of the idle point: the engine's loop stops the process non-zero (SGLang then
-kills its server), so that an orchestrator restarts it and the start-up verification runs again.
-``log`` logs the first failure of each configuration, counts every one, and keeps serving.
-
-A run never captures a CUDA graph of the checks' own (:func:`graphs.no_capture`): it replays the
-graphs the start-up checks captured and runs anything else eagerly, since a capture costs several
-eager calls.
-"""
+"""The serving canary's engine: the rotation, one run per idle point, the slice bound, counters and
+the action on a failure (the package's docstring says what it guarantees)."""
 
 from __future__ import annotations
 
@@ -53,94 +13,18 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager
 
 import torch
-from pydantic import BaseModel, Field
 
-from . import deciding, graphs, report as report_file, selftest, serving
-from .config import Settings
-from .errors import RefusedToServe
+from .. import deciding, graphs, report as report_file, selftest, serving
+from ..config import Settings
+from ..errors import RefusedToServe
+from . import models
+from .models import SWEEP, CanaryFailure, CanaryRun, CanaryStatus, Over, over_text, update_text
 
-__all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "Canary", "configure", "stop", "active", "idle",
-           "on_warmup", "status", "settings_problem", "SMALL_M"]
+__all__ = ["Canary", "SMALL_M"]
 
 _LOG = logging.getLogger("sm120_fp4")
 SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from here on the larger one
 RECENT = 16  # runs kept in status
-SWEEP = 4  # at every run, besides the re-checked layer's, the fingerprints of this many more layers in rotation
-# A weight update open longer than this (a session begun and never ended) is reported: a warning once,
-# and status says the fingerprints have not been compared since (the oracle checks still run).
-WEIGHT_UPDATE_LIMIT_S = 300.0
-
-
-class CanaryRun(BaseModel):
-    """One re-check of one configuration while serving (times are seconds since the epoch)."""
-
-    family: str
-    device: str
-    backend: str
-    config: str
-    layer: str | None = Field(None, description="the layer of the configuration whose weights this run used")
-    ms: list[int]
-    passed: bool
-    reason: str | None = None
-    max_rel_err: float | None = None
-    due_at: float
-    started_at: float
-    finished_at: float
-    late_s: float = Field(description="how long after it was due the run started (no idle point meanwhile)")
-    busy_ms: float = Field(description="time the serving thread spent in this run (one idle point)")
-
-
-class CanaryFailure(BaseModel):
-    """A configuration that failed while serving: how often, and the first time."""
-
-    family: str
-    device: str
-    config: str
-    count: int
-    first_reason: str
-    first_at: float
-
-
-class CanaryStatus(BaseModel):
-    """The serving canary in this process (JSON-serialisable; the "canary" section of the report file)."""
-
-    enabled: bool
-    period_s: float | None = None
-    action: str
-    slice_ms: float = Field(description="the budget of one run at one idle point (SM120_FP4_CANARY_SLICE_MS)")
-    state: str
-    idle_point: str | None = None
-    fingerprints: str = (f"compared at every run: the re-checked layer's, and {SWEEP} more layers' of "
-                         "its family and device in rotation")
-    weights_update: str | None = Field(None, description=(
-        "while SGLang's weight update (a call, or a session begun and not ended) is open: for how long; weight "
-        "fingerprints are not compared meanwhile"))
-    armed_at: float | None = None
-    runs: int = 0
-    failures: int = 0
-    failed: list[CanaryFailure] = Field(default_factory=list)
-    last_run: CanaryRun | None = None
-    recent: list[CanaryRun] = Field(default_factory=list)
-    skipped_saturated: int = Field(0, description="periods that passed with no idle point (the run waited)")
-    skipped_capturing: int = Field(0, description="idle points skipped because a CUDA graph was being captured")
-    longest_wait_s: float = Field(0.0, description="the longest a due run waited for an idle point")
-    busy_s: float = Field(0.0, description="time the serving thread spent in the canary")
-    share: float | None = Field(None, description="busy_s over the time since the canary was armed")
-    slices: int = Field(0, description="idle points at which the canary ran (one run each)")
-    longest_slice_ms: float = Field(0.0, description="the longest pause the canary added at one idle point")
-    longest_slice: str | None = Field(None, description="the run that took longest_slice_ms")
-    beyond_slice: list[str] = Field(default_factory=list, description=(
-        "per configuration whose run took longer than the slice: the batch sizes no longer re-checked while serving "
-        "(verified at load and after warm-up), or that its smallest run is over the slice and runs anyway"))
-
-
-def settings_problem(settings: Settings) -> str | None:
-    """Why the canary cannot do what these settings ask (None: it can), independent of the engine."""
-    if settings.canary_period is not None and settings.selftest == "off":
-        return (f"SM120_FP4_CANARY={settings.canary_period:g} re-verifies the verified layer configurations while "
-                "serving, but SM120_FP4_SELFTEST=off verifies none; set SM120_FP4_SELFTEST=strict (or warn), "
-                "or SM120_FP4_CANARY=off")
-    return None
 
 
 def _capturing() -> bool:
@@ -159,26 +43,6 @@ class _Job:
     @property
     def key(self) -> tuple:
         return (self.served.family, self.served.device.index, self.served.check.key)
-
-
-@dataclass
-class _Over:
-    """A configuration whose run took longer than the slice: its larger batch sizes from `cap` on
-    are not re-checked any more (but the smallest, always checked), and what that run took."""
-
-    cap: int
-    took_s: float
-    ms: list[int]
-    smallest: bool  # the run was the configuration's smallest (it runs anyway)
-
-
-def _over_text(label: str, over: _Over, budget_s: float) -> str:
-    took = (f"its run at M={', '.join(map(str, over.ms))} took {over.took_s * 1e3:.3g} ms, over "
-            f"SM120_FP4_CANARY_SLICE_MS={budget_s * 1e3:g}")
-    if over.smallest:
-        return f"{label}: {took}; that is its smallest run (a decode size and M={over.cap}): it runs anyway"
-    return (f"{label}: M>={over.cap} is not re-checked while serving ({took}; verified at load and after "
-            "warm-up; a larger SM120_FP4_CANARY_SLICE_MS includes it)")
 
 
 class Canary:
@@ -202,7 +66,7 @@ class Canary:
         self._cursor: dict[tuple, int] = {}
         self._sweep: dict[tuple, int] = {}  # (family, device index) -> where the next fingerprint sweep starts
         self._rounds: dict[tuple, int] = {}
-        self._over: dict[tuple, _Over] = {}  # job key -> its run over the slice (the cap on its larger sizes)
+        self._over: dict[tuple, Over] = {}  # job key -> its run over the slice (the cap on its larger sizes)
         self._labels: dict[tuple, str] = {}
         self._captured: set[int] = set()
         self._failed: dict[tuple, CanaryFailure] = {}
@@ -248,9 +112,9 @@ class Canary:
         open_s = serving.weights_update_open_s()
         if open_s is None:
             self._told_update = False
-        elif open_s > WEIGHT_UPDATE_LIMIT_S and not self._told_update:
+        elif open_s > models.WEIGHT_UPDATE_LIMIT_S and not self._told_update:
             self._told_update = True
-            _LOG.warning("sm120_fp4: %s", _update_text(open_s))
+            _LOG.warning("sm120_fp4: %s", update_text(open_s))
 
     # ---- rotation -----------------------------------------------------------------------------
 
@@ -321,9 +185,9 @@ class Canary:
         if took <= self.budget_s:
             return
         known = self._over.get(job.key)
-        over = self._over[job.key] = _Over(max(job.ms), took, list(job.ms), max(job.ms) == self._sizes(job)[1][0])
+        over = self._over[job.key] = Over(max(job.ms), took, list(job.ms), max(job.ms) == self._sizes(job)[1][0])
         if known is None or known.cap != over.cap:
-            _LOG.info("sm120_fp4: the serving canary: %s", _over_text(self._labels.get(job.key, ""), over, self.budget_s))
+            _LOG.info("sm120_fp4: the serving canary: %s", over_text(self._labels.get(job.key, ""), over, self.budget_s))
 
     def _check(self, job: _Job) -> selftest.SelfTestReport:
         served = job.served
@@ -444,10 +308,10 @@ class Canary:
         with self._lock:
             recent = list(self._recent)
             failed = [f.model_copy() for f in self._failed.values()]
-            beyond = [_over_text(self._labels.get(key, ""), over, self.budget_s) for key, over in self._over.items()]
+            beyond = [over_text(self._labels.get(key, ""), over, self.budget_s) for key, over in self._over.items()]
         elapsed = time.time() - self._armed_at if self._armed_at is not None else None
         open_s = serving.weights_update_open_s()
-        update = _update_text(open_s) if open_s is not None else None
+        update = update_text(open_s) if open_s is not None else None
         return CanaryStatus(
             weights_update=update,
             **({"fingerprints": f"not compared now: {update}"} if update else {}),
@@ -461,13 +325,6 @@ class Canary:
         )
 
 
-def _update_text(open_s: float) -> str:
-    text = (f"SGLang's weight update has been open for {open_s:.0f} s: weight fingerprints are not compared until it "
-            "ends (the canary's checks against the oracle still run)")
-    if open_s > WEIGHT_UPDATE_LIMIT_S:
-        text += (f"; that is over {WEIGHT_UPDATE_LIMIT_S:.0f} s: a weight-update session begun "
-                 "(begin_weight_update) and never ended (end_weight_update)?")
-    return text
 
 
 def _nothing_to_check(settings: Settings) -> str | None:
@@ -482,53 +339,3 @@ def _nothing_to_check(settings: Settings) -> str | None:
             "what was verified")
 
 
-# ---- the process's canary -----------------------------------------------------------------------
-
-_active: Canary | None = None
-
-
-def configure(settings: Settings, idle_point: str | None = None) -> Canary | None:
-    """Start this process's canary (install): None, and nothing runs, with SM120_FP4_CANARY=off."""
-    global _active
-    if settings.canary_period is None:
-        return None
-    _active = Canary(settings, idle_point)
-    report_file.sections["canary"] = lambda: status(settings).model_dump(mode="json")
-    return _active
-
-
-def stop() -> None:
-    """Forget this process's canary (uninstall)."""
-    global _active
-    _active = None
-    report_file.sections.pop("canary", None)
-
-
-def active() -> Canary | None:
-    return _active
-
-
-def idle(serving_stream: Callable[[], ContextManager] | None = None) -> None:
-    """The engine's serving loop is between forward passes (see Canary.idle); nothing when off."""
-    canary = _active
-    if canary is not None:
-        canary.idle(serving_stream)
-
-
-def on_warmup(captured: list[int]) -> None:
-    canary = _active
-    if canary is not None:
-        canary.on_warmup(captured)
-
-
-def status(settings: Settings | None = None) -> CanaryStatus:
-    """This process's canary, or what the settings say where none runs here."""
-    canary = _active
-    if canary is not None:
-        return canary.status()
-    period = settings.canary_period if settings is not None else None
-    action = settings.canary_action if settings is not None else "exit"
-    slice_ms = settings.canary_slice_ms if settings is not None else 5.0
-    state = "off (SM120_FP4_CANARY=off)" if period is None else "not running: sm120_fp4 is not installed in this process"
-    return CanaryStatus(enabled=False, period_s=period, action=action, slice_ms=slice_ms, state=state,
-                        fingerprints="not compared: the canary is off")
