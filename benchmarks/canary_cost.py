@@ -1,7 +1,7 @@
 """What the serving canary costs a server: the longest pause it adds at an idle point (between two
 forward passes), and its share of the time at a period of 60 s.
 
-    .venv/bin/python benchmarks/canary_cost.py --quick     # CPU: simulated sm_120, layers / 16, 3 runs each
+    .venv/bin/python benchmarks/canary_cost.py --quick     # CPU: simulated sm_120, layers / 16, TP8, 6 graph sizes
     python3 benchmarks/canary_cost.py [--kernel humming]    # on a GPU: emulated (or humming) on CUDA
 
 The distinct dense configurations of a 70B-class model (Llama-3-70B: qkv, o_proj, gate_up, down) at
@@ -103,15 +103,18 @@ selftest.Sweep.run_pass = _recording_pass
 canary.Canary._run = _recording_run
 
 
-def measure(label: str, settings: Settings, tdev: torch.device, periods: int) -> dict:
+QUICK_CAPTURED = [1, 2, 4, 8, 128, 256]  # --quick: a few of the captured sizes (the re-check runs every one)
+
+
+def measure(label: str, settings: Settings, tdev: torch.device, periods: int, captured: list[int] = CAPTURED) -> dict:
     """The canary over the configurations verified so far (serving's state), after the re-check
     SGLang's warm-up triggers at every captured graph size (as in a server; a JIT-compiling backend
     compiles those sizes' kernels there)."""
-    reports = serving.recheck(settings, CAPTURED)
+    reports = serving.recheck(settings, captured)
     assert all(r.passed for r in reports), [r.reason for r in reports if not r.passed]
     c = canary.Canary(settings)
     c.clock = Clock()
-    c.on_warmup(CAPTURED)
+    c.on_warmup(captured)
     c.idle()  # armed
     if tdev.type == "cuda":
         torch.cuda.synchronize(tdev)
@@ -155,13 +158,14 @@ def main() -> int:
     parser.add_argument("--part", choices=("all", "dense", "moe"), default="all", help="the dense configurations, the MoE layer, or both")
     parser.add_argument("--kernel", choices=("emulated", "humming"), default="emulated",
                         help="the served backend (humming: a real NVFP4-weight kernel on SM90)")
-    parser.add_argument("--tp", default="1,8", help="the tensor-parallel sizes whose layer shapes are measured (default 1,8)")
+    parser.add_argument("--tp", default=None, help="the tensor-parallel sizes whose layer shapes are measured (default 1,8; --quick: 8)")
     parser.add_argument("--captures", action="store_true", help=(
         "let the canary's runs capture CUDA graphs, as they did before graphs.no_capture (an A/B in one run)"))
     args = parser.parse_args()
     if args.captures:
         graphs.no_capture = contextlib.nullcontext
-    tps = tuple(int(t) for t in args.tp.split(","))
+    tps = tuple(int(t) for t in (args.tp or ("8" if args.quick else "1,8")).split(","))
+    captured = QUICK_CAPTURED if args.quick else CAPTURED
     settings = Settings(simulate="12.0", backends=args.kernel, moe_backends=args.kernel, canary=str(PERIOD_S), canary_slice_ms=str(SLICE_MS))
     device = devices.list_devices(settings.simulated_capability)[0]
     tdev = device.torch_device
@@ -180,7 +184,7 @@ def main() -> int:
             assert report is not None and report.passed, report and report.reason
             checks.append(check)
         periods = len(checks) * (3 if args.quick else rounds_needed(checks))
-        results.append(measure(f"70B-class dense TP{tp}", settings, tdev, periods))
+        results.append(measure(f"70B-class dense TP{tp}", settings, tdev, periods, captured))
 
     for tp in tps if args.part != "dense" else ():
         serving.clear()
@@ -191,12 +195,12 @@ def main() -> int:
         report = serving.verify_layer(device.index, check, settings)
         assert report is not None and report.passed, report and report.reason
         periods = 3 if args.quick else rounds_needed([check])
-        results.append(measure(f"MoE E={experts} H={hidden} I={inter} top-8 TP{tp}", settings, tdev, periods))
+        results.append(measure(f"MoE E={experts} H={hidden} I={inter} top-8 TP{tp}", settings, tdev, periods, captured))
         del layer
 
     print(f"on {device.label()}, {args.kernel} backend{' (--quick: layers / 16)' if scale > 1 else ''}"
           f"{', runs may capture graphs (--captures)' if args.captures else ''}; "
-          f"SM120_FP4_CANARY={PERIOD_S:g}, SM120_FP4_CANARY_SLICE_MS={SLICE_MS:g}, {len(CAPTURED)} captured graph sizes\n")
+          f"SM120_FP4_CANARY={PERIOD_S:g}, SM120_FP4_CANARY_SLICE_MS={SLICE_MS:g}, {len(captured)} captured graph sizes\n")
     for r in results:
         rows.append([r["label"], r["runs"], r["per_period_ms"], f"{r['share']:.4%}", r["longest_pause_ms"],
                      r["longest_pause_less_backend_ms"], r["longest_pause_second_half_ms"],
@@ -212,7 +216,7 @@ def main() -> int:
     print(f"\nthe longest pause the canary added at one idle point: {longest:.2f} ms ({device.label()}, {args.kernel})")
     write("canary_cost_captures" if args.captures else "canary_cost", {
         "device": device.label(), "quick": scale > 1, "kernel": args.kernel, "captures_in_runs": args.captures,
-        "period_s": PERIOD_S, "slice_ms": SLICE_MS, "captured": len(CAPTURED), "longest_pause_ms": longest,
+        "period_s": PERIOD_S, "slice_ms": SLICE_MS, "captured": len(captured), "longest_pause_ms": longest,
         "results": results})
     return 0
 

@@ -90,7 +90,7 @@ class Over:
 
 
 def over_text(label: str, over: Over, budget_s: float) -> str:
-    took = (f"its run at M={', '.join(map(str, over.ms))} took {over.took_s * 1e3:.3g} ms, over "
+    took = (f"its run at M={', '.join(map(str, over.ms))} took {over.took_s * 1e3:.4g} ms, over "
             f"SM120_FP4_CANARY_SLICE_MS={budget_s * 1e3:g}")
     if over.smallest:
         return f"{label}: {took}; that is its smallest run (a decode size and M={over.cap}): it runs anyway"
