@@ -179,7 +179,7 @@ class Settings(BaseSettings):
     canary: float | Literal["off"] = Field(
         OFF,
         description="The serving canary: off, or a period in seconds; every period each scheduler re-verifies one "
-        "verified layer configuration per kernel (dense, MoE), in slices at its idle points (docs/operations.md).",
+        "verified layer configuration per kernel (dense, MoE), one run per idle point (docs/operations.md).",
     )
     canary_action: Literal["exit", "log"] = Field(
         "exit",
@@ -188,9 +188,9 @@ class Settings(BaseSettings):
     )
     canary_slice_ms: float = Field(
         5.0,
-        description="Milliseconds of GPU time the canary may hold the serving thread at one idle point (it runs one "
-        "step at least); batch sizes whose step is estimated over it are not re-checked while serving (listed in "
-        "status).",
+        description="Milliseconds of GPU time one canary run may hold the serving thread at an idle point: a run "
+        "over it caps its configuration's larger batch sizes below the one it checked (listed in status); the "
+        "smallest decode and larger sizes always run.",
     )
     _report_is_dir: bool = PrivateAttr(False)
 

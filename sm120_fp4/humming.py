@@ -57,7 +57,7 @@ __all__ = [
     "DISTRIBUTION", "DENSE_MODE", "MOE_MODE", "version", "compiler", "cache_dir", "supported", "moe_supported",
     "mm_fp4", "fused_moe", "prepare_dense", "prepare_moe", "original", "restore", "converted_layers",
     "startup", "describe_backend", "doctor_info", "use_engine", "Engine", "Prepared", "clear", "prepared_for",
-    "dequantize_activations", "fetch_originals", "Fetch", "FETCH_BYTES",
+    "dequantize_activations",
 ]
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -297,7 +297,6 @@ def clear() -> None:
     """Forget every conversion record (tests; an engine swap). Converted storages stay converted."""
     with _lock:
         _converted.clear()
-        _fetched.clear()
         _startup.clear()
         _memory.clear()
         _dequant_engines.clear()  # chosen again (and reported) at the next call; built kernels stay loaded
@@ -446,10 +445,6 @@ def original(t: torch.Tensor) -> torch.Tensor:
             kept = conv.originals.get(key)
             if kept is not None:
                 copy, target = kept
-                fetched = _fetched.get(key)
-                if fetched is not None and fetched.source is copy:  # on the device already (fetch_originals)
-                    torch.cuda.current_stream(fetched.device.device).wait_event(fetched.event)
-                    copy = fetched.device
                 # On the device while checked (no copy); from pinned host memory for good (one copy,
                 # ordered on the current stream before the oracle's reads).
                 copy = copy.to(t.device, non_blocking=copy.is_pinned())
@@ -488,72 +483,6 @@ def drop_originals(tensors: dict, keep: bool = False) -> None:
                 continue
             for key, (copy, target) in list(conv.originals.items()):
                 conv.originals[key] = (_pinned(copy), target)
-
-
-@dataclass
-class _Fetched:
-    source: torch.Tensor  # the kept copy in pinned host memory
-    device: torch.Tensor  # its bytes on the device, once `event` has completed
-    event: Any  # torch.cuda.Event, recorded on the copy stream after the copy
-
-
-_fetched: dict[int, _Fetched] = {}  # storage ptr -> the original bytes of a converted weight, fetched to the device
-_copy_streams: dict[int, Any] = {}  # device index -> the side stream fetch_originals copies on
-FETCH_BYTES = 512 << 20  # fetch_originals fetches a layer whose kept bytes are at most this (they are held meanwhile)
-_FETCH_CHUNK = 16 << 20  # bytes per copy: about 0.3 ms over PCIe 5
-
-
-class Fetch:
-    """The original bytes of one converted layer on their way from pinned host memory to the device
-    (:func:`fetch_originals`); :func:`original` reads them from there once they arrived."""
-
-    def __init__(self, keys: list[int], nbytes: int) -> None:
-        self.keys, self.nbytes = keys, nbytes
-
-    def ready(self) -> bool:
-        """Whether every copy has arrived (never blocks)."""
-        with _lock:
-            return all(_fetched[key].event.query() for key in self.keys if key in _fetched)
-
-    def release(self) -> None:
-        """Forget the device copies (their memory goes back to PyTorch's cache); idempotent."""
-        with _lock:
-            for key in self.keys:
-                _fetched.pop(key, None)
-        self.keys = []
-
-
-def fetch_originals(tensors: dict, limit: int = FETCH_BYTES) -> Fetch | None:
-    """Start copying the kept original bytes of one converted layer (`tensors`: a dense layer's
-    "weight" or a MoE layer's "w13" and "w2", as drop_originals) from pinned host memory to its
-    device, on a side stream: the link's copy engine moves them while the serving stream runs
-    forward passes, where :func:`original` would otherwise copy them on the serving stream, holding
-    it for the transfer (a 70B-class gate_up's 264 MB: about 5 ms over PCIe 5). None where nothing
-    is kept in host memory or the layer keeps more than `limit` bytes (its build step then copies)."""
-    with _lock:
-        pending = [(key, copy, target) for conv in _layer_conversions(tensors)
-                   for key, (copy, target) in conv.originals.items() if copy.is_pinned() and target.is_cuda]
-        nbytes = sum(_bytes(copy) for _, copy, _ in pending)
-        if not pending or nbytes > limit:
-            return None
-        for key, copy, target in pending:
-            device = target.device
-            serving = torch.cuda.current_stream(device)
-            side = _copy_streams.get(device.index)
-            if side is None:
-                side = _copy_streams[device.index] = torch.cuda.Stream(device)
-            side.wait_stream(serving)  # the allocation below may reuse memory the serving stream's queued work frees
-            on_device = torch.empty(copy.shape, dtype=copy.dtype, device=device)
-            src, dst = copy.reshape(-1).view(torch.uint8), on_device.view(-1).view(torch.uint8)
-            with torch.cuda.stream(side):
-                # In chunks: a copy of the serving stream's own waits for one chunk at most.
-                for at in range(0, src.numel(), _FETCH_CHUNK):
-                    dst[at:at + _FETCH_CHUNK].copy_(src[at:at + _FETCH_CHUNK], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(side)
-            on_device.record_stream(side)  # not reused before the copy is done, whenever it is released
-            _fetched[key] = _Fetched(copy, on_device, event)
-        return Fetch([key for key, _, _ in pending], nbytes)
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:

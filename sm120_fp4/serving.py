@@ -41,7 +41,7 @@ from .errors import ConfigError, RefusedToServe, capped
 __all__ = ["LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end",
            "weights_update_open_s",
            "refusals", "record_refusal", "decide", "decisions", "clear", "route", "route_table", "routes",
-           "Served", "served_configurations", "served_layer", "ServedCheck",
+           "Served", "served_configurations", "served_layer", "check_served",
            "fingerprint_problem", "fingerprint_sweep"]
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -298,10 +298,9 @@ def clear() -> None:
     """Forget every decision and route (uninstall; tests; a FlashInfer upgrade in a long-lived process),
     and undo what a backend converted at load where it can (humming: the layers whose original bytes
     it kept); a layer it cannot restore is named in a warning (only that backend can serve it)."""
-    global _updating, _updating_since, _generation
+    global _updating, _updating_since
     with _lock:
         _updating, _updating_since = 0, None
-        _generation += 1
         dropped = list(_records.values())
         _records.clear()
         _refusals.clear()
@@ -752,7 +751,6 @@ def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) ->
 
 _updating = 0  # SGLang weight updates in progress (weights_updating)
 _updating_since: float | None = None  # time.monotonic() when the open weight updates began (None: none open)
-_generation = 0  # bumped at every weight update's begin and end: a ServedCheck built before one is stale
 _last_settings: Settings | None = None
 
 
@@ -849,22 +847,20 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.Sel
 def weights_update_begin() -> None:
     """SGLang starts writing weights (a weight-update call, or a weight-update session): caches of
     dequantized weights are dropped, and fingerprint changes are expected until the matching end."""
-    global _updating, _updating_since, _generation
+    global _updating, _updating_since
     backends.invalidate_caches()
     with _lock:
         if not _updating:
             _updating_since = time.monotonic()
         _updating += 1
-        _generation += 1
 
 
 def weights_update_end(settings: Settings) -> list[verify.SelfTestReport]:
     """SGLang is done writing weights: when no other update is open, every layer whose weights
     changed is verified again (reverify) before anything else is served."""
-    global _updating, _updating_since, _generation
+    global _updating, _updating_since
     with _lock:
         _updating = max(0, _updating - 1)
-        _generation += 1
         last = _updating == 0
         if last:
             _updating_since = None
@@ -1003,55 +999,18 @@ def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[
     return problem, (start + len(chosen)) % len(records)
 
 
-class ServedCheck:
-    """One batch size of a verified configuration checked through the call that serves it, the
-    re-check's check (two passes, every call against the oracle) one pass at a time, for the serving
-    canary (two short steps at two idle points instead of one long one where the check is small enough
-    to keep meanwhile): the calls and the oracle's reference are built once, when it is made; each
-    :meth:`run_pass` calls and checks once more; :meth:`report` says what was found, including a
-    call that wrote into the layer's weights (their fingerprint after the calls must still be the
-    one they were verified with). `stale` is true once SGLang updated weights after it was built
-    (its reference may no longer be the layer's): build it again."""
-
-    def __init__(self, served: Served, m: int) -> None:
-        self.served, self.m = served, m
-        self._serving = _records[(served.family, served.device.index)]
-        self._generation = _generation
-        with self._serving.lock:
-            self._report, self._run, self._start = _start_check(self._serving, served.check, [m], light=True)
-
-    @property
-    def stale(self) -> bool:
-        return self._generation != _generation
-
-    @property
-    def built(self) -> bool:
-        """Whether its calls and the oracle's reference were built (else :meth:`report` says why not)."""
-        return self._run is not None
-
-    @property
-    def held_bytes(self) -> int:
-        """What this check keeps on the device between its passes: the references, the calls' tensor
-        arguments (the activations) and the copies of the inputs compared after every call; not the
-        layer's own weights."""
-        return 0 if self._run is None else self._run.held_bytes(_weight_storages(self.served.check))
-
-    def run_pass(self) -> bool:
-        """Call and check once more; False once a call failed (or the calls could not be built)."""
-        if self._run is None:
-            return False
-        with self._serving.lock:
-            return self._run.run_pass()
-
-    def report(self) -> verify.SelfTestReport:
-        with self._serving.lock:
-            if self._run is None:
-                return self._report
-            report = verify.finish(self._report, self._run.outcome(), self._start)
-            record = self._serving.layers.get(_layer_key(self.served.check))
-            if record is not None and not _updating:
-                _fail_if_written(report, self.served.check, record.fingerprint)
-            return report
+def check_served(served: Served, m: int) -> verify.SelfTestReport:
+    """The re-check's light check of `served` at batch size `m`, through the call that serves it
+    (two passes, every call against the oracle), for the serving canary: its report, including a
+    call that wrote into the layer's weights (their fingerprint after the calls must still be the one
+    they were verified with)."""
+    serving = _records[(served.family, served.device.index)]
+    with serving.lock:
+        report = _run_check(serving, served.check, [m], light=True)
+        record = serving.layers.get(_layer_key(served.check))
+        if record is not None and not _updating:
+            _fail_if_written(report, served.check, record.fingerprint)
+        return report
 
 
 def fingerprint_problem(check: LayerCheck) -> str | None:

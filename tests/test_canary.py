@@ -1,6 +1,6 @@
 """The serving canary (sm120_fp4.canary): in-process, through SGLang's real layers, driven at the
 serving loop's idle point (`canary.idle()`, what the scheduler's idle hook calls) with a controlled
-clock (when runs are due) and, where the slice rule is under test, a controlled step timer.
+clock (when runs are due) and, where the slice bound is under test, a controlled run timer.
 
 A kernel that goes wrong only after the process has verified and started serving (after a number of
 served calls, at one configuration, at large M only, in rows 64-127, ...) must be caught by the next
@@ -64,7 +64,7 @@ def serve(kernel, *shapes, **settings):
     """install() with the canary on and `kernel` as the dense backend, layers of `shapes` built and
     verified (the process is now serving); the canary armed at its first idle point."""
     backends.register("wear", kernel)
-    settings.setdefault("canary_slice_ms", "1000")  # every CPU step fits: the rotation under test, not the slice bound
+    settings.setdefault("canary_slice_ms", "1000")  # every CPU run fits: the rotation under test, not the slice bound
     sm120_fp4.install(simulate="12.0", backends="wear", canary=str(settings.pop("period", PERIOD)), **settings)
     built = [layers.build_modelopt_layer(synthetic.make_checkpoint(n, k, seed=i)) for i, (n, k) in enumerate(shapes)]
     c = canary.active()
@@ -88,6 +88,7 @@ def scale(factor):
     return lambda a, b, out: out.mul_(factor)
 
 
+@pytest.mark.subprocess
 @case("concurrency", "the report's directory lock held by another process (a second writer stuck for minutes) when a canary run passes",
       "the run ends within the lock bound (files.LOCK_TIMEOUT_S) on the serving thread; the skipped report write is logged; "
       "the next write after the holder lets go holds the run")
@@ -122,7 +123,7 @@ def test_the_canary_says_when_it_has_nothing_to_recheck():
 
 @case("configuration", "SGLang's weight-update session begun (WeightUpdater.begin_weight_update) and never ended, the canary on",
       "status().canary says for how long the update is open and that fingerprints are not compared meanwhile; past "
-      "canary.WEIGHT_UPDATE_LIMIT_S one warning says the session may never have ended; after end_weight_update, compared again")
+      "canary.models.WEIGHT_UPDATE_LIMIT_S one warning says the session may never have ended; after end_weight_update, compared again")
 def test_a_weight_update_that_never_ends_is_said_in_status(monkeypatch, caplog):
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
@@ -134,7 +135,7 @@ def test_a_weight_update_that_never_ends_is_said_in_status(monkeypatch, caplog):
     updater.begin_weight_update()
     shown = sm120_fp4.status().canary
     assert "weight update has been open for" in shown.weights_update and shown.fingerprints.startswith("not compared"), shown
-    monkeypatch.setattr(canary, "WEIGHT_UPDATE_LIMIT_S", 0.0)  # the limit, reached without waiting minutes
+    monkeypatch.setattr(canary.models, "WEIGHT_UPDATE_LIMIT_S", 0.0)  # the limit, reached without waiting minutes
     caplog.set_level(logging.WARNING, "sm120_fp4")
     assert next_run(c).passed and next_run(c).passed
     told = [r for r in caplog.records if "never ended" in r.getMessage()]
@@ -253,7 +254,7 @@ def test_a_healthy_kernel_passes_every_run_and_the_rotation_covers_configuration
     assert len(n96) == len(n64) == 4, "one configuration per period, in turn"
     assert n96 == [[1, 128], [2, 191], [3, 256], [4, 383]], "a decode M and a larger M, rotating"
     status = c.status()
-    assert status.runs == 8 and status.failures == 0 and status.busy_s > 0 and status.longest_step
+    assert status.runs == 8 and status.failures == 0 and status.busy_s > 0 and status.longest_slice
     assert status.recent[-1] == runs[-1] and status.state.startswith("next run in")
 
 
@@ -317,7 +318,7 @@ def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run
 
 
 @case("backend faults", "an MoE kernel that, once serving, returns the right result and then doubles a row of its input activations x in place (the caller's hidden states)",
-      "the canary's MoE step still compares the call's activations and routing bit for bit (only the layer's weights go by their fingerprint): refused, naming the changed input")
+      "the canary's MoE run still compares the call's activations and routing bit for bit (only the layer's weights go by their fingerprint): refused, naming the changed input")
 def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
     state = {"worn": False}
 
@@ -334,10 +335,10 @@ def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
             canary.idle()
 
 
-# ---- slices: bounded, always progressing, long steps deferred; saturation; capture ---------------
+# ---- slices: one run per idle point, bounded by the slice; saturation; capture ---------------------
 
 class StepTimer:
-    """The canary's step timer, advanced by the kernel: a call with M rows costs 1 + M/128 ms."""
+    """The canary's run timer, advanced by the kernel: a call with M rows costs 1 + M/128 ms."""
 
     def __init__(self) -> None:
         self.ms = 0.0
@@ -359,37 +360,29 @@ def _timed(slice_ms: str, periods: int) -> tuple[canary.Canary, list[canary.Cana
     return c, [next_run(c) for _ in range(periods)], sizes
 
 
-@case("properties", "the serving canary with SM120_FP4_CANARY_SLICE_MS=5 and a kernel whose call at M rows takes 1 + M/128 ms (controlled step timer), 16 periods",
-      "no slice and no step over 5 ms: every run checks a decode size and a larger one, the larger ones climb to the largest whose step fits (M=383, 4 ms; M=512 is estimated over the slice); status lists M=512 up to the prefill sizes as not re-checked while serving")
-def test_no_canary_slice_or_step_exceeds_the_bound_and_the_sizes_that_cannot_fit_are_listed():
-    c, runs, sizes = _timed("5", 16)
+@case("properties", "the serving canary with SM120_FP4_CANARY_SLICE_MS=10 and a kernel whose call at M rows takes 1 + M/128 ms (controlled timer; a run is two passes at a decode size and a larger one), 16 periods",
+      "one run per idle point; the larger sizes climb until a run is over the slice (M=383: 10.05 ms), once: from then on M>=383 is not re-checked while serving, every later run fits the slice, status lists the cap and the longest pause")
+def test_a_run_over_the_slice_caps_the_larger_sizes_and_every_later_run_fits():
+    c, runs, sizes = _timed("10", 16)
     assert all(r.passed and len(r.ms) == 2 and r.ms[0] < canary.SMALL_M <= r.ms[1] for r in runs), runs
+    over = [i for i, r in enumerate(runs) if r.busy_ms > 10.0]
+    assert len(over) == 1 and runs[over[0]].ms[1] == 383, [(r.ms, r.busy_ms) for r in runs]
+    assert all(r.ms[1] < 383 and r.busy_ms <= 10.0 for r in runs[over[0] + 1:]), runs
+    assert {r.ms[0] for r in runs} == {m for m in sizes if m < canary.SMALL_M}, "every decode size is reached"
     status = c.status()
-    assert status.longest_step_ms <= 5.0 + 1e-9 and status.longest_slice_ms <= 5.0 + 1e-9, status
-    larger = {r.ms[1] for r in runs}
-    assert larger == {m for m in sizes if canary.SMALL_M <= m <= 383}, larger
-    assert {r.ms[0] for r in runs} == {m for m in sizes if m < canary.SMALL_M}, "every decode size fits, and is reached"
+    assert status.slices == 16 and status.longest_slice_ms == pytest.approx(runs[over[0]].busy_ms), status
     [beyond] = status.beyond_slice
-    over = [m for m in sizes if m > 383]
-    assert over[0] == 512 and f"{len(over)} size(s), M=512, {over[1]}, " in beyond and f", {over[-1]} (" in beyond, beyond
-    assert "N=96 K=160" in beyond, beyond
+    assert "N=96 K=160" in beyond and "M>=383 is not re-checked while serving" in beyond, beyond
 
 
-@case("properties", "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=5, and canary.KEEP_BYTES just below what the check at M=256 holds: from there on a check is built and runs both its passes in one step (at M=256, 2 x 3 ms); 16 periods",
-      "no slice and no step over 5 ms: the first size whose check will not be kept is estimated with both its passes in its build step (from the bytes a smaller size's check held, scaled by M), so it is listed as beyond the slice with every larger size, and the larger sizes re-checked are M=128 and 191")
-def test_a_check_too_large_to_keep_is_estimated_with_both_its_passes_and_no_step_overruns(monkeypatch):
-    timer = StepTimer()
-    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms="5")
-    c.timer = timer
-    [served] = serving.served_configurations()
-    monkeypatch.setattr(canary, "KEEP_BYTES", serving.ServedCheck(served, 256).held_bytes - 1)
-    runs = [next_run(c) for _ in range(16)]
-    assert all(r.passed for r in runs), runs
-    status = c.status()
-    assert status.longest_step_ms <= 5.0 + 1e-9 and status.longest_slice_ms <= 5.0 + 1e-9, status
-    assert sorted({r.ms[1] for r in runs}) == [128, 191], runs
-    [beyond] = status.beyond_slice
-    assert re.search(r"size\(s\), M=256, 383, 512, ", beyond), beyond
+@case("properties", "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=1: even a configuration's smallest run (a decode size and M=128, over 6 ms) is over the slice; 6 periods",
+      "every run still checks a decode size and the smallest larger size (M=128: a canary that checks nothing guarantees nothing); status says its smallest run is over the slice and runs anyway")
+def test_a_configuration_whose_smallest_run_is_over_the_slice_is_still_checked_and_status_says_so():
+    c, runs, _ = _timed("1", 6)
+    assert all(r.passed and r.ms[1] == 128 for r in runs), runs
+    assert len({r.ms[0] for r in runs}) > 1, "the decode size still rotates"
+    [beyond] = c.status().beyond_slice
+    assert "that is its smallest run (a decode size and M=128): it runs anyway" in beyond, beyond
 
 
 @case("properties", "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=1000, 24 periods",
@@ -401,145 +394,14 @@ def test_a_larger_slice_re_checks_the_prefill_sizes_too():
     assert c.status().beyond_slice == []
 
 
-def test_a_slice_stops_before_a_step_it_knows_would_overrun_it_and_runs_a_step_never_run_first():
-    c, runs, _ = _timed("4.5", 20)
-    # A step that never ran begins a slice of its own (no bound from other steps holds its one-off
-    # costs): the first run is its seven steps at seven idle points.
-    assert runs[0].ms == [1, 128] and runs[0].slices == 7, runs[0]
-    # Once a run's steps have all run before, they share slices: the fingerprints, the decode size's
-    # build and passes (1 ms each), the larger size's build and its first pass (2 ms at M=128) are
-    # one slice of 4 ms; its second pass would overrun it and is the next.
-    again = [r for r in runs[14:] if r.ms[1] == 128]
-    assert again and all(r.slices == 2 for r in again), runs[14:]
-    status = c.status()
-    assert status.longest_slice_ms <= 4.5 and status.longest_step_ms == pytest.approx(1 + 383 / 128), status
-    assert int(re.search(r"M=(\d+) \(pass [12]\)$", status.longest_step).group(1)) == 383, status.longest_step
-
-
-def _idle_steps(c, count: int) -> None:
-    """`count` idle points of a due run (a slice bound of 0.001 ms: one step each)."""
-    for _ in range(count):
-        canary.idle()
-
-
-@case("backend faults", "a dense kernel that turns wrong (results 4x too large) between the two passes of a decode-sized canary check, while the server's forward passes run between them (slice bound 0.001 ms: one step per idle point)",
-      "a run is seven steps at seven idle points (the weight fingerprints, then per batch size its check built, its pass 1 and its pass 2); the fault is caught at the decode size's pass 2, naming that size")
-def test_a_checks_build_and_two_passes_are_three_steps_and_a_fault_between_the_passes_is_caught():
-    wear = Wear(scale(4.0))
-    c, [(method, layer)] = serve(wear, (96, 160), canary_slice_ms="0.001", canary_action="log")
-    first = next_run(c)
-    assert first.passed and first.slices == 7 and first.ms[0] < canary.SMALL_M <= first.ms[1], first
-    c.clock.now += c.period
-    _idle_steps(c, 3)  # the fingerprints, the decode size's check built, its first pass
-    assert c.runs == 1 and c._queue and c._queue[0].pending is not None
-    wear.armed = True
-    method.apply(layer, torch.randn(3, 160).to(torch.bfloat16))  # a forward pass between the two
-    _idle_steps(c, 1)
-    run = c.status().last_run
-    assert c.runs == 2 and not run.passed and "norm is 4" in run.reason and f"M={run.ms[0]}" in run.reason, run
-
-
-@case("properties", "a check that would keep more than canary.KEEP_BYTES (its activations and reference) between its passes: the bound set to 0 bytes, slice bound 0.001 ms",
-      "each batch size's check is built and runs both passes in one step: a run is three steps (the fingerprints, then one per batch size), nothing is kept between idle points")
-def test_a_check_too_large_to_keep_runs_both_passes_in_one_step(monkeypatch):
-    monkeypatch.setattr(canary, "KEEP_BYTES", 0)
-    c, _ = serve(emulated_mm_fp4, (96, 160), canary_slice_ms="0.001")
-    run = next_run(c)
-    assert run.passed and run.slices == 3 and len(run.ms) == 2, run
-    c.clock.now += c.period
-    for _ in range(2):
-        canary.idle()
-        assert all(job.pending is None for job in c._queue)
-
-
-class Fetch:
-    """backends.fetch_originals' handle, controlled: the copy arrives after `polls` ready() queries
-    (never with polls=None); what the canary asked of it is recorded."""
-
-    def __init__(self, log: list, polls: int | None) -> None:
-        self.log, self.polls = log, polls
-
-    def ready(self) -> bool:
-        self.log.append("ready?")
-        if self.polls is None:
-            return False
-        self.polls -= 1
-        return self.polls < 0
-
-    def release(self) -> None:
-        self.log.append("release")
-
-
-def _fetching(monkeypatch, polls: int | None):
-    log: list = []
-    steps = StepTimer()
-    c, _ = serve(steps.kernel, (96, 160), canary_slice_ms="1000")
-    c.timer = steps
+@case("configuration", "SGLang updates a verified layer's weights (its weight-update path) between two canary runs",
+      "the next run checks the layer with its new weights (verified again by the update, fingerprinted again): it passes, no failure is reported")
+def test_a_weight_update_between_runs_is_checked_with_the_new_weights():
+    c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_action="log")
     assert next_run(c).passed
-    built = []
-    real = serving.ServedCheck
-
-    def served_check(served, m):  # when each build reads the oracle's weights
-        built.append(m)
-        log.append(f"build M={m}")
-        return real(served, m)
-
-    monkeypatch.setattr(serving, "ServedCheck", served_check)
-    monkeypatch.setattr(backends, "fetch_originals", lambda tensors: (log.append("fetch"), Fetch(log, polls))[1])
-    c.clock.now += c.period
-    return c, steps, log, built
-
-
-@case("properties", "a backend whose oracle bytes are fetched to the device off the serving stream after a run's first step (humming's pinned copy; a controlled handle whose copy arrives after 4 polls)",
-      "the idle points before it arrives run nothing (no slice); then the builds run, the fetch is released once, right after the run's last build; the run passes")
-def test_a_build_waits_at_idle_points_for_its_weights_fetch_and_releases_it_after_the_last_build(monkeypatch):
-    c, _, log, built = _fetching(monkeypatch, polls=4)
-    slices = c.slices
-    canary.idle()  # the fingerprints, then the fetch starts; the first build waits for it
-    assert log[0] == "fetch" and not built and c.slices == slices + 1
-    for _ in range(3):
-        canary.idle()
-    assert not built and c.slices == slices + 1, "an idle point while the copy is on its way runs nothing"
-    for _ in range(20):
-        canary.idle()
-        if c.runs == 2:
-            break
-    assert c.runs == 2 and c.status().last_run.passed and len(built) == 2
-    assert log.count("release") == 1 and log.index("release") > log.index(f"build M={built[1]}"), log
-
-
-@case("own failures", "a fetch of the oracle's weights that never arrives (its event never completes)",
-      "the build waits for it at most canary.FETCH_WAIT_S, then runs (its own read waits on the device): the run completes and passes, the fetch is released")
-def test_a_fetch_that_never_arrives_holds_the_build_back_for_a_bounded_time_only(monkeypatch):
-    c, steps, log, built = _fetching(monkeypatch, polls=None)
-    canary.idle()
-    for _ in range(3):
-        canary.idle()
-    assert not built
-    steps.ms += canary.FETCH_WAIT_S * 1e3
-    for _ in range(20):
-        canary.idle()
-        if c.runs == 2:
-            break
-    assert c.runs == 2 and c.status().last_run.passed and len(built) == 2 and log.count("release") == 1, log
-
-
-@case("configuration", "SGLang updates a verified layer's weights (its weight-update path) after a decode-sized canary check was built: before its first pass, or between its two passes",
-      "the check built before the update is built again from the new weights: the run passes, no failure is reported for a reference the update made stale")
-@pytest.mark.parametrize("steps", [pytest.param(2, id="before pass 1"), pytest.param(3, id="between the passes")])
-def test_a_weight_update_after_a_check_was_built_builds_it_again(steps):
-    c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_slice_ms="0.001", canary_action="log")
-    assert next_run(c).passed
-    c.clock.now += c.period
-    _idle_steps(c, steps)  # the fingerprints, the check built (and its first pass)
-    assert c._queue[0].pending is not None
     with serving.weights_updating(c.settings):  # as SGLang's weight updates write: in place
         layer.weight.data.copy_(layer.weight.data.flip(0))  # other valid NVFP4 weights: rows reversed, scales kept
-    for _ in range(10):
-        canary.idle()
-        if c.runs == 2:
-            break
-    run = c.status().last_run
+    run = next_run(c)
     assert c.runs == 2 and run.passed and c.failures == 0, run
 
 
@@ -584,7 +446,7 @@ def test_no_step_runs_while_a_cuda_graph_is_being_captured(monkeypatch):
 
 
 def test_a_canary_step_never_captures_a_graph_of_the_checks_own():
-    """A graph capture costs several eager calls: the start-up checks may capture, a step may not."""
+    """A graph capture costs several eager calls: the start-up checks may capture, a canary run may not."""
     allowed = []
 
     def kernel(*args):
@@ -595,7 +457,7 @@ def test_a_canary_step_never_captures_a_graph_of_the_checks_own():
     assert allowed and all(allowed), "the start-up checks may capture"
     del allowed[:]
     assert next_run(c).passed
-    assert allowed and not any(allowed), "every call of a canary step runs inside graphs.no_capture()"
+    assert allowed and not any(allowed), "every call of a canary run runs inside graphs.no_capture()"
     assert graphs.captures_allowed(), "and only inside it"
 
 
@@ -630,7 +492,7 @@ def test_with_nothing_verified_the_canary_runs_nothing_and_says_so():
 
 
 def test_a_weight_fingerprint_mismatch_from_serving_fails_the_run(monkeypatch):
-    """The canary asks serving.fingerprint_problem at the first step of a run: a reason fails the run."""
+    """The canary asks serving.fingerprint_problem at every run: a reason fails the run."""
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
     monkeypatch.setattr(serving, "fingerprint_problem", lambda check: "weight bytes 17-18 differ")
     run = next_run(c)
@@ -639,7 +501,7 @@ def test_a_weight_fingerprint_mismatch_from_serving_fails_the_run(monkeypatch):
 
 
 @case("backend faults", "a verified layer's weight bytes flipped in GPU memory while serving (not through SGLang's weight updates)",
-      "the canary's first step compares the layer's fingerprint and fails the run naming the layer: the oracle alone would read the same corrupted weight")
+      "every canary run compares the layer's fingerprint and fails the run naming the layer: the oracle alone would read the same corrupted weight")
 def test_a_weight_corrupted_in_memory_while_serving_fails_the_next_run():
     c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_action="log")
     assert c.status().fingerprints.startswith("compared")
@@ -650,7 +512,7 @@ def test_a_weight_corrupted_in_memory_while_serving_fails_the_next_run():
 
 
 @case("backend faults", "a dense kernel that, once serving, writes into the weight it is given during its call (an out-of-bounds write into its own operand)",
-      "the canary's step compares the layer's fingerprint after its calls (no copy of the weights) and fails naming the in-place change")
+      "the canary's run compares the layer's fingerprint after its calls (no copy of the weights) and fails naming the in-place change")
 def test_a_kernel_that_writes_into_its_own_weight_fails_the_step_that_called_it():
     def scribble(a, b, out):
         b.T[0, 0] += 1  # b is the (K/2, N) view of the layer's own packed weight
@@ -683,7 +545,7 @@ def test_a_kernel_wrong_with_one_layers_weights_only_is_caught_by_the_walk_over_
 
 
 @case("backend faults", "the weight bytes of a verified layer other than the configuration's first changed in memory while serving (six layers, one configuration)",
-      "a run's first step compares the re-checked layer's fingerprint and more layers' in rotation: within two runs one fails, saying the weights changed")
+      "a run compares the re-checked layer's fingerprint and more layers' in rotation: within two runs one fails, saying the weights changed")
 def test_a_later_layers_weights_corrupted_in_memory_fail_a_run_within_the_sweep():
     c, built = serve(emulated_mm_fp4, *[(96, 160)] * 6, canary_action="log")
     assert next_run(c).passed
@@ -691,7 +553,7 @@ def test_a_later_layers_weights_corrupted_in_memory_fail_a_run_within_the_sweep(
     runs = [next_run(c) for _ in range(2)]
     failed = [r for r in runs if not r.passed]
     assert failed and "weights changed after they were verified" in failed[0].reason, [r.reason for r in runs]
-    assert c.status().fingerprints.startswith("compared at the first step of every run")
+    assert c.status().fingerprints.startswith("compared at every run")
 
 
 def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
@@ -700,7 +562,7 @@ def test_a_check_that_cannot_run_is_a_failure_never_a_silent_pass(monkeypatch):
     def broken(served, m):
         raise KeyError("no such serving entry")
 
-    monkeypatch.setattr(serving, "ServedCheck", broken)
+    monkeypatch.setattr(serving, "check_served", broken)
     run = next_run(c)
     assert not run.passed and "the canary could not run the check: KeyError" in run.reason
 

@@ -385,37 +385,6 @@ def test_real_humming_with_a_wrong_scale_layout_is_refused():
             serving.decide(device, ["humming"], settings=Settings(simulate="12.0"))
 
 
-@pytest.mark.gpu
-@ON_GPU
-def test_kept_bytes_fetched_off_the_serving_stream_are_the_checkpoints_and_read_without_a_copy():
-    """The first layer of a configuration keeps its checkpoint bytes in pinned host memory; the
-    canary's fetch moves them to the device on a side stream, and the oracle's read takes them there."""
-    n, k = 1024, 2048
-    _, _, (_, qw_t, _, sw_t, _) = verify.quantized_inputs((16, n, k), torch.device("cuda"), 5)
-    weight, weight_sf = qw_t.T, sw_t.T
-    kept_w, kept_sf = weight.clone(), weight_sf.clone()
-    tensors = {"weight": weight, "weight_sf": weight_sf}
-    humming.prepare_dense(weight, weight_sf, torch.bfloat16, keep_original=True)
-    assert backends.fetch_originals(tensors) is None, "while checked, the kept bytes are on the device: nothing to fetch"
-    humming.drop_originals(tensors, keep=True)  # the check is over: the first layer's bytes go to pinned host memory
-    assert humming.fetch_originals(tensors, limit=kept_w.numel() - 1) is None, "more than the limit: not fetched"
-    fetch = backends.fetch_originals(tensors)
-    assert fetch is not None and fetch.nbytes == kept_w.numel() + kept_sf.numel()
-    for _ in range(10_000):
-        if fetch.ready():
-            break
-    torch.cuda.synchronize()
-    assert fetch.ready()
-    first, again = backends.original(weight), backends.original(weight)
-    assert torch.equal(first, kept_w) and torch.equal(backends.original(weight_sf), kept_sf)
-    assert first.data_ptr() == again.data_ptr(), "read from the fetched copy, not copied again"
-    fetch.release()
-    fetch.release()  # idempotent
-    after = backends.original(weight)
-    assert torch.equal(after, kept_w) and after.data_ptr() != first.data_ptr()
-    humming.restore("dense")
-
-
 class _ActivationType(enum.IntEnum):  # FlashInfer's enum (FlashInfer cannot run on the H200)
     Swiglu = 3
     Relu2 = 6

@@ -47,7 +47,6 @@ __all__ = [
     "backend_of",
     "mode_of",
     "original",
-    "fetch_originals",
     "HUMMING",
     "EMULATED",
     "EMULATED_CACHED",
@@ -266,18 +265,6 @@ def original(t):
     from .. import humming
 
     return humming.original(t)
-
-
-def fetch_originals(tensors: dict | None):
-    """Start moving what `original` will read of one converted layer (`tensors`, a LayerCheck's) to
-    its device off the serving stream (humming: the first layer's bytes kept in pinned host memory);
-    a handle with ready() and release(), or None where there is nothing to move (no conversion, the
-    bytes already on the device, or more than humming.FETCH_BYTES)."""
-    if not tensors:
-        return None
-    from .. import humming
-
-    return humming.fetch_originals(tensors)
 
 
 def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
