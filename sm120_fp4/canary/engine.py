@@ -17,8 +17,7 @@ import torch
 from .. import deciding, graphs, report as report_file, serving, verify
 from ..config import Settings
 from ..errors import RefusedToServe
-from . import models
-from .models import SWEEP, CanaryFailure, CanaryRun, CanaryStatus, Over, over_text, update_text
+from .models import SWEEP, CanaryFailure, CanaryRun, CanaryStatus, Over, over_text, update_text, update_too_long
 
 __all__ = ["Canary", "SMALL_M"]
 
@@ -112,7 +111,7 @@ class Canary:
         open_s = serving.weights_update_open_s()
         if open_s is None:
             self._told_update = False
-        elif open_s > models.WEIGHT_UPDATE_LIMIT_S and not self._told_update:
+        elif update_too_long(open_s) and not self._told_update:
             self._told_update = True
             _LOG.warning("sm120_fp4: %s", update_text(open_s))
 
