@@ -3,7 +3,9 @@
 # NVFP4 linear modules (modelopt_quant, fp4_utils, compressed-tensors W4A4
 # NVFP4 scheme, sglang.srt.plugins) plus sm120_fp4's runtime and test deps.
 #
-# Usage: bash scripts/setup_env.sh [VENV_DIR]      (default: <repo>/.venv)
+# Usage: bash scripts/setup_env.sh [--with-vllm] [VENV_DIR]      (default: <repo>/.venv)
+#   --with-vllm: also set up .venv-vllm (vLLM 0.33, its own torch) with scripts/setup_vllm_env.sh, for the
+#                vLLM tests (tests/engine_vllm/, run by the full suite); about 5-8 minutes and 9.5 GB more.
 #
 # - Needs only python3 (3.11) and pip with this machine's index configuration.
 # - No GPU needed; the torch wheel is the regular CUDA build (runs on CPU).
@@ -13,7 +15,11 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WITH_VLLM=0
+if [ "${1:-}" = "--with-vllm" ]; then WITH_VLLM=1; shift; fi
 VENV_DIR="${1:-$ROOT/.venv}"
+# vLLM's venv, when asked for: idempotent (a stamp of its own), run on every path out of this script.
+vllm_too() { if [ "$WITH_VLLM" = 1 ]; then bash "$ROOT/scripts/setup_vllm_env.sh"; fi; }
 PYTHON_BIN="${PYTHON:-python3}"
 
 TORCH_VERSION="2.14.1"
@@ -162,6 +168,7 @@ if [ "${SETUP_ENV_FORCE:-0}" != "1" ] && [ -x "$VENV_PY" ] && [ -f "$STAMP_FILE"
    && [ "$(cat "$STAMP_FILE")" = "$STAMP" ]; then
   if quick_check; then
     say "venv $VENV_DIR is up to date (stamp matches); nothing to do"
+    vllm_too
     exit 0
   fi
   say "stamp matches but installed versions look wrong; reinstalling"
@@ -228,3 +235,4 @@ fi
 
 compute_stamp >"$STAMP_FILE"
 say "done in $(( $(date +%s) - START ))s; venv: $VENV_DIR ($(du -sh "$VENV_DIR" 2>/dev/null | cut -f1))"
+vllm_too

@@ -20,7 +20,7 @@ def test_readme_settings_table_is_generated_from_settings():
 def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one():
     blocks = re.findall(r"```bash\n(.*?)\n```", README, re.S)
     assert blocks[0] == "bash scripts/setup_env.sh && .venv/bin/python -m sm120_fp4 demo"
-    assert blocks[1] == "bash scripts/setup_env.sh && .venv/bin/python -m pytest"
+    assert blocks[1] == "bash scripts/setup_env.sh --with-vllm && .venv/bin/python -m pytest"
     ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     assert blocks[1] in ci.splitlines()
 
