@@ -1,4 +1,4 @@
-"""``sm120-fp4 doctor | selftest | launch | demo | patches`` (also ``python -m sm120_fp4``).
+"""``sm120-fp4 doctor | selftest | launch | demo | patches | bench`` (also ``python -m sm120_fp4``).
 
 Exit codes (docs/operations.md):
   0  verified: every GPU this library serves has a verified backend (or there is none to serve)
@@ -816,6 +816,14 @@ def _parser() -> argparse.ArgumentParser:
     patches.add_argument("action", choices=["check", "apply"])
     patches.add_argument("--dry-run", action="store_true", help="apply: show whether the diff applies, change nothing")
     patches.add_argument("--target", help="apply: a site-packages, unpacked wheel or SGLang source tree (default: installed)")
+    bench = sub.add_parser("bench", help="verify, then time, each candidate backend and bf16 at the served shapes and batch sizes")
+    bench.add_argument("--model", metavar="DIR", help="the layer configurations of this local NVFP4 checkpoint (default: one dense, one MoE)")
+    bench.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    bench.add_argument("--plot", metavar="PNG", help="also plot TFLOP/s against M per backend into PNG (needs matplotlib)")
+    bench.add_argument("--device", type=int, help="CUDA ordinal (default: the first 12.x GPU)")
+    bench.add_argument("--backend", action="append", help="candidate backend (repeatable); default: the configured candidates")
+    bench.add_argument("--sizes", type=int, nargs="+", metavar="M", help="batch sizes (default: 1..256 by powers of two, 512..8192)")
+    bench.add_argument("--allow-any-gpu", action="store_true", help="measure a GPU that is not compute-capability 12.x")
     worker = sub.add_parser("_selftest-worker")
     worker.add_argument("--device", type=int, required=True)
     worker.add_argument("--backend", action="append")
@@ -846,6 +854,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_USAGE
             return cmd_selftest_model(args)
         return cmd_selftest(args)
+    if args.cmd == "bench":
+        from .bench import main as bench
+
+        return bench(args)
     if args.cmd == "_model-worker":
         return _worker_exit(_model_worker(args))
     if args.cmd == "launch":

@@ -159,6 +159,16 @@ def version() -> str | None:
     return installed_version("flashinfer-python", "flashinfer")
 
 
+@contextlib.contextmanager
+def autotuning() -> Iterator[None]:
+    """FlashInfer's autotuner in tuning mode: a tunable op's first call of a shape profiles its tactics
+    (the calls after it, inside or outside, use the pick), as an engine's warm-up does."""
+    from flashinfer.autotuner import autotune  # heavy: only where a FlashInfer backend runs
+
+    with autotune(True):
+        yield
+
+
 @functools.lru_cache(maxsize=1)
 def _mm_fp4() -> GemmFn:
     from flashinfer import mm_fp4  # heavy: only when a FlashInfer backend is considered
