@@ -25,7 +25,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
 
     from .. import serving
     from ..errors import RefusedToServe, say_once
-    from . import hooks, simulation, targets
+    from . import hooks, moe, simulation, targets
 
     undo: list[Callable[[], None]] = []
     simulate = settings.simulated_capability
@@ -87,7 +87,23 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     def recheck(sizes: list[int]) -> object:
         return serving.recheck(settings, sizes)
 
-    specs = targets.specs(targets.Wiring(make_alias, before, weights_scope, verify, recheck))
+    def moe_served(index: int) -> bool:
+        return serving.route_table("moe").get(index) is not None
+
+    def before_moe(kind: str, method, layer) -> None:
+        if router.ensure(hooks.layer_device_index(layer), "moe") is None:
+            return  # a device this library does not serve
+        name = hooks.layer_name(layer)
+        refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
+
+    def verify_moe(kind: str, method, layer) -> None:
+        if moe_served(hooks.layer_device_index(layer)) and moe.backend_problem(kind, method) is None:
+            verify(moe.moe_check(kind, method, layer))
+
+    specs = targets.specs(targets.Wiring(
+        make_alias, before, weights_scope, verify, recheck,
+        make_moe_alias=lambda original: moe.make_alias(original, router.make_moe_front),
+        make_defer=lambda original: moe.make_defer(original, moe_served), before_moe=before_moe, verify_moe=verify_moe))
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d in vLLM: results prove the wiring, not an SM120 kernel", *simulate)
         specs += simulation.specs()
