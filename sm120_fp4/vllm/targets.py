@@ -11,10 +11,12 @@ from typing import Callable
 
 from ..patching import PatchSpec
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
-from .release import CT, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
+from .moe import make_shapes
+from .release import CT, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
 
 __all__ = ["Wiring", "TARGETS", "specs", "ledger_rows", "doctor_section", "ALIAS_BACKEND"]
 
+MOE_KIND = "ModelOptNvFp4FusedMoE"
 # The backend FlashInferCutlassNvFp4LinearKernel passes to the alias: the one this library routes.
 ALIAS_BACKEND = "cutlass"
 
@@ -34,12 +36,33 @@ _WARMUP_WHY = (
     "graphs, re-run every verified layer configuration once, eagerly, also at every graph batch size about to be "
     "captured; a kernel that goes wrong only after tuning refuses to serve"
 )
+_MOE_ALIAS_WHY = (
+    "vLLM's FlashInfer NVFP4 MoE experts (FlashInferExperts) call FlashInfer's cutlass_fused_moe through the alias "
+    "flashinfer_cutlass_fused_moe (bound by name here) and nothing checks the numbers on SM12x; route its unquantized "
+    "NVFP4 calls on a served device to the fused-MoE backend verified on this GPU"
+)
+_MOE_DEFER_WHY = (
+    "vLLM quantizes MoE activations before the kernel; on a served device FlashInferExperts take them unquantized "
+    "(vLLM's own expects_unquantized_inputs switch; FlashInfer's kernel quantizes when input_sf is None, as SGLang "
+    "calls it), the convention the routed, verified fused-MoE backend serves"
+)
+_MOE_SHAPES_WHY = "with unquantized NVFP4 activations the experts' output is (M, K): vLLM's NVFP4 branch doubles a packed K"
+_MOE_WEIGHTS_WHY = (
+    "decide the device's fused-MoE backend (a self-test) before vLLM processes the weights; refuse an NVFP4 MoE "
+    "layer on any backend but flashinfer_cutlass (naming it and --moe-backend flashinfer_cutlass) or weight-only; "
+    "after processing, verify the layer's configuration through the layer's own apply (bf16 in) against the oracle "
+    "from its processed weights, at every batch-size bucket"
+)
 _UPSTREAM = "no upstream check exists (vLLM's warm-ups compile and tune; none compares FP4 outputs with a reference)"
 _REMOVE = "when vLLM verifies its NVFP4 GEMM output at start-up on SM12x"
 
 
 def _is_callable(original: object) -> str | None:
     return None if callable(original) else f"not a function: {type(original).__name__}"
+
+
+def _is_property(original: object) -> str | None:
+    return None if isinstance(original, property) else f"not a property: {type(original).__name__}"
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,10 @@ class Wiring:
     weights_scope: Callable
     verify: Callable[[object], None]
     recheck: Callable[[list[int]], object] = lambda sizes: None
+    make_moe_alias: Callable = lambda original: original
+    make_defer: Callable = lambda original: original
+    before_moe: Callable[[str, object, object], object] = lambda kind, method, layer: None
+    verify_moe: Callable[[str, object, object], None] = lambda kind, method, layer: None
 
 
 def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
@@ -73,6 +100,15 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
     _target("compressed-tensors-weights", name="vllm-compressed-tensors-w4a4-nvfp4-weights-hook", module=CT,
             attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading", versions=">=0.32",
             why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)"),
+    _target("moe-alias", name="vllm-flashinfer-cutlass-fused-moe-alias", module=FI_CUTLASS_MOE,
+            attribute="flashinfer_cutlass_fused_moe", check=_is_callable, versions=">=0.32", why=_MOE_ALIAS_WHY),
+    _target("moe-defer", name="vllm-flashinfer-moe-unquantized-inputs", module=FI_CUTLASS_MOE,
+            attribute="FlashInferExperts.expects_unquantized_inputs", check=_is_property, versions=">=0.32",
+            why=_MOE_DEFER_WHY),
+    _target("moe-shapes", name="vllm-flashinfer-moe-output-shape", module=FI_CUTLASS_MOE,
+            attribute="FlashInferExperts.workspace_shapes", check=_is_callable, versions=">=0.32", why=_MOE_SHAPES_WHY),
+    _target("modelopt-moe-weights", name="vllm-modelopt-nvfp4-moe-weights-hook", module=MODELOPT,
+            attribute="ModelOptNvFp4FusedMoE.process_weights_after_loading", versions=">=0.32", why=_MOE_WEIGHTS_WHY),
     _target("recheck", name="vllm-post-warmup-recheck", module=GPU_WORKER, attribute="kernel_warmup", check=_is_callable,
             versions=">=0.32", why=_WARMUP_WHY),
 )
@@ -88,6 +124,12 @@ def _makers(w: Wiring) -> dict[str, Callable]:
         "alias": w.make_alias,
         "modelopt-weights": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
         "compressed-tensors-weights": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
+        "moe-alias": w.make_moe_alias,
+        "moe-defer": w.make_defer,
+        "moe-shapes": make_shapes,
+        "modelopt-moe-weights": functools.partial(
+            make_weights_hook, before=lambda method, layer: w.before_moe(MOE_KIND, method, layer), scope=w.weights_scope,
+            after=lambda method, layer: w.verify_moe(MOE_KIND, method, layer)),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
     }
 

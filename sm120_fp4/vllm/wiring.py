@@ -13,7 +13,7 @@ from typing import Callable
 
 from .release import engine_version
 
-__all__ = ["attach", "idle_point_problem"]
+__all__ = ["attach", "idle_point_problem", "canary_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -24,8 +24,8 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     import torch
 
     from .. import serving
-    from ..errors import RefusedToServe, say_once
-    from . import hooks, simulation, targets
+    from ..errors import ConfigError, RefusedToServe, say_once
+    from . import hooks, moe, simulation, targets
 
     undo: list[Callable[[], None]] = []
     simulate = settings.simulated_capability
@@ -40,7 +40,14 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
 
+    def canary_off() -> None:
+        """vLLM serves here: the serving canary, asked for, cannot run (refused, never silently off)."""
+        problem = canary_problem(settings)
+        if problem is not None:
+            raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
+
     def before(kind: str, method, layer) -> None:
+        canary_off()
         if hooks.nvfp4_kernel(method) is None:
             return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
         index = hooks.layer_device_index(layer)
@@ -87,7 +94,24 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     def recheck(sizes: list[int]) -> object:
         return serving.recheck(settings, sizes)
 
-    specs = targets.specs(targets.Wiring(make_alias, before, weights_scope, verify, recheck))
+    def moe_served(index: int) -> bool:
+        return serving.route_table("moe").get(index) is not None
+
+    def before_moe(kind: str, method, layer) -> None:
+        canary_off()
+        if router.ensure(hooks.layer_device_index(layer), "moe") is None:
+            return  # a device this library does not serve
+        name = hooks.layer_name(layer)
+        refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
+
+    def verify_moe(kind: str, method, layer) -> None:
+        if moe_served(hooks.layer_device_index(layer)) and moe.backend_problem(kind, method) is None:
+            verify(moe.moe_check(kind, method, layer))
+
+    specs = targets.specs(targets.Wiring(
+        make_alias, before, weights_scope, verify, recheck,
+        make_moe_alias=lambda original: moe.make_alias(original, router.make_moe_front),
+        make_defer=lambda original: moe.make_defer(original, moe_served), before_moe=before_moe, verify_moe=verify_moe))
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d in vLLM: results prove the wiring, not an SM120 kernel", *simulate)
         specs += simulation.specs()
@@ -98,7 +122,15 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
 
 
 def idle_point_problem(settings) -> str | None:
-    """The serving canary needs an idle point in the engine's loop; none is wired for vLLM yet."""
+    """None: install() does not refuse the serving canary for vLLM merely because vLLM is installed (SGLang may be
+    what serves). vLLM 0.33 has no idle point the library uses, so the canary is refused where vLLM serves: its
+    plugin and its first NVFP4 layer (:func:`canary_problem`)."""
+    return None
+
+
+def canary_problem(settings) -> str | None:
+    """The serving canary needs an idle point in the engine's loop; none is wired for vLLM (0.32-0.33 has none the
+    library uses)."""
     if settings.canary_period is None:
         return None
     return (f"SM120_FP4_CANARY={settings.canary_period:g} is not available with vLLM {engine_version()}: sm120_fp4 wires "

