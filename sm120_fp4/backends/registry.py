@@ -104,21 +104,21 @@ HUMMING = "humming"
 
 def _humming_dense() -> Backend:
     """Humming's bf16/fp16-activation kernel on SGLang's FP4 activations, dequantized exactly (W4A4)."""
-    from .. import humming  # light: Humming itself is imported only when it is asked about
+    from .humming import adapter as humming  # light: Humming itself is imported only when it is asked about
 
     return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4", _humming_converter("dense"))
 
 
 def _humming_moe() -> Backend:
     """Humming's grouped kernel on unquantized activations (W4A16)."""
-    from .. import humming
+    from .humming import adapter as humming
 
     return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16", _humming_converter("moe"))
 
 
 def _humming_converter(family: str) -> Converter:
     """Humming converts each served layer in place at load (its own layout, written into SGLang's storage)."""
-    from .. import humming
+    from .humming import adapter as humming
 
     def convert(tensors: dict, keep_original: bool) -> None:
         if family == "dense":
@@ -281,7 +281,7 @@ def mode_of(family: str, name: str) -> str:
 def original(t):
     """A weight tensor as the checkpoint has it, for the oracle: where a backend converted its storage
     in place (humming), a copy of the bytes it kept; otherwise the tensor itself."""
-    from .. import humming
+    from .humming import adapter as humming
 
     return humming.original(t)
 
