@@ -293,9 +293,10 @@ def decisions() -> list[Decision]:
         return [choice.decision for record in _records.values() for choice in record.decided.values()]
 
 
-report_file.sections["decisions"] = lambda: [d.model_dump(mode="json") for d in decisions()]
-
-report_file.sections["refusals"] = lambda: [r.model_dump(mode="json") for r in refusals()]
+def report_sections() -> dict[str, Callable[[], object]]:
+    """This process's sections of the report file (:mod:`sm120_fp4.report`): its decisions and refusals."""
+    return {"decisions": lambda: [d.model_dump(mode="json") for d in decisions()],
+            "refusals": lambda: [r.model_dump(mode="json") for r in refusals()]}
 
 
 

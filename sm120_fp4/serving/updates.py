@@ -189,14 +189,13 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
     return done
 
 
-def _on_hang(message: str) -> None:
-    """selftest's watchdog is about to end the process: record the refusal in the report first."""
+def on_hang(message: str) -> None:
+    """The self-test's watchdog is about to end the process: record the refusal in the report first
+    (a hook of :data:`sm120_fp4.verify.hang_hooks`)."""
     settings = _process.last_settings
     if settings is not None:
         _refuse(Refusal(device="?", message=message), settings)
 
-
-verify.hang_hooks.append(_on_hang)
 
 
 
