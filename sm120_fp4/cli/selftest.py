@@ -322,6 +322,11 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
         _eprint(f"sm120-fp4 selftest: interrupted by {signal.Signals(signum).name}: the self-test workers were stopped; "
                 f"nothing was recorded for the candidates they were running (exit {128 + signum})")
         return 128 + signum
+    return _outcome(args, results, families, quiet, settings, engine)
+
+
+def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet: bool, settings, engine) -> int:
+    """The preflight's table (or JSON), what each failed job said, and the exit code of ``selftest``."""
     usage = [r for r in results.values() if not r.get("ok") and r.get("usage")]
     refused = [r for r in results.values() if not r.get("ok") and not r.get("usage")]
     unverified = [r for r in results.values() if r.get("ok") and not r["decision"]["verified"]]
