@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
-from sm120_fp4 import backends, humming, nvfp4, verify  # noqa: E402
+from sm120_fp4 import backends, nvfp4, verify  # noqa: E402
+from sm120_fp4.backends import humming  # noqa: E402
 
 DENSE = {  # (N, K): Llama-3-70B projections; TP8 slices N (column-parallel) or K (row-parallel)
     "70B qkv TP1": (10240, 8192), "70B o_proj TP1": (8192, 8192),
@@ -174,7 +175,7 @@ def dense_row(name: str, n: int, k: int, ms: tuple, emulated_ms: tuple) -> dict:
         cell["humming_ms"] = timer(call)
         xq = nvfp4.dequantize_unscaled(a, a_sf, BF16)
         prepared = humming.prepared_for(w, BF16)
-        gemm_only = lambda: humming._engine.gemm(prepared, xq, alpha, out)  # noqa: E731
+        gemm_only = lambda: humming.adapter._engine.gemm(prepared, xq, alpha, out)  # noqa: E731
         cell["humming_gemm_only_ms"] = timer(gemm_only)
         if m in emulated_ms:
             emu_out = torch.empty(m, n, dtype=BF16, device=DEV)

@@ -14,7 +14,7 @@ rel. error <= 0.01, finite) before it is timed; a wrong one is reported, never r
 Also measured: the activation dequantization kernel against its memory floor (and bit for bit
 against nvfp4's decode), and the served call's host time by part. The JSON (under $BENCH_OUT)
 holds every number; the summary ranks the candidate families by their geometric mean over the
-shapes, per M bucket, which is how sm120_fp4/humming.py's tuning table was chosen.
+shapes, per M bucket, which is how sm120_fp4/backends/humming/'s tuning table was chosen.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch  # noqa: E402
 
 from _common import table, write  # noqa: E402
 from humming_fallback import BF16, DENSE, DEV, activations, events_ms, graph_ms, random_nvfp4, rel_err  # noqa: E402
-from sm120_fp4 import humming, nvfp4  # noqa: E402
+from sm120_fp4 import nvfp4  # noqa: E402
+from sm120_fp4.backends import humming  # noqa: E402
 
 HOLDOUT = {"8B qkv TP1": (6144, 4096), "8B down TP1": (4096, 14336)}  # shapes no choice was made on
 DECODE_M = (1, 4, 16, 32, 64)
@@ -258,7 +259,7 @@ def _old_dequant_kernel():
         import triton
         import triton.language as tl
 
-        from sm120_fp4._humming_dequant import _e2m1, _e4m3
+        from sm120_fp4.backends.humming.dequant import _e2m1, _e4m3
 
         @triton.jit
         def old(a_ptr, sf_ptr, out_ptr, half_k, kp, BLOCK: tl.constexpr):
@@ -280,7 +281,7 @@ def _old_dequant_kernel():
 def dequant_rows() -> list[dict]:
     """The dequantization kernels (the served CUDA C one, the Triton fallback, the first Triton
     version) against the memory floor, each checked bit for bit against nvfp4's decode first."""
-    from sm120_fp4 import _humming_cuda, _humming_dequant
+    from sm120_fp4.backends.humming import cuda as _humming_cuda, dequant as _humming_dequant
 
     _humming_cuda.load(DEV)
     triton, old = _old_dequant_kernel()
@@ -317,7 +318,7 @@ def host_rows() -> dict:
     alpha = torch.tensor([1.0], device=DEV)
     out = torch.empty(m, n, dtype=BF16, device=DEV)
     humming.mm_fp4(a, w.T, a_sf, sf.T, alpha, BF16, out)
-    from sm120_fp4 import _humming_cuda, _humming_dequant
+    from sm120_fp4.backends.humming import cuda as _humming_cuda, dequant as _humming_dequant
 
     kp = nvfp4.swizzled_scale_shape(m, k)[1]
     dq_out = torch.empty(m, k, dtype=BF16, device=DEV)
@@ -326,12 +327,12 @@ def host_rows() -> dict:
                                         weight_scale=prep.tensors["weight_scale"], weight_scale_2=alpha, outputs=out,
                                         locks=prep.locks)
     parts = {
-        "argument checks": lambda: humming._check_dense(a, w.T, a_sf, sf.T, alpha, BF16, out),
+        "argument checks": lambda: humming.adapter._check_dense(a, w.T, a_sf, sf.T, alpha, BF16, out),
         "dequantize_activations (served: CUDA C kernel, driver launch)": lambda: humming.dequantize_activations(a, a_sf, BF16),
         "Triton dequantization kernel launch": lambda: _humming_dequant.launch(a, a_sf, dq_out, kp),
         "CUDA C dequantization kernel launch": lambda: _humming_cuda.launch(a, a_sf, dq_out, kp),
         "gemm via ops.humming_gemm (before)": old_path,
-        "gemm via the cached kernel table (now)": lambda: humming._engine.gemm(prep, xq, alpha, out),
+        "gemm via the cached kernel table (now)": lambda: humming.adapter._engine.gemm(prep, xq, alpha, out),
         "served mm_fp4 (now)": lambda: humming.mm_fp4(a, w.T, a_sf, sf.T, alpha, BF16, out),
     }
     res = {}

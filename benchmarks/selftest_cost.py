@@ -220,8 +220,8 @@ def time_check(check, device, settings) -> tuple[float, verify.SelfTestReport]:
     weights at load (humming) converts it first, timed apart (CONVERSION_S): serving it costs that
     with or without verification."""
     backend = backends.backend_of(check.family, (settings.backends if check.family == "dense" else settings.moe_backends)[0])
-    if backend.prepare is not None and check.tensors is not None:
-        _, seconds = synced(device.torch_device, lambda: backend.prepare(check.tensors, True))
+    if backend.converter is not None and check.tensors is not None:
+        _, seconds = synced(device.torch_device, lambda: backend.converter.convert(check.tensors, True))
         CONVERSION_S[0] += seconds
     report, seconds = synced(device.torch_device, lambda: serving.verify_layer(device.index, check, settings))
     return seconds, report

@@ -33,7 +33,7 @@ _LAZY = {
     "install": ("sm120_fp4.api", "install"),
     "uninstall": ("sm120_fp4.api", "uninstall"),
     "status": ("sm120_fp4.api", "status"),
-    "decide": ("sm120_fp4.serving", "decide"),
+    "decide": ("sm120_fp4.api", "decide"),
     "Settings": ("sm120_fp4.config", "Settings"),
 }
 

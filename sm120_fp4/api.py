@@ -9,6 +9,7 @@ release, or (``SM120_FP4_ENABLE=auto``) no 12.x GPU. ``uninstall()`` restores th
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -16,17 +17,17 @@ from typing import Any, Callable
 
 from pydantic import BaseModel
 
-from . import __version__, canary, deciding, devices, locks, serving
+from . import __version__, canary, deciding, devices, locks, serving, verify
+from . import report as report_file
 from .canary import CanaryStatus
 from . import sglang as sglang_support
 from . import vllm as vllm_support
 from .config import Settings, check_flashinfer_env, env_name, flashinfer_overrides, load_settings, sources
-from .errors import ConfigError
 from .dispatch import Router
 from .errors import ConfigError
 from .patching import LedgerEntry, Patcher
 
-__all__ = ["install", "uninstall", "status", "Status"]
+__all__ = ["install", "uninstall", "status", "decide", "Status"]
 
 _LOG = logging.getLogger("sm120_fp4")
 # The engine homes install() wires into, in this order. Each is a package with the same small interface
@@ -169,11 +170,27 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
     return state
 
 
+def _wire_process() -> None:
+    """Connect this process's serving state to what outlives a call (idempotent): its decisions and
+    refusals to the report file, and the refusal a hung self-test ends the process with to the
+    watchdog. Wired here, by the module that owns the process state, never at import."""
+    report_file.sections.update(serving.report_sections())
+    if serving.on_hang not in verify.hang_hooks:
+        verify.hang_hooks.append(serving.on_hang)
+
+
+@functools.wraps(serving.decide)
+def decide(*args: Any, **kwargs: Any) -> deciding.Decision:
+    _wire_process()
+    return serving.decide(*args, **kwargs)
+
+
 def install(**overrides: Any) -> Status:
     """Patch SGLang's FP4 GEMMs, dense and NVFP4 MoE (now, or when SGLang is imported); keyword
     overrides beat SM120_FP4_* env."""
     global _state, _message
     with _lock:
+        _wire_process()
         settings = load_settings(**overrides)
         if settings.toggle is not False:  # off means off: nothing else is looked at
             # Unknown backend names (after the entry points): ConfigError now, not at serve time.

@@ -66,8 +66,8 @@ class Decision(BaseModel):
         if self.backend not in names:
             return None  # unregistered since (a test's backend)
         try:
-            describe = backends.backend_of(self.family, self.backend).describe
-            return describe() if describe is not None else None
+            converter = backends.backend_of(self.family, self.backend).converter
+            return converter.describe() if converter is not None else None
         except Exception as exc:  # noqa: BLE001 - status must answer
             return {"error": f"{type(exc).__name__}: {exc}"}
 

@@ -65,7 +65,7 @@ def _toolchain() -> dict:
 
 
 def _humming() -> dict:
-    from . import humming
+    from .backends import humming
 
     return humming.doctor_info()
 

@@ -17,7 +17,7 @@ The file::
 
 Written through files.write_json (the one atomic writer): 0600, in a trusted directory, never over
 a link or special file. :func:`update` writes this process's section from :data:`sections`
-(:mod:`sm120_fp4.serving` adds ``decisions`` and ``refusals``, the serving canary ``canary``).
+(:mod:`sm120_fp4.api` wires serving's ``decisions`` and ``refusals``, the serving canary adds ``canary``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ _lock = locks.lock()
 _update_lock = locks.lock()
 
 # This process's section of the report: name -> a function returning its JSON-serialisable value,
-# called whenever the report is written (serving adds "decisions" and "refusals", the serving
-# canary "canary").
+# called whenever the report is written (api wires serving's "decisions" and "refusals", the
+# serving canary adds "canary").
 sections: dict[str, Callable[[], object]] = {}
 
 

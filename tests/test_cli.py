@@ -148,7 +148,7 @@ def test_launch_execs_the_command_with_the_toggle_after_a_passing_preflight(back
 def test_launch_refuses_to_start_the_server_when_preflight_fails(monkeypatch, capsys, tmp_path):
     marker = tmp_path / "started"
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
-    monkeypatch.setattr(cli.os, "execvpe", lambda *args: pytest.fail(f"exec {args}"))
+    monkeypatch.setattr(cli.launch.os, "execvpe", lambda *args: pytest.fail(f"exec {args}"))
     code, _, err = cli_in_process(monkeypatch, capsys, "launch", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
                                   env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "cutlass"})
     assert code == 1 and "not starting the server" in err
@@ -319,7 +319,7 @@ def launch_in_process(monkeypatch, capsys, *args, env):
     (exit code, stderr, the exec'd argv and its SM120_FP4, or None)."""
     execs = []
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
-    monkeypatch.setattr(cli.os, "execvpe", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4"))))
+    monkeypatch.setattr(cli.launch.os, "execvpe", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4"))))
     code, _, err = cli_in_process(monkeypatch, capsys, "launch", *args, env=env)
     return code, err, (execs[0] if execs else None)
 
@@ -465,11 +465,11 @@ def test_launch_never_starts_a_server_that_would_load_a_crash_it_could_not_recor
     (tmp_path / "file").write_text("")
     backends.register("crash", zeros)
     verdicts = str(tmp_path / "file" / "verdicts.json") if "regular" in store else "off"
-    monkeypatch.setattr(cli, "_worker_runner", None)
+    monkeypatch.setattr(cli.selftest, "_worker_runner", None)
     with pytest.MonkeyPatch.context() as mp:
         execs = []
         mp.setenv("SM120_FP4", "0")
-        mp.setattr(cli.os, "execvpe", lambda file, argv, environ: execs.append(argv))
+        mp.setattr(cli.launch.os, "execvpe", lambda file, argv, environ: execs.append(argv))
         for k, v in {**SIM_BOTH, "SM120_FP4_BACKENDS": "crash,emulated", "SM120_FP4_VERDICTS": verdicts}.items():
             mp.setenv(k, v)
         previous = cli.use_worker_runner(_crashing_first("crash"))
@@ -486,7 +486,7 @@ def test_launch_never_starts_a_server_that_would_load_a_crash_it_could_not_recor
 @case("configuration", "`sm120-fp4 launch -- {command}`", "exit 2 at once, naming the command, before any self-test")
 @pytest.mark.parametrize("command", ["/nonexistent/server", "no-such-command-sm120", "a file without the execute bit"])
 def test_launch_checks_its_command_before_the_preflight(monkeypatch, capsys, tmp_path, command):
-    monkeypatch.setattr(cli, "cmd_selftest", lambda *a, **k: pytest.fail("the preflight ran"))
+    monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: pytest.fail("the preflight ran"))
     name = command
     if command.startswith("a file"):
         name = str(tmp_path / "server.sh")
@@ -501,8 +501,8 @@ def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, caps
     command = [sys.executable, "-c", "print('started')"]
     seen = []
     monkeypatch.delenv(cli.COREDUMP_WAIT_VAR, raising=False)
-    monkeypatch.setattr(cli, "cmd_selftest", lambda *a, **k: 0)
-    monkeypatch.setattr(cli.os, "execvpe", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR)))
+    monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
+    monkeypatch.setattr(cli.launch.os, "execvpe", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR)))
     monkeypatch.setenv("SM120_FP4", "0")
     assert cli.main(["launch", "--", *command]) == 0
     monkeypatch.setenv(cli.COREDUMP_WAIT_VAR, "30")

@@ -19,8 +19,8 @@ import sm120_fp4
 from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
 from helpers.procs import REPO, background, python, pythonpath
-from sm120_fp4 import backends, deciding, devices, dispatch, doctor, humming, nvfp4, serving, verify
-from sm120_fp4.backends import flashinfer
+from sm120_fp4 import backends, deciding, devices, dispatch, doctor, nvfp4, serving, verify
+from sm120_fp4.backends import flashinfer, humming
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
@@ -335,7 +335,7 @@ def test_select_fastest_across_modes_records_the_winners_own_mode(stand_in, monk
     clock = [0.0]  # the timings' clock: only humming's calls advance it, so the ranking cannot depend on load
     clock_only = types.SimpleNamespace(perf_counter=lambda: clock[0])
     monkeypatch.setattr(deciding, "time", clock_only)  # the self-test's timing
-    monkeypatch.setattr(serving, "time", clock_only)  # the served calls' timing
+    monkeypatch.setattr(serving.replace, "time", clock_only)  # the served calls' timing
 
     def slow_grouped_gemm(prepared, x, scale_2, offsets, out):
         clock[0] += 0.05
@@ -376,7 +376,7 @@ def test_real_humming_self_tests_pass_on_cuda():
 @ON_GPU
 def test_real_humming_with_a_wrong_scale_layout_is_refused():
     device = _cuda_sim()
-    with engine(WrongScaleLayout(humming._HummingEngine())):
+    with engine(WrongScaleLayout(humming.adapter._HummingEngine())):
         dense = verify.run("humming", device)
         moe = verify.run_moe("humming", device)
         print(f"wrong scale layout: dense {dense.reason}; MoE {moe.reason}")
@@ -496,7 +496,7 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
 def test_activation_dequantization_kernel_is_bitwise_the_oracles_decode(dtype):
     """The served path (the CUDA C kernel where NVRTC builds it) and both kernels directly, the
     Triton one too (the fallback), on NaN-poisoned outputs, codes at an odd byte offset included."""
-    from sm120_fp4 import _humming_cuda, _humming_dequant
+    from sm120_fp4.backends.humming import cuda as _humming_cuda, dequant as _humming_dequant
 
     device = torch.device("cuda", torch.cuda.current_device())
     _humming_cuda.load(device)  # NVRTC is there wherever Humming compiles with it (the H200's image)
@@ -556,7 +556,7 @@ def test_real_humming_layer_check_and_recheck_pass_through_the_routed_front():
 _TRITON_INTERPRETED = """
 import torch, triton
 from sm120_fp4 import nvfp4, verify
-from sm120_fp4._humming_dequant import launch
+from sm120_fp4.backends.humming.dequant import launch
 for m, k in ((1, 160), (7, 480), (129, 1056), (20, 1024)):
     _, _, (qx, _, sx, _, _) = verify.quantized_inputs((m, 32, k), torch.device("cpu"), m)
     out = torch.full((m, k), float("nan"), dtype=torch.float32)  # every element must be written

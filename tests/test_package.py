@@ -92,3 +92,59 @@ def test_only_the_vllm_subpackage_names_vllms_modules():
         found += [(name, node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
                   if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"vllm\.[a-z_.]+", node.value)]
     assert found == []
+
+
+def _unit(module: str) -> str:
+    """The part of the package a module belongs to, as ARCHITECTURE.md's table names it: its top-level
+    module (``api``) or folder (``serving``); the package's own ``__init__`` is ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _folder_imports() -> dict[str, set[str]]:
+    """Each part of the package -> the other parts its modules import (top-level and lazy imports)."""
+    modules = _modules()
+    found: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        unit = _unit(name)
+        targets = found.setdefault(unit, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                # `from .. import locks` imports the module sm120_fp4.locks (the package's face only for other names)
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for target in names:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and _unit(target) != unit:
+                    targets.add(_unit(target))
+    return found
+
+
+def _architecture_table() -> dict[str, set[str]]:
+    """ARCHITECTURE.md's folder table: each part's name -> what its import column says it may import."""
+    text = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
+    section = text.split("## The package, folder by folder", 1)[1].split("\n## ", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        name = cells[0].strip("`").removesuffix("/").removesuffix(".py")
+        table[name] = set() if cells[2] == "-" else {n.strip().strip("`").removesuffix("/").removesuffix(".py")
+                                                     for n in cells[2].split(",")}
+    return table
+
+
+def test_architecture_md_says_what_each_folder_imports():
+    """ARCHITECTURE.md's folder table has one row per part of the package, and its import column is
+    exactly what that part's modules import (folder granularity, lazy imports included)."""
+    assert _architecture_table() == _folder_imports()

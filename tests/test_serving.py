@@ -126,7 +126,7 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
     clock = [0.0]
     clock_only = types.SimpleNamespace(perf_counter=lambda: clock[0])
     monkeypatch.setattr(deciding, "time", clock_only)  # the self-test's timing
-    monkeypatch.setattr(serving, "time", clock_only)  # the served calls' timing
+    monkeypatch.setattr(serving.replace, "time", clock_only)  # the served calls' timing
 
     def costing(cost):
         def gemm(a, b, a_sf, b_sf, alpha, dtype, out):

@@ -83,7 +83,7 @@ BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
 # FlashInfer #5446 (the b12x MoE with 512 experts crashing) concerns a MoE kernel this library does
 # not route; MOE_BACKENDS has no b12x entry. docs/operations.md lists the same sources.
 #   Last on 12.x: humming (humming-kernels, JIT-compiled, bf16-activation kernels on the FP4
-#     weights; sm120_fp4/humming.py): the verified fallback that keeps a GPU serving when no FP4
+#     weights; sm120_fp4/backends/humming/): the verified fallback that keeps a GPU serving when no FP4
 #     kernel verifies. Off 12.x the order is unchanged (nothing is served there unless enabled).
 DEFAULT_ORDER: tuple[str, ...] = ("cutlass", "b12x")
 ORDER_BY_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {

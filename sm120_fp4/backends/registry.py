@@ -26,6 +26,7 @@ from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 
 __all__ = [
     "Backend",
+    "Converter",
     "FLASHINFER_BACKENDS",
     "register",
     "unregister",
@@ -73,16 +74,25 @@ class Backend:
     # What it computes: "w4a4" (activations quantized to FP4, as the checkpoint says) or "w4a16"
     # (activations not quantized); a backend is verified against the oracle mode that matches.
     mode: str = "w4a4"
-    # Backends that serve a converted copy of each layer's weights (humming): `prepare(tensors,
-    # keep_original)` converts one served layer at load, `restore()` undoes every conversion it can
-    # (True: all undone, another backend can take over), `describe()` says what status shows,
-    # `settle(tensors, keep)` ends one layer's check: drops what `prepare` kept of it for the check
-    # (the device copy of its original bytes), or with `keep` (each configuration's first layer, the
-    # one the re-checks compare) keeps it for good its long-term way (humming: pinned host memory).
-    prepare: Callable[[dict, bool], None] | None = None
-    restore: Callable[[], bool] | None = None
-    describe: Callable[[], dict] | None = None
-    settle: Callable[[dict, bool], None] | None = None
+    # A backend that serves a converted copy of each layer's weights (humming) says how: None for the others.
+    converter: Converter | None = None
+
+
+@dataclass(frozen=True)
+class Converter:
+    """How a backend that serves a converted copy of each layer's weights (humming) handles them.
+
+    `convert(tensors, keep_original)` converts one served layer at load (keeping its original bytes
+    while it is checked: the oracle reads them); `settle(tensors, keep)` ends one layer's check: drops
+    what `convert` kept of it, or with `keep` (each configuration's first layer, the one the
+    re-checks compare) keeps it for good its long-term way (humming: pinned host memory);
+    `restore()` undoes every conversion it can (True: all undone, another backend can take over);
+    `describe()` says what status shows of it."""
+
+    convert: Callable[[dict, bool], None]
+    settle: Callable[[dict, bool], None]
+    restore: Callable[[], bool]
+    describe: Callable[[], dict]
 
 
 def _always(device: Device) -> tuple[bool, str | None]:
@@ -94,20 +104,29 @@ HUMMING = "humming"
 
 def _humming_dense() -> Backend:
     """Humming's bf16/fp16-activation kernel on SGLang's FP4 activations, dequantized exactly (W4A4)."""
-    from .. import humming  # light: Humming itself is imported only when it is asked about
+    from .humming import adapter as humming  # light: Humming itself is imported only when it is asked about
 
-    return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4",
-                   lambda t, keep: humming.prepare_dense(t["weight"], t["weight_sf"], t["dtype"], keep),
-                   lambda: humming.restore("dense"), lambda: humming.describe_backend("dense"), humming.drop_originals)
+    return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4", _humming_converter("dense"))
 
 
 def _humming_moe() -> Backend:
     """Humming's grouped kernel on unquantized activations (W4A16)."""
-    from .. import humming
+    from .humming import adapter as humming
 
-    return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16",
-                   lambda t, keep: humming.prepare_moe(t, t["dtype"], keep),
-                   lambda: humming.restore("moe"), lambda: humming.describe_backend("moe"), humming.drop_originals)
+    return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16", _humming_converter("moe"))
+
+
+def _humming_converter(family: str) -> Converter:
+    """Humming converts each served layer in place at load (its own layout, written into SGLang's storage)."""
+    from .humming import adapter as humming
+
+    def convert(tensors: dict, keep_original: bool) -> None:
+        if family == "dense":
+            humming.prepare_dense(tensors["weight"], tensors["weight_sf"], tensors["dtype"], keep_original)
+        else:
+            humming.prepare_moe(tensors, tensors["dtype"], keep_original)
+
+    return Converter(convert, humming.drop_originals, lambda: humming.restore(family), lambda: humming.describe_backend(family))
 
 
 # The two kernel families, by the one identifier used everywhere ("dense", "moe"): what messages call
@@ -262,7 +281,7 @@ def mode_of(family: str, name: str) -> str:
 def original(t):
     """A weight tensor as the checkpoint has it, for the oracle: where a backend converted its storage
     in place (humming), a copy of the bytes it kept; otherwise the tensor itself."""
-    from .. import humming
+    from .humming import adapter as humming
 
     return humming.original(t)
 

@@ -159,11 +159,6 @@ def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
     return sorted(tokens)
 
 
-def captured_token_counts(model_runner: object) -> list[int]:
-    """graph_token_counts of one model runner (its own decode and prefill graphs)."""
-    return graph_token_counts(model_runner, 0)
-
-
 def _server_args() -> object | None:
     """SGLang's ServerArgs of this process, where it publishes them: 0.5.19+ through the runtime
     context, earlier through server_args.get_global_server_args() (retired, raising, in 0.5.23).

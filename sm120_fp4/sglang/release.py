@@ -23,7 +23,6 @@ __all__ = [
     "RUNTIME_CONTEXT",
     "SERVER_ARGS",
     "ARG_OVERRIDES",
-    "SCHEDULER",
     "WEIGHT_UPDATER",
     "MODEL_RUNNER",
     "MOE_RUNNER_FC",
@@ -57,7 +56,6 @@ CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tenso
 RUNTIME_CONTEXT = "sglang.srt.runtime_context"
 SERVER_ARGS = "sglang.srt.server_args"  # get_global_server_args(): the scheduler's ServerArgs up to 0.5.22
 ARG_OVERRIDES = "sglang.srt.arg_groups.overrides"  # resolution_result(): 0.5.23's resolved settings
-SCHEDULER = "sglang.srt.managers.scheduler"
 WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 LAUNCH_SERVER = "sglang.launch_server"  # `python -m` it: SGLang's HTTP server

@@ -382,19 +382,6 @@ class Sweep:
                 break
         return self.outcome()
 
-    def held_bytes(self, exclude: frozenset[int] = frozenset()) -> int:
-        """Device memory this sweep holds between passes (each tensor once): the references, the
-        tensors its calls are bound to (a functools.partial's arguments) and the inputs' copies;
-        not the tensors whose storage is in `exclude` (a layer's own weights, which it holds anyway)."""
-        seen: dict[tuple, int] = {}
-        for case in self.cases:
-            bound = getattr(case.invoke, "args", ()) + tuple(getattr(case.invoke, "keywords", {}).values())
-            for t in (case.reference, case.out, case.slack, *bound):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in exclude:
-                    seen[_input_key(t)] = t.numel() * t.element_size()
-        return sum(seen.values()) + sum(k.nbytes if isinstance(k, _Fingerprinted) else k.numel() * k.element_size()
-                                        for k in self._snapshots.values())
-
     def outcome(self) -> list[ShapeResult]:
         """The results so far: every case, or after a failure the cases tried."""
         return [r for r in self.results if r.calls] if self.failed else self.results

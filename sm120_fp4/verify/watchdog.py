@@ -56,6 +56,7 @@ class _Watchdog:
             self._next += 1
             self._watches[self._next] = (deadline, give_up_at, what)
             if self._thread is None or not self._thread.is_alive():
+                _reset_in_fork_children()
                 self._thread = threading.Thread(target=self._run, name="sm120_fp4-watchdog", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -106,7 +107,15 @@ def _give_up(what: str) -> None:
 
 
 _WATCHDOG = _Watchdog()
-os.register_at_fork(after_in_child=_WATCHDOG._reset)
+_fork_reset: list[bool] = []  # whether the fork() reset is registered (once per process, at the first watch)
+
+
+def _reset_in_fork_children() -> None:
+    """From the first watchdog thread on, a fork() child starts with a fresh watchdog (registered then,
+    not at import: before any watch the state is fresh anyway)."""
+    if not _fork_reset:
+        _fork_reset.append(True)
+        os.register_at_fork(after_in_child=_WATCHDOG._reset)
 
 
 def calls_still_running() -> int:

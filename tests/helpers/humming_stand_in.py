@@ -15,7 +15,8 @@ import contextlib
 
 import torch
 
-from sm120_fp4 import humming, nvfp4
+from sm120_fp4 import nvfp4
+from sm120_fp4.backends import humming
 
 
 def _swap_nibbles(packed: torch.Tensor) -> torch.Tensor:

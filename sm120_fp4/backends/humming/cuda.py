@@ -1,8 +1,8 @@
 """The humming backend's activation dequantization as one CUDA C kernel, compiled by NVRTC (the
 compiler Humming itself JIT-compiles with, through cuda-bindings) and launched with the driver API.
 
-Imported only on CUDA, by :func:`sm120_fp4.humming.dequantize_activations`, which falls back to the
-Triton kernel (``_humming_dequant``) where this one cannot be built (no cuda-bindings' NVRTC, an
+Imported only on CUDA, by :func:`sm120_fp4.backends.humming.dequantize_activations`, which falls back to the
+Triton kernel (:mod:`.dequant`) where this one cannot be built (no cuda-bindings' NVRTC, an
 NVRTC that does not know the GPU). Why a second implementation: on the H200 a Triton launch costs
 about 30 us of host time per call (argument binding and specialisation in Python), more than the
 kernel itself up to M ~ 4096 on the small TP8 projections, and the served call pays it at every

@@ -48,10 +48,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import nvfp4
-from .devices import Device
-from .errors import InvalidArgument, SelfTestError, not_accepted
-from .versions import installed_version, version_in
+from ... import nvfp4
+from ...devices import Device
+from ...errors import InvalidArgument, SelfTestError, not_accepted
+from ...versions import installed_version, version_in
 
 __all__ = [
     "DISTRIBUTION", "DENSE_MODE", "MOE_MODE", "version", "compiler", "cache_dir", "supported", "moe_supported",
@@ -557,7 +557,7 @@ def _entry(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype, 
 
 
 def _check_dense(a, b, a_descale, b_descale, alpha, out_dtype, out) -> None:
-    from .backends.flashinfer import check_mm_fp4_args
+    from ..flashinfer import check_mm_fp4_args
 
     check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(_K_CALL, 8))
 
@@ -593,22 +593,22 @@ def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
     if found is not None:
         return found
     if torch.cuda.is_current_stream_capturing():
-        from . import _humming_cuda
+        from .cuda import launch as cuda_launch, loaded
 
-        if _humming_cuda.loaded(device):  # built before (the records were cleared since): nothing to build now
+        if loaded(device):  # built before (the records were cleared since): nothing to build now
             with _lock:
-                return _dequant_engines.setdefault(index, ("cuda", _humming_cuda.launch))
+                return _dequant_engines.setdefault(index, ("cuda", cuda_launch))
         raise SelfTestError("sm120_fp4: Humming's activation dequantization kernel was never run on this GPU before "
                             "CUDA-graph capture (it cannot be built inside capture); the layer check runs it at load")
     reason = None
     try:
-        from . import _humming_cuda
+        from .cuda import launch as cuda_launch, load
 
-        _humming_cuda.load(device)
-        found = ("cuda", _humming_cuda.launch)
+        load(device)
+        found = ("cuda", cuda_launch)
     except Exception as exc:  # noqa: BLE001 - no NVRTC, an NVRTC that does not know this GPU: Triton's kernel
         reason = f"{type(exc).__name__}: {exc}"
-        from ._humming_dequant import launch as triton_launch
+        from .dequant import launch as triton_launch
 
         def launch(a, sf, out, kp):
             triton_launch(a, sf.view(torch.uint8), out, kp)
@@ -658,7 +658,7 @@ def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_a
     expert's weight factor is its alpha times the activation scale it was made for (w13_alpha *
     a1_gscale: 1 / the weight's global scale). Rows are grouped by expert (stable), both GEMMs run
     grouped, and each token's k rows are summed with its routing weights in float32."""
-    from .backends.flashinfer import check_moe_args
+    from ..flashinfer import check_moe_args
 
     check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
                    activation, out_dtype, out)

@@ -1,5 +1,5 @@
 """The humming backend's activation dequantization, one Triton kernel (imported only on CUDA, by
-:func:`sm120_fp4.humming.dequantize_activations`: Triton is not on the import path of a worker).
+:func:`sm120_fp4.backends.humming.dequantize_activations`: Triton is not on the import path of a worker).
 
 FP4 activations (M, K/2) as SGLang's quantizer returns them (element 2i in the low nibble) and
 their 128x4-swizzled E4M3 scales become ``e2m1(code) * float(scale)`` (M, K): 5 significant bits,

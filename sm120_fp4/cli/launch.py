@@ -1,0 +1,138 @@
+"""``sm120-fp4 launch``: the preflight (dense and MoE), then exec the command with ``SM120_FP4=1``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from .common import EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, _eprint
+from .selftest import _refuse_engine, _settings_and_devices, _unverified_engine, cmd_selftest
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        _eprint("sm120-fp4 launch: give the command to run after --, e.g. "
+                "sm120-fp4 launch -- python -m sglang.launch_server --model-path ...")
+        return EXIT_USAGE
+    problem = _command_problem(command[0])
+    if problem is not None:  # said now, not after minutes of preflight
+        _eprint(f"sm120-fp4 launch: {problem}; not running the preflight")
+        return EXIT_USAGE
+    os.environ["SM120_FP4"] = "1"
+    problem = _canary_problem()
+    if problem is not None:  # refused now, not in every scheduler after the preflight
+        _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
+        return EXIT_USAGE
+    found = _settings_and_devices(argparse.Namespace(device=None))
+    if isinstance(found, int):
+        return found
+    settings, indices = found
+    engine = _unverified_engine() if indices else None
+    if engine is not None:  # nothing of this library runs in that server: no preflight would mean anything
+        return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
+    # Both families: the server may load NVFP4 MoE layers as well as linear ones.
+    seen: list[tuple[str, dict]] = []
+    code = cmd_selftest(argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"),
+                        seen=seen)
+    unrecorded = _unrecorded_crashes(seen)
+    if unrecorded is not None and code in (EXIT_OK, EXIT_UNVERIFIED):
+        _eprint(f"sm120-fp4 launch: {unrecorded}; not starting the server")
+        return EXIT_USAGE
+    if code == EXIT_UNVERIFIED and args.allow_unverified:
+        _eprint("sm120-fp4 launch: preflight UNVERIFIED; starting anyway because --allow-unverified was given")
+    elif code != EXIT_OK:
+        hint = " (pass --allow-unverified to start it anyway)" if code == EXIT_UNVERIFIED else ""
+        _eprint(f"sm120-fp4 launch: preflight failed (exit {code}); not starting the server{hint}")
+        return code
+    else:
+        _eprint("sm120-fp4 launch: preflight passed")
+    return _exec(command)
+
+
+def _exec(command: list[str]) -> int:
+    if COREDUMP_WAIT_VAR not in os.environ:
+        # SGLang 0.5.x sleeps this long (default 60 s) for CUDA coredumps before it kills its process tree
+        # when a scheduler fails -- a canary's exit among them -- while the port stays open: shortened here.
+        os.environ[COREDUMP_WAIT_VAR] = LAUNCH_COREDUMP_WAIT_S
+    _eprint(f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1 and {COREDUMP_WAIT_VAR}={os.environ[COREDUMP_WAIT_VAR]}")
+    try:
+        os.execvpe(command[0], command, os.environ)
+    except OSError as exc:
+        _eprint(f"sm120-fp4 launch: cannot run {command[0]!r}: {exc}")
+        return EXIT_USAGE
+    return EXIT_OK  # pragma: no cover - exec does not return
+
+
+COREDUMP_WAIT_VAR = "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS"
+
+
+LAUNCH_COREDUMP_WAIT_S = "0"  # what launch sets unless the operator did (docs/operations.md)
+
+
+def _command_problem(name: str) -> str | None:
+    """Why `name` cannot be executed as the launched command (not found on PATH, not an executable file), or None."""
+    import shutil
+
+    if shutil.which(name) is not None:
+        return None
+    if os.sep in name:
+        what = "does not exist" if not os.path.exists(name) else "is not an executable file"
+        return f"the command {name!r} {what}"
+    return f"the command {name!r} is not found on PATH ({os.environ.get('PATH', '')!r}) as an executable file"
+
+
+def _unrecorded_crashes(seen: list[tuple[str, dict]]) -> str | None:
+    """Why the server must not start: candidates that crashed the preflight and that the verdict
+    store does not hold (the server's workers read only the store, so they would load them and
+    crash), or None."""
+    from ..deciding import FAMILIES
+
+    lost: dict[str, dict[str, str]] = {}
+    for family, result in seen:
+        for name, why in (result.get("unrecorded") or {}).items():
+            lost.setdefault(family, {})[name] = why
+    if not lost:
+        return None
+    names = "; ".join(f"{FAMILIES[f].what} {', '.join(sorted(n))}" for f, n in lost.items())
+    why = next(iter(next(iter(lost.values())).values()))
+    leave_out = " or ".join(f"{FAMILIES[f].backends_var} without {', '.join(sorted(n))}" for f, n in lost.items())
+    return (f"candidate(s) crashed the preflight and are not recorded ({names}): {why}. The server's workers would "
+            f"load them and crash; make the verdict store writable (SM120_FP4_VERDICTS, a file in a writable directory), "
+            f"or leave them out ({leave_out})")
+
+
+def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, str], allow_unverified: bool) -> int:
+    """launch with an SGLang this library cannot patch: refused under strict (unless opted out); else
+    started only when the operator said so (the opt-out setting, or --allow-unverified), never silently."""
+    from ..sglang import OPT_OUT, OPT_OUT_SAYS
+
+    refused = _refuse_engine("launch", settings, engine)
+    if refused is not None:
+        _eprint("sm120-fp4 launch: not starting the server")
+        return refused
+    means, remedy = engine
+    if settings.unsupported_release == "serve-unverified" or allow_unverified:
+        why = OPT_OUT if settings.unsupported_release == "serve-unverified" else "--allow-unverified"
+        _eprint(f"sm120-fp4 launch: {means}.\nStarting the server anyway ({why} was given): no preflight ran, and nothing "
+                f"of what it serves is verified. To verify it: {remedy}.")
+        return _exec(command)
+    _eprint(f"sm120-fp4 launch: {means}; not starting the server (exit {EXIT_UNVERIFIED}).\nTo proceed: {remedy}; or "
+            f"{OPT_OUT_SAYS} (or pass --allow-unverified).")
+    return EXIT_UNVERIFIED
+
+
+def _canary_problem() -> str | None:
+    """Why the serving canary the settings ask for cannot run with this SGLang (a bad setting is
+    the preflight's to report)."""
+    from ..canary import settings_problem
+    from ..config import load_settings
+    from ..errors import ConfigError
+    from ..sglang import idle_point_problem, release_support
+
+    try:
+        settings = load_settings(toggle=True)
+    except ConfigError:
+        return None
+    return settings_problem(settings) or (idle_point_problem(settings) if release_support()[0] else None)

@@ -1,0 +1,401 @@
+"""``sm120-fp4 selftest``: the preflight parent -- a worker per device and family, the verdicts of the
+candidates that crashed one, the table and the report; ``selftest --model DIR``: a checkpoint's own layers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _eprint
+from .workers import INTERRUPTS, _died, _run_model_worker, _run_worker, _Stop
+
+
+def _settings_and_devices(args: argparse.Namespace):
+    """(settings, the device indices to verify), or the exit code after saying why not."""
+    from .. import devices
+    from ..config import check_flashinfer_env, load_settings
+    from ..errors import ConfigError
+
+    try:
+        # The preflight verifies what workers would do with the toggle on; garbage in SM120_FP4 is still named.
+        settings = load_settings(toggle=True) if os.environ.get("SM120_FP4") in ("0", "off") else load_settings()
+        indices, problem = _selftest_devices(settings, args.device)
+        if indices:  # a 12.x GPU to verify on: FlashInfer's own FP4 knobs would make every candidate fail
+            check_flashinfer_env()
+    except (ConfigError, devices.DeviceMappingError) as exc:
+        _eprint(str(exc))
+        return EXIT_USAGE
+    if problem:
+        _eprint(f"sm120-fp4 selftest: {problem}")
+        return EXIT_USAGE
+    return settings, indices
+
+
+# What `selftest --model DIR` needs to run on a machine without a 12.x GPU: a simulated device and the
+# backends that run on a CPU (FlashInfer's and Humming's kernels need a real GPU, so the default chain refuses).
+SIMULATE_ON_CPU = "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated"
+
+
+def cmd_selftest_model(args: argparse.Namespace) -> int:
+    """``selftest --model DIR``: each distinct NVFP4 layer configuration of DIR, built and verified per GPU."""
+    from .. import checkpoints
+    from ..errors import CheckpointError, ConfigError
+
+    if not os.path.isdir(args.model):
+        _eprint(f"sm120-fp4 selftest: --model {args.model!r} is not a directory")
+        return EXIT_USAGE
+    try:  # the checkpoint's faults are named here, in one line, before any worker or kernel runs
+        checkpoints.inspect(args.model)
+    except (CheckpointError, ConfigError) as exc:
+        _eprint(f"sm120-fp4 selftest: {exc}")
+        return EXIT_USAGE
+    found = _settings_and_devices(args)
+    if isinstance(found, int):
+        return found
+    settings, indices = found
+    if not indices:
+        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify "
+                f"(to verify the checkpoint on this CPU, in simulation: {SIMULATE_ON_CPU})")
+        return EXIT_OK
+    engine = _unverified_engine()
+    if engine is not None:  # the checkpoint's layers are built through SGLang's: nothing of it is patched to verify them
+        return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
+    env = {**os.environ, "SM120_FP4": "1"}
+    model = os.path.abspath(args.model)
+
+    def run(index: int) -> dict:
+        _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] building and verifying {model}'s NVFP4 layers ...")
+        return (_model_worker_runner or _run_model_worker)(index, model, env)
+
+    with ThreadPoolExecutor(max_workers=len(indices)) as pool:
+        results = dict(zip(indices, pool.map(run, indices)))
+    if args.json:
+        print(json.dumps({str(i): r for i, r in results.items()}, indent=2))
+    else:
+        from ..tables import markdown_table
+
+        rows = []
+        for index, r in results.items():
+            for d in r.get("decisions", []):
+                rows += [(d["device"], d["family"], layer["config"], d["backend"], layer["passed"] and d["verified"],
+                          len(layer["shapes"])) for layer in d["layers"]]
+            if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
+                rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
+        print("\n".join(markdown_table(("device", "kernel", "layer configuration", "backend", "verified", "batch sizes"), rows)))
+    for r in results.values():
+        if not r.get("ok"):
+            _eprint("\n" + r["message"])
+    if any(r.get("usage") for r in results.values()):
+        return EXIT_USAGE
+    if any(not r.get("ok") for r in results.values()):
+        return EXIT_REFUSED
+    if any(not d["verified"] for r in results.values() for d in r["decisions"]):
+        return EXIT_UNVERIFIED
+    return EXIT_OK
+
+
+WorkerRunner = Callable[..., "tuple[dict | None, dict | None, int, str]"]
+
+
+_worker_runner: WorkerRunner | None = None
+
+
+def use_worker_runner(runner: WorkerRunner | None) -> WorkerRunner | None:
+    """Run the preflight's workers through `runner` (None: each its own short-lived process, the
+    default); returns the previous one. The seam for tests of what the preflight makes of its
+    workers' results (exit codes, the table, launch's gating): they run the worker in-process
+    (tests/helpers/workers.py), and the crash, hang, signal and exec cases keep real processes.
+    `runner(index, family, backend_args, crashed, label, env, stop, uuid)` returns what
+    :func:`_run_worker` returns."""
+    global _worker_runner
+    previous, _worker_runner = _worker_runner, runner
+    return previous
+
+
+ModelWorkerRunner = Callable[[int, str, "dict[str, str]"], dict]
+
+
+_model_worker_runner: ModelWorkerRunner | None = None
+
+
+def use_model_worker_runner(runner: ModelWorkerRunner | None) -> ModelWorkerRunner | None:
+    """Run ``selftest --model``'s workers through `runner` (None: each its own short-lived process,
+    the default); returns the previous one. The same seam as :func:`use_worker_runner`, for the
+    model check: `runner(index, model_dir, env)` returns the worker's result (what
+    :func:`_run_model_worker` returns)."""
+    global _model_worker_runner
+    previous, _model_worker_runner = _model_worker_runner, runner
+    return previous
+
+
+# Retry policy for a worker killed by SIGKILL (the kernel's out-of-memory killer, or kill -9): not a
+# verdict either; the worker is re-run this many times with the same candidates, then the preflight
+# stops (exit 2) without recording anything (docs/operations.md).
+SIGKILL_RETRIES = 1
+
+
+def _record(settings, family: str, result: dict) -> None:
+    """Record the passed and failed verdicts of one worker's result (crashes are recorded as they happen)."""
+    from .. import verdicts
+
+    path, key = settings.verdicts_path, result.get("key")
+    if path is None or not key:
+        return
+    reports = result["decision"]["reports"] if result.get("ok") else result.get("reports", [])
+    try:
+        for r in reports:
+            verdicts.record(path, key, family, r["backend"], verdicts.PASSED if r["passed"] else verdicts.FAILED, r.get("reason"))
+    except OSError as exc:
+        _store_failed(path, exc)
+
+
+_told_stores: set[str] = set()
+
+
+def _store_failed(path, exc: OSError) -> str:
+    """Why the verdict store at `path` could not be written, said once per store and process."""
+    why = f"the verdict store {path} cannot be written ({exc})"
+    if str(path) not in _told_stores:
+        _told_stores.add(str(path))
+        _eprint(f"sm120-fp4: {why}")
+    return why
+
+
+def _interrupted(code: int, stop: _Stop) -> int | None:
+    """The signal that interrupted a worker (the parent's, or one the worker died of), or None."""
+    if stop.signal is not None:
+        return stop.signal
+    if code < 0 and -code in INTERRUPTS:
+        return -code
+    return None
+
+
+def _preflight(index: int, family: str, backend_args: list[str], settings, env: dict[str, str],
+               stop: _Stop | None = None, uuid: str | None = None) -> dict:
+    """Self-test `family` on device `index` in short-lived worker processes: a candidate that kills
+    its worker (a crash signal or exit code) is recorded as crashed (verdict file) and the worker
+    re-runs without it. An interruption (SIGINT/SIGTERM/SIGHUP/SIGQUIT, or the parent stopping)
+    records nothing and stops; SIGKILL (out of memory) records nothing and retries (SIGKILL_RETRIES)."""
+    from .. import verdicts
+
+    stop = stop or _Stop()
+    label = ("cpu (simulated)" if index < 0 else f"cuda:{index}") + ("" if family == "dense" else " moe")
+    crashed: dict[str, str] = {}
+    unrecorded: dict[str, str] = {}  # crashed candidates the verdict store does not hold: serving workers would load them
+    killed: dict[str, int] = {}
+    while True:
+        if stop.signal is not None:
+            return _stopped(label, stop.signal, None)
+        result, event, code, stderr = (_worker_runner or _run_worker)(index, family, backend_args, crashed, label, env, stop, uuid)
+        if result is not None:
+            result["crashed"], result["unrecorded"] = dict(crashed), dict(unrecorded)
+            _record(settings, family, result)
+            return result
+        interrupted = _interrupted(code, stop)
+        if interrupted is not None:
+            return _stopped(label, interrupted, event)
+        if event is None or event["backend"] in crashed:
+            return {"ok": False, "usage": True, "message": f"self-test worker ({label}) {_died(code)} outside any candidate:\n{stderr}"}
+        name = event["backend"]
+        if code == -signal.SIGKILL:
+            killed[name] = killed.get(name, 0) + 1
+            what = (f"[{label}] the self-test worker was killed by SIGKILL during the {event['event']} of {name} (the "
+                    "out-of-memory killer, or kill -9): not a verdict on the kernel, nothing recorded")
+            if killed[name] <= SIGKILL_RETRIES:
+                _eprint(f"{what}; running it again")
+                continue
+            return {"ok": False, "usage": True, "killed": True,
+                    "message": f"{what}; it happened {killed[name]} times, so the preflight stops here. Check the memory "
+                               "(dmesg, the container's limit) and run it again"}
+        why = f"the {event['event']} of {name} {_died(code)}"
+        crashed[name] = why
+        path = settings.verdicts_path
+        if path is None:
+            unrecorded[name] = "no verdict store (SM120_FP4_VERDICTS=off, or no home directory for the default one)"
+        else:
+            try:
+                verdicts.record(path, event["key"], family, name, verdicts.CRASHED, why)
+            except OSError as exc:
+                unrecorded[name] = _store_failed(path, exc)
+        # Said once: recorded, or not (and why); serving workers skip only what the store holds.
+        where = f"NOT recorded as crashed: {unrecorded[name]}" if name in unrecorded else f"recorded as crashed in {path}"
+        _eprint(f"[{label}] {why}: {where}; re-running the self-test without it")
+
+
+def _stopped(label: str, signum: int, event: dict | None) -> dict:
+    running = f" during the {event['event']} of {event['backend']}" if event else ""
+    return {"ok": False, "usage": False, "interrupted": signal.Signals(signum).name, "signal": int(signum),
+            "message": f"[{label}] interrupted by {signal.Signals(signum).name}{running}: stopped, nothing recorded for it"}
+
+
+def _selftest_devices(settings, indices: list[int] | None) -> tuple[list[int], str | None]:
+    """The devices to verify. One rule (docs/operations.md): every GPU a worker would serve -- each
+    12.x GPU (any GPU with SM120_FP4_ENABLE=on); none visible is "nothing to verify", unless
+    ENABLE=on asks for a GPU that is not there, or --device names one that is not visible."""
+    from .. import devices
+    from ..errors import capped
+
+    found = devices.list_devices(settings.simulated_capability)
+    known = [d.index for d in found]
+    if indices:
+        missing = [i for i in indices if i not in known]
+        if missing:
+            return [], f"--device {capped(missing)} not visible; visible: {known}"
+        return indices, None
+    if not found and settings.enable == "on":
+        return [], "SM120_FP4_ENABLE=on but no CUDA device is visible (set SM120_FP4_SIMULATE=12.0 to simulate one)"
+    return [d.index for d in found if settings.enable == "on" or devices.is_sm12x(d.capability)], None
+
+
+def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
+    from ..tables import markdown_table
+
+    rows = []
+    for (family, index), result in results.items():
+        if result.get("usage"):
+            continue  # a usage error is not a verdict on the device: its message follows the table
+        if result.get("ok"):
+            d = result["decision"]
+            mine = [r for r in d["reports"] if r["backend"] == d["backend"]]
+            err = f"{mine[0]['max_rel_err']:.2e}" if mine and mine[0]["max_rel_err"] is not None else "-"
+            shapes = f"{sum(s['passed'] for s in mine[0]['shapes'])}/{len(mine[0]['shapes'])}" if mine else "-"
+            verified = "True" if d["verified"] else "UNVERIFIED"
+            rows.append((family, d["device"], d["backend"], verified, err, shapes, f"{d['duration_s']:.2f}", d["reason"]))
+        else:
+            rows.append((family, index, "-", "REFUSED", "-", "-", "-", result["message"].splitlines()[0]))
+    return markdown_table(("kernel", "device", "backend", "verified", "max rel error", "shapes", "time (s)", "note"), rows)
+
+
+def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None,
+                 seen: list[tuple[str, dict]] | None = None) -> int:
+    """``selftest``: each family on each device in short-lived workers; `seen` (launch) gets each job's (family, result)."""
+    from .. import deciding, devices, verdicts
+
+    families = list(families or (["moe"] if getattr(args, "moe", False) else ["dense"]))
+    found = _settings_and_devices(args)
+    if isinstance(found, int):
+        return found
+    settings, indices = found
+    if not indices:
+        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify (workers leave SGLang untouched)")
+        return EXIT_OK
+    engine = _unverified_engine()
+    refused = _refuse_engine("selftest", settings, engine) if engine is not None else None
+    if refused is not None:
+        return refused
+    uuids = {d.index: d.uuid for d in devices.list_devices(settings.simulated_capability) if d.uuid}
+    store = verdicts.trouble(settings.verdicts_path)
+    if store is not None:
+        _eprint(f"sm120-fp4 selftest: {store}; verdicts are neither read nor recorded there (docs/operations.md, files)")
+    backend_args = [a for name in (args.backend or []) for a in ("--backend", name)]
+    # The workers write no report: this process writes one holding every worker's decisions.
+    env = {k: v for k, v in os.environ.items() if k != "SM120_FP4_REPORT"}
+    env["SM120_FP4"] = "1"
+    jobs = [(family, index) for family in families for index in indices]
+    for family, index in jobs:
+        what = ", ".join(args.backend) if args.backend else f"the configured {deciding.FAMILIES[family].what} backends"
+        _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] self-testing {what} in a subprocess ...")
+    start = time.perf_counter()
+    stop = _Stop()
+    restore = stop.handle_signals()
+    try:
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each its own short-lived process, all at once
+            futures = {job: pool.submit(_preflight, job[1], job[0], backend_args, settings, env, stop, uuids.get(job[1]))
+                       for job in jobs}
+            results = {job: futures[job].result() for job in jobs}  # the table keeps device order
+    finally:
+        restore()
+    if seen is not None:
+        seen.extend((family, r) for (family, _), r in results.items())
+    _eprint(f"sm120-fp4 selftest: done in {time.perf_counter() - start:.1f} s")
+    _write_preflight_report(settings, results)
+    interrupted = [r for r in results.values() if r.get("interrupted")]
+    if stop.signal is not None or interrupted:
+        signum = stop.signal or interrupted[0]["signal"]
+        for r in interrupted:
+            _eprint(r["message"])
+        _eprint(f"sm120-fp4 selftest: interrupted by {signal.Signals(signum).name}: the self-test workers were stopped; "
+                f"nothing was recorded for the candidates they were running (exit {128 + signum})")
+        return 128 + signum
+    return _outcome(args, results, families, quiet, settings, engine)
+
+
+def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet: bool, settings, engine) -> int:
+    """The preflight's table (or JSON), what each failed job said, and the exit code of ``selftest``."""
+    usage = [r for r in results.values() if not r.get("ok") and r.get("usage")]
+    refused = [r for r in results.values() if not r.get("ok") and not r.get("usage")]
+    unverified = [r for r in results.values() if r.get("ok") and not r["decision"]["verified"]]
+    if args.json:
+        key = (lambda f, i: str(i)) if len(families) == 1 else (lambda f, i: f"{f}:{i}")
+        print(json.dumps({key(*job): v for job, v in results.items()}, indent=2))
+    elif not quiet:
+        print("\n".join(_decision_rows(results)))
+    for r in usage + refused:
+        _eprint("\n" + r["message"])
+    if usage:
+        return EXIT_USAGE
+    if refused:
+        return EXIT_REFUSED
+    if engine is not None:
+        return _say_unverified_engine(engine, "the table verifies the kernels, not what SGLang will serve")
+    if unverified:
+        _eprint(f"sm120-fp4 selftest: {len(unverified)} decision(s) would serve UNVERIFIED (SM120_FP4_SELFTEST="
+                f"{settings.selftest}): exit {EXIT_UNVERIFIED}")
+        return EXIT_UNVERIFIED
+    return EXIT_OK
+
+
+def _unverified_engine() -> tuple[str, str] | None:
+    """(what it means, what makes it verified) when the installed SGLang is a release this library cannot patch."""
+    from ..sglang import unverified_release
+
+    return unverified_release()
+
+
+def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | None:
+    """Under SM120_FP4_SELFTEST=strict, unless the operator opted out (SM120_FP4_UNSUPPORTED_RELEASE=
+    serve-unverified): refuse to start, saying what it means and how to proceed (exit 2, an environment
+    to change, not a verdict on a kernel). None: not refused."""
+    if settings.selftest != "strict" or settings.unsupported_release != "refuse":
+        return None
+    from ..sglang import OPT_OUT_SAYS
+
+    means, remedy = engine
+    _eprint(f"sm120-fp4 {command}: refusing to start: {means}.\nTo proceed: {remedy}; or {OPT_OUT_SAYS}.")
+    return EXIT_USAGE
+
+
+def _say_unverified_engine(engine: tuple[str, str], what: str) -> int:
+    """The engine outside the supported range, not refused: say so; the exit is 'unverified' (3),
+    since nothing of what SGLang serves was verified."""
+    means, remedy = engine
+    _eprint(f"sm120-fp4 selftest: {means}; {what}: exit {EXIT_UNVERIFIED}.\nTo verify them: {remedy}.")
+    return EXIT_UNVERIFIED
+
+
+def _write_preflight_report(settings, results: dict[tuple[str, int], dict]) -> None:
+    """SM120_FP4_REPORT: one report of the whole preflight (every worker's decisions and refusals,
+    and each job's outcome), merged into the file the serving processes write to after it."""
+    if settings.report is None:
+        return
+    from .. import report
+
+    section: dict = {"decisions": [], "refusals": [], "preflight": []}
+    for (family, index), r in results.items():
+        own = r.get("report") or {}
+        section["decisions"] += own.get("decisions", [])
+        section["refusals"] += own.get("refusals", [])
+        outcome = ("interrupted" if r.get("interrupted") else "error" if r.get("usage") else "refused" if not r.get("ok")
+                   else "passed" if r["decision"]["verified"] else "unverified")
+        section["preflight"].append({"family": family, "device": index, "outcome": outcome, "crashed": r.get("crashed", {}),
+                                     "message": None if r.get("ok") else r.get("message")})
+    try:
+        written = report.write(settings.report, section, settings.report_is_dir, role="preflight")
+        _eprint(f"sm120-fp4 selftest: report written to {written}")
+    except OSError as exc:
+        _eprint(f"sm120-fp4: could not write the report to {settings.report}: {exc}")

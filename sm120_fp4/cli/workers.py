@@ -1,0 +1,262 @@
+"""The self-test workers: one short-lived process per device and family (``_selftest-worker``) or per
+device and checkpoint (``_model-worker``), the arguments they get, and running one: its JSON lines
+read as they come, stopped with the parent on a signal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+from .. import locks
+from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _emit, _eprint
+
+
+def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
+    """Run decide() for one device and family in this (short-lived) process; `emit` JSON lines
+    (standard output): one event per candidate right before it runs, then the result."""
+    from .. import backends, deciding, devices, serving, verdicts
+    from ..config import check_flashinfer_env, load_settings
+    from ..errors import ConfigError, RefusedToServe
+
+    family = "moe" if args.moe else "dense"
+    key: dict = {}
+    try:
+        settings = load_settings(toggle=True)  # the preflight verifies what workers would run with the toggle on
+        check_flashinfer_env()
+        # This process is about to use CUDA: CUDA itself says which GPU the ordinal is.
+        device = devices.get_device(args.device, settings.simulated_capability, init_cuda=True)
+        if args.uuid and device.uuid is not None and not devices.same_uuid(device.uuid, args.uuid):
+            raise LookupError(f"cuda:{args.device} is GPU {device.uuid} ({device.name!r}) in this self-test worker, but the "
+                              f"preflight numbered GPU {args.uuid} cuda:{args.device}: CUDA's numbering differs between the two "
+                              f"processes; not self-testing a GPU other than the one named ({devices.PCI_ORDER_FIX})")
+        key = verdicts.device_key(device)
+        for item in args.crashed or []:
+            name, _, why = item.partition("=")
+            verdicts.note_crash(family, name, why)
+        if args.backend:
+            deciding.candidate_names(settings, args.backend, deciding.FAMILIES[family], device, source="--backend")
+        kind = backends.get_moe if family == "moe" else backends.get
+
+        def announce(event, fam, dev, name):
+            emit({"event": event, "family": fam, "backend": name, "flashinfer": kind(name).kind == "flashinfer", "key": key})
+
+        deciding.candidate_hook = announce
+        try:
+            decision = serving.decide(device, args.backend or None, settings=settings, family=family)
+        finally:
+            deciding.candidate_hook = None
+    except ConfigError as exc:
+        emit({"ok": False, "usage": True, "message": str(exc)})
+        return EXIT_USAGE
+    except RefusedToServe as exc:
+        reports = [r.model_dump(mode="json") for r in getattr(exc, "reports", [])]
+        emit({"ok": False, "usage": False, "message": str(exc), "device": args.device, "key": key,
+               "rejected": getattr(exc, "rejected", {}), "reports": reports, "report": _own_report()})
+        return EXIT_REFUSED
+    except LookupError as exc:
+        emit({"ok": False, "usage": True, "message": str(exc)})
+        return EXIT_USAGE
+    emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key, "report": _own_report()})
+    return EXIT_OK if decision.verified else EXIT_UNVERIFIED
+
+
+def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
+    """Verify the checkpoint `args.model` on one device in this (short-lived) process; `emit` one JSON
+    result (standard output)."""
+    import sm120_fp4
+
+    from .. import devices, serving
+    from ..config import load_settings
+    from ..errors import CheckpointError, ConfigError, RefusedToServe
+    from ..sglang import model_check
+
+    try:
+        settings = load_settings(toggle=True)
+        device = devices.get_device(args.device, settings.simulated_capability)
+        status = sm120_fp4.install()
+        if not status.installed:
+            raise ConfigError(f"sm120_fp4 could not patch SGLang here: {status.message}")
+        checked = model_check.check_model(args.model, device.torch_device)
+    except (CheckpointError, ConfigError) as exc:
+        emit({"ok": False, "usage": True, "message": str(exc)})
+        return EXIT_USAGE
+    except RefusedToServe as exc:
+        emit({"ok": False, "usage": False, "message": str(exc), "device": args.device})
+        return EXIT_REFUSED
+    decisions = [d.model_dump(mode="json") for d in serving.decisions() if d.device_index == args.device]
+    emit({"ok": True, "checked": checked, "decisions": decisions})
+    return EXIT_OK if all(d["verified"] for d in decisions) else EXIT_UNVERIFIED
+
+
+def _own_report() -> dict:
+    """This worker's decisions and refusals, for the one report the preflight parent writes."""
+    from .. import serving
+
+    return {"decisions": [d.model_dump(mode="json") for d in serving.decisions()],
+            "refusals": [r.model_dump(mode="json") for r in serving.refusals()]}
+
+
+def _worker_exit(code: int) -> int:
+    """The worker's exit code, kept: a call that outlived its bound may still be running and would
+    abort the interpreter's shutdown (verify.calls_still_running), so the worker, always its own
+    short-lived process, then ends at once, after its result line is flushed."""
+    from .. import verify
+
+    if verify.calls_still_running():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def model_worker_argv(index: int, model: str) -> list[str]:
+    """The arguments of one model-check worker (after ``python -m sm120_fp4``)."""
+    return ["_model-worker", "--device", str(index), "--model", model]
+
+
+def worker_argv(index: int, family: str, backend_args: list[str], crashed: dict[str, str], uuid: str | None) -> list[str]:
+    """The arguments of one self-test worker (after ``python -m sm120_fp4``)."""
+    argv = ["_selftest-worker", "--device", str(index), *backend_args]
+    argv += ["--moe"] if family == "moe" else []
+    argv += ["--uuid", uuid] if uuid else []
+    return argv + [a for name, why in crashed.items() for a in ("--crashed", f"{name}={why}")]
+
+
+def _run_model_worker(index: int, model: str, env: dict[str, str]) -> dict:
+    """One model-check worker process: its result line, or why it gave none."""
+    cmd = [sys.executable, "-m", "sm120_fp4", *model_worker_argv(index, model)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return {"ok": False, "usage": False, "message": f"model check worker (device {index}) {_died(proc.returncode)} "
+                                                       f"before a result:\n{proc.stderr[-2000:]}"}
+
+
+def _died(code: int) -> str:
+    from ..errors import EXIT_HUNG
+
+    if code == EXIT_HUNG:  # selftest's watchdog: a call still running past the bound held the thread
+        return f"did not return within the self-test's time bound (its worker exited with code {EXIT_HUNG})"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# A worker that dies by one of these was stopped from outside (Ctrl-C, a service manager's SIGTERM to
+# the whole group): an interruption, never a verdict on the candidate it was running.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+class _Stop:
+    """The preflight's stop switch: SIGINT, SIGTERM or SIGHUP in the parent stops every worker (each
+    runs in its own session, so a terminal's Ctrl-C reaches only the parent), and nothing is recorded
+    for the candidates they were running. A second signal kills them at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._procs: set = set()
+        self._lock = locks.lock()
+
+    def add(self, proc) -> None:
+        with self._lock:
+            self._procs.add(proc)
+            stopped = self.signal is not None
+        if stopped:
+            self._kill(proc, signal.SIGTERM)
+
+    def discard(self, proc) -> None:
+        with self._lock:
+            self._procs.discard(proc)
+
+    def __call__(self, signum, frame=None) -> None:
+        with self._lock:
+            first = self.signal is None
+            self.signal = self.signal or signum
+            procs = list(self._procs)
+        for proc in procs:
+            self._kill(proc, signal.SIGTERM if first else signal.SIGKILL)
+
+    @staticmethod
+    def _kill(proc, signum) -> None:
+        try:
+            os.killpg(proc.pid, signum)  # the worker and anything it started (an nvcc JIT compile)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def handle_signals(self):
+        """Install this switch for SIGINT/SIGTERM/SIGHUP (main thread only); returns the undo."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+
+class WorkerOutput:
+    """What one worker's JSON lines say, read as they come: the result, the last candidate event
+    (the one running when a worker dies), and a progress line on stderr for each event."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.result, self.event = label, None, None
+
+    def feed(self, line: str) -> None:
+        if not line.startswith("{"):
+            return
+        try:
+            data = json.loads(line)
+        except ValueError:
+            return
+        if "event" in data:
+            self.event = data
+            jit = " (the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes)" if data.get("flashinfer") else ""
+            _eprint(f"[{self.label}] {data['event']} of {data['backend']}{jit} ...")
+        else:
+            self.result = data
+
+
+def _run_worker(index: int, family: str, backend_args: list[str], crashed: dict[str, str], label: str,
+                env: dict[str, str], stop: _Stop | None = None, uuid: str | None = None,
+                heartbeat_s: float = 30.0) -> tuple[dict | None, dict | None, int, str]:
+    """One worker run: (result, last candidate event, returncode, stderr tail)."""
+    cmd = [sys.executable, "-m", "sm120_fp4", *worker_argv(index, family, backend_args, crashed, uuid)]
+    lines: queue.Queue = queue.Queue()
+    stop = stop or _Stop()
+    output = WorkerOutput(label)
+    with tempfile.TemporaryFile("w+") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                                               start_new_session=True) as proc:
+        stop.add(proc)
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        start = time.perf_counter()
+        while True:
+            try:
+                line = lines.get(timeout=heartbeat_s)
+            except queue.Empty:  # a first FlashInfer call may be compiling kernels
+                _eprint(f"[{label}] still running after {time.perf_counter() - start:.0f} s ...")
+                continue
+            if line is None:
+                break
+            output.feed(line)
+        code = proc.wait()
+        stop.discard(proc)
+        err.seek(0)
+        stderr = err.read()[-2000:]
+    return output.result, output.event, code, stderr

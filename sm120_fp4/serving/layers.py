@@ -1,0 +1,166 @@
+"""The layer checks: a layer's served calls against the oracle (the full sweep for a configuration's
+first layer, a light check for any other), the fingerprint of its weights, its record; and, for a
+backend that serves converted weights (:class:`sm120_fp4.backends.Converter`), the conversion of
+each layer seen and the end of its check.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Callable
+
+import torch
+
+from .. import verify
+from .records import LayerCheck, _Layer, _Serving
+
+
+def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: str | None = None,
+                 light: bool = False) -> tuple[verify.SelfTestReport, verify.Sweep | None, float]:
+    """The served calls of `check` at batch sizes `ms`, ready to be called pass by pass: (the report
+    to fill, the sweep or None where building the calls failed (the report says why), the start)."""
+    device = serving.device
+    start = time.perf_counter()
+    try:
+        cases = check.cases(ms)  # first: the oracle's GPU work is queued, and the host's work below overlaps it
+    except Exception as exc:  # building the served calls failed: that is a finding, not a crash
+        report = verify.report_for(serving.decision.backend, device, config=config or check.label)
+        report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
+        report.duration_s = time.perf_counter() - start
+        return report, None, start
+    report = verify.report_for(serving.decision.backend, device, config=config or check.label)
+    where = f" of {serving.decision.backend!r} on {device.label()} for {check.named()}"
+    if light and check.weights is not None:
+        # The layer's fingerprint after the calls covers its weights: no copies of them. The call's
+        # other inputs (an MoE layer's activations and routing) are still compared bit for bit.
+        weights = _weight_storages(check)
+        for case in cases:
+            case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
+    # A light check (any other layer of a verified configuration, the canary's) calls each M once: its
+    # configuration's sweep already called each M twice in a row.
+    sweep = verify.Sweep(cases, verify.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where,
+                           repeat=not light)
+    return report, sweep, start
+
+
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,
+               config: str | None = None, light: bool = False) -> verify.SelfTestReport:
+    report, run, start = _start_check(serving, check, ms, config, light)
+    if run is None:
+        return report
+    return verify.finish(report, run.run(passes), start)
+
+
+def _weight_storages(check: LayerCheck) -> frozenset[int]:
+    """The storages of the tensors the layer of `check` serves with (its weights)."""
+    if check.weights is None:
+        return frozenset()
+    return frozenset(t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor))
+
+
+def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
+    return verify.fingerprint(check.weights()) if check.weights is not None else None
+
+
+def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
+    try:
+        return weakref.ref(check.owner)
+    except TypeError:  # not weak-referenceable: kept
+        owner = check.owner
+        return lambda: owner
+
+
+def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[verify.SelfTestReport, torch.Tensor | None]:
+    """The full sweep (a configuration's first layer) or the light check (any other layer) of
+    `check`, then its fingerprint: a call that wrote into the layer's own weights fails the check.
+    Returns the report and the fingerprint the layer's weights had when they were checked."""
+    if full:
+        report, run, start = _start_check(serving, check, check.ms)
+    else:
+        report, run, start = _start_check(serving, check, check.light_ms, f"{check.label} (layer check)", light=True)
+    if run is None:
+        return report, None
+    # Taken after the oracle's work is queued (it reads the weights and writes none) and before
+    # the first served call: on a GPU its launches overlap the oracle's dequantization.
+    before = _fingerprint(check)
+    report = verify.finish(report, run.run(2 if full else 1), start)
+    _fail_if_written(report, check, before)
+    return report, before
+
+
+def _fail_if_written(report: verify.SelfTestReport, check: LayerCheck, before: torch.Tensor | None) -> None:
+    """A passing check fails when the layer's weights no longer have the fingerprint `before` they
+    had: its calls wrote into them."""
+    if report.passed and before is not None and not torch.equal(before, _fingerprint(check)):
+        report.passed = False
+        report.reason = f"{check.named()}: the checked calls changed this layer's own weights in place"
+
+
+def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
+    if len(serving.layers) >= serving.prune_at:  # amortised: a model's hundreds of layers cost no quadratic walk
+        serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
+        serving.prune_at = max(64, 2 * len(serving.layers))
+    if check.owner is None:
+        serving.layers[id(check)] = _Layer(check.named(), fingerprint, None, None, check, check.key)
+        return
+    owner = _owner_ref(check)
+    weak = isinstance(owner, weakref.ref) and check.rebuild is not None
+    serving.layers[id(check.owner)] = _Layer(check.named(), fingerprint, owner, check.rebuild, None if weak else check, check.key)
+
+
+def _convert(serving: _Serving, tensors: dict | None, keep_original: bool) -> str | None:
+    """Let the serving backend convert one layer at load (humming); None, or why it could not."""
+    converter = serving.converter
+    if converter is None or tensors is None:
+        return None
+    try:
+        converter.convert(tensors, keep_original)
+    except Exception as exc:  # a finding about this backend, like a failed check
+        return f"could not convert the layer's weights for {serving.decision.backend}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _seen_key(tensors: dict) -> tuple:
+    """What identifies the served layer `tensors` describe: its packed weight's storage (two dicts
+    of the same layer share it), else the dict itself."""
+    weight = tensors.get("weight", tensors.get("w13"))
+    return ("storage", weight.data_ptr()) if isinstance(weight, torch.Tensor) else ("dict", id(tensors))
+
+
+def _same_layer(a: dict | None, b: dict | None) -> bool:
+    """Whether two `tensors` dicts describe the same served layer (the same packed weight storage)."""
+    if a is None or b is None:
+        return False
+    return a is b or _seen_key(a) == _seen_key(b)
+
+
+def _representative(serving: _Serving, tensors: dict) -> bool:
+    """Whether `tensors` are a configuration's first layer: the one the re-checks compare."""
+    return any(_same_layer(c.tensors, tensors) for c in serving.checks.values())
+
+
+def _settle(serving: _Serving, tensors: dict | None) -> None:
+    """A layer's check is over: the backend drops what it kept for the check, or, for its
+    configuration's first layer (the one the re-checks compare), keeps it its long-term way."""
+    converter = serving.converter
+    if converter is not None and tensors is not None:
+        converter.settle(tensors, _representative(serving, tensors))
+
+
+def _convert_seen(serving: _Serving) -> str | None:
+    """Let the backend now routed convert every layer served so far (originals kept while checked)."""
+    return next((p for p in (_convert(serving, t, True) for t in serving.seen.values()) if p), None)
+
+
+def _settle_seen(serving: _Serving) -> None:
+    for tensors in serving.seen.values():
+        _settle(serving, tensors)
+
+
+def _refingerprint(serving: _Serving) -> None:
+    """After a backend switch that converted or restored weights: every layer's fingerprint anew."""
+    for record in serving.layers.values():
+        current = record.current() if record.alive() else None
+        if current is not None:
+            record.fingerprint = _fingerprint(current)
