@@ -142,7 +142,7 @@ def readme_commands() -> list[str]:
 # instead; every other one of ours is run below, on this CPU, as written.
 ELSEWHERE = {
     "bash scripts/setup_env.sh && .venv/bin/python -m sm120_fp4 demo": "test_cli.py (the demo); .ci/run",
-    "bash scripts/setup_env.sh && .venv/bin/python -m pytest": ".ci/run",
+    "bash scripts/setup_env.sh --with-vllm && .venv/bin/python -m pytest": ".ci/run",
     "pip install sm120-fp4": "a network",
     'pip install "sm120-fp4[sglang]"': "a network; test_sglang_extra_pins_the_supported_range",
     "SM120_FP4=1 python -m sglang.launch_server --model-path nvidia/Llama-3.1-8B-Instruct-FP4 --quantization modelopt_fp4": "a 12.x GPU",
