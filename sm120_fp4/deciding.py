@@ -134,7 +134,8 @@ def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...
     """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_moe_order)."""
     if settings.moe_backends != AUTO:
         return settings.moe_backends
-    return flashinfer.default_moe_order(device.capability) if device is not None else flashinfer.DEFAULT_MOE_ORDER
+    fastest = settings.select == "fastest"
+    return flashinfer.default_moe_order(device.capability, fastest) if device is not None else flashinfer.DEFAULT_MOE_ORDER
 
 
 MOE = Family("moe", backends.FAMILY_LABELS["moe"], "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,

@@ -83,6 +83,10 @@ class Backend:
     restore: Callable[[], bool] | None = None
     describe: Callable[[], dict] | None = None
     settle: Callable[[dict, bool], None] | None = None
+    # A backend with limits on the layers it serves (b12x: bf16, I % 128): `accepts(experts, hidden,
+    # inter, activation, dtype)` says why it cannot serve such a layer (None: it can); the generic
+    # self-test runs its cases on the nearest sizes it accepts.
+    accepts: Callable[..., "str | None"] | None = None
 
 
 def _always(device: Device) -> tuple[bool, str | None]:
@@ -201,8 +205,17 @@ def _dense_builtins() -> dict[str, Backend]:
     return out
 
 
+def _b12x_moe() -> Backend:
+    """FlashInfer's b12x fused MoE (B12xMoEWrapper) on SGLang's cutlass tensors, its scales derived here."""
+    from . import b12x_moe
+
+    return Backend(b12x_moe.NAME, "flashinfer", b12x_moe.fused_moe, b12x_moe.supported, "w4a4",
+                   describe=b12x_moe.describe, accepts=b12x_moe.layer_problem)
+
+
 def _moe_builtins() -> dict[str, Backend]:
     out = {name: Backend(name, "flashinfer", None, functools.partial(_moe_supported, name)) for name in _MOE_BACKENDS}
+    out["b12x"] = _b12x_moe()
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_moe, _always)
     out[HUMMING] = _humming_moe()
     return out
