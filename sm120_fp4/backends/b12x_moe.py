@@ -140,10 +140,11 @@ def supported(device: Device) -> tuple[bool, str | None]:
 
 def _named_explicitly() -> bool:
     """Whether SM120_FP4_MOE_BACKENDS (or install(moe_backends=...)) names b12x, in the settings deciding uses."""
-    from .. import serving  # lazily: serving imports the backends
+    from .. import api  # lazily: the API imports the backends
     from ..config import load_settings
 
-    settings = serving._last_settings or load_settings()
+    state = getattr(api, "_state", None)
+    settings = getattr(state, "settings", None) or load_settings()
     names = settings.moe_backends
     return isinstance(names, (list, tuple)) and NAME in names
 

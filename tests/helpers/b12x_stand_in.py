@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from sm120_fp4 import nvfp4
 from sm120_fp4.backends import emulated_moe
 
 
@@ -48,12 +47,11 @@ class StandIn:
         out = self._moe_output[: x.shape[0]]
         args = (w1, from_mma_view(w1_sf).view(torch.float8_e4m3fn), w13_alpha, w2, from_mma_view(w2_sf).view(torch.float8_e4m3fn),
                 w2_alpha, a1.reshape(-1), a2.reshape(-1))
-        if self.fault == "poison":
-            skipped = ids < 0
-            out.copy_(nvfp4.reference_moe_fp4(x, torch.where(skipped, 0, ids), torch.where(skipped, 0.0, weights), *args,
-                                              activation=self.activation, out_dtype=x.dtype))
-        else:
-            emulated_moe(x, ids, weights, *args, self.activation, x.dtype, out)
+        emulated_moe(x, ids, weights, *args, self.activation, x.dtype, out)
+        if self.fault == "poison":  # a -1 slot's row computed on expert 0, times weight 0: 0 x inf = NaN
+            expert0_finite = torch.isfinite(w13_alpha[0])
+            poisoned = (ids < 0).any(dim=1, keepdim=True) & ~expert0_finite
+            out.copy_(torch.where(poisoned, torch.full_like(out, float("nan")), out))
         if self.fault == "lossy" and self.calls % 100 in (37, 81):
             out[0, 8:16] = 0
         return out
