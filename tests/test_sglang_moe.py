@@ -63,8 +63,9 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
 def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
     backends.register_moe("faulty", fault)
     calls = {"n": 0}
-    # Two passes of the generic self-test, the first calling each case twice in a row.
-    generic = 3 * len(verify.SIMULATION_MOE_CONFIG.cases)
+    # Two passes of the generic self-test, the first calling each case twice in a row (its cases and
+    # the expert-0 poison probe; no case is small enough for the repeat probe).
+    generic = 3 * (len(verify.SIMULATION_MOE_CONFIG.cases) + 1)
 
     def passes_the_generic_selftest_then_faulty(*args):
         calls["n"] += 1  # the generic self-test runs first; the layer check after it
@@ -269,7 +270,7 @@ def test_every_local_expert_is_exercised(expert):
 def test_a_kernel_mishandling_slots_not_on_this_rank_is_refused(ep_size):
     backends.register_moe("wraps", wraps_skipped_slots)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="wraps")
-    with pytest.raises(RefusedToServe, match=r"(?s)wraps: (self-test failed|failed the served-layer check).*(padded|random)"):
+    with pytest.raises(RefusedToServe, match=r"(?s)wraps: (self-test failed|failed the served-layer check).*(padded|random|pointing nowhere)"):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=13), TOP_K, ep_size=ep_size,
                                             ep_rank=ep_size - 1)
 
@@ -324,7 +325,7 @@ def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
       "nothing recorded as verified; the retry checks the layer again and refuses")
 def test_an_interrupted_moe_layer_check_is_checked_again():
     calls = {"n": 0}
-    generic = 3 * len(verify.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
+    generic = 3 * (len(verify.SIMULATION_MOE_CONFIG.cases) + 1)  # two passes (the first calling each case twice in a row) of its cases and the expert-0 poison probe
 
     def interrupted_then_faulty(*args):
         calls["n"] += 1
