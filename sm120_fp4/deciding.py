@@ -66,8 +66,8 @@ class Decision(BaseModel):
         if self.backend not in names:
             return None  # unregistered since (a test's backend)
         try:
-            converter = backends.backend_of(self.family, self.backend).converter
-            return converter.describe() if converter is not None else None
+            describe = backends.backend_of(self.family, self.backend).describe
+            return describe() if describe is not None else None
         except Exception as exc:  # noqa: BLE001 - status must answer
             return {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -134,7 +134,8 @@ def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...
     """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_moe_order)."""
     if settings.moe_backends != AUTO:
         return settings.moe_backends
-    return flashinfer.default_moe_order(device.capability) if device is not None else flashinfer.DEFAULT_MOE_ORDER
+    fastest = settings.select == "fastest"
+    return flashinfer.default_moe_order(device.capability, fastest) if device is not None else flashinfer.DEFAULT_MOE_ORDER
 
 
 MOE = Family("moe", backends.FAMILY_LABELS["moe"], "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,

@@ -34,7 +34,11 @@ def test_run_moe_accepts_flashinfers_rounding_on_the_default_configuration():
     report = verify.run_moe("flashinfer-rounding", SIM)
     assert report.passed, report.reason
     # Two passes, the first calling each case twice in a row.
-    assert len(report.shapes) == len(verify.DEFAULT_MOE_CONFIG.cases) and all(s.calls == 3 for s in report.shapes)
+    # every case, a repeat probe for each of at most REPEAT_MAX_TOKENS tokens, and the expert-0 poison probe
+    small = sum(c.tokens <= verify.REPEAT_MAX_TOKENS for c in verify.DEFAULT_MOE_CONFIG.cases)
+    assert len(report.shapes) == len(verify.DEFAULT_MOE_CONFIG.cases) + small + 1
+    assert all(s.calls == (2 if "in a row" in s.label else 3) for s in report.shapes)  # a probe of 100 calls has no twin
+    assert sum("in a row" in s.label for s in report.shapes) == small and any("expert 0 non-finite" in s.label for s in report.shapes)
 
 
 def test_run_moe_checks_every_call_returns_out_and_leaves_inputs_alone():
@@ -59,7 +63,7 @@ def test_the_moe_registry_names_what_it_accepts():
         backends.register_moe("Bad Name", print)
     with pytest.raises(InvalidArgument, match=r"register_moe: fn=3"):
         backends.register_moe("x", 3)
-    with pytest.raises(ConfigError, match=r"unknown NVFP4 fused-MoE backend 'nope'; known: cutlass, emulated"):
+    with pytest.raises(ConfigError, match=r"unknown NVFP4 fused-MoE backend 'nope'; known: cutlass, b12x, emulated"):
         backends.get_moe("nope")
     ok, why = backends.is_moe_supported("cutlass", SIM)
     assert not ok and "simulated" in why

@@ -63,8 +63,9 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
 def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
     backends.register_moe("faulty", fault)
     calls = {"n": 0}
-    # Two passes of the generic self-test, the first calling each case twice in a row.
-    generic = 3 * len(verify.SIMULATION_MOE_CONFIG.cases)
+    # Two passes of the generic self-test, the first calling each case twice in a row (its cases and
+    # the expert-0 poison probe; no case is small enough for the repeat probe).
+    generic = 3 * (len(verify.SIMULATION_MOE_CONFIG.cases) + 1)
 
     def passes_the_generic_selftest_then_faulty(*args):
         calls["n"] += 1  # the generic self-test runs first; the layer check after it
@@ -269,7 +270,7 @@ def test_every_local_expert_is_exercised(expert):
 def test_a_kernel_mishandling_slots_not_on_this_rank_is_refused(ep_size):
     backends.register_moe("wraps", wraps_skipped_slots)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="wraps")
-    with pytest.raises(RefusedToServe, match=r"(?s)wraps: (self-test failed|failed the served-layer check).*(padded|random)"):
+    with pytest.raises(RefusedToServe, match=r"(?s)wraps: (self-test failed|failed the served-layer check).*(padded|random|pointing nowhere)"):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=13), TOP_K, ep_size=ep_size,
                                             ep_rank=ep_size - 1)
 
@@ -324,7 +325,7 @@ def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
       "nothing recorded as verified; the retry checks the layer again and refuses")
 def test_an_interrupted_moe_layer_check_is_checked_again():
     calls = {"n": 0}
-    generic = 3 * len(verify.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
+    generic = 3 * (len(verify.SIMULATION_MOE_CONFIG.cases) + 1)  # two passes (the first calling each case twice in a row) of its cases and the expert-0 poison probe
 
     def interrupted_then_faulty(*args):
         calls["n"] += 1
@@ -339,3 +340,114 @@ def test_an_interrupted_moe_layer_check_is_checked_again():
         moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
     with pytest.raises(RefusedToServe, match=r"failed the served-layer check: ModelOptNvFp4FusedMoEMethod E=8"):
         moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
+
+
+# ---- b12x (FlashInfer's B12xMoEWrapper) on SGLang's cutlass tensors, through a CPU stand-in ----------
+
+from helpers import b12x_stand_in  # noqa: E402
+from sm120_fp4.backends import b12x_moe, flashinfer  # noqa: E402
+
+B12X_TOOLCHAIN = flashinfer.Toolchain((13, 0), "test", (2, 39), None)
+
+
+@pytest.fixture
+def b12x(monkeypatch):
+    """b12x's wrapper is the stand-in (healthy unless a test sets its fault); CUDA 13 and the CuTe DSL present."""
+    monkeypatch.setattr(b12x_stand_in.StandIn, "fault", None)
+    monkeypatch.setattr(b12x_stand_in.StandIn, "made", [])
+    with flashinfer.use_toolchain(lambda: B12X_TOOLCHAIN), b12x_moe.use_wrapper(b12x_stand_in.StandIn):
+        yield b12x_stand_in.StandIn
+
+
+def test_b12x_serves_the_oracles_numbers_at_sglangs_layer(b12x):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=3)
+    layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
+    [decision] = [d for d in serving.decisions() if d.family == "moe"]
+    assert decision.backend == "b12x" and decision.verified and all(r.passed for r in decision.layers)
+    x, ids, weights = routing(130)
+    out = moe_layers.moe_forward(layer, x, ids, weights)
+    assert torch.equal(out, synthetic.reference_moe_output(ckpt, x, ids, weights))
+    assert sm120_fp4.status().moe_routes == {-1: "b12x"}
+    info = b12x_moe.describe()
+    configs = [w["config"] for w in info["workspaces"]]
+    assert f"E={E} top_k={TOP_K} H={H} I={I} swiglu" in configs and len(set(configs)) == len(configs) and info["workspace_bytes"] > 0
+    by_config = {}
+    for m in b12x.made:  # one workspace per configuration, shared by every wrapper of it, never replaced
+        owner = by_config.setdefault((m._moe_output.shape, m.activation, m.top_k), m)
+        assert m._static_workspace is owner._static_workspace and m._moe_output is owner._moe_output
+
+
+def test_b12x_derived_scales_are_refreshed_in_place():
+    a1, a2 = torch.tensor([4.0]), torch.tensor([8.0])
+    w13_alpha, w2_alpha = torch.tensor([0.5, 0.25]), torch.tensor([2.0, 3.0])
+    s = b12x_moe.derived_scales(w13_alpha, w2_alpha, a1, a2)
+    assert torch.equal(s["input_global_scale"], torch.tensor([0.25])) and torch.equal(s["fc2_input_scale"], torch.tensor([0.125]))
+    assert torch.equal(s["w1_alpha"], torch.tensor([2.0, 1.0])) and torch.equal(s["w2_alpha"], w2_alpha)
+
+
+@case("backend faults", "a b12x stand-in that reads its activation global scales in cutlass's direction (not 1/a1, 1/a2)",
+      "refused at load: the outputs are off by the scale's square")
+def test_b12x_with_the_scale_direction_inverted_is_refused(b12x):
+    b12x.fault = "inverted"
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
+    with pytest.raises(RefusedToServe, match=r"(?s)b12x"):
+        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
+
+
+@case("backend faults", "a b12x stand-in that loses one 8-column group of one row in 2 of every 100 calls",
+      "refused at load by the repeat probe (100 calls in a row at each decode batch size, the worst judged)")
+def test_b12x_losing_a_column_group_intermittently_is_refused(b12x):
+    b12x.fault = "lossy"
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
+    with pytest.raises(RefusedToServe, match=r"(?s)b12x: failed the served-layer check: .* x100 in a row \(worst judged\)"):
+        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
+
+
+@case("backend faults", "a b12x stand-in that computes a -1 slot on expert 0 with weight 0, multiplied through, while expert 0 yields non-finite rows",
+      "refused at load: 0 x inf poisons rows that route nowhere near expert 0")
+def test_b12x_poisoning_rows_through_expert_0_is_refused(b12x):
+    b12x.fault = "poison"
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
+    with pytest.raises(RefusedToServe, match=r"(?s)b12x: self-test failed: expert 0 non-finite, -1 slots pointing nowhere: call 1: .*non-finite"):
+        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
+
+
+def _no_cute(): return flashinfer.Toolchain((13, 0), "test", (2, 39), "nvidia-cutlass-dsl is not installed")
+
+
+@case("backend faults", "b12x named where it cannot serve: {why}", "skipped with that reason in the candidate list; nothing served by it")
+@pytest.mark.parametrize("why, toolchain, setting, capability, match", [
+    ("CUDA 12.8", lambda: flashinfer.Toolchain((12, 8), "test", (2, 39), None), None, "12.0", r"needs CUDA >= 13\.0; found 12\.8"),
+    ("no CuTe DSL", _no_cute, None, "12.0", r"needs the CuTe DSL"),
+    ("pdmux", None, "enable_pdmux", "12.0", r"--enable-pdmux"),
+    ("deterministic inference", None, "enable_deterministic_inference", "12.0", r"deterministic-inference"),
+    ("expert parallelism", None, "ep_size", "12.0", r"no NVFP4 expert parallelism"),
+    ("sm_121 by SELECT=fastest only", None, None, "12.1", r"sm_121 is tried only when named"),
+], ids=lambda v: v if isinstance(v, str) and " " not in v[:3] else None)
+def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, why, toolchain, setting, capability, match):
+    from sm120_fp4.sglang import hooks
+
+    if setting is not None:
+        monkeypatch.setattr(hooks, "server_setting", lambda name: (2 if name == "ep_size" else True) if name == setting else None)
+    major, minor = map(int, capability.split("."))
+    dev = Device(-1, "simulated (no GPU)", (major, minor), simulated=True, source="simulate")
+    with flashinfer.use_toolchain(toolchain or (lambda: B12X_TOOLCHAIN)):
+        if capability == "12.1":
+            sm120_fp4.install(simulate="12.1", backends="emulated", moe_fallback="emulated", select="fastest")
+        ok, reason = backends.is_moe_supported("b12x", dev)
+    assert not ok and __import__("re").search(match, reason), reason
+
+
+@pytest.mark.parametrize("sizes, match", [
+    ((E, H, I, "swiglu", torch.float16), r"bf16 activations"),
+    ((E, H, 96, "swiglu", torch.bfloat16), r"I % 128 == 0 \(this layer: I=96"),
+], ids=["fp16", "I off 128"])
+def test_b12x_layer_limits_are_named(sizes, match):
+    assert __import__("re").search(match, b12x_moe.layer_problem(*sizes))
+
+
+def test_b12x_is_not_in_the_default_moe_order():
+    assert "b12x" not in flashinfer.default_moe_order((12, 0)) and flashinfer.default_moe_order((12, 0))[0] == "cutlass"
+    assert flashinfer.default_moe_order((12, 0), fastest=True)[-1] == "b12x"
+    assert "b12x" not in flashinfer.default_moe_order((12, 1), fastest=True)

@@ -80,8 +80,9 @@ BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
 #     SM121 with an illegal memory access, which poisons the CUDA context of the process (a crash,
 #     not a wrong answer the self-test could reject); name it explicitly to try it.
 #   sm_120 (RTX PRO 6000 / RTX 50xx): cutlass first, b12x second.
-# FlashInfer #5446 (the b12x MoE with 512 experts crashing) concerns a MoE kernel this library does
-# not route; MOE_BACKENDS has no b12x entry. docs/operations.md lists the same sources.
+# The b12x MoE (backends/b12x_moe.py) is in no default MoE order until an SM120 measurement puts it
+# there: it is tried when named in SM120_FP4_MOE_BACKENDS, or after the order with SELECT=fastest on
+# sm_120 (FlashInfer #5446: 512 experts crash it; #3170: sm_121). docs/operations.md lists the sources.
 #   Last on 12.x: humming (humming-kernels, JIT-compiled, bf16-activation kernels on the FP4
 #     weights; sm120_fp4/backends/humming/): the verified fallback that keeps a GPU serving when no FP4
 #     kernel verifies. Off 12.x the order is unchanged (nothing is served there unless enabled).
@@ -104,9 +105,15 @@ def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
     return ORDER_BY_CAPABILITY.get(tuple(capability), DEFAULT_ORDER)
 
 
-def default_moe_order(capability: tuple[int, int]) -> tuple[str, ...]:
-    """The candidate order SM120_FP4_MOE_BACKENDS=auto means on a GPU of `capability`."""
-    return MOE_ORDER_BY_CAPABILITY.get(tuple(capability), DEFAULT_MOE_ORDER)
+# With SELECT=fastest, candidates timed after the default MoE order (each still verified first).
+FASTEST_MOE_EXTRA: dict[tuple[int, int], tuple[str, ...]] = {(12, 0): ("b12x",)}
+
+
+def default_moe_order(capability: tuple[int, int], fastest: bool = False) -> tuple[str, ...]:
+    """The candidate order SM120_FP4_MOE_BACKENDS=auto means on a GPU of `capability` (`fastest`:
+    with SM120_FP4_SELECT=fastest, which also times FASTEST_MOE_EXTRA)."""
+    order = MOE_ORDER_BY_CAPABILITY.get(tuple(capability), DEFAULT_MOE_ORDER)
+    return order + FASTEST_MOE_EXTRA.get(tuple(capability), ()) if fastest else order
 
 
 # Backend names SGLang may pass that read that layout: the decided backend serves them. "cutlass"

@@ -76,6 +76,13 @@ class Backend:
     mode: str = "w4a4"
     # A backend that serves a converted copy of each layer's weights (humming) says how: None for the others.
     converter: Converter | None = None
+    # What status shows of the backend now (humming: JIT times, converted layers' memory; b12x: its
+    # workspaces' bytes); None for backends that say nothing.
+    describe: Callable[[], dict] | None = None
+    # A backend with limits on the layers it serves (b12x: bf16, I % 128): `accepts(experts, hidden,
+    # inter, activation, dtype)` says why it cannot serve such a layer (None: it can); the generic
+    # self-test runs its cases on the nearest sizes it accepts.
+    accepts: Callable[..., "str | None"] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,13 +93,11 @@ class Converter:
     while it is checked: the oracle reads them); `settle(tensors, keep)` ends one layer's check: drops
     what `convert` kept of it, or with `keep` (each configuration's first layer, the one the
     re-checks compare) keeps it for good its long-term way (humming: pinned host memory);
-    `restore()` undoes every conversion it can (True: all undone, another backend can take over);
-    `describe()` says what status shows of it."""
+    `restore()` undoes every conversion it can (True: all undone, another backend can take over)."""
 
     convert: Callable[[dict, bool], None]
     settle: Callable[[dict, bool], None]
     restore: Callable[[], bool]
-    describe: Callable[[], dict]
 
 
 def _always(device: Device) -> tuple[bool, str | None]:
@@ -106,14 +111,16 @@ def _humming_dense() -> Backend:
     """Humming's bf16/fp16-activation kernel on SGLang's FP4 activations, dequantized exactly (W4A4)."""
     from .humming import adapter as humming  # light: Humming itself is imported only when it is asked about
 
-    return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4", _humming_converter("dense"))
+    return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4", _humming_converter("dense"),
+                   describe=lambda: humming.describe_backend("dense"))
 
 
 def _humming_moe() -> Backend:
     """Humming's grouped kernel on unquantized activations (W4A16)."""
     from .humming import adapter as humming
 
-    return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16", _humming_converter("moe"))
+    return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16", _humming_converter("moe"),
+                   describe=lambda: humming.describe_backend("moe"))
 
 
 def _humming_converter(family: str) -> Converter:
@@ -126,7 +133,7 @@ def _humming_converter(family: str) -> Converter:
         else:
             humming.prepare_moe(tensors, tensors["dtype"], keep_original)
 
-    return Converter(convert, humming.drop_originals, lambda: humming.restore(family), lambda: humming.describe_backend(family))
+    return Converter(convert, humming.drop_originals, lambda: humming.restore(family))
 
 
 # The two kernel families, by the one identifier used everywhere ("dense", "moe"): what messages call
@@ -220,8 +227,17 @@ def _dense_builtins() -> dict[str, Backend]:
     return out
 
 
+def _b12x_moe() -> Backend:
+    """FlashInfer's b12x fused MoE (B12xMoEWrapper) on SGLang's cutlass tensors, its scales derived here."""
+    from . import b12x_moe
+
+    return Backend(b12x_moe.NAME, "flashinfer", b12x_moe.fused_moe, b12x_moe.supported, "w4a4",
+                   describe=b12x_moe.describe, accepts=b12x_moe.layer_problem)
+
+
 def _moe_builtins() -> dict[str, Backend]:
     out = {name: Backend(name, "flashinfer", None, functools.partial(_moe_supported, name)) for name in _MOE_BACKENDS}
+    out["b12x"] = _b12x_moe()
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_moe, _always)
     out[HUMMING] = _humming_moe()
     return out

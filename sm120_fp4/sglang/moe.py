@@ -307,7 +307,8 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         originals = weights.map(backends.original)
         cache = verify.ExpertCache(subset)  # every-expert batches dequantize the others per call
         return verify.moe_cases(call, weights, processed.activation, plans, cache=cache,
-                                  first_expert=first, served_ids=serve is None, mode=mode, reference_weights=originals)
+                                  first_expert=first, served_ids=serve is None, mode=mode, reference_weights=originals,
+                                  repeat_tokens=verify.REPEAT_MAX_TOKENS, poison_expert0=len(ms) > 1)
 
     def current() -> tuple:
         now = processed_weights(layer)
@@ -320,8 +321,10 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
 
 
 def _served_convention(layer, processed, x, ids, topk_weights, *rest):
-    """selftest.moe_cases calls in the backend convention's order; serve through the seam, write `out`."""
+    """selftest.moe_cases calls in the backend convention's order; serve through the seam (with the
+    weights the case passes: the layer's, or a probe's variant of them), write `out`."""
     out = rest[-1]
+    processed = processed._replace(weights=nvfp4.MoeWeights(*rest[:8]))
     out.copy_(_served_call(layer, processed, x, ids, topk_weights))
     return out
 
@@ -335,3 +338,28 @@ def refuse_unverifiable(kind: str, settings) -> None:
         raise RefusedToServe(message)
     if settings.selftest == "warn":
         _LOG.warning("%s", message)
+
+
+def b12x_problem() -> str | None:
+    """Why FlashInfer's b12x MoE cannot serve this SGLang process (its server arguments), or None:
+    its persistent kernels' grid barrier under pdmux, its atomic (not bitwise reproducible) top-k sums
+    under deterministic inference, no NVFP4 expert parallelism."""
+    from .hooks import server_setting
+
+    if server_setting("enable_pdmux"):
+        return "b12x MoE's persistent kernels wait at a grid barrier: not under SGLang's --enable-pdmux"
+    if server_setting("enable_deterministic_inference"):
+        return "b12x MoE sums the top-k slots with bf16 atomics (not bitwise reproducible): not under --enable-deterministic-inference"
+    ep = server_setting("ep_size") or 1
+    if isinstance(ep, int) and ep > 1:
+        return f"b12x MoE has no NVFP4 expert parallelism (FlashInfer raises): not with --ep-size {ep}"
+    return None
+
+
+def _register_b12x_check() -> None:
+    from ..backends import b12x_moe
+
+    b12x_moe.engine_check(b12x_problem)
+
+
+_register_b12x_check()

@@ -36,6 +36,7 @@ __all__ = [
     "rolled",
     "COPY_LIMIT",
     "refuse_inside_capture",
+    "lost_column_group",
 ]
 
 
@@ -50,6 +51,11 @@ class Bounds(BaseModel):
     # running at the deadline is reported as hung and the candidate is rejected; its thread cannot
     # be killed and keeps running in the background (a daemon thread: see `calls_still_running`).
     timeout_s: float = 900.0
+    # Columns checked together within each row (None: not checked): a group whose error is at least
+    # half its reference's norm, where the reference group carries a fair share of the row, is a
+    # lost group (a kernel that drops 8 output columns in one call moves a wide row by less than its
+    # row bound: H=7168 by sqrt(8/7168) = 3%); rounding and bf16 sums of the k slots stay far below.
+    column_group: int | None = None
 
 
 class ShapeResult(BaseModel):
@@ -220,6 +226,25 @@ def _judge(out: torch.Tensor, bounds: Bounds, result: ShapeResult, floor: float,
     return None
 
 
+def lost_column_group(out: torch.Tensor, ref: torch.Tensor, group: int) -> str | None:
+    """None unless some row of `out` lost a group of `group` columns against `ref` (see Bounds.column_group)."""
+    rows, cols = out.shape
+    if cols % group or rows == 0:
+        return None
+    step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
+    for lo in range(0, rows, step):
+        o = out[lo:lo + step].float().reshape(-1, cols // group, group)
+        r = ref[lo:lo + step].float().reshape(-1, cols // group, group)
+        ref_g = r.norm(dim=2)
+        fair = r.reshape(r.shape[0], -1).norm(dim=1, keepdim=True) * (group / cols) ** 0.5
+        lost = ((o - r).norm(dim=2) >= 0.5 * ref_g) & (ref_g >= 0.25 * fair) & (ref_g > 0)
+        if bool(lost.any()):
+            row, g = lost.nonzero()[0].tolist()
+            return (f"{int(lost.sum())} group(s) of {group} columns lost (error >= half their norm), first at row {lo + row}, "
+                    f"columns {g * group}-{g * group + group - 1}")
+    return None
+
+
 @dataclass
 class Case:
     """One M of a sweep: how to make the call, what it must equal, and what it must leave alone.
@@ -306,6 +331,8 @@ def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float
     if case.out is None and (not isinstance(outcome, torch.Tensor) or tuple(outcome.shape) != (case.m, case.n)):
         return f"call {result.calls} returned {outcome!r:.80} instead of a ({case.m}, {case.n}) tensor"
     reason = _compare(outcome, case.reference, case.bounds or bounds, result, case.slack)
+    if reason is None and (case.bounds or bounds).column_group:
+        reason = lost_column_group(outcome, case.reference, (case.bounds or bounds).column_group)
     if reason is not None:
         return f"call {result.calls}: {reason}"
     changed = [i for i, t in enumerate(case.inputs) if not _unchanged(t, snapshots[_input_key(t)])]

@@ -19,6 +19,8 @@ __all__ = [
     "MoeCase",
     "MoeConfig",
     "MOE_BOUNDS",
+    "REPEAT_CALLS",
+    "REPEAT_MAX_TOKENS",
     "ExpertCache",
     "DEFAULT_MOE_CONFIG",
     "SIMULATION_MOE_CONFIG",
@@ -36,7 +38,13 @@ __all__ = [
 # ~10%: each case computes the oracle both ways and widens each row's bound by twice their
 # difference on that row (its "slack"), so the bound neither trips on the kernel's rounding nor
 # hides a dropped slot, a dropped expert, ignored routing weights or swapped gate/up halves.
-MOE_BOUNDS = Bounds(max_rel_err=1e-2, max_row_rel_err=5e-2)
+# Each row's 8-column groups are checked too (Bounds.column_group): a kernel that loses one group in
+# a wide row (H=7168) stays inside the row bound; a bf16 sum of the k slots stays far inside the group's.
+MOE_BOUNDS = Bounds(max_rel_err=1e-2, max_row_rel_err=5e-2, column_group=8)
+# The repeat probe: calls of one decode-sized batch in a row, the worst of them judged (an intermittent
+# loss: a kernel whose atomic top-k sum drops a column group in 2 of 100 calls).
+REPEAT_CALLS = 100
+REPEAT_MAX_TOKENS = 8  # the batch sizes probed so (cheap: the oracle's answer is computed once)
 
 
 class MoeCase(BaseModel):
@@ -172,7 +180,8 @@ class ExpertCache(dict):
 
 def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
               bounds: Bounds = MOE_BOUNDS, cache: dict | None = None, *, first_expert: int = 0,
-              served_ids: bool = False, mode: str = "w4a4", reference_weights: nvfp4.MoeWeights | None = None) -> list[Case]:
+              served_ids: bool = False, mode: str = "w4a4", reference_weights: nvfp4.MoeWeights | None = None,
+              repeat_tokens: int = 0, poison_expert0: bool = False) -> list[Case]:
     """Calls of `fn` with `weights`, one per plan (label, x, topk_ids,
     topk_weights): each checked against the oracle, `out` poisoned first. `cache` keeps the
     references' dequantized experts for these weights (one dict per weights).
@@ -186,7 +195,12 @@ def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: l
     `mode` is what the backend computes: "w4a4" against the oracle with quantized activations,
     "w4a16" against its W4A16 mode (``quantize_activations=False``, each expert's alpha times the
     activation scale it was made for: 1 / the weight's global scale). `reference_weights` (default
-    `weights`) are what the oracle reads: the checkpoint's bytes where the served ones were converted."""
+    `weights`) are what the oracle reads: the checkpoint's bytes where the served ones were converted.
+
+    Each plan of at most `repeat_tokens` tokens is also called REPEAT_CALLS times in a row, the worst
+    call judged (`_repeated`). `poison_expert0` adds a call whose local expert 0 yields non-finite rows
+    (its FC1 alpha infinite) while no token routes to it and -1 slots abound: a kernel that computes a
+    -1 slot on expert 0 with weight 0 gets 0 x inf = NaN in rows that must stay finite."""
     cases = []
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
     ref_w = reference_weights or weights
@@ -213,7 +227,65 @@ def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: l
                     inputs=tuple(a for a in args if isinstance(a, torch.Tensor)), out=out, label=label, bounds=bounds, slack=slack)
         case.twin = functools.partial(_rolled_tokens, case, fn, args, activation, out)
         cases.append(case)
+        if x.shape[0] <= repeat_tokens:
+            cases.append(Case(x.shape[0], x.shape[1], case.k, functools.partial(_repeated, fn, args, activation, out, ref),
+                              ref, inputs=case.inputs, out=out, label=f"{label} x{REPEAT_CALLS} in a row (worst judged)",
+                              bounds=bounds, slack=slack))
+    if poison_expert0 and plans:
+        poisoned = _poisoned_expert0_case(fn, weights, ref_w, activation, plans[0][1], bounds, cache, first_expert, served_ids, mode)
+        if poisoned is not None:
+            cases.append(poisoned)
     return cases
+
+
+def _group_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """0-dim: the largest error of an 8-column group (else of a row) against its share of the row's
+    norm; inf where `out` is not finite. No host synchronisation."""
+    rows, cols = ref.shape
+    group = 8 if cols % 8 == 0 else cols
+    o, r = out.float().reshape(rows, -1, group), ref.float().reshape(rows, -1, group)
+    share = r.reshape(rows, -1).norm(dim=1).reshape(rows, 1) * (group / cols) ** 0.5
+    err = (o - r).norm(dim=2) / (r.norm(dim=2) + share).clamp_min(1e-30)
+    return torch.nan_to_num(err, nan=float("inf")).amax()
+
+
+def _repeated(fn: Callable, args: tuple, activation: str, out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """REPEAT_CALLS calls of one batch in a row into a buffer of their own; `out` gets the worst of
+    them (by _group_error against the oracle), and every call must return its buffer."""
+    buf = torch.empty_like(out)
+    worst = torch.full((), -1.0, device=out.device)
+    for i in range(REPEAT_CALLS):
+        buf.fill_(float("nan"))
+        got = fn(*args, activation, args[0].dtype, buf)
+        if got is not buf:
+            raise RuntimeError(f"call {i + 1} of {REPEAT_CALLS} in a row returned a tensor other than `out`")
+        err = _group_error(buf, ref)
+        out.copy_(torch.where(err > worst, buf, out))
+        worst = torch.maximum(worst, err)
+    return out
+
+
+def _poisoned_expert0_case(fn, weights, ref_w, activation, x_like, bounds, cache, first, served_ids, mode) -> Case | None:
+    """The call `poison_expert0` adds (see moe_cases); None where the layer has too few experts."""
+    experts = weights.w13.shape[0]
+    top_k = 2 if experts > 2 else 1
+    if experts < 2:
+        return None
+    tokens = 4
+    gen = torch.Generator().manual_seed(7)
+    local = 1 + torch.rand(tokens, experts - 1, generator=gen).argsort(dim=1)[:, :top_k]  # never expert 0
+    topk_weights = (0.1 + 0.9 * torch.rand(tokens, top_k, generator=gen)).to(x_like.device)
+    local[:, -1] = -1  # every token: a -1 slot (b12x computes it on expert 0, weight 0)
+    local[-1] = -1  # a padding row: every slot -1, a zero row
+    local = local.to(torch.int32).to(x_like.device)
+    x = structured_activations(tokens, x_like.shape[1], 4.0, gen).to(x_like.dtype).to(x_like.device)
+    alpha = weights.w13_alpha.clone()
+    alpha[0] = float("inf")
+    poisoned = weights._replace(w13_alpha=alpha)
+    ids = torch.where(local >= 0, local + first, local) if served_ids else local
+    [case] = moe_cases(fn, poisoned, activation, [("expert 0 non-finite, -1 slots pointing nowhere", x, ids, topk_weights)],
+                       bounds, cache, first_expert=first, served_ids=served_ids, mode=mode, reference_weights=ref_w)
+    return case
 
 
 def _rolled_tokens(case: Case, fn: Callable, args: tuple, activation: str, out: torch.Tensor) -> Case:
@@ -221,6 +293,20 @@ def _rolled_tokens(case: Case, fn: Callable, args: tuple, activation: str, out: 
     moved = tuple(a.roll(1, 0) for a in args[:3]) + args[3:]
     invoke = functools.partial(fn, *moved, activation, args[0].dtype, out)
     return rolled(case, invoke, tuple(a for a in moved if isinstance(a, torch.Tensor)))
+
+
+def _sizes(case: MoeCase) -> tuple:
+    return case.experts, case.hidden, case.intermediate, case.activation, getattr(torch, case.dtype)
+
+
+def _within(accepts: Callable, case: MoeCase) -> MoeCase | None:
+    """`case`, or the nearest case a backend with limits accepts (bf16; H and I rounded up to 128),
+    or None."""
+    if accepts(*_sizes(case)) is None:
+        return case
+    near = case.model_copy(update={"dtype": "bfloat16", "hidden": -(-case.hidden // 128) * 128,
+                                   "intermediate": -(-case.intermediate // 128) * 128})
+    return near if accepts(*_sizes(near)) is None else None
 
 
 def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, seed: int = 0,
@@ -241,6 +327,13 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
         return report
     tdev = device.torch_device
     mode = backends.get_moe(backend).mode
+    accepts = backends.get_moe(backend).accepts
+    if accepts is not None:
+        kept = [c for c in (_within(accepts, c) for c in config.cases) if c is not None]
+        if not kept:
+            report.reason = f"MoE backend {backend!r} accepts none of the self-test's layers: {accepts(*_sizes(config.cases[0]))}"
+            return report
+        config = MoeConfig(cases=tuple(kept))
     gen = torch.Generator().manual_seed(seed)
     cases: list[Case] = []
     caches: dict[tuple, dict] = {}  # per layer shape: the same seeded weights
@@ -250,5 +343,5 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
         x = structured_activations(case.tokens, case.hidden, 4.0, gen).to(getattr(torch, case.dtype)).to(tdev)
         cache = caches.setdefault((case.experts, case.hidden, case.intermediate, case.activation), {})
         cases += moe_cases(fn, weights, case.activation, [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))], bounds, cache,
-                           mode=mode)
+                           mode=mode, repeat_tokens=REPEAT_MAX_TOKENS, poison_expert0=i == 0)
     return finish(report, sweep(cases, Bounds(timeout_s=bounds.timeout_s), tdev, where=f" of MoE backend {backend!r} on {device.label()}"), start)

@@ -10,7 +10,10 @@ from sm120_fp4.backends import emulated_moe
 
 def _ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, out_dtype, **kw):
     skipped = ids < 0  # the convention's -1: a slot that is not this rank's adds nothing
-    ids, w = torch.where(skipped, torch.zeros_like(ids), ids), torch.where(skipped, torch.zeros_like(w), w)
+    # computed (weight 0) on an expert the call routes to, never on an expert nothing routes to (its
+    # rows may be non-finite: 0 x inf = NaN)
+    stand_in = ids.max().clamp_min(0)
+    ids, w = torch.where(skipped, stand_in, ids), torch.where(skipped, torch.zeros_like(w), w)
     return nvfp4.reference_moe_fp4(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2,
                                    activation=activation, out_dtype=out_dtype, **kw)
 
@@ -82,7 +85,7 @@ def after_generic(fault):
     from sm120_fp4 import verify
 
     calls = {"n": 0}
-    generic = 3 * len(verify.SIMULATION_MOE_CONFIG.cases)  # two passes, the first calling each case twice in a row
+    generic = 3 * (len(verify.SIMULATION_MOE_CONFIG.cases) + 1)  # two passes (the first calling each case twice in a row) of its cases and the expert-0 poison probe
 
     def kernel(*args):
         calls["n"] += 1
