@@ -1,4 +1,4 @@
-"""selftest.run_moe over the default MoE configuration, the MoE registry, and FlashInfer's
+"""verify.run_moe over the default MoE configuration, the MoE registry, and FlashInfer's
 cutlass_fused_moe called the way SGLang calls it (with a recording stand-in: no SM100+ GPU here)."""
 
 from __future__ import annotations

@@ -423,7 +423,6 @@ def _no_cute(): return flashinfer.Toolchain((13, 0), "test", (2, 39), "nvidia-cu
     ("pdmux", None, "enable_pdmux", "12.0", r"--enable-pdmux"),
     ("deterministic inference", None, "enable_deterministic_inference", "12.0", r"deterministic-inference"),
     ("expert parallelism", None, "ep_size", "12.0", r"no NVFP4 expert parallelism"),
-    ("sm_121 by SELECT=fastest only", None, None, "12.1", r"sm_121 is tried only when named"),
 ], ids=lambda v: v if isinstance(v, str) and " " not in v[:3] else None)
 def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, why, toolchain, setting, capability, match):
     from sm120_fp4.sglang import hooks
@@ -450,4 +449,5 @@ def test_b12x_layer_limits_are_named(sizes, match):
 def test_b12x_is_not_in_the_default_moe_order():
     assert "b12x" not in flashinfer.default_moe_order((12, 0)) and flashinfer.default_moe_order((12, 0))[0] == "cutlass"
     assert flashinfer.default_moe_order((12, 0), fastest=True)[-1] == "b12x"
+    # sm_121 (illegal memory accesses reported there: FlashInfer #3170): b12x only where the operator names it
     assert "b12x" not in flashinfer.default_moe_order((12, 1), fastest=True)

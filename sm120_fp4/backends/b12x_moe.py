@@ -34,7 +34,8 @@ import torch
 from .. import nvfp4
 from ..devices import Device
 from ..errors import not_accepted
-from . import flashinfer
+from .flashinfer import check_moe_args, moe_supported, toolchain
+from .flashinfer import version as flashinfer_version
 
 __all__ = [
     "NAME",
@@ -91,7 +92,7 @@ def use_wrapper(factory: WrapperFactory) -> Iterator[None]:
 
 
 def _version_tuple() -> tuple[int, ...] | None:
-    found = flashinfer.version()
+    found = flashinfer_version()
     if found is None:
         return None
     parts = []
@@ -109,7 +110,7 @@ def _wrapper_class() -> WrapperFactory:
 
 def supported(device: Device) -> tuple[bool, str | None]:
     """Whether b12x's MoE can serve on `device` in this process, and why not."""
-    tc = flashinfer.toolchain()
+    tc = toolchain()
     if tc.cuda is None or tc.cuda < MIN_CUDA:
         return False, (f"b12x MoE needs CUDA >= {MIN_CUDA[0]}.{MIN_CUDA[1]}; found "
                        f"{'unknown' if tc.cuda is None else f'{tc.cuda[0]}.{tc.cuda[1]}'} ({tc.cuda_source})")
@@ -121,32 +122,18 @@ def supported(device: Device) -> tuple[bool, str | None]:
         reason = check()
         if reason:
             return False, reason
-    if tuple(device.capability) == (12, 1) and not _named_explicitly():
-        return False, ("b12x MoE on sm_121 is tried only when named in SM120_FP4_MOE_BACKENDS (illegal memory accesses "
-                       "reported there: FlashInfer #3170, vLLM #50189)")
     if tuple(device.capability) not in ((12, 0), (12, 1)):
         return False, f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
     if _factory is not None:
         return True, None
-    ok, reason = flashinfer.moe_supported("cutlass", device)  # a real GPU, FlashInfer installed
+    ok, reason = moe_supported("cutlass", device)  # a real GPU, FlashInfer installed
     if not ok:
         return False, reason
     try:
         _wrapper_class()
     except Exception as exc:  # ImportError (no CuTe DSL), or a broken install raising anything
-        return False, f"flashinfer {flashinfer.version()} has no B12xMoEWrapper: {type(exc).__name__}: {exc}"
+        return False, f"flashinfer {flashinfer_version()} has no B12xMoEWrapper: {type(exc).__name__}: {exc}"
     return True, None
-
-
-def _named_explicitly() -> bool:
-    """Whether SM120_FP4_MOE_BACKENDS (or install(moe_backends=...)) names b12x, in the settings deciding uses."""
-    from .. import api  # lazily: the API imports the backends
-    from ..config import load_settings
-
-    state = getattr(api, "_state", None)
-    settings = getattr(state, "settings", None) or load_settings()
-    names = settings.moe_backends
-    return isinstance(names, (list, tuple)) and NAME in names
 
 
 def layer_problem(experts: int, hidden: int, inter: int, activation: str, dtype: torch.dtype) -> str | None:
@@ -159,7 +146,7 @@ def layer_problem(experts: int, hidden: int, inter: int, activation: str, dtype:
         return f"b12x MoE needs I % {INTER_ALIGN} == 0 (this layer: I={inter}; below it FlashInfer pads a private copy per layer)"
     version = _version_tuple()
     if version is not None and version >= HIDDEN_ALIGN_FROM and hidden % INTER_ALIGN:
-        return f"b12x MoE in flashinfer {flashinfer.version()} needs H % {INTER_ALIGN} == 0 (this layer: H={hidden})"
+        return f"b12x MoE in flashinfer {flashinfer_version()} needs H % {INTER_ALIGN} == 0 (this layer: H={hidden})"
     return None
 
 
@@ -268,7 +255,7 @@ def _refold(entry: _Layer) -> None:
 def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
               activation, out_dtype, out):
     """The backend convention (nvfp4.reference_moe_fp4's; -1: a slot that adds nothing) through b12x."""
-    flashinfer.check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
+    check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
                               activation, out_dtype, out)
     experts, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
     inter = w2.shape[2] * 2

@@ -229,10 +229,9 @@ def _dense_builtins() -> dict[str, Backend]:
 
 def _b12x_moe() -> Backend:
     """FlashInfer's b12x fused MoE (B12xMoEWrapper) on SGLang's cutlass tensors, its scales derived here."""
-    from . import b12x_moe
+    from .b12x_moe import NAME, describe, fused_moe, layer_problem, supported
 
-    return Backend(b12x_moe.NAME, "flashinfer", b12x_moe.fused_moe, b12x_moe.supported, "w4a4",
-                   describe=b12x_moe.describe, accepts=b12x_moe.layer_problem)
+    return Backend(NAME, "flashinfer", fused_moe, supported, "w4a4", describe=describe, accepts=layer_problem)
 
 
 def _moe_builtins() -> dict[str, Backend]:

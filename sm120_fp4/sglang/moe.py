@@ -244,7 +244,7 @@ def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
 
 
 def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
-    """selftest.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
+    """verify.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
     ids, weights = verify.moe_routing(tokens, top_k, pool.numel(), routing, gen)
     return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(torch.int32), weights
 
@@ -321,7 +321,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
 
 
 def _served_convention(layer, processed, x, ids, topk_weights, *rest):
-    """selftest.moe_cases calls in the backend convention's order; serve through the seam (with the
+    """verify.moe_cases calls in the backend convention's order; serve through the seam (with the
     weights the case passes: the layer's, or a probe's variant of them), write `out`."""
     out = rest[-1]
     processed = processed._replace(weights=nvfp4.MoeWeights(*rest[:8]))
