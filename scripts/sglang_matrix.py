@@ -257,6 +257,14 @@ def check_function(tree: ast.Module, name: str) -> tuple[bool, str | None]:
     return True, None
 
 
+def check_imported(tree: ast.Module, name: str) -> tuple[bool, str | None]:
+    """`name` bound at module level by a `from ... import name` (a caller's by-name binding of a function
+    patched at its home too: SGLang's base runner's import of the autotune gate)."""
+    bound = any(isinstance(n, ast.ImportFrom) and any((a.asname or a.name) == name for a in n.names)
+                for n in top_level(tree.body))
+    return bound, None if bound else f"no module-level `from ... import {name}`"
+
+
 def check_enum(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
     """Fp4GemmRunnerBackend has AUTO/FLASHINFER_CUDNN/FLASHINFER_CUTLASS and the module global exists."""
     cls = find_class(tree, "Fp4GemmRunnerBackend")
@@ -355,6 +363,8 @@ def kind(spec) -> str:
         return "function"
     if _REPLACED_BY.get(spec.name) == "dispatch":
         return "alias"
+    if _REPLACED_BY.get(spec.name) in ("decline", "autotune-gate"):  # a module's function, or a caller's by-name import of it
+        return "imported" if spec.module == R.BASE_RUNNER else "function"
     return "unknown"
 
 
@@ -377,6 +387,7 @@ NARROW_ON_PURPOSE = {
 }
 
 CHECKS = {"alias": check_alias, "method": check_method, "warmup": check_warmup, "idle": check_idle, "function": check_function,
+          "imported": check_imported,
           "enum": check_enum, "knob": check_knob, "moe-config": check_moe_config, "moe-global": check_moe_global,
           "moe-flags": check_moe_flags}
 NEEDS_SOURCES = {"moe-flags"}  # checks that read a second module of the release
