@@ -98,6 +98,7 @@ PROJECT_DEPS=(
   hypothesis
   pytest-timeout
   pyyaml
+  "ruff==0.17.6"   # lint and format check (.ci/run, before the tests)
 )
 
 say() { printf '[setup_env] %s\n' "$*"; }
@@ -156,7 +157,7 @@ want = dict(zip(["torch", "flashinfer-python", "sglang"], sys.argv[1:]))
 for dist, ver in want.items():
     assert version(dist) == ver, (dist, version(dist), ver)
 for dist in ["transformers", "compressed-tensors", "apache-tvm-ffi", "wrapt",
-             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout", "uvicorn", "xgrammar", "fastapi"]:
+             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout", "uvicorn", "xgrammar", "fastapi", "ruff"]:
     version(dist)
 EOF
 }
