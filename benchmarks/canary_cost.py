@@ -34,13 +34,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
+from _common import table, write
+from selftest_cost import CAPTURED, MoeLayer, dense_layer, prepare_quantizer, tp_configs
 
-from _common import table, write  # noqa: E402
-from selftest_cost import CAPTURED, MoeLayer, dense_layer, prepare_quantizer, tp_configs  # noqa: E402
-from sm120_fp4 import backends, canary, devices, graphs, serving, verify  # noqa: E402
-from sm120_fp4.config import Settings  # noqa: E402
-from sm120_fp4.sglang import moe  # noqa: E402
+from sm120_fp4 import backends, canary, devices, graphs, serving, verify
+from sm120_fp4.config import Settings
+from sm120_fp4.sglang import moe
 
 PERIOD_S = 60.0
 SLICE_MS = 5.0
@@ -65,11 +65,13 @@ def drive(c: canary.Canary, periods: int) -> list[canary.CanaryRun]:
             c.idle()
             if c.runs > done and not c._queue:
                 break
-        runs += c.status().recent[-(c.runs - done):]
+        runs += c.status().recent[-(c.runs - done) :]
     return runs
 
 
-PAUSES: list[tuple[float, float, str]] = []  # every idle point that ran a run: (ms, of it the backend's calls, ms, what)
+PAUSES: list[
+    tuple[float, float, str]
+] = []  # every idle point that ran a run: (ms, of it the backend's calls, ms, what)
 _in_run = [0.0]
 _run_pass = verify.Sweep.run_pass
 _run = canary.Canary._run
@@ -131,19 +133,34 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int, ca
     less = [ms - backend for ms, backend, _ in PAUSES]
     longest = max(PAUSES)
     per_period = sum(r.busy_ms for r in runs) / periods
-    after_cap = pauses[len(pauses) // 2:]  # the second half: every configuration's cap found by then
-    print(f"{label}: {len(runs)} runs, {per_period:.2f} ms per period ({per_period / 1e3 / PERIOD_S:.4%} of {PERIOD_S:g} s); "
-          f"longest pause at an idle point {longest[0]:.1f} ms ({longest[1]:.1f} ms of it the backend's calls; {longest[2]}); "
-          f"pauses over the {SLICE_MS:g} ms slice: {sum(ms > SLICE_MS for ms in pauses)} of {len(pauses)}", flush=True)
-    return {"label": label, "periods": periods, "runs": len(runs), "wall_s": wall, "per_period_ms": per_period,
-            "share": per_period / 1e3 / PERIOD_S, "longest_pause_ms": longest[0], "longest_pause_backend_ms": longest[1],
-            "longest_pause": longest[2], "longest_pause_less_backend_ms": max(less),
-            "longest_pause_second_half_ms": max(after_cap), "pauses": len(pauses),
-            "pauses_over_slice": sum(ms > SLICE_MS for ms in pauses),
-            "pause_ms_p50_p99": [statistics.median(pauses), sorted(pauses)[int(0.99 * (len(pauses) - 1))]],
-            "peak_extra_mib": peak, "beyond_slice": status.beyond_slice,
-            "larger_sizes_run": sorted({r.ms[-1] for r in runs}), "decode_sizes_run": sorted({r.ms[0] for r in runs}),
-            "pauses_ms": [[round(ms, 3), what] for ms, _, what in PAUSES]}
+    after_cap = pauses[len(pauses) // 2 :]  # the second half: every configuration's cap found by then
+    print(
+        f"{label}: {len(runs)} runs, {per_period:.2f} ms per period ({per_period / 1e3 / PERIOD_S:.4%} of {PERIOD_S:g} s); "
+        f"longest pause at an idle point {longest[0]:.1f} ms ({longest[1]:.1f} ms of it the backend's calls; {longest[2]}); "
+        f"pauses over the {SLICE_MS:g} ms slice: {sum(ms > SLICE_MS for ms in pauses)} of {len(pauses)}",
+        flush=True,
+    )
+    return {
+        "label": label,
+        "periods": periods,
+        "runs": len(runs),
+        "wall_s": wall,
+        "per_period_ms": per_period,
+        "share": per_period / 1e3 / PERIOD_S,
+        "longest_pause_ms": longest[0],
+        "longest_pause_backend_ms": longest[1],
+        "longest_pause": longest[2],
+        "longest_pause_less_backend_ms": max(less),
+        "longest_pause_second_half_ms": max(after_cap),
+        "pauses": len(pauses),
+        "pauses_over_slice": sum(ms > SLICE_MS for ms in pauses),
+        "pause_ms_p50_p99": [statistics.median(pauses), sorted(pauses)[int(0.99 * (len(pauses) - 1))]],
+        "peak_extra_mib": peak,
+        "beyond_slice": status.beyond_slice,
+        "larger_sizes_run": sorted({r.ms[-1] for r in runs}),
+        "decode_sizes_run": sorted({r.ms[0] for r in runs}),
+        "pauses_ms": [[round(ms, 3), what] for ms, _, what in PAUSES],
+    }
 
 
 def rounds_needed(checks) -> int:
@@ -154,24 +171,48 @@ def rounds_needed(checks) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small layers, few periods (a CPU smoke run of the same code)")
-    parser.add_argument("--part", choices=("all", "dense", "moe"), default="all", help="the dense configurations, the MoE layer, or both")
-    parser.add_argument("--kernel", choices=("emulated", "humming"), default="emulated",
-                        help="the served backend (humming: a real NVFP4-weight kernel on SM90)")
-    parser.add_argument("--tp", default=None, help="the tensor-parallel sizes whose layer shapes are measured (default 1,8; --quick: 8)")
-    parser.add_argument("--captures", action="store_true", help=(
-        "let the canary's runs capture CUDA graphs, as they did before graphs.no_capture (an A/B in one run)"))
+    parser.add_argument(
+        "--quick", action="store_true", help="small layers, few periods (a CPU smoke run of the same code)"
+    )
+    parser.add_argument(
+        "--part",
+        choices=("all", "dense", "moe"),
+        default="all",
+        help="the dense configurations, the MoE layer, or both",
+    )
+    parser.add_argument(
+        "--kernel",
+        choices=("emulated", "humming"),
+        default="emulated",
+        help="the served backend (humming: a real NVFP4-weight kernel on SM90)",
+    )
+    parser.add_argument(
+        "--tp", default=None, help="the tensor-parallel sizes whose layer shapes are measured (default 1,8; --quick: 8)"
+    )
+    parser.add_argument(
+        "--captures",
+        action="store_true",
+        help=("let the canary's runs capture CUDA graphs, as they did before graphs.no_capture (an A/B in one run)"),
+    )
     args = parser.parse_args()
     if args.captures:
         graphs.no_capture = contextlib.nullcontext
     tps = tuple(int(t) for t in (args.tp or ("8" if args.quick else "1,8")).split(","))
     captured = QUICK_CAPTURED if args.quick else CAPTURED
-    settings = Settings(simulate="12.0", backends=args.kernel, moe_backends=args.kernel, canary=str(PERIOD_S), canary_slice_ms=str(SLICE_MS))
+    settings = Settings(
+        simulate="12.0",
+        backends=args.kernel,
+        moe_backends=args.kernel,
+        canary=str(PERIOD_S),
+        canary_slice_ms=str(SLICE_MS),
+    )
     device = devices.list_devices(settings.simulated_capability)[0]
     tdev = device.torch_device
     scale = 16 if args.quick or not device.is_cuda else 1
     results, rows = [], []
-    if args.part != "moe":  # the stand-in for SGLang's quantizer replayed from graphs, captured here (selftest_cost.StandInQuantizer)
+    if (
+        args.part != "moe"
+    ):  # the stand-in for SGLang's quantizer replayed from graphs, captured here (selftest_cost.StandInQuantizer)
         prepare_quantizer(tdev, tps, scale)
 
     for tp in tps if args.part != "moe" else ():
@@ -198,26 +239,63 @@ def main() -> int:
         results.append(measure(f"MoE E={experts} H={hidden} I={inter} top-8 TP{tp}", settings, tdev, periods, captured))
         del layer
 
-    print(f"on {device.label()}, {args.kernel} backend{' (--quick: layers / 16)' if scale > 1 else ''}"
-          f"{', runs may capture graphs (--captures)' if args.captures else ''}; "
-          f"SM120_FP4_CANARY={PERIOD_S:g}, SM120_FP4_CANARY_SLICE_MS={SLICE_MS:g}, {len(captured)} captured graph sizes\n")
+    print(
+        f"on {device.label()}, {args.kernel} backend{' (--quick: layers / 16)' if scale > 1 else ''}"
+        f"{', runs may capture graphs (--captures)' if args.captures else ''}; "
+        f"SM120_FP4_CANARY={PERIOD_S:g}, SM120_FP4_CANARY_SLICE_MS={SLICE_MS:g}, {len(captured)} captured graph sizes\n"
+    )
     for r in results:
-        rows.append([r["label"], r["runs"], r["per_period_ms"], f"{r['share']:.4%}", r["longest_pause_ms"],
-                     r["longest_pause_less_backend_ms"], r["longest_pause_second_half_ms"],
-                     f"{r['pauses_over_slice']} of {r['pauses']}",
-                     "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"])
-    print(table(["model", "runs", "ms per period", "share of 60 s", "longest pause ms", "less the backend's calls",
-                 "longest pause, second half", f"pauses over {SLICE_MS:g} ms", "peak extra MiB"], rows))
+        rows.append(
+            [
+                r["label"],
+                r["runs"],
+                r["per_period_ms"],
+                f"{r['share']:.4%}",
+                r["longest_pause_ms"],
+                r["longest_pause_less_backend_ms"],
+                r["longest_pause_second_half_ms"],
+                f"{r['pauses_over_slice']} of {r['pauses']}",
+                "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "model",
+                "runs",
+                "ms per period",
+                "share of 60 s",
+                "longest pause ms",
+                "less the backend's calls",
+                "longest pause, second half",
+                f"pauses over {SLICE_MS:g} ms",
+                "peak extra MiB",
+            ],
+            rows,
+        )
+    )
     for r in results:
-        print(f"\n{r['label']}: longest pause {r['longest_pause_ms']:.1f} ms ({r['longest_pause']}); batch sizes "
-              f"re-checked: decode {r['decode_sizes_run']}, larger {r['larger_sizes_run']}; beyond the slice: "
-              f"{'; '.join(r['beyond_slice']) or 'none'}")
+        print(
+            f"\n{r['label']}: longest pause {r['longest_pause_ms']:.1f} ms ({r['longest_pause']}); batch sizes "
+            f"re-checked: decode {r['decode_sizes_run']}, larger {r['larger_sizes_run']}; beyond the slice: "
+            f"{'; '.join(r['beyond_slice']) or 'none'}"
+        )
     longest = max(r["longest_pause_ms"] for r in results)
     print(f"\nthe longest pause the canary added at one idle point: {longest:.2f} ms ({device.label()}, {args.kernel})")
-    write("canary_cost_captures" if args.captures else "canary_cost", {
-        "device": device.label(), "quick": scale > 1, "kernel": args.kernel, "captures_in_runs": args.captures,
-        "period_s": PERIOD_S, "slice_ms": SLICE_MS, "captured": len(captured), "longest_pause_ms": longest,
-        "results": results})
+    write(
+        "canary_cost_captures" if args.captures else "canary_cost",
+        {
+            "device": device.label(),
+            "quick": scale > 1,
+            "kernel": args.kernel,
+            "captures_in_runs": args.captures,
+            "period_s": PERIOD_S,
+            "slice_ms": SLICE_MS,
+            "captured": len(captured),
+            "longest_pause_ms": longest,
+            "results": results,
+        },
+    )
     return 0
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import wrapt  # noqa: E402
+import torch
+import wrapt
+from _common import median_ns, table, write
 
-from _common import median_ns, table, write  # noqa: E402
-from sm120_fp4 import backends, nvfp4  # noqa: E402
-from sm120_fp4.config import Settings  # noqa: E402
-from sm120_fp4.dispatch import Router  # noqa: E402
+from sm120_fp4 import backends, nvfp4
+from sm120_fp4.config import Settings
+from sm120_fp4.dispatch import Router
 
 TARGET_NS = 500.0
 
@@ -52,8 +52,19 @@ def measure(device: torch.device) -> tuple[list[list], dict]:
     args, out = operands(device)
     bf16 = torch.bfloat16
 
-    def closure(a, b, a_descale, b_descale, alpha=None, out_dtype=bf16, out=None, block_size=16,
-                use_8x4_sf_layout=False, backend="auto", **kwargs):
+    def closure(
+        a,
+        b,
+        a_descale,
+        b_descale,
+        alpha=None,
+        out_dtype=bf16,
+        out=None,
+        block_size=16,
+        use_8x4_sf_layout=False,
+        backend="auto",
+        **kwargs,
+    ):
         return noop(a, b, a_descale, b_descale, alpha, out_dtype, out)
 
     def stock_alloc(a, b):  # flashinfer.mm_fp4, when out is None (moved into the dispatch by the patch)
@@ -158,9 +169,11 @@ def main() -> int:
     rows, summary = measure(device)
     print(f"dispatch overhead on {device} (median ns per call; 'added' is relative to the bare call)\n")
     print(table(["case", "ns/call", "added ns"], rows))
-    print(f"\nadded by the patch: {summary['added_ns_out_given']:.0f} ns with out given, "
-          f"{summary['added_ns_as_sglang_calls']:.0f} ns as SGLang calls it (vs stock's own allocation); "
-          f"target <= {TARGET_NS:.0f} ns on the SGLang call: {'met' if summary['met'] else 'NOT met'}")
+    print(
+        f"\nadded by the patch: {summary['added_ns_out_given']:.0f} ns with out given, "
+        f"{summary['added_ns_as_sglang_calls']:.0f} ns as SGLang calls it (vs stock's own allocation); "
+        f"target <= {TARGET_NS:.0f} ns on the SGLang call: {'met' if summary['met'] else 'NOT met'}"
+    )
     for part, ns in summary["breakdown_ns"].items():
         print(f"  breakdown (out given): {part}: {ns:.0f} ns")
     stock = stock_mm_fp4_python_ns(device)
@@ -170,8 +183,10 @@ def main() -> int:
     else:
         summary["stock_mm_fp4_python_ns"] = stock
         added = summary["added_ns_as_sglang_calls"]
-        print(f"stock flashinfer.mm_fp4's own Python path (no kernel; capability and runner stubbed): {stock:.0f} ns "
-              f"per call; the patch's {added:.0f} ns is {100 * added / stock:.2f}% of it")
+        print(
+            f"stock flashinfer.mm_fp4's own Python path (no kernel; capability and runner stubbed): {stock:.0f} ns "
+            f"per call; the patch's {added:.0f} ns is {100 * added / stock:.2f}% of it"
+        )
     if device.type == "cuda":
         summary["sync"] = no_sync_proof(device)
         print("no host-device synchronisation in the routed path (set_sync_debug_mode('error')): passed")

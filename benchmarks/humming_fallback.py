@@ -34,23 +34,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from _common import table, write
 
-from _common import table, write  # noqa: E402
-from sm120_fp4 import backends, nvfp4, verify  # noqa: E402
-from sm120_fp4.backends import humming  # noqa: E402
+from sm120_fp4 import backends, nvfp4, verify
+from sm120_fp4.backends import humming
 
 DENSE = {  # (N, K): Llama-3-70B projections; TP8 slices N (column-parallel) or K (row-parallel)
-    "70B qkv TP1": (10240, 8192), "70B o_proj TP1": (8192, 8192),
-    "70B gate_up TP1": (57344, 8192), "70B down TP1": (8192, 28672),
-    "70B qkv TP8": (1280, 8192), "70B o_proj TP8": (8192, 1024),
-    "70B gate_up TP8": (7168, 8192), "70B down TP8": (8192, 3584),
+    "70B qkv TP1": (10240, 8192),
+    "70B o_proj TP1": (8192, 8192),
+    "70B gate_up TP1": (57344, 8192),
+    "70B down TP1": (8192, 28672),
+    "70B qkv TP8": (1280, 8192),
+    "70B o_proj TP8": (8192, 1024),
+    "70B gate_up TP8": (7168, 8192),
+    "70B down TP8": (8192, 3584),
 }
 QUICK_DENSE = ("70B o_proj TP1", "70B gate_up TP1", "70B qkv TP8", "70B down TP8")
 DECODE_M = (1, 4, 16, 64)
 PREFILL_M = (1024, 4096, 8192)
-MOE = {"DeepSeek E=256 H=7168 I=256 top-8 (TP8)": (256, 7168, 256, 8),
-       "DeepSeek E=256 H=7168 I=2048 top-8 (TP1)": (256, 7168, 2048, 8)}
+MOE = {
+    "DeepSeek E=256 H=7168 I=256 top-8 (TP8)": (256, 7168, 256, 8),
+    "DeepSeek E=256 H=7168 I=2048 top-8 (TP1)": (256, 7168, 2048, 8),
+}
 GRAPH_CALLS = 20  # decode calls per timed graph (per-call times: the graph's own launch amortised)
 COLD_BYTES = 200 * 2**20  # the rotated copies of a layer exceed the H200's 60 MB L2 by this much
 MOE_T_DECODE = (1, 8, 64)
@@ -139,9 +145,15 @@ def dense_row(name: str, n: int, k: int, ms: tuple, emulated_ms: tuple) -> dict:
     nvfp4_bytes = w.numel() + sf.numel()
     resident = torch.cuda.memory_allocated() - base
     transient = torch.cuda.max_memory_allocated() - base
-    row = {"shape": name, "n": n, "k": k, "convert_s": round(convert_s, 3),
-           "memory_ratio": round((nvfp4_bytes + resident) / nvfp4_bytes, 4),
-           "conversion_transient_ratio": round((nvfp4_bytes + transient) / nvfp4_bytes, 3), "m": {}}
+    row = {
+        "shape": name,
+        "n": n,
+        "k": k,
+        "convert_s": round(convert_s, 3),
+        "memory_ratio": round((nvfp4_bytes + resident) / nvfp4_bytes, 4),
+        "conversion_transient_ratio": round((nvfp4_bytes + transient) / nvfp4_bytes, 3),
+        "m": {},
+    }
     w_bf16 = torch.randn(n, k, device=DEV).to(BF16)  # the bf16 model's weight (speed only)
     # L2-cold decode: a model's layers evict each other's weights from the 60 MB L2, so decode is
     # also timed over copies of the layer (each converted in place like a served layer) rotated in
@@ -192,8 +204,14 @@ def dense_row(name: str, n: int, k: int, ms: tuple, emulated_ms: tuple) -> dict:
             cell["bf16_hot_ms"], cell["humming_hot_ms"] = hot
             cell["humming_gemm_only_hot_ms"] = graph_calls_ms([gemm_only] * GRAPH_CALLS)
             cell["bf16_cold_ms"] = graph_calls_ms(cycle([(lambda wb=wb: torch.matmul(x, wb.T)) for wb in cold_bf16]))
-            cell["humming_cold_ms"] = graph_calls_ms(cycle([
-                (lambda cw=cw, csf=csf: humming.mm_fp4(a, cw.T, a_sf, csf.T, alpha, BF16, out)) for cw, csf in cold]))
+            cell["humming_cold_ms"] = graph_calls_ms(
+                cycle(
+                    [
+                        (lambda cw=cw, csf=csf: humming.mm_fp4(a, cw.T, a_sf, csf.T, alpha, BF16, out))
+                        for cw, csf in cold
+                    ]
+                )
+            )
             cell["speedup_vs_bf16_hot"] = cell["bf16_hot_ms"] / cell["humming_hot_ms"]
             cell["speedup_vs_bf16_cold"] = cell["bf16_cold_ms"] / cell["humming_cold_ms"]
             if "emulated_ms" in cell:
@@ -204,8 +222,10 @@ def dense_row(name: str, n: int, k: int, ms: tuple, emulated_ms: tuple) -> dict:
             cell["humming_graph_ms"] = graph_calls_ms([call] * 4, reps=20)
             cell["speedup_vs_bf16_graph"] = cell["bf16_graph_ms"] / cell["humming_graph_ms"]
         row["m"][m] = cell
-        del x, a, a_sf, out, xq
-    del w_bf16, orig_w, orig_sf, cold, cold_bf16
+        x = a = a_sf = out = xq = None  # freed before the next shape (the timed lambdas read these names)
+    w_bf16 = orig_w = orig_sf = cold = cold_bf16 = (
+        None  # freed before the next shape (the timed lambdas read these names)
+    )
     return row
 
 
@@ -216,11 +236,21 @@ def moe_weights(e, h, i, seed):
     a2 = torch.tensor([2688.0 / 2.0], device=DEV)
     w13_alpha = (1.0 / (a1 * 2688.0 * 8)).expand(e).contiguous() * (1 + torch.arange(e, device=DEV) % 3 / 10)
     w2_alpha = (1.0 / (a2 * 2688.0 * 30)).expand(e).contiguous()
-    return nvfp4.MoeWeights(w13, w13_sf.view(torch.float8_e4m3fn), w13_alpha.float(), w2, w2_sf.view(torch.float8_e4m3fn),
-                            w2_alpha.float(), a1, a2)
+    return nvfp4.MoeWeights(
+        w13,
+        w13_sf.view(torch.float8_e4m3fn),
+        w13_alpha.float(),
+        w2,
+        w2_sf.view(torch.float8_e4m3fn),
+        w2_alpha.float(),
+        a1,
+        a2,
+    )
 
 
-def moe_row(name: str, e: int, h: int, i: int, top_k: int, decode_t: tuple, prefill_t: tuple, emulated_t: tuple) -> dict:
+def moe_row(
+    name: str, e: int, h: int, i: int, top_k: int, decode_t: tuple, prefill_t: tuple, emulated_t: tuple
+) -> dict:
     weights = moe_weights(e, h, i, seed=7)
     originals = weights.map(torch.clone)
     torch.cuda.synchronize()
@@ -230,10 +260,13 @@ def moe_row(name: str, e: int, h: int, i: int, top_k: int, decode_t: tuple, pref
     humming.prepare_moe({**weights._asdict(), "dtype": BF16}, BF16, keep_original=False)
     torch.cuda.synchronize()
     nvfp4_bytes = sum(t.numel() for t in (weights.w13, weights.w13_sf, weights.w2, weights.w2_sf))
-    row = {"config": name, "convert_s": round(time.perf_counter() - t0, 3),
-           "memory_ratio": round((nvfp4_bytes + torch.cuda.memory_allocated() - base) / nvfp4_bytes, 4),
-           "conversion_transient_ratio": round((nvfp4_bytes + torch.cuda.max_memory_allocated() - base) / nvfp4_bytes, 3),
-           "t": {}}
+    row = {
+        "config": name,
+        "convert_s": round(time.perf_counter() - t0, 3),
+        "memory_ratio": round((nvfp4_bytes + torch.cuda.memory_allocated() - base) / nvfp4_bytes, 4),
+        "conversion_transient_ratio": round((nvfp4_bytes + torch.cuda.max_memory_allocated() - base) / nvfp4_bytes, 3),
+        "t": {},
+    }
     gen = torch.Generator().manual_seed(3)
     args_of = lambda x, ids, tw, wts: (x, ids, tw, *wts)  # noqa: E731
     for t in decode_t + prefill_t:
@@ -262,9 +295,19 @@ def moe_row(name: str, e: int, h: int, i: int, top_k: int, decode_t: tuple, pref
         plans.append((f"T={t} {routing}", x, ids.to(DEV), tw.to(DEV)))
     cases = verify.moe_cases(humming.fused_moe, weights, "swiglu", plans, mode="w4a16", reference_weights=originals)
     results = verify.sweep(cases, verify.Bounds(timeout_s=300), DEV)
-    row["verified"] = {"passed": all(r.passed for r in results),
-                       "cases": [{"label": r.label, "passed": r.passed, "rel_err": r.rel_err,
-                                  "max_row_rel_err": r.max_row_rel_err, "reason": r.reason} for r in results]}
+    row["verified"] = {
+        "passed": all(r.passed for r in results),
+        "cases": [
+            {
+                "label": r.label,
+                "passed": r.passed,
+                "rel_err": r.rel_err,
+                "max_row_rel_err": r.max_row_rel_err,
+                "reason": r.reason,
+            }
+            for r in results
+        ],
+    }
     return row
 
 
@@ -284,16 +327,19 @@ def plot(dense_rows: list, path: Path) -> str:
     fig, ax = plt.subplots(figsize=(8, 5))
     for row in dense_rows:
         ms = sorted(row["m"])
-        line, = ax.plot(ms, [row["m"][m]["speedup_vs_bf16"] for m in ms], marker="o", label=row["shape"])
+        (line,) = ax.plot(ms, [row["m"][m]["speedup_vs_bf16"] for m in ms], marker="o", label=row["shape"])
         cold = [m for m in ms if "speedup_vs_bf16_cold" in row["m"][m]]
         if cold:
-            ax.plot(cold, [row["m"][m]["speedup_vs_bf16_cold"] for m in cold], ls="--", marker=".", color=line.get_color())
+            ax.plot(
+                cold, [row["m"][m]["speedup_vs_bf16_cold"] for m in cold], ls="--", marker=".", color=line.get_color()
+            )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("M (tokens)")
     ax.set_ylabel("bf16 torch.matmul time / humming time")
-    ax.set_title(f"humming fallback vs bf16 (H200, humming {humming.version()}); dashed: decode in a graph, L2-cold",
-                 fontsize=9)
+    ax.set_title(
+        f"humming fallback vs bf16 (H200, humming {humming.version()}); dashed: decode in a graph, L2-cold", fontsize=9
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -319,8 +365,15 @@ def main() -> int:
         payload["moe"] = [moe_row(name, *MOE[name], (1,), (), ())]
         payload["startup"] = humming.startup()
         write(f"humming_startup-{tag}", payload)
-        print(table(["configuration", "first call s", "kernels compiled"],
-                    [[k, v["first_call_s"], v["kernels_compiled"]] for k, v in payload["startup"]["configurations"].items()]))
+        print(
+            table(
+                ["configuration", "first call s", "kernels compiled"],
+                [
+                    [k, v["first_call_s"], v["kernels_compiled"]]
+                    for k, v in payload["startup"]["configurations"].items()
+                ],
+            )
+        )
         return 0
     dense_rows, moe_rows = [], []
     payload["dense"], payload["moe"] = dense_rows, moe_rows
@@ -337,7 +390,7 @@ def main() -> int:
                 dense_rows.append(dense_row(name, *DENSE[name], ms, (1, 16, 64, 1024)))
                 print(f"dense {name}: done", flush=True)
                 flush()
-            except Exception as exc:  # noqa: BLE001 - keep the other rows
+            except Exception as exc:
                 payload["errors"].append(f"dense {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 print(payload["errors"][-1], flush=True)
             torch.cuda.empty_cache()
@@ -349,7 +402,7 @@ def main() -> int:
                 moe_rows.append(moe_row(name, e, h, i, k, MOE_T_DECODE, MOE_T_PREFILL, (1, 8, 64)))
                 print(f"moe {name}: done", flush=True)
                 flush()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 payload["errors"].append(f"moe {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
                 print(payload["errors"][-1], flush=True)
             torch.cuda.empty_cache()
@@ -358,39 +411,95 @@ def main() -> int:
     prefill = [c["speedup_vs_bf16"] for r in dense_rows for m, c in r["m"].items() if m >= 1024]
     cold = [c["speedup_vs_bf16_cold"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_bf16_cold" in c]
     hot = [c["speedup_vs_bf16_hot"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_bf16_hot" in c]
-    emu_hot = [c["speedup_vs_emulated_hot"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_emulated_hot" in c]
-    graph_prefill = [c["speedup_vs_bf16_graph"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_bf16_graph" in c]
-    gemm_only = {"decode": [c["bf16_ms"] / c["humming_gemm_only_ms"] for r in dense_rows for m, c in r["m"].items() if m <= 64],
-                 "prefill": [c["bf16_ms"] / c["humming_gemm_only_ms"] for r in dense_rows for m, c in r["m"].items() if m >= 1024]}
-    split = {f"{part} {tp}": geomean([c["speedup_vs_bf16"] for r in dense_rows if r["shape"].endswith(tp)
-                                      for m, c in r["m"].items() if (m <= 64) == (part == "decode")])
-             for part in ("decode", "prefill") for tp in ("TP1", "TP8")}
-    emu = [c["speedup_vs_emulated"] for r in dense_rows for m, c in r["m"].items() if m <= 64 and "speedup_vs_emulated" in c]
+    emu_hot = [
+        c["speedup_vs_emulated_hot"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_emulated_hot" in c
+    ]
+    graph_prefill = [
+        c["speedup_vs_bf16_graph"] for r in dense_rows for m, c in r["m"].items() if "speedup_vs_bf16_graph" in c
+    ]
+    gemm_only = {
+        "decode": [c["bf16_ms"] / c["humming_gemm_only_ms"] for r in dense_rows for m, c in r["m"].items() if m <= 64],
+        "prefill": [
+            c["bf16_ms"] / c["humming_gemm_only_ms"] for r in dense_rows for m, c in r["m"].items() if m >= 1024
+        ],
+    }
+    split = {
+        f"{part} {tp}": geomean(
+            [
+                c["speedup_vs_bf16"]
+                for r in dense_rows
+                if r["shape"].endswith(tp)
+                for m, c in r["m"].items()
+                if (m <= 64) == (part == "decode")
+            ]
+        )
+        for part in ("decode", "prefill")
+        for tp in ("TP1", "TP8")
+    }
+    emu = [
+        c["speedup_vs_emulated"]
+        for r in dense_rows
+        for m, c in r["m"].items()
+        if m <= 64 and "speedup_vs_emulated" in c
+    ]
     moe_emu = [c["speedup_vs_emulated"] for r in moe_rows for c in r["t"].values() if "speedup_vs_emulated" in c]
-    payload["summary"] = {"dense_geomean_vs_bf16_decode_M1-64": geomean(decode),
-                          "dense_geomean_vs_bf16_prefill_M1024+": geomean(prefill),
-                          "dense_geomean_vs_bf16_decode_M1-64_in_graph_L2hot": geomean(hot),
-                          "dense_geomean_vs_bf16_decode_M1-64_in_graph_L2cold": geomean(cold),
-                          "dense_geomean_vs_bf16_prefill_M1024_in_graph": geomean(graph_prefill),
-                          "dense_min_vs_emulated_decode_in_graph": min(emu_hot) if emu_hot else None,
-                          "dense_cells_under_8x_emulated_decode_in_graph": sum(1 for v in emu_hot if v < 8),
-                          "dense_gemm_only_geomean_decode": geomean(gemm_only["decode"]),
-                          "dense_gemm_only_geomean_prefill": geomean(gemm_only["prefill"]),
-                          "dense_geomean_by_tp": split,
-                          "dense_min_vs_emulated_decode": min(emu) if emu else None,
-                          "dense_cells_under_8x_emulated_decode": sum(1 for v in emu if v < 8), "dense_cells_vs_emulated_decode": len(emu),
-                          "moe_min_vs_emulated_T1-64": min(moe_emu) if moe_emu else None}
+    payload["summary"] = {
+        "dense_geomean_vs_bf16_decode_M1-64": geomean(decode),
+        "dense_geomean_vs_bf16_prefill_M1024+": geomean(prefill),
+        "dense_geomean_vs_bf16_decode_M1-64_in_graph_L2hot": geomean(hot),
+        "dense_geomean_vs_bf16_decode_M1-64_in_graph_L2cold": geomean(cold),
+        "dense_geomean_vs_bf16_prefill_M1024_in_graph": geomean(graph_prefill),
+        "dense_min_vs_emulated_decode_in_graph": min(emu_hot) if emu_hot else None,
+        "dense_cells_under_8x_emulated_decode_in_graph": sum(1 for v in emu_hot if v < 8),
+        "dense_gemm_only_geomean_decode": geomean(gemm_only["decode"]),
+        "dense_gemm_only_geomean_prefill": geomean(gemm_only["prefill"]),
+        "dense_geomean_by_tp": split,
+        "dense_min_vs_emulated_decode": min(emu) if emu else None,
+        "dense_cells_under_8x_emulated_decode": sum(1 for v in emu if v < 8),
+        "dense_cells_vs_emulated_decode": len(emu),
+        "moe_min_vs_emulated_T1-64": min(moe_emu) if moe_emu else None,
+    }
     out_dir = Path(os.environ.get("BENCH_OUT", Path(__file__).resolve().parent / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     payload["plot"] = plot(dense_rows, out_dir / f"humming_speed-{tag}.png") if dense_rows else None
-    rows = [[r["shape"], m, c["bf16_ms"], c["humming_ms"], c["humming_gemm_only_ms"], c.get("emulated_ms", ""),
-             c["speedup_vs_bf16"], c.get("speedup_vs_bf16_hot", c.get("speedup_vs_bf16_graph", "")),
-             c.get("speedup_vs_bf16_cold", ""), c.get("rel_err_vs_w4a4_oracle", "")]
-            for r in dense_rows for m, c in r["m"].items()]
-    print(table(["shape", "M", "bf16 ms", "humming ms", "gemm only ms", "emulated ms", "bf16/humming",
-                 "in graph", "in graph L2-cold", "rel err"], rows))
-    rows = [[r["config"], t, c["humming_ms"], c.get("emulated_ms", ""), c.get("speedup_vs_emulated", "")]
-            for r in moe_rows for t, c in r["t"].items()]
+    rows = [
+        [
+            r["shape"],
+            m,
+            c["bf16_ms"],
+            c["humming_ms"],
+            c["humming_gemm_only_ms"],
+            c.get("emulated_ms", ""),
+            c["speedup_vs_bf16"],
+            c.get("speedup_vs_bf16_hot", c.get("speedup_vs_bf16_graph", "")),
+            c.get("speedup_vs_bf16_cold", ""),
+            c.get("rel_err_vs_w4a4_oracle", ""),
+        ]
+        for r in dense_rows
+        for m, c in r["m"].items()
+    ]
+    print(
+        table(
+            [
+                "shape",
+                "M",
+                "bf16 ms",
+                "humming ms",
+                "gemm only ms",
+                "emulated ms",
+                "bf16/humming",
+                "in graph",
+                "in graph L2-cold",
+                "rel err",
+            ],
+            rows,
+        )
+    )
+    rows = [
+        [r["config"], t, c["humming_ms"], c.get("emulated_ms", ""), c.get("speedup_vs_emulated", "")]
+        for r in moe_rows
+        for t, c in r["t"].items()
+    ]
     print(table(["MoE", "T", "humming ms", "emulated ms", "emulated/humming"], rows))
     print(payload["summary"])
     write(f"humming_fallback-{tag}", payload)

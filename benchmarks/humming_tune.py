@@ -30,12 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from _common import table, write
+from humming_fallback import BF16, DENSE, DEV, activations, events_ms, graph_ms, random_nvfp4, rel_err
 
-from _common import table, write  # noqa: E402
-from humming_fallback import BF16, DENSE, DEV, activations, events_ms, graph_ms, random_nvfp4, rel_err  # noqa: E402
-from sm120_fp4 import nvfp4  # noqa: E402
-from sm120_fp4.backends import humming  # noqa: E402
+from sm120_fp4 import nvfp4
+from sm120_fp4.backends import humming
 
 HOLDOUT = {"8B qkv TP1": (6144, 4096), "8B down TP1": (4096, 14336)}  # shapes no choice was made on
 DECODE_M = (1, 4, 16, 32, 64)
@@ -50,33 +50,67 @@ def bucket_m(m: int) -> int:
 def decode_families(bm: int) -> dict[str, dict]:
     out = {}
     for (bn, bk, wn, wk), stages, ctas, sk in itertools.product(
-            ((128, 128, 64, 32), (128, 256, 64, 64), (64, 256, 32, 64)), (4, 6), (1, 2), (True, False)):
+        ((128, 128, 64, 32), (128, 256, 64, 64), (64, 256, 32, 64)), (4, 6), (1, 2), (True, False)
+    ):
         out[f"mma {bn}x{bk} s{stages} c{ctas}{'' if sk else ' nosk'}"] = {
-            "mma_type": "mma", "block_shape": (bm, bn, bk), "warp_shape": (bm, wn, wk), "num_stages": stages,
-            "num_ctas_per_sm": ctas, "use_stream_k": sk, "use_tma": False, "use_warp_spec": False}
+            "mma_type": "mma",
+            "block_shape": (bm, bn, bk),
+            "warp_shape": (bm, wn, wk),
+            "num_stages": stages,
+            "num_ctas_per_sm": ctas,
+            "use_stream_k": sk,
+            "use_tma": False,
+            "use_warp_spec": False,
+        }
     for stages, ctas in itertools.product((4, 8), (1, 2)):
         out[f"wgmma-ws 128x64 s{stages} c{ctas}"] = {
-            "mma_type": "wgmma", "block_shape": (bm, 128, 64), "warp_shape": (bm, 32, 64), "num_stages": stages,
-            "num_ctas_per_sm": ctas, "use_stream_k": True, "use_tma": True, "use_warp_spec": True}
+            "mma_type": "wgmma",
+            "block_shape": (bm, 128, 64),
+            "warp_shape": (bm, 32, 64),
+            "num_stages": stages,
+            "num_ctas_per_sm": ctas,
+            "use_stream_k": True,
+            "use_tma": True,
+            "use_warp_spec": True,
+        }
     return out
 
 
 # The decode families timed (a subset: the compile time of each is seconds); all of
 # decode_families() are checked for legality.
-DECODE_TIMED = ("mma 128x128 s4 c1", "mma 128x128 s4 c2", "mma 128x128 s6 c1", "mma 128x128 s4 c1 nosk",
-                "mma 128x256 s4 c1", "mma 128x256 s4 c2", "mma 64x256 s4 c2", "mma 64x256 s6 c1",
-                "wgmma-ws 128x64 s8 c1", "wgmma-ws 128x64 s4 c2")
+DECODE_TIMED = (
+    "mma 128x128 s4 c1",
+    "mma 128x128 s4 c2",
+    "mma 128x128 s6 c1",
+    "mma 128x128 s4 c1 nosk",
+    "mma 128x256 s4 c1",
+    "mma 128x256 s4 c2",
+    "mma 64x256 s4 c2",
+    "mma 64x256 s6 c1",
+    "wgmma-ws 128x64 s8 c1",
+    "wgmma-ws 128x64 s4 c2",
+)
 
 
 def prefill_families() -> dict[str, dict]:
     base = {"mma_type": "wgmma", "use_tma": True, "use_warp_spec": True, "num_ctas_per_sm": 1}
     out = {}
-    for bm, bn, wn, stages, mc, sk in ((128, 256, 32, 4, 2, True), (128, 256, 32, 4, 1, True),
-                                       (176, 256, 32, 4, 2, False), (176, 256, 32, 5, 2, True),
-                                       (256, 128, 32, 4, 2, True), (128, 128, 32, 6, 1, True)):
+    for bm, bn, wn, stages, mc, sk in (
+        (128, 256, 32, 4, 2, True),
+        (128, 256, 32, 4, 1, True),
+        (176, 256, 32, 4, 2, False),
+        (176, 256, 32, 5, 2, True),
+        (256, 128, 32, 4, 2, True),
+        (128, 128, 32, 6, 1, True),
+    ):
         out[f"wgmma-ws {bm}x{bn} s{stages} mc{mc}{'' if sk else ' nosk'}"] = {
-            **base, "block_shape": (bm, bn, 64), "warp_shape": (bm, wn, 64), "num_stages": stages,
-            "multi_cast_size_a": mc, "use_stream_k": sk}
+            **base,
+            "block_shape": (bm, bn, 64),
+            "warp_shape": (bm, wn, 64),
+            "num_stages": stages,
+            "multi_cast_size_a": mc,
+            "use_stream_k": sk,
+        }
     return out
 
 
@@ -88,7 +122,7 @@ def _legal(layer_config, m: int, config: dict) -> tuple[bool, str]:
     try:
         problem = Sm90Heuristics._make_problem(layer_config, m, False, False, GemmType.DENSE, include_grid_size=True)
         analysis = analyze_candidate(problem, ScheduleCandidate.from_config("c", config))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return False, f"{type(exc).__name__}: {exc}"
     return analysis.legal, "; ".join(analysis.rejection_reasons)
 
@@ -112,17 +146,18 @@ def _compile(layer_config_str: str, compute_config_str: str, configs: list[dict]
     if not configs:
         return []
     try:
-        table_ = HummingKernel.prepare_kernels(layer_config_str, compute_config_str,
-                                               [[i, i + 1, c] for i, c in enumerate(configs)])
+        table_ = HummingKernel.prepare_kernels(
+            layer_config_str, compute_config_str, [[i, i + 1, c] for i, c in enumerate(configs)]
+        )
         rows = table_.view(-1, 4)
         return [torch.tensor([0, 1 << 30, int(r[2]), int(r[3])], dtype=torch.int64) for r in rows]
-    except Exception:  # noqa: BLE001
+    except Exception:
         out = []
         for c in configs:
             try:
                 r = HummingKernel.prepare_kernels(layer_config_str, compute_config_str, c).view(-1, 4)[0]
                 out.append(torch.tensor([0, 1 << 30, int(r[2]), int(r[3])], dtype=torch.int64))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 out.append(f"{type(exc).__name__}: {exc}"[:300])
         return out
 
@@ -178,18 +213,29 @@ def shape_row(name: str, n: int, k: int, deadline: float) -> dict:
     # The weight's exact values in bf16 (E2M1 x E4M3 needs 5 significant bits): cuBLAS on them is the
     # reference every candidate is checked against (and the bf16 model the times are compared with).
     w_bf16 = nvfp4.dequantize_unscaled(orig_w, orig_sf, BF16)
-    fp4_bytes = prep.tensors["weight"].numel() + prep.tensors["weight_scale"].numel() * prep.tensors["weight_scale"].element_size()
+    fp4_bytes = (
+        prep.tensors["weight"].numel()
+        + prep.tensors["weight_scale"].numel() * prep.tensors["weight_scale"].element_size()
+    )
     r_fp4 = max(1, min(32, math.ceil(COLD_BYTES / fp4_bytes)))
     r_bf16 = max(1, min(32, math.ceil(COLD_BYTES / (2 * n * k))))
     copies = [(prep.tensors["weight"], prep.tensors["weight_scale"])] + [
-        (prep.tensors["weight"].clone(), prep.tensors["weight_scale"].clone()) for _ in range(r_fp4 - 1)]
+        (prep.tensors["weight"].clone(), prep.tensors["weight_scale"].clone()) for _ in range(r_fp4 - 1)
+    ]
     bf16_copies = [w_bf16] + [w_bf16.clone() for _ in range(r_bf16 - 1)]
     row["cold_copies"] = {"fp4": r_fp4, "bf16": r_bf16}
 
     def launch(kern, x, out, wt=None):
         wt = wt or copies[0]
-        ops.launch_kernel(configs=kern, inputs=x, weight=wt[0], weight_scale=wt[1], weight_scale_2=alpha,
-                          outputs=out, locks=prep.locks)
+        ops.launch_kernel(
+            configs=kern,
+            inputs=x,
+            weight=wt[0],
+            weight_scale=wt[1],
+            weight_scale_2=alpha,
+            outputs=out,
+            locks=prep.locks,
+        )
 
     for m in DECODE_M + PREFILL_M:
         if time.perf_counter() > deadline:
@@ -207,11 +253,16 @@ def shape_row(name: str, n: int, k: int, deadline: float) -> dict:
         outs = [torch.empty(m, n, dtype=BF16, device=DEV) for _ in range(max(r_fp4, r_bf16))]
         if decode:
             cell["bf16_hot_ms"] = graph_ms(lambda: torch.matmul(x, w_bf16.T, out=outs[0]), 50)
-            cell["bf16_cold_ms"] = graph_ms(lambda: [torch.matmul(x, wb.T, out=o) for wb, o in zip(bf16_copies, outs)], 20) / r_bf16
+            cell["bf16_cold_ms"] = (
+                graph_ms(lambda: [torch.matmul(x, wb.T, out=o) for wb, o in zip(bf16_copies, outs)], 20) / r_bf16
+            )
         else:
             cell["bf16_ms"] = events_ms(lambda: torch.matmul(x, w_bf16.T, out=outs[0]), 10)
-        labels = [f"default@{m}"] + ([lab for lab in index if lab.endswith(f"@bm{bucket_m(m)}")] if decode
-                                     else [lab for lab in index if lab.endswith("@prefill")])
+        labels = [f"default@{m}"] + (
+            [lab for lab in index if lab.endswith(f"@bm{bucket_m(m)}")]
+            if decode
+            else [lab for lab in index if lab.endswith("@prefill")]
+        )
         seen = set()
         for label in labels:
             i = index[label]
@@ -237,15 +288,19 @@ def shape_row(name: str, n: int, k: int, deadline: float) -> dict:
                     continue
                 if decode:
                     entry["hot_ms"] = graph_ms(lambda: launch(kern, xq, outs[0]), 50)
-                    entry["cold_ms"] = graph_ms(lambda: [launch(kern, xq, o, c) for c, o in zip(copies, outs)], 20) / r_fp4
+                    entry["cold_ms"] = (
+                        graph_ms(lambda: [launch(kern, xq, o, c) for c, o in zip(copies, outs)], 20) / r_fp4
+                    )
                 else:
                     entry["ms"] = events_ms(lambda: launch(kern, xq, outs[0]), 10)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
             cell["candidates"][fam] = entry
         row["m"][m] = cell
-        del x, a, a_sf, xq, ref, outs
-    del copies, bf16_copies, w_bf16, orig_w, orig_sf
+        x = a = a_sf = xq = ref = outs = None  # freed before the next shape (the timed lambdas read these names)
+    copies = bf16_copies = w_bf16 = orig_w = orig_sf = (
+        None  # freed before the next shape (the timed lambdas read these names)
+    )
     return row
 
 
@@ -281,13 +336,18 @@ def _old_dequant_kernel():
 def dequant_rows() -> list[dict]:
     """The dequantization kernels (the served CUDA C one, the Triton fallback, the first Triton
     version) against the memory floor, each checked bit for bit against nvfp4's decode first."""
-    from sm120_fp4.backends.humming import cuda as _humming_cuda, dequant as _humming_dequant
+    from sm120_fp4.backends.humming import cuda as _humming_cuda
+    from sm120_fp4.backends.humming import dequant as _humming_dequant
 
     _humming_cuda.load(DEV)
     triton, old = _old_dequant_kernel()
-    kernels = {"cuda": _humming_cuda.launch, "triton": _humming_dequant.launch,
-               "triton (first version)": lambda a, sf, out, kp: old[(a.shape[0], triton.cdiv(a.shape[1], 256))](
-                   a, sf, out, a.shape[1], kp, BLOCK=256)}
+    kernels = {
+        "cuda": _humming_cuda.launch,
+        "triton": _humming_dequant.launch,
+        "triton (first version)": lambda a, sf, out, kp: old[(a.shape[0], triton.cdiv(a.shape[1], 256))](
+            a, sf, out, a.shape[1], kp, BLOCK=256
+        ),
+    }
     rows = []
     for m, k in ((1, 8192), (64, 28672), (1024, 1024), (1024, 8192), (4096, 8192), (8192, 8192), (8192, 28672)):
         x, gx, a, a_sf = activations(m, k, seed=3)
@@ -318,17 +378,30 @@ def host_rows() -> dict:
     alpha = torch.tensor([1.0], device=DEV)
     out = torch.empty(m, n, dtype=BF16, device=DEV)
     humming.mm_fp4(a, w.T, a_sf, sf.T, alpha, BF16, out)
-    from sm120_fp4.backends.humming import cuda as _humming_cuda, dequant as _humming_dequant
+    from sm120_fp4.backends.humming import cuda as _humming_cuda
+    from sm120_fp4.backends.humming import dequant as _humming_dequant
 
     kp = nvfp4.swizzled_scale_shape(m, k)[1]
     dq_out = torch.empty(m, k, dtype=BF16, device=DEV)
-    old_path = lambda: ops.humming_gemm(layer_config=prep.meta["layer_config"], compute_config=prep.meta["compute_config"],  # noqa: E731
-                                        tuning_config=prep.meta.get("tuning_config"), inputs=xq, weight=prep.tensors["weight"],
-                                        weight_scale=prep.tensors["weight_scale"], weight_scale_2=alpha, outputs=out,
-                                        locks=prep.locks)
+
+    def old_path():
+        return ops.humming_gemm(
+            layer_config=prep.meta["layer_config"],
+            compute_config=prep.meta["compute_config"],
+            tuning_config=prep.meta.get("tuning_config"),
+            inputs=xq,
+            weight=prep.tensors["weight"],
+            weight_scale=prep.tensors["weight_scale"],
+            weight_scale_2=alpha,
+            outputs=out,
+            locks=prep.locks,
+        )
+
     parts = {
         "argument checks": lambda: humming.adapter._check_dense(a, w.T, a_sf, sf.T, alpha, BF16, out),
-        "dequantize_activations (served: CUDA C kernel, driver launch)": lambda: humming.dequantize_activations(a, a_sf, BF16),
+        "dequantize_activations (served: CUDA C kernel, driver launch)": lambda: humming.dequantize_activations(
+            a, a_sf, BF16
+        ),
         "Triton dequantization kernel launch": lambda: _humming_dequant.launch(a, a_sf, dq_out, kp),
         "CUDA C dequantization kernel launch": lambda: _humming_cuda.launch(a, a_sf, dq_out, kp),
         "gemm via ops.humming_gemm (before)": old_path,
@@ -368,7 +441,7 @@ def summarise(rows: list[dict]) -> dict:
                 continue
             default = cell["candidates"].get("default", {})
             for fam, e in cell["candidates"].items():
-                for key in (("hot_ms", "cold_ms") if m <= 64 else ("ms",)):
+                for key in ("hot_ms", "cold_ms") if m <= 64 else ("ms",):
                     if key in e and key in default:
                         fams.setdefault(fam, {}).setdefault(key, []).append(default[key] / e[key])
         out[m] = {fam: {key: (round(geomean(v), 3), len(v)) for key, v in d.items()} for fam, d in fams.items()}
@@ -391,9 +464,18 @@ def main() -> int:
     if "dequant" not in skip:
         payload["dequant"] = dequant_rows()
         names = ("cuda", "triton", "triton (first version)")
-        print(table(["M", "K", "floor ms"] + [f"{n} ms" for n in names] + ["all exact"],
-                    [[r["m"], r["k"], r["floor_ms_at_4TBps"]] + [r[f"{n} ms"] for n in names]
-                     + [all(r[f"{n} exact"] for n in names)] for r in payload["dequant"]]), flush=True)
+        print(
+            table(
+                ["M", "K", "floor ms"] + [f"{n} ms" for n in names] + ["all exact"],
+                [
+                    [r["m"], r["k"], r["floor_ms_at_4TBps"]]
+                    + [r[f"{n} ms"] for n in names]
+                    + [all(r[f"{n} exact"] for n in names)]
+                    for r in payload["dequant"]
+                ],
+            ),
+            flush=True,
+        )
     if "host" not in skip:
         payload["host_us"] = host_rows()
         print(payload["host_us"], flush=True)
@@ -410,9 +492,12 @@ def main() -> int:
         try:
             payload["shapes"].append(shape_row(name, n, k, deadline))
             r = payload["shapes"][-1]
-            print(f"{name}: {r['kernels']} kernels compiled in {r['compile_s']} s; {len(r['illegal'])} illegal; "
-                  f"{time.perf_counter() - start:.0f} s so far", flush=True)
-        except Exception as exc:  # noqa: BLE001
+            print(
+                f"{name}: {r['kernels']} kernels compiled in {r['compile_s']} s; {len(r['illegal'])} illegal; "
+                f"{time.perf_counter() - start:.0f} s so far",
+                flush=True,
+            )
+        except Exception as exc:
             payload["errors"].append(f"{name}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             print(payload["errors"][-1], flush=True)
         write("humming_tune", payload)
@@ -433,11 +518,37 @@ def main() -> int:
             bf = cell.get("bf16_cold_ms" if m <= 64 else "bf16_ms")
             hot = {f: e["hot_ms"] for f, e in cell["candidates"].items() if "hot_ms" in e}
             best_hot = min(hot, key=hot.get) if hot else ""
-            rows.append([r["shape"], m, cands.get("default", float("nan")), best, cands[best], bf / cands.get("default", float("nan")),
-                         bf / cands[best], best_hot, (cell.get("bf16_hot_ms", 0) / hot[best_hot]) if hot else "",
-                         (cell.get("bf16_hot_ms", 0) / hot["default"]) if "default" in hot else ""])
-    print(table(["shape", "M", "default ms", "best (cold/eager)", "best ms", "bf16/default", "bf16/best", "best hot",
-                 "bf16/best hot", "bf16/default hot"], rows))
+            rows.append(
+                [
+                    r["shape"],
+                    m,
+                    cands.get("default", float("nan")),
+                    best,
+                    cands[best],
+                    bf / cands.get("default", float("nan")),
+                    bf / cands[best],
+                    best_hot,
+                    (cell.get("bf16_hot_ms", 0) / hot[best_hot]) if hot else "",
+                    (cell.get("bf16_hot_ms", 0) / hot["default"]) if "default" in hot else "",
+                ]
+            )
+    print(
+        table(
+            [
+                "shape",
+                "M",
+                "default ms",
+                "best (cold/eager)",
+                "best ms",
+                "bf16/default",
+                "bf16/best",
+                "best hot",
+                "bf16/best hot",
+                "bf16/default hot",
+            ],
+            rows,
+        )
+    )
     write("humming_tune", payload)
     return 1 if payload["errors"] else 0
 

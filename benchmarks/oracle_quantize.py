@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from _common import median_ns, table, write
 
-from _common import median_ns, table, write  # noqa: E402
-from sm120_fp4 import nvfp4  # noqa: E402
+from sm120_fp4 import nvfp4
 
 SHAPES = ((1, 256), (8, 4096), (64, 512), (512, 1024), (2049, 512), (2048, 2048))  # (M, K): decode to prefill
 QUICK = ((64, 512),)

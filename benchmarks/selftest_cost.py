@@ -40,19 +40,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from _common import table, write
 
-from _common import table, write  # noqa: E402
-from sm120_fp4 import backends, devices, graphs, nvfp4, serving, verify  # noqa: E402
-from sm120_fp4.config import Settings  # noqa: E402
-from sm120_fp4.sglang import hooks, moe  # noqa: E402
+from sm120_fp4 import backends, devices, graphs, nvfp4, serving, verify
+from sm120_fp4.config import Settings
+from sm120_fp4.sglang import hooks, moe
 
 DENSE_TARGET_S = 1.5
 MOE_TARGET_S = 2.0
 # SGLang 0.5.23's default CUDA-graph sizes (arg_groups/cuda_graph_hook.py): decode without
 # speculative decoding, max_bs 512; prefill (piecewise) token counts, the documented max 2048.
 DECODE_CAPTURED = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), 512]
-PREFILL_CAPTURED = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64), *range(1280, 2049, 256)]
+PREFILL_CAPTURED = [
+    *range(4, 33, 4),
+    *range(48, 257, 16),
+    *range(288, 513, 32),
+    *range(576, 1025, 64),
+    *range(1280, 2049, 256),
+]
 CAPTURED = sorted(set(DECODE_CAPTURED) | set(PREFILL_CAPTURED))
 LLAMA70B = {"qkv": (10240, 8192), "o_proj": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)}
 
@@ -110,7 +116,9 @@ class StandInQuantizer:
                 nvfp4.quantize(x, gsf, check_finite=False)  # its device constants exist before capture
                 graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):  # torch.cuda.graph() would also gc.collect() and empty the cache, per shape
+                with torch.cuda.stream(
+                    side
+                ):  # torch.cuda.graph() would also gc.collect() and empty the cache, per shape
                     graph.capture_begin(pool=self._pool)
                     try:
                         out = nvfp4.quantize(x, gsf, check_finite=False)
@@ -120,9 +128,14 @@ class StandInQuantizer:
                 self._graphs[key] = (graph, x, gsf, out)
                 made += 1
                 if made == 1:  # the replay computes what the eager call does, with each call's own inputs
-                    probe, scale = torch.randn((m, k), device=device).to(dtype), torch.tensor(448.0 * 6 / 3.0, device=device)
+                    probe, scale = (
+                        torch.randn((m, k), device=device).to(dtype),
+                        torch.tensor(448.0 * 6 / 3.0, device=device),
+                    )
                     got, want = self(probe, scale), nvfp4.quantize(probe, scale, check_finite=False)
-                    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want)), "stand-in graph differs"
+                    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want)), (
+                        "stand-in graph differs"
+                    )
         return made
 
     def __call__(self, x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +214,9 @@ def warm_up(kernel: str, scale: int, device, settings, tps: tuple[int, ...]) -> 
             assert report is not None and report.passed, report and report.reason
         experts, hidden, inter = moe_shape(tp, scale)
         layer = MoeLayer(experts, hidden, inter, 8, device.torch_device)
-        report = serving.verify_layer(device.index, moe.moe_check("bench-moe", layer, serve=moe_serve(kernel)), settings)
+        report = serving.verify_layer(
+            device.index, moe.moe_check("bench-moe", layer, serve=moe_serve(kernel)), settings
+        )
         assert report is not None and report.passed, report and report.reason
         del layer
         serving.clear()
@@ -209,7 +224,9 @@ def warm_up(kernel: str, scale: int, device, settings, tps: tuple[int, ...]) -> 
 
 
 def moe_shape(tp: int, scale: int) -> tuple[int, int, int]:
-    return (256, 7168, 2048 // tp) if scale == 1 else (max(8, 512 // scale), 512, max(32, 4096 // scale // tp // 32 * 32))
+    return (
+        (256, 7168, 2048 // tp) if scale == 1 else (max(8, 512 // scale), 512, max(32, 4096 // scale // tp // 32 * 32))
+    )
 
 
 CONVERSION_S = [0.0]  # a backend's conversion of the layers' weights at load (humming), timed apart
@@ -219,7 +236,9 @@ def time_check(check, device, settings) -> tuple[float, verify.SelfTestReport]:
     """serving.verify_layer of one layer: (seconds, report). A backend that converts each layer's
     weights at load (humming) converts it first, timed apart (CONVERSION_S): serving it costs that
     with or without verification."""
-    backend = backends.backend_of(check.family, (settings.backends if check.family == "dense" else settings.moe_backends)[0])
+    backend = backends.backend_of(
+        check.family, (settings.backends if check.family == "dense" else settings.moe_backends)[0]
+    )
     if backend.converter is not None and check.tensors is not None:
         _, seconds = synced(device.torch_device, lambda: backend.converter.convert(check.tensors, True))
         CONVERSION_S[0] += seconds
@@ -232,8 +251,16 @@ def oracle_moe(x, ids, w, *rest):
     -1 slots skipped as the convention says. What the layer checks cost apart from the kernel."""
     mine = ids >= 0
     out = rest[-1]
-    out.copy_(nvfp4.reference_moe_fp4(x, torch.where(mine, ids, torch.zeros_like(ids)), torch.where(mine, w, torch.zeros_like(w)),
-                                      *rest[:8], activation=rest[8], out_dtype=rest[9]))
+    out.copy_(
+        nvfp4.reference_moe_fp4(
+            x,
+            torch.where(mine, ids, torch.zeros_like(ids)),
+            torch.where(mine, w, torch.zeros_like(w)),
+            *rest[:8],
+            activation=rest[8],
+            out_dtype=rest[9],
+        )
+    )
     return out
 
 
@@ -242,21 +269,45 @@ def time_recheck(label: str, tdev: torch.device, settings) -> tuple[float, list]
     reports, seconds = synced(tdev, lambda: serving.recheck(settings, CAPTURED))
     assert all(r.passed for r in reports), [r.reason for r in reports]
     kernel = sum(r.duration_s for rep in reports for r in rep.shapes)
-    return seconds, [f"{label} re-check after capture", "", len(reports[0].shapes), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3]
+    return seconds, [
+        f"{label} re-check after capture",
+        "",
+        len(reports[0].shapes),
+        seconds * 1e3,
+        kernel * 1e3,
+        (seconds - kernel) * 1e3,
+    ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small layers (a CPU smoke run of the same code)")
-    parser.add_argument("--prefill", type=int, default=None, help="SGLang's chunked-prefill size to assume (default 8192, --quick 2048)")
-    parser.add_argument("--scale", type=int, default=None, help="divide the layer shapes by this (default 1 on a GPU, 16 otherwise)")
-    parser.add_argument("--layers", type=int, default=None, help="layers per dense configuration (default 80, --quick 3)")
-    parser.add_argument("--moe-layers", type=int, default=None, help="more MoE layers light-checked (default 4, --quick 1)")
-    parser.add_argument("--kernel", choices=("emulated", "humming"), default="emulated",
-                        help="the served backend (humming: a real NVFP4-weight kernel on SM90; its kernels compiled first)")
-    parser.add_argument("--tp", default="1,8", help="the tensor-parallel sizes whose layer shapes are timed (default 1,8)")
-    parser.add_argument("--eager-quantizer", action="store_true", help=(
-        "call the stand-in for SGLang's activation quantizer eagerly (~35 launches per call), not from a graph"))
+    parser.add_argument(
+        "--prefill", type=int, default=None, help="SGLang's chunked-prefill size to assume (default 8192, --quick 2048)"
+    )
+    parser.add_argument(
+        "--scale", type=int, default=None, help="divide the layer shapes by this (default 1 on a GPU, 16 otherwise)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="layers per dense configuration (default 80, --quick 3)"
+    )
+    parser.add_argument(
+        "--moe-layers", type=int, default=None, help="more MoE layers light-checked (default 4, --quick 1)"
+    )
+    parser.add_argument(
+        "--kernel",
+        choices=("emulated", "humming"),
+        default="emulated",
+        help="the served backend (humming: a real NVFP4-weight kernel on SM90; its kernels compiled first)",
+    )
+    parser.add_argument(
+        "--tp", default="1,8", help="the tensor-parallel sizes whose layer shapes are timed (default 1,8)"
+    )
+    parser.add_argument(
+        "--eager-quantizer",
+        action="store_true",
+        help=("call the stand-in for SGLang's activation quantizer eagerly (~35 launches per call), not from a graph"),
+    )
     args = parser.parse_args()
     QUANTIZER.eager = args.eager_quantizer
     args.layers = args.layers or (3 if args.quick else 80)
@@ -298,10 +349,20 @@ def main() -> int:
                 light += s
                 light_kernel += sum(x.duration_s for x in r.shapes)
             total += seconds + light
-            rows.append([f"TP{tp} {name}", f"N={n} K={k}", len(check.ms), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3])
+            rows.append(
+                [f"TP{tp} {name}", f"N={n} K={k}", len(check.ms), seconds * 1e3, kernel * 1e3, (seconds - kernel) * 1e3]
+            )
             if layers > 1:
-                rows.append([f"TP{tp} {name}: {layers - 1} more layers", "light checks", 1, light * 1e3, light_kernel * 1e3,
-                             (light - light_kernel) * 1e3])
+                rows.append(
+                    [
+                        f"TP{tp} {name}: {layers - 1} more layers",
+                        "light checks",
+                        1,
+                        light * 1e3,
+                        light_kernel * 1e3,
+                        (light - light_kernel) * 1e3,
+                    ]
+                )
         dense[f"tp{tp}"] = total
         rows.append([f"TP{tp} all four x {layers} layers", "", "", total * 1e3, "", ""])
         rechecks[f"dense_tp{tp}"], row = time_recheck(f"TP{tp}", tdev, settings)
@@ -319,8 +380,16 @@ def main() -> int:
         assert report is not None and report.passed, report and report.reason
         moe_costs[f"tp{tp}"] = seconds
         kernel = sum(r.duration_s for r in report.shapes)
-        moe_rows.append([f"TP{tp}", f"E={experts} H={hidden} I={inter} top-8", len(report.shapes), seconds * 1e3,
-                         kernel * 1e3, (seconds - kernel) * 1e3])
+        moe_rows.append(
+            [
+                f"TP{tp}",
+                f"E={experts} H={hidden} I={inter} top-8",
+                len(report.shapes),
+                seconds * 1e3,
+                kernel * 1e3,
+                (seconds - kernel) * 1e3,
+            ]
+        )
         extra = []
         light = 0.0
         for _ in range(args.moe_layers):
@@ -355,12 +424,20 @@ def main() -> int:
             emulated_rows.append([f"T={tokens}", f"E={experts} H={hidden} I={inter} top-8", seconds * 1e3])
         del w, weights
 
-    print(f"on {device.label()}, {args.kernel} backend{' (--quick: layers / 16)' if scale > 1 else ''}"
-          + (f"; its kernels compiled first, on throwaway layers ({warm_s:.0f} s)" if warm_s else "")
-          + ("; the stand-in quantizer eager (--eager-quantizer)" if QUANTIZER.eager else
-             f"; the stand-in quantizer from {quantizer_graphs} CUDA graphs (eager where none fits)") + "\n")
-    print(f"generic dense self-test (decide): {dense_generic * 1e3:.0f} ms; generic MoE self-test: {moe_generic * 1e3:.0f} ms "
-          f"(its kernel calls: {moe_generic_kernel * 1e3:.0f} ms)\n")
+    print(
+        f"on {device.label()}, {args.kernel} backend{' (--quick: layers / 16)' if scale > 1 else ''}"
+        + (f"; its kernels compiled first, on throwaway layers ({warm_s:.0f} s)" if warm_s else "")
+        + (
+            "; the stand-in quantizer eager (--eager-quantizer)"
+            if QUANTIZER.eager
+            else f"; the stand-in quantizer from {quantizer_graphs} CUDA graphs (eager where none fits)"
+        )
+        + "\n"
+    )
+    print(
+        f"generic dense self-test (decide): {dense_generic * 1e3:.0f} ms; generic MoE self-test: {moe_generic * 1e3:.0f} ms "
+        f"(its kernel calls: {moe_generic_kernel * 1e3:.0f} ms)\n"
+    )
     # "kernel ms": the emulated backend's own calls (on SM120 the FlashInfer kernel's, far shorter);
     # "oracle + checks ms": inputs, references and comparisons, the part that stays on SM120.
     print(table(["dense layer", "shape", "batch sizes", "check ms", "kernel ms", "oracle + checks ms"], rows))
@@ -369,23 +446,46 @@ def main() -> int:
     print()
     print(table(["capture-safe emulated MoE, one call", "shape", "ms"], emulated_rows))
     if CONVERSION_S[0]:
-        print(f"\n{args.kernel}'s own conversion of the layers' weights at load (timed apart, not in the rows above): "
-              f"{CONVERSION_S[0]:.1f} s in all")
+        print(
+            f"\n{args.kernel}'s own conversion of the layers' weights at load (timed apart, not in the rows above): "
+            f"{CONVERSION_S[0]:.1f} s in all"
+        )
     met_dense = all(v <= DENSE_TARGET_S for v in dense.values())
     met_moe = all(v <= MOE_TARGET_S for v in moe_costs.values())
-    print(f"\ndense layer checks per GPU ({layers} layers per configuration): {', '.join(f'{k} {v:.2f} s' for k, v in dense.items())} "
-          f"(target <= {DENSE_TARGET_S} s: {'met' if met_dense else 'NOT met'}); MoE per configuration: "
-          f"{', '.join(f'{k} {v:.2f} s' for k, v in moe_costs.items())} (target <= {MOE_TARGET_S} s: {'met' if met_moe else 'NOT met'})")
-    print(f"re-check after capture at {len(CAPTURED)} graph sizes (dense: all four configurations; MoE: one layer): "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in rechecks.items()))
-    write("selftest_cost", {
-        "recheck_s": rechecks, "recheck_sizes": len(CAPTURED),
-        "device": device.label(), "quick": scale > 1, "kernel": args.kernel, "warm_up_s": warm_s, "quantizer": "eager" if QUANTIZER.eager else f"{quantizer_graphs} graphs", "conversion_s": CONVERSION_S[0], "dense_generic_s": dense_generic, "moe_generic_s": moe_generic, "moe_generic_kernel_s": moe_generic_kernel,
-        "dense_rows": rows, "dense_total_s": dense, "moe_rows": moe_rows, "moe_s": moe_costs, "moe_light_per_layer_s": moe_light,
-        "layers": layers, "emulated_moe_rows": emulated_rows,
-        "targets": {"dense_per_gpu_s": DENSE_TARGET_S, "moe_per_config_s": MOE_TARGET_S},
-        "met": {"dense": met_dense, "moe": met_moe},
-    })
+    print(
+        f"\ndense layer checks per GPU ({layers} layers per configuration): {', '.join(f'{k} {v:.2f} s' for k, v in dense.items())} "
+        f"(target <= {DENSE_TARGET_S} s: {'met' if met_dense else 'NOT met'}); MoE per configuration: "
+        f"{', '.join(f'{k} {v:.2f} s' for k, v in moe_costs.items())} (target <= {MOE_TARGET_S} s: {'met' if met_moe else 'NOT met'})"
+    )
+    print(
+        f"re-check after capture at {len(CAPTURED)} graph sizes (dense: all four configurations; MoE: one layer): "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in rechecks.items())
+    )
+    write(
+        "selftest_cost",
+        {
+            "recheck_s": rechecks,
+            "recheck_sizes": len(CAPTURED),
+            "device": device.label(),
+            "quick": scale > 1,
+            "kernel": args.kernel,
+            "warm_up_s": warm_s,
+            "quantizer": "eager" if QUANTIZER.eager else f"{quantizer_graphs} graphs",
+            "conversion_s": CONVERSION_S[0],
+            "dense_generic_s": dense_generic,
+            "moe_generic_s": moe_generic,
+            "moe_generic_kernel_s": moe_generic_kernel,
+            "dense_rows": rows,
+            "dense_total_s": dense,
+            "moe_rows": moe_rows,
+            "moe_s": moe_costs,
+            "moe_light_per_layer_s": moe_light,
+            "layers": layers,
+            "emulated_moe_rows": emulated_rows,
+            "targets": {"dense_per_gpu_s": DENSE_TARGET_S, "moe_per_config_s": MOE_TARGET_S},
+            "met": {"dense": met_dense, "moe": met_moe},
+        },
+    )
     return 0
 
 

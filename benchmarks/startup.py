@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import table, write  # noqa: E402
+from _common import table, write
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 40
@@ -73,7 +73,9 @@ def main() -> int:
     probe = "import sys; print('torch' in sys.modules, 'pydantic' in sys.modules, 'sm120_fp4.bootstrap' in sys.modules)"
     imported = {}
     for name, (site_dir, extra) in variants.items():
-        out = subprocess.run(_cmd(site_dir, probe), env=_env(extra), capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            _cmd(site_dir, probe), env=_env(extra), capture_output=True, text=True, check=True
+        ).stdout.split()
         imported[name] = {"torch": out[0] == "True", "pydantic": out[1] == "True", "bootstrap": out[2] == "True"}
     # The subprocess medians carry ~1% of noise; the .pth line itself, executed in-process as site
     # executes it, measures the toggle-off cost precisely.
@@ -103,11 +105,22 @@ def main() -> int:
     line_pct = 100 * line_us / 1e3 / base
     met = line_pct < 2.0 and not any(v["torch"] for v in imported.values())
     print(f"\nthe .pth line with the toggle off: {line_us:.2f} us = {line_pct:.4f}% of start-up (measured in-process);")
-    print(f"subprocess medians: toggle off {off:+.2f}% (noise of a few tenths of a ms); torch never imported: "
-          f"{not any(v['torch'] for v in imported.values())}; target < 2%: {'met' if met else 'NOT met'}")
+    print(
+        f"subprocess medians: toggle off {off:+.2f}% (noise of a few tenths of a ms); torch never imported: "
+        f"{not any(v['torch'] for v in imported.values())}; target < 2%: {'met' if met else 'NOT met'}"
+    )
     shutil.rmtree(work, ignore_errors=True)
-    write("startup", {"runs": RUNS, "results": results, "toggle_off_added_pct": off, "pth_line_us": line_us,
-                      "pth_line_pct": line_pct, "met": met})
+    write(
+        "startup",
+        {
+            "runs": RUNS,
+            "results": results,
+            "toggle_off_added_pct": off,
+            "pth_line_us": line_us,
+            "pth_line_pct": line_pct,
+            "met": met,
+        },
+    )
     return 0
 
 

@@ -16,7 +16,9 @@ import sm120_fp4
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", default="nvidia/Llama-3.1-8B-Instruct-FP4", help="an NVFP4 (ModelOpt) checkpoint")
+    parser.add_argument(
+        "--model-path", default="nvidia/Llama-3.1-8B-Instruct-FP4", help="an NVFP4 (ModelOpt) checkpoint"
+    )
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel GPUs")
     parser.add_argument("--check-only", action="store_true", help="install and print the status only")
     args = parser.parse_args()

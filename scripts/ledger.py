@@ -65,8 +65,10 @@ def render_ledger() -> str:
         "",
     ]
     for spec in simulation.ledger_rows():
-        out += [f"- `{spec.name}`: `{spec.module}.{spec.attribute}` ({spec.versions or SUPPORTED}): "
-                f"{spec.why.split('; ', 1)[-1]}"]
+        out += [
+            f"- `{spec.name}`: `{spec.module}.{spec.attribute}` ({spec.versions or SUPPORTED}): "
+            f"{spec.why.split('; ', 1)[-1]}"
+        ]
     out += [
         "",
         "## Source diffs (`patches/`)",
@@ -98,7 +100,6 @@ def render_ledger() -> str:
         "",
     ]
     return "\n".join(out)
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.plugins import distribution  # noqa: E402 - the tests' throw-away distribution writer
+from helpers.plugins import distribution
 
 PLUGIN = '''
 import os
@@ -50,7 +50,9 @@ def wrong_on_gpu(a, b, a_sf, b_sf, alpha, dtype, out):
 
 def plugin_site(root: Path) -> Path:
     """`wrong-on-gpu` as an installed distribution's entry point (group sm120_fp4.backends)."""
-    return distribution(root, "multi_gpu_plugins", PLUGIN, "[sm120_fp4.backends]\nwrong-on-gpu = multi_gpu_plugins:wrong_on_gpu\n")
+    return distribution(
+        root, "multi_gpu_plugins", PLUGIN, "[sm120_fp4.backends]\nwrong-on-gpu = multi_gpu_plugins:wrong_on_gpu\n"
+    )
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -69,8 +71,15 @@ def run(cmd: list[str], **extra: str) -> tuple[int, str, str, float]:
 def gpus() -> list[dict]:
     import torch
 
-    return [{"index": i, "name": torch.cuda.get_device_name(i), "uuid": str(torch.cuda.get_device_properties(i).uuid),
-             "pci": f"{torch.cuda.get_device_properties(i).pci_bus_id:02x}"} for i in range(torch.cuda.device_count())]
+    return [
+        {
+            "index": i,
+            "name": torch.cuda.get_device_name(i),
+            "uuid": str(torch.cuda.get_device_properties(i).uuid),
+            "pci": f"{torch.cuda.get_device_properties(i).pci_bus_id:02x}",
+        }
+        for i in range(torch.cuda.device_count())
+    ]
 
 
 def selftests(out: Path, count: int) -> dict:
@@ -78,16 +87,32 @@ def selftests(out: Path, count: int) -> dict:
     result = {}
     for label, args in (("all", []), ("gpu0", ["--device", "0"])):
         report = out / f"report-{label}.json"
-        rc, stdout, stderr, wall = run([sys.executable, "-m", "sm120_fp4", "selftest", "--json", *args], SM120_FP4_REPORT=str(report))
+        rc, stdout, stderr, wall = run(
+            [sys.executable, "-m", "sm120_fp4", "selftest", "--json", *args], SM120_FP4_REPORT=str(report)
+        )
         data = json.loads(report.read_text()) if report.exists() else {}
         decisions = data.get("decisions", [])
-        result[label] = {"rc": rc, "wall_s": round(wall, 2), "stderr_tail": stderr[-1500:],
-                         "decisions": [{"device": d.get("device"), "uuid": d.get("device_uuid"),
-                                        "pci": d.get("device_pci_bus_id"), "backend": d.get("backend"), "family": d.get("family"),
-                                        "verified": d.get("verified")} for d in decisions]}
+        result[label] = {
+            "rc": rc,
+            "wall_s": round(wall, 2),
+            "stderr_tail": stderr[-1500:],
+            "decisions": [
+                {
+                    "device": d.get("device"),
+                    "uuid": d.get("device_uuid"),
+                    "pci": d.get("device_pci_bus_id"),
+                    "backend": d.get("backend"),
+                    "family": d.get("family"),
+                    "verified": d.get("verified"),
+                }
+                for d in decisions
+            ],
+        }
     one, every = result["gpu0"]["wall_s"], result["all"]["wall_s"]
-    result["concurrent"] = {"ratio_all_over_one": round(every / one, 2) if one else None,
-                            "ok": count == 1 or every <= 1.5 * one}
+    result["concurrent"] = {
+        "ratio_all_over_one": round(every / one, 2) if one else None,
+        "ok": count == 1 or every <= 1.5 * one,
+    }
     return result
 
 
@@ -104,10 +129,12 @@ print(json.dumps(rows))
 def mapping(all_gpus: list[dict]) -> dict:
     """Scenario 2: the UUID sm120_fp4 gives each index against torch's, for every numbering."""
     uuids = [f"GPU-{g['uuid']}" for g in all_gpus]
-    variants = {"reversed": {"CUDA_VISIBLE_DEVICES": ",".join(str(g["index"]) for g in reversed(all_gpus))},
-                "uuids": {"CUDA_VISIBLE_DEVICES": ",".join(reversed(uuids))},
-                "unset fastest-first": {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"},
-                "unset pci": {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}}
+    variants = {
+        "reversed": {"CUDA_VISIBLE_DEVICES": ",".join(str(g["index"]) for g in reversed(all_gpus))},
+        "uuids": {"CUDA_VISIBLE_DEVICES": ",".join(reversed(uuids))},
+        "unset fastest-first": {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"},
+        "unset pci": {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+    }
     result = {}
     for name, extra in variants.items():
         base = {k: v for k, v in extra.items()}
@@ -119,8 +146,10 @@ def mapping(all_gpus: list[dict]) -> dict:
             rows = json.loads(proc.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
             rows = []
-        same = bool(rows) and all(r["ours"] is not None and str(r["ours"]).removeprefix("GPU-") == r["torch"].removeprefix("GPU-")
-                                  for r in rows)
+        same = bool(rows) and all(
+            r["ours"] is not None and str(r["ours"]).removeprefix("GPU-") == r["torch"].removeprefix("GPU-")
+            for r in rows
+        )
         result[name] = {"env": base, "rows": rows, "matched": same, "stderr_tail": proc.stderr[-800:]}
     return result
 
@@ -171,7 +200,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.all_reduce(flag)
         facts["group_ok"] = float(flag.item()) == world
         facts["canary"] = canary.status().model_dump(mode="json") if hasattr(canary, "status") else None
-    except Exception as exc:  # noqa: BLE001 - reported, the summary fails
+    except Exception as exc:
         facts["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         Path(out, f"worker-{rank}.json").write_text(json.dumps(facts, default=str))
@@ -185,25 +214,44 @@ def workers(out: Path, count: int) -> dict:
     start = time.perf_counter()
     mp.start_processes(_worker, args=(count, 29517, str(out)), nprocs=count, start_method="spawn", join=True)
     facts = [json.loads((out / f"worker-{r}.json").read_text()) for r in range(count)]
-    return {"wall_s": round(time.perf_counter() - start, 2), "workers": facts,
-            "ok": all(f.get("group_ok") and f.get("dense_graph_equal_oracle") and "error" not in f for f in facts)}
+    return {
+        "wall_s": round(time.perf_counter() - start, 2),
+        "workers": facts,
+        "ok": all(f.get("group_ok") and f.get("dense_graph_equal_oracle") and "error" not in f for f in facts),
+    }
 
 
 def fault(out: Path, count: int) -> dict:
     """Scenario 4: wrong on the last GPU only; selftest refuses that one, launch does not start."""
     site = plugin_site(out / "plugins")
     bad = count - 1
-    extra = dict(SM120_FP4_BACKENDS="wrong-on-gpu", MULTI_GPU_FAULT=str(bad),
-                 PYTHONPATH=f"{site}:{os.environ.get('PYTHONPATH', '')}")
+    extra = dict(
+        SM120_FP4_BACKENDS="wrong-on-gpu",
+        MULTI_GPU_FAULT=str(bad),
+        PYTHONPATH=f"{site}:{os.environ.get('PYTHONPATH', '')}",
+    )
     report = out / "report-fault.json"
-    rc, stdout, stderr, wall = run([sys.executable, "-m", "sm120_fp4", "selftest", "--json"], SM120_FP4_REPORT=str(report), **extra)
+    rc, stdout, stderr, wall = run(
+        [sys.executable, "-m", "sm120_fp4", "selftest", "--json"], SM120_FP4_REPORT=str(report), **extra
+    )
     data = json.loads(report.read_text()) if report.exists() else {}
     refusals, decisions = data.get("refusals", []), data.get("decisions", [])
-    lrc, lout, lerr, lwall = run([sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-c", "print('LAUNCHED')"], **extra)
-    return {"selftest_rc": rc, "refused_devices": [r.get("device") for r in refusals],
-            "verified_devices": [d.get("device") for d in decisions if d.get("verified")],
-            "launch_rc": lrc, "launched": "LAUNCHED" in lout, "wall_s": round(wall, 2), "stderr_tail": stderr[-1500:],
-            "ok": rc == 1 and lrc != 0 and "LAUNCHED" not in lout and any(f"cuda:{bad}" in str(r.get("device")) or str(bad) in str(r.get("device")) for r in refusals)}
+    lrc, lout, lerr, lwall = run(
+        [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-c", "print('LAUNCHED')"], **extra
+    )
+    return {
+        "selftest_rc": rc,
+        "refused_devices": [r.get("device") for r in refusals],
+        "verified_devices": [d.get("device") for d in decisions if d.get("verified")],
+        "launch_rc": lrc,
+        "launched": "LAUNCHED" in lout,
+        "wall_s": round(wall, 2),
+        "stderr_tail": stderr[-1500:],
+        "ok": rc == 1
+        and lrc != 0
+        and "LAUNCHED" not in lout
+        and any(f"cuda:{bad}" in str(r.get("device")) or str(bad) in str(r.get("device")) for r in refusals),
+    }
 
 
 def main() -> int:
@@ -214,16 +262,26 @@ def main() -> int:
         print("no CUDA GPU visible: nothing to run")
         return 2
     summary = {"gpus": found}
-    for name, step in (("selftest", lambda: selftests(out, len(found))), ("mapping", lambda: mapping(found)),
-                       ("workers", lambda: workers(out, len(found))), ("fault", lambda: fault(out, len(found)))):
+    for name, step in (
+        ("selftest", lambda: selftests(out, len(found))),
+        ("mapping", lambda: mapping(found)),
+        ("workers", lambda: workers(out, len(found))),
+        ("fault", lambda: fault(out, len(found))),
+    ):
         try:
             summary[name] = step()
-        except Exception as exc:  # noqa: BLE001 - one scenario's failure does not hide the others
+        except Exception as exc:
             summary[name] = {"error": f"{type(exc).__name__}: {exc}", "ok": False}
         (out / "multi_gpu.json").write_text(json.dumps(summary, indent=2, default=str))
-    ok = {"selftest": summary["selftest"].get("all", {}).get("rc") == 0 and summary["selftest"].get("concurrent", {}).get("ok", False),
-          "mapping": all(v.get("matched") for v in summary["mapping"].values()) if "error" not in summary["mapping"] else False,
-          "workers": summary["workers"].get("ok", False), "fault": summary["fault"].get("ok", False)}
+    ok = {
+        "selftest": summary["selftest"].get("all", {}).get("rc") == 0
+        and summary["selftest"].get("concurrent", {}).get("ok", False),
+        "mapping": all(v.get("matched") for v in summary["mapping"].values())
+        if "error" not in summary["mapping"]
+        else False,
+        "workers": summary["workers"].get("ok", False),
+        "fault": summary["fault"].get("ok", False),
+    }
     summary["ok"] = ok
     (out / "multi_gpu.json").write_text(json.dumps(summary, indent=2, default=str))
     print(json.dumps(ok), f"({len(found)} GPU(s); details in {out / 'multi_gpu.json'})")

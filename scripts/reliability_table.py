@@ -28,7 +28,17 @@ from helpers.cases import AREAS, case_files  # noqa: E402
 
 
 def run_pytest(files: list[Path], junit: Path, extra: list[str]) -> int:
-    cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *map(str, files),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
@@ -37,7 +47,11 @@ def outcome(testcase: ET.Element) -> str:
     if failure is None:
         failure = testcase.find("error")
     if failure is not None:
-        return "**FAILED**: " + (failure.get("message") or "").splitlines()[0][:200] if failure.get("message") else "**FAILED**"
+        return (
+            "**FAILED**: " + (failure.get("message") or "").splitlines()[0][:200]
+            if failure.get("message")
+            else "**FAILED**"
+        )
     skipped = testcase.find("skipped")
     if skipped is not None:
         if skipped.get("type") == "pytest.xfail":
@@ -52,15 +66,19 @@ def rows(junit: Path) -> list[dict[str, str]]:
         props = {p.get("name"): p.get("value") for p in testcase.iter("property")}
         if "area" not in props:
             continue  # not a reliability case
-        found.append({
-            "area": props["area"],
-            "case": props.get("case", testcase.get("name", "?")),
-            "expected": props.get("expected", "?"),
-            "result": outcome(testcase),
-            "test": f"{testcase.get('classname', '?')}::{testcase.get('name', '?')}",
-        })
+        found.append(
+            {
+                "area": props["area"],
+                "case": props.get("case", testcase.get("name", "?")),
+                "expected": props.get("expected", "?"),
+                "result": outcome(testcase),
+                "test": f"{testcase.get('classname', '?')}::{testcase.get('name', '?')}",
+            }
+        )
     order = list(AREAS)
-    return sorted(found, key=lambda r: order.index(r["area"]) if r["area"] in order else len(order))  # stable within an area
+    return sorted(
+        found, key=lambda r: order.index(r["area"]) if r["area"] in order else len(order)
+    )  # stable within an area
 
 
 def cell(text: str) -> str:
@@ -68,7 +86,16 @@ def cell(text: str) -> str:
 
 
 def render(table: list[dict[str, str]], files: list[str]) -> str:
-    counts = Counter("passed" if r["result"] == "passed" else "known bug" if r["result"].startswith("known bug") else "failed" if "FAILED" in r["result"] else "skipped" for r in table)
+    counts = Counter(
+        "passed"
+        if r["result"] == "passed"
+        else "known bug"
+        if r["result"].startswith("known bug")
+        else "failed"
+        if "FAILED" in r["result"]
+        else "skipped"
+        for r in table
+    )
     lines = [
         "# Reliability: every case tried and its outcome",
         "",
@@ -86,7 +113,9 @@ def render(table: list[dict[str, str]], files: list[str]) -> str:
     ]
     for r in table:
         lines.append(f"| {cell(r['area'])} | {cell(r['case'])} | {cell(r['expected'])} | {cell(r['result'])} |")
-    bugs = sorted({r["result"].removeprefix("known bug (xfail): ") for r in table if r["result"].startswith("known bug")})
+    bugs = sorted(
+        {r["result"].removeprefix("known bug (xfail): ") for r in table if r["result"].startswith("known bug")}
+    )
     if bugs:
         lines += ["", "## Known bugs (strict xfail: the test turns red once the bug is fixed)", ""]
         lines += [f"- {bug}" for bug in bugs]
@@ -96,7 +125,9 @@ def render(table: list[dict[str, str]], files: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--output", default=str(ROOT / "RELIABILITY.md"), help="file to write, or - for stdout")
-    parser.add_argument("--junit", help="render from this JUnit XML (of a run that included every case file) instead of running pytest")
+    parser.add_argument(
+        "--junit", help="render from this JUnit XML (of a run that included every case file) instead of running pytest"
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     files = case_files()

@@ -74,22 +74,59 @@ except ImportError as exc:  # pragma: no cover - environment problem, explained 
 
 # Every release on the index in the supported range (the index is not scanned: add new ones here).
 RELEASES = (
-    "0.5.3", "0.5.3.post1", "0.5.3.post2", "0.5.3.post3",
-    "0.5.4", "0.5.4.post1", "0.5.4.post2", "0.5.4.post3",
-    "0.5.5", "0.5.5.post1", "0.5.5.post2", "0.5.5.post3",
-    "0.5.6", "0.5.6.post1", "0.5.6.post2", "0.5.7",
-    "0.5.8", "0.5.8.post1", "0.5.9", "0.5.10", "0.5.10.post1",
-    "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1",
-    "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17",
-    "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23",
+    "0.5.3",
+    "0.5.3.post1",
+    "0.5.3.post2",
+    "0.5.3.post3",
+    "0.5.4",
+    "0.5.4.post1",
+    "0.5.4.post2",
+    "0.5.4.post3",
+    "0.5.5",
+    "0.5.5.post1",
+    "0.5.5.post2",
+    "0.5.5.post3",
+    "0.5.6",
+    "0.5.6.post1",
+    "0.5.6.post2",
+    "0.5.7",
+    "0.5.8",
+    "0.5.8.post1",
+    "0.5.9",
+    "0.5.10",
+    "0.5.10.post1",
+    "0.5.11",
+    "0.5.12",
+    "0.5.12.post1",
+    "0.5.13",
+    "0.5.13.post1",
+    "0.5.14",
+    "0.5.15",
+    "0.5.15.post1",
+    "0.5.16",
+    "0.5.17",
+    "0.5.18",
+    "0.5.19",
+    "0.5.20",
+    "0.5.21",
+    "0.5.22",
+    "0.5.23",
 )
 # Versions just outside SUPPORTED: no spec may apply to them (a specifier check, no download).
 OUTSIDE_PROBES = ("0.5.2", "0.5.2.post1", "0.5.3rc0", "0.5.24", "0.6.0")
 DEFAULT_CACHE = ROOT / ".cache" / "sglang-wheels"
 # Where 0.5.11+ wheels exist (cp311 manylinux_2_34; older ones are py3-none-any): pinned so the
 # download does not depend on the Python that runs this script.
-WHEEL_TAGS = ["--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-              "--platform", "manylinux_2_34_x86_64"]
+WHEEL_TAGS = [
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp311",
+    "--platform",
+    "manylinux_2_34_x86_64",
+]
 PLUGINS = R.PLUGIN_GROUP
 RUNTIME_CONTEXT = R.RUNTIME_CONTEXT
 MM_FP4_KEYWORDS = {"backend", "out", "block_size", "use_8x4_sf_layout", "use_nvfp4"}
@@ -103,7 +140,9 @@ def module_path(module: str) -> str:
 
 def needed_files() -> list[str]:
     """Paths inside the wheel that the checks read (every spec's module + plugins + runtime_context)."""
-    modules = {spec.module for spec in T.ledger_rows() + S.ledger_rows() if spec.module.startswith("sglang.")} | {RUNTIME_CONTEXT}
+    modules = {spec.module for spec in T.ledger_rows() + S.ledger_rows() if spec.module.startswith("sglang.")} | {
+        RUNTIME_CONTEXT
+    }
     return sorted({module_path(m) for m in modules} | {PLUGINS.replace(".", "/") + "/__init__.py"})
 
 
@@ -116,8 +155,20 @@ def wheel_for(version: str, cache: Path) -> Path:
     if found:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *WHEEL_TAGS,
-           "--disable-pip-version-check", "--quiet", "-d", str(cache), f"sglang=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        *WHEEL_TAGS,
+        "--disable-pip-version-check",
+        "--quiet",
+        "-d",
+        str(cache),
+        f"sglang=={version}",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(cache.glob(f"sglang-{version}-*.whl"))
     if run.returncode != 0 or not found:
@@ -180,14 +231,16 @@ def assigns(node: ast.stmt) -> list[str]:
 def check_alias(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
     """`from flashinfer import mm_fp4 as <attr>` at module level, called with mm_fp4's positional order."""
     bound = any(
-        isinstance(n, ast.ImportFrom) and n.module == "flashinfer"
+        isinstance(n, ast.ImportFrom)
+        and n.module == "flashinfer"
         and any(a.name == "mm_fp4" and (a.asname or a.name) == attr for a in n.names)
         for n in top_level(tree.body)
     )
     if not bound:
         return False, f"no module-level `from flashinfer import mm_fp4 as {attr}`"
-    calls = [n for n in ast.walk(tree)
-             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == attr]
+    calls = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == attr
+    ]
     if not calls:
         return True, f"{attr} is bound but never called (the GEMM call site moved?)"
     for call in calls:
@@ -260,8 +313,10 @@ def check_function(tree: ast.Module, name: str) -> tuple[bool, str | None]:
 def check_imported(tree: ast.Module, name: str) -> tuple[bool, str | None]:
     """`name` bound at module level by a `from ... import name` (a caller's by-name binding of a function
     patched at its home too: SGLang's base runner's import of the autotune gate)."""
-    bound = any(isinstance(n, ast.ImportFrom) and any((a.asname or a.name) == name for a in n.names)
-                for n in top_level(tree.body))
+    bound = any(
+        isinstance(n, ast.ImportFrom) and any((a.asname or a.name) == name for a in n.names)
+        for n in top_level(tree.body)
+    )
     return bound, None if bound else f"no module-level `from ... import {name}`"
 
 
@@ -270,8 +325,12 @@ def check_enum(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
     cls = find_class(tree, "Fp4GemmRunnerBackend")
     if cls is None:
         return False, "no enum Fp4GemmRunnerBackend"
-    values = {name: stmt.value.value for stmt in cls.body for name in assigns(stmt)
-              if isinstance(getattr(stmt, "value", None), ast.Constant)}
+    values = {
+        name: stmt.value.value
+        for stmt in cls.body
+        for name in assigns(stmt)
+        if isinstance(getattr(stmt, "value", None), ast.Constant)
+    }
     wrong = {k: values.get(k) for k, v in ENUM_MEMBERS.items() if values.get(k) != v}
     if wrong:
         return True, f"Fp4GemmRunnerBackend members differ: {wrong} (expected {ENUM_MEMBERS})"
@@ -299,10 +358,21 @@ def check_moe_config(tree: ast.Module, name: str) -> tuple[bool, str | None]:
     if problem is not None:
         return present, problem
     fn = next(n for n in top_level(tree.body) if isinstance(n, ast.FunctionDef) and n.name == name)
-    sets = any(isinstance(t, ast.Name) and t.id == "MOE_RUNNER_BACKEND" or isinstance(t, ast.Attribute) and t.attr == "runner_backend"
-               for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AnnAssign))
-               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
-    return True, None if sets else f"{name} sets neither MOE_RUNNER_BACKEND nor <flags>.runner_backend: pinning after it pins nothing"
+    sets = any(
+        isinstance(t, ast.Name)
+        and t.id == "MOE_RUNNER_BACKEND"
+        or isinstance(t, ast.Attribute)
+        and t.attr == "runner_backend"
+        for n in ast.walk(fn)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+    )
+    return (
+        True,
+        None
+        if sets
+        else f"{name} sets neither MOE_RUNNER_BACKEND nor <flags>.runner_backend: pinning after it pins nothing",
+    )
 
 
 def _moe_enum_problem(utils: ast.Module | None) -> str | None:
@@ -363,7 +433,10 @@ def kind(spec) -> str:
         return "function"
     if _REPLACED_BY.get(spec.name) == "dispatch":
         return "alias"
-    if _REPLACED_BY.get(spec.name) in ("decline", "autotune-gate"):  # a module's function, or a caller's by-name import of it
+    if _REPLACED_BY.get(spec.name) in (
+        "decline",
+        "autotune-gate",
+    ):  # a module's function, or a caller's by-name import of it
         return "imported" if spec.module == R.BASE_RUNNER else "function"
     return "unknown"
 
@@ -373,8 +446,10 @@ def alias_spec(version: str):
     RuntimeError naming the release otherwise."""
     found = [s for s in T.ledger_rows() if kind(s) == "alias" and Version(version) in SpecifierSet(s.versions)]
     if len(found) != 1:
-        raise RuntimeError(f"sglang {version}: {len(found)} FP4 GEMM alias specs cover it ({[s.name for s in found]}); "
-                           "exactly one must (sm120_fp4/sglang/targets.py)")
+        raise RuntimeError(
+            f"sglang {version}: {len(found)} FP4 GEMM alias specs cover it ({[s.name for s in found]}); "
+            "exactly one must (sm120_fp4/sglang/targets.py)"
+        )
     return found[0]
 
 
@@ -386,10 +461,19 @@ NARROW_ON_PURPOSE = {
     "moe-runner-backend-pin-legacy": _NO_SEAM,
 }
 
-CHECKS = {"alias": check_alias, "method": check_method, "warmup": check_warmup, "idle": check_idle, "function": check_function,
-          "imported": check_imported,
-          "enum": check_enum, "knob": check_knob, "moe-config": check_moe_config, "moe-global": check_moe_global,
-          "moe-flags": check_moe_flags}
+CHECKS = {
+    "alias": check_alias,
+    "method": check_method,
+    "warmup": check_warmup,
+    "idle": check_idle,
+    "function": check_function,
+    "imported": check_imported,
+    "enum": check_enum,
+    "knob": check_knob,
+    "moe-config": check_moe_config,
+    "moe-global": check_moe_global,
+    "moe-flags": check_moe_flags,
+}
 NEEDS_SOURCES = {"moe-flags"}  # checks that read a second module of the release
 
 
@@ -419,12 +503,18 @@ def check_extras(src: Path) -> dict[str, tuple[str, str]]:
     tree = parse(src, PLUGINS + ".__init__")
     if tree is not None:
         group = any(isinstance(n, ast.Constant) and n.value == PLUGINS for n in ast.walk(tree))
-        out["plugins"] = (OK, "") if group and function(tree, "load_plugins") else (
-            FAIL, f"plugins/__init__.py lacks load_plugins() or the entry-point group {PLUGINS!r}")
+        out["plugins"] = (
+            (OK, "")
+            if group and function(tree, "load_plugins")
+            else (FAIL, f"plugins/__init__.py lacks load_plugins() or the entry-point group {PLUGINS!r}")
+        )
     fn = function(parse(src, RUNTIME_CONTEXT), "override_platform")
     if fn is not None:
-        out["override_platform"] = (OK, "") if fn.args.kwarg and not fn.args.args else (
-            FAIL, f"override_platform({ast.unparse(fn.args)}) is not (**facts)")
+        out["override_platform"] = (
+            (OK, "")
+            if fn.args.kwarg and not fn.args.args
+            else (FAIL, f"override_platform({ast.unparse(fn.args)}) is not (**facts)")
+        )
     return out
 
 
@@ -433,8 +523,10 @@ def check_extras(src: Path) -> dict[str, tuple[str, str]]:
 # by what SGLang's code calls, not by version) and the Blackwell check must be called exactly in
 # their ledger range, so that the ledger's "Releases" stays true.
 
-STAND_IN_CALLERS = {**{spec.name: S.QUANTIZER_CALLERS[spec.module] for spec in S.QUANTIZERS},
-                    "sim-blackwell-check": "ModelOptFp4LinearMethod.process_weights_after_loading"}
+STAND_IN_CALLERS = {
+    **{spec.name: S.QUANTIZER_CALLERS[spec.module] for spec in S.QUANTIZERS},
+    "sim-blackwell-check": "ModelOptFp4LinearMethod.process_weights_after_loading",
+}
 
 
 def _loads(fn: ast.FunctionDef, name: str) -> bool:
@@ -460,14 +552,24 @@ def check_stand_in(spec, version: str, src: Path) -> tuple[str, str]:
     fn, problem = (None, f"no module {spec.module}") if tree is None else _method(tree, caller)
     called = fn is not None and _loads(fn, spec.attribute)
     if not applies:
-        return (FAIL, f"{caller} calls {spec.attribute}, but the range {spec.versions} excludes {version}: the ledger "
-                      "would be wrong (range too narrow?)") if called else (NA, "")
+        return (
+            (
+                FAIL,
+                f"{caller} calls {spec.attribute}, but the range {spec.versions} excludes {version}: the ledger "
+                "would be wrong (range too narrow?)",
+            )
+            if called
+            else (NA, "")
+        )
     if fn is None:
         return FAIL, f"the simulation reads {caller}: {problem}"
     if not called:
         return FAIL, f"{caller} does not call {spec.attribute}: the stand-in cannot take effect (range too wide?)"
     if spec is not S.LEGACY_QUANTIZER and not _binds(tree, spec.attribute):
-        return FAIL, f"{caller} calls {spec.attribute}, but {spec.module} binds no module global of that name to replace"
+        return (
+            FAIL,
+            f"{caller} calls {spec.attribute}, but {spec.module} binds no module global of that name to replace",
+        )
     return OK, ""
 
 
@@ -482,8 +584,13 @@ def _op_registrations(tree: ast.Module) -> list[tuple[ast.FunctionDef, ast.expr]
             name = ast.unparse(call)
             if name.endswith("register_custom_op") and fn.name == "fp4_gemm":
                 found.append((fn, d))
-            elif name.endswith("custom_op") and isinstance(d, ast.Call) and d.args and \
-                    isinstance(d.args[0], ast.Constant) and d.args[0].value == S.OP_NAME:
+            elif (
+                name.endswith("custom_op")
+                and isinstance(d, ast.Call)
+                and d.args
+                and isinstance(d.args[0], ast.Constant)
+                and d.args[0].value == S.OP_NAME
+            ):
                 found.append((fn, d))
     return found
 
@@ -494,8 +601,10 @@ def _device_specific(decorator: ast.expr) -> bool:
     call = decorator.func if isinstance(decorator, ast.Call) else decorator
     if ast.unparse(call).endswith("register_custom_op"):
         return True
-    return any(k.arg == "device_types" and not (isinstance(k.value, ast.Constant) and k.value.value is None)
-               for k in getattr(decorator, "keywords", []))
+    return any(
+        k.arg == "device_types" and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+        for k in getattr(decorator, "keywords", [])
+    )
 
 
 def check_cpu_kernel(version: str, src: Path) -> tuple[str, str]:
@@ -510,8 +619,10 @@ def check_cpu_kernel(version: str, src: Path) -> tuple[str, str]:
     needs = [(fn, d) for fn, d in registered if _device_specific(d)]
     if not applies:
         if needs:
-            return FAIL, (f"{S.OP_NAME} is registered for the GPU only ({ast.unparse(needs[0][1])} at line "
-                          f"{needs[0][0].lineno}), but the range {spec.versions} excludes {version}: no CPU kernel (range too narrow?)")
+            return FAIL, (
+                f"{S.OP_NAME} is registered for the GPU only ({ast.unparse(needs[0][1])} at line "
+                f"{needs[0][0].lineno}), but the range {spec.versions} excludes {version}: no CPU kernel (range too narrow?)"
+            )
         return NA, ""
     if not needs:
         how = f"registered for every device ({ast.unparse(registered[0][1])})" if registered else "absent"
@@ -519,7 +630,10 @@ def check_cpu_kernel(version: str, src: Path) -> tuple[str, str]:
     fn = needs[0][0]
     if _loads(fn, "flashinfer_fp4_gemm") or _binds(tree, "flashinfer_fp4_gemm"):
         return OK, ""
-    return FAIL, f"the {S.OP_NAME} op body neither calls nor has flashinfer_fp4_gemm: no Python body to register for CPU"
+    return (
+        FAIL,
+        f"the {S.OP_NAME} op body neither calls nor has flashinfer_fp4_gemm: no Python body to register for CPU",
+    )
 
 
 def check_kernel_package(version: str, src: Path) -> tuple[str, str]:
@@ -593,13 +707,26 @@ def check_outside(version: str) -> str | None:
 #     kernel stand-in must handle. "absent": not installed (SGLang's FP4 modules import without it).
 TORCH_LOCAL = {"torch": "2.14.1", "torchvision": "0.29.1"}
 PINS: tuple[tuple[str, dict], ...] = (
-    (">=0.5.3,<0.5.24", dict(**TORCH_LOCAL, flashinfer=None, transformers=None, extra=(), kernel="absent", flashinfer_build=(),
-                             why="torch 2.14.1: the local CUDA build; SGLang's FP4 path imports and runs with it")),
+    (
+        ">=0.5.3,<0.5.24",
+        dict(
+            **TORCH_LOCAL,
+            flashinfer=None,
+            transformers=None,
+            extra=(),
+            kernel="absent",
+            flashinfer_build=(),
+            why="torch 2.14.1: the local CUDA build; SGLang's FP4 path imports and runs with it",
+        ),
+    ),
     # 0.5.3-0.5.10.post1 import sgl_kernel on the way to modelopt_quant (0.5.5-0.5.7 unguarded, in
     # moe_runner/deep_gemm.py): install the pinned one so the run sees what a user's CPU sees.
     (">=0.5.3,<0.5.11", dict(kernel="pinned")),
     # flashinfer-python 0.4.0 (0.5.3.post1-post3) and 0.4.1 (0.5.4-0.5.4.post2): no wheel on the index
-    (">=0.5.3.post1,<0.5.4.post3", dict(flashinfer_build=("setuptools>=77", "packaging>=24.2", "wheel", "apache-tvm-ffi==0.1.0"))),
+    (
+        ">=0.5.3.post1,<0.5.4.post3",
+        dict(flashinfer_build=("setuptools>=77", "packaging>=24.2", "wheel", "apache-tvm-ffi==0.1.0")),
+    ),
     # Beyond setup_env.sh's lists, each era's modelopt_quant import reaches (found by the trial loop
     # below on 0.5.3, 0.5.5-0.5.10, 0.5.12, 0.5.13, 0.5.15; releases in between take their era's row):
     (">=0.5.3,<0.5.5", dict(extra=("fastapi", "openai", "partial-json-parser", "einops"))),
@@ -678,10 +805,18 @@ sys.exit(1 if "error" in out else 0)
 
 
 MAX_ADDED_DEPS = 20
-IMPORT_NAMES = {"zmq": "pyzmq", "yaml": "pyyaml", "PIL": "pillow", "cv2": "opencv-python-headless",
-                "partial_json_parser": "partial-json-parser"}
+IMPORT_NAMES = {
+    "zmq": "pyzmq",
+    "yaml": "pyyaml",
+    "PIL": "pillow",
+    "cv2": "opencv-python-headless",
+    "partial_json_parser": "partial-json-parser",
+}
 STEPS = ("import", "demo", "tests")
-TEST_FILES = tuple(Path("tests") / f for f in ("test_sglang.py", "test_sglang_verify.py", "test_sglang_moe.py", "test_sglang_moe_layers.py"))
+TEST_FILES = tuple(
+    Path("tests") / f
+    for f in ("test_sglang.py", "test_sglang_verify.py", "test_sglang_moe.py", "test_sglang_moe_layers.py")
+)
 
 
 def bash_array(script: str, name: str) -> list[str]:
@@ -718,7 +853,9 @@ def resolve(version: str, cache: Path, flashinfer: str | None = None) -> dict:
         if plan[field] is None:
             plan[field] = exact(meta.get(dist))
             if plan[field] is None:
-                raise RuntimeError(f"sglang {version}: METADATA pins no exact {dist} ({meta.get(dist)!r}); set it in PINS")
+                raise RuntimeError(
+                    f"sglang {version}: METADATA pins no exact {dist} ({meta.get(dist)!r}); set it in PINS"
+                )
     plan["kernel_req"] = None
     if plan["kernel"] == "pinned":
         dist = next((d for d in KERNEL_DISTS if d in meta), None)
@@ -729,9 +866,11 @@ def resolve(version: str, cache: Path, flashinfer: str | None = None) -> dict:
     plan["flashinfer_axis"] = flashinfer
     if flashinfer is not None:
         plan["flashinfer"], plan["flashinfer_build"] = flashinfer, []  # the index's wheel
-    plan["deviations"] = [f"{name} {plan[field]} (release pins {meta.get(name)})"
-                          for field, name in (("torch", "torch"), ("torchvision", "torchvision"), ("flashinfer", "flashinfer-python"))
-                          if exact(meta.get(name)) not in (None, plan[field])]
+    plan["deviations"] = [
+        f"{name} {plan[field]} (release pins {meta.get(name)})"
+        for field, name in (("torch", "torch"), ("torchvision", "torchvision"), ("flashinfer", "flashinfer-python"))
+        if exact(meta.get(name)) not in (None, plan[field])
+    ]
     return plan
 
 
@@ -747,7 +886,11 @@ def release_of(key: str) -> str:
 def pins_summary(plan: dict) -> str:
     kernel = plan["kernel_req"] or "no kernel pkg"
     extra = f", +{'/'.join(plan['extra'])}" if plan["extra"] else ""
-    built = f" (built from its sdist, {next(r for r in plan['flashinfer_build'] if 'tvm' in r)})" if plan["flashinfer_build"] else ""
+    built = (
+        f" (built from its sdist, {next(r for r in plan['flashinfer_build'] if 'tvm' in r)})"
+        if plan["flashinfer_build"]
+        else ""
+    )
     return f"torch {plan['torch']}, flashinfer {plan['flashinfer']}{built}, transformers {plan['transformers']}, {kernel}{extra}"
 
 
@@ -761,7 +904,15 @@ def flashinfer_wheel(py: Path, cache: Path, plan: dict, pip) -> str:
     found = sorted(built.glob(f"flashinfer_python-{version}-*.whl"))
     if not found:
         pip("flashinfer-build-deps", *plan["flashinfer_build"])
-        pip("flashinfer-build", "--no-deps", "--no-build-isolation", f"flashinfer-python=={version}", "-w", str(built), command="wheel")
+        pip(
+            "flashinfer-build",
+            "--no-deps",
+            "--no-build-isolation",
+            f"flashinfer-python=={version}",
+            "-w",
+            str(built),
+            command="wheel",
+        )
         found = sorted(built.glob(f"flashinfer_python-{version}-*.whl"))
         if not found:
             raise RuntimeError(f"pip wheel flashinfer-python=={version} wrote no wheel into {built}")
@@ -777,13 +928,18 @@ def build_venv(version: str, cache: Path, plan: dict) -> Path:
     venv = venv_dir(version, plan["flashinfer_axis"])
     logs = venv / ".logs"
     py = venv / "bin" / "python"
-    pinned = [f"torch=={plan['torch']}", f"torchvision=={plan['torchvision']}", "triton"]  # in every call: pip never swaps torch
+    pinned = [
+        f"torch=={plan['torch']}",
+        f"torchvision=={plan['torchvision']}",
+        "triton",
+    ]  # in every call: pip never swaps torch
 
     def pip(step: str, *args: str, command: str = "install") -> None:
         print(f"[{version}] pip {command} {' '.join(args)}", flush=True)
         logs.mkdir(parents=True, exist_ok=True)
-        run = subprocess.run([str(py), "-m", "pip", command, "--disable-pip-version-check", *args],
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            [str(py), "-m", "pip", command, "--disable-pip-version-check", *args], capture_output=True, text=True
+        )
         (logs / f"{step}.log").write_text(run.stdout + run.stderr)
         if run.returncode != 0:
             tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-25:])
@@ -792,10 +948,18 @@ def build_venv(version: str, cache: Path, plan: dict) -> Path:
     meta = plan["meta"]
     setup = (ROOT / "scripts" / "setup_env.sh").read_text()
     deps = []  # setup_env.sh's lists with this release's pins where it has them (else unpinned)
-    kept = {canonicalize_name(Requirement(r).name): r for r in plan["flashinfer_build"]}  # what the built flashinfer was built with
-    for item in bash_array(setup, "FLASHINFER_DEPS") + bash_array(setup, "SGLANG_DEPS") + bash_array(setup, "PROJECT_DEPS"):
+    kept = {
+        canonicalize_name(Requirement(r).name): r for r in plan["flashinfer_build"]
+    }  # what the built flashinfer was built with
+    for item in (
+        bash_array(setup, "FLASHINFER_DEPS") + bash_array(setup, "SGLANG_DEPS") + bash_array(setup, "PROJECT_DEPS")
+    ):
         name = canonicalize_name(Requirement(item).name)
-        deps.append(f"transformers=={plan['transformers']}" if name == "transformers" else kept.get(name) or name + meta.get(name, ""))
+        deps.append(
+            f"transformers=={plan['transformers']}"
+            if name == "transformers"
+            else kept.get(name) or name + meta.get(name, "")
+        )
     deps += [canonicalize_name(e) + meta.get(canonicalize_name(e), "") for e in plan["extra"]]
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -835,19 +999,40 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
     }
     added, run = [], None
     for _ in range(MAX_ADDED_DEPS + 1):  # a release that needs more than PINS says: add by trial, report it
-        run = subprocess.run([str(py), "-c", SNIPPET, json.dumps(args)], capture_output=True, text=True,
-                             cwd=py.parent.parent, env=_env(repo), timeout=900)
+        run = subprocess.run(
+            [str(py), "-c", SNIPPET, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            cwd=py.parent.parent,
+            env=_env(repo),
+            timeout=900,
+        )
         missing = re.search(r"No module named '([\w]+)", run.stdout + run.stderr)
         name = missing and canonicalize_name(IMPORT_NAMES.get(missing.group(1), missing.group(1)))
         if run.returncode == 0 or not missing or name not in plan["meta"] or len(added) == MAX_ADDED_DEPS:
             break
         added.append(name + plan["meta"][name])
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        f"torch=={plan['torch']}", f"torchvision=={plan['torchvision']}", added[-1]],
-                       capture_output=True, text=True)
+        subprocess.run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                f"torch=={plan['torch']}",
+                f"torchvision=={plan['torchvision']}",
+                added[-1],
+            ],
+            capture_output=True,
+            text=True,
+        )
     line = next((ln for ln in run.stdout.splitlines() if ln.startswith("MATRIX-RESULT ")), None)
-    got = json.loads(line.removeprefix("MATRIX-RESULT ")) if line else {
-        "error": f"snippet died (rc {run.returncode})", "traceback": run.stderr.splitlines()[-14:]}
+    got = (
+        json.loads(line.removeprefix("MATRIX-RESULT "))
+        if line
+        else {"error": f"snippet died (rc {run.returncode})", "traceback": run.stderr.splitlines()[-14:]}
+    )
     problems = []
     if "error" in got:
         problems.append(f"{got['stage']}: {got['error']}")
@@ -855,7 +1040,9 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
         states = got["states"]
         skipped_modules = got.get("not_importable", {})
         expected = sorted(s.name for s in runtime if s.module not in skipped_modules)
-        problems += [f"{n}: {states.get(n, ['missing', None])}" for n in expected if states.get(n, ["missing"])[0] != "applied"]
+        problems += [
+            f"{n}: {states.get(n, ['missing', None])}" for n in expected if states.get(n, ["missing"])[0] != "applied"
+        ]
         quantizers = {n: st for n, st in states.items() if n.startswith("sim-activation-quantizer")}
         if not any(st[0] == "applied" for st in quantizers.values()):
             problems.append(f"simulated activation quantizer not applied: {quantizers}")
@@ -870,48 +1057,99 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
 
 def run_demo(py: Path, repo: Path) -> dict:
     """`python -m sm120_fp4 demo`: must exit 0 and print a bit-exact forward pass."""
-    run = subprocess.run([str(py), "-m", "sm120_fp4", "demo"], capture_output=True, text=True,
-                         cwd=py.parent.parent, env=_env(repo), timeout=900)
+    run = subprocess.run(
+        [str(py), "-m", "sm120_fp4", "demo"],
+        capture_output=True,
+        text=True,
+        cwd=py.parent.parent,
+        env=_env(repo),
+        timeout=900,
+    )
     text = run.stdout + run.stderr
     exact_line = next((ln.strip() for ln in text.splitlines() if "bit-exact:" in ln), None)
     ok = run.returncode == 0 and exact_line is not None and "bit-exact: True" in exact_line
-    error = None if ok else next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), f"rc {run.returncode}")
+    error = (
+        None if ok else next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), f"rc {run.returncode}")
+    )
     return {"ok": ok, "rc": run.returncode, "bit_exact": exact_line, "error": error, "tail": text.splitlines()[-30:]}
 
 
 def run_tests(py: Path, repo: Path) -> dict:
     """The repo's integration test file against this release; its pytest summary and failures."""
-    run = subprocess.run([str(py), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *(str(repo / f) for f in TEST_FILES)],
-                         capture_output=True, text=True, cwd=repo, env=_env(repo), timeout=1800)
+    run = subprocess.run(
+        [str(py), "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *(str(repo / f) for f in TEST_FILES)],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        env=_env(repo),
+        timeout=1800,
+    )
     lines = run.stdout.splitlines()
-    summary = next((ln.strip("= ") for ln in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", ln)), f"rc {run.returncode}")
+    summary = next(
+        (ln.strip("= ") for ln in reversed(lines) if re.search(r"\d+ (passed|failed|skipped|error)", ln)),
+        f"rc {run.returncode}",
+    )
     failed = [ln.removeprefix("FAILED ").removeprefix("ERROR ") for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
     skipped_all = run.returncode == 0 and "passed" not in summary
-    skipped = sorted({re.sub(r"^SKIPPED \[(\d+)\] [^:]+:\d+: ", r"(\1) ", ln) for ln in lines if ln.startswith("SKIPPED [")})
-    return {"ok": run.returncode == 0 and not skipped_all, "rc": run.returncode, "summary": summary,
-            "failed": failed, "skipped": skipped, "tail": lines[-40:]}
+    skipped = sorted(
+        {re.sub(r"^SKIPPED \[(\d+)\] [^:]+:\d+: ", r"(\1) ", ln) for ln in lines if ln.startswith("SKIPPED [")}
+    )
+    return {
+        "ok": run.returncode == 0 and not skipped_all,
+        "rc": run.returncode,
+        "summary": summary,
+        "failed": failed,
+        "skipped": skipped,
+        "tail": lines[-40:],
+    }
 
 
 def use_venv(venv: Path, version: str, plan: dict) -> Path:
     """An existing venv of `version` (--venv): its SGLang checked, the FlashInfer axis's release installed."""
     py = venv / "bin" / "python"
-    run = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('sglang'))"], capture_output=True, text=True)
+    run = subprocess.run(
+        [str(py), "-c", "import importlib.metadata as m; print(m.version('sglang'))"], capture_output=True, text=True
+    )
     if run.returncode != 0 or run.stdout.strip() != version:
-        raise RuntimeError(f"--venv {venv}: holds sglang {run.stdout.strip() or '(none: ' + run.stderr.strip()[-200:] + ')'}, not {version}")
+        raise RuntimeError(
+            f"--venv {venv}: holds sglang {run.stdout.strip() or '(none: ' + run.stderr.strip()[-200:] + ')'}, not {version}"
+        )
     if plan["flashinfer_axis"] is not None:
         print(f"[{version}] pip install --no-deps flashinfer-python=={plan['flashinfer']} into {venv}", flush=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                        f"flashinfer-python=={plan['flashinfer']}"], check=True)
+        subprocess.run(
+            [
+                str(py),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "--no-deps",
+                f"flashinfer-python=={plan['flashinfer']}",
+            ],
+            check=True,
+        )
     return py
 
 
-def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool,
-                  flashinfer: str | None = None, venv: Path | None = None) -> list[dict]:
+def check_release(
+    version: str,
+    cache: Path,
+    steps: tuple[str, ...],
+    repos: list[Path],
+    keep_venv: bool,
+    flashinfer: str | None = None,
+    venv: Path | None = None,
+) -> list[dict]:
     """Build the release's venv (or use `venv`), run `steps` with each repo's sm120_fp4, delete the venv unless kept."""
     plan = resolve(version, cache, flashinfer)
     results = []
-    base = {"release": row_key(version, flashinfer), "pins": pins_summary(plan), "deviations": plan["deviations"],
-            "date": datetime.date.today().isoformat()}
+    base = {
+        "release": row_key(version, flashinfer),
+        "pins": pins_summary(plan),
+        "deviations": plan["deviations"],
+        "date": datetime.date.today().isoformat(),
+    }
     labels = {repo: repo_label(repo) for repo in repos}
     keep_venv = keep_venv or venv is not None
     built = venv or venv_dir(version, flashinfer)
@@ -924,13 +1162,25 @@ def check_release(version: str, cache: Path, steps: tuple[str, ...], repos: list
             row = dict(base, repo=str(repo), code=labels[repo])
             if "import" in steps:
                 row["import"] = run_import(version, py, repo, plan)
-                print(f"[{version}] import+patches ({repo}): " + ("OK" if row["import"]["ok"] else "FAIL: " + "; ".join(row["import"]["problems"])), flush=True)
+                print(
+                    f"[{version}] import+patches ({repo}): "
+                    + ("OK" if row["import"]["ok"] else "FAIL: " + "; ".join(row["import"]["problems"])),
+                    flush=True,
+                )
             if "demo" in steps:
                 row["demo"] = run_demo(py, repo)
-                print(f"[{version}] demo ({repo}): " + ("OK " + row["demo"]["bit_exact"] if row["demo"]["ok"] else f"FAIL: {row['demo']['error']}"), flush=True)
+                print(
+                    f"[{version}] demo ({repo}): "
+                    + ("OK " + row["demo"]["bit_exact"] if row["demo"]["ok"] else f"FAIL: {row['demo']['error']}"),
+                    flush=True,
+                )
             if "tests" in steps:
                 row["tests"] = run_tests(py, repo)
-                print(f"[{version}] SGLang test files ({repo}): {row['tests']['summary']}" + "".join(f"\n    FAILED {f}" for f in row["tests"]["failed"]), flush=True)
+                print(
+                    f"[{version}] SGLang test files ({repo}): {row['tests']['summary']}"
+                    + "".join(f"\n    FAILED {f}" for f in row["tests"]["failed"]),
+                    flush=True,
+                )
             row["ok"] = all(row[s]["ok"] for s in steps if s in row)
             results.append(row)
     finally:
@@ -948,16 +1198,26 @@ def cell(row: dict, step: str) -> str:
         return "not run"
     if step == "import":
         if got["ok"]:
-            missing = "; ".join(f"{m.rsplit('.', 1)[-1]} not importable on this CPU venv ({e}): its hook source-checked only"
-                                for m, e in got.get("not_importable", {}).items())
+            missing = "; ".join(
+                f"{m.rsplit('.', 1)[-1]} not importable on this CPU venv ({e}): its hook source-checked only"
+                for m, e in got.get("not_importable", {}).items()
+            )
             states = got.get("states", {})
-            quantizer = "activation quantizer stand-in for " + (", ".join(
-                f"{spec.module.rsplit('.', 1)[-1]}.{spec.attribute}" for spec in S.QUANTIZERS
-                if states.get(spec.name, [None])[0] == "applied") or "nothing")
-            kernel = "; the CUDA-only sgl_kernel cannot load here: its stand-in imported" if states.get(
-                S.KERNEL_PACKAGE_STAND_IN.name, [None])[0] == "applied" else ""
+            quantizer = "activation quantizer stand-in for " + (
+                ", ".join(
+                    f"{spec.module.rsplit('.', 1)[-1]}.{spec.attribute}"
+                    for spec in S.QUANTIZERS
+                    if states.get(spec.name, [None])[0] == "applied"
+                )
+                or "nothing"
+            )
+            kernel = (
+                "; the CUDA-only sgl_kernel cannot load here: its stand-in imported"
+                if states.get(S.KERNEL_PACKAGE_STAND_IN.name, [None])[0] == "applied"
+                else ""
+            )
             notes = "; ".join(n for n in (missing,) if n)
-            return (f"ok: patched ({quantizer}{kernel}), restored by uninstall()" + (f" ({notes})" if notes else ""))
+            return f"ok: patched ({quantizer}{kernel}), restored by uninstall()" + (f" ({notes})" if notes else "")
         return "FAIL: " + "; ".join(got["problems"])[:300]
     if step == "demo":
         return ("ok: " + got["bit_exact"]) if got["ok"] else f"FAIL (rc {got['rc']}): {got['error']}"[:300]
@@ -971,6 +1231,7 @@ def cell(row: dict, step: str) -> str:
 
 def repo_label(repo: Path) -> str:
     """`name@shorthash` (+ `+changes` when the work tree differs from it) of the checkout that ran."""
+
     def git(*args: str) -> str:
         run = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
         return run.stdout.strip() if run.returncode == 0 else ""
@@ -998,16 +1259,42 @@ def row_order(key: str) -> tuple[int, str]:
 
 
 def markdown(rows: list[dict], kept: dict[str, str] | None = None) -> str:
-    head = ["release", "sm120_fp4 commit", "pins (what the venv got)", "import + patches + uninstall", "demo", "integration tests", "outcome", "date"]
+    head = [
+        "release",
+        "sm120_fp4 commit",
+        "pins (what the venv got)",
+        "import + patches + uninstall",
+        "demo",
+        "integration tests",
+        "outcome",
+        "date",
+    ]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines = dict(kept or {})
     for row in rows:
         code = row.get("code", row["repo"]).split("@", 1)[-1]  # the commit (a checkout's folder name says nothing)
         if "build_error" in row:
-            cells = [row["release"], code, row["pins"], "venv build failed: " + row["build_error"].splitlines()[0], "not run", "not run", "FAIL", row["date"]]
+            cells = [
+                row["release"],
+                code,
+                row["pins"],
+                "venv build failed: " + row["build_error"].splitlines()[0],
+                "not run",
+                "not run",
+                "FAIL",
+                row["date"],
+            ]
         else:
-            cells = [row["release"], code, row["pins"], cell(row, "import"), cell(row, "demo"), cell(row, "tests"),
-                     "ok" if row["ok"] else "FAIL", row["date"]]
+            cells = [
+                row["release"],
+                code,
+                row["pins"],
+                cell(row, "import"),
+                cell(row, "demo"),
+                cell(row, "tests"),
+                "ok" if row["ok"] else "FAIL",
+                row["date"],
+            ]
         lines[row["release"]] = "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
     out += [lines[v] for v in sorted(lines, key=row_order)]
     return "\n".join(out) + "\n"
@@ -1058,14 +1345,22 @@ def source_section(source: dict) -> str:
     releases = source.get("releases", {})
     failing = {v: [k for k, (st, _) in r.items() if st == FAIL] for v, r in releases.items()}
     bad = {v: f for v, f in failing.items() if f}
-    lines = ["", SOURCE_TITLE, "",
-             f"`scripts/sglang_matrix.py` (default mode) read the {len(releases)} releases' wheels "
-             f"({', '.join(releases)}): every patch target is where its version range says, and absent where "
-             "the range excludes it; releases outside the supported range are left alone. The simulation's "
-             "stand-ins too: each activation quantizer and the Blackwell check is called by the method the "
-             "simulation reads exactly in its ledger range; the CPU op body and the kernel package are where "
-             "the simulation uses them.", ""]
-    lines.append(f"Outcome ({source.get('date', 'date not recorded')}): " + ("all ok." if not bad else "FAIL: " + "; ".join(f"{v}: {', '.join(f)}" for v, f in bad.items())))
+    lines = [
+        "",
+        SOURCE_TITLE,
+        "",
+        f"`scripts/sglang_matrix.py` (default mode) read the {len(releases)} releases' wheels "
+        f"({', '.join(releases)}): every patch target is where its version range says, and absent where "
+        "the range excludes it; releases outside the supported range are left alone. The simulation's "
+        "stand-ins too: each activation quantizer and the Blackwell check is called by the method the "
+        "simulation reads exactly in its ledger range; the CPU op body and the kernel package are where "
+        "the simulation uses them.",
+        "",
+    ]
+    lines.append(
+        f"Outcome ({source.get('date', 'date not recorded')}): "
+        + ("all ok." if not bad else "FAIL: " + "; ".join(f"{v}: {', '.join(f)}" for v, f in bad.items()))
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -1078,15 +1373,28 @@ def write_report(path: Path, rows: list[dict], source: dict | None = None) -> No
     lack (kept as they were), and the source check's section (`source`, else the earlier one)."""
     earlier = path.read_text() if path.is_file() else ""
     kept = earlier_rows(path, {row["release"] for row in rows})
-    section = source_section(source) if source else ("\n" + earlier[earlier.index(SOURCE_TITLE):] if SOURCE_TITLE in earlier else "")
+    section = (
+        source_section(source)
+        if source
+        else ("\n" + earlier[earlier.index(SOURCE_TITLE) :] if SOURCE_TITLE in earlier else "")
+    )
     have = set(kept) | {row["release"] for row in rows}
     missing = [v for v in TABLE_RELEASES if v not in have]
-    todo = (f"\nNot run yet (of `--releases table`): {', '.join(missing)}.\n" if missing else "")
+    todo = f"\nNot run yet (of `--releases table`): {', '.join(missing)}.\n" if missing else ""
     path.write_text(REPORT_HEAD + f"\n{TABLE_TITLE}\n\n" + markdown(rows, kept) + todo + section)
 
 
-def check_releases(versions: list[str], cache: Path, steps: tuple[str, ...], repos: list[Path], keep_venv: bool,
-                   report: Path | None, json_out: Path | None, flashinfer: str | None = None, venv: Path | None = None) -> int:
+def check_releases(
+    versions: list[str],
+    cache: Path,
+    steps: tuple[str, ...],
+    repos: list[Path],
+    keep_venv: bool,
+    report: Path | None,
+    json_out: Path | None,
+    flashinfer: str | None = None,
+    venv: Path | None = None,
+) -> int:
     """One release at a time (venv built, run, deleted): the disk holds one venv (~7 GB) at most."""
     rows: list[dict] = []
     for version in versions:
@@ -1118,8 +1426,23 @@ def print_table(results: dict[str, dict[str, tuple[str, str]]]) -> None:
 
 # One release per era of SGLang's FP4 path: alias name, op wrapper, enum members, activation
 # quantizer (fp4_quantize from 0.5.4.post2), platform checks and kernel package each change somewhere along it.
-ERA_RELEASES = ("0.5.3", "0.5.4.post2", "0.5.5", "0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.12", "0.5.13", "0.5.15",
-                "0.5.18", "0.5.20", "0.5.22", "0.5.23")
+ERA_RELEASES = (
+    "0.5.3",
+    "0.5.4.post2",
+    "0.5.5",
+    "0.5.6",
+    "0.5.7",
+    "0.5.8",
+    "0.5.9",
+    "0.5.10",
+    "0.5.12",
+    "0.5.13",
+    "0.5.15",
+    "0.5.18",
+    "0.5.20",
+    "0.5.22",
+    "0.5.23",
+)
 
 
 def newest_of_each_minor(releases=RELEASES) -> tuple[str, ...]:
@@ -1141,25 +1464,58 @@ RELEASE_SETS = {"era": ERA_RELEASES, "newest": NEWEST_RELEASES, "table": TABLE_R
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"wheel/source cache (default {DEFAULT_CACHE})")
+    parser.add_argument(
+        "--cache", type=Path, default=DEFAULT_CACHE, help=f"wheel/source cache (default {DEFAULT_CACHE})"
+    )
     parser.add_argument("--versions", help="source check: comma-separated subset of the matrix (default: all releases)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
-    parser.add_argument("--import-check", metavar="VERSION", help="build a venv for VERSION (kept) and import-and-patch the real SGLang")
-    parser.add_argument("--releases", metavar="LIST", help="like --import-check for each release of LIST (comma-separated, or 'era' for "
-                        f"{','.join(ERA_RELEASES)}; 'newest' for the newest of every minor, {','.join(NEWEST_RELEASES)}; 'table' for "
-                        "both, the rows of docs/RELEASES.md), one at a time, each venv deleted after its run")
-    parser.add_argument("--demo", action="store_true", help="with --import-check/--releases: also run `python -m sm120_fp4 demo` there")
-    parser.add_argument("--run-tests", action="store_true", help="with --import-check/--releases: also run the SGLang test files there")
-    parser.add_argument("--repo", type=Path, action="append", help="run this checkout's sm120_fp4 and tests (PYTHONPATH); repeatable; default this repo")
+    parser.add_argument(
+        "--import-check", metavar="VERSION", help="build a venv for VERSION (kept) and import-and-patch the real SGLang"
+    )
+    parser.add_argument(
+        "--releases",
+        metavar="LIST",
+        help="like --import-check for each release of LIST (comma-separated, or 'era' for "
+        f"{','.join(ERA_RELEASES)}; 'newest' for the newest of every minor, {','.join(NEWEST_RELEASES)}; 'table' for "
+        "both, the rows of docs/RELEASES.md), one at a time, each venv deleted after its run",
+    )
+    parser.add_argument(
+        "--demo", action="store_true", help="with --import-check/--releases: also run `python -m sm120_fp4 demo` there"
+    )
+    parser.add_argument(
+        "--run-tests", action="store_true", help="with --import-check/--releases: also run the SGLang test files there"
+    )
+    parser.add_argument(
+        "--repo",
+        type=Path,
+        action="append",
+        help="run this checkout's sm120_fp4 and tests (PYTHONPATH); repeatable; default this repo",
+    )
     parser.add_argument("--keep-venv", action="store_true", help="with --releases: keep each venv (~7 GB each)")
-    parser.add_argument("--flashinfer", metavar="VERSION", help="with --import-check/--releases: install this flashinfer-python "
-                        "(--no-deps) instead of the release's pin; rows RELEASE+flashinfer-VERSION")
-    parser.add_argument("--venv", type=Path, metavar="DIR", help="with --import-check: an existing venv of that release "
-                        "(a copy of another; never deleted) instead of building one")
-    parser.add_argument("--report", type=Path, help="with --import-check/--releases: write the Markdown results table here")
-    parser.add_argument("--render", type=Path, metavar="JSON", help="write --report from the --json of earlier --releases runs "
-                        "(several files: comma-separated; a release in several: the last file's row) and, with --source-json, "
-                        "the source check's")
+    parser.add_argument(
+        "--flashinfer",
+        metavar="VERSION",
+        help="with --import-check/--releases: install this flashinfer-python "
+        "(--no-deps) instead of the release's pin; rows RELEASE+flashinfer-VERSION",
+    )
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        metavar="DIR",
+        help="with --import-check: an existing venv of that release "
+        "(a copy of another; never deleted) instead of building one",
+    )
+    parser.add_argument(
+        "--report", type=Path, help="with --import-check/--releases: write the Markdown results table here"
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="write --report from the --json of earlier --releases runs "
+        "(several files: comma-separated; a release in several: the last file's row) and, with --source-json, "
+        "the source check's",
+    )
     parser.add_argument("--source-json", type=Path, help="with --render: the --json of a source-check run")
     args = parser.parse_args(argv)
 
@@ -1176,20 +1532,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.import_check or args.releases:
-        versions = [args.import_check] if args.import_check else (
-            list(RELEASE_SETS[args.releases]) if args.releases in RELEASE_SETS else args.releases.split(","))
+        versions = (
+            [args.import_check]
+            if args.import_check
+            else (list(RELEASE_SETS[args.releases]) if args.releases in RELEASE_SETS else args.releases.split(","))
+        )
         unknown = [v for v in versions if v not in RELEASES]
         if unknown:
             parser.error(f"not in the matrix: {unknown} (known: {', '.join(RELEASES)})")
         if args.venv is not None and not args.import_check:
             parser.error("--venv needs --import-check (one release's venv)")
-        if args.flashinfer is not None and not re.fullmatch(r"[0-9]+(\.[0-9]+)*([a-z]+[0-9]*)?(\.post[0-9]+)?", args.flashinfer, re.ASCII):
+        if args.flashinfer is not None and not re.fullmatch(
+            r"[0-9]+(\.[0-9]+)*([a-z]+[0-9]*)?(\.post[0-9]+)?", args.flashinfer, re.ASCII
+        ):
             parser.error(f"--flashinfer {args.flashinfer!r}: a flashinfer-python release such as 0.7.4 or 0.7.2.post1")
         steps = ("import",) + (("demo",) if args.demo else ()) + (("tests",) if args.run_tests else ())
         repos = [r.resolve() for r in (args.repo or [ROOT])]
         try:
-            return check_releases(versions, args.cache, steps, repos, bool(args.import_check or args.keep_venv), args.report, args.json,
-                                  args.flashinfer, args.venv)
+            return check_releases(
+                versions,
+                args.cache,
+                steps,
+                repos,
+                bool(args.import_check or args.keep_venv),
+                args.report,
+                args.json,
+                args.flashinfer,
+                args.venv,
+            )
         except RuntimeError as exc:
             print(f"import check: {exc}")
             return 2
@@ -1210,7 +1580,9 @@ def main(argv: list[str] | None = None) -> int:
     for v, problem in outside.items():
         print(f"outside {R.SUPPORTED}: {v}: " + (f"FAIL {problem}" if problem else "nothing applies (ok)"))
     if args.json:
-        args.json.write_text(json.dumps({"releases": results, "outside": outside, "date": datetime.date.today().isoformat()}, indent=2))
+        args.json.write_text(
+            json.dumps({"releases": results, "outside": outside, "date": datetime.date.today().isoformat()}, indent=2)
+        )
     failed = any(s == FAIL for row in results.values() for s, _ in row.values()) or any(outside.values())
     print(f"{len(versions)} releases: " + ("FAIL" if failed else "all ok"))
     return 1 if failed else 0

@@ -19,9 +19,9 @@ from pydantic import BaseModel
 
 from . import __version__, canary, deciding, devices, locks, serving, verify
 from . import report as report_file
-from .canary import CanaryStatus
 from . import sglang as sglang_support
 from . import vllm as vllm_support
+from .canary import CanaryStatus
 from .config import Settings, check_flashinfer_env, env_name, flashinfer_overrides, load_settings, sources
 from .dispatch import Router
 from .errors import ConfigError
@@ -109,9 +109,14 @@ def _log_precedence(settings: Settings) -> None:
         return
     for var, value in (("SM120_FP4_FALLBACK", settings.fallback), ("SM120_FP4_MOE_FALLBACK", settings.moe_fallback)):
         if value == "emulated":
-            _log_once(f"precedence {var}", logging.WARNING,
-                      "sm120_fp4: %s=emulated and SM120_FP4_SELFTEST=warn are both set: where no candidate verifies, "
-                      "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)", var, var)
+            _log_once(
+                f"precedence {var}",
+                logging.WARNING,
+                "sm120_fp4: %s=emulated and SM120_FP4_SELFTEST=warn are both set: where no candidate verifies, "
+                "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)",
+                var,
+                var,
+            )
 
 
 def _supported_engines() -> list:
@@ -147,7 +152,12 @@ def _no_12x_gpu(settings: Settings) -> str | None:
             # its first layer loads, or refused there); whether any 12.x GPU may be visible is known now.
             simulate = settings.simulated_capability
             found = [replace(d, capability=simulate, simulated=True) if simulate else d for d in exc.candidates]
-            _log_once("mapping", logging.INFO, "%s (install() goes on: each GPU is mapped through CUDA when its first layer loads)", exc)
+            _log_once(
+                "mapping",
+                logging.INFO,
+                "%s (install() goes on: each GPU is mapped through CUDA when its first layer loads)",
+                exc,
+            )
         if not any(devices.is_sm12x(d.capability) for d in found):
             seen = ", ".join(d.label() for d in found) or "no GPU"
             return f"no compute-capability 12.x GPU visible ({seen}): nothing to fix, SGLang left untouched (SM120_FP4_ENABLE=on forces it)"
@@ -158,7 +168,8 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
     check_flashinfer_env()  # FlashInfer's own FP4 recipe knobs: nothing it computes could be verified
     engines = _supported_engines()
     problem = canary.settings_problem(settings) or next(
-        (p for p in (engine.idle_point_problem(settings) for engine in engines) if p is not None), None)
+        (p for p in (engine.idle_point_problem(settings) for engine in engines) if p is not None), None
+    )
     if problem is not None:  # the serving canary asked for, and it could not run: refused, never silently off
         raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
     router = Router(settings)
@@ -213,7 +224,9 @@ def install(**overrides: Any) -> Status:
         carried = next((c for c in (engine.carried_fix() for engine in engines) if c), None)
         served = ", ".join(f"{engine.NAME} {engine.engine_version()}" for engine in engines)
         _message = f"installed ({served})" + (f"; {carried}" if carried else "")
-        _log_once("installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump())
+        _log_once(
+            "installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump()
+        )
         return status()
 
 
@@ -231,17 +244,25 @@ def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], o
     decided already (layers verified with the settings in force): ConfigError -- a decision cannot
     be re-made for layers already loaded, and the keywords are never ignored silently."""
     shown = "; ".join(f"{k}: {old!r} in force, {new!r} asked" for k, (old, new) in changed.items())
-    by = (f"install({', '.join(f'{k}={v!r}' for k, v in state.kwargs.items())})" if state.kwargs else
-          "the environment (SM120_FP4=1: the start-up hook or SGLang's plugin installed it)")
+    by = (
+        f"install({', '.join(f'{k}={v!r}' for k, v in state.kwargs.items())})"
+        if state.kwargs
+        else "the environment (SM120_FP4=1: the start-up hook or SGLang's plugin installed it)"
+    )
     decided = serving.decisions() or serving.refusals() or serving.routes("dense") or serving.routes("moe")
     if decided:
         raise ConfigError(
             f"sm120_fp4: install({', '.join(f'{k}={v!r}' for k, v in overrides.items())}) asks for other settings than the "
             f"ones in force, installed by {by} ({shown}); this process has already decided ({len(serving.decisions())} "
             "decision(s), layers verified with them), so they cannot change now. Set them before SGLang loads the model "
-            f"(the environment: {', '.join(env_name(k) for k in changed)}), or call sm120_fp4.uninstall() first")
-    _LOG.warning("sm120_fp4: install() with other settings than the ones in force, installed by %s (%s): nothing was "
-                 "decided yet, so re-installing with them", by, shown)
+            f"(the environment: {', '.join(env_name(k) for k in changed)}), or call sm120_fp4.uninstall() first"
+        )
+    _LOG.warning(
+        "sm120_fp4: install() with other settings than the ones in force, installed by %s (%s): nothing was "
+        "decided yet, so re-installing with them",
+        by,
+        shown,
+    )
     _uninstall_locked()
 
 
@@ -286,7 +307,7 @@ def status() -> Status:
         ok, _ = sglang_support.release_support()
         try:
             found = [d.label() for d in devices.list_devices(settings.simulated_capability)]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             found = [f"device probe failed: {exc}"]
         return Status(
             version=__version__,
@@ -303,7 +324,13 @@ def status() -> Status:
             decisions=serving.decisions(),
             refusals=serving.refusals(),
             canary=canary.status(settings),
-            engines={engine.NAME: {"version": engine.engine_version(), "supported": engine.release_support()[0],
-                                   "reason": engine.release_support()[1]} for engine in ENGINES},
+            engines={
+                engine.NAME: {
+                    "version": engine.engine_version(),
+                    "supported": engine.release_support()[0],
+                    "reason": engine.release_support()[1],
+                }
+                for engine in ENGINES
+            },
             flashinfer_overrides=flashinfer_overrides(),
         )

@@ -106,7 +106,11 @@ def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], l
                 break
         else:
             dense[DenseShape(*linear[module])] = None
-    text = checkpoint.config.get("text_config") if isinstance(checkpoint.config.get("text_config"), dict) else checkpoint.config
+    text = (
+        checkpoint.config.get("text_config")
+        if isinstance(checkpoint.config.get("text_config"), dict)
+        else checkpoint.config
+    )
     top_k = text.get("num_experts_per_tok") or text.get("moe_topk") or 2
     moe: dict[MoeShape, None] = {}
     for roles in checkpoint.experts.values():
@@ -117,6 +121,7 @@ def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], l
 
 
 # ---- inputs -----------------------------------------------------------------------------------
+
 
 def _dense_inputs(config: DenseShape, m: int, device: torch.device):
     _, _, args = verify.quantized_inputs((m, config.n, config.k), device, seed=m)
@@ -155,6 +160,7 @@ def _moe_batch(config: MoeShape, m: int, device: torch.device):
 
 # ---- the calls timed ------------------------------------------------------------------------------
 
+
 def _dense_call(fn: Callable, config: DenseShape, m: int, device: torch.device) -> Callable[[], object]:
     args = _dense_inputs(config, m, device)
     out = torch.empty((m, config.n), dtype=torch.bfloat16, device=device)
@@ -169,7 +175,9 @@ def _dense_bf16(config: DenseShape, m: int, device: torch.device) -> Callable[[]
     return lambda: torch.matmul(x, w.T, out=out)
 
 
-def _moe_call(fn: Callable, weights: nvfp4.MoeWeights, config: MoeShape, m: int, device: torch.device) -> Callable[[], object]:
+def _moe_call(
+    fn: Callable, weights: nvfp4.MoeWeights, config: MoeShape, m: int, device: torch.device
+) -> Callable[[], object]:
     x, ids, topk_weights = _moe_batch(config, m, device)
     out = torch.empty_like(x)
     return lambda: fn(x, ids, topk_weights, *weights, config.activation, x.dtype, out)
@@ -202,6 +210,7 @@ def _moe_bf16(config: MoeShape, m: int, device: torch.device) -> Callable[[], ob
 
 
 # ---- timing ---------------------------------------------------------------------------------------
+
 
 class _Timer:
     """Median time of one call on `device`: a CUDA-graph replay per sample where the call can be
@@ -242,7 +251,7 @@ class _Timer:
                 with torch.cuda.graph(graph):
                     call()
                 step = graph.replay
-            except Exception as exc:  # noqa: BLE001 - a call that cannot be captured is timed eagerly, and says why
+            except Exception as exc:
                 how = f"eager: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:120]
                 torch.cuda.synchronize(self.device)
             step()
@@ -259,6 +268,7 @@ class _Timer:
 
 
 # ---- verification -------------------------------------------------------------------------------
+
 
 def _verify_sizes(sizes: list[int]) -> list[int]:
     """The timed sizes the self-test checks: the smallest, the largest decode size, the smallest prefill size."""
@@ -278,21 +288,41 @@ def _verify(family: str, name: str, config, sizes: list[int], device: Device, se
     try:
         if family == "dense":
             shapes = [(m, config.n, config.k) for m in _verify_sizes(sizes)]
-            report = verify.run(name, device, shapes, bounds=verify.Bounds(timeout_s=settings.selftest_timeout),
-                                quantizer=backends.quantizer_for(name, device))
+            report = verify.run(
+                name,
+                device,
+                shapes,
+                bounds=verify.Bounds(timeout_s=settings.selftest_timeout),
+                quantizer=backends.quantizer_for(name, device),
+            )
         else:
-            cases = tuple(verify.MoeCase(experts=config.experts, hidden=config.hidden, intermediate=config.inter,
-                                         activation=config.activation, top_k=config.top_k, tokens=m, dtype="bfloat16",
-                                         routing=routing)
-                          for m in _verify_sizes(sizes) for routing in ("balanced", "random"))
-            report = verify.run_moe(name, device, verify.MoeConfig(cases=cases),
-                                    bounds=verify.MOE_BOUNDS.model_copy(update={"timeout_s": settings.selftest_timeout}))
-    except Exception as exc:  # noqa: BLE001 - a configuration the self-test cannot take is this candidate's verdict
+            cases = tuple(
+                verify.MoeCase(
+                    experts=config.experts,
+                    hidden=config.hidden,
+                    intermediate=config.inter,
+                    activation=config.activation,
+                    top_k=config.top_k,
+                    tokens=m,
+                    dtype="bfloat16",
+                    routing=routing,
+                )
+                for m in _verify_sizes(sizes)
+                for routing in ("balanced", "random")
+            )
+            report = verify.run_moe(
+                name,
+                device,
+                verify.MoeConfig(cases=cases),
+                bounds=verify.MOE_BOUNDS.model_copy(update={"timeout_s": settings.selftest_timeout}),
+            )
+    except Exception as exc:
         return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return _verdict(report)
 
 
 # ---- the run ----------------------------------------------------------------------------------------
+
 
 def _candidates(family: deciding.Family, settings, device: Device, wanted: list[str] | None) -> list[str]:
     if wanted is None:
@@ -300,8 +330,15 @@ def _candidates(family: deciding.Family, settings, device: Device, wanted: list[
     return [n for n in wanted if n in family.names()]
 
 
-def run(device: Device, settings, dense: list[DenseShape], moe: list[MoeShape], sizes: list[int],
-        wanted: list[str] | None = None, log: Callable[[str], None] | None = None) -> dict:
+def run(
+    device: Device,
+    settings,
+    dense: list[DenseShape],
+    moe: list[MoeShape],
+    sizes: list[int],
+    wanted: list[str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Verify, then time, each candidate of each family on `device` at each configuration and size;
     the result as JSON-ready rows (one per timed size; one per candidate that was not timed)."""
     log = log or (lambda text: print(text, file=sys.stderr, flush=True))
@@ -337,21 +374,55 @@ def run(device: Device, settings, dense: list[DenseShape], moe: list[MoeShape], 
                 for m in sizes:
                     try:
                         seconds, how = timer.time(make(m), tune)
-                    except Exception as exc:  # noqa: BLE001 - a verified call that fails while timed is reported, not hidden
-                        rows.append({**base, "backend": name, "verdict": f"failed while timed: {type(exc).__name__}: {exc}"[:200],
-                                     "m": m})
+                    except Exception as exc:
+                        rows.append(
+                            {
+                                **base,
+                                "backend": name,
+                                "verdict": f"failed while timed: {type(exc).__name__}: {exc}"[:200],
+                                "m": m,
+                            }
+                        )
                         continue
-                    rows.append({**base, "backend": name, "verdict": "yardstick" if name == BF16 else "verified", "m": m,
-                                 "time_us": seconds * 1e6, "tflops": config.flops(m) / seconds / 1e12, "timing": how})
+                    rows.append(
+                        {
+                            **base,
+                            "backend": name,
+                            "verdict": "yardstick" if name == BF16 else "verified",
+                            "m": m,
+                            "time_us": seconds * 1e6,
+                            "tflops": config.flops(m) / seconds / 1e12,
+                            "timing": how,
+                        }
+                    )
     for row in rows:  # each time beside the yardstick's at the same configuration and size
         if row.get("time_us") and row["backend"] != BF16:
-            ref = next((r for r in rows if r["backend"] == BF16 and r["config"] == row["config"]
-                        and r["family"] == row["family"] and r["m"] == row["m"] and r.get("time_us")), None)
+            ref = next(
+                (
+                    r
+                    for r in rows
+                    if r["backend"] == BF16
+                    and r["config"] == row["config"]
+                    and r["family"] == row["family"]
+                    and r["m"] == row["m"]
+                    and r.get("time_us")
+                ),
+                None,
+            )
             row["vs_bf16"] = ref["time_us"] / row["time_us"] if ref else None
-    return {"device": {"index": device.index, "name": device.name, "capability": f"{device.capability[0]}.{device.capability[1]}",
-                       "simulated": device.simulated},
-            "versions": {"torch": torch.__version__, "flashinfer": backends.flashinfer_version()},
-            "sizes": sizes, "dense": [c.label() for c in dense], "moe": [c.label() for c in moe], "rows": rows}
+    return {
+        "device": {
+            "index": device.index,
+            "name": device.name,
+            "capability": f"{device.capability[0]}.{device.capability[1]}",
+            "simulated": device.simulated,
+        },
+        "versions": {"torch": torch.__version__, "flashinfer": backends.flashinfer_version()},
+        "sizes": sizes,
+        "dense": [c.label() for c in dense],
+        "moe": [c.label() for c in moe],
+        "rows": rows,
+    }
 
 
 def table(result: dict) -> list[str]:
@@ -361,10 +432,23 @@ def table(result: dict) -> list[str]:
     def num(value, fmt: str) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else "-"
 
-    rows = [(r["family"], r["config"], r["backend"], r["verdict"], num(r["m"], "d"), num(r.get("time_us"), ".1f"),
-             num(r.get("tflops"), ".3g"), num(r.get("vs_bf16"), ".2f"), r.get("timing", "-")) for r in result["rows"]]
-    return markdown_table(("kernel", "layer configuration", "backend", "verdict", "M", "time (us)", "TFLOP/s",
-                           "x bf16", "timing"), rows)
+    rows = [
+        (
+            r["family"],
+            r["config"],
+            r["backend"],
+            r["verdict"],
+            num(r["m"], "d"),
+            num(r.get("time_us"), ".1f"),
+            num(r.get("tflops"), ".3g"),
+            num(r.get("vs_bf16"), ".2f"),
+            r.get("timing", "-"),
+        )
+        for r in result["rows"]
+    ]
+    return markdown_table(
+        ("kernel", "layer configuration", "backend", "verdict", "M", "time (us)", "TFLOP/s", "x bf16", "timing"), rows
+    )
 
 
 def plot(result: dict, path: str, pyplot) -> None:
@@ -375,8 +459,13 @@ def plot(result: dict, path: str, pyplot) -> None:
         mine = [r for r in result["rows"] if (r["family"], r["config"]) == (family, config) and r.get("tflops")]
         for name in dict.fromkeys(r["backend"] for r in mine):
             points = sorted((r["m"], r["tflops"]) for r in mine if r["backend"] == name)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                    linestyle="--" if name == BF16 else "-", label=name)
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                linestyle="--" if name == BF16 else "-",
+                label=name,
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")
         ax.set_ylabel("TFLOP/s")
@@ -432,15 +521,19 @@ def _device(settings, index: int | None, any_gpu: bool) -> Device | int:
             _eprint(f"sm120-fp4 bench: --device {index} is not visible; visible: {[d.index for d in found]}")
             return EXIT_USAGE
         if not (devices.is_sm12x(chosen[0].capability) or any_gpu):
-            _eprint(f"sm120-fp4 bench: --device {index} is {chosen[0].label()}, not a compute-capability 12.x GPU; "
-                    "accepted: a 12.x GPU, or any GPU with --allow-any-gpu")
+            _eprint(
+                f"sm120-fp4 bench: --device {index} is {chosen[0].label()}, not a compute-capability 12.x GPU; "
+                "accepted: a 12.x GPU, or any GPU with --allow-any-gpu"
+            )
             return EXIT_USAGE
         device = chosen[0]
     else:
         usable = [d for d in found if devices.is_sm12x(d.capability) or (any_gpu and d.is_cuda)]
         if not usable:
-            _eprint("sm120-fp4 bench: no compute-capability 12.x GPU visible; nothing to measure (--allow-any-gpu "
-                    f"measures another GPU; to try it on this CPU, in simulation: {SIMULATE_ON_CPU})")
+            _eprint(
+                "sm120-fp4 bench: no compute-capability 12.x GPU visible; nothing to measure (--allow-any-gpu "
+                f"measures another GPU; to try it on this CPU, in simulation: {SIMULATE_ON_CPU})"
+            )
             return EXIT_OK
         device = usable[0]
     if devices.is_sm12x(device.capability) and device.is_cuda:

@@ -14,11 +14,11 @@ stdlib finder on ``sys.meta_path`` that fails ``import sglang`` with a clear Imp
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
 from .imports import AfterExec, find_spec_as_imported
+
 # SGLang's top-level package, the one name the start-up hook waits for (sm120_fp4.sglang.names:
 # stdlib-only, and importing sm120_fp4.sglang itself loads nothing else).
 from .sglang.names import TOP_LEVEL as SGLANG
@@ -32,8 +32,10 @@ class ActivationFailed(ImportError):
 
 
 def _stop_message(exc: BaseException) -> str:
-    return (f"sm120_fp4: activation failed with {TOGGLE_VAR} on ({type(exc).__name__}: {exc}); stopping rather than "
-            f"letting SGLang serve unpatched and unverified. Fix the install, or turn this library off: {TOGGLE_VAR}=0")
+    return (
+        f"sm120_fp4: activation failed with {TOGGLE_VAR} on ({type(exc).__name__}: {exc}); stopping rather than "
+        f"letting SGLang serve unpatched and unverified. Fix the install, or turn this library off: {TOGGLE_VAR}=0"
+    )
 
 
 def _on_sglang(module) -> None:
@@ -90,7 +92,8 @@ class _AfterSGLangImport:
                 f"sm120_fp4: {TOGGLE_VAR} is on, but {SGLANG} was found by {type(loader).__name__ if loader else 'no loader'} "
                 f"({spec.origin or spec.submodule_search_locations}), which cannot run a module after which install() could "
                 f"run: stopping rather than letting SGLang serve unpatched and unverified; install SGLang normally (pip install), "
-                f"or turn this library off: {TOGGLE_VAR}=0")
+                f"or turn this library off: {TOGGLE_VAR}=0"
+            )
         spec.loader = _HookedLoader(loader, _installed)
         return spec
 

@@ -65,8 +65,12 @@ def _read_json(path: str) -> dict | None:
 
 def _is_nvfp4_group(group: object) -> bool:
     weights = group.get("weights") if isinstance(group, dict) else None
-    return (isinstance(weights, dict) and weights.get("num_bits") == 4 and weights.get("type") == "float"
-            and weights.get("group_size") == 16)
+    return (
+        isinstance(weights, dict)
+        and weights.get("num_bits") == 4
+        and weights.get("type") == "float"
+        and weights.get("group_size") == 16
+    )
 
 
 def _modelopt_nvfp4(quant: dict) -> bool:
@@ -82,8 +86,9 @@ def _modelopt_nvfp4(quant: dict) -> bool:
 def read_quantization(model_dir: str) -> Quantization:
     """The quantization of the checkpoint in `model_dir` (a local directory with a ``config.json``)."""
     if not isinstance(model_dir, (str, os.PathLike)) or not os.path.isdir(model_dir):
-        raise ConfigError(f"model_dir={model_dir!r} is not a directory; expected a local checkpoint directory "
-                          "with config.json")
+        raise ConfigError(
+            f"model_dir={model_dir!r} is not a directory; expected a local checkpoint directory with config.json"
+        )
     source = os.path.join(model_dir, "config.json")
     config = _read_json(source)
     if config is None:
@@ -111,16 +116,44 @@ def read_quantization(model_dir: str) -> Quantization:
 
 # Each format's names for an NVFP4 layer's four tensors: packed weight, block scales, the weight's
 # global scale, the activation's global scale (ModelOpt: decode scales; compressed-tensors: encode scales).
-NAMES = {MODELOPT: ("weight", "weight_scale", "weight_scale_2", "input_scale"),
-         COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")}
+NAMES = {
+    MODELOPT: ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+    COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+}
 GROUP_SIZE = 16
 _PACKED_DTYPES = ("U8", "I8")
 _BLOCK_DTYPES = ("F8_E4M3", "U8")
 _SCALAR_DTYPES = ("F32", "BF16", "F16")
-_TORCH_NAMES = {"F8_E4M3": "float8_e4m3fn", "U8": "uint8", "I8": "int8", "F32": "float32", "F16": "float16",
-                "BF16": "bfloat16", "F64": "float64", "I32": "int32", "I64": "int64", "F8_E5M2": "float8_e5m2"}
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+_TORCH_NAMES = {
+    "F8_E4M3": "float8_e4m3fn",
+    "U8": "uint8",
+    "I8": "int8",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I32": "int32",
+    "I64": "int64",
+    "F8_E5M2": "float8_e5m2",
+}
+_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+}
 _MAX_HEADER = 100 << 20  # safetensors' own bound on a header
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 ROLES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -177,7 +210,9 @@ def _header(path: str) -> dict[str, TensorInfo]:
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
             if length is None or length > _MAX_HEADER or 8 + length > size.st_size:
                 claim = "no 8-byte header length" if length is None else f"a header of {length} bytes"
-                raise CheckpointError(f"{path}: {size.st_size} bytes with {claim}: truncated or not safetensors; {accepted}")
+                raise CheckpointError(
+                    f"{path}: {size.st_size} bytes with {claim}: truncated or not safetensors; {accepted}"
+                )
             raw = f.read(length)
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read it ({exc.strerror or exc}); {accepted}") from exc
@@ -194,16 +229,27 @@ def _header(path: str) -> dict[str, TensorInfo]:
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
         shape = entry.get("shape") if isinstance(entry, dict) else None
         span = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(span, list) or len(span) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, *span])
-                or span[0] > span[1]):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {str(entry)[:120]}; {accepted}")
+        if (
+            not isinstance(dtype, str)
+            or not isinstance(shape, list)
+            or not isinstance(span, list)
+            or len(span) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, *span])
+            or span[0] > span[1]
+        ):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry {str(entry)[:120]}; {accepted}"
+            )
         if span[1] > data:
-            raise CheckpointError(f"{path}: tensor {name} needs bytes {span[0]}-{span[1]} of the data, the file holds "
-                                  f"{data}: truncated; {accepted}")
+            raise CheckpointError(
+                f"{path}: tensor {name} needs bytes {span[0]}-{span[1]} of the data, the file holds "
+                f"{data}: truncated; {accepted}"
+            )
         if dtype in _ITEMSIZE and span[1] - span[0] != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise CheckpointError(f"{path}: tensor {name} ({dtype} {tuple(shape)}) spans {span[1] - span[0]} bytes, not "
-                                  f"{math.prod(shape) * _ITEMSIZE[dtype]}; {accepted}")
+            raise CheckpointError(
+                f"{path}: tensor {name} ({dtype} {tuple(shape)}) spans {span[1] - span[0]} bytes, not "
+                f"{math.prod(shape) * _ITEMSIZE[dtype]}; {accepted}"
+            )
         out[name] = TensorInfo(path, dtype, tuple(shape), 8 + length + span[0], span[1] - span[0])
     return out
 
@@ -217,8 +263,9 @@ def _tensors(model_dir: str) -> dict[str, TensorInfo]:
     for name in names:
         for tensor, info in _header(os.path.join(model_dir, name)).items():
             if tensor in found:
-                raise CheckpointError(f"{info.file}: tensor {tensor} is also in {found[tensor].file}; accepted: each "
-                                      "tensor in one file")
+                raise CheckpointError(
+                    f"{info.file}: tensor {tensor} is also in {found[tensor].file}; accepted: each tensor in one file"
+                )
             found[tensor] = info
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     try:
@@ -226,12 +273,14 @@ def _tensors(model_dir: str) -> dict[str, TensorInfo]:
     except ConfigError as exc:
         raise CheckpointError(f"{exc}; accepted: the safetensors index as transformers writes it") from exc
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    for tensor, file in (weight_map.items() if isinstance(weight_map, dict) else ()):
+    for tensor, file in weight_map.items() if isinstance(weight_map, dict) else ():
         info = found.get(tensor)
         if info is None or os.path.basename(info.file) != file:
             held = f"it is in {info.file}" if info is not None else "no file holds it"
-            raise CheckpointError(f"{index_path}: names tensor {tensor} in {file}, but {held}; accepted: an index that "
-                                  "matches the safetensors files")
+            raise CheckpointError(
+                f"{index_path}: names tensor {tensor} in {file}, but {held}; accepted: an index that "
+                "matches the safetensors files"
+            )
     return found
 
 
@@ -239,23 +288,31 @@ def _group_size_problem(quant: Quantization) -> str | None:
     """A group size other than NVFP4's 16 in the quantization config (what SGLang builds the layers with)."""
     config = quant.config
     if quant.format == MODELOPT:
-        sizes = [("group_size", config.get("group_size"))] if "NVFP4" in str(config.get("quant_algo", "")).upper() else []
+        sizes = (
+            [("group_size", config.get("group_size"))] if "NVFP4" in str(config.get("quant_algo", "")).upper() else []
+        )
         layers = config.get("quantized_layers")
-        for layer, info in (layers.items() if isinstance(layers, dict) else ()):
+        for layer, info in layers.items() if isinstance(layers, dict) else ():
             if isinstance(info, dict) and "NVFP4" in str(info.get("quant_algo", "")).upper():
                 sizes.append((f"quantized_layers.{layer}.group_size", info.get("group_size", GROUP_SIZE)))
     elif quant.format == COMPRESSED_TENSORS:
         groups = config.get("config_groups")
-        sizes = [(f"config_groups.{g}.weights.group_size", group["weights"].get("group_size"))
-                 for g, group in (groups.items() if isinstance(groups, dict) else ())
-                 if isinstance(group, dict) and isinstance(group.get("weights"), dict)
-                 and group["weights"].get("num_bits") == 4 and group["weights"].get("type") == "float"]
+        sizes = [
+            (f"config_groups.{g}.weights.group_size", group["weights"].get("group_size"))
+            for g, group in (groups.items() if isinstance(groups, dict) else ())
+            if isinstance(group, dict)
+            and isinstance(group.get("weights"), dict)
+            and group["weights"].get("num_bits") == 4
+            and group["weights"].get("type") == "float"
+        ]
     else:
         return None
     for key, value in sizes:
         if value is not None and value != GROUP_SIZE:
-            return (f"{quant.source}: {key} = {value!r}; accepted: {GROUP_SIZE} (NVFP4 block scales cover 16 weights, "
-                    "and SGLang's NVFP4 layers read them so)")
+            return (
+                f"{quant.source}: {key} = {value!r}; accepted: {GROUP_SIZE} (NVFP4 block scales cover 16 weights, "
+                "and SGLang's NVFP4 layers read them so)"
+            )
     return None
 
 
@@ -267,8 +324,11 @@ def _ignored(quant: Quantization, module: str) -> str | None:
         if not isinstance(entry, str):
             continue
         if quant.format == COMPRESSED_TENSORS:  # compressed_tensors.utils.check_equal_or_regex_match
-            hit = (re.match(entry[3:], module) is not None if entry.startswith("re:")
-                   else module == entry or module.endswith("." + entry))
+            hit = (
+                re.match(entry[3:], module) is not None
+                if entry.startswith("re:")
+                else module == entry or module.endswith("." + entry)
+            )
         else:  # ModelOpt: is_layer_excluded (a glob over the whole name or any of its parts)
             try:
                 pattern = re.compile(entry.replace(".", r"\.").replace("*", ".*"))
@@ -311,28 +371,38 @@ def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tupl
             raise CheckpointError(f"{where}: {module}.{kind} is missing; {needs}")
     weight = tensors[f"{module}.{packed}"]
     if weight.dtype not in _PACKED_DTYPES or len(weight.shape) != 2 or 0 in weight.shape:
-        raise CheckpointError(f"{weight.file}: {module}.{packed} is {_dtype_name(weight.dtype)} {weight.shape}; accepted: "
-                              "uint8 (N, K/2), two FP4 (E2M1) codes a byte")
+        raise CheckpointError(
+            f"{weight.file}: {module}.{packed} is {_dtype_name(weight.dtype)} {weight.shape}; accepted: "
+            "uint8 (N, K/2), two FP4 (E2M1) codes a byte"
+        )
     n, k = weight.shape[0], weight.shape[1] * 2
     scales = tensors[f"{module}.{block}"]
     if scales.dtype not in _BLOCK_DTYPES:
-        raise CheckpointError(f"{scales.file}: {module}.{block} is {_dtype_name(scales.dtype)}; accepted: float8_e4m3fn "
-                              "(or its bytes as uint8) block scales, one per 16 weights")
+        raise CheckpointError(
+            f"{scales.file}: {module}.{block} is {_dtype_name(scales.dtype)}; accepted: float8_e4m3fn "
+            "(or its bytes as uint8) block scales, one per 16 weights"
+        )
     if k % GROUP_SIZE or scales.shape != (n, k // GROUP_SIZE):
-        raise CheckpointError(f"{scales.file}: {module}.{block} has shape {scales.shape}; accepted: (N, K/16) = "
-                              f"({n}, {k / GROUP_SIZE:g}) for {module}.{packed} of shape {weight.shape} (K = {k})")
+        raise CheckpointError(
+            f"{scales.file}: {module}.{block} has shape {scales.shape}; accepted: (N, K/16) = "
+            f"({n}, {k / GROUP_SIZE:g}) for {module}.{packed} of shape {weight.shape} (K = {k})"
+        )
     for kind, what in ((global_name, "the weight's global scale"), (input_name, "the activation's global scale")):
         info = tensors[f"{module}.{kind}"]
         if info.dtype not in _SCALAR_DTYPES or math.prod(info.shape) != 1:
-            raise CheckpointError(f"{info.file}: {module}.{kind} is {_dtype_name(info.dtype)} {info.shape}; accepted: "
-                                  f"{what} as one float32 (shape () or (1,))")
+            raise CheckpointError(
+                f"{info.file}: {module}.{kind} is {_dtype_name(info.dtype)} {info.shape}; accepted: "
+                f"{what} as one float32 (shape () or (1,))"
+            )
     return n, k
 
 
 def _experts(checkpoint: Checkpoint, fmt: str) -> None:
     """Group the expert modules by MoE layer; every expert 0..E-1 carries every projection, all alike."""
     text = _text(checkpoint.config)
-    count = next((text[k] for k in _EXPERT_COUNT if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)), None)
+    count = next(
+        (text[k] for k in _EXPERT_COUNT if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)), None
+    )
     packed = NAMES[fmt][0]
     for module in checkpoint.modules:
         m = _EXPERT.match(module)
@@ -341,26 +411,35 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
             checkpoint.experts.setdefault(m["prefix"], {}).setdefault(role, {})[int(m["e"])] = module
     for prefix, roles in checkpoint.experts.items():
         some = next(iter(next(iter(roles.values())).values()))
-        where = checkpoint.tensors[f"{some}.{packed}"].file if f"{some}.{packed}" in checkpoint.tensors else checkpoint.dir
+        where = (
+            checkpoint.tensors[f"{some}.{packed}"].file if f"{some}.{packed}" in checkpoint.tensors else checkpoint.dir
+        )
         style = "w" if re.search(r"\.w[123]$", some) else "proj"
-        name = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if style == "w" else {r: r for r in ROLES.values()}
+        name = (
+            {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if style == "w" else {r: r for r in ROLES.values()}
+        )
         need = ["gate_proj"] * ("gate_proj" in roles) + ["up_proj", "down_proj"]
         ids = {e for r in roles.values() for e in r}
         total = count if count is not None else max(ids) + 1
         accepted = f"accepted: every expert 0..{total - 1} with {', '.join(name[r] for r in need)}"
         beyond = sorted(e for e in ids if e >= total)
         if beyond:
-            raise CheckpointError(f"{where}: {prefix}.{beyond[0]} is beyond config.json's expert count {total}; {accepted}")
+            raise CheckpointError(
+                f"{where}: {prefix}.{beyond[0]} is beyond config.json's expert count {total}; {accepted}"
+            )
         for e in range(total):
             for role in need:
                 if e not in roles.get(role, {}):
-                    raise CheckpointError(f"{where}: {prefix}.{e}.{name[role]}.{packed} is missing (expert {e} of {total}); "
-                                          f"{accepted}")
+                    raise CheckpointError(
+                        f"{where}: {prefix}.{e}.{name[role]}.{packed} is missing (expert {e} of {total}); {accepted}"
+                    )
         for role in need:
             shapes = {checkpoint.modules[mod] for mod in roles[role].values()}
             if len(shapes) > 1:
-                raise CheckpointError(f"{where}: the experts of {prefix} have {name[role]} weights of different (N, K): "
-                                      f"{sorted(shapes)}; accepted: one shape for every expert")
+                raise CheckpointError(
+                    f"{where}: the experts of {prefix} have {name[role]} weights of different (N, K): "
+                    f"{sorted(shapes)}; accepted: one shape for every expert"
+                )
 
 
 def _text(config: dict) -> dict:
@@ -378,8 +457,11 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
     hidden, heads, kv_heads = num("hidden_size"), num("num_attention_heads"), num("num_key_value_heads")
     head_dim = num("head_dim") or (hidden // heads if hidden and heads else None)
     mla = any(k in text for k in ("kv_lora_rank", "qk_nope_head_dim"))  # MLA: q/k/v sizes are not heads * head_dim
-    q_sizes = {heads * head_dim, 2 * heads * head_dim} if heads and head_dim and text.get("attn_output_gate") else (
-        {heads * head_dim} if heads and head_dim else set())
+    q_sizes = (
+        {heads * head_dim, 2 * heads * head_dim}
+        if heads and head_dim and text.get("attn_output_gate")
+        else ({heads * head_dim} if heads and head_dim else set())
+    )
     expert_inter = num("moe_intermediate_size") or num("intermediate_size")
     for module, (n, k) in checkpoint.modules.items():
         if "vision" in module or "visual" in module or not re.search(r"(^|\.)layers\.\d+\.", module):
@@ -393,7 +475,11 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
         if role in ("o_proj", "down_proj"):
             checks.append(("N", n, "hidden_size", {hidden} if hidden else set()))
         inter = expert_inter if m else (num("intermediate_size") if parent.endswith(".mlp") else None)
-        key = ("moe_intermediate_size" if num("moe_intermediate_size") else "intermediate_size") if m else "intermediate_size"
+        key = (
+            ("moe_intermediate_size" if num("moe_intermediate_size") else "intermediate_size")
+            if m
+            else "intermediate_size"
+        )
         if inter and role in ("gate_proj", "up_proj"):
             checks.append(("N", n, key, {inter}))
         if inter and role == "down_proj":
@@ -408,9 +494,11 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
         for axis, value, what, expected in checks:
             if expected and value not in expected:
                 info = checkpoint.tensors[f"{module}.{NAMES[fmt][0]}"]
-                return (f"{info.file}: {module}.{NAMES[fmt][0]} of shape {info.shape} is a layer of N={n}, K={k}, but "
-                        f"config.json's {what} is {' or '.join(map(str, sorted(expected)))}; accepted: tensors whose "
-                        "shapes match config.json")
+                return (
+                    f"{info.file}: {module}.{NAMES[fmt][0]} of shape {info.shape} is a layer of N={n}, K={k}, but "
+                    f"config.json's {what} is {' or '.join(map(str, sorted(expected)))}; accepted: tensors whose "
+                    "shapes match config.json"
+                )
     count = next((num(k) for k in _EXPERT_COUNT if num(k)), None)
     for prefix, roles in checkpoint.experts.items():
         found = len({e for r in roles.values() for e in r})
@@ -438,11 +526,14 @@ class _Reader:
             f.seek(info.start)
             data = f.read(info.nbytes)
         except OSError as exc:
-            raise CheckpointError(f"{info.file}: cannot read tensor {name} ({exc.strerror or exc}); accepted: a readable "
-                                  "safetensors file") from exc
+            raise CheckpointError(
+                f"{info.file}: cannot read tensor {name} ({exc.strerror or exc}); accepted: a readable safetensors file"
+            ) from exc
         if len(data) != info.nbytes:
-            raise CheckpointError(f"{info.file}: tensor {name} is cut short ({len(data)} of {info.nbytes} bytes); "
-                                  "accepted: a complete safetensors file")
+            raise CheckpointError(
+                f"{info.file}: tensor {name} is cut short ({len(data)} of {info.nbytes} bytes); "
+                "accepted: a complete safetensors file"
+            )
         return data
 
 
@@ -458,8 +549,10 @@ def scale_problem(name: str, value: float) -> str | None:
     """Why a global or activation scale cannot be a checkpoint's (NaN, infinite, zero, negative), or None."""
     if math.isfinite(value) and value > 0:
         return None
-    return (f"{name} = {value!r}; accepted: a finite positive scale (the checkpoint's scale is wrong, not a kernel: "
-            "requantize or recalibrate the layer)")
+    return (
+        f"{name} = {value!r}; accepted: a finite positive scale (the checkpoint's scale is wrong, not a kernel: "
+        "requantize or recalibrate the layer)"
+    )
 
 
 def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
@@ -479,9 +572,11 @@ def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
             at = min((i for i in (data.find(b"\x7f"), data.find(b"\xff")) if i >= 0), default=-1)
             if at >= 0:
                 cols = info.shape[1]
-                raise CheckpointError(f"{info.file}: {name} holds a NaN block scale (E4M3 byte 0x{data[at]:02x} at row "
-                                      f"{at // cols}, block {at % cols}); accepted: float8_e4m3fn block scales that are "
-                                      "not NaN (any byte but 0x7f and 0xff): the checkpoint is corrupt, not a kernel")
+                raise CheckpointError(
+                    f"{info.file}: {name} holds a NaN block scale (E4M3 byte 0x{data[at]:02x} at row "
+                    f"{at // cols}, block {at % cols}); accepted: float8_e4m3fn block scales that are "
+                    "not NaN (any byte but 0x7f and 0xff): the checkpoint is corrupt, not a kernel"
+                )
 
 
 def inspect(model_dir: str, values: bool = True) -> Checkpoint:
@@ -492,8 +587,10 @@ def inspect(model_dir: str, values: bool = True) -> Checkpoint:
     if problem is not None:
         raise CheckpointError(problem)
     if quant.format not in NAMES or not quant.nvfp4:
-        raise ConfigError(f"model_dir={model_dir!r}: quantization {quant.format or 'none'!r} is not NVFP4; "
-                          f"accepted: ModelOpt NVFP4 or compressed-tensors NVFP4 (W4A4) checkpoints")
+        raise ConfigError(
+            f"model_dir={model_dir!r}: quantization {quant.format or 'none'!r} is not NVFP4; "
+            f"accepted: ModelOpt NVFP4 or compressed-tensors NVFP4 (W4A4) checkpoints"
+        )
     fmt = quant.format
     config = _read_json(os.path.join(model_dir, "config.json")) or {}
     checkpoint = Checkpoint(model_dir, fmt, config, _tensors(model_dir))
@@ -505,9 +602,11 @@ def inspect(model_dir: str, values: bool = True) -> Checkpoint:
             entry = _ignored(quant, name)
             if entry is not None:
                 carried = checkpoint.tensors[f"{module}.{NAMES[fmt][2]}"]
-                raise CheckpointError(f"{quant.source}: the ignore list's entry {entry!r} names {name}, whose tensors "
-                                      f"in {carried.file} are NVFP4 ({module}.{NAMES[fmt][0]}, ...): SGLang would build it "
-                                      "unquantized; accepted: an ignore list naming only unquantized layers")
+                raise CheckpointError(
+                    f"{quant.source}: the ignore list's entry {entry!r} names {name}, whose tensors "
+                    f"in {carried.file} are NVFP4 ({module}.{NAMES[fmt][0]}, ...): SGLang would build it "
+                    "unquantized; accepted: an ignore list naming only unquantized layers"
+                )
     _experts(checkpoint, fmt)
     problem = _dims_problem(checkpoint, fmt)
     if problem is not None:

@@ -19,11 +19,21 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .toggle import TOGGLE_VAR, parse_toggle
 from .errors import ConfigError, capped, describe
+from .toggle import TOGGLE_VAR, parse_toggle
 
-__all__ = ["Settings", "load_settings", "ENV_PREFIX", "TOGGLE_VAR", "env_name", "AUTO", "default_verdicts_path",
-           "flashinfer_overrides", "flashinfer_problem", "check_flashinfer_env"]
+__all__ = [
+    "Settings",
+    "load_settings",
+    "ENV_PREFIX",
+    "TOGGLE_VAR",
+    "env_name",
+    "AUTO",
+    "default_verdicts_path",
+    "flashinfer_overrides",
+    "flashinfer_problem",
+    "check_flashinfer_env",
+]
 
 _LOG = logging.getLogger("sm120_fp4")
 ENV_PREFIX = "SM120_FP4_"
@@ -47,7 +57,20 @@ DURATIONS: dict[str, tuple[float, float, str]] = {
 # verified) and those of NVIDIA's other CUDA GPUs (the library leaves SGLang untouched there, as on
 # such a GPU). Another value would be simulated as nothing the library knows what to do with.
 SERVED_CAPABILITIES = ((12, 0), (12, 1))
-OTHER_CAPABILITIES = ((7, 0), (7, 2), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0))
+OTHER_CAPABILITIES = (
+    (7, 0),
+    (7, 2),
+    (7, 5),
+    (8, 0),
+    (8, 6),
+    (8, 7),
+    (8, 9),
+    (9, 0),
+    (10, 0),
+    (10, 1),
+    (10, 3),
+    (11, 0),
+)
 OFF = "off"
 
 
@@ -69,7 +92,10 @@ def _home() -> tuple[str | None, str]:
         return None, f"{why}, and this user (uid {os.geteuid()}) has no entry in the password database"
     if entry and os.path.isabs(entry) and entry.rstrip("/") and os.path.isdir(entry):
         return entry, "the password database"
-    return None, f"{why}, and the password database gives {entry!r} for uid {os.geteuid()} (not an existing directory other than /)"
+    return (
+        None,
+        f"{why}, and the password database gives {entry!r} for uid {os.geteuid()} (not an existing directory other than /)",
+    )
 
 
 def default_verdicts_path() -> Path | None:
@@ -81,8 +107,10 @@ def default_verdicts_path() -> Path | None:
         return Path(xdg) / "sm120_fp4" / "verdicts.json"
     home, why = _home()
     if home is None:
-        message = (f"sm120_fp4: no verdict store: {why} (and XDG_CACHE_HOME is not an absolute path); crashes seen by "
-                   "`sm120-fp4 selftest` are not remembered. Set SM120_FP4_VERDICTS to a file path (or off)")
+        message = (
+            f"sm120_fp4: no verdict store: {why} (and XDG_CACHE_HOME is not an absolute path); crashes seen by "
+            "`sm120-fp4 selftest` are not remembered. Set SM120_FP4_VERDICTS to a file path (or off)"
+        )
         if message not in _ignored_logged:
             _ignored_logged.add(message)
             _LOG.warning("%s", message)
@@ -110,8 +138,10 @@ def _not_special(path: Path, accepted: str) -> None:
 
     st = _filesystem(lambda: os.lstat(path) if os.path.lexists(path) else None, str(path))
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"accepted: {accepted} ({describe(str(path))} is {kind_of(st.st_mode)}, which is never "
-                         "written, followed or replaced)")
+        raise ValueError(
+            f"accepted: {accepted} ({describe(str(path))} is {kind_of(st.st_mode)}, which is never "
+            "written, followed or replaced)"
+        )
 
 
 class Settings(BaseSettings):
@@ -143,7 +173,8 @@ class Settings(BaseSettings):
         "none", description="emulated: serve NVFP4 MoE layers with the slow pure-PyTorch emulation instead of refusing."
     )
     selftest: Literal["strict", "warn", "off"] = Field(
-        "strict", description="strict: refuse to serve when no backend verifies; warn: log and serve; off: skip the test."
+        "strict",
+        description="strict: refuse to serve when no backend verifies; warn: log and serve; off: skip the test.",
     )
     fallback: Literal["none", "emulated"] = Field(
         "none", description="emulated: serve with the slow pure-PyTorch emulation instead of refusing."
@@ -160,14 +191,17 @@ class Settings(BaseSettings):
         description="Seconds one candidate's whole self-test may take (a first FlashInfer call JIT-compiles for minutes); past it the candidate is rejected as hung.",
     )
     select: Literal["first", "fastest"] = Field(
-        "first", description="first: the first candidate that verifies; fastest: time every verified candidate (the self-test's shapes, then each layer configuration's served calls at its serving batch sizes), take the fastest."
+        "first",
+        description="first: the first candidate that verifies; fastest: time every verified candidate (the self-test's shapes, then each layer configuration's served calls at its serving batch sizes), take the fastest.",
     )
     simulate: str | None = Field(
-        None, description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU."
+        None,
+        description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU.",
     )
     report: Path | None = Field(
-        None, description="Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, "
-        "or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md)."
+        None,
+        description="Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, "
+        "or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md).",
     )
     verdicts: str | None = Field(
         None,
@@ -223,7 +257,9 @@ class Settings(BaseSettings):
         names = tuple(n.strip(_ASCII_SPACE) if isinstance(n, str) else n for n in names)
         bad = [n for n in names if not isinstance(n, str) or not _NAME.fullmatch(n)]
         if bad:
-            raise ValueError(f"accepted: lower-case backend names (ASCII) such as cutlass,b12x,emulated; bad entries {capped(bad)}")
+            raise ValueError(
+                f"accepted: lower-case backend names (ASCII) such as cutlass,b12x,emulated; bad entries {capped(bad)}"
+            )
         if len(set(names)) != len(names):
             raise ValueError("accepted: each backend named once")
         return names
@@ -250,9 +286,11 @@ class Settings(BaseSettings):
         # fullmatch: re's `$` also matches before a trailing newline ("12.0\n" is not a capability).
         match = _CAPABILITY.fullmatch(value) if isinstance(value, str) else None
         if not match or (int(match.group(1)), int(match.group(2))) not in SERVED_CAPABILITIES + OTHER_CAPABILITIES:
-            raise ValueError(f"accepted: a compute capability MAJOR.MINOR the library knows: {_capabilities(SERVED_CAPABILITIES)} "
-                             f"(patched and verified), or another NVIDIA GPU's ({_capabilities(OTHER_CAPABILITIES)}: SGLang "
-                             "is left untouched, as on such a GPU)")
+            raise ValueError(
+                f"accepted: a compute capability MAJOR.MINOR the library knows: {_capabilities(SERVED_CAPABILITIES)} "
+                f"(patched and verified), or another NVIDIA GPU's ({_capabilities(OTHER_CAPABILITIES)}: SGLang "
+                "is left untouched, as on such a GPU)"
+            )
         return value
 
     @field_validator("report", mode="before")
@@ -271,8 +309,10 @@ class Settings(BaseSettings):
 
             if _filesystem(usable, value) is None:
                 folder = path.parent
-                raise ValueError(f"accepted: a file in an existing, writable directory, or such a directory "
-                                 f"({describe(str(folder))} is not one)")
+                raise ValueError(
+                    f"accepted: a file in an existing, writable directory, or such a directory "
+                    f"({describe(str(folder))} is not one)"
+                )
             if not _filesystem(path.is_dir, value):
                 _not_special(path, "a regular file, a new path, or a directory (or a link to one)")
         return value
@@ -383,11 +423,17 @@ def _check_unknown_env(environ: dict[str, str]) -> None:
     if unknown:
         hints = []
         for name in unknown[:8]:
-            close = [name.upper()] if name.upper() in known else difflib.get_close_matches(name.upper(), sorted(known), n=1)
+            close = (
+                [name.upper()] if name.upper() in known else difflib.get_close_matches(name.upper(), sorted(known), n=1)
+            )
             hints.append(f"{name}={_shown(environ[name])}" + (f" (did you mean {close[0]}?)" if close else ""))
         more = f", and {len(unknown) - 8} more" if len(unknown) > 8 else ""
         raise ConfigError(
-            "unknown sm120_fp4 environment variable(s): " + ", ".join(hints) + more + "; accepted: " + ", ".join(sorted(known))
+            "unknown sm120_fp4 environment variable(s): "
+            + ", ".join(hints)
+            + more
+            + "; accepted: "
+            + ", ".join(sorted(known))
         )
 
 
@@ -406,8 +452,11 @@ def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str
     """Every FLASHINFER_NVFP4_* variable set in `environ` (default: this process's environment) that may change
     FlashInfer's FP4 recipe (all but its launch knobs), by name."""
     environ = os.environ if environ is None else environ
-    return {k: environ[k] for k in sorted(environ)
-            if k.upper().startswith(FLASHINFER_PREFIX) and k.upper() not in FLASHINFER_LAUNCH_KNOBS}
+    return {
+        k: environ[k]
+        for k in sorted(environ)
+        if k.upper().startswith(FLASHINFER_PREFIX) and k.upper() not in FLASHINFER_LAUNCH_KNOBS
+    }
 
 
 def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:
@@ -416,10 +465,12 @@ def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:
     if not found:
         return None
     shown = ", ".join(f"{k}={_shown(v, 60)}" for k, v in found.items())
-    return (f"{shown} set: this changes FlashInfer's FP4 quantization recipe (fp4_quantize, the activation quantizer "
-            f"SGLang calls, and cutlass_fused_moe read the {FLASHINFER_PREFIX}* variables: 4over6 block scales, block "
-            "scales clamped at 256), which this library's oracle does not model, so no NVFP4 result could be verified; "
-            f"unset {', '.join(found)} (or turn this library off: {TOGGLE_VAR}=0)")
+    return (
+        f"{shown} set: this changes FlashInfer's FP4 quantization recipe (fp4_quantize, the activation quantizer "
+        f"SGLang calls, and cutlass_fused_moe read the {FLASHINFER_PREFIX}* variables: 4over6 block scales, block "
+        "scales clamped at 256), which this library's oracle does not model, so no NVFP4 result could be verified; "
+        f"unset {', '.join(found)} (or turn this library off: {TOGGLE_VAR}=0)"
+    )
 
 
 def check_flashinfer_env(environ: dict[str, str] | None = None) -> None:
@@ -456,7 +507,9 @@ def load_settings(**overrides: Any) -> Settings:
             text = str(exc)
             if text not in _ignored_logged:
                 _ignored_logged.add(text)
-                _LOG.warning("sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: %s", text)
+                _LOG.warning(
+                    "sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: %s", text
+                )
         return Settings.model_construct(toggle=False)
     _check_unknown_env(dict(os.environ))
     return Settings(**overrides)
@@ -485,10 +538,18 @@ def _accepted(field: str) -> str:
         return "`1`, `on`, `0`, `off`"
     if choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
-    return {"backends": "`auto` or comma-separated names", "moe_backends": "`auto` or comma-separated names", "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
-            "report": "a path", "verdicts": "a file path, or `off`",
-            **{f: ("`off`, or " if f == "canary" else "") + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
-               for f, (least, most, unit) in DURATIONS.items()}}.get(field, "")
+    return {
+        "backends": "`auto` or comma-separated names",
+        "moe_backends": "`auto` or comma-separated names",
+        "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
+        "report": "a path",
+        "verdicts": "a file path, or `off`",
+        **{
+            f: ("`off`, or " if f == "canary" else "")
+            + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
+            for f, (least, most, unit) in DURATIONS.items()
+        },
+    }.get(field, "")
 
 
 def settings_table() -> str:

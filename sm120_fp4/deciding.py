@@ -30,10 +30,24 @@ from .config import AUTO, Settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
 
-__all__ = ["Decision", "Refusal", "Choice", "Family", "DENSE", "MOE", "FAMILIES", "candidate_hook", "candidate_names",
-           "choose", "log_decision", "refusal_message", "serves"]
+__all__ = [
+    "Decision",
+    "Refusal",
+    "Choice",
+    "Family",
+    "DENSE",
+    "MOE",
+    "FAMILIES",
+    "candidate_hook",
+    "candidate_names",
+    "choose",
+    "log_decision",
+    "refusal_message",
+    "serves",
+]
 
 _LOG = logging.getLogger("sm120_fp4")
+
 
 class Decision(BaseModel):
     """The backend chosen for one device in this process, and how it was chosen."""
@@ -68,7 +82,7 @@ class Decision(BaseModel):
         try:
             describe = backends.backend_of(self.family, self.backend).describe
             return describe() if describe is not None else None
-        except Exception as exc:  # noqa: BLE001 - status must answer
+        except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
 
@@ -128,19 +142,42 @@ def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, .
     return flashinfer.default_order(device.capability) if device is not None else flashinfer.DEFAULT_ORDER
 
 
-DENSE = Family("dense", backends.FAMILY_LABELS["dense"], "SM120_FP4_BACKENDS", "SM120_FP4_FALLBACK", backends.names, backends.is_supported,
-               backends.resolve, _dense_candidates, lambda s: s.fallback, _dense_self_test)
+DENSE = Family(
+    "dense",
+    backends.FAMILY_LABELS["dense"],
+    "SM120_FP4_BACKENDS",
+    "SM120_FP4_FALLBACK",
+    backends.names,
+    backends.is_supported,
+    backends.resolve,
+    _dense_candidates,
+    lambda s: s.fallback,
+    _dense_self_test,
+)
+
+
 def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
     """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_moe_order)."""
     if settings.moe_backends != AUTO:
         return settings.moe_backends
     fastest = settings.select == "fastest"
-    return flashinfer.default_moe_order(device.capability, fastest) if device is not None else flashinfer.DEFAULT_MOE_ORDER
+    return (
+        flashinfer.default_moe_order(device.capability, fastest) if device is not None else flashinfer.DEFAULT_MOE_ORDER
+    )
 
 
-MOE = Family("moe", backends.FAMILY_LABELS["moe"], "SM120_FP4_MOE_BACKENDS", "SM120_FP4_MOE_FALLBACK", backends.moe_names,
-             backends.is_moe_supported, backends.resolve_moe, _moe_candidates, lambda s: s.moe_fallback,
-             _moe_self_test)
+MOE = Family(
+    "moe",
+    backends.FAMILY_LABELS["moe"],
+    "SM120_FP4_MOE_BACKENDS",
+    "SM120_FP4_MOE_FALLBACK",
+    backends.moe_names,
+    backends.is_moe_supported,
+    backends.resolve_moe,
+    _moe_candidates,
+    lambda s: s.moe_fallback,
+    _moe_self_test,
+)
 FAMILIES = {"dense": DENSE, "moe": MOE}
 
 # Called as hook(event, family, device, backend) right before a candidate runs on a device (event
@@ -167,8 +204,13 @@ def _operator_advice(device: Device, candidates: list[str], family: Family) -> l
     ]
 
 
-def refusal_message(device: Device, candidates: list[str], rejected: dict[str, str], config: str | None = None,
-                    family: Family | None = None) -> str:
+def refusal_message(
+    device: Device,
+    candidates: list[str],
+    rejected: dict[str, str],
+    config: str | None = None,
+    family: Family | None = None,
+) -> str:
     """The text of RefusedToServe: the device, each candidate and why, what the operator can do."""
     family = family or DENSE
     what = f" for {config}" if config else ""
@@ -252,19 +294,35 @@ def choose(device: Device, candidates: list[str], settings: Settings, family: Fa
                 _announce("timing", family, device, n)
                 timings[n] = _time_backend(backends.resolve(n), device, verify.DEFAULT_SHAPES)
             choice = min(passed, key=timings.__getitem__)
-            reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
+            reason = (
+                f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
+            )
     elif settings.selftest == "off" and supported:
-        choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"
+        choice, verified, reason = (
+            supported[0],
+            False,
+            "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified",
+        )
     elif family.fallback(settings) == "emulated":
         # FALLBACK=emulated wins over SELFTEST=warn: a verified slow answer beats an unverified one.
         also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
         _LOG.warning(
             "%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead",
-            refusal_message(device, candidates, rejected, family=family), family.fallback_var, also,
+            refusal_message(device, candidates, rejected, family=family),
+            family.fallback_var,
+            also,
         )
-        choice, verified, reason = backends.EMULATED, True, f"fallback: no candidate verified ({family.fallback_var}=emulated)"
+        choice, verified, reason = (
+            backends.EMULATED,
+            True,
+            f"fallback: no candidate verified ({family.fallback_var}=emulated)",
+        )
     elif settings.selftest == "warn" and supported:
-        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", refusal_message(device, candidates, rejected, family=family), supported[0])
+        _LOG.warning(
+            "%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s",
+            refusal_message(device, candidates, rejected, family=family),
+            supported[0],
+        )
         choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
     else:
         refused = RefusedToServe(refusal_message(device, candidates, rejected, family=family))
@@ -300,8 +358,13 @@ def log_decision(decision: Decision) -> None:
     )
 
 
-def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] | None = None,
-                    family: Family | None = None, device: Device | None = None, source: str | None = None) -> list[str]:
+def candidate_names(
+    settings: Settings,
+    candidates: list[str] | tuple[str, ...] | None = None,
+    family: Family | None = None,
+    device: Device | None = None,
+    source: str | None = None,
+) -> list[str]:
     """The ordered candidate names (`candidates`, else the family's setting for `device`: `auto`
     is the order for its capability); ConfigError for unknown ones, naming `source` (what supplied
     the names: default the family's variable). An unknown name is first looked up among the
@@ -330,5 +393,3 @@ def candidate_names(settings: Settings, candidates: list[str] | tuple[str, ...] 
 def serves(device: Device, settings: Settings) -> bool:
     """Whether this library serves `device`: a 12.x GPU, or any GPU with SM120_FP4_ENABLE=on."""
     return settings.enable == "on" or devices.is_sm12x(device.capability)
-
-

@@ -35,13 +35,23 @@ from typing import Callable, Iterator
 from . import locks
 from .errors import DeviceMappingError
 
-__all__ = ["Device", "list_devices", "get_device", "use_probe", "clear_cache", "is_sm12x", "same_uuid",
-           "DeviceMappingError"]
+__all__ = [
+    "Device",
+    "list_devices",
+    "get_device",
+    "use_probe",
+    "clear_cache",
+    "is_sm12x",
+    "same_uuid",
+    "DeviceMappingError",
+]
 
 _LOG = logging.getLogger(__name__)
 CPU_INDEX = -1
-PCI_ORDER_FIX = ("set CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA then numbers GPUs by PCI bus id, as `nvidia-smi` lists them), "
-                 "or name the GPUs by UUID in CUDA_VISIBLE_DEVICES (`nvidia-smi -L`)")
+PCI_ORDER_FIX = (
+    "set CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA then numbers GPUs by PCI bus id, as `nvidia-smi` lists them), "
+    "or name the GPUs by UUID in CUDA_VISIBLE_DEVICES (`nvidia-smi -L`)"
+)
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,15 @@ def _nvml_gpus() -> list[_Gpu] | None:
                         sub = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
                     except Exception:  # NotFound: an empty slot
                         continue
-                    migs.append(_Gpu(_text(pynvml.nvmlDeviceGetName(sub)), cc, _uuid(pynvml.nvmlDeviceGetUUID(sub)), pci, parent=uuid))
+                    migs.append(
+                        _Gpu(
+                            _text(pynvml.nvmlDeviceGetName(sub)),
+                            cc,
+                            _uuid(pynvml.nvmlDeviceGetUUID(sub)),
+                            pci,
+                            parent=uuid,
+                        )
+                    )
             found.append(_Gpu(name, cc, uuid, pci, mig, tuple(migs)))
         return found
     except Exception as exc:
@@ -194,7 +212,10 @@ def _unknown(why: str, gpus: list[_Gpu]) -> DeviceMappingError:
     return DeviceMappingError(
         f"sm120_fp4: cannot tell which GPU CUDA numbers as each cuda:N here without initialising CUDA: {why} "
         f"(NVML lists: {listed}). Not guessing (a wrong guess verifies one GPU and serves another): {PCI_ORDER_FIX}.",
-        [Device(CPU_INDEX, g.name, g.capability, source="nvml (unnumbered)", uuid=g.uuid, pci_bus_id=g.bus_id) for g in gpus],
+        [
+            Device(CPU_INDEX, g.name, g.capability, source="nvml (unnumbered)", uuid=g.uuid, pci_bus_id=g.bus_id)
+            for g in gpus
+        ],
     )
 
 
@@ -205,7 +226,9 @@ def _match(entry: str, pool: list[_Gpu], what: str, gpus: list[_Gpu]) -> _Gpu | 
     if len(hits) > 1:
         raise _unknown(f"CUDA_VISIBLE_DEVICES entry {entry!r} is a prefix of {len(hits)} {what} UUIDs", gpus)
     if not hits and any(g.uuid is None for g in pool):
-        raise _unknown(f"NVML gives no UUID for some GPU, so CUDA_VISIBLE_DEVICES entry {entry!r} cannot be matched", gpus)
+        raise _unknown(
+            f"NVML gives no UUID for some GPU, so CUDA_VISIBLE_DEVICES entry {entry!r} cannot be matched", gpus
+        )
     return hits[0] if hits else None
 
 
@@ -219,7 +242,11 @@ def _cuda_order(gpus: list[_Gpu], environ) -> list[Device]:
         ordered = list(gpus)
     else:
         ordered = sorted(gpus, key=lambda g: g.pci)
-    fastest = f"CUDA_DEVICE_ORDER={order} (CUDA's default FASTEST_FIRST: its own undocumented heuristic)" if not by_pci else ""
+    fastest = (
+        f"CUDA_DEVICE_ORDER={order} (CUDA's default FASTEST_FIRST: its own undocumented heuristic)"
+        if not by_pci
+        else ""
+    )
 
     def base() -> list[_Gpu]:
         if by_pci or _alike(gpus):
@@ -238,16 +265,22 @@ def _cuda_order(gpus: list[_Gpu], environ) -> list[Device]:
                 pick = every[int(entry)] if int(entry) < len(every) else None
             elif entry[:4].upper() == "MIG-":
                 if "/" in entry:  # MIG-GPU-<uuid>/<gi>/<ci>: the pre-R470 form
-                    raise _unknown(f"CUDA_VISIBLE_DEVICES entry {entry!r} uses the older MIG-GPU-<uuid>/<gi>/<ci> form; "
-                                   "name the MIG device by its MIG-<uuid> (`nvidia-smi -L`)", gpus)
+                    raise _unknown(
+                        f"CUDA_VISIBLE_DEVICES entry {entry!r} uses the older MIG-GPU-<uuid>/<gi>/<ci> form; "
+                        "name the MIG device by its MIG-<uuid> (`nvidia-smi -L`)",
+                        gpus,
+                    )
                 pick = _match(entry, migs, "MIG device", gpus)
             elif entry[:4].upper() == "GPU-":
                 pick = _match(entry, gpus, "GPU", gpus)
             else:
                 bare = _uuid(entry)
                 if bare and any(g.uuid and g.uuid.startswith(bare) for g in gpus + migs):
-                    raise _unknown(f"CUDA_VISIBLE_DEVICES entry {entry!r} is a UUID without its GPU-/MIG- prefix, which "
-                                   "CUDA does not document; write it as `nvidia-smi -L` does", gpus)
+                    raise _unknown(
+                        f"CUDA_VISIBLE_DEVICES entry {entry!r} is a UUID without its GPU-/MIG- prefix, which "
+                        "CUDA does not document; write it as `nvidia-smi -L` does",
+                        gpus,
+                    )
                 pick = None  # not an index or a UUID: CUDA stops at the first invalid entry
             if pick is None:
                 break
@@ -255,16 +288,31 @@ def _cuda_order(gpus: list[_Gpu], environ) -> list[Device]:
                 raise _unknown(f"CUDA_VISIBLE_DEVICES={visible!r} names one GPU twice", gpus)
             chosen.append(pick)
     if any(g.mig for g in chosen):
-        raise _unknown("a chosen GPU has MIG enabled (CUDA then shows one of its MIG devices, not the GPU); "
-                       "name the MIG device by its MIG-<uuid> in CUDA_VISIBLE_DEVICES", gpus)
+        raise _unknown(
+            "a chosen GPU has MIG enabled (CUDA then shows one of its MIG devices, not the GPU); "
+            "name the MIG device by its MIG-<uuid> in CUDA_VISIBLE_DEVICES",
+            gpus,
+        )
     if any(g.parent is not None for g in chosen) and len(chosen) > 1:
-        raise _unknown("CUDA_VISIBLE_DEVICES names a MIG device together with other devices (CUDA enumerates a single "
-                       "MIG device per process in the releases documented)", gpus)
+        raise _unknown(
+            "CUDA_VISIBLE_DEVICES names a MIG device together with other devices (CUDA enumerates a single "
+            "MIG device per process in the releases documented)",
+            gpus,
+        )
     if not by_pci and not _alike(chosen):
         raise _unknown(f"the chosen GPUs differ, with {fastest}", gpus)
     exact = by_pci or len(chosen) <= 1
-    return [Device(i, g.name, g.capability, source="nvml", uuid=g.uuid if exact else None, pci_bus_id=g.bus_id if exact else None)
-            for i, g in enumerate(chosen)]
+    return [
+        Device(
+            i,
+            g.name,
+            g.capability,
+            source="nvml",
+            uuid=g.uuid if exact else None,
+            pci_bus_id=g.bus_id if exact else None,
+        )
+        for i, g in enumerate(chosen)
+    ]
 
 
 def _torch():
@@ -276,7 +324,7 @@ def _cuda_ready() -> bool:
     torch = _torch()
     try:
         return bool(torch is not None and torch.cuda.is_initialized())
-    except Exception:  # noqa: BLE001 - a broken CUDA build: not initialised
+    except Exception:
         return False
 
 
@@ -293,8 +341,16 @@ def _probe_torch() -> list[Device]:
             pci = None
             if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
                 pci = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-            found.append(Device(i, props.name, (int(props.major), int(props.minor)), source="torch",
-                                uuid=_uuid(getattr(props, "uuid", None)), pci_bus_id=pci))
+            found.append(
+                Device(
+                    i,
+                    props.name,
+                    (int(props.major), int(props.minor)),
+                    source="torch",
+                    uuid=_uuid(getattr(props, "uuid", None)),
+                    pci_bus_id=pci,
+                )
+            )
         return found
     except Exception as exc:  # a broken CUDA install must not break the host process
         _LOG.warning("sm120_fp4: could not list CUDA devices through torch: %s", exc)
@@ -306,7 +362,7 @@ def _torch_has_cuda() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -319,7 +375,9 @@ def _probe(init_cuda: bool = False) -> list[Device]:
     return _cuda_order(gpus, os.environ)
 
 
-def list_devices(simulate: tuple[int, int] | None = None, *, refresh: bool = False, init_cuda: bool = False) -> list[Device]:
+def list_devices(
+    simulate: tuple[int, int] | None = None, *, refresh: bool = False, init_cuda: bool = False
+) -> list[Device]:
     """The devices of this process in CUDA's numbering, with `simulate` overriding every capability
     (cached per process, and probed again once CUDA is initialised: then CUDA's own answer counts).
 

@@ -73,8 +73,13 @@ def _alpha_one(device: torch.device) -> torch.Tensor:
     return alpha
 
 
-def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure: Callable[[int], GemmFn | None],
-                 name_of: Callable[[int], str], unknown: Callable[[int, str, object], None] | None = None) -> GemmFn:
+def mm_fp4_front(
+    original: GemmFn,
+    route: Callable[[int], GemmFn | None],
+    ensure: Callable[[int], GemmFn | None],
+    name_of: Callable[[int], str],
+    unknown: Callable[[int, str, object], None] | None = None,
+) -> GemmFn:
     """A function with mm_fp4's signature that serves routable calls with the routed backend.
 
     `route(index)` is the hot-path lookup of the backend decided for a device (None: not decided
@@ -102,12 +107,18 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
         except InvalidArgument as bad:
             raise bad from exc
         index = a.get_device()
-        exc.add_note(f"sm120_fp4: raised by FP4 GEMM backend {name_of(index)!r} on device {index} "
-                     f"(M={a.shape[0]}); never replaced by zeros")
+        exc.add_note(
+            f"sm120_fp4: raised by FP4 GEMM backend {name_of(index)!r} on device {index} "
+            f"(M={a.shape[0]}); never replaced by zeros"
+        )
 
     def serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out):
         try:
-            result = out if out is not None and out.is_contiguous() else empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+            result = (
+                out
+                if out is not None and out.is_contiguous()
+                else empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+            )
             if a.shape[0]:
                 fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
         except Exception as exc:
@@ -119,17 +130,33 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
         return out
 
     def flashinfer_fp4_gemm(
-        a, b, a_descale, b_descale, alpha=None, out_dtype=bf16, out=None,
-        block_size=16, use_8x4_sf_layout=False, backend="auto", **kwargs,
+        a,
+        b,
+        a_descale,
+        b_descale,
+        alpha=None,
+        out_dtype=bf16,
+        out=None,
+        block_size=16,
+        use_8x4_sf_layout=False,
+        backend="auto",
+        **kwargs,
     ):
         try:
             index = a.get_device()
         except AttributeError:
-            raise InvalidArgument(f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: "
-                                  "a 2-D uint8 tensor (M, K/2)") from None
+            raise InvalidArgument(
+                f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
+            ) from None
         fn = route(index)
-        if (fn is not None and backend in routed and alpha is not None and block_size == 16 and not use_8x4_sf_layout
-                and (not kwargs or neutral(kwargs))):
+        if (
+            fn is not None
+            and backend in routed
+            and alpha is not None
+            and block_size == 16
+            and not use_8x4_sf_layout
+            and (not kwargs or neutral(kwargs))
+        ):
             if out is None:
                 # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
                 try:
@@ -149,10 +176,25 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
                 bad = unrouted(block_size, use_8x4_sf_layout, kwargs)
                 if bad is not None:
                     unknown(index, *bad)  # refused by name (or SELFTEST says serve it: the original does)
-        if fn is None or backend not in routed or block_size != 16 or use_8x4_sf_layout or (kwargs and not neutral(kwargs)):
+        if (
+            fn is None
+            or backend not in routed
+            or block_size != 16
+            or use_8x4_sf_layout
+            or (kwargs and not neutral(kwargs))
+        ):
             return original(
-                a, b, a_descale, b_descale, alpha, out_dtype, out,
-                block_size=block_size, use_8x4_sf_layout=use_8x4_sf_layout, backend=backend, **kwargs,
+                a,
+                b,
+                a_descale,
+                b_descale,
+                alpha,
+                out_dtype,
+                out,
+                block_size=block_size,
+                use_8x4_sf_layout=use_8x4_sf_layout,
+                backend=backend,
+                **kwargs,
             )
         if alpha is None:
             alpha = _alpha_one(a.device)  # the SM120 kernel requires alpha; None means 1.0
@@ -163,8 +205,12 @@ def mm_fp4_front(original: GemmFn, route: Callable[[int], GemmFn | None], ensure
     return flashinfer_fp4_gemm
 
 
-def decline_front(original: Callable, route: Callable[[int], GemmFn | None], ensure: Callable[[int], GemmFn | None],
-                  declined: Callable[[int], None]) -> Callable:
+def decline_front(
+    original: Callable,
+    route: Callable[[int], GemmFn | None],
+    ensure: Callable[[int], GemmFn | None],
+    declined: Callable[[int], None],
+) -> Callable:
     """A function with the signature of `original`, an engine's "run my own FP4 GEMM, or return None"
     gate whose first argument is the activation tensor: None on a device this library serves, so the
     engine goes on to the FP4 GEMM alias, routed and verified; `original` everywhere else.
@@ -187,8 +233,9 @@ def decline_front(original: Callable, route: Callable[[int], GemmFn | None], ens
     return declining
 
 
-def moe_front(original: Callable, activation_type: type, route: Callable[[int], Callable | None],
-              name_of: Callable[[int], str]) -> Callable:
+def moe_front(
+    original: Callable, activation_type: type, route: Callable[[int], Callable | None], name_of: Callable[[int], str]
+) -> Callable:
     """A function with ``cutlass_fused_moe``'s keyword calling convention (as SGLang calls it) that serves
     NVFP4 calls with the MoE backend routed for the input's device; others go to `original`. Returns
     ``[output]`` as the kernel does."""
@@ -205,8 +252,10 @@ def moe_front(original: Callable, activation_type: type, route: Callable[[int], 
                 fn(*args)
             except Exception as exc:
                 index = x.get_device()
-                exc.add_note(f"sm120_fp4: raised by fused-MoE backend {name_of(index)!r} on device {index} "
-                             f"(T={x.shape[0]}); never replaced by zeros")
+                exc.add_note(
+                    f"sm120_fp4: raised by fused-MoE backend {name_of(index)!r} on device {index} "
+                    f"(T={x.shape[0]}); never replaced by zeros"
+                )
                 raise
         return [out]
 

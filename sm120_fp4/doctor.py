@@ -18,8 +18,8 @@ import subprocess
 import sys
 from typing import Any, Callable
 
-from .versions import installed_version
 from .tables import markdown_table
+from .versions import installed_version
 
 __all__ = ["collect", "run"]
 
@@ -27,7 +27,7 @@ __all__ = ["collect", "run"]
 def _probe(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
-    except Exception as exc:  # noqa: BLE001 - a doctor reports, it does not crash
+    except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
@@ -42,7 +42,10 @@ def _nvcc() -> dict:
         os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None
     )
     if not path or not os.path.exists(path):
-        return {"found": False, "note": "FlashInfer JIT-compiles SM12x kernels with nvcc on first use: install the CUDA toolkit (>= 12.9 for sm_120f)"}
+        return {
+            "found": False,
+            "note": "FlashInfer JIT-compiles SM12x kernels with nvcc on first use: install the CUDA toolkit (>= 12.9 for sm_120f)",
+        }
     out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
     match = re.search(r"release (\d+\.\d+)", out)
     return {"found": True, "path": path, "version": match.group(1) if match else out.strip()[-80:]}
@@ -59,9 +62,14 @@ def _toolchain() -> dict:
 
     tc = flashinfer.toolchain()
     shown = lambda v: None if v is None else f"{v[0]}.{v[1]}"  # noqa: E731
-    return {"cuda": shown(tc.cuda), "cuda_source": tc.cuda_source, "glibc": shown(tc.glibc),
-            "cute_dsl": tc.cute_dsl_problem or "importable", "jit_problem": flashinfer.jit_problem(tc),
-            "b12x_problem": flashinfer.b12x_problem(tc)}
+    return {
+        "cuda": shown(tc.cuda),
+        "cuda_source": tc.cuda_source,
+        "glibc": shown(tc.glibc),
+        "cute_dsl": tc.cute_dsl_problem or "importable",
+        "jit_problem": flashinfer.jit_problem(tc),
+        "b12x_problem": flashinfer.b12x_problem(tc),
+    }
 
 
 def _humming() -> dict:
@@ -74,14 +82,20 @@ def _devices(settings) -> list[dict]:
     from . import devices
 
     return [
-        {"index": d.index, "name": d.name, "capability": f"{d.capability[0]}.{d.capability[1]}", "simulated": d.simulated, "source": d.source}
+        {
+            "index": d.index,
+            "name": d.name,
+            "capability": f"{d.capability[0]}.{d.capability[1]}",
+            "simulated": d.simulated,
+            "source": d.source,
+        }
         for d in devices.list_devices(settings.simulated_capability if settings else None)
     ]
 
 
 def _activation() -> dict:
-    from .toggle import enabled
     from .sglang.release import PLUGIN_GROUP
+    from .toggle import enabled
 
     eps = importlib.metadata.entry_points(group=PLUGIN_GROUP)
     ours = [f"{ep.name} -> {ep.value}" for ep in eps if ep.value.startswith("sm120_fp4")]
@@ -92,7 +106,9 @@ def _activation() -> dict:
         "toggle": os.environ.get("SM120_FP4"),
         "active": enabled(),
         "plugin_entry_point": ours or None,
-        "plugin_allowed_by_SGLANG_PLUGINS": None if not allow else any(o.split(" ")[0] in allow.split(",") for o in ours),
+        "plugin_allowed_by_SGLANG_PLUGINS": None
+        if not allow
+        else any(o.split(" ")[0] in allow.split(",") for o in ours),
         "pth_bootstrap": pth or None,
         "note": "both activate when SM120_FP4 is set (1 or on; any other value but 0/off is rejected loudly at install); the plugin needs SGLang >= 0.5.11, the .pth works for all releases",
     }
@@ -117,7 +133,14 @@ def _targets() -> dict:
     rows = []
     for spec in targets.ledger_rows():
         applies = ok and version_in(version, spec.versions)
-        rows.append({"name": spec.name, "target": f"{spec.module}.{spec.attribute}", "versions": spec.versions, "applies": applies})
+        rows.append(
+            {
+                "name": spec.name,
+                "target": f"{spec.module}.{spec.attribute}",
+                "versions": spec.versions,
+                "applies": applies,
+            }
+        )
     return {"sglang": version, "supported": ok, "reason": why, "targets": rows}
 
 
@@ -134,18 +157,31 @@ def _backends(devs: list[dict]) -> list[dict]:
 
     out = []
     for d in devs:
-        device = Device(d["index"], d["name"], tuple(int(p) for p in d["capability"].split(".")), d["simulated"], d["source"])
-        for family, names, check in (("dense", backends.names, backends.is_supported), ("moe", backends.moe_names, backends.is_moe_supported)):
+        device = Device(
+            d["index"], d["name"], tuple(int(p) for p in d["capability"].split(".")), d["simulated"], d["source"]
+        )
+        for family, names, check in (
+            ("dense", backends.names, backends.is_supported),
+            ("moe", backends.moe_names, backends.is_moe_supported),
+        ):
             for name in names():
                 ok, reason = check(name, device)
-                out.append({"device": device.label(), "family": family, "backend": name, "supported": ok, "reason": reason})
+                out.append(
+                    {"device": device.label(), "family": family, "backend": name, "supported": ok, "reason": reason}
+                )
     return out
 
 
 # Targets whose failure means the runtime patch (or the simulation) cannot do its job here; the
 # model runner's post-warm-up seam is reported, but its module imports only on a GPU server.
-_ESSENTIAL = ("flashinfer-fp4-gemm-alias", "fp4-gemm-alias-legacy", "modelopt-fp4-weights-hook",
-              "compressed-tensors-w4a4-weights-hook", "fused-moe-kernel-seam", "modelopt-nvfp4-moe-weights-hook")
+_ESSENTIAL = (
+    "flashinfer-fp4-gemm-alias",
+    "fp4-gemm-alias-legacy",
+    "modelopt-fp4-weights-hook",
+    "compressed-tensors-w4a4-weights-hook",
+    "fused-moe-kernel-seam",
+    "modelopt-nvfp4-moe-weights-hook",
+)
 
 
 def _import_check(settings=None) -> dict:
@@ -169,17 +205,26 @@ def _import_check(settings=None) -> dict:
             if spec.make is None:
                 continue  # pins and env knobs: decided at run time
             state, reason = dry_run(spec)
-            rows.append({"name": spec.name, "state": state, "reason": reason, "simulation": spec.name.startswith("sim-")})
+            rows.append(
+                {"name": spec.name, "state": state, "reason": reason, "simulation": spec.name.startswith("sim-")}
+            )
         # the activation quantizers: by what this release's linear path calls ("fails": none can take effect)
-        rows += [{"name": spec.name, "state": state, "reason": reason, "simulation": True}
-                 for spec, state, reason in simulation.quantizer_check()]
+        rows += [
+            {"name": spec.name, "state": state, "reason": reason, "simulation": True}
+            for spec, state, reason in simulation.quantizer_check()
+        ]
     finally:
         if remove is not None:
             remove()
     if used:
-        rows.append({"name": simulation.KERNEL_PACKAGE_STAND_IN.name, "state": "applies",
-                     "reason": f"{simulation.KERNEL_PACKAGE} cannot load here ({used[0]}): the simulation imports a stand-in",
-                     "simulation": True})
+        rows.append(
+            {
+                "name": simulation.KERNEL_PACKAGE_STAND_IN.name,
+                "state": "applies",
+                "reason": f"{simulation.KERNEL_PACKAGE} cannot load here ({used[0]}): the simulation imports a stand-in",
+                "simulation": True,
+            }
+        )
     return {"targets": rows}
 
 
@@ -192,11 +237,16 @@ def _canary(settings) -> dict:
     from .sglang import idle_point_problem, release, targets
 
     idle = targets.idle_spec(lambda stream: None)
-    out = {"enabled": settings.canary_period is not None, "period_s": settings.canary_period,
-           "action": settings.canary_action, "slice_ms": settings.canary_slice_ms,
-           "idle_point": f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None,
-           "problem": settings_problem(settings) or (idle_point_problem(settings) if release.release_support()[0] else None),
-           "processes": []}
+    out = {
+        "enabled": settings.canary_period is not None,
+        "period_s": settings.canary_period,
+        "action": settings.canary_action,
+        "slice_ms": settings.canary_slice_ms,
+        "idle_point": f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None,
+        "problem": settings_problem(settings)
+        or (idle_point_problem(settings) if release.release_support()[0] else None),
+        "processes": [],
+    }
     report = str(settings.report) if settings.report is not None else None
     if report is not None:
         pattern = os.path.join(report, "*.json") if os.path.isdir(report) else report.replace("{pid}", "*")
@@ -207,12 +257,25 @@ def _canary(settings) -> dict:
             except (OSError, ValueError):
                 continue
             # A report holds one section per process (report.py); each may carry its canary's counters.
-            procs = data.get("processes") if isinstance(data, dict) and isinstance(data.get("processes"), list) else [data]
+            procs = (
+                data.get("processes") if isinstance(data, dict) and isinstance(data.get("processes"), list) else [data]
+            )
             for proc in procs:
                 section = proc.get("canary") if isinstance(proc, dict) else None
                 if isinstance(section, dict) and section.get("enabled"):
-                    keys = ("state", "runs", "failures", "last_run", "busy_s", "share", "longest_slice_ms", "skipped_saturated")
-                    out["processes"].append({"pid": proc.get("pid"), "report": path, **{k: section.get(k) for k in keys}})
+                    keys = (
+                        "state",
+                        "runs",
+                        "failures",
+                        "last_run",
+                        "busy_s",
+                        "share",
+                        "longest_slice_ms",
+                        "skipped_saturated",
+                    )
+                    out["processes"].append(
+                        {"pid": proc.get("pid"), "report": path, **{k: section.get(k) for k in keys}}
+                    )
     return out
 
 
@@ -225,7 +288,10 @@ def collect(deep: bool = True) -> dict:
         "sm120_fp4": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "versions": {d: installed_version(d) for d in ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")},
+        "versions": {
+            d: installed_version(d)
+            for d in ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")
+        },
     }
     settings_result = _probe(_settings)
     settings = None
@@ -269,9 +335,15 @@ def _problems(report: dict) -> list[str]:
     if isinstance(sg, dict) and sg.get("sglang") and not sg.get("supported"):
         problems.append(sg.get("reason", "unsupported SGLang"))
     devs = report.get("devices")
-    sm12x = [d for d in devs if isinstance(devs, list) and d["capability"].startswith("12.")] if isinstance(devs, list) else []
+    sm12x = (
+        [d for d in devs if isinstance(devs, list) and d["capability"].startswith("12.")]
+        if isinstance(devs, list)
+        else []
+    )
     if isinstance(devs, list) and not sm12x:
-        problems.append("no compute-capability 12.x GPU visible: the library does nothing here (SM120_FP4_SIMULATE=12.0 to simulate)")
+        problems.append(
+            "no compute-capability 12.x GPU visible: the library does nothing here (SM120_FP4_SIMULATE=12.0 to simulate)"
+        )
     nvcc = report.get("nvcc", {})
     if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
@@ -310,8 +382,10 @@ def _markdown(report: dict) -> str:
     lines.append(f"- nvcc: {nvcc.get('version', 'not found')} {nvcc.get('path', '')}".rstrip())
     tc = report.get("toolchain", {})
     if "error" not in tc:
-        lines.append(f"- toolchain: CUDA {tc.get('cuda') or 'unknown'} ({tc.get('cuda_source')}), glibc {tc.get('glibc') or 'unknown'}, "
-                     f"CuTe DSL: {tc.get('cute_dsl')}; b12x: {tc.get('b12x_problem') or 'can run'}")
+        lines.append(
+            f"- toolchain: CUDA {tc.get('cuda') or 'unknown'} ({tc.get('cuda_source')}), glibc {tc.get('glibc') or 'unknown'}, "
+            f"CuTe DSL: {tc.get('cute_dsl')}; b12x: {tc.get('b12x_problem') or 'can run'}"
+        )
     fi_env = report.get("flashinfer_env", {})
     shown = ", ".join(f"{k}={v!r}" for k, v in fi_env.get("variables", {}).items())
     lines.append(f"- FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*): {shown or 'none set'}")
@@ -319,65 +393,100 @@ def _markdown(report: dict) -> str:
     if "error" in hum:
         lines.append(f"- humming-kernels: probe failed: {hum['error']}")
     else:
-        compiles = f"can compile here ({hum['compiler']}: {hum['compiler_detail']})" if hum.get("can_compile") else \
-            f"cannot compile here: {hum.get('compiler_detail')}"
-        lines.append(f"- humming-kernels: {hum.get('version') or 'not installed'}; {compiles}; kernel cache {hum.get('cache_dir')}")
+        compiles = (
+            f"can compile here ({hum['compiler']}: {hum['compiler_detail']})"
+            if hum.get("can_compile")
+            else f"cannot compile here: {hum.get('compiler_detail')}"
+        )
+        lines.append(
+            f"- humming-kernels: {hum.get('version') or 'not installed'}; {compiles}; kernel cache {hum.get('cache_dir')}"
+        )
     lines += ["", "### GPUs"]
     devs = report["devices"]
     if isinstance(devs, list):
-        lines += [f"- {d['index']}: {d['name']} (sm_{d['capability'].replace('.', '')}{', simulated' if d['simulated'] else ''}, via {d['source']})" for d in devs] or ["- none visible"]
+        lines += [
+            f"- {d['index']}: {d['name']} (sm_{d['capability'].replace('.', '')}{', simulated' if d['simulated'] else ''}, via {d['source']})"
+            for d in devs
+        ] or ["- none visible"]
     else:
         lines.append(block(devs))
     lines += ["", "### Activation", block(report["activation"]), "", "### Settings"]
     settings = report["settings"]
     if "values" in settings:
-        lines += markdown_table(("setting", "value", "from"), [(k, v, settings["sources"][k]) for k, v in settings["values"].items()])
+        lines += markdown_table(
+            ("setting", "value", "from"), [(k, v, settings["sources"][k]) for k, v in settings["values"].items()]
+        )
     else:
         lines.append(block(settings))
     lines += ["", "### SGLang patch targets"]
     sg = report["sglang"]
     if "targets" in sg:
         lines.append(f"{sg['reason']}")
-        lines += ["", *markdown_table(("patch", "target", "releases", "applies here"),
-                                      [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in sg["targets"]])]
+        lines += [
+            "",
+            *markdown_table(
+                ("patch", "target", "releases", "applies here"),
+                [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in sg["targets"]],
+            ),
+        ]
     else:
         lines.append(block(sg))
     for section in (report.get("engines") or {}).values():
         if not isinstance(section, dict) or "targets" not in section:
             lines += ["", "### Engine", block(section)]
             continue
-        lines += ["", f"### {section['engine']} patch targets",
-                  f"{section['engine']} {section['version'] or 'not installed'}: {section['reason']}; plugin entry point: "
-                  f"{', '.join(section['plugin_entry_point'] or ['none'])}", "",
-                  *markdown_table(("patch", "target", "releases", "applies here"),
-                                  [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in section["targets"]])]
+        lines += [
+            "",
+            f"### {section['engine']} patch targets",
+            f"{section['engine']} {section['version'] or 'not installed'}: {section['reason']}; plugin entry point: "
+            f"{', '.join(section['plugin_entry_point'] or ['none'])}",
+            "",
+            *markdown_table(
+                ("patch", "target", "releases", "applies here"),
+                [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in section["targets"]],
+            ),
+        ]
     lines += ["", "### Backends"]
     bk = report["backends"]
     if isinstance(bk, list):
-        lines += markdown_table(("device", "family", "backend", "supported", "reason"),
-                                [(b["device"], b["family"], b["backend"], b["supported"], b["reason"] or "") for b in bk])
+        lines += markdown_table(
+            ("device", "family", "backend", "supported", "reason"),
+            [(b["device"], b["family"], b["backend"], b["supported"], b["reason"] or "") for b in bk],
+        )
     else:
         lines.append(block(bk))
     lines += ["", "### Serving canary (SM120_FP4_CANARY)"]
     canary = report.get("canary", {})
     if "enabled" in canary:
-        on = f"on, every {canary['period_s']:g} s, action {canary['action']}, slice {canary['slice_ms']:g} ms" if canary["enabled"] else "off"
-        lines.append(f"- {on}; idle point here: {canary['idle_point'] or 'none (the canary cannot run on this SGLang)'}")
+        on = (
+            f"on, every {canary['period_s']:g} s, action {canary['action']}, slice {canary['slice_ms']:g} ms"
+            if canary["enabled"]
+            else "off"
+        )
+        lines.append(
+            f"- {on}; idle point here: {canary['idle_point'] or 'none (the canary cannot run on this SGLang)'}"
+        )
         for p in canary["processes"]:
             last = p.get("last_run") or {}
             share = f"{p['share']:.3%}" if isinstance(p.get("share"), (int, float)) else "-"
-            lines.append(f"- pid {p['pid']}: {p['state']}; runs {p['runs']}, failures {p['failures']}, last run "
-                         f"{last.get('config', '-')} {'passed' if last.get('passed') else 'FAILED' if last else ''}, "
-                         f"serving-thread time {p['busy_s']:.3f} s ({share}), longest slice {p['longest_slice_ms']:.1f} ms, "
-                         f"skipped (saturated) {p['skipped_saturated']}")
+            lines.append(
+                f"- pid {p['pid']}: {p['state']}; runs {p['runs']}, failures {p['failures']}, last run "
+                f"{last.get('config', '-')} {'passed' if last.get('passed') else 'FAILED' if last else ''}, "
+                f"serving-thread time {p['busy_s']:.3f} s ({share}), longest slice {p['longest_slice_ms']:.1f} ms, "
+                f"skipped (saturated) {p['skipped_saturated']}"
+            )
         if canary["enabled"] and not canary["processes"]:
-            lines.append("- no serving process has reported yet (set SM120_FP4_REPORT for the servers to see their counters here)")
+            lines.append(
+                "- no serving process has reported yet (set SM120_FP4_REPORT for the servers to see their counters here)"
+            )
     else:
         lines.append(block(canary))
     lines += ["", "### SGLang import check (each target of this release, not patched)"]
     check = report["import_check"]
     if "targets" in check:
-        lines += markdown_table(("target", "here", "reason"), [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]])
+        lines += markdown_table(
+            ("target", "here", "reason"), [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]]
+        )
     else:
         lines.append(block(check))
     lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
-__all__ = ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "CheckpointError", "RefusedToServe", "SelfTestError", "DeviceMappingError", "describe", "not_accepted", "check_ranks",
-           "capped", "say_once", "EXIT_HUNG"]
+__all__ = [
+    "Sm120Fp4Error",
+    "InvalidArgument",
+    "ConfigError",
+    "CheckpointError",
+    "RefusedToServe",
+    "SelfTestError",
+    "DeviceMappingError",
+    "describe",
+    "not_accepted",
+    "check_ranks",
+    "capped",
+    "say_once",
+    "EXIT_HUNG",
+]
 
 # The exit code of a process whose checked call is still running past the self-test's bound (its
 # thread, the one that would serve, is held by a hung kernel): selftest's watchdog ends it so.

@@ -27,7 +27,19 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["UntrustedPath", "LockTimeout", "LOCK_TIMEOUT_S", "make_private_dirs", "write_json", "read_json", "locked", "locked_directory", "kind_of", "DIR_MODE", "FILE_MODE"]
+__all__ = [
+    "UntrustedPath",
+    "LockTimeout",
+    "LOCK_TIMEOUT_S",
+    "make_private_dirs",
+    "write_json",
+    "read_json",
+    "locked",
+    "locked_directory",
+    "kind_of",
+    "DIR_MODE",
+    "FILE_MODE",
+]
 
 DIR_MODE, FILE_MODE = 0o700, 0o600
 _OPEN = os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -57,17 +69,25 @@ def _flock(fd: int, path: Path, what: str, timeout_s: float) -> None:
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise LockTimeout(errno.EWOULDBLOCK, f"the {what} {path} is locked by another process for more than "
-                                  f"{timeout_s:g} s; not waiting longer") from None
+                raise LockTimeout(
+                    errno.EWOULDBLOCK,
+                    f"the {what} {path} is locked by another process for more than {timeout_s:g} s; not waiting longer",
+                ) from None
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.05)
 
 
 def kind_of(mode: int) -> str:
     """What a stat mode is, in words ("a regular file", "a FIFO", "a character device", ...)."""
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "a special file"
@@ -127,8 +147,11 @@ def _directory(path: Path, what: str) -> Iterator[int]:
     try:
         problem = dir_problem(os.fstat(fd))
         if problem is not None:
-            raise UntrustedPath(errno.EPERM, f"not using the {what} directory {path}: it is {problem}; "
-                                f"make it owned by you with mode 700 (chmod 700 {path}) and check what is in it")
+            raise UntrustedPath(
+                errno.EPERM,
+                f"not using the {what} directory {path}: it is {problem}; "
+                f"make it owned by you with mode 700 (chmod 700 {path}) and check what is in it",
+            )
         yield fd
     finally:
         os.close(fd)

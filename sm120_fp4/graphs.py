@@ -101,8 +101,9 @@ def _eligible(inputs: tuple[torch.Tensor, ...]) -> int | None:
     return index
 
 
-def run(name: str, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], read: Callable[[tuple], T],
-        extra: tuple = ()) -> T:
+def run(
+    name: str, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], read: Callable[[tuple], T], extra: tuple = ()
+) -> T:
     """``read(fn(*inputs))``, from a CUDA graph of `fn` where one fits (see the module's text).
 
     `fn` must be a pure function of its tensor arguments returning a tuple of tensors, with no host
@@ -145,8 +146,9 @@ def _capture(dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[t
         return _capture_on(dev, key, fn, inputs, device)
 
 
-def _capture_on(dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...],
-                device: torch.device) -> _Graph | None:
+def _capture_on(
+    dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], device: torch.device
+) -> _Graph | None:
     current = torch.cuda.current_stream(device)
     if dev.stream is None:
         dev.stream = torch.cuda.Stream(device)
@@ -167,7 +169,7 @@ def _capture_on(dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tupl
             finally:
                 graph.capture_end()
         current.wait_stream(side)
-    except Exception as exc:  # noqa: BLE001 - not capturable: this key runs eagerly from now on
+    except Exception as exc:
         current.wait_stream(side)
         dev.eager.add(key)
         _LOG.debug("sm120_fp4: %s runs eagerly (capture failed: %s: %s)", key[0], type(exc).__name__, exc)
@@ -196,5 +198,12 @@ def stats() -> dict[int, dict[str, int]]:
     """Per CUDA device index: graphs kept, their input bytes, captures and replays so far."""
     with _devices_lock:
         devices = dict(_devices)
-    return {i: {"graphs": len(d.graphs), "input_bytes": sum(g.size for g in d.graphs.values()),
-                "captures": d.captures, "replays": d.replays} for i, d in devices.items()}
+    return {
+        i: {
+            "graphs": len(d.graphs),
+            "input_bytes": sum(g.size for g in d.graphs.values()),
+            "captures": d.captures,
+            "replays": d.replays,
+        }
+        for i, d in devices.items()
+    }

@@ -84,7 +84,11 @@ def _version_reason(spec: PatchSpec) -> str | None:
     problem = comparable(found, spec.versions)
     if problem is not None:
         return f"cannot compare {spec.distribution} {found} with {spec.versions!r}: {problem}"
-    return None if version_in(found, spec.versions) else f"not needed in {spec.distribution} {found} (applies to {spec.versions})"
+    return (
+        None
+        if version_in(found, spec.versions)
+        else f"not needed in {spec.distribution} {found} (applies to {spec.versions})"
+    )
 
 
 def _resolve_owner(module: ModuleType, dotted: str) -> tuple[object, str]:
@@ -106,16 +110,18 @@ def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
         return "not needed", reason
     try:
         module = importlib.import_module(spec.module)
-    except Exception as exc:  # noqa: BLE001 - the reason is the finding
+    except Exception as exc:
         return "fails", f"cannot import {spec.module}: {type(exc).__name__}: {exc}"
     try:
         owner, leaf = _resolve_owner(module, spec.attribute)
         original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
     except (AttributeError, KeyError):
-        return "fails", f"{spec.module}.{spec.attribute} not found" + (f": {spec.when_missing}" if spec.when_missing else "")
+        return "fails", f"{spec.module}.{spec.attribute} not found" + (
+            f": {spec.when_missing}" if spec.when_missing else ""
+        )
     try:
         problem = spec.check(original) if spec.check else None
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         problem = f"check raised {type(exc).__name__}: {exc}"
     return ("fails", problem) if problem is not None else ("applies", None)
 
@@ -178,17 +184,30 @@ class Patcher:
     def watches(self, module: str) -> bool:
         """Whether `module` holds a patch of this Patcher that a reload would undo."""
         with self._lock:
-            return any(r.spec.module == module and r.state == "applied" and r.spec.make is not None for r in self._records.values())
+            return any(
+                r.spec.module == module and r.state == "applied" and r.spec.make is not None
+                for r in self._records.values()
+            )
 
     def reapply(self, module: ModuleType) -> None:
         """Patch `module` again after a reload put its original objects back (never raises into it)."""
         try:
             with self._lock:
-                again = [r.spec.name for r in list(self._records.values())
-                         if r.spec.module == module.__name__ and r.state == "applied" and r.spec.make is not None and self._reapply(r, module)]
+                again = [
+                    r.spec.name
+                    for r in list(self._records.values())
+                    if r.spec.module == module.__name__
+                    and r.state == "applied"
+                    and r.spec.make is not None
+                    and self._reapply(r, module)
+                ]
             if again:
-                _LOG.warning("sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s", module.__name__, ", ".join(again))
-        except Exception as exc:  # noqa: BLE001 - the host import must survive our bugs
+                _LOG.warning(
+                    "sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s",
+                    module.__name__,
+                    ", ".join(again),
+                )
+        except Exception as exc:
             _LOG.warning("sm120_fp4: patching %s again after its reload failed: %s", module.__name__, exc)
 
     def _reapply(self, record: _Record, module: ModuleType) -> bool:
@@ -197,7 +216,10 @@ class Patcher:
             owner, leaf = _resolve_owner(module, spec.attribute)
             current = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
         except (AttributeError, KeyError):
-            record.state, record.reason = "skipped", f"{spec.module}.{spec.attribute} not found after a reload of {spec.module}"
+            record.state, record.reason = (
+                "skipped",
+                f"{spec.module}.{spec.attribute} not found after a reload of {spec.module}",
+            )
             _LOG.warning("sm120_fp4: not patching %s again: %s", spec.name, record.reason)
             return False
         if current is record.replacement:
@@ -242,7 +264,7 @@ class Patcher:
                     if generation != self._generation:
                         return  # an uninstall happened since this hook was registered
                     self._apply(self._records[name], module)
-            except Exception as exc:  # noqa: BLE001 - the host import must survive our bugs
+            except Exception as exc:
                 record = self._records.get(name)
                 if record is not None:
                     record.state, record.reason = "skipped", f"internal error: {type(exc).__name__}: {exc}"
@@ -264,7 +286,7 @@ class Patcher:
                     if generation != self._generation:
                         return  # removed since this hook was registered
                     fn(mod)
-            except Exception as exc:  # noqa: BLE001 - the host import must survive our bugs
+            except Exception as exc:
                 _LOG.warning("sm120_fp4: step %s on import of %s failed: %s", getattr(fn, "__name__", fn), module, exc)
 
         wrapt.register_post_import_hook(on_import, module)
@@ -277,13 +299,17 @@ class Patcher:
             owner, leaf = _resolve_owner(module, spec.attribute)
             original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
         except (AttributeError, KeyError):
-            record.state, record.reason = "skipped", f"{spec.module}.{spec.attribute} not found" + (
-                f": {spec.when_missing}" if spec.when_missing else " in this release"
+            record.state, record.reason = (
+                "skipped",
+                f"{spec.module}.{spec.attribute} not found"
+                + (f": {spec.when_missing}" if spec.when_missing else " in this release"),
             )
             _LOG.warning("sm120_fp4: not patching %s: %s", spec.name, record.reason)
             return
         if getattr(original, "__sm120_fp4_patch__", None) is not None:
-            source = next((r for r in self._records.values() if r.state == "applied" and r.replacement is original), None)
+            source = next(
+                (r for r in self._records.values() if r.state == "applied" and r.replacement is original), None
+            )
             if source is None:
                 record.state, record.reason = "skipped", "already patched by another install of sm120_fp4"
                 return
@@ -345,7 +371,9 @@ class Patcher:
                 record = self._records[spec.name] = _Record(spec)
                 record.original = current
             record.owner, record.replacement, record.state, record.reason = owner, value, "applied", None
-            _LOG.info("sm120_fp4: pinned %s.%s from %s to %s (%s)", spec.module, spec.attribute, current, value, spec.name)
+            _LOG.info(
+                "sm120_fp4: pinned %s.%s from %s to %s (%s)", spec.module, spec.attribute, current, value, spec.name
+            )
             return True
 
     def note(self, spec: PatchSpec, state: State, reason: str | None) -> None:
@@ -368,8 +396,10 @@ class Patcher:
         current = owner.__dict__.get(leaf, MISSING) if isinstance(owner, type) else getattr(owner, leaf, MISSING)
         if current is record.replacement:
             return record.state, record.reason
-        return "replaced", (f"{record.spec.module}.{record.spec.attribute} was replaced since it was patched (a reload that "
-                            "could not be patched again, or other code): SGLang calls that object, not this library's")
+        return "replaced", (
+            f"{record.spec.module}.{record.spec.attribute} was replaced since it was patched (a reload that "
+            "could not be patched again, or other code): SGLang calls that object, not this library's"
+        )
 
     def ledger(self) -> list[LedgerEntry]:
         with self._lock:

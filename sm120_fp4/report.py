@@ -99,8 +99,11 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
     target = resolve(path, directory)
     # Bounded, both the thread lock and the file lock: this runs on serving threads.
     if not _lock.acquire(timeout=files.LOCK_TIMEOUT_S):
-        raise files.LockTimeout(errno.EWOULDBLOCK, f"another thread of this process has been writing the report {target} "
-                                f"for more than {files.LOCK_TIMEOUT_S:g} s; not waiting longer")
+        raise files.LockTimeout(
+            errno.EWOULDBLOCK,
+            f"another thread of this process has been writing the report {target} "
+            f"for more than {files.LOCK_TIMEOUT_S:g} s; not waiting longer",
+        )
     try:
         _merge(target, section, role)
     finally:
@@ -110,9 +113,14 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
 
 def _merge(target: Path, section: dict, role: str) -> None:
     """write()'s merge of this process's `section` into `target`, under the report directory's lock."""
-    me = {**{k: v for k, v in section.items() if k not in ("decisions", "refusals")},
-          "pid": os.getpid(), "role": role, "run": _run(), "started": _started(os.getpid()),
-          "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    me = {
+        **{k: v for k, v in section.items() if k not in ("decisions", "refusals")},
+        "pid": os.getpid(),
+        "role": role,
+        "run": _run(),
+        "started": _started(os.getpid()),
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     with files.locked_directory(target.parent, "report"):
         try:
             old = files.read_json(target, "report")
@@ -130,11 +138,21 @@ def _merge(target: Path, section: dict, role: str) -> None:
 
         def entries(name: str) -> list:
             mine = [{**e, "pid": me["pid"], "role": role} for e in section.get(name, [])]
-            theirs = [e for e in (old.get(name, []) if keep else []) if isinstance(e, dict) and (e.get("pid"), e.get("role")) in kept]
+            theirs = [
+                e
+                for e in (old.get(name, []) if keep else [])
+                if isinstance(e, dict) and (e.get("pid"), e.get("role")) in kept
+            ]
             return theirs + mine  # this process's last: the newest entry is at the end
 
-        payload = {"version": VERSION, "pid": me["pid"], "updated_at": me["written_at"], "processes": keep + [me],
-                   "decisions": entries("decisions"), "refusals": entries("refusals")}
+        payload = {
+            "version": VERSION,
+            "pid": me["pid"],
+            "updated_at": me["written_at"],
+            "processes": keep + [me],
+            "decisions": entries("decisions"),
+            "refusals": entries("refusals"),
+        }
         files.write_json(target, payload, "report")
 
 
@@ -146,8 +164,12 @@ def update(settings: Settings) -> None:
     if settings.report is None:
         return
     if not _update_lock.acquire(timeout=files.LOCK_TIMEOUT_S):  # never an unbounded wait on a serving thread
-        _LOG.warning("sm120_fp4: skipped a report write to %s: another thread of this process has been writing it for "
-                     "more than %g s (the next write holds the latest state)", settings.report, files.LOCK_TIMEOUT_S)
+        _LOG.warning(
+            "sm120_fp4: skipped a report write to %s: another thread of this process has been writing it for "
+            "more than %g s (the next write holds the latest state)",
+            settings.report,
+            files.LOCK_TIMEOUT_S,
+        )
         return
     try:
         payload = {name: section() for name, section in list(sections.items())}

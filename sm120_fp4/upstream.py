@@ -210,9 +210,7 @@ def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
     else:
         root = _sglang_root(Path(site_dir))
         if root is None:
-            return CheckResult(
-                "no-sglang", f"no sglang package in {site_dir} (looked for sglang/ and python/sglang/)"
-            )
+            return CheckResult("no-sglang", f"no sglang package in {site_dir} (looked for sglang/ and python/sglang/)")
     version = tree_version(root) or (installed_version("sglang") if site_dir is None else None)
     diff = diff_for(version) if version else None
     where = f"sglang {version or '(unknown version)'} at {root / 'sglang'}"
@@ -223,7 +221,12 @@ def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
     if marker:
         made_for = "" if version in (None, marker.group(2)) else f" (made for {marker.group(2)})"
         return CheckResult(
-            "fixed", f"{where} contains the fix: patch {marker.group(1)}{made_for}", version, root, marker.group(1), diff
+            "fixed",
+            f"{where} contains the fix: patch {marker.group(1)}{made_for}",
+            version,
+            root,
+            marker.group(1),
+            diff,
         )
     if version is None:
         return CheckResult("unsupported", f"cannot read the sglang version in {root}", None, root)
@@ -248,7 +251,18 @@ def _tool() -> str | None:
 
 def _command(tool: str, root: Path, patch: Path, dry_run: bool) -> list[str]:
     if tool == "patch":
-        cmd = ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch", "-d", str(root), "-i", str(patch)]
+        cmd = [
+            "patch",
+            "-p1",
+            "--forward",
+            "--batch",
+            "--fuzz=0",
+            "--no-backup-if-mismatch",
+            "-d",
+            str(root),
+            "-i",
+            str(patch),
+        ]
         return cmd + (["--dry-run"] if dry_run else [])
     return ["git", "apply", "-p1", "--verbose", *(["--check"] if dry_run else []), str(patch)]
 

@@ -22,7 +22,18 @@ from typing import Any
 
 from . import files, locks
 
-__all__ = ["device_key", "record", "crash_of", "note_crash", "load", "trouble", "write_json", "CRASHED", "PASSED", "FAILED"]
+__all__ = [
+    "device_key",
+    "record",
+    "crash_of",
+    "note_crash",
+    "load",
+    "trouble",
+    "write_json",
+    "CRASHED",
+    "PASSED",
+    "FAILED",
+]
 
 _LOG = logging.getLogger("sm120_fp4")
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
@@ -114,8 +125,15 @@ def record(path: Path | None, key: dict, family: str, backend: str, verdict: str
     if path is None:
         return
     path = Path(path)
-    entry = {"key": key, "family": family, "backend": backend, "verdict": verdict, "reason": reason,
-             "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "recorded_by": "sm120-fp4 selftest"}
+    entry = {
+        "key": key,
+        "family": family,
+        "backend": backend,
+        "verdict": verdict,
+        "reason": reason,
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "recorded_by": "sm120-fp4 selftest",
+    }
     with _lock:
         files.make_private_dirs(path.parent)
         # Bounded (files.LockTimeout, an OSError the caller reports): the preflight never hangs on a lock.
@@ -153,7 +171,9 @@ def crash_of(path: Path | None, device, family: str, backend: str) -> str | None
     key = device_key(device)
     for entry in entries:
         if _matches(entry, key, family, backend) and entry.get("verdict") == CRASHED:
-            return (f"skipped: it crashed the self-test process of `sm120-fp4 selftest` ({entry.get('reason')}), recorded "
-                    f"{entry.get('recorded_at')} in {path} for this GPU, driver, CUDA and FlashInfer; "
-                    "delete that entry (or the file) to try it again")
+            return (
+                f"skipped: it crashed the self-test process of `sm120-fp4 selftest` ({entry.get('reason')}), recorded "
+                f"{entry.get('recorded_at')} in {path} for this GPU, driver, CUDA and FlashInfer; "
+                "delete that entry (or the file) to try it again"
+            )
     return None

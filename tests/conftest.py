@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.cases import fields
 from helpers.procs import JOBS as _JOBS
 from helpers.procs import TIMEOUT, JobPool
@@ -125,6 +124,7 @@ def sglang_unpatched():
 
 # ---- reliability cases: @case(...) -> JUnit properties (scripts/reliability_table.py) ----------
 
+
 @pytest.fixture(autouse=True)
 def _tier_marks_are_complete(request, monkeypatch):
     """A test not marked `subprocess` that starts a process anyway (through a library call the marks
@@ -137,8 +137,10 @@ def _tier_marks_are_complete(request, monkeypatch):
     guard.install(monkeypatch)
     yield
     if guard.started:
-        pytest.fail(f"{request.node.nodeid} started a process ({', '.join(sorted(set(guard.started)))}) "
-                    "without the mark: add @pytest.mark.subprocess (@pytest.mark.server if it is a real server)")
+        pytest.fail(
+            f"{request.node.nodeid} started a process ({', '.join(sorted(set(guard.started)))}) "
+            "without the mark: add @pytest.mark.subprocess (@pytest.mark.server if it is a real server)"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -216,9 +218,20 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     if os.environ.get("JOB_TIMES"):  # where each background job ran, for tuning the pools (JOB_TIMES=path.json)
         t0 = min((j.started_at for j in _JOBS.values() if j.started_at is not None), default=0.0)
-        Path(os.environ["JOB_TIMES"]).write_text(json.dumps(
-            [[node, None if j.started_at is None else j.started_at - t0, None if j.ended_at is None else j.ended_at - t0,
-              getattr(j.job, "cpu_s", None)] for node, j in _JOBS.items()], indent=1))
+        Path(os.environ["JOB_TIMES"]).write_text(
+            json.dumps(
+                [
+                    [
+                        node,
+                        None if j.started_at is None else j.started_at - t0,
+                        None if j.ended_at is None else j.ended_at - t0,
+                        getattr(j.job, "cpu_s", None),
+                    ]
+                    for node, j in _JOBS.items()
+                ],
+                indent=1,
+            )
+        )
     _POOL.stop()
     _HEAVY.stop()
     for job in _JOBS.values():

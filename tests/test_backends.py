@@ -9,18 +9,18 @@ import sys
 
 import pytest
 import torch
-
 from helpers import faults
 from helpers.cases import case
 from helpers.common import mm_fp4_operands
 from helpers.procs import background
+
 from sm120_fp4 import backends
 from sm120_fp4.backends import flashinfer
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import InvalidArgument
 
-
 # ---- the registry -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cc", [(12, 0), (12, 1), (9, 0), (10, 0)])
 def test_flashinfer_backends_are_unsupported_without_a_usable_gpu(cc):
@@ -57,7 +57,11 @@ def test_a_support_check_that_raises_is_a_reason_not_a_crash():
     assert not ok and "driver exploded" in why
 
 
-@case("own failures", "FlashInfer not importable, FlashInfer backend asked about on a (mocked) CUDA 12.0 GPU", "not supported, with the reason 'flashinfer X does not import: ModuleNotFoundError ...'; no exception")
+@case(
+    "own failures",
+    "FlashInfer not importable, FlashInfer backend asked about on a (mocked) CUDA 12.0 GPU",
+    "not supported, with the reason 'flashinfer X does not import: ModuleNotFoundError ...'; no exception",
+)
 def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -69,17 +73,27 @@ def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(
             with flashinfer.use_toolchain(lambda: able):
                 ok, reason = backends.is_supported(name, Device(0, "mocked RTX PRO 6000", (12, 0)))
             # installed but unimportable (this environment), or not installed at all (the H200 image)
-            assert not ok and re.search(r"does not import: (ModuleNotFound|Import)Error|flashinfer-python is not installed", reason), reason
+            assert not ok and re.search(
+                r"does not import: (ModuleNotFound|Import)Error|flashinfer-python is not installed", reason
+            ), reason
     finally:
         flashinfer._mm_fp4.cache_clear()
 
 
 # ---- argument checks before a FlashInfer kernel (metadata only) ---------------------------------
 
+
 def operands(m=4, n=32, k=64):
     a, b, a_descale, b_descale, alpha = mm_fp4_operands(m, n, k)
-    return dict(a=a, b=b, a_descale=a_descale, b_descale=b_descale, alpha=alpha, out_dtype=torch.bfloat16,
-                out=torch.empty(m, n, dtype=torch.bfloat16))
+    return dict(
+        a=a,
+        b=b,
+        a_descale=a_descale,
+        b_descale=b_descale,
+        alpha=alpha,
+        out_dtype=torch.bfloat16,
+        out=torch.empty(m, n, dtype=torch.bfloat16),
+    )
 
 
 BAD_INPUTS = {
@@ -93,7 +107,10 @@ BAD_INPUTS = {
     "alpha missing": (lambda g: {**g, "alpha": None}, r"alpha=None .*requires alpha"),
     "alpha float16": (lambda g: {**g, "alpha": g["alpha"].half()}, r"alpha=.*float32"),
     "out_dtype fp32": (lambda g: {**g, "out_dtype": torch.float32}, r"out_dtype=torch.float32"),
-    "out non-contiguous": (lambda g: {**g, "out": torch.empty(32, 4, dtype=torch.bfloat16).T}, r"out=.*contiguous \(4, 32\)"),
+    "out non-contiguous": (
+        lambda g: {**g, "out": torch.empty(32, 4, dtype=torch.bfloat16).T},
+        r"out=.*contiguous \(4, 32\)",
+    ),
     "out wrong shape": (lambda g: {**g, "out": torch.empty(4, 40, dtype=torch.bfloat16)}, r"out=.*\(4, 32\)"),
 }
 
@@ -117,9 +134,19 @@ def test_flashinfer_backends_check_their_input_before_any_kernel():
         backends.resolve("cute-dsl")(**operands(n=96, k=128))
 
 
-@case("own failures", "mm_fp4 arguments with {what}", "InvalidArgument naming {param}, from metadata alone, before any kernel")
-@pytest.mark.parametrize("what, param", [("a non-contiguous a", "a"), ("a non-contiguous a_descale", "a_descale"),
-                                         ("b_descale contiguous itself instead of the .T view of a contiguous tensor", "b_descale")])
+@case(
+    "own failures",
+    "mm_fp4 arguments with {what}",
+    "InvalidArgument naming {param}, from metadata alone, before any kernel",
+)
+@pytest.mark.parametrize(
+    "what, param",
+    [
+        ("a non-contiguous a", "a"),
+        ("a non-contiguous a_descale", "a_descale"),
+        ("b_descale contiguous itself instead of the .T view of a contiguous tensor", "b_descale"),
+    ],
+)
 def test_contiguity_and_scale_layout_are_checked(what, param):
     g = operands()
     if param == "a":
@@ -135,6 +162,7 @@ def test_contiguity_and_scale_layout_are_checked(what, param):
 
 # ---- entry-point backends (groups sm120_fp4.backends / sm120_fp4.moe_backends) ------------------
 
+
 @pytest.fixture
 def plugins_on_path(tmp_path, monkeypatch):
     from helpers.plugins import plugin_site
@@ -147,18 +175,23 @@ def plugins_on_path(tmp_path, monkeypatch):
         monkeypatch.setattr(registry, "_looked_up", set())
 
 
-@case("own failures", "a backend name nobody registered, installed as an entry point ({which})",
-      "{outcome}")
-@pytest.mark.parametrize("which, outcome", [
-    ("a GEMM function", "found and registered on first use, in any process"),
-    ("a function with an is_supported attribute", "its support check is used: not supported on sm_120, with its reason"),
-    ("an entry point whose module does not import", "ConfigError naming the entry point, its group and the error"),
-    ("a MoE backend in sm120_fp4.moe_backends", "found for the MoE family only"),
-])
+@case("own failures", "a backend name nobody registered, installed as an entry point ({which})", "{outcome}")
+@pytest.mark.parametrize(
+    "which, outcome",
+    [
+        ("a GEMM function", "found and registered on first use, in any process"),
+        (
+            "a function with an is_supported attribute",
+            "its support check is used: not supported on sm_120, with its reason",
+        ),
+        ("an entry point whose module does not import", "ConfigError naming the entry point, its group and the error"),
+        ("a MoE backend in sm120_fp4.moe_backends", "found for the MoE family only"),
+    ],
+)
 def test_entry_point_backends_are_loaded_when_asked_for(plugins_on_path, which, outcome):
+    from sm120_fp4 import deciding
     from sm120_fp4.config import Settings
     from sm120_fp4.errors import ConfigError
-    from sm120_fp4 import deciding
 
     if which.startswith("a GEMM"):
         assert "zeros" not in backends.names()
@@ -168,7 +201,10 @@ def test_entry_point_backends_are_loaded_when_asked_for(plugins_on_path, which, 
         assert backends.is_supported("good121", Device(0, "mocked", (12, 0))) == (False, "only on sm_121")
         assert backends.is_supported("good121", Device(0, "mocked", (12, 1)))[0]
     elif "does not import" in which:
-        with pytest.raises(ConfigError, match=r"entry point 'missing' .* of group sm120_fp4.backends failed to load: ModuleNotFoundError"):
+        with pytest.raises(
+            ConfigError,
+            match=r"entry point 'missing' .* of group sm120_fp4.backends failed to load: ModuleNotFoundError",
+        ):
             deciding.candidate_names(Settings(backends="missing"))
     else:
         assert deciding.candidate_names(Settings(moe_backends="moe-crash"), family=deciding.MOE) == ["moe-crash"]
@@ -193,13 +229,25 @@ def _entry_point_worker(folder):
     from helpers.plugins import plugin_site
     from helpers.procs import REPO, python
 
-    return python(ENTRY_POINT_WORKER, folder, cwd=folder, PYTHONPATH=f"{plugin_site(folder / 'plugins')}:{REPO}",
-                  SM120_FP4="1", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros,good")
+    return python(
+        ENTRY_POINT_WORKER,
+        folder,
+        cwd=folder,
+        PYTHONPATH=f"{plugin_site(folder / 'plugins')}:{REPO}",
+        SM120_FP4="1",
+        SM120_FP4_SIMULATE="12.0",
+        SM120_FP4_BACKENDS="zeros,good",
+    )
 
 
-@case("own failures", "a new worker process (SM120_FP4=1, `.pth` bootstrap, real SGLang import) asked for backends that exist only as entry points (BACKENDS=zeros,good)",
-      "the worker finds both without anyone calling register(): zeros is rejected by its self-test, good serves the layer")
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="the worker imports the real SGLang (not installed here)")
+@case(
+    "own failures",
+    "a new worker process (SM120_FP4=1, `.pth` bootstrap, real SGLang import) asked for backends that exist only as entry points (BACKENDS=zeros,good)",
+    "the worker finds both without anyone calling register(): zeros is rejected by its self-test, good serves the layer",
+)
+@pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None, reason="the worker imports the real SGLang (not installed here)"
+)
 @background(_entry_point_worker)
 def test_entry_point_backends_reach_spawned_workers(background):
     rc, stdout, stderr = background
@@ -209,8 +257,11 @@ def test_entry_point_backends_reach_spawned_workers(background):
     assert "all zeros" in rejected["zeros"] and "unknown" not in stderr
 
 
-@case("own failures", "FlashInfer's activation quantizer does not import (ImportError) where it would be checked (sm_120, a FlashInfer backend), asked four times",
-      "no quantizer (the self-test runs without it) and one warning naming the error: never skipped silently, never repeated")
+@case(
+    "own failures",
+    "FlashInfer's activation quantizer does not import (ImportError) where it would be checked (sm_120, a FlashInfer backend), asked four times",
+    "no quantizer (the self-test runs without it) and one warning naming the error: never skipped silently, never repeated",
+)
 def test_a_quantizer_that_does_not_import_is_said_once(monkeypatch, caplog):
     import logging
     import types
@@ -218,8 +269,12 @@ def test_a_quantizer_that_does_not_import_is_said_once(monkeypatch, caplog):
     from sm120_fp4 import errors
 
     monkeypatch.setattr(errors, "_said", set())  # "once per process": this test's process starts now
-    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))  # an install whose fp4_quantize does not import
-    monkeypatch.setattr(flashinfer, "version", lambda: "0.7.2")  # installed, as its metadata says (also where it is not: the H200 run)
+    monkeypatch.setitem(
+        sys.modules, "flashinfer", types.ModuleType("flashinfer")
+    )  # an install whose fp4_quantize does not import
+    monkeypatch.setattr(
+        flashinfer, "version", lambda: "0.7.2"
+    )  # installed, as its metadata says (also where it is not: the H200 run)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     gpus = [Device(0, "NVIDIA RTX PRO 6000", (12, 0)), Device(1, "NVIDIA RTX PRO 6000", (12, 0))]
     assert [backends.quantizer_for("cutlass", gpu) for gpu in gpus + gpus] == [None] * 4

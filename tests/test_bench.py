@@ -7,9 +7,9 @@ import json
 import sys
 
 import pytest
-
 from helpers.cases import case
 from helpers.children import all_zeros as zeros
+
 from sm120_fp4 import backends, cli
 from sm120_fp4.demo.checkpoint import write_checkpoint
 
@@ -26,8 +26,9 @@ def bench(monkeypatch, capsys, *args, env=SIM):
 
 def test_bench_times_each_verified_candidate_and_bf16_and_lists_the_unsupported(monkeypatch, capsys, tmp_path):
     path = tmp_path / "bench.json"
-    code, out, err = bench(monkeypatch, capsys, "--backend", "emulated", "--backend", "cutlass", "--sizes", "3", "1",
-                           "--json", str(path))
+    code, out, err = bench(
+        monkeypatch, capsys, "--backend", "emulated", "--backend", "cutlass", "--sizes", "3", "1", "--json", str(path)
+    )
     assert code == 0, err
     assert "| kernel | layer configuration | backend | verdict | M | time (us) | TFLOP/s | x bf16 | timing |" in out
     result = json.loads(path.read_text())
@@ -46,13 +47,17 @@ def test_bench_times_each_verified_candidate_and_bf16_and_lists_the_unsupported(
     assert "verifying dense backend 'emulated'" in err
 
 
-@case("backend faults", "`sm120-fp4 bench` with a candidate kernel that returns zeros (a registered backend)",
-      "exit 0; the candidate is listed once with its failed verdict and not timed; the others are timed")
+@case(
+    "backend faults",
+    "`sm120-fp4 bench` with a candidate kernel that returns zeros (a registered backend)",
+    "exit 0; the candidate is listed once with its failed verdict and not timed; the others are timed",
+)
 def test_bench_lists_a_candidate_that_fails_verification_and_does_not_time_it(monkeypatch, capsys, tmp_path):
     backends.register("zeros", zeros)
     path = tmp_path / "bench.json"
-    code, out, err = bench(monkeypatch, capsys, "--backend", "zeros", "--backend", "emulated", "--sizes", "2",
-                           "--json", str(path))
+    code, out, err = bench(
+        monkeypatch, capsys, "--backend", "zeros", "--backend", "emulated", "--sizes", "2", "--json", str(path)
+    )
     assert code == 0, err
     rows = [r for r in json.loads(path.read_text())["rows"] if r["family"] == "dense"]
     failed = [r for r in rows if r["backend"] == "zeros"]
@@ -66,8 +71,9 @@ def test_bench_times_the_checkpoints_layer_configurations(monkeypatch, capsys, t
 
     model = write_checkpoint(str(tmp_path / "model"))
     path = tmp_path / "bench.json"
-    code, out, err = bench(monkeypatch, capsys, "--model", model, "--backend", "emulated", "--sizes", "1",
-                           "--json", str(path))
+    code, out, err = bench(
+        monkeypatch, capsys, "--model", model, "--backend", "emulated", "--sizes", "1", "--json", str(path)
+    )
     assert code == 0, err
     result = json.loads(path.read_text())
     dense, moe = model_check.discover(model).distinct()  # how `selftest --model` groups the same checkpoint
@@ -77,20 +83,38 @@ def test_bench_times_the_checkpoints_layer_configurations(monkeypatch, capsys, t
     assert {r["config"] for r in result["rows"]} == set(result["dense"]) | set(result["moe"])
 
 
-@case("configuration", "`sm120-fp4 bench` with {what}", "exit code 2 before anything runs; stderr names the option and the value")
-@pytest.mark.parametrize("what, args, said", [
-    ("a batch size of 0", ("--sizes", "0"), "--sizes 0 is not a batch size"),
-    ("an unknown backend", ("--backend", "nope"), "--backend 'nope' is not a known backend; accepted: "),
-    ("a --model that is not a directory", ("--model", "/nonexistent/model"), "--model '/nonexistent/model' is not a directory"),
-    ("a --json path in a missing folder", ("--json", "/nonexistent/dir/b.json"), "--json '/nonexistent/dir/b.json'"),
-])
+@case(
+    "configuration",
+    "`sm120-fp4 bench` with {what}",
+    "exit code 2 before anything runs; stderr names the option and the value",
+)
+@pytest.mark.parametrize(
+    "what, args, said",
+    [
+        ("a batch size of 0", ("--sizes", "0"), "--sizes 0 is not a batch size"),
+        ("an unknown backend", ("--backend", "nope"), "--backend 'nope' is not a known backend; accepted: "),
+        (
+            "a --model that is not a directory",
+            ("--model", "/nonexistent/model"),
+            "--model '/nonexistent/model' is not a directory",
+        ),
+        (
+            "a --json path in a missing folder",
+            ("--json", "/nonexistent/dir/b.json"),
+            "--json '/nonexistent/dir/b.json'",
+        ),
+    ],
+)
 def test_bench_refuses_bad_options(monkeypatch, capsys, what, args, said):
     code, out, err = bench(monkeypatch, capsys, *args)
     assert code == 2 and said in err and out == ""
 
 
-@case("configuration", "`sm120-fp4 bench --plot PNG` where matplotlib is not installed",
-      "exit code 2 before anything runs; stderr says --plot needs matplotlib")
+@case(
+    "configuration",
+    "`sm120-fp4 bench --plot PNG` where matplotlib is not installed",
+    "exit code 2 before anything runs; stderr says --plot needs matplotlib",
+)
 def test_bench_plot_without_matplotlib_is_exit_2(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it fails, as where it is not installed
     code, out, err = bench(monkeypatch, capsys, "--plot", str(tmp_path / "b.png"), "--sizes", "1")

@@ -9,11 +9,22 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import sm120_fp4
 from helpers.cases import case
 from helpers.common import SIM_ENV, assert_patched_once
-from helpers.procs import PACKAGE, REPO, Popen, background, broken_copy, clean_env, fake_sglang, ours, python, with_repo_pth
+from helpers.procs import (
+    PACKAGE,
+    REPO,
+    Popen,
+    background,
+    broken_copy,
+    clean_env,
+    fake_sglang,
+    ours,
+    python,
+    with_repo_pth,
+)
+
+import sm120_fp4
 from sm120_fp4 import bootstrap
 
 PTH = (PACKAGE / "_pth" / "sm120_fp4.pth").read_text()
@@ -21,7 +32,11 @@ PTH = (PACKAGE / "_pth" / "sm120_fp4.pth").read_text()
 
 # ---- the toggle ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, parsed", [(None, None), ("1", True), ("on", True), ("0", False), ("off", False), (1, True), (0, False), (True, True)])
+
+@pytest.mark.parametrize(
+    "value, parsed",
+    [(None, None), ("1", True), ("on", True), ("0", False), ("off", False), (1, True), (0, False), (True, True)],
+)
 def test_parse_toggle_accepts_1_on_0_off(value, parsed):
     assert bootstrap.parse_toggle(value) is parsed
 
@@ -32,8 +47,17 @@ def test_parse_toggle_rejects_anything_else_and_says_what_is_accepted(value):
         bootstrap.parse_toggle(value)
 
 
-@pytest.mark.parametrize("environ, on", [({}, False), ({"SM120_FP4": ""}, False), ({"SM120_FP4": "0"}, False),
-                                         ({"SM120_FP4": "off"}, False), ({"SM120_FP4": "1"}, True), ({"SM120_FP4": "garbage"}, True)])
+@pytest.mark.parametrize(
+    "environ, on",
+    [
+        ({}, False),
+        ({"SM120_FP4": ""}, False),
+        ({"SM120_FP4": "0"}, False),
+        ({"SM120_FP4": "off"}, False),
+        ({"SM120_FP4": "1"}, True),
+        ({"SM120_FP4": "garbage"}, True),
+    ],
+)
 def test_enabled_lets_garbage_through_to_install_which_rejects_it(environ, on):
     assert bootstrap.enabled(environ) is on
 
@@ -44,7 +68,12 @@ def test_the_pth_line_repeats_the_off_values_of_the_toggle():
 
 # ---- activate() in this process -----------------------------------------------------------------
 
-@case("own failures", "`bootstrap.activate()` twice, with SGLang already imported", "install() once; the second call is a no-op; never raises")
+
+@case(
+    "own failures",
+    "`bootstrap.activate()` twice, with SGLang already imported",
+    "install() once; the second call is a no-op; never raises",
+)
 def test_bootstrap_activate_is_idempotent_and_never_raises(monkeypatch, sglang_unpatched):
     for name, value in {"SM120_FP4": "1", **SIM_ENV}.items():
         monkeypatch.setenv(name, value)
@@ -78,9 +107,17 @@ SHOW_IMPORTS = "import sys, json; print(json.dumps(sorted(m for m in sys.modules
 TOGGLE_VALUES = {"unset": None, "0": "0", "off": "off", "empty": ""}
 
 
-@case("own failures", "`.pth` bootstrap with SM120_FP4 {value}", "nothing imported: no torch, no pydantic, no sm120_fp4; nothing on stderr")
+@case(
+    "own failures",
+    "`.pth` bootstrap with SM120_FP4 {value}",
+    "nothing imported: no torch, no pydantic, no sm120_fp4; nothing on stderr",
+)
 @pytest.mark.parametrize("value", list(TOGGLE_VALUES))
-@background(lambda folder, value: python(SHOW_IMPORTS, folder, **({} if TOGGLE_VALUES[value] is None else {"SM120_FP4": TOGGLE_VALUES[value]})))
+@background(
+    lambda folder, value: python(
+        SHOW_IMPORTS, folder, **({} if TOGGLE_VALUES[value] is None else {"SM120_FP4": TOGGLE_VALUES[value]})
+    )
+)
 def test_the_pth_bootstrap_imports_nothing_when_the_toggle_is_off(background, value):
     site = [p for p in sys.path if p.endswith("site-packages") and Path(p, "sm120_fp4.pth").exists()]
     assert site, "the .pth is installed in this environment's site-packages"
@@ -91,47 +128,96 @@ def test_the_pth_bootstrap_imports_nothing_when_the_toggle_is_off(background, va
 # the worker's settings (the toggle on, or one setting bad) -> what the error must name
 BAD_WORKER = {
     "SM120_FP4=true": ({"SM120_FP4": "true"}, "SM120_FP4='true'"),
-    "SM120_FP4=1 SM120_FP4_SELFTEST=bogus": ({"SM120_FP4": "1", "SM120_FP4_SELFTEST": "bogus"}, "SM120_FP4_SELFTEST='bogus' is not accepted"),
+    "SM120_FP4=1 SM120_FP4_SELFTEST=bogus": (
+        {"SM120_FP4": "1", "SM120_FP4_SELFTEST": "bogus"},
+        "SM120_FP4_SELFTEST='bogus' is not accepted",
+    ),
 }
 
 
-@case("configuration", "worker started with {setting} (the `.pth` bootstrap active) imports SGLang",
-      "the import raises ConfigError naming the variable and the value: the worker stops before serving, never silently unpatched")
+@case(
+    "configuration",
+    "worker started with {setting} (the `.pth` bootstrap active) imports SGLang",
+    "the import raises ConfigError naming the variable and the value: the worker stops before serving, never silently unpatched",
+)
 @pytest.mark.parametrize("setting", list(BAD_WORKER))
-@background(lambda folder, setting: python("import sglang", folder, cwd=folder, PYTHONPATH=f"{fake_sglang(folder / 'site')}:{REPO}", **BAD_WORKER[setting][0]))
+@background(
+    lambda folder, setting: python(
+        "import sglang",
+        folder,
+        cwd=folder,
+        PYTHONPATH=f"{fake_sglang(folder / 'site')}:{REPO}",
+        **BAD_WORKER[setting][0],
+    )
+)
 def test_a_bad_setting_stops_a_bootstrapped_worker_at_the_sglang_import(background, setting):
     rc, _, stderr = background
     assert rc != 0
     assert "ConfigError" in stderr and BAD_WORKER[setting][1] in stderr, stderr
 
 
-@case("own failures", "package with a truncated bootstrap.py, SM120_FP4=1, new interpreter (this repository's `.pth` line)",
-      "the interpreter starts and runs; one stderr line says the bootstrap failed and why; only a finder that refuses `sglang` is left behind")
-@background(lambda folder: with_repo_pth("import sys; print([type(f).__name__ for f in sys.meta_path]); print('ran')", folder, cwd=folder,
-                                         SM120_FP4="1", PYTHONPATH=str(broken_copy(folder / "site", "bootstrap.py"))))
+@case(
+    "own failures",
+    "package with a truncated bootstrap.py, SM120_FP4=1, new interpreter (this repository's `.pth` line)",
+    "the interpreter starts and runs; one stderr line says the bootstrap failed and why; only a finder that refuses `sglang` is left behind",
+)
+@background(
+    lambda folder: with_repo_pth(
+        "import sys; print([type(f).__name__ for f in sys.meta_path]); print('ran')",
+        folder,
+        cwd=folder,
+        SM120_FP4="1",
+        PYTHONPATH=str(broken_copy(folder / "site", "bootstrap.py")),
+    )
+)
 def test_a_corrupted_bootstrap_never_raises_at_interpreter_start(background):
     rc, stdout, stderr = background
     assert rc == 0 and stdout.endswith("ran\n"), stderr
     assert "_AfterSGLangImport" not in stdout and "_Sm120Fp4Refuse" in stdout
     lines = ours(stderr)
-    assert len(lines) == 1 and lines[0].startswith("sm120_fp4: start-up bootstrap failed") and "SyntaxError" in lines[0], stderr
+    assert (
+        len(lines) == 1 and lines[0].startswith("sm120_fp4: start-up bootstrap failed") and "SyntaxError" in lines[0]
+    ), stderr
 
 
-@case("own failures", "package that cannot be imported (truncated bootstrap.py), SM120_FP4=1, `.pth` line, then `import sglang`",
-      "`import sglang` raises ImportError saying the bootstrap failed, why, and how to turn the library off: SGLang never runs unpatched")
-@background(lambda folder: with_repo_pth("import sglang", folder, cwd=folder, SM120_FP4="1",
-                                         PYTHONPATH=f"{broken_copy(folder / 'site', 'bootstrap.py')}:{fake_sglang(folder / 'fake')}"))
+@case(
+    "own failures",
+    "package that cannot be imported (truncated bootstrap.py), SM120_FP4=1, `.pth` line, then `import sglang`",
+    "`import sglang` raises ImportError saying the bootstrap failed, why, and how to turn the library off: SGLang never runs unpatched",
+)
+@background(
+    lambda folder: with_repo_pth(
+        "import sglang",
+        folder,
+        cwd=folder,
+        SM120_FP4="1",
+        PYTHONPATH=f"{broken_copy(folder / 'site', 'bootstrap.py')}:{fake_sglang(folder / 'fake')}",
+    )
+)
 def test_a_package_that_cannot_import_makes_import_sglang_fail(background):
     rc, _, stderr = background
     assert rc != 0
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: sm120_fp4: start-up bootstrap failed") and "SyntaxError" in last and "SM120_FP4=0" in last, stderr
+    assert (
+        last.startswith("ImportError: sm120_fp4: start-up bootstrap failed")
+        and "SyntaxError" in last
+        and "SM120_FP4=0" in last
+    ), stderr
 
 
-@case("own failures", "`.pth` line with SM120_FP4 unset, 0 or off (this repository's copy)", "nothing imported, no finder inserted")
+@case(
+    "own failures",
+    "`.pth` line with SM120_FP4 unset, 0 or off (this repository's copy)",
+    "nothing imported, no finder inserted",
+)
 @pytest.mark.parametrize("value", ["unset", "0", "off"])
-@background(lambda folder, value: with_repo_pth("import sys, json; print(json.dumps([sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'sm120_fp4')), [type(f).__name__ for f in sys.meta_path if 'Sm120' in type(f).__name__ or 'SGLang' in type(f).__name__]]))",
-                                                folder, **({} if value == "unset" else {"SM120_FP4": value})))
+@background(
+    lambda folder, value: with_repo_pth(
+        "import sys, json; print(json.dumps([sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pydantic', 'sm120_fp4')), [type(f).__name__ for f in sys.meta_path if 'Sm120' in type(f).__name__ or 'SGLang' in type(f).__name__]]))",
+        folder,
+        **({} if value == "unset" else {"SM120_FP4": value}),
+    )
+)
 def test_the_repository_pth_line_is_free_when_off(background, value):
     rc, stdout, stderr = background
     assert rc == 0 and json.loads(stdout) == [[], []], stderr
@@ -145,8 +231,14 @@ def _partial_install(folder: Path) -> Path:
     return package.parent
 
 
-@case("own failures", "partially installed package (the .pth present; only __init__, _version, errors copied), SM120_FP4=1", "the interpreter starts and runs; stderr says the bootstrap failed and why")
-@background(lambda folder: python("print('ran')", folder, cwd=folder, SM120_FP4="1", PYTHONPATH=str(_partial_install(folder))))
+@case(
+    "own failures",
+    "partially installed package (the .pth present; only __init__, _version, errors copied), SM120_FP4=1",
+    "the interpreter starts and runs; stderr says the bootstrap failed and why",
+)
+@background(
+    lambda folder: python("print('ran')", folder, cwd=folder, SM120_FP4="1", PYTHONPATH=str(_partial_install(folder)))
+)
 def test_a_partially_installed_package_never_raises_at_interpreter_start(background):
     rc, stdout, stderr = background
     assert rc == 0 and stdout == "ran\n"
@@ -154,16 +246,28 @@ def test_a_partially_installed_package_never_raises_at_interpreter_start(backgro
     assert lines and all("ModuleNotFoundError" in line and "sm120_fp4.bootstrap" in line for line in lines), stderr
 
 
-@case("own failures", "package copy with a truncated api.py, SM120_FP4=1, `.pth` bootstrap, `import sglang` (a stand-in package: the hook fires on the name)",
-      "`import sglang` fails: the last stderr line says activation failed, why, and how to turn the library off; never SGLang unpatched")
-@background(lambda folder: python("import json, sglang, sm120_fp4; print(json.dumps([sglang.__file__, sm120_fp4.__file__]))", folder,
-                                  cwd=broken_copy(folder / "broken", "api.py"), SM120_FP4="1", **SIM_ENV,
-                                  PYTHONPATH=f"{folder / 'broken'}:{fake_sglang(folder / 'fake')}"))
+@case(
+    "own failures",
+    "package copy with a truncated api.py, SM120_FP4=1, `.pth` bootstrap, `import sglang` (a stand-in package: the hook fires on the name)",
+    "`import sglang` fails: the last stderr line says activation failed, why, and how to turn the library off; never SGLang unpatched",
+)
+@background(
+    lambda folder: python(
+        "import json, sglang, sm120_fp4; print(json.dumps([sglang.__file__, sm120_fp4.__file__]))",
+        folder,
+        cwd=broken_copy(folder / "broken", "api.py"),
+        SM120_FP4="1",
+        **SIM_ENV,
+        PYTHONPATH=f"{folder / 'broken'}:{fake_sglang(folder / 'fake')}",
+    )
+)
 def test_a_corrupted_package_stops_import_sglang_with_one_clear_line(background):
     rc, stdout, stderr = background
     assert rc != 0 and stdout == "", stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("sm120_fp4.bootstrap.ActivationFailed: sm120_fp4: activation failed with SM120_FP4 on (SyntaxError"), stderr
+    assert last.startswith(
+        "sm120_fp4.bootstrap.ActivationFailed: sm120_fp4: activation failed with SM120_FP4 on (SyntaxError"
+    ), stderr
     assert "SM120_FP4=0" in last
     assert stderr.count("activation failed") == 1, "one clear line, not one per retried import"
 
@@ -171,26 +275,40 @@ def test_a_corrupted_package_stops_import_sglang_with_one_clear_line(background)
 LONG = "/tmp/" + "x" * 300 + "/report.json"
 
 
-@case("configuration", "worker (SM120_FP4=1, `.pth` bootstrap) with SM120_FP4_REPORT={what} imports SGLang",
-      "the import raises ConfigError naming SM120_FP4_REPORT and the filesystem error; the worker stops, never unpatched")
+@case(
+    "configuration",
+    "worker (SM120_FP4=1, `.pth` bootstrap) with SM120_FP4_REPORT={what} imports SGLang",
+    "the import raises ConfigError naming SM120_FP4_REPORT and the filesystem error; the worker stops, never unpatched",
+)
 @pytest.mark.parametrize("what", ["an over-long path component"])
-@background(lambda folder, what: python("import sglang", folder, cwd=folder, PYTHONPATH=f"{fake_sglang(folder / 'site')}:{REPO}",
-                                        SM120_FP4="1", SM120_FP4_REPORT=LONG, **SIM_ENV))
+@background(
+    lambda folder, what: python(
+        "import sglang",
+        folder,
+        cwd=folder,
+        PYTHONPATH=f"{fake_sglang(folder / 'site')}:{REPO}",
+        SM120_FP4="1",
+        SM120_FP4_REPORT=LONG,
+        **SIM_ENV,
+    )
+)
 def test_a_filesystem_error_in_a_setting_stops_a_worker_as_a_config_error(background, what):
     rc, _, stderr = background
     assert rc != 0
     assert "ConfigError" in stderr and "SM120_FP4_REPORT=" in stderr and "ENAMETOOLONG" in stderr, stderr
-    assert "ConfigError" in stderr[stderr.rindex("Traceback"):], "the import raised it: the interpreter ended with it"
+    assert "ConfigError" in stderr[stderr.rindex("Traceback") :], "the import raised it: the interpreter ended with it"
 
 
 # ---- SGLang found by another finder than the path finder --------------------------------------
+
 
 def _editable_sglang_site(folder: Path) -> Path:
     """This environment's site-packages without the `sglang` package itself (its dist-info stays),
     plus the `.pth` and the finder setuptools writes for `pip install -e` of SGLang, mapping
     `sglang` to the real package: SGLang is found only by that editable finder."""
-    import sglang
     import site
+
+    import sglang
     from setuptools.command.editable_wheel import _finder_template
 
     real = Path(sglang.__file__).parent
@@ -218,15 +336,31 @@ print(json.dumps([sglang.__file__, finders, sm120_fp4.status().installed, patche
 """
 
 
-@case("own failures", "SGLang installed editable (`pip install -e`: found only by setuptools' `__editable___*_finder` on sys.meta_path), SM120_FP4=1, a new interpreter imports it",
-      "the start-up hook finds SGLang as the import system does: install() runs and SGLang's FP4 alias is patched")
-@background(lambda folder: Popen([sys.executable, "-S", "-c", f"import site; site.addsitedir({str(_editable_sglang_site(folder))!r})\n" + EDITABLE_CHECK],
-                                 clean_env(SM120_FP4="1", PYTHONPATH=str(REPO), **SIM_ENV), folder, cwd=folder))
+@case(
+    "own failures",
+    "SGLang installed editable (`pip install -e`: found only by setuptools' `__editable___*_finder` on sys.meta_path), SM120_FP4=1, a new interpreter imports it",
+    "the start-up hook finds SGLang as the import system does: install() runs and SGLang's FP4 alias is patched",
+)
+@background(
+    lambda folder: Popen(
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            f"import site; site.addsitedir({str(_editable_sglang_site(folder))!r})\n" + EDITABLE_CHECK,
+        ],
+        clean_env(SM120_FP4="1", PYTHONPATH=str(REPO), **SIM_ENV),
+        folder,
+        cwd=folder,
+    )
+)
 def test_an_editable_sglang_is_hooked_by_the_start_up_finder(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
     where, finders, installed, patched = json.loads(stdout.strip().splitlines()[-1])
-    assert "site-packages/sglang/__init__.py" in where and "/site/sglang" not in where  # the real package, not a farm link
+    assert (
+        "site-packages/sglang/__init__.py" in where and "/site/sglang" not in where
+    )  # the real package, not a farm link
     assert "_EditableFinder" in finders and "_AfterSGLangImport" not in finders
     assert installed and patched == "flashinfer-fp4-gemm-alias", stderr
 
@@ -263,17 +397,29 @@ else:
     import sm120_fp4
     print(json.dumps(sm120_fp4.status().installed))
 """
-FINDERS = {"after": ("a finder after the start-up hook's whose loader has only the legacy load_module (the finder re-enters the import system while it looks)",
-                     "`import sglang` fails with ActivationFailed saying why and how to turn the library off"),
-           "before": ("a finder put before the start-up hook's that finds SGLang itself (the path finder, asked directly)",
-                      "install() runs when SGLang's first submodule is imported, before it loads")}
+FINDERS = {
+    "after": (
+        "a finder after the start-up hook's whose loader has only the legacy load_module (the finder re-enters the import system while it looks)",
+        "`import sglang` fails with ActivationFailed saying why and how to turn the library off",
+    ),
+    "before": (
+        "a finder put before the start-up hook's that finds SGLang itself (the path finder, asked directly)",
+        "install() runs when SGLang's first submodule is imported, before it loads",
+    ),
+}
 
 
-@case("own failures", "SGLang found by {where_}, SM120_FP4=1",
-      "{outcome}: never SGLang running without install()")
+@case("own failures", "SGLang found by {where_}, SM120_FP4=1", "{outcome}: never SGLang running without install()")
 @pytest.mark.parametrize("where_, outcome", list(FINDERS.values()), ids=list(FINDERS))
-@background(lambda folder, where_, outcome: with_repo_pth(f"WHERE = {'after' if 'after' in where_ else 'before'!r}\n" + FINDER, folder,
-                                                          cwd=folder, SM120_FP4="1", **SIM_ENV))
+@background(
+    lambda folder, where_, outcome: with_repo_pth(
+        f"WHERE = {'after' if 'after' in where_ else 'before'!r}\n" + FINDER,
+        folder,
+        cwd=folder,
+        SM120_FP4="1",
+        **SIM_ENV,
+    )
+)
 def test_sglang_found_by_any_other_finder_never_runs_without_install(background, where_, outcome):
     rc, stdout, stderr = background
     assert rc == 0, stderr
@@ -298,14 +444,26 @@ print(json.dumps(sm120_fp4.status().installed))
 def _flaky_sglang(root: Path) -> Path:
     fake_sglang(root)
     (root / "sglang" / "__init__.py").write_text(
-        "import os\nif not os.path.exists('tried'):\n    open('tried', 'w').close()\n    raise RuntimeError('first try')\n")
+        "import os\nif not os.path.exists('tried'):\n    open('tried', 'w').close()\n    raise RuntimeError('first try')\n"
+    )
     return root
 
 
-@case("own failures", "SM120_FP4=1 and the first `import sglang` fails in SGLang's own __init__, the second succeeds",
-      "install() runs after the second import: the hook stays in place until install() has run")
-@background(lambda folder: with_repo_pth(FLAKY_SGLANG, folder, cwd=folder, SM120_FP4="1", **SIM_ENV,
-                                         PYTHONPATH=f"{_flaky_sglang(folder / 'fake')}:{REPO}"))
+@case(
+    "own failures",
+    "SM120_FP4=1 and the first `import sglang` fails in SGLang's own __init__, the second succeeds",
+    "install() runs after the second import: the hook stays in place until install() has run",
+)
+@background(
+    lambda folder: with_repo_pth(
+        FLAKY_SGLANG,
+        folder,
+        cwd=folder,
+        SM120_FP4="1",
+        **SIM_ENV,
+        PYTHONPATH=f"{_flaky_sglang(folder / 'fake')}:{REPO}",
+    )
+)
 def test_a_failed_first_import_of_sglang_is_hooked_again(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr

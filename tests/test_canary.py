@@ -12,21 +12,22 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 
 import pytest
 import torch
+from helpers.cases import case
 
 import sm120_fp4
 from sm120_fp4 import backends, canary, graphs, report, serving
 from sm120_fp4.backends import emulated_mm_fp4
-from sm120_fp4.errors import ConfigError, RefusedToServe
 from sm120_fp4.demo import synthetic
+from sm120_fp4.errors import ConfigError, RefusedToServe
 from sm120_fp4.sglang import layers
-from helpers.cases import case
 
-pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
+pytest.importorskip(
+    "sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)"
+)
 PERIOD = 30.0
 
 
@@ -89,11 +90,15 @@ def scale(factor):
 
 
 @pytest.mark.subprocess
-@case("concurrency", "the report's directory lock held by another process (a second writer stuck for minutes) when a canary run passes",
-      "the run ends within the lock bound (files.LOCK_TIMEOUT_S) on the serving thread; the skipped report write is logged; "
-      "the next write after the holder lets go holds the run")
+@case(
+    "concurrency",
+    "the report's directory lock held by another process (a second writer stuck for minutes) when a canary run passes",
+    "the run ends within the lock bound (files.LOCK_TIMEOUT_S) on the serving thread; the skipped report write is logged; "
+    "the next write after the holder lets go holds the run",
+)
 def test_a_held_report_lock_never_blocks_the_serving_thread(tmp_path, caplog):
     from helpers.procs import lock_held_elsewhere
+
     from sm120_fp4 import files
 
     report = tmp_path / "report.json"
@@ -104,14 +109,19 @@ def test_a_held_report_lock_never_blocks_the_serving_thread(tmp_path, caplog):
         assert next_run(c).passed
         took = time.monotonic() - began
     assert took < files.LOCK_TIMEOUT_S + 5, took
-    assert any("skipped a report write" in r.getMessage() and "locked by another process" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(
+        "skipped a report write" in r.getMessage() and "locked by another process" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     assert next_run(c).passed
     assert json.loads(report.read_text())["processes"][-1]["canary"]["runs"] == 2
 
 
-@case("configuration", "SM120_FP4_CANARY on with SM120_FP4_SELFTEST=warn and a kernel that fails at load (nothing verified, served unverified)",
-      "status().canary.state says the canary has nothing to re-check, and why; the idle points run nothing")
+@case(
+    "configuration",
+    "SM120_FP4_CANARY on with SM120_FP4_SELFTEST=warn and a kernel that fails at load (nothing verified, served unverified)",
+    "status().canary.state says the canary has nothing to re-check, and why; the idle points run nothing",
+)
 def test_the_canary_says_when_it_has_nothing_to_recheck():
     wear = Wear(scale(4.0))
     wear.armed = True  # wrong from the start: the layer is served unverified under warn
@@ -121,20 +131,33 @@ def test_the_canary_says_when_it_has_nothing_to_recheck():
     assert next_run(c) is None and c.runs == 0
 
 
-@case("configuration", "SGLang's weight-update session begun (WeightUpdater.begin_weight_update) and never ended, the canary on",
-      "status().canary says for how long the update is open and that fingerprints are not compared meanwhile; past "
-      "canary.models.WEIGHT_UPDATE_LIMIT_S one warning says the session may never have ended; after end_weight_update, compared again")
+@case(
+    "configuration",
+    "SGLang's weight-update session begun (WeightUpdater.begin_weight_update) and never ended, the canary on",
+    "status().canary says for how long the update is open and that fingerprints are not compared meanwhile; past "
+    "canary.models.WEIGHT_UPDATE_LIMIT_S one warning says the session may never have ended; after end_weight_update, compared again",
+)
 def test_a_weight_update_that_never_ends_is_said_in_status(monkeypatch, caplog):
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     c, [(method, layer)] = serve(emulated_mm_fp4, (96, 160))
-    updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                            get_model=lambda: layer, update_model_fields=lambda **kw: None,
-                            recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+    updater = WeightUpdater(
+        tp_rank=0,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=lambda: layer,
+        update_model_fields=lambda **kw: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: None,
+    )
     assert sm120_fp4.status().canary.weights_update is None
     updater.begin_weight_update()
     shown = sm120_fp4.status().canary
-    assert "weight update has been open for" in shown.weights_update and shown.fingerprints.startswith("not compared"), shown
+    assert "weight update has been open for" in shown.weights_update and shown.fingerprints.startswith(
+        "not compared"
+    ), shown
     monkeypatch.setattr(canary.models, "WEIGHT_UPDATE_LIMIT_S", 0.0)  # the limit, reached without waiting minutes
     caplog.set_level(logging.WARNING, "sm120_fp4")
     assert next_run(c).passed and next_run(c).passed
@@ -150,8 +173,12 @@ def test_a_weight_update_that_never_ends_is_said_in_status(monkeypatch, caplog):
 
 # ---- the Must-show, in-process: wrong after N served calls, caught by the next run -------------
 
-@case("backend faults", "a dense kernel right at start-up and after warm-up that returns results {factor}x too large after 20 calls made while serving, SM120_FP4_CANARY on, action exit",
-      "the first canary run after the fault raises RefusedToServe 'while serving' out of the idle point, naming the configuration and M; the report file holds the refusal with the numbers; every later idle point raises again")
+
+@case(
+    "backend faults",
+    "a dense kernel right at start-up and after warm-up that returns results {factor}x too large after 20 calls made while serving, SM120_FP4_CANARY on, action exit",
+    "the first canary run after the fault raises RefusedToServe 'while serving' out of the idle point, naming the configuration and M; the report file holds the refusal with the numbers; every later idle point raises again",
+)
 @pytest.mark.parametrize("factor", [1.06, 4.0])
 def test_a_kernel_that_turns_wrong_while_serving_is_refused_at_the_next_run(tmp_path, factor):
     wear = Wear(scale(factor), after=20)
@@ -162,8 +189,11 @@ def test_a_kernel_that_turns_wrong_while_serving_is_refused_at_the_next_run(tmp_
     for _ in range(21):  # served calls: forward passes of the layer
         method.apply(layer, torch.randn(3, 160).to(torch.bfloat16))
     c.clock.now += PERIOD
-    with pytest.raises(RefusedToServe, match=r"(?s)while serving: wear failed the serving canary's re-check of "
-                                             r"ModelOptFp4LinearMethod N=96 K=160 .*M=2 .*norm is"):
+    with pytest.raises(
+        RefusedToServe,
+        match=r"(?s)while serving: wear failed the serving canary's re-check of "
+        r"ModelOptFp4LinearMethod N=96 K=160 .*M=2 .*norm is",
+    ):
         for _ in range(10):
             canary.idle()
     data = json.loads(report.read_text())
@@ -178,8 +208,11 @@ def test_a_kernel_that_turns_wrong_while_serving_is_refused_at_the_next_run(tmp_
         canary.idle()
 
 
-@case("backend faults", "the same kernel turning wrong while serving with SM120_FP4_CANARY_ACTION=log",
-      "no exception: every failing run is counted, one warning per configuration, the next runs go on")
+@case(
+    "backend faults",
+    "the same kernel turning wrong while serving with SM120_FP4_CANARY_ACTION=log",
+    "no exception: every failing run is counted, one warning per configuration, the next runs go on",
+)
 def test_with_action_log_a_failure_is_logged_once_per_configuration_and_counted(caplog):
     wear = Wear(scale(0.5))
     c, _ = serve(wear, (96, 160), (64, 160), canary_action="log")
@@ -187,8 +220,10 @@ def test_with_action_log_a_failure_is_logged_once_per_configuration_and_counted(
     with caplog.at_level(logging.WARNING, logger="sm120_fp4"):
         runs = [next_run(c) for _ in range(4)]
     assert [r.passed for r in runs] == [False] * 4
-    assert {r.config.split(" (")[0] for r in runs} == {"ModelOptFp4LinearMethod N=96 K=160 bfloat16",
-                                                       "ModelOptFp4LinearMethod N=64 K=160 bfloat16"}
+    assert {r.config.split(" (")[0] for r in runs} == {
+        "ModelOptFp4LinearMethod N=96 K=160 bfloat16",
+        "ModelOptFp4LinearMethod N=64 K=160 bfloat16",
+    }
     status = c.status()
     assert status.failures == 4 and sorted(f.count for f in status.failed) == [2, 2]
     warned = [r.getMessage() for r in caplog.records if "while serving" in r.getMessage()]
@@ -197,6 +232,7 @@ def test_with_action_log_a_failure_is_logged_once_per_configuration_and_counted(
 
 
 # ---- faults that only a re-check of the right configuration or batch size can see --------------
+
 
 def zero_rows_64_127(a, b, out):
     out[64:128] = 0
@@ -230,21 +266,31 @@ LATE_FAULTS = {
 }
 
 
-@case("backend faults", "a dense kernel that goes wrong after start-up in one way: {fault}, canary on (two layer configurations)",
-      "caught by the first run that reaches the broken configuration and batch size (M > 1000: the 11th here), refused while serving, naming them")
-@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.default_prefill) if "M=1000" in f else f for f in LATE_FAULTS])
+@case(
+    "backend faults",
+    "a dense kernel that goes wrong after start-up in one way: {fault}, canary on (two layer configurations)",
+    "caught by the first run that reaches the broken configuration and batch size (M > 1000: the 11th here), refused while serving, naming them",
+)
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=pytest.mark.default_prefill) if "M=1000" in f else f for f in LATE_FAULTS]
+)
 def test_each_way_of_going_wrong_later_is_caught_by_the_rotation(fault):
     fn, reason = LATE_FAULTS[fault]
     wear = Wear(lambda a, b, out: fn(a, b, out))
     c, _ = serve(wear, (96, 160), (64, 160))
     wear.armed = True
     with pytest.raises(RefusedToServe, match=r"(?s)while serving: .*" + reason):
-        for _ in range(12):  # N=96 and N=64 in turn, each at (1, 128), (2, 191), (3, 256), (4, 383), (5, 512), (7, 2049)
+        for _ in range(
+            12
+        ):  # N=96 and N=64 in turn, each at (1, 128), (2, 191), (3, 256), (4, 383), (5, 512), (7, 2049)
             next_run(c)
 
 
-@case("properties", "a healthy kernel with the canary on for 8 periods (two dense layer configurations)",
-      "every run passes; the rotation alternates the configurations and walks each one's decode and larger batch sizes")
+@case(
+    "properties",
+    "a healthy kernel with the canary on for 8 periods (two dense layer configurations)",
+    "every run passes; the rotation alternates the configurations and walks each one's decode and larger batch sizes",
+)
 def test_a_healthy_kernel_passes_every_run_and_the_rotation_covers_configurations_and_batch_sizes():
     c, _ = serve(emulated_mm_fp4, (96, 160), (64, 160))
     runs = [next_run(c) for _ in range(8)]
@@ -297,8 +343,11 @@ def serve_moe(name: str, kernel) -> canary.Canary:
     return c
 
 
-@case("backend faults", "an NVFP4 fused-MoE kernel (register_moe) that drops the second routed expert of every token once the process serves, canary on, a dense layer served too",
-      "the MoE kernel's next run (every period re-checks each family) refuses while serving, naming the MoE configuration; the dense run passes")
+@case(
+    "backend faults",
+    "an NVFP4 fused-MoE kernel (register_moe) that drops the second routed expert of every token once the process serves, canary on, a dense layer served too",
+    "the MoE kernel's next run (every period re-checks each family) refuses while serving, naming the MoE configuration; the dense run passes",
+)
 def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run():
     state = {"worn": False}
 
@@ -310,15 +359,21 @@ def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run
 
     c = serve_moe("moe-wear", drops_second_slot)
     state["worn"] = True
-    with pytest.raises(RefusedToServe, match=r"(?s)while serving: moe-wear failed the serving canary's re-check of "
-                                             r"ModelOptNvFp4FusedMoEMethod E=8 .*T=1 random"):
+    with pytest.raises(
+        RefusedToServe,
+        match=r"(?s)while serving: moe-wear failed the serving canary's re-check of "
+        r"ModelOptNvFp4FusedMoEMethod E=8 .*T=1 random",
+    ):
         for _ in range(40):
             canary.idle()
     assert [r.passed for r in c.status().recent if r.family == "dense"] == [True]
 
 
-@case("backend faults", "an MoE kernel that, once serving, returns the right result and then doubles a row of its input activations x in place (the caller's hidden states)",
-      "the canary's MoE run still compares the call's activations and routing bit for bit (only the layer's weights go by their fingerprint): refused, naming the changed input")
+@case(
+    "backend faults",
+    "an MoE kernel that, once serving, returns the right result and then doubles a row of its input activations x in place (the caller's hidden states)",
+    "the canary's MoE run still compares the call's activations and routing bit for bit (only the layer's weights go by their fingerprint): refused, naming the changed input",
+)
 def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
     state = {"worn": False}
 
@@ -330,12 +385,15 @@ def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
 
     serve_moe("moe-x", scales_x)
     state["worn"] = True
-    with pytest.raises(RefusedToServe, match=r"(?s)while serving: moe-x failed .*changed its input\(s\) \[0\] in place"):
+    with pytest.raises(
+        RefusedToServe, match=r"(?s)while serving: moe-x failed .*changed its input\(s\) \[0\] in place"
+    ):
         for _ in range(40):
             canary.idle()
 
 
 # ---- slices: one run per idle point, bounded by the slice; saturation; capture ---------------------
+
 
 class StepTimer:
     """The canary's run timer, advanced by the kernel: a call with M rows costs 1 + M/128 ms."""
@@ -360,14 +418,17 @@ def _timed(slice_ms: str, periods: int) -> tuple[canary.Canary, list[canary.Cana
     return c, [next_run(c) for _ in range(periods)], sizes
 
 
-@case("properties", "the serving canary with SM120_FP4_CANARY_SLICE_MS=10 and a kernel whose call at M rows takes 1 + M/128 ms (controlled timer; a run is two passes at a decode size and a larger one), 16 periods",
-      "one run per idle point; the larger sizes climb until a run is over the slice (M=383: 10.05 ms), once: from then on M>=383 is not re-checked while serving, every later run fits the slice, status lists the cap and the longest pause")
+@case(
+    "properties",
+    "the serving canary with SM120_FP4_CANARY_SLICE_MS=10 and a kernel whose call at M rows takes 1 + M/128 ms (controlled timer; a run is two passes at a decode size and a larger one), 16 periods",
+    "one run per idle point; the larger sizes climb until a run is over the slice (M=383: 10.05 ms), once: from then on M>=383 is not re-checked while serving, every later run fits the slice, status lists the cap and the longest pause",
+)
 def test_a_run_over_the_slice_caps_the_larger_sizes_and_every_later_run_fits():
     c, runs, sizes = _timed("10", 16)
     assert all(r.passed and len(r.ms) == 2 and r.ms[0] < canary.SMALL_M <= r.ms[1] for r in runs), runs
     over = [i for i, r in enumerate(runs) if r.busy_ms > 10.0]
     assert len(over) == 1 and runs[over[0]].ms[1] == 383, [(r.ms, r.busy_ms) for r in runs]
-    assert all(r.ms[1] < 383 and r.busy_ms <= 10.0 for r in runs[over[0] + 1:]), runs
+    assert all(r.ms[1] < 383 and r.busy_ms <= 10.0 for r in runs[over[0] + 1 :]), runs
     assert {r.ms[0] for r in runs} == {m for m in sizes if m < canary.SMALL_M}, "every decode size is reached"
     status = c.status()
     assert status.slices == 16 and status.longest_slice_ms == pytest.approx(runs[over[0]].busy_ms), status
@@ -375,8 +436,11 @@ def test_a_run_over_the_slice_caps_the_larger_sizes_and_every_later_run_fits():
     assert "N=96 K=160" in beyond and "M>=383 is not re-checked while serving" in beyond, beyond
 
 
-@case("properties", "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=1: even a configuration's smallest run (a decode size and M=128, over 6 ms) is over the slice; 6 periods",
-      "every run still checks a decode size and the smallest larger size (M=128: a canary that checks nothing guarantees nothing); status says its smallest run is over the slice and runs anyway")
+@case(
+    "properties",
+    "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=1: even a configuration's smallest run (a decode size and M=128, over 6 ms) is over the slice; 6 periods",
+    "every run still checks a decode size and the smallest larger size (M=128: a canary that checks nothing guarantees nothing); status says its smallest run is over the slice and runs anyway",
+)
 def test_a_configuration_whose_smallest_run_is_over_the_slice_is_still_checked_and_status_says_so():
     c, runs, _ = _timed("1", 6)
     assert all(r.passed and r.ms[1] == 128 for r in runs), runs
@@ -385,8 +449,11 @@ def test_a_configuration_whose_smallest_run_is_over_the_slice_is_still_checked_a
     assert "that is its smallest run (a decode size and M=128): it runs anyway" in beyond, beyond
 
 
-@case("properties", "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=1000, 24 periods",
-      "the larger size rotates through every verified size up to the largest prefill size; nothing is listed as beyond the slice")
+@case(
+    "properties",
+    "the same kernel and timer with SM120_FP4_CANARY_SLICE_MS=1000, 24 periods",
+    "the larger size rotates through every verified size up to the largest prefill size; nothing is listed as beyond the slice",
+)
 def test_a_larger_slice_re_checks_the_prefill_sizes_too():
     c, runs, sizes = _timed("1000", 24)
     assert all(r.passed for r in runs)
@@ -394,8 +461,11 @@ def test_a_larger_slice_re_checks_the_prefill_sizes_too():
     assert c.status().beyond_slice == []
 
 
-@case("configuration", "SGLang updates a verified layer's weights (its weight-update path) between two canary runs",
-      "the next run checks the layer with its new weights (verified again by the update, fingerprinted again): it passes, no failure is reported")
+@case(
+    "configuration",
+    "SGLang updates a verified layer's weights (its weight-update path) between two canary runs",
+    "the next run checks the layer with its new weights (verified again by the update, fingerprinted again): it passes, no failure is reported",
+)
 def test_a_weight_update_between_runs_is_checked_with_the_new_weights():
     c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_action="log")
     assert next_run(c).passed
@@ -415,8 +485,11 @@ def test_the_first_idle_point_only_arms_and_the_first_run_is_one_period_later():
     assert c.runs == 0
 
 
-@case("concurrency", "the serving loop saturated (no idle point) for 2.5 periods while a run is due",
-      "status says the run is skipped for want of an idle point; the next idle point runs it, 1.5 periods late, and counts the period it skipped")
+@case(
+    "concurrency",
+    "the serving loop saturated (no idle point) for 2.5 periods while a run is due",
+    "status says the run is skipped for want of an idle point; the next idle point runs it, 1.5 periods late, and counts the period it skipped",
+)
 def test_a_saturated_loop_skips_periods_and_status_says_so():
     c, _ = serve(emulated_mm_fp4, (96, 160))
     c.clock.now += 2.5 * PERIOD  # no idle point meanwhile: the loop is running batches back to back
@@ -481,6 +554,7 @@ def test_the_idle_point_runs_inside_the_serving_stream_it_is_given():
 
 # ---- what the canary re-checks, and where it cannot ---------------------------------------------
 
+
 def test_with_nothing_verified_the_canary_runs_nothing_and_says_so():
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="5")
     c = canary.active()
@@ -500,8 +574,11 @@ def test_a_weight_fingerprint_mismatch_from_serving_fails_the_run(monkeypatch):
     assert c.status().fingerprints.startswith("compared")
 
 
-@case("backend faults", "a verified layer's weight bytes flipped in GPU memory while serving (not through SGLang's weight updates)",
-      "every canary run compares the layer's fingerprint and fails the run naming the layer: the oracle alone would read the same corrupted weight")
+@case(
+    "backend faults",
+    "a verified layer's weight bytes flipped in GPU memory while serving (not through SGLang's weight updates)",
+    "every canary run compares the layer's fingerprint and fails the run naming the layer: the oracle alone would read the same corrupted weight",
+)
 def test_a_weight_corrupted_in_memory_while_serving_fails_the_next_run():
     c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_action="log")
     assert c.status().fingerprints.startswith("compared")
@@ -511,8 +588,11 @@ def test_a_weight_corrupted_in_memory_while_serving_fails_the_next_run():
     assert not run.passed and "weights changed after they were verified" in run.reason, run.reason
 
 
-@case("backend faults", "a dense kernel that, once serving, writes into the weight it is given during its call (an out-of-bounds write into its own operand)",
-      "the canary's run compares the layer's fingerprint after its calls (no copy of the weights) and fails naming the in-place change")
+@case(
+    "backend faults",
+    "a dense kernel that, once serving, writes into the weight it is given during its call (an out-of-bounds write into its own operand)",
+    "the canary's run compares the layer's fingerprint after its calls (no copy of the weights) and fails naming the in-place change",
+)
 def test_a_kernel_that_writes_into_its_own_weight_fails_the_step_that_called_it():
     def scribble(a, b, out):
         b.T[0, 0] += 1  # b is the (K/2, N) view of the layer's own packed weight
@@ -525,8 +605,11 @@ def test_a_kernel_that_writes_into_its_own_weight_fails_the_step_that_called_it(
     assert not run.passed and "changed this layer's own weights in place" in run.reason, run.reason
 
 
-@case("backend faults", "a dense kernel that goes wrong while serving with the weights of one layer only (the third of four layers of one configuration)",
-      "the canary's runs walk the configuration's layers, each with its own weights: exactly one run of a walk over the four layers fails")
+@case(
+    "backend faults",
+    "a dense kernel that goes wrong while serving with the weights of one layer only (the third of four layers of one configuration)",
+    "the canary's runs walk the configuration's layers, each with its own weights: exactly one run of a walk over the four layers fails",
+)
 def test_a_kernel_wrong_with_one_layers_weights_only_is_caught_by_the_walk_over_layers():
     state = {"weight": None}
 
@@ -544,8 +627,11 @@ def test_a_kernel_wrong_with_one_layers_weights_only_is_caught_by_the_walk_over_
     assert len(failed) == 1 and "norm is 0.5x" in failed[0].reason, [(r.layer, r.reason) for r in runs]
 
 
-@case("backend faults", "the weight bytes of a verified layer other than the configuration's first changed in memory while serving (six layers, one configuration)",
-      "a run compares the re-checked layer's fingerprint and more layers' in rotation: within two runs one fails, saying the weights changed")
+@case(
+    "backend faults",
+    "the weight bytes of a verified layer other than the configuration's first changed in memory while serving (six layers, one configuration)",
+    "a run compares the re-checked layer's fingerprint and more layers' in rotation: within two runs one fails, saying the weights changed",
+)
 def test_a_later_layers_weights_corrupted_in_memory_fail_a_run_within_the_sweep():
     c, built = serve(emulated_mm_fp4, *[(96, 160)] * 6, canary_action="log")
     assert next_run(c).passed
@@ -579,13 +665,18 @@ def test_unverified_configurations_are_not_rechecked():
     layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
     layers.build_modelopt_layer(synthetic.make_checkpoint(64, 160))  # fails, served UNVERIFIED under warn
     assert [s.check.label.split(" (")[0] for s in serving.served_configurations()] == [
-        "ModelOptFp4LinearMethod N=96 K=160 bfloat16"]
+        "ModelOptFp4LinearMethod N=96 K=160 bfloat16"
+    ]
 
 
 # ---- settings and status ----------------------------------------------------------------------
 
-@case("configuration", "SM120_FP4_CANARY=60 with SM120_FP4_SELFTEST=off at install()",
-      "ConfigError: the canary re-verifies verified configurations and none would be; nothing patched")
+
+@case(
+    "configuration",
+    "SM120_FP4_CANARY=60 with SM120_FP4_SELFTEST=off at install()",
+    "ConfigError: the canary re-verifies verified configurations and none would be; nothing patched",
+)
 def test_the_canary_with_selftest_off_is_refused_at_install():
     with pytest.raises(ConfigError, match=r"SM120_FP4_CANARY=60 re-verifies .* SM120_FP4_SELFTEST=off verifies none"):
         sm120_fp4.install(simulate="12.0", backends="emulated", canary="60", selftest="off")
@@ -620,7 +711,11 @@ def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path
 
     c, _ = serve(emulated_mm_fp4, (96, 160), report=str(tmp_path))
     next_run(c)  # this process's report file now has a canary section
-    for name, value in {"SM120_FP4_CANARY": "60", "SM120_FP4_REPORT": str(tmp_path), "SM120_FP4_SIMULATE": "12.0"}.items():
+    for name, value in {
+        "SM120_FP4_CANARY": "60",
+        "SM120_FP4_REPORT": str(tmp_path),
+        "SM120_FP4_SIMULATE": "12.0",
+    }.items():
         monkeypatch.setenv(name, value)
     shown = doctor.collect(deep=False)["canary"]
     assert shown["enabled"] and shown["period_s"] == 60 and shown["action"] == "exit" and shown["problem"] is None

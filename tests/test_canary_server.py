@@ -21,9 +21,9 @@ import re
 import sys
 
 import pytest
-
 from helpers.common import module_installed
 from helpers.procs import REPO, TIMEOUT, Popen, background, clean_env, job_of
+
 from sm120_fp4.demo.server import group_members
 
 pytest.importorskip("uvicorn", reason="the server packages (scripts/setup_env.sh installs them)")
@@ -42,8 +42,15 @@ def _scenario(name: str):
     def start(folder):
         tests = REPO / "tests"
         flags = ["off"] if name == "log" and job_of(DEMO) is None else []  # no demo server in this run: its own
-        return Popen([sys.executable, "-m", "helpers.canary_server", name, str(folder), *flags],
-                     clean_env(PYTHONPATH=f"{REPO}:{tests}"), folder, cwd=tests, merge=True, group=True, timeout=SERVER_TIMEOUT)
+        return Popen(
+            [sys.executable, "-m", "helpers.canary_server", name, str(folder), *flags],
+            clean_env(PYTHONPATH=f"{REPO}:{tests}"),
+            folder,
+            cwd=tests,
+            merge=True,
+            group=True,
+            timeout=SERVER_TIMEOUT,
+        )
 
     return start
 
@@ -62,7 +69,9 @@ def test_a_kernel_worn_out_while_serving_stops_the_server_within_one_period(back
     # An llm-compressor checkpoint with SGLang's default flags (MoE runner 'auto'): each of its NVFP4
     # layer configurations verified in the scheduler before it served.
     summary = "\n".join(r["summary"])
-    assert re.search(r"CompressedTensorsW4A4Nvfp4MoE E=8 H=256 I=128 top_k=2 swiglu bfloat16: verified", summary), summary
+    assert re.search(r"CompressedTensorsW4A4Nvfp4MoE E=8 H=256 I=128 top_k=2 swiglu bfloat16: verified", summary), (
+        summary
+    )
     assert re.search(r"CompressedTensorsW4A4Fp4 N=512 K=256 .*: verified", summary), summary
     # The launcher (SGLang's server process, exec'd by sm120-fp4 launch) exited by itself, non-zero,
     # and nothing of the server is left or listening.
@@ -78,12 +87,19 @@ def test_a_kernel_worn_out_while_serving_stops_the_server_within_one_period(back
     # The reason, the configuration and the numbers are in the report file, and in the log.
     [refusal] = r["refusals"]
     assert refusal["config"] == caught["config"] + " (while serving)"
-    assert refusal["message"].startswith("sm120_fp4: refusing to serve NVFP4 on ") and "while serving: wears-out" in refusal["message"]
+    assert (
+        refusal["message"].startswith("sm120_fp4: refusing to serve NVFP4 on ")
+        and "while serving: wears-out" in refusal["message"]
+    )
     shape = refusal["reports"][0]["shapes"][0]
     assert not shape["passed"] and shape["norm_ratio"] == pytest.approx(0.5, abs=0.01) and shape["m"] == caught["ms"][0]
     assert r["canary"]["state"].startswith("stopped the process")
-    assert re.search(r"while serving: wears-out failed the serving canary's re-check of CompressedTensorsW4A4Fp4", r["log"])
-    assert "Scheduler hit an exception" in r["log"], "SGLang's own path: the scheduler raised, the server killed its tree"
+    assert re.search(
+        r"while serving: wears-out failed the serving canary's re-check of CompressedTensorsW4A4Fp4", r["log"]
+    )
+    assert "Scheduler hit an exception" in r["log"], (
+        "SGLang's own path: the scheduler raised, the server killed its tree"
+    )
 
 
 @background(_scenario("log"), heavy=True)

@@ -21,14 +21,25 @@ def write(tmp_path, config=None, legacy=None):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("quant, fmt, nvfp4", [
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, MODELOPT, True),
-    ({"quant_method": "modelopt", "quant_algo": "FP8"}, MODELOPT, False),
-    ({"quant_algo": "MIXED_PRECISION", "quantized_layers": {"a": {"quant_algo": "FP8"}, "b": {"quant_algo": "NVFP4"}}}, MODELOPT, True),
-    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": NVFP4_GROUP}}, COMPRESSED_TENSORS, True),
-    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": FP8_GROUP}}, COMPRESSED_TENSORS, False),
-    ({"quant_method": "awq", "bits": 4}, "awq", False),
-], ids=["modelopt-nvfp4", "modelopt-fp8", "modelopt-mixed", "ct-nvfp4", "ct-fp8", "awq"])
+@pytest.mark.parametrize(
+    "quant, fmt, nvfp4",
+    [
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, MODELOPT, True),
+        ({"quant_method": "modelopt", "quant_algo": "FP8"}, MODELOPT, False),
+        (
+            {
+                "quant_algo": "MIXED_PRECISION",
+                "quantized_layers": {"a": {"quant_algo": "FP8"}, "b": {"quant_algo": "NVFP4"}},
+            },
+            MODELOPT,
+            True,
+        ),
+        ({"quant_method": "compressed-tensors", "config_groups": {"group_0": NVFP4_GROUP}}, COMPRESSED_TENSORS, True),
+        ({"quant_method": "compressed-tensors", "config_groups": {"group_0": FP8_GROUP}}, COMPRESSED_TENSORS, False),
+        ({"quant_method": "awq", "bits": 4}, "awq", False),
+    ],
+    ids=["modelopt-nvfp4", "modelopt-fp8", "modelopt-mixed", "ct-nvfp4", "ct-fp8", "awq"],
+)
 def test_quantization_config_in_config_json(tmp_path, quant, fmt, nvfp4):
     q = read_quantization(write(tmp_path, {"architectures": ["X"], "quantization_config": quant}))
     assert (q.format, q.nvfp4) == (fmt, nvfp4)

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import faults
 from helpers.cases import case
 from helpers.children import all_zeros as zeros
@@ -16,6 +15,7 @@ from helpers.common import SIM_ENV as SIM_OK
 from helpers.plugins import plugin_site
 from helpers.procs import REPO, Popen, background, clean_env
 from helpers.workers import workers_in_process
+
 from sm120_fp4 import backends, cli, doctor
 from sm120_fp4.demo.checkpoint import write_checkpoint
 
@@ -26,6 +26,7 @@ def cli_job(*args: str, env: dict[str, str]):
 
 
 # ---- selftest -----------------------------------------------------------------------------
+
 
 def cli_in_process(monkeypatch, capsys, *args, env=None):
     """Run the CLI in this process, its self-test workers too (helpers.workers: the real worker, its
@@ -47,17 +48,24 @@ def test_selftest_passes_with_exit_0_a_table_and_progress(monkeypatch, capsys):
 
 
 def test_selftest_refusal_is_exit_1_with_the_refusal_message(monkeypatch, capsys):
-    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"})
+    code, out, err = cli_in_process(
+        monkeypatch, capsys, "selftest", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"}
+    )
     assert code == 1
     assert "| dense | -1 | - | REFUSED |" in out and "refusing to serve NVFP4" in err
     assert "cutlass: not supported: FlashInfer kernels need a real GPU" in err
 
 
-@case("backend faults", "sm120-fp4 selftest with a kernel whose workspace is kept between calls of one shape (right on a shape's first call, the previous result from the second call in a row on)",
-      "exit 1, the refusal names the second call of the same shape")
+@case(
+    "backend faults",
+    "sm120-fp4 selftest with a kernel whose workspace is kept between calls of one shape (right on a shape's first call, the previous result from the second call in a row on)",
+    "exit 1, the refusal names the second call of the same shape",
+)
 def test_selftest_refuses_a_kernel_wrong_from_the_second_call_of_one_shape(monkeypatch, capsys):
     backends.register("stale", faults.make_stale_workspace())
-    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "stale"})
+    code, out, err = cli_in_process(
+        monkeypatch, capsys, "selftest", env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "stale"}
+    )
     assert code == 1, err
     assert "REFUSED" in out and "the same shape called again right after its first call" in err
 
@@ -67,7 +75,11 @@ def test_selftest_refuses_a_kernel_wrong_from_the_second_call_of_one_shape(monke
     [
         (("selftest",), {"SM120_FP4_SELFTEST": "bogus"}, "SM120_FP4_SELFTEST='bogus' is not accepted"),
         (("selftest", "--device", "7"), SIM_OK, "--device [7] not visible"),
-        (("selftest", "--backend", "nope"), {"SM120_FP4_SIMULATE": "12.0"}, "--backend names unknown backend(s) ['nope']"),
+        (
+            ("selftest", "--backend", "nope"),
+            {"SM120_FP4_SIMULATE": "12.0"},
+            "--backend names unknown backend(s) ['nope']",
+        ),
         (("selftest", "--device", "x"), SIM_OK, "invalid int value"),
     ],
 )
@@ -76,9 +88,12 @@ def test_selftest_bad_usage_or_environment_is_exit_2(monkeypatch, capsys, args, 
     assert code == 2 and message in err
 
 
-@case("configuration", "FLASHINFER_NVFP4_4OVER6=1 set for `selftest` and `doctor`",
-      "selftest exits 2 naming the variable and its value before any candidate runs; doctor lists it under problems "
-      "(text and --json)")
+@case(
+    "configuration",
+    "FLASHINFER_NVFP4_4OVER6=1 set for `selftest` and `doctor`",
+    "selftest exits 2 naming the variable and its value before any candidate runs; doctor lists it under problems "
+    "(text and --json)",
+)
 def test_flashinfer_fp4_knobs_are_named_by_selftest_and_doctor(monkeypatch, capsys):
     env = {**SIM_OK, "FLASHINFER_NVFP4_4OVER6": "1"}
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=env)
@@ -122,7 +137,11 @@ CLI_GARBAGE = [
 ]
 
 
-@case("configuration", "`sm120-fp4 selftest` with {variable}={value}", "exit code 2 at start, before any self-test; stderr names the variable and the value")
+@case(
+    "configuration",
+    "`sm120-fp4 selftest` with {variable}={value}",
+    "exit code 2 at start, before any self-test; stderr names the variable and the value",
+)
 @pytest.mark.parametrize("variable, value", CLI_GARBAGE, ids=[f"{v}={x[:30]}" for v, x in CLI_GARBAGE])
 def test_garbage_settings_stop_the_cli_at_start_with_exit_2(monkeypatch, capsys, variable, value):
     # In process: the same cli.main the console script runs (test_the_console_script_runs_the_same_program).
@@ -137,7 +156,11 @@ def test_garbage_settings_stop_the_cli_at_start_with_exit_2(monkeypatch, capsys,
 SIM_BOTH = {**SIM_OK, "SM120_FP4_MOE_BACKENDS": "emulated"}
 
 
-@background(cli_job("launch", "--", sys.executable, "-c", "import os; print('child toggle', os.environ['SM120_FP4'])", env=SIM_BOTH))
+@background(
+    cli_job(
+        "launch", "--", sys.executable, "-c", "import os; print('child toggle', os.environ['SM120_FP4'])", env=SIM_BOTH
+    )
+)
 def test_launch_execs_the_command_with_the_toggle_after_a_passing_preflight(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
@@ -149,8 +172,16 @@ def test_launch_refuses_to_start_the_server_when_preflight_fails(monkeypatch, ca
     marker = tmp_path / "started"
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
     monkeypatch.setattr(cli.launch.os, "execvpe", lambda *args: pytest.fail(f"exec {args}"))
-    code, _, err = cli_in_process(monkeypatch, capsys, "launch", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
-                                  env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "cutlass"})
+    code, _, err = cli_in_process(
+        monkeypatch,
+        capsys,
+        "launch",
+        "--",
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+        env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "cutlass"},
+    )
     assert code == 1 and "not starting the server" in err
     assert not marker.exists()
 
@@ -161,15 +192,26 @@ def test_launch_without_a_command_is_usage_error():
 
 # ---- doctor -------------------------------------------------------------------------------
 
+
 def test_doctor_markdown_and_json_describe_this_machine(monkeypatch, capsys):
     code, md, err = cli_in_process(monkeypatch, capsys, "doctor", env=SIM_OK)
     assert code == 0, err
-    for heading in ("## sm120-fp4 doctor", "### GPUs", "### Settings", "### SGLang patch targets", "### Backends", "### Activation"):
+    for heading in (
+        "## sm120-fp4 doctor",
+        "### GPUs",
+        "### Settings",
+        "### SGLang patch targets",
+        "### Backends",
+        "### Activation",
+    ):
         assert heading in md
     assert "| simulate | 12.0 | env SM120_FP4_SIMULATE |" in md
     data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--json")[1])
     assert data["versions"]["sglang"] and data["sglang"]["supported"] is True
-    assert {t["name"] for t in data["sglang"]["targets"] if t["applies"]} >= {"flashinfer-fp4-gemm-alias", "modelopt-fp4-weights-hook"}
+    assert {t["name"] for t in data["sglang"]["targets"] if t["applies"]} >= {
+        "flashinfer-fp4-gemm-alias",
+        "modelopt-fp4-weights-hook",
+    }
     assert any(b["backend"] == "emulated" and b["supported"] for b in data["backends"])
     assert data["activation"]["plugin_entry_point"], "the sglang.srt.plugins entry point is installed"
 
@@ -193,12 +235,20 @@ def test_doctor_says_jit_builds_will_fail_with_glibc_2_41_and_cuda_13_0_headers(
         assert not any(p.startswith("JIT builds") for p in data["problems"]), (tc, data["problems"])
 
 
-@pytest.mark.parametrize("tc, reason", [
-    (((12, 8), None), "b12x needs CUDA >= 12.9; found 12.8 (nvcc /usr/local/cuda/bin/nvcc)"),
-    (((13, 0), "nvidia-cutlass-dsl is not installed (`cutlass.cute` not found)"), "b12x needs the CuTe DSL: nvidia-cutlass-dsl is not installed"),
-], ids=["cuda-12.8", "no-cute-dsl"])
+@pytest.mark.parametrize(
+    "tc, reason",
+    [
+        (((12, 8), None), "b12x needs CUDA >= 12.9; found 12.8 (nvcc /usr/local/cuda/bin/nvcc)"),
+        (
+            ((13, 0), "nvidia-cutlass-dsl is not installed (`cutlass.cute` not found)"),
+            "b12x needs the CuTe DSL: nvidia-cutlass-dsl is not installed",
+        ),
+    ],
+    ids=["cuda-12.8", "no-cute-dsl"],
+)
 def test_doctor_names_why_b12x_cannot_run_on_a_real_sm120(monkeypatch, capsys, tc, reason):
     from helpers.common import fake_devices
+
     from sm120_fp4.backends import flashinfer
 
     cuda, cute = tc
@@ -206,7 +256,9 @@ def test_doctor_names_why_b12x_cannot_run_on_a_real_sm120(monkeypatch, capsys, t
     with flashinfer.use_toolchain(lambda: probe), fake_devices(("NVIDIA RTX PRO 6000 Blackwell", (12, 0))):
         data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
     rows = {(b["family"], b["backend"]): b for b in data["backends"]}
-    assert rows[("dense", "b12x")]["supported"] is False and reason in rows[("dense", "b12x")]["reason"], rows[("dense", "b12x")]
+    assert rows[("dense", "b12x")]["supported"] is False and reason in rows[("dense", "b12x")]["reason"], rows[
+        ("dense", "b12x")
+    ]
     assert "b12x" not in (rows[("dense", "cutlass")]["reason"] or ""), "cutlass says its own reason"
 
 
@@ -243,12 +295,21 @@ def test_doctor_survives_a_broken_probe(monkeypatch, capsys):
     assert "NVML exploded" in capsys.readouterr().out
 
 
-@case("devices", "`sm120-fp4 doctor --json` where {what}",
-      "every error a section shows is also under problems, and --strict exits 1")
-@pytest.mark.parametrize("what", ["the GPUs' numbering cannot be determined (a mixed box, CUDA_DEVICE_ORDER unset)",
-                                  "a probe raises (NVML fails while listing the devices)"])
+@case(
+    "devices",
+    "`sm120-fp4 doctor --json` where {what}",
+    "every error a section shows is also under problems, and --strict exits 1",
+)
+@pytest.mark.parametrize(
+    "what",
+    [
+        "the GPUs' numbering cannot be determined (a mixed box, CUDA_DEVICE_ORDER unset)",
+        "a probe raises (NVML fails while listing the devices)",
+    ],
+)
 def test_every_error_doctor_shows_is_a_problem(monkeypatch, capsys, what):
     from helpers.nvml import A6000, PRO6000, fake_pynvml
+
     from sm120_fp4 import devices
 
     devices.clear_cache()
@@ -257,7 +318,9 @@ def test_every_error_doctor_shows_is_a_problem(monkeypatch, capsys, what):
         monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
-        monkeypatch.setattr(devices, "list_devices", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("NVML exploded")))
+        monkeypatch.setattr(
+            devices, "list_devices", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("NVML exploded"))
+        )
     monkeypatch.delenv("SM120_FP4_SIMULATE", raising=False)
     assert cli.main(["doctor", "--json", "--quick", "--strict"]) == 1
     data = json.loads(capsys.readouterr().out)
@@ -267,6 +330,7 @@ def test_every_error_doctor_shows_is_a_problem(monkeypatch, capsys, what):
 
 
 # ---- demo ---------------------------------------------------------------------------------
+
 
 def test_demo_runs_to_the_end_and_shows_the_refusal(capsys):
     # In process (the README runs it as `python -m sm120_fp4 demo`; the console path is tested above).
@@ -291,25 +355,37 @@ def test_demo_runs_to_the_end_and_shows_the_refusal(capsys):
 
 # ---- reliability: the preflight is for verification -------------------------------------------
 
+
 def plugin_env(folder, **env):
     """clean_env with the throw-away entry-point distribution (helpers.plugins) on PYTHONPATH."""
-    return clean_env(PYTHONPATH=f"{plugin_site(folder / 'plugins')}:{REPO}", SM120_FP4_VERDICTS=str(folder / "verdicts.json"), **env)
+    return clean_env(
+        PYTHONPATH=f"{plugin_site(folder / 'plugins')}:{REPO}", SM120_FP4_VERDICTS=str(folder / "verdicts.json"), **env
+    )
 
 
 def cli_plugin_job(*args, **env):
-    return lambda folder, **params: Popen([sys.executable, "-m", "sm120_fp4", *args], plugin_env(folder, **env, **params), folder)
+    return lambda folder, **params: Popen(
+        [sys.executable, "-m", "sm120_fp4", *args], plugin_env(folder, **env, **params), folder
+    )
 
 
 UNVERIFIED = {"warn": {"SM120_FP4_SELFTEST": "warn"}, "off": {"SM120_FP4_SELFTEST": "off"}}
 
 
-@case("backend faults", "`sm120-fp4 selftest` with SM120_FP4_SELFTEST={mode} and a kernel that returns zeros (a registered backend)",
-      f"exit {cli.EXIT_UNVERIFIED} (unverified), never 0; the row says UNVERIFIED")
+@case(
+    "backend faults",
+    "`sm120-fp4 selftest` with SM120_FP4_SELFTEST={mode} and a kernel that returns zeros (a registered backend)",
+    f"exit {cli.EXIT_UNVERIFIED} (unverified), never 0; the row says UNVERIFIED",
+)
 @pytest.mark.parametrize("mode", list(UNVERIFIED))
 def test_an_unverified_preflight_has_its_own_exit_code(monkeypatch, capsys, mode):
     backends.register("zeros", zeros)
-    code, out, err = cli_in_process(monkeypatch, capsys, "selftest",
-                                    env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "zeros", **UNVERIFIED[mode]})
+    code, out, err = cli_in_process(
+        monkeypatch,
+        capsys,
+        "selftest",
+        env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "zeros", **UNVERIFIED[mode]},
+    )
     assert code == cli.EXIT_UNVERIFIED, err
     assert "| zeros | UNVERIFIED |" in out
 
@@ -319,21 +395,39 @@ def launch_in_process(monkeypatch, capsys, *args, env):
     (exit code, stderr, the exec'd argv and its SM120_FP4, or None)."""
     execs = []
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
-    monkeypatch.setattr(cli.launch.os, "execvpe", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4"))))
+    monkeypatch.setattr(
+        cli.launch.os, "execvpe", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4")))
+    )
     code, _, err = cli_in_process(monkeypatch, capsys, "launch", *args, env=env)
     return code, err, (execs[0] if execs else None)
 
 
-@case("backend faults", "`sm120-fp4 launch {flag}` with SM120_FP4_SELFTEST=warn and a zero-returning kernel",
-      "{outcome}")
-@pytest.mark.parametrize("flag, outcome", [("", "exit 3; the command is not started"),
-                                           ("--allow-unverified", "the command starts, after a warning that it is unverified")])
+@case(
+    "backend faults", "`sm120-fp4 launch {flag}` with SM120_FP4_SELFTEST=warn and a zero-returning kernel", "{outcome}"
+)
+@pytest.mark.parametrize(
+    "flag, outcome",
+    [
+        ("", "exit 3; the command is not started"),
+        ("--allow-unverified", "the command starts, after a warning that it is unverified"),
+    ],
+)
 def test_launch_does_not_start_an_unverified_server_unless_told(monkeypatch, capsys, flag, outcome):
     backends.register("zeros", zeros)
     command = [sys.executable, "-c", "print('started')"]
-    code, err, started = launch_in_process(monkeypatch, capsys, *([flag] if flag else []), "--", *command,
-                                           env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "zeros",
-                                                "SM120_FP4_MOE_BACKENDS": "emulated", "SM120_FP4_SELFTEST": "warn"})
+    code, err, started = launch_in_process(
+        monkeypatch,
+        capsys,
+        *([flag] if flag else []),
+        "--",
+        *command,
+        env={
+            "SM120_FP4_SIMULATE": "12.0",
+            "SM120_FP4_BACKENDS": "zeros",
+            "SM120_FP4_MOE_BACKENDS": "emulated",
+            "SM120_FP4_SELFTEST": "warn",
+        },
+    )
     if flag:
         assert code == 0 and "--allow-unverified was given" in err and started == (command, "1"), err
     else:
@@ -361,9 +455,12 @@ def says_unverified(err: str, version: str) -> None:
     assert "served UNVERIFIED" in err and "pip install -U sm120-fp4" in err, err
 
 
-@case("configuration", "`sm120-fp4 selftest` (SELFTEST=strict) with SGLang {version} installed on a 12.x GPU",
-      "exit 2 before any self-test: stderr says its NVFP4 layers would be served UNVERIFIED, the version and the supported "
-      "range, and how to proceed (upgrade sm120_fp4, or SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified)")
+@case(
+    "configuration",
+    "`sm120-fp4 selftest` (SELFTEST=strict) with SGLang {version} installed on a 12.x GPU",
+    "exit 2 before any self-test: stderr says its NVFP4 layers would be served UNVERIFIED, the version and the supported "
+    "range, and how to proceed (upgrade sm120_fp4, or SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified)",
+)
 @pytest.mark.parametrize("version", OUTSIDE)
 def test_selftest_refuses_an_sglang_outside_the_supported_range_under_strict(monkeypatch, capsys, tmp_path, version):
     sglang_release(monkeypatch, version)
@@ -385,8 +482,11 @@ def test_doctor_says_an_sglang_outside_the_range_would_serve_unverified(monkeypa
     assert "left untouched" not in out
 
 
-@case("configuration", "`sm120-fp4 selftest` with SGLang 0.6.0 installed and {setting}",
-      "the kernels are self-tested, then exit 3 (unverified): stderr says nothing of what SGLang serves was verified")
+@case(
+    "configuration",
+    "`sm120-fp4 selftest` with SGLang 0.6.0 installed and {setting}",
+    "the kernels are self-tested, then exit 3 (unverified): stderr says nothing of what SGLang serves was verified",
+)
 @pytest.mark.parametrize("setting", ["SM120_FP4_SELFTEST=warn", "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"])
 def test_selftest_with_an_sglang_outside_the_range_never_passes(monkeypatch, capsys, tmp_path, setting):
     sglang_release(monkeypatch, "0.6.0")
@@ -400,21 +500,43 @@ def test_selftest_with_an_sglang_outside_the_range_never_passes(monkeypatch, cap
     assert code == cli.EXIT_UNVERIFIED and "nothing was verified" in err, err
 
 
-@case("configuration", "`sm120-fp4 launch {flag}` with SGLang {version} installed on a 12.x GPU, {setting}",
-      "{outcome}")
-@pytest.mark.parametrize("version, setting, flag, outcome", [
-    ("0.5.24.dev0", "SM120_FP4_SELFTEST=strict", "", "exit 2, the command not started; stderr says UNVERIFIED and how to proceed"),
-    ("0.6.0", "SM120_FP4_SELFTEST=strict", "--allow-unverified", "exit 2: the flag does not override strict"),
-    ("0.6.0", "SM120_FP4_SELFTEST=warn", "", "exit 3, the command not started"),
-    ("0.6.0", "SM120_FP4_SELFTEST=warn", "--allow-unverified", "the command starts after stderr says it serves unverified"),
-    ("0.5.2", "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified", "", "the command starts after stderr says it serves unverified"),
-])
-def test_launch_with_an_sglang_outside_the_range_refuses_or_says_unverified(monkeypatch, capsys, version, setting, flag, outcome):
+@case(
+    "configuration", "`sm120-fp4 launch {flag}` with SGLang {version} installed on a 12.x GPU, {setting}", "{outcome}"
+)
+@pytest.mark.parametrize(
+    "version, setting, flag, outcome",
+    [
+        (
+            "0.5.24.dev0",
+            "SM120_FP4_SELFTEST=strict",
+            "",
+            "exit 2, the command not started; stderr says UNVERIFIED and how to proceed",
+        ),
+        ("0.6.0", "SM120_FP4_SELFTEST=strict", "--allow-unverified", "exit 2: the flag does not override strict"),
+        ("0.6.0", "SM120_FP4_SELFTEST=warn", "", "exit 3, the command not started"),
+        (
+            "0.6.0",
+            "SM120_FP4_SELFTEST=warn",
+            "--allow-unverified",
+            "the command starts after stderr says it serves unverified",
+        ),
+        (
+            "0.5.2",
+            "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified",
+            "",
+            "the command starts after stderr says it serves unverified",
+        ),
+    ],
+)
+def test_launch_with_an_sglang_outside_the_range_refuses_or_says_unverified(
+    monkeypatch, capsys, version, setting, flag, outcome
+):
     sglang_release(monkeypatch, version)
     name, value = setting.split("=")
     command = [sys.executable, "-c", "print('started')"]
-    code, err, started = launch_in_process(monkeypatch, capsys, *([flag] if flag else []), "--", *command,
-                                           env={**SIM_BOTH, name: value})
+    code, err, started = launch_in_process(
+        monkeypatch, capsys, *([flag] if flag else []), "--", *command, env={**SIM_BOTH, name: value}
+    )
     says_unverified(err, version)
     assert "self-testing" not in err, "no preflight: nothing of the library runs in that server"
     if outcome.startswith("the command starts"):
@@ -433,14 +555,19 @@ def test_an_unknown_backend_on_the_command_line_names_the_option(monkeypatch, ca
     assert "SM120_FP4_BACKENDS" not in err.split("known:")[0] and "REFUSED" not in out and "| -1 |" not in out
 
 
-@case("configuration", "`sm120-fp4 launch` with {gpus}", "one rule: nothing for the library to serve, so the command starts (exit 0) and stderr says nothing was verified")
+@case(
+    "configuration",
+    "`sm120-fp4 launch` with {gpus}",
+    "one rule: nothing for the library to serve, so the command starts (exit 0) and stderr says nothing was verified",
+)
 @pytest.mark.parametrize("gpus", ["no GPU visible", "only a non-12.x GPU (simulated 9.0)"])
 def test_launch_starts_the_command_when_there_is_nothing_to_verify(monkeypatch, capsys, gpus):
     if gpus.startswith("no") and torch.cuda.is_available():
         pytest.skip("this process sees a GPU (the CPU runs show no GPU visible)")
     command = [sys.executable, "-c", "print('started')"]
-    code, err, started = launch_in_process(monkeypatch, capsys, "--", *command,
-                                           env={} if gpus.startswith("no") else {"SM120_FP4_SIMULATE": "9.0"})
+    code, err, started = launch_in_process(
+        monkeypatch, capsys, "--", *command, env={} if gpus.startswith("no") else {"SM120_FP4_SIMULATE": "9.0"}
+    )
     assert code == 0 and started == (command, "1") and "nothing to verify" in err, err
 
 
@@ -451,15 +578,23 @@ def _crashing_first(name: str):
 
     def runner(index, family, backend_args, crashed, label, env, stop=None, uuid=None):
         if family == "dense" and name not in crashed:
-            return None, {"event": "self-test", "family": family, "backend": name, "flashinfer": False, "key": {"gpu": "x"}}, -11, ""
+            return (
+                None,
+                {"event": "self-test", "family": family, "backend": name, "flashinfer": False, "key": {"gpu": "x"}},
+                -11,
+                "",
+            )
         return in_process(index, family, backend_args, crashed, label, env, stop, uuid)
 
     return runner
 
 
-@case("files and trust", "`sm120-fp4 launch` where a candidate crashes the preflight and the verdict store {store}",
-      "the server is not started (exit 2): its workers would load the crashed candidate; stderr says once that the crash "
-      "is not recorded and why, and how to proceed")
+@case(
+    "files and trust",
+    "`sm120-fp4 launch` where a candidate crashes the preflight and the verdict store {store}",
+    "the server is not started (exit 2): its workers would load the crashed candidate; stderr says once that the crash "
+    "is not recorded and why, and how to proceed",
+)
 @pytest.mark.parametrize("store", ["is a path under a regular file", "is off"])
 def test_launch_never_starts_a_server_that_would_load_a_crash_it_could_not_record(monkeypatch, capsys, tmp_path, store):
     (tmp_path / "file").write_text("")
@@ -502,7 +637,9 @@ def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, caps
     seen = []
     monkeypatch.delenv(cli.COREDUMP_WAIT_VAR, raising=False)
     monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
-    monkeypatch.setattr(cli.launch.os, "execvpe", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR)))
+    monkeypatch.setattr(
+        cli.launch.os, "execvpe", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR))
+    )
     monkeypatch.setenv("SM120_FP4", "0")
     assert cli.main(["launch", "--", *command]) == 0
     monkeypatch.setenv(cli.COREDUMP_WAIT_VAR, "30")
@@ -510,15 +647,27 @@ def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, caps
     assert seen == ["0", "30"]
 
 
-@case("backend faults", "candidate that kills its process (SIGSEGV, as an illegal memory access does) in `sm120-fp4 selftest`, SELECT=fastest",
-      "the preflight survives: the crash is recorded in the verdict file (GPU, capability, driver, CUDA, FlashInfer, family, backend), the worker re-runs without it and verifies the next candidate (exit 0); a serving process then skips it, naming the crash and when it was recorded")
-@background(lambda folder: Popen([sys.executable, "-c", "import subprocess, sys, json\n"
-                                  "r = subprocess.run([sys.executable, '-m', 'sm120_fp4', 'selftest', '--json'], capture_output=True, text=True)\n"
-                                  "print(json.dumps([r.returncode, r.stdout, r.stderr]))\n"
-                                  "import sm120_fp4\n"
-                                  "d = sm120_fp4.decide()\n"
-                                  "print(json.dumps([d.backend, d.rejected]))\n"],
-                                 plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="crash,good", SM120_FP4_SELECT="fastest"), folder))
+@case(
+    "backend faults",
+    "candidate that kills its process (SIGSEGV, as an illegal memory access does) in `sm120-fp4 selftest`, SELECT=fastest",
+    "the preflight survives: the crash is recorded in the verdict file (GPU, capability, driver, CUDA, FlashInfer, family, backend), the worker re-runs without it and verifies the next candidate (exit 0); a serving process then skips it, naming the crash and when it was recorded",
+)
+@background(
+    lambda folder: Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, json\n"
+            "r = subprocess.run([sys.executable, '-m', 'sm120_fp4', 'selftest', '--json'], capture_output=True, text=True)\n"
+            "print(json.dumps([r.returncode, r.stdout, r.stderr]))\n"
+            "import sm120_fp4\n"
+            "d = sm120_fp4.decide()\n"
+            "print(json.dumps([d.backend, d.rejected]))\n",
+        ],
+        plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="crash,good", SM120_FP4_SELECT="fastest"),
+        folder,
+    )
+)
 def test_a_crashing_candidate_is_isolated_recorded_and_skipped_by_workers(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
@@ -530,28 +679,52 @@ def test_a_crashing_candidate_is_isolated_recorded_and_skipped_by_workers(backgr
     assert "crash" in decision["rejected"] and "killed by SIGSEGV" in decision["rejected"]["crash"]
     assert "self-test of crash" in err and "recorded as crashed" in err
     backend, rejected = json.loads(second)
-    assert backend == "good" and "crashed the self-test process" in rejected["crash"] and "recorded 20" in rejected["crash"]
+    assert (
+        backend == "good"
+        and "crashed the self-test process" in rejected["crash"]
+        and "recorded 20" in rejected["crash"]
+    )
 
 
-@case("backend faults", "`sm120-fp4 selftest` whose first candidate is still running tensor ops on the worker's thread (the thread that would serve) when its bound (SM120_FP4_SELFTEST_TIMEOUT=6) and the grace after it are up",
-      "the worker writes why and exits with code 4 (hung), not an abort at interpreter shutdown (134); the preflight records the candidate as not returning within the bound, re-runs the worker without it and verifies the next one (exit 0)")
-@background(cli_plugin_job("selftest", "--json", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="late,good",
-                           SM120_FP4_SELFTEST_TIMEOUT="6"))  # 6 s: room for `good` on a loaded 2-core runner
+@case(
+    "backend faults",
+    "`sm120-fp4 selftest` whose first candidate is still running tensor ops on the worker's thread (the thread that would serve) when its bound (SM120_FP4_SELFTEST_TIMEOUT=6) and the grace after it are up",
+    "the worker writes why and exits with code 4 (hung), not an abort at interpreter shutdown (134); the preflight records the candidate as not returning within the bound, re-runs the worker without it and verifies the next one (exit 0)",
+)
+@background(
+    cli_plugin_job(
+        "selftest", "--json", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="late,good", SM120_FP4_SELFTEST_TIMEOUT="6"
+    )
+)  # 6 s: room for `good` on a loaded 2-core runner
 def test_a_hung_candidate_ends_its_worker_and_the_preflight_verifies_the_next(background):
     rc, stdout, stderr = background
     decision = json.loads(stdout)["-1"]["decision"]
     assert rc == 0 and decision["backend"] == "good" and decision["verified"], stderr
     assert "did not return within the self-test's time bound" in decision["rejected"]["late"]
-    assert "the self-test of late did not return within the self-test's time bound (its worker exited with code 4)" in stderr
+    assert (
+        "the self-test of late did not return within the self-test's time bound (its worker exited with code 4)"
+        in stderr
+    )
     assert "terminate called" not in stderr, stderr
 
 
-@case("backend faults", "`sm120-fp4 selftest --moe` (MoE family: SM120_FP4_MOE_BACKENDS, --backend naming MoE backends)",
-      "MoE rows of its own in the table; a verified MoE backend exits 0, an unsupported one exits 1 (refused)")
+@case(
+    "backend faults",
+    "`sm120-fp4 selftest --moe` (MoE family: SM120_FP4_MOE_BACKENDS, --backend naming MoE backends)",
+    "MoE rows of its own in the table; a verified MoE backend exits 0, an unsupported one exits 1 (refused)",
+)
 def test_selftest_moe_is_the_same_preflight_for_the_moe_family(monkeypatch, capsys):
-    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", "--moe", env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_MOE_BACKENDS": "emulated"})
+    code, out, err = cli_in_process(
+        monkeypatch,
+        capsys,
+        "selftest",
+        "--moe",
+        env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_MOE_BACKENDS": "emulated"},
+    )
     assert code == 0 and "| moe | cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out, err
-    code, out, err = cli_in_process(monkeypatch, capsys, "selftest", "--moe", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"})
+    code, out, err = cli_in_process(
+        monkeypatch, capsys, "selftest", "--moe", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"}
+    )
     assert code == 1 and "| moe | -1 | - | REFUSED |" in out and "NVFP4 fused-MoE" in err
 
 
@@ -582,13 +755,28 @@ print(json.dumps([parent.returncode, out, err, alive, verdicts, os.path.exists('
 HOW = {"Ctrl-C": 130, "SIGTERM": 143}
 
 
-@case("interrupts", "{how} while `sm120-fp4 {command}` self-tests a candidate (SM120_FP4_BACKENDS=hang,good)",
-      "exit {code}; the preflight stops: the next candidate is not tried, nothing is recorded for the interrupted one (no `crashed` verdict), the worker is gone, launch starts nothing")
-@pytest.mark.parametrize("command, how, code", [("selftest", "Ctrl-C", HOW["Ctrl-C"]), ("launch", "SIGTERM", HOW["SIGTERM"])])
-@background(lambda folder, command, how, code: Popen([sys.executable, "-c", INTERRUPT, command, how],
-                                                     plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="hang,good",
-                                                                SM120_FP4_MOE_BACKENDS="emulated", TEST_HANG_MARK=str(folder / "hanging")),
-                                                     folder, cwd=folder))
+@case(
+    "interrupts",
+    "{how} while `sm120-fp4 {command}` self-tests a candidate (SM120_FP4_BACKENDS=hang,good)",
+    "exit {code}; the preflight stops: the next candidate is not tried, nothing is recorded for the interrupted one (no `crashed` verdict), the worker is gone, launch starts nothing",
+)
+@pytest.mark.parametrize(
+    "command, how, code", [("selftest", "Ctrl-C", HOW["Ctrl-C"]), ("launch", "SIGTERM", HOW["SIGTERM"])]
+)
+@background(
+    lambda folder, command, how, code: Popen(
+        [sys.executable, "-c", INTERRUPT, command, how],
+        plugin_env(
+            folder,
+            SM120_FP4_SIMULATE="12.0",
+            SM120_FP4_BACKENDS="hang,good",
+            SM120_FP4_MOE_BACKENDS="emulated",
+            TEST_HANG_MARK=str(folder / "hanging"),
+        ),
+        folder,
+        cwd=folder,
+    )
+)
 def test_an_interrupt_stops_the_preflight_and_records_nothing(background, command, how, code):
     rc, stdout, stderr = background
     assert rc == 0, stderr
@@ -600,14 +788,30 @@ def test_an_interrupt_stops_the_preflight_and_records_nothing(background, comman
     assert not alive and not started
 
 
-@case("interrupts", "a self-test worker killed by SIGKILL (as the out-of-memory killer kills) {when}",
-      "{outcome}; never recorded as a `crashed` verdict (retry policy: SIGKILL_RETRIES = 1)")
-@pytest.mark.parametrize("when, outcome, backends", [
-    ("once, then not", "the worker runs again with the same candidate, which verifies: exit 0", "oom-once"),
-    ("every time", "run once more, then the preflight stops with exit 2 saying it was SIGKILL (out of memory?), not a verdict", "oom,good"),
-])
-@background(lambda folder, when, outcome, backends: Popen([sys.executable, "-m", "sm120_fp4", "selftest"],
-                                                          plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS=backends), folder, cwd=folder))
+@case(
+    "interrupts",
+    "a self-test worker killed by SIGKILL (as the out-of-memory killer kills) {when}",
+    "{outcome}; never recorded as a `crashed` verdict (retry policy: SIGKILL_RETRIES = 1)",
+)
+@pytest.mark.parametrize(
+    "when, outcome, backends",
+    [
+        ("once, then not", "the worker runs again with the same candidate, which verifies: exit 0", "oom-once"),
+        (
+            "every time",
+            "run once more, then the preflight stops with exit 2 saying it was SIGKILL (out of memory?), not a verdict",
+            "oom,good",
+        ),
+    ],
+)
+@background(
+    lambda folder, when, outcome, backends: Popen(
+        [sys.executable, "-m", "sm120_fp4", "selftest"],
+        plugin_env(folder, SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS=backends),
+        folder,
+        cwd=folder,
+    )
+)
 def test_a_worker_killed_by_sigkill_is_not_a_kernel_verdict(background, when, outcome, backends, tmp_path):
     rc, stdout, stderr = background
     assert "killed by SIGKILL" in stderr and "not a verdict on the kernel, nothing recorded" in stderr, stderr
@@ -665,10 +869,15 @@ print(json.dumps(code))
 """
 
 
-@case("interrupts", "fork() from another thread while a self-test holds the library's locks; the child decides on the same device",
-      "the child does not deadlock: it runs its own self-test and verifies (exit 0); the parent's self-test finishes too")
+@case(
+    "interrupts",
+    "fork() from another thread while a self-test holds the library's locks; the child decides on the same device",
+    "the child does not deadlock: it runs its own self-test and verifies (exit 0); the parent's self-test finishes too",
+)
 @background(lambda folder: Popen([sys.executable, "-c", FORK], clean_env(PYTHONPATH=str(REPO)), folder))
 def test_fork_during_a_selftest_does_not_deadlock_the_child(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
-    assert json.loads(stdout.strip().splitlines()[-1]) == 0, "the child deadlocked (killed after 120 s) or failed: " + stderr
+    assert json.loads(stdout.strip().splitlines()[-1]) == 0, (
+        "the child deadlocked (killed after 120 s) or failed: " + stderr
+    )

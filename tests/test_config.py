@@ -4,10 +4,10 @@ variable (or keyword), the value and what is accepted."""
 from __future__ import annotations
 
 import pytest
-
-import sm120_fp4
 from helpers.cases import case
 from helpers.common import SIM, SIM_ENV, assert_not_patched
+
+import sm120_fp4
 from sm120_fp4.config import Settings, env_name, load_settings, sources
 from sm120_fp4.errors import ConfigError
 
@@ -19,10 +19,19 @@ def _uninstalled(sglang_unpatched):
 
 # ---- precedence and the parsed values ----------------------------------------------------------
 
+
 def test_defaults_when_nothing_is_set():
     s = load_settings()
     assert (s.toggle, s.enable, s.backends, s.selftest, s.fallback, s.select, s.simulate, s.report) == (
-        None, "auto", "auto", "strict", "none", "first", None, None)
+        None,
+        "auto",
+        "auto",
+        "strict",
+        "none",
+        "first",
+        None,
+        None,
+    )
     assert s.active and s.simulated_capability is None
 
 
@@ -35,7 +44,9 @@ def test_a_keyword_beats_the_environment_which_beats_the_default(monkeypatch):
     assert sources({})["backends"] == "env SM120_FP4_BACKENDS" and sources({})["fallback"] == "default"
 
 
-@pytest.mark.parametrize("value, toggle", [("1", True), ("on", True), ("0", False), ("off", False), (1, True), (0, False)])
+@pytest.mark.parametrize(
+    "value, toggle", [("1", True), ("on", True), ("0", False), ("off", False), (1, True), (0, False)]
+)
 def test_the_toggle_accepts_exactly_1_on_0_off(value, toggle):
     s = Settings(toggle=value)
     assert s.toggle is toggle and s.active is toggle
@@ -133,7 +144,11 @@ ENV_GARBAGE = [
 ]
 
 
-@case("configuration", "env {variable}={value} at install()", "ConfigError naming the variable, the value and what is accepted; nothing patched")
+@case(
+    "configuration",
+    "env {variable}={value} at install()",
+    "ConfigError naming the variable, the value and what is accepted; nothing patched",
+)
 @pytest.mark.parametrize("variable, value, accepted", ENV_GARBAGE, ids=[f"{v}={x[:40]!r}" for v, x, _ in ENV_GARBAGE])
 def test_garbage_in_an_environment_variable_is_an_error_at_install(monkeypatch, variable, value, accepted):
     monkeypatch.setenv(variable, value)
@@ -158,9 +173,12 @@ FLASHINFER_KNOBS = [
 ]
 
 
-@case("configuration", "FlashInfer's own FP4 knob {variable}={value} set at install()",
-      "ConfigError naming the variable and its value, saying it changes FlashInfer's FP4 quantization recipe "
-      "and to unset it; nothing patched; status() shows the variable")
+@case(
+    "configuration",
+    "FlashInfer's own FP4 knob {variable}={value} set at install()",
+    "ConfigError naming the variable and its value, saying it changes FlashInfer's FP4 quantization recipe "
+    "and to unset it; nothing patched; status() shows the variable",
+)
 @pytest.mark.parametrize("variable, value", FLASHINFER_KNOBS, ids=[v for v, _ in FLASHINFER_KNOBS])
 def test_flashinfer_fp4_knobs_are_refused_at_install_naming_the_variable(monkeypatch, variable, value):
     for name, setting in SIM_ENV.items():
@@ -178,10 +196,14 @@ def test_flashinfer_fp4_knobs_are_refused_at_install_naming_the_variable(monkeyp
     assert sm120_fp4.install().installed and sm120_fp4.status().flashinfer_overrides == {}
 
 
-@case("configuration", "FlashInfer's quantizer launch knob {variable}={value} set at install()",
-      "installed: it changes how the standard recipe runs, not the recipe, and every check runs with it set")
-@pytest.mark.parametrize("variable, value", [("FLASHINFER_NVFP4_PER_TOKEN_THREADS", "64"),
-                                             ("FLASHINFER_NVFP4_QUANTIZE_USE_TMA", "1")])
+@case(
+    "configuration",
+    "FlashInfer's quantizer launch knob {variable}={value} set at install()",
+    "installed: it changes how the standard recipe runs, not the recipe, and every check runs with it set",
+)
+@pytest.mark.parametrize(
+    "variable, value", [("FLASHINFER_NVFP4_PER_TOKEN_THREADS", "64"), ("FLASHINFER_NVFP4_QUANTIZE_USE_TMA", "1")]
+)
 def test_flashinfer_launch_knobs_are_verified_not_refused(monkeypatch, variable, value):
     for name, setting in SIM_ENV.items():
         monkeypatch.setenv(name, setting)
@@ -207,7 +229,11 @@ KEYWORD_GARBAGE = [
 ]
 
 
-@case("configuration", "keyword install({keyword}={value})", "ConfigError naming the keyword, the value and what is accepted")
+@case(
+    "configuration",
+    "keyword install({keyword}={value})",
+    "ConfigError naming the keyword, the value and what is accepted",
+)
 @pytest.mark.parametrize("keyword, value, accepted", KEYWORD_GARBAGE, ids=[f"{k}={v!r}" for k, v, _ in KEYWORD_GARBAGE])
 def test_garbage_in_a_keyword_is_an_error_at_install(keyword, value, accepted):
     with pytest.raises(ConfigError) as err:
@@ -219,8 +245,11 @@ def test_garbage_in_a_keyword_is_an_error_at_install(keyword, value, accepted):
     assert_not_patched()
 
 
-@case("configuration", "keyword install(simulate=12.0) (a float), or simulate=12.1",
-      "accepted as the variable's string 12.0 / 12.1 would be: the same capability, installed")
+@case(
+    "configuration",
+    "keyword install(simulate=12.0) (a float), or simulate=12.1",
+    "accepted as the variable's string 12.0 / 12.1 would be: the same capability, installed",
+)
 @pytest.mark.parametrize("value", [12.0, 12.1])
 def test_a_float_capability_is_accepted_where_it_is_unambiguous(value):
     status = sm120_fp4.install(**{**SIM, "simulate": value})
@@ -231,17 +260,29 @@ def test_a_float_capability_is_accepted_where_it_is_unambiguous(value):
 
 # ---- off means off (issue: following the refusal's advice SM120_FP4=0 must always work) --------
 
-OFF_WAYS = {"env SM120_FP4=0": ({"SM120_FP4": "0"}, {}), "env SM120_FP4=off": ({"SM120_FP4": "off"}, {}),
-            "install(toggle=0)": ({}, {"toggle": 0}), "install(toggle=False)": ({}, {"toggle": False}),
-            "install(toggle='off') over env SM120_FP4=1": ({"SM120_FP4": "1"}, {"toggle": "off"})}
+OFF_WAYS = {
+    "env SM120_FP4=0": ({"SM120_FP4": "0"}, {}),
+    "env SM120_FP4=off": ({"SM120_FP4": "off"}, {}),
+    "install(toggle=0)": ({}, {"toggle": 0}),
+    "install(toggle=False)": ({}, {"toggle": False}),
+    "install(toggle='off') over env SM120_FP4=1": ({"SM120_FP4": "1"}, {"toggle": "off"}),
+}
 
 
-@case("configuration", "{way} with stale bad values (SM120_FP4_SELFTEST=bogus, SM120_FP4_SIMULATE=twelve, an unknown SM120_FP4_FOO)",
-      "install() is a no-op: no error, nothing patched, status says disabled; the ignored values are logged once")
+@case(
+    "configuration",
+    "{way} with stale bad values (SM120_FP4_SELFTEST=bogus, SM120_FP4_SIMULATE=twelve, an unknown SM120_FP4_FOO)",
+    "install() is a no-op: no error, nothing patched, status says disabled; the ignored values are logged once",
+)
 @pytest.mark.parametrize("way", list(OFF_WAYS))
 def test_off_means_off_whatever_else_is_set(monkeypatch, caplog, way):
     env, kwargs = OFF_WAYS[way]
-    for name, value in {**env, "SM120_FP4_SELFTEST": "bogus", "SM120_FP4_SIMULATE": "twelve", "SM120_FP4_FOO": "1"}.items():
+    for name, value in {
+        **env,
+        "SM120_FP4_SELFTEST": "bogus",
+        "SM120_FP4_SIMULATE": "twelve",
+        "SM120_FP4_FOO": "1",
+    }.items():
         monkeypatch.setenv(name, value)
     from sm120_fp4 import config
 
@@ -254,14 +295,21 @@ def test_off_means_off_whatever_else_is_set(monkeypatch, caplog, way):
     assert len(logged) == 1 and "SM120_FP4_FOO" in logged[0], logged
 
 
-@case("configuration", "install(toggle=1) (an int, as the message lists 1 as accepted)", "accepted: installs as toggle='1' does")
+@case(
+    "configuration",
+    "install(toggle=1) (an int, as the message lists 1 as accepted)",
+    "accepted: installs as toggle='1' does",
+)
 def test_an_int_toggle_is_accepted_by_install():
     status = sm120_fp4.install(toggle=1, **SIM)
     assert status.installed and status.settings["toggle"] is True
 
 
-@case("configuration", "SM120_FP4_SELFTEST=warn together with SM120_FP4_{which}=emulated at install()",
-      "one warning at install() says the emulated fallback wins (nothing is served unverified)")
+@case(
+    "configuration",
+    "SM120_FP4_SELFTEST=warn together with SM120_FP4_{which}=emulated at install()",
+    "one warning at install() says the emulated fallback wins (nothing is served unverified)",
+)
 @pytest.mark.parametrize("which", ["FALLBACK", "MOE_FALLBACK"])
 def test_install_says_once_that_the_emulated_fallback_beats_selftest_warn(monkeypatch, caplog, which):
     from sm120_fp4 import api
@@ -277,9 +325,19 @@ def test_install_says_once_that_the_emulated_fallback_beats_selftest_warn(monkey
 HUGE = ",".join(f"nope{i}" for i in range(20000))
 
 
-@case("configuration", "{what} (20,000 entries) at install()", "ConfigError under 2 KB that shows the first entries and says 'and N more'")
-@pytest.mark.parametrize("what", ["SM120_FP4_BACKENDS of 20,000 unknown names", "SM120_FP4_BACKENDS of 20,000 malformed names",
-                                  "20,000 unknown SM120_FP4_* variables"])
+@case(
+    "configuration",
+    "{what} (20,000 entries) at install()",
+    "ConfigError under 2 KB that shows the first entries and says 'and N more'",
+)
+@pytest.mark.parametrize(
+    "what",
+    [
+        "SM120_FP4_BACKENDS of 20,000 unknown names",
+        "SM120_FP4_BACKENDS of 20,000 malformed names",
+        "20,000 unknown SM120_FP4_* variables",
+    ],
+)
 def test_error_messages_are_bounded_whatever_the_input(monkeypatch, what):
     if "unknown names" in what:
         monkeypatch.setenv("SM120_FP4_BACKENDS", HUGE)

@@ -9,11 +9,11 @@ import time
 import types
 
 import pytest
-
-import sm120_fp4
 from helpers import faults
 from helpers.cases import case
 from helpers.common import CpuGpu
+
+import sm120_fp4
 from sm120_fp4 import backends, deciding, devices, verify
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
@@ -103,9 +103,14 @@ def test_select_fastest_times_every_verified_candidate_and_records_it(monkeypatc
     assert "zeros" in d.rejected and "fastest of 2 verified candidates" in d.reason
 
 
-@case("properties", "SM120_FP4_BACKENDS unset (auto) on a GPU of compute capability {cc}",
-      "the candidates are the per-capability order of flashinfer.ORDER_BY_CAPABILITY: {order}")
-@pytest.mark.parametrize("cc, order", [("12.0", "cutlass,b12x,humming"), ("12.1", "cutlass,humming (b12x absent: FlashInfer #3170)")])
+@case(
+    "properties",
+    "SM120_FP4_BACKENDS unset (auto) on a GPU of compute capability {cc}",
+    "the candidates are the per-capability order of flashinfer.ORDER_BY_CAPABILITY: {order}",
+)
+@pytest.mark.parametrize(
+    "cc, order", [("12.0", "cutlass,b12x,humming"), ("12.1", "cutlass,humming (b12x absent: FlashInfer #3170)")]
+)
 def test_the_default_candidates_follow_the_capability(cc, order):
     major, minor = map(int, cc.split("."))
     gpu = CpuGpu(0, f"mocked sm_{major}{minor}", (major, minor))
@@ -114,8 +119,11 @@ def test_the_default_candidates_follow_the_capability(cc, order):
     assert decision.candidates == order.split(" ")[0].split(",")
 
 
-@case("backend faults", "SM120_FP4_SELFTEST_TIMEOUT=1 and a kernel that takes 0.4 s per call (every call under the bound, 8 calls)",
-      "the bound is on the whole candidate: rejected as hung after about 1 s; the next candidate serves")
+@case(
+    "backend faults",
+    "SM120_FP4_SELFTEST_TIMEOUT=1 and a kernel that takes 0.4 s per call (every call under the bound, 8 calls)",
+    "the bound is on the whole candidate: rejected as hung after about 1 s; the next candidate serves",
+)
 def test_the_selftest_timeout_bounds_a_whole_candidate(monkeypatch):
     calls = []
 
@@ -130,4 +138,3 @@ def test_the_selftest_timeout_bounds_a_whole_candidate(monkeypatch):
     decision = sm120_fp4.decide(candidates=["slow", "emulated"])
     assert decision.backend == "emulated" and "did not return within" in decision.rejected["slow"]
     assert len(calls) <= 3, f"{len(calls)} calls of 0.4 s: the bound is on the whole candidate, not per call"
-

@@ -15,9 +15,9 @@ import re
 import sys
 
 import pytest
-
 from helpers.common import module_installed
 from helpers.procs import Popen, background, clean_env
+
 from sm120_fp4.demo.server import group_members
 
 pytest.importorskip("uvicorn", reason="the server packages (scripts/setup_env.sh installs them)")
@@ -28,8 +28,15 @@ SERVER_TIMEOUT = 1500
 
 
 def _demo(folder, *args, **env):
-    return Popen([sys.executable, "-m", "sm120_fp4", "demo", "--server", *args], clean_env(**env), folder,
-                 cwd=folder, merge=True, group=True, timeout=SERVER_TIMEOUT)
+    return Popen(
+        [sys.executable, "-m", "sm120_fp4", "demo", "--server", *args],
+        clean_env(**env),
+        folder,
+        cwd=folder,
+        merge=True,
+        group=True,
+        timeout=SERVER_TIMEOUT,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -49,8 +56,11 @@ def test_server_demo_answers_then_refuses_a_kernel_wrong_at_one_layer_shape(back
     assert answer and int(answer.group(2)) > 0, out[-4000:]
     # Every NVFP4 layer configuration of the checkpoint was verified in SGLang's scheduler, the MoE one
     # through flashinfer_cutlass although the runner was left at 'auto'.
-    for config in ("ModelOptFp4LinearMethod N=512 K=256", "ModelOptFp4LinearMethod N=256 K=256",
-                   "ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu"):
+    for config in (
+        "ModelOptFp4LinearMethod N=512 K=256",
+        "ModelOptFp4LinearMethod N=256 K=256",
+        "ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu",
+    ):
         assert re.search(re.escape(config) + r".*: verified with emulated", out), config
     assert re.search(r"REFUSED: .*no FP4 GEMM backend passed verification for ModelOptFp4LinearMethod N=512 K=256", out)
     assert re.search(r"the server did not start: launcher exit -?\d+, nothing listening", out)
@@ -60,11 +70,17 @@ def test_server_demo_answers_then_refuses_a_kernel_wrong_at_one_layer_shape(back
 
 def _broken_model_path(folder):
     from helpers.plugins import plugin_site
+
     from sm120_fp4.demo.checkpoint import write_checkpoint
 
     path = write_checkpoint(str(folder / "mo"), seed=6)
-    return _demo(folder, "--model-path", path, PYTHONPATH=f"{plugin_site(folder / 'plugins')}",
-                 SM120_FP4_MOE_BACKENDS="moe-zeros")
+    return _demo(
+        folder,
+        "--model-path",
+        path,
+        PYTHONPATH=f"{plugin_site(folder / 'plugins')}",
+        SM120_FP4_MOE_BACKENDS="moe-zeros",
+    )
 
 
 @pytest.mark.timeout(3600)

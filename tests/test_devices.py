@@ -6,10 +6,10 @@ import json
 import sys
 
 import pytest
-
 from helpers.cases import case
 from helpers.common import fake_devices
 from helpers.nvml import A6000, PRO6000, fake_pynvml
+
 from sm120_fp4 import devices
 from sm120_fp4.devices import Device
 
@@ -77,8 +77,13 @@ def test_label_and_sm():
 
 B, A = PRO6000["uuid"], A6000["uuid"]
 ALIKE = [PRO6000, {**PRO6000, "uuid": "GPU-bbbb3333-0000-0000-0000-000000000003", "bus": "00000000:41:00.0"}]
-MIG = {**PRO6000, "mig": [("MIG-dddd4444-0000-0000-0000-000000000004", "NVIDIA RTX PRO 6000 Blackwell MIG 1g.24gb"),
-                          ("MIG-eeee5555-0000-0000-0000-000000000005", "NVIDIA RTX PRO 6000 Blackwell MIG 1g.24gb")]}
+MIG = {
+    **PRO6000,
+    "mig": [
+        ("MIG-dddd4444-0000-0000-0000-000000000004", "NVIDIA RTX PRO 6000 Blackwell MIG 1g.24gb"),
+        ("MIG-eeee5555-0000-0000-0000-000000000005", "NVIDIA RTX PRO 6000 Blackwell MIG 1g.24gb"),
+    ],
+}
 # NVML lists the PRO 6000 (bus 02) before the A6000 (bus 01): NVML's index order promises nothing.
 MIXED = [PRO6000, A6000]
 
@@ -104,19 +109,35 @@ MAPPED = {
     "FASTEST_FIRST, lower-case prefix": (MIXED, "FASTEST_FIRST", "gpu-aaaa1111", [(A6000, A)]),
     "empty CUDA_VISIBLE_DEVICES: no GPU": (MIXED, None, "", []),
     "no such UUID: invalid, nothing after it": (MIXED, "PCI_BUS_ID", "GPU-ffff,0", []),
-    "FASTEST_FIRST over identical GPUs: facts per ordinal, no UUID claimed": (ALIKE, None, None, [(PRO6000, None), (PRO6000, None)]),
-    "one MIG device by its MIG UUID": (MIXED[1:] + [MIG], None, "MIG-dddd", [({**PRO6000, "name": MIG["mig"][0][1]}, "dddd4444-0000-0000-0000-000000000004")]),
+    "FASTEST_FIRST over identical GPUs: facts per ordinal, no UUID claimed": (
+        ALIKE,
+        None,
+        None,
+        [(PRO6000, None), (PRO6000, None)],
+    ),
+    "one MIG device by its MIG UUID": (
+        MIXED[1:] + [MIG],
+        None,
+        "MIG-dddd",
+        [({**PRO6000, "name": MIG["mig"][0][1]}, "dddd4444-0000-0000-0000-000000000004")],
+    ),
 }
 
 
-@case("devices", "CUDA numbering computed from NVML: {what}", "each cuda:N is the GPU CUDA numbers N (name, capability, UUID where it is certain)")
+@case(
+    "devices",
+    "CUDA numbering computed from NVML: {what}",
+    "each cuda:N is the GPU CUDA numbers N (name, capability, UUID where it is certain)",
+)
 @pytest.mark.parametrize("what", list(MAPPED))
 def test_cuda_numbering_from_nvml(monkeypatch, what):
     gpus, order, visible, expected = MAPPED[what]
     _nvml(monkeypatch, gpus, order, visible)
     found = devices.list_devices(refresh=True)
     assert [(d.index, d.name, d.capability, d.uuid) for d in found] == [
-        (i, gpu["name"], gpu["cc"], None if uuid is None else uuid.lower().removeprefix("gpu-")) for i, (gpu, uuid) in enumerate(expected)]
+        (i, gpu["name"], gpu["cc"], None if uuid is None else uuid.lower().removeprefix("gpu-"))
+        for i, (gpu, uuid) in enumerate(expected)
+    ]
 
 
 UNKNOWN = {
@@ -132,8 +153,11 @@ UNKNOWN = {
 }
 
 
-@case("devices", "CUDA numbering not determined from NVML: {what}, CUDA not initialised",
-      "DeviceMappingError naming the problem and the fix (CUDA_DEVICE_ORDER=PCI_BUS_ID or UUIDs); never a guess")
+@case(
+    "devices",
+    "CUDA numbering not determined from NVML: {what}, CUDA not initialised",
+    "DeviceMappingError naming the problem and the fix (CUDA_DEVICE_ORDER=PCI_BUS_ID or UUIDs); never a guess",
+)
 @pytest.mark.parametrize("what", list(UNKNOWN))
 def test_an_undetermined_numbering_fails_closed(monkeypatch, what):
     gpus, order, visible, why = UNKNOWN[what]
@@ -161,8 +185,11 @@ def _torch_cuda(monkeypatch, order, initialised=True):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props(order[i]))
 
 
-@case("devices", "mixed GPUs with FASTEST_FIRST (an sm_86 GPU in PCI slot 0, the RTX PRO 6000 in slot 1) once CUDA is initialised (a serving worker at its first layer)",
-      "cuda:0 is the PRO 6000 (sm_120), as CUDA numbers it: decided and served as sm_120, never as the sm_86 GPU")
+@case(
+    "devices",
+    "mixed GPUs with FASTEST_FIRST (an sm_86 GPU in PCI slot 0, the RTX PRO 6000 in slot 1) once CUDA is initialised (a serving worker at its first layer)",
+    "cuda:0 is the PRO 6000 (sm_120), as CUDA numbers it: decided and served as sm_120, never as the sm_86 GPU",
+)
 def test_once_cuda_is_initialised_its_own_numbering_counts(monkeypatch):
     from sm120_fp4 import deciding, serving
     from sm120_fp4.config import Settings
@@ -171,7 +198,9 @@ def test_once_cuda_is_initialised_its_own_numbering_counts(monkeypatch):
     _torch_cuda(monkeypatch, [PRO6000, A6000])  # CUDA put the fastest, the PRO 6000, first
     found = devices.list_devices(refresh=True)
     assert [(d.index, d.capability, d.uuid, d.source) for d in found] == [
-        (0, (12, 0), B.removeprefix("GPU-"), "torch"), (1, (8, 6), A.removeprefix("GPU-"), "torch")]
+        (0, (12, 0), B.removeprefix("GPU-"), "torch"),
+        (1, (8, 6), A.removeprefix("GPU-"), "torch"),
+    ]
     decision = serving.decide(0, ["emulated"], settings=Settings(selftest="off"))
     assert decision.device.startswith("cuda:0 'NVIDIA RTX PRO 6000") and decision.capability == "12.0"
     assert deciding.serves(devices.get_device(0), Settings()) and not deciding.serves(devices.get_device(1), Settings())
@@ -205,19 +234,28 @@ def test_uuid_spellings_compare_equal():
 
 # ---- through the public entry points: the CLI, install() ------------------------------------
 
-@case("devices", "`sm120-fp4 selftest` on a mixed box (sm_86 GPU in PCI slot 0, RTX PRO 6000 in slot 1), CUDA_DEVICE_ORDER unset",
-      "exit 2 before any self-test: CUDA's FASTEST_FIRST numbering is not known without CUDA; the message says to set CUDA_DEVICE_ORDER=PCI_BUS_ID")
+
+@case(
+    "devices",
+    "`sm120-fp4 selftest` on a mixed box (sm_86 GPU in PCI slot 0, RTX PRO 6000 in slot 1), CUDA_DEVICE_ORDER unset",
+    "exit 2 before any self-test: CUDA's FASTEST_FIRST numbering is not known without CUDA; the message says to set CUDA_DEVICE_ORDER=PCI_BUS_ID",
+)
 def test_selftest_refuses_to_guess_the_numbering_of_a_mixed_box(monkeypatch, capsys):
     from sm120_fp4 import cli
 
     _nvml(monkeypatch, MIXED)
     assert cli.main(["selftest"]) == 2
     err = capsys.readouterr().err
-    assert "GPUs of different models" in err and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in err and "self-testing" not in err, err
+    assert "GPUs of different models" in err and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in err and "self-testing" not in err, (
+        err
+    )
 
 
-@case("devices", "install() on the mixed box: CUDA_DEVICE_ORDER={order}",
-      "PCI_BUS_ID: cuda:0 is the sm_86 GPU and cuda:1 the sm_120 one; unset: installed (a 12.x GPU may be visible) and status() says the numbering is known only through CUDA, never a guessed one")
+@case(
+    "devices",
+    "install() on the mixed box: CUDA_DEVICE_ORDER={order}",
+    "PCI_BUS_ID: cuda:0 is the sm_86 GPU and cuda:1 the sm_120 one; unset: installed (a 12.x GPU may be visible) and status() says the numbering is known only through CUDA, never a guessed one",
+)
 @pytest.mark.parametrize("order", ["PCI_BUS_ID", "unset"])
 def test_install_maps_a_mixed_box_as_cuda_numbers_it(monkeypatch, sglang_unpatched, order):
     import sm120_fp4
@@ -226,13 +264,19 @@ def test_install_maps_a_mixed_box_as_cuda_numbers_it(monkeypatch, sglang_unpatch
     status = sm120_fp4.install()
     assert status.installed, status.message
     if order == "PCI_BUS_ID":
-        assert status.devices == ["cuda:0 'NVIDIA RTX A6000' (sm_86)", "cuda:1 'NVIDIA RTX PRO 6000 Blackwell Workstation Edition' (sm_120)"]
+        assert status.devices == [
+            "cuda:0 'NVIDIA RTX A6000' (sm_86)",
+            "cuda:1 'NVIDIA RTX PRO 6000 Blackwell Workstation Edition' (sm_120)",
+        ]
     else:
         assert "cannot tell which GPU" in status.devices[0]
 
 
-@case("devices", "a self-test worker told the wrong GPU UUID for its --device (the parent's numbering differs from this process's)",
-      "exit 2: the worker names both GPUs and does not self-test the other one")
+@case(
+    "devices",
+    "a self-test worker told the wrong GPU UUID for its --device (the parent's numbering differs from this process's)",
+    "exit 2: the worker names both GPUs and does not self-test the other one",
+)
 def test_a_worker_refuses_a_gpu_other_than_the_one_named(monkeypatch, capsys):
     from sm120_fp4 import cli
 

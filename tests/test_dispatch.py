@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import faults
 from helpers.common import mm_fp4_operands
+
 from sm120_fp4 import backends, devices, nvfp4
 from sm120_fp4.config import Settings
 from sm120_fp4.devices import Device
@@ -68,8 +68,16 @@ def test_no_backend_argument_is_routed_too(recording):
     assert len(recording) == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"enable_pdl": False}, {"enable_pdl": True}, {"use_nvfp4": True}, {"batch_invariant": False},
-                                    {"enable_pdl": True, "batch_invariant": False}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"enable_pdl": False},
+        {"enable_pdl": True},
+        {"use_nvfp4": True},
+        {"batch_invariant": False},
+        {"enable_pdl": True, "batch_invariant": False},
+    ],
+)
 def test_keywords_that_never_change_the_numbers_are_routed(recording, kwargs):
     original = Original()
     dispatch = ready(Settings(simulate="12.0", backends="recording"), original, recording)
@@ -79,13 +87,15 @@ def test_keywords_that_never_change_the_numbers_are_routed(recording, kwargs):
     assert torch.equal(result, nvfp4.reference_mm_fp4(*args))
 
 
-@pytest.mark.parametrize("kwargs", [{"backend": "trtllm"}, {"backend": "cute-dsl"}, {"use_8x4_sf_layout": True}, {"block_size": 32}])
+@pytest.mark.parametrize(
+    "kwargs", [{"backend": "trtllm"}, {"backend": "cute-dsl"}, {"use_8x4_sf_layout": True}, {"block_size": 32}]
+)
 def test_other_backends_and_layouts_call_the_original_unchanged(recording, kwargs):
     original = Original()
     dispatch = ready(Settings(simulate="12.0", backends="recording"), original, recording)
     args = operands()
     assert dispatch(*args, torch.bfloat16, **kwargs) == "original"
-    (called_args, called_kwargs), = original.calls
+    ((called_args, called_kwargs),) = original.calls
     assert called_args[:4] == args[:4] and called_kwargs.items() >= kwargs.items()
     assert recording == []
 
@@ -135,14 +145,18 @@ def test_first_call_self_tests_once_and_a_failing_kernel_raises_not_zeros():
         dispatch(*operands(), torch.bfloat16)
 
 
-
 # ---- through the patched alias's front (Router.make_dispatch) -----------------------------------
 
 from helpers.cases import case  # noqa: E402
+
 from sm120_fp4.errors import InvalidArgument  # noqa: E402
 
 
-@case("own failures", "an empty batch (M=0) through the patched alias, out={out}", "an empty (0, N) result as torch.mm gives; the backend is not called")
+@case(
+    "own failures",
+    "an empty batch (M=0) through the patched alias, out={out}",
+    "an empty (0, N) result as torch.mm gives; the backend is not called",
+)
 @pytest.mark.parametrize("out", ["None", "a (0, N) tensor"])
 def test_an_empty_batch_gives_an_empty_result(recording, out):
     dispatch = ready(Settings(simulate="12.0", backends="recording"), Original(), recording)
@@ -155,12 +169,23 @@ def test_an_empty_batch_gives_an_empty_result(recording, out):
     assert recording == []
 
 
-@case("own failures", "our own dispatch given {what}", "InvalidArgument naming {param} (not an IndexError/TypeError blamed on the backend)")
+@case(
+    "own failures",
+    "our own dispatch given {what}",
+    "InvalidArgument naming {param} (not an IndexError/TypeError blamed on the backend)",
+)
 @pytest.mark.parametrize("what, param", [("a 1-D b", "b"), ("out_dtype='bf16' (a string)", "out_dtype")])
 def test_bad_arguments_through_the_alias_name_the_parameter(recording, what, param):
     dispatch = ready(Settings(simulate="12.0", backends="recording"), Original(), recording)
     a, b, a_sf, b_sf, alpha = operands()
-    args = [a, b.reshape(-1) if param == "b" else b, a_sf, b_sf, alpha, "bf16" if param == "out_dtype" else torch.bfloat16]
+    args = [
+        a,
+        b.reshape(-1) if param == "b" else b,
+        a_sf,
+        b_sf,
+        alpha,
+        "bf16" if param == "out_dtype" else torch.bfloat16,
+    ]
     with pytest.raises(InvalidArgument, match=rf"mm_fp4: {param}=") as err:
         dispatch(*args)
     assert "raised by FP4 GEMM backend" not in "".join(getattr(err.value, "__notes__", []))

@@ -14,7 +14,9 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 def test_readme_settings_table_is_generated_from_settings():
     block = re.search(r"<!-- settings-table:start -->\n(.*?)\n<!-- settings-table:end -->", README, re.S)
     assert block, "README lost its settings-table markers"
-    assert block.group(1) == settings_table(), "regenerate: python -c 'from sm120_fp4.config import settings_table; print(settings_table())'"
+    assert block.group(1) == settings_table(), (
+        "regenerate: python -c 'from sm120_fp4.config import settings_table; print(settings_table())'"
+    )
 
 
 def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one():
@@ -39,7 +41,11 @@ def test_reliability_md_has_exactly_the_declared_cases():
         return text.replace("|", "\\|").replace("\n", " ")
 
     text = (Path(__file__).resolve().parents[1] / "RELIABILITY.md").read_text()
-    rows = [re.split(r"(?<!\\) \| ", line[2:-2]) for line in text.splitlines() if line.startswith("| ") and not line.startswith("| area |")]
+    rows = [
+        re.split(r"(?<!\\) \| ", line[2:-2])
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| area |")
+    ]
     assert all(len(row) == 4 for row in rows), [row for row in rows if len(row) != 4]
     assert all(area.replace("\\|", "|") in AREAS for area, *_ in rows)
     in_file = Counter((area, case, expected) for area, case, expected, _ in rows)
@@ -76,10 +82,22 @@ def test_benchmarks_is_current_only():
 # itself; upstream projects' issues ("FlashInfer issue 2577", "SGLang #123") are fine.
 PROCESS_WORDS = re.compile(
     r"(second|third|fourth|fifth|sixth|seventh|this|next|last) session|issue #?[0-9]|items? (numbered )?[0-9]+\."
-    r"|round (two|three|four)|the lent[ ]|device[ ]call|this[ ]stop", re.I)
+    r"|round (two|three|four)|the lent[ ]|device[ ]call|this[ ]stop",
+    re.I,
+)
 UPSTREAM = re.compile(r"(FlashInfer|SGLang|vLLM|Humming|CUTLASS|torch|Triton|upstream)\S*\s+(\S+\s+){0,2}$", re.I)
-SHIPPED = ("README.md", "BENCHMARKS.md", "RELIABILITY.md", "CHANGELOG.md", "ARCHITECTURE.md", "docs/**/*.md",
-           "scripts/*", "benchmarks/**/*.py", "sm120_fp4/**/*.py", "tests/**/*.py")
+SHIPPED = (
+    "README.md",
+    "BENCHMARKS.md",
+    "RELIABILITY.md",
+    "CHANGELOG.md",
+    "ARCHITECTURE.md",
+    "docs/**/*.md",
+    "scripts/*",
+    "benchmarks/**/*.py",
+    "sm120_fp4/**/*.py",
+    "tests/**/*.py",
+)
 
 
 def process_words(text: str) -> list[str]:
@@ -95,11 +113,18 @@ def process_words(text: str) -> list[str]:
 def test_process_words_finds_them_and_leaves_upstream_issues_alone():
     assert process_words("as measured in the fifth session") and process_words("see issue 20, items numbered 22.1")
     assert process_words("the lent H200") and process_words("in one device call") and process_words("round two")
-    assert not process_words("FlashInfer issue 2577 and SGLang #20047") and not process_words("the weight-update session")
+    assert not process_words("FlashInfer issue 2577 and SGLang #20047") and not process_words(
+        "the weight-update session"
+    )
 
 
 def test_no_process_words_in_shipped_files():
-    files = {path for pattern in SHIPPED for path in ROOT.glob(pattern) if path.is_file() and path.suffix not in (".png", ".pyc")}
+    files = {
+        path
+        for pattern in SHIPPED
+        for path in ROOT.glob(pattern)
+        if path.is_file() and path.suffix not in (".png", ".pyc")
+    }
     files.discard(Path(__file__).resolve())  # the word list itself
     hits = [f"{path.relative_to(ROOT)}: {line}" for path in sorted(files) for line in process_words(path.read_text())]
     assert not hits, "the product speaks of itself only:\n" + "\n".join(hits)
@@ -107,6 +132,7 @@ def test_no_process_words_in_shipped_files():
 
 def test_version_is_the_newest_release_of_the_changelog():
     from helpers.procs import run_cli
+
     from sm120_fp4._version import __version__
 
     changelog = (ROOT / "CHANGELOG.md").read_text()
@@ -147,8 +173,7 @@ ELSEWHERE = {
     'pip install "sm120-fp4[sglang]"': "a network; test_sglang_extra_pins_the_supported_range",
     "SM120_FP4=1 python -m sglang.launch_server --model-path nvidia/Llama-3.1-8B-Instruct-FP4 --quantization modelopt_fp4": "a 12.x GPU",
     "sm120-fp4 launch -- python -m sglang.launch_server --model-path nvidia/Llama-3.1-8B-Instruct-FP4 --quantization modelopt_fp4": "a 12.x GPU",
-    "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated .venv/bin/python -m sm120_fp4 selftest --model DIR":
-        "test_model_check.py (a minute of CPU)",
+    "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated .venv/bin/python -m sm120_fp4 selftest --model DIR": "test_model_check.py (a minute of CPU)",
     ".venv/bin/python -m sm120_fp4 demo --server --model-path DIR": "test_demo_server.py (a real server)",
 }
 
@@ -157,6 +182,7 @@ def test_readme_cpu_commands_work_as_written(tmp_path):
     """The README's cheap CPU command lines, run here as written (`sm120-fp4 X` as `python -m sm120_fp4 X`,
     the same program; DIR a checkpoint); the others are listed in ELSEWHERE with where they are tested."""
     from helpers.procs import run_cli, run_python
+
     from sm120_fp4.demo.checkpoint import write_checkpoint
 
     ckpt = write_checkpoint(str(tmp_path / "ckpt"), seed=1)
@@ -165,15 +191,22 @@ def test_readme_cpu_commands_work_as_written(tmp_path):
         if command in ELSEWHERE:
             continue
         words = command.split()
-        assert words[0] == "sm120-fp4" and "=" not in words[0], f"README command not run and not listed in ELSEWHERE: {command}"
+        assert words[0] == "sm120-fp4" and "=" not in words[0], (
+            f"README command not run and not listed in ELSEWHERE: {command}"
+        )
         args = [ckpt if word == "DIR" else word for word in words[1:]]
         done = run_cli(*args)
         assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stderr[-2000:]}"
         ran.append((command, done))
     said = {command: done.stdout + done.stderr for command, done in ran}
-    assert {"sm120-fp4 --version", "sm120-fp4 doctor", "sm120-fp4 selftest", "sm120-fp4 selftest --model DIR"} <= set(said)
+    assert {"sm120-fp4 --version", "sm120-fp4 doctor", "sm120-fp4 selftest", "sm120-fp4 selftest --model DIR"} <= set(
+        said
+    )
     # On a CPU, `selftest --model DIR` says exactly what the README shows for verifying there.
-    assert "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated" in said["sm120-fp4 selftest --model DIR"]
+    assert (
+        "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated"
+        in said["sm120-fp4 selftest --model DIR"]
+    )
     assert f"sm120-fp4 {__import__('sm120_fp4').__version__}" in said["sm120-fp4 --version"]
     # The Python block, as written: on a CPU it installs nothing and says why.
     block = re.search(r"```python\n(.*?)\n```", README, re.S).group(1)

@@ -11,7 +11,6 @@ import ast
 import importlib.util
 import inspect
 import json
-import os
 import re
 import shlex
 import sys
@@ -21,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers.procs import Popen, background, clean_env
+
 from sm120_fp4 import cli
 from sm120_fp4.config import Settings, env_name, load_settings
 
@@ -59,6 +58,7 @@ def _server_args_parser() -> argparse.ArgumentParser:
 
 
 # ---- the Dockerfile, parsed with the stdlib -------------------------------------------------
+
 
 def _dockerfile() -> list[tuple[str, str, str | None]]:
     """(INSTRUCTION, arguments, heredoc body or None) for each instruction."""
@@ -115,8 +115,12 @@ def _precompile_snippet() -> str:
 
 def _precompile_job(folder: Path) -> Popen:
     """Run the Dockerfile's pre-compile program for real, nvcc aside: `build` only records the spec."""
-    imports = [(node.module, alias.name) for node in ast.walk(ast.parse(_precompile_snippet()))
-               if isinstance(node, ast.ImportFrom) for alias in node.names]
+    imports = [
+        (node.module, alias.name)
+        for node in ast.walk(ast.parse(_precompile_snippet()))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    ]
     workspace = folder / "flashinfer-workspace"
     driver = (
         "import importlib, json\n"
@@ -128,7 +132,12 @@ def _precompile_job(folder: Path) -> Popen:
         + "print('RESULT=' + json.dumps({'workspace': %r, 'missing': missing, 'specs': [[s.name, str(s.jit_library_path),"
         " ' '.join(s.extra_cuda_cflags or [])] for s in built]}))\n" % str(workspace)
     )
-    return Popen([sys.executable, "-c", driver], _env({**_docker_env(), "FLASHINFER_WORKSPACE_BASE": str(workspace)}), folder, cwd=ROOT)
+    return Popen(
+        [sys.executable, "-c", driver],
+        _env({**_docker_env(), "FLASHINFER_WORKSPACE_BASE": str(workspace)}),
+        folder,
+        cwd=ROOT,
+    )
 
 
 def _example(*args: str, merge: bool = False):
@@ -136,6 +145,7 @@ def _example(*args: str, merge: bool = False):
 
 
 # ---- launch_sglang.py ----------------------------------------------------------------------
+
 
 @background(_example("examples/launch_sglang.py", "--help", merge=True))
 def test_launch_sglang_installs_then_hands_argv_to_sglangs_launcher(background):
@@ -149,6 +159,7 @@ def test_launch_sglang_installs_then_hands_argv_to_sglangs_launcher(background):
 
 
 # ---- offline_engine.py ---------------------------------------------------------------------
+
 
 @background(_example("examples/offline_engine.py", "--check-only"))
 def test_offline_engine_check_only_installs_in_simulation(background):
@@ -200,6 +211,7 @@ def test_offline_engine_generate_call_matches_engine_generate():
 
 
 # ---- k8s/deployment.yaml -------------------------------------------------------------------
+
 
 def _manifests() -> dict[str, dict]:
     return {doc["kind"]: doc for doc in yaml.safe_load_all((EXAMPLES / "k8s" / "deployment.yaml").read_text())}
@@ -260,6 +272,7 @@ def test_sm120_fp4_is_a_console_script_of_the_package():
 
 # ---- Dockerfile ----------------------------------------------------------------------------
 
+
 def test_dockerfile_installs_the_package_from_the_files_its_build_needs():
     steps = _dockerfile()
     assert steps[0][0] == "FROM" and "sglang" in steps[0][1]
@@ -269,7 +282,9 @@ def test_dockerfile_installs_the_package_from_the_files_its_build_needs():
     needed = {"pyproject.toml", project["project"]["readme"], *wheel["packages"]}
     needed |= {Path(src).parts[0] for src in wheel["force-include"]}
     assert needed <= copied and all((ROOT / p).exists() for p in copied)
-    assert any(kw == "RUN" and re.search(r"pip install .*(sm120-fp4|/opt/sm120_fp4-src)", rest) for kw, rest, _ in steps)
+    assert any(
+        kw == "RUN" and re.search(r"pip install .*(sm120-fp4|/opt/sm120_fp4-src)", rest) for kw, rest, _ in steps
+    )
 
 
 def test_dockerfile_sets_the_toggle_and_valid_settings(monkeypatch):

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import sm120_fp4
 from helpers.cases import case
 from helpers.common import SIM_ENV
 from helpers.procs import Popen, background, clean_env
 from helpers.workers import workers_in_process
+
+import sm120_fp4
 from sm120_fp4 import verdicts
 from sm120_fp4.config import Settings, load_settings
 from sm120_fp4.errors import ConfigError
@@ -35,8 +35,14 @@ def _mode(path: Path) -> int:
 def _planted_crash(store: Path) -> None:
     """A verdict file saying `emulated` crashed on this (simulated) device: what a planter writes."""
     device = sm120_fp4.devices.get_device(None, (12, 0))
-    entry = {"key": verdicts.device_key(device), "family": "dense", "backend": "emulated", "verdict": "crashed",
-             "reason": "planted", "recorded_at": "2020-01-01T00:00:00"}
+    entry = {
+        "key": verdicts.device_key(device),
+        "family": "dense",
+        "backend": "emulated",
+        "verdict": "crashed",
+        "reason": "planted",
+        "recorded_at": "2020-01-01T00:00:00",
+    }
     store.write_text(json.dumps({"version": 1, "verdicts": [entry]}))
 
 
@@ -52,16 +58,23 @@ def _cli_selftest(monkeypatch, **env: str) -> int:
 
 # ---- created owner-only, whatever the umask ----------------------------------------------------
 
+
 def _selftest_under_umask_000(folder: Path) -> Popen:
     """`sm120-fp4 selftest` in a new process under umask 000 (its workers inherit it), HOME holding
     no .cache yet."""
     home = folder / "home"
-    return Popen(["sh", "-c", 'umask 000 && exec "$@"', "sh", sys.executable, "-m", "sm120_fp4", "selftest"],
-                 clean_env(**SIM_ENV, HOME=str(home), XDG_CACHE_HOME=""), folder)
+    return Popen(
+        ["sh", "-c", 'umask 000 && exec "$@"', "sh", sys.executable, "-m", "sm120_fp4", "selftest"],
+        clean_env(**SIM_ENV, HOME=str(home), XDG_CACHE_HOME=""),
+        folder,
+    )
 
 
-@case("files and trust", "`sm120-fp4 selftest` under umask 000 with HOME holding no .cache yet (the default verdict store)",
-      "~/.cache and ~/.cache/sm120_fp4 are created 0700, verdicts.json and its lock 0600")
+@case(
+    "files and trust",
+    "`sm120-fp4 selftest` under umask 000 with HOME holding no .cache yet (the default verdict store)",
+    "~/.cache and ~/.cache/sm120_fp4 are created 0700, verdicts.json and its lock 0600",
+)
 @background(_selftest_under_umask_000)
 def test_the_default_store_is_created_owner_only_under_umask_000(background, background_job):
     rc, _, err = background
@@ -87,6 +100,7 @@ def test_a_new_store_directory_is_0700_and_the_file_0600(tmp_path, umask):
 
 # ---- never trusted: another user's directory or file, one writable by others ---------------------
 
+
 def _untrusted(tmp_path: Path, how: str) -> Path:
     folder = tmp_path / "store"
     folder.mkdir(mode=0o700)
@@ -103,12 +117,19 @@ def _untrusted(tmp_path: Path, how: str) -> Path:
     return store
 
 
-UNTRUSTED = ["directory owned by another user", "directory writable by others (0777)", "file owned by another user",
-             "file writable by others (0666)"]
+UNTRUSTED = [
+    "directory owned by another user",
+    "directory writable by others (0777)",
+    "file owned by another user",
+    "file writable by others (0666)",
+]
 
 
-@case("files and trust", "verdict store with a planted `crashed` entry for the only candidate, in a {how}; a serving process decides",
-      "the store is not read (one warning names it and why): the candidate is self-tested and serves; nothing is written there")
+@case(
+    "files and trust",
+    "verdict store with a planted `crashed` entry for the only candidate, in a {how}; a serving process decides",
+    "the store is not read (one warning names it and why): the candidate is self-tested and serves; nothing is written there",
+)
 @pytest.mark.parametrize("how", UNTRUSTED)
 def test_an_untrusted_store_is_neither_read_nor_written(tmp_path, monkeypatch, caplog, how):
     store = _untrusted(tmp_path, how)
@@ -117,15 +138,21 @@ def test_an_untrusted_store_is_neither_read_nor_written(tmp_path, monkeypatch, c
     caplog.set_level(logging.WARNING, "sm120_fp4")
     decision = sm120_fp4.decide(settings=load_settings(simulate="12.0", backends="emulated"))
     assert decision.backend == "emulated" and decision.verified and "emulated" not in decision.rejected
-    assert any("not reading the verdict file" in r.getMessage() and ("uid 12345" in r.getMessage() or "writable by others" in r.getMessage())
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(
+        "not reading the verdict file" in r.getMessage()
+        and ("uid 12345" in r.getMessage() or "writable by others" in r.getMessage())
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     with pytest.raises(OSError, match="not using the verdict"):
         verdicts.record(store, {"gpu": "x"}, "dense", "emulated", verdicts.PASSED, None)
     assert store.read_bytes() == before
 
 
-@case("files and trust", "`sm120-fp4 selftest` with SM120_FP4_VERDICTS in a directory owned by another user, holding a planted `crashed` entry",
-      "exit 0: stderr says the store is neither read nor recorded there (owner named); the candidate is self-tested, not skipped")
+@case(
+    "files and trust",
+    "`sm120-fp4 selftest` with SM120_FP4_VERDICTS in a directory owned by another user, holding a planted `crashed` entry",
+    "exit 0: stderr says the store is neither read nor recorded there (owner named); the candidate is self-tested, not skipped",
+)
 def test_selftest_reports_an_untrusted_store_and_ignores_it(tmp_path, monkeypatch, capsys):
     store = _untrusted(tmp_path, "directory owned by another user")
     code = _cli_selftest(monkeypatch, SM120_FP4_VERDICTS=str(store))
@@ -148,6 +175,7 @@ def test_a_sticky_world_writable_directory_is_trusted_for_our_own_files(tmp_path
 
 # ---- never blocking on, following or replacing a special file -----------------------------------
 
+
 def _plant(path: Path, kind: str, victim: Path) -> None:
     if kind == "FIFO":
         os.mkfifo(path, 0o666)
@@ -157,8 +185,11 @@ def _plant(path: Path, kind: str, victim: Path) -> None:
         raise ValueError(kind)
 
 
-@case("files and trust", "a {kind} planted at the verdict file (or at its lock) after start-up; a serving process decides and `record` runs",
-      "nothing blocks: the file is not read (warning), the lock is refused (OSError naming it); a link's target is never created or written")
+@case(
+    "files and trust",
+    "a {kind} planted at the verdict file (or at its lock) after start-up; a serving process decides and `record` runs",
+    "nothing blocks: the file is not read (warning), the lock is refused (OSError naming it); a link's target is never created or written",
+)
 @pytest.mark.parametrize("kind", ["FIFO", "symlink"])
 @pytest.mark.parametrize("where", ["verdict file", "lock"])
 def test_a_planted_special_file_never_blocks_or_is_followed(tmp_path, monkeypatch, caplog, kind, where):
@@ -171,19 +202,24 @@ def test_a_planted_special_file_never_blocks_or_is_followed(tmp_path, monkeypatc
     _plant(store if where == "verdict file" else store.with_name("verdicts.json.lock"), kind, victim)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     assert sm120_fp4.decide(settings=settings).backend == "emulated"
-    with pytest.raises(OSError, match=f"is (a FIFO|a symbolic link)"):
+    with pytest.raises(OSError, match="is (a FIFO|a symbolic link)"):
         verdicts.record(store, {"gpu": "x"}, "dense", "emulated", verdicts.PASSED, None)
     assert not victim.exists()
     if where == "verdict file":
-        assert any(f"it is {'a FIFO' if kind == 'FIFO' else 'a symbolic link'}" in r.getMessage() for r in caplog.records)
+        assert any(
+            f"it is {'a FIFO' if kind == 'FIFO' else 'a symbolic link'}" in r.getMessage() for r in caplog.records
+        )
         assert stat.S_ISFIFO(os.lstat(store).st_mode) if kind == "FIFO" else store.is_symlink()
 
 
 SPECIAL = {"/dev/null": "a character device", "/dev/stdout": "a symbolic link"}
 
 
-@case("files and trust", "SM120_FP4_{which}={path} (a device node or a link to one)",
-      "ConfigError at start naming the variable and what the path is (`sm120-fp4 selftest`: exit 2); the device is never replaced by a file")
+@case(
+    "files and trust",
+    "SM120_FP4_{which}={path} (a device node or a link to one)",
+    "ConfigError at start naming the variable and what the path is (`sm120-fp4 selftest`: exit 2); the device is never replaced by a file",
+)
 @pytest.mark.parametrize("which", ["REPORT", "VERDICTS"])
 @pytest.mark.parametrize("path", list(SPECIAL))
 def test_a_special_file_is_not_accepted_as_report_or_store(monkeypatch, capsys, which, path):
@@ -200,8 +236,11 @@ def test_a_special_file_is_not_accepted_as_report_or_store(monkeypatch, capsys, 
     assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
 
 
-@case("files and trust", "a FIFO or another user's file planted at the report path after start-up (or a report directory owned by another user)",
-      "the report is not written there (one warning says why); nothing blocks; the planted file is untouched; the decision stands")
+@case(
+    "files and trust",
+    "a FIFO or another user's file planted at the report path after start-up (or a report directory owned by another user)",
+    "the report is not written there (one warning says why); nothing blocks; the planted file is untouched; the decision stands",
+)
 @pytest.mark.parametrize("plant", ["FIFO", "another user's file", "directory owned by another user"])
 def test_the_report_never_replaces_what_is_not_ours(tmp_path, caplog, plant):
     folder = tmp_path / "logs"
@@ -228,8 +267,12 @@ def test_the_report_never_replaces_what_is_not_ours(tmp_path, caplog, plant):
 
 # ---- no home directory ---------------------------------------------------------------------------
 
-@case("files and trust", "HOME={home!r}, XDG_CACHE_HOME unset or relative (the default verdict store)",
-      "never /.cache: the password database's home of this user is used; with none usable there is no default store (one warning: set SM120_FP4_VERDICTS)")
+
+@case(
+    "files and trust",
+    "HOME={home!r}, XDG_CACHE_HOME unset or relative (the default verdict store)",
+    "never /.cache: the password database's home of this user is used; with none usable there is no default store (one warning: set SM120_FP4_VERDICTS)",
+)
 @pytest.mark.parametrize("home", ["", "relative/dir", "/"])
 def test_an_empty_or_odd_home_never_puts_the_store_at_the_root(monkeypatch, caplog, home):
     import pwd

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-
 from helpers import faults
+
 from sm120_fp4 import backends, devices, dispatch, nvfp4, serving, verify
 from sm120_fp4.backends import flashinfer
 from sm120_fp4.config import Settings
@@ -79,7 +79,9 @@ def test_the_routed_dispatch_never_synchronises():
     torch.cuda.set_sync_debug_mode("error")
     try:
         dispatch(*args, torch.bfloat16, backend="auto")
-        dispatch(*args, torch.bfloat16, backend="cutlass", out=torch.empty(32, 128, dtype=torch.bfloat16, device="cuda"))
+        dispatch(
+            *args, torch.bfloat16, backend="cutlass", out=torch.empty(32, 128, dtype=torch.bfloat16, device="cuda")
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -150,7 +152,9 @@ class _ActivationType:  # FlashInfer's values for the two activations the MoE fr
 
 def _moe_inputs(seed, tokens=32, top_k=4, experts=16, hidden=256):
     gen = torch.Generator().manual_seed(seed)
-    ids, topk_weights = verify.moe_routing(tokens, top_k, 2 * experts, "padded", gen)  # global ids of 2 ranks, -1 dropped
+    ids, topk_weights = verify.moe_routing(
+        tokens, top_k, 2 * experts, "padded", gen
+    )  # global ids of 2 ranks, -1 dropped
     x = verify.structured_activations(tokens, hidden, 4.0, gen).to(torch.bfloat16)
     return [x.cuda(), ids.cuda(), topk_weights.cuda()]
 
@@ -160,18 +164,38 @@ def test_the_moe_front_with_the_emulated_moe_is_captured_and_replays_like_eager(
     (expert-parallel rank 1 of 2, global ids and -1 slots), captured in a CUDA graph, replayed with
     new inputs: equal to the eager call and to the oracle; the eager call never synchronises."""
     weights = verify.moe._moe_weights(16, 256, 128, "swiglu", torch.device("cuda"), 3)
-    front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
-                              lambda index: backends.emulated_moe, lambda index: "emulated")
+    front = dispatch.moe_front(
+        lambda **kw: pytest.fail("original called"),
+        _ActivationType,
+        lambda index: backends.emulated_moe,
+        lambda index: "emulated",
+    )
     static = _moe_inputs(1)
     out = torch.empty_like(static[0])
-    scales = [weights.a1_gscale.reshape(()), weights.w13_sf.view(torch.int32), weights.w13_alpha,
-              weights.a2_gscale.reshape(()), weights.w2_sf.view(torch.int32), weights.w2_alpha]
+    scales = [
+        weights.a1_gscale.reshape(()),
+        weights.w13_sf.view(torch.int32),
+        weights.w13_alpha,
+        weights.a2_gscale.reshape(()),
+        weights.w2_sf.view(torch.int32),
+        weights.w2_alpha,
+    ]
 
     def call(x, ids, topk_weights):
-        return front(output=out, input=x, token_selected_experts=ids, token_final_scales=topk_weights,
-                     fc1_expert_weights=weights.w13.view(torch.long), fc2_expert_weights=weights.w2.view(torch.long),
-                     output_dtype=torch.bfloat16, input_sf=None, quant_scales=scales, ep_size=2, ep_rank=1,
-                     activation_type=_ActivationType.Swiglu)[0]
+        return front(
+            output=out,
+            input=x,
+            token_selected_experts=ids,
+            token_final_scales=topk_weights,
+            fc1_expert_weights=weights.w13.view(torch.long),
+            fc2_expert_weights=weights.w2.view(torch.long),
+            output_dtype=torch.bfloat16,
+            input_sf=None,
+            quant_scales=scales,
+            ep_size=2,
+            ep_rank=1,
+            activation_type=_ActivationType.Swiglu,
+        )[0]
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -200,9 +224,19 @@ def test_the_moe_front_with_the_emulated_moe_is_captured_and_replays_like_eager(
         x, ids, topk_weights = fresh
         local = ids.long() - 16
         mine = (ids >= 0) & (local >= 0) & (local < 16)
-        want = nvfp4.reference_moe_fp4(x, torch.where(mine, local, 0), torch.where(mine, topk_weights, 0), weights.w13,
-                                       weights.w13_sf, weights.w13_alpha, weights.w2, weights.w2_sf,
-                                       weights.w2_alpha, weights.a1_gscale, weights.a2_gscale)
+        want = nvfp4.reference_moe_fp4(
+            x,
+            torch.where(mine, local, 0),
+            torch.where(mine, topk_weights, 0),
+            weights.w13,
+            weights.w13_sf,
+            weights.w13_alpha,
+            weights.w2,
+            weights.w2_sf,
+            weights.w2_alpha,
+            weights.a1_gscale,
+            weights.a2_gscale,
+        )
         assert torch.equal(eager, want)
 
 

@@ -52,7 +52,10 @@ def test_the_comparison_from_a_graph_gives_the_eager_verdict_pass_or_fail():
         out = ref.to(torch.bfloat16)
         if i % 2:  # every other call wrong in one row: the replay must see this call's output
             out[i % 8].zero_()
-        graphed, eager = verify.ShapeResult(m=8, n=1024, k=64, passed=True), verify.ShapeResult(m=8, n=1024, k=64, passed=True)
+        graphed, eager = (
+            verify.ShapeResult(m=8, n=1024, k=64, passed=True),
+            verify.ShapeResult(m=8, n=1024, k=64, passed=True),
+        )
         reason = verify.engine._compare(out, ref, bounds, graphed)
         graphs.MAX_INPUT_BYTES, saved = 0, graphs.MAX_INPUT_BYTES  # the same call, eagerly
         try:
@@ -129,7 +132,9 @@ def test_graphs_past_the_byte_budget_are_dropped_oldest_first(monkeypatch):
 def _layer(n: int, k: int, wrong_row: int | None = None):
     """A dense NVFP4 layer served by `emulated`, wrong in one output row where `wrong_row` says."""
     weight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
-    weight_sf = torch.randint(0x20, 0x48, nvfp4.swizzled_scale_shape(n, k), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    weight_sf = torch.randint(0x20, 0x48, nvfp4.swizzled_scale_shape(n, k), dtype=torch.uint8, device="cuda").view(
+        torch.float8_e4m3fn
+    )
     input_gsf = torch.tensor(448.0 * 6 / 8.0, device="cuda")
     alpha = (1.0 / (input_gsf * 448.0 * 6 / 0.05)).reshape(1).float()
     fn = backends.resolve("emulated")
@@ -142,8 +147,9 @@ def _layer(n: int, k: int, wrong_row: int | None = None):
             out[wrong_row] = -out[wrong_row]
         return out
 
-    return hooks.dense_check("graphed", serve, types.SimpleNamespace(params_dtype=torch.bfloat16), weight, weight_sf, alpha,
-                             input_gsf, n, k)
+    return hooks.dense_check(
+        "graphed", serve, types.SimpleNamespace(params_dtype=torch.bfloat16), weight, weight_sf, alpha, input_gsf, n, k
+    )
 
 
 @cuda

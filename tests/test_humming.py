@@ -14,18 +14,20 @@ import types
 
 import pytest
 import torch
-
-import sm120_fp4
 from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
 from helpers.procs import REPO, background, python, pythonpath
+
+import sm120_fp4
 from sm120_fp4 import backends, deciding, devices, dispatch, doctor, nvfp4, serving, verify
 from sm120_fp4.backends import flashinfer, humming
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
 HAS_HUMMING = importlib.util.find_spec("humming") is not None
-ON_GPU = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_HUMMING), reason="needs a CUDA device and humming-kernels")
+ON_GPU = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_HUMMING), reason="needs a CUDA device and humming-kernels"
+)
 SIM_CPU = devices.Device(-1, "simulated (no GPU)", (12, 0), True, "simulated")
 
 
@@ -56,8 +58,11 @@ def test_moe_backends_auto_and_explicit_lists_are_accepted_and_bad_ones_named():
         Settings(moe_backends="humming,,x")
 
 
-@case("own failures", "humming-kernels not installed, the default chain on a simulated sm_120",
-      "humming is a 'not supported: humming-kernels is not installed' candidate in the refusal, never a crash")
+@case(
+    "own failures",
+    "humming-kernels not installed, the default chain on a simulated sm_120",
+    "humming is a 'not supported: humming-kernels is not installed' candidate in the refusal, never a crash",
+)
 @pytest.mark.skipif(HAS_HUMMING, reason="humming-kernels is installed here")
 def test_missing_humming_is_a_clear_not_supported_reason_and_the_refusal_names_it():
     ok, why = backends.is_supported("humming", SIM_CPU)
@@ -111,8 +116,11 @@ def test_moe_self_test_passes_against_the_w4a16_oracle_and_fails_against_w4a4(st
     assert not all(r.passed for r in verify.sweep(cases, verify.Bounds(), torch.device("cpu")))
 
 
-@case("backend faults", "a Humming call given SGLang's 128x4-swizzled scale bytes as linear ones (dense and MoE)",
-      "both self-tests fail with a scale error; decide() refuses humming")
+@case(
+    "backend faults",
+    "a Humming call given SGLang's 128x4-swizzled scale bytes as linear ones (dense and MoE)",
+    "both self-tests fail with a scale error; decide() refuses humming",
+)
 def test_a_wrong_scale_layout_is_refused_in_both_families():
     with engine(WrongScaleLayout(StandInEngine())):
         dense = verify.run("humming", SIM_CPU)
@@ -172,8 +180,11 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
         sm120_fp4.uninstall()
 
 
-@case("properties", "the serving canary on with humming serving three layers of one configuration (converted in place; the oracle keeps the first layer's checkpoint bytes only)",
-      "every run passes: the canary re-checks the configuration's first layer (its kept bytes) and sweeps every layer's fingerprint; it never asks the oracle for bytes not kept")
+@case(
+    "properties",
+    "the serving canary on with humming serving three layers of one configuration (converted in place; the oracle keeps the first layer's checkpoint bytes only)",
+    "every run passes: the canary re-checks the configuration's first layer (its kept bytes) and sweeps every layer's fingerprint; it never asks the oracle for bytes not kept",
+)
 @pytest.mark.sglang
 def test_the_canary_with_humming_rechecks_the_layer_whose_bytes_are_kept(stand_in):
     from sm120_fp4 import canary
@@ -196,8 +207,11 @@ def test_the_canary_with_humming_rechecks_the_layer_whose_bytes_are_kept(stand_i
         sm120_fp4.uninstall()
 
 
-@case("backend faults", "humming wrong only on a later layer of a configuration already verified (its own converted weights)",
-      "that layer's own check (its original bytes kept while it is checked, then dropped) refuses it: no layer is served unchecked")
+@case(
+    "backend faults",
+    "humming wrong only on a later layer of a configuration already verified (its own converted weights)",
+    "that layer's own check (its original bytes kept while it is checked, then dropped) refuses it: no layer is served unchecked",
+)
 @pytest.mark.sglang
 def test_a_later_layer_of_a_verified_configuration_is_checked_with_its_own_weights(stand_in, monkeypatch):
     sm120_fp4.install(simulate="12.0", backends="humming")
@@ -218,8 +232,11 @@ def test_a_later_layer_of_a_verified_configuration_is_checked_with_its_own_weigh
         sm120_fp4.uninstall()
 
 
-@case("backend faults", "humming fails a second layer configuration after converting only the first (checked) layer",
-      "the kept bytes are written back and the fallback (emulated) serves every configuration")
+@case(
+    "backend faults",
+    "humming fails a second layer configuration after converting only the first (checked) layer",
+    "the kept bytes are written back and the fallback (emulated) serves every configuration",
+)
 @pytest.mark.sglang
 def test_a_humming_failure_after_only_checked_layers_restores_them_for_the_fallback(stand_in, monkeypatch):
     sm120_fp4.install(simulate="12.0", backends="humming", fallback="emulated")
@@ -242,8 +259,11 @@ def test_a_humming_failure_after_only_checked_layers_restores_them_for_the_fallb
         sm120_fp4.uninstall()
 
 
-@case("backend faults", "humming fails a layer configuration after converting layers whose bytes it did not keep",
-      "the worker refuses, saying those layers are in humming's layout and no other backend can serve them")
+@case(
+    "backend faults",
+    "humming fails a layer configuration after converting layers whose bytes it did not keep",
+    "the worker refuses, saying those layers are in humming's layout and no other backend can serve them",
+)
 @pytest.mark.sglang
 def test_a_humming_failure_after_unchecked_layers_were_converted_refuses_saying_why(stand_in, monkeypatch):
     sm120_fp4.install(simulate="12.0", backends="humming", fallback="emulated")
@@ -257,8 +277,11 @@ def test_a_humming_failure_after_unchecked_layers_were_converted_refuses_saying_
         sm120_fp4.uninstall()
 
 
-@case("backend faults", "the first candidate passes its self-test, then fails a later layer configuration; humming is next",
-      "humming converts every layer seen so far (the checked ones keeping their bytes), passes every configuration and serves them all")
+@case(
+    "backend faults",
+    "the first candidate passes its self-test, then fails a later layer configuration; humming is next",
+    "humming converts every layer seen so far (the checked ones keeping their bytes), passes every configuration and serves them all",
+)
 @pytest.mark.sglang
 def test_humming_taking_over_converts_the_layers_seen_before_and_serves_them(stand_in):
     from sm120_fp4.demo import synthetic
@@ -293,6 +316,7 @@ def test_served_moe_layer_is_converted_and_verified_in_w4a16(stand_in):
     if simulated_moe_skip_reason() is not None:
         pytest.skip(simulated_moe_skip_reason())
     from helpers import sglang_layers
+
     from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import moe_layers
 
@@ -310,18 +334,30 @@ def test_served_moe_layer_is_converted_and_verified_in_w4a16(stand_in):
         x = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
         out = moe_layers.moe_forward(layer, x, ids, tw)
         w = sglang_layers.moe_weights(layer)
-        ref = nvfp4.reference_moe_fp4(x, ids, tw, backends.original(w["w13"]), backends.original(w["w13_sf"]),
-                                      w["w13_alpha"] * w["a1_gscale"], backends.original(w["w2"]),
-                                      backends.original(w["w2_sf"]), w["w2_alpha"] * w["a2_gscale"], None, None,
-                                      quantize_activations=False)
+        ref = nvfp4.reference_moe_fp4(
+            x,
+            ids,
+            tw,
+            backends.original(w["w13"]),
+            backends.original(w["w13_sf"]),
+            w["w13_alpha"] * w["a1_gscale"],
+            backends.original(w["w2"]),
+            backends.original(w["w2_sf"]),
+            w["w2_alpha"] * w["a2_gscale"],
+            None,
+            None,
+            quantize_activations=False,
+        )
         assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
     finally:
         sm120_fp4.uninstall()
 
 
-
-@case("configuration", "SELECT=fastest over MoE candidates of different modes (humming w4a16 first, emulated w4a4 faster)",
-      "the faster one serves and its decision says its own mode (w4a4), not the first candidate's")
+@case(
+    "configuration",
+    "SELECT=fastest over MoE candidates of different modes (humming w4a16 first, emulated w4a4 faster)",
+    "the faster one serves and its decision says its own mode (w4a4), not the first candidate's",
+)
 @pytest.mark.sglang
 def test_select_fastest_across_modes_records_the_winners_own_mode(stand_in, monkeypatch):
     from helpers.common import simulated_moe_skip_reason
@@ -354,6 +390,7 @@ def test_select_fastest_across_modes_records_the_winners_own_mode(stand_in, monk
 
 # ---- on a CUDA device with humming-kernels (the H200) ------------------------------------------
 
+
 def _cuda_sim() -> devices.Device:
     device = devices.list_devices((12, 0))[0]
     assert device.is_cuda and device.simulated
@@ -366,8 +403,10 @@ def test_real_humming_self_tests_pass_on_cuda():
     device = _cuda_sim()
     dense = verify.run("humming", device)
     moe = verify.run_moe("humming", device)
-    print(f"humming {humming.version()} dense self-test {dense.duration_s:.1f} s max rel {dense.max_rel_err}; "
-          f"MoE {moe.duration_s:.1f} s max rel {moe.max_rel_err}; startup {humming.startup()['configurations']}")
+    print(
+        f"humming {humming.version()} dense self-test {dense.duration_s:.1f} s max rel {dense.max_rel_err}; "
+        f"MoE {moe.duration_s:.1f} s max rel {moe.max_rel_err}; startup {humming.startup()['configurations']}"
+    )
     assert dense.passed, dense.reason
     assert moe.passed, moe.reason
 
@@ -419,7 +458,9 @@ def test_real_humming_dense_front_captures_replays_and_never_syncs():
     humming.prepare_dense(weight, weight_sf, torch.bfloat16, keep_original=True)  # as the layer check does
     assert not torch.equal(weight, kept_w)
     static = [qx.clone(), sx.view(torch.uint8).clone()]
-    graph, static_out = _capture(lambda: dispatch(static[0], qw_t, static[1], sw_t, alpha, torch.bfloat16, backend="cutlass"))
+    graph, static_out = _capture(
+        lambda: dispatch(static[0], qw_t, static[1], sw_t, alpha, torch.bfloat16, backend="cutlass")
+    )
     for seed in (6, 7):
         _, _, (fx, _, fsx, _, _) = verify.quantized_inputs((m, n, k), torch.device("cuda"), seed)
         static[0].copy_(fx)
@@ -444,29 +485,56 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
     weights = verify.moe._moe_weights(experts, hidden, inter, "swiglu", device, 3)
     kept = weights.map(torch.clone)
     humming.prepare_moe({**weights._asdict(), "dtype": torch.bfloat16}, torch.bfloat16, keep_original=True)
-    front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), _ActivationType,
-                              lambda index: humming.fused_moe, lambda index: "humming")
+    front = dispatch.moe_front(
+        lambda **kw: pytest.fail("original called"),
+        _ActivationType,
+        lambda index: humming.fused_moe,
+        lambda index: "humming",
+    )
     gen = torch.Generator().manual_seed(9)
     # "padded": SGLang's -1 slots (another rank's expert, the padding rows of a captured graph): each
     # rides with expert 0 as a zero row and is discarded, inside the graph, with no host sync.
     ids, tw = verify.moe_routing(tokens, top_k, experts, "padded", gen)
-    static = {"x": (torch.randn(tokens, hidden, generator=gen)).to(torch.bfloat16).to(device),
-              "ids": ids.to(device), "tw": tw.to(device)}
-    scales = [weights.a1_gscale.reshape(()), weights.w13_sf.view(torch.int32), weights.w13_alpha,
-              weights.a2_gscale.reshape(()), weights.w2_sf.view(torch.int32), weights.w2_alpha]
+    static = {
+        "x": (torch.randn(tokens, hidden, generator=gen)).to(torch.bfloat16).to(device),
+        "ids": ids.to(device),
+        "tw": tw.to(device),
+    }
+    scales = [
+        weights.a1_gscale.reshape(()),
+        weights.w13_sf.view(torch.int32),
+        weights.w13_alpha,
+        weights.a2_gscale.reshape(()),
+        weights.w2_sf.view(torch.int32),
+        weights.w2_alpha,
+    ]
 
     def call():
-        return front(output=torch.empty_like(static["x"]), input=static["x"], token_selected_experts=static["ids"],
-                     token_final_scales=static["tw"], fc1_expert_weights=weights.w13.view(torch.long),
-                     fc2_expert_weights=weights.w2.view(torch.long), output_dtype=torch.bfloat16, input_sf=None,
-                     quant_scales=scales, activation_type=_ActivationType.Swiglu)[0]
+        return front(
+            output=torch.empty_like(static["x"]),
+            input=static["x"],
+            token_selected_experts=static["ids"],
+            token_final_scales=static["tw"],
+            fc1_expert_weights=weights.w13.view(torch.long),
+            fc2_expert_weights=weights.w2.view(torch.long),
+            output_dtype=torch.bfloat16,
+            input_sf=None,
+            quant_scales=scales,
+            activation_type=_ActivationType.Swiglu,
+        )[0]
 
     graph, static_out = _capture(call)
     fresh = []
     for routing in ("padded", "random"):  # made on the device before the no-sync region
         ids, tw = verify.moe_routing(tokens, top_k, experts, routing, gen)
-        fresh.append((routing, torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device), ids.to(device),
-                      tw.to(device)))
+        fresh.append(
+            (
+                routing,
+                torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device),
+                ids.to(device),
+                tw.to(device),
+            )
+        )
     for routing, x, ids, tw in fresh:
         static["x"].copy_(x)
         static["ids"].copy_(ids)
@@ -480,10 +548,20 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
         torch.cuda.synchronize()
         assert torch.equal(static_out, eager)
         mine = static["ids"] >= 0  # the oracle's convention for the others: expert 0 with weight 0 (they add nothing)
-        ref = nvfp4.reference_moe_fp4(static["x"], torch.where(mine, static["ids"], 0), torch.where(mine, static["tw"], 0),
-                                      kept.w13, kept.w13_sf,
-                                      kept.w13_alpha * kept.a1_gscale, kept.w2, kept.w2_sf,
-                                      kept.w2_alpha * kept.a2_gscale, None, None, quantize_activations=False)
+        ref = nvfp4.reference_moe_fp4(
+            static["x"],
+            torch.where(mine, static["ids"], 0),
+            torch.where(mine, static["tw"], 0),
+            kept.w13,
+            kept.w13_sf,
+            kept.w13_alpha * kept.a1_gscale,
+            kept.w2,
+            kept.w2_sf,
+            kept.w2_alpha * kept.a2_gscale,
+            None,
+            None,
+            quantize_activations=False,
+        )
         assert float((eager.float() - ref.float()).norm() / ref.float().norm()) < 1e-2, routing
         dropped = (~mine).all(dim=1)
         if routing == "padded":
@@ -496,7 +574,8 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
 def test_activation_dequantization_kernel_is_bitwise_the_oracles_decode(dtype):
     """The served path (the CUDA C kernel where NVRTC builds it) and both kernels directly, the
     Triton one too (the fallback), on NaN-poisoned outputs, codes at an odd byte offset included."""
-    from sm120_fp4.backends.humming import cuda as _humming_cuda, dequant as _humming_dequant
+    from sm120_fp4.backends.humming import cuda as _humming_cuda
+    from sm120_fp4.backends.humming import dequant as _humming_dequant
 
     device = torch.device("cuda", torch.cuda.current_device())
     _humming_cuda.load(device)  # NVRTC is there wherever Humming compiles with it (the H200's image)
@@ -549,8 +628,10 @@ def test_real_humming_layer_check_and_recheck_pass_through_the_routed_front():
     rechecked = serving.recheck(settings, [3, 77, 160])
     assert rechecked and all(r.passed for r in rechecked)
     [decision] = serving.decisions()
-    print(f"layer check {report.duration_s:.1f} s over {len(report.shapes)} calls-per-M, max rel {report.max_rel_err:.2e}; "
-          f"memory {decision.backend_info['memory']}")
+    print(
+        f"layer check {report.duration_s:.1f} s over {len(report.shapes)} calls-per-M, max rel {report.max_rel_err:.2e}; "
+        f"memory {decision.backend_info['memory']}"
+    )
 
 
 _TRITON_INTERPRETED = """

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from helpers import faults
 from helpers.cases import case
 from helpers.common import simulated_moe_skip_reason
 from helpers.plugins import plugin_site
 from helpers.procs import Popen, background, clean_env
 from helpers.workers import model_workers_in_process
+from safetensors.torch import save_file
+
 from sm120_fp4 import backends, checkpoints, cli
 from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, MODELOPT, write_checkpoint
 from sm120_fp4.errors import CheckpointError, ConfigError
@@ -32,8 +32,13 @@ def _selftest_model(folder, fmt, **env):
     path = write_checkpoint(str(folder / "ckpt"), seed=9, fmt=fmt)
     if "PYTHONPATH" in env:
         env["PYTHONPATH"] = f"{plugin_site(folder / 'plugins')}:{env['PYTHONPATH']}"
-    return Popen([sys.executable, "-m", "sm120_fp4", "selftest", "--model", path, "--json"],
-                 clean_env(**{**SIM, **env}), folder, cwd=folder, timeout=900)
+    return Popen(
+        [sys.executable, "-m", "sm120_fp4", "selftest", "--model", path, "--json"],
+        clean_env(**{**SIM, **env}),
+        folder,
+        cwd=folder,
+        timeout=900,
+    )
 
 
 def _selftest_model_in_process(tmp_path, monkeypatch, capsys, fmt, **env) -> tuple[int, dict]:
@@ -48,7 +53,9 @@ def _selftest_model_in_process(tmp_path, monkeypatch, capsys, fmt, **env) -> tup
 
 
 @pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
-def test_selftest_model_verifies_each_distinct_layer_configuration(sglang_unpatched, tmp_path, monkeypatch, capsys, fmt):
+def test_selftest_model_verifies_each_distinct_layer_configuration(
+    sglang_unpatched, tmp_path, monkeypatch, capsys, fmt
+):
     rc, result = _selftest_model_in_process(tmp_path, monkeypatch, capsys, fmt)
     assert rc == 0, result
     configs = [layer["config"] for d in result["decisions"] for layer in d["layers"] if layer["passed"]]
@@ -66,8 +73,10 @@ def test_selftest_model_exits_1_with_a_broken_dense_kernel(sglang_unpatched, tmp
 
 
 # One true end to end: the CLI, its worker process, an entry-point kernel found there, the exit code.
-@background(lambda folder: _selftest_model(folder, MODELOPT, PYTHONPATH=str(folder), SM120_FP4_MOE_BACKENDS="moe-zeros"),
-            heavy=True)
+@background(
+    lambda folder: _selftest_model(folder, MODELOPT, PYTHONPATH=str(folder), SM120_FP4_MOE_BACKENDS="moe-zeros"),
+    heavy=True,
+)
 @pytest.mark.timeout(3600)
 def test_selftest_model_worker_process_exits_1_with_a_broken_entry_point_moe_kernel(background):
     rc, out, err = background
@@ -81,8 +90,10 @@ def test_discover_groups_shards_as_sglang_fuses_them(tmp_path):
     path = write_checkpoint(str(tmp_path / "m"), seed=1)
     layers = model_check.discover(path)
     dense, moe = layers.distinct()
-    assert [(d.name, d.sizes, d.k) for d in dense] == [("model.layers.0.self_attn.qkv_proj", [256, 128, 128], 256),
-                                                       ("model.layers.0.self_attn.o_proj", [256], 256)]
+    assert [(d.name, d.sizes, d.k) for d in dense] == [
+        ("model.layers.0.self_attn.qkv_proj", [256, 128, 128], 256),
+        ("model.layers.0.self_attn.o_proj", [256], 256),
+    ]
     assert [(m.prefix, m.key) for m in moe] == [("model.layers.0.mlp.experts", (8, 256, 128, True))]
     assert len(layers.dense) == 4 and len(layers.moe) == 2
 
@@ -92,8 +103,12 @@ def test_discover_reads_mixtral_style_expert_names(tmp_path):
     from safetensors.torch import load_file
 
     tensors = load_file(f"{path}/model.safetensors")
-    renamed = {k.replace(".gate_proj.", ".w1.").replace(".up_proj.", ".w3.").replace(".down_proj.", ".w2.")
-               if ".experts." in k else k: v for k, v in tensors.items()}
+    renamed = {
+        k.replace(".gate_proj.", ".w1.").replace(".up_proj.", ".w3.").replace(".down_proj.", ".w2.")
+        if ".experts." in k
+        else k: v
+        for k, v in tensors.items()
+    }
     save_file(renamed, f"{path}/model.safetensors")
     _, moe = model_check.discover(path).distinct()
     assert [m.key for m in moe] == [(8, 256, 128, True)]
@@ -119,6 +134,7 @@ def test_no_safetensors_is_a_checkpoint_error(tmp_path):
 
 # ---- a checkpoint's faults: named in one line (file, tensor, what is accepted), exit 2, no kernel blamed ----
 
+
 def _edit_tensors(path, change):
     from safetensors.torch import load_file
 
@@ -136,6 +152,7 @@ def _edit_config(path, change):
 def _set(name, value):
     def change(tensors):
         tensors[name] = torch.full_like(tensors[name], value)
+
     return change
 
 
@@ -143,6 +160,7 @@ def _nan_block_byte(name):
     def change(tensors):
         tensors[name] = tensors[name].clone()
         tensors[name].view(torch.uint8)[1, 3] = 0xFF
+
     return change
 
 
@@ -150,56 +168,134 @@ def _drop(*names):
     def change(tensors):
         for key in [k for k in tensors if any(k.startswith(n) for n in names)]:
             del tensors[key]
+
     return change
 
 
 ATTN, EXPERTS = "model.layers.1.self_attn", "model.layers.0.mlp.experts"
 # (checkpoint format, what is done to it, what the one line must name)
 FAULTS = {
-    "missing weight_scale": (MODELOPT, lambda p: _edit_tensors(p, _drop(f"{ATTN}.k_proj.weight_scale")), f"{ATTN}.k_proj.weight_scale is missing"),
-    "missing weight_scale_2": (MODELOPT, lambda p: _edit_tensors(p, _drop(f"{ATTN}.o_proj.weight_scale_2")), f"{ATTN}.o_proj.weight_scale_2 is missing"),
-    "missing input_global_scale": (COMPRESSED_TENSORS, lambda p: _edit_tensors(p, _drop(f"{ATTN}.q_proj.input_global_scale")),
-                                   f"{ATTN}.q_proj.input_global_scale is missing"),
-    "float16 block scales": (MODELOPT, lambda p: _edit_tensors(p, lambda t: t.__setitem__(f"{ATTN}.v_proj.weight_scale",
-                                                                                         t[f"{ATTN}.v_proj.weight_scale"].half())),
-                             "float16; accepted: float8_e4m3fn"),
-    "an expert missing": (MODELOPT, lambda p: _edit_tensors(p, _drop(f"{EXPERTS}.5.down_proj.")),
-                          f"{EXPERTS}.5.down_proj.weight is missing (expert 5 of 8)"),
-    "an expert's block scales missing": (COMPRESSED_TENSORS, lambda p: _edit_tensors(p, _drop(f"{EXPERTS}.2.up_proj.weight_scale")),
-                                         f"{EXPERTS}.2.up_proj.weight_scale is missing"),
-    "NaN weight_scale_2": (MODELOPT, lambda p: _edit_tensors(p, _set(f"{ATTN}.o_proj.weight_scale_2", float("nan"))),
-                           f"{ATTN}.o_proj.weight_scale_2 = nan; accepted: a finite positive scale"),
-    "negative weight_scale_2 of an expert": (MODELOPT, lambda p: _edit_tensors(p, _set(f"{EXPERTS}.1.gate_proj.weight_scale_2", -0.5)),
-                                             f"{EXPERTS}.1.gate_proj.weight_scale_2 = -0.5"),
-    "zero input_scale": (MODELOPT, lambda p: _edit_tensors(p, _set(f"{ATTN}.q_proj.input_scale", 0.0)), f"{ATTN}.q_proj.input_scale = 0.0"),
-    "infinite weight_global_scale": (COMPRESSED_TENSORS, lambda p: _edit_tensors(p, _set(f"{ATTN}.k_proj.weight_global_scale", float("inf"))),
-                                     f"{ATTN}.k_proj.weight_global_scale = inf"),
-    "zero input_global_scale": (COMPRESSED_TENSORS, lambda p: _edit_tensors(p, _set(f"{EXPERTS}.0.down_proj.input_global_scale", 0.0)),
-                                f"{EXPERTS}.0.down_proj.input_global_scale = 0.0"),
-    "a NaN block-scale byte": (MODELOPT, lambda p: _edit_tensors(p, _nan_block_byte(f"{EXPERTS}.7.down_proj.weight_scale")),
-                               f"{EXPERTS}.7.down_proj.weight_scale holds a NaN block scale (E4M3 byte 0xff at row 1, block 3)"),
-    "truncated safetensors": (MODELOPT, lambda p: os.truncate(p / "model.safetensors", os.path.getsize(p / "model.safetensors") - 100),
-                              "model.safetensors: tensor"),
-    "a corrupt header": (COMPRESSED_TENSORS, lambda p: _overwrite(p / "model.safetensors", 8, b"\x00garbage{"),
-                         "model.safetensors: its safetensors header is not valid JSON"),
-    "a header length past the end": (MODELOPT, lambda p: _overwrite(p / "model.safetensors", 0, (1 << 40).to_bytes(8, "little")),
-                                     "model.safetensors: "),
-    "a symlink loop": (MODELOPT, lambda p: os.symlink("loop.safetensors", p / "loop.safetensors"), "loop.safetensors: cannot open it"),
-    "group_size 32": (MODELOPT, lambda p: _edit_config(p, lambda c: c["quantization_config"].update(group_size=32)),
-                      "config.json: group_size = 32; accepted: 16"),
-    "compressed-tensors group_size 32": (COMPRESSED_TENSORS, lambda p: _edit_config(
-        p, lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=32)),
-        "config.json: config_groups.group_0.weights.group_size = 32; accepted: 16"),
-    "an ignore list naming a quantized layer": (MODELOPT, lambda p: _edit_config(p, lambda c: c["quantization_config"].update(
-        ignore=["lm_head", "model.layers.1.self_attn.o_proj"])), "names model.layers.1.self_attn.o_proj"),
-    "a compressed-tensors ignore regex naming the experts": (COMPRESSED_TENSORS, lambda p: _edit_config(
-        p, lambda c: c["quantization_config"].update(ignore=["lm_head", "re:.*mlp.experts.*"])), "re:.*mlp.experts.*"),
-    "hidden_size contradicting the tensors": (MODELOPT, lambda p: _edit_config(p, lambda c: c.update(hidden_size=512)),
-                                              "config.json's hidden_size is 512"),
-    "num_experts contradicting the tensors": (COMPRESSED_TENSORS, lambda p: _edit_config(
-        p, lambda c: c.update(num_experts=16, num_local_experts=16)), "is missing (expert 8 of 16)"),
-    "heads * head_dim contradicting the tensors": (MODELOPT, lambda p: _edit_config(p, lambda c: c.update(num_key_value_heads=4)),
-                                                   "num_key_value_heads * head_dim is 256"),
+    "missing weight_scale": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _drop(f"{ATTN}.k_proj.weight_scale")),
+        f"{ATTN}.k_proj.weight_scale is missing",
+    ),
+    "missing weight_scale_2": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _drop(f"{ATTN}.o_proj.weight_scale_2")),
+        f"{ATTN}.o_proj.weight_scale_2 is missing",
+    ),
+    "missing input_global_scale": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_tensors(p, _drop(f"{ATTN}.q_proj.input_global_scale")),
+        f"{ATTN}.q_proj.input_global_scale is missing",
+    ),
+    "float16 block scales": (
+        MODELOPT,
+        lambda p: _edit_tensors(
+            p, lambda t: t.__setitem__(f"{ATTN}.v_proj.weight_scale", t[f"{ATTN}.v_proj.weight_scale"].half())
+        ),
+        "float16; accepted: float8_e4m3fn",
+    ),
+    "an expert missing": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _drop(f"{EXPERTS}.5.down_proj.")),
+        f"{EXPERTS}.5.down_proj.weight is missing (expert 5 of 8)",
+    ),
+    "an expert's block scales missing": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_tensors(p, _drop(f"{EXPERTS}.2.up_proj.weight_scale")),
+        f"{EXPERTS}.2.up_proj.weight_scale is missing",
+    ),
+    "NaN weight_scale_2": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _set(f"{ATTN}.o_proj.weight_scale_2", float("nan"))),
+        f"{ATTN}.o_proj.weight_scale_2 = nan; accepted: a finite positive scale",
+    ),
+    "negative weight_scale_2 of an expert": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _set(f"{EXPERTS}.1.gate_proj.weight_scale_2", -0.5)),
+        f"{EXPERTS}.1.gate_proj.weight_scale_2 = -0.5",
+    ),
+    "zero input_scale": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _set(f"{ATTN}.q_proj.input_scale", 0.0)),
+        f"{ATTN}.q_proj.input_scale = 0.0",
+    ),
+    "infinite weight_global_scale": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_tensors(p, _set(f"{ATTN}.k_proj.weight_global_scale", float("inf"))),
+        f"{ATTN}.k_proj.weight_global_scale = inf",
+    ),
+    "zero input_global_scale": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_tensors(p, _set(f"{EXPERTS}.0.down_proj.input_global_scale", 0.0)),
+        f"{EXPERTS}.0.down_proj.input_global_scale = 0.0",
+    ),
+    "a NaN block-scale byte": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _nan_block_byte(f"{EXPERTS}.7.down_proj.weight_scale")),
+        f"{EXPERTS}.7.down_proj.weight_scale holds a NaN block scale (E4M3 byte 0xff at row 1, block 3)",
+    ),
+    "truncated safetensors": (
+        MODELOPT,
+        lambda p: os.truncate(p / "model.safetensors", os.path.getsize(p / "model.safetensors") - 100),
+        "model.safetensors: tensor",
+    ),
+    "a corrupt header": (
+        COMPRESSED_TENSORS,
+        lambda p: _overwrite(p / "model.safetensors", 8, b"\x00garbage{"),
+        "model.safetensors: its safetensors header is not valid JSON",
+    ),
+    "a header length past the end": (
+        MODELOPT,
+        lambda p: _overwrite(p / "model.safetensors", 0, (1 << 40).to_bytes(8, "little")),
+        "model.safetensors: ",
+    ),
+    "a symlink loop": (
+        MODELOPT,
+        lambda p: os.symlink("loop.safetensors", p / "loop.safetensors"),
+        "loop.safetensors: cannot open it",
+    ),
+    "group_size 32": (
+        MODELOPT,
+        lambda p: _edit_config(p, lambda c: c["quantization_config"].update(group_size=32)),
+        "config.json: group_size = 32; accepted: 16",
+    ),
+    "compressed-tensors group_size 32": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_config(
+            p, lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=32)
+        ),
+        "config.json: config_groups.group_0.weights.group_size = 32; accepted: 16",
+    ),
+    "an ignore list naming a quantized layer": (
+        MODELOPT,
+        lambda p: _edit_config(
+            p, lambda c: c["quantization_config"].update(ignore=["lm_head", "model.layers.1.self_attn.o_proj"])
+        ),
+        "names model.layers.1.self_attn.o_proj",
+    ),
+    "a compressed-tensors ignore regex naming the experts": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_config(p, lambda c: c["quantization_config"].update(ignore=["lm_head", "re:.*mlp.experts.*"])),
+        "re:.*mlp.experts.*",
+    ),
+    "hidden_size contradicting the tensors": (
+        MODELOPT,
+        lambda p: _edit_config(p, lambda c: c.update(hidden_size=512)),
+        "config.json's hidden_size is 512",
+    ),
+    "num_experts contradicting the tensors": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_config(p, lambda c: c.update(num_experts=16, num_local_experts=16)),
+        "is missing (expert 8 of 16)",
+    ),
+    "heads * head_dim contradicting the tensors": (
+        MODELOPT,
+        lambda p: _edit_config(p, lambda c: c.update(num_key_value_heads=4)),
+        "num_key_value_heads * head_dim is 256",
+    ),
 }
 
 
@@ -209,9 +305,12 @@ def _overwrite(path, offset, data):
         f.write(data)
 
 
-@case("configuration", "`sm120-fp4 selftest --model DIR` with a checkpoint with {fault}",
-      "exit 2 before any worker or kernel runs; one line on stderr naming the file and the tensor (or config key) and what "
-      "is accepted; no traceback, no REFUSED row")
+@case(
+    "configuration",
+    "`sm120-fp4 selftest --model DIR` with a checkpoint with {fault}",
+    "exit 2 before any worker or kernel runs; one line on stderr naming the file and the tensor (or config key) and what "
+    "is accepted; no traceback, no REFUSED row",
+)
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_checkpoint_fault_is_named_in_one_line_and_exits_2(tmp_path, monkeypatch, capsys, fault):
     fmt, damage, named = FAULTS[fault]
@@ -229,8 +328,11 @@ def test_a_checkpoint_fault_is_named_in_one_line_and_exits_2(tmp_path, monkeypat
     assert "Traceback" not in err and "REFUSED" not in out and "kernel" not in lines[0].replace("not a kernel", "")
 
 
-@case("configuration", "`sm120-fp4 selftest --model DIR` with a safetensors file that cannot be read (mode 000)",
-      "exit 2; one line naming the file and that it cannot be opened")
+@case(
+    "configuration",
+    "`sm120-fp4 selftest --model DIR` with a safetensors file that cannot be read (mode 000)",
+    "exit 2; one line naming the file and that it cannot be opened",
+)
 def test_an_unreadable_safetensors_file_is_named(tmp_path, monkeypatch, capsys):
     if os.geteuid() == 0:
         pytest.skip("root reads a mode-000 file")
@@ -245,7 +347,9 @@ def test_an_unreadable_safetensors_file_is_named(tmp_path, monkeypatch, capsys):
 def test_both_demo_checkpoints_pass_the_validation_pass(tmp_path):
     for fmt in (MODELOPT, COMPRESSED_TENSORS):
         checkpoint = checkpoints.inspect(write_checkpoint(str(tmp_path / fmt), seed=3, fmt=fmt))
-        assert len(checkpoint.linear()) == 8 and sorted(checkpoint.experts) == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+        assert len(checkpoint.linear()) == 8 and sorted(checkpoint.experts) == [
+            f"model.layers.{i}.mlp.experts" for i in (0, 1)
+        ]
 
 
 def _rescale(path: str, name: str, factor: float) -> None:
@@ -258,11 +362,15 @@ def _rescale(path: str, name: str, factor: float) -> None:
 
 @pytest.mark.parametrize("fmt, tensor", [(MODELOPT, "weight_scale_2"), (COMPRESSED_TENSORS, "weight_global_scale")])
 @pytest.mark.parametrize("factor", [0.25, 0.0], ids=["4x smaller", "zero"])
-@case("configuration", "selftest --model on a checkpoint ({fmt}) whose second layer's q_proj {tensor} is {factor} times k_proj's and v_proj's",
-      "exit 2 naming the checkpoint's fault (the fused layer, its shards and their values; a zero scale by its tensor), "
-      "although its configuration's first layer is fine; no kernel blamed")
-def test_selftest_model_refuses_shards_with_different_global_scales(sglang_unpatched, tmp_path, monkeypatch, capsys, fmt, tensor,
-                                                                    factor):
+@case(
+    "configuration",
+    "selftest --model on a checkpoint ({fmt}) whose second layer's q_proj {tensor} is {factor} times k_proj's and v_proj's",
+    "exit 2 naming the checkpoint's fault (the fused layer, its shards and their values; a zero scale by its tensor), "
+    "although its configuration's first layer is fine; no kernel blamed",
+)
+def test_selftest_model_refuses_shards_with_different_global_scales(
+    sglang_unpatched, tmp_path, monkeypatch, capsys, fmt, tensor, factor
+):
     path = write_checkpoint(str(tmp_path / "ckpt"), seed=9, fmt=fmt)
     _rescale(path, f"model.layers.1.self_attn.q_proj.{tensor}", factor)
     for name, value in SIM.items():
@@ -275,6 +383,12 @@ def test_selftest_model_refuses_shards_with_different_global_scales(sglang_unpat
         [result] = json.loads(captured.out).values()
         message = result["message"]
         assert result["usage"] and not result["ok"], result
-        assert "model.layers.1.self_attn.qkv_proj" in message and "q_proj" in message and "differ in the checkpoint" in message, message
+        assert (
+            "model.layers.1.self_attn.qkv_proj" in message
+            and "q_proj" in message
+            and "differ in the checkpoint" in message
+        ), message
     else:  # a zero scale is the validation pass's, in the parent, before any worker
-        assert f"model.layers.1.self_attn.q_proj.{tensor} = 0.0" in captured.err and captured.err.count("\n") == 1, captured.err
+        assert f"model.layers.1.self_attn.q_proj.{tensor} = 0.0" in captured.err and captured.err.count("\n") == 1, (
+            captured.err
+        )

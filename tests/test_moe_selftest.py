@@ -7,8 +7,8 @@ import contextlib
 
 import pytest
 import torch
-
 from helpers import moe_faults
+
 from sm120_fp4 import backends, dispatch, nvfp4, verify
 from sm120_fp4.backends import flashinfer
 from sm120_fp4.devices import Device
@@ -16,8 +16,14 @@ from sm120_fp4.errors import ConfigError, InvalidArgument
 
 SIM = Device(-1, "simulated (no GPU)", (12, 0), simulated=True, source="simulate")
 
-FAULTS = [moe_faults.drops_tile_rows_64_127, moe_faults.drops_one_expert, moe_faults.ignores_routing_weights,
-          moe_faults.swaps_gate_and_up, moe_faults.drops_second_slot, moe_faults.make_stale_workspace()]
+FAULTS = [
+    moe_faults.drops_tile_rows_64_127,
+    moe_faults.drops_one_expert,
+    moe_faults.ignores_routing_weights,
+    moe_faults.swaps_gate_and_up,
+    moe_faults.drops_second_slot,
+    moe_faults.make_stale_workspace(),
+]
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__)
@@ -37,8 +43,12 @@ def test_run_moe_accepts_flashinfers_rounding_on_the_default_configuration():
     # every case, a repeat probe for each of at most REPEAT_MAX_TOKENS tokens, and the expert-0 poison probe
     small = sum(c.tokens <= verify.REPEAT_MAX_TOKENS for c in verify.DEFAULT_MOE_CONFIG.cases)
     assert len(report.shapes) == len(verify.DEFAULT_MOE_CONFIG.cases) + small + 1
-    assert all(s.calls == (2 if "in a row" in s.label else 3) for s in report.shapes)  # a probe of 100 calls has no twin
-    assert sum("in a row" in s.label for s in report.shapes) == small and any("expert 0 non-finite" in s.label for s in report.shapes)
+    assert all(
+        s.calls == (2 if "in a row" in s.label else 3) for s in report.shapes
+    )  # a probe of 100 calls has no twin
+    assert sum("in a row" in s.label for s in report.shapes) == small and any(
+        "expert 0 non-finite" in s.label for s in report.shapes
+    )
 
 
 def test_run_moe_checks_every_call_returns_out_and_leaves_inputs_alone():
@@ -90,18 +100,58 @@ def test_the_flashinfer_moe_backend_calls_cutlass_fused_moe_as_sglang_does(monke
     x, ids, topk_weights, w = _layer_args()
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     fn = flashinfer.moe_backend("cutlass")
-    assert fn(x, ids, topk_weights, w.w13, w.w13_sf, w.w13_alpha, w.w2, w.w2_sf, w.w2_alpha,
-              w.a1_gscale, w.a2_gscale, "swiglu", torch.bfloat16, out) is out
+    assert (
+        fn(
+            x,
+            ids,
+            topk_weights,
+            w.w13,
+            w.w13_sf,
+            w.w13_alpha,
+            w.w2,
+            w.w2_sf,
+            w.w2_alpha,
+            w.a1_gscale,
+            w.a2_gscale,
+            "swiglu",
+            torch.bfloat16,
+            out,
+        )
+        is out
+    )
     [kw] = calls
     assert kw["output"] is out and kw["input"] is x and kw["input_sf"] is None and kw["use_fused_finalize"] is False
     assert kw["fc1_expert_weights"].dtype == torch.int64 and kw["fc1_expert_weights"].shape == (4, 128, 128 // 16)
     assert kw["token_selected_experts"].dtype == torch.int32 and kw["activation_type"] == 3
     scales = kw["quant_scales"]
-    assert [t.dtype for t in scales] == [torch.float32, torch.int32, torch.float32, torch.float32, torch.int32, torch.float32]
-    assert scales[0].dim() == 0 and torch.equal(scales[1].view(torch.float8_e4m3fn).view(torch.uint8), w.w13_sf.view(torch.uint8))
+    assert [t.dtype for t in scales] == [
+        torch.float32,
+        torch.int32,
+        torch.float32,
+        torch.float32,
+        torch.int32,
+        torch.float32,
+    ]
+    assert scales[0].dim() == 0 and torch.equal(
+        scales[1].view(torch.float8_e4m3fn).view(torch.uint8), w.w13_sf.view(torch.uint8)
+    )
     with pytest.raises(InvalidArgument, match=r"fused MoE: topk_weights=.*float32 \(3, 2\)"):
-        fn(x, ids, topk_weights.double(), w.w13, w.w13_sf, w.w13_alpha, w.w2, w.w2_sf, w.w2_alpha,
-           w.a1_gscale, w.a2_gscale, "swiglu", torch.bfloat16, out)
+        fn(
+            x,
+            ids,
+            topk_weights.double(),
+            w.w13,
+            w.w13_sf,
+            w.w13_alpha,
+            w.w2,
+            w.w2_sf,
+            w.w2_alpha,
+            w.a1_gscale,
+            w.a2_gscale,
+            "swiglu",
+            torch.bfloat16,
+            out,
+        )
 
 
 def test_the_seam_front_maps_sglangs_call_and_expert_parallel_ids():
@@ -121,29 +171,65 @@ def test_the_seam_front_maps_sglangs_call_and_expert_parallel_ids():
 
     front = dispatch.moe_front(original, ActivationType, lambda index: backend, lambda index: "test")
     x, ids, topk_weights, w = _layer_args(experts=4)
-    common = dict(input=x, token_final_scales=topk_weights, fc1_expert_weights=w.w13.view(torch.long),
-                  fc2_expert_weights=w.w2.view(torch.long), output_dtype=torch.bfloat16, input_sf=None,
-                  quant_scales=[w.a1_gscale.reshape(()), w.w13_sf.view(torch.int32), w.w13_alpha,
-                                w.a2_gscale.reshape(()), w.w2_sf.view(torch.int32), w.w2_alpha],
-                  activation_type=3)
+    common = dict(
+        input=x,
+        token_final_scales=topk_weights,
+        fc1_expert_weights=w.w13.view(torch.long),
+        fc2_expert_weights=w.w2.view(torch.long),
+        output_dtype=torch.bfloat16,
+        input_sf=None,
+        quant_scales=[
+            w.a1_gscale.reshape(()),
+            w.w13_sf.view(torch.int32),
+            w.w13_alpha,
+            w.a2_gscale.reshape(()),
+            w.w2_sf.view(torch.int32),
+            w.w2_alpha,
+        ],
+        activation_type=3,
+    )
     # Rank 1 of 2 holds global experts 4..7: ids 0..3 belong to rank 0, -1 is SGLang's dropped slot;
     # the convention gives each of them -1 (skipped: no work on a local expert), weights unchanged.
     global_ids = torch.tensor([[4, 0], [5, 7], [1, -1]], dtype=torch.int32)
-    [out] = front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=global_ids,
-                  ep_size=2, ep_rank=1, **common)
+    [out] = front(
+        output=torch.empty(x.shape, dtype=torch.bfloat16),
+        token_selected_experts=global_ids,
+        ep_size=2,
+        ep_rank=1,
+        **common,
+    )
     local, weights = seen[-1][1], seen[-1][2]
     assert local.tolist() == [[0, -1], [1, 3], [-1, -1]]
     assert torch.equal(weights, topk_weights)
     mine = local >= 0
-    want = nvfp4.reference_moe_fp4(x, torch.where(mine, local, 0), torch.where(mine, weights, 0), w.w13, w.w13_sf,
-                                   w.w13_alpha, w.w2, w.w2_sf, w.w2_alpha, w.a1_gscale, w.a2_gscale)
+    want = nvfp4.reference_moe_fp4(
+        x,
+        torch.where(mine, local, 0),
+        torch.where(mine, weights, 0),
+        w.w13,
+        w.w13_sf,
+        w.w13_alpha,
+        w.w2,
+        w.w2_sf,
+        w.w2_alpha,
+        w.a1_gscale,
+        w.a2_gscale,
+    )
     assert torch.equal(out, want) and not original_calls and bool((out[2] == 0).all())
     # Without expert parallelism an id outside [0, E) is skipped the same way.
-    front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=torch.tensor([[3, -1], [0, 9], [1, 2]], dtype=torch.int32), **common)
+    front(
+        output=torch.empty(x.shape, dtype=torch.bfloat16),
+        token_selected_experts=torch.tensor([[3, -1], [0, 9], [1, 2]], dtype=torch.int32),
+        **common,
+    )
     assert seen[-1][1].tolist() == [[3, -1], [0, -1], [1, 2]]
     # A call this library does not serve (biases) goes to FlashInfer unchanged.
-    front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=ids,
-          fc1_expert_biases=torch.zeros(1), **common)
+    front(
+        output=torch.empty(x.shape, dtype=torch.bfloat16),
+        token_selected_experts=ids,
+        fc1_expert_biases=torch.zeros(1),
+        **common,
+    )
     assert len(original_calls) == 1
 
 
@@ -173,10 +259,13 @@ def no_host_sync():
             setattr(torch.Tensor, name, value)
 
 
-@pytest.mark.parametrize("activation,per_expert", [("swiglu", False), ("relu2", True)], ids=["swiglu", "relu2, per-expert scales"])
+@pytest.mark.parametrize(
+    "activation,per_expert", [("swiglu", False), ("relu2", True)], ids=["swiglu", "relu2, per-expert scales"]
+)
 def test_the_emulated_moe_front_is_the_oracle_bit_for_bit_without_a_host_sync(activation, per_expert):
     """The emulation serves inside CUDA-graph capture: the front and the backend read no value on
     the host, and the answer is still the oracle's, with SGLang's -1 slots skipped."""
+
     class ActivationType:
         Swiglu, Relu2 = 3, 6
 
@@ -184,21 +273,49 @@ def test_the_emulated_moe_front_is_the_oracle_bit_for_bit_without_a_host_sync(ac
     ids, topk_weights = verify.moe_routing(40, 3, 8, "padded", torch.Generator().manual_seed(4))
     x = verify.structured_activations(40, 128, 4.0, torch.Generator().manual_seed(5)).to(torch.bfloat16)
     a1 = weights.a1_gscale.expand(8) * (1 + torch.arange(8) / 8) if per_expert else weights.a1_gscale.reshape(())
-    front = dispatch.moe_front(lambda **kw: pytest.fail("original called"), ActivationType, lambda index: backends.emulated_moe,
-                              lambda index: "emulated")
-    scales = [a1, weights.w13_sf.view(torch.int32), weights.w13_alpha, weights.a2_gscale.reshape(()),
-              weights.w2_sf.view(torch.int32), weights.w2_alpha]
+    front = dispatch.moe_front(
+        lambda **kw: pytest.fail("original called"),
+        ActivationType,
+        lambda index: backends.emulated_moe,
+        lambda index: "emulated",
+    )
+    scales = [
+        a1,
+        weights.w13_sf.view(torch.int32),
+        weights.w13_alpha,
+        weights.a2_gscale.reshape(()),
+        weights.w2_sf.view(torch.int32),
+        weights.w2_alpha,
+    ]
     nvfp4.quantize(x[:1], weights.a2_gscale.reshape(()))  # per-device constants made before, as the self-test does
     with no_host_sync():
-        [out] = front(output=torch.empty(x.shape, dtype=torch.bfloat16), input=x, token_selected_experts=ids,
-                      token_final_scales=topk_weights, fc1_expert_weights=weights.w13.view(torch.long),
-                      fc2_expert_weights=weights.w2.view(torch.long), output_dtype=torch.bfloat16, input_sf=None,
-                      quant_scales=scales, activation_type=3 if activation == "swiglu" else 6)
+        [out] = front(
+            output=torch.empty(x.shape, dtype=torch.bfloat16),
+            input=x,
+            token_selected_experts=ids,
+            token_final_scales=topk_weights,
+            fc1_expert_weights=weights.w13.view(torch.long),
+            fc2_expert_weights=weights.w2.view(torch.long),
+            output_dtype=torch.bfloat16,
+            input_sf=None,
+            quant_scales=scales,
+            activation_type=3 if activation == "swiglu" else 6,
+        )
     mine = ids >= 0
-    want = nvfp4.reference_moe_fp4(x, torch.where(mine, ids, 0), torch.where(mine, topk_weights, 0), weights.w13,
-                                   weights.w13_sf, weights.w13_alpha, weights.w2, weights.w2_sf,
-                                   weights.w2_alpha, a1.reshape(-1) if per_expert else a1, weights.a2_gscale,
-                                   activation=activation)
+    want = nvfp4.reference_moe_fp4(
+        x,
+        torch.where(mine, ids, 0),
+        torch.where(mine, topk_weights, 0),
+        weights.w13,
+        weights.w13_sf,
+        weights.w13_alpha,
+        weights.w2,
+        weights.w2_sf,
+        weights.w2_alpha,
+        a1.reshape(-1) if per_expert else a1,
+        weights.a2_gscale,
+        activation=activation,
+    )
     assert torch.equal(out, want)
 
 

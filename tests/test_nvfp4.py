@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import settings as hsettings, strategies as st
-
 from helpers import scalar_recipe as recipe
 from helpers.cases import case
 from helpers.common import HYPOTHESIS
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
 from sm120_fp4 import nvfp4
 from sm120_fp4.errors import InvalidArgument
 
@@ -21,7 +22,13 @@ RAGGED = [(1, 16), (3, 48), (127, 80), (129, 32), (300, 112)]
 # ---- E2M1 codec -------------------------------------------------------------------------
 
 TIES = [  # value on a threshold -> the value of the even code it must round to
-    (0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0),
+    (0.25, 0.0),
+    (0.75, 1.0),
+    (1.25, 1.0),
+    (1.75, 2.0),
+    (2.5, 2.0),
+    (3.5, 4.0),
+    (5.0, 4.0),
 ]
 
 
@@ -92,6 +99,7 @@ def test_decode_rejects_codes_above_fifteen():
 
 # ---- nibble packing -----------------------------------------------------------------------
 
+
 def test_element_2i_is_the_low_nibble(device):
     codes = torch.tensor([[0x1, 0x2, 0xF, 0x0, 0x7, 0x9]], dtype=torch.uint8, device=device)
     packed = nvfp4.pack_nibbles(codes)
@@ -107,6 +115,7 @@ def test_pack_rejects_odd_length_and_wide_codes():
 
 
 # ---- 128x4 scale layout -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("m", [1, 127, 128, 129, 300])
 @pytest.mark.parametrize("kblocks", [1, 3, 4, 5, 7])
@@ -144,6 +153,7 @@ def test_unswizzle_names_the_shape_it_needs():
 
 
 # ---- quantize: bit-exact against the scalar recipe ---------------------------------------
+
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("m, k", RAGGED[:4])
@@ -207,7 +217,9 @@ def test_dequantize_unscaled_is_code_value_times_scale_for_every_byte_and_scale_
     scales = nvfp4.swizzle_scales(sf_bytes)
     got = nvfp4.dequantize_unscaled(packed, scales, dtype)
     codes = nvfp4.unpack_nibbles(packed)
-    want = (nvfp4.decode_e2m1(codes) * sf_bytes.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)).to(dtype)
+    want = (nvfp4.decode_e2m1(codes) * sf_bytes.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)).to(
+        dtype
+    )
     assert got.dtype == dtype and got.shape == (rows, 512)
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and int(nan.any(dim=1).sum()) == 2  # the two NaN scale bytes, 0x7f and 0xff
@@ -216,6 +228,7 @@ def test_dequantize_unscaled_is_code_value_times_scale_for_every_byte_and_scale_
 
 
 # ---- bad input ----------------------------------------------------------------------------
+
 
 def test_quantize_errors_name_parameter_value_and_what_is_accepted():
     with pytest.raises(InvalidArgument, match=r"quantize: x=tensor\(shape=\(2, 30\).*multiple of 16, got K=30"):
@@ -241,6 +254,7 @@ def test_global_scale_is_448_times_6_over_amax_and_refuses_zeros(device):
 
 
 # ---- the GEMM reference -------------------------------------------------------------------
+
 
 def _operands(m, n, k, device, dtype=torch.bfloat16):
     x = torch.randn(m, k, dtype=dtype, device=device)
@@ -350,12 +364,24 @@ def test_numpy_recipe_agrees_with_itself_on_known_values():
 E2M1_MAGNITUDES = sorted(set(abs(v) for v in nvfp4.E2M1_VALUES))
 
 
-@case("properties", "E2M1 encode over all finite float32 incl. ties, +-6, +-inf, subnormals, -0", "decode(encode(x)) is the nearest E2M1 value of clamp(x, -6, 6), ties to the even code, sign kept")
+@case(
+    "properties",
+    "E2M1 encode over all finite float32 incl. ties, +-6, +-inf, subnormals, -0",
+    "decode(encode(x)) is the nearest E2M1 value of clamp(x, -6, 6), ties to the even code, sign kept",
+)
 @hsettings(max_examples=150, **HYPOTHESIS)
-@given(st.lists(st.one_of(
-    st.floats(width=32, allow_nan=False),
-    st.sampled_from([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -6.0, 448.0, -0.0, 1e-45, float("inf"), -float("inf")]),
-), min_size=1, max_size=64))
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(width=32, allow_nan=False),
+            st.sampled_from(
+                [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -6.0, 448.0, -0.0, 1e-45, float("inf"), -float("inf")]
+            ),
+        ),
+        min_size=1,
+        max_size=64,
+    )
+)
 def test_e2m1_encoding_is_round_to_nearest_even_and_saturating(values):
     x = torch.tensor(values, dtype=torch.float32)
     codes = nvfp4.encode_e2m1(x)
@@ -370,10 +396,18 @@ def test_e2m1_encoding_is_round_to_nearest_even_and_saturating(values):
         assert decoded == 0 or (decoded < 0) == (value < 0)
 
 
-@case("properties", "nibble pack/unpack and 128x4 scale swizzle over shapes 1..300 rows and E4M3 extreme bytes", "exact round trips; padding is zero")
+@case(
+    "properties",
+    "nibble pack/unpack and 128x4 scale swizzle over shapes 1..300 rows and E4M3 extreme bytes",
+    "exact round trips; padding is zero",
+)
 @hsettings(max_examples=60, **HYPOTHESIS)
-@given(rows=st.integers(1, 300), blocks=st.integers(1, 24), seed=st.integers(0, 2**16),
-       extremes=st.sampled_from([None, 0x00, 0x01, 0x7E, 0x80, 0xFE]))
+@given(
+    rows=st.integers(1, 300),
+    blocks=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+    extremes=st.sampled_from([None, 0x00, 0x01, 0x7E, 0x80, 0xFE]),
+)
 def test_packing_and_swizzling_round_trip(rows, blocks, seed, extremes):
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (rows, blocks * 16), dtype=torch.uint8, generator=gen)
@@ -388,12 +422,24 @@ def test_packing_and_swizzling_round_trip(rows, blocks, seed, extremes):
     assert int(swizzled.view(torch.uint8).sum()) == int(raw.sum(dtype=torch.int64))  # padding adds nothing
 
 
-@case("properties", "quantize/dequantize over shapes, magnitudes 2^-100..2^100, signs, sparse and all-zero blocks, global scale x2^-20..x2^20", "scales finite and <= 448 (never the NaN byte), zeros stay exact zeros, error <= one E2M1 step of the block scale")
+@case(
+    "properties",
+    "quantize/dequantize over shapes, magnitudes 2^-100..2^100, signs, sparse and all-zero blocks, global scale x2^-20..x2^20",
+    "scales finite and <= 448 (never the NaN byte), zeros stay exact zeros, error <= one E2M1 step of the block scale",
+)
 @hsettings(max_examples=80, **HYPOTHESIS)
-@given(m=st.integers(1, 40), blocks=st.integers(1, 8), seed=st.integers(0, 2**16), exponent=st.integers(-100, 100),
-       zero_fraction=st.sampled_from([0.0, 0.3, 1.0]), gsf_shift=st.sampled_from([0, -20, -8, 8, 20]),
-       kind=st.sampled_from(["normal", "positive", "negative", "sparse"]))
-def test_quantize_is_bounded_for_any_magnitude_and_zero_blocks(m, blocks, seed, exponent, zero_fraction, gsf_shift, kind):
+@given(
+    m=st.integers(1, 40),
+    blocks=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+    exponent=st.integers(-100, 100),
+    zero_fraction=st.sampled_from([0.0, 0.3, 1.0]),
+    gsf_shift=st.sampled_from([0, -20, -8, 8, 20]),
+    kind=st.sampled_from(["normal", "positive", "negative", "sparse"]),
+)
+def test_quantize_is_bounded_for_any_magnitude_and_zero_blocks(
+    m, blocks, seed, exponent, zero_fraction, gsf_shift, kind
+):
     gen = torch.Generator().manual_seed(seed)
     k = blocks * 16
     x = (_signed(m, k, kind, gen) * 2.0**exponent).float()
@@ -421,15 +467,28 @@ def test_quantize_is_bounded_for_any_magnitude_and_zero_blocks(m, blocks, seed, 
     amax = x.view(m, blocks, 16).abs().amax(-1)
     wanted = (gsf * amax / 6).clamp(max=448)
     step = (sf / gsf).unsqueeze(-1)
-    slack = (amax.unsqueeze(-1) * ((gsf * amax / 6) > 448).unsqueeze(-1)) + 6 * 2.0**-10 / gsf + 6 * (wanted - sf).abs().unsqueeze(-1) / gsf
+    slack = (
+        (amax.unsqueeze(-1) * ((gsf * amax / 6) > 448).unsqueeze(-1))
+        + 6 * 2.0**-10 / gsf
+        + 6 * (wanted - sf).abs().unsqueeze(-1) / gsf
+    )
     err = (deq.view(m, blocks, 16) - x.view(m, blocks, 16)).abs()
     assert bool((err <= step + slack + 1e-30).all())
 
 
-@case("properties", "reference GEMM with all-zero A, all-zero scales, zero rows, and alpha scaling", "exact zeros where the input is zero; alpha scales the float32 result exactly")
+@case(
+    "properties",
+    "reference GEMM with all-zero A, all-zero scales, zero rows, and alpha scaling",
+    "exact zeros where the input is zero; alpha scales the float32 result exactly",
+)
 @hsettings(max_examples=30, **HYPOTHESIS)
-@given(m=st.integers(1, 140), n8=st.integers(1, 6), k32=st.integers(1, 4), seed=st.integers(0, 2**16),
-       alpha=st.sampled_from([1.0, 2.0**-20, 3.0, 2.0**20]))
+@given(
+    m=st.integers(1, 140),
+    n8=st.integers(1, 6),
+    k32=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    alpha=st.sampled_from([1.0, 2.0**-20, 3.0, 2.0**20]),
+)
 def test_reference_gemm_of_zero_inputs_is_exactly_zero(m, n8, k32, seed, alpha):
     gen = torch.Generator().manual_seed(seed)
     n, k = 8 * n8, 32 * k32
@@ -449,7 +508,11 @@ def test_reference_gemm_of_zero_inputs_is_exactly_zero(m, n8, k32, seed, alpha):
     assert bool((nvfp4.reference_mm_fp4(qx, qw.T, zero_scales, sw.T, one, torch.bfloat16) == 0).all())
 
 
-@case("properties", "global_scale of a tensor whose amax is a float32 subnormal (1e-37)", "a finite scale or an InvalidArgument naming x, never inf")
+@case(
+    "properties",
+    "global_scale of a tensor whose amax is a float32 subnormal (1e-37)",
+    "a finite scale or an InvalidArgument naming x, never inf",
+)
 def test_global_scale_is_never_infinite():
     try:
         gsf = nvfp4.global_scale(torch.full((1, 16), 1e-37))

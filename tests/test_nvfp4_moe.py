@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import scalar_moe_recipe as moe_recipe
+
 from sm120_fp4 import nvfp4
 from sm120_fp4.errors import InvalidArgument
 
@@ -24,6 +24,7 @@ def _one_intra_op_thread():
 
 
 # ---- inputs -------------------------------------------------------------------------------
+
 
 def _quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per expert: packed (E, N, K/2), swizzled float8 scales, global encode scales (E,)."""
@@ -63,8 +64,17 @@ def make_moe(seed, tokens, experts, top_k, hidden, inter, activation="swiglu", d
     ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32)
     weights = torch.rand(tokens, top_k, generator=gen) * 1.5 + 0.05
     args = dict(
-        x=x, topk_ids=ids, topk_weights=weights, w13=w13, w13_sf=w13_sf, w13_alpha=1.0 / (a1 * g13),
-        w2=w2, w2_sf=w2_sf, w2_alpha=1.0 / (a2 * g2), a1_gscale=a1, a2_gscale=a2,
+        x=x,
+        topk_ids=ids,
+        topk_weights=weights,
+        w13=w13,
+        w13_sf=w13_sf,
+        w13_alpha=1.0 / (a1 * g13),
+        w2=w2,
+        w2_sf=w2_sf,
+        w2_alpha=1.0 / (a2 * g2),
+        a1_gscale=a1,
+        a2_gscale=a2,
     )
     args = {k: v.to(device) for k, v in args.items()}
     args["activation"] = activation
@@ -153,7 +163,9 @@ def test_a_token_routed_twice_to_one_expert_sums_both_slots(device):
     got = _call(args, out_dtype=torch.float32)
     np.testing.assert_array_equal(got.cpu().numpy(), _scalar(args, out_dtype=torch.float32))
     # Against the single routed row (weight 1): w0 * row + w1 * row, in float32.
-    single = dict(args, topk_ids=args["topk_ids"][:, :1].contiguous(), topk_weights=torch.ones_like(args["topk_weights"][:, :1]))
+    single = dict(
+        args, topk_ids=args["topk_ids"][:, :1].contiguous(), topk_weights=torch.ones_like(args["topk_weights"][:, :1])
+    )
     row = _call(single, out_dtype=torch.float32)[0]
     w = args["topk_weights"][0]
     assert torch.equal(got[0], w[0] * row + w[1] * row)
@@ -173,24 +185,38 @@ def test_int64_ids_and_uint8_scale_bytes_give_the_same_result(device):
     assert torch.equal(same, want)
 
 
-@pytest.mark.parametrize("activation, dtype, per_expert, w4a16", [
-    ("swiglu", BF16, False, False), ("relu2", FP16, False, False), ("swiglu", BF16, True, False), ("swiglu", BF16, False, True),
-])
+@pytest.mark.parametrize(
+    "activation, dtype, per_expert, w4a16",
+    [
+        ("swiglu", BF16, False, False),
+        ("relu2", FP16, False, False),
+        ("swiglu", BF16, True, False),
+        ("swiglu", BF16, False, True),
+    ],
+)
 def test_several_roundings_in_one_pass_equal_one_call_each(device, activation, dtype, per_expert, w4a16):
     # The self-tests' reference and the kernel's rounding of the intermediate share FC1: one pass
     # must give, bit for bit, what one reference_moe_fp4 call per intermediate_dtype gives.
     args = make_moe(17, 9, 5, 3, 48, 32, activation, dtype, device)
     if per_expert:  # compressed-tensors: one activation scale per expert
         experts = args["w13"].shape[0]
-        args["a1_gscale"] = args["a1_gscale"].reshape(1).repeat(experts) * torch.linspace(0.9, 1.1, experts, device=device)
-        args["a2_gscale"] = args["a2_gscale"].reshape(1).repeat(experts) * torch.linspace(1.1, 0.9, experts, device=device)
+        args["a1_gscale"] = args["a1_gscale"].reshape(1).repeat(experts) * torch.linspace(
+            0.9, 1.1, experts, device=device
+        )
+        args["a2_gscale"] = args["a2_gscale"].reshape(1).repeat(experts) * torch.linspace(
+            1.1, 0.9, experts, device=device
+        )
     kwargs = {k: v for k, v in args.items() if not k.startswith("_")}
     extra = dict(quantize_activations=False) if w4a16 else {}
     roundings = (None, dtype, None) if not w4a16 else (None,)
-    together = nvfp4.reference_moe_fp4_roundings(**kwargs, out_dtype=torch.float32, intermediate_dtypes=roundings, **extra)
+    together = nvfp4.reference_moe_fp4_roundings(
+        **kwargs, out_dtype=torch.float32, intermediate_dtypes=roundings, **extra
+    )
     assert len(together) == len(roundings)
     for got, rounding in zip(together, roundings):
-        assert torch.equal(got, nvfp4.reference_moe_fp4(**kwargs, out_dtype=torch.float32, intermediate_dtype=rounding, **extra))
+        assert torch.equal(
+            got, nvfp4.reference_moe_fp4(**kwargs, out_dtype=torch.float32, intermediate_dtype=rounding, **extra)
+        )
     with pytest.raises(InvalidArgument, match="intermediate_dtypes"):
         nvfp4.reference_moe_fp4_roundings(**kwargs, intermediate_dtypes=())
     with pytest.raises(InvalidArgument, match="intermediate_dtype"):
@@ -205,6 +231,7 @@ def test_no_tokens_gives_an_empty_output(device):
 
 
 # ---- the rounding points are exercised -----------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def rounding_case():
@@ -238,6 +265,7 @@ def test_moving_one_rounding_point_changes_the_result(rounding_case, moved):
 
 # ---- W4A16 ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("activation", ["swiglu", "relu2"])
 def test_w4a16_matches_a_float64_computation_on_dequantized_weights(device, activation):
     tokens, experts, top_k, hidden, inter = 6, 4, 2, 64, 32
@@ -268,6 +296,7 @@ def test_w4a16_matches_a_float64_computation_on_dequantized_weights(device, acti
 
 # ---- many experts: grouping by expert equals a per-token loop --------------------------------
 
+
 def _per_token(args: dict, t: int) -> torch.Tensor:
     """Token t on its own, slot by slot, with nvfp4's quantize / dequantize_unscaled."""
     inter = args["w2"].shape[2] * 2
@@ -297,6 +326,7 @@ def test_256_experts_top8_equals_the_per_token_loop():
 
 # ---- bad input ------------------------------------------------------------------------------
 
+
 def _bad(args, **changes):
     return dict(args, **changes)
 
@@ -307,7 +337,10 @@ BAD = [
     (lambda a: _bad(a, x=torch.full((4, 48), float("inf"), dtype=BF16)), r"x=.*finite values"),
     (lambda a: _bad(a, topk_ids=a["topk_ids"].float()), r"topk_ids=.*dtype in"),
     (lambda a: _bad(a, topk_ids=a["topk_ids"][:3]), r"topk_ids=.*shape \(4, k\)"),
-    (lambda a: _bad(a, topk_ids=torch.full((4, 2), 3, dtype=torch.int32)), r"topk_ids=.*\[0, E=3\), got ids in \[3, 3\]"),
+    (
+        lambda a: _bad(a, topk_ids=torch.full((4, 2), 3, dtype=torch.int32)),
+        r"topk_ids=.*\[0, E=3\), got ids in \[3, 3\]",
+    ),
     (lambda a: _bad(a, topk_ids=torch.full((4, 2), -1, dtype=torch.int64)), r"topk_ids=.*got ids in \[-1, -1\]"),
     (lambda a: _bad(a, topk_weights=a["topk_weights"].half()), r"topk_weights=.*dtype in"),
     (lambda a: _bad(a, topk_weights=a["topk_weights"][:, :1]), r"topk_weights=.*shape \(4, 2\)"),

@@ -30,7 +30,7 @@ def _imports(name: str, path: Path) -> list[tuple[int, str]]:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             out += [(node.lineno, base)] + [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
     return out
 
@@ -43,7 +43,9 @@ def test_no_import_cycle_among_the_package_modules():
         for _, target in _imports(name, path):
             while target and target not in modules:
                 target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):  # a package's own __init__ is no edge back
+            if (
+                target and target != name and not name.startswith(target + ".")
+            ):  # a package's own __init__ is no edge back
                 edges[name].add(target)
     # Depth-first search; a back edge is a cycle.
     state: dict[str, int] = {}
@@ -53,7 +55,7 @@ def test_no_import_cycle_among_the_package_modules():
         state[node] = 1
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = 2
@@ -72,8 +74,13 @@ def test_only_the_sglang_subpackage_names_sglangs_modules():
         if name == "sm120_fp4.sglang" or name.startswith("sm120_fp4.sglang."):
             continue
         found += [(name, line, target) for line, target in _imports(name, path) if re.match(r"sglang(\.|$)", target)]
-        found += [(name, node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"sglang\.[a-z_.]+", node.value)]
+        found += [
+            (name, node.lineno, node.value)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"sglang\.[a-z_.]+", node.value)
+        ]
     assert found == []
     from sm120_fp4 import bootstrap
     from sm120_fp4.sglang import names
@@ -89,8 +96,13 @@ def test_only_the_vllm_subpackage_names_vllms_modules():
         if name == "sm120_fp4.vllm" or name.startswith("sm120_fp4.vllm."):
             continue
         found += [(name, line, target) for line, target in _imports(name, path) if re.match(r"vllm(\.|$)", target)]
-        found += [(name, node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"vllm\.[a-z_.]+", node.value)]
+        found += [
+            (name, node.lineno, node.value)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"vllm\.[a-z_.]+", node.value)
+        ]
     assert found == []
 
 
@@ -116,7 +128,7 @@ def _folder_imports() -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:
                     parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
                 # `from .. import locks` imports the module sm120_fp4.locks (the package's face only for other names)
                 names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             else:
@@ -139,8 +151,11 @@ def _architecture_table() -> dict[str, set[str]]:
         if len(cells) != 3 or not cells[0].startswith("`"):
             continue
         name = cells[0].strip("`").removesuffix("/").removesuffix(".py")
-        table[name] = set() if cells[2] == "-" else {n.strip().strip("`").removesuffix("/").removesuffix(".py")
-                                                     for n in cells[2].split(",")}
+        table[name] = (
+            set()
+            if cells[2] == "-"
+            else {n.strip().strip("`").removesuffix("/").removesuffix(".py") for n in cells[2].split(",")}
+        )
     return table
 
 

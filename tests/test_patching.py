@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from sm120_fp4.patching import PatchSpec, Patcher
+from sm120_fp4.patching import Patcher, PatchSpec
 
 LEDGER = dict(why="test", upstream="none", remove_when="never")
 
@@ -52,12 +52,20 @@ def late_colorsys():
 
 # ---- apply, idempotence, exact undo -------------------------------------------------------------
 
+
 def test_a_patch_on_an_imported_module_applies_at_once_and_undoes_to_the_same_object(patcher):
     original = json.dumps
     patcher.add([spec()])
     assert json.dumps([1]) == "patched:[1]" and json.dumps.__sm120_fp4_patch__ == "dumps"
-    entry, = patcher.ledger()
-    assert (entry.name, entry.module, entry.attribute, entry.state, entry.reason, entry.why) == ("dumps", "json", "dumps", "applied", None, "test")
+    (entry,) = patcher.ledger()
+    assert (entry.name, entry.module, entry.attribute, entry.state, entry.reason, entry.why) == (
+        "dumps",
+        "json",
+        "dumps",
+        "applied",
+        None,
+        "test",
+    )
     patcher.remove_all()
     assert json.dumps is original and patcher.ledger() == []
 
@@ -105,6 +113,7 @@ def test_a_module_that_imported_the_patched_name_is_restored_too(patcher, monkey
 
 # ---- post-import hooks ---------------------------------------------------------------------------
 
+
 def test_a_patch_waits_for_its_module_and_applies_when_it_is_imported(patcher, late_colorsys):
     patcher.add([spec(name="hsv", module="colorsys", attribute="rgb_to_hsv")])
     assert states(patcher) == {"hsv": ("pending", None)}
@@ -134,7 +143,9 @@ def test_a_hook_that_raises_never_escapes_the_import(patcher, late_colorsys, cap
     colorsys = importlib.import_module("colorsys")  # succeeds
     assert not hasattr(colorsys.rgb_to_hsv, "__sm120_fp4_patch__")
     assert states(patcher) == {"hsv": ("skipped", "internal error: RuntimeError: boom in make")}
-    assert [r.getMessage() for r in caplog.records] == ["sm120_fp4: patch hsv failed, SGLang left unpatched there: boom in make"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "sm120_fp4: patch hsv failed, SGLang left unpatched there: boom in make"
+    ]
 
 
 def test_when_imported_runs_a_step_now_or_at_import_and_never_raises_into_it(patcher, late_colorsys, caplog):
@@ -165,6 +176,7 @@ def test_when_imported_is_disarmed_by_remove_all(patcher, late_colorsys):
 
 # ---- reasons to leave a target alone ------------------------------------------------------------
 
+
 def test_a_check_that_objects_leaves_the_target_with_its_reason(patcher):
     original = json.dumps
     patcher.add([spec(check=lambda fn: "not the expected signature")])
@@ -172,7 +184,12 @@ def test_a_check_that_objects_leaves_the_target_with_its_reason(patcher):
 
 
 def test_a_missing_attribute_is_skipped_with_the_likely_cause(patcher):
-    patcher.add([spec(name="a", attribute="no_such_name"), spec(name="b", attribute="JSONDecoder.no_such", when_missing="renamed upstream")])
+    patcher.add(
+        [
+            spec(name="a", attribute="no_such_name"),
+            spec(name="b", attribute="JSONDecoder.no_such", when_missing="renamed upstream"),
+        ]
+    )
     assert states(patcher) == {
         "a": ("skipped", "json.no_such_name not found in this release"),
         "b": ("skipped", "json.JSONDecoder.no_such not found: renamed upstream"),
@@ -190,6 +207,7 @@ def test_a_class_attribute_is_patched_on_the_class_and_restored(patcher):
 
 # ---- version guards (a fake distribution) ------------------------------------------------------
 
+
 @pytest.fixture
 def fakedist(monkeypatch):
     real = importlib.metadata.version
@@ -204,19 +222,31 @@ def fakedist(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", version)
 
 
-@pytest.mark.parametrize("dist, versions, state, reason", [
-    ("fakedist", ">=1,<2", "applied", None),
-    ("fakedist", "<1.5", "skipped", "not needed in fakedist 1.5 (applies to <1.5)"),
-    ("no-such-dist-sm120", ">=1", "skipped", "no-such-dist-sm120 is not installed"),
-    ("garbledist", ">=1", "skipped", "cannot compare garbledist not-a-version with '>=1': Invalid version: 'not-a-version'"),
-    ("fakedist", "not a range", "skipped", "cannot compare fakedist 1.5 with 'not a range': Invalid specifier: 'not a range'"),
-])
+@pytest.mark.parametrize(
+    "dist, versions, state, reason",
+    [
+        ("fakedist", ">=1,<2", "applied", None),
+        ("fakedist", "<1.5", "skipped", "not needed in fakedist 1.5 (applies to <1.5)"),
+        ("no-such-dist-sm120", ">=1", "skipped", "no-such-dist-sm120 is not installed"),
+        (
+            "garbledist",
+            ">=1",
+            "skipped",
+            "cannot compare garbledist not-a-version with '>=1': Invalid version: 'not-a-version'",
+        ),
+        (
+            "fakedist",
+            "not a range",
+            "skipped",
+            "cannot compare fakedist 1.5 with 'not a range': Invalid specifier: 'not a range'",
+        ),
+    ],
+)
 def test_the_version_guard_applies_only_inside_the_range(patcher, fakedist, dist, versions, state, reason):
     original = json.dumps
     patcher.add([spec(distribution=dist, versions=versions)])
     assert states(patcher) == {"dumps": (state, reason)}
     assert (json.dumps is original) == (state == "skipped")
-
 
 
 def test_installed_versions_are_read_once_per_lookup_and_again_after_clear_cache(monkeypatch):
@@ -239,6 +269,7 @@ def test_installed_versions_are_read_once_per_lookup_and_again_after_clear_cache
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0")  # another lookup: read afresh
     assert versions.installed_version("fakedist") == "2.0"
 
+
 def test_a_target_range_is_capped_by_the_supported_range_unless_it_ends_earlier():
     from sm120_fp4 import versions
 
@@ -257,12 +288,17 @@ def test_the_supported_upper_bound_is_written_once_in_the_package():
 
     [upper] = [s.version for s in SpecifierSet(release.SUPPORTED) if s.operator == "<"]
     package = Path(release.__file__).resolve().parents[1]
-    hits = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py"))
-            for n, line in enumerate(path.read_text().splitlines(), 1) if upper in line]
+    hits = [
+        f"{path.relative_to(package)}:{n}"
+        for path in sorted(package.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if upper in line
+    ]
     assert hits == ["sglang/release.py:" + hits[0].rsplit(":", 1)[1]] and len(hits) == 1, hits
 
 
 # ---- pin and note --------------------------------------------------------------------------------
+
 
 def test_pin_sets_a_value_when_it_applies_and_remove_all_restores_it(patcher, monkeypatch):
     import colorsys

@@ -13,47 +13,82 @@ import time
 from pathlib import Path
 
 import pytest
-
-import sm120_fp4
 from helpers.cases import case
 from helpers.common import CpuGpu
 from helpers.plugins import plugin_site
 from helpers.procs import REPO, Popen, background, clean_env
+
+import sm120_fp4
 from sm120_fp4 import report, serving
 from sm120_fp4.config import Settings
 
 
 def _env(folder: Path, **env: str) -> dict[str, str]:
-    return clean_env(PYTHONPATH=f"{plugin_site(folder / 'plugins')}:{REPO}", SM120_FP4_VERDICTS="off",
-                     SM120_FP4_REPORT=str(folder / "report.json"), SM120_FP4_SIMULATE="12.0", **env)
+    return clean_env(
+        PYTHONPATH=f"{plugin_site(folder / 'plugins')}:{REPO}",
+        SM120_FP4_VERDICTS="off",
+        SM120_FP4_REPORT=str(folder / "report.json"),
+        SM120_FP4_SIMULATE="12.0",
+        **env,
+    )
 
 
 def _report(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-@case("reports", "`sm120-fp4 launch` whose dense preflight refuses (a zero-returning kernel) while its MoE preflight passes, SM120_FP4_REPORT a file",
-      "exit 1; the one report holds the dense refusal and the MoE decision (the preflight writes it from every worker's result)")
-@background(lambda folder: Popen(["sh", "-c", f'"$@"; rc=$?; cat {folder}/report.json; echo; exit $rc', "sh", sys.executable, "-m",
-                                  "sm120_fp4", "launch", "--", sys.executable, "-c", "pass"],
-                                 _env(folder, SM120_FP4_BACKENDS="zeros", SM120_FP4_MOE_BACKENDS="emulated"), folder))
+@case(
+    "reports",
+    "`sm120-fp4 launch` whose dense preflight refuses (a zero-returning kernel) while its MoE preflight passes, SM120_FP4_REPORT a file",
+    "exit 1; the one report holds the dense refusal and the MoE decision (the preflight writes it from every worker's result)",
+)
+@background(
+    lambda folder: Popen(
+        [
+            "sh",
+            "-c",
+            f'"$@"; rc=$?; cat {folder}/report.json; echo; exit $rc',
+            "sh",
+            sys.executable,
+            "-m",
+            "sm120_fp4",
+            "launch",
+            "--",
+            sys.executable,
+            "-c",
+            "pass",
+        ],
+        _env(folder, SM120_FP4_BACKENDS="zeros", SM120_FP4_MOE_BACKENDS="emulated"),
+        folder,
+    )
+)
 def test_launch_reports_every_preflight_worker(background):
     rc, stdout, stderr = background
     assert rc == 1, stderr
-    report = json.loads(stdout[stdout.index("{"):])
+    report = json.loads(stdout[stdout.index("{") :])
     assert [d["family"] for d in report["decisions"]] == ["moe"] and report["decisions"][0]["backend"] == "emulated"
     assert [r["family"] for r in report["refusals"]] == ["dense"] and "zeros" in report["refusals"][0]["rejected"]
     outcomes = {(p["family"], p["outcome"]) for p in report["processes"][0]["preflight"]}
     assert outcomes == {("dense", "refused"), ("moe", "passed")} and report["processes"][0]["role"] == "preflight"
 
 
-SERVER = "import json, os, sm120_fp4; sm120_fp4.decide(); print(json.dumps(json.load(open(os.environ['SM120_FP4_REPORT']))))"
+SERVER = (
+    "import json, os, sm120_fp4; sm120_fp4.decide(); print(json.dumps(json.load(open(os.environ['SM120_FP4_REPORT']))))"
+)
 
 
-@case("reports", "`sm120-fp4 launch` that passes, then the server it starts (the same process, after exec) decides and writes the same report",
-      "the report holds the preflight's decisions and the server's: the server's write keeps the preflight's section")
-@background(lambda folder: Popen([sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-c", SERVER],
-                                 _env(folder, SM120_FP4_BACKENDS="emulated", SM120_FP4_MOE_BACKENDS="emulated"), folder))
+@case(
+    "reports",
+    "`sm120-fp4 launch` that passes, then the server it starts (the same process, after exec) decides and writes the same report",
+    "the report holds the preflight's decisions and the server's: the server's write keeps the preflight's section",
+)
+@background(
+    lambda folder: Popen(
+        [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-c", SERVER],
+        _env(folder, SM120_FP4_BACKENDS="emulated", SM120_FP4_MOE_BACKENDS="emulated"),
+        folder,
+    )
+)
 def test_the_server_launch_starts_keeps_the_preflight_report(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
@@ -73,8 +108,11 @@ print(json.dumps([codes, json.load(open(os.environ['SM120_FP4_REPORT']))]))
 """
 
 
-@case("reports", "three serving processes of one run write one report file: one refuses and exits first, then two decide at the same time",
-      "the report holds all three: the refusal of the process that exited and both decisions (merged under a lock, one section per process)")
+@case(
+    "reports",
+    "three serving processes of one run write one report file: one refuses and exits first, then two decide at the same time",
+    "the report holds all three: the refusal of the process that exited and both decisions (merged under a lock, one section per process)",
+)
 @background(lambda folder: Popen([sys.executable, "-c", SERVING], _env(folder), folder))
 def test_serving_processes_of_one_run_share_one_report(background):
     rc, stdout, stderr = background
@@ -86,12 +124,20 @@ def test_serving_processes_of_one_run_share_one_report(background):
     assert len(report["processes"]) == 3
 
 
-@case("reports", "a report file left by an earlier run (a process that is gone, of another process group) when a new run writes",
-      "the earlier run's sections are dropped: a stale refusal never reads as this run's")
+@case(
+    "reports",
+    "a report file left by an earlier run (a process that is gone, of another process group) when a new run writes",
+    "the earlier run's sections are dropped: a stale refusal never reads as this run's",
+)
 def test_a_new_run_drops_the_sections_of_an_earlier_one(tmp_path):
     path = tmp_path / "report.json"
-    stale = {"version": 2, "pid": 1, "processes": [{"pid": 999999, "role": "worker", "run": "1@1", "started": "1"}],
-             "decisions": [], "refusals": [{"pid": 999999, "role": "worker", "message": "an old refusal"}]}
+    stale = {
+        "version": 2,
+        "pid": 1,
+        "processes": [{"pid": 999999, "role": "worker", "run": "1@1", "started": "1"}],
+        "decisions": [],
+        "refusals": [{"pid": 999999, "role": "worker", "message": "an old refusal"}],
+    }
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, json.dumps(stale).encode())
     os.close(fd)
@@ -103,13 +149,18 @@ def test_a_new_run_drops_the_sections_of_an_earlier_one(tmp_path):
 
 # ---- the report file of one process (sm120_fp4.report.update through decide()) ------------------------
 
+
 def _decide_with_report(path) -> Path:
     # SELFTEST=off: the report, not the self-test, is under test here (and it is faster).
     sm120_fp4.decide(candidates=["emulated"], settings=Settings(simulate="12.0", report=str(path), selftest="off"))
     return Path(str(path).replace("{pid}", str(os.getpid())))
 
 
-@case("reports", "report written under umask {umask}", "mode 0600 exactly (owner-only); valid JSON; no temporary file left next to it")
+@case(
+    "reports",
+    "report written under umask {umask}",
+    "mode 0600 exactly (owner-only); valid JSON; no temporary file left next to it",
+)
 @pytest.mark.parametrize("umask", ["000", "022", "077", "777"])
 def test_report_mode_is_0600_whatever_the_umask(tmp_path, umask):
     previous = os.umask(int(umask, 8))
@@ -122,8 +173,11 @@ def test_report_mode_is_0600_whatever_the_umask(tmp_path, umask):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
-@case("reports", "symlink planted at a file report path after start-up (to a file, to a directory, dangling)",
-      "the link is neither followed nor replaced (a warning names it); its target is never written or created; the decision stands")
+@case(
+    "reports",
+    "symlink planted at a file report path after start-up (to a file, to a directory, dangling)",
+    "the link is neither followed nor replaced (a warning names it); its target is never written or created; the decision stands",
+)
 @pytest.mark.parametrize("target_kind", ["file", "directory", "dangling"])
 def test_report_never_follows_or_replaces_a_planted_symlink(tmp_path, target_kind, caplog):
     victim = tmp_path / "victim"
@@ -146,7 +200,11 @@ def test_report_never_follows_or_replaces_a_planted_symlink(tmp_path, target_kin
         assert not victim.exists()
 
 
-@case("reports", "a report write that fails half-way (unserialisable payload)", "the previous report is intact; no temporary file is left")
+@case(
+    "reports",
+    "a report write that fails half-way (unserialisable payload)",
+    "the previous report is intact; no temporary file is left",
+)
 def test_a_failed_report_write_leaves_the_previous_report_and_no_temp_file(tmp_path):
     path = _decide_with_report(tmp_path / "report.json")
     before = path.read_text()
@@ -155,7 +213,11 @@ def test_a_failed_report_write_leaves_the_previous_report_and_no_temp_file(tmp_p
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 
-@case("reports", "secrets in the environment (HF_TOKEN, AWS_SECRET_ACCESS_KEY, any other variable)", "the report holds no environment value except the library's own settings")
+@case(
+    "reports",
+    "secrets in the environment (HF_TOKEN, AWS_SECRET_ACCESS_KEY, any other variable)",
+    "the report holds no environment value except the library's own settings",
+)
 def test_report_contains_no_environment_values(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value_123")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-value-456")
@@ -164,7 +226,11 @@ def test_report_contains_no_environment_values(tmp_path, monkeypatch):
     assert leaked == []
 
 
-@case("reports", "report directory removed after install(), then the first layer loads", "the decision stands (one warning says the report was not written); the worker does not crash")
+@case(
+    "reports",
+    "report directory removed after install(), then the first layer loads",
+    "the decision stands (one warning says the report was not written); the worker does not crash",
+)
 def test_an_unwritable_report_does_not_stop_a_worker(tmp_path, caplog):
     folder = tmp_path / "reports"
     folder.mkdir()
@@ -175,7 +241,11 @@ def test_an_unwritable_report_does_not_stop_a_worker(tmp_path, caplog):
     assert any("report" in r.getMessage() for r in caplog.records)
 
 
-@case("reports", "two decisions finish at once in one process, writers interleave", "the report lists both decisions (the last writer writes the latest state)")
+@case(
+    "reports",
+    "two decisions finish at once in one process, writers interleave",
+    "the report lists both decisions (the last writer writes the latest state)",
+)
 def test_concurrent_report_writes_never_lose_a_decision(tmp_path, monkeypatch):
     path = tmp_path / "report.json"
     settings = Settings(simulate="12.0", report=str(path), selftest="off")
@@ -204,8 +274,11 @@ def test_concurrent_report_writes_never_lose_a_decision(tmp_path, monkeypatch):
     assert len(json.loads(path.read_text())["decisions"]) == 2
 
 
-@case("reports", "SM120_FP4_REPORT is a symlink to a directory (/logs -> /mnt/vol/logs), two processes write",
-      "the link is kept and is that directory: one sm120_fp4-PID.json per process inside the target")
+@case(
+    "reports",
+    "SM120_FP4_REPORT is a symlink to a directory (/logs -> /mnt/vol/logs), two processes write",
+    "the link is kept and is that directory: one sm120_fp4-PID.json per process inside the target",
+)
 def test_a_report_link_to_a_directory_is_that_directory(tmp_path, monkeypatch):
     target = tmp_path / "vol" / "logs"
     target.mkdir(parents=True)
@@ -219,8 +292,11 @@ def test_a_report_link_to_a_directory_is_that_directory(tmp_path, monkeypatch):
     assert [p.name for p in target.iterdir()] == [f"sm120_fp4-{os.getpid()}.json"]
 
 
-@case("reports", "report directory (or the link to it) removed after start-up, then a decision is written",
-      "a warning; no file is created at the directory's name; the decision stands")
+@case(
+    "reports",
+    "report directory (or the link to it) removed after start-up, then a decision is written",
+    "a warning; no file is created at the directory's name; the decision stands",
+)
 @pytest.mark.parametrize("kind", ["directory", "link to a directory"])
 def test_a_vanished_report_directory_is_not_replaced_by_a_file(tmp_path, caplog, kind):
     target = tmp_path / "logs"
@@ -233,5 +309,6 @@ def test_a_vanished_report_directory_is_not_replaced_by_a_file(tmp_path, caplog,
     target.rmdir()
     caplog.set_level(logging.WARNING, "sm120_fp4")
     assert sm120_fp4.decide(candidates=["emulated"], settings=settings).backend == "emulated"
-    assert not target.exists() and any("report" in r.getMessage() and "no longer exists" in r.getMessage() for r in caplog.records)
-
+    assert not target.exists() and any(
+        "report" in r.getMessage() and "no longer exists" in r.getMessage() for r in caplog.records
+    )

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import assume, given, settings as hsettings, strategies as st
-
 from helpers import faults
 from helpers.cases import case
 from helpers.common import HYPOTHESIS
 from helpers.procs import background, python, pythonpath
+from hypothesis import assume, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
 from sm120_fp4 import backends, devices, nvfp4, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.errors import SelfTestError
@@ -42,20 +44,38 @@ FAULTS = [
     ("raises", faults.raises, r"raised TypeError: Expected DLTensor\* but got None"),
     ("returns zeros", faults.returns_zeros, "output is all zeros"),
     ("writes one NaN", faults.single_nan, r"1 non-finite element\(s\), first at row 0"),
-    ("zeroes rows 64-127 (partial rows)", faults.zeroes_row_band, r"M=129 .*64 row\(s\) all zero where the reference is not \(rows 64-127\)"),
+    (
+        "zeroes rows 64-127 (partial rows)",
+        faults.zeroes_row_band,
+        r"M=129 .*64 row\(s\) all zero where the reference is not \(rows 64-127\)",
+    ),
     ("is off by 4x (wrong scale)", faults.scale_error_4x, r"M=1 .*norm is 4x the reference's.*scale error"),
     ("is wrong only at large M", faults.wrong_for_large_m, r"M=2500 .*norm is 0.04x"),
     ("leaves out unwritten", faults.leaves_out_unwritten, "output left unwritten"),
     ("returns another tensor", faults.returns_new_tensor, "other than `out`"),
-    ("garbles a few rows (not zeros)", faults.garbage_rows, r"M=7 N=224 K=160: call 1: relative error 0.[0-9]+ above 0.01"),
-    ("returns its previous result on the second call in a row of one shape (a stale workspace)", faults.make_stale_workspace(),
-     r"M=1 N=\d+ K=\d+: call 2: .*the same shape called again right after its first call"),
-    ("adds its previous partial sums on the second call in a row of one shape", faults.make_stale_workspace(mode="accumulates"),
-     r"M=1 N=\d+ K=\d+: call 2: .*the same shape called again right after its first call"),
+    (
+        "garbles a few rows (not zeros)",
+        faults.garbage_rows,
+        r"M=7 N=224 K=160: call 1: relative error 0.[0-9]+ above 0.01",
+    ),
+    (
+        "returns its previous result on the second call in a row of one shape (a stale workspace)",
+        faults.make_stale_workspace(),
+        r"M=1 N=\d+ K=\d+: call 2: .*the same shape called again right after its first call",
+    ),
+    (
+        "adds its previous partial sums on the second call in a row of one shape",
+        faults.make_stale_workspace(mode="accumulates"),
+        r"M=1 N=\d+ K=\d+: call 2: .*the same shape called again right after its first call",
+    ),
 ]
 
 
-@case("backend faults", "self-test (default shapes) of a backend that {fault}", "self-test fails and its reason names the fault")
+@case(
+    "backend faults",
+    "self-test (default shapes) of a backend that {fault}",
+    "self-test fails and its reason names the fault",
+)
 @pytest.mark.parametrize("fault, fn, reason", FAULTS, ids=[f[0] for f in FAULTS])
 def test_the_selftest_names_each_fault(fault, fn, reason):
     backends.register("faulty", fn)
@@ -104,15 +124,24 @@ print("returned after", time.perf_counter() - start, flush=True)
 """
 
 
-@case("backend faults", "a kernel that returns after the self-test's bound, and one that never returns (the call runs on the thread that will serve)",
-      "the slow one is rejected when its call returns late; the hung one holds the serving thread, so past the bound and its grace the watchdog writes what it knows and ends the process with EXIT_HUNG, naming the call and the backend")
-@background(lambda folder: python(_HANGS, folder, PYTHONPATH=pythonpath(Path(__file__).parent, Path(__file__).parents[1])))
+@case(
+    "backend faults",
+    "a kernel that returns after the self-test's bound, and one that never returns (the call runs on the thread that will serve)",
+    "the slow one is rejected when its call returns late; the hung one holds the serving thread, so past the bound and its grace the watchdog writes what it knows and ends the process with EXIT_HUNG, naming the call and the backend",
+)
+@background(
+    lambda folder: python(_HANGS, folder, PYTHONPATH=pythonpath(Path(__file__).parent, Path(__file__).parents[1]))
+)
 def test_a_hung_call_ends_the_process_after_its_bound_and_a_late_one_is_rejected(background, background_job):
     returncode, stdout, stderr = background
-    assert background_job.ended_at - background_job.started_at < 60, "the bound plus its grace, not the kernel's two minutes"
+    assert background_job.ended_at - background_job.started_at < 60, (
+        "the bound plus its grace, not the kernel's two minutes"
+    )
     assert returncode == verify.EXIT_HUNG, (returncode, stdout, stderr)
     lines = stdout.splitlines()
-    assert re.fullmatch(r"slow: False M=1 N=32 K=64: call 2 did not return within the self-test's time bound .*\[2\]", lines[0]), lines
+    assert re.fullmatch(
+        r"slow: False M=1 N=32 K=64: call 2 did not return within the self-test's time bound .*\[2\]", lines[0]
+    ), lines
     # 0.3 s a call, 0.5 s for all: the second call (the first shape's repeat) returns late, and no call follows it
     assert lines[1].startswith("hook: sm120_fp4: refusing to serve: call 1 (M=1 N=32 K=64) of backend 'hangs'"), lines
     assert not any(line.startswith("returned") for line in lines)
@@ -120,6 +149,7 @@ def test_a_hung_call_ends_the_process_after_its_bound_and_a_late_one_is_rejected
 
 
 # ---- properties of the metrics -------------------------------------------------------------------
+
 
 def _scaled_by(factor):
     def scaled(a, b, a_sf, b_sf, alpha, dtype, out):
@@ -131,7 +161,11 @@ def _scaled_by(factor):
 SMALL_SHAPES = [(1, 32, 64), (7, 96, 160), (129, 16, 32), (33, 40, 96)]
 
 
-@case("properties", "self-test of a backend off by a factor c in 0.5..2 over shapes", "norm_ratio == c and rel_err == |c-1| (to bf16 rounding); passes only when |c-1| <= 1%")
+@case(
+    "properties",
+    "self-test of a backend off by a factor c in 0.5..2 over shapes",
+    "norm_ratio == c and rel_err == |c-1| (to bf16 rounding); passes only when |c-1| <= 1%",
+)
 @hsettings(max_examples=25, **HYPOTHESIS)
 @given(factor=st.floats(0.5, 2.0), shape=st.sampled_from(SMALL_SHAPES))
 def test_selftest_metrics_measure_a_scale_error(factor, shape):
@@ -144,7 +178,11 @@ def test_selftest_metrics_measure_a_scale_error(factor, shape):
     assert result.passed == (abs(factor - 1) <= 0.005)
 
 
-@case("properties", "self-test of a backend that zeroes a chosen set of rows, or puts NaN at a chosen element", "zero_rows counts exactly those rows; the NaN's position is reported")
+@case(
+    "properties",
+    "self-test of a backend that zeroes a chosen set of rows, or puts NaN at a chosen element",
+    "zero_rows counts exactly those rows; the NaN's position is reported",
+)
 @hsettings(max_examples=25, **HYPOTHESIS)
 @given(data=st.data(), shape=st.sampled_from(SMALL_SHAPES))
 def test_selftest_metrics_locate_zero_rows_and_nans(data, shape):
@@ -169,7 +207,9 @@ def test_selftest_metrics_locate_zero_rows_and_nans(data, shape):
     if len(rows) == m:
         assert zeroed.reason == "call 1: output is all zeros" and zeroed.zero_rows == m
     else:
-        assert zeroed.zero_rows == len(rows) and zeroed.reason.startswith(f"call 1: {len(rows)} row(s) all zero"), zeroed.reason
+        assert zeroed.zero_rows == len(rows) and zeroed.reason.startswith(f"call 1: {len(rows)} row(s) all zero"), (
+            zeroed.reason
+        )
     nanned = verify.run("nan-at", cpu12(), shapes=[shape]).shapes[0]
     assert nanned.nonfinite == 1 and f"first at row {nan_at[0]}, column {nan_at[1]}" in nanned.reason
 
@@ -182,16 +222,21 @@ def _divides_by_column_amax(a, b, a_sf, b_sf, alpha, dtype, out):
     return out
 
 
-@case("backend faults", "a kernel that divides by each output column's weight amax (NaN where a weight row is all zero: a zeroed output column)",
-      "the generic self-test's weights have zeroed and subnormal-scaled rows, its activations every row kind: refused (non-finite)")
+@case(
+    "backend faults",
+    "a kernel that divides by each output column's weight amax (NaN where a weight row is all zero: a zeroed output column)",
+    "the generic self-test's weights have zeroed and subnormal-scaled rows, its activations every row kind: refused (non-finite)",
+)
 def test_the_selftest_data_has_zeroed_columns_subnormal_scales_and_structured_rows():
     x, _, (qx, qw, sx, sw, _) = verify.quantized_inputs((64, 96, 256), torch.device("cpu"), 0)
     act = nvfp4.unswizzle_scales(sx.view(torch.float8_e4m3fn), 64, 256).float()
     weight = nvfp4.unswizzle_scales(sw.T.contiguous(), 96, 256).float()
     for scales in (act, weight):
-        assert bool(((scales > 0) & (scales < 2 ** -6)).any()), "E4M3 subnormal block scales"
+        assert bool(((scales > 0) & (scales < 2**-6)).any()), "E4M3 subnormal block scales"
     assert bool((weight == 0).all(dim=1).any()), "a zeroed weight row: a zero output column"
-    assert bool((x >= 0).all(dim=1).any()) and bool(((x == 0).float().mean(dim=1) > 0.8).any()), "one-signed and sparse rows"
+    assert bool((x >= 0).all(dim=1).any()) and bool(((x == 0).float().mean(dim=1) > 0.8).any()), (
+        "one-signed and sparse rows"
+    )
     ratio = x.abs().amax(dim=1) / x.abs().median(dim=1).values.clamp_min(1e-30)
     assert bool((ratio > 1e3).any()), "rows with outliers 1e3-1e4 times the rest"
     assert not bool((x == 0).all(dim=1).any()), "never an all-zero row"
@@ -200,12 +245,17 @@ def test_the_selftest_data_has_zeroed_columns_subnormal_scales_and_structured_ro
     assert not report.passed and "non-finite" in report.reason
 
 
-@case("properties", "the fingerprint of a layer's weights after one byte changed, two words swapped, a value negated, or a tensor resized",
-      "differs from the one taken before; equal for unchanged tensors (no host synchronisation on CUDA)")
+@case(
+    "properties",
+    "the fingerprint of a layer's weights after one byte changed, two words swapped, a value negated, or a tensor resized",
+    "differs from the one taken before; equal for unchanged tensors (no host synchronisation on CUDA)",
+)
 @pytest.mark.parametrize("change", ["one byte", "two words swapped", "negated", "resized"])
 def test_a_weight_fingerprint_sees_each_kind_of_change(device, change):
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randint(0, 256, (96, 200), dtype=torch.uint8, generator=gen).to(device)  # 4800 words: a row of 4096 and a tail
+    weight = torch.randint(0, 256, (96, 200), dtype=torch.uint8, generator=gen).to(
+        device
+    )  # 4800 words: a row of 4096 and a tail
     scales = torch.randn(96, 16, generator=gen).to(torch.float8_e4m3fn).to(device)
     alpha = torch.tensor([0.25], device=device)
     before = verify.fingerprint((weight, scales, alpha))
@@ -251,9 +301,14 @@ def test_a_call_that_writes_into_a_large_input_is_caught_without_a_copy_of_it(wh
                 small[2] = 1.5
         return x * 2
 
-    cases = [verify.Case(4, 8, 16, invoke, reference, inputs=(x, big, small)), verify.Case(4, 8, 16, invoke, reference, inputs=(x, big, small))]
+    cases = [
+        verify.Case(4, 8, 16, invoke, reference, inputs=(x, big, small)),
+        verify.Case(4, 8, 16, invoke, reference, inputs=(x, big, small)),
+    ]
     run = verify.Sweep(cases, verify.Bounds(), torch.device("cpu"))
-    kept = list(run._snapshots.values())  # what the sweep holds between passes: x's and small's copies, big's fingerprint
+    kept = list(
+        run._snapshots.values()
+    )  # what the sweep holds between passes: x's and small's copies, big's fingerprint
     assert not any(isinstance(k, torch.Tensor) and k.numel() * k.element_size() > verify.COPY_LIMIT for k in kept)
     results = run.run(2)
     index = 2 if where == "a scale in the tail" else 1

@@ -8,10 +8,10 @@ import threading
 import types
 
 import pytest
-
 from helpers import faults
 from helpers.cases import case
 from helpers.common import CpuGpu, run_concurrently
+
 from sm120_fp4 import backends, deciding, serving, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.config import Settings
@@ -30,7 +30,9 @@ def test_decision_is_cached_per_device_and_process():
     backends.register("counting", counting)
     first = serving.decide(candidates=["counting"], settings=SIM)
     again = serving.decide(candidates=["counting"], settings=SIM)
-    assert first is again and len(calls) == 3 * len(verify.DEFAULT_SHAPES), "two passes (each shape twice in a row in the first), once per process"
+    assert first is again and len(calls) == 3 * len(verify.DEFAULT_SHAPES), (
+        "two passes (each shape twice in a row in the first), once per process"
+    )
 
 
 def test_concurrent_decides_on_one_device_share_one_selftest():
@@ -49,7 +51,11 @@ def test_concurrent_decides_on_one_device_share_one_selftest():
     assert len(calls) == 3 * len(verify.DEFAULT_SHAPES)
 
 
-@case("concurrency", "decide() for 3 devices from 12 threads at once", "one self-test per device, one Decision per device shared by all its callers, none lost")
+@case(
+    "concurrency",
+    "decide() for 3 devices from 12 threads at once",
+    "one self-test per device, one Decision per device shared by all its callers, none lost",
+)
 def test_decide_for_several_devices_at_once_tests_each_device_once():
     calls: dict[int, int] = {}
     lock = threading.Lock()
@@ -80,8 +86,11 @@ def test_decide_for_several_devices_at_once_tests_each_device_once():
     assert sorted(d.device_index for d in serving.decisions()) == [0, 1, 2]
 
 
-@case("own failures", "decide() refuses (every candidate fails its self-test)",
-      "status().refusals lists the refusal with the device, the family and each candidate's reason (decisions stay empty)")
+@case(
+    "own failures",
+    "decide() refuses (every candidate fails its self-test)",
+    "status().refusals lists the refusal with the device, the family and each candidate's reason (decisions stay empty)",
+)
 def test_a_refusal_from_decide_is_in_status_with_its_reasons():
     import sm120_fp4
 
@@ -97,9 +106,12 @@ def test_a_refusal_from_decide_is_in_status_with_its_reasons():
     assert [r.backend for r in refusal.reports] == ["zeros", "band"]
 
 
-@case("configuration", "FLASHINFER_NVFP4_4OVER6=1 set after install(), before the first layer's decision",
-      "ConfigError naming the variable and its value, before any candidate runs (none is blamed, nothing cached); "
-      "once it is unset the decision verifies")
+@case(
+    "configuration",
+    "FLASHINFER_NVFP4_4OVER6=1 set after install(), before the first layer's decision",
+    "ConfigError naming the variable and its value, before any candidate runs (none is blamed, nothing cached); "
+    "once it is unset the decision verifies",
+)
 def test_a_flashinfer_fp4_knob_set_after_install_is_named_at_the_decision(monkeypatch):
     import sm120_fp4
     from sm120_fp4.errors import ConfigError
@@ -107,15 +119,20 @@ def test_a_flashinfer_fp4_knob_set_after_install_is_named_at_the_decision(monkey
     calls = []
     backends.register("counting", lambda *args: calls.append(1) or faults.healthy(*args))
     monkeypatch.setenv("FLASHINFER_NVFP4_4OVER6", "1")
-    with pytest.raises(ConfigError, match=r"FLASHINFER_NVFP4_4OVER6='1' set: this changes FlashInfer's FP4 quantization recipe"):
+    with pytest.raises(
+        ConfigError, match=r"FLASHINFER_NVFP4_4OVER6='1' set: this changes FlashInfer's FP4 quantization recipe"
+    ):
         sm120_fp4.decide(candidates=["counting"], settings=SIM)
     assert calls == [] and sm120_fp4.status().refusals == [], "no candidate ran, none was blamed"
     monkeypatch.delenv("FLASHINFER_NVFP4_4OVER6")
     assert sm120_fp4.decide(candidates=["counting"], settings=SIM).verified
 
 
-@case("configuration", "SELECT=fastest with two verified kernels: one fast on the self-test's shapes but 1000x slower at a prefill M, one steady",
-      "the layer configuration's served calls are timed at its serving batch sizes (decode and the prefill chunk): the steady kernel serves, its time per configuration recorded")
+@case(
+    "configuration",
+    "SELECT=fastest with two verified kernels: one fast on the self-test's shapes but 1000x slower at a prefill M, one steady",
+    "the layer configuration's served calls are timed at its serving batch sizes (decode and the prefill chunk): the steady kernel serves, its time per configuration recorded",
+)
 @pytest.mark.default_prefill
 def test_select_fastest_times_the_served_layer_configurations_at_their_serving_batch_sizes(monkeypatch):
     pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
@@ -144,15 +161,18 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
         assert decision.backend == "steady" and sm120_fp4.status().routes == {-1: "steady"}
         assert "served layer configurations at their serving batch sizes" in decision.reason
         sizes = hooks.recheck_sizes(hooks.max_capture_batch())
-        assert 8192 in sizes and decision.timings_ms == pytest.approx({"steady": 10.0 * len(sizes),
-                                                                       "prefill-slow": 1000.0 + 1.0 * (len(sizes) - 1)})
+        assert 8192 in sizes and decision.timings_ms == pytest.approx(
+            {"steady": 10.0 * len(sizes), "prefill-slow": 1000.0 + 1.0 * (len(sizes) - 1)}
+        )
     finally:
         sm120_fp4.uninstall()
 
 
-
-@case("configuration", "decide(refresh=True) for the device whose decision serves, before and after a layer was verified with it",
-      "before: the refreshed decision serves (status and the route agree); after: ConfigError naming the device and the backend, the route unchanged")
+@case(
+    "configuration",
+    "decide(refresh=True) for the device whose decision serves, before and after a layer was verified with it",
+    "before: the refreshed decision serves (status and the route agree); after: ConfigError naming the device and the backend, the route unchanged",
+)
 def test_a_refresh_of_the_serving_decision_is_refused_once_layers_were_verified_with_it():
     pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
     import sm120_fp4
@@ -166,10 +186,16 @@ def test_a_refresh_of_the_serving_decision_is_refused_once_layers_were_verified_
         serving.route(-1, settings)
         [first] = serving.decisions()
         refreshed = serving.decide(-1, settings=settings, refresh=True)
-        assert refreshed is not first and serving.decisions() == [refreshed] and sm120_fp4.status().routes == {-1: "emulated"}
+        assert (
+            refreshed is not first
+            and serving.decisions() == [refreshed]
+            and sm120_fp4.status().routes == {-1: "emulated"}
+        )
         layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
         served = serving.route_table()[-1]
-        with pytest.raises(ConfigError, match=r"simulated.*already serves 1 verified layer configuration\(s\) with emulated"):
+        with pytest.raises(
+            ConfigError, match=r"simulated.*already serves 1 verified layer configuration\(s\) with emulated"
+        ):
             serving.decide(-1, settings=settings, refresh=True)
         assert serving.route_table()[-1] is served and sm120_fp4.status().routes == {-1: "emulated"}
     finally:

@@ -14,21 +14,33 @@ import threading
 
 import pytest
 import torch
-
-import sm120_fp4
 from helpers import children, faults
 from helpers.cases import case
-from helpers.common import (SIM, SIM_ENV, alias_name, alias_spec_name, assert_not_patched, assert_patched_once,
-                            mm_fp4_operands, patch_state, run_concurrently, sglang_alias)
-from helpers.procs import REPO, Spawned, background, clean_env, ours, python, with_repo_pth
+from helpers.common import (
+    SIM,
+    SIM_ENV,
+    alias_name,
+    alias_spec_name,
+    assert_not_patched,
+    assert_patched_once,
+    mm_fp4_operands,
+    patch_state,
+    run_concurrently,
+    sglang_alias,
+)
+from helpers.procs import REPO, Spawned, background, clean_env, python, with_repo_pth
+
+import sm120_fp4
 from sm120_fp4 import backends
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.demo import synthetic
+from sm120_fp4.errors import ConfigError, RefusedToServe
 from sm120_fp4.sglang import layers, release
 from sm120_fp4.sglang import targets as sglang_targets
-from sm120_fp4.errors import ConfigError, RefusedToServe
 
-mq = pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
+mq = pytest.importorskip(
+    "sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)"
+)
 import flashinfer  # noqa: E402  (installed with SGLang's pin)
 
 try:  # the runner enum: 0.5.8+ (scripts/sglang_matrix.py runs this file on every era)
@@ -37,8 +49,9 @@ except ImportError:
     fp4_utils = None
 ENUM = getattr(fp4_utils, "Fp4GemmRunnerBackend", None)
 REPINNED = ("AUTO", "FLASHINFER_CUDNN")  # targets.pin_runner_backend: only these become FLASHINFER_CUTLASS
-needs_enum = pytest.mark.skipif(ENUM is None, reason=f"SGLang {release.sglang_version()} has no Fp4GemmRunnerBackend (0.5.8+)")
-
+needs_enum = pytest.mark.skipif(
+    ENUM is None, reason=f"SGLang {release.sglang_version()} has no Fp4GemmRunnerBackend (0.5.8+)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +60,7 @@ def _uninstalled(sglang_unpatched):
 
 
 # ---- the real linear path in simulation ---------------------------------------------------
+
 
 @pytest.mark.parametrize("n, k, m", [(96, 160, 7), (40, 64, 1), (256, 512, 130)])
 def test_modelopt_layer_runs_through_the_patch_and_matches_the_reference(caplog, n, k, m):
@@ -75,7 +89,10 @@ def test_a_misbehaving_backend_stops_process_weights_after_loading():
 
 
 def test_compressed_tensors_w4a4_weights_hook_decides_first():
-    ct = pytest.importorskip(release.CT, reason=f"SGLang {release.sglang_version()} has no compressed-tensors W4A4 NVFP4 linear scheme (0.5.7+)")
+    ct = pytest.importorskip(
+        release.CT,
+        reason=f"SGLang {release.sglang_version()} has no compressed-tensors W4A4 NVFP4 linear scheme (0.5.7+)",
+    )
     backends.register("nan", faults.single_nan)
     sm120_fp4.install(simulate="12.0", backends="nan")
     assert patch_state("compressed-tensors-w4a4-weights-hook") == "applied"
@@ -86,12 +103,13 @@ def test_compressed_tensors_w4a4_weights_hook_decides_first():
 
 
 @pytest.mark.parametrize("mode", ["strict", "warn"])
-def test_an_nvfp4_moe_layer_on_a_release_without_the_moe_seam_is_refused_before_sglang_processes_it(monkeypatch, caplog, mode):
+def test_an_nvfp4_moe_layer_on_a_release_without_the_moe_seam_is_refused_before_sglang_processes_it(
+    monkeypatch, caplog, mode
+):
     """Before 0.5.15 (no fused-MoE seam) the experts cannot be routed or verified: strict refuses
     before SGLang touches the weights; warn serves them with one warning. On a newer release the
     installed version is made to read as 0.5.14 (the check is the version range, not the module)."""
-    from sm120_fp4.sglang import wiring
-    from sm120_fp4.sglang import moe
+    from sm120_fp4.sglang import moe, wiring
     from sm120_fp4.versions import version_in
 
     installed = release.sglang_version()
@@ -114,12 +132,13 @@ def test_an_nvfp4_moe_layer_on_a_release_without_the_moe_seam_is_refused_before_
             hook(method, layer)
         except RefusedToServe:
             raise
-        except Exception:  # noqa: BLE001 - SGLang's own processing of a dummy layer may fail; not under test
+        except Exception:
             pass
         assert any("UNVERIFIED" in r.getMessage() for r in caplog.records)
 
 
 # ---- the runner enum ----------------------------------------------------------------------
+
 
 @needs_enum
 @pytest.mark.parametrize("start", [*REPINNED, None])
@@ -137,11 +156,16 @@ def test_enum_is_pinned_to_cutlass_from_auto_or_cudnn_and_restored(start):
 
 
 @needs_enum
-@case("backend faults", "SGLang's runner enum with a member this library does not know ({member}, as a later SGLang adds "
-      "it), chosen for the dense FP4 GEMM on a 12.x GPU",
-      "refused at the first NVFP4 layer's weights, before SGLang processes them: the message names the member and the "
-      "flag to use instead (--fp4-gemm-backend flashinfer_cutlass); the enum is left as SGLang set it")
-@pytest.mark.parametrize("member, value", [("FLASHINFER_B12X", "flashinfer_b12x"), ("FLASHINFER_NEXT", "flashinfer_next")])
+@case(
+    "backend faults",
+    "SGLang's runner enum with a member this library does not know ({member}, as a later SGLang adds "
+    "it), chosen for the dense FP4 GEMM on a 12.x GPU",
+    "refused at the first NVFP4 layer's weights, before SGLang processes them: the message names the member and the "
+    "flag to use instead (--fp4-gemm-backend flashinfer_cutlass); the enum is left as SGLang set it",
+)
+@pytest.mark.parametrize(
+    "member, value", [("FLASHINFER_B12X", "flashinfer_b12x"), ("FLASHINFER_NEXT", "flashinfer_next")]
+)
 def test_an_unknown_runner_enum_member_is_refused_by_name(monkeypatch, member, value):
     from helpers.common import extend_enum
 
@@ -154,8 +178,12 @@ def test_an_unknown_runner_enum_member_is_refused_by_name(monkeypatch, member, v
     assert fp4_utils.FP4_GEMM_RUNNER_BACKEND is new, "never pinned to another layout behind the operator's back"
 
 
-@case("backend faults", "an FP4 GEMM call with backend={backend!r} (a FlashInfer backend this library does not route) on a "
-      "verified 12.x device", "refused by name with the flag to use instead; never the unverified original")
+@case(
+    "backend faults",
+    "an FP4 GEMM call with backend={backend!r} (a FlashInfer backend this library does not route) on a "
+    "verified 12.x device",
+    "refused by name with the flag to use instead; never the unverified original",
+)
 @pytest.mark.parametrize("backend", ["b12x", "cutlass_v2"])
 def test_a_call_naming_an_unknown_backend_is_refused_not_served_unverified(backend):
     import sglang.srt.layers.quantization.modelopt_quant as mq
@@ -164,23 +192,39 @@ def test_a_call_naming_an_unknown_backend_is_refused_not_served_unverified(backe
     layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))  # the device is decided and verified
     alias = getattr(mq, alias_name())
     a, b, a_sf, b_sf, alpha = mm_fp4_operands(8)
-    with pytest.raises(RefusedToServe, match=rf"backend={backend!r} on device -1.*--fp4-gemm-backend flashinfer_cutlass"):
+    with pytest.raises(
+        RefusedToServe, match=rf"backend={backend!r} on device -1.*--fp4-gemm-backend flashinfer_cutlass"
+    ):
         alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=backend)
     for passed in ("auto", "cudnn", "cutlass"):  # the names it routes still serve
         assert alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend=passed).shape == (8, 32)
 
 
-@case("backend faults", "a routed FP4 GEMM call with {kwargs} (an argument the verified backend was not verified for) on a "
-      "verified 12.x device", "refused by name, naming the argument and its value; never the unverified original")
-@pytest.mark.parametrize("kwargs", [{"block_size": 32}, {"use_8x4_sf_layout": True}, {"batch_invariant": True},
-                                    {"use_nvfp4": False}, {"enable_pdl": True, "tactic": 3}])
+@case(
+    "backend faults",
+    "a routed FP4 GEMM call with {kwargs} (an argument the verified backend was not verified for) on a "
+    "verified 12.x device",
+    "refused by name, naming the argument and its value; never the unverified original",
+)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_size": 32},
+        {"use_8x4_sf_layout": True},
+        {"batch_invariant": True},
+        {"use_nvfp4": False},
+        {"enable_pdl": True, "tactic": 3},
+    ],
+)
 def test_a_routed_call_with_an_argument_not_verified_is_refused_by_name(kwargs):
     sm120_fp4.install(**SIM)
     layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))  # the device is decided and verified
     alias = getattr(mq, alias_name())
     a, b, a_sf, b_sf, alpha = mm_fp4_operands(8)
     name, value = next((k, v) for k, v in kwargs.items() if k != "enable_pdl")
-    with pytest.raises(RefusedToServe, match=rf"mm_fp4 with {name}={value!r} on device -1: .*verified.*SM120_FP4_SELFTEST=warn"):
+    with pytest.raises(
+        RefusedToServe, match=rf"mm_fp4 with {name}={value!r} on device -1: .*verified.*SM120_FP4_SELFTEST=warn"
+    ):
         alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend="cutlass", **kwargs)
     want = emulated_mm_fp4(a, b, a_sf, b_sf, alpha, torch.bfloat16, torch.empty(8, 32, dtype=torch.bfloat16))
     served = alias(a, b, a_sf, b_sf, alpha, torch.bfloat16, backend="cutlass", enable_pdl=True, batch_invariant=False)
@@ -188,22 +232,32 @@ def test_a_routed_call_with_an_argument_not_verified_is_refused_by_name(kwargs):
 
 
 @needs_enum
-@pytest.mark.skipif(not hasattr(mq.ModelOptFp4LinearMethod, "create_weights") or "quant_mode" not in
-                    __import__("inspect").getsource(mq.ModelOptFp4LinearMethod.__init__),
-                    reason="ModelOptFp4LinearMethod has no quant_mode before 0.5.19")
-@case("backend faults", "a ModelOpt NVFP4 layer SGLang serves with quant_mode='w4a16' (SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16 "
-      "with the flashinfer_cutedsl runner: FlashInfer's mm_bf16_fp4, past the routed alias) on a 12.x GPU",
-      "refused at the layer's load, before SGLang processes its weights, naming the quant mode, the knob and what to do")
+@pytest.mark.skipif(
+    not hasattr(mq.ModelOptFp4LinearMethod, "create_weights")
+    or "quant_mode" not in __import__("inspect").getsource(mq.ModelOptFp4LinearMethod.__init__),
+    reason="ModelOptFp4LinearMethod has no quant_mode before 0.5.19",
+)
+@case(
+    "backend faults",
+    "a ModelOpt NVFP4 layer SGLang serves with quant_mode='w4a16' (SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16 "
+    "with the flashinfer_cutedsl runner: FlashInfer's mm_bf16_fp4, past the routed alias) on a 12.x GPU",
+    "refused at the layer's load, before SGLang processes its weights, naming the quant mode, the knob and what to do",
+)
 def test_a_w4a16_quant_mode_layer_is_refused_at_load(monkeypatch):
     monkeypatch.setenv("SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16", "1")
     monkeypatch.setattr(fp4_utils, "FP4_GEMM_RUNNER_BACKEND", ENUM.FLASHINFER_CUTEDSL)
     sm120_fp4.install(**SIM)
-    with pytest.raises(RefusedToServe, match=r"(?s)quant_mode='w4a16'.*mm_bf16_fp4.*Unset SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"):
+    with pytest.raises(
+        RefusedToServe, match=r"(?s)quant_mode='w4a16'.*mm_bf16_fp4.*Unset SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
+    ):
         layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
 
 
-needs_kda = pytest.mark.skipif(not release.sglang_version() or not __import__("sm120_fp4.versions").versions.version_in(
-    release.sglang_version(), ">=0.5.20"), reason="SGLang's KDA NVFP4 GEMM fast path exists from 0.5.20")
+needs_kda = pytest.mark.skipif(
+    not release.sglang_version()
+    or not __import__("sm120_fp4.versions").versions.version_in(release.sglang_version(), ">=0.5.20"),
+    reason="SGLang's KDA NVFP4 GEMM fast path exists from 0.5.20",
+)
 
 
 @pytest.fixture
@@ -223,15 +277,22 @@ def kda_fires(monkeypatch):
         return torch.full((input.shape[0], weight.shape[1]), 7.0, dtype=torch.bfloat16)
 
     monkeypatch.setattr(kda, "_supports", lambda *args: True)
-    monkeypatch.setitem(sys.modules, "sglang.kernels.kda_kernels.qwen3x_nvfp4_gemm_sm120",
-                        types.SimpleNamespace(_run_qwen3x_nvfp4_gemm=garbage))
+    monkeypatch.setitem(
+        sys.modules,
+        "sglang.kernels.kda_kernels.qwen3x_nvfp4_gemm_sm120",
+        types.SimpleNamespace(_run_qwen3x_nvfp4_gemm=garbage),
+    )
     return calls
 
 
 @needs_kda
-@case("backend faults", "SGLang's own KDA NVFP4 GEMM fast path (try_qwen3x_nvfp4_gemm, 0.5.20+) firing for a layer on a "
-      "12.x device, its kernel returning garbage", "never serves there: the gate declines (logged once), the layer's "
-      "output is the oracle's through the routed alias; SGLang's gate is back after uninstall")
+@case(
+    "backend faults",
+    "SGLang's own KDA NVFP4 GEMM fast path (try_qwen3x_nvfp4_gemm, 0.5.20+) firing for a layer on a "
+    "12.x device, its kernel returning garbage",
+    "never serves there: the gate declines (logged once), the layer's "
+    "output is the oracle's through the routed alias; SGLang's gate is back after uninstall",
+)
 def test_sglangs_kda_fast_path_never_serves_on_a_served_device(kda_fires, caplog):
     import sglang.kernels.ops.gemm as ops_gemm
 
@@ -262,7 +323,9 @@ def test_sglangs_kda_fast_path_stays_on_a_device_not_served(kda_fires):
 
     sm120_fp4.install(simulate="9.0", backends="emulated")
     a, b, a_sf, b_sf, alpha = mm_fp4_operands(2)
-    assert torch.all(ops_gemm.try_qwen3x_nvfp4_gemm(a, b, a_sf, b_sf, alpha, torch.bfloat16, 32) == 7) and kda_fires == [2]
+    assert torch.all(
+        ops_gemm.try_qwen3x_nvfp4_gemm(a, b, a_sf, b_sf, alpha, torch.bfloat16, 32) == 7
+    ) and kda_fires == [2]
 
 
 @needs_enum
@@ -278,6 +341,7 @@ def test_enum_values_chosen_for_other_layouts_are_never_touched():
 
 
 # ---- idempotence, undo, threads -----------------------------------------------------------
+
 
 def test_install_install_uninstall_install_leaves_one_layer_and_restores_identity(caplog):
     original_hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
@@ -333,10 +397,14 @@ def test_status_is_json_with_every_target_and_the_decision():
 
 # ---- fail closed ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("version", ["0.5.2", "0.5.24", "0.5.24.dev0", "0.6.0"])
-@case("own failures", "install() with the toggle on, a 12.x GPU and SGLang {version} installed (outside the supported range)",
-      "nothing patched; one WARNING says the NVFP4 layers are served UNVERIFIED, naming the version, the supported range "
-      "and how to proceed; with SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified it says so as asked")
+@case(
+    "own failures",
+    "install() with the toggle on, a 12.x GPU and SGLang {version} installed (outside the supported range)",
+    "nothing patched; one WARNING says the NVFP4 layers are served UNVERIFIED, naming the version, the supported range "
+    "and how to proceed; with SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified it says so as asked",
+)
 def test_a_release_outside_the_range_is_left_untouched_with_one_warning(monkeypatch, caplog, version):
     monkeypatch.setattr(release, "sglang_version", lambda: version)
     caplog.set_level(logging.WARNING, "sm120_fp4")
@@ -349,7 +417,11 @@ def test_a_release_outside_the_range_is_left_untouched_with_one_warning(monkeypa
     sm120_fp4.install(**SIM)
     assert sum("outside the releases" in r.getMessage() for r in caplog.records) == 1, "once per process"
     status = sm120_fp4.install(**SIM, unsupported_release="serve-unverified")
-    assert not status.installed and "served UNVERIFIED" in status.message and f"{release.OPT_OUT}: as asked" in status.message
+    assert (
+        not status.installed
+        and "served UNVERIFIED" in status.message
+        and f"{release.OPT_OUT}: as asked" in status.message
+    )
 
 
 def test_no_12x_gpu_means_nothing_is_patched():
@@ -374,12 +446,19 @@ def test_bad_settings_fail_at_install_not_at_serve_time(monkeypatch):
     assert_not_patched()
 
 
-@pytest.mark.parametrize("version, message", [
-    (None, "sglang is not installed"),
-    ("not-a-version", "SGLang 'not-a-version' is installed, a version sm120_fp4 cannot read"),
-    ("0.5.24rc1", "outside the releases"),
-])
-@case("own failures", "SGLang version {version}", "install() changes nothing and says why in its status message, without raising")
+@pytest.mark.parametrize(
+    "version, message",
+    [
+        (None, "sglang is not installed"),
+        ("not-a-version", "SGLang 'not-a-version' is installed, a version sm120_fp4 cannot read"),
+        ("0.5.24rc1", "outside the releases"),
+    ],
+)
+@case(
+    "own failures",
+    "SGLang version {version}",
+    "install() changes nothing and says why in its status message, without raising",
+)
 def test_a_missing_or_unreadable_sglang_version_is_left_untouched(monkeypatch, version, message):
     monkeypatch.setattr(release, "sglang_version", lambda: version)
     status = sm120_fp4.install(**SIM)
@@ -395,7 +474,11 @@ def sglang_plugin():
     return point.load()
 
 
-@case("own failures", "plugin entry point with SM120_FP4=1 when SGLang's metadata is missing", "the entry point returns without raising; nothing patched")
+@case(
+    "own failures",
+    "plugin entry point with SM120_FP4=1 when SGLang's metadata is missing",
+    "the entry point returns without raising; nothing patched",
+)
 def test_the_plugin_entry_point_never_raises_without_sglang(monkeypatch):
     monkeypatch.setenv("SM120_FP4", "1")
     for name, value in SIM_ENV.items():
@@ -420,13 +503,18 @@ def test_the_plugin_entry_point_does_nothing_without_the_toggle(monkeypatch):
 
 # ---- faults at serve time, and the library's own failures ----------------------------------------
 
+
 def _raises_at_m6(a, b, a_sf, b_sf, alpha, dtype, out):
     if a.shape[0] == 6:  # a batch size neither the self-test nor the layer check tries: it shows only at serve time
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
 
-@case("backend faults", "verified backend raises at serve time (M=6, outside the self-test shapes and the layer's batch sizes)", "the original exception reaches SGLang's caller unchanged; no output, never zeros")
+@case(
+    "backend faults",
+    "verified backend raises at serve time (M=6, outside the self-test shapes and the layer's batch sizes)",
+    "the original exception reaches SGLang's caller unchanged; no output, never zeros",
+)
 def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
     backends.register("flaky", _raises_at_m6)
     sm120_fp4.install(simulate="12.0", backends="flaky")
@@ -437,10 +525,16 @@ def test_a_serve_time_exception_propagates_and_is_never_turned_into_zeros():
     with pytest.raises(RuntimeError, match="illegal memory access") as err:
         method.apply(layer, torch.randn(6, 64).to(torch.bfloat16))
     frames = [f.name for f in err.traceback]
-    assert "_raises_at_m6" in frames and "flashinfer_fp4_gemm" in frames, "the backend's own frame, through our dispatch"
+    assert "_raises_at_m6" in frames and "flashinfer_fp4_gemm" in frames, (
+        "the backend's own frame, through our dispatch"
+    )
 
 
-@case("backend faults", "serve-time exception from the decided backend", "the exception carries context: which sm120_fp4 backend on which device raised")
+@case(
+    "backend faults",
+    "serve-time exception from the decided backend",
+    "the exception carries context: which sm120_fp4 backend on which device raised",
+)
 def test_a_serve_time_exception_names_the_backend_and_device():
     backends.register("flaky", _raises_at_m6)
     sm120_fp4.install(simulate="12.0", backends="flaky", selftest="off")  # the serve-time path is under test
@@ -453,7 +547,12 @@ def test_a_serve_time_exception_names_the_backend_and_device():
 
 # ---- 4. the library's own failures never break the host ----------------------------------
 
-@case("own failures", "a post-import hook raises inside the patch engine (alias check)", "install() returns; the alias is left as SGLang's; ledger says 'internal error'; one warning line; layers still load")
+
+@case(
+    "own failures",
+    "a post-import hook raises inside the patch engine (alias check)",
+    "install() returns; the alias is left as SGLang's; ledger says 'internal error'; one warning line; layers still load",
+)
 def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(monkeypatch, caplog):
     def boom(original):
         raise RuntimeError("boom in a hook")
@@ -468,7 +567,9 @@ def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(mon
     assert lines == [f"sm120_fp4: patch {alias_spec_name()} failed, SGLang left unpatched there: boom in a hook"]
     # SGLang's load path still runs, and the layer check finds that what would serve (the unpatched
     # alias: FlashInfer's CUDA kernel, on this CPU) does not work: refused, not served unverified.
-    with pytest.raises(RefusedToServe, match=r"(?s)for ModelOptFp4LinearMethod N=32 K=64.*M=1 N=32 K=64: call 1 raised"):
+    with pytest.raises(
+        RefusedToServe, match=r"(?s)for ModelOptFp4LinearMethod N=32 K=64.*M=1 N=32 K=64: call 1 raised"
+    ):
         layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
 
 
@@ -476,7 +577,12 @@ def test_an_exception_inside_a_post_import_hook_leaves_that_target_unpatched(mon
 
 # ---- 5. concurrency ----------------------------------------------------------------------
 
-@case("concurrency", "8 threads x 15 seeded random install/uninstall/status calls", "no exception; afterwards patched exactly once or not at all, matching status(); uninstall restores every original")
+
+@case(
+    "concurrency",
+    "8 threads x 15 seeded random install/uninstall/status calls",
+    "no exception; afterwards patched exactly once or not at all, matching status(); uninstall restores every original",
+)
 def test_install_uninstall_status_from_many_threads_stay_consistent():
     original_hook = mq.ModelOptFp4LinearMethod.__dict__["process_weights_after_loading"]
     barrier, errors = threading.Barrier(8), []
@@ -504,10 +610,19 @@ def test_install_uninstall_status_from_many_threads_stay_consistent():
 
 # ---- new interpreters (background jobs started at session start, see conftest.py) ---------------
 
-@case("backend faults", "spawned scheduler (SM120_FP4=1, SIMULATE=12.0, SELFTEST=strict, BACKENDS=zeros) imports SGLang and loads an NVFP4 layer",
-      "the child patched itself from the inherited environment; RefusedToServe: it exits non-zero and its stderr names the backend and the fault")
-@background(lambda folder: Spawned(children.scheduler_with_broken_backend, clean_env(
-    SM120_FP4="1", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros", SM120_FP4_SELFTEST="strict"), folder))
+
+@case(
+    "backend faults",
+    "spawned scheduler (SM120_FP4=1, SIMULATE=12.0, SELFTEST=strict, BACKENDS=zeros) imports SGLang and loads an NVFP4 layer",
+    "the child patched itself from the inherited environment; RefusedToServe: it exits non-zero and its stderr names the backend and the fault",
+)
+@background(
+    lambda folder: Spawned(
+        children.scheduler_with_broken_backend,
+        clean_env(SM120_FP4="1", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="zeros", SM120_FP4_SELFTEST="strict"),
+        folder,
+    )
+)
 def test_strict_worker_with_a_broken_backend_refuses_to_serve_with_a_nonzero_exit(background):
     exitcode, _, stderr = background
     assert f"child: alias patch {alias_spec_name()}" in stderr, stderr
@@ -546,7 +661,11 @@ print(json.dumps({"installed": installed, "sglang_has_mm_fp4": getattr(mq, "enab
 """
 
 
-@case("own failures", "FlashInfer not importable, real SGLang import after install()", "install() and SGLang's import succeed; the alias is skipped with one warning line; the layer check refuses the layer, whose served call cannot run")
+@case(
+    "own failures",
+    "FlashInfer not importable, real SGLang import after install()",
+    "install() and SGLang's import succeed; the alias is skipped with one warning line; the layer check refuses the layer, whose served call cannot run",
+)
 @background(lambda folder: python(MISSING_FLASHINFER, folder, cwd=folder))
 def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(background):
     rc, stdout, stderr = background
@@ -564,6 +683,7 @@ def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(b
 
 
 # ---- the activation quantizer: decided by what the release's linear path calls ------------------
+
 
 def legacy_apply(self, layer, x, bias=None):
     """0.5.3-0.5.4.post1's linear path: sgl_kernel's scaled_fp4_quant (bound only with CUDA)."""
@@ -584,6 +704,7 @@ def _quantizer_runs(caplog) -> dict:
     import inspect
 
     import sglang.srt.layers.quantization.modelopt_quant as mq
+
     from sm120_fp4 import doctor
 
     method = mq.ModelOptFp4LinearMethod
@@ -592,20 +713,31 @@ def _quantizer_runs(caplog) -> dict:
     out = {"apply_source": inspect.getsource(real_apply)}
 
     def ledger():
-        return {p.name: [p.state, p.reason] for p in sm120_fp4.status().patches if p.name.startswith("sim-activation-quantizer")}
+        return {
+            p.name: [p.state, p.reason]
+            for p in sm120_fp4.status().patches
+            if p.name.startswith("sim-activation-quantizer")
+        }
 
     for name, apply in (("installed", real_apply), ("legacy", legacy_apply), ("unknown", other_apply)):
         start = len(caplog.records)
         method.apply = apply
         try:
             sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
-            out[name] = {"ledger": ledger(), "scaled_fp4_quant": repr(mq.__dict__.get("scaled_fp4_quant")),
-                         "fp4_quantize_patched": getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None)}
+            out[name] = {
+                "ledger": ledger(),
+                "scaled_fp4_quant": repr(mq.__dict__.get("scaled_fp4_quant")),
+                "fp4_quantize_patched": getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None),
+            }
             sm120_fp4.uninstall()
-            out[name]["after_uninstall"] = [mq.__dict__.get("scaled_fp4_quant") is had_scaled,
-                                            getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None)]
+            out[name]["after_uninstall"] = [
+                mq.__dict__.get("scaled_fp4_quant") is had_scaled,
+                getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None),
+            ]
             out[name]["problems"] = [p for p in doctor.collect()["problems"] if "sim-activation-quantizer" in p]
-            out[name]["warnings"] = [r.getMessage() for r in caplog.records[start:] if "cannot take effect" in r.getMessage()]
+            out[name]["warnings"] = [
+                r.getMessage() for r in caplog.records[start:] if "cannot take effect" in r.getMessage()
+            ]
         finally:
             method.apply = real_apply
     return out
@@ -628,8 +760,13 @@ def test_the_activation_quantizer_stand_in_is_the_one_the_linear_path_calls(sgla
         ledger = out[run]["ledger"]
         assert ledger[names[called]] == ["applied", None], (run, ledger)
         state, reason = ledger[names[other]]
-        assert state == "skipped" and reason.startswith("not needed:") and f"calls {called}, not {other}" in reason, (run, reason)
-        assert out[run]["fp4_quantize_patched"] == ("sim-activation-quantizer" if called == "fp4_quantize" else None), run
+        assert state == "skipped" and reason.startswith("not needed:") and f"calls {called}, not {other}" in reason, (
+            run,
+            reason,
+        )
+        assert out[run]["fp4_quantize_patched"] == ("sim-activation-quantizer" if called == "fp4_quantize" else None), (
+            run
+        )
         assert out[run]["after_uninstall"] == [True, None], (run, "uninstall() restores both names")
         assert out[run]["problems"] == [], (run, out[run]["problems"])
     assert "scaled_fp4_quant" in out["legacy"]["scaled_fp4_quant"], "bound to the oracle's quantizer"
@@ -641,8 +778,10 @@ def test_the_activation_quantizer_stand_in_is_the_one_the_linear_path_calls(sgla
         assert "calls none of fp4_quantize, scaled_fp4_quant" in reason, reason
     assert unknown["fp4_quantize_patched"] is None and unknown["after_uninstall"] == [True, None]
     assert len(unknown["warnings"]) == 2, unknown["warnings"]
-    assert any(p.startswith("simulation cannot run on this SGLang release: sim-activation-quantizer: cannot take effect")
-               for p in unknown["problems"]), unknown["problems"]
+    assert any(
+        p.startswith("simulation cannot run on this SGLang release: sim-activation-quantizer: cannot take effect")
+        for p in unknown["problems"]
+    ), unknown["problems"]
 
 
 # ---- install() after the start-up hook; reloads ----------------------------------------------
@@ -666,16 +805,25 @@ print(json.dumps([before, after.settings['fallback'], os.environ.get('SM120_FP4_
 """
 
 
-@case("own failures", "`install(fallback='emulated')` in a worker the SM120_FP4=1 start-up hook already installed from the environment, then `install(select='fastest')` after a decision",
-      "the first applies the keyword (installed again, exported to the environment, patched once, a warning says so); the second raises ConfigError naming the setting, the values and SM120_FP4_SELECT: never ignored silently")
-@background(lambda folder: with_repo_pth(AFTER_HOOK, folder, cwd=folder, SM120_FP4="1", **SIM_ENV, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"))
+@case(
+    "own failures",
+    "`install(fallback='emulated')` in a worker the SM120_FP4=1 start-up hook already installed from the environment, then `install(select='fastest')` after a decision",
+    "the first applies the keyword (installed again, exported to the environment, patched once, a warning says so); the second raises ConfigError naming the setting, the values and SM120_FP4_SELECT: never ignored silently",
+)
+@background(
+    lambda folder: with_repo_pth(
+        AFTER_HOOK, folder, cwd=folder, SM120_FP4="1", **SIM_ENV, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"
+    )
+)
 def test_install_after_the_start_up_hook_applies_or_refuses_the_keywords(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
     before, after, exported, refused, select = json.loads(stdout.strip().splitlines()[-1])
     assert (before, after, exported) == ("none", "emulated", "emulated"), stderr
     assert "re-installing with them" in stderr and "installed by the environment" in stderr
-    assert refused is not None and "select: 'first' in force, 'fastest' asked" in refused and "SM120_FP4_SELECT" in refused
+    assert (
+        refused is not None and "select: 'first' in force, 'fastest' asked" in refused and "SM120_FP4_SELECT" in refused
+    )
     assert select == "first"
 
 
@@ -701,8 +849,11 @@ print(json.dumps([getattr(alias, '__sm120_fp4_patch__', None), states, verified,
 """
 
 
-@case("own failures", "`importlib.reload()` of SGLang's real modelopt_quant after install(), then a layer loads; then other code puts the original alias back",
-      "the reload is patched again (alias and weights hooks; status() says so) and the layer is verified; the put-back original shows as `replaced` in status(), never `applied`")
+@case(
+    "own failures",
+    "`importlib.reload()` of SGLang's real modelopt_quant after install(), then a layer loads; then other code puts the original alias back",
+    "the reload is patched again (alias and weights hooks; status() says so) and the layer is verified; the put-back original shows as `replaced` in status(), never `applied`",
+)
 @background(lambda folder: python(RELOAD, folder, cwd=folder, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"))
 def test_a_reload_of_modelopt_quant_is_patched_again_and_status_tells_the_truth(background):
     rc, stdout, stderr = background

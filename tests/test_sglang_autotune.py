@@ -15,11 +15,11 @@ import types
 
 import pytest
 import torch
-
-import sm120_fp4
 from helpers import sglang_layers
 from helpers.cases import case
 from helpers.common import patch_state, simulated_moe_skip_reason
+
+import sm120_fp4
 from sm120_fp4 import backends
 from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import release
@@ -28,7 +28,9 @@ from sm120_fp4.versions import version_in
 if simulated_moe_skip_reason() is not None:
     pytest.skip(simulated_moe_skip_reason(), allow_module_level=True)
 if not release.sglang_version() or not version_in(release.sglang_version(), ">=0.5.18"):
-    pytest.skip("SGLang's module-level autotune gate reading its runtime context exists from 0.5.18", allow_module_level=True)
+    pytest.skip(
+        "SGLang's module-level autotune gate reading its runtime context exists from 0.5.18", allow_module_level=True
+    )
 moe_layers = pytest.importorskip("sm120_fp4.sglang.moe_layers")
 fa = pytest.importorskip("sglang.srt.model_executor.runner.flashinfer_autotune")
 base_runner = pytest.importorskip("sglang.srt.model_executor.runner.base_runner")
@@ -78,9 +80,13 @@ def tuned_calls():
 
 def _runner(context, *, device: str = "cuda", speculative: str | None = None, draft: bool = False):
     """What SGLang's gate reads of a ModelRunner: SGLang's ModelConfig for the context's checkpoint."""
-    return types.SimpleNamespace(device=device, model_config=ModelConfig.from_server_args(context.server_args),
-                                 model=torch.nn.Module(), spec_algorithm=SpeculativeAlgorithm.from_string(speculative),
-                                 is_draft_worker=draft)
+    return types.SimpleNamespace(
+        device=device,
+        model_config=ModelConfig.from_server_args(context.server_args),
+        model=torch.nn.Module(),
+        spec_algorithm=SpeculativeAlgorithm.from_string(speculative),
+        is_draft_worker=draft,
+    )
 
 
 def _gates(mr, **kwargs) -> tuple[bool, bool]:
@@ -104,7 +110,9 @@ def _serve_layers(quantization: str):
         gen = torch.Generator().manual_seed(0)
         apply(dense, torch.randn(4, 64, generator=gen).to(torch.bfloat16))
         ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(4)])
-        moe_layers.moe_forward(moe, torch.randn(4, H, generator=gen).to(torch.bfloat16), ids, torch.full((4, TOP_K), 0.5))
+        moe_layers.moe_forward(
+            moe, torch.randn(4, H, generator=gen).to(torch.bfloat16), ids, torch.full((4, TOP_K), 0.5)
+        )
 
     return forward
 
@@ -115,7 +123,9 @@ DEFAULT_FLAGS = [pytest.param(CT, "auto", id="compressed-tensors"), pytest.param
 
 
 @pytest.mark.parametrize("quantization, runner", DEFAULT_FLAGS)
-def test_sglangs_gate_tunes_a_default_flags_nvfp4_checkpoint_served_here(sm120, tuned_calls, caplog, quantization, runner):
+def test_sglangs_gate_tunes_a_default_flags_nvfp4_checkpoint_served_here(
+    sm120, tuned_calls, caplog, quantization, runner
+):
     with moe_layers.sglang_moe_context(runner, quantization=quantization) as context:
         sglangs_own = _gates(_runner(context))
         configured = rc.get_exec().moe.moe_runner_backend
@@ -156,20 +166,26 @@ def _kv_sharding():
 REFUSALS = {
     "not CUDA": dict(runner={"device": "cpu"}),
     "--disable-flashinfer-autotune": dict(server_args={"disable_flashinfer_autotune": True}),
-    "deterministic inference": dict(server_args={"enable_deterministic_inference": True, "attention_backend": "triton"}),
+    "deterministic inference": dict(
+        server_args={"enable_deterministic_inference": True, "attention_backend": "triton"}
+    ),
     "KV-cache sharding": dict(scope=_kv_sharding),
     "compute capability 8.9": dict(capability=(8, 9)),
-    "the draft's tuning asked of a speculative target worker": dict(runner={"speculative": "EAGLE"},
-                                                                    gate={"for_speculative_draft": True}),
+    "the draft's tuning asked of a speculative target worker": dict(
+        runner={"speculative": "EAGLE"}, gate={"for_speculative_draft": True}
+    ),
     "the target's tuning asked of a speculative draft worker": dict(runner={"speculative": "EAGLE", "draft": True}),
 }
 
 
 @pytest.mark.parametrize("refusal", list(REFUSALS))
-@case("configuration", "SGLang's FlashInfer autotune gate with the library serving a compressed-tensors NVFP4 checkpoint "
-      "on a 12.x device and one of SGLang's own refusals ({refusal})",
-      "the gate says no, as SGLang does: the library adds tuning only where the runner string or the quantization "
-      "name was SGLang's one reason")
+@case(
+    "configuration",
+    "SGLang's FlashInfer autotune gate with the library serving a compressed-tensors NVFP4 checkpoint "
+    "on a 12.x device and one of SGLang's own refusals ({refusal})",
+    "the gate says no, as SGLang does: the library adds tuning only where the runner string or the quantization "
+    "name was SGLang's one reason",
+)
 def test_every_one_of_sglangs_own_refusals_stands(sm120, tuned_calls, refusal):
     spec = REFUSALS[refusal]
     sm120_fp4.install(simulate="12.0", backends="cutlass", moe_backends="cutlass")
@@ -178,17 +194,25 @@ def test_every_one_of_sglangs_own_refusals_stands(sm120, tuned_calls, refusal):
         _serve_layers(CT)
         assert _gates(_runner(context)) == (True, True), "without the refusal, tuned"
     sm120["value"] = spec.get("capability", (12, 0))
-    with (moe_layers.sglang_moe_context("auto", quantization=CT, server_args=spec.get("server_args")) as context,
-          spec["scope"]() if "scope" in spec else contextlib.nullcontext()):
+    with (
+        moe_layers.sglang_moe_context("auto", quantization=CT, server_args=spec.get("server_args")) as context,
+        spec["scope"]() if "scope" in spec else contextlib.nullcontext(),
+    ):
         assert _gates(_runner(context, **spec.get("runner", {})), **spec.get("gate", {})) == (False, False)
 
 
-@pytest.mark.parametrize("backend, layers, why", [
-    ("emulated", True, "NVFP4 layers served with a backend FlashInfer does not tune"),
-    ("cutlass", False, "no NVFP4 layer served in this process"),
-])
-@case("configuration", "SGLang's FlashInfer autotune gate with default flags for a compressed-tensors checkpoint on a "
-      "12.x device, {why}", "SGLang's answer (no), unchanged")
+@pytest.mark.parametrize(
+    "backend, layers, why",
+    [
+        ("emulated", True, "NVFP4 layers served with a backend FlashInfer does not tune"),
+        ("cutlass", False, "no NVFP4 layer served in this process"),
+    ],
+)
+@case(
+    "configuration",
+    "SGLang's FlashInfer autotune gate with default flags for a compressed-tensors checkpoint on a 12.x device, {why}",
+    "SGLang's answer (no), unchanged",
+)
 def test_no_tuning_where_the_library_serves_nothing_tunable(sm120, tuned_calls, backend, layers, why):
     sm120_fp4.install(simulate="12.0", backends=backend, moe_backends=backend)
     assert [patch_state(name) for name in GATE_NAMES] == ["applied", "applied"]

@@ -9,16 +9,18 @@ import sys
 import types
 
 import pytest
+from helpers.cases import case
 
 import sm120_fp4
 from sm120_fp4 import canary
-from sm120_fp4.errors import ConfigError, RefusedToServe
 from sm120_fp4.demo import synthetic
+from sm120_fp4.errors import ConfigError, RefusedToServe
 from sm120_fp4.sglang import idle, layers, targets
 from sm120_fp4.sglang.release import MODEL_RUNNER, SCHEDULER, sglang_version
-from helpers.cases import case
 
-pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
+pytest.importorskip(
+    "sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -56,8 +58,11 @@ def test_a_refusal_raised_by_the_canary_leaves_the_idle_point():
 
 
 def test_the_serving_stream_is_the_current_one_unless_sglang_overlaps_on_a_cuda_stream():
-    for scheduler in (types.SimpleNamespace(), types.SimpleNamespace(enable_overlap=True, forward_stream="cpu stream"),
-                      types.SimpleNamespace(enable_overlap=False, forward_stream=object())):
+    for scheduler in (
+        types.SimpleNamespace(),
+        types.SimpleNamespace(enable_overlap=True, forward_stream="cpu stream"),
+        types.SimpleNamespace(enable_overlap=False, forward_stream=object()),
+    ):
         with idle.serving_stream(scheduler):
             pass  # a null context: the loop's own stream stays current
 
@@ -77,7 +82,9 @@ def test_the_idle_point_is_patched_only_with_the_canary_on_and_uninstall_restore
     owner = getattr(scheduler, spec.attribute.split(".")[0])
     original = owner.__dict__[spec.attribute.split(".")[1]]
     status = sm120_fp4.install(simulate="12.0", backends="emulated")
-    assert spec.name not in {p.name for p in status.patches} and owner.__dict__[spec.attribute.split(".")[1]] is original
+    assert (
+        spec.name not in {p.name for p in status.patches} and owner.__dict__[spec.attribute.split(".")[1]] is original
+    )
     sm120_fp4.uninstall()
     status = sm120_fp4.install(simulate="12.0", backends="emulated", canary="60")
     assert {p.name: p.state for p in status.patches}[spec.name] == "applied"
@@ -90,26 +97,38 @@ def test_the_idle_point_is_patched_only_with_the_canary_on_and_uninstall_restore
 
 # ---- refused at start-up, never silently off ---------------------------------------------------
 
-@case("configuration", "SM120_FP4_CANARY=60 on an SGLang release whose scheduler loop has no idle point the library knows",
-      "install() raises ConfigError naming the variable, the release and the idle points known; nothing patched")
+
+@case(
+    "configuration",
+    "SM120_FP4_CANARY=60 on an SGLang release whose scheduler loop has no idle point the library knows",
+    "install() raises ConfigError naming the variable, the release and the idle points known; nothing patched",
+)
 def test_a_release_without_an_idle_point_refuses_the_canary_at_install(monkeypatch):
     legacy = [s for s in targets.idle_specs(print) if s.versions == ">=0.5.3,<0.5.4"]
     monkeypatch.setattr(targets, "idle_specs", lambda run: [dataclasses.replace(s, make=None) for s in legacy])
-    with pytest.raises(ConfigError, match=rf"SM120_FP4_CANARY=60 is not available with SGLang {sglang_version()}: its "
-                                          r"scheduler loop has no idle point .*Scheduler.self_check_during_idle"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"SM120_FP4_CANARY=60 is not available with SGLang {sglang_version()}: its "
+        r"scheduler loop has no idle point .*Scheduler.self_check_during_idle",
+    ):
         sm120_fp4.install(simulate="12.0", backends="emulated", canary="60")
     assert not sm120_fp4.status().installed
 
 
-@case("configuration", "`sm120-fp4 launch` with SM120_FP4_CANARY=60 and SM120_FP4_SELFTEST=off",
-      "exit code 2 before the preflight, naming both settings; the command is not started")
+@case(
+    "configuration",
+    "`sm120-fp4 launch` with SM120_FP4_CANARY=60 and SM120_FP4_SELFTEST=off",
+    "exit code 2 before the preflight, naming both settings; the command is not started",
+)
 def test_launch_refuses_a_canary_that_could_not_run_before_the_preflight(tmp_path, monkeypatch, capsys):
     from sm120_fp4 import cli
 
     marker = tmp_path / "started"
     for name, value in {"SM120_FP4_CANARY": "60", "SM120_FP4_SELFTEST": "off", "SM120_FP4_SIMULATE": "12.0"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cli.launch.os, "execvpe", lambda *args: pytest.fail(f"exec {args}"))  # never this process replaced
+    monkeypatch.setattr(
+        cli.launch.os, "execvpe", lambda *args: pytest.fail(f"exec {args}")
+    )  # never this process replaced
     code = cli.main(["launch", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -132,8 +151,11 @@ def _model_runner_with_warmup(captured):
     return module, name
 
 
-@case("own failures", "SM120_FP4_CANARY on, but the scheduler's idle point could not be patched (its method missing in this process)",
-      "the scheduler refuses to serve after warm-up, naming the idle hook and why it is not in place: the canary is never silently off")
+@case(
+    "own failures",
+    "SM120_FP4_CANARY on, but the scheduler's idle point could not be patched (its method missing in this process)",
+    "the scheduler refuses to serve after warm-up, naming the idle hook and why it is not in place: the canary is never silently off",
+)
 def test_warmup_refuses_when_the_idle_hook_is_not_in_place(monkeypatch):
     spec = targets.idle_spec(print)
     monkeypatch.setitem(sys.modules, spec.module, types.ModuleType(spec.module))  # no Scheduler in it
@@ -141,8 +163,11 @@ def test_warmup_refuses_when_the_idle_hook_is_not_in_place(monkeypatch):
     monkeypatch.setitem(sys.modules, MODEL_RUNNER, runner)
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="60")
     layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
-    with pytest.raises(RefusedToServe, match=rf"(?s)SM120_FP4_CANARY=60 is on, but the serving canary's idle hook "
-                                             rf"\({spec.module}\.{spec.attribute}.*not found.*nothing would run the canary"):
+    with pytest.raises(
+        RefusedToServe,
+        match=rf"(?s)SM120_FP4_CANARY=60 is on, but the serving canary's idle hook "
+        rf"\({spec.module}\.{spec.attribute}.*not found.*nothing would run the canary",
+    ):
         getattr(runner.ModelRunner(), name)()
 
 

@@ -17,7 +17,7 @@ matrix = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(matrix)
 
 METADATA = "Metadata-Version: 2.1\nName: sglang\nVersion: {v}\nRequires-Dist: flashinfer_python=={fi}\nRequires-Dist: sgl-kernel==0.3.16.post4\nRequires-Dist: transformers==4.57.1\n"
-MQ = '''
+MQ = """
 try:
     from flashinfer import fp4_quantize
 except ImportError:
@@ -32,7 +32,7 @@ class ModelOptFp4LinearMethod:
     def apply(self, layer, x, bias=None):
         x_fp4, x_scale = {quantizer}(x, layer.input_scale_inv)
         return x_fp4
-'''
+"""
 
 
 def release_tree(cache: Path, version: str, quantizer: str, flashinfer: str = "0.4.1") -> Path:
@@ -46,19 +46,39 @@ def release_tree(cache: Path, version: str, quantizer: str, flashinfer: str = "0
     return cache
 
 
-@pytest.mark.parametrize("version, quantizer, expected", [
-    ("0.5.4.post2", "fp4_quantize", {"sim-activation-quantizer": "ok", "sim-activation-quantizer-legacy": "n/a"}),
-    ("0.5.4.post1", "scaled_fp4_quant", {"sim-activation-quantizer": "n/a", "sim-activation-quantizer-legacy": "ok"}),
-    # a ledger range that misses the release whose apply() calls the name (the 0.5.5 start of old)
-    ("0.5.4.post1", "fp4_quantize", {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "FAIL"}),
-    ("0.5.5", "scaled_fp4_quant", {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "FAIL"}),
-    ("0.5.4.post2", "some_new_quantizer", {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "n/a"}),
-])
-def test_the_source_check_checks_the_quantizer_stand_ins_against_what_apply_calls(tmp_path, version, quantizer, expected):
+@pytest.mark.parametrize(
+    "version, quantizer, expected",
+    [
+        ("0.5.4.post2", "fp4_quantize", {"sim-activation-quantizer": "ok", "sim-activation-quantizer-legacy": "n/a"}),
+        (
+            "0.5.4.post1",
+            "scaled_fp4_quant",
+            {"sim-activation-quantizer": "n/a", "sim-activation-quantizer-legacy": "ok"},
+        ),
+        # a ledger range that misses the release whose apply() calls the name (the 0.5.5 start of old)
+        (
+            "0.5.4.post1",
+            "fp4_quantize",
+            {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "FAIL"},
+        ),
+        ("0.5.5", "scaled_fp4_quant", {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "FAIL"}),
+        (
+            "0.5.4.post2",
+            "some_new_quantizer",
+            {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "n/a"},
+        ),
+    ],
+)
+def test_the_source_check_checks_the_quantizer_stand_ins_against_what_apply_calls(
+    tmp_path, version, quantizer, expected
+):
     result = matrix.check_version(version, release_tree(tmp_path, version, quantizer))
     assert {name: result[name][0] for name in expected} == expected, {n: result[n] for n in expected}
     if expected["sim-activation-quantizer"] == "FAIL":
-        assert "range too" in result["sim-activation-quantizer"][1] or "does not call" in result["sim-activation-quantizer"][1]
+        assert (
+            "range too" in result["sim-activation-quantizer"][1]
+            or "does not call" in result["sim-activation-quantizer"][1]
+        )
     assert result["sim-kernel-package"] == ("ok", ""), "0.5.3-0.5.10 install the pinned sgl-kernel: METADATA names it"
     assert result["sim-blackwell-check"][0] == "n/a"
 
@@ -87,10 +107,17 @@ def test_flashinfer_without_a_wheel_is_built_once_from_its_sdist_with_the_record
     assert first.endswith("flashinfer_python-0.4.1-py3-none-any.whl")
     assert [c[:2] for c in calls] == [("flashinfer-build-deps", "install"), ("flashinfer-build", "wheel")]
     assert "--no-build-isolation" in calls[1][2] and "flashinfer-python==0.4.1" in calls[1][2]
-    assert matrix.flashinfer_wheel(Path("python"), cache, plan, pip) == first and len(calls) == 2, "built once, then cached"
+    assert matrix.flashinfer_wheel(Path("python"), cache, plan, pip) == first and len(calls) == 2, (
+        "built once, then cached"
+    )
 
-    later = matrix.resolve("0.5.4.post3", release_tree(tmp_path / "b", "0.5.4.post3", "fp4_quantize", flashinfer="0.5.0"))
-    assert later["flashinfer_build"] == () and matrix.flashinfer_wheel(Path("python"), cache, later, pip) == "flashinfer-python==0.5.0"
+    later = matrix.resolve(
+        "0.5.4.post3", release_tree(tmp_path / "b", "0.5.4.post3", "fp4_quantize", flashinfer="0.5.0")
+    )
+    assert (
+        later["flashinfer_build"] == ()
+        and matrix.flashinfer_wheel(Path("python"), cache, later, pip) == "flashinfer-python==0.5.0"
+    )
 
 
 def test_the_run_list_has_the_newest_release_of_every_minor():
@@ -102,9 +129,19 @@ def test_the_run_list_has_the_newest_release_of_every_minor():
 
 def test_the_report_keeps_the_rows_of_releases_not_run_again(tmp_path):
     report = tmp_path / "RELEASES.md"
-    row = {"release": "0.5.4.post3", "repo": "r", "code": "r@abc1234", "pins": "p", "deviations": [], "date": "2026-12-01",
-           "build_error": "pip install failed", "ok": False}
-    matrix.write_report(report, [row, dict(row, release="0.5.5", code="r@0000001")], {"releases": {"0.5.3": {}}, "date": "d"})
+    row = {
+        "release": "0.5.4.post3",
+        "repo": "r",
+        "code": "r@abc1234",
+        "pins": "p",
+        "deviations": [],
+        "date": "2026-12-01",
+        "build_error": "pip install failed",
+        "ok": False,
+    }
+    matrix.write_report(
+        report, [row, dict(row, release="0.5.5", code="r@0000001")], {"releases": {"0.5.3": {}}, "date": "d"}
+    )
     fixed = dict(row, release="0.5.4.post3", code="r@fffffff")
     (tmp_path / "r.json").write_text(json.dumps([fixed]))
     assert matrix.main(["--render", str(tmp_path / "r.json"), "--report", str(report)]) == 0
@@ -129,31 +166,34 @@ def test_a_snapshot_folder_inside_a_checkout_is_labelled_by_its_own_name(tmp_pat
         snapshot.parent.rmdir()
 
 
-OP_EVERY_DEVICE = '''
+OP_EVERY_DEVICE = """
 @torch.library.custom_op("sglang::fp4_gemm", mutates_args=())
 def _sglang_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, out_features):
     return fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend="cutlass")
-'''
-OP_GPU_ONLY = '''
+"""
+OP_GPU_ONLY = """
 from flashinfer import mm_fp4 as flashinfer_fp4_gemm
 
 @register_custom_op(fake_impl=_sglang_fp4_gemm_fake)
 def fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, out_features):
     return flashinfer_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend="cutlass")
-'''
+"""
 OP_CUDA_TYPES = OP_EVERY_DEVICE.replace("mutates_args=()", 'mutates_args=(), device_types="cuda"')
 
 
-@pytest.mark.parametrize("version, op, expected, says", [
-    ("0.5.8", OP_GPU_ONLY, "ok", ""),
-    ("0.5.6", OP_EVERY_DEVICE, "n/a", ""),
-    ("0.5.5", "", "n/a", ""),
-    # 0.5.5.post3-0.5.7's op runs on every device: a range reaching them would claim a CPU kernel there
-    ("0.5.9", OP_EVERY_DEVICE, "FAIL", "too wide"),
-    # a GPU-only op outside the range would leave the simulated GEMM without a CPU kernel
-    ("0.5.6", OP_GPU_ONLY, "FAIL", "too narrow"),
-    ("0.5.6", OP_CUDA_TYPES, "FAIL", "too narrow"),
-])
+@pytest.mark.parametrize(
+    "version, op, expected, says",
+    [
+        ("0.5.8", OP_GPU_ONLY, "ok", ""),
+        ("0.5.6", OP_EVERY_DEVICE, "n/a", ""),
+        ("0.5.5", "", "n/a", ""),
+        # 0.5.5.post3-0.5.7's op runs on every device: a range reaching them would claim a CPU kernel there
+        ("0.5.9", OP_EVERY_DEVICE, "FAIL", "too wide"),
+        # a GPU-only op outside the range would leave the simulated GEMM without a CPU kernel
+        ("0.5.6", OP_GPU_ONLY, "FAIL", "too narrow"),
+        ("0.5.6", OP_CUDA_TYPES, "FAIL", "too narrow"),
+    ],
+)
 def test_the_cpu_kernel_check_follows_how_each_release_registers_the_op(tmp_path, version, op, expected, says):
     """sim-fp4-gemm-cpu-kernel's ledger range is exactly where sglang::fp4_gemm has no CPU kernel."""
     cache = release_tree(tmp_path, version, "fp4_quantize")
@@ -163,7 +203,7 @@ def test_the_cpu_kernel_check_follows_how_each_release_registers_the_op(tmp_path
     assert state == expected and says in reason, (state, reason)
 
 
-MOE_UTILS_GLOBAL = '''
+MOE_UTILS_GLOBAL = """
 class MoeRunnerBackend(Enum):
     AUTO = "auto"
     FLASHINFER_CUTLASS = "flashinfer_cutlass"
@@ -173,8 +213,8 @@ MOE_RUNNER_BACKEND: Optional[MoeRunnerBackend] = None
 def initialize_moe_config(server_args):
     global MOE_RUNNER_BACKEND
     MOE_RUNNER_BACKEND = MoeRunnerBackend(server_args.moe_runner_backend)
-'''
-MOE_UTILS_FLAGS = '''
+"""
+MOE_UTILS_FLAGS = """
 from sglang.srt.runtime_context import get_flags
 
 class MoeRunnerBackend(Enum):
@@ -184,24 +224,32 @@ class MoeRunnerBackend(Enum):
 def initialize_moe_config(server_args):
     moe = get_flags().moe
     moe.runner_backend = MoeRunnerBackend(server_args.moe_runner_backend)
-'''
-FLAGS = '''
+"""
+FLAGS = """
 class MoeFlags(_FlagGroupBase):
     runner_backend: Any = None
-'''
+"""
 PINS = ("moe-runner-config-hook", "moe-runner-backend-pin", "moe-runner-backend-pin-legacy")
 
 
-@pytest.mark.parametrize("version, utils, flags, expected", [
-    ("0.5.15.post1", MOE_UTILS_GLOBAL, "", ("ok", "n/a", "ok")),
-    ("0.5.16", MOE_UTILS_FLAGS, FLAGS, ("ok", "ok", "n/a")),
-    ("0.5.14", MOE_UTILS_GLOBAL, "", ("n/a", "n/a", "n/a")),  # no seam before 0.5.15: nothing pinned, on purpose
-    # a release that keeps the runner on get_flags().moe outside the flags pin's range (0.5.16-0.5.18 were,
-    # under the ranges of old: flags from 0.5.19, the module global up to 0.5.18)
-    ("0.5.15", MOE_UTILS_FLAGS, FLAGS, ("ok", "FAIL", "FAIL")),
-    ("0.5.17", MOE_UTILS_FLAGS.replace("get_flags", "get_exec"), FLAGS, ("ok", "FAIL", "n/a")),
-    ("0.5.19", MOE_UTILS_GLOBAL.replace("    MOE_RUNNER_BACKEND = ", "    backend = "), FLAGS, ("FAIL", "FAIL", "n/a")),
-])
+@pytest.mark.parametrize(
+    "version, utils, flags, expected",
+    [
+        ("0.5.15.post1", MOE_UTILS_GLOBAL, "", ("ok", "n/a", "ok")),
+        ("0.5.16", MOE_UTILS_FLAGS, FLAGS, ("ok", "ok", "n/a")),
+        ("0.5.14", MOE_UTILS_GLOBAL, "", ("n/a", "n/a", "n/a")),  # no seam before 0.5.15: nothing pinned, on purpose
+        # a release that keeps the runner on get_flags().moe outside the flags pin's range (0.5.16-0.5.18 were,
+        # under the ranges of old: flags from 0.5.19, the module global up to 0.5.18)
+        ("0.5.15", MOE_UTILS_FLAGS, FLAGS, ("ok", "FAIL", "FAIL")),
+        ("0.5.17", MOE_UTILS_FLAGS.replace("get_flags", "get_exec"), FLAGS, ("ok", "FAIL", "n/a")),
+        (
+            "0.5.19",
+            MOE_UTILS_GLOBAL.replace("    MOE_RUNNER_BACKEND = ", "    backend = "),
+            FLAGS,
+            ("FAIL", "FAIL", "n/a"),
+        ),
+    ],
+)
 def test_the_moe_runner_pins_are_checked_where_each_release_keeps_the_runner(tmp_path, version, utils, flags, expected):
     cache = release_tree(tmp_path, version, "fp4_quantize")
     for module, text in ((matrix.R.MOE_UTILS, utils), (matrix.R.RUNTIME_CONTEXT, flags)):
@@ -234,21 +282,45 @@ def test_a_release_without_an_alias_spec_is_named_not_a_stop_iteration():
 def test_the_flashinfer_axis_replaces_the_pin_and_keeps_its_rows_beside_the_releases(tmp_path):
     cache = release_tree(tmp_path, "0.5.4", "scaled_fp4_quant", flashinfer="0.4.1")
     plan = matrix.resolve("0.5.4", cache, flashinfer="0.7.4")
-    assert plan["flashinfer"] == "0.7.4" and plan["flashinfer_build"] == [], "the index's wheel, not the release's sdist build"
+    assert plan["flashinfer"] == "0.7.4" and plan["flashinfer_build"] == [], (
+        "the index's wheel, not the release's sdist build"
+    )
     assert "flashinfer 0.7.4" in matrix.pins_summary(plan)
-    assert any(d.startswith("flashinfer-python 0.7.4 (release pins ==0.4.1)") for d in plan["deviations"]), plan["deviations"]
+    assert any(d.startswith("flashinfer-python 0.7.4 (release pins ==0.4.1)") for d in plan["deviations"]), plan[
+        "deviations"
+    ]
     assert matrix.venv_dir("0.5.4", "0.7.4") != matrix.venv_dir("0.5.4")
     report = tmp_path / "RELEASES.md"
-    row = {"release": "0.5.5", "repo": "r", "code": "r@abc1234", "pins": "p", "deviations": [], "date": "d",
-           "build_error": "x", "ok": False}
+    row = {
+        "release": "0.5.5",
+        "repo": "r",
+        "code": "r@abc1234",
+        "pins": "p",
+        "deviations": [],
+        "date": "d",
+        "build_error": "x",
+        "ok": False,
+    }
     matrix.write_report(report, [row])
-    matrix.write_report(report, [dict(row, release=matrix.row_key("0.5.4", "0.7.4"), code="r@1111111"),
-                                 dict(row, release=matrix.row_key("0.5.5", "0.7.4"), code="r@2222222")])
+    matrix.write_report(
+        report,
+        [
+            dict(row, release=matrix.row_key("0.5.4", "0.7.4"), code="r@1111111"),
+            dict(row, release=matrix.row_key("0.5.5", "0.7.4"), code="r@2222222"),
+        ],
+    )
     rows = [line.split(" | ")[:2] for line in report.read_text().splitlines() if line.startswith("| 0.5.")]
-    assert rows == [["| 0.5.4+flashinfer-0.7.4", "1111111"], ["| 0.5.5", "abc1234"], ["| 0.5.5+flashinfer-0.7.4", "2222222"]], rows
+    assert rows == [
+        ["| 0.5.4+flashinfer-0.7.4", "1111111"],
+        ["| 0.5.5", "abc1234"],
+        ["| 0.5.5+flashinfer-0.7.4", "2222222"],
+    ], rows
 
 
 def test_flashinfer_option_rejects_what_is_not_a_release(capsys):
     with pytest.raises(SystemExit) as exit_:
         matrix.main(["--import-check", "0.5.23", "--flashinfer", "0.7.4; rm -rf /"])
-    assert exit_.value.code == 2 and "--flashinfer '0.7.4; rm -rf /': a flashinfer-python release" in capsys.readouterr().err
+    assert (
+        exit_.value.code == 2
+        and "--flashinfer '0.7.4; rm -rf /': a flashinfer-python release" in capsys.readouterr().err
+    )

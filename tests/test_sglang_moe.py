@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import moe_faults, sglang_layers
 from helpers.cases import case
 from helpers.common import simulated_moe_skip_reason
+
 import sm120_fp4
-from sm120_fp4 import backends, nvfp4, serving, verify
+from sm120_fp4 import backends, serving, verify
 from sm120_fp4.demo import synthetic
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import RefusedToServe
@@ -22,7 +22,9 @@ from sm120_fp4.errors import RefusedToServe
 if simulated_moe_skip_reason() is not None:
     pytest.skip(simulated_moe_skip_reason(), allow_module_level=True)
 moe_layers = pytest.importorskip("sm120_fp4.sglang.moe_layers")
-pytest.importorskip("sglang.srt.layers.moe.moe_runner.flashinfer_cutlass", reason="needs the pinned SGLang's MoE modules")
+pytest.importorskip(
+    "sglang.srt.layers.moe.moe_runner.flashinfer_cutlass", reason="needs the pinned SGLang's MoE modules"
+)
 
 SIM = Device(-1, "simulated (no GPU)", (12, 0), simulated=True, source="simulate")
 E, H, I, TOP_K = 8, 256, 128, 2
@@ -49,17 +51,32 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
     layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
     assert decision.backend == "emulated" and decision.verified
-    assert decision.layers and decision.layers[0].passed and decision.layers[0].config.startswith("ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu")
+    assert (
+        decision.layers
+        and decision.layers[0].passed
+        and decision.layers[0].config.startswith("ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu")
+    )
     x, ids, weights = routing(130)
     out = moe_layers.moe_forward(layer, x, ids, weights)
     want = synthetic.reference_moe_output(ckpt, x, ids, weights)
-    assert torch.equal(out, want), "SGLang's MoE apply() agrees with reference_moe_fp4 (bit-exact with the emulated backend)"
+    assert torch.equal(out, want), (
+        "SGLang's MoE apply() agrees with reference_moe_fp4 (bit-exact with the emulated backend)"
+    )
     assert sm120_fp4.status().moe_routes == {-1: "emulated"}
 
 
-@pytest.mark.parametrize("fault", [moe_faults.drops_tile_rows_64_127, moe_faults.drops_one_expert,
-                                   moe_faults.ignores_routing_weights, moe_faults.swaps_gate_and_up,
-                                   moe_faults.drops_second_slot, moe_faults.make_stale_workspace()], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fault",
+    [
+        moe_faults.drops_tile_rows_64_127,
+        moe_faults.drops_one_expert,
+        moe_faults.ignores_routing_weights,
+        moe_faults.swaps_gate_and_up,
+        moe_faults.drops_second_slot,
+        moe_faults.make_stale_workspace(),
+    ],
+    ids=lambda f: f.__name__,
+)
 def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
     backends.register_moe("faulty", fault)
     calls = {"n": 0}
@@ -76,8 +93,11 @@ def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
         sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends=name)
         # A kernel faulty from the start fails the generic MoE self-test; one that turns faulty only
         # after it fails the layer's own check, which names the layer and the batch (T=...).
-        reason = (r"(?s)failed the served-layer check: ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu bfloat16: T=\d+ "
-                  if name == "late-faulty" else r"(?s)no NVFP4 fused-MoE backend passed verification.*faulty: self-test failed: T=")
+        reason = (
+            r"(?s)failed the served-layer check: ModelOptNvFp4FusedMoEMethod E=8 H=256 I=128 top_k=2 swiglu bfloat16: T=\d+ "
+            if name == "late-faulty"
+            else r"(?s)no NVFP4 fused-MoE backend passed verification.*faulty: self-test failed: T="
+        )
         with pytest.raises(RefusedToServe, match=reason):
             moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
         sm120_fp4.uninstall()
@@ -109,12 +129,20 @@ def test_unequal_gate_and_up_scales_are_refused():
         moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
 
 
-@case("configuration", "a served NVFP4 MoE layer ({fmt}) whose checkpoint has {fault}",
-      "refused at its weights hook before any kernel is checked; the message names the tensor and says checkpoint")
-@pytest.mark.parametrize("fmt, fault", [("ModelOpt", "expert 2's w2_input_scale infinite"),
-                                        ("ModelOpt", "expert 0's w13_weight_scale_2 zero (both shards)"),
-                                        ("compressed-tensors", "expert 5's w2 weight_global_scale NaN"),
-                                        ("compressed-tensors", "a NaN w13 block-scale byte (0xff)")])
+@case(
+    "configuration",
+    "a served NVFP4 MoE layer ({fmt}) whose checkpoint has {fault}",
+    "refused at its weights hook before any kernel is checked; the message names the tensor and says checkpoint",
+)
+@pytest.mark.parametrize(
+    "fmt, fault",
+    [
+        ("ModelOpt", "expert 2's w2_input_scale infinite"),
+        ("ModelOpt", "expert 0's w13_weight_scale_2 zero (both shards)"),
+        ("compressed-tensors", "expert 5's w2 weight_global_scale NaN"),
+        ("compressed-tensors", "a NaN w13 block-scale byte (0xff)"),
+    ],
+)
 def test_a_moe_layer_with_bad_checkpoint_scales_is_refused_naming_the_tensor(fmt, fault):
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=7)
@@ -130,7 +158,11 @@ def test_a_moe_layer_with_bad_checkpoint_scales_is_refused_naming_the_tensor(fmt
     else:
         ckpt.w13_weight_scale.view(torch.uint8)[1, 2, 3] = 0xFF
         named = "the checkpoint's w13_weight_scale["
-    build = sglang_layers.build_compressed_tensors_moe_layer if fmt == "compressed-tensors" else moe_layers.build_modelopt_moe_layer
+    build = (
+        sglang_layers.build_compressed_tensors_moe_layer
+        if fmt == "compressed-tensors"
+        else moe_layers.build_modelopt_moe_layer
+    )
     with pytest.raises(RefusedToServe) as err:
         build(ckpt, TOP_K)
     message = str(err.value)
@@ -142,16 +174,23 @@ def test_under_expert_parallelism_this_ranks_experts_are_verified():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=6), TOP_K, ep_size=2, ep_rank=1)
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
-    assert decision.layers[0].config.startswith("ModelOptNvFp4FusedMoEMethod E=4 H=256 I=128 top_k=2 swiglu bfloat16 EP rank 1/2")
+    assert decision.layers[0].config.startswith(
+        "ModelOptNvFp4FusedMoEMethod E=4 H=256 I=128 top_k=2 swiglu bfloat16 EP rank 1/2"
+    )
     assert decision.layers[0].passed
 
 
 # ---- run_moe: the generic MoE self-test, its default configuration ------------------------------
 
+
 def test_the_default_moe_configuration_covers_what_the_issue_names():
     cases = verify.DEFAULT_MOE_CONFIG.cases
     assert max(c.experts for c in cases) >= 256
-    assert {1, 8} <= {c.top_k for c in cases} and max(c.tokens for c in cases) >= 1024 and min(c.tokens for c in cases) == 1
+    assert (
+        {1, 8} <= {c.top_k for c in cases}
+        and max(c.tokens for c in cases) >= 1024
+        and min(c.tokens for c in cases) == 1
+    )
     assert {c.activation for c in cases} == {"swiglu", "relu2"} and {c.dtype for c in cases} == {"bfloat16", "float16"}
     assert any(c.hidden % 128 == 0 for c in cases) and any(c.hidden % 128 for c in cases)
     assert any(c.intermediate % 128 == 0 for c in cases) and any(c.intermediate % 128 for c in cases)
@@ -166,6 +205,7 @@ def test_the_default_moe_configuration_covers_what_the_issue_names():
 
 
 # ---- the MoE runner that really serves (SGLang's 'auto' picks flashinfer_trtllm on every cc >= 10) ----
+
 
 def _runner():
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
@@ -193,7 +233,10 @@ def test_an_explicit_runner_the_library_does_not_verify_is_refused_naming_it_and
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     with moe_layers.sglang_moe_context("flashinfer_trtllm"):
         assert _runner().is_flashinfer_trtllm(), "an operator's explicit choice is never re-pinned"
-        with pytest.raises(RefusedToServe, match="served by SGLang's MoE runner 'flashinfer_trtllm'.*--moe-runner-backend flashinfer_cutlass"):
+        with pytest.raises(
+            RefusedToServe,
+            match="served by SGLang's MoE runner 'flashinfer_trtllm'.*--moe-runner-backend flashinfer_cutlass",
+        ):
             moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
     assert not [d.layers for d in serving.decisions() if d.family == "moe" and d.layers], "nothing recorded as verified"
 
@@ -205,9 +248,11 @@ def test_warn_serves_an_unverified_runner_saying_so(caplog):
             moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
         except RefusedToServe:  # pragma: no cover - warn must not refuse for the runner
             raise
-        except Exception:  # noqa: BLE001 - SGLang's trtllm weight processing may not run on a CPU
+        except Exception:
             pass
-    assert any("flashinfer_trtllm" in r.getMessage() and "serving it UNVERIFIED" in r.getMessage() for r in caplog.records)
+    assert any(
+        "flashinfer_trtllm" in r.getMessage() and "serving it UNVERIFIED" in r.getMessage() for r in caplog.records
+    )
 
 
 # ---- what serves: the layer's own top-k, every expert, expert-parallel calls as served ----------------
@@ -222,6 +267,7 @@ def at_most_8_slots(x, ids, w, *rest):
 def drops_expert(expert: int):
     def kernel(x, ids, w, *rest):
         return backends.emulated_moe(x, ids, torch.where(ids == expert, torch.zeros_like(w), w), *rest)
+
     return kernel
 
 
@@ -236,25 +282,35 @@ def combines_by_token_and_expert(x, ids, w, *rest):
     routers (distinct experts per token), wrong wherever a call repeats an expert in a token."""
     w = w.clone()
     for j in range(ids.shape[1]):
-        later = (ids[:, j + 1:] == ids[:, j : j + 1]).any(dim=1)
+        later = (ids[:, j + 1 :] == ids[:, j : j + 1]).any(dim=1)
         w[:, j] = torch.where(later, torch.zeros_like(w[:, j]), w[:, j])
         for i in range(j):
             w[:, i] = torch.where(ids[:, i] == ids[:, j], w[:, j], w[:, i])
     return backends.emulated_moe(x, ids, w, *rest)
 
 
-@case("backend faults", "a MoE kernel that handles at most 8 slots per token, under a layer with top_k=10 (Qwen3-Next routes 10)",
-      "refused at load: the layer is checked with its own top_k=10 (no clamp to 8), naming top_k=10")
+@case(
+    "backend faults",
+    "a MoE kernel that handles at most 8 slots per token, under a layer with top_k=10 (Qwen3-Next routes 10)",
+    "refused at load: the layer is checked with its own top_k=10 (no clamp to 8), naming top_k=10",
+)
 def test_a_kernel_handling_at_most_8_slots_is_refused_for_a_top_10_layer():
     backends.register_moe("top-8", moe_faults.after_generic(at_most_8_slots))
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="top-8")
-    with pytest.raises(RefusedToServe, match=r"served-layer check: ModelOptNvFp4FusedMoEMethod E=16 H=256 I=128 top_k=10 swiglu"):
+    with pytest.raises(
+        RefusedToServe, match=r"served-layer check: ModelOptNvFp4FusedMoEMethod E=16 H=256 I=128 top_k=10 swiglu"
+    ):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(16, H, I, seed=11), 10)
 
 
-@case("backend faults", "a MoE kernel that drops expert {expert} of 16 (not among the 8 experts every batch routes to)",
-      "refused at load by the batch that routes to every expert of the rank")
-@pytest.mark.parametrize("expert", [12, 1, 7, 14])  # none of the 8 experts the batch sizes route among (0, 2, 4, 6, 9, 11, 13, 15)
+@case(
+    "backend faults",
+    "a MoE kernel that drops expert {expert} of 16 (not among the 8 experts every batch routes to)",
+    "refused at load by the batch that routes to every expert of the rank",
+)
+@pytest.mark.parametrize(
+    "expert", [12, 1, 7, 14]
+)  # none of the 8 experts the batch sizes route among (0, 2, 4, 6, 9, 11, 13, 15)
 def test_every_local_expert_is_exercised(expert):
     # Outside the experts every batch size routes among: only the batch that routes to every
     # expert, where each leads two tokens (most of their output), can see it.
@@ -264,19 +320,31 @@ def test_every_local_expert_is_exercised(expert):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(16, H, I, seed=12), TOP_K)
 
 
-@pytest.mark.parametrize("ep_size", [1, 2], ids=["no EP (SGLang's -1 drop sentinel)", "EP rank 1/2 (other ranks' experts)"])
-@case("backend faults", "a MoE kernel that reads a slot not on this rank (another rank's expert, SGLang's -1) as a local expert, {ep_size}",
-      "refused at load: the checks pass ids as SGLang serves them (global under EP, -1 dropped slots)")
+@pytest.mark.parametrize(
+    "ep_size", [1, 2], ids=["no EP (SGLang's -1 drop sentinel)", "EP rank 1/2 (other ranks' experts)"]
+)
+@case(
+    "backend faults",
+    "a MoE kernel that reads a slot not on this rank (another rank's expert, SGLang's -1) as a local expert, {ep_size}",
+    "refused at load: the checks pass ids as SGLang serves them (global under EP, -1 dropped slots)",
+)
 def test_a_kernel_mishandling_slots_not_on_this_rank_is_refused(ep_size):
     backends.register_moe("wraps", wraps_skipped_slots)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="wraps")
-    with pytest.raises(RefusedToServe, match=r"(?s)wraps: (self-test failed|failed the served-layer check).*(padded|random|pointing nowhere)"):
-        moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=13), TOP_K, ep_size=ep_size,
-                                            ep_rank=ep_size - 1)
+    with pytest.raises(
+        RefusedToServe,
+        match=r"(?s)wraps: (self-test failed|failed the served-layer check).*(padded|random|pointing nowhere)",
+    ):
+        moe_layers.build_modelopt_moe_layer(
+            synthetic.make_moe_checkpoint(E, H, I, seed=13), TOP_K, ep_size=ep_size, ep_rank=ep_size - 1
+        )
 
 
-@case("backend faults", "expert parallelism (rank 1 of 2) with a kernel that combines slots by (token, expert), and a recording kernel",
-      "served right (no call repeats an expert in a token: other ranks' slots are -1, not local expert 0); local expert 0 gets only its own rows")
+@case(
+    "backend faults",
+    "expert parallelism (rank 1 of 2) with a kernel that combines slots by (token, expert), and a recording kernel",
+    "served right (no call repeats an expert in a token: other ranks' slots are -1, not local expert 0); local expert 0 gets only its own rows",
+)
 def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
     seen = []
 
@@ -304,8 +372,11 @@ def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
     assert all(len(set(row.tolist()) - {-1}) == int((row >= 0).sum()) for row in local), "no expert twice in a token"
 
 
-@case("backend faults", "expert parallelism (rank 1 of 2): local expert 0's output overflows (its alpha set to inf after loading) for tokens that never route to it",
-      "their output stays finite: other ranks' slots are never computed on expert 0, so no 0 * inf = NaN")
+@case(
+    "backend faults",
+    "expert parallelism (rank 1 of 2): local expert 0's output overflows (its alpha set to inf after loading) for tokens that never route to it",
+    "their output stays finite: other ranks' slots are never computed on expert 0, so no 0 * inf = NaN",
+)
 def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=15)
@@ -321,11 +392,16 @@ def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
     assert bool((out[1] == 0).all()), "a token with no slot on this rank gets exactly zero"
 
 
-@case("own failures", "Ctrl-C (KeyboardInterrupt) during an MoE layer check, then the same load again, the kernel now dropping an expert",
-      "nothing recorded as verified; the retry checks the layer again and refuses")
+@case(
+    "own failures",
+    "Ctrl-C (KeyboardInterrupt) during an MoE layer check, then the same load again, the kernel now dropping an expert",
+    "nothing recorded as verified; the retry checks the layer again and refuses",
+)
 def test_an_interrupted_moe_layer_check_is_checked_again():
     calls = {"n": 0}
-    generic = 3 * (len(verify.SIMULATION_MOE_CONFIG.cases) + 1)  # two passes (the first calling each case twice in a row) of its cases and the expert-0 poison probe
+    generic = 3 * (
+        len(verify.SIMULATION_MOE_CONFIG.cases) + 1
+    )  # two passes (the first calling each case twice in a row) of its cases and the expert-0 poison probe
 
     def interrupted_then_faulty(*args):
         calls["n"] += 1
@@ -345,6 +421,7 @@ def test_an_interrupted_moe_layer_check_is_checked_again():
 # ---- b12x (FlashInfer's B12xMoEWrapper) on SGLang's cutlass tensors, through a CPU stand-in ----------
 
 from helpers import b12x_stand_in  # noqa: E402
+
 from sm120_fp4.backends import b12x_moe, flashinfer  # noqa: E402
 
 B12X_TOOLCHAIN = flashinfer.Toolchain((13, 0), "test", (2, 39), None)
@@ -371,7 +448,11 @@ def test_b12x_serves_the_oracles_numbers_at_sglangs_layer(b12x):
     assert sm120_fp4.status().moe_routes == {-1: "b12x"}
     info = b12x_moe.describe()
     configs = [w["config"] for w in info["workspaces"]]
-    assert f"E={E} top_k={TOP_K} H={H} I={I} swiglu" in configs and len(set(configs)) == len(configs) and info["workspace_bytes"] > 0
+    assert (
+        f"E={E} top_k={TOP_K} H={H} I={I} swiglu" in configs
+        and len(set(configs)) == len(configs)
+        and info["workspace_bytes"] > 0
+    )
     by_config = {}
     for m in b12x.made:  # one workspace per configuration, shared by every wrapper of it, never replaced
         owner = by_config.setdefault((m._moe_output.shape, m.activation, m.top_k), m)
@@ -382,12 +463,17 @@ def test_b12x_derived_scales_are_refreshed_in_place():
     a1, a2 = torch.tensor([4.0]), torch.tensor([8.0])
     w13_alpha, w2_alpha = torch.tensor([0.5, 0.25]), torch.tensor([2.0, 3.0])
     s = b12x_moe.derived_scales(w13_alpha, w2_alpha, a1, a2)
-    assert torch.equal(s["input_global_scale"], torch.tensor([0.25])) and torch.equal(s["fc2_input_scale"], torch.tensor([0.125]))
+    assert torch.equal(s["input_global_scale"], torch.tensor([0.25])) and torch.equal(
+        s["fc2_input_scale"], torch.tensor([0.125])
+    )
     assert torch.equal(s["w1_alpha"], torch.tensor([2.0, 1.0])) and torch.equal(s["w2_alpha"], w2_alpha)
 
 
-@case("backend faults", "a b12x stand-in that reads its activation global scales in cutlass's direction (not 1/a1, 1/a2)",
-      "refused at load: the outputs are off by the scale's square")
+@case(
+    "backend faults",
+    "a b12x stand-in that reads its activation global scales in cutlass's direction (not 1/a1, 1/a2)",
+    "refused at load: the outputs are off by the scale's square",
+)
 def test_b12x_with_the_scale_direction_inverted_is_refused(b12x):
     b12x.fault = "inverted"
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
@@ -395,40 +481,68 @@ def test_b12x_with_the_scale_direction_inverted_is_refused(b12x):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
 
 
-@case("backend faults", "a b12x stand-in that loses one 8-column group of one row in 2 of every 100 calls",
-      "refused at load by the repeat probe (100 calls in a row at each decode batch size, the worst judged)")
+@case(
+    "backend faults",
+    "a b12x stand-in that loses one 8-column group of one row in 2 of every 100 calls",
+    "refused at load by the repeat probe (100 calls in a row at each decode batch size, the worst judged)",
+)
 def test_b12x_losing_a_column_group_intermittently_is_refused(b12x):
     b12x.fault = "lossy"
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
-    with pytest.raises(RefusedToServe, match=r"(?s)b12x: failed the served-layer check: .* x100 in a row \(worst judged\)"):
+    with pytest.raises(
+        RefusedToServe, match=r"(?s)b12x: failed the served-layer check: .* x100 in a row \(worst judged\)"
+    ):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
 
 
-@case("backend faults", "a b12x stand-in that computes a -1 slot on expert 0 with weight 0, multiplied through, while expert 0 yields non-finite rows",
-      "refused at load: 0 x inf poisons rows that route nowhere near expert 0")
+@case(
+    "backend faults",
+    "a b12x stand-in that computes a -1 slot on expert 0 with weight 0, multiplied through, while expert 0 yields non-finite rows",
+    "refused at load: 0 x inf poisons rows that route nowhere near expert 0",
+)
 def test_b12x_poisoning_rows_through_expert_0_is_refused(b12x):
     b12x.fault = "poison"
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
-    with pytest.raises(RefusedToServe, match=r"(?s)b12x: self-test failed: expert 0 non-finite, -1 slots pointing nowhere: call 1: .*non-finite"):
+    with pytest.raises(
+        RefusedToServe,
+        match=r"(?s)b12x: self-test failed: expert 0 non-finite, -1 slots pointing nowhere: call 1: .*non-finite",
+    ):
         moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=1), TOP_K)
 
 
-def _no_cute(): return flashinfer.Toolchain((13, 0), "test", (2, 39), "nvidia-cutlass-dsl is not installed")
+def _no_cute():
+    return flashinfer.Toolchain((13, 0), "test", (2, 39), "nvidia-cutlass-dsl is not installed")
 
 
-@case("backend faults", "b12x named where it cannot serve: {why}", "skipped with that reason in the candidate list; nothing served by it")
-@pytest.mark.parametrize("why, toolchain, setting, capability, match", [
-    ("CUDA 12.8", lambda: flashinfer.Toolchain((12, 8), "test", (2, 39), None), None, "12.0", r"needs CUDA >= 13\.0; found 12\.8"),
-    ("no CuTe DSL", _no_cute, None, "12.0", r"needs the CuTe DSL"),
-    ("pdmux", None, "enable_pdmux", "12.0", r"--enable-pdmux"),
-    ("deterministic inference", None, "enable_deterministic_inference", "12.0", r"deterministic-inference"),
-    ("expert parallelism", None, "ep_size", "12.0", r"no NVFP4 expert parallelism"),
-], ids=lambda v: v if isinstance(v, str) and " " not in v[:3] else None)
+@case(
+    "backend faults",
+    "b12x named where it cannot serve: {why}",
+    "skipped with that reason in the candidate list; nothing served by it",
+)
+@pytest.mark.parametrize(
+    "why, toolchain, setting, capability, match",
+    [
+        (
+            "CUDA 12.8",
+            lambda: flashinfer.Toolchain((12, 8), "test", (2, 39), None),
+            None,
+            "12.0",
+            r"needs CUDA >= 13\.0; found 12\.8",
+        ),
+        ("no CuTe DSL", _no_cute, None, "12.0", r"needs the CuTe DSL"),
+        ("pdmux", None, "enable_pdmux", "12.0", r"--enable-pdmux"),
+        ("deterministic inference", None, "enable_deterministic_inference", "12.0", r"deterministic-inference"),
+        ("expert parallelism", None, "ep_size", "12.0", r"no NVFP4 expert parallelism"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and " " not in v[:3] else None,
+)
 def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, why, toolchain, setting, capability, match):
     from sm120_fp4.sglang import hooks
 
     if setting is not None:
-        monkeypatch.setattr(hooks, "server_setting", lambda name: (2 if name == "ep_size" else True) if name == setting else None)
+        monkeypatch.setattr(
+            hooks, "server_setting", lambda name: (2 if name == "ep_size" else True) if name == setting else None
+        )
     major, minor = map(int, capability.split("."))
     dev = Device(-1, "simulated (no GPU)", (major, minor), simulated=True, source="simulate")
     with flashinfer.use_toolchain(toolchain or (lambda: B12X_TOOLCHAIN)):
@@ -438,10 +552,14 @@ def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, why, toolchain, setti
     assert not ok and __import__("re").search(match, reason), reason
 
 
-@pytest.mark.parametrize("sizes, match", [
-    ((E, H, I, "swiglu", torch.float16), r"bf16 activations"),
-    ((E, H, 96, "swiglu", torch.bfloat16), r"I % 128 == 0 \(this layer: I=96"),
-], ids=["fp16", "I off 128"])
+@pytest.mark.parametrize(
+    "sizes, match",
+    [
+        ((E, H, I, "swiglu", torch.float16), r"bf16 activations"),
+        ((E, H, 96, "swiglu", torch.bfloat16), r"I % 128 == 0 \(this layer: I=96"),
+    ],
+    ids=["fp16", "I off 128"],
+)
 def test_b12x_layer_limits_are_named(sizes, match):
     assert __import__("re").search(match, b12x_moe.layer_problem(*sizes))
 

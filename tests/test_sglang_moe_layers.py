@@ -17,9 +17,9 @@ import warnings
 
 import pytest
 import torch
+from helpers.common import simulated_moe_skip_reason
 
-from sm120_fp4.sglang import release as _release  # noqa: E402
-from helpers.common import simulated_moe_skip_reason  # noqa: E402
+from sm120_fp4.sglang import release as _release
 
 if simulated_moe_skip_reason() is not None:
     pytest.skip(simulated_moe_skip_reason(), allow_module_level=True)
@@ -29,10 +29,10 @@ pytest.importorskip("sglang.srt.layers.moe.moe_runner.flashinfer_cutlass", reaso
 pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason=_WHY)
 pytest.importorskip("sglang.srt.runtime_context", reason=_WHY)
 
+from helpers import sglang_layers  # noqa: E402
 from sglang.srt import runtime_context as rc  # noqa: E402
 from sglang.srt.layers.moe.moe_runner import flashinfer_cutlass as fc  # noqa: E402
 
-from helpers import sglang_layers  # noqa: E402
 from sm120_fp4 import nvfp4  # noqa: E402
 from sm120_fp4.demo import synthetic  # noqa: E402
 from sm120_fp4.sglang import moe_layers as ml  # noqa: E402
@@ -60,8 +60,10 @@ def _quiet():
 try:
     from flashinfer.fused_moe.core import ActivationType
 except Exception:  # FlashInfer not installed: the names SGLang reads, with FlashInfer's values
-    ActivationType = enum.IntEnum("ActivationType", {"Gelu": 0, "Relu": 1, "Silu": 2, "Swiglu": 3, "Geglu": 4,
-                                                     "SwigluBias": 5, "Relu2": 6, "Identity": 7})
+    ActivationType = enum.IntEnum(
+        "ActivationType",
+        {"Gelu": 0, "Relu": 1, "Silu": 2, "Swiglu": 3, "Geglu": 4, "SwigluBias": 5, "Relu2": 6, "Identity": 7},
+    )
 
 
 def _r(v: int, m: int) -> int:
@@ -71,13 +73,40 @@ def _r(v: int, m: int) -> int:
 def cutlass_fused_moe_stand_in(calls: list):
     """NVFP4 ``cutlass_fused_moe`` from nvfp4.reference_moe_fp4, keyword call as SGLang makes it."""
 
-    def run(*, output, input, token_selected_experts, token_final_scales, fc1_expert_weights, fc2_expert_weights,
-            output_dtype, quant_scales, input_sf=None, swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None,
-            ep_size=1, ep_rank=0, tp_size=1, tp_rank=0, activation_type=ActivationType.Swiglu, **rest):
+    def run(
+        *,
+        output,
+        input,
+        token_selected_experts,
+        token_final_scales,
+        fc1_expert_weights,
+        fc2_expert_weights,
+        output_dtype,
+        quant_scales,
+        input_sf=None,
+        swiglu_alpha=None,
+        swiglu_beta=None,
+        swiglu_limit=None,
+        ep_size=1,
+        ep_rank=0,
+        tp_size=1,
+        tp_rank=0,
+        activation_type=ActivationType.Swiglu,
+        **rest,
+    ):
         assert input_sf is None and swiglu_limit is None and swiglu_alpha is None and swiglu_beta is None
         assert fc1_expert_weights.dtype == torch.int64 and len(quant_scales) == 6, "not an NVFP4 call"
-        calls.append(dict(ids=token_selected_experts.clone(), quant_scales=list(quant_scales), ep_size=ep_size,
-                          ep_rank=ep_rank, tp_size=tp_size, tp_rank=tp_rank, activation_type=activation_type))
+        calls.append(
+            dict(
+                ids=token_selected_experts.clone(),
+                quant_scales=list(quant_scales),
+                ep_size=ep_size,
+                ep_rank=ep_rank,
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+                activation_type=activation_type,
+            )
+        )
         a1, sf1, g1, a2, sf2, g2 = quant_scales
         w13, w2 = fc1_expert_weights.view(torch.uint8), fc2_expert_weights.view(torch.uint8)
         e_loc, rows13, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
@@ -97,9 +126,20 @@ def cutlass_fused_moe_stand_in(calls: list):
             if tok.numel():
                 scale = lambda a: a.reshape(-1)[e if a.numel() > 1 else 0].reshape(())  # noqa: E731
                 rows[tok, slot] = nvfp4.reference_moe_fp4(
-                    input[tok], torch.zeros(tok.numel(), 1, dtype=torch.int64), torch.ones(tok.numel(), 1),
-                    w13[e : e + 1], sf1[e : e + 1], g1[e : e + 1], w2[e : e + 1], sf2[e : e + 1], g2[e : e + 1],
-                    scale(a1), scale(a2), activation, out_dtype=torch.float32)
+                    input[tok],
+                    torch.zeros(tok.numel(), 1, dtype=torch.int64),
+                    torch.ones(tok.numel(), 1),
+                    w13[e : e + 1],
+                    sf1[e : e + 1],
+                    g1[e : e + 1],
+                    w2[e : e + 1],
+                    sf2[e : e + 1],
+                    g2[e : e + 1],
+                    scale(a1),
+                    scale(a2),
+                    activation,
+                    out_dtype=torch.float32,
+                )
         acc = torch.zeros(input.shape[0], hidden)
         for slot in range(local.shape[1]):  # finalize: local slots only, in slot order, float32
             keep = ((local[:, slot] >= 0) & (local[:, slot] < e_loc)).unsqueeze(1)
@@ -227,7 +267,7 @@ def test_ranks_partials_sum_to_the_single_rank_output(ckpt, seam, ep_size, tp_si
             total += out.float()
     # Partials are each rounded to bf16: the sum agrees with one rank to bf16 rounding, not bits.
     assert rel(total, whole) < 1e-2
-    assert torch.allclose(total, whole.float(), rtol=2 ** -7, atol=2 ** -7 * float(whole.float().abs().max()))
+    assert torch.allclose(total, whole.float(), rtol=2**-7, atol=2**-7 * float(whole.float().abs().max()))
 
 
 @contextlib.contextmanager
@@ -239,8 +279,10 @@ def _skip_where_sglang_needs_an_accelerator():
     except RuntimeError as exc:
         if "No accelerator" not in str(exc):
             raise
-        pytest.skip(f"SGLang {_release.sglang_version()} asks for an accelerator while building or running the "
-                    f"compressed-tensors MoE layer, which a CPU cannot simulate: {exc}")
+        pytest.skip(
+            f"SGLang {_release.sglang_version()} asks for an accelerator while building or running the "
+            f"compressed-tensors MoE layer, which a CPU cannot simulate: {exc}"
+        )
 
 
 def test_compressed_tensors_layer(ckpt, seam):
@@ -263,8 +305,10 @@ def _compressed_tensors_layer(ckpt, seam):
     layer1 = sglang_layers.build_compressed_tensors_moe_layer(ckpt, K, ep_size=2, ep_rank=1)
     out1 = ml.moe_forward(layer1, x, ids, weights)
     assert sglang_layers.moe_weights(layer1)["a1_gscale"].shape == (E // 2,)
-    assert torch.equal(out1, synthetic.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1,
-                                                     quantization="compressed-tensors"))
+    assert torch.equal(
+        out1,
+        synthetic.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1, quantization="compressed-tensors"),
+    )
 
 
 def _state() -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers.cases import case
 from helpers.procs import REPO, background, python
 
@@ -60,8 +59,11 @@ def _kernel_child(folder, installed: bool):
     return python(CHILD.format(site=str(site)), folder, cwd=folder, PYTHONPATH=str(REPO))
 
 
-@case("own failures", "install(simulate) on a CPU, sgl_kernel installed but failing to load (libnvrtc missing), then `from sgl_kernel import ...` as SGLang 0.5.5-0.5.7 do unguarded",
-      "the import succeeds with a stand-in whose names (and their attributes) raise NotImplementedError when called, never compute; in the ledger; uninstall() removes it and the real ImportError is back")
+@case(
+    "own failures",
+    "install(simulate) on a CPU, sgl_kernel installed but failing to load (libnvrtc missing), then `from sgl_kernel import ...` as SGLang 0.5.5-0.5.7 do unguarded",
+    "the import succeeds with a stand-in whose names (and their attributes) raise NotImplementedError when called, never compute; in the ledger; uninstall() removes it and the real ImportError is back",
+)
 @background(lambda folder: _kernel_child(folder, installed=True))
 def test_an_installed_kernel_package_that_cannot_load_gets_a_stand_in_that_raises(background):
     rc, stdout, stderr = background
@@ -76,8 +78,11 @@ def test_an_installed_kernel_package_that_cannot_load_gets_a_stand_in_that_raise
     assert "cannot load here (ImportError: libnvrtc.so.12" in stderr
 
 
-@case("own failures", "install(simulate) on a CPU, no sgl_kernel installed, then `import sgl_kernel`",
-      "ImportError as without this library (SGLang's guarded imports take their no-kernel branch); no stand-in, nothing in the ledger")
+@case(
+    "own failures",
+    "install(simulate) on a CPU, no sgl_kernel installed, then `import sgl_kernel`",
+    "ImportError as without this library (SGLang's guarded imports take their no-kernel branch); no stand-in, nothing in the ledger",
+)
 @background(lambda folder: _kernel_child(folder, installed=False))
 def test_a_kernel_package_that_is_not_installed_stays_not_installed(background):
     rc, stdout, stderr = background
@@ -104,8 +109,11 @@ print(json.dumps([status.installed, [r for r in records if 'undoing' in r], left
 """
 
 
-@case("own failures", "uninstall() in simulation while one stand-in's undo step fails (RuntimeError)",
-      "one warning names the step and the error; every other stand-in is still undone; uninstall completes")
+@case(
+    "own failures",
+    "uninstall() in simulation while one stand-in's undo step fails (RuntimeError)",
+    "one warning names the step and the error; every other stand-in is still undone; uninstall completes",
+)
 @background(lambda folder: python(UNDO_FAILS, folder, cwd=folder, PYTHONPATH=str(REPO)))
 def test_a_failing_undo_step_is_said_and_the_rest_still_undone(background):
     rc, stdout, stderr = background
@@ -132,13 +140,25 @@ print(json.dumps([entry.state, entry.reason]))
 """
 
 
-@pytest.mark.parametrize("every_device, expected", [
-    (False, ["applied", None]),
-    (True, ["skipped", "not needed: SGLang registered sglang::fp4_gemm for every device (no device-specific kernel), "
-                       "so its own Python body already runs on a CPU"]),
-])
-@background(lambda folder, every_device, expected: python(OP_FOR_EVERY_DEVICE.format(every_device=every_device), folder,
-                                                          cwd=folder, PYTHONPATH=str(REPO)))
+@pytest.mark.parametrize(
+    "every_device, expected",
+    [
+        (False, ["applied", None]),
+        (
+            True,
+            [
+                "skipped",
+                "not needed: SGLang registered sglang::fp4_gemm for every device (no device-specific kernel), "
+                "so its own Python body already runs on a CPU",
+            ],
+        ),
+    ],
+)
+@background(
+    lambda folder, every_device, expected: python(
+        OP_FOR_EVERY_DEVICE.format(every_device=every_device), folder, cwd=folder, PYTHONPATH=str(REPO)
+    )
+)
 def test_the_fp4_gemm_op_gets_a_cpu_kernel_only_where_it_has_none(background, every_device, expected):
     """SGLang's register_custom_op (0.5.8+) registers sglang::fp4_gemm for the GPU only: the simulation
     registers its Python body for CPU. An op registered for every device already runs its body on a

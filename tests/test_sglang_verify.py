@@ -17,20 +17,22 @@ import types
 
 import pytest
 import torch
-
-import sm120_fp4
-from sm120_fp4 import backends, nvfp4, serving, verify
-from sm120_fp4.backends import emulated_mm_fp4
-from sm120_fp4.errors import RefusedToServe
-from sm120_fp4.demo import synthetic
-from sm120_fp4.sglang import hooks, layers
-from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
-from sm120_fp4.versions import version_in
 from helpers import faults
 from helpers.cases import case
 from helpers.common import release_specs
 
-pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)")
+import sm120_fp4
+from sm120_fp4 import backends, nvfp4, serving, verify
+from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4.demo import synthetic
+from sm120_fp4.errors import RefusedToServe
+from sm120_fp4.sglang import hooks, layers
+from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
+from sm120_fp4.versions import version_in
+
+pytest.importorskip(
+    "sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang (scripts/setup_env.sh)"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +45,7 @@ def build(n: int, k: int, dtype=torch.bfloat16, seed: int = 0):
 
 
 # ---- faults: each is right on the self-test's shapes and wrong on what the layer serves ----------
+
 
 def zeros_when_wide(a, b, a_sf, b_sf, alpha, dtype, out):
     emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
@@ -99,11 +102,18 @@ def reads_scale_bytes_as_values(a, b, a_sf, b_sf, alpha, dtype, out):
 
 FAULTS = {
     "zeros when N > 256": (zeros_when_wide, dict(n=512, k=256), r"N=512 K=256 bfloat16.*M=1 .*all zeros"),
-    "wrong for fp16 out": (wrong_for_fp16, dict(n=96, k=160, dtype=torch.float16), r"N=96 K=160 float16.*M=1 .*norm is 0.5x"),
+    "wrong for fp16 out": (
+        wrong_for_fp16,
+        dict(n=96, k=160, dtype=torch.float16),
+        r"N=96 K=160 float16.*M=1 .*norm is 0.5x",
+    ),
     "zeros for decode batches 8..128": (zeros_for_decode_batches, dict(n=96, k=160), r"N=96 K=160 .*M=8 .*all zeros"),
     "right for 16 calls, then zeros": (make_wears_out(16), dict(n=96, k=160), r"N=96 K=160 .*M=\d+ .*all zeros"),
-    "scales its own weight scales in place": (scales_its_weight_scales, dict(n=288, k=160),
-                                               r"N=288 K=160 .*M=1 .*changed its input\(s\) \[1\] in place"),
+    "scales its own weight scales in place": (
+        scales_its_weight_scales,
+        dict(n=288, k=160),
+        r"N=288 K=160 .*M=1 .*changed its input\(s\) \[1\] in place",
+    ),
     "writes out, returns None": (returns_none, dict(n=96, k=160), r"returned None"),
     "reads uint8 scale bytes as values": (reads_scale_bytes_as_values, dict(n=96, k=160), r"M=1 N=96 K=1056"),
 }
@@ -131,7 +141,9 @@ def test_a_backend_that_fails_one_layer_is_replaced_by_one_that_passes_every_lay
     assert torch.equal(method_small.apply(small, x), synthetic.reference_output(synthetic.make_checkpoint(96, 160), x))
     [decision] = [d for d in serving.decisions() if d.backend == "emulated"]
     assert {r.config.split(" (")[0] for r in decision.layers} == {
-        "ModelOptFp4LinearMethod N=96 K=160 bfloat16", "ModelOptFp4LinearMethod N=512 K=256 bfloat16"}
+        "ModelOptFp4LinearMethod N=96 K=160 bfloat16",
+        "ModelOptFp4LinearMethod N=512 K=256 bfloat16",
+    }
     assert all(r.passed for r in decision.layers)
 
 
@@ -155,7 +167,9 @@ def test_each_distinct_configuration_is_verified_once_per_process():
         "ModelOptFp4LinearMethod N=64 K=160 bfloat16 (weight scales float8_e4m3fn)",
     ]
     ms = [s.m for s in decision.layers[0].shapes]
-    assert ms == hooks.batch_sizes(512) and all(s.calls == 3 for s in decision.layers[0].shapes)  # M twice in a row, then again
+    assert ms == hooks.batch_sizes(512) and all(
+        s.calls == 3 for s in decision.layers[0].shapes
+    )  # M twice in a row, then again
 
 
 def test_batch_sizes_cover_every_power_of_two_bucket_and_a_large_prefill():
@@ -167,6 +181,7 @@ def test_batch_sizes_cover_every_power_of_two_bucket_and_a_large_prefill():
 
 
 # ---- healthy kernels: rounding-level differences must serve in bf16 and fp16 ------------------
+
 
 def bf16_products(a, b, a_sf, b_sf, alpha, dtype, out):  # bf16 operands, float32 accumulation
     deq_a = nvfp4.dequantize_unscaled(a, a_sf.contiguous(), torch.bfloat16).float()
@@ -203,6 +218,7 @@ def test_healthy_kernels_with_rounding_differences_serve(kernel, dtype):
 
 
 # ---- after warm-up and CUDA-graph capture ------------------------------------------------------
+
 
 def _warmup_spec():
     """The installed release's warm-up seam: init_cuda_graphs (0.5.15+) or init_device_graphs."""
@@ -272,8 +288,11 @@ def test_the_recheck_after_warmup_refuses_a_kernel_that_goes_wrong_after_warmup(
 SPECULATIVE_GRAPHS = dict(decode_bs=(1, 2, 4, 8, 12), per_request=2, prefill_tokens=(96, 512))
 
 
-@case("backend faults", "a kernel that zeros its output only at M=24 and M=96: a captured decode graph (12 requests x 2 tokens, speculative) and a captured prefill graph, between the batch sizes checked at load",
-      "the layer verifies at load; after warm-up and capture the re-check runs every captured graph size and refuses, naming M=24")
+@case(
+    "backend faults",
+    "a kernel that zeros its output only at M=24 and M=96: a captured decode graph (12 requests x 2 tokens, speculative) and a captured prefill graph, between the batch sizes checked at load",
+    "the layer verifies at load; after warm-up and capture the re-check runs every captured graph size and refuses, naming M=24",
+)
 def test_the_recheck_runs_every_captured_graph_size(monkeypatch, tmp_path):
     def zeros_at_captured_sizes(a, b, a_sf, b_sf, alpha, dtype, out):
         emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
@@ -315,21 +334,31 @@ def test_the_recheck_after_warmup_passes_a_healthy_kernel(monkeypatch):
     build(96, 160)
     _warmup(sys.modules[MODEL_RUNNER].ModelRunner())  # no refusal
     sm120_fp4.uninstall()
-    assert not hasattr(getattr(sys.modules[MODEL_RUNNER].ModelRunner, _warmup_spec().attribute.split(".")[1]), "__sm120_fp4_patch__")
+    assert not hasattr(
+        getattr(sys.modules[MODEL_RUNNER].ModelRunner, _warmup_spec().attribute.split(".")[1]), "__sm120_fp4_patch__"
+    )
 
 
 def _nan_block_scale(ckpt):
     ckpt.weight_scale.view(torch.uint8)[5, 1] = 0x7F
 
 
-@case("configuration", "a served ModelOpt NVFP4 linear layer whose checkpoint has {fault}",
-      "refused at its weights hook before any layer check: the message names the tensor and says it is the checkpoint's, "
-      "never that every kernel failed")
-@pytest.mark.parametrize("fault, tensor", [
-    ("a NaN weight_scale_2", "weight_scale_2[0] = nan"), ("an infinite weight_scale_2", "weight_scale_2[0] = inf"),
-    ("a zero input_scale", "input_scale[0] = 0.0"), ("a negative input_scale", "input_scale[0] = -1.0"),
-    ("a NaN block scale (E4M3 0x7f)", "weight_scale[5, 1] is a NaN block scale"),
-])
+@case(
+    "configuration",
+    "a served ModelOpt NVFP4 linear layer whose checkpoint has {fault}",
+    "refused at its weights hook before any layer check: the message names the tensor and says it is the checkpoint's, "
+    "never that every kernel failed",
+)
+@pytest.mark.parametrize(
+    "fault, tensor",
+    [
+        ("a NaN weight_scale_2", "weight_scale_2[0] = nan"),
+        ("an infinite weight_scale_2", "weight_scale_2[0] = inf"),
+        ("a zero input_scale", "input_scale[0] = 0.0"),
+        ("a negative input_scale", "input_scale[0] = -1.0"),
+        ("a NaN block scale (E4M3 0x7f)", "weight_scale[5, 1] is a NaN block scale"),
+    ],
+)
 def test_a_layer_with_bad_checkpoint_scales_is_refused_naming_the_tensor(fault, tensor):
     sm120_fp4.install(simulate="12.0", backends="emulated")
     ckpt = synthetic.make_checkpoint(128, 256, seed=3)
@@ -342,7 +371,9 @@ def test_a_layer_with_bad_checkpoint_scales_is_refused_naming_the_tensor(fault, 
         layers.build_modelopt_layer(ckpt)
     message = str(err.value)
     assert f"the checkpoint's {tensor}" in message and "ModelOptFp4LinearMethod" in message, message
-    assert "candidate" not in message and not any(d.layers for d in serving.decisions()), "no kernel was checked or blamed"
+    assert "candidate" not in message and not any(d.layers for d in serving.decisions()), (
+        "no kernel was checked or blamed"
+    )
 
 
 def test_a_refusal_writes_the_report_before_raising_and_status_shows_it(tmp_path):
@@ -360,8 +391,11 @@ def test_a_refusal_writes_the_report_before_raising_and_status_shows_it(tmp_path
     assert sm120_fp4.status().decisions, "the decision that was refused stays visible"
 
 
-@case("own failures", "layers loaded where SGLang's server args cannot be read (no runtime context published), two configurations",
-      "verified up to the default largest CUDA-graph batch (512), and one warning says so and why: never a silent fallback")
+@case(
+    "own failures",
+    "layers loaded where SGLang's server args cannot be read (no runtime context published), two configurations",
+    "verified up to the default largest CUDA-graph batch (512), and one warning says so and why: never a silent fallback",
+)
 def test_a_missing_max_batch_is_said_once(monkeypatch, caplog):
     import logging
 
@@ -379,6 +413,7 @@ def test_a_missing_max_batch_is_said_once(monkeypatch, caplog):
 
 # ---- what serves: every M, the serving thread, every layer, the weights as loaded -----------------------
 
+
 def _after_the_selftest(fault, healthy=emulated_mm_fp4):
     """`fault` on every call after the generic self-test's (two passes over its shapes, the first calling each twice in a row): a kernel
     the self-test cannot see, so only the layer checks can."""
@@ -392,8 +427,11 @@ def _after_the_selftest(fault, healthy=emulated_mm_fp4):
     return kernel
 
 
-@case("backend faults", "a kernel wrong only at M >= 4096 (a quarter of the right output), SGLang's settings not visible",
-      "refused at load naming M=4096: the layer checks run the prefill sizes up to SGLang's chunk on 90-160 GB GPUs (8192)")
+@case(
+    "backend faults",
+    "a kernel wrong only at M >= 4096 (a quarter of the right output), SGLang's settings not visible",
+    "refused at load naming M=4096: the layer checks run the prefill sizes up to SGLang's chunk on 90-160 GB GPUs (8192)",
+)
 @pytest.mark.default_prefill
 def test_a_kernel_wrong_only_at_large_m_is_refused_at_load():
     def quarter_at_large_m(a, b, a_sf, b_sf, alpha, dtype, out):
@@ -443,25 +481,36 @@ def published_server_args(**fields):
         if owner is not None and hasattr(owner, slot):
             break
     else:
-        raise AssertionError(f"SGLang {sglang_version()}: set_global_server_args_for_scheduler stores the server args in "
-                             "neither server_args._global_server_args nor the runtime context's _server_args")
+        raise AssertionError(
+            f"SGLang {sglang_version()}: set_global_server_args_for_scheduler stores the server args in "
+            "neither server_args._global_server_args nor the runtime context's _server_args"
+        )
     previous = getattr(owner, slot)
     with tempfile.TemporaryDirectory(prefix="sm120_fp4_args_") as root:
-        publish(sglang_server_args.ServerArgs(model_path=moe_layers._write_model_dir(root, moe_layers.MODELOPT),
-                                              device="cpu", skip_tokenizer_init=True, **fields))
+        publish(
+            sglang_server_args.ServerArgs(
+                model_path=moe_layers._write_model_dir(root, moe_layers.MODELOPT),
+                device="cpu",
+                skip_tokenizer_init=True,
+                **fields,
+            )
+        )
         try:
             yield
         finally:
             setattr(owner, slot, previous)
 
 
-@case("configuration", "SGLang's server arguments set chunked_prefill_size=3000 (its runtime context, as a scheduler publishes it)",
-      "the layer checks and the re-check run M=3000 (the chunk every long prompt is served in), and no larger M")
+@case(
+    "configuration",
+    "SGLang's server arguments set chunked_prefill_size=3000 (its runtime context, as a scheduler publishes it)",
+    "the layer checks and the re-check run M=3000 (the chunk every long prompt is served in), and no larger M",
+)
 def test_the_layer_checks_run_sglangs_own_chunked_prefill_size():
     def wrong_above_2900(a, b, a_sf, b_sf, alpha, dtype, out):
         emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
         if a.shape[0] > 2900:
-            out[a.shape[0] // 2:] = 0
+            out[a.shape[0] // 2 :] = 0
         return out
 
     backends.register("wrong-above-2900", wrong_above_2900)
@@ -477,8 +526,11 @@ def test_the_layer_checks_run_sglangs_own_chunked_prefill_size():
             build(96, 160)
 
 
-@case("backend faults", "a kernel with per-thread state (a split-K workspace it never clears): right on a thread's first call only",
-      "refused at load: every checked call runs on the thread that will serve, so the second call is wrong and seen")
+@case(
+    "backend faults",
+    "a kernel with per-thread state (a split-K workspace it never clears): right on a thread's first call only",
+    "refused at load: every checked call runs on the thread that will serve, so the second call is wrong and seen",
+)
 def test_a_kernel_with_per_thread_state_is_refused_and_checks_run_on_the_calling_thread():
     state = threading.local()
     threads = set()
@@ -500,8 +552,11 @@ def test_a_kernel_with_per_thread_state_is_refused_and_checks_run_on_the_calling
     assert threads == {threading.get_ident()}, "every checked call ran on this (the loading) thread"
 
 
-@case("backend faults", "a kernel that corrupts another, already verified layer's weights (an out-of-bounds write flipping its FP4 signs) while serving a second layer",
-      "both layers pass their own checks; the re-check after warm-up compares every verified layer's fingerprint and refuses, naming the corrupted layer")
+@case(
+    "backend faults",
+    "a kernel that corrupts another, already verified layer's weights (an out-of-bounds write flipping its FP4 signs) while serving a second layer",
+    "both layers pass their own checks; the re-check after warm-up compares every verified layer's fingerprint and refuses, naming the corrupted layer",
+)
 def test_a_verified_layers_weights_corrupted_later_are_refused_naming_the_layer(monkeypatch):
     victim = {}
 
@@ -516,12 +571,17 @@ def test_a_verified_layers_weights_corrupted_later_are_refused_naming_the_layer(
     sm120_fp4.install(simulate="12.0", backends="oob")
     _, victim["layer"] = build(96, 160)
     build(512, 256)  # verified: its own output is right
-    with pytest.raises(RefusedToServe, match=r"(?s)weights of 1 verified layer\(s\) changed after they were verified.*N=96 K=160"):
+    with pytest.raises(
+        RefusedToServe, match=r"(?s)weights of 1 verified layer\(s\) changed after they were verified.*N=96 K=160"
+    ):
         _warmup(sys.modules[MODEL_RUNNER].ModelRunner())
 
 
-@case("own failures", "Ctrl-C (KeyboardInterrupt) during a layer check, then the same load again in the same process (a notebook), the kernel now returning zeros",
-      "the interrupt propagates and nothing is recorded as verified; the retry checks the layer again and refuses the zeros")
+@case(
+    "own failures",
+    "Ctrl-C (KeyboardInterrupt) during a layer check, then the same load again in the same process (a notebook), the kernel now returning zeros",
+    "the interrupt propagates and nothing is recorded as verified; the retry checks the layer again and refuses the zeros",
+)
 def test_an_interrupted_layer_check_is_never_recorded_and_the_retry_checks_again():
     calls = {"n": 0}
 
@@ -531,7 +591,11 @@ def test_an_interrupted_layer_check_is_never_recorded_and_the_retry_checks_again
             return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
         if calls["n"] == 3 * len(verify.DEFAULT_SHAPES) + 3:
             raise KeyboardInterrupt
-        return out.zero_() if calls["n"] > 3 * len(verify.DEFAULT_SHAPES) + 3 else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        return (
+            out.zero_()
+            if calls["n"] > 3 * len(verify.DEFAULT_SHAPES) + 3
+            else emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        )
 
     backends.register("interrupted", interrupted_then_zeros)
     sm120_fp4.install(simulate="12.0", backends="interrupted")
@@ -542,8 +606,11 @@ def test_an_interrupted_layer_check_is_never_recorded_and_the_retry_checks_again
         build(96, 160)
 
 
-@case("backend faults", "a kernel right for the first layer of a configuration and wrong for every other layer's weights (same N, K, dtype)",
-      "the second layer's own light check (one decode batch, its own weights) refuses it, naming the layer check")
+@case(
+    "backend faults",
+    "a kernel right for the first layer of a configuration and wrong for every other layer's weights (same N, K, dtype)",
+    "the second layer's own light check (one decode batch, its own weights) refuses it, naming the layer check",
+)
 def test_every_layer_of_a_configuration_gets_a_check_with_its_own_weights():
     first = {}
 
@@ -587,10 +654,16 @@ def _mostly_zero_blocks_skipped(a, b, a_sf, b_sf, alpha, dtype, out):
     return emulated_mm_fp4(kept, b, a_sf, b_sf, alpha, dtype, out)
 
 
-@pytest.mark.parametrize("fault", [_subnormal_scales_flushed, _one_signed_rows_zeroed, _mostly_zero_blocks_skipped],
-                         ids=["subnormal scales flushed", "ReLU^2 rows zeroed", "sparse and outlier blocks skipped"])
-@case("backend faults", "a kernel right on Gaussian activations and wrong on {fault} (the generic self-test passes it)",
-      "refused at load: the layer checks' activations include every row kind of verify.ROW_KINDS")
+@pytest.mark.parametrize(
+    "fault",
+    [_subnormal_scales_flushed, _one_signed_rows_zeroed, _mostly_zero_blocks_skipped],
+    ids=["subnormal scales flushed", "ReLU^2 rows zeroed", "sparse and outlier blocks skipped"],
+)
+@case(
+    "backend faults",
+    "a kernel right on Gaussian activations and wrong on {fault} (the generic self-test passes it)",
+    "refused at load: the layer checks' activations include every row kind of verify.ROW_KINDS",
+)
 def test_a_kernel_wrong_on_structured_activations_is_refused_at_load(fault):
     backends.register("structured", _after_the_selftest(fault))
     sm120_fp4.install(simulate="12.0", backends="structured")
@@ -601,14 +674,28 @@ def test_a_kernel_wrong_on_structured_activations_is_refused_at_load(fault):
 def _updater(model):
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    return WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                         get_model=lambda: model, update_model_fields=lambda **kw: None,
-                         recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
+    return WeightUpdater(
+        tp_rank=0,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=lambda **kw: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: None,
+    )
 
 
-@pytest.mark.skipif(not version_in(sglang_version() or "0", ">=0.5.21"), reason="the WeightUpdater with weight-update sessions (0.5.21+)")
-@case("configuration", "SGLang's own weight update (WeightUpdater.update_weights_from_tensor in a begin/end session) writes new weights into a verified layer",
-      "the changed layer is verified again with its new weights (light check) and its fingerprint renewed: the re-check after it passes")
+@pytest.mark.skipif(
+    not version_in(sglang_version() or "0", ">=0.5.21"),
+    reason="the WeightUpdater with weight-update sessions (0.5.21+)",
+)
+@case(
+    "configuration",
+    "SGLang's own weight update (WeightUpdater.update_weights_from_tensor in a begin/end session) writes new weights into a verified layer",
+    "the changed layer is verified again with its new weights (light check) and its fingerprint renewed: the re-check after it passes",
+)
 def test_sglangs_weight_update_reverifies_the_layer_and_the_recheck_accepts_it(monkeypatch):
     seen = []
 
@@ -639,17 +726,24 @@ def test_sglangs_weight_update_reverifies_the_layer_and_the_recheck_accepts_it(m
             _warmup(sys.modules[MODEL_RUNNER].ModelRunner())
 
 
-@pytest.mark.skipif(not version_in(sglang_version() or "0", ">=0.5.14"), reason="Scheduler.init_all_cuda_graphs (0.5.14+)")
-@case("backend faults", "speculative decoding: a kernel that zeros its output only at M=9, the token count of the draft model's own decode graphs (3 requests x 3 tokens), captured after the model runners'",
-      "the re-check runs once, after the scheduler's init_all_cuda_graphs has captured every graph, the draft worker's included, and refuses naming M=9")
+@pytest.mark.skipif(
+    not version_in(sglang_version() or "0", ">=0.5.14"), reason="Scheduler.init_all_cuda_graphs (0.5.14+)"
+)
+@case(
+    "backend faults",
+    "speculative decoding: a kernel that zeros its output only at M=9, the token count of the draft model's own decode graphs (3 requests x 3 tokens), captured after the model runners'",
+    "the re-check runs once, after the scheduler's init_all_cuda_graphs has captured every graph, the draft worker's included, and refuses naming M=9",
+)
 def test_the_recheck_runs_after_every_capture_the_draft_models_included(monkeypatch):
     try:
         from sglang.srt.managers.scheduler import Scheduler
     except ModuleNotFoundError as exc:  # a server package SGLang's scheduler imports, absent from this venv
         if not exc.name or exc.name.split(".")[0] == "sglang":
             raise
-        pytest.skip(f"SGLang {sglang_version()}'s scheduler module needs {exc.name}, which this venv does not have "
-                    "(SGLang installed --no-deps; the import step source-checks its hooks)")
+        pytest.skip(
+            f"SGLang {sglang_version()}'s scheduler module needs {exc.name}, which this venv does not have "
+            "(SGLang installed --no-deps; the import step source-checks its hooks)"
+        )
 
     rechecks = []
 
@@ -659,7 +753,9 @@ def test_the_recheck_runs_after_every_capture_the_draft_models_included(monkeypa
             out.zero_()
         return out
 
-    monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: rechecks.append("target"), decode_bs=(1, 2, 4)))
+    monkeypatch.setitem(
+        sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: rechecks.append("target"), decode_bs=(1, 2, 4))
+    )
     backends.register("zeros-at-9", zeros_at_9)
     sm120_fp4.install(simulate="12.0", backends="zeros-at-9")
     assert {p.name: p.state for p in sm120_fp4.status().patches}["post-capture-recheck-all-graphs"] == "applied"
@@ -682,10 +778,16 @@ def test_the_recheck_runs_after_every_capture_the_draft_models_included(monkeypa
 
     scheduler = types.SimpleNamespace(tp_worker=TpWorker(), draft_worker=DraftWorker())
     real_recheck = serving.recheck
-    monkeypatch.setattr(serving, "recheck", lambda settings, captured: rechecks.append(sorted(captured)) or real_recheck(settings, captured))
+    monkeypatch.setattr(
+        serving,
+        "recheck",
+        lambda settings, captured: rechecks.append(sorted(captured)) or real_recheck(settings, captured),
+    )
     with pytest.raises(RefusedToServe, match=r"(?s)fails after warm-up.*N=96 K=160 .*M=9 .*all zeros"):
         Scheduler.init_all_cuda_graphs(scheduler)
-    assert rechecks == ["target", "target", [1, 2, 3, 4, 6, 9]], "both captures first, then one re-check of every graph size"
+    assert rechecks == ["target", "target", [1, 2, 3, 4, 6, 9]], (
+        "both captures first, then one re-check of every graph size"
+    )
 
 
 # ---- fused layers: the shards' own global scales, read before SGLang reduces them to one ----------
@@ -703,15 +805,28 @@ def _shards(scale_q: float = 1.0, input_k: float = 1.0):
 
 
 @pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
-@pytest.mark.parametrize("scale_q, expected", [(0.25, r"weight_\w+ differ in the checkpoint \(shard 0 [\d.e-]+, shard 1 [\d.e-]+, "
-                                                      r"shard 2 [\d.e-]+\).*rows of shard \d by (4|0.25)\b"),
-                                               (0.0, r"checkpoint's weight_\w+\[0\] = (0.0|inf); accepted: a finite positive scale.*checkpoint")],
-                         ids=["q 4x smaller", "q zero"])
-@case("configuration", "a fused q/k/v layer ({fmt}) whose q shard's global scale is {scale_q} times k's and v's (SGLang serves it with the largest)",
-      "refused before SGLang processes the weights, naming the layer, the shards and their values (the layer check cannot see it)")
+@pytest.mark.parametrize(
+    "scale_q, expected",
+    [
+        (
+            0.25,
+            r"weight_\w+ differ in the checkpoint \(shard 0 [\d.e-]+, shard 1 [\d.e-]+, "
+            r"shard 2 [\d.e-]+\).*rows of shard \d by (4|0.25)\b",
+        ),
+        (0.0, r"checkpoint's weight_\w+\[0\] = (0.0|inf); accepted: a finite positive scale.*checkpoint"),
+    ],
+    ids=["q 4x smaller", "q zero"],
+)
+@case(
+    "configuration",
+    "a fused q/k/v layer ({fmt}) whose q shard's global scale is {scale_q} times k's and v's (SGLang serves it with the largest)",
+    "refused before SGLang processes the weights, naming the layer, the shards and their values (the layer check cannot see it)",
+)
 def test_a_fused_layer_whose_shards_global_scales_differ_is_refused_naming_them(fmt, scale_q, expected):
     sm120_fp4.install(simulate="12.0", backends="emulated")
-    with pytest.raises(RefusedToServe, match=r"refusing to serve the NVFP4 layer model.layers.0.self_attn.qkv_proj .*" + expected):
+    with pytest.raises(
+        RefusedToServe, match=r"refusing to serve the NVFP4 layer model.layers.0.self_attn.qkv_proj .*" + expected
+    ):
         build_fused_dense_layer(_shards(scale_q=scale_q), fmt)
 
 
@@ -723,17 +838,25 @@ def test_a_fused_layer_with_one_global_scale_serves_and_activation_scales_may_di
     assert any(c.passed for d in serving.decisions() for c in d.layers), "the fused layer was verified"
 
 
-@case("configuration", "a fused layer whose shards' global scales differ, with SM120_FP4_SELFTEST=warn",
-      "served, with one warning naming the layer and the shards' values")
+@case(
+    "configuration",
+    "a fused layer whose shards' global scales differ, with SM120_FP4_SELFTEST=warn",
+    "served, with one warning naming the layer and the shards' values",
+)
 def test_different_shard_scales_under_warn_are_said_and_served(caplog):
     sm120_fp4.install(simulate="12.0", backends="emulated", selftest="warn")
     with caplog.at_level("WARNING", logger="sm120_fp4"):
         build_fused_dense_layer(_shards(scale_q=0.25), synthetic.MODELOPT)
-    assert any("differ in the checkpoint" in r.getMessage() and "SELFTEST=warn" in r.getMessage() for r in caplog.records)
+    assert any(
+        "differ in the checkpoint" in r.getMessage() and "SELFTEST=warn" in r.getMessage() for r in caplog.records
+    )
 
 
-@case("backend faults", "a kernel with a per-thread workspace kept between calls of one shape (never cleared): right on the self-test's shapes and on a shape's first call, its previous result from the second call in a row of the layer's shape (N=288) on",
-      "refused at load: the layer check calls each served M twice in a row, the second time with other rows, and names that call")
+@case(
+    "backend faults",
+    "a kernel with a per-thread workspace kept between calls of one shape (never cleared): right on the self-test's shapes and on a shape's first call, its previous result from the second call in a row of the layer's shape (N=288) on",
+    "refused at load: the layer check calls each served M twice in a row, the second time with other rows, and names that call",
+)
 def test_a_kernel_wrong_from_the_second_call_in_a_row_of_a_served_shape_is_refused():
     stale = faults.make_stale_workspace()
 
@@ -742,5 +865,7 @@ def test_a_kernel_wrong_from_the_second_call_in_a_row_of_a_served_shape_is_refus
 
     backends.register("stale", stale_at_288)
     sm120_fp4.install(simulate="12.0", backends="stale")
-    with pytest.raises(RefusedToServe, match=r"N=288 K=160 .*M=1 .*call 2: .*the same shape called again right after its first call"):
+    with pytest.raises(
+        RefusedToServe, match=r"N=288 K=160 .*M=1 .*call 2: .*the same shape called again right after its first call"
+    ):
         build(288, 160)

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import io
 import importlib.metadata
+import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import ledger  # noqa: E402  (scripts/ledger.py renders patches/LEDGER.md)
 from helpers.cases import case  # noqa: E402
 from helpers.procs import Popen, background, clean_env, python  # noqa: E402
+
 CACHE = ROOT / ".cache" / "sglang-wheels"
 RELEASES = [(diff, release) for diff in DIFFS for release in diff.releases]
 RELEASE_IDS = [release for _, release in RELEASES]
@@ -96,7 +96,7 @@ def test_apply_without_patch_or_git_prints_the_exact_command(tmp_path, monkeypat
     monkeypatch.setattr(upstream, "_tool", lambda: None)
     assert upstream.apply(tree) == 2
     err = capsys.readouterr().err
-    assert "neither GNU patch nor git" in err and f"patch -p1" in err and str(tree) in err
+    assert "neither GNU patch nor git" in err and "patch -p1" in err and str(tree) in err
     assert not upstream.check(tree).fixed, "nothing was changed"
 
 
@@ -119,7 +119,9 @@ def test_patches_dir_holds_exactly_the_listed_diffs():
 @pytest.mark.parametrize("diff", DIFFS, ids=[d.release for d in DIFFS])
 def test_diff_touches_the_files_it_lists_and_carries_its_marker(diff):
     text = upstream.patch_path(diff).read_text()
-    touched = tuple(line[len("+++ b/"):].split("\t")[0].strip() for line in text.splitlines() if line.startswith("+++ "))
+    touched = tuple(
+        line[len("+++ b/") :].split("\t")[0].strip() for line in text.splitlines() if line.startswith("+++ ")
+    )
     assert touched == diff.files
     assert all(line.startswith(("--- a/", "+++ b/", "@@", " ", "+", "-")) for line in text.splitlines())
     added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
@@ -244,19 +246,23 @@ def _ledger_states() -> dict[str, str]:
     return {p.name: p.state for p in sm120_fp4.status().patches}
 
 
-@case("own failures", "SGLang patched with `sm120-fp4 patches apply` (the dense-GEMM diff) and SM120_FP4=1, with a {kernel} kernel",
-      "install() patches as on an unpatched tree (the same ledger), the status names the diff, and every dense and MoE layer "
-      "is still checked: a kernel that turns wrong after the generic self-test is refused at the layer, naming it")
+@case(
+    "own failures",
+    "SGLang patched with `sm120-fp4 patches apply` (the dense-GEMM diff) and SM120_FP4=1, with a {kernel} kernel",
+    "install() patches as on an unpatched tree (the same ledger), the status names the diff, and every dense and MoE layer "
+    "is still checked: a kernel that turns wrong after the generic self-test is refused at the layer, naming it",
+)
 @pytest.mark.parametrize("kernel", ["dense", "MoE"])
 def test_a_tree_patched_with_the_upstream_diff_keeps_every_check_on(tmp_path, monkeypatch, sglang_unpatched, kernel):
-    import sm120_fp4
-    from sm120_fp4 import backends, serving, verify
-    from sm120_fp4.demo import synthetic
-    from sm120_fp4.errors import RefusedToServe
-    from sm120_fp4.sglang import layers
     from helpers import moe_faults
     from helpers.children import all_zeros
     from helpers.common import simulated_moe_skip_reason
+
+    import sm120_fp4
+    from sm120_fp4 import backends, serving
+    from sm120_fp4.demo import synthetic
+    from sm120_fp4.errors import RefusedToServe
+    from sm120_fp4.sglang import layers
 
     if kernel == "MoE" and simulated_moe_skip_reason() is not None:
         pytest.skip(simulated_moe_skip_reason())
@@ -281,7 +287,9 @@ def test_a_tree_patched_with_the_upstream_diff_keeps_every_check_on(tmp_path, mo
     assert decision.verified and decision.layers and decision.layers[0].passed
     sm120_fp4.uninstall()
 
-    late_moe = moe_faults.after_generic(moe_faults.drops_one_expert)  # passes the generic MoE self-test, then drops an expert
+    late_moe = moe_faults.after_generic(
+        moe_faults.drops_one_expert
+    )  # passes the generic MoE self-test, then drops an expert
 
     def late_dense(*args):  # passes the generic self-test, then returns zeros (at the layer's own check)
         return (backends.emulated_mm_fp4 if not serving.decisions() else all_zeros)(*args)
@@ -289,7 +297,9 @@ def test_a_tree_patched_with_the_upstream_diff_keeps_every_check_on(tmp_path, mo
     if kernel == "dense":
         backends.register("late-zeros", late_dense)
         sm120_fp4.install(**{**sim, "backends": "late-zeros"})
-        with pytest.raises(RefusedToServe, match=r"(?s)failed the served-layer check: ModelOptFp4LinearMethod N=32 K=64"):
+        with pytest.raises(
+            RefusedToServe, match=r"(?s)failed the served-layer check: ModelOptFp4LinearMethod N=32 K=64"
+        ):
             layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
     else:
         backends.register_moe("late-faulty", late_moe)
@@ -315,9 +325,11 @@ FAULTS = {
     "nan rows": (lambda *args: _good_gemm(*args).index_fill(0, torch.tensor([0]), float("nan")), "non-finite output"),
     "25x scale": (lambda *args: _good_gemm(*args) / 25, "relative error"),
     "rows 64-127 zero at M>128": (
-        lambda *args: _good_gemm(*args).index_fill(0, torch.arange(64, min(128, args[0].shape[0])), 0.0)
-        if args[0].shape[0] > 128
-        else _good_gemm(*args),
+        lambda *args: (
+            _good_gemm(*args).index_fill(0, torch.arange(64, min(128, args[0].shape[0])), 0.0)
+            if args[0].shape[0] > 128
+            else _good_gemm(*args)
+        ),
         "M=129, N=256, K=512: all-zero output rows",
     ),
 }
@@ -330,7 +342,9 @@ def _load_check(source: str, gemm, transposed: bool = True) -> object:
         n
         for n in tree.body
         if (isinstance(n, ast.FunctionDef) and n.name == "_verify_fp4_gemm_once")
-        or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "_FP4_GEMM_VERIFIED_DEVICES" for t in n.targets))
+        or (
+            isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "_FP4_GEMM_VERIFIED_DEVICES" for t in n.targets)
+        )
     ]
     assert len(nodes) == 2, "the diff defines _verify_fp4_gemm_once and _FP4_GEMM_VERIFIED_DEVICES"
     backend = SimpleNamespace(value="flashinfer_cutlass", is_cutlass=lambda: not transposed)
@@ -456,7 +470,7 @@ def test_installed_release_imports_patched_and_makes_the_runtime_decision(backgr
     _, stdout, stderr = background
     line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line, stdout[-3000:] + stderr[-3000:]
-    result = json.loads(line[len("RESULT"):])
+    result = json.loads(line[len("RESULT") :])
     assert result["file"].endswith("/tree/" + MQ_FILE) and result["calls_check"]  # the patched copy was imported
     out = [[3, 40], "torch.bfloat16", True]
     # SM12x: auto/cudnn -> cutlass, with a contiguous out; the others keep their backend, get out too.

@@ -16,9 +16,17 @@ SUITE = "tests/engine_vllm"
 def _suite(folder: Path) -> Popen:
     python = VENV / "bin" / "python"
     if not python.exists():
-        raise FileNotFoundError(f"{python} is missing: run bash scripts/setup_vllm_env.sh (scripts/setup_env.sh runs it)")
-    return Popen([str(python), "-m", "pytest", SUITE, "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
-                 clean_env(PYTHONPATH=pythonpath(REPO)), folder, cwd=REPO, merge=True, timeout=900)
+        raise FileNotFoundError(
+            f"{python} is missing: run bash scripts/setup_vllm_env.sh (scripts/setup_env.sh runs it)"
+        )
+    return Popen(
+        [str(python), "-m", "pytest", SUITE, "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        clean_env(PYTHONPATH=pythonpath(REPO)),
+        folder,
+        cwd=REPO,
+        merge=True,
+        timeout=900,
+    )
 
 
 @background(_suite, heavy=True)

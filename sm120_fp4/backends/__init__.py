@@ -19,7 +19,8 @@ of :func:`sm120_fp4.nvfp4.reference_moe_fp4`; built-ins: ``cutlass`` (FlashInfer
 ``cutlass_fused_moe``, called as SGLang calls it) and ``emulated`` (the oracle's arithmetic, capture-safe).
 """
 
-from . import emulated as _emulated, registry as _registry
+from . import emulated as _emulated
+from . import registry as _registry
 from .emulated import *  # noqa: F403
 from .registry import *  # noqa: F403
 

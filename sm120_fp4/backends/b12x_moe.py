@@ -112,8 +112,10 @@ def supported(device: Device) -> tuple[bool, str | None]:
     """Whether b12x's MoE can serve on `device` in this process, and why not."""
     tc = toolchain()
     if tc.cuda is None or tc.cuda < MIN_CUDA:
-        return False, (f"b12x MoE needs CUDA >= {MIN_CUDA[0]}.{MIN_CUDA[1]}; found "
-                       f"{'unknown' if tc.cuda is None else f'{tc.cuda[0]}.{tc.cuda[1]}'} ({tc.cuda_source})")
+        return False, (
+            f"b12x MoE needs CUDA >= {MIN_CUDA[0]}.{MIN_CUDA[1]}; found "
+            f"{'unknown' if tc.cuda is None else f'{tc.cuda[0]}.{tc.cuda[1]}'} ({tc.cuda_source})"
+        )
     if tc.cute_dsl_problem is not None:
         return False, f"b12x MoE needs the CuTe DSL: {tc.cute_dsl_problem}"
     with _lock:
@@ -187,10 +189,12 @@ def derived_scales(w13_alpha, w2_alpha, a1, a2) -> dict[str, torch.Tensor]:
 
 
 def _new_derived(w13_alpha, w2_alpha, a1, a2) -> _Derived:
-    d = _Derived(torch.empty(a1.shape, dtype=torch.float32, device=a1.device),
-                 torch.empty(w13_alpha.shape, dtype=torch.float32, device=w13_alpha.device),
-                 torch.empty(a2.shape, dtype=torch.float32, device=a2.device),
-                 torch.empty(w2_alpha.shape, dtype=torch.float32, device=w2_alpha.device))
+    d = _Derived(
+        torch.empty(a1.shape, dtype=torch.float32, device=a1.device),
+        torch.empty(w13_alpha.shape, dtype=torch.float32, device=w13_alpha.device),
+        torch.empty(a2.shape, dtype=torch.float32, device=a2.device),
+        torch.empty(w2_alpha.shape, dtype=torch.float32, device=w2_alpha.device),
+    )
     d.refresh(w13_alpha, w2_alpha, a1, a2)
     return d
 
@@ -217,12 +221,24 @@ def _make_wrapper(config: tuple, device: torch.device, owner: object | None) -> 
     factory = _factory or _wrapper_class()
     shared = {}
     if owner is not None:  # the configuration's buffers, never replaced
-        shared = {"shared_static_workspace": getattr(owner, "_static_workspace", None),
-                  "shared_dynamic_workspace": getattr(owner, "_dynamic_workspace", None),
-                  "shared_output": getattr(owner, "_moe_output", None)}
-    return factory(experts, top_k, hidden, inter, use_cuda_graph=True, max_num_tokens=MAX_TOKENS,
-                   output_dtype=torch.bfloat16, device=str(device), activation=ACTIVATIONS[activation], quant_mode="nvfp4",
-                   **shared)
+        shared = {
+            "shared_static_workspace": getattr(owner, "_static_workspace", None),
+            "shared_dynamic_workspace": getattr(owner, "_dynamic_workspace", None),
+            "shared_output": getattr(owner, "_moe_output", None),
+        }
+    return factory(
+        experts,
+        top_k,
+        hidden,
+        inter,
+        use_cuda_graph=True,
+        max_num_tokens=MAX_TOKENS,
+        output_dtype=torch.bfloat16,
+        device=str(device),
+        activation=ACTIVATIONS[activation],
+        quant_mode="nvfp4",
+        **shared,
+    )
 
 
 def _layer(config: tuple, key: tuple, device: torch.device, w13_alpha, w2_alpha, a1, a2) -> _Layer:
@@ -246,23 +262,62 @@ def _refold(entry: _Layer) -> None:
     folded = getattr(entry.wrapper, "_folded_w1_alpha", None)
     d = entry.derived
     if isinstance(folded, torch.Tensor) and folded.shape == d.w1_alpha.shape:
-        torch.mul(d.w1_alpha, d.input_global_scale.reshape(-1) if d.input_global_scale.numel() > 1 else d.input_global_scale,
-                  out=folded)
-        entry.wrapper._folded_w1_alpha_key = (d.w1_alpha.data_ptr(), d.input_global_scale.data_ptr(),
-                                              d.w1_alpha._version, d.input_global_scale._version)
+        torch.mul(
+            d.w1_alpha,
+            d.input_global_scale.reshape(-1) if d.input_global_scale.numel() > 1 else d.input_global_scale,
+            out=folded,
+        )
+        entry.wrapper._folded_w1_alpha_key = (
+            d.w1_alpha.data_ptr(),
+            d.input_global_scale.data_ptr(),
+            d.w1_alpha._version,
+            d.input_global_scale._version,
+        )
 
 
-def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-              activation, out_dtype, out):
+def fused_moe(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w13_sf,
+    w13_alpha,
+    w2,
+    w2_sf,
+    w2_alpha,
+    a1_gscale,
+    a2_gscale,
+    activation,
+    out_dtype,
+    out,
+):
     """The backend convention (nvfp4.reference_moe_fp4's; -1: a slot that adds nothing) through b12x."""
-    check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                              activation, out_dtype, out)
+    check_moe_args(
+        x,
+        topk_ids,
+        topk_weights,
+        w13,
+        w13_sf,
+        w13_alpha,
+        w2,
+        w2_sf,
+        w2_alpha,
+        a1_gscale,
+        a2_gscale,
+        activation,
+        out_dtype,
+        out,
+    )
     experts, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
     inter = w2.shape[2] * 2
     problem = layer_problem(experts, hidden, inter, activation, x.dtype)
     if problem is not None:
-        raise not_accepted("b12x fused MoE", "x" if x.dtype != torch.bfloat16 else "w2", x if x.dtype != torch.bfloat16 else w2,
-                           problem)
+        raise not_accepted(
+            "b12x fused MoE",
+            "x" if x.dtype != torch.bfloat16 else "w2",
+            x if x.dtype != torch.bfloat16 else w2,
+            problem,
+        )
     config = (str(x.device), experts, topk_ids.shape[1], hidden, inter, activation)
     key = (config, w13.data_ptr(), w2.data_ptr(), w13_sf.data_ptr(), w2_sf.data_ptr())
     entry = _layer(config, key, x.device, w13_alpha, w2_alpha, a1_gscale, a2_gscale)
@@ -272,9 +327,19 @@ def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_a
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     for lo in range(0, x.shape[0], MAX_TOKENS):
         hi = min(lo + MAX_TOKENS, x.shape[0])
-        result = entry.wrapper.run(x[lo:hi], w13, w1_sf, w2, w2_sf6, ids[lo:hi], topk_weights[lo:hi],
-                                   w1_alpha=d.w1_alpha, w2_alpha=d.w2_alpha, fc2_input_scale=d.fc2_input_scale,
-                                   input_global_scale=d.input_global_scale)
+        result = entry.wrapper.run(
+            x[lo:hi],
+            w13,
+            w1_sf,
+            w2,
+            w2_sf6,
+            ids[lo:hi],
+            topk_weights[lo:hi],
+            w1_alpha=d.w1_alpha,
+            w2_alpha=d.w2_alpha,
+            fc2_input_scale=d.fc2_input_scale,
+            input_global_scale=d.input_global_scale,
+        )
         out[lo:hi].copy_(result)  # the wrapper returns a slice of its own output buffer
     return out
 
@@ -303,7 +368,15 @@ def describe() -> dict:
     out = []
     for (device, experts, top_k, hidden, inter, activation), owner in workspaces.items():
         seen: set = set()
-        size = sum(_nbytes(getattr(owner, a, None), seen) for a in ("_static_workspace", "_dynamic_workspace", "_moe_output"))
-        out.append({"device": device, "config": f"E={experts} top_k={top_k} H={hidden} I={inter} {activation}",
-                    "max_tokens": MAX_TOKENS, "bytes": size})
+        size = sum(
+            _nbytes(getattr(owner, a, None), seen) for a in ("_static_workspace", "_dynamic_workspace", "_moe_output")
+        )
+        out.append(
+            {
+                "device": device,
+                "config": f"E={experts} top_k={top_k} H={hidden} I={inter} {activation}",
+                "max_tokens": MAX_TOKENS,
+                "bytes": size,
+            }
+        )
     return {"workspaces": out, "layers": layers, "workspace_bytes": sum(w["bytes"] for w in out)}

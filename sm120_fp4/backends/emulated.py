@@ -80,8 +80,22 @@ def _quantized(values: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -
     return nvfp4.dequantize_unscaled(packed, scales, dtype)
 
 
-def emulated_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                 activation, out_dtype, out):
+def emulated_moe(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w13_sf,
+    w13_alpha,
+    w2,
+    w2_sf,
+    w2_alpha,
+    a1_gscale,
+    a2_gscale,
+    activation,
+    out_dtype,
+    out,
+):
     """The `emulated` MoE backend: nvfp4.reference_moe_fp4's arithmetic, written into `out`, with no
     host synchronisation (it runs inside CUDA-graph capture).
 

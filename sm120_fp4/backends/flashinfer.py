@@ -128,7 +128,11 @@ PASSED_THROUGH_BACKENDS = frozenset({"trtllm", "cute-dsl"})
 # mm_fp4 keywords that never change the numbers, with the values that leave them so (None: any value):
 # a routed call carrying them is served by the routed backend. Any other keyword or value, block_size != 16
 # or use_8x4_sf_layout=True asks for something the routed backend was not verified for.
-NEUTRAL_MM_FP4_KEYWORDS: dict[str, tuple | None] = {"enable_pdl": None, "use_nvfp4": (True,), "batch_invariant": (False,)}
+NEUTRAL_MM_FP4_KEYWORDS: dict[str, tuple | None] = {
+    "enable_pdl": None,
+    "use_nvfp4": (True,),
+    "batch_invariant": (False,),
+}
 
 
 def neutral_mm_fp4_keywords(kwargs: dict) -> bool:
@@ -229,7 +233,9 @@ def _cuda_toolkit() -> tuple[tuple[int, int] | None, str]:
     /usr/local/cuda), else torch.version.cuda."""
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     found = shutil.which("nvcc")
-    candidates = [os.path.join(h, "bin", "nvcc") for h in homes if h] + ([found] if found else []) + ["/usr/local/cuda/bin/nvcc"]
+    candidates = (
+        [os.path.join(h, "bin", "nvcc") for h in homes if h] + ([found] if found else []) + ["/usr/local/cuda/bin/nvcc"]
+    )
     for nvcc in candidates:
         if os.path.isfile(nvcc):
             try:
@@ -240,7 +246,9 @@ def _cuda_toolkit() -> tuple[tuple[int, int] | None, str]:
             version = _major_minor(release.group(1)) if release else None
             if version is not None:
                 return version, f"nvcc {nvcc}"
-    return _major_minor(torch.version.cuda), "torch.version.cuda" if torch.version.cuda else "none found (no nvcc, CPU torch)"
+    return _major_minor(
+        torch.version.cuda
+    ), "torch.version.cuda" if torch.version.cuda else "none found (no nvcc, CPU torch)"
 
 
 def _glibc() -> tuple[int, int] | None:
@@ -301,9 +309,11 @@ def jit_problem(tc: Toolchain | None = None) -> str | None:
     """Why JIT-compiled kernels (FlashInfer's, SGLang's) will fail to build here, where that is known."""
     tc = tc or toolchain()
     if tc.glibc is not None and tc.glibc >= GLIBC_CLASH and tc.cuda is not None and tc.cuda <= CUDA_HEADERS_CLASH:
-        return (f"glibc {_shown_version(tc.glibc)} with CUDA {_shown_version(tc.cuda)} headers ({tc.cuda_source}): nvcc's "
-                "crt/math_functions.h clashes with glibc >= 2.41's rsqrt/cospi declarations, so FlashInfer's and SGLang's "
-                "JIT kernels fail to build; use a CUDA toolkit newer than 13.0, or a system with glibc < 2.41")
+        return (
+            f"glibc {_shown_version(tc.glibc)} with CUDA {_shown_version(tc.cuda)} headers ({tc.cuda_source}): nvcc's "
+            "crt/math_functions.h clashes with glibc >= 2.41's rsqrt/cospi declarations, so FlashInfer's and SGLang's "
+            "JIT kernels fail to build; use a CUDA toolkit newer than 13.0, or a system with glibc < 2.41"
+        )
     return None
 
 
@@ -311,7 +321,7 @@ def b12x_problem(tc: Toolchain | None = None) -> str | None:
     """Why FlashInfer's b12x NVFP4 GEMM cannot run here (CUDA toolkit, CuTe DSL), or None."""
     tc = tc or toolchain()
     if tc.cuda is None or tc.cuda < B12X_MIN_CUDA:
-        return (f"b12x needs CUDA >= {_shown_version(B12X_MIN_CUDA)}; found {_shown_version(tc.cuda)} ({tc.cuda_source})")
+        return f"b12x needs CUDA >= {_shown_version(B12X_MIN_CUDA)}; found {_shown_version(tc.cuda)} ({tc.cuda_source})"
     if tc.cute_dsl_problem is not None:
         return f"b12x needs the CuTe DSL: {tc.cute_dsl_problem}"
     return None
@@ -377,12 +387,19 @@ def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(
     for name, sf, rows in (("a_descale", a_descale, m), ("b_descale", b_descale, n)):
         rows_padded, cols_padded = nvfp4.swizzled_scale_shape(rows, k)
         if not isinstance(sf, torch.Tensor) or sf.dtype not in _SCALE_DTYPES or sf.numel() != rows_padded * cols_padded:
-            raise _bad(name, sf, f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of {rows_padded * cols_padded} elements")
+            raise _bad(
+                name, sf, f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of {rows_padded * cols_padded} elements"
+            )
     if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() != 1:
         raise _bad("alpha", alpha, "a one-element float32 tensor (the SM120 kernel requires alpha)")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise _bad("out_dtype", out_dtype, "torch.bfloat16 or torch.float16")
-    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != out_dtype or tuple(out.shape) != (m, n) or not out.is_contiguous()):
+    if out is not None and (
+        not isinstance(out, torch.Tensor)
+        or out.dtype != out_dtype
+        or tuple(out.shape) != (m, n)
+        or not out.is_contiguous()
+    ):
         raise _bad("out", out, f"a contiguous ({m}, {n}) {out_dtype} tensor")
     if not a.is_contiguous():
         raise _bad("a", a, "a contiguous tensor (row-major packed activations)")
@@ -391,7 +408,9 @@ def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(
     if b_descale.dim() != 2 or not _transposed_contiguous(b_descale):
         raise _bad("b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
     index = a.get_device()
-    others = (("b", b), ("a_descale", a_descale), ("b_descale", b_descale), ("alpha", alpha)) + ((("out", out),) if out is not None else ())
+    others = (("b", b), ("a_descale", a_descale), ("b_descale", b_descale), ("alpha", alpha)) + (
+        (("out", out),) if out is not None else ()
+    )
     for name, t in others:
         if t.get_device() != index:
             raise _bad(name, t, f"a tensor on the same device as a ({a.device})")
@@ -433,9 +452,14 @@ def quantizer(device: Device) -> tuple[str, GemmFn] | None:
     try:
         from flashinfer import fp4_quantize
     except Exception as exc:  # ImportError, or a broken install raising anything
-        say_once(logging.WARNING, "sm120_fp4: FlashInfer %s's activation quantizer (flashinfer.fp4_quantize) does not import "
-                 "(%s: %s): self-tests run without it, so the quantizer SGLang calls is not checked by them",
-                 version(), type(exc).__name__, exc)
+        say_once(
+            logging.WARNING,
+            "sm120_fp4: FlashInfer %s's activation quantizer (flashinfer.fp4_quantize) does not import "
+            "(%s: %s): self-tests run without it, so the quantizer SGLang calls is not checked by them",
+            version(),
+            type(exc).__name__,
+            exc,
+        )
         return None
 
     def quantize(x, global_scale):
@@ -451,7 +475,9 @@ def fp4_quantize_stand_in(original: Callable | None) -> Callable:
     simulated case (another block size, UE8M0 scales, a linear layout) go to `original`, or raise.
     """
 
-    def fp4_quantize(input, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True, *args, **kwargs):
+    def fp4_quantize(
+        input, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True, *args, **kwargs
+    ):
         if sf_vec_size != 16 or sf_use_ue8m0 or not is_sf_swizzled_layout or args or kwargs.get("is_sf_8x4_layout"):
             if original is None:
                 raise NotImplementedError(
@@ -503,8 +529,22 @@ def _bad_moe(param: str, value: object, accepted: str) -> InvalidArgument:
     return not_accepted("fused MoE", param, value, accepted)
 
 
-def check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                   activation, out_dtype, out) -> None:
+def check_moe_args(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w13_sf,
+    w13_alpha,
+    w2,
+    w2_sf,
+    w2_alpha,
+    a1_gscale,
+    a2_gscale,
+    activation,
+    out_dtype,
+    out,
+) -> None:
     """Validate fused-MoE arguments (the backend convention: reference_moe_fp4's, with -1 for a slot
     that is not this rank's) from metadata only; no host sync."""
     if activation not in MOE_ACTIVATIONS:
@@ -512,10 +552,19 @@ def check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf,
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
         raise _bad_moe("x", x, "a 2-D bf16 or fp16 tensor (T, H)")
     t, h = x.shape
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+    if (
+        not isinstance(topk_ids, torch.Tensor)
+        or topk_ids.dtype not in (torch.int32, torch.int64)
+        or topk_ids.dim() != 2
+        or topk_ids.shape[0] != t
+    ):
         raise _bad_moe("topk_ids", topk_ids, f"an int32 (T={t}, k) tensor")
     k = topk_ids.shape[1]
-    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != (t, k):
+    if (
+        not isinstance(topk_weights, torch.Tensor)
+        or topk_weights.dtype != torch.float32
+        or tuple(topk_weights.shape) != (t, k)
+    ):
         raise _bad_moe("topk_weights", topk_weights, f"a float32 ({t}, {k}) tensor")
     if not isinstance(w13, torch.Tensor) or w13.dtype != torch.uint8 or w13.dim() != 3 or w13.shape[2] * 2 != h:
         raise _bad_moe("w13", w13, f"packed FP4 (E, 2I or I, H/2={h // 2}) uint8")
@@ -525,7 +574,12 @@ def check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf,
         raise _bad_moe("w2", w2, f"packed FP4 ({e}, {h}, {inter // 2}) uint8")
     for name, sf, r, cols in (("w13_sf", w13_sf, rows, h), ("w2_sf", w2_sf, h, inter)):
         rp, cp = nvfp4.swizzled_scale_shape(r, cols)
-        if not isinstance(sf, torch.Tensor) or sf.dtype not in _SCALE_DTYPES or sf.numel() != e * rp * cp or not sf.is_contiguous():
+        if (
+            not isinstance(sf, torch.Tensor)
+            or sf.dtype not in _SCALE_DTYPES
+            or sf.numel() != e * rp * cp
+            or not sf.is_contiguous()
+        ):
             raise _bad_moe(name, sf, f"contiguous 128x4 swizzled E4M3 scales of ({e}, {rp}, {cp})")
     for name, alpha in (("w13_alpha", w13_alpha), ("w2_alpha", w2_alpha)):
         if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() != e:
@@ -535,7 +589,12 @@ def check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf,
             raise _bad_moe(name, scale, f"a float32 tensor of 1 or E={e} elements (global encode scales)")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise _bad_moe("out_dtype", out_dtype, "torch.bfloat16 or torch.float16")
-    if not isinstance(out, torch.Tensor) or out.dtype != out_dtype or tuple(out.shape) != (t, h) or not out.is_contiguous():
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.dtype != out_dtype
+        or tuple(out.shape) != (t, h)
+        or not out.is_contiguous()
+    ):
         raise _bad_moe("out", out, f"a contiguous ({t}, {h}) {out_dtype} tensor")
 
 
@@ -543,16 +602,55 @@ def moe_backend(name: str) -> Callable:
     """FlashInfer's fused-MoE kernel `name` in the MoE backend convention, called the way SGLang calls it."""
     cutlass_fused_moe, activation_type = fused_moe_kernel()
 
-    def flashinfer_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                       activation, out_dtype, out):
-        check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                       activation, out_dtype, out)
+    def flashinfer_moe(
+        x,
+        topk_ids,
+        topk_weights,
+        w13,
+        w13_sf,
+        w13_alpha,
+        w2,
+        w2_sf,
+        w2_alpha,
+        a1_gscale,
+        a2_gscale,
+        activation,
+        out_dtype,
+        out,
+    ):
+        check_moe_args(
+            x,
+            topk_ids,
+            topk_weights,
+            w13,
+            w13_sf,
+            w13_alpha,
+            w2,
+            w2_sf,
+            w2_alpha,
+            a1_gscale,
+            a2_gscale,
+            activation,
+            out_dtype,
+            out,
+        )
         cutlass_fused_moe(
-            output=out, input=x, token_selected_experts=topk_ids.to(torch.int32), token_final_scales=topk_weights,
-            fc1_expert_weights=w13.view(torch.long), fc2_expert_weights=w2.view(torch.long), output_dtype=out_dtype,
+            output=out,
+            input=x,
+            token_selected_experts=topk_ids.to(torch.int32),
+            token_final_scales=topk_weights,
+            fc1_expert_weights=w13.view(torch.long),
+            fc2_expert_weights=w2.view(torch.long),
+            output_dtype=out_dtype,
             input_sf=None,
-            quant_scales=[a1_gscale.reshape(()) if a1_gscale.numel() == 1 else a1_gscale, w13_sf.view(torch.int32), w13_alpha,
-                          a2_gscale.reshape(()) if a2_gscale.numel() == 1 else a2_gscale, w2_sf.view(torch.int32), w2_alpha],
+            quant_scales=[
+                a1_gscale.reshape(()) if a1_gscale.numel() == 1 else a1_gscale,
+                w13_sf.view(torch.int32),
+                w13_alpha,
+                a2_gscale.reshape(()) if a2_gscale.numel() == 1 else a2_gscale,
+                w2_sf.view(torch.int32),
+                w2_alpha,
+            ],
             activation_type=getattr(activation_type, MOE_ACTIVATIONS[activation]),
             # SGLang's default (SGLANG_FLASHINFER_MOE_FUSED_FINALIZE unset); FlashInfer's own default is True.
             use_fused_finalize=False,
@@ -578,11 +676,22 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> tuple | None:
     w13, w2, x = kwargs.get("fc1_expert_weights"), kwargs.get("fc2_expert_weights"), kwargs.get("input")
     names = {getattr(activation_type, v): k for k, v in MOE_ACTIVATIONS.items()}
     activation = names.get(kwargs.get("activation_type", getattr(activation_type, "Swiglu")))
-    if (activation is None or not isinstance(scales, (list, tuple)) or len(scales) != 6
-            or not isinstance(w13, torch.Tensor) or w13.dtype != torch.int64 or scales[1].dtype != torch.int32
-            or kwargs.get("input_sf") is not None or kwargs.get("enable_alltoall")
-            or any(kwargs.get(k) is not None for k in ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit"))
-            or kwargs.get("cluster_size", 1) != 1 or kwargs.get("min_latency_mode")):
+    if (
+        activation is None
+        or not isinstance(scales, (list, tuple))
+        or len(scales) != 6
+        or not isinstance(w13, torch.Tensor)
+        or w13.dtype != torch.int64
+        or scales[1].dtype != torch.int32
+        or kwargs.get("input_sf") is not None
+        or kwargs.get("enable_alltoall")
+        or any(
+            kwargs.get(k) is not None
+            for k in ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit")
+        )
+        or kwargs.get("cluster_size", 1) != 1
+        or kwargs.get("min_latency_mode")
+    ):
         return None
     w13_u8, w2_u8 = w13.view(torch.uint8), w2.view(torch.uint8)
     ids, weights = kwargs["token_selected_experts"], kwargs["token_final_scales"]
@@ -596,8 +705,22 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> tuple | None:
     out = kwargs.get("output")
     if out is None:
         out = torch.empty((x.shape[0], w2_u8.shape[1]), dtype=out_dtype, device=x.device)
-    return (x, ids, weights, w13_u8, scales[1].view(torch.float8_e4m3fn), scales[2], w2_u8, scales[4].view(torch.float8_e4m3fn),
-            scales[5], global_scale(scales[0]), global_scale(scales[3]), activation, out_dtype, out)
+    return (
+        x,
+        ids,
+        weights,
+        w13_u8,
+        scales[1].view(torch.float8_e4m3fn),
+        scales[2],
+        w2_u8,
+        scales[4].view(torch.float8_e4m3fn),
+        scales[5],
+        global_scale(scales[0]),
+        global_scale(scales[3]),
+        activation,
+        out_dtype,
+        out,
+    )
 
 
 def global_scale(scale: torch.Tensor) -> torch.Tensor:

@@ -12,17 +12,29 @@ from typing import Callable
 from .. import locks
 from ..devices import Device
 from ..errors import ConfigError, InvalidArgument
+from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 from .flashinfer import (
     BACKENDS as FLASHINFER_BACKENDS,
+)
+from .flashinfer import (
     MOE_BACKENDS as _MOE_BACKENDS,
+)
+from .flashinfer import (
     mm_fp4_backend,
     moe_backend,
+)
+from .flashinfer import (
     moe_supported as _moe_supported,
+)
+from .flashinfer import (
     quantizer as _quantizer,
+)
+from .flashinfer import (
     supported as _supported,
+)
+from .flashinfer import (
     version as flashinfer_version,
 )
-from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 
 __all__ = [
     "Backend",
@@ -111,16 +123,30 @@ def _humming_dense() -> Backend:
     """Humming's bf16/fp16-activation kernel on SGLang's FP4 activations, dequantized exactly (W4A4)."""
     from .humming import adapter as humming  # light: Humming itself is imported only when it is asked about
 
-    return Backend(HUMMING, "humming", humming.mm_fp4, humming.supported, "w4a4", _humming_converter("dense"),
-                   describe=lambda: humming.describe_backend("dense"))
+    return Backend(
+        HUMMING,
+        "humming",
+        humming.mm_fp4,
+        humming.supported,
+        "w4a4",
+        _humming_converter("dense"),
+        describe=lambda: humming.describe_backend("dense"),
+    )
 
 
 def _humming_moe() -> Backend:
     """Humming's grouped kernel on unquantized activations (W4A16)."""
     from .humming import adapter as humming
 
-    return Backend(HUMMING, "humming", humming.fused_moe, humming.moe_supported, "w4a16", _humming_converter("moe"),
-                   describe=lambda: humming.describe_backend("moe"))
+    return Backend(
+        HUMMING,
+        "humming",
+        humming.fused_moe,
+        humming.moe_supported,
+        "w4a16",
+        _humming_converter("moe"),
+        describe=lambda: humming.describe_backend("moe"),
+    )
 
 
 def _humming_converter(family: str) -> Converter:
@@ -182,7 +208,9 @@ class _Registry:
         if not callable(fn):
             raise InvalidArgument(f"{caller}: fn={fn!r} is not accepted; expected a callable")
         if is_supported is not None and not callable(is_supported):
-            raise InvalidArgument(f"{caller}: is_supported={is_supported!r} is not accepted; expected a callable or None")
+            raise InvalidArgument(
+                f"{caller}: is_supported={is_supported!r} is not accepted; expected a callable or None"
+            )
         with self._lock:
             if name in self._entries and not replace:
                 raise InvalidArgument(f"{caller}: name={name!r} is already registered; pass replace=True to replace it")

@@ -50,18 +50,31 @@ from ..config import Settings
 from .engine import SMALL_M, Canary
 from .models import CanaryFailure, CanaryRun, CanaryStatus
 
-__all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "Canary", "configure", "stop", "active", "idle",
-           "on_warmup", "status", "settings_problem", "SMALL_M"]
+__all__ = [
+    "CanaryRun",
+    "CanaryFailure",
+    "CanaryStatus",
+    "Canary",
+    "configure",
+    "stop",
+    "active",
+    "idle",
+    "on_warmup",
+    "status",
+    "settings_problem",
+    "SMALL_M",
+]
 
 
 def settings_problem(settings: Settings) -> str | None:
     """Why the canary cannot do what these settings ask (None: it can), independent of the engine."""
     if settings.canary_period is not None and settings.selftest == "off":
-        return (f"SM120_FP4_CANARY={settings.canary_period:g} re-verifies the verified layer configurations while "
-                "serving, but SM120_FP4_SELFTEST=off verifies none; set SM120_FP4_SELFTEST=strict (or warn), "
-                "or SM120_FP4_CANARY=off")
+        return (
+            f"SM120_FP4_CANARY={settings.canary_period:g} re-verifies the verified layer configurations while "
+            "serving, but SM120_FP4_SELFTEST=off verifies none; set SM120_FP4_SELFTEST=strict (or warn), "
+            "or SM120_FP4_CANARY=off"
+        )
     return None
-
 
 
 # ---- the process's canary -----------------------------------------------------------------------
@@ -111,6 +124,14 @@ def status(settings: Settings | None = None) -> CanaryStatus:
     period = settings.canary_period if settings is not None else None
     action = settings.canary_action if settings is not None else "exit"
     slice_ms = settings.canary_slice_ms if settings is not None else 5.0
-    state = "off (SM120_FP4_CANARY=off)" if period is None else "not running: sm120_fp4 is not installed in this process"
-    return CanaryStatus(enabled=False, period_s=period, action=action, slice_ms=slice_ms, state=state,
-                        fingerprints="not compared: the canary is off")
+    state = (
+        "off (SM120_FP4_CANARY=off)" if period is None else "not running: sm120_fp4 is not installed in this process"
+    )
+    return CanaryStatus(
+        enabled=False,
+        period_s=period,
+        action=action,
+        slice_ms=slice_ms,
+        state=state,
+        fingerprints="not compared: the canary is off",
+    )

@@ -14,7 +14,8 @@ from typing import Callable, ContextManager
 
 import torch
 
-from .. import deciding, graphs, report as report_file, serving, verify
+from .. import deciding, graphs, serving, verify
+from .. import report as report_file
 from ..config import Settings
 from ..errors import RefusedToServe
 from .models import SWEEP, CanaryFailure, CanaryRun, CanaryStatus, Over, over_text, update_text, update_too_long
@@ -186,7 +187,9 @@ class Canary:
         known = self._over.get(job.key)
         over = self._over[job.key] = Over(max(job.ms), took, list(job.ms), max(job.ms) == self._sizes(job)[1][0])
         if known is None or known.cap != over.cap:
-            _LOG.info("sm120_fp4: the serving canary: %s", over_text(self._labels.get(job.key, ""), over, self.budget_s))
+            _LOG.info(
+                "sm120_fp4: the serving canary: %s", over_text(self._labels.get(job.key, ""), over, self.budget_s)
+            )
 
     def _check(self, job: _Job) -> verify.SelfTestReport:
         served = job.served
@@ -207,7 +210,7 @@ class Canary:
             errors = [r.max_rel_err for r in reports if r.max_rel_err is not None]
             reports[-1].max_rel_err = max(errors) if errors else None
             return reports[-1]
-        except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
+        except Exception as exc:
             return self._could_not(job, exc)
 
     def _wait(self, job: _Job, report: verify.SelfTestReport) -> verify.SelfTestReport:
@@ -219,7 +222,7 @@ class Canary:
             return report
         try:
             torch.cuda.current_stream(tdev).synchronize()
-        except Exception as exc:  # noqa: BLE001 - a check that cannot run is a finding, never a silent pass
+        except Exception as exc:
             return self._could_not(job, exc)
         return report
 
@@ -236,11 +239,22 @@ class Canary:
 
     def _finish(self, job: _Job, report: verify.SelfTestReport, started_at: float, took: float) -> None:
         served = job.served
-        run = CanaryRun(family=served.family, device=served.device.label(), backend=report.backend,
-                        config=served.check.label, layer=served.check.layer, ms=job.ms, passed=report.passed,
-                        reason=None if report.passed else report.reason, max_rel_err=report.max_rel_err,
-                        due_at=job.due_at, started_at=started_at, finished_at=time.time(),
-                        late_s=job.late_s, busy_ms=took * 1e3)
+        run = CanaryRun(
+            family=served.family,
+            device=served.device.label(),
+            backend=report.backend,
+            config=served.check.label,
+            layer=served.check.layer,
+            ms=job.ms,
+            passed=report.passed,
+            reason=None if report.passed else report.reason,
+            max_rel_err=report.max_rel_err,
+            due_at=job.due_at,
+            started_at=started_at,
+            finished_at=time.time(),
+            late_s=job.late_s,
+            busy_ms=took * 1e3,
+        )
         with self._lock:
             self.runs += 1
             self._recent.append(run)
@@ -248,8 +262,14 @@ class Canary:
                 self.failures += 1
                 known = self._failed.get(job.key)
                 if known is None:
-                    self._failed[job.key] = CanaryFailure(family=run.family, device=run.device, config=run.config, count=1,
-                                                          first_reason=run.reason or "", first_at=run.finished_at)
+                    self._failed[job.key] = CanaryFailure(
+                        family=run.family,
+                        device=run.device,
+                        config=run.config,
+                        count=1,
+                        first_reason=run.reason or "",
+                        first_at=run.finished_at,
+                    )
                 else:
                     known.count += 1
         if run.passed:
@@ -258,9 +278,14 @@ class Canary:
             self._exit(job, run, report)
         else:
             if self._failed[job.key].count == 1:
-                _LOG.warning("sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
-                             "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
-                             run.backend, run.config, run.device, run.reason)
+                _LOG.warning(
+                    "sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
+                    "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
+                    run.backend,
+                    run.config,
+                    run.device,
+                    run.reason,
+                )
             report_file.update(self.settings)
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
@@ -276,9 +301,14 @@ class Canary:
         )
         self._stopped = f"stopped the process: {run.config} failed while serving"
         self._stopped_message = message
-        refusal = deciding.Refusal(device=run.device, config=f"{run.config} (while serving)", family=served.family,
-                                   message=message, rejected={run.backend: f"failed while serving: {run.reason}"},
-                                   reports=[report])
+        refusal = deciding.Refusal(
+            device=run.device,
+            config=f"{run.config} (while serving)",
+            family=served.family,
+            message=message,
+            rejected={run.backend: f"failed while serving: {run.reason}"},
+            reports=[report],
+        )
         serving.record_refusal(refusal, self.settings)  # the report file, before the process goes
         _LOG.error("%s", message)
         raise RefusedToServe(message)
@@ -295,8 +325,14 @@ class Canary:
             return "on; armed at the serving loop's first idle point (none in this process yet)"
         now = self.clock()
         waited = now - (self._last_idle or now)
-        saturated = (f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
-                     "the run waits for the next one") if waited > self.period else ""
+        saturated = (
+            (
+                f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
+                "the run waits for the next one"
+            )
+            if waited > self.period
+            else ""
+        )
         if self._queue:
             return f"re-checking {self._queue[0].served.check.label} at the next idle point{saturated}"
         if now >= self._due:
@@ -314,16 +350,28 @@ class Canary:
         return CanaryStatus(
             weights_update=update,
             **({"fingerprints": f"not compared now: {update}"} if update else {}),
-            enabled=True, period_s=self.period, action=self.settings.canary_action, slice_ms=self.budget_s * 1e3,
-            state=self._state(), idle_point=self.idle_point, armed_at=self._armed_at, runs=self.runs,
-            failures=self.failures, failed=failed, last_run=recent[-1] if recent else None, recent=recent,
-            skipped_saturated=self.skipped_saturated, skipped_capturing=self.skipped_capturing,
-            longest_wait_s=self.longest_wait_s, busy_s=self.busy_s,
-            share=self.busy_s / elapsed if elapsed else None, slices=self.slices,
-            longest_slice_ms=self.longest_slice_s * 1e3, longest_slice=self.longest_slice, beyond_slice=beyond,
+            enabled=True,
+            period_s=self.period,
+            action=self.settings.canary_action,
+            slice_ms=self.budget_s * 1e3,
+            state=self._state(),
+            idle_point=self.idle_point,
+            armed_at=self._armed_at,
+            runs=self.runs,
+            failures=self.failures,
+            failed=failed,
+            last_run=recent[-1] if recent else None,
+            recent=recent,
+            skipped_saturated=self.skipped_saturated,
+            skipped_capturing=self.skipped_capturing,
+            longest_wait_s=self.longest_wait_s,
+            busy_s=self.busy_s,
+            share=self.busy_s / elapsed if elapsed else None,
+            slices=self.slices,
+            longest_slice_ms=self.longest_slice_s * 1e3,
+            longest_slice=self.longest_slice,
+            beyond_slice=beyond,
         )
-
-
 
 
 def _nothing_to_check(settings: Settings) -> str | None:
@@ -333,8 +381,8 @@ def _nothing_to_check(settings: Settings) -> str | None:
     unverified = [d for d in serving.decisions() if d.layers or not d.verified]
     if not unverified:
         return None
-    return (f"on, but nothing to re-check: no layer configuration is verified in this process ({len(unverified)} "
-            f"decision(s) serve unverified under SM120_FP4_SELFTEST={settings.selftest}); the canary re-checks only "
-            "what was verified")
-
-
+    return (
+        f"on, but nothing to re-check: no layer configuration is verified in this process ({len(unverified)} "
+        f"decision(s) serve unverified under SM120_FP4_SELFTEST={settings.selftest}); the canary re-checks only "
+        "what was verified"
+    )

@@ -59,11 +59,16 @@ class CanaryStatus(BaseModel):
     slice_ms: float = Field(description="the budget of one run at one idle point (SM120_FP4_CANARY_SLICE_MS)")
     state: str
     idle_point: str | None = None
-    fingerprints: str = (f"compared at every run: the re-checked layer's, and {SWEEP} more layers' of "
-                         "its family and device in rotation")
-    weights_update: str | None = Field(None, description=(
-        "while SGLang's weight update (a call, or a session begun and not ended) is open: for how long; weight "
-        "fingerprints are not compared meanwhile"))
+    fingerprints: str = (
+        f"compared at every run: the re-checked layer's, and {SWEEP} more layers' of its family and device in rotation"
+    )
+    weights_update: str | None = Field(
+        None,
+        description=(
+            "while SGLang's weight update (a call, or a session begun and not ended) is open: for how long; weight "
+            "fingerprints are not compared meanwhile"
+        ),
+    )
     armed_at: float | None = None
     runs: int = 0
     failures: int = 0
@@ -78,9 +83,13 @@ class CanaryStatus(BaseModel):
     slices: int = Field(0, description="idle points at which the canary ran (one run each)")
     longest_slice_ms: float = Field(0.0, description="the longest pause the canary added at one idle point")
     longest_slice: str | None = Field(None, description="the run that took longest_slice_ms")
-    beyond_slice: list[str] = Field(default_factory=list, description=(
-        "per configuration whose run took longer than the slice: the batch sizes no longer re-checked while serving "
-        "(verified at load and after warm-up), or that its smallest run is over the slice and runs anyway"))
+    beyond_slice: list[str] = Field(
+        default_factory=list,
+        description=(
+            "per configuration whose run took longer than the slice: the batch sizes no longer re-checked while serving "
+            "(verified at load and after warm-up), or that its smallest run is over the slice and runs anyway"
+        ),
+    )
 
 
 @dataclass
@@ -95,20 +104,26 @@ class Over:
 
 
 def over_text(label: str, over: Over, budget_s: float) -> str:
-    took = (f"its run at M={', '.join(map(str, over.ms))} took {over.took_s * 1e3:.4g} ms, over "
-            f"SM120_FP4_CANARY_SLICE_MS={budget_s * 1e3:g}")
+    took = (
+        f"its run at M={', '.join(map(str, over.ms))} took {over.took_s * 1e3:.4g} ms, over "
+        f"SM120_FP4_CANARY_SLICE_MS={budget_s * 1e3:g}"
+    )
     if over.smallest:
         return f"{label}: {took}; that is its smallest run (a decode size and M={over.cap}): it runs anyway"
-    return (f"{label}: M>={over.cap} is not re-checked while serving ({took}; verified at load and after "
-            "warm-up; a larger SM120_FP4_CANARY_SLICE_MS includes it)")
+    return (
+        f"{label}: M>={over.cap} is not re-checked while serving ({took}; verified at load and after "
+        "warm-up; a larger SM120_FP4_CANARY_SLICE_MS includes it)"
+    )
 
 
 def update_text(open_s: float) -> str:
-    text = (f"SGLang's weight update has been open for {open_s:.0f} s: weight fingerprints are not compared until it "
-            "ends (the canary's checks against the oracle still run)")
+    text = (
+        f"SGLang's weight update has been open for {open_s:.0f} s: weight fingerprints are not compared until it "
+        "ends (the canary's checks against the oracle still run)"
+    )
     if open_s > WEIGHT_UPDATE_LIMIT_S:
-        text += (f"; that is over {WEIGHT_UPDATE_LIMIT_S:.0f} s: a weight-update session begun "
-                 "(begin_weight_update) and never ended (end_weight_update)?")
+        text += (
+            f"; that is over {WEIGHT_UPDATE_LIMIT_S:.0f} s: a weight-update session begun "
+            "(begin_weight_update) and never ended (end_weight_update)?"
+        )
     return text
-
-

@@ -6,8 +6,6 @@ import json
 import sys
 from typing import Any
 
-
-
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+
 from .common import EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, _eprint
 from .selftest import _refuse_engine, _settings_and_devices, _unverified_engine, cmd_selftest
 
@@ -13,8 +14,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        _eprint("sm120-fp4 launch: give the command to run after --, e.g. "
-                "sm120-fp4 launch -- python -m sglang.launch_server --model-path ...")
+        _eprint(
+            "sm120-fp4 launch: give the command to run after --, e.g. "
+            "sm120-fp4 launch -- python -m sglang.launch_server --model-path ..."
+        )
         return EXIT_USAGE
     problem = _command_problem(command[0])
     if problem is not None:  # said now, not after minutes of preflight
@@ -34,8 +37,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
     seen: list[tuple[str, dict]] = []
-    code = cmd_selftest(argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"),
-                        seen=seen)
+    code = cmd_selftest(
+        argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"), seen=seen
+    )
     unrecorded = _unrecorded_crashes(seen)
     if unrecorded is not None and code in (EXIT_OK, EXIT_UNVERIFIED):
         _eprint(f"sm120-fp4 launch: {unrecorded}; not starting the server")
@@ -56,7 +60,9 @@ def _exec(command: list[str]) -> int:
         # SGLang 0.5.x sleeps this long (default 60 s) for CUDA coredumps before it kills its process tree
         # when a scheduler fails -- a canary's exit among them -- while the port stays open: shortened here.
         os.environ[COREDUMP_WAIT_VAR] = LAUNCH_COREDUMP_WAIT_S
-    _eprint(f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1 and {COREDUMP_WAIT_VAR}={os.environ[COREDUMP_WAIT_VAR]}")
+    _eprint(
+        f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1 and {COREDUMP_WAIT_VAR}={os.environ[COREDUMP_WAIT_VAR]}"
+    )
     try:
         os.execvpe(command[0], command, os.environ)
     except OSError as exc:
@@ -98,9 +104,11 @@ def _unrecorded_crashes(seen: list[tuple[str, dict]]) -> str | None:
     names = "; ".join(f"{FAMILIES[f].what} {', '.join(sorted(n))}" for f, n in lost.items())
     why = next(iter(next(iter(lost.values())).values()))
     leave_out = " or ".join(f"{FAMILIES[f].backends_var} without {', '.join(sorted(n))}" for f, n in lost.items())
-    return (f"candidate(s) crashed the preflight and are not recorded ({names}): {why}. The server's workers would "
-            f"load them and crash; make the verdict store writable (SM120_FP4_VERDICTS, a file in a writable directory), "
-            f"or leave them out ({leave_out})")
+    return (
+        f"candidate(s) crashed the preflight and are not recorded ({names}): {why}. The server's workers would "
+        f"load them and crash; make the verdict store writable (SM120_FP4_VERDICTS, a file in a writable directory), "
+        f"or leave them out ({leave_out})"
+    )
 
 
 def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, str], allow_unverified: bool) -> int:
@@ -115,11 +123,15 @@ def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, s
     means, remedy = engine
     if settings.unsupported_release == "serve-unverified" or allow_unverified:
         why = OPT_OUT if settings.unsupported_release == "serve-unverified" else "--allow-unverified"
-        _eprint(f"sm120-fp4 launch: {means}.\nStarting the server anyway ({why} was given): no preflight ran, and nothing "
-                f"of what it serves is verified. To verify it: {remedy}.")
+        _eprint(
+            f"sm120-fp4 launch: {means}.\nStarting the server anyway ({why} was given): no preflight ran, and nothing "
+            f"of what it serves is verified. To verify it: {remedy}."
+        )
         return _exec(command)
-    _eprint(f"sm120-fp4 launch: {means}; not starting the server (exit {EXIT_UNVERIFIED}).\nTo proceed: {remedy}; or "
-            f"{OPT_OUT_SAYS} (or pass --allow-unverified).")
+    _eprint(
+        f"sm120-fp4 launch: {means}; not starting the server (exit {EXIT_UNVERIFIED}).\nTo proceed: {remedy}; or "
+        f"{OPT_OUT_SAYS} (or pass --allow-unverified)."
+    )
     return EXIT_UNVERIFIED
 
 

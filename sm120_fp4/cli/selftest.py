@@ -59,17 +59,23 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
         return found
     settings, indices = found
     if not indices:
-        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify "
-                f"(to verify the checkpoint on this CPU, in simulation: {SIMULATE_ON_CPU})")
+        _eprint(
+            "sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify "
+            f"(to verify the checkpoint on this CPU, in simulation: {SIMULATE_ON_CPU})"
+        )
         return EXIT_OK
     engine = _unverified_engine()
-    if engine is not None:  # the checkpoint's layers are built through SGLang's: nothing of it is patched to verify them
+    if (
+        engine is not None
+    ):  # the checkpoint's layers are built through SGLang's: nothing of it is patched to verify them
         return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
     env = {**os.environ, "SM120_FP4": "1"}
     model = os.path.abspath(args.model)
 
     def run(index: int) -> dict:
-        _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] building and verifying {model}'s NVFP4 layers ...")
+        _eprint(
+            f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] building and verifying {model}'s NVFP4 layers ..."
+        )
         return (_model_worker_runner or _run_model_worker)(index, model, env)
 
     with ThreadPoolExecutor(max_workers=len(indices)) as pool:
@@ -82,11 +88,24 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
         rows = []
         for index, r in results.items():
             for d in r.get("decisions", []):
-                rows += [(d["device"], d["family"], layer["config"], d["backend"], layer["passed"] and d["verified"],
-                          len(layer["shapes"])) for layer in d["layers"]]
+                rows += [
+                    (
+                        d["device"],
+                        d["family"],
+                        layer["config"],
+                        d["backend"],
+                        layer["passed"] and d["verified"],
+                        len(layer["shapes"]),
+                    )
+                    for layer in d["layers"]
+                ]
             if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
                 rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
-        print("\n".join(markdown_table(("device", "kernel", "layer configuration", "backend", "verified", "batch sizes"), rows)))
+        print(
+            "\n".join(
+                markdown_table(("device", "kernel", "layer configuration", "backend", "verified", "batch sizes"), rows)
+            )
+        )
     for r in results.values():
         if not r.get("ok"):
             _eprint("\n" + r["message"])
@@ -149,7 +168,9 @@ def _record(settings, family: str, result: dict) -> None:
     reports = result["decision"]["reports"] if result.get("ok") else result.get("reports", [])
     try:
         for r in reports:
-            verdicts.record(path, key, family, r["backend"], verdicts.PASSED if r["passed"] else verdicts.FAILED, r.get("reason"))
+            verdicts.record(
+                path, key, family, r["backend"], verdicts.PASSED if r["passed"] else verdicts.FAILED, r.get("reason")
+            )
     except OSError as exc:
         _store_failed(path, exc)
 
@@ -175,8 +196,15 @@ def _interrupted(code: int, stop: _Stop) -> int | None:
     return None
 
 
-def _preflight(index: int, family: str, backend_args: list[str], settings, env: dict[str, str],
-               stop: _Stop | None = None, uuid: str | None = None) -> dict:
+def _preflight(
+    index: int,
+    family: str,
+    backend_args: list[str],
+    settings,
+    env: dict[str, str],
+    stop: _Stop | None = None,
+    uuid: str | None = None,
+) -> dict:
     """Self-test `family` on device `index` in short-lived worker processes: a candidate that kills
     its worker (a crash signal or exit code) is recorded as crashed (verdict file) and the worker
     re-runs without it. An interruption (SIGINT/SIGTERM/SIGHUP/SIGQUIT, or the parent stopping)
@@ -186,12 +214,16 @@ def _preflight(index: int, family: str, backend_args: list[str], settings, env: 
     stop = stop or _Stop()
     label = ("cpu (simulated)" if index < 0 else f"cuda:{index}") + ("" if family == "dense" else " moe")
     crashed: dict[str, str] = {}
-    unrecorded: dict[str, str] = {}  # crashed candidates the verdict store does not hold: serving workers would load them
+    unrecorded: dict[
+        str, str
+    ] = {}  # crashed candidates the verdict store does not hold: serving workers would load them
     killed: dict[str, int] = {}
     while True:
         if stop.signal is not None:
             return _stopped(label, stop.signal, None)
-        result, event, code, stderr = (_worker_runner or _run_worker)(index, family, backend_args, crashed, label, env, stop, uuid)
+        result, event, code, stderr = (_worker_runner or _run_worker)(
+            index, family, backend_args, crashed, label, env, stop, uuid
+        )
         if result is not None:
             result["crashed"], result["unrecorded"] = dict(crashed), dict(unrecorded)
             _record(settings, family, result)
@@ -200,18 +232,28 @@ def _preflight(index: int, family: str, backend_args: list[str], settings, env: 
         if interrupted is not None:
             return _stopped(label, interrupted, event)
         if event is None or event["backend"] in crashed:
-            return {"ok": False, "usage": True, "message": f"self-test worker ({label}) {_died(code)} outside any candidate:\n{stderr}"}
+            return {
+                "ok": False,
+                "usage": True,
+                "message": f"self-test worker ({label}) {_died(code)} outside any candidate:\n{stderr}",
+            }
         name = event["backend"]
         if code == -signal.SIGKILL:
             killed[name] = killed.get(name, 0) + 1
-            what = (f"[{label}] the self-test worker was killed by SIGKILL during the {event['event']} of {name} (the "
-                    "out-of-memory killer, or kill -9): not a verdict on the kernel, nothing recorded")
+            what = (
+                f"[{label}] the self-test worker was killed by SIGKILL during the {event['event']} of {name} (the "
+                "out-of-memory killer, or kill -9): not a verdict on the kernel, nothing recorded"
+            )
             if killed[name] <= SIGKILL_RETRIES:
                 _eprint(f"{what}; running it again")
                 continue
-            return {"ok": False, "usage": True, "killed": True,
-                    "message": f"{what}; it happened {killed[name]} times, so the preflight stops here. Check the memory "
-                               "(dmesg, the container's limit) and run it again"}
+            return {
+                "ok": False,
+                "usage": True,
+                "killed": True,
+                "message": f"{what}; it happened {killed[name]} times, so the preflight stops here. Check the memory "
+                "(dmesg, the container's limit) and run it again",
+            }
         why = f"the {event['event']} of {name} {_died(code)}"
         crashed[name] = why
         path = settings.verdicts_path
@@ -223,14 +265,21 @@ def _preflight(index: int, family: str, backend_args: list[str], settings, env: 
             except OSError as exc:
                 unrecorded[name] = _store_failed(path, exc)
         # Said once: recorded, or not (and why); serving workers skip only what the store holds.
-        where = f"NOT recorded as crashed: {unrecorded[name]}" if name in unrecorded else f"recorded as crashed in {path}"
+        where = (
+            f"NOT recorded as crashed: {unrecorded[name]}" if name in unrecorded else f"recorded as crashed in {path}"
+        )
         _eprint(f"[{label}] {why}: {where}; re-running the self-test without it")
 
 
 def _stopped(label: str, signum: int, event: dict | None) -> dict:
     running = f" during the {event['event']} of {event['backend']}" if event else ""
-    return {"ok": False, "usage": False, "interrupted": signal.Signals(signum).name, "signal": int(signum),
-            "message": f"[{label}] interrupted by {signal.Signals(signum).name}{running}: stopped, nothing recorded for it"}
+    return {
+        "ok": False,
+        "usage": False,
+        "interrupted": signal.Signals(signum).name,
+        "signal": int(signum),
+        "message": f"[{label}] interrupted by {signal.Signals(signum).name}{running}: stopped, nothing recorded for it",
+    }
 
 
 def _selftest_devices(settings, indices: list[int] | None) -> tuple[list[int], str | None]:
@@ -265,14 +314,22 @@ def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
             err = f"{mine[0]['max_rel_err']:.2e}" if mine and mine[0]["max_rel_err"] is not None else "-"
             shapes = f"{sum(s['passed'] for s in mine[0]['shapes'])}/{len(mine[0]['shapes'])}" if mine else "-"
             verified = "True" if d["verified"] else "UNVERIFIED"
-            rows.append((family, d["device"], d["backend"], verified, err, shapes, f"{d['duration_s']:.2f}", d["reason"]))
+            rows.append(
+                (family, d["device"], d["backend"], verified, err, shapes, f"{d['duration_s']:.2f}", d["reason"])
+            )
         else:
             rows.append((family, index, "-", "REFUSED", "-", "-", "-", result["message"].splitlines()[0]))
-    return markdown_table(("kernel", "device", "backend", "verified", "max rel error", "shapes", "time (s)", "note"), rows)
+    return markdown_table(
+        ("kernel", "device", "backend", "verified", "max rel error", "shapes", "time (s)", "note"), rows
+    )
 
 
-def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequence[str] | None = None,
-                 seen: list[tuple[str, dict]] | None = None) -> int:
+def cmd_selftest(
+    args: argparse.Namespace,
+    quiet: bool = False,
+    families: Sequence[str] | None = None,
+    seen: list[tuple[str, dict]] | None = None,
+) -> int:
     """``selftest``: each family on each device in short-lived workers; `seen` (launch) gets each job's (family, result)."""
     from .. import deciding, devices, verdicts
 
@@ -282,7 +339,9 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
         return found
     settings, indices = found
     if not indices:
-        _eprint("sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify (workers leave SGLang untouched)")
+        _eprint(
+            "sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify (workers leave SGLang untouched)"
+        )
         return EXIT_OK
     engine = _unverified_engine()
     refused = _refuse_engine("selftest", settings, engine) if engine is not None else None
@@ -291,7 +350,9 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
     uuids = {d.index: d.uuid for d in devices.list_devices(settings.simulated_capability) if d.uuid}
     store = verdicts.trouble(settings.verdicts_path)
     if store is not None:
-        _eprint(f"sm120-fp4 selftest: {store}; verdicts are neither read nor recorded there (docs/operations.md, files)")
+        _eprint(
+            f"sm120-fp4 selftest: {store}; verdicts are neither read nor recorded there (docs/operations.md, files)"
+        )
     backend_args = [a for name in (args.backend or []) for a in ("--backend", name)]
     # The workers write no report: this process writes one holding every worker's decisions.
     env = {k: v for k, v in os.environ.items() if k != "SM120_FP4_REPORT"}
@@ -305,8 +366,10 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
     restore = stop.handle_signals()
     try:
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each its own short-lived process, all at once
-            futures = {job: pool.submit(_preflight, job[1], job[0], backend_args, settings, env, stop, uuids.get(job[1]))
-                       for job in jobs}
+            futures = {
+                job: pool.submit(_preflight, job[1], job[0], backend_args, settings, env, stop, uuids.get(job[1]))
+                for job in jobs
+            }
             results = {job: futures[job].result() for job in jobs}  # the table keeps device order
     finally:
         restore()
@@ -319,8 +382,10 @@ def cmd_selftest(args: argparse.Namespace, quiet: bool = False, families: Sequen
         signum = stop.signal or interrupted[0]["signal"]
         for r in interrupted:
             _eprint(r["message"])
-        _eprint(f"sm120-fp4 selftest: interrupted by {signal.Signals(signum).name}: the self-test workers were stopped; "
-                f"nothing was recorded for the candidates they were running (exit {128 + signum})")
+        _eprint(
+            f"sm120-fp4 selftest: interrupted by {signal.Signals(signum).name}: the self-test workers were stopped; "
+            f"nothing was recorded for the candidates they were running (exit {128 + signum})"
+        )
         return 128 + signum
     return _outcome(args, results, families, quiet, settings, engine)
 
@@ -344,8 +409,10 @@ def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet
     if engine is not None:
         return _say_unverified_engine(engine, "the table verifies the kernels, not what SGLang will serve")
     if unverified:
-        _eprint(f"sm120-fp4 selftest: {len(unverified)} decision(s) would serve UNVERIFIED (SM120_FP4_SELFTEST="
-                f"{settings.selftest}): exit {EXIT_UNVERIFIED}")
+        _eprint(
+            f"sm120-fp4 selftest: {len(unverified)} decision(s) would serve UNVERIFIED (SM120_FP4_SELFTEST="
+            f"{settings.selftest}): exit {EXIT_UNVERIFIED}"
+        )
         return EXIT_UNVERIFIED
     return EXIT_OK
 
@@ -390,10 +457,26 @@ def _write_preflight_report(settings, results: dict[tuple[str, int], dict]) -> N
         own = r.get("report") or {}
         section["decisions"] += own.get("decisions", [])
         section["refusals"] += own.get("refusals", [])
-        outcome = ("interrupted" if r.get("interrupted") else "error" if r.get("usage") else "refused" if not r.get("ok")
-                   else "passed" if r["decision"]["verified"] else "unverified")
-        section["preflight"].append({"family": family, "device": index, "outcome": outcome, "crashed": r.get("crashed", {}),
-                                     "message": None if r.get("ok") else r.get("message")})
+        outcome = (
+            "interrupted"
+            if r.get("interrupted")
+            else "error"
+            if r.get("usage")
+            else "refused"
+            if not r.get("ok")
+            else "passed"
+            if r["decision"]["verified"]
+            else "unverified"
+        )
+        section["preflight"].append(
+            {
+                "family": family,
+                "device": index,
+                "outcome": outcome,
+                "crashed": r.get("crashed", {}),
+                "message": None if r.get("ok") else r.get("message"),
+            }
+        )
     try:
         written = report.write(settings.report, section, settings.report_is_dir, role="preflight")
         _eprint(f"sm120-fp4 selftest: report written to {written}")

@@ -35,9 +35,11 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
         # This process is about to use CUDA: CUDA itself says which GPU the ordinal is.
         device = devices.get_device(args.device, settings.simulated_capability, init_cuda=True)
         if args.uuid and device.uuid is not None and not devices.same_uuid(device.uuid, args.uuid):
-            raise LookupError(f"cuda:{args.device} is GPU {device.uuid} ({device.name!r}) in this self-test worker, but the "
-                              f"preflight numbered GPU {args.uuid} cuda:{args.device}: CUDA's numbering differs between the two "
-                              f"processes; not self-testing a GPU other than the one named ({devices.PCI_ORDER_FIX})")
+            raise LookupError(
+                f"cuda:{args.device} is GPU {device.uuid} ({device.name!r}) in this self-test worker, but the "
+                f"preflight numbered GPU {args.uuid} cuda:{args.device}: CUDA's numbering differs between the two "
+                f"processes; not self-testing a GPU other than the one named ({devices.PCI_ORDER_FIX})"
+            )
         key = verdicts.device_key(device)
         for item in args.crashed or []:
             name, _, why = item.partition("=")
@@ -47,7 +49,15 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
         kind = backends.get_moe if family == "moe" else backends.get
 
         def announce(event, fam, dev, name):
-            emit({"event": event, "family": fam, "backend": name, "flashinfer": kind(name).kind == "flashinfer", "key": key})
+            emit(
+                {
+                    "event": event,
+                    "family": fam,
+                    "backend": name,
+                    "flashinfer": kind(name).kind == "flashinfer",
+                    "key": key,
+                }
+            )
 
         deciding.candidate_hook = announce
         try:
@@ -59,8 +69,18 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
         return EXIT_USAGE
     except RefusedToServe as exc:
         reports = [r.model_dump(mode="json") for r in getattr(exc, "reports", [])]
-        emit({"ok": False, "usage": False, "message": str(exc), "device": args.device, "key": key,
-               "rejected": getattr(exc, "rejected", {}), "reports": reports, "report": _own_report()})
+        emit(
+            {
+                "ok": False,
+                "usage": False,
+                "message": str(exc),
+                "device": args.device,
+                "key": key,
+                "rejected": getattr(exc, "rejected", {}),
+                "reports": reports,
+                "report": _own_report(),
+            }
+        )
         return EXIT_REFUSED
     except LookupError as exc:
         emit({"ok": False, "usage": True, "message": str(exc)})
@@ -101,8 +121,10 @@ def _own_report() -> dict:
     """This worker's decisions and refusals, for the one report the preflight parent writes."""
     from .. import serving
 
-    return {"decisions": [d.model_dump(mode="json") for d in serving.decisions()],
-            "refusals": [r.model_dump(mode="json") for r in serving.refusals()]}
+    return {
+        "decisions": [d.model_dump(mode="json") for d in serving.decisions()],
+        "refusals": [r.model_dump(mode="json") for r in serving.refusals()],
+    }
 
 
 def _worker_exit(code: int) -> int:
@@ -123,7 +145,9 @@ def model_worker_argv(index: int, model: str) -> list[str]:
     return ["_model-worker", "--device", str(index), "--model", model]
 
 
-def worker_argv(index: int, family: str, backend_args: list[str], crashed: dict[str, str], uuid: str | None) -> list[str]:
+def worker_argv(
+    index: int, family: str, backend_args: list[str], crashed: dict[str, str], uuid: str | None
+) -> list[str]:
     """The arguments of one self-test worker (after ``python -m sm120_fp4``)."""
     argv = ["_selftest-worker", "--device", str(index), *backend_args]
     argv += ["--moe"] if family == "moe" else []
@@ -139,8 +163,12 @@ def _run_model_worker(index: int, model: str, env: dict[str, str]) -> dict:
     try:
         return json.loads(lines[-1])
     except (IndexError, ValueError):
-        return {"ok": False, "usage": False, "message": f"model check worker (device {index}) {_died(proc.returncode)} "
-                                                       f"before a result:\n{proc.stderr[-2000:]}"}
+        return {
+            "ok": False,
+            "usage": False,
+            "message": f"model check worker (device {index}) {_died(proc.returncode)} "
+            f"before a result:\n{proc.stderr[-2000:]}",
+        }
 
 
 def _died(code: int) -> str:
@@ -221,22 +249,36 @@ class WorkerOutput:
             return
         if "event" in data:
             self.event = data
-            jit = " (the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes)" if data.get("flashinfer") else ""
+            jit = (
+                " (the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes)"
+                if data.get("flashinfer")
+                else ""
+            )
             _eprint(f"[{self.label}] {data['event']} of {data['backend']}{jit} ...")
         else:
             self.result = data
 
 
-def _run_worker(index: int, family: str, backend_args: list[str], crashed: dict[str, str], label: str,
-                env: dict[str, str], stop: _Stop | None = None, uuid: str | None = None,
-                heartbeat_s: float = 30.0) -> tuple[dict | None, dict | None, int, str]:
+def _run_worker(
+    index: int,
+    family: str,
+    backend_args: list[str],
+    crashed: dict[str, str],
+    label: str,
+    env: dict[str, str],
+    stop: _Stop | None = None,
+    uuid: str | None = None,
+    heartbeat_s: float = 30.0,
+) -> tuple[dict | None, dict | None, int, str]:
     """One worker run: (result, last candidate event, returncode, stderr tail)."""
     cmd = [sys.executable, "-m", "sm120_fp4", *worker_argv(index, family, backend_args, crashed, uuid)]
     lines: queue.Queue = queue.Queue()
     stop = stop or _Stop()
     output = WorkerOutput(label)
-    with tempfile.TemporaryFile("w+") as err, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                                               start_new_session=True) as proc:
+    with (
+        tempfile.TemporaryFile("w+") as err,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True) as proc,
+    ):
         stop.add(proc)
 
         def read() -> None:

@@ -15,12 +15,17 @@ def _say(text: str = "") -> None:
 
 
 def _selftest_table(decision) -> list[str]:
-    rows = ["  | backend | M | N | K | passed | rel. error | norm ratio | reason |", "  |---|---|---|---|---|---|---|---|"]
+    rows = [
+        "  | backend | M | N | K | passed | rel. error | norm ratio | reason |",
+        "  |---|---|---|---|---|---|---|---|",
+    ]
     for report in decision.reports:
         for s in report.shapes:
             err = "-" if s.rel_err is None else f"{s.rel_err:.2e}"
             ratio = "-" if s.norm_ratio is None else f"{s.norm_ratio:.3f}"
-            rows.append(f"  | {report.backend} | {s.m} | {s.n} | {s.k} | {s.passed} | {err} | {ratio} | {s.reason or ''} |")
+            rows.append(
+                f"  | {report.backend} | {s.m} | {s.n} | {s.k} | {s.passed} | {err} | {ratio} | {s.reason or ''} |"
+            )
     for name, why in decision.rejected.items():
         if not any(r.backend == name for r in decision.reports):
             rows.append(f"  | {name} | - | - | - | skipped | - | - | {why} |")
@@ -30,12 +35,11 @@ def _selftest_table(decision) -> list[str]:
 def main() -> int:
     """The README's main job: SGLang's real NVFP4 linear path, patched and verified, on a CPU."""
     import logging
+    import warnings
 
     import sm120_fp4
     from sm120_fp4 import backends, serving
     from sm120_fp4.errors import RefusedToServe
-
-    import warnings
 
     warnings.filterwarnings("ignore", module=r"sglang\..*")  # "Only CUDA ... support AWQ/GGUF" on a CPU
     logging.basicConfig(level=logging.WARNING, format="  log: %(message)s")
@@ -65,13 +69,18 @@ def main() -> int:
     for report in decision.layers:
         ms = [s.m for s in report.shapes]
         _say(f"   then the layer itself: {report.config}, through SGLang's apply() at M = {', '.join(map(str, ms))}")
-        _say(f"   (two passes, {sum(s.calls for s in report.shapes)} calls): passed={report.passed}, max rel error {report.max_rel_err:.2e}")
+        _say(
+            f"   (two passes, {sum(s.calls for s in report.shapes)} calls): passed={report.passed}, max rel error {report.max_rel_err:.2e}"
+        )
 
     _say("\n3. What was patched (the ledger; targets of other SGLang releases left out):")
     for p in sm120_fp4.status().patches:
         if p.state == "skipped" and (p.reason or "").startswith("not needed"):
             continue
-        _say(f"   - {p.name:38s} {p.state:8s} {p.module.rsplit('.', 1)[-1]}.{p.attribute}" + (f"  ({p.reason})" if p.reason else ""))
+        _say(
+            f"   - {p.name:38s} {p.state:8s} {p.module.rsplit('.', 1)[-1]}.{p.attribute}"
+            + (f"  ({p.reason})" if p.reason else "")
+        )
 
     _say(f"\n4. Forward pass through SGLang's apply() with M={m} tokens, compared with the nvfp4 reference:")
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
@@ -137,11 +146,15 @@ def _moe_part() -> bool | None:
         _say(f"\n5-6. NVFP4 MoE: skipped on this SGLang ({exc})")
         return None
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
-    _say(f"   MoE decision: {decision.backend} ({decision.reason}), verified={decision.verified}; "
-         f"candidates: {', '.join(f'{n}: {why}' for n, why in decision.rejected.items()) or 'first passed'}")
+    _say(
+        f"   MoE decision: {decision.backend} ({decision.reason}), verified={decision.verified}; "
+        f"candidates: {', '.join(f'{n}: {why}' for n, why in decision.rejected.items()) or 'first passed'}"
+    )
     for report in decision.layers:
-        _say(f"   the layer: {report.config}: {len(report.shapes)} batches (up to T={max(s.m for s in report.shapes)}, "
-             f"one skewed) x 2 passes, passed={report.passed}")
+        _say(
+            f"   the layer: {report.config}: {len(report.shapes)} batches (up to T={max(s.m for s in report.shapes)}, "
+            f"one skewed) x 2 passes, passed={report.passed}"
+        )
     gen = torch.Generator().manual_seed(3)
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(64)]).to(torch.int32)
     weights = torch.rand(64, 2, generator=gen)

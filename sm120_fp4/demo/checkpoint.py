@@ -24,8 +24,9 @@ from ..errors import InvalidArgument
 
 __all__ = ["write_checkpoint", "ARCHITECTURE", "MODELOPT", "COMPRESSED_TENSORS"]
 
-ARCHITECTURE = dict(hidden=256, moe_intermediate=128, experts=8, top_k=2, layers=2,
-                    heads=4, kv_heads=2, head_dim=64, vocab=512)
+ARCHITECTURE = dict(
+    hidden=256, moe_intermediate=128, experts=8, top_k=2, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512
+)
 _SPECIAL = ["<s>", "</s>"]
 
 
@@ -85,8 +86,11 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
         for proj, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             name = f"{p}.self_attn.{proj}"
             for kind in ("weight", "weight_scale"):
-                out[f"{name}.{kind}"] = qkv[f"x.{kind}"][row:row + n].clone()
-            out[f"{name}.weight_scale_2"], out[f"{name}.input_scale"] = qkv["x.weight_scale_2"].clone(), qkv["x.input_scale"].clone()
+                out[f"{name}.{kind}"] = qkv[f"x.{kind}"][row : row + n].clone()
+            out[f"{name}.weight_scale_2"], out[f"{name}.input_scale"] = (
+                qkv["x.weight_scale_2"].clone(),
+                qkv["x.input_scale"].clone(),
+            )
             row += n
         out.update(_quantize(f"{p}.self_attn.o_proj", rand(h, q), 8.0))
         out[f"{p}.mlp.gate.weight"] = rand(a["experts"], h, std=0.5)
@@ -108,28 +112,72 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
 
 def _quantization_config(fmt: str) -> dict:
     if fmt == MODELOPT:
-        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                "ignore": ["lm_head"], "producer": {"name": "sm120_fp4", "version": "demo"}}
-    fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
-           "dynamic": False, "observer": "minmax"}
-    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": fp4, "format": "nvfp4-pack-quantized",
-                                          "input_activations": {**fp4, "dynamic": "local"}}},
-            "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None}
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "ignore": ["lm_head"],
+            "producer": {"name": "sm120_fp4", "version": "demo"},
+        }
+    fp4 = {
+        "num_bits": 4,
+        "type": "float",
+        "strategy": "tensor_group",
+        "group_size": 16,
+        "symmetric": True,
+        "dynamic": False,
+        "observer": "minmax",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": fp4,
+                "format": "nvfp4-pack-quantized",
+                "input_activations": {**fp4, "dynamic": "local"},
+            }
+        },
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "kv_cache_scheme": None,
+    }
 
 
 def _config(fmt: str) -> dict:
     a = ARCHITECTURE
     quant = _quantization_config(fmt)
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "bfloat16",
-        "dtype": "bfloat16", "hidden_size": a["hidden"], "intermediate_size": 4 * a["moe_intermediate"],
-        "moe_intermediate_size": a["moe_intermediate"], "num_experts": a["experts"], "num_local_experts": a["experts"],
-        "num_experts_per_tok": a["top_k"], "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "num_hidden_layers": a["layers"], "num_attention_heads": a["heads"], "num_key_value_heads": a["kv_heads"],
-        "head_dim": a["head_dim"], "vocab_size": a["vocab"], "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 256,
-        "eos_token_id": 257, "attention_bias": False, "output_router_logits": False, "router_aux_loss_coef": 0.0,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "hidden_size": a["hidden"],
+        "intermediate_size": 4 * a["moe_intermediate"],
+        "moe_intermediate_size": a["moe_intermediate"],
+        "num_experts": a["experts"],
+        "num_local_experts": a["experts"],
+        "num_experts_per_tok": a["top_k"],
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": a["layers"],
+        "num_attention_heads": a["heads"],
+        "num_key_value_heads": a["kv_heads"],
+        "head_dim": a["head_dim"],
+        "vocab_size": a["vocab"],
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "attention_bias": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.0,
         "quantization_config": quant,
     }
 
@@ -150,8 +198,14 @@ def _write_tokenizer(root: str) -> None:
     path = os.path.join(root, "tokenizer.json")
     tokenizer.save(path)
     os.chmod(path, 0o600)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "model_max_length": 2048, "add_bos_token": False, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "model_max_length": 2048,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
     _write_json(os.path.join(root, "tokenizer_config.json"), config)
 
 
@@ -174,10 +228,18 @@ def write_checkpoint(root: str, seed: int = 0, fmt: str = MODELOPT) -> str:
     _write_json(os.path.join(root, "config.json"), config)
     tensors = _tensors(seed)
     if fmt == MODELOPT:
-        _write_json(os.path.join(root, "hf_quant_config.json"),
-                    {"producer": config["quantization_config"]["producer"],
-                     "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                                      "exclude_modules": ["lm_head"]}})
+        _write_json(
+            os.path.join(root, "hf_quant_config.json"),
+            {
+                "producer": config["quantization_config"]["producer"],
+                "quantization": {
+                    "quant_algo": "NVFP4",
+                    "group_size": 16,
+                    "kv_cache_quant_algo": None,
+                    "exclude_modules": ["lm_head"],
+                },
+            },
+        )
     else:
         tensors = _as_compressed_tensors(tensors)
     _write_json(os.path.join(root, "generation_config.json"), {"bos_token_id": 256, "eos_token_id": 257})

@@ -34,12 +34,28 @@ __all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "CPU_SERVER_DEFAULTS", "
 # What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU").
 # The KV cache capped (SGLang sizes it from the machine's free memory on a CPU): small and quick to
 # allocate, and room for another process that allocates while this one loads.
-CPU_SERVER_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                   "--skip-server-warmup", "--tp", "1", "--mem-fraction-static", "0.5", "--max-total-tokens", "32768"]
+CPU_SERVER_ARGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--tp",
+    "1",
+    "--mem-fraction-static",
+    "0.5",
+    "--max-total-tokens",
+    "32768",
+]
 CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SM120_FP4": "1"}  # always: the CPU engine, the library on
 # Defaults the operator's environment may override (a broken kernel named in SM120_FP4_BACKENDS, say).
-CPU_SERVER_DEFAULTS = {"HF_HUB_OFFLINE": "1", "SM120_FP4_SIMULATE": "12.0",
-                       "SM120_FP4_BACKENDS": "cutlass,b12x,emulated", "SM120_FP4_MOE_BACKENDS": "cutlass,emulated"}
+CPU_SERVER_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1",
+    "SM120_FP4_SIMULATE": "12.0",
+    "SM120_FP4_BACKENDS": "cutlass,b12x,emulated",
+    "SM120_FP4_MOE_BACKENDS": "cutlass,emulated",
+}
 START_TIMEOUT_S = 900.0
 PROMPT = "The capital of France is"
 
@@ -124,7 +140,7 @@ def _http(method: str, url: str, body: dict | None = None, timeout: float = 300.
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - 127.0.0.1 only
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
@@ -154,13 +170,29 @@ class Server:
         self.port = self.port or free_port()
         os.makedirs(self.report_dir, mode=0o700, exist_ok=True)
         env = {**CPU_SERVER_DEFAULTS, **os.environ, **CPU_SERVER_ENV, "SM120_FP4_REPORT": self.report_dir, **self.env}
-        command = [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-m", LAUNCH_SERVER,
-                   "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port),
-                   *CPU_SERVER_ARGS, *self.extra_args]
+        command = [
+            sys.executable,
+            "-m",
+            "sm120_fp4",
+            "launch",
+            "--",
+            sys.executable,
+            "-m",
+            LAUNCH_SERVER,
+            "--model-path",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *CPU_SERVER_ARGS,
+            *self.extra_args,
+        ]
         log = open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
         with log:
-            self.proc = self.popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   env=env, start_new_session=True)
+            self.proc = self.popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S, restarts: int = 2) -> bool:
         """True once ``/health`` answers 200; False when the launcher exits first (or the time is up).
@@ -175,8 +207,10 @@ class Server:
                     self.stop()
                     self.port = 0
                     self.start()
-                    _say(f"   port {taken} was taken before the server could bind it: started pid {self.proc.pid} on "
-                         f"127.0.0.1:{self.port} instead (log: {self.log_path})")
+                    _say(
+                        f"   port {taken} was taken before the server could bind it: started pid {self.proc.pid} on "
+                        f"127.0.0.1:{self.port} instead (log: {self.log_path})"
+                    )
                     continue
                 return False
             try:
@@ -195,8 +229,11 @@ class Server:
             return False
 
     def generate(self, text: str, max_new_tokens: int = 16) -> dict:
-        status, body = _http("POST", f"http://127.0.0.1:{self.port}/generate",
-                             {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})
+        status, body = _http(
+            "POST",
+            f"http://127.0.0.1:{self.port}/generate",
+            {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}},
+        )
         if status != 200:
             raise RuntimeError(f"/generate answered HTTP {status}: {body[:500]}")
         return json.loads(body)
@@ -242,8 +279,10 @@ def summarize(reports: list[dict]) -> list[str]:
         for d in report.get("decisions", []):
             for layer in d.get("layers", []):
                 state = "verified" if layer.get("passed") else "FAILED"
-                rows.append(f"   pid {report.get('pid')}: {d.get('family')} {layer.get('config')}: {state} with "
-                            f"{d.get('backend')} ({len(layer.get('shapes', []))} batch sizes)")
+                rows.append(
+                    f"   pid {report.get('pid')}: {d.get('family')} {layer.get('config')}: {state} with "
+                    f"{d.get('backend')} ({len(layer.get('shapes', []))} batch sizes)"
+                )
             for check in d.get("rechecks", []) or []:
                 rows.append(f"   pid {report.get('pid')}: re-check after warm-up: {check}")
         for refusal in report.get("refusals", []):
@@ -260,8 +299,7 @@ def _write_plugin(root: str) -> str:
     files = {
         "sm120_fp4_demo_broken.py": _BROKEN_PLUGIN,
         "sm120_fp4_demo_broken-0.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: sm120-fp4-demo-broken\nVersion: 0.0\n",
-        "sm120_fp4_demo_broken-0.0.dist-info/entry_points.txt":
-            "[sm120_fp4.backends]\ndemo-wrong-at-qkv = sm120_fp4_demo_broken:wrong_at_qkv\n",
+        "sm120_fp4_demo_broken-0.0.dist-info/entry_points.txt": "[sm120_fp4.backends]\ndemo-wrong-at-qkv = sm120_fp4_demo_broken:wrong_at_qkv\n",
     }
     for name, text in files.items():
         with open(os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
@@ -269,8 +307,13 @@ def _write_plugin(root: str) -> str:
     return path
 
 
-def serve_once(model_path: str, workdir: str, extra_args: list[str], env: dict[str, str] | None = None,
-               expect_refusal: bool = False) -> int:
+def serve_once(
+    model_path: str,
+    workdir: str,
+    extra_args: list[str],
+    env: dict[str, str] | None = None,
+    expect_refusal: bool = False,
+) -> int:
     """Start one server, ask it once (or see it refuse), stop it; returns this step's exit code."""
     server = Server(model_path, workdir, extra_args, env or {})
     server.start()
@@ -285,8 +328,10 @@ def serve_once(model_path: str, workdir: str, extra_args: list[str], env: dict[s
             except (OSError, RuntimeError, ValueError) as exc:
                 failed = f"the server is up but /generate failed: {exc}"
             else:
-                _say(f"   up after {took:.0f} s; POST /generate {PROMPT!r} -> {answer.get('text')!r} "
-                     f"({answer.get('meta_info', {}).get('completion_tokens')} tokens; random weights: no sense expected)")
+                _say(
+                    f"   up after {took:.0f} s; POST /generate {PROMPT!r} -> {answer.get('text')!r} "
+                    f"({answer.get('meta_info', {}).get('completion_tokens')} tokens; random weights: no sense expected)"
+                )
     finally:
         code = server.stop()
         still = _listening(server.port)
@@ -308,7 +353,9 @@ def serve_once(model_path: str, workdir: str, extra_args: list[str], env: dict[s
     _say(f"   the server did not start: launcher exit {code}, nothing listening on 127.0.0.1:{server.port}")
     refused = any("REFUSED" in line for line in summary)
     if not expect_refusal or not refused:
-        _say(f"   server log: {server.log_path}\n" + "".join(f"   | {line}\n" for line in server.log_tail().splitlines()))
+        _say(
+            f"   server log: {server.log_path}\n" + "".join(f"   | {line}\n" for line in server.log_tail().splitlines())
+        )
     return 0 if expect_refusal and refused and code != 0 else 1
 
 
@@ -337,8 +384,10 @@ def main(model_path: str | None = None, extra_args: list[str] | None = None) -> 
     _say("\n2. The same server with a kernel wrong only at this checkpoint's fused qkv shape (N=512, K=256),")
     _say("   registered by an entry-point plugin and named in SM120_FP4_BACKENDS:")
     plugin = _write_plugin(workdir)
-    env = {"SM120_FP4_BACKENDS": "demo-wrong-at-qkv",
-           "PYTHONPATH": os.pathsep.join(p for p in (plugin, os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        "SM120_FP4_BACKENDS": "demo-wrong-at-qkv",
+        "PYTHONPATH": os.pathsep.join(p for p in (plugin, os.environ.get("PYTHONPATH", "")) if p),
+    }
     second = serve_once(ckpt, workdir, extra, env, expect_refusal=True)
     if second != 0:
         _say(f"\nERROR: the broken kernel was not refused. Logs and reports kept in {workdir}")

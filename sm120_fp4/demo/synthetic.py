@@ -185,8 +185,9 @@ def make_moe_checkpoint(
     bf16 = torch.bfloat16
     calibration = (torch.randn(64, hidden, generator=gen) * 1.5).to(bf16)
     x_amax_scale = nvfp4.global_scale(calibration)
-    stacks: dict[str, list[torch.Tensor]] = {k: [] for k in (
-        "w13", "w13_sf", "w13_s2", "w13_in", "w2", "w2_sf", "w2_s2", "w2_in", "gate", "up", "down")}
+    stacks: dict[str, list[torch.Tensor]] = {
+        k: [] for k in ("w13", "w13_sf", "w13_s2", "w13_in", "w2", "w2_sf", "w2_s2", "w2_in", "gate", "up", "down")
+    }
     for e in range(num_experts):
         spread = 1.0 + 0.5 * e / max(num_experts - 1, 1)  # experts of different magnitude
         gate = (torch.randn(intermediate, hidden, generator=gen) * 0.04 * spread).to(bf16)
@@ -253,7 +254,6 @@ def compressed_tensors_tensors(ckpt: MoeCheckpoint) -> dict[str, torch.Tensor]:
     return out
 
 
-
 def reference_moe_from_weights(
     weights: Mapping[str, Any], x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -270,9 +270,12 @@ def reference_moe_from_weights(
     ids = topk_ids.long() - int(weights.get("first_expert", 0))
     local = (topk_ids >= 0) & (ids >= 0) & (ids < e_loc)
     return nvfp4.reference_moe_fp4(
-        x, torch.where(local, ids, torch.zeros_like(ids)),
+        x,
+        torch.where(local, ids, torch.zeros_like(ids)),
         torch.where(local, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32)),
-        **{k: weights[k] for k in _KERNEL_TENSORS}, activation=weights["activation"])
+        **{k: weights[k] for k in _KERNEL_TENSORS},
+        activation=weights["activation"],
+    )
 
 
 def _rank_tensors(ckpt: MoeCheckpoint, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int):
@@ -333,12 +336,20 @@ def reference_moe_output(
     if ckpt.num_experts % ep_size:
         raise not_accepted(func, "ep_size", ep_size, f"a divisor of the checkpoint's {ckpt.num_experts} experts")
     if ckpt.intermediate % (tp_size * nvfp4.BLOCK_SIZE):
-        raise not_accepted(func, "tp_size", tp_size, f"a size that splits the intermediate {ckpt.intermediate} into "
-                    f"{nvfp4.BLOCK_SIZE}-blocks")
+        raise not_accepted(
+            func,
+            "tp_size",
+            tp_size,
+            f"a size that splits the intermediate {ckpt.intermediate} into {nvfp4.BLOCK_SIZE}-blocks",
+        )
     if ckpt.gated and not torch.equal(ckpt.w13_weight_scale_2[:, 0], ckpt.w13_weight_scale_2[:, 1]):
-        raise not_accepted(func, "ckpt", ckpt.w13_weight_scale_2,
-                    "gate and up weight_scale_2 equal per expert (the cutlass path applies the gate's alpha to both "
-                    "halves, and no single-alpha reference states what a checkpoint with unequal ones means)")
+        raise not_accepted(
+            func,
+            "ckpt",
+            ckpt.w13_weight_scale_2,
+            "gate and up weight_scale_2 equal per expert (the cutlass path applies the gate's alpha to both "
+            "halves, and no single-alpha reference states what a checkpoint with unequal ones means)",
+        )
     experts, w13, w13_sf, w2, w2_sf = _rank_tensors(ckpt, ep_size, ep_rank, tp_size, tp_rank)
     if quantization == MODELOPT:
         in13 = ckpt.w13_input_scale.max().to(torch.float32)
@@ -348,21 +359,33 @@ def reference_moe_output(
         alpha2 = (in2 * ckpt.w2_weight_scale_2[experts]).to(torch.float32)
     else:
         if not ckpt.gated:
-            raise not_accepted(func, "quantization", quantization, f"{MODELOPT!r} for a relu2 checkpoint "
-                        "(compressed-tensors NVFP4 MoE has gated (swiglu) experts only)")
+            raise not_accepted(
+                func,
+                "quantization",
+                quantization,
+                f"{MODELOPT!r} for a relu2 checkpoint (compressed-tensors NVFP4 MoE has gated (swiglu) experts only)",
+            )
         ct = compressed_tensors_tensors(ckpt)
         ids = range(experts.start, experts.stop)
-        in_gs = torch.stack([torch.cat([ct[f"experts.{e}.{p}.input_global_scale"] for p in ckpt.shard_names()])
-                             for e in ids])
+        in_gs = torch.stack(
+            [torch.cat([ct[f"experts.{e}.{p}.input_global_scale"] for p in ckpt.shard_names()]) for e in ids]
+        )
         w_gs = torch.stack([ct[f"experts.{e}.gate_proj.weight_global_scale"][0] for e in ids])
         a1 = in_gs.min(dim=1).values.to(torch.float32)
         alpha1 = (1 / a1) * (1 / w_gs)
         a2 = torch.stack([ct[f"experts.{e}.down_proj.input_global_scale"][0] for e in ids])
-        alpha2 = ((1 / a2) * (1 / torch.stack([ct[f"experts.{e}.down_proj.weight_global_scale"][0] for e in ids])))
+        alpha2 = (1 / a2) * (1 / torch.stack([ct[f"experts.{e}.down_proj.weight_global_scale"][0] for e in ids]))
         alpha2 = alpha2.to(torch.float32)
     weights = {
-        "w13": w13, "w13_sf": w13_sf, "w13_alpha": alpha1.contiguous(), "w2": w2, "w2_sf": w2_sf,
-        "w2_alpha": alpha2.contiguous(), "a1_gscale": a1, "a2_gscale": a2, "activation": ckpt.activation,
+        "w13": w13,
+        "w13_sf": w13_sf,
+        "w13_alpha": alpha1.contiguous(),
+        "w2": w2,
+        "w2_sf": w2_sf,
+        "w2_alpha": alpha2.contiguous(),
+        "a1_gscale": a1,
+        "a2_gscale": a2,
+        "activation": ckpt.activation,
         "first_expert": experts.start,
     }
     device = x.device

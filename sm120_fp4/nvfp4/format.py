@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidArgument, not_accepted
-
+from ..errors import not_accepted
 
 __all__ = [
     "BLOCK_SIZE",
@@ -75,7 +74,9 @@ def _check_tensor(func: str, param: str, value: object, dtypes: tuple, ndim: int
 
 def _check_k(func: str, param: str, value: torch.Tensor, k: int) -> None:
     if k <= 0 or k % BLOCK_SIZE:
-        raise not_accepted(func, param, value, f"K (the element count of a row) a positive multiple of {BLOCK_SIZE}, got K={k}")
+        raise not_accepted(
+            func, param, value, f"K (the element count of a row) a positive multiple of {BLOCK_SIZE}, got K={k}"
+        )
 
 
 def _device_constant(key: tuple, make):
@@ -99,8 +100,13 @@ def _rcp6(device: torch.device) -> torch.Tensor:
 
 def _thresholds(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The rounding thresholds on `device` (round down at, round up at)."""
-    return _device_constant(("thresholds", device, dtype), lambda: (torch.tensor(_ROUND_DOWN_AT, dtype=dtype, device=device),
-                                                                      torch.tensor(_ROUND_UP_AT, dtype=dtype, device=device)))
+    return _device_constant(
+        ("thresholds", device, dtype),
+        lambda: (
+            torch.tensor(_ROUND_DOWN_AT, dtype=dtype, device=device),
+            torch.tensor(_ROUND_UP_AT, dtype=dtype, device=device),
+        ),
+    )
 
 
 def _encode_by_comparison(x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +153,9 @@ def _encode(x: torch.Tensor) -> torch.Tensor:
         mag = x.abs()
         down, up = _thresholds(x.device, mag.dtype)
         mag = mag.nan_to_num(nan=0.0)
-        codes = (torch.bucketize(mag, down, out_int32=True) + torch.bucketize(mag, up, out_int32=True, right=True)).to(torch.uint8)
+        codes = (torch.bucketize(mag, down, out_int32=True) + torch.bucketize(mag, up, out_int32=True, right=True)).to(
+            torch.uint8
+        )
         return _signed(x, codes)
     if x.dtype != torch.float32:
         return _encode_by_comparison(x)
@@ -242,7 +250,9 @@ def global_scale(x: torch.Tensor) -> torch.Tensor:
         raise not_accepted("global_scale", "x", x, f"finite values, not all zero (amax(|x|)={float(amax)})")
     scale = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=x.device) / amax
     if not torch.isfinite(scale):
-        raise not_accepted("global_scale", "x", x, f"amax(|x|) large enough for a finite float32 scale (amax={float(amax):.3g})")
+        raise not_accepted(
+            "global_scale", "x", x, f"amax(|x|) large enough for a finite float32 scale (amax={float(amax):.3g})"
+        )
     return scale
 
 
@@ -286,14 +296,22 @@ def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True
     return codes[..., 0::2] | (codes[..., 1::2] << 4), swizzle_scales(sf)  # pack_nibbles, without its host-side check
 
 
-def _check_packed_and_scales(func: str, packed: torch.Tensor, scales: torch.Tensor, p_name: str, s_name: str) -> tuple[int, int]:
+def _check_packed_and_scales(
+    func: str, packed: torch.Tensor, scales: torch.Tensor, p_name: str, s_name: str
+) -> tuple[int, int]:
     _check_tensor(func, p_name, packed, (torch.uint8,), ndim=2)
     rows, k = packed.shape[0], packed.shape[1] * 2
     _check_k(func, p_name, packed, k)
     _check_tensor(func, s_name, scales, _SCALE_DTYPES)
     mp, kp = swizzled_scale_shape(rows, k)
-    if scales.numel() != mp * kp or scales.dim() not in (1, 2) or (scales.dim() == 2 and tuple(scales.shape) != (mp, kp)):
-        raise not_accepted(func, s_name, scales, f"128x4 swizzled scales of shape ({mp}, {kp}) for {rows} rows and K={k}")
+    if (
+        scales.numel() != mp * kp
+        or scales.dim() not in (1, 2)
+        or (scales.dim() == 2 and tuple(scales.shape) != (mp, kp))
+    ):
+        raise not_accepted(
+            func, s_name, scales, f"128x4 swizzled scales of shape ({mp}, {kp}) for {rows} rows and K={k}"
+        )
     if scales.device != packed.device:
         raise not_accepted(func, s_name, scales, f"a tensor on {packed.device} (where {p_name} is)")
     return rows, k
@@ -304,6 +322,7 @@ def _scaled_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     times the E4M3 scale the byte's block has. Every entry is exact in float32 and in bf16 (an
     E2M1 value has 2 significant bits, an E4M3 one 4; 2**-10 <= |product| <= 2688), and a NaN
     scale byte gives NaN: the values of ``e2m1(code) * float(sf)`` in one lookup."""
+
     def make() -> torch.Tensor:
         index = torch.arange(1 << 16)
         values = torch.tensor(E2M1_VALUES, dtype=torch.float32)

@@ -11,11 +11,11 @@ import torch
 
 from ..errors import InvalidArgument, describe, not_accepted
 from .format import (
+    _SCALE_DTYPES,
     BLOCK_SIZE,
     _as_scale,
     _check_packed_and_scales,
     _check_tensor,
-    _SCALE_DTYPES,
     dequantize_unscaled,
     quantize,
     swizzled_scale_shape,
@@ -87,7 +87,9 @@ def reference_mm_fp4(
     w_scales = b_descale.T
     _check_packed_and_scales(func, b.T, w_scales, "b", "b_descale.T")
     if not w_scales.is_contiguous():
-        raise not_accepted(func, "b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
+        raise not_accepted(
+            func, "b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor"
+        )
     scale = _check_alpha(alpha, m, a.device)
     if out_dtype not in _OUT_DTYPES:
         raise not_accepted(func, "out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
@@ -102,7 +104,9 @@ def reference_mm_fp4(
     if dequantized_b is None:
         dequantized_b = dequantize_unscaled(b.T, w_scales, dtype)
     elif dequantized_b.dtype != dtype or tuple(dequantized_b.shape) != (n, k):
-        raise not_accepted(func, "dequantized_b", dequantized_b, f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)")
+        raise not_accepted(
+            func, "dequantized_b", dequantized_b, f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)"
+        )
     deq_a = dequantize_unscaled(a, a_descale, dtype)
     if dtype == torch.bfloat16:
         acc = torch.mm(deq_a, dequantized_b.T, out_dtype=torch.float32)
@@ -185,7 +189,12 @@ def _check_moe_expert_tensor(
 
 def _moe_gscale(func: str, param: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
     """A global encode scale: one for all experts (0-dim result), or one per expert ((E,) result)."""
-    if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim() == 1 and value.numel() == experts > 1:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dtype == torch.float32
+        and value.dim() == 1
+        and value.numel() == experts > 1
+    ):
         if value.device != device:
             raise not_accepted(func, param, value, f"a tensor on {device} (where x is)")
         if not (torch.isfinite(value).all() and (value > 0).all()):
@@ -227,8 +236,16 @@ class _MoeShape(NamedTuple):
     a2: torch.Tensor | None
 
 
-def _check_moe_args(x, topk_ids, topk_weights, weights: MoeWeights, activation, out_dtype, quantize_activations,
-                    intermediate_dtypes: tuple) -> _MoeShape:
+def _check_moe_args(
+    x,
+    topk_ids,
+    topk_weights,
+    weights: MoeWeights,
+    activation,
+    out_dtype,
+    quantize_activations,
+    intermediate_dtypes: tuple,
+) -> _MoeShape:
     """reference_moe_fp4's argument checks: each names the parameter, the value and what is accepted."""
     func = "reference_moe_fp4"
     w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale = weights
@@ -264,19 +281,38 @@ def _check_moe_args(x, topk_ids, topk_weights, weights: MoeWeights, activation, 
     inter = rows13 // 2 if gated else rows13
     if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
         rows_text = "2I" if gated else "I"
-        raise not_accepted(func, "w13", w13, f"shape (E >= 1, {rows_text}, H/2={hidden // 2}) for activation={activation!r}, "
-                    f"I a positive multiple of {BLOCK_SIZE}")
+        raise not_accepted(
+            func,
+            "w13",
+            w13,
+            f"shape (E >= 1, {rows_text}, H/2={hidden // 2}) for activation={activation!r}, "
+            f"I a positive multiple of {BLOCK_SIZE}",
+        )
     if w13.device != device:
         raise not_accepted(func, "w13", w13, f"a tensor on {device} (where x is)")
     per_expert = f"one per expert, E={experts}"
-    _check_moe_expert_tensor(func, "w13_sf", w13_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(rows13, hidden)),
-                             f"128x4 swizzled scales of {rows13} rows and K={hidden} per expert", device)
+    _check_moe_expert_tensor(
+        func,
+        "w13_sf",
+        w13_sf,
+        _SCALE_DTYPES,
+        (experts, *swizzled_scale_shape(rows13, hidden)),
+        f"128x4 swizzled scales of {rows13} rows and K={hidden} per expert",
+        device,
+    )
     _check_moe_expert_tensor(func, "w13_alpha", w13_alpha, (torch.float32,), (experts,), per_expert, device)
     _check_moe_expert_tensor(
         func, "w2", w2, (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}", device
     )
-    _check_moe_expert_tensor(func, "w2_sf", w2_sf, _SCALE_DTYPES, (experts, *swizzled_scale_shape(hidden, inter)),
-                             f"128x4 swizzled scales of {hidden} rows and K={inter} per expert", device)
+    _check_moe_expert_tensor(
+        func,
+        "w2_sf",
+        w2_sf,
+        _SCALE_DTYPES,
+        (experts, *swizzled_scale_shape(hidden, inter)),
+        f"128x4 swizzled scales of {hidden} rows and K={inter} per expert",
+        device,
+    )
     _check_moe_expert_tensor(func, "w2_alpha", w2_alpha, (torch.float32,), (experts,), per_expert, device)
     if quantize_activations:
         a1 = _moe_gscale(func, "a1_gscale", a1_gscale, experts, device)
@@ -285,15 +321,37 @@ def _check_moe_args(x, topk_ids, topk_weights, weights: MoeWeights, activation, 
             raise not_accepted(func, "x", x, "finite values (found NaN or inf)")
     low, high = torch.stack(torch.aminmax(topk_ids.reshape(-1).long())).tolist() if tokens else (0, 0)
     if low < 0 or high >= experts:
-        raise not_accepted(func, "topk_ids", topk_ids, f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
-                    "(expert-parallel ids of other ranks are not accepted)")
+        raise not_accepted(
+            func,
+            "topk_ids",
+            topk_ids,
+            f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
+            "(expert-parallel ids of other ranks are not accepted)",
+        )
 
-    return _MoeShape(tokens, hidden, experts, inter, top_k, out_dtype, a1 if quantize_activations else None,
-                     a2 if quantize_activations else None)
+    return _MoeShape(
+        tokens,
+        hidden,
+        experts,
+        inter,
+        top_k,
+        out_dtype,
+        a1 if quantize_activations else None,
+        a2 if quantize_activations else None,
+    )
 
 
-def _moe_forward(x, topk_ids, topk_weights, weights: MoeWeights, shape: _MoeShape, activation, quantize_activations,
-                 intermediate_dtypes: tuple, weight_cache) -> list[torch.Tensor]:
+def _moe_forward(
+    x,
+    topk_ids,
+    topk_weights,
+    weights: MoeWeights,
+    shape: _MoeShape,
+    activation,
+    quantize_activations,
+    intermediate_dtypes: tuple,
+    weight_cache,
+) -> list[torch.Tensor]:
     """reference_moe_fp4's math, on checked arguments (its docstring states it): one output per
     entry of `intermediate_dtypes` (its `intermediate_dtype`), FC1 computed once for all."""
     tokens, hidden, experts, inter, top_k, out_dtype, a1, a2 = shape
@@ -330,6 +388,7 @@ def _moe_forward(x, topk_ids, topk_weights, weights: MoeWeights, shape: _MoeShap
     elif a1.dim() == 0:
         acts = quantized(x, a1)
     intermediate = torch.empty((ids.numel(), inter), dtype=torch.float32, device=device)
+
     def dequantized(which: str, expert: int) -> torch.Tensor:
         key = (which, expert, dtype)
         if weight_cache is not None and key in weight_cache:
@@ -342,19 +401,50 @@ def _moe_forward(x, topk_ids, topk_weights, weights: MoeWeights, shape: _MoeShap
 
     for expert, lo, hi in spans:
         weight = dequantized("w13", expert)
-        rows = acts[token_of_row[lo:hi]] if not quantize_activations or a1.dim() == 0 else quantized(x[token_of_row[lo:hi]], a1[expert])
+        rows = (
+            acts[token_of_row[lo:hi]]
+            if not quantize_activations or a1.dim() == 0
+            else quantized(x[token_of_row[lo:hi]], a1[expert])
+        )
         fc1 = expert_mm(rows, weight, w13_alpha[expert])
         intermediate[lo:hi] = expert_activation(fc1.to(round_dtype).float(), activation, inter)
 
     if quantize_activations and not torch.isfinite(intermediate).all():
-        raise InvalidArgument(f"{func}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
-                              f"{round_dtype} and activated; expected inputs whose intermediate can be quantized")
-    return [_moe_finish(intermediate, intermediate_dtype, topk_weights, weights, shape, spans, order, dtype, round_dtype,
-                        quantized, dequantized) for intermediate_dtype in intermediate_dtypes]
+        raise InvalidArgument(
+            f"{func}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
+            f"{round_dtype} and activated; expected inputs whose intermediate can be quantized"
+        )
+    return [
+        _moe_finish(
+            intermediate,
+            intermediate_dtype,
+            topk_weights,
+            weights,
+            shape,
+            spans,
+            order,
+            dtype,
+            round_dtype,
+            quantized,
+            dequantized,
+        )
+        for intermediate_dtype in intermediate_dtypes
+    ]
 
 
-def _moe_finish(intermediate, intermediate_dtype, topk_weights, weights: MoeWeights, shape: _MoeShape, spans, order, dtype,
-                round_dtype, quantized, dequantized) -> torch.Tensor:
+def _moe_finish(
+    intermediate,
+    intermediate_dtype,
+    topk_weights,
+    weights: MoeWeights,
+    shape: _MoeShape,
+    spans,
+    order,
+    dtype,
+    round_dtype,
+    quantized,
+    dequantized,
+) -> torch.Tensor:
     """_moe_forward from the activated intermediate on: its re-quantization (rounded to
     `intermediate_dtype` first where given), FC2 and the finalize's sum."""
     tokens, hidden, _, _, top_k, out_dtype, _, a2 = shape
@@ -441,9 +531,24 @@ def reference_moe_fp4(
     `weight_cache`, a dict the caller keeps, holds those dequantized experts across calls with the
     same, unchanged weights (a self-test's references); the caller empties it when weights change.
     """
-    return reference_moe_fp4_roundings(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale,
-                                       a2_gscale, activation, out_dtype, quantize_activations=quantize_activations,
-                                       intermediate_dtypes=(intermediate_dtype,), weight_cache=weight_cache)[0]
+    return reference_moe_fp4_roundings(
+        x,
+        topk_ids,
+        topk_weights,
+        w13,
+        w13_sf,
+        w13_alpha,
+        w2,
+        w2_sf,
+        w2_alpha,
+        a1_gscale,
+        a2_gscale,
+        activation,
+        out_dtype,
+        quantize_activations=quantize_activations,
+        intermediate_dtypes=(intermediate_dtype,),
+        weight_cache=weight_cache,
+    )[0]
 
 
 def reference_moe_fp4_roundings(
@@ -472,12 +577,30 @@ def reference_moe_fp4_roundings(
     self-test's reference and the kernel's rounding of the intermediate, whose difference bounds
     what the oracle cannot decide)."""
     if not isinstance(intermediate_dtypes, tuple) or not intermediate_dtypes:
-        raise not_accepted("reference_moe_fp4_roundings", "intermediate_dtypes", intermediate_dtypes,
-                           "a non-empty tuple of None, torch.bfloat16 or torch.float16")
+        raise not_accepted(
+            "reference_moe_fp4_roundings",
+            "intermediate_dtypes",
+            intermediate_dtypes,
+            "a non-empty tuple of None, torch.bfloat16 or torch.float16",
+        )
     weights = MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale)
-    shape = _check_moe_args(x, topk_ids, topk_weights, weights, activation, out_dtype, quantize_activations,
-                            intermediate_dtypes)
+    shape = _check_moe_args(
+        x, topk_ids, topk_weights, weights, activation, out_dtype, quantize_activations, intermediate_dtypes
+    )
     if shape.tokens == 0:
-        return tuple(torch.zeros((0, shape.hidden), dtype=shape.out_dtype, device=x.device) for _ in intermediate_dtypes)
-    return tuple(_moe_forward(x, topk_ids, topk_weights, weights, shape, activation, quantize_activations, intermediate_dtypes,
-                              weight_cache))
+        return tuple(
+            torch.zeros((0, shape.hidden), dtype=shape.out_dtype, device=x.device) for _ in intermediate_dtypes
+        )
+    return tuple(
+        _moe_forward(
+            x,
+            topk_ids,
+            topk_weights,
+            weights,
+            shape,
+            activation,
+            quantize_activations,
+            intermediate_dtypes,
+            weight_cache,
+        )
+    )

@@ -10,7 +10,18 @@ layers verified on it -- and everything done with the layers.
   and what the serving canary reads (:func:`served_configurations`, :func:`check_served`).
 """
 
-from .records import LayerCheck, clear, decide, decisions, record_refusal, refusals, report_sections, route, route_table, routes
+from .records import (
+    LayerCheck,
+    clear,
+    decide,
+    decisions,
+    record_refusal,
+    refusals,
+    report_sections,
+    route,
+    route_table,
+    routes,
+)
 from .replace import verify_layer
 from .updates import (
     Served,
@@ -28,8 +39,29 @@ from .updates import (
     weights_updating,
 )
 
-__all__ = ["LayerCheck", "verify_layer", "recheck", "reverify", "weights_updating", "weights_update_begin", "weights_update_end",
-           "weights_update_open_s",
-           "refusals", "record_refusal", "decide", "decisions", "clear", "route", "route_table", "routes",
-           "Served", "served_configurations", "served_layer", "check_served",
-           "fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang"]
+__all__ = [
+    "LayerCheck",
+    "verify_layer",
+    "recheck",
+    "reverify",
+    "weights_updating",
+    "weights_update_begin",
+    "weights_update_end",
+    "weights_update_open_s",
+    "refusals",
+    "record_refusal",
+    "decide",
+    "decisions",
+    "clear",
+    "route",
+    "route_table",
+    "routes",
+    "Served",
+    "served_configurations",
+    "served_layer",
+    "check_served",
+    "fingerprint_problem",
+    "fingerprint_sweep",
+    "report_sections",
+    "on_hang",
+]

@@ -16,8 +16,9 @@ from .. import verify
 from .records import LayerCheck, _Layer, _Serving
 
 
-def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: str | None = None,
-                 light: bool = False) -> tuple[verify.SelfTestReport, verify.Sweep | None, float]:
+def _start_check(
+    serving: _Serving, check: LayerCheck, ms: list[int], config: str | None = None, light: bool = False
+) -> tuple[verify.SelfTestReport, verify.Sweep | None, float]:
     """The served calls of `check` at batch sizes `ms`, ready to be called pass by pass: (the report
     to fill, the sweep or None where building the calls failed (the report says why), the start)."""
     device = serving.device
@@ -39,13 +40,15 @@ def _start_check(serving: _Serving, check: LayerCheck, ms: list[int], config: st
             case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
     # A light check (any other layer of a verified configuration, the canary's) calls each M once: its
     # configuration's sweep already called each M twice in a row.
-    sweep = verify.Sweep(cases, verify.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where,
-                           repeat=not light)
+    sweep = verify.Sweep(
+        cases, verify.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where, repeat=not light
+    )
     return report, sweep, start
 
 
-def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2,
-               config: str | None = None, light: bool = False) -> verify.SelfTestReport:
+def _run_check(
+    serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2, config: str | None = None, light: bool = False
+) -> verify.SelfTestReport:
     report, run, start = _start_check(serving, check, ms, config, light)
     if run is None:
         return report
@@ -106,7 +109,9 @@ def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tenso
         return
     owner = _owner_ref(check)
     weak = isinstance(owner, weakref.ref) and check.rebuild is not None
-    serving.layers[id(check.owner)] = _Layer(check.named(), fingerprint, owner, check.rebuild, None if weak else check, check.key)
+    serving.layers[id(check.owner)] = _Layer(
+        check.named(), fingerprint, owner, check.rebuild, None if weak else check, check.key
+    )
 
 
 def _convert(serving: _Serving, tensors: dict | None, keep_original: bool) -> str | None:

@@ -110,8 +110,12 @@ class _Serving:
     checks: dict[tuple, LayerCheck] = field(default_factory=dict)  # one per configuration: its full sweep
     layers: dict[int, _Layer] = field(default_factory=dict)  # id(layer) -> its record (light checks, fingerprints)
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
-    timings: dict[str, dict[tuple, float]] = field(default_factory=dict)  # SELECT=fastest: backend -> configuration -> ms
-    candidate_layers: dict[str, list] = field(default_factory=dict)  # SELECT=fastest: each candidate's configuration reports
+    timings: dict[str, dict[tuple, float]] = field(
+        default_factory=dict
+    )  # SELECT=fastest: backend -> configuration -> ms
+    candidate_layers: dict[str, list] = field(
+        default_factory=dict
+    )  # SELECT=fastest: each candidate's configuration reports
     unverified: dict[tuple, verify.SelfTestReport] = field(default_factory=dict)  # SELFTEST=warn: failed, served anyway
     # Every served layer's tensors seen so far (SGLang's own objects: no copy), so that a backend that
     # converts layers at load (humming) and takes over later converts the earlier ones too.
@@ -181,7 +185,6 @@ _route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
 _refusals: list[Refusal] = []
 
 
-
 @dataclass
 class _Process:
     """This process's serving state outside the records."""
@@ -232,8 +235,13 @@ def decide(
     return _decide(device, candidates, settings, refresh, family)[2].decision
 
 
-def _decide(device: Device | int | None, candidates: list[str] | tuple[str, ...] | None, settings: Settings | None,
-            refresh: bool, family: Family | str) -> tuple[_Serving, tuple, Choice]:
+def _decide(
+    device: Device | int | None,
+    candidates: list[str] | tuple[str, ...] | None,
+    settings: Settings | None,
+    refresh: bool,
+    family: Family | str,
+) -> tuple[_Serving, tuple, Choice]:
     """decide(): the device's record, the key its choice is cached under, the choice."""
     settings = settings or load_settings()
     _process.last_settings = settings
@@ -246,7 +254,14 @@ def _decide(device: Device | int | None, candidates: list[str] | tuple[str, ...]
     # FlashInfer's own FP4 knobs, set since install() (or where decide() is called without it): every
     # candidate would fail against the oracle and be blamed; name the variable instead.
     check_flashinfer_env()
-    key = (device.capability, device.simulated, tuple(names), settings.selftest, family.fallback(settings), settings.select)
+    key = (
+        device.capability,
+        device.simulated,
+        tuple(names),
+        settings.selftest,
+        family.fallback(settings),
+        settings.select,
+    )
     record = _record(family, device.index, device)
     with _lock:
         key_lock = record.deciding.setdefault(key, locks.lock())
@@ -257,12 +272,21 @@ def _decide(device: Device | int | None, candidates: list[str] | tuple[str, ...]
             raise ConfigError(
                 f"decide(refresh=True): {device.label()} already serves {len(record.checks)} verified layer "
                 f"configuration(s) with {record.decision.backend}; a refreshed decision would serve them unchecked. "
-                "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first")
+                "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first"
+            )
         try:
             choice = choose(device, names, settings, family)
         except RefusedToServe as exc:
-            _refuse(Refusal(device=device.label(), family=family.name, message=str(exc),
-                            rejected=getattr(exc, "rejected", {}), reports=getattr(exc, "reports", [])), settings)
+            _refuse(
+                Refusal(
+                    device=device.label(),
+                    family=family.name,
+                    message=str(exc),
+                    rejected=getattr(exc, "rejected", {}),
+                    reports=getattr(exc, "reports", []),
+                ),
+                settings,
+            )
             raise
         record.store(key, choice)
     log_decision(choice.decision)
@@ -295,9 +319,10 @@ def decisions() -> list[Decision]:
 
 def report_sections() -> dict[str, Callable[[], object]]:
     """This process's sections of the report file (:mod:`sm120_fp4.report`): its decisions and refusals."""
-    return {"decisions": lambda: [d.model_dump(mode="json") for d in decisions()],
-            "refusals": lambda: [r.model_dump(mode="json") for r in refusals()]}
-
+    return {
+        "decisions": lambda: [d.model_dump(mode="json") for d in decisions()],
+        "refusals": lambda: [r.model_dump(mode="json") for r in refusals()],
+    }
 
 
 def clear() -> None:
@@ -327,9 +352,11 @@ def _release(serving: _Serving, name: str) -> str | None:
         return None
     if backend.converter is None or backend.converter.restore():
         return None
-    return (f"{name} converted served layers' weights to its own layout in place at load and kept the original bytes "
-            "of the checked layers only, so no other backend can serve them in this process; restart with "
-            f"{serving.family.backends_var} naming a backend that verifies")
+    return (
+        f"{name} converted served layers' weights to its own layout in place at load and kept the original bytes "
+        "of the checked layers only, so no other backend can serve them in this process; restart with "
+        f"{serving.family.backends_var} naming a backend that verifies"
+    )
 
 
 def route(index: int, settings: Settings, family: str = "dense") -> Callable | None:

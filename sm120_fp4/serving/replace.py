@@ -17,8 +17,19 @@ from .. import report as report_file
 from ..config import Settings
 from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
 from ..errors import RefusedToServe
-from .layers import _fingerprint, _layer_check, _convert, _convert_seen, _record_layer, _refingerprint, _representative, _seen_key, _settle, _settle_seen
-from .records import LayerCheck, _Serving, _process, _records, _refuse, _release, route
+from .layers import (
+    _convert,
+    _convert_seen,
+    _fingerprint,
+    _layer_check,
+    _record_layer,
+    _refingerprint,
+    _representative,
+    _seen_key,
+    _settle,
+    _settle_seen,
+)
+from .records import LayerCheck, _process, _records, _refuse, _release, _Serving, route
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -67,8 +78,14 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         _settle(serving, check.tensors)  # after the line above: a configuration's first layer keeps its kept bytes
         if full:
             serving.decision.layers.append(report)
-            _LOG.info("sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)", check.label,
-                      serving.decision.backend, serving.device.label(), len(check.ms), report.max_rel_err or 0.0)
+            _LOG.info(
+                "sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)",
+                check.label,
+                serving.decision.backend,
+                serving.device.label(),
+                len(check.ms),
+                report.max_rel_err or 0.0,
+            )
             if settings.select == "fastest":
                 _route_fastest(serving, check, settings)
             report_file.update(settings)
@@ -123,8 +140,14 @@ def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> 
     try:
         for name in names:
             if name != original.backend:
-                copy = original.model_copy(update={"backend": name, "mode": backends.mode_of(serving.family.name, name),
-                                                   "layers": [], "timings_ms": {}})
+                copy = original.model_copy(
+                    update={
+                        "backend": name,
+                        "mode": backends.mode_of(serving.family.name, name),
+                        "layers": [],
+                        "timings_ms": {},
+                    }
+                )
                 choices[name] = Choice(copy, serving.family.resolve(name))
                 serving.serve(choices[name])
                 report, _ = _layer_check(serving, check, True)
@@ -142,7 +165,9 @@ def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> 
         serving.serve(choices[best])
         chosen = choices[best].decision
         if best != original.backend:
-            _, bad = _verify_everything(serving, check, False, configurations=False)  # every layer so far, its own weights
+            _, bad = _verify_everything(
+                serving, check, False, configurations=False
+            )  # every layer so far, its own weights
             if bad is not None:
                 serving.failed[best] = f"{bad.config}: {bad.reason}"
                 serving.serve(chosen_first)
@@ -150,15 +175,18 @@ def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> 
             serving.candidate_layers[original.backend] = list(original.layers)
             chosen.layers = list(serving.candidate_layers.get(best, []))
         chosen.timings_ms = totals
-        chosen.reason = (f"fastest of {len(eligible)} verified candidates on the served layer configurations at their "
-                         f"serving batch sizes ({totals[best]:.3g} ms over {len(keys)} configuration(s))")
+        chosen.reason = (
+            f"fastest of {len(eligible)} verified candidates on the served layer configurations at their "
+            f"serving batch sizes ({totals[best]:.3g} ms over {len(keys)} configuration(s))"
+        )
     except BaseException:
         serving.serve(chosen_first)
         raise
 
 
-def _verify_everything(serving: _Serving, extra: LayerCheck, extra_full: bool,
-                       configurations: bool = True) -> tuple[list, verify.SelfTestReport | None]:
+def _verify_everything(
+    serving: _Serving, extra: LayerCheck, extra_full: bool, configurations: bool = True
+) -> tuple[list, verify.SelfTestReport | None]:
     """Every configuration's full sweep (unless `configurations` is False: already passed), every
     recorded layer's light check, and `extra`'s, with the backend now routed: (the configurations'
     reports, the first failure or None)."""
@@ -183,8 +211,9 @@ def _verify_everything(serving: _Serving, extra: LayerCheck, extra_full: bool,
     return reports, None
 
 
-def _replace_backend(serving: _Serving, check: LayerCheck, report: verify.SelfTestReport,
-                     settings: Settings) -> verify.SelfTestReport:
+def _replace_backend(
+    serving: _Serving, check: LayerCheck, report: verify.SelfTestReport, settings: Settings
+) -> verify.SelfTestReport:
     """The served backend failed `check` (`report`): find one that passes everything, or refuse.
 
     Until one passes every configuration and every layer, nothing new is recorded; on a refusal or
@@ -198,7 +227,11 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: verify.SelfTe
         serving.failed[report.backend] += f" ({stuck})"
     try:
         while stuck is None:
-            remaining = [n for n in candidate_names(settings, family=serving.family, device=serving.device) if n not in serving.failed]
+            remaining = [
+                n
+                for n in candidate_names(settings, family=serving.family, device=serving.device)
+                if n not in serving.failed
+            ]
             choice = _next_choice(serving, remaining, settings)
             if choice is None:
                 break
@@ -217,8 +250,13 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: verify.SelfTe
                 _settle_seen(serving)
                 _refingerprint(serving)
                 _record_layer(serving, check, _fingerprint(check))
-                _LOG.warning("sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
-                             serving.device.label(), report.backend, report.config, decision.backend)
+                _LOG.warning(
+                    "sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
+                    serving.device.label(),
+                    report.backend,
+                    report.config,
+                    decision.backend,
+                )
                 report_file.update(settings)
                 return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
             failures.append(bad)
@@ -231,15 +269,29 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report: verify.SelfTe
         raise
     _back_to(serving, original)
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
-    message = refusal_message(serving.device, candidate_names(settings, family=serving.family, device=serving.device),
-                              rejected, config=report.config, family=serving.family)
+    message = refusal_message(
+        serving.device,
+        candidate_names(settings, family=serving.family, device=serving.device),
+        rejected,
+        config=report.config,
+        family=serving.family,
+    )
     if settings.selftest == "warn":
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving UNVERIFIED with %s", message, serving.decision.backend)
         serving.decision.verified = False
         serving.unverified[check.key] = report
         return report
-    _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message,
-                    rejected=rejected, reports=failures), settings)
+    _refuse(
+        Refusal(
+            device=serving.device.label(),
+            config=report.config,
+            family=serving.family.name,
+            message=message,
+            rejected=rejected,
+            reports=failures,
+        ),
+        settings,
+    )
     raise RefusedToServe(message)
 
 
@@ -257,7 +309,14 @@ def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) ->
         choice = choose(serving.device, [backends.EMULATED], strict, family)
     except RefusedToServe:
         return None
-    choice.decision.reason = f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
-    _LOG.warning("sm120_fp4: %s: no %s candidate passed every layer configuration; %s=emulated: "
-                 "serving with the slow pure-PyTorch emulation", serving.device.label(), family.what, family.fallback_var)
+    choice.decision.reason = (
+        f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
+    )
+    _LOG.warning(
+        "sm120_fp4: %s: no %s candidate passed every layer configuration; %s=emulated: "
+        "serving with the slow pure-PyTorch emulation",
+        serving.device.label(),
+        family.what,
+        family.fallback_var,
+    )
     return choice

@@ -19,7 +19,7 @@ from ..deciding import Refusal
 from ..devices import Device
 from ..errors import RefusedToServe, capped
 from .layers import _fail_if_written, _fingerprint, _layer_check, _record_layer, _run_check
-from .records import LayerCheck, _Layer, _lock, _process, _records, _refuse, _served, _Serving, _layer_key
+from .records import LayerCheck, _Layer, _layer_key, _lock, _process, _records, _refuse, _served, _Serving
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -37,7 +37,7 @@ def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> lis
         try:
             check = check if check is not None else record.current()
             now = _fingerprint(check) if check is not None else None
-        except Exception as exc:  # noqa: BLE001 - a weight the layer no longer has: changed
+        except Exception as exc:
             results.append((None, f"its weights can no longer be read ({type(exc).__name__}: {exc})"))
             continue
         if now is None or now.shape != record.fingerprint.shape:
@@ -63,13 +63,23 @@ def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | N
 
 def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> None:
     names = [record.label for _, record, _ in changed]
-    message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: the weights of {len(names)} verified "
-               f"layer(s) changed after they were verified, and not through SGLang's weight-update path "
-               f"(update_weights_from_disk / _from_tensor / _from_distributed / _from_ipc): {capped(names)}.\n"
-               "Something wrote into them since (a kernel writing out of bounds?); serving them would compute with "
-               f"weights nobody loaded. Backend in use: {serving.decision.backend}.")
-    _refuse(Refusal(device=serving.device.label(), config=names[0], family=serving.family.name, message=message,
-                    rejected={serving.decision.backend: f"a verified layer's weights changed: {names[0]}"}), settings)
+    message = (
+        f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: the weights of {len(names)} verified "
+        f"layer(s) changed after they were verified, and not through SGLang's weight-update path "
+        f"(update_weights_from_disk / _from_tensor / _from_distributed / _from_ipc): {capped(names)}.\n"
+        "Something wrote into them since (a kernel writing out of bounds?); serving them would compute with "
+        f"weights nobody loaded. Backend in use: {serving.decision.backend}."
+    )
+    _refuse(
+        Refusal(
+            device=serving.device.label(),
+            config=names[0],
+            family=serving.family.name,
+            message=message,
+            rejected={serving.decision.backend: f"a verified layer's weights changed: {names[0]}"},
+        ),
+        settings,
+    )
     raise RefusedToServe(message)
 
 
@@ -95,17 +105,30 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.Sel
                 done.append(report)
                 if report.passed:
                     continue
-                message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: {serving.decision.backend} "
-                           f"passed at start-up but fails after warm-up and CUDA-graph capture.\n"
-                           f"  {report.config}: {report.reason}\n"
-                           "The kernel changed behaviour after warm-up (autotuned tactics, captured graphs); "
-                           "try another backend (SM120_FP4_BACKENDS) or SM120_FP4_FALLBACK=emulated.")
-                _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message,
-                                rejected={serving.decision.backend: f"failed the re-check after warm-up: {report.reason}"},
-                                reports=[report]), settings)
+                message = (
+                    f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: {serving.decision.backend} "
+                    f"passed at start-up but fails after warm-up and CUDA-graph capture.\n"
+                    f"  {report.config}: {report.reason}\n"
+                    "The kernel changed behaviour after warm-up (autotuned tactics, captured graphs); "
+                    "try another backend (SM120_FP4_BACKENDS) or SM120_FP4_FALLBACK=emulated."
+                )
+                _refuse(
+                    Refusal(
+                        device=serving.device.label(),
+                        config=report.config,
+                        family=serving.family.name,
+                        message=message,
+                        rejected={serving.decision.backend: f"failed the re-check after warm-up: {report.reason}"},
+                        reports=[report],
+                    ),
+                    settings,
+                )
                 raise RefusedToServe(message)
-    _LOG.info("sm120_fp4: re-checked %d layer configuration(s) after warm-up at %d captured graph size(s): all pass",
-              len(done), len(set(captured)))
+    _LOG.info(
+        "sm120_fp4: re-checked %d layer configuration(s) after warm-up at %d captured graph size(s): all pass",
+        len(done),
+        len(set(captured)),
+    )
     return done
 
 
@@ -159,15 +182,32 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
             changed = _changed_layers(serving)
             if changed and serving.converter is not None:
                 names = [record.label for _, record, _ in changed]
-                message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: SGLang updated the weights of "
-                           f"{len(names)} layer(s) ({capped(names)}), but {serving.decision.backend} converted every "
-                           "served layer to its own layout in place at load, and the new weights cannot be verified "
-                           "or served in that layout in this process; restart the server with the new weights")
-                _refuse(Refusal(device=serving.device.label(), config=names[0], family=serving.family.name,
-                                message=message, rejected={serving.decision.backend: "weights updated in place"}), settings)
+                message = (
+                    f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: SGLang updated the weights of "
+                    f"{len(names)} layer(s) ({capped(names)}), but {serving.decision.backend} converted every "
+                    "served layer to its own layout in place at load, and the new weights cannot be verified "
+                    "or served in that layout in this process; restart the server with the new weights"
+                )
+                _refuse(
+                    Refusal(
+                        device=serving.device.label(),
+                        config=names[0],
+                        family=serving.family.name,
+                        message=message,
+                        rejected={serving.decision.backend: "weights updated in place"},
+                    ),
+                    settings,
+                )
                 raise RefusedToServe(message)
             for key, record, check in changed:
-                config = next((k for k, c in serving.checks.items() if (c.owner is not None and id(c.owner) == key) or id(c) == key), None)
+                config = next(
+                    (
+                        k
+                        for k, c in serving.checks.items()
+                        if (c.owner is not None and id(c.owner) == key) or id(c) == key
+                    ),
+                    None,
+                )
                 if check is None:  # no longer an NVFP4 layer in a layout this library serves
                     serving.layers.pop(key, None)
                     continue
@@ -175,11 +215,21 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
                 report.config = f"{check.named()} (after a weight update)"
                 done.append(report)
                 if not report.passed:
-                    message = (f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: after SGLang's weight "
-                               f"update, {report.config} fails with {serving.decision.backend}: {report.reason}")
-                    _refuse(Refusal(device=serving.device.label(), config=report.config, family=serving.family.name,
-                                    message=message, rejected={serving.decision.backend: report.reason or ""},
-                                    reports=[report]), settings)
+                    message = (
+                        f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: after SGLang's weight "
+                        f"update, {report.config} fails with {serving.decision.backend}: {report.reason}"
+                    )
+                    _refuse(
+                        Refusal(
+                            device=serving.device.label(),
+                            config=report.config,
+                            family=serving.family.name,
+                            message=message,
+                            rejected={serving.decision.backend: report.reason or ""},
+                            reports=[report],
+                        ),
+                        settings,
+                    )
                     raise RefusedToServe(message)
                 if config is not None:
                     serving.checks[config] = check
@@ -197,9 +247,8 @@ def on_hang(message: str) -> None:
         _refuse(Refusal(device="?", message=message), settings)
 
 
-
-
 # ---- for the serving canary (sm120_fp4.canary) --------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Served:

@@ -15,13 +15,31 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__all__ = ["NAME", "engine_version", "attach", "idle_point_problem", "release_support", "carried_fix", "sglang_version", "unverified_release", "OPT_OUT", "OPT_OUT_SAYS"]
+__all__ = [
+    "NAME",
+    "engine_version",
+    "attach",
+    "idle_point_problem",
+    "release_support",
+    "carried_fix",
+    "sglang_version",
+    "unverified_release",
+    "OPT_OUT",
+    "OPT_OUT_SAYS",
+]
 
 NAME = "sglang"
-_LAZY = {"engine_version": "release", "attach": "wiring", "idle_point_problem": "wiring", "release_support": "release",
-         "carried_fix": "release", "sglang_version": "release",
-         "unverified_release": "release", "OPT_OUT": "release",
-         "OPT_OUT_SAYS": "release"}
+_LAZY = {
+    "engine_version": "release",
+    "attach": "wiring",
+    "idle_point_problem": "wiring",
+    "release_support": "release",
+    "carried_fix": "release",
+    "sglang_version": "release",
+    "unverified_release": "release",
+    "OPT_OUT": "release",
+    "OPT_OUT_SAYS": "release",
+}
 
 
 def __getattr__(name: str) -> object:

@@ -40,8 +40,11 @@ TUNABLE = {"dense": frozenset({"cutlass", "b12x"}), "moe": frozenset({"cutlass"}
 def tunable_backends(routes: dict[str, dict[int, str]], index: int) -> list[str]:
     """The families served on device `index` with a tunable backend, as 'family:backend' (`routes`:
     family -> device index -> routed backend, serving.routes)."""
-    return [f"{family}:{routes[family][index]}" for family in ("dense", "moe")
-            if routes.get(family, {}).get(index) in TUNABLE[family]]
+    return [
+        f"{family}:{routes[family][index]}"
+        for family in ("dense", "moe")
+        if routes.get(family, {}).get(index) in TUNABLE[family]
+    ]
 
 
 def _reads_server_args() -> bool:
@@ -68,8 +71,11 @@ def _as_explicit_runner(model_runner, for_speculative_draft: bool) -> Iterator[N
     override of its own config bags). Only for one call of SGLang's gate at warm-up, before serving."""
     if _reads_server_args():
         args = model_runner.server_args
-        names = ["moe_runner_backend"] + (["speculative_moe_runner_backend"] if for_speculative_draft and
-                                          getattr(args, "speculative_moe_runner_backend", None) else [])
+        names = ["moe_runner_backend"] + (
+            ["speculative_moe_runner_backend"]
+            if for_speculative_draft and getattr(args, "speculative_moe_runner_backend", None)
+            else []
+        )
         saved = {name: getattr(args, name) for name in names}
         try:
             for name in names:
@@ -112,20 +118,28 @@ def make_gate(original: Callable, served: Callable[[], list[str]], said: set[str
             with _as_explicit_runner(model_runner, for_speculative_draft):
                 if not original(model_runner, for_speculative_draft=for_speculative_draft):
                     return answer  # one of SGLang's other refusals
-        except Exception as exc:  # noqa: BLE001 - SGLang's warm-up must survive our bugs
+        except Exception as exc:
             if "error" not in said:
                 said.add("error")
-                _LOG.warning("sm120_fp4: cannot tell whether SGLang's FlashInfer autotune applies to the NVFP4 layers "
-                             "served here (%s: %s); SGLang's own answer (no) stands: those layers run FlashInfer's "
-                             "untuned tactics", type(exc).__name__, exc)
+                _LOG.warning(
+                    "sm120_fp4: cannot tell whether SGLang's FlashInfer autotune applies to the NVFP4 layers "
+                    "served here (%s: %s); SGLang's own answer (no) stands: those layers run FlashInfer's "
+                    "untuned tactics",
+                    type(exc).__name__,
+                    exc,
+                )
             return answer
         key = f"{for_speculative_draft}:{','.join(families)}"
         if key not in said:
             said.add(key)
-            _LOG.info("sm120_fp4: SGLang's FlashInfer autotune runs for the NVFP4 layers served here (%s%s), as it "
-                      "would for an explicit --moe-runner-backend %s configuration (its cache and TP synchronisation; "
-                      "--disable-flashinfer-autotune turns it off)", ", ".join(families),
-                      "; speculative draft" if for_speculative_draft else "", RUNNER)
+            _LOG.info(
+                "sm120_fp4: SGLang's FlashInfer autotune runs for the NVFP4 layers served here (%s%s), as it "
+                "would for an explicit --moe-runner-backend %s configuration (its cache and TP synchronisation; "
+                "--disable-flashinfer-autotune turns it off)",
+                ", ".join(families),
+                "; speculative draft" if for_speculative_draft else "",
+                RUNNER,
+            )
         return True
 
     return should_run_flashinfer_autotune

@@ -24,19 +24,27 @@ def cpu_engine_selected(environ=os.environ) -> bool:
     return environ.get(ENGINE_FLAG, "0") == "1"
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, start_offset: torch.Tensor,
-                                 end_offset: torch.Tensor, out_cache_loc: torch.Tensor, pool_len: int) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
     """For request i: ``req_to_token[req_pool_indices[i], start[i]:end[i]]`` = its run of ``out_cache_loc``
     (the runs of all requests are concatenated in order), as SGLang's Triton kernel of the same name."""
     if req_to_token.dim() != 2 or req_to_token.shape[1] != pool_len:
-        raise ValueError(f"assign_req_to_token_pool_cpu: req_to_token {tuple(req_to_token.shape)} does not have "
-                         f"pool_len={pool_len} columns")
+        raise ValueError(
+            f"assign_req_to_token_pool_cpu: req_to_token {tuple(req_to_token.shape)} does not have "
+            f"pool_len={pool_len} columns"
+        )
     offset = 0
     for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
         count = end - start
         if count < 0 or end > pool_len:
             raise ValueError(f"assign_req_to_token_pool_cpu: slots [{start}, {end}) outside 0..{pool_len}")
-        req_to_token[row, start:end] = out_cache_loc[offset:offset + count].to(req_to_token.dtype)
+        req_to_token[row, start:end] = out_cache_loc[offset : offset + count].to(req_to_token.dtype)
         offset += count
     if offset != out_cache_loc.numel():
         raise ValueError(f"assign_req_to_token_pool_cpu: {out_cache_loc.numel()} cache locations for {offset} slots")

@@ -43,8 +43,12 @@ def layer_device_index(layer: object) -> int:
     return -1
 
 
-def make_weights_hook(original: Callable, before: Callable[[object, object], object], scope: Callable,
-                      after: Callable[[object, object], None]) -> Callable:
+def make_weights_hook(
+    original: Callable,
+    before: Callable[[object, object], object],
+    scope: Callable,
+    after: Callable[[object, object], None],
+) -> Callable:
     """Wrap process_weights_after_loading: `before(method, layer)` (decide for the layer's device),
     SGLang's processing inside `scope()`, then `after(method, layer)` (verify the layer)."""
 
@@ -88,7 +92,9 @@ def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -
     return init_cuda_graphs
 
 
-def make_update_hook(original: Callable, begin: Callable[[], object] | None, end: Callable[[], object] | None) -> Callable:
+def make_update_hook(
+    original: Callable, begin: Callable[[], object] | None, end: Callable[[], object] | None
+) -> Callable:
     """Wrap one of SGLang's weight-update calls: `begin()` before it (caches dropped), `end()` after
     it, whatever it did (the changed layers verified again). A begin-only or an end-only hook wraps
     the two halves of a weight-update session (begin_weight_update / end_weight_update)."""
@@ -125,9 +131,23 @@ def _runner_counts(runner: object) -> set[int]:
     return tokens
 
 
-_RUNNERS = ("decode_cuda_graph_runner", "graph_runner", "prefill_cuda_graph_runner", "piecewise_cuda_graph_runner",
-            "cuda_graph_runner", "cuda_graph_runner_for_draft_extend")
-_HOLDERS = ("tp_worker", "model_runner", "draft_worker", "_draft_worker", "draft_runner", "draft_model_runner", "target_worker")
+_RUNNERS = (
+    "decode_cuda_graph_runner",
+    "graph_runner",
+    "prefill_cuda_graph_runner",
+    "piecewise_cuda_graph_runner",
+    "cuda_graph_runner",
+    "cuda_graph_runner_for_draft_extend",
+)
+_HOLDERS = (
+    "tp_worker",
+    "model_runner",
+    "draft_worker",
+    "_draft_worker",
+    "draft_runner",
+    "draft_model_runner",
+    "target_worker",
+)
 
 
 def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
@@ -172,10 +192,15 @@ def _server_args() -> object | None:
             args, problem = None, problem or f"{type(exc).__name__}: {exc}"
         if args is not None:
             return args
-    say_once(logging.WARNING, "sm120_fp4: SGLang's server args are not readable in this process (%s): layers are "
-             "verified at batch sizes up to %d, the default largest CUDA-graph batch, and prefill sizes up to %d, "
-             "SGLang's default chunk on 90-160 GB GPUs (the re-check after warm-up still runs every captured size)",
-             problem or "none published", DEFAULT_MAX_BATCH, DEFAULT_CHUNKED_PREFILL)
+    say_once(
+        logging.WARNING,
+        "sm120_fp4: SGLang's server args are not readable in this process (%s): layers are "
+        "verified at batch sizes up to %d, the default largest CUDA-graph batch, and prefill sizes up to %d, "
+        "SGLang's default chunk on 90-160 GB GPUs (the re-check after warm-up still runs every captured size)",
+        problem or "none published",
+        DEFAULT_MAX_BATCH,
+        DEFAULT_CHUNKED_PREFILL,
+    )
     return None
 
 
@@ -202,7 +227,11 @@ def max_capture_batch() -> int:
     cuda_graph_max_bs); DEFAULT_MAX_BATCH otherwise."""
     config = server_setting("cuda_graph_config")
     decode = getattr(config, "decode", None)
-    for value in (getattr(decode, "max_bs", None), server_setting("cuda_graph_max_bs_decode"), server_setting("cuda_graph_max_bs")):
+    for value in (
+        getattr(decode, "max_bs", None),
+        server_setting("cuda_graph_max_bs_decode"),
+        server_setting("cuda_graph_max_bs"),
+    ):
         if _positive_int(value):
             return value
     for value in (getattr(decode, "bs", None), server_setting("cuda_graph_bs_decode"), server_setting("cuda_graph_bs")):
@@ -278,11 +307,16 @@ def layer_name(layer: object) -> str:
 CHECKPOINT_SCALES = {
     "ModelOptFp4LinearMethod": (("weight_scale",), ("weight_scale_2",), ("input_scale",)),
     "CompressedTensorsW4A4Fp4": (("weight_scale",), ("weight_global_scale",), ("input_global_scale",)),
-    "ModelOptNvFp4FusedMoEMethod": (("w13_weight_scale", "w2_weight_scale"), ("w13_weight_scale_2", "w2_weight_scale_2"),
-                                    ("w13_input_scale", "w2_input_scale")),
-    "CompressedTensorsW4A4Nvfp4MoE": (("w13_weight_scale", "w2_weight_scale"),
-                                      ("w13_weight_global_scale", "w2_weight_global_scale"),
-                                      ("w13_input_global_scale", "w2_input_global_scale")),
+    "ModelOptNvFp4FusedMoEMethod": (
+        ("w13_weight_scale", "w2_weight_scale"),
+        ("w13_weight_scale_2", "w2_weight_scale_2"),
+        ("w13_input_scale", "w2_input_scale"),
+    ),
+    "CompressedTensorsW4A4Nvfp4MoE": (
+        ("w13_weight_scale", "w2_weight_scale"),
+        ("w13_weight_global_scale", "w2_weight_global_scale"),
+        ("w13_input_global_scale", "w2_input_global_scale"),
+    ),
 }
 
 
@@ -305,10 +339,12 @@ def quant_mode_problem(kind: str, method: object) -> str | None:
     mode = getattr(method, "quant_mode", "w4a4")
     if mode == "w4a4":
         return None
-    return (f"SGLang serves {kind} with quant_mode={mode!r} ({W4A16_KNOB} with --fp4-gemm-backend flashinfer_cutedsl): "
-            "its FP4 GEMM calls FlashInfer's mm_bf16_fp4 directly, which sm120_fp4 neither routes nor verifies on this "
-            f"GPU. Unset {W4A16_KNOB} (the layer then runs W4A4 through the FP4 GEMM verified here), or set "
-            "SM120_FP4_SELFTEST=warn to serve it unverified")
+    return (
+        f"SGLang serves {kind} with quant_mode={mode!r} ({W4A16_KNOB} with --fp4-gemm-backend flashinfer_cutedsl): "
+        "its FP4 GEMM calls FlashInfer's mm_bf16_fp4 directly, which sm120_fp4 neither routes nor verifies on this "
+        f"GPU. Unset {W4A16_KNOB} (the layer then runs W4A4 through the FP4 GEMM verified here), or set "
+        "SM120_FP4_SELFTEST=warn to serve it unverified"
+    )
 
 
 def checkpoint_scale_problem(kind: str, method: object, layer: object) -> str | None:
@@ -334,20 +370,26 @@ def checkpoint_scale_problem(kind: str, method: object, layer: object) -> str | 
             continue
         nan = (tensor.detach().view(torch.uint8) & 0x7F) == 0x7F
         if bool(nan.any()):
-            return (f"the checkpoint's {name}{_first(nan)} is a NaN block scale (E4M3 byte 0x7f/0xff); accepted: "
-                    "block scales that are not NaN (the checkpoint is corrupt, not a kernel)")
+            return (
+                f"the checkpoint's {name}{_first(nan)} is a NaN block scale (E4M3 byte 0x7f/0xff); accepted: "
+                "block scales that are not NaN (the checkpoint is corrupt, not a kernel)"
+            )
     return None
 
 
 # Where each dense format keeps its per-shard global scales before processing, and whether they are
 # decode scales (ModelOpt: amax / (448 * 6), dequantized = code x block scale x it) or encode scales
 # (compressed-tensors: the inverse).
-SHARD_SCALES = {"ModelOptFp4LinearMethod": ("weight_scale_2", "input_scale", False),
-                "CompressedTensorsW4A4Fp4": ("weight_global_scale", "input_global_scale", True)}
+SHARD_SCALES = {
+    "ModelOptFp4LinearMethod": ("weight_scale_2", "input_scale", False),
+    "CompressedTensorsW4A4Fp4": ("weight_global_scale", "input_global_scale", True),
+}
 _QKV = ("q", "k", "v")
 
 
-def shard_scales_problem(kind: str, shards: list[str], weight_scales: list[float], input_scales: list[float]) -> str | None:
+def shard_scales_problem(
+    kind: str, shards: list[str], weight_scales: list[float], input_scales: list[float]
+) -> str | None:
     """Why a fused layer of format `kind` would serve wrong numbers from its shards' own
     global scales (as the checkpoint has them, before SGLang processes them), or None.
 
@@ -364,20 +406,24 @@ def shard_scales_problem(kind: str, shards: list[str], weight_scales: list[float
     for name, values in ((weight_name, weight_scales), (input_name, input_scales)):
         for shard, value in zip(shards, values):
             if not (math.isfinite(value) and value > 0):
-                return (f"the checkpoint's {name} of {shard} is {value!r}, not a usable global scale "
-                        f"(accepted: a positive finite number); SGLang serves the fused layer with the largest of its "
-                        f"shards' {name} ({', '.join(f'{s} {v:.6g}' for s, v in zip(shards, values))}), which hides it: "
-                        "fix or requantize the checkpoint")
+                return (
+                    f"the checkpoint's {name} of {shard} is {value!r}, not a usable global scale "
+                    f"(accepted: a positive finite number); SGLang serves the fused layer with the largest of its "
+                    f"shards' {name} ({', '.join(f'{s} {v:.6g}' for s, v in zip(shards, values))}), which hides it: "
+                    "fix or requantize the checkpoint"
+                )
     served = max(weight_scales)
     wrong = [(s, v) for s, v in zip(shards, weight_scales) if abs(v - served) > 1e-6 * served]
     if not wrong:
         return None
     # The served scale over the shard's own: decode scales multiply, encode scales divide.
     factors = ", ".join(f"{s} by {(v / served if encode else served / v):.4g}" for s, v in wrong)
-    return (f"its shards' {weight_name} differ in the checkpoint "
-            f"({', '.join(f'{s} {v:.6g}' for s, v in zip(shards, weight_scales))}): SGLang serves the fused layer with "
-            f"one global scale, the largest, which scales the rows of {factors} (wrong numbers for every token); "
-            f"requantize the checkpoint with one {weight_name} for the shards fused into this layer")
+    return (
+        f"its shards' {weight_name} differ in the checkpoint "
+        f"({', '.join(f'{s} {v:.6g}' for s, v in zip(shards, weight_scales))}): SGLang serves the fused layer with "
+        f"one global scale, the largest, which scales the rows of {factors} (wrong numbers for every token); "
+        f"requantize the checkpoint with one {weight_name} for the shards fused into this layer"
+    )
 
 
 def shard_names(layer: object, count: int) -> list[str]:
@@ -396,7 +442,10 @@ def layer_scales_problem(kind: str, method: object, layer: object) -> str | None
     weights, inputs = getattr(layer, weight_name, None), getattr(layer, input_name, None)
     if not isinstance(weights, torch.Tensor) or not isinstance(inputs, torch.Tensor):
         return None
-    weights, inputs = weights.detach().float().reshape(-1).cpu().tolist(), inputs.detach().float().reshape(-1).cpu().tolist()
+    weights, inputs = (
+        weights.detach().float().reshape(-1).cpu().tolist(),
+        inputs.detach().float().reshape(-1).cpu().tolist(),
+    )
     names = shard_names(layer, len(weights))
     return shard_scales_problem(kind, names, weights, inputs)
 
@@ -405,8 +454,19 @@ def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return nvfp4.quantize(x, gsf, check_finite=False)
 
 
-def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: int, k: int, ms: list[int],
-                  dtype: torch.dtype, seed: int, watched: tuple) -> list[verify.Case]:
+def _served_cases(
+    serve: Callable,
+    weight,
+    weight_sf,
+    alpha,
+    input_gsf,
+    n_out: int,
+    k: int,
+    ms: list[int],
+    dtype: torch.dtype,
+    seed: int,
+    watched: tuple,
+) -> list[verify.Case]:
     """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range, of
     every kind verify.structured_activations makes (the first M rows of one batch, so the oracle
     runs once), quantized by SGLang inside `serve`; the oracle quantizes the same rows with nvfp4
@@ -415,24 +475,35 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     rows = max(ms)
     gsf = float(input_gsf.float().reshape(-1)[0].cpu())
     if not (math.isfinite(gsf) and gsf > 0):
-        raise not_accepted("dense layer check", "input_gsf", input_gsf, "the layer's positive finite input global scale")
+        raise not_accepted(
+            "dense layer check", "input_gsf", input_gsf, "the layer's positive finite input global scale"
+        )
     x = verify.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
     # Finite by construction, its scale read above; at a decode batch size from a CUDA graph (launch-bound).
-    qx, sx = graphs.run("quantize", _quantize, (x, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone()))
+    qx, sx = graphs.run(
+        "quantize", _quantize, (x, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())
+    )
     k_weight = weight.shape[1] * 2
     if k_weight > k:  # SGLang pads K for the kernel's alignment: zero codes add nothing
         qx = torch.nn.functional.pad(qx, (0, (k_weight - k) // 2))
     # The checkpoint's bytes: where a backend converted the served storage in place (humming), its kept copy.
     ref_weight, ref_sf = backends.original(weight), backends.original(weight_sf)
-    reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)[:, :n_out]
+    reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)[
+        :, :n_out
+    ]
     cases = []
     for m in ms:
         case = verify.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
         # The repeat of M right after it, other data: the batch's next M rows (views) where there
         # are more rows, else these rows rolled by one.
         if m < rows:
-            case.twin = functools.partial(dataclasses.replace, case, invoke=functools.partial(serve, x[1:m + 1]),
-                                          reference=reference[1:m + 1], twin=None)
+            case.twin = functools.partial(
+                dataclasses.replace,
+                case,
+                invoke=functools.partial(serve, x[1 : m + 1]),
+                reference=reference[1 : m + 1],
+                twin=None,
+            )
         else:
             case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
         cases.append(case)
@@ -443,14 +514,29 @@ def _rolled_rows(case: verify.Case, serve: Callable, x: torch.Tensor) -> verify.
     return verify.rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
 
 
-def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, alpha, input_gsf,
-                n_out: int, k: int, weights: Callable[[], tuple] | None = None,
-                rebuild: Callable[[object], LayerCheck | None] | None = None) -> LayerCheck | None:
+def dense_check(
+    kind: str,
+    serve: Callable,
+    layer: object,
+    weight,
+    weight_sf,
+    alpha,
+    input_gsf,
+    n_out: int,
+    k: int,
+    weights: Callable[[], tuple] | None = None,
+    rebuild: Callable[[object], LayerCheck | None] | None = None,
+) -> LayerCheck | None:
     """The LayerCheck of one dense NVFP4 layer: its own weights, its call path, its batch sizes.
     `weights()` reads the tensors the layer serves with from the layer (default: the ones given);
     `rebuild(layer)` makes the check again from the layer's current state (re-checks, weight updates)."""
     if weight.numel() == 0 or weight.dtype != torch.uint8 or weight_sf.dim() != 2:
-        _LOG.info("sm120_fp4: %s N=%d K=%d: weights not in the cutlass layout (a fused path); not verified here", kind, n_out, k)
+        _LOG.info(
+            "sm120_fp4: %s N=%d K=%d: weights not in the cutlass layout (a fused path); not verified here",
+            kind,
+            n_out,
+            k,
+        )
         return None
     dtypes = activation_dtypes(layer)
     max_batch = max_capture_batch()
@@ -459,12 +545,29 @@ def dense_check(kind: str, serve: Callable, layer: object, weight, weight_sf, al
     key = (kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
     def cases(ms: list[int]) -> list[verify.Case]:
-        return [case for i, dtype in enumerate(dtypes)
-                for case in _served_cases(serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched)]
+        return [
+            case
+            for i, dtype in enumerate(dtypes)
+            for case in _served_cases(
+                serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched
+            )
+        ]
 
-    return LayerCheck(weight.get_device(), key, label, "dense", cases, batch_sizes(max_batch), recheck_sizes(max_batch),
-                      layer=layer_name(layer), light_ms=[LIGHT_BATCH], weights=weights or (lambda: watched),
-                      rebuild=rebuild, owner=layer, tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]})
+    return LayerCheck(
+        weight.get_device(),
+        key,
+        label,
+        "dense",
+        cases,
+        batch_sizes(max_batch),
+        recheck_sizes(max_batch),
+        layer=layer_name(layer),
+        light_ms=[LIGHT_BATCH],
+        weights=weights or (lambda: watched),
+        rebuild=rebuild,
+        owner=layer,
+        tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]},
+    )
 
 
 def modelopt_check(method: object, layer: object) -> LayerCheck | None:
@@ -473,17 +576,35 @@ def modelopt_check(method: object, layer: object) -> LayerCheck | None:
         return None
     n_out = getattr(layer, "output_size_per_partition", layer.weight.shape[0])
     k = getattr(layer, "input_size_per_partition", layer.weight.shape[1] * 2)
-    return dense_check("ModelOptFp4LinearMethod", functools.partial(method.apply, layer), layer, layer.weight,
-                       layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv, n_out, k,
-                       weights=lambda: (layer.weight, layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv),
-                       rebuild=functools.partial(modelopt_check, method))
+    return dense_check(
+        "ModelOptFp4LinearMethod",
+        functools.partial(method.apply, layer),
+        layer,
+        layer.weight,
+        layer.weight_scale_interleaved,
+        layer.alpha,
+        layer.input_scale_inv,
+        n_out,
+        k,
+        weights=lambda: (layer.weight, layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv),
+        rebuild=functools.partial(modelopt_check, method),
+    )
 
 
 def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None:
     """CompressedTensorsW4A4Fp4 after process_weights_after_loading."""
     n_out = layer.weight_packed.shape[0]
     k = getattr(layer, "input_size_per_partition", layer.weight_packed.shape[1] * 2)
-    return dense_check("CompressedTensorsW4A4Fp4", functools.partial(scheme.apply_weights, layer), layer, layer.weight_packed,
-                       layer.weight_scale, layer.alpha, layer.input_global_scale, n_out, k,
-                       weights=lambda: (layer.weight_packed, layer.weight_scale, layer.alpha, layer.input_global_scale),
-                       rebuild=functools.partial(compressed_tensors_check, scheme))
+    return dense_check(
+        "CompressedTensorsW4A4Fp4",
+        functools.partial(scheme.apply_weights, layer),
+        layer,
+        layer.weight_packed,
+        layer.weight_scale,
+        layer.alpha,
+        layer.input_global_scale,
+        n_out,
+        k,
+        weights=lambda: (layer.weight_packed, layer.weight_scale, layer.alpha, layer.input_global_scale),
+        rebuild=functools.partial(compressed_tensors_check, scheme),
+    )

@@ -26,7 +26,9 @@ __all__ = ["ModelLayers", "discover", "check_model"]
 
 _DENSE_SUFFIX = {fmt: names[0] for fmt, names in checkpoints.NAMES.items()}
 _DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$")
+_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$"
+)
 _PROJ = checkpoints.ROLES
 _SCALES = {fmt: names[1:] for fmt, names in checkpoints.NAMES.items()}
 
@@ -90,7 +92,7 @@ def _packed_modules(config: dict) -> dict[str, list[str]]:
         mapping = getattr(cls, "packed_modules_mapping", None)
         if isinstance(mapping, dict) and mapping:
             return {k: list(v) for k, v in mapping.items()}
-    except Exception:  # noqa: BLE001 - a model class that cannot import here: the common fusion
+    except Exception:
         pass
     return dict(_DEFAULT_PACKED)
 
@@ -99,8 +101,12 @@ def discover(model_dir: str, values: bool = False) -> ModelLayers:
     """Every NVFP4 linear and MoE layer of the checkpoint in `model_dir`, from its config and headers,
     after checkpoints.inspect() validated them (CheckpointError names what is wrong; `values`: its scales too)."""
     checkpoint = checkpoints.inspect(model_dir, values=values)
-    found = ModelLayers(checkpoint.format, checkpoint.config, files={k: v.file for k, v in checkpoint.tensors.items()},
-                        shapes={k: v.shape for k, v in checkpoint.tensors.items()})
+    found = ModelLayers(
+        checkpoint.format,
+        checkpoint.config,
+        files={k: v.file for k, v in checkpoint.tensors.items()},
+        shapes={k: v.shape for k, v in checkpoint.tensors.items()},
+    )
     linear = checkpoint.linear()
     packed = _packed_modules(checkpoint.config)
     done: set[str] = set()
@@ -111,7 +117,9 @@ def discover(model_dir: str, values: bool = False) -> ModelLayers:
         for fused, parts in packed.items():
             names = [f"{parent}.{p}" for p in parts]
             if leaf in parts and all(n in linear for n in names) and len({linear[n][1] for n in names}) == 1:
-                found.dense.append(DenseLayer(f"{parent}.{fused}", names, [linear[n][0] for n in names], linear[module][1]))
+                found.dense.append(
+                    DenseLayer(f"{parent}.{fused}", names, [linear[n][0] for n in names], linear[module][1])
+                )
                 done.update(names)
                 break
         else:
@@ -151,8 +159,15 @@ def _build_dense(layers: ModelLayers, layer: DenseLayer, device: torch.device) -
     """SGLang's linear method for this format, this layer's shards loaded, weights processed (the hooks verify)."""
     fmt, dtype = layers.fmt, _dtype(layers.config)
     weight_name, (block, global_name, input_name) = _DENSE_SUFFIX[fmt], _SCALES[fmt]
-    tensors = _load(layers, [f"{s}.{k}" for s in layer.shards for k in (weight_name, block, global_name, input_name)
-                             if f"{s}.{k}" in layers.files])
+    tensors = _load(
+        layers,
+        [
+            f"{s}.{k}"
+            for s in layer.shards
+            for k in (weight_name, block, global_name, input_name)
+            if f"{s}.{k}" in layers.files
+        ],
+    )
     module = torch.nn.Module()
     module.params_dtype = dtype
     noop = lambda *args, **kwargs: None  # noqa: E731 - the tensors are placed below, as the loader would
@@ -160,8 +175,15 @@ def _build_dense(layers: ModelLayers, layer: DenseLayer, device: torch.device) -
         from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
 
         method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
-        method.create_weights(module, input_size_per_partition=layer.k, output_partition_sizes=layer.sizes,
-                              input_size=layer.k, output_size=sum(layer.sizes), params_dtype=dtype, weight_loader=noop)
+        method.create_weights(
+            module,
+            input_size_per_partition=layer.k,
+            output_partition_sizes=layer.sizes,
+            input_size=layer.k,
+            output_size=sum(layer.sizes),
+            params_dtype=dtype,
+            weight_loader=noop,
+        )
         process = method.process_weights_after_loading
     else:
         from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 import (
@@ -169,15 +191,20 @@ def _build_dense(layers: ModelLayers, layer: DenseLayer, device: torch.device) -
         )
 
         scheme = CompressedTensorsW4A4Fp4()
-        scheme.create_weights(module, output_partition_sizes=layer.sizes, input_size_per_partition=layer.k,
-                              params_dtype=dtype, weight_loader=noop)
+        scheme.create_weights(
+            module,
+            output_partition_sizes=layer.sizes,
+            input_size_per_partition=layer.k,
+            params_dtype=dtype,
+            weight_loader=noop,
+        )
         process = scheme.process_weights_after_loading
     module.to(device)
     with torch.no_grad():
         row = 0
         for i, (shard, n) in enumerate(zip(layer.shards, layer.sizes)):
-            getattr(module, weight_name).data[row:row + n].copy_(tensors[f"{shard}.{weight_name}"])
-            getattr(module, block).data[row:row + n].copy_(tensors[f"{shard}.{block}"].view(torch.float8_e4m3fn))
+            getattr(module, weight_name).data[row : row + n].copy_(tensors[f"{shard}.{weight_name}"])
+            getattr(module, block).data[row : row + n].copy_(tensors[f"{shard}.{block}"].view(torch.float8_e4m3fn))
             _scalar_into(getattr(module, global_name), i, tensors[f"{shard}.{global_name}"])
             _scalar_into(getattr(module, input_name), i, tensors[f"{shard}.{input_name}"])
             row += n
@@ -194,11 +221,19 @@ def _check_shard_scales(layers: ModelLayers) -> None:
 
     kind = "ModelOptFp4LinearMethod" if layers.fmt == checkpoints.MODELOPT else "CompressedTensorsW4A4Fp4"
     _, global_name, input_name = _SCALES[layers.fmt]
-    names = [f"{s}.{k}" for layer in layers.dense for s in layer.shards for k in (global_name, input_name)
-             if f"{s}.{k}" in layers.files]
+    names = [
+        f"{s}.{k}"
+        for layer in layers.dense
+        for s in layer.shards
+        for k in (global_name, input_name)
+        if f"{s}.{k}" in layers.files
+    ]
     scales = {name: value.float().reshape(-1) for name, value in _load(layers, names).items()}
     for layer in layers.dense:
-        values = [[float(scales[f"{s}.{k}"][0]) for s in layer.shards if f"{s}.{k}" in scales] for k in (global_name, input_name)]
+        values = [
+            [float(scales[f"{s}.{k}"][0]) for s in layer.shards if f"{s}.{k}" in scales]
+            for k in (global_name, input_name)
+        ]
         if any(len(v) != len(layer.shards) for v in values):
             continue  # a missing scale: said where the layer is built
         problem = shard_scales_problem(kind, [s.rpartition(".")[2] for s in layer.shards], *values)
@@ -224,13 +259,18 @@ def _build_moe(layers: ModelLayers, layer: MoeLayer, device: torch.device) -> No
     from . import moe_layers
 
     kinds = (_DENSE_SUFFIX[layers.fmt], *_SCALES[layers.fmt])
-    names = [n for n in layers.files if n.startswith(layer.prefix + ".") and _EXPERT.match(n)
-             and _EXPERT.match(n)["kind"] in kinds]
+    names = [
+        n
+        for n in layers.files
+        if n.startswith(layer.prefix + ".") and _EXPERT.match(n) and _EXPERT.match(n)["kind"] in kinds
+    ]
     tensors = {}
     for name, value in _load(layers, names).items():
         m = _EXPERT.match(name)
         tensors[f"experts.{m['e']}.{_PROJ.get(m['proj'], m['proj'])}.{m['kind']}"] = value
-    top_k = int(_text_config(layers.config).get("num_experts_per_tok") or _text_config(layers.config).get("moe_topk") or 2)
+    top_k = int(
+        _text_config(layers.config).get("num_experts_per_tok") or _text_config(layers.config).get("moe_topk") or 2
+    )
     spec = _Experts(layer.experts, layer.hidden, layer.inter, layer.gated)
     with torch.device(device):
         moe_layers.build_moe_layer_from_tensors(spec, tensors, top_k, fmt=layers.fmt, dtype=_dtype(layers.config))
@@ -252,5 +292,9 @@ def check_model(model_dir: str, device: torch.device) -> dict:
         _build_dense(layers, layer, device)
     for layer in moe:
         _build_moe(layers, layer, device)
-    return {"format": layers.fmt, "dense": [d.name for d in dense], "moe": [m.prefix for m in moe],
-            "layers": len(layers.dense) + len(layers.moe)}
+    return {
+        "format": layers.fmt,
+        "dense": [d.name for d in dense],
+        "moe": [m.prefix for m in moe],
+        "layers": len(layers.dense) + len(layers.moe),
+    }

@@ -32,9 +32,17 @@ import torch
 from .. import backends, nvfp4, serving, verify
 from ..backends import flashinfer
 from ..errors import RefusedToServe
-from ..patching import PatchSpec, Patcher
+from ..patching import Patcher, PatchSpec
 from ..serving import LayerCheck
-from .hooks import LIGHT_BATCH, activation_dtypes, batch_sizes, layer_device_index, layer_name, max_capture_batch, recheck_sizes
+from .hooks import (
+    LIGHT_BATCH,
+    activation_dtypes,
+    batch_sizes,
+    layer_device_index,
+    layer_name,
+    max_capture_batch,
+    recheck_sizes,
+)
 from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version, supported
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -49,14 +57,25 @@ _PIN_WHY = (
     "does with --quantization modelopt_fp4, so the routed and verified seam is what serves"
 )
 MOE_RUNNER_PIN = PatchSpec(
-    name="moe-runner-backend-pin", module=RUNTIME_CONTEXT, attribute="runner_backend", distribution=DISTRIBUTION,
-    versions=supported(">=0.5.16"), why=_PIN_WHY + " (0.5.16+: get_flags().moe.runner_backend)",
+    name="moe-runner-backend-pin",
+    module=RUNTIME_CONTEXT,
+    attribute="runner_backend",
+    distribution=DISTRIBUTION,
+    versions=supported(">=0.5.16"),
+    why=_PIN_WHY + " (0.5.16+: get_flags().moe.runner_backend)",
     upstream="no upstream issue; SGLang's SM120 rule lives in _moe_runner_backend_quant_constraints (CLI only)",
-    remove_when="when SGLang resolves 'auto' for NVFP4 MoE on SM12x from the checkpoint's own quantization")
+    remove_when="when SGLang resolves 'auto' for NVFP4 MoE on SM12x from the checkpoint's own quantization",
+)
 MOE_RUNNER_PIN_LEGACY = PatchSpec(
-    name="moe-runner-backend-pin-legacy", module=MOE_UTILS, attribute="MOE_RUNNER_BACKEND", distribution=DISTRIBUTION,
-    versions=">=0.5.15,<0.5.16", why=_PIN_WHY + " (0.5.15-0.5.15.post1: the module global MOE_RUNNER_BACKEND)",
-    upstream=MOE_RUNNER_PIN.upstream, remove_when=MOE_RUNNER_PIN.remove_when)
+    name="moe-runner-backend-pin-legacy",
+    module=MOE_UTILS,
+    attribute="MOE_RUNNER_BACKEND",
+    distribution=DISTRIBUTION,
+    versions=">=0.5.15,<0.5.16",
+    why=_PIN_WHY + " (0.5.15-0.5.15.post1: the module global MOE_RUNNER_BACKEND)",
+    upstream=MOE_RUNNER_PIN.upstream,
+    remove_when=MOE_RUNNER_PIN.remove_when,
+)
 
 
 def _runner_name(value: object) -> str:
@@ -100,8 +119,11 @@ def pin_auto_runner(patcher: Patcher) -> bool:
         spec, owner = MOE_RUNNER_PIN, module.get_flags().moe
     pinned = patcher.pin(spec, owner, enum.FLASHINFER_CUTLASS, lambda current: current in (None, enum.AUTO))
     if pinned:
-        _LOG.warning("sm120_fp4: SGLang's MoE runner 'auto' would serve this NVFP4 checkpoint with flashinfer_trtllm, "
-                     "which does not run on SM12x; pinned to %s, the runner sm120_fp4 verifies", VERIFIED_RUNNER)
+        _LOG.warning(
+            "sm120_fp4: SGLang's MoE runner 'auto' would serve this NVFP4 checkpoint with flashinfer_trtllm, "
+            "which does not run on SM12x; pinned to %s, the runner sm120_fp4 verifies",
+            VERIFIED_RUNNER,
+        )
     return pinned
 
 
@@ -123,9 +145,11 @@ def runner_problem(kind: str, method: object) -> str | None:
     runner = served_runner(method)
     if runner == VERIFIED_RUNNER:
         return None
-    return (f"the NVFP4 MoE layer ({kind}) is served by SGLang's MoE runner {runner!r}, which sm120_fp4 does not route "
-            f"or verify (on SM12x only {VERIFIED_RUNNER} is routed through the verified seam); start SGLang with "
-            f"{RUNNER_FLAG}, or set SM120_FP4_SELFTEST=warn to serve this layer UNVERIFIED")
+    return (
+        f"the NVFP4 MoE layer ({kind}) is served by SGLang's MoE runner {runner!r}, which sm120_fp4 does not route "
+        f"or verify (on SM12x only {VERIFIED_RUNNER} is routed through the verified seam); start SGLang with "
+        f"{RUNNER_FLAG}, or set SM120_FP4_SELFTEST=warn to serve this layer UNVERIFIED"
+    )
 
 
 def make_seam(original: Callable, make_front: Callable[[Callable, type], Callable], simulated: bool) -> Callable:
@@ -170,9 +194,11 @@ def gate_up_problem(layer: object) -> str | None:
     if not bool(differ.any()):
         return None
     expert = int(differ.nonzero()[0])
-    return (f"expert {expert}'s gate and up weight_scale_2 differ ({float(gate[expert]):.6g} vs {float(up[expert]):.6g}): "
-            f"SGLang {sglang_version()}'s cutlass MoE applies the gate's scale to both halves, which serves wrong "
-            "numbers for every token routed there; requantize the checkpoint with one global scale for w1 and w3")
+    return (
+        f"expert {expert}'s gate and up weight_scale_2 differ ({float(gate[expert]):.6g} vs {float(up[expert]):.6g}): "
+        f"SGLang {sglang_version()}'s cutlass MoE applies the gate's scale to both halves, which serves wrong "
+        "numbers for every token routed there; requantize the checkpoint with one global scale for w1 and w3"
+    )
 
 
 class ProcessedMoe(NamedTuple):
@@ -188,7 +214,12 @@ class ProcessedMoe(NamedTuple):
 def processed_weights(layer: object) -> ProcessedMoe | None:
     """The tensors SGLang passes to the kernel (None: not the cutlass layout)."""
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
-    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dtype != torch.uint8 or w13.dim() != 3:
+    if (
+        not isinstance(w13, torch.Tensor)
+        or not isinstance(w2, torch.Tensor)
+        or w13.dtype != torch.uint8
+        or w13.dim() != 3
+    ):
         return None
     # ModelOpt keeps the swizzled scales in *_blockscale_swizzled; compressed-tensors under *_weight_scale.
     w13_sf = getattr(layer, "w13_blockscale_swizzled", None)
@@ -201,9 +232,11 @@ def processed_weights(layer: object) -> ProcessedMoe | None:
     if activation is None or w13_sf is None or w2_sf is None:
         return None
     weights = nvfp4.MoeWeights(
-        w13=w13, w13_sf=w13_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(rows, hidden)),
+        w13=w13,
+        w13_sf=w13_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(rows, hidden)),
         w13_alpha=layer.g1_alphas.float().reshape(experts),
-        w2=w2, w2_sf=w2_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(hidden, inter)),
+        w2=w2,
+        w2_sf=w2_sf.view(torch.float8_e4m3fn).reshape(experts, *nvfp4.swizzled_scale_shape(hidden, inter)),
         w2_alpha=layer.g2_alphas.float().reshape(experts),
         a1_gscale=flashinfer.global_scale(layer.w13_input_scale_quant.float()),
         a2_gscale=flashinfer.global_scale(layer.w2_input_scale_quant.float()),
@@ -211,25 +244,45 @@ def processed_weights(layer: object) -> ProcessedMoe | None:
     return ProcessedMoe(weights, activation, experts, hidden, inter)
 
 
-def _served_call(layer: object, processed: ProcessedMoe, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def _served_call(
+    layer: object, processed: ProcessedMoe, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
     """The kernel call exactly as SGLang's _run_flashinfer_cutlass makes it, through the (patched)
     seam: `ids` as SGLang's router and dispatcher leave them (global expert ids, -1 for a dropped
     slot; flashinfer_cutlass keeps global ids under expert parallelism)."""
     front, activation_type = _seam()
     ep_size, ep_rank = getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_ep_rank", 0)
     w = processed.weights
-    scales = [w.a1_gscale.reshape(()) if w.a1_gscale.numel() == 1 else w.a1_gscale, w.w13_sf.view(torch.int32), w.w13_alpha,
-              w.a2_gscale.reshape(()) if w.a2_gscale.numel() == 1 else w.a2_gscale, w.w2_sf.view(torch.int32), w.w2_alpha]
+    scales = [
+        w.a1_gscale.reshape(()) if w.a1_gscale.numel() == 1 else w.a1_gscale,
+        w.w13_sf.view(torch.int32),
+        w.w13_alpha,
+        w.a2_gscale.reshape(()) if w.a2_gscale.numel() == 1 else w.a2_gscale,
+        w.w2_sf.view(torch.int32),
+        w.w2_alpha,
+    ]
     swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
     return front(
-        output=torch.empty(x.shape, dtype=x.dtype, device=x.device), input=x,
-        token_selected_experts=ids.to(torch.int32), token_final_scales=topk_weights,
-        fc1_expert_weights=w.w13.view(torch.long), fc2_expert_weights=w.w2.view(torch.long),
-        output_dtype=x.dtype, input_sf=None, quant_scales=scales, swiglu_alpha=swiglu[0], swiglu_beta=swiglu[1],
-        swiglu_limit=swiglu[2], ep_size=ep_size, ep_rank=ep_rank,
-        tp_size=getattr(layer, "moe_tp_size", 1), tp_rank=getattr(layer, "moe_tp_rank", 0),
-        tune_max_num_tokens=8192, activation_type=getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation]),
-        enable_alltoall=False, use_fused_finalize=False,
+        output=torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        input=x,
+        token_selected_experts=ids.to(torch.int32),
+        token_final_scales=topk_weights,
+        fc1_expert_weights=w.w13.view(torch.long),
+        fc2_expert_weights=w.w2.view(torch.long),
+        output_dtype=x.dtype,
+        input_sf=None,
+        quant_scales=scales,
+        swiglu_alpha=swiglu[0],
+        swiglu_beta=swiglu[1],
+        swiglu_limit=swiglu[2],
+        ep_size=ep_size,
+        ep_rank=ep_rank,
+        tp_size=getattr(layer, "moe_tp_size", 1),
+        tp_rank=getattr(layer, "moe_tp_rank", 0),
+        tune_max_num_tokens=8192,
+        activation_type=getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation]),
+        enable_alltoall=False,
+        use_fused_finalize=False,
     )[0]
 
 
@@ -246,7 +299,9 @@ def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
 def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
     """verify.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
     ids, weights = verify.moe_routing(tokens, top_k, pool.numel(), routing, gen)
-    return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(torch.int32), weights
+    return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(
+        torch.int32
+    ), weights
 
 
 def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
@@ -269,20 +324,39 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     first, total = ep_rank * experts, experts * ep_size
     top_k = int(getattr(layer, "top_k", 2) or 2)
     if top_k > total:
-        _LOG.warning("sm120_fp4: %s: top_k=%d is more than its %d experts; verified with top_k=%d", kind, top_k, total, total)
+        _LOG.warning(
+            "sm120_fp4: %s: top_k=%d is more than its %d experts; verified with top_k=%d", kind, top_k, total, total
+        )
         top_k = total
     subset = _expert_subset(experts, top_k)
-    foreign = [e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total]
+    foreign = [
+        e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total
+    ]
     pool = torch.tensor(sorted(set(first + e for e in subset) | set(foreign)))
     everyone = torch.arange(total)
     dtypes = activation_dtypes(layer)
     max_batch = max_capture_batch()
     ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
-    tp = f" TP rank {getattr(layer, 'moe_tp_rank', 0)}/{getattr(layer, 'moe_tp_size', 1)}" if getattr(layer, "moe_tp_size", 1) > 1 else ""
-    label = (f"{kind} E={experts} H={hidden} I={inter} top_k={top_k} {processed.activation} "
-             f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}{ep}{tp}")
-    key = ("moe", kind, tuple(weights.w13.shape), tuple(weights.w2.shape), top_k, dtypes,
-           weights.a1_gscale.numel(), ep_size, getattr(layer, "moe_tp_size", 1))
+    tp = (
+        f" TP rank {getattr(layer, 'moe_tp_rank', 0)}/{getattr(layer, 'moe_tp_size', 1)}"
+        if getattr(layer, "moe_tp_size", 1) > 1
+        else ""
+    )
+    label = (
+        f"{kind} E={experts} H={hidden} I={inter} top_k={top_k} {processed.activation} "
+        f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}{ep}{tp}"
+    )
+    key = (
+        "moe",
+        kind,
+        tuple(weights.w13.shape),
+        tuple(weights.w2.shape),
+        top_k,
+        dtypes,
+        weights.a1_gscale.numel(),
+        ep_size,
+        getattr(layer, "moe_tp_size", 1),
+    )
     device = weights.w13.device
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
     cover = max(8, 2 * total)  # tokens that let every expert (of every rank) lead two tokens ("balanced")
@@ -306,18 +380,39 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
         originals = weights.map(backends.original)
         cache = verify.ExpertCache(subset)  # every-expert batches dequantize the others per call
-        return verify.moe_cases(call, weights, processed.activation, plans, cache=cache,
-                                  first_expert=first, served_ids=serve is None, mode=mode, reference_weights=originals,
-                                  repeat_tokens=verify.REPEAT_MAX_TOKENS, poison_expert0=len(ms) > 1)
+        return verify.moe_cases(
+            call,
+            weights,
+            processed.activation,
+            plans,
+            cache=cache,
+            first_expert=first,
+            served_ids=serve is None,
+            mode=mode,
+            reference_weights=originals,
+            repeat_tokens=verify.REPEAT_MAX_TOKENS,
+            poison_expert0=len(ms) > 1,
+        )
 
     def current() -> tuple:
         now = processed_weights(layer)
         return tuple(now.weights) if now is not None else ()
 
-    return LayerCheck(layer_device_index(layer), key, label, "moe", cases, batch_sizes(max_batch), recheck_sizes(max_batch),
-                      layer=layer_name(layer), light_ms=[LIGHT_BATCH], weights=current,
-                      rebuild=lambda owner: moe_check(kind, owner, serve), owner=layer,
-                      tensors={**weights._asdict(), "dtype": dtypes[0]})
+    return LayerCheck(
+        layer_device_index(layer),
+        key,
+        label,
+        "moe",
+        cases,
+        batch_sizes(max_batch),
+        recheck_sizes(max_batch),
+        layer=layer_name(layer),
+        light_ms=[LIGHT_BATCH],
+        weights=current,
+        rebuild=lambda owner: moe_check(kind, owner, serve),
+        owner=layer,
+        tensors={**weights._asdict(), "dtype": dtypes[0]},
+    )
 
 
 def _served_convention(layer, processed, x, ids, topk_weights, *rest):
@@ -331,9 +426,11 @@ def _served_convention(layer, processed, x, ids, topk_weights, *rest):
 
 def refuse_unverifiable(kind: str, settings) -> None:
     """An NVFP4 MoE layer on a release without the seam: refuse (strict), warn (warn), or nothing (off)."""
-    message = (f"sm120_fp4: an NVFP4 MoE layer ({kind}) is being loaded on SGLang {sglang_version()}, where sm120_fp4 "
-               f"cannot route or verify the fused-MoE kernel (its seam exists in SGLang {SEAM_VERSIONS}); "
-               "upgrade SGLang, or set SM120_FP4_SELFTEST=warn to serve these experts UNVERIFIED")
+    message = (
+        f"sm120_fp4: an NVFP4 MoE layer ({kind}) is being loaded on SGLang {sglang_version()}, where sm120_fp4 "
+        f"cannot route or verify the fused-MoE kernel (its seam exists in SGLang {SEAM_VERSIONS}); "
+        "upgrade SGLang, or set SM120_FP4_SELFTEST=warn to serve these experts UNVERIFIED"
+    )
     if settings.selftest == "strict":
         raise RefusedToServe(message)
     if settings.selftest == "warn":

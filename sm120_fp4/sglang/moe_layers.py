@@ -71,12 +71,14 @@ def builder_problem() -> str | None:
 
     try:
         module = importlib.import_module(RUNTIME_CONTEXT)
-    except Exception as exc:  # noqa: BLE001 - the reason is the finding
+    except Exception as exc:
         return f"SGLang {sglang_version()}: {RUNTIME_CONTEXT} does not import ({type(exc).__name__}: {exc})"
     missing = [name for name in SEAMS if not hasattr(module, name)]
     if missing:
-        return (f"building SGLang's FusedMoE on a CPU needs its scoped runtime seams ({', '.join(SEAMS)}); "
-                f"SGLang {sglang_version()}'s runtime_context lacks {', '.join(missing)}")
+        return (
+            f"building SGLang's FusedMoE on a CPU needs its scoped runtime seams ({', '.join(SEAMS)}); "
+            f"SGLang {sglang_version()}'s runtime_context lacks {', '.join(missing)}"
+        )
     return None
 
 
@@ -103,15 +105,32 @@ _CT_QUANT_CONFIG = {
     "config_groups": {
         "group_0": {
             "targets": ["Linear"],
-            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                        "symmetric": True, "dynamic": False},
-            "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                                  "symmetric": True, "dynamic": "local"},
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": "local",
+            },
         }
     },
 }
-_MODELOPT_QUANT_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-                          "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+_MODELOPT_QUANT_CONFIG = {
+    "quant_method": "modelopt",
+    "quant_algo": "NVFP4",
+    "group_size": 16,
+    "kv_cache_quant_algo": None,
+    "exclude_modules": ["lm_head"],
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,8 +163,9 @@ class MoeContext:
     runtime_context: Any  # SGLang's RuntimeContext, active while the context is
 
     def settings(self) -> _Settings:
-        return _Settings(self.moe_runner_backend, self.quantization, self.ep_size, self.ep_rank,
-                         self.tp_size, self.tp_rank)
+        return _Settings(
+            self.moe_runner_backend, self.quantization, self.ep_size, self.ep_rank, self.tp_size, self.tp_rank
+        )
 
 
 _ACTIVE: list[MoeContext] = []  # innermost last; SGLang's use_context is process-global too
@@ -166,13 +186,28 @@ def _write_model_dir(root: str, quantization: str) -> str:
     """
     quant = _MODELOPT_QUANT_CONFIG if quantization == MODELOPT else _CT_QUANT_CONFIG
     cfg = {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 1024,
-        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-        "hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16",
-        "tie_word_embeddings": False, "quantization_config": quant,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "moe_intermediate_size": 128,
+        "intermediate_size": 1024,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "hidden_act": "silu",
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "quantization_config": quant,
     }
     path = os.path.join(root, "model")
     os.makedirs(path)
@@ -240,18 +275,33 @@ def sglang_moe_context(
         stack.enter_context(rc.override_platform(**facts))
         # compressed-tensors is named by config.json only (as SGLang resolves such a checkpoint);
         # SGLang refuses an explicit --quantization compressed-tensors with flashinfer_cutlass.
-        server_args = ServerArgs(model_path=model_dir, moe_runner_backend=moe_runner_backend, device="cpu",
-                                 skip_tokenizer_init=True,
-                                 quantization=quantization if quantization == MODELOPT else None, **(server_args or {}))
+        server_args = ServerArgs(
+            model_path=model_dir,
+            moe_runner_backend=moe_runner_backend,
+            device="cpu",
+            skip_tokenizer_init=True,
+            quantization=quantization if quantization == MODELOPT else None,
+            **(server_args or {}),
+        )
         context = rc.create_context(server_args, role="scheduler")
         stack.enter_context(rc.use_context(context))
-        stack.enter_context(rc.get_parallel().override(
-            tp_size=world, tp_rank=rank, attn_tp_size=world, attn_tp_rank=rank,
-            moe_ep_size=ep_size, moe_ep_rank=ep_rank, moe_tp_size=tp_size, moe_tp_rank=tp_rank, tp_group=None,
-        ))
+        stack.enter_context(
+            rc.get_parallel().override(
+                tp_size=world,
+                tp_rank=rank,
+                attn_tp_size=world,
+                attn_tp_rank=rank,
+                moe_ep_size=ep_size,
+                moe_ep_rank=ep_rank,
+                moe_tp_size=tp_size,
+                moe_tp_rank=tp_rank,
+                tp_group=None,
+            )
+        )
         moe_utils.initialize_moe_config()
-        handle = MoeContext(moe_runner_backend, quantization, ep_size, ep_rank, tp_size, tp_rank,
-                            model_dir, server_args, context)
+        handle = MoeContext(
+            moe_runner_backend, quantization, ep_size, ep_rank, tp_size, tp_rank, model_dir, server_args, context
+        )
         _ACTIVE.append(handle)
         try:
             yield handle
@@ -271,7 +321,12 @@ def _context_for(settings: _Settings, *, strict: bool) -> Iterator[MoeContext]:
         if active is not None:
             mine = active.settings()
             same = (mine.quantization, mine.ep_size, mine.ep_rank, mine.tp_size, mine.tp_rank) == (
-                settings.quantization, settings.ep_size, settings.ep_rank, settings.tp_size, settings.tp_rank)
+                settings.quantization,
+                settings.ep_size,
+                settings.ep_rank,
+                settings.tp_size,
+                settings.tp_rank,
+            )
             if same:
                 yield active
                 return
@@ -280,10 +335,16 @@ def _context_for(settings: _Settings, *, strict: bool) -> Iterator[MoeContext]:
                     f"the active sglang_moe_context is {mine}; this call asks for quantization="
                     f"{settings.quantization!r}, ep_size={settings.ep_size}, ep_rank={settings.ep_rank}, "
                     f"tp_size={settings.tp_size}, tp_rank={settings.tp_rank}: pass the context's values, "
-                    "or call it outside the context")
-        with sglang_moe_context(settings.moe_runner_backend, ep_size=settings.ep_size, ep_rank=settings.ep_rank,
-                                tp_size=settings.tp_size, tp_rank=settings.tp_rank,
-                                quantization=settings.quantization) as fresh:
+                    "or call it outside the context"
+                )
+        with sglang_moe_context(
+            settings.moe_runner_backend,
+            ep_size=settings.ep_size,
+            ep_rank=settings.ep_rank,
+            tp_size=settings.tp_size,
+            tp_rank=settings.tp_rank,
+            quantization=settings.quantization,
+        ) as fresh:
             yield fresh
 
 
@@ -309,16 +370,21 @@ def _load_into(layer, ckpt, tensors: Mapping[str, torch.Tensor]) -> int:
             param_name = name.replace(weight_prefix, param_prefix).removeprefix("experts.")
             param = params.get(param_name)
             if param is None:
-                raise InvalidArgument(f"tensors: {name!r} maps to the parameter {param_name!r}, which this "
-                                      f"{type(layer.quant_method).__name__} layer does not have; expected the "
-                                      "format's own tensor kinds")
-            param.weight_loader(param, tensor, f"{_PREFIX.rsplit('.', 1)[0]}.{name}", shard_id=shard_id,
-                                expert_id=expert_id)
+                raise InvalidArgument(
+                    f"tensors: {name!r} maps to the parameter {param_name!r}, which this "
+                    f"{type(layer.quant_method).__name__} layer does not have; expected the "
+                    "format's own tensor kinds"
+                )
+            param.weight_loader(
+                param, tensor, f"{_PREFIX.rsplit('.', 1)[0]}.{name}", shard_id=shard_id, expert_id=expert_id
+            )
             loaded += 1
             break
         else:
-            raise InvalidArgument(f"tensors: {name!r} matches no expert parameter of this layer; expected "
-                                  "names experts.{e}.{gate_proj|up_proj|down_proj}.{kind}")
+            raise InvalidArgument(
+                f"tensors: {name!r} matches no expert parameter of this layer; expected "
+                "names experts.{e}.{gate_proj|up_proj|down_proj}.{kind}"
+            )
     return loaded
 
 
@@ -329,7 +395,9 @@ def _build(ckpt, top_k: int, dtype: torch.dtype, settings: _Settings, make_quant
     if ckpt.num_experts % settings.ep_size:
         raise not_accepted(func, "ep_size", settings.ep_size, f"a divisor of the layer's {ckpt.num_experts} experts")
     if ckpt.intermediate % settings.tp_size:
-        raise not_accepted(func, "tp_size", settings.tp_size, f"a divisor of the layer's intermediate size {ckpt.intermediate}")
+        raise not_accepted(
+            func, "tp_size", settings.tp_size, f"a divisor of the layer's intermediate size {ckpt.intermediate}"
+        )
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     sglang_activation, is_gated = _ACTIVATIONS[ckpt.activation]
@@ -337,9 +405,16 @@ def _build(ckpt, top_k: int, dtype: torch.dtype, settings: _Settings, make_quant
         quant_config, tensors = make_quant_config(ckpt)
         with torch.no_grad():
             layer = FusedMoE(
-                num_experts=ckpt.num_experts, hidden_size=ckpt.hidden, intermediate_size=ckpt.intermediate,
-                layer_id=0, top_k=top_k, params_dtype=dtype, quant_config=quant_config, prefix=_PREFIX,
-                activation=sglang_activation, is_gated=is_gated,
+                num_experts=ckpt.num_experts,
+                hidden_size=ckpt.hidden,
+                intermediate_size=ckpt.intermediate,
+                layer_id=0,
+                top_k=top_k,
+                params_dtype=dtype,
+                quant_config=quant_config,
+                prefix=_PREFIX,
+                activation=sglang_activation,
+                is_gated=is_gated,
             )
             _load_into(layer, ckpt, tensors)
             layer.quant_method.process_weights_after_loading(layer)
@@ -362,8 +437,17 @@ def build_modelopt_moe_layer(
     `ckpt` is a :class:`sm120_fp4.demo.synthetic.MoeCheckpoint` (sizes, ``activation`` and its
     ModelOpt ``tensors()``): :func:`build_moe_layer_from_tensors` with ``fmt="modelopt"``.
     """
-    return build_moe_layer_from_tensors(ckpt, ckpt.tensors(), top_k, fmt="modelopt", dtype=dtype, ep_size=ep_size,
-                                        ep_rank=ep_rank, tp_size=tp_size, tp_rank=tp_rank)
+    return build_moe_layer_from_tensors(
+        ckpt,
+        ckpt.tensors(),
+        top_k,
+        fmt="modelopt",
+        dtype=dtype,
+        ep_size=ep_size,
+        ep_rank=ep_rank,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
 
 
 def build_moe_layer_from_tensors(
@@ -417,8 +501,12 @@ def build_moe_layer_from_tensors(
         backend = _default_backend()
     else:
         if not spec.gated:
-            raise not_accepted(func, "spec", f"{activation} (non-gated) experts", "gated (swiglu) experts: "
-                        "CompressedTensorsW4A4Nvfp4MoE has no other")
+            raise not_accepted(
+                func,
+                "spec",
+                f"{activation} (non-gated) experts",
+                "gated (swiglu) experts: CompressedTensorsW4A4Nvfp4MoE has no other",
+            )
         from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
         def quant(_spec):
@@ -438,8 +526,10 @@ def _platform_scheme_check(min_capability: int, error: bool = True) -> bool:
     major, minor = get_platform().device_capability
     supported = major * 10 + minor >= min_capability
     if error and not supported:
-        raise ConfigError(f"the checkpoint's compressed-tensors scheme needs capability >= {min_capability}; "
-                          f"SGLang's platform is {major * 10 + minor}")
+        raise ConfigError(
+            f"the checkpoint's compressed-tensors scheme needs capability >= {min_capability}; "
+            f"SGLang's platform is {major * 10 + minor}"
+        )
     return supported
 
 
@@ -469,11 +559,19 @@ def moe_forward(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
     settings = _LAYER_SETTINGS.get(layer)
     if settings is None:
-        raise not_accepted("moe_forward", "layer", type(layer).__name__, "a layer made by build_moe_layer_from_tensors "
-                    "or build_modelopt_moe_layer")
+        raise not_accepted(
+            "moe_forward",
+            "layer",
+            type(layer).__name__,
+            "a layer made by build_moe_layer_from_tensors or build_modelopt_moe_layer",
+        )
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise not_accepted("moe_forward", "topk_ids", topk_ids, f"(T={x.shape[0]}, k), the shape of topk_weights "
-                    f"{tuple(topk_weights.shape)}")
+        raise not_accepted(
+            "moe_forward",
+            "topk_ids",
+            topk_ids,
+            f"(T={x.shape[0]}, k), the shape of topk_weights {tuple(topk_weights.shape)}",
+        )
     topk = StandardTopKOutput(topk_weights.to(torch.float32), topk_ids.to(torch.int32), None)
     with _context_for(settings, strict=False), torch.no_grad():
         return layer(x, topk)

@@ -114,12 +114,19 @@ def unverified_release(version: str | None = None) -> tuple[str, str] | None:
     version = version or sglang_version()
     if version is None or release_support(version)[0]:
         return None
-    what = (f"SGLang {version!r} is installed, a version sm120_fp4 cannot read" if comparable(version) is not None
-            else f"SGLang {version} is installed, outside the releases sm120_fp4 {__version__} supports ({SUPPORTED})")
-    means = (f"{what}: sm120_fp4 patches nothing in it, so NVFP4 layers on a 12.x GPU are served UNVERIFIED (SGLang's "
-             "own FP4 GEMM and fused-MoE calls; no self-test, layer check, re-check or canary of sm120_fp4 runs there)")
-    remedy = (f"upgrade sm120_fp4 to a release that supports SGLang {version} (pip install -U sm120-fp4), or install "
-              f"an SGLang in {SUPPORTED}")
+    what = (
+        f"SGLang {version!r} is installed, a version sm120_fp4 cannot read"
+        if comparable(version) is not None
+        else f"SGLang {version} is installed, outside the releases sm120_fp4 {__version__} supports ({SUPPORTED})"
+    )
+    means = (
+        f"{what}: sm120_fp4 patches nothing in it, so NVFP4 layers on a 12.x GPU are served UNVERIFIED (SGLang's "
+        "own FP4 GEMM and fused-MoE calls; no self-test, layer check, re-check or canary of sm120_fp4 runs there)"
+    )
+    remedy = (
+        f"upgrade sm120_fp4 to a release that supports SGLang {version} (pip install -U sm120-fp4), or install "
+        f"an SGLang in {SUPPORTED}"
+    )
     return means, remedy
 
 
@@ -153,5 +160,7 @@ def carried_fix() -> str | None:
     marker = fix_marker(root) if root is not None else None
     if marker is None:
         return None
-    return (f"the installed SGLang at {root / 'sglang'} carries the patches/ diff {marker.group(1)} (the dense GEMM's "
-            "routing and one start-up check); every runtime check stays on: layer checks, MoE, the re-check and the canary")
+    return (
+        f"the installed SGLang at {root / 'sglang'} carries the patches/ diff {marker.group(1)} (the dense GEMM's "
+        "routing and one start-up check); every runtime check stays on: layer checks, MoE, the re-check and the canary"
+    )

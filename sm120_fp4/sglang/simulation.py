@@ -40,10 +40,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import locks
-from ..errors import say_once
 from ..backends.flashinfer import fp4_quantize_stand_in
-from ..patching import PatchSpec, Patcher
-from .cpu_engine import OPS as CPU_ENGINE_OPS, cpu_engine_selected
+from ..errors import say_once
+from ..patching import Patcher, PatchSpec
+from .cpu_engine import OPS as CPU_ENGINE_OPS
+from .cpu_engine import cpu_engine_selected
 from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version, supported
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -53,39 +54,72 @@ _cuda_lock = locks.lock()
 KERNEL_PACKAGE = "sgl_kernel"
 OP_NAME = "sglang::fp4_gemm"
 PLATFORM_FACTS = PatchSpec(
-    "sim-platform-facts", RUNTIME_CONTEXT, "override_platform",
-    f"{_WHY}; SGLang's platform facts (0.5.19+) report the simulated Blackwell SM12x device", "-", _NEVER)
+    "sim-platform-facts",
+    RUNTIME_CONTEXT,
+    "override_platform",
+    f"{_WHY}; SGLang's platform facts (0.5.19+) report the simulated Blackwell SM12x device",
+    "-",
+    _NEVER,
+)
 FP4_GEMM_CPU_KERNEL = PatchSpec(
-    "sim-fp4-gemm-cpu-kernel", MQ, "fp4_gemm",
+    "sim-fp4-gemm-cpu-kernel",
+    MQ,
+    "fp4_gemm",
     f"{_WHY}; without CUDA, SGLang's op sglang::fp4_gemm, when it has no CPU kernel (0.5.8+ register it for the GPU "
     "only, with register_custom_op), gets one: its own Python body, which calls the patched alias (0.5.5.post3-0.5.7 "
     "register it with torch.library.custom_op for every device and 0.5.3-0.5.5.post2 have no op: nothing to add)",
-    "-", _NEVER, versions=supported(">=0.5.8"))
+    "-",
+    _NEVER,
+    versions=supported(">=0.5.8"),
+)
 # The activation quantizer stand-ins. Each takes effect where the release's code calls its name:
 # the global names that `caller` (a method of the module) loads, read from the imported module at
 # import time, never a version range. `versions` (no `distribution`: not a guard) is where that
 # code is, for the ledger; scripts/sglang_matrix.py checks it against every release's source.
 QUANTIZER_CALLERS = {MQ: "ModelOptFp4LinearMethod.apply", CT: "CompressedTensorsW4A4Fp4.apply_weights"}
 QUANTIZER = PatchSpec(
-    "sim-activation-quantizer", MQ, "fp4_quantize",
+    "sim-activation-quantizer",
+    MQ,
+    "fp4_quantize",
     f"{_WHY}; ModelOptFp4LinearMethod.apply quantizes with fp4_quantize (FlashInfer's, SM100+ only; or sgl_kernel's "
-    "scaled_fp4_quant under that name)", "-", _NEVER, make=fp4_quantize_stand_in, versions=supported(">=0.5.4.post2"))
+    "scaled_fp4_quant under that name)",
+    "-",
+    _NEVER,
+    make=fp4_quantize_stand_in,
+    versions=supported(">=0.5.4.post2"),
+)
 QUANTIZER_CT = PatchSpec(
-    "sim-activation-quantizer-ct", CT, "fp4_quantize",
-    f"{_WHY}; CompressedTensorsW4A4Fp4.apply_weights quantizes with fp4_quantize, imported by name", "-", _NEVER,
-    make=fp4_quantize_stand_in, versions=supported(">=0.5.7"))
+    "sim-activation-quantizer-ct",
+    CT,
+    "fp4_quantize",
+    f"{_WHY}; CompressedTensorsW4A4Fp4.apply_weights quantizes with fp4_quantize, imported by name",
+    "-",
+    _NEVER,
+    make=fp4_quantize_stand_in,
+    versions=supported(">=0.5.7"),
+)
 LEGACY_QUANTIZER = PatchSpec(
-    "sim-activation-quantizer-legacy", MQ, "scaled_fp4_quant",
+    "sim-activation-quantizer-legacy",
+    MQ,
+    "scaled_fp4_quant",
     f"{_WHY}; ModelOptFp4LinearMethod.apply quantizes with sgl_kernel's scaled_fp4_quant, bound only with CUDA: "
-    "bound (or replaced) by the oracle's quantizer, E4M3 scales in the 128x4 layout", "-", _NEVER,
-    versions=">=0.5.3,<0.5.4.post2")
+    "bound (or replaced) by the oracle's quantizer, E4M3 scales in the 128x4 layout",
+    "-",
+    _NEVER,
+    versions=">=0.5.3,<0.5.4.post2",
+)
 QUANTIZERS = (QUANTIZER, QUANTIZER_CT, LEGACY_QUANTIZER)
 KERNEL_PACKAGE_STAND_IN = PatchSpec(
-    "sim-kernel-package", KERNEL_PACKAGE, "*",
+    "sim-kernel-package",
+    KERNEL_PACKAGE,
+    "*",
     f"{_WHY}; without CUDA, an installed {KERNEL_PACKAGE} that cannot load (the releases that bring it, "
     "0.5.3-0.5.10.post1, may import it on the way to the FP4 module) is replaced at import by a stand-in whose functions "
     "raise when called; with SGLang's CPU engine selected (SGLANG_USE_CPU_ENGINE=1) also a missing one, serving in pure "
-    "PyTorch the one op a request calls (assign_req_to_token_pool_cpu)", "-", _NEVER)
+    "PyTorch the one op a request calls (assign_req_to_token_pool_cpu)",
+    "-",
+    _NEVER,
+)
 
 
 def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
@@ -94,24 +128,41 @@ def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
     seam. (The activation quantizers are decided by SGLang's code: QUANTIZERS.)"""
     return [
         PatchSpec(
-            "sim-ct-capability-check", CT_CONFIG, "CompressedTensorsConfig._check_scheme_supported",
+            "sim-ct-capability-check",
+            CT_CONFIG,
+            "CompressedTensorsConfig._check_scheme_supported",
             f"{_WHY}; compressed-tensors asks torch.cuda.get_device_capability() directly when it picks a layer's "
             "scheme (no NVIDIA driver: the scheduler dies before any layer loads); answered from the simulated "
-            "capability", "-", _NEVER, make=lambda original: _scheme_check_stand_in(original, capability),
-            distribution="sglang", versions=supported(">=0.5.3"), check=_callable_check("_check_scheme_supported"),
+            "capability",
+            "-",
+            _NEVER,
+            make=lambda original: _scheme_check_stand_in(original, capability),
+            distribution="sglang",
+            versions=supported(">=0.5.3"),
+            check=_callable_check("_check_scheme_supported"),
         ),
         PatchSpec(
-            "sim-blackwell-check", MQ, "is_blackwell_supported",
-            f"{_WHY}; 0.5.13-0.5.18 check is_blackwell_supported() and have no override_platform", "-", _NEVER,
+            "sim-blackwell-check",
+            MQ,
+            "is_blackwell_supported",
+            f"{_WHY}; 0.5.13-0.5.18 check is_blackwell_supported() and have no override_platform",
+            "-",
+            _NEVER,
             make=lambda original: lambda *args, **kwargs: True,
-            distribution="sglang", versions=">=0.5.13,<0.5.19", check=_callable_check("is_blackwell_supported"),
-        )
+            distribution="sglang",
+            versions=">=0.5.13,<0.5.19",
+            check=_callable_check("is_blackwell_supported"),
+        ),
     ]
 
 
 def ledger_rows() -> list[PatchSpec]:
     """Every simulation stand-in, attribute or not, for the ledger (patches/LEDGER.md, doctor)."""
-    return [QUANTIZER, QUANTIZER_CT] + specs() + [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
+    return (
+        [QUANTIZER, QUANTIZER_CT]
+        + specs()
+        + [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
+    )
 
 
 def loaded_globals(module: Any, caller: str) -> set[str] | None:
@@ -144,8 +195,10 @@ def quantizer_plan(module: Any) -> list[tuple[PatchSpec, str, str | None]]:
         why = f"cannot take effect: {module.__name__} has no {caller}, whose quantizer the simulation stands in for"
         return [(spec, "fails", why) for spec in mine]
     if not called & set(known):
-        why = (f"cannot take effect: {caller} calls none of {', '.join(known)} (the quantizers this simulation stands "
-               "in for): a simulated call would reach SGLang's real, CUDA-only quantizer")
+        why = (
+            f"cannot take effect: {caller} calls none of {', '.join(known)} (the quantizers this simulation stands "
+            "in for): a simulated call would reach SGLang's real, CUDA-only quantizer"
+        )
         return [(spec, "fails", why) for spec in mine]
     plan = []
     for spec in mine:
@@ -153,8 +206,14 @@ def quantizer_plan(module: Any) -> list[tuple[PatchSpec, str, str | None]]:
             other = ", ".join(sorted(called & set(known)))
             plan.append((spec, "not needed", f"{caller} in this release calls {other}, not {spec.attribute}"))
         elif spec.make is not None and spec.attribute not in vars(module):
-            plan.append((spec, "fails", f"cannot take effect: {caller} calls {spec.attribute}, but {module.__name__} "
-                                        "binds no such module global to replace"))
+            plan.append(
+                (
+                    spec,
+                    "fails",
+                    f"cannot take effect: {caller} calls {spec.attribute}, but {module.__name__} "
+                    "binds no such module global to replace",
+                )
+            )
         else:
             plan.append((spec, "applies", None))
     return plan
@@ -169,11 +228,21 @@ def quantizer_check() -> list[tuple[PatchSpec, str, str | None]]:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
             if exc.name and name.startswith(exc.name):
-                rows += [(spec, "not needed", f"this release has no {name}") for spec in QUANTIZERS if spec.module == name]
+                rows += [
+                    (spec, "not needed", f"this release has no {name}") for spec in QUANTIZERS if spec.module == name
+                ]
                 continue
-            rows += [(spec, "fails", f"cannot import {name}: {type(exc).__name__}: {exc}") for spec in QUANTIZERS if spec.module == name]
-        except Exception as exc:  # noqa: BLE001 - the reason is the finding
-            rows += [(spec, "fails", f"cannot import {name}: {type(exc).__name__}: {exc}") for spec in QUANTIZERS if spec.module == name]
+            rows += [
+                (spec, "fails", f"cannot import {name}: {type(exc).__name__}: {exc}")
+                for spec in QUANTIZERS
+                if spec.module == name
+            ]
+        except Exception as exc:
+            rows += [
+                (spec, "fails", f"cannot import {name}: {type(exc).__name__}: {exc}")
+                for spec in QUANTIZERS
+                if spec.module == name
+            ]
         else:
             rows += quantizer_plan(module)
     return rows
@@ -186,8 +255,10 @@ def _scheme_check_stand_in(original: Callable, capability: tuple[int, int]) -> C
         current = capability[0] * 10 + capability[1]
         supported = current >= min_capability
         if error and not supported:
-            raise RuntimeError(f"Quantization scheme is not supported for the current GPU. Min capability: "
-                               f"{min_capability}. Current capability: {current} (simulated).")
+            raise RuntimeError(
+                f"Quantization scheme is not supported for the current GPU. Min capability: "
+                f"{min_capability}. Current capability: {current} (simulated)."
+            )
         return supported
 
     _check_scheme_supported.__wrapped__ = original
@@ -289,13 +360,19 @@ class Simulation:
             self.patcher.note(spec, "skipped", "not needed: this release has no sglang::fp4_gemm custom op")
             return
         if _has_cpu_kernel(OP_NAME):
-            self.patcher.note(spec, "skipped", f"not needed: SGLang registered {OP_NAME} for every device (no "
-                                               "device-specific kernel), so its own Python body already runs on a CPU")
+            self.patcher.note(
+                spec,
+                "skipped",
+                f"not needed: SGLang registered {OP_NAME} for every device (no "
+                "device-specific kernel), so its own Python body already runs on a CPU",
+            )
             return
         body = _op_body(module)
         if body is None:
-            reason = (f"cannot take effect: {OP_NAME} has no CPU kernel and {module.__name__} has no Python body for it "
-                      "(neither the op's function nor flashinfer_fp4_gemm): a simulated GEMM fails in the dispatcher")
+            reason = (
+                f"cannot take effect: {OP_NAME} has no CPU kernel and {module.__name__} has no Python body for it "
+                "(neither the op's function nor flashinfer_fp4_gemm): a simulated GEMM fails in the dispatcher"
+            )
             self.patcher.note(spec, "skipped", reason)
             _LOG.warning("sm120_fp4: SIMULATION: %s %s (sglang %s)", spec.name, reason, sglang_version())
             return
@@ -323,8 +400,13 @@ class Simulation:
     def _kernel_stand_in_used(self, spec: PatchSpec, reason: str, serve: dict | None) -> None:
         self.patcher.note(spec, "applied", None)
         served = f"; it serves the CPU engine's {', '.join(sorted(serve))} in pure PyTorch" if serve else ""
-        _LOG.warning("sm120_fp4: SIMULATION: %s cannot load here (%s); SGLang imports a stand-in whose "
-                     "other functions raise when called%s", KERNEL_PACKAGE, reason, served)
+        _LOG.warning(
+            "sm120_fp4: SIMULATION: %s cannot load here (%s); SGLang imports a stand-in whose "
+            "other functions raise when called%s",
+            KERNEL_PACKAGE,
+            reason,
+            served,
+        )
 
     def undo(self) -> None:
         with self._lock:
@@ -332,9 +414,14 @@ class Simulation:
         for step in reversed(undo):
             try:
                 step()
-            except Exception as exc:  # noqa: BLE001 - every other stand-in is still undone
-                say_once(logging.WARNING, "sm120_fp4: SIMULATION: undoing %s failed (%s: %s); the other stand-ins were undone",
-                         getattr(step, "__qualname__", step), type(exc).__name__, exc)
+            except Exception as exc:
+                say_once(
+                    logging.WARNING,
+                    "sm120_fp4: SIMULATION: undoing %s failed (%s: %s); the other stand-ins were undone",
+                    getattr(step, "__qualname__", step),
+                    type(exc).__name__,
+                    exc,
+                )
 
 
 def _has_cpu_kernel(name: str) -> bool:
@@ -356,7 +443,9 @@ def _op_body(module: Any) -> Callable | None:
         code = getattr(handle, "__code__", None)
         if code is not None and "flashinfer_fp4_gemm" in code.co_names:
             return handle
-        handle = getattr(handle, "__wrapped__", None) or getattr(handle, "op_func", None) or getattr(handle, "func", None)
+        handle = (
+            getattr(handle, "__wrapped__", None) or getattr(handle, "op_func", None) or getattr(handle, "func", None)
+        )
     if hasattr(module, "flashinfer_fp4_gemm"):
         return _op_body_stand_in(module)
     return None
@@ -406,8 +495,9 @@ def _is_kernel_module(name: str) -> bool:
     return name == KERNEL_PACKAGE or name.startswith(KERNEL_PACKAGE + ".")
 
 
-def kernel_package_stand_in(used: Callable[[str], None] = lambda reason: None,
-                            serve: dict[str, Callable] | None = None) -> Callable[[], None]:
+def kernel_package_stand_in(
+    used: Callable[[str], None] = lambda reason: None, serve: dict[str, Callable] | None = None
+) -> Callable[[], None]:
     """Insert the import-time stand-in for an installed ``sgl_kernel`` that cannot load; returns its undo.
 
     Also for a test session that imports SGLang's modules on a CPU before any install() (the
@@ -476,7 +566,7 @@ class _KernelPackageFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._busy.on = True
         try:
             return importlib.import_module(KERNEL_PACKAGE)
-        except Exception as exc:  # noqa: BLE001 - any failure to load is the reason for the stand-in
+        except Exception as exc:
             for name in set(sys.modules) - before:
                 if _is_kernel_module(name):
                     del sys.modules[name]  # half-loaded submodules of the real package
@@ -512,7 +602,8 @@ class _Unavailable:
     def __call__(self, *args, **kwargs):
         raise NotImplementedError(
             f"sm120_fp4 simulation: {self._qualname} is CUDA-only and has no stand-in; the simulated FP4 path "
-            "must not call it (this is a bug in the simulation, never a result)")
+            "must not call it (this is a bug in the simulation, never a result)"
+        )
 
     def __repr__(self) -> str:
         return f"<sm120_fp4 simulation stand-in {self._qualname}>"

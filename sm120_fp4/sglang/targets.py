@@ -15,19 +15,49 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..backends.flashinfer import is_mm_fp4
-from ..patching import PatchSpec, Patcher
+from ..patching import Patcher, PatchSpec
 from ..versions import version_in
-from .autotune import RUNNER as AUTOTUNE_RUNNER, make_gate as make_autotune_gate
-from .hooks import (compressed_tensors_check, make_update_hook, make_warmup_hook, make_weights_hook,
-                    modelopt_check)
+from .autotune import RUNNER as AUTOTUNE_RUNNER
+from .autotune import make_gate as make_autotune_gate
+from .hooks import compressed_tensors_check, make_update_hook, make_warmup_hook, make_weights_hook, modelopt_check
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
-from .release import (AUTOTUNE, BASE_RUNNER, CT, CT_MOE, DISTRIBUTION, FP4_UTILS, KERNEL_OPS_GEMM, MODEL_RUNNER, MOE_RUNNER_FC, MOE_UTILS, MQ, SCHEDULER, SCHEDULER_CHECKER,
-                      SUPPORTED, WEIGHT_UPDATER, sglang_version, supported)
+from .release import (
+    AUTOTUNE,
+    BASE_RUNNER,
+    CT,
+    CT_MOE,
+    DISTRIBUTION,
+    FP4_UTILS,
+    KERNEL_OPS_GEMM,
+    MODEL_RUNNER,
+    MOE_RUNNER_FC,
+    MOE_UTILS,
+    MQ,
+    SCHEDULER,
+    SCHEDULER_CHECKER,
+    SUPPORTED,
+    WEIGHT_UPDATER,
+    sglang_version,
+    supported,
+)
 
-__all__ = ["Wiring", "TARGETS", "specs", "idle_specs", "idle_spec", "pin_runner_backend", "apply_env_knobs", "ledger_rows", "ENUM_PIN",
-           "LEGACY_KNOB_SPEC", "KNOWN_RUNNERS", "runner_backend_problem", "unknown_backend_problem",
-           "unverified_argument_problem"]
+__all__ = [
+    "Wiring",
+    "TARGETS",
+    "specs",
+    "idle_specs",
+    "idle_spec",
+    "pin_runner_backend",
+    "apply_env_knobs",
+    "ledger_rows",
+    "ENUM_PIN",
+    "LEGACY_KNOB_SPEC",
+    "KNOWN_RUNNERS",
+    "runner_backend_problem",
+    "unknown_backend_problem",
+    "unverified_argument_problem",
+]
 
 _LOG = logging.getLogger("sm120_fp4")
 LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
@@ -38,7 +68,9 @@ _ALIAS_WHY = (
     "SGLang never passes out, and nothing checks the numbers; route to the backend verified on "
     "this GPU with alpha and a contiguous out"
 )
-_ALIAS_MISSING = "SGLang binds it only when `from flashinfer import mm_fp4` succeeds: is FlashInfer installed and importable?"
+_ALIAS_MISSING = (
+    "SGLang binds it only when `from flashinfer import mm_fp4` succeeds: is FlashInfer installed and importable?"
+)
 _ALIAS_UPSTREAM = "flashinfer#2577 (all zeros), flashinfer#3398 (zeros at some M), sglang#20043 / PR 20047 (NaN rows)"
 _ALIAS_REMOVE = (
     "when SGLang passes an explicit, verified backend with alpha and out on SM12x and checks the "
@@ -95,9 +127,11 @@ _WEIGHTS_WHY = (
     "scale dtypes, its own weights) through SGLang's own apply at every batch-size bucket, "
     "before SGLang serves or captures CUDA graphs"
 )
-_UPDATE_WHY = ("SGLang writes weights in place (param.data, no version bump): drop the caches of dequantized weights "
-               "first, and verify every layer whose weights changed (its light check, its configuration's sweep, a new "
-               "fingerprint) before it serves again; without this the re-check would refuse the new weights as corrupted")
+_UPDATE_WHY = (
+    "SGLang writes weights in place (param.data, no version bump): drop the caches of dequantized weights "
+    "first, and verify every layer whose weights changed (its light check, its configuration's sweep, a new "
+    "fingerprint) before it serves again; without this the re-check would refuse the new weights as corrupted"
+)
 _KDA_WHY = (
     "0.5.20+: SGLang's fp4_gemm op first tries its own KDA NVFP4 GEMM (try_qwen3x_nvfp4_gemm: CuTe DSL, compute "
     "capability 12.0, fixed Qwen3.x shapes at M 1, 2, 4, 8 and one more) and returns its output without reaching the "
@@ -113,12 +147,19 @@ _AUTOTUNE_WHY = (
     "with a backend FlashInfer tunes (dense cutlass or b12x, MoE cutlass), say yes, as for an explicit "
     f"--moe-runner-backend {AUTOTUNE_RUNNER} ModelOpt configuration; otherwise SGLang's answer, unchanged"
 )
-_AUTOTUNE = dict(versions=">=0.5.15",
-                 upstream="no upstream issue; SGLang's gate reads the runner string and the quantization name only",
-                 remove_when="when SGLang's autotune gate asks the NVFP4 layers' resolved backends instead of the strings")
+_AUTOTUNE = dict(
+    versions=">=0.5.15",
+    upstream="no upstream issue; SGLang's gate reads the runner string and the quantization name only",
+    remove_when="when SGLang's autotune gate asks the NVFP4 layers' resolved backends instead of the strings",
+)
 _MOE_REMOVE = "when SGLang verifies its fused-MoE output at start-up on SM12x"
-_CAPTURE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x")
-_UPDATE = dict(upstream="no upstream check exists", remove_when="when SGLang verifies FP4 output after its weight updates on SM12x")
+_CAPTURE = dict(
+    upstream="no upstream check exists",
+    remove_when="when SGLang verifies FP4 GEMM output after CUDA-graph capture on SM12x",
+)
+_UPDATE = dict(
+    upstream="no upstream check exists", remove_when="when SGLang verifies FP4 output after its weight updates on SM12x"
+)
 
 
 def _is_the_alias(original: object) -> str | None:
@@ -140,81 +181,221 @@ def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
 # Every runtime patch target of every supported release, in the order they are applied: (what
 # replaces it -- a key of _makers --, the target with its version guard and its ledger text).
 TARGETS: tuple[tuple[str, PatchSpec], ...] = (
-    _target("dispatch", name="flashinfer-fp4-gemm-alias", module=MQ, attribute="flashinfer_fp4_gemm", check=_is_the_alias,
-            when_missing=_ALIAS_MISSING, versions=">=0.5.8", why=_ALIAS_WHY, upstream=_ALIAS_UPSTREAM,
-            remove_when=_ALIAS_REMOVE),
-    _target("dispatch", name="fp4-gemm-alias-legacy", module=MQ, attribute="fp4_gemm", check=_is_the_alias,
-            when_missing=_ALIAS_MISSING, versions=">=0.5.3,<0.5.8",
-            why=_ALIAS_WHY + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly in 0.5.5, through the sglang::fp4_gemm op from 0.5.5.post3)",
-            upstream=_ALIAS_UPSTREAM, remove_when=_ALIAS_REMOVE),
-    _target("decline", name="kda-nvfp4-gemm-fast-path-declined", module=KERNEL_OPS_GEMM, attribute="try_qwen3x_nvfp4_gemm",
-            versions=">=0.5.20", check=_is_callable, why=_KDA_WHY,
-            upstream="no upstream check of this kernel's output on the device exists",
-            remove_when="when this kernel is a verified candidate of the dense family (self-test, layer checks)"),
-    _target("autotune-gate", name="flashinfer-autotune-gate", module=AUTOTUNE, attribute="should_run_flashinfer_autotune",
-            why=_AUTOTUNE_WHY + " (the module's function: the speculative draft's warm-up calls it through the module)",
-            check=_is_callable, **_AUTOTUNE),
-    _target("autotune-gate", name="flashinfer-autotune-gate-base-runner", module=BASE_RUNNER,
-            attribute="should_run_flashinfer_autotune",
-            why=_AUTOTUNE_WHY + " (base_runner's own name for it: BaseRunner._warmup calls it, imported by name)",
-            check=_is_callable, **_AUTOTUNE),
-    _target("modelopt-weights", name="modelopt-fp4-weights-hook", module=MQ,
-            attribute="ModelOptFp4LinearMethod.process_weights_after_loading", versions=SUPPORTED, why=_WEIGHTS_WHY,
-            upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
-            remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x"),
-    _target("compressed-tensors-weights", name="compressed-tensors-w4a4-weights-hook", module=CT,
-            attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading", versions=">=0.5.7",
-            why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)", upstream="no upstream start-up check exists",
-            remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x"),
-    _target("recheck", name="post-warmup-recheck", module=MODEL_RUNNER, attribute="ModelRunner.init_cuda_graphs",
-            versions=">=0.5.14", why=_WARMUP_WHY, **_CAPTURE),
-    _target("recheck", name="post-warmup-recheck-legacy", module=MODEL_RUNNER, attribute="ModelRunner.init_device_graphs",
-            versions=">=0.5.3,<0.5.14", why=_WARMUP_WHY + " (0.5.3-0.5.13 name the method init_device_graphs)", **_CAPTURE),
-    _target("moe-runner-config", name="moe-runner-config-hook", module=MOE_UTILS, attribute="initialize_moe_config",
-            versions=SEAM_VERSIONS,
-            why=("after SGLang initialises its MoE config in each scheduler, pin the runner 'auto' to flashinfer_cutlass "
-                 "for an NVFP4 checkpoint on a served device (moe-runner-backend-pin): 'auto' would serve NVFP4 MoE "
-                 "with flashinfer_trtllm, which does not run on SM12x"),
-            upstream=MOE_RUNNER_PIN.upstream, remove_when=MOE_RUNNER_PIN.remove_when),
-    _target("moe-seam", name="fused-moe-kernel-seam", module=MOE_RUNNER_FC, attribute="_flashinfer_cutlass_fused_moe",
-            versions=SEAM_VERSIONS,
-            why=("SGLang's NVFP4 MoE calls FlashInfer's cutlass_fused_moe through this lookup; route NVFP4 calls to the "
-                 "MoE backend verified on this GPU (bf16/fp8/MXFP4 calls go to FlashInfer unchanged)"),
-            upstream="flashinfer PR 3533 (rows 64-127 of a tile zeroed on SM120), flashinfer#2723 (grouped GEMM garbage), #5446",
-            remove_when=_MOE_REMOVE),
-    _target("modelopt-moe-weights", name="modelopt-nvfp4-moe-weights-hook", module=MQ,
-            attribute="ModelOptNvFp4FusedMoEMethod.process_weights_after_loading", versions=SUPPORTED,
-            why=_MOE_WHY + f" (releases outside {SEAM_VERSIONS} have no seam: the layer is refused unless SELFTEST says otherwise)",
-            upstream="no upstream start-up check exists", remove_when=_MOE_REMOVE),
-    _target("compressed-tensors-moe-weights", name="compressed-tensors-nvfp4-moe-weights-hook", module=CT_MOE,
-            attribute="CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading", versions=">=0.5.9",
-            why=_MOE_WHY + " (compressed-tensors W4A4 NVFP4 MoE checkpoints: one activation scale per expert)",
-            upstream="no upstream start-up check exists", remove_when=_MOE_REMOVE),
+    _target(
+        "dispatch",
+        name="flashinfer-fp4-gemm-alias",
+        module=MQ,
+        attribute="flashinfer_fp4_gemm",
+        check=_is_the_alias,
+        when_missing=_ALIAS_MISSING,
+        versions=">=0.5.8",
+        why=_ALIAS_WHY,
+        upstream=_ALIAS_UPSTREAM,
+        remove_when=_ALIAS_REMOVE,
+    ),
+    _target(
+        "dispatch",
+        name="fp4-gemm-alias-legacy",
+        module=MQ,
+        attribute="fp4_gemm",
+        check=_is_the_alias,
+        when_missing=_ALIAS_MISSING,
+        versions=">=0.5.3,<0.5.8",
+        why=_ALIAS_WHY
+        + " (0.5.3-0.5.7 name the alias fp4_gemm; apply() calls it, directly in 0.5.5, through the sglang::fp4_gemm op from 0.5.5.post3)",
+        upstream=_ALIAS_UPSTREAM,
+        remove_when=_ALIAS_REMOVE,
+    ),
+    _target(
+        "decline",
+        name="kda-nvfp4-gemm-fast-path-declined",
+        module=KERNEL_OPS_GEMM,
+        attribute="try_qwen3x_nvfp4_gemm",
+        versions=">=0.5.20",
+        check=_is_callable,
+        why=_KDA_WHY,
+        upstream="no upstream check of this kernel's output on the device exists",
+        remove_when="when this kernel is a verified candidate of the dense family (self-test, layer checks)",
+    ),
+    _target(
+        "autotune-gate",
+        name="flashinfer-autotune-gate",
+        module=AUTOTUNE,
+        attribute="should_run_flashinfer_autotune",
+        why=_AUTOTUNE_WHY + " (the module's function: the speculative draft's warm-up calls it through the module)",
+        check=_is_callable,
+        **_AUTOTUNE,
+    ),
+    _target(
+        "autotune-gate",
+        name="flashinfer-autotune-gate-base-runner",
+        module=BASE_RUNNER,
+        attribute="should_run_flashinfer_autotune",
+        why=_AUTOTUNE_WHY + " (base_runner's own name for it: BaseRunner._warmup calls it, imported by name)",
+        check=_is_callable,
+        **_AUTOTUNE,
+    ),
+    _target(
+        "modelopt-weights",
+        name="modelopt-fp4-weights-hook",
+        module=MQ,
+        attribute="ModelOptFp4LinearMethod.process_weights_after_loading",
+        versions=SUPPORTED,
+        why=_WEIGHTS_WHY,
+        upstream="no upstream start-up check exists (SGLang's warmup checks HTTP 200 only)",
+        remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x",
+    ),
+    _target(
+        "compressed-tensors-weights",
+        name="compressed-tensors-w4a4-weights-hook",
+        module=CT,
+        attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading",
+        versions=">=0.5.7",
+        why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)",
+        upstream="no upstream start-up check exists",
+        remove_when="when SGLang verifies FP4 GEMM output at start-up on SM12x",
+    ),
+    _target(
+        "recheck",
+        name="post-warmup-recheck",
+        module=MODEL_RUNNER,
+        attribute="ModelRunner.init_cuda_graphs",
+        versions=">=0.5.14",
+        why=_WARMUP_WHY,
+        **_CAPTURE,
+    ),
+    _target(
+        "recheck",
+        name="post-warmup-recheck-legacy",
+        module=MODEL_RUNNER,
+        attribute="ModelRunner.init_device_graphs",
+        versions=">=0.5.3,<0.5.14",
+        why=_WARMUP_WHY + " (0.5.3-0.5.13 name the method init_device_graphs)",
+        **_CAPTURE,
+    ),
+    _target(
+        "moe-runner-config",
+        name="moe-runner-config-hook",
+        module=MOE_UTILS,
+        attribute="initialize_moe_config",
+        versions=SEAM_VERSIONS,
+        why=(
+            "after SGLang initialises its MoE config in each scheduler, pin the runner 'auto' to flashinfer_cutlass "
+            "for an NVFP4 checkpoint on a served device (moe-runner-backend-pin): 'auto' would serve NVFP4 MoE "
+            "with flashinfer_trtllm, which does not run on SM12x"
+        ),
+        upstream=MOE_RUNNER_PIN.upstream,
+        remove_when=MOE_RUNNER_PIN.remove_when,
+    ),
+    _target(
+        "moe-seam",
+        name="fused-moe-kernel-seam",
+        module=MOE_RUNNER_FC,
+        attribute="_flashinfer_cutlass_fused_moe",
+        versions=SEAM_VERSIONS,
+        why=(
+            "SGLang's NVFP4 MoE calls FlashInfer's cutlass_fused_moe through this lookup; route NVFP4 calls to the "
+            "MoE backend verified on this GPU (bf16/fp8/MXFP4 calls go to FlashInfer unchanged)"
+        ),
+        upstream="flashinfer PR 3533 (rows 64-127 of a tile zeroed on SM120), flashinfer#2723 (grouped GEMM garbage), #5446",
+        remove_when=_MOE_REMOVE,
+    ),
+    _target(
+        "modelopt-moe-weights",
+        name="modelopt-nvfp4-moe-weights-hook",
+        module=MQ,
+        attribute="ModelOptNvFp4FusedMoEMethod.process_weights_after_loading",
+        versions=SUPPORTED,
+        why=_MOE_WHY
+        + f" (releases outside {SEAM_VERSIONS} have no seam: the layer is refused unless SELFTEST says otherwise)",
+        upstream="no upstream start-up check exists",
+        remove_when=_MOE_REMOVE,
+    ),
+    _target(
+        "compressed-tensors-moe-weights",
+        name="compressed-tensors-nvfp4-moe-weights-hook",
+        module=CT_MOE,
+        attribute="CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading",
+        versions=">=0.5.9",
+        why=_MOE_WHY + " (compressed-tensors W4A4 NVFP4 MoE checkpoints: one activation scale per expert)",
+        upstream="no upstream start-up check exists",
+        remove_when=_MOE_REMOVE,
+    ),
     # The scheduler's capture calls, so that the draft model's graphs are re-checked too.
-    _target("recheck", name="post-capture-recheck-all-graphs", module=SCHEDULER, attribute="Scheduler.init_all_cuda_graphs",
-            versions=">=0.5.14",
-            why=_WARMUP_WHY + " (once, after the target's and the speculative draft model's graphs are all captured: the "
-                "draft worker captures its own decode and draft-extend graphs after its model runner's)", **_CAPTURE),
-    _target("recheck", name="post-capture-recheck-model-workers", module=SCHEDULER, attribute="Scheduler.init_model_worker",
-            versions=">=0.5.7,<0.5.14",
-            why=_WARMUP_WHY + " (once, after the target and the speculative draft workers are built: 0.5.7-0.5.13 "
-                "capture graphs while building them, the draft worker's own graphs in its constructor)", **_CAPTURE),
+    _target(
+        "recheck",
+        name="post-capture-recheck-all-graphs",
+        module=SCHEDULER,
+        attribute="Scheduler.init_all_cuda_graphs",
+        versions=">=0.5.14",
+        why=_WARMUP_WHY + " (once, after the target's and the speculative draft model's graphs are all captured: the "
+        "draft worker captures its own decode and draft-extend graphs after its model runner's)",
+        **_CAPTURE,
+    ),
+    _target(
+        "recheck",
+        name="post-capture-recheck-model-workers",
+        module=SCHEDULER,
+        attribute="Scheduler.init_model_worker",
+        versions=">=0.5.7,<0.5.14",
+        why=_WARMUP_WHY + " (once, after the target and the speculative draft workers are built: 0.5.7-0.5.13 "
+        "capture graphs while building them, the draft worker's own graphs in its constructor)",
+        **_CAPTURE,
+    ),
     # SGLang's weight-update calls: ModelRunner's up to 0.5.15, its WeightUpdater component from 0.5.16.
-    *(_target("weights-update", name=f"reverify-after-{method.replace('_', '-')}", module=MODEL_RUNNER,
-              attribute=f"ModelRunner.{method}", versions=versions, why=_UPDATE_WHY, **_UPDATE)
-      for method, versions in (("update_weights_from_disk", ">=0.5.3,<0.5.16"), ("update_weights_from_tensor", ">=0.5.3,<0.5.16"),
-                               ("update_weights_from_distributed", ">=0.5.3,<0.5.16"), ("update_weights_from_ipc", ">=0.5.4,<0.5.16"))),
-    *(_target("weights-update", name=f"reverify-after-{method.replace('_', '-')}-component", module=WEIGHT_UPDATER,
-              attribute=f"WeightUpdater.{method}", versions=versions, why=_UPDATE_WHY, **_UPDATE)
-      for method, versions in (("update_weights_from_disk", ">=0.5.16"), ("update_weights_from_tensor", ">=0.5.16"),
-                               ("update_weights_from_ipc", ">=0.5.16"), ("update_weights_from_distributed", ">=0.5.16,<0.5.21"),
-                               ("load_weights_from_distributed", ">=0.5.21"))),
-    _target("weights-update-begin", name="weight-update-session-begin", module=WEIGHT_UPDATER,
-            attribute="WeightUpdater.begin_weight_update", versions=">=0.5.21",
-            why=_UPDATE_WHY + " (a weight-update session: tensor and distributed loads run between begin and end)", **_UPDATE),
-    _target("weights-update-end", name="weight-update-session-end", module=WEIGHT_UPDATER,
-            attribute="WeightUpdater.end_weight_update", versions=">=0.5.21",
-            why=_UPDATE_WHY + " (the session's end, after SGLang post-processes the new weights)", **_UPDATE),
+    *(
+        _target(
+            "weights-update",
+            name=f"reverify-after-{method.replace('_', '-')}",
+            module=MODEL_RUNNER,
+            attribute=f"ModelRunner.{method}",
+            versions=versions,
+            why=_UPDATE_WHY,
+            **_UPDATE,
+        )
+        for method, versions in (
+            ("update_weights_from_disk", ">=0.5.3,<0.5.16"),
+            ("update_weights_from_tensor", ">=0.5.3,<0.5.16"),
+            ("update_weights_from_distributed", ">=0.5.3,<0.5.16"),
+            ("update_weights_from_ipc", ">=0.5.4,<0.5.16"),
+        )
+    ),
+    *(
+        _target(
+            "weights-update",
+            name=f"reverify-after-{method.replace('_', '-')}-component",
+            module=WEIGHT_UPDATER,
+            attribute=f"WeightUpdater.{method}",
+            versions=versions,
+            why=_UPDATE_WHY,
+            **_UPDATE,
+        )
+        for method, versions in (
+            ("update_weights_from_disk", ">=0.5.16"),
+            ("update_weights_from_tensor", ">=0.5.16"),
+            ("update_weights_from_ipc", ">=0.5.16"),
+            ("update_weights_from_distributed", ">=0.5.16,<0.5.21"),
+            ("load_weights_from_distributed", ">=0.5.21"),
+        )
+    ),
+    _target(
+        "weights-update-begin",
+        name="weight-update-session-begin",
+        module=WEIGHT_UPDATER,
+        attribute="WeightUpdater.begin_weight_update",
+        versions=">=0.5.21",
+        why=_UPDATE_WHY + " (a weight-update session: tensor and distributed loads run between begin and end)",
+        **_UPDATE,
+    ),
+    _target(
+        "weights-update-end",
+        name="weight-update-session-end",
+        module=WEIGHT_UPDATER,
+        attribute="WeightUpdater.end_weight_update",
+        versions=">=0.5.21",
+        why=_UPDATE_WHY + " (the session's end, after SGLang post-processes the new weights)",
+        **_UPDATE,
+    ),
 )
 
 
@@ -269,16 +450,42 @@ def idle_specs(run: Callable) -> list[PatchSpec]:
     make = functools.partial(make_idle_hook, run=run)
     where = [
         ("scheduler-idle-canary", SCHEDULER, "Scheduler.on_idle", ">=0.5.13", ""),
-        ("scheduler-idle-canary-mixin", SCHEDULER_CHECKER, "SchedulerRuntimeCheckerMixin.on_idle", ">=0.5.11,<0.5.13",
-         " (0.5.11-0.5.12: on the runtime-checker mixin the Scheduler inherits it from)"),
-        ("scheduler-idle-canary-self-check", SCHEDULER_CHECKER, "SchedulerRuntimeCheckerMixin.self_check_during_idle",
-         ">=0.5.4,<0.5.11", " (0.5.4-0.5.10 name it self_check_during_idle, on the runtime-checker mixin)"),
-        ("scheduler-idle-canary-legacy", SCHEDULER, "Scheduler.self_check_during_idle", ">=0.5.3,<0.5.4",
-         " (0.5.3 names it self_check_during_idle, on the Scheduler)"),
+        (
+            "scheduler-idle-canary-mixin",
+            SCHEDULER_CHECKER,
+            "SchedulerRuntimeCheckerMixin.on_idle",
+            ">=0.5.11,<0.5.13",
+            " (0.5.11-0.5.12: on the runtime-checker mixin the Scheduler inherits it from)",
+        ),
+        (
+            "scheduler-idle-canary-self-check",
+            SCHEDULER_CHECKER,
+            "SchedulerRuntimeCheckerMixin.self_check_during_idle",
+            ">=0.5.4,<0.5.11",
+            " (0.5.4-0.5.10 name it self_check_during_idle, on the runtime-checker mixin)",
+        ),
+        (
+            "scheduler-idle-canary-legacy",
+            SCHEDULER,
+            "Scheduler.self_check_during_idle",
+            ">=0.5.3,<0.5.4",
+            " (0.5.3 names it self_check_during_idle, on the Scheduler)",
+        ),
     ]
-    return [PatchSpec(name=name, module=module, attribute=attribute, make=make, distribution=DISTRIBUTION, versions=supported(versions),
-                      why=_IDLE_WHY + note, upstream=_IDLE_UPSTREAM, remove_when=_IDLE_REMOVE)
-            for name, module, attribute, versions, note in where]
+    return [
+        PatchSpec(
+            name=name,
+            module=module,
+            attribute=attribute,
+            make=make,
+            distribution=DISTRIBUTION,
+            versions=supported(versions),
+            why=_IDLE_WHY + note,
+            upstream=_IDLE_UPSTREAM,
+            remove_when=_IDLE_REMOVE,
+        )
+        for name, module, attribute, versions, note in where
+    ]
 
 
 def idle_spec(run: Callable, version: str | None = None) -> PatchSpec | None:
@@ -320,7 +527,9 @@ LEGACY_KNOB_SPEC = PatchSpec(
 # FLASHINFER_CUTLASS, whose calls are routed and verified; TRTLLM (shuffled weights), CUTEDSL and MARLIN
 # are the operator's choice of another layout or path, never changed. Any other value (a member added
 # after this library, e.g. FLASHINFER_B12X) prepares a layout this library has never read: refused.
-KNOWN_RUNNERS = frozenset({"auto", "flashinfer_cudnn", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl", "marlin"})
+KNOWN_RUNNERS = frozenset(
+    {"auto", "flashinfer_cudnn", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl", "marlin"}
+)
 DENSE_FLAG = "--fp4-gemm-backend flashinfer_cutlass"
 
 
@@ -334,28 +543,34 @@ def runner_backend_problem() -> str | None:
         return None
     try:
         flashinfer = current.get_flashinfer_backend()
-    except Exception:  # noqa: BLE001 - a member whose mapping fails is still named
+    except Exception:
         flashinfer = "?"
-    return (f"SGLang's FP4 GEMM runner backend is {current} ({value!r}, FlashInfer backend {flashinfer!r}), which this "
-            "sm120_fp4 does not know: neither the weight layout SGLang prepares for it nor the kernel is verified on this "
-            f"GPU. Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4")
+    return (
+        f"SGLang's FP4 GEMM runner backend is {current} ({value!r}, FlashInfer backend {flashinfer!r}), which this "
+        "sm120_fp4 does not know: neither the weight layout SGLang prepares for it nor the kernel is verified on this "
+        f"GPU. Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4"
+    )
 
 
 def unknown_backend_problem(index: int, backend: object) -> str:
     """Why a FlashInfer mm_fp4 call naming `backend` on served device `index` is not served: a backend
     name this library does not route, nor leave to SGLang on purpose."""
-    return (f"SGLang called FlashInfer's mm_fp4 with backend={backend!r} on device {index}, a backend this sm120_fp4 "
-            "does not know: neither the weight layout SGLang prepared for it nor the kernel is verified on this GPU. "
-            f"Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4")
+    return (
+        f"SGLang called FlashInfer's mm_fp4 with backend={backend!r} on device {index}, a backend this sm120_fp4 "
+        "does not know: neither the weight layout SGLang prepared for it nor the kernel is verified on this GPU. "
+        f"Start SGLang with {DENSE_FLAG} (routed to the backend verified here), or upgrade sm120_fp4"
+    )
 
 
 def unverified_argument_problem(index: int, name: str, value: object) -> str:
     """Why a FlashInfer mm_fp4 call on served device `index` with argument `name`=`value` is not served: the
     backend routed there was verified for NVFP4 (block_size 16, the 128x4 scale layout) without that argument."""
-    return (f"SGLang called FlashInfer's mm_fp4 with {name}={value!r} on device {index}: the FP4 GEMM backend verified "
-            "on this GPU was verified for NVFP4 calls with block_size=16, the 128x4 scale layout and no such argument, "
-            "so it would reach FlashInfer's own kernel unverified. Upgrade sm120_fp4 to a release that knows this argument, "
-            "or set SM120_FP4_SELFTEST=warn to serve it unverified")
+    return (
+        f"SGLang called FlashInfer's mm_fp4 with {name}={value!r} on device {index}: the FP4 GEMM backend verified "
+        "on this GPU was verified for NVFP4 calls with block_size=16, the 128x4 scale layout and no such argument, "
+        "so it would reach FlashInfer's own kernel unverified. Upgrade sm120_fp4 to a release that knows this argument, "
+        "or set SM120_FP4_SELFTEST=warn to serve it unverified"
+    )
 
 
 def pin_runner_backend(patcher: Patcher) -> None:
@@ -388,5 +603,8 @@ def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[]
 def ledger_rows() -> list[PatchSpec]:
     """Every runtime patch target, for the ledger and `doctor` (one source of truth)."""
     noop = lambda *args, **kwargs: None  # noqa: E731
-    return specs(Wiring(noop, noop, noop, noop, noop, noop, noop, noop)) + [
-        ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY] + idle_specs(noop)
+    return (
+        specs(Wiring(noop, noop, noop, noop, noop, noop, noop, noop))
+        + [ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY]
+        + idle_specs(noop)
+    )

@@ -59,8 +59,11 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         refuse(layer_what(kind, layer), hooks.layer_scales_problem(kind, method, layer))
 
     def unknown_backend(index: int, name: str, value: object) -> None:
-        problem = (targets.unknown_backend_problem(index, value) if name == "backend"
-                   else targets.unverified_argument_problem(index, name, value))
+        problem = (
+            targets.unknown_backend_problem(index, value)
+            if name == "backend"
+            else targets.unverified_argument_problem(index, name, value)
+        )
         refuse(f"an FP4 GEMM on device {index}", problem)
 
     def make_dispatch(original):
@@ -71,9 +74,12 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     def declined(index: int) -> None:
         if index not in declined_on:  # once per device: this runs at every FP4 GEMM call
             declined_on.add(index)
-            _LOG.info("sm120_fp4: SGLang's KDA NVFP4 GEMM fast path (%s.try_qwen3x_nvfp4_gemm) is not used on device %d: "
-                      "that kernel is not verified here; its calls go to the routed, verified FP4 GEMM", targets.KERNEL_OPS_GEMM,
-                      index)
+            _LOG.info(
+                "sm120_fp4: SGLang's KDA NVFP4 GEMM fast path (%s.try_qwen3x_nvfp4_gemm) is not used on device %d: "
+                "that kernel is not verified here; its calls go to the routed, verified FP4 GEMM",
+                targets.KERNEL_OPS_GEMM,
+                index,
+            )
 
     def make_decline(original):
         return router.make_decline(original, declined)
@@ -107,8 +113,11 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         try:
             quant = checkpoints.read_quantization(model_path) if model_path else None
         except ConfigError as exc:
-            _LOG.warning("sm120_fp4: cannot read the checkpoint's quantization (%s); SGLang's MoE runner is left as "
-                         "it is, and each NVFP4 MoE layer's runner is checked when it loads", exc)
+            _LOG.warning(
+                "sm120_fp4: cannot read the checkpoint's quantization (%s); SGLang's MoE runner is left as "
+                "it is, and each NVFP4 MoE layer's runner is checked when it loads",
+                exc,
+            )
             return
         if quant is not None and quant.nvfp4:
             moe.pin_auto_runner(patcher)
@@ -118,7 +127,9 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
 
     idle = targets.idle_spec(canary.idle) if canary is not None and settings.canary_period is not None else None
     if settings.canary_period is not None and idle is None:
-        raise ConfigError(f"invalid sm120_fp4 settings:\n  {idle_point_problem(settings) or 'the serving canary is not wired'}")
+        raise ConfigError(
+            f"invalid sm120_fp4 settings:\n  {idle_point_problem(settings) or 'the serving canary is not wired'}"
+        )
 
     def recheck(captured: list[int]) -> object:
         done = serving.recheck(settings, captured)
@@ -133,9 +144,20 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
 
         return tunable_backends({f: serving.routes(f) for f in ("dense", "moe")}, _current_index(settings))
 
-    wiring = targets.Wiring(make_dispatch, before, weights_scope, verify, recheck, moe_seam, before_moe, pin_moe_runner,
-                            serving.weights_update_begin, lambda: serving.weights_update_end(settings),
-                            make_decline=make_decline, tuned_families=tuned_families)
+    wiring = targets.Wiring(
+        make_dispatch,
+        before,
+        weights_scope,
+        verify,
+        recheck,
+        moe_seam,
+        before_moe,
+        pin_moe_runner,
+        serving.weights_update_begin,
+        lambda: serving.weights_update_end(settings),
+        make_decline=make_decline,
+        tuned_families=tuned_families,
+    )
     specs = targets.specs(wiring)
     if idle is not None:
         canary.configure(settings, f"{idle.module}.{idle.attribute}")
@@ -159,9 +181,11 @@ def idle_point_problem(settings) -> str | None:
     if settings.canary_period is None or targets.idle_spec(lambda stream: None) is not None:
         return None
     known = ", ".join(f"{s.attribute} ({s.versions})" for s in targets.idle_specs(lambda stream: None))
-    return (f"SM120_FP4_CANARY={settings.canary_period:g} is not available with SGLang {sglang_version()}: its "
-            f"scheduler loop has no idle point sm120_fp4 can run the canary at (known: {known}); "
-            "set SM120_FP4_CANARY=off to serve without the serving canary, or use a release listed")
+    return (
+        f"SM120_FP4_CANARY={settings.canary_period:g} is not available with SGLang {sglang_version()}: its "
+        f"scheduler loop has no idle point sm120_fp4 can run the canary at (known: {known}); "
+        "set SM120_FP4_CANARY=off to serve without the serving canary, or use a release listed"
+    )
 
 
 def _require_idle_hook(patcher, spec, settings) -> None:
@@ -176,7 +200,8 @@ def _require_idle_hook(patcher, spec, settings) -> None:
     raise RefusedToServe(
         f"sm120_fp4: refusing to serve: SM120_FP4_CANARY={settings.canary_period:g} is on, but the serving canary's idle "
         f"hook ({spec.module}.{spec.attribute}, patch {spec.name}) is not in place in this scheduler process ({state}); "
-        "nothing would run the canary. Set SM120_FP4_CANARY=off to serve without it, or report this SGLang release.")
+        "nothing would run the canary. Set SM120_FP4_CANARY=off to serve without it, or report this SGLang release."
+    )
 
 
 def _current_index(settings) -> int:

@@ -5,7 +5,11 @@ thread and only observes it; :mod:`.data` makes the check data; :mod:`.fingerpri
 fingerprints; :mod:`.dense` and :mod:`.moe` the self-tests of the two families.
 """
 
-from . import data as _data, dense as _dense, engine as _engine, fingerprint as _fingerprint, moe as _moe
+from . import data as _data
+from . import dense as _dense
+from . import engine as _engine
+from . import fingerprint as _fingerprint
+from . import moe as _moe
 from . import watchdog as _watchdog
 from .data import *  # noqa: F403
 from .dense import *  # noqa: F403

@@ -1,5 +1,4 @@
-"""The check data: structured and seeded activations, and quantized GEMM inputs.
-"""
+"""The check data: structured and seeded activations, and quantized GEMM inputs."""
 
 from __future__ import annotations
 
@@ -33,13 +32,21 @@ def _row_ranges(rows: list[int], limit: int = 4) -> str:
     return text + (", ..." if len(spans) > limit else "")
 
 
-ROW_KINDS = ("gaussian", "gaussian, an octave apart", "ReLU^2 (non-negative, half zero)", "sparse (90% zero)",
-             "sign-structured (one sign per 16-block)", "outliers (1e3-1e4 x the rest)",
-             "tiny (subnormal E4M3 block scales)", "half tiny, half normal blocks")
+ROW_KINDS = (
+    "gaussian",
+    "gaussian, an octave apart",
+    "ReLU^2 (non-negative, half zero)",
+    "sparse (90% zero)",
+    "sign-structured (one sign per 16-block)",
+    "outliers (1e3-1e4 x the rest)",
+    "tiny (subnormal E4M3 block scales)",
+    "half tiny, half normal blocks",
+)
 
 
-def structured_activations(rows: int, cols: int, amax: float, generator: torch.Generator,
-                           device: torch.device | str = "cpu") -> torch.Tensor:
+def structured_activations(
+    rows: int, cols: int, amax: float, generator: torch.Generator, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Float32 activations (rows, cols) in [-amax, amax] whose row i is of kind ROW_KINDS[i % 8]:
     what models feed a GEMM besides Gaussian noise (ReLU^2 MLPs, sparse and one-signed rows, rare
     outliers 1e3-1e4 times the rest of their row, rows so small that their NVFP4 block scales are

@@ -1,5 +1,4 @@
-"""The dense self-test: one backend on one device over several GEMM shapes, against the oracle.
-"""
+"""The dense self-test: one backend on one device over several GEMM shapes, against the oracle."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import torch
 from .. import backends, nvfp4
 from ..devices import Device
 from ..errors import SelfTestError
+from .data import Shape, quantized_inputs
 from .engine import (
     Bounds,
     Case,
@@ -22,7 +22,6 @@ from .engine import (
     report_for,
     sweep,
 )
-from .data import Shape, quantized_inputs
 
 __all__ = [
     "DEFAULT_SHAPES",
@@ -35,14 +34,26 @@ __all__ = [
 DEFAULT_SHAPES: tuple[Shape, ...] = ((1, 96, 1056), (7, 224, 160), (129, 160, 480), (2500, 96, 160))
 
 
-def _backend_cases(fn: Callable, shapes: tuple[Shape, ...], device: torch.device, seed: int, dtype: torch.dtype) -> list[Case]:
+def _backend_cases(
+    fn: Callable, shapes: tuple[Shape, ...], device: torch.device, seed: int, dtype: torch.dtype
+) -> list[Case]:
     cases = []
     for i, (m, n, k) in enumerate(shapes):
         _, _, args = quantized_inputs((m, n, k), device, seed + i)
         ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
         out = torch.empty((m, n), dtype=dtype, device=device)
-        cases.append(Case(m, n, k, functools.partial(fn, *args, dtype, out), ref, inputs=args, out=out,
-                          twin=functools.partial(_negated, fn, args, dtype, out, ref)))
+        cases.append(
+            Case(
+                m,
+                n,
+                k,
+                functools.partial(fn, *args, dtype, out),
+                ref,
+                inputs=args,
+                out=out,
+                twin=functools.partial(_negated, fn, args, dtype, out, ref),
+            )
+        )
     return cases
 
 
@@ -50,7 +61,9 @@ def _negated(fn: Callable, args: tuple, dtype: torch.dtype, out: torch.Tensor, r
     """The same call with the activation negated (every FP4 code's sign bit flipped): exactly -ref."""
     a = args[0] ^ 0x88
     m, n = out.shape
-    return Case(m, n, a.shape[1] * 2, functools.partial(fn, a, *args[1:], dtype, out), -ref, inputs=(a, *args[1:]), out=out)
+    return Case(
+        m, n, a.shape[1] * 2, functools.partial(fn, a, *args[1:], dtype, out), -ref, inputs=(a, *args[1:]), out=out
+    )
 
 
 def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:
@@ -63,7 +76,9 @@ def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: 
         return QuantizerCheck(name=name, passed=False, reason=f"raised {type(exc).__name__}: {exc}")
     got_q, got_s = got_q.view(torch.uint8), got_s.view(torch.uint8)
     if got_q.shape != want_q.shape or got_s.numel() != want_s.numel():
-        return QuantizerCheck(name=name, passed=False, reason=f"shapes {tuple(got_q.shape)}/{tuple(got_s.shape)} differ from nvfp4's")
+        return QuantizerCheck(
+            name=name, passed=False, reason=f"shapes {tuple(got_q.shape)}/{tuple(got_s.shape)} differ from nvfp4's"
+        )
     codes = nvfp4.unpack_nibbles(got_q) != nvfp4.unpack_nibbles(want_q)
     scales = got_s.reshape(-1) != want_s.view(torch.uint8).reshape(-1)
     code_mm, scale_mm = float(codes.float().mean()), float(scales.float().mean())
@@ -103,7 +118,12 @@ def run(
         report.reason = f"could not load backend {backend!r}: {type(exc).__name__}: {exc}"
         return report
     tdev = device.torch_device
-    results = sweep(_backend_cases(fn, shapes, tdev, seed, out_dtype), bounds, tdev, where=f" of backend {backend!r} on {device.label()}")
+    results = sweep(
+        _backend_cases(fn, shapes, tdev, seed, out_dtype),
+        bounds,
+        tdev,
+        where=f" of backend {backend!r} on {device.label()}",
+    )
     if quantizer is not None:
         report.quantizer = check_quantizer(quantizer[0], quantizer[1], tdev, seed)
     return finish(report, results, start)

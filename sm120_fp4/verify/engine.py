@@ -19,9 +19,9 @@ from pydantic import BaseModel, Field
 from .. import backends, graphs
 from ..devices import Device
 from ..errors import SelfTestError
-from .watchdog import _call, hang_grace
 from .data import _row_ranges
 from .fingerprint import fingerprint
+from .watchdog import _call, hang_grace
 
 __all__ = [
     "ShapeResult",
@@ -115,7 +115,7 @@ def _resolution(dtype: torch.dtype, n: int) -> float:
     if not dtype.is_floating_point or dtype == torch.float32:
         return 0.0
     info = torch.finfo(dtype)
-    return float(info.smallest_normal * info.eps) * n ** 0.5
+    return float(info.smallest_normal * info.eps) * n**0.5
 
 
 def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -126,19 +126,34 @@ def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]
     step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
     parts = []
     for lo in range(0, rows, step):
-        o, r = out[lo:lo + step].float(), ref[lo:lo + step].float()
+        o, r = out[lo : lo + step].float(), ref[lo : lo + step].float()
         diff = o - r
-        parts.append(((~torch.isfinite(o)).sum(), (o == 0).all(dim=1), r.norm(dim=1), o.norm(dim=1), diff.norm(dim=1),
-                      diff.abs().amax()))
+        parts.append(
+            (
+                (~torch.isfinite(o)).sum(),
+                (o == 0).all(dim=1),
+                r.norm(dim=1),
+                o.norm(dim=1),
+                diff.norm(dim=1),
+                diff.abs().amax(),
+            )
+        )
     if len(parts) == 1:
         return parts[0]
     nonfinite, zero, ref_n, out_n, diff_n, max_abs = zip(*parts)
-    return (torch.stack(nonfinite).sum(), torch.cat(zero), torch.cat(ref_n), torch.cat(out_n), torch.cat(diff_n),
-            torch.stack(max_abs).amax())
+    return (
+        torch.stack(nonfinite).sum(),
+        torch.cat(zero),
+        torch.cat(ref_n),
+        torch.cat(out_n),
+        torch.cat(diff_n),
+        torch.stack(max_abs).amax(),
+    )
 
 
-def _compare_stats(floor: float, max_row_rel_err: float, out: torch.Tensor, ref: torch.Tensor,
-                   slack: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def _compare_stats(
+    floor: float, max_row_rel_err: float, out: torch.Tensor, ref: torch.Tensor, slack: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
     """The comparison's statistics, computed where the tensors live with no host synchronisation:
     (the 12 numbers _compare reads at once, as float64; then per row: zero where the reference is
     not, the output's norm, the reference's (clamped), its relative error, its allowed error)."""
@@ -152,15 +167,34 @@ def _compare_stats(floor: float, max_row_rel_err: float, out: torch.Tensor, ref:
     excess = row_err - allowed_rows
     slack_norm = (slack * row_norms).norm() if slack is not None else torch.zeros((), device=out.device)
     zero_not_ref = out_zero_rows & ~ref_zero_rows  # a row of zeros where the reference has values
-    counts = torch.stack([nonfinite, zero_not_ref.sum(), excess.argmax(),
-                          (row_norms == 0).all().long(), out_zero_rows.all().long()])
-    norms = torch.stack([row_norms.norm(), diff_norms.norm(), row_err.amax(), max_abs, out_norms.norm(), excess.amax(),
-                         slack_norm.float()])
-    return torch.cat([counts.double(), norms.double()]), zero_not_ref, out_norms, safe_norms, row_norms, row_err, allowed_rows
+    counts = torch.stack(
+        [nonfinite, zero_not_ref.sum(), excess.argmax(), (row_norms == 0).all().long(), out_zero_rows.all().long()]
+    )
+    norms = torch.stack(
+        [
+            row_norms.norm(),
+            diff_norms.norm(),
+            row_err.amax(),
+            max_abs,
+            out_norms.norm(),
+            excess.amax(),
+            slack_norm.float(),
+        ]
+    )
+    return (
+        torch.cat([counts.double(), norms.double()]),
+        zero_not_ref,
+        out_norms,
+        safe_norms,
+        row_norms,
+        row_err,
+        allowed_rows,
+    )
 
 
-def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult,
-             slack: torch.Tensor | None = None) -> str | None:
+def _compare(
+    out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult, slack: torch.Tensor | None = None
+) -> str | None:
     """None when `out` matches `ref` within `bounds` (each row's bound widened by its `slack`), else why not.
 
     Every row is checked: finite, not zero where the reference is not, its relative error. The
@@ -169,25 +203,52 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: Shape
     failure reads more, to say where."""
     floor = _resolution(out.dtype, out.shape[1])
     inputs = (out, ref) if slack is None else (out, ref, slack)
-    return graphs.run("compare", functools.partial(_compare_stats, floor, bounds.max_row_rel_err), inputs,
-                      lambda stats: _judge(out, bounds, result, floor, *stats), extra=(floor, bounds.max_row_rel_err))
+    return graphs.run(
+        "compare",
+        functools.partial(_compare_stats, floor, bounds.max_row_rel_err),
+        inputs,
+        lambda stats: _judge(out, bounds, result, floor, *stats),
+        extra=(floor, bounds.max_row_rel_err),
+    )
 
 
-def _judge(out: torch.Tensor, bounds: Bounds, result: ShapeResult, floor: float, stats: torch.Tensor,
-           zero_not_ref: torch.Tensor, out_norms: torch.Tensor, safe_norms: torch.Tensor, row_norms: torch.Tensor,
-           row_err: torch.Tensor, allowed_rows: torch.Tensor) -> str | None:
+def _judge(
+    out: torch.Tensor,
+    bounds: Bounds,
+    result: ShapeResult,
+    floor: float,
+    stats: torch.Tensor,
+    zero_not_ref: torch.Tensor,
+    out_norms: torch.Tensor,
+    safe_norms: torch.Tensor,
+    row_norms: torch.Tensor,
+    row_err: torch.Tensor,
+    allowed_rows: torch.Tensor,
+) -> str | None:
     """_compare's verdict from its statistics (read here, while they are valid)."""
     rows, cols = out.shape
     stats = stats.tolist()  # the one read-back of a passing call
-    (nonfinite_n, bad_n, worst_excess, ref_all_zero, out_all_zero, ref_norm, diff_norm, max_row_err, max_abs_v, out_norm,
-     max_excess, slack_n) = stats
+    (
+        nonfinite_n,
+        bad_n,
+        worst_excess,
+        ref_all_zero,
+        out_all_zero,
+        ref_norm,
+        diff_norm,
+        max_row_err,
+        max_abs_v,
+        out_norm,
+        max_excess,
+        slack_n,
+    ) = stats
     result.nonfinite = int(nonfinite_n)
     if result.nonfinite == out.numel():
         return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
     if result.nonfinite:
         step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
         for lo in range(0, rows, step):  # the failure path: read where, a chunk at a time
-            bad = (~torch.isfinite(out[lo:lo + step])).nonzero()
+            bad = (~torch.isfinite(out[lo : lo + step])).nonzero()
             if bad.numel():
                 r, c = bad[0].tolist()
                 return f"{result.nonfinite} non-finite element(s), first at row {lo + r}, column {c}"
@@ -215,9 +276,11 @@ def _judge(out: torch.Tensor, bounds: Bounds, result: ShapeResult, floor: float,
         if bool(big.any()) and float(ratios[big].max() - ratios[big].min()) <= 0.02:  # every row off by the same factor
             return f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio}): a scale error"
         worst = int(((ratios - 1).abs() * big).argmax())
-        return (f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio}); "
-                f"worst row {worst} at {float(ratios[worst]):.3g}x")
-    allowed_rel = bounds.max_rel_err + 2 * floor * rows ** 0.5 / ref_norm + 2 * slack_n / ref_norm
+        return (
+            f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio}); "
+            f"worst row {worst} at {float(ratios[worst]):.3g}x"
+        )
+    allowed_rel = bounds.max_rel_err + 2 * floor * rows**0.5 / ref_norm + 2 * slack_n / ref_norm
     if result.rel_err > allowed_rel:
         return f"relative error {result.rel_err:.3g} above {allowed_rel:.3g}"
     if max_excess > 0:
@@ -233,15 +296,17 @@ def lost_column_group(out: torch.Tensor, ref: torch.Tensor, group: int) -> str |
         return None
     step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
     for lo in range(0, rows, step):
-        o = out[lo:lo + step].float().reshape(-1, cols // group, group)
-        r = ref[lo:lo + step].float().reshape(-1, cols // group, group)
+        o = out[lo : lo + step].float().reshape(-1, cols // group, group)
+        r = ref[lo : lo + step].float().reshape(-1, cols // group, group)
         ref_g = r.norm(dim=2)
         fair = r.reshape(r.shape[0], -1).norm(dim=1, keepdim=True) * (group / cols) ** 0.5
         lost = ((o - r).norm(dim=2) >= 0.5 * ref_g) & (ref_g >= 0.25 * fair) & (ref_g > 0)
         if bool(lost.any()):
             row, g = lost.nonzero()[0].tolist()
-            return (f"{int(lost.sum())} group(s) of {group} columns lost (error >= half their norm), first at row {lo + row}, "
-                    f"columns {g * group}-{g * group + group - 1}")
+            return (
+                f"{int(lost.sum())} group(s) of {group} columns lost (error >= half their norm), first at row {lo + row}, "
+                f"columns {g * group}-{g * group + group - 1}"
+            )
     return None
 
 
@@ -311,8 +376,16 @@ def _unchanged(t: torch.Tensor, kept: torch.Tensor | _Fingerprinted) -> bool:
     return torch.equal(t, kept)
 
 
-def _check_call(case: Case, result: ShapeResult, bounds: Bounds, deadline: float, grace: float, device: torch.device,
-                snapshots: dict, where: str = "") -> str | None:
+def _check_call(
+    case: Case,
+    result: ShapeResult,
+    bounds: Bounds,
+    deadline: float,
+    grace: float,
+    device: torch.device,
+    snapshots: dict,
+    where: str = "",
+) -> str | None:
     if case.out is not None:
         case.out.fill_(float("nan"))  # poison: an unwritten out is caught, not read as a result
     start = time.perf_counter()
@@ -351,7 +424,9 @@ class Sweep:
     still equal it bit for bit (match its fingerprint). A pass has the
     deadline it is given, else `bounds.timeout_s` from its start; the first failure ends the sweep."""
 
-    def __init__(self, cases: list[Case], bounds: Bounds, device: torch.device, where: str = "", repeat: bool = True) -> None:
+    def __init__(
+        self, cases: list[Case], bounds: Bounds, device: torch.device, where: str = "", repeat: bool = True
+    ) -> None:
         self.cases, self.bounds, self.device, self.where = cases, bounds, device, where
         self.results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
         self.failed = False
@@ -387,7 +462,7 @@ class Sweep:
         """`case`'s twin, called and checked right after it (the same shape twice in a row, other data)."""
         try:
             twin = case.twin()
-        except Exception as exc:  # noqa: BLE001 - building the call failed: a finding, not a crash
+        except Exception as exc:
             return f"could not build the repeated call: {type(exc).__name__}: {exc}"
         added = []  # the twin's own inputs (its activations): watched for this one call
         for t in twin.inputs:
@@ -399,7 +474,9 @@ class Sweep:
         finally:
             for key in added:
                 self._snapshots.pop(key, None)
-        return None if reason is None else f"{reason} (the same shape called again right after its first call, other data)"
+        return (
+            None if reason is None else f"{reason} (the same shape called again right after its first call, other data)"
+        )
 
     def run(self, passes: int) -> list[ShapeResult]:
         """`passes` passes within one deadline of `bounds.timeout_s` for all of them; the outcome."""
@@ -414,7 +491,9 @@ class Sweep:
         return [r for r in self.results if r.calls] if self.failed else self.results
 
 
-def sweep(cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2, where: str = "") -> list[ShapeResult]:
+def sweep(
+    cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2, where: str = ""
+) -> list[ShapeResult]:
     """Call every case `passes` times (pass after pass, so each M is called again after all others;
     in the first pass each case's twin right after it) and check every call, within the deadline
     of `bounds.timeout_s` for the whole sweep; stop at the first failure (the results then list the

@@ -1,10 +1,8 @@
-"""Weight fingerprints: a few sums per tensor that any changed byte changes.
-"""
+"""Weight fingerprints: a few sums per tensor that any changed byte changes."""
 
 from __future__ import annotations
 
 import torch
-
 
 __all__ = [
     "fingerprint",
@@ -23,7 +21,9 @@ def _fp_weighting(device: torch.device) -> torch.Tensor:
     if weights is None:
         gen = torch.Generator().manual_seed(0x5EED)
         pattern = torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int64) * 2 + 1
-        weights = _fp_weights.setdefault(device, torch.stack((torch.ones_like(pattern), pattern)).unsqueeze(0).to(device))
+        weights = _fp_weights.setdefault(
+            device, torch.stack((torch.ones_like(pattern), pattern)).unsqueeze(0).to(device)
+        )
     return weights
 
 
@@ -61,7 +61,7 @@ def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch
         words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.to(torch.int32)
         device = words.device
         full = words.numel() // _FP_WIDTH * _FP_WIDTH
-        chunks.extend(words[lo:min(lo + step, full)].view(-1, _FP_WIDTH) for lo in range(0, full, step))
+        chunks.extend(words[lo : min(lo + step, full)].view(-1, _FP_WIDTH) for lo in range(0, full, step))
         if full < words.numel():
             tails.append(words[full:] if full else words)
         sizes = (sizes * 1_000_003 + t.numel() + 1) % (1 << 62)

@@ -1,5 +1,4 @@
-"""The fused-MoE self-test: cases over experts, routing and batch sizes, against the MoE oracle.
-"""
+"""The fused-MoE self-test: cases over experts, routing and batch sizes, against the MoE oracle."""
 
 from __future__ import annotations
 
@@ -12,8 +11,8 @@ from pydantic import BaseModel
 
 from .. import backends, nvfp4
 from ..devices import Device
-from .engine import Bounds, Case, SelfTestReport, finish, refuse_inside_capture, report_for, rolled, sweep
 from .data import structured_activations
+from .engine import Bounds, Case, SelfTestReport, finish, refuse_inside_capture, report_for, rolled, sweep
 
 __all__ = [
     "MoeCase",
@@ -67,8 +66,10 @@ class MoeCase(BaseModel):
     routing: Literal["balanced", "skewed", "random", "padded"]
 
     def label(self) -> str:
-        return (f"T={self.tokens} top_k={self.top_k} E={self.experts} H={self.hidden} I={self.intermediate} "
-                f"{self.activation} {self.dtype} {self.routing}")
+        return (
+            f"T={self.tokens} top_k={self.top_k} E={self.experts} H={self.hidden} I={self.intermediate} "
+            f"{self.activation} {self.dtype} {self.routing}"
+        )
 
 
 class MoeConfig(BaseModel):
@@ -78,32 +79,73 @@ class MoeConfig(BaseModel):
 
 
 def _moe_grid(experts, hidden, inter, activation, *rows) -> tuple[MoeCase, ...]:
-    return tuple(MoeCase(experts=experts, hidden=hidden, intermediate=inter, activation=activation, top_k=k, tokens=t,
-                         dtype=d, routing=r) for k, t, d, r in rows)
+    return tuple(
+        MoeCase(
+            experts=experts,
+            hidden=hidden,
+            intermediate=inter,
+            activation=activation,
+            top_k=k,
+            tokens=t,
+            dtype=d,
+            routing=r,
+        )
+        for k, t, d, r in rows
+    )
 
 
 # 256 experts every one of which gets rows, >= 128 rows on one expert, top-k 1 and 8, T from 1 to
 # 1024, H and I on (128) and off (160, 96) multiples of 128, swiglu and relu2, bf16 and fp16.
-DEFAULT_MOE_CONFIG = MoeConfig(cases=(
-    *_moe_grid(256, 128, 128, "swiglu",
-               (8, 1024, "bfloat16", "balanced"), (8, 160, "bfloat16", "skewed"), (8, 1, "bfloat16", "random"),
-               (8, 7, "float16", "random"), (1, 512, "bfloat16", "balanced"), (1, 300, "float16", "skewed")),
-    *_moe_grid(16, 160, 96, "swiglu", (2, 130, "float16", "skewed"), (2, 5, "bfloat16", "random")),
-    *_moe_grid(16, 160, 96, "relu2", (2, 130, "bfloat16", "skewed"), (1, 33, "float16", "random"), (2, 40, "bfloat16", "padded")),
-))
+DEFAULT_MOE_CONFIG = MoeConfig(
+    cases=(
+        *_moe_grid(
+            256,
+            128,
+            128,
+            "swiglu",
+            (8, 1024, "bfloat16", "balanced"),
+            (8, 160, "bfloat16", "skewed"),
+            (8, 1, "bfloat16", "random"),
+            (8, 7, "float16", "random"),
+            (1, 512, "bfloat16", "balanced"),
+            (1, 300, "float16", "skewed"),
+        ),
+        *_moe_grid(16, 160, 96, "swiglu", (2, 130, "float16", "skewed"), (2, 5, "bfloat16", "random")),
+        *_moe_grid(
+            16,
+            160,
+            96,
+            "relu2",
+            (2, 130, "bfloat16", "skewed"),
+            (1, 33, "float16", "random"),
+            (2, 40, "bfloat16", "padded"),
+        ),
+    )
+)
 
 # For a simulated CPU device (the oracle checked against itself: the wiring, not a kernel): the
 # same kinds of cases on smaller layers.
-SIMULATION_MOE_CONFIG = MoeConfig(cases=(
-    *_moe_grid(32, 128, 64, "swiglu", (8, 64, "bfloat16", "balanced"), (4, 160, "bfloat16", "skewed"),
-               (1, 130, "float16", "skewed")),
-    *_moe_grid(8, 160, 96, "relu2", (2, 9, "bfloat16", "random"), (2, 12, "float16", "padded")),
-))
+SIMULATION_MOE_CONFIG = MoeConfig(
+    cases=(
+        *_moe_grid(
+            32,
+            128,
+            64,
+            "swiglu",
+            (8, 64, "bfloat16", "balanced"),
+            (4, 160, "bfloat16", "skewed"),
+            (1, 130, "float16", "skewed"),
+        ),
+        *_moe_grid(8, 160, 96, "relu2", (2, 9, "bfloat16", "random"), (2, 12, "float16", "padded")),
+    )
+)
 
 _moe_weight_cache: dict[tuple, nvfp4.MoeWeights] = {}
 
 
-def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int) -> nvfp4.MoeWeights:
+def _moe_weights(
+    experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int
+) -> nvfp4.MoeWeights:
     """Seeded NVFP4 expert weights (each expert its own global scale) in reference_moe_fp4's layout;
     every 11th row zero (a zero output column of FC2, a dead channel of FC1) and another small
     enough for subnormal E4M3 block scales."""
@@ -120,7 +162,11 @@ def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device:
         for e in range(experts):
             w = torch.randn(rows, cols, generator=gen) * 0.05 * (1 + e % 7 / 7)
             row = torch.arange(rows).unsqueeze(1) % 11  # zeroed rows (zero output columns), rows of subnormal scales
-            w = torch.where(row == 3, torch.zeros_like(w), torch.where(row == 7, w * 2e-5, w)).to(torch.bfloat16).to(device)
+            w = (
+                torch.where(row == 3, torch.zeros_like(w), torch.where(row == 7, w * 2e-5, w))
+                .to(torch.bfloat16)
+                .to(device)
+            )
             gsf = nvfp4.global_scale(w)
             q, sf = nvfp4.quantize(w, gsf)
             packed.append(q)
@@ -130,13 +176,17 @@ def _moe_weights(experts: int, hidden: int, inter: int, activation: str, device:
 
     w13, w13_sf, w13_alpha = experts_of(rows13, hidden, a1)
     w2, w2_sf, w2_alpha = experts_of(hidden, inter, a2)
-    weights = nvfp4.MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1.reshape(1).float(), a2.reshape(1).float())
+    weights = nvfp4.MoeWeights(
+        w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1.reshape(1).float(), a2.reshape(1).float()
+    )
     _moe_weight_cache.clear()  # keep one layer's weights: a self-test walks its cases layer by layer
     _moe_weight_cache[key] = weights
     return weights
 
 
-def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_routing(
+    tokens: int, top_k: int, experts: int, routing: str, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_ids int32 (T, k), topk_weights float32 (T, k)) with distinct experts per token, weights
     in [0.1, 1] that do not sum to 1 (a kernel that ignores or renormalises them is seen).
     "padded" is "random" with SGLang's -1 drop sentinel in the last quarter of the tokens (every
@@ -148,8 +198,13 @@ def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.
     if routing == "balanced":
         perm = torch.randperm(experts, generator=gen)
         ids = perm[(torch.arange(tokens).unsqueeze(1) + torch.arange(top_k)) % experts]
-        weights = torch.cat((0.8 + 0.2 * torch.rand(tokens, 1, generator=gen),
-                             0.02 + 0.08 * torch.rand(tokens, top_k - 1, generator=gen)), dim=1)
+        weights = torch.cat(
+            (
+                0.8 + 0.2 * torch.rand(tokens, 1, generator=gen),
+                0.02 + 0.08 * torch.rand(tokens, top_k - 1, generator=gen),
+            ),
+            dim=1,
+        )
         return ids.to(torch.int32), weights.float()
     # A random permutation of the experts per token (the order of uniform draws), k of them:
     # one draw for every token at once, not one randperm call per token.
@@ -160,7 +215,7 @@ def moe_routing(tokens: int, top_k: int, experts: int, routing: str, gen: torch.
         ids[:, 0] = hot
     elif routing == "padded" and tokens > 1:
         ids[torch.arange(tokens) % 5 == 4, -1] = -1
-        ids[tokens - tokens // 4:] = -1
+        ids[tokens - tokens // 4 :] = -1
     weights = 0.1 + 0.9 * torch.rand(tokens, top_k, generator=gen)
     return ids.to(torch.int32), weights.float()
 
@@ -178,10 +233,21 @@ class ExpertCache(dict):
             super().__setitem__(key, value)
 
 
-def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
-              bounds: Bounds = MOE_BOUNDS, cache: dict | None = None, *, first_expert: int = 0,
-              served_ids: bool = False, mode: str = "w4a4", reference_weights: nvfp4.MoeWeights | None = None,
-              repeat_tokens: int = 0, poison_expert0: bool = False) -> list[Case]:
+def moe_cases(
+    fn: Callable,
+    weights: nvfp4.MoeWeights,
+    activation: str,
+    plans: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]],
+    bounds: Bounds = MOE_BOUNDS,
+    cache: dict | None = None,
+    *,
+    first_expert: int = 0,
+    served_ids: bool = False,
+    mode: str = "w4a4",
+    reference_weights: nvfp4.MoeWeights | None = None,
+    repeat_tokens: int = 0,
+    poison_expert0: bool = False,
+) -> list[Case]:
     """Calls of `fn` with `weights`, one per plan (label, x, topk_ids,
     topk_weights): each checked against the oracle, `out` poisoned first. `cache` keeps the
     references' dequantized experts for these weights (one dict per weights).
@@ -209,30 +275,73 @@ def moe_cases(fn: Callable, weights: nvfp4.MoeWeights, activation: str, plans: l
         local = ids.long() - first_expert
         mine = (ids >= 0) & (local >= 0) & (local < experts)
         call_ids = ids if served_ids else torch.where(mine, local, torch.full_like(local, -1)).to(torch.int32)
-        routed = (x, torch.where(mine, local, torch.zeros_like(local)), torch.where(mine, topk_weights, torch.zeros_like(topk_weights)))
+        routed = (
+            x,
+            torch.where(mine, local, torch.zeros_like(local)),
+            torch.where(mine, topk_weights, torch.zeros_like(topk_weights)),
+        )
         if mode == "w4a16":
-            w4a16 = ref_w._replace(w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale, w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale,
-                                   a1_gscale=None, a2_gscale=None)
-            ref = nvfp4.reference_moe_fp4(*routed, *w4a16, activation=activation, out_dtype=torch.float32,
-                                          quantize_activations=False, weight_cache=cache)
+            w4a16 = ref_w._replace(
+                w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale,
+                w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale,
+                a1_gscale=None,
+                a2_gscale=None,
+            )
+            ref = nvfp4.reference_moe_fp4(
+                *routed,
+                *w4a16,
+                activation=activation,
+                out_dtype=torch.float32,
+                quantize_activations=False,
+                weight_cache=cache,
+            )
             slack = None  # nothing is re-quantized: no rounding point the oracle cannot decide
         else:
             # The reference, and the kernel's rounding of the intermediate (one pass: FC1 shared).
-            ref, kernel_rounding = nvfp4.reference_moe_fp4_roundings(*routed, *ref_w, activation=activation, out_dtype=torch.float32,
-                                                                     intermediate_dtypes=(None, x.dtype), weight_cache=cache)
+            ref, kernel_rounding = nvfp4.reference_moe_fp4_roundings(
+                *routed,
+                *ref_w,
+                activation=activation,
+                out_dtype=torch.float32,
+                intermediate_dtypes=(None, x.dtype),
+                weight_cache=cache,
+            )
             slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         args = (x, call_ids, topk_weights, *weights)
-        case = Case(x.shape[0], x.shape[1], weights.w2.shape[2] * 2, functools.partial(fn, *args, activation, x.dtype, out), ref,
-                    inputs=tuple(a for a in args if isinstance(a, torch.Tensor)), out=out, label=label, bounds=bounds, slack=slack)
+        case = Case(
+            x.shape[0],
+            x.shape[1],
+            weights.w2.shape[2] * 2,
+            functools.partial(fn, *args, activation, x.dtype, out),
+            ref,
+            inputs=tuple(a for a in args if isinstance(a, torch.Tensor)),
+            out=out,
+            label=label,
+            bounds=bounds,
+            slack=slack,
+        )
         case.twin = functools.partial(_rolled_tokens, case, fn, args, activation, out)
         cases.append(case)
         if x.shape[0] <= repeat_tokens:
-            cases.append(Case(x.shape[0], x.shape[1], case.k, functools.partial(_repeated, fn, args, activation, out, ref),
-                              ref, inputs=case.inputs, out=out, label=f"{label} x{REPEAT_CALLS} in a row (worst judged)",
-                              bounds=bounds, slack=slack))
+            cases.append(
+                Case(
+                    x.shape[0],
+                    x.shape[1],
+                    case.k,
+                    functools.partial(_repeated, fn, args, activation, out, ref),
+                    ref,
+                    inputs=case.inputs,
+                    out=out,
+                    label=f"{label} x{REPEAT_CALLS} in a row (worst judged)",
+                    bounds=bounds,
+                    slack=slack,
+                )
+            )
     if poison_expert0 and plans:
-        poisoned = _poisoned_expert0_case(fn, weights, ref_w, activation, plans[0][1], bounds, cache, first_expert, served_ids, mode)
+        poisoned = _poisoned_expert0_case(
+            fn, weights, ref_w, activation, plans[0][1], bounds, cache, first_expert, served_ids, mode
+        )
         if poisoned is not None:
             cases.append(poisoned)
     return cases
@@ -265,7 +374,9 @@ def _repeated(fn: Callable, args: tuple, activation: str, out: torch.Tensor, ref
     return out
 
 
-def _poisoned_expert0_case(fn, weights, ref_w, activation, x_like, bounds, cache, first, served_ids, mode) -> Case | None:
+def _poisoned_expert0_case(
+    fn, weights, ref_w, activation, x_like, bounds, cache, first, served_ids, mode
+) -> Case | None:
     """The call `poison_expert0` adds (see moe_cases); None where the layer has too few experts."""
     experts = weights.w13.shape[0]
     top_k = 2 if experts > 2 else 1
@@ -283,8 +394,18 @@ def _poisoned_expert0_case(fn, weights, ref_w, activation, x_like, bounds, cache
     alpha[0] = float("inf")
     poisoned = weights._replace(w13_alpha=alpha)
     ids = torch.where(local >= 0, local + first, local) if served_ids else local
-    [case] = moe_cases(fn, poisoned, activation, [("expert 0 non-finite, -1 slots pointing nowhere", x, ids, topk_weights)],
-                       bounds, cache, first_expert=first, served_ids=served_ids, mode=mode, reference_weights=ref_w)
+    [case] = moe_cases(
+        fn,
+        poisoned,
+        activation,
+        [("expert 0 non-finite, -1 slots pointing nowhere", x, ids, topk_weights)],
+        bounds,
+        cache,
+        first_expert=first,
+        served_ids=served_ids,
+        mode=mode,
+        reference_weights=ref_w,
+    )
     return case
 
 
@@ -304,13 +425,19 @@ def _within(accepts: Callable, case: MoeCase) -> MoeCase | None:
     or None."""
     if accepts(*_sizes(case)) is None:
         return case
-    near = case.model_copy(update={"dtype": "bfloat16", "hidden": -(-case.hidden // 128) * 128,
-                                   "intermediate": -(-case.intermediate // 128) * 128})
+    near = case.model_copy(
+        update={
+            "dtype": "bfloat16",
+            "hidden": -(-case.hidden // 128) * 128,
+            "intermediate": -(-case.intermediate // 128) * 128,
+        }
+    )
     return near if accepts(*_sizes(near)) is None else None
 
 
-def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, seed: int = 0,
-            bounds: Bounds | None = None) -> SelfTestReport:
+def run_moe(
+    backend: str, device: Device, config: MoeConfig | None = None, *, seed: int = 0, bounds: Bounds | None = None
+) -> SelfTestReport:
     """Self-test NVFP4 fused-MoE `backend` on `device` over `config` (default DEFAULT_MOE_CONFIG);
     never raises for a bad kernel. Two passes, every call checked per output row against
     nvfp4.reference_moe_fp4 (zero rows, non-finite values, per-row relative error), `out` returned,
@@ -331,7 +458,9 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
     if accepts is not None:
         kept = [c for c in (_within(accepts, c) for c in config.cases) if c is not None]
         if not kept:
-            report.reason = f"MoE backend {backend!r} accepts none of the self-test's layers: {accepts(*_sizes(config.cases[0]))}"
+            report.reason = (
+                f"MoE backend {backend!r} accepts none of the self-test's layers: {accepts(*_sizes(config.cases[0]))}"
+            )
             return report
         config = MoeConfig(cases=tuple(kept))
     gen = torch.Generator().manual_seed(seed)
@@ -342,6 +471,21 @@ def run_moe(backend: str, device: Device, config: MoeConfig | None = None, *, se
         ids, topk_weights = moe_routing(case.tokens, case.top_k, case.experts, case.routing, gen)
         x = structured_activations(case.tokens, case.hidden, 4.0, gen).to(getattr(torch, case.dtype)).to(tdev)
         cache = caches.setdefault((case.experts, case.hidden, case.intermediate, case.activation), {})
-        cases += moe_cases(fn, weights, case.activation, [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))], bounds, cache,
-                           mode=mode, repeat_tokens=REPEAT_MAX_TOKENS, poison_expert0=i == 0)
-    return finish(report, sweep(cases, Bounds(timeout_s=bounds.timeout_s), tdev, where=f" of MoE backend {backend!r} on {device.label()}"), start)
+        cases += moe_cases(
+            fn,
+            weights,
+            case.activation,
+            [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))],
+            bounds,
+            cache,
+            mode=mode,
+            repeat_tokens=REPEAT_MAX_TOKENS,
+            poison_expert0=i == 0,
+        )
+    return finish(
+        report,
+        sweep(
+            cases, Bounds(timeout_s=bounds.timeout_s), tdev, where=f" of MoE backend {backend!r} on {device.label()}"
+        ),
+        start,
+    )

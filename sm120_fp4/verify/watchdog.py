@@ -1,5 +1,4 @@
-"""The checked call on the serving thread and the watchdog that only observes it.
-"""
+"""The checked call on the serving thread and the watchdog that only observes it."""
 
 from __future__ import annotations
 
@@ -89,14 +88,16 @@ class _Watchdog:
 
 
 def _give_up(what: str) -> None:
-    message = (f"sm120_fp4: refusing to serve: {what} is still running past the self-test's time bound "
-               "(SM120_FP4_SELFTEST_TIMEOUT): a hung kernel holds the thread that would serve, so this process "
-               f"cannot continue; exiting with code {EXIT_HUNG}. Exclude that backend (SM120_FP4_BACKENDS / "
-               "SM120_FP4_MOE_BACKENDS), or run `sm120-fp4 selftest`, which records it and re-runs without it.")
+    message = (
+        f"sm120_fp4: refusing to serve: {what} is still running past the self-test's time bound "
+        "(SM120_FP4_SELFTEST_TIMEOUT): a hung kernel holds the thread that would serve, so this process "
+        f"cannot continue; exiting with code {EXIT_HUNG}. Exclude that backend (SM120_FP4_BACKENDS / "
+        "SM120_FP4_MOE_BACKENDS), or run `sm120-fp4 selftest`, which records it and re-runs without it."
+    )
     for hook in list(hang_hooks):
         try:
             hook(message)
-        except Exception:  # noqa: BLE001 - the exit below must happen whatever a hook does
+        except Exception:
             pass
     try:
         sys.stderr.write(message + "\n")
@@ -137,7 +138,7 @@ def _call(fn: Callable[[], object], device: torch.device, deadline: float, give_
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # the stream that serves, not the device
         return value
-    except Exception as exc:  # noqa: BLE001 - reported as the check's finding
+    except Exception as exc:
         return exc
     finally:
         _WATCHDOG.done(token)

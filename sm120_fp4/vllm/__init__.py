@@ -14,12 +14,31 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__all__ = ["NAME", "attach", "idle_point_problem", "release_support", "carried_fix", "engine_version",
-           "unverified_release", "OPT_OUT", "OPT_OUT_SAYS", "doctor_section"]
+__all__ = [
+    "NAME",
+    "attach",
+    "idle_point_problem",
+    "release_support",
+    "carried_fix",
+    "engine_version",
+    "unverified_release",
+    "OPT_OUT",
+    "OPT_OUT_SAYS",
+    "doctor_section",
+]
 
 NAME = "vllm"
-_LAZY = {"attach": "wiring", "idle_point_problem": "wiring", "release_support": "release", "carried_fix": "release",
-         "engine_version": "release", "unverified_release": "release", "OPT_OUT": "release", "OPT_OUT_SAYS": "release", "doctor_section": "targets"}
+_LAZY = {
+    "attach": "wiring",
+    "idle_point_problem": "wiring",
+    "release_support": "release",
+    "carried_fix": "release",
+    "engine_version": "release",
+    "unverified_release": "release",
+    "OPT_OUT": "release",
+    "OPT_OUT_SAYS": "release",
+    "doctor_section": "targets",
+}
 
 
 def __getattr__(name: str) -> object:

@@ -25,8 +25,20 @@ from ..errors import not_accepted
 from ..serving import LayerCheck
 from .release import NVFP4_BASE
 
-__all__ = ["ROUTABLE_KERNELS", "LINEAR_FLAG", "make_weights_hook", "make_warmup_hook", "graph_sizes", "layer_device_index", "layer_name", "kernel_problem",
-           "batch_sizes", "dense_check", "modelopt_check", "compressed_tensors_check"]
+__all__ = [
+    "ROUTABLE_KERNELS",
+    "LINEAR_FLAG",
+    "make_weights_hook",
+    "make_warmup_hook",
+    "graph_sizes",
+    "layer_device_index",
+    "layer_name",
+    "kernel_problem",
+    "batch_sizes",
+    "dense_check",
+    "modelopt_check",
+    "compressed_tensors_check",
+]
 
 _LOG = logging.getLogger("sm120_fp4")
 HALF = (torch.bfloat16, torch.float16)
@@ -41,8 +53,12 @@ LARGE_BATCH = 2049
 LIGHT_BATCH = 8
 
 
-def make_weights_hook(original: Callable, before: Callable[[object, object], object], scope: Callable,
-                      after: Callable[[object, object], None]) -> Callable:
+def make_weights_hook(
+    original: Callable,
+    before: Callable[[object, object], object],
+    scope: Callable,
+    after: Callable[[object, object], None],
+) -> Callable:
     """Wrap process_weights_after_loading: `before(method, layer)`, vLLM's processing inside `scope()`, then
     `after(method, layer)`."""
 
@@ -108,13 +124,17 @@ def kernel_problem(kind: str, method: object) -> str | None:
     if name in ROUTABLE_KERNELS:
         return None
     if getattr(method, "use_a16", False) or "W4A16" in name:
-        return (f"vLLM serves {kind} weight-only (W4A16) with {name}: no kernel vLLM selects for W4A16 NVFP4 is routed "
-                "or verified by sm120_fp4 on this GPU. Serve a W4A4 NVFP4 checkpoint (its layers run through the FP4 "
-                "GEMM verified here), or set SM120_FP4_SELFTEST=warn to serve it unverified")
-    return (f"vLLM selected {name} for {kind}: that kernel's GEMM does not pass the FlashInfer FP4 GEMM this library "
-            f"routes and verifies on this GPU, so nothing would check its numbers. Start vLLM with {LINEAR_FLAG} "
-            "(FlashInferCutlassNvFp4LinearKernel: routed to the backend verified here), or set SM120_FP4_SELFTEST=warn "
-            "to serve it unverified")
+        return (
+            f"vLLM serves {kind} weight-only (W4A16) with {name}: no kernel vLLM selects for W4A16 NVFP4 is routed "
+            "or verified by sm120_fp4 on this GPU. Serve a W4A4 NVFP4 checkpoint (its layers run through the FP4 "
+            "GEMM verified here), or set SM120_FP4_SELFTEST=warn to serve it unverified"
+        )
+    return (
+        f"vLLM selected {name} for {kind}: that kernel's GEMM does not pass the FlashInfer FP4 GEMM this library "
+        f"routes and verifies on this GPU, so nothing would check its numbers. Start vLLM with {LINEAR_FLAG} "
+        "(FlashInferCutlassNvFp4LinearKernel: routed to the backend verified here), or set SM120_FP4_SELFTEST=warn "
+        "to serve it unverified"
+    )
 
 
 def _vllm_sizes() -> tuple[int, int]:
@@ -123,7 +143,7 @@ def _vllm_sizes() -> tuple[int, int]:
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
-    except Exception:  # noqa: BLE001 - a release without it: the defaults
+    except Exception:
         config = None
     compilation = getattr(config, "compilation_config", None)
     scheduler = getattr(config, "scheduler_config", None)
@@ -151,8 +171,19 @@ def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return nvfp4.quantize(x, gsf, check_finite=False)
 
 
-def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: int, k: int, ms: list[int],
-                  dtype: torch.dtype, seed: int, watched: tuple) -> list[verify.Case]:
+def _served_cases(
+    serve: Callable,
+    weight,
+    weight_sf,
+    alpha,
+    input_gsf,
+    n_out: int,
+    k: int,
+    ms: list[int],
+    dtype: torch.dtype,
+    seed: int,
+    watched: tuple,
+) -> list[verify.Case]:
     """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range, quantized by
     vLLM inside `serve`; the oracle quantizes the same rows (zero-padded to the weight's K, as vLLM pads them)
     and multiplies with the layer's own processed weights: ``reference_mm_fp4(a, b.t(), sa, sb.t(), alpha)``,
@@ -161,20 +192,32 @@ def _served_cases(serve: Callable, weight, weight_sf, alpha, input_gsf, n_out: i
     rows = max(ms)
     gsf = float(input_gsf.float().reshape(-1)[0].cpu())
     if not (math.isfinite(gsf) and gsf > 0):
-        raise not_accepted("vLLM dense layer check", "input_global_scale_inv", input_gsf,
-                           "the layer's positive finite input global scale")
+        raise not_accepted(
+            "vLLM dense layer check",
+            "input_global_scale_inv",
+            input_gsf,
+            "the layer's positive finite input global scale",
+        )
     x = verify.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
     k_weight = weight.shape[1] * 2
     padded = torch.nn.functional.pad(x, (0, k_weight - k)) if k_weight > k else x
-    qx, sx = graphs.run("quantize", _quantize, (padded, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone()))
-    reference = nvfp4.reference_mm_fp4(qx, weight.t(), sx, weight_sf.view(torch.uint8).t(), alpha.float().reshape(1),
-                                       torch.float32)[:, :n_out]
+    qx, sx = graphs.run(
+        "quantize", _quantize, (padded, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())
+    )
+    reference = nvfp4.reference_mm_fp4(
+        qx, weight.t(), sx, weight_sf.view(torch.uint8).t(), alpha.float().reshape(1), torch.float32
+    )[:, :n_out]
     cases = []
     for m in ms:
         case = verify.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
         if m < rows:  # the repeat of M right after it, other data (state a kernel carries between calls of one shape)
-            case.twin = functools.partial(dataclasses.replace, case, invoke=functools.partial(serve, x[1:m + 1]),
-                                          reference=reference[1:m + 1], twin=None)
+            case.twin = functools.partial(
+                dataclasses.replace,
+                case,
+                invoke=functools.partial(serve, x[1 : m + 1]),
+                reference=reference[1 : m + 1],
+                twin=None,
+            )
         else:
             case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
         cases.append(case)
@@ -192,12 +235,17 @@ def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
     return HALF
 
 
-def dense_check(kind: str, serve: Callable, layer: object, rebuild: Callable[[object], LayerCheck | None]) -> LayerCheck | None:
+def dense_check(
+    kind: str, serve: Callable, layer: object, rebuild: Callable[[object], LayerCheck | None]
+) -> LayerCheck | None:
     """The LayerCheck of one vLLM NVFP4 linear layer served by FlashInferCutlassNvFp4LinearKernel: its processed
     weights (``weight``, ``weight_scale``, ``alpha``, ``input_global_scale_inv``), its call path, its batch sizes."""
     weight, weight_sf = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
     alpha, input_gsf = getattr(layer, "alpha", None), getattr(layer, "input_global_scale_inv", None)
-    if not all(isinstance(t, torch.Tensor) for t in (weight, weight_sf, alpha, input_gsf)) or weight.dtype != torch.uint8:
+    if (
+        not all(isinstance(t, torch.Tensor) for t in (weight, weight_sf, alpha, input_gsf))
+        or weight.dtype != torch.uint8
+    ):
         _LOG.info("sm120_fp4: %s: weights not in the FlashInfer cutlass layout; not verified here", kind)
         return None
     n_out = int(getattr(layer, "output_size_per_partition", weight.shape[0]))
@@ -205,18 +253,36 @@ def dense_check(kind: str, serve: Callable, layer: object, rebuild: Callable[[ob
     dtypes = activation_dtypes(layer)
     max_batch, tokens = _vllm_sizes()
     watched = (weight, weight_sf, alpha, input_gsf)
-    label = (f"vLLM {kind} N={n_out} K={k} {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} "
-             f"(weight scales {str(weight_sf.dtype).removeprefix('torch.')})")
+    label = (
+        f"vLLM {kind} N={n_out} K={k} {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} "
+        f"(weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
+    )
     key = ("vllm", kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
     def cases(ms: list[int]) -> list[verify.Case]:
-        return [case for i, dtype in enumerate(dtypes)
-                for case in _served_cases(serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched)]
+        return [
+            case
+            for i, dtype in enumerate(dtypes)
+            for case in _served_cases(
+                serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched
+            )
+        ]
 
-    return LayerCheck(weight.get_device(), key, label, "dense", cases, batch_sizes(max_batch, tokens),
-                      sorted({1, 7, max_batch, LARGE_BATCH, tokens}), layer=layer_name(layer), light_ms=[LIGHT_BATCH],
-                      weights=lambda: (layer.weight, layer.weight_scale, layer.alpha, layer.input_global_scale_inv),
-                      rebuild=rebuild, owner=layer, tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]})
+    return LayerCheck(
+        weight.get_device(),
+        key,
+        label,
+        "dense",
+        cases,
+        batch_sizes(max_batch, tokens),
+        sorted({1, 7, max_batch, LARGE_BATCH, tokens}),
+        layer=layer_name(layer),
+        light_ms=[LIGHT_BATCH],
+        weights=lambda: (layer.weight, layer.weight_scale, layer.alpha, layer.input_global_scale_inv),
+        rebuild=rebuild,
+        owner=layer,
+        tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]},
+    )
 
 
 def modelopt_check(method: object, layer: object) -> LayerCheck | None:
@@ -224,8 +290,12 @@ def modelopt_check(method: object, layer: object) -> LayerCheck | None:
     kernel = nvfp4_kernel(method)
     if kernel is None or type(kernel).__name__ not in ROUTABLE_KERNELS:
         return None
-    return dense_check("ModelOptLinearMethod (NVFP4)", functools.partial(method.apply, layer), layer,
-                       functools.partial(modelopt_check, method))
+    return dense_check(
+        "ModelOptLinearMethod (NVFP4)",
+        functools.partial(method.apply, layer),
+        layer,
+        functools.partial(modelopt_check, method),
+    )
 
 
 def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None:
@@ -233,5 +303,9 @@ def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None
     kernel = nvfp4_kernel(scheme)
     if kernel is None or type(kernel).__name__ not in ROUTABLE_KERNELS:
         return None
-    return dense_check("CompressedTensorsW4A4Fp4", functools.partial(scheme.apply_weights, layer), layer,
-                       functools.partial(compressed_tensors_check, scheme))
+    return dense_check(
+        "CompressedTensorsW4A4Fp4",
+        functools.partial(scheme.apply_weights, layer),
+        layer,
+        functools.partial(compressed_tensors_check, scheme),
+    )

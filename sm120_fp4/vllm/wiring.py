@@ -57,9 +57,11 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
 
     def unknown(index: int, name: str, value: object) -> None:
-        refuse(f"an FP4 GEMM on device {index}",
-               f"vLLM called its FlashInfer FP4 GEMM wrapper with {name}={value!r}, which the backend verified on this GPU "
-               f"was not verified for; start vLLM with {hooks.LINEAR_FLAG}, or upgrade sm120_fp4")
+        refuse(
+            f"an FP4 GEMM on device {index}",
+            f"vLLM called its FlashInfer FP4 GEMM wrapper with {name}={value!r}, which the backend verified on this GPU "
+            f"was not verified for; start vLLM with {hooks.LINEAR_FLAG}, or upgrade sm120_fp4",
+        )
 
     def make_alias(original: Callable) -> Callable:
         """vLLM's ``flashinfer_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dtype, backend, ...)``
@@ -67,18 +69,41 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         itself (``mm_fp4(a, b.t(), sa, sb.t(), ...)``), so this does the same; what the front does not serve goes
         back to vLLM's wrapper in vLLM's convention."""
 
-        def in_vllm_convention(a, b_t, scale_a, scale_b_t, alpha, out_dtype, out=None, block_size=16,
-                               use_8x4_sf_layout=False, backend="cutlass", **kwargs):
-            return original(a, b_t.t(), scale_a, scale_b_t.t(), alpha, out_dtype, backend, block_size=block_size, **kwargs)
+        def in_vllm_convention(
+            a,
+            b_t,
+            scale_a,
+            scale_b_t,
+            alpha,
+            out_dtype,
+            out=None,
+            block_size=16,
+            use_8x4_sf_layout=False,
+            backend="cutlass",
+            **kwargs,
+        ):
+            return original(
+                a, b_t.t(), scale_a, scale_b_t.t(), alpha, out_dtype, backend, block_size=block_size, **kwargs
+            )
 
         front = router.make_dispatch(in_vllm_convention, unknown)
 
-        def flashinfer_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dtype, backend, block_size=16,
-                                     use_nvfp4=True):
+        def flashinfer_scaled_fp4_mm(
+            a, b, block_scale_a, block_scale_b, alpha, out_dtype, backend, block_size=16, use_nvfp4=True
+        ):
             if backend in ("cutlass", "cudnn"):  # as vLLM's wrapper: the kernels read the E4M3 scales as bytes
                 block_scale_a, block_scale_b = block_scale_a.view(torch.uint8), block_scale_b.view(torch.uint8)
-            return front(a, b.t(), block_scale_a, block_scale_b.t(), alpha, out_dtype, backend=backend,
-                         block_size=block_size, use_nvfp4=use_nvfp4)
+            return front(
+                a,
+                b.t(),
+                block_scale_a,
+                block_scale_b.t(),
+                alpha,
+                out_dtype,
+                backend=backend,
+                block_size=block_size,
+                use_nvfp4=use_nvfp4,
+            )
 
         flashinfer_scaled_fp4_mm.__wrapped__ = original
         flashinfer_scaled_fp4_mm.__qualname__ = "sm120_fp4.vllm.flashinfer_scaled_fp4_mm"
@@ -108,12 +133,23 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         if moe_served(hooks.layer_device_index(layer)) and moe.backend_problem(kind, method) is None:
             verify(moe.moe_check(kind, method, layer))
 
-    specs = targets.specs(targets.Wiring(
-        make_alias, before, weights_scope, verify, recheck,
-        make_moe_alias=lambda original: moe.make_alias(original, router.make_moe_front),
-        make_defer=lambda original: moe.make_defer(original, moe_served), before_moe=before_moe, verify_moe=verify_moe))
+    specs = targets.specs(
+        targets.Wiring(
+            make_alias,
+            before,
+            weights_scope,
+            verify,
+            recheck,
+            make_moe_alias=lambda original: moe.make_alias(original, router.make_moe_front),
+            make_defer=lambda original: moe.make_defer(original, moe_served),
+            before_moe=before_moe,
+            verify_moe=verify_moe,
+        )
+    )
     if sim is not None:
-        _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d in vLLM: results prove the wiring, not an SM120 kernel", *simulate)
+        _LOG.warning(
+            "sm120_fp4: SIMULATION of sm_%d%d in vLLM: results prove the wiring, not an SM120 kernel", *simulate
+        )
         specs += simulation.specs()
         sim.arm()
         undo.append(sim.undo)
@@ -133,5 +169,7 @@ def canary_problem(settings) -> str | None:
     library uses)."""
     if settings.canary_period is None:
         return None
-    return (f"SM120_FP4_CANARY={settings.canary_period:g} is not available with vLLM {engine_version()}: sm120_fp4 wires "
-            "no idle point in vLLM's engine loop yet; set SM120_FP4_CANARY=off to serve without the serving canary")
+    return (
+        f"SM120_FP4_CANARY={settings.canary_period:g} is not available with vLLM {engine_version()}: sm120_fp4 wires "
+        "no idle point in vLLM's engine loop yet; set SM120_FP4_CANARY=off to serve without the serving canary"
+    )

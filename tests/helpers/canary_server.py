@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.plugins import distribution
 from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, write_checkpoint
 from sm120_fp4.demo.server import PROMPT, Server, group_members, summarize
-from helpers.plugins import distribution
 
 PERIOD = 8.0  # seconds: a canary run every 8 s (each run a few steps, one per idle point)
 AFTER = 10  # the kernel is right for this many calls after the trigger (a request makes dozens)
@@ -66,8 +66,9 @@ def wears_out(a, b, a_sf, b_sf, alpha, dtype, out):
 
 def plugin(root: Path) -> Path:
     """A distribution whose entry point (group sm120_fp4.backends) is `wears-out`; put it on PYTHONPATH."""
-    return distribution(root, "sm120_fp4_canary_wear", MODULE,
-                        "[sm120_fp4.backends]\nwears-out = sm120_fp4_canary_wear:wears_out\n")
+    return distribution(
+        root, "sm120_fp4_canary_wear", MODULE, "[sm120_fp4.backends]\nwears-out = sm120_fp4_canary_wear:wears_out\n"
+    )
 
 
 def canary_section(server: Server) -> dict:
@@ -122,7 +123,7 @@ def scenario_exit(folder: Path, ckpt: str, env: dict[str, str]) -> dict:
         out["request_done_at"] = time.time()
         try:
             out["rc"] = server.proc.wait(PERIOD + WAIT_S)
-        except Exception:  # noqa: BLE001 - still running: the test fails on rc None
+        except Exception:
             out["rc"] = None
         out["exited_at"] = time.time()
         out["listening_after"] = _listening(server)
@@ -161,8 +162,10 @@ def scenario_log(folder: Path, ckpt: str, env: dict[str, str], off_server: bool)
         out["log"] = server.log_tail(100000)
     if not off_server:
         return out
-    healthy = {**{k: v for k, v in env.items() if not k.startswith("SM120_FP4_CANARY")},
-               "CANARY_TEST_TRIGGER": str(folder / "never")}  # the same kernel, never worn out
+    healthy = {
+        **{k: v for k, v in env.items() if not k.startswith("SM120_FP4_CANARY")},
+        "CANARY_TEST_TRIGGER": str(folder / "never"),
+    }  # the same kernel, never worn out
     off = start(folder, "off", ckpt, healthy)
     try:
         out["off_ready"] = off.wait_ready(READY_S)
@@ -189,9 +192,14 @@ def main(scenario: str, folder: str, *flags: str) -> int:
     else:
         ckpt = write_checkpoint(str(root / "ckpt"), seed=3)  # the demo's checkpoint (demo/server.py)
     site = plugin(root / "plugin")
-    env = {"SM120_FP4_BACKENDS": "wears-out", "SM120_FP4_MOE_BACKENDS": "emulated", "SM120_FP4_CANARY": f"{PERIOD:g}",
-           "CANARY_TEST_TRIGGER": str(root / "trigger"), "CANARY_TEST_AFTER": str(AFTER),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        "SM120_FP4_BACKENDS": "wears-out",
+        "SM120_FP4_MOE_BACKENDS": "emulated",
+        "SM120_FP4_CANARY": f"{PERIOD:g}",
+        "CANARY_TEST_TRIGGER": str(root / "trigger"),
+        "CANARY_TEST_AFTER": str(AFTER),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p),
+    }
     if scenario == "exit":
         result = scenario_exit(root, ckpt, env)
     else:

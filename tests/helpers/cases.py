@@ -15,8 +15,17 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 # area -> the issue item it belongs to; the table lists areas in this order.
 # The areas, in the order RELIABILITY.md lists them.
-AREAS = ("configuration", "backend faults", "own failures", "concurrency", "properties", "reports",
-         "devices", "files and trust", "interrupts")
+AREAS = (
+    "configuration",
+    "backend faults",
+    "own failures",
+    "concurrency",
+    "properties",
+    "reports",
+    "devices",
+    "files and trust",
+    "interrupts",
+)
 
 
 def case(area: str, what: str, expected: str):
@@ -59,7 +68,13 @@ def _parameter_sets(fn) -> list[dict[str, object]]:
         axis = []
         for value in values:
             # pytest.param(...) holds its values as a tuple whatever the number of names
-            value = value.values if hasattr(value, "values") and hasattr(value, "marks") else (value,) if len(names) == 1 else value
+            value = (
+                value.values
+                if hasattr(value, "values") and hasattr(value, "marks")
+                else (value,)
+                if len(names) == 1
+                else value
+            )
             axis.append(dict(zip(names, value)))
         axes.append(axis)
     return [dict(kv for part in combo for kv in part.items()) for combo in itertools.product(*axes)]

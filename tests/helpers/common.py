@@ -14,7 +14,12 @@ from sm120_fp4.devices import Device
 
 SIM = dict(simulate="12.0", backends="emulated")  # install() keywords: simulation, the oracle backend
 SIM_ENV = {"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "emulated"}
-HYPOTHESIS = dict(derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+HYPOTHESIS = dict(
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 class CpuGpu(Device):
@@ -54,6 +59,7 @@ def mm_fp4_operands(m: int, n: int = 32, k: int = 64):
 
 # ---- the real SGLang's patch targets (imported lazily: only tests that use SGLang pay for it) ----
 
+
 def _targets():
     import flashinfer
     import sglang.srt.layers.quantization.modelopt_quant as mq
@@ -69,7 +75,11 @@ def release_specs() -> dict:
     from sm120_fp4.versions import version_in
 
     installed = version(release.DISTRIBUTION)  # the real one, also where a test fakes sglang_version()
-    return {s.name: s for s in targets.ledger_rows() if s.make is not None and version_in(installed, s.versions or release.SUPPORTED)}
+    return {
+        s.name: s
+        for s in targets.ledger_rows()
+        if s.make is not None and version_in(installed, s.versions or release.SUPPORTED)
+    }
 
 
 def alias_name() -> str:
@@ -124,8 +134,10 @@ def simulated_moe_skip_reason() -> str | None:
     if installed is None:
         return None  # the test files' importorskip lines say SGLang is missing
     if not version_in(installed, moe.SEAM_VERSIONS):
-        return (f"SGLang {installed} has no fused-MoE seam ({moe.SEAM_VERSIONS}): its NVFP4 MoE layers are refused, "
-                "tested in test_sglang.py (refused_before_sglang_processes_it)")
+        return (
+            f"SGLang {installed} has no fused-MoE seam ({moe.SEAM_VERSIONS}): its NVFP4 MoE layers are refused, "
+            "tested in test_sglang.py (refused_before_sglang_processes_it)"
+        )
     return moe_layers.builder_problem()
 
 

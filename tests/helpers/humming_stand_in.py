@@ -38,8 +38,10 @@ class StandInEngine(humming.Engine):
     def prepare(self, weight, scale, dtype, experts):
         self.prepared += 1
         n, k = weight.shape[-2], weight.shape[-1] * 2
-        tensors = {"weight": _swap_nibbles(weight.flip(-2)).contiguous(),
-                   "weight_scale": scale.transpose(-1, -2).contiguous()}
+        tensors = {
+            "weight": _swap_nibbles(weight.flip(-2)).contiguous(),
+            "weight_scale": scale.transpose(-1, -2).contiguous(),
+        }
         label = f"N={n} K={k}" + (f" E={experts}" if experts else "") + f" {str(dtype).removeprefix('torch.')}"
         return humming.Prepared(tensors, {"stand-in": True}, label, n, k, experts, dtype)
 
@@ -62,7 +64,9 @@ class StandInEngine(humming.Engine):
         for e in range(len(bounds) - 1):
             lo, hi = bounds[e], bounds[e + 1]
             if hi > lo:
-                out[lo:hi] = ((x[lo:hi].float() @ self._dense(prepared.tensors, e).T) * scale_2[e].float()).to(out.dtype)
+                out[lo:hi] = ((x[lo:hi].float() @ self._dense(prepared.tensors, e).T) * scale_2[e].float()).to(
+                    out.dtype
+                )
 
 
 class WrongScaleLayout(humming.Engine):
@@ -78,8 +82,9 @@ class WrongScaleLayout(humming.Engine):
     def prepare(self, weight, scale, dtype, experts):
         rows, groups = scale.shape[-2], scale.shape[-1]
         if experts:
-            wrong = torch.stack([nvfp4.swizzle_scales(scale[e]).reshape(-1)[: rows * groups].view(rows, groups)
-                                 for e in range(experts)])
+            wrong = torch.stack(
+                [nvfp4.swizzle_scales(scale[e]).reshape(-1)[: rows * groups].view(rows, groups) for e in range(experts)]
+            )
         else:
             wrong = nvfp4.swizzle_scales(scale).reshape(-1)[: rows * groups].view(rows, groups)
         return self.inner.prepare(weight, wrong.contiguous(), dtype, experts)

@@ -14,17 +14,24 @@ def _ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activat
     # rows may be non-finite: 0 x inf = NaN)
     stand_in = ids.max().clamp_min(0)
     ids, w = torch.where(skipped, stand_in, ids), torch.where(skipped, torch.zeros_like(w), w)
-    return nvfp4.reference_moe_fp4(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2,
-                                   activation=activation, out_dtype=out_dtype, **kw)
+    return nvfp4.reference_moe_fp4(
+        x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation=activation, out_dtype=out_dtype, **kw
+    )
 
 
-def rounds_intermediate_first(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, out_dtype, out):
+def rounds_intermediate_first(
+    x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, out_dtype, out
+):
     """Healthy: FlashInfer's own rounding (the intermediate rounded to the output dtype before it is
     re-quantized, and each slot's row rounded before the sum)."""
     original = nvfp4.expert_activation
     nvfp4.expert_activation = lambda fc1, act, inter: original(fc1, act, inter).to(out_dtype).float()
     try:
-        out.copy_(_ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, torch.float32).to(out_dtype))
+        out.copy_(
+            _ref(x, ids, w, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, activation, torch.float32).to(
+                out_dtype
+            )
+        )
     finally:
         nvfp4.expert_activation = original
     return out
@@ -60,8 +67,12 @@ def swaps_gate_and_up(x, ids, w, w13, w13_sf, w13_alpha, *rest):
         return emulated_moe(x, ids, w, w13, w13_sf, w13_alpha, *rest)
     inter = w13.shape[1] // 2
     swapped = torch.cat((w13[:, inter:], w13[:, :inter]), dim=1)
-    sf = torch.stack([nvfp4.swizzle_scales(torch.cat((s[inter:], s[:inter]))) for s in
-                      (nvfp4.unswizzle_scales(e.contiguous(), 2 * inter, w13.shape[2] * 2) for e in w13_sf)])
+    sf = torch.stack(
+        [
+            nvfp4.swizzle_scales(torch.cat((s[inter:], s[:inter])))
+            for s in (nvfp4.unswizzle_scales(e.contiguous(), 2 * inter, w13.shape[2] * 2) for e in w13_sf)
+        ]
+    )
     return emulated_moe(x, ids, w, swapped, sf, w13_alpha, *rest)
 
 
@@ -85,7 +96,9 @@ def after_generic(fault):
     from sm120_fp4 import verify
 
     calls = {"n": 0}
-    generic = 3 * (len(verify.SIMULATION_MOE_CONFIG.cases) + 1)  # two passes (the first calling each case twice in a row) of its cases and the expert-0 poison probe
+    generic = 3 * (
+        len(verify.SIMULATION_MOE_CONFIG.cases) + 1
+    )  # two passes (the first calling each case twice in a row) of its cases and the expert-0 poison probe
 
     def kernel(*args):
         calls["n"] += 1

@@ -13,7 +13,7 @@ import json
 import types
 from pathlib import Path
 
-SOURCE = '''
+SOURCE = """
 import json
 
 GPUS = json.loads({gpus!r})
@@ -86,11 +86,20 @@ def nvmlDeviceGetMigDeviceHandleByIndex(handle, j):
 
 def nvmlSystemGetDriverVersion():
     return "580.00"
-'''
+"""
 
-A6000 = {"name": "NVIDIA RTX A6000", "cc": (8, 6), "uuid": "GPU-aaaa1111-0000-0000-0000-000000000001", "bus": "00000000:01:00.0"}
-PRO6000 = {"name": "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "cc": (12, 0),
-           "uuid": "GPU-bbbb2222-0000-0000-0000-000000000002", "bus": "00000000:02:00.0"}
+A6000 = {
+    "name": "NVIDIA RTX A6000",
+    "cc": (8, 6),
+    "uuid": "GPU-aaaa1111-0000-0000-0000-000000000001",
+    "bus": "00000000:01:00.0",
+}
+PRO6000 = {
+    "name": "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
+    "cc": (12, 0),
+    "uuid": "GPU-bbbb2222-0000-0000-0000-000000000002",
+    "bus": "00000000:02:00.0",
+}
 
 
 def source(gpus: list[dict]) -> str:
@@ -99,7 +108,7 @@ def source(gpus: list[dict]) -> str:
 
 def fake_pynvml(gpus: list[dict]) -> types.ModuleType:
     module = types.ModuleType("pynvml")
-    exec(source(gpus), module.__dict__)  # noqa: S102 - our own test stand-in
+    exec(source(gpus), module.__dict__)
     return module
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -46,12 +46,25 @@ def pythonpath(*folders: Path | str) -> str:
 
 
 def run_python(code: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(**(env or {})), cwd=cwd, timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=clean_env(**(env or {})),
+        cwd=cwd,
+        timeout=TIMEOUT,
+    )
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m sm120_fp4 ARGS`, as an operator runs it."""
-    return subprocess.run([sys.executable, "-m", "sm120_fp4", *args], capture_output=True, text=True, env=clean_env(**(env or {})), timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "sm120_fp4", *args],
+        capture_output=True,
+        text=True,
+        env=clean_env(**(env or {})),
+        timeout=TIMEOUT,
+    )
 
 
 def ours(text: str) -> list[str]:
@@ -76,22 +89,42 @@ def fake_sglang(root: Path) -> Path:
 
 # ---- background jobs -------------------------------------------------------------------------
 
+
 class Popen:
     """A subprocess whose output goes to files (no pipe fills up while nobody reads it)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], folder: Path, cwd: Path | None = None, merge: bool = False,
-                 group: bool = False, timeout: float | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        folder: Path,
+        cwd: Path | None = None,
+        merge: bool = False,
+        group: bool = False,
+        timeout: float | None = None,
+    ):
         """`merge`: stderr goes into stdout, in the order written (stderr then reads as empty). `group`: the
         child leads a process group of its own, and kill() ends the whole group (a server and its workers).
         `timeout`: how long wait() waits, whatever the caller asks (a real server starts in minutes)."""
         self.out, self.err = folder / "stdout", folder / "stderr"
         self.group, self.timeout = group, timeout
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT if merge else err,
-                                         stdin=subprocess.DEVNULL, start_new_session=group)
+            self.proc = subprocess.Popen(
+                args,
+                env=env,
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT if merge else err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=group,
+            )
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
-        rc = self._wait_measured(self.timeout or timeout) if os.environ.get("JOB_TIMES") else self.proc.wait(self.timeout or timeout)
+        rc = (
+            self._wait_measured(self.timeout or timeout)
+            if os.environ.get("JOB_TIMES")
+            else self.proc.wait(self.timeout or timeout)
+        )
         return rc, self.out.read_text(), self.err.read_text()
 
     def _wait_measured(self, timeout: float) -> int:
@@ -136,8 +169,12 @@ class Spawned(Popen):
 
     def __init__(self, target: Callable[[str], None], env: dict[str, str], folder: Path):
         self.child_err = folder / "child-stderr"
-        code = SPAWN_PARENT.format(tests=str(Path(__file__).resolve().parents[1]), module=target.__module__,
-                                   name=target.__qualname__, err=str(self.child_err))
+        code = SPAWN_PARENT.format(
+            tests=str(Path(__file__).resolve().parents[1]),
+            module=target.__module__,
+            name=target.__qualname__,
+            err=str(self.child_err),
+        )
         super().__init__([sys.executable, "-c", code], env, folder)
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
@@ -265,7 +302,7 @@ class Queued:
                     with contextlib.suppress(OSError, AttributeError):
                         os.setpriority(os.PRIO_PROCESS, self.job.proc.pid, self._nice)
             self.result = self.job.wait(self._timeout)
-        except BaseException as exc:  # noqa: BLE001 - raised again in the test
+        except BaseException as exc:
             self.error = exc
             if self.job is not None:
                 self.job.kill()  # past its bound (or failed): stopped by its PID, not left running
@@ -295,10 +332,18 @@ HEAVY_TIMEOUT = 3000
 def lock_held_elsewhere(path: Path):
     """Another process holds an exclusive flock on `path` (a file or a directory) for the block,
     as a second writer of the report or the verdict store would; stopped by its PID after."""
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                               "fd = os.open(sys.argv[1], os.O_RDONLY | (0 if os.path.isdir(sys.argv[1]) else os.O_CREAT))\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(120)\n", str(path)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY | (0 if os.path.isdir(sys.argv[1]) else os.O_CREAT))\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(120)\n",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         yield

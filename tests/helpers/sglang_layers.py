@@ -18,14 +18,30 @@ from sm120_fp4.sglang import moe_layers
 __all__ = ["build_compressed_tensors_moe_layer", "moe_weights", "fused_dense_shards", "build_fused_dense_layer"]
 
 
-def build_compressed_tensors_moe_layer(ckpt: MoeCheckpoint, top_k: int, *, dtype: torch.dtype = torch.bfloat16,
-                                       ep_size: int = 1, ep_rank: int = 0, tp_size: int = 1, tp_rank: int = 0):
+def build_compressed_tensors_moe_layer(
+    ckpt: MoeCheckpoint,
+    top_k: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    ep_size: int = 1,
+    ep_rank: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+):
     """SGLang's FusedMoE + CompressedTensorsConfig (CompressedTensorsW4A4Nvfp4MoE) for rank (ep_rank, tp_rank),
     the checkpoint converted by ``compressed_tensors_tensors``: ``build_moe_layer_from_tensors`` with
     ``fmt="compressed-tensors"`` (its context has ``quantization="compressed-tensors"``)."""
-    return moe_layers.build_moe_layer_from_tensors(ckpt, compressed_tensors_tensors(ckpt), top_k, fmt="compressed-tensors",
-                                                   dtype=dtype, ep_size=ep_size, ep_rank=ep_rank, tp_size=tp_size,
-                                                   tp_rank=tp_rank)
+    return moe_layers.build_moe_layer_from_tensors(
+        ckpt,
+        compressed_tensors_tensors(ckpt),
+        top_k,
+        fmt="compressed-tensors",
+        dtype=dtype,
+        ep_size=ep_size,
+        ep_rank=ep_rank,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
 
 
 def _method_kind(layer) -> str:
@@ -36,8 +52,10 @@ def _method_kind(layer) -> str:
     scheme = getattr(layer, "scheme", None)
     if scheme is not None and type(scheme).__name__ == "CompressedTensorsW4A4Nvfp4MoE":
         return COMPRESSED_TENSORS
-    raise TypeError(f"not an NVFP4 MoE layer this helper knows: quant_method {type(layer.quant_method).__name__}, "
-                    f"scheme {type(scheme).__name__}")
+    raise TypeError(
+        f"not an NVFP4 MoE layer this helper knows: quant_method {type(layer.quant_method).__name__}, "
+        f"scheme {type(scheme).__name__}"
+    )
 
 
 def moe_weights(layer) -> dict:
@@ -91,8 +109,9 @@ def moe_weights(layer) -> dict:
     for name, sf, rows, k in (("w13_sf", w13_sf, rows13, h_half * 2), ("w2_sf", w2_sf, w2.shape[1], w2.shape[2] * 2)):
         want = (e_loc, *nvfp4.swizzled_scale_shape(rows, k))
         if tuple(sf.shape) != want:
-            raise RuntimeError(f"{name}: SGLang's processed scales have shape {tuple(sf.shape)}, expected the "
-                               f"swizzled {want}")
+            raise RuntimeError(
+                f"{name}: SGLang's processed scales have shape {tuple(sf.shape)}, expected the swizzled {want}"
+            )
     return {
         "w13": w13,
         "w13_sf": w13_sf.detach().view(torch.float8_e4m3fn),
@@ -127,14 +146,25 @@ def fused_dense_shards(sizes: list[int], k: int, seed: int = 0) -> list[dict]:
     whole = synthetic.make_checkpoint(sum(sizes), k, seed=seed)
     shards, row = [], 0
     for n in sizes:
-        shards.append({"weight": whole.weight[row:row + n].clone(), "weight_scale": whole.weight_scale[row:row + n].clone(),
-                       "weight_scale_2": whole.weight_scale_2.clone(), "input_scale": whole.input_scale.clone()})
+        shards.append(
+            {
+                "weight": whole.weight[row : row + n].clone(),
+                "weight_scale": whole.weight_scale[row : row + n].clone(),
+                "weight_scale_2": whole.weight_scale_2.clone(),
+                "input_scale": whole.input_scale.clone(),
+            }
+        )
         row += n
     return shards
 
 
-def build_fused_dense_layer(shards: list[dict], fmt: str = MODELOPT, *, dtype: torch.dtype = torch.bfloat16,
-                            prefix: str = "model.layers.0.self_attn.qkv_proj"):
+def build_fused_dense_layer(
+    shards: list[dict],
+    fmt: str = MODELOPT,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    prefix: str = "model.layers.0.self_attn.qkv_proj",
+):
     """SGLang's real dense NVFP4 linear method of `fmt` (ModelOptFp4LinearMethod, or compressed-tensors'
     CompressedTensorsW4A4Fp4 with the encode scales 1 / ModelOpt's) over a fused layer of `shards`
     (fused_dense_shards), each shard's rows and per-shard scales placed where SGLang's loader puts them,
@@ -148,8 +178,15 @@ def build_fused_dense_layer(shards: list[dict], fmt: str = MODELOPT, *, dtype: t
         from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
 
         method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
-        method.create_weights(layer, input_size_per_partition=k, output_partition_sizes=sizes, input_size=k,
-                              output_size=sum(sizes), params_dtype=dtype, weight_loader=noop)
+        method.create_weights(
+            layer,
+            input_size_per_partition=k,
+            output_partition_sizes=sizes,
+            input_size=k,
+            output_size=sum(sizes),
+            params_dtype=dtype,
+            weight_loader=noop,
+        )
         names = ("weight", "weight_scale", "weight_scale_2", "input_scale")
         process = method.process_weights_after_loading
     else:
@@ -158,16 +195,17 @@ def build_fused_dense_layer(shards: list[dict], fmt: str = MODELOPT, *, dtype: t
         )
 
         method = CompressedTensorsW4A4Fp4()
-        method.create_weights(layer, output_partition_sizes=sizes, input_size_per_partition=k, params_dtype=dtype,
-                              weight_loader=noop)
+        method.create_weights(
+            layer, output_partition_sizes=sizes, input_size_per_partition=k, params_dtype=dtype, weight_loader=noop
+        )
         names = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
         process = method.process_weights_after_loading
     with torch.no_grad():
         row = 0
         for i, shard in enumerate(shards):
             n = shard["weight"].shape[0]
-            getattr(layer, names[0]).data[row:row + n].copy_(shard["weight"])
-            getattr(layer, names[1]).data[row:row + n].copy_(shard["weight_scale"].view(torch.float8_e4m3fn))
+            getattr(layer, names[0]).data[row : row + n].copy_(shard["weight"])
+            getattr(layer, names[1]).data[row : row + n].copy_(shard["weight_scale"].view(torch.float8_e4m3fn))
             for name, key in ((names[2], "weight_scale_2"), (names[3], "input_scale")):
                 value = shard[key].float().reshape(-1)[0]
                 getattr(layer, name).data.view(-1)[i] = value if fmt == MODELOPT else 1.0 / value

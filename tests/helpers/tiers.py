@@ -29,7 +29,9 @@ _STARTING = {
     multiprocessing: {"Process", "get_context", "Pool"},
     procs: {"run_cli", "run_python", "Popen", "Spawned", "python", "with_repo_pth"},
 }
-_STARTERS = {id(getattr(module, name)) for module, names in _STARTING.items() for name in names if hasattr(module, name)}
+_STARTERS = {
+    id(getattr(module, name)) for module, names in _STARTING.items() for name in names if hasattr(module, name)
+}
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -125,8 +127,16 @@ class Guard:
         return recording
 
     def install(self, monkeypatch) -> None:
-        monkeypatch.setattr(subprocess.Popen, "_execute_child", self.wrap(
-            "a Python interpreter", subprocess.Popen._execute_child, lambda popen, argv, *rest: _python(argv)))
+        monkeypatch.setattr(
+            subprocess.Popen,
+            "_execute_child",
+            self.wrap(
+                "a Python interpreter", subprocess.Popen._execute_child, lambda popen, argv, *rest: _python(argv)
+            ),
+        )
         monkeypatch.setattr(os, "fork", self.wrap("os.fork", os.fork))
-        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
-                            self.wrap("multiprocessing", multiprocessing.process.BaseProcess.start))
+        monkeypatch.setattr(
+            multiprocessing.process.BaseProcess,
+            "start",
+            self.wrap("multiprocessing", multiprocessing.process.BaseProcess.start),
+        )

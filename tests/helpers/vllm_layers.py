@@ -32,8 +32,13 @@ def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **
         config.compilation_config.max_cudagraph_capture_size = max_batch
     with set_current_vllm_config(config):
         if not _group:
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tempfile.mkdtemp()}/init")
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"file://{tempfile.mkdtemp()}/init",
+            )
             initialize_model_parallel(1, 1)
             from vllm.v1.worker.workspace import init_workspace_manager
 
@@ -48,8 +53,14 @@ def build_modelopt_layer(ckpt, dtype: torch.dtype = torch.bfloat16, prefix: str 
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
     n, k = ckpt.weight.shape[0], ckpt.weight.shape[1] * 2
-    layer = ReplicatedLinear(k, n, bias=False, quant_config=ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True),
-                             prefix=prefix, params_dtype=dtype)
+    layer = ReplicatedLinear(
+        k,
+        n,
+        bias=False,
+        quant_config=ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True),
+        prefix=prefix,
+        params_dtype=dtype,
+    )
     with torch.no_grad():
         for name in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
             param = getattr(layer, name)
@@ -62,17 +73,27 @@ def build_compressed_tensors_layer(ckpt, dtype: torch.dtype = torch.bfloat16):
     """vLLM's compressed-tensors W4A4 NVFP4 scheme (CompressedTensorsW4A4Fp4) loaded with `ckpt`'s tensors in
     compressed-tensors' convention (encode global scales, the inverse of ModelOpt's). Returns (scheme, layer)."""
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 import (
-        CompressedTensorsW4A4Fp4)
+        CompressedTensorsW4A4Fp4,
+    )
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     n, k = ckpt.weight.shape[0], ckpt.weight.shape[1] * 2
     scheme = CompressedTensorsW4A4Fp4()
     layer = torch.nn.Module()
     layer.params_dtype = dtype
-    scheme.create_weights(layer, output_partition_sizes=[n], input_size_per_partition=k, params_dtype=dtype,
-                          weight_loader=default_weight_loader)
-    tensors = {"weight_packed": ckpt.weight, "weight_scale": ckpt.weight_scale,
-               "weight_global_scale": 1.0 / ckpt.weight_scale_2, "input_global_scale": 1.0 / ckpt.input_scale}
+    scheme.create_weights(
+        layer,
+        output_partition_sizes=[n],
+        input_size_per_partition=k,
+        params_dtype=dtype,
+        weight_loader=default_weight_loader,
+    )
+    tensors = {
+        "weight_packed": ckpt.weight,
+        "weight_scale": ckpt.weight_scale,
+        "weight_global_scale": 1.0 / ckpt.weight_scale_2,
+        "input_global_scale": 1.0 / ckpt.input_scale,
+    }
     with torch.no_grad():
         for name, value in tensors.items():
             getattr(layer, name).data.copy_(value)
@@ -80,21 +101,36 @@ def build_compressed_tensors_layer(ckpt, dtype: torch.dtype = torch.bfloat16):
     return scheme, layer
 
 
-MOE_TENSORS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale", "w2_weight", "w2_weight_scale",
-               "w2_weight_scale_2", "w2_input_scale")
+MOE_TENSORS = (
+    "w13_weight",
+    "w13_weight_scale",
+    "w13_weight_scale_2",
+    "w13_input_scale",
+    "w2_weight",
+    "w2_weight_scale",
+    "w2_weight_scale_2",
+    "w2_input_scale",
+)
 
 
-def build_modelopt_moe_layer(ckpt, top_k: int, dtype: torch.dtype = torch.bfloat16,
-                             prefix: str = "model.layers.0.mlp.experts"):
+def build_modelopt_moe_layer(
+    ckpt, top_k: int, dtype: torch.dtype = torch.bfloat16, prefix: str = "model.layers.0.mlp.experts"
+):
     """vLLM's ModelOpt NVFP4 MoE layer (``FusedMoEFactory`` with ``ModelOptNvFp4Config``: ModelOptNvFp4FusedMoE)
     loaded with `ckpt` (:func:`sm120_fp4.demo.synthetic.make_moe_checkpoint`, swiglu: vLLM's w13 is [w1; w3] as
     the checkpoint's rows) through process_weights_after_loading. Returns its routed experts (the layer)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
-    runner = FusedMoEFactory(num_experts=ckpt.num_experts, top_k=top_k, hidden_size=ckpt.hidden,
-                             intermediate_size=ckpt.intermediate, params_dtype=dtype, prefix=prefix,
-                             quant_config=ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True))
+    runner = FusedMoEFactory(
+        num_experts=ckpt.num_experts,
+        top_k=top_k,
+        hidden_size=ckpt.hidden,
+        intermediate_size=ckpt.intermediate,
+        params_dtype=dtype,
+        prefix=prefix,
+        quant_config=ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True),
+    )
     [layer] = [m for m in runner.modules() if hasattr(m, "w13_weight")]
     with torch.no_grad():
         for name in MOE_TENSORS:
@@ -106,15 +142,15 @@ def build_modelopt_moe_layer(ckpt, top_k: int, dtype: torch.dtype = torch.bfloat
 def import_modules() -> None:
     """Import the vLLM modules these helpers build layers from (with the simulation installed: vLLM's CUDA
     extensions cannot load on a CPU)."""
-    import vllm.config  # noqa: F401
-    import vllm.distributed  # noqa: F401
-    import vllm.model_executor.layers.linear  # noqa: F401
-    import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4  # noqa: F401
-    import vllm.model_executor.layers.fused_moe.layer  # noqa: F401
-    import vllm.model_executor.layers.quantization.modelopt  # noqa: F401
+    import vllm.config
+    import vllm.distributed
+    import vllm.model_executor.layers.fused_moe.layer
+    import vllm.model_executor.layers.linear
+    import vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4
+    import vllm.model_executor.layers.quantization.modelopt
+    import vllm.model_executor.model_loader.weight_utils
+    import vllm.v1.worker.gpu_worker
     import vllm.v1.worker.workspace  # noqa: F401
-    import vllm.model_executor.model_loader.weight_utils  # noqa: F401
-    import vllm.v1.worker.gpu_worker  # noqa: F401
 
 
 def cpu_build() -> bool:
@@ -136,4 +172,11 @@ def available() -> str | None:
     return None if ok else why
 
 
-__all__ = ["vllm_context", "build_modelopt_layer", "build_modelopt_moe_layer", "build_compressed_tensors_layer", "available", "import_modules"]
+__all__ = [
+    "vllm_context",
+    "build_modelopt_layer",
+    "build_modelopt_moe_layer",
+    "build_compressed_tensors_layer",
+    "available",
+    "import_modules",
+]

@@ -62,8 +62,16 @@ def _runner(use, runner):
         use(previous)
 
 
-def in_process(index: int, family: str, backend_args: list[str], crashed: dict[str, str], label: str,
-               env: dict[str, str], stop=None, uuid: str | None = None) -> tuple[dict | None, dict | None, int, str]:
+def in_process(
+    index: int,
+    family: str,
+    backend_args: list[str],
+    crashed: dict[str, str],
+    label: str,
+    env: dict[str, str],
+    stop=None,
+    uuid: str | None = None,
+) -> tuple[dict | None, dict | None, int, str]:
     """A cli WorkerRunner: (result, last candidate event, exit code, stderr tail) of one worker."""
     args = cli._parser().parse_args(cli.worker_argv(index, family, backend_args, crashed, uuid))
     output = cli.WorkerOutput(label)  # what the preflight makes of a worker process's lines

@@ -22,7 +22,9 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("RUN_SGLANG_MATRIX") == "1":
         return
-    skip = pytest.mark.skip(reason="SGLang release matrix: set RUN_SGLANG_MATRIX=1 to run it (downloads ~400 MB of wheels once)")
+    skip = pytest.mark.skip(
+        reason="SGLang release matrix: set RUN_SGLANG_MATRIX=1 to run it (downloads ~400 MB of wheels once)"
+    )
     for item in items:
         if _HERE in Path(str(item.fspath)).resolve().parents:
             item.add_marker(skip)

@@ -54,18 +54,42 @@ from ...errors import InvalidArgument, SelfTestError, not_accepted
 from ...versions import installed_version, version_in
 
 __all__ = [
-    "DISTRIBUTION", "DENSE_MODE", "MOE_MODE", "version", "compiler", "cache_dir", "supported", "moe_supported",
-    "mm_fp4", "fused_moe", "prepare_dense", "prepare_moe", "original", "restore", "converted_layers",
-    "startup", "describe_backend", "doctor_info", "use_engine", "Engine", "Prepared", "clear", "prepared_for",
+    "DISTRIBUTION",
+    "DENSE_MODE",
+    "MOE_MODE",
+    "version",
+    "compiler",
+    "cache_dir",
+    "supported",
+    "moe_supported",
+    "mm_fp4",
+    "fused_moe",
+    "prepare_dense",
+    "prepare_moe",
+    "original",
+    "restore",
+    "converted_layers",
+    "startup",
+    "describe_backend",
+    "doctor_info",
+    "use_engine",
+    "Engine",
+    "Prepared",
+    "clear",
+    "prepared_for",
     "dequantize_activations",
 ]
 
 _LOG = logging.getLogger("sm120_fp4")
 DISTRIBUTION = "humming-kernels"
-DENSE_MODE = ("W4A4: SGLang's FP4-quantized activations, dequantized exactly to bf16/fp16, through Humming's "
-              "bf16/fp16-activation kernel on the FP4 weights (checked against the W4A4 oracle)")
-MOE_MODE = ("W4A16: bf16/fp16 activations, not quantized, through Humming's grouped kernel on the FP4 experts "
-            "(checked against the oracle's W4A16 mode, reference_moe_fp4(quantize_activations=False))")
+DENSE_MODE = (
+    "W4A4: SGLang's FP4-quantized activations, dequantized exactly to bf16/fp16, through Humming's "
+    "bf16/fp16-activation kernel on the FP4 weights (checked against the W4A4 oracle)"
+)
+MOE_MODE = (
+    "W4A16: bf16/fp16 activations, not quantized, through Humming's grouped kernel on the FP4 experts "
+    "(checked against the oracle's W4A16 mode, reference_moe_fp4(quantize_activations=False))"
+)
 # Releases that crash on GB10 (sm_121) at an NVML memory-clock query (vllm #49554).
 _GB10_CRASH = ">=0.1.10,<0.1.12"
 # The padding SGLang's own Humming methods ask for (some of Humming's per-M kernels tile N by 256
@@ -103,7 +127,11 @@ def compiler() -> tuple[str | None, str]:
     if forced == "nvcc":
         return ("nvcc", f"HUMMING_COMPILER=nvcc: {nvcc}") if nvcc else (None, "HUMMING_COMPILER=nvcc but no nvcc found")
     if forced == "nvrtc" or has_nvrtc:
-        return ("nvrtc", "cuda-bindings' NVRTC") if has_nvrtc else (None, "HUMMING_COMPILER=nvrtc but cuda-bindings' nvrtc does not import")
+        return (
+            ("nvrtc", "cuda-bindings' NVRTC")
+            if has_nvrtc
+            else (None, "HUMMING_COMPILER=nvrtc but cuda-bindings' nvrtc does not import")
+        )
     if nvcc:
         return "nvcc", nvcc
     return None, "neither NVRTC (cuda-bindings) nor nvcc (CUDA toolkit) is available"
@@ -151,8 +179,9 @@ class Engine:
         """out (M, N) = scale_2 * (x @ W_unscaled^T); x (M, K) in prepared.dtype."""
         raise NotImplementedError  # pragma: no cover
 
-    def grouped_gemm(self, prepared: Prepared, x: torch.Tensor, scale_2: torch.Tensor, offsets: torch.Tensor,
-                     out: torch.Tensor) -> None:
+    def grouped_gemm(
+        self, prepared: Prepared, x: torch.Tensor, scale_2: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor
+    ) -> None:
         """Rows offsets[e]:offsets[e+1] of x (sorted by expert) times expert e, scaled by scale_2[e]."""
         raise NotImplementedError  # pragma: no cover
 
@@ -194,16 +223,28 @@ class _HummingEngine(Engine):
         schema = BaseWeightSchema.from_config({"quant_method": "modelopt", "quant_algo": "NVFP4"})
         with torch.cuda.device(device):
             ones = torch.ones(experts or 1, dtype=torch.float32, device=device)  # alpha comes with every call
-            hschema, tensors = schema.convert_humming(tensors={"weight": weight, "weight_scale": scale, "weight_scale_2": ones},
-                                                      shape_n_stacks=[n], shape_k_stacks=[k], param_dtype=dtype,
-                                                      num_experts=experts)
+            hschema, tensors = schema.convert_humming(
+                tensors={"weight": weight, "weight_scale": scale, "weight_scale_2": ones},
+                shape_n_stacks=[n],
+                shape_k_stacks=[k],
+                param_dtype=dtype,
+                num_experts=experts,
+            )
             holder = torch.nn.Module()
             for name, tensor in tensors.items():
                 setattr(holder, name, torch.nn.Parameter(tensor, requires_grad=False))
             del tensors
-            HummingMethod.prepare_layer_meta(layer=holder, shape_n=n, shape_k=k, weight_schema=hschema, num_experts=experts,
-                                             pad_n_to_multiple=_N_ALIGN, pad_k_to_multiple=_K_ALIGN, has_bias=False,
-                                             torch_dtype=dtype)
+            HummingMethod.prepare_layer_meta(
+                layer=holder,
+                shape_n=n,
+                shape_k=k,
+                weight_schema=hschema,
+                num_experts=experts,
+                pad_n_to_multiple=_N_ALIGN,
+                pad_k_to_multiple=_K_ALIGN,
+                has_bias=False,
+                torch_dtype=dtype,
+            )
             HummingMethod.transform_humming_layer(holder)
         meta = holder.humming_metas[""]
         out = {"weight": holder.weight.data, "weight_scale": holder.weight_scale.data}
@@ -212,7 +253,10 @@ class _HummingEngine(Engine):
         if scale_2 is not None and bool((scale_2 == 1).all()):  # at load, outside capture: a host read is fine
             scale_2 = None
         gemm_type = "grouped_contiguous" if experts else "dense"
-        config = {"layer_config": meta.to_str(), "compute_config": json.dumps({"use_f16_accum": False, "gemm_type": gemm_type})}
+        config = {
+            "layer_config": meta.to_str(),
+            "compute_config": json.dumps({"use_f16_accum": False, "gemm_type": gemm_type}),
+        }
         label = f"N={n} K={k}" + (f" E={experts}" if experts else "") + f" {str(dtype).removeprefix('torch.')}"
         locks = torch.zeros(2048, dtype=torch.int32, device=device)  # stream-K state, one per layer
         return Prepared(out, config, label, n, k, experts, dtype, scale_2, locks)
@@ -227,17 +271,25 @@ class _HummingEngine(Engine):
             from humming.kernel.humming import HummingKernel
 
             with torch.cuda.device(prepared.tensors["weight"].device):
-                prepared.kernels = HummingKernel.prepare_kernels(prepared.meta["layer_config"], prepared.meta["compute_config"],
-                                                                 prepared.meta.get("tuning_config"))
+                prepared.kernels = HummingKernel.prepare_kernels(
+                    prepared.meta["layer_config"], prepared.meta["compute_config"], prepared.meta.get("tuning_config")
+                )
         return prepared.kernels
 
     @classmethod
     def _launch(cls, prepared, x, scale_2, out, **moe):
         from humming import ops
 
-        ops.launch_kernel(configs=cls._kernels(prepared), inputs=x, weight=prepared.tensors["weight"],
-                          weight_scale=prepared.tensors["weight_scale"], weight_scale_2=scale_2, outputs=out,
-                          locks=prepared.locks, **moe)
+        ops.launch_kernel(
+            configs=cls._kernels(prepared),
+            inputs=x,
+            weight=prepared.tensors["weight"],
+            weight_scale=prepared.tensors["weight_scale"],
+            weight_scale_2=scale_2,
+            outputs=out,
+            locks=prepared.locks,
+            **moe,
+        )
 
     def gemm(self, prepared, x, scale_2, out):
         self._launch(prepared, x, scale_2, out)
@@ -280,7 +332,9 @@ class _Converted:
     in_place: bool
     extra_bytes: int  # GPU bytes beyond SGLang's own tensors (scales that did not fit; a cache copy)
     family: str = "dense"
-    originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # storage ptr -> (kept copy, target)
+    originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # storage ptr -> (kept copy, target)
     written: set[int] = field(default_factory=set)  # storages of SGLang's that now hold Humming's bytes
     owner: Any = None  # weakref to the tensor whose storage is the key: a dead one means a stale record
 
@@ -316,8 +370,10 @@ def _first_call(prepared: Prepared, family: str, call: Callable[[], None]) -> No
         call()
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise SelfTestError(f"sm120_fp4: Humming's {key} kernels were never run before CUDA-graph capture "
-                            "(its JIT compile cannot run inside capture); the layer check runs them at load")
+        raise SelfTestError(
+            f"sm120_fp4: Humming's {key} kernels were never run before CUDA-graph capture "
+            "(its JIT compile cannot run inside capture); the layer check runs them at load"
+        )
     before, start = _cubins(), time.perf_counter()
     call()
     if prepared.tensors["weight"].is_cuda:
@@ -325,9 +381,23 @@ def _first_call(prepared: Prepared, family: str, call: Callable[[], None]) -> No
     seconds = time.perf_counter() - start
     compiled = max(0, _cubins() - before)
     with _lock:
-        _startup.setdefault(key, {"first_call_s": round(seconds, 3), "kernels_compiled": compiled,
-                                  "from_cache": compiled == 0, "engine": _engine.name, "version": version()})
-    _LOG.info("sm120_fp4: Humming %s: first call %.2f s (%d kernel(s) compiled, cache %s)", key, seconds, compiled, cache_dir())
+        _startup.setdefault(
+            key,
+            {
+                "first_call_s": round(seconds, 3),
+                "kernels_compiled": compiled,
+                "from_cache": compiled == 0,
+                "engine": _engine.name,
+                "version": version(),
+            },
+        )
+    _LOG.info(
+        "sm120_fp4: Humming %s: first call %.2f s (%d kernel(s) compiled, cache %s)",
+        key,
+        seconds,
+        compiled,
+        cache_dir(),
+    )
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -340,8 +410,12 @@ def _bytes(t: torch.Tensor) -> int:
 
 def _fits(src: torch.Tensor, target: torch.Tensor) -> bool:
     """Whether `src`'s bytes fit in `target`'s own storage (target a contiguous tensor starting it)."""
-    return (target.is_contiguous() and target.storage_offset() == 0 and src.is_contiguous()
-            and _bytes(src) <= target.untyped_storage().nbytes())
+    return (
+        target.is_contiguous()
+        and target.storage_offset() == 0
+        and src.is_contiguous()
+        and _bytes(src) <= target.untyped_storage().nbytes()
+    )
 
 
 def _write_into(src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -364,8 +438,15 @@ def _root(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
-def _convert(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype, experts: int | None,
-             in_place: bool, keep_original: bool, family: str) -> _Converted:
+def _convert(
+    weight: torch.Tensor,
+    sf_swizzled: torch.Tensor,
+    dtype: torch.dtype,
+    experts: int | None,
+    in_place: bool,
+    keep_original: bool,
+    family: str,
+) -> _Converted:
     """Convert one weight (its packed codes and swizzled scales) to Humming's layout: into SGLang's
     storage (`in_place`, keeping a copy of the bytes overwritten when `keep_original`: on the device
     while the layer is checked, see drop_originals), or next to it."""
@@ -375,8 +456,9 @@ def _convert(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype
     linear_sf = _unswizzle(sf_swizzled, rows, k, experts)
     prepared = _engine.prepare(weight.contiguous(), linear_sf, dtype, experts)
     del linear_sf
-    conv = _Converted(prepared, in_place, sum(_bytes(t) for t in prepared.tensors.values()), family,
-                      owner=weakref.ref(_root(weight)))
+    conv = _Converted(
+        prepared, in_place, sum(_bytes(t) for t in prepared.tensors.values()), family, owner=weakref.ref(_root(weight))
+    )
     if not in_place:
         return conv
     conv.extra_bytes = 0
@@ -385,8 +467,9 @@ def _convert(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype
         src = prepared.tensors[name]
         if not _fits(src, target):
             if name == "weight":
-                raise SelfTestError(f"sm120_fp4: Humming's layout of a {tuple(weight.shape)} weight does not fit "
-                                    "SGLang's storage of it")
+                raise SelfTestError(
+                    f"sm120_fp4: Humming's layout of a {tuple(weight.shape)} weight does not fit SGLang's storage of it"
+                )
             conv.extra_bytes += _bytes(src)  # kept next to SGLang's (smaller) swizzled scales
             continue
         key = _storage_key(target)
@@ -400,8 +483,9 @@ def _convert(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype
 
 def _record_memory(label: str, conv: _Converted, nvfp4_bytes: int) -> None:
     with _lock:
-        entry = _memory.setdefault(label, {"layers": 0, "in_place": conv.in_place, "nvfp4_bytes": nvfp4_bytes,
-                                           "extra_bytes": conv.extra_bytes})
+        entry = _memory.setdefault(
+            label, {"layers": 0, "in_place": conv.in_place, "nvfp4_bytes": nvfp4_bytes, "extra_bytes": conv.extra_bytes}
+        )
         entry["layers"] += 1
         entry["ratio"] = round((nvfp4_bytes + conv.extra_bytes) / nvfp4_bytes, 4)
 
@@ -430,7 +514,9 @@ def prepare_moe(weights: dict, dtype: torch.dtype, keep_original: bool) -> None:
             key = (_storage_key(weights[w]), IN_PLACE)
             if key in _converted:
                 continue
-            conv = _convert(weights[w], weights[sf], dtype, experts, in_place=True, keep_original=keep_original, family="moe")
+            conv = _convert(
+                weights[w], weights[sf], dtype, experts, in_place=True, keep_original=keep_original, family="moe"
+            )
             _converted[key] = conv
             _record_memory(f"moe {w} {conv.prepared.label}", conv, _bytes(weights[w]) + _bytes(weights[sf]))
 
@@ -452,8 +538,10 @@ def original(t: torch.Tensor) -> torch.Tensor:
                     copy = copy.reshape(-1).view(torch.uint8)[: _bytes(t)].view(t.dtype).view(t.shape)
                 return copy
             if conv.in_place and key in conv.written:
-                raise SelfTestError("sm120_fp4: this weight was converted to Humming's layout in place and its "
-                                    "original bytes were not kept; the oracle cannot read it")
+                raise SelfTestError(
+                    "sm120_fp4: this weight was converted to Humming's layout in place and its "
+                    "original bytes were not kept; the oracle cannot read it"
+                )
     return t
 
 
@@ -525,16 +613,19 @@ def prepared_for(weight: torch.Tensor, dtype: torch.dtype) -> Prepared | None:
     return None if conv is None else conv.prepared
 
 
-def _entry(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype, experts: int | None,
-           family: str) -> _Converted:
+def _entry(
+    weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype, experts: int | None, family: str
+) -> _Converted:
     """The conversion of `weight`: made in place at load, or now next to it (outside capture only)."""
     ptr = _storage_key(weight)
     conv = _converted.get((ptr, IN_PLACE))
     if conv is not None:
         if conv.owner() is not None:
             if conv.prepared.dtype != dtype:
-                raise InvalidArgument(f"humming: this layer was converted for {conv.prepared.dtype} activations at load; "
-                                      f"called with {dtype}")
+                raise InvalidArgument(
+                    f"humming: this layer was converted for {conv.prepared.dtype} activations at load; "
+                    f"called with {dtype}"
+                )
             return conv
         with _lock:  # the weight it was made for is gone; this is another tensor at the same address
             _converted.pop((ptr, IN_PLACE), None)
@@ -543,8 +634,10 @@ def _entry(weight: torch.Tensor, sf_swizzled: torch.Tensor, dtype: torch.dtype, 
     if conv is not None and conv.owner() is not None:
         return conv
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise SelfTestError("sm120_fp4: a weight Humming never saw at load reached it inside CUDA-graph capture; "
-                            "converting it there is impossible (the layer check converts every served layer at load)")
+        raise SelfTestError(
+            "sm120_fp4: a weight Humming never saw at load reached it inside CUDA-graph capture; "
+            "converting it there is impossible (the layer check converts every served layer at load)"
+        )
     with _lock:
         conv = _convert(weight, sf_swizzled, dtype, experts, in_place=False, keep_original=False, family=family)
         _converted[key] = conv
@@ -593,20 +686,24 @@ def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
     if found is not None:
         return found
     if torch.cuda.is_current_stream_capturing():
-        from .cuda import launch as cuda_launch, loaded
+        from .cuda import launch as cuda_launch
+        from .cuda import loaded
 
         if loaded(device):  # built before (the records were cleared since): nothing to build now
             with _lock:
                 return _dequant_engines.setdefault(index, ("cuda", cuda_launch))
-        raise SelfTestError("sm120_fp4: Humming's activation dequantization kernel was never run on this GPU before "
-                            "CUDA-graph capture (it cannot be built inside capture); the layer check runs it at load")
+        raise SelfTestError(
+            "sm120_fp4: Humming's activation dequantization kernel was never run on this GPU before "
+            "CUDA-graph capture (it cannot be built inside capture); the layer check runs it at load"
+        )
     reason = None
     try:
-        from .cuda import launch as cuda_launch, load
+        from .cuda import launch as cuda_launch
+        from .cuda import load
 
         load(device)
         found = ("cuda", cuda_launch)
-    except Exception as exc:  # noqa: BLE001 - no NVRTC, an NVRTC that does not know this GPU: Triton's kernel
+    except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
         from .dequant import launch as triton_launch
 
@@ -614,13 +711,23 @@ def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
             triton_launch(a, sf.view(torch.uint8), out, kp)
 
         found = ("triton", launch)
-        _LOG.info("sm120_fp4: Humming's activation dequantization runs as a Triton kernel on cuda:%s (%s)", index, reason)
+        _LOG.info(
+            "sm120_fp4: Humming's activation dequantization runs as a Triton kernel on cuda:%s (%s)", index, reason
+        )
     with _lock:
         _dequant_engines[index] = found
-        _startup.setdefault("dequant", {"first_call_s": None, "kernels_compiled": None, "from_cache": None,
-                                        "engine": found[0], "version": "the activation dequantization kernel "
-                                        + ("(CUDA C through NVRTC)" if found[0] == "cuda" else "(Triton's own cache)"),
-                                        "fallback_reason": reason})
+        _startup.setdefault(
+            "dequant",
+            {
+                "first_call_s": None,
+                "kernels_compiled": None,
+                "from_cache": None,
+                "engine": found[0],
+                "version": "the activation dequantization kernel "
+                + ("(CUDA C through NVRTC)" if found[0] == "cuda" else "(Triton's own cache)"),
+                "fallback_reason": reason,
+            },
+        )
     return found
 
 
@@ -652,16 +759,44 @@ def _bad_moe(param: str, value: object, accepted: str) -> InvalidArgument:
     return not_accepted("humming fused MoE", param, value, accepted)
 
 
-def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-              activation, out_dtype, out):
+def fused_moe(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w13_sf,
+    w13_alpha,
+    w2,
+    w2_sf,
+    w2_alpha,
+    a1_gscale,
+    a2_gscale,
+    activation,
+    out_dtype,
+    out,
+):
     """The MoE ``humming`` backend (reference_moe_fp4's convention), W4A16: x is not quantized; each
     expert's weight factor is its alpha times the activation scale it was made for (w13_alpha *
     a1_gscale: 1 / the weight's global scale). Rows are grouped by expert (stable), both GEMMs run
     grouped, and each token's k rows are summed with its routing weights in float32."""
     from ..flashinfer import check_moe_args
 
-    check_moe_args(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale,
-                   activation, out_dtype, out)
+    check_moe_args(
+        x,
+        topk_ids,
+        topk_weights,
+        w13,
+        w13_sf,
+        w13_alpha,
+        w2,
+        w2_sf,
+        w2_alpha,
+        a1_gscale,
+        a2_gscale,
+        activation,
+        out_dtype,
+        out,
+    )
     if x.dtype != out_dtype:
         raise _bad_moe("out_dtype", out_dtype, f"x's dtype ({x.dtype}): the W4A16 kernel computes in it")
     experts = w13.shape[0]
@@ -677,7 +812,9 @@ def fused_moe(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_a
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     offsets = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
-    rows = torch.where(valid[order].unsqueeze(1), x.index_select(0, order // top_k), torch.zeros((), dtype=x.dtype, device=x.device))
+    rows = torch.where(
+        valid[order].unsqueeze(1), x.index_select(0, order // top_k), torch.zeros((), dtype=x.dtype, device=x.device)
+    )
     s13 = (w13_alpha * a1_gscale).float()
     s2 = (w2_alpha * a2_gscale).float()
     if c13.prepared.scale_2 is not None:
@@ -707,7 +844,11 @@ def startup() -> dict:
     """Per distinct kernel configuration: the first call's seconds and whether it compiled or loaded
     from Humming's cache; the cache directory; the memory of converted layers against their NVFP4 tensors."""
     with _lock:
-        return {"cache_dir": cache_dir(), "configurations": dict(_startup), "memory": {k: dict(v) for k, v in _memory.items()}}
+        return {
+            "cache_dir": cache_dir(),
+            "configurations": dict(_startup),
+            "memory": {k: dict(v) for k, v in _memory.items()},
+        }
 
 
 def describe_backend(family: str) -> dict:
@@ -716,15 +857,29 @@ def describe_backend(family: str) -> dict:
     layers it converted, and how many it converted in place."""
     info = startup()
     prefix = "dense" if family == "dense" else "moe"
-    return {"mode": DENSE_MODE if family == "dense" else MOE_MODE, "engine": _engine.name, "humming_version": version(),
-            "cache_dir": info["cache_dir"], "converted_in_place": converted_layers(family),
-            "configurations": {k: v for k, v in info["configurations"].items() if k.startswith(prefix) or (k == "dequant" and family == "dense")},
-            "memory": {k: v for k, v in info["memory"].items() if k.startswith(prefix)}}
+    return {
+        "mode": DENSE_MODE if family == "dense" else MOE_MODE,
+        "engine": _engine.name,
+        "humming_version": version(),
+        "cache_dir": info["cache_dir"],
+        "converted_in_place": converted_layers(family),
+        "configurations": {
+            k: v
+            for k, v in info["configurations"].items()
+            if k.startswith(prefix) or (k == "dequant" and family == "dense")
+        },
+        "memory": {k: v for k, v in info["memory"].items() if k.startswith(prefix)},
+    }
 
 
 def doctor_info() -> dict:
     """The Humming version, its compiler here, its cache (for `sm120-fp4 doctor`); imports nothing heavy."""
     tool, how = compiler()
-    return {"version": version(), "compiler": tool, "compiler_detail": how, "cache_dir": cache_dir(),
-            "can_compile": tool is not None,
-            "note": None if version() else f"the humming fallback needs `pip install {DISTRIBUTION}`"}
+    return {
+        "version": version(),
+        "compiler": tool,
+        "compiler_detail": how,
+        "cache_dir": cache_dir(),
+        "can_compile": tool is not None,
+        "note": None if version() else f"the humming fallback needs `pip install {DISTRIBUTION}`",
+    }

@@ -50,8 +50,11 @@ def dequant(a_ptr, sf_ptr, out_ptr, m, half_k, kp, BLOCK_M: tl.constexpr, BLOCK_
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     row_ok = rows < m
     group_ok = groups < half_k // 8
-    sf_off = ((rows // 128) * 128 * kp)[:, None] + ((rows % 32) * 16 + ((rows % 128) // 32) * 4)[:, None] \
+    sf_off = (
+        ((rows // 128) * 128 * kp)[:, None]
+        + ((rows % 32) * 16 + ((rows % 128) // 32) * 4)[:, None]
         + ((groups // 4) * 512 + (groups % 4))[None, :]
+    )
     scale = _e4m3(tl.load(sf_ptr + sf_off, mask=row_ok[:, None] & group_ok[None, :], other=0).to(tl.int32))
     cols = groups[:, None] * 8 + tl.arange(0, 8)[None, :]  # byte index in the row, (BLOCK_G, 8)
     in_mask = row_ok[:, None, None] & group_ok[None, :, None]
