@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 from helpers import moe_faults
+from helpers.cases import case
 
 from sm120_fp4 import backends, dispatch, nvfp4, verify
 from sm120_fp4.backends import flashinfer
@@ -328,3 +329,18 @@ def test_balanced_routing_lets_every_expert_lead_a_token(tokens, top_k, experts)
     assert set(ids[:, 0].tolist()) == set(range(experts))  # every expert leads
     assert bool((weights[:, 0] >= 0.8).all()) and bool((weights[:, 1:] <= 0.1).all())
     assert set(ids.flatten().tolist()) == set(range(experts))
+
+
+@case(
+    "own failures",
+    "the generic MoE self-test run while torch's default dtype is bf16 (SGLang loads a model under the model's dtype)",
+    "it passes with a healthy kernel: every probe makes its routing weights float32 itself",
+)
+def test_the_moe_self_test_runs_under_a_bf16_default_dtype():
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        report = verify.run_moe("emulated", SIM, verify.SIMULATION_MOE_CONFIG)
+    finally:
+        torch.set_default_dtype(default)
+    assert report.passed, report.reason

@@ -362,7 +362,7 @@ def _repeated(fn: Callable, args: tuple, activation: str, out: torch.Tensor, ref
     """REPEAT_CALLS calls of one batch in a row into a buffer of their own; `out` gets the worst of
     them (by _group_error against the oracle), and every call must return its buffer."""
     buf = torch.empty_like(out)
-    worst = torch.full((), -1.0, device=out.device)
+    worst = torch.full((), -1.0, dtype=torch.float32, device=out.device)
     for i in range(REPEAT_CALLS):
         buf.fill_(float("nan"))
         got = fn(*args, activation, args[0].dtype, buf)
@@ -384,8 +384,9 @@ def _poisoned_expert0_case(
         return None
     tokens = 4
     gen = torch.Generator().manual_seed(7)
-    local = 1 + torch.rand(tokens, experts - 1, generator=gen).argsort(dim=1)[:, :top_k]  # never expert 0
-    topk_weights = (0.1 + 0.9 * torch.rand(tokens, top_k, generator=gen)).to(x_like.device)
+    # float32 named: SGLang loads a model under torch's default dtype set to the model's (bf16).
+    local = 1 + torch.rand(tokens, experts - 1, generator=gen, dtype=torch.float32).argsort(dim=1)[:, :top_k]  # not 0
+    topk_weights = (0.1 + 0.9 * torch.rand(tokens, top_k, generator=gen, dtype=torch.float32)).to(x_like.device)
     local[:, -1] = -1  # every token: a -1 slot (b12x computes it on expert 0, weight 0)
     local[-1] = -1  # a padding row: every slot -1, a zero row
     local = local.to(torch.int32).to(x_like.device)
