@@ -13,7 +13,6 @@ eagerly at its re-check sizes (decode, 2049, the prefill chunk) and at every cap
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -491,27 +490,7 @@ def _served_cases(
     reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)[
         :, :n_out
     ]
-    cases = []
-    for m in ms:
-        case = verify.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
-        # The repeat of M right after it, other data: the batch's next M rows (views) where there
-        # are more rows, else these rows rolled by one.
-        if m < rows:
-            case.twin = functools.partial(
-                dataclasses.replace,
-                case,
-                invoke=functools.partial(serve, x[1 : m + 1]),
-                reference=reference[1 : m + 1],
-                twin=None,
-            )
-        else:
-            case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
-        cases.append(case)
-    return cases
-
-
-def _rolled_rows(case: verify.Case, serve: Callable, x: torch.Tensor) -> verify.Case:
-    return verify.rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
+    return verify.served_cases(ms, n_out, k, serve, x, reference, watched)
 
 
 def dense_check(

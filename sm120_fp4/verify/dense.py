@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Callable
@@ -20,13 +21,42 @@ from .engine import (
     finish,
     refuse_inside_capture,
     report_for,
+    rolled,
     sweep,
 )
 
 __all__ = [
     "DEFAULT_SHAPES",
     "run",
+    "served_cases",
 ]
+
+
+def served_cases(
+    ms: list[int], n_out: int, k: int, serve: Callable, x: torch.Tensor, reference: torch.Tensor, watched: tuple
+) -> list[Case]:
+    """The cases of one served dense layer (any engine): each M of `ms` through `serve` on the first M
+    rows of `x` against `reference`, and its repeat right after it with other data (state a kernel
+    carries between calls of one shape): the next M rows (views) where `x` has more, else these rolled."""
+    cases = []
+    for m in ms:
+        case = Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
+        if m < x.shape[0]:
+            case.twin = functools.partial(
+                dataclasses.replace,
+                case,
+                invoke=functools.partial(serve, x[1 : m + 1]),
+                reference=reference[1 : m + 1],
+                twin=None,
+            )
+        else:
+            case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
+        cases.append(case)
+    return cases
+
+
+def _rolled_rows(case: Case, serve: Callable, x: torch.Tensor) -> Case:
+    return rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
 
 
 # M: one token, an odd count, just above one 128-row tile, a prefill of a few thousand.

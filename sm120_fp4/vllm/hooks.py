@@ -11,7 +11,6 @@ to vLLM's largest CUDA-graph batch and its prefill chunk, against the oracle.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -207,25 +206,7 @@ def _served_cases(
     reference = nvfp4.reference_mm_fp4(
         qx, weight.t(), sx, weight_sf.view(torch.uint8).t(), alpha.float().reshape(1), torch.float32
     )[:, :n_out]
-    cases = []
-    for m in ms:
-        case = verify.Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
-        if m < rows:  # the repeat of M right after it, other data (state a kernel carries between calls of one shape)
-            case.twin = functools.partial(
-                dataclasses.replace,
-                case,
-                invoke=functools.partial(serve, x[1 : m + 1]),
-                reference=reference[1 : m + 1],
-                twin=None,
-            )
-        else:
-            case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
-        cases.append(case)
-    return cases
-
-
-def _rolled_rows(case: verify.Case, serve: Callable, x: torch.Tensor) -> verify.Case:
-    return verify.rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
+    return verify.served_cases(ms, n_out, k, serve, x, reference, watched)
 
 
 def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
