@@ -113,7 +113,7 @@ def process_words(text: str) -> list[str]:
 def test_process_words_finds_them_and_leaves_upstream_issues_alone():
     # The samples are put together here, so that this file does not hold the words it looks for.
     assert process_words("as measured in the fifth " + "session") and process_words(
-        "see " + "issue 20, items numbered " + "22.1"
+        "see " + "issue " + "20, items numbered " + "22.1"
     )
     assert (
         process_words("the " + "lent H200")
