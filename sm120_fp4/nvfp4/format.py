@@ -1,24 +1,10 @@
-"""The NVFP4 format in pure PyTorch: codes, packing, the scale swizzle, quantize and dequantize.
+"""The NVFP4 format in pure PyTorch, written from FlashInfer's documented recipe (128x4 scale layout).
 
-Layouts are FlashInfer's (``fp4_quantize`` / ``mm_fp4`` with the 128x4 scale layout,
-``do_shuffle=False``), written from its documented recipe, never by calling it:
-
-* E2M1 codes: bit 3 is the sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}; encoding
-  rounds to nearest with ties to the even code and saturates at 6 (``cvt.rn.satfinite``).
-* Two codes a byte: element ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
-* One E4M3 scale per 16 elements of a row, stored in the 128x4 swizzled layout, padded
-  to (ceil128(rows), ceil4(K/16)) with zeros.
-* Quantize (the CUDA kernel's order of operations, with round-to-nearest reciprocals):
-  ``sf = e4m3(min(gsf * (amax(block) * fl32(1/6)), 448))``,
-  ``code = e2m1(x * (1 / (float(sf) * (1 / gsf))))`` and 0 where ``sf == 0``.
-  FlashInfer's default fast-math build uses ``rcp.approx.ftz`` instead of exact
-  reciprocals, which can move a value sitting on a rounding boundary by one code.
-* Dequantize: ``e2m1(code) * float(sf) / gsf``.
-* GEMM: ``alpha * (A_unscaled @ B_unscaled^T)`` with float32 accumulation, where
-  "unscaled" means ``e2m1(code) * float(sf)``: alpha carries ``1 / (gsf_a * gsf_b)``.
-
-Everything is vectorised and runs on any device. Functions check their inputs and raise
-:class:`~sm120_fp4.errors.InvalidArgument` (a ``ValueError``) naming the parameter.
+E2M1 codes: bit 3 the sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}, nearest with ties to even,
+saturating at 6; two a byte, element 2i in the low nibble. One E4M3 scale per 16 elements, 128x4
+swizzled, zero padded. Quantize: ``sf = e4m3(min(gsf * (amax * fl32(1/6)), 448))``, ``code =
+e2m1(x * (1 / (float(sf) * (1 / gsf))))`` (FlashInfer's fast-math reciprocals may move a boundary
+value by one code). Dequantize: ``e2m1(code) * float(sf) / gsf``; a GEMM's alpha is 1/(gsf_a*gsf_b).
 """
 
 from __future__ import annotations
@@ -80,9 +66,9 @@ def _check_k(func: str, param: str, value: torch.Tensor, k: int) -> None:
 
 
 def _device_constant(key: tuple, make):
-    """`make()`, made once per `key` (its device among it) and kept: the quantizer and the oracle then
-    copy nothing to the device (they run inside CUDA-graph capture once a first call outside capture
-    has made their constants)."""
+    """Return `make()`, made once per `key` (which names the device) and kept."""
+    # Kept so the quantizer and the oracle copy nothing to the device: they run inside CUDA-graph
+    # capture once a first call outside capture has made their constants.
     value = _LUT_CACHE.get(key)
     if value is None:
         value = _LUT_CACHE.setdefault(key, make())
@@ -94,12 +80,10 @@ def _e2m1_lut(device: torch.device) -> torch.Tensor:
 
 
 def _rcp6(device: torch.device) -> torch.Tensor:
-    """fl32(1/6) on `device`."""
     return _device_constant(("rcp6", device), lambda: torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=device))
 
 
 def _thresholds(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rounding thresholds on `device` (round down at, round up at)."""
     return _device_constant(
         ("thresholds", device, dtype),
         lambda: (
@@ -122,7 +106,7 @@ def _encode_by_comparison(x: torch.Tensor) -> torch.Tensor:
 
 
 def _signed(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """`codes` (magnitudes) with x's sign bit, only on non-zero codes: -0.0 and tiny negatives encode as +0."""
+    """Return `codes` with x's sign bit on non-zero codes (-0.0 and tiny negatives encode as +0)."""
     negative = (x < 0) & (codes > 0)
     return codes | (negative.to(torch.uint8) << 3)
 
@@ -168,7 +152,7 @@ def _encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Encode float values as E2M1 codes (uint8 in 0..15): nearest, ties to even, saturating at 6."""
+    """Return the E2M1 codes (uint8 0..15) of `x`: nearest, ties to even, saturating at 6."""
     _check_tensor("encode_e2m1", "x", x, _FLOAT_INPUTS + (torch.float64,))
     if torch.isnan(x).any():
         raise not_accepted("encode_e2m1", "x", x, "no NaN (E2M1 has no NaN encoding)")
@@ -176,7 +160,7 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Decode E2M1 codes (uint8 in 0..15) to float32 values."""
+    """Return the float32 values of E2M1 codes (uint8 0..15)."""
     _check_tensor("decode_e2m1", "codes", codes, (torch.uint8,))
     if codes.numel() and int(codes.max()) > 15:
         raise not_accepted("decode_e2m1", "codes", codes, "values in 0..15")
@@ -184,7 +168,7 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes (..., K) into bytes (..., K/2): element 2i low nibble, 2i+1 high nibble."""
+    """Return codes (..., K) packed into bytes (..., K/2), element 2i in the low nibble."""
     _check_tensor("pack_nibbles", "codes", codes, (torch.uint8,))
     if codes.dim() == 0 or codes.shape[-1] % 2:
         raise not_accepted("pack_nibbles", "codes", codes, "a last dimension of even length")
@@ -194,7 +178,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Unpack bytes (..., K/2) into codes (..., K), low nibble first."""
+    """Return the codes (..., K) of bytes (..., K/2), low nibble first."""
     _check_tensor("unpack_nibbles", "packed", packed, (torch.uint8,))
     if packed.dim() == 0:
         raise not_accepted("unpack_nibbles", "packed", packed, "at least 1 dimension")
@@ -203,15 +187,13 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def swizzled_scale_shape(rows: int, k: int) -> tuple[int, int]:
-    """Shape of the 128x4 swizzled scales for `rows` x `k` elements: (ceil128(rows), ceil4(k/16))."""
+    """Return the 128x4 swizzled scales' shape for `rows` x `k` elements: (ceil128(rows), ceil4(k/16))."""
     return _round_up(rows, 128), _round_up(k // BLOCK_SIZE, 4)
 
 
 def swizzle_scales(sf: torch.Tensor) -> torch.Tensor:
-    """Lay block scales (M, K/16) out in the 128x4 layout (ceil128(M), ceil4(K/16)), zero padded.
-
-    Byte offset of scale (r, c): (r//128)*128*Kp + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4.
-    """
+    """Return block scales (M, K/16) in the zero-padded 128x4 layout (ceil128(M), ceil4(K/16))."""
+    # Byte offset of scale (r, c): (r//128)*128*Kp + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4.
     _check_tensor("swizzle_scales", "sf", sf, _SCALE_DTYPES, ndim=2)
     rows, cols = sf.shape
     mp, kp = _round_up(rows, 128), _round_up(cols, 4)
@@ -223,7 +205,7 @@ def swizzle_scales(sf: torch.Tensor) -> torch.Tensor:
 
 
 def unswizzle_scales(sf_swizzled: torch.Tensor, m: int, k: int) -> torch.Tensor:
-    """Invert :func:`swizzle_scales`: (ceil128(m), ceil4(k/16)) or flat -> (m, k/16); k counts elements."""
+    """Return the (m, k/16) scales of swizzled (ceil128(m), ceil4(k/16)) or flat ones; k counts elements."""
     func = "unswizzle_scales"
     _check_tensor(func, "sf_swizzled", sf_swizzled, _SCALE_DTYPES)
     if not isinstance(m, int) or m <= 0:
@@ -241,7 +223,7 @@ def unswizzle_scales(sf_swizzled: torch.Tensor, m: int, k: int) -> torch.Tensor:
 
 
 def global_scale(x: torch.Tensor) -> torch.Tensor:
-    """The encode scale 448 * 6 / amax(|x|) as a float32 0-dim tensor on x's device."""
+    """Return the encode scale 448 * 6 / amax(|x|) as a float32 0-dim tensor on x's device."""
     _check_tensor("global_scale", "x", x, _FLOAT_INPUTS)
     if x.numel() == 0:
         raise not_accepted("global_scale", "x", x, "a non-empty tensor")
@@ -269,12 +251,9 @@ def _as_scale(func: str, param: str, value: object, device: torch.device, check:
 
 
 def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize x (M, K) to NVFP4: (packed uint8 (M, K/2), float8_e4m3fn scales, 128x4 swizzled).
-
-    `global_scale` is the encode scale (448*6/amax for a tensor's own range; SGLang passes
-    ``1 / input_scale``). ``check_finite=False`` skips the host-synchronising checks, for use
-    where the caller guarantees finite input (e.g. inside CUDA-graph capture).
-    """
+    """Return x (M, K) in NVFP4: packed uint8 (M, K/2) and 128x4 swizzled float8_e4m3fn scales."""
+    # global_scale: the encode scale (SGLang passes 1 / input_scale). check_finite=False skips the
+    # host-synchronising checks where the caller guarantees finite input (inside graph capture).
     _check_tensor("quantize", "x", x, _FLOAT_INPUTS, ndim=2)
     m, k = x.shape
     _check_k("quantize", "x", x, k)
@@ -318,10 +297,9 @@ def _check_packed_and_scales(
 
 
 def _scaled_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(65536, 2) table: ``byte | scale_byte << 8`` -> the packed byte's (low, high) E2M1 values
-    times the E4M3 scale the byte's block has. Every entry is exact in float32 and in bf16 (an
-    E2M1 value has 2 significant bits, an E4M3 one 4; 2**-10 <= |product| <= 2688), and a NaN
-    scale byte gives NaN: the values of ``e2m1(code) * float(sf)`` in one lookup."""
+    """Return the (65536, 2) table ``byte | scale_byte << 8`` -> the byte's (low, high) values times the scale."""
+    # Every entry is exact in float32 and bf16 (2 significant bits times 4; 2**-10 <= |product| <= 2688);
+    # a NaN scale byte gives NaN.
 
     def make() -> torch.Tensor:
         index = torch.arange(1 << 16)
@@ -334,11 +312,7 @@ def _scaled_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """e2m1(code) * float(sf) (rows, K): dequantized values times the global scale.
-
-    Exact in float32 and in bfloat16 too (an E2M1 times an E4M3 value needs 5 significant bits),
-    so `dtype=torch.bfloat16` halves the memory traffic without changing a single value.
-    """
+    """Return e2m1(code) * float(sf) (rows, K), exact in float32 and in bfloat16 alike."""
     rows, k = _check_packed_and_scales("dequantize_unscaled", packed, scales, "packed", "scales")
     if dtype not in (torch.float32, torch.bfloat16):
         raise not_accepted("dequantize_unscaled", "dtype", dtype, "torch.float32 or torch.bfloat16")
@@ -354,7 +328,7 @@ def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, global_scale: object) -> torch.Tensor:
-    """Dequantize NVFP4 (packed (M, K/2), swizzled scales) to float32 (M, K): e2m1 * sf / gsf."""
+    """Return NVFP4 (packed (M, K/2), swizzled scales) dequantized to float32 (M, K): e2m1 * sf / gsf."""
     _check_packed_and_scales("dequantize", packed, scales, "packed", "scales")
     gsf = _as_scale("dequantize", "global_scale", global_scale, packed.device, True)
     return dequantize_unscaled(packed, scales) / gsf

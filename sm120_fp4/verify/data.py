@@ -8,20 +8,14 @@ import torch
 
 from .. import nvfp4
 
-__all__ = [
-    "Shape",
-    "quantized_inputs",
-    "structured_activations",
-    "seeded_activations",
-    "ROW_KINDS",
-    "Shape",
-]
+__all__ = ["Shape", "quantized_inputs", "structured_activations", "seeded_activations", "ROW_KINDS"]
 
 
 Shape = tuple[int, int, int]  # (M, N, K)
 
 
 def _row_ranges(rows: list[int], limit: int = 4) -> str:
+    """Return sorted `rows` as ranges ("3, 5-9, ..."), the first `limit` of them."""
     spans: list[list[int]] = []
     for r in rows:
         if spans and r == spans[-1][1] + 1:
@@ -47,10 +41,8 @@ ROW_KINDS = (
 def structured_activations(
     rows: int, cols: int, amax: float, generator: torch.Generator, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """Float32 activations (rows, cols) in [-amax, amax] whose row i is of kind ROW_KINDS[i % 8]:
-    what models feed a GEMM besides Gaussian noise (ReLU^2 MLPs, sparse and one-signed rows, rare
-    outliers 1e3-1e4 times the rest of their row, rows so small that their NVFP4 block scales are
-    E4M3 subnormals). Never an all-zero row. `generator` lives on `device` (no host copy)."""
+    """Return float32 activations (rows, cols) in [-amax, amax], row i of kind ROW_KINDS[i % 8], none all zero."""
+    # What models feed a GEMM besides Gaussian noise. `generator` lives on `device` (no host copy).
     g = generator
     kind = torch.arange(rows, device=device).remainder(len(ROW_KINDS)).unsqueeze(1)
     base = torch.randn(rows, cols, generator=g, device=device)
@@ -78,11 +70,9 @@ _seeded_lock = threading.Lock()
 
 
 def seeded_activations(rows: int, cols: int, amax: float, seed: int, device: torch.device) -> torch.Tensor:
-    """structured_activations from a generator on `device` seeded with `seed`, scaled to [-amax, amax].
-
-    The unscaled rows of a decode-sized batch are made once per (device, shape, seed) and kept
-    (every layer's check at that batch size draws the same rows, scaled to its own range), so a
-    layer's light check or a serving canary step draws nothing; larger batches are drawn each time."""
+    """Return structured_activations seeded with `seed` on `device`, scaled to [-amax, amax]."""
+    # A decode-sized batch's unscaled rows are kept per (device, shape, seed): every layer's check at
+    # that batch size scales the same rows, so a light check or a canary run draws nothing.
     key = (torch.device(device), rows, cols, seed)
     with _seeded_lock:
         unit = _seeded.pop(key, None)
@@ -100,10 +90,9 @@ def seeded_activations(rows: int, cols: int, amax: float, seed: int, device: tor
 
 
 def quantized_inputs(shape: Shape, device: torch.device, seed: int):
-    """Seeded bf16 activations and weights of `shape`, quantized with nvfp4: (x, gsf_x, mm_fp4 args).
-
-    The activation scales are uint8 bytes, as SGLang's quantizer returns them; the weight's are
-    float8_e4m3fn, as SGLang stores them: a kernel must read both as E4M3 bytes."""
+    """Return seeded bf16 activations and weights of `shape` quantized: (x, gsf_x, mm_fp4 args)."""
+    # Activation scales as uint8 bytes (SGLang's quantizer), the weight's as float8_e4m3fn (SGLang's
+    # storage): a kernel must read both as E4M3 bytes.
     m, n, k = shape
     gen = torch.Generator().manual_seed(seed)
     # Structured rows (structured_activations); weights with zeroed rows (zero output columns) and

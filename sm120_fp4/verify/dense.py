@@ -19,35 +19,28 @@ from .engine import (
     QuantizerCheck,
     SelfTestReport,
     finish,
+    load_backend,
     refuse_inside_capture,
     report_for,
     rolled,
     sweep,
 )
 
-__all__ = [
-    "DEFAULT_SHAPES",
-    "run",
-    "served_cases",
-]
+__all__ = ["DEFAULT_SHAPES", "run", "served_cases"]
 
 
 def served_cases(
     ms: list[int], n_out: int, k: int, serve: Callable, x: torch.Tensor, reference: torch.Tensor, watched: tuple
 ) -> list[Case]:
-    """The cases of one served dense layer (any engine): each M of `ms` through `serve` on the first M
-    rows of `x` against `reference`, and its repeat right after it with other data (state a kernel
-    carries between calls of one shape): the next M rows (views) where `x` has more, else these rolled."""
+    """Return one served dense layer's cases: each M of `ms` through `serve` on the first M rows of `x`."""
+    # Each case's twin (other data, right after it): the next M rows where `x` has more, else these rolled.
     cases = []
     for m in ms:
         case = Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
         if m < x.shape[0]:
+            again = functools.partial(serve, x[1 : m + 1])
             case.twin = functools.partial(
-                dataclasses.replace,
-                case,
-                invoke=functools.partial(serve, x[1 : m + 1]),
-                reference=reference[1 : m + 1],
-                twin=None,
+                dataclasses.replace, case, invoke=again, reference=reference[1 : m + 1], twin=None
             )
         else:
             case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
@@ -72,23 +65,13 @@ def _backend_cases(
         _, _, args = quantized_inputs((m, n, k), device, seed + i)
         ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
         out = torch.empty((m, n), dtype=dtype, device=device)
-        cases.append(
-            Case(
-                m,
-                n,
-                k,
-                functools.partial(fn, *args, dtype, out),
-                ref,
-                inputs=args,
-                out=out,
-                twin=functools.partial(_negated, fn, args, dtype, out, ref),
-            )
-        )
+        twin = functools.partial(_negated, fn, args, dtype, out, ref)
+        cases.append(Case(m, n, k, functools.partial(fn, *args, dtype, out), ref, inputs=args, out=out, twin=twin))
     return cases
 
 
 def _negated(fn: Callable, args: tuple, dtype: torch.dtype, out: torch.Tensor, ref: torch.Tensor) -> Case:
-    """The same call with the activation negated (every FP4 code's sign bit flipped): exactly -ref."""
+    """Return the same call with the activation negated (every FP4 code's sign bit flipped): exactly -ref."""
     a = args[0] ^ 0x88
     m, n = out.shape
     return Case(
@@ -97,7 +80,7 @@ def _negated(fn: Callable, args: tuple, dtype: torch.dtype, out: torch.Tensor, r
 
 
 def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:
-    """Compare `quantizer(x, global_scale) -> (packed, swizzled scales)` with nvfp4.quantize."""
+    """Return `quantizer(x, global_scale) -> (packed, swizzled scales)` compared with nvfp4.quantize."""
     x, gx, _ = quantized_inputs((129, 64, 480), device, seed)
     want_q, want_s = nvfp4.quantize(x, gx)
     try:
@@ -128,12 +111,7 @@ def run(
     quantizer: tuple[str, Callable] | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> SelfTestReport:
-    """Self-test `backend` on `device` over `shapes` (default DEFAULT_SHAPES); never raises for a bad kernel.
-
-    Two passes over the shapes, the first calling each shape twice in a row (the second time with
-    the activation negated), every call checked: it returns `out` itself, `out` matches the oracle
-    (after NaN poisoning), and its inputs are bitwise unchanged.
-    """
+    """Return the self-test of dense `backend` on `device` over `shapes`; never raise for a bad kernel."""
     refuse_inside_capture("self-test", "before")
     bounds = bounds or Bounds()
     shapes = tuple(shapes or DEFAULT_SHAPES)
@@ -142,18 +120,12 @@ def run(
             raise SelfTestError(f"self-test shape {shape!r} is not (M, N, K) with N % 8 == 0 and K % 32 == 0")
     report = report_for(backend, device)
     start = time.perf_counter()
-    try:
-        fn = backends.resolve(backend)
-    except Exception as exc:
-        report.reason = f"could not load backend {backend!r}: {type(exc).__name__}: {exc}"
+    fn = load_backend(report, backends.resolve, f"backend {backend!r}", backend)
+    if fn is None:
         return report
     tdev = device.torch_device
-    results = sweep(
-        _backend_cases(fn, shapes, tdev, seed, out_dtype),
-        bounds,
-        tdev,
-        where=f" of backend {backend!r} on {device.label()}",
-    )
+    where = f" of backend {backend!r} on {device.label()}"
+    results = sweep(_backend_cases(fn, shapes, tdev, seed, out_dtype), bounds, tdev, where=where)
     if quantizer is not None:
         report.quantizer = check_quantizer(quantizer[0], quantizer[1], tdev, seed)
     return finish(report, results, start)

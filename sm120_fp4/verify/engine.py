@@ -1,9 +1,7 @@
-"""The verification engine: bounds, judging an output against the oracle's, cases and the sweep
-that calls and checks them, and the reports a check fills in.
+"""The verification engine: bounds, judging an output against the oracle's, and sweeps of checked calls.
 
-"Verified" means numbers, not "no exception": for each case ``out`` is poisoned with NaN, the call is
-made (on the calling thread: :mod:`.watchdog`), and its output is checked against the oracle of the
-same quantized inputs, its inputs bitwise unchanged.
+Each call's ``out`` is poisoned with NaN, the call made on the calling thread (:mod:`.watchdog`), its
+output checked against the oracle of the same quantized inputs and its inputs checked unchanged.
 """
 
 from __future__ import annotations
@@ -46,15 +44,10 @@ class Bounds(BaseModel):
     max_rel_err: float = 1e-2
     max_row_rel_err: float = 5e-2
     norm_ratio: tuple[float, float] = (0.97, 1.03)
-    # The whole self-test of one candidate (every call of every pass) must finish within this:
-    # a first FlashInfer call JIT-compiles its kernels (minutes on a cold cache). A call still
-    # running at the deadline is reported as hung and the candidate is rejected; its thread cannot
-    # be killed and keeps running in the background (a daemon thread: see `calls_still_running`).
+    # For every call of one candidate's self-test: a first FlashInfer call JIT-compiles (minutes cold).
     timeout_s: float = 900.0
-    # Columns checked together within each row (None: not checked): a group whose error is at least
-    # half its reference's norm, where the reference group carries a fair share of the row, is a
-    # lost group (a kernel that drops 8 output columns in one call moves a wide row by less than its
-    # row bound: H=7168 by sqrt(8/7168) = 3%); rounding and bf16 sums of the k slots stay far below.
+    # Columns checked together within each row (None: not checked): a kernel that drops 8 output
+    # columns moves a wide row by less than its row bound (H=7168: by sqrt(8/7168) = 3%).
     column_group: int | None = None
 
 
@@ -106,12 +99,15 @@ class SelfTestReport(BaseModel):
 
 
 _COMPARE_ELEMENTS = 1 << 24  # rows compared at a time: a large prefill M never needs more than this in float32
+# The numbers _compare_stats computes and _judge reads back at once.
+_COUNTS = ("nonfinite", "zero_not_ref", "worst_row", "ref_all_zero", "out_all_zero")
+_NORMS = ("ref", "diff", "max_row_err", "max_abs", "out", "max_excess", "slack")
 
 
 def _resolution(dtype: torch.dtype, n: int) -> float:
-    """The norm of a row of `n` values each off by the output dtype's smallest subnormal step: what
-    rounding alone can leave of a row whose true values lie near the bottom of the dtype's range
-    (fp16 outputs of tiny activations), so such a row is neither a "zero row" nor a relative error."""
+    """Return the norm of `n` values each off by `dtype`'s smallest subnormal step (0 for float32)."""
+    # What rounding alone leaves of a row near the bottom of the dtype's range (fp16 outputs of tiny
+    # activations): such a row is neither a "zero row" nor a relative error.
     if not dtype.is_floating_point or dtype == torch.float32:
         return 0.0
     info = torch.finfo(dtype)
@@ -119,44 +115,26 @@ def _resolution(dtype: torch.dtype, n: int) -> float:
 
 
 def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per row of `out` against `ref` (float32): non-finite count (0-dim), all-zero, the reference's,
-    the output's and the difference's norm, and the largest absolute difference (0-dim); a few
-    thousand rows at a time, so a prefill-sized M costs no more memory than a chunk of it."""
+    """Return per row non-finite count (summed), all-zero, reference, output and difference norms, max |diff|."""
     rows, cols = out.shape
-    step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
+    step = max(1, _COMPARE_ELEMENTS // max(cols, 1))  # a chunk at a time: a prefill costs no more memory
     parts = []
     for lo in range(0, rows, step):
         o, r = out[lo : lo + step].float(), ref[lo : lo + step].float()
         diff = o - r
-        parts.append(
-            (
-                (~torch.isfinite(o)).sum(),
-                (o == 0).all(dim=1),
-                r.norm(dim=1),
-                o.norm(dim=1),
-                diff.norm(dim=1),
-                diff.abs().amax(),
-            )
-        )
+        norms = (r.norm(dim=1), o.norm(dim=1), diff.norm(dim=1))
+        parts.append(((~torch.isfinite(o)).sum(), (o == 0).all(dim=1), *norms, diff.abs().amax()))
     if len(parts) == 1:
         return parts[0]
     nonfinite, zero, ref_n, out_n, diff_n, max_abs = zip(*parts)
-    return (
-        torch.stack(nonfinite).sum(),
-        torch.cat(zero),
-        torch.cat(ref_n),
-        torch.cat(out_n),
-        torch.cat(diff_n),
-        torch.stack(max_abs).amax(),
-    )
+    cat = torch.cat
+    return torch.stack(nonfinite).sum(), cat(zero), cat(ref_n), cat(out_n), cat(diff_n), torch.stack(max_abs).amax()
 
 
 def _compare_stats(
     floor: float, max_row_rel_err: float, out: torch.Tensor, ref: torch.Tensor, slack: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """The comparison's statistics, computed where the tensors live with no host synchronisation:
-    (the 12 numbers _compare reads at once, as float64; then per row: zero where the reference is
-    not, the output's norm, the reference's (clamped), its relative error, its allowed error)."""
+    """Return _COUNTS and _NORMS as one float64 tensor, then the per-row tensors _judge reads on a failure."""
     nonfinite, out_zero_rows, row_norms, out_norms, diff_norms, max_abs = _row_stats(out, ref)
     ref_zero_rows = row_norms <= floor  # rounding to the output dtype may leave nothing of such a row
     safe_norms = row_norms.clamp_min(1e-30)
@@ -167,40 +145,18 @@ def _compare_stats(
     excess = row_err - allowed_rows
     slack_norm = (slack * row_norms).norm() if slack is not None else torch.zeros((), device=out.device)
     zero_not_ref = out_zero_rows & ~ref_zero_rows  # a row of zeros where the reference has values
-    counts = torch.stack(
-        [nonfinite, zero_not_ref.sum(), excess.argmax(), (row_norms == 0).all().long(), out_zero_rows.all().long()]
-    )
-    norms = torch.stack(
-        [
-            row_norms.norm(),
-            diff_norms.norm(),
-            row_err.amax(),
-            max_abs,
-            out_norms.norm(),
-            excess.amax(),
-            slack_norm.float(),
-        ]
-    )
-    return (
-        torch.cat([counts.double(), norms.double()]),
-        zero_not_ref,
-        out_norms,
-        safe_norms,
-        row_norms,
-        row_err,
-        allowed_rows,
-    )
+    counts = [nonfinite, zero_not_ref.sum(), excess.argmax(), (row_norms == 0).all().long(), out_zero_rows.all().long()]
+    norms = [row_norms.norm(), diff_norms.norm(), row_err.amax(), max_abs, out_norms.norm(), excess.amax()]
+    numbers = torch.cat([torch.stack(counts).double(), torch.stack([*norms, slack_norm.float()]).double()])
+    return numbers, zero_not_ref, out_norms, safe_norms, row_norms, row_err, allowed_rows
 
 
 def _compare(
     out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult, slack: torch.Tensor | None = None
 ) -> str | None:
-    """None when `out` matches `ref` within `bounds` (each row's bound widened by its `slack`), else why not.
-
-    Every row is checked: finite, not zero where the reference is not, its relative error. The
-    statistics are computed where the tensors live and read back at once (one host synchronisation
-    for a passing call; at a decode batch size from a CUDA graph, :mod:`sm120_fp4.graphs`); only a
-    failure reads more, to say where."""
+    """Return why `out` does not match `ref` within `bounds` (each row widened by its `slack`), or None."""
+    # Every row is checked. The statistics are computed where the tensors live and read back at once
+    # (at a decode batch size from a CUDA graph, :mod:`sm120_fp4.graphs`); only a failure reads more.
     floor = _resolution(out.dtype, out.shape[1])
     inputs = (out, ref) if slack is None else (out, ref, slack)
     return graphs.run(
@@ -212,79 +168,53 @@ def _compare(
     )
 
 
-def _judge(
-    out: torch.Tensor,
-    bounds: Bounds,
-    result: ShapeResult,
-    floor: float,
-    stats: torch.Tensor,
-    zero_not_ref: torch.Tensor,
-    out_norms: torch.Tensor,
-    safe_norms: torch.Tensor,
-    row_norms: torch.Tensor,
-    row_err: torch.Tensor,
-    allowed_rows: torch.Tensor,
-) -> str | None:
-    """_compare's verdict from its statistics (read here, while they are valid)."""
-    rows, cols = out.shape
-    stats = stats.tolist()  # the one read-back of a passing call
-    (
-        nonfinite_n,
-        bad_n,
-        worst_excess,
-        ref_all_zero,
-        out_all_zero,
-        ref_norm,
-        diff_norm,
-        max_row_err,
-        max_abs_v,
-        out_norm,
-        max_excess,
-        slack_n,
-    ) = stats
-    result.nonfinite = int(nonfinite_n)
+def _first_nonfinite(out: torch.Tensor, count: int) -> str:
+    step = max(1, _COMPARE_ELEMENTS // max(out.shape[1], 1))
+    for lo in range(0, out.shape[0], step):  # the failure path: read where, a chunk at a time
+        bad = (~torch.isfinite(out[lo : lo + step])).nonzero()
+        if bad.numel():
+            r, c = bad[0].tolist()
+            return f"{count} non-finite element(s), first at row {lo + r}, column {c}"
+    return f"{count} non-finite element(s)"
+
+
+def _judge(out, bounds: Bounds, result: ShapeResult, floor: float, numbers, *rows) -> str | None:
+    """Return _compare's verdict from its statistics (read here, while they are valid)."""
+    zero_not_ref, out_norms, safe_norms, row_norms, row_err, allowed_rows = rows
+    n = dict(zip(_COUNTS + _NORMS, numbers.tolist()))  # the one read-back of a passing call
+    result.nonfinite = int(n["nonfinite"])
     if result.nonfinite == out.numel():
         return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
     if result.nonfinite:
-        step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
-        for lo in range(0, rows, step):  # the failure path: read where, a chunk at a time
-            bad = (~torch.isfinite(out[lo : lo + step])).nonzero()
-            if bad.numel():
-                r, c = bad[0].tolist()
-                return f"{result.nonfinite} non-finite element(s), first at row {lo + r}, column {c}"
-    if ref_all_zero and out_all_zero:
+        return _first_nonfinite(out, result.nonfinite)
+    if n["ref_all_zero"] and n["out_all_zero"]:
         result.zero_rows = 0
         result.rel_err = result.max_row_rel_err = result.max_abs_err = 0.0
         result.norm_ratio = 1.0
         return None  # nothing routed here (every slot another rank's): zeros are the answer
-    if out_all_zero:
-        result.zero_rows = rows
+    if n["out_all_zero"]:
+        result.zero_rows = out.shape[0]
         return "output is all zeros"
-    result.zero_rows = int(bad_n)
-    ref_norm = max(ref_norm, 1e-30)
-    result.rel_err = diff_norm / ref_norm
-    result.max_row_rel_err = max_row_err
-    result.max_abs_err = max_abs_v
-    result.norm_ratio = out_norm / ref_norm
+    result.zero_rows = int(n["zero_not_ref"])
+    ref_norm = max(n["ref"], 1e-30)
+    result.rel_err, result.max_row_rel_err = n["diff"] / ref_norm, n["max_row_err"]
+    result.max_abs_err, result.norm_ratio = n["max_abs"], n["out"] / ref_norm
     if result.zero_rows:
         bad_rows = zero_not_ref.nonzero().flatten().tolist()
         return f"{len(bad_rows)} row(s) all zero where the reference is not (rows {_row_ranges(bad_rows)})"
     lo_ratio, hi_ratio = bounds.norm_ratio
     if not lo_ratio <= result.norm_ratio <= hi_ratio:
-        ratios = out_norms / safe_norms
-        big = row_norms > floor
-        if bool(big.any()) and float(ratios[big].max() - ratios[big].min()) <= 0.02:  # every row off by the same factor
-            return f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio}): a scale error"
+        ratios, big = out_norms / safe_norms, row_norms > floor
+        text = f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio})"
+        if bool(big.any()) and float(ratios[big].max() - ratios[big].min()) <= 0.02:  # every row off alike
+            return f"{text}: a scale error"
         worst = int(((ratios - 1).abs() * big).argmax())
-        return (
-            f"output norm is {result.norm_ratio:.3g}x the reference's (accepted {lo_ratio}..{hi_ratio}); "
-            f"worst row {worst} at {float(ratios[worst]):.3g}x"
-        )
-    allowed_rel = bounds.max_rel_err + 2 * floor * rows**0.5 / ref_norm + 2 * slack_n / ref_norm
+        return f"{text}; worst row {worst} at {float(ratios[worst]):.3g}x"
+    allowed_rel = bounds.max_rel_err + 2 * floor * out.shape[0] ** 0.5 / ref_norm + 2 * n["slack"] / ref_norm
     if result.rel_err > allowed_rel:
         return f"relative error {result.rel_err:.3g} above {allowed_rel:.3g}"
-    if max_excess > 0:
-        worst = int(worst_excess)
+    if n["max_excess"] > 0:
+        worst = int(n["worst_row"])
         return f"row {worst} relative error {float(row_err[worst]):.3g} above {float(allowed_rows[worst]):.3g}"
     return None
 
@@ -292,9 +222,10 @@ def _judge(
 def lost_column_group(
     out: torch.Tensor, ref: torch.Tensor, group: int, slack: torch.Tensor | None = None
 ) -> str | None:
-    """None unless some row of `out` lost a group of `group` columns against `ref` (see Bounds.column_group).
-    `slack`: per row, the relative error the oracle itself cannot decide; a row's whole share of it may sit in
-    one group (a rounding of the intermediate the kernel did otherwise), so a group is lost only beyond it."""
+    """Return where some row of `out` lost a group of `group` columns against `ref`, or None."""
+    # A group is lost where its error is at least half its reference's norm and the reference group
+    # carries a fair share of the row. `slack` (per row, what the oracle cannot decide) may sit whole in
+    # one group (a rounding of the intermediate the kernel did otherwise): a group is lost only beyond it.
     rows, cols = out.shape
     if cols % group or rows == 0:
         return None
@@ -322,34 +253,25 @@ def lost_column_group(
 
 @dataclass
 class Case:
-    """One M of a sweep: how to make the call, what it must equal, and what it must leave alone.
-
-    `invoke()` makes the call and returns what the caller would get; `out` is the tensor the call
-    must write and return (backend convention), or None where any (M, N) tensor may come back (a
-    served layer call). `inputs` must be bitwise unchanged after every call.
-    """
+    """One call of a sweep: how to make it, what it must equal, and what it must leave alone."""
 
     m: int
     n: int
     k: int
-    invoke: Callable[[], object]
+    invoke: Callable[[], object]  # makes the call, returns what the caller would get
     reference: torch.Tensor
-    inputs: tuple[torch.Tensor, ...] = ()
-    out: torch.Tensor | None = None
+    inputs: tuple[torch.Tensor, ...] = ()  # bitwise unchanged after every call
+    out: torch.Tensor | None = None  # the tensor the call must write and return (None: any (M, N) result)
     label: str | None = None
     bounds: Bounds | None = None  # this case's own bounds (MoE), else the sweep's
     slack: torch.Tensor | None = None  # per output row, relative error the oracle itself cannot decide
-    # The same shape with other data (the same out), called right after this case's first call: a
-    # kernel that carries state from one call of a shape to the next (a workspace it never clears, a
-    # cached previous result) is right on every first call and wrong from the second on, which is
-    # all serving does. Made when called, so a sweep holds none of its tensors between passes.
+    # The same shape with other data, called right after the first call: a kernel that carries state
+    # between calls of a shape (a workspace never cleared, a cached result) is wrong from the second on.
     twin: Callable[[], "Case"] | None = None
 
 
 def rolled(case: Case, invoke: Callable[[], object], inputs: tuple[torch.Tensor, ...]) -> Case:
-    """The twin of `case` whose call computes `case`'s rows rolled by one (row i is row i-1's):
-    `invoke` makes that call; the reference and the slack are rolled the same way (rows are
-    independent: each is quantized and multiplied on its own)."""
+    """Return the twin of `case` whose `invoke` computes its rows rolled by one (rows are independent)."""
     slack = case.slack.roll(1, 0) if case.slack is not None else None
     return replace(case, invoke=invoke, reference=case.reference.roll(1, 0), inputs=inputs, slack=slack, twin=None)
 
@@ -363,20 +285,13 @@ COPY_LIMIT = 16 << 20  # a call's input larger than this is watched by its finge
 
 @dataclass
 class _Fingerprinted:
-    """What a sweep keeps of a large input (a layer's weights): its fingerprint, not a copy of it."""
+    """A large input's fingerprint, kept instead of a copy."""
 
     value: torch.Tensor
 
-    @property
-    def nbytes(self) -> int:
-        return self.value.numel() * self.value.element_size()
-
 
 def _kept(t: torch.Tensor) -> torch.Tensor | _Fingerprinted:
-    """A copy of input `t`, or for one above COPY_LIMIT its fingerprint: a layer's experts are
-    gigabytes (an MoE layer's at TP1: 5.6 GB), which a copy would double at load and every call
-    would compare byte for byte; its fingerprint sees any changed byte (fingerprint's one blind
-    spot, two words swapped exactly _FP_WIDTH words apart, is no write a kernel makes by mistake)."""
+    """Return a copy of input `t`, or above COPY_LIMIT (a layer's experts: gigabytes) its fingerprint."""
     return _Fingerprinted(fingerprint((t,))) if t.numel() * t.element_size() > COPY_LIMIT else t.clone()
 
 
@@ -386,53 +301,8 @@ def _unchanged(t: torch.Tensor, kept: torch.Tensor | _Fingerprinted) -> bool:
     return torch.equal(t, kept)
 
 
-def _check_call(
-    case: Case,
-    result: ShapeResult,
-    bounds: Bounds,
-    deadline: float,
-    grace: float,
-    device: torch.device,
-    snapshots: dict,
-    where: str = "",
-) -> str | None:
-    if case.out is not None:
-        case.out.fill_(float("nan"))  # poison: an unwritten out is caught, not read as a result
-    start = time.perf_counter()
-    what = f"call {result.calls + 1} ({case.label or f'M={case.m} N={case.n} K={case.k}'}){where}"
-    outcome = _call(case.invoke, device, deadline, deadline + grace, what)
-    end = time.perf_counter()
-    result.duration_s += end - start
-    result.calls += 1
-    if end > deadline:
-        return f"call {result.calls} did not return within the self-test's time bound (a hung kernel?)"
-    if isinstance(outcome, BaseException):
-        return f"call {result.calls} raised {type(outcome).__name__}: {outcome}".strip()
-    if case.out is not None and outcome is not case.out:
-        what = "None" if outcome is None else "a tensor other than `out`"
-        return f"call {result.calls} returned {what} (backends must write into out and return it)"
-    if case.out is None and (not isinstance(outcome, torch.Tensor) or tuple(outcome.shape) != (case.m, case.n)):
-        return f"call {result.calls} returned {outcome!r:.80} instead of a ({case.m}, {case.n}) tensor"
-    reason = _compare(outcome, case.reference, case.bounds or bounds, result, case.slack)
-    if reason is None and (case.bounds or bounds).column_group:
-        reason = lost_column_group(outcome, case.reference, (case.bounds or bounds).column_group, case.slack)
-    if reason is not None:
-        return f"call {result.calls}: {reason}"
-    changed = [i for i, t in enumerate(case.inputs) if not _unchanged(t, snapshots[_input_key(t)])]
-    if changed:
-        return f"call {result.calls} changed its input(s) {changed} in place (every later call would be wrong)"
-    return None
-
-
 class Sweep:
-    """A sweep over `cases` run one pass at a time (every case called once per pass, every call
-    checked), for a caller that spreads the passes out (the serving canary runs a small check's two
-    passes at two idle points, with the server's forward passes between them).
-
-    A copy of each distinct input (a layer's weights are shared by all its cases; one above
-    COPY_LIMIT: its fingerprint) is taken before the first call; after every call each input must
-    still equal it bit for bit (match its fingerprint). A pass has the
-    deadline it is given, else `bounds.timeout_s` from its start; the first failure ends the sweep."""
+    """Cases called pass after pass, every call checked; the first failure ends the sweep."""
 
     def __init__(
         self, cases: list[Case], bounds: Bounds, device: torch.device, where: str = "", repeat: bool = True
@@ -442,34 +312,33 @@ class Sweep:
         self.failed = False
         self.repeat = repeat  # the first pass calls each case's twin right after it
         self.passes = 0
-        self._snapshots: dict = {}
+        self._snapshots: dict = {}  # each distinct input as before the first call (or its fingerprint)
         for case in cases:
             for t in case.inputs:
                 if _input_key(t) not in self._snapshots:
                     self._snapshots[_input_key(t)] = _kept(t)
 
-    def run_pass(self, deadline: float | None = None) -> bool:
-        """One more pass; False once a call failed (no more calls into this backend: a hung one may
-        still be running, a broken one only costs time)."""
-        if self.failed:
-            return False
-        if deadline is None:
-            deadline = time.perf_counter() + self.bounds.timeout_s
+    def run(self, passes: int) -> list[ShapeResult]:
+        """Return the results of `passes` passes within one deadline (after a failure: the cases tried)."""
+        deadline = time.perf_counter() + self.bounds.timeout_s
         grace = hang_grace(self.bounds.timeout_s)
-        twins = self.repeat and self.passes == 0
-        self.passes += 1
-        for case, result in zip(self.cases, self.results):
-            reason = _check_call(case, result, self.bounds, deadline, grace, self.device, self._snapshots, self.where)
-            if reason is None and twins and case.twin is not None:
-                reason = self._call_twin(case, result, deadline, grace)
-            if reason is not None:
-                result.passed, result.reason = False, reason
-                self.failed = True
-                return False
-        return True
+        for _ in range(passes):
+            if self.failed:
+                break  # no more calls into this backend: a hung one may still run, a broken one costs time
+            twins = self.repeat and self.passes == 0
+            self.passes += 1
+            for case, result in zip(self.cases, self.results):
+                reason = self._check_call(case, result, deadline, grace)
+                if reason is None and twins and case.twin is not None:
+                    reason = self._call_twin(case, result, deadline, grace)
+                if reason is not None:
+                    result.passed, result.reason = False, reason
+                    self.failed = True
+                    break
+        return [r for r in self.results if r.calls] if self.failed else self.results
 
     def _call_twin(self, case: Case, result: ShapeResult, deadline: float, grace: float) -> str | None:
-        """`case`'s twin, called and checked right after it (the same shape twice in a row, other data)."""
+        """Return why `case`'s twin, called right after it, failed, or None."""
         try:
             twin = case.twin()
         except Exception as exc:
@@ -480,7 +349,7 @@ class Sweep:
                 self._snapshots[_input_key(t)] = _kept(t)
                 added.append(_input_key(t))
         try:
-            reason = _check_call(twin, result, self.bounds, deadline, grace, self.device, self._snapshots, self.where)
+            reason = self._check_call(twin, result, deadline, grace)
         finally:
             for key in added:
                 self._snapshots.pop(key, None)
@@ -488,31 +357,46 @@ class Sweep:
             None if reason is None else f"{reason} (the same shape called again right after its first call, other data)"
         )
 
-    def run(self, passes: int) -> list[ShapeResult]:
-        """`passes` passes within one deadline of `bounds.timeout_s` for all of them; the outcome."""
-        deadline = time.perf_counter() + self.bounds.timeout_s
-        for _ in range(passes):
-            if not self.run_pass(deadline):
-                break
-        return self.outcome()
-
-    def outcome(self) -> list[ShapeResult]:
-        """The results so far: every case, or after a failure the cases tried."""
-        return [r for r in self.results if r.calls] if self.failed else self.results
+    def _check_call(self, case: Case, result: ShapeResult, deadline: float, grace: float) -> str | None:
+        """Return why one call of `case` failed, or None."""
+        if case.out is not None:
+            case.out.fill_(float("nan"))  # poison: an unwritten out is caught, not read as a result
+        start = time.perf_counter()
+        what = f"call {result.calls + 1} ({case.label or f'M={case.m} N={case.n} K={case.k}'}){self.where}"
+        outcome = _call(case.invoke, self.device, deadline, deadline + grace, what)
+        end = time.perf_counter()
+        result.duration_s += end - start
+        result.calls += 1
+        if end > deadline:
+            return f"call {result.calls} did not return within the self-test's time bound (a hung kernel?)"
+        if isinstance(outcome, BaseException):
+            return f"call {result.calls} raised {type(outcome).__name__}: {outcome}".strip()
+        if case.out is not None and outcome is not case.out:
+            what = "None" if outcome is None else "a tensor other than `out`"
+            return f"call {result.calls} returned {what} (backends must write into out and return it)"
+        if case.out is None and (not isinstance(outcome, torch.Tensor) or tuple(outcome.shape) != (case.m, case.n)):
+            return f"call {result.calls} returned {outcome!r:.80} instead of a ({case.m}, {case.n}) tensor"
+        bounds = case.bounds or self.bounds
+        reason = _compare(outcome, case.reference, bounds, result, case.slack)
+        if reason is None and bounds.column_group:
+            reason = lost_column_group(outcome, case.reference, bounds.column_group, case.slack)
+        if reason is not None:
+            return f"call {result.calls}: {reason}"
+        changed = [i for i, t in enumerate(case.inputs) if not _unchanged(t, self._snapshots[_input_key(t)])]
+        if changed:
+            return f"call {result.calls} changed its input(s) {changed} in place (every later call would be wrong)"
+        return None
 
 
 def sweep(
     cases: list[Case], bounds: Bounds, device: torch.device, passes: int = 2, where: str = ""
 ) -> list[ShapeResult]:
-    """Call every case `passes` times (pass after pass, so each M is called again after all others;
-    in the first pass each case's twin right after it) and check every call, within the deadline
-    of `bounds.timeout_s` for the whole sweep; stop at the first failure (the results then list the
-    cases tried)."""
+    """Return the results of `passes` passes over `cases` (twins in the first), stopping at the first failure."""
     return Sweep(cases, bounds, device, where).run(passes)
 
 
 def report_for(backend: str, device: Device, config: str | None = None) -> SelfTestReport:
-    """An empty report of `backend` on `device` (for `config`), to fill in."""
+    """Return an empty report of `backend` on `device` (for `config`), to fill in."""
     return SelfTestReport(
         backend=backend,
         device=device.label(),
@@ -525,7 +409,7 @@ def report_for(backend: str, device: Device, config: str | None = None) -> SelfT
 
 
 def finish(report: SelfTestReport, results: list[ShapeResult], start: float) -> SelfTestReport:
-    """Fill `report` from the sweep `results`: passed, the first failure (with its M), the worst error."""
+    """Return `report` filled from sweep `results`: passed, the first failure (with its M), the worst error."""
     report.shapes = results
     for r in results:
         if not r.passed and report.reason is None:
@@ -539,8 +423,16 @@ def finish(report: SelfTestReport, results: list[ShapeResult], start: float) -> 
     return report
 
 
+def load_backend(report: SelfTestReport, resolve: Callable, what: str, name: str) -> Callable | None:
+    """Return `resolve(name)`, or None with `report.reason` saying why `what` could not be loaded."""
+    try:
+        return resolve(name)
+    except Exception as exc:
+        report.reason = f"could not load {what}: {type(exc).__name__}: {exc}"
+        return None
+
+
 def refuse_inside_capture(what: str, when: str) -> None:
-    """SelfTestError when the current CUDA stream is capturing a graph: a `what` ("self-test",
-    "re-check") synchronises and allocates, so it runs `when` ("before", "after") capturing."""
+    """Raise SelfTestError when the current CUDA stream is capturing: a `what` runs `when` capturing."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise SelfTestError(f"sm120_fp4 {what} asked for inside CUDA-graph capture; run it {when} capturing")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "fingerprint",
-]
+__all__ = ["fingerprint"]
 
 
 _FP_WIDTH = 4096  # words per row: the sums are kept per column of rows this wide
@@ -16,7 +14,7 @@ _fp_sizes: dict[tuple, torch.Tensor] = {}  # (device, sizes) -> that one-element
 
 
 def _fp_weighting(device: torch.device) -> torch.Tensor:
-    """(1, 2, _FP_WIDTH) int64: ones, and a fixed odd pattern, on `device` (made once)."""
+    """Return (1, 2, _FP_WIDTH) int64 ones and a fixed odd pattern on `device`, made once."""
     weights = _fp_weights.get(device)
     if weights is None:
         gen = torch.Generator().manual_seed(0x5EED)
@@ -38,17 +36,12 @@ def _fp_size(device: torch.device, sizes: int) -> torch.Tensor:
 
 
 def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-    """A device tensor that changes when any byte of `tensors` changes: each tensor's 32-bit words
-    laid out in rows of _FP_WIDTH, summed per column (in 64 bits, a chunk of rows at a time), then
-    per tensor and chunk the sum of those column sums and their sum weighted by a fixed odd pattern
-    (64-bit products, wrapping: exact in any order); the words past each tensor's last full row
-    (all of a small tensor: a scale, an alpha) as they are; and one element for the tensors' sizes.
-    A changed word changes its column's sum; two words swapped between columns change the weighted
-    sum; a negation, a stray write and a resize are all seen. Computed where the tensors live with
-    no host synchronisation: one reduction per chunk (a layer's tensors are one chunk each, up to
-    256 MiB), written in place, and four launches for all the rest together; two calls on
-    unchanged tensors give equal results. (Two words swapped within one column, _FP_WIDTH words
-    apart, are not seen.)"""
+    """Return a device tensor, made with no host sync, that changes when any byte of `tensors` changes."""
+    # Each tensor's 32-bit words in rows of _FP_WIDTH, summed per column in 64 bits; per chunk the sum
+    # of those sums and their sum weighted by a fixed odd pattern (wrapping: exact in any order): a
+    # changed word changes its column, two swapped between columns the weighted sum. The words past
+    # the last full row as they are; one element for the sizes. Blind only to two words swapped
+    # _FP_WIDTH words apart, which is no write a kernel makes by mistake.
     chunks: list[torch.Tensor] = []
     tails: list[torch.Tensor] = []  # the words past each tensor's last full row (all of a small tensor)
     sizes = 0

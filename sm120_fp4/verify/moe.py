@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from .. import backends, nvfp4
 from ..devices import Device
 from .data import structured_activations
-from .engine import Bounds, Case, SelfTestReport, finish, refuse_inside_capture, report_for, rolled, sweep
+from .engine import Bounds, Case, SelfTestReport, finish, load_backend, refuse_inside_capture, report_for, rolled, sweep
 
 __all__ = [
     "MoeCase",
@@ -28,33 +28,20 @@ __all__ = [
     "run_moe",
 ]
 
-
-# ---- NVFP4 fused MoE -------------------------------------------------------------------------
-
-# Per output row: a token's k routed rows are summed, each rounded to the output dtype, and the
-# intermediate is re-quantized to FP4, where a kernel may round before quantizing (FlashInfer
-# rounds it to the output dtype first: see nvfp4/reference.py). That rounding point moves some rows by up to
-# ~10%: each case computes the oracle both ways and widens each row's bound by twice their
-# difference on that row (its "slack"), so the bound neither trips on the kernel's rounding nor
-# hides a dropped slot, a dropped expert, ignored routing weights or swapped gate/up halves.
-# Each row's 8-column groups are checked too (Bounds.column_group): a kernel that loses one group in
-# a wide row (H=7168) stays inside the row bound; a bf16 sum of the k slots stays far inside the group's.
+# A kernel may round the intermediate to the output dtype before re-quantizing it (FlashInfer does),
+# which moves some rows by up to ~10%: each case computes the oracle both ways and widens each row's
+# bound by twice their difference on that row (its "slack"), which still sees a dropped slot or
+# expert, ignored routing weights or swapped gate/up halves. 8-column groups are checked too: a
+# kernel that loses one group in a wide row (H=7168) stays inside the row bound.
 MOE_BOUNDS = Bounds(max_rel_err=1e-2, max_row_rel_err=5e-2, column_group=8)
-# The repeat probe: calls of one decode-sized batch in a row, the worst of them judged (an intermittent
-# loss: a kernel whose atomic top-k sum drops a column group in 2 of 100 calls).
+# The repeat probe: calls of one decode-sized batch in a row, the worst judged (an intermittent loss:
+# a kernel whose atomic top-k sum drops a column group in 2 of 100 calls).
 REPEAT_CALLS = 100
 REPEAT_MAX_TOKENS = 8  # the batch sizes probed so (cheap: the oracle's answer is computed once)
 
 
 class MoeCase(BaseModel):
-    """One fused-MoE call of a self-test: the layer (E, H, I, activation), the batch and its routing.
-
-    `routing`: "balanced" gives every expert rows, and (tokens >= experts) lets every expert lead
-    some token, carrying most of its output; "skewed" puts slot 0 of every token on one
-    expert (>= 128 rows there when tokens >= 128: a kernel's second 64-row half of a tile is
-    exercised); "random" picks k distinct experts per token; "padded" adds SGLang's -1 drop
-    sentinel (slots a kernel must skip: padding rows, other ranks' experts).
-    """
+    """One fused-MoE call of a self-test: the layer (E, H, I, activation), the batch and its routing."""
 
     experts: int
     hidden: int
@@ -63,6 +50,8 @@ class MoeCase(BaseModel):
     top_k: int
     tokens: int
     dtype: Literal["bfloat16", "float16"]
+    # balanced: every expert leads some token (T >= E); skewed: slot 0 of every token on one expert
+    # (>= 128 rows there: a tile's second half); random: k distinct experts; padded: -1 drop slots.
     routing: Literal["balanced", "skewed", "random", "padded"]
 
     def label(self) -> str:
@@ -78,20 +67,9 @@ class MoeConfig(BaseModel):
     cases: tuple[MoeCase, ...]
 
 
-def _moe_grid(experts, hidden, inter, activation, *rows) -> tuple[MoeCase, ...]:
-    return tuple(
-        MoeCase(
-            experts=experts,
-            hidden=hidden,
-            intermediate=inter,
-            activation=activation,
-            top_k=k,
-            tokens=t,
-            dtype=d,
-            routing=r,
-        )
-        for k, t, d, r in rows
-    )
+def _moe_grid(layer: tuple, *rows: tuple) -> tuple[MoeCase, ...]:
+    """Return the cases of one layer (E, H, I, activation), one per (top_k, tokens, dtype, routing)."""
+    return tuple(MoeCase(**dict(zip(MoeCase.model_fields, layer + row))) for row in rows)
 
 
 # 256 experts every one of which gets rows, >= 128 rows on one expert, top-k 1 and 8, T from 1 to
@@ -99,10 +77,7 @@ def _moe_grid(experts, hidden, inter, activation, *rows) -> tuple[MoeCase, ...]:
 DEFAULT_MOE_CONFIG = MoeConfig(
     cases=(
         *_moe_grid(
-            256,
-            128,
-            128,
-            "swiglu",
+            (256, 128, 128, "swiglu"),
             (8, 1024, "bfloat16", "balanced"),
             (8, 160, "bfloat16", "skewed"),
             (8, 1, "bfloat16", "random"),
@@ -110,12 +85,9 @@ DEFAULT_MOE_CONFIG = MoeConfig(
             (1, 512, "bfloat16", "balanced"),
             (1, 300, "float16", "skewed"),
         ),
-        *_moe_grid(16, 160, 96, "swiglu", (2, 130, "float16", "skewed"), (2, 5, "bfloat16", "random")),
+        *_moe_grid((16, 160, 96, "swiglu"), (2, 130, "float16", "skewed"), (2, 5, "bfloat16", "random")),
         *_moe_grid(
-            16,
-            160,
-            96,
-            "relu2",
+            (16, 160, 96, "relu2"),
             (2, 130, "bfloat16", "skewed"),
             (1, 33, "float16", "random"),
             (2, 40, "bfloat16", "padded"),
@@ -123,32 +95,42 @@ DEFAULT_MOE_CONFIG = MoeConfig(
     )
 )
 
-# For a simulated CPU device (the oracle checked against itself: the wiring, not a kernel): the
-# same kinds of cases on smaller layers.
+# For a simulated CPU device (the oracle checked against itself: the wiring): smaller layers.
 SIMULATION_MOE_CONFIG = MoeConfig(
     cases=(
         *_moe_grid(
-            32,
-            128,
-            64,
-            "swiglu",
+            (32, 128, 64, "swiglu"),
             (8, 64, "bfloat16", "balanced"),
             (4, 160, "bfloat16", "skewed"),
             (1, 130, "float16", "skewed"),
         ),
-        *_moe_grid(8, 160, 96, "relu2", (2, 9, "bfloat16", "random"), (2, 12, "float16", "padded")),
+        *_moe_grid((8, 160, 96, "relu2"), (2, 9, "bfloat16", "random"), (2, 12, "float16", "padded")),
     )
 )
 
 _moe_weight_cache: dict[tuple, nvfp4.MoeWeights] = {}
 
 
+def _moe_experts(gen, experts: int, rows: int, cols: int, act_gsf: torch.Tensor, device) -> tuple:
+    """Return seeded experts (packed, scales, alphas), each with its own global scale."""
+    packed, scales, alphas = [], [], []
+    for e in range(experts):
+        w = torch.randn(rows, cols, generator=gen) * 0.05 * (1 + e % 7 / 7)
+        row = torch.arange(rows).unsqueeze(1) % 11  # zeroed rows (zero output columns), rows of subnormal scales
+        w = torch.where(row == 3, torch.zeros_like(w), torch.where(row == 7, w * 2e-5, w))
+        w = w.to(torch.bfloat16).to(device)
+        gsf = nvfp4.global_scale(w)
+        q, sf = nvfp4.quantize(w, gsf)
+        packed.append(q)
+        scales.append(sf)
+        alphas.append(1.0 / (act_gsf * gsf))
+    return torch.stack(packed), torch.stack(scales), torch.stack(alphas).float()
+
+
 def _moe_weights(
     experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int
 ) -> nvfp4.MoeWeights:
-    """Seeded NVFP4 expert weights (each expert its own global scale) in reference_moe_fp4's layout;
-    every 11th row zero (a zero output column of FC2, a dead channel of FC1) and another small
-    enough for subnormal E4M3 block scales."""
+    """Return seeded NVFP4 expert weights in reference_moe_fp4's layout (the last layer's kept)."""
     key = (experts, hidden, inter, activation, str(device), seed)
     if key in _moe_weight_cache:
         return _moe_weight_cache[key]
@@ -156,29 +138,9 @@ def _moe_weights(
     rows13 = 2 * inter if activation == "swiglu" else inter
     a1 = torch.tensor(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / 4.0, device=device)  # activations of |x| <= 4
     a2 = torch.tensor(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / 0.5, device=device)
-
-    def experts_of(rows: int, cols: int, act_gsf: torch.Tensor):
-        packed, scales, alphas = [], [], []
-        for e in range(experts):
-            w = torch.randn(rows, cols, generator=gen) * 0.05 * (1 + e % 7 / 7)
-            row = torch.arange(rows).unsqueeze(1) % 11  # zeroed rows (zero output columns), rows of subnormal scales
-            w = (
-                torch.where(row == 3, torch.zeros_like(w), torch.where(row == 7, w * 2e-5, w))
-                .to(torch.bfloat16)
-                .to(device)
-            )
-            gsf = nvfp4.global_scale(w)
-            q, sf = nvfp4.quantize(w, gsf)
-            packed.append(q)
-            scales.append(sf)
-            alphas.append(1.0 / (act_gsf * gsf))
-        return torch.stack(packed), torch.stack(scales), torch.stack(alphas).float()
-
-    w13, w13_sf, w13_alpha = experts_of(rows13, hidden, a1)
-    w2, w2_sf, w2_alpha = experts_of(hidden, inter, a2)
-    weights = nvfp4.MoeWeights(
-        w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1.reshape(1).float(), a2.reshape(1).float()
-    )
+    w13 = _moe_experts(gen, experts, rows13, hidden, a1, device)
+    w2 = _moe_experts(gen, experts, hidden, inter, a2, device)
+    weights = nvfp4.MoeWeights(*w13, *w2, a1.reshape(1).float(), a2.reshape(1).float())
     _moe_weight_cache.clear()  # keep one layer's weights: a self-test walks its cases layer by layer
     _moe_weight_cache[key] = weights
     return weights
@@ -187,33 +149,25 @@ def _moe_weights(
 def moe_routing(
     tokens: int, top_k: int, experts: int, routing: str, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_ids int32 (T, k), topk_weights float32 (T, k)) with distinct experts per token, weights
-    in [0.1, 1] that do not sum to 1 (a kernel that ignores or renormalises them is seen).
-    "padded" is "random" with SGLang's -1 drop sentinel in the last quarter of the tokens (every
-    slot: the padding rows of a captured graph) and in the last slot of every fifth token.
-    "balanced": token t leads with expert perm[t % E] (weight in [0.8, 1]) and has the next k - 1
-    experts of a random permutation in its other slots (weights in [0.02, 0.1]), so with T >= E
-    every expert leads some token and carries most of that token's output: an expert that is
-    dropped or computed wrong shows in those rows, whatever the other slots add."""
+    """Return (topk_ids int32 (T, k), topk_weights float32 (T, k)) with distinct experts per token."""
+    # Weights in [0.1, 1] that do not sum to 1: a kernel that ignores or renormalises them is seen.
     if routing == "balanced":
+        # Token t leads with expert perm[t % E] (weight 0.8..1), the next k - 1 experts of the
+        # permutation in its other slots (0.02..0.1): with T >= E an expert dropped or wrong shows.
         perm = torch.randperm(experts, generator=gen)
         ids = perm[(torch.arange(tokens).unsqueeze(1) + torch.arange(top_k)) % experts]
-        weights = torch.cat(
-            (
-                0.8 + 0.2 * torch.rand(tokens, 1, generator=gen),
-                0.02 + 0.08 * torch.rand(tokens, top_k - 1, generator=gen),
-            ),
-            dim=1,
-        )
+        lead = 0.8 + 0.2 * torch.rand(tokens, 1, generator=gen)
+        weights = torch.cat((lead, 0.02 + 0.08 * torch.rand(tokens, top_k - 1, generator=gen)), dim=1)
         return ids.to(torch.int32), weights.float()
-    # A random permutation of the experts per token (the order of uniform draws), k of them:
-    # one draw for every token at once, not one randperm call per token.
+    # A random permutation of the experts per token (the order of uniform draws), k of them.
     ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k]
     if routing == "skewed":
         hot = int(torch.randint(experts, (1,), generator=gen))
         ids[ids == hot] = ids[:, :1].expand_as(ids)[ids == hot]  # keep ids distinct per token
         ids[:, 0] = hot
     elif routing == "padded" and tokens > 1:
+        # SGLang's -1 drop sentinel: every slot of the last quarter (a captured graph's padding
+        # rows) and the last slot of every fifth token.
         ids[torch.arange(tokens) % 5 == 4, -1] = -1
         ids[tokens - tokens // 4 :] = -1
     weights = 0.1 + 0.9 * torch.rand(tokens, top_k, generator=gen)
@@ -221,8 +175,7 @@ def moe_routing(
 
 
 class ExpertCache(dict):
-    """A reference_moe_fp4 `weight_cache` that keeps only the experts in `keep`: a check that routes
-    to every one of a layer's experts dequantizes the others per call instead of holding them all."""
+    """A reference_moe_fp4 `weight_cache` that keeps only the experts in `keep`."""
 
     def __init__(self, keep) -> None:
         super().__init__()
@@ -231,6 +184,27 @@ class ExpertCache(dict):
     def __setitem__(self, key, value) -> None:
         if key[1] in self.keep:
             super().__setitem__(key, value)
+
+
+def _moe_reference(routed: tuple, ref_w: nvfp4.MoeWeights, activation: str, mode: str, cache: dict) -> tuple:
+    """Return the oracle's float32 output for `routed` and its per-row slack (None for W4A16)."""
+    if mode == "w4a16":
+        # Each expert's alpha times the activation scale it was made for: 1 / the weight's global scale.
+        w4a16 = ref_w._replace(
+            w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale,
+            w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale,
+            a1_gscale=None,
+            a2_gscale=None,
+        )
+        ref = nvfp4.reference_moe_fp4(
+            *routed, *w4a16, activation, torch.float32, quantize_activations=False, weight_cache=cache
+        )
+        return ref, None  # nothing is re-quantized: no rounding point the oracle cannot decide
+    # The reference, and the kernel's rounding of the intermediate (one pass: FC1 shared).
+    ref, kernel_rounding = nvfp4.reference_moe_fp4_roundings(
+        *routed, *ref_w, activation, torch.float32, intermediate_dtypes=(None, routed[0].dtype), weight_cache=cache
+    )
+    return ref, (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
 
 
 def moe_cases(
@@ -248,25 +222,12 @@ def moe_cases(
     repeat_tokens: int = 0,
     poison_expert0: bool = False,
 ) -> list[Case]:
-    """Calls of `fn` with `weights`, one per plan (label, x, topk_ids,
-    topk_weights): each checked against the oracle, `out` poisoned first. `cache` keeps the
-    references' dequantized experts for these weights (one dict per weights).
-
-    The plans' ids are as SGLang serves them: global expert ids (this rank's experts are
-    `first_expert` .. `first_expert` + E - 1, any other belongs to another expert-parallel rank) and
-    SGLang's -1 drop sentinel. `fn` gets them in the backend convention (this rank's local ids, -1
-    for every other slot: flashinfer.moe_call_to_convention), or unchanged with `served_ids` (a call
-    through SGLang's seam). The oracle computes this rank's slots only: the others add nothing.
-
-    `mode` is what the backend computes: "w4a4" against the oracle with quantized activations,
-    "w4a16" against its W4A16 mode (``quantize_activations=False``, each expert's alpha times the
-    activation scale it was made for: 1 / the weight's global scale). `reference_weights` (default
-    `weights`) are what the oracle reads: the checkpoint's bytes where the served ones were converted.
-
-    Each plan of at most `repeat_tokens` tokens is also called REPEAT_CALLS times in a row, the worst
-    call judged (`_repeated`). `poison_expert0` adds a call whose local expert 0 yields non-finite rows
-    (its FC1 alpha infinite) while no token routes to it and -1 slots abound: a kernel that computes a
-    -1 slot on expert 0 with weight 0 gets 0 x inf = NaN in rows that must stay finite."""
+    """Return the checked calls of `fn` with `weights`, one per plan (label, x, topk_ids, topk_weights)."""
+    # Plan ids are SGLang's: global (this rank's experts are first_expert .. + E - 1) and -1 drops.
+    # `fn` gets local ids with -1 for every other slot, or the plan's with `served_ids` (SGLang's seam);
+    # the oracle computes this rank's slots only. `mode` "w4a16" checks against the oracle's W4A16
+    # mode; `reference_weights` (default `weights`) are what the oracle reads (the checkpoint's bytes).
+    # Plans of at most `repeat_tokens` tokens are also called REPEAT_CALLS times in a row.
     cases = []
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
     ref_w = reference_weights or weights
@@ -280,76 +241,29 @@ def moe_cases(
             torch.where(mine, local, torch.zeros_like(local)),
             torch.where(mine, topk_weights, torch.zeros_like(topk_weights)),
         )
-        if mode == "w4a16":
-            w4a16 = ref_w._replace(
-                w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale,
-                w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale,
-                a1_gscale=None,
-                a2_gscale=None,
-            )
-            ref = nvfp4.reference_moe_fp4(
-                *routed,
-                *w4a16,
-                activation=activation,
-                out_dtype=torch.float32,
-                quantize_activations=False,
-                weight_cache=cache,
-            )
-            slack = None  # nothing is re-quantized: no rounding point the oracle cannot decide
-        else:
-            # The reference, and the kernel's rounding of the intermediate (one pass: FC1 shared).
-            ref, kernel_rounding = nvfp4.reference_moe_fp4_roundings(
-                *routed,
-                *ref_w,
-                activation=activation,
-                out_dtype=torch.float32,
-                intermediate_dtypes=(None, x.dtype),
-                weight_cache=cache,
-            )
-            slack = (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+        ref, slack = _moe_reference(routed, ref_w, activation, mode, cache)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         args = (x, call_ids, topk_weights, *weights)
-        case = Case(
-            x.shape[0],
-            x.shape[1],
-            weights.w2.shape[2] * 2,
-            functools.partial(fn, *args, activation, x.dtype, out),
-            ref,
-            inputs=tuple(a for a in args if isinstance(a, torch.Tensor)),
-            out=out,
-            label=label,
-            bounds=bounds,
-            slack=slack,
-        )
+        inputs = tuple(a for a in args if isinstance(a, torch.Tensor))
+        m, n, k = x.shape[0], x.shape[1], weights.w2.shape[2] * 2
+        call = functools.partial(fn, *args, activation, x.dtype, out)
+        case = Case(m, n, k, call, ref, inputs=inputs, out=out, label=label, bounds=bounds, slack=slack)
         case.twin = functools.partial(_rolled_tokens, case, fn, args, activation, out)
         cases.append(case)
-        if x.shape[0] <= repeat_tokens:
-            cases.append(
-                Case(
-                    x.shape[0],
-                    x.shape[1],
-                    case.k,
-                    functools.partial(_repeated, fn, args, activation, out, ref),
-                    ref,
-                    inputs=case.inputs,
-                    out=out,
-                    label=f"{label} x{REPEAT_CALLS} in a row (worst judged)",
-                    bounds=bounds,
-                    slack=slack,
-                )
-            )
+        if m <= repeat_tokens:
+            call = functools.partial(_repeated, fn, args, activation, out, ref)
+            label = f"{label} x{REPEAT_CALLS} in a row (worst judged)"
+            cases.append(Case(m, n, k, call, ref, inputs=inputs, out=out, label=label, bounds=bounds, slack=slack))
     if poison_expert0 and plans:
-        poisoned = _poisoned_expert0_case(
-            fn, weights, ref_w, activation, plans[0][1], bounds, cache, first_expert, served_ids, mode
-        )
+        poisoned = _poisoned_expert0_plan(weights, plans[0][1], first_expert, served_ids)
         if poisoned is not None:
-            cases.append(poisoned)
+            kept = dict(first_expert=first_expert, served_ids=served_ids, mode=mode, reference_weights=ref_w)
+            cases += moe_cases(fn, poisoned[0], activation, [poisoned[1]], bounds, cache, **kept)
     return cases
 
 
 def _group_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """0-dim: the largest error of an 8-column group (else of a row) against its share of the row's
-    norm; inf where `out` is not finite. No host synchronisation."""
+    """Return (0-dim, no host sync) the largest 8-column group error against its share; inf if not finite."""
     rows, cols = ref.shape
     group = 8 if cols % 8 == 0 else cols
     o, r = out.float().reshape(rows, -1, group), ref.float().reshape(rows, -1, group)
@@ -359,8 +273,7 @@ def _group_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _repeated(fn: Callable, args: tuple, activation: str, out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """REPEAT_CALLS calls of one batch in a row into a buffer of their own; `out` gets the worst of
-    them (by _group_error against the oracle), and every call must return its buffer."""
+    """Return `out` holding the worst of REPEAT_CALLS calls in a row (by _group_error)."""
     buf = torch.empty_like(out)
     worst = torch.full((), -1.0, dtype=torch.float32, device=out.device)
     for i in range(REPEAT_CALLS):
@@ -374,10 +287,10 @@ def _repeated(fn: Callable, args: tuple, activation: str, out: torch.Tensor, ref
     return out
 
 
-def _poisoned_expert0_case(
-    fn, weights, ref_w, activation, x_like, bounds, cache, first, served_ids, mode
-) -> Case | None:
-    """The call `poison_expert0` adds (see moe_cases); None where the layer has too few experts."""
+def _poisoned_expert0_plan(weights, x_like, first: int, served_ids: bool) -> tuple | None:
+    """Return weights whose expert 0 yields non-finite rows, and a plan that never routes to it."""
+    # A kernel that computes a -1 slot on expert 0 with weight 0 gets 0 x inf = NaN in rows that
+    # must stay finite. None where the layer has too few experts.
     experts = weights.w13.shape[0]
     top_k = 2 if experts > 2 else 1
     if experts < 2:
@@ -393,25 +306,13 @@ def _poisoned_expert0_case(
     x = structured_activations(tokens, x_like.shape[1], 4.0, gen).to(x_like.dtype).to(x_like.device)
     alpha = weights.w13_alpha.clone()
     alpha[0] = float("inf")
-    poisoned = weights._replace(w13_alpha=alpha)
     ids = torch.where(local >= 0, local + first, local) if served_ids else local
-    [case] = moe_cases(
-        fn,
-        poisoned,
-        activation,
-        [("expert 0 non-finite, -1 slots pointing nowhere", x, ids, topk_weights)],
-        bounds,
-        cache,
-        first_expert=first,
-        served_ids=served_ids,
-        mode=mode,
-        reference_weights=ref_w,
-    )
-    return case
+    plan = ("expert 0 non-finite, -1 slots pointing nowhere", x, ids, topk_weights)
+    return weights._replace(w13_alpha=alpha), plan
 
 
 def _rolled_tokens(case: Case, fn: Callable, args: tuple, activation: str, out: torch.Tensor) -> Case:
-    """The same MoE call with its tokens rolled by one (their activations, routing and weights)."""
+    """Return the same MoE call with its tokens rolled by one (their activations, routing and weights)."""
     moved = tuple(a.roll(1, 0) for a in args[:3]) + args[3:]
     invoke = functools.partial(fn, *moved, activation, args[0].dtype, out)
     return rolled(case, invoke, tuple(a for a in moved if isinstance(a, torch.Tensor)))
@@ -422,48 +323,15 @@ def _sizes(case: MoeCase) -> tuple:
 
 
 def _within(accepts: Callable, case: MoeCase) -> MoeCase | None:
-    """`case`, or the nearest case a backend with limits accepts (bf16; H and I rounded up to 128),
-    or None."""
+    """Return `case`, or the nearest one `accepts` takes (bf16; H and I rounded up to 128), or None."""
     if accepts(*_sizes(case)) is None:
         return case
-    near = case.model_copy(
-        update={
-            "dtype": "bfloat16",
-            "hidden": -(-case.hidden // 128) * 128,
-            "intermediate": -(-case.intermediate // 128) * 128,
-        }
-    )
+    hidden, inter = -(-case.hidden // 128) * 128, -(-case.intermediate // 128) * 128
+    near = case.model_copy(update={"dtype": "bfloat16", "hidden": hidden, "intermediate": inter})
     return near if accepts(*_sizes(near)) is None else None
 
 
-def run_moe(
-    backend: str, device: Device, config: MoeConfig | None = None, *, seed: int = 0, bounds: Bounds | None = None
-) -> SelfTestReport:
-    """Self-test NVFP4 fused-MoE `backend` on `device` over `config` (default DEFAULT_MOE_CONFIG);
-    never raises for a bad kernel. Two passes, every call checked per output row against
-    nvfp4.reference_moe_fp4 (zero rows, non-finite values, per-row relative error), `out` returned,
-    inputs unchanged."""
-    refuse_inside_capture("self-test", "before")
-    config = config or DEFAULT_MOE_CONFIG
-    bounds = bounds or MOE_BOUNDS
-    report = report_for(backend, device, config="NVFP4 fused MoE")
-    start = time.perf_counter()
-    try:
-        fn = backends.resolve_moe(backend)
-    except Exception as exc:
-        report.reason = f"could not load MoE backend {backend!r}: {type(exc).__name__}: {exc}"
-        return report
-    tdev = device.torch_device
-    mode = backends.get_moe(backend).mode
-    accepts = backends.get_moe(backend).accepts
-    if accepts is not None:
-        kept = [c for c in (_within(accepts, c) for c in config.cases) if c is not None]
-        if not kept:
-            report.reason = (
-                f"MoE backend {backend!r} accepts none of the self-test's layers: {accepts(*_sizes(config.cases[0]))}"
-            )
-            return report
-        config = MoeConfig(cases=tuple(kept))
+def _selftest_cases(fn: Callable, mode: str, config: MoeConfig, tdev, seed: int, bounds: Bounds) -> list[Case]:
     gen = torch.Generator().manual_seed(seed)
     cases: list[Case] = []
     caches: dict[tuple, dict] = {}  # per layer shape: the same seeded weights
@@ -472,21 +340,33 @@ def run_moe(
         ids, topk_weights = moe_routing(case.tokens, case.top_k, case.experts, case.routing, gen)
         x = structured_activations(case.tokens, case.hidden, 4.0, gen).to(getattr(torch, case.dtype)).to(tdev)
         cache = caches.setdefault((case.experts, case.hidden, case.intermediate, case.activation), {})
-        cases += moe_cases(
-            fn,
-            weights,
-            case.activation,
-            [(case.label(), x, ids.to(tdev), topk_weights.to(tdev))],
-            bounds,
-            cache,
-            mode=mode,
-            repeat_tokens=REPEAT_MAX_TOKENS,
-            poison_expert0=i == 0,
-        )
-    return finish(
-        report,
-        sweep(
-            cases, Bounds(timeout_s=bounds.timeout_s), tdev, where=f" of MoE backend {backend!r} on {device.label()}"
-        ),
-        start,
-    )
+        plan = (case.label(), x, ids.to(tdev), topk_weights.to(tdev))
+        extra = dict(mode=mode, repeat_tokens=REPEAT_MAX_TOKENS, poison_expert0=i == 0)
+        cases += moe_cases(fn, weights, case.activation, [plan], bounds, cache, **extra)
+    return cases
+
+
+def run_moe(
+    backend: str, device: Device, config: MoeConfig | None = None, *, seed: int = 0, bounds: Bounds | None = None
+) -> SelfTestReport:
+    """Return the self-test of fused-MoE `backend` on `device` over `config`; never raise for a bad kernel."""
+    refuse_inside_capture("self-test", "before")
+    config = config or DEFAULT_MOE_CONFIG
+    bounds = bounds or MOE_BOUNDS
+    report = report_for(backend, device, config="NVFP4 fused MoE")
+    start = time.perf_counter()
+    fn = load_backend(report, backends.resolve_moe, f"MoE backend {backend!r}", backend)
+    if fn is None:
+        return report
+    accepts = backends.get_moe(backend).accepts
+    if accepts is not None:
+        kept = [c for c in (_within(accepts, c) for c in config.cases) if c is not None]
+        if not kept:
+            why = accepts(*_sizes(config.cases[0]))
+            report.reason = f"MoE backend {backend!r} accepts none of the self-test's layers: {why}"
+            return report
+        config = MoeConfig(cases=tuple(kept))
+    tdev = device.torch_device
+    cases = _selftest_cases(fn, backends.get_moe(backend).mode, config, tdev, seed, bounds)
+    where = f" of MoE backend {backend!r} on {device.label()}"
+    return finish(report, sweep(cases, Bounds(timeout_s=bounds.timeout_s), tdev, where=where), start)

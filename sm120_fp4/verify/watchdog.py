@@ -14,25 +14,16 @@ import torch
 from .. import locks
 from ..errors import EXIT_HUNG
 
-__all__ = [
-    "EXIT_HUNG",
-    "hang_grace",
-    "calls_still_running",
-    "hang_hooks",
-]
+__all__ = ["EXIT_HUNG", "hang_grace", "calls_still_running", "hang_hooks"]
 
-
-# A checked call runs on the calling thread (the thread that will serve, on its current CUDA
-# stream): a kernel with per-thread state, or one that runs on the stream it is given, is checked as
-# it serves. A watchdog thread only observes: a call that returns after the bound fails the
-# candidate; a call still running HANG_GRACE past the bound holds the serving thread for good (a
-# hung kernel cannot be stopped), so the watchdog writes what it knows (hang_hooks: the report) and
-# ends the process with EXIT_HUNG instead of serving from a process that can never return.
+# A checked call runs on the thread and CUDA stream that will serve, so a kernel is checked as it
+# serves. A call still running past its bound plus the grace holds that thread for good (a hung
+# kernel cannot be stopped): the watchdog runs hang_hooks (the report) and exits with EXIT_HUNG.
 hang_hooks: list[Callable[[str], None]] = []  # called with the message before the process ends
 
 
 def hang_grace(timeout_s: float) -> float:
-    """How long past its bound a running call is waited for before the process gives up on it."""
+    """Return how long past its bound a running call is waited for before the process gives up."""
     return min(max(5.0, 0.1 * timeout_s), 60.0)
 
 
@@ -43,8 +34,7 @@ class _Watchdog:
         self._reset()
 
     def _reset(self) -> None:
-        """A fresh state (also in a fork() child: the parent's watches are not the child's calls, and
-        its condition may have been held by the parent's watchdog thread, which the child lacks)."""
+        """Start from a fresh state (also in a fork() child, whose parent's lock may be held)."""
         self._cond = threading.Condition(locks.lock())
         self._watches: dict[int, tuple[float, float, str]] = {}  # token -> (deadline, give up at, what)
         self._next = 0
@@ -112,25 +102,20 @@ _fork_reset: list[bool] = []  # whether the fork() reset is registered (once per
 
 
 def _reset_in_fork_children() -> None:
-    """From the first watchdog thread on, a fork() child starts with a fresh watchdog (registered then,
-    not at import: before any watch the state is fresh anyway)."""
+    """Register, once, that a fork() child starts with a fresh watchdog (before any watch it is fresh)."""
     if not _fork_reset:
         _fork_reset.append(True)
         os.register_at_fork(after_in_child=_WATCHDOG._reset)
 
 
 def calls_still_running() -> int:
-    """How many checked calls are still running past their bound (on their calling threads).
-
-    Calls run on the thread that will serve; one past its bound plus the grace ends the process
-    (EXIT_HUNG), so this is non-zero only during that grace."""
+    """Return how many checked calls are running past their bound (non-zero only during the grace)."""
     return _WATCHDOG.overdue()
 
 
 def _call(fn: Callable[[], object], device: torch.device, deadline: float, give_up_at: float, what: str) -> object:
-    """fn() on this thread and its current stream, synchronised: its value or its exception (an
-    Exception is a finding; a BaseException such as KeyboardInterrupt propagates: an interrupted
-    check is never a result)."""
+    """Return fn()'s value or Exception, run on this thread and stream and synchronised."""
+    # A BaseException such as KeyboardInterrupt propagates: an interrupted check is never a result.
     token = _WATCHDOG.watch(deadline, give_up_at, what)
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
