@@ -1,5 +1,4 @@
-"""The serving canary's engine: the rotation, one run per idle point, the slice bound, counters and
-the action on a failure (the package's docstring says what it guarantees)."""
+"""The serving canary's engine: the rotation, one run per idle point, the slice bound, counters and the action."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ def _capturing() -> bool:
 
 @dataclass
 class _Job:
-    """One configuration's run, due: its layer, its batch sizes, and how late it is."""
+    """One configuration's due run: its layer, its batch sizes, and how late it is."""
 
     served: serving.Served
     ms: list[int]
@@ -58,7 +57,6 @@ class Canary:
         self.clock: Callable[[], float] = time.monotonic  # when runs are due (tests replace it)
         self.timer: Callable[[], float] = time.perf_counter  # what a run costs the serving thread
         self._lock = threading.Lock()
-        self._armed: float | None = None
         self._armed_at: float | None = None
         self._due = math.inf
         self._last_idle: float | None = None
@@ -78,21 +76,18 @@ class Canary:
         self.busy_s = self.longest_wait_s = self.longest_slice_s = 0.0
         self.longest_slice: str | None = None
 
-    # ---- what the engine calls ----------------------------------------------------------------
-
     def on_warmup(self, captured: list[int]) -> None:
-        """The batch sizes of the graphs the engine captured: the runs rotate through them too."""
+        """Add the batch sizes of the graphs the engine captured to the rotation."""
         self._captured.update(m for m in captured if isinstance(m, int) and m > 0)
 
     def idle(self, serving_stream: Callable[[], ContextManager] | None = None) -> None:
-        """The serving loop is between forward passes: run the next due run, if any.
-
-        The first call arms the canary (the first run is due one period later). Cheap otherwise."""
+        """Run the next due run, if any: the serving loop is between forward passes."""
+        # The first call arms the canary (the first run is due one period later). Cheap otherwise.
         now = self.clock()
         self._last_idle = now
         self._check_update()
-        if self._armed is None:
-            self._armed, self._armed_at, self._due = now, time.time(), now + self.period
+        if self._armed_at is None:
+            self._armed_at, self._due = time.time(), now + self.period
             return
         if self._stopped is not None:  # the loop went on after the refusal: tell it again
             raise RefusedToServe(self._stopped_message)
@@ -108,7 +103,7 @@ class Canary:
                 self._run(self._queue.pop(0))  # raises on a failure with SM120_FP4_CANARY_ACTION=exit
 
     def _check_update(self) -> None:
-        """Log once when a weight update has been open past WEIGHT_UPDATE_LIMIT_S (cheap otherwise)."""
+        """Log once when a weight update has been open past WEIGHT_UPDATE_LIMIT_S."""
         open_s = serving.weights_update_open_s()
         if open_s is None:
             self._told_update = False
@@ -116,9 +111,8 @@ class Canary:
             self._told_update = True
             _LOG.warning("sm120_fp4: %s", update_text(open_s))
 
-    # ---- rotation -----------------------------------------------------------------------------
-
     def _start_period(self, now: float) -> None:
+        """Queue one due job per (family, device): its next configuration, layer and batch sizes."""
         late = max(0.0, now - self._due)
         self.skipped_saturated += int(late // self.period)
         self.longest_wait_s = max(self.longest_wait_s, late)
@@ -140,9 +134,8 @@ class Canary:
                 self._queue.append(job)
 
     def _sizes(self, job: _Job) -> tuple[list[int], list[int]]:
-        """The decode and the larger batch sizes of `job`'s configuration: verified at load, the
-        re-check's and the captured graph sizes (the larger ones below the cap a run over the slice
-        set; the smallest always)."""
+        """Return the decode and the larger batch sizes of `job`'s configuration, below its cap."""
+        # Verified at load, the re-check's and the captured graph sizes; the smallest larger one always.
         check = job.served.check
         ms = sorted(set(check.ms) | set(check.recheck_ms) | self._captured)
         if not ms:
@@ -153,14 +146,12 @@ class Canary:
         return decode, larger[:1] + [m for m in larger[1:] if over is None or m < over.cap]
 
     def _batch_sizes(self, job: _Job, round_: int) -> list[int]:
-        """One decode batch size and one larger one, each rotating with the configuration's runs."""
+        """Return one decode batch size and one larger one, each rotating with the configuration's runs."""
         decode, larger = self._sizes(job)
         if not decode:
             return []
         self._labels[job.key] = f"{job.served.check.label} on {job.served.device.label()}"
         return sorted({decode[round_ % len(decode)], larger[round_ % len(larger)]})
-
-    # ---- a run ----------------------------------------------------------------------------------
 
     def _run(self, job: _Job) -> None:
         """Run `job` whole at this idle point: its fingerprints, then its check at its batch sizes."""
@@ -180,8 +171,7 @@ class Canary:
         self._finish(job, report, started_at, took)
 
     def _fit(self, job: _Job, took: float) -> None:
-        """A run over the slice caps its configuration's larger sizes below the one it checked (the
-        smallest larger size is always checked: where its run is over, status says so)."""
+        """Cap the configuration's larger sizes below the one `job` checked where it took over the slice."""
         if took <= self.budget_s:
             return
         known = self._over.get(job.key)
@@ -192,6 +182,7 @@ class Canary:
             )
 
     def _check(self, job: _Job) -> verify.SelfTestReport:
+        """Return `job`'s report: its fingerprints compared, then its check at each batch size."""
         served = job.served
         try:
             # A weight corrupted in memory after start-up is invisible to the oracle, which reads the
@@ -214,9 +205,8 @@ class Canary:
             return self._could_not(job, exc)
 
     def _wait(self, job: _Job, report: verify.SelfTestReport) -> verify.SelfTestReport:
-        """Wait for the run's GPU work on the serving stream: the run's time is then its GPU time, and
-        the next forward pass is not queued behind work it did not count. A device error there is the
-        run's finding."""
+        """Return `report` once the run's GPU work on the serving stream is done (a device error: the finding)."""
+        # The run's time is then its GPU time, and no forward pass queues behind work it did not count.
         tdev = job.served.device.torch_device
         if tdev.type != "cuda":
             return report
@@ -238,6 +228,7 @@ class Canary:
         return cls._failed_run(job, f"the canary could not run the check: {type(exc).__name__}: {exc}")
 
     def _finish(self, job: _Job, report: verify.SelfTestReport, started_at: float, took: float) -> None:
+        """Record `job`'s run and act on a failure (exit or log, as SM120_FP4_CANARY_ACTION says)."""
         served = job.served
         run = CanaryRun(
             family=served.family,
@@ -262,13 +253,9 @@ class Canary:
                 self.failures += 1
                 known = self._failed.get(job.key)
                 if known is None:
+                    named = run.model_dump(include={"family", "device", "config"})
                     self._failed[job.key] = CanaryFailure(
-                        family=run.family,
-                        device=run.device,
-                        config=run.config,
-                        count=1,
-                        first_reason=run.reason or "",
-                        first_at=run.finished_at,
+                        **named, count=1, first_reason=run.reason or "", first_at=run.finished_at
                     )
                 else:
                     known.count += 1
@@ -281,14 +268,12 @@ class Canary:
                 _LOG.warning(
                     "sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
                     "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
-                    run.backend,
-                    run.config,
-                    run.device,
-                    run.reason,
+                    *(run.backend, run.config, run.device, run.reason),
                 )
             report_file.update(self.settings)
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
+        """Record the refusal in the report file, log it and raise RefusedToServe."""
         served = job.served
         family = deciding.FAMILIES[served.family]
         message = (
@@ -313,26 +298,21 @@ class Canary:
         _LOG.error("%s", message)
         raise RefusedToServe(message)
 
-    # ---- status -------------------------------------------------------------------------------
-
     def _state(self) -> str:
+        """Return what the canary is doing now, for status."""
         if self._stopped is not None:
             return self._stopped
         nothing = _nothing_to_check(self.settings)
         if nothing is not None:
             return nothing
-        if self._armed is None:
+        if self._armed_at is None:
             return "on; armed at the serving loop's first idle point (none in this process yet)"
         now = self.clock()
         waited = now - (self._last_idle or now)
-        saturated = (
-            (
-                f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
-                "the run waits for the next one"
-            )
-            if waited > self.period
-            else ""
-        )
+        saturated = ""
+        if waited > self.period:
+            saturated = f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
+            saturated += "the run waits for the next one"
         if self._queue:
             return f"re-checking {self._queue[0].served.check.label} at the next idle point{saturated}"
         if now >= self._due:
@@ -340,6 +320,7 @@ class Canary:
         return f"next run in {self._due - now:.1f} s"
 
     def status(self) -> CanaryStatus:
+        """Return this canary's status (the report file's "canary" section)."""
         with self._lock:
             recent = list(self._recent)
             failed = [f.model_copy() for f in self._failed.values()]
@@ -375,7 +356,7 @@ class Canary:
 
 
 def _nothing_to_check(settings: Settings) -> str | None:
-    """Why the canary has nothing to re-check although layers were decided (all served unverified), or None."""
+    """Return why the canary has nothing to re-check although layers were decided, or None."""
     if serving.served_configurations():
         return None
     unverified = [d for d in serving.decisions() if d.layers or not d.verified]

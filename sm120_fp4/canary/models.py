@@ -1,5 +1,4 @@
-"""The serving canary's records: its runs, failures and status (the "canary" section of the report
-file), and the texts status and the log share."""
+"""The serving canary's records (the report file's "canary" section) and the texts status and the log share."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ WEIGHT_UPDATE_LIMIT_S = 300.0
 
 
 def update_too_long(open_s: float) -> bool:
-    """Whether a weight update open for `open_s` seconds is past WEIGHT_UPDATE_LIMIT_S (read at each call)."""
+    """Return whether a weight update open for `open_s` seconds is past WEIGHT_UPDATE_LIMIT_S (read each call)."""
     return open_s > WEIGHT_UPDATE_LIMIT_S
 
 
@@ -27,7 +26,7 @@ class CanaryRun(BaseModel):
     device: str
     backend: str
     config: str
-    layer: str | None = Field(None, description="the layer of the configuration whose weights this run used")
+    layer: str | None = None  # the layer of the configuration whose weights this run used
     ms: list[int]
     passed: bool
     reason: str | None = None
@@ -35,8 +34,8 @@ class CanaryRun(BaseModel):
     due_at: float
     started_at: float
     finished_at: float
-    late_s: float = Field(description="how long after it was due the run started (no idle point meanwhile)")
-    busy_ms: float = Field(description="time the serving thread spent in this run (one idle point)")
+    late_s: float  # how long after it was due the run started (no idle point meanwhile)
+    busy_ms: float  # time the serving thread spent in this run (one idle point)
 
 
 class CanaryFailure(BaseModel):
@@ -56,46 +55,35 @@ class CanaryStatus(BaseModel):
     enabled: bool
     period_s: float | None = None
     action: str
-    slice_ms: float = Field(description="the budget of one run at one idle point (SM120_FP4_CANARY_SLICE_MS)")
+    slice_ms: float  # the budget of one run at one idle point (SM120_FP4_CANARY_SLICE_MS)
     state: str
     idle_point: str | None = None
     fingerprints: str = (
         f"compared at every run: the re-checked layer's, and {SWEEP} more layers' of its family and device in rotation"
     )
-    weights_update: str | None = Field(
-        None,
-        description=(
-            "while SGLang's weight update (a call, or a session begun and not ended) is open: for how long; weight "
-            "fingerprints are not compared meanwhile"
-        ),
-    )
+    weights_update: str | None = None  # how long SGLang's weight update has been open (fingerprints wait)
     armed_at: float | None = None
     runs: int = 0
     failures: int = 0
     failed: list[CanaryFailure] = Field(default_factory=list)
     last_run: CanaryRun | None = None
     recent: list[CanaryRun] = Field(default_factory=list)
-    skipped_saturated: int = Field(0, description="periods that passed with no idle point (the run waited)")
-    skipped_capturing: int = Field(0, description="idle points skipped because a CUDA graph was being captured")
-    longest_wait_s: float = Field(0.0, description="the longest a due run waited for an idle point")
-    busy_s: float = Field(0.0, description="time the serving thread spent in the canary")
-    share: float | None = Field(None, description="busy_s over the time since the canary was armed")
-    slices: int = Field(0, description="idle points at which the canary ran (one run each)")
-    longest_slice_ms: float = Field(0.0, description="the longest pause the canary added at one idle point")
-    longest_slice: str | None = Field(None, description="the run that took longest_slice_ms")
-    beyond_slice: list[str] = Field(
-        default_factory=list,
-        description=(
-            "per configuration whose run took longer than the slice: the batch sizes no longer re-checked while serving "
-            "(verified at load and after warm-up), or that its smallest run is over the slice and runs anyway"
-        ),
-    )
+    skipped_saturated: int = 0  # periods that passed with no idle point (the run waited)
+    skipped_capturing: int = 0  # idle points skipped because a CUDA graph was being captured
+    longest_wait_s: float = 0.0  # the longest a due run waited for an idle point
+    busy_s: float = 0.0  # time the serving thread spent in the canary
+    share: float | None = None  # busy_s over the time since the canary was armed
+    slices: int = 0  # idle points at which the canary ran (one run each)
+    longest_slice_ms: float = 0.0  # the longest pause the canary added at one idle point
+    longest_slice: str | None = None  # the run that took longest_slice_ms
+    # Per configuration whose run took longer than the slice: the batch sizes no longer re-checked
+    # while serving (verified at load and after warm-up), or that its smallest run runs anyway.
+    beyond_slice: list[str] = Field(default_factory=list)
 
 
 @dataclass
 class Over:
-    """A configuration whose run took longer than the slice: its larger batch sizes from `cap` on
-    are not re-checked any more (but the smallest, always checked), and what that run took."""
+    """A configuration whose run took longer than the slice: its larger sizes from `cap` on are skipped."""
 
     cap: int
     took_s: float
@@ -104,6 +92,7 @@ class Over:
 
 
 def over_text(label: str, over: Over, budget_s: float) -> str:
+    """Return what status and the log say of a configuration's run over the slice."""
     took = (
         f"its run at M={', '.join(map(str, over.ms))} took {over.took_s * 1e3:.4g} ms, over "
         f"SM120_FP4_CANARY_SLICE_MS={budget_s * 1e3:g}"
@@ -117,6 +106,7 @@ def over_text(label: str, over: Over, budget_s: float) -> str:
 
 
 def update_text(open_s: float) -> str:
+    """Return what status and the log say of a weight update open for `open_s` seconds."""
     text = (
         f"SGLang's weight update has been open for {open_s:.0f} s: weight fingerprints are not compared until it "
         "ends (the canary's checks against the oracle still run)"

@@ -75,22 +75,9 @@ def _device_constant(key: tuple, make):
     return value
 
 
-def _e2m1_lut(device: torch.device) -> torch.Tensor:
-    return _device_constant(("e2m1", device), lambda: torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device))
-
-
-def _rcp6(device: torch.device) -> torch.Tensor:
-    return _device_constant(("rcp6", device), lambda: torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=device))
-
-
-def _thresholds(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return _device_constant(
-        ("thresholds", device, dtype),
-        lambda: (
-            torch.tensor(_ROUND_DOWN_AT, dtype=dtype, device=device),
-            torch.tensor(_ROUND_UP_AT, dtype=dtype, device=device),
-        ),
-    )
+def _constant(values, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Return torch.tensor(values) on `device`, made once and kept."""
+    return _device_constant((values, device, dtype), lambda: torch.tensor(values, dtype=dtype, device=device))
 
 
 def _encode_by_comparison(x: torch.Tensor) -> torch.Tensor:
@@ -135,12 +122,10 @@ def _encode(x: torch.Tensor) -> torch.Tensor:
     # table of _float32_code_table (3-4x faster than the comparisons, which any other dtype gets).
     if x.is_cuda:
         mag = x.abs()
-        down, up = _thresholds(x.device, mag.dtype)
+        down, up = _constant(_ROUND_DOWN_AT, x.device, mag.dtype), _constant(_ROUND_UP_AT, x.device, mag.dtype)
         mag = mag.nan_to_num(nan=0.0)
-        codes = (torch.bucketize(mag, down, out_int32=True) + torch.bucketize(mag, up, out_int32=True, right=True)).to(
-            torch.uint8
-        )
-        return _signed(x, codes)
+        codes = torch.bucketize(mag, down, out_int32=True) + torch.bucketize(mag, up, out_int32=True, right=True)
+        return _signed(x, codes.to(torch.uint8))
     if x.dtype != torch.float32:
         return _encode_by_comparison(x)
     bits = x.view(torch.int32)
@@ -164,7 +149,7 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     _check_tensor("decode_e2m1", "codes", codes, (torch.uint8,))
     if codes.numel() and int(codes.max()) > 15:
         raise not_accepted("decode_e2m1", "codes", codes, "values in 0..15")
-    return _e2m1_lut(codes.device)[codes.long()]
+    return _constant(E2M1_VALUES, codes.device)[codes.long()]
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -266,7 +251,7 @@ def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True
     # check reads 16 times fewer values than x.
     if check_finite and not torch.isfinite(amax).all():
         raise not_accepted("quantize", "x", x, "finite values (found NaN or inf)")
-    rcp6 = _rcp6(x.device)
+    rcp6 = _constant(1.0 / E2M1_MAX, x.device)  # fl32(1/6)
     sf = torch.clamp(gsf * (amax * rcp6), max=E4M3_MAX).to(torch.float8_e4m3fn)
     sf_f = sf.float()
     # The kernel's output scale: 1 / (float(sf) * (1 / gsf)), and 0 for an all-zero block.
@@ -283,14 +268,9 @@ def _check_packed_and_scales(
     _check_k(func, p_name, packed, k)
     _check_tensor(func, s_name, scales, _SCALE_DTYPES)
     mp, kp = swizzled_scale_shape(rows, k)
-    if (
-        scales.numel() != mp * kp
-        or scales.dim() not in (1, 2)
-        or (scales.dim() == 2 and tuple(scales.shape) != (mp, kp))
-    ):
-        raise not_accepted(
-            func, s_name, scales, f"128x4 swizzled scales of shape ({mp}, {kp}) for {rows} rows and K={k}"
-        )
+    if tuple(scales.shape) not in ((mp, kp), (mp * kp,)):
+        accepted = f"128x4 swizzled scales of shape ({mp}, {kp}) for {rows} rows and K={k}"
+        raise not_accepted(func, s_name, scales, accepted)
     if scales.device != packed.device:
         raise not_accepted(func, s_name, scales, f"a tensor on {packed.device} (where {p_name} is)")
     return rows, k

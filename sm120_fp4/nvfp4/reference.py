@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -271,12 +272,8 @@ class _MoeRun:
         # order: a span (expert, lo, hi) is that expert's rows, sorted positions lo..hi-1.
         self.order = torch.argsort(ids, stable=True)
         counts = torch.bincount(ids, minlength=weights.w13.shape[0]).tolist()
-        self.spans = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                self.spans.append((expert, start, start + count))
-            start += count
+        ends = itertools.accumulate(counts)
+        self.spans = [(expert, end - count, end) for expert, (count, end) in enumerate(zip(counts, ends)) if count]
 
     def quantized(self, values: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
         packed, scales = quantize(values, gscale, check_finite=False)

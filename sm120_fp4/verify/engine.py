@@ -314,9 +314,16 @@ class Sweep:
         self.passes = 0
         self._snapshots: dict = {}  # each distinct input as before the first call (or its fingerprint)
         for case in cases:
-            for t in case.inputs:
-                if _input_key(t) not in self._snapshots:
-                    self._snapshots[_input_key(t)] = _kept(t)
+            self._watch(case.inputs)
+
+    def _watch(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple]:
+        """Keep each of `inputs` not kept yet (a copy or its fingerprint); return their keys."""
+        added = []
+        for t in inputs:
+            if _input_key(t) not in self._snapshots:
+                self._snapshots[_input_key(t)] = _kept(t)
+                added.append(_input_key(t))
+        return added
 
     def run(self, passes: int) -> list[ShapeResult]:
         """Return the results of `passes` passes within one deadline (after a failure: the cases tried)."""
@@ -343,11 +350,7 @@ class Sweep:
             twin = case.twin()
         except Exception as exc:
             return f"could not build the repeated call: {type(exc).__name__}: {exc}"
-        added = []  # the twin's own inputs (its activations): watched for this one call
-        for t in twin.inputs:
-            if _input_key(t) not in self._snapshots:
-                self._snapshots[_input_key(t)] = _kept(t)
-                added.append(_input_key(t))
+        added = self._watch(twin.inputs)  # the twin's own inputs (its activations): for this one call
         try:
             reason = self._check_call(twin, result, deadline, grace)
         finally:

@@ -190,12 +190,8 @@ def _moe_reference(routed: tuple, ref_w: nvfp4.MoeWeights, activation: str, mode
     """Return the oracle's float32 output for `routed` and its per-row slack (None for W4A16)."""
     if mode == "w4a16":
         # Each expert's alpha times the activation scale it was made for: 1 / the weight's global scale.
-        w4a16 = ref_w._replace(
-            w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale,
-            w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale,
-            a1_gscale=None,
-            a2_gscale=None,
-        )
+        alphas = dict(w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale, w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale)
+        w4a16 = ref_w._replace(**alphas, a1_gscale=None, a2_gscale=None)
         ref = nvfp4.reference_moe_fp4(
             *routed, *w4a16, activation, torch.float32, quantize_activations=False, weight_cache=cache
         )
