@@ -64,9 +64,8 @@ def _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out) -> tuple[i
     n = b.shape[1]
     _check_packed_and_scales(func, b.T, b_descale.T, "b", "b_descale.T")
     if not b_descale.T.is_contiguous():
-        raise not_accepted(
-            func, "b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor"
-        )
+        accepted = "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor"
+        raise not_accepted(func, "b_descale", b_descale, accepted)
     scale = _check_alpha(alpha, m, a.device)
     if out_dtype not in _OUT_DTYPES:
         raise not_accepted(func, "out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
@@ -98,12 +97,8 @@ def reference_mm_fp4(
     if dequantized_b is None:
         dequantized_b = dequantize_unscaled(b.T, b_descale.T, dtype)
     elif dequantized_b.dtype != dtype or tuple(dequantized_b.shape) != (n, k):
-        raise not_accepted(
-            "reference_mm_fp4",
-            "dequantized_b",
-            dequantized_b,
-            f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)",
-        )
+        accepted = f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)"
+        raise not_accepted("reference_mm_fp4", "dequantized_b", dequantized_b, accepted)
     acc = expert_mm(dequantize_unscaled(a, a_descale, dtype), dequantized_b, None)
     if scale is not None:
         acc.mul_(scale)  # in place: a prefill-sized float32 result is gigabytes (M=8192, N=57344: 1.9 GB)
