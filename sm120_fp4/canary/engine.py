@@ -208,10 +208,9 @@ class Canary:
         """Return `report` once the run's GPU work on the serving stream is done (a device error: the finding)."""
         # The run's time is then its GPU time, and no forward pass queues behind work it did not count.
         tdev = job.served.device.torch_device
-        if tdev.type != "cuda":
-            return report
         try:
-            torch.cuda.current_stream(tdev).synchronize()
+            if tdev.type == "cuda":
+                torch.cuda.current_stream(tdev).synchronize()
         except Exception as exc:
             return self._could_not(job, exc)
         return report

@@ -231,12 +231,8 @@ def moe_cases(
     for label, x, ids, topk_weights in plans:
         local = ids.long() - first_expert
         mine = (ids >= 0) & (local >= 0) & (local < experts)
-        call_ids = ids if served_ids else torch.where(mine, local, torch.full_like(local, -1)).to(torch.int32)
-        routed = (
-            x,
-            torch.where(mine, local, torch.zeros_like(local)),
-            torch.where(mine, topk_weights, torch.zeros_like(topk_weights)),
-        )
+        call_ids = ids if served_ids else torch.where(mine, local, -1).to(torch.int32)
+        routed = (x, torch.where(mine, local, 0), torch.where(mine, topk_weights, 0.0))
         ref, slack = _moe_reference(routed, ref_w, activation, mode, cache)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         args = (x, call_ids, topk_weights, *weights)
