@@ -234,12 +234,9 @@ def lost_column_group(
     for lo in range(0, rows, step):
         o = out[lo : lo + step].float().reshape(-1, cols // group, group)
         r = ref[lo : lo + step].float().reshape(-1, cols // group, group)
-        ref_g = r.norm(dim=2)
-        fair = r.reshape(r.shape[0], -1).norm(dim=1, keepdim=True) * (group / cols) ** 0.5
-        undecided = 0.0
-        if slack is not None:
-            row_norm = r.reshape(r.shape[0], -1).norm(dim=1, keepdim=True)
-            undecided = 2 * slack[lo : lo + step].float().reshape(-1, 1) * row_norm
+        ref_g, row_norm = r.norm(dim=2), r.reshape(r.shape[0], -1).norm(dim=1, keepdim=True)
+        fair = row_norm * (group / cols) ** 0.5
+        undecided = 0.0 if slack is None else 2 * slack[lo : lo + step].float().reshape(-1, 1) * row_norm
         # A group the output dtype cannot resolve (values near its smallest subnormal) loses nothing it could keep.
         lost = ((o - r).norm(dim=2) >= 0.5 * ref_g + undecided + 2 * floor) & (ref_g >= 0.25 * fair) & (ref_g > 0)
         if bool(lost.any()):
