@@ -177,9 +177,8 @@ class Canary:
         known = self._over.get(job.key)
         over = self._over[job.key] = Over(max(job.ms), took, list(job.ms), max(job.ms) == self._sizes(job)[1][0])
         if known is None or known.cap != over.cap:
-            _LOG.info(
-                "sm120_fp4: the serving canary: %s", over_text(self._labels.get(job.key, ""), over, self.budget_s)
-            )
+            text = over_text(self._labels.get(job.key, ""), over, self.budget_s)
+            _LOG.info("sm120_fp4: the serving canary: %s", text)
 
     def _check(self, job: _Job) -> verify.SelfTestReport:
         """Return `job`'s report: its fingerprints compared, then its check at each batch size."""

@@ -121,6 +121,7 @@ def reference_mm_fp4(
 # * ids outside [0, E) belong to other expert-parallel ranks there; this oracle has no rank
 #   arguments, so such an id is more likely a bug and is rejected.
 
+_MOE = "reference_moe_fp4"  # the function the MoE argument checks name
 _MOE_ACTIVATIONS = ("swiglu", "relu2")
 _MOE_X_DTYPES = (torch.bfloat16, torch.float16)
 _MOE_ID_DTYPES = (torch.int32, torch.int64)
@@ -164,48 +165,45 @@ class MoeWeights(NamedTuple):
 
 
 def _check_moe_tensor(param: str, value: object, dtypes: tuple, shape: tuple, what: str, device) -> None:
-    func = "reference_moe_fp4"
-    _check_tensor(func, param, value, dtypes, ndim=len(shape))
+    _check_tensor(_MOE, param, value, dtypes, ndim=len(shape))
     if tuple(value.shape) != shape:
-        raise not_accepted(func, param, value, f"shape {shape} ({what})")
+        raise not_accepted(_MOE, param, value, f"shape {shape} ({what})")
     if value.device != device:
-        raise not_accepted(func, param, value, f"a tensor on {device} (where x is)")
+        raise not_accepted(_MOE, param, value, f"a tensor on {device} (where x is)")
 
 
 def _moe_gscale(param: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
     """Return a global encode scale: 0-dim for one shared scale, (E,) for one per expert."""
-    func = "reference_moe_fp4"
     per_expert = isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim() == 1
     if per_expert and value.numel() == experts > 1:
         if value.device != device:
-            raise not_accepted(func, param, value, f"a tensor on {device} (where x is)")
+            raise not_accepted(_MOE, param, value, f"a tensor on {device} (where x is)")
         if not (torch.isfinite(value).all() and (value > 0).all()):
-            raise not_accepted(func, param, value, "positive finite values")
+            raise not_accepted(_MOE, param, value, "positive finite values")
         return value
-    return _as_scale(func, param, value, device, True)
+    return _as_scale(_MOE, param, value, device, True)
 
 
 def _check_moe_options(x, topk_ids, topk_weights, activation, out_dtype, quantize_activations, dtypes) -> None:
     """Check reference_moe_fp4's arguments other than the weights."""
-    func = "reference_moe_fp4"
-    _check_tensor(func, "x", x, _MOE_X_DTYPES, ndim=2)
+    _check_tensor(_MOE, "x", x, _MOE_X_DTYPES, ndim=2)
     tokens, hidden = x.shape
     if hidden == 0 or hidden % BLOCK_SIZE:
-        raise not_accepted(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
+        raise not_accepted(_MOE, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
     if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
-        raise not_accepted(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
+        raise not_accepted(_MOE, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
-        raise not_accepted(func, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
+        raise not_accepted(_MOE, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
     if not isinstance(quantize_activations, bool):
-        raise not_accepted(func, "quantize_activations", quantize_activations, "True or False")
+        raise not_accepted(_MOE, "quantize_activations", quantize_activations, "True or False")
     for dtype in dtypes:
         if dtype not in (None, torch.bfloat16, torch.float16):
-            raise not_accepted(func, "intermediate_dtype", dtype, "None, torch.bfloat16 or torch.float16")
-    _check_tensor(func, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
+            raise not_accepted(_MOE, "intermediate_dtype", dtype, "None, torch.bfloat16 or torch.float16")
+    _check_tensor(_MOE, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
     if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
-        raise not_accepted(func, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
+        raise not_accepted(_MOE, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
     if topk_ids.device != x.device:
-        raise not_accepted(func, "topk_ids", topk_ids, f"a tensor on {x.device} (where x is)")
+        raise not_accepted(_MOE, "topk_ids", topk_ids, f"a tensor on {x.device} (where x is)")
     shape = tuple(topk_ids.shape)
     _check_moe_tensor("topk_weights", topk_weights, (torch.float32,), shape, "that of topk_ids", x.device)
 
@@ -214,7 +212,7 @@ def _check_moe_weights(x, weights: MoeWeights, activation: str) -> tuple[int, in
     """Check the expert tensors against x and the activation; return (E, I)."""
     hidden, device = x.shape[1], x.device
     w13 = weights.w13
-    _check_tensor("reference_moe_fp4", "w13", w13, (torch.uint8,), ndim=3)
+    _check_tensor(_MOE, "w13", w13, (torch.uint8,), ndim=3)
     experts, rows13 = w13.shape[0], w13.shape[1]
     gated = activation == "swiglu"
     inter = rows13 // 2 if gated else rows13
@@ -223,9 +221,9 @@ def _check_moe_weights(x, weights: MoeWeights, activation: str) -> tuple[int, in
             f"shape (E >= 1, {'2I' if gated else 'I'}, H/2={hidden // 2}) for activation={activation!r}, "
             f"I a positive multiple of {BLOCK_SIZE}"
         )
-        raise not_accepted("reference_moe_fp4", "w13", w13, accepted)
+        raise not_accepted(_MOE, "w13", w13, accepted)
     if w13.device != device:
-        raise not_accepted("reference_moe_fp4", "w13", w13, f"a tensor on {device} (where x is)")
+        raise not_accepted(_MOE, "w13", w13, f"a tensor on {device} (where x is)")
     per_expert = f"one per expert, E={experts}"
     swizzled = "128x4 swizzled scales of {} rows and K={} per expert"
     checks = (
@@ -247,7 +245,7 @@ def _check_moe_ids(topk_ids: torch.Tensor, experts: int) -> None:
             f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
             "(expert-parallel ids of other ranks are not accepted)"
         )
-        raise not_accepted("reference_moe_fp4", "topk_ids", topk_ids, accepted)
+        raise not_accepted(_MOE, "topk_ids", topk_ids, accepted)
 
 
 class _MoeRun:
@@ -301,7 +299,7 @@ class _MoeRun:
             intermediate[lo:hi] = expert_activation(fc1.to(self.round_dtype).float(), activation, inter)
         if a1 is not None and not torch.isfinite(intermediate).all():
             raise InvalidArgument(
-                f"reference_moe_fp4: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
+                f"{_MOE}: FC1 of x={describe(x)} with w13 and w13_alpha is not finite once rounded to "
                 f"{self.round_dtype} and activated; expected inputs whose intermediate can be quantized"
             )
         return intermediate
@@ -363,7 +361,7 @@ def reference_moe_fp4_roundings(
         a1 = _moe_gscale("a1_gscale", a1_gscale, experts, x.device)
         a2 = _moe_gscale("a2_gscale", a2_gscale, experts, x.device)
         if not torch.isfinite(x).all():
-            raise not_accepted("reference_moe_fp4", "x", x, "finite values (found NaN or inf)")
+            raise not_accepted(_MOE, "x", x, "finite values (found NaN or inf)")
     _check_moe_ids(topk_ids, experts)
     if x.shape[0] == 0:
         dtype = x.dtype if out_dtype is None else out_dtype
