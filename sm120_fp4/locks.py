@@ -1,11 +1,7 @@
 """Locks that a fork() child gets back unlocked (stdlib only).
 
-A process may fork while another of its threads holds one of this library's locks -- a self-test
-holds its device's decision lock for seconds to minutes. The child has only the forking thread, so
-a lock copied locked would never be released there: the child's first decide(), status() or
-install() would wait forever. Every lock of this library is made here, and the child re-initialises
-them all (os.register_at_fork). What the lock guarded is then as the parent's other thread left it:
-a decision half-made in the parent simply does not exist in the child, which makes its own.
+A child of a fork() while another thread held a lock would wait forever on it: every lock of this
+library is made here and re-initialised in the child (os.register_at_fork).
 """
 
 from __future__ import annotations
