@@ -16,14 +16,14 @@ _made: weakref.WeakSet = weakref.WeakSet()
 
 
 def lock() -> threading.Lock:
-    """A threading.Lock, unlocked again in a fork() child."""
+    """Return a threading.Lock, unlocked again in a fork() child."""
     made = threading.Lock()
     _made.add(made)
     return made
 
 
 def rlock() -> threading.RLock:
-    """A threading.RLock, unlocked again in a fork() child."""
+    """Return a threading.RLock, unlocked again in a fork() child."""
     made = threading.RLock()
     _made.add(made)
     return made
