@@ -23,13 +23,17 @@ class ActivationFailed(ImportError):
     """install() failed while the toggle is on: ``import sglang`` fails rather than serve unverified."""
 
 
+def _install_once() -> None:
+    from . import api
+
+    if not api.installed():
+        api.install()
+
+
 def _on_sglang(module) -> None:
     """Run install() after SGLang's import; any failure stops the import (ConfigError, else ActivationFailed)."""
     try:
-        from . import api
-
-        if not api.installed():
-            api.install()
+        _install_once()
     except Exception as exc:
         from .errors import ConfigError
 
@@ -92,15 +96,11 @@ class _HookedLoader(AfterExec):
 def _installed(module) -> None:
     """Run install() after SGLang's import; the hook leaves sys.meta_path only once that succeeded."""
     _on_sglang(module)
-    _remove_finder()
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
 
 
 _finder = _AfterSGLangImport()
-
-
-def _remove_finder() -> None:
-    if _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
 
 
 def activate() -> None:
@@ -118,7 +118,4 @@ def activate() -> None:
 def load_plugin() -> None:
     """Install when the toggle is on: SGLang's plugin entry point (0.5.11+ loads it in every scheduler)."""
     if enabled():
-        from . import api
-
-        if not api.installed():
-            api.install()
+        _install_once()

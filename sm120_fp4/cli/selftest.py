@@ -39,8 +39,7 @@ def _settings_and_devices(args: argparse.Namespace, nothing: str | None = None):
     return settings, indices
 
 
-# What `selftest --model DIR` needs to run on a machine without a 12.x GPU: a simulated device and the
-# backends that run on a CPU (FlashInfer's and Humming's kernels need a real GPU, so the default chain refuses).
+# What `selftest --model DIR` needs without a 12.x GPU: a simulated device and the backends that run on a CPU.
 SIMULATE_ON_CPU = "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated"
 
 
@@ -94,11 +93,8 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
                 ]
             if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
                 rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
-        print(
-            "\n".join(
-                markdown_table(("device", "kernel", "layer configuration", "backend", "verified", "batch sizes"), rows)
-            )
-        )
+        header = ("device", "kernel", "layer configuration", "backend", "verified", "batch sizes")
+        print("\n".join(markdown_table(header, rows)))
     for r in results.values():
         if not r.get("ok"):
             _eprint("\n" + r["message"])

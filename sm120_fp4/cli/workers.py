@@ -63,7 +63,7 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
             decision = serving.decide(device, args.backend or None, settings=settings, family=family)
         finally:
             deciding.candidate_hook = None
-    except ConfigError as exc:
+    except (ConfigError, LookupError) as exc:
         emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
     except RefusedToServe as exc:
@@ -81,9 +81,6 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
             }
         )
         return EXIT_REFUSED
-    except LookupError as exc:
-        emit({"ok": False, "usage": True, "message": str(exc)})
-        return EXIT_USAGE
     emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key, "report": _own_report()})
     return EXIT_OK if decision.verified else EXIT_UNVERIFIED
 
