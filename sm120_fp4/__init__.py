@@ -1,10 +1,7 @@
-"""sm120_fp4: verified NVFP4 GEMM routing for SGLang on SM120/SM121 GPUs.
+"""sm120_fp4: verified NVFP4 GEMM routing for SGLang and vLLM on SM120/SM121 GPUs.
 
-``import sm120_fp4; sm120_fp4.install()`` routes SGLang's FP4 GEMMs -- the dense linear GEMM and
-the NVFP4 fused MoE -- to backends verified on each GPU against the pure-PyTorch oracle (a
-self-test, then every served layer through the call that serves it), and refuses to serve when
-none passes. Importing this
-package is cheap: torch, pydantic, FlashInfer and SGLang load only when an attribute needs them.
+``sm120_fp4.install()`` routes the FP4 GEMMs and NVFP4 fused MoE to backends verified on each GPU against
+a pure-PyTorch oracle, and refuses to serve when none passes. Importing it is cheap (everything lazy).
 """
 
 from __future__ import annotations

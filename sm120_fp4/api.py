@@ -1,10 +1,7 @@
-"""The public entry points: ``install()``, ``uninstall()``, ``status()``.
+"""The public entry points: ``install()``, ``uninstall()``, ``status()`` and ``decide()``.
 
-``install()`` is idempotent and thread-safe, works before or after SGLang is imported (post-import
-hooks; a reload of a patched SGLang module is patched again), applies other settings than the ones
-in force by installing again while nothing was decided (ConfigError once something was), exports ``SM120_FP4=1`` (and any keyword overrides) so that processes spawned afterwards
-activate themselves, and changes nothing where there is nothing to fix: no SGLang, an unsupported
-release, or (``SM120_FP4_ENABLE=auto``) no 12.x GPU. ``uninstall()`` restores the original objects.
+``install()`` is idempotent and thread-safe, works before or after the engine is imported, and exports
+``SM120_FP4=1`` (with any keyword overrides) so that spawned processes activate themselves.
 """
 
 from __future__ import annotations
@@ -30,16 +27,15 @@ from .patching import LedgerEntry, Patcher
 __all__ = ["install", "uninstall", "status", "decide", "Status"]
 
 _LOG = logging.getLogger("sm120_fp4")
-# The engine homes install() wires into, in this order. Each is a package with the same small interface
-# (NAME, engine_version, release_support, unverified_release, carried_fix, attach, idle_point_problem, OPT_OUT,
-# OPT_OUT_SAYS); nothing else in the core names an engine.
+# The engine homes install() wires into, in this order, each with the same small interface (NAME,
+# engine_version, release_support, unverified_release, carried_fix, attach, idle_point_problem, OPT_OUT*).
 ENGINES = (sglang_support, vllm_support)
 _lock = locks.rlock()
 _logged: set[str] = set()
 
 
 class Status(BaseModel):
-    """What the library is doing in this process (JSON-serialisable: ``status().model_dump_json()``)."""
+    """What the library is doing in this process (``status().model_dump_json()``)."""
 
     version: str
     installed: bool
@@ -87,7 +83,7 @@ def _env_value(value: Any) -> str:
 
 
 def _export_env(kwargs: dict[str, Any]) -> Callable[[], None]:
-    """SM120_FP4=1 plus keyword overrides, so spawned workers use the same settings."""
+    """Export SM120_FP4=1 and the keyword overrides, so spawned workers use the same settings; return the undo."""
     wanted = {env_name(k): _env_value(v) for k, v in kwargs.items() if v is not None}
     wanted.setdefault(env_name("toggle"), "1")
     previous = {name: os.environ.get(name) for name in wanted}
@@ -104,7 +100,7 @@ def _export_env(kwargs: dict[str, Any]) -> Callable[[], None]:
 
 
 def _log_precedence(settings: Settings) -> None:
-    """SELFTEST=warn together with FALLBACK=emulated: say once which wins (the verified emulation)."""
+    """Say once which wins where SELFTEST=warn meets FALLBACK=emulated (the verified emulation)."""
     if settings.selftest != "warn":
         return
     for var, value in (("SM120_FP4_FALLBACK", settings.fallback), ("SM120_FP4_MOE_FALLBACK", settings.moe_fallback)):
@@ -120,7 +116,7 @@ def _log_precedence(settings: Settings) -> None:
 
 
 def _supported_engines() -> list:
-    """The engine homes whose installed release this library knows how to patch."""
+    """Return the engine homes whose installed release this library knows how to patch."""
     return [engine for engine in ENGINES if engine.release_support()[0]]
 
 
@@ -143,7 +139,7 @@ def _nothing_to_fix(settings: Settings) -> str | None:
 
 
 def _no_12x_gpu(settings: Settings) -> str | None:
-    """Why there is nothing to fix for want of a GPU (SM120_FP4_ENABLE=auto and no 12.x GPU visible), or None."""
+    """Return why there is nothing to fix for want of a 12.x GPU (SM120_FP4_ENABLE=auto), or None."""
     if settings.enable == "auto":
         try:
             found = devices.list_devices(settings.simulated_capability)
@@ -172,19 +168,15 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
     )
     if problem is not None:  # the serving canary asked for, and it could not run: refused, never silently off
         raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
-    router = Router(settings)
-    patcher = Patcher()
-    state = _Install(settings, kwargs, router, patcher)
+    state = _Install(settings, kwargs, Router(settings), Patcher())
     for engine in engines:
-        state.undo += engine.attach(patcher, router, settings, canary)
+        state.undo += engine.attach(state.patcher, state.router, settings, canary)
     state.undo.append(_export_env(kwargs))
     return state
 
 
 def _wire_process() -> None:
-    """Connect this process's serving state to what outlives a call (idempotent): its decisions and
-    refusals to the report file, and the refusal a hung self-test ends the process with to the
-    watchdog. Wired here, by the module that owns the process state, never at import."""
+    """Wire serving's report sections and the watchdog's hang hook (idempotent; never at import)."""
     report_file.sections.update(serving.report_sections())
     if serving.on_hang not in verify.hang_hooks:
         verify.hang_hooks.append(serving.on_hang)
@@ -197,8 +189,7 @@ def decide(*args: Any, **kwargs: Any) -> deciding.Decision:
 
 
 def install(**overrides: Any) -> Status:
-    """Patch SGLang's FP4 GEMMs, dense and NVFP4 MoE (now, or when SGLang is imported); keyword
-    overrides beat SM120_FP4_* env."""
+    """Patch the engine's FP4 GEMMs and NVFP4 MoE (now or at its import); keywords beat SM120_FP4_* env."""
     global _state, _message
     with _lock:
         _wire_process()
@@ -231,18 +222,14 @@ def install(**overrides: Any) -> Status:
 
 
 def _changed(old: Settings, new: Settings) -> dict[str, tuple[Any, Any]]:
-    """Each setting whose value differs: field -> (in force, asked). install() itself exports
-    SM120_FP4=1, so a toggle that became "on" is not a change."""
+    """Return each setting whose value differs: field -> (in force, asked)."""
+    # install() itself exports SM120_FP4=1, so a toggle that became "on" is not a change.
     before, after = old.model_dump(), new.model_dump()
     return {k: (before[k], after[k]) for k in before if k != "toggle" and before[k] != after[k]}
 
 
 def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], overrides: dict[str, Any]) -> None:
-    """install() with settings other than those in force (often: the SM120_FP4=1 start-up hook
-    installed from the environment when SGLang was imported, then the launcher calls install(...)).
-    Nothing decided yet: uninstall and install again with them (a warning says so). Something
-    decided already (layers verified with the settings in force): ConfigError -- a decision cannot
-    be re-made for layers already loaded, and the keywords are never ignored silently."""
+    """Uninstall for other settings while nothing is decided, else raise ConfigError (never ignore them)."""
     shown = "; ".join(f"{k}: {old!r} in force, {new!r} asked" for k, (old, new) in changed.items())
     by = (
         f"install({', '.join(f'{k}={v!r}' for k, v in state.kwargs.items())})"
@@ -267,7 +254,7 @@ def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], o
 
 
 def installed() -> bool:
-    """Whether install() is in force in this process (cheap; for the automatic activation paths)."""
+    """Return whether install() is in force in this process."""
     return _state is not None
 
 
@@ -293,7 +280,7 @@ def _uninstall_locked() -> None:
 
 
 def status() -> Status:
-    """Settings in force, each patch target and its state, and the decision per device."""
+    """Return the settings in force, each patch target and its state, and the decisions."""
     with _lock:
         state = _state
         if state is not None:
@@ -303,8 +290,6 @@ def status() -> Status:
                 settings, kwargs = load_settings(), {}
             except Exception:  # status() must answer even with a broken environment
                 settings, kwargs = Settings.model_construct(), {}
-        patches = state.patcher.ledger() if state else []
-        ok, _ = sglang_support.release_support()
         try:
             found = [d.label() for d in devices.list_devices(settings.simulated_capability)]
         except Exception as exc:
@@ -316,21 +301,19 @@ def status() -> Status:
             settings=settings.model_dump(mode="json"),
             setting_sources=sources(kwargs),
             sglang_version=sglang_support.sglang_version(),
-            sglang_supported=ok,
+            sglang_supported=sglang_support.release_support()[0],
             devices=found,
-            patches=patches,
+            patches=state.patcher.ledger() if state else [],
             routes=state.router.routes() if state else {},
             moe_routes=serving.routes("moe") if state else {},
             decisions=serving.decisions(),
             refusals=serving.refusals(),
             canary=canary.status(settings),
-            engines={
-                engine.NAME: {
-                    "version": engine.engine_version(),
-                    "supported": engine.release_support()[0],
-                    "reason": engine.release_support()[1],
-                }
-                for engine in ENGINES
-            },
+            engines={engine.NAME: _engine_status(engine) for engine in ENGINES},
             flashinfer_overrides=flashinfer_overrides(),
         )
+
+
+def _engine_status(engine) -> dict[str, Any]:
+    supported, reason = engine.release_support()
+    return {"version": engine.engine_version(), "supported": supported, "reason": reason}

@@ -1,25 +1,11 @@
 """Which GPUs exist, their compute capability, and which physical GPU each CUDA ordinal is: the one
 seam tests mock (``use_probe``).
 
-CUDA numbers GPUs by ``CUDA_DEVICE_ORDER`` -- ``FASTEST_FIRST``, the default, puts the GPU its
-heuristic deems fastest first and leaves the rest "unspecified"; ``PCI_BUS_ID`` numbers them by PCI
-bus id -- and ``CUDA_VISIBLE_DEVICES`` selects and re-numbers them in the order given (indices,
-GPU UUIDs or unique prefixes of them, MIG device UUIDs). The mapping is, in this order:
-
-1. CUDA's own, per ordinal through torch (name, capability, UUID, PCI bus id), where CUDA is already
-   initialised in this process (a serving worker loading weights) or the caller is about to use
-   CUDA anyway (``init_cuda=True``: the self-test worker);
-2. else computed from NVML (nvidia-ml-py: ~20 ms, no CUDA context) where it is determined:
-   ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; or GPUs that are all alike (same name and capability: whatever
-   order CUDA picks, every ordinal has the same facts; no UUID is claimed per ordinal then);
-3. else -- ``FASTEST_FIRST`` over GPUs that differ (an older GPU in slot 0 next to an RTX PRO 6000),
-   a MIG-enabled GPU not named by its MIG UUID, a GPU named twice, an ambiguous UUID prefix -- it is
-   not determined without CUDA: CUDA's heuristic is not documented well enough to reproduce from
-   NVML, so :class:`~sm120_fp4.errors.DeviceMappingError` names the problem and the fix
-   (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, or the GPUs named by UUID). Nothing is guessed.
-
-``simulate`` (``SM120_FP4_SIMULATE``) overrides every capability and supplies one CPU device when no
-GPU exists.
+The mapping is CUDA's own (through torch) where CUDA is initialised or about to be (``init_cuda``);
+else computed from NVML where it is determined (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, or GPUs all alike);
+else :class:`~sm120_fp4.errors.DeviceMappingError` names the problem and the fix. Nothing is guessed:
+CUDA's default FASTEST_FIRST heuristic is not documented well enough to reproduce from NVML.
+``simulate`` (``SM120_FP4_SIMULATE``) overrides every capability and supplies one CPU device when no GPU exists.
 """
 
 from __future__ import annotations
@@ -56,15 +42,14 @@ PCI_ORDER_FIX = (
 
 @dataclass(frozen=True)
 class Device:
-    """One device as the library sees it: CUDA ordinal (-1 for the simulated CPU), name, capability,
-    and, where known for this ordinal, its UUID (lower-case hex, no GPU-/MIG- prefix) and PCI bus id."""
+    """One device: CUDA ordinal (-1: the simulated CPU), name, capability, and its UUID and PCI bus id where known."""
 
     index: int
     name: str
     capability: tuple[int, int]
     simulated: bool = False
     source: str = "nvml"
-    uuid: str | None = None
+    uuid: str | None = None  # lower-case hex, no GPU-/MIG- prefix
     pci_bus_id: str | None = None
 
     @property
@@ -95,19 +80,22 @@ def is_sm12x(capability: tuple[int, int]) -> bool:
     return capability[0] == 12
 
 
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _uuid(value: object) -> str | None:
-    """A UUID as NVML ("GPU-8932f937-..."), CUDA_VISIBLE_DEVICES or torch write it, normalised."""
+    """Normalise a UUID as NVML, CUDA_VISIBLE_DEVICES or torch write it."""
     if value is None:
         return None
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    text = text.strip().lower()
+    text = _text(value).strip().lower()
     for prefix in ("gpu-", "mig-"):
         text = text.removeprefix(prefix)
     return text or None
 
 
 def same_uuid(a: object, b: object) -> bool:
-    """Whether two spellings of a GPU UUID name the same device (None never matches)."""
+    """Return whether two spellings of a GPU UUID name the same device (None never matches)."""
     a, b = _uuid(a), _uuid(b)
     return a is not None and a == b
 
@@ -135,7 +123,8 @@ class _Gpu:
         return None if self.pci is None else "{:04x}:{:02x}:{:02x}.{:x}".format(*self.pci)
 
     def shown(self) -> str:
-        return f"{self.bus_id or '?'} {self.name!r} (sm_{self.capability[0]}{self.capability[1]}{', MIG enabled' if self.mig else ''})"
+        mig = ", MIG enabled" if self.mig else ""
+        return f"{self.bus_id or '?'} {self.name!r} (sm_{self.capability[0]}{self.capability[1]}{mig})"
 
 
 _BUS = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)", re.ASCII)
@@ -148,12 +137,29 @@ def _pci(info) -> tuple[int, int, int, int] | None:
     return tuple(int(g, 16) for g in match.groups()) if match else None  # type: ignore[return-value]
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _nvml_gpu(pynvml, handle) -> _Gpu:
+    """Read one GPU and its MIG devices from NVML."""
+    cc = tuple(int(c) for c in pynvml.nvmlDeviceGetCudaComputeCapability(handle))
+    uuid = pci = None
+    with contextlib.suppress(Exception):  # missing: the mapping that needs it is not determined
+        uuid = _uuid(pynvml.nvmlDeviceGetUUID(handle))
+    with contextlib.suppress(Exception):
+        pci = _pci(pynvml.nvmlDeviceGetPciInfo(handle))
+    mig, migs = False, []
+    with contextlib.suppress(Exception):  # NotSupported: no MIG on this GPU
+        mig = int(pynvml.nvmlDeviceGetMigMode(handle)[0]) == 1
+    for j in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)) if mig else 0):
+        try:
+            sub = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+        except Exception:  # NotFound: an empty slot
+            continue
+        name, sub_uuid = _text(pynvml.nvmlDeviceGetName(sub)), _uuid(pynvml.nvmlDeviceGetUUID(sub))
+        migs.append(_Gpu(name, cc, sub_uuid, pci, parent=uuid))
+    return _Gpu(_text(pynvml.nvmlDeviceGetName(handle)), cc, uuid, pci, mig, tuple(migs))
 
 
 def _nvml_gpus() -> list[_Gpu] | None:
-    """Every GPU NVML sees (None without NVML or a driver)."""
+    """Return every GPU NVML sees (None without NVML or a driver)."""
     try:
         import pynvml
     except ImportError:
@@ -163,38 +169,7 @@ def _nvml_gpus() -> list[_Gpu] | None:
     except Exception:  # no driver: NVMLError_LibraryNotFound and friends
         return None
     try:
-        found = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            cc = tuple(int(c) for c in pynvml.nvmlDeviceGetCudaComputeCapability(handle))
-            name = _text(pynvml.nvmlDeviceGetName(handle))
-            uuid = pci = None
-            with contextlib.suppress(Exception):  # missing: the mapping that needs it is not determined
-                uuid = _uuid(pynvml.nvmlDeviceGetUUID(handle))
-            with contextlib.suppress(Exception):
-                pci = _pci(pynvml.nvmlDeviceGetPciInfo(handle))
-            mig, migs = False, []
-            try:
-                mig = int(pynvml.nvmlDeviceGetMigMode(handle)[0]) == 1
-            except Exception:  # NotSupported: no MIG on this GPU
-                mig = False
-            if mig:
-                for j in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
-                    try:
-                        sub = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
-                    except Exception:  # NotFound: an empty slot
-                        continue
-                    migs.append(
-                        _Gpu(
-                            _text(pynvml.nvmlDeviceGetName(sub)),
-                            cc,
-                            _uuid(pynvml.nvmlDeviceGetUUID(sub)),
-                            pci,
-                            parent=uuid,
-                        )
-                    )
-            found.append(_Gpu(name, cc, uuid, pci, mig, tuple(migs)))
-        return found
+        return [_nvml_gpu(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
     except Exception as exc:
         _LOG.debug("NVML probe failed: %s", exc)
         return None
@@ -220,7 +195,7 @@ def _unknown(why: str, gpus: list[_Gpu]) -> DeviceMappingError:
 
 
 def _match(entry: str, pool: list[_Gpu], what: str, gpus: list[_Gpu]) -> _Gpu | None:
-    """The one device whose UUID starts with `entry` (CUDA accepts unique prefixes); None: invalid."""
+    """Return the one device whose UUID starts with `entry` (CUDA accepts unique prefixes); None: invalid."""
     prefix = _uuid(entry) or ""
     hits = [g for g in pool if g.uuid is not None and prefix and g.uuid.startswith(prefix)]
     if len(hits) > 1:
@@ -232,21 +207,40 @@ def _match(entry: str, pool: list[_Gpu], what: str, gpus: list[_Gpu]) -> _Gpu | 
     return hits[0] if hits else None
 
 
+def _pick(entry: str, base: Callable[[], list[_Gpu]], gpus: list[_Gpu]) -> _Gpu | None:
+    """Return the device one CUDA_VISIBLE_DEVICES entry names (None: invalid, where CUDA stops)."""
+    migs = [m for g in gpus for m in g.migs]
+    if entry.isdigit() and entry.isascii():
+        every = base()
+        return every[int(entry)] if int(entry) < len(every) else None
+    if entry[:4].upper() == "MIG-":
+        if "/" in entry:  # MIG-GPU-<uuid>/<gi>/<ci>: the pre-R470 form
+            raise _unknown(
+                f"CUDA_VISIBLE_DEVICES entry {entry!r} uses the older MIG-GPU-<uuid>/<gi>/<ci> form; "
+                "name the MIG device by its MIG-<uuid> (`nvidia-smi -L`)",
+                gpus,
+            )
+        return _match(entry, migs, "MIG device", gpus)
+    if entry[:4].upper() == "GPU-":
+        return _match(entry, gpus, "GPU", gpus)
+    bare = _uuid(entry)
+    if bare and any(g.uuid and g.uuid.startswith(bare) for g in gpus + migs):
+        raise _unknown(
+            f"CUDA_VISIBLE_DEVICES entry {entry!r} is a UUID without its GPU-/MIG- prefix, which "
+            "CUDA does not document; write it as `nvidia-smi -L` does",
+            gpus,
+        )
+    return None
+
+
 def _cuda_order(gpus: list[_Gpu], environ) -> list[Device]:
-    """The Devices CUDA will number, computed from NVML facts and the environment, or DeviceMappingError."""
+    """Return the Devices CUDA will number, computed from NVML facts and the environment, or DeviceMappingError."""
     order = environ.get("CUDA_DEVICE_ORDER") or "FASTEST_FIRST"
     by_pci = order == "PCI_BUS_ID"
-    if any(g.pci is None for g in gpus):
-        if not _alike(gpus):
-            raise _unknown("NVML gives no PCI bus id for some GPU", gpus)
-        ordered = list(gpus)
-    else:
-        ordered = sorted(gpus, key=lambda g: g.pci)
-    fastest = (
-        f"CUDA_DEVICE_ORDER={order} (CUDA's default FASTEST_FIRST: its own undocumented heuristic)"
-        if not by_pci
-        else ""
-    )
+    if any(g.pci is None for g in gpus) and not _alike(gpus):
+        raise _unknown("NVML gives no PCI bus id for some GPU", gpus)
+    ordered = list(gpus) if any(g.pci is None for g in gpus) else sorted(gpus, key=lambda g: g.pci)
+    fastest = f"CUDA_DEVICE_ORDER={order} (CUDA's default FASTEST_FIRST: its own undocumented heuristic)"
 
     def base() -> list[_Gpu]:
         if by_pci or _alike(gpus):
@@ -254,39 +248,14 @@ def _cuda_order(gpus: list[_Gpu], environ) -> list[Device]:
         raise _unknown(f"GPUs of different models with {fastest}", gpus)
 
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        chosen = base()
-    else:
-        chosen = []
-        migs = [m for g in gpus for m in g.migs]
-        for entry in (e.strip() for e in visible.split(",")):
-            if entry.isdigit() and entry.isascii():
-                every = base()
-                pick = every[int(entry)] if int(entry) < len(every) else None
-            elif entry[:4].upper() == "MIG-":
-                if "/" in entry:  # MIG-GPU-<uuid>/<gi>/<ci>: the pre-R470 form
-                    raise _unknown(
-                        f"CUDA_VISIBLE_DEVICES entry {entry!r} uses the older MIG-GPU-<uuid>/<gi>/<ci> form; "
-                        "name the MIG device by its MIG-<uuid> (`nvidia-smi -L`)",
-                        gpus,
-                    )
-                pick = _match(entry, migs, "MIG device", gpus)
-            elif entry[:4].upper() == "GPU-":
-                pick = _match(entry, gpus, "GPU", gpus)
-            else:
-                bare = _uuid(entry)
-                if bare and any(g.uuid and g.uuid.startswith(bare) for g in gpus + migs):
-                    raise _unknown(
-                        f"CUDA_VISIBLE_DEVICES entry {entry!r} is a UUID without its GPU-/MIG- prefix, which "
-                        "CUDA does not document; write it as `nvidia-smi -L` does",
-                        gpus,
-                    )
-                pick = None  # not an index or a UUID: CUDA stops at the first invalid entry
-            if pick is None:
-                break
-            if any(pick is c for c in chosen):
-                raise _unknown(f"CUDA_VISIBLE_DEVICES={visible!r} names one GPU twice", gpus)
-            chosen.append(pick)
+    chosen = base() if visible is None else []
+    for entry in [] if visible is None else (e.strip() for e in visible.split(",")):
+        pick = _pick(entry, base, gpus)
+        if pick is None:
+            break
+        if any(pick is c for c in chosen):
+            raise _unknown(f"CUDA_VISIBLE_DEVICES={visible!r} names one GPU twice", gpus)
+        chosen.append(pick)
     if any(g.mig for g in chosen):
         raise _unknown(
             "a chosen GPU has MIG enabled (CUDA then shows one of its MIG devices, not the GPU); "
@@ -301,27 +270,15 @@ def _cuda_order(gpus: list[_Gpu], environ) -> list[Device]:
         )
     if not by_pci and not _alike(chosen):
         raise _unknown(f"the chosen GPUs differ, with {fastest}", gpus)
-    exact = by_pci or len(chosen) <= 1
+    exact = by_pci or len(chosen) <= 1  # alike GPUs in an unknown order: no UUID is claimed per ordinal
     return [
-        Device(
-            i,
-            g.name,
-            g.capability,
-            source="nvml",
-            uuid=g.uuid if exact else None,
-            pci_bus_id=g.bus_id if exact else None,
-        )
+        Device(i, g.name, g.capability, uuid=g.uuid if exact else None, pci_bus_id=g.bus_id if exact else None)
         for i, g in enumerate(chosen)
     ]
 
 
-def _torch():
-    """torch, only where this process already imported it (never imported just to ask)."""
-    return sys.modules.get("torch")
-
-
 def _cuda_ready() -> bool:
-    torch = _torch()
+    torch = sys.modules.get("torch")  # never imported just to ask
     try:
         return bool(torch is not None and torch.cuda.is_initialized())
     except Exception:
@@ -329,7 +286,7 @@ def _cuda_ready() -> bool:
 
 
 def _probe_torch() -> list[Device]:
-    """CUDA's own numbering, through torch (initialises CUDA in this process)."""
+    """Return CUDA's own numbering, through torch (initialises CUDA in this process)."""
     try:
         import torch
 
@@ -341,16 +298,9 @@ def _probe_torch() -> list[Device]:
             pci = None
             if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
                 pci = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-            found.append(
-                Device(
-                    i,
-                    props.name,
-                    (int(props.major), int(props.minor)),
-                    source="torch",
-                    uuid=_uuid(getattr(props, "uuid", None)),
-                    pci_bus_id=pci,
-                )
-            )
+            uuid = _uuid(getattr(props, "uuid", None))
+            cc = (int(props.major), int(props.minor))
+            found.append(Device(i, props.name, cc, source="torch", uuid=uuid, pci_bus_id=pci))
         return found
     except Exception as exc:  # a broken CUDA install must not break the host process
         _LOG.warning("sm120_fp4: could not list CUDA devices through torch: %s", exc)
@@ -378,12 +328,9 @@ def _probe(init_cuda: bool = False) -> list[Device]:
 def list_devices(
     simulate: tuple[int, int] | None = None, *, refresh: bool = False, init_cuda: bool = False
 ) -> list[Device]:
-    """The devices of this process in CUDA's numbering, with `simulate` overriding every capability
-    (cached per process, and probed again once CUDA is initialised: then CUDA's own answer counts).
-
-    `init_cuda`: this process is about to use CUDA anyway, so CUDA may be asked (through torch)
-    instead of computing its numbering from NVML. DeviceMappingError where the numbering cannot be
-    determined (see the module docstring); never a guess."""
+    """Return this process's devices in CUDA's numbering, `simulate` overriding every capability (cached)."""
+    # Probed again once CUDA is initialised: then CUDA's own answer counts. `init_cuda`: this process
+    # is about to use CUDA anyway, so CUDA may be asked instead of computing its numbering from NVML.
     key = (None if simulate is None else f"{simulate[0]}.{simulate[1]}", _cuda_ready() or init_cuda)
     with _lock:
         if not refresh and key in _cache:
@@ -402,7 +349,7 @@ def list_devices(
 
 
 def get_device(index: int | None, simulate: tuple[int, int] | None = None, *, init_cuda: bool = False) -> Device:
-    """The Device for a CUDA ordinal (or the CPU stand-in, index -1/None, in simulation)."""
+    """Return the Device for a CUDA ordinal (or the CPU stand-in, index -1/None, in simulation)."""
     if index == CPU_INDEX and simulate is not None:
         try:
             simulated_cpu = not any(d.index == CPU_INDEX for d in list_devices(simulate, init_cuda=init_cuda))

@@ -18,8 +18,7 @@ __all__ = [
     "EXIT_HUNG",
 ]
 
-# The exit code of a process whose checked call is still running past the self-test's bound (its
-# thread, the one that would serve, is held by a hung kernel): selftest's watchdog ends it so.
+# The exit code the self-test's watchdog ends a process with when a checked call outlives its bound.
 EXIT_HUNG = 4
 
 
@@ -36,9 +35,7 @@ class ConfigError(Sm120Fp4Error, ValueError):
 
 
 class CheckpointError(Sm120Fp4Error, ValueError):
-    """A checkpoint's files or NVFP4 tensors are not what its layers need (unreadable, missing, of the
-    wrong dtype or shape, non-finite or non-positive scales, contradicting its config): the message
-    names the file, the tensor and what is accepted. A fault of the checkpoint, never of a kernel."""
+    """A checkpoint's files or NVFP4 tensors are not what its layers need (a fault of the checkpoint, not a kernel)."""
 
 
 class SelfTestError(Sm120Fp4Error, RuntimeError):
@@ -46,12 +43,11 @@ class SelfTestError(Sm120Fp4Error, RuntimeError):
 
 
 class RefusedToServe(Sm120Fp4Error, RuntimeError):
-    """No FP4 backend (dense GEMM or NVFP4 fused MoE) verified on this device, for this layer or
-    while serving: serving would risk silent garbage."""
+    """No FP4 backend verified on this device, for this layer or while serving: serving would risk garbage."""
 
 
 def describe(value: object) -> str:
-    """Short repr for error messages: tensors by shape/dtype/device, the rest by repr."""
+    """Return a short repr for error messages: tensors by shape/dtype/device, the rest by repr."""
     shape = getattr(value, "shape", None)
     dtype = getattr(value, "dtype", None)
     if shape is not None and dtype is not None:
@@ -62,13 +58,12 @@ def describe(value: object) -> str:
 
 
 def not_accepted(func: str, param: str, value: object, accepted: str) -> InvalidArgument:
-    """The InvalidArgument for one bad argument: the function, the parameter, the value (by
-    describe()) and what is accepted."""
+    """Return the InvalidArgument naming the function, the parameter, the value and what is accepted."""
     return InvalidArgument(f"{func}: {param}={describe(value)} is not accepted; expected {accepted}")
 
 
 def check_ranks(func: str, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int) -> None:
-    """Expert- and tensor-parallel sizes (ints >= 1) and ranks (ints in [0, size)), or not_accepted()."""
+    """Check expert- and tensor-parallel sizes (ints >= 1) and ranks (ints in [0, size))."""
     for size, rank, what in ((ep_size, ep_rank, "ep"), (tp_size, tp_rank, "tp")):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise not_accepted(func, f"{what}_size", size, "an int >= 1")
@@ -77,16 +72,14 @@ def check_ranks(func: str, ep_size: int, ep_rank: int, tp_size: int, tp_rank: in
 
 
 def capped(items, limit: int = 8) -> str:
-    """A user-supplied list for a message: at most `limit` entries (each by describe()), then
-    "and N more" -- one helper for every message that echoes a list, so none is unbounded."""
+    """Return a user-supplied list for a message: at most `limit` entries, then "and N more"."""
     items = list(items)
     shown = ", ".join(describe(i) for i in items[:limit])
     return f"[{shown}{f', and {len(items) - limit} more' if len(items) > limit else ''}]"
 
 
 class DeviceMappingError(Sm120Fp4Error, LookupError):
-    """Which physical GPU CUDA numbers as a given ordinal cannot be determined here (the message
-    says why and how to make it determined); nothing is guessed."""
+    """Which physical GPU a CUDA ordinal is cannot be determined here; the message says why and the fix."""
 
     def __init__(self, message: str, candidates: list | None = None) -> None:
         super().__init__(message)
@@ -97,8 +90,7 @@ _said: set[str] = set()
 
 
 def say_once(level: int, message: str, *args: object) -> None:
-    """Log `message % args` on the library's logger once per process (the first time that text is
-    seen): for a failure we work around, which must be said, but not at every call."""
+    """Log `message % args` on the library's logger once per process (a worked-around failure)."""
     import logging
 
     text = message % args if args else message

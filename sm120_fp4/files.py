@@ -1,17 +1,9 @@
-"""The files this library creates and reads (the verdict store, its lock, the report): owner-only,
-and never following, replacing or blocking on what is not ours. Standard library only.
+"""The files this library creates and reads (the verdict store, its lock, the report). Stdlib only.
 
-Rules (docs/operations.md, "Files: owner and mode"):
-
-* directories we create are 0700 and files 0600, whatever the umask;
-* a directory we read or write in must be owned by this user (or root) and not writable by group
-  or others -- unless it has the sticky bit (``/tmp``): there nobody else can remove or rename our
-  entries, and every file we use there must still be ours. It is opened once and used through
-  its descriptor, so a path swapped after the check is never followed;
-* a file we read or replace must be a regular file owned by this user and not writable by group
-  or others; a symbolic link, FIFO, socket or device node at its name is never followed, opened
-  for reading or writing, or renamed over (:class:`UntrustedPath`, an OSError naming what was
-  found). Reads open with O_NONBLOCK | O_NOFOLLOW and check the descriptor, so a FIFO never blocks.
+Directories we create are 0700 and files 0600; a directory we use must be ours (or root's) and not
+writable by others unless sticky, and is used through one descriptor; a file we read or replace must
+be a regular file of ours: a link, FIFO, socket or device at its name is never followed, opened or
+renamed over (:class:`UntrustedPath`). Reads never block. docs/operations.md says more.
 """
 
 from __future__ import annotations
@@ -53,14 +45,13 @@ class LockTimeout(OSError):
     """A lock another process (or thread) held for longer than the bound: nothing was written."""
 
 
-# How long a write waits for one of this library's locks. Report writes run on serving threads (a
-# decision, the canary's outcome), where nothing may block without a bound: past it the write is
-# skipped (the caller logs it), never waited for.
+# How long a write waits for one of this library's locks: report writes run on serving threads,
+# where nothing may block without a bound (past it the caller skips the write and logs it).
 LOCK_TIMEOUT_S = 2.0
 
 
 def _flock(fd: int, path: Path, what: str, timeout_s: float) -> None:
-    """flock(LOCK_EX) on `fd`, waiting at most `timeout_s` (polling: flock has no timeout of its own)."""
+    """Take flock(LOCK_EX) on `fd`, waiting at most `timeout_s` (polling: flock has no timeout)."""
     deadline = time.monotonic() + timeout_s
     pause = 0.001
     while True:
@@ -78,7 +69,7 @@ def _flock(fd: int, path: Path, what: str, timeout_s: float) -> None:
 
 
 def kind_of(mode: int) -> str:
-    """What a stat mode is, in words ("a regular file", "a FIFO", "a character device", ...)."""
+    """Return what a stat mode is, in words ("a regular file", "a FIFO", ...)."""
     for test, name in (
         (stat.S_ISREG, "a regular file"),
         (stat.S_ISDIR, "a directory"),
@@ -98,7 +89,7 @@ def _me() -> int:
 
 
 def dir_problem(st: os.stat_result) -> str | None:
-    """Why a directory (its stat) is not trusted, or None."""
+    """Return why a directory (its stat) is not trusted, or None."""
     if st.st_uid not in (_me(), 0):
         return f"owned by uid {st.st_uid}, not by this user (uid {_me()}) or root"
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
@@ -107,7 +98,7 @@ def dir_problem(st: os.stat_result) -> str | None:
 
 
 def file_problem(st: os.stat_result) -> str | None:
-    """Why a file (its lstat or fstat) is not one of ours to read or replace, or None."""
+    """Return why a file (its lstat or fstat) is not ours to read or replace, or None."""
     if not stat.S_ISREG(st.st_mode):
         return f"is {kind_of(st.st_mode)}, not a regular file (never followed, read or replaced)"
     if st.st_uid != _me():
@@ -118,8 +109,7 @@ def file_problem(st: os.stat_result) -> str | None:
 
 
 def make_private_dirs(path: Path) -> None:
-    """Create `path` and its missing parents, each 0700 whatever the umask; existing ones are left
-    as they are (the trust check of the directory used says what is wrong with them)."""
+    """Create `path` and its missing parents, each 0700 whatever the umask; leave existing ones as they are."""
     path = Path(os.path.abspath(path))
     missing = []
     while not os.path.lexists(path) and path != path.parent:
@@ -142,7 +132,7 @@ def make_private_dirs(path: Path) -> None:
 
 @contextlib.contextmanager
 def _directory(path: Path, what: str) -> Iterator[int]:
-    """A descriptor of directory `path`, checked (dir_problem); UntrustedPath when it is not trusted."""
+    """Yield a descriptor of directory `path`, or raise UntrustedPath when it is not trusted."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         problem = dir_problem(os.fstat(fd))
@@ -158,8 +148,7 @@ def _directory(path: Path, what: str) -> Iterator[int]:
 
 
 def _check_name(dfd: int, name: str, path: Path, what: str) -> os.stat_result | None:
-    """The lstat of `name` in the directory (None when absent); UntrustedPath when it is there but
-    is not a regular file of ours."""
+    """Return the lstat of `name` in the directory (None: absent); UntrustedPath when it is not ours."""
     try:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except FileNotFoundError:
@@ -171,9 +160,9 @@ def _check_name(dfd: int, name: str, path: Path, what: str) -> os.stat_result | 
 
 
 def write_json(path: Path, payload: dict, what: str = "file") -> None:
-    """Write `payload` to `path` atomically: a new 0600 file (O_EXCL, random name) in the same,
-    trusted directory, renamed over `path` only when `path` is absent or a regular file of ours;
-    removed on any failure. The one writer of this library's JSON files."""
+    """Write `payload` to `path` atomically, owner-only (the one writer of this library's JSON files)."""
+    # A new 0600 file (O_EXCL, random name) in the same trusted directory, renamed over `path` only
+    # when that is absent or a regular file of ours; removed on any failure.
     path = Path(path)
     with _directory(path.parent, what) as dfd:
         _check_name(dfd, path.name, path, what)
@@ -192,9 +181,7 @@ def write_json(path: Path, payload: dict, what: str = "file") -> None:
 
 
 def read_json(path: Path, what: str = "file") -> object | None:
-    """The JSON in `path`, or None when it (or its directory) does not exist. UntrustedPath when
-    the directory or the file is not trusted (never blocks: a FIFO is refused, not opened to wait);
-    ValueError when it is not JSON."""
+    """Return the JSON in `path` (None: absent); UntrustedPath when not trusted, ValueError when not JSON."""
     path = Path(path)
     try:
         with _directory(path.parent, what) as dfd:
@@ -217,10 +204,9 @@ def read_json(path: Path, what: str = "file") -> object | None:
 
 @contextlib.contextmanager
 def locked(path: Path, what: str = "lock file", timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold an exclusive advisory lock on `path` (created 0600 in a trusted directory; an existing
-    one must be a regular file of ours, never a link or a FIFO; one of ours made 0666 under an old
-    umask is set to 0600: what is in a lock file does not matter, only who can replace it).
-    LockTimeout when another holder keeps it past `timeout_s`."""
+    """Hold an exclusive advisory lock on the file `path` (LockTimeout past `timeout_s`)."""
+    # Created 0600 in a trusted directory; an existing one must be a regular file of ours (one made
+    # 0666 under an old umask is set to 0600: only who can replace a lock file matters).
     path = Path(path)
     with _directory(path.parent, what) as dfd:
         with contextlib.suppress(FileNotFoundError):
@@ -242,8 +228,7 @@ def locked(path: Path, what: str = "lock file", timeout_s: float = LOCK_TIMEOUT_
 
 @contextlib.contextmanager
 def locked_directory(folder: Path, what: str = "directory", timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold an exclusive advisory lock on the trusted directory `folder` itself (no lock file left
-    beside the files: the report's writers use it). LockTimeout when another holder keeps it past `timeout_s`."""
+    """Hold an exclusive advisory lock on the trusted directory `folder` itself (LockTimeout past `timeout_s`)."""
     with _directory(Path(folder), what) as dfd:
         _flock(dfd, Path(folder), f"{what} directory", timeout_s)
         yield

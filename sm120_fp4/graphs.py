@@ -1,24 +1,11 @@
 """Small fixed-shape computations of the checks, replayed from CUDA graphs.
 
-A layer's light check (one decode batch) and a serving canary step at a decode batch size are bound
-by host-side launches, not by the GPU: a few hundred PyTorch operations, each some microseconds of
-Python and driver time, on kilobytes of data. The parts that are pure functions of small tensors
--- the oracle's quantization of the activations, the comparison's statistics -- are captured once
-per (function, shapes, dtypes, strides, device) and then replayed: the inputs are copied into the
-graph's own buffers, the graph runs on the caller's current stream, and the caller reads the
-outputs while it holds the graph (so a second caller cannot overwrite them first). A graph
-replays the same kernels as the eager calls, so it computes the same numbers.
-
-Where a graph does not fit, the function runs eagerly, as it would without this module: a CPU
-tensor, inputs larger than MAX_INPUT_BYTES, the stream already capturing (the engine's own
-capture), a key used fewer than CAPTURE_AT times so far (a capture costs more than a few eager
-calls: a full sweep's two passes of a batch size stay eager, a light check's batch size, the same
-for every layer of a configuration, is captured at the third layer), a key not captured yet inside
-:func:`no_capture` (the serving canary's steps: a capture costs several eager calls, and a step
-must fit its slice between two forward passes), or a capture that failed (that key then stays eager). Memory: one private
-pool per device shared by its graphs (replays never overlap: one lock per device), and the graphs'
-input buffers kept within BUDGET_BYTES per device, least recently used dropped first. Nothing here
-runs in the serving path: only the checks call it.
+A light check or a canary step is bound by host-side launches, so its pure functions of small tensors
+are captured once per (function, shapes, dtypes, strides, device) and replayed: inputs are copied into
+the graph's buffers, and the caller reads the outputs while it holds the device's lock. Anything that
+does not fit (a CPU tensor, inputs over MAX_INPUT_BYTES, a capturing stream, a key used fewer than
+CAPTURE_AT times, inside :func:`no_capture`, a failed capture) runs eagerly. One private pool per
+device; input buffers kept within BUDGET_BYTES per device, least recently used dropped first.
 """
 
 from __future__ import annotations
@@ -68,8 +55,8 @@ _thread = threading.local()  # .no_capture: this thread is inside no_capture()
 
 @contextlib.contextmanager
 def no_capture():
-    """Within it, on this thread, :func:`run` captures nothing: a key with a graph replays it, any
-    other runs eagerly (its uses are still counted, so a later use outside may capture it)."""
+    """Capture nothing in :func:`run` on this thread within it (a key with a graph still replays)."""
+    # A canary step must fit its slice between two forward passes; uses are still counted.
     previous = getattr(_thread, "no_capture", False)
     _thread.no_capture = True
     try:
@@ -79,7 +66,7 @@ def no_capture():
 
 
 def captures_allowed() -> bool:
-    """False inside :func:`no_capture` on this thread."""
+    """Return False inside :func:`no_capture` on this thread."""
     return not getattr(_thread, "no_capture", False)
 
 
@@ -88,7 +75,7 @@ def _key(name: str, inputs: tuple[torch.Tensor, ...], extra: tuple) -> tuple:
 
 
 def _eligible(inputs: tuple[torch.Tensor, ...]) -> int | None:
-    """The CUDA device index where a graph may run these inputs, else None."""
+    """Return the CUDA device index where a graph may run these inputs, else None."""
     if not inputs or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
         return None
     index = inputs[0].device.index
@@ -104,13 +91,10 @@ def _eligible(inputs: tuple[torch.Tensor, ...]) -> int | None:
 def run(
     name: str, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], read: Callable[[tuple], T], extra: tuple = ()
 ) -> T:
-    """``read(fn(*inputs))``, from a CUDA graph of `fn` where one fits (see the module's text).
-
-    `fn` must be a pure function of its tensor arguments returning a tuple of tensors, with no host
-    synchronisation; `extra` holds whatever else its result depends on (Python constants it closes
-    over), so that two calls with different constants never share a graph. `read` gets the outputs
-    and must be done with them when it returns (they are the graph's own buffers): it may read them
-    to the host, or copy what it keeps."""
+    """Return ``read(fn(*inputs))``, from a CUDA graph of `fn` where one fits."""
+    # `fn`: a pure function of its tensors returning a tuple of tensors, no host sync; `extra`: the
+    # constants it closes over (part of the key). `read` must be done with the graph's own buffers
+    # when it returns.
     index = _eligible(inputs)
     if index is None:
         return read(fn(*inputs))
@@ -143,48 +127,42 @@ def _capture(dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[t
     dev.seen.pop(key, None)
     device = inputs[0].device
     with torch.cuda.device(device):
-        return _capture_on(dev, key, fn, inputs, device)
-
-
-def _capture_on(
-    dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], device: torch.device
-) -> _Graph | None:
-    current = torch.cuda.current_stream(device)
-    if dev.stream is None:
-        dev.stream = torch.cuda.Stream(device)
-    side = dev.stream
-    try:
-        buffers = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in inputs]
-        for buffer, value in zip(buffers, inputs):
-            buffer.copy_(value)
-        fn(*buffers)  # outside capture first: whatever fn makes once (its device constants) exists before
-        if dev.pool is None:
-            dev.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=dev.pool, capture_error_mode="thread_local")
-            try:
-                outputs = fn(*buffers)
-            finally:
-                graph.capture_end()
-        current.wait_stream(side)
-    except Exception as exc:
-        current.wait_stream(side)
-        dev.eager.add(key)
-        _LOG.debug("sm120_fp4: %s runs eagerly (capture failed: %s: %s)", key[0], type(exc).__name__, exc)
-        return None
-    size = sum(b.numel() * b.element_size() for b in buffers)
-    entry = _Graph(graph, buffers, tuple(outputs), size)
-    dev.graphs[key] = entry
-    dev.captures += 1
-    while sum(g.size for g in dev.graphs.values()) > BUDGET_BYTES and len(dev.graphs) > 1:
-        dev.graphs.popitem(last=False)
-    return entry
+        current = torch.cuda.current_stream(device)
+        if dev.stream is None:
+            dev.stream = torch.cuda.Stream(device)
+        side = dev.stream
+        try:
+            buffers = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in inputs]
+            for buffer, value in zip(buffers, inputs):
+                buffer.copy_(value)
+            fn(*buffers)  # outside capture first: whatever fn makes once (its device constants) exists before
+            if dev.pool is None:
+                dev.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=dev.pool, capture_error_mode="thread_local")
+                try:
+                    outputs = fn(*buffers)
+                finally:
+                    graph.capture_end()
+            current.wait_stream(side)
+        except Exception as exc:
+            current.wait_stream(side)
+            dev.eager.add(key)
+            _LOG.debug("sm120_fp4: %s runs eagerly (capture failed: %s: %s)", key[0], type(exc).__name__, exc)
+            return None
+        size = sum(b.numel() * b.element_size() for b in buffers)
+        entry = _Graph(graph, buffers, tuple(outputs), size)
+        dev.graphs[key] = entry
+        dev.captures += 1
+        while sum(g.size for g in dev.graphs.values()) > BUDGET_BYTES and len(dev.graphs) > 1:
+            dev.graphs.popitem(last=False)
+        return entry
 
 
 def clear() -> None:
-    """Drop every graph (their pools' memory returns to PyTorch's allocator) and every count."""
+    """Drop every graph and every count."""
     with _devices_lock:
         devices = list(_devices.values())
         _devices.clear()
@@ -195,7 +173,7 @@ def clear() -> None:
 
 
 def stats() -> dict[int, dict[str, int]]:
-    """Per CUDA device index: graphs kept, their input bytes, captures and replays so far."""
+    """Return per CUDA device index: graphs kept, their input bytes, captures and replays."""
     with _devices_lock:
         devices = dict(_devices)
     return {

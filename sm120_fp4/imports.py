@@ -1,6 +1,5 @@
-"""Finding a module as the import system does, and running code right after a module's own:
-the two steps of a post-import hook that does not depend on how the module is installed. Standard
-library only, importing nothing of this package (the start-up hook and the patch engine share it).
+"""Finding a module as the import system does, and running code right after a module's own: a
+post-import hook independent of how the module is installed. Stdlib only, importing nothing of ours.
 """
 
 from __future__ import annotations
@@ -11,9 +10,7 @@ __all__ = ["find_spec_as_imported", "AfterExec"]
 
 
 def find_spec_as_imported(name: str, path=None, target=None, skip: object = None):
-    """The spec the import system would find for `name`: the first finder on sys.meta_path (other
-    than `skip`) that returns one -- the path finder, setuptools' editable finder
-    (``__editable___*_finder``, what ``pip install -e`` installs), a zip importer's, any other."""
+    """Return the spec the import system would find for `name` (the first finder but `skip` that has one)."""
     for finder in list(sys.meta_path):
         if finder is skip:
             continue
@@ -27,9 +24,7 @@ def find_spec_as_imported(name: str, path=None, target=None, skip: object = None
 
 
 class AfterExec:
-    """A loader that runs `loader`'s module, then `after(module)`: what a post-import hook needs,
-    without changing the loader SGLang's finder returned (it may be shared by other modules).
-    The module keeps its own loader (``__loader__``, ``__spec__.loader``)."""
+    """A loader that runs `loader`'s module, then `after(module)`; the module keeps its own loader."""
 
     def __init__(self, loader, after) -> None:
         self.loader, self.after = loader, after

@@ -1,11 +1,7 @@
 """Locks that a fork() child gets back unlocked (stdlib only).
 
-A process may fork while another of its threads holds one of this library's locks -- a self-test
-holds its device's decision lock for seconds to minutes. The child has only the forking thread, so
-a lock copied locked would never be released there: the child's first decide(), status() or
-install() would wait forever. Every lock of this library is made here, and the child re-initialises
-them all (os.register_at_fork). What the lock guarded is then as the parent's other thread left it:
-a decision half-made in the parent simply does not exist in the child, which makes its own.
+A child of a fork() while another thread held a lock would wait forever on it: every lock of this
+library is made here and re-initialised in the child (os.register_at_fork, at the first lock made).
 """
 
 from __future__ import annotations
@@ -17,25 +13,27 @@ import weakref
 __all__ = ["lock", "rlock"]
 
 _made: weakref.WeakSet = weakref.WeakSet()
+_registered: list[bool] = []  # whether the fork() hook is registered: with the first lock, never at import
+
+
+def _track(made):
+    if not _registered:
+        _registered.append(True)
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+    _made.add(made)
+    return made
 
 
 def lock() -> threading.Lock:
-    """A threading.Lock, unlocked again in a fork() child."""
-    made = threading.Lock()
-    _made.add(made)
-    return made
+    """Return a threading.Lock, unlocked again in a fork() child."""
+    return _track(threading.Lock())
 
 
 def rlock() -> threading.RLock:
-    """A threading.RLock, unlocked again in a fork() child."""
-    made = threading.RLock()
-    _made.add(made)
-    return made
+    """Return a threading.RLock, unlocked again in a fork() child."""
+    return _track(threading.RLock())
 
 
 def _after_fork_in_child() -> None:
     for made in list(_made):
         made._at_fork_reinit()  # CPython's own at-fork re-initialisation (threading and logging use it)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

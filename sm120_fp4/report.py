@@ -1,23 +1,10 @@
 """The report file (``SM120_FP4_REPORT``): one JSON file holding every process's decisions and refusals.
 
-Several processes write one report: the tensor-parallel scheduler processes SGLang spawns, and the
-preflight of ``sm120-fp4 launch``, whose process becomes the server (``exec``). Each write is a
-merge under a lock (an advisory lock on the report's directory): this process's section replaces its previous one, and the
-sections of the other processes of the same run (same process group and group leader) are kept,
-whether those processes are still running or have exited -- a worker that refused and exited keeps
-its refusal in the report. Sections of earlier runs are dropped unless their process is still
-running. A directory (``SM120_FP4_REPORT=/logs``) gets one file per process instead, as does a
-path with ``{pid}``.
-
-The file::
-
-    {"version": 2, "pid": <last writer>, "updated_at": ...,
-     "processes": [{"pid", "role", "run", "started", "written_at", ... what the role adds}],
-     "decisions": [... each with "pid" and "role"], "refusals": [... each with "pid" and "role"]}
-
-Written through files.write_json (the one atomic writer): 0600, in a trusted directory, never over
-a link or special file. :func:`update` writes this process's section from :data:`sections`
-(:mod:`sm120_fp4.api` wires serving's ``decisions`` and ``refusals``, the serving canary adds ``canary``).
+Each write merges under a lock on the report's directory: this process's section replaces its
+previous one; other processes' sections are kept if of the same run (process group and leader) or
+still running. A directory, or a path with ``{pid}``, gets one file per process. The file holds
+``version``, ``pid``, ``updated_at``, ``processes`` and the ``decisions`` and ``refusals``, each
+with ``pid`` and ``role``.
 """
 
 from __future__ import annotations
@@ -41,14 +28,13 @@ _LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
 _update_lock = locks.lock()
 
-# This process's section of the report: name -> a function returning its JSON-serialisable value,
-# called whenever the report is written (api wires serving's "decisions" and "refusals", the
-# serving canary adds "canary").
+# This process's section: name -> a function returning its JSON value, called at each write (api
+# wires serving's "decisions" and "refusals", the canary's configure adds "canary").
 sections: dict[str, Callable[[], object]] = {}
 
 
 def _started(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot, from /proc), or None (gone, or no /proc)."""
+    """Return when process `pid` started (clock ticks since boot), or None (gone, or no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             fields = handle.read().rsplit(b")", 1)[1].split()
@@ -71,17 +57,15 @@ def _alive(pid: int, started: str | None) -> bool:
 
 
 def _run() -> str:
-    """This run: the process group and when its leader started (a restarted container's pid 1 is another run)."""
+    """Return this run: the process group and when its leader started."""
     group = os.getpgid(0)
     return f"{group}@{_started(group) or '?'}"
 
 
 def resolve(path: Path, directory: bool | None) -> Path:
-    """The file to write for `path` ({pid} replaced; a directory holds one file per process).
-
-    `directory` says whether the path named a directory when the settings were read (a link to a
-    directory is that directory): a directory that has disappeared since is an OSError, never a
-    file created at its name. None: decide now (a real directory, not a link)."""
+    """Return the file to write for `path` ({pid} replaced; a directory holds one file per process)."""
+    # `directory`: whether it named a directory when the settings were read (None: decide now); one
+    # that has disappeared since is an OSError, never a file created at its name.
     path = Path(str(path).replace("{pid}", str(os.getpid())))
     if directory is None:
         directory = path.is_dir() and not path.is_symlink()
@@ -93,9 +77,7 @@ def resolve(path: Path, directory: bool | None) -> Path:
 
 
 def write(path: Path, section: dict, directory: bool | None = None, role: str = "worker") -> Path:
-    """Merge this process's `section` (``decisions``, ``refusals`` and any other keys) into the
-    report at `path` and return the file written. OSError (files.UntrustedPath among them) when it
-    cannot be written; the previous report is then intact."""
+    """Merge this process's `section` into the report at `path`; return the file written (OSError: not written)."""
     target = resolve(path, directory)
     # Bounded, both the thread lock and the file lock: this runs on serving threads.
     if not _lock.acquire(timeout=files.LOCK_TIMEOUT_S):
@@ -112,7 +94,7 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
 
 
 def _merge(target: Path, section: dict, role: str) -> None:
-    """write()'s merge of this process's `section` into `target`, under the report directory's lock."""
+    """Merge this process's `section` into `target`, under the report directory's lock."""
     me = {
         **{k: v for k, v in section.items() if k not in ("decisions", "refusals")},
         "pid": os.getpid(),
@@ -157,10 +139,8 @@ def _merge(target: Path, section: dict, role: str) -> None:
 
 
 def update(settings: Settings) -> None:
-    """Write the report file now (SM120_FP4_REPORT; nothing when unset) with every one of
-    :data:`sections`, gathered and written under one lock: the newest report holds the latest state,
-    whichever thread writes last. A write that fails is logged, never raised: a report is evidence,
-    not a reason to stop a verified worker."""
+    """Write every one of :data:`sections` to SM120_FP4_REPORT now; log a failure, never raise it."""
+    # Gathered and written under one lock: the newest report holds the latest state.
     if settings.report is None:
         return
     if not _update_lock.acquire(timeout=files.LOCK_TIMEOUT_S):  # never an unbounded wait on a serving thread

@@ -12,8 +12,7 @@ def _cell(value: object) -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    """The lines of a Markdown table: `header`, its rule, one line per row (a "|" or a line break in
-    a cell is escaped or flattened, so that no value breaks the table)."""
+    """Return the lines of a Markdown table (a "|" or line break in a cell is escaped or flattened)."""
     lines = ["| " + " | ".join(map(_cell, header)) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if len(row) != len(header):

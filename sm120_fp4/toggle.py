@@ -1,22 +1,17 @@
-"""The SM120_FP4 toggle: its values and how they are read. Stdlib only, imports nothing of ours:
-the start-up hook (bootstrap) and the settings (config) both read it, so it sits below both."""
+"""The SM120_FP4 toggle: its values and how they are read (stdlib only, below bootstrap and config)."""
 
 from __future__ import annotations
 
 import os
 
 TOGGLE_VAR = "SM120_FP4"
-# The one definition of the toggle's values (config.Settings parses with it too). The .pth line
-# repeats TOGGLE_OFF as a literal: importing anything there would cost every interpreter start-up.
+# The one definition of the toggle's values; the .pth line repeats TOGGLE_OFF as a literal (no import).
 TOGGLE_ON = ("1", "on")
 TOGGLE_OFF = ("", "0", "off")
 
 
 def parse_toggle(value: object) -> bool | None:
-    """True for 1/on (or the int 1), False for 0/off (or 0), None for unset; ValueError otherwise.
-
-    An empty string is rejected here although the start-up line treats it as off: a variable set
-    to nothing is a mistake worth naming when the settings are read."""
+    """Return True for 1/on, False for 0/off, None for unset; ValueError otherwise (an empty string too)."""
     if value is None or isinstance(value, bool):
         return value
     if type(value) is int and value in (0, 1):
@@ -27,6 +22,5 @@ def parse_toggle(value: object) -> bool | None:
 
 
 def enabled(environ=os.environ) -> bool:
-    """True when SM120_FP4 is set to anything but 0/off/empty: a garbage value must reach
-    install(), which rejects it loudly, rather than leave a worker silently unpatched."""
+    """Return True when SM120_FP4 is anything but 0/off/empty (garbage reaches install(), which rejects it)."""
     return environ.get(TOGGLE_VAR, "") not in TOGGLE_OFF

@@ -1,14 +1,8 @@
 """The verdict store: what the preflight (``sm120-fp4 selftest``/``launch``) saw each candidate do.
 
-The preflight runs each GPU's self-test in a short-lived subprocess. A candidate that crashes that
-process (an illegal memory access poisons the CUDA context; FlashInfer #3170) is recorded here,
-keyed by GPU name, capability, driver, CUDA, FlashInfer version, family (dense or moe) and backend,
-and serving workers skip it -- with a reason naming the crash and when it was recorded -- rather
-than crash themselves. Passed and failed verdicts are recorded too (evidence; workers still
-self-test). The file is ``SM120_FP4_VERDICTS`` (default ``~/.cache/sm120_fp4/verdicts.json``);
-writes are atomic and serialised with an advisory lock; the directory, the lock and the file are
-owner-only and must be this user's (:mod:`sm120_fp4.files`), or they are neither read nor written. A verdict for another driver, CUDA or
-FlashInfer version does not apply: upgrading re-tries the candidate.
+A candidate that crashed a preflight worker (FlashInfer #3170) is recorded, keyed by GPU, capability,
+driver, CUDA, FlashInfer, family and backend, and serving workers skip it rather than crash; passed and
+failed verdicts are evidence only. The file is ``SM120_FP4_VERDICTS``, owner-only (:mod:`.files`).
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import files, locks
+from .files import write_json
 
 __all__ = [
     "device_key",
@@ -58,7 +53,7 @@ def _driver_version() -> str | None:
 
 
 def device_key(device) -> dict[str, Any]:
-    """What a verdict about `device` is keyed by (besides family and backend)."""
+    """Return what a verdict about `device` is keyed by (besides family and backend)."""
     from .backends.flashinfer import version as flashinfer_version
 
     cuda = None
@@ -81,8 +76,7 @@ def _matches(entry: dict, key: dict, family: str, backend: str) -> bool:
 
 
 def load(path: Path | None) -> list[dict]:
-    """Every verdict in `path` ([] when there is none, or it cannot be trusted or read: a warning,
-    once per reason). Never blocks: a FIFO or device at the name is refused, not opened to wait."""
+    """Return every verdict in `path` ([] when none, or untrusted or unreadable: warned once per reason)."""
     if path is None:
         return []
     try:
@@ -95,8 +89,7 @@ def load(path: Path | None) -> list[dict]:
 
 
 def trouble(path: Path | None) -> str | None:
-    """Why the verdict store at `path` is neither read nor written (an untrusted directory, lock or
-    file, or one that is not JSON), or None. For the preflight to say so up front."""
+    """Return why the verdict store at `path` is neither read nor written, or None."""
     if path is None:
         return None
     try:
@@ -119,9 +112,7 @@ def _warn_once(message: str) -> None:
 
 
 def record(path: Path | None, key: dict, family: str, backend: str, verdict: str, reason: str | None) -> None:
-    """Record (replace) the verdict on `backend` of `family` for `key`; atomic, under a file lock.
-    The directory is created owner-only (0700) where missing; a directory, lock or file that is
-    not this user's (files.UntrustedPath, an OSError) is never written."""
+    """Record (replace) the verdict on `backend` of `family` for `key`, atomically under a file lock."""
     if path is None:
         return
     path = Path(path)
@@ -148,11 +139,6 @@ def record(path: Path | None, key: dict, family: str, backend: str, verdict: str
             write_json(path, {"version": 1, "verdicts": entries}, "verdict file")
 
 
-def write_json(path: Path, payload: dict, what: str = "file") -> None:
-    """Write `payload` to `path` atomically, owner-only (files.write_json: the one JSON writer)."""
-    files.write_json(path, payload, what)
-
-
 def note_crash(family: str, backend: str, reason: str) -> None:
     """Tell this process that `backend` of `family` crashed a preflight worker (no file needed)."""
     with _lock:
@@ -160,7 +146,7 @@ def note_crash(family: str, backend: str, reason: str) -> None:
 
 
 def crash_of(path: Path | None, device, family: str, backend: str) -> str | None:
-    """Why `backend` must be skipped on `device` (it crashed a preflight process), or None."""
+    """Return why `backend` must be skipped on `device` (it crashed a preflight process), or None."""
     with _lock:
         told = _session.get((family, backend))
     if told is not None:

@@ -11,18 +11,16 @@ from packaging.version import InvalidVersion, Version
 __all__ = ["installed_version", "version_in", "comparable", "clear_cache", "capped"]
 
 
-# name -> version (None: not installed), as read by the lookup _read_with. Each read parses the
-# distribution's METADATA file (milliseconds); patch guards and layer checks ask thousands of times
-# while a large model loads. The modules a process imported do not change with a later pip run, so
-# the first answer stays true for them; a different lookup function (a test's) starts afresh.
+# name -> version (None: not installed), as read by the lookup _read_with: each read parses METADATA
+# (milliseconds) and guards ask thousands of times while a model loads; imported modules do not change
+# with a later pip run. A different lookup function (a test's) starts afresh.
 _read: dict[str, str | None] = {}
 _read_with = None
 _read_lock = threading.Lock()
 
 
 def installed_version(*distributions: str) -> str | None:
-    """The installed version of the first of `distributions` that is installed, without importing
-    it; read once per process (clear_cache() reads again)."""
+    """Return the installed version of the first of `distributions` installed (read once per process)."""
     global _read_with
     lookup = importlib.metadata.version
     with _read_lock:
@@ -52,7 +50,7 @@ def clear_cache() -> None:
 
 
 def comparable(version: str | None, specifier: str | None = None) -> str | None:
-    """None when `version` (and `specifier`) can be read, else why not."""
+    """Return None when `version` (and `specifier`) can be read, else why not."""
     try:
         if version is not None:
             Version(version)
@@ -64,7 +62,7 @@ def comparable(version: str | None, specifier: str | None = None) -> str | None:
 
 
 def version_in(version: str | None, specifier: str | None) -> bool:
-    """Whether `version` satisfies `specifier` (no specifier: any); unreadable or absent versions never do."""
+    """Return whether `version` satisfies `specifier` (None: any); unreadable or absent versions never do."""
     if specifier is None:
         return True
     if version is None or comparable(version, specifier) is not None:
@@ -73,9 +71,7 @@ def version_in(version: str | None, specifier: str | None) -> bool:
 
 
 def capped(versions: str, cap: str) -> str:
-    """`versions` bounded above by `cap`'s upper bounds, unless `versions` has an upper bound of its
-    own (a target that disappears in a release): a patch target declares where it starts, and the
-    supported range says where everything ends."""
+    """Return `versions` bounded above by `cap`'s upper bounds, unless it has an upper bound of its own."""
     own = SpecifierSet(versions)
     if any(s.operator in ("<", "<=") for s in own):
         return versions

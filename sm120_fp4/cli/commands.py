@@ -1,5 +1,4 @@
-"""The command line: its parser, and ``main`` handing each command to its module (doctor, demo and
-patches to :mod:`sm120_fp4.doctor`, :mod:`sm120_fp4.demo`, :mod:`sm120_fp4.upstream`)."""
+"""The command line: its parser, and ``main`` handing each command to its module."""
 
 from __future__ import annotations
 
@@ -20,6 +19,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"sm120-fp4 {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_preflight_commands(sub)
+    _add_tool_commands(sub)
+    return parser
+
+
+def _add_preflight_commands(sub) -> None:
+    """Add doctor, selftest and launch."""
     doctor = sub.add_parser("doctor", help="report GPUs, versions, settings, patch targets and backends")
     doctor.add_argument("--json", action="store_true", help="JSON instead of Markdown")
     doctor.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
@@ -47,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
         help="start COMMAND even when a decision would serve unverified (SM120_FP4_SELFTEST=warn/off)",
     )
     launch.add_argument("command", nargs=argparse.REMAINDER)
+
+
+def _add_tool_commands(sub) -> None:
+    """Add demo, patches, bench and the preflight's worker commands."""
     demo = sub.add_parser(
         "demo", help="SGLang's real FP4 linear layer, patched and self-tested on a simulated SM120 (CPU)"
     )
@@ -90,13 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--backend", action="append")
     worker.add_argument("--moe", action="store_true")
     worker.add_argument("--crashed", action="append", help="NAME=REASON: a candidate that crashed an earlier worker")
-    model_worker = sub.add_parser("_model-worker")
-    model_worker.add_argument("--device", type=int, required=True)
-    model_worker.add_argument("--model", required=True)
     worker.add_argument(
         "--uuid", help="the UUID of the GPU the parent numbered --device (checked against CUDA's numbering)"
     )
-    return parser
+    model_worker = sub.add_parser("_model-worker")
+    model_worker.add_argument("--device", type=int, required=True)
+    model_worker.add_argument("--model", required=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,7 +78,7 @@ LAUNCH_COREDUMP_WAIT_S = "0"  # what launch sets unless the operator did (docs/o
 
 
 def _command_problem(name: str) -> str | None:
-    """Why `name` cannot be executed as the launched command (not found on PATH, not an executable file), or None."""
+    """Return why `name` cannot be executed as the launched command, or None."""
     import shutil
 
     if shutil.which(name) is not None:
@@ -90,9 +90,7 @@ def _command_problem(name: str) -> str | None:
 
 
 def _unrecorded_crashes(seen: list[tuple[str, dict]]) -> str | None:
-    """Why the server must not start: candidates that crashed the preflight and that the verdict
-    store does not hold (the server's workers read only the store, so they would load them and
-    crash), or None."""
+    """Return why the server must not start: crashed candidates the verdict store does not hold, or None."""
     from ..deciding import FAMILIES
 
     lost: dict[str, dict[str, str]] = {}
@@ -112,8 +110,7 @@ def _unrecorded_crashes(seen: list[tuple[str, dict]]) -> str | None:
 
 
 def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, str], allow_unverified: bool) -> int:
-    """launch with an SGLang this library cannot patch: refused under strict (unless opted out); else
-    started only when the operator said so (the opt-out setting, or --allow-unverified), never silently."""
+    """Launch with an SGLang this library cannot patch only when the operator said so; else refuse."""
     from ..sglang import OPT_OUT, OPT_OUT_SAYS
 
     refused = _refuse_engine("launch", settings, engine)
@@ -136,8 +133,7 @@ def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, s
 
 
 def _canary_problem() -> str | None:
-    """Why the serving canary the settings ask for cannot run with this SGLang (a bad setting is
-    the preflight's to report)."""
+    """Return why the serving canary asked for cannot run with this SGLang, or None."""
     from ..canary import settings_problem
     from ..config import load_settings
     from ..errors import ConfigError

@@ -11,12 +11,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _eprint
+from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _eprint, _where
 from .workers import INTERRUPTS, _died, _run_model_worker, _run_worker, _Stop
 
 
-def _settings_and_devices(args: argparse.Namespace):
-    """(settings, the device indices to verify), or the exit code after saying why not."""
+def _settings_and_devices(args: argparse.Namespace, nothing: str | None = None):
+    """Return (settings, the device indices to verify), or the exit code after saying why not."""
     from .. import devices
     from ..config import check_flashinfer_env, load_settings
     from ..errors import ConfigError
@@ -33,16 +33,18 @@ def _settings_and_devices(args: argparse.Namespace):
     if problem:
         _eprint(f"sm120-fp4 selftest: {problem}")
         return EXIT_USAGE
+    if not indices and nothing is not None:
+        _eprint(f"sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify ({nothing})")
+        return EXIT_OK
     return settings, indices
 
 
-# What `selftest --model DIR` needs to run on a machine without a 12.x GPU: a simulated device and the
-# backends that run on a CPU (FlashInfer's and Humming's kernels need a real GPU, so the default chain refuses).
+# What `selftest --model DIR` needs without a 12.x GPU: a simulated device and the backends that run on a CPU.
 SIMULATE_ON_CPU = "SM120_FP4_SIMULATE=12.0 SM120_FP4_BACKENDS=emulated SM120_FP4_MOE_BACKENDS=emulated"
 
 
 def cmd_selftest_model(args: argparse.Namespace) -> int:
-    """``selftest --model DIR``: each distinct NVFP4 layer configuration of DIR, built and verified per GPU."""
+    """Run ``selftest --model DIR``: build and verify each NVFP4 layer configuration of DIR per GPU."""
     from .. import checkpoints
     from ..errors import CheckpointError, ConfigError
 
@@ -54,28 +56,18 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     except (CheckpointError, ConfigError) as exc:
         _eprint(f"sm120-fp4 selftest: {exc}")
         return EXIT_USAGE
-    found = _settings_and_devices(args)
+    found = _settings_and_devices(args, f"to verify the checkpoint on this CPU, in simulation: {SIMULATE_ON_CPU}")
     if isinstance(found, int):
         return found
     settings, indices = found
-    if not indices:
-        _eprint(
-            "sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify "
-            f"(to verify the checkpoint on this CPU, in simulation: {SIMULATE_ON_CPU})"
-        )
-        return EXIT_OK
     engine = _unverified_engine()
-    if (
-        engine is not None
-    ):  # the checkpoint's layers are built through SGLang's: nothing of it is patched to verify them
+    if engine is not None:  # the checkpoint's layers are built through SGLang's: nothing of it is patched
         return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
     env = {**os.environ, "SM120_FP4": "1"}
     model = os.path.abspath(args.model)
 
     def run(index: int) -> dict:
-        _eprint(
-            f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] building and verifying {model}'s NVFP4 layers ..."
-        )
+        _eprint(f"[{_where(index)}] building and verifying {model}'s NVFP4 layers ...")
         return (_model_worker_runner or _run_model_worker)(index, model, env)
 
     with ThreadPoolExecutor(max_workers=len(indices)) as pool:
@@ -101,11 +93,8 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
                 ]
             if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
                 rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
-        print(
-            "\n".join(
-                markdown_table(("device", "kernel", "layer configuration", "backend", "verified", "batch sizes"), rows)
-            )
-        )
+        header = ("device", "kernel", "layer configuration", "backend", "verified", "batch sizes")
+        print("\n".join(markdown_table(header, rows)))
     for r in results.values():
         if not r.get("ok"):
             _eprint("\n" + r["message"])
@@ -125,12 +114,7 @@ _worker_runner: WorkerRunner | None = None
 
 
 def use_worker_runner(runner: WorkerRunner | None) -> WorkerRunner | None:
-    """Run the preflight's workers through `runner` (None: each its own short-lived process, the
-    default); returns the previous one. The seam for tests of what the preflight makes of its
-    workers' results (exit codes, the table, launch's gating): they run the worker in-process
-    (tests/helpers/workers.py), and the crash, hang, signal and exec cases keep real processes.
-    `runner(index, family, backend_args, crashed, label, env, stop, uuid)` returns what
-    :func:`_run_worker` returns."""
+    """Run the preflight's workers through `runner` (None: own processes); return the previous one (a test seam)."""
     global _worker_runner
     previous, _worker_runner = _worker_runner, runner
     return previous
@@ -143,18 +127,13 @@ _model_worker_runner: ModelWorkerRunner | None = None
 
 
 def use_model_worker_runner(runner: ModelWorkerRunner | None) -> ModelWorkerRunner | None:
-    """Run ``selftest --model``'s workers through `runner` (None: each its own short-lived process,
-    the default); returns the previous one. The same seam as :func:`use_worker_runner`, for the
-    model check: `runner(index, model_dir, env)` returns the worker's result (what
-    :func:`_run_model_worker` returns)."""
+    """Run ``selftest --model``'s workers through `runner` (None: own processes); return the previous one."""
     global _model_worker_runner
     previous, _model_worker_runner = _model_worker_runner, runner
     return previous
 
 
-# Retry policy for a worker killed by SIGKILL (the kernel's out-of-memory killer, or kill -9): not a
-# verdict either; the worker is re-run this many times with the same candidates, then the preflight
-# stops (exit 2) without recording anything (docs/operations.md).
+# A worker killed by SIGKILL (out of memory, kill -9) is no verdict: re-run this many times, then exit 2.
 SIGKILL_RETRIES = 1
 
 
@@ -179,7 +158,7 @@ _told_stores: set[str] = set()
 
 
 def _store_failed(path, exc: OSError) -> str:
-    """Why the verdict store at `path` could not be written, said once per store and process."""
+    """Return why the verdict store at `path` could not be written, said once per store and process."""
     why = f"the verdict store {path} cannot be written ({exc})"
     if str(path) not in _told_stores:
         _told_stores.add(str(path))
@@ -188,7 +167,7 @@ def _store_failed(path, exc: OSError) -> str:
 
 
 def _interrupted(code: int, stop: _Stop) -> int | None:
-    """The signal that interrupted a worker (the parent's, or one the worker died of), or None."""
+    """Return the signal that interrupted a worker (the parent's, or one it died of), or None."""
     if stop.signal is not None:
         return stop.signal
     if code < 0 and -code in INTERRUPTS:
@@ -205,18 +184,15 @@ def _preflight(
     stop: _Stop | None = None,
     uuid: str | None = None,
 ) -> dict:
-    """Self-test `family` on device `index` in short-lived worker processes: a candidate that kills
-    its worker (a crash signal or exit code) is recorded as crashed (verdict file) and the worker
-    re-runs without it. An interruption (SIGINT/SIGTERM/SIGHUP/SIGQUIT, or the parent stopping)
-    records nothing and stops; SIGKILL (out of memory) records nothing and retries (SIGKILL_RETRIES)."""
+    """Self-test `family` on device `index` in workers, recording and skipping candidates that crash one."""
+    # An interruption records nothing and stops; SIGKILL records nothing and retries (SIGKILL_RETRIES).
     from .. import verdicts
 
     stop = stop or _Stop()
-    label = ("cpu (simulated)" if index < 0 else f"cuda:{index}") + ("" if family == "dense" else " moe")
+    label = _where(index) + ("" if family == "dense" else " moe")
     crashed: dict[str, str] = {}
-    unrecorded: dict[
-        str, str
-    ] = {}  # crashed candidates the verdict store does not hold: serving workers would load them
+    # Crashed candidates the verdict store does not hold: serving workers would load them.
+    unrecorded: dict[str, str] = {}
     killed: dict[str, int] = {}
     while True:
         if stop.signal is not None:
@@ -283,9 +259,7 @@ def _stopped(label: str, signum: int, event: dict | None) -> dict:
 
 
 def _selftest_devices(settings, indices: list[int] | None) -> tuple[list[int], str | None]:
-    """The devices to verify. One rule (docs/operations.md): every GPU a worker would serve -- each
-    12.x GPU (any GPU with SM120_FP4_ENABLE=on); none visible is "nothing to verify", unless
-    ENABLE=on asks for a GPU that is not there, or --device names one that is not visible."""
+    """Return the devices to verify (every GPU a worker would serve), or why `indices` cannot be."""
     from .. import devices
     from ..errors import capped
 
@@ -330,19 +304,14 @@ def cmd_selftest(
     families: Sequence[str] | None = None,
     seen: list[tuple[str, dict]] | None = None,
 ) -> int:
-    """``selftest``: each family on each device in short-lived workers; `seen` (launch) gets each job's (family, result)."""
+    """Run ``selftest``: each family on each device in workers; `seen` (launch) gets each (family, result)."""
     from .. import deciding, devices, verdicts
 
     families = list(families or (["moe"] if getattr(args, "moe", False) else ["dense"]))
-    found = _settings_and_devices(args)
+    found = _settings_and_devices(args, "workers leave SGLang untouched")
     if isinstance(found, int):
         return found
     settings, indices = found
-    if not indices:
-        _eprint(
-            "sm120-fp4 selftest: no compute-capability 12.x GPU visible; nothing to verify (workers leave SGLang untouched)"
-        )
-        return EXIT_OK
     engine = _unverified_engine()
     refused = _refuse_engine("selftest", settings, engine) if engine is not None else None
     if refused is not None:
@@ -360,7 +329,7 @@ def cmd_selftest(
     jobs = [(family, index) for family in families for index in indices]
     for family, index in jobs:
         what = ", ".join(args.backend) if args.backend else f"the configured {deciding.FAMILIES[family].what} backends"
-        _eprint(f"[{'cpu (simulated)' if index < 0 else f'cuda:{index}'}] self-testing {what} in a subprocess ...")
+        _eprint(f"[{_where(index)}] self-testing {what} in a subprocess ...")
     start = time.perf_counter()
     stop = _Stop()
     restore = stop.handle_signals()
@@ -391,7 +360,7 @@ def cmd_selftest(
 
 
 def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet: bool, settings, engine) -> int:
-    """The preflight's table (or JSON), what each failed job said, and the exit code of ``selftest``."""
+    """Print the preflight's table (or JSON) and each failure; return the exit code of ``selftest``."""
     usage = [r for r in results.values() if not r.get("ok") and r.get("usage")]
     refused = [r for r in results.values() if not r.get("ok") and not r.get("usage")]
     unverified = [r for r in results.values() if r.get("ok") and not r["decision"]["verified"]]
@@ -418,16 +387,14 @@ def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet
 
 
 def _unverified_engine() -> tuple[str, str] | None:
-    """(what it means, what makes it verified) when the installed SGLang is a release this library cannot patch."""
+    """Return (what it means, what verifies it) when the installed SGLang cannot be patched, else None."""
     from ..sglang import unverified_release
 
     return unverified_release()
 
 
 def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | None:
-    """Under SM120_FP4_SELFTEST=strict, unless the operator opted out (SM120_FP4_UNSUPPORTED_RELEASE=
-    serve-unverified): refuse to start, saying what it means and how to proceed (exit 2, an environment
-    to change, not a verdict on a kernel). None: not refused."""
+    """Refuse to start under SELFTEST=strict unless opted out (exit 2, saying how to proceed); None: not refused."""
     if settings.selftest != "strict" or settings.unsupported_release != "refuse":
         return None
     from ..sglang import OPT_OUT_SAYS
@@ -438,16 +405,14 @@ def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | Non
 
 
 def _say_unverified_engine(engine: tuple[str, str], what: str) -> int:
-    """The engine outside the supported range, not refused: say so; the exit is 'unverified' (3),
-    since nothing of what SGLang serves was verified."""
+    """Say that the engine release is outside the supported range; return exit 3 (unverified)."""
     means, remedy = engine
     _eprint(f"sm120-fp4 selftest: {means}; {what}: exit {EXIT_UNVERIFIED}.\nTo verify them: {remedy}.")
     return EXIT_UNVERIFIED
 
 
 def _write_preflight_report(settings, results: dict[tuple[str, int], dict]) -> None:
-    """SM120_FP4_REPORT: one report of the whole preflight (every worker's decisions and refusals,
-    and each job's outcome), merged into the file the serving processes write to after it."""
+    """Write one report of the whole preflight (every worker's decisions, each job's outcome) to SM120_FP4_REPORT."""
     if settings.report is None:
         return
     from .. import report

@@ -21,8 +21,7 @@ from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _emit, _
 
 
 def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
-    """Run decide() for one device and family in this (short-lived) process; `emit` JSON lines
-    (standard output): one event per candidate right before it runs, then the result."""
+    """Run decide() for one device and family here; `emit` one JSON event per candidate, then the result."""
     from .. import backends, deciding, devices, serving, verdicts
     from ..config import check_flashinfer_env, load_settings
     from ..errors import ConfigError, RefusedToServe
@@ -64,7 +63,7 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
             decision = serving.decide(device, args.backend or None, settings=settings, family=family)
         finally:
             deciding.candidate_hook = None
-    except ConfigError as exc:
+    except (ConfigError, LookupError) as exc:
         emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
     except RefusedToServe as exc:
@@ -82,16 +81,12 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
             }
         )
         return EXIT_REFUSED
-    except LookupError as exc:
-        emit({"ok": False, "usage": True, "message": str(exc)})
-        return EXIT_USAGE
     emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key, "report": _own_report()})
     return EXIT_OK if decision.verified else EXIT_UNVERIFIED
 
 
 def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
-    """Verify the checkpoint `args.model` on one device in this (short-lived) process; `emit` one JSON
-    result (standard output)."""
+    """Verify the checkpoint `args.model` on one device here; `emit` one JSON result."""
     import sm120_fp4
 
     from .. import devices, serving
@@ -118,7 +113,7 @@ def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit
 
 
 def _own_report() -> dict:
-    """This worker's decisions and refusals, for the one report the preflight parent writes."""
+    """Return this worker's decisions and refusals, for the report the preflight parent writes."""
     from .. import serving
 
     return {
@@ -128,9 +123,7 @@ def _own_report() -> dict:
 
 
 def _worker_exit(code: int) -> int:
-    """The worker's exit code, kept: a call that outlived its bound may still be running and would
-    abort the interpreter's shutdown (verify.calls_still_running), so the worker, always its own
-    short-lived process, then ends at once, after its result line is flushed."""
+    """Return the worker's exit code, or end at once where a call outlived its bound (it would abort shutdown)."""
     from .. import verify
 
     if verify.calls_still_running():
@@ -141,14 +134,14 @@ def _worker_exit(code: int) -> int:
 
 
 def model_worker_argv(index: int, model: str) -> list[str]:
-    """The arguments of one model-check worker (after ``python -m sm120_fp4``)."""
+    """Return the arguments of one model-check worker (after ``python -m sm120_fp4``)."""
     return ["_model-worker", "--device", str(index), "--model", model]
 
 
 def worker_argv(
     index: int, family: str, backend_args: list[str], crashed: dict[str, str], uuid: str | None
 ) -> list[str]:
-    """The arguments of one self-test worker (after ``python -m sm120_fp4``)."""
+    """Return the arguments of one self-test worker (after ``python -m sm120_fp4``)."""
     argv = ["_selftest-worker", "--device", str(index), *backend_args]
     argv += ["--moe"] if family == "moe" else []
     argv += ["--uuid", uuid] if uuid else []
@@ -156,7 +149,7 @@ def worker_argv(
 
 
 def _run_model_worker(index: int, model: str, env: dict[str, str]) -> dict:
-    """One model-check worker process: its result line, or why it gave none."""
+    """Run one model-check worker process; return its result line, or why it gave none."""
     cmd = [sys.executable, "-m", "sm120_fp4", *model_worker_argv(index, model)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -190,9 +183,7 @@ INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class _Stop:
-    """The preflight's stop switch: SIGINT, SIGTERM or SIGHUP in the parent stops every worker (each
-    runs in its own session, so a terminal's Ctrl-C reaches only the parent), and nothing is recorded
-    for the candidates they were running. A second signal kills them at once."""
+    """The preflight's stop switch: a signal in the parent stops every worker; a second kills them."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
@@ -234,8 +225,7 @@ class _Stop:
 
 
 class WorkerOutput:
-    """What one worker's JSON lines say, read as they come: the result, the last candidate event
-    (the one running when a worker dies), and a progress line on stderr for each event."""
+    """What one worker's JSON lines say, read as they come: the result and the last candidate event."""
 
     def __init__(self, label: str) -> None:
         self.label, self.result, self.event = label, None, None
@@ -270,7 +260,7 @@ def _run_worker(
     uuid: str | None = None,
     heartbeat_s: float = 30.0,
 ) -> tuple[dict | None, dict | None, int, str]:
-    """One worker run: (result, last candidate event, returncode, stderr tail)."""
+    """Run one worker; return (result, last candidate event, returncode, stderr tail)."""
     cmd = [sys.executable, "-m", "sm120_fp4", *worker_argv(index, family, backend_args, crashed, uuid)]
     lines: queue.Queue = queue.Queue()
     stop = stop or _Stop()
