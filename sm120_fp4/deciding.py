@@ -70,6 +70,8 @@ class Decision(BaseModel):
     layers: list[verify.SelfTestReport] = Field(default_factory=list)
     family: str = "dense"
     mode: str = "w4a4"  # what serves: "w4a4" (activations quantized, as the checkpoint) or "w4a16"
+    # SELECT=fastest split by batch size: (largest M, backend) per range, the last (None) unbounded.
+    ranges: list[tuple[int | None, str]] = Field(default_factory=list)
 
     @computed_field  # type: ignore[prop-decorator]
     @property

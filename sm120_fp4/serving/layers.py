@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from .. import verify
+from ..deciding import Decision
 from .records import LayerCheck, _Layer, _Serving
 
 
@@ -23,6 +24,7 @@ def _start_check(
     to fill, the sweep or None where building the calls failed (the report says why), the start)."""
     device = serving.device
     start = time.perf_counter()
+    ms = sorted(set(ms) | edges(serving.decision))  # a split route: every range and boundary, through its backend
     try:
         cases = check.cases(ms)  # first: the oracle's GPU work is queued, and the host's work below overlaps it
     except Exception as exc:  # building the served calls failed: that is a finding, not a crash
@@ -52,7 +54,25 @@ def _run_check(
     report, run, start = _start_check(serving, check, ms, config, light)
     if run is None:
         return report
-    return verify.finish(report, run.run(passes), start)
+    return _blame(serving.decision, verify.finish(report, run.run(passes), start))
+
+
+def edges(decision: Decision) -> set[int]:
+    """Return each boundary of `decision`'s M ranges and the size above it (none for one backend)."""
+    return {m for bound, _ in decision.ranges[:-1] for m in (bound, bound + 1)}
+
+
+def backend_at(decision: Decision, m: int) -> str:
+    """Return the backend `decision` serves batch size `m` with."""
+    return next((name for bound, name in decision.ranges if bound is None or m <= bound), decision.backend)
+
+
+def _blame(decision: Decision, report: verify.SelfTestReport) -> verify.SelfTestReport:
+    """Name in a failed `report` the backend serving the first failing batch size."""
+    failing = next((r.m for r in report.shapes if not r.passed), None)
+    if not report.passed and failing is not None:
+        report.backend = backend_at(decision, failing)
+    return report
 
 
 def _weight_storages(check: LayerCheck) -> frozenset[int]:
@@ -87,7 +107,7 @@ def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[veri
     # Taken after the oracle's work is queued (it reads the weights and writes none) and before
     # the first served call: on a GPU its launches overlap the oracle's dequantization.
     before = _fingerprint(check)
-    report = verify.finish(report, run.run(2 if full else 1), start)
+    report = _blame(serving.decision, verify.finish(report, run.run(2 if full else 1), start))
     _fail_if_written(report, check, before)
     return report, before
 
@@ -169,3 +189,30 @@ def _refingerprint(serving: _Serving) -> None:
         current = record.current() if record.alive() else None
         if current is not None:
             record.fingerprint = _fingerprint(current)
+
+
+def _verify_everything(
+    serving: _Serving, extra: LayerCheck | None, extra_full: bool, configurations: bool = True
+) -> tuple[list, verify.SelfTestReport | None]:
+    """Check every configuration (unless `configurations` is False), every layer and `extra` as routed now."""
+    reports = []
+    for check in serving.checks.values() if configurations else ():
+        report, _ = _layer_check(serving, check, True)
+        if not report.passed:
+            return reports, report
+        reports.append(report)
+    representatives = {id(c.owner) if c.owner is not None else id(c) for c in serving.checks.values()}
+    for key, record in list(serving.layers.items()):
+        current = record.current() if record.alive() and key not in representatives else None
+        if current is not None:
+            report, _ = _layer_check(serving, current, False)
+            if not report.passed:
+                return reports, report
+    if extra is None:
+        return reports, None
+    report, _ = _layer_check(serving, extra, extra_full)
+    if not report.passed:
+        return reports, report
+    if extra_full:
+        reports.append(report)
+    return reports, None

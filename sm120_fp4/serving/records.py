@@ -136,7 +136,7 @@ class _Serving:
     @property
     def route_name(self) -> str:
         """The backend the device is routed to, or "original" (a device this library does not serve)."""
-        return self.decision.backend if self.serving is not None else "original"
+        return route_text(self.decision) if self.serving is not None else "original"
 
     @property
     def converter(self) -> backends.Converter | None:
@@ -171,6 +171,15 @@ class _Serving:
         with _lock:
             self.decided[self.serving] = choice
             _publish(self)
+
+
+def route_text(decision: Decision) -> str:
+    """Return the backend of `decision`, or each backend with its M range ("a (M<=64), b (M>64)")."""
+    ranges = decision.ranges
+    if len(ranges) < 2:
+        return decision.backend
+    labels = [f"M<={bound}" if bound is not None else f"M>{ranges[-2][0]}" for bound, _ in ranges]
+    return ", ".join(f"{name} ({label})" for (_, name), label in zip(ranges, labels))
 
 
 _lock = locks.lock()

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
-import time
-
-import torch
 
 from .. import backends, verify
 from .. import report as report_file
 from ..config import Settings
 from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
 from ..errors import RefusedToServe
+from .fastest import route_fastest
 from .layers import (
     _convert,
     _convert_seen,
@@ -28,6 +25,7 @@ from .layers import (
     _seen_key,
     _settle,
     _settle_seen,
+    _verify_everything,
 )
 from .records import LayerCheck, _process, _records, _refuse, _release, _Serving, route
 
@@ -87,7 +85,7 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
                 report.max_rel_err or 0.0,
             )
             if settings.select == "fastest":
-                _route_fastest(serving, check, settings)
+                route_fastest(serving, check)
             report_file.update(settings)
         elif check.owner is not None and known.owner is check.owner:
             serving.checks[check.key] = check  # the same layer again (its weights reloaded): re-checks use these
@@ -102,113 +100,6 @@ def _back_to(serving: _Serving, original: Choice) -> None:
         for tensors in serving.seen.values():
             _convert(serving, tensors, _representative(serving, tensors))
         _refingerprint(serving)
-
-
-def _time_served(serving: _Serving, check: LayerCheck, repeats: int = 3) -> float:
-    """Milliseconds of one served call of `check` at each of its serving batch sizes (decode and
-    prefill: its re-check sizes), summed: the median of `repeats` after a first call."""
-    tdev = serving.device.torch_device
-    total = 0.0
-    for case in check.cases(check.recheck_ms):
-        case.invoke()  # JIT, autotuner caches, workspaces
-        samples = []
-        for _ in range(repeats):
-            if tdev.type == "cuda":
-                torch.cuda.current_stream(tdev).synchronize()
-            start = time.perf_counter()
-            case.invoke()
-            if tdev.type == "cuda":
-                torch.cuda.current_stream(tdev).synchronize()
-            samples.append(time.perf_counter() - start)
-        total += statistics.median(samples)
-    return total * 1e3
-
-
-def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> None:
-    """SELECT=fastest, at each new layer configuration: every candidate that passed its self-test
-    and every configuration so far is checked on this one too and timed on its served calls at the
-    serving batch sizes; the device is routed to the one fastest over all configurations (which
-    first passes every layer's light check). Timing the self-test's shapes would rank kernels on
-    calls that never serve."""
-    chosen_first = serving.choice
-    original = chosen_first.decision
-    names = [r.backend for r in original.reports if r.passed] or [original.backend]
-    names = [n for n in dict.fromkeys([original.backend, *names]) if n not in serving.failed]
-    if len(names) < 2:
-        return
-    choices = {original.backend: chosen_first}
-    try:
-        for name in names:
-            if name != original.backend:
-                copy = original.model_copy(
-                    update={
-                        "backend": name,
-                        "mode": backends.mode_of(serving.family.name, name),
-                        "layers": [],
-                        "timings_ms": {},
-                    }
-                )
-                choices[name] = Choice(copy, serving.family.resolve(name))
-                serving.serve(choices[name])
-                report, _ = _layer_check(serving, check, True)
-                if not report.passed:
-                    serving.failed[name] = f"{report.config}: {report.reason}"
-                    continue
-                serving.candidate_layers.setdefault(name, []).append(report)
-            else:
-                serving.serve(chosen_first)
-            serving.timings.setdefault(name, {})[check.key] = _time_served(serving, check)
-        keys = list(serving.checks)
-        eligible = [n for n in names if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
-        totals = {n: sum(serving.timings[n][k] for k in keys) for n in eligible}
-        best = min(eligible, key=totals.__getitem__)
-        serving.serve(choices[best])
-        chosen = choices[best].decision
-        if best != original.backend:
-            _, bad = _verify_everything(
-                serving, check, False, configurations=False
-            )  # every layer so far, its own weights
-            if bad is not None:
-                serving.failed[best] = f"{bad.config}: {bad.reason}"
-                serving.serve(chosen_first)
-                return
-            serving.candidate_layers[original.backend] = list(original.layers)
-            chosen.layers = list(serving.candidate_layers.get(best, []))
-        chosen.timings_ms = totals
-        chosen.reason = (
-            f"fastest of {len(eligible)} verified candidates on the served layer configurations at their "
-            f"serving batch sizes ({totals[best]:.3g} ms over {len(keys)} configuration(s))"
-        )
-    except BaseException:
-        serving.serve(chosen_first)
-        raise
-
-
-def _verify_everything(
-    serving: _Serving, extra: LayerCheck, extra_full: bool, configurations: bool = True
-) -> tuple[list, verify.SelfTestReport | None]:
-    """Every configuration's full sweep (unless `configurations` is False: already passed), every
-    recorded layer's light check, and `extra`'s, with the backend now routed: (the configurations'
-    reports, the first failure or None)."""
-    reports = []
-    for check in serving.checks.values() if configurations else ():
-        report, _ = _layer_check(serving, check, True)
-        if not report.passed:
-            return reports, report
-        reports.append(report)
-    representatives = {id(c.owner) if c.owner is not None else id(c) for c in serving.checks.values()}
-    for key, record in list(serving.layers.items()):
-        current = record.current() if record.alive() and key not in representatives else None
-        if current is not None:
-            report, _ = _layer_check(serving, current, False)
-            if not report.passed:
-                return reports, report
-    report, _ = _layer_check(serving, extra, extra_full)
-    if not report.passed:
-        return reports, report
-    if extra_full:
-        reports.append(report)
-    return reports, None
 
 
 def _replace_backend(

@@ -261,7 +261,7 @@ class Served:
     @property
     def backend(self) -> str:
         """The backend serving this configuration now."""
-        return _records[(self.family, self.device.index)].decision.backend
+        return _records[(self.family, self.device.index)].route_name
 
 
 def served_configurations() -> list[Served]:

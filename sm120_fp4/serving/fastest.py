@@ -1,0 +1,190 @@
+"""SELECT=fastest on the served calls: time every verified candidate at the serving batch sizes and
+route each M range (decode, prefill) to the fastest, verified over its own range and boundaries.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from bisect import bisect_left
+from typing import Callable
+
+import torch
+
+from .. import backends
+from ..deciding import Choice, Decision
+from .layers import _layer_check, _verify_everything, backend_at
+from .records import LayerCheck, _Serving, route_text
+
+# A backend faster by less than this (as a ratio of the range's time) is within noise: no split.
+SEPARATION = 1.03
+_FLUSH_MIN_BYTES = 256 << 20
+
+
+def time_call(call: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Return the median seconds of `call`: a CUDA-graph replay with a cold L2 on CUDA, else eager."""
+    call()  # JIT, autotuner caches, workspaces
+    if device.type != "cuda":
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+    step = _replay(call, device)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    flush = torch.empty(max(_FLUSH_MIN_BYTES, 2 * l2), dtype=torch.uint8, device=device)
+    samples = []
+    for _ in range(repeats):
+        flush.zero_()  # cold L2: a server's many layers leave none of this one's weights cached
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def _replay(call: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """Return the replay of `call` captured in a CUDA graph, or `call` where it cannot be captured."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    try:
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            call()  # warm on a side stream, as torch's capture recipe asks
+        torch.cuda.current_stream(device).wait_stream(stream)
+        with torch.cuda.graph(graph):
+            call()
+    except Exception:  # not capturable: timed eagerly
+        torch.cuda.synchronize(device)
+        return call
+    return graph.replay
+
+
+# The timing seam: seconds of one call (tests inject a stand-in clock).
+timer: Callable[[Callable[[], object], torch.device], float] = time_call
+
+
+def ranged(bounds: tuple[int, ...], fns: tuple[Callable, ...]) -> Callable:
+    """Return a call that serves batch size M with fns[i], the first range whose bound is >= M."""
+
+    def by_batch_size(a, *args):
+        return fns[bisect_left(bounds, a.shape[0])](a, *args)  # M is a shape: no host sync
+
+    return by_batch_size
+
+
+def plan(times: dict[str, dict[int, float]], splittable: list[str]) -> list[tuple[int | None, str]]:
+    """Return [(largest M, backend), ..., (None, backend)]: one range unless a split beats noise."""
+    sizes = sorted(set.intersection(*(set(t) for t in times.values())))
+    total = {n: sum(t[m] for m in sizes) for n, t in times.items()}
+    single = min(total, key=total.__getitem__)
+    best, gain = [(None, single)], 0.0
+    for i in range(len(sizes) - 1 if single in splittable else 0):
+        low, high = sizes[: i + 1], sizes[i + 1 :]
+        parts = [(part, min(splittable, key=lambda n: sum(times[n][m] for m in part))) for part in (low, high)]
+        if parts[0][1] == parts[1][1]:
+            continue
+        cost = {name: sum(times[name][m] for m in part) for part, name in parts}
+        base = [sum(times[single][m] for m in part) for part, _ in parts]
+        if any(name != single and b < SEPARATION * cost[name] for (_, name), b in zip(parts, base)):
+            continue
+        if total[single] - sum(cost.values()) > gain:
+            best, gain = [(low[-1], parts[0][1]), (None, parts[1][1])], total[single] - sum(cost.values())
+    return best
+
+
+def _single(serving: _Serving, base: Decision, name: str) -> Choice:
+    """Return a Choice of backend `name` alone, with `base`'s device facts."""
+    update = {"backend": name, "mode": backends.mode_of(serving.family.name, name), "layers": [], "ranges": []}
+    return Choice(base.model_copy(update={**update, "timings_ms": {}}), serving.family.resolve(name))
+
+
+def _split(serving: _Serving, base: Decision, ranges: list, singles: dict[str, Choice]) -> Choice:
+    """Return the Choice serving each range of `ranges` with its backend (one Choice where one range)."""
+    if len(ranges) == 1:
+        return singles[ranges[0][1]]
+    names = [name for _, name in ranges]
+    decision = _single(serving, base, names[-1]).decision
+    decision.ranges = ranges
+    fns = tuple(singles[n].fn for n in names)
+    return Choice(decision, ranged(tuple(b for b, _ in ranges[:-1]), fns))
+
+
+def _time(serving: _Serving, check: LayerCheck) -> dict[int, float]:
+    """Return milliseconds per serving batch size of `check`'s served calls."""
+    tdev = serving.device.torch_device
+    return {case.m: timer(case.invoke, tdev) * 1e3 for case in check.cases(check.recheck_ms)}
+
+
+def route_fastest(serving: _Serving, check: LayerCheck) -> None:
+    """Check and time every verified candidate on the new configuration `check`, then route by M range."""
+    first = serving.choice
+    base = first.decision
+    names = [r.backend for r in base.reports if r.passed] or [base.backend]
+    names = [n for n in dict.fromkeys([base.backend, *names]) if n not in serving.failed]
+    if len(names) < 2 and not base.ranges:
+        return
+    singles = {n: first if n == base.backend and not base.ranges else _single(serving, base, n) for n in names}
+    try:
+        for name, choice in singles.items():
+            serving.serve(choice)
+            if choice is not first:
+                report, _ = _layer_check(serving, check, True)
+                if not report.passed:
+                    serving.failed[name] = f"{report.config}: {report.reason}"
+                    continue
+                serving.candidate_layers.setdefault(name, []).append(report)
+            serving.timings.setdefault(name, {})[check.key] = _time(serving, check)
+        _settle(serving, singles, first)
+    except BaseException:
+        serving.serve(first)
+        raise
+
+
+def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice) -> None:
+    """Route to the fastest plan whose backends pass every check at their ranges, else back to `first`."""
+    keys = list(serving.checks)
+    eligible = [n for n in singles if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
+    while eligible:
+        times = {n: _summed(serving.timings[n], keys) for n in eligible}
+        splittable = [n for n in eligible if backends.backend_of(serving.family.name, n).converter is None]
+        ranges = plan(times, splittable)
+        choice = _split(serving, first.decision, ranges, singles)
+        serving.serve(choice)
+        bad, reports = None, []
+        if choice is not first:  # a switch: every layer so far (and every configuration at a boundary)
+            reports, bad = _verify_everything(serving, None, False, configurations=len(ranges) > 1)
+        if bad is None:
+            _describe(serving, choice, first, ranges, times, reports, len(keys))
+            return
+        serving.failed[bad.backend] = f"{bad.config}: {bad.reason}"
+        eligible.remove(bad.backend)
+    serving.serve(first)
+
+
+def _summed(timings: dict[tuple, dict[int, float]], keys: list) -> dict[int, float]:
+    """Return milliseconds per batch size summed over the configurations `keys`."""
+    sizes = set.intersection(*(set(timings[k]) for k in keys))
+    return {m: sum(timings[k][m] for k in keys) for m in sizes}
+
+
+def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):
+    """Record on the serving decision its timings, its verified layers and why it was chosen."""
+    decision = choice.decision
+    totals = {name: sum(t.values()) for name, t in times.items()}
+    if choice is not first and not first.decision.ranges:
+        serving.candidate_layers[first.decision.backend] = list(first.decision.layers)
+    if len(ranges) > 1:
+        decision.layers = reports
+    elif choice is not first:
+        decision.layers = list(serving.candidate_layers.get(decision.backend, []))
+    decision.timings_ms = totals
+    decision.reason = (
+        f"fastest of {len(times)} verified candidates on the served layer configurations at their serving batch "
+        f"sizes ({route_text(decision)}; {n} configuration(s))"
+    )
+
+
+__all__ = ["SEPARATION", "backend_at", "plan", "ranged", "route_fastest", "time_call", "timer"]
