@@ -4,62 +4,18 @@ route each M range (decode, prefill) to the fastest, verified over its own range
 
 from __future__ import annotations
 
-import statistics
-import time
 from bisect import bisect_left
 from typing import Callable
 
 import torch
 
 from .. import backends
-from ..deciding import Choice, Decision
-from .layers import _layer_check, _verify_everything, backend_at
+from ..deciding import Choice, Decision, time_call
+from .layers import _layer_check, _verify_everything
 from .records import LayerCheck, _Serving, route_text
 
 # A backend faster by less than this (as a ratio of the range's time) is within noise: no split.
 SEPARATION = 1.03
-_FLUSH_MIN_BYTES = 256 << 20
-
-
-def time_call(call: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
-    """Return the median seconds of `call`: a CUDA-graph replay with a cold L2 on CUDA, else eager."""
-    call()  # JIT, autotuner caches, workspaces
-    if device.type != "cuda":
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            call()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-    step = _replay(call, device)
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
-    flush = torch.empty(max(_FLUSH_MIN_BYTES, 2 * l2), dtype=torch.uint8, device=device)
-    samples = []
-    for _ in range(repeats):
-        flush.zero_()  # cold L2: a server's many layers leave none of this one's weights cached
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
-
-
-def _replay(call: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    """Return the replay of `call` captured in a CUDA graph, or `call` where it cannot be captured."""
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    try:
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            call()  # warm on a side stream, as torch's capture recipe asks
-        torch.cuda.current_stream(device).wait_stream(stream)
-        with torch.cuda.graph(graph):
-            call()
-    except Exception:  # not capturable: timed eagerly
-        torch.cuda.synchronize(device)
-        return call
-    return graph.replay
 
 
 # The timing seam: seconds of one call (tests inject a stand-in clock).
@@ -185,6 +141,3 @@ def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, ti
         f"fastest of {len(times)} verified candidates on the served layer configurations at their serving batch "
         f"sizes ({route_text(decision)}; {n} configuration(s))"
     )
-
-
-__all__ = ["SEPARATION", "backend_at", "plan", "ranged", "route_fastest", "time_call", "timer"]
