@@ -72,6 +72,23 @@ def _explain(exc: Exception, name: str, a, b, a_descale, b_descale, alpha, out_d
     )
 
 
+def _serve(fn: GemmFn, name_of: Callable[[int], str], a, b, a_descale, b_descale, alpha, out_dtype, out):
+    """Call the routed backend `fn` into a contiguous out (allocated where none is given); return the result."""
+    try:
+        # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
+        given = out is not None and out.is_contiguous()
+        result = out if given else torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+        if a.shape[0]:
+            fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
+    except Exception as exc:
+        _explain(exc, name_of(a.get_device()), a, b, a_descale, b_descale, alpha, out_dtype)
+        raise
+    if out is None or given:
+        return result
+    out.copy_(result)  # a non-contiguous out: the kernels need a contiguous one
+    return out
+
+
 def mm_fp4_front(
     original: GemmFn,
     route: Callable[[int], GemmFn | None],
@@ -81,28 +98,10 @@ def mm_fp4_front(
 ) -> GemmFn:
     """Return a function with mm_fp4's signature that serves routable calls with the routed backend.
 
-    `route(index)` is the hot-path lookup, `ensure(index)` decides on first use. A call naming a backend
-    left to the engine goes to `original`; on a served device, a backend, block size, layout or keyword
-    the routed backend was not verified for is first put to `unknown(index, name, value)` (it refuses,
-    or returns and `original` serves it)."""
+    `route(index)` is the hot-path lookup, `ensure(index)` decides on first use; on a served device an
+    argument the routed backend was not verified for goes to `unknown(index, name, value)` first."""
     routed, passed = flashinfer.ROUTED_BACKENDS, flashinfer.PASSED_THROUGH_BACKENDS
     neutral, unrouted = flashinfer.neutral_mm_fp4_keywords, flashinfer.unrouted_mm_fp4_argument
-    empty = torch.empty
-
-    def serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out):
-        try:
-            # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
-            given = out is not None and out.is_contiguous()
-            result = out if given else empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-            if a.shape[0]:
-                fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
-        except Exception as exc:
-            _explain(exc, name_of(a.get_device()), a, b, a_descale, b_descale, alpha, out_dtype)
-            raise
-        if out is None or given:
-            return result
-        out.copy_(result)  # a non-contiguous out: the kernels need a contiguous one
-        return out
 
     def flashinfer_fp4_gemm(
         a,
@@ -126,7 +125,7 @@ def mm_fp4_front(
         plain = backend in routed and block_size == 16 and not use_8x4_sf_layout and (not kwargs or neutral(kwargs))
         fn = route(index)
         if fn is not None and plain and alpha is not None:
-            return serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out)
+            return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
         fn = ensure(index)  # first call on this device: decide (self-test) once
         if fn is not None and unknown is not None and not plain:
             if backend not in routed and backend not in passed:
@@ -148,7 +147,7 @@ def mm_fp4_front(
                 **kwargs,
             )
         alpha = alpha if alpha is not None else _alpha_one(a.device)  # the SM120 kernel requires alpha; None: 1.0
-        return serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out)
+        return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
 
     flashinfer_fp4_gemm.__wrapped__ = original
     flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.dispatch.flashinfer_fp4_gemm"

@@ -161,14 +161,7 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
                 )
                 _refuse_now(serving, names[0], "weights updated in place", message, settings)
             for key, record, check in changed:
-                config = next(
-                    (
-                        k
-                        for k, c in serving.checks.items()
-                        if (c.owner is not None and id(c.owner) == key) or id(c) == key
-                    ),
-                    None,
-                )
+                config = next((k for k, c in serving.checks.items() if _layer_key(c) == key), None)
                 if check is None:  # no longer an NVFP4 layer in a layout this library serves
                     serving.layers.pop(key, None)
                     continue
@@ -176,12 +169,8 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
                 report.config = f"{check.named()} (after a weight update)"
                 done.append(report)
                 if not report.passed:
-                    message = (
-                        f"after SGLang's weight update, {report.config} fails with {report.backend}: {report.reason}"
-                    )
-                    _refuse_now(
-                        serving, report.config, report.reason or "", message, settings, [report], report.backend
-                    )
+                    why = f"after SGLang's weight update, {report.config} fails with {report.backend}: {report.reason}"
+                    _refuse_now(serving, report.config, report.reason or "", why, settings, [report], report.backend)
                 if config is not None:
                     serving.checks[config] = check
                 _record_layer(serving, check, fingerprint)
