@@ -287,11 +287,8 @@ def _fastest(device: Device, passed: list[str], family: Family) -> tuple[str, st
         _announce("timing", family, device, name)
         timings[name] = _time_backend(backends.resolve(name), device, verify.DEFAULT_SHAPES)
     best = min(passed, key=timings.__getitem__)
-    return (
-        best,
-        f"fastest of {len(passed)} verified candidates ({timings[best]:.3g} ms over the self-test shapes)",
-        timings,
-    )
+    why = f"fastest of {len(passed)} verified candidates ({timings[best]:.3g} ms over the self-test shapes)"
+    return best, why, timings
 
 
 def _unverified(
@@ -303,14 +300,10 @@ def _unverified(
     message = refusal_message(device, candidates, rejected, family=family)
     if family.fallback(settings) == "emulated":
         # FALLBACK=emulated wins over SELFTEST=warn: a verified slow answer beats an unverified one.
+        var = family.fallback_var
         also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
-        _LOG.warning(
-            "%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead",
-            message,
-            family.fallback_var,
-            also,
-        )
-        return backends.EMULATED, True, f"fallback: no candidate verified ({family.fallback_var}=emulated)"
+        _LOG.warning("%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead", message, var, also)
+        return backends.EMULATED, True, f"fallback: no candidate verified ({var}=emulated)"
     if settings.selftest == "warn" and supported:
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", message, supported[0])
         return supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"

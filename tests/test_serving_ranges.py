@@ -190,3 +190,23 @@ def test_plan_splits_only_where_each_range_is_separated_from_the_single_fastest(
     assert serving.fastest.plan(times, ["b"]) == [(None, "b")], "a backend that cannot split serves alone"
     close = {"a": {1: 1.0, 2048: 1.02}, "b": {1: 1.02, 2048: 1.0}}
     assert serving.fastest.plan(close, ["a", "b"]) == [(None, "a")]
+
+
+@case(
+    "configuration",
+    "SELECT=fastest: the prefill kernel is slower at load and faster at prefill sizes once its tactics are tuned",
+    "at load one backend serves; serving.retime() after the autotune (before capture) splits the route, verified "
+    "at the boundary and boundary+1 through the routed call",
+)
+def test_retime_after_autotune_splits_the_route(clock):
+    calls, tuned = [], [False]
+    kernel("decode", clock, calls, decode_fast)
+    kernel("prefill", clock, calls, lambda m: 2.0 if m <= BOUND else (5.0 if tuned[0] else 20.0))
+    serve(calls)
+    assert sm120_fp4.status().routes == {-1: "decode"}
+    tuned[0] = True
+    calls.clear()
+    serving.retime(sm120_fp4.config.load_settings())
+    [decision] = serving.decisions()
+    assert decision.ranges == [(BOUND, "decode"), (None, "prefill")]
+    assert {("decode", BOUND), ("prefill", BOUND + 1)} <= set(calls), "the split is verified at its boundary"

@@ -2,6 +2,7 @@
 on it -- (:mod:`.records`), the layer checks (:mod:`.layers`), verifying and replacing (:mod:`.replace`),
 SELECT=fastest per batch-size range (:mod:`.fastest`), the re-checks and the canary's reads (:mod:`.updates`)."""
 
+from .fastest import retime
 from .records import (
     LayerCheck,
     clear,
@@ -35,6 +36,7 @@ __all__ = [
     "LayerCheck",
     "verify_layer",
     "recheck",
+    "retime",
     "reverify",
     "weights_updating",
     "weights_update_begin",

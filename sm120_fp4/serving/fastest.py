@@ -10,9 +10,10 @@ from typing import Callable
 import torch
 
 from .. import backends
+from ..config import Settings
 from ..deciding import Choice, Decision, time_call
 from .layers import _layer_check, _verify_everything
-from .records import LayerCheck, _Serving, route_text
+from .records import LayerCheck, _served, _Serving, route_text
 
 # A backend faster by less than this (as a ratio of the range's time) is within noise: no split.
 SEPARATION = 1.03
@@ -76,6 +77,19 @@ def _time(serving: _Serving, check: LayerCheck) -> dict[int, float]:
 
 def route_fastest(serving: _Serving, check: LayerCheck) -> None:
     """Check and time every verified candidate on the new configuration `check`, then route by M range."""
+    _measure(serving, [check], new=True)
+
+
+def retime(settings: Settings) -> None:
+    """Time every verified candidate again on every configuration and route again (after autotune, before capture)."""
+    for serving in _served():
+        with serving.lock:
+            if settings.select == "fastest" and serving.checks:
+                _measure(serving, list(serving.checks.values()), new=False)
+
+
+def _measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
+    """Time every candidate still eligible on `checks` (checking it first on a `new` configuration), then route."""
     first = serving.choice
     base = first.decision
     names = [r.backend for r in base.reports if r.passed] or [base.backend]
@@ -85,14 +99,17 @@ def route_fastest(serving: _Serving, check: LayerCheck) -> None:
     singles = {n: first if n == base.backend and not base.ranges else _single(serving, base, n) for n in names}
     try:
         for name, choice in singles.items():
+            timings = serving.timings.setdefault(name, {})
+            if not new and any(c.key not in timings for c in checks):
+                continue  # not verified on every configuration: not a candidate
             serving.serve(choice)
-            if choice is not first:
-                report, _ = _layer_check(serving, check, True)
+            if new and choice is not first:
+                report, _ = _layer_check(serving, checks[0], True)
                 if not report.passed:
                     serving.failed[name] = f"{report.config}: {report.reason}"
                     continue
                 serving.candidate_layers.setdefault(name, []).append(report)
-            serving.timings.setdefault(name, {})[check.key] = _time(serving, check)
+            timings.update({c.key: _time(serving, c) for c in checks})
         _settle(serving, singles, first)
     except BaseException:
         serving.serve(first)
