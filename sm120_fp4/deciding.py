@@ -1,17 +1,6 @@
-"""Deciding: which FP4 backend a device should serve with, and why (or why none can).
-
-Walk the candidates in order, skip unsupported ones with their reason, self-test the rest, and
-take the first that passes (or, with ``SM120_FP4_SELECT=fastest``, the fastest that passes).
-When none passes: ``FALLBACK=emulated`` serves with the emulation (logged loudly), otherwise
-:class:`~sm120_fp4.errors.RefusedToServe` with :func:`refusal_message`. ``SELFTEST=warn`` logs the
-refusal and serves with the first supported candidate; ``SELFTEST=off`` skips the test. A candidate
-the preflight recorded as crashing its self-test process (:mod:`sm120_fp4.verdicts`) is skipped,
-with that reason.
-
-This module only decides: :func:`choose` returns a :class:`Choice` (the report model
-:class:`Decision` and the callable that was tested); caching decisions per device, routing and
-verifying the served layers is :mod:`sm120_fp4.serving`'s job.
-"""
+"""Deciding which FP4 backend one device serves with, and why (or why none can): the candidates in
+order, each self-tested; the first (or with SELECT=fastest the fastest) that passes, else FALLBACK,
+SELFTEST=warn or a refusal. Caching and routing the decisions is :mod:`sm120_fp4.serving`'s job."""
 
 from __future__ import annotations
 
@@ -29,22 +18,6 @@ from .backends import flashinfer
 from .config import AUTO, Settings
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
-
-__all__ = [
-    "Decision",
-    "Refusal",
-    "Choice",
-    "Family",
-    "DENSE",
-    "MOE",
-    "FAMILIES",
-    "candidate_hook",
-    "candidate_names",
-    "choose",
-    "log_decision",
-    "refusal_message",
-    "serves",
-]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -70,12 +43,13 @@ class Decision(BaseModel):
     layers: list[verify.SelfTestReport] = Field(default_factory=list)
     family: str = "dense"
     mode: str = "w4a4"  # what serves: "w4a4" (activations quantized, as the checkpoint) or "w4a16"
+    # SELECT=fastest split by batch size: (largest M, backend) per range, the last (None) unbounded.
+    ranges: list[tuple[int | None, str]] = Field(default_factory=list)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
     def backend_info(self) -> dict | None:
-        """What the serving backend says about itself now (humming: its mode, JIT time per kernel
-        configuration, cache, memory of the converted layers); None for backends that say nothing."""
+        """Return what the serving backend says about itself now (humming), or None."""
         names = backends.moe_names() if self.family == "moe" else backends.names()
         if self.backend not in names:
             return None  # unregistered since (a test's backend)
@@ -99,8 +73,7 @@ class Refusal(BaseModel):
 
 @dataclass(frozen=True)
 class Choice:
-    """What :func:`choose` decided: the report model and the callable its backend resolved to when it
-    was tested (what serves, if the device is routed to it; never part of the report)."""
+    """What :func:`choose` decided: the report model and the callable that was tested (what serves)."""
 
     decision: Decision
     fn: Callable = field(repr=False)
@@ -136,7 +109,7 @@ def _moe_self_test(name: str, device: Device, settings: Settings) -> verify.Self
 
 
 def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
-    """SM120_FP4_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_order)."""
+    """Return SM120_FP4_BACKENDS, `auto` being the order for the device's capability."""
     if settings.backends != AUTO:
         return settings.backends
     return flashinfer.default_order(device.capability) if device is not None else flashinfer.DEFAULT_ORDER
@@ -157,13 +130,12 @@ DENSE = Family(
 
 
 def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
-    """SM120_FP4_MOE_BACKENDS, where `auto` is the order for the device's capability (flashinfer.default_moe_order)."""
+    """Return SM120_FP4_MOE_BACKENDS, `auto` being the order for the device's capability."""
     if settings.moe_backends != AUTO:
         return settings.moe_backends
-    fastest = settings.select == "fastest"
-    return (
-        flashinfer.default_moe_order(device.capability, fastest) if device is not None else flashinfer.DEFAULT_MOE_ORDER
-    )
+    if device is None:
+        return flashinfer.DEFAULT_MOE_ORDER
+    return flashinfer.default_moe_order(device.capability, settings.select == "fastest")
 
 
 MOE = Family(
@@ -180,9 +152,8 @@ MOE = Family(
 )
 FAMILIES = {"dense": DENSE, "moe": MOE}
 
-# Called as hook(event, family, device, backend) right before a candidate runs on a device (event
-# "self-test" or "timing"): the preflight worker prints it, flushed, so that when a candidate
-# crashes the process its parent knows which one did. None: nothing is announced.
+# hook(event, family, device, backend) right before a candidate runs ("self-test" or "timing"): the
+# preflight worker prints it, so that its parent knows which candidate crashed the process.
 candidate_hook: Callable[[str, str, Device, str], None] | None = None
 
 
@@ -211,7 +182,7 @@ def refusal_message(
     config: str | None = None,
     family: Family | None = None,
 ) -> str:
-    """The text of RefusedToServe: the device, each candidate and why, what the operator can do."""
+    """Return the text of RefusedToServe: the device, each candidate and why, what the operator can do."""
     family = family or DENSE
     what = f" for {config}" if config else ""
     lines = [
@@ -224,56 +195,138 @@ def refusal_message(
     return "\n".join(lines)
 
 
-def _time_backend(fn: Callable, device: Device, shapes: tuple, repeats: int = 5) -> float:
-    """Median milliseconds of one pass over the self-test shapes (for SELECT=fastest)."""
+_FLUSH_MIN_BYTES = 256 << 20
+
+
+def time_call(call: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Return the median seconds of `call`: a CUDA-graph replay with a cold L2 on CUDA, else eager."""
+    call()  # JIT, autotuner caches, workspaces
+    if device.type != "cuda":
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+    step = _replay(call, device)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    flush = torch.empty(max(_FLUSH_MIN_BYTES, 2 * l2), dtype=torch.uint8, device=device)
+    samples = []
+    for _ in range(repeats):
+        flush.zero_()  # cold L2: a server's many layers leave none of this one's weights cached
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def _replay(call: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """Return the replay of `call` captured in a CUDA graph, or `call` where it cannot be captured."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    try:
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            call()  # warm on a side stream, as torch's capture recipe asks
+        torch.cuda.current_stream(device).wait_stream(stream)
+        with torch.cuda.graph(graph):
+            call()
+    except Exception:  # not capturable: timed eagerly
+        torch.cuda.synchronize(device)
+        return call
+    return graph.replay
+
+
+def _time_backend(fn: Callable, device: Device, shapes: tuple) -> float:
+    """Return the milliseconds of one call at each self-test shape, summed (for SELECT=fastest)."""
     tdev = device.torch_device
-    prepared = []
+    total = 0.0
     for i, shape in enumerate(shapes):
         _, _, args = verify.quantized_inputs(shape, tdev, 1000 + i)
-        prepared.append((args, torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)))
-    times = []
-    for _ in range(repeats + 1):
-        if tdev.type == "cuda":
-            torch.cuda.synchronize(tdev)
-        start = time.perf_counter()
-        for args, out in prepared:
-            fn(*args, torch.bfloat16, out)
-        if tdev.type == "cuda":
-            torch.cuda.synchronize(tdev)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])  # the first pass warms up (JIT, caches)
+        out = torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)
+        total += time_call(lambda: fn(*args, torch.bfloat16, out), tdev)
+    return total * 1e3
 
 
-def choose(device: Device, candidates: list[str], settings: Settings, family: Family | None = None) -> Choice:
-    """Self-test `candidates` in order on `device` under `settings` and choose one (see the module's
-    docstring); RefusedToServe (with ``rejected`` and ``reports`` attached) when none may serve."""
-    family = family or DENSE
-    start = time.perf_counter()
-    rejected: dict[str, str] = {}
+def _supported(device: Device, candidates: list[str], settings: Settings, family: Family) -> tuple[list, dict]:
+    """Return the candidates that may run (supported, not recorded as crashing) and why each other may not."""
     supported: list[str] = []
+    rejected: dict[str, str] = {}
     for name in candidates:
         ok, why = family.is_supported(name, device)
         crash = verdicts.crash_of(settings.verdicts_path, device, family.name, name) if ok else None
-        if crash is not None:
-            rejected[name] = crash
-        elif ok:
+        if ok and crash is None:
             supported.append(name)
         else:
-            rejected[name] = f"not supported: {why}"
-    reports: list[verify.SelfTestReport] = []
-    passed: list[str] = []
-    if settings.selftest != "off":
-        for name in supported:
-            _announce("self-test", family, device, name)
-            report = family.self_test(name, device, settings)
-            reports.append(report)
-            if report.passed:
-                passed.append(name)
-                if settings.select == "first":
-                    break
-            else:
-                rejected[name] = f"self-test failed: {report.reason}"
-    common = dict(
+            rejected[name] = crash or f"not supported: {why}"
+    return supported, rejected
+
+
+def _self_tests(device: Device, names: list[str], settings: Settings, family: Family, rejected: dict) -> tuple:
+    """Self-test `names` in order (until the first pass with SELECT=first): (the passed names, every report)."""
+    passed, reports = [], []
+    for name in names if settings.selftest != "off" else ():
+        _announce("self-test", family, device, name)
+        report = family.self_test(name, device, settings)
+        reports.append(report)
+        if not report.passed:
+            rejected[name] = f"self-test failed: {report.reason}"
+            continue
+        passed.append(name)
+        if settings.select == "first":
+            break
+    return passed, reports
+
+
+def _fastest(device: Device, passed: list[str], family: Family) -> tuple[str, str, dict[str, float]]:
+    """Return (the fastest of `passed` over the self-test shapes, why, each one's milliseconds)."""
+    timings = {}
+    for name in passed:
+        _announce("timing", family, device, name)
+        timings[name] = _time_backend(backends.resolve(name), device, verify.DEFAULT_SHAPES)
+    best = min(passed, key=timings.__getitem__)
+    why = f"fastest of {len(passed)} verified candidates ({timings[best]:.3g} ms over the self-test shapes)"
+    return best, why, timings
+
+
+def _unverified(
+    device: Device, candidates: list[str], settings: Settings, family: Family, supported, rejected, reports
+):
+    """Return (backend, verified, why) where no candidate passed (SELFTEST=off, FALLBACK, SELFTEST=warn), else refuse."""
+    if settings.selftest == "off" and supported:
+        return supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"
+    message = refusal_message(device, candidates, rejected, family=family)
+    if family.fallback(settings) == "emulated":
+        # FALLBACK=emulated wins over SELFTEST=warn: a verified slow answer beats an unverified one.
+        var = family.fallback_var
+        also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
+        _LOG.warning("%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead", message, var, also)
+        return backends.EMULATED, True, f"fallback: no candidate verified ({var}=emulated)"
+    if settings.selftest == "warn" and supported:
+        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", message, supported[0])
+        return supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
+    refused = RefusedToServe(message)
+    refused.rejected, refused.reports = dict(rejected), list(reports)
+    raise refused
+
+
+def choose(device: Device, candidates: list[str], settings: Settings, family: Family | None = None) -> Choice:
+    """Self-test `candidates` in order on `device` and choose one; RefusedToServe (with its reasons) when none may serve."""
+    family = family or DENSE
+    start = time.perf_counter()
+    supported, rejected = _supported(device, candidates, settings, family)
+    passed, reports = _self_tests(device, supported, settings, family, rejected)
+    timings: dict[str, float] = {}
+    if passed and settings.select == "fastest" and len(passed) > 1 and family is DENSE:
+        choice, reason, timings = _fastest(device, passed, family)
+        verified = True
+    elif passed:
+        choice, verified, reason = passed[0], True, "first candidate to pass its self-test"
+    else:
+        choice, verified, reason = _unverified(device, candidates, settings, family, supported, rejected, reports)
+    decision = Decision(
         device=device.label(),
         device_index=device.index,
         device_uuid=device.uuid,
@@ -284,51 +337,6 @@ def choose(device: Device, candidates: list[str], settings: Settings, family: Fa
         rejected=rejected,
         reports=reports,
         flashinfer_version=backends.flashinfer_version(),
-    )
-    timings: dict[str, float] = {}
-    if passed:
-        choice, verified = passed[0], True
-        reason = "first candidate to pass its self-test"
-        if settings.select == "fastest" and len(passed) > 1 and family is DENSE:
-            for n in passed:
-                _announce("timing", family, device, n)
-                timings[n] = _time_backend(backends.resolve(n), device, verify.DEFAULT_SHAPES)
-            choice = min(passed, key=timings.__getitem__)
-            reason = (
-                f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
-            )
-    elif settings.selftest == "off" and supported:
-        choice, verified, reason = (
-            supported[0],
-            False,
-            "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified",
-        )
-    elif family.fallback(settings) == "emulated":
-        # FALLBACK=emulated wins over SELFTEST=warn: a verified slow answer beats an unverified one.
-        also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
-        _LOG.warning(
-            "%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead",
-            refusal_message(device, candidates, rejected, family=family),
-            family.fallback_var,
-            also,
-        )
-        choice, verified, reason = (
-            backends.EMULATED,
-            True,
-            f"fallback: no candidate verified ({family.fallback_var}=emulated)",
-        )
-    elif settings.selftest == "warn" and supported:
-        _LOG.warning(
-            "%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s",
-            refusal_message(device, candidates, rejected, family=family),
-            supported[0],
-        )
-        choice, verified, reason = supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
-    else:
-        refused = RefusedToServe(refusal_message(device, candidates, rejected, family=family))
-        refused.rejected, refused.reports = dict(rejected), list(reports)
-        raise refused
-    decision = Decision(
         backend=choice,
         mode=backends.backend_of(family.name, choice).mode,
         verified=verified,
@@ -336,7 +344,6 @@ def choose(device: Device, candidates: list[str], settings: Settings, family: Fa
         timings_ms=timings,
         family=family.name,
         duration_s=time.perf_counter() - start,
-        **common,
     )
     return Choice(decision, family.resolve(choice))
 
@@ -365,10 +372,7 @@ def candidate_names(
     device: Device | None = None,
     source: str | None = None,
 ) -> list[str]:
-    """The ordered candidate names (`candidates`, else the family's setting for `device`: `auto`
-    is the order for its capability); ConfigError for unknown ones, naming `source` (what supplied
-    the names: default the family's variable). An unknown name is first looked up among the
-    installed entry points (backends.ENTRY_POINT_GROUPS)."""
+    """Return the ordered candidate names (`candidates`, else the family's setting); ConfigError names unknown ones."""
     family = family or DENSE
     source = source or family.backends_var
     names = list(candidates if candidates is not None else family.candidates(settings, device))
@@ -391,5 +395,5 @@ def candidate_names(
 
 
 def serves(device: Device, settings: Settings) -> bool:
-    """Whether this library serves `device`: a 12.x GPU, or any GPU with SM120_FP4_ENABLE=on."""
+    """Return whether this library serves `device`: a 12.x GPU, or any GPU with SM120_FP4_ENABLE=on."""
     return settings.enable == "on" or devices.is_sm12x(device.capability)

@@ -1,16 +1,8 @@
-"""The hot path: both fronts, each routing every FP4 call to the backend decided for its device.
+"""The hot path of both families: every FP4 call routed to the backend verified for its device.
 
-* :func:`mm_fp4_front` (dense): the replacement for a module-level ``mm_fp4`` alias, with
-  mm_fp4's signature. Per call: one dict lookup keyed by ``a.get_device()``, a few comparisons and
-  the backend call with ``alpha`` and a contiguous preallocated ``out``.
-* :func:`moe_front` (NVFP4 fused MoE): ``cutlass_fused_moe``'s keyword convention as SGLang calls
-  it, mapped to the backend convention (:func:`sm120_fp4.backends.flashinfer.moe_call_to_convention`).
-
-Both are wired the same way, by :class:`Router` over :mod:`sm120_fp4.serving`'s route tables (derived
-from its one store of serving records); FlashInfer's conventions and argument checks come from :mod:`sm120_fp4.backends.flashinfer`.
-No host sync, no allocation but ``out``, nothing that breaks CUDA-graph capture. The first call on a
-device without a decision decides once (a self-test). A backend's error gets a note naming it and is
-never replaced by zeros.
+Per call: one dict lookup by device (and, where SELECT=fastest split the route, a bisect on M, a
+shape); no host sync, no allocation but ``out``, nothing that breaks CUDA-graph capture. A backend's
+error gets a note naming it and is never replaced by zeros.
 """
 
 from __future__ import annotations
@@ -36,29 +28,24 @@ class Router:
         self.settings = settings
 
     def ensure(self, index: int, family: str = "dense") -> Callable | None:
-        """Decide (self-test) `family` for CUDA ordinal `index` (-1: CPU in simulation) once; the
-        backend, or None where this library does not serve the device."""
+        """Decide `family` for CUDA ordinal `index` once; return its backend, or None where not served."""
         return serving.route(index, self.settings, family)
 
     def routes(self, family: str = "dense") -> dict[int, str]:
-        """Device index -> the backend it is routed to, or "original" (a device this install does not serve)."""
+        """Return device index -> the backend(s) it is routed to, or "original"."""
         return serving.routes(family)
 
     def make_dispatch(self, original: Callable, unknown: Callable[[int, str, object], None] | None = None) -> Callable:
-        """The replacement for a module-level ``mm_fp4`` alias (dense); `unknown(index, name, value)`: a call
-        on a served device naming a backend this library does not know, or an argument its routed backend
-        was not verified for (it raises, or returns to let the original serve it)."""
+        """Return the replacement for a module-level ``mm_fp4`` alias (dense); see mm_fp4_front."""
         names = serving.routes
         return mm_fp4_front(original, serving.route_table().get, self.ensure, lambda i: names().get(i, "?"), unknown)
 
     def make_decline(self, original: Callable, declined: Callable[[int], None]) -> Callable:
-        """The replacement for an engine's own "this kernel, or None" fast path in front of the dense alias:
-        None on a device this install serves (the call goes on to the routed alias); `declined(index)` is
-        told (it logs once)."""
+        """Return the replacement for an engine's own "this kernel, or None" gate; see decline_front."""
         return decline_front(original, serving.route_table().get, self.ensure, declined)
 
     def make_moe_front(self, original: Callable, activation_type: type) -> Callable:
-        """The front over FlashInfer's ``cutlass_fused_moe`` that SGLang's MoE seam hands out (MoE)."""
+        """Return the front over FlashInfer's ``cutlass_fused_moe`` that SGLang's MoE seam hands out."""
         names = serving.routes
         return moe_front(original, activation_type, lambda i: self.ensure(i, "moe"), lambda i: names("moe").get(i, "?"))
 
@@ -73,6 +60,35 @@ def _alpha_one(device: torch.device) -> torch.Tensor:
     return alpha
 
 
+def _explain(exc: Exception, name: str, a, b, a_descale, b_descale, alpha, out_dtype) -> None:
+    """Raise InvalidArgument for bad arguments (from `exc`), else note on `exc` the backend that raised it."""
+    try:  # only on failure: validation costs nothing on the served path
+        flashinfer.check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, None, align=(2, 1))
+    except InvalidArgument as bad:
+        raise bad from exc
+    exc.add_note(
+        f"sm120_fp4: raised by FP4 GEMM backend {name!r} on device {a.get_device()} (M={a.shape[0]}); "
+        "never replaced by zeros"
+    )
+
+
+def _serve(fn: GemmFn, name_of: Callable[[int], str], a, b, a_descale, b_descale, alpha, out_dtype, out):
+    """Call the routed backend `fn` into a contiguous out (allocated where none is given); return the result."""
+    try:
+        # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
+        given = out is not None and out.is_contiguous()
+        result = out if given else torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+        if a.shape[0]:
+            fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
+    except Exception as exc:
+        _explain(exc, name_of(a.get_device()), a, b, a_descale, b_descale, alpha, out_dtype)
+        raise
+    if out is None or given:
+        return result
+    out.copy_(result)  # a non-contiguous out: the kernels need a contiguous one
+    return out
+
+
 def mm_fp4_front(
     original: GemmFn,
     route: Callable[[int], GemmFn | None],
@@ -80,54 +96,12 @@ def mm_fp4_front(
     name_of: Callable[[int], str],
     unknown: Callable[[int, str, object], None] | None = None,
 ) -> GemmFn:
-    """A function with mm_fp4's signature that serves routable calls with the routed backend.
+    """Return a function with mm_fp4's signature that serves routable calls with the routed backend.
 
-    `route(index)` is the hot-path lookup of the backend decided for a device (None: not decided
-    yet, or not ours); `ensure(index)` decides on first use (and returns None for a device this
-    library does not serve). Keywords that never change the numbers (flashinfer.NEUTRAL_MM_FP4_KEYWORDS:
-    enable_pdl, use_nvfp4=True, batch_invariant=False) are served by the routed backend. Calls naming a
-    backend left to the engine on purpose (flashinfer.PASSED_THROUGH_BACKENDS) go to `original` unchanged.
-    On a device it serves, a backend name it does not know, or a routed backend's call with a block size,
-    scale layout or keyword (value) the routed backend was not verified for: `unknown(index, name, value)`
-    is asked first, and refuses it by name (or returns: `original` serves it). It always returns
-    the tensor the backend wrote, never what the backend returned; an empty batch gives an empty
-    result. A failure is explained: bad arguments raise InvalidArgument naming the parameter, a
-    backend's own error gets a note naming the backend (never replaced by zeros).
-    """
-    routed = flashinfer.ROUTED_BACKENDS
-    passed = flashinfer.PASSED_THROUGH_BACKENDS
-    neutral = flashinfer.neutral_mm_fp4_keywords
-    unrouted = flashinfer.unrouted_mm_fp4_argument
-    bf16 = torch.bfloat16
-    empty = torch.empty
-
-    def explain(exc, a, b, a_descale, b_descale, alpha, out_dtype) -> None:
-        try:  # only on failure: validation costs nothing on the served path
-            flashinfer.check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, None, align=(2, 1))
-        except InvalidArgument as bad:
-            raise bad from exc
-        index = a.get_device()
-        exc.add_note(
-            f"sm120_fp4: raised by FP4 GEMM backend {name_of(index)!r} on device {index} "
-            f"(M={a.shape[0]}); never replaced by zeros"
-        )
-
-    def serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out):
-        try:
-            result = (
-                out
-                if out is not None and out.is_contiguous()
-                else empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-            )
-            if a.shape[0]:
-                fn(a, b, a_descale, b_descale, alpha, out_dtype, result)
-        except Exception as exc:
-            explain(exc, a, b, a_descale, b_descale, alpha, out_dtype)
-            raise
-        if out is None or out is result:
-            return result
-        out.copy_(result)  # a non-contiguous out: the kernels need a contiguous one
-        return out
+    `route(index)` is the hot-path lookup, `ensure(index)` decides on first use; on a served device an
+    argument the routed backend was not verified for goes to `unknown(index, name, value)` first."""
+    routed, passed = flashinfer.ROUTED_BACKENDS, flashinfer.PASSED_THROUGH_BACKENDS
+    neutral, unrouted = flashinfer.neutral_mm_fp4_keywords, flashinfer.unrouted_mm_fp4_argument
 
     def flashinfer_fp4_gemm(
         a,
@@ -135,7 +109,7 @@ def mm_fp4_front(
         a_descale,
         b_descale,
         alpha=None,
-        out_dtype=bf16,
+        out_dtype=torch.bfloat16,
         out=None,
         block_size=16,
         use_8x4_sf_layout=False,
@@ -148,41 +122,17 @@ def mm_fp4_front(
             raise InvalidArgument(
                 f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
             ) from None
+        plain = backend in routed and block_size == 16 and not use_8x4_sf_layout and (not kwargs or neutral(kwargs))
         fn = route(index)
-        if (
-            fn is not None
-            and backend in routed
-            and alpha is not None
-            and block_size == 16
-            and not use_8x4_sf_layout
-            and (not kwargs or neutral(kwargs))
-        ):
-            if out is None:
-                # SGLang never passes out: allocate it here (FlashInfer then skips its own allocation).
-                try:
-                    out = empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-                    if a.shape[0]:
-                        fn(a, b, a_descale, b_descale, alpha, out_dtype, out)
-                except Exception as exc:
-                    explain(exc, a, b, a_descale, b_descale, alpha, out_dtype)
-                    raise
-                return out
-            return serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out)
+        if fn is not None and plain and alpha is not None:
+            return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
         fn = ensure(index)  # first call on this device: decide (self-test) once
-        if fn is not None and unknown is not None:
+        if fn is not None and unknown is not None and not plain:
             if backend not in routed and backend not in passed:
                 unknown(index, "backend", backend)  # a backend added after this library: refused by name
-            elif backend in routed:  # a block size, layout or keyword the routed backend was not verified for
-                bad = unrouted(block_size, use_8x4_sf_layout, kwargs)
-                if bad is not None:
-                    unknown(index, *bad)  # refused by name (or SELFTEST says serve it: the original does)
-        if (
-            fn is None
-            or backend not in routed
-            or block_size != 16
-            or use_8x4_sf_layout
-            or (kwargs and not neutral(kwargs))
-        ):
+            elif backend in routed:  # refused by name (or SELFTEST says serve it: the original does)
+                unknown(index, *unrouted(block_size, use_8x4_sf_layout, kwargs))
+        if fn is None or not plain:
             return original(
                 a,
                 b,
@@ -196,9 +146,8 @@ def mm_fp4_front(
                 backend=backend,
                 **kwargs,
             )
-        if alpha is None:
-            alpha = _alpha_one(a.device)  # the SM120 kernel requires alpha; None means 1.0
-        return serve(fn, a, b, a_descale, b_descale, alpha, out_dtype, out)
+        alpha = alpha if alpha is not None else _alpha_one(a.device)  # the SM120 kernel requires alpha; None: 1.0
+        return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
 
     flashinfer_fp4_gemm.__wrapped__ = original
     flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.dispatch.flashinfer_fp4_gemm"
@@ -211,12 +160,7 @@ def decline_front(
     ensure: Callable[[int], GemmFn | None],
     declined: Callable[[int], None],
 ) -> Callable:
-    """A function with the signature of `original`, an engine's "run my own FP4 GEMM, or return None"
-    gate whose first argument is the activation tensor: None on a device this library serves, so the
-    engine goes on to the FP4 GEMM alias, routed and verified; `original` everywhere else.
-
-    `route(index)` is the hot-path lookup (a device already decided costs one dict lookup);
-    `ensure(index)` decides on first use. A first argument that is not a tensor goes to `original`."""
+    """Return an engine's "my own FP4 GEMM, or None" gate answering None on a served device (the alias serves it)."""
 
     def declining(input, *args, **kwargs):
         try:
@@ -236,9 +180,7 @@ def decline_front(
 def moe_front(
     original: Callable, activation_type: type, route: Callable[[int], Callable | None], name_of: Callable[[int], str]
 ) -> Callable:
-    """A function with ``cutlass_fused_moe``'s keyword calling convention (as SGLang calls it) that serves
-    NVFP4 calls with the MoE backend routed for the input's device; others go to `original`. Returns
-    ``[output]`` as the kernel does."""
+    """Return ``cutlass_fused_moe`` (as SGLang calls it) serving NVFP4 calls with the routed MoE backend."""
 
     def cutlass_fused_moe(**kwargs):
         x = kwargs.get("input")

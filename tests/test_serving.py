@@ -131,7 +131,8 @@ def test_a_flashinfer_fp4_knob_set_after_install_is_named_at_the_decision(monkey
 @case(
     "configuration",
     "SELECT=fastest with two verified kernels: one fast on the self-test's shapes but 1000x slower at a prefill M, one steady",
-    "the layer configuration's served calls are timed at its serving batch sizes (decode and the prefill chunk): the steady kernel serves, its time per configuration recorded",
+    "the layer configuration's served calls are timed at its serving batch sizes (decode and the prefill chunk): the "
+    "steady kernel serves the prefill range, the other only the sizes where it is faster; each time recorded",
 )
 @pytest.mark.default_prefill
 def test_select_fastest_times_the_served_layer_configurations_at_their_serving_batch_sizes(monkeypatch):
@@ -141,9 +142,14 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
     from sm120_fp4.sglang import hooks, layers
 
     clock = [0.0]
-    clock_only = types.SimpleNamespace(perf_counter=lambda: clock[0])
-    monkeypatch.setattr(deciding, "time", clock_only)  # the self-test's timing
-    monkeypatch.setattr(serving.replace, "time", clock_only)  # the served calls' timing
+
+    def timer(call, device):  # the timing seam: seconds of one served call on the stand-in clock
+        start = clock[0]
+        call()
+        return clock[0] - start
+
+    monkeypatch.setattr(deciding, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))  # the self-test's
+    monkeypatch.setattr(serving.fastest, "timer", timer)
 
     def costing(cost):
         def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
@@ -158,9 +164,11 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
     try:
         layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
         [decision] = serving.decisions()
-        assert decision.backend == "steady" and sm120_fp4.status().routes == {-1: "steady"}
-        assert "served layer configurations at their serving batch sizes" in decision.reason
         sizes = hooks.recheck_sizes(hooks.max_capture_batch())
+        below = max(m for m in sizes if m < 4096)
+        assert decision.ranges == [(below, "prefill-slow"), (None, "steady")]
+        assert sm120_fp4.status().routes == {-1: f"prefill-slow (M<={below}), steady (M>{below})"}
+        assert "served layer configurations at their serving batch sizes" in decision.reason
         assert 8192 in sizes and decision.timings_ms == pytest.approx(
             {"steady": 10.0 * len(sizes), "prefill-slow": 1000.0 + 1.0 * (len(sizes) - 1)}
         )

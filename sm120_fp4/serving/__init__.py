@@ -1,15 +1,8 @@
-"""Serving: one record per (kernel family, device) -- what was decided for it, what serves it, the
-layers verified on it -- and everything done with the layers.
+"""Serving: one record per (kernel family, device) -- what was decided, what serves, the layers verified
+on it -- (:mod:`.records`), the layer checks (:mod:`.layers`), verifying and replacing (:mod:`.replace`),
+SELECT=fastest per batch-size range (:mod:`.fastest`), the re-checks and the canary's reads (:mod:`.updates`)."""
 
-* :mod:`.records`: the records and the route table the hot path reads; :func:`decide`, :func:`route`.
-* :mod:`.layers`: a layer's check through the call that will serve it, its fingerprint, its record.
-* :mod:`.replace`: :func:`verify_layer`, and the replacement of a backend that fails a layer (the
-  next candidate that passes everything so far, FALLBACK=emulated, SELFTEST=warn, or a refusal);
-  SELECT=fastest settled on the served calls.
-* :mod:`.updates`: :func:`recheck` after warm-up, :func:`reverify` after SGLang's weight updates,
-  and what the serving canary reads (:func:`served_configurations`, :func:`check_served`).
-"""
-
+from .fastest import retime
 from .records import (
     LayerCheck,
     clear,
@@ -43,6 +36,7 @@ __all__ = [
     "LayerCheck",
     "verify_layer",
     "recheck",
+    "retime",
     "reverify",
     "weights_updating",
     "weights_update_begin",

@@ -1,8 +1,5 @@
-"""The layer checks: a layer's served calls against the oracle (the full sweep for a configuration's
-first layer, a light check for any other), the fingerprint of its weights, its record; and, for a
-backend that serves converted weights (:class:`sm120_fp4.backends.Converter`), the conversion of
-each layer seen and the end of its check.
-"""
+"""The layer checks: a layer's served calls against the oracle, its weights' fingerprint, its record,
+and the conversion of each layer seen for a backend that serves converted weights."""
 
 from __future__ import annotations
 
@@ -13,33 +10,31 @@ from typing import Callable
 import torch
 
 from .. import verify
+from ..deciding import Decision
 from .records import LayerCheck, _Layer, _Serving
 
 
 def _start_check(
     serving: _Serving, check: LayerCheck, ms: list[int], config: str | None = None, light: bool = False
 ) -> tuple[verify.SelfTestReport, verify.Sweep | None, float]:
-    """The served calls of `check` at batch sizes `ms`, ready to be called pass by pass: (the report
-    to fill, the sweep or None where building the calls failed (the report says why), the start)."""
+    """Return (the report to fill, the sweep of `check`'s served calls at `ms` or None: could not build, the start)."""
     device = serving.device
     start = time.perf_counter()
+    report = verify.report_for(serving.decision.backend, device, config=config or check.label)
+    ms = sorted(set(ms) | edges(serving.decision))  # a split route: every range and boundary, through its backend
     try:
         cases = check.cases(ms)  # first: the oracle's GPU work is queued, and the host's work below overlaps it
     except Exception as exc:  # building the served calls failed: that is a finding, not a crash
-        report = verify.report_for(serving.decision.backend, device, config=config or check.label)
         report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
         report.duration_s = time.perf_counter() - start
         return report, None, start
-    report = verify.report_for(serving.decision.backend, device, config=config or check.label)
-    where = f" of {serving.decision.backend!r} on {device.label()} for {check.named()}"
+    where = f" of {serving.route_name!r} on {device.label()} for {check.named()}"
     if light and check.weights is not None:
-        # The layer's fingerprint after the calls covers its weights: no copies of them. The call's
-        # other inputs (an MoE layer's activations and routing) are still compared bit for bit.
+        # The fingerprint after the calls covers the weights (no copies); other inputs are compared bit for bit.
         weights = _weight_storages(check)
         for case in cases:
             case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
-    # A light check (any other layer of a verified configuration, the canary's) calls each M once: its
-    # configuration's sweep already called each M twice in a row.
+    # A light check calls each M once: its configuration's sweep already called each M twice in a row.
     sweep = verify.Sweep(
         cases, verify.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where, repeat=not light
     )
@@ -52,11 +47,29 @@ def _run_check(
     report, run, start = _start_check(serving, check, ms, config, light)
     if run is None:
         return report
-    return verify.finish(report, run.run(passes), start)
+    return _blame(serving.decision, verify.finish(report, run.run(passes), start))
+
+
+def edges(decision: Decision) -> set[int]:
+    """Return each boundary of `decision`'s M ranges and the size above it (none for one backend)."""
+    return {m for bound, _ in decision.ranges[:-1] for m in (bound, bound + 1)}
+
+
+def backend_at(decision: Decision, m: int) -> str:
+    """Return the backend `decision` serves batch size `m` with."""
+    return next((name for bound, name in decision.ranges if bound is None or m <= bound), decision.backend)
+
+
+def _blame(decision: Decision, report: verify.SelfTestReport) -> verify.SelfTestReport:
+    """Name in a failed `report` the backend serving the first failing batch size."""
+    failing = next((r.m for r in report.shapes if not r.passed), None)
+    if not report.passed and failing is not None:
+        report.backend = backend_at(decision, failing)
+    return report
 
 
 def _weight_storages(check: LayerCheck) -> frozenset[int]:
-    """The storages of the tensors the layer of `check` serves with (its weights)."""
+    """Return the storages of the tensors the layer of `check` serves with (its weights)."""
     if check.weights is None:
         return frozenset()
     return frozenset(t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor))
@@ -75,26 +88,22 @@ def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
 
 
 def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[verify.SelfTestReport, torch.Tensor | None]:
-    """The full sweep (a configuration's first layer) or the light check (any other layer) of
-    `check`, then its fingerprint: a call that wrote into the layer's own weights fails the check.
-    Returns the report and the fingerprint the layer's weights had when they were checked."""
+    """Run `check`'s full sweep or light check; return its report and the weights' fingerprint when checked."""
     if full:
         report, run, start = _start_check(serving, check, check.ms)
     else:
         report, run, start = _start_check(serving, check, check.light_ms, f"{check.label} (layer check)", light=True)
     if run is None:
         return report, None
-    # Taken after the oracle's work is queued (it reads the weights and writes none) and before
-    # the first served call: on a GPU its launches overlap the oracle's dequantization.
+    # After the oracle's work is queued, before the first served call: its launches overlap the oracle's.
     before = _fingerprint(check)
-    report = verify.finish(report, run.run(2 if full else 1), start)
+    report = _blame(serving.decision, verify.finish(report, run.run(2 if full else 1), start))
     _fail_if_written(report, check, before)
     return report, before
 
 
 def _fail_if_written(report: verify.SelfTestReport, check: LayerCheck, before: torch.Tensor | None) -> None:
-    """A passing check fails when the layer's weights no longer have the fingerprint `before` they
-    had: its calls wrote into them."""
+    """Fail a passing `report` whose calls wrote into the layer's weights (fingerprint no longer `before`)."""
     if report.passed and before is not None and not torch.equal(before, _fingerprint(check)):
         report.passed = False
         report.reason = f"{check.named()}: the checked calls changed this layer's own weights in place"
@@ -115,7 +124,7 @@ def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tenso
 
 
 def _convert(serving: _Serving, tensors: dict | None, keep_original: bool) -> str | None:
-    """Let the serving backend convert one layer at load (humming); None, or why it could not."""
+    """Let the serving backend convert one layer at load (humming); return None, or why it could not."""
     converter = serving.converter
     if converter is None or tensors is None:
         return None
@@ -127,27 +136,25 @@ def _convert(serving: _Serving, tensors: dict | None, keep_original: bool) -> st
 
 
 def _seen_key(tensors: dict) -> tuple:
-    """What identifies the served layer `tensors` describe: its packed weight's storage (two dicts
-    of the same layer share it), else the dict itself."""
+    """Return what identifies the layer `tensors` describe: its packed weight's storage, else the dict."""
     weight = tensors.get("weight", tensors.get("w13"))
     return ("storage", weight.data_ptr()) if isinstance(weight, torch.Tensor) else ("dict", id(tensors))
 
 
 def _same_layer(a: dict | None, b: dict | None) -> bool:
-    """Whether two `tensors` dicts describe the same served layer (the same packed weight storage)."""
+    """Return whether two `tensors` dicts describe the same served layer."""
     if a is None or b is None:
         return False
     return a is b or _seen_key(a) == _seen_key(b)
 
 
 def _representative(serving: _Serving, tensors: dict) -> bool:
-    """Whether `tensors` are a configuration's first layer: the one the re-checks compare."""
+    """Return whether `tensors` are a configuration's first layer (the one the re-checks compare)."""
     return any(_same_layer(c.tensors, tensors) for c in serving.checks.values())
 
 
 def _settle(serving: _Serving, tensors: dict | None) -> None:
-    """A layer's check is over: the backend drops what it kept for the check, or, for its
-    configuration's first layer (the one the re-checks compare), keeps it its long-term way."""
+    """End a layer's check: the backend drops what it kept for it (a configuration's first layer: keeps it)."""
     converter = serving.converter
     if converter is not None and tensors is not None:
         converter.settle(tensors, _representative(serving, tensors))
@@ -164,8 +171,35 @@ def _settle_seen(serving: _Serving) -> None:
 
 
 def _refingerprint(serving: _Serving) -> None:
-    """After a backend switch that converted or restored weights: every layer's fingerprint anew."""
+    """Take every layer's fingerprint anew (after a switch that converted or restored weights)."""
     for record in serving.layers.values():
         current = record.current() if record.alive() else None
         if current is not None:
             record.fingerprint = _fingerprint(current)
+
+
+def _verify_everything(
+    serving: _Serving, extra: LayerCheck | None, extra_full: bool, configurations: bool = True
+) -> tuple[list, verify.SelfTestReport | None]:
+    """Check every configuration (unless `configurations` is False), every layer and `extra` as routed now."""
+    reports = []
+    for check in serving.checks.values() if configurations else ():
+        report, _ = _layer_check(serving, check, True)
+        if not report.passed:
+            return reports, report
+        reports.append(report)
+    representatives = {id(c.owner) if c.owner is not None else id(c) for c in serving.checks.values()}
+    for key, record in list(serving.layers.items()):
+        current = record.current() if record.alive() and key not in representatives else None
+        if current is not None:
+            report, _ = _layer_check(serving, current, False)
+            if not report.passed:
+                return reports, report
+    if extra is None:
+        return reports, None
+    report, _ = _layer_check(serving, extra, extra_full)
+    if not report.passed:
+        return reports, report
+    if extra_full:
+        reports.append(report)
+    return reports, None

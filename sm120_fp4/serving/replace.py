@@ -1,22 +1,17 @@
 """Verifying a served layer, and replacing the backend that fails one: the next candidate that
-passes everything so far, FALLBACK=emulated, SELFTEST=warn, or a refusal; SELECT=fastest is settled
-on the served calls.
-"""
+passes everything so far, FALLBACK=emulated, SELFTEST=warn, or a refusal."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
-import time
-
-import torch
 
 from .. import backends, verify
 from .. import report as report_file
 from ..config import Settings
 from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
 from ..errors import RefusedToServe
+from .fastest import route_fastest
 from .layers import (
     _convert,
     _convert_seen,
@@ -28,6 +23,7 @@ from .layers import (
     _seen_key,
     _settle,
     _settle_seen,
+    _verify_everything,
 )
 from .records import LayerCheck, _process, _records, _refuse, _release, _Serving, route
 
@@ -35,19 +31,11 @@ _LOG = logging.getLogger("sm120_fp4")
 
 
 def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.SelfTestReport | None:
-    """Verify one NVFP4 layer on CUDA ordinal `index` (-1: CPU in simulation) through the call that
-    will serve it; None where nothing is verified (a device this library does not serve, or
-    SM120_FP4_SELFTEST=off).
+    """Verify one NVFP4 layer on CUDA ordinal `index` through the call that will serve it (None: nothing verified).
 
-    The first layer of each configuration gets the full sweep; every other layer a light check of
-    its own weights (one decode batch), and its weights' fingerprint is kept for the re-checks.
-    Nothing is recorded before it passed: an interrupted check (Ctrl-C, any BaseException) leaves no
-    trace, so the next attempt checks again. A failure rejects the backend for this device: the next
-    candidate that passes the self-test and every configuration and layer verified so far takes
-    over; with none left, FALLBACK=emulated serves (after the same checks), SELFTEST=warn serves
-    unverified, and otherwise RefusedToServe names the configuration, the batch size and what was
-    wrong.
-    """
+    A configuration's first layer gets the full sweep, any other a light check and a fingerprint;
+    nothing is recorded before it passes. A failure hands the device to the next candidate that
+    passes everything so far, else FALLBACK=emulated, SELFTEST=warn, or RefusedToServe."""
     _process.last_settings = settings
     if route(index, settings, check.family) is None:
         return None
@@ -77,26 +65,30 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
             serving.checks[check.key] = check
         _settle(serving, check.tensors)  # after the line above: a configuration's first layer keeps its kept bytes
         if full:
-            serving.decision.layers.append(report)
-            _LOG.info(
-                "sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)",
-                check.label,
-                serving.decision.backend,
-                serving.device.label(),
-                len(check.ms),
-                report.max_rel_err or 0.0,
-            )
-            if settings.select == "fastest":
-                _route_fastest(serving, check, settings)
-            report_file.update(settings)
+            _verified(serving, check, report, settings)
         elif check.owner is not None and known.owner is check.owner:
             serving.checks[check.key] = check  # the same layer again (its weights reloaded): re-checks use these
         return report
 
 
+def _verified(serving: _Serving, check: LayerCheck, report: verify.SelfTestReport, settings: Settings) -> None:
+    """Record that a configuration's first layer passed its full sweep (SELECT=fastest then times the candidates)."""
+    serving.decision.layers.append(report)
+    _LOG.info(
+        "sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)",
+        check.label,
+        serving.route_name,
+        serving.device.label(),
+        len(check.ms),
+        report.max_rel_err or 0.0,
+    )
+    if settings.select == "fastest":
+        route_fastest(serving, check)
+    report_file.update(settings)
+
+
 def _back_to(serving: _Serving, original: Choice) -> None:
-    """Route the device to `original` again (a refusal or an interruption while replacing it),
-    converting the layers again where that backend serves converted weights."""
+    """Route the device to `original` again, converting the layers again where that backend converts them."""
     serving.serve(original)
     if serving.converter is not None:
         for tensors in serving.seen.values():
@@ -104,200 +96,78 @@ def _back_to(serving: _Serving, original: Choice) -> None:
         _refingerprint(serving)
 
 
-def _time_served(serving: _Serving, check: LayerCheck, repeats: int = 3) -> float:
-    """Milliseconds of one served call of `check` at each of its serving batch sizes (decode and
-    prefill: its re-check sizes), summed: the median of `repeats` after a first call."""
-    tdev = serving.device.torch_device
-    total = 0.0
-    for case in check.cases(check.recheck_ms):
-        case.invoke()  # JIT, autotuner caches, workspaces
-        samples = []
-        for _ in range(repeats):
-            if tdev.type == "cuda":
-                torch.cuda.current_stream(tdev).synchronize()
-            start = time.perf_counter()
-            case.invoke()
-            if tdev.type == "cuda":
-                torch.cuda.current_stream(tdev).synchronize()
-            samples.append(time.perf_counter() - start)
-        total += statistics.median(samples)
-    return total * 1e3
+def _reject(serving: _Serving, report: verify.SelfTestReport) -> bool:
+    """Mark the backend of failed `report` as failed here; return whether another backend may still take over."""
+    serving.failed[report.backend] = f"{report.config}: {report.reason}"
+    stuck = _release(serving, report.backend)
+    if stuck is not None:
+        serving.failed[report.backend] += f" ({stuck})"
+    return stuck is None
 
 
-def _route_fastest(serving: _Serving, check: LayerCheck, settings: Settings) -> None:
-    """SELECT=fastest, at each new layer configuration: every candidate that passed its self-test
-    and every configuration so far is checked on this one too and timed on its served calls at the
-    serving batch sizes; the device is routed to the one fastest over all configurations (which
-    first passes every layer's light check). Timing the self-test's shapes would rank kernels on
-    calls that never serve."""
-    chosen_first = serving.choice
-    original = chosen_first.decision
-    names = [r.backend for r in original.reports if r.passed] or [original.backend]
-    names = [n for n in dict.fromkeys([original.backend, *names]) if n not in serving.failed]
-    if len(names) < 2:
-        return
-    choices = {original.backend: chosen_first}
-    try:
-        for name in names:
-            if name != original.backend:
-                copy = original.model_copy(
-                    update={
-                        "backend": name,
-                        "mode": backends.mode_of(serving.family.name, name),
-                        "layers": [],
-                        "timings_ms": {},
-                    }
-                )
-                choices[name] = Choice(copy, serving.family.resolve(name))
-                serving.serve(choices[name])
-                report, _ = _layer_check(serving, check, True)
-                if not report.passed:
-                    serving.failed[name] = f"{report.config}: {report.reason}"
-                    continue
-                serving.candidate_layers.setdefault(name, []).append(report)
-            else:
-                serving.serve(chosen_first)
-            serving.timings.setdefault(name, {})[check.key] = _time_served(serving, check)
-        keys = list(serving.checks)
-        eligible = [n for n in names if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
-        totals = {n: sum(serving.timings[n][k] for k in keys) for n in eligible}
-        best = min(eligible, key=totals.__getitem__)
-        serving.serve(choices[best])
-        chosen = choices[best].decision
-        if best != original.backend:
-            _, bad = _verify_everything(
-                serving, check, False, configurations=False
-            )  # every layer so far, its own weights
-            if bad is not None:
-                serving.failed[best] = f"{bad.config}: {bad.reason}"
-                serving.serve(chosen_first)
-                return
-            serving.candidate_layers[original.backend] = list(original.layers)
-            chosen.layers = list(serving.candidate_layers.get(best, []))
-        chosen.timings_ms = totals
-        chosen.reason = (
-            f"fastest of {len(eligible)} verified candidates on the served layer configurations at their "
-            f"serving batch sizes ({totals[best]:.3g} ms over {len(keys)} configuration(s))"
-        )
-    except BaseException:
-        serving.serve(chosen_first)
-        raise
-
-
-def _verify_everything(
-    serving: _Serving, extra: LayerCheck, extra_full: bool, configurations: bool = True
-) -> tuple[list, verify.SelfTestReport | None]:
-    """Every configuration's full sweep (unless `configurations` is False: already passed), every
-    recorded layer's light check, and `extra`'s, with the backend now routed: (the configurations'
-    reports, the first failure or None)."""
-    reports = []
-    for check in serving.checks.values() if configurations else ():
-        report, _ = _layer_check(serving, check, True)
-        if not report.passed:
-            return reports, report
-        reports.append(report)
-    representatives = {id(c.owner) if c.owner is not None else id(c) for c in serving.checks.values()}
-    for key, record in list(serving.layers.items()):
-        current = record.current() if record.alive() and key not in representatives else None
-        if current is not None:
-            report, _ = _layer_check(serving, current, False)
-            if not report.passed:
-                return reports, report
-    report, _ = _layer_check(serving, extra, extra_full)
-    if not report.passed:
-        return reports, report
-    if extra_full:
-        reports.append(report)
-    return reports, None
+def _try(serving: _Serving, choice: Choice, check: LayerCheck, full: bool) -> tuple[list, verify.SelfTestReport | None]:
+    """Serve with `choice` and check every configuration, layer and `check`: (the reports, the first failure)."""
+    serving.serve(choice)
+    problem = _convert_seen(serving)
+    if problem is None:
+        return _verify_everything(serving, check, full)
+    bad = verify.report_for(choice.decision.backend, serving.device, config=check.label)
+    bad.reason = problem
+    return [], bad
 
 
 def _replace_backend(
     serving: _Serving, check: LayerCheck, report: verify.SelfTestReport, settings: Settings
 ) -> verify.SelfTestReport:
-    """The served backend failed `check` (`report`): find one that passes everything, or refuse.
-
-    Until one passes every configuration and every layer, nothing new is recorded; on a refusal or
-    an interruption the device goes back to the backend it had (which still serves what it passed)."""
-    original = serving.choice
-    full = check.key not in serving.checks
-    failures = [report]
-    serving.failed[report.backend] = f"{report.config}: {report.reason}"
-    stuck = _release(serving, report.backend)
-    if stuck is not None:
-        serving.failed[report.backend] += f" ({stuck})"
+    """Replace the backend that failed `check` with one that passes everything, or refuse (back to the original)."""
+    original, full, failures = serving.choice, check.key not in serving.checks, [report]
+    names = candidate_names(settings, family=serving.family, device=serving.device)
     try:
-        while stuck is None:
-            remaining = [
-                n
-                for n in candidate_names(settings, family=serving.family, device=serving.device)
-                if n not in serving.failed
-            ]
-            choice = _next_choice(serving, remaining, settings)
-            if choice is None:
-                break
-            serving.serve(choice)
-            decision = choice.decision
-            problem = _convert_seen(serving)
-            if problem is None:
-                reports, bad = _verify_everything(serving, check, full)
-            else:
-                reports, bad = [], verify.report_for(decision.backend, serving.device, config=check.label)
-                bad.reason = problem
+        going = _reject(serving, report)
+        while going and (choice := _next_choice(serving, [n for n in names if n not in serving.failed], settings)):
+            reports, bad = _try(serving, choice, check, full)
             if bad is None:
-                decision.layers = reports
-                if full:
-                    serving.checks[check.key] = check
-                _settle_seen(serving)
-                _refingerprint(serving)
-                _record_layer(serving, check, _fingerprint(check))
-                _LOG.warning(
-                    "sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
-                    serving.device.label(),
-                    report.backend,
-                    report.config,
-                    decision.backend,
-                )
-                report_file.update(settings)
-                return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
+                return _replaced(serving, check, choice.decision, report, reports, settings)
             failures.append(bad)
-            serving.failed[decision.backend] = f"{bad.config}: {bad.reason}"
-            stuck = _release(serving, decision.backend)
-            if stuck is not None:
-                serving.failed[decision.backend] += f" ({stuck})"
+            going = _reject(serving, bad)
     except BaseException:
         _back_to(serving, original)  # interrupted: back to what was verified
         raise
     _back_to(serving, original)
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
-    message = refusal_message(
-        serving.device,
-        candidate_names(settings, family=serving.family, device=serving.device),
-        rejected,
-        config=report.config,
-        family=serving.family,
-    )
+    message = refusal_message(serving.device, names, rejected, config=report.config, family=serving.family)
     if settings.selftest == "warn":
         _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving UNVERIFIED with %s", message, serving.decision.backend)
         serving.decision.verified = False
         serving.unverified[check.key] = report
         return report
-    _refuse(
-        Refusal(
-            device=serving.device.label(),
-            config=report.config,
-            family=serving.family.name,
-            message=message,
-            rejected=rejected,
-            reports=failures,
-        ),
-        settings,
-    )
+    refusal = Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message)
+    refusal.rejected, refusal.reports = rejected, failures
+    _refuse(refusal, settings)
     raise RefusedToServe(message)
 
 
+def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: list, settings: Settings):
+    """Record the replacement `decision` that passed everything; return its report for `check`."""
+    decision.layers = reports
+    if check.key not in serving.checks:
+        serving.checks[check.key] = check
+    _settle_seen(serving)
+    _refingerprint(serving)
+    _record_layer(serving, check, _fingerprint(check))
+    _LOG.warning(
+        "sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
+        serving.device.label(),
+        report.backend,
+        report.config,
+        decision.backend,
+    )
+    report_file.update(settings)
+    return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
+
+
 def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) -> Choice | None:
-    """The first of `remaining` that passes its self-test, else the verified emulation where
-    FALLBACK=emulated allows it (and it has not failed too), else None."""
+    """Return the first of `remaining` that passes its self-test, else the emulation where FALLBACK allows it."""
     family = serving.family
     strict = settings.model_copy(update={"selftest": "strict", "fallback": "none", "moe_fallback": "none"})
     if remaining:

@@ -1,7 +1,5 @@
-"""After verification: the re-check after warm-up, SGLang's weight updates (the changed layers
-verified again), the fingerprints of the verified layers, and what the serving canary
-(:mod:`sm120_fp4.canary`) reads of the served configurations.
-"""
+"""After verification: the re-check after warm-up, SGLang's weight updates, the verified layers'
+fingerprints, and what the serving canary reads."""
 
 from __future__ import annotations
 
@@ -28,9 +26,7 @@ _CHANGED = "the layer's weights changed after they were verified, and not throug
 
 
 def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> list[tuple[LayerCheck | None, str | None]]:
-    """For each (record, its check or None: rebuilt from the record) of one device: the check, and
-    why its weights are not the ones fingerprinted when verified (None: they are). The comparisons
-    run on the device and are read back at once."""
+    """Return per (record, check or None) the check and why its weights changed (None: unchanged), in one read."""
     results: list[tuple[LayerCheck | None, str | None]] = []
     pending: list[tuple[int, torch.Tensor]] = []
     for record, check in layers:
@@ -53,43 +49,36 @@ def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> lis
 
 
 def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | None]]:
-    """(key, record, its check now) of the recorded layers whose weights differ from their
-    fingerprint now (or can no longer be read)."""
+    """Return (key, record, check now) of each recorded layer whose weights no longer match its fingerprint."""
     serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
     kept = [(key, record) for key, record in serving.layers.items() if record.fingerprint is not None]
     compared = _compare_fingerprints([(record, None) for _, record in kept])
     return [(key, record, check) for (key, record), (check, why) in zip(kept, compared) if why is not None]
 
 
-def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> None:
-    names = [record.label for _, record, _ in changed]
-    message = (
-        f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: the weights of {len(names)} verified "
-        f"layer(s) changed after they were verified, and not through SGLang's weight-update path "
-        f"(update_weights_from_disk / _from_tensor / _from_distributed / _from_ipc): {capped(names)}.\n"
-        "Something wrote into them since (a kernel writing out of bounds?); serving them would compute with "
-        f"weights nobody loaded. Backend in use: {serving.decision.backend}."
-    )
-    _refuse(
-        Refusal(
-            device=serving.device.label(),
-            config=names[0],
-            family=serving.family.name,
-            message=message,
-            rejected={serving.decision.backend: f"a verified layer's weights changed: {names[0]}"},
-        ),
-        settings,
-    )
+def _refuse_now(serving: _Serving, config: str, why: str, message: str, settings: Settings, reports=(), backend=None):
+    """Record the refusal of `serving`'s device (`backend` rejected for `why`) and raise RefusedToServe."""
+    label = serving.device.label()
+    message = f"sm120_fp4: refusing to serve NVFP4 on {label}: {message}"
+    refusal = Refusal(device=label, config=config, family=serving.family.name, message=message, reports=list(reports))
+    refusal.rejected = {backend or serving.route_name: why}
+    _refuse(refusal, settings)
     raise RefusedToServe(message)
 
 
+def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> None:
+    names = [record.label for _, record, _ in changed]
+    message = (
+        f"the weights of {len(names)} verified layer(s) changed after they were verified, and not through SGLang's "
+        f"weight-update path (update_weights_from_disk / _from_tensor / _from_distributed / _from_ipc): "
+        f"{capped(names)}.\nSomething wrote into them since (a kernel writing out of bounds?); serving them would "
+        f"compute with weights nobody loaded. Backend in use: {serving.route_name}."
+    )
+    _refuse_now(serving, names[0], f"a verified layer's weights changed: {names[0]}", message, settings)
+
+
 def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.SelfTestReport]:
-    """After SGLang's warm-up and CUDA-graph capture, when autotuners have picked their tactics:
-    first every verified layer's weights against their fingerprint (a change outside SGLang's
-    weight-update path refuses, naming the layer), then every verified layer configuration once
-    more, eagerly, at its re-check batch sizes and at every M of `captured` (the token counts of the
-    CUDA graphs SGLang just captured: the batch sizes graphs will serve); a failure refuses
-    (RefusedToServe) with the configuration and batch size."""
+    """Compare every verified layer's fingerprint, then check every configuration at its re-check and `captured` sizes."""
     verify.refuse_inside_capture("re-check", "after")
     if _process.updating:
         reverify(settings)  # a capture inside a weight update: the new weights are verified first
@@ -103,27 +92,15 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.Sel
                 report = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
                 report.config = f"{check.label} (re-check after warm-up)"
                 done.append(report)
-                if report.passed:
-                    continue
-                message = (
-                    f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: {serving.decision.backend} "
-                    f"passed at start-up but fails after warm-up and CUDA-graph capture.\n"
-                    f"  {report.config}: {report.reason}\n"
-                    "The kernel changed behaviour after warm-up (autotuned tactics, captured graphs); "
-                    "try another backend (SM120_FP4_BACKENDS) or SM120_FP4_FALLBACK=emulated."
-                )
-                _refuse(
-                    Refusal(
-                        device=serving.device.label(),
-                        config=report.config,
-                        family=serving.family.name,
-                        message=message,
-                        rejected={serving.decision.backend: f"failed the re-check after warm-up: {report.reason}"},
-                        reports=[report],
-                    ),
-                    settings,
-                )
-                raise RefusedToServe(message)
+                if not report.passed:
+                    message = (
+                        f"{report.backend} passed at start-up but fails after warm-up and CUDA-graph capture.\n"
+                        f"  {report.config}: {report.reason}\n"
+                        "The kernel changed behaviour after warm-up (autotuned tactics, captured graphs); "
+                        "try another backend (SM120_FP4_BACKENDS) or SM120_FP4_FALLBACK=emulated."
+                    )
+                    why = f"failed the re-check after warm-up: {report.reason}"
+                    _refuse_now(serving, report.config, why, message, settings, [report], report.backend)
     _LOG.info(
         "sm120_fp4: re-checked %d layer configuration(s) after warm-up at %d captured graph size(s): all pass",
         len(done),
@@ -133,8 +110,7 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.Sel
 
 
 def weights_update_begin() -> None:
-    """SGLang starts writing weights (a weight-update call, or a weight-update session): caches of
-    dequantized weights are dropped, and fingerprint changes are expected until the matching end."""
+    """Drop dequantized-weight caches and expect fingerprint changes until the matching end (SGLang writes weights)."""
     backends.invalidate_caches()
     with _lock:
         if not _process.updating:
@@ -143,8 +119,7 @@ def weights_update_begin() -> None:
 
 
 def weights_update_end(settings: Settings) -> list[verify.SelfTestReport]:
-    """SGLang is done writing weights: when no other update is open, every layer whose weights
-    changed is verified again (reverify) before anything else is served."""
+    """Re-verify every changed layer when the last open weight update ends."""
     with _lock:
         _process.updating = max(0, _process.updating - 1)
         last = _process.updating == 0
@@ -155,15 +130,14 @@ def weights_update_end(settings: Settings) -> list[verify.SelfTestReport]:
 
 
 def weights_update_open_s() -> float | None:
-    """How long SGLang's weight update (a call, or a session begun and not ended) has been open, or
-    None when none is: meanwhile weight fingerprints are not compared (changes are expected)."""
+    """Return how long SGLang's open weight update has been open, or None when none is."""
     with _lock:
         return None if _process.updating_since is None else time.monotonic() - _process.updating_since
 
 
 @contextlib.contextmanager
 def weights_updating(settings: Settings):
-    """weights_update_begin() ... weights_update_end(settings) around one of SGLang's weight updates."""
+    """Wrap one of SGLang's weight updates in weights_update_begin() and weights_update_end()."""
     weights_update_begin()
     try:
         yield
@@ -172,10 +146,7 @@ def weights_updating(settings: Settings):
 
 
 def reverify(settings: Settings) -> list[verify.SelfTestReport]:
-    """Verify again every recorded layer whose weights changed (a weight update): each is rebuilt
-    from the layer's current state and checked (a configuration's representative layer with the full
-    sweep, any other with its light check), its fingerprint renewed; a failure refuses
-    (RefusedToServe) naming the layer."""
+    """Check again every recorded layer whose weights changed (a weight update) and renew its fingerprint."""
     done = []
     for serving in _served():
         with serving.lock:
@@ -183,31 +154,14 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
             if changed and serving.converter is not None:
                 names = [record.label for _, record, _ in changed]
                 message = (
-                    f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: SGLang updated the weights of "
-                    f"{len(names)} layer(s) ({capped(names)}), but {serving.decision.backend} converted every "
-                    "served layer to its own layout in place at load, and the new weights cannot be verified "
-                    "or served in that layout in this process; restart the server with the new weights"
+                    f"SGLang updated the weights of {len(names)} layer(s) ({capped(names)}), but "
+                    f"{serving.decision.backend} converted every served layer to its own layout in place at load, "
+                    "and the new weights cannot be verified or served in that layout in this process; restart the "
+                    "server with the new weights"
                 )
-                _refuse(
-                    Refusal(
-                        device=serving.device.label(),
-                        config=names[0],
-                        family=serving.family.name,
-                        message=message,
-                        rejected={serving.decision.backend: "weights updated in place"},
-                    ),
-                    settings,
-                )
-                raise RefusedToServe(message)
+                _refuse_now(serving, names[0], "weights updated in place", message, settings)
             for key, record, check in changed:
-                config = next(
-                    (
-                        k
-                        for k, c in serving.checks.items()
-                        if (c.owner is not None and id(c.owner) == key) or id(c) == key
-                    ),
-                    None,
-                )
+                config = next((k for k, c in serving.checks.items() if _layer_key(c) == key), None)
                 if check is None:  # no longer an NVFP4 layer in a layout this library serves
                     serving.layers.pop(key, None)
                     continue
@@ -215,22 +169,8 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
                 report.config = f"{check.named()} (after a weight update)"
                 done.append(report)
                 if not report.passed:
-                    message = (
-                        f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: after SGLang's weight "
-                        f"update, {report.config} fails with {serving.decision.backend}: {report.reason}"
-                    )
-                    _refuse(
-                        Refusal(
-                            device=serving.device.label(),
-                            config=report.config,
-                            family=serving.family.name,
-                            message=message,
-                            rejected={serving.decision.backend: report.reason or ""},
-                            reports=[report],
-                        ),
-                        settings,
-                    )
-                    raise RefusedToServe(message)
+                    why = f"after SGLang's weight update, {report.config} fails with {report.backend}: {report.reason}"
+                    _refuse_now(serving, report.config, report.reason or "", why, settings, [report], report.backend)
                 if config is not None:
                     serving.checks[config] = check
                 _record_layer(serving, check, fingerprint)
@@ -240,8 +180,7 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
 
 
 def on_hang(message: str) -> None:
-    """The self-test's watchdog is about to end the process: record the refusal in the report first
-    (a hook of :data:`sm120_fp4.verify.hang_hooks`)."""
+    """Record the watchdog's refusal in the report before it ends the process (a verify.hang_hooks hook)."""
     settings = _process.last_settings
     if settings is not None:
         _refuse(Refusal(device="?", message=message), settings)
@@ -252,7 +191,7 @@ def on_hang(message: str) -> None:
 
 @dataclass(frozen=True)
 class Served:
-    """One layer configuration verified in this process, on the device and kernel family that serve it."""
+    """One layer configuration verified in this process, with its device and kernel family."""
 
     family: str
     device: Device
@@ -260,13 +199,12 @@ class Served:
 
     @property
     def backend(self) -> str:
-        """The backend serving this configuration now."""
-        return _records[(self.family, self.device.index)].decision.backend
+        """Return the backend(s) serving this configuration now."""
+        return _records[(self.family, self.device.index)].route_name
 
 
 def served_configurations() -> list[Served]:
-    """Every layer configuration verified in this process (passed, with the backend serving it now;
-    not one served unverified under SELFTEST=warn), per family and device in the order verified."""
+    """Return every layer configuration verified (passed) in this process, in the order verified."""
     servings = _served()
     served = []
     for s in servings:
@@ -277,12 +215,7 @@ def served_configurations() -> list[Served]:
 
 
 def served_layer(served: Served, turn: int) -> Served:
-    """The `turn`-th (in rotation) verified layer of `served`'s configuration, as a Served whose
-    check uses that layer's own weights (the serving canary walks every layer this way, so that a
-    kernel wrong with one layer's weights only, or one layer's weights changed, is reached); the
-    configuration's first layer where no other is alive or it cannot be rebuilt, and where the
-    serving backend converted the layers in place (humming: the oracle has the checkpoint's bytes of
-    the first layer only; the fingerprint sweep still covers the others)."""
+    """Return the `turn`-th verified layer of `served`'s configuration (in rotation), else `served` itself."""
     serving = _records[(served.family, served.device.index)]
     with serving.lock:
         if serving.converter is not None:
@@ -295,9 +228,7 @@ def served_layer(served: Served, turn: int) -> Served:
 
 
 def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[str | None, int]:
-    """Compare the fingerprints of `count` verified layers of `family` on device `index`, from the
-    `start`-th on (in rotation; one host read for all of them): (the first changed layer's problem
-    or None, where the next sweep starts). None during SGLang's weight updates."""
+    """Compare `count` layers' fingerprints from the `start`-th on: (the first problem or None, the next start)."""
     serving = _records.get((family, index))
     if serving is None or _process.updating:
         return None, start
@@ -312,10 +243,7 @@ def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[
 
 
 def check_served(served: Served, m: int) -> verify.SelfTestReport:
-    """The re-check's light check of `served` at batch size `m`, through the call that serves it
-    (two passes, every call against the oracle), for the serving canary: its report, including a
-    call that wrote into the layer's weights (their fingerprint after the calls must still be the one
-    they were verified with)."""
+    """Return the canary's light check of `served` at batch size `m` (and every range boundary), two passes."""
     serving = _records[(served.family, served.device.index)]
     with serving.lock:
         report = _run_check(serving, served.check, [m], light=True)
@@ -326,10 +254,7 @@ def check_served(served: Served, m: int) -> verify.SelfTestReport:
 
 
 def fingerprint_problem(check: LayerCheck) -> str | None:
-    """Whether the verified layer of `check` still has the weights it was verified with: None, or
-    why not (the serving canary asks at the first step of every run; a weight corrupted in memory is
-    invisible to the oracle, which reads the same corrupted weight). During SGLang's weight updates
-    changes are expected: None."""
+    """Return why `check`'s layer no longer has its verified weights, or None (always None during updates)."""
     key = _layer_key(check)
     for serving in _served():
         with serving.lock:

@@ -1,0 +1,160 @@
+"""SELECT=fastest on the served calls: time every verified candidate at the serving batch sizes and
+route each M range (decode, prefill) to the fastest, verified over its own range and boundaries.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Callable
+
+import torch
+
+from .. import backends
+from ..config import Settings
+from ..deciding import Choice, Decision, time_call
+from .layers import _layer_check, _verify_everything
+from .records import LayerCheck, _served, _Serving, route_text
+
+# A backend faster by less than this (as a ratio of the range's time) is within noise: no split.
+SEPARATION = 1.03
+
+
+# The timing seam: seconds of one call (tests inject a stand-in clock).
+timer: Callable[[Callable[[], object], torch.device], float] = time_call
+
+
+def ranged(bounds: tuple[int, ...], fns: tuple[Callable, ...]) -> Callable:
+    """Return a call that serves batch size M with fns[i], the first range whose bound is >= M."""
+
+    def by_batch_size(a, *args):
+        return fns[bisect_left(bounds, a.shape[0])](a, *args)  # M is a shape: no host sync
+
+    return by_batch_size
+
+
+def plan(times: dict[str, dict[int, float]], splittable: list[str]) -> list[tuple[int | None, str]]:
+    """Return [(largest M, backend), ..., (None, backend)]: one range unless a split beats noise."""
+    sizes = sorted(set.intersection(*(set(t) for t in times.values())))
+    total = {n: sum(t[m] for m in sizes) for n, t in times.items()}
+    single = min(total, key=total.__getitem__)
+    best, gain = [(None, single)], 0.0
+    for i in range(len(sizes) - 1 if single in splittable else 0):
+        low, high = sizes[: i + 1], sizes[i + 1 :]
+        parts = [(part, min(splittable, key=lambda n: sum(times[n][m] for m in part))) for part in (low, high)]
+        if parts[0][1] == parts[1][1]:
+            continue
+        cost = {name: sum(times[name][m] for m in part) for part, name in parts}
+        base = [sum(times[single][m] for m in part) for part, _ in parts]
+        if any(name != single and b < SEPARATION * cost[name] for (_, name), b in zip(parts, base)):
+            continue
+        if total[single] - sum(cost.values()) > gain:
+            best, gain = [(low[-1], parts[0][1]), (None, parts[1][1])], total[single] - sum(cost.values())
+    return best
+
+
+def _single(serving: _Serving, base: Decision, name: str) -> Choice:
+    """Return a Choice of backend `name` alone, with `base`'s device facts."""
+    update = {"backend": name, "mode": backends.mode_of(serving.family.name, name), "layers": [], "ranges": []}
+    return Choice(base.model_copy(update={**update, "timings_ms": {}}), serving.family.resolve(name))
+
+
+def _split(serving: _Serving, base: Decision, ranges: list, singles: dict[str, Choice]) -> Choice:
+    """Return the Choice serving each range of `ranges` with its backend (one Choice where one range)."""
+    if len(ranges) == 1:
+        return singles[ranges[0][1]]
+    names = [name for _, name in ranges]
+    decision = _single(serving, base, names[-1]).decision
+    decision.ranges = ranges
+    fns = tuple(singles[n].fn for n in names)
+    return Choice(decision, ranged(tuple(b for b, _ in ranges[:-1]), fns))
+
+
+def _time(serving: _Serving, check: LayerCheck) -> dict[int, float]:
+    """Return milliseconds per serving batch size of `check`'s served calls."""
+    tdev = serving.device.torch_device
+    return {case.m: timer(case.invoke, tdev) * 1e3 for case in check.cases(check.recheck_ms)}
+
+
+def route_fastest(serving: _Serving, check: LayerCheck) -> None:
+    """Check and time every verified candidate on the new configuration `check`, then route by M range."""
+    _measure(serving, [check], new=True)
+
+
+def retime(settings: Settings) -> None:
+    """Time every verified candidate again on every configuration and route again (after autotune, before capture)."""
+    for serving in _served():
+        with serving.lock:
+            if settings.select == "fastest" and serving.checks:
+                _measure(serving, list(serving.checks.values()), new=False)
+
+
+def _measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
+    """Time every candidate still eligible on `checks` (checking it first on a `new` configuration), then route."""
+    first = serving.choice
+    base = first.decision
+    names = [r.backend for r in base.reports if r.passed] or [base.backend]
+    names = [n for n in dict.fromkeys([base.backend, *names]) if n not in serving.failed]
+    if len(names) < 2 and not base.ranges:
+        return
+    singles = {n: first if n == base.backend and not base.ranges else _single(serving, base, n) for n in names}
+    try:
+        for name, choice in singles.items():
+            timings = serving.timings.setdefault(name, {})
+            if not new and any(c.key not in timings for c in checks):
+                continue  # not verified on every configuration: not a candidate
+            serving.serve(choice)
+            if new and choice is not first:
+                report, _ = _layer_check(serving, checks[0], True)
+                if not report.passed:
+                    serving.failed[name] = f"{report.config}: {report.reason}"
+                    continue
+                serving.candidate_layers.setdefault(name, []).append(report)
+            timings.update({c.key: _time(serving, c) for c in checks})
+        _settle(serving, singles, first)
+    except BaseException:
+        serving.serve(first)
+        raise
+
+
+def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice) -> None:
+    """Route to the fastest plan whose backends pass every check at their ranges, else back to `first`."""
+    keys = list(serving.checks)
+    eligible = [n for n in singles if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
+    while eligible:
+        times = {n: _summed(serving.timings[n], keys) for n in eligible}
+        splittable = [n for n in eligible if backends.backend_of(serving.family.name, n).converter is None]
+        ranges = plan(times, splittable)
+        choice = _split(serving, first.decision, ranges, singles)
+        serving.serve(choice)
+        bad, reports = None, []
+        if choice is not first:  # a switch: every layer so far (and every configuration at a boundary)
+            reports, bad = _verify_everything(serving, None, False, configurations=len(ranges) > 1)
+        if bad is None:
+            _describe(serving, choice, first, ranges, times, reports, len(keys))
+            return
+        serving.failed[bad.backend] = f"{bad.config}: {bad.reason}"
+        eligible.remove(bad.backend)
+    serving.serve(first)
+
+
+def _summed(timings: dict[tuple, dict[int, float]], keys: list) -> dict[int, float]:
+    """Return milliseconds per batch size summed over the configurations `keys`."""
+    sizes = set.intersection(*(set(timings[k]) for k in keys))
+    return {m: sum(timings[k][m] for k in keys) for m in sizes}
+
+
+def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):
+    """Record on the serving decision its timings, its verified layers and why it was chosen."""
+    decision = choice.decision
+    totals = {name: sum(t.values()) for name, t in times.items()}
+    if choice is not first and not first.decision.ranges:
+        serving.candidate_layers[first.decision.backend] = list(first.decision.layers)
+    if len(ranges) > 1:
+        decision.layers = reports
+    elif choice is not first:
+        decision.layers = list(serving.candidate_layers.get(decision.backend, []))
+    decision.timings_ms = totals
+    decision.reason = (
+        f"fastest of {len(times)} verified candidates on the served layer configurations at their serving batch "
+        f"sizes ({route_text(decision)}; {n} configuration(s))"
+    )
