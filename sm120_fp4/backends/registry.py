@@ -168,6 +168,7 @@ class _Registry:
             self._entries[name] = Backend(name, "registered", fn, is_supported or _always)
 
     def unregister(self, name: str) -> None:
+        """Remove a registered backend; a built-in is restored to its original definition."""
         with self._lock:
             self._entries.pop(name, None)
             builtin = self._builtins().get(name)
@@ -190,6 +191,7 @@ class _Registry:
         return backend
 
     def is_supported(self, name: str, device: Device) -> tuple[bool, str | None]:
+        """Return whether backend `name` can run on `device`, and why not."""
         backend = self.get(name)
         try:
             ok, reason = backend.supported(device)
@@ -229,6 +231,15 @@ def _moe_builtins() -> dict[str, Backend]:
 
 _dense = _Registry("dense", _dense_builtins)
 _moe = _Registry("moe", _moe_builtins)
+# The registries' own methods, per family: names(), get(name), is_supported(name, device), unregister(name).
+names = _dense.names
+get = _dense.get
+is_supported = _dense.is_supported
+unregister = _dense.unregister
+moe_names = _moe.names
+get_moe = _moe.get
+is_moe_supported = _moe.is_supported
+unregister_moe = _moe.unregister
 
 
 def _family(family: str) -> _Registry:
@@ -240,27 +251,9 @@ def register(name: str, fn: GemmFn, is_supported: SupportFn | None = None, *, re
     _dense.register(name, fn, is_supported, replace, "register")
 
 
-def unregister(name: str) -> None:
-    """Remove a registered backend; built-ins are restored to their original definition."""
-    _dense.unregister(name)
-
-
-def names() -> tuple[str, ...]:
-    return _dense.names()
-
-
 def load_entry_points(wanted, family: str = "dense") -> None:
     """Register the named backends of `family`'s entry-point group not registered yet (ConfigError: one fails)."""
     _family(family).load_entry_points(list(wanted))
-
-
-def get(name: str) -> Backend:
-    return _dense.get(name)
-
-
-def is_supported(name: str, device: Device) -> tuple[bool, str | None]:
-    """Return whether backend `name` can run on `device`, and why not."""
-    return _dense.is_supported(name, device)
 
 
 def resolve(name: str) -> GemmFn:
@@ -305,24 +298,6 @@ def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None,
     # A -1 id is a slot not this rank's: it adds and costs nothing, whatever its weight. Calls come from
     # the serving thread and stream, and must not synchronise with the host (CUDA-graph capture).
     _moe.register(name, fn, is_supported, replace, "register_moe")
-
-
-def unregister_moe(name: str) -> None:
-    """Remove a registered MoE backend; built-ins are restored to their original definition."""
-    _moe.unregister(name)
-
-
-def moe_names() -> tuple[str, ...]:
-    return _moe.names()
-
-
-def get_moe(name: str) -> Backend:
-    return _moe.get(name)
-
-
-def is_moe_supported(name: str, device: Device) -> tuple[bool, str | None]:
-    """Return whether MoE backend `name` can run on `device`, and why not."""
-    return _moe.is_supported(name, device)
 
 
 def resolve_moe(name: str) -> Callable:
