@@ -65,7 +65,7 @@ class Backend:
     fn: GemmFn | None
     supported: SupportFn
     mode: str = "w4a4"  # or "w4a16" (activations not quantized): the oracle mode it is verified against
-    converter: Converter | None = None  # how it converts each layer's weights in place (humming)
+    converter: Converter | None = None  # how it prepares each served layer at load (humming, b12x)
     describe: Callable[[], dict] | None = None  # what status shows of it now
     # accepts(experts, hidden, inter, activation, dtype): why it cannot serve such a layer, or None (b12x);
     # the generic self-test runs its cases on the nearest sizes it accepts.
@@ -74,12 +74,11 @@ class Backend:
 
 @dataclass(frozen=True)
 class Converter:
-    """How a backend that serves a converted copy of each layer's weights (humming) handles them."""
+    """How a backend prepares each served layer at load (humming: converts it in place; b12x: its workspace)."""
 
     # convert(tensors, keep_original): one served layer at load, its original bytes kept while checked;
     # settle(tensors, keep): the check is over, drop them (or, `keep`: a configuration's first layer,
-    # keep them for good); restore(): undo every conversion it can (True: another backend can take over).
-
+    # keep them for good); restore(): undo or release what it can (True: another backend can take over).
     convert: Callable[[dict, bool], None]
     settle: Callable[[dict, bool], None]
     restore: Callable[[], bool]
