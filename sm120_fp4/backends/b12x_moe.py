@@ -217,17 +217,11 @@ def _layer(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, top_k: int, acti
 def _refold(entry: _Layer) -> None:
     """Refold the wrapper's FC1 alpha (w1_alpha * input_global_scale) in its own tensor, which graphs read."""
     folded = getattr(entry.wrapper, "_folded_w1_alpha", None)
-    d = entry.derived
-    if isinstance(folded, torch.Tensor) and folded.shape == d.w1_alpha.shape:
-        scale = d.input_global_scale
-        torch.mul(d.w1_alpha, scale.reshape(-1) if scale.numel() > 1 else scale, out=folded)
+    w1, scale = entry.derived.w1_alpha, entry.derived.input_global_scale
+    if isinstance(folded, torch.Tensor) and folded.shape == w1.shape:
+        torch.mul(w1, scale.reshape(-1) if scale.numel() > 1 else scale, out=folded)
         # FlashInfer's key for its fold (0.7.2-0.7.4): it then keeps this tensor instead of folding into a new one.
-        entry.wrapper._folded_w1_alpha_key = (
-            d.w1_alpha.data_ptr(),
-            scale.data_ptr(),
-            d.w1_alpha._version,
-            scale._version,
-        )
+        entry.wrapper._folded_w1_alpha_key = (w1.data_ptr(), scale.data_ptr(), w1._version, scale._version)
 
 
 def prepare(tensors: dict, keep_original: bool = False) -> None:
