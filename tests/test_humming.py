@@ -414,7 +414,7 @@ def test_real_humming_self_tests_pass_on_cuda():
 @ON_GPU
 def test_real_humming_with_a_wrong_scale_layout_is_refused():
     device = _cuda_sim()
-    with engine(WrongScaleLayout(humming.adapter._HummingEngine())):
+    with engine(WrongScaleLayout(humming.engine._HummingEngine())):
         dense = verify.run("humming", device)
         moe = verify.run_moe("humming", device)
         print(f"wrong scale layout: dense {dense.reason}; MoE {moe.reason}")

@@ -7,6 +7,8 @@ registered with register_moe are refused there; healthy ones with rounding-level
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import moe_faults, sglang_layers
@@ -15,6 +17,7 @@ from helpers.common import simulated_moe_skip_reason
 
 import sm120_fp4
 from sm120_fp4 import backends, serving, verify
+from sm120_fp4.config import Settings
 from sm120_fp4.demo import synthetic
 from sm120_fp4.devices import Device
 from sm120_fp4.errors import RefusedToServe
@@ -457,6 +460,46 @@ def test_b12x_serves_the_oracles_numbers_at_sglangs_layer(b12x):
     for m in b12x.made:  # one workspace per configuration, shared by every wrapper of it, never replaced
         owner = by_config.setdefault((m._moe_output.shape, m.activation, m.top_k), m)
         assert m._static_workspace is owner._static_workspace and m._moe_output is owner._moe_output
+
+
+@case(
+    "configuration",
+    "b12x serves with SM120_FP4_SELFTEST=off (no call at load), then sm120_fp4.uninstall()",
+    "the layer's wrapper and its configuration's workspace are made when its weights are prepared (status shows "
+    "their bytes before any call), and uninstall releases them",
+)
+def test_b12x_workspace_is_made_at_load_and_released_by_uninstall(b12x):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x", selftest="off")
+    layer = moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=5), TOP_K)
+    [made] = b12x.made
+    assert made.calls == 0 and b12x_moe.describe()["workspace_bytes"] > 0 and b12x_moe.describe()["layers"] == 1
+    x, ids, weights = routing(8)
+    moe_layers.moe_forward(layer, x, ids, weights)
+    assert b12x.made == [made] and made.calls == 1, "the call used the wrapper made at load"
+    sm120_fp4.uninstall()
+    assert b12x_moe.describe() == {"workspaces": [], "layers": 0, "workspace_bytes": 0}
+
+
+@case(
+    "configuration",
+    "SGLang's weight update writes new alphas into a layer b12x serves (through .data: no version bump)",
+    "b12x's derived scales and the wrapper's folded alpha are refreshed in place: the next call computes with the "
+    "new weights, in the same tensors a captured graph reads",
+)
+def test_b12x_serves_the_new_scales_after_an_in_place_weight_update(b12x):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=3)
+    layer = moe_layers.build_modelopt_moe_layer(ckpt, TOP_K)
+    x, ids, weights = routing(40)
+    before = moe_layers.moe_forward(layer, x, ids, weights)
+    wrapper = b12x.made[-1]
+    folded = wrapper._folded_w1_alpha
+    with serving.weights_updating(Settings(simulate="12.0")):
+        layer.g1_alphas.data.mul_(2)  # as SGLang's update_weights writes: in place, the version counter unchanged
+    after = moe_layers.moe_forward(layer, x, ids, weights)
+    new = dataclasses.replace(ckpt, w13_weight_scale_2=ckpt.w13_weight_scale_2 * 2)
+    assert torch.equal(after, synthetic.reference_moe_output(new, x, ids, weights)) and not torch.equal(after, before)
+    assert wrapper._folded_w1_alpha is folded, "refolded in its own tensor (a captured graph reads that one)"
 
 
 def test_b12x_derived_scales_are_refreshed_in_place():

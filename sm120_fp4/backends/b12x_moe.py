@@ -1,25 +1,6 @@
-"""FlashInfer's b12x NVFP4 fused MoE (``flashinfer.fused_moe.B12xMoEWrapper``, 0.7.2+) as a MoE backend.
-
-It runs on the tensors SGLang prepares for ``cutlass_fused_moe``, without a copy: w13 (E, 2I, H/2)
-rows [up; gate] (or (E, I, H/2) for relu2), w2 (E, H, I/2), the 128x4-swizzled block scales read
-through a zero-copy 6-D view (:func:`mma_scale_view`, FlashInfer's ``convert_sf_to_mma_layout``).
-
-Its scales run the other way: b12x divides activations by their global scale, where the backend
-convention (cutlass's) multiplies by an encode scale. The scales it takes are derived here, per
-layer, and owned here: ``input_global_scale = 1 / a1_gscale``, ``w1_alpha = w13_alpha * a1_gscale``,
-``fc2_input_scale = 1 / a2_gscale``, ``w2_alpha = w2_alpha``. They are refreshed IN PLACE (the same
-tensors) when the layer's own scales change (a weight update), so a CUDA graph captured earlier reads
-the new values; the wrapper's folded copy of ``w1_alpha`` is refolded into its own tensor too.
-
-One workspace per (device, configuration: E, top-k, H, I, activation), allocated by the first call of
-that configuration (a served layer's check, in the weights hook) and never replaced: every layer of
-the configuration has its own wrapper (its cached weight views) sharing that workspace and output
-buffer, as FlashInfer's wrapper API intends. Calls larger than the workspace's token count run in
-chunks of it. :func:`describe` gives the workspaces' bytes (status).
-
-Where it cannot serve, :func:`supported` (the device, the toolchain, the engine's settings) or
-:func:`layer_problem` (a layer's sizes and dtype) says why. Tests replace the wrapper with a CPU
-stand-in through :func:`use_wrapper`.
+"""FlashInfer's b12x NVFP4 fused MoE (``B12xMoEWrapper``, 0.7.2+) as a MoE backend, on the tensors SGLang
+prepares for ``cutlass_fused_moe`` (no copy: block scales through a zero-copy 6-D view), with the scales
+it reads in its own direction derived and owned here. Tests put a CPU stand-in in place (:func:`use_wrapper`).
 """
 
 from __future__ import annotations
@@ -34,24 +15,9 @@ import torch
 from .. import nvfp4
 from ..devices import Device
 from ..errors import not_accepted
-from .flashinfer import check_moe_args, moe_supported, toolchain
+from .convention import check_moe_args
+from .flashinfer import moe_supported, toolchain
 from .flashinfer import version as flashinfer_version
-
-__all__ = [
-    "NAME",
-    "MIN_CUDA",
-    "INTER_ALIGN",
-    "MAX_TOKENS",
-    "supported",
-    "layer_problem",
-    "engine_check",
-    "mma_scale_view",
-    "derived_scales",
-    "use_wrapper",
-    "fused_moe",
-    "describe",
-    "reset",
-]
 
 NAME = "b12x"
 MIN_CUDA = (13, 0)  # B12xMoEWrapper raises below CUDA 13 (get_cuda_version())
@@ -59,13 +25,13 @@ INTER_ALIGN = 128  # I % 128: the gate/up tile split (_LEVEL_TILE_N); below it 0
 HIDDEN_ALIGN_FROM = (0, 7, 4)  # 0.7.4 also requires H % 128
 MAX_TOKENS = 1024  # tokens per wrapper call (the workspace's size); larger calls run in chunks of it
 ACTIVATIONS = {"swiglu": "silu", "relu2": "relu2"}  # the convention's name -> b12x's
+_BUFFERS = ("_static_workspace", "_dynamic_workspace", "_moe_output")  # a wrapper's, shared per configuration
 
 WrapperFactory = Callable[..., object]
 
 _lock = threading.Lock()
 _factory: WrapperFactory | None = None  # a stand-in (tests); None: FlashInfer's B12xMoEWrapper
-# Engine checks (an engine home registers its own: SGLang's pdmux, deterministic inference, EP):
-# each returns why b12x cannot serve this process, or None.
+# Settings of the serving engine under which b12x cannot serve (SGLang's pdmux, deterministic inference, EP).
 _engine_checks: list[Callable[[], str | None]] = []
 
 
@@ -79,8 +45,7 @@ def engine_check(check: Callable[[], str | None]) -> Callable[[], str | None]:
 
 @contextlib.contextmanager
 def use_wrapper(factory: WrapperFactory) -> Iterator[None]:
-    """Inside the block, b12x's wrapper is `factory` (called as B12xMoEWrapper is): a stand-in replaces
-    FlashInfer's kernel and the real-GPU requirement; the toolchain and every other check still apply."""
+    """Use `factory` as B12xMoEWrapper inside the block (tests: no GPU needed; every other check applies)."""
     global _factory
     previous, _factory = _factory, factory
     reset()
@@ -95,11 +60,7 @@ def _version_tuple() -> tuple[int, ...] | None:
     found = flashinfer_version()
     if found is None:
         return None
-    parts = []
-    for p in found.split(".")[:3]:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in found.split(".")[:3])
 
 
 def _wrapper_class() -> WrapperFactory:
@@ -108,26 +69,28 @@ def _wrapper_class() -> WrapperFactory:
     return B12xMoEWrapper
 
 
-def supported(device: Device) -> tuple[bool, str | None]:
-    """Whether b12x's MoE can serve on `device` in this process, and why not."""
+def _setup_problem(device: Device) -> str | None:
     tc = toolchain()
     if tc.cuda is None or tc.cuda < MIN_CUDA:
-        return False, (
-            f"b12x MoE needs CUDA >= {MIN_CUDA[0]}.{MIN_CUDA[1]}; found "
-            f"{'unknown' if tc.cuda is None else f'{tc.cuda[0]}.{tc.cuda[1]}'} ({tc.cuda_source})"
-        )
+        found = "unknown" if tc.cuda is None else f"{tc.cuda[0]}.{tc.cuda[1]}"
+        return f"b12x MoE needs CUDA >= {MIN_CUDA[0]}.{MIN_CUDA[1]}; found {found} ({tc.cuda_source})"
     if tc.cute_dsl_problem is not None:
-        return False, f"b12x MoE needs the CuTe DSL: {tc.cute_dsl_problem}"
+        return f"b12x MoE needs the CuTe DSL: {tc.cute_dsl_problem}"
     with _lock:
         checks = list(_engine_checks)
-    for check in checks:
-        reason = check()
-        if reason:
-            return False, reason
+    reason = next((r for r in (check() for check in checks) if r), None)
+    if reason:
+        return reason
     if tuple(device.capability) not in ((12, 0), (12, 1)):
-        return False, f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
-    if _factory is not None:
-        return True, None
+        return f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
+    return None
+
+
+def supported(device: Device) -> tuple[bool, str | None]:
+    """Return whether b12x's MoE can serve on `device` in this process, and why not."""
+    problem = _setup_problem(device)
+    if problem is not None or _factory is not None:
+        return problem is None, problem
     ok, reason = moe_supported("cutlass", device)  # a real GPU, FlashInfer installed
     if not ok:
         return False, reason
@@ -139,7 +102,7 @@ def supported(device: Device) -> tuple[bool, str | None]:
 
 
 def layer_problem(experts: int, hidden: int, inter: int, activation: str, dtype: torch.dtype) -> str | None:
-    """Why b12x cannot serve a layer of these sizes and dtype, or None."""
+    """Return why b12x cannot serve a layer of these sizes and dtype, or None."""
     if dtype != torch.bfloat16:
         return f"b12x MoE takes bf16 activations and output only (this layer: {str(dtype).removeprefix('torch.')})"
     if activation not in ACTIVATIONS:
@@ -153,21 +116,21 @@ def layer_problem(experts: int, hidden: int, inter: int, activation: str, dtype:
 
 
 def mma_scale_view(sf: torch.Tensor, rows: int, cols: int, experts: int) -> torch.Tensor:
-    """The 6-D MMA view (32, 4, m_tiles, 4, k_tiles, E) of per-expert 128x4-swizzled block scales,
-    zero-copy (FlashInfer's ``convert_sf_to_mma_layout``)."""
+    """Return the zero-copy 6-D MMA view (32, 4, m_tiles, 4, k_tiles, E) of per-expert swizzled block scales."""
     rp, cp = nvfp4.swizzled_scale_shape(rows, cols)
     return sf.reshape(experts, rp // 128, cp // 4, 32, 4, 4).permute(3, 4, 1, 5, 2, 0)
 
 
 @dataclass
 class _Derived:
-    """One layer's scales in b12x's direction, and the versions of the scales they were made from."""
+    """One layer's scales in b12x's direction (it divides by global scales where cutlass multiplies)."""
 
-    input_global_scale: torch.Tensor
-    w1_alpha: torch.Tensor
-    fc2_input_scale: torch.Tensor
+    input_global_scale: torch.Tensor  # 1 / a1_gscale
+    w1_alpha: torch.Tensor  # w13_alpha * a1_gscale
+    fc2_input_scale: torch.Tensor  # 1 / a2_gscale
     w2_alpha: torch.Tensor
-    source: tuple = ()
+    source: tuple = ()  # the convention's (w13_alpha, w2_alpha, a1, a2) they were made from
+    made: tuple = ()  # their (pointer, version) then
 
     def refresh(self, w13_alpha, w2_alpha, a1, a2) -> None:
         """Recompute in place (the same tensors: graphs captured earlier read the new values)."""
@@ -175,28 +138,24 @@ class _Derived:
         torch.mul(w13_alpha.float(), a1.float(), out=self.w1_alpha)
         torch.reciprocal(a2.float().reshape(self.fc2_input_scale.shape), out=self.fc2_input_scale)
         self.w2_alpha.copy_(w2_alpha.float())
-        self.source = _source(w13_alpha, w2_alpha, a1, a2)
+        self.source = (w13_alpha, w2_alpha, a1, a2)
+        self.made = _stamp(*self.source)
 
 
-def _source(*tensors: torch.Tensor) -> tuple:
+def _stamp(*tensors: torch.Tensor) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in tensors)
 
 
-def derived_scales(w13_alpha, w2_alpha, a1, a2) -> dict[str, torch.Tensor]:
-    """b12x's scales from the convention's (a fresh set; the backend keeps one per layer)."""
-    d = _new_derived(w13_alpha, w2_alpha, a1, a2)
-    return {f.name: getattr(d, f.name) for f in fields(d) if f.name != "source"}
-
-
 def _new_derived(w13_alpha, w2_alpha, a1, a2) -> _Derived:
-    d = _Derived(
-        torch.empty(a1.shape, dtype=torch.float32, device=a1.device),
-        torch.empty(w13_alpha.shape, dtype=torch.float32, device=w13_alpha.device),
-        torch.empty(a2.shape, dtype=torch.float32, device=a2.device),
-        torch.empty(w2_alpha.shape, dtype=torch.float32, device=w2_alpha.device),
-    )
+    d = _Derived(*(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (a1, w13_alpha, a2, w2_alpha)))
     d.refresh(w13_alpha, w2_alpha, a1, a2)
     return d
+
+
+def derived_scales(w13_alpha, w2_alpha, a1, a2) -> dict[str, torch.Tensor]:
+    """Return b12x's scales from the convention's (a fresh set; the backend keeps one per layer)."""
+    d = _new_derived(w13_alpha, w2_alpha, a1, a2)
+    return {f.name: getattr(d, f.name) for f in fields(d) if f.name not in ("source", "made")}
 
 
 @dataclass
@@ -210,23 +169,19 @@ _layers: dict[tuple, _Layer] = {}  # (config, the layer's weight pointers) -> it
 
 
 def reset() -> None:
-    """Forget every wrapper and workspace (uninstall, tests)."""
+    """Forget every wrapper and workspace (uninstall, a backend switch, tests)."""
     with _lock:
         _workspaces.clear()
         _layers.clear()
 
 
-def _make_wrapper(config: tuple, device: torch.device, owner: object | None) -> object:
-    _, experts, top_k, hidden, inter, activation = config
-    factory = _factory or _wrapper_class()
+def _make_wrapper(config: tuple, owner: object | None) -> object:
+    device, experts, top_k, hidden, inter, activation = config
     shared = {}
     if owner is not None:  # the configuration's buffers, never replaced
-        shared = {
-            "shared_static_workspace": getattr(owner, "_static_workspace", None),
-            "shared_dynamic_workspace": getattr(owner, "_dynamic_workspace", None),
-            "shared_output": getattr(owner, "_moe_output", None),
-        }
-    return factory(
+        names = ("shared_static_workspace", "shared_dynamic_workspace", "shared_output")
+        shared = {name: getattr(owner, attr, None) for name, attr in zip(names, _BUFFERS)}
+    return (_factory or _wrapper_class())(
         experts,
         top_k,
         hidden,
@@ -234,123 +189,102 @@ def _make_wrapper(config: tuple, device: torch.device, owner: object | None) -> 
         use_cuda_graph=True,
         max_num_tokens=MAX_TOKENS,
         output_dtype=torch.bfloat16,
-        device=str(device),
+        device=device,
         activation=ACTIVATIONS[activation],
         quant_mode="nvfp4",
         **shared,
     )
 
 
-def _layer(config: tuple, key: tuple, device: torch.device, w13_alpha, w2_alpha, a1, a2) -> _Layer:
+def _layer(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, top_k: int, activation: str) -> _Layer:
+    """Return the layer's wrapper and derived scales, made (with its configuration's workspace) at the first ask."""
+    experts, hidden, inter = w13.shape[0], w13.shape[2] * 2, w2.shape[2] * 2
+    config = (str(w13.device), experts, top_k, hidden, inter, activation)
+    key = (config, w13.data_ptr(), w2.data_ptr(), w13_sf.data_ptr(), w2_sf.data_ptr())
     with _lock:
         entry = _layers.get(key)
         if entry is None:
             owner = _workspaces.get(config)
-            wrapper = _make_wrapper(config, device, owner)
-            if owner is None:
-                _workspaces[config] = wrapper
+            wrapper = _make_wrapper(config, owner)
+            _workspaces.setdefault(config, wrapper)
             entry = _layers[key] = _Layer(wrapper, _new_derived(w13_alpha, w2_alpha, a1, a2))
-    if entry.derived.source != _source(w13_alpha, w2_alpha, a1, a2):  # the layer's scales changed: a weight update
+    if entry.derived.made != _stamp(w13_alpha, w2_alpha, a1, a2):  # the layer's scales changed (a weight update)
         entry.derived.refresh(w13_alpha, w2_alpha, a1, a2)
         _refold(entry)
     return entry
 
 
 def _refold(entry: _Layer) -> None:
-    """The wrapper's folded FC1 alpha (w1_alpha * input_global_scale, 0.7.2-0.7.4), refolded in its own
-    tensor: the wrapper would fold into a new one, which a captured graph does not read."""
+    """Refold the wrapper's FC1 alpha (w1_alpha * input_global_scale) in its own tensor, which graphs read."""
     folded = getattr(entry.wrapper, "_folded_w1_alpha", None)
-    d = entry.derived
-    if isinstance(folded, torch.Tensor) and folded.shape == d.w1_alpha.shape:
-        torch.mul(
-            d.w1_alpha,
-            d.input_global_scale.reshape(-1) if d.input_global_scale.numel() > 1 else d.input_global_scale,
-            out=folded,
-        )
-        entry.wrapper._folded_w1_alpha_key = (
-            d.w1_alpha.data_ptr(),
-            d.input_global_scale.data_ptr(),
-            d.w1_alpha._version,
-            d.input_global_scale._version,
-        )
+    w1, scale = entry.derived.w1_alpha, entry.derived.input_global_scale
+    if isinstance(folded, torch.Tensor) and folded.shape == w1.shape:
+        torch.mul(w1, scale.reshape(-1) if scale.numel() > 1 else scale, out=folded)
+        # FlashInfer's key for its fold (0.7.2-0.7.4): it then keeps this tensor instead of folding into a new one.
+        entry.wrapper._folded_w1_alpha_key = (w1.data_ptr(), scale.data_ptr(), w1._version, scale._version)
 
 
-def fused_moe(
-    x,
-    topk_ids,
-    topk_weights,
-    w13,
-    w13_sf,
-    w13_alpha,
-    w2,
-    w2_sf,
-    w2_alpha,
-    a1_gscale,
-    a2_gscale,
-    activation,
-    out_dtype,
-    out,
-):
-    """The backend convention (nvfp4.reference_moe_fp4's; -1: a slot that adds nothing) through b12x."""
-    check_moe_args(
-        x,
-        topk_ids,
-        topk_weights,
-        w13,
-        w13_sf,
-        w13_alpha,
-        w2,
-        w2_sf,
-        w2_alpha,
-        a1_gscale,
-        a2_gscale,
-        activation,
-        out_dtype,
-        out,
-    )
-    experts, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
-    inter = w2.shape[2] * 2
-    problem = layer_problem(experts, hidden, inter, activation, x.dtype)
+def prepare(tensors: dict, keep_original: bool = False) -> None:
+    """Make a served layer's wrapper and derived scales at load, and its configuration's workspace if new."""
+    if "top_k" not in tensors or tensors.get("dtype") != torch.bfloat16:
+        return  # the first call makes them (a layer b12x does not serve is refused there, by name)
+    w13, w2 = tensors["w13"], tensors["w2"]
+    activation = "swiglu" if w13.shape[1] == w2.shape[2] * 4 else "relu2"
+    if layer_problem(w13.shape[0], w13.shape[2] * 2, w2.shape[2] * 2, activation, torch.bfloat16) is None:
+        names = ("w13", "w13_sf", "w13_alpha", "w2", "w2_sf", "w2_alpha", "a1_gscale", "a2_gscale")
+        _layer(*(tensors[n] for n in names), tensors["top_k"], activation)
+
+
+def refresh_scales() -> None:
+    """Recompute every layer's derived scales in place from its own (SGLang writes them without a version bump)."""
+    with _lock:
+        entries = list(_layers.values())
+    for entry in entries:
+        entry.derived.refresh(*entry.derived.source)
+        _refold(entry)
+
+
+def fused_moe(*args):
+    """Run the MoE convention (MoeArgs) through b12x."""
+    c = check_moe_args(*args)
+    experts, rows, hidden = c.w13.shape[0], c.w13.shape[1], c.w13.shape[2] * 2
+    inter = c.w2.shape[2] * 2
+    problem = layer_problem(experts, hidden, inter, c.activation, c.x.dtype)
     if problem is not None:
-        raise not_accepted(
-            "b12x fused MoE",
-            "x" if x.dtype != torch.bfloat16 else "w2",
-            x if x.dtype != torch.bfloat16 else w2,
-            problem,
-        )
-    config = (str(x.device), experts, topk_ids.shape[1], hidden, inter, activation)
-    key = (config, w13.data_ptr(), w2.data_ptr(), w13_sf.data_ptr(), w2_sf.data_ptr())
-    entry = _layer(config, key, x.device, w13_alpha, w2_alpha, a1_gscale, a2_gscale)
+        param = "x" if c.x.dtype != torch.bfloat16 else "w2"
+        raise not_accepted("b12x fused MoE", param, getattr(c, param), problem)
+    scales = (c.w13_alpha, c.w2, c.w2_sf, c.w2_alpha, c.a1_gscale, c.a2_gscale)
+    entry = _layer(c.w13, c.w13_sf, *scales, c.topk_ids.shape[1], c.activation)
     d = entry.derived
-    w1_sf = mma_scale_view(w13_sf, rows, hidden, experts)
-    w2_sf6 = mma_scale_view(w2_sf, hidden, inter, experts)
-    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
-    for lo in range(0, x.shape[0], MAX_TOKENS):
-        hi = min(lo + MAX_TOKENS, x.shape[0])
+    w1_sf, w2_sf = mma_scale_view(c.w13_sf, rows, hidden, experts), mma_scale_view(c.w2_sf, hidden, inter, experts)
+    ids = c.topk_ids if c.topk_ids.dtype == torch.int32 else c.topk_ids.to(torch.int32)
+    for lo in range(0, c.x.shape[0], MAX_TOKENS):
+        hi = min(lo + MAX_TOKENS, c.x.shape[0])
         result = entry.wrapper.run(
-            x[lo:hi],
-            w13,
+            c.x[lo:hi],
+            c.w13,
             w1_sf,
-            w2,
-            w2_sf6,
+            c.w2,
+            w2_sf,
             ids[lo:hi],
-            topk_weights[lo:hi],
+            c.topk_weights[lo:hi],
             w1_alpha=d.w1_alpha,
             w2_alpha=d.w2_alpha,
             fc2_input_scale=d.fc2_input_scale,
             input_global_scale=d.input_global_scale,
         )
-        out[lo:hi].copy_(result)  # the wrapper returns a slice of its own output buffer
-    return out
+        c.out[lo:hi].copy_(result)  # the wrapper returns a slice of its own output buffer
+    return c.out
 
 
 def _nbytes(obj: object, seen: set) -> int:
+    """Return the bytes of the distinct tensor storages in `obj` (a tensor, dataclass, sequence or object)."""
     if isinstance(obj, torch.Tensor):
-        key = (obj.data_ptr(), obj.untyped_storage().nbytes() if obj.numel() else 0)
-        if key in seen:
+        size = obj.untyped_storage().nbytes() if obj.numel() else 0
+        if (obj.data_ptr(), size) in seen:
             return 0
-        seen.add(key)
-        return obj.untyped_storage().nbytes() if obj.numel() else 0
+        seen.add((obj.data_ptr(), size))
+        return size
     if is_dataclass(obj) and not isinstance(obj, type):
         return sum(_nbytes(getattr(obj, f.name), seen) for f in fields(obj))
     if isinstance(obj, (list, tuple)):
@@ -361,22 +295,14 @@ def _nbytes(obj: object, seen: set) -> int:
 
 
 def describe() -> dict:
-    """What status shows: each configuration's workspace (its bytes), and the layers served."""
+    """Return what status shows: each configuration's workspace (its bytes), and the layers served."""
     with _lock:
         workspaces = dict(_workspaces)
         layers = len(_layers)
     out = []
     for (device, experts, top_k, hidden, inter, activation), owner in workspaces.items():
         seen: set = set()
-        size = sum(
-            _nbytes(getattr(owner, a, None), seen) for a in ("_static_workspace", "_dynamic_workspace", "_moe_output")
-        )
-        out.append(
-            {
-                "device": device,
-                "config": f"E={experts} top_k={top_k} H={hidden} I={inter} {activation}",
-                "max_tokens": MAX_TOKENS,
-                "bytes": size,
-            }
-        )
+        config = f"E={experts} top_k={top_k} H={hidden} I={inter} {activation}"
+        size = sum(_nbytes(getattr(owner, a, None), seen) for a in _BUFFERS)
+        out.append({"device": device, "config": config, "max_tokens": MAX_TOKENS, "bytes": size})
     return {"workspaces": out, "layers": layers, "workspace_bytes": sum(w["bytes"] for w in out)}

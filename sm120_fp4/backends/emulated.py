@@ -1,6 +1,5 @@
-"""The ``emulated`` backends: the oracle's arithmetic (nvfp4 dequantize + float32 matmul), exact and
-slow, on any device; ``emulated-cached`` keeps the dequantized weight (decode-speed emulation).
-"""
+"""The ``emulated`` backends: the oracle's arithmetic, exact and slow, on any device;
+``emulated-cached`` keeps the dequantized weight (decode-speed emulation)."""
 
 from __future__ import annotations
 
@@ -9,29 +8,19 @@ import weakref
 import torch
 
 from .. import locks, nvfp4
-
-__all__ = [
-    "emulated_mm_fp4",
-    "emulated_cached_mm_fp4",
-    "emulated_moe",
-    "invalidate_caches",
-]
+from .convention import MoeArgs
 
 
 def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
-    """The `emulated` backend: the nvfp4 reference GEMM (dequantize + float32 matmul)."""
+    """Run the nvfp4 reference GEMM (dequantize + float32 matmul)."""
     return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
 
 
 class _WeightCache:
-    """Dequantized bf16 weights for `emulated-cached`, valid while the weight is alive and unchanged.
+    """Dequantized bf16 weights for `emulated-cached` (2 bytes per element), valid while alive and unchanged."""
 
-    Memory: 2 bytes per weight element, four times the packed FP4 weight (0.5 byte per element)
-    plus its scales: opt in by naming the backend in SM120_FP4_BACKENDS. An entry is never made
-    while a CUDA graph is being captured (its values would exist only once the graph replays), and
-    every entry is dropped around SGLang's weight-update calls (:func:`invalidate_caches`), which
-    write weights in place through ``param.data`` without bumping their version counter.
-    """
+    # Never made during CUDA-graph capture (its values would exist only at replay); dropped around SGLang's
+    # weight updates (invalidate_caches), which write through ``param.data`` without bumping versions.
 
     def __init__(self) -> None:
         self._entries: dict[int, tuple] = {}
@@ -66,10 +55,7 @@ def invalidate_caches() -> None:
 
 
 def emulated_cached_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
-    """`emulated` with the weight's dequantization cached (decode-speed emulation, more memory).
-
-    Only where the reference runs its bf16 GEMM (CUDA): the cached copy is the bf16 one.
-    """
+    """Run `emulated` with the weight's bf16 dequantization cached (where the reference's GEMM is bf16)."""
     dtype = nvfp4.gemm_operand_dtype(a)
     cached = _weight_cache.get(b, b_descale, dtype) if dtype == torch.bfloat16 else None
     return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, dequantized_b=cached)
@@ -80,52 +66,32 @@ def _quantized(values: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -
     return nvfp4.dequantize_unscaled(packed, scales, dtype)
 
 
-def emulated_moe(
-    x,
-    topk_ids,
-    topk_weights,
-    w13,
-    w13_sf,
-    w13_alpha,
-    w2,
-    w2_sf,
-    w2_alpha,
-    a1_gscale,
-    a2_gscale,
-    activation,
-    out_dtype,
-    out,
-):
-    """The `emulated` MoE backend: nvfp4.reference_moe_fp4's arithmetic, written into `out`, with no
-    host synchronisation (it runs inside CUDA-graph capture).
-
-    The oracle's rounding points (FC1 and FC2 outputs rounded to the output dtype, the intermediate
-    quantized from float32, the slots summed in slot order in float32), so its result is the
-    oracle's: with NVFP4 operands every GEMM sum is exact in float32, whatever rows share a GEMM.
-    Instead of grouping rows by expert (which needs the counts on the host), every expert runs over
-    all T tokens and each slot takes its own expert's row: E times the oracle's GEMM work, no sync.
-    A slot whose id is outside [0, E) -- another expert-parallel rank's expert, or SGLang's -1 drop
-    sentinel -- is never computed and adds exactly nothing (no row of it, finite or not, is read).
-    """
+def emulated_moe(*args):
+    """Run nvfp4.reference_moe_fp4's arithmetic into `out` (MoeArgs), with no host sync (capture-safe)."""
+    # The oracle's rounding points, so its result is the oracle's (NVFP4 GEMM sums are exact in float32).
+    # Every expert runs over all T tokens and each slot takes its own expert's row: E times the work, no
+    # sync. A slot outside [0, E) (another rank's, or SGLang's -1) is never computed and adds exactly nothing.
+    c = MoeArgs(*args)
+    x, a1_gscale, a2_gscale, out_dtype = c.x, c.a1_gscale, c.a2_gscale, c.out_dtype
     tokens, hidden = x.shape
-    experts, rows13 = w13.shape[0], w13.shape[1]
-    inter = rows13 // 2 if activation == "swiglu" else rows13
+    experts, rows13 = c.w13.shape[0], c.w13.shape[1]
+    inter = rows13 // 2 if c.activation == "swiglu" else rows13
     dtype = nvfp4.gemm_operand_dtype(x)
-    ids = topk_ids.long()
+    ids = c.topk_ids.long()
     valid = (ids >= 0) & (ids < experts)
     routed = torch.zeros((tokens, ids.shape[1], hidden), dtype=out_dtype, device=x.device)
     per_expert_a1, per_expert_a2 = a1_gscale.numel() > 1, a2_gscale.numel() > 1
     acts = None if per_expert_a1 else _quantized(x, a1_gscale, dtype)
     for e in range(experts):
         rows = _quantized(x, a1_gscale.reshape(-1)[e], dtype) if per_expert_a1 else acts
-        fc1 = nvfp4.expert_mm(rows, nvfp4.dequantize_unscaled(w13[e], w13_sf[e], dtype), w13_alpha[e])
-        act = nvfp4.expert_activation(fc1.to(out_dtype).float(), activation, inter)
+        fc1 = nvfp4.expert_mm(rows, nvfp4.dequantize_unscaled(c.w13[e], c.w13_sf[e], dtype), c.w13_alpha[e])
+        act = nvfp4.expert_activation(fc1.to(out_dtype).float(), c.activation, inter)
         act = _quantized(act, a2_gscale.reshape(-1)[e] if per_expert_a2 else a2_gscale, dtype)
-        row = nvfp4.expert_mm(act, nvfp4.dequantize_unscaled(w2[e], w2_sf[e], dtype), w2_alpha[e]).to(out_dtype)
-        routed = torch.where((ids == e).unsqueeze(-1), row.unsqueeze(1), routed)
+        row = nvfp4.expert_mm(act, nvfp4.dequantize_unscaled(c.w2[e], c.w2_sf[e], dtype), c.w2_alpha[e])
+        routed = torch.where((ids == e).unsqueeze(-1), row.to(out_dtype).unsqueeze(1), routed)
     total = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)
     for slot in range(ids.shape[1]):
-        term = topk_weights[:, slot : slot + 1] * routed[:, slot].float()
+        term = c.topk_weights[:, slot : slot + 1] * routed[:, slot].float()
         total = total + torch.where(valid[:, slot : slot + 1], term, torch.zeros_like(term))
-    out.copy_(total)
-    return out
+    c.out.copy_(total)
+    return c.out

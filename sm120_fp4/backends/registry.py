@@ -1,7 +1,5 @@
-"""The registries of backends, one per kernel family (dense FP4 GEMM, NVFP4 fused MoE), and their
-built-ins: FlashInfer's (:mod:`.flashinfer`), ``emulated`` (:mod:`.emulated`), ``humming``; what
-``register()`` / ``register_moe()`` and the entry-point groups add.
-"""
+"""The registries of backends, one per kernel family (dense FP4 GEMM, NVFP4 fused MoE): their built-ins,
+what ``register()`` / ``register_moe()`` add, and the entry-point groups' backends."""
 
 from __future__ import annotations
 
@@ -13,28 +11,10 @@ from .. import locks
 from ..devices import Device
 from ..errors import ConfigError, InvalidArgument
 from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
-from .flashinfer import (
-    BACKENDS as FLASHINFER_BACKENDS,
-)
-from .flashinfer import (
-    MOE_BACKENDS as _MOE_BACKENDS,
-)
-from .flashinfer import (
-    mm_fp4_backend,
-    moe_backend,
-)
-from .flashinfer import (
-    moe_supported as _moe_supported,
-)
-from .flashinfer import (
-    quantizer as _quantizer,
-)
-from .flashinfer import (
-    supported as _supported,
-)
-from .flashinfer import (
-    version as flashinfer_version,
-)
+from .emulated import invalidate_caches as _drop_dequantized
+from .flashinfer import BACKENDS as FLASHINFER_BACKENDS
+from .flashinfer import MOE_BACKENDS, mm_fp4_backend, moe_backend, moe_supported, quantizer, supported
+from .flashinfer import version as flashinfer_version
 
 __all__ = [
     "Backend",
@@ -65,6 +45,7 @@ __all__ = [
     "EMULATED_CACHED",
     "GemmFn",
     "SupportFn",
+    "invalidate_caches",
 ]
 
 
@@ -77,39 +58,31 @@ EMULATED_CACHED = "emulated-cached"
 
 @dataclass(frozen=True)
 class Backend:
-    """A named GEMM with its support check; `fn` is None until resolved (FlashInfer: lazily)."""
+    """A named kernel with its support check; `fn` is None until resolved (FlashInfer: lazily)."""
 
     name: str
     kind: str  # "flashinfer" | "emulated" | "humming" | "registered"
     fn: GemmFn | None
     supported: SupportFn
-    # What it computes: "w4a4" (activations quantized to FP4, as the checkpoint says) or "w4a16"
-    # (activations not quantized); a backend is verified against the oracle mode that matches.
-    mode: str = "w4a4"
-    # A backend that serves a converted copy of each layer's weights (humming) says how: None for the others.
-    converter: Converter | None = None
-    # What status shows of the backend now (humming: JIT times, converted layers' memory; b12x: its
-    # workspaces' bytes); None for backends that say nothing.
-    describe: Callable[[], dict] | None = None
-    # A backend with limits on the layers it serves (b12x: bf16, I % 128): `accepts(experts, hidden,
-    # inter, activation, dtype)` says why it cannot serve such a layer (None: it can); the generic
-    # self-test runs its cases on the nearest sizes it accepts.
+    mode: str = "w4a4"  # or "w4a16" (activations not quantized): the oracle mode it is verified against
+    converter: Converter | None = None  # how it prepares each served layer at load (humming, b12x)
+    describe: Callable[[], dict] | None = None  # what status shows of it now
+    # accepts(experts, hidden, inter, activation, dtype): why it cannot serve such a layer, or None (b12x);
+    # the generic self-test runs its cases on the nearest sizes it accepts.
     accepts: Callable[..., "str | None"] | None = None
 
 
 @dataclass(frozen=True)
 class Converter:
-    """How a backend that serves a converted copy of each layer's weights (humming) handles them.
+    """How a backend prepares each served layer at load (humming: converts it in place; b12x: its workspace)."""
 
-    `convert(tensors, keep_original)` converts one served layer at load (keeping its original bytes
-    while it is checked: the oracle reads them); `settle(tensors, keep)` ends one layer's check: drops
-    what `convert` kept of it, or with `keep` (each configuration's first layer, the one the
-    re-checks compare) keeps it for good its long-term way (humming: pinned host memory);
-    `restore()` undoes every conversion it can (True: all undone, another backend can take over)."""
-
+    # convert(tensors, keep_original): one served layer at load, its original bytes kept while checked;
+    # settle(tensors, keep): the check is over, drop them (or, `keep`: a configuration's first layer,
+    # keep them for good); restore(): undo or release what it can (True: another backend can take over).
     convert: Callable[[dict, bool], None]
     settle: Callable[[dict, bool], None]
     restore: Callable[[], bool]
+    in_place: bool = True  # False: it keeps its own state per layer and leaves SGLang's weights as they are
 
 
 def _always(device: Device) -> tuple[bool, str | None]:
@@ -119,39 +92,9 @@ def _always(device: Device) -> tuple[bool, str | None]:
 HUMMING = "humming"
 
 
-def _humming_dense() -> Backend:
-    """Humming's bf16/fp16-activation kernel on SGLang's FP4 activations, dequantized exactly (W4A4)."""
-    from .humming import adapter as humming  # light: Humming itself is imported only when it is asked about
-
-    return Backend(
-        HUMMING,
-        "humming",
-        humming.mm_fp4,
-        humming.supported,
-        "w4a4",
-        _humming_converter("dense"),
-        describe=lambda: humming.describe_backend("dense"),
-    )
-
-
-def _humming_moe() -> Backend:
-    """Humming's grouped kernel on unquantized activations (W4A16)."""
-    from .humming import adapter as humming
-
-    return Backend(
-        HUMMING,
-        "humming",
-        humming.fused_moe,
-        humming.moe_supported,
-        "w4a16",
-        _humming_converter("moe"),
-        describe=lambda: humming.describe_backend("moe"),
-    )
-
-
-def _humming_converter(family: str) -> Converter:
-    """Humming converts each served layer in place at load (its own layout, written into SGLang's storage)."""
-    from .humming import adapter as humming
+def _humming(family: str) -> Backend:
+    """Return Humming's backend of `family`: dense W4A4 (SGLang's FP4 activations dequantized), MoE W4A16."""
+    from .humming import adapter as humming  # light: Humming itself is imported only when asked about
 
     def convert(tensors: dict, keep_original: bool) -> None:
         if family == "dense":
@@ -159,11 +102,19 @@ def _humming_converter(family: str) -> Converter:
         else:
             humming.prepare_moe(tensors, tensors["dtype"], keep_original)
 
-    return Converter(convert, humming.drop_originals, lambda: humming.restore(family))
+    dense = family == "dense"
+    return Backend(
+        HUMMING,
+        "humming",
+        humming.mm_fp4 if dense else humming.fused_moe,
+        humming.supported,
+        "w4a4" if dense else "w4a16",
+        Converter(convert, humming.drop_originals, lambda: humming.restore(family)),
+        describe=lambda: humming.describe_backend(family),
+    )
 
 
-# The two kernel families, by the one identifier used everywhere ("dense", "moe"): what messages call
-# them, and the entry-point group each family's backends are found in.
+# The two kernel families ("dense", "moe"): what messages call them, and their entry-point groups.
 FAMILY_LABELS = {"dense": "FP4 GEMM", "moe": "NVFP4 fused-MoE"}
 ENTRY_POINT_GROUPS = {"dense": "sm120_fp4.backends", "moe": "sm120_fp4.moe_backends"}
 
@@ -180,8 +131,7 @@ class _Registry:
         self._looked_up: set[str] = set()
 
     def load_entry_points(self, wanted) -> None:
-        """Register the entry points of this family's group named in `wanted` that no one has
-        registered yet (each name looked up once per process); a broken one is a ConfigError."""
+        """Register the entry points named in `wanted` not registered yet (each looked up once per process)."""
         from importlib.metadata import entry_points
 
         with self._lock:
@@ -217,6 +167,7 @@ class _Registry:
             self._entries[name] = Backend(name, "registered", fn, is_supported or _always)
 
     def unregister(self, name: str) -> None:
+        """Remove a registered backend; a built-in is restored to its original definition."""
         with self._lock:
             self._entries.pop(name, None)
             builtin = self._builtins().get(name)
@@ -239,6 +190,7 @@ class _Registry:
         return backend
 
     def is_supported(self, name: str, device: Device) -> tuple[bool, str | None]:
+        """Return whether backend `name` can run on `device`, and why not."""
         backend = self.get(name)
         try:
             ok, reason = backend.supported(device)
@@ -248,30 +200,49 @@ class _Registry:
 
 
 def _dense_builtins() -> dict[str, Backend]:
-    out = {name: Backend(name, "flashinfer", None, functools.partial(_supported, name)) for name in FLASHINFER_BACKENDS}
+    out = {name: Backend(name, "flashinfer", None, functools.partial(supported, name)) for name in FLASHINFER_BACKENDS}
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
     out[EMULATED_CACHED] = Backend(EMULATED_CACHED, "emulated", emulated_cached_mm_fp4, _always)
-    out[HUMMING] = _humming_dense()
+    out[HUMMING] = _humming("dense")
     return out
 
 
-def _b12x_moe() -> Backend:
-    """FlashInfer's b12x fused MoE (B12xMoEWrapper) on SGLang's cutlass tensors, its scales derived here."""
-    from .b12x_moe import NAME, describe, fused_moe, layer_problem, supported
+def _b12x() -> Backend:
+    """Return FlashInfer's b12x fused MoE on SGLang's cutlass tensors (its workspace made at load, released by restore)."""
+    from .b12x_moe import NAME, describe, fused_moe, layer_problem, prepare, reset
+    from .b12x_moe import supported as b12x_supported
 
-    return Backend(NAME, "flashinfer", fused_moe, supported, "w4a4", describe=describe, accepts=layer_problem)
+    def release() -> bool:
+        reset()
+        return True
+
+    converter = Converter(prepare, lambda tensors, keep: None, release, in_place=False)
+    return Backend(NAME, "flashinfer", fused_moe, b12x_supported, "w4a4", converter, describe, layer_problem)
 
 
 def _moe_builtins() -> dict[str, Backend]:
-    out = {name: Backend(name, "flashinfer", None, functools.partial(_moe_supported, name)) for name in _MOE_BACKENDS}
-    out["b12x"] = _b12x_moe()
+    out = {name: Backend(name, "flashinfer", None, functools.partial(moe_supported, name)) for name in MOE_BACKENDS}
+    out["b12x"] = _b12x()
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_moe, _always)
-    out[HUMMING] = _humming_moe()
+    out[HUMMING] = _humming("moe")
     return out
 
 
 _dense = _Registry("dense", _dense_builtins)
 _moe = _Registry("moe", _moe_builtins)
+# The registries' own methods, per family: names(), get(name), is_supported(name, device), unregister(name).
+names = _dense.names
+get = _dense.get
+is_supported = _dense.is_supported
+unregister = _dense.unregister
+moe_names = _moe.names
+get_moe = _moe.get
+is_moe_supported = _moe.is_supported
+unregister_moe = _moe.unregister
+
+
+def _family(family: str) -> _Registry:
+    return _moe if family == "moe" else _dense
 
 
 def register(name: str, fn: GemmFn, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
@@ -279,93 +250,56 @@ def register(name: str, fn: GemmFn, is_supported: SupportFn | None = None, *, re
     _dense.register(name, fn, is_supported, replace, "register")
 
 
-def unregister(name: str) -> None:
-    """Remove a registered backend; built-ins are restored to their original definition."""
-    _dense.unregister(name)
-
-
-def names() -> tuple[str, ...]:
-    return _dense.names()
-
-
 def load_entry_points(wanted, family: str = "dense") -> None:
-    """Register the named backends of entry-point group sm120_fp4.backends (family "moe":
-    sm120_fp4.moe_backends) that are not registered yet; ConfigError when one fails to load."""
-    (_moe if family == "moe" else _dense).load_entry_points(list(wanted))
-
-
-def get(name: str) -> Backend:
-    return _dense.get(name)
-
-
-def is_supported(name: str, device: Device) -> tuple[bool, str | None]:
-    """Whether backend `name` can run on `device`, and why not."""
-    return _dense.is_supported(name, device)
+    """Register the named backends of `family`'s entry-point group not registered yet (ConfigError: one fails)."""
+    _family(family).load_entry_points(list(wanted))
 
 
 def resolve(name: str) -> GemmFn:
-    """The callable to run for backend `name` (FlashInfer imported here, not before)."""
+    """Return the callable to run for backend `name` (FlashInfer imported here, not before)."""
     backend = get(name)
     return backend.fn if backend.fn is not None else mm_fp4_backend(name)
 
 
 def backend_of(family: str, name: str) -> Backend:
-    """Backend `name` of `family` ("dense" or "moe")."""
-    return get_moe(name) if family == "moe" else get(name)
+    """Return backend `name` of `family` ("dense" or "moe")."""
+    return _family(family).get(name)
 
 
 def mode_of(family: str, name: str) -> str:
-    """What backend `name` of `family` computes: "w4a4" or "w4a16" (the oracle mode it is checked
-    against); "w4a4" for a name that is no backend (the original kernel SGLang would call)."""
-    registry = _moe if family == "moe" else _dense
+    """Return what backend `name` of `family` computes ("w4a4" for a name that is no backend: the original)."""
+    registry = _family(family)
     return registry.get(name).mode if name in registry.names() else "w4a4"
 
 
 def original(t):
-    """A weight tensor as the checkpoint has it, for the oracle: where a backend converted its storage
-    in place (humming), a copy of the bytes it kept; otherwise the tensor itself."""
+    """Return a weight as the checkpoint has it (humming's kept bytes where it converted it in place), for the oracle."""
     from .humming import adapter as humming
 
     return humming.original(t)
 
 
 def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
-    """The activation quantizer that serves alongside backend `name` on `device`, where it can be
-    checked there (FlashInfer's, for FlashInfer backends on sm_100+); None otherwise."""
-    return _quantizer(device) if get(name).kind == "flashinfer" else None
+    """Return the activation quantizer serving alongside backend `name` where it can be checked on `device`."""
+    return quantizer(device) if get(name).kind == "flashinfer" else None
+
+
+def invalidate_caches() -> None:
+    """Drop or refresh what backends derived from weights (SGLang is about to write, or has written, them)."""
+    from .b12x_moe import refresh_scales
+
+    _drop_dequantized()
+    refresh_scales()  # in place: CUDA graphs captured before the update read the same tensors
 
 
 def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
-    """Add NVFP4 fused-MoE backend `name`. `fn(x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2,
-    w2_sf, w2_alpha, a1_gscale, a2_gscale, activation, out_dtype, out) -> out` follows
-    nvfp4.reference_moe_fp4's conventions and writes into `out` (T, H), except that a `topk_ids`
-    entry of -1 is a slot that is not this rank's (another expert-parallel rank's expert, or a slot
-    SGLang dropped): it must add nothing and cost nothing, whatever its weight (FlashInfer's kernel
-    skips such ids). `is_supported(device) -> (ok, reason)`. Every call comes from the thread, and on
-    the CUDA stream, that will serve; it must not synchronise with the host (SGLang captures MoE
-    layers in CUDA graphs)."""
+    """Add NVFP4 fused-MoE backend `name`: `fn(*MoeArgs) -> out`, the convention of nvfp4.reference_moe_fp4."""
+    # A -1 id is a slot not this rank's: it adds and costs nothing, whatever its weight. Calls come from
+    # the serving thread and stream, and must not synchronise with the host (CUDA-graph capture).
     _moe.register(name, fn, is_supported, replace, "register_moe")
 
 
-def unregister_moe(name: str) -> None:
-    """Remove a registered MoE backend; built-ins are restored to their original definition."""
-    _moe.unregister(name)
-
-
-def moe_names() -> tuple[str, ...]:
-    return _moe.names()
-
-
-def get_moe(name: str) -> Backend:
-    return _moe.get(name)
-
-
-def is_moe_supported(name: str, device: Device) -> tuple[bool, str | None]:
-    """Whether MoE backend `name` can run on `device`, and why not."""
-    return _moe.is_supported(name, device)
-
-
 def resolve_moe(name: str) -> Callable:
-    """The callable to run for MoE backend `name` (FlashInfer imported here, not before)."""
+    """Return the callable to run for MoE backend `name` (FlashInfer imported here, not before)."""
     backend = get_moe(name)
     return backend.fn if backend.fn is not None else moe_backend(name)

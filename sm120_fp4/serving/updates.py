@@ -151,7 +151,7 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
     for serving in _served():
         with serving.lock:
             changed = _changed_layers(serving)
-            if changed and serving.converter is not None:
+            if changed and serving.converter is not None and serving.converter.in_place:
                 names = [record.label for _, record, _ in changed]
                 message = (
                     f"SGLang updated the weights of {len(names)} layer(s) ({capped(names)}), but "
@@ -218,7 +218,7 @@ def served_layer(served: Served, turn: int) -> Served:
     """Return the `turn`-th verified layer of `served`'s configuration (in rotation), else `served` itself."""
     serving = _records[(served.family, served.device.index)]
     with serving.lock:
-        if serving.converter is not None:
+        if serving.converter is not None and serving.converter.in_place:
             return served  # a backend that converts layers in place keeps the checkpoint's bytes of the first one only
         layers = [r for r in serving.layers.values() if r.key == served.check.key and r.alive()]
         if not layers:

@@ -411,7 +411,7 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         weights=current,
         rebuild=lambda owner: moe_check(kind, owner, serve),
         owner=layer,
-        tensors={**weights._asdict(), "dtype": dtypes[0]},
+        tensors={**weights._asdict(), "dtype": dtypes[0], "top_k": top_k},
     )
 
 

@@ -267,5 +267,5 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
         weights=current,
         rebuild=functools.partial(moe_check, kind, method),
         owner=layer,
-        tensors={**weights._asdict(), "dtype": dtypes[0]},
+        tensors={**weights._asdict(), "dtype": dtypes[0], "top_k": top_k},
     )

@@ -52,7 +52,7 @@ class StandIn:
             if shared_output is not None
             else torch.empty(max_num_tokens, hidden_size, dtype=torch.bfloat16)
         )
-        self._folded_w1_alpha = None
+        self._folded_w1_alpha = self._folded_w1_alpha_key = None
         self.calls = 0
         self.top_k = top_k
         type(self).made.append(self)
@@ -60,7 +60,10 @@ class StandIn:
     def run(self, x, w1, w1_sf, w2, w2_sf, ids, weights, *, w1_alpha, w2_alpha, fc2_input_scale, input_global_scale):
         assert w1_sf.dim() == 6 and w2_sf.dim() == 6 and ids.dtype == torch.int32
         self.calls += 1
-        self._folded_w1_alpha = w1_alpha * input_global_scale
+        # FlashInfer's keyed fold (0.7.2-0.7.4): a new tensor only when the key changes.
+        key = (w1_alpha.data_ptr(), input_global_scale.data_ptr(), w1_alpha._version, input_global_scale._version)
+        if self._folded_w1_alpha is None or self._folded_w1_alpha_key != key:
+            self._folded_w1_alpha, self._folded_w1_alpha_key = w1_alpha * input_global_scale, key
         if self.fault == "inverted":  # read as cutlass's encode scales
             a1, a2, w13_alpha = input_global_scale, fc2_input_scale, w1_alpha / input_global_scale
         else:

@@ -1,19 +1,6 @@
-"""The humming backend's activation dequantization as one CUDA C kernel, compiled by NVRTC (the
-compiler Humming itself JIT-compiles with, through cuda-bindings) and launched with the driver API.
-
-Imported only on CUDA, by :func:`sm120_fp4.backends.humming.dequantize_activations`, which falls back to the
-Triton kernel (:mod:`.dequant`) where this one cannot be built (no cuda-bindings' NVRTC, an
-NVRTC that does not know the GPU). Why a second implementation: on the H200 a Triton launch costs
-about 30 us of host time per call (argument binding and specialisation in Python), more than the
-kernel itself up to M ~ 4096 on the small TP8 projections, and the served call pays it at every
-eager (prefill) call; a driver launch of a precompiled function costs a few microseconds.
-
-The kernel computes exactly what :func:`sm120_fp4.nvfp4.dequantize_unscaled` does: one thread per
-16-element group (8 bytes of codes, one E4M3 scale byte from the 128x4-swizzled layout), the
-products ``e2m1(code) * float(scale)`` formed in float32 (exact: 5 significant bits) and converted
-with round-to-nearest (exact again, so the result is the value itself) to bf16 or fp16; written as
-two 16-byte stores. Checked bit for bit against nvfp4 on the GPU (tests/test_humming.py) and by
-every candidate's self-test.
+"""The humming backend's activation dequantization as one CUDA C kernel, compiled by NVRTC and launched
+through the driver API: a few microseconds of host time per call, where a Triton launch costs about 30 us
+on the H200 (more than the kernel itself up to M ~ 4096). Bit for bit nvfp4.dequantize_unscaled's values.
 """
 
 from __future__ import annotations
@@ -90,8 +77,7 @@ _ARG_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlo
 
 
 def _raw_stream(index: int) -> int:
-    """The current stream's handle on device `index` (PyTorch's raw accessor, as Triton's launcher
-    uses it: no Stream object per call), else through the public API."""
+    """Return the current stream's handle on device `index` (PyTorch's raw accessor: no Stream object per call)."""
     try:
         return torch._C._cuda_getCurrentRawStream(index)
     except AttributeError:  # a PyTorch without it
@@ -135,8 +121,7 @@ def _compile(major: int, minor: int) -> bytes:
 
 
 def load(device: torch.device) -> None:
-    """Compile (once per GPU architecture) and load the kernel on `device` (outside CUDA-graph
-    capture: the caller ensures it); raises Unavailable where it cannot be."""
+    """Compile and load the kernel on `device` (outside capture); raise Unavailable where it cannot be."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _functions:
         return
@@ -162,8 +147,7 @@ def loaded(device: torch.device) -> bool:
 
 
 def launch(a: torch.Tensor, sf_bytes: torch.Tensor, out: torch.Tensor, kp: int) -> None:
-    """Dequantize `a` (M, K/2) with its swizzled scale bytes into `out` (M, K) on the current stream.
-    `out` must be a fresh contiguous allocation (16-byte aligned rows); the kernel was load()-ed."""
+    """Dequantize `a` (M, K/2) with its swizzled scale bytes into a fresh contiguous `out` (M, K) (after load())."""
     from cuda.bindings import driver
 
     index = a.device.index

@@ -1,18 +1,6 @@
-"""The humming backend's activation dequantization, one Triton kernel (imported only on CUDA, by
-:func:`sm120_fp4.backends.humming.dequantize_activations`: Triton is not on the import path of a worker).
-
-FP4 activations (M, K/2) as SGLang's quantizer returns them (element 2i in the low nibble) and
-their 128x4-swizzled E4M3 scales become ``e2m1(code) * float(scale)`` (M, K): 5 significant bits,
-exact in bf16 and fp16; the same values as :func:`sm120_fp4.nvfp4.dequantize_unscaled`, checked
-bit for bit on the GPU (tests/test_humming.py) and through the self-test of every candidate.
-
-One program covers a tile of BLOCK_M rows by BLOCK_G scale groups (8 bytes, 16 elements each):
-each scale byte is read once and broadcast over its 16 elements, the codes are read as whole
-rows of the tile and the output written as contiguous row segments (the first version read a
-scale byte per element and ran one program per 256 bytes of a row: about ten times its
-memory-bound floor at prefill sizes on the H200). M is not specialised on (``do_not_specialize``):
-one compiled kernel per (K, dtype), which the layer check compiles at load, never a new one at
-a batch size first seen inside CUDA-graph capture.
+"""The humming backend's activation dequantization as one Triton kernel (where the CUDA C one cannot be
+built): ``e2m1(code) * float(scale)``, exact in bf16 and fp16. M is not specialised on, so no new kernel is
+compiled at a batch size first seen inside CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -67,8 +55,7 @@ def dequant(a_ptr, sf_ptr, out_ptr, m, half_k, kp, BLOCK_M: tl.constexpr, BLOCK_
 
 
 def launch(a, sf_bytes, out, kp: int) -> None:
-    """Dequantize `a` (M, K/2) uint8 with its swizzled scale bytes (`kp` scale columns, padded)
-    into `out` (M, K): the kernel over its whole grid."""
+    """Dequantize `a` (M, K/2) uint8 with its swizzled scale bytes (`kp` scale columns) into `out` (M, K)."""
     m, half_k = a.shape
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(half_k // 8, BLOCK_G))
     dequant[grid](a, sf_bytes, out, m, half_k, kp, BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G)

@@ -1,0 +1,201 @@
+"""The two backend conventions (mm_fp4's, and reference_moe_fp4's for fused MoE): their argument
+checks from tensor metadata only (no host sync), and the mapping of a cutlass_fused_moe call to the MoE one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import nvfp4
+from ..errors import InvalidArgument, not_accepted
+
+SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+MOE_ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2"}  # the convention's name -> FlashInfer's ActivationType
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _bad(param: str, value: object, accepted: str) -> InvalidArgument:
+    return not_accepted("mm_fp4", param, value, accepted)
+
+
+def _transposed_contiguous(t: torch.Tensor) -> bool:
+    """Return ``t.T.is_contiguous()`` for a 2-D `t` without making the view (microseconds per call)."""
+    (n0, n1), (s0, s1) = t.shape, t.stride()
+    if n0 == 0 or n1 == 0:
+        return True
+    return (n0 == 1 or s0 == 1) and (n1 == 1 or s1 == n0)
+
+
+def _bad_out(out, dtype, shape: tuple) -> bool:
+    return (
+        not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous()
+    )
+
+
+def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(32, 8)) -> None:
+    """Validate mm_fp4 arguments (`out` None: unchecked; `align`: the kernel's (K, N) alignment)."""
+    if not isinstance(a, torch.Tensor) or a.dtype != torch.uint8 or a.dim() != 2:
+        raise _bad("a", a, "packed FP4 activations: a 2-D uint8 tensor (M, K/2)")
+    m, k = a.shape[0], a.shape[1] * 2
+    if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.dim() != 2 or b.shape[0] != a.shape[1]:
+        raise _bad("b", b, f"packed FP4 weights: a 2-D uint8 (K/2={a.shape[1]}, N) view")
+    n = b.shape[1]
+    if b.stride(0) != 1 or b.stride(1) != a.shape[1]:
+        raise _bad("b", b, "the column-major view w.T of a contiguous (N, K/2) weight (strides (1, K/2))")
+    if k % align[0] or n % align[1]:
+        raise _bad("b", b, f"K % {align[0]} == 0 and N % {align[1]} == 0 for this kernel (got K={k}, N={n})")
+    for name, sf, rows in (("a_descale", a_descale, m), ("b_descale", b_descale, n)):
+        rp, cp = nvfp4.swizzled_scale_shape(rows, k)
+        if not isinstance(sf, torch.Tensor) or sf.dtype not in SCALE_DTYPES or sf.numel() != rp * cp:
+            raise _bad(name, sf, f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of {rp * cp} elements")
+    if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() != 1:
+        raise _bad("alpha", alpha, "a one-element float32 tensor (the SM120 kernel requires alpha)")
+    if out_dtype not in _DTYPES:
+        raise _bad("out_dtype", out_dtype, "torch.bfloat16 or torch.float16")
+    if out is not None and _bad_out(out, out_dtype, (m, n)):
+        raise _bad("out", out, f"a contiguous ({m}, {n}) {out_dtype} tensor")
+    if not a.is_contiguous():
+        raise _bad("a", a, "a contiguous tensor (row-major packed activations)")
+    if not a_descale.is_contiguous():
+        raise _bad("a_descale", a_descale, "a contiguous tensor (the swizzled scale bytes in order)")
+    if b_descale.dim() != 2 or not _transposed_contiguous(b_descale):
+        raise _bad("b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
+    others = (("b", b), ("a_descale", a_descale), ("b_descale", b_descale), ("alpha", alpha), ("out", out))
+    for name, t in others:
+        if t is not None and t.get_device() != a.get_device():
+            raise _bad(name, t, f"a tensor on the same device as a ({a.device})")
+
+
+class MoeArgs(NamedTuple):
+    """One call of the MoE backend convention (reference_moe_fp4's; -1 ids: slots that are not this rank's)."""
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    w13: torch.Tensor
+    w13_sf: torch.Tensor
+    w13_alpha: torch.Tensor
+    w2: torch.Tensor
+    w2_sf: torch.Tensor
+    w2_alpha: torch.Tensor
+    a1_gscale: torch.Tensor
+    a2_gscale: torch.Tensor
+    activation: str
+    out_dtype: torch.dtype
+    out: torch.Tensor
+
+
+def _bad_moe(param: str, value: object, accepted: str) -> InvalidArgument:
+    return not_accepted("fused MoE", param, value, accepted)
+
+
+def _bad_tensor(t, dtypes, shape: tuple | None = None, dim: int | None = None) -> bool:
+    return (
+        not isinstance(t, torch.Tensor)
+        or t.dtype not in dtypes
+        or (dim is not None and t.dim() != dim)
+        or (shape is not None and tuple(t.shape) != shape)
+    )
+
+
+def check_moe_args(*args) -> MoeArgs:
+    """Validate one call of the MoE convention; return it as MoeArgs."""
+    c = MoeArgs(*args)
+    if c.activation not in MOE_ACTIVATIONS:
+        raise _bad_moe("activation", c.activation, f"one of {', '.join(MOE_ACTIVATIONS)}")
+    if _bad_tensor(c.x, _DTYPES, dim=2):
+        raise _bad_moe("x", c.x, "a 2-D bf16 or fp16 tensor (T, H)")
+    t, h = c.x.shape
+    if _bad_tensor(c.topk_ids, (torch.int32, torch.int64), dim=2) or c.topk_ids.shape[0] != t:
+        raise _bad_moe("topk_ids", c.topk_ids, f"an int32 (T={t}, k) tensor")
+    k = c.topk_ids.shape[1]
+    if _bad_tensor(c.topk_weights, (torch.float32,), (t, k)):
+        raise _bad_moe("topk_weights", c.topk_weights, f"a float32 ({t}, {k}) tensor")
+    if _bad_tensor(c.w13, (torch.uint8,), dim=3) or c.w13.shape[2] * 2 != h:
+        raise _bad_moe("w13", c.w13, f"packed FP4 (E, 2I or I, H/2={h // 2}) uint8")
+    e, rows = c.w13.shape[0], c.w13.shape[1]
+    inter = rows // 2 if c.activation == "swiglu" else rows
+    if _bad_tensor(c.w2, (torch.uint8,), (e, h, inter // 2)):
+        raise _bad_moe("w2", c.w2, f"packed FP4 ({e}, {h}, {inter // 2}) uint8")
+    for name, sf, r, cols in (("w13_sf", c.w13_sf, rows, h), ("w2_sf", c.w2_sf, h, inter)):
+        rp, cp = nvfp4.swizzled_scale_shape(r, cols)
+        if _bad_tensor(sf, SCALE_DTYPES) or sf.numel() != e * rp * cp or not sf.is_contiguous():
+            raise _bad_moe(name, sf, f"contiguous 128x4 swizzled E4M3 scales of ({e}, {rp}, {cp})")
+    for name, alpha in (("w13_alpha", c.w13_alpha), ("w2_alpha", c.w2_alpha)):
+        if _bad_tensor(alpha, (torch.float32,)) or alpha.numel() != e:
+            raise _bad_moe(name, alpha, f"a float32 tensor of E={e} elements")
+    for name, scale in (("a1_gscale", c.a1_gscale), ("a2_gscale", c.a2_gscale)):
+        if _bad_tensor(scale, (torch.float32,)) or scale.numel() not in (1, e):
+            raise _bad_moe(name, scale, f"a float32 tensor of 1 or E={e} elements (global encode scales)")
+    if c.out_dtype not in _DTYPES:
+        raise _bad_moe("out_dtype", c.out_dtype, "torch.bfloat16 or torch.float16")
+    if _bad_out(c.out, c.out_dtype, (t, h)):
+        raise _bad_moe("out", c.out, f"a contiguous ({t}, {h}) {c.out_dtype} tensor")
+    return c
+
+
+# cutlass_fused_moe keywords that ask for something the convention does not express (left to the original).
+_UNSERVED_KEYWORDS = ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit")
+
+
+def _served_call(kwargs: dict, scales, w13, activation) -> bool:
+    return not (
+        activation is None
+        or not isinstance(scales, (list, tuple))
+        or len(scales) != 6
+        or not isinstance(w13, torch.Tensor)
+        or w13.dtype != torch.int64
+        or scales[1].dtype != torch.int32
+        or kwargs.get("input_sf") is not None
+        or kwargs.get("enable_alltoall")
+        or any(kwargs.get(k) is not None for k in _UNSERVED_KEYWORDS)
+        or kwargs.get("cluster_size", 1) != 1
+        or kwargs.get("min_latency_mode")
+    )
+
+
+def moe_call_to_convention(kwargs: dict, activation_type: type) -> MoeArgs | None:
+    """Map one ``cutlass_fused_moe(**kwargs)`` call to the MoE convention, or None for a call it does not serve."""
+    scales = kwargs.get("quant_scales")
+    w13, w2, x = kwargs.get("fc1_expert_weights"), kwargs.get("fc2_expert_weights"), kwargs.get("input")
+    names = {getattr(activation_type, v): k for k, v in MOE_ACTIVATIONS.items()}
+    activation = names.get(kwargs.get("activation_type", getattr(activation_type, "Swiglu")))
+    if not _served_call(kwargs, scales, w13, activation):
+        return None
+    w13_u8, w2_u8 = w13.view(torch.uint8), w2.view(torch.uint8)
+    # SGLang's ids are global under expert parallelism (this rank's start at ep_rank * E), -1 for a dropped
+    # slot; the convention's are local, -1 for every slot not this rank's (skipped: no work, nothing summed).
+    ep_size, ep_rank = kwargs.get("ep_size", 1), kwargs.get("ep_rank", 0)
+    local = w13_u8.shape[0]
+    ids = kwargs["token_selected_experts"].to(torch.int32)
+    if ep_size > 1:
+        ids = torch.where(ids >= 0, ids - ep_rank * local, ids)
+    ids = torch.where((ids >= 0) & (ids < local), ids, torch.full_like(ids, -1))
+    out_dtype = kwargs.get("output_dtype", x.dtype)
+    out = kwargs.get("output")
+    if out is None:
+        out = torch.empty((x.shape[0], w2_u8.shape[1]), dtype=out_dtype, device=x.device)
+    e4m3 = torch.float8_e4m3fn
+    return MoeArgs(
+        x,
+        ids,
+        kwargs["token_final_scales"],
+        w13_u8,
+        scales[1].view(e4m3),
+        scales[2],
+        w2_u8,
+        scales[4].view(e4m3),
+        scales[5],
+        global_scale(scales[0]),
+        global_scale(scales[3]),
+        activation,
+        out_dtype,
+        out,
+    )
+
+
+def global_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Return a global encode scale as the convention has it: (1,) for one scale, (E,) for one per expert."""
+    return scale.reshape(1) if scale.numel() == 1 else scale.reshape(-1)
