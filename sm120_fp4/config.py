@@ -1,8 +1,7 @@
 """Settings: keyword arguments > ``SM120_FP4_*`` environment variables > defaults.
 
-Every value is checked when the settings are built (at ``install()`` or CLI start), never at the
-first request: a bad value raises :class:`~sm120_fp4.errors.ConfigError` naming the variable, the
-value and what is accepted. Values are case-sensitive, lower case, as documented.
+Every value is checked when the settings are built (``install()`` or CLI start): a bad one raises
+:class:`~sm120_fp4.errors.ConfigError` naming the variable, the value and what is accepted.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import logging
 import os
 import re
 import stat
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -38,48 +38,37 @@ __all__ = [
 _LOG = logging.getLogger("sm120_fp4")
 ENV_PREFIX = "SM120_FP4_"
 AUTO = "auto"
-# Every pattern is ASCII only (re.ASCII; [0-9], never \d): "١٢.٠" or a fullwidth "１２.０" is
-# not a capability, whatever Python's int() would make of it.
+OFF = "off"
+# ASCII only ([0-9], never \d): "١٢.٠" or a fullwidth "１２.０" is not a capability, whatever int() makes of it.
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*", re.ASCII)
 _CAPABILITY = re.compile(r"([0-9]{1,2})\.([0-9])", re.ASCII)
 _SECONDS = re.compile(r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 _ASCII_SPACE = " \t"
-# Every duration setting is bounded from below and above: (least, most, unit). A value too small
-# for its use is as wrong as one too large: a period of 1e-320 s makes `late // period` infinite
-# (OverflowError in the scheduler), and threading refuses timeouts near 2**63 ns.
+# Each duration's (least, most, unit): a period of 1e-320 s overflows the scheduler's arithmetic, and
+# threading refuses timeouts near 2**63 ns; a canary slice holds the serving thread (a second is too long).
 _DAY_S = 86400.0
 DURATIONS: dict[str, tuple[float, float, str]] = {
-    "selftest_timeout": (1.0, _DAY_S, "seconds"),  # a whole candidate's self-test: never under a second
-    "canary": (0.1, _DAY_S, "seconds"),  # the canary's period
-    "canary_slice_ms": (0.001, 1000.0, "milliseconds"),  # a slice holds the serving thread: a second is far too long
+    "selftest_timeout": (1.0, _DAY_S, "seconds"),
+    "canary": (0.1, _DAY_S, "seconds"),
+    "canary_slice_ms": (0.001, 1000.0, "milliseconds"),
 }
-# The capabilities SM120_FP4_SIMULATE may pretend: what the library serves (12.0, 12.1: patched and
-# verified) and those of NVIDIA's other CUDA GPUs (the library leaves SGLang untouched there, as on
-# such a GPU). Another value would be simulated as nothing the library knows what to do with.
-SERVED_CAPABILITIES = ((12, 0), (12, 1))
-OTHER_CAPABILITIES = (
-    (7, 0),
-    (7, 2),
-    (7, 5),
-    (8, 0),
-    (8, 6),
-    (8, 7),
-    (8, 9),
-    (9, 0),
-    (10, 0),
-    (10, 1),
-    (10, 3),
-    (11, 0),
-)
-OFF = "off"
+
+
+def _capability_list(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((int(c.split(".")[0]), int(c.split(".")[1])) for c in text.split())
+
+
+# What SM120_FP4_SIMULATE may pretend: the capabilities this library serves, and NVIDIA's other CUDA
+# GPUs' (where SGLang is left untouched).
+SERVED_CAPABILITIES = _capability_list("12.0 12.1")
+OTHER_CAPABILITIES = _capability_list("7.0 7.2 7.5 8.0 8.6 8.7 8.9 9.0 10.0 10.1 10.3 11.0")
+_ignored_logged: set[str] = set()
 
 
 def _home() -> tuple[str | None, str]:
-    """This user's home directory (absolute, not /) and where it came from, or (None, why not).
-
-    $HOME when it is set and absolute; an empty or relative $HOME (`HOME=""`, as some service
-    managers and containers start processes) is not a home: the password database's entry for this
-    user is asked instead, as the shell does when HOME is unset."""
+    """Return this user's home directory (absolute, not /) and its source, or (None, why not)."""
+    # An empty or relative $HOME (as some service managers start processes) is not a home: the
+    # password database is asked instead, as the shell does when HOME is unset.
     home = os.environ.get("HOME")
     why = "HOME is unset" if home is None else f"HOME={home!r} is not an absolute path"
     if home and os.path.isabs(home) and home.rstrip("/"):
@@ -99,28 +88,28 @@ def _home() -> tuple[str | None, str]:
 
 
 def default_verdicts_path() -> Path | None:
-    """$XDG_CACHE_HOME/sm120_fp4/verdicts.json (an absolute XDG_CACHE_HOME: the XDG rule), else
-    ~/.cache/sm120_fp4/verdicts.json in this user's home (_home); None where there is no home --
-    then there is no default store (a warning once: set SM120_FP4_VERDICTS), never /.cache."""
+    """Return the default verdict file under the XDG cache or ~/.cache, or None (warned once) without a home."""
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "sm120_fp4" / "verdicts.json"
     home, why = _home()
     if home is None:
-        message = (
+        _warn_once(
             f"sm120_fp4: no verdict store: {why} (and XDG_CACHE_HOME is not an absolute path); crashes seen by "
             "`sm120-fp4 selftest` are not remembered. Set SM120_FP4_VERDICTS to a file path (or off)"
         )
-        if message not in _ignored_logged:
-            _ignored_logged.add(message)
-            _LOG.warning("%s", message)
         return None
     return Path(home) / ".cache" / "sm120_fp4" / "verdicts.json"
 
 
+def _warn_once(message: str) -> None:
+    if message not in _ignored_logged:
+        _ignored_logged.add(message)
+        _LOG.warning("%s", message)
+
+
 def _filesystem(check, value: object):
-    """Run a filesystem check of a setting: any OSError (ENAMETOOLONG, EACCES, ELOOP, ...) or
-    ValueError (an embedded NUL) becomes the setting's own error, never a raw traceback."""
+    """Run a setting's filesystem check, turning OSError or ValueError into the setting's own error."""
     try:
         return check()
     except (OSError, ValueError) as exc:
@@ -132,8 +121,7 @@ def _filesystem(check, value: object):
 
 
 def _not_special(path: Path, accepted: str) -> None:
-    """ValueError when `path` exists and is not a regular file: a device node (/dev/null), a FIFO,
-    a socket or a symbolic link (/dev/stdout) is never written, followed or replaced (files.py)."""
+    """Raise ValueError when `path` exists and is not a regular file (never written, followed or replaced)."""
     from .files import kind_of
 
     st = _filesystem(lambda: os.lstat(path) if os.path.lexists(path) else None, str(path))
@@ -142,6 +130,110 @@ def _not_special(path: Path, accepted: str) -> None:
             f"accepted: {accepted} ({describe(str(path))} is {kind_of(st.st_mode)}, which is never "
             "written, followed or replaced)"
         )
+
+
+def _number(value: object) -> float | None:
+    """Return a setting's number from an int, float or ASCII-digit string (not "١٢", "1_000", "inf"), else None."""
+    if isinstance(value, str):
+        return float(value) if _SECONDS.fullmatch(value) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _duration(field: str, value: object, prefix: str = "") -> float:
+    """Return duration setting `field`'s value within its DURATIONS bounds, else raise ValueError."""
+    least, most, unit = DURATIONS[field]
+    number = _number(value)
+    if number is None or not least <= number <= most:
+        raise ValueError(f"accepted: {prefix}{least:g} <= {unit} <= {most:g}, in ASCII digits")
+    return number
+
+
+def _capabilities(capabilities: tuple[tuple[int, int], ...]) -> str:
+    return ", ".join(f"{major}.{minor}" for major, minor in capabilities)
+
+
+def _parse_backends(value: object) -> object:
+    if value == AUTO:
+        return AUTO
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names:
+        raise ValueError("accepted: a comma-separated list of backend names, e.g. cutlass,b12x, or auto")
+    names = tuple(n.strip(_ASCII_SPACE) if isinstance(n, str) else n for n in names)
+    bad = [n for n in names if not isinstance(n, str) or not _NAME.fullmatch(n)]
+    if bad:
+        raise ValueError(
+            f"accepted: lower-case backend names (ASCII) such as cutlass,b12x,emulated; bad entries {capped(bad)}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError("accepted: each backend named once")
+    return names
+
+
+def _parse_simulate(value: object) -> object:
+    if value is None:
+        return None
+    if isinstance(value, float):
+        value = repr(value)  # 12.0 -> "12.0", as the variable is written; 12.05 stays ambiguous (rejected)
+    # fullmatch: re's `$` also matches before a trailing newline ("12.0\n" is not a capability).
+    match = _CAPABILITY.fullmatch(value) if isinstance(value, str) else None
+    if not match or (int(match.group(1)), int(match.group(2))) not in SERVED_CAPABILITIES + OTHER_CAPABILITIES:
+        raise ValueError(
+            f"accepted: a compute capability MAJOR.MINOR the library knows: {_capabilities(SERVED_CAPABILITIES)} "
+            f"(patched and verified), or another NVIDIA GPU's ({_capabilities(OTHER_CAPABILITIES)}: SGLang "
+            "is left untouched, as on such a GPU)"
+        )
+    return value
+
+
+def _parse_report(value: object) -> object:
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("accepted: a file or directory path (unset for no report)")
+    if isinstance(value, (str, Path)):
+        # Checked now, not when a serving worker first writes the report.
+        path = Path(str(value).replace("{pid}", "0"))
+
+        def usable() -> Path | None:
+            folder = path if path.is_dir() else path.parent
+            return folder if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK) else None
+
+        if _filesystem(usable, value) is None:
+            raise ValueError(
+                f"accepted: a file in an existing, writable directory, or such a directory "
+                f"({describe(str(path.parent))} is not one)"
+            )
+        if not _filesystem(path.is_dir, value):
+            _not_special(path, "a regular file, a new path, or a directory (or a link to one)")
+    return value
+
+
+def _parse_verdicts(value: object) -> object:
+    if value is None or value == OFF:
+        return value
+    if isinstance(value, str) and value.strip(_ASCII_SPACE).lower() == OFF:
+        # Values are lower case, as every other setting's: "OFF" is not a file named OFF.
+        raise ValueError("accepted: off in lower case for no verdict store, or a file path")
+    if not isinstance(value, (str, Path)) or not str(value).strip() or "\x00" in str(value):
+        raise ValueError("accepted: a file path, or off (unset: the default under the user's cache directory)")
+    if _filesystem(Path(value).is_dir, value):
+        raise ValueError(f"accepted: a file path, not a directory ({describe(str(value))} is one)")
+    _not_special(Path(value), "a regular file or a new path, or off for no verdict store")
+    return str(value)
+
+
+# Each setting's parser, run on the raw value before pydantic's own type check.
+_PARSERS: dict[str, typing.Callable[[object], object]] = {
+    "toggle": parse_toggle,
+    "backends": _parse_backends,
+    "moe_backends": _parse_backends,
+    "selftest_timeout": lambda v: _duration("selftest_timeout", v),
+    "canary_slice_ms": lambda v: _duration("canary_slice_ms", v),
+    "canary": lambda v: OFF if v == OFF else _duration("canary", v, "off, or the period in seconds: "),
+    "simulate": _parse_simulate,
+    "report": _parse_report,
+    "verdicts": _parse_verdicts,
+}
 
 
 class Settings(BaseSettings):
@@ -234,159 +326,48 @@ class Settings(BaseSettings):
         except ValidationError as exc:
             raise _config_error(exc, values) from None
 
-    @field_validator("toggle", mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _parse_toggle(cls, value: object) -> object:
-        return parse_toggle(value)
+    def _parse(cls, value: object, info) -> object:
+        parser = _PARSERS.get(info.field_name)
+        return value if parser is None else parser(value)
 
     def model_post_init(self, context: Any) -> None:
-        # Remember now whether the report names a directory (a link to one is that directory): if it
-        # disappears later, the writer warns instead of creating a file at the directory's name.
+        # Whether the report names a directory is fixed now: if it disappears later, the writer warns
+        # instead of creating a file at the directory's name.
         if self.report is not None:
             path = Path(str(self.report).replace("{pid}", "0"))
             self._report_is_dir = bool(_filesystem(path.is_dir, self.report))
 
-    @field_validator("backends", "moe_backends", mode="before")
-    @classmethod
-    def _parse_backends(cls, value: object, info) -> object:
-        if value == AUTO:
-            return AUTO
-        names = value.split(",") if isinstance(value, str) else value
-        if not isinstance(names, (list, tuple)) or not names:
-            raise ValueError("accepted: a comma-separated list of backend names, e.g. cutlass,b12x, or auto")
-        names = tuple(n.strip(_ASCII_SPACE) if isinstance(n, str) else n for n in names)
-        bad = [n for n in names if not isinstance(n, str) or not _NAME.fullmatch(n)]
-        if bad:
-            raise ValueError(
-                f"accepted: lower-case backend names (ASCII) such as cutlass,b12x,emulated; bad entries {capped(bad)}"
-            )
-        if len(set(names)) != len(names):
-            raise ValueError("accepted: each backend named once")
-        return names
-
-    @field_validator("selftest_timeout", "canary_slice_ms", mode="before")
-    @classmethod
-    def _parse_duration(cls, value: object, info) -> object:
-        return _duration(info.field_name, value)
-
-    @field_validator("canary", mode="before")
-    @classmethod
-    def _parse_canary(cls, value: object) -> object:
-        if value == OFF:
-            return OFF
-        return _duration("canary", value, "off, or the period in seconds: ")
-
-    @field_validator("simulate", mode="before")
-    @classmethod
-    def _parse_simulate(cls, value: object) -> object:
-        if value is None:
-            return None
-        if isinstance(value, float):
-            value = repr(value)  # 12.0 -> "12.0", as the variable is written; 12.05 stays ambiguous (rejected)
-        # fullmatch: re's `$` also matches before a trailing newline ("12.0\n" is not a capability).
-        match = _CAPABILITY.fullmatch(value) if isinstance(value, str) else None
-        if not match or (int(match.group(1)), int(match.group(2))) not in SERVED_CAPABILITIES + OTHER_CAPABILITIES:
-            raise ValueError(
-                f"accepted: a compute capability MAJOR.MINOR the library knows: {_capabilities(SERVED_CAPABILITIES)} "
-                f"(patched and verified), or another NVIDIA GPU's ({_capabilities(OTHER_CAPABILITIES)}: SGLang "
-                "is left untouched, as on such a GPU)"
-            )
-        return value
-
-    @field_validator("report", mode="before")
-    @classmethod
-    def _parse_report(cls, value: object) -> object:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("accepted: a file or directory path (unset for no report)")
-        if isinstance(value, (str, Path)):
-            # Checked now, not when the first decision writes the report in a serving worker. A
-            # filesystem error (a component too long, a loop of links) is this setting's error.
-            path = Path(str(value).replace("{pid}", "0"))
-
-            def usable() -> Path | None:
-                folder = path if path.is_dir() else path.parent
-                return folder if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK) else None
-
-            if _filesystem(usable, value) is None:
-                folder = path.parent
-                raise ValueError(
-                    f"accepted: a file in an existing, writable directory, or such a directory "
-                    f"({describe(str(folder))} is not one)"
-                )
-            if not _filesystem(path.is_dir, value):
-                _not_special(path, "a regular file, a new path, or a directory (or a link to one)")
-        return value
-
-    @field_validator("verdicts", mode="before")
-    @classmethod
-    def _parse_verdicts(cls, value: object) -> object:
-        if value is None or value == "off":
-            return value
-        if isinstance(value, str) and value.strip(_ASCII_SPACE).lower() == "off":
-            # Values are lower case, as every other setting's: "OFF" is not a file named OFF.
-            raise ValueError("accepted: off in lower case for no verdict store, or a file path")
-        if not isinstance(value, (str, Path)) or not str(value).strip() or "\x00" in str(value):
-            raise ValueError("accepted: a file path, or off (unset: the default under the user's cache directory)")
-        if _filesystem(Path(value).is_dir, value):
-            raise ValueError(f"accepted: a file path, not a directory ({describe(str(value))} is one)")
-        _not_special(Path(value), "a regular file or a new path, or off for no verdict store")
-        return str(value)
-
     @property
     def report_is_dir(self) -> bool:
-        """Whether the report named a directory (or a link to one) when the settings were read."""
+        """Return whether the report named a directory (or a link to one) when the settings were read."""
         return self._report_is_dir
 
     @property
     def verdicts_path(self) -> Path | None:
-        """The verdict file, or None when SM120_FP4_VERDICTS=off."""
-        if self.verdicts == "off":
+        """Return the verdict file, or None when SM120_FP4_VERDICTS=off."""
+        if self.verdicts == OFF:
             return None
         return Path(self.verdicts) if self.verdicts is not None else default_verdicts_path()
 
     @property
     def canary_period(self) -> float | None:
-        """The serving canary's period in seconds, or None when SM120_FP4_CANARY=off."""
+        """Return the serving canary's period in seconds, or None when SM120_FP4_CANARY=off."""
         return None if self.canary == OFF else float(self.canary)
 
     @property
     def simulated_capability(self) -> tuple[int, int] | None:
-        if self.simulate is None:
-            return None
-        major, minor = self.simulate.split(".")
-        return int(major), int(minor)
+        return None if self.simulate is None else _capability_list(self.simulate)[0]
 
     @property
     def active(self) -> bool:
-        """False when the master toggle or ENABLE switches the library off."""
-        return self.toggle is not False and self.enable != "off"
-
-
-def _number(value: object) -> float | None:
-    """A setting's number: an int or float, or a string of ASCII digits (float() would also take
-    "١٢", "１２", "1_000", " 9 " and "inf"); None for anything else."""
-    if isinstance(value, str):
-        return float(value) if _SECONDS.fullmatch(value) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
-def _capabilities(capabilities: tuple[tuple[int, int], ...]) -> str:
-    return ", ".join(f"{major}.{minor}" for major, minor in capabilities)
-
-
-def _duration(field: str, value: object, prefix: str = "") -> float:
-    """The value of duration setting `field`, within its bounds (DURATIONS), or ValueError saying the range."""
-    least, most, unit = DURATIONS[field]
-    number = _number(value)
-    if number is None or not least <= number <= most:
-        raise ValueError(f"accepted: {prefix}{least:g} <= {unit} <= {most:g}, in ASCII digits")
-    return number
+        """Return False when the master toggle or ENABLE switches the library off."""
+        return self.toggle is not False and self.enable != OFF
 
 
 def env_name(field: str) -> str:
-    """The environment variable that sets `field`."""
+    """Return the environment variable that sets `field`."""
     return TOGGLE_VAR if field == "toggle" else ENV_PREFIX + field.upper()
 
 
@@ -407,8 +388,7 @@ def _config_error(exc: ValidationError, kwargs: dict[str, Any]) -> ConfigError:
 
 
 def _shown(value: object, limit: int = 200) -> str:
-    """A rejected value for the message: its repr, cut at `limit` characters (a 20,000-name list
-    must not make a 200 KB error)."""
+    """Return a rejected value's repr, cut at `limit` characters."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
@@ -420,37 +400,29 @@ def _check_unknown_env(environ: dict[str, str]) -> None:
     unknown = sorted(
         k for k in environ if (k.upper().startswith(ENV_PREFIX) or k.upper() == TOGGLE_VAR) and k not in known
     )
-    if unknown:
-        hints = []
-        for name in unknown[:8]:
-            close = (
-                [name.upper()] if name.upper() in known else difflib.get_close_matches(name.upper(), sorted(known), n=1)
-            )
-            hints.append(f"{name}={_shown(environ[name])}" + (f" (did you mean {close[0]}?)" if close else ""))
-        more = f", and {len(unknown) - 8} more" if len(unknown) > 8 else ""
-        raise ConfigError(
-            "unknown sm120_fp4 environment variable(s): "
-            + ", ".join(hints)
-            + more
-            + "; accepted: "
-            + ", ".join(sorted(known))
-        )
+    if not unknown:
+        return
+    hints = []
+    for name in unknown[:8]:
+        upper = name.upper()
+        close = [upper] if upper in known else difflib.get_close_matches(upper, sorted(known), n=1)
+        hints.append(f"{name}={_shown(environ[name])}" + (f" (did you mean {close[0]}?)" if close else ""))
+    more = f", and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+    raise ConfigError(
+        f"unknown sm120_fp4 environment variable(s): {', '.join(hints)}{more}; accepted: {', '.join(sorted(known))}"
+    )
 
 
-# FlashInfer's own NVFP4 knobs: fp4_quantize (SGLang's activation quantizer) and cutlass_fused_moe read
-# FLASHINFER_NVFP4_4OVER6, ..._4OVER6_E4M3_USE_256, ..._4OVER6_ERR_MODE, ..._4OVER6_ERR_USE_FAST_MATH (0.7.2 to 0.7.4)
-# when called without nvfp4_4over6=, as SGLang calls them: per-block scales chosen from amax/6 or amax/4, block scales
-# clamped at 256. The oracle models the standard recipe only, so with any of them set no result can be verified.
-# Every FLASHINFER_NVFP4_* name counts, a future knob too: the library cannot tell which leave the numbers alone.
-# Except the quantizer's launch knobs (threads per token, the TMA load path): they change how the same recipe runs,
-# not the recipe, and every check runs with them set, so what they do to the numbers is verified like anything else.
+# FlashInfer's fp4_quantize and cutlass_fused_moe read FLASHINFER_NVFP4_* knobs (4over6 block scales, scales
+# clamped at 256) when called as SGLang calls them; the oracle models the standard recipe only, so any such
+# name (a future one too) makes results unverifiable. The quantizer's launch knobs change how the same recipe
+# runs, not the recipe, and every check runs with them set.
 FLASHINFER_PREFIX = "FLASHINFER_NVFP4_"
 FLASHINFER_LAUNCH_KNOBS = frozenset({"FLASHINFER_NVFP4_PER_TOKEN_THREADS", "FLASHINFER_NVFP4_QUANTIZE_USE_TMA"})
 
 
 def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Every FLASHINFER_NVFP4_* variable set in `environ` (default: this process's environment) that may change
-    FlashInfer's FP4 recipe (all but its launch knobs), by name."""
+    """Return every FLASHINFER_NVFP4_* variable set that may change FlashInfer's FP4 recipe, by name."""
     environ = os.environ if environ is None else environ
     return {
         k: environ[k]
@@ -460,7 +432,7 @@ def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str
 
 
 def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:
-    """Why FlashInfer's FP4 results cannot be verified in this environment, or None."""
+    """Return why FlashInfer's FP4 results cannot be verified in this environment, or None."""
     found = flashinfer_overrides(environ)
     if not found:
         return None
@@ -474,17 +446,14 @@ def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:
 
 
 def check_flashinfer_env(environ: dict[str, str] | None = None) -> None:
-    """Raise ConfigError where FlashInfer's own NVFP4 knobs are set (see flashinfer_problem)."""
+    """Raise ConfigError where FlashInfer's own NVFP4 knobs are set."""
     problem = flashinfer_problem(environ)
     if problem is not None:
         raise ConfigError(f"sm120_fp4 cannot verify FlashInfer's FP4 results here: {problem}")
 
 
-_ignored_logged: set[str] = set()
-
-
 def _toggled_off(overrides: dict[str, Any]) -> bool:
-    """Whether the master toggle is off: keyword toggle=0/False/"0"/"off", else env SM120_FP4=0/off."""
+    """Return whether the master toggle (keyword toggle, else env SM120_FP4) is off."""
     raw = overrides["toggle"] if "toggle" in overrides else os.environ.get(TOGGLE_VAR)
     try:
         return parse_toggle(raw) is False
@@ -493,67 +462,53 @@ def _toggled_off(overrides: dict[str, Any]) -> bool:
 
 
 def load_settings(**overrides: Any) -> Settings:
-    """Build Settings from keyword overrides and the environment, rejecting unknown variables.
-
-    Off means off: with the toggle off (SM120_FP4=0/off, or toggle=0/False) every other setting is
-    ignored -- a stale bad value, an unknown variable -- and logged once, so that the refusal's own
-    advice ("turn this library off: SM120_FP4=0") always works.
-    """
+    """Build Settings from keyword overrides and the environment, rejecting unknown variables."""
+    # Off means off: with the toggle off every other setting is ignored (logged once), so that the
+    # refusal's own advice ("turn this library off: SM120_FP4=0") always works.
     if _toggled_off(overrides):
         try:
             _check_unknown_env(dict(os.environ))
             Settings(**overrides)
         except ConfigError as exc:
-            text = str(exc)
-            if text not in _ignored_logged:
-                _ignored_logged.add(text)
-                _LOG.warning(
-                    "sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: %s", text
-                )
+            _warn_once(f"sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: {exc}")
         return Settings.model_construct(toggle=False)
     _check_unknown_env(dict(os.environ))
     return Settings(**overrides)
 
 
 def sources(settings_kwargs: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Where each setting's value came from: 'keyword', the environment variable, or 'default'."""
+    """Return where each setting's value came from: 'keyword', the environment variable, or 'default'."""
     environ = os.environ if environ is None else environ
-    out = {}
-    for field in Settings.model_fields:
-        if field in settings_kwargs:
-            out[field] = "keyword"
-        elif env_name(field) in environ:
-            out[field] = f"env {env_name(field)}"
-        else:
-            out[field] = "default"
-    return out
+    return {
+        f: "keyword" if f in settings_kwargs else f"env {env_name(f)}" if env_name(f) in environ else "default"
+        for f in Settings.model_fields
+    }
+
+
+_ACCEPTED = {
+    "toggle": "`1`, `on`, `0`, `off`",
+    "backends": "`auto` or comma-separated names",
+    "moe_backends": "`auto` or comma-separated names",
+    "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
+    "report": "a path",
+    "verdicts": "a file path, or `off`",
+    **{
+        f: ("`off`, or " if f == "canary" else "")
+        + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
+        for f, (least, most, unit) in DURATIONS.items()
+    },
+}
 
 
 def _accepted(field: str) -> str:
-    import typing
-
-    annotation = Settings.model_fields[field].annotation
-    choices = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if field == "toggle":
-        return "`1`, `on`, `0`, `off`"
-    if choices and all(isinstance(c, str) for c in choices):
+    choices = typing.get_args(Settings.model_fields[field].annotation)
+    if field not in _ACCEPTED and choices and all(isinstance(c, str) for c in choices):
         return ", ".join(f"`{c}`" for c in choices)
-    return {
-        "backends": "`auto` or comma-separated names",
-        "moe_backends": "`auto` or comma-separated names",
-        "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
-        "report": "a path",
-        "verdicts": "a file path, or `off`",
-        **{
-            f: ("`off`, or " if f == "canary" else "")
-            + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
-            for f, (least, most, unit) in DURATIONS.items()
-        },
-    }.get(field, "")
+    return _ACCEPTED.get(field, "")
 
 
 def settings_table() -> str:
-    """The README's table of every setting, generated from Settings (a test keeps README in sync)."""
+    """Return the README's table of every setting, generated from Settings."""
     from .tables import markdown_table
 
     rows = []
