@@ -1,21 +1,14 @@
-"""What an NVFP4 checkpoint directory says about itself: its quantization format, read from its config files.
+"""Read an NVFP4 checkpoint directory's quantization format, and validate its NVFP4 tensors.
 
-Two producers write NVFP4 checkpoints that SGLang serves: NVIDIA ModelOpt (``quant_method: modelopt``,
-``quant_algo: NVFP4`` in ``config.json``'s ``quantization_config``, or the older ``hf_quant_config.json``
-with ``{"quantization": {"quant_algo": "NVFP4"}}``; ``MIXED_PRECISION`` lists per-layer algorithms) and
-llm-compressor / compressed-tensors (``quant_method: compressed-tensors``, a config group whose weights
-are 4-bit floats in groups of 16). Only the standard library and the files themselves are read.
-
-:func:`inspect` is the one validation pass over a checkpoint's NVFP4 tensors, before any kernel is called:
-its safetensors files readable (headers parsed here, every tensor's bytes inside its file), every quantized
-layer carrying each tensor it needs with the dtype and shape SGLang loads, every expert of a MoE layer, the
-quantization config's group size and ignore list, the shapes config.json implies, and the scales' values
-(global and activation scales finite and positive, no NaN block-scale byte). A fault is a CheckpointError
+ModelOpt (``quant_algo: NVFP4`` in ``config.json`` or ``hf_quant_config.json``) and compressed-tensors
+(4-bit float weights in groups of 16) are read with the standard library only. :func:`inspect` checks every
+NVFP4 layer's tensors, dtypes, shapes and scales before any kernel is called; a fault is a CheckpointError
 naming the file, the tensor and what is accepted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -35,8 +28,7 @@ _MAX_CONFIG_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class Quantization:
-    """A checkpoint's quantization: `format` (MODELOPT, COMPRESSED_TENSORS or the config's own name, or None
-    for none), whether any of its layers are NVFP4, and the config it was read from."""
+    """A checkpoint's quantization format (None for none), whether any layer is NVFP4, and its config."""
 
     format: str | None
     nvfp4: bool
@@ -83,8 +75,13 @@ def _modelopt_nvfp4(quant: dict) -> bool:
     return False
 
 
+def text_config(config: dict) -> dict:
+    """Return the text model's config: a VLM's ``text_config``, else `config` itself."""
+    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+
 def read_quantization(model_dir: str) -> Quantization:
-    """The quantization of the checkpoint in `model_dir` (a local directory with a ``config.json``)."""
+    """Return the quantization of the checkpoint in local directory `model_dir`."""
     if not isinstance(model_dir, (str, os.PathLike)) or not os.path.isdir(model_dir):
         raise ConfigError(
             f"model_dir={model_dir!r} is not a directory; expected a local checkpoint directory with config.json"
@@ -93,8 +90,7 @@ def read_quantization(model_dir: str) -> Quantization:
     config = _read_json(source)
     if config is None:
         raise ConfigError(f"model_dir={model_dir!r} has no config.json; expected a Hugging Face checkpoint directory")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    quant = config.get("quantization_config") or text.get("quantization_config")
+    quant = config.get("quantization_config") or text_config(config).get("quantization_config")
     if isinstance(quant, dict):
         method = str(quant.get("quant_method") or "").lower()
         if method == MODELOPT or "quant_algo" in quant:
@@ -112,8 +108,6 @@ def read_quantization(model_dir: str) -> Quantization:
     return Quantization(None, False, {})
 
 
-# ---- the validation pass: every NVFP4 tensor, before any kernel is called ---------------------
-
 # Each format's names for an NVFP4 layer's four tensors: packed weight, block scales, the weight's
 # global scale, the activation's global scale (ModelOpt: decode scales; compressed-tensors: encode scales).
 NAMES = {
@@ -124,35 +118,17 @@ GROUP_SIZE = 16
 _PACKED_DTYPES = ("U8", "I8")
 _BLOCK_DTYPES = ("F8_E4M3", "U8")
 _SCALAR_DTYPES = ("F32", "BF16", "F16")
-_TORCH_NAMES = {
-    "F8_E4M3": "float8_e4m3fn",
-    "U8": "uint8",
-    "I8": "int8",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F64": "float64",
-    "I32": "int32",
-    "I64": "int64",
-    "F8_E5M2": "float8_e5m2",
-}
+_TORCH_NAMES = dict(
+    zip(
+        "F8_E4M3 F8_E5M2 U8 I8 I32 I64 F16 BF16 F32 F64".split(),
+        "float8_e4m3fn float8_e5m2 uint8 int8 int32 int64 float16 bfloat16 float32 float64".split(),
+    )
+)
 _ITEMSIZE = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
+    **dict.fromkeys(("F64", "I64", "U64"), 8),
+    **dict.fromkeys(("F32", "I32", "U32"), 4),
+    **dict.fromkeys(("F16", "BF16", "I16", "U16"), 2),
+    **dict.fromkeys(("I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0"), 1),
 }
 _MAX_HEADER = 100 << 20  # safetensors' own bound on a header
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
@@ -173,9 +149,7 @@ class TensorInfo:
 
 @dataclass
 class Checkpoint:
-    """What :func:`inspect` found: the format, config.json, every tensor, and every NVFP4 module (linear and
-    expert) by name with its (N, K); `experts` maps a MoE layer's prefix to role (gate_proj / up_proj /
-    down_proj) -> expert index -> module name."""
+    """What :func:`inspect` found: every tensor, every NVFP4 module's (N, K), and experts by prefix, role, index."""
 
     dir: str
     format: str
@@ -185,16 +159,12 @@ class Checkpoint:
     experts: dict[str, dict[str, dict[int, str]]] = field(default_factory=dict)
 
     def linear(self) -> dict[str, tuple[int, int]]:
-        """The NVFP4 modules that are not experts: module -> (N, K)."""
+        """Return the NVFP4 modules that are not experts: module -> (N, K)."""
         return {m: nk for m, nk in self.modules.items() if _EXPERT.match(m) is None}
 
 
-def _dtype_name(dtype: str) -> str:
-    return _TORCH_NAMES.get(dtype, dtype)
-
-
 def _header(path: str) -> dict[str, TensorInfo]:
-    """Every tensor of one safetensors file, from its header; the bytes each claims lie inside the file."""
+    """Return every tensor of one safetensors file from its header, checking each lies inside the file."""
     accepted = "accepted: a readable, complete safetensors file"
     try:
         # Non-blocking: a FIFO named *.safetensors must not hang the check; it is refused below.
@@ -226,9 +196,8 @@ def _header(path: str) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = entry.get("dtype") if isinstance(entry, dict) else None
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        span = entry.get("data_offsets") if isinstance(entry, dict) else None
+        fields = entry if isinstance(entry, dict) else {}
+        dtype, shape, span = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
         if (
             not isinstance(dtype, str)
             or not isinstance(shape, list)
@@ -255,7 +224,7 @@ def _header(path: str) -> dict[str, TensorInfo]:
 
 
 def _tensors(model_dir: str) -> dict[str, TensorInfo]:
-    """Every tensor of the checkpoint's *.safetensors files (and what its index file claims holds)."""
+    """Return every tensor of the checkpoint's *.safetensors files, checked against its index file."""
     names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
     if not names:
         raise CheckpointError(f"{model_dir}: no *.safetensors files; accepted: a safetensors checkpoint directory")
@@ -285,7 +254,7 @@ def _tensors(model_dir: str) -> dict[str, TensorInfo]:
 
 
 def _group_size_problem(quant: Quantization) -> str | None:
-    """A group size other than NVFP4's 16 in the quantization config (what SGLang builds the layers with)."""
+    """Return why the quantization config names a group size other than NVFP4's 16, or None."""
     config = quant.config
     if quant.format == MODELOPT:
         sizes = (
@@ -317,7 +286,7 @@ def _group_size_problem(quant: Quantization) -> str | None:
 
 
 def _ignored(quant: Quantization, module: str) -> str | None:
-    """The entry of the quantization config's ignore list that makes SGLang build `module` unquantized."""
+    """Return the ignore list's entry that makes SGLang build `module` unquantized, or None."""
     config = quant.config
     entries = config.get("ignore", config.get("exclude_modules")) if quant.format == MODELOPT else config.get("ignore")
     for entry in entries if isinstance(entries, list) else ():
@@ -341,28 +310,27 @@ def _ignored(quant: Quantization, module: str) -> str | None:
     return None
 
 
-def _nvfp4_modules(fmt: str, quant: Quantization, tensors: dict[str, TensorInfo]) -> dict[str, set[str]]:
-    """Module -> the NVFP4 kinds it carries, for every module that carries NVFP4 tensors: an FP4-packed
-    weight (uint8/int8) or the weight's global scale, a tensor only NVFP4 layers have."""
+def _nvfp4_modules(fmt: str, quant: Quantization, tensors: dict[str, TensorInfo]) -> list[str]:
+    """Return every module with an FP4-packed weight or a weight global scale (only NVFP4 layers have one)."""
     packed, _, global_name, _ = NAMES[fmt]
     kinds: dict[str, set[str]] = {}
     for name in tensors:
         module, _, kind = name.rpartition(".")
         kinds.setdefault(module, set()).add(kind)
     layers = quant.config.get("quantized_layers") if isinstance(quant.config.get("quantized_layers"), dict) else {}
-    out = {}
-    for module, have in kinds.items():
+    out = []
+    for module, have in sorted(kinds.items()):
         algo = layers.get(module, {}).get("quant_algo") if isinstance(layers.get(module), dict) else None
         if algo is not None and "NVFP4" not in str(algo).upper():
             continue  # MIXED_PRECISION: another algorithm's layer
         weight = tensors.get(f"{module}.{packed}")
         if global_name in have or (weight is not None and weight.dtype in _PACKED_DTYPES):
-            out[module] = have & set(NAMES[fmt])
+            out.append(module)
     return out
 
 
 def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tuple[int, int]:
-    """One NVFP4 module's four tensors: present, of an accepted dtype and shape; its (N, K)."""
+    """Check one NVFP4 module's four tensors are present, of accepted dtypes and shapes; return its (N, K)."""
     packed, block, global_name, input_name = NAMES[fmt]
     where = next(tensors[f"{module}.{k}"].file for k in NAMES[fmt] if f"{module}.{k}" in tensors)
     needs = f"accepted: an NVFP4 layer ({fmt}) with {module}.{packed}, .{block}, .{global_name} and .{input_name}"
@@ -372,14 +340,14 @@ def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tupl
     weight = tensors[f"{module}.{packed}"]
     if weight.dtype not in _PACKED_DTYPES or len(weight.shape) != 2 or 0 in weight.shape:
         raise CheckpointError(
-            f"{weight.file}: {module}.{packed} is {_dtype_name(weight.dtype)} {weight.shape}; accepted: "
+            f"{weight.file}: {module}.{packed} is {_TORCH_NAMES.get(weight.dtype, weight.dtype)} {weight.shape}; accepted: "
             "uint8 (N, K/2), two FP4 (E2M1) codes a byte"
         )
     n, k = weight.shape[0], weight.shape[1] * 2
     scales = tensors[f"{module}.{block}"]
     if scales.dtype not in _BLOCK_DTYPES:
         raise CheckpointError(
-            f"{scales.file}: {module}.{block} is {_dtype_name(scales.dtype)}; accepted: float8_e4m3fn "
+            f"{scales.file}: {module}.{block} is {_TORCH_NAMES.get(scales.dtype, scales.dtype)}; accepted: float8_e4m3fn "
             "(or its bytes as uint8) block scales, one per 16 weights"
         )
     if k % GROUP_SIZE or scales.shape != (n, k // GROUP_SIZE):
@@ -391,15 +359,15 @@ def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tupl
         info = tensors[f"{module}.{kind}"]
         if info.dtype not in _SCALAR_DTYPES or math.prod(info.shape) != 1:
             raise CheckpointError(
-                f"{info.file}: {module}.{kind} is {_dtype_name(info.dtype)} {info.shape}; accepted: "
+                f"{info.file}: {module}.{kind} is {_TORCH_NAMES.get(info.dtype, info.dtype)} {info.shape}; accepted: "
                 f"{what} as one float32 (shape () or (1,))"
             )
     return n, k
 
 
 def _experts(checkpoint: Checkpoint, fmt: str) -> None:
-    """Group the expert modules by MoE layer; every expert 0..E-1 carries every projection, all alike."""
-    text = _text(checkpoint.config)
+    """Group the expert modules by MoE layer; check every expert 0..E-1 carries every projection, all alike."""
+    text = text_config(checkpoint.config)
     count = next(
         (text[k] for k in _EXPERT_COUNT if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)), None
     )
@@ -411,13 +379,10 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
             checkpoint.experts.setdefault(m["prefix"], {}).setdefault(role, {})[int(m["e"])] = module
     for prefix, roles in checkpoint.experts.items():
         some = next(iter(next(iter(roles.values())).values()))
-        where = (
-            checkpoint.tensors[f"{some}.{packed}"].file if f"{some}.{packed}" in checkpoint.tensors else checkpoint.dir
-        )
-        style = "w" if re.search(r"\.w[123]$", some) else "proj"
-        name = (
-            {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if style == "w" else {r: r for r in ROLES.values()}
-        )
+        info = checkpoint.tensors.get(f"{some}.{packed}")
+        where = info.file if info is not None else checkpoint.dir
+        w_style = re.search(r"\.w[123]$", some)
+        name = {r: w for w, r in ROLES.items()} if w_style else {r: r for r in ROLES.values()}
         need = ["gate_proj"] * ("gate_proj" in roles) + ["up_proj", "down_proj"]
         ids = {e for r in roles.values() for e in r}
         total = count if count is not None else max(ids) + 1
@@ -442,13 +407,9 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
                 )
 
 
-def _text(config: dict) -> dict:
-    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-
-
 def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
-    """A shape that contradicts config.json (hidden_size, intermediate sizes, heads * head_dim, experts)."""
-    text = _text(checkpoint.config)
+    """Return a shape that contradicts config.json (hidden, intermediate, heads * head_dim, experts), or None."""
+    text = text_config(checkpoint.config)
 
     def num(key: str) -> int | None:
         value = text.get(key)
@@ -457,42 +418,31 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
     hidden, heads, kv_heads = num("hidden_size"), num("num_attention_heads"), num("num_key_value_heads")
     head_dim = num("head_dim") or (hidden // heads if hidden and heads else None)
     mla = any(k in text for k in ("kv_lora_rank", "qk_nope_head_dim"))  # MLA: q/k/v sizes are not heads * head_dim
-    q_sizes = (
-        {heads * head_dim, 2 * heads * head_dim}
-        if heads and head_dim and text.get("attn_output_gate")
-        else ({heads * head_dim} if heads and head_dim else set())
-    )
-    expert_inter = num("moe_intermediate_size") or num("intermediate_size")
+    hid = {hidden} if hidden else set()
+    o_sizes = {heads * head_dim} if heads and head_dim else set()
+    q_sizes = o_sizes | {2 * heads * head_dim} if o_sizes and text.get("attn_output_gate") else o_sizes
+    moe_key = "moe_intermediate_size" if num("moe_intermediate_size") else "intermediate_size"
     for module, (n, k) in checkpoint.modules.items():
         if "vision" in module or "visual" in module or not re.search(r"(^|\.)layers\.\d+\.", module):
             continue  # the text model's decoder layers only
         m = _EXPERT.match(module)
         parent, _, leaf = module.rpartition(".")
         role = ROLES.get(m["proj"], m["proj"]) if m else leaf
-        checks = []
-        if role in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            checks.append(("K", k, "hidden_size", {hidden} if hidden else set()))
-        if role in ("o_proj", "down_proj"):
-            checks.append(("N", n, "hidden_size", {hidden} if hidden else set()))
-        inter = expert_inter if m else (num("intermediate_size") if parent.endswith(".mlp") else None)
-        key = (
-            ("moe_intermediate_size" if num("moe_intermediate_size") else "intermediate_size")
-            if m
-            else "intermediate_size"
+        inter = num(moe_key) if m else (num("intermediate_size") if parent.endswith(".mlp") else None)
+        key, inter = (moe_key if m else "intermediate_size"), ({inter} if inter else set())
+        attn = parent.endswith("self_attn") and not mla and head_dim
+        heads_key, kv_key = "num_attention_heads * head_dim", "num_key_value_heads * head_dim"
+        checks = (
+            (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), k, "hidden_size", hid),
+            (("o_proj", "down_proj"), n, "hidden_size", hid),
+            (("gate_proj", "up_proj"), n, key, inter),
+            (("down_proj",), k, key, inter),
+            (("q_proj",), n, heads_key, q_sizes if attn else set()),
+            (("k_proj", "v_proj"), n, kv_key, {kv_heads * head_dim} if attn and kv_heads else set()),
+            (("o_proj",), k, heads_key, o_sizes if attn else set()),
         )
-        if inter and role in ("gate_proj", "up_proj"):
-            checks.append(("N", n, key, {inter}))
-        if inter and role == "down_proj":
-            checks.append(("K", k, key, {inter}))
-        if parent.endswith("self_attn") and not mla and head_dim:
-            if role == "q_proj":
-                checks.append(("N", n, "num_attention_heads * head_dim", q_sizes))
-            if role in ("k_proj", "v_proj") and kv_heads:
-                checks.append(("N", n, "num_key_value_heads * head_dim", {kv_heads * head_dim}))
-            if role == "o_proj":
-                checks.append(("K", k, "num_attention_heads * head_dim", q_sizes - {2 * heads * head_dim} or q_sizes))
-        for axis, value, what, expected in checks:
-            if expected and value not in expected:
+        for roles, value, what, expected in checks:
+            if role in roles and expected and value not in expected:
                 info = checkpoint.tensors[f"{module}.{NAMES[fmt][0]}"]
                 return (
                     f"{info.file}: {module}.{NAMES[fmt][0]} of shape {info.shape} is a layer of N={n}, K={k}, but "
@@ -507,46 +457,33 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
     return None
 
 
-class _Reader:
-    """Reads tensors' bytes, one open file per safetensors file."""
-
-    def __init__(self) -> None:
-        self._files: dict = {}
-
-    def __enter__(self) -> "_Reader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for f in self._files.values():
-            f.close()
-
-    def read(self, name: str, info: TensorInfo) -> bytes:
-        try:
-            f = self._files.get(info.file) or self._files.setdefault(info.file, open(info.file, "rb"))
-            f.seek(info.start)
-            data = f.read(info.nbytes)
-        except OSError as exc:
-            raise CheckpointError(
-                f"{info.file}: cannot read tensor {name} ({exc.strerror or exc}); accepted: a readable safetensors file"
-            ) from exc
-        if len(data) != info.nbytes:
-            raise CheckpointError(
-                f"{info.file}: tensor {name} is cut short ({len(data)} of {info.nbytes} bytes); "
-                "accepted: a complete safetensors file"
-            )
-        return data
+def _read(files: contextlib.ExitStack, opened: dict, name: str, info: TensorInfo) -> bytes:
+    """Return tensor `name`'s bytes, keeping one open file per safetensors file."""
+    try:
+        if info.file not in opened:
+            opened[info.file] = files.enter_context(open(info.file, "rb"))
+        opened[info.file].seek(info.start)
+        data = opened[info.file].read(info.nbytes)
+    except OSError as exc:
+        raise CheckpointError(
+            f"{info.file}: cannot read tensor {name} ({exc.strerror or exc}); accepted: a readable safetensors file"
+        ) from exc
+    if len(data) != info.nbytes:
+        raise CheckpointError(
+            f"{info.file}: tensor {name} is cut short ({len(data)} of {info.nbytes} bytes); "
+            "accepted: a complete safetensors file"
+        )
+    return data
 
 
 def _scalar(data: bytes, dtype: str) -> float:
-    if dtype == "F32":
-        return struct.unpack("<f", data)[0]
     if dtype == "F16":
         return struct.unpack("<e", data)[0]
-    return struct.unpack("<f", b"\0\0" + data)[0]  # bfloat16: the upper half of a float32
+    return struct.unpack("<f", data if dtype == "F32" else b"\0\0" + data)[0]  # bfloat16: a float32's upper half
 
 
 def scale_problem(name: str, value: float) -> str | None:
-    """Why a global or activation scale cannot be a checkpoint's (NaN, infinite, zero, negative), or None."""
+    """Return why a global or activation scale is unusable (NaN, infinite, zero, negative), or None."""
     if math.isfinite(value) and value > 0:
         return None
     return (
@@ -556,19 +493,20 @@ def scale_problem(name: str, value: float) -> str | None:
 
 
 def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
-    """Every NVFP4 module's scales: global and activation scales finite and positive, no NaN block scale."""
+    """Check every NVFP4 module's global and activation scales are finite and positive, and no block scale NaN."""
     _, block, global_name, input_name = NAMES[fmt]
-    with _Reader() as reader:
+    opened: dict = {}
+    with contextlib.ExitStack() as files:
         for module in checkpoint.modules:
             for kind in (global_name, input_name):
                 name = f"{module}.{kind}"
                 info = checkpoint.tensors[name]
-                problem = scale_problem(name, _scalar(reader.read(name, info), info.dtype))
+                problem = scale_problem(name, _scalar(_read(files, opened, name, info), info.dtype))
                 if problem is not None:
                     raise CheckpointError(f"{info.file}: {problem}")
             name = f"{module}.{block}"
             info = checkpoint.tensors[name]
-            data = reader.read(name, info)
+            data = _read(files, opened, name, info)
             at = min((i for i in (data.find(b"\x7f"), data.find(b"\xff")) if i >= 0), default=-1)
             if at >= 0:
                 cols = info.shape[1]
@@ -580,8 +518,7 @@ def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
 
 
 def inspect(model_dir: str, values: bool = True) -> Checkpoint:
-    """Validate the NVFP4 checkpoint in `model_dir` before any kernel is called, or raise CheckpointError
-    (ConfigError for a directory that is not an NVFP4 checkpoint at all). `values`: read the scales too."""
+    """Validate the NVFP4 checkpoint in `model_dir` (its scales' values too with `values`), or raise CheckpointError."""
     quant = read_quantization(model_dir)
     problem = _group_size_problem(quant)
     if problem is not None:
@@ -594,7 +531,7 @@ def inspect(model_dir: str, values: bool = True) -> Checkpoint:
     fmt = quant.format
     config = _read_json(os.path.join(model_dir, "config.json")) or {}
     checkpoint = Checkpoint(model_dir, fmt, config, _tensors(model_dir))
-    for module in sorted(_nvfp4_modules(fmt, quant, checkpoint.tensors)):
+    for module in _nvfp4_modules(fmt, quant, checkpoint.tensors):
         checkpoint.modules[module] = _check_module(fmt, module, checkpoint.tensors)
     for module in checkpoint.modules:
         m = _EXPERT.match(module)
