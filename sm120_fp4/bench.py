@@ -1,13 +1,8 @@
 """``sm120-fp4 bench``: the speed of each candidate backend on this GPU, beside its verdict.
 
-For each family (dense FP4 GEMM; NVFP4 fused MoE) and each served layer configuration (from a
-checkpoint's tensor headers, checkpoints.inspect, or default shapes), every candidate backend is first
-verified on this device at this configuration with the library's own self-test (verify.run / run_moe
-against the oracle); one that does not verify is listed with its verdict and not timed. Each verified
-one, and a bf16 yardstick of the same shape, is then timed at the batch sizes a server runs: on a CUDA
-device one CUDA-graph replay per sample (eager where the call cannot be captured, said in the row),
-L2 flushed before each, after FlashInfer's autotune for the backends it tunes. Nothing here touches
-an engine: the same numbers hold under any engine that routes through this library.
+Each candidate is first verified at each served layer configuration (a checkpoint's, or defaults); each
+verified one, and a bf16 yardstick of the same shape, is then timed at the batch sizes a server runs (a
+CUDA-graph replay per sample where it can be captured, L2 flushed before each, after FlashInfer's autotune).
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ import torch
 from . import backends, deciding, nvfp4, verify
 from .backends import flashinfer
 from .devices import Device
+from .verify.moe import _moe_weights as moe_weights
 
 __all__ = ["DECODE_SIZES", "PREFILL_SIZES", "DenseShape", "MoeShape", "configurations", "run", "table", "plot", "main"]
 
@@ -83,8 +79,7 @@ class MoeShape:
 
 
 def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], list[MoeShape]]:
-    """The distinct layer configurations to time: `model`'s (checkpoints.inspect: shapes from the
-    safetensors headers, q/k/v and gate/up shards of one parent fused as servers fuse them), else defaults."""
+    """Return the distinct layer configurations to time: `model`'s (q/k/v and gate/up fused as servers do), else defaults."""
     if model is None:
         dense, moe = (CPU_DENSE, CPU_MOE) if on_cpu else (DEFAULT_DENSE, DEFAULT_MOE)
         return [DenseShape(*c) for c in dense], [MoeShape(*c) for c in moe]
@@ -106,11 +101,7 @@ def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], l
                 break
         else:
             dense[DenseShape(*linear[module])] = None
-    text = (
-        checkpoint.config.get("text_config")
-        if isinstance(checkpoint.config.get("text_config"), dict)
-        else checkpoint.config
-    )
+    text = checkpoints.text_config(checkpoint.config)
     top_k = text.get("num_experts_per_tok") or text.get("moe_topk") or 2
     moe: dict[MoeShape, None] = {}
     for roles in checkpoint.experts.values():
@@ -120,49 +111,8 @@ def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], l
     return list(dense), list(moe)
 
 
-# ---- inputs -----------------------------------------------------------------------------------
-
-
-def _dense_inputs(config: DenseShape, m: int, device: torch.device):
-    _, _, args = verify.quantized_inputs((m, config.n, config.k), device, seed=m)
-    return args
-
-
-def _moe_weights(config: MoeShape, device: torch.device, seed: int = 0) -> nvfp4.MoeWeights:
-    """Random NVFP4 experts in the oracle's layout (what a backend is called with)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows13 = (2 if config.gated else 1) * config.inter
-    a1 = torch.tensor(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / 4.0, device=device)
-    a2 = torch.tensor(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / 0.5, device=device)
-
-    def experts_of(rows: int, cols: int, act_gsf: torch.Tensor):
-        packed, scales, alphas = [], [], []
-        for _ in range(config.experts):
-            w = (torch.randn(rows, cols, generator=gen) * 0.05).to(torch.bfloat16).to(device)
-            gsf = nvfp4.global_scale(w)
-            q, sf = nvfp4.quantize(w, gsf)
-            packed.append(q)
-            scales.append(sf)
-            alphas.append(1.0 / (act_gsf * gsf))
-        return torch.stack(packed), torch.stack(scales), torch.stack(alphas).float()
-
-    w13, w13_sf, w13_alpha = experts_of(rows13, config.hidden, a1)
-    w2, w2_sf, w2_alpha = experts_of(config.hidden, config.inter, a2)
-    return nvfp4.MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1.reshape(1).float(), a2.reshape(1).float())
-
-
-def _moe_batch(config: MoeShape, m: int, device: torch.device):
-    gen = torch.Generator().manual_seed(m)
-    ids, weights = verify.moe_routing(m, config.top_k, config.experts, "balanced", gen)
-    x = verify.structured_activations(m, config.hidden, 4.0, gen).to(torch.bfloat16).to(device)
-    return x, ids.to(device), weights.to(device)
-
-
-# ---- the calls timed ------------------------------------------------------------------------------
-
-
 def _dense_call(fn: Callable, config: DenseShape, m: int, device: torch.device) -> Callable[[], object]:
-    args = _dense_inputs(config, m, device)
+    _, _, args = verify.quantized_inputs((m, config.n, config.k), device, seed=m)
     out = torch.empty((m, config.n), dtype=torch.bfloat16, device=device)
     return lambda: fn(*args, torch.bfloat16, out)
 
@@ -178,15 +128,15 @@ def _dense_bf16(config: DenseShape, m: int, device: torch.device) -> Callable[[]
 def _moe_call(
     fn: Callable, weights: nvfp4.MoeWeights, config: MoeShape, m: int, device: torch.device
 ) -> Callable[[], object]:
-    x, ids, topk_weights = _moe_batch(config, m, device)
-    out = torch.empty_like(x)
+    gen = torch.Generator().manual_seed(m)
+    ids, topk_weights = verify.moe_routing(m, config.top_k, config.experts, "balanced", gen)
+    x = verify.structured_activations(m, config.hidden, 4.0, gen).to(torch.bfloat16).to(device)
+    ids, topk_weights, out = ids.to(device), topk_weights.to(device), torch.empty_like(x)
     return lambda: fn(x, ids, topk_weights, *weights, config.activation, x.dtype, out)
 
 
 def _moe_bf16(config: MoeShape, m: int, device: torch.device) -> Callable[[], object]:
-    """The MoE yardstick: bf16 torch.bmm over the experts a balanced routing of M tokens touches
-    (min(E, M * top_k), each with an equal share of the M * top_k rows), FC1, the activation, FC2:
-    the grouped GEMMs' work in bf16, without routing, gathering or the weighted sum."""
+    """Return the MoE yardstick: bf16 bmm FC1, activation, FC2 over the experts a balanced routing touches."""
     active = min(config.experts, m * config.top_k)
     rows = math.ceil(m * config.top_k / active)
     gen = torch.Generator().manual_seed(m)
@@ -209,12 +159,8 @@ def _moe_bf16(config: MoeShape, m: int, device: torch.device) -> Callable[[], ob
     return call
 
 
-# ---- timing ---------------------------------------------------------------------------------------
-
-
 class _Timer:
-    """Median time of one call on `device`: a CUDA-graph replay per sample where the call can be
-    captured (else eager), the L2 flushed before each sample; perf_counter on a CPU."""
+    """Median time of one call: a CUDA-graph replay per sample (else eager), L2 flushed; perf_counter on a CPU."""
 
     def __init__(self, device: torch.device, repeats: int) -> None:
         self.device = device
@@ -225,7 +171,7 @@ class _Timer:
             self._flush = torch.empty(max(_FLUSH_MIN_BYTES, 2 * l2), dtype=torch.uint8, device=device)
 
     def time(self, call: Callable[[], object], tune: bool) -> tuple[float, str]:
-        """(median seconds, how: "graph", "eager: <why>" or "cpu")."""
+        """Return (median seconds, how: "graph", "eager: <why>" or "cpu")."""
         if self.device.type != "cuda":
             call()
             samples = []
@@ -252,7 +198,7 @@ class _Timer:
                     call()
                 step = graph.replay
             except Exception as exc:
-                how = f"eager: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:120]
+                how = f"eager: {_first_line(exc)}"[:120]
                 torch.cuda.synchronize(self.device)
             step()
             samples = []
@@ -267,67 +213,81 @@ class _Timer:
             return statistics.median(samples), how
 
 
-# ---- verification -------------------------------------------------------------------------------
-
-
 def _verify_sizes(sizes: list[int]) -> list[int]:
-    """The timed sizes the self-test checks: the smallest, the largest decode size, the smallest prefill size."""
+    """Return the sizes the self-test checks: the smallest, the largest decode size, the smallest prefill size."""
     decode = [m for m in sizes if m <= DECODE_SIZES[-1]]
     prefill = [m for m in sizes if m > DECODE_SIZES[-1]]
     return sorted({min(sizes), *(decode[-1:]), *(prefill[:1])})
 
 
-def _verdict(report: verify.SelfTestReport) -> str:
-    if report.passed:
-        return "verified"
-    return f"failed: {(report.reason or 'did not pass').splitlines()[0]}"
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _verify(family: str, name: str, config, sizes: list[int], device: Device, settings) -> str:
-    """This backend's self-test on `device` at `config` (the verdict: "verified", else why not)."""
+    """Return this backend's verdict on `device` at `config`: "verified", else why not."""
+    timeout = settings.selftest_timeout
     try:
         if family == "dense":
             shapes = [(m, config.n, config.k) for m in _verify_sizes(sizes)]
-            report = verify.run(
-                name,
-                device,
-                shapes,
-                bounds=verify.Bounds(timeout_s=settings.selftest_timeout),
-                quantizer=backends.quantizer_for(name, device),
-            )
+            quantizer = backends.quantizer_for(name, device)
+            report = verify.run(name, device, shapes, bounds=verify.Bounds(timeout_s=timeout), quantizer=quantizer)
         else:
+            layer = dict(experts=config.experts, hidden=config.hidden, intermediate=config.inter, top_k=config.top_k)
             cases = tuple(
-                verify.MoeCase(
-                    experts=config.experts,
-                    hidden=config.hidden,
-                    intermediate=config.inter,
-                    activation=config.activation,
-                    top_k=config.top_k,
-                    tokens=m,
-                    dtype="bfloat16",
-                    routing=routing,
-                )
+                verify.MoeCase(**layer, activation=config.activation, tokens=m, dtype="bfloat16", routing=routing)
                 for m in _verify_sizes(sizes)
                 for routing in ("balanced", "random")
             )
-            report = verify.run_moe(
-                name,
-                device,
-                verify.MoeConfig(cases=cases),
-                bounds=verify.MOE_BOUNDS.model_copy(update={"timeout_s": settings.selftest_timeout}),
-            )
+            bounds = verify.MOE_BOUNDS.model_copy(update={"timeout_s": timeout})
+            report = verify.run_moe(name, device, verify.MoeConfig(cases=cases), bounds=bounds)
     except Exception as exc:
-        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return _verdict(report)
-
-
-# ---- the run ----------------------------------------------------------------------------------------
+        return f"failed: {_first_line(exc)}"
+    return "verified" if report.passed else f"failed: {(report.reason or 'did not pass').splitlines()[0]}"
 
 
 def _candidates(family: deciding.Family, settings, device: Device, wanted: list[str] | None) -> list[str]:
     if wanted is None:
         return deciding.candidate_names(settings, family=family, device=device)
     return [n for n in wanted if n in family.names()]
+
+
+def _verified(family: deciding.Family, names: list[str], config, sizes: list[int], device: Device, settings, log):
+    """Return the rows of candidates not timed (unsupported, failed) and (name, make call, tune) for the rest."""
+    tdev, base = device.torch_device, {"family": family.name, "config": config.label()}
+    if family is deciding.MOE:
+        weights = moe_weights(config.experts, config.hidden, config.inter, config.activation, tdev, 0)
+    rows, timed = [], []
+    for name in names:
+        ok, why = family.is_supported(name, device)
+        if not ok:
+            rows.append({**base, "backend": name, "verdict": f"unsupported: {why}", "m": None})
+            continue
+        log(f"[{device.label()}] verifying {family.name} backend {name!r} at {config.label()} ...")
+        verdict = _verify(family.name, name, config, sizes, device, settings)
+        if verdict != "verified":
+            rows.append({**base, "backend": name, "verdict": verdict, "m": None})
+            continue
+        fn = family.resolve(name)
+        tune = backends.backend_of(family.name, name).kind == "flashinfer"
+        if family is deciding.DENSE:
+            timed.append((name, lambda m, fn=fn: _dense_call(fn, config, m, tdev), tune))
+        else:
+            timed.append((name, lambda m, fn=fn: _moe_call(fn, weights, config, m, tdev), tune))
+    yardstick = _dense_bf16 if family is deciding.DENSE else _moe_bf16
+    return rows, [*timed, (BF16, lambda m: yardstick(config, m, tdev), False)]
+
+
+def _timed(timer: _Timer, base: dict, config, name: str, make: Callable, tune: bool, m: int) -> dict:
+    """Return the row of one timed call of backend `name` at batch size `m`."""
+    row = {**base, "backend": name}
+    try:
+        seconds, how = timer.time(make(m), tune)
+    except Exception as exc:
+        return {**row, "verdict": f"failed while timed: {type(exc).__name__}: {exc}"[:200], "m": m}
+    verdict = "yardstick" if name == BF16 else "verified"
+    tflops = config.flops(m) / seconds / 1e12
+    return {**row, "verdict": verdict, "m": m, "time_us": seconds * 1e6, "tflops": tflops, "timing": how}
 
 
 def run(
@@ -339,77 +299,28 @@ def run(
     wanted: list[str] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict:
-    """Verify, then time, each candidate of each family on `device` at each configuration and size;
-    the result as JSON-ready rows (one per timed size; one per candidate that was not timed)."""
-    log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+    """Verify, then time, each candidate of each family on `device`; return JSON-ready rows."""
+    log = log or _eprint
     tdev = device.torch_device
     timer = _Timer(tdev, REPEATS["cuda" if tdev.type == "cuda" else "cpu"])
     rows: list[dict] = []
     for family, configs in ((deciding.DENSE, dense), (deciding.MOE, moe)):
         names = _candidates(family, settings, device, wanted)
         for config in configs:
-            weights = _moe_weights(config, tdev) if family is deciding.MOE else None
+            untimed, timed = _verified(family, names, config, sizes, device, settings, log)
+            rows += untimed
             base = {"family": family.name, "config": config.label()}
-            timed: list[tuple[str, Callable, bool]] = []
-            for name in names:
-                ok, why = family.is_supported(name, device)
-                if not ok:
-                    rows.append({**base, "backend": name, "verdict": f"unsupported: {why}", "m": None})
-                    continue
-                log(f"[{device.label()}] verifying {family.name} backend {name!r} at {config.label()} ...")
-                verdict = _verify(family.name, name, config, sizes, device, settings)
-                if verdict != "verified":
-                    rows.append({**base, "backend": name, "verdict": verdict, "m": None})
-                    continue
-                fn = family.resolve(name)
-                tune = backends.backend_of(family.name, name).kind == "flashinfer"
-                if family is deciding.DENSE:
-                    timed.append((name, lambda m, fn=fn: _dense_call(fn, config, m, tdev), tune))
-                else:
-                    timed.append((name, lambda m, fn=fn: _moe_call(fn, weights, config, m, tdev), tune))
-            yardstick = _dense_bf16 if family is deciding.DENSE else _moe_bf16
-            timed.append((BF16, lambda m: yardstick(config, m, tdev), False))
             for name, make, tune in timed:
                 log(f"[{device.label()}] timing {family.name} {name} at {config.label()} ...")
-                for m in sizes:
-                    try:
-                        seconds, how = timer.time(make(m), tune)
-                    except Exception as exc:
-                        rows.append(
-                            {
-                                **base,
-                                "backend": name,
-                                "verdict": f"failed while timed: {type(exc).__name__}: {exc}"[:200],
-                                "m": m,
-                            }
-                        )
-                        continue
-                    rows.append(
-                        {
-                            **base,
-                            "backend": name,
-                            "verdict": "yardstick" if name == BF16 else "verified",
-                            "m": m,
-                            "time_us": seconds * 1e6,
-                            "tflops": config.flops(m) / seconds / 1e12,
-                            "timing": how,
-                        }
-                    )
-    for row in rows:  # each time beside the yardstick's at the same configuration and size
+                rows += [_timed(timer, base, config, name, make, tune, m) for m in sizes]
+    # each time beside the yardstick's at the same configuration and size
+    yardstick = {
+        (r["family"], r["config"], r["m"]): r["time_us"] for r in rows if r["backend"] == BF16 and r.get("time_us")
+    }
+    for row in rows:
         if row.get("time_us") and row["backend"] != BF16:
-            ref = next(
-                (
-                    r
-                    for r in rows
-                    if r["backend"] == BF16
-                    and r["config"] == row["config"]
-                    and r["family"] == row["family"]
-                    and r["m"] == row["m"]
-                    and r.get("time_us")
-                ),
-                None,
-            )
-            row["vs_bf16"] = ref["time_us"] / row["time_us"] if ref else None
+            ref = yardstick.get((row["family"], row["config"], row["m"]))
+            row["vs_bf16"] = ref / row["time_us"] if ref else None
     return {
         "device": {
             "index": device.index,
@@ -426,24 +337,17 @@ def run(
 
 
 def table(result: dict) -> list[str]:
-    """The result as a Markdown table: one line per timed size, or per candidate not timed."""
+    """Return the result as a Markdown table: one line per timed size, or per candidate not timed."""
     from .tables import markdown_table
 
     def num(value, fmt: str) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else "-"
 
+    numbers = (("time_us", ".1f"), ("tflops", ".3g"), ("vs_bf16", ".2f"))
     rows = [
-        (
-            r["family"],
-            r["config"],
-            r["backend"],
-            r["verdict"],
-            num(r["m"], "d"),
-            num(r.get("time_us"), ".1f"),
-            num(r.get("tflops"), ".3g"),
-            num(r.get("vs_bf16"), ".2f"),
-            r.get("timing", "-"),
-        )
+        (r["family"], r["config"], r["backend"], r["verdict"], num(r["m"], "d"))
+        + tuple(num(r.get(key), fmt) for key, fmt in numbers)
+        + (r.get("timing", "-"),)
         for r in result["rows"]
     ]
     return markdown_table(
@@ -452,20 +356,14 @@ def table(result: dict) -> list[str]:
 
 
 def plot(result: dict, path: str, pyplot) -> None:
-    """TFLOP/s against M per backend, one panel per layer configuration, into `path` (PNG)."""
+    """Plot TFLOP/s against M per backend, one panel per layer configuration, into `path` (PNG)."""
     panels = list(dict.fromkeys((r["family"], r["config"]) for r in result["rows"]))
     fig, axes = pyplot.subplots(len(panels), 1, figsize=(8, 3.5 * len(panels)), squeeze=False)
     for ax, (family, config) in zip(axes[:, 0], panels):
         mine = [r for r in result["rows"] if (r["family"], r["config"]) == (family, config) and r.get("tflops")]
         for name in dict.fromkeys(r["backend"] for r in mine):
-            points = sorted((r["m"], r["tflops"]) for r in mine if r["backend"] == name)
-            ax.plot(
-                [p[0] for p in points],
-                [p[1] for p in points],
-                marker="o",
-                linestyle="--" if name == BF16 else "-",
-                label=name,
-            )
+            sizes, tflops = zip(*sorted((r["m"], r["tflops"]) for r in mine if r["backend"] == name))
+            ax.plot(sizes, tflops, marker="o", linestyle="--" if name == BF16 else "-", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")
         ax.set_ylabel("TFLOP/s")
@@ -476,8 +374,6 @@ def plot(result: dict, path: str, pyplot) -> None:
     fig.savefig(path, dpi=120)
     pyplot.close(fig)
 
-
-# ---- the command ------------------------------------------------------------------------------------
 
 EXIT_OK, EXIT_USAGE = 0, 2
 SIMULATE_ON_CPU = "SM120_FP4_SIMULATE=12.0 sm120-fp4 bench --backend emulated"
@@ -497,7 +393,7 @@ def _sizes(given: list[int] | None) -> list[int] | str:
 
 
 def _backends(given: list[str] | None) -> list[str] | None | str:
-    """The names asked for with --backend: each a dense or MoE backend (entry points looked up), or why not."""
+    """Return the names asked for with --backend (entry points looked up), or why one is not a backend."""
     if not given:
         return None
     for family in ("dense", "moe"):
@@ -510,7 +406,7 @@ def _backends(given: list[str] | None) -> list[str] | None | str:
 
 
 def _device(settings, index: int | None, any_gpu: bool) -> Device | int:
-    """The device to measure, or the exit code after saying why there is none."""
+    """Return the device to measure, or the exit code after saying why there is none."""
     from . import devices
     from .config import check_flashinfer_env
 
@@ -541,33 +437,43 @@ def _device(settings, index: int | None, any_gpu: bool) -> Device | int:
     return device
 
 
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError:
+        return None
+    return pyplot
+
+
+def _usage_problem(args, sizes, wanted, pyplot) -> str | None:
+    """Return what is wrong with the command's options, or None."""
+    for problem in (sizes, wanted):
+        if isinstance(problem, str):
+            return problem
+    if args.plot and pyplot is None:
+        return "--plot needs matplotlib, which is not installed (pip install matplotlib)"
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            return f"{option} {path!r}: the folder {folder!r} does not exist"
+    if args.model is not None and not os.path.isdir(args.model):
+        return f"--model {args.model!r} is not a directory"
+    return None
+
+
 def main(args) -> int:
-    """``sm120-fp4 bench``: verify, then time, each candidate at the served configurations and sizes."""
+    """Run ``sm120-fp4 bench``: verify, then time, each candidate at the served configurations and sizes."""
     from .config import load_settings
     from .errors import CheckpointError, ConfigError, DeviceMappingError
 
     sizes, wanted = _sizes(args.sizes), _backends(args.backend)
-    for problem in (sizes, wanted):
-        if isinstance(problem, str):
-            _eprint(f"sm120-fp4 bench: {problem}")
-            return EXIT_USAGE
-    pyplot = None
-    if args.plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            from matplotlib import pyplot
-        except ImportError:
-            _eprint("sm120-fp4 bench: --plot needs matplotlib, which is not installed (pip install matplotlib)")
-            return EXIT_USAGE
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            _eprint(f"sm120-fp4 bench: {option} {path!r}: the folder {folder!r} does not exist")
-            return EXIT_USAGE
-    if args.model is not None and not os.path.isdir(args.model):
-        _eprint(f"sm120-fp4 bench: --model {args.model!r} is not a directory")
+    pyplot = _pyplot() if args.plot else None
+    problem = _usage_problem(args, sizes, wanted, pyplot)
+    if problem is not None:
+        _eprint(f"sm120-fp4 bench: {problem}")
         return EXIT_USAGE
     try:
         settings = load_settings()

@@ -55,14 +55,11 @@ def _read_json(path: str) -> dict | None:
     return value
 
 
-def _is_nvfp4_group(group: object) -> bool:
+def _fp4_weights(group: object) -> dict | None:
+    """Return a compressed-tensors config group's weights section where they are 4-bit floats, else None."""
     weights = group.get("weights") if isinstance(group, dict) else None
-    return (
-        isinstance(weights, dict)
-        and weights.get("num_bits") == 4
-        and weights.get("type") == "float"
-        and weights.get("group_size") == 16
-    )
+    fp4 = isinstance(weights, dict) and weights.get("num_bits") == 4 and weights.get("type") == "float"
+    return weights if fp4 else None
 
 
 def _modelopt_nvfp4(quant: dict) -> bool:
@@ -97,7 +94,9 @@ def read_quantization(model_dir: str) -> Quantization:
             return Quantization(MODELOPT, _modelopt_nvfp4(quant), quant, source)
         if method == COMPRESSED_TENSORS:
             groups = quant.get("config_groups")
-            nvfp4 = isinstance(groups, dict) and any(_is_nvfp4_group(g) for g in groups.values())
+            nvfp4 = isinstance(groups, dict) and any(
+                (_fp4_weights(g) or {}).get("group_size") == 16 for g in groups.values()
+            )
             return Quantization(COMPRESSED_TENSORS, nvfp4, quant, source)
         return Quantization(method or None, False, quant, source)
     source = os.path.join(model_dir, "hf_quant_config.json")
@@ -267,12 +266,9 @@ def _group_size_problem(quant: Quantization) -> str | None:
     elif quant.format == COMPRESSED_TENSORS:
         groups = config.get("config_groups")
         sizes = [
-            (f"config_groups.{g}.weights.group_size", group["weights"].get("group_size"))
+            (f"config_groups.{g}.weights.group_size", _fp4_weights(group).get("group_size"))
             for g, group in (groups.items() if isinstance(groups, dict) else ())
-            if isinstance(group, dict)
-            and isinstance(group.get("weights"), dict)
-            and group["weights"].get("num_bits") == 4
-            and group["weights"].get("type") == "float"
+            if _fp4_weights(group) is not None
         ]
     else:
         return None
@@ -408,7 +404,7 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
 
 
 def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
-    """Return a shape that contradicts config.json (hidden, intermediate, heads * head_dim, experts), or None."""
+    """Return a shape that contradicts config.json (hidden, intermediate, heads * head_dim), or None."""
     text = text_config(checkpoint.config)
 
     def num(key: str) -> int | None:
@@ -449,12 +445,7 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
                     f"config.json's {what} is {' or '.join(map(str, sorted(expected)))}; accepted: tensors whose "
                     "shapes match config.json"
                 )
-    count = next((num(k) for k in _EXPERT_COUNT if num(k)), None)
-    for prefix, roles in checkpoint.experts.items():
-        found = len({e for r in roles.values() for e in r})
-        if count is not None and found != count:
-            return f"{checkpoint.dir}: {prefix} has {found} experts, config.json says {count}; accepted: one per expert"
-    return None
+    return None  # the expert count: checked by _experts
 
 
 def _read(files: contextlib.ExitStack, opened: dict, name: str, info: TensorInfo) -> bytes:
