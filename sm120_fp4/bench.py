@@ -45,8 +45,6 @@ class DenseShape:
     n: int
     k: int
 
-    family = "dense"
-
     def label(self) -> str:
         return f"N={self.n} K={self.k}"
 
@@ -63,8 +61,6 @@ class MoeShape:
     hidden: int
     inter: int
     gated: bool = True  # gate and up projections (SwiGLU); False: one projection (ReLU^2)
-
-    family = "moe"
 
     @property
     def activation(self) -> str:
@@ -163,9 +159,7 @@ class _Timer:
     """Median time of one call: a CUDA-graph replay per sample (else eager), L2 flushed; perf_counter on a CPU."""
 
     def __init__(self, device: torch.device, repeats: int) -> None:
-        self.device = device
-        self.repeats = repeats
-        self._flush = None
+        self.device, self.repeats, self._flush = device, repeats, None
         if device.type == "cuda":
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
             self._flush = torch.empty(max(_FLUSH_MIN_BYTES, 2 * l2), dtype=torch.uint8, device=device)
@@ -174,43 +168,47 @@ class _Timer:
         """Return (median seconds, how: "graph", "eager: <why>" or "cpu")."""
         if self.device.type != "cuda":
             call()
-            samples = []
-            for _ in range(self.repeats):
-                start = time.perf_counter()
-                call()
-                samples.append(time.perf_counter() - start)
-            return statistics.median(samples), "cpu"
+            return statistics.median(_elapsed(call) for _ in range(self.repeats)), "cpu"
         with torch.cuda.device(self.device):
             if tune:
                 with flashinfer.autotuning():
                     call()  # FlashInfer profiles its tactics for this shape, as a server's warm-up does
             call()
             torch.cuda.synchronize(self.device)
-            step, how = call, "graph"
-            try:
-                graph = torch.cuda.CUDAGraph()
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    call()  # warm on the side stream, as torch's capture recipe asks
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                with torch.cuda.graph(graph):
-                    call()
-                step = graph.replay
-            except Exception as exc:
-                how = f"eager: {_first_line(exc)}"[:120]
-                torch.cuda.synchronize(self.device)
+            step, how = self._captured(call)
             step()
-            samples = []
-            for _ in range(self.repeats):
-                self._flush.zero_()  # cold L2: the weights come from memory, as in a server's many layers
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                step()
-                end.record()
-                end.synchronize()
-                samples.append(begin.elapsed_time(end) / 1e3)
-            return statistics.median(samples), how
+            return statistics.median(self._sample(step) for _ in range(self.repeats)), how
+
+    def _captured(self, call: Callable[[], object]) -> tuple[Callable[[], object], str]:
+        """Return (a CUDA-graph replay of `call`, "graph"), or (`call`, "eager: <why>") where it cannot be captured."""
+        try:
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                call()  # warm on the side stream, as torch's capture recipe asks
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            with torch.cuda.graph(graph):
+                call()
+            return graph.replay, "graph"
+        except Exception as exc:
+            torch.cuda.synchronize(self.device)
+            return call, f"eager: {_first_line(exc)}"[:120]
+
+    def _sample(self, step: Callable[[], object]) -> float:
+        self._flush.zero_()  # cold L2: the weights come from memory, as in a server's many layers
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def _elapsed(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def _verify_sizes(sizes: list[int]) -> list[int]:
