@@ -183,31 +183,21 @@ def tree_version(root: Path) -> str | None:
 
 def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
     """Return whether the SGLang in `site_dir` (default: the installed one) already contains the fix."""
-    if site_dir is None:
-        root = installed_root()
-        if root is None:
-            return CheckResult("no-sglang", "sglang is not installed (no importable 'sglang' package)")
-    else:
-        root = _sglang_root(Path(site_dir))
-        if root is None:
-            return CheckResult("no-sglang", f"no sglang package in {site_dir} (looked for sglang/ and python/sglang/)")
+    root = installed_root() if site_dir is None else _sglang_root(Path(site_dir))
+    if root is None and site_dir is None:
+        return CheckResult("no-sglang", "sglang is not installed (no importable 'sglang' package)")
+    if root is None:
+        return CheckResult("no-sglang", f"no sglang package in {site_dir} (looked for sglang/ and python/sglang/)")
     version = tree_version(root) or (installed_version("sglang") if site_dir is None else None)
     diff = diff_for(version) if version else None
     where = f"sglang {version or '(unknown version)'} at {root / 'sglang'}"
-    mq = root / MQ_FILE
-    if not mq.is_file():
+    if not (root / MQ_FILE).is_file():
         return CheckResult("unsupported", f"{where} has no {MQ_FILE}: not a release this fix knows", version, root)
     marker = fix_marker(root)
     if marker:
         made_for = "" if version in (None, marker.group(2)) else f" (made for {marker.group(2)})"
-        return CheckResult(
-            "fixed",
-            f"{where} contains the fix: patch {marker.group(1)}{made_for}",
-            version,
-            root,
-            marker.group(1),
-            diff,
-        )
+        message = f"{where} contains the fix: patch {marker.group(1)}{made_for}"
+        return CheckResult("fixed", message, version, root, marker.group(1), diff)
     if version is None:
         return CheckResult("unsupported", f"cannot read the sglang version in {root}", None, root)
     supported, reason = release_support(version)
@@ -233,24 +223,13 @@ def _command(tool: str, root: Path, patch: Path, dry_run: bool) -> list[str]:
     return ["git", "apply", "-p1", "--verbose", *(["--check"] if dry_run else []), str(patch)]
 
 
-def _run(tool: str, root: Path, patch: Path, dry_run: bool) -> tuple[bool, str]:
-    """Apply `patch` (-p1) under `root` with `tool`; return (ok, what the tool printed)."""
-    # git: never let it find a repository above root (paths in the diff are relative to root).
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)} if tool == "git" else None
-    proc = subprocess.run(_command(tool, root, patch, dry_run), cwd=root, env=env, capture_output=True, text=True)
-    return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
-
-
 def apply(target: str | os.PathLike | None = None, dry_run: bool = False) -> int:
     """Apply the diff matching the SGLang in `target` (default: the installed one); return 0 done, 1 failed, 2 refused."""
-    if target is None:
-        root = installed_root()
-        if root is None:
-            return _refuse("sglang is not installed; pass --target DIR (a site-packages or source tree)")
-    else:
-        root = _sglang_root(Path(target))
-        if root is None:
-            return _refuse(f"--target {target}: no sglang package there (looked for sglang/ and python/sglang/)")
+    root = installed_root() if target is None else _sglang_root(Path(target))
+    if root is None and target is None:
+        return _refuse("sglang is not installed; pass --target DIR (a site-packages or source tree)")
+    if root is None:
+        return _refuse(f"--target {target}: no sglang package there (looked for sglang/ and python/sglang/)")
     version = tree_version(root)
     if version is None:
         return _refuse(
@@ -278,25 +257,28 @@ def apply(target: str | os.PathLike | None = None, dry_run: bool = False) -> int
         return _refuse(f"neither GNU patch nor git is installed; install one, or run this where one is:\n  {command}")
     where = f"sglang {version} in {root} ({tool})"
     failed = f"{diff.filename} does not apply cleanly to {where}; the tree differs from the release"
-    if not _run_printed(tool, root, patch, True, failed):
+    if not _run(tool, root, patch, True, failed):
         return 1
     if dry_run:
         print(f"dry run: {diff.filename} applies cleanly to {where}; would change {', '.join(diff.files)}")
         return 0
-    if not _run_printed(tool, root, patch, False, f"applying {diff.filename} in {root} failed ({tool})"):
+    if not _run(tool, root, patch, False, f"applying {diff.filename} in {root} failed ({tool})"):
         return 1
     print(f"applied {diff.filename} to sglang {version} in {root}: changed {', '.join(diff.files)}")
     return 0
 
 
-def _run_printed(tool: str, root: Path, patch: Path, dry_run: bool, failed: str) -> bool:
-    """Run the tool, print what it printed, and `failed` as the error where it failed; return whether it worked."""
-    ok, output = _run(tool, root, patch, dry_run)
+def _run(tool: str, root: Path, patch: Path, dry_run: bool, failed: str) -> bool:
+    """Apply `patch` (-p1) under `root` with `tool`, print its output (and `failed` if it fails); return ok."""
+    # git: never let it find a repository above root (paths in the diff are relative to root).
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)} if tool == "git" else None
+    proc = subprocess.run(_command(tool, root, patch, dry_run), cwd=root, env=env, capture_output=True, text=True)
+    output = (proc.stdout + proc.stderr).strip()
     if output:
         print(output)
-    if not ok:
+    if proc.returncode != 0:
         print(f"error: {failed}", file=sys.stderr)
-    return ok
+    return proc.returncode == 0
 
 
 def _refuse(message: str) -> int:
