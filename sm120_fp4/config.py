@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .errors import ConfigError, capped, describe
@@ -222,18 +222,12 @@ def _parse_verdicts(value: object) -> object:
     return str(value)
 
 
-# Each setting's parser, run on the raw value before pydantic's own type check.
-_PARSERS: dict[str, typing.Callable[[object], object]] = {
-    "toggle": parse_toggle,
-    "backends": _parse_backends,
-    "moe_backends": _parse_backends,
-    "selftest_timeout": lambda v: _duration("selftest_timeout", v),
-    "canary_slice_ms": lambda v: _duration("canary_slice_ms", v),
-    "canary": lambda v: OFF if v == OFF else _duration("canary", v, "off, or the period in seconds: "),
-    "simulate": _parse_simulate,
-    "report": _parse_report,
-    "verdicts": _parse_verdicts,
-}
+# Each parser runs on the raw value, before pydantic's own type check.
+_Backends = Annotated[tuple[str, ...] | Literal["auto"], NoDecode, BeforeValidator(_parse_backends)]
+
+
+def _canary(value: object) -> object:
+    return OFF if value == OFF else _duration("canary", value, "off, or the period in seconds: ")
 
 
 class Settings(BaseSettings):
@@ -243,7 +237,7 @@ class Settings(BaseSettings):
         env_prefix=ENV_PREFIX, case_sensitive=False, extra="forbid", frozen=True, populate_by_name=True
     )
 
-    toggle: bool | None = Field(
+    toggle: Annotated[bool | None, BeforeValidator(parse_toggle)] = Field(
         None,
         validation_alias=AliasChoices("toggle", TOGGLE_VAR),
         description="Master switch for deployment manifests: 1 or on activates in every process, 0 or off makes every install a no-op.",
@@ -251,12 +245,12 @@ class Settings(BaseSettings):
     enable: Literal["auto", "on", "off"] = Field(
         "auto", description="auto: patch only where a 12.x GPU is visible; on: patch on any GPU; off: never patch."
     )
-    backends: Annotated[tuple[str, ...] | Literal["auto"], NoDecode] = Field(
+    backends: _Backends = Field(
         AUTO,
         description="Ordered candidate backends (FlashInfer names, humming, emulated, or registered names), comma-separated; "
         "auto: the order known to work for each GPU's compute capability (docs/operations.md).",
     )
-    moe_backends: Annotated[tuple[str, ...] | Literal["auto"], NoDecode] = Field(
+    moe_backends: _Backends = Field(
         AUTO,
         description="Ordered candidate NVFP4 fused-MoE backends (FlashInfer's cutlass, humming, emulated, or names registered with "
         "register_moe), comma-separated; auto: cutlass, then humming on 12.x (docs/operations.md).",
@@ -278,7 +272,7 @@ class Settings(BaseSettings):
         "under SELFTEST=strict, and say so with exit 3 otherwise; serve-unverified: `launch` starts the server anyway, "
         "its NVFP4 layers served unverified (docs/operations.md).",
     )
-    selftest_timeout: float = Field(
+    selftest_timeout: Annotated[float, BeforeValidator(lambda v: _duration("selftest_timeout", v))] = Field(
         900.0,
         description="Seconds one candidate's whole self-test may take (a first FlashInfer call JIT-compiles for minutes); past it the candidate is rejected as hung.",
     )
@@ -286,23 +280,23 @@ class Settings(BaseSettings):
         "first",
         description="first: the first candidate that verifies; fastest: time every verified candidate (the self-test's shapes, then each layer configuration's served calls at its serving batch sizes), take the fastest.",
     )
-    simulate: str | None = Field(
+    simulate: Annotated[str | None, BeforeValidator(_parse_simulate)] = Field(
         None,
         description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU.",
     )
-    report: Path | None = Field(
+    report: Annotated[Path | None, BeforeValidator(_parse_report)] = Field(
         None,
         description="Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, "
         "or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md).",
     )
-    verdicts: str | None = Field(
+    verdicts: Annotated[str | None, BeforeValidator(_parse_verdicts)] = Field(
         None,
         description="The verdict file `sm120-fp4 selftest`/`launch` record each candidate's outcome in (crashes included) "
         "and workers read to skip a candidate that crashed; unset: $XDG_CACHE_HOME/sm120_fp4/verdicts.json "
         "(~/.cache/...; none without a home directory); off: none. Owner-only, and never read or written where another "
         "user could change it (docs/operations.md).",
     )
-    canary: float | Literal["off"] = Field(
+    canary: Annotated[float | Literal["off"], BeforeValidator(_canary)] = Field(
         OFF,
         description="The serving canary: off, or a period in seconds; every period each scheduler re-verifies one "
         "verified layer configuration per kernel (dense, MoE), one run per idle point (docs/operations.md).",
@@ -312,7 +306,7 @@ class Settings(BaseSettings):
         description="What a canary failure does: exit (write the refusal to the report and the log, stop the process "
         "non-zero so an orchestrator restarts it) or log (log once per configuration, count it, keep serving).",
     )
-    canary_slice_ms: float = Field(
+    canary_slice_ms: Annotated[float, BeforeValidator(lambda v: _duration("canary_slice_ms", v))] = Field(
         5.0,
         description="Milliseconds of GPU time one canary run may hold the serving thread at an idle point: a run "
         "over it caps its configuration's larger batch sizes below the one it checked (listed in status); the "
@@ -325,12 +319,6 @@ class Settings(BaseSettings):
             super().__init__(**values)
         except ValidationError as exc:
             raise _config_error(exc, values) from None
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _parse(cls, value: object, info) -> object:
-        parser = _PARSERS.get(info.field_name)
-        return value if parser is None else parser(value)
 
     def model_post_init(self, context: Any) -> None:
         # Whether the report names a directory is fixed now: if it disappears later, the writer warns
