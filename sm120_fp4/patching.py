@@ -1,7 +1,7 @@
 """A generic patch engine: post-import hooks, version guards, idempotent apply, exact undo, a ledger.
 
-Knows nothing about SGLang (:mod:`sm120_fp4.sglang.targets` lists the :class:`PatchSpec` s). A hook never
-raises into the import that triggered it: a failure leaves the target untouched and is recorded ``skipped``.
+Knows nothing about SGLang (:mod:`sm120_fp4.sglang.targets` lists what to patch as :class:`PatchSpec`). A hook
+never raises into the import that triggered it: a failure leaves the target untouched and is recorded ``skipped``.
 """
 
 from __future__ import annotations
@@ -146,8 +146,6 @@ def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
 class _ReloadWatch:
     """Has each live Patcher patch a module again after ``importlib.reload`` put its originals back."""
 
-    # reload passes the module as `target` to every finder; post-import hooks fire only once.
-
     def __init__(self) -> None:
         self.patchers: weakref.WeakSet[Patcher] = weakref.WeakSet()
         self._busy = threading.local()
@@ -163,6 +161,7 @@ class _ReloadWatch:
             sys.meta_path.remove(self)  # nothing of ours left to patch again: off the import path
 
     def find_spec(self, name, path=None, target=None):
+        # reload passes the module as `target` to every finder; post-import hooks would not fire again.
         if target is None or getattr(self._busy, "on", False):
             return None
         patchers = [p for p in list(self.patchers) if p.watches(name)]
