@@ -4,19 +4,15 @@ Every value is checked when the settings are built (``install()`` or CLI start):
 :class:`~sm120_fp4.errors.ConfigError` naming the variable, the value and what is accepted.
 """
 
-from ..toggle import TOGGLE_VAR
 from .flashinfer import check_flashinfer_env, flashinfer_overrides, flashinfer_problem
 from .settings import Settings, env_name, load_settings, settings_table, sources
-from .values import AUTO, ENV_PREFIX, default_verdicts_path
+from .values import AUTO
 
 __all__ = [
     "Settings",
     "load_settings",
-    "ENV_PREFIX",
-    "TOGGLE_VAR",
     "env_name",
     "AUTO",
-    "default_verdicts_path",
     "flashinfer_overrides",
     "flashinfer_problem",
     "check_flashinfer_env",
