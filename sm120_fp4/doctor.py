@@ -255,12 +255,8 @@ def collect(deep: bool = True) -> dict:
             for d in ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")
         },
     }
-    settings_result = _probe(_settings)
-    settings = None
-    if isinstance(settings_result, tuple):
-        settings, report["settings"] = settings_result
-    else:
-        report["settings"] = settings_result
+    result = _probe(_settings)  # (settings, their section), or the probe's error
+    settings, report["settings"] = result if isinstance(result, tuple) else (None, result)
     report["torch"] = _probe(_torch)
     report["nvcc"] = _probe(_nvcc)
     report["toolchain"] = _probe(_toolchain)
