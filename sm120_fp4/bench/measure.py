@@ -1,6 +1,4 @@
-"""``sm120-fp4 bench``'s measurement: the layer configurations (a checkpoint's, or defaults), each candidate
-verified at them, then timed beside the bf16 yardstick at the batch sizes a server runs.
-"""
+"""``sm120-fp4 bench``'s layer configurations; each candidate verified at them, then timed."""
 
 from __future__ import annotations
 

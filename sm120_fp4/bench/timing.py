@@ -1,6 +1,4 @@
-"""What ``sm120-fp4 bench`` times and how: one call per backend and size, and the bf16 yardstick of the
-same shape; the median of a CUDA-graph replay per sample (else eager), L2 flushed before each.
-"""
+"""What ``sm120-fp4 bench`` times (each backend's call, the bf16 yardstick) and the timer."""
 
 from __future__ import annotations
 

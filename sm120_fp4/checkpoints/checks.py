@@ -1,8 +1,4 @@
-"""Validate an NVFP4 checkpoint's tensors once, before any kernel is called: :func:`inspect`.
-
-Every NVFP4 layer's tensors, dtypes, shapes and scales are checked against NVFP4 and config.json; a fault is
-a CheckpointError naming the file, the tensor and what is accepted.
-"""
+"""Check an NVFP4 checkpoint's tensors once, against NVFP4 and config.json, before any kernel runs."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""What a checkpoint's config files say: ModelOpt or compressed-tensors, NVFP4 or not, its tensors' names.
-
-ModelOpt (``quant_algo: NVFP4`` in ``config.json`` or ``hf_quant_config.json``) and compressed-tensors
-(4-bit float weights in groups of 16) are read with the standard library only.
-"""
+"""What a checkpoint's config files say (standard library only): ModelOpt or compressed-tensors, NVFP4 or not."""
 
 from __future__ import annotations
 

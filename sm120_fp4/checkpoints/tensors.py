@@ -1,7 +1,4 @@
-"""Read a checkpoint's files: JSON configs (bounded), safetensors headers, and tensors' bytes.
-
-Every fault is a CheckpointError (a config file's: ConfigError) naming the file, the tensor and what is accepted.
-"""
+"""Read a checkpoint's files: JSON configs (bounded), safetensors headers, tensors' bytes."""
 
 from __future__ import annotations
 

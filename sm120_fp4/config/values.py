@@ -1,6 +1,4 @@
-"""Each setting's parser: the value checked (numbers in ASCII digits, paths the filesystem can check) or a
-ValueError saying what is accepted; the default verdict file's path.
-"""
+"""Each setting's parser (a ValueError says what is accepted), and the default verdict file."""
 
 from __future__ import annotations
 
