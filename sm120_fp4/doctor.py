@@ -1,9 +1,4 @@
-"""``sm120-fp4 doctor``: everything an issue report needs, every probe guarded (never crashes).
-
-Modelled on ``python -m torch.utils.collect_env`` and FlashInfer's ``collect_env.py``: each probe
-returns a value or the text of what went wrong, and the report is ready to paste (Markdown) or
-to parse (``--json``).
-"""
+"""``sm120-fp4 doctor``: everything an issue report needs, as Markdown or ``--json``; every probe guarded."""
 
 from __future__ import annotations
 
@@ -81,16 +76,9 @@ def _humming() -> dict:
 def _devices(settings) -> list[dict]:
     from . import devices
 
-    return [
-        {
-            "index": d.index,
-            "name": d.name,
-            "capability": f"{d.capability[0]}.{d.capability[1]}",
-            "simulated": d.simulated,
-            "source": d.source,
-        }
-        for d in devices.list_devices(settings.simulated_capability if settings else None)
-    ]
+    found = devices.list_devices(settings.simulated_capability if settings else None)
+    keys = ("index", "name", "capability", "simulated", "source")
+    return [{k: "%d.%d" % d.capability if k == "capability" else getattr(d, k) for k in keys} for d in found]
 
 
 def _activation() -> dict:
@@ -102,13 +90,12 @@ def _activation() -> dict:
     dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
     pth = [os.path.join(d, "sm120_fp4.pth") for d in dirs if os.path.exists(os.path.join(d, "sm120_fp4.pth"))]
     allow = os.environ.get("SGLANG_PLUGINS")
+    allowed = any(o.split(" ")[0] in allow.split(",") for o in ours) if allow else None
     return {
         "toggle": os.environ.get("SM120_FP4"),
         "active": enabled(),
         "plugin_entry_point": ours or None,
-        "plugin_allowed_by_SGLANG_PLUGINS": None
-        if not allow
-        else any(o.split(" ")[0] in allow.split(",") for o in ours),
+        "plugin_allowed_by_SGLANG_PLUGINS": allowed,
         "pth_bootstrap": pth or None,
         "note": "both activate when SM120_FP4 is set (1 or on; any other value but 0/off is rejected loudly at install); the plugin needs SGLang >= 0.5.11, the .pth works for all releases",
     }
@@ -130,22 +117,20 @@ def _targets() -> dict:
     unverified = release.unverified_release(version) if version is not None else None
     if unverified is not None:  # what the worker says: an NVFP4 layer there is served by SGLang's own calls
         why = "; ".join(unverified)
-    rows = []
-    for spec in targets.ledger_rows():
-        applies = ok and version_in(version, spec.versions)
-        rows.append(
-            {
-                "name": spec.name,
-                "target": f"{spec.module}.{spec.attribute}",
-                "versions": spec.versions,
-                "applies": applies,
-            }
-        )
+    rows = [
+        {
+            "name": t.name,
+            "target": f"{t.module}.{t.attribute}",
+            "versions": t.versions,
+            "applies": ok and version_in(version, t.versions),
+        }
+        for t in targets.ledger_rows()
+    ]
     return {"sglang": version, "supported": ok, "reason": why, "targets": rows}
 
 
 def _engines() -> dict:
-    """The other engine homes' sections (each its own ``doctor_section()``: version, plugin, patch targets)."""
+    """Return each other engine's own ``doctor_section()``."""
     from .api import ENGINES
 
     return {engine.NAME: _probe(engine.doctor_section) for engine in ENGINES if hasattr(engine, "doctor_section")}
@@ -174,21 +159,16 @@ def _backends(devs: list[dict]) -> list[dict]:
 
 # Targets whose failure means the runtime patch (or the simulation) cannot do its job here; the
 # model runner's post-warm-up seam is reported, but its module imports only on a GPU server.
-_ESSENTIAL = (
-    "flashinfer-fp4-gemm-alias",
-    "fp4-gemm-alias-legacy",
-    "modelopt-fp4-weights-hook",
-    "compressed-tensors-w4a4-weights-hook",
-    "fused-moe-kernel-seam",
-    "modelopt-nvfp4-moe-weights-hook",
+_ESSENTIAL = frozenset(
+    "flashinfer-fp4-gemm-alias fp4-gemm-alias-legacy modelopt-fp4-weights-hook compressed-tensors-w4a4-weights-hook "
+    "fused-moe-kernel-seam modelopt-nvfp4-moe-weights-hook".split()
 )
 
 
 def _import_check(settings=None) -> dict:
-    """Import SGLang's FP4 modules here and check, without patching, that every target of this
-    release is there as expected, the simulation stand-ins included. When simulating without
-    CUDA, the import runs as the simulation's would: with the stand-in for a kernel package that
-    cannot load (0.5.3-0.5.10), reported as a row of its own."""
+    """Return whether each patch target of this SGLang (simulation stand-ins included) would apply, unpatched."""
+    # Simulating without CUDA, the import runs as the simulation's: with its stand-in for a kernel package
+    # that cannot load (0.5.3-0.5.10), reported as a row of its own.
     import torch
 
     from .patching import dry_run
@@ -204,33 +184,27 @@ def _import_check(settings=None) -> dict:
         for spec in targets.ledger_rows() + simulation.specs():
             if spec.make is None:
                 continue  # pins and env knobs: decided at run time
-            state, reason = dry_run(spec)
-            rows.append(
-                {"name": spec.name, "state": state, "reason": reason, "simulation": spec.name.startswith("sim-")}
-            )
+            rows.append(_row(spec.name, *dry_run(spec), spec.name.startswith("sim-")))
         # the activation quantizers: by what this release's linear path calls ("fails": none can take effect)
-        rows += [
-            {"name": spec.name, "state": state, "reason": reason, "simulation": True}
-            for spec, state, reason in simulation.quantizer_check()
-        ]
+        rows += [_row(spec.name, state, reason, True) for spec, state, reason in simulation.quantizer_check()]
     finally:
         if remove is not None:
             remove()
     if used:
-        rows.append(
-            {
-                "name": simulation.KERNEL_PACKAGE_STAND_IN.name,
-                "state": "applies",
-                "reason": f"{simulation.KERNEL_PACKAGE} cannot load here ({used[0]}): the simulation imports a stand-in",
-                "simulation": True,
-            }
-        )
+        why = f"{simulation.KERNEL_PACKAGE} cannot load here ({used[0]}): the simulation imports a stand-in"
+        rows.append(_row(simulation.KERNEL_PACKAGE_STAND_IN.name, "applies", why, True))
     return {"targets": rows}
 
 
+def _row(name: str, state: str, reason: str | None, simulation: bool) -> dict:
+    return {"name": name, "state": state, "reason": reason, "simulation": simulation}
+
+
+_CANARY_KEYS = ("state", "runs", "failures", "last_run", "busy_s", "share", "longest_slice_ms", "skipped_saturated")
+
+
 def _canary(settings) -> dict:
-    """The serving canary: its settings, whether this SGLang has an idle point for it, and what each
-    serving process last wrote about it in its report file (SM120_FP4_REPORT)."""
+    """Return the canary's settings, this SGLang's idle point, and each serving process's last reported counters."""
     import glob
 
     from .canary import settings_problem
@@ -263,25 +237,13 @@ def _canary(settings) -> dict:
             for proc in procs:
                 section = proc.get("canary") if isinstance(proc, dict) else None
                 if isinstance(section, dict) and section.get("enabled"):
-                    keys = (
-                        "state",
-                        "runs",
-                        "failures",
-                        "last_run",
-                        "busy_s",
-                        "share",
-                        "longest_slice_ms",
-                        "skipped_saturated",
-                    )
-                    out["processes"].append(
-                        {"pid": proc.get("pid"), "report": path, **{k: section.get(k) for k in keys}}
-                    )
+                    counters = {k: section.get(k) for k in _CANARY_KEYS}
+                    out["processes"].append({"pid": proc.get("pid"), "report": path, **counters})
     return out
 
 
 def collect(deep: bool = True) -> dict:
-    """Every probe's result (values, or {'error': ...} where a probe failed); `deep` also imports
-    SGLang's FP4 modules to check each patch target (seconds: SGLang's import is heavy)."""
+    """Return every probe's result ({'error': ...} where one failed); `deep` also imports SGLang to check targets."""
     from . import __version__
 
     report: dict[str, Any] = {
@@ -293,12 +255,8 @@ def collect(deep: bool = True) -> dict:
             for d in ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")
         },
     }
-    settings_result = _probe(_settings)
-    settings = None
-    if isinstance(settings_result, tuple):
-        settings, report["settings"] = settings_result
-    else:
-        report["settings"] = settings_result
+    result = _probe(_settings)  # (settings, their section), or the probe's error
+    settings, report["settings"] = result if isinstance(result, tuple) else (None, result)
     report["torch"] = _probe(_torch)
     report["nvcc"] = _probe(_nvcc)
     report["toolchain"] = _probe(_toolchain)
@@ -317,7 +275,7 @@ def collect(deep: bool = True) -> dict:
 
 
 def _errors(value: Any, where: str) -> list[str]:
-    """Every probe error shown anywhere in `value` (a dict with an "error"), each with where it is shown."""
+    """Return every probe error shown anywhere in `value`, each with where it is shown."""
     if isinstance(value, dict):
         if isinstance(value.get("error"), str):
             return [f"{where}: {value['error']}"]
@@ -325,6 +283,13 @@ def _errors(value: Any, where: str) -> list[str]:
     if isinstance(value, list):
         return [e for i, item in enumerate(value) for e in _errors(item, f"{where}[{i}]")]
     return []
+
+
+_SECTION_PROBLEMS = (
+    ("flashinfer_env", "problem", "FlashInfer NVFP4 environment"),
+    ("toolchain", "jit_problem", "JIT builds will fail"),
+    ("canary", "problem", "serving canary"),
+)
 
 
 def _problems(report: dict) -> list[str]:
@@ -335,11 +300,7 @@ def _problems(report: dict) -> list[str]:
     if isinstance(sg, dict) and sg.get("sglang") and not sg.get("supported"):
         problems.append(sg.get("reason", "unsupported SGLang"))
     devs = report.get("devices")
-    sm12x = (
-        [d for d in devs if isinstance(devs, list) and d["capability"].startswith("12.")]
-        if isinstance(devs, list)
-        else []
-    )
+    sm12x = [d for d in devs if d["capability"].startswith("12.")] if isinstance(devs, list) else []
     if isinstance(devs, list) and not sm12x:
         problems.append(
             "no compute-capability 12.x GPU visible: the library does nothing here (SM120_FP4_SIMULATE=12.0 to simulate)"
@@ -347,15 +308,9 @@ def _problems(report: dict) -> list[str]:
     nvcc = report.get("nvcc", {})
     if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
-    fi_env = report.get("flashinfer_env", {})
-    if fi_env.get("problem"):
-        problems.append(f"FlashInfer NVFP4 environment: {fi_env['problem']}")
-    tc = report.get("toolchain", {})
-    if tc.get("jit_problem"):
-        problems.append(f"JIT builds will fail: {tc['jit_problem']}")
-    canary = report.get("canary", {})
-    if canary.get("problem"):
-        problems.append(f"serving canary: {canary['problem']}")
+    for section, key, what in _SECTION_PROBLEMS:
+        if report.get(section, {}).get(key):
+            problems.append(f"{what}: {report[section][key]}")
     check = report.get("import_check", {})
     if isinstance(check.get("error"), str):
         problems.append(f"SGLang import check failed: {check['error']}")
@@ -369,39 +324,79 @@ def _problems(report: dict) -> list[str]:
     return problems
 
 
-def _markdown(report: dict) -> str:
-    def block(value: Any) -> str:
-        return "```\n" + json.dumps(value, indent=2, default=str) + "\n```"
+_TARGET_COLUMNS = ("patch", "target", "releases", "applies here")
 
+
+def _block(value: Any) -> str:
+    return "```\n" + json.dumps(value, indent=2, default=str) + "\n```"
+
+
+def _section(title: str, value: Any, headers: tuple, rows: list | None, intro: tuple = ()) -> list[str]:
+    """Return a Markdown section: `intro` and a table of `rows`, or `value` as JSON where rows is None."""
+    return ["", f"### {title}", *([_block(value)] if rows is None else [*intro, *markdown_table(headers, rows)])]
+
+
+def _target_rows(section: dict) -> list | None:
+    if "targets" not in section:
+        return None
+    return [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in section["targets"]]
+
+
+def _summary(report: dict) -> list[str]:
+    """Return the report's opening lines: versions, torch, nvcc, toolchain, FlashInfer variables, humming."""
     lines = [f"## sm120-fp4 doctor ({report['sm120_fp4']})", "", f"- Python {report['python']} on {report['platform']}"]
     lines += [f"- {k}: {v or 'not installed'}" for k, v in report["versions"].items()]
-    torch_info = report["torch"]
+    torch_info, nvcc, tc = report["torch"], report["nvcc"], report.get("toolchain", {})
     if "error" not in torch_info:
         lines.append(f"- torch CUDA build {torch_info['cuda_build']}, CUDA available: {torch_info['cuda_available']}")
-    nvcc = report["nvcc"]
     lines.append(f"- nvcc: {nvcc.get('version', 'not found')} {nvcc.get('path', '')}".rstrip())
-    tc = report.get("toolchain", {})
     if "error" not in tc:
         lines.append(
             f"- toolchain: CUDA {tc.get('cuda') or 'unknown'} ({tc.get('cuda_source')}), glibc {tc.get('glibc') or 'unknown'}, "
             f"CuTe DSL: {tc.get('cute_dsl')}; b12x: {tc.get('b12x_problem') or 'can run'}"
         )
-    fi_env = report.get("flashinfer_env", {})
-    shown = ", ".join(f"{k}={v!r}" for k, v in fi_env.get("variables", {}).items())
+    shown = ", ".join(f"{k}={v!r}" for k, v in report.get("flashinfer_env", {}).get("variables", {}).items())
     lines.append(f"- FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*): {shown or 'none set'}")
     hum = report.get("humming", {})
     if "error" in hum:
-        lines.append(f"- humming-kernels: probe failed: {hum['error']}")
-    else:
-        compiles = (
-            f"can compile here ({hum['compiler']}: {hum['compiler_detail']})"
-            if hum.get("can_compile")
-            else f"cannot compile here: {hum.get('compiler_detail')}"
-        )
+        return [*lines, f"- humming-kernels: probe failed: {hum['error']}"]
+    compiles = (
+        f"can compile here ({hum['compiler']}: {hum['compiler_detail']})"
+        if hum.get("can_compile")
+        else f"cannot compile here: {hum.get('compiler_detail')}"
+    )
+    version = hum.get("version") or "not installed"
+    return [*lines, f"- humming-kernels: {version}; {compiles}; kernel cache {hum.get('cache_dir')}"]
+
+
+def _canary_lines(canary: dict) -> list[str]:
+    lines = ["", "### Serving canary (SM120_FP4_CANARY)"]
+    if "enabled" not in canary:
+        return [*lines, _block(canary)]
+    on = (
+        f"on, every {canary['period_s']:g} s, action {canary['action']}, slice {canary['slice_ms']:g} ms"
+        if canary["enabled"]
+        else "off"
+    )
+    lines.append(f"- {on}; idle point here: {canary['idle_point'] or 'none (the canary cannot run on this SGLang)'}")
+    for p in canary["processes"]:
+        last = p.get("last_run") or {}
+        share = f"{p['share']:.3%}" if isinstance(p.get("share"), (int, float)) else "-"
         lines.append(
-            f"- humming-kernels: {hum.get('version') or 'not installed'}; {compiles}; kernel cache {hum.get('cache_dir')}"
+            f"- pid {p['pid']}: {p['state']}; runs {p['runs']}, failures {p['failures']}, last run "
+            f"{last.get('config', '-')} {'passed' if last.get('passed') else 'FAILED' if last else ''}, "
+            f"serving-thread time {p['busy_s']:.3f} s ({share}), longest slice {p['longest_slice_ms']:.1f} ms, "
+            f"skipped (saturated) {p['skipped_saturated']}"
         )
-    lines += ["", "### GPUs"]
+    if canary["enabled"] and not canary["processes"]:
+        lines.append(
+            "- no serving process has reported yet (set SM120_FP4_REPORT for the servers to see their counters here)"
+        )
+    return lines
+
+
+def _markdown(report: dict) -> str:
+    lines = [*_summary(report), "", "### GPUs"]
     devs = report["devices"]
     if isinstance(devs, list):
         lines += [
@@ -409,86 +404,35 @@ def _markdown(report: dict) -> str:
             for d in devs
         ] or ["- none visible"]
     else:
-        lines.append(block(devs))
-    lines += ["", "### Activation", block(report["activation"]), "", "### Settings"]
-    settings = report["settings"]
-    if "values" in settings:
-        lines += markdown_table(
-            ("setting", "value", "from"), [(k, v, settings["sources"][k]) for k, v in settings["values"].items()]
-        )
-    else:
-        lines.append(block(settings))
-    lines += ["", "### SGLang patch targets"]
-    sg = report["sglang"]
-    if "targets" in sg:
-        lines.append(f"{sg['reason']}")
-        lines += [
-            "",
-            *markdown_table(
-                ("patch", "target", "releases", "applies here"),
-                [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in sg["targets"]],
-            ),
-        ]
-    else:
-        lines.append(block(sg))
+        lines.append(_block(devs))
+    lines += ["", "### Activation", _block(report["activation"])]
+    settings, sg = report["settings"], report["sglang"]
+    values = settings.get("values") if "values" in settings else None
+    rows = None if values is None else [(k, v, settings["sources"][k]) for k, v in values.items()]
+    lines += _section("Settings", settings, ("setting", "value", "from"), rows)
+    lines += _section("SGLang patch targets", sg, _TARGET_COLUMNS, _target_rows(sg), (f"{sg.get('reason')}", ""))
     for section in (report.get("engines") or {}).values():
         if not isinstance(section, dict) or "targets" not in section:
-            lines += ["", "### Engine", block(section)]
+            lines += _section("Engine", section, (), None)
             continue
-        lines += [
-            "",
-            f"### {section['engine']} patch targets",
+        intro = (
             f"{section['engine']} {section['version'] or 'not installed'}: {section['reason']}; plugin entry point: "
             f"{', '.join(section['plugin_entry_point'] or ['none'])}",
             "",
-            *markdown_table(
-                ("patch", "target", "releases", "applies here"),
-                [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in section["targets"]],
-            ),
-        ]
-    lines += ["", "### Backends"]
-    bk = report["backends"]
-    if isinstance(bk, list):
-        lines += markdown_table(
-            ("device", "family", "backend", "supported", "reason"),
-            [(b["device"], b["family"], b["backend"], b["supported"], b["reason"] or "") for b in bk],
         )
-    else:
-        lines.append(block(bk))
-    lines += ["", "### Serving canary (SM120_FP4_CANARY)"]
-    canary = report.get("canary", {})
-    if "enabled" in canary:
-        on = (
-            f"on, every {canary['period_s']:g} s, action {canary['action']}, slice {canary['slice_ms']:g} ms"
-            if canary["enabled"]
-            else "off"
-        )
-        lines.append(
-            f"- {on}; idle point here: {canary['idle_point'] or 'none (the canary cannot run on this SGLang)'}"
-        )
-        for p in canary["processes"]:
-            last = p.get("last_run") or {}
-            share = f"{p['share']:.3%}" if isinstance(p.get("share"), (int, float)) else "-"
-            lines.append(
-                f"- pid {p['pid']}: {p['state']}; runs {p['runs']}, failures {p['failures']}, last run "
-                f"{last.get('config', '-')} {'passed' if last.get('passed') else 'FAILED' if last else ''}, "
-                f"serving-thread time {p['busy_s']:.3f} s ({share}), longest slice {p['longest_slice_ms']:.1f} ms, "
-                f"skipped (saturated) {p['skipped_saturated']}"
-            )
-        if canary["enabled"] and not canary["processes"]:
-            lines.append(
-                "- no serving process has reported yet (set SM120_FP4_REPORT for the servers to see their counters here)"
-            )
-    else:
-        lines.append(block(canary))
-    lines += ["", "### SGLang import check (each target of this release, not patched)"]
-    check = report["import_check"]
-    if "targets" in check:
-        lines += markdown_table(
-            ("target", "here", "reason"), [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]]
-        )
-    else:
-        lines.append(block(check))
+        lines += _section(f"{section['engine']} patch targets", section, _TARGET_COLUMNS, _target_rows(section), intro)
+    bk, check = report["backends"], report["import_check"]
+    rows = (
+        [(b["device"], b["family"], b["backend"], b["supported"], b["reason"] or "") for b in bk]
+        if isinstance(bk, list)
+        else None
+    )
+    lines += _section("Backends", bk, ("device", "family", "backend", "supported", "reason"), rows)
+    lines += _canary_lines(report.get("canary", {}))
+    rows = [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]] if "targets" in check else None
+    lines += _section(
+        "SGLang import check (each target of this release, not patched)", check, ("target", "here", "reason"), rows
+    )
     lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])
     return "\n".join(lines)
 

@@ -1,9 +1,7 @@
 """A generic patch engine: post-import hooks, version guards, idempotent apply, exact undo, a ledger.
 
-Knows nothing about SGLang: :mod:`sm120_fp4.sglang.targets` describes what to patch with
-:class:`PatchSpec`; this module applies the specs when (or if) their modules are imported.
-A hook never raises into the import that triggered it: a failure leaves the target untouched,
-logs one warning, and is recorded as ``skipped`` with its reason.
+Knows nothing about SGLang (:mod:`sm120_fp4.sglang.targets` lists what to patch as :class:`PatchSpec`). A hook
+never raises into the import that triggered it: a failure leaves the target untouched and is recorded ``skipped``.
 """
 
 from __future__ import annotations
@@ -33,11 +31,10 @@ State = Literal["pending", "applied", "skipped", "removed", "replaced"]
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """Replace `module`.`attribute` (a dotted path inside the module) with `make(original)`.
+    """Replace `module`.`attribute` (dotted) with `make(original)`, unless `check(original)` gives a reason.
 
-    `check(original)` returns a reason to leave the target alone (wrong signature, not the
-    expected object) or None. `distribution`/`versions` guard the patch by installed version.
-    `why`, `upstream` and `remove_when` are the ledger: why it exists and when to delete it.
+    `distribution`/`versions` guard the patch by installed version; `why`, `upstream` and `remove_when`
+    are the ledger: why it exists and when to delete it.
     """
 
     name: str
@@ -63,6 +60,9 @@ class LedgerEntry(BaseModel):
     upstream: str
     remove_when: str
     versions: str | None = None
+
+
+_SPEC_FIELDS = ("name", "module", "attribute", "why", "upstream", "remove_when", "versions")
 
 
 @dataclass
@@ -99,12 +99,30 @@ def _resolve_owner(module: ModuleType, dotted: str) -> tuple[object, str]:
     return owner, leaf
 
 
-def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
-    """Would `spec` apply here, without applying it: ("applies"|"not needed"|"fails", reason).
+def _target(module: ModuleType, dotted: str) -> tuple[object, str, object]:
+    """Return (owner, leaf, current object) of `dotted` in `module`; AttributeError or KeyError if absent."""
+    owner, leaf = _resolve_owner(module, dotted)
+    return owner, leaf, owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
 
-    Imports the target module (a diagnostic, not the install path): a module that cannot be imported,
-    a missing attribute or a failing check is "fails" with its reason.
-    """
+
+def _replace(record: _Record, owner: object, leaf: str, original: object) -> None:
+    """Set `owner`.`leaf` to the spec's replacement of `original`, tagged with the patch's name."""
+    replacement = record.spec.make(original)
+    try:
+        replacement.__sm120_fp4_patch__ = record.spec.name
+    except AttributeError:
+        pass  # a builtin or slotted replacement: identity still guards the undo
+    setattr(owner, leaf, replacement)
+    record.owner, record.original, record.replacement = owner, original, replacement
+
+
+def _skip(record: _Record, reason: str, again: bool = False) -> None:
+    record.state, record.reason = "skipped", reason
+    _LOG.warning("sm120_fp4: not patching %s%s: %s", record.spec.name, " again" if again else "", reason)
+
+
+def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
+    """Return whether `spec` would apply here, importing its module but patching nothing: (state, reason)."""
     reason = _version_reason(spec)
     if reason is not None:
         return "not needed", reason
@@ -113,8 +131,7 @@ def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
     except Exception as exc:
         return "fails", f"cannot import {spec.module}: {type(exc).__name__}: {exc}"
     try:
-        owner, leaf = _resolve_owner(module, spec.attribute)
-        original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+        original = _target(module, spec.attribute)[2]
     except (AttributeError, KeyError):
         return "fails", f"{spec.module}.{spec.attribute} not found" + (
             f": {spec.when_missing}" if spec.when_missing else ""
@@ -127,9 +144,7 @@ def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
 
 
 class _ReloadWatch:
-    """Sees ``importlib.reload`` of a module that holds applied patches (reload passes the module as
-    `target` to every finder) and has each live Patcher patch the module again once its code has
-    run again: a reload puts SGLang's originals back, and post-import hooks fire only once."""
+    """Has each live Patcher patch a module again after ``importlib.reload`` put its originals back."""
 
     def __init__(self) -> None:
         self.patchers: weakref.WeakSet[Patcher] = weakref.WeakSet()
@@ -146,6 +161,7 @@ class _ReloadWatch:
             sys.meta_path.remove(self)  # nothing of ours left to patch again: off the import path
 
     def find_spec(self, name, path=None, target=None):
+        # reload passes the module as `target` to every finder; post-import hooks would not fire again.
         if target is None or getattr(self._busy, "on", False):
             return None
         patchers = [p for p in list(self.patchers) if p.watches(name)]
@@ -171,10 +187,7 @@ _reload_watch = _ReloadWatch()
 
 
 class Patcher:
-    """Holds the patches of one install; apply via import hooks, undo exactly, report a ledger.
-
-    A reload of a patched module (``importlib.reload``) is patched again right after it (the
-    ledger says so); a patch undone by anything else shows as ``replaced`` in the ledger."""
+    """Holds the patches of one install: applied by import hooks (again after a reload), undone exactly, ledgered."""
 
     def __init__(self) -> None:
         self._lock = locks.rlock()
@@ -182,7 +195,7 @@ class Patcher:
         self._generation = 0
 
     def watches(self, module: str) -> bool:
-        """Whether `module` holds a patch of this Patcher that a reload would undo."""
+        """Return whether `module` holds a patch of this Patcher that a reload would undo."""
         with self._lock:
             return any(
                 r.spec.module == module and r.state == "applied" and r.spec.make is not None
@@ -213,34 +226,22 @@ class Patcher:
     def _reapply(self, record: _Record, module: ModuleType) -> bool:
         spec = record.spec
         try:
-            owner, leaf = _resolve_owner(module, spec.attribute)
-            current = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+            owner, leaf, current = _target(module, spec.attribute)
         except (AttributeError, KeyError):
-            record.state, record.reason = (
-                "skipped",
-                f"{spec.module}.{spec.attribute} not found after a reload of {spec.module}",
-            )
-            _LOG.warning("sm120_fp4: not patching %s again: %s", spec.name, record.reason)
+            _skip(record, f"{spec.module}.{spec.attribute} not found after a reload of {spec.module}", again=True)
             return False
         if current is record.replacement:
             return False  # still ours (the name comes from another module)
         reason = spec.check(current) if spec.check else None
         if reason is not None:
-            record.state, record.reason = "skipped", f"after a reload of {spec.module}: {reason}"
-            _LOG.warning("sm120_fp4: not patching %s again: %s", spec.name, record.reason)
+            _skip(record, f"after a reload of {spec.module}: {reason}", again=True)
             return False
-        replacement = spec.make(current)
-        try:
-            replacement.__sm120_fp4_patch__ = spec.name
-        except AttributeError:
-            pass
-        setattr(owner, leaf, replacement)
-        record.owner, record.original, record.replacement = owner, current, replacement
+        _replace(record, owner, leaf, current)
         record.reason = f"patched again after a reload of {spec.module}"
         return True
 
     def add(self, specs: list[PatchSpec]) -> None:
-        """Register `specs`; each applies now if its module is imported, else when it is."""
+        """Register `specs`: each applies now if its module is imported, else when it is."""
         with self._lock:
             _reload_watch.watch(self)
             generation = self._generation
@@ -273,11 +274,7 @@ class Patcher:
         return on_import
 
     def when_imported(self, module: str, fn: Callable[[ModuleType], None]) -> None:
-        """Run `fn(module)` once `module` is imported (now if it is), unless remove_all came first.
-
-        For steps that are not attribute replacements; like the patches, `fn` never raises into the
-        import: a failure is logged as one warning.
-        """
+        """Run `fn(module)` once `module` is imported (now if it is), unless remove_all came first; never raise."""
         generation = self._generation
 
         def on_import(mod: ModuleType) -> None:
@@ -296,15 +293,10 @@ class Patcher:
         if record.state == "applied":
             return
         try:
-            owner, leaf = _resolve_owner(module, spec.attribute)
-            original = owner.__dict__[leaf] if isinstance(owner, type) else getattr(owner, leaf)
+            owner, leaf, original = _target(module, spec.attribute)
         except (AttributeError, KeyError):
-            record.state, record.reason = (
-                "skipped",
-                f"{spec.module}.{spec.attribute} not found"
-                + (f": {spec.when_missing}" if spec.when_missing else " in this release"),
-            )
-            _LOG.warning("sm120_fp4: not patching %s: %s", spec.name, record.reason)
+            missing = f": {spec.when_missing}" if spec.when_missing else " in this release"
+            _skip(record, f"{spec.module}.{spec.attribute} not found{missing}")
             return
         if getattr(original, "__sm120_fp4_patch__", None) is not None:
             source = next(
@@ -320,16 +312,9 @@ class Patcher:
             return
         reason = spec.check(original) if spec.check else None
         if reason is not None:
-            record.state, record.reason = "skipped", reason
-            _LOG.warning("sm120_fp4: not patching %s: %s", spec.name, reason)
+            _skip(record, reason)
             return
-        replacement = spec.make(original)
-        try:
-            replacement.__sm120_fp4_patch__ = spec.name
-        except AttributeError:
-            pass  # a builtin or slotted replacement: identity still guards the undo
-        setattr(owner, leaf, replacement)
-        record.owner, record.original, record.replacement = owner, original, replacement
+        _replace(record, owner, leaf, original)
         record.state, record.reason = "applied", None
         _LOG.info("sm120_fp4: patched %s.%s (%s)", spec.module, spec.attribute, spec.name)
 
@@ -354,11 +339,8 @@ class Patcher:
             self._records.clear()
 
     def pin(self, spec: PatchSpec, owner: object, value: object, applies: Callable[[object], bool]) -> bool:
-        """Set `owner`.`spec.attribute` to `value` when `applies(current)`; undone by remove_all.
-
-        For values SGLang computes at run time (an enum it initialises late): call again whenever
-        it may have changed. Returns True when the value is (now) pinned.
-        """
+        """Set `owner`.`spec.attribute` to `value` when `applies(current)`; return whether it is pinned now."""
+        # For values SGLang computes at run time (an enum it initialises late): called again whenever they may change.
         with self._lock:
             current = getattr(owner, spec.attribute)
             record = self._records.get(spec.name)
@@ -384,7 +366,7 @@ class Patcher:
                 record.state, record.reason = state, reason
 
     def _truth(self, record: _Record) -> tuple[State, str | None]:
-        """A record's state as the target is now: an applied patch no longer in place is "replaced"."""
+        """Return a record's state as the target is now: an applied patch no longer in place is "replaced"."""
         if record.state != "applied" or record.owner is None or record.replacement is MISSING:
             return record.state, record.reason
         owner, leaf = record.owner, record.spec.attribute.rsplit(".", 1)[-1]
@@ -405,16 +387,6 @@ class Patcher:
         with self._lock:
             truth = {name: self._truth(r) for name, r in self._records.items()}
             return [
-                LedgerEntry(
-                    name=r.spec.name,
-                    module=r.spec.module,
-                    attribute=r.spec.attribute,
-                    state=truth[r.spec.name][0],
-                    reason=truth[r.spec.name][1],
-                    why=r.spec.why,
-                    upstream=r.spec.upstream,
-                    remove_when=r.spec.remove_when,
-                    versions=r.spec.versions,
-                )
-                for r in self._records.values()
+                LedgerEntry(**{f: getattr(r.spec, f) for f in _SPEC_FIELDS}, state=truth[n][0], reason=truth[n][1])
+                for n, r in self._records.items()
             ]

@@ -1,18 +1,8 @@
 """The same fix as source diffs (``patches/``): ``sm120-fp4 patches check`` and ``patches apply``.
 
-For teams that bake a patched SGLang into an image or send the fix upstream instead of patching at
-run time. Each diff in :data:`DIFFS` makes the runtime patch's decision in SGLang's own code (cutlass
-with ``alpha`` and a contiguous ``out`` on SM12x, ``auto``/``cudnn`` only) and adds a start-up check
-that refuses to serve on wrong output. Every patched line carries the marker
-``# sm120-fp4: sglang-<release>-sm120-fp4``, which is how :func:`check` recognises a patched tree.
-
-``patches/LEDGER.md`` is rendered by ``scripts/ledger.py`` from ``sm120_fp4.sglang.targets.ledger_rows()``
-and :data:`DIFFS`; a test keeps the file equal to it. ``apply`` runs the system's ``patch`` or
-``git apply``; without either it prints the exact command. Not on the ``install()`` path: a diff
-fixes the dense GEMM only, so ``install()`` patches a patched tree as any other and keeps every
-check on (:func:`sm120_fp4.sglang.release.carried_fix` only names the diff in its status).
-
-Standard library only (plus ``packaging``); SGLang is located and read, never imported.
+Each diff in :data:`DIFFS` makes the runtime patch's decision in SGLang's own code and adds a start-up check;
+every patched line carries ``# sm120-fp4: sglang-<release>-sm120-fp4``, which :func:`check` recognises.
+``patches/LEDGER.md`` is rendered from :data:`DIFFS`. SGLang is located and read, never imported.
 """
 
 from __future__ import annotations
@@ -146,12 +136,12 @@ class CheckResult:
 
 
 def diff_for(version: str) -> Diff | None:
-    """The diff made for (or exact for) SGLang `version`, or None."""
+    """Return the diff made for (or exact for) SGLang `version`, or None."""
     return next((d for d in DIFFS if version in d.releases), None)
 
 
 def patches_dir() -> Path:
-    """`patches/` of a source checkout, or the copy a wheel ships as ``sm120_fp4/_patches``."""
+    """Return `patches/` of a source checkout, or the copy a wheel ships as ``sm120_fp4/_patches``."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "_patches", here.parent / "patches"):
         if candidate.is_dir():
@@ -163,12 +153,8 @@ def patch_path(diff: Diff) -> Path:
     return patches_dir() / diff.filename
 
 
-# ---------------------------------------------------------------- locating and reading a tree
-
-
 def _sglang_root(target: Path) -> Path | None:
-    """The directory holding the ``sglang`` package: `target` (site-packages, unpacked wheel)
-    or `target`/python (an SGLang git checkout)."""
+    """Return the directory holding the ``sglang`` package: `target`, or `target`/python (a git checkout)."""
     for root in (target, target / "python"):
         if (root / "sglang" / "__init__.py").is_file():
             return root
@@ -176,58 +162,42 @@ def _sglang_root(target: Path) -> Path | None:
 
 
 _VERSION_ASSIGN = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?["']([^"']+)["']""", re.M)
+# Where a tree's version is written, in the order they are trusted.
+_VERSION_SOURCES = (
+    ("sglang-*.dist-info/METADATA", re.compile(r"^Version:\s*(\S+)", re.M)),
+    ("sglang/_version.py", _VERSION_ASSIGN),
+    ("sglang/version.py", _VERSION_ASSIGN),
+    ("pyproject.toml", re.compile(r'^version\s*=\s*"([^"]+)"', re.M)),
+)
 
 
 def tree_version(root: Path) -> str | None:
-    """SGLang's version in `root`: its dist-info METADATA, else ``sglang/_version.py`` or
-    ``sglang/version.py`` (a source tree), else ``pyproject.toml``."""
-    for metadata in sorted(root.glob("sglang-*.dist-info/METADATA")):
-        match = re.search(r"^Version:\s*(\S+)", metadata.read_text(errors="replace"), re.M)
-        if match:
-            return match.group(1)
-    for name in ("sglang/_version.py", "sglang/version.py"):
-        path = root / name
-        match = _VERSION_ASSIGN.search(path.read_text(errors="replace")) if path.is_file() else None
-        if match:
-            return match.group(1)
-    pyproject = root / "pyproject.toml"
-    if pyproject.is_file():
-        match = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(errors="replace"), re.M)
-        if match:
-            return match.group(1)
+    """Return SGLang's version in `root`: its dist-info METADATA, else its version file, else pyproject.toml."""
+    for pattern, version in _VERSION_SOURCES:
+        for path in sorted(root.glob(pattern)):
+            match = version.search(path.read_text(errors="replace")) if path.is_file() else None
+            if match:
+                return match.group(1)
     return None
 
 
-# ---------------------------------------------------------------- check
-
-
 def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
-    """Whether the SGLang in `site_dir` (default: the installed one) already contains the fix."""
-    if site_dir is None:
-        root = installed_root()
-        if root is None:
-            return CheckResult("no-sglang", "sglang is not installed (no importable 'sglang' package)")
-    else:
-        root = _sglang_root(Path(site_dir))
-        if root is None:
-            return CheckResult("no-sglang", f"no sglang package in {site_dir} (looked for sglang/ and python/sglang/)")
+    """Return whether the SGLang in `site_dir` (default: the installed one) already contains the fix."""
+    root = installed_root() if site_dir is None else _sglang_root(Path(site_dir))
+    if root is None and site_dir is None:
+        return CheckResult("no-sglang", "sglang is not installed (no importable 'sglang' package)")
+    if root is None:
+        return CheckResult("no-sglang", f"no sglang package in {site_dir} (looked for sglang/ and python/sglang/)")
     version = tree_version(root) or (installed_version("sglang") if site_dir is None else None)
     diff = diff_for(version) if version else None
     where = f"sglang {version or '(unknown version)'} at {root / 'sglang'}"
-    mq = root / MQ_FILE
-    if not mq.is_file():
+    if not (root / MQ_FILE).is_file():
         return CheckResult("unsupported", f"{where} has no {MQ_FILE}: not a release this fix knows", version, root)
     marker = fix_marker(root)
     if marker:
         made_for = "" if version in (None, marker.group(2)) else f" (made for {marker.group(2)})"
-        return CheckResult(
-            "fixed",
-            f"{where} contains the fix: patch {marker.group(1)}{made_for}",
-            version,
-            root,
-            marker.group(1),
-            diff,
-        )
+        message = f"{where} contains the fix: patch {marker.group(1)}{made_for}"
+        return CheckResult("fixed", message, version, root, marker.group(1), diff)
     if version is None:
         return CheckResult("unsupported", f"cannot read the sglang version in {root}", None, root)
     supported, reason = release_support(version)
@@ -241,54 +211,25 @@ def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
     return CheckResult("not-fixed", f"{where} does not contain the fix; use {remedy}", version, root, None, diff)
 
 
-# ---------------------------------------------------------------- apply
-
-
 def _tool() -> str | None:
-    """GNU patch if present, else git apply, else None (the command is then printed, not run)."""
+    """Return GNU patch if present, else git, else None (the command is then printed, not run)."""
     return next((name for name in ("patch", "git") if shutil.which(name)), None)
 
 
 def _command(tool: str, root: Path, patch: Path, dry_run: bool) -> list[str]:
     if tool == "patch":
-        cmd = [
-            "patch",
-            "-p1",
-            "--forward",
-            "--batch",
-            "--fuzz=0",
-            "--no-backup-if-mismatch",
-            "-d",
-            str(root),
-            "-i",
-            str(patch),
-        ]
-        return cmd + (["--dry-run"] if dry_run else [])
+        options = "-p1 --forward --batch --fuzz=0 --no-backup-if-mismatch".split()
+        return ["patch", *options, "-d", str(root), "-i", str(patch), *(["--dry-run"] if dry_run else [])]
     return ["git", "apply", "-p1", "--verbose", *(["--check"] if dry_run else []), str(patch)]
 
 
-def _run(tool: str, root: Path, patch: Path, dry_run: bool) -> tuple[bool, str]:
-    """Apply `patch` (-p1) under `root` with `tool`; (ok, what the tool printed)."""
-    # git: never let it find a repository above root (paths in the diff are relative to root).
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)} if tool == "git" else None
-    proc = subprocess.run(_command(tool, root, patch, dry_run), cwd=root, env=env, capture_output=True, text=True)
-    return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
-
-
 def apply(target: str | os.PathLike | None = None, dry_run: bool = False) -> int:
-    """Apply the diff matching the SGLang in `target` (default: the installed one); exit code.
-
-    0 applied (or would apply, or already applied), 1 the diff does not apply cleanly,
-    2 refused: no sglang, unreadable version, or no diff for that version.
-    """
-    if target is None:
-        root = installed_root()
-        if root is None:
-            return _refuse("sglang is not installed; pass --target DIR (a site-packages or source tree)")
-    else:
-        root = _sglang_root(Path(target))
-        if root is None:
-            return _refuse(f"--target {target}: no sglang package there (looked for sglang/ and python/sglang/)")
+    """Apply the diff matching the SGLang in `target` (default: the installed one); return 0 done, 1 failed, 2 refused."""
+    root = installed_root() if target is None else _sglang_root(Path(target))
+    if root is None and target is None:
+        return _refuse("sglang is not installed; pass --target DIR (a site-packages or source tree)")
+    if root is None:
+        return _refuse(f"--target {target}: no sglang package there (looked for sglang/ and python/sglang/)")
     version = tree_version(root)
     if version is None:
         return _refuse(
@@ -314,30 +255,30 @@ def apply(target: str | os.PathLike | None = None, dry_run: bool = False) -> int
     if tool is None:
         command = " ".join(shlex.quote(part) for part in _command("patch", root, patch, dry_run))
         return _refuse(f"neither GNU patch nor git is installed; install one, or run this where one is:\n  {command}")
-    ok, output = _run(tool, root, patch, dry_run=True)
-    if output:
-        print(output)
-    if not ok:
-        print(
-            f"error: {diff.filename} does not apply cleanly to sglang {version} in {root} ({tool}); "
-            "the tree differs from the release",
-            file=sys.stderr,
-        )
+    where = f"sglang {version} in {root} ({tool})"
+    failed = f"{diff.filename} does not apply cleanly to {where}; the tree differs from the release"
+    if not _run(tool, root, patch, True, failed):
         return 1
     if dry_run:
-        print(
-            f"dry run: {diff.filename} applies cleanly to sglang {version} in {root} ({tool}); "
-            f"would change {', '.join(diff.files)}"
-        )
+        print(f"dry run: {diff.filename} applies cleanly to {where}; would change {', '.join(diff.files)}")
         return 0
-    ok, output = _run(tool, root, patch, dry_run=False)
-    if output:
-        print(output)
-    if not ok:
-        print(f"error: applying {diff.filename} in {root} failed ({tool})", file=sys.stderr)
+    if not _run(tool, root, patch, False, f"applying {diff.filename} in {root} failed ({tool})"):
         return 1
     print(f"applied {diff.filename} to sglang {version} in {root}: changed {', '.join(diff.files)}")
     return 0
+
+
+def _run(tool: str, root: Path, patch: Path, dry_run: bool, failed: str) -> bool:
+    """Apply `patch` (-p1) under `root` with `tool`, print its output (and `failed` if it fails); return ok."""
+    # git: never let it find a repository above root (paths in the diff are relative to root).
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root.parent)} if tool == "git" else None
+    proc = subprocess.run(_command(tool, root, patch, dry_run), cwd=root, env=env, capture_output=True, text=True)
+    output = (proc.stdout + proc.stderr).strip()
+    if output:
+        print(output)
+    if proc.returncode != 0:
+        print(f"error: {failed}", file=sys.stderr)
+    return proc.returncode == 0
 
 
 def _refuse(message: str) -> int:
@@ -346,7 +287,7 @@ def _refuse(message: str) -> int:
 
 
 def main(action: str, dry_run: bool = False, target: str | None = None) -> int:
-    """`sm120-fp4 patches check|apply`: print the answer, return the exit code."""
+    """Run `sm120-fp4 patches check|apply`: print the answer, return the exit code."""
     if action == "check":
         result = check(target)
         print(result.message, file=sys.stdout if result.exit_code < 2 else sys.stderr)

@@ -1,0 +1,17 @@
+"""What a checkpoint directory says: ModelOpt or compressed-tensors, NVFP4 or not, its tensors checked once."""
+
+from .checks import ROLES, Checkpoint, inspect, scale_problem
+from .quantization import COMPRESSED_TENSORS, MODELOPT, NAMES, Quantization, read_quantization, text_config
+
+__all__ = [
+    "Quantization",
+    "read_quantization",
+    "MODELOPT",
+    "COMPRESSED_TENSORS",
+    "Checkpoint",
+    "inspect",
+    "NAMES",
+    "ROLES",
+    "scale_problem",
+    "text_config",
+]

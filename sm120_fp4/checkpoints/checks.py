@@ -1,0 +1,255 @@
+"""Check an NVFP4 checkpoint's tensors once, against NVFP4 and config.json, before any kernel runs."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointError, ConfigError
+from .quantization import GROUP_SIZE, NAMES, Quantization, group_size_problem, ignored, read_quantization, text_config
+from .tensors import TensorInfo, read_bytes, read_json, read_scalar, read_tensors
+
+_PACKED_DTYPES = ("U8", "I8")
+_BLOCK_DTYPES = ("F8_E4M3", "U8")
+_SCALAR_DTYPES = ("F32", "BF16", "F16")
+_TORCH_NAMES = dict(
+    zip(
+        "F8_E4M3 F8_E5M2 U8 I8 I32 I64 F16 BF16 F32 F64".split(),
+        "float8_e4m3fn float8_e5m2 uint8 int8 int32 int64 float16 bfloat16 float32 float64".split(),
+    )
+)
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+ROLES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass
+class Checkpoint:
+    """What :func:`inspect` found: every tensor, every NVFP4 module's (N, K), and experts by prefix, role, index."""
+
+    dir: str
+    format: str
+    config: dict
+    tensors: dict[str, TensorInfo]
+    modules: dict[str, tuple[int, int]] = field(default_factory=dict)
+    experts: dict[str, dict[str, dict[int, str]]] = field(default_factory=dict)
+
+    def linear(self) -> dict[str, tuple[int, int]]:
+        """Return the NVFP4 modules that are not experts: module -> (N, K)."""
+        return {m: nk for m, nk in self.modules.items() if _EXPERT.match(m) is None}
+
+
+def _nvfp4_modules(fmt: str, quant: Quantization, tensors: dict[str, TensorInfo]) -> list[str]:
+    """Return every module with an FP4-packed weight or a weight global scale (only NVFP4 layers have one)."""
+    packed, _, global_name, _ = NAMES[fmt]
+    kinds: dict[str, set[str]] = {}
+    for name in tensors:
+        module, _, kind = name.rpartition(".")
+        kinds.setdefault(module, set()).add(kind)
+    layers = quant.config.get("quantized_layers") if isinstance(quant.config.get("quantized_layers"), dict) else {}
+    out = []
+    for module, have in sorted(kinds.items()):
+        algo = layers.get(module, {}).get("quant_algo") if isinstance(layers.get(module), dict) else None
+        if algo is not None and "NVFP4" not in str(algo).upper():
+            continue  # MIXED_PRECISION: another algorithm's layer
+        weight = tensors.get(f"{module}.{packed}")
+        if global_name in have or (weight is not None and weight.dtype in _PACKED_DTYPES):
+            out.append(module)
+    return out
+
+
+def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tuple[int, int]:
+    """Check one NVFP4 module's four tensors are present, of accepted dtypes and shapes; return its (N, K)."""
+    packed, block, global_name, input_name = NAMES[fmt]
+    where = next(tensors[f"{module}.{k}"].file for k in NAMES[fmt] if f"{module}.{k}" in tensors)
+    needs = f"accepted: an NVFP4 layer ({fmt}) with {module}.{packed}, .{block}, .{global_name} and .{input_name}"
+    for kind in NAMES[fmt]:
+        if f"{module}.{kind}" not in tensors:
+            raise CheckpointError(f"{where}: {module}.{kind} is missing; {needs}")
+    weight = tensors[f"{module}.{packed}"]
+    if weight.dtype not in _PACKED_DTYPES or len(weight.shape) != 2 or 0 in weight.shape:
+        raise CheckpointError(
+            f"{weight.file}: {module}.{packed} is {_TORCH_NAMES.get(weight.dtype, weight.dtype)} {weight.shape}; accepted: "
+            "uint8 (N, K/2), two FP4 (E2M1) codes a byte"
+        )
+    n, k = weight.shape[0], weight.shape[1] * 2
+    scales = tensors[f"{module}.{block}"]
+    if scales.dtype not in _BLOCK_DTYPES:
+        raise CheckpointError(
+            f"{scales.file}: {module}.{block} is {_TORCH_NAMES.get(scales.dtype, scales.dtype)}; accepted: float8_e4m3fn "
+            "(or its bytes as uint8) block scales, one per 16 weights"
+        )
+    if k % GROUP_SIZE or scales.shape != (n, k // GROUP_SIZE):
+        raise CheckpointError(
+            f"{scales.file}: {module}.{block} has shape {scales.shape}; accepted: (N, K/16) = "
+            f"({n}, {k / GROUP_SIZE:g}) for {module}.{packed} of shape {weight.shape} (K = {k})"
+        )
+    for kind, what in ((global_name, "the weight's global scale"), (input_name, "the activation's global scale")):
+        info = tensors[f"{module}.{kind}"]
+        if info.dtype not in _SCALAR_DTYPES or math.prod(info.shape) != 1:
+            raise CheckpointError(
+                f"{info.file}: {module}.{kind} is {_TORCH_NAMES.get(info.dtype, info.dtype)} {info.shape}; accepted: "
+                f"{what} as one float32 (shape () or (1,))"
+            )
+    return n, k
+
+
+def _experts(checkpoint: Checkpoint, fmt: str) -> None:
+    """Group the expert modules by MoE layer; check every expert 0..E-1 carries every projection, all alike."""
+    text = text_config(checkpoint.config)
+    count = next(
+        (text[k] for k in _EXPERT_COUNT if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)), None
+    )
+    packed = NAMES[fmt][0]
+    for module in checkpoint.modules:
+        m = _EXPERT.match(module)
+        if m is not None:
+            role = ROLES.get(m["proj"], m["proj"])
+            checkpoint.experts.setdefault(m["prefix"], {}).setdefault(role, {})[int(m["e"])] = module
+    for prefix, roles in checkpoint.experts.items():
+        some = next(iter(next(iter(roles.values())).values()))
+        info = checkpoint.tensors.get(f"{some}.{packed}")
+        where = info.file if info is not None else checkpoint.dir
+        w_style = re.search(r"\.w[123]$", some)
+        name = {r: w for w, r in ROLES.items()} if w_style else {r: r for r in ROLES.values()}
+        need = ["gate_proj"] * ("gate_proj" in roles) + ["up_proj", "down_proj"]
+        ids = {e for r in roles.values() for e in r}
+        total = count if count is not None else max(ids) + 1
+        accepted = f"accepted: every expert 0..{total - 1} with {', '.join(name[r] for r in need)}"
+        beyond = sorted(e for e in ids if e >= total)
+        if beyond:
+            raise CheckpointError(
+                f"{where}: {prefix}.{beyond[0]} is beyond config.json's expert count {total}; {accepted}"
+            )
+        for e in range(total):
+            for role in need:
+                if e not in roles.get(role, {}):
+                    raise CheckpointError(
+                        f"{where}: {prefix}.{e}.{name[role]}.{packed} is missing (expert {e} of {total}); {accepted}"
+                    )
+        for role in need:
+            shapes = {checkpoint.modules[mod] for mod in roles[role].values()}
+            if len(shapes) > 1:
+                raise CheckpointError(
+                    f"{where}: the experts of {prefix} have {name[role]} weights of different (N, K): "
+                    f"{sorted(shapes)}; accepted: one shape for every expert"
+                )
+
+
+def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
+    """Return a shape that contradicts config.json (hidden, intermediate, heads * head_dim), or None."""
+    text = text_config(checkpoint.config)
+
+    def num(key: str) -> int | None:
+        value = text.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    hidden, heads, kv_heads = num("hidden_size"), num("num_attention_heads"), num("num_key_value_heads")
+    head_dim = num("head_dim") or (hidden // heads if hidden and heads else None)
+    mla = any(k in text for k in ("kv_lora_rank", "qk_nope_head_dim"))  # MLA: q/k/v sizes are not heads * head_dim
+    hid = {hidden} if hidden else set()
+    o_sizes = {heads * head_dim} if heads and head_dim else set()
+    q_sizes = o_sizes | {2 * heads * head_dim} if o_sizes and text.get("attn_output_gate") else o_sizes
+    moe_key = "moe_intermediate_size" if num("moe_intermediate_size") else "intermediate_size"
+    for module, (n, k) in checkpoint.modules.items():
+        if "vision" in module or "visual" in module or not re.search(r"(^|\.)layers\.\d+\.", module):
+            continue  # the text model's decoder layers only
+        m = _EXPERT.match(module)
+        parent, _, leaf = module.rpartition(".")
+        role = ROLES.get(m["proj"], m["proj"]) if m else leaf
+        inter = num(moe_key) if m else (num("intermediate_size") if parent.endswith(".mlp") else None)
+        key, inter = (moe_key if m else "intermediate_size"), ({inter} if inter else set())
+        attn = parent.endswith("self_attn") and not mla and head_dim
+        heads_key, kv_key = "num_attention_heads * head_dim", "num_key_value_heads * head_dim"
+        checks = (
+            (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), k, "hidden_size", hid),
+            (("o_proj", "down_proj"), n, "hidden_size", hid),
+            (("gate_proj", "up_proj"), n, key, inter),
+            (("down_proj",), k, key, inter),
+            (("q_proj",), n, heads_key, q_sizes if attn else set()),
+            (("k_proj", "v_proj"), n, kv_key, {kv_heads * head_dim} if attn and kv_heads else set()),
+            (("o_proj",), k, heads_key, o_sizes if attn else set()),
+        )
+        for roles, value, what, expected in checks:
+            if role in roles and expected and value not in expected:
+                info = checkpoint.tensors[f"{module}.{NAMES[fmt][0]}"]
+                return (
+                    f"{info.file}: {module}.{NAMES[fmt][0]} of shape {info.shape} is a layer of N={n}, K={k}, but "
+                    f"config.json's {what} is {' or '.join(map(str, sorted(expected)))}; accepted: tensors whose "
+                    "shapes match config.json"
+                )
+    return None  # the expert count: checked by _experts
+
+
+def scale_problem(name: str, value: float) -> str | None:
+    """Return why a global or activation scale is unusable (NaN, infinite, zero, negative), or None."""
+    if math.isfinite(value) and value > 0:
+        return None
+    return (
+        f"{name} = {value!r}; accepted: a finite positive scale (the checkpoint's scale is wrong, not a kernel: "
+        "requantize or recalibrate the layer)"
+    )
+
+
+def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
+    """Check every NVFP4 module's global and activation scales are finite and positive, and no block scale NaN."""
+    _, block, global_name, input_name = NAMES[fmt]
+    opened: dict = {}
+    with contextlib.ExitStack() as files:
+        for module in checkpoint.modules:
+            for kind in (global_name, input_name):
+                name = f"{module}.{kind}"
+                info = checkpoint.tensors[name]
+                problem = scale_problem(name, read_scalar(read_bytes(files, opened, name, info), info.dtype))
+                if problem is not None:
+                    raise CheckpointError(f"{info.file}: {problem}")
+            name = f"{module}.{block}"
+            info = checkpoint.tensors[name]
+            data = read_bytes(files, opened, name, info)
+            at = min((i for i in (data.find(b"\x7f"), data.find(b"\xff")) if i >= 0), default=-1)
+            if at >= 0:
+                cols = info.shape[1]
+                raise CheckpointError(
+                    f"{info.file}: {name} holds a NaN block scale (E4M3 byte 0x{data[at]:02x} at row "
+                    f"{at // cols}, block {at % cols}); accepted: float8_e4m3fn block scales that are "
+                    "not NaN (any byte but 0x7f and 0xff): the checkpoint is corrupt, not a kernel"
+                )
+
+
+def inspect(model_dir: str, values: bool = True) -> Checkpoint:
+    """Validate the NVFP4 checkpoint in `model_dir` (its scales' values too with `values`), or raise CheckpointError."""
+    quant = read_quantization(model_dir)
+    problem = group_size_problem(quant)
+    if problem is not None:
+        raise CheckpointError(problem)
+    if quant.format not in NAMES or not quant.nvfp4:
+        raise ConfigError(
+            f"model_dir={model_dir!r}: quantization {quant.format or 'none'!r} is not NVFP4; "
+            f"accepted: ModelOpt NVFP4 or compressed-tensors NVFP4 (W4A4) checkpoints"
+        )
+    fmt = quant.format
+    config = read_json(os.path.join(model_dir, "config.json")) or {}
+    checkpoint = Checkpoint(model_dir, fmt, config, read_tensors(model_dir))
+    for module in _nvfp4_modules(fmt, quant, checkpoint.tensors):
+        checkpoint.modules[module] = _check_module(fmt, module, checkpoint.tensors)
+    for module in checkpoint.modules:
+        m = _EXPERT.match(module)
+        for name in (module, m["prefix"]) if m else (module,):
+            entry = ignored(quant, name)
+            if entry is not None:
+                carried = checkpoint.tensors[f"{module}.{NAMES[fmt][2]}"]
+                raise CheckpointError(
+                    f"{quant.source}: the ignore list's entry {entry!r} names {name}, whose tensors "
+                    f"in {carried.file} are NVFP4 ({module}.{NAMES[fmt][0]}, ...): SGLang would build it "
+                    "unquantized; accepted: an ignore list naming only unquantized layers"
+                )
+    _experts(checkpoint, fmt)
+    problem = _dims_problem(checkpoint, fmt)
+    if problem is not None:
+        raise CheckpointError(problem)
+    if values:
+        _check_values(checkpoint, fmt)
+    return checkpoint

@@ -1,0 +1,47 @@
+"""FlashInfer's own NVFP4 environment knobs: set, they make FlashInfer's FP4 results unverifiable."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import ConfigError
+from ..toggle import TOGGLE_VAR
+from .values import shown
+
+# FlashInfer's fp4_quantize and cutlass_fused_moe read FLASHINFER_NVFP4_* knobs (4over6 block scales, scales
+# clamped at 256) when called as SGLang calls them; the oracle models the standard recipe only, so any such
+# name (a future one too) makes results unverifiable. The quantizer's launch knobs change how the same recipe
+# runs, not the recipe, and every check runs with them set.
+FLASHINFER_PREFIX = "FLASHINFER_NVFP4_"
+FLASHINFER_LAUNCH_KNOBS = frozenset({"FLASHINFER_NVFP4_PER_TOKEN_THREADS", "FLASHINFER_NVFP4_QUANTIZE_USE_TMA"})
+
+
+def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Return every FLASHINFER_NVFP4_* variable set that may change FlashInfer's FP4 recipe, by name."""
+    environ = os.environ if environ is None else environ
+    return {
+        k: environ[k]
+        for k in sorted(environ)
+        if k.upper().startswith(FLASHINFER_PREFIX) and k.upper() not in FLASHINFER_LAUNCH_KNOBS
+    }
+
+
+def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:
+    """Return why FlashInfer's FP4 results cannot be verified in this environment, or None."""
+    found = flashinfer_overrides(environ)
+    if not found:
+        return None
+    listed = ", ".join(f"{k}={shown(v, 60)}" for k, v in found.items())
+    return (
+        f"{listed} set: this changes FlashInfer's FP4 quantization recipe (fp4_quantize, the activation quantizer "
+        f"SGLang calls, and cutlass_fused_moe read the {FLASHINFER_PREFIX}* variables: 4over6 block scales, block "
+        "scales clamped at 256), which this library's oracle does not model, so no NVFP4 result could be verified; "
+        f"unset {', '.join(found)} (or turn this library off: {TOGGLE_VAR}=0)"
+    )
+
+
+def check_flashinfer_env(environ: dict[str, str] | None = None) -> None:
+    """Raise ConfigError where FlashInfer's own NVFP4 knobs are set."""
+    problem = flashinfer_problem(environ)
+    if problem is not None:
+        raise ConfigError(f"sm120_fp4 cannot verify FlashInfer's FP4 results here: {problem}")
