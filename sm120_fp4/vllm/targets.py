@@ -12,11 +12,12 @@ from typing import Callable
 from ..patching import PatchSpec
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
 from .moe import make_shapes
-from .release import CT, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
+from .release import CT, CT_MOE, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
 
 __all__ = ["Wiring", "TARGETS", "specs", "ledger_rows", "doctor_section", "ALIAS_BACKEND"]
 
 MOE_KIND = "ModelOptNvFp4FusedMoE"
+CT_MOE_KIND = "CompressedTensorsW4A4Nvfp4MoEMethod"
 # The backend FlashInferCutlassNvFp4LinearKernel passes to the alias: the one this library routes.
 ALIAS_BACKEND = "cutlass"
 
@@ -153,7 +154,15 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
         module=MODELOPT,
         attribute="ModelOptNvFp4FusedMoE.process_weights_after_loading",
         versions=">=0.32",
-        why=_MOE_WEIGHTS_WHY,
+        why=_MOE_WEIGHTS_WHY + " (ModelOpt NVFP4 checkpoints)",
+    ),
+    _target(
+        "ct-moe-weights",
+        name="vllm-compressed-tensors-nvfp4-moe-weights-hook",
+        module=CT_MOE,
+        attribute="CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading",
+        versions=">=0.32",
+        why=_MOE_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints: the same backend selection and experts)",
     ),
     _target(
         "recheck",
@@ -173,6 +182,11 @@ def _makers(w: Wiring) -> dict[str, Callable]:
         after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
+    def moe_hook(kind: str) -> Callable:
+        before = lambda method, layer: w.before_moe(kind, method, layer)  # noqa: E731
+        after = lambda method, layer: w.verify_moe(kind, method, layer)  # noqa: E731
+        return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
+
     return {
         "alias": w.make_alias,
         "modelopt-weights": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
@@ -180,12 +194,8 @@ def _makers(w: Wiring) -> dict[str, Callable]:
         "moe-alias": w.make_moe_alias,
         "moe-defer": w.make_defer,
         "moe-shapes": make_shapes,
-        "modelopt-moe-weights": functools.partial(
-            make_weights_hook,
-            before=lambda method, layer: w.before_moe(MOE_KIND, method, layer),
-            scope=w.weights_scope,
-            after=lambda method, layer: w.verify_moe(MOE_KIND, method, layer),
-        ),
+        "modelopt-moe-weights": moe_hook(MOE_KIND),
+        "ct-moe-weights": moe_hook(CT_MOE_KIND),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
     }
 
