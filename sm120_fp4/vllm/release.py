@@ -6,6 +6,8 @@ package ``vllm``. The seams (:mod:`.targets`) were read in vLLM 0.32.0 (``vllm-c
 
 from __future__ import annotations
 
+import os
+
 from ..versions import capped, comparable, installed_version, version_in
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "release_support",
     "unverified_release",
     "carried_fix",
+    "launches",
     "OPT_OUT",
     "OPT_OUT_SAYS",
     "LINEAR_FLASHINFER",
@@ -104,6 +107,15 @@ def unverified_release(version: str | None = None) -> tuple[str, str] | None:
         f"a vLLM in {SUPPORTED}"
     )
     return means, remedy
+
+
+def launches(command: list[str]) -> bool:
+    """Whether `command` starts vLLM: its CLI (``vllm serve ...``) or a module of it (``python -m
+    vllm.entrypoints.openai.api_server ...``)."""
+    if command and os.path.basename(command[0]) == "vllm":
+        return True
+    modules = [after for before, after in zip(command, command[1:]) if before == "-m"]
+    return any(m == "vllm" or m.startswith("vllm.") for m in modules)
 
 
 def carried_fix() -> str | None:
