@@ -66,12 +66,9 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     name = getattr(args, "engine", "sglang")
-    if _engine_home(name).engine_version() is None:
-        _eprint(f"sm120-fp4 selftest: --engine {name}: {name} is not installed for {sys.executable}; run it there")
-        return EXIT_USAGE
-    engine = _unverified_engine(name)
-    if engine is not None:  # the checkpoint's layers are built through the engine's: nothing of it is patched
-        return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
+    refused = _model_engine_problem(name, settings)
+    if refused is not None:
+        return refused
     env = {**os.environ, "SM120_FP4": "1"}
     model = os.path.abspath(args.model)
     chosen = {} if name == "sglang" else {"engine": name}  # a runner seam of tests knows only SGLang's
@@ -121,6 +118,17 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     if any(not d["verified"] for r in results.values() for d in r["decisions"]):
         return EXIT_UNVERIFIED
     return EXIT_OK
+
+
+def _model_engine_problem(name: str, settings) -> int | None:
+    """The exit code when the engine `name` cannot build the checkpoint's layers verified here (None: it can)."""
+    if _engine_home(name).engine_version() is None:
+        _eprint(f"sm120-fp4 selftest: --engine {name}: {name} is not installed for {sys.executable}; run it there")
+        return EXIT_USAGE
+    engine = _unverified_engine(name)
+    if engine is not None:  # the checkpoint's layers are built through the engine's: nothing of it is patched
+        return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
+    return None
 
 
 WorkerRunner = Callable[..., "tuple[dict | None, dict | None, int, str]"]

@@ -15,21 +15,6 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__all__ = [
-    "NAME",
-    "attach",
-    "idle_point_problem",
-    "canary_problem",
-    "launches",
-    "release_support",
-    "carried_fix",
-    "engine_version",
-    "unverified_release",
-    "OPT_OUT",
-    "OPT_OUT_SAYS",
-    "doctor_section",
-]
-
 NAME = "vllm"
 _LAZY = {
     "attach": "wiring",
@@ -44,6 +29,7 @@ _LAZY = {
     "OPT_OUT_SAYS": "release",
     "doctor_section": "targets",
 }
+__all__ = ["NAME", *_LAZY]
 
 
 def __getattr__(name: str) -> object:

@@ -17,20 +17,23 @@ import torch
 
 from .. import checkpoints
 from ..errors import ConfigError
+from ..sglang.model_check import _EXPERT, _dtype, _load, _text_config, discover  # the engine-neutral reading
 
 __all__ = ["check_model"]
 
-_group: list[bool] = []
+_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # vLLM's fused-MoE loader's shard ids
 
 
 @contextlib.contextmanager
 def _vllm_process(device: torch.device):
-    """vLLM's current config and, once per process, the one-rank process group a worker has when it loads."""
+    """vLLM's current config and the one-rank process group a worker has when it loads (made once per process)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
     with set_current_vllm_config(VllmConfig()):
-        if not _group:
+        if not model_parallel_is_initialized():
             init_distributed_environment(
                 world_size=1,
                 rank=0,
@@ -39,10 +42,8 @@ def _vllm_process(device: torch.device):
                 distributed_init_method=f"file://{tempfile.mkdtemp()}/init",
             )
             initialize_model_parallel(1, 1)
-            from vllm.v1.worker.workspace import init_workspace_manager
-
+        if not is_workspace_manager_initialized():
             init_workspace_manager(device)
-            _group.append(True)
         yield
 
 
@@ -63,8 +64,6 @@ def _build_dense(layers, layer, quant_config, device: torch.device) -> None:
     """vLLM's fused linear layer for `layer`'s shards, each shard loaded by vLLM's loader, weights processed."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
-    from ..sglang.model_check import _dtype, _load
-
     with torch.device(device):
         module = MergedColumnParallelLinear(
             layer.k,
@@ -84,14 +83,9 @@ def _build_dense(layers, layer, quant_config, device: torch.device) -> None:
     module.quant_method.process_weights_after_loading(module)
 
 
-_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-
 def _build_moe(layers, layer, quant_config, device: torch.device) -> None:
     """vLLM's fused-MoE layer for `layer`, every expert tensor placed by vLLM's own loader, weights processed."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
-
-    from ..sglang.model_check import _EXPERT, _dtype, _load, _text_config
 
     text = _text_config(layers.config)
     with torch.device(device):
@@ -123,8 +117,6 @@ def _build_moe(layers, layer, quant_config, device: torch.device) -> None:
 def check_model(model_dir: str, device: torch.device) -> dict:
     """Build and verify every distinct NVFP4 layer configuration of `model_dir` through vLLM's layers on
     `device` (install() first); the same result and errors as the SGLang check."""
-    from ..sglang.model_check import discover
-
     layers = discover(model_dir)
     dense, moe = layers.distinct()
     if not dense and not moe:

@@ -14,8 +14,6 @@ import tempfile
 
 import torch
 
-_group: list[bool] = []
-
 
 @contextlib.contextmanager
 def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **kernel_config):
@@ -31,7 +29,10 @@ def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **
     if max_batch is not None:
         config.compilation_config.max_cudagraph_capture_size = max_batch
     with set_current_vllm_config(config):
-        if not _group:
+        from vllm.distributed.parallel_state import model_parallel_is_initialized
+        from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+        if not model_parallel_is_initialized():
             init_distributed_environment(
                 world_size=1,
                 rank=0,
@@ -40,10 +41,8 @@ def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **
                 distributed_init_method=f"file://{tempfile.mkdtemp()}/init",
             )
             initialize_model_parallel(1, 1)
-            from vllm.v1.worker.workspace import init_workspace_manager
-
+        if not is_workspace_manager_initialized():
             init_workspace_manager(torch.device("cpu"))
-            _group.append(True)
         yield config
 
 
