@@ -78,7 +78,9 @@ def test_a_real_vllm_server_verifies_its_nvfp4_layers_and_answers(background):
     result = _result(background)
     assert result["port_opened"] and result["answer"] is not None, result["log"]
     configs = [config for config, passed in result["layers"] if passed]
-    assert len(configs) == len(result["layers"]) == 3, result["layers"]  # qkv; o_proj and gate_up (one configuration); down
+    assert len(configs) == len(result["layers"]) == 3, result[
+        "layers"
+    ]  # qkv; o_proj and gate_up (one configuration); down
     assert all(c.startswith("vLLM ModelOptLinearMethod (NVFP4)") for c in configs), configs
 
 
