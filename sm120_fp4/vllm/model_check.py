@@ -1,10 +1,6 @@
-"""Verify a checkpoint's own NVFP4 layers through vLLM's real layer classes, without a server
-(``sm120-fp4 selftest --model DIR --engine vllm``).
-
-The layers are found as for SGLang (``sglang.model_check.discover``: shards fused as the model class packs
-them); the first layer of each distinct configuration is built as vLLM's loader builds it: a
-``MergedColumnParallelLinear`` (dense) or vLLM's fused-MoE layer with the checkpoint's own quantization config
-(ModelOpt NVFP4 or compressed-tensors), each tensor placed by vLLM's own ``weight_loader``, then
+"""``sm120-fp4 selftest --model DIR --engine vllm``: a checkpoint's own NVFP4 layers, found as for SGLang
+(``sglang.model_check.discover``), the first of each configuration built as vLLM's loader builds it (its layer
+classes, the checkpoint's quantization config, each tensor through vLLM's ``weight_loader``), then
 ``process_weights_after_loading``, whose patched hooks decide the device's backend and verify the layer.
 """
 

@@ -3,9 +3,7 @@
 Inert unless ``SM120_FP4_SIMULATE`` is set. Each stand-in is recorded in the patch ledger and undone by
 ``uninstall()``; nothing here may ever run on a real deployment:
 
-* vLLM's platform (``vllm.platforms.current_platform``, resolved lazily from the module global
-  ``_current_platform``) is a CUDA platform reporting the simulated capability, set as soon as
-  ``vllm.platforms`` is imported (before anything reads it);
+* vLLM's platform reports the simulated capability (:meth:`Simulation.on_platforms`);
 * without CUDA: vLLM's CUDA extension modules that cannot load (``libcuda.so.1`` missing) are imported as
   stand-ins whose names raise when called (the real module is tried first); the import-time capability
   probes vLLM's kernel selection asks (``torch.ops._C.cutlass_scaled_mm_supports_fp4`` and its kin) answer
@@ -58,38 +56,25 @@ CAPABILITY_PROBES = {
 }
 CUBIN_ENV = "VLLM_HAS_FLASHINFER_CUBIN"
 
-PLATFORM = PatchSpec(
-    "vllm-sim-platform",
-    PLATFORMS,
-    "_current_platform",
-    f"{_WHY}; vLLM's current platform is a CUDA platform reporting the simulated SM12x capability",
-    "-",
-    _NEVER,
+
+def _stand_in(name: str, module: str, attribute: str, why: str, **fields) -> PatchSpec:
+    return PatchSpec(name, module, attribute, f"{_WHY}; {why}", "-", _NEVER, **fields)
+
+
+PLATFORM = _stand_in(
+    "vllm-sim-platform", PLATFORMS, "_current_platform", "vLLM's platform reports the simulated SM12x capability"
 )
-EXTENSION_STAND_INS = PatchSpec(
-    "vllm-sim-extensions",
-    "vllm",
-    "*",
-    f"{_WHY}; without CUDA, vLLM's CUDA extension modules that cannot load are imported as "
-    "stand-ins whose names raise when called",
-    "-",
-    _NEVER,
+EXTENSION_STAND_INS = _stand_in(
+    "vllm-sim-extensions", "vllm", "*", "vLLM's CUDA extensions that cannot load are stand-ins that raise when called"
 )
-PROBES = PatchSpec(
-    "vllm-sim-capability-probes",
-    "torch.ops._C",
-    "*",
-    f"{_WHY}; without CUDA, the capability probes vLLM's NVFP4 kernel selection calls answer for SM12x",
-    "-",
-    _NEVER,
+PROBES = _stand_in(
+    "vllm-sim-capability-probes", "torch.ops._C", "*", "the capability probes of vLLM's NVFP4 kernel selection"
 )
-CUBIN = PatchSpec(
+CUBIN = _stand_in(
     "vllm-sim-flashinfer-cubin",
     "os.environ",
     CUBIN_ENV,
-    f"{_WHY}; vLLM's has_flashinfer() asks for the cubin package unless {CUBIN_ENV}=1",
-    "-",
-    _NEVER,
+    f"vLLM's has_flashinfer() asks for the cubin package or {CUBIN_ENV}",
 )
 
 
@@ -115,29 +100,21 @@ def _quantizer_stand_in(original: Callable | None) -> Callable:
 
 def specs() -> list[PatchSpec]:
     """The attribute stand-ins: the activation quantizer where the FlashInfer linear kernel binds it, and vLLM's own."""
+    quantizer = dict(make=_quantizer_stand_in, distribution=distribution(), versions=supported(">=0.32"))
     return [
-        PatchSpec(
+        _stand_in(
             "vllm-sim-activation-quantizer",
             LINEAR_FLASHINFER,
             "scaled_fp4_quant",
-            f"{_WHY}; the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), "
-            "bound by name",
-            "-",
-            _NEVER,
-            make=_quantizer_stand_in,
-            distribution=distribution(),
-            versions=supported(">=0.32"),
+            "the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), bound by name",
+            **quantizer,
         ),
-        PatchSpec(
+        _stand_in(
             "vllm-sim-activation-quantizer-ops",
             CUSTOM_OPS,
             "scaled_fp4_quant",
-            f"{_WHY}; vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers",
-            "-",
-            _NEVER,
-            make=_quantizer_stand_in,
-            distribution=distribution(),
-            versions=supported(">=0.32"),
+            "vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers",
+            **quantizer,
         ),
     ]
 
