@@ -7,7 +7,7 @@ from typing import Sequence
 
 from .common import EXIT_OK, EXIT_USAGE, _eprint
 from .launch import cmd_launch
-from .selftest import cmd_selftest, cmd_selftest_model
+from .selftest import ENGINE_NAMES, cmd_selftest, cmd_selftest_model
 from .workers import _model_worker, _worker, _worker_exit
 
 
@@ -45,6 +45,9 @@ def _add_preflight_commands(sub) -> None:
         "--model",
         metavar="DIR",
         help="verify this local NVFP4 checkpoint's own layers (ModelOpt or compressed-tensors), no server",
+    )
+    selftest.add_argument(
+        "--engine", choices=ENGINE_NAMES, default="sglang", help="with --model: whose layer classes build the layers"
     )
     launch = sub.add_parser("launch", help="preflight (dense and MoE), then exec COMMAND with SM120_FP4=1")
     launch.add_argument(
@@ -106,6 +109,7 @@ def _add_tool_commands(sub) -> None:
     model_worker = sub.add_parser("_model-worker")
     model_worker.add_argument("--device", type=int, required=True)
     model_worker.add_argument("--model", required=True)
+    model_worker.add_argument("--engine", choices=ENGINE_NAMES, default="sglang")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 return EXIT_USAGE
             return cmd_selftest_model(args)
+        if args.engine != "sglang":
+            _eprint("sm120-fp4 selftest: --engine goes with --model (the kernel self-test is engine-neutral)")
+            return EXIT_USAGE
         return cmd_selftest(args)
     if args.cmd == "bench":
         from ..bench import main as bench

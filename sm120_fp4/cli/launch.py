@@ -24,7 +24,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _eprint(f"sm120-fp4 launch: {problem}; not running the preflight")
         return EXIT_USAGE
     os.environ["SM120_FP4"] = "1"
-    problem = _canary_problem()
+    name = _engine_of(command)
+    problem = _canary_problem(name)
     if problem is not None:  # refused now, not in every scheduler after the preflight
         _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
         return EXIT_USAGE
@@ -32,13 +33,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _unverified_engine() if indices else None
+    engine = _unverified_engine(name) if indices else None
     if engine is not None:  # nothing of this library runs in that server: no preflight would mean anything
         return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
     seen: list[tuple[str, dict]] = []
     code = cmd_selftest(
-        argparse.Namespace(device=None, backend=None, json=False, moe=False), families=("dense", "moe"), seen=seen
+        argparse.Namespace(device=None, backend=None, json=False, moe=False, engine=name),
+        families=("dense", "moe"),
+        seen=seen,
     )
     unrecorded = _unrecorded_crashes(seen)
     if unrecorded is not None and code in (EXIT_OK, EXIT_UNVERIFIED):
@@ -132,15 +135,24 @@ def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, s
     return EXIT_UNVERIFIED
 
 
-def _canary_problem() -> str | None:
-    """Return why the serving canary asked for cannot run with this SGLang, or None."""
+def _engine_of(command: list[str]) -> str:
+    """Return the engine the command starts: the home whose ``launches(command)`` says so, else SGLang."""
+    from ..api import ENGINES
+
+    return next((h.NAME for h in ENGINES if getattr(h, "launches", None) and h.launches(command)), "sglang")
+
+
+def _canary_problem(name: str = "sglang") -> str | None:
+    """Return why the serving canary asked for cannot run with the engine `name` starts, or None."""
     from ..canary import settings_problem
     from ..config import load_settings
     from ..errors import ConfigError
-    from ..sglang import idle_point_problem, release_support
+    from .selftest import _engine_home
 
     try:
         settings = load_settings(toggle=True)
     except ConfigError:
         return None
-    return settings_problem(settings) or (idle_point_problem(settings) if release_support()[0] else None)
+    home = _engine_home(name)
+    problem = getattr(home, "canary_problem", home.idle_point_problem)
+    return settings_problem(settings) or (problem(settings) if home.release_support()[0] else None)

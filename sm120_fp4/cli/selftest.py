@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -60,15 +61,17 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _unverified_engine()
-    if engine is not None:  # the checkpoint's layers are built through SGLang's: nothing of it is patched
-        return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
+    name = getattr(args, "engine", "sglang")
+    refused = _model_engine_problem(name, settings)
+    if refused is not None:
+        return refused
     env = {**os.environ, "SM120_FP4": "1"}
     model = os.path.abspath(args.model)
+    chosen = {} if name == "sglang" else {"engine": name}  # a runner seam of tests knows only SGLang's
 
     def run(index: int) -> dict:
-        _eprint(f"[{_where(index)}] building and verifying {model}'s NVFP4 layers ...")
-        return (_model_worker_runner or _run_model_worker)(index, model, env)
+        _eprint(f"[{_where(index)}] building and verifying {model}'s NVFP4 layers through {name}'s layers ...")
+        return (_model_worker_runner or _run_model_worker)(index, model, env, **chosen)
 
     with ThreadPoolExecutor(max_workers=len(indices)) as pool:
         results = dict(zip(indices, pool.map(run, indices)))
@@ -105,6 +108,17 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     if any(not d["verified"] for r in results.values() for d in r["decisions"]):
         return EXIT_UNVERIFIED
     return EXIT_OK
+
+
+def _model_engine_problem(name: str, settings) -> int | None:
+    """The exit code when the engine `name` cannot build the checkpoint's layers verified here (None: it can)."""
+    if _engine_home(name).engine_version() is None:
+        _eprint(f"sm120-fp4 selftest: --engine {name}: {name} is not installed for {sys.executable}; run it there")
+        return EXIT_USAGE
+    engine = _unverified_engine(name)
+    if engine is not None:  # the checkpoint's layers are built through the engine's: nothing of it is patched
+        return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
+    return None
 
 
 WorkerRunner = Callable[..., "tuple[dict | None, dict | None, int, str]"]
@@ -312,7 +326,7 @@ def cmd_selftest(
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _unverified_engine()
+    engine = _unverified_engine(getattr(args, "engine", "sglang"))
     refused = _refuse_engine("selftest", settings, engine) if engine is not None else None
     if refused is not None:
         return refused
@@ -386,11 +400,18 @@ def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet
     return EXIT_OK
 
 
-def _unverified_engine() -> tuple[str, str] | None:
-    """Return (what it means, what verifies it) when the installed SGLang cannot be patched, else None."""
-    from ..sglang import unverified_release
+ENGINE_NAMES = ("sglang", "vllm")  # the NAMEs of api.ENGINES, listed here so that parsing imports no engine home
 
-    return unverified_release()
+
+def _engine_home(name: str):
+    from ..api import ENGINES
+
+    return next(home for home in ENGINES if home.NAME == name)
+
+
+def _unverified_engine(name: str = "sglang") -> tuple[str, str] | None:
+    """(what it means, what makes it verified) when the installed engine is a release this library cannot patch."""
+    return _engine_home(name).unverified_release()
 
 
 def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | None:

@@ -5,6 +5,7 @@ read as they come, stopped with the parent on a signal."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import queue
@@ -92,14 +93,14 @@ def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit
     from .. import devices, serving
     from ..config import load_settings
     from ..errors import CheckpointError, ConfigError, RefusedToServe
-    from ..sglang import model_check
 
+    model_check = importlib.import_module(f"sm120_fp4.{args.engine}.model_check")
     try:
         settings = load_settings(toggle=True)
         device = devices.get_device(args.device, settings.simulated_capability)
         status = sm120_fp4.install()
         if not status.installed:
-            raise ConfigError(f"sm120_fp4 could not patch SGLang here: {status.message}")
+            raise ConfigError(f"sm120_fp4 could not patch {args.engine} here: {status.message}")
         checked = model_check.check_model(args.model, device.torch_device)
     except (CheckpointError, ConfigError) as exc:
         emit({"ok": False, "usage": True, "message": str(exc)})
@@ -133,9 +134,9 @@ def _worker_exit(code: int) -> int:
     return code
 
 
-def model_worker_argv(index: int, model: str) -> list[str]:
+def model_worker_argv(index: int, model: str, engine: str = "sglang") -> list[str]:
     """Return the arguments of one model-check worker (after ``python -m sm120_fp4``)."""
-    return ["_model-worker", "--device", str(index), "--model", model]
+    return ["_model-worker", "--device", str(index), "--model", model, "--engine", engine]
 
 
 def worker_argv(
@@ -148,9 +149,9 @@ def worker_argv(
     return argv + [a for name, why in crashed.items() for a in ("--crashed", f"{name}={why}")]
 
 
-def _run_model_worker(index: int, model: str, env: dict[str, str]) -> dict:
+def _run_model_worker(index: int, model: str, env: dict[str, str], engine: str = "sglang") -> dict:
     """Run one model-check worker process; return its result line, or why it gave none."""
-    cmd = [sys.executable, "-m", "sm120_fp4", *model_worker_argv(index, model)]
+    cmd = [sys.executable, "-m", "sm120_fp4", *model_worker_argv(index, model, engine)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     try:

@@ -5,7 +5,8 @@
 * :mod:`.hooks`: the weights hooks (each NVFP4 linear layer verified through vLLM's own apply);
 * :mod:`.wiring`: :func:`attach`, which wires one install into vLLM;
 * :mod:`.simulation`: the stand-ins that let vLLM's real NVFP4 linear path run without an SM120 GPU;
-* :mod:`.plugin`: the ``vllm.general_plugins`` entry point (inert unless ``SM120_FP4`` is on).
+* :mod:`.plugin`: the ``vllm.general_plugins`` entry point (inert unless ``SM120_FP4`` is on);
+* :mod:`.model_check`: ``selftest --model DIR --engine vllm`` (a checkpoint's layers through vLLM's classes).
 
 Importing this package imports nothing else; its functions load their module when first asked for.
 """
@@ -14,23 +15,12 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__all__ = [
-    "NAME",
-    "attach",
-    "idle_point_problem",
-    "release_support",
-    "carried_fix",
-    "engine_version",
-    "unverified_release",
-    "OPT_OUT",
-    "OPT_OUT_SAYS",
-    "doctor_section",
-]
-
 NAME = "vllm"
 _LAZY = {
     "attach": "wiring",
     "idle_point_problem": "wiring",
+    "canary_problem": "wiring",
+    "launches": "release",
     "release_support": "release",
     "carried_fix": "release",
     "engine_version": "release",
@@ -39,6 +29,7 @@ _LAZY = {
     "OPT_OUT_SAYS": "release",
     "doctor_section": "targets",
 }
+__all__ = ["NAME", *_LAZY]
 
 
 def __getattr__(name: str) -> object:

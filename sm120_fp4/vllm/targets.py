@@ -12,48 +12,40 @@ from typing import Callable
 from ..patching import PatchSpec
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
 from .moe import make_shapes
-from .release import CT, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
+from .release import CT, CT_MOE, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
 
 __all__ = ["Wiring", "TARGETS", "specs", "ledger_rows", "doctor_section", "ALIAS_BACKEND"]
 
 MOE_KIND = "ModelOptNvFp4FusedMoE"
+CT_MOE_KIND = "CompressedTensorsW4A4Nvfp4MoEMethod"
 # The backend FlashInferCutlassNvFp4LinearKernel passes to the alias: the one this library routes.
 ALIAS_BACKEND = "cutlass"
 
 _ALIAS_WHY = (
-    "vLLM's FlashInfer NVFP4 linear kernels call FlashInfer's mm_fp4 through vLLM's wrapper flashinfer_scaled_fp4_mm "
-    "(bound by name here; it transposes b and its scales into mm_fp4's convention itself) and nothing checks the numbers "
-    "on SM12x; route its calls on a served device to the backend verified on this GPU, with alpha and a contiguous out"
+    "vLLM's FlashInfer NVFP4 linear kernels call mm_fp4 through vLLM's wrapper flashinfer_scaled_fp4_mm (bound by "
+    "name; it transposes b and its scales) unchecked on SM12x: route calls on a served device to the verified backend"
 )
 _WEIGHTS_WHY = (
-    "run the self-test (decide) once per device at the first NVFP4 layer, refuse a layer served by a kernel this library "
-    "cannot route (naming it and --linear-backend flashinfer_cutlass), then verify this layer's configuration (N, K, "
-    "dtype, its own processed weights) through vLLM's own apply at every batch-size bucket, before vLLM serves or "
-    "captures CUDA graphs"
+    "decide the device's backend at the first NVFP4 layer, refuse a kernel this library cannot route (naming "
+    "--linear-backend flashinfer_cutlass), then verify the layer through vLLM's apply at every batch-size bucket"
 )
 _WARMUP_WHY = (
-    "after vLLM's kernel warm-up (FlashInfer's autotuner has picked its tactics by then) and before it captures CUDA "
-    "graphs, re-run every verified layer configuration once, eagerly, also at every graph batch size about to be "
-    "captured; a kernel that goes wrong only after tuning refuses to serve"
+    "after vLLM's kernel warm-up (FlashInfer's autotuner picks its tactics there) and before CUDA-graph capture, "
+    "re-run every verified configuration, also at the graph batch sizes: a kernel wrong only after tuning refuses"
 )
 _MOE_ALIAS_WHY = (
-    "vLLM's FlashInfer NVFP4 MoE experts (FlashInferExperts) call FlashInfer's cutlass_fused_moe through the alias "
-    "flashinfer_cutlass_fused_moe (bound by name here) and nothing checks the numbers on SM12x; route its unquantized "
-    "NVFP4 calls on a served device to the fused-MoE backend verified on this GPU"
+    "FlashInferExperts call cutlass_fused_moe through the alias flashinfer_cutlass_fused_moe (bound by name) unchecked "
+    "on SM12x: route its unquantized NVFP4 calls on a served device to the verified fused-MoE backend"
 )
 _MOE_DEFER_WHY = (
-    "vLLM quantizes MoE activations before the kernel; on a served device FlashInferExperts take them unquantized "
-    "(vLLM's own expects_unquantized_inputs switch; FlashInfer's kernel quantizes when input_sf is None, as SGLang "
-    "calls it), the convention the routed, verified fused-MoE backend serves"
+    "on a served device FlashInferExperts take MoE activations unquantized (vLLM's expects_unquantized_inputs; the "
+    "kernel quantizes when input_sf is None, as SGLang calls it): the convention the verified backend serves"
 )
-_MOE_SHAPES_WHY = (
-    "with unquantized NVFP4 activations the experts' output is (M, K): vLLM's NVFP4 branch doubles a packed K"
-)
+_MOE_SHAPES_WHY = "with unquantized NVFP4 activations the experts' output is (M, K), not vLLM's doubled packed K"
 _MOE_WEIGHTS_WHY = (
-    "decide the device's fused-MoE backend (a self-test) before vLLM processes the weights; refuse an NVFP4 MoE "
-    "layer on any backend but flashinfer_cutlass (naming it and --moe-backend flashinfer_cutlass) or weight-only; "
-    "after processing, verify the layer's configuration through the layer's own apply (bf16 in) against the oracle "
-    "from its processed weights, at every batch-size bucket"
+    "decide the device's fused-MoE backend before vLLM processes the weights; refuse any backend but "
+    "flashinfer_cutlass (naming --moe-backend flashinfer_cutlass) or weight-only; then verify the layer through its "
+    "own apply (bf16 in) against the oracle from its processed weights, at every batch-size bucket"
 )
 _UPSTREAM = "no upstream check exists (vLLM's warm-ups compile and tune; none compares FP4 outputs with a reference)"
 _REMOVE = "when vLLM verifies its NVFP4 GEMM output at start-up on SM12x"
@@ -153,7 +145,15 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
         module=MODELOPT,
         attribute="ModelOptNvFp4FusedMoE.process_weights_after_loading",
         versions=">=0.32",
-        why=_MOE_WEIGHTS_WHY,
+        why=_MOE_WEIGHTS_WHY + " (ModelOpt NVFP4 checkpoints)",
+    ),
+    _target(
+        "ct-moe-weights",
+        name="vllm-compressed-tensors-nvfp4-moe-weights-hook",
+        module=CT_MOE,
+        attribute="CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading",
+        versions=">=0.32",
+        why=_MOE_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints: the same backend selection and experts)",
     ),
     _target(
         "recheck",
@@ -173,6 +173,11 @@ def _makers(w: Wiring) -> dict[str, Callable]:
         after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
+    def moe_hook(kind: str) -> Callable:
+        before = lambda method, layer: w.before_moe(kind, method, layer)  # noqa: E731
+        after = lambda method, layer: w.verify_moe(kind, method, layer)  # noqa: E731
+        return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
+
     return {
         "alias": w.make_alias,
         "modelopt-weights": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
@@ -180,12 +185,8 @@ def _makers(w: Wiring) -> dict[str, Callable]:
         "moe-alias": w.make_moe_alias,
         "moe-defer": w.make_defer,
         "moe-shapes": make_shapes,
-        "modelopt-moe-weights": functools.partial(
-            make_weights_hook,
-            before=lambda method, layer: w.before_moe(MOE_KIND, method, layer),
-            scope=w.weights_scope,
-            after=lambda method, layer: w.verify_moe(MOE_KIND, method, layer),
-        ),
+        "modelopt-moe-weights": moe_hook(MOE_KIND),
+        "ct-moe-weights": moe_hook(CT_MOE_KIND),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
     }
 

@@ -1,9 +1,6 @@
 """How one install is wired into vLLM: :func:`attach` (post-import hooks for the installed release's patch
 targets and, in simulation, the stand-ins), and whether the serving canary can run with vLLM (not yet: no idle
-point is wired).
-
-Nothing here imports vLLM at import time: every step runs from a post-import hook when (or if) vLLM imports the
-module it concerns.
+point is wired). Nothing here imports vLLM: every step runs from a post-import hook when vLLM imports its module.
 """
 
 from __future__ import annotations
@@ -11,6 +8,11 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import torch
+
+from .. import serving
+from ..errors import ConfigError, RefusedToServe, say_once
+from . import hooks, moe, simulation, targets
 from .release import engine_version
 
 __all__ = ["attach", "idle_point_problem", "canary_problem"]
@@ -18,86 +20,65 @@ __all__ = ["attach", "idle_point_problem", "canary_problem"]
 _LOG = logging.getLogger("sm120_fp4")
 
 
-def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
-    """Register this install's vLLM patches (and, in simulation, the stand-ins). `router` is the install's
-    dispatch.Router; returns the undo steps that are not patches (the patcher undoes its own)."""
-    import torch
+class _Wired:
+    """What the patches of one install call back into: its settings, its router, the simulation if any."""
 
-    from .. import serving
-    from ..errors import ConfigError, RefusedToServe, say_once
-    from . import hooks, moe, simulation, targets
+    def __init__(self, router, settings, simulated: bool) -> None:
+        self.router, self.settings, self.simulated = router, settings, simulated
 
-    undo: list[Callable[[], None]] = []
-    simulate = settings.simulated_capability
-    sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
-
-    def refuse(what: str, problem: str | None) -> None:
+    def refuse(self, what: str, problem: str | None) -> None:
         """Something this library cannot verify: RefusedToServe (SELFTEST=strict), logged once (warn), or nothing."""
-        if problem is None or settings.selftest == "off":
+        if problem is None or self.settings.selftest == "off":
             return
         message = f"sm120_fp4: refusing to serve {what}: {problem}"
-        if settings.selftest == "strict":
+        if self.settings.selftest == "strict":
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
 
-    def canary_off() -> None:
+    def canary_off(self) -> None:
         """vLLM serves here: the serving canary, asked for, cannot run (refused, never silently off)."""
-        problem = canary_problem(settings)
+        problem = canary_problem(self.settings)
         if problem is not None:
             raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
 
-    def before(kind: str, method, layer) -> None:
-        canary_off()
+    def before(self, kind: str, method, layer) -> None:
+        self.canary_off()
         if hooks.nvfp4_kernel(method) is None:
             return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
-        index = hooks.layer_device_index(layer)
-        if router.ensure(index) is None:
+        if self.router.ensure(hooks.layer_device_index(layer)) is None:
             return  # a device this library does not serve
         name = hooks.layer_name(layer)
-        refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
+        self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
 
-    def unknown(index: int, name: str, value: object) -> None:
-        refuse(
+    def unknown(self, index: int, name: str, value: object) -> None:
+        self.refuse(
             f"an FP4 GEMM on device {index}",
             f"vLLM called its FlashInfer FP4 GEMM wrapper with {name}={value!r}, which the backend verified on this GPU "
             f"was not verified for; start vLLM with {hooks.LINEAR_FLAG}, or upgrade sm120_fp4",
         )
 
-    def make_alias(original: Callable) -> Callable:
+    def make_alias(self, original: Callable) -> Callable:
         """vLLM's ``flashinfer_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dtype, backend, ...)``
-        over the library's dense front, which has mm_fp4's convention: vLLM's wrapper transposes b and its scales
-        itself (``mm_fp4(a, b.t(), sa, sb.t(), ...)``), so this does the same; what the front does not serve goes
-        back to vLLM's wrapper in vLLM's convention."""
+        over the library's dense front (mm_fp4's convention): vLLM's wrapper transposes b and its scales itself, so
+        this does the same; what the front does not serve goes back to vLLM's wrapper in vLLM's convention."""
 
-        def in_vllm_convention(
-            a,
-            b_t,
-            scale_a,
-            scale_b_t,
-            alpha,
-            out_dtype,
-            out=None,
-            block_size=16,
-            use_8x4_sf_layout=False,
-            backend="cutlass",
-            **kwargs,
-        ):
+        def in_vllm_convention(a, b_t, scale_a, scale_b_t, alpha, out_dtype, out=None, block_size=16, **kwargs):
+            kwargs.pop("use_8x4_sf_layout", None)  # mm_fp4's keyword, not the wrapper's
+            backend = kwargs.pop("backend", "cutlass")
             return original(
                 a, b_t.t(), scale_a, scale_b_t.t(), alpha, out_dtype, backend, block_size=block_size, **kwargs
             )
 
-        front = router.make_dispatch(in_vllm_convention, unknown)
+        front = self.router.make_dispatch(in_vllm_convention, self.unknown)
 
-        def flashinfer_scaled_fp4_mm(
-            a, b, block_scale_a, block_scale_b, alpha, out_dtype, backend, block_size=16, use_nvfp4=True
-        ):
+        def flashinfer_scaled_fp4_mm(a, b, scale_a, scale_b, alpha, out_dtype, backend, block_size=16, use_nvfp4=True):
             if backend in ("cutlass", "cudnn"):  # as vLLM's wrapper: the kernels read the E4M3 scales as bytes
-                block_scale_a, block_scale_b = block_scale_a.view(torch.uint8), block_scale_b.view(torch.uint8)
+                scale_a, scale_b = scale_a.view(torch.uint8), scale_b.view(torch.uint8)
             return front(
                 a,
                 b.t(),
-                block_scale_a,
-                block_scale_b.t(),
+                scale_a,
+                scale_b.t(),
                 alpha,
                 out_dtype,
                 backend=backend,
@@ -109,47 +90,56 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         flashinfer_scaled_fp4_mm.__qualname__ = "sm120_fp4.vllm.flashinfer_scaled_fp4_mm"
         return flashinfer_scaled_fp4_mm
 
-    def verify(check) -> None:
+    def verify(self, check) -> None:
         if check is not None:
-            serving.verify_layer(check.device_index, check, settings)
+            serving.verify_layer(check.device_index, check, self.settings)
 
-    def weights_scope():
-        return simulation.cuda_moves_stay_on_cpu(sim is not None)
+    def weights_scope(self):
+        return simulation.cuda_moves_stay_on_cpu(self.simulated)
 
-    def recheck(sizes: list[int]) -> object:
-        return serving.recheck(settings, sizes)
+    def recheck(self, sizes: list[int]) -> object:
+        return serving.recheck(self.settings, sizes)
 
+    @staticmethod
     def moe_served(index: int) -> bool:
         return serving.route_table("moe").get(index) is not None
 
-    def before_moe(kind: str, method, layer) -> None:
-        canary_off()
-        if router.ensure(hooks.layer_device_index(layer), "moe") is None:
+    def before_moe(self, kind: str, method, layer) -> None:
+        self.canary_off()
+        if self.router.ensure(hooks.layer_device_index(layer), "moe") is None:
             return  # a device this library does not serve
         name = hooks.layer_name(layer)
-        refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
+        self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
 
-    def verify_moe(kind: str, method, layer) -> None:
-        if moe_served(hooks.layer_device_index(layer)) and moe.backend_problem(kind, method) is None:
-            verify(moe.moe_check(kind, method, layer))
+    def verify_moe(self, kind: str, method, layer) -> None:
+        if self.moe_served(hooks.layer_device_index(layer)) and moe.backend_problem(kind, method) is None:
+            self.verify(moe.moe_check(kind, method, layer))
 
+
+def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
+    """Register this install's vLLM patches (and, in simulation, the stand-ins). `router` is the install's
+    dispatch.Router; returns the undo steps that are not patches (the patcher undoes its own)."""
+    simulate = settings.simulated_capability
+    w = _Wired(router, settings, simulate is not None)
     specs = targets.specs(
         targets.Wiring(
-            make_alias,
-            before,
-            weights_scope,
-            verify,
-            recheck,
+            w.make_alias,
+            w.before,
+            w.weights_scope,
+            w.verify,
+            w.recheck,
             make_moe_alias=lambda original: moe.make_alias(original, router.make_moe_front),
-            make_defer=lambda original: moe.make_defer(original, moe_served),
-            before_moe=before_moe,
-            verify_moe=verify_moe,
+            make_defer=lambda original: moe.make_defer(original, w.moe_served),
+            before_moe=w.before_moe,
+            verify_moe=w.verify_moe,
         )
     )
-    if sim is not None:
+    undo: list[Callable[[], None]] = []
+    if simulate is not None:
         _LOG.warning(
             "sm120_fp4: SIMULATION of sm_%d%d in vLLM: results prove the wiring, not an SM120 kernel", *simulate
         )
+        sim = simulation.Simulation(simulate, patcher)
         specs += simulation.specs()
         sim.arm()
         undo.append(sim.undo)

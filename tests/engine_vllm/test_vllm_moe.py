@@ -1,4 +1,4 @@
-"""vLLM's real NVFP4 fused-MoE layer (vLLM 0.32-0.33, ModelOpt) on a CPU with the device simulated as 12.0: its
+"""vLLM's real NVFP4 fused-MoE layers (vLLM 0.32-0.33, ModelOpt and compressed-tensors) on a CPU with the device simulated as 12.0: its
 FlashInfer kernel call routed to the verified MoE backend, each layer verified through its own apply (bf16 in)
 against the oracle from its processed weights; broken MoE kernels and backends the library cannot verify refused.
 """
@@ -51,11 +51,23 @@ def _moe_reports():
     return [layer for d in sm120_fp4.status().decisions if d.family == "moe" for layer in d.layers]
 
 
-def test_a_modelopt_nvfp4_moe_layer_is_verified_through_its_apply_and_serves_the_oracles_numbers():
+BUILDERS = {
+    "ModelOptNvFp4FusedMoE": vllm_layers.build_modelopt_moe_layer,
+    "CompressedTensorsW4A4Nvfp4MoEMethod": vllm_layers.build_compressed_tensors_moe_layer,
+}
+
+HOOKS = {
+    "ModelOptNvFp4FusedMoE": "vllm-modelopt-nvfp4-moe-weights-hook",
+    "CompressedTensorsW4A4Nvfp4MoEMethod": "vllm-compressed-tensors-nvfp4-moe-weights-hook",
+}
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_an_nvfp4_moe_layer_is_verified_through_its_apply_and_serves_the_oracles_numbers(kind):
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     ckpt = synthetic.make_moe_checkpoint(8, 128, 128, seed=0)
     with vllm_layers.vllm_context(**SIZES):
-        layer = vllm_layers.build_modelopt_moe_layer(ckpt, top_k=2)
+        layer = BUILDERS[kind](ckpt, top_k=2)
         assert type(layer.quant_method.moe_kernel.fused_experts).__name__ == "FlashInferExperts"
         x = torch.randn(5, 128, dtype=torch.bfloat16)
         ids = torch.tensor([[0, 7], [3, 5], [5, 1], [2, 6], [4, 0]], dtype=torch.int32)
@@ -63,47 +75,55 @@ def test_a_modelopt_nvfp4_moe_layer_is_verified_through_its_apply_and_serves_the
         out = layer.quant_method.apply(layer, x, weights, ids, None, None)
     assert torch.equal(out, synthetic.reference_moe_output(ckpt, x, ids, weights).to(out.dtype))
     [report] = _moe_reports()
-    assert report.passed and report.config.startswith(
-        "vLLM ModelOptNvFp4FusedMoE E=8 H=128 I=128 top_k=2 swiglu bfloat16"
-    )
+    assert report.passed and report.config.startswith(f"vLLM {kind} E=8 H=128 I=128 top_k=2 swiglu bfloat16")
     ledger = {p.name: p.state for p in sm120_fp4.status().patches}
     assert ledger["vllm-flashinfer-cutlass-fused-moe-alias"] == "applied"
-    assert ledger["vllm-modelopt-nvfp4-moe-weights-hook"] == "applied"
+    assert ledger[HOOKS[kind]] == "applied"
 
 
 @case(
     "backend faults",
-    "vLLM 0.33's ModelOpt NVFP4 MoE layer (simulated 12.0, vLLM's default flags) with a registered "
+    "vLLM 0.33's {kind} NVFP4 MoE layer (simulated 12.0, vLLM's default flags) with a registered "
     "fused-MoE kernel that {fault}",
     "refused at vLLM's process_weights_after_loading ({where}); the layer never serves",
 )
 @pytest.mark.parametrize(
-    "fault, where, reason",
+    "kind, fault, where, reason",
     [
-        (moe_faults.drops_one_expert, "by the MoE self-test", r"no NVFP4 fused-MoE backend passed verification"),
         (
-            moe_faults.after_generic(moe_faults.drops_one_expert),
-            "by the layer check through the layer's apply, naming it",
-            r"vLLM ModelOptNvFp4FusedMoE E=8 H=128 I=128 top_k=2",
+            "ModelOptNvFp4FusedMoE",
+            moe_faults.drops_one_expert,
+            "by the MoE self-test",
+            r"no NVFP4 fused-MoE backend passed verification",
         ),
+        *[
+            (
+                kind,
+                moe_faults.after_generic(moe_faults.drops_one_expert),
+                "by the layer check through the layer's apply, naming it",
+                rf"vLLM {kind} E=8 H=128 I=128 top_k=2",
+            )
+            for kind in BUILDERS
+        ],
     ],
-    ids=["drops-an-expert", "drops-an-expert-after-the-self-test"],
+    ids=["drops-an-expert", "drops-an-expert-after-the-self-test", "compressed-tensors-drops-an-expert"],
 )
-def test_a_broken_moe_kernel_is_refused_at_vllms_weight_processing(fault, where, reason):
+def test_a_broken_moe_kernel_is_refused_at_vllms_weight_processing(kind, fault, where, reason):
     backends.register_moe("broken-moe", fault)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="broken-moe")
     with vllm_layers.vllm_context(**SIZES), pytest.raises(RefusedToServe, match=reason):
-        vllm_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 128, seed=1), top_k=2)
+        BUILDERS[kind](synthetic.make_moe_checkpoint(8, 128, 128, seed=1), top_k=2)
 
 
 @case(
     "configuration",
-    "vLLM selects an NVFP4 MoE backend other than flashinfer_cutlass (--moe-backend marlin)",
+    "vLLM selects an NVFP4 MoE backend other than flashinfer_cutlass (--moe-backend marlin) for a {kind} layer",
     "refused at process_weights_after_loading naming the backend vLLM selected and --moe-backend flashinfer_cutlass",
 )
-def test_a_moe_backend_the_library_cannot_verify_is_refused_naming_it_and_the_flag():
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_a_moe_backend_the_library_cannot_verify_is_refused_naming_it_and_the_flag(kind):
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     with vllm_layers.vllm_context(moe_backend="marlin", **SIZES), pytest.raises(RefusedToServe) as refused:
-        vllm_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(8, 128, 128, seed=2), top_k=2)
+        BUILDERS[kind](synthetic.make_moe_checkpoint(8, 128, 128, seed=2), top_k=2)
     message = str(refused.value)
     assert "'marlin'" in message and "--moe-backend flashinfer_cutlass" in message

@@ -14,8 +14,6 @@ import tempfile
 
 import torch
 
-_group: list[bool] = []
-
 
 @contextlib.contextmanager
 def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **kernel_config):
@@ -31,7 +29,10 @@ def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **
     if max_batch is not None:
         config.compilation_config.max_cudagraph_capture_size = max_batch
     with set_current_vllm_config(config):
-        if not _group:
+        from vllm.distributed.parallel_state import model_parallel_is_initialized
+        from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+        if not model_parallel_is_initialized():
             init_distributed_environment(
                 world_size=1,
                 rank=0,
@@ -40,10 +41,8 @@ def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **
                 distributed_init_method=f"file://{tempfile.mkdtemp()}/init",
             )
             initialize_model_parallel(1, 1)
-            from vllm.v1.worker.workspace import init_workspace_manager
-
+        if not is_workspace_manager_initialized():
             init_workspace_manager(torch.device("cpu"))
-            _group.append(True)
         yield config
 
 
@@ -177,6 +176,73 @@ __all__ = [
     "build_modelopt_layer",
     "build_modelopt_moe_layer",
     "build_compressed_tensors_layer",
+    "build_compressed_tensors_moe_layer",
     "available",
     "import_modules",
 ]
+
+
+CT_NVFP4 = {
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "ignore": [],
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 4,
+                "type": "float",
+                "strategy": "tensor_group",
+                "group_size": 16,
+                "symmetric": True,
+                "dynamic": "local",
+            },
+        }
+    },
+}
+
+
+def build_compressed_tensors_moe_layer(
+    ckpt, top_k: int, dtype: torch.dtype = torch.bfloat16, prefix: str = "model.layers.0.mlp.experts"
+):
+    """vLLM's compressed-tensors W4A4 NVFP4 MoE layer (``CompressedTensorsW4A4Nvfp4MoEMethod``, from an NVFP4
+    checkpoint's quantization config) loaded with `ckpt` in compressed-tensors' names and convention (encode
+    global scales, the inverse of ModelOpt's) through process_weights_after_loading. Returns the layer."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    runner = FusedMoEFactory(
+        num_experts=ckpt.num_experts,
+        top_k=top_k,
+        hidden_size=ckpt.hidden,
+        intermediate_size=ckpt.intermediate,
+        params_dtype=dtype,
+        prefix=prefix,
+        quant_config=CompressedTensorsConfig.from_config(CT_NVFP4),
+    )
+    [layer] = [m for m in runner.modules() if hasattr(m, "w13_weight_packed")]
+    tensors = {
+        "w13_weight_packed": ckpt.w13_weight,
+        "w13_weight_scale": ckpt.w13_weight_scale,
+        "w13_weight_global_scale": 1.0 / ckpt.w13_weight_scale_2,
+        "w13_input_global_scale": 1.0 / ckpt.w13_input_scale,
+        "w2_weight_packed": ckpt.w2_weight,
+        "w2_weight_scale": ckpt.w2_weight_scale,
+        "w2_weight_global_scale": 1.0 / ckpt.w2_weight_scale_2,
+        "w2_input_global_scale": 1.0 / ckpt.w2_input_scale,
+    }
+    with torch.no_grad():
+        for name, value in tensors.items():
+            getattr(layer, name).data.copy_(value)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer

@@ -1,0 +1,87 @@
+"""``sm120-fp4 selftest --model DIR --engine vllm`` (sm120_fp4.vllm.model_check): a checkpoint's own NVFP4 layers
+built through vLLM's real layer classes and verified without a server (simulated 12.0, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import vllm_layers
+
+pytestmark = pytest.mark.skipif(vllm_layers.available() is not None, reason=str(vllm_layers.available()))
+
+from helpers import faults  # noqa: E402
+from helpers.cases import case  # noqa: E402
+from helpers.workers import _as_a_worker_process, _runner  # noqa: E402
+
+import sm120_fp4  # noqa: E402
+from sm120_fp4 import backends, cli  # noqa: E402
+from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, MODELOPT, write_checkpoint  # noqa: E402
+
+SIM = {"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "emulated", "SM120_FP4_MOE_BACKENDS": "emulated"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_imported():
+    """vLLM's modules imported once, in simulation (its import chain starts a helper interpreter once per process)."""
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    try:
+        vllm_layers.import_modules()
+    finally:
+        sm120_fp4.uninstall()
+
+
+def _in_process(index: int, model: str, env: dict[str, str], engine: str = "sglang") -> dict:
+    """A cli ModelWorkerRunner that runs the model-check worker of `engine` in this process."""
+    args = cli._parser().parse_args(cli.model_worker_argv(index, model, engine))
+    results: list[dict] = []
+    with _as_a_worker_process(env):
+        try:
+            cli._model_worker(args, emit=results.append)
+        finally:
+            if sm120_fp4.status().installed:
+                sm120_fp4.uninstall()
+    return results[-1]
+
+
+def _selftest_model(tmp_path, monkeypatch, capsys, fmt, **env) -> tuple[int, dict]:
+    path = write_checkpoint(str(tmp_path / "ckpt"), seed=9, fmt=fmt)
+    for name, value in {**SIM, **env}.items():
+        monkeypatch.setenv(name, value)
+    with _runner(cli.use_model_worker_runner, _in_process):
+        rc = cli.main(["selftest", "--model", path, "--engine", "vllm", "--json"])
+    [result] = json.loads(capsys.readouterr().out).values()
+    return rc, result
+
+
+@pytest.mark.skipif(
+    vllm_layers.cpu_build(), reason="vLLM's CPU build selects no NVFP4 MoE backend (the checkpoint's MoE)"
+)
+def test_selftest_model_verifies_each_layer_configuration_through_vllms_layers(tmp_path, monkeypatch, capsys):
+    rc, result = _selftest_model(tmp_path, monkeypatch, capsys, COMPRESSED_TENSORS)
+    assert rc == 0, result
+    configs = sorted(layer["config"] for d in result["decisions"] for layer in d["layers"] if layer["passed"])
+    assert [c.split(" N=")[0].split(" E=")[0] for c in configs] == [
+        "vLLM CompressedTensorsW4A4Fp4",
+        "vLLM CompressedTensorsW4A4Fp4",
+        "vLLM CompressedTensorsW4A4Nvfp4MoEMethod",
+    ], configs
+    assert any("N=512 K=256" in c for c in configs), "q, k and v verified as the one fused GEMM vLLM serves"
+    assert result["checked"]["layers"] == 6
+
+
+@case(
+    "backend faults",
+    "``selftest --model DIR --engine vllm`` (a ModelOpt checkpoint, vLLM's layers) with a dense kernel that returns zeros",
+    "exit 1: refused at the first NVFP4 layer vLLM builds, the table says REFUSED",
+)
+def test_selftest_model_with_vllm_refuses_a_broken_dense_kernel(tmp_path, monkeypatch, capsys):
+    backends.register("zeros", faults.returns_zeros)
+    rc, result = _selftest_model(tmp_path, monkeypatch, capsys, MODELOPT, SM120_FP4_BACKENDS="zeros")
+    assert rc == 1 and not result["ok"], result
+    assert "no FP4 GEMM backend passed verification" in result["message"]
+
+
+def test_engine_without_model_is_a_usage_error(capsys):
+    assert cli.main(["selftest", "--engine", "vllm"]) == 2
+    assert "--engine goes with --model" in capsys.readouterr().err
