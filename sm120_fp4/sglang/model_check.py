@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -176,34 +177,25 @@ def _check_shard_scales(layers: ModelLayers) -> None:
             raise CheckpointError(f"the NVFP4 layer {layer.name} ({kind}, shards {', '.join(layer.shards)}): {problem}")
 
 
-@dataclass
-class _Experts:
-    """Hold what moe_layers' builder reads of a checkpoint: sizes and activation."""
-
-    num_experts: int
-    hidden: int
-    intermediate: int
-    gated: bool
-
-    @property
-    def activation(self) -> str:
-        return "swiglu" if self.gated else "relu2"
-
-
 def _build_moe(layers: ModelLayers, layer: MoeLayer, device: torch.device) -> None:
+    """Build SGLang's FusedMoE of this format from the layer's expert tensors (the hooks verify it)."""
     kinds = checkpoints.NAMES[layers.fmt]
-    names = [
-        n
-        for n in layers.files
-        if n.startswith(layer.prefix + ".") and _EXPERT.match(n) and _EXPERT.match(n)["kind"] in kinds
-    ]
+    matches = {n: _EXPERT.match(n) for n in layers.files if n.startswith(layer.prefix + ".")}
+    matches = {n: m for n, m in matches.items() if m and m["kind"] in kinds}
     tensors = {}
-    for name, value in _load(layers, names).items():
-        m = _EXPERT.match(name)
+    for name, value in _load(layers, list(matches)).items():
+        m = matches[name]
         tensors[f"experts.{m['e']}.{checkpoints.ROLES.get(m['proj'], m['proj'])}.{m['kind']}"] = value
     text = _text_config(layers.config)
     top_k = int(text.get("num_experts_per_tok") or text.get("moe_topk") or 2)
-    spec = _Experts(layer.experts, layer.hidden, layer.inter, layer.gated)
+    activation = "swiglu" if layer.gated else "relu2"
+    spec = SimpleNamespace(
+        num_experts=layer.experts,
+        hidden=layer.hidden,
+        intermediate=layer.inter,
+        gated=layer.gated,
+        activation=activation,
+    )
     with torch.device(device):
         build_moe_layer_from_tensors(spec, tensors, top_k, fmt=layers.fmt, dtype=_dtype(layers.config))
 
