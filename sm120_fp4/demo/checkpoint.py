@@ -18,20 +18,8 @@ from ..errors import InvalidArgument
 from ..sglang.moe_layers import QUANT_CONFIGS, TINY_MODEL_CONFIG
 from .synthetic import as_compressed_tensors, quantize_weight
 
-__all__ = ["write_checkpoint", "ARCHITECTURE", "MODELOPT", "COMPRESSED_TENSORS"]
+__all__ = ["write_checkpoint", "MODELOPT", "COMPRESSED_TENSORS"]
 
-_C = TINY_MODEL_CONFIG
-ARCHITECTURE = dict(
-    hidden=_C["hidden_size"],
-    moe_intermediate=_C["moe_intermediate_size"],
-    experts=_C["num_experts"],
-    top_k=_C["num_experts_per_tok"],
-    layers=_C["num_hidden_layers"],
-    heads=_C["num_attention_heads"],
-    kv_heads=_C["num_key_value_heads"],
-    head_dim=_C["head_dim"],
-    vocab=_C["vocab_size"],
-)
 _SPECIAL = ["<s>", "</s>"]
 _CALIBRATION_AMAX = 8.0
 
@@ -51,7 +39,7 @@ def _quantize_split(dense: torch.Tensor, names: list[str], sizes: list[int]) -> 
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
-    a = ARCHITECTURE
+    c = TINY_MODEL_CONFIG
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, std: float = 0.05) -> torch.Tensor:
@@ -60,19 +48,20 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=torch.bfloat16)
 
-    h, q, kv, inter = a["hidden"], a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"], a["moe_intermediate"]
-    out = {"model.embed_tokens.weight": rand(a["vocab"], h, std=1.0), "model.norm.weight": ones(h)}
-    out["lm_head.weight"] = rand(a["vocab"], h)
-    for i in range(a["layers"]):
+    h, head, vocab, inter = c["hidden_size"], c["head_dim"], c["vocab_size"], c["moe_intermediate_size"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    out = {"model.embed_tokens.weight": rand(vocab, h, std=1.0), "model.norm.weight": ones(h)}
+    out["lm_head.weight"] = rand(vocab, h)
+    for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         out.update({f"{p}.{n}.weight": ones(h) for n in ("input_layernorm", "post_attention_layernorm")})
-        out.update({f"{p}.self_attn.{n}.weight": ones(a["head_dim"]) for n in ("q_norm", "k_norm")})
+        out.update({f"{p}.self_attn.{n}.weight": ones(head) for n in ("q_norm", "k_norm")})
         # SGLang serves qkv_proj (and each expert's gate/up) with one global scale: quantized together.
         qkv = [f"{p}.self_attn.{proj}" for proj in ("q_proj", "k_proj", "v_proj")]
         out.update(_quantize_split(torch.cat([rand(q, h), rand(kv, h), rand(kv, h)]), qkv, [q, kv, kv]))
         out.update(_quantize_split(rand(h, q), [f"{p}.self_attn.o_proj"], [h]))
-        out[f"{p}.mlp.gate.weight"] = rand(a["experts"], h, std=0.5)
-        for e in range(a["experts"]):
+        out[f"{p}.mlp.gate.weight"] = rand(c["num_experts"], h, std=0.5)
+        for e in range(c["num_experts"]):
             expert = f"{p}.mlp.experts.{e}"
             gate_up = [f"{expert}.gate_proj", f"{expert}.up_proj"]
             out.update(_quantize_split(rand(2 * inter, h), gate_up, [inter, inter]))

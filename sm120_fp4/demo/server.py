@@ -158,13 +158,11 @@ class Server:
             )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S, restarts: int = 2) -> bool:
-        """Return True once ``/health`` answers 200, False when the launcher exits first or time is up.
-
-        A server whose port was taken before it could bind it is started again on another, up to `restarts` times.
-        """
+        """Return True once ``/health`` answers 200, False when the launcher exits first or time is up."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # A port taken before the server could bind it: start again on another, up to `restarts` times.
                 if restarts > 0 and self._port_was_taken():
                     restarts -= 1
                     taken = self.port

@@ -372,10 +372,7 @@ def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, 
 
 
 def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
-    """Return the LayerCheck of one NVFP4 MoE layer on this rank (None: not in the cutlass layout).
-
-    `serve` (backend convention) makes the calls; by default SGLang's own call through the seam.
-    """
+    """Return the LayerCheck of one NVFP4 MoE layer (None: not the cutlass layout); `serve` defaults to the seam."""
     processed = processed_weights(layer)
     if processed is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)

@@ -267,10 +267,7 @@ def sglang_moe_context(
 
 @contextlib.contextmanager
 def _context_for(settings: _Settings, *, strict: bool) -> Iterator[MoeContext]:
-    """Use the active context when it has `settings`' quantization and ranks, else hold a fresh one.
-
-    ``strict``: an active context with other ranks or quantization is an error instead of being shadowed.
-    """
+    """Use the active context if it has `settings`' quantization and ranks, else (unless `strict`) a fresh one."""
     with _LOCK:
         active = active_moe_context()
         if active is not None:
@@ -360,12 +357,9 @@ def build_moe_layer_from_tensors(
     tp_size: int = 1,
     tp_rank: int = 0,
 ):
-    """Return SGLang's FusedMoE for rank (ep_rank, tp_rank) of `tensors` (``experts.{e}.{proj}.{kind}``).
-
-    `spec` has ``num_experts``, ``hidden``, ``intermediate``, ``gated`` and ``activation``; `fmt` is
-    :mod:`sm120_fp4.checkpoints`' format name. An active :func:`sglang_moe_context` with other ranks or
-    quantization is an InvalidArgument; with none active, one is held for the build.
-    """
+    """Return SGLang's FusedMoE for rank (ep_rank, tp_rank) of `spec`'s `tensors` (``experts.{e}.{proj}.{kind}``)."""
+    # `spec` has num_experts, hidden, intermediate, gated and activation; `fmt` is a sm120_fp4.checkpoints
+    # format. The build uses the active sglang_moe_context (another one's ranks: InvalidArgument) or holds one.
     func = "build_moe_layer_from_tensors"
     if fmt not in _FORMATS:
         raise not_accepted(func, "fmt", fmt, f"one of {tuple(_FORMATS)}")
