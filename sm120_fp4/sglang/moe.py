@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import backends, nvfp4, serving, verify
-from ..backends import flashinfer
+from ..backends import b12x_moe, flashinfer
 from ..errors import RefusedToServe
 from ..patching import Patcher, PatchSpec
 from ..serving import LayerCheck
@@ -232,46 +232,6 @@ def _ranks(layer: object) -> tuple[int, int, int, int]:
     return tuple(getattr(layer, name, default) for name, default in zip(names, (1, 0, 1, 0)))
 
 
-def _served_call(
-    layer: object, processed: ProcessedMoe, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """Call the (patched) seam as SGLang's _run_flashinfer_cutlass does, `ids` global (-1: a dropped slot)."""
-    front, activation_type = _seam()
-    ep_size, ep_rank, tp_size, tp_rank = _ranks(layer)
-    w = processed.weights
-    scales = [
-        w.a1_gscale.reshape(()) if w.a1_gscale.numel() == 1 else w.a1_gscale,
-        w.w13_sf.view(torch.int32),
-        w.w13_alpha,
-        w.a2_gscale.reshape(()) if w.a2_gscale.numel() == 1 else w.a2_gscale,
-        w.w2_sf.view(torch.int32),
-        w.w2_alpha,
-    ]
-    swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
-    return front(
-        output=torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        input=x,
-        token_selected_experts=ids.to(torch.int32),
-        token_final_scales=topk_weights,
-        fc1_expert_weights=w.w13.view(torch.long),
-        fc2_expert_weights=w.w2.view(torch.long),
-        output_dtype=x.dtype,
-        input_sf=None,
-        quant_scales=scales,
-        swiglu_alpha=swiglu[0],
-        swiglu_beta=swiglu[1],
-        swiglu_limit=swiglu[2],
-        ep_size=ep_size,
-        ep_rank=ep_rank,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        tune_max_num_tokens=8192,
-        activation_type=getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation]),
-        enable_alltoall=False,
-        use_fused_finalize=False,
-    )[0]
-
-
 def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
     """Return max(VERIFIED_EXPERTS, `at_least`) of this rank's experts spread from first to last (or all)."""
     count = min(experts, max(VERIFIED_EXPERTS, at_least))
@@ -402,11 +362,43 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     )
 
 
-def _served_convention(layer, processed, x, ids, topk_weights, *rest):
-    """Serve a backend-convention call (the case's weights) through the seam, into `out`."""
-    out = rest[-1]
-    processed = processed._replace(weights=nvfp4.MoeWeights(*rest[:8]))
-    out.copy_(_served_call(layer, processed, x, ids, topk_weights))
+def _served_convention(layer, processed: ProcessedMoe, x, ids, topk_weights, *rest):
+    """Serve a backend-convention call (its weights) through the seam as SGLang's _run_flashinfer_cutlass does."""
+    front, activation_type = _seam()
+    ep_size, ep_rank, tp_size, tp_rank = _ranks(layer)
+    w, out = nvfp4.MoeWeights(*rest[:8]), rest[-1]  # `ids` global, -1 for a dropped slot
+    scales = [
+        w.a1_gscale.reshape(()) if w.a1_gscale.numel() == 1 else w.a1_gscale,
+        w.w13_sf.view(torch.int32),
+        w.w13_alpha,
+        w.a2_gscale.reshape(()) if w.a2_gscale.numel() == 1 else w.a2_gscale,
+        w.w2_sf.view(torch.int32),
+        w.w2_alpha,
+    ]
+    swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
+    served = front(
+        output=torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        input=x,
+        token_selected_experts=ids.to(torch.int32),
+        token_final_scales=topk_weights,
+        fc1_expert_weights=w.w13.view(torch.long),
+        fc2_expert_weights=w.w2.view(torch.long),
+        output_dtype=x.dtype,
+        input_sf=None,
+        quant_scales=scales,
+        swiglu_alpha=swiglu[0],
+        swiglu_beta=swiglu[1],
+        swiglu_limit=swiglu[2],
+        ep_size=ep_size,
+        ep_rank=ep_rank,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        tune_max_num_tokens=8192,
+        activation_type=getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation]),
+        enable_alltoall=False,
+        use_fused_finalize=False,
+    )
+    out.copy_(served[0])
     return out
 
 
@@ -437,10 +429,4 @@ def b12x_problem() -> str | None:
     return None
 
 
-def _register_b12x_check() -> None:
-    from ..backends import b12x_moe
-
-    b12x_moe.engine_check(b12x_problem)
-
-
-_register_b12x_check()
+b12x_moe.engine_check(b12x_problem)
