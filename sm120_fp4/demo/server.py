@@ -252,7 +252,7 @@ def summarize(reports: list[dict]) -> list[str]:
 
 
 def _write_plugin(root: str) -> str:
-    """Write a distribution whose sm120_fp4.backends entry point is :func:`wrong_at_qkv`; return its PYTHONPATH entry."""
+    """Write a distribution whose sm120_fp4.backends entry point is :func:`wrong_at_qkv`; return its path."""
     path = os.path.join(root, "plugin")
     info = os.path.join(path, "sm120_fp4_demo_broken-0.0.dist-info")
     os.makedirs(info, mode=0o700)

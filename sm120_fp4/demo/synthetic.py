@@ -305,17 +305,8 @@ def reference_moe_output(
     _check_reference(ckpt, ep_size, ep_rank, tp_size, tp_rank, quantization)
     experts, w13, w13_sf, w2, w2_sf = _rank_tensors(ckpt, ep_size, ep_rank, tp_size, tp_rank)
     a1, a2, alpha1, alpha2 = _kernel_constants(ckpt, experts, quantization)
-    weights = {
-        "w13": w13,
-        "w13_sf": w13_sf,
-        "w13_alpha": alpha1.contiguous(),
-        "w2": w2,
-        "w2_sf": w2_sf,
-        "w2_alpha": alpha2.contiguous(),
-        "a1_gscale": a1,
-        "a2_gscale": a2,
-    }
-    weights = {k: v.to(x.device) for k, v in weights.items()}
+    weights = nvfp4.MoeWeights(w13, w13_sf, alpha1.contiguous(), w2, w2_sf, alpha2.contiguous(), a1, a2)
+    weights = {k: v.to(x.device) for k, v in weights._asdict().items()}
     return reference_moe_from_weights(
         {**weights, "activation": ckpt.activation, "first_expert": experts.start}, x, topk_ids, topk_weights
     )

@@ -140,7 +140,7 @@ def runner_problem(kind: str, method: object) -> str | None:
 
 
 def make_seam(original: Callable, make_front: Callable[[Callable, type], Callable], simulated: bool) -> Callable:
-    """Wrap ``_flashinfer_cutlass_fused_moe()`` to return (`make_front(cutlass_fused_moe, ActivationType)`, ActivationType)."""
+    """Wrap ``_flashinfer_cutlass_fused_moe()`` to return (make_front(kernel, ActivationType), ActivationType)."""
     fronts: dict[int, tuple] = {}
 
     @functools.wraps(original)

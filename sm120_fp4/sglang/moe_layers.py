@@ -198,7 +198,7 @@ def _environ_restored() -> Iterator[None]:
 
 
 def _enter_parallel(stack: contextlib.ExitStack, rc, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int):
-    """Override SGLang's parallel state for group rank ``ep_rank * tp_size + tp_rank`` (attention TP spans the group)."""
+    """Override SGLang's parallel state for group rank ``ep_rank * tp_size + tp_rank`` (attention TP: the group)."""
     world, rank = ep_size * tp_size, ep_rank * tp_size + tp_rank
     override = rc.get_parallel().override(
         tp_size=world,
@@ -225,7 +225,7 @@ def sglang_moe_context(
     quantization: str = MODELOPT,
     server_args: dict | None = None,
 ) -> Iterator[MoeContext]:
-    """Hold SGLang's scoped seams (SM120 platform, runtime context, one simulated rank, MoE flags); undo them on exit."""
+    """Hold SGLang's scoped seams (SM120 platform, runtime context, one simulated rank, MoE flags) until exit."""
     check_ranks("sglang_moe_context", ep_size, ep_rank, tp_size, tp_rank)
     if quantization not in _FORMATS.values():
         raise not_accepted("sglang_moe_context", "quantization", quantization, f"one of {tuple(_FORMATS.values())}")
