@@ -1,6 +1,8 @@
-"""``sm120-fp4 demo``: SGLang's real NVFP4 linear layer, patched and verified on a simulated SM120 (CPU)."""
+"""``sm120-fp4 demo``: SGLang's real NVFP4 linear and MoE layers, patched and verified on a simulated SM120 (CPU)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -8,6 +10,8 @@ from ..sglang.layers import build_modelopt_layer
 from .synthetic import make_checkpoint, make_moe_checkpoint, reference_moe_output, reference_output
 
 __all__ = ["main"]
+
+_HEALTHY = {"backends": "cutlass,b12x,emulated", "moe_backends": "cutlass,emulated"}
 
 
 def _say(text: str = "") -> None:
@@ -32,32 +36,44 @@ def _selftest_table(decision) -> list[str]:
     return rows
 
 
-def main() -> int:
-    """The README's main job: SGLang's real NVFP4 linear path, patched and verified, on a CPU."""
+def _quiet() -> None:
     import logging
     import warnings
-
-    import sm120_fp4
-    from sm120_fp4 import backends, serving
-    from sm120_fp4.errors import RefusedToServe
 
     warnings.filterwarnings("ignore", module=r"sglang\..*")  # "Only CUDA ... support AWQ/GGUF" on a CPU
     logging.basicConfig(level=logging.WARNING, format="  log: %(message)s")
     for name in ("sglang", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    n, k, m = 256, 512, 130
-    _say("sm120_fp4 demo: SGLang's NVFP4 linear layer on a SIMULATED SM120 GPU (CPU only)")
-    _say("=" * 78)
-    _say("On a real RTX PRO 6000 / RTX 5090 the same steps run FlashInfer's kernels; here no such GPU")
-    _say("exists, so FlashInfer's backends are reported unsupported and the pure-PyTorch 'emulated'")
-    _say("backend (checked against the nvfp4 oracle like any kernel) stands in for them.\n")
 
-    _say("1. install(): patch SGLang (candidates cutlass, b12x, then emulated; MoE: cutlass, then emulated)")
-    status = sm120_fp4.install(simulate="12.0", backends="cutlass,b12x,emulated", moe_backends="cutlass,emulated")
-    if not status.installed:
-        _say(f"   not installed: {status.message}")
-        return 2
-    _say(f"   SGLang {status.sglang_version}; devices: {', '.join(status.devices)}")
+
+def _refuses(name: str, kernel: Callable, moe: bool, build: Callable, shown: str, lines: int | None = None) -> bool:
+    """Install only the broken `kernel`, build a layer and show its refusal; return whether it was refused."""
+    import sm120_fp4
+    from sm120_fp4 import backends
+    from sm120_fp4.errors import RefusedToServe
+
+    sm120_fp4.uninstall()
+    (backends.register_moe if moe else backends.register)(name, kernel, replace=True)
+    sm120_fp4.install(
+        simulate="12.0", **({"backends": "emulated", "moe_backends": name} if moe else {"backends": name})
+    )
+    try:
+        build()
+    except RefusedToServe as exc:
+        _say(shown)
+        _say("\n".join("   | " + line for line in str(exc).splitlines()[:lines]))
+        return True
+    finally:
+        sm120_fp4.uninstall()
+        (backends.unregister_moe if moe else backends.unregister)(name)
+    _say(f"   ERROR: the broken {'MoE ' if moe else ''}kernel was not refused")  # pragma: no cover
+    return False  # pragma: no cover
+
+
+def _dense_layer(n: int, k: int):
+    """Steps 2-3: build the dense layer (its self-test runs), show the decision and what was patched."""
+    import sm120_fp4
+    from sm120_fp4 import serving
 
     _say(f"\n2. Build a real ModelOptFp4LinearMethod layer (N={n}, K={k}) from a synthetic NVFP4 checkpoint;")
     _say("   its process_weights_after_loading runs the self-test on this device before serving:")
@@ -67,66 +83,70 @@ def main() -> int:
     _say(f"   decision: {decision.backend} ({decision.reason}), verified={decision.verified}")
     _say("\n".join(_selftest_table(decision)))
     for report in decision.layers:
-        ms = [s.m for s in report.shapes]
-        _say(f"   then the layer itself: {report.config}, through SGLang's apply() at M = {', '.join(map(str, ms))}")
-        _say(
-            f"   (two passes, {sum(s.calls for s in report.shapes)} calls): passed={report.passed}, max rel error {report.max_rel_err:.2e}"
-        )
-
+        ms = ", ".join(str(s.m) for s in report.shapes)
+        calls = sum(s.calls for s in report.shapes)
+        _say(f"   then the layer itself: {report.config}, through SGLang's apply() at M = {ms}")
+        _say(f"   (two passes, {calls} calls): passed={report.passed}, max rel error {report.max_rel_err:.2e}")
     _say("\n3. What was patched (the ledger; targets of other SGLang releases left out):")
     for p in sm120_fp4.status().patches:
         if p.state == "skipped" and (p.reason or "").startswith("not needed"):
             continue
-        _say(
-            f"   - {p.name:38s} {p.state:8s} {p.module.rsplit('.', 1)[-1]}.{p.attribute}"
-            + (f"  ({p.reason})" if p.reason else "")
-        )
+        reason = f"  ({p.reason})" if p.reason else ""
+        _say(f"   - {p.name:38s} {p.state:8s} {p.module.rsplit('.', 1)[-1]}.{p.attribute}{reason}")
+    return ckpt, method, layer
 
+
+def _dense_forward(ckpt, method, layer, m: int) -> None:
+    """Step 4: SGLang's apply() against the nvfp4 reference and the unquantized layer."""
     _say(f"\n4. Forward pass through SGLang's apply() with M={m} tokens, compared with the nvfp4 reference:")
-    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    x = (torch.randn(m, ckpt.dense.shape[1], generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
     out = method.apply(layer, x)
-    want = reference_output(ckpt, x)
     dense = x.float() @ ckpt.dense.float().T
-    diff = (out.float() - want.float()).abs().max().item()
+    diff = (out.float() - reference_output(ckpt, x).float()).abs().max().item()
     q_err = ((out.float() - dense).norm() / dense.norm()).item()
     _say(f"   output {tuple(out.shape)} {out.dtype}; max |SGLang - reference| = {diff:.3g} (bit-exact: {diff == 0})")
     _say(f"   vs the unquantized bf16 layer: relative error {q_err:.3f} (the cost of 4-bit weights and activations)")
 
-    moe_ok = _moe_part()
-    if moe_ok is False:
-        return 1
 
+def _zero_band(a, b, a_sf, b_sf, alpha, out_dtype, out):
+    from sm120_fp4 import backends
+
+    backends.emulated_mm_fp4(a, b, a_sf, b_sf, alpha, out_dtype, out)
+    out[64:128] = 0
+    return out
+
+
+def main() -> int:
+    """Run the README's walkthrough: SGLang's NVFP4 layers verified on a CPU, then broken kernels refused."""
+    import sm120_fp4
+
+    _quiet()
+    _say("sm120_fp4 demo: SGLang's NVFP4 linear layer on a SIMULATED SM120 GPU (CPU only)")
+    _say("=" * 78)
+    _say("On a real RTX PRO 6000 / RTX 5090 the same steps run FlashInfer's kernels; here no such GPU")
+    _say("exists, so FlashInfer's backends are reported unsupported and the pure-PyTorch 'emulated'")
+    _say("backend (checked against the nvfp4 oracle like any kernel) stands in for them.\n")
+    _say("1. install(): patch SGLang (candidates cutlass, b12x, then emulated; MoE: cutlass, then emulated)")
+    status = sm120_fp4.install(simulate="12.0", **_HEALTHY)
+    if not status.installed:
+        _say(f"   not installed: {status.message}")
+        return 2
+    _say(f"   SGLang {status.sglang_version}; devices: {', '.join(status.devices)}")
+    ckpt, method, layer = _dense_layer(256, 512)
+    _dense_forward(ckpt, method, layer, 130)
+    if _moe_part() is False:
+        return 1
     _say("\n7. Now a broken dense kernel: it zeroes output rows 64-127 (as reported on SM12x), registered first:")
-    sm120_fp4.uninstall()
-
-    def zero_band(a, b, a_sf, b_sf, alpha, out_dtype, out):
-        backends.emulated_mm_fp4(a, b, a_sf, b_sf, alpha, out_dtype, out)
-        out[64:128] = 0
-        return out
-
-    backends.register("zero-band", zero_band, replace=True)
-    sm120_fp4.install(simulate="12.0", backends="zero-band")
-    try:
-        build_modelopt_layer(ckpt)
-    except RefusedToServe as exc:
-        _say("   process_weights_after_loading raised RefusedToServe; a scheduler process exits non-zero with:\n")
-        _say("\n".join("   | " + line for line in str(exc).splitlines()))
-    else:  # pragma: no cover - the demo must show the refusal
-        _say("   ERROR: the broken kernel was not refused")
+    shown = "   process_weights_after_loading raised RefusedToServe; a scheduler process exits non-zero with:\n"
+    if not _refuses("zero-band", _zero_band, False, lambda: build_modelopt_layer(ckpt), shown):
         return 1
-    finally:
-        sm120_fp4.uninstall()
-        backends.unregister("zero-band")
     _say("\nDone: the healthy paths served bit-exact results; the broken kernels never reached a request.")
     return 0
 
 
-def _moe_part() -> bool | None:
-    """Steps 5-6: SGLang's real NVFP4 FusedMoE layer, verified; then a broken MoE kernel refused.
-    None when this SGLang has no MoE modules to run (the step is skipped, saying why)."""
+def _moe_layer():
+    """Step 5: build SGLang's NVFP4 FusedMoE (its MoE self-test runs); None, saying why, where this SGLang cannot."""
     import sm120_fp4
-    from sm120_fp4 import backends, serving
-    from sm120_fp4.errors import RefusedToServe
 
     try:
         from ..sglang import moe_layers
@@ -141,14 +161,41 @@ def _moe_part() -> bool | None:
         ckpt = make_moe_checkpoint(8, 256, 128, seed=11)
         _say("\n5. A real NVFP4 FusedMoE layer (ModelOptNvFp4FusedMoEMethod: 8 experts, H=256, I=128, top-2);")
         _say("   its process_weights_after_loading runs the MoE self-test, then checks the layer's own experts:")
-        layer = moe_layers.build_modelopt_moe_layer(ckpt, top_k=2)
+        return ckpt, moe_layers.build_modelopt_moe_layer(ckpt, top_k=2)
     except ImportError as exc:
         _say(f"\n5-6. NVFP4 MoE: skipped on this SGLang ({exc})")
         return None
+
+
+def _drops_tile_rows(x, ids, w, *rest):
+    """Zero rows 64-127 of each expert's 128-row tile (FlashInfer PR 3533 on SM120)."""
+    from sm120_fp4 import backends
+
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    rank = torch.empty_like(flat)
+    counts = torch.bincount(flat, minlength=int(flat.max()) + 1)
+    rank[order] = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    keep = ((rank % 128) < 64).reshape(ids.shape).to(w.dtype)
+    return backends.emulated_moe(x, ids, w * keep, *rest)
+
+
+def _moe_part() -> bool | None:
+    """Steps 5-6: SGLang's NVFP4 FusedMoE verified, then a broken MoE kernel refused; None where skipped."""
+    import sm120_fp4
+    from sm120_fp4 import serving
+
+    from ..sglang.moe_layers import build_modelopt_moe_layer, moe_forward
+
+    built = _moe_layer()
+    if built is None:
+        return None
+    ckpt, layer = built
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
+    candidates = ", ".join(f"{n}: {why}" for n, why in decision.rejected.items()) or "first passed"
     _say(
         f"   MoE decision: {decision.backend} ({decision.reason}), verified={decision.verified}; "
-        f"candidates: {', '.join(f'{n}: {why}' for n, why in decision.rejected.items()) or 'first passed'}"
+        f"candidates: {candidates}"
     )
     for report in decision.layers:
         _say(
@@ -159,35 +206,13 @@ def _moe_part() -> bool | None:
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(64)]).to(torch.int32)
     weights = torch.rand(64, 2, generator=gen)
     x = (torch.randn(64, 256, generator=gen) * 2).to(torch.bfloat16)
-    out = moe_layers.moe_forward(layer, x, ids, weights)
+    out = moe_forward(layer, x, ids, weights)
     diff = (out.float() - reference_moe_output(ckpt, x, ids, weights).float()).abs().max().item()
     _say(f"   SGLang's MoE forward (64 tokens) vs reference_moe_fp4: max diff {diff:.3g} (bit-exact: {diff == 0})")
-
     _say("\n6. A broken MoE kernel: rows 64-127 of an expert's tile zeroed when it gets more than 64 rows")
     _say("   (FlashInfer PR 3533 on SM120), registered with register_moe:")
-
-    def drops_tile_rows(x, ids, w, *rest):
-        flat = ids.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        rank = torch.empty_like(flat)
-        counts = torch.bincount(flat, minlength=int(flat.max()) + 1)
-        rank[order] = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-        keep = ((rank % 128) < 64).reshape(ids.shape).to(w.dtype)
-        return backends.emulated_moe(x, ids, w * keep, *rest)
-
-    sm120_fp4.uninstall()
-    backends.register_moe("tile-drop", drops_tile_rows, replace=True)
-    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="tile-drop")
-    try:
-        moe_layers.build_modelopt_moe_layer(ckpt, top_k=2)
-    except RefusedToServe as exc:
-        _say("   refused:")
-        _say("\n".join("   | " + line for line in str(exc).splitlines()[:3]))
-    else:  # pragma: no cover - the demo must show the refusal
-        _say("   ERROR: the broken MoE kernel was not refused")
+    build = lambda: build_modelopt_moe_layer(ckpt, top_k=2)  # noqa: E731
+    if not _refuses("tile-drop", _drops_tile_rows, True, build, "   refused:", 3):
         return False
-    finally:
-        sm120_fp4.uninstall()
-        backends.unregister_moe("tile-drop")
-    sm120_fp4.install(simulate="12.0", backends="cutlass,b12x,emulated", moe_backends="cutlass,emulated")
+    sm120_fp4.install(simulate="12.0", **_HEALTHY)
     return True

@@ -1,12 +1,8 @@
 """``sm120-fp4 demo --server``: a real ``python -m sglang.launch_server`` behind ``sm120-fp4 launch``, on this CPU.
 
-In simulation (``SM120_FP4_SIMULATE=12.0``, SGLang's CPU engine), on 127.0.0.1 and a free port: the tiny
-NVFP4 checkpoint of :mod:`.checkpoint` (or ``--model-path DIR``) is served, one ``/generate`` request is
-answered, and the verification summary is read from the report files every SGLang process wrote; then
-(without ``--model-path``) the same server with a kernel that is wrong only at one of the checkpoint's own
-layer shapes: it passes the preflight self-test, the scheduler's layer check refuses it, the port never
-opens and the launcher exits non-zero. Every server is stopped by its PID (its whole process group), its
-log kept, and the log's path printed when something fails.
+The tiny checkpoint of :mod:`.checkpoint` (or ``--model-path DIR``) answers one ``/generate``; then a kernel
+wrong only at one of its layer shapes passes the preflight, is refused by the layer check, and the port
+never opens. Every server is stopped by its process group; its log is kept.
 """
 
 from __future__ import annotations
@@ -31,23 +27,12 @@ from ..sglang.release import LAUNCH_SERVER
 
 __all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "CPU_SERVER_DEFAULTS", "Server", "free_port", "group_members"]
 
-# What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU").
-# The KV cache capped (SGLang sizes it from the machine's free memory on a CPU): small and quick to
-# allocate, and room for another process that allocates while this one loads.
-CPU_SERVER_ARGS = [
-    "--device",
-    "cpu",
-    "--attention-backend",
-    "torch_native",
-    "--disable-cuda-graph",
-    "--skip-server-warmup",
-    "--tp",
-    "1",
-    "--mem-fraction-static",
-    "0.5",
-    "--max-total-tokens",
-    "32768",
-]
+# What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU"); the KV cache
+# capped (SGLang sizes it from the machine's free memory on a CPU), small and quick to allocate.
+CPU_SERVER_ARGS = (
+    "--device cpu --attention-backend torch_native --disable-cuda-graph --skip-server-warmup --tp 1 "
+    "--mem-fraction-static 0.5 --max-total-tokens 32768"
+).split()
 CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SM120_FP4": "1"}  # always: the CPU engine, the library on
 # Defaults the operator's environment may override (a broken kernel named in SM120_FP4_BACKENDS, say).
 CPU_SERVER_DEFAULTS = {
@@ -59,20 +44,15 @@ CPU_SERVER_DEFAULTS = {
 START_TIMEOUT_S = 900.0
 PROMPT = "The capital of France is"
 
-_BROKEN_PLUGIN = '''
-"""The demo's broken kernel: right everywhere but at the demo checkpoint's fused qkv shape (N=512, K=256),
-where rows 64-127 come back zero (as reported for SM12x kernels): the self-test's shapes pass, the layer
-check of the layer that will serve does not."""
-
 
 def wrong_at_qkv(a, b, a_sf, b_sf, alpha, out_dtype, out):
-    from sm120_fp4.backends import emulated_mm_fp4
+    """Zero rows 64-127 at the demo checkpoint's fused qkv shape (N=512, K=256) only: the demo's broken kernel."""
+    from ..backends import emulated_mm_fp4
 
     emulated_mm_fp4(a, b, a_sf, b_sf, alpha, out_dtype, out)
     if b.shape[1] == 512 and a.shape[1] * 2 == 256:
         out[64:128] = 0
     return out
-'''
 
 
 def _say(text: str = "") -> None:
@@ -80,7 +60,7 @@ def _say(text: str = "") -> None:
 
 
 def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for ports it hands out by itself (outgoing connections, bind to port 0)."""
+    """Return the kernel's range for ports it hands out by itself (outgoing connections, bind to port 0)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
             low, high = (int(v) for v in f.read().split())
@@ -90,9 +70,7 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now, outside the kernel's ephemeral range: a port the
-    kernel hands out by itself (another process's outgoing connection, or its bind to port 0) can
-    be taken between this choice and the server's bind, which a port outside that range cannot."""
+    """Return a TCP port on 127.0.0.1 free now, outside the ephemeral range (which others may take before the bind)."""
     low, high = _ephemeral_range()
     choices = [p for p in range(20000, 65536) if not low <= p <= high]
     rng = random.SystemRandom()
@@ -115,7 +93,7 @@ def _listening(port: int) -> bool:
 
 
 def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid` (Linux /proc; elsewhere: the leader, if alive)."""
+    """Return the live (not zombie) processes of process group `pgid` (without /proc: the leader, if alive)."""
     if not os.path.isdir("/proc/self"):
         try:
             os.killpg(pgid, 0)
@@ -148,7 +126,7 @@ def _http(method: str, url: str, body: dict | None = None, timeout: float = 300.
 
 @dataclass
 class Server:
-    """One ``sm120-fp4 launch -- python -m sglang.launch_server ...`` in its own process group."""
+    """Run one ``sm120-fp4 launch -- python -m sglang.launch_server ...`` in its own process group."""
 
     model_path: str
     workdir: str
@@ -170,24 +148,9 @@ class Server:
         self.port = self.port or free_port()
         os.makedirs(self.report_dir, mode=0o700, exist_ok=True)
         env = {**CPU_SERVER_DEFAULTS, **os.environ, **CPU_SERVER_ENV, "SM120_FP4_REPORT": self.report_dir, **self.env}
-        command = [
-            sys.executable,
-            "-m",
-            "sm120_fp4",
-            "launch",
-            "--",
-            sys.executable,
-            "-m",
-            LAUNCH_SERVER,
-            "--model-path",
-            self.model_path,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *CPU_SERVER_ARGS,
-            *self.extra_args,
-        ]
+        command = [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-m", LAUNCH_SERVER]
+        command += ["--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port)]
+        command += [*CPU_SERVER_ARGS, *self.extra_args]
         log = open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
         with log:
             self.proc = self.popen(
@@ -195,12 +158,11 @@ class Server:
             )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S, restarts: int = 2) -> bool:
-        """True once ``/health`` answers 200; False when the launcher exits first (or the time is up).
-        A server whose port was taken before it could bind it ("address already in use": another
-        process got there first) is started again on another free port, up to `restarts` times."""
+        """Return True once ``/health`` answers 200, False when the launcher exits first or time is up."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # A port taken before the server could bind it: start again on another, up to `restarts` times.
                 if restarts > 0 and self._port_was_taken():
                     restarts -= 1
                     taken = self.port
@@ -239,16 +201,14 @@ class Server:
         return json.loads(body)
 
     def stop(self, grace_s: float = 20.0) -> int | None:
-        """Stop the launcher and every process it started (its process group, by the launcher's PID)."""
+        """Stop the launcher and every process it started (its process group); return its exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left (SGLang's children)
         code = self.proc.wait()
@@ -273,7 +233,7 @@ class Server:
 
 
 def summarize(reports: list[dict]) -> list[str]:
-    """One line per verified layer configuration and per refusal, from SGLang's processes' report files."""
+    """Return one line per verified layer configuration and per refusal, from SGLang's processes' report files."""
     rows = []
     for report in reports:
         for d in report.get("decisions", []):
@@ -292,19 +252,35 @@ def summarize(reports: list[dict]) -> list[str]:
 
 
 def _write_plugin(root: str) -> str:
-    """A throw-away distribution whose entry point (group sm120_fp4.backends) is the broken kernel; returns
-    the directory to put on the server's PYTHONPATH, as an operator installs a custom backend."""
+    """Write a distribution whose sm120_fp4.backends entry point is :func:`wrong_at_qkv`; return its path."""
     path = os.path.join(root, "plugin")
-    os.makedirs(os.path.join(path, "sm120_fp4_demo_broken-0.0.dist-info"), mode=0o700)
+    info = os.path.join(path, "sm120_fp4_demo_broken-0.0.dist-info")
+    os.makedirs(info, mode=0o700)
     files = {
-        "sm120_fp4_demo_broken.py": _BROKEN_PLUGIN,
-        "sm120_fp4_demo_broken-0.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: sm120-fp4-demo-broken\nVersion: 0.0\n",
-        "sm120_fp4_demo_broken-0.0.dist-info/entry_points.txt": "[sm120_fp4.backends]\ndemo-wrong-at-qkv = sm120_fp4_demo_broken:wrong_at_qkv\n",
+        "METADATA": "Metadata-Version: 2.1\nName: sm120-fp4-demo-broken\nVersion: 0.0\n",
+        "entry_points.txt": f"[sm120_fp4.backends]\ndemo-wrong-at-qkv = {__name__}:wrong_at_qkv\n",
     }
     for name, text in files.items():
-        with open(os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        with open(os.open(os.path.join(info, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write(text)
     return path
+
+
+def _ask_once(server: Server) -> tuple[bool, str | None]:
+    """Wait for `server` and ask it once; return (whether it started, what failed or None)."""
+    started = time.monotonic()
+    if not server.wait_ready():
+        return False, None
+    took = time.monotonic() - started
+    try:
+        answer = server.generate(PROMPT)
+    except (OSError, RuntimeError, ValueError) as exc:
+        return True, f"the server is up but /generate failed: {exc}"
+    _say(
+        f"   up after {took:.0f} s; POST /generate {PROMPT!r} -> {answer.get('text')!r} "
+        f"({answer.get('meta_info', {}).get('completion_tokens')} tokens; random weights: no sense expected)"
+    )
+    return True, None
 
 
 def serve_once(
@@ -314,24 +290,12 @@ def serve_once(
     env: dict[str, str] | None = None,
     expect_refusal: bool = False,
 ) -> int:
-    """Start one server, ask it once (or see it refuse), stop it; returns this step's exit code."""
+    """Start one server, ask it once (or see it refuse), stop it; return this step's exit code."""
     server = Server(model_path, workdir, extra_args, env or {})
     server.start()
     _say(f"   started pid {server.proc.pid} on 127.0.0.1:{server.port}; waiting for it (log: {server.log_path})")
-    started, failed = time.monotonic(), None
     try:
-        ready = server.wait_ready()
-        took = time.monotonic() - started
-        if ready:
-            try:
-                answer = server.generate(PROMPT)
-            except (OSError, RuntimeError, ValueError) as exc:
-                failed = f"the server is up but /generate failed: {exc}"
-            else:
-                _say(
-                    f"   up after {took:.0f} s; POST /generate {PROMPT!r} -> {answer.get('text')!r} "
-                    f"({answer.get('meta_info', {}).get('completion_tokens')} tokens; random weights: no sense expected)"
-                )
+        ready, failed = _ask_once(server)
     finally:
         code = server.stop()
         still = _listening(server.port)
@@ -360,7 +324,7 @@ def serve_once(
 
 
 def main(model_path: str | None = None, extra_args: list[str] | None = None) -> int:
-    """The server demo; with `model_path`, serve that checkpoint once instead (exit 0 on an answer)."""
+    """Run the server demo; with `model_path`, serve that checkpoint once instead (exit 0 on an answer)."""
     extra = list(extra_args or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]

@@ -1,44 +1,79 @@
-"""SGLang's real NVFP4 linear layer (``ModelOptFp4LinearMethod``) built from one layer's ModelOpt tensors.
+"""Build SGLang's real NVFP4 linear layer from one layer's checkpoint tensors.
 
-The demo's dense layer (``sm120-fp4 demo``; its checkpoint is :func:`sm120_fp4.demo.synthetic.make_checkpoint`,
-what it must compute :func:`sm120_fp4.demo.synthetic.reference_output`): SGLang's own create_weights,
-checkpoint load, process_weights_after_loading (where the patched hook verifies the layer) and apply.
-The MoE twin is :mod:`.moe_layers`.
+Shared by ``sm120-fp4 demo`` and ``sm120-fp4 selftest --model`` (:mod:`.model_check`); the MoE twin
+is :mod:`.moe_layers`. SGLang's own create_weights, then the tensors put where its loader puts them,
+then process_weights_after_loading (where the patched hook verifies the layer).
 """
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
-__all__ = ["build_modelopt_layer"]
+from ..checkpoints import MODELOPT, NAMES
+
+__all__ = ["build_linear_layer", "build_modelopt_layer"]
+
+
+def _create_weights(fmt: str, module: torch.nn.Module, sizes: list[int], k: int, dtype: torch.dtype):
+    """Return SGLang's linear method (or scheme) for `fmt`, its create_weights run on `module`."""
+    noop = lambda *args, **kwargs: None  # noqa: E731 - the tensors are placed by the caller, as the loader would
+    if fmt == MODELOPT:
+        from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
+
+        method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
+        method.create_weights(
+            module,
+            input_size_per_partition=k,
+            output_partition_sizes=sizes,
+            input_size=k,
+            output_size=sum(sizes),
+            params_dtype=dtype,
+            weight_loader=noop,
+        )
+        return method
+    from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 import (
+        CompressedTensorsW4A4Fp4,
+    )
+
+    scheme = CompressedTensorsW4A4Fp4()
+    scheme.create_weights(
+        module, output_partition_sizes=sizes, input_size_per_partition=k, params_dtype=dtype, weight_loader=noop
+    )
+    return scheme
+
+
+def _scalar_into(param: torch.Tensor, index: int, value: torch.Tensor) -> None:
+    param.data.view(-1)[index] = value.float().reshape(-1)[0].to(param.dtype)
+
+
+def build_linear_layer(
+    shards: list[Mapping[str, torch.Tensor]],
+    fmt: str = MODELOPT,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """Return (method, layer): SGLang's NVFP4 linear layer of `shards` (fused in order), weights processed."""
+    weight, block, global_scale, input_scale = NAMES[fmt]
+    sizes = [shard[weight].shape[0] for shard in shards]
+    k = shards[0][weight].shape[1] * 2
+    module = torch.nn.Module()
+    module.params_dtype = dtype  # as SGLang's LinearBase.__init__ sets it (some releases' create_weights do not)
+    method = _create_weights(fmt, module, sizes, k, dtype)
+    module.to(device)
+    with torch.no_grad():
+        row = 0
+        for i, (shard, n) in enumerate(zip(shards, sizes)):
+            getattr(module, weight).data[row : row + n].copy_(shard[weight])
+            getattr(module, block).data[row : row + n].copy_(shard[block].view(torch.float8_e4m3fn))
+            _scalar_into(getattr(module, global_scale), i, shard[global_scale])
+            _scalar_into(getattr(module, input_scale), i, shard[input_scale])
+            row += n
+    method.process_weights_after_loading(module)
+    return method, module
 
 
 def build_modelopt_layer(ckpt, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16):
-    """SGLang's ModelOptFp4LinearMethod: create_weights, load `ckpt`, process_weights_after_loading.
-
-    `ckpt` has one linear layer's ModelOpt tensors, ``weight`` (uint8 (N, K/2)), ``weight_scale``,
-    ``weight_scale_2`` and ``input_scale`` (a :class:`sm120_fp4.demo.synthetic.Checkpoint`).
-
-    `dtype` is the model's activation dtype (SGLang's params_dtype). Returns (method, layer);
-    ``method.apply(layer, x)`` runs SGLang's forward.
-    """
-    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
-
-    n, k = ckpt.weight.shape[0], ckpt.weight.shape[1] * 2
-    method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
-    layer = torch.nn.Module()
-    layer.params_dtype = dtype  # as SGLang's LinearBase.__init__ sets it (some releases' create_weights do not)
-    method.create_weights(
-        layer,
-        input_size_per_partition=k,
-        output_partition_sizes=[n],
-        input_size=k,
-        output_size=n,
-        params_dtype=dtype,
-    )
-    layer.to(device)
-    with torch.no_grad():
-        for name in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
-            getattr(layer, name).data.copy_(getattr(ckpt, name).to(device))
-    method.process_weights_after_loading(layer)
-    return method, layer
+    """Return (method, layer) for a :class:`sm120_fp4.demo.synthetic.Checkpoint`; ``method.apply(layer, x)`` runs it."""
+    return build_linear_layer([ckpt.tensors()], MODELOPT, device, dtype)

@@ -1,36 +1,29 @@
 """Verify a checkpoint's own NVFP4 layers on this device, without a server (``sm120-fp4 selftest --model DIR``).
 
-The checkpoint's tensors are listed from its safetensors headers (nothing is loaded but the layers
-checked). Its linear layers are grouped as SGLang serves them: shards SGLang fuses into one GEMM
-(``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``, as the model class's own
-``packed_modules_mapping`` says) become one layer of N = the sum of the shards. For each distinct
-configuration (dense: N, K; MoE: experts, hidden, intermediate, activation) the first such layer is built
-as SGLang builds it: its quantization method's ``create_weights``, the checkpoint's own tensors put where
-SGLang's loader puts them (dense: each shard's rows and per-shard scales at tensor-parallel size 1; MoE:
-through ``FusedMoE.weight_loader``), then ``process_weights_after_loading``, whose patched hooks decide
-the device's backend and run the layer checks (the served call, this layer's weights, every batch-size
-bucket) exactly as in a server. A failure raises RefusedToServe.
+Layers are grouped as SGLang serves them (shards fused per the model's ``packed_modules_mapping``); the
+first layer of each distinct configuration is built through SGLang's own layers from the checkpoint's
+tensors, and the patched weights hooks verify it as in a server. A failure raises RefusedToServe.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from .. import checkpoints
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
+from .layers import build_linear_layer
+from .moe_layers import build_moe_layer_from_tensors
 
 __all__ = ["ModelLayers", "discover", "check_model"]
 
-_DENSE_SUFFIX = {fmt: names[0] for fmt, names in checkpoints.NAMES.items()}
 _DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 _EXPERT = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$"
 )
-_PROJ = checkpoints.ROLES
-_SCALES = {fmt: names[1:] for fmt, names in checkpoints.NAMES.items()}
 
 
 @dataclass
@@ -60,7 +53,7 @@ class MoeLayer:
 
 @dataclass
 class ModelLayers:
-    """What `discover` found: the format, the config, every NVFP4 layer, and where each tensor is."""
+    """Hold what `discover` found: the format, the config, every NVFP4 layer, and where each tensor is."""
 
     fmt: str
     config: dict
@@ -70,7 +63,7 @@ class ModelLayers:
     shapes: dict[str, tuple] = field(default_factory=dict)
 
     def distinct(self) -> tuple[list[DenseLayer], list[MoeLayer]]:
-        """The first layer of every distinct configuration (what a server verifies in full)."""
+        """Return the first layer of every distinct configuration (what a server verifies in full)."""
         dense, moe = {}, {}
         for layer in self.dense:
             dense.setdefault(layer.key, layer)
@@ -84,7 +77,7 @@ def _text_config(config: dict) -> dict:
 
 
 def _packed_modules(config: dict) -> dict[str, list[str]]:
-    """The model class's packed_modules_mapping (SGLang's fusion of shards), or the common one."""
+    """Return the model class's packed_modules_mapping (SGLang's fusion of shards), or the common one."""
     try:
         from sglang.srt.models.registry import ModelRegistry
 
@@ -98,8 +91,7 @@ def _packed_modules(config: dict) -> dict[str, list[str]]:
 
 
 def discover(model_dir: str, values: bool = False) -> ModelLayers:
-    """Every NVFP4 linear and MoE layer of the checkpoint in `model_dir`, from its config and headers,
-    after checkpoints.inspect() validated them (CheckpointError names what is wrong; `values`: its scales too)."""
+    """Return every NVFP4 linear and MoE layer of `model_dir`, after checkpoints.inspect() validated it."""
     checkpoint = checkpoints.inspect(model_dir, values=values)
     found = ModelLayers(
         checkpoint.format,
@@ -151,76 +143,20 @@ def _dtype(config: dict) -> torch.dtype:
     return torch.float16 if name in ("float16", "half") else torch.bfloat16
 
 
-def _scalar_into(param: torch.Tensor, index: int, value: torch.Tensor) -> None:
-    param.data.view(-1)[index] = value.float().reshape(-1)[0].to(param.dtype)
-
-
 def _build_dense(layers: ModelLayers, layer: DenseLayer, device: torch.device) -> None:
-    """SGLang's linear method for this format, this layer's shards loaded, weights processed (the hooks verify)."""
-    fmt, dtype = layers.fmt, _dtype(layers.config)
-    weight_name, (block, global_name, input_name) = _DENSE_SUFFIX[fmt], _SCALES[fmt]
-    tensors = _load(
-        layers,
-        [
-            f"{s}.{k}"
-            for s in layer.shards
-            for k in (weight_name, block, global_name, input_name)
-            if f"{s}.{k}" in layers.files
-        ],
-    )
-    module = torch.nn.Module()
-    module.params_dtype = dtype
-    noop = lambda *args, **kwargs: None  # noqa: E731 - the tensors are placed below, as the loader would
-    if fmt == checkpoints.MODELOPT:
-        from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
-
-        method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
-        method.create_weights(
-            module,
-            input_size_per_partition=layer.k,
-            output_partition_sizes=layer.sizes,
-            input_size=layer.k,
-            output_size=sum(layer.sizes),
-            params_dtype=dtype,
-            weight_loader=noop,
-        )
-        process = method.process_weights_after_loading
-    else:
-        from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 import (
-            CompressedTensorsW4A4Fp4,
-        )
-
-        scheme = CompressedTensorsW4A4Fp4()
-        scheme.create_weights(
-            module,
-            output_partition_sizes=layer.sizes,
-            input_size_per_partition=layer.k,
-            params_dtype=dtype,
-            weight_loader=noop,
-        )
-        process = scheme.process_weights_after_loading
-    module.to(device)
-    with torch.no_grad():
-        row = 0
-        for i, (shard, n) in enumerate(zip(layer.shards, layer.sizes)):
-            getattr(module, weight_name).data[row : row + n].copy_(tensors[f"{shard}.{weight_name}"])
-            getattr(module, block).data[row : row + n].copy_(tensors[f"{shard}.{block}"].view(torch.float8_e4m3fn))
-            _scalar_into(getattr(module, global_name), i, tensors[f"{shard}.{global_name}"])
-            _scalar_into(getattr(module, input_name), i, tensors[f"{shard}.{input_name}"])
-            row += n
-    process(module)
+    """Build SGLang's linear layer of this format from its shards' tensors (the hooks verify it)."""
+    kinds = checkpoints.NAMES[layers.fmt]
+    tensors = _load(layers, [f"{s}.{k}" for s in layer.shards for k in kinds if f"{s}.{k}" in layers.files])
+    shards = [{k: tensors[f"{s}.{k}"] for k in kinds} for s in layer.shards]
+    build_linear_layer(shards, layers.fmt, device, _dtype(layers.config))
 
 
 def _check_shard_scales(layers: ModelLayers) -> None:
-    """Every dense layer's shards' own global scales (not only each configuration's first layer: only
-    scalars are read), as SGLang's fusion would serve them: RefusedToServe naming the layer, its
-    shards and their values where one global scale would serve some shard's rows wrong: CheckpointError
-    naming the layer, its shards and their values (the checkpoint's fault, whatever kernel would run)."""
-    from ..errors import CheckpointError
+    """Raise CheckpointError where one fused global scale would serve some dense layer's shard wrong."""
     from .hooks import shard_scales_problem
 
     kind = "ModelOptFp4LinearMethod" if layers.fmt == checkpoints.MODELOPT else "CompressedTensorsW4A4Fp4"
-    _, global_name, input_name = _SCALES[layers.fmt]
+    _, _, global_name, input_name = checkpoints.NAMES[layers.fmt]
     names = [
         f"{s}.{k}"
         for layer in layers.dense
@@ -241,48 +177,31 @@ def _check_shard_scales(layers: ModelLayers) -> None:
             raise CheckpointError(f"the NVFP4 layer {layer.name} ({kind}, shards {', '.join(layer.shards)}): {problem}")
 
 
-@dataclass
-class _Experts:
-    """What moe_layers' builder reads of a checkpoint: sizes and activation."""
-
-    num_experts: int
-    hidden: int
-    intermediate: int
-    gated: bool
-
-    @property
-    def activation(self) -> str:
-        return "swiglu" if self.gated else "relu2"
-
-
 def _build_moe(layers: ModelLayers, layer: MoeLayer, device: torch.device) -> None:
-    from . import moe_layers
-
-    kinds = (_DENSE_SUFFIX[layers.fmt], *_SCALES[layers.fmt])
-    names = [
-        n
-        for n in layers.files
-        if n.startswith(layer.prefix + ".") and _EXPERT.match(n) and _EXPERT.match(n)["kind"] in kinds
-    ]
+    """Build SGLang's FusedMoE of this format from the layer's expert tensors (the hooks verify it)."""
+    kinds = checkpoints.NAMES[layers.fmt]
+    matches = {n: _EXPERT.match(n) for n in layers.files if n.startswith(layer.prefix + ".")}
+    matches = {n: m for n, m in matches.items() if m and m["kind"] in kinds}
     tensors = {}
-    for name, value in _load(layers, names).items():
-        m = _EXPERT.match(name)
-        tensors[f"experts.{m['e']}.{_PROJ.get(m['proj'], m['proj'])}.{m['kind']}"] = value
-    top_k = int(
-        _text_config(layers.config).get("num_experts_per_tok") or _text_config(layers.config).get("moe_topk") or 2
+    for name, value in _load(layers, list(matches)).items():
+        m = matches[name]
+        tensors[f"experts.{m['e']}.{checkpoints.ROLES.get(m['proj'], m['proj'])}.{m['kind']}"] = value
+    text = _text_config(layers.config)
+    top_k = int(text.get("num_experts_per_tok") or text.get("moe_topk") or 2)
+    activation = "swiglu" if layer.gated else "relu2"
+    spec = SimpleNamespace(
+        num_experts=layer.experts,
+        hidden=layer.hidden,
+        intermediate=layer.inter,
+        gated=layer.gated,
+        activation=activation,
     )
-    spec = _Experts(layer.experts, layer.hidden, layer.inter, layer.gated)
     with torch.device(device):
-        moe_layers.build_moe_layer_from_tensors(spec, tensors, top_k, fmt=layers.fmt, dtype=_dtype(layers.config))
+        build_moe_layer_from_tensors(spec, tensors, top_k, fmt=layers.fmt, dtype=_dtype(layers.config))
 
 
 def check_model(model_dir: str, device: torch.device) -> dict:
-    """Build and verify every distinct NVFP4 layer configuration of `model_dir` on `device` (install() first).
-
-    Returns what was checked: {"format", "dense": [names], "moe": [prefixes], "layers": total NVFP4 layers}.
-    Raises RefusedToServe when a configuration does not verify, CheckpointError for an unusable checkpoint
-    (ConfigError for one that is not NVFP4).
-    """
+    """Build and verify every distinct NVFP4 layer configuration of `model_dir` on `device`; return what was checked."""
     layers = discover(model_dir)
     dense, moe = layers.distinct()
     if not dense and not moe:

@@ -1,23 +1,10 @@
-"""SGLang's NVFP4 fused-MoE path: route its kernel seam to the verified backend, verify each layer.
+"""SGLang's NVFP4 fused-MoE path: route its kernel seam to the verified backend, and verify each layer.
 
-* The kernel seam (0.5.15+): ``moe_runner.flashinfer_cutlass._flashinfer_cutlass_fused_moe()`` returns
-  FlashInfer's ``cutlass_fused_moe`` (looked up at call time by every caller); the replacement returns
-  a front with its calling convention that serves NVFP4 calls with the MoE backend decided for the
-  device (bf16, fp8, MXFP4 and other calls go to FlashInfer unchanged).
-* The weights hooks (ModelOpt ``ModelOptNvFp4FusedMoEMethod``, compressed-tensors
-  ``CompressedTensorsW4A4Nvfp4MoE``): before processing, decide the MoE backend for the layer's device
-  and refuse a checkpoint whose gate and up global scales differ (SGLang applies the gate's to both:
-  silently wrong); after, verify this layer's configuration (this rank's experts and I slice, its
-  top-k, activation and dtype, its own processed weights) through the seam as SGLang calls it.
-* The runner (0.5.15+): SGLang's ``auto`` MoE runner serves NVFP4 MoE with ``flashinfer_trtllm`` on every
-  capability >= 10.0, a kernel family that does not run on SM12x (SGLang turns ``auto`` into
-  ``flashinfer_cutlass`` on SM12x only when ``--quantization`` is given on the command line). After
-  SGLang's ``initialize_moe_config``, for an NVFP4 checkpoint on a device this library serves, ``auto``
-  is pinned to ``flashinfer_cutlass``, the runner whose seam is routed and verified. Each NVFP4 MoE layer's
-  own runner is read before its weights are processed: any other runner is refused, naming it and the
-  flag that fixes it, since nothing here verifies what it serves.
-* Releases before 0.5.15 have no such seam: an NVFP4 MoE layer there cannot be verified, and is
-  refused unless SM120_FP4_SELFTEST says otherwise.
+The seam (0.5.15+) ``_flashinfer_cutlass_fused_moe()`` returns a front that serves NVFP4 calls with the
+device's MoE backend. The weights hooks decide that backend, refuse gate/up global scales that differ,
+and verify each layer through the seam as SGLang calls it. SGLang's ``auto`` runner (flashinfer_trtllm,
+which does not run on SM12x) is pinned to flashinfer_cutlass for NVFP4 checkpoints; any other runner is
+refused. Before 0.5.15 there is no seam, and NVFP4 MoE layers are refused unless SM120_FP4_SELFTEST says.
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import backends, nvfp4, serving, verify
-from ..backends import flashinfer
+from ..backends import b12x_moe, flashinfer
 from ..errors import RefusedToServe
 from ..patching import Patcher, PatchSpec
 from ..serving import LayerCheck
@@ -95,7 +82,7 @@ def make_config_hook(original: Callable, pin: Callable[[str | None], None]) -> C
 
 
 def _model_path(args: tuple) -> str | None:
-    """The checkpoint directory this process serves: 0.5.15-0.5.18 pass server_args; 0.5.19+ publish it."""
+    """Return the checkpoint directory this process serves (0.5.15-0.5.18 pass server_args; 0.5.19+ publish it)."""
     path = getattr(args[0], "model_path", None) if args else None
     if path is None:
         context = sys.modules.get(RUNTIME_CONTEXT)
@@ -128,7 +115,7 @@ def pin_auto_runner(patcher: Patcher) -> bool:
 
 
 def served_runner(method: object) -> str:
-    """The MoE runner that will serve the layer of quant method `method` (read per layer, as SGLang set it)."""
+    """Return the MoE runner that will serve the layer of quant method `method` (as SGLang set it)."""
     backend = getattr(method, "_moe_runner_backend", None)  # set by create_moe_runner (ModelOpt, 0.5.19+)
     if backend is None:
         backend = getattr(getattr(method, "runner", None), "runner_backend", None)  # the MoeRunner it built
@@ -141,7 +128,7 @@ def served_runner(method: object) -> str:
 
 
 def runner_problem(kind: str, method: object) -> str | None:
-    """Why this NVFP4 MoE layer cannot be verified: a runner other than the verified one serves it."""
+    """Return why this NVFP4 MoE layer cannot be verified (another runner serves it), or None."""
     runner = served_runner(method)
     if runner == VERIFIED_RUNNER:
         return None
@@ -153,8 +140,7 @@ def runner_problem(kind: str, method: object) -> str | None:
 
 
 def make_seam(original: Callable, make_front: Callable[[Callable, type], Callable], simulated: bool) -> Callable:
-    """Replace ``_flashinfer_cutlass_fused_moe()``: (a front over cutlass_fused_moe, ActivationType);
-    `make_front(cutlass_fused_moe, ActivationType)` builds the front (dispatch.Router.make_moe_front)."""
+    """Wrap ``_flashinfer_cutlass_fused_moe()`` to return (make_front(kernel, ActivationType), ActivationType)."""
     fronts: dict[int, tuple] = {}
 
     @functools.wraps(original)
@@ -175,7 +161,7 @@ def make_seam(original: Callable, make_front: Callable[[Callable, type], Callabl
 
 
 def _seam() -> tuple[Callable, type] | None:
-    """The patched seam's (front, ActivationType), or None where this release has none (or it is not ours)."""
+    """Return the patched seam's (front, ActivationType), or None where there is none of ours."""
     module = sys.modules.get(MOE_RUNNER_FC)
     seam = getattr(module, "_flashinfer_cutlass_fused_moe", None)
     if seam is None or getattr(seam, "__sm120_fp4_patch__", None) is None:
@@ -184,8 +170,7 @@ def _seam() -> tuple[Callable, type] | None:
 
 
 def gate_up_problem(layer: object) -> str | None:
-    """Why this ModelOpt checkpoint would serve wrong numbers: gate and up global scales that differ
-    (SGLang's cutlass path applies the gate's scale to the up rows too), or None."""
+    """Return why gate and up global scales that differ would serve wrong numbers (the gate's serves both), or None."""
     scale_2 = getattr(layer, "w13_weight_scale_2", None)
     if not isinstance(scale_2, torch.Tensor) or scale_2.dim() != 2 or scale_2.shape[1] != 2:
         return None
@@ -202,7 +187,7 @@ def gate_up_problem(layer: object) -> str | None:
 
 
 class ProcessedMoe(NamedTuple):
-    """One NVFP4 MoE layer as SGLang passes it to the kernel: its eight tensors and their sizes."""
+    """Hold one NVFP4 MoE layer as SGLang passes it to the kernel: its eight tensors and their sizes."""
 
     weights: nvfp4.MoeWeights
     activation: str  # "swiglu" or "relu2"
@@ -212,14 +197,11 @@ class ProcessedMoe(NamedTuple):
 
 
 def processed_weights(layer: object) -> ProcessedMoe | None:
-    """The tensors SGLang passes to the kernel (None: not the cutlass layout)."""
+    """Return the tensors SGLang passes to the kernel (None: not the cutlass layout)."""
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
-    if (
-        not isinstance(w13, torch.Tensor)
-        or not isinstance(w2, torch.Tensor)
-        or w13.dtype != torch.uint8
-        or w13.dim() != 3
-    ):
+    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dtype == torch.uint8):
+        return None
+    if w13.dim() != 3:
         return None
     # ModelOpt keeps the swizzled scales in *_blockscale_swizzled; compressed-tensors under *_weight_scale.
     w13_sf = getattr(layer, "w13_blockscale_swizzled", None)
@@ -244,15 +226,147 @@ def processed_weights(layer: object) -> ProcessedMoe | None:
     return ProcessedMoe(weights, activation, experts, hidden, inter)
 
 
-def _served_call(
-    layer: object, processed: ProcessedMoe, x: torch.Tensor, ids: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """The kernel call exactly as SGLang's _run_flashinfer_cutlass makes it, through the (patched)
-    seam: `ids` as SGLang's router and dispatcher leave them (global expert ids, -1 for a dropped
-    slot; flashinfer_cutlass keeps global ids under expert parallelism)."""
-    front, activation_type = _seam()
-    ep_size, ep_rank = getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_ep_rank", 0)
+def _ranks(layer: object) -> tuple[int, int, int, int]:
+    """Return the layer's (moe_ep_size, moe_ep_rank, moe_tp_size, moe_tp_rank)."""
+    names = ("moe_ep_size", "moe_ep_rank", "moe_tp_size", "moe_tp_rank")
+    return tuple(getattr(layer, name, default) for name, default in zip(names, (1, 0, 1, 0)))
+
+
+def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
+    """Return max(VERIFIED_EXPERTS, `at_least`) of this rank's experts spread from first to last (or all)."""
+    count = min(experts, max(VERIFIED_EXPERTS, at_least))
+    if count >= experts:
+        return list(range(experts))
+    step = (experts - 1) / (count - 1)
+    return sorted({round(i * step) for i in range(count)})
+
+
+def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
+    """Return verify.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
+    ids, weights = verify.moe_routing(tokens, top_k, pool.numel(), routing, gen)
+    return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(
+        torch.int32
+    ), weights
+
+
+class _Plan(NamedTuple):
+    """Hold which experts one MoE layer's check routes to, and in which dtypes."""
+
+    top_k: int
+    subset: list[int]  # this rank's experts every batch routes among (the oracle keeps them dequantized)
+    pool: torch.Tensor  # their global ids, plus a few other ranks' experts (which must add nothing)
+    everyone: torch.Tensor  # every expert of every rank
+    first: int  # this rank's first global expert id
+    dtypes: tuple
+
+
+def _plan(kind: str, layer: object, processed: ProcessedMoe) -> _Plan:
+    experts = processed.experts
+    ep_size, ep_rank, _, _ = _ranks(layer)
+    first, total = ep_rank * experts, experts * ep_size
+    top_k = int(getattr(layer, "top_k", 2) or 2)
+    if top_k > total:
+        _LOG.warning(
+            "sm120_fp4: %s: top_k=%d is more than its %d experts; verified with top_k=%d", kind, top_k, total, total
+        )
+        top_k = total
+    subset = _expert_subset(experts, top_k)
+    foreign = [
+        e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total
+    ]
+    pool = torch.tensor(sorted(set(first + e for e in subset) | set(foreign)))
+    return _Plan(top_k, subset, pool, torch.arange(total), first, activation_dtypes(layer))
+
+
+def _label_and_key(kind: str, layer: object, processed: ProcessedMoe, plan: _Plan) -> tuple[str, tuple]:
+    """Return the report label and the configuration key of one MoE layer's check."""
     w = processed.weights
+    ep_size, ep_rank, tp_size, tp_rank = _ranks(layer)
+    ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
+    tp = f" TP rank {tp_rank}/{tp_size}" if tp_size > 1 else ""
+    dtypes = "/".join(str(d).removeprefix("torch.") for d in plan.dtypes)
+    label = (
+        f"{kind} E={processed.experts} H={processed.hidden} I={processed.inter} top_k={plan.top_k} "
+        f"{processed.activation} {dtypes}{ep}{tp}"
+    )
+    key = ("moe", kind, tuple(w.w13.shape), tuple(w.w2.shape), plan.top_k, plan.dtypes, w.a1_gscale.numel())
+    return label, (*key, ep_size, tp_size)
+
+
+def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, ms: list[int]) -> list[verify.Case]:
+    """Return the check's served calls at batch sizes `ms` (the full sweep adds skewed, padded, balanced)."""
+    weights, top_k, hidden = processed.weights, plan.top_k, processed.hidden
+    device = weights.w13.device
+    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
+    cover = max(8, 2 * plan.everyone.numel())  # tokens that let every expert (of every rank) lead two
+    gen = torch.Generator().manual_seed(2024)
+    plans = []
+    batches = [(m, "random", plan.pool) for m in ms]
+    if len(ms) > 1:  # the full sweep (a light check is one decode batch)
+        batches += [(160, "skewed", plan.pool), (max(16, top_k), "padded", plan.pool)]
+        batches.append((cover, "balanced", plan.everyone))
+    for dtype in plan.dtypes:
+        for m, routing, among in batches:
+            ids, topk_weights = _routed(m, min(top_k, among.numel()), among, routing, gen)
+            x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)  # made where used
+            every = " (every expert)" if among is plan.everyone else ""
+            name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
+            plans.append((name, x, ids.to(device), topk_weights.to(device)))
+    call = serve or functools.partial(_served_convention, layer, processed)
+    # What the serving backend computes (humming: W4A16), and the checkpoint's bytes for the oracle
+    # where it converted the served storage in place.
+    mode = backends.mode_of("moe", serving.routes("moe").get(layer_device_index(layer), backends.EMULATED))
+    return verify.moe_cases(
+        call,
+        weights,
+        processed.activation,
+        plans,
+        cache=verify.ExpertCache(plan.subset),  # every-expert batches dequantize the others per call
+        first_expert=plan.first,
+        served_ids=serve is None,
+        mode=mode,
+        reference_weights=weights.map(backends.original),
+        repeat_tokens=verify.REPEAT_MAX_TOKENS,
+        poison_expert0=len(ms) > 1,
+    )
+
+
+def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
+    """Return the LayerCheck of one NVFP4 MoE layer (None: not the cutlass layout); `serve` defaults to the seam."""
+    processed = processed_weights(layer)
+    if processed is None:
+        _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
+        return None
+    plan = _plan(kind, layer, processed)
+    label, key = _label_and_key(kind, layer, processed, plan)
+    max_batch = max_capture_batch()
+
+    def current() -> tuple:
+        now = processed_weights(layer)
+        return tuple(now.weights) if now is not None else ()
+
+    return LayerCheck(
+        layer_device_index(layer),
+        key,
+        label,
+        "moe",
+        functools.partial(_cases, layer, processed, serve, plan),
+        batch_sizes(max_batch),
+        recheck_sizes(max_batch),
+        layer=layer_name(layer),
+        light_ms=[LIGHT_BATCH],
+        weights=current,
+        rebuild=lambda owner: moe_check(kind, owner, serve),
+        owner=layer,
+        tensors={**processed.weights._asdict(), "dtype": plan.dtypes[0], "top_k": plan.top_k},
+    )
+
+
+def _served_convention(layer, processed: ProcessedMoe, x, ids, topk_weights, *rest):
+    """Serve a backend-convention call (its weights) through the seam as SGLang's _run_flashinfer_cutlass does."""
+    front, activation_type = _seam()
+    ep_size, ep_rank, tp_size, tp_rank = _ranks(layer)
+    w, out = nvfp4.MoeWeights(*rest[:8]), rest[-1]  # `ids` global, -1 for a dropped slot
     scales = [
         w.a1_gscale.reshape(()) if w.a1_gscale.numel() == 1 else w.a1_gscale,
         w.w13_sf.view(torch.int32),
@@ -262,7 +376,7 @@ def _served_call(
         w.w2_alpha,
     ]
     swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
-    return front(
+    served = front(
         output=torch.empty(x.shape, dtype=x.dtype, device=x.device),
         input=x,
         token_selected_experts=ids.to(torch.int32),
@@ -277,155 +391,19 @@ def _served_call(
         swiglu_limit=swiglu[2],
         ep_size=ep_size,
         ep_rank=ep_rank,
-        tp_size=getattr(layer, "moe_tp_size", 1),
-        tp_rank=getattr(layer, "moe_tp_rank", 0),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
         tune_max_num_tokens=8192,
         activation_type=getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation]),
         enable_alltoall=False,
         use_fused_finalize=False,
-    )[0]
-
-
-def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
-    """max(VERIFIED_EXPERTS, `at_least`) of this rank's experts (all when there are no more),
-    first and last included, spread between."""
-    count = min(experts, max(VERIFIED_EXPERTS, at_least))
-    if count >= experts:
-        return list(range(experts))
-    step = (experts - 1) / (count - 1)
-    return sorted({round(i * step) for i in range(count)})
-
-
-def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
-    """verify.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
-    ids, weights = verify.moe_routing(tokens, top_k, pool.numel(), routing, gen)
-    return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(
-        torch.int32
-    ), weights
-
-
-def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
-    """The LayerCheck of one NVFP4 MoE layer on this rank, or None where it is not in the cutlass layout.
-
-    `serve` (backend convention) makes the calls; by default SGLang's own call through the seam.
-    The layer's own top-k (any k); ids as SGLang serves them: global expert ids under expert
-    parallelism (a few other ranks' experts in every batch, which must add nothing) and SGLang's -1
-    drop sentinel in one batch. Every batch size routes among max(8, top-k) of this rank's experts
-    (the oracle keeps those dequantized), one batch puts >= 128 rows on one expert, and one routes
-    to every expert of the rank, each leading two tokens (most of their output: verify.moe_routing,
-    "balanced"), so each of them is exercised with its own weights where a wrong result shows.
-    """
-    processed = processed_weights(layer)
-    if processed is None:
-        _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
-        return None
-    weights, hidden, inter, experts = processed.weights, processed.hidden, processed.inter, processed.experts
-    ep_size, ep_rank = getattr(layer, "moe_ep_size", 1), getattr(layer, "moe_ep_rank", 0)
-    first, total = ep_rank * experts, experts * ep_size
-    top_k = int(getattr(layer, "top_k", 2) or 2)
-    if top_k > total:
-        _LOG.warning(
-            "sm120_fp4: %s: top_k=%d is more than its %d experts; verified with top_k=%d", kind, top_k, total, total
-        )
-        top_k = total
-    subset = _expert_subset(experts, top_k)
-    foreign = [
-        e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total
-    ]
-    pool = torch.tensor(sorted(set(first + e for e in subset) | set(foreign)))
-    everyone = torch.arange(total)
-    dtypes = activation_dtypes(layer)
-    max_batch = max_capture_batch()
-    ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
-    tp = (
-        f" TP rank {getattr(layer, 'moe_tp_rank', 0)}/{getattr(layer, 'moe_tp_size', 1)}"
-        if getattr(layer, "moe_tp_size", 1) > 1
-        else ""
     )
-    label = (
-        f"{kind} E={experts} H={hidden} I={inter} top_k={top_k} {processed.activation} "
-        f"{'/'.join(str(d).removeprefix('torch.') for d in dtypes)}{ep}{tp}"
-    )
-    key = (
-        "moe",
-        kind,
-        tuple(weights.w13.shape),
-        tuple(weights.w2.shape),
-        top_k,
-        dtypes,
-        weights.a1_gscale.numel(),
-        ep_size,
-        getattr(layer, "moe_tp_size", 1),
-    )
-    device = weights.w13.device
-    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
-    cover = max(8, 2 * total)  # tokens that let every expert (of every rank) lead two tokens ("balanced")
-
-    def cases(ms: list[int]) -> list[verify.Case]:
-        gen = torch.Generator().manual_seed(2024)
-        plans = []
-        batches = [(m, "random", pool) for m in ms]
-        if len(ms) > 1:  # the full sweep (a light check is one decode batch)
-            batches += [(160, "skewed", pool), (max(16, top_k), "padded", pool), (cover, "balanced", everyone)]
-        for dtype in dtypes:
-            for m, routing, among in batches:
-                ids, topk_weights = _routed(m, min(top_k, among.numel()), among, routing, gen)
-                x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)  # made where used
-                name = f"T={m} {routing}{' (every expert)' if among is everyone else ''} {str(dtype).removeprefix('torch.')}"
-                plans.append((name, x, ids.to(device), topk_weights.to(device)))
-        call = serve or functools.partial(_served_convention, layer, processed)
-        # What the serving backend computes (humming: W4A16), and the checkpoint's bytes for the oracle
-        # where it converted the served storage in place.
-        index = layer_device_index(layer)
-        mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
-        originals = weights.map(backends.original)
-        cache = verify.ExpertCache(subset)  # every-expert batches dequantize the others per call
-        return verify.moe_cases(
-            call,
-            weights,
-            processed.activation,
-            plans,
-            cache=cache,
-            first_expert=first,
-            served_ids=serve is None,
-            mode=mode,
-            reference_weights=originals,
-            repeat_tokens=verify.REPEAT_MAX_TOKENS,
-            poison_expert0=len(ms) > 1,
-        )
-
-    def current() -> tuple:
-        now = processed_weights(layer)
-        return tuple(now.weights) if now is not None else ()
-
-    return LayerCheck(
-        layer_device_index(layer),
-        key,
-        label,
-        "moe",
-        cases,
-        batch_sizes(max_batch),
-        recheck_sizes(max_batch),
-        layer=layer_name(layer),
-        light_ms=[LIGHT_BATCH],
-        weights=current,
-        rebuild=lambda owner: moe_check(kind, owner, serve),
-        owner=layer,
-        tensors={**weights._asdict(), "dtype": dtypes[0], "top_k": top_k},
-    )
-
-
-def _served_convention(layer, processed, x, ids, topk_weights, *rest):
-    """verify.moe_cases calls in the backend convention's order; serve through the seam (with the
-    weights the case passes: the layer's, or a probe's variant of them), write `out`."""
-    out = rest[-1]
-    processed = processed._replace(weights=nvfp4.MoeWeights(*rest[:8]))
-    out.copy_(_served_call(layer, processed, x, ids, topk_weights))
+    out.copy_(served[0])
     return out
 
 
 def refuse_unverifiable(kind: str, settings) -> None:
-    """An NVFP4 MoE layer on a release without the seam: refuse (strict), warn (warn), or nothing (off)."""
+    """Refuse (strict), warn about (warn) or allow (off) an NVFP4 MoE layer on a release without the seam."""
     message = (
         f"sm120_fp4: an NVFP4 MoE layer ({kind}) is being loaded on SGLang {sglang_version()}, where sm120_fp4 "
         f"cannot route or verify the fused-MoE kernel (its seam exists in SGLang {SEAM_VERSIONS}); "
@@ -438,9 +416,7 @@ def refuse_unverifiable(kind: str, settings) -> None:
 
 
 def b12x_problem() -> str | None:
-    """Why FlashInfer's b12x MoE cannot serve this SGLang process (its server arguments), or None:
-    its persistent kernels' grid barrier under pdmux, its atomic (not bitwise reproducible) top-k sums
-    under deterministic inference, no NVFP4 expert parallelism."""
+    """Return why FlashInfer's b12x MoE cannot serve this SGLang process's server arguments, or None."""
     from .hooks import server_setting
 
     if server_setting("enable_pdmux"):
@@ -453,10 +429,4 @@ def b12x_problem() -> str | None:
     return None
 
 
-def _register_b12x_check() -> None:
-    from ..backends import b12x_moe
-
-    b12x_moe.engine_check(b12x_problem)
-
-
-_register_b12x_check()
+b12x_moe.engine_check(b12x_problem)
