@@ -1,6 +1,7 @@
 """What a checkpoint directory says: ModelOpt or compressed-tensors, NVFP4 or not, its tensors checked once."""
 
 from .checks import ROLES, Checkpoint, inspect, scale_problem
+from .layers import DEFAULT_PACKED, EXPERT, ModelLayers, discover, dtype, load
 from .quantization import COMPRESSED_TENSORS, MODELOPT, NAMES, Quantization, read_quantization, text_config
 
 __all__ = [
@@ -14,4 +15,10 @@ __all__ = [
     "ROLES",
     "scale_problem",
     "text_config",
+    "DEFAULT_PACKED",
+    "EXPERT",
+    "ModelLayers",
+    "discover",
+    "dtype",
+    "load",
 ]

@@ -1,5 +1,5 @@
 """``sm120-fp4 selftest --model DIR --engine vllm``: a checkpoint's own NVFP4 layers, found as for SGLang
-(``sglang.model_check.discover``), the first of each configuration built as vLLM's loader builds it (its layer
+(``checkpoints.discover``), the first of each configuration built as vLLM's loader builds it (its layer
 classes, the checkpoint's quantization config, each tensor through vLLM's ``weight_loader``), then
 ``process_weights_after_loading``, whose patched hooks decide the device's backend and verify the layer.
 """
@@ -13,7 +13,6 @@ import torch
 
 from .. import checkpoints
 from ..errors import ConfigError
-from ..sglang.model_check import _EXPERT, _dtype, _load, _text_config, discover  # the engine-neutral reading
 
 __all__ = ["check_model"]
 
@@ -67,10 +66,10 @@ def _build_dense(layers, layer, quant_config, device: torch.device) -> None:
             bias=False,
             quant_config=quant_config,
             prefix=layer.name,
-            params_dtype=_dtype(layers.config),
+            params_dtype=checkpoints.dtype(layers.config),
         )
     names = checkpoints.NAMES[layers.fmt]
-    tensors = _load(layers, [f"{s}.{k}" for s in layer.shards for k in names if f"{s}.{k}" in layers.files])
+    tensors = checkpoints.load(layers, [f"{s}.{k}" for s in layer.shards for k in names if f"{s}.{k}" in layers.files])
     with torch.no_grad():
         for index, shard in enumerate(layer.shards):
             for kind in names:
@@ -83,14 +82,14 @@ def _build_moe(layers, layer, quant_config, device: torch.device) -> None:
     """vLLM's fused-MoE layer for `layer`, every expert tensor placed by vLLM's own loader, weights processed."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
-    text = _text_config(layers.config)
+    text = checkpoints.text_config(layers.config)
     with torch.device(device):
         runner = FusedMoEFactory(
             num_experts=layer.experts,
             top_k=int(text.get("num_experts_per_tok") or text.get("moe_topk") or 2),
             hidden_size=layer.hidden,
             intermediate_size=layer.inter,
-            params_dtype=_dtype(layers.config),
+            params_dtype=checkpoints.dtype(layers.config),
             prefix=layer.prefix,
             quant_config=quant_config,
             activation="silu" if layer.gated else "relu2_no_mul",
@@ -98,11 +97,13 @@ def _build_moe(layers, layer, quant_config, device: torch.device) -> None:
     [module] = [m for m in runner.modules() if hasattr(m, "weight_loader") and hasattr(m, "w2_weight_scale")]
     kinds = checkpoints.NAMES[layers.fmt]
     names = [
-        n for n in layers.files if n.startswith(layer.prefix + ".") and (m := _EXPERT.match(n)) and m["kind"] in kinds
+        n
+        for n in layers.files
+        if n.startswith(layer.prefix + ".") and (m := checkpoints.EXPERT.match(n)) and m["kind"] in kinds
     ]
     with torch.no_grad():
-        for name, value in _load(layers, names).items():
-            m = _EXPERT.match(name)
+        for name, value in checkpoints.load(layers, names).items():
+            m = checkpoints.EXPERT.match(name)
             proj = checkpoints.ROLES.get(m["proj"], m["proj"])
             target = "w2" if proj == "down_proj" else "w13"
             param = getattr(module, f"{target}_{m['kind']}")
@@ -113,7 +114,7 @@ def _build_moe(layers, layer, quant_config, device: torch.device) -> None:
 def check_model(model_dir: str, device: torch.device) -> dict:
     """Build and verify every distinct NVFP4 layer configuration of `model_dir` through vLLM's layers on
     `device` (install() first); the same result and errors as the SGLang check."""
-    layers = discover(model_dir)
+    layers = checkpoints.discover(model_dir)  # the common fusion (qkv, gate_up), as vLLM's loader fuses them
     dense, moe = layers.distinct()
     if not dense and not moe:
         raise ConfigError(f"model_dir={model_dir!r}: no NVFP4 linear or MoE layer found in its safetensors files")

@@ -1,0 +1,120 @@
+"""A checkpoint's NVFP4 layers as an engine serves them: dense shards fused, MoE experts grouped, tensors loaded."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .checks import inspect
+from .quantization import text_config
+
+__all__ = ["DEFAULT_PACKED", "EXPERT", "DenseLayer", "MoeLayer", "ModelLayers", "discover", "load", "dtype"]
+
+DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$"
+)
+
+
+@dataclass
+class DenseLayer:
+    name: str  # the fused module's name, e.g. model.layers.0.self_attn.qkv_proj
+    shards: list[str]  # the checkpoint modules, in SGLang's shard order
+    sizes: list[int]  # each shard's N
+    k: int
+
+    @property
+    def key(self) -> tuple:
+        return (tuple(self.sizes), self.k)
+
+
+@dataclass
+class MoeLayer:
+    prefix: str  # e.g. model.layers.3.mlp.experts
+    experts: int
+    hidden: int
+    inter: int
+    gated: bool
+
+    @property
+    def key(self) -> tuple:
+        return (self.experts, self.hidden, self.inter, self.gated)
+
+
+@dataclass
+class ModelLayers:
+    """Hold what `discover` found: the format, the config, every NVFP4 layer, and where each tensor is."""
+
+    fmt: str
+    config: dict
+    dense: list[DenseLayer] = field(default_factory=list)
+    moe: list[MoeLayer] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # tensor name -> safetensors file
+    shapes: dict[str, tuple] = field(default_factory=dict)
+
+    def distinct(self) -> tuple[list[DenseLayer], list[MoeLayer]]:
+        """Return the first layer of every distinct configuration (what a server verifies in full)."""
+        dense, moe = {}, {}
+        for layer in self.dense:
+            dense.setdefault(layer.key, layer)
+        for layer in self.moe:
+            moe.setdefault(layer.key, layer)
+        return list(dense.values()), list(moe.values())
+
+
+def discover(model_dir: str, values: bool = False, packed: Callable[[dict], dict] | None = None) -> ModelLayers:
+    """Return every NVFP4 linear and MoE layer of `model_dir`, shards fused as `packed(config)` says."""
+    checkpoint = inspect(model_dir, values=values)
+    found = ModelLayers(
+        checkpoint.format,
+        checkpoint.config,
+        files={k: v.file for k, v in checkpoint.tensors.items()},
+        shapes={k: v.shape for k, v in checkpoint.tensors.items()},
+    )
+    linear = checkpoint.linear()
+    packed = packed(checkpoint.config) if packed else dict(DEFAULT_PACKED)
+    done: set[str] = set()
+    for module in sorted(linear):
+        if module in done:
+            continue
+        parent, _, leaf = module.rpartition(".")
+        for fused, parts in packed.items():
+            names = [f"{parent}.{p}" for p in parts]
+            if leaf in parts and all(n in linear for n in names) and len({linear[n][1] for n in names}) == 1:
+                found.dense.append(
+                    DenseLayer(f"{parent}.{fused}", names, [linear[n][0] for n in names], linear[module][1])
+                )
+                done.update(names)
+                break
+        else:
+            found.dense.append(DenseLayer(module, [module], [linear[module][0]], linear[module][1]))
+            done.add(module)
+    for prefix, roles in sorted(checkpoint.experts.items()):
+        down = roles["down_proj"]
+        hidden, inter = checkpoint.modules[down[min(down)]]
+        found.moe.append(MoeLayer(prefix, len(down), hidden, inter, "gate_proj" in roles))
+    return found
+
+
+def load(layers: ModelLayers, names: list[str]) -> dict[str, torch.Tensor]:
+    """Return the named tensors, each read from its safetensors file."""
+    from safetensors import safe_open
+
+    out, by_file = {}, {}
+    for name in names:
+        by_file.setdefault(layers.files[name], []).append(name)
+    for path, keys in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for key in keys:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def dtype(config: dict) -> torch.dtype:
+    """Return the activation dtype the checkpoint's config names (float16, else bfloat16)."""
+    text = text_config(config)
+    name = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return torch.float16 if name in ("float16", "half") else torch.bfloat16
