@@ -1,14 +1,6 @@
-"""Everything this library knows about SGLang, in one package.
+"""Everything this library knows about SGLang, in one package (ARCHITECTURE.md maps its modules).
 
-* :mod:`.names`: SGLang's top-level import name (stdlib-only: the start-up hook reads it);
-* :mod:`.release`: the installed release, the supported range, whether it already carries the fix;
-* :mod:`.targets`: what to patch in which release (the ledger), the runner-enum pin, env knobs;
-* :mod:`.wiring`: :func:`attach`, which wires one install into SGLang;
-* :mod:`.simulation`: the stand-ins that let SGLang's real FP4 path run without an SM120 GPU;
-* :mod:`.layers`, :mod:`.moe_layers`, :mod:`.model_check`: real layers for the demo and ``selftest --model``.
-
-Importing this package imports nothing else (the start-up hook imports :mod:`.names` in every
-interpreter with the toggle on); its functions load their module when first asked for.
+Importing it imports nothing else (the start-up hook reads :mod:`.names`); its functions load their module lazily.
 """
 
 from __future__ import annotations

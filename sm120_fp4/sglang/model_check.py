@@ -217,7 +217,7 @@ def _check_shard_scales(layers: ModelLayers) -> None:
     shards and their values where one global scale would serve some shard's rows wrong: CheckpointError
     naming the layer, its shards and their values (the checkpoint's fault, whatever kernel would run)."""
     from ..errors import CheckpointError
-    from .hooks import shard_scales_problem
+    from .scales import shard_scales_problem
 
     kind = "ModelOptFp4LinearMethod" if layers.fmt == checkpoints.MODELOPT else "CompressedTensorsW4A4Fp4"
     _, global_name, input_name = _SCALES[layers.fmt]
