@@ -84,18 +84,10 @@ class _Install:
             return
         self.refuse(f"the NVFP4 MoE layer ({kind})", runner_problem(kind, method) or gate_up_problem(layer))
 
-    def make_dispatch(self, original):
-        return self.router.make_dispatch(original, self.unknown_backend)
-
     def unknown_backend(self, index: int, name: str, value: object) -> None:
-        if name == "backend":
-            problem = unknown_backend_problem(index, value)
-        else:
-            problem = unverified_argument_problem(index, name, value)
+        backend = name == "backend"
+        problem = unknown_backend_problem(index, value) if backend else unverified_argument_problem(index, name, value)
         self.refuse(f"an FP4 GEMM on device {index}", problem)
-
-    def make_decline(self, original):
-        return self.router.make_decline(original, self.declined)
 
     def declined(self, index: int) -> None:
         if index not in self.declined_on:  # once per device: this runs at every FP4 GEMM call
@@ -129,9 +121,6 @@ class _Install:
         if quant is not None and quant.nvfp4:
             pin_auto_runner(self.patcher)
 
-    def moe_seam(self, original):
-        return make_seam(original, self.router.make_moe_front, self.sim is not None)
-
     def recheck(self, captured: list[int]) -> object:
         done = recheck_all(self.settings, captured)
         if self.idle is not None:  # the serving canary: its idle hook must be in place, or nothing would run it
@@ -161,17 +150,17 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         )
     specs = target_specs(
         Wiring(
-            wired.make_dispatch,
+            lambda original: router.make_dispatch(original, wired.unknown_backend),
             wired.before_dense,
             wired.weights_scope,
             wired.verify,
             wired.recheck,
-            wired.moe_seam,
+            lambda original: make_seam(original, router.make_moe_front, sim is not None),
             wired.before_moe,
             wired.pin_moe_runner,
             weights_update_begin,
             lambda: weights_update_end(settings),
-            make_decline=wired.make_decline,
+            make_decline=lambda original: router.make_decline(original, wired.declined),
             tuned_families=wired.tuned_families,
         )
     )
