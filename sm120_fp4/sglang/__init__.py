@@ -7,19 +7,6 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__all__ = [
-    "NAME",
-    "engine_version",
-    "attach",
-    "idle_point_problem",
-    "release_support",
-    "carried_fix",
-    "sglang_version",
-    "unverified_release",
-    "OPT_OUT",
-    "OPT_OUT_SAYS",
-]
-
 NAME = "sglang"
 _LAZY = {
     "engine_version": "release",
@@ -32,9 +19,11 @@ _LAZY = {
     "OPT_OUT": "release",
     "OPT_OUT_SAYS": "release",
 }
+__all__ = ["NAME", *_LAZY]
 
 
 def __getattr__(name: str) -> object:
+    """Return `name` from the module that holds it, loaded on first use."""
     if name in _LAZY:
         return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,12 +10,11 @@ from typing import Callable
 
 import torch
 
+from .. import serving
 from ..checkpoints import read_quantization
 from ..deciding import serves
 from ..devices import get_device
 from ..errors import ConfigError, RefusedToServe, say_once
-from ..serving import recheck as recheck_all
-from ..serving import route, routes, verify_layer, weights_update_begin, weights_update_end
 from ..versions import version_in
 from .autotune import tunable_backends
 from .hooks import layer_device_index, layer_name
@@ -70,13 +69,13 @@ class _Install:
 
     def check_scales(self, kind: str, method, layer, family: str = "dense") -> None:
         """Refuse a layer whose quant mode or checkpoint scales cannot serve, before any kernel is blamed."""
-        if self.settings.selftest == "off" or route(layer_device_index(layer), self.settings, family) is None:
+        if self.settings.selftest == "off" or serving.route(layer_device_index(layer), self.settings, family) is None:
             return
         problem = quant_mode_problem(kind, method) or checkpoint_scale_problem(kind, method, layer)
         self.refuse(_layer_what(kind, layer, "MoE " if family == "moe" else ""), problem)
 
     def before_moe(self, kind: str, method, layer) -> None:
-        if route(layer_device_index(layer), self.settings, "moe") is None:
+        if serving.route(layer_device_index(layer), self.settings, "moe") is None:
             return  # a device this library does not serve
         self.check_scales(kind, method, layer, "moe")
         if not version_in(sglang_version(), SEAM_VERSIONS):
@@ -101,7 +100,7 @@ class _Install:
 
     def verify(self, check) -> None:
         if check is not None:
-            verify_layer(check.device_index, check, self.settings)
+            serving.verify_layer(check.device_index, check, self.settings)
 
     def weights_scope(self):
         return cuda_moves_stay_on_cpu(self.sim is not None)
@@ -122,7 +121,7 @@ class _Install:
             pin_auto_runner(self.patcher)
 
     def recheck(self, captured: list[int]) -> object:
-        done = recheck_all(self.settings, captured)
+        done = serving.recheck(self.settings, captured)
         if self.idle is not None:  # the serving canary: its idle hook must be in place, or nothing would run it
             _require_idle_hook(self.patcher, self.idle, self.settings)
             self.canary.on_warmup(captured)
@@ -130,7 +129,7 @@ class _Install:
 
     def tuned_families(self) -> list[str]:
         """Return the NVFP4 families served on this process's device with a backend FlashInfer's autotuner tunes."""
-        return tunable_backends({f: routes(f) for f in ("dense", "moe")}, _current_index(self.settings))
+        return tunable_backends({f: serving.routes(f) for f in ("dense", "moe")}, _current_index(self.settings))
 
 
 def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
@@ -158,8 +157,8 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
             lambda original: make_seam(original, router.make_moe_front, sim is not None),
             wired.before_moe,
             wired.pin_moe_runner,
-            weights_update_begin,
-            lambda: weights_update_end(settings),
+            serving.weights_update_begin,
+            lambda: serving.weights_update_end(settings),
             make_decline=lambda original: router.make_decline(original, wired.declined),
             tuned_families=wired.tuned_families,
         )
