@@ -34,12 +34,7 @@ def layer_device_index(layer: object) -> int:
     return -1
 
 
-def make_weights_hook(
-    original: Callable,
-    before: Callable[[object, object], object],
-    scope: Callable,
-    after: Callable[[object, object], None],
-) -> Callable:
+def make_weights_hook(original: Callable, before: Callable, scope: Callable, after: Callable) -> Callable:
     """Wrap process_weights_after_loading: `before`, SGLang's processing inside `scope()`, then `after`."""
 
     @functools.wraps(original)
@@ -81,9 +76,7 @@ def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -
     return init_cuda_graphs
 
 
-def make_update_hook(
-    original: Callable, begin: Callable[[], object] | None, end: Callable[[], object] | None
-) -> Callable:
+def make_update_hook(original: Callable, begin: Callable | None, end: Callable | None) -> Callable:
     """Wrap a weight-update call: `begin()` before it, `end()` after it whatever it did (either may be None)."""
 
     @functools.wraps(original)

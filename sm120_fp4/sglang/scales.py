@@ -80,9 +80,7 @@ SHARD_SCALES = {
 }
 
 
-def shard_scales_problem(
-    kind: str, shards: list[str], weight_scales: list[float], input_scales: list[float]
-) -> str | None:
+def shard_scales_problem(kind: str, shards: list[str], weight_scales: list, input_scales: list) -> str | None:
     """Return why a fused layer of format `kind` would serve wrong numbers from its shards' global scales, or None."""
     # SGLang serves a fused layer with ONE weight global scale, the largest of its shards': another shard's rows
     # come out scaled (the layer check cannot see it: its oracle reads the same alpha). Different activation

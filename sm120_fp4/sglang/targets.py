@@ -174,6 +174,7 @@ def _target(makes: str, name: str, module: str, attribute: str, versions: str) -
 
 _PWAL = "process_weights_after_loading"
 _MIXIN = "SchedulerRuntimeCheckerMixin"
+_GATE = "should_run_flashinfer_autotune"
 # SGLang's weight-update calls: ModelRunner's up to 0.5.15, its WeightUpdater component's from 0.5.16.
 _UPDATES = (
     (MODEL_RUNNER, "ModelRunner", "update_weights_from_disk", ">=0.5.3,<0.5.16"),
@@ -192,15 +193,9 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
     _target("dispatch", "flashinfer-fp4-gemm-alias", MQ, "flashinfer_fp4_gemm", ">=0.5.8"),
     _target("dispatch", "fp4-gemm-alias-legacy", MQ, "fp4_gemm", ">=0.5.3,<0.5.8"),
     _target("decline", "kda-nvfp4-gemm-fast-path-declined", KERNEL_OPS_GEMM, "try_qwen3x_nvfp4_gemm", ">=0.5.20"),
-    _target("autotune-gate", "flashinfer-autotune-gate", AUTOTUNE, "should_run_flashinfer_autotune", ">=0.5.15"),
+    _target("autotune-gate", "flashinfer-autotune-gate", AUTOTUNE, _GATE, ">=0.5.15"),
     # base_runner imports the gate by name (BaseRunner._warmup calls it); the speculative draft, through the module.
-    _target(
-        "autotune-gate",
-        "flashinfer-autotune-gate-base-runner",
-        BASE_RUNNER,
-        "should_run_flashinfer_autotune",
-        ">=0.5.15",
-    ),
+    _target("autotune-gate", "flashinfer-autotune-gate-base-runner", BASE_RUNNER, _GATE, ">=0.5.15"),
     _target("modelopt-weights", "modelopt-fp4-weights-hook", MQ, f"ModelOptFp4LinearMethod.{_PWAL}", ">=0.5.3"),
     _target(
         "compressed-tensors-weights",
