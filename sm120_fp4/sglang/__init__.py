@@ -1,32 +1,11 @@
-"""Everything this library knows about SGLang, in one package.
+"""Everything this library knows about SGLang, in one package (ARCHITECTURE.md maps its modules).
 
-* :mod:`.names`: SGLang's top-level import name (stdlib-only: the start-up hook reads it);
-* :mod:`.release`: the installed release, the supported range, whether it already carries the fix;
-* :mod:`.targets`: what to patch in which release (the ledger), the runner-enum pin, env knobs;
-* :mod:`.wiring`: :func:`attach`, which wires one install into SGLang;
-* :mod:`.simulation`: the stand-ins that let SGLang's real FP4 path run without an SM120 GPU;
-* :mod:`.layers`, :mod:`.moe_layers`, :mod:`.model_check`: real layers for the demo and ``selftest --model``.
-
-Importing this package imports nothing else (the start-up hook imports :mod:`.names` in every
-interpreter with the toggle on); its functions load their module when first asked for.
+Importing it imports nothing else (the start-up hook reads :mod:`.names`); its functions load their module lazily.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
-
-__all__ = [
-    "NAME",
-    "engine_version",
-    "attach",
-    "idle_point_problem",
-    "release_support",
-    "carried_fix",
-    "sglang_version",
-    "unverified_release",
-    "OPT_OUT",
-    "OPT_OUT_SAYS",
-]
 
 NAME = "sglang"
 _LAZY = {
@@ -40,9 +19,11 @@ _LAZY = {
     "OPT_OUT": "release",
     "OPT_OUT_SAYS": "release",
 }
+__all__ = ["NAME", *_LAZY]
 
 
 def __getattr__(name: str) -> object:
+    """Return `name` from the module that holds it, loaded on first use."""
     if name in _LAZY:
         return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

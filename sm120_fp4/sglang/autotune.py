@@ -1,20 +1,9 @@
-"""SGLang's FlashInfer autotune gate, for the NVFP4 layers this library serves.
+"""SGLang's FlashInfer autotune gate (0.5.15+), widened to the NVFP4 layers this library serves.
 
-SGLang (0.5.15+) tunes FlashInfer's kernels in a dummy forward at warm-up when its gate
-``should_run_flashinfer_autotune`` says yes: only when the MoE runner *server-argument string* names a
-FlashInfer runner, or the checkpoint's quantization is ``modelopt_fp4`` / ``modelopt_mixed`` with a
-FlashInfer dense backend. A compressed-tensors NVFP4 checkpoint is therefore never tuned for its dense
-layers, and its MoE layers only with an explicit ``--moe-runner-backend flashinfer_cutlass``: this
-library pins ``auto`` through SGLang's flags, which leaves that string ``auto``.
-
-The replacement asks SGLang's own gate first and keeps its answer, except where that answer is no and
-the one reason is the runner string or the quantization name: it asks SGLang's gate again with the
-configured runner string set to ``flashinfer_cutlass`` (SGLang's scoped override, restored at once),
-so every other refusal of SGLang's (not CUDA, KV-cache sharding, ``--disable-flashinfer-autotune``,
-deterministic inference, compute capability below 9, the speculative worker roles, any refusal a
-later release adds) stands as SGLang wrote it; and it says yes only where this library serves NVFP4
-layers on this device with a backend FlashInfer's autotuner tunes. SGLang's cache, its TP
-synchronisation and its dummy forward are then SGLang's own.
+SGLang tunes only for a FlashInfer MoE runner *string* or a ModelOpt quantization name, so a compressed-tensors
+checkpoint, or a runner pinned from ``auto``, is never tuned. Where that alone makes SGLang's gate say no, the gate
+is asked again with the runner string read as ``flashinfer_cutlass`` (so each of SGLang's other refusals stands),
+and says yes where a served backend is one FlashInfer's autotuner tunes.
 """
 
 from __future__ import annotations
@@ -38,8 +27,7 @@ TUNABLE = {"dense": frozenset({"cutlass", "b12x"}), "moe": frozenset({"cutlass"}
 
 
 def tunable_backends(routes: dict[str, dict[int, str]], index: int) -> list[str]:
-    """The families served on device `index` with a tunable backend, as 'family:backend' (`routes`:
-    family -> device index -> routed backend, serving.routes)."""
+    """Return the families `routes` (serving.routes by family) serves on device `index` tunably: 'family:backend'."""
     return [
         f"{family}:{routes[family][index]}"
         for family in ("dense", "moe")
@@ -48,12 +36,12 @@ def tunable_backends(routes: dict[str, dict[int, str]], index: int) -> list[str]
 
 
 def _reads_server_args() -> bool:
-    """0.5.15-0.5.17: the gate reads the model runner's ServerArgs; 0.5.18+ SGLang's runtime context."""
+    """Return whether the gate reads the model runner's ServerArgs (0.5.15-0.5.17), not the runtime context."""
     return not version_in(sglang_version() or "0", ">=0.5.18")
 
 
 def _configured_runner(model_runner, for_speculative_draft: bool) -> str | None:
-    """The MoE runner string SGLang's gate reads (the draft's own one first, for the draft)."""
+    """Return the MoE runner string SGLang's gate reads (the draft's own one first, for the draft)."""
     if _reads_server_args():
         args = model_runner.server_args
         own = getattr(args, "speculative_moe_runner_backend", None) if for_speculative_draft else None
@@ -67,8 +55,7 @@ def _configured_runner(model_runner, for_speculative_draft: bool) -> str | None:
 
 @contextlib.contextmanager
 def _as_explicit_runner(model_runner, for_speculative_draft: bool) -> Iterator[None]:
-    """SGLang's configured MoE runner string(s) read as `RUNNER`, restored on exit (0.5.18+: SGLang's scoped
-    override of its own config bags). Only for one call of SGLang's gate at warm-up, before serving."""
+    """Make SGLang's configured MoE runner string(s) read as `RUNNER` in this scope (one gate call at warm-up)."""
     if _reads_server_args():
         args = model_runner.server_args
         names = ["moe_runner_backend"] + (
@@ -95,12 +82,9 @@ def _as_explicit_runner(model_runner, for_speculative_draft: bool) -> Iterator[N
 
 
 def make_gate(original: Callable, served: Callable[[], list[str]], said: set[str] | None = None) -> Callable:
-    """Replace SGLang's ``should_run_flashinfer_autotune(model_runner, *, for_speculative_draft=False)``.
-
-    `served()`: the families this library serves on this process's device with a tunable backend
-    (empty: none, or a device it does not serve). Never raises an error of ours into SGLang's warm-up:
-    where the second question cannot be asked, SGLang's answer stands (logged once). `said`: what was
-    logged, shared by the replacements of one install (both of SGLang's names for the gate)."""
+    """Replace SGLang's ``should_run_flashinfer_autotune``; `served()` names the tunable families served here."""
+    # Never raises into SGLang's warm-up: where the second question cannot be asked, SGLang's answer stands
+    # (logged once). `said` (what was logged) is shared by both of SGLang's names for the gate.
     said = set() if said is None else said
 
     @functools.wraps(original)

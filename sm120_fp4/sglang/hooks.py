@@ -1,14 +1,5 @@
-"""The hooks SGLang's load path runs through: verify each NVFP4 layer configuration with the call
-that will serve it, before SGLang serves or captures CUDA graphs, and once more after capture.
-
-At ``process_weights_after_loading`` (ModelOpt NVFP4 linear, compressed-tensors W4A4 NVFP4): first
-the device's backend is decided (a self-test; the runner enum is pinned), then SGLang processes the
-weights, then this layer's configuration (its N, K, activation dtype and scale dtypes, its own
-processed weights) is verified through SGLang's own ``apply`` at every batch-size bucket up to the
-largest CUDA-graph batch, against the oracle. Every later layer of a configuration gets a light
-check with its own weights and a fingerprint of them. After every CUDA-graph capture (the draft
-model's included) every layer's fingerprint is compared and every verified configuration re-run
-eagerly at its re-check sizes (decode, 2049, the prefill chunk) and at every captured graph size.
+"""The hooks SGLang's load path runs through: decide, then verify each NVFP4 layer configuration with the call
+that will serve it, at every batch-size bucket, before SGLang serves or captures CUDA graphs, and again after capture.
 """
 
 from __future__ import annotations
@@ -22,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .. import backends, checkpoints, graphs, nvfp4, verify
+from .. import backends, graphs, nvfp4, verify
 from ..errors import not_accepted, say_once
 from ..serving import LayerCheck
 from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
@@ -37,19 +28,14 @@ LIGHT_BATCH = 8  # every layer of an already verified configuration: one decode 
 
 
 def layer_device_index(layer: object) -> int:
+    """Return the CUDA ordinal of the layer's first parameter (-1: CPU, or none)."""
     for param in layer.parameters():  # type: ignore[attr-defined]
         return param.get_device()
     return -1
 
 
-def make_weights_hook(
-    original: Callable,
-    before: Callable[[object, object], object],
-    scope: Callable,
-    after: Callable[[object, object], None],
-) -> Callable:
-    """Wrap process_weights_after_loading: `before(method, layer)` (decide for the layer's device),
-    SGLang's processing inside `scope()`, then `after(method, layer)` (verify the layer)."""
+def make_weights_hook(original: Callable, before: Callable, scope: Callable, after: Callable) -> Callable:
+    """Wrap process_weights_after_loading: `before`, SGLang's processing inside `scope()`, then `after`."""
 
     @functools.wraps(original)
     def process_weights_after_loading(self, layer, *args, **kwargs):
@@ -66,11 +52,10 @@ _graphs = threading.local()  # the token counts collected by the outermost captu
 
 
 def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
-    """Wrap a call that captures CUDA graphs (ModelRunner.init_cuda_graphs; the scheduler's
-    init_all_cuda_graphs / init_model_worker, which capture the draft model's graphs too): once
-    warm-up and capture are done, re-check eagerly, `after(captured)` with the token counts of every
-    graph just captured (graph_token_counts). Nested hooks (the model runners inside the scheduler's
-    call) add their counts to the outermost one, which re-checks once, after every capture."""
+    """Wrap a call that captures CUDA graphs: afterwards call `after` with every captured graph's token count."""
+
+    # Nested hooks (the model runners inside the scheduler's call) add their counts to the outermost one,
+    # which re-checks once, after every capture (the draft model's included).
 
     @functools.wraps(original)
     def init_cuda_graphs(self, *args, **kwargs):
@@ -91,12 +76,8 @@ def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -
     return init_cuda_graphs
 
 
-def make_update_hook(
-    original: Callable, begin: Callable[[], object] | None, end: Callable[[], object] | None
-) -> Callable:
-    """Wrap one of SGLang's weight-update calls: `begin()` before it (caches dropped), `end()` after
-    it, whatever it did (the changed layers verified again). A begin-only or an end-only hook wraps
-    the two halves of a weight-update session (begin_weight_update / end_weight_update)."""
+def make_update_hook(original: Callable, begin: Callable | None, end: Callable | None) -> Callable:
+    """Wrap a weight-update call: `begin()` before it, `end()` after it whatever it did (either may be None)."""
 
     @functools.wraps(original)
     def update_weights(self, *args, **kwargs):
@@ -120,8 +101,7 @@ def _int_list(value: object) -> list[int]:
 
 
 def _runner_counts(runner: object) -> set[int]:
-    """The token counts of one CUDA-graph runner: each captured batch size times the tokens per
-    request (captured_req_width 0.5.16+, num_tokens_per_bs before), and capture_num_tokens."""
+    """Return one graph runner's token counts: captured batch sizes times tokens per request, capture_num_tokens."""
     tokens: set[int] = set()
     widths = [getattr(runner, name, None) for name in ("captured_req_width", "num_tokens_per_bs")]
     width = next((w for w in widths if _positive_int(w)), 1)
@@ -150,16 +130,9 @@ _HOLDERS = (
 
 
 def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
-    """The M of every CUDA graph captured under `owner` (a model runner, a speculative worker, the
-    scheduler): every graph runner it holds (decode, prefill/piecewise, a draft model's decode and
-    draft-extend runners), and those of the workers and model runners it holds, `depth` levels
-    down. Every step that replays a graph runs the GEMMs at one of these. [] where none was captured.
-
-    SGLang 0.5.3-0.5.13 keep the decode runner in `graph_runner` (`num_tokens_per_bs`) and the
-    prefill one in `piecewise_cuda_graph_runner`; 0.5.14+ in `decode_cuda_graph_runner` and
-    `prefill_cuda_graph_runner`, 0.5.16+ with `captured_req_width`; token lists in
-    `capture_num_tokens`; speculative draft workers in `cuda_graph_runner` and
-    `cuda_graph_runner_for_draft_extend`."""
+    """Return the M of every CUDA graph captured under `owner`, its workers and model runners (`depth` levels)."""
+    # 0.5.3-0.5.13: graph_runner (num_tokens_per_bs), piecewise_cuda_graph_runner; 0.5.14+: decode_ and
+    # prefill_cuda_graph_runner (captured_req_width 0.5.16+); draft workers: cuda_graph_runner(_for_draft_extend).
     tokens: set[int] = set()
     seen: set[int] = set()
 
@@ -179,9 +152,7 @@ def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
 
 
 def _server_args() -> object | None:
-    """SGLang's ServerArgs of this process, where it publishes them: 0.5.19+ through the runtime
-    context, earlier through server_args.get_global_server_args() (retired, raising, in 0.5.23).
-    Where none is published, one warning per process says why and what is verified instead."""
+    """Return this process's ServerArgs (runtime context 0.5.19+, else the global one), or warn once and None."""
     problem = None
     for module_name, getter in ((RUNTIME_CONTEXT, "get_server_args"), (SERVER_ARGS, "get_global_server_args")):
         module = sys.modules.get(module_name)
@@ -204,9 +175,7 @@ def _server_args() -> object | None:
 
 
 def server_setting(name: str) -> object:
-    """One of SGLang's server settings as it is in effect here: 0.5.23 resolves defaults after
-    parsing (arg_groups.overrides.resolution_result: e.g. chunked_prefill_size from the GPU's
-    memory); earlier releases write them into the ServerArgs. None where nothing is visible."""
+    """Return SGLang's server setting `name` as in effect here (0.5.23 resolves defaults after parsing), or None."""
     args = _server_args()
     if args is None:
         return None
@@ -221,9 +190,7 @@ def server_setting(name: str) -> object:
 
 
 def max_capture_batch() -> int:
-    """The largest decode batch SGLang will capture in a CUDA graph, from its settings where this
-    process can see them (0.5.23: the resolved cuda_graph_config's decode max_bs; earlier
-    cuda_graph_max_bs); DEFAULT_MAX_BATCH otherwise."""
+    """Return the largest decode batch SGLang will capture in a CUDA graph (DEFAULT_MAX_BATCH if not visible)."""
     config = server_setting("cuda_graph_config")
     decode = getattr(config, "decode", None)
     for value in (
@@ -240,11 +207,9 @@ def max_capture_batch() -> int:
 
 
 def prefill_sizes() -> tuple[int, int]:
-    """(SGLang's chunked-prefill size, the largest M a prefill batch reaches) as this process's
-    settings have them. A prefill batch never exceeds the chunk (0.5.23's PrefillAdder budgets
-    rem_chunk_tokens, mixed decode tokens included); with chunked prefill off (-1) it is bounded by
-    max_prefill_tokens. Where no settings are visible: DEFAULT_CHUNKED_PREFILL, the size SGLang
-    picks on the 90-160 GB GPUs (RTX PRO 6000, GB10); a 32 GB RTX 5090 gets 4096 from SGLang."""
+    """Return (SGLang's chunked-prefill size, the largest M a prefill batch reaches) from its settings."""
+    # A prefill batch never exceeds the chunk (mixed decode tokens included); with chunking off (-1),
+    # max_prefill_tokens bounds it.
     chunk = server_setting("chunked_prefill_size")
     largest_batch = server_setting("max_prefill_tokens")
     if _positive_int(chunk):
@@ -256,10 +221,7 @@ def prefill_sizes() -> tuple[int, int]:
 
 
 def batch_sizes(max_batch: int, largest_prefill: int | None = None) -> list[int]:
-    """At least one M in every power-of-two bucket up to `max_batch` (the bucket's first value and
-    an odd one inside it), `max_batch` itself, one M >= 2048, and then the prefill sizes up to
-    `largest_prefill` (default: prefill_sizes()) the same way -- every bucket's first value and an
-    odd one inside it -- and the largest prefill itself (a long prompt's every chunk but the last)."""
+    """Return the first and an odd M of every power-of-two bucket up to `max_batch`, then up to the largest prefill."""
     largest = prefill_sizes()[1] if largest_prefill is None else largest_prefill
     ms = {1, 2, 3, max_batch, min(LARGE_BATCH, max(largest, max_batch))}
     power = 4
@@ -277,15 +239,13 @@ def batch_sizes(max_batch: int, largest_prefill: int | None = None) -> list[int]
 
 
 def recheck_sizes(max_batch: int) -> list[int]:
-    """The batch sizes every verified configuration runs again after warm-up (besides the captured
-    graphs' token counts): decode 1 and 7, the largest graph batch, 2049, and the prefill sizes."""
+    """Return the batch sizes every verified configuration runs again after warm-up, besides the graphs'."""
     chunk, largest = prefill_sizes()
     return sorted({1, 7, max_batch, LARGE_BATCH, chunk, largest})
 
 
 def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
-    """The activation dtype SGLang will pass: the layer's params_dtype, else the default dtype SGLang
-    loads the model under; both half types when neither says."""
+    """Return the activation dtype SGLang will pass (params_dtype, else the default dtype; both halves if neither)."""
     for dtype in (getattr(layer, "params_dtype", None), torch.get_default_dtype()):
         if dtype in HALF:
             return (dtype,)
@@ -293,7 +253,7 @@ def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
 
 
 def layer_name(layer: object) -> str:
-    """The layer's name in the model (SGLang's `prefix`), else its layer id, else ""."""
+    """Return the layer's name in the model (SGLang's `prefix`), else its layer id, else ""."""
     prefix = getattr(layer, "prefix", None)
     if isinstance(prefix, str) and prefix:
         return prefix
@@ -301,183 +261,21 @@ def layer_name(layer: object) -> str:
     return f"layer {layer_id}" if isinstance(layer_id, int) else ""
 
 
-# The checkpoint's scales each hooked NVFP4 method has loaded into its layer when its
-# process_weights_after_loading starts: (block scales, weight global scales, activation global scales).
-CHECKPOINT_SCALES = {
-    "ModelOptFp4LinearMethod": (("weight_scale",), ("weight_scale_2",), ("input_scale",)),
-    "CompressedTensorsW4A4Fp4": (("weight_scale",), ("weight_global_scale",), ("input_global_scale",)),
-    "ModelOptNvFp4FusedMoEMethod": (
-        ("w13_weight_scale", "w2_weight_scale"),
-        ("w13_weight_scale_2", "w2_weight_scale_2"),
-        ("w13_input_scale", "w2_input_scale"),
-    ),
-    "CompressedTensorsW4A4Nvfp4MoE": (
-        ("w13_weight_scale", "w2_weight_scale"),
-        ("w13_weight_global_scale", "w2_weight_global_scale"),
-        ("w13_input_global_scale", "w2_input_global_scale"),
-    ),
-}
-
-
-def _first(mask: torch.Tensor) -> str:
-    """The index of the first True of `mask`, as ``[i, j]`` (empty for a 0-dim tensor)."""
-    flat = int(mask.reshape(-1).nonzero()[0])
-    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape)] if mask.dim() else []
-    return f"[{', '.join(map(str, index))}]" if index else ""
-
-
-W4A16_KNOB = "SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16"
-
-
-def quant_mode_problem(kind: str, method: object) -> str | None:
-    """Why a dense NVFP4 layer's quant mode cannot be served verified (None: W4A4, routed and verified).
-
-    0.5.19+: ModelOptFp4LinearMethod takes quant_mode 'w4a16' when SGLANG_FLASHINFER_CUTEDSL_NVFP4_W4A16 is
-    set and the runner is flashinfer_cutedsl; its fp4_gemm op then calls FlashInfer's mm_bf16_fp4 directly
-    (bf16 activations, FP4 weights), past the FP4 GEMM alias: no backend of this library serves that call."""
-    mode = getattr(method, "quant_mode", "w4a4")
-    if mode == "w4a4":
-        return None
-    return (
-        f"SGLang serves {kind} with quant_mode={mode!r} ({W4A16_KNOB} with --fp4-gemm-backend flashinfer_cutedsl): "
-        "its FP4 GEMM calls FlashInfer's mm_bf16_fp4 directly, which sm120_fp4 neither routes nor verifies on this "
-        f"GPU. Unset {W4A16_KNOB} (the layer then runs W4A4 through the FP4 GEMM verified here), or set "
-        "SM120_FP4_SELFTEST=warn to serve it unverified"
-    )
-
-
-def checkpoint_scale_problem(kind: str, method: object, layer: object) -> str | None:
-    """Why the checkpoint scales `layer` loaded cannot serve (before SGLang processes them): a global or
-    activation scale that is NaN, infinite, zero or negative, or a NaN E4M3 block scale (byte 0x7f/0xff);
-    None when they are fine. These are the checkpoint's faults, whatever kernel would run."""
-    block, weight_global, activation = CHECKPOINT_SCALES[kind]
-    if getattr(method, "quant_mode", "w4a4") != "w4a4":
-        activation = ()  # weight-only: no activation scale is loaded or read
-    for name in (*weight_global, *activation):
-        tensor = getattr(layer, name, None)
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
-            continue
-        values = tensor.detach().float()
-        bad = ~(torch.isfinite(values) & (values > 0))
-        if bool(bad.any()):
-            at = _first(bad)
-            value = float(values.reshape(-1)[int(bad.reshape(-1).nonzero()[0])])
-            return checkpoints.scale_problem(f"the checkpoint's {name}{at}", value)
-    for name in block:
-        tensor = getattr(layer, name, None)
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (torch.float8_e4m3fn, torch.uint8):
-            continue
-        nan = (tensor.detach().view(torch.uint8) & 0x7F) == 0x7F
-        if bool(nan.any()):
-            return (
-                f"the checkpoint's {name}{_first(nan)} is a NaN block scale (E4M3 byte 0x7f/0xff); accepted: "
-                "block scales that are not NaN (the checkpoint is corrupt, not a kernel)"
-            )
-    return None
-
-
-# Where each dense format keeps its per-shard global scales before processing, and whether they are
-# decode scales (ModelOpt: amax / (448 * 6), dequantized = code x block scale x it) or encode scales
-# (compressed-tensors: the inverse).
-SHARD_SCALES = {
-    "ModelOptFp4LinearMethod": ("weight_scale_2", "input_scale", False),
-    "CompressedTensorsW4A4Fp4": ("weight_global_scale", "input_global_scale", True),
-}
-_QKV = ("q", "k", "v")
-
-
-def shard_scales_problem(
-    kind: str, shards: list[str], weight_scales: list[float], input_scales: list[float]
-) -> str | None:
-    """Why a fused layer of format `kind` would serve wrong numbers from its shards' own
-    global scales (as the checkpoint has them, before SGLang processes them), or None.
-
-    SGLang (0.5.3-0.5.23) serves a fused layer (q/k/v, gate/up, any merged column layer) with ONE
-    weight global scale, the largest over its shards (``weight_scale_2.max()`` /
-    ``weight_global_scale.max()``): a shard quantized with another scale comes out scaled by the
-    ratio, and the layer check cannot see it (its oracle reads the same processed alpha). A shard's
-    scale that is zero, negative or not finite is hidden by the same max. The activation scales are
-    reduced the same way, but every shard multiplies the same activation, quantized once with the
-    reduced scale that the alpha also carries: different activation scales only change the
-    activation's quantization, never the result's scale; one that is not a positive finite number
-    is still a broken checkpoint, and named."""
-    weight_name, input_name, encode = SHARD_SCALES[kind]
-    for name, values in ((weight_name, weight_scales), (input_name, input_scales)):
-        for shard, value in zip(shards, values):
-            if not (math.isfinite(value) and value > 0):
-                return (
-                    f"the checkpoint's {name} of {shard} is {value!r}, not a usable global scale "
-                    f"(accepted: a positive finite number); SGLang serves the fused layer with the largest of its "
-                    f"shards' {name} ({', '.join(f'{s} {v:.6g}' for s, v in zip(shards, values))}), which hides it: "
-                    "fix or requantize the checkpoint"
-                )
-    served = max(weight_scales)
-    wrong = [(s, v) for s, v in zip(shards, weight_scales) if abs(v - served) > 1e-6 * served]
-    if not wrong:
-        return None
-    # The served scale over the shard's own: decode scales multiply, encode scales divide.
-    factors = ", ".join(f"{s} by {(v / served if encode else served / v):.4g}" for s, v in wrong)
-    return (
-        f"its shards' {weight_name} differ in the checkpoint "
-        f"({', '.join(f'{s} {v:.6g}' for s, v in zip(shards, weight_scales))}): SGLang serves the fused layer with "
-        f"one global scale, the largest, which scales the rows of {factors} (wrong numbers for every token); "
-        f"requantize the checkpoint with one {weight_name} for the shards fused into this layer"
-    )
-
-
-def shard_names(layer: object, count: int) -> list[str]:
-    """How a fused layer's shards are named: q, k, v (SGLang's QKVParallelLinear), else their index."""
-    if count == 3 and type(layer).__name__ == "QKVParallelLinear":
-        return list(_QKV)
-    return [f"shard {i}" for i in range(count)] if count > 1 else ["(the only shard)"]
-
-
-def layer_scales_problem(kind: str, method: object, layer: object) -> str | None:
-    """shard_scales_problem of a dense NVFP4 layer as SGLang loaded it, read before it processes
-    the weights (afterwards only the reduced scale is left). None for what is not served W4A4."""
-    if kind not in SHARD_SCALES or getattr(method, "quant_mode", "w4a4") != "w4a4":
-        return None
-    weight_name, input_name, _ = SHARD_SCALES[kind]
-    weights, inputs = getattr(layer, weight_name, None), getattr(layer, input_name, None)
-    if not isinstance(weights, torch.Tensor) or not isinstance(inputs, torch.Tensor):
-        return None
-    weights, inputs = (
-        weights.detach().float().reshape(-1).cpu().tolist(),
-        inputs.detach().float().reshape(-1).cpu().tolist(),
-    )
-    names = shard_names(layer, len(weights))
-    return shard_scales_problem(kind, names, weights, inputs)
-
-
 def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return nvfp4.quantize(x, gsf, check_finite=False)
 
 
 def _served_cases(
-    serve: Callable,
-    weight,
-    weight_sf,
-    alpha,
-    input_gsf,
-    n_out: int,
-    k: int,
-    ms: list[int],
-    dtype: torch.dtype,
-    seed: int,
-    watched: tuple,
+    serve: Callable, watched: tuple, n_out: int, k: int, ms: list[int], dtype: torch.dtype, seed: int
 ) -> list[verify.Case]:
-    """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range, of
-    every kind verify.structured_activations makes (the first M rows of one batch, so the oracle
-    runs once), quantized by SGLang inside `serve`; the oracle quantizes the same rows with nvfp4
-    and multiplies with the layer's own weights."""
-    device = weight.device
-    rows = max(ms)
+    """Return the served calls at batch sizes `ms` on seeded activations, each with its oracle result."""
+    weight, weight_sf, alpha, input_gsf = watched
     gsf = float(input_gsf.float().reshape(-1)[0].cpu())
     if not (math.isfinite(gsf) and gsf > 0):
         raise not_accepted(
             "dense layer check", "input_gsf", input_gsf, "the layer's positive finite input global scale"
         )
-    x = verify.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
+    x = verify.seeded_activations(max(ms), k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device).to(dtype)
     # Finite by construction, its scale read above; at a decode batch size from a CUDA graph (launch-bound).
     qx, sx = graphs.run(
         "quantize", _quantize, (x, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())
@@ -506,9 +304,7 @@ def dense_check(
     weights: Callable[[], tuple] | None = None,
     rebuild: Callable[[object], LayerCheck | None] | None = None,
 ) -> LayerCheck | None:
-    """The LayerCheck of one dense NVFP4 layer: its own weights, its call path, its batch sizes.
-    `weights()` reads the tensors the layer serves with from the layer (default: the ones given);
-    `rebuild(layer)` makes the check again from the layer's current state (re-checks, weight updates)."""
+    """Return the LayerCheck of one dense NVFP4 layer: its own weights, its call path, its batch sizes."""
     if weight.numel() == 0 or weight.dtype != torch.uint8 or weight_sf.dim() != 2:
         _LOG.info(
             "sm120_fp4: %s N=%d K=%d: weights not in the cutlass layout (a fused path); not verified here",
@@ -520,16 +316,15 @@ def dense_check(
     dtypes = activation_dtypes(layer)
     max_batch = max_capture_batch()
     watched = (weight, weight_sf, alpha, input_gsf)
-    label = f"{kind} N={n_out} K={k} {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} (weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
+    dtype_names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+    label = f"{kind} N={n_out} K={k} {dtype_names} (weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
     key = (kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
     def cases(ms: list[int]) -> list[verify.Case]:
         return [
             case
             for i, dtype in enumerate(dtypes)
-            for case in _served_cases(
-                serve, weight, weight_sf, alpha, input_gsf, n_out, k, ms, dtype, 1000 + i, watched
-            )
+            for case in _served_cases(serve, watched, n_out, k, ms, dtype, 1000 + i)
         ]
 
     return LayerCheck(
@@ -549,41 +344,39 @@ def dense_check(
     )
 
 
+# Each dense format's apply and the tensors it serves with after processing: weight, block scales, alpha, input scale.
+DENSE = {
+    "ModelOptFp4LinearMethod": ("apply", "weight", "weight_scale_interleaved", "alpha", "input_scale_inv"),
+    "CompressedTensorsW4A4Fp4": ("apply_weights", "weight_packed", "weight_scale", "alpha", "input_global_scale"),
+}
+
+
+def _format_check(kind: str, again: Callable, method: object, layer: object) -> LayerCheck | None:
+    """Return the LayerCheck of a dense layer of format `kind` after process_weights_after_loading."""
+    apply, *names = DENSE[kind]
+    weight = getattr(layer, names[0])
+    # ModelOpt may pad the weight's rows; compressed-tensors serves them all.
+    padded = kind == "ModelOptFp4LinearMethod"
+    n_out = getattr(layer, "output_size_per_partition", weight.shape[0]) if padded else weight.shape[0]
+    return dense_check(
+        kind,
+        functools.partial(getattr(method, apply), layer),
+        layer,
+        *(getattr(layer, name) for name in names),
+        n_out,
+        getattr(layer, "input_size_per_partition", weight.shape[1] * 2),
+        weights=lambda: tuple(getattr(layer, name) for name in names),
+        rebuild=functools.partial(again, method),
+    )
+
+
 def modelopt_check(method: object, layer: object) -> LayerCheck | None:
-    """ModelOptFp4LinearMethod after process_weights_after_loading (w4a4, the cutlass layout)."""
+    """Return the LayerCheck of a ModelOptFp4LinearMethod layer (w4a4, the cutlass layout), or None."""
     if getattr(method, "quant_mode", "w4a4") != "w4a4" or not hasattr(layer, "weight_scale_interleaved"):
         return None
-    n_out = getattr(layer, "output_size_per_partition", layer.weight.shape[0])
-    k = getattr(layer, "input_size_per_partition", layer.weight.shape[1] * 2)
-    return dense_check(
-        "ModelOptFp4LinearMethod",
-        functools.partial(method.apply, layer),
-        layer,
-        layer.weight,
-        layer.weight_scale_interleaved,
-        layer.alpha,
-        layer.input_scale_inv,
-        n_out,
-        k,
-        weights=lambda: (layer.weight, layer.weight_scale_interleaved, layer.alpha, layer.input_scale_inv),
-        rebuild=functools.partial(modelopt_check, method),
-    )
+    return _format_check("ModelOptFp4LinearMethod", modelopt_check, method, layer)
 
 
 def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None:
-    """CompressedTensorsW4A4Fp4 after process_weights_after_loading."""
-    n_out = layer.weight_packed.shape[0]
-    k = getattr(layer, "input_size_per_partition", layer.weight_packed.shape[1] * 2)
-    return dense_check(
-        "CompressedTensorsW4A4Fp4",
-        functools.partial(scheme.apply_weights, layer),
-        layer,
-        layer.weight_packed,
-        layer.weight_scale,
-        layer.alpha,
-        layer.input_global_scale,
-        n_out,
-        k,
-        weights=lambda: (layer.weight_packed, layer.weight_scale, layer.alpha, layer.input_global_scale),
-        rebuild=functools.partial(compressed_tensors_check, scheme),
-    )
+    """Return the LayerCheck of a CompressedTensorsW4A4Fp4 layer."""
+    return _format_check("CompressedTensorsW4A4Fp4", compressed_tensors_check, scheme, layer)

@@ -49,7 +49,7 @@ def _build_dense(layers: ModelLayers, layer, device: torch.device) -> None:
 
 def _check_shard_scales(layers: ModelLayers) -> None:
     """Raise CheckpointError where one fused global scale would serve some dense layer's shard wrong."""
-    from .hooks import shard_scales_problem
+    from .scales import shard_scales_problem
 
     kind = "ModelOptFp4LinearMethod" if layers.fmt == checkpoints.MODELOPT else "CompressedTensorsW4A4Fp4"
     _, _, global_name, input_name = checkpoints.NAMES[layers.fmt]

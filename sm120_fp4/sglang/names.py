@@ -1,4 +1,3 @@
-"""SGLang's top-level import name: the one name the start-up hook (sm120_fp4.bootstrap) waits for.
-Stdlib-only and importing nothing: it is read in every interpreter's start-up with the toggle on."""
+"""SGLang's top-level import name, read by the start-up hook in every interpreter: stdlib-only, importing nothing."""
 
 TOP_LEVEL = "sglang"

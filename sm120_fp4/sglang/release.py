@@ -1,7 +1,6 @@
 """Which SGLang is installed, whether this library knows it, and whether it already carries the fix.
 
-Read without importing SGLang: the distribution's metadata and, for the fix, the text of
-``modelopt_quant.py`` (every line a ``patches/`` diff adds carries a marker comment).
+Read without importing SGLang: the distribution's metadata and the text of ``modelopt_quant.py``.
 """
 
 from __future__ import annotations
@@ -11,41 +10,6 @@ import re
 from pathlib import Path
 
 from ..versions import capped, comparable, installed_version, version_in
-
-__all__ = [
-    "DISTRIBUTION",
-    "PLUGIN_GROUP",
-    "SUPPORTED",
-    "supported",
-    "MQ",
-    "FP4_UTILS",
-    "CT",
-    "RUNTIME_CONTEXT",
-    "SERVER_ARGS",
-    "ARG_OVERRIDES",
-    "WEIGHT_UPDATER",
-    "MODEL_RUNNER",
-    "MOE_RUNNER_FC",
-    "CT_MOE",
-    "CT_CONFIG",
-    "MOE_UTILS",
-    "KERNEL_OPS_GEMM",
-    "AUTOTUNE",
-    "BASE_RUNNER",
-    "SCHEDULER",
-    "SCHEDULER_CHECKER",
-    "MQ_FILE",
-    "FP4_UTILS_FILE",
-    "MARKER",
-    "sglang_version",
-    "release_support",
-    "unverified_release",
-    "OPT_OUT",
-    "OPT_OUT_SAYS",
-    "installed_root",
-    "fix_marker",
-    "carried_fix",
-]
 
 DISTRIBUTION = "sglang"
 # The one upper bound: raising the supported range is this line (and scripts/sglang_matrix.py's pins).
@@ -75,22 +39,22 @@ MARKER = re.compile(r"#\s*sm120-fp4:\s*(sglang-(\S+?)-sm120-fp4)\b")
 
 
 def supported(versions: str) -> str:
-    """A patch target's version range: where it starts (and, where it disappears in a release, where
-    it ends), capped by SUPPORTED."""
+    """Return a patch target's version range (where it starts, and ends if it disappears) capped by SUPPORTED."""
     return capped(versions, SUPPORTED)
 
 
 def sglang_version() -> str | None:
+    """Return the installed SGLang's version, or None."""
     return installed_version(DISTRIBUTION)
 
 
 def engine_version() -> str | None:
-    """The engine homes' common name for it (api.ENGINES)."""
+    """Return the installed SGLang's version (the engine homes' common name, api.ENGINES)."""
     return sglang_version()
 
 
 def release_support(version: str | None = None) -> tuple[bool, str]:
-    """Whether `version` (default: the installed one) is a release this library knows how to patch."""
+    """Return whether `version` (default: the installed one) is a release this library knows how to patch, and why."""
     version = version or sglang_version()
     if version is None:
         return False, "sglang is not installed"
@@ -106,9 +70,7 @@ OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"
 
 
 def unverified_release(version: str | None = None) -> tuple[str, str] | None:
-    """(what it means, what makes it verified) when SGLang `version` (default: the installed one) is installed
-    but is not a release this library can patch: with the library asked for on a 12.x GPU, its NVFP4
-    layers are served by SGLang's own calls, none of them verified. None: supported, or not installed."""
+    """Return (what it means, what makes it verified) for an installed SGLang this library cannot patch, else None."""
     from .._version import __version__
 
     version = version or sglang_version()
@@ -131,7 +93,7 @@ def unverified_release(version: str | None = None) -> tuple[str, str] | None:
 
 
 def installed_root() -> Path | None:
-    """The site-packages directory of the importable sglang, found without importing it."""
+    """Return the site-packages directory of the importable sglang, found without importing it."""
     try:
         spec = importlib.util.find_spec("sglang")
     except (ImportError, ValueError):
@@ -142,7 +104,7 @@ def installed_root() -> Path | None:
 
 
 def fix_marker(root: Path) -> re.Match | None:
-    """The marker of a ``patches/`` diff in `root`'s modelopt_quant.py, or None."""
+    """Return the marker of a ``patches/`` diff in `root`'s modelopt_quant.py (every line it adds has one), or None."""
     mq = root / MQ_FILE
     try:
         return MARKER.search(mq.read_text(errors="replace")) if mq.is_file() else None
@@ -151,11 +113,8 @@ def fix_marker(root: Path) -> re.Match | None:
 
 
 def carried_fix() -> str | None:
-    """What the installed SGLang carries of a ``patches/`` diff (None: none, or no SGLang).
-
-    A diff fixes the dense GEMM's routing and adds one start-up check of it; it verifies no layer, no
-    MoE, nothing after warm-up and nothing while serving, so it never replaces the runtime patch:
-    ``install()`` patches such a tree as any other (the diff's own routing runs under it)."""
+    """Return what the installed SGLang carries of a ``patches/`` diff (None: none, or no SGLang)."""
+    # A diff fixes the dense routing and checks it once at start-up: install() still patches such a tree.
     root = installed_root()
     marker = fix_marker(root) if root is not None else None
     if marker is None:

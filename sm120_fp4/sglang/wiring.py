@@ -1,8 +1,6 @@
-"""How one install is wired into SGLang: :func:`attach` (post-import hooks for the installed
-release's patch targets), and whether the serving canary has an idle point in this release.
+"""Wire one install into SGLang (:func:`attach`), and say whether the serving canary has an idle point here.
 
-Nothing here imports SGLang at import time: every step runs from a post-import hook when (or if)
-SGLang imports the module it concerns.
+Nothing here imports SGLang: every step runs from a post-import hook when (or if) SGLang imports its module.
 """
 
 from __future__ import annotations
@@ -10,108 +8,108 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .release import sglang_version
+import torch
+
+from .. import serving
+from ..checkpoints import read_quantization
+from ..deciding import serves
+from ..devices import get_device
+from ..errors import ConfigError, RefusedToServe, say_once
+from ..versions import version_in
+from .autotune import tunable_backends
+from .hooks import layer_device_index, layer_name
+from .moe import SEAM_VERSIONS, gate_up_problem, make_seam, pin_auto_runner, refuse_unverifiable, runner_problem
+from .release import KERNEL_OPS_GEMM, sglang_version
+from .scales import checkpoint_scale_problem, layer_scales_problem, quant_mode_problem
+from .simulation import Simulation, cuda_moves_stay_on_cpu
+from .simulation import specs as simulation_specs
+from .targets import (
+    Wiring,
+    apply_env_knobs,
+    idle_spec,
+    idle_specs,
+    pin_runner_backend,
+    runner_backend_problem,
+    unknown_backend_problem,
+    unverified_argument_problem,
+)
+from .targets import specs as target_specs
 
 __all__ = ["attach", "idle_point_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
 
-def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
-    """Register this install's SGLang patches (and, in simulation, the simulation stand-ins).
+class _Install:
+    """Hold one install's decisions: what each patch calls into (targets.Wiring's fields)."""
 
-    `router` (a dispatch.Router) builds the FP4 GEMM alias replacement and decides per device: its
-    ``ensure(index)`` may raise RefusedToServe and returns None for a device this library does not
-    serve (the runner enum then stays as is, and nothing is verified there). `canary` (the module
-    sm120_fp4.canary, passed in so that nothing here imports it) runs at the scheduler's idle point
-    when SM120_FP4_CANARY is on. Returns the undo steps that are not patches (the patcher undoes its own).
-    """
-    from .. import checkpoints, serving
-    from ..errors import ConfigError, RefusedToServe, say_once
-    from ..versions import version_in
-    from . import hooks, moe, simulation, targets
+    def __init__(self, patcher, router, settings, sim) -> None:
+        self.patcher, self.router, self.settings, self.sim = patcher, router, settings, sim
+        self.declined_on: set[int] = set()
+        self.idle = None  # the canary's idle spec, when the canary is on
+        self.canary = None
 
-    undo: list[Callable[[], None]] = []
-    simulate = settings.simulated_capability
-    sim = simulation.Simulation(simulate, patcher) if simulate is not None else None
-
-    def refuse(what: str, problem: str | None) -> None:
-        """A layer or call this library cannot verify: RefusedToServe (SELFTEST=strict), logged once (warn),
-        or nothing (off, or no problem)."""
-        if problem is None or settings.selftest == "off":
+    def refuse(self, what: str, problem: str | None) -> None:
+        """Raise RefusedToServe (SELFTEST=strict), warn once (warn) or pass (off, or no problem)."""
+        if problem is None or self.settings.selftest == "off":
             return
         message = f"sm120_fp4: refusing to serve {what}: {problem}"
-        if settings.selftest == "strict":
+        if self.settings.selftest == "strict":
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
 
-    def layer_what(kind: str, layer, family: str = "") -> str:
-        name = hooks.layer_name(layer)
-        return f"the NVFP4 {family}layer {name + ' ' if name else ''}({kind})"
-
-    def before(kind: str, method, layer) -> None:
-        index = hooks.layer_device_index(layer)
-        if router.ensure(index) is None:
+    def before_dense(self, kind: str, method, layer) -> None:
+        index = layer_device_index(layer)
+        if self.router.ensure(index) is None:
             return  # a device this library does not serve
-        refuse(f"NVFP4 dense layers on device {index}", targets.runner_backend_problem())
-        targets.pin_runner_backend(patcher)
-        check_scales(kind, method, layer)
-        refuse(layer_what(kind, layer), hooks.layer_scales_problem(kind, method, layer))
+        self.refuse(f"NVFP4 dense layers on device {index}", runner_backend_problem())
+        pin_runner_backend(self.patcher)
+        self.check_scales(kind, method, layer)
+        self.refuse(_layer_what(kind, layer), layer_scales_problem(kind, method, layer))
 
-    def unknown_backend(index: int, name: str, value: object) -> None:
-        problem = (
-            targets.unknown_backend_problem(index, value)
-            if name == "backend"
-            else targets.unverified_argument_problem(index, name, value)
-        )
-        refuse(f"an FP4 GEMM on device {index}", problem)
+    def check_scales(self, kind: str, method, layer, family: str = "dense") -> None:
+        """Refuse a layer whose quant mode or checkpoint scales cannot serve, before any kernel is blamed."""
+        if self.settings.selftest == "off" or serving.route(layer_device_index(layer), self.settings, family) is None:
+            return
+        problem = quant_mode_problem(kind, method) or checkpoint_scale_problem(kind, method, layer)
+        self.refuse(_layer_what(kind, layer, "MoE " if family == "moe" else ""), problem)
 
-    def make_dispatch(original):
-        return router.make_dispatch(original, unknown_backend)
+    def before_moe(self, kind: str, method, layer) -> None:
+        if serving.route(layer_device_index(layer), self.settings, "moe") is None:
+            return  # a device this library does not serve
+        self.check_scales(kind, method, layer, "moe")
+        if not version_in(sglang_version(), SEAM_VERSIONS):
+            refuse_unverifiable(kind, self.settings)
+            return
+        self.refuse(f"the NVFP4 MoE layer ({kind})", runner_problem(kind, method) or gate_up_problem(layer))
 
-    declined_on: set[int] = set()
+    def unknown_backend(self, index: int, name: str, value: object) -> None:
+        backend = name == "backend"
+        problem = unknown_backend_problem(index, value) if backend else unverified_argument_problem(index, name, value)
+        self.refuse(f"an FP4 GEMM on device {index}", problem)
 
-    def declined(index: int) -> None:
-        if index not in declined_on:  # once per device: this runs at every FP4 GEMM call
-            declined_on.add(index)
+    def declined(self, index: int) -> None:
+        if index not in self.declined_on:  # once per device: this runs at every FP4 GEMM call
+            self.declined_on.add(index)
             _LOG.info(
                 "sm120_fp4: SGLang's KDA NVFP4 GEMM fast path (%s.try_qwen3x_nvfp4_gemm) is not used on device %d: "
                 "that kernel is not verified here; its calls go to the routed, verified FP4 GEMM",
-                targets.KERNEL_OPS_GEMM,
+                KERNEL_OPS_GEMM,
                 index,
             )
 
-    def make_decline(original):
-        return router.make_decline(original, declined)
-
-    def verify(check) -> None:
+    def verify(self, check) -> None:
         if check is not None:
-            serving.verify_layer(check.device_index, check, settings)
+            serving.verify_layer(check.device_index, check, self.settings)
 
-    def weights_scope():
-        return simulation.cuda_moves_stay_on_cpu(sim is not None)
+    def weights_scope(self):
+        return cuda_moves_stay_on_cpu(self.sim is not None)
 
-    def check_scales(kind: str, method, layer, family: str = "dense") -> None:
-        """A layer whose quant mode or checkpoint scales cannot serve is refused naming them, before any kernel is blamed."""
-        if settings.selftest == "off" or serving.route(hooks.layer_device_index(layer), settings, family) is None:
-            return
-        problem = hooks.quant_mode_problem(kind, method) or hooks.checkpoint_scale_problem(kind, method, layer)
-        refuse(layer_what(kind, layer, "MoE " if family == "moe" else ""), problem)
-
-    def before_moe(kind: str, method, layer) -> None:
-        if serving.route(hooks.layer_device_index(layer), settings, "moe") is None:
-            return  # a device this library does not serve
-        check_scales(kind, method, layer, "moe")
-        if not version_in(sglang_version(), moe.SEAM_VERSIONS):
-            moe.refuse_unverifiable(kind, settings)
-            return
-        refuse(f"the NVFP4 MoE layer ({kind})", moe.runner_problem(kind, method) or moe.gate_up_problem(layer))
-
-    def pin_moe_runner(model_path: str | None) -> None:
-        if not _serves_current_device(settings):
+    def pin_moe_runner(self, model_path: str | None) -> None:
+        if not _serves_current_device(self.settings):
             return
         try:
-            quant = checkpoints.read_quantization(model_path) if model_path else None
+            quant = read_quantization(model_path) if model_path else None
         except ConfigError as exc:
             _LOG.warning(
                 "sm120_fp4: cannot read the checkpoint's quantization (%s); SGLang's MoE runner is left as "
@@ -120,67 +118,75 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
             )
             return
         if quant is not None and quant.nvfp4:
-            moe.pin_auto_runner(patcher)
+            pin_auto_runner(self.patcher)
 
-    def moe_seam(original):
-        return moe.make_seam(original, router.make_moe_front, sim is not None)
+    def recheck(self, captured: list[int]) -> object:
+        done = serving.recheck(self.settings, captured)
+        if self.idle is not None:  # the serving canary: its idle hook must be in place, or nothing would run it
+            _require_idle_hook(self.patcher, self.idle, self.settings)
+            self.canary.on_warmup(captured)
+        return done
 
-    idle = targets.idle_spec(canary.idle) if canary is not None and settings.canary_period is not None else None
-    if settings.canary_period is not None and idle is None:
+    def tuned_families(self) -> list[str]:
+        """Return the NVFP4 families served on this process's device with a backend FlashInfer's autotuner tunes."""
+        return tunable_backends({f: serving.routes(f) for f in ("dense", "moe")}, _current_index(self.settings))
+
+
+def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
+    """Register this install's SGLang patches (and simulation stand-ins); return the undo steps that are not patches."""
+    # `router` (a dispatch.Router) decides per device: ensure(index) may raise RefusedToServe and returns None for a
+    # device this library does not serve. `canary` (sm120_fp4.canary, passed in: nothing here imports it) runs at
+    # the scheduler's idle point when SM120_FP4_CANARY is on.
+    undo: list[Callable[[], None]] = []
+    simulate = settings.simulated_capability
+    sim = Simulation(simulate, patcher) if simulate is not None else None
+    wired = _Install(patcher, router, settings, sim)
+    if canary is not None and settings.canary_period is not None:
+        wired.idle, wired.canary = idle_spec(canary.idle), canary
+    if settings.canary_period is not None and wired.idle is None:
         raise ConfigError(
             f"invalid sm120_fp4 settings:\n  {idle_point_problem(settings) or 'the serving canary is not wired'}"
         )
-
-    def recheck(captured: list[int]) -> object:
-        done = serving.recheck(settings, captured)
-        if idle is not None:  # the serving canary: its idle hook must be in place, or nothing would run it
-            _require_idle_hook(patcher, idle, settings)
-            canary.on_warmup(captured)
-        return done
-
-    def tuned_families() -> list[str]:
-        """The NVFP4 families served on this process's device with a backend FlashInfer's autotuner tunes."""
-        from .autotune import tunable_backends
-
-        return tunable_backends({f: serving.routes(f) for f in ("dense", "moe")}, _current_index(settings))
-
-    wiring = targets.Wiring(
-        make_dispatch,
-        before,
-        weights_scope,
-        verify,
-        recheck,
-        moe_seam,
-        before_moe,
-        pin_moe_runner,
-        serving.weights_update_begin,
-        lambda: serving.weights_update_end(settings),
-        make_decline=make_decline,
-        tuned_families=tuned_families,
+    specs = target_specs(
+        Wiring(
+            lambda original: router.make_dispatch(original, wired.unknown_backend),
+            wired.before_dense,
+            wired.weights_scope,
+            wired.verify,
+            wired.recheck,
+            lambda original: make_seam(original, router.make_moe_front, sim is not None),
+            wired.before_moe,
+            wired.pin_moe_runner,
+            serving.weights_update_begin,
+            lambda: serving.weights_update_end(settings),
+            make_decline=lambda original: router.make_decline(original, wired.declined),
+            tuned_families=wired.tuned_families,
+        )
     )
-    specs = targets.specs(wiring)
-    if idle is not None:
-        canary.configure(settings, f"{idle.module}.{idle.attribute}")
+    if wired.idle is not None:
+        canary.configure(settings, f"{wired.idle.module}.{wired.idle.attribute}")
         undo.append(canary.stop)
-        specs.append(idle)
+        specs.append(wired.idle)
     if sim is not None:
         _LOG.warning("sm120_fp4: SIMULATION of sm_%d%d: results prove the wiring, not an SM120 kernel", *simulate)
-        specs += simulation.specs(simulate)
+        specs += simulation_specs(simulate)
         sim.arm()
         undo.append(sim.undo)
-    undo.append(targets.apply_env_knobs(patcher))
+    undo.append(apply_env_knobs(patcher))
     patcher.add(specs)
     return undo
 
 
-def idle_point_problem(settings) -> str | None:
-    """Why the serving canary these settings ask for cannot run with the installed SGLang: its
-    scheduler loop has no idle point this library can use (None: it has one, or the canary is off)."""
-    from . import targets
+def _layer_what(kind: str, layer, family: str = "") -> str:
+    name = layer_name(layer)
+    return f"the NVFP4 {family}layer {name + ' ' if name else ''}({kind})"
 
-    if settings.canary_period is None or targets.idle_spec(lambda stream: None) is not None:
+
+def idle_point_problem(settings) -> str | None:
+    """Return why the serving canary these settings ask for has no idle point in the installed SGLang, or None."""
+    if settings.canary_period is None or idle_spec(lambda stream: None) is not None:
         return None
-    known = ", ".join(f"{s.attribute} ({s.versions})" for s in targets.idle_specs(lambda stream: None))
+    known = ", ".join(f"{s.attribute} ({s.versions})" for s in idle_specs(lambda stream: None))
     return (
         f"SM120_FP4_CANARY={settings.canary_period:g} is not available with SGLang {sglang_version()}: its "
         f"scheduler loop has no idle point sm120_fp4 can run the canary at (known: {known}); "
@@ -189,10 +195,7 @@ def idle_point_problem(settings) -> str | None:
 
 
 def _require_idle_hook(patcher, spec, settings) -> None:
-    """After warm-up in a scheduler: the canary's idle hook is applied here, else RefusedToServe
-    (the canary is on, and silently off is never what was asked for)."""
-    from ..errors import RefusedToServe
-
+    """Raise RefusedToServe unless the canary's idle hook is applied in this scheduler (checked after warm-up)."""
     entry = next((e for e in patcher.ledger() if e.name == spec.name), None)
     if entry is not None and entry.state == "applied":
         return
@@ -205,17 +208,13 @@ def _require_idle_hook(patcher, spec, settings) -> None:
 
 
 def _current_index(settings) -> int:
-    """The CUDA ordinal this process computes on (-1: CPU tensors, in simulation)."""
-    import torch
-
+    """Return the CUDA ordinal this process computes on (-1: CPU tensors, in simulation)."""
     return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
 
 def _serves_current_device(settings) -> bool:
-    """Whether this library serves the device this process computes on (CPU tensors: only in simulation)."""
-    from .. import deciding, devices
-
+    """Return whether this library serves the device this process computes on (CPU: only in simulation)."""
     index = _current_index(settings)
     if index < 0 and settings.simulated_capability is None:
         return False
-    return deciding.serves(devices.get_device(index, settings.simulated_capability), settings)
+    return serves(get_device(index, settings.simulated_capability), settings)
