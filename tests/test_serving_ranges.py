@@ -4,6 +4,7 @@ real layer on a simulated SM120. Timings come from a stand-in clock through the 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import types
@@ -195,8 +196,8 @@ def test_plan_splits_only_where_each_range_is_separated_from_the_single_fastest(
 @case(
     "configuration",
     "SELECT=fastest: the prefill kernel is slower at load and faster at prefill sizes once its tactics are tuned",
-    "at load one backend serves; serving.retime() after the autotune (before capture) splits the route, verified "
-    "at the boundary and boundary+1 through the routed call",
+    "at load one backend serves; SGLang's BaseRunner.warmup (where the autotune runs, before capture) ends with "
+    "serving.retime(), which splits the route, verified at the boundary and boundary+1 through the routed call",
 )
 def test_retime_after_autotune_splits_the_route(clock):
     calls, tuned = [], [False]
@@ -206,7 +207,12 @@ def test_retime_after_autotune_splits_the_route(clock):
     assert sm120_fp4.status().routes == {-1: "decode"}
     tuned[0] = True
     calls.clear()
-    serving.retime(sm120_fp4.config.load_settings())
+    from sglang.srt.model_executor.runner.base_runner import BaseRunner
+
+    warmed = []  # SGLang's own warm-up (autotune) stands in here; the library's hook runs after it
+    runner = types.SimpleNamespace(model_context=contextlib.nullcontext, _warmup=lambda: warmed.append(calls[:]))
+    BaseRunner.warmup(runner)
+    assert warmed == [[]], "retime runs after SGLang's warm-up, not before"
     [decision] = serving.decisions()
     assert decision.ranges == [(BOUND, "decode"), (None, "prefill")]
     assert {("decode", BOUND), ("prefill", BOUND + 1)} <= set(calls), "the split is verified at its boundary"

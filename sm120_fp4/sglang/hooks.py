@@ -76,6 +76,18 @@ def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -
     return init_cuda_graphs
 
 
+def make_after_hook(original: Callable, after: Callable[[], object]) -> Callable:
+    """Wrap a call: `after()` once it has returned (not when it raised)."""
+
+    @functools.wraps(original)
+    def hooked(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        after()
+        return result
+
+    return hooked
+
+
 def make_update_hook(original: Callable, begin: Callable | None, end: Callable | None) -> Callable:
     """Wrap a weight-update call: `begin()` before it, `end()` after it whatever it did (either may be None)."""
 

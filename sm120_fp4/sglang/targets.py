@@ -17,7 +17,14 @@ from ..patching import Patcher, PatchSpec
 from ..versions import version_in
 from .autotune import RUNNER as AUTOTUNE_RUNNER
 from .autotune import make_gate as make_autotune_gate
-from .hooks import compressed_tensors_check, make_update_hook, make_warmup_hook, make_weights_hook, modelopt_check
+from .hooks import (
+    compressed_tensors_check,
+    make_after_hook,
+    make_update_hook,
+    make_warmup_hook,
+    make_weights_hook,
+    modelopt_check,
+)
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
 from .release import (
@@ -65,6 +72,7 @@ class Wiring:
     weights_update_end: Callable[[], object] = lambda: None
     make_decline: Callable = lambda original: original
     tuned_families: Callable[[], list[str]] = lambda: []
+    retime: Callable[[], None] = lambda: None
 
 
 def _is_the_alias(original: object) -> str | None:
@@ -140,6 +148,14 @@ _LEDGER = {
     "modelopt-weights": _WEIGHTS,
     "compressed-tensors-weights": _WEIGHTS,
     "recheck": _CAPTURE,
+    "retime": _ledger(
+        "SM120_FP4_SELECT=fastest: right after BaseRunner.warmup (FlashInfer's autotune has picked its tactics) "
+        "and before CUDA-graph capture, time the verified candidates again and route each batch-size range to the "
+        "fastest; nothing changes under the default SELECT=first",
+        "no upstream issue: a choice among verified backends",
+        "when SGLang routes NVFP4 layers to a measured, verified backend per batch size",
+        check=_is_callable,
+    ),
     "moe-runner-config": _ledger(
         "after SGLang initialises its MoE config, pin the runner 'auto' to flashinfer_cutlass for an NVFP4 "
         "checkpoint on a served device: 'auto' would pick flashinfer_trtllm, which does not run on SM12x",
@@ -204,6 +220,7 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
         f"CompressedTensorsW4A4Fp4.{_PWAL}",
         ">=0.5.7",
     ),
+    _target("retime", "post-autotune-retime", BASE_RUNNER, "BaseRunner.warmup", ">=0.5.15"),
     _target("recheck", "post-warmup-recheck", MODEL_RUNNER, "ModelRunner.init_cuda_graphs", ">=0.5.14"),
     _target("recheck", "post-warmup-recheck-legacy", MODEL_RUNNER, "ModelRunner.init_device_graphs", ">=0.5.3,<0.5.14"),
     _target("moe-runner-config", "moe-runner-config-hook", MOE_UTILS, "initialize_moe_config", SEAM_VERSIONS),
@@ -269,6 +286,7 @@ def _makers(w: Wiring) -> dict[str, Callable]:
         "compressed-tensors-weights": weights_hook(
             "CompressedTensorsW4A4Fp4", w.before_dense, compressed_tensors_check
         ),
+        "retime": functools.partial(make_after_hook, after=w.retime),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
         "moe-runner-config": functools.partial(make_config_hook, pin=w.pin_moe_runner),
         "moe-seam": w.make_moe_seam,

@@ -120,6 +120,11 @@ class _Install:
         if quant is not None and quant.nvfp4:
             pin_auto_runner(self.patcher)
 
+    def retime(self) -> None:
+        # BaseRunner.warmup has just run FlashInfer's autotune and graph capture comes next: with SELECT=fastest
+        # the verified candidates are timed again on the tuned tactics, so the captured route is the fastest.
+        serving.retime(self.settings)
+
     def recheck(self, captured: list[int]) -> object:
         done = serving.recheck(self.settings, captured)
         if self.idle is not None:  # the serving canary: its idle hook must be in place, or nothing would run it
@@ -161,6 +166,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
             lambda: serving.weights_update_end(settings),
             make_decline=lambda original: router.make_decline(original, wired.declined),
             tuned_families=wired.tuned_families,
+            retime=wired.retime,
         )
     )
     if wired.idle is not None:
