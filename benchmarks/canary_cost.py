@@ -73,12 +73,12 @@ PAUSES: list[
     tuple[float, float, str]
 ] = []  # every idle point that ran a run: (ms, of it the backend's calls, ms, what)
 _in_run = [0.0]
-_run_pass = verify.Sweep.run_pass
+_run_sweep = verify.Sweep.run
 _run = canary.Canary._run
 
 
 def _recording_pass(self, *args, **kwargs):
-    """verify.Sweep.run_pass, adding up how long the backend's own calls took in it (the rest of a
+    """verify.Sweep.run, adding up how long the backend's own calls took in it (the rest of a
     run, the inputs, the oracle and the comparisons, stays the same on SM120, where the kernel is far
     faster). The device is synchronised first, so that a call's time (it synchronises after the call)
     holds the call's own GPU time and not the oracle's queued before it."""
@@ -86,7 +86,7 @@ def _recording_pass(self, *args, **kwargs):
         torch.cuda.synchronize(self.device)
     before = sum(r.duration_s for r in self.results)
     try:
-        return _run_pass(self, *args, **kwargs)
+        return _run_sweep(self, *args, **kwargs)
     finally:
         _in_run[0] += sum(r.duration_s for r in self.results) - before
 
@@ -101,7 +101,7 @@ def _recording_run(self, job):
         PAUSES.append(((time.perf_counter() - start) * 1e3, _in_run[0] * 1e3, f"{job.served.check.label} M={job.ms}"))
 
 
-verify.Sweep.run_pass = _recording_pass
+verify.Sweep.run = _recording_pass
 canary.Canary._run = _recording_run
 
 

@@ -197,8 +197,8 @@ class MoeLayer(torch.nn.Module):
 
 
 def moe_serve(kernel: str):
-    """The MoE layer's served call: the oracle-backed stand-in for `emulated`, else the backend."""
-    return oracle_moe if kernel == "emulated" else backends.resolve_moe(kernel)
+    """Return the MoE layer's served call: the backend (`emulated`: the oracle's arithmetic, capture-safe)."""
+    return backends.resolve_moe(kernel)
 
 
 def warm_up(kernel: str, scale: int, device, settings, tps: tuple[int, ...]) -> float:
@@ -244,24 +244,6 @@ def time_check(check, device, settings) -> tuple[float, verify.SelfTestReport]:
         CONVERSION_S[0] += seconds
     report, seconds = synced(device.torch_device, lambda: serving.verify_layer(device.index, check, settings))
     return seconds, report
-
-
-def oracle_moe(x, ids, w, *rest):
-    """A fast stand-in MoE kernel: the oracle itself (host syncs, only the routed experts computed),
-    -1 slots skipped as the convention says. What the layer checks cost apart from the kernel."""
-    mine = ids >= 0
-    out = rest[-1]
-    out.copy_(
-        nvfp4.reference_moe_fp4(
-            x,
-            torch.where(mine, ids, torch.zeros_like(ids)),
-            torch.where(mine, w, torch.zeros_like(w)),
-            *rest[:8],
-            activation=rest[8],
-            out_dtype=rest[9],
-        )
-    )
-    return out
 
 
 def time_recheck(label: str, tdev: torch.device, settings) -> tuple[float, list]:
