@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     )
     select: Literal["first", "fastest"] = Field(
         "first",
-        description="first: the first candidate that verifies; fastest: time every verified candidate (the self-test's shapes, then each layer configuration's served calls at its serving batch sizes), take the fastest.",
+        description="first: the first candidate that verifies; fastest: time every verified candidate at the served batch sizes (again after the engine's autotune), serve the fastest, or one per batch-size range where each is faster by at least 3% there.",
     )
     simulate: Annotated[str | None, BeforeValidator(parse_simulate)] = Field(
         None,
