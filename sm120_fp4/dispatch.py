@@ -89,6 +89,21 @@ def _serve(fn: GemmFn, name_of: Callable[[int], str], a, b, a_descale, b_descale
     return out
 
 
+def _not_fp4(a) -> InvalidArgument:
+    """Return the error for an `a` that is no tensor (mm_fp4 takes packed FP4 activations)."""
+    return InvalidArgument(
+        f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
+    )
+
+
+def _say_unknown(unknown: Callable[[int, str, object], None], index: int, backend, block_size, use_8x4, kwargs):
+    """Hand `unknown` the argument of a served device's call that its routed backend was not verified for."""
+    if backend not in flashinfer.ROUTED_BACKENDS and backend not in flashinfer.PASSED_THROUGH_BACKENDS:
+        unknown(index, "backend", backend)  # a backend added after this library: refused by name
+    elif backend in flashinfer.ROUTED_BACKENDS:  # refused by name (or SELFTEST says serve it: the original does)
+        unknown(index, *flashinfer.unrouted_mm_fp4_argument(block_size, use_8x4, kwargs))
+
+
 def mm_fp4_front(
     original: GemmFn,
     route: Callable[[int], GemmFn | None],
@@ -100,8 +115,7 @@ def mm_fp4_front(
 
     `route(index)` is the hot-path lookup, `ensure(index)` decides on first use; on a served device an
     argument the routed backend was not verified for goes to `unknown(index, name, value)` first."""
-    routed, passed = flashinfer.ROUTED_BACKENDS, flashinfer.PASSED_THROUGH_BACKENDS
-    neutral, unrouted = flashinfer.neutral_mm_fp4_keywords, flashinfer.unrouted_mm_fp4_argument
+    routed, neutral = flashinfer.ROUTED_BACKENDS, flashinfer.neutral_mm_fp4_keywords
 
     def flashinfer_fp4_gemm(
         a,
@@ -119,33 +133,17 @@ def mm_fp4_front(
         try:
             index = a.get_device()
         except AttributeError:
-            raise InvalidArgument(
-                f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
-            ) from None
+            raise _not_fp4(a) from None
         plain = backend in routed and block_size == 16 and not use_8x4_sf_layout and (not kwargs or neutral(kwargs))
         fn = route(index)
         if fn is not None and plain and alpha is not None:
             return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
         fn = ensure(index)  # first call on this device: decide (self-test) once
         if fn is not None and unknown is not None and not plain:
-            if backend not in routed and backend not in passed:
-                unknown(index, "backend", backend)  # a backend added after this library: refused by name
-            elif backend in routed:  # refused by name (or SELFTEST says serve it: the original does)
-                unknown(index, *unrouted(block_size, use_8x4_sf_layout, kwargs))
-        if fn is None or not plain:
-            return original(
-                a,
-                b,
-                a_descale,
-                b_descale,
-                alpha,
-                out_dtype,
-                out,
-                block_size=block_size,
-                use_8x4_sf_layout=use_8x4_sf_layout,
-                backend=backend,
-                **kwargs,
-            )
+            _say_unknown(unknown, index, backend, block_size, use_8x4_sf_layout, kwargs)
+        if fn is None or not plain:  # not served here, or an argument the routed backend was not verified for
+            layout = {"block_size": block_size, "use_8x4_sf_layout": use_8x4_sf_layout, "backend": backend}
+            return original(a, b, a_descale, b_descale, alpha, out_dtype, out, **layout, **kwargs)
         alpha = alpha if alpha is not None else _alpha_one(a.device)  # the SM120 kernel requires alpha; None: 1.0
         return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
 

@@ -6,7 +6,8 @@ import argparse
 import os
 
 from .common import EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, _eprint
-from .selftest import _refuse_engine, _settings_and_devices, _unverified_engine, cmd_selftest
+from .engines import _engine_home, _refuse_engine, _unverified_engine
+from .selftest import _settings_and_devices, cmd_selftest
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -147,7 +148,6 @@ def _canary_problem(name: str = "sglang") -> str | None:
     from ..canary import settings_problem
     from ..config import load_settings
     from ..errors import ConfigError
-    from .selftest import _engine_home
 
     try:
         settings = load_settings(toggle=True)

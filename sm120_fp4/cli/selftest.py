@@ -7,12 +7,12 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _eprint, _where
+from .engines import _model_engine_problem, _refuse_engine, _say_unverified_engine, _unverified_engine
 from .workers import INTERRUPTS, _died, _run_model_worker, _run_worker, _Stop
 
 
@@ -78,26 +78,36 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({str(i): r for i, r in results.items()}, indent=2))
     else:
-        from ..tables import markdown_table
+        print("\n".join(_model_rows(results)))
+    return _model_outcome(results)
 
-        rows = []
-        for index, r in results.items():
-            for d in r.get("decisions", []):
-                rows += [
-                    (
-                        d["device"],
-                        d["family"],
-                        layer["config"],
-                        d["backend"],
-                        layer["passed"] and d["verified"],
-                        len(layer["shapes"]),
-                    )
-                    for layer in d["layers"]
-                ]
-            if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
-                rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
-        header = ("device", "kernel", "layer configuration", "backend", "verified", "batch sizes")
-        print("\n".join(markdown_table(header, rows)))
+
+def _model_rows(results: dict[int, dict]) -> list[str]:
+    """Return the table of ``selftest --model``: a row per device, kernel and layer configuration."""
+    from ..tables import markdown_table
+
+    rows = []
+    for index, r in results.items():
+        for d in r.get("decisions", []):
+            rows += [
+                (
+                    d["device"],
+                    d["family"],
+                    layer["config"],
+                    d["backend"],
+                    layer["passed"] and d["verified"],
+                    len(layer["shapes"]),
+                )
+                for layer in d["layers"]
+            ]
+        if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
+            rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
+    header = ("device", "kernel", "layer configuration", "backend", "verified", "batch sizes")
+    return markdown_table(header, rows)
+
+
+def _model_outcome(results: dict[int, dict]) -> int:
+    """Print each failure of ``selftest --model``; return its exit code."""
     for r in results.values():
         if not r.get("ok"):
             _eprint("\n" + r["message"])
@@ -108,17 +118,6 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
     if any(not d["verified"] for r in results.values() for d in r["decisions"]):
         return EXIT_UNVERIFIED
     return EXIT_OK
-
-
-def _model_engine_problem(name: str, settings) -> int | None:
-    """The exit code when the engine `name` cannot build the checkpoint's layers verified here (None: it can)."""
-    if _engine_home(name).engine_version() is None:
-        _eprint(f"sm120-fp4 selftest: --engine {name}: {name} is not installed for {sys.executable}; run it there")
-        return EXIT_USAGE
-    engine = _unverified_engine(name)
-    if engine is not None:  # the checkpoint's layers are built through the engine's: nothing of it is patched
-        return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
-    return None
 
 
 WorkerRunner = Callable[..., "tuple[dict | None, dict | None, int, str]"]
@@ -200,8 +199,6 @@ def _preflight(
 ) -> dict:
     """Self-test `family` on device `index` in workers, recording and skipping candidates that crash one."""
     # An interruption records nothing and stops; SIGKILL records nothing and retries (SIGKILL_RETRIES).
-    from .. import verdicts
-
     stop = stop or _Stop()
     label = _where(index) + ("" if family == "dense" else " moe")
     crashed: dict[str, str] = {}
@@ -228,37 +225,52 @@ def _preflight(
                 "message": f"self-test worker ({label}) {_died(code)} outside any candidate:\n{stderr}",
             }
         name = event["backend"]
-        if code == -signal.SIGKILL:
-            killed[name] = killed.get(name, 0) + 1
-            what = (
-                f"[{label}] the self-test worker was killed by SIGKILL during the {event['event']} of {name} (the "
-                "out-of-memory killer, or kill -9): not a verdict on the kernel, nothing recorded"
-            )
-            if killed[name] <= SIGKILL_RETRIES:
-                _eprint(f"{what}; running it again")
-                continue
-            return {
-                "ok": False,
-                "usage": True,
-                "killed": True,
-                "message": f"{what}; it happened {killed[name]} times, so the preflight stops here. Check the memory "
-                "(dmesg, the container's limit) and run it again",
-            }
-        why = f"the {event['event']} of {name} {_died(code)}"
-        crashed[name] = why
-        path = settings.verdicts_path
-        if path is None:
-            unrecorded[name] = "no verdict store (SM120_FP4_VERDICTS=off, or no home directory for the default one)"
-        else:
-            try:
-                verdicts.record(path, event["key"], family, name, verdicts.CRASHED, why)
-            except OSError as exc:
-                unrecorded[name] = _store_failed(path, exc)
-        # Said once: recorded, or not (and why); serving workers skip only what the store holds.
-        where = (
-            f"NOT recorded as crashed: {unrecorded[name]}" if name in unrecorded else f"recorded as crashed in {path}"
-        )
-        _eprint(f"[{label}] {why}: {where}; re-running the self-test without it")
+        if code != -signal.SIGKILL:
+            _note_crash(settings, family, label, event, code, crashed, unrecorded)
+            continue
+        killed[name] = killed.get(name, 0) + 1
+        gave_up = _killed(label, event, killed[name])
+        if gave_up is not None:
+            return gave_up
+
+
+def _killed(label: str, event: dict, times: int) -> dict | None:
+    """Say a worker was killed by SIGKILL; return None to run it again, or the result that stops the preflight."""
+    what = (
+        f"[{label}] the self-test worker was killed by SIGKILL during the {event['event']} of {event['backend']} (the "
+        "out-of-memory killer, or kill -9): not a verdict on the kernel, nothing recorded"
+    )
+    if times <= SIGKILL_RETRIES:
+        _eprint(f"{what}; running it again")
+        return None
+    return {
+        "ok": False,
+        "usage": True,
+        "killed": True,
+        "message": f"{what}; it happened {times} times, so the preflight stops here. Check the memory "
+        "(dmesg, the container's limit) and run it again",
+    }
+
+
+def _note_crash(
+    settings, family: str, label: str, event: dict, code: int, crashed: dict[str, str], unrecorded: dict[str, str]
+) -> None:
+    """Add the candidate that crashed a worker to `crashed`, record it (or why not in `unrecorded`), and say so."""
+    from .. import verdicts
+
+    name = event["backend"]
+    crashed[name] = why = f"the {event['event']} of {name} {_died(code)}"
+    path = settings.verdicts_path
+    if path is None:
+        unrecorded[name] = "no verdict store (SM120_FP4_VERDICTS=off, or no home directory for the default one)"
+    else:
+        try:
+            verdicts.record(path, event["key"], family, name, verdicts.CRASHED, why)
+        except OSError as exc:
+            unrecorded[name] = _store_failed(path, exc)
+    # Said once: recorded, or not (and why); serving workers skip only what the store holds.
+    where = f"NOT recorded as crashed: {unrecorded[name]}" if name in unrecorded else f"recorded as crashed in {path}"
+    _eprint(f"[{label}] {why}: {where}; re-running the self-test without it")
 
 
 def _stopped(label: str, signum: int, event: dict | None) -> dict:
@@ -398,38 +410,6 @@ def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet
         )
         return EXIT_UNVERIFIED
     return EXIT_OK
-
-
-ENGINE_NAMES = ("sglang", "vllm")  # the NAMEs of api.ENGINES, listed here so that parsing imports no engine home
-
-
-def _engine_home(name: str):
-    from ..api import ENGINES
-
-    return next(home for home in ENGINES if home.NAME == name)
-
-
-def _unverified_engine(name: str = "sglang") -> tuple[str, str] | None:
-    """(what it means, what makes it verified) when the installed engine is a release this library cannot patch."""
-    return _engine_home(name).unverified_release()
-
-
-def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | None:
-    """Refuse to start under SELFTEST=strict unless opted out (exit 2, saying how to proceed); None: not refused."""
-    if settings.selftest != "strict" or settings.unsupported_release != "refuse":
-        return None
-    from ..sglang import OPT_OUT_SAYS
-
-    means, remedy = engine
-    _eprint(f"sm120-fp4 {command}: refusing to start: {means}.\nTo proceed: {remedy}; or {OPT_OUT_SAYS}.")
-    return EXIT_USAGE
-
-
-def _say_unverified_engine(engine: tuple[str, str], what: str) -> int:
-    """Say that the engine release is outside the supported range; return exit 3 (unverified)."""
-    means, remedy = engine
-    _eprint(f"sm120-fp4 selftest: {means}; {what}: exit {EXIT_UNVERIFIED}.\nTo verify them: {remedy}.")
-    return EXIT_UNVERIFIED
 
 
 def _write_preflight_report(settings, results: dict[tuple[str, int], dict]) -> None:

@@ -23,7 +23,7 @@ from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _emit, _
 
 def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
     """Run decide() for one device and family here; `emit` one JSON event per candidate, then the result."""
-    from .. import backends, deciding, devices, serving, verdicts
+    from .. import deciding, verdicts
     from ..config import check_flashinfer_env, load_settings
     from ..errors import ConfigError, RefusedToServe
 
@@ -32,38 +32,14 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
     try:
         settings = load_settings(toggle=True)  # the preflight verifies what workers would run with the toggle on
         check_flashinfer_env()
-        # This process is about to use CUDA: CUDA itself says which GPU the ordinal is.
-        device = devices.get_device(args.device, settings.simulated_capability, init_cuda=True)
-        if args.uuid and device.uuid is not None and not devices.same_uuid(device.uuid, args.uuid):
-            raise LookupError(
-                f"cuda:{args.device} is GPU {device.uuid} ({device.name!r}) in this self-test worker, but the "
-                f"preflight numbered GPU {args.uuid} cuda:{args.device}: CUDA's numbering differs between the two "
-                f"processes; not self-testing a GPU other than the one named ({devices.PCI_ORDER_FIX})"
-            )
+        device = _worker_device(args, settings)
         key = verdicts.device_key(device)
         for item in args.crashed or []:
             name, _, why = item.partition("=")
             verdicts.note_crash(family, name, why)
         if args.backend:
             deciding.candidate_names(settings, args.backend, deciding.FAMILIES[family], device, source="--backend")
-        kind = backends.get_moe if family == "moe" else backends.get
-
-        def announce(event, fam, dev, name):
-            emit(
-                {
-                    "event": event,
-                    "family": fam,
-                    "backend": name,
-                    "flashinfer": kind(name).kind == "flashinfer",
-                    "key": key,
-                }
-            )
-
-        deciding.candidate_hook = announce
-        try:
-            decision = serving.decide(device, args.backend or None, settings=settings, family=family)
-        finally:
-            deciding.candidate_hook = None
+        decision = _decide_announcing(args, settings, device, family, key, emit)
     except (ConfigError, LookupError) as exc:
         emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
@@ -84,6 +60,39 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
         return EXIT_REFUSED
     emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key, "report": _own_report()})
     return EXIT_OK if decision.verified else EXIT_UNVERIFIED
+
+
+def _worker_device(args: argparse.Namespace, settings):
+    """Return the worker's device, or raise LookupError where CUDA numbers it as another GPU than the parent's."""
+    from .. import devices
+
+    # This process is about to use CUDA: CUDA itself says which GPU the ordinal is.
+    device = devices.get_device(args.device, settings.simulated_capability, init_cuda=True)
+    if args.uuid and device.uuid is not None and not devices.same_uuid(device.uuid, args.uuid):
+        raise LookupError(
+            f"cuda:{args.device} is GPU {device.uuid} ({device.name!r}) in this self-test worker, but the "
+            f"preflight numbered GPU {args.uuid} cuda:{args.device}: CUDA's numbering differs between the two "
+            f"processes; not self-testing a GPU other than the one named ({devices.PCI_ORDER_FIX})"
+        )
+    return device
+
+
+def _decide_announcing(args: argparse.Namespace, settings, device, family: str, key: dict, emit: Callable):
+    """Return serving.decide()'s decision, emitting an event right before each candidate runs (self-test, timing)."""
+    from .. import backends, deciding, serving
+
+    kind = backends.get_moe if family == "moe" else backends.get
+
+    def announce(event, fam, dev, name):
+        emit(
+            {"event": event, "family": fam, "backend": name, "flashinfer": kind(name).kind == "flashinfer", "key": key}
+        )
+
+    deciding.candidate_hook = announce
+    try:
+        return serving.decide(device, args.backend or None, settings=settings, family=family)
+    finally:
+        deciding.candidate_hook = None
 
 
 def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
