@@ -1,9 +1,7 @@
 """SGLang's FlashInfer autotune gate (0.5.15+), widened to the NVFP4 layers this library serves.
 
-SGLang tunes only for a FlashInfer MoE runner *string* or a ModelOpt quantization name, so a compressed-tensors
-checkpoint, or a runner pinned from ``auto``, is never tuned. Where that alone makes SGLang's gate say no, the gate
-is asked again with the runner string read as ``flashinfer_cutlass`` (so each of SGLang's other refusals stands),
-and says yes where a served backend is one FlashInfer's autotuner tunes.
+SGLang tunes only for a FlashInfer MoE runner string or a ModelOpt quantization; where that alone says no, the gate
+is asked again with the runner read as ``flashinfer_cutlass`` and says yes for a served backend FlashInfer tunes.
 """
 
 from __future__ import annotations
@@ -56,28 +54,21 @@ def _configured_runner(model_runner, for_speculative_draft: bool) -> str | None:
 @contextlib.contextmanager
 def _as_explicit_runner(model_runner, for_speculative_draft: bool) -> Iterator[None]:
     """Make SGLang's configured MoE runner string(s) read as `RUNNER` in this scope (one gate call at warm-up)."""
-    if _reads_server_args():
-        args = model_runner.server_args
-        names = ["moe_runner_backend"] + (
-            ["speculative_moe_runner_backend"]
-            if for_speculative_draft and getattr(args, "speculative_moe_runner_backend", None)
-            else []
-        )
-        saved = {name: getattr(args, name) for name in names}
-        try:
-            for name in names:
-                setattr(args, name, RUNNER)
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(args, name, value)
-        return
-    context = sys.modules[RUNTIME_CONTEXT]
     with contextlib.ExitStack() as stack:
-        stack.enter_context(context.get_exec().moe.override(moe_runner_backend=RUNNER))
-        spec = context.get_spec()
-        if for_speculative_draft and spec.speculative_moe_runner_backend:
-            stack.enter_context(spec.override(speculative_moe_runner_backend=RUNNER))
+        if _reads_server_args():
+            args = model_runner.server_args
+            names = ["moe_runner_backend"]
+            if for_speculative_draft and getattr(args, "speculative_moe_runner_backend", None):
+                names.append("speculative_moe_runner_backend")
+            for name in names:
+                stack.callback(setattr, args, name, getattr(args, name))
+                setattr(args, name, RUNNER)
+        else:
+            context = sys.modules[RUNTIME_CONTEXT]
+            stack.enter_context(context.get_exec().moe.override(moe_runner_backend=RUNNER))
+            spec = context.get_spec()
+            if for_speculative_draft and spec.speculative_moe_runner_backend:
+                stack.enter_context(spec.override(speculative_moe_runner_backend=RUNNER))
         yield
 
 

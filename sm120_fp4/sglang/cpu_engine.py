@@ -1,8 +1,7 @@
 """The import-time stand-in for SGLang's CUDA-only kernel package ``sgl_kernel`` (simulation only).
 
-An installed package that cannot load is replaced by a stand-in whose names raise when called. With SGLang's
-CPU engine selected (``SGLANG_USE_CPU_ENGINE=1``), whose CPU build of the package the index does not carry, a
-missing one is stood in for too, serving in pure PyTorch the one op a request calls (:data:`OPS`).
+With SGLang's CPU engine selected (``SGLANG_USE_CPU_ENGINE=1``) a missing package is stood in for too, serving
+in pure PyTorch the one op a request calls (:data:`OPS`); its other names raise when called.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import threading
 import types
 from typing import Callable
 
-import torch
-
 __all__ = ["OPS", "ENGINE_FLAG", "KERNEL_PACKAGE", "cpu_engine_selected", "kernel_package_stand_in"]
 
 KERNEL_PACKAGE = "sgl_kernel"
@@ -31,14 +28,7 @@ def cpu_engine_selected(environ=os.environ) -> bool:
     return environ.get(ENGINE_FLAG, "0") == "1"
 
 
-def assign_req_to_token_pool_cpu(
-    req_pool_indices: torch.Tensor,
-    req_to_token: torch.Tensor,
-    start_offset: torch.Tensor,
-    end_offset: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-    pool_len: int,
-) -> None:
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     """Write each request's run of ``out_cache_loc`` into its ``req_to_token`` row, as SGLang's Triton kernel."""
     if req_to_token.dim() != 2 or req_to_token.shape[1] != pool_len:
         raise ValueError(

@@ -297,9 +297,8 @@ def _served_cases(
         qx = torch.nn.functional.pad(qx, (0, (k_weight - k) // 2))
     # The checkpoint's bytes: where a backend converted the served storage in place (humming), its kept copy.
     ref_weight, ref_sf = backends.original(weight), backends.original(weight_sf)
-    reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)[
-        :, :n_out
-    ]
+    reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)
+    reference = reference[:, :n_out]
     return verify.served_cases(ms, n_out, k, serve, x, reference, watched)
 
 
@@ -333,11 +332,7 @@ def dense_check(
     key = (kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
     def cases(ms: list[int]) -> list[verify.Case]:
-        return [
-            case
-            for i, dtype in enumerate(dtypes)
-            for case in _served_cases(serve, watched, n_out, k, ms, dtype, 1000 + i)
-        ]
+        return [c for i, d in enumerate(dtypes) for c in _served_cases(serve, watched, n_out, k, ms, d, 1000 + i)]
 
     return LayerCheck(
         weight.get_device(),

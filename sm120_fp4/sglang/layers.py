@@ -1,8 +1,6 @@
-"""Build SGLang's real NVFP4 linear layer from one layer's checkpoint tensors.
+"""Build SGLang's real NVFP4 linear layer from one layer's checkpoint tensors (demo, selftest --model).
 
-Shared by ``sm120-fp4 demo`` and ``sm120-fp4 selftest --model`` (:mod:`.model_check`); the MoE twin
-is :mod:`.moe_layers`. SGLang's own create_weights, then the tensors put where its loader puts them,
-then process_weights_after_loading (where the patched hook verifies the layer).
+SGLang's own create_weights, the tensors placed as its loader places them, then process_weights_after_loading.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Verify a checkpoint's own NVFP4 layers on this device, without a server (``sm120-fp4 selftest --model DIR``).
 
-Layers are grouped as SGLang serves them (shards fused per the model's ``packed_modules_mapping``); the
-first layer of each distinct configuration is built through SGLang's own layers from the checkpoint's
-tensors, and the patched weights hooks verify it as in a server. A failure raises RefusedToServe.
+The first layer of each distinct configuration (shards fused as SGLang fuses them) is built through SGLang's own
+layers and verified by the patched weights hooks; a failure raises RefusedToServe.
 """
 
 from __future__ import annotations

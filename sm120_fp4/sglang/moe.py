@@ -1,14 +1,12 @@
-"""SGLang's NVFP4 fused-MoE path: route its kernel seam to the verified backend, and verify each layer.
+"""SGLang's NVFP4 fused-MoE path: route its kernel seam (0.5.15+) to the verified backend, and verify each layer.
 
-The seam (0.5.15+) ``_flashinfer_cutlass_fused_moe()`` returns a front that serves NVFP4 calls with the
-device's MoE backend. The weights hooks decide that backend, refuse gate/up global scales that differ,
-and verify each layer through the seam as SGLang calls it. SGLang's ``auto`` runner (flashinfer_trtllm,
-which does not run on SM12x) is pinned to flashinfer_cutlass for NVFP4 checkpoints; any other runner is
-refused. Before 0.5.15 there is no seam, and NVFP4 MoE layers are refused unless SM120_FP4_SELFTEST says.
+SGLang's runner 'auto' (flashinfer_trtllm, not on SM12x) is pinned to flashinfer_cutlass for NVFP4 checkpoints;
+any other runner, differing gate/up global scales, or a release without the seam is refused (SM120_FP4_SELFTEST).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
@@ -53,20 +51,14 @@ MOE_RUNNER_PIN = PatchSpec(
     upstream="no upstream issue; SGLang's SM120 rule lives in _moe_runner_backend_quant_constraints (CLI only)",
     remove_when="when SGLang resolves 'auto' for NVFP4 MoE on SM12x from the checkpoint's own quantization",
 )
-MOE_RUNNER_PIN_LEGACY = PatchSpec(
+MOE_RUNNER_PIN_LEGACY = dataclasses.replace(
+    MOE_RUNNER_PIN,
     name="moe-runner-backend-pin-legacy",
     module=MOE_UTILS,
     attribute="MOE_RUNNER_BACKEND",
-    distribution=DISTRIBUTION,
     versions=">=0.5.15,<0.5.16",
     why=_PIN_WHY + " (0.5.15-0.5.15.post1: the module global MOE_RUNNER_BACKEND)",
-    upstream=MOE_RUNNER_PIN.upstream,
-    remove_when=MOE_RUNNER_PIN.remove_when,
 )
-
-
-def _runner_name(value: object) -> str:
-    return str(getattr(value, "value", value))
 
 
 def make_config_hook(original: Callable, pin: Callable[[str | None], None]) -> Callable:
@@ -124,7 +116,7 @@ def served_runner(method: object) -> str:
     if backend is None:
         module = sys.modules.get(MOE_UTILS)
         backend = module.get_moe_runner_backend() if module is not None else None
-    return _runner_name(backend) if backend is not None else "unknown"
+    return str(getattr(backend, "value", backend)) if backend is not None else "unknown"
 
 
 def runner_problem(kind: str, method: object) -> str | None:
@@ -199,9 +191,9 @@ class ProcessedMoe(NamedTuple):
 def processed_weights(layer: object) -> ProcessedMoe | None:
     """Return the tensors SGLang passes to the kernel (None: not the cutlass layout)."""
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
-    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dtype == torch.uint8):
-        return None
-    if w13.dim() != 3:
+    if not (
+        isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dtype == torch.uint8 and w13.dim() == 3
+    ):
         return None
     # ModelOpt keeps the swizzled scales in *_blockscale_swizzled; compressed-tensors under *_weight_scale.
     w13_sf = getattr(layer, "w13_blockscale_swizzled", None)

@@ -1,10 +1,7 @@
-"""Build SGLang's real NVFP4 FusedMoE layer on this device from a checkpoint's expert tensors, and run it.
+"""Build SGLang's real NVFP4 FusedMoE layer from a checkpoint's expert tensors, and run it (selftest --model, demo).
 
-Shared by ``sm120-fp4 selftest --model`` (:mod:`.model_check`) and ``sm120-fp4 demo``; the dense twin is
-:mod:`.layers`. The tensors go through SGLang's own ``FusedMoE.weight_loader`` (its EP/TP slicing and
-``[up; gate]`` row order), then ``process_weights_after_loading`` (where the patched hooks verify).
-Everything SGLang reads comes from its scoped seams, held by :func:`sglang_moe_context` and undone on
-exit. The forward reaches the fused-MoE seam, which raises without CUDA unless a backend is installed.
+The tensors go through SGLang's own weight_loader and process_weights_after_loading (where the hooks verify),
+inside SGLang's scoped runtime seams (:func:`sglang_moe_context`), undone on exit.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ import torch
 
 from .. import locks
 from ..errors import ConfigError, InvalidArgument, check_ranks, not_accepted
+from .release import RUNTIME_CONTEXT, platform_facts, sglang_version
 
 __all__ = [
     "SEAMS",
@@ -47,15 +45,6 @@ COMPRESSED_TENSORS = "compressed-tensors"  # named by a checkpoint's config.json
 _FORMATS = {"modelopt": MODELOPT, "compressed-tensors": COMPRESSED_TENSORS}  # sm120_fp4.checkpoints' names
 _ACTIVATIONS = {"swiglu": ("silu", True), "relu2": ("relu2", False)}  # ours -> (SGLang's activation, is_gated)
 _PREFIX = "model.layers.0.mlp.experts"  # the layer's name in the (imaginary) model
-_SM120_FACTS = {
-    "is_blackwell": True,
-    "is_sm120": True,
-    "is_sm100": False,
-    "is_sm100_or_sm110": False,
-    "is_sm110": False,
-    "device_capability": (12, 0),
-    "device_sm": 120,
-}
 _FP4 = {
     "num_bits": 4,
     "type": "float",
@@ -126,8 +115,6 @@ TINY_MODEL_CONFIG = {
 
 def builder_problem() -> str | None:
     """Return why this SGLang cannot build a simulated MoE layer here (a scoped seam it lacks), or None."""
-    from .release import RUNTIME_CONTEXT, sglang_version
-
     try:
         module = importlib.import_module(RUNTIME_CONTEXT)
     except Exception as exc:
@@ -233,14 +220,12 @@ def sglang_moe_context(
     from sglang.srt.layers.moe import utils as moe_utils
     from sglang.srt.server_args import ServerArgs
 
-    known = set(getattr(rc, "_PLATFORM_PROBES", {})) | set(getattr(rc, "_PLATFORM_VALUES", {}))
-    facts = {k: v for k, v in _SM120_FACTS.items() if not known or k in known}
     with _LOCK, contextlib.ExitStack() as stack:
         model_dir = _write_model_dir(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="sm120_fp4_moe_")), quantization
         )
         stack.enter_context(_environ_restored())
-        stack.enter_context(rc.override_platform(**facts))
+        stack.enter_context(rc.override_platform(**platform_facts(rc, (12, 0))))
         # compressed-tensors is named by config.json only (as SGLang resolves such a checkpoint): SGLang
         # refuses an explicit --quantization compressed-tensors with flashinfer_cutlass (use "auto" there).
         args = ServerArgs(

@@ -1,7 +1,6 @@
 """Every stand-in that lets SGLang's real FP4 path run without an SM120 GPU (``SM120_FP4_SIMULATE`` only).
 
-Each is recorded in the patch ledger, logged as simulated and undone by ``uninstall()``; which activation
-quantizer is stood in for is read from the release's own code, not a version range.
+Each is in the patch ledger, logged as simulated and undone by ``uninstall()``.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from ..errors import say_once
 from ..patching import Patcher, PatchSpec
 from .cpu_engine import KERNEL_PACKAGE, cpu_engine_selected, kernel_package_stand_in
 from .cpu_engine import OPS as CPU_ENGINE_OPS
-from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, sglang_version, supported
+from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, platform_facts, sglang_version, supported
 
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
@@ -166,14 +165,8 @@ def quantizer_plan(module: Any) -> list[tuple[PatchSpec, str, str | None]]:
             other = ", ".join(sorted(called & set(known)))
             plan.append((spec, "not needed", f"{caller} in this release calls {other}, not {spec.attribute}"))
         elif spec.make is not None and spec.attribute not in vars(module):
-            plan.append(
-                (
-                    spec,
-                    "fails",
-                    f"cannot take effect: {caller} calls {spec.attribute}, but {module.__name__} "
-                    "binds no such module global to replace",
-                )
-            )
+            why = f"cannot take effect: {caller} calls {spec.attribute}, but {module.__name__} binds no such module "
+            plan.append((spec, "fails", why + "global to replace"))
         else:
             plan.append((spec, "applies", None))
     return plan
@@ -239,23 +232,11 @@ class Simulation:
         if override is None:
             self.patcher.note(spec, "skipped", "this SGLang release has no override_platform")
             return
-        major, minor = self.capability
-        facts = {
-            "is_blackwell": major in (10, 11, 12),
-            "is_sm120": major == 12,
-            "is_sm100": major == 10,
-            "is_sm100_or_sm110": major in (10, 11),
-            "is_sm110": major == 11,
-            "device_capability": (major, minor),
-            "device_sm": major * 10 + minor,
-        }
-        known = set(getattr(module, "_PLATFORM_PROBES", {})) | set(getattr(module, "_PLATFORM_VALUES", {}))
-        scope = override(**{k: v for k, v in facts.items() if not known or k in known})
+        scope = override(**platform_facts(module, self.capability))
         scope.install()
-        with self._lock:
-            self._undo.append(scope.restore)
+        self._keep(scope.restore)
         self.patcher.note(spec, "applied", None)
-        _LOG.warning("sm120_fp4: SIMULATION: SGLang's platform facts now report sm_%d%d", major, minor)
+        _LOG.warning("sm120_fp4: SIMULATION: SGLang's platform facts now report sm_%d%d", *self.capability)
 
     def on_modelopt(self, module: Any) -> None:
         self.activation_quantizers(module)
@@ -288,8 +269,7 @@ class Simulation:
                 else:
                     module.scaled_fp4_quant = original
 
-        with self._lock:
-            self._undo.append(undo)
+        self._keep(undo)
         self.patcher.note(spec, "applied", None)
 
     def fp4_gemm_cpu_kernel(self, module: Any) -> None:
@@ -302,12 +282,8 @@ class Simulation:
             self.patcher.note(spec, "skipped", "not needed: this release has no sglang::fp4_gemm custom op")
             return
         if _has_cpu_kernel(OP_NAME):
-            self.patcher.note(
-                spec,
-                "skipped",
-                f"not needed: SGLang registered {OP_NAME} for every device (no "
-                "device-specific kernel), so its own Python body already runs on a CPU",
-            )
+            why = f"not needed: SGLang registered {OP_NAME} for every device (no device-specific kernel), so its own "
+            self.patcher.note(spec, "skipped", why + "Python body already runs on a CPU")
             return
         body = _op_body(module)
         if body is None:
@@ -320,8 +296,7 @@ class Simulation:
             return
         library = torch.library.Library("sglang", "IMPL")
         library.impl("fp4_gemm", body, "CPU")
-        with self._lock:
-            self._undo.append(library._destroy)
+        self._keep(library._destroy)
         self.patcher.note(spec, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: registered a CPU kernel for sglang::fp4_gemm")
 
@@ -336,8 +311,7 @@ class Simulation:
             return
         serve = CPU_ENGINE_OPS if cpu_engine_selected() else None
         remove = kernel_package_stand_in(lambda reason: self._kernel_stand_in_used(spec, reason, serve), serve)
-        with self._lock:
-            self._undo.append(remove)
+        self._keep(remove)
 
     def _kernel_stand_in_used(self, spec: PatchSpec, reason: str, serve: dict | None) -> None:
         self.patcher.note(spec, "applied", None)
@@ -349,6 +323,10 @@ class Simulation:
             reason,
             served,
         )
+
+    def _keep(self, step: Callable[[], None]) -> None:
+        with self._lock:
+            self._undo.append(step)
 
     def undo(self) -> None:
         with self._lock:

@@ -1,7 +1,6 @@
 """Which SGLang attribute to patch in which release, and why: the runtime patch targets, as one declared table.
 
-The facts behind each row were read from every release's wheel (docs/sglang-releases.md);
-``patches/LEDGER.md`` is generated from :func:`ledger_rows` (``scripts/ledger.py``).
+Facts read from every release's wheel (docs/sglang-releases.md); ``patches/LEDGER.md`` is made from :func:`ledger_rows`.
 """
 
 from __future__ import annotations
@@ -203,32 +202,28 @@ _UPDATES = (
     (WEIGHT_UPDATER, "WeightUpdater", "update_weights_from_distributed", ">=0.5.16,<0.5.21"),
     (WEIGHT_UPDATER, "WeightUpdater", "load_weights_from_distributed", ">=0.5.21"),
 )
-# Every runtime patch target of every supported release, in the order they are applied: (what replaces it, the
-# target with its version guard and its ledger text).
-TARGETS: tuple[tuple[str, PatchSpec], ...] = (
-    _target("dispatch", "flashinfer-fp4-gemm-alias", MQ, "flashinfer_fp4_gemm", ">=0.5.8"),
-    _target("dispatch", "fp4-gemm-alias-legacy", MQ, "fp4_gemm", ">=0.5.3,<0.5.8"),
-    _target("decline", "kda-nvfp4-gemm-fast-path-declined", KERNEL_OPS_GEMM, "try_qwen3x_nvfp4_gemm", ">=0.5.20"),
-    _target("autotune-gate", "flashinfer-autotune-gate", AUTOTUNE, _GATE, ">=0.5.15"),
+_ROWS = (
+    ("dispatch", "flashinfer-fp4-gemm-alias", MQ, "flashinfer_fp4_gemm", ">=0.5.8"),
+    ("dispatch", "fp4-gemm-alias-legacy", MQ, "fp4_gemm", ">=0.5.3,<0.5.8"),
+    ("decline", "kda-nvfp4-gemm-fast-path-declined", KERNEL_OPS_GEMM, "try_qwen3x_nvfp4_gemm", ">=0.5.20"),
+    ("autotune-gate", "flashinfer-autotune-gate", AUTOTUNE, _GATE, ">=0.5.15"),
     # base_runner imports the gate by name (BaseRunner._warmup calls it); the speculative draft, through the module.
-    _target("autotune-gate", "flashinfer-autotune-gate-base-runner", BASE_RUNNER, _GATE, ">=0.5.15"),
-    _target("modelopt-weights", "modelopt-fp4-weights-hook", MQ, f"ModelOptFp4LinearMethod.{_PWAL}", ">=0.5.3"),
-    _target(
+    ("autotune-gate", "flashinfer-autotune-gate-base-runner", BASE_RUNNER, _GATE, ">=0.5.15"),
+    ("modelopt-weights", "modelopt-fp4-weights-hook", MQ, f"ModelOptFp4LinearMethod.{_PWAL}", ">=0.5.3"),
+    (
         "compressed-tensors-weights",
         "compressed-tensors-w4a4-weights-hook",
         CT,
         f"CompressedTensorsW4A4Fp4.{_PWAL}",
         ">=0.5.7",
     ),
-    _target("retime", "post-autotune-retime", BASE_RUNNER, "BaseRunner.warmup", ">=0.5.15"),
-    _target("recheck", "post-warmup-recheck", MODEL_RUNNER, "ModelRunner.init_cuda_graphs", ">=0.5.14"),
-    _target("recheck", "post-warmup-recheck-legacy", MODEL_RUNNER, "ModelRunner.init_device_graphs", ">=0.5.3,<0.5.14"),
-    _target("moe-runner-config", "moe-runner-config-hook", MOE_UTILS, "initialize_moe_config", SEAM_VERSIONS),
-    _target("moe-seam", "fused-moe-kernel-seam", MOE_RUNNER_FC, "_flashinfer_cutlass_fused_moe", SEAM_VERSIONS),
-    _target(
-        "modelopt-moe-weights", "modelopt-nvfp4-moe-weights-hook", MQ, f"ModelOptNvFp4FusedMoEMethod.{_PWAL}", ">=0.5.3"
-    ),
-    _target(
+    ("retime", "post-autotune-retime", BASE_RUNNER, "BaseRunner.warmup", ">=0.5.15"),
+    ("recheck", "post-warmup-recheck", MODEL_RUNNER, "ModelRunner.init_cuda_graphs", ">=0.5.14"),
+    ("recheck", "post-warmup-recheck-legacy", MODEL_RUNNER, "ModelRunner.init_device_graphs", ">=0.5.3,<0.5.14"),
+    ("moe-runner-config", "moe-runner-config-hook", MOE_UTILS, "initialize_moe_config", SEAM_VERSIONS),
+    ("moe-seam", "fused-moe-kernel-seam", MOE_RUNNER_FC, "_flashinfer_cutlass_fused_moe", SEAM_VERSIONS),
+    ("modelopt-moe-weights", "modelopt-nvfp4-moe-weights-hook", MQ, f"ModelOptNvFp4FusedMoEMethod.{_PWAL}", ">=0.5.3"),
+    (
         "compressed-tensors-moe-weights",
         "compressed-tensors-nvfp4-moe-weights-hook",
         CT_MOE,
@@ -236,12 +231,10 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
         ">=0.5.9",
     ),
     # The scheduler's capture calls, so that the draft model's graphs are re-checked too.
-    _target("recheck", "post-capture-recheck-all-graphs", SCHEDULER, "Scheduler.init_all_cuda_graphs", ">=0.5.14"),
-    _target(
-        "recheck", "post-capture-recheck-model-workers", SCHEDULER, "Scheduler.init_model_worker", ">=0.5.7,<0.5.14"
-    ),
+    ("recheck", "post-capture-recheck-all-graphs", SCHEDULER, "Scheduler.init_all_cuda_graphs", ">=0.5.14"),
+    ("recheck", "post-capture-recheck-model-workers", SCHEDULER, "Scheduler.init_model_worker", ">=0.5.7,<0.5.14"),
     *(
-        _target(
+        (
             "weights-update",
             f"reverify-after-{method.replace('_', '-')}{'-component' if module == WEIGHT_UPDATER else ''}",
             module,
@@ -250,17 +243,18 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
         )
         for module, owner, method, versions in _UPDATES
     ),
-    _target(
+    (
         "weights-update-begin",
         "weight-update-session-begin",
         WEIGHT_UPDATER,
         "WeightUpdater.begin_weight_update",
         ">=0.5.21",
     ),
-    _target(
-        "weights-update-end", "weight-update-session-end", WEIGHT_UPDATER, "WeightUpdater.end_weight_update", ">=0.5.21"
-    ),
+    ("weights-update-end", "weight-update-session-end", WEIGHT_UPDATER, "WeightUpdater.end_weight_update", ">=0.5.21"),
 )
+# Every runtime patch target of every supported release, in the order they are applied: (what replaces it, the
+# target with its version guard and its ledger text).
+TARGETS: tuple[tuple[str, PatchSpec], ...] = tuple(_target(*row) for row in _ROWS)
 
 
 def _makers(w: Wiring) -> dict[str, Callable]:
@@ -305,17 +299,14 @@ def specs(w: Wiring) -> list[PatchSpec]:
 
 
 # The scheduler loop's idle point in each release (the serving canary's place).
-_IDLE_POINTS = (
-    _target("idle", "scheduler-idle-canary", SCHEDULER, "Scheduler.on_idle", ">=0.5.13"),
-    _target("idle", "scheduler-idle-canary-mixin", SCHEDULER_CHECKER, f"{_MIXIN}.on_idle", ">=0.5.11,<0.5.13"),
-    _target(
-        "idle",
-        "scheduler-idle-canary-self-check",
-        SCHEDULER_CHECKER,
-        f"{_MIXIN}.self_check_during_idle",
-        ">=0.5.4,<0.5.11",
-    ),
-    _target("idle", "scheduler-idle-canary-legacy", SCHEDULER, "Scheduler.self_check_during_idle", ">=0.5.3,<0.5.4"),
+_IDLE_POINTS = tuple(
+    _target("idle", *row)
+    for row in (
+        ("scheduler-idle-canary", SCHEDULER, "Scheduler.on_idle", ">=0.5.13"),
+        ("scheduler-idle-canary-mixin", SCHEDULER_CHECKER, f"{_MIXIN}.on_idle", ">=0.5.11,<0.5.13"),
+        ("scheduler-idle-canary-self-check", SCHEDULER_CHECKER, f"{_MIXIN}.self_check_during_idle", ">=0.5.4,<0.5.11"),
+        ("scheduler-idle-canary-legacy", SCHEDULER, "Scheduler.self_check_during_idle", ">=0.5.3,<0.5.4"),
+    )
 )
 
 

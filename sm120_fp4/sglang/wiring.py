@@ -134,7 +134,7 @@ class _Install:
 
     def tuned_families(self) -> list[str]:
         """Return the NVFP4 families served on this process's device with a backend FlashInfer's autotuner tunes."""
-        return tunable_backends({f: serving.routes(f) for f in ("dense", "moe")}, _current_index(self.settings))
+        return tunable_backends({f: serving.routes(f) for f in ("dense", "moe")}, _current_index())
 
 
 def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
@@ -213,14 +213,14 @@ def _require_idle_hook(patcher, spec, settings) -> None:
     )
 
 
-def _current_index(settings) -> int:
+def _current_index() -> int:
     """Return the CUDA ordinal this process computes on (-1: CPU tensors, in simulation)."""
     return torch.cuda.current_device() if torch.cuda.is_available() else -1
 
 
 def _serves_current_device(settings) -> bool:
     """Return whether this library serves the device this process computes on (CPU: only in simulation)."""
-    index = _current_index(settings)
+    index = _current_index()
     if index < 0 and settings.simulated_capability is None:
         return False
     return serves(get_device(index, settings.simulated_capability), settings)
