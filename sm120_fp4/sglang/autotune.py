@@ -19,8 +19,7 @@ __all__ = ["RUNNER", "TUNABLE", "make_gate", "tunable_backends"]
 
 _LOG = logging.getLogger("sm120_fp4")
 RUNNER = "flashinfer_cutlass"  # the explicit configuration whose tuning the served layers get
-# The routed backends whose FlashInfer kernels consult FlashInfer's autotuner (mm_fp4's cutlass and
-# b12x GEMMs; cutlass_fused_moe). Other backends (emulated, humming, ...) have nothing to tune there.
+# The routed backends whose FlashInfer kernels consult its autotuner (mm_fp4's cutlass, b12x; cutlass_fused_moe).
 TUNABLE = {"dense": frozenset({"cutlass", "b12x"}), "moe": frozenset({"cutlass"})}
 
 
@@ -74,8 +73,7 @@ def _as_explicit_runner(model_runner, for_speculative_draft: bool) -> Iterator[N
 
 def make_gate(original: Callable, served: Callable[[], list[str]], said: set[str] | None = None) -> Callable:
     """Replace SGLang's ``should_run_flashinfer_autotune``; `served()` names the tunable families served here."""
-    # Never raises into SGLang's warm-up: where the second question cannot be asked, SGLang's answer stands
-    # (logged once). `said` (what was logged) is shared by both of SGLang's names for the gate.
+    # Never raises into SGLang's warm-up (its answer stands); `said` is shared by both names of the gate.
     said = set() if said is None else said
 
     @functools.wraps(original)

@@ -57,8 +57,7 @@ def kernel_package_stand_in(
     used: Callable[[str], None] = lambda reason: None, serve: dict[str, Callable] | None = None
 ) -> Callable[[], None]:
     """Insert the import-time stand-in for an installed ``sgl_kernel`` that cannot load; return its undo."""
-    # `used(reason)` is called when it replaces the real package. With `serve` (SGLang's CPU engine: cpu_engine.OPS)
-    # it also stands in for a package that is not installed, and those names compute in pure PyTorch.
+    # `used(reason)`: it replaced the real package; with `serve` (OPS) it stands in for a missing one too.
     finder = _KernelPackageFinder(used, serve)
     sys.meta_path.insert(0, finder)
 

@@ -54,8 +54,7 @@ _graphs = threading.local()  # the token counts collected by the outermost captu
 def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
     """Wrap a call that captures CUDA graphs: afterwards call `after` with every captured graph's token count."""
 
-    # Nested hooks (the model runners inside the scheduler's call) add their counts to the outermost one,
-    # which re-checks once, after every capture (the draft model's included).
+    # Nested hooks (model runners inside the scheduler's call) add to the outermost, which re-checks once.
 
     @functools.wraps(original)
     def init_cuda_graphs(self, *args, **kwargs):
@@ -220,8 +219,7 @@ def max_capture_batch() -> int:
 
 def prefill_sizes() -> tuple[int, int]:
     """Return (SGLang's chunked-prefill size, the largest M a prefill batch reaches) from its settings."""
-    # A prefill batch never exceeds the chunk (mixed decode tokens included); with chunking off (-1),
-    # max_prefill_tokens bounds it.
+    # A prefill batch never exceeds the chunk; with chunking off (-1), max_prefill_tokens bounds it.
     chunk = server_setting("chunked_prefill_size")
     largest_batch = server_setting("max_prefill_tokens")
     if _positive_int(chunk):

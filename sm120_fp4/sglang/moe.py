@@ -305,8 +305,7 @@ def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, 
             name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
             plans.append((name, x, ids.to(device), topk_weights.to(device)))
     call = serve or functools.partial(_served_convention, layer, processed)
-    # What the serving backend computes (humming: W4A16), and the checkpoint's bytes for the oracle
-    # where it converted the served storage in place.
+    # What the serving backend computes (humming: W4A16); the oracle reads the checkpoint's own bytes.
     mode = backends.mode_of("moe", serving.routes("moe").get(layer_device_index(layer), backends.EMULATED))
     return verify.moe_cases(
         call,
@@ -318,8 +317,7 @@ def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, 
         served_ids=serve is None,
         mode=mode,
         reference_weights=weights.map(backends.original),
-        # An intermittent loss is the kernel's, not one layer's weights': the full sweep and the re-check
-        # probe it at every decode size; a light check of another layer (one batch) does not.
+        # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
         repeat_tokens=verify.REPEAT_MAX_TOKENS if len(ms) > 1 else 0,
         poison_expert0=len(ms) > 1,
     )

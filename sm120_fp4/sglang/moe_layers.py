@@ -226,8 +226,7 @@ def sglang_moe_context(
         )
         stack.enter_context(_environ_restored())
         stack.enter_context(rc.override_platform(**platform_facts(rc, (12, 0))))
-        # compressed-tensors is named by config.json only (as SGLang resolves such a checkpoint): SGLang
-        # refuses an explicit --quantization compressed-tensors with flashinfer_cutlass (use "auto" there).
+        # compressed-tensors is named by config.json only: SGLang refuses it explicit with flashinfer_cutlass.
         args = ServerArgs(
             model_path=model_dir,
             moe_runner_backend=moe_runner_backend,
@@ -319,8 +318,7 @@ def _quant_config(quantization: str):
     from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
     config = CompressedTensorsConfig.from_config(json.loads(json.dumps(QUANT_CONFIGS["compressed-tensors"])))
-    # Its W4A4 scheme asks torch.cuda.get_device_capability() directly, which no SGLang seam reaches:
-    # this instance asks SGLang's platform facts instead (no global is touched).
+    # Its W4A4 scheme asks torch.cuda directly (no SGLang seam): this instance asks SGLang's platform facts.
     config._check_scheme_supported = _platform_scheme_check
     return config
 
@@ -343,8 +341,7 @@ def build_moe_layer_from_tensors(
     tp_rank: int = 0,
 ):
     """Return SGLang's FusedMoE for rank (ep_rank, tp_rank) of `spec`'s `tensors` (``experts.{e}.{proj}.{kind}``)."""
-    # `spec` has num_experts, hidden, intermediate, gated and activation; `fmt` is a sm120_fp4.checkpoints
-    # format. The build uses the active sglang_moe_context (another one's ranks: InvalidArgument) or holds one.
+    # `spec`: num_experts, hidden, intermediate, gated, activation; uses the active sglang_moe_context or holds one.
     func = "build_moe_layer_from_tensors"
     if fmt not in _FORMATS:
         raise not_accepted(func, "fmt", fmt, f"one of {tuple(_FORMATS)}")
@@ -408,8 +405,7 @@ def moe_forward(layer, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         why = f"(T={x.shape[0]}, k), the shape of topk_weights {tuple(topk_weights.shape)}"
         raise not_accepted("moe_forward", "topk_ids", topk_ids, why)
-    # What SGLang's build_precomputed_topk_output wraps a router's (weights, ids) in, without its
-    # process-global observers; STANDARD consumers read only ids and weights.
+    # As SGLang's build_precomputed_topk_output wraps (weights, ids), without its process-global observers.
     topk = StandardTopKOutput(topk_weights.to(torch.float32), topk_ids.to(torch.int32), None)
     with _context_for(settings, strict=False), torch.no_grad():
         return layer(x, topk)

@@ -8,8 +8,7 @@ import torch
 
 from .. import checkpoints
 
-# The checkpoint's scales each hooked NVFP4 method has loaded into its layer when its
-# process_weights_after_loading starts: (block scales, weight global scales, activation global scales).
+# The checkpoint's scales in each hooked layer before processing: (block, weight global, activation global).
 _MODELOPT = ("weight_scale", "weight_scale_2", "input_scale")
 _CT = ("weight_scale", "weight_global_scale", "input_global_scale")
 CHECKPOINT_SCALES = {

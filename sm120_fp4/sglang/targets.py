@@ -252,8 +252,7 @@ _ROWS = (
     ),
     ("weights-update-end", "weight-update-session-end", WEIGHT_UPDATER, "WeightUpdater.end_weight_update", ">=0.5.21"),
 )
-# Every runtime patch target of every supported release, in the order they are applied: (what replaces it, the
-# target with its version guard and its ledger text).
+# Every runtime patch target, in the order applied: (what replaces it, the target with its guard and ledger text).
 TARGETS: tuple[tuple[str, PatchSpec], ...] = tuple(_target(*row) for row in _ROWS)
 
 

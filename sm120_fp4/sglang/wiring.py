@@ -121,8 +121,7 @@ class _Install:
             pin_auto_runner(self.patcher)
 
     def retime(self) -> None:
-        # BaseRunner.warmup has just run FlashInfer's autotune and graph capture comes next: with SELECT=fastest
-        # the verified candidates are timed again on the tuned tactics, so the captured route is the fastest.
+        # After FlashInfer's autotune, before graph capture: SELECT=fastest times the tuned candidates again.
         serving.retime(self.settings)
 
     def recheck(self, captured: list[int]) -> object:
@@ -139,9 +138,7 @@ class _Install:
 
 def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     """Register this install's SGLang patches (and simulation stand-ins); return the undo steps that are not patches."""
-    # `router` (a dispatch.Router) decides per device: ensure(index) may raise RefusedToServe and returns None for a
-    # device this library does not serve. `canary` (sm120_fp4.canary, passed in: nothing here imports it) runs at
-    # the scheduler's idle point when SM120_FP4_CANARY is on.
+    # `router.ensure(index)` may raise RefusedToServe (None: a device not served); `canary` is passed in, not imported.
     undo: list[Callable[[], None]] = []
     simulate = settings.simulated_capability
     sim = Simulation(simulate, patcher) if simulate is not None else None
