@@ -11,8 +11,6 @@ import torch
 from .checks import inspect
 from .quantization import text_config
 
-__all__ = ["DEFAULT_PACKED", "EXPERT", "DenseLayer", "MoeLayer", "ModelLayers", "discover", "load", "dtype"]
-
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 EXPERT = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$"

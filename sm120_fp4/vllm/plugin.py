@@ -1,13 +1,8 @@
-"""vLLM's plugin entry point (``vllm.general_plugins``: ``sm120_fp4 = sm120_fp4.vllm.plugin:register``), loaded
-in every vLLM process. Inert unless ``SM120_FP4`` is on; then ``install()``, whose failure stops the process (vLLM
-calls general plugins unguarded) rather than let it serve NVFP4 layers unverified. Imports only the stdlib here.
-"""
+"""vLLM's plugin entry point (``vllm.general_plugins``), loaded in every vLLM process; stdlib only here."""
 
 from __future__ import annotations
 
 from ..toggle import enabled
-
-__all__ = ["register"]
 
 
 def register() -> None:

