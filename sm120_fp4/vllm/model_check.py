@@ -42,9 +42,7 @@ def _quant_config(layers, model_dir: str):
         from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
         return ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True)
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsConfig,
-    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
     return CompressedTensorsConfig.from_config(checkpoints.read_quantization(model_dir).config)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from ..patching import PatchSpec
@@ -54,21 +54,6 @@ def _is_property(original: object) -> str | None:
     return None if isinstance(original, property) else f"not a property: {type(original).__name__}"
 
 
-@dataclass(frozen=True)
-class Wiring:
-    """What the patches call into (the alias replacements, the hooks' before/scope/verify steps, the re-check)."""
-
-    make_alias: Callable
-    before_dense: Callable[[str, object, object], object]
-    weights_scope: Callable
-    verify: Callable[[object], None]
-    recheck: Callable[[list[int]], object] = lambda sizes: None
-    make_moe_alias: Callable = lambda original: original
-    make_defer: Callable = lambda original: original
-    before_moe: Callable[[str, object, object], object] = lambda kind, method, layer: None
-    verify_moe: Callable[[str, object, object], None] = lambda kind, method, layer: None
-
-
 def _target(name: str, module: str, attribute: str, why: str, check=None) -> tuple[str, PatchSpec]:
     spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), ">=0.32", check)
     return name, replace(spec, versions=supported(spec.versions))
@@ -107,7 +92,9 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
 )
 
 
-def _makers(w: Wiring) -> dict[str, Callable]:
+def _makers(w) -> dict[str, Callable]:
+    """What replaces each target, calling into `w` (one install's wiring._Wired)."""
+
     def hook(before: Callable, after: Callable) -> Callable:
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
 
@@ -130,7 +117,7 @@ def _makers(w: Wiring) -> dict[str, Callable]:
     }
 
 
-def specs(w: Wiring) -> list[PatchSpec]:
+def specs(w) -> list[PatchSpec]:
     makers = _makers(w)
     return [replace(spec, make=makers[makes]) for makes, spec in TARGETS]
 
@@ -174,5 +161,4 @@ def doctor_section() -> dict:
 
 
 def ledger_rows() -> list[PatchSpec]:
-    noop = lambda *args, **kwargs: None  # noqa: E731
-    return specs(Wiring(noop, noop, noop, noop))
+    return [spec for _, spec in TARGETS]

@@ -16,7 +16,7 @@ _LOG = logging.getLogger("sm120_fp4")
 
 
 class _Wired:
-    """What the patches of one install call back into (a targets.Wiring): its settings, router, simulation if any."""
+    """What the patches of one install call back into: its settings, its router, the simulation if any."""
 
     def __init__(self, router, settings, simulated: bool) -> None:
         self.router, self.settings, self.simulated = router, settings, simulated
@@ -67,17 +67,8 @@ class _Wired:
         def flashinfer_scaled_fp4_mm(a, b, scale_a, scale_b, alpha, out_dtype, backend, block_size=16, use_nvfp4=True):
             if backend in ("cutlass", "cudnn"):  # as vLLM's wrapper: the kernels read the E4M3 scales as bytes
                 scale_a, scale_b = scale_a.view(torch.uint8), scale_b.view(torch.uint8)
-            return front(
-                a,
-                b.t(),
-                scale_a,
-                scale_b.t(),
-                alpha,
-                out_dtype,
-                backend=backend,
-                block_size=block_size,
-                use_nvfp4=use_nvfp4,
-            )
+            options = {"backend": backend, "block_size": block_size, "use_nvfp4": use_nvfp4}
+            return front(a, b.t(), scale_a, scale_b.t(), alpha, out_dtype, **options)
 
         flashinfer_scaled_fp4_mm.__wrapped__ = original
         flashinfer_scaled_fp4_mm.__qualname__ = "sm120_fp4.vllm.flashinfer_scaled_fp4_mm"
