@@ -9,16 +9,9 @@ from importlib import import_module
 
 NAME = "vllm"
 _LAZY = {
-    "attach": "wiring",
-    "idle_point_problem": "wiring",
-    "canary_problem": "wiring",
-    "launches": "release",
-    "release_support": "release",
-    "carried_fix": "release",
-    "engine_version": "release",
-    "unverified_release": "release",
-    "OPT_OUT": "release",
-    "OPT_OUT_SAYS": "release",
+    **dict.fromkeys("attach idle_point_problem canary_problem".split(), "wiring"),
+    **dict.fromkeys("launches release_support carried_fix engine_version unverified_release".split(), "release"),
+    **dict.fromkeys(("OPT_OUT", "OPT_OUT_SAYS"), "release"),
     "doctor_section": "targets",
 }
 __all__ = ["NAME", *_LAZY]

@@ -188,12 +188,8 @@ def dense_check(
     n_out = int(getattr(layer, "output_size_per_partition", weight.shape[0]))
     k = int(getattr(layer, "input_size_per_partition", weight.shape[1] * 2))
     dtypes = activation_dtypes(layer)
-    max_batch, tokens = _vllm_sizes()
     watched = (weight, weight_sf, alpha, input_gsf)
-    label = (
-        f"vLLM {kind} N={n_out} K={k} {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} "
-        f"(weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
-    )
+    label = f"vLLM {kind} N={n_out} K={k} {dtype_names(dtypes)} (weight scales {dtype_names([weight_sf.dtype])})"
     key = ("vllm", kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
     def cases(ms: list[int]) -> list[verify.Case]:
@@ -205,15 +201,23 @@ def dense_check(
         label,
         "dense",
         cases,
-        batch_sizes(max_batch, tokens),
-        sorted({1, 7, max_batch, LARGE_BATCH, tokens}),
-        layer=layer_name(layer),
-        light_ms=[LIGHT_BATCH],
+        **check_fields(layer, (LARGE_BATCH,)),
         weights=lambda: (layer.weight, layer.weight_scale, layer.alpha, layer.input_global_scale_inv),
         rebuild=rebuild,
-        owner=layer,
         tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]},
     )
+
+
+def check_fields(layer: object, extra: tuple = ()) -> dict:
+    """What every vLLM LayerCheck shares: each batch-size bucket in full, vLLM's graph and prefill sizes again."""
+    max_batch, tokens = _vllm_sizes()
+    recheck = sorted({1, 7, max_batch, tokens, *extra})
+    full = batch_sizes(max_batch, tokens)
+    return {"ms": full, "recheck_ms": recheck, "layer": layer_name(layer), "light_ms": [LIGHT_BATCH], "owner": layer}
+
+
+def dtype_names(dtypes) -> str:
+    return "/".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
 def _routed_check(kind: str, apply: str, method: object, layer: object) -> LayerCheck | None:

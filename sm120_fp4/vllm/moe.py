@@ -15,7 +15,7 @@ import torch
 
 from .. import backends, nvfp4, serving, verify
 from ..serving import LayerCheck
-from .hooks import LIGHT_BATCH, _vllm_sizes, activation_dtypes, batch_sizes, layer_device_index, layer_name
+from .hooks import activation_dtypes, check_fields, dtype_names, layer_device_index
 
 _LOG = logging.getLogger("sm120_fp4")
 VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
@@ -120,12 +120,9 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
         return None
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
     activation = ACTIVATIONS.get(str(getattr(getattr(layer, "activation", None), "value", "")))
-    if (
-        not isinstance(w13, torch.Tensor)
-        or not isinstance(w2, torch.Tensor)
-        or w13.dtype != torch.uint8
-        or activation is None
-    ):
+    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)) or w13.dtype != torch.uint8:
+        return None
+    if activation is None:
         return None
     count, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
     inter = w2.shape[2] * 2
@@ -187,9 +184,7 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
     subset = torch.tensor(_subset(experts, top_k))
     everyone = torch.arange(experts)
     dtypes = activation_dtypes(layer)
-    max_batch, tokens = _vllm_sizes()
-    names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-    label = f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} {names}"
+    label = f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} {dtype_names(dtypes)}"
     key = ("vllm-moe", kind, tuple(weights.w13.shape), tuple(weights.w2.shape), top_k, dtypes)
     key += (weights.a1_gscale.numel(),)
     device = weights.w13.device
@@ -225,12 +220,8 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
         label,
         "moe",
         cases,
-        batch_sizes(max_batch, tokens),
-        sorted({1, 7, max_batch, tokens}),
-        layer=layer_name(layer),
-        light_ms=[LIGHT_BATCH],
+        **check_fields(layer),
         weights=current,
         rebuild=functools.partial(moe_check, kind, method),
-        owner=layer,
         tensors={**weights._asdict(), "dtype": dtypes[0], "top_k": top_k},
     )

@@ -14,9 +14,6 @@ def register() -> None:
     if not api.installed():
         api.install()
     from ..config import load_settings
-    from ..errors import ConfigError
-    from .wiring import canary_problem
+    from .wiring import refuse_canary
 
-    problem = canary_problem(load_settings())
-    if problem is not None:  # vLLM serves in this process: the canary asked for cannot run here
-        raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
+    refuse_canary(load_settings())  # vLLM serves in this process: the canary asked for cannot run here

@@ -58,12 +58,10 @@ EXTENSION_STAND_INS = _stand_in(
 PROBES = _stand_in(
     "vllm-sim-capability-probes", "torch.ops._C", "*", "the capability probes of vLLM's NVFP4 kernel selection"
 )
-CUBIN = _stand_in(
-    "vllm-sim-flashinfer-cubin",
-    "os.environ",
-    CUBIN_ENV,
-    f"vLLM's has_flashinfer() asks for the cubin package or {CUBIN_ENV}",
-)
+_CUBIN_WHY = f"vLLM's has_flashinfer() asks for the cubin package or {CUBIN_ENV}"
+CUBIN = _stand_in("vllm-sim-flashinfer-cubin", "os.environ", CUBIN_ENV, _CUBIN_WHY)
+_QUANT_WHY = "the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), bound by name"
+_OPS_WHY = "vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers"
 
 
 def _quantizer_stand_in(original: Callable | None) -> Callable:
@@ -89,20 +87,8 @@ def specs() -> list[PatchSpec]:
     """The attribute stand-ins: the activation quantizer where the FlashInfer linear kernel binds it, and vLLM's own."""
     quantizer = dict(make=_quantizer_stand_in, distribution=distribution(), versions=supported(">=0.32"))
     return [
-        _stand_in(
-            "vllm-sim-activation-quantizer",
-            LINEAR_FLASHINFER,
-            "scaled_fp4_quant",
-            "the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), bound by name",
-            **quantizer,
-        ),
-        _stand_in(
-            "vllm-sim-activation-quantizer-ops",
-            CUSTOM_OPS,
-            "scaled_fp4_quant",
-            "vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers",
-            **quantizer,
-        ),
+        _stand_in("vllm-sim-activation-quantizer", LINEAR_FLASHINFER, "scaled_fp4_quant", _QUANT_WHY, **quantizer),
+        _stand_in("vllm-sim-activation-quantizer-ops", CUSTOM_OPS, "scaled_fp4_quant", _OPS_WHY, **quantizer),
     ]
 
 

@@ -30,14 +30,8 @@ class _Wired:
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
 
-    def canary_off(self) -> None:
-        """vLLM serves here: the serving canary, asked for, cannot run (refused, never silently off)."""
-        problem = canary_problem(self.settings)
-        if problem is not None:
-            raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
-
     def before_dense(self, kind: str, method, layer) -> None:
-        self.canary_off()
+        refuse_canary(self.settings)
         if hooks.nvfp4_kernel(method) is None:
             return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
         if self.router.ensure(hooks.layer_device_index(layer)) is None:
@@ -98,7 +92,7 @@ class _Wired:
         return moe.make_defer(original, self.moe_served)
 
     def before_moe(self, kind: str, method, layer) -> None:
-        self.canary_off()
+        refuse_canary(self.settings)
         if self.router.ensure(hooks.layer_device_index(layer), "moe") is None:
             return  # a device this library does not serve
         name = hooks.layer_name(layer)
@@ -139,3 +133,10 @@ def canary_problem(settings) -> str | None:
         f"SM120_FP4_CANARY={settings.canary_period:g} is not available with vLLM {engine_version()}: sm120_fp4 wires "
         "no idle point in vLLM's engine loop yet; set SM120_FP4_CANARY=off to serve without the serving canary"
     )
+
+
+def refuse_canary(settings) -> None:
+    """vLLM serves here: the serving canary, asked for, cannot run (refused, never silently off)."""
+    problem = canary_problem(settings)
+    if problem is not None:
+        raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
