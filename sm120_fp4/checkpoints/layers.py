@@ -51,7 +51,6 @@ class ModelLayers:
     dense: list[DenseLayer] = field(default_factory=list)
     moe: list[MoeLayer] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # tensor name -> safetensors file
-    shapes: dict[str, tuple] = field(default_factory=dict)
 
     def distinct(self) -> tuple[list[DenseLayer], list[MoeLayer]]:
         """Return the first layer of every distinct configuration (what a server verifies in full)."""
@@ -70,7 +69,6 @@ def discover(model_dir: str, values: bool = False, packed: Callable[[dict], dict
         checkpoint.format,
         checkpoint.config,
         files={k: v.file for k, v in checkpoint.tensors.items()},
-        shapes={k: v.shape for k, v in checkpoint.tensors.items()},
     )
     linear = checkpoint.linear()
     packed = packed(checkpoint.config) if packed else dict(DEFAULT_PACKED)

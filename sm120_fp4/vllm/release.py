@@ -24,6 +24,7 @@ CT_MOE = (  # CompressedTensorsW4A4Nvfp4MoEMethod
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_nvfp4"
 )
 GPU_WORKER = "vllm.v1.worker.gpu_worker"  # binds kernel_warmup by name; calls it before capture_model
+TARGET_VERSIONS = capped(">=0.32", SUPPORTED)  # every patch target's range: all that SUPPORTED allows
 OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
 OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"
 
@@ -35,11 +36,6 @@ def distribution() -> str:
 
 def engine_version() -> str | None:
     return installed_version(distribution())
-
-
-def supported(versions: str) -> str:
-    """A patch target's version range, capped by SUPPORTED."""
-    return capped(versions, SUPPORTED)
 
 
 def release_support(version: str | None = None) -> tuple[bool, str]:

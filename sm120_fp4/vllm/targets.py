@@ -9,7 +9,7 @@ from typing import Callable
 from ..patching import PatchSpec
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
 from .moe import make_shapes
-from .release import CT, CT_MOE, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
+from .release import CT, CT_MOE, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, TARGET_VERSIONS, distribution
 
 MOE_KIND = "ModelOptNvFp4FusedMoE"
 CT_MOE_KIND = "CompressedTensorsW4A4Nvfp4MoEMethod"
@@ -55,8 +55,8 @@ def _is_property(original: object) -> str | None:
 
 
 def _target(name: str, module: str, attribute: str, why: str, check=None) -> tuple[str, PatchSpec]:
-    spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), ">=0.32", check)
-    return name, replace(spec, versions=supported(spec.versions))
+    spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), check=check)
+    return name, replace(spec, versions=TARGET_VERSIONS)
 
 
 _ONLY_NVFP4 = " (ModelOpt checkpoints: ModelOptLinearMethod serves FP8, MXFP8 and NVFP4; only NVFP4 layers are checked)"
