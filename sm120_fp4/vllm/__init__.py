@@ -1,7 +1,4 @@
-"""Everything this library knows about vLLM (the second engine home, beside ``sglang/``).
-
-Importing this package imports nothing else; its functions load their module when first asked for.
-"""
+"""Everything this library knows about vLLM (the second engine home); importing it imports nothing else."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""vLLM's NVFP4 fused MoE: its FlashInfer kernel call routed, each layer verified through its own ``apply``.
-
-On a served device FlashInferExperts take unquantized activations (their ``expects_unquantized_inputs``), so the
-alias is called in the convention the library's MoE front serves. Refused: any NVFP4 MoE backend but
-``flashinfer_cutlass`` (``--moe-backend flashinfer_cutlass``), and weight-only (W4A16) NVFP4 MoE.
+"""vLLM's NVFP4 fused MoE: the FlashInfer kernel call routed (FlashInferExperts then take bf16 activations),
+each layer verified through its own ``apply``; any other backend, and weight-only (W4A16) MoE, refused.
 """
 
 from __future__ import annotations

@@ -51,8 +51,7 @@ def release_support(version: str | None = None) -> tuple[bool, str]:
 
 
 def unverified_release(version: str | None = None) -> tuple[str, str] | None:
-    """(what it means, what makes it verified) when vLLM `version` is installed but not a release this library
-    can patch; None: supported, or not installed."""
+    """(what it means, what makes it verified) for an installed vLLM this library cannot patch; else None."""
     from .._version import __version__
 
     version = version or engine_version()
@@ -75,8 +74,7 @@ def unverified_release(version: str | None = None) -> tuple[str, str] | None:
 
 
 def launches(command: list[str]) -> bool:
-    """Whether `command` starts vLLM: its CLI (``vllm serve ...``) or a module of it (``python -m
-    vllm.entrypoints.openai.api_server ...``)."""
+    """Whether `command` starts vLLM: its CLI (``vllm serve ...``) or a module of it (``python -m vllm...``)."""
     if command and os.path.basename(command[0]) == "vllm":
         return True
     modules = [after for before, after in zip(command, command[1:]) if before == "-m"]

@@ -1,6 +1,5 @@
-"""Every stand-in that lets vLLM's real NVFP4 linear path run without an SM120 GPU (SM120_FP4_SIMULATE only).
-
-Each is recorded in the patch ledger and undone by ``uninstall()``; nothing here may run on a real deployment.
+"""Every stand-in that lets vLLM's NVFP4 linear path run without an SM120 GPU (SM120_FP4_SIMULATE only),
+each recorded in the patch ledger and undone by ``uninstall()``.
 """
 
 from __future__ import annotations

@@ -132,8 +132,7 @@ def doctor_section() -> dict:
 
     version = engine_version()
     ok, why = release_support(version)
-    unverified = unverified_release(version) if version is not None else None
-    if unverified is not None:
+    if version is not None and (unverified := unverified_release(version)) is not None:
         why = "; ".join(unverified)
     plugins = [
         f"{e.name} -> {e.value}"
