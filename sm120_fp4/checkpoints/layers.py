@@ -11,8 +11,6 @@ import torch
 from .checks import inspect
 from .quantization import text_config
 
-__all__ = ["DEFAULT_PACKED", "EXPERT", "DenseLayer", "MoeLayer", "ModelLayers", "discover", "load", "dtype"]
-
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 EXPERT = re.compile(
     r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$"
@@ -53,7 +51,6 @@ class ModelLayers:
     dense: list[DenseLayer] = field(default_factory=list)
     moe: list[MoeLayer] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)  # tensor name -> safetensors file
-    shapes: dict[str, tuple] = field(default_factory=dict)
 
     def distinct(self) -> tuple[list[DenseLayer], list[MoeLayer]]:
         """Return the first layer of every distinct configuration (what a server verifies in full)."""
@@ -72,7 +69,6 @@ def discover(model_dir: str, values: bool = False, packed: Callable[[dict], dict
         checkpoint.format,
         checkpoint.config,
         files={k: v.file for k, v in checkpoint.tensors.items()},
-        shapes={k: v.shape for k, v in checkpoint.tensors.items()},
     )
     linear = checkpoint.linear()
     packed = packed(checkpoint.config) if packed else dict(DEFAULT_PACKED)

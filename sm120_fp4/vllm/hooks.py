@@ -1,13 +1,4 @@
-"""The hooks vLLM's load path runs through: each NVFP4 linear layer verified with its own weights through vLLM's
-own apply path, before vLLM serves or captures CUDA graphs.
-
-At ``process_weights_after_loading`` (ModelOpt's ``ModelOptLinearMethod`` for NVFP4, compressed-tensors'
-``CompressedTensorsW4A4Fp4``): first the device's backend is decided (a self-test) and the kernel vLLM selected
-for the layer is checked (only ``FlashInferCutlassNvFp4LinearKernel`` calls the FlashInfer alias this library
-routes, in the layout it verifies); then vLLM processes the weights; then the layer's configuration (N, K,
-activation dtype, its own processed weights) is verified through ``method.apply`` at every batch-size bucket up
-to vLLM's largest CUDA-graph batch and its prefill chunk, against the oracle.
-"""
+"""The weights hooks: each NVFP4 linear layer verified through vLLM's own apply before vLLM serves."""
 
 from __future__ import annotations
 
@@ -23,21 +14,6 @@ from .. import graphs, nvfp4, verify
 from ..errors import not_accepted
 from ..serving import LayerCheck
 from .release import NVFP4_BASE
-
-__all__ = [
-    "ROUTABLE_KERNELS",
-    "LINEAR_FLAG",
-    "make_weights_hook",
-    "make_warmup_hook",
-    "graph_sizes",
-    "layer_device_index",
-    "layer_name",
-    "kernel_problem",
-    "batch_sizes",
-    "dense_check",
-    "modelopt_check",
-    "compressed_tensors_check",
-]
 
 _LOG = logging.getLogger("sm120_fp4")
 HALF = (torch.bfloat16, torch.float16)
@@ -58,8 +34,7 @@ def make_weights_hook(
     scope: Callable,
     after: Callable[[object, object], None],
 ) -> Callable:
-    """Wrap process_weights_after_loading: `before(method, layer)`, vLLM's processing inside `scope()`, then
-    `after(method, layer)`."""
+    """Wrap process_weights_after_loading: `before`, vLLM's processing inside `scope()`, then `after`."""
 
     @functools.wraps(original)
     def process_weights_after_loading(self, layer, *args, **kwargs):
@@ -73,9 +48,7 @@ def make_weights_hook(
 
 
 def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
-    """Wrap vLLM's ``kernel_warmup(worker)`` (FlashInfer's autotuner picks its tactics there, right before CUDA-graph
-    capture): once it returns, `after(sizes)` with the batch sizes of every graph the worker is about to capture
-    (none with enforce_eager)."""
+    """Wrap vLLM's ``kernel_warmup(worker)``: once it returns, `after(sizes)` with its graphs' batch sizes."""
 
     @functools.wraps(original)
     def kernel_warmup(worker, *args, **kwargs):
@@ -92,7 +65,11 @@ def graph_sizes(worker: object) -> list[int]:
     if getattr(getattr(config, "model_config", None), "enforce_eager", False):
         return []
     sizes = getattr(getattr(config, "compilation_config", None), "cudagraph_capture_sizes", None) or []
-    return sorted({s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0})
+    return sorted({s for s in sizes if _positive(s)})
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def layer_device_index(layer: object) -> int:
@@ -114,8 +91,7 @@ def nvfp4_kernel(method: object) -> object | None:
 
 
 def kernel_problem(kind: str, method: object) -> str | None:
-    """Why the kernel vLLM selected for this NVFP4 layer cannot be served verified (None: routed and verified,
-    or not an NVFP4 layer)."""
+    """Why the kernel vLLM selected for this NVFP4 layer cannot be served verified (None: it can)."""
     kernel = nvfp4_kernel(method)
     if kernel is None:
         return None
@@ -144,18 +120,13 @@ def _vllm_sizes() -> tuple[int, int]:
         config = get_current_vllm_config_or_none()
     except Exception:
         config = None
-    compilation = getattr(config, "compilation_config", None)
-    scheduler = getattr(config, "scheduler_config", None)
-    batch = getattr(compilation, "max_cudagraph_capture_size", None)
-    tokens = getattr(scheduler, "max_num_batched_tokens", None)
-    batch = batch if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0 else DEFAULT_MAX_BATCH
-    tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else DEFAULT_MAX_TOKENS
-    return batch, tokens
+    batch = getattr(getattr(config, "compilation_config", None), "max_cudagraph_capture_size", None)
+    tokens = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
+    return (batch if _positive(batch) else DEFAULT_MAX_BATCH, tokens if _positive(tokens) else DEFAULT_MAX_TOKENS)
 
 
 def batch_sizes(max_batch: int, largest: int) -> list[int]:
-    """At least one M in every power-of-two bucket up to `max_batch` (the bucket's first value and an odd one
-    inside it), `max_batch`, one M >= 2048, and the prefill sizes up to `largest` the same way."""
+    """At least one M in every power-of-two bucket up to `max_batch`, one M >= 2048, and the prefill sizes."""
     ms = {1, 2, 3, max_batch, min(LARGE_BATCH, max(largest, max_batch))}
     power = 4
     while power <= max(max_batch, largest):
@@ -171,10 +142,7 @@ def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def _served_cases(serve: Callable, watched: tuple, n_out: int, k: int, ms: list[int], dtype, seed: int) -> list:
-    """The served calls at batch sizes `ms`: seeded activations in the layer's calibrated range, quantized by
-    vLLM inside `serve`; the oracle quantizes the same rows (zero-padded to the weight's K, as vLLM pads them)
-    and multiplies with the layer's own processed weights: ``reference_mm_fp4(a, b.t(), sa, sb.t(), alpha)``,
-    the transposes vLLM's FlashInfer wrapper makes."""
+    """The served calls at batch sizes `ms` against the oracle on the layer's own processed weights."""
     weight, weight_sf, alpha, input_gsf = watched
     device = weight.device
     rows = max(ms)
@@ -208,8 +176,7 @@ def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
 def dense_check(
     kind: str, serve: Callable, layer: object, rebuild: Callable[[object], LayerCheck | None]
 ) -> LayerCheck | None:
-    """The LayerCheck of one vLLM NVFP4 linear layer served by FlashInferCutlassNvFp4LinearKernel: its processed
-    weights (``weight``, ``weight_scale``, ``alpha``, ``input_global_scale_inv``), its call path, its batch sizes."""
+    """The LayerCheck of one vLLM NVFP4 linear layer served by FlashInferCutlassNvFp4LinearKernel."""
     weight, weight_sf = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
     alpha, input_gsf = getattr(layer, "alpha", None), getattr(layer, "input_global_scale_inv", None)
     if (
@@ -221,12 +188,8 @@ def dense_check(
     n_out = int(getattr(layer, "output_size_per_partition", weight.shape[0]))
     k = int(getattr(layer, "input_size_per_partition", weight.shape[1] * 2))
     dtypes = activation_dtypes(layer)
-    max_batch, tokens = _vllm_sizes()
     watched = (weight, weight_sf, alpha, input_gsf)
-    label = (
-        f"vLLM {kind} N={n_out} K={k} {'/'.join(str(d).removeprefix('torch.') for d in dtypes)} "
-        f"(weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
-    )
+    label = f"vLLM {kind} N={n_out} K={k} {dtype_names(dtypes)} (weight scales {dtype_names([weight_sf.dtype])})"
     key = ("vllm", kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
     def cases(ms: list[int]) -> list[verify.Case]:
@@ -238,38 +201,33 @@ def dense_check(
         label,
         "dense",
         cases,
-        batch_sizes(max_batch, tokens),
-        sorted({1, 7, max_batch, LARGE_BATCH, tokens}),
-        layer=layer_name(layer),
-        light_ms=[LIGHT_BATCH],
+        **check_fields(layer, (LARGE_BATCH,)),
         weights=lambda: (layer.weight, layer.weight_scale, layer.alpha, layer.input_global_scale_inv),
         rebuild=rebuild,
-        owner=layer,
         tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]},
     )
 
 
-def modelopt_check(method: object, layer: object) -> LayerCheck | None:
-    """ModelOptLinearMethod after process_weights_after_loading: NVFP4 W4A4 layers on the routed kernel only."""
+def check_fields(layer: object, extra: tuple = ()) -> dict:
+    """What every vLLM LayerCheck shares: each batch-size bucket in full, vLLM's graph and prefill sizes again."""
+    max_batch, tokens = _vllm_sizes()
+    recheck = sorted({1, 7, max_batch, tokens, *extra})
+    full = batch_sizes(max_batch, tokens)
+    return {"ms": full, "recheck_ms": recheck, "layer": layer_name(layer), "light_ms": [LIGHT_BATCH], "owner": layer}
+
+
+def dtype_names(dtypes) -> str:
+    return "/".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def _routed_check(kind: str, apply: str, method: object, layer: object) -> LayerCheck | None:
+    """`method` after process_weights_after_loading: NVFP4 W4A4 layers on the routed kernel only, through `apply`."""
     kernel = nvfp4_kernel(method)
     if kernel is None or type(kernel).__name__ not in ROUTABLE_KERNELS:
         return None
-    return dense_check(
-        "ModelOptLinearMethod (NVFP4)",
-        functools.partial(method.apply, layer),
-        layer,
-        functools.partial(modelopt_check, method),
-    )
+    rebuild = functools.partial(_routed_check, kind, apply, method)
+    return dense_check(kind, functools.partial(getattr(method, apply), layer), layer, rebuild)
 
 
-def compressed_tensors_check(scheme: object, layer: object) -> LayerCheck | None:
-    """CompressedTensorsW4A4Fp4 after process_weights_after_loading, on the routed kernel only."""
-    kernel = nvfp4_kernel(scheme)
-    if kernel is None or type(kernel).__name__ not in ROUTABLE_KERNELS:
-        return None
-    return dense_check(
-        "CompressedTensorsW4A4Fp4",
-        functools.partial(scheme.apply_weights, layer),
-        layer,
-        functools.partial(compressed_tensors_check, scheme),
-    )
+modelopt_check = functools.partial(_routed_check, "ModelOptLinearMethod (NVFP4)", "apply")
+compressed_tensors_check = functools.partial(_routed_check, "CompressedTensorsW4A4Fp4", "apply_weights")

@@ -1,8 +1,4 @@
-"""``sm120-fp4 selftest --model DIR --engine vllm``: a checkpoint's own NVFP4 layers, found as for SGLang
-(``checkpoints.discover``), the first of each configuration built as vLLM's loader builds it (its layer
-classes, the checkpoint's quantization config, each tensor through vLLM's ``weight_loader``), then
-``process_weights_after_loading``, whose patched hooks decide the device's backend and verify the layer.
-"""
+"""``sm120-fp4 selftest --model DIR --engine vllm``: each layer configuration built through vLLM's loader."""
 
 from __future__ import annotations
 
@@ -13,8 +9,6 @@ import torch
 
 from .. import checkpoints
 from ..errors import ConfigError
-
-__all__ = ["check_model"]
 
 _SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # vLLM's fused-MoE loader's shard ids
 
@@ -48,9 +42,7 @@ def _quant_config(layers, model_dir: str):
         from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
         return ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True)
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsConfig,
-    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
     return CompressedTensorsConfig.from_config(checkpoints.read_quantization(model_dir).config)
 
@@ -112,8 +104,7 @@ def _build_moe(layers, layer, quant_config, device: torch.device) -> None:
 
 
 def check_model(model_dir: str, device: torch.device) -> dict:
-    """Build and verify every distinct NVFP4 layer configuration of `model_dir` through vLLM's layers on
-    `device` (install() first); the same result and errors as the SGLang check."""
+    """Build and verify every distinct NVFP4 layer configuration of `model_dir` through vLLM's layers."""
     layers = checkpoints.discover(model_dir)  # the common fusion (qkv, gate_up), as vLLM's loader fuses them
     dense, moe = layers.distinct()
     if not dense and not moe:

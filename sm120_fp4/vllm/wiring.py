@@ -1,7 +1,4 @@
-"""How one install is wired into vLLM: :func:`attach` (post-import hooks for the installed release's patch
-targets and, in simulation, the stand-ins), and whether the serving canary can run with vLLM (not yet: no idle
-point is wired). Nothing here imports vLLM: every step runs from a post-import hook when vLLM imports its module.
-"""
+"""How one install is wired into vLLM (:func:`attach`), and why the serving canary cannot run with it yet."""
 
 from __future__ import annotations
 
@@ -14,8 +11,6 @@ from .. import serving
 from ..errors import ConfigError, RefusedToServe, say_once
 from . import hooks, moe, simulation, targets
 from .release import engine_version
-
-__all__ = ["attach", "idle_point_problem", "canary_problem"]
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -35,14 +30,8 @@ class _Wired:
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
 
-    def canary_off(self) -> None:
-        """vLLM serves here: the serving canary, asked for, cannot run (refused, never silently off)."""
-        problem = canary_problem(self.settings)
-        if problem is not None:
-            raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
-
-    def before(self, kind: str, method, layer) -> None:
-        self.canary_off()
+    def before_dense(self, kind: str, method, layer) -> None:
+        refuse_canary(self.settings)
         if hooks.nvfp4_kernel(method) is None:
             return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
         if self.router.ensure(hooks.layer_device_index(layer)) is None:
@@ -58,9 +47,7 @@ class _Wired:
         )
 
     def make_alias(self, original: Callable) -> Callable:
-        """vLLM's ``flashinfer_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dtype, backend, ...)``
-        over the library's dense front (mm_fp4's convention): vLLM's wrapper transposes b and its scales itself, so
-        this does the same; what the front does not serve goes back to vLLM's wrapper in vLLM's convention."""
+        """vLLM's ``flashinfer_scaled_fp4_mm`` over the library's dense front (mm_fp4's convention)."""
 
         def in_vllm_convention(a, b_t, scale_a, scale_b_t, alpha, out_dtype, out=None, block_size=16, **kwargs):
             kwargs.pop("use_8x4_sf_layout", None)  # mm_fp4's keyword, not the wrapper's
@@ -74,17 +61,8 @@ class _Wired:
         def flashinfer_scaled_fp4_mm(a, b, scale_a, scale_b, alpha, out_dtype, backend, block_size=16, use_nvfp4=True):
             if backend in ("cutlass", "cudnn"):  # as vLLM's wrapper: the kernels read the E4M3 scales as bytes
                 scale_a, scale_b = scale_a.view(torch.uint8), scale_b.view(torch.uint8)
-            return front(
-                a,
-                b.t(),
-                scale_a,
-                scale_b.t(),
-                alpha,
-                out_dtype,
-                backend=backend,
-                block_size=block_size,
-                use_nvfp4=use_nvfp4,
-            )
+            options = {"backend": backend, "block_size": block_size, "use_nvfp4": use_nvfp4}
+            return front(a, b.t(), scale_a, scale_b.t(), alpha, out_dtype, **options)
 
         flashinfer_scaled_fp4_mm.__wrapped__ = original
         flashinfer_scaled_fp4_mm.__qualname__ = "sm120_fp4.vllm.flashinfer_scaled_fp4_mm"
@@ -107,8 +85,14 @@ class _Wired:
     def moe_served(index: int) -> bool:
         return serving.route_table("moe").get(index) is not None
 
+    def make_moe_alias(self, original: Callable) -> Callable:
+        return moe.make_alias(original, self.router.make_moe_front)
+
+    def make_defer(self, original: property) -> property:
+        return moe.make_defer(original, self.moe_served)
+
     def before_moe(self, kind: str, method, layer) -> None:
-        self.canary_off()
+        refuse_canary(self.settings)
         if self.router.ensure(hooks.layer_device_index(layer), "moe") is None:
             return  # a device this library does not serve
         name = hooks.layer_name(layer)
@@ -120,23 +104,9 @@ class _Wired:
 
 
 def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
-    """Register this install's vLLM patches (and, in simulation, the stand-ins). `router` is the install's
-    dispatch.Router; returns the undo steps that are not patches (the patcher undoes its own)."""
+    """Register this install's vLLM patches (and, in simulation, the stand-ins); return the non-patch undo steps."""
     simulate = settings.simulated_capability
-    w = _Wired(router, settings, simulate is not None)
-    specs = targets.specs(
-        targets.Wiring(
-            w.make_alias,
-            w.before,
-            w.weights_scope,
-            w.verify,
-            w.recheck,
-            make_moe_alias=lambda original: moe.make_alias(original, router.make_moe_front),
-            make_defer=lambda original: moe.make_defer(original, w.moe_served),
-            before_moe=w.before_moe,
-            verify_moe=w.verify_moe,
-        )
-    )
+    specs = targets.specs(_Wired(router, settings, simulate is not None))
     undo: list[Callable[[], None]] = []
     if simulate is not None:
         _LOG.warning(
@@ -151,18 +121,22 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
 
 
 def idle_point_problem(settings) -> str | None:
-    """None: install() does not refuse the serving canary for vLLM merely because vLLM is installed (SGLang may be
-    what serves). vLLM 0.33 has no idle point the library uses, so the canary is refused where vLLM serves: its
-    plugin and its first NVFP4 layer (:func:`canary_problem`)."""
+    """None: the canary is refused where vLLM serves (:func:`canary_problem`), not merely if installed."""
     return None
 
 
 def canary_problem(settings) -> str | None:
-    """The serving canary needs an idle point in the engine's loop; none is wired for vLLM (0.32-0.33 has none the
-    library uses)."""
+    """Why the serving canary cannot run with vLLM (no idle point is wired), or None when it is off."""
     if settings.canary_period is None:
         return None
     return (
         f"SM120_FP4_CANARY={settings.canary_period:g} is not available with vLLM {engine_version()}: sm120_fp4 wires "
         "no idle point in vLLM's engine loop yet; set SM120_FP4_CANARY=off to serve without the serving canary"
     )
+
+
+def refuse_canary(settings) -> None:
+    """vLLM serves here: the serving canary, asked for, cannot run (refused, never silently off)."""
+    problem = canary_problem(settings)
+    if problem is not None:
+        raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
