@@ -163,18 +163,6 @@ def _announce(event: str, family: Family, device: Device, name: str) -> None:
         hook(event, family.name, device, name)
 
 
-def _operator_advice(device: Device, candidates: list[str], family: Family) -> list[str]:
-    others = [n for n in family.names() if n not in candidates and family.is_supported(n, device)[0]]
-    version = backends.flashinfer_version() or "not installed"
-    tip = f"{family.backends_var}={','.join(others)} (supported here, not yet tried)" if others else "another backend"
-    return [
-        f"try {tip}; known backends: {', '.join(family.names())}",
-        f"serve slowly but correctly with the emulation: {family.fallback_var}=emulated",
-        f"install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
-        "turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
-    ]
-
-
 def refusal_message(
     device: Device,
     candidates: list[str],
@@ -190,8 +178,16 @@ def refusal_message(
         f"Candidates ({family.backends_var}):",
     ]
     lines += [f"  - {name}: {rejected.get(name, 'not tried')}" for name in candidates]
-    lines.append("What you can do:")
-    lines += [f"  - {tip}" for tip in _operator_advice(device, candidates, family)]
+    others = [n for n in family.names() if n not in candidates and family.is_supported(n, device)[0]]
+    version = backends.flashinfer_version() or "not installed"
+    tip = f"{family.backends_var}={','.join(others)} (supported here, not yet tried)" if others else "another backend"
+    lines += [
+        "What you can do:",
+        f"  - try {tip}; known backends: {', '.join(family.names())}",
+        f"  - serve slowly but correctly with the emulation: {family.fallback_var}=emulated",
+        f"  - install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
+        "  - turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
+    ]
     return "\n".join(lines)
 
 

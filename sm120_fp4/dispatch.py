@@ -54,10 +54,9 @@ _alpha_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def _alpha_one(device: torch.device) -> torch.Tensor:
-    alpha = _alpha_cache.get(device)
-    if alpha is None:
-        alpha = _alpha_cache.setdefault(device, torch.ones(1, dtype=torch.float32, device=device))
-    return alpha
+    if device not in _alpha_cache:
+        _alpha_cache.setdefault(device, torch.ones(1, dtype=torch.float32, device=device))
+    return _alpha_cache[device]
 
 
 def _explain(exc: Exception, name: str, a, b, a_descale, b_descale, alpha, out_dtype) -> None:
@@ -87,13 +86,6 @@ def _serve(fn: GemmFn, name_of: Callable[[int], str], a, b, a_descale, b_descale
         return result
     out.copy_(result)  # a non-contiguous out: the kernels need a contiguous one
     return out
-
-
-def _not_fp4(a) -> InvalidArgument:
-    """Return the error for an `a` that is no tensor (mm_fp4 takes packed FP4 activations)."""
-    return InvalidArgument(
-        f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
-    )
 
 
 def _say_unknown(unknown: Callable[[int, str, object], None], index: int, backend, block_size, use_8x4, kwargs):
@@ -133,7 +125,9 @@ def mm_fp4_front(
         try:
             index = a.get_device()
         except AttributeError:
-            raise _not_fp4(a) from None
+            raise InvalidArgument(
+                f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
+            ) from None
         plain = backend in routed and block_size == 16 and not use_8x4_sf_layout and (not kwargs or neutral(kwargs))
         fn = route(index)
         if fn is not None and plain and alpha is not None:

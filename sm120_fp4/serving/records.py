@@ -240,7 +240,7 @@ def _decide(
         except RefusedToServe as exc:
             refusal = Refusal(device=device.label(), family=family.name, message=str(exc))
             refusal.rejected, refusal.reports = getattr(exc, "rejected", {}), getattr(exc, "reports", [])
-            _refuse(refusal, settings)
+            record_refusal(refusal, settings)
             raise
         record.store(key, choice)
     log_decision(choice.decision)
@@ -248,15 +248,11 @@ def _decide(
     return record, key, choice
 
 
-def _refuse(refusal: Refusal, settings: Settings) -> None:
+def record_refusal(refusal: Refusal, settings: Settings) -> None:
+    """Record a refusal (ours or the serving canary's) for status and the report file."""
     with _lock:
         _refusals.append(refusal)
     report_file.update(settings)  # before the process exits: the record of why it refused
-
-
-def record_refusal(refusal: Refusal, settings: Settings) -> None:
-    """Record a refusal decided elsewhere (the serving canary's) for status and the report file."""
-    _refuse(refusal, settings)
 
 
 def refusals() -> list[Refusal]:

@@ -22,10 +22,9 @@ from .layers import (
     _representative,
     _seen_key,
     _settle,
-    _settle_seen,
     _verify_everything,
 )
-from .records import LayerCheck, _process, _records, _refuse, _release, _Serving, route
+from .records import LayerCheck, _process, _records, _release, _Serving, record_refusal, route
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -143,7 +142,7 @@ def _replace_backend(
         return report
     refusal = Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message)
     refusal.rejected, refusal.reports = rejected, failures
-    _refuse(refusal, settings)
+    record_refusal(refusal, settings)
     raise RefusedToServe(message)
 
 
@@ -152,7 +151,8 @@ def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: l
     decision.layers = reports
     if check.key not in serving.checks:
         serving.checks[check.key] = check
-    _settle_seen(serving)
+    for tensors in serving.seen.values():
+        _settle(serving, tensors)
     _refingerprint(serving)
     _record_layer(serving, check, _fingerprint(check))
     _LOG.warning(
