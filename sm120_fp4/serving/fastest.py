@@ -1,6 +1,5 @@
 """SELECT=fastest on the served calls: time every verified candidate at the serving batch sizes and
-route each M range (decode, prefill) to the fastest, verified over its own range and boundaries.
-"""
+route each M range (decode, prefill) to the fastest, verified over its own range and boundaries."""
 
 from __future__ import annotations
 
@@ -15,12 +14,8 @@ from ..deciding import Choice, Decision, time_call
 from .layers import _layer_check, _verify_everything
 from .records import LayerCheck, _served, _Serving, route_text
 
-# A backend faster by less than this (as a ratio of the range's time) is within noise: no split.
-SEPARATION = 1.03
-
-
-# The timing seam: seconds of one call (tests inject a stand-in clock).
-timer: Callable[[Callable[[], object], torch.device], float] = time_call
+SEPARATION = 1.03  # a backend faster by less than this ratio of the range's time is within noise: no split
+timer: Callable[[Callable[[], object], torch.device], float] = time_call  # the timing seam (tests replace it)
 
 
 def ranged(bounds: tuple[int, ...], fns: tuple[Callable, ...]) -> Callable:

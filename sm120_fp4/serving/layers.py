@@ -41,13 +41,11 @@ def _start_check(
     return report, sweep, start
 
 
-def _run_check(
-    serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2, config: str | None = None, light: bool = False
-) -> verify.SelfTestReport:
-    report, run, start = _start_check(serving, check, ms, config, light)
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], light: bool = False) -> verify.SelfTestReport:
+    report, run, start = _start_check(serving, check, ms, light=light)
     if run is None:
         return report
-    return _blame(serving.decision, verify.finish(report, run.run(passes), start))
+    return _blame(serving.decision, verify.finish(report, run.run(2), start))
 
 
 def edges(decision: Decision) -> set[int]:

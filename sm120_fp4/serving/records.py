@@ -203,14 +203,8 @@ def decide(
     return _decide(device, candidates, settings, refresh, family)[2].decision
 
 
-def _decide(
-    device: Device | int | None,
-    candidates: list[str] | tuple[str, ...] | None,
-    settings: Settings | None,
-    refresh: bool,
-    family: Family | str,
-) -> tuple[_Serving, tuple, Choice]:
-    """Return decide()'s record, cache key and choice."""
+def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tuple, Choice]:
+    """Return decide()'s record, cache key and choice (the arguments as decide()'s)."""
     settings = settings or load_settings()
     _process.last_settings = settings
     if not isinstance(device, Device):

@@ -186,9 +186,6 @@ def on_hang(message: str) -> None:
         record_refusal(Refusal(device="?", message=message), settings)
 
 
-# ---- for the serving canary (sm120_fp4.canary) --------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Served:
     """One layer configuration verified in this process, with its device and kernel family."""
