@@ -1,9 +1,5 @@
-"""The hot path of both families: every FP4 call routed to the backend verified for its device.
-
-Per call: one dict lookup by device (and, where SELECT=fastest split the route, a bisect on M, a
-shape); no host sync, no allocation but ``out``, nothing that breaks CUDA-graph capture. A backend's
-error gets a note naming it and is never replaced by zeros.
-"""
+"""The hot path of both families: every FP4 call routed to the backend verified for its device; per call
+one dict lookup (a bisect on M where split), no host sync, no allocation but ``out``; errors never zeroed."""
 
 from __future__ import annotations
 
@@ -103,10 +99,9 @@ def mm_fp4_front(
     name_of: Callable[[int], str],
     unknown: Callable[[int, str, object], None] | None = None,
 ) -> GemmFn:
-    """Return a function with mm_fp4's signature that serves routable calls with the routed backend.
-
-    `route(index)` is the hot-path lookup, `ensure(index)` decides on first use; on a served device an
-    argument the routed backend was not verified for goes to `unknown(index, name, value)` first."""
+    """Return a function with mm_fp4's signature that serves routable calls with the routed backend."""
+    # route: the hot-path lookup; ensure: decides on first use; unknown(index, name, value): told of an
+    # argument the routed backend was not verified for.
     routed, neutral = flashinfer.ROUTED_BACKENDS, flashinfer.neutral_mm_fp4_keywords
 
     def flashinfer_fp4_gemm(

@@ -247,26 +247,18 @@ class Canary:
             self._recent.append(run)
             if not run.passed:
                 self.failures += 1
-                known = self._failed.get(job.key)
-                if known is None:
-                    named = run.model_dump(include={"family", "device", "config"})
-                    self._failed[job.key] = CanaryFailure(
-                        **named, count=1, first_reason=run.reason or "", first_at=run.finished_at
-                    )
-                else:
-                    known.count += 1
-        if run.passed:
-            report_file.update(self.settings)
-        elif self.settings.canary_action == "exit":
+                named = run.model_dump(include={"family", "device", "config"})
+                first = CanaryFailure(**named, count=0, first_reason=run.reason or "", first_at=run.finished_at)
+                self._failed.setdefault(job.key, first).count += 1
+        if not run.passed and self.settings.canary_action == "exit":
             self._exit(job, run, report)
-        else:
-            if self._failed[job.key].count == 1:
-                _LOG.warning(
-                    "sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
-                    "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
-                    *(run.backend, run.config, run.device, run.reason),
-                )
-            report_file.update(self.settings)
+        if not run.passed and self._failed[job.key].count == 1:
+            _LOG.warning(
+                "sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
+                "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
+                *(run.backend, run.config, run.device, run.reason),
+            )
+        report_file.update(self.settings)
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         """Record the refusal in the report file, log it and raise RefusedToServe."""

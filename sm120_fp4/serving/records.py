@@ -67,9 +67,7 @@ class _Layer:
 
 @dataclass
 class _Serving:
-    """Everything about one kernel family on one device: its decisions, what serves, its layers, what failed.
-
-    Change what serves only through :meth:`serve` and :meth:`route_to`: they keep the route table in step."""
+    """One kernel family on one device: decisions, what serves (changed only by serve/route_to), layers, failures."""
 
     family: Family
     index: int

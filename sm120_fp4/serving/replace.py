@@ -30,11 +30,9 @@ _LOG = logging.getLogger("sm120_fp4")
 
 
 def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.SelfTestReport | None:
-    """Verify one NVFP4 layer on CUDA ordinal `index` through the call that will serve it (None: nothing verified).
-
-    A configuration's first layer gets the full sweep, any other a light check and a fingerprint;
-    nothing is recorded before it passes. A failure hands the device to the next candidate that
-    passes everything so far, else FALLBACK=emulated, SELFTEST=warn, or RefusedToServe."""
+    """Verify one NVFP4 layer on CUDA ordinal `index` through the call that will serve it (None: nothing verified)."""
+    # A configuration's first layer gets the full sweep, any other a light check; nothing is recorded
+    # before it passes. A failure hands the device on (_replace_backend).
     _process.last_settings = settings
     if route(index, settings, check.family) is None:
         return None
