@@ -70,20 +70,15 @@ def _time(serving: _Serving, check: LayerCheck) -> dict[int, float]:
     return {case.m: timer(case.invoke, tdev) * 1e3 for case in check.cases(check.recheck_ms)}
 
 
-def route_fastest(serving: _Serving, check: LayerCheck) -> None:
-    """Check and time every verified candidate on the new configuration `check`, then route by M range."""
-    _measure(serving, [check], new=True)
-
-
 def retime(settings: Settings) -> None:
     """Time every verified candidate again on every configuration and route again (after autotune, before capture)."""
     for serving in _served():
         with serving.lock:
             if settings.select == "fastest" and serving.checks:
-                _measure(serving, list(serving.checks.values()), new=False)
+                measure(serving, list(serving.checks.values()), new=False)
 
 
-def _measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
+def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
     """Time every candidate still eligible on `checks` (checking it first on a `new` configuration), then route."""
     first = serving.choice
     base = first.decision

@@ -11,7 +11,7 @@ from .. import report as report_file
 from ..config import Settings
 from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
 from ..errors import RefusedToServe
-from .fastest import route_fastest
+from .fastest import measure
 from .layers import (
     _convert,
     _convert_seen,
@@ -80,7 +80,7 @@ def _verified(serving: _Serving, check: LayerCheck, report: verify.SelfTestRepor
         report.max_rel_err or 0.0,
     )
     if settings.select == "fastest":
-        route_fastest(serving, check)
+        measure(serving, [check], new=True)  # check and time every verified candidate on it, then route
     report_file.update(settings)
 
 

@@ -202,9 +202,8 @@ class Served:
 
 def served_configurations() -> list[Served]:
     """Return every layer configuration verified (passed) in this process, in the order verified."""
-    servings = _served()
     served = []
-    for s in servings:
+    for s in _served():
         with s.lock:
             passed = {r.config for r in s.decision.layers if r.passed}
             served += [Served(s.family.name, s.device, c) for c in s.checks.values() if c.label in passed]
