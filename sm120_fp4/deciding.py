@@ -163,18 +163,6 @@ def _announce(event: str, family: Family, device: Device, name: str) -> None:
         hook(event, family.name, device, name)
 
 
-def _operator_advice(device: Device, candidates: list[str], family: Family) -> list[str]:
-    others = [n for n in family.names() if n not in candidates and family.is_supported(n, device)[0]]
-    version = backends.flashinfer_version() or "not installed"
-    tip = f"{family.backends_var}={','.join(others)} (supported here, not yet tried)" if others else "another backend"
-    return [
-        f"try {tip}; known backends: {', '.join(family.names())}",
-        f"serve slowly but correctly with the emulation: {family.fallback_var}=emulated",
-        f"install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
-        "turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
-    ]
-
-
 def refusal_message(
     device: Device,
     candidates: list[str],
@@ -190,8 +178,16 @@ def refusal_message(
         f"Candidates ({family.backends_var}):",
     ]
     lines += [f"  - {name}: {rejected.get(name, 'not tried')}" for name in candidates]
-    lines.append("What you can do:")
-    lines += [f"  - {tip}" for tip in _operator_advice(device, candidates, family)]
+    others = [n for n in family.names() if n not in candidates and family.is_supported(n, device)[0]]
+    version = backends.flashinfer_version() or "not installed"
+    tip = f"{family.backends_var}={','.join(others)} (supported here, not yet tried)" if others else "another backend"
+    lines += [
+        "What you can do:",
+        f"  - try {tip}; known backends: {', '.join(family.names())}",
+        f"  - serve slowly but correctly with the emulation: {family.fallback_var}=emulated",
+        f"  - install a FlashInfer release whose kernel verifies (installed: {version}), then run `sm120-fp4 selftest`",
+        "  - turn this library off (SGLang then runs unpatched and unverified): SM120_FP4=0",
+    ]
     return "\n".join(lines)
 
 
@@ -239,17 +235,6 @@ def _replay(call: Callable[[], object], device: torch.device) -> Callable[[], ob
     return graph.replay
 
 
-def _time_backend(fn: Callable, device: Device, shapes: tuple) -> float:
-    """Return the milliseconds of one call at each self-test shape, summed (for SELECT=fastest)."""
-    tdev = device.torch_device
-    total = 0.0
-    for i, shape in enumerate(shapes):
-        _, _, args = verify.quantized_inputs(shape, tdev, 1000 + i)
-        out = torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)
-        total += time_call(lambda: fn(*args, torch.bfloat16, out), tdev)
-    return total * 1e3
-
-
 def _supported(device: Device, candidates: list[str], settings: Settings, family: Family) -> tuple[list, dict]:
     """Return the candidates that may run (supported, not recorded as crashing) and why each other may not."""
     supported: list[str] = []
@@ -282,10 +267,15 @@ def _self_tests(device: Device, names: list[str], settings: Settings, family: Fa
 
 def _fastest(device: Device, passed: list[str], family: Family) -> tuple[str, str, dict[str, float]]:
     """Return (the fastest of `passed` over the self-test shapes, why, each one's milliseconds)."""
-    timings = {}
+    tdev, timings = device.torch_device, {}
     for name in passed:
         _announce("timing", family, device, name)
-        timings[name] = _time_backend(backends.resolve(name), device, verify.DEFAULT_SHAPES)
+        fn, total = backends.resolve(name), 0.0
+        for i, shape in enumerate(verify.DEFAULT_SHAPES):  # one call at each self-test shape, summed
+            _, _, args = verify.quantized_inputs(shape, tdev, 1000 + i)
+            out = torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)
+            total += time_call(lambda: fn(*args, torch.bfloat16, out), tdev)
+        timings[name] = total * 1e3
     best = min(passed, key=timings.__getitem__)
     why = f"fastest of {len(passed)} verified candidates ({timings[best]:.3g} ms over the self-test shapes)"
     return best, why, timings

@@ -1,9 +1,5 @@
-"""The hot path of both families: every FP4 call routed to the backend verified for its device.
-
-Per call: one dict lookup by device (and, where SELECT=fastest split the route, a bisect on M, a
-shape); no host sync, no allocation but ``out``, nothing that breaks CUDA-graph capture. A backend's
-error gets a note naming it and is never replaced by zeros.
-"""
+"""The hot path of both families: every FP4 call routed to the backend verified for its device; per call
+one dict lookup (a bisect on M where split), no host sync, no allocation but ``out``; errors never zeroed."""
 
 from __future__ import annotations
 
@@ -54,10 +50,9 @@ _alpha_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def _alpha_one(device: torch.device) -> torch.Tensor:
-    alpha = _alpha_cache.get(device)
-    if alpha is None:
-        alpha = _alpha_cache.setdefault(device, torch.ones(1, dtype=torch.float32, device=device))
-    return alpha
+    if device not in _alpha_cache:
+        _alpha_cache.setdefault(device, torch.ones(1, dtype=torch.float32, device=device))
+    return _alpha_cache[device]
 
 
 def _explain(exc: Exception, name: str, a, b, a_descale, b_descale, alpha, out_dtype) -> None:
@@ -89,13 +84,6 @@ def _serve(fn: GemmFn, name_of: Callable[[int], str], a, b, a_descale, b_descale
     return out
 
 
-def _not_fp4(a) -> InvalidArgument:
-    """Return the error for an `a` that is no tensor (mm_fp4 takes packed FP4 activations)."""
-    return InvalidArgument(
-        f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
-    )
-
-
 def _say_unknown(unknown: Callable[[int, str, object], None], index: int, backend, block_size, use_8x4, kwargs):
     """Hand `unknown` the argument of a served device's call that its routed backend was not verified for."""
     if backend not in flashinfer.ROUTED_BACKENDS and backend not in flashinfer.PASSED_THROUGH_BACKENDS:
@@ -111,10 +99,9 @@ def mm_fp4_front(
     name_of: Callable[[int], str],
     unknown: Callable[[int, str, object], None] | None = None,
 ) -> GemmFn:
-    """Return a function with mm_fp4's signature that serves routable calls with the routed backend.
-
-    `route(index)` is the hot-path lookup, `ensure(index)` decides on first use; on a served device an
-    argument the routed backend was not verified for goes to `unknown(index, name, value)` first."""
+    """Return a function with mm_fp4's signature that serves routable calls with the routed backend."""
+    # route: the hot-path lookup; ensure: decides on first use; unknown(index, name, value): told of an
+    # argument the routed backend was not verified for.
     routed, neutral = flashinfer.ROUTED_BACKENDS, flashinfer.neutral_mm_fp4_keywords
 
     def flashinfer_fp4_gemm(
@@ -133,7 +120,9 @@ def mm_fp4_front(
         try:
             index = a.get_device()
         except AttributeError:
-            raise _not_fp4(a) from None
+            raise InvalidArgument(
+                f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
+            ) from None
         plain = backend in routed and block_size == 16 and not use_8x4_sf_layout and (not kwargs or neutral(kwargs))
         fn = route(index)
         if fn is not None and plain and alpha is not None:

@@ -1,12 +1,5 @@
-"""Small fixed-shape computations of the checks, replayed from CUDA graphs.
-
-A light check or a canary step is bound by host-side launches, so its pure functions of small tensors
-are captured once per (function, shapes, dtypes, strides, device) and replayed: inputs are copied into
-the graph's buffers, and the caller reads the outputs while it holds the device's lock. Anything that
-does not fit (a CPU tensor, inputs over MAX_INPUT_BYTES, a capturing stream, a key used fewer than
-CAPTURE_AT times, inside :func:`no_capture`, a failed capture) runs eagerly. One private pool per
-device; input buffers kept within BUDGET_BYTES per device, least recently used dropped first.
-"""
+"""Small fixed-shape computations of the checks (launch-bound), captured once per key and replayed from
+CUDA graphs; what does not fit runs eagerly. One pool per device, inputs within BUDGET_BYTES (LRU)."""
 
 from __future__ import annotations
 
@@ -56,7 +49,6 @@ _thread = threading.local()  # .no_capture: this thread is inside no_capture()
 @contextlib.contextmanager
 def no_capture():
     """Capture nothing in :func:`run` on this thread within it (a key with a graph still replays)."""
-    # A canary step must fit its slice between two forward passes; uses are still counted.
     previous = getattr(_thread, "no_capture", False)
     _thread.no_capture = True
     try:
@@ -83,18 +75,14 @@ def _eligible(inputs: tuple[torch.Tensor, ...]) -> int | None:
         return None
     if sum(t.numel() * t.element_size() for t in inputs) > MAX_INPUT_BYTES:
         return None
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    return index
+    return None if torch.cuda.is_current_stream_capturing() else index
 
 
 def run(
     name: str, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], read: Callable[[tuple], T], extra: tuple = ()
 ) -> T:
     """Return ``read(fn(*inputs))``, from a CUDA graph of `fn` where one fits."""
-    # `fn`: a pure function of its tensors returning a tuple of tensors, no host sync; `extra`: the
-    # constants it closes over (part of the key). `read` must be done with the graph's own buffers
-    # when it returns.
+    # `fn`: pure, returns a tuple of tensors, no host sync; `extra`: its constants (part of the key).
     index = _eligible(inputs)
     if index is None:
         return read(fn(*inputs))

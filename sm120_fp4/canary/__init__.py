@@ -1,9 +1,5 @@
-"""The serving canary (``SM120_FP4_CANARY``): while the server runs, re-verify the kernels it serves.
-
-Each period, per kernel family and device, one verified layer configuration in rotation is
-re-checked at an idle point of the serving loop (:func:`idle`) through its routed call against the
-oracle, after comparing weight fingerprints; docs/operations.md ("The serving canary") says more.
-"""
+"""The serving canary (``SM120_FP4_CANARY``): each period, per family and device, one verified configuration
+in rotation is re-checked at an idle point (:func:`idle`); docs/operations.md ("The serving canary")."""
 
 from __future__ import annotations
 
@@ -68,29 +64,26 @@ def active() -> Canary | None:
 
 def idle(serving_stream: Callable[[], ContextManager] | None = None) -> None:
     """Run the canary's due run: the engine's serving loop is between forward passes; nothing when off."""
-    canary = _active
-    if canary is not None:
-        canary.idle(serving_stream)
+    if _active is not None:
+        _active.idle(serving_stream)
 
 
 def on_warmup(captured: list[int]) -> None:
     """Add the captured graphs' batch sizes to the rotation; nothing when off."""
-    canary = _active
-    if canary is not None:
-        canary.on_warmup(captured)
+    if _active is not None:
+        _active.on_warmup(captured)
 
 
 def status(settings: Settings | None = None) -> CanaryStatus:
     """Return this process's canary status, or what the settings say where none runs here."""
-    canary = _active
-    if canary is not None:
-        return canary.status()
+    if _active is not None:
+        return _active.status()
     if settings is None:
         period, action, slice_ms = None, "exit", 5.0
     else:
         period, action, slice_ms = settings.canary_period, settings.canary_action, settings.canary_slice_ms
-    state = "off (SM120_FP4_CANARY=off)"
-    if period is not None:
-        state = "not running: sm120_fp4 is not installed in this process"
+    state = (
+        "off (SM120_FP4_CANARY=off)" if period is None else "not running: sm120_fp4 is not installed in this process"
+    )
     off = "not compared: the canary is off"
     return CanaryStatus(enabled=False, period_s=period, action=action, slice_ms=slice_ms, state=state, fingerprints=off)

@@ -24,10 +24,9 @@ __all__ = ["Canary", "SMALL_M"]
 _LOG = logging.getLogger("sm120_fp4")
 SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from here on the larger one
 RECENT = 16  # runs kept in status
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+# The Canary attributes status reports under the same name.
+_COUNTERS = ("idle_point", "runs", "failures", "skipped_saturated", "skipped_capturing", "longest_wait_s", "busy_s")
+_COUNTERS += ("slices", "longest_slice")
 
 
 @dataclass
@@ -94,7 +93,7 @@ class Canary:
         if not self._queue and now < self._due:
             return
         with (serving_stream or contextlib.nullcontext)():
-            if _capturing():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 self.skipped_capturing += 1
                 return
             if not self._queue:
@@ -221,9 +220,8 @@ class Canary:
         report.reason = reason
         return report
 
-    @classmethod
-    def _could_not(cls, job: _Job, exc: BaseException) -> verify.SelfTestReport:
-        return cls._failed_run(job, f"the canary could not run the check: {type(exc).__name__}: {exc}")
+    def _could_not(self, job: _Job, exc: BaseException) -> verify.SelfTestReport:
+        return self._failed_run(job, f"the canary could not run the check: {type(exc).__name__}: {exc}")
 
     def _finish(self, job: _Job, report: verify.SelfTestReport, started_at: float, took: float) -> None:
         """Record `job`'s run and act on a failure (exit or log, as SM120_FP4_CANARY_ACTION says)."""
@@ -249,26 +247,18 @@ class Canary:
             self._recent.append(run)
             if not run.passed:
                 self.failures += 1
-                known = self._failed.get(job.key)
-                if known is None:
-                    named = run.model_dump(include={"family", "device", "config"})
-                    self._failed[job.key] = CanaryFailure(
-                        **named, count=1, first_reason=run.reason or "", first_at=run.finished_at
-                    )
-                else:
-                    known.count += 1
-        if run.passed:
-            report_file.update(self.settings)
-        elif self.settings.canary_action == "exit":
+                named = run.model_dump(include={"family", "device", "config"})
+                first = CanaryFailure(**named, count=0, first_reason=run.reason or "", first_at=run.finished_at)
+                self._failed.setdefault(job.key, first).count += 1
+        if not run.passed and self.settings.canary_action == "exit":
             self._exit(job, run, report)
-        else:
-            if self._failed[job.key].count == 1:
-                _LOG.warning(
-                    "sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
-                    "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
-                    *(run.backend, run.config, run.device, run.reason),
-                )
-            report_file.update(self.settings)
+        if not run.passed and self._failed[job.key].count == 1:
+            _LOG.warning(
+                "sm120_fp4: while serving: %s failed the serving canary's re-check of %s on %s: %s "
+                "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
+                *(run.backend, run.config, run.device, run.reason),
+            )
+        report_file.update(self.settings)
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         """Record the refusal in the report file, log it and raise RefusedToServe."""
@@ -326,29 +316,22 @@ class Canary:
         elapsed = time.time() - self._armed_at if self._armed_at is not None else None
         open_s = serving.weights_update_open_s()
         update = update_text(open_s) if open_s is not None else None
+        counters = {name: getattr(self, name) for name in _COUNTERS}
         return CanaryStatus(
             weights_update=update,
             **({"fingerprints": f"not compared now: {update}"} if update else {}),
+            **counters,
             enabled=True,
             period_s=self.period,
             action=self.settings.canary_action,
             slice_ms=self.budget_s * 1e3,
             state=self._state(),
-            idle_point=self.idle_point,
             armed_at=self._armed_at,
-            runs=self.runs,
-            failures=self.failures,
             failed=failed,
             last_run=recent[-1] if recent else None,
             recent=recent,
-            skipped_saturated=self.skipped_saturated,
-            skipped_capturing=self.skipped_capturing,
-            longest_wait_s=self.longest_wait_s,
-            busy_s=self.busy_s,
             share=self.busy_s / elapsed if elapsed else None,
-            slices=self.slices,
             longest_slice_ms=self.longest_slice_s * 1e3,
-            longest_slice=self.longest_slice,
             beyond_slice=beyond,
         )
 

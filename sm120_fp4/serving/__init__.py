@@ -1,6 +1,5 @@
-"""Serving: one record per (kernel family, device) -- what was decided, what serves, the layers verified
-on it -- (:mod:`.records`), the layer checks (:mod:`.layers`), verifying and replacing (:mod:`.replace`),
-SELECT=fastest per batch-size range (:mod:`.fastest`), the re-checks and the canary's reads (:mod:`.updates`)."""
+"""Serving: the records per (family, device) (:mod:`.records`), layer checks (:mod:`.layers`), replacing
+(:mod:`.replace`), SELECT=fastest (:mod:`.fastest`), re-checks and the canary's reads (:mod:`.updates`)."""
 
 from .fastest import retime
 from .records import (

@@ -1,6 +1,5 @@
 """SELECT=fastest on the served calls: time every verified candidate at the serving batch sizes and
-route each M range (decode, prefill) to the fastest, verified over its own range and boundaries.
-"""
+route each M range (decode, prefill) to the fastest, verified over its own range and boundaries."""
 
 from __future__ import annotations
 
@@ -15,12 +14,8 @@ from ..deciding import Choice, Decision, time_call
 from .layers import _layer_check, _verify_everything
 from .records import LayerCheck, _served, _Serving, route_text
 
-# A backend faster by less than this (as a ratio of the range's time) is within noise: no split.
-SEPARATION = 1.03
-
-
-# The timing seam: seconds of one call (tests inject a stand-in clock).
-timer: Callable[[Callable[[], object], torch.device], float] = time_call
+SEPARATION = 1.03  # a backend faster by less than this ratio of the range's time is within noise: no split
+timer: Callable[[Callable[[], object], torch.device], float] = time_call  # the timing seam (tests replace it)
 
 
 def ranged(bounds: tuple[int, ...], fns: tuple[Callable, ...]) -> Callable:
@@ -75,20 +70,15 @@ def _time(serving: _Serving, check: LayerCheck) -> dict[int, float]:
     return {case.m: timer(case.invoke, tdev) * 1e3 for case in check.cases(check.recheck_ms)}
 
 
-def route_fastest(serving: _Serving, check: LayerCheck) -> None:
-    """Check and time every verified candidate on the new configuration `check`, then route by M range."""
-    _measure(serving, [check], new=True)
-
-
 def retime(settings: Settings) -> None:
     """Time every verified candidate again on every configuration and route again (after autotune, before capture)."""
     for serving in _served():
         with serving.lock:
             if settings.select == "fastest" and serving.checks:
-                _measure(serving, list(serving.checks.values()), new=False)
+                measure(serving, list(serving.checks.values()), new=False)
 
 
-def _measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
+def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
     """Time every candidate still eligible on `checks` (checking it first on a `new` configuration), then route."""
     first = serving.choice
     base = first.decision

@@ -41,13 +41,11 @@ def _start_check(
     return report, sweep, start
 
 
-def _run_check(
-    serving: _Serving, check: LayerCheck, ms: list[int], passes: int = 2, config: str | None = None, light: bool = False
-) -> verify.SelfTestReport:
-    report, run, start = _start_check(serving, check, ms, config, light)
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], light: bool = False) -> verify.SelfTestReport:
+    report, run, start = _start_check(serving, check, ms, light=light)
     if run is None:
         return report
-    return _blame(serving.decision, verify.finish(report, run.run(passes), start))
+    return _blame(serving.decision, verify.finish(report, run.run(2), start))
 
 
 def edges(decision: Decision) -> set[int]:
@@ -141,16 +139,12 @@ def _seen_key(tensors: dict) -> tuple:
     return ("storage", weight.data_ptr()) if isinstance(weight, torch.Tensor) else ("dict", id(tensors))
 
 
-def _same_layer(a: dict | None, b: dict | None) -> bool:
-    """Return whether two `tensors` dicts describe the same served layer."""
-    if a is None or b is None:
-        return False
-    return a is b or _seen_key(a) == _seen_key(b)
-
-
 def _representative(serving: _Serving, tensors: dict) -> bool:
     """Return whether `tensors` are a configuration's first layer (the one the re-checks compare)."""
-    return any(_same_layer(c.tensors, tensors) for c in serving.checks.values())
+    key = _seen_key(tensors)
+    return any(
+        c.tensors is tensors or (c.tensors is not None and _seen_key(c.tensors) == key) for c in serving.checks.values()
+    )
 
 
 def _settle(serving: _Serving, tensors: dict | None) -> None:
@@ -163,11 +157,6 @@ def _settle(serving: _Serving, tensors: dict | None) -> None:
 def _convert_seen(serving: _Serving) -> str | None:
     """Let the backend now routed convert every layer served so far (originals kept while checked)."""
     return next((p for p in (_convert(serving, t, True) for t in serving.seen.values()) if p), None)
-
-
-def _settle_seen(serving: _Serving) -> None:
-    for tensors in serving.seen.values():
-        _settle(serving, tensors)
 
 
 def _refingerprint(serving: _Serving) -> None:

@@ -67,9 +67,7 @@ class _Layer:
 
 @dataclass
 class _Serving:
-    """Everything about one kernel family on one device: its decisions, what serves, its layers, what failed.
-
-    Change what serves only through :meth:`serve` and :meth:`route_to`: they keep the route table in step."""
+    """One kernel family on one device: decisions, what serves (changed only by serve/route_to), layers, failures."""
 
     family: Family
     index: int
@@ -203,14 +201,8 @@ def decide(
     return _decide(device, candidates, settings, refresh, family)[2].decision
 
 
-def _decide(
-    device: Device | int | None,
-    candidates: list[str] | tuple[str, ...] | None,
-    settings: Settings | None,
-    refresh: bool,
-    family: Family | str,
-) -> tuple[_Serving, tuple, Choice]:
-    """Return decide()'s record, cache key and choice."""
+def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tuple, Choice]:
+    """Return decide()'s record, cache key and choice (the arguments as decide()'s)."""
     settings = settings or load_settings()
     _process.last_settings = settings
     if not isinstance(device, Device):
@@ -240,7 +232,7 @@ def _decide(
         except RefusedToServe as exc:
             refusal = Refusal(device=device.label(), family=family.name, message=str(exc))
             refusal.rejected, refusal.reports = getattr(exc, "rejected", {}), getattr(exc, "reports", [])
-            _refuse(refusal, settings)
+            record_refusal(refusal, settings)
             raise
         record.store(key, choice)
     log_decision(choice.decision)
@@ -248,15 +240,11 @@ def _decide(
     return record, key, choice
 
 
-def _refuse(refusal: Refusal, settings: Settings) -> None:
+def record_refusal(refusal: Refusal, settings: Settings) -> None:
+    """Record a refusal (ours or the serving canary's) for status and the report file."""
     with _lock:
         _refusals.append(refusal)
     report_file.update(settings)  # before the process exits: the record of why it refused
-
-
-def record_refusal(refusal: Refusal, settings: Settings) -> None:
-    """Record a refusal decided elsewhere (the serving canary's) for status and the report file."""
-    _refuse(refusal, settings)
 
 
 def refusals() -> list[Refusal]:

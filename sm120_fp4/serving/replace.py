@@ -11,7 +11,7 @@ from .. import report as report_file
 from ..config import Settings
 from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
 from ..errors import RefusedToServe
-from .fastest import route_fastest
+from .fastest import measure
 from .layers import (
     _convert,
     _convert_seen,
@@ -22,20 +22,17 @@ from .layers import (
     _representative,
     _seen_key,
     _settle,
-    _settle_seen,
     _verify_everything,
 )
-from .records import LayerCheck, _process, _records, _refuse, _release, _Serving, route
+from .records import LayerCheck, _process, _records, _release, _Serving, record_refusal, route
 
 _LOG = logging.getLogger("sm120_fp4")
 
 
 def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.SelfTestReport | None:
-    """Verify one NVFP4 layer on CUDA ordinal `index` through the call that will serve it (None: nothing verified).
-
-    A configuration's first layer gets the full sweep, any other a light check and a fingerprint;
-    nothing is recorded before it passes. A failure hands the device to the next candidate that
-    passes everything so far, else FALLBACK=emulated, SELFTEST=warn, or RefusedToServe."""
+    """Verify one NVFP4 layer on CUDA ordinal `index` through the call that will serve it (None: nothing verified)."""
+    # A configuration's first layer gets the full sweep, any other a light check; nothing is recorded
+    # before it passes. A failure hands the device on (_replace_backend).
     _process.last_settings = settings
     if route(index, settings, check.family) is None:
         return None
@@ -83,7 +80,7 @@ def _verified(serving: _Serving, check: LayerCheck, report: verify.SelfTestRepor
         report.max_rel_err or 0.0,
     )
     if settings.select == "fastest":
-        route_fastest(serving, check)
+        measure(serving, [check], new=True)  # check and time every verified candidate on it, then route
     report_file.update(settings)
 
 
@@ -143,7 +140,7 @@ def _replace_backend(
         return report
     refusal = Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message)
     refusal.rejected, refusal.reports = rejected, failures
-    _refuse(refusal, settings)
+    record_refusal(refusal, settings)
     raise RefusedToServe(message)
 
 
@@ -152,7 +149,8 @@ def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: l
     decision.layers = reports
     if check.key not in serving.checks:
         serving.checks[check.key] = check
-    _settle_seen(serving)
+    for tensors in serving.seen.values():
+        _settle(serving, tensors)
     _refingerprint(serving)
     _record_layer(serving, check, _fingerprint(check))
     _LOG.warning(

@@ -17,7 +17,7 @@ from ..deciding import Refusal
 from ..devices import Device
 from ..errors import RefusedToServe, capped
 from .layers import _fail_if_written, _fingerprint, _layer_check, _record_layer, _run_check
-from .records import LayerCheck, _Layer, _layer_key, _lock, _process, _records, _refuse, _served, _Serving
+from .records import LayerCheck, _Layer, _layer_key, _lock, _process, _records, _served, _Serving, record_refusal
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -62,7 +62,7 @@ def _refuse_now(serving: _Serving, config: str, why: str, message: str, settings
     message = f"sm120_fp4: refusing to serve NVFP4 on {label}: {message}"
     refusal = Refusal(device=label, config=config, family=serving.family.name, message=message, reports=list(reports))
     refusal.rejected = {backend or serving.route_name: why}
-    _refuse(refusal, settings)
+    record_refusal(refusal, settings)
     raise RefusedToServe(message)
 
 
@@ -183,10 +183,7 @@ def on_hang(message: str) -> None:
     """Record the watchdog's refusal in the report before it ends the process (a verify.hang_hooks hook)."""
     settings = _process.last_settings
     if settings is not None:
-        _refuse(Refusal(device="?", message=message), settings)
-
-
-# ---- for the serving canary (sm120_fp4.canary) --------------------------------------------------
+        record_refusal(Refusal(device="?", message=message), settings)
 
 
 @dataclass(frozen=True)
@@ -205,9 +202,8 @@ class Served:
 
 def served_configurations() -> list[Served]:
     """Return every layer configuration verified (passed) in this process, in the order verified."""
-    servings = _served()
     served = []
-    for s in servings:
+    for s in _served():
         with s.lock:
             passed = {r.config for r in s.decision.layers if r.passed}
             served += [Served(s.family.name, s.device, c) for c in s.checks.values() if c.label in passed]
