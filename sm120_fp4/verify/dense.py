@@ -52,8 +52,7 @@ def _rolled_rows(case: Case, serve: Callable, x: torch.Tensor) -> Case:
     return rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
 
 
-# M: one token, an odd count, just above one 128-row tile, a prefill of a few thousand.
-# N and K: multiples of 32 but not of 128, so partial tiles and padded scales are exercised.
+# M: one token, an odd count, just above one 128-row tile, a prefill. N, K: multiples of 32, not of 128.
 DEFAULT_SHAPES: tuple[Shape, ...] = ((1, 96, 1056), (7, 224, 160), (129, 160, 480), (2500, 96, 160))
 
 

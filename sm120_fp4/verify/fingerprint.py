@@ -37,11 +37,10 @@ def _fp_size(device: torch.device, sizes: int) -> torch.Tensor:
 
 def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
     """Return a device tensor, made with no host sync, that changes when any byte of `tensors` changes."""
-    # Each tensor's 32-bit words in rows of _FP_WIDTH, summed per column in 64 bits; per chunk the sum
-    # of those sums and their sum weighted by a fixed odd pattern (wrapping: exact in any order): a
-    # changed word changes its column, two swapped between columns the weighted sum. The words past
-    # the last full row as they are; one element for the sizes. Blind only to two words swapped
-    # _FP_WIDTH words apart, which is no write a kernel makes by mistake.
+    # Each tensor's 32-bit words in rows of _FP_WIDTH, summed per column in 64 bits; per chunk the sum of those
+    # sums and their sum weighted by a fixed odd pattern (wrapping: exact in any order): a changed word changes
+    # its column, two swapped the weighted sum. The words past the last full row as they are; one element for
+    # the sizes. Blind only to two words swapped _FP_WIDTH words apart, no write a kernel makes by mistake.
     chunks: list[torch.Tensor] = []
     tails: list[torch.Tensor] = []  # the words past each tensor's last full row (all of a small tensor)
     sizes = 0
