@@ -233,15 +233,6 @@ def _check_moe_weights(x, weights: MoeWeights, activation: str) -> tuple[int, in
     return experts, inter
 
 
-def _check_moe_ids(topk_ids: torch.Tensor, experts: int) -> None:
-    low, high = torch.stack(torch.aminmax(topk_ids.reshape(-1).long())).tolist() if topk_ids.numel() else (0, 0)
-    if low < 0 or high >= experts:
-        accepted = f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
-        raise not_accepted(
-            _MOE, "topk_ids", topk_ids, accepted + "(expert-parallel ids of other ranks are not accepted)"
-        )
-
-
 class _MoeRun:
     """One reference_moe_fp4_roundings call on checked arguments: the routing and the shared state."""
 
@@ -354,7 +345,10 @@ def reference_moe_fp4_roundings(
         a2 = _moe_gscale("a2_gscale", a2_gscale, experts, x.device)
         if not torch.isfinite(x).all():
             raise not_accepted(_MOE, "x", x, "finite values (found NaN or inf)")
-    _check_moe_ids(topk_ids, experts)
+    low, high = torch.stack(torch.aminmax(topk_ids.reshape(-1).long())).tolist() if topk_ids.numel() else (0, 0)
+    if low < 0 or high >= experts:
+        accepted = f"expert ids in [0, E={experts}), got ids in [{low}, {high}] (expert-parallel ids of other ranks"
+        raise not_accepted(_MOE, "topk_ids", topk_ids, accepted + " are not accepted)")
     if x.shape[0] == 0:
         dtype = x.dtype if out_dtype is None else out_dtype
         return tuple(torch.zeros((0, x.shape[1]), dtype=dtype, device=x.device) for _ in intermediate_dtypes)

@@ -164,16 +164,6 @@ def _compare(
     )
 
 
-def _first_nonfinite(out: torch.Tensor, count: int) -> str:
-    step = max(1, _COMPARE_ELEMENTS // max(out.shape[1], 1))
-    for lo in range(0, out.shape[0], step):  # the failure path: read where, a chunk at a time
-        bad = (~torch.isfinite(out[lo : lo + step])).nonzero()
-        if bad.numel():
-            r, c = bad[0].tolist()
-            return f"{count} non-finite element(s), first at row {lo + r}, column {c}"
-    return f"{count} non-finite element(s)"
-
-
 def _judge(out, bounds: Bounds, result: ShapeResult, floor: float, numbers, *rows) -> str | None:
     """Return _compare's verdict from its statistics (read here, while they are valid)."""
     zero_not_ref, out_norms, safe_norms, row_norms, row_err, allowed_rows = rows
@@ -182,7 +172,13 @@ def _judge(out, bounds: Bounds, result: ShapeResult, floor: float, numbers, *row
     if result.nonfinite == out.numel():
         return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
     if result.nonfinite:
-        return _first_nonfinite(out, result.nonfinite)
+        step = max(1, _COMPARE_ELEMENTS // max(out.shape[1], 1))
+        for lo in range(0, out.shape[0], step):  # the failure path: read where, a chunk at a time
+            bad = (~torch.isfinite(out[lo : lo + step])).nonzero()
+            if bad.numel():
+                r, c = bad[0].tolist()
+                return f"{result.nonfinite} non-finite element(s), first at row {lo + r}, column {c}"
+        return f"{result.nonfinite} non-finite element(s)"
     if n["ref_all_zero"] and n["out_all_zero"]:
         result.zero_rows = 0
         result.rel_err = result.max_row_rel_err = result.max_abs_err = 0.0

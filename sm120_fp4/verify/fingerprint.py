@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["fingerprint"]
@@ -9,30 +11,19 @@ __all__ = ["fingerprint"]
 
 _FP_WIDTH = 4096  # words per row: the sums are kept per column of rows this wide
 _FP_CHUNK = 1 << 26  # words summed at a time: a layer's weights never need more temporary memory than this
-_fp_weights: dict[torch.device, torch.Tensor] = {}
-_fp_sizes: dict[tuple, torch.Tensor] = {}  # (device, sizes) -> that one-element tensor: made once, no launch per call
 
 
+@functools.cache
 def _fp_weighting(device: torch.device) -> torch.Tensor:
     """Return (1, 2, _FP_WIDTH) int64 ones and a fixed odd pattern on `device`, made once."""
-    weights = _fp_weights.get(device)
-    if weights is None:
-        gen = torch.Generator().manual_seed(0x5EED)
-        pattern = torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int64) * 2 + 1
-        weights = _fp_weights.setdefault(
-            device, torch.stack((torch.ones_like(pattern), pattern)).unsqueeze(0).to(device)
-        )
-    return weights
+    gen = torch.Generator().manual_seed(0x5EED)
+    pattern = torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int64) * 2 + 1
+    return torch.stack((torch.ones_like(pattern), pattern)).unsqueeze(0).to(device)
 
 
+@functools.lru_cache(maxsize=4096)  # that one-element tensor made once: no launch per call
 def _fp_size(device: torch.device, sizes: int) -> torch.Tensor:
-    key = (device, sizes)
-    size = _fp_sizes.get(key)
-    if size is None:
-        if len(_fp_sizes) >= 4096:
-            _fp_sizes.clear()
-        size = _fp_sizes.setdefault(key, torch.full((1,), sizes, dtype=torch.int64, device=device))
-    return size
+    return torch.full((1,), sizes, dtype=torch.int64, device=device)
 
 
 def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:

@@ -104,12 +104,10 @@ SIMULATION_MOE_CONFIG = MoeConfig(
     )
 )
 
-_moe_weight_cache: dict[tuple, nvfp4.MoeWeights] = {}
-
 
 def _moe_experts(gen, experts: int, rows: int, cols: int, act_gsf: torch.Tensor, device) -> tuple:
     """Return seeded experts (packed, scales, alphas), each with its own global scale."""
-    packed, scales, alphas = [], [], []
+    made = []
     for e in range(experts):
         w = torch.randn(rows, cols, generator=gen) * 0.05 * (1 + e % 7 / 7)
         row = torch.arange(rows).unsqueeze(1) % 11  # zeroed rows (zero output columns), rows of subnormal scales
@@ -117,29 +115,23 @@ def _moe_experts(gen, experts: int, rows: int, cols: int, act_gsf: torch.Tensor,
         w = w.to(torch.bfloat16).to(device)
         gsf = nvfp4.global_scale(w)
         q, sf = nvfp4.quantize(w, gsf)
-        packed.append(q)
-        scales.append(sf)
-        alphas.append(1.0 / (act_gsf * gsf))
+        made.append((q, sf, 1.0 / (act_gsf * gsf)))
+    packed, scales, alphas = zip(*made)
     return torch.stack(packed), torch.stack(scales), torch.stack(alphas).float()
 
 
+@functools.lru_cache(maxsize=1)  # keep one layer's weights: a self-test walks its cases layer by layer
 def _moe_weights(
     experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int
 ) -> nvfp4.MoeWeights:
     """Return seeded NVFP4 expert weights in reference_moe_fp4's layout (the last layer's kept)."""
-    key = (experts, hidden, inter, activation, str(device), seed)
-    if key in _moe_weight_cache:
-        return _moe_weight_cache[key]
     gen = torch.Generator().manual_seed(seed)
     rows13 = 2 * inter if activation == "swiglu" else inter
     a1 = torch.tensor(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / 4.0, device=device)  # activations of |x| <= 4
     a2 = torch.tensor(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / 0.5, device=device)
     w13 = _moe_experts(gen, experts, rows13, hidden, a1, device)
     w2 = _moe_experts(gen, experts, hidden, inter, a2, device)
-    weights = nvfp4.MoeWeights(*w13, *w2, a1.reshape(1).float(), a2.reshape(1).float())
-    _moe_weight_cache.clear()  # keep one layer's weights: a self-test walks its cases layer by layer
-    _moe_weight_cache[key] = weights
-    return weights
+    return nvfp4.MoeWeights(*w13, *w2, a1.reshape(1).float(), a2.reshape(1).float())
 
 
 def moe_routing(
