@@ -38,8 +38,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 _SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
-# Thresholds between neighbouring E2M1 magnitudes. A value on a threshold goes to the even
-# code: down at 0.25, 1.25, 2.5, 5 (codes 0, 2, 4, 6 below) and up at 0.75, 1.75, 3.5.
+# Thresholds between neighbouring E2M1 magnitudes; one on a threshold goes to the even code (ties to even).
 _ROUND_DOWN_AT = (0.25, 1.25, 2.5, 5.0)
 _ROUND_UP_AT = (0.75, 1.75, 3.5)
 _LUT_CACHE: dict = {}
@@ -60,15 +59,13 @@ def _check_tensor(func: str, param: str, value: object, dtypes: tuple, ndim: int
 
 def _check_k(func: str, param: str, value: torch.Tensor, k: int) -> None:
     if k <= 0 or k % BLOCK_SIZE:
-        raise not_accepted(
-            func, param, value, f"K (the element count of a row) a positive multiple of {BLOCK_SIZE}, got K={k}"
-        )
+        accepted = f"K (the element count of a row) a positive multiple of {BLOCK_SIZE}, got K={k}"
+        raise not_accepted(func, param, value, accepted)
 
 
 def _device_constant(key: tuple, make):
     """Return `make()`, made once per `key` (which names the device) and kept."""
-    # Kept so the quantizer and the oracle copy nothing to the device: they run inside CUDA-graph
-    # capture once a first call outside capture has made their constants.
+    # Kept so the quantizer and the oracle copy nothing to the device (they run inside CUDA-graph capture).
     value = _LUT_CACHE.get(key)
     if value is None:
         value = _LUT_CACHE.setdefault(key, make())
@@ -81,8 +78,7 @@ def _constant(values, device: torch.device, dtype: torch.dtype = torch.float32) 
 
 
 def _encode_by_comparison(x: torch.Tensor) -> torch.Tensor:
-    # Code = number of thresholds passed (> a round-down one, >= a round-up one: ties to even); NaN
-    # passes none (callers reject it first).
+    # Code = thresholds passed (> a round-down one, >= a round-up one: ties to even); NaN passes none.
     mag = x.abs()
     codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for t in _ROUND_DOWN_AT:
@@ -98,11 +94,9 @@ def _signed(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return codes | (negative.to(torch.uint8) << 3)
 
 
-# A float32's code is fixed by its top 12 bits (sign, exponent, 3 mantissa bits) and by whether any
-# of its 20 lower bits is set: every threshold has at most 2 mantissa bits, so none lies strictly
-# inside such a group of floats, and a group's lowest float (lower bits 0) is the only one that can
-# equal a threshold. The table holds, per group, the code of that lowest float and of the float one
-# step above it, each by the comparisons themselves.
+# A float32's code is fixed by its top 12 bits (sign, exponent, 3 mantissa bits) and whether any of its 20
+# lower bits is set: every threshold has at most 2 mantissa bits, so only a group's lowest float can equal
+# one. The table holds, per group, the codes of that lowest float and of the one above it, by comparison.
 _GROUP_SHIFT = 20
 
 
@@ -117,9 +111,8 @@ def _float32_code_table(device: torch.device) -> torch.Tensor:
 
 
 def _encode(x: torch.Tensor) -> torch.Tensor:
-    # On CUDA two sorted searches (4 launches instead of 15: a decode-sized quantize is
-    # launch-bound); on the CPU, for float32 (what quantize encodes), one lookup per element in the
-    # table of _float32_code_table (3-4x faster than the comparisons, which any other dtype gets).
+    # On CUDA two sorted searches (4 launches instead of 15: a decode quantize is launch-bound); on the
+    # CPU for float32 one lookup per element in _float32_code_table (3-4x faster than the comparisons).
     if x.is_cuda:
         mag = x.abs()
         down, up = _constant(_ROUND_DOWN_AT, x.device, mag.dtype), _constant(_ROUND_UP_AT, x.device, mag.dtype)
@@ -217,9 +210,8 @@ def global_scale(x: torch.Tensor) -> torch.Tensor:
         raise not_accepted("global_scale", "x", x, f"finite values, not all zero (amax(|x|)={float(amax)})")
     scale = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=x.device) / amax
     if not torch.isfinite(scale):
-        raise not_accepted(
-            "global_scale", "x", x, f"amax(|x|) large enough for a finite float32 scale (amax={float(amax):.3g})"
-        )
+        accepted = f"amax(|x|) large enough for a finite float32 scale (amax={float(amax):.3g})"
+        raise not_accepted("global_scale", "x", x, accepted)
     return scale
 
 
@@ -237,8 +229,8 @@ def _as_scale(func: str, param: str, value: object, device: torch.device, check:
 
 def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Return x (M, K) in NVFP4: packed uint8 (M, K/2) and 128x4 swizzled float8_e4m3fn scales."""
-    # global_scale: the encode scale (SGLang passes 1 / input_scale). check_finite=False skips the
-    # host-synchronising checks where the caller guarantees finite input (inside graph capture).
+    # global_scale: the encode scale (SGLang passes 1 / input_scale). check_finite=False skips the host-syncing
+    # checks where the caller guarantees finite input (inside graph capture).
     _check_tensor("quantize", "x", x, _FLOAT_INPUTS, ndim=2)
     m, k = x.shape
     _check_k("quantize", "x", x, k)
@@ -247,8 +239,7 @@ def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True
     gsf = _as_scale("quantize", "global_scale", global_scale, x.device, check_finite)
     blocks = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
     amax = blocks.abs().amax(dim=-1)
-    # A block's amax is NaN or inf exactly where the block holds one (amax propagates NaN): the
-    # check reads 16 times fewer values than x.
+    # A block's amax is NaN or inf exactly where the block holds one: the check reads 16x fewer values.
     if check_finite and not torch.isfinite(amax).all():
         raise not_accepted("quantize", "x", x, "finite values (found NaN or inf)")
     rcp6 = _constant(1.0 / E2M1_MAX, x.device)  # fl32(1/6)
@@ -278,9 +269,8 @@ def _check_packed_and_scales(
 
 def _scaled_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Return the (65536, 2) table ``byte | scale_byte << 8`` -> the byte's (low, high) values times the scale."""
-    # Every entry is exact in float32 and bf16 (2 significant bits times 4; 2**-10 <= |product| <= 2688);
-    # a NaN scale byte gives NaN.
 
+    # Every entry is exact in float32 and bf16 (2 significant bits times 4; 2**-10 <= |product| <= 2688).
     def make() -> torch.Tensor:
         index = torch.arange(1 << 16)
         values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
@@ -296,13 +286,11 @@ def dequantize_unscaled(packed: torch.Tensor, scales: torch.Tensor, dtype: torch
     rows, k = _check_packed_and_scales("dequantize_unscaled", packed, scales, "packed", "scales")
     if dtype not in (torch.float32, torch.bfloat16):
         raise not_accepted("dequantize_unscaled", "dtype", dtype, "torch.float32 or torch.bfloat16")
-    # One lookup per byte gives both nibbles' values already times their block's scale: the index
-    # is the byte and its scale's byte (uint8 scales hold E4M3 bytes: reinterpreted, never converted).
+    # One lookup per byte gives both nibbles' values times their block's scale: the index is the byte and
+    # its scale's byte (uint8 scales hold E4M3 bytes: reinterpreted, never converted).
     sf = unswizzle_scales(scales.contiguous(), rows, k).view(torch.uint8)
     index = (sf.int() << 8).unsqueeze(-1) | packed.reshape(rows, k // BLOCK_SIZE, BLOCK_SIZE // 2)
-    # Gathered as one word per pair (the pair's two values' bytes): index_select of words moves the
-    # same bytes as an embedding of 2-value rows in about half the GPU time (H200, 235M bytes: 0.67
-    # against 1.30 ms).
+    # Gathered as one word per pair: index_select of words takes about half an embedding's GPU time (H200).
     words = _scaled_lut(packed.device, dtype).view(torch.int32 if dtype == torch.bfloat16 else torch.int64).reshape(-1)
     return torch.index_select(words, 0, index.reshape(-1)).view(dtype).view(rows, k)
 

@@ -88,11 +88,10 @@ def reference_mm_fp4(
     dequantized_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``alpha * (A @ B^T)`` with flashinfer.mm_fp4's arguments, exact in float32 before the cast."""
-    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has 1 or
-    # M elements; dequantized_b is a kept dequantize_unscaled(b.T, b_descale.T, gemm_operand_dtype(a)).
+    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has 1 or M
+    # elements; dequantized_b is a kept dequantize_unscaled(b.T, b_descale.T, gemm_operand_dtype(a)).
     m, n, k, scale = _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out)
-    # Products of E2M1 x E4M3 values are exact in bf16, float32 and TF32, so only the summation
-    # order can differ from the kernel's float32 accumulator.
+    # E2M1 x E4M3 products are exact in bf16, float32 and TF32: only the summation order can differ.
     dtype = gemm_operand_dtype(a)
     if dequantized_b is None:
         dequantized_b = dequantize_unscaled(b.T, b_descale.T, dtype)
@@ -110,16 +109,13 @@ def reference_mm_fp4(
 
 # The fused MoE's rounding points, as FlashInfer's kernels have them (flashinfer fb28d72,
 # csrc/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh):
-# * both grouped GEMMs write the output dtype (moe_kernels.h: UnfusedGemmOutputType = BackBoneType):
-#   FC1's alpha*acc and each routed row of FC2 are rounded to it before anything reads them;
+# * both grouped GEMMs write the output dtype (moe_kernels.h: UnfusedGemmOutputType = BackBoneType): FC1's
+#   alpha*acc and each routed row of FC2 are rounded to it before anything reads them;
 # * doActivationKernel: swiglu is silu(gate) * up with the gate in FC1's second half; relu2 is relu(x)^2;
-# * quantizePackedFPXValue rounds the activation to the output dtype before quantizing it; this
-#   oracle's contract quantizes it from float32 (intermediate_dtype=None), the kernel's rounding is
-#   intermediate_dtype=x.dtype; the two differ only near a rounding boundary;
-# * finalizeMoeRoutingKernel sums the k slots in float, in slot order, and converts once (a fused
-#   finalize epilogue rounds each slot to the output dtype first: up to k roundings more);
-# * ids outside [0, E) belong to other expert-parallel ranks there; this oracle has no rank
-#   arguments, so such an id is more likely a bug and is rejected.
+# * quantizePackedFPXValue rounds the activation to the output dtype before quantizing it; this oracle
+#   quantizes it from float32 (intermediate_dtype=None), the kernel's rounding is intermediate_dtype=x.dtype;
+# * finalizeMoeRoutingKernel sums the k slots in float, in slot order, and converts once;
+# * ids outside [0, E) belong to other expert-parallel ranks there; this oracle rejects them as likely bugs.
 
 _MOE = "reference_moe_fp4"  # the function the MoE argument checks name
 _MOE_ACTIVATIONS = ("swiglu", "relu2")
@@ -140,8 +136,7 @@ def expert_activation(fc1: torch.Tensor, activation: str, inter: int) -> torch.T
     """Return the float32 activation of FC1's float32 output (rows [up; gate] for swiglu)."""
     if activation == "swiglu":
         up, gate = fc1[:, :inter], fc1[:, inter:]
-        # cutlass's SiLu is x * sigmoid(x) with sigmoid = 1 / (1 + exp(-x)); the scalar statement
-        # in tests/scalar_moe_recipe.py spells the same operations in the same order.
+        # cutlass's SiLu: x * sigmoid(x), sigmoid = 1 / (1 + exp(-x)), as tests/scalar_moe_recipe.py spells it.
         return (gate * (1.0 / (1.0 + torch.exp(-gate)))) * up
     relu = torch.clamp_min(fc1, 0.0)
     return relu * relu
@@ -238,31 +233,19 @@ def _check_moe_weights(x, weights: MoeWeights, activation: str) -> tuple[int, in
     return experts, inter
 
 
-def _check_moe_ids(topk_ids: torch.Tensor, experts: int) -> None:
-    low, high = torch.stack(torch.aminmax(topk_ids.reshape(-1).long())).tolist() if topk_ids.numel() else (0, 0)
-    if low < 0 or high >= experts:
-        accepted = (
-            f"expert ids in [0, E={experts}), got ids in [{low}, {high}] "
-            "(expert-parallel ids of other ranks are not accepted)"
-        )
-        raise not_accepted(_MOE, "topk_ids", topk_ids, accepted)
-
-
 class _MoeRun:
     """One reference_moe_fp4_roundings call on checked arguments: the routing and the shared state."""
 
     def __init__(self, x, topk_ids, weights: MoeWeights, out_dtype, quantize_activations, weight_cache) -> None:
         self.x, self.weights, self.cache = x, weights, weight_cache
         self.out_dtype = x.dtype if out_dtype is None else out_dtype
-        # The GEMM outputs are stored in the output dtype; a float32 output shows the sum before
-        # the final cast of a run in x's dtype.
+        # The GEMM outputs are stored in the output dtype; a float32 output shows the sum before the final cast.
         self.round_dtype = x.dtype if self.out_dtype == torch.float32 else self.out_dtype
         # E2M1 x E4M3 values are exact in bf16; unquantized activations are not (W4A16: float32).
         self.dtype = gemm_operand_dtype(x) if quantize_activations else torch.float32
         self.top_k = topk_ids.shape[1]
         ids = topk_ids.reshape(-1).long()
-        # Routed rows (token * k + slot) sorted by expert, stable so each expert's rows keep token
-        # order: a span (expert, lo, hi) is that expert's rows, sorted positions lo..hi-1.
+        # Routed rows (token * k + slot) sorted by expert, stably: span (expert, lo, hi) is its rows lo..hi-1.
         self.order = torch.argsort(ids, stable=True)
         counts = torch.bincount(ids, minlength=weights.w13.shape[0]).tolist()
         ends = itertools.accumulate(counts)
@@ -362,7 +345,10 @@ def reference_moe_fp4_roundings(
         a2 = _moe_gscale("a2_gscale", a2_gscale, experts, x.device)
         if not torch.isfinite(x).all():
             raise not_accepted(_MOE, "x", x, "finite values (found NaN or inf)")
-    _check_moe_ids(topk_ids, experts)
+    low, high = torch.stack(torch.aminmax(topk_ids.reshape(-1).long())).tolist() if topk_ids.numel() else (0, 0)
+    if low < 0 or high >= experts:
+        accepted = f"expert ids in [0, E={experts}), got ids in [{low}, {high}] (expert-parallel ids of other ranks"
+        raise not_accepted(_MOE, "topk_ids", topk_ids, accepted + " are not accepted)")
     if x.shape[0] == 0:
         dtype = x.dtype if out_dtype is None else out_dtype
         return tuple(torch.zeros((0, x.shape[1]), dtype=dtype, device=x.device) for _ in intermediate_dtypes)

@@ -71,8 +71,7 @@ _seeded_lock = threading.Lock()
 
 def seeded_activations(rows: int, cols: int, amax: float, seed: int, device: torch.device) -> torch.Tensor:
     """Return structured_activations seeded with `seed` on `device`, scaled to [-amax, amax]."""
-    # A decode-sized batch's unscaled rows are kept per (device, shape, seed): every layer's check at
-    # that batch size scales the same rows, so a light check or a canary run draws nothing.
+    # A decode batch's unscaled rows are kept per (device, shape, seed): every layer's check scales the same.
     key = (torch.device(device), rows, cols, seed)
     with _seeded_lock:
         unit = _seeded.pop(key, None)
@@ -91,12 +90,10 @@ def seeded_activations(rows: int, cols: int, amax: float, seed: int, device: tor
 
 def quantized_inputs(shape: Shape, device: torch.device, seed: int):
     """Return seeded bf16 activations and weights of `shape` quantized: (x, gsf_x, mm_fp4 args)."""
-    # Activation scales as uint8 bytes (SGLang's quantizer), the weight's as float8_e4m3fn (SGLang's
-    # storage): a kernel must read both as E4M3 bytes.
+    # Activation scales as uint8 (SGLang's quantizer), the weight's as float8_e4m3fn (its storage): a kernel
+    # must read both as E4M3 bytes. Weights with zeroed rows and rows small enough for subnormal E4M3 scales.
     m, n, k = shape
     gen = torch.Generator().manual_seed(seed)
-    # Structured rows (structured_activations); weights with zeroed rows (zero output columns) and
-    # rows small enough for subnormal E4M3 block scales.
     x = structured_activations(m, k, 8.0, gen)
     w = torch.randn(n, k, generator=gen) * 0.02
     row = torch.arange(n).unsqueeze(1) % 13

@@ -52,8 +52,7 @@ def _rolled_rows(case: Case, serve: Callable, x: torch.Tensor) -> Case:
     return rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
 
 
-# M: one token, an odd count, just above one 128-row tile, a prefill of a few thousand.
-# N and K: multiples of 32 but not of 128, so partial tiles and padded scales are exercised.
+# M: one token, an odd count, just above one 128-row tile, a prefill. N, K: multiples of 32, not of 128.
 DEFAULT_SHAPES: tuple[Shape, ...] = ((1, 96, 1056), (7, 224, 160), (129, 160, 480), (2500, 96, 160))
 
 
@@ -74,9 +73,8 @@ def _negated(fn: Callable, args: tuple, dtype: torch.dtype, out: torch.Tensor, r
     """Return the same call with the activation negated (every FP4 code's sign bit flipped): exactly -ref."""
     a = args[0] ^ 0x88
     m, n = out.shape
-    return Case(
-        m, n, a.shape[1] * 2, functools.partial(fn, a, *args[1:], dtype, out), -ref, inputs=(a, *args[1:]), out=out
-    )
+    call = functools.partial(fn, a, *args[1:], dtype, out)
+    return Case(m, n, a.shape[1] * 2, call, -ref, inputs=(a, *args[1:]), out=out)
 
 
 def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:
@@ -89,9 +87,8 @@ def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: 
         return QuantizerCheck(name=name, passed=False, reason=f"raised {type(exc).__name__}: {exc}")
     got_q, got_s = got_q.view(torch.uint8), got_s.view(torch.uint8)
     if got_q.shape != want_q.shape or got_s.numel() != want_s.numel():
-        return QuantizerCheck(
-            name=name, passed=False, reason=f"shapes {tuple(got_q.shape)}/{tuple(got_s.shape)} differ from nvfp4's"
-        )
+        reason = f"shapes {tuple(got_q.shape)}/{tuple(got_s.shape)} differ from nvfp4's"
+        return QuantizerCheck(name=name, passed=False, reason=reason)
     codes = nvfp4.unpack_nibbles(got_q) != nvfp4.unpack_nibbles(want_q)
     scales = got_s.reshape(-1) != want_s.view(torch.uint8).reshape(-1)
     code_mm, scale_mm = float(codes.float().mean()), float(scales.float().mean())

@@ -46,8 +46,7 @@ class Bounds(BaseModel):
     norm_ratio: tuple[float, float] = (0.97, 1.03)
     # For every call of one candidate's self-test: a first FlashInfer call JIT-compiles (minutes cold).
     timeout_s: float = 900.0
-    # Columns checked together within each row (None: not checked): a kernel that drops 8 output
-    # columns moves a wide row by less than its row bound (H=7168: by sqrt(8/7168) = 3%).
+    # Columns checked together per row (None: not): 8 dropped columns move a row of 7168 by only 3%.
     column_group: int | None = None
 
 
@@ -106,8 +105,7 @@ _NORMS = ("ref", "diff", "max_row_err", "max_abs", "out", "max_excess", "slack")
 
 def _resolution(dtype: torch.dtype, n: int) -> float:
     """Return the norm of `n` values each off by `dtype`'s smallest subnormal step (0 for float32)."""
-    # What rounding alone leaves of a row near the bottom of the dtype's range (fp16 outputs of tiny
-    # activations): such a row is neither a "zero row" nor a relative error.
+    # What rounding alone leaves of a row near the bottom of the range: neither a "zero row" nor an error.
     if not dtype.is_floating_point or dtype == torch.float32:
         return 0.0
     info = torch.finfo(dtype)
@@ -126,9 +124,8 @@ def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]
         parts.append(((~torch.isfinite(o)).sum(), (o == 0).all(dim=1), *norms, diff.abs().amax()))
     if len(parts) == 1:
         return parts[0]
-    nonfinite, zero, ref_n, out_n, diff_n, max_abs = zip(*parts)
-    cat = torch.cat
-    return torch.stack(nonfinite).sum(), cat(zero), cat(ref_n), cat(out_n), cat(diff_n), torch.stack(max_abs).amax()
+    nonfinite, *rows, max_abs = zip(*parts)
+    return torch.stack(nonfinite).sum(), *map(torch.cat, rows), torch.stack(max_abs).amax()
 
 
 def _compare_stats(
@@ -155,8 +152,7 @@ def _compare(
     out: torch.Tensor, ref: torch.Tensor, bounds: Bounds, result: ShapeResult, slack: torch.Tensor | None = None
 ) -> str | None:
     """Return why `out` does not match `ref` within `bounds` (each row widened by its `slack`), or None."""
-    # Every row is checked. The statistics are computed where the tensors live and read back at once
-    # (at a decode batch size from a CUDA graph, :mod:`sm120_fp4.graphs`); only a failure reads more.
+    # Statistics of every row, computed on the device (a CUDA graph at decode sizes), read back at once.
     floor = _resolution(out.dtype, out.shape[1])
     inputs = (out, ref) if slack is None else (out, ref, slack)
     return graphs.run(
@@ -168,16 +164,6 @@ def _compare(
     )
 
 
-def _first_nonfinite(out: torch.Tensor, count: int) -> str:
-    step = max(1, _COMPARE_ELEMENTS // max(out.shape[1], 1))
-    for lo in range(0, out.shape[0], step):  # the failure path: read where, a chunk at a time
-        bad = (~torch.isfinite(out[lo : lo + step])).nonzero()
-        if bad.numel():
-            r, c = bad[0].tolist()
-            return f"{count} non-finite element(s), first at row {lo + r}, column {c}"
-    return f"{count} non-finite element(s)"
-
-
 def _judge(out, bounds: Bounds, result: ShapeResult, floor: float, numbers, *rows) -> str | None:
     """Return _compare's verdict from its statistics (read here, while they are valid)."""
     zero_not_ref, out_norms, safe_norms, row_norms, row_err, allowed_rows = rows
@@ -186,7 +172,13 @@ def _judge(out, bounds: Bounds, result: ShapeResult, floor: float, numbers, *row
     if result.nonfinite == out.numel():
         return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
     if result.nonfinite:
-        return _first_nonfinite(out, result.nonfinite)
+        step = max(1, _COMPARE_ELEMENTS // max(out.shape[1], 1))
+        for lo in range(0, out.shape[0], step):  # the failure path: read where, a chunk at a time
+            bad = (~torch.isfinite(out[lo : lo + step])).nonzero()
+            if bad.numel():
+                r, c = bad[0].tolist()
+                return f"{result.nonfinite} non-finite element(s), first at row {lo + r}, column {c}"
+        return f"{result.nonfinite} non-finite element(s)"
     if n["ref_all_zero"] and n["out_all_zero"]:
         result.zero_rows = 0
         result.rel_err = result.max_row_rel_err = result.max_abs_err = 0.0
@@ -223,9 +215,8 @@ def lost_column_group(
     out: torch.Tensor, ref: torch.Tensor, group: int, slack: torch.Tensor | None = None
 ) -> str | None:
     """Return where some row of `out` lost a group of `group` columns against `ref`, or None."""
-    # A group is lost where its error is at least half its reference's norm and the reference group
-    # carries a fair share of the row. `slack` (per row, what the oracle cannot decide) may sit whole in
-    # one group (a rounding of the intermediate the kernel did otherwise): a group is lost only beyond it.
+    # Lost: error >= half the reference group's norm, that group a fair share of the row, beyond `slack`
+    # (per row, what the oracle cannot decide, which may sit whole in one group).
     rows, cols = out.shape
     if cols % group or rows == 0:
         return None
@@ -242,8 +233,8 @@ def lost_column_group(
         if bool(lost.any()):
             row, g = lost.nonzero()[0].tolist()
             return (
-                f"{int(lost.sum())} group(s) of {group} columns lost (error >= half their norm), first at row {lo + row}, "
-                f"columns {g * group}-{g * group + group - 1}"
+                f"{int(lost.sum())} group(s) of {group} columns lost (error >= half their norm), "
+                f"first at row {lo + row}, columns {g * group}-{g * group + group - 1}"
             )
     return None
 
@@ -262,8 +253,7 @@ class Case:
     label: str | None = None
     bounds: Bounds | None = None  # this case's own bounds (MoE), else the sweep's
     slack: torch.Tensor | None = None  # per output row, relative error the oracle itself cannot decide
-    # The same shape with other data, called right after the first call: a kernel that carries state
-    # between calls of a shape (a workspace never cleared, a cached result) is wrong from the second on.
+    # The same shape with other data, called right after: catches state carried between calls of a shape.
     twin: Callable[[], "Case"] | None = None
 
 
@@ -280,22 +270,13 @@ def _input_key(t: torch.Tensor) -> tuple:
 COPY_LIMIT = 16 << 20  # a call's input larger than this is watched by its fingerprint, not by a copy
 
 
-@dataclass
-class _Fingerprinted:
-    """A large input's fingerprint, kept instead of a copy."""
-
-    value: torch.Tensor
+def _kept(t: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor]:
+    """Return a copy of input `t`, or above COPY_LIMIT (a layer's experts: gigabytes) its fingerprint in a tuple."""
+    return (fingerprint((t,)),) if t.numel() * t.element_size() > COPY_LIMIT else t.clone()
 
 
-def _kept(t: torch.Tensor) -> torch.Tensor | _Fingerprinted:
-    """Return a copy of input `t`, or above COPY_LIMIT (a layer's experts: gigabytes) its fingerprint."""
-    return _Fingerprinted(fingerprint((t,))) if t.numel() * t.element_size() > COPY_LIMIT else t.clone()
-
-
-def _unchanged(t: torch.Tensor, kept: torch.Tensor | _Fingerprinted) -> bool:
-    if isinstance(kept, _Fingerprinted):
-        return torch.equal(fingerprint((t,)), kept.value)
-    return torch.equal(t, kept)
+def _unchanged(t: torch.Tensor, kept: torch.Tensor | tuple[torch.Tensor]) -> bool:
+    return torch.equal(fingerprint((t,)), kept[0]) if isinstance(kept, tuple) else torch.equal(t, kept)
 
 
 class Sweep:
@@ -306,9 +287,7 @@ class Sweep:
     ) -> None:
         self.cases, self.bounds, self.device, self.where = cases, bounds, device, where
         self.results = [ShapeResult(m=c.m, n=c.n, k=c.k, label=c.label, passed=True) for c in cases]
-        self.failed = False
-        self.repeat = repeat  # the first pass calls each case's twin right after it
-        self.passes = 0
+        self.failed, self.repeat, self.passes = False, repeat, 0  # repeat: the first pass calls the twins
         self._snapshots: dict = {}  # each distinct input as before the first call (or its fingerprint)
         for case in cases:
             self._watch(case.inputs)
@@ -317,9 +296,10 @@ class Sweep:
         """Keep each of `inputs` not kept yet (a copy or its fingerprint); return their keys."""
         added = []
         for t in inputs:
-            if _input_key(t) not in self._snapshots:
-                self._snapshots[_input_key(t)] = _kept(t)
-                added.append(_input_key(t))
+            key = _input_key(t)
+            if key not in self._snapshots:
+                self._snapshots[key] = _kept(t)
+                added.append(key)
         return added
 
     def run(self, passes: int) -> list[ShapeResult]:
@@ -353,9 +333,7 @@ class Sweep:
         finally:
             for key in added:
                 self._snapshots.pop(key, None)
-        return (
-            None if reason is None else f"{reason} (the same shape called again right after its first call, other data)"
-        )
+        return reason and f"{reason} (the same shape called again right after its first call, other data)"
 
     def _check_call(self, case: Case, result: ShapeResult, deadline: float, grace: float) -> str | None:
         """Return why one call of `case` failed, or None."""

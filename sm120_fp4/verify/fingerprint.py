@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["fingerprint"]
@@ -9,39 +11,27 @@ __all__ = ["fingerprint"]
 
 _FP_WIDTH = 4096  # words per row: the sums are kept per column of rows this wide
 _FP_CHUNK = 1 << 26  # words summed at a time: a layer's weights never need more temporary memory than this
-_fp_weights: dict[torch.device, torch.Tensor] = {}
-_fp_sizes: dict[tuple, torch.Tensor] = {}  # (device, sizes) -> that one-element tensor: made once, no launch per call
 
 
+@functools.cache
 def _fp_weighting(device: torch.device) -> torch.Tensor:
     """Return (1, 2, _FP_WIDTH) int64 ones and a fixed odd pattern on `device`, made once."""
-    weights = _fp_weights.get(device)
-    if weights is None:
-        gen = torch.Generator().manual_seed(0x5EED)
-        pattern = torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int64) * 2 + 1
-        weights = _fp_weights.setdefault(
-            device, torch.stack((torch.ones_like(pattern), pattern)).unsqueeze(0).to(device)
-        )
-    return weights
+    gen = torch.Generator().manual_seed(0x5EED)
+    pattern = torch.randint(0, 1 << 30, (_FP_WIDTH,), generator=gen, dtype=torch.int64) * 2 + 1
+    return torch.stack((torch.ones_like(pattern), pattern)).unsqueeze(0).to(device)
 
 
+@functools.lru_cache(maxsize=4096)  # that one-element tensor made once: no launch per call
 def _fp_size(device: torch.device, sizes: int) -> torch.Tensor:
-    key = (device, sizes)
-    size = _fp_sizes.get(key)
-    if size is None:
-        if len(_fp_sizes) >= 4096:
-            _fp_sizes.clear()
-        size = _fp_sizes.setdefault(key, torch.full((1,), sizes, dtype=torch.int64, device=device))
-    return size
+    return torch.full((1,), sizes, dtype=torch.int64, device=device)
 
 
 def fingerprint(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
     """Return a device tensor, made with no host sync, that changes when any byte of `tensors` changes."""
-    # Each tensor's 32-bit words in rows of _FP_WIDTH, summed per column in 64 bits; per chunk the sum
-    # of those sums and their sum weighted by a fixed odd pattern (wrapping: exact in any order): a
-    # changed word changes its column, two swapped between columns the weighted sum. The words past
-    # the last full row as they are; one element for the sizes. Blind only to two words swapped
-    # _FP_WIDTH words apart, which is no write a kernel makes by mistake.
+    # Each tensor's 32-bit words in rows of _FP_WIDTH, summed per column in 64 bits; per chunk the sum of those
+    # sums and their sum weighted by a fixed odd pattern (wrapping: exact in any order): a changed word changes
+    # its column, two swapped the weighted sum. The words past the last full row as they are; one element for
+    # the sizes. Blind only to two words swapped _FP_WIDTH words apart, no write a kernel makes by mistake.
     chunks: list[torch.Tensor] = []
     tails: list[torch.Tensor] = []  # the words past each tensor's last full row (all of a small tensor)
     sizes = 0

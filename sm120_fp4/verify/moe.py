@@ -28,15 +28,11 @@ __all__ = [
     "run_moe",
 ]
 
-# A kernel may round the intermediate to the output dtype before re-quantizing it (FlashInfer does),
-# which moves some rows by up to ~10%: each case computes the oracle both ways and widens each row's
-# bound by twice their difference on that row (its "slack"), which still sees a dropped slot or
-# expert, ignored routing weights or swapped gate/up halves. 8-column groups are checked too: a
-# kernel that loses one group in a wide row (H=7168) stays inside the row bound.
+# A kernel may round the intermediate to the output dtype before re-quantizing it (FlashInfer does, moving
+# rows by up to ~10%): each row's bound is widened by twice the oracle's two ways' difference there (its
+# "slack"). 8-column groups are checked too: one group lost in a wide row (H=7168) stays inside the row bound.
 MOE_BOUNDS = Bounds(max_rel_err=1e-2, max_row_rel_err=5e-2, column_group=8)
-# The repeat probe: calls of one decode-sized batch in a row, the worst judged (an intermittent loss:
-# a kernel whose atomic top-k sum drops a column group in 2 of 100 calls).
-REPEAT_CALLS = 100
+REPEAT_CALLS = 100  # calls of one decode batch in a row, the worst judged (an atomic sum losing 2 in 100)
 REPEAT_MAX_TOKENS = 8  # the batch sizes probed so (cheap: the oracle's answer is computed once)
 
 
@@ -50,8 +46,8 @@ class MoeCase(BaseModel):
     top_k: int
     tokens: int
     dtype: Literal["bfloat16", "float16"]
-    # balanced: every expert leads some token (T >= E); skewed: slot 0 of every token on one expert
-    # (>= 128 rows there: a tile's second half); random: k distinct experts; padded: -1 drop slots.
+    # balanced: every expert leads some token (T >= E); skewed: slot 0 of every token on one expert (>= 128
+    # rows there: a tile's second half); random: k distinct experts; padded: -1 drop slots.
     routing: Literal["balanced", "skewed", "random", "padded"]
 
     def label(self) -> str:
@@ -108,12 +104,10 @@ SIMULATION_MOE_CONFIG = MoeConfig(
     )
 )
 
-_moe_weight_cache: dict[tuple, nvfp4.MoeWeights] = {}
-
 
 def _moe_experts(gen, experts: int, rows: int, cols: int, act_gsf: torch.Tensor, device) -> tuple:
     """Return seeded experts (packed, scales, alphas), each with its own global scale."""
-    packed, scales, alphas = [], [], []
+    made = []
     for e in range(experts):
         w = torch.randn(rows, cols, generator=gen) * 0.05 * (1 + e % 7 / 7)
         row = torch.arange(rows).unsqueeze(1) % 11  # zeroed rows (zero output columns), rows of subnormal scales
@@ -121,29 +115,23 @@ def _moe_experts(gen, experts: int, rows: int, cols: int, act_gsf: torch.Tensor,
         w = w.to(torch.bfloat16).to(device)
         gsf = nvfp4.global_scale(w)
         q, sf = nvfp4.quantize(w, gsf)
-        packed.append(q)
-        scales.append(sf)
-        alphas.append(1.0 / (act_gsf * gsf))
+        made.append((q, sf, 1.0 / (act_gsf * gsf)))
+    packed, scales, alphas = zip(*made)
     return torch.stack(packed), torch.stack(scales), torch.stack(alphas).float()
 
 
+@functools.lru_cache(maxsize=1)  # keep one layer's weights: a self-test walks its cases layer by layer
 def _moe_weights(
     experts: int, hidden: int, inter: int, activation: str, device: torch.device, seed: int
 ) -> nvfp4.MoeWeights:
     """Return seeded NVFP4 expert weights in reference_moe_fp4's layout (the last layer's kept)."""
-    key = (experts, hidden, inter, activation, str(device), seed)
-    if key in _moe_weight_cache:
-        return _moe_weight_cache[key]
     gen = torch.Generator().manual_seed(seed)
     rows13 = 2 * inter if activation == "swiglu" else inter
     a1 = torch.tensor(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / 4.0, device=device)  # activations of |x| <= 4
     a2 = torch.tensor(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / 0.5, device=device)
     w13 = _moe_experts(gen, experts, rows13, hidden, a1, device)
     w2 = _moe_experts(gen, experts, hidden, inter, a2, device)
-    weights = nvfp4.MoeWeights(*w13, *w2, a1.reshape(1).float(), a2.reshape(1).float())
-    _moe_weight_cache.clear()  # keep one layer's weights: a self-test walks its cases layer by layer
-    _moe_weight_cache[key] = weights
-    return weights
+    return nvfp4.MoeWeights(*w13, *w2, a1.reshape(1).float(), a2.reshape(1).float())
 
 
 def moe_routing(
@@ -152,8 +140,7 @@ def moe_routing(
     """Return (topk_ids int32 (T, k), topk_weights float32 (T, k)) with distinct experts per token."""
     # Weights in [0.1, 1] that do not sum to 1: a kernel that ignores or renormalises them is seen.
     if routing == "balanced":
-        # Token t leads with expert perm[t % E] (weight 0.8..1), the next k - 1 experts of the
-        # permutation in its other slots (0.02..0.1): with T >= E an expert dropped or wrong shows.
+        # Token t leads with expert perm[t % E] (weight 0.8..1), the next k - 1 in its other slots (0.02..0.1).
         perm = torch.randperm(experts, generator=gen)
         ids = perm[(torch.arange(tokens).unsqueeze(1) + torch.arange(top_k)) % experts]
         lead = 0.8 + 0.2 * torch.rand(tokens, 1, generator=gen)
@@ -166,8 +153,7 @@ def moe_routing(
         ids[ids == hot] = ids[:, :1].expand_as(ids)[ids == hot]  # keep ids distinct per token
         ids[:, 0] = hot
     elif routing == "padded" and tokens > 1:
-        # SGLang's -1 drop sentinel: every slot of the last quarter (a captured graph's padding
-        # rows) and the last slot of every fifth token.
+        # SGLang's -1 drop: every slot of the last quarter (graph padding), the last slot of every fifth token.
         ids[torch.arange(tokens) % 5 == 4, -1] = -1
         ids[tokens - tokens // 4 :] = -1
     weights = 0.1 + 0.9 * torch.rand(tokens, top_k, generator=gen)
@@ -219,11 +205,9 @@ def moe_cases(
     poison_expert0: bool = False,
 ) -> list[Case]:
     """Return the checked calls of `fn` with `weights`, one per plan (label, x, topk_ids, topk_weights)."""
-    # Plan ids are SGLang's: global (this rank's experts are first_expert .. + E - 1) and -1 drops.
-    # `fn` gets local ids with -1 for every other slot, or the plan's with `served_ids` (SGLang's seam);
-    # the oracle computes this rank's slots only. `mode` "w4a16" checks against the oracle's W4A16
-    # mode; `reference_weights` (default `weights`) are what the oracle reads (the checkpoint's bytes).
-    # Plans of at most `repeat_tokens` tokens are also called REPEAT_CALLS times in a row.
+    # Plan ids are SGLang's: global (this rank's are first_expert .. + E - 1), -1 drops. `fn` gets local ids,
+    # -1 for every other slot, or the plan's with `served_ids`; the oracle computes this rank's slots only,
+    # from `reference_weights` (the checkpoint's bytes). Plans of <= `repeat_tokens` tokens are also repeated.
     cases = []
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
     ref_w = reference_weights or weights
@@ -281,8 +265,7 @@ def _repeated(fn: Callable, args: tuple, activation: str, out: torch.Tensor, ref
 
 def _poisoned_expert0_plan(weights, x_like, first: int, served_ids: bool) -> tuple | None:
     """Return weights whose expert 0 yields non-finite rows, and a plan that never routes to it."""
-    # A kernel that computes a -1 slot on expert 0 with weight 0 gets 0 x inf = NaN in rows that
-    # must stay finite. None where the layer has too few experts.
+    # A kernel computing a -1 slot on expert 0 with weight 0 gets 0 x inf = NaN. None below 2 experts.
     experts = weights.w13.shape[0]
     top_k = 2 if experts > 2 else 1
     if experts < 2:

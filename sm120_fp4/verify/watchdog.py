@@ -16,9 +16,8 @@ from ..errors import EXIT_HUNG
 
 __all__ = ["EXIT_HUNG", "hang_grace", "calls_still_running", "hang_hooks"]
 
-# A checked call runs on the thread and CUDA stream that will serve, so a kernel is checked as it
-# serves. A call still running past its bound plus the grace holds that thread for good (a hung
-# kernel cannot be stopped): the watchdog runs hang_hooks (the report) and exits with EXIT_HUNG.
+# A checked call runs on the thread and CUDA stream that will serve. One still running past its bound plus
+# the grace holds that thread for good: the watchdog runs hang_hooks (the report) and exits with EXIT_HUNG.
 hang_hooks: list[Callable[[str], None]] = []  # called with the message before the process ends
 
 
