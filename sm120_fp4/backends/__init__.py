@@ -3,8 +3,5 @@
 ``sm120_fp4.moe_backends``) and the built-ins: FlashInfer's, ``emulated`` (the oracle's arithmetic), Humming.
 """
 
-from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 from .registry import *  # noqa: F403
-from .registry import __all__ as _registry_all
-
-__all__ = [*_registry_all, "emulated_mm_fp4", "emulated_cached_mm_fp4", "emulated_moe"]
+from .registry import __all__  # noqa: F401

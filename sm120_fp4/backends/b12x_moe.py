@@ -16,7 +16,7 @@ from .. import nvfp4
 from ..devices import Device
 from ..errors import not_accepted
 from .convention import check_moe_args
-from .flashinfer import moe_supported, toolchain
+from .flashinfer import moe_supported, toolchain_problem
 from .flashinfer import version as flashinfer_version
 
 NAME = "b12x"
@@ -70,12 +70,9 @@ def _wrapper_class() -> WrapperFactory:
 
 
 def _setup_problem(device: Device) -> str | None:
-    tc = toolchain()
-    if tc.cuda is None or tc.cuda < MIN_CUDA:
-        found = "unknown" if tc.cuda is None else f"{tc.cuda[0]}.{tc.cuda[1]}"
-        return f"b12x MoE needs CUDA >= {MIN_CUDA[0]}.{MIN_CUDA[1]}; found {found} ({tc.cuda_source})"
-    if tc.cute_dsl_problem is not None:
-        return f"b12x MoE needs the CuTe DSL: {tc.cute_dsl_problem}"
+    problem = toolchain_problem("b12x MoE", MIN_CUDA)
+    if problem is not None:
+        return problem
     with _lock:
         checks = list(_engine_checks)
     reason = next((r for r in (check() for check in checks) if r), None)
