@@ -1,7 +1,5 @@
-"""FlashInfer's b12x NVFP4 fused MoE (``B12xMoEWrapper``, 0.7.2+) as a MoE backend, on the tensors SGLang
-prepares for ``cutlass_fused_moe`` (no copy: block scales through a zero-copy 6-D view), with the scales
-it reads in its own direction derived and owned here. Tests put a CPU stand-in in place (:func:`use_wrapper`).
-"""
+"""FlashInfer's b12x NVFP4 fused MoE (``B12xMoEWrapper``, 0.7.2+) on the tensors SGLang prepares for cutlass (no
+copy: block scales through a 6-D view), its scales derived here; tests use a CPU stand-in (:func:`use_wrapper`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The registries of backends, one per kernel family (dense FP4 GEMM, NVFP4 fused MoE): their built-ins,
-what ``register()`` / ``register_moe()`` add, and the entry-point groups' backends."""
+"""The backend registries, one per kernel family (dense FP4 GEMM, NVFP4 fused MoE): built-ins, what ``register()``
+/ ``register_moe()`` add, and the entry-point groups' backends."""
 
 from __future__ import annotations
 

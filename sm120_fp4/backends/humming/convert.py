@@ -1,7 +1,5 @@
-"""Each served layer's weights converted to Humming's layout once, at load, written into SGLang's own
-storage (no second resident copy); the first layer of each configuration keeps its original bytes for
-the oracle. Weights never seen at load are converted on first use next to SGLang's (outside capture).
-"""
+"""Each served layer converted to Humming's layout once, at load, into SGLang's own storage (the first of each
+configuration keeps its original bytes for the oracle); weights unseen at load converted next to SGLang's."""
 
 from __future__ import annotations
 
