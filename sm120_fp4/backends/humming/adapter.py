@@ -254,17 +254,14 @@ def startup() -> dict:
 def describe_backend(family: str) -> dict:
     """Return what status and the report say about the Humming backend of `family` ("dense", "moe")."""
     info = startup()
+    shown = (family, "dequant") if family == "dense" else (family,)  # keys: "<family> <label>", "dequant"
     return {
         "mode": DENSE_MODE if family == "dense" else MOE_MODE,
         "engine": current_engine().name,
         "humming_version": version(),
         "cache_dir": info["cache_dir"],
         "converted_in_place": converted_layers(family),
-        "configurations": {
-            k: v
-            for k, v in info["configurations"].items()
-            if k.startswith(family) or (k == "dequant" and family == "dense")
-        },
+        "configurations": {k: v for k, v in info["configurations"].items() if k.startswith(shown)},
         "memory": {k: v for k, v in info["memory"].items() if k.startswith(family)},
     }
 
