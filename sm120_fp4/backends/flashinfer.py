@@ -35,17 +35,12 @@ BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
 # sources). sm_121 lacks b12x: FlashInfer #3170, an illegal memory access that poisons the CUDA context.
 # humming (JIT, bf16-activation kernels on the FP4 weights) is the verified fallback on 12.x. The b12x
 # MoE is in no default MoE order: named, or timed after it with SELECT=fastest on sm_120 (#5446, #3170).
+_Orders = dict[tuple[int, int], tuple[str, ...]]  # capability -> backend names
 DEFAULT_ORDER: tuple[str, ...] = ("cutlass", "b12x")
-ORDER_BY_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {
-    (12, 0): ("cutlass", "b12x", "humming"),
-    (12, 1): ("cutlass", "humming"),
-}
+ORDER_BY_CAPABILITY: _Orders = {(12, 0): ("cutlass", "b12x", "humming"), (12, 1): ("cutlass", "humming")}
 DEFAULT_MOE_ORDER: tuple[str, ...] = ("cutlass",)
-MOE_ORDER_BY_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {
-    (12, 0): ("cutlass", "humming"),
-    (12, 1): ("cutlass", "humming"),
-}
-FASTEST_MOE_EXTRA: dict[tuple[int, int], tuple[str, ...]] = {(12, 0): ("b12x",)}  # timed with SELECT=fastest
+MOE_ORDER_BY_CAPABILITY: _Orders = {(12, 0): ("cutlass", "humming"), (12, 1): ("cutlass", "humming")}
+FASTEST_MOE_EXTRA: _Orders = {(12, 0): ("b12x",)}  # timed with SELECT=fastest
 
 
 def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
