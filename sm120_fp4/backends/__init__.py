@@ -1,10 +1,5 @@
-"""FP4 GEMM and NVFP4 fused-MoE backends behind two conventions (:mod:`.convention`): the registries
-(:mod:`.registry`: ``register()``, ``register_moe()``, the entry-point groups ``sm120_fp4.backends`` and
-``sm120_fp4.moe_backends``) and the built-ins: FlashInfer's, ``emulated`` (the oracle's arithmetic), Humming.
-"""
+"""FP4 GEMM and NVFP4 fused-MoE backends behind two conventions (:mod:`.convention`): the registries (:mod:`.registry`,
+entry-point groups ``sm120_fp4.backends`` / ``sm120_fp4.moe_backends``), FlashInfer's, ``emulated``, Humming."""
 
-from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 from .registry import *  # noqa: F403
-from .registry import __all__ as _registry_all
-
-__all__ = [*_registry_all, "emulated_mm_fp4", "emulated_cached_mm_fp4", "emulated_moe"]
+from .registry import __all__  # noqa: F401

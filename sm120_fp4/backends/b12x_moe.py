@@ -1,7 +1,5 @@
-"""FlashInfer's b12x NVFP4 fused MoE (``B12xMoEWrapper``, 0.7.2+) as a MoE backend, on the tensors SGLang
-prepares for ``cutlass_fused_moe`` (no copy: block scales through a zero-copy 6-D view), with the scales
-it reads in its own direction derived and owned here. Tests put a CPU stand-in in place (:func:`use_wrapper`).
-"""
+"""FlashInfer's b12x NVFP4 fused MoE (``B12xMoEWrapper``, 0.7.2+) on the tensors SGLang prepares for cutlass (no
+copy: block scales through a 6-D view), its scales derived here; tests use a CPU stand-in (:func:`use_wrapper`)."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from .. import nvfp4
 from ..devices import Device
 from ..errors import not_accepted
 from .convention import check_moe_args
-from .flashinfer import moe_supported, toolchain
+from .flashinfer import moe_supported, toolchain_problem
 from .flashinfer import version as flashinfer_version
 
 NAME = "b12x"
@@ -70,12 +68,9 @@ def _wrapper_class() -> WrapperFactory:
 
 
 def _setup_problem(device: Device) -> str | None:
-    tc = toolchain()
-    if tc.cuda is None or tc.cuda < MIN_CUDA:
-        found = "unknown" if tc.cuda is None else f"{tc.cuda[0]}.{tc.cuda[1]}"
-        return f"b12x MoE needs CUDA >= {MIN_CUDA[0]}.{MIN_CUDA[1]}; found {found} ({tc.cuda_source})"
-    if tc.cute_dsl_problem is not None:
-        return f"b12x MoE needs the CuTe DSL: {tc.cute_dsl_problem}"
+    problem = toolchain_problem("b12x MoE", MIN_CUDA)
+    if problem is not None:
+        return problem
     with _lock:
         checks = list(_engine_checks)
     reason = next((r for r in (check() for check in checks) if r), None)

@@ -1,23 +1,23 @@
-"""The two backend conventions (mm_fp4's, and reference_moe_fp4's for fused MoE): their argument
-checks from tensor metadata only (no host sync), and the mapping of a cutlass_fused_moe call to the MoE one.
-"""
+"""The two backend conventions (mm_fp4's; reference_moe_fp4's for fused MoE): their argument checks from tensor
+metadata only (no host sync), and the mapping of a cutlass_fused_moe call to the MoE one."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from .. import nvfp4
-from ..errors import InvalidArgument, not_accepted
+from ..errors import not_accepted
 
 SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 MOE_ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2"}  # the convention's name -> FlashInfer's ActivationType
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _bad(param: str, value: object, accepted: str) -> InvalidArgument:
-    return not_accepted("mm_fp4", param, value, accepted)
+_bad = functools.partial(not_accepted, "mm_fp4")
+_bad_moe = functools.partial(not_accepted, "fused MoE")
 
 
 def _transposed_contiguous(t: torch.Tensor) -> bool:
@@ -85,10 +85,6 @@ class MoeArgs(NamedTuple):
     activation: str
     out_dtype: torch.dtype
     out: torch.Tensor
-
-
-def _bad_moe(param: str, value: object, accepted: str) -> InvalidArgument:
-    return not_accepted("fused MoE", param, value, accepted)
 
 
 def _bad_tensor(t, dtypes, shape: tuple | None = None, dim: int | None = None) -> bool:

@@ -1,7 +1,5 @@
-"""Everything this library knows about FlashInfer: its backends' default orders, how ``mm_fp4`` and
-``cutlass_fused_moe`` are called and routed, support checks, the toolchain its kernels are built with,
-and the activation quantizer (with its simulation stand-in). FlashInfer is imported lazily.
-"""
+"""Everything this library knows about FlashInfer (imported lazily): its backends' default orders, how ``mm_fp4``
+and ``cutlass_fused_moe`` are called and routed, support checks, its kernels' toolchain, the activation quantizer."""
 
 from __future__ import annotations
 
@@ -37,17 +35,12 @@ BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
 # sources). sm_121 lacks b12x: FlashInfer #3170, an illegal memory access that poisons the CUDA context.
 # humming (JIT, bf16-activation kernels on the FP4 weights) is the verified fallback on 12.x. The b12x
 # MoE is in no default MoE order: named, or timed after it with SELECT=fastest on sm_120 (#5446, #3170).
+_Orders = dict[tuple[int, int], tuple[str, ...]]  # capability -> backend names
 DEFAULT_ORDER: tuple[str, ...] = ("cutlass", "b12x")
-ORDER_BY_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {
-    (12, 0): ("cutlass", "b12x", "humming"),
-    (12, 1): ("cutlass", "humming"),
-}
+ORDER_BY_CAPABILITY: _Orders = {(12, 0): ("cutlass", "b12x", "humming"), (12, 1): ("cutlass", "humming")}
 DEFAULT_MOE_ORDER: tuple[str, ...] = ("cutlass",)
-MOE_ORDER_BY_CAPABILITY: dict[tuple[int, int], tuple[str, ...]] = {
-    (12, 0): ("cutlass", "humming"),
-    (12, 1): ("cutlass", "humming"),
-}
-FASTEST_MOE_EXTRA: dict[tuple[int, int], tuple[str, ...]] = {(12, 0): ("b12x",)}  # timed with SELECT=fastest
+MOE_ORDER_BY_CAPABILITY: _Orders = {(12, 0): ("cutlass", "humming"), (12, 1): ("cutlass", "humming")}
+FASTEST_MOE_EXTRA: _Orders = {(12, 0): ("b12x",)}  # timed with SELECT=fastest
 
 
 def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
@@ -67,11 +60,7 @@ def default_moe_order(capability: tuple[int, int], fastest: bool = False) -> tup
 ROUTED_BACKENDS = frozenset({None, "auto", "cudnn", "cutlass"})
 PASSED_THROUGH_BACKENDS = frozenset({"trtllm", "cute-dsl"})
 # mm_fp4 keywords that never change the numbers, with the values that leave them so (None: any value).
-NEUTRAL_MM_FP4_KEYWORDS: dict[str, tuple | None] = {
-    "enable_pdl": None,
-    "use_nvfp4": (True,),
-    "batch_invariant": (False,),
-}
+NEUTRAL_MM_FP4_KEYWORDS = {"enable_pdl": None, "use_nvfp4": (True,), "batch_invariant": (False,)}
 
 
 def neutral_mm_fp4_keywords(kwargs: dict) -> bool:
@@ -89,10 +78,7 @@ def unrouted_mm_fp4_argument(block_size: object, use_8x4_sf_layout: object, kwar
         return "block_size", block_size
     if use_8x4_sf_layout:
         return "use_8x4_sf_layout", use_8x4_sf_layout
-    for name, value in kwargs.items():
-        if not neutral_mm_fp4_keywords({name: value}):
-            return name, value
-    return None
+    return next(((name, value) for name, value in kwargs.items() if not neutral_mm_fp4_keywords({name: value})), None)
 
 
 # mm_fp4's leading positional parameters in every release this library knows (0.2.11 - 0.7.x).
@@ -171,7 +157,7 @@ def _cuda_toolkit() -> tuple[tuple[int, int] | None, str]:
         except (OSError, subprocess.SubprocessError):
             continue
         release = re.search(r"release ([0-9]+\.[0-9]+)", out, re.ASCII)
-        if release and _major_minor(release.group(1)):
+        if release:
             return _major_minor(release.group(1)), f"nvcc {nvcc}"
     source = "torch.version.cuda" if torch.version.cuda else "none found (no nvcc, CPU torch)"
     return _major_minor(torch.version.cuda), source
@@ -197,22 +183,16 @@ def _cute_dsl() -> str | None:
     return None
 
 
-def _probe_toolchain() -> Toolchain:
-    cuda, source = _cuda_toolkit()
-    return Toolchain(cuda, source, _glibc(), _cute_dsl())
+_toolchain_probe: Callable[[], Toolchain] | None = None  # a test's (use_toolchain); None: this machine's
 
 
-_toolchain_probe: Callable[[], Toolchain] = _probe_toolchain
-
-
-@functools.lru_cache(maxsize=4)
-def _cached_toolchain(probe: Callable[[], Toolchain]) -> Toolchain:
-    return probe()
-
-
+@functools.lru_cache(maxsize=1)
 def toolchain() -> Toolchain:
     """Return this machine's toolchain for FlashInfer's kernels (probed once per process)."""
-    return _cached_toolchain(_toolchain_probe)
+    if _toolchain_probe is not None:
+        return _toolchain_probe()
+    cuda, source = _cuda_toolkit()
+    return Toolchain(cuda, source, _glibc(), _cute_dsl())
 
 
 @contextlib.contextmanager
@@ -220,11 +200,12 @@ def use_toolchain(probe: Callable[[], Toolchain]) -> Iterator[None]:
     """Answer toolchain() with `probe` inside the block (tests)."""
     global _toolchain_probe
     previous, _toolchain_probe = _toolchain_probe, probe
+    toolchain.cache_clear()
     try:
         yield
     finally:
         _toolchain_probe = previous
-        _cached_toolchain.cache_clear()
+        toolchain.cache_clear()
 
 
 def _shown_version(version: tuple[int, int] | None) -> str:
@@ -243,25 +224,26 @@ def jit_problem(tc: Toolchain | None = None) -> str | None:
     return None
 
 
+def toolchain_problem(what: str, min_cuda: tuple[int, int], tc: Toolchain | None = None) -> str | None:
+    """Return why `what` (a CuTe DSL kernel of FlashInfer's, needing CUDA >= `min_cuda`) cannot run here, or None."""
+    tc = tc or toolchain()
+    if tc.cuda is None or tc.cuda < min_cuda:
+        return f"{what} needs CUDA >= {_shown_version(min_cuda)}; found {_shown_version(tc.cuda)} ({tc.cuda_source})"
+    if tc.cute_dsl_problem is not None:
+        return f"{what} needs the CuTe DSL: {tc.cute_dsl_problem}"
+    return None
+
+
 def b12x_problem(tc: Toolchain | None = None) -> str | None:
     """Return why FlashInfer's b12x NVFP4 GEMM cannot run here (CUDA toolkit, CuTe DSL), or None."""
-    tc = tc or toolchain()
-    if tc.cuda is None or tc.cuda < B12X_MIN_CUDA:
-        return f"b12x needs CUDA >= {_shown_version(B12X_MIN_CUDA)}; found {_shown_version(tc.cuda)} ({tc.cuda_source})"
-    if tc.cute_dsl_problem is not None:
-        return f"b12x needs the CuTe DSL: {tc.cute_dsl_problem}"
-    return None
+    return toolchain_problem("b12x", B12X_MIN_CUDA, tc)
 
 
 def supported(name: str, device: Device) -> tuple[bool, str | None]:
     """Return whether FlashInfer backend `name` can run on `device`, and why not."""
-    if device.simulated or version() is None:
-        return False, _unusable(device) or "flashinfer-python is not installed"
-    if name == "b12x":  # its toolchain first: a real reason, not a self-test call that fails
-        problem = b12x_problem()
-        if problem is not None:
-            return False, problem
     problem = _unusable(device)
+    if name == "b12x" and not device.simulated and version() is not None:  # a real reason, not a failing call
+        problem = b12x_problem() or problem
     if problem is not None:
         return False, problem
     found = version()

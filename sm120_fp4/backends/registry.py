@@ -1,5 +1,5 @@
-"""The registries of backends, one per kernel family (dense FP4 GEMM, NVFP4 fused MoE): their built-ins,
-what ``register()`` / ``register_moe()`` add, and the entry-point groups' backends."""
+"""The backend registries, one per kernel family (dense FP4 GEMM, NVFP4 fused MoE): built-ins, what ``register()``
+/ ``register_moe()`` add, and the entry-point groups' backends."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..errors import ConfigError, InvalidArgument
 from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 from .emulated import invalidate_caches as _drop_dequantized
 from .flashinfer import BACKENDS as FLASHINFER_BACKENDS
-from .flashinfer import MOE_BACKENDS, mm_fp4_backend, moe_backend, moe_supported, quantizer, supported
+from .flashinfer import MOE_BACKENDS, GemmFn, mm_fp4_backend, moe_backend, moe_supported, quantizer, supported
 from .flashinfer import version as flashinfer_version
 
 __all__ = [
@@ -46,10 +46,11 @@ __all__ = [
     "GemmFn",
     "SupportFn",
     "invalidate_caches",
+    "emulated_mm_fp4",
+    "emulated_cached_mm_fp4",
+    "emulated_moe",
 ]
 
-
-GemmFn = Callable[..., object]
 SupportFn = Callable[[Device], "tuple[bool, str | None]"]
 
 EMULATED = "emulated"
@@ -96,13 +97,14 @@ def _humming(family: str) -> Backend:
     """Return Humming's backend of `family`: dense W4A4 (SGLang's FP4 activations dequantized), MoE W4A16."""
     from .humming import adapter as humming  # light: Humming itself is imported only when asked about
 
+    dense = family == "dense"
+
     def convert(tensors: dict, keep_original: bool) -> None:
-        if family == "dense":
+        if dense:
             humming.prepare_dense(tensors["weight"], tensors["weight_sf"], tensors["dtype"], keep_original)
         else:
             humming.prepare_moe(tensors, tensors["dtype"], keep_original)
 
-    dense = family == "dense"
     return Backend(
         HUMMING,
         "humming",
@@ -122,10 +124,11 @@ ENTRY_POINT_GROUPS = {"dense": "sm120_fp4.backends", "moe": "sm120_fp4.moe_backe
 class _Registry:
     """Named backends of one family (dense GEMM or fused MoE) and their built-ins."""
 
-    def __init__(self, family: str, builtins: Callable[[], dict[str, Backend]]) -> None:
+    def __init__(self, family: str, builtins: Callable[[], dict[str, Backend]], lazy: Callable[[str], Callable]):
         self.family = FAMILY_LABELS[family]  # for messages
         self.group = ENTRY_POINT_GROUPS[family]
         self._builtins = builtins
+        self._lazy = lazy  # FlashInfer's kernel of a name whose fn is None
         self._lock = locks.lock()
         self._entries = builtins()
         self._looked_up: set[str] = set()
@@ -198,6 +201,11 @@ class _Registry:
             return False, f"support check raised {type(exc).__name__}: {exc}"
         return bool(ok), (None if ok else reason or "not supported")
 
+    def resolve(self, name: str) -> Callable:
+        """Return the callable to run for backend `name` (FlashInfer imported here, not before)."""
+        backend = self.get(name)
+        return backend.fn if backend.fn is not None else self._lazy(name)
+
 
 def _dense_builtins() -> dict[str, Backend]:
     out = {name: Backend(name, "flashinfer", None, functools.partial(supported, name)) for name in FLASHINFER_BACKENDS}
@@ -228,21 +236,21 @@ def _moe_builtins() -> dict[str, Backend]:
     return out
 
 
-_dense = _Registry("dense", _dense_builtins)
-_moe = _Registry("moe", _moe_builtins)
-# The registries' own methods, per family: names(), get(name), is_supported(name, device), unregister(name).
+_dense = _Registry("dense", _dense_builtins, mm_fp4_backend)
+_moe = _Registry("moe", _moe_builtins, moe_backend)
+# The registries' own methods, per family: names(), get(name), is_supported(name, device), unregister(name),
+# resolve(name): the callable to run (FlashInfer imported then, not before).
 names = _dense.names
 get = _dense.get
 is_supported = _dense.is_supported
 unregister = _dense.unregister
+resolve = _dense.resolve
 moe_names = _moe.names
 get_moe = _moe.get
 is_moe_supported = _moe.is_supported
 unregister_moe = _moe.unregister
-
-
-def _family(family: str) -> _Registry:
-    return _moe if family == "moe" else _dense
+resolve_moe = _moe.resolve
+_FAMILIES = {"dense": _dense, "moe": _moe}
 
 
 def register(name: str, fn: GemmFn, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:
@@ -252,23 +260,17 @@ def register(name: str, fn: GemmFn, is_supported: SupportFn | None = None, *, re
 
 def load_entry_points(wanted, family: str = "dense") -> None:
     """Register the named backends of `family`'s entry-point group not registered yet (ConfigError: one fails)."""
-    _family(family).load_entry_points(list(wanted))
-
-
-def resolve(name: str) -> GemmFn:
-    """Return the callable to run for backend `name` (FlashInfer imported here, not before)."""
-    backend = get(name)
-    return backend.fn if backend.fn is not None else mm_fp4_backend(name)
+    _FAMILIES.get(family, _dense).load_entry_points(list(wanted))
 
 
 def backend_of(family: str, name: str) -> Backend:
     """Return backend `name` of `family` ("dense" or "moe")."""
-    return _family(family).get(name)
+    return _FAMILIES.get(family, _dense).get(name)
 
 
 def mode_of(family: str, name: str) -> str:
     """Return what backend `name` of `family` computes ("w4a4" for a name that is no backend: the original)."""
-    registry = _family(family)
+    registry = _FAMILIES.get(family, _dense)
     return registry.get(name).mode if name in registry.names() else "w4a4"
 
 
@@ -297,9 +299,3 @@ def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None,
     # A -1 id is a slot not this rank's: it adds and costs nothing, whatever its weight. Calls come from
     # the serving thread and stream, and must not synchronise with the host (CUDA-graph capture).
     _moe.register(name, fn, is_supported, replace, "register_moe")
-
-
-def resolve_moe(name: str) -> Callable:
-    """Return the callable to run for MoE backend `name` (FlashInfer imported here, not before)."""
-    backend = get_moe(name)
-    return backend.fn if backend.fn is not None else moe_backend(name)

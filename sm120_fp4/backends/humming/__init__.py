@@ -1,6 +1,5 @@
-"""Humming (``humming-kernels``) as the last verified link of the fallback chain: :mod:`.engine` (Humming
-itself), :mod:`.convert` (each served layer converted at load), :mod:`.adapter` (the backends, status),
-:mod:`.cuda` and :mod:`.dequant` (the activation dequantization: CUDA C through NVRTC, else Triton)."""
+"""Humming as the fallback chain's last verified link: :mod:`.engine` (Humming), :mod:`.convert` (layers converted
+at load), :mod:`.adapter` (backends, status), :mod:`.cuda` / :mod:`.dequant` (activation dequantization)."""
 
 from .adapter import *  # noqa: F403
 from .adapter import __all__  # noqa: F401

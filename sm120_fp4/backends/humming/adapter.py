@@ -1,7 +1,5 @@
-"""The ``humming`` backends, the verified last link of the fallback chain on 12.x: dense (mm_fp4's
-convention, W4A4: SGLang's FP4 activations dequantized exactly, then Humming's bf16/fp16-activation
-kernel) and fused MoE (W4A16: activations not quantized), with what status and doctor show of them.
-"""
+"""The ``humming`` backends, the fallback chain's verified last link on 12.x: dense (W4A4: SGLang's FP4 activations
+dequantized exactly) and fused MoE (W4A16: activations not quantized), with what status and doctor show of them."""
 
 from __future__ import annotations
 
@@ -105,17 +103,13 @@ def _cubins() -> int:
         return 0
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _first_call(prepared: Prepared, family: str, call: Callable[[], None]) -> None:
     """Run `call`, timing it when it is the first of its kernel configuration (its JIT compile or cache load)."""
     key = f"{family} {prepared.label}"
     if key in _startup:
         call()
         return
-    if _capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise SelfTestError(
             f"sm120_fp4: Humming's {key} kernels were never run before CUDA-graph capture "
             "(its JIT compile cannot run inside capture); the layer check runs them at load"
@@ -129,13 +123,8 @@ def _first_call(prepared: Prepared, family: str, call: Callable[[], None]) -> No
     record = {"first_call_s": round(seconds, 3), "kernels_compiled": compiled, "from_cache": compiled == 0}
     with lock:
         _startup.setdefault(key, {**record, "engine": current_engine().name, "version": version()})
-    _LOG.info(
-        "sm120_fp4: Humming %s: first call %.2f s (%d kernel(s) compiled, cache %s)",
-        key,
-        seconds,
-        compiled,
-        cache_dir(),
-    )
+    message = "sm120_fp4: Humming %s: first call %.2f s (%d kernel(s) compiled, cache %s)"
+    _LOG.info(message, key, seconds, compiled, cache_dir())
 
 
 def mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
@@ -189,15 +178,9 @@ def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
     kind = "(CUDA C through NVRTC)" if found[0] == "cuda" else "(Triton's own cache)"
     with lock:
         _dequant_engines[index] = found
-        _startup.setdefault(
-            "dequant",
-            {
-                **dict.fromkeys(("first_call_s", "kernels_compiled", "from_cache")),
-                "engine": found[0],
-                "version": f"the activation dequantization kernel {kind}",
-                "fallback_reason": reason,
-            },
-        )
+        record = dict.fromkeys(("first_call_s", "kernels_compiled", "from_cache"))
+        record.update(engine=found[0], version=f"the activation dequantization kernel {kind}", fallback_reason=reason)
+        _startup.setdefault("dequant", record)
     return found
 
 
@@ -271,17 +254,14 @@ def startup() -> dict:
 def describe_backend(family: str) -> dict:
     """Return what status and the report say about the Humming backend of `family` ("dense", "moe")."""
     info = startup()
+    shown = (family, "dequant") if family == "dense" else (family,)  # keys: "<family> <label>", "dequant"
     return {
         "mode": DENSE_MODE if family == "dense" else MOE_MODE,
         "engine": current_engine().name,
         "humming_version": version(),
         "cache_dir": info["cache_dir"],
         "converted_in_place": converted_layers(family),
-        "configurations": {
-            k: v
-            for k, v in info["configurations"].items()
-            if k.startswith(family) or (k == "dequant" and family == "dense")
-        },
+        "configurations": {k: v for k, v in info["configurations"].items() if k.startswith(shown)},
         "memory": {k: v for k, v in info["memory"].items() if k.startswith(family)},
     }
 

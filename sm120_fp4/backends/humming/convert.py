@@ -1,7 +1,5 @@
-"""Each served layer's weights converted to Humming's layout once, at load, written into SGLang's own
-storage (no second resident copy); the first layer of each configuration keeps its original bytes for
-the oracle. Weights never seen at load are converted on first use next to SGLang's (outside capture).
-"""
+"""Each served layer converted to Humming's layout once, at load, into SGLang's own storage (the first of each
+configuration keeps its original bytes for the oracle); weights unseen at load converted next to SGLang's."""
 
 from __future__ import annotations
 
@@ -56,25 +54,21 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _fits(src: torch.Tensor, target: torch.Tensor) -> bool:
     """Return whether `src`'s bytes fit in `target`'s own storage (target a contiguous tensor starting it)."""
     return (
         target.is_contiguous()
         and target.storage_offset() == 0
         and src.is_contiguous()
-        and _bytes(src) <= target.untyped_storage().nbytes()
+        and src.nbytes <= target.untyped_storage().nbytes()
     )
 
 
 def _write_into(src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Copy `src`'s bytes to the start of `target`'s storage; return a view of them with src's shape/dtype."""
     flat = torch.empty(0, dtype=torch.uint8, device=target.device).set_(target.untyped_storage())
-    flat[: _bytes(src)].copy_(src.contiguous().view(-1).view(torch.uint8))
-    return flat[: _bytes(src)].view(src.dtype).view(src.shape)
+    flat[: src.nbytes].copy_(src.contiguous().view(-1).view(torch.uint8))
+    return flat[: src.nbytes].view(src.dtype).view(src.shape)
 
 
 def _unswizzle(sf: torch.Tensor, rows: int, k: int, experts: int | None) -> torch.Tensor:
@@ -95,16 +89,12 @@ def _convert(weight, sf_swizzled, dtype, experts: int | None, family: str, in_pl
     rows, k = weight.shape[-2], weight.shape[-1] * 2
     in_place = in_place and not (rows % N_ALIGN or k % K_ALIGN)  # a padded layout does not fit SGLang's storage
     prepared = current_engine().prepare(weight.contiguous(), _unswizzle(sf_swizzled, rows, k, experts), dtype, experts)
-    extra = 0 if in_place else sum(_bytes(t) for t in prepared.tensors.values())
+    extra = 0 if in_place else sum(t.nbytes for t in prepared.tensors.values())
     conv = Converted(prepared, in_place, extra, family, owner=weakref.ref(_root(weight)))
-    if in_place:
-        _write_layout(conv, weight, sf_swizzled, keep)
-    return conv
-
-
-def _write_layout(conv: Converted, weight: torch.Tensor, sf_swizzled: torch.Tensor, keep: bool) -> None:
-    """Write the converted tensors into SGLang's storage (`keep`: a device copy of what they overwrite)."""
-    new = dict(conv.prepared.tensors)
+    if not in_place:
+        return conv
+    # Written into SGLang's storage (`keep`: a device copy of what they overwrite).
+    new = dict(prepared.tensors)
     for name, target in (("weight", weight), ("weight_scale", sf_swizzled)):
         src = new[name]
         if not _fits(src, target):
@@ -112,14 +102,15 @@ def _write_layout(conv: Converted, weight: torch.Tensor, sf_swizzled: torch.Tens
                 raise SelfTestError(
                     f"sm120_fp4: Humming's layout of a {tuple(weight.shape)} weight does not fit SGLang's storage of it"
                 )
-            conv.extra_bytes += _bytes(src)  # kept next to SGLang's (smaller) swizzled scales
+            conv.extra_bytes += src.nbytes  # kept next to SGLang's (smaller) swizzled scales
             continue
         key = storage_key(target)
         if keep:
             conv.originals[key] = (target.detach().clone(), target)  # the oracle reads it during the check
         new[name] = _write_into(src, target)
         conv.written.add(key)
-    conv.prepared.tensors = new
+    prepared.tensors = new
+    return conv
 
 
 def _prepare(weight, sf, dtype, experts: int | None, family: str, keep: bool, label: str) -> None:
@@ -128,7 +119,7 @@ def _prepare(weight, sf, dtype, experts: int | None, family: str, keep: bool, la
         if key in converted:
             return
         conv = converted[key] = _convert(weight, sf, dtype, experts, family, True, keep)
-        nvfp4_bytes = _bytes(weight) + _bytes(sf)
+        nvfp4_bytes = weight.nbytes + sf.nbytes
         entry = _memory.setdefault(
             f"{label} {conv.prepared.label}",
             {"layers": 0, "in_place": conv.in_place, "nvfp4_bytes": nvfp4_bytes, "extra_bytes": conv.extra_bytes},
@@ -159,7 +150,7 @@ def original(t: torch.Tensor) -> torch.Tensor:
                 # On the device while checked; from pinned host memory for good (ordered on the current stream).
                 copy = kept[0].to(t.device, non_blocking=kept[0].is_pinned())
                 if copy.dtype != t.dtype or tuple(copy.shape) != tuple(t.shape):
-                    copy = copy.reshape(-1).view(torch.uint8)[: _bytes(t)].view(t.dtype).view(t.shape)
+                    copy = copy.reshape(-1).view(torch.uint8)[: t.nbytes].view(t.dtype).view(t.shape)
                 return copy
             if conv.in_place and key in conv.written:  # never a guess
                 raise SelfTestError(

@@ -1,7 +1,5 @@
-"""The humming backend's activation dequantization as one CUDA C kernel, compiled by NVRTC and launched
-through the driver API: a few microseconds of host time per call, where a Triton launch costs about 30 us
-on the H200 (more than the kernel itself up to M ~ 4096). Bit for bit nvfp4.dequantize_unscaled's values.
-"""
+"""The activation dequantization as one CUDA C kernel (NVRTC, driver launch: a few us of host time per call, a
+Triton launch ~30 us on the H200); bit for bit nvfp4.dequantize_unscaled's values."""
 
 from __future__ import annotations
 

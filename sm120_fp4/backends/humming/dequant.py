@@ -1,7 +1,5 @@
-"""The humming backend's activation dequantization as one Triton kernel (where the CUDA C one cannot be
-built): ``e2m1(code) * float(scale)``, exact in bf16 and fp16. M is not specialised on, so no new kernel is
-compiled at a batch size first seen inside CUDA-graph capture.
-"""
+"""The activation dequantization as one Triton kernel (where the CUDA C one cannot be built), exact in bf16/fp16;
+M is not specialised on, so no kernel is compiled at a batch size first seen inside CUDA-graph capture."""
 
 from __future__ import annotations
 

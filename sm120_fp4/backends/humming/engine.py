@@ -1,6 +1,5 @@
-"""Humming (``humming-kernels``, the vLLM project's JIT-compiled quantized GEMMs): its version, compiler
-and kernel cache, and the engine this package calls it through (the real one, or a test's stand-in).
-"""
+"""Humming (``humming-kernels``, the vLLM project's JIT-compiled quantized GEMMs): its version, compiler and kernel
+cache, and the engine this package calls it through (the real one, or a test's stand-in)."""
 
 from __future__ import annotations
 
@@ -36,11 +35,9 @@ def cache_dir() -> str:
 
 def _nvcc() -> str | None:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else []
     found = os.environ.get("CUDA_NVCC_PATH") or shutil.which("nvcc")
-    for candidate in (os.path.join(home, "bin", "nvcc") if home else None, "/usr/local/cuda/bin/nvcc"):
-        if found is None and candidate and os.path.exists(candidate):
-            found = candidate
-    return found
+    return found or next((c for c in [*candidates, "/usr/local/cuda/bin/nvcc"] if os.path.exists(c)), None)
 
 
 def _has_nvrtc() -> bool:
