@@ -22,16 +22,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sm120_fp4 import nvfp4, upstream
+from sm120_fp4 import nvfp4
 from sm120_fp4.sglang import release
 from sm120_fp4.sglang.release import FP4_UTILS_FILE, MQ_FILE
-from sm120_fp4.upstream import DIFFS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import ledger  # noqa: E402  (scripts/ledger.py renders patches/LEDGER.md)
+import upstream_patches as upstream  # noqa: E402
 from helpers.cases import case  # noqa: E402
 from helpers.procs import Popen, background, clean_env, python  # noqa: E402
+from upstream_patches import DIFFS  # noqa: E402
 
 CACHE = ROOT / ".cache" / "sglang-wheels"
 RELEASES = [(diff, release) for diff in DIFFS for release in diff.releases]

@@ -60,7 +60,7 @@ def _add_preflight_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
-    """Add demo, patches, bench and the preflight's worker commands."""
+    """Add demo, bench and the preflight's worker commands."""
     demo = sub.add_parser(
         "demo", help="SGLang's real FP4 linear layer, patched and self-tested on a simulated SM120 (CPU)"
     )
@@ -71,14 +71,6 @@ def _add_tool_commands(sub) -> None:
     )
     demo.add_argument("--model-path", help="with --server: serve this local NVFP4 checkpoint once instead")
     demo.add_argument("server_args", nargs=argparse.REMAINDER, help="with --server: after --, arguments for SGLang")
-    patches = sub.add_parser(
-        "patches", help="the same fix as upstream-ready diffs: check the installed SGLang, or apply"
-    )
-    patches.add_argument("action", choices=["check", "apply"])
-    patches.add_argument("--dry-run", action="store_true", help="apply: show whether the diff applies, change nothing")
-    patches.add_argument(
-        "--target", help="apply: a site-packages, unpacked wheel or SGLang source tree (default: installed)"
-    )
     bench = sub.add_parser(
         "bench", help="verify, then time, each candidate backend and bf16 at the served shapes and batch sizes"
     )
@@ -144,10 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker_exit(_model_worker(args))
     if args.cmd == "launch":
         return cmd_launch(args)
-    if args.cmd == "patches":
-        from ..upstream import main as patches
-
-        return patches(args.action, dry_run=args.dry_run, target=args.target)
     if args.cmd == "demo":
         if args.server or args.model_path or args.server_args:
             if not args.server:

@@ -1,4 +1,6 @@
-"""The same fix as source diffs (``patches/``): ``sm120-fp4 patches check`` and ``patches apply``.
+"""The same fix as source diffs (``patches/``): ``python scripts/upstream_patches.py check|apply``.
+
+A maintainer script for upstream PRs; the product is the runtime patch (``install()``).
 
 Each diff in :data:`DIFFS` makes the runtime patch's decision in SGLang's own code and adds a start-up check;
 every patched line carries ``# sm120-fp4: sglang-<release>-sm120-fp4``, which :func:`check` recognises.
@@ -7,6 +9,7 @@ every patched line carries ``# sm120-fp4: sglang-<release>-sm120-fp4``, which :f
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -17,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .sglang.release import FP4_UTILS_FILE, MQ_FILE, fix_marker, installed_root, release_support
-from .versions import installed_version
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sm120_fp4.sglang.release import FP4_UTILS_FILE, MQ_FILE, fix_marker, installed_root, release_support  # noqa: E402
+from sm120_fp4.versions import installed_version  # noqa: E402
 
 __all__ = ["Diff", "DIFFS", "CheckResult", "check", "apply", "main", "diff_for", "patch_path", "patches_dir"]
 
@@ -37,7 +43,7 @@ _OP_SUMMARY = (
 _REMOVE_DIFF = (
     "when the image moves to a release with no diff here (use the runtime patch there), or to an "
     "SGLang release that passes a verified backend with alpha and out on SM12x and checks the "
-    "output at start-up (then `sm120-fp4 patches check` says 'fixed' for that tree)"
+    "output at start-up (then `python scripts/upstream_patches.py check` says 'fixed' for that tree)"
 )
 
 
@@ -204,7 +210,7 @@ def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
     if not supported:
         return CheckResult("unsupported", reason, version, root)
     remedy = (
-        f"`sm120-fp4 patches apply` ({diff.filename}) or the runtime patch, install()"
+        f"`python scripts/upstream_patches.py apply` ({diff.filename}) or the runtime patch, install()"
         if diff
         else "the runtime patch, install() (no source diff for this release)"
     )
@@ -287,7 +293,7 @@ def _refuse(message: str) -> int:
 
 
 def main(action: str, dry_run: bool = False, target: str | None = None) -> int:
-    """Run `sm120-fp4 patches check|apply`: print the answer, return the exit code."""
+    """Run `check|apply`: print the answer, return the exit code."""
     if action == "check":
         result = check(target)
         print(result.message, file=sys.stdout if result.exit_code < 2 else sys.stderr)
@@ -295,3 +301,21 @@ def main(action: str, dry_run: bool = False, target: str | None = None) -> int:
     if action == "apply":
         return apply(target, dry_run=dry_run)
     return _refuse(f"patches: unknown action {action!r} (expected 'check' or 'apply')")
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`python scripts/upstream_patches.py check|apply [--dry-run] [--target DIR]`."""
+    parser = argparse.ArgumentParser(
+        description="the same fix as upstream-ready diffs: check the installed SGLang, or apply"
+    )
+    parser.add_argument("action", choices=["check", "apply"])
+    parser.add_argument("--dry-run", action="store_true", help="apply: show whether the diff applies, change nothing")
+    parser.add_argument(
+        "--target", help="apply: a site-packages, unpacked wheel or SGLang source tree (default: installed)"
+    )
+    args = parser.parse_args(argv)
+    return main(args.action, dry_run=args.dry_run, target=args.target)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
