@@ -4,7 +4,7 @@
 #
 # Usage: bash scripts/fetch_release_sources.sh [VERSION ...]   (default: every release with a diff)
 #
-# - The release list is read from the DIFFS entries of sm120_fp4/upstream.py as text: no venv needed.
+# - The release list is read from the DIFFS entries of scripts/upstream_patches.py as text: no venv needed.
 # - A wheel already in the cache is not downloaded again; only the wheel itself (--no-deps).
 # - 0.5.11+ wheels are cp311 manylinux ones: the platform flags make any host fetch the same file.
 set -euo pipefail
@@ -22,7 +22,7 @@ import re, sys
 text = open(sys.argv[1]).read()
 for release, also in re.findall(r"release=\"([^\"]+)\",\s*also=\(([^)]*)\)", text):
     print("\n".join([release, *re.findall(r"\"([^\"]+)\"", also)]))
-' "$ROOT/sm120_fp4/upstream.py")
+' "$ROOT/scripts/upstream_patches.py")
 fi
 
 mkdir -p "$CACHE"

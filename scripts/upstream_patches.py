@@ -147,12 +147,8 @@ def diff_for(version: str) -> Diff | None:
 
 
 def patches_dir() -> Path:
-    """Return `patches/` of a source checkout, or the copy a wheel ships as ``sm120_fp4/_patches``."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_patches", here.parent / "patches"):
-        if candidate.is_dir():
-            return candidate
-    return here.parent / "patches"
+    """Return `patches/` of this source checkout."""
+    return Path(__file__).resolve().parent.parent / "patches"
 
 
 def patch_path(diff: Diff) -> Path:

@@ -249,7 +249,7 @@ def _ledger_states() -> dict[str, str]:
 
 @case(
     "own failures",
-    "SGLang patched with `sm120-fp4 patches apply` (the dense-GEMM diff) and SM120_FP4=1, with a {kernel} kernel",
+    "SGLang patched with `scripts/upstream_patches.py apply` (the dense-GEMM diff) and SM120_FP4=1, with a {kernel} kernel",
     "install() patches as on an unpatched tree (the same ledger), the status names the diff, and every dense and MoE layer "
     "is still checked: a kernel that turns wrong after the generic self-test is refused at the layer, naming it",
 )

@@ -125,7 +125,7 @@ _LEDGER = {
         "checks the numbers; route to the backend verified on this GPU with alpha and a contiguous out",
         "flashinfer#2577 (all zeros), flashinfer#3398 (zeros at some M), sglang#20043 / PR 20047 (NaN rows)",
         "when SGLang passes an explicit, verified backend with alpha and out on SM12x and checks the output at "
-        "start-up (patches/sglang-*-sm120-fp4.patch upstreamed), or `sm120-fp4 patches check` says fixed",
+        "start-up (patches/sglang-*-sm120-fp4.patch upstreamed), or `scripts/upstream_patches.py check` says fixed",
         check=_is_the_alias,
         when_missing="SGLang binds it only when `from flashinfer import mm_fp4` succeeds: is FlashInfer importable?",
     ),
