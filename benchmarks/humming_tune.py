@@ -36,6 +36,7 @@ from humming_fallback import BF16, DENSE, DEV, activations, events_ms, graph_ms,
 
 from sm120_fp4 import nvfp4
 from sm120_fp4.backends import humming
+from sm120_fp4.backends.convention import check_mm_fp4_args
 
 HOLDOUT = {"8B qkv TP1": (6144, 4096), "8B down TP1": (4096, 14336)}  # shapes no choice was made on
 DECODE_M = (1, 4, 16, 32, 64)
@@ -398,14 +399,14 @@ def host_rows() -> dict:
         )
 
     parts = {
-        "argument checks": lambda: humming.adapter._check_dense(a, w.T, a_sf, sf.T, alpha, BF16, out),
+        "argument checks": lambda: check_mm_fp4_args(a, w.T, a_sf, sf.T, alpha, BF16, out),
         "dequantize_activations (served: CUDA C kernel, driver launch)": lambda: humming.dequantize_activations(
             a, a_sf, BF16
         ),
         "Triton dequantization kernel launch": lambda: _humming_dequant.launch(a, a_sf, dq_out, kp),
         "CUDA C dequantization kernel launch": lambda: _humming_cuda.launch(a, a_sf, dq_out, kp),
         "gemm via ops.humming_gemm (before)": old_path,
-        "gemm via the cached kernel table (now)": lambda: humming.adapter._engine.gemm(prep, xq, alpha, out),
+        "gemm via the cached kernel table (now)": lambda: humming.engine.current_engine().gemm(prep, xq, alpha, out),
         "served mm_fp4 (now)": lambda: humming.mm_fp4(a, w.T, a_sf, sf.T, alpha, BF16, out),
     }
     res = {}
