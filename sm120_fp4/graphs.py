@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 MAX_INPUT_BYTES = 8 << 20  # a call whose inputs are larger runs eagerly (it is not launch-bound)
 BUDGET_BYTES = 64 << 20  # the graphs' input buffers kept per device, at most
-CAPTURE_AT = 3  # a key is captured at its third use: a sweep's two passes of one batch size never pay for a capture
+CAPTURE_AT = 4  # captured at its fourth use: a full check (a size twice in a row, then again) never pays for one
 _SEEN_LIMIT = 4096  # keys counted before their second use, per device (then counted afresh)
 
 
