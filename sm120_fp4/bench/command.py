@@ -159,8 +159,7 @@ def main(args) -> int:
     try:
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-                f.write("\n")
+                f.write(json.dumps(result, indent=2) + "\n")
         if pyplot is not None:
             plot(result, args.plot, pyplot)
     except OSError as exc:
