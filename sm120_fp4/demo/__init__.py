@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -9,13 +10,8 @@ import torch
 from ..sglang.layers import build_modelopt_layer
 from .synthetic import make_checkpoint, make_moe_checkpoint, reference_moe_output, reference_output
 
-__all__ = ["main"]
-
+_say = functools.partial(print, flush=True)
 _HEALTHY = {"backends": "cutlass,b12x,emulated", "moe_backends": "cutlass,emulated"}
-
-
-def _say(text: str = "") -> None:
-    print(text, flush=True)
 
 
 def _selftest_table(decision) -> list[str]:

@@ -1,8 +1,7 @@
-"""Synthetic NVFP4 checkpoints for the demo's layers, and what SGLang's layer must compute from them.
+"""Synthetic NVFP4 checkpoints (one linear, one MoE layer; :mod:`sm120_fp4.nvfp4` alone) and what SGLang must compute.
 
-Made with :mod:`sm120_fp4.nvfp4` alone: one linear layer's ModelOpt tensors (:func:`make_checkpoint`) and
-one MoE layer's, stacked over experts (:func:`make_moe_checkpoint`). The references lay the checkpoint's
-bytes out as the kernel receives them, derive its constants as SGLang does, and call the nvfp4 oracle.
+The references lay the checkpoint's bytes out as the kernel receives them, derive its constants as SGLang does,
+and call the nvfp4 oracle.
 """
 
 from __future__ import annotations
@@ -15,22 +14,6 @@ import torch
 from .. import nvfp4
 from ..errors import check_ranks, not_accepted
 from ..sglang.moe_layers import COMPRESSED_TENSORS, MODELOPT
-
-__all__ = [
-    "Checkpoint",
-    "make_checkpoint",
-    "reference_output",
-    "quantize_weight",
-    "as_compressed_tensors",
-    "MoeCheckpoint",
-    "make_moe_checkpoint",
-    "compressed_tensors_tensors",
-    "reference_moe_from_weights",
-    "reference_moe_output",
-    "MODELOPT",
-    "COMPRESSED_TENSORS",
-    "ACTIVATIONS",
-]
 
 _QUANTIZATIONS = (MODELOPT, COMPRESSED_TENSORS)
 ACTIVATIONS = ("swiglu", "relu2")
@@ -98,12 +81,9 @@ def reference_output(ckpt: Checkpoint, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class MoeCheckpoint:
-    """Hold ModelOpt NVFP4 tensors of one MoE layer (E experts, hidden H, intermediate I), stacked over experts.
+    """Hold ModelOpt NVFP4 tensors of one MoE layer (E experts, hidden H, intermediate I), stacked over experts."""
 
-    S is 2 w13 shards for "swiglu" (rows [gate; up], as on disk), 1 for "relu2" (up only, SGLang's w1).
-    """
-
-    activation: str  # "swiglu" or "relu2"
+    activation: str  # "swiglu" (S = 2 w13 shards, rows [gate; up] as on disk) or "relu2" (S = 1: up only, SGLang's w1)
     w13_weight: torch.Tensor  # uint8 (E, S*I, H/2), packed E2M1, rows [gate; up]
     w13_weight_scale: torch.Tensor  # float8_e4m3fn (E, S*I, H/16), not swizzled (as on disk)
     w13_weight_scale_2: torch.Tensor  # float32 (E, S): 1 / weight global scale per shard (gate == up)
@@ -200,16 +180,8 @@ def make_moe_checkpoint(
         for key, value in zip(keys, row):
             stacks[key].append(value)
     st = {k: torch.stack(v).contiguous() for k, v in stacks.items()}
-    return MoeCheckpoint(
-        activation,
-        *(st[k] for k in ("w13", "w13_sf")),
-        *(st[k].float() for k in ("w13_s2", "w13_in")),
-        *(st[k] for k in ("w2", "w2_sf")),
-        *(st[k].float() for k in ("w2_s2", "w2_in")),
-        st["gate"] if gated else None,
-        st["up"],
-        st["down"],
-    )
+    quantized = [st[k].float() if k.endswith(("_s2", "_in")) else st[k] for k in keys[:8]]
+    return MoeCheckpoint(activation, *quantized, st["gate"] if gated else None, st["up"], st["down"])
 
 
 def compressed_tensors_tensors(ckpt: MoeCheckpoint) -> dict[str, torch.Tensor]:
@@ -217,23 +189,14 @@ def compressed_tensors_tensors(ckpt: MoeCheckpoint) -> dict[str, torch.Tensor]:
     return as_compressed_tensors(ckpt.tensors())
 
 
-def reference_moe_from_weights(
-    weights: Mapping[str, Any], x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """Return one rank's MoE output from kernel-layout weights: one ``nvfp4.reference_moe_fp4`` call.
-
-    `topk_ids` are global; slots outside ``[first_expert, first_expert + E_loc)`` (or -1) add nothing.
-    """
-    e_loc = weights["w13"].shape[0]
+def reference_moe_from_weights(weights: Mapping[str, Any], x, topk_ids, topk_weights) -> torch.Tensor:
+    """Return one rank's MoE output from kernel-layout weights; global `topk_ids` off its experts (or -1) add 0."""
     ids = topk_ids.long() - int(weights.get("first_expert", 0))
-    local = (topk_ids >= 0) & (ids >= 0) & (ids < e_loc)
-    return nvfp4.reference_moe_fp4(
-        x,
-        torch.where(local, ids, torch.zeros_like(ids)),
-        torch.where(local, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32)),
-        **{k: weights[k] for k in _KERNEL_TENSORS},
-        activation=weights["activation"],
-    )
+    local = (topk_ids >= 0) & (ids >= 0) & (ids < weights["w13"].shape[0])
+    ids = torch.where(local, ids, torch.zeros_like(ids))
+    topk_weights = torch.where(local, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32))
+    kernel = {k: weights[k] for k in _KERNEL_TENSORS}
+    return nvfp4.reference_moe_fp4(x, ids, topk_weights, **kernel, activation=weights["activation"])
 
 
 def _rank_tensors(ckpt: MoeCheckpoint, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int):
@@ -290,16 +253,7 @@ def _kernel_constants(ckpt: MoeCheckpoint, experts: slice, quantization: str) ->
 
 
 def reference_moe_output(
-    ckpt: MoeCheckpoint,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    *,
-    ep_size: int = 1,
-    ep_rank: int = 0,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    quantization: str = MODELOPT,
+    ckpt: MoeCheckpoint, x, topk_ids, topk_weights, *, ep_size=1, ep_rank=0, tp_size=1, tp_rank=0, quantization=MODELOPT
 ) -> torch.Tensor:
     """Return rank (ep_rank, tp_rank)'s partial output (its experts, its I-slice), from the checkpoint alone."""
     _check_reference(ckpt, ep_size, ep_rank, tp_size, tp_rank, quantization)
