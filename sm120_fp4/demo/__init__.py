@@ -23,9 +23,8 @@ def _selftest_table(decision) -> list[str]:
         for s in report.shapes:
             err = "-" if s.rel_err is None else f"{s.rel_err:.2e}"
             ratio = "-" if s.norm_ratio is None else f"{s.norm_ratio:.3f}"
-            rows.append(
-                f"  | {report.backend} | {s.m} | {s.n} | {s.k} | {s.passed} | {err} | {ratio} | {s.reason or ''} |"
-            )
+            cells = (report.backend, s.m, s.n, s.k, s.passed, err, ratio, s.reason or "")
+            rows.append("  | " + " | ".join(map(str, cells)) + " |")
     for name, why in decision.rejected.items():
         if not any(r.backend == name for r in decision.reports):
             rows.append(f"  | {name} | - | - | - | skipped | - | - | {why} |")
@@ -189,10 +188,8 @@ def _moe_part() -> bool | None:
     ckpt, layer = built
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
     candidates = ", ".join(f"{n}: {why}" for n, why in decision.rejected.items()) or "first passed"
-    _say(
-        f"   MoE decision: {decision.backend} ({decision.reason}), verified={decision.verified}; "
-        f"candidates: {candidates}"
-    )
+    verdict = f"{decision.backend} ({decision.reason}), verified={decision.verified}"
+    _say(f"   MoE decision: {verdict}; candidates: {candidates}")
     for report in decision.layers:
         _say(
             f"   the layer: {report.config}: {len(report.shapes)} batches (up to T={max(s.m for s in report.shapes)}, "
