@@ -49,9 +49,8 @@ def _refuses(name: str, kernel: Callable, moe: bool, build: Callable, shown: str
 
     sm120_fp4.uninstall()
     (backends.register_moe if moe else backends.register)(name, kernel, replace=True)
-    sm120_fp4.install(
-        simulate="12.0", **({"backends": "emulated", "moe_backends": name} if moe else {"backends": name})
-    )
+    chosen = {"backends": "emulated", "moe_backends": name} if moe else {"backends": name}
+    sm120_fp4.install(simulate="12.0", **chosen)
     try:
         build()
     except RefusedToServe as exc:
