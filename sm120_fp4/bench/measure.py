@@ -24,7 +24,7 @@ CPU_DENSE, CPU_MOE = ((256, 512),), ((8, 2, 128, 64, True),)
 
 
 def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], list[MoeShape]]:
-    """Return the distinct layer configurations to time: `model`'s (q/k/v and gate/up fused as servers do), else defaults."""
+    """Return the distinct layer configurations to time: `model`'s (q/k/v, gate/up fused), else the defaults."""
     if model is None:
         dense, moe = (CPU_DENSE, CPU_MOE) if on_cpu else (DEFAULT_DENSE, DEFAULT_MOE)
         return [DenseShape(*c) for c in dense], [MoeShape(*c) for c in moe]
@@ -47,19 +47,16 @@ def _verify_sizes(sizes: list[int]) -> list[int]:
 
 def _verify(family: str, name: str, config, sizes: list[int], device: Device, settings) -> str:
     """Return this backend's verdict on `device` at `config`: "verified", else why not."""
-    timeout = settings.selftest_timeout
+    timeout, ms = settings.selftest_timeout, _verify_sizes(sizes)
     try:
         if family == "dense":
-            shapes = [(m, config.n, config.k) for m in _verify_sizes(sizes)]
+            shapes = [(m, config.n, config.k) for m in ms]
             quantizer = backends.quantizer_for(name, device)
             report = verify.run(name, device, shapes, bounds=verify.Bounds(timeout_s=timeout), quantizer=quantizer)
         else:
             layer = dict(experts=config.experts, hidden=config.hidden, intermediate=config.inter, top_k=config.top_k)
-            cases = tuple(
-                verify.MoeCase(**layer, activation=config.activation, tokens=m, dtype="bfloat16", routing=routing)
-                for m in _verify_sizes(sizes)
-                for routing in ("balanced", "random")
-            )
+            layer.update(activation=config.activation, dtype="bfloat16")
+            cases = tuple(verify.MoeCase(**layer, tokens=m, routing=r) for m in ms for r in ("balanced", "random"))
             bounds = verify.MOE_BOUNDS.model_copy(update={"timeout_s": timeout})
             report = verify.run_moe(name, device, verify.MoeConfig(cases=cases), bounds=bounds)
     except Exception as exc:

@@ -106,10 +106,8 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
             checkpoint.experts.setdefault(m["prefix"], {}).setdefault(role, {})[int(m["e"])] = module
     for prefix, roles in checkpoint.experts.items():
         some = next(iter(next(iter(roles.values())).values()))
-        info = checkpoint.tensors.get(f"{some}.{packed}")
-        where = info.file if info is not None else checkpoint.dir
-        w_style = re.search(r"\.w[123]$", some)
-        name = {r: w for w, r in ROLES.items()} if w_style else {r: r for r in ROLES.values()}
+        where = getattr(checkpoint.tensors.get(f"{some}.{packed}"), "file", checkpoint.dir)
+        name = {r: w for w, r in ROLES.items()} if re.search(r"\.w[123]$", some) else {r: r for r in ROLES.values()}
         need = ["gate_proj"] * ("gate_proj" in roles) + ["up_proj", "down_proj"]
         ids = {e for r in roles.values() for e in r}
         total = count if count is not None else max(ids) + 1
@@ -119,12 +117,10 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
             raise CheckpointError(
                 f"{where}: {prefix}.{beyond[0]} is beyond config.json's expert count {total}; {accepted}"
             )
-        for e in range(total):
-            for role in need:
-                if e not in roles.get(role, {}):
-                    raise CheckpointError(
-                        f"{where}: {prefix}.{e}.{name[role]}.{packed} is missing (expert {e} of {total}); {accepted}"
-                    )
+        for e, role in ((e, role) for e in range(total) for role in need if e not in roles.get(role, {})):
+            raise CheckpointError(
+                f"{where}: {prefix}.{e}.{name[role]}.{packed} is missing (expert {e} of {total}); {accepted}"
+            )
         for role in need:
             shapes = {checkpoint.modules[mod] for mod in roles[role].values()}
             if len(shapes) > 1:

@@ -218,18 +218,16 @@ def summarize(reports: list[dict]) -> list[str]:
     """Return one line per verified layer configuration and per refusal, from SGLang's processes' report files."""
     rows = []
     for report in reports:
+        pid = f"   pid {report.get('pid')}:"
         for d in report.get("decisions", []):
             for layer in d.get("layers", []):
                 state = "verified" if layer.get("passed") else "FAILED"
-                rows.append(
-                    f"   pid {report.get('pid')}: {d.get('family')} {layer.get('config')}: {state} with "
-                    f"{d.get('backend')} ({len(layer.get('shapes', []))} batch sizes)"
-                )
-            for check in d.get("rechecks", []) or []:
-                rows.append(f"   pid {report.get('pid')}: re-check after warm-up: {check}")
+                batches = f"{d.get('backend')} ({len(layer.get('shapes', []))} batch sizes)"
+                rows.append(f"{pid} {d.get('family')} {layer.get('config')}: {state} with {batches}")
+            rows += [f"{pid} re-check after warm-up: {check}" for check in d.get("rechecks", []) or []]
         for refusal in report.get("refusals", []):
             reason = refusal.get("message") if isinstance(refusal, dict) else str(refusal)
-            rows.append(f"   pid {report.get('pid')}: REFUSED: {str(reason).splitlines()[0]}")
+            rows.append(f"{pid} REFUSED: {str(reason).splitlines()[0]}")
     return rows
 
 
