@@ -132,10 +132,9 @@ class Server:
         command = [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-m", LAUNCH_SERVER]
         command += ["--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port)]
         command += [*CPU_SERVER_ARGS, *self.extra_args]
+        io = dict(stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as log:
-            self.proc = self.popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            self.proc = self.popen(command, stdout=log, **io)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S, restarts: int = 2) -> bool:
         """Return True once ``/health`` answers 200, False when the launcher exits first or time is up."""
@@ -287,21 +286,19 @@ def serve_once(model_path: str, workdir: str, extra_args: list, env=None, expect
         _say(f"   ERROR: {failed}\n   server log: {server.log_path}")
         return 1
     if ready:
-        return 0 if not expect_refusal else 1
+        return int(expect_refusal)
     _say(f"   the server did not start: launcher exit {code}, nothing listening on 127.0.0.1:{server.port}")
     refused = any("REFUSED" in line for line in summary)
     if not expect_refusal or not refused:
-        _say(
-            f"   server log: {server.log_path}\n" + "".join(f"   | {line}\n" for line in server.log_tail().splitlines())
-        )
+        tail = "".join(f"   | {line}\n" for line in server.log_tail().splitlines())
+        _say(f"   server log: {server.log_path}\n{tail}")
     return 0 if expect_refusal and refused and code != 0 else 1
 
 
 def main(model_path: str | None = None, extra_args: list[str] | None = None) -> int:
     """Run the server demo; with `model_path`, serve that checkpoint once instead (exit 0 on an answer)."""
     extra = list(extra_args or [])
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
+    extra = extra[1:] if extra[:1] == ["--"] else extra
     _say("sm120_fp4 demo --server: a real SGLang server on this CPU, SIMULATED SM120 (SGLang's CPU engine)")
     _say("=" * 78)
     workdir = tempfile.mkdtemp(prefix="sm120_fp4_server_")
