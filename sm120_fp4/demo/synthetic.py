@@ -157,15 +157,13 @@ def make_moe_checkpoint(
     bf16 = torch.bfloat16
     calibration = (torch.randn(64, hidden, generator=gen) * 1.5).to(bf16)
     x_amax_scale = nvfp4.global_scale(calibration)
-    keys = ("w13", "w13_sf", "w13_s2", "w13_in", "w2", "w2_sf", "w2_s2", "w2_in", "gate", "up", "down")
-    stacks: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+    rows = []  # per expert: w13, its block scales, weight_scale_2, input_scale, the same of w2, then gate, up, down
     for e in range(num_experts):
         spread = 1.0 + 0.5 * e / max(num_experts - 1, 1)  # experts of different magnitude: per-expert scales matter
         gate = (torch.randn(intermediate, hidden, generator=gen) * 0.04 * spread).to(bf16)
         up = (torch.randn(intermediate, hidden, generator=gen) * 0.03 * spread).to(bf16)
         down = (torch.randn(hidden, intermediate, generator=gen) * 0.05 / spread).to(bf16)
-        # One global scale for the fused gate/up, as ModelOpt exports it: SGLang's cutlass path applies
-        # the gate's alpha to both halves.
+        # One global scale for gate/up, as ModelOpt exports it (SGLang's cutlass path applies the gate's alpha to both).
         packed13, sf13, s2_13 = quantize_weight(torch.cat([gate, up]) if gated else up)
         packed2, sf2, s2_2 = quantize_weight(down)
         # Calibrated activation scales, different per expert, so SGLang's max over experts matters too.
@@ -176,12 +174,9 @@ def make_moe_checkpoint(
         h_gsf = nvfp4.global_scale(h) / (1.0 + 0.05 * e)
         shards = 2 if gated else 1
         row = (packed13, sf13, s2_13.reshape(1).expand(shards), (1.0 / x_gsf).reshape(1).expand(shards))
-        row += (packed2, sf2, s2_2, (1.0 / h_gsf).reshape(()), gate, up, down)
-        for key, value in zip(keys, row):
-            stacks[key].append(value)
-    st = {k: torch.stack(v).contiguous() for k, v in stacks.items()}
-    quantized = [st[k].float() if k.endswith(("_s2", "_in")) else st[k] for k in keys[:8]]
-    return MoeCheckpoint(activation, *quantized, st["gate"] if gated else None, st["up"], st["down"])
+        rows.append((*row, packed2, sf2, s2_2, (1.0 / h_gsf).reshape(()), gate, up, down))
+    st = [torch.stack(v).contiguous() for v in zip(*rows)]  # the scales: float32 (nvfp4.global_scale's)
+    return MoeCheckpoint(activation, *st[:8], st[8] if gated else None, st[9], st[10])
 
 
 def compressed_tensors_tensors(ckpt: MoeCheckpoint) -> dict[str, torch.Tensor]:
