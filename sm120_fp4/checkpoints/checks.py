@@ -177,12 +177,8 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
 
 def scale_problem(name: str, value: float) -> str | None:
     """Return why a global or activation scale is unusable (NaN, infinite, zero, negative), or None."""
-    if math.isfinite(value) and value > 0:
-        return None
-    return (
-        f"{name} = {value!r}; accepted: a finite positive scale (the checkpoint's scale is wrong, not a kernel: "
-        "requantize or recalibrate the layer)"
-    )
+    why = "a finite positive scale (the checkpoint's scale is wrong, not a kernel: requantize or recalibrate the layer)"
+    return None if math.isfinite(value) and value > 0 else f"{name} = {value!r}; accepted: {why}"
 
 
 def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
