@@ -14,19 +14,13 @@ def table(result: dict) -> list[str]:
     """Return the result as a Markdown table: one line per timed size, or per candidate not timed."""
     from ..tables import markdown_table
 
-    def num(value, fmt: str) -> str:
-        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+    def cells(r: dict) -> tuple:
+        numbers = (("m", "d"), ("time_us", ".1f"), ("tflops", ".3g"), ("vs_bf16", ".2f"))
+        shown = (format(r[k], f) if isinstance(r.get(k), (int, float)) else "-" for k, f in numbers)
+        return (r["family"], r["config"], r["backend"], r["verdict"], *shown, r.get("timing", "-"))
 
-    numbers = (("time_us", ".1f"), ("tflops", ".3g"), ("vs_bf16", ".2f"))
-    rows = [
-        (r["family"], r["config"], r["backend"], r["verdict"], num(r["m"], "d"))
-        + tuple(num(r.get(key), fmt) for key, fmt in numbers)
-        + (r.get("timing", "-"),)
-        for r in result["rows"]
-    ]
-    return markdown_table(
-        ("kernel", "layer configuration", "backend", "verdict", "M", "time (us)", "TFLOP/s", "x bf16", "timing"), rows
-    )
+    header = ("kernel", "layer configuration", "backend", "verdict", "M", "time (us)", "TFLOP/s", "x bf16", "timing")
+    return markdown_table(header, [cells(r) for r in result["rows"]])
 
 
 def plot(result: dict, path: str, pyplot) -> None:
@@ -113,9 +107,10 @@ def _pyplot():
 
         matplotlib.use("Agg")
         from matplotlib import pyplot
+
+        return pyplot
     except ImportError:
         return None
-    return pyplot
 
 
 def _usage_problem(args, sizes, wanted, pyplot) -> str | None:
@@ -159,8 +154,7 @@ def main(args) -> int:
     try:
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-                f.write("\n")
+                f.write(json.dumps(result, indent=2) + "\n")
         if pyplot is not None:
             plot(result, args.plot, pyplot)
     except OSError as exc:

@@ -24,35 +24,17 @@ CPU_DENSE, CPU_MOE = ((256, 512),), ((8, 2, 128, 64, True),)
 
 
 def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], list[MoeShape]]:
-    """Return the distinct layer configurations to time: `model`'s (q/k/v and gate/up fused as servers do), else defaults."""
+    """Return the distinct layer configurations to time: `model`'s (q/k/v, gate/up fused), else the defaults."""
     if model is None:
         dense, moe = (CPU_DENSE, CPU_MOE) if on_cpu else (DEFAULT_DENSE, DEFAULT_MOE)
         return [DenseShape(*c) for c in dense], [MoeShape(*c) for c in moe]
     from .. import checkpoints
 
-    checkpoint = checkpoints.inspect(model, values=False)
-    linear = checkpoint.linear()
-    dense: dict[DenseShape, None] = {}
-    done: set[str] = set()
-    for module in sorted(linear):
-        if module in done:
-            continue
-        parent, _, leaf = module.rpartition(".")
-        for parts in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-            names = [f"{parent}.{p}" for p in parts]
-            if leaf in parts and all(n in linear for n in names) and len({linear[n][1] for n in names}) == 1:
-                dense[DenseShape(sum(linear[n][0] for n in names), linear[module][1])] = None
-                done.update(names)
-                break
-        else:
-            dense[DenseShape(*linear[module])] = None
-    text = checkpoints.text_config(checkpoint.config)
-    top_k = text.get("num_experts_per_tok") or text.get("moe_topk") or 2
-    moe: dict[MoeShape, None] = {}
-    for roles in checkpoint.experts.values():
-        down = roles["down_proj"]
-        hidden, inter = checkpoint.modules[down[min(down)]]
-        moe[MoeShape(len(down), int(top_k), hidden, inter, "gate_proj" in roles)] = None
+    layers = checkpoints.discover(model)
+    text = checkpoints.text_config(layers.config)
+    top_k = int(text.get("num_experts_per_tok") or text.get("moe_topk") or 2)
+    dense = dict.fromkeys(DenseShape(sum(d.sizes), d.k) for d in layers.dense)
+    moe = dict.fromkeys(MoeShape(e.experts, top_k, e.hidden, e.inter, e.gated) for e in layers.moe)
     return list(dense), list(moe)
 
 
@@ -65,19 +47,16 @@ def _verify_sizes(sizes: list[int]) -> list[int]:
 
 def _verify(family: str, name: str, config, sizes: list[int], device: Device, settings) -> str:
     """Return this backend's verdict on `device` at `config`: "verified", else why not."""
-    timeout = settings.selftest_timeout
+    timeout, ms = settings.selftest_timeout, _verify_sizes(sizes)
     try:
         if family == "dense":
-            shapes = [(m, config.n, config.k) for m in _verify_sizes(sizes)]
+            shapes = [(m, config.n, config.k) for m in ms]
             quantizer = backends.quantizer_for(name, device)
             report = verify.run(name, device, shapes, bounds=verify.Bounds(timeout_s=timeout), quantizer=quantizer)
         else:
             layer = dict(experts=config.experts, hidden=config.hidden, intermediate=config.inter, top_k=config.top_k)
-            cases = tuple(
-                verify.MoeCase(**layer, activation=config.activation, tokens=m, dtype="bfloat16", routing=routing)
-                for m in _verify_sizes(sizes)
-                for routing in ("balanced", "random")
-            )
+            layer.update(activation=config.activation, dtype="bfloat16")
+            cases = tuple(verify.MoeCase(**layer, tokens=m, routing=r) for m in ms for r in ("balanced", "random"))
             bounds = verify.MOE_BOUNDS.model_copy(update={"timeout_s": timeout})
             report = verify.run_moe(name, device, verify.MoeConfig(cases=cases), bounds=bounds)
     except Exception as exc:
@@ -94,26 +73,21 @@ def _candidates(family: deciding.Family, settings, device: Device, wanted: list[
 def _verified(family: deciding.Family, names: list[str], config, sizes: list[int], device: Device, settings, log):
     """Return the rows of candidates not timed (unsupported, failed) and (name, make call, tune) for the rest."""
     tdev, base = device.torch_device, {"family": family.name, "config": config.label()}
+    weights = None
     if family is deciding.MOE:
         weights = moe_weights(config.experts, config.hidden, config.inter, config.activation, tdev, 0)
+    call, yardstick = (dense_call, dense_bf16) if family is deciding.DENSE else (moe_call, moe_bf16)
     rows, timed = [], []
     for name in names:
         ok, why = family.is_supported(name, device)
-        if not ok:
-            rows.append({**base, "backend": name, "verdict": f"unsupported: {why}", "m": None})
-            continue
-        log(f"[{device.label()}] verifying {family.name} backend {name!r} at {config.label()} ...")
-        verdict = _verify(family.name, name, config, sizes, device, settings)
+        if ok:
+            log(f"[{device.label()}] verifying {family.name} backend {name!r} at {config.label()} ...")
+        verdict = _verify(family.name, name, config, sizes, device, settings) if ok else f"unsupported: {why}"
         if verdict != "verified":
             rows.append({**base, "backend": name, "verdict": verdict, "m": None})
             continue
-        fn = family.resolve(name)
-        tune = backends.backend_of(family.name, name).kind == "flashinfer"
-        if family is deciding.DENSE:
-            timed.append((name, lambda m, fn=fn: dense_call(fn, config, m, tdev), tune))
-        else:
-            timed.append((name, lambda m, fn=fn: moe_call(fn, weights, config, m, tdev), tune))
-    yardstick = dense_bf16 if family is deciding.DENSE else moe_bf16
+        fn, tune = family.resolve(name), backends.backend_of(family.name, name).kind == "flashinfer"
+        timed.append((name, lambda m, fn=fn: call(fn, weights, config, m, tdev), tune))
     return rows, [*timed, (BF16, lambda m: yardstick(config, m, tdev), False)]
 
 
@@ -129,15 +103,7 @@ def _timed(timer: Timer, base: dict, config, name: str, make: Callable, tune: bo
     return {**row, "verdict": verdict, "m": m, "time_us": seconds * 1e6, "tflops": tflops, "timing": how}
 
 
-def run(
-    device: Device,
-    settings,
-    dense: list[DenseShape],
-    moe: list[MoeShape],
-    sizes: list[int],
-    wanted: list[str] | None = None,
-    log: Callable[[str], None] | None = None,
-) -> dict:
+def run(device: Device, settings, dense: list, moe: list, sizes: list[int], wanted=None, log=None) -> dict:
     """Verify, then time, each candidate of each family on `device`; return JSON-ready rows."""
     log = log or eprint
     tdev = device.torch_device
@@ -160,19 +126,11 @@ def run(
         if row.get("time_us") and row["backend"] != BF16:
             ref = yardstick.get((row["family"], row["config"], row["m"]))
             row["vs_bf16"] = ref / row["time_us"] if ref else None
-    return {
-        "device": {
-            "index": device.index,
-            "name": device.name,
-            "capability": f"{device.capability[0]}.{device.capability[1]}",
-            "simulated": device.simulated,
-        },
-        "versions": {"torch": torch.__version__, "flashinfer": backends.flashinfer_version()},
-        "sizes": sizes,
-        "dense": [c.label() for c in dense],
-        "moe": [c.label() for c in moe],
-        "rows": rows,
-    }
+    cap = "{}.{}".format(*device.capability)
+    info = dict(index=device.index, name=device.name, capability=cap, simulated=device.simulated)
+    versions = {"torch": torch.__version__, "flashinfer": backends.flashinfer_version()}
+    configs = {"dense": [c.label() for c in dense], "moe": [c.label() for c in moe]}
+    return {"device": info, "versions": versions, "sizes": sizes, **configs, "rows": rows}
 
 
 def eprint(text: str) -> None:

@@ -53,7 +53,7 @@ class MoeShape:
         return 2.0 * m * self.top_k * (fc1 + self.inter * self.hidden)
 
 
-def dense_call(fn: Callable, config: DenseShape, m: int, device: torch.device) -> Callable[[], object]:
+def dense_call(fn: Callable, weights: None, config: DenseShape, m: int, device: torch.device) -> Callable[[], object]:
     _, _, args = verify.quantized_inputs((m, config.n, config.k), device, seed=m)
     out = torch.empty((m, config.n), dtype=torch.bfloat16, device=device)
     return lambda: fn(*args, torch.bfloat16, out)
@@ -67,9 +67,7 @@ def dense_bf16(config: DenseShape, m: int, device: torch.device) -> Callable[[],
     return lambda: torch.matmul(x, w.T, out=out)
 
 
-def moe_call(
-    fn: Callable, weights: nvfp4.MoeWeights, config: MoeShape, m: int, device: torch.device
-) -> Callable[[], object]:
+def moe_call(fn: Callable, weights: nvfp4.MoeWeights, config: MoeShape, m: int, device) -> Callable[[], object]:
     gen = torch.Generator().manual_seed(m)
     ids, topk_weights = verify.moe_routing(m, config.top_k, config.experts, "balanced", gen)
     x = verify.structured_activations(m, config.hidden, 4.0, gen).to(torch.bfloat16).to(device)

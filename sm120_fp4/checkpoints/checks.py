@@ -69,19 +69,18 @@ def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tupl
     for kind in NAMES[fmt]:
         if f"{module}.{kind}" not in tensors:
             raise CheckpointError(f"{where}: {module}.{kind} is missing; {needs}")
+
+    def bad(info: TensorInfo, kind: str, accepted: str, shape: bool = True) -> CheckpointError:
+        what = f"{_TORCH_NAMES.get(info.dtype, info.dtype)}{f' {info.shape}' if shape else ''}"
+        return CheckpointError(f"{info.file}: {module}.{kind} is {what}; accepted: {accepted}")
+
     weight = tensors[f"{module}.{packed}"]
     if weight.dtype not in _PACKED_DTYPES or len(weight.shape) != 2 or 0 in weight.shape:
-        raise CheckpointError(
-            f"{weight.file}: {module}.{packed} is {_TORCH_NAMES.get(weight.dtype, weight.dtype)} {weight.shape}; accepted: "
-            "uint8 (N, K/2), two FP4 (E2M1) codes a byte"
-        )
+        raise bad(weight, packed, "uint8 (N, K/2), two FP4 (E2M1) codes a byte")
     n, k = weight.shape[0], weight.shape[1] * 2
     scales = tensors[f"{module}.{block}"]
     if scales.dtype not in _BLOCK_DTYPES:
-        raise CheckpointError(
-            f"{scales.file}: {module}.{block} is {_TORCH_NAMES.get(scales.dtype, scales.dtype)}; accepted: float8_e4m3fn "
-            "(or its bytes as uint8) block scales, one per 16 weights"
-        )
+        raise bad(scales, block, "float8_e4m3fn (or its bytes as uint8) block scales, one per 16 weights", shape=False)
     if k % GROUP_SIZE or scales.shape != (n, k // GROUP_SIZE):
         raise CheckpointError(
             f"{scales.file}: {module}.{block} has shape {scales.shape}; accepted: (N, K/16) = "
@@ -90,19 +89,15 @@ def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tupl
     for kind, what in ((global_name, "the weight's global scale"), (input_name, "the activation's global scale")):
         info = tensors[f"{module}.{kind}"]
         if info.dtype not in _SCALAR_DTYPES or math.prod(info.shape) != 1:
-            raise CheckpointError(
-                f"{info.file}: {module}.{kind} is {_TORCH_NAMES.get(info.dtype, info.dtype)} {info.shape}; accepted: "
-                f"{what} as one float32 (shape () or (1,))"
-            )
+            raise bad(info, kind, f"{what} as one float32 (shape () or (1,))")
     return n, k
 
 
 def _experts(checkpoint: Checkpoint, fmt: str) -> None:
     """Group the expert modules by MoE layer; check every expert 0..E-1 carries every projection, all alike."""
     text = text_config(checkpoint.config)
-    count = next(
-        (text[k] for k in _EXPERT_COUNT if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)), None
-    )
+    counts = [text[k] for k in _EXPERT_COUNT if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)]
+    count = counts[0] if counts else None
     packed = NAMES[fmt][0]
     for module in checkpoint.modules:
         m = _EXPERT.match(module)
@@ -111,10 +106,8 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
             checkpoint.experts.setdefault(m["prefix"], {}).setdefault(role, {})[int(m["e"])] = module
     for prefix, roles in checkpoint.experts.items():
         some = next(iter(next(iter(roles.values())).values()))
-        info = checkpoint.tensors.get(f"{some}.{packed}")
-        where = info.file if info is not None else checkpoint.dir
-        w_style = re.search(r"\.w[123]$", some)
-        name = {r: w for w, r in ROLES.items()} if w_style else {r: r for r in ROLES.values()}
+        where = getattr(checkpoint.tensors.get(f"{some}.{packed}"), "file", checkpoint.dir)
+        name = {r: w for w, r in ROLES.items()} if re.search(r"\.w[123]$", some) else {r: r for r in ROLES.values()}
         need = ["gate_proj"] * ("gate_proj" in roles) + ["up_proj", "down_proj"]
         ids = {e for r in roles.values() for e in r}
         total = count if count is not None else max(ids) + 1
@@ -124,12 +117,10 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
             raise CheckpointError(
                 f"{where}: {prefix}.{beyond[0]} is beyond config.json's expert count {total}; {accepted}"
             )
-        for e in range(total):
-            for role in need:
-                if e not in roles.get(role, {}):
-                    raise CheckpointError(
-                        f"{where}: {prefix}.{e}.{name[role]}.{packed} is missing (expert {e} of {total}); {accepted}"
-                    )
+        for e, role in ((e, role) for e in range(total) for role in need if e not in roles.get(role, {})):
+            raise CheckpointError(
+                f"{where}: {prefix}.{e}.{name[role]}.{packed} is missing (expert {e} of {total}); {accepted}"
+            )
         for role in need:
             shapes = {checkpoint.modules[mod] for mod in roles[role].values()}
             if len(shapes) > 1:
@@ -186,12 +177,8 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
 
 def scale_problem(name: str, value: float) -> str | None:
     """Return why a global or activation scale is unusable (NaN, infinite, zero, negative), or None."""
-    if math.isfinite(value) and value > 0:
-        return None
-    return (
-        f"{name} = {value!r}; accepted: a finite positive scale (the checkpoint's scale is wrong, not a kernel: "
-        "requantize or recalibrate the layer)"
-    )
+    why = "a finite positive scale (the checkpoint's scale is wrong, not a kernel: requantize or recalibrate the layer)"
+    return None if math.isfinite(value) and value > 0 else f"{name} = {value!r}; accepted: {why}"
 
 
 def _check_values(checkpoint: Checkpoint, fmt: str) -> None:

@@ -8,13 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checks import inspect
+from .checks import _EXPERT, inspect
 from .quantization import text_config
 
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-EXPERT = re.compile(
-    r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>\w+)$"
-)
+EXPERT = re.compile(_EXPERT.pattern.removesuffix("$") + r"\.(?P<kind>\w+)$")
 
 
 @dataclass
@@ -65,11 +63,8 @@ class ModelLayers:
 def discover(model_dir: str, values: bool = False, packed: Callable[[dict], dict] | None = None) -> ModelLayers:
     """Return every NVFP4 linear and MoE layer of `model_dir`, shards fused as `packed(config)` says."""
     checkpoint = inspect(model_dir, values=values)
-    found = ModelLayers(
-        checkpoint.format,
-        checkpoint.config,
-        files={k: v.file for k, v in checkpoint.tensors.items()},
-    )
+    files = {k: v.file for k, v in checkpoint.tensors.items()}
+    found = ModelLayers(checkpoint.format, checkpoint.config, files=files)
     linear = checkpoint.linear()
     packed = packed(checkpoint.config) if packed else dict(DEFAULT_PACKED)
     done: set[str] = set()
@@ -80,9 +75,8 @@ def discover(model_dir: str, values: bool = False, packed: Callable[[dict], dict
         for fused, parts in packed.items():
             names = [f"{parent}.{p}" for p in parts]
             if leaf in parts and all(n in linear for n in names) and len({linear[n][1] for n in names}) == 1:
-                found.dense.append(
-                    DenseLayer(f"{parent}.{fused}", names, [linear[n][0] for n in names], linear[module][1])
-                )
+                sizes = [linear[n][0] for n in names]
+                found.dense.append(DenseLayer(f"{parent}.{fused}", names, sizes, linear[module][1]))
                 done.update(names)
                 break
         else:

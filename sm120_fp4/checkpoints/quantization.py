@@ -62,10 +62,8 @@ def read_quantization(model_dir: str) -> Quantization:
             return Quantization(MODELOPT, _modelopt_nvfp4(quant), quant, source)
         if method == COMPRESSED_TENSORS:
             groups = quant.get("config_groups")
-            nvfp4 = isinstance(groups, dict) and any(
-                (_fp4_weights(g) or {}).get("group_size") == 16 for g in groups.values()
-            )
-            return Quantization(COMPRESSED_TENSORS, nvfp4, quant, source)
+            fp4 = [_fp4_weights(g) or {} for g in groups.values()] if isinstance(groups, dict) else []
+            return Quantization(COMPRESSED_TENSORS, any(w.get("group_size") == 16 for w in fp4), quant, source)
         return Quantization(method or None, False, quant, source)
     source = os.path.join(model_dir, "hf_quant_config.json")
     legacy = read_json(source)
@@ -88,9 +86,8 @@ def group_size_problem(quant: Quantization) -> str | None:
     """Return why the quantization config names a group size other than NVFP4's 16, or None."""
     config = quant.config
     if quant.format == MODELOPT:
-        sizes = (
-            [("group_size", config.get("group_size"))] if "NVFP4" in str(config.get("quant_algo", "")).upper() else []
-        )
+        nvfp4 = "NVFP4" in str(config.get("quant_algo", "")).upper()
+        sizes = [("group_size", config.get("group_size"))] if nvfp4 else []
         layers = config.get("quantized_layers")
         for layer, info in layers.items() if isinstance(layers, dict) else ():
             if isinstance(info, dict) and "NVFP4" in str(info.get("quant_algo", "")).upper():

@@ -55,61 +55,51 @@ def read_json(path: str) -> dict | None:
 
 def _header(path: str) -> dict[str, TensorInfo]:
     """Return every tensor of one safetensors file from its header, checking each lies inside the file."""
-    accepted = "accepted: a readable, complete safetensors file"
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}; accepted: a readable, complete safetensors file")
+
     try:
         # Non-blocking: a FIFO named *.safetensors must not hang the check; it is refused below.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot open it ({exc.strerror or exc}); {accepted}") from exc
+        raise bad(f"cannot open it ({exc.strerror or exc})") from exc
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno())
         if not stat.S_ISREG(size.st_mode):
-            raise CheckpointError(f"{path}: not a regular file; {accepted}")
+            raise bad("not a regular file")
         try:
             head = f.read(8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
             if length is None or length > _MAX_HEADER or 8 + length > size.st_size:
                 claim = "no 8-byte header length" if length is None else f"a header of {length} bytes"
-                raise CheckpointError(
-                    f"{path}: {size.st_size} bytes with {claim}: truncated or not safetensors; {accepted}"
-                )
+                raise bad(f"{size.st_size} bytes with {claim}: truncated or not safetensors")
             raw = f.read(length)
         except OSError as exc:
-            raise CheckpointError(f"{path}: cannot read it ({exc.strerror or exc}); {accepted}") from exc
+            raise bad(f"cannot read it ({exc.strerror or exc})") from exc
     try:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: its safetensors header is not valid JSON ({exc}); {accepted}") from exc
+        raise bad(f"its safetensors header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: its safetensors header is not a JSON object; {accepted}")
+        raise bad("its safetensors header is not a JSON object")
     data, out = size.st_size - 8 - length, {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         fields = entry if isinstance(entry, dict) else {}
         dtype, shape, span = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
-        if (
-            not isinstance(dtype, str)
-            or not isinstance(shape, list)
-            or not isinstance(span, list)
-            or len(span) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, *span])
-            or span[0] > span[1]
-        ):
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has a malformed header entry {str(entry)[:120]}; {accepted}"
-            )
+        ok = isinstance(dtype, str) and isinstance(shape, list) and isinstance(span, list) and len(span) == 2
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, *span])
+        if not ok or span[0] > span[1]:
+            raise bad(f"tensor {name!r} has a malformed header entry {str(entry)[:120]}")
         if span[1] > data:
-            raise CheckpointError(
-                f"{path}: tensor {name} needs bytes {span[0]}-{span[1]} of the data, the file holds "
-                f"{data}: truncated; {accepted}"
-            )
-        if dtype in _ITEMSIZE and span[1] - span[0] != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise CheckpointError(
-                f"{path}: tensor {name} ({dtype} {tuple(shape)}) spans {span[1] - span[0]} bytes, not "
-                f"{math.prod(shape) * _ITEMSIZE[dtype]}; {accepted}"
-            )
-        out[name] = TensorInfo(path, dtype, tuple(shape), 8 + length + span[0], span[1] - span[0])
+            raise bad(f"tensor {name} needs bytes {span[0]}-{span[1]} of the data, the file holds {data}: truncated")
+        nbytes = span[1] - span[0]
+        want = math.prod(shape) * _ITEMSIZE[dtype] if dtype in _ITEMSIZE else nbytes
+        if nbytes != want:
+            raise bad(f"tensor {name} ({dtype} {tuple(shape)}) spans {nbytes} bytes, not {want}")
+        out[name] = TensorInfo(path, dtype, tuple(shape), 8 + length + span[0], nbytes)
     return out
 
 

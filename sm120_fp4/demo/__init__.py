@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -9,13 +10,8 @@ import torch
 from ..sglang.layers import build_modelopt_layer
 from .synthetic import make_checkpoint, make_moe_checkpoint, reference_moe_output, reference_output
 
-__all__ = ["main"]
-
+_say = functools.partial(print, flush=True)
 _HEALTHY = {"backends": "cutlass,b12x,emulated", "moe_backends": "cutlass,emulated"}
-
-
-def _say(text: str = "") -> None:
-    print(text, flush=True)
 
 
 def _selftest_table(decision) -> list[str]:
@@ -27,9 +23,8 @@ def _selftest_table(decision) -> list[str]:
         for s in report.shapes:
             err = "-" if s.rel_err is None else f"{s.rel_err:.2e}"
             ratio = "-" if s.norm_ratio is None else f"{s.norm_ratio:.3f}"
-            rows.append(
-                f"  | {report.backend} | {s.m} | {s.n} | {s.k} | {s.passed} | {err} | {ratio} | {s.reason or ''} |"
-            )
+            cells = (report.backend, s.m, s.n, s.k, s.passed, err, ratio, s.reason or "")
+            rows.append("  | " + " | ".join(map(str, cells)) + " |")
     for name, why in decision.rejected.items():
         if not any(r.backend == name for r in decision.reports):
             rows.append(f"  | {name} | - | - | - | skipped | - | - | {why} |")
@@ -54,9 +49,8 @@ def _refuses(name: str, kernel: Callable, moe: bool, build: Callable, shown: str
 
     sm120_fp4.uninstall()
     (backends.register_moe if moe else backends.register)(name, kernel, replace=True)
-    sm120_fp4.install(
-        simulate="12.0", **({"backends": "emulated", "moe_backends": name} if moe else {"backends": name})
-    )
+    chosen = {"backends": "emulated", "moe_backends": name} if moe else {"backends": name}
+    sm120_fp4.install(simulate="12.0", **chosen)
     try:
         build()
     except RefusedToServe as exc:
@@ -193,10 +187,8 @@ def _moe_part() -> bool | None:
     ckpt, layer = built
     [decision] = [d for d in serving.decisions() if d.family == "moe"]
     candidates = ", ".join(f"{n}: {why}" for n, why in decision.rejected.items()) or "first passed"
-    _say(
-        f"   MoE decision: {decision.backend} ({decision.reason}), verified={decision.verified}; "
-        f"candidates: {candidates}"
-    )
+    verdict = f"{decision.backend} ({decision.reason}), verified={decision.verified}"
+    _say(f"   MoE decision: {verdict}; candidates: {candidates}")
     for report in decision.layers:
         _say(
             f"   the layer: {report.config}: {len(report.shapes)} batches (up to T={max(s.m for s in report.shapes)}, "

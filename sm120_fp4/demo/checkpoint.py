@@ -1,8 +1,7 @@
-"""Write a tiny NVFP4 checkpoint in NVIDIA ModelOpt's export format, for ``sm120-fp4 demo --server``.
+"""Write a tiny NVFP4 checkpoint in NVIDIA ModelOpt's export format (or llm-compressor's), for ``demo --server``.
 
-A two-layer Qwen3-MoE (NVFP4 attention projections, eight NVFP4 experts per layer, top-2) with random
-weights, quantized with :func:`.synthetic.quantize_weight` as ModelOpt lays them out (or, with
-``fmt="compressed-tensors"``, under llm-compressor's names); a byte-level tokenizer (every text encodes).
+A two-layer Qwen3-MoE (NVFP4 attention projections, eight NVFP4 experts per layer, top-2) with random weights;
+a byte-level tokenizer (every text encodes).
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ from ..checkpoints import COMPRESSED_TENSORS, MODELOPT
 from ..errors import InvalidArgument
 from ..sglang.moe_layers import QUANT_CONFIGS, TINY_MODEL_CONFIG
 from .synthetic import as_compressed_tensors, quantize_weight
-
-__all__ = ["write_checkpoint", "MODELOPT", "COMPRESSED_TENSORS"]
 
 _SPECIAL = ["<s>", "</s>"]
 _CALIBRATION_AMAX = 8.0
@@ -84,14 +81,8 @@ def _write_tokenizer(root: str) -> None:
     path = os.path.join(root, "tokenizer.json")
     tokenizer.save(path)
     os.chmod(path, 0o600)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "model_max_length": 2048,
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+    config.update(model_max_length=2048, add_bos_token=False, clean_up_tokenization_spaces=False)
     _write_json(os.path.join(root, "tokenizer_config.json"), config)
 
 
@@ -113,15 +104,9 @@ def write_checkpoint(root: str, seed: int = 0, fmt: str = MODELOPT) -> str:
     _write_json(os.path.join(root, "config.json"), {**TINY_MODEL_CONFIG, "quantization_config": quant})
     tensors = _tensors(seed)
     if fmt == MODELOPT:
-        hf_quant = {
-            "quant_algo": "NVFP4",
-            "group_size": 16,
-            "kv_cache_quant_algo": None,
-            "exclude_modules": ["lm_head"],
-        }
-        _write_json(
-            os.path.join(root, "hf_quant_config.json"), {"producer": quant["producer"], "quantization": hf_quant}
-        )
+        hf_quant = dict(quant_algo="NVFP4", group_size=16, kv_cache_quant_algo=None, exclude_modules=["lm_head"])
+        path = os.path.join(root, "hf_quant_config.json")
+        _write_json(path, {"producer": quant["producer"], "quantization": hf_quant})
     else:
         tensors = as_compressed_tensors(tensors)
     _write_json(os.path.join(root, "generation_config.json"), {"bos_token_id": 256, "eos_token_id": 257})

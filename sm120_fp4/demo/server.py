@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..sglang.release import LAUNCH_SERVER
-
-__all__ = ["main", "CPU_SERVER_ARGS", "CPU_SERVER_ENV", "CPU_SERVER_DEFAULTS", "Server", "free_port", "group_members"]
+from . import _say
 
 # What SGLang needs to serve on a CPU (docs/operations.md, "A real server on a CPU"); the KV cache
 # capped (SGLang sizes it from the machine's free memory on a CPU), small and quick to allocate.
@@ -35,12 +34,8 @@ CPU_SERVER_ARGS = (
 ).split()
 CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SM120_FP4": "1"}  # always: the CPU engine, the library on
 # Defaults the operator's environment may override (a broken kernel named in SM120_FP4_BACKENDS, say).
-CPU_SERVER_DEFAULTS = {
-    "HF_HUB_OFFLINE": "1",
-    "SM120_FP4_SIMULATE": "12.0",
-    "SM120_FP4_BACKENDS": "cutlass,b12x,emulated",
-    "SM120_FP4_MOE_BACKENDS": "cutlass,emulated",
-}
+CPU_SERVER_DEFAULTS = dict(HF_HUB_OFFLINE="1", SM120_FP4_SIMULATE="12.0", SM120_FP4_BACKENDS="cutlass,b12x,emulated")
+CPU_SERVER_DEFAULTS.update(SM120_FP4_MOE_BACKENDS="cutlass,emulated")
 START_TIMEOUT_S = 900.0
 PROMPT = "The capital of France is"
 
@@ -53,10 +48,6 @@ def wrong_at_qkv(a, b, a_sf, b_sf, alpha, out_dtype, out):
     if b.shape[1] == 512 and a.shape[1] * 2 == 256:
         out[64:128] = 0
     return out
-
-
-def _say(text: str = "") -> None:
-    print(text, flush=True)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -114,16 +105,6 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def _http(method: str, url: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, str]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read().decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
 @dataclass
 class Server:
     """Run one ``sm120-fp4 launch -- python -m sglang.launch_server ...`` in its own process group."""
@@ -151,11 +132,9 @@ class Server:
         command = [sys.executable, "-m", "sm120_fp4", "launch", "--", sys.executable, "-m", LAUNCH_SERVER]
         command += ["--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port)]
         command += [*CPU_SERVER_ARGS, *self.extra_args]
-        log = open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
-        with log:
-            self.proc = self.popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+        io = dict(stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as log:
+            self.proc = self.popen(command, stdout=log, **io)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S, restarts: int = 2) -> bool:
         """Return True once ``/health`` answers 200, False when the launcher exits first or time is up."""
@@ -169,33 +148,35 @@ class Server:
                     self.stop()
                     self.port = 0
                     self.start()
-                    _say(
-                        f"   port {taken} was taken before the server could bind it: started pid {self.proc.pid} on "
-                        f"127.0.0.1:{self.port} instead (log: {self.log_path})"
-                    )
+                    why = f"   port {taken} was taken before the server could bind it: started pid {self.proc.pid}"
+                    _say(f"{why} on 127.0.0.1:{self.port} instead (log: {self.log_path})")
                     continue
                 return False
-            try:
-                if _http("GET", f"http://127.0.0.1:{self.port}/health", timeout=5)[0] == 200:
+            with contextlib.suppress(OSError):
+                if self._http("GET", "/health", timeout=5)[0] == 200:
                     return True
-            except OSError:
-                pass
             time.sleep(1.0)
         return False
 
     def _port_was_taken(self) -> bool:
-        try:
+        with contextlib.suppress(OSError):
             with open(self.log_path, encoding="utf-8", errors="replace") as f:
                 return any("address already in use" in line and str(self.port) in line for line in f)
-        except OSError:
-            return False
+        return False
+
+    def _http(self, method: str, path: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, str]:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data, headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, response.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
 
     def generate(self, text: str, max_new_tokens: int = 16) -> dict:
-        status, body = _http(
-            "POST",
-            f"http://127.0.0.1:{self.port}/generate",
-            {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}},
-        )
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+        status, body = self._http("POST", "/generate", {"text": text, "sampling_params": params})
         if status != 200:
             raise RuntimeError(f"/generate answered HTTP {status}: {body[:500]}")
         return json.loads(body)
@@ -236,18 +217,16 @@ def summarize(reports: list[dict]) -> list[str]:
     """Return one line per verified layer configuration and per refusal, from SGLang's processes' report files."""
     rows = []
     for report in reports:
+        pid = f"   pid {report.get('pid')}:"
         for d in report.get("decisions", []):
             for layer in d.get("layers", []):
                 state = "verified" if layer.get("passed") else "FAILED"
-                rows.append(
-                    f"   pid {report.get('pid')}: {d.get('family')} {layer.get('config')}: {state} with "
-                    f"{d.get('backend')} ({len(layer.get('shapes', []))} batch sizes)"
-                )
-            for check in d.get("rechecks", []) or []:
-                rows.append(f"   pid {report.get('pid')}: re-check after warm-up: {check}")
+                batches = f"{d.get('backend')} ({len(layer.get('shapes', []))} batch sizes)"
+                rows.append(f"{pid} {d.get('family')} {layer.get('config')}: {state} with {batches}")
+            rows += [f"{pid} re-check after warm-up: {check}" for check in d.get("rechecks", []) or []]
         for refusal in report.get("refusals", []):
             reason = refusal.get("message") if isinstance(refusal, dict) else str(refusal)
-            rows.append(f"   pid {report.get('pid')}: REFUSED: {str(reason).splitlines()[0]}")
+            rows.append(f"{pid} REFUSED: {str(reason).splitlines()[0]}")
     return rows
 
 
@@ -283,13 +262,7 @@ def _ask_once(server: Server) -> tuple[bool, str | None]:
     return True, None
 
 
-def serve_once(
-    model_path: str,
-    workdir: str,
-    extra_args: list[str],
-    env: dict[str, str] | None = None,
-    expect_refusal: bool = False,
-) -> int:
+def serve_once(model_path: str, workdir: str, extra_args: list, env=None, expect_refusal=False) -> int:
     """Start one server, ask it once (or see it refuse), stop it; return this step's exit code."""
     server = Server(model_path, workdir, extra_args, env or {})
     server.start()
@@ -313,21 +286,19 @@ def serve_once(
         _say(f"   ERROR: {failed}\n   server log: {server.log_path}")
         return 1
     if ready:
-        return 0 if not expect_refusal else 1
+        return int(expect_refusal)
     _say(f"   the server did not start: launcher exit {code}, nothing listening on 127.0.0.1:{server.port}")
     refused = any("REFUSED" in line for line in summary)
     if not expect_refusal or not refused:
-        _say(
-            f"   server log: {server.log_path}\n" + "".join(f"   | {line}\n" for line in server.log_tail().splitlines())
-        )
+        tail = "".join(f"   | {line}\n" for line in server.log_tail().splitlines())
+        _say(f"   server log: {server.log_path}\n{tail}")
     return 0 if expect_refusal and refused and code != 0 else 1
 
 
 def main(model_path: str | None = None, extra_args: list[str] | None = None) -> int:
     """Run the server demo; with `model_path`, serve that checkpoint once instead (exit 0 on an answer)."""
     extra = list(extra_args or [])
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
+    extra = extra[1:] if extra[:1] == ["--"] else extra
     _say("sm120_fp4 demo --server: a real SGLang server on this CPU, SIMULATED SM120 (SGLang's CPU engine)")
     _say("=" * 78)
     workdir = tempfile.mkdtemp(prefix="sm120_fp4_server_")

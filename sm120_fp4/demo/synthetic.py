@@ -1,8 +1,7 @@
-"""Synthetic NVFP4 checkpoints for the demo's layers, and what SGLang's layer must compute from them.
+"""Synthetic NVFP4 checkpoints (one linear, one MoE layer; :mod:`sm120_fp4.nvfp4` alone) and what SGLang must compute.
 
-Made with :mod:`sm120_fp4.nvfp4` alone: one linear layer's ModelOpt tensors (:func:`make_checkpoint`) and
-one MoE layer's, stacked over experts (:func:`make_moe_checkpoint`). The references lay the checkpoint's
-bytes out as the kernel receives them, derive its constants as SGLang does, and call the nvfp4 oracle.
+The references lay the checkpoint's bytes out as the kernel receives them, derive its constants as SGLang does,
+and call the nvfp4 oracle.
 """
 
 from __future__ import annotations
@@ -15,22 +14,6 @@ import torch
 from .. import nvfp4
 from ..errors import check_ranks, not_accepted
 from ..sglang.moe_layers import COMPRESSED_TENSORS, MODELOPT
-
-__all__ = [
-    "Checkpoint",
-    "make_checkpoint",
-    "reference_output",
-    "quantize_weight",
-    "as_compressed_tensors",
-    "MoeCheckpoint",
-    "make_moe_checkpoint",
-    "compressed_tensors_tensors",
-    "reference_moe_from_weights",
-    "reference_moe_output",
-    "MODELOPT",
-    "COMPRESSED_TENSORS",
-    "ACTIVATIONS",
-]
 
 _QUANTIZATIONS = (MODELOPT, COMPRESSED_TENSORS)
 ACTIVATIONS = ("swiglu", "relu2")
@@ -98,12 +81,9 @@ def reference_output(ckpt: Checkpoint, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class MoeCheckpoint:
-    """Hold ModelOpt NVFP4 tensors of one MoE layer (E experts, hidden H, intermediate I), stacked over experts.
+    """Hold ModelOpt NVFP4 tensors of one MoE layer (E experts, hidden H, intermediate I), stacked over experts."""
 
-    S is 2 w13 shards for "swiglu" (rows [gate; up], as on disk), 1 for "relu2" (up only, SGLang's w1).
-    """
-
-    activation: str  # "swiglu" or "relu2"
+    activation: str  # "swiglu" (S = 2 w13 shards, rows [gate; up] as on disk) or "relu2" (S = 1: up only, SGLang's w1)
     w13_weight: torch.Tensor  # uint8 (E, S*I, H/2), packed E2M1, rows [gate; up]
     w13_weight_scale: torch.Tensor  # float8_e4m3fn (E, S*I, H/16), not swizzled (as on disk)
     w13_weight_scale_2: torch.Tensor  # float32 (E, S): 1 / weight global scale per shard (gate == up)
@@ -177,15 +157,13 @@ def make_moe_checkpoint(
     bf16 = torch.bfloat16
     calibration = (torch.randn(64, hidden, generator=gen) * 1.5).to(bf16)
     x_amax_scale = nvfp4.global_scale(calibration)
-    keys = ("w13", "w13_sf", "w13_s2", "w13_in", "w2", "w2_sf", "w2_s2", "w2_in", "gate", "up", "down")
-    stacks: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+    rows = []  # per expert: w13, its block scales, weight_scale_2, input_scale, the same of w2, then gate, up, down
     for e in range(num_experts):
         spread = 1.0 + 0.5 * e / max(num_experts - 1, 1)  # experts of different magnitude: per-expert scales matter
         gate = (torch.randn(intermediate, hidden, generator=gen) * 0.04 * spread).to(bf16)
         up = (torch.randn(intermediate, hidden, generator=gen) * 0.03 * spread).to(bf16)
         down = (torch.randn(hidden, intermediate, generator=gen) * 0.05 / spread).to(bf16)
-        # One global scale for the fused gate/up, as ModelOpt exports it: SGLang's cutlass path applies
-        # the gate's alpha to both halves.
+        # One global scale for gate/up, as ModelOpt exports it (SGLang's cutlass path applies the gate's alpha to both).
         packed13, sf13, s2_13 = quantize_weight(torch.cat([gate, up]) if gated else up)
         packed2, sf2, s2_2 = quantize_weight(down)
         # Calibrated activation scales, different per expert, so SGLang's max over experts matters too.
@@ -196,20 +174,9 @@ def make_moe_checkpoint(
         h_gsf = nvfp4.global_scale(h) / (1.0 + 0.05 * e)
         shards = 2 if gated else 1
         row = (packed13, sf13, s2_13.reshape(1).expand(shards), (1.0 / x_gsf).reshape(1).expand(shards))
-        row += (packed2, sf2, s2_2, (1.0 / h_gsf).reshape(()), gate, up, down)
-        for key, value in zip(keys, row):
-            stacks[key].append(value)
-    st = {k: torch.stack(v).contiguous() for k, v in stacks.items()}
-    return MoeCheckpoint(
-        activation,
-        *(st[k] for k in ("w13", "w13_sf")),
-        *(st[k].float() for k in ("w13_s2", "w13_in")),
-        *(st[k] for k in ("w2", "w2_sf")),
-        *(st[k].float() for k in ("w2_s2", "w2_in")),
-        st["gate"] if gated else None,
-        st["up"],
-        st["down"],
-    )
+        rows.append((*row, packed2, sf2, s2_2, (1.0 / h_gsf).reshape(()), gate, up, down))
+    st = [torch.stack(v).contiguous() for v in zip(*rows)]  # the scales: float32 (nvfp4.global_scale's)
+    return MoeCheckpoint(activation, *st[:8], st[8] if gated else None, st[9], st[10])
 
 
 def compressed_tensors_tensors(ckpt: MoeCheckpoint) -> dict[str, torch.Tensor]:
@@ -217,23 +184,14 @@ def compressed_tensors_tensors(ckpt: MoeCheckpoint) -> dict[str, torch.Tensor]:
     return as_compressed_tensors(ckpt.tensors())
 
 
-def reference_moe_from_weights(
-    weights: Mapping[str, Any], x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """Return one rank's MoE output from kernel-layout weights: one ``nvfp4.reference_moe_fp4`` call.
-
-    `topk_ids` are global; slots outside ``[first_expert, first_expert + E_loc)`` (or -1) add nothing.
-    """
-    e_loc = weights["w13"].shape[0]
+def reference_moe_from_weights(weights: Mapping[str, Any], x, topk_ids, topk_weights) -> torch.Tensor:
+    """Return one rank's MoE output from kernel-layout weights; global `topk_ids` off its experts (or -1) add 0."""
     ids = topk_ids.long() - int(weights.get("first_expert", 0))
-    local = (topk_ids >= 0) & (ids >= 0) & (ids < e_loc)
-    return nvfp4.reference_moe_fp4(
-        x,
-        torch.where(local, ids, torch.zeros_like(ids)),
-        torch.where(local, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32)),
-        **{k: weights[k] for k in _KERNEL_TENSORS},
-        activation=weights["activation"],
-    )
+    local = (topk_ids >= 0) & (ids >= 0) & (ids < weights["w13"].shape[0])
+    ids = torch.where(local, ids, torch.zeros_like(ids))
+    topk_weights = torch.where(local, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32))
+    kernel = {k: weights[k] for k in _KERNEL_TENSORS}
+    return nvfp4.reference_moe_fp4(x, ids, topk_weights, **kernel, activation=weights["activation"])
 
 
 def _rank_tensors(ckpt: MoeCheckpoint, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int):
@@ -290,16 +248,7 @@ def _kernel_constants(ckpt: MoeCheckpoint, experts: slice, quantization: str) ->
 
 
 def reference_moe_output(
-    ckpt: MoeCheckpoint,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    *,
-    ep_size: int = 1,
-    ep_rank: int = 0,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    quantization: str = MODELOPT,
+    ckpt: MoeCheckpoint, x, topk_ids, topk_weights, *, ep_size=1, ep_rank=0, tp_size=1, tp_rank=0, quantization=MODELOPT
 ) -> torch.Tensor:
     """Return rank (ep_rank, tp_rank)'s partial output (its experts, its I-slice), from the checkpoint alone."""
     _check_reference(ckpt, ep_size, ep_rank, tp_size, tp_rank, quantization)
