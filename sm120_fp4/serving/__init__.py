@@ -31,30 +31,7 @@ from .updates import (
     weights_updating,
 )
 
-__all__ = [
-    "LayerCheck",
-    "verify_layer",
-    "recheck",
-    "retime",
-    "reverify",
-    "weights_updating",
-    "weights_update_begin",
-    "weights_update_end",
-    "weights_update_open_s",
-    "refusals",
-    "record_refusal",
-    "decide",
-    "decisions",
-    "clear",
-    "route",
-    "route_table",
-    "routes",
-    "Served",
-    "served_configurations",
-    "served_layer",
-    "check_served",
-    "fingerprint_problem",
-    "fingerprint_sweep",
-    "report_sections",
-    "on_hang",
-]
+__all__ = ["LayerCheck", "verify_layer", "recheck", "retime", "reverify", "weights_updating", "weights_update_begin"]
+__all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "clear"]
+__all__ += ["route", "route_table", "routes", "Served", "served_configurations", "served_layer", "check_served"]
+__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang"]

@@ -71,14 +71,8 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
 def _verified(serving: _Serving, check: LayerCheck, report: verify.SelfTestReport, settings: Settings) -> None:
     """Record that a configuration's first layer passed its full sweep (SELECT=fastest then times the candidates)."""
     serving.decision.layers.append(report)
-    _LOG.info(
-        "sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)",
-        check.label,
-        serving.route_name,
-        serving.device.label(),
-        len(check.ms),
-        report.max_rel_err or 0.0,
-    )
+    where, err = f"{serving.route_name} on {serving.device.label()}", report.max_rel_err or 0.0
+    _LOG.info(f"sm120_fp4: {check.label} verified with {where} ({len(check.ms)} batch sizes, max rel error {err:.2e})")
     if settings.select == "fastest":
         measure(serving, [check], new=True)  # check and time every verified candidate on it, then route
     report_file.update(settings)
@@ -153,13 +147,8 @@ def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: l
         _settle(serving, tensors)
     _refingerprint(serving)
     _record_layer(serving, check, _fingerprint(check))
-    _LOG.warning(
-        "sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
-        serving.device.label(),
-        report.backend,
-        report.config,
-        decision.backend,
-    )
+    what = f"{serving.device.label()}: {report.backend} failed {report.config}; serving with {decision.backend}"
+    _LOG.warning(f"sm120_fp4: {what}, which passes every layer configuration and layer")
     report_file.update(settings)
     return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
 
@@ -181,10 +170,7 @@ def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) ->
         f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
     )
     _LOG.warning(
-        "sm120_fp4: %s: no %s candidate passed every layer configuration; %s=emulated: "
-        "serving with the slow pure-PyTorch emulation",
-        serving.device.label(),
-        family.what,
-        family.fallback_var,
+        f"sm120_fp4: {serving.device.label()}: no {family.what} candidate passed every layer configuration; "
+        f"{family.fallback_var}=emulated: serving with the slow pure-PyTorch emulation"
     )
     return choice

@@ -89,7 +89,7 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.Sel
             if changed:
                 _refuse_changed(serving, changed, settings)
             for check in list(serving.checks.values()):
-                report = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
+                report, _ = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
                 report.config = f"{check.label} (re-check after warm-up)"
                 done.append(report)
                 if not report.passed:
@@ -242,7 +242,7 @@ def check_served(served: Served, m: int) -> verify.SelfTestReport:
     """Return the canary's light check of `served` at batch size `m` (and every range boundary), two passes."""
     serving = _records[(served.family, served.device.index)]
     with serving.lock:
-        report = _run_check(serving, served.check, [m], light=True)
+        report, _ = _run_check(serving, served.check, [m], light=True)
         record = serving.layers.get(_layer_key(served.check))
         if record is not None and not _process.updating:
             _fail_if_written(report, served.check, record.fingerprint)
