@@ -225,23 +225,12 @@ class Canary:
 
     def _finish(self, job: _Job, report: verify.SelfTestReport, started_at: float, took: float) -> None:
         """Record `job`'s run and act on a failure (exit or log, as SM120_FP4_CANARY_ACTION says)."""
-        served = job.served
-        run = CanaryRun(
-            family=served.family,
-            device=served.device.label(),
-            backend=report.backend,
-            config=served.check.label,
-            layer=served.check.layer,
-            ms=job.ms,
-            passed=report.passed,
-            reason=None if report.passed else report.reason,
-            max_rel_err=report.max_rel_err,
-            due_at=job.due_at,
-            started_at=started_at,
-            finished_at=time.time(),
-            late_s=job.late_s,
-            busy_ms=took * 1e3,
-        )
+        served, check = job.served, job.served.check
+        where = {"family": served.family, "device": served.device.label(), "config": check.label, "layer": check.layer}
+        outcome = report.model_dump(include={"backend", "passed", "max_rel_err"})
+        times = {"due_at": job.due_at, "started_at": started_at, "finished_at": time.time(), "late_s": job.late_s}
+        reason = None if report.passed else report.reason
+        run = CanaryRun(**where, **outcome, ms=job.ms, reason=reason, **times, busy_ms=took * 1e3)
         with self._lock:
             self.runs += 1
             self._recent.append(run)
@@ -262,8 +251,7 @@ class Canary:
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         """Record the refusal in the report file, log it and raise RefusedToServe."""
-        served = job.served
-        family = deciding.FAMILIES[served.family]
+        served, family = job.served, deciding.FAMILIES[job.served.family]
         message = (
             f"sm120_fp4: refusing to serve NVFP4 on {run.device}: while serving: {run.backend} failed the serving canary's "
             f"re-check of {run.config}.\n"
@@ -272,16 +260,10 @@ class Canary:
             "This process stops (SM120_FP4_CANARY_ACTION=exit) so that it is restarted and verified again; if that "
             f"happens again, try another backend ({family.backends_var}), {family.fallback_var}=emulated, or check the GPU."
         )
-        self._stopped = f"stopped the process: {run.config} failed while serving"
-        self._stopped_message = message
-        refusal = deciding.Refusal(
-            device=run.device,
-            config=f"{run.config} (while serving)",
-            family=served.family,
-            message=message,
-            rejected={run.backend: f"failed while serving: {run.reason}"},
-            reports=[report],
-        )
+        self._stopped, self._stopped_message = f"stopped the process: {run.config} failed while serving", message
+        config, rejected = f"{run.config} (while serving)", {run.backend: f"failed while serving: {run.reason}"}
+        where = dict(device=run.device, config=config, family=served.family)
+        refusal = deciding.Refusal(**where, message=message, rejected=rejected, reports=[report])
         serving.record_refusal(refusal, self.settings)  # the report file, before the process goes
         _LOG.error("%s", message)
         raise RefusedToServe(message)
@@ -317,23 +299,14 @@ class Canary:
         open_s = serving.weights_update_open_s()
         update = update_text(open_s) if open_s is not None else None
         counters = {name: getattr(self, name) for name in _COUNTERS}
-        return CanaryStatus(
-            weights_update=update,
-            **({"fingerprints": f"not compared now: {update}"} if update else {}),
-            **counters,
-            enabled=True,
-            period_s=self.period,
-            action=self.settings.canary_action,
-            slice_ms=self.budget_s * 1e3,
-            state=self._state(),
-            armed_at=self._armed_at,
-            failed=failed,
-            last_run=recent[-1] if recent else None,
-            recent=recent,
-            share=self.busy_s / elapsed if elapsed else None,
-            longest_slice_ms=self.longest_slice_s * 1e3,
-            beyond_slice=beyond,
+        fingerprints = {"fingerprints": f"not compared now: {update}"} if update else {}
+        last, share = recent[-1] if recent else None, self.busy_s / elapsed if elapsed else None
+        runs = dict(
+            armed_at=self._armed_at, failed=failed, last_run=last, recent=recent, share=share, beyond_slice=beyond
         )
+        config = dict(enabled=True, period_s=self.period, action=self.settings.canary_action, state=self._state())
+        slices = dict(slice_ms=self.budget_s * 1e3, longest_slice_ms=self.longest_slice_s * 1e3)
+        return CanaryStatus(weights_update=update, **fingerprints, **counters, **config, **runs, **slices)
 
 
 def _nothing_to_check(settings: Settings) -> str | None:
