@@ -111,7 +111,9 @@ def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice) -> Non
     keys = list(serving.checks)
     eligible = [n for n in singles if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
     while eligible:
-        times = {n: _summed(serving.timings[n], keys) for n in eligible}
+        # milliseconds per batch size summed over the configurations (the sizes every one was timed at)
+        sizes = {n: set.intersection(*(set(serving.timings[n][k]) for k in keys)) for n in eligible}
+        times = {n: {m: sum(serving.timings[n][k][m] for k in keys) for m in sizes[n]} for n in eligible}
         splittable = [n for n in eligible if backends.backend_of(serving.family.name, n).converter is None]
         ranges = plan(times, splittable)
         choice = _split(serving, first.decision, ranges, singles)
@@ -125,12 +127,6 @@ def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice) -> Non
         serving.failed[bad.backend] = f"{bad.config}: {bad.reason}"
         eligible.remove(bad.backend)
     serving.serve(first)
-
-
-def _summed(timings: dict[tuple, dict[int, float]], keys: list) -> dict[int, float]:
-    """Return milliseconds per batch size summed over the configurations `keys`."""
-    sizes = set.intersection(*(set(timings[k]) for k in keys))
-    return {m: sum(timings[k][m] for k in keys) for m in sizes}
 
 
 def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):

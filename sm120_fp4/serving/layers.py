@@ -15,9 +15,7 @@ from ..deciding import Decision
 from .records import LayerCheck, _Layer, _layer_key, _Serving
 
 
-def _run_check(
-    serving: _Serving, check: LayerCheck, ms: list[int], light=False, passes=2, config: str | None = None, guard=False
-) -> tuple[verify.SelfTestReport, torch.Tensor | None]:
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], light=False, passes=2, config=None, guard=False):
     """Run `check`'s calls at `ms`; return the report and (`guard`: fail where they wrote it) the weights' fingerprint."""
     device = serving.device
     start = time.perf_counter()
@@ -32,7 +30,7 @@ def _run_check(
     where = f" of {serving.route_name!r} on {device.label()} for {check.named()}"
     if light and check.weights is not None:
         # The fingerprint after the calls covers the weights (no copies); other inputs are compared bit for bit.
-        weights = _weight_storages(check)
+        weights = {t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor)}
         for case in cases:
             case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
     # A light check calls each M once: its configuration's sweep already called each M twice in a row.
@@ -61,13 +59,6 @@ def _blame(decision: Decision, report: verify.SelfTestReport) -> verify.SelfTest
     if not report.passed and failing is not None:
         report.backend = backend_at(decision, failing)
     return report
-
-
-def _weight_storages(check: LayerCheck) -> frozenset[int]:
-    """Return the storages of the tensors the layer of `check` serves with (its weights)."""
-    if check.weights is None:
-        return frozenset()
-    return frozenset(t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor))
 
 
 def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
@@ -138,11 +129,6 @@ def _settle(serving: _Serving, tensors: dict | None) -> None:
         converter.settle(tensors, _representative(serving, tensors))
 
 
-def _convert_seen(serving: _Serving) -> str | None:
-    """Let the backend now routed convert every layer served so far (originals kept while checked)."""
-    return next((p for p in (_convert(serving, t, True) for t in serving.seen.values()) if p), None)
-
-
 def _refingerprint(serving: _Serving) -> None:
     """Take every layer's fingerprint anew (after a switch that converted or restored weights)."""
     for record in serving.layers.values():
@@ -151,9 +137,7 @@ def _refingerprint(serving: _Serving) -> None:
             record.fingerprint = _fingerprint(current)
 
 
-def _verify_everything(
-    serving: _Serving, extra: LayerCheck | None, extra_full: bool, configurations: bool = True
-) -> tuple[list, verify.SelfTestReport | None]:
+def _verify_everything(serving: _Serving, extra: LayerCheck | None, extra_full: bool, configurations=True) -> tuple:
     """Check every configuration (unless `configurations` is False), every layer and `extra` as routed now."""
     reports, representatives = [], {_layer_key(c) for c in serving.checks.values()}
     layers = (

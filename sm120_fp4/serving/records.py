@@ -146,13 +146,11 @@ def route_text(decision: Decision) -> str:
 
 
 _lock = locks.lock()
-
 _records: dict[tuple[str, int], _Serving] = {}  # (family, device index) -> its record: the one store
 
 # CUDA ordinal (-1: CPU in simulation) -> the callable serving it (None: the original); read on every
 # forward pass, written by _publish alone, emptied (never replaced) by clear().
 _route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
-
 _refusals: list[Refusal] = []
 
 

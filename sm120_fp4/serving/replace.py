@@ -14,7 +14,6 @@ from ..errors import RefusedToServe
 from .fastest import measure
 from .layers import (
     _convert,
-    _convert_seen,
     _fingerprint,
     _layer_check,
     _record_layer,
@@ -99,7 +98,8 @@ def _reject(serving: _Serving, report: verify.SelfTestReport) -> bool:
 def _try(serving: _Serving, choice: Choice, check: LayerCheck, full: bool) -> tuple[list, verify.SelfTestReport | None]:
     """Serve with `choice` and check every configuration, layer and `check`: (the reports, the first failure)."""
     serving.serve(choice)
-    problem = _convert_seen(serving)
+    # every layer served so far, converted by the backend now routed (originals kept while checked)
+    problem = next((p for p in (_convert(serving, t, True) for t in serving.seen.values()) if p), None)
     if problem is None:
         return _verify_everything(serving, check, full)
     bad = verify.report_for(choice.decision.backend, serving.device, config=check.label)
@@ -107,9 +107,7 @@ def _try(serving: _Serving, choice: Choice, check: LayerCheck, full: bool) -> tu
     return [], bad
 
 
-def _replace_backend(
-    serving: _Serving, check: LayerCheck, report: verify.SelfTestReport, settings: Settings
-) -> verify.SelfTestReport:
+def _replace_backend(serving: _Serving, check: LayerCheck, report, settings: Settings) -> verify.SelfTestReport:
     """Replace the backend that failed `check` with one that passes everything, or refuse (back to the original)."""
     original, full, failures = serving.choice, check.key not in serving.checks, [report]
     names = candidate_names(settings, family=serving.family, device=serving.device)

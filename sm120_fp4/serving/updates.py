@@ -20,8 +20,6 @@ from .layers import _fail_if_written, _fingerprint, _layer_check, _record_layer,
 from .records import LayerCheck, _Layer, _layer_key, _lock, _process, _records, _served, _Serving, record_refusal
 
 _LOG = logging.getLogger("sm120_fp4")
-
-
 _CHANGED = "the layer's weights changed after they were verified, and not through SGLang's weight-update path"
 
 
