@@ -17,11 +17,6 @@ def _engine_home(name: str):
     return next(home for home in ENGINES if home.NAME == name)
 
 
-def _unverified_engine(name: str = "sglang") -> tuple[str, str] | None:
-    """(what it means, what makes it verified) when the installed engine is a release this library cannot patch."""
-    return _engine_home(name).unverified_release()
-
-
 def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | None:
     """Refuse to start under SELFTEST=strict unless opted out (exit 2, saying how to proceed); None: not refused."""
     if settings.selftest != "strict" or settings.unsupported_release != "refuse":
@@ -45,7 +40,7 @@ def _model_engine_problem(name: str, settings) -> int | None:
     if _engine_home(name).engine_version() is None:
         _eprint(f"sm120-fp4 selftest: --engine {name}: {name} is not installed for {sys.executable}; run it there")
         return EXIT_USAGE
-    engine = _unverified_engine(name)
+    engine = _engine_home(name).unverified_release()  # (what it means, what makes it verified), or None
     if engine is not None:  # the checkpoint's layers are built through the engine's: nothing of it is patched
         return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
     return None

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _eprint, _where
-from .engines import _model_engine_problem, _refuse_engine, _say_unverified_engine, _unverified_engine
+from .engines import _engine_home, _model_engine_problem, _refuse_engine, _say_unverified_engine
 from .workers import INTERRUPTS, _died, _run_model_worker, _run_worker, _Stop
 
 
@@ -75,10 +75,8 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
 
     with ThreadPoolExecutor(max_workers=len(indices)) as pool:
         results = dict(zip(indices, pool.map(run, indices)))
-    if args.json:
-        print(json.dumps({str(i): r for i, r in results.items()}, indent=2))
-    else:
-        print("\n".join(_model_rows(results)))
+    text = json.dumps({str(i): r for i, r in results.items()}, indent=2) if args.json else None
+    print(text if text is not None else "\n".join(_model_rows(results)))
     return _model_outcome(results)
 
 
@@ -287,7 +285,7 @@ def cmd_selftest(args: argparse.Namespace, families: Sequence[str] | None = None
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _unverified_engine(getattr(args, "engine", "sglang"))
+    engine = _engine_home(getattr(args, "engine", "sglang")).unverified_release()
     refused = _refuse_engine("selftest", settings, engine) if engine is not None else None
     if refused is not None:
         return refused
@@ -351,10 +349,8 @@ def _outcome(args: argparse.Namespace, results: dict, families: list[str], setti
     if engine is not None:
         return _say_unverified_engine(engine, "the table verifies the kernels, not what SGLang will serve")
     if unverified:
-        _eprint(
-            f"sm120-fp4 selftest: {len(unverified)} decision(s) would serve UNVERIFIED (SM120_FP4_SELFTEST="
-            f"{settings.selftest}): exit {EXIT_UNVERIFIED}"
-        )
+        n, mode = len(unverified), f"SM120_FP4_SELFTEST={settings.selftest}"
+        _eprint(f"sm120-fp4 selftest: {n} decision(s) would serve UNVERIFIED ({mode}): exit {EXIT_UNVERIFIED}")
         return EXIT_UNVERIFIED
     return EXIT_OK
 
@@ -373,13 +369,7 @@ def _write_preflight_report(settings, results: dict[tuple[str, int], dict]) -> N
         verdict = ("passed" if r["decision"]["verified"] else "unverified") if r.get("ok") else "refused"
         outcome = "interrupted" if r.get("interrupted") else "error" if r.get("usage") else verdict
         message = None if r.get("ok") else r.get("message")
-        row = {
-            "family": family,
-            "device": index,
-            "outcome": outcome,
-            "crashed": r.get("crashed", {}),
-            "message": message,
-        }
+        row = dict(family=family, device=index, outcome=outcome, crashed=r.get("crashed", {}), message=message)
         section["preflight"].append(row)
     try:
         written = report.write(settings.report, section, settings.report_is_dir, role="preflight")
