@@ -263,8 +263,7 @@ def _problems(report: dict) -> list[str]:
         problems.append(
             "no compute-capability 12.x GPU visible: the library does nothing here (SM120_FP4_SIMULATE=12.0 to simulate)"
         )
-    nvcc = report.get("nvcc", {})
-    if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
+    if sm12x and not any(d["simulated"] for d in sm12x) and not report.get("nvcc", {}).get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
     for section, key, what in _SECTION_PROBLEMS:
         if report.get(section, {}).get(key):
@@ -272,9 +271,7 @@ def _problems(report: dict) -> list[str]:
     check = report.get("import_check", {})
     if isinstance(check.get("error"), str):
         problems.append(f"SGLang import check failed: {check['error']}")
-    for row in check.get("targets", []):
-        if row["state"] != "fails":
-            continue
+    for row in (row for row in check.get("targets", []) if row["state"] == "fails"):
         if row["simulation"]:
             problems.append(f"simulation cannot run on this SGLang release: {row['name']}: {row['reason']}")
         elif row["name"] in _ESSENTIAL:

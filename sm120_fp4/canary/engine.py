@@ -49,10 +49,8 @@ class Canary:
     def __init__(self, settings: Settings, idle_point: str | None = None) -> None:
         if settings.canary_period is None:
             raise ValueError("Canary needs SM120_FP4_CANARY set to a period")
-        self.settings = settings
-        self.period = settings.canary_period
+        self.settings, self.period, self.idle_point = settings, settings.canary_period, idle_point
         self.budget_s = settings.canary_slice_ms / 1e3
-        self.idle_point = idle_point
         self.clock: Callable[[], float] = time.monotonic  # when runs are due (tests replace it)
         self.timer: Callable[[], float] = time.perf_counter  # what a run costs the serving thread
         self._lock = threading.Lock()
@@ -154,8 +152,7 @@ class Canary:
 
     def _run(self, job: _Job) -> None:
         """Run `job` whole at this idle point: its fingerprints, then its check at its batch sizes."""
-        started_at = time.time()
-        start = self.timer()
+        started_at, start = time.time(), self.timer()
         try:
             with graphs.no_capture():  # a graph capture costs several eager calls: never inside a run
                 report = self._check(job)
@@ -270,19 +267,15 @@ class Canary:
 
     def _state(self) -> str:
         """Return what the canary is doing now, for status."""
-        if self._stopped is not None:
-            return self._stopped
-        nothing = _nothing_to_check(self.settings)
-        if nothing is not None:
-            return nothing
+        said = self._stopped if self._stopped is not None else _nothing_to_check(self.settings)
+        if said is not None:
+            return said
         if self._armed_at is None:
             return "on; armed at the serving loop's first idle point (none in this process yet)"
         now = self.clock()
         waited = now - (self._last_idle or now)
-        saturated = ""
-        if waited > self.period:
-            saturated = f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
-            saturated += "the run waits for the next one"
+        saturated = f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
+        saturated = saturated + "the run waits for the next one" if waited > self.period else ""
         if self._queue:
             return f"re-checking {self._queue[0].served.check.label} at the next idle point{saturated}"
         if now >= self._due:

@@ -115,10 +115,7 @@ def _own_report() -> dict:
     """Return this worker's decisions and refusals, for the report the preflight parent writes."""
     from .. import serving
 
-    return {
-        "decisions": [d.model_dump(mode="json") for d in serving.decisions()],
-        "refusals": [r.model_dump(mode="json") for r in serving.refusals()],
-    }
+    return {name: section() for name, section in serving.report_sections().items()}
 
 
 def _worker_exit(code: int) -> int:
