@@ -193,8 +193,8 @@ def _canary(settings) -> dict:
         enabled=settings.canary_period is not None, period_s=settings.canary_period, action=settings.canary_action
     )
     out |= dict(slice_ms=settings.canary_slice_ms, idle_point=point, problem=problem, processes=[])
-    report = str(settings.report) if settings.report is not None else None
-    if report is not None:
+    if settings.report is not None:
+        report = str(settings.report)
         pattern = os.path.join(report, "*.json") if os.path.isdir(report) else report.replace("{pid}", "*")
         for path in sorted(glob.glob(pattern))[:64]:
             try:

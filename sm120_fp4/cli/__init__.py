@@ -1,9 +1,8 @@
-"""``sm120-fp4 doctor | selftest | launch | demo | patches | bench`` (also ``python -m sm120_fp4``).
+"""``sm120-fp4 doctor | selftest | launch | demo | bench`` (also ``python -m sm120_fp4``).
 
-Exit codes (docs/operations.md): 0 verified (or nothing to serve); 1 refused (or doctor --strict found
-a problem); 2 bad usage or environment; 3 unverified (``launch`` starts nothing on it without
---allow-unverified); 128+N interrupted by signal N, nothing recorded for the running candidates.
-"""
+Exit codes (docs/operations.md): 0 verified (or nothing to serve); 1 refused (or doctor --strict found a problem);
+2 bad usage or environment; 3 unverified (``launch`` starts nothing on it without --allow-unverified); 128+N
+interrupted by signal N, nothing recorded for the running candidates."""
 
 from .commands import _parser, main
 from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE

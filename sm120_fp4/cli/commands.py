@@ -6,9 +6,8 @@ import argparse
 from typing import Sequence
 
 from .common import EXIT_OK, EXIT_USAGE, _eprint
-from .engines import ENGINE_NAMES
 from .launch import cmd_launch
-from .selftest import cmd_selftest, cmd_selftest_model
+from .selftest import ENGINE_NAMES, cmd_selftest, cmd_selftest_model
 from .workers import _model_worker, _worker, _worker_exit
 
 

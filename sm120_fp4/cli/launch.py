@@ -6,8 +6,7 @@ import argparse
 import os
 
 from .common import EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, _eprint
-from .engines import _engine_home, _refuse_engine
-from .selftest import _settings_and_devices, cmd_selftest
+from .selftest import _engine_home, _refuse_engine, _settings_and_devices, cmd_selftest
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -1,6 +1,4 @@
-"""The self-test workers: one short-lived process per device and family (``_selftest-worker``) or per
-device and checkpoint (``_model-worker``), the arguments they get, and running one: its JSON lines
-read as they come, stopped with the parent on a signal."""
+"""The self-test workers (``_selftest-worker``, ``_model-worker``): their arguments, running and stopping them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Serving: the records per (family, device) (:mod:`.records`), layer checks (:mod:`.layers`), replacing
-(:mod:`.replace`), SELECT=fastest (:mod:`.fastest`), re-checks and the canary's reads (:mod:`.updates`)."""
+"""Serving: records (.records), layer checks (.layers), replacing (.replace), SELECT=fastest, re-checks (.updates)."""
 
 from .fastest import retime
 from .records import (

@@ -1,5 +1,4 @@
-"""The layer checks: a layer's served calls against the oracle, its weights' fingerprint, its record,
-and the conversion of each layer seen for a backend that serves converted weights."""
+"""The layer checks: served calls against the oracle, weight fingerprints, layer records, conversion at load."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The serving records, one per (kernel family, device): what was decided, what serves, the layers
-verified; and the route table the hot path reads, derived from them by ``_publish`` alone."""
+"""The serving records per (kernel family, device), and the route table the hot path reads (written by _publish)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""After verification: the re-check after warm-up, SGLang's weight updates, the verified layers'
-fingerprints, and what the serving canary reads."""
+"""After verification: the warm-up re-check, SGLang's weight updates, the fingerprints, and what the canary reads."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ _CHANGED = "the layer's weights changed after they were verified, and not throug
 
 def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> list[tuple[LayerCheck | None, str | None]]:
     """Return per (record, check or None) the check and why its weights changed (None: unchanged), in one read."""
-    results: list[tuple[LayerCheck | None, str | None]] = []
-    pending: list[tuple[int, torch.Tensor]] = []
+    results, pending = [], {}  # pending: the index in results -> whether the fingerprints are equal (read at once)
     for record, check in layers:
         try:
             check = check if check is not None else record.current()
@@ -34,16 +32,12 @@ def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> lis
         except Exception as exc:
             results.append((None, f"its weights can no longer be read ({type(exc).__name__}: {exc})"))
             continue
-        if now is None or now.shape != record.fingerprint.shape:
-            results.append((check, _CHANGED))
-            continue
-        pending.append((len(results), (now == record.fingerprint).all()))
-        results.append((check, None))
-    same = torch.stack([eq for _, eq in pending]).tolist() if pending else []
-    for (i, _), ok in zip(pending, same):
-        if not ok:
-            results[i] = (results[i][0], _CHANGED)
-    return results
+        comparable = now is not None and now.shape == record.fingerprint.shape
+        if comparable:
+            pending[len(results)] = (now == record.fingerprint).all()
+        results.append((check, None if comparable else _CHANGED))
+    same = dict(zip(pending, torch.stack(list(pending.values())).tolist())) if pending else {}
+    return [(check, _CHANGED if same.get(i) is False else why) for i, (check, why) in enumerate(results)]
 
 
 def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | None]]:
@@ -121,8 +115,7 @@ def weights_update_end(settings: Settings) -> list[verify.SelfTestReport]:
     with _lock:
         _process.updating = max(0, _process.updating - 1)
         last = _process.updating == 0
-        if last:
-            _process.updating_since = None
+        _process.updating_since = None if last else _process.updating_since
     backends.invalidate_caches()
     return reverify(settings) if last else []
 
