@@ -33,14 +33,11 @@ def _torch() -> dict:
 
 
 def _nvcc() -> dict:
-    path = shutil.which("nvcc") or (
-        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None
-    )
+    home = os.environ.get("CUDA_HOME")
+    path = shutil.which("nvcc") or (os.path.join(home, "bin", "nvcc") if home else None)
     if not path or not os.path.exists(path):
-        return {
-            "found": False,
-            "note": "FlashInfer JIT-compiles SM12x kernels with nvcc on first use: install the CUDA toolkit (>= 12.9 for sm_120f)",
-        }
+        note = "FlashInfer JIT-compiles SM12x kernels with nvcc on first use: install the CUDA toolkit (>= 12.9 for sm_120f)"
+        return {"found": False, "note": note}
     out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
     match = re.search(r"release (\d+\.\d+)", out)
     return {"found": True, "path": path, "version": match.group(1) if match else out.strip()[-80:]}
@@ -57,14 +54,9 @@ def _toolchain() -> dict:
 
     tc = flashinfer.toolchain()
     shown = lambda v: None if v is None else f"{v[0]}.{v[1]}"  # noqa: E731
-    return {
-        "cuda": shown(tc.cuda),
-        "cuda_source": tc.cuda_source,
-        "glibc": shown(tc.glibc),
-        "cute_dsl": tc.cute_dsl_problem or "importable",
-        "jit_problem": flashinfer.jit_problem(tc),
-        "b12x_problem": flashinfer.b12x_problem(tc),
-    }
+    found = dict(cuda=shown(tc.cuda), cuda_source=tc.cuda_source, glibc=shown(tc.glibc))
+    found["cute_dsl"] = tc.cute_dsl_problem or "importable"
+    return {**found, "jit_problem": flashinfer.jit_problem(tc), "b12x_problem": flashinfer.b12x_problem(tc)}
 
 
 def _humming() -> dict:
@@ -91,14 +83,9 @@ def _activation() -> dict:
     pth = [os.path.join(d, "sm120_fp4.pth") for d in dirs if os.path.exists(os.path.join(d, "sm120_fp4.pth"))]
     allow = os.environ.get("SGLANG_PLUGINS")
     allowed = any(o.split(" ")[0] in allow.split(",") for o in ours) if allow else None
-    return {
-        "toggle": os.environ.get("SM120_FP4"),
-        "active": enabled(),
-        "plugin_entry_point": ours or None,
-        "plugin_allowed_by_SGLANG_PLUGINS": allowed,
-        "pth_bootstrap": pth or None,
-        "note": "both activate when SM120_FP4 is set (1 or on; any other value but 0/off is rejected loudly at install); the plugin needs SGLang >= 0.5.11, the .pth works for all releases",
-    }
+    note = "both activate when SM120_FP4 is set (1 or on; any other value but 0/off is rejected loudly at install); the plugin needs SGLang >= 0.5.11, the .pth works for all releases"
+    found = {"toggle": os.environ.get("SM120_FP4"), "active": enabled(), "plugin_entry_point": ours or None}
+    return {**found, "plugin_allowed_by_SGLANG_PLUGINS": allowed, "pth_bootstrap": pth or None, "note": note}
 
 
 def _settings() -> tuple[Any, dict]:
@@ -117,14 +104,9 @@ def _targets() -> dict:
     unverified = release.unverified_release(version) if version is not None else None
     if unverified is not None:  # what the worker says: an NVFP4 layer there is served by SGLang's own calls
         why = "; ".join(unverified)
+    rows = [(t, f"{t.module}.{t.attribute}", ok and version_in(version, t.versions)) for t in targets.ledger_rows()]
     rows = [
-        {
-            "name": t.name,
-            "target": f"{t.module}.{t.attribute}",
-            "versions": t.versions,
-            "applies": ok and version_in(version, t.versions),
-        }
-        for t in targets.ledger_rows()
+        {"name": t.name, "target": target, "versions": t.versions, "applies": applies} for t, target, applies in rows
     ]
     return {"sglang": version, "supported": ok, "reason": why, "targets": rows}
 
@@ -141,19 +123,13 @@ def _backends(devs: list[dict]) -> list[dict]:
     from .devices import Device
 
     out = []
+    kinds = {"dense": (backends.names, backends.is_supported), "moe": (backends.moe_names, backends.is_moe_supported)}
     for d in devs:
-        device = Device(
-            d["index"], d["name"], tuple(int(p) for p in d["capability"].split(".")), d["simulated"], d["source"]
-        )
-        for family, names, check in (
-            ("dense", backends.names, backends.is_supported),
-            ("moe", backends.moe_names, backends.is_moe_supported),
-        ):
-            for name in names():
-                ok, reason = check(name, device)
-                out.append(
-                    {"device": device.label(), "family": family, "backend": name, "supported": ok, "reason": reason}
-                )
+        capability = tuple(int(p) for p in d["capability"].split("."))
+        device = Device(d["index"], d["name"], capability, d["simulated"], d["source"])
+        for family, (names, check) in kinds.items():
+            for name, (ok, reason) in ((n, check(n, device)) for n in names()):
+                out.append(dict(device=device.label(), family=family, backend=name, supported=ok, reason=reason))
     return out
 
 
@@ -211,18 +187,14 @@ def _canary(settings) -> dict:
     from .sglang import idle_point_problem, release, targets
 
     idle = targets.idle_spec(lambda stream: None)
-    out = {
-        "enabled": settings.canary_period is not None,
-        "period_s": settings.canary_period,
-        "action": settings.canary_action,
-        "slice_ms": settings.canary_slice_ms,
-        "idle_point": f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None,
-        "problem": settings_problem(settings)
-        or (idle_point_problem(settings) if release.release_support()[0] else None),
-        "processes": [],
-    }
-    report = str(settings.report) if settings.report is not None else None
-    if report is not None:
+    point = f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None
+    problem = settings_problem(settings) or (idle_point_problem(settings) if release.release_support()[0] else None)
+    out = dict(
+        enabled=settings.canary_period is not None, period_s=settings.canary_period, action=settings.canary_action
+    )
+    out |= dict(slice_ms=settings.canary_slice_ms, idle_point=point, problem=problem, processes=[])
+    if settings.report is not None:
+        report = str(settings.report)
         pattern = os.path.join(report, "*.json") if os.path.isdir(report) else report.replace("{pid}", "*")
         for path in sorted(glob.glob(pattern))[:64]:
             try:
@@ -231,10 +203,8 @@ def _canary(settings) -> dict:
             except (OSError, ValueError):
                 continue
             # A report holds one section per process (report.py); each may carry its canary's counters.
-            procs = (
-                data.get("processes") if isinstance(data, dict) and isinstance(data.get("processes"), list) else [data]
-            )
-            for proc in procs:
+            procs = data.get("processes") if isinstance(data, dict) else None
+            for proc in procs if isinstance(procs, list) else [data]:
                 section = proc.get("canary") if isinstance(proc, dict) else None
                 if isinstance(section, dict) and section.get("enabled"):
                     counters = {k: section.get(k) for k in _CANARY_KEYS}
@@ -246,26 +216,14 @@ def collect(deep: bool = True) -> dict:
     """Return every probe's result ({'error': ...} where one failed); `deep` also imports SGLang to check targets."""
     from . import __version__
 
-    report: dict[str, Any] = {
-        "sm120_fp4": __version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "versions": {
-            d: installed_version(d)
-            for d in ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")
-        },
-    }
+    names = ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")
+    report: dict[str, Any] = {"sm120_fp4": __version__, "python": sys.version.split()[0]}
+    report |= {"platform": platform.platform(), "versions": {d: installed_version(d) for d in names}}
     result = _probe(_settings)  # (settings, their section), or the probe's error
     settings, report["settings"] = result if isinstance(result, tuple) else (None, result)
-    report["torch"] = _probe(_torch)
-    report["nvcc"] = _probe(_nvcc)
-    report["toolchain"] = _probe(_toolchain)
-    report["flashinfer_env"] = _probe(_flashinfer_env)
-    report["humming"] = _probe(_humming)
-    report["devices"] = _probe(lambda: _devices(settings))
-    report["activation"] = _probe(_activation)
-    report["sglang"] = _probe(_targets)
-    report["engines"] = _probe(_engines)
+    probes = {"torch": _torch, "nvcc": _nvcc, "toolchain": _toolchain, "flashinfer_env": _flashinfer_env}
+    probes |= {"humming": _humming, "devices": lambda: _devices(settings), "activation": _activation}
+    report.update({key: _probe(probe) for key, probe in {**probes, "sglang": _targets, "engines": _engines}.items()})
     devs = report["devices"] if isinstance(report["devices"], list) else []
     report["backends"] = _probe(lambda: _backends(devs))
     report["import_check"] = _probe(lambda: _import_check(settings)) if deep else {"skipped": "--quick"}
@@ -305,8 +263,7 @@ def _problems(report: dict) -> list[str]:
         problems.append(
             "no compute-capability 12.x GPU visible: the library does nothing here (SM120_FP4_SIMULATE=12.0 to simulate)"
         )
-    nvcc = report.get("nvcc", {})
-    if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc.get("found"):
+    if sm12x and not any(d["simulated"] for d in sm12x) and not report.get("nvcc", {}).get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
     for section, key, what in _SECTION_PROBLEMS:
         if report.get(section, {}).get(key):
@@ -314,9 +271,7 @@ def _problems(report: dict) -> list[str]:
     check = report.get("import_check", {})
     if isinstance(check.get("error"), str):
         problems.append(f"SGLang import check failed: {check['error']}")
-    for row in check.get("targets", []):
-        if row["state"] != "fails":
-            continue
+    for row in (row for row in check.get("targets", []) if row["state"] == "fails"):
         if row["simulation"]:
             problems.append(f"simulation cannot run on this SGLang release: {row['name']}: {row['reason']}")
         elif row["name"] in _ESSENTIAL:
@@ -360,11 +315,9 @@ def _summary(report: dict) -> list[str]:
     hum = report.get("humming", {})
     if "error" in hum:
         return [*lines, f"- humming-kernels: probe failed: {hum['error']}"]
-    compiles = (
-        f"can compile here ({hum['compiler']}: {hum['compiler_detail']})"
-        if hum.get("can_compile")
-        else f"cannot compile here: {hum.get('compiler_detail')}"
-    )
+    compiles = f"cannot compile here: {hum.get('compiler_detail')}"
+    if hum.get("can_compile"):
+        compiles = f"can compile here ({hum['compiler']}: {hum['compiler_detail']})"
     version = hum.get("version") or "not installed"
     return [*lines, f"- humming-kernels: {version}; {compiles}; kernel cache {hum.get('cache_dir')}"]
 
@@ -373,11 +326,9 @@ def _canary_lines(canary: dict) -> list[str]:
     lines = ["", "### Serving canary (SM120_FP4_CANARY)"]
     if "enabled" not in canary:
         return [*lines, _block(canary)]
-    on = (
-        f"on, every {canary['period_s']:g} s, action {canary['action']}, slice {canary['slice_ms']:g} ms"
-        if canary["enabled"]
-        else "off"
-    )
+    on = "off"
+    if canary["enabled"]:
+        on = f"on, every {canary['period_s']:g} s, action {canary['action']}, slice {canary['slice_ms']:g} ms"
     lines.append(f"- {on}; idle point here: {canary['idle_point'] or 'none (the canary cannot run on this SGLang)'}")
     for p in canary["processes"]:
         last = p.get("last_run") or {}
@@ -415,24 +366,18 @@ def _markdown(report: dict) -> str:
         if not isinstance(section, dict) or "targets" not in section:
             lines += _section("Engine", section, (), None)
             continue
-        intro = (
-            f"{section['engine']} {section['version'] or 'not installed'}: {section['reason']}; plugin entry point: "
-            f"{', '.join(section['plugin_entry_point'] or ['none'])}",
-            "",
-        )
+        version, entry = section["version"] or "not installed", ", ".join(section["plugin_entry_point"] or ["none"])
+        intro = (f"{section['engine']} {version}: {section['reason']}; plugin entry point: {entry}", "")
         lines += _section(f"{section['engine']} patch targets", section, _TARGET_COLUMNS, _target_rows(section), intro)
     bk, check = report["backends"], report["import_check"]
-    rows = (
-        [(b["device"], b["family"], b["backend"], b["supported"], b["reason"] or "") for b in bk]
-        if isinstance(bk, list)
-        else None
-    )
+    shown = bk if isinstance(bk, list) else []
+    rows = [(b["device"], b["family"], b["backend"], b["supported"], b["reason"] or "") for b in shown]
+    rows = rows if isinstance(bk, list) else None
     lines += _section("Backends", bk, ("device", "family", "backend", "supported", "reason"), rows)
     lines += _canary_lines(report.get("canary", {}))
     rows = [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]] if "targets" in check else None
-    lines += _section(
-        "SGLang import check (each target of this release, not patched)", check, ("target", "here", "reason"), rows
-    )
+    title = "SGLang import check (each target of this release, not patched)"
+    lines += _section(title, check, ("target", "here", "reason"), rows)
     lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])
     return "\n".join(lines)
 

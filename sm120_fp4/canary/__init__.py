@@ -1,5 +1,4 @@
-"""The serving canary (``SM120_FP4_CANARY``): each period, per family and device, one verified configuration
-in rotation is re-checked at an idle point (:func:`idle`); docs/operations.md ("The serving canary")."""
+"""The serving canary (SM120_FP4_CANARY): verified configurations re-checked at idle points (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -10,20 +9,8 @@ from ..config import Settings
 from .engine import SMALL_M, Canary
 from .models import CanaryFailure, CanaryRun, CanaryStatus
 
-__all__ = [
-    "CanaryRun",
-    "CanaryFailure",
-    "CanaryStatus",
-    "Canary",
-    "configure",
-    "stop",
-    "active",
-    "idle",
-    "on_warmup",
-    "status",
-    "settings_problem",
-    "SMALL_M",
-]
+__all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "Canary", "configure", "stop", "active", "idle", "on_warmup"]
+__all__ += ["status", "settings_problem", "SMALL_M"]
 
 
 def settings_problem(settings: Settings) -> str | None:
@@ -78,12 +65,9 @@ def status(settings: Settings | None = None) -> CanaryStatus:
     """Return this process's canary status, or what the settings say where none runs here."""
     if _active is not None:
         return _active.status()
-    if settings is None:
-        period, action, slice_ms = None, "exit", 5.0
-    else:
+    period, action, slice_ms = None, "exit", 5.0
+    if settings is not None:
         period, action, slice_ms = settings.canary_period, settings.canary_action, settings.canary_slice_ms
-    state = (
-        "off (SM120_FP4_CANARY=off)" if period is None else "not running: sm120_fp4 is not installed in this process"
-    )
-    off = "not compared: the canary is off"
+    state, off = "not running: sm120_fp4 is not installed in this process", "not compared: the canary is off"
+    state = "off (SM120_FP4_CANARY=off)" if period is None else state
     return CanaryStatus(enabled=False, period_s=period, action=action, slice_ms=slice_ms, state=state, fingerprints=off)

@@ -17,10 +17,10 @@ from .. import deciding, graphs, serving, verify
 from .. import report as report_file
 from ..config import Settings
 from ..errors import RefusedToServe
-from .models import SWEEP, CanaryFailure, CanaryRun, CanaryStatus, Over, over_text, update_text, update_too_long
+from . import models
+from .models import SWEEP, CanaryFailure, CanaryRun, CanaryStatus, Over, over_text, update_text
 
 __all__ = ["Canary", "SMALL_M"]
-
 _LOG = logging.getLogger("sm120_fp4")
 SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from here on the larger one
 RECENT = 16  # runs kept in status
@@ -49,10 +49,8 @@ class Canary:
     def __init__(self, settings: Settings, idle_point: str | None = None) -> None:
         if settings.canary_period is None:
             raise ValueError("Canary needs SM120_FP4_CANARY set to a period")
-        self.settings = settings
-        self.period = settings.canary_period
+        self.settings, self.period, self.idle_point = settings, settings.canary_period, idle_point
         self.budget_s = settings.canary_slice_ms / 1e3
-        self.idle_point = idle_point
         self.clock: Callable[[], float] = time.monotonic  # when runs are due (tests replace it)
         self.timer: Callable[[], float] = time.perf_counter  # what a run costs the serving thread
         self._lock = threading.Lock()
@@ -106,7 +104,7 @@ class Canary:
         open_s = serving.weights_update_open_s()
         if open_s is None:
             self._told_update = False
-        elif update_too_long(open_s) and not self._told_update:
+        elif open_s > models.WEIGHT_UPDATE_LIMIT_S and not self._told_update:  # read each call (tests lower it)
             self._told_update = True
             _LOG.warning("sm120_fp4: %s", update_text(open_s))
 
@@ -154,8 +152,7 @@ class Canary:
 
     def _run(self, job: _Job) -> None:
         """Run `job` whole at this idle point: its fingerprints, then its check at its batch sizes."""
-        started_at = time.time()
-        start = self.timer()
+        started_at, start = time.time(), self.timer()
         try:
             with graphs.no_capture():  # a graph capture costs several eager calls: never inside a run
                 report = self._check(job)
@@ -225,23 +222,12 @@ class Canary:
 
     def _finish(self, job: _Job, report: verify.SelfTestReport, started_at: float, took: float) -> None:
         """Record `job`'s run and act on a failure (exit or log, as SM120_FP4_CANARY_ACTION says)."""
-        served = job.served
-        run = CanaryRun(
-            family=served.family,
-            device=served.device.label(),
-            backend=report.backend,
-            config=served.check.label,
-            layer=served.check.layer,
-            ms=job.ms,
-            passed=report.passed,
-            reason=None if report.passed else report.reason,
-            max_rel_err=report.max_rel_err,
-            due_at=job.due_at,
-            started_at=started_at,
-            finished_at=time.time(),
-            late_s=job.late_s,
-            busy_ms=took * 1e3,
-        )
+        served, check = job.served, job.served.check
+        where = {"family": served.family, "device": served.device.label(), "config": check.label, "layer": check.layer}
+        outcome = report.model_dump(include={"backend", "passed", "max_rel_err"})
+        times = {"due_at": job.due_at, "started_at": started_at, "finished_at": time.time(), "late_s": job.late_s}
+        reason = None if report.passed else report.reason
+        run = CanaryRun(**where, **outcome, ms=job.ms, reason=reason, **times, busy_ms=took * 1e3)
         with self._lock:
             self.runs += 1
             self._recent.append(run)
@@ -262,8 +248,7 @@ class Canary:
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         """Record the refusal in the report file, log it and raise RefusedToServe."""
-        served = job.served
-        family = deciding.FAMILIES[served.family]
+        served, family = job.served, deciding.FAMILIES[job.served.family]
         message = (
             f"sm120_fp4: refusing to serve NVFP4 on {run.device}: while serving: {run.backend} failed the serving canary's "
             f"re-check of {run.config}.\n"
@@ -272,35 +257,25 @@ class Canary:
             "This process stops (SM120_FP4_CANARY_ACTION=exit) so that it is restarted and verified again; if that "
             f"happens again, try another backend ({family.backends_var}), {family.fallback_var}=emulated, or check the GPU."
         )
-        self._stopped = f"stopped the process: {run.config} failed while serving"
-        self._stopped_message = message
-        refusal = deciding.Refusal(
-            device=run.device,
-            config=f"{run.config} (while serving)",
-            family=served.family,
-            message=message,
-            rejected={run.backend: f"failed while serving: {run.reason}"},
-            reports=[report],
-        )
+        self._stopped, self._stopped_message = f"stopped the process: {run.config} failed while serving", message
+        config, rejected = f"{run.config} (while serving)", {run.backend: f"failed while serving: {run.reason}"}
+        where = dict(device=run.device, config=config, family=served.family)
+        refusal = deciding.Refusal(**where, message=message, rejected=rejected, reports=[report])
         serving.record_refusal(refusal, self.settings)  # the report file, before the process goes
         _LOG.error("%s", message)
         raise RefusedToServe(message)
 
     def _state(self) -> str:
         """Return what the canary is doing now, for status."""
-        if self._stopped is not None:
-            return self._stopped
-        nothing = _nothing_to_check(self.settings)
-        if nothing is not None:
-            return nothing
+        said = self._stopped if self._stopped is not None else _nothing_to_check(self.settings)
+        if said is not None:
+            return said
         if self._armed_at is None:
             return "on; armed at the serving loop's first idle point (none in this process yet)"
         now = self.clock()
         waited = now - (self._last_idle or now)
-        saturated = ""
-        if waited > self.period:
-            saturated = f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
-            saturated += "the run waits for the next one"
+        saturated = f"; skipped: the serving loop has had no idle point for {waited:.0f} s (saturated), "
+        saturated = saturated + "the run waits for the next one" if waited > self.period else ""
         if self._queue:
             return f"re-checking {self._queue[0].served.check.label} at the next idle point{saturated}"
         if now >= self._due:
@@ -317,23 +292,14 @@ class Canary:
         open_s = serving.weights_update_open_s()
         update = update_text(open_s) if open_s is not None else None
         counters = {name: getattr(self, name) for name in _COUNTERS}
-        return CanaryStatus(
-            weights_update=update,
-            **({"fingerprints": f"not compared now: {update}"} if update else {}),
-            **counters,
-            enabled=True,
-            period_s=self.period,
-            action=self.settings.canary_action,
-            slice_ms=self.budget_s * 1e3,
-            state=self._state(),
-            armed_at=self._armed_at,
-            failed=failed,
-            last_run=recent[-1] if recent else None,
-            recent=recent,
-            share=self.busy_s / elapsed if elapsed else None,
-            longest_slice_ms=self.longest_slice_s * 1e3,
-            beyond_slice=beyond,
+        fingerprints = {"fingerprints": f"not compared now: {update}"} if update else {}
+        last, share = recent[-1] if recent else None, self.busy_s / elapsed if elapsed else None
+        runs = dict(
+            armed_at=self._armed_at, failed=failed, last_run=last, recent=recent, share=share, beyond_slice=beyond
         )
+        config = dict(enabled=True, period_s=self.period, action=self.settings.canary_action, state=self._state())
+        slices = dict(slice_ms=self.budget_s * 1e3, longest_slice_ms=self.longest_slice_s * 1e3)
+        return CanaryStatus(weights_update=update, **fingerprints, **counters, **config, **runs, **slices)
 
 
 def _nothing_to_check(settings: Settings) -> str | None:

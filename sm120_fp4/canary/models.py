@@ -6,17 +6,11 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-__all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "SWEEP", "WEIGHT_UPDATE_LIMIT_S", "update_too_long"]
-
+__all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "SWEEP", "WEIGHT_UPDATE_LIMIT_S"]
 SWEEP = 4  # at every run, besides the re-checked layer's, the fingerprints of this many more layers in rotation
 # A weight update open longer than this (a session begun and never ended) is reported: a warning once,
 # and status says the fingerprints have not been compared since (the oracle checks still run).
 WEIGHT_UPDATE_LIMIT_S = 300.0
-
-
-def update_too_long(open_s: float) -> bool:
-    """Return whether a weight update open for `open_s` seconds is past WEIGHT_UPDATE_LIMIT_S (read each call)."""
-    return open_s > WEIGHT_UPDATE_LIMIT_S
 
 
 class CanaryRun(BaseModel):

@@ -6,9 +6,8 @@ import argparse
 from typing import Sequence
 
 from .common import EXIT_OK, EXIT_USAGE, _eprint
-from .engines import ENGINE_NAMES
 from .launch import cmd_launch
-from .selftest import cmd_selftest, cmd_selftest_model
+from .selftest import ENGINE_NAMES, cmd_selftest, cmd_selftest_model
 from .workers import _model_worker, _worker, _worker_exit
 
 
@@ -27,82 +26,53 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_preflight_commands(sub) -> None:
     """Add doctor, selftest and launch."""
-    doctor = sub.add_parser("doctor", help="report GPUs, versions, settings, patch targets and backends")
-    doctor.add_argument("--json", action="store_true", help="JSON instead of Markdown")
-    doctor.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
-    doctor.add_argument("--quick", action="store_true", help="skip importing SGLang to check each patch target")
-    selftest = sub.add_parser("selftest", help="self-test each GPU in a short-lived subprocess")
-    selftest.add_argument(
-        "--device", type=int, action="append", help="CUDA ordinal (repeatable); default: every 12.x GPU"
-    )
-    selftest.add_argument(
-        "--backend",
-        action="append",
-        help="candidate backend (repeatable); default: SM120_FP4_BACKENDS (with --moe: MoE backends, default SM120_FP4_MOE_BACKENDS)",
-    )
-    selftest.add_argument("--moe", action="store_true", help="the NVFP4 fused-MoE family instead of the dense FP4 GEMM")
-    selftest.add_argument("--json", action="store_true")
-    selftest.add_argument(
-        "--model",
-        metavar="DIR",
-        help="verify this local NVFP4 checkpoint's own layers (ModelOpt or compressed-tensors), no server",
-    )
-    selftest.add_argument(
-        "--engine", choices=ENGINE_NAMES, default="sglang", help="with --model: whose layer classes build the layers"
-    )
-    launch = sub.add_parser("launch", help="preflight (dense and MoE), then exec COMMAND with SM120_FP4=1")
-    launch.add_argument(
-        "--allow-unverified",
-        action="store_true",
-        help="start COMMAND even when a decision would serve unverified (SM120_FP4_SELFTEST=warn/off)",
-    )
-    launch.add_argument("command", nargs=argparse.REMAINDER)
+    add = sub.add_parser("doctor", help="report GPUs, versions, settings, patch targets and backends").add_argument
+    add("--json", action="store_true", help="JSON instead of Markdown")
+    add("--strict", action="store_true", help="exit 1 when a problem is found")
+    add("--quick", action="store_true", help="skip importing SGLang to check each patch target")
+    add = sub.add_parser("selftest", help="self-test each GPU in a short-lived subprocess").add_argument
+    add("--device", type=int, action="append", help="CUDA ordinal (repeatable); default: every 12.x GPU")
+    moe = "with --moe: MoE backends, default SM120_FP4_MOE_BACKENDS"
+    add("--backend", action="append", help=f"candidate backend (repeatable); default: SM120_FP4_BACKENDS ({moe})")
+    add("--moe", action="store_true", help="the NVFP4 fused-MoE family instead of the dense FP4 GEMM")
+    add("--json", action="store_true")
+    own = "verify this local NVFP4 checkpoint's own layers (ModelOpt or compressed-tensors), no server"
+    add("--model", metavar="DIR", help=own)
+    add("--engine", choices=ENGINE_NAMES, default="sglang", help="with --model: whose layer classes build the layers")
+    add = sub.add_parser("launch", help="preflight (dense and MoE), then exec COMMAND with SM120_FP4=1").add_argument
+    unverified = "start COMMAND even when a decision would serve unverified (SM120_FP4_SELFTEST=warn/off)"
+    add("--allow-unverified", action="store_true", help=unverified)
+    add("command", nargs=argparse.REMAINDER)
 
 
 def _add_tool_commands(sub) -> None:
     """Add demo, bench and the preflight's worker commands."""
-    demo = sub.add_parser(
-        "demo", help="SGLang's real FP4 linear layer, patched and self-tested on a simulated SM120 (CPU)"
-    )
-    demo.add_argument(
-        "--server",
-        action="store_true",
-        help="a real SGLang server on this CPU (simulation): an answer, then a broken kernel refused",
-    )
-    demo.add_argument("--model-path", help="with --server: serve this local NVFP4 checkpoint once instead")
-    demo.add_argument("server_args", nargs=argparse.REMAINDER, help="with --server: after --, arguments for SGLang")
-    bench = sub.add_parser(
-        "bench", help="verify, then time, each candidate backend and bf16 at the served shapes and batch sizes"
-    )
-    bench.add_argument(
-        "--model",
-        metavar="DIR",
-        help="the layer configurations of this local NVFP4 checkpoint (default: one dense, one MoE)",
-    )
-    bench.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
-    bench.add_argument(
-        "--plot", metavar="PNG", help="also plot TFLOP/s against M per backend into PNG (needs matplotlib)"
-    )
-    bench.add_argument("--device", type=int, help="CUDA ordinal (default: the first 12.x GPU)")
-    bench.add_argument(
-        "--backend", action="append", help="candidate backend (repeatable); default: the configured candidates"
-    )
-    bench.add_argument(
-        "--sizes", type=int, nargs="+", metavar="M", help="batch sizes (default: 1..256 by powers of two, 512..8192)"
-    )
-    bench.add_argument("--allow-any-gpu", action="store_true", help="measure a GPU that is not compute-capability 12.x")
-    worker = sub.add_parser("_selftest-worker")
-    worker.add_argument("--device", type=int, required=True)
-    worker.add_argument("--backend", action="append")
-    worker.add_argument("--moe", action="store_true")
-    worker.add_argument("--crashed", action="append", help="NAME=REASON: a candidate that crashed an earlier worker")
-    worker.add_argument(
-        "--uuid", help="the UUID of the GPU the parent numbered --device (checked against CUDA's numbering)"
-    )
-    model_worker = sub.add_parser("_model-worker")
-    model_worker.add_argument("--device", type=int, required=True)
-    model_worker.add_argument("--model", required=True)
-    model_worker.add_argument("--engine", choices=ENGINE_NAMES, default="sglang")
+    demo = "SGLang's real FP4 linear layer, patched and self-tested on a simulated SM120 (CPU)"
+    add = sub.add_parser("demo", help=demo).add_argument
+    server = "a real SGLang server on this CPU (simulation): an answer, then a broken kernel refused"
+    add("--server", action="store_true", help=server)
+    add("--model-path", help="with --server: serve this local NVFP4 checkpoint once instead")
+    add("server_args", nargs=argparse.REMAINDER, help="with --server: after --, arguments for SGLang")
+    bench = "verify, then time, each candidate backend and bf16 at the served shapes and batch sizes"
+    add = sub.add_parser("bench", help=bench).add_argument
+    configs = "the layer configurations of this local NVFP4 checkpoint (default: one dense, one MoE)"
+    add("--model", metavar="DIR", help=configs)
+    add("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    add("--plot", metavar="PNG", help="also plot TFLOP/s against M per backend into PNG (needs matplotlib)")
+    add("--device", type=int, help="CUDA ordinal (default: the first 12.x GPU)")
+    add("--backend", action="append", help="candidate backend (repeatable); default: the configured candidates")
+    add("--sizes", type=int, nargs="+", metavar="M", help="batch sizes (default: 1..256 by powers of two, 512..8192)")
+    add("--allow-any-gpu", action="store_true", help="measure a GPU that is not compute-capability 12.x")
+    add = sub.add_parser("_selftest-worker").add_argument
+    add("--device", type=int, required=True)
+    add("--backend", action="append")
+    add("--moe", action="store_true")
+    add("--crashed", action="append", help="NAME=REASON: a candidate that crashed an earlier worker")
+    add("--uuid", help="the UUID of the GPU the parent numbered --device (checked against CUDA's numbering)")
+    add = sub.add_parser("_model-worker").add_argument
+    add("--device", type=int, required=True)
+    add("--model", required=True)
+    add("--engine", choices=ENGINE_NAMES, default="sglang")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,19 +6,14 @@ import argparse
 import os
 
 from .common import EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, _eprint
-from .engines import _engine_home, _refuse_engine, _unverified_engine
-from .selftest import _settings_and_devices, cmd_selftest
+from .selftest import _engine_home, _refuse_engine, _settings_and_devices, cmd_selftest
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = list(args.command)[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
-        _eprint(
-            "sm120-fp4 launch: give the command to run after --, e.g. "
-            "sm120-fp4 launch -- python -m sglang.launch_server --model-path ..."
-        )
+        example = "sm120-fp4 launch -- python -m sglang.launch_server --model-path ..."
+        _eprint(f"sm120-fp4 launch: give the command to run after --, e.g. {example}")
         return EXIT_USAGE
     problem = _command_problem(command[0])
     if problem is not None:  # said now, not after minutes of preflight
@@ -34,16 +29,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _unverified_engine(name) if indices else None
+    engine = _engine_home(name).unverified_release() if indices else None
     if engine is not None:  # nothing of this library runs in that server: no preflight would mean anything
         return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
     seen: list[tuple[str, dict]] = []
-    code = cmd_selftest(
-        argparse.Namespace(device=None, backend=None, json=False, moe=False, engine=name),
-        families=("dense", "moe"),
-        seen=seen,
-    )
+    preflight = argparse.Namespace(device=None, backend=None, json=False, moe=False, engine=name)
+    code = cmd_selftest(preflight, families=("dense", "moe"), seen=seen)
     unrecorded = _unrecorded_crashes(seen)
     if unrecorded is not None and code in (EXIT_OK, EXIT_UNVERIFIED):
         _eprint(f"sm120-fp4 launch: {unrecorded}; not starting the server")
@@ -64,9 +56,8 @@ def _exec(command: list[str]) -> int:
         # SGLang 0.5.x sleeps this long (default 60 s) for CUDA coredumps before it kills its process tree
         # when a scheduler fails -- a canary's exit among them -- while the port stays open: shortened here.
         os.environ[COREDUMP_WAIT_VAR] = LAUNCH_COREDUMP_WAIT_S
-    _eprint(
-        f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1 and {COREDUMP_WAIT_VAR}={os.environ[COREDUMP_WAIT_VAR]}"
-    )
+    wait = f"{COREDUMP_WAIT_VAR}={os.environ[COREDUMP_WAIT_VAR]}"
+    _eprint(f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1 and {wait}")
     try:
         os.execvpe(command[0], command, os.environ)
     except OSError as exc:
@@ -76,8 +67,6 @@ def _exec(command: list[str]) -> int:
 
 
 COREDUMP_WAIT_VAR = "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS"
-
-
 LAUNCH_COREDUMP_WAIT_S = "0"  # what launch sets unless the operator did (docs/operations.md)
 
 

@@ -1,5 +1,4 @@
-"""``sm120-fp4 selftest``: the preflight parent -- a worker per device and family, the verdicts of the
-candidates that crashed one, the table and the report; ``selftest --model DIR``: a checkpoint's own layers."""
+"""``sm120-fp4 selftest``: a worker per device and family, crash verdicts, table, report; ``--model DIR``; engines."""
 
 from __future__ import annotations
 
@@ -7,13 +6,52 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _eprint, _where
-from .engines import _model_engine_problem, _refuse_engine, _say_unverified_engine, _unverified_engine
 from .workers import INTERRUPTS, _died, _run_model_worker, _run_worker, _Stop
+
+# The engines selftest and launch verify for (api.ENGINES by name); unpatchable releases: refused or unverified.
+ENGINE_NAMES = ("sglang", "vllm")  # the NAMEs of api.ENGINES, listed here so that parsing imports no engine home
+
+
+def _engine_home(name: str):
+    """Return the engine home of api.ENGINES named `name`."""
+    from ..api import ENGINES
+
+    return next(home for home in ENGINES if home.NAME == name)
+
+
+def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | None:
+    """Refuse to start under SELFTEST=strict unless opted out (exit 2, saying how to proceed); None: not refused."""
+    if settings.selftest != "strict" or settings.unsupported_release != "refuse":
+        return None
+    from ..sglang import OPT_OUT_SAYS
+
+    means, remedy = engine
+    _eprint(f"sm120-fp4 {command}: refusing to start: {means}.\nTo proceed: {remedy}; or {OPT_OUT_SAYS}.")
+    return EXIT_USAGE
+
+
+def _say_unverified_engine(engine: tuple[str, str], what: str) -> int:
+    """Say that the engine release is outside the supported range; return exit 3 (unverified)."""
+    means, remedy = engine
+    _eprint(f"sm120-fp4 selftest: {means}; {what}: exit {EXIT_UNVERIFIED}.\nTo verify them: {remedy}.")
+    return EXIT_UNVERIFIED
+
+
+def _model_engine_problem(name: str, settings) -> int | None:
+    """The exit code when the engine `name` cannot build the checkpoint's layers verified here (None: it can)."""
+    if _engine_home(name).engine_version() is None:
+        _eprint(f"sm120-fp4 selftest: --engine {name}: {name} is not installed for {sys.executable}; run it there")
+        return EXIT_USAGE
+    engine = _engine_home(name).unverified_release()  # (what it means, what makes it verified), or None
+    if engine is not None:  # the checkpoint's layers are built through the engine's: nothing of it is patched
+        return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
+    return None
 
 
 def _settings_and_devices(args: argparse.Namespace, nothing: str | None = None):
@@ -75,10 +113,8 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
 
     with ThreadPoolExecutor(max_workers=len(indices)) as pool:
         results = dict(zip(indices, pool.map(run, indices)))
-    if args.json:
-        print(json.dumps({str(i): r for i, r in results.items()}, indent=2))
-    else:
-        print("\n".join(_model_rows(results)))
+    text = json.dumps({str(i): r for i, r in results.items()}, indent=2) if args.json else None
+    print(text if text is not None else "\n".join(_model_rows(results)))
     return _model_outcome(results)
 
 
@@ -89,16 +125,10 @@ def _model_rows(results: dict[int, dict]) -> list[str]:
     rows = []
     for index, r in results.items():
         for d in r.get("decisions", []):
+            fields = d["device"], d["family"]
             rows += [
-                (
-                    d["device"],
-                    d["family"],
-                    layer["config"],
-                    d["backend"],
-                    layer["passed"] and d["verified"],
-                    len(layer["shapes"]),
-                )
-                for layer in d["layers"]
+                (*fields, c["config"], d["backend"], c["passed"] and d["verified"], len(c["shapes"]))
+                for c in d["layers"]
             ]
         if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
             rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
@@ -121,8 +151,6 @@ def _model_outcome(results: dict[int, dict]) -> int:
 
 
 WorkerRunner = Callable[..., "tuple[dict | None, dict | None, int, str]"]
-
-
 _worker_runner: WorkerRunner | None = None
 
 
@@ -134,8 +162,6 @@ def use_worker_runner(runner: WorkerRunner | None) -> WorkerRunner | None:
 
 
 ModelWorkerRunner = Callable[[int, str, "dict[str, str]"], dict]
-
-
 _model_worker_runner: ModelWorkerRunner | None = None
 
 
@@ -160,9 +186,8 @@ def _record(settings, family: str, result: dict) -> None:
     reports = result["decision"]["reports"] if result.get("ok") else result.get("reports", [])
     try:
         for r in reports:
-            verdicts.record(
-                path, key, family, r["backend"], verdicts.PASSED if r["passed"] else verdicts.FAILED, r.get("reason")
-            )
+            verdict = verdicts.PASSED if r["passed"] else verdicts.FAILED
+            verdicts.record(path, key, family, r["backend"], verdict, r.get("reason"))
     except OSError as exc:
         _store_failed(path, exc)
 
@@ -179,27 +204,9 @@ def _store_failed(path, exc: OSError) -> str:
     return why
 
 
-def _interrupted(code: int, stop: _Stop) -> int | None:
-    """Return the signal that interrupted a worker (the parent's, or one it died of), or None."""
-    if stop.signal is not None:
-        return stop.signal
-    if code < 0 and -code in INTERRUPTS:
-        return -code
-    return None
-
-
-def _preflight(
-    index: int,
-    family: str,
-    backend_args: list[str],
-    settings,
-    env: dict[str, str],
-    stop: _Stop | None = None,
-    uuid: str | None = None,
-) -> dict:
+def _preflight(index: int, family: str, backend_args: list[str], settings, env: dict, stop: _Stop, uuid) -> dict:
     """Self-test `family` on device `index` in workers, recording and skipping candidates that crash one."""
     # An interruption records nothing and stops; SIGKILL records nothing and retries (SIGKILL_RETRIES).
-    stop = stop or _Stop()
     label = _where(index) + ("" if family == "dense" else " moe")
     crashed: dict[str, str] = {}
     # Crashed candidates the verdict store does not hold: serving workers would load them.
@@ -208,22 +215,19 @@ def _preflight(
     while True:
         if stop.signal is not None:
             return _stopped(label, stop.signal, None)
-        result, event, code, stderr = (_worker_runner or _run_worker)(
-            index, family, backend_args, crashed, label, env, stop, uuid
-        )
+        run = _worker_runner or _run_worker
+        result, event, code, stderr = run(index, family, backend_args, crashed, label, env, stop, uuid)
         if result is not None:
             result["crashed"], result["unrecorded"] = dict(crashed), dict(unrecorded)
             _record(settings, family, result)
             return result
-        interrupted = _interrupted(code, stop)
+        # the parent's signal, or one the worker died of
+        interrupted = stop.signal if stop.signal is not None else -code if code < 0 and -code in INTERRUPTS else None
         if interrupted is not None:
             return _stopped(label, interrupted, event)
         if event is None or event["backend"] in crashed:
-            return {
-                "ok": False,
-                "usage": True,
-                "message": f"self-test worker ({label}) {_died(code)} outside any candidate:\n{stderr}",
-            }
+            message = f"self-test worker ({label}) {_died(code)} outside any candidate:\n{stderr}"
+            return {"ok": False, "usage": True, "message": message}
         name = event["backend"]
         if code != -signal.SIGKILL:
             _note_crash(settings, family, label, event, code, crashed, unrecorded)
@@ -243,18 +247,12 @@ def _killed(label: str, event: dict, times: int) -> dict | None:
     if times <= SIGKILL_RETRIES:
         _eprint(f"{what}; running it again")
         return None
-    return {
-        "ok": False,
-        "usage": True,
-        "killed": True,
-        "message": f"{what}; it happened {times} times, so the preflight stops here. Check the memory "
-        "(dmesg, the container's limit) and run it again",
-    }
+    again = "(dmesg, the container's limit) and run it again"
+    message = f"{what}; it happened {times} times, so the preflight stops here. Check the memory {again}"
+    return {"ok": False, "usage": True, "killed": True, "message": message}
 
 
-def _note_crash(
-    settings, family: str, label: str, event: dict, code: int, crashed: dict[str, str], unrecorded: dict[str, str]
-) -> None:
+def _note_crash(settings, family: str, label: str, event: dict, code: int, crashed: dict, unrecorded: dict) -> None:
     """Add the candidate that crashed a worker to `crashed`, record it (or why not in `unrecorded`), and say so."""
     from .. import verdicts
 
@@ -274,14 +272,9 @@ def _note_crash(
 
 
 def _stopped(label: str, signum: int, event: dict | None) -> dict:
-    running = f" during the {event['event']} of {event['backend']}" if event else ""
-    return {
-        "ok": False,
-        "usage": False,
-        "interrupted": signal.Signals(signum).name,
-        "signal": int(signum),
-        "message": f"[{label}] interrupted by {signal.Signals(signum).name}{running}: stopped, nothing recorded for it",
-    }
+    name, running = signal.Signals(signum).name, f" during the {event['event']} of {event['backend']}" if event else ""
+    message = f"[{label}] interrupted by {name}{running}: stopped, nothing recorded for it"
+    return {"ok": False, "usage": False, "interrupted": name, "signal": int(signum), "message": message}
 
 
 def _selftest_devices(settings, indices: list[int] | None) -> tuple[list[int], str | None]:
@@ -313,23 +306,15 @@ def _decision_rows(results: dict[tuple[str, int], dict]) -> list[str]:
             mine = [r for r in d["reports"] if r["backend"] == d["backend"]]
             err = f"{mine[0]['max_rel_err']:.2e}" if mine and mine[0]["max_rel_err"] is not None else "-"
             shapes = f"{sum(s['passed'] for s in mine[0]['shapes'])}/{len(mine[0]['shapes'])}" if mine else "-"
-            verified = "True" if d["verified"] else "UNVERIFIED"
-            rows.append(
-                (family, d["device"], d["backend"], verified, err, shapes, f"{d['duration_s']:.2f}", d["reason"])
-            )
+            verified, took = "True" if d["verified"] else "UNVERIFIED", f"{d['duration_s']:.2f}"
+            rows.append((family, d["device"], d["backend"], verified, err, shapes, took, d["reason"]))
         else:
             rows.append((family, index, "-", "REFUSED", "-", "-", "-", result["message"].splitlines()[0]))
-    return markdown_table(
-        ("kernel", "device", "backend", "verified", "max rel error", "shapes", "time (s)", "note"), rows
-    )
+    header = ("kernel", "device", "backend", "verified", "max rel error", "shapes", "time (s)", "note")
+    return markdown_table(header, rows)
 
 
-def cmd_selftest(
-    args: argparse.Namespace,
-    quiet: bool = False,
-    families: Sequence[str] | None = None,
-    seen: list[tuple[str, dict]] | None = None,
-) -> int:
+def cmd_selftest(args: argparse.Namespace, families: Sequence[str] | None = None, seen: list | None = None) -> int:
     """Run ``selftest``: each family on each device in workers; `seen` (launch) gets each (family, result)."""
     from .. import deciding, devices, verdicts
 
@@ -338,7 +323,7 @@ def cmd_selftest(
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _unverified_engine(getattr(args, "engine", "sglang"))
+    engine = _engine_home(getattr(args, "engine", "sglang")).unverified_release()
     refused = _refuse_engine("selftest", settings, engine) if engine is not None else None
     if refused is not None:
         return refused
@@ -350,8 +335,7 @@ def cmd_selftest(
         )
     backend_args = [a for name in (args.backend or []) for a in ("--backend", name)]
     # The workers write no report: this process writes one holding every worker's decisions.
-    env = {k: v for k, v in os.environ.items() if k != "SM120_FP4_REPORT"}
-    env["SM120_FP4"] = "1"
+    env = {**{k: v for k, v in os.environ.items() if k != "SM120_FP4_REPORT"}, "SM120_FP4": "1"}
     jobs = [(family, index) for family in families for index in indices]
     for family, index in jobs:
         what = ", ".join(args.backend) if args.backend else f"the configured {deciding.FAMILIES[family].what} backends"
@@ -362,8 +346,7 @@ def cmd_selftest(
     try:
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each its own short-lived process, all at once
             futures = {
-                job: pool.submit(_preflight, job[1], job[0], backend_args, settings, env, stop, uuids.get(job[1]))
-                for job in jobs
+                (f, i): pool.submit(_preflight, i, f, backend_args, settings, env, stop, uuids.get(i)) for f, i in jobs
             }
             results = {job: futures[job].result() for job in jobs}  # the table keeps device order
     finally:
@@ -382,10 +365,10 @@ def cmd_selftest(
             f"nothing was recorded for the candidates they were running (exit {128 + signum})"
         )
         return 128 + signum
-    return _outcome(args, results, families, quiet, settings, engine)
+    return _outcome(args, results, families, settings, engine)
 
 
-def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet: bool, settings, engine) -> int:
+def _outcome(args: argparse.Namespace, results: dict, families: list[str], settings, engine) -> int:
     """Print the preflight's table (or JSON) and each failure; return the exit code of ``selftest``."""
     usage = [r for r in results.values() if not r.get("ok") and r.get("usage")]
     refused = [r for r in results.values() if not r.get("ok") and not r.get("usage")]
@@ -393,7 +376,7 @@ def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet
     if args.json:
         key = (lambda f, i: str(i)) if len(families) == 1 else (lambda f, i: f"{f}:{i}")
         print(json.dumps({key(*job): v for job, v in results.items()}, indent=2))
-    elif not quiet:
+    else:
         print("\n".join(_decision_rows(results)))
     for r in usage + refused:
         _eprint("\n" + r["message"])
@@ -404,10 +387,8 @@ def _outcome(args: argparse.Namespace, results: dict, families: list[str], quiet
     if engine is not None:
         return _say_unverified_engine(engine, "the table verifies the kernels, not what SGLang will serve")
     if unverified:
-        _eprint(
-            f"sm120-fp4 selftest: {len(unverified)} decision(s) would serve UNVERIFIED (SM120_FP4_SELFTEST="
-            f"{settings.selftest}): exit {EXIT_UNVERIFIED}"
-        )
+        n, mode = len(unverified), f"SM120_FP4_SELFTEST={settings.selftest}"
+        _eprint(f"sm120-fp4 selftest: {n} decision(s) would serve UNVERIFIED ({mode}): exit {EXIT_UNVERIFIED}")
         return EXIT_UNVERIFIED
     return EXIT_OK
 
@@ -423,26 +404,11 @@ def _write_preflight_report(settings, results: dict[tuple[str, int], dict]) -> N
         own = r.get("report") or {}
         section["decisions"] += own.get("decisions", [])
         section["refusals"] += own.get("refusals", [])
-        outcome = (
-            "interrupted"
-            if r.get("interrupted")
-            else "error"
-            if r.get("usage")
-            else "refused"
-            if not r.get("ok")
-            else "passed"
-            if r["decision"]["verified"]
-            else "unverified"
-        )
-        section["preflight"].append(
-            {
-                "family": family,
-                "device": index,
-                "outcome": outcome,
-                "crashed": r.get("crashed", {}),
-                "message": None if r.get("ok") else r.get("message"),
-            }
-        )
+        verdict = ("passed" if r["decision"]["verified"] else "unverified") if r.get("ok") else "refused"
+        outcome = "interrupted" if r.get("interrupted") else "error" if r.get("usage") else verdict
+        message = None if r.get("ok") else r.get("message")
+        row = dict(family=family, device=index, outcome=outcome, crashed=r.get("crashed", {}), message=message)
+        section["preflight"].append(row)
     try:
         written = report.write(settings.report, section, settings.report_is_dir, role="preflight")
         _eprint(f"sm120-fp4 selftest: report written to {written}")

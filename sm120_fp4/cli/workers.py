@@ -1,6 +1,4 @@
-"""The self-test workers: one short-lived process per device and family (``_selftest-worker``) or per
-device and checkpoint (``_model-worker``), the arguments they get, and running one: its JSON lines
-read as they come, stopped with the parent on a signal."""
+"""The self-test workers (``_selftest-worker``, ``_model-worker``): their arguments, running and stopping them."""
 
 from __future__ import annotations
 
@@ -45,18 +43,8 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
         return EXIT_USAGE
     except RefusedToServe as exc:
         reports = [r.model_dump(mode="json") for r in getattr(exc, "reports", [])]
-        emit(
-            {
-                "ok": False,
-                "usage": False,
-                "message": str(exc),
-                "device": args.device,
-                "key": key,
-                "rejected": getattr(exc, "rejected", {}),
-                "reports": reports,
-                "report": _own_report(),
-            }
-        )
+        refused = {"device": args.device, "key": key, "rejected": getattr(exc, "rejected", {}), "reports": reports}
+        emit({"ok": False, "usage": False, "message": str(exc), **refused, "report": _own_report()})
         return EXIT_REFUSED
     emit({"ok": True, "decision": decision.model_dump(mode="json"), "key": key, "report": _own_report()})
     return EXIT_OK if decision.verified else EXIT_UNVERIFIED
@@ -84,9 +72,8 @@ def _decide_announcing(args: argparse.Namespace, settings, device, family: str, 
     kind = backends.get_moe if family == "moe" else backends.get
 
     def announce(event, fam, dev, name):
-        emit(
-            {"event": event, "family": fam, "backend": name, "flashinfer": kind(name).kind == "flashinfer", "key": key}
-        )
+        flashinfer = kind(name).kind == "flashinfer"
+        emit({"event": event, "family": fam, "backend": name, "flashinfer": flashinfer, "key": key})
 
     deciding.candidate_hook = announce
     try:
@@ -126,10 +113,7 @@ def _own_report() -> dict:
     """Return this worker's decisions and refusals, for the report the preflight parent writes."""
     from .. import serving
 
-    return {
-        "decisions": [d.model_dump(mode="json") for d in serving.decisions()],
-        "refusals": [r.model_dump(mode="json") for r in serving.refusals()],
-    }
+    return {name: section() for name, section in serving.report_sections().items()}
 
 
 def _worker_exit(code: int) -> int:
@@ -148,9 +132,7 @@ def model_worker_argv(index: int, model: str, engine: str = "sglang") -> list[st
     return ["_model-worker", "--device", str(index), "--model", model, "--engine", engine]
 
 
-def worker_argv(
-    index: int, family: str, backend_args: list[str], crashed: dict[str, str], uuid: str | None
-) -> list[str]:
+def worker_argv(index: int, family: str, backend_args: list[str], crashed: dict, uuid: str | None) -> list[str]:
     """Return the arguments of one self-test worker (after ``python -m sm120_fp4``)."""
     argv = ["_selftest-worker", "--device", str(index), *backend_args]
     argv += ["--moe"] if family == "moe" else []
@@ -166,12 +148,9 @@ def _run_model_worker(index: int, model: str, env: dict[str, str], engine: str =
     try:
         return json.loads(lines[-1])
     except (IndexError, ValueError):
-        return {
-            "ok": False,
-            "usage": False,
-            "message": f"model check worker (device {index}) {_died(proc.returncode)} "
-            f"before a result:\n{proc.stderr[-2000:]}",
-        }
+        died, stderr = _died(proc.returncode), proc.stderr[-2000:]
+        message = f"model check worker (device {index}) {died} before a result:\n{stderr}"
+        return {"ok": False, "usage": False, "message": message}
 
 
 def _died(code: int) -> str:
@@ -249,31 +228,17 @@ class WorkerOutput:
             return
         if "event" in data:
             self.event = data
-            jit = (
-                " (the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes)"
-                if data.get("flashinfer")
-                else ""
-            )
+            jit = " (the first FlashInfer use JIT-compiles kernels with nvcc: this can take minutes)"
+            jit = jit if data.get("flashinfer") else ""
             _eprint(f"[{self.label}] {data['event']} of {data['backend']}{jit} ...")
         else:
             self.result = data
 
 
-def _run_worker(
-    index: int,
-    family: str,
-    backend_args: list[str],
-    crashed: dict[str, str],
-    label: str,
-    env: dict[str, str],
-    stop: _Stop | None = None,
-    uuid: str | None = None,
-    heartbeat_s: float = 30.0,
-) -> tuple[dict | None, dict | None, int, str]:
+def _run_worker(index: int, family: str, backend_args: list, crashed: dict, label: str, env: dict, stop: _Stop, uuid):
     """Run one worker; return (result, last candidate event, returncode, stderr tail)."""
     cmd = [sys.executable, "-m", "sm120_fp4", *worker_argv(index, family, backend_args, crashed, uuid)]
     lines: queue.Queue = queue.Queue()
-    stop = stop or _Stop()
     output = WorkerOutput(label)
     with (
         tempfile.TemporaryFile("w+") as err,
@@ -290,7 +255,7 @@ def _run_worker(
         start = time.perf_counter()
         while True:
             try:
-                line = lines.get(timeout=heartbeat_s)
+                line = lines.get(timeout=30.0)  # a line every 30 s while the worker says nothing
             except queue.Empty:  # a first FlashInfer call may be compiling kernels
                 _eprint(f"[{label}] still running after {time.perf_counter() - start:.0f} s ...")
                 continue

@@ -1,5 +1,4 @@
-"""Serving: the records per (family, device) (:mod:`.records`), layer checks (:mod:`.layers`), replacing
-(:mod:`.replace`), SELECT=fastest (:mod:`.fastest`), re-checks and the canary's reads (:mod:`.updates`)."""
+"""Serving: records (.records), layer checks (.layers), replacing (.replace), SELECT=fastest, re-checks (.updates)."""
 
 from .fastest import retime
 from .records import (
@@ -31,30 +30,7 @@ from .updates import (
     weights_updating,
 )
 
-__all__ = [
-    "LayerCheck",
-    "verify_layer",
-    "recheck",
-    "retime",
-    "reverify",
-    "weights_updating",
-    "weights_update_begin",
-    "weights_update_end",
-    "weights_update_open_s",
-    "refusals",
-    "record_refusal",
-    "decide",
-    "decisions",
-    "clear",
-    "route",
-    "route_table",
-    "routes",
-    "Served",
-    "served_configurations",
-    "served_layer",
-    "check_served",
-    "fingerprint_problem",
-    "fingerprint_sweep",
-    "report_sections",
-    "on_hang",
-]
+__all__ = ["LayerCheck", "verify_layer", "recheck", "retime", "reverify", "weights_updating", "weights_update_begin"]
+__all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "clear"]
+__all__ += ["route", "route_table", "routes", "Served", "served_configurations", "served_layer", "check_served"]
+__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang"]

@@ -1,5 +1,4 @@
-"""SELECT=fastest on the served calls: time every verified candidate at the serving batch sizes and
-route each M range (decode, prefill) to the fastest, verified over its own range and boundaries."""
+"""SELECT=fastest: each M range served by the verified candidate fastest at its serving batch sizes and boundaries."""
 
 from __future__ import annotations
 
@@ -80,8 +79,7 @@ def retime(settings: Settings) -> None:
 
 def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
     """Time every candidate still eligible on `checks` (checking it first on a `new` configuration), then route."""
-    first = serving.choice
-    base = first.decision
+    first, base = serving.choice, serving.choice.decision
     names = [r.backend for r in base.reports if r.passed] or [base.backend]
     names = [n for n in dict.fromkeys([base.backend, *names]) if n not in serving.failed]
     if len(names) < 2 and not base.ranges:
@@ -111,7 +109,9 @@ def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice) -> Non
     keys = list(serving.checks)
     eligible = [n for n in singles if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
     while eligible:
-        times = {n: _summed(serving.timings[n], keys) for n in eligible}
+        # milliseconds per batch size summed over the configurations (the sizes every one was timed at)
+        sizes = {n: set.intersection(*(set(serving.timings[n][k]) for k in keys)) for n in eligible}
+        times = {n: {m: sum(serving.timings[n][k][m] for k in keys) for m in sizes[n]} for n in eligible}
         splittable = [n for n in eligible if backends.backend_of(serving.family.name, n).converter is None]
         ranges = plan(times, splittable)
         choice = _split(serving, first.decision, ranges, singles)
@@ -127,23 +127,16 @@ def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice) -> Non
     serving.serve(first)
 
 
-def _summed(timings: dict[tuple, dict[int, float]], keys: list) -> dict[int, float]:
-    """Return milliseconds per batch size summed over the configurations `keys`."""
-    sizes = set.intersection(*(set(timings[k]) for k in keys))
-    return {m: sum(timings[k][m] for k in keys) for m in sizes}
-
-
 def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):
     """Record on the serving decision its timings, its verified layers and why it was chosen."""
     decision = choice.decision
-    totals = {name: sum(t.values()) for name, t in times.items()}
     if choice is not first and not first.decision.ranges:
         serving.candidate_layers[first.decision.backend] = list(first.decision.layers)
     if len(ranges) > 1:
         decision.layers = reports
     elif choice is not first:
         decision.layers = list(serving.candidate_layers.get(decision.backend, []))
-    decision.timings_ms = totals
+    decision.timings_ms = {name: sum(t.values()) for name, t in times.items()}
     decision.reason = (
         f"fastest of {len(times)} verified candidates on the served layer configurations at their serving batch "
         f"sizes ({route_text(decision)}; {n} configuration(s))"

@@ -1,23 +1,21 @@
-"""The layer checks: a layer's served calls against the oracle, its weights' fingerprint, its record,
-and the conversion of each layer seen for a backend that serves converted weights."""
+"""The layer checks: served calls against the oracle, weight fingerprints, layer records, conversion at load."""
 
 from __future__ import annotations
 
 import time
 import weakref
+from itertools import chain
 from typing import Callable
 
 import torch
 
 from .. import verify
 from ..deciding import Decision
-from .records import LayerCheck, _Layer, _Serving
+from .records import LayerCheck, _Layer, _layer_key, _Serving
 
 
-def _start_check(
-    serving: _Serving, check: LayerCheck, ms: list[int], config: str | None = None, light: bool = False
-) -> tuple[verify.SelfTestReport, verify.Sweep | None, float]:
-    """Return (the report to fill, the sweep of `check`'s served calls at `ms` or None: could not build, the start)."""
+def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], light=False, passes=2, config=None, guard=False):
+    """Run `check`'s calls at `ms`; return the report and (`guard`: fail where they wrote it) the weights' fingerprint."""
     device = serving.device
     start = time.perf_counter()
     report = verify.report_for(serving.decision.backend, device, config=config or check.label)
@@ -27,25 +25,21 @@ def _start_check(
     except Exception as exc:  # building the served calls failed: that is a finding, not a crash
         report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
         report.duration_s = time.perf_counter() - start
-        return report, None, start
+        return report, None
     where = f" of {serving.route_name!r} on {device.label()} for {check.named()}"
     if light and check.weights is not None:
         # The fingerprint after the calls covers the weights (no copies); other inputs are compared bit for bit.
-        weights = _weight_storages(check)
+        weights = {t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor)}
         for case in cases:
             case.inputs = tuple(t for t in case.inputs if t.untyped_storage().data_ptr() not in weights)
     # A light check calls each M once: its configuration's sweep already called each M twice in a row.
-    sweep = verify.Sweep(
-        cases, verify.Bounds(timeout_s=serving.settings.selftest_timeout), device.torch_device, where, repeat=not light
-    )
-    return report, sweep, start
-
-
-def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], light: bool = False) -> verify.SelfTestReport:
-    report, run, start = _start_check(serving, check, ms, light=light)
-    if run is None:
-        return report
-    return _blame(serving.decision, verify.finish(report, run.run(2), start))
+    bounds = verify.Bounds(timeout_s=serving.settings.selftest_timeout)
+    sweep = verify.Sweep(cases, bounds, device.torch_device, where, repeat=not light)
+    # After the oracle's work is queued, before the first served call: its launches overlap the oracle's.
+    before = _fingerprint(check) if guard else None
+    report = _blame(serving.decision, verify.finish(report, sweep.run(passes), start))
+    _fail_if_written(report, check, before)
+    return report, before
 
 
 def edges(decision: Decision) -> set[int]:
@@ -66,13 +60,6 @@ def _blame(decision: Decision, report: verify.SelfTestReport) -> verify.SelfTest
     return report
 
 
-def _weight_storages(check: LayerCheck) -> frozenset[int]:
-    """Return the storages of the tensors the layer of `check` serves with (its weights)."""
-    if check.weights is None:
-        return frozenset()
-    return frozenset(t.untyped_storage().data_ptr() for t in check.weights() if isinstance(t, torch.Tensor))
-
-
 def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
     return verify.fingerprint(check.weights()) if check.weights is not None else None
 
@@ -88,16 +75,8 @@ def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
 def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[verify.SelfTestReport, torch.Tensor | None]:
     """Run `check`'s full sweep or light check; return its report and the weights' fingerprint when checked."""
     if full:
-        report, run, start = _start_check(serving, check, check.ms)
-    else:
-        report, run, start = _start_check(serving, check, check.light_ms, f"{check.label} (layer check)", light=True)
-    if run is None:
-        return report, None
-    # After the oracle's work is queued, before the first served call: its launches overlap the oracle's.
-    before = _fingerprint(check)
-    report = _blame(serving.decision, verify.finish(report, run.run(2 if full else 1), start))
-    _fail_if_written(report, check, before)
-    return report, before
+        return _run_check(serving, check, check.ms, guard=True)
+    return _run_check(serving, check, check.light_ms, True, 1, f"{check.label} (layer check)", guard=True)
 
 
 def _fail_if_written(report: verify.SelfTestReport, check: LayerCheck, before: torch.Tensor | None) -> None:
@@ -111,14 +90,9 @@ def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tenso
     if len(serving.layers) >= serving.prune_at:  # amortised: a model's hundreds of layers cost no quadratic walk
         serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
         serving.prune_at = max(64, 2 * len(serving.layers))
-    if check.owner is None:
-        serving.layers[id(check)] = _Layer(check.named(), fingerprint, None, None, check, check.key)
-        return
-    owner = _owner_ref(check)
-    weak = isinstance(owner, weakref.ref) and check.rebuild is not None
-    serving.layers[id(check.owner)] = _Layer(
-        check.named(), fingerprint, owner, check.rebuild, None if weak else check, check.key
-    )
+    owner = _owner_ref(check) if check.owner is not None else None
+    kept = None if isinstance(owner, weakref.ref) and check.rebuild is not None else check  # else rebuilt when read
+    serving.layers[_layer_key(check)] = _Layer(check.named(), fingerprint, owner, check.rebuild, kept, check.key)
 
 
 def _convert(serving: _Serving, tensors: dict | None, keep_original: bool) -> str | None:
@@ -154,11 +128,6 @@ def _settle(serving: _Serving, tensors: dict | None) -> None:
         converter.settle(tensors, _representative(serving, tensors))
 
 
-def _convert_seen(serving: _Serving) -> str | None:
-    """Let the backend now routed convert every layer served so far (originals kept while checked)."""
-    return next((p for p in (_convert(serving, t, True) for t in serving.seen.values()) if p), None)
-
-
 def _refingerprint(serving: _Serving) -> None:
     """Take every layer's fingerprint anew (after a switch that converted or restored weights)."""
     for record in serving.layers.values():
@@ -167,28 +136,19 @@ def _refingerprint(serving: _Serving) -> None:
             record.fingerprint = _fingerprint(current)
 
 
-def _verify_everything(
-    serving: _Serving, extra: LayerCheck | None, extra_full: bool, configurations: bool = True
-) -> tuple[list, verify.SelfTestReport | None]:
+def _verify_everything(serving: _Serving, extra: LayerCheck | None, extra_full: bool, configurations=True) -> tuple:
     """Check every configuration (unless `configurations` is False), every layer and `extra` as routed now."""
-    reports = []
-    for check in serving.checks.values() if configurations else ():
-        report, _ = _layer_check(serving, check, True)
+    reports, representatives = [], {_layer_key(c) for c in serving.checks.values()}
+    layers = (
+        (r.current() if r.alive() and k not in representatives else None) for k, r in list(serving.layers.items())
+    )
+    checks = chain(((c, True) for c in serving.checks.values() if configurations), ((c, False) for c in layers))
+    for check, full in chain(checks, [(extra, extra_full)]):
+        if check is None:
+            continue
+        report, _ = _layer_check(serving, check, full)
         if not report.passed:
             return reports, report
-        reports.append(report)
-    representatives = {id(c.owner) if c.owner is not None else id(c) for c in serving.checks.values()}
-    for key, record in list(serving.layers.items()):
-        current = record.current() if record.alive() and key not in representatives else None
-        if current is not None:
-            report, _ = _layer_check(serving, current, False)
-            if not report.passed:
-                return reports, report
-    if extra is None:
-        return reports, None
-    report, _ = _layer_check(serving, extra, extra_full)
-    if not report.passed:
-        return reports, report
-    if extra_full:
-        reports.append(report)
+        if full:  # the full sweeps' reports: every configuration's, and `extra`'s
+            reports.append(report)
     return reports, None

@@ -1,5 +1,4 @@
-"""The serving records, one per (kernel family, device): what was decided, what serves, the layers
-verified; and the route table the hot path reads, derived from them by ``_publish`` alone."""
+"""The serving records per (kernel family, device), and the route table the hot path reads (written by _publish)."""
 
 from __future__ import annotations
 
@@ -146,13 +145,11 @@ def route_text(decision: Decision) -> str:
 
 
 _lock = locks.lock()
-
 _records: dict[tuple[str, int], _Serving] = {}  # (family, device index) -> its record: the one store
 
 # CUDA ordinal (-1: CPU in simulation) -> the callable serving it (None: the original); read on every
 # forward pass, written by _publish alone, emptied (never replaced) by clear().
 _route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
-
 _refusals: list[Refusal] = []
 
 

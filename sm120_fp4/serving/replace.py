@@ -1,5 +1,4 @@
-"""Verifying a served layer, and replacing the backend that fails one: the next candidate that
-passes everything so far, FALLBACK=emulated, SELFTEST=warn, or a refusal."""
+"""Verifying served layers; a failing backend replaced (next candidate, FALLBACK=emulated, SELFTEST=warn) or refused."""
 
 from __future__ import annotations
 
@@ -11,19 +10,8 @@ from .. import report as report_file
 from ..config import Settings
 from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
 from ..errors import RefusedToServe
+from . import layers
 from .fastest import measure
-from .layers import (
-    _convert,
-    _convert_seen,
-    _fingerprint,
-    _layer_check,
-    _record_layer,
-    _refingerprint,
-    _representative,
-    _seen_key,
-    _settle,
-    _verify_everything,
-)
 from .records import LayerCheck, _process, _records, _release, _Serving, record_refusal, route
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -41,9 +29,9 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         checking = settings.selftest != "off"
         # A backend that serves converted weights converts this layer now (keeping its original
         # bytes while it is checked: the oracle reads them); every later backend switch converts it too.
-        problem = _convert(serving, check.tensors, keep_original=checking)
+        problem = layers._convert(serving, check.tensors, keep_original=checking)
         if check.tensors is not None:
-            serving.seen.setdefault(_seen_key(check.tensors), check.tensors)
+            serving.seen.setdefault(layers._seen_key(check.tensors), check.tensors)
         if not checking:
             return None
         if check.key in serving.unverified:  # SELFTEST=warn has already said so for this configuration
@@ -51,16 +39,17 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         known = serving.checks.get(check.key)
         full = known is None
         if problem is None:
-            report, fingerprint = _layer_check(serving, check, full)
+            report, fingerprint = layers._layer_check(serving, check, full)
         else:
             report, fingerprint = verify.report_for(serving.decision.backend, serving.device, config=check.label), None
             report.reason = problem
         if not report.passed:
             return _replace_backend(serving, check, report, settings)
-        _record_layer(serving, check, fingerprint)
+        layers._record_layer(serving, check, fingerprint)
         if full:
             serving.checks[check.key] = check
-        _settle(serving, check.tensors)  # after the line above: a configuration's first layer keeps its kept bytes
+        # after the line above: a configuration's first layer keeps its kept bytes
+        layers._settle(serving, check.tensors)
         if full:
             _verified(serving, check, report, settings)
         elif check.owner is not None and known.owner is check.owner:
@@ -71,14 +60,8 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
 def _verified(serving: _Serving, check: LayerCheck, report: verify.SelfTestReport, settings: Settings) -> None:
     """Record that a configuration's first layer passed its full sweep (SELECT=fastest then times the candidates)."""
     serving.decision.layers.append(report)
-    _LOG.info(
-        "sm120_fp4: %s verified with %s on %s (%d batch sizes, max rel error %.2e)",
-        check.label,
-        serving.route_name,
-        serving.device.label(),
-        len(check.ms),
-        report.max_rel_err or 0.0,
-    )
+    where, err = f"{serving.route_name} on {serving.device.label()}", report.max_rel_err or 0.0
+    _LOG.info(f"sm120_fp4: {check.label} verified with {where} ({len(check.ms)} batch sizes, max rel error {err:.2e})")
     if settings.select == "fastest":
         measure(serving, [check], new=True)  # check and time every verified candidate on it, then route
     report_file.update(settings)
@@ -89,8 +72,8 @@ def _back_to(serving: _Serving, original: Choice) -> None:
     serving.serve(original)
     if serving.converter is not None:
         for tensors in serving.seen.values():
-            _convert(serving, tensors, _representative(serving, tensors))
-        _refingerprint(serving)
+            layers._convert(serving, tensors, layers._representative(serving, tensors))
+        layers._refingerprint(serving)
 
 
 def _reject(serving: _Serving, report: verify.SelfTestReport) -> bool:
@@ -105,17 +88,16 @@ def _reject(serving: _Serving, report: verify.SelfTestReport) -> bool:
 def _try(serving: _Serving, choice: Choice, check: LayerCheck, full: bool) -> tuple[list, verify.SelfTestReport | None]:
     """Serve with `choice` and check every configuration, layer and `check`: (the reports, the first failure)."""
     serving.serve(choice)
-    problem = _convert_seen(serving)
+    # every layer served so far, converted by the backend now routed (originals kept while checked)
+    problem = next((p for p in (layers._convert(serving, t, True) for t in serving.seen.values()) if p), None)
     if problem is None:
-        return _verify_everything(serving, check, full)
+        return layers._verify_everything(serving, check, full)
     bad = verify.report_for(choice.decision.backend, serving.device, config=check.label)
     bad.reason = problem
     return [], bad
 
 
-def _replace_backend(
-    serving: _Serving, check: LayerCheck, report: verify.SelfTestReport, settings: Settings
-) -> verify.SelfTestReport:
+def _replace_backend(serving: _Serving, check: LayerCheck, report, settings: Settings) -> verify.SelfTestReport:
     """Replace the backend that failed `check` with one that passes everything, or refuse (back to the original)."""
     original, full, failures = serving.choice, check.key not in serving.checks, [report]
     names = candidate_names(settings, family=serving.family, device=serving.device)
@@ -150,16 +132,11 @@ def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: l
     if check.key not in serving.checks:
         serving.checks[check.key] = check
     for tensors in serving.seen.values():
-        _settle(serving, tensors)
-    _refingerprint(serving)
-    _record_layer(serving, check, _fingerprint(check))
-    _LOG.warning(
-        "sm120_fp4: %s: %s failed %s; serving with %s, which passes every layer configuration and layer",
-        serving.device.label(),
-        report.backend,
-        report.config,
-        decision.backend,
-    )
+        layers._settle(serving, tensors)
+    layers._refingerprint(serving)
+    layers._record_layer(serving, check, layers._fingerprint(check))
+    what = f"{serving.device.label()}: {report.backend} failed {report.config}; serving with {decision.backend}"
+    _LOG.warning(f"sm120_fp4: {what}, which passes every layer configuration and layer")
     report_file.update(settings)
     return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
 
@@ -181,10 +158,7 @@ def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) ->
         f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
     )
     _LOG.warning(
-        "sm120_fp4: %s: no %s candidate passed every layer configuration; %s=emulated: "
-        "serving with the slow pure-PyTorch emulation",
-        serving.device.label(),
-        family.what,
-        family.fallback_var,
+        f"sm120_fp4: {serving.device.label()}: no {family.what} candidate passed every layer configuration; "
+        f"{family.fallback_var}=emulated: serving with the slow pure-PyTorch emulation"
     )
     return choice

@@ -1,5 +1,4 @@
-"""After verification: the re-check after warm-up, SGLang's weight updates, the verified layers'
-fingerprints, and what the serving canary reads."""
+"""After verification: the warm-up re-check, SGLang's weight updates, the fingerprints, and what the canary reads."""
 
 from __future__ import annotations
 
@@ -20,15 +19,12 @@ from .layers import _fail_if_written, _fingerprint, _layer_check, _record_layer,
 from .records import LayerCheck, _Layer, _layer_key, _lock, _process, _records, _served, _Serving, record_refusal
 
 _LOG = logging.getLogger("sm120_fp4")
-
-
 _CHANGED = "the layer's weights changed after they were verified, and not through SGLang's weight-update path"
 
 
 def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> list[tuple[LayerCheck | None, str | None]]:
     """Return per (record, check or None) the check and why its weights changed (None: unchanged), in one read."""
-    results: list[tuple[LayerCheck | None, str | None]] = []
-    pending: list[tuple[int, torch.Tensor]] = []
+    results, pending = [], {}  # pending: the index in results -> whether the fingerprints are equal (read at once)
     for record, check in layers:
         try:
             check = check if check is not None else record.current()
@@ -36,16 +32,12 @@ def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> lis
         except Exception as exc:
             results.append((None, f"its weights can no longer be read ({type(exc).__name__}: {exc})"))
             continue
-        if now is None or now.shape != record.fingerprint.shape:
-            results.append((check, _CHANGED))
-            continue
-        pending.append((len(results), (now == record.fingerprint).all()))
-        results.append((check, None))
-    same = torch.stack([eq for _, eq in pending]).tolist() if pending else []
-    for (i, _), ok in zip(pending, same):
-        if not ok:
-            results[i] = (results[i][0], _CHANGED)
-    return results
+        comparable = now is not None and now.shape == record.fingerprint.shape
+        if comparable:
+            pending[len(results)] = (now == record.fingerprint).all()
+        results.append((check, None if comparable else _CHANGED))
+    same = dict(zip(pending, torch.stack(list(pending.values())).tolist())) if pending else {}
+    return [(check, _CHANGED if same.get(i) is False else why) for i, (check, why) in enumerate(results)]
 
 
 def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | None]]:
@@ -89,7 +81,7 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.Sel
             if changed:
                 _refuse_changed(serving, changed, settings)
             for check in list(serving.checks.values()):
-                report = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
+                report, _ = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
                 report.config = f"{check.label} (re-check after warm-up)"
                 done.append(report)
                 if not report.passed:
@@ -123,8 +115,7 @@ def weights_update_end(settings: Settings) -> list[verify.SelfTestReport]:
     with _lock:
         _process.updating = max(0, _process.updating - 1)
         last = _process.updating == 0
-        if last:
-            _process.updating_since = None
+        _process.updating_since = None if last else _process.updating_since
     backends.invalidate_caches()
     return reverify(settings) if last else []
 
@@ -242,7 +233,7 @@ def check_served(served: Served, m: int) -> verify.SelfTestReport:
     """Return the canary's light check of `served` at batch size `m` (and every range boundary), two passes."""
     serving = _records[(served.family, served.device.index)]
     with serving.lock:
-        report = _run_check(serving, served.check, [m], light=True)
+        report, _ = _run_check(serving, served.check, [m], light=True)
         record = serving.layers.get(_layer_key(served.check))
         if record is not None and not _process.updating:
             _fail_if_written(report, served.check, record.fingerprint)
