@@ -176,18 +176,9 @@ def _make_wrapper(config: tuple, owner: object | None) -> object:
     if owner is not None:  # the configuration's buffers, never replaced
         names = ("shared_static_workspace", "shared_dynamic_workspace", "shared_output")
         shared = {name: getattr(owner, attr, None) for name, attr in zip(names, _BUFFERS)}
+    shared.update(use_cuda_graph=True, max_num_tokens=MAX_TOKENS, output_dtype=torch.bfloat16, device=device)
     return (_factory or _wrapper_class())(
-        experts,
-        top_k,
-        hidden,
-        inter,
-        use_cuda_graph=True,
-        max_num_tokens=MAX_TOKENS,
-        output_dtype=torch.bfloat16,
-        device=device,
-        activation=ACTIVATIONS[activation],
-        quant_mode="nvfp4",
-        **shared,
+        experts, top_k, hidden, inter, activation=ACTIVATIONS[activation], quant_mode="nvfp4", **shared
     )
 
 
@@ -251,24 +242,14 @@ def fused_moe(*args):
     scales = (c.w13_alpha, c.w2, c.w2_sf, c.w2_alpha, c.a1_gscale, c.a2_gscale)
     entry = _layer(c.w13, c.w13_sf, *scales, c.topk_ids.shape[1], c.activation)
     d = entry.derived
+    scales = dict(w1_alpha=d.w1_alpha, w2_alpha=d.w2_alpha, fc2_input_scale=d.fc2_input_scale)
+    scales.update(input_global_scale=d.input_global_scale)
     w1_sf, w2_sf = mma_scale_view(c.w13_sf, rows, hidden, experts), mma_scale_view(c.w2_sf, hidden, inter, experts)
     ids = c.topk_ids if c.topk_ids.dtype == torch.int32 else c.topk_ids.to(torch.int32)
     for lo in range(0, c.x.shape[0], MAX_TOKENS):
-        hi = min(lo + MAX_TOKENS, c.x.shape[0])
-        result = entry.wrapper.run(
-            c.x[lo:hi],
-            c.w13,
-            w1_sf,
-            c.w2,
-            w2_sf,
-            ids[lo:hi],
-            c.topk_weights[lo:hi],
-            w1_alpha=d.w1_alpha,
-            w2_alpha=d.w2_alpha,
-            fc2_input_scale=d.fc2_input_scale,
-            input_global_scale=d.input_global_scale,
-        )
-        c.out[lo:hi].copy_(result)  # the wrapper returns a slice of its own output buffer
+        chunk = slice(lo, min(lo + MAX_TOKENS, c.x.shape[0]))
+        result = entry.wrapper.run(c.x[chunk], c.w13, w1_sf, c.w2, w2_sf, ids[chunk], c.topk_weights[chunk], **scales)
+        c.out[chunk].copy_(result)  # the wrapper returns a slice of its own output buffer
     return c.out
 
 

@@ -137,19 +137,12 @@ _UNSERVED_KEYWORDS = ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", 
 
 
 def _served_call(kwargs: dict, scales, w13, activation) -> bool:
-    return not (
-        activation is None
-        or not isinstance(scales, (list, tuple))
-        or len(scales) != 6
-        or not isinstance(w13, torch.Tensor)
-        or w13.dtype != torch.int64
-        or scales[1].dtype != torch.int32
-        or kwargs.get("input_sf") is not None
-        or kwargs.get("enable_alltoall")
-        or any(kwargs.get(k) is not None for k in _UNSERVED_KEYWORDS)
-        or kwargs.get("cluster_size", 1) != 1
-        or kwargs.get("min_latency_mode")
-    )
+    shaped = isinstance(scales, (list, tuple)) and len(scales) == 6 and isinstance(w13, torch.Tensor)
+    if activation is None or not shaped or w13.dtype != torch.int64 or scales[1].dtype != torch.int32:
+        return False
+    unserved = kwargs.get("input_sf") is not None or kwargs.get("enable_alltoall")
+    unserved = unserved or any(kwargs.get(k) is not None for k in _UNSERVED_KEYWORDS)
+    return not (unserved or kwargs.get("cluster_size", 1) != 1 or kwargs.get("min_latency_mode"))
 
 
 def moe_call_to_convention(kwargs: dict, activation_type: type) -> MoeArgs | None:
@@ -174,22 +167,9 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> MoeArgs | Non
     if out is None:
         out = torch.empty((x.shape[0], w2_u8.shape[1]), dtype=out_dtype, device=x.device)
     e4m3 = torch.float8_e4m3fn
-    return MoeArgs(
-        x,
-        ids,
-        kwargs["token_final_scales"],
-        w13_u8,
-        scales[1].view(e4m3),
-        scales[2],
-        w2_u8,
-        scales[4].view(e4m3),
-        scales[5],
-        global_scale(scales[0]),
-        global_scale(scales[3]),
-        activation,
-        out_dtype,
-        out,
-    )
+    weights = (w13_u8, scales[1].view(e4m3), scales[2], w2_u8, scales[4].view(e4m3), scales[5])
+    gscales = (global_scale(scales[0]), global_scale(scales[3]))
+    return MoeArgs(x, ids, kwargs["token_final_scales"], *weights, *gscales, activation, out_dtype, out)
 
 
 def global_scale(scale: torch.Tensor) -> torch.Tensor:

@@ -92,13 +92,11 @@ def version() -> str | None:
     return installed_version("flashinfer-python", "flashinfer")
 
 
-@contextlib.contextmanager
-def autotuning() -> Iterator[None]:
+def autotuning() -> contextlib.AbstractContextManager:
     """Run the block with FlashInfer's autotuner tuning (a shape's first call profiles its tactics)."""
     from flashinfer.autotuner import autotune  # heavy: only where a FlashInfer backend runs
 
-    with autotune(True):
-        yield
+    return autotune(True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -291,6 +289,12 @@ def is_mm_fp4(original: object) -> str | None:
     return None
 
 
+_NO_QUANTIZER = (
+    "sm120_fp4: FlashInfer %s's activation quantizer (flashinfer.fp4_quantize) does not import "
+    "(%s: %s): self-tests run without it, so the quantizer SGLang calls is not checked by them"
+)
+
+
 def quantizer(device: Device) -> tuple[str, GemmFn] | None:
     """Return FlashInfer's activation quantizer for `device` where it can run (sm_100+, real GPU)."""
     if device.simulated or not device.is_cuda or device.capability[0] < 10 or version() is None:
@@ -298,14 +302,7 @@ def quantizer(device: Device) -> tuple[str, GemmFn] | None:
     try:
         from flashinfer import fp4_quantize
     except Exception as exc:  # ImportError, or a broken install raising anything
-        say_once(
-            logging.WARNING,
-            "sm120_fp4: FlashInfer %s's activation quantizer (flashinfer.fp4_quantize) does not import "
-            "(%s: %s): self-tests run without it, so the quantizer SGLang calls is not checked by them",
-            version(),
-            type(exc).__name__,
-            exc,
-        )
+        say_once(logging.WARNING, _NO_QUANTIZER, version(), type(exc).__name__, exc)
         return None
 
     def quantize(x, global_scale):
@@ -376,27 +373,14 @@ def moe_backend(name: str) -> Callable:
 
     def flashinfer_moe(*args):
         c = check_moe_args(*args)
-        cutlass_fused_moe(
-            output=c.out,
-            input=c.x,
-            token_selected_experts=c.topk_ids.to(torch.int32),
-            token_final_scales=c.topk_weights,
-            fc1_expert_weights=c.w13.view(torch.long),
-            fc2_expert_weights=c.w2.view(torch.long),
-            output_dtype=c.out_dtype,
-            input_sf=None,
-            quant_scales=[
-                _encode_scale(c.a1_gscale),
-                c.w13_sf.view(torch.int32),
-                c.w13_alpha,
-                _encode_scale(c.a2_gscale),
-                c.w2_sf.view(torch.int32),
-                c.w2_alpha,
-            ],
-            activation_type=getattr(activation_type, MOE_ACTIVATIONS[c.activation]),
-            # SGLang's default (SGLANG_FLASHINFER_MOE_FUSED_FINALIZE unset); FlashInfer's own default is True.
-            use_fused_finalize=False,
-        )
+        fc1 = [_encode_scale(c.a1_gscale), c.w13_sf.view(torch.int32), c.w13_alpha]
+        fc2 = [_encode_scale(c.a2_gscale), c.w2_sf.view(torch.int32), c.w2_alpha]
+        tokens = dict(output=c.out, input=c.x, output_dtype=c.out_dtype, input_sf=None, quant_scales=fc1 + fc2)
+        routing = dict(token_selected_experts=c.topk_ids.to(torch.int32), token_final_scales=c.topk_weights)
+        weights = dict(fc1_expert_weights=c.w13.view(torch.long), fc2_expert_weights=c.w2.view(torch.long))
+        activation = getattr(activation_type, MOE_ACTIVATIONS[c.activation])
+        # use_fused_finalize: SGLang's default (SGLANG_FLASHINFER_MOE_FUSED_FINALIZE unset); FlashInfer's is True.
+        cutlass_fused_moe(**tokens, **routing, **weights, activation_type=activation, use_fused_finalize=False)
         return c.out
 
     flashinfer_moe.__name__ = f"flashinfer_{name}_fused_moe"

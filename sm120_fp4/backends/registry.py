@@ -14,42 +14,14 @@ from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 from .emulated import invalidate_caches as _drop_dequantized
 from .flashinfer import BACKENDS as FLASHINFER_BACKENDS
 from .flashinfer import MOE_BACKENDS, GemmFn, mm_fp4_backend, moe_backend, moe_supported, quantizer, supported
-from .flashinfer import version as flashinfer_version
+from .flashinfer import version as flashinfer_version  # noqa: F401  (re-exported: __all__)
 
-__all__ = [
-    "Backend",
-    "Converter",
-    "FLASHINFER_BACKENDS",
-    "register",
-    "unregister",
-    "load_entry_points",
-    "ENTRY_POINT_GROUPS",
-    "FAMILY_LABELS",
-    "get",
-    "names",
-    "is_supported",
-    "resolve",
-    "quantizer_for",
-    "flashinfer_version",
-    "register_moe",
-    "unregister_moe",
-    "moe_names",
-    "get_moe",
-    "is_moe_supported",
-    "resolve_moe",
-    "backend_of",
-    "mode_of",
-    "original",
-    "HUMMING",
-    "EMULATED",
-    "EMULATED_CACHED",
-    "GemmFn",
-    "SupportFn",
-    "invalidate_caches",
-    "emulated_mm_fp4",
-    "emulated_cached_mm_fp4",
-    "emulated_moe",
-]
+__all__ = (
+    "Backend Converter FLASHINFER_BACKENDS register unregister load_entry_points ENTRY_POINT_GROUPS FAMILY_LABELS "
+    "get names is_supported resolve quantizer_for flashinfer_version register_moe unregister_moe moe_names "
+    "get_moe is_moe_supported resolve_moe backend_of mode_of original HUMMING EMULATED EMULATED_CACHED GemmFn "
+    "SupportFn invalidate_caches emulated_mm_fp4 emulated_cached_mm_fp4 emulated_moe"
+).split()
 
 SupportFn = Callable[[Device], "tuple[bool, str | None]"]
 

@@ -12,7 +12,7 @@ import torch
 
 from .. import backends, nvfp4, serving, verify
 from ..serving import LayerCheck
-from .hooks import activation_dtypes, check_fields, dtype_names, layer_device_index
+from .hooks import activation_dtypes, dtype_names, layer_check, layer_device_index
 
 _LOG = logging.getLogger("sm120_fp4")
 VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
@@ -196,29 +196,13 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
     def cases(ms: list[int]) -> list[verify.Case]:
         plans = _plans(ms, dtypes, subset, everyone, top_k, hidden, amax, device)
         mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
-        return verify.moe_cases(
-            serve,
-            weights,
-            activation,
-            plans,
-            cache=verify.ExpertCache(subset.tolist()),
-            served_ids=True,
-            mode=mode,
-            reference_weights=weights.map(backends.original),
-        )
+        reference = dict(cache=verify.ExpertCache(subset.tolist()), reference_weights=weights.map(backends.original))
+        return verify.moe_cases(serve, weights, activation, plans, served_ids=True, mode=mode, **reference)
 
     def current() -> tuple:
         now = processed_weights(method, layer)
         return tuple(now[0]) if now is not None else ()
 
-    return LayerCheck(
-        index,
-        key,
-        label,
-        "moe",
-        cases,
-        **check_fields(layer),
-        weights=current,
-        rebuild=functools.partial(moe_check, kind, method),
-        tensors={**weights._asdict(), "dtype": dtypes[0], "top_k": top_k},
-    )
+    tensors = {**weights._asdict(), "dtype": dtypes[0], "top_k": top_k}
+    rebuild = functools.partial(moe_check, kind, method)
+    return layer_check(layer, (index, key, label, "moe", cases), weights=current, rebuild=rebuild, tensors=tensors)

@@ -14,21 +14,8 @@ from ... import nvfp4
 from ...devices import Device
 from ...errors import SelfTestError, not_accepted
 from ..convention import check_mm_fp4_args, check_moe_args
-from .convert import (
-    IN_PLACE,
-    conversion,
-    converted,
-    converted_layers,
-    drop_originals,
-    forget,
-    memory,
-    original,
-    prepare_dense,
-    prepare_moe,
-    prepared_for,
-    restore,
-    storage_key,
-)
+from . import convert
+from .convert import converted_layers, drop_originals, original, prepare_dense, prepare_moe, prepared_for, restore
 from .engine import DISTRIBUTION, Engine, Prepared, cache_dir, compiler, current_engine, lock, swap_engine, version
 
 __all__ = [
@@ -39,7 +26,6 @@ __all__ = [
     "version",
     "compiler",
     "supported",
-    "moe_supported",
     "use_engine",
     "clear",
     "mm_fp4",
@@ -85,13 +71,10 @@ def supported(device: Device) -> tuple[bool, str | None]:
     return (problem is None), problem
 
 
-moe_supported = supported
-
-
 def clear() -> None:
     """Forget every conversion and first-call record (tests; an engine swap). Converted storages stay so."""
     with lock:
-        forget()
+        convert.forget()
         _startup.clear()
         _dequant_engines.clear()  # chosen again (and reported) at the next call; built kernels stay loaded
 
@@ -132,9 +115,9 @@ def mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(_K_CALL, 8))
     # A layer converted at load, found without making the .T views (b and b.T share the storage);
     # anything else goes through conversion(), which converts, raises or refuses as it must.
-    conv = converted.get((storage_key(b), IN_PLACE))
+    conv = convert.converted.get((convert.storage_key(b), convert.IN_PLACE))
     if conv is None or conv.owner() is None or conv.prepared.dtype != out_dtype:
-        conv = conversion(b.T, b_descale.T, out_dtype, None, "dense")
+        conv = convert.conversion(b.T, b_descale.T, out_dtype, None, "dense")
     prepared = conv.prepared
     x = dequantize_activations(a, a_descale, out_dtype)
     scale = alpha if alpha.dim() == 1 else alpha.reshape(1)
@@ -213,7 +196,7 @@ def fused_moe(*args):
             "humming fused MoE", "out_dtype", c.out_dtype, f"x's dtype ({x.dtype}): the kernel computes in it"
         )
     experts = c.w13.shape[0]
-    c13, c2 = (conversion(w, sf, x.dtype, experts, "moe") for w, sf in ((c.w13, c.w13_sf), (c.w2, c.w2_sf)))
+    c13, c2 = (convert.conversion(w, sf, x.dtype, experts, "moe") for w, sf in ((c.w13, c.w13_sf), (c.w2, c.w2_sf)))
     tokens, top_k = c.topk_ids.shape
     flat = c.topk_ids.reshape(-1).long()
     # A -1 slot rides with expert 0 as a zero row (Humming's grouped layout has no row without an expert;
@@ -248,7 +231,7 @@ def fused_moe(*args):
 def startup() -> dict:
     """Return each kernel configuration's first call, the cache directory, and the converted layers' memory."""
     with lock:
-        return {"cache_dir": cache_dir(), "configurations": dict(_startup), "memory": memory()}
+        return {"cache_dir": cache_dir(), "configurations": dict(_startup), "memory": convert.memory()}
 
 
 def describe_backend(family: str) -> dict:
