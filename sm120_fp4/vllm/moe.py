@@ -127,17 +127,12 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
         return None
     from ..backends import flashinfer
 
-    weights = nvfp4.MoeWeights(
-        w13=w13,
-        w13_sf=experts.w1_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(rows, hidden)),
-        w13_alpha=experts.g1_alphas.float().reshape(count),
-        w2=w2,
-        w2_sf=experts.w2_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(hidden, inter)),
-        w2_alpha=experts.g2_alphas.float().reshape(count),
-        a1_gscale=flashinfer.global_scale(experts.a1_gscale.float()),
-        a2_gscale=flashinfer.global_scale(experts.a2_gscale.float()),
-    )
-    return weights, activation
+    e4m3, shape = torch.float8_e4m3fn, nvfp4.swizzled_scale_shape
+    w13_sf = experts.w1_scale.view(e4m3).reshape(count, *shape(rows, hidden))
+    w2_sf = experts.w2_scale.view(e4m3).reshape(count, *shape(hidden, inter))
+    alpha1, alpha2 = (a.float().reshape(count) for a in (experts.g1_alphas, experts.g2_alphas))
+    a1, a2 = (flashinfer.global_scale(g.float()) for g in (experts.a1_gscale, experts.a2_gscale))
+    return nvfp4.MoeWeights(w13, w13_sf, alpha1, w2, w2_sf, alpha2, a1, a2), activation
 
 
 def _subset(experts: int, at_least: int) -> list[int]:

@@ -202,6 +202,9 @@ def _define_probes(capability: tuple[int, int]) -> Callable[[], None]:
     return library._destroy
 
 
+_STUB_SAYS = "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called"
+
+
 class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports the real extension module where it loads, else a stand-in whose names raise when called."""
 
@@ -214,22 +217,16 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if fullname not in EXTENSIONS or getattr(self._busy, "on", False):
             return None
         if fullname not in self._decided:
-            self._decided[fullname] = self._why_not(fullname)
-            if self._decided[fullname] is not None:
-                _LOG.warning(
-                    "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called",
-                    fullname,
-                    self._decided[fullname],
-                )
+            why = self._decided[fullname] = self._why_not(fullname)
+            if why is not None:
+                _LOG.warning(_STUB_SAYS, fullname, why)
         if self._decided[fullname] is None:
             # The real one, already executed by the check: handed over as it is by create_module (never run twice).
             real = self._loaded.pop(fullname, None)
+            if real is None:
+                return None
             origin = getattr(real, "__file__", None)
-            return (
-                None
-                if real is None
-                else importlib.machinery.ModuleSpec(fullname, self, origin=origin, loader_state=real)
-            )
+            return importlib.machinery.ModuleSpec(fullname, self, origin=origin, loader_state=real)
         return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "vllm.vllm_flash_attn")
 
     def _why_not(self, name: str) -> str | None:
