@@ -77,15 +77,10 @@ def _humming(family: str) -> Backend:
         else:
             humming.prepare_moe(tensors, tensors["dtype"], keep_original)
 
-    return Backend(
-        HUMMING,
-        "humming",
-        humming.mm_fp4 if dense else humming.fused_moe,
-        humming.supported,
-        "w4a4" if dense else "w4a16",
-        Converter(convert, humming.drop_originals, lambda: humming.restore(family)),
-        describe=lambda: humming.describe_backend(family),
-    )
+    fn, mode = (humming.mm_fp4, "w4a4") if dense else (humming.fused_moe, "w4a16")
+    restore, describe = (functools.partial(f, family) for f in (humming.restore, humming.describe_backend))
+    converter = Converter(convert, humming.drop_originals, restore)
+    return Backend(HUMMING, "humming", fn, humming.supported, mode, converter, describe)
 
 
 # The two kernel families ("dense", "moe"): what messages call them, and their entry-point groups.

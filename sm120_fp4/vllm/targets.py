@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..patching import PatchSpec
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
-from .moe import make_shapes
+from .moe import make_alias, make_defer, make_shapes
 from .release import CT, CT_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, TARGET_VERSIONS, distribution
 from .release import FI_CUTLASS_MOE as FI_MOE
 
@@ -96,8 +96,8 @@ def _makers(w) -> dict[str, Callable]:
         "flashinfer-scaled-fp4-mm-alias": w.make_alias,
         "modelopt-linear-weights-hook": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
         "compressed-tensors-w4a4-nvfp4-weights-hook": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
-        "flashinfer-cutlass-fused-moe-alias": w.make_moe_alias,
-        "flashinfer-moe-unquantized-inputs": w.make_defer,
+        "flashinfer-cutlass-fused-moe-alias": functools.partial(make_alias, make_front=w.router.make_moe_front),
+        "flashinfer-moe-unquantized-inputs": functools.partial(make_defer, served=w.moe_served),
         "flashinfer-moe-output-shape": make_shapes,
         "modelopt-nvfp4-moe-weights-hook": moe_hook(MOE_KIND),
         "compressed-tensors-nvfp4-moe-weights-hook": moe_hook(CT_MOE_KIND),

@@ -56,12 +56,8 @@ def storage_key(t: torch.Tensor) -> int:
 
 def _fits(src: torch.Tensor, target: torch.Tensor) -> bool:
     """Return whether `src`'s bytes fit in `target`'s own storage (target a contiguous tensor starting it)."""
-    return (
-        target.is_contiguous()
-        and target.storage_offset() == 0
-        and src.is_contiguous()
-        and src.nbytes <= target.untyped_storage().nbytes()
-    )
+    fits = src.nbytes <= target.untyped_storage().nbytes()
+    return target.is_contiguous() and target.storage_offset() == 0 and src.is_contiguous() and fits
 
 
 def _write_into(src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
