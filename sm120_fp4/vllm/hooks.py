@@ -139,13 +139,11 @@ def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def _served_cases(serve: Callable, watched: tuple, n_out: int, k: int, ms: list[int], dtype, seed: int) -> list:
     """The served calls at batch sizes `ms` against the oracle on the layer's own processed weights."""
     weight, weight_sf, alpha, input_gsf = watched
-    device = weight.device
-    rows = max(ms)
     gsf = float(input_gsf.float().reshape(-1)[0].cpu())
     if not (math.isfinite(gsf) and gsf > 0):
         what = "the layer's positive finite input global scale"
         raise not_accepted("vLLM dense layer check", "input_global_scale_inv", input_gsf, what)
-    x = verify.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
+    x = verify.seeded_activations(max(ms), k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device).to(dtype)
     k_weight = weight.shape[1] * 2
     padded = torch.nn.functional.pad(x, (0, k_weight - k)) if k_weight > k else x
     qx, sx = graphs.run(
@@ -164,9 +162,7 @@ def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
     return HALF
 
 
-def dense_check(
-    kind: str, serve: Callable, layer: object, rebuild: Callable[[object], LayerCheck | None]
-) -> LayerCheck | None:
+def dense_check(kind: str, serve: Callable, layer: object, rebuild: Callable) -> LayerCheck | None:
     """The LayerCheck of one vLLM NVFP4 linear layer served by FlashInferCutlassNvFp4LinearKernel."""
     weight, weight_sf = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
     alpha, input_gsf = getattr(layer, "alpha", None), getattr(layer, "input_global_scale_inv", None)

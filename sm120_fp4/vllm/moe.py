@@ -1,6 +1,5 @@
 """vLLM's NVFP4 fused MoE: the FlashInfer kernel call routed (FlashInferExperts then take bf16 activations),
-each layer verified through its own ``apply``; any other backend, and weight-only (W4A16) MoE, refused.
-"""
+each layer verified through its own ``apply``; any other backend, and weight-only (W4A16) MoE, refused."""
 
 from __future__ import annotations
 
@@ -117,9 +116,8 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
         return None
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
     activation = ACTIVATIONS.get(str(getattr(getattr(layer, "activation", None), "value", "")))
-    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)) or w13.dtype != torch.uint8:
-        return None
-    if activation is None:
+    tensors = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+    if not tensors or w13.dtype != torch.uint8 or activation is None:
         return None
     count, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
     inter = w2.shape[2] * 2
@@ -184,9 +182,7 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
     index = layer_device_index(layer)
 
     def serve(x, ids, topk_weights, *rest):
-        out = rest[-1]
-        out.copy_(method.apply(layer, x, topk_weights, ids, None, None))
-        return out
+        return rest[-1].copy_(method.apply(layer, x, topk_weights, ids, None, None))
 
     def cases(ms: list[int]) -> list[verify.Case]:
         plans = _plans(ms, dtypes, subset, everyone, top_k, hidden, amax, device)

@@ -192,9 +192,8 @@ def fused_moe(*args):
     c = check_moe_args(*args)
     x = c.x
     if x.dtype != c.out_dtype:
-        raise not_accepted(
-            "humming fused MoE", "out_dtype", c.out_dtype, f"x's dtype ({x.dtype}): the kernel computes in it"
-        )
+        why = f"x's dtype ({x.dtype}): the kernel computes in it"
+        raise not_accepted("humming fused MoE", "out_dtype", c.out_dtype, why)
     experts = c.w13.shape[0]
     c13, c2 = (convert.conversion(w, sf, x.dtype, experts, "moe") for w, sf in ((c.w13, c.w13_sf), (c.w2, c.w2_sf)))
     tokens, top_k = c.topk_ids.shape
@@ -238,25 +237,16 @@ def describe_backend(family: str) -> dict:
     """Return what status and the report say about the Humming backend of `family` ("dense", "moe")."""
     info = startup()
     shown = (family, "dequant") if family == "dense" else (family,)  # keys: "<family> <label>", "dequant"
-    return {
-        "mode": DENSE_MODE if family == "dense" else MOE_MODE,
-        "engine": current_engine().name,
-        "humming_version": version(),
-        "cache_dir": info["cache_dir"],
-        "converted_in_place": converted_layers(family),
-        "configurations": {k: v for k, v in info["configurations"].items() if k.startswith(shown)},
-        "memory": {k: v for k, v in info["memory"].items() if k.startswith(family)},
-    }
+    engine = {"engine": current_engine().name, "humming_version": version(), "cache_dir": info["cache_dir"]}
+    found = {"mode": DENSE_MODE if family == "dense" else MOE_MODE, **engine}
+    configurations = {k: v for k, v in info["configurations"].items() if k.startswith(shown)}
+    memory = {k: v for k, v in info["memory"].items() if k.startswith(family)}
+    return {**found, "converted_in_place": converted_layers(family), "configurations": configurations, "memory": memory}
 
 
 def doctor_info() -> dict:
     """Return the Humming version, its compiler here and its cache (for `sm120-fp4 doctor`)."""
     tool, how = compiler()
-    return {
-        "version": version(),
-        "compiler": tool,
-        "compiler_detail": how,
-        "cache_dir": cache_dir(),
-        "can_compile": tool is not None,
-        "note": None if version() else f"the humming fallback needs `pip install {DISTRIBUTION}`",
-    }
+    found = {"version": version(), "compiler": tool, "compiler_detail": how, "cache_dir": cache_dir()}
+    note = None if version() else f"the humming fallback needs `pip install {DISTRIBUTION}`"
+    return {**found, "can_compile": tool is not None, "note": note}

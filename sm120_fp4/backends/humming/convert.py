@@ -116,10 +116,8 @@ def _prepare(weight, sf, dtype, experts: int | None, family: str, keep: bool, la
             return
         conv = converted[key] = _convert(weight, sf, dtype, experts, family, True, keep)
         nvfp4_bytes = weight.nbytes + sf.nbytes
-        entry = _memory.setdefault(
-            f"{label} {conv.prepared.label}",
-            {"layers": 0, "in_place": conv.in_place, "nvfp4_bytes": nvfp4_bytes, "extra_bytes": conv.extra_bytes},
-        )
+        fresh = {"layers": 0, "in_place": conv.in_place, "nvfp4_bytes": nvfp4_bytes, "extra_bytes": conv.extra_bytes}
+        entry = _memory.setdefault(f"{label} {conv.prepared.label}", fresh)
         entry["layers"] += 1
         entry["ratio"] = round((nvfp4_bytes + conv.extra_bytes) / nvfp4_bytes, 4)
 
