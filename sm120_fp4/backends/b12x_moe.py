@@ -67,23 +67,15 @@ def _wrapper_class() -> WrapperFactory:
     return B12xMoEWrapper
 
 
-def _setup_problem(device: Device) -> str | None:
-    problem = toolchain_problem("b12x MoE", MIN_CUDA)
-    if problem is not None:
-        return problem
-    with _lock:
-        checks = list(_engine_checks)
-    reason = next((r for r in (check() for check in checks) if r), None)
-    if reason:
-        return reason
-    if tuple(device.capability) not in ((12, 0), (12, 1)):
-        return f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
-    return None
-
-
 def supported(device: Device) -> tuple[bool, str | None]:
     """Return whether b12x's MoE can serve on `device` in this process, and why not."""
-    problem = _setup_problem(device)
+    problem = toolchain_problem("b12x MoE", MIN_CUDA)
+    if problem is None:
+        with _lock:
+            checks = list(_engine_checks)
+        problem = next((r for r in (check() for check in checks) if r), None)
+    if problem is None and tuple(device.capability) not in ((12, 0), (12, 1)):
+        problem = f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
     if problem is not None or _factory is not None:
         return problem is None, problem
     ok, reason = moe_supported("cutlass", device)  # a real GPU, FlashInfer installed

@@ -88,12 +88,9 @@ class MoeArgs(NamedTuple):
 
 
 def _bad_tensor(t, dtypes, shape: tuple | None = None, dim: int | None = None) -> bool:
-    return (
-        not isinstance(t, torch.Tensor)
-        or t.dtype not in dtypes
-        or (dim is not None and t.dim() != dim)
-        or (shape is not None and tuple(t.shape) != shape)
-    )
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        return True
+    return (dim is not None and t.dim() != dim) or (shape is not None and tuple(t.shape) != shape)
 
 
 def check_moe_args(*args) -> MoeArgs:

@@ -22,20 +22,10 @@ VERIFIED_EXPERTS = 8  # a few of the layer's experts: the oracle keeps only thes
 ACTIVATIONS = {"silu": "swiglu", "relu2_no_mul": "relu2"}
 
 
-def served_index(experts: object) -> int | None:
-    """The CUDA ordinal vLLM's experts compute on (-1: CPU, in simulation; None: no weights yet)."""
-    scale = getattr(experts, "w1_scale", None)
-    return scale.get_device() if isinstance(scale, torch.Tensor) else None
-
-
-def _backend_name(method: object) -> str:
-    backend = getattr(method, "nvfp4_backend", None)
-    return str(getattr(backend, "value", backend)).lower()
-
-
 def backend_problem(kind: str, method: object) -> str | None:
     """Why this NVFP4 MoE layer cannot be served verified (None: FlashInfer cutlass, W4A4)."""
-    name = _backend_name(method)
+    backend = getattr(method, "nvfp4_backend", None)
+    name = str(getattr(backend, "value", backend)).lower()
     experts = getattr(getattr(method, "experts_cls", None), "__name__", "?")
     if getattr(method, "use_a16", False):
         return (
@@ -67,10 +57,9 @@ def make_defer(original: property, served: Callable[[int], bool]) -> property:
 
     def expects_unquantized_inputs(self) -> bool:
         config = getattr(self, "quant_config", None)
-        if getattr(config, "use_nvfp4_w4a4", False):
-            index = served_index(self)
-            if index is not None and served(index):
-                return True
+        scale = getattr(self, "w1_scale", None) if getattr(config, "use_nvfp4_w4a4", False) else None
+        if isinstance(scale, torch.Tensor) and served(scale.get_device()):  # the experts' device (-1: CPU, simulated)
+            return True
         return original.fget(self)
 
     replacement = _Property(expects_unquantized_inputs, doc=original.__doc__)
@@ -100,9 +89,7 @@ def make_alias(original: Callable, make_front: Callable[[Callable, type], Callab
         if args:  # vLLM calls it by keyword only; anything else is not the call the front knows
             return original(*args, **kwargs)
         if not fronts:
-            from ..backends import flashinfer
-
-            fronts.append(make_front(original, flashinfer.fused_moe_kernel()[1]))
+            fronts.append(make_front(original, backends.flashinfer.fused_moe_kernel()[1]))
         return fronts[0](**kwargs)
 
     flashinfer_cutlass_fused_moe.__qualname__ = "sm120_fp4.vllm.flashinfer_cutlass_fused_moe"
@@ -123,13 +110,11 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
     inter = w2.shape[2] * 2
     if rows != (2 * inter if activation == "swiglu" else inter):
         return None
-    from ..backends import flashinfer
-
     e4m3, shape = torch.float8_e4m3fn, nvfp4.swizzled_scale_shape
     w13_sf = experts.w1_scale.view(e4m3).reshape(count, *shape(rows, hidden))
     w2_sf = experts.w2_scale.view(e4m3).reshape(count, *shape(hidden, inter))
     alpha1, alpha2 = (a.float().reshape(count) for a in (experts.g1_alphas, experts.g2_alphas))
-    a1, a2 = (flashinfer.global_scale(g.float()) for g in (experts.a1_gscale, experts.a2_gscale))
+    a1, a2 = (backends.flashinfer.global_scale(g.float()) for g in (experts.a1_gscale, experts.a2_gscale))
     return nvfp4.MoeWeights(w13, w13_sf, alpha1, w2, w2_sf, alpha2, a1, a2), activation
 
 

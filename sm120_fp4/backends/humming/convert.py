@@ -165,17 +165,9 @@ def drop_originals(tensors: dict, keep: bool = False) -> None:
             if not keep:
                 conv.originals.clear()
                 continue
-            for key, (copy, target) in list(conv.originals.items()):
-                conv.originals[key] = (_pinned(copy), target)
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """Return `t` in pinned host memory (a device tensor copied there; one already on the host stays)."""
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)  # synchronous: the device copy is freed when this returns
-    return host
+            for key, (copy, target) in [(k, v) for k, v in conv.originals.items() if v[0].is_cuda]:
+                host = torch.empty(copy.shape, dtype=copy.dtype, pin_memory=True)
+                conv.originals[key] = (host.copy_(copy), target)  # synchronous: the device copy is freed here
 
 
 def converted_layers(family: str) -> int:
