@@ -4,7 +4,7 @@ metadata only (no host sync), and the mapping of a cutlass_fused_moe call to the
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections import namedtuple
 
 import torch
 
@@ -68,23 +68,12 @@ def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(
             raise _bad(name, t, f"a tensor on the same device as a ({a.device})")
 
 
-class MoeArgs(NamedTuple):
-    """One call of the MoE backend convention (reference_moe_fp4's; -1 ids: slots that are not this rank's)."""
-
-    x: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    w13: torch.Tensor
-    w13_sf: torch.Tensor
-    w13_alpha: torch.Tensor
-    w2: torch.Tensor
-    w2_sf: torch.Tensor
-    w2_alpha: torch.Tensor
-    a1_gscale: torch.Tensor
-    a2_gscale: torch.Tensor
-    activation: str
-    out_dtype: torch.dtype
-    out: torch.Tensor
+# One call of the MoE backend convention (reference_moe_fp4's; -1 ids: slots that are not this rank's): tensors but
+# activation (a str of MOE_ACTIVATIONS) and out_dtype (a torch.dtype).
+_MOE_FIELDS = (
+    "x topk_ids topk_weights w13 w13_sf w13_alpha w2 w2_sf w2_alpha a1_gscale a2_gscale activation out_dtype out"
+)
+MoeArgs = namedtuple("MoeArgs", _MOE_FIELDS)
 
 
 def _bad_tensor(t, dtypes, shape: tuple | None = None, dim: int | None = None) -> bool:

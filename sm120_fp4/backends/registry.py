@@ -10,11 +10,13 @@ from typing import Callable
 from .. import locks
 from ..devices import Device
 from ..errors import ConfigError, InvalidArgument
+from . import b12x_moe as b12x
 from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 from .emulated import invalidate_caches as _drop_dequantized
 from .flashinfer import BACKENDS as FLASHINFER_BACKENDS
 from .flashinfer import MOE_BACKENDS, GemmFn, mm_fp4_backend, moe_backend, moe_supported, quantizer, supported
 from .flashinfer import version as flashinfer_version  # noqa: F401  (re-exported: __all__)
+from .humming import adapter as humming  # light: Humming itself is imported only when asked about
 
 __all__ = (
     "Backend Converter FLASHINFER_BACKENDS register unregister load_entry_points ENTRY_POINT_GROUPS FAMILY_LABELS "
@@ -67,8 +69,6 @@ HUMMING = "humming"
 
 def _humming(family: str) -> Backend:
     """Return Humming's backend of `family`: dense W4A4 (SGLang's FP4 activations dequantized), MoE W4A16."""
-    from .humming import adapter as humming  # light: Humming itself is imported only when asked about
-
     dense = family == "dense"
 
     def convert(tensors: dict, keep_original: bool) -> None:
@@ -184,15 +184,15 @@ def _dense_builtins() -> dict[str, Backend]:
 
 def _b12x() -> Backend:
     """Return FlashInfer's b12x fused MoE on SGLang's cutlass tensors (its workspace made at load, released by restore)."""
-    from .b12x_moe import NAME, describe, fused_moe, layer_problem, prepare, reset
-    from .b12x_moe import supported as b12x_supported
 
     def release() -> bool:
-        reset()
+        b12x.reset()
         return True
 
-    converter = Converter(prepare, lambda tensors, keep: None, release, in_place=False)
-    return Backend(NAME, "flashinfer", fused_moe, b12x_supported, "w4a4", converter, describe, layer_problem)
+    converter = Converter(b12x.prepare, lambda tensors, keep: None, release, in_place=False)
+    return Backend(
+        b12x.NAME, "flashinfer", b12x.fused_moe, b12x.supported, "w4a4", converter, b12x.describe, b12x.layer_problem
+    )
 
 
 def _moe_builtins() -> dict[str, Backend]:
@@ -243,8 +243,6 @@ def mode_of(family: str, name: str) -> str:
 
 def original(t):
     """Return a weight as the checkpoint has it (humming's kept bytes where it converted it in place), for the oracle."""
-    from .humming import adapter as humming
-
     return humming.original(t)
 
 
@@ -255,10 +253,8 @@ def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
 
 def invalidate_caches() -> None:
     """Drop or refresh what backends derived from weights (SGLang is about to write, or has written, them)."""
-    from .b12x_moe import refresh_scales
-
     _drop_dequantized()
-    refresh_scales()  # in place: CUDA graphs captured before the update read the same tensors
+    b12x.refresh_scales()  # in place: CUDA graphs captured before the update read the same tensors
 
 
 def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from dataclasses import replace
 from typing import Callable
 
 from ..patching import PatchSpec
+from ..versions import version_in
+from . import release, simulation
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
 from .moe import make_alias, make_defer, make_shapes
 from .release import CT, CT_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, TARGET_VERSIONS, distribution
@@ -112,17 +115,11 @@ def specs(w) -> list[PatchSpec]:
 
 def doctor_section() -> dict:
     """What ``sm120-fp4 doctor`` shows of vLLM (read without importing vLLM), every patch target included."""
-    import importlib.metadata
-
-    from ..versions import version_in
-    from . import simulation
-    from .release import PLUGIN_GROUP, engine_version, release_support, unverified_release
-
-    version = engine_version()
-    ok, why = release_support(version)
-    if version is not None and (unverified := unverified_release(version)) is not None:
+    version = release.engine_version()
+    ok, why = release.release_support(version)
+    if version is not None and (unverified := release.unverified_release(version)) is not None:
         why = "; ".join(unverified)
-    entry_points = importlib.metadata.entry_points(group=PLUGIN_GROUP)
+    entry_points = importlib.metadata.entry_points(group=release.PLUGIN_GROUP)
     plugins = [f"{e.name} -> {e.value}" for e in entry_points if e.value.startswith("sm120_fp4")]
     applies = functools.partial(version_in, version)
     rows = [

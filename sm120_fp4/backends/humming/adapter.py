@@ -16,6 +16,8 @@ from ...errors import SelfTestError, not_accepted
 from ..convention import check_mm_fp4_args, check_moe_args
 from . import convert
 from .convert import converted_layers, drop_originals, original, prepare_dense, prepare_moe, prepared_for, restore
+from .cuda import launch as cuda_launch
+from .cuda import load, loaded
 from .engine import DISTRIBUTION, Engine, Prepared, cache_dir, compiler, current_engine, lock, swap_engine, version
 
 __all__ = [
@@ -135,9 +137,6 @@ def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
     found = _dequant_engines.get(index)
     if found is not None:
         return found
-    from .cuda import launch as cuda_launch
-    from .cuda import load, loaded
-
     if torch.cuda.is_current_stream_capturing():
         if loaded(device):  # built before (the records were cleared since): nothing to build now
             with lock:

@@ -94,9 +94,7 @@ class Engine:
         """Write out (M, N) = scale_2 * (x @ W_unscaled^T); x (M, K) in prepared.dtype."""
         raise NotImplementedError  # pragma: no cover
 
-    def grouped_gemm(
-        self, prepared: Prepared, x: torch.Tensor, scale_2: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor
-    ) -> None:
+    def grouped_gemm(self, prepared: Prepared, x, scale_2, offsets: torch.Tensor, out: torch.Tensor) -> None:
         """Write rows offsets[e]:offsets[e+1] of x (sorted by expert) times expert e, scaled by scale_2[e]."""
         raise NotImplementedError  # pragma: no cover
 
