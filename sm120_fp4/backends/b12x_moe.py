@@ -31,6 +31,8 @@ _lock = threading.Lock()
 _factory: WrapperFactory | None = None  # a stand-in (tests); None: FlashInfer's B12xMoEWrapper
 # Settings of the serving engine under which b12x cannot serve (SGLang's pdmux, deterministic inference, EP).
 _engine_checks: list[Callable[[], str | None]] = []
+_workspaces: dict[tuple, object] = {}  # (device, E, top-k, H, I, activation) -> the first wrapper (owns the buffers)
+_layers: dict[tuple, _Layer] = {}  # (config, the layer's weight pointers) -> its wrapper and scales
 
 
 def engine_check(check: Callable[[], str | None]) -> Callable[[], str | None]:
@@ -149,10 +151,6 @@ def derived_scales(w13_alpha, w2_alpha, a1, a2) -> dict[str, torch.Tensor]:
 class _Layer:
     wrapper: object
     derived: _Derived
-
-
-_workspaces: dict[tuple, object] = {}  # (device, E, top-k, H, I, activation) -> the first wrapper (owns the buffers)
-_layers: dict[tuple, _Layer] = {}  # (config, the layer's weight pointers) -> its wrapper and scales
 
 
 def reset() -> None:

@@ -14,6 +14,14 @@ from ..errors import not_accepted
 SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 MOE_ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2"}  # the convention's name -> FlashInfer's ActivationType
 _DTYPES = (torch.bfloat16, torch.float16)
+# cutlass_fused_moe keywords that ask for something the convention does not express (left to the original).
+_UNSERVED_KEYWORDS = ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit")
+# One call of the MoE backend convention (reference_moe_fp4's; -1 ids: slots that are not this rank's): tensors but
+# activation (a str of MOE_ACTIVATIONS) and out_dtype (a torch.dtype).
+_MOE_FIELDS = (
+    "x topk_ids topk_weights w13 w13_sf w13_alpha w2 w2_sf w2_alpha a1_gscale a2_gscale activation out_dtype out"
+)
+MoeArgs = namedtuple("MoeArgs", _MOE_FIELDS)
 
 
 _bad = functools.partial(not_accepted, "mm_fp4")
@@ -68,14 +76,6 @@ def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(
             raise _bad(name, t, f"a tensor on the same device as a ({a.device})")
 
 
-# One call of the MoE backend convention (reference_moe_fp4's; -1 ids: slots that are not this rank's): tensors but
-# activation (a str of MOE_ACTIVATIONS) and out_dtype (a torch.dtype).
-_MOE_FIELDS = (
-    "x topk_ids topk_weights w13 w13_sf w13_alpha w2 w2_sf w2_alpha a1_gscale a2_gscale activation out_dtype out"
-)
-MoeArgs = namedtuple("MoeArgs", _MOE_FIELDS)
-
-
 def _bad_tensor(t, dtypes, shape: tuple | None = None, dim: int | None = None) -> bool:
     if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
         return True
@@ -116,10 +116,6 @@ def check_moe_args(*args) -> MoeArgs:
     if _bad_out(c.out, c.out_dtype, (t, h)):
         raise _bad_moe("out", c.out, f"a contiguous ({t}, {h}) {c.out_dtype} tensor")
     return c
-
-
-# cutlass_fused_moe keywords that ask for something the convention does not express (left to the original).
-_UNSERVED_KEYWORDS = ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit")
 
 
 def _served_call(kwargs: dict, scales, w13, activation) -> bool:

@@ -31,6 +31,16 @@ GemmFn = Callable[..., object]
 # FlashInfer backends that read the non-shuffled 128x4 layout SGLang prepares for cutlass (not trtllm:
 # shuffled weights; not cutedsl_low_latency: SM100 only).
 BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
+# FlashInfer's fused-MoE kernels that take NVFP4 weights in the layout SGLang prepares for them
+# (w13 rows [up; gate], 128x4 swizzled block scales per expert, alphas per expert).
+MOE_BACKENDS = ("cutlass",)
+# Backend names SGLang may pass for that layout, served by the decided backend ("cutlass": the runner
+# enum is pinned to FLASHINFER_CUTLASS). Passed through on purpose: trtllm (shuffled weights), cute-dsl
+# (the operator's choice). Any other name is refused by name on a served device (dispatch's `unknown`).
+ROUTED_BACKENDS = frozenset({None, "auto", "cudnn", "cutlass"})
+PASSED_THROUGH_BACKENDS = frozenset({"trtllm", "cute-dsl"})
+# mm_fp4 keywords that never change the numbers, with the values that leave them so (None: any value).
+NEUTRAL_MM_FP4_KEYWORDS = {"enable_pdl": None, "use_nvfp4": (True,), "batch_invariant": (False,)}
 # SM120_FP4_BACKENDS=auto per capability (each candidate still self-tested; docs/operations.md has the
 # sources). sm_121 lacks b12x: FlashInfer #3170, an illegal memory access that poisons the CUDA context.
 # humming (JIT, bf16-activation kernels on the FP4 weights) is the verified fallback on 12.x. The b12x
@@ -41,6 +51,20 @@ ORDER_BY_CAPABILITY: _Orders = {(12, 0): ("cutlass", "b12x", "humming"), (12, 1)
 DEFAULT_MOE_ORDER: tuple[str, ...] = ("cutlass",)
 MOE_ORDER_BY_CAPABILITY: _Orders = {(12, 0): ("cutlass", "humming"), (12, 1): ("cutlass", "humming")}
 FASTEST_MOE_EXTRA: _Orders = {(12, 0): ("b12x",)}  # timed with SELECT=fastest
+# mm_fp4's leading positional parameters in every release this library knows (0.2.11 - 0.7.x).
+MM_FP4_HEAD = ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype")
+# (K, N) alignment per backend; off it, kernels return silent garbage (vLLM #48898). cute-dsl on SM12x: 64.
+_ALIGN = {"cutlass": (32, 8), "b12x": (32, 8), "cudnn": (32, 8), "cute-dsl": (64, 64)}
+_NO_QUANTIZER = (
+    "sm120_fp4: FlashInfer %s's activation quantizer (flashinfer.fp4_quantize) does not import "
+    "(%s: %s): self-tests run without it, so the quantizer SGLang calls is not checked by them"
+)
+# FlashInfer's b12x GEMM (0.7.2-0.7.4) raises below CUDA 12.9 (nvcc's, else torch's) and needs the CuTe DSL.
+B12X_MIN_CUDA = (12, 9)
+# nvcc's crt/math_functions.h up to CUDA 13.0 clashes with glibc 2.41's rsqrt/cospi: JIT builds fail.
+GLIBC_CLASH = (2, 41)
+CUDA_HEADERS_CLASH = (13, 0)
+_toolchain_probe: Callable[[], Toolchain] | None = None  # a test's (use_toolchain); None: this machine's
 
 
 def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
@@ -52,15 +76,6 @@ def default_moe_order(capability: tuple[int, int], fastest: bool = False) -> tup
     """Return the MoE candidate order auto means on `capability` (`fastest`: with FASTEST_MOE_EXTRA)."""
     order = MOE_ORDER_BY_CAPABILITY.get(tuple(capability), DEFAULT_MOE_ORDER)
     return order + FASTEST_MOE_EXTRA.get(tuple(capability), ()) if fastest else order
-
-
-# Backend names SGLang may pass for that layout, served by the decided backend ("cutlass": the runner
-# enum is pinned to FLASHINFER_CUTLASS). Passed through on purpose: trtllm (shuffled weights), cute-dsl
-# (the operator's choice). Any other name is refused by name on a served device (dispatch's `unknown`).
-ROUTED_BACKENDS = frozenset({None, "auto", "cudnn", "cutlass"})
-PASSED_THROUGH_BACKENDS = frozenset({"trtllm", "cute-dsl"})
-# mm_fp4 keywords that never change the numbers, with the values that leave them so (None: any value).
-NEUTRAL_MM_FP4_KEYWORDS = {"enable_pdl": None, "use_nvfp4": (True,), "batch_invariant": (False,)}
 
 
 def neutral_mm_fp4_keywords(kwargs: dict) -> bool:
@@ -79,12 +94,6 @@ def unrouted_mm_fp4_argument(block_size: object, use_8x4_sf_layout: object, kwar
     if use_8x4_sf_layout:
         return "use_8x4_sf_layout", use_8x4_sf_layout
     return next(((name, value) for name, value in kwargs.items() if not neutral_mm_fp4_keywords({name: value})), None)
-
-
-# mm_fp4's leading positional parameters in every release this library knows (0.2.11 - 0.7.x).
-MM_FP4_HEAD = ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype")
-# (K, N) alignment per backend; off it, kernels return silent garbage (vLLM #48898). cute-dsl on SM12x: 64.
-_ALIGN = {"cutlass": (32, 8), "b12x": (32, 8), "cudnn": (32, 8), "cute-dsl": (64, 64)}
 
 
 def version() -> str | None:
@@ -117,15 +126,6 @@ def _unusable(device: Device) -> str | None:
     if version() is None:
         return "flashinfer-python is not installed"
     return None
-
-
-# ---- the toolchain FlashInfer's kernels are built with ---------------------------------------
-
-# FlashInfer's b12x GEMM (0.7.2-0.7.4) raises below CUDA 12.9 (nvcc's, else torch's) and needs the CuTe DSL.
-B12X_MIN_CUDA = (12, 9)
-# nvcc's crt/math_functions.h up to CUDA 13.0 clashes with glibc 2.41's rsqrt/cospi: JIT builds fail.
-GLIBC_CLASH = (2, 41)
-CUDA_HEADERS_CLASH = (13, 0)
 
 
 @dataclass(frozen=True)
@@ -179,9 +179,6 @@ def _cute_dsl() -> str | None:
     except (ImportError, ValueError) as exc:
         return f"nvidia-cutlass-dsl cannot be imported: {type(exc).__name__}: {exc}"
     return None
-
-
-_toolchain_probe: Callable[[], Toolchain] | None = None  # a test's (use_toolchain); None: this machine's
 
 
 @functools.lru_cache(maxsize=1)
@@ -289,12 +286,6 @@ def is_mm_fp4(original: object) -> str | None:
     return None
 
 
-_NO_QUANTIZER = (
-    "sm120_fp4: FlashInfer %s's activation quantizer (flashinfer.fp4_quantize) does not import "
-    "(%s: %s): self-tests run without it, so the quantizer SGLang calls is not checked by them"
-)
-
-
 def quantizer(device: Device) -> tuple[str, GemmFn] | None:
     """Return FlashInfer's activation quantizer for `device` where it can run (sm_100+, real GPU)."""
     if device.simulated or not device.is_cuda or device.capability[0] < 10 or version() is None:
@@ -332,13 +323,6 @@ def fp4_quantize_stand_in(original: Callable | None) -> Callable:
 
     fp4_quantize.__wrapped__ = original
     return fp4_quantize
-
-
-# ---- fused MoE: flashinfer.fused_moe.cutlass_fused_moe ------------------------------------------
-
-# FlashInfer's fused-MoE kernels that take NVFP4 weights in the layout SGLang prepares for them
-# (w13 rows [up; gate], 128x4 swizzled block scales per expert, alphas per expert).
-MOE_BACKENDS = ("cutlass",)
 
 
 @functools.lru_cache(maxsize=1)

@@ -29,6 +29,10 @@ SupportFn = Callable[[Device], "tuple[bool, str | None]"]
 
 EMULATED = "emulated"
 EMULATED_CACHED = "emulated-cached"
+HUMMING = "humming"
+# The two kernel families ("dense", "moe"): what messages call them, and their entry-point groups.
+FAMILY_LABELS = {"dense": "FP4 GEMM", "moe": "NVFP4 fused-MoE"}
+ENTRY_POINT_GROUPS = {"dense": "sm120_fp4.backends", "moe": "sm120_fp4.moe_backends"}
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,6 @@ def _always(device: Device) -> tuple[bool, str | None]:
     return True, None
 
 
-HUMMING = "humming"
-
-
 def _humming(family: str) -> Backend:
     """Return Humming's backend of `family`: dense W4A4 (SGLang's FP4 activations dequantized), MoE W4A16."""
     dense = family == "dense"
@@ -81,11 +82,6 @@ def _humming(family: str) -> Backend:
     restore, describe = (functools.partial(f, family) for f in (humming.restore, humming.describe_backend))
     converter = Converter(convert, humming.drop_originals, restore)
     return Backend(HUMMING, "humming", fn, humming.supported, mode, converter, describe)
-
-
-# The two kernel families ("dense", "moe"): what messages call them, and their entry-point groups.
-FAMILY_LABELS = {"dense": "FP4 GEMM", "moe": "NVFP4 fused-MoE"}
-ENTRY_POINT_GROUPS = {"dense": "sm120_fp4.backends", "moe": "sm120_fp4.moe_backends"}
 
 
 class _Registry:

@@ -37,6 +37,8 @@ CAPABILITY_PROBES = {
     "mxfp4_experts_quant_supported": False,
 }
 CUBIN_ENV = "VLLM_HAS_FLASHINFER_CUBIN"
+_STUB_SAYS = "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called"
+_cuda_lock = locks.lock()
 
 
 def _stand_in(name: str, module: str, attribute: str, why: str, **fields) -> PatchSpec:
@@ -193,9 +195,6 @@ def _define_probes(capability: tuple[int, int]) -> Callable[[], None]:
     return library._destroy
 
 
-_STUB_SAYS = "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called"
-
-
 class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports the real extension module where it loads, else a stand-in whose names raise when called."""
 
@@ -260,9 +259,6 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         pass
-
-
-_cuda_lock = locks.lock()
 
 
 @contextlib.contextmanager

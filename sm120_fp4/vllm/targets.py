@@ -15,6 +15,20 @@ from .moe import make_alias, make_defer, make_shapes
 from .release import CT, CT_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, TARGET_VERSIONS, distribution
 from .release import FI_CUTLASS_MOE as FI_MOE
 
+
+def _is_callable(original: object) -> str | None:
+    return None if callable(original) else f"not a function: {type(original).__name__}"
+
+
+def _is_property(original: object) -> str | None:
+    return None if isinstance(original, property) else f"not a property: {type(original).__name__}"
+
+
+def _target(name: str, module: str, attribute: str, why: str, check=None) -> tuple[str, PatchSpec]:
+    spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), check=check)
+    return name, replace(spec, versions=TARGET_VERSIONS)
+
+
 MOE_KIND = "ModelOptNvFp4FusedMoE"
 CT_MOE_KIND = "CompressedTensorsW4A4Nvfp4MoEMethod"
 
@@ -46,21 +60,6 @@ _MOE_WEIGHTS_WHY = (
 )
 _UPSTREAM = "no upstream check exists (vLLM's warm-ups compile and tune; none compares FP4 outputs with a reference)"
 _REMOVE = "when vLLM verifies its NVFP4 GEMM output at start-up on SM12x"
-
-
-def _is_callable(original: object) -> str | None:
-    return None if callable(original) else f"not a function: {type(original).__name__}"
-
-
-def _is_property(original: object) -> str | None:
-    return None if isinstance(original, property) else f"not a property: {type(original).__name__}"
-
-
-def _target(name: str, module: str, attribute: str, why: str, check=None) -> tuple[str, PatchSpec]:
-    spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), check=check)
-    return name, replace(spec, versions=TARGET_VERSIONS)
-
-
 _ONLY_NVFP4 = " (ModelOpt checkpoints: ModelOptLinearMethod serves FP8, MXFP8 and NVFP4; only NVFP4 layers are checked)"
 _CT = " (compressed-tensors W4A4 NVFP4 checkpoints)"
 _MOE_CT = _MOE_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints: the same backend selection and experts)"

@@ -15,6 +15,11 @@ from ...errors import InvalidArgument, SelfTestError
 from .engine import K_ALIGN, N_ALIGN, Prepared, current_engine, lock
 
 _LOG = logging.getLogger("sm120_fp4")
+# Keyed by the packed weight's storage pointer and IN_PLACE for a served layer converted at load, or the
+# activation dtype for a copy made on first use.
+IN_PLACE = "in-place"
+converted: dict[tuple[int, object], Converted] = {}
+_memory: dict[str, dict] = {}
 
 
 @dataclass
@@ -28,13 +33,6 @@ class Converted:
     originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # storage -> (copy, target)
     written: set[int] = field(default_factory=set)  # storages of SGLang's that now hold Humming's bytes
     owner: Any = None  # weakref to the tensor whose storage is the key: a dead one means a stale record
-
-
-# Keyed by the packed weight's storage pointer and IN_PLACE for a served layer converted at load, or the
-# activation dtype for a copy made on first use.
-IN_PLACE = "in-place"
-converted: dict[tuple[int, object], Converted] = {}
-_memory: dict[str, dict] = {}
 
 
 def forget() -> None:
