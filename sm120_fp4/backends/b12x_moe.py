@@ -31,6 +31,8 @@ _lock = threading.Lock()
 _factory: WrapperFactory | None = None  # a stand-in (tests); None: FlashInfer's B12xMoEWrapper
 # Settings of the serving engine under which b12x cannot serve (SGLang's pdmux, deterministic inference, EP).
 _engine_checks: list[Callable[[], str | None]] = []
+_workspaces: dict[tuple, object] = {}  # (device, E, top-k, H, I, activation) -> the first wrapper (owns the buffers)
+_layers: dict[tuple, _Layer] = {}  # (config, the layer's weight pointers) -> its wrapper and scales
 
 
 def engine_check(check: Callable[[], str | None]) -> Callable[[], str | None]:
@@ -67,23 +69,15 @@ def _wrapper_class() -> WrapperFactory:
     return B12xMoEWrapper
 
 
-def _setup_problem(device: Device) -> str | None:
-    problem = toolchain_problem("b12x MoE", MIN_CUDA)
-    if problem is not None:
-        return problem
-    with _lock:
-        checks = list(_engine_checks)
-    reason = next((r for r in (check() for check in checks) if r), None)
-    if reason:
-        return reason
-    if tuple(device.capability) not in ((12, 0), (12, 1)):
-        return f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
-    return None
-
-
 def supported(device: Device) -> tuple[bool, str | None]:
     """Return whether b12x's MoE can serve on `device` in this process, and why not."""
-    problem = _setup_problem(device)
+    problem = toolchain_problem("b12x MoE", MIN_CUDA)
+    if problem is None:
+        with _lock:
+            checks = list(_engine_checks)
+        problem = next((r for r in (check() for check in checks) if r), None)
+    if problem is None and tuple(device.capability) not in ((12, 0), (12, 1)):
+        problem = f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
     if problem is not None or _factory is not None:
         return problem is None, problem
     ok, reason = moe_supported("cutlass", device)  # a real GPU, FlashInfer installed
@@ -159,10 +153,6 @@ class _Layer:
     derived: _Derived
 
 
-_workspaces: dict[tuple, object] = {}  # (device, E, top-k, H, I, activation) -> the first wrapper (owns the buffers)
-_layers: dict[tuple, _Layer] = {}  # (config, the layer's weight pointers) -> its wrapper and scales
-
-
 def reset() -> None:
     """Forget every wrapper and workspace (uninstall, a backend switch, tests)."""
     with _lock:
@@ -176,18 +166,9 @@ def _make_wrapper(config: tuple, owner: object | None) -> object:
     if owner is not None:  # the configuration's buffers, never replaced
         names = ("shared_static_workspace", "shared_dynamic_workspace", "shared_output")
         shared = {name: getattr(owner, attr, None) for name, attr in zip(names, _BUFFERS)}
+    shared.update(use_cuda_graph=True, max_num_tokens=MAX_TOKENS, output_dtype=torch.bfloat16, device=device)
     return (_factory or _wrapper_class())(
-        experts,
-        top_k,
-        hidden,
-        inter,
-        use_cuda_graph=True,
-        max_num_tokens=MAX_TOKENS,
-        output_dtype=torch.bfloat16,
-        device=device,
-        activation=ACTIVATIONS[activation],
-        quant_mode="nvfp4",
-        **shared,
+        experts, top_k, hidden, inter, activation=ACTIVATIONS[activation], quant_mode="nvfp4", **shared
     )
 
 
@@ -251,24 +232,14 @@ def fused_moe(*args):
     scales = (c.w13_alpha, c.w2, c.w2_sf, c.w2_alpha, c.a1_gscale, c.a2_gscale)
     entry = _layer(c.w13, c.w13_sf, *scales, c.topk_ids.shape[1], c.activation)
     d = entry.derived
+    scales = dict(w1_alpha=d.w1_alpha, w2_alpha=d.w2_alpha, fc2_input_scale=d.fc2_input_scale)
+    scales.update(input_global_scale=d.input_global_scale)
     w1_sf, w2_sf = mma_scale_view(c.w13_sf, rows, hidden, experts), mma_scale_view(c.w2_sf, hidden, inter, experts)
     ids = c.topk_ids if c.topk_ids.dtype == torch.int32 else c.topk_ids.to(torch.int32)
     for lo in range(0, c.x.shape[0], MAX_TOKENS):
-        hi = min(lo + MAX_TOKENS, c.x.shape[0])
-        result = entry.wrapper.run(
-            c.x[lo:hi],
-            c.w13,
-            w1_sf,
-            c.w2,
-            w2_sf,
-            ids[lo:hi],
-            c.topk_weights[lo:hi],
-            w1_alpha=d.w1_alpha,
-            w2_alpha=d.w2_alpha,
-            fc2_input_scale=d.fc2_input_scale,
-            input_global_scale=d.input_global_scale,
-        )
-        c.out[lo:hi].copy_(result)  # the wrapper returns a slice of its own output buffer
+        chunk = slice(lo, min(lo + MAX_TOKENS, c.x.shape[0]))
+        result = entry.wrapper.run(c.x[chunk], c.w13, w1_sf, c.w2, w2_sf, ids[chunk], c.topk_weights[chunk], **scales)
+        c.out[chunk].copy_(result)  # the wrapper returns a slice of its own output buffer
     return c.out
 
 

@@ -4,7 +4,7 @@ metadata only (no host sync), and the mapping of a cutlass_fused_moe call to the
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections import namedtuple
 
 import torch
 
@@ -14,6 +14,14 @@ from ..errors import not_accepted
 SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 MOE_ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2"}  # the convention's name -> FlashInfer's ActivationType
 _DTYPES = (torch.bfloat16, torch.float16)
+# cutlass_fused_moe keywords that ask for something the convention does not express (left to the original).
+_UNSERVED_KEYWORDS = ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit")
+# One call of the MoE backend convention (reference_moe_fp4's; -1 ids: slots that are not this rank's): tensors but
+# activation (a str of MOE_ACTIVATIONS) and out_dtype (a torch.dtype).
+_MOE_FIELDS = (
+    "x topk_ids topk_weights w13 w13_sf w13_alpha w2 w2_sf w2_alpha a1_gscale a2_gscale activation out_dtype out"
+)
+MoeArgs = namedtuple("MoeArgs", _MOE_FIELDS)
 
 
 _bad = functools.partial(not_accepted, "mm_fp4")
@@ -68,32 +76,10 @@ def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(
             raise _bad(name, t, f"a tensor on the same device as a ({a.device})")
 
 
-class MoeArgs(NamedTuple):
-    """One call of the MoE backend convention (reference_moe_fp4's; -1 ids: slots that are not this rank's)."""
-
-    x: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    w13: torch.Tensor
-    w13_sf: torch.Tensor
-    w13_alpha: torch.Tensor
-    w2: torch.Tensor
-    w2_sf: torch.Tensor
-    w2_alpha: torch.Tensor
-    a1_gscale: torch.Tensor
-    a2_gscale: torch.Tensor
-    activation: str
-    out_dtype: torch.dtype
-    out: torch.Tensor
-
-
 def _bad_tensor(t, dtypes, shape: tuple | None = None, dim: int | None = None) -> bool:
-    return (
-        not isinstance(t, torch.Tensor)
-        or t.dtype not in dtypes
-        or (dim is not None and t.dim() != dim)
-        or (shape is not None and tuple(t.shape) != shape)
-    )
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        return True
+    return (dim is not None and t.dim() != dim) or (shape is not None and tuple(t.shape) != shape)
 
 
 def check_moe_args(*args) -> MoeArgs:
@@ -132,24 +118,13 @@ def check_moe_args(*args) -> MoeArgs:
     return c
 
 
-# cutlass_fused_moe keywords that ask for something the convention does not express (left to the original).
-_UNSERVED_KEYWORDS = ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit")
-
-
 def _served_call(kwargs: dict, scales, w13, activation) -> bool:
-    return not (
-        activation is None
-        or not isinstance(scales, (list, tuple))
-        or len(scales) != 6
-        or not isinstance(w13, torch.Tensor)
-        or w13.dtype != torch.int64
-        or scales[1].dtype != torch.int32
-        or kwargs.get("input_sf") is not None
-        or kwargs.get("enable_alltoall")
-        or any(kwargs.get(k) is not None for k in _UNSERVED_KEYWORDS)
-        or kwargs.get("cluster_size", 1) != 1
-        or kwargs.get("min_latency_mode")
-    )
+    shaped = isinstance(scales, (list, tuple)) and len(scales) == 6 and isinstance(w13, torch.Tensor)
+    if activation is None or not shaped or w13.dtype != torch.int64 or scales[1].dtype != torch.int32:
+        return False
+    unserved = kwargs.get("input_sf") is not None or kwargs.get("enable_alltoall")
+    unserved = unserved or any(kwargs.get(k) is not None for k in _UNSERVED_KEYWORDS)
+    return not (unserved or kwargs.get("cluster_size", 1) != 1 or kwargs.get("min_latency_mode"))
 
 
 def moe_call_to_convention(kwargs: dict, activation_type: type) -> MoeArgs | None:
@@ -174,22 +149,9 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> MoeArgs | Non
     if out is None:
         out = torch.empty((x.shape[0], w2_u8.shape[1]), dtype=out_dtype, device=x.device)
     e4m3 = torch.float8_e4m3fn
-    return MoeArgs(
-        x,
-        ids,
-        kwargs["token_final_scales"],
-        w13_u8,
-        scales[1].view(e4m3),
-        scales[2],
-        w2_u8,
-        scales[4].view(e4m3),
-        scales[5],
-        global_scale(scales[0]),
-        global_scale(scales[3]),
-        activation,
-        out_dtype,
-        out,
-    )
+    weights = (w13_u8, scales[1].view(e4m3), scales[2], w2_u8, scales[4].view(e4m3), scales[5])
+    gscales = (global_scale(scales[0]), global_scale(scales[3]))
+    return MoeArgs(x, ids, kwargs["token_final_scales"], *weights, *gscales, activation, out_dtype, out)
 
 
 def global_scale(scale: torch.Tensor) -> torch.Tensor:

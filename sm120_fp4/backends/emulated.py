@@ -10,17 +10,16 @@ import torch
 from .. import locks, nvfp4
 from .convention import MoeArgs
 
-
-def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
-    """Run the nvfp4 reference GEMM (dequantize + float32 matmul)."""
-    return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
-
-
 # Dequantized bf16 weights for `emulated-cached` (2 bytes per element), valid while alive and unchanged. Never
 # made during CUDA-graph capture (its values would exist only at replay); dropped around SGLang's weight updates
 # (invalidate_caches), which write through ``param.data`` without bumping versions.
 _weights: dict[int, tuple] = {}
 _weights_lock = locks.lock()
+
+
+def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
+    """Run the nvfp4 reference GEMM (dequantize + float32 matmul)."""
+    return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
 
 
 def _dequantized_weight(b, b_descale, dtype):

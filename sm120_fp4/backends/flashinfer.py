@@ -31,6 +31,16 @@ GemmFn = Callable[..., object]
 # FlashInfer backends that read the non-shuffled 128x4 layout SGLang prepares for cutlass (not trtllm:
 # shuffled weights; not cutedsl_low_latency: SM100 only).
 BACKENDS = ("cutlass", "b12x", "cudnn", "cute-dsl")
+# FlashInfer's fused-MoE kernels that take NVFP4 weights in the layout SGLang prepares for them
+# (w13 rows [up; gate], 128x4 swizzled block scales per expert, alphas per expert).
+MOE_BACKENDS = ("cutlass",)
+# Backend names SGLang may pass for that layout, served by the decided backend ("cutlass": the runner
+# enum is pinned to FLASHINFER_CUTLASS). Passed through on purpose: trtllm (shuffled weights), cute-dsl
+# (the operator's choice). Any other name is refused by name on a served device (dispatch's `unknown`).
+ROUTED_BACKENDS = frozenset({None, "auto", "cudnn", "cutlass"})
+PASSED_THROUGH_BACKENDS = frozenset({"trtllm", "cute-dsl"})
+# mm_fp4 keywords that never change the numbers, with the values that leave them so (None: any value).
+NEUTRAL_MM_FP4_KEYWORDS = {"enable_pdl": None, "use_nvfp4": (True,), "batch_invariant": (False,)}
 # SM120_FP4_BACKENDS=auto per capability (each candidate still self-tested; docs/operations.md has the
 # sources). sm_121 lacks b12x: FlashInfer #3170, an illegal memory access that poisons the CUDA context.
 # humming (JIT, bf16-activation kernels on the FP4 weights) is the verified fallback on 12.x. The b12x
@@ -41,6 +51,20 @@ ORDER_BY_CAPABILITY: _Orders = {(12, 0): ("cutlass", "b12x", "humming"), (12, 1)
 DEFAULT_MOE_ORDER: tuple[str, ...] = ("cutlass",)
 MOE_ORDER_BY_CAPABILITY: _Orders = {(12, 0): ("cutlass", "humming"), (12, 1): ("cutlass", "humming")}
 FASTEST_MOE_EXTRA: _Orders = {(12, 0): ("b12x",)}  # timed with SELECT=fastest
+# mm_fp4's leading positional parameters in every release this library knows (0.2.11 - 0.7.x).
+MM_FP4_HEAD = ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype")
+# (K, N) alignment per backend; off it, kernels return silent garbage (vLLM #48898). cute-dsl on SM12x: 64.
+_ALIGN = {"cutlass": (32, 8), "b12x": (32, 8), "cudnn": (32, 8), "cute-dsl": (64, 64)}
+_NO_QUANTIZER = (
+    "sm120_fp4: FlashInfer %s's activation quantizer (flashinfer.fp4_quantize) does not import "
+    "(%s: %s): self-tests run without it, so the quantizer SGLang calls is not checked by them"
+)
+# FlashInfer's b12x GEMM (0.7.2-0.7.4) raises below CUDA 12.9 (nvcc's, else torch's) and needs the CuTe DSL.
+B12X_MIN_CUDA = (12, 9)
+# nvcc's crt/math_functions.h up to CUDA 13.0 clashes with glibc 2.41's rsqrt/cospi: JIT builds fail.
+GLIBC_CLASH = (2, 41)
+CUDA_HEADERS_CLASH = (13, 0)
+_toolchain_probe: Callable[[], Toolchain] | None = None  # a test's (use_toolchain); None: this machine's
 
 
 def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
@@ -52,15 +76,6 @@ def default_moe_order(capability: tuple[int, int], fastest: bool = False) -> tup
     """Return the MoE candidate order auto means on `capability` (`fastest`: with FASTEST_MOE_EXTRA)."""
     order = MOE_ORDER_BY_CAPABILITY.get(tuple(capability), DEFAULT_MOE_ORDER)
     return order + FASTEST_MOE_EXTRA.get(tuple(capability), ()) if fastest else order
-
-
-# Backend names SGLang may pass for that layout, served by the decided backend ("cutlass": the runner
-# enum is pinned to FLASHINFER_CUTLASS). Passed through on purpose: trtllm (shuffled weights), cute-dsl
-# (the operator's choice). Any other name is refused by name on a served device (dispatch's `unknown`).
-ROUTED_BACKENDS = frozenset({None, "auto", "cudnn", "cutlass"})
-PASSED_THROUGH_BACKENDS = frozenset({"trtllm", "cute-dsl"})
-# mm_fp4 keywords that never change the numbers, with the values that leave them so (None: any value).
-NEUTRAL_MM_FP4_KEYWORDS = {"enable_pdl": None, "use_nvfp4": (True,), "batch_invariant": (False,)}
 
 
 def neutral_mm_fp4_keywords(kwargs: dict) -> bool:
@@ -81,24 +96,16 @@ def unrouted_mm_fp4_argument(block_size: object, use_8x4_sf_layout: object, kwar
     return next(((name, value) for name, value in kwargs.items() if not neutral_mm_fp4_keywords({name: value})), None)
 
 
-# mm_fp4's leading positional parameters in every release this library knows (0.2.11 - 0.7.x).
-MM_FP4_HEAD = ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype")
-# (K, N) alignment per backend; off it, kernels return silent garbage (vLLM #48898). cute-dsl on SM12x: 64.
-_ALIGN = {"cutlass": (32, 8), "b12x": (32, 8), "cudnn": (32, 8), "cute-dsl": (64, 64)}
-
-
 def version() -> str | None:
     """Return the installed flashinfer-python version, without importing it."""
     return installed_version("flashinfer-python", "flashinfer")
 
 
-@contextlib.contextmanager
-def autotuning() -> Iterator[None]:
+def autotuning() -> contextlib.AbstractContextManager:
     """Run the block with FlashInfer's autotuner tuning (a shape's first call profiles its tactics)."""
     from flashinfer.autotuner import autotune  # heavy: only where a FlashInfer backend runs
 
-    with autotune(True):
-        yield
+    return autotune(True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -119,15 +126,6 @@ def _unusable(device: Device) -> str | None:
     if version() is None:
         return "flashinfer-python is not installed"
     return None
-
-
-# ---- the toolchain FlashInfer's kernels are built with ---------------------------------------
-
-# FlashInfer's b12x GEMM (0.7.2-0.7.4) raises below CUDA 12.9 (nvcc's, else torch's) and needs the CuTe DSL.
-B12X_MIN_CUDA = (12, 9)
-# nvcc's crt/math_functions.h up to CUDA 13.0 clashes with glibc 2.41's rsqrt/cospi: JIT builds fail.
-GLIBC_CLASH = (2, 41)
-CUDA_HEADERS_CLASH = (13, 0)
 
 
 @dataclass(frozen=True)
@@ -181,9 +179,6 @@ def _cute_dsl() -> str | None:
     except (ImportError, ValueError) as exc:
         return f"nvidia-cutlass-dsl cannot be imported: {type(exc).__name__}: {exc}"
     return None
-
-
-_toolchain_probe: Callable[[], Toolchain] | None = None  # a test's (use_toolchain); None: this machine's
 
 
 @functools.lru_cache(maxsize=1)
@@ -298,14 +293,7 @@ def quantizer(device: Device) -> tuple[str, GemmFn] | None:
     try:
         from flashinfer import fp4_quantize
     except Exception as exc:  # ImportError, or a broken install raising anything
-        say_once(
-            logging.WARNING,
-            "sm120_fp4: FlashInfer %s's activation quantizer (flashinfer.fp4_quantize) does not import "
-            "(%s: %s): self-tests run without it, so the quantizer SGLang calls is not checked by them",
-            version(),
-            type(exc).__name__,
-            exc,
-        )
+        say_once(logging.WARNING, _NO_QUANTIZER, version(), type(exc).__name__, exc)
         return None
 
     def quantize(x, global_scale):
@@ -335,13 +323,6 @@ def fp4_quantize_stand_in(original: Callable | None) -> Callable:
 
     fp4_quantize.__wrapped__ = original
     return fp4_quantize
-
-
-# ---- fused MoE: flashinfer.fused_moe.cutlass_fused_moe ------------------------------------------
-
-# FlashInfer's fused-MoE kernels that take NVFP4 weights in the layout SGLang prepares for them
-# (w13 rows [up; gate], 128x4 swizzled block scales per expert, alphas per expert).
-MOE_BACKENDS = ("cutlass",)
 
 
 @functools.lru_cache(maxsize=1)
@@ -376,27 +357,14 @@ def moe_backend(name: str) -> Callable:
 
     def flashinfer_moe(*args):
         c = check_moe_args(*args)
-        cutlass_fused_moe(
-            output=c.out,
-            input=c.x,
-            token_selected_experts=c.topk_ids.to(torch.int32),
-            token_final_scales=c.topk_weights,
-            fc1_expert_weights=c.w13.view(torch.long),
-            fc2_expert_weights=c.w2.view(torch.long),
-            output_dtype=c.out_dtype,
-            input_sf=None,
-            quant_scales=[
-                _encode_scale(c.a1_gscale),
-                c.w13_sf.view(torch.int32),
-                c.w13_alpha,
-                _encode_scale(c.a2_gscale),
-                c.w2_sf.view(torch.int32),
-                c.w2_alpha,
-            ],
-            activation_type=getattr(activation_type, MOE_ACTIVATIONS[c.activation]),
-            # SGLang's default (SGLANG_FLASHINFER_MOE_FUSED_FINALIZE unset); FlashInfer's own default is True.
-            use_fused_finalize=False,
-        )
+        fc1 = [_encode_scale(c.a1_gscale), c.w13_sf.view(torch.int32), c.w13_alpha]
+        fc2 = [_encode_scale(c.a2_gscale), c.w2_sf.view(torch.int32), c.w2_alpha]
+        tokens = dict(output=c.out, input=c.x, output_dtype=c.out_dtype, input_sf=None, quant_scales=fc1 + fc2)
+        routing = dict(token_selected_experts=c.topk_ids.to(torch.int32), token_final_scales=c.topk_weights)
+        weights = dict(fc1_expert_weights=c.w13.view(torch.long), fc2_expert_weights=c.w2.view(torch.long))
+        activation = getattr(activation_type, MOE_ACTIVATIONS[c.activation])
+        # use_fused_finalize: SGLang's default (SGLANG_FLASHINFER_MOE_FUSED_FINALIZE unset); FlashInfer's is True.
+        cutlass_fused_moe(**tokens, **routing, **weights, activation_type=activation, use_fused_finalize=False)
         return c.out
 
     flashinfer_moe.__name__ = f"flashinfer_{name}_fused_moe"

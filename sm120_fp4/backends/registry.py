@@ -10,51 +10,29 @@ from typing import Callable
 from .. import locks
 from ..devices import Device
 from ..errors import ConfigError, InvalidArgument
+from . import b12x_moe as b12x
 from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
 from .emulated import invalidate_caches as _drop_dequantized
 from .flashinfer import BACKENDS as FLASHINFER_BACKENDS
 from .flashinfer import MOE_BACKENDS, GemmFn, mm_fp4_backend, moe_backend, moe_supported, quantizer, supported
-from .flashinfer import version as flashinfer_version
+from .flashinfer import version as flashinfer_version  # noqa: F401  (re-exported: __all__)
+from .humming import adapter as humming  # light: Humming itself is imported only when asked about
 
-__all__ = [
-    "Backend",
-    "Converter",
-    "FLASHINFER_BACKENDS",
-    "register",
-    "unregister",
-    "load_entry_points",
-    "ENTRY_POINT_GROUPS",
-    "FAMILY_LABELS",
-    "get",
-    "names",
-    "is_supported",
-    "resolve",
-    "quantizer_for",
-    "flashinfer_version",
-    "register_moe",
-    "unregister_moe",
-    "moe_names",
-    "get_moe",
-    "is_moe_supported",
-    "resolve_moe",
-    "backend_of",
-    "mode_of",
-    "original",
-    "HUMMING",
-    "EMULATED",
-    "EMULATED_CACHED",
-    "GemmFn",
-    "SupportFn",
-    "invalidate_caches",
-    "emulated_mm_fp4",
-    "emulated_cached_mm_fp4",
-    "emulated_moe",
-]
+__all__ = (
+    "Backend Converter FLASHINFER_BACKENDS register unregister load_entry_points ENTRY_POINT_GROUPS FAMILY_LABELS "
+    "get names is_supported resolve quantizer_for flashinfer_version register_moe unregister_moe moe_names "
+    "get_moe is_moe_supported resolve_moe backend_of mode_of original HUMMING EMULATED EMULATED_CACHED GemmFn "
+    "SupportFn invalidate_caches emulated_mm_fp4 emulated_cached_mm_fp4 emulated_moe"
+).split()
 
 SupportFn = Callable[[Device], "tuple[bool, str | None]"]
 
 EMULATED = "emulated"
 EMULATED_CACHED = "emulated-cached"
+HUMMING = "humming"
+# The two kernel families ("dense", "moe"): what messages call them, and their entry-point groups.
+FAMILY_LABELS = {"dense": "FP4 GEMM", "moe": "NVFP4 fused-MoE"}
+ENTRY_POINT_GROUPS = {"dense": "sm120_fp4.backends", "moe": "sm120_fp4.moe_backends"}
 
 
 @dataclass(frozen=True)
@@ -90,13 +68,8 @@ def _always(device: Device) -> tuple[bool, str | None]:
     return True, None
 
 
-HUMMING = "humming"
-
-
 def _humming(family: str) -> Backend:
     """Return Humming's backend of `family`: dense W4A4 (SGLang's FP4 activations dequantized), MoE W4A16."""
-    from .humming import adapter as humming  # light: Humming itself is imported only when asked about
-
     dense = family == "dense"
 
     def convert(tensors: dict, keep_original: bool) -> None:
@@ -105,20 +78,10 @@ def _humming(family: str) -> Backend:
         else:
             humming.prepare_moe(tensors, tensors["dtype"], keep_original)
 
-    return Backend(
-        HUMMING,
-        "humming",
-        humming.mm_fp4 if dense else humming.fused_moe,
-        humming.supported,
-        "w4a4" if dense else "w4a16",
-        Converter(convert, humming.drop_originals, lambda: humming.restore(family)),
-        describe=lambda: humming.describe_backend(family),
-    )
-
-
-# The two kernel families ("dense", "moe"): what messages call them, and their entry-point groups.
-FAMILY_LABELS = {"dense": "FP4 GEMM", "moe": "NVFP4 fused-MoE"}
-ENTRY_POINT_GROUPS = {"dense": "sm120_fp4.backends", "moe": "sm120_fp4.moe_backends"}
+    fn, mode = (humming.mm_fp4, "w4a4") if dense else (humming.fused_moe, "w4a16")
+    restore, describe = (functools.partial(f, family) for f in (humming.restore, humming.describe_backend))
+    converter = Converter(convert, humming.drop_originals, restore)
+    return Backend(HUMMING, "humming", fn, humming.supported, mode, converter, describe)
 
 
 class _Registry:
@@ -217,15 +180,15 @@ def _dense_builtins() -> dict[str, Backend]:
 
 def _b12x() -> Backend:
     """Return FlashInfer's b12x fused MoE on SGLang's cutlass tensors (its workspace made at load, released by restore)."""
-    from .b12x_moe import NAME, describe, fused_moe, layer_problem, prepare, reset
-    from .b12x_moe import supported as b12x_supported
 
     def release() -> bool:
-        reset()
+        b12x.reset()
         return True
 
-    converter = Converter(prepare, lambda tensors, keep: None, release, in_place=False)
-    return Backend(NAME, "flashinfer", fused_moe, b12x_supported, "w4a4", converter, describe, layer_problem)
+    converter = Converter(b12x.prepare, lambda tensors, keep: None, release, in_place=False)
+    return Backend(
+        b12x.NAME, "flashinfer", b12x.fused_moe, b12x.supported, "w4a4", converter, b12x.describe, b12x.layer_problem
+    )
 
 
 def _moe_builtins() -> dict[str, Backend]:
@@ -276,8 +239,6 @@ def mode_of(family: str, name: str) -> str:
 
 def original(t):
     """Return a weight as the checkpoint has it (humming's kept bytes where it converted it in place), for the oracle."""
-    from .humming import adapter as humming
-
     return humming.original(t)
 
 
@@ -288,10 +249,8 @@ def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
 
 def invalidate_caches() -> None:
     """Drop or refresh what backends derived from weights (SGLang is about to write, or has written, them)."""
-    from .b12x_moe import refresh_scales
-
     _drop_dequantized()
-    refresh_scales()  # in place: CUDA graphs captured before the update read the same tensors
+    b12x.refresh_scales()  # in place: CUDA graphs captured before the update read the same tensors
 
 
 def register_moe(name: str, fn: Callable, is_supported: SupportFn | None = None, *, replace: bool = False) -> None:

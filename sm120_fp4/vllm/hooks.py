@@ -28,13 +28,8 @@ LARGE_BATCH = 2049
 LIGHT_BATCH = 8
 
 
-def make_weights_hook(
-    original: Callable,
-    before: Callable[[object, object], object],
-    scope: Callable,
-    after: Callable[[object, object], None],
-) -> Callable:
-    """Wrap process_weights_after_loading: `before`, vLLM's processing inside `scope()`, then `after`."""
+def make_weights_hook(original: Callable, before: Callable, scope: Callable, after: Callable) -> Callable:
+    """Wrap process_weights_after_loading: `before(method, layer)`, vLLM's processing inside `scope()`, then `after`."""
 
     @functools.wraps(original)
     def process_weights_after_loading(self, layer, *args, **kwargs):
@@ -144,17 +139,11 @@ def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def _served_cases(serve: Callable, watched: tuple, n_out: int, k: int, ms: list[int], dtype, seed: int) -> list:
     """The served calls at batch sizes `ms` against the oracle on the layer's own processed weights."""
     weight, weight_sf, alpha, input_gsf = watched
-    device = weight.device
-    rows = max(ms)
     gsf = float(input_gsf.float().reshape(-1)[0].cpu())
     if not (math.isfinite(gsf) and gsf > 0):
-        raise not_accepted(
-            "vLLM dense layer check",
-            "input_global_scale_inv",
-            input_gsf,
-            "the layer's positive finite input global scale",
-        )
-    x = verify.seeded_activations(rows, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, device).to(dtype)
+        what = "the layer's positive finite input global scale"
+        raise not_accepted("vLLM dense layer check", "input_global_scale_inv", input_gsf, what)
+    x = verify.seeded_activations(max(ms), k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device).to(dtype)
     k_weight = weight.shape[1] * 2
     padded = torch.nn.functional.pad(x, (0, k_weight - k)) if k_weight > k else x
     qx, sx = graphs.run(
@@ -173,47 +162,37 @@ def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
     return HALF
 
 
-def dense_check(
-    kind: str, serve: Callable, layer: object, rebuild: Callable[[object], LayerCheck | None]
-) -> LayerCheck | None:
+def dense_check(kind: str, serve: Callable, layer: object, rebuild: Callable) -> LayerCheck | None:
     """The LayerCheck of one vLLM NVFP4 linear layer served by FlashInferCutlassNvFp4LinearKernel."""
     weight, weight_sf = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
     alpha, input_gsf = getattr(layer, "alpha", None), getattr(layer, "input_global_scale_inv", None)
-    if (
-        not all(isinstance(t, torch.Tensor) for t in (weight, weight_sf, alpha, input_gsf))
-        or weight.dtype != torch.uint8
-    ):
+    watched = (weight, weight_sf, alpha, input_gsf)
+    if not all(isinstance(t, torch.Tensor) for t in watched) or weight.dtype != torch.uint8:
         _LOG.info("sm120_fp4: %s: weights not in the FlashInfer cutlass layout; not verified here", kind)
         return None
     n_out = int(getattr(layer, "output_size_per_partition", weight.shape[0]))
     k = int(getattr(layer, "input_size_per_partition", weight.shape[1] * 2))
     dtypes = activation_dtypes(layer)
-    watched = (weight, weight_sf, alpha, input_gsf)
     label = f"vLLM {kind} N={n_out} K={k} {dtype_names(dtypes)} (weight scales {dtype_names([weight_sf.dtype])})"
     key = ("vllm", kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
 
     def cases(ms: list[int]) -> list[verify.Case]:
         return [c for i, d in enumerate(dtypes) for c in _served_cases(serve, watched, n_out, k, ms, d, 1000 + i)]
 
-    return LayerCheck(
-        weight.get_device(),
-        key,
-        label,
-        "dense",
-        cases,
-        **check_fields(layer, (LARGE_BATCH,)),
-        weights=lambda: (layer.weight, layer.weight_scale, layer.alpha, layer.input_global_scale_inv),
-        rebuild=rebuild,
-        tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]},
-    )
+    def current() -> tuple:
+        return layer.weight, layer.weight_scale, layer.alpha, layer.input_global_scale_inv
+
+    tensors = {"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]}
+    check = (weight.get_device(), key, label, "dense", cases)
+    return layer_check(layer, check, (LARGE_BATCH,), weights=current, rebuild=rebuild, tensors=tensors)
 
 
-def check_fields(layer: object, extra: tuple = ()) -> dict:
-    """What every vLLM LayerCheck shares: each batch-size bucket in full, vLLM's graph and prefill sizes again."""
+def layer_check(layer: object, check: tuple, extra: tuple = (), **fields) -> LayerCheck:
+    """LayerCheck(*check, **fields), each batch-size bucket in full, vLLM's graph and prefill sizes again."""
     max_batch, tokens = _vllm_sizes()
     recheck = sorted({1, 7, max_batch, tokens, *extra})
-    full = batch_sizes(max_batch, tokens)
-    return {"ms": full, "recheck_ms": recheck, "layer": layer_name(layer), "light_ms": [LIGHT_BATCH], "owner": layer}
+    ms = batch_sizes(max_batch, tokens)
+    return LayerCheck(*check, ms, recheck, layer_name(layer), [LIGHT_BATCH], owner=layer, **fields)
 
 
 def dtype_names(dtypes) -> str:

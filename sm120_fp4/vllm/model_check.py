@@ -23,12 +23,9 @@ def _vllm_process(device: torch.device):
 
     with set_current_vllm_config(VllmConfig()):
         if not model_parallel_is_initialized():
+            backend, init = "gloo" if device.type == "cpu" else "nccl", f"file://{tempfile.mkdtemp()}/init"
             init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                backend="gloo" if device.type == "cpu" else "nccl",
-                distributed_init_method=f"file://{tempfile.mkdtemp()}/init",
+                world_size=1, rank=0, local_rank=0, backend=backend, distributed_init_method=init
             )
             initialize_model_parallel(1, 1)
         if not is_workspace_manager_initialized():
@@ -51,14 +48,10 @@ def _build_dense(layers, layer, quant_config, device: torch.device) -> None:
     """vLLM's fused linear layer for `layer`'s shards, each shard loaded by vLLM's loader, weights processed."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
+    dtype = checkpoints.dtype(layers.config)
     with torch.device(device):
         module = MergedColumnParallelLinear(
-            layer.k,
-            layer.sizes,
-            bias=False,
-            quant_config=quant_config,
-            prefix=layer.name,
-            params_dtype=checkpoints.dtype(layers.config),
+            layer.k, layer.sizes, bias=False, quant_config=quant_config, prefix=layer.name, params_dtype=dtype
         )
     names = checkpoints.NAMES[layers.fmt]
     tensors = checkpoints.load(layers, [f"{s}.{k}" for s in layer.shards for k in names if f"{s}.{k}" in layers.files])
@@ -75,24 +68,15 @@ def _build_moe(layers, layer, quant_config, device: torch.device) -> None:
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     text = checkpoints.text_config(layers.config)
+    top_k = int(text.get("num_experts_per_tok") or text.get("moe_topk") or 2)
+    sizes = dict(num_experts=layer.experts, top_k=top_k, hidden_size=layer.hidden, intermediate_size=layer.inter)
+    fields = dict(params_dtype=checkpoints.dtype(layers.config), prefix=layer.prefix, quant_config=quant_config)
     with torch.device(device):
-        runner = FusedMoEFactory(
-            num_experts=layer.experts,
-            top_k=int(text.get("num_experts_per_tok") or text.get("moe_topk") or 2),
-            hidden_size=layer.hidden,
-            intermediate_size=layer.inter,
-            params_dtype=checkpoints.dtype(layers.config),
-            prefix=layer.prefix,
-            quant_config=quant_config,
-            activation="silu" if layer.gated else "relu2_no_mul",
-        )
+        runner = FusedMoEFactory(**sizes, **fields, activation="silu" if layer.gated else "relu2_no_mul")
     [module] = [m for m in runner.modules() if hasattr(m, "weight_loader") and hasattr(m, "w2_weight_scale")]
-    kinds = checkpoints.NAMES[layers.fmt]
-    names = [
-        n
-        for n in layers.files
-        if n.startswith(layer.prefix + ".") and (m := checkpoints.EXPERT.match(n)) and m["kind"] in kinds
-    ]
+    kinds, prefix = checkpoints.NAMES[layers.fmt], layer.prefix + "."
+    matches = ((n, checkpoints.EXPERT.match(n)) for n in layers.files if n.startswith(prefix))
+    names = [n for n, m in matches if m and m["kind"] in kinds]
     with torch.no_grad():
         for name, value in checkpoints.load(layers, names).items():
             m = checkpoints.EXPERT.match(name)
@@ -115,9 +99,5 @@ def check_model(model_dir: str, device: torch.device) -> dict:
             _build_dense(layers, layer, quant_config, device)
         for layer in moe:
             _build_moe(layers, layer, quant_config, device)
-    return {
-        "format": layers.fmt,
-        "dense": [d.name for d in dense],
-        "moe": [m.prefix for m in moe],
-        "layers": len(layers.dense) + len(layers.moe),
-    }
+    count = len(layers.dense) + len(layers.moe)
+    return {"format": layers.fmt, "dense": [d.name for d in dense], "moe": [m.prefix for m in moe], "layers": count}

@@ -1,6 +1,5 @@
 """vLLM's NVFP4 fused MoE: the FlashInfer kernel call routed (FlashInferExperts then take bf16 activations),
-each layer verified through its own ``apply``; any other backend, and weight-only (W4A16) MoE, refused.
-"""
+each layer verified through its own ``apply``; any other backend, and weight-only (W4A16) MoE, refused."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import torch
 
 from .. import backends, nvfp4, serving, verify
 from ..serving import LayerCheck
-from .hooks import activation_dtypes, check_fields, dtype_names, layer_device_index
+from .hooks import activation_dtypes, dtype_names, layer_check, layer_device_index
 
 _LOG = logging.getLogger("sm120_fp4")
 VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
@@ -23,20 +22,10 @@ VERIFIED_EXPERTS = 8  # a few of the layer's experts: the oracle keeps only thes
 ACTIVATIONS = {"silu": "swiglu", "relu2_no_mul": "relu2"}
 
 
-def served_index(experts: object) -> int | None:
-    """The CUDA ordinal vLLM's experts compute on (-1: CPU, in simulation; None: no weights yet)."""
-    scale = getattr(experts, "w1_scale", None)
-    return scale.get_device() if isinstance(scale, torch.Tensor) else None
-
-
-def _backend_name(method: object) -> str:
-    backend = getattr(method, "nvfp4_backend", None)
-    return str(getattr(backend, "value", backend)).lower()
-
-
 def backend_problem(kind: str, method: object) -> str | None:
     """Why this NVFP4 MoE layer cannot be served verified (None: FlashInfer cutlass, W4A4)."""
-    name = _backend_name(method)
+    backend = getattr(method, "nvfp4_backend", None)
+    name = str(getattr(backend, "value", backend)).lower()
     experts = getattr(getattr(method, "experts_cls", None), "__name__", "?")
     if getattr(method, "use_a16", False):
         return (
@@ -68,10 +57,9 @@ def make_defer(original: property, served: Callable[[int], bool]) -> property:
 
     def expects_unquantized_inputs(self) -> bool:
         config = getattr(self, "quant_config", None)
-        if getattr(config, "use_nvfp4_w4a4", False):
-            index = served_index(self)
-            if index is not None and served(index):
-                return True
+        scale = getattr(self, "w1_scale", None) if getattr(config, "use_nvfp4_w4a4", False) else None
+        if isinstance(scale, torch.Tensor) and served(scale.get_device()):  # the experts' device (-1: CPU, simulated)
+            return True
         return original.fget(self)
 
     replacement = _Property(expects_unquantized_inputs, doc=original.__doc__)
@@ -101,9 +89,7 @@ def make_alias(original: Callable, make_front: Callable[[Callable, type], Callab
         if args:  # vLLM calls it by keyword only; anything else is not the call the front knows
             return original(*args, **kwargs)
         if not fronts:
-            from ..backends import flashinfer
-
-            fronts.append(make_front(original, flashinfer.fused_moe_kernel()[1]))
+            fronts.append(make_front(original, backends.flashinfer.fused_moe_kernel()[1]))
         return fronts[0](**kwargs)
 
     flashinfer_cutlass_fused_moe.__qualname__ = "sm120_fp4.vllm.flashinfer_cutlass_fused_moe"
@@ -117,27 +103,19 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
         return None
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
     activation = ACTIVATIONS.get(str(getattr(getattr(layer, "activation", None), "value", "")))
-    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)) or w13.dtype != torch.uint8:
-        return None
-    if activation is None:
+    tensors = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+    if not tensors or w13.dtype != torch.uint8 or activation is None:
         return None
     count, rows, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * 2
     inter = w2.shape[2] * 2
     if rows != (2 * inter if activation == "swiglu" else inter):
         return None
-    from ..backends import flashinfer
-
-    weights = nvfp4.MoeWeights(
-        w13=w13,
-        w13_sf=experts.w1_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(rows, hidden)),
-        w13_alpha=experts.g1_alphas.float().reshape(count),
-        w2=w2,
-        w2_sf=experts.w2_scale.view(torch.float8_e4m3fn).reshape(count, *nvfp4.swizzled_scale_shape(hidden, inter)),
-        w2_alpha=experts.g2_alphas.float().reshape(count),
-        a1_gscale=flashinfer.global_scale(experts.a1_gscale.float()),
-        a2_gscale=flashinfer.global_scale(experts.a2_gscale.float()),
-    )
-    return weights, activation
+    e4m3, shape = torch.float8_e4m3fn, nvfp4.swizzled_scale_shape
+    w13_sf = experts.w1_scale.view(e4m3).reshape(count, *shape(rows, hidden))
+    w2_sf = experts.w2_scale.view(e4m3).reshape(count, *shape(hidden, inter))
+    alpha1, alpha2 = (a.float().reshape(count) for a in (experts.g1_alphas, experts.g2_alphas))
+    a1, a2 = (backends.flashinfer.global_scale(g.float()) for g in (experts.a1_gscale, experts.a2_gscale))
+    return nvfp4.MoeWeights(w13, w13_sf, alpha1, w2, w2_sf, alpha2, a1, a2), activation
 
 
 def _subset(experts: int, at_least: int) -> list[int]:
@@ -189,36 +167,18 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
     index = layer_device_index(layer)
 
     def serve(x, ids, topk_weights, *rest):
-        out = rest[-1]
-        out.copy_(method.apply(layer, x, topk_weights, ids, None, None))
-        return out
+        return rest[-1].copy_(method.apply(layer, x, topk_weights, ids, None, None))
 
     def cases(ms: list[int]) -> list[verify.Case]:
         plans = _plans(ms, dtypes, subset, everyone, top_k, hidden, amax, device)
         mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
-        return verify.moe_cases(
-            serve,
-            weights,
-            activation,
-            plans,
-            cache=verify.ExpertCache(subset.tolist()),
-            served_ids=True,
-            mode=mode,
-            reference_weights=weights.map(backends.original),
-        )
+        reference = dict(cache=verify.ExpertCache(subset.tolist()), reference_weights=weights.map(backends.original))
+        return verify.moe_cases(serve, weights, activation, plans, served_ids=True, mode=mode, **reference)
 
     def current() -> tuple:
         now = processed_weights(method, layer)
         return tuple(now[0]) if now is not None else ()
 
-    return LayerCheck(
-        index,
-        key,
-        label,
-        "moe",
-        cases,
-        **check_fields(layer),
-        weights=current,
-        rebuild=functools.partial(moe_check, kind, method),
-        tensors={**weights._asdict(), "dtype": dtypes[0], "top_k": top_k},
-    )
+    tensors = {**weights._asdict(), "dtype": dtypes[0], "top_k": top_k}
+    rebuild = functools.partial(moe_check, kind, method)
+    return layer_check(layer, (index, key, label, "moe", cases), weights=current, rebuild=rebuild, tensors=tensors)

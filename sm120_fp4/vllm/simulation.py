@@ -25,13 +25,8 @@ _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets vLLM's NVFP4 linear path run without an SM120 GPU"
 _NEVER = "never used outside simulation"
 # vLLM's CUDA extension modules its import chain reaches on the way to the NVFP4 linear kernels (0.32-0.33).
-EXTENSIONS = (
-    "vllm._C",
-    "vllm._moe_C",
-    "vllm._C_stable_libtorch",
-    "vllm._moe_C_stable_libtorch",
-    "vllm._qutlass_C",
-    "vllm.vllm_flash_attn",
+EXTENSIONS = tuple(
+    f"vllm.{m}" for m in "_C _moe_C _C_stable_libtorch _moe_C_stable_libtorch _qutlass_C vllm_flash_attn".split()
 )
 # torch.ops._C capability probes vLLM's kernel selection calls: the answer for an SM12x device.
 CAPABILITY_PROBES = {
@@ -42,21 +37,20 @@ CAPABILITY_PROBES = {
     "mxfp4_experts_quant_supported": False,
 }
 CUBIN_ENV = "VLLM_HAS_FLASHINFER_CUBIN"
+_STUB_SAYS = "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called"
+_cuda_lock = locks.lock()
 
 
 def _stand_in(name: str, module: str, attribute: str, why: str, **fields) -> PatchSpec:
     return PatchSpec(name, module, attribute, f"{_WHY}; {why}", "-", _NEVER, **fields)
 
 
-PLATFORM = _stand_in(
-    "vllm-sim-platform", PLATFORMS, "_current_platform", "vLLM's platform reports the simulated SM12x capability"
-)
-EXTENSION_STAND_INS = _stand_in(
-    "vllm-sim-extensions", "vllm", "*", "vLLM's CUDA extensions that cannot load are stand-ins that raise when called"
-)
-PROBES = _stand_in(
-    "vllm-sim-capability-probes", "torch.ops._C", "*", "the capability probes of vLLM's NVFP4 kernel selection"
-)
+_PLATFORM_WHY = "vLLM's platform reports the simulated SM12x capability"
+PLATFORM = _stand_in("vllm-sim-platform", PLATFORMS, "_current_platform", _PLATFORM_WHY)
+_EXTENSIONS_WHY = "vLLM's CUDA extensions that cannot load are stand-ins that raise when called"
+EXTENSION_STAND_INS = _stand_in("vllm-sim-extensions", "vllm", "*", _EXTENSIONS_WHY)
+_PROBES_WHY = "the capability probes of vLLM's NVFP4 kernel selection"
+PROBES = _stand_in("vllm-sim-capability-probes", "torch.ops._C", "*", _PROBES_WHY)
 _CUBIN_WHY = f"vLLM's has_flashinfer() asks for the cubin package or {CUBIN_ENV}"
 CUBIN = _stand_in("vllm-sim-flashinfer-cubin", "os.environ", CUBIN_ENV, _CUBIN_WHY)
 _QUANT_WHY = "the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), bound by name"
@@ -99,8 +93,7 @@ class Simulation:
     """The non-attribute stand-ins of one install (platform, extension modules, probes, the cubin knob)."""
 
     def __init__(self, capability: tuple[int, int], patcher: Patcher) -> None:
-        self.capability = capability
-        self.patcher = patcher
+        self.capability, self.patcher = capability, patcher
         self._undo: list[Callable[[], None]] = []
         self._lock = locks.lock()
 
@@ -214,22 +207,16 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if fullname not in EXTENSIONS or getattr(self._busy, "on", False):
             return None
         if fullname not in self._decided:
-            self._decided[fullname] = self._why_not(fullname)
-            if self._decided[fullname] is not None:
-                _LOG.warning(
-                    "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called",
-                    fullname,
-                    self._decided[fullname],
-                )
+            why = self._decided[fullname] = self._why_not(fullname)
+            if why is not None:
+                _LOG.warning(_STUB_SAYS, fullname, why)
         if self._decided[fullname] is None:
             # The real one, already executed by the check: handed over as it is by create_module (never run twice).
             real = self._loaded.pop(fullname, None)
+            if real is None:
+                return None
             origin = getattr(real, "__file__", None)
-            return (
-                None
-                if real is None
-                else importlib.machinery.ModuleSpec(fullname, self, origin=origin, loader_state=real)
-            )
+            return importlib.machinery.ModuleSpec(fullname, self, origin=origin, loader_state=real)
         return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "vllm.vllm_flash_attn")
 
     def _why_not(self, name: str) -> str | None:
@@ -272,9 +259,6 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         pass
-
-
-_cuda_lock = locks.lock()
 
 
 @contextlib.contextmanager

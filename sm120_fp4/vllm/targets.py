@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from dataclasses import replace
 from typing import Callable
 
 from ..patching import PatchSpec
+from ..versions import version_in
+from . import release, simulation
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
-from .moe import make_shapes
-from .release import CT, CT_MOE, FI_CUTLASS_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, TARGET_VERSIONS, distribution
+from .moe import make_alias, make_defer, make_shapes
+from .release import CT, CT_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, TARGET_VERSIONS, distribution
+from .release import FI_CUTLASS_MOE as FI_MOE
+
+
+def _is_callable(original: object) -> str | None:
+    return None if callable(original) else f"not a function: {type(original).__name__}"
+
+
+def _is_property(original: object) -> str | None:
+    return None if isinstance(original, property) else f"not a property: {type(original).__name__}"
+
+
+def _target(name: str, module: str, attribute: str, why: str, check=None) -> tuple[str, PatchSpec]:
+    spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), check=check)
+    return name, replace(spec, versions=TARGET_VERSIONS)
+
 
 MOE_KIND = "ModelOptNvFp4FusedMoE"
 CT_MOE_KIND = "CompressedTensorsW4A4Nvfp4MoEMethod"
-# The backend FlashInferCutlassNvFp4LinearKernel passes to the alias: the one this library routes.
-ALIAS_BACKEND = "cutlass"
 
 _ALIAS_WHY = (
     "vLLM's FlashInfer NVFP4 linear kernels call mm_fp4 through vLLM's wrapper flashinfer_scaled_fp4_mm (bound by "
@@ -44,24 +60,10 @@ _MOE_WEIGHTS_WHY = (
 )
 _UPSTREAM = "no upstream check exists (vLLM's warm-ups compile and tune; none compares FP4 outputs with a reference)"
 _REMOVE = "when vLLM verifies its NVFP4 GEMM output at start-up on SM12x"
-
-
-def _is_callable(original: object) -> str | None:
-    return None if callable(original) else f"not a function: {type(original).__name__}"
-
-
-def _is_property(original: object) -> str | None:
-    return None if isinstance(original, property) else f"not a property: {type(original).__name__}"
-
-
-def _target(name: str, module: str, attribute: str, why: str, check=None) -> tuple[str, PatchSpec]:
-    spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), check=check)
-    return name, replace(spec, versions=TARGET_VERSIONS)
-
-
 _ONLY_NVFP4 = " (ModelOpt checkpoints: ModelOptLinearMethod serves FP8, MXFP8 and NVFP4; only NVFP4 layers are checked)"
 _CT = " (compressed-tensors W4A4 NVFP4 checkpoints)"
 _MOE_CT = _MOE_WEIGHTS_WHY + " (compressed-tensors W4A4 NVFP4 checkpoints: the same backend selection and experts)"
+_MOE_MO = _MOE_WEIGHTS_WHY + " (ModelOpt NVFP4 checkpoints)"
 _PW = ".process_weights_after_loading"
 _FI = "FlashInferExperts."
 # Every runtime patch target, in the order they are applied: (its name without "vllm-", a key of _makers; the target).
@@ -69,24 +71,12 @@ TARGETS: tuple[tuple[str, PatchSpec], ...] = (
     _target("flashinfer-scaled-fp4-mm-alias", LINEAR_FLASHINFER, "flashinfer_scaled_fp4_mm", _ALIAS_WHY, _is_callable),
     _target("modelopt-linear-weights-hook", MODELOPT, "ModelOptLinearMethod" + _PW, _WEIGHTS_WHY + _ONLY_NVFP4),
     _target("compressed-tensors-w4a4-nvfp4-weights-hook", CT, "CompressedTensorsW4A4Fp4" + _PW, _WEIGHTS_WHY + _CT),
+    _target("flashinfer-cutlass-fused-moe-alias", FI_MOE, "flashinfer_cutlass_fused_moe", _MOE_ALIAS_WHY, _is_callable),
     _target(
-        "flashinfer-cutlass-fused-moe-alias",
-        FI_CUTLASS_MOE,
-        "flashinfer_cutlass_fused_moe",
-        _MOE_ALIAS_WHY,
-        _is_callable,
+        "flashinfer-moe-unquantized-inputs", FI_MOE, _FI + "expects_unquantized_inputs", _MOE_DEFER_WHY, _is_property
     ),
-    _target(
-        "flashinfer-moe-unquantized-inputs",
-        FI_CUTLASS_MOE,
-        _FI + "expects_unquantized_inputs",
-        _MOE_DEFER_WHY,
-        _is_property,
-    ),
-    _target("flashinfer-moe-output-shape", FI_CUTLASS_MOE, _FI + "workspace_shapes", _MOE_SHAPES_WHY, _is_callable),
-    _target(
-        "modelopt-nvfp4-moe-weights-hook", MODELOPT, MOE_KIND + _PW, _MOE_WEIGHTS_WHY + " (ModelOpt NVFP4 checkpoints)"
-    ),
+    _target("flashinfer-moe-output-shape", FI_MOE, _FI + "workspace_shapes", _MOE_SHAPES_WHY, _is_callable),
+    _target("modelopt-nvfp4-moe-weights-hook", MODELOPT, MOE_KIND + _PW, _MOE_MO),
     _target("compressed-tensors-nvfp4-moe-weights-hook", CT_MOE, CT_MOE_KIND + _PW, _MOE_CT),
     _target("post-warmup-recheck", GPU_WORKER, "kernel_warmup", _WARMUP_WHY, _is_callable),
 )
@@ -108,8 +98,8 @@ def _makers(w) -> dict[str, Callable]:
         "flashinfer-scaled-fp4-mm-alias": w.make_alias,
         "modelopt-linear-weights-hook": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
         "compressed-tensors-w4a4-nvfp4-weights-hook": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
-        "flashinfer-cutlass-fused-moe-alias": w.make_moe_alias,
-        "flashinfer-moe-unquantized-inputs": w.make_defer,
+        "flashinfer-cutlass-fused-moe-alias": functools.partial(make_alias, make_front=w.router.make_moe_front),
+        "flashinfer-moe-unquantized-inputs": functools.partial(make_defer, served=w.moe_served),
         "flashinfer-moe-output-shape": make_shapes,
         "modelopt-nvfp4-moe-weights-hook": moe_hook(MOE_KIND),
         "compressed-tensors-nvfp4-moe-weights-hook": moe_hook(CT_MOE_KIND),
@@ -124,39 +114,19 @@ def specs(w) -> list[PatchSpec]:
 
 def doctor_section() -> dict:
     """What ``sm120-fp4 doctor`` shows of vLLM (read without importing vLLM), every patch target included."""
-    import importlib.metadata
-
-    from ..versions import version_in
-    from . import simulation
-    from .release import PLUGIN_GROUP, engine_version, release_support, unverified_release
-
-    version = engine_version()
-    ok, why = release_support(version)
-    if version is not None and (unverified := unverified_release(version)) is not None:
+    version = release.engine_version()
+    ok, why = release.release_support(version)
+    if version is not None and (unverified := release.unverified_release(version)) is not None:
         why = "; ".join(unverified)
-    plugins = [
-        f"{e.name} -> {e.value}"
-        for e in importlib.metadata.entry_points(group=PLUGIN_GROUP)
-        if e.value.startswith("sm120_fp4")
-    ]
+    entry_points = importlib.metadata.entry_points(group=release.PLUGIN_GROUP)
+    plugins = [f"{e.name} -> {e.value}" for e in entry_points if e.value.startswith("sm120_fp4")]
+    applies = functools.partial(version_in, version)
     rows = [
-        {
-            "name": spec.name,
-            "target": f"{spec.module}.{spec.attribute}",
-            "versions": spec.versions,
-            "applies": ok and version_in(version, spec.versions),
-        }
-        for spec in ledger_rows() + simulation.ledger_rows()
+        dict(name=s.name, target=f"{s.module}.{s.attribute}", versions=s.versions, applies=ok and applies(s.versions))
+        for s in ledger_rows() + simulation.ledger_rows()
     ]
-    return {
-        "engine": "vLLM",
-        "version": version,
-        "distribution": distribution(),
-        "supported": ok,
-        "reason": why,
-        "plugin_entry_point": plugins or None,
-        "targets": rows,
-    }
+    found = {"engine": "vLLM", "version": version, "distribution": distribution(), "supported": ok, "reason": why}
+    return {**found, "plugin_entry_point": plugins or None, "targets": rows}
 
 
 def ledger_rows() -> list[PatchSpec]:

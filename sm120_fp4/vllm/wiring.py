@@ -85,12 +85,6 @@ class _Wired:
     def moe_served(index: int) -> bool:
         return serving.route_table("moe").get(index) is not None
 
-    def make_moe_alias(self, original: Callable) -> Callable:
-        return moe.make_alias(original, self.router.make_moe_front)
-
-    def make_defer(self, original: property) -> property:
-        return moe.make_defer(original, self.moe_served)
-
     def before_moe(self, kind: str, method, layer) -> None:
         refuse_canary(self.settings)
         if self.router.ensure(hooks.layer_device_index(layer), "moe") is None:

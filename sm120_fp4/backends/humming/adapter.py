@@ -14,21 +14,10 @@ from ... import nvfp4
 from ...devices import Device
 from ...errors import SelfTestError, not_accepted
 from ..convention import check_mm_fp4_args, check_moe_args
-from .convert import (
-    IN_PLACE,
-    conversion,
-    converted,
-    converted_layers,
-    drop_originals,
-    forget,
-    memory,
-    original,
-    prepare_dense,
-    prepare_moe,
-    prepared_for,
-    restore,
-    storage_key,
-)
+from . import convert
+from .convert import converted_layers, drop_originals, original, prepare_dense, prepare_moe, prepared_for, restore
+from .cuda import launch as cuda_launch
+from .cuda import load, loaded
 from .engine import DISTRIBUTION, Engine, Prepared, cache_dir, compiler, current_engine, lock, swap_engine, version
 
 __all__ = [
@@ -39,7 +28,6 @@ __all__ = [
     "version",
     "compiler",
     "supported",
-    "moe_supported",
     "use_engine",
     "clear",
     "mm_fp4",
@@ -85,13 +73,10 @@ def supported(device: Device) -> tuple[bool, str | None]:
     return (problem is None), problem
 
 
-moe_supported = supported
-
-
 def clear() -> None:
     """Forget every conversion and first-call record (tests; an engine swap). Converted storages stay so."""
     with lock:
-        forget()
+        convert.forget()
         _startup.clear()
         _dequant_engines.clear()  # chosen again (and reported) at the next call; built kernels stay loaded
 
@@ -132,9 +117,9 @@ def mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(_K_CALL, 8))
     # A layer converted at load, found without making the .T views (b and b.T share the storage);
     # anything else goes through conversion(), which converts, raises or refuses as it must.
-    conv = converted.get((storage_key(b), IN_PLACE))
+    conv = convert.converted.get((convert.storage_key(b), convert.IN_PLACE))
     if conv is None or conv.owner() is None or conv.prepared.dtype != out_dtype:
-        conv = conversion(b.T, b_descale.T, out_dtype, None, "dense")
+        conv = convert.conversion(b.T, b_descale.T, out_dtype, None, "dense")
     prepared = conv.prepared
     x = dequantize_activations(a, a_descale, out_dtype)
     scale = alpha if alpha.dim() == 1 else alpha.reshape(1)
@@ -152,9 +137,6 @@ def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
     found = _dequant_engines.get(index)
     if found is not None:
         return found
-    from .cuda import launch as cuda_launch
-    from .cuda import load, loaded
-
     if torch.cuda.is_current_stream_capturing():
         if loaded(device):  # built before (the records were cleared since): nothing to build now
             with lock:
@@ -209,11 +191,10 @@ def fused_moe(*args):
     c = check_moe_args(*args)
     x = c.x
     if x.dtype != c.out_dtype:
-        raise not_accepted(
-            "humming fused MoE", "out_dtype", c.out_dtype, f"x's dtype ({x.dtype}): the kernel computes in it"
-        )
+        why = f"x's dtype ({x.dtype}): the kernel computes in it"
+        raise not_accepted("humming fused MoE", "out_dtype", c.out_dtype, why)
     experts = c.w13.shape[0]
-    c13, c2 = (conversion(w, sf, x.dtype, experts, "moe") for w, sf in ((c.w13, c.w13_sf), (c.w2, c.w2_sf)))
+    c13, c2 = (convert.conversion(w, sf, x.dtype, experts, "moe") for w, sf in ((c.w13, c.w13_sf), (c.w2, c.w2_sf)))
     tokens, top_k = c.topk_ids.shape
     flat = c.topk_ids.reshape(-1).long()
     # A -1 slot rides with expert 0 as a zero row (Humming's grouped layout has no row without an expert;
@@ -248,32 +229,23 @@ def fused_moe(*args):
 def startup() -> dict:
     """Return each kernel configuration's first call, the cache directory, and the converted layers' memory."""
     with lock:
-        return {"cache_dir": cache_dir(), "configurations": dict(_startup), "memory": memory()}
+        return {"cache_dir": cache_dir(), "configurations": dict(_startup), "memory": convert.memory()}
 
 
 def describe_backend(family: str) -> dict:
     """Return what status and the report say about the Humming backend of `family` ("dense", "moe")."""
     info = startup()
     shown = (family, "dequant") if family == "dense" else (family,)  # keys: "<family> <label>", "dequant"
-    return {
-        "mode": DENSE_MODE if family == "dense" else MOE_MODE,
-        "engine": current_engine().name,
-        "humming_version": version(),
-        "cache_dir": info["cache_dir"],
-        "converted_in_place": converted_layers(family),
-        "configurations": {k: v for k, v in info["configurations"].items() if k.startswith(shown)},
-        "memory": {k: v for k, v in info["memory"].items() if k.startswith(family)},
-    }
+    engine = {"engine": current_engine().name, "humming_version": version(), "cache_dir": info["cache_dir"]}
+    found = {"mode": DENSE_MODE if family == "dense" else MOE_MODE, **engine}
+    configurations = {k: v for k, v in info["configurations"].items() if k.startswith(shown)}
+    memory = {k: v for k, v in info["memory"].items() if k.startswith(family)}
+    return {**found, "converted_in_place": converted_layers(family), "configurations": configurations, "memory": memory}
 
 
 def doctor_info() -> dict:
     """Return the Humming version, its compiler here and its cache (for `sm120-fp4 doctor`)."""
     tool, how = compiler()
-    return {
-        "version": version(),
-        "compiler": tool,
-        "compiler_detail": how,
-        "cache_dir": cache_dir(),
-        "can_compile": tool is not None,
-        "note": None if version() else f"the humming fallback needs `pip install {DISTRIBUTION}`",
-    }
+    found = {"version": version(), "compiler": tool, "compiler_detail": how, "cache_dir": cache_dir()}
+    note = None if version() else f"the humming fallback needs `pip install {DISTRIBUTION}`"
+    return {**found, "can_compile": tool is not None, "note": note}

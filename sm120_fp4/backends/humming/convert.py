@@ -15,6 +15,11 @@ from ...errors import InvalidArgument, SelfTestError
 from .engine import K_ALIGN, N_ALIGN, Prepared, current_engine, lock
 
 _LOG = logging.getLogger("sm120_fp4")
+# Keyed by the packed weight's storage pointer and IN_PLACE for a served layer converted at load, or the
+# activation dtype for a copy made on first use.
+IN_PLACE = "in-place"
+converted: dict[tuple[int, object], Converted] = {}
+_memory: dict[str, dict] = {}
 
 
 @dataclass
@@ -28,13 +33,6 @@ class Converted:
     originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # storage -> (copy, target)
     written: set[int] = field(default_factory=set)  # storages of SGLang's that now hold Humming's bytes
     owner: Any = None  # weakref to the tensor whose storage is the key: a dead one means a stale record
-
-
-# Keyed by the packed weight's storage pointer and IN_PLACE for a served layer converted at load, or the
-# activation dtype for a copy made on first use.
-IN_PLACE = "in-place"
-converted: dict[tuple[int, object], Converted] = {}
-_memory: dict[str, dict] = {}
 
 
 def forget() -> None:
@@ -56,12 +54,8 @@ def storage_key(t: torch.Tensor) -> int:
 
 def _fits(src: torch.Tensor, target: torch.Tensor) -> bool:
     """Return whether `src`'s bytes fit in `target`'s own storage (target a contiguous tensor starting it)."""
-    return (
-        target.is_contiguous()
-        and target.storage_offset() == 0
-        and src.is_contiguous()
-        and src.nbytes <= target.untyped_storage().nbytes()
-    )
+    fits = src.nbytes <= target.untyped_storage().nbytes()
+    return target.is_contiguous() and target.storage_offset() == 0 and src.is_contiguous() and fits
 
 
 def _write_into(src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -120,10 +114,8 @@ def _prepare(weight, sf, dtype, experts: int | None, family: str, keep: bool, la
             return
         conv = converted[key] = _convert(weight, sf, dtype, experts, family, True, keep)
         nvfp4_bytes = weight.nbytes + sf.nbytes
-        entry = _memory.setdefault(
-            f"{label} {conv.prepared.label}",
-            {"layers": 0, "in_place": conv.in_place, "nvfp4_bytes": nvfp4_bytes, "extra_bytes": conv.extra_bytes},
-        )
+        fresh = {"layers": 0, "in_place": conv.in_place, "nvfp4_bytes": nvfp4_bytes, "extra_bytes": conv.extra_bytes}
+        entry = _memory.setdefault(f"{label} {conv.prepared.label}", fresh)
         entry["layers"] += 1
         entry["ratio"] = round((nvfp4_bytes + conv.extra_bytes) / nvfp4_bytes, 4)
 
@@ -171,17 +163,9 @@ def drop_originals(tensors: dict, keep: bool = False) -> None:
             if not keep:
                 conv.originals.clear()
                 continue
-            for key, (copy, target) in list(conv.originals.items()):
-                conv.originals[key] = (_pinned(copy), target)
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """Return `t` in pinned host memory (a device tensor copied there; one already on the host stays)."""
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)  # synchronous: the device copy is freed when this returns
-    return host
+            for key, (copy, target) in [(k, v) for k, v in conv.originals.items() if v[0].is_cuda]:
+                host = torch.empty(copy.shape, dtype=copy.dtype, pin_memory=True)
+                conv.originals[key] = (host.copy_(copy), target)  # synchronous: the device copy is freed here
 
 
 def converted_layers(family: str) -> int:

@@ -160,8 +160,6 @@ def launch(a: torch.Tensor, sf_bytes: torch.Tensor, out: torch.Tensor, kp: int) 
     function = _functions[index]
     stream = _raw_stream(index)
     blocks = (half_k // 8 + THREADS - 1) // THREADS
-    args = (
-        (a.data_ptr(), sf_bytes.data_ptr(), out.data_ptr(), half_k, kp, 1 if out.dtype == torch.bfloat16 else 0),
-        _ARG_TYPES,
-    )
+    values = (a.data_ptr(), sf_bytes.data_ptr(), out.data_ptr(), half_k, kp, 1 if out.dtype == torch.bfloat16 else 0)
+    args = (values, _ARG_TYPES)
     _check(driver.cuLaunchKernel(function, m, blocks, 1, THREADS, 1, 1, 0, stream, args, 0), "cuLaunchKernel")

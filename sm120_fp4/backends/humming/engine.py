@@ -94,9 +94,7 @@ class Engine:
         """Write out (M, N) = scale_2 * (x @ W_unscaled^T); x (M, K) in prepared.dtype."""
         raise NotImplementedError  # pragma: no cover
 
-    def grouped_gemm(
-        self, prepared: Prepared, x: torch.Tensor, scale_2: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor
-    ) -> None:
+    def grouped_gemm(self, prepared: Prepared, x, scale_2, offsets: torch.Tensor, out: torch.Tensor) -> None:
         """Write rows offsets[e]:offsets[e+1] of x (sorted by expert) times expert e, scaled by scale_2[e]."""
         raise NotImplementedError  # pragma: no cover
 
@@ -136,28 +134,16 @@ class _HummingEngine(Engine):
         schema = BaseWeightSchema.from_config({"quant_method": "modelopt", "quant_algo": "NVFP4"})
         with torch.cuda.device(device):
             ones = torch.ones(experts or 1, dtype=torch.float32, device=device)  # alpha comes with every call
-            hschema, tensors = schema.convert_humming(
-                tensors={"weight": weight, "weight_scale": scale, "weight_scale_2": ones},
-                shape_n_stacks=[n],
-                shape_k_stacks=[k],
-                param_dtype=dtype,
-                num_experts=experts,
-            )
+            raw = {"weight": weight, "weight_scale": scale, "weight_scale_2": ones}
+            shapes = dict(shape_n_stacks=[n], shape_k_stacks=[k], param_dtype=dtype, num_experts=experts)
+            hschema, tensors = schema.convert_humming(tensors=raw, **shapes)
             holder = torch.nn.Module()
             for name, tensor in tensors.items():
                 setattr(holder, name, torch.nn.Parameter(tensor, requires_grad=False))
             del tensors
-            HummingMethod.prepare_layer_meta(
-                layer=holder,
-                shape_n=n,
-                shape_k=k,
-                weight_schema=hschema,
-                num_experts=experts,
-                pad_n_to_multiple=N_ALIGN,
-                pad_k_to_multiple=K_ALIGN,
-                has_bias=False,
-                torch_dtype=dtype,
-            )
+            pads = dict(pad_n_to_multiple=N_ALIGN, pad_k_to_multiple=K_ALIGN, has_bias=False, torch_dtype=dtype)
+            shapes = dict(shape_n=n, shape_k=k, weight_schema=hschema, num_experts=experts)
+            HummingMethod.prepare_layer_meta(layer=holder, **shapes, **pads)
             HummingMethod.transform_humming_layer(holder)
         meta = holder.humming_metas[""]
         out = {"weight": holder.weight.data, "weight_scale": holder.weight_scale.data}
@@ -188,19 +174,12 @@ class _HummingEngine(Engine):
         return prepared.kernels
 
     @classmethod
-    def _launch(cls, prepared, x, scale_2, out, **moe):
+    def _launch(cls, prepared, x, scale_2, out, **launch):
         from humming import ops
 
-        ops.launch_kernel(
-            configs=cls._kernels(prepared),
-            inputs=x,
-            weight=prepared.tensors["weight"],
-            weight_scale=prepared.tensors["weight_scale"],
-            weight_scale_2=scale_2,
-            outputs=out,
-            locks=prepared.locks,
-            **moe,
-        )
+        weights = dict(weight=prepared.tensors["weight"], weight_scale=prepared.tensors["weight_scale"])
+        launch.update(weight_scale_2=scale_2, outputs=out, locks=prepared.locks)
+        ops.launch_kernel(configs=cls._kernels(prepared), inputs=x, **weights, **launch)
 
     def gemm(self, prepared, x, scale_2, out):
         self._launch(prepared, x, scale_2, out)
