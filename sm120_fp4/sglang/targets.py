@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from ..backends.flashinfer import is_mm_fp4
@@ -53,25 +53,6 @@ DENSE_FLAG = "--fp4-gemm-backend flashinfer_cutlass"
 KNOWN_RUNNERS = frozenset(
     {"auto", "flashinfer_cudnn", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl", "marlin"}
 )
-
-
-@dataclass(frozen=True)
-class Wiring:
-    """Hold what one install's patches call into: its routing, decisions and verification."""
-
-    make_dispatch: Callable
-    before_dense: Callable[[str, object, object], object]
-    weights_scope: Callable
-    verify: Callable[[object], None]
-    recheck: Callable[[list[int]], object]
-    make_moe_seam: Callable
-    before_moe: Callable[[str, object, object], None]
-    pin_moe_runner: Callable[[str | None], None]
-    weights_update_begin: Callable[[], object] = lambda: None
-    weights_update_end: Callable[[], object] = lambda: None
-    make_decline: Callable = lambda original: original
-    tuned_families: Callable[[], list[str]] = lambda: []
-    retime: Callable[[], None] = lambda: None
 
 
 def _is_the_alias(original: object) -> str | None:
@@ -256,7 +237,7 @@ _ROWS = (
 TARGETS: tuple[tuple[str, PatchSpec], ...] = tuple(_target(*row) for row in _ROWS)
 
 
-def _makers(w: Wiring) -> dict[str, Callable]:
+def _makers(w) -> dict[str, Callable]:
     """Return what replaces each kind of target, wired to one install's routing and verification."""
 
     def weights_hook(kind: str, before: Callable, check: Callable) -> Callable:
@@ -291,8 +272,8 @@ def _makers(w: Wiring) -> dict[str, Callable]:
     }
 
 
-def specs(w: Wiring) -> list[PatchSpec]:
-    """Return the runtime patches for every supported release, each with what replaces it."""
+def specs(w) -> list[PatchSpec]:
+    """Return the runtime patches for every supported release, each with what replaces it (`w`: wiring._Install)."""
     makers = _makers(w)
     return [replace(spec, make=makers[makes]) for makes, spec in TARGETS]
 
@@ -408,9 +389,15 @@ def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[]
 
 def ledger_rows() -> list[PatchSpec]:
     """Return every runtime patch target, for the ledger and `doctor` (one source of truth)."""
-    noop = lambda *args, **kwargs: None  # noqa: E731
-    return (
-        specs(Wiring(noop, noop, noop, noop, noop, noop, noop, noop))
-        + [ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY]
-        + idle_specs(noop)
-    )
+    return specs(_Unwired()) + [ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY] + idle_specs(_noop)
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+class _Unwired:
+    """Stand in for an install in the ledger's rows: each of its calls does nothing."""
+
+    def __getattr__(self, name: str) -> Callable:
+        return _noop
