@@ -35,8 +35,6 @@ from .targets import (
 )
 from .targets import specs as target_specs
 
-__all__ = ["attach", "idle_point_problem"]
-
 _LOG = logging.getLogger("sm120_fp4")
 
 
@@ -53,6 +51,9 @@ class _Install:
         self.make_moe_seam = functools.partial(make_seam, make_front=router.make_moe_front, simulated=sim is not None)
         self.weights_update_begin = serving.weights_update_begin
         self.weights_update_end = lambda: serving.weights_update_end(settings)
+        self.weights_scope = functools.partial(cuda_moves_stay_on_cpu, sim is not None)
+        # After FlashInfer's autotune, before graph capture: SELECT=fastest times the tuned candidates again.
+        self.retime = lambda: serving.retime(settings)
 
     def refuse(self, what: str, problem: str | None) -> None:
         """Raise RefusedToServe (SELFTEST=strict), warn once (warn) or pass (off, or no problem)."""
@@ -107,9 +108,6 @@ class _Install:
         if check is not None:
             serving.verify_layer(check.device_index, check, self.settings)
 
-    def weights_scope(self):
-        return cuda_moves_stay_on_cpu(self.sim is not None)
-
     def pin_moe_runner(self, model_path: str | None) -> None:
         if not _serves_current_device(self.settings):
             return
@@ -124,10 +122,6 @@ class _Install:
             return
         if quant is not None and quant.nvfp4:
             pin_auto_runner(self.patcher)
-
-    def retime(self) -> None:
-        # After FlashInfer's autotune, before graph capture: SELECT=fastest times the tuned candidates again.
-        serving.retime(self.settings)
 
     def recheck(self, captured: list[int]) -> object:
         done = serving.recheck(self.settings, captured)
@@ -206,7 +200,5 @@ def _current_index() -> int:
 
 def _serves_current_device(settings) -> bool:
     """Return whether this library serves the device this process computes on (CPU: only in simulation)."""
-    index = _current_index()
-    if index < 0 and settings.simulated_capability is None:
-        return False
-    return serves(get_device(index, settings.simulated_capability), settings)
+    index, simulated = _current_index(), settings.simulated_capability
+    return (index >= 0 or simulated is not None) and serves(get_device(index, simulated), settings)
