@@ -8,17 +8,8 @@ from __future__ import annotations
 from importlib import import_module
 
 NAME = "sglang"
-_LAZY = {
-    "engine_version": "release",
-    "attach": "wiring",
-    "idle_point_problem": "wiring",
-    "release_support": "release",
-    "carried_fix": "release",
-    "sglang_version": "release",
-    "unverified_release": "release",
-    "OPT_OUT": "release",
-    "OPT_OUT_SAYS": "release",
-}
+_RELEASE = ["engine_version", "release_support", "carried_fix", "sglang_version", "unverified_release", "OPT_OUT"]
+_LAZY = {"attach": "wiring", "idle_point_problem": "wiring", **dict.fromkeys([*_RELEASE, "OPT_OUT_SAYS"], "release")}
 __all__ = ["NAME", *_LAZY]
 
 

@@ -15,8 +15,6 @@ from typing import Callable, Iterator
 from ..versions import version_in
 from .release import RUNTIME_CONTEXT, sglang_version
 
-__all__ = ["RUNNER", "TUNABLE", "make_gate", "tunable_backends"]
-
 _LOG = logging.getLogger("sm120_fp4")
 RUNNER = "flashinfer_cutlass"  # the explicit configuration whose tuning the served layers get
 # The routed backends whose FlashInfer kernels consult its autotuner (mm_fp4's cutlass, b12x; cutlass_fused_moe).
@@ -25,11 +23,7 @@ TUNABLE = {"dense": frozenset({"cutlass", "b12x"}), "moe": frozenset({"cutlass"}
 
 def tunable_backends(routes: dict[str, dict[int, str]], index: int) -> list[str]:
     """Return the families `routes` (serving.routes by family) serves on device `index` tunably: 'family:backend'."""
-    return [
-        f"{family}:{routes[family][index]}"
-        for family in ("dense", "moe")
-        if routes.get(family, {}).get(index) in TUNABLE[family]
-    ]
+    return [f"{f}:{routes[f][index]}" for f in ("dense", "moe") if routes.get(f, {}).get(index) in TUNABLE[f]]
 
 
 def _reads_server_args() -> bool:
@@ -45,9 +39,8 @@ def _configured_runner(model_runner, for_speculative_draft: bool) -> str | None:
         return own or args.moe_runner_backend
     context = sys.modules[RUNTIME_CONTEXT]
     target = context.get_exec().moe.moe_runner_backend
-    if for_speculative_draft:
-        return context.get_spec().speculative_moe_runner_backend or target
-    return target
+    own = context.get_spec().speculative_moe_runner_backend if for_speculative_draft else None
+    return own or target
 
 
 @contextlib.contextmanager

@@ -17,8 +17,6 @@ import threading
 import types
 from typing import Callable
 
-__all__ = ["OPS", "ENGINE_FLAG", "KERNEL_PACKAGE", "cpu_engine_selected", "kernel_package_stand_in"]
-
 KERNEL_PACKAGE = "sgl_kernel"
 ENGINE_FLAG = "SGLANG_USE_CPU_ENGINE"  # SGLang's own switch (srt/platforms: "1" selects the CPU engine)
 

@@ -75,32 +75,23 @@ def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -
     return init_cuda_graphs
 
 
-def make_after_hook(original: Callable, after: Callable[[], object]) -> Callable:
-    """Wrap a call: `after()` once it has returned (not when it raised)."""
+def make_call_hook(original: Callable, before=None, after=None, end: Callable | None = None) -> Callable:
+    """Wrap a call: `before(*args)` first, `after(*args)` once it has returned (not when it raised), `end()` always."""
 
     @functools.wraps(original)
-    def hooked(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        after()
-        return result
-
-    return hooked
-
-
-def make_update_hook(original: Callable, begin: Callable | None, end: Callable | None) -> Callable:
-    """Wrap a weight-update call: `begin()` before it, `end()` after it whatever it did (either may be None)."""
-
-    @functools.wraps(original)
-    def update_weights(self, *args, **kwargs):
-        if begin is not None:
-            begin()
+    def hooked(*args, **kwargs):
+        if before is not None:
+            before(*args)
         try:
-            return original(self, *args, **kwargs)
+            result = original(*args, **kwargs)
         finally:
             if end is not None:
                 end()
+        if after is not None:
+            after(*args)
+        return result
 
-    return update_weights
+    return hooked
 
 
 def _positive_int(value: object) -> bool:
@@ -121,23 +112,9 @@ def _runner_counts(runner: object) -> set[int]:
     return tokens
 
 
-_RUNNERS = (
-    "decode_cuda_graph_runner",
-    "graph_runner",
-    "prefill_cuda_graph_runner",
-    "piecewise_cuda_graph_runner",
-    "cuda_graph_runner",
-    "cuda_graph_runner_for_draft_extend",
-)
-_HOLDERS = (
-    "tp_worker",
-    "model_runner",
-    "draft_worker",
-    "_draft_worker",
-    "draft_runner",
-    "draft_model_runner",
-    "target_worker",
-)
+_RUNNERS = "decode_cuda_graph_runner graph_runner prefill_cuda_graph_runner piecewise_cuda_graph_runner".split()
+_RUNNERS += ["cuda_graph_runner", "cuda_graph_runner_for_draft_extend"]
+_HOLDERS = "tp_worker model_runner draft_worker _draft_worker draft_runner draft_model_runner target_worker".split()
 
 
 def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
@@ -323,7 +300,6 @@ def dense_check(
         )
         return None
     dtypes = activation_dtypes(layer)
-    max_batch = max_capture_batch()
     watched = (weight, weight_sf, alpha, input_gsf)
     dtype_names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
     label = f"{kind} N={n_out} K={k} {dtype_names} (weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
@@ -332,21 +308,18 @@ def dense_check(
     def cases(ms: list[int]) -> list[verify.Case]:
         return [c for i, d in enumerate(dtypes) for c in _served_cases(serve, watched, n_out, k, ms, d, 1000 + i)]
 
-    return LayerCheck(
-        weight.get_device(),
-        key,
-        label,
-        "dense",
-        cases,
-        batch_sizes(max_batch),
-        recheck_sizes(max_batch),
-        layer=layer_name(layer),
-        light_ms=[LIGHT_BATCH],
-        weights=weights or (lambda: watched),
-        rebuild=rebuild,
-        owner=layer,
-        tensors={"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]},
+    tensors = {"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]}
+    return layer_check(
+        layer, weight.get_device(), key, label, "dense", cases, weights or (lambda: watched), rebuild, tensors
     )
+
+
+def layer_check(layer, index: int, key: tuple, label: str, family: str, cases, weights, rebuild, tensors) -> LayerCheck:
+    """Return the LayerCheck of `layer`: every batch-size bucket, the re-check's sizes, one light decode batch."""
+    max_batch = max_capture_batch()
+    ms, name = (batch_sizes(max_batch), recheck_sizes(max_batch)), layer_name(layer)
+    kwargs = dict(layer=name, light_ms=[LIGHT_BATCH], weights=weights, rebuild=rebuild, owner=layer, tensors=tensors)
+    return LayerCheck(index, key, label, family, cases, *ms, **kwargs)
 
 
 # Each dense format's apply and the tensors it serves with after processing: weight, block scales, alpha, input scale.
@@ -357,21 +330,19 @@ DENSE = {
 
 
 def _format_check(kind: str, again: Callable, method: object, layer: object) -> LayerCheck | None:
-    """Return the LayerCheck of a dense layer of format `kind` after process_weights_after_loading."""
     apply, *names = DENSE[kind]
     weight = getattr(layer, names[0])
     # ModelOpt may pad the weight's rows; compressed-tensors serves them all.
     padded = kind == "ModelOptFp4LinearMethod"
     n_out = getattr(layer, "output_size_per_partition", weight.shape[0]) if padded else weight.shape[0]
+    k = getattr(layer, "input_size_per_partition", weight.shape[1] * 2)
+    serve, tensors = functools.partial(getattr(method, apply), layer), [getattr(layer, name) for name in names]
+
+    def current() -> tuple:
+        return tuple(getattr(layer, name) for name in names)
+
     return dense_check(
-        kind,
-        functools.partial(getattr(method, apply), layer),
-        layer,
-        *(getattr(layer, name) for name in names),
-        n_out,
-        getattr(layer, "input_size_per_partition", weight.shape[1] * 2),
-        weights=lambda: tuple(getattr(layer, name) for name in names),
-        rebuild=functools.partial(again, method),
+        kind, serve, layer, *tensors, n_out, k, weights=current, rebuild=functools.partial(again, method)
     )
 
 

@@ -12,7 +12,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-__all__ = ["make_idle_hook", "serving_stream"]
+from .hooks import make_call_hook
 
 
 def serving_stream(scheduler: object) -> ContextManager:
@@ -25,10 +25,4 @@ def serving_stream(scheduler: object) -> ContextManager:
 
 def make_idle_hook(original: Callable, run: Callable[[Callable[[], ContextManager]], None]) -> Callable:
     """Wrap the scheduler's idle method: `run(stream)` (a canary slice), then SGLang's own idle work."""
-
-    @functools.wraps(original)
-    def on_idle(self, *args, **kwargs):
-        run(functools.partial(serving_stream, self))
-        return original(self, *args, **kwargs)
-
-    return on_idle
+    return make_call_hook(original, before=lambda self, *args: run(functools.partial(serving_stream, self)))

@@ -11,8 +11,6 @@ import torch
 
 from ..checkpoints import MODELOPT, NAMES
 
-__all__ = ["build_linear_layer", "build_modelopt_layer"]
-
 
 def _create_weights(fmt: str, module: torch.nn.Module, sizes: list[int], k: int, dtype: torch.dtype):
     """Return SGLang's linear method (or scheme) for `fmt`, its create_weights run on `module`."""
@@ -21,15 +19,8 @@ def _create_weights(fmt: str, module: torch.nn.Module, sizes: list[int], k: int,
         from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config, ModelOptFp4LinearMethod
 
         method = ModelOptFp4LinearMethod(ModelOptFp4Config(is_checkpoint_nvfp4_serialized=True, group_size=16))
-        method.create_weights(
-            module,
-            input_size_per_partition=k,
-            output_partition_sizes=sizes,
-            input_size=k,
-            output_size=sum(sizes),
-            params_dtype=dtype,
-            weight_loader=noop,
-        )
+        shape = dict(input_size_per_partition=k, output_partition_sizes=sizes, input_size=k, output_size=sum(sizes))
+        method.create_weights(module, **shape, params_dtype=dtype, weight_loader=noop)
         return method
     from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 import (
         CompressedTensorsW4A4Fp4,

@@ -16,8 +16,6 @@ from ..errors import CheckpointError, ConfigError
 from .layers import build_linear_layer
 from .moe_layers import build_moe_layer_from_tensors
 
-__all__ = ["ModelLayers", "discover", "check_model"]
-
 
 def _packed_modules(config: dict) -> dict[str, list[str]]:
     """Return the model class's packed_modules_mapping (SGLang's fusion of shards), or the common one."""
@@ -52,14 +50,9 @@ def _check_shard_scales(layers: ModelLayers) -> None:
 
     kind = "ModelOptFp4LinearMethod" if layers.fmt == checkpoints.MODELOPT else "CompressedTensorsW4A4Fp4"
     _, _, global_name, input_name = checkpoints.NAMES[layers.fmt]
-    names = [
-        f"{s}.{k}"
-        for layer in layers.dense
-        for s in layer.shards
-        for k in (global_name, input_name)
-        if f"{s}.{k}" in layers.files
-    ]
-    scales = {name: value.float().reshape(-1) for name, value in checkpoints.load(layers, names).items()}
+    names = [f"{s}.{k}" for layer in layers.dense for s in layer.shards for k in (global_name, input_name)]
+    loaded = checkpoints.load(layers, [name for name in names if name in layers.files])
+    scales = {name: value.float().reshape(-1) for name, value in loaded.items()}
     for layer in layers.dense:
         values = [
             [float(scales[f"{s}.{k}"][0]) for s in layer.shards if f"{s}.{k}" in scales]
@@ -84,13 +77,8 @@ def _build_moe(layers: ModelLayers, layer, device: torch.device) -> None:
     text = checkpoints.text_config(layers.config)
     top_k = int(text.get("num_experts_per_tok") or text.get("moe_topk") or 2)
     activation = "swiglu" if layer.gated else "relu2"
-    spec = SimpleNamespace(
-        num_experts=layer.experts,
-        hidden=layer.hidden,
-        intermediate=layer.inter,
-        gated=layer.gated,
-        activation=activation,
-    )
+    sizes = dict(num_experts=layer.experts, hidden=layer.hidden, intermediate=layer.inter, gated=layer.gated)
+    spec = SimpleNamespace(**sizes, activation=activation)
     with torch.device(device):
         build_moe_layer_from_tensors(spec, tensors, top_k, fmt=layers.fmt, dtype=checkpoints.dtype(layers.config))
 

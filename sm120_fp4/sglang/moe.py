@@ -19,15 +19,7 @@ from ..backends import b12x_moe, flashinfer
 from ..errors import RefusedToServe
 from ..patching import Patcher, PatchSpec
 from ..serving import LayerCheck
-from .hooks import (
-    LIGHT_BATCH,
-    activation_dtypes,
-    batch_sizes,
-    layer_device_index,
-    layer_name,
-    max_capture_batch,
-    recheck_sizes,
-)
+from .hooks import activation_dtypes, layer_check, layer_device_index
 from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version, supported
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -61,19 +53,7 @@ MOE_RUNNER_PIN_LEGACY = dataclasses.replace(
 )
 
 
-def make_config_hook(original: Callable, pin: Callable[[str | None], None]) -> Callable:
-    """Wrap SGLang's initialize_moe_config: once it has set the runner backend, ``pin(model_path)`` may pin 'auto'."""
-
-    @functools.wraps(original)
-    def initialize_moe_config(*args, **kwargs):
-        result = original(*args, **kwargs)
-        pin(_model_path(args))
-        return result
-
-    return initialize_moe_config
-
-
-def _model_path(args: tuple) -> str | None:
+def model_path(args: tuple) -> str | None:
     """Return the checkpoint directory this process serves (0.5.15-0.5.18 pass server_args; 0.5.19+ publish it)."""
     path = getattr(args[0], "model_path", None) if args else None
     if path is None:
@@ -92,10 +72,8 @@ def pin_auto_runner(patcher: Patcher) -> bool:
     if enum is None or not all(hasattr(enum, m) for m in ("AUTO", "FLASHINFER_CUTLASS")):
         patcher.note(MOE_RUNNER_PIN, "skipped", "MoeRunnerBackend lacks AUTO/FLASHINFER_CUTLASS")
         return False
-    if "MOE_RUNNER_BACKEND" in vars(module):
-        spec, owner = MOE_RUNNER_PIN_LEGACY, module
-    else:
-        spec, owner = MOE_RUNNER_PIN, module.get_flags().moe
+    legacy = "MOE_RUNNER_BACKEND" in vars(module)
+    spec, owner = (MOE_RUNNER_PIN_LEGACY, module) if legacy else (MOE_RUNNER_PIN, module.get_flags().moe)
     pinned = patcher.pin(spec, owner, enum.FLASHINFER_CUTLASS, lambda current: current in (None, enum.AUTO))
     if pinned:
         _LOG.warning(
@@ -219,7 +197,6 @@ def processed_weights(layer: object) -> ProcessedMoe | None:
 
 
 def _ranks(layer: object) -> tuple[int, int, int, int]:
-    """Return the layer's (moe_ep_size, moe_ep_rank, moe_tp_size, moe_tp_rank)."""
     names = ("moe_ep_size", "moe_ep_rank", "moe_tp_size", "moe_tp_rank")
     return tuple(getattr(layer, name, default) for name, default in zip(names, (1, 0, 1, 0)))
 
@@ -271,7 +248,6 @@ def _plan(kind: str, layer: object, processed: ProcessedMoe) -> _Plan:
 
 
 def _label_and_key(kind: str, layer: object, processed: ProcessedMoe, plan: _Plan) -> tuple[str, tuple]:
-    """Return the report label and the configuration key of one MoE layer's check."""
     w = processed.weights
     ep_size, ep_rank, tp_size, tp_rank = _ranks(layer)
     ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
@@ -307,20 +283,13 @@ def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, 
     call = serve or functools.partial(_served_convention, layer, processed)
     # What the serving backend computes (humming: W4A16); the oracle reads the checkpoint's own bytes.
     mode = backends.mode_of("moe", serving.routes("moe").get(layer_device_index(layer), backends.EMULATED))
-    return verify.moe_cases(
-        call,
-        weights,
-        processed.activation,
-        plans,
-        cache=verify.ExpertCache(plan.subset),  # every-expert batches dequantize the others per call
-        first_expert=plan.first,
-        served_ids=serve is None,
-        mode=mode,
-        reference_weights=weights.map(backends.original),
-        # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
-        repeat_tokens=verify.REPEAT_MAX_TOKENS if len(ms) > 1 else 0,
-        poison_expert0=len(ms) > 1,
+    cache = verify.ExpertCache(plan.subset)  # every-expert batches dequantize the others per call
+    ours = dict(
+        first_expert=plan.first, served_ids=serve is None, mode=mode, reference_weights=weights.map(backends.original)
     )
+    # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
+    full = dict(repeat_tokens=verify.REPEAT_MAX_TOKENS if len(ms) > 1 else 0, poison_expert0=len(ms) > 1)
+    return verify.moe_cases(call, weights, processed.activation, plans, cache=cache, **ours, **full)
 
 
 def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
@@ -331,67 +300,40 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         return None
     plan = _plan(kind, layer, processed)
     label, key = _label_and_key(kind, layer, processed, plan)
-    max_batch = max_capture_batch()
 
     def current() -> tuple:
         now = processed_weights(layer)
         return tuple(now.weights) if now is not None else ()
 
-    return LayerCheck(
-        layer_device_index(layer),
-        key,
-        label,
-        "moe",
-        functools.partial(_cases, layer, processed, serve, plan),
-        batch_sizes(max_batch),
-        recheck_sizes(max_batch),
-        layer=layer_name(layer),
-        light_ms=[LIGHT_BATCH],
-        weights=current,
-        rebuild=lambda owner: moe_check(kind, owner, serve),
-        owner=layer,
-        tensors={**processed.weights._asdict(), "dtype": plan.dtypes[0], "top_k": plan.top_k},
-    )
+    cases = functools.partial(_cases, layer, processed, serve, plan)
+    tensors = {**processed.weights._asdict(), "dtype": plan.dtypes[0], "top_k": plan.top_k}
+    rebuild = lambda owner: moe_check(kind, owner, serve)  # noqa: E731
+    return layer_check(layer, layer_device_index(layer), key, label, "moe", cases, current, rebuild, tensors)
 
 
 def _served_convention(layer, processed: ProcessedMoe, x, ids, topk_weights, *rest):
     """Serve a backend-convention call (its weights) through the seam as SGLang's _run_flashinfer_cutlass does."""
     front, activation_type = _seam()
-    ep_size, ep_rank, tp_size, tp_rank = _ranks(layer)
     w, out = nvfp4.MoeWeights(*rest[:8]), rest[-1]  # `ids` global, -1 for a dropped slot
-    scales = [
-        w.a1_gscale.reshape(()) if w.a1_gscale.numel() == 1 else w.a1_gscale,
-        w.w13_sf.view(torch.int32),
-        w.w13_alpha,
-        w.a2_gscale.reshape(()) if w.a2_gscale.numel() == 1 else w.a2_gscale,
-        w.w2_sf.view(torch.int32),
-        w.w2_alpha,
-    ]
+    scales = [_scalar(w.a1_gscale), w.w13_sf.view(torch.int32), w.w13_alpha]
+    scales += [_scalar(w.a2_gscale), w.w2_sf.view(torch.int32), w.w2_alpha]
     swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
-    served = front(
-        output=torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        input=x,
-        token_selected_experts=ids.to(torch.int32),
-        token_final_scales=topk_weights,
-        fc1_expert_weights=w.w13.view(torch.long),
-        fc2_expert_weights=w.w2.view(torch.long),
-        output_dtype=x.dtype,
-        input_sf=None,
-        quant_scales=scales,
-        swiglu_alpha=swiglu[0],
-        swiglu_beta=swiglu[1],
-        swiglu_limit=swiglu[2],
-        ep_size=ep_size,
-        ep_rank=ep_rank,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        tune_max_num_tokens=8192,
-        activation_type=getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation]),
-        enable_alltoall=False,
-        use_fused_finalize=False,
+    swiglu = dict(zip(("swiglu_alpha", "swiglu_beta", "swiglu_limit"), swiglu))
+    ranks = dict(zip(("ep_size", "ep_rank", "tp_size", "tp_rank"), _ranks(layer)))
+    out_dtype = dict(output=torch.empty(x.shape, dtype=x.dtype, device=x.device), output_dtype=x.dtype)
+    tokens = dict(input=x, token_selected_experts=ids.to(torch.int32), token_final_scales=topk_weights, input_sf=None)
+    experts = dict(
+        fc1_expert_weights=w.w13.view(torch.long), fc2_expert_weights=w.w2.view(torch.long), quant_scales=scales
     )
+    act = getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation])
+    fixed = dict(tune_max_num_tokens=8192, activation_type=act, enable_alltoall=False, use_fused_finalize=False)
+    served = front(**out_dtype, **tokens, **experts, **swiglu, **ranks, **fixed)
     out.copy_(served[0])
     return out
+
+
+def _scalar(scale: torch.Tensor) -> torch.Tensor:
+    return scale.reshape(()) if scale.numel() == 1 else scale
 
 
 def refuse_unverifiable(kind: str, settings) -> None:

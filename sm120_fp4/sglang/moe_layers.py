@@ -22,21 +22,6 @@ from .. import locks
 from ..errors import ConfigError, InvalidArgument, check_ranks, not_accepted
 from .release import RUNTIME_CONTEXT, platform_facts, sglang_version
 
-__all__ = [
-    "SEAMS",
-    "builder_problem",
-    "MoeContext",
-    "sglang_moe_context",
-    "active_moe_context",
-    "build_modelopt_moe_layer",
-    "build_moe_layer_from_tensors",
-    "moe_forward",
-    "MODELOPT",
-    "COMPRESSED_TENSORS",
-    "QUANT_CONFIGS",
-    "TINY_MODEL_CONFIG",
-]
-
 # SGLang's runtime-context seams: 0.5.22+ have all, 0.5.20 override_platform only, 0.5.15-0.5.18 none
 # (process globals that cannot be scoped on a CPU); there no simulated FusedMoE layer is built.
 SEAMS = ("override_platform", "create_context", "use_context", "get_parallel")
@@ -45,15 +30,12 @@ COMPRESSED_TENSORS = "compressed-tensors"  # named by a checkpoint's config.json
 _FORMATS = {"modelopt": MODELOPT, "compressed-tensors": COMPRESSED_TENSORS}  # sm120_fp4.checkpoints' names
 _ACTIVATIONS = {"swiglu": ("silu", True), "relu2": ("relu2", False)}  # ours -> (SGLang's activation, is_gated)
 _PREFIX = "model.layers.0.mlp.experts"  # the layer's name in the (imaginary) model
-_FP4 = {
-    "num_bits": 4,
-    "type": "float",
-    "strategy": "tensor_group",
-    "group_size": 16,
-    "symmetric": True,
-    "dynamic": False,
-    "observer": "minmax",
-}
+_FP4 = dict(
+    num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True, dynamic=False, observer="minmax"
+)
+_GROUP = dict(
+    targets=["Linear"], weights=_FP4, format="nvfp4-pack-quantized", input_activations={**_FP4, "dynamic": "local"}
+)
 # Each format's quantization_config, as ModelOpt's and llm-compressor's NVFP4 exports write it.
 QUANT_CONFIGS = {
     "modelopt": {
@@ -68,49 +50,20 @@ QUANT_CONFIGS = {
         "quant_method": "compressed-tensors",
         "format": "nvfp4-pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": _FP4,
-                "format": "nvfp4-pack-quantized",
-                "input_activations": {**_FP4, "dynamic": "local"},
-            }
-        },
+        "config_groups": {"group_0": _GROUP},
         "ignore": ["lm_head", "re:.*mlp.gate$"],
         "kv_cache_scheme": None,
     },
 }
 # A tiny Qwen3-MoE's config.json (the demo's checkpoint; the placeholder model of sglang_moe_context).
-TINY_MODEL_CONFIG = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "torch_dtype": "bfloat16",
-    "dtype": "bfloat16",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_experts": 8,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 2,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 512,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "bos_token_id": 256,
-    "eos_token_id": 257,
-    "attention_bias": False,
-    "output_router_logits": False,
-    "router_aux_loss_coef": 0.0,
-}
+TINY_MODEL_CONFIG = (
+    dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", torch_dtype="bfloat16", dtype="bfloat16")
+    | dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_local_experts=8)
+    | dict(num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2)
+    | dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048)
+    | dict(rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False, bos_token_id=256)
+    | dict(eos_token_id=257, attention_bias=False, output_router_logits=False, router_aux_loss_coef=0.0)
+)
 
 
 def builder_problem() -> str | None:
@@ -184,23 +137,6 @@ def _environ_restored() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _enter_parallel(stack: contextlib.ExitStack, rc, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int):
-    """Override SGLang's parallel state for group rank ``ep_rank * tp_size + tp_rank`` (attention TP: the group)."""
-    world, rank = ep_size * tp_size, ep_rank * tp_size + tp_rank
-    override = rc.get_parallel().override(
-        tp_size=world,
-        tp_rank=rank,
-        attn_tp_size=world,
-        attn_tp_rank=rank,
-        moe_ep_size=ep_size,
-        moe_ep_rank=ep_rank,
-        moe_tp_size=tp_size,
-        moe_tp_rank=tp_rank,
-        tp_group=None,
-    )
-    stack.enter_context(override)
-
-
 @contextlib.contextmanager
 def sglang_moe_context(
     moe_runner_backend: str = "flashinfer_cutlass",
@@ -221,23 +157,21 @@ def sglang_moe_context(
     from sglang.srt.server_args import ServerArgs
 
     with _LOCK, contextlib.ExitStack() as stack:
-        model_dir = _write_model_dir(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="sm120_fp4_moe_")), quantization
-        )
+        root = stack.enter_context(tempfile.TemporaryDirectory(prefix="sm120_fp4_moe_"))
+        model_dir = _write_model_dir(root, quantization)
         stack.enter_context(_environ_restored())
         stack.enter_context(rc.override_platform(**platform_facts(rc, (12, 0))))
         # compressed-tensors is named by config.json only: SGLang refuses it explicit with flashinfer_cutlass.
-        args = ServerArgs(
-            model_path=model_dir,
-            moe_runner_backend=moe_runner_backend,
-            device="cpu",
-            skip_tokenizer_init=True,
-            quantization=quantization if quantization == MODELOPT else None,
-            **(server_args or {}),
-        )
+        quant = quantization if quantization == MODELOPT else None
+        fixed = dict(device="cpu", quantization=quant, skip_tokenizer_init=True)
+        args = ServerArgs(model_path=model_dir, moe_runner_backend=moe_runner_backend, **fixed, **(server_args or {}))
         context = rc.create_context(args, role="scheduler")
         stack.enter_context(rc.use_context(context))
-        _enter_parallel(stack, rc, ep_size, ep_rank, tp_size, tp_rank)
+        # Group rank ep_rank * tp_size + tp_rank (attention TP: the group).
+        world, rank = ep_size * tp_size, ep_rank * tp_size + tp_rank
+        moe = dict(moe_ep_size=ep_size, moe_ep_rank=ep_rank, moe_tp_size=tp_size, moe_tp_rank=tp_rank)
+        parallel = dict(tp_size=world, tp_rank=rank, attn_tp_size=world, attn_tp_rank=rank, **moe, tp_group=None)
+        stack.enter_context(rc.get_parallel().override(**parallel))
         moe_utils.initialize_moe_config()  # writes into the context's own flags
         handle = MoeContext(
             moe_runner_backend, quantization, ep_size, ep_rank, tp_size, tp_rank, model_dir, args, context
@@ -310,7 +244,6 @@ def _check_build(spec, top_k: int, settings: _Settings, func: str) -> None:
 
 
 def _quant_config(quantization: str):
-    """Return SGLang's quantization config for a layer of `quantization`."""
     if quantization == MODELOPT:
         from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4Config
 
@@ -359,21 +292,14 @@ def build_moe_layer_from_tensors(
     _check_build(spec, top_k, settings, func)
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
-    sglang_activation, is_gated = _ACTIVATIONS[activation]
+    act, is_gated = _ACTIVATIONS[activation]
+    sizes = dict(
+        num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate, top_k=top_k
+    )
+    how = dict(params_dtype=dtype, activation=act, is_gated=is_gated, layer_id=0, prefix=_PREFIX)
     with _context_for(settings, strict=True) as ctx:
         with torch.no_grad():
-            layer = FusedMoE(
-                num_experts=spec.num_experts,
-                hidden_size=spec.hidden,
-                intermediate_size=spec.intermediate,
-                layer_id=0,
-                top_k=top_k,
-                params_dtype=dtype,
-                quant_config=_quant_config(quantization),
-                prefix=_PREFIX,
-                activation=sglang_activation,
-                is_gated=is_gated,
-            )
+            layer = FusedMoE(**sizes, **how, quant_config=_quant_config(quantization))
             _load_into(layer, spec, tensors)
             layer.quant_method.process_weights_after_loading(layer)
         _LAYER_SETTINGS[layer] = ctx.settings()

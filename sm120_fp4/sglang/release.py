@@ -46,18 +46,10 @@ def supported(versions: str) -> str:
 def platform_facts(runtime_context: object, capability: tuple[int, int]) -> dict:
     """Return SGLang's platform facts for a device of `capability`, those this release's runtime context knows."""
     major, minor = capability
-    facts = {
-        "is_blackwell": major in (10, 11, 12),
-        "is_sm120": major == 12,
-        "is_sm100": major == 10,
-        "is_sm100_or_sm110": major in (10, 11),
-        "is_sm110": major == 11,
-        "device_capability": (major, minor),
-        "device_sm": major * 10 + minor,
-    }
-    known = set(getattr(runtime_context, "_PLATFORM_PROBES", {})) | set(
-        getattr(runtime_context, "_PLATFORM_VALUES", {})
-    )
+    facts = dict(is_blackwell=major in (10, 11, 12), is_sm120=major == 12, is_sm100=major == 10)
+    facts |= dict(is_sm100_or_sm110=major in (10, 11), is_sm110=major == 11, device_capability=(major, minor))
+    facts["device_sm"] = major * 10 + minor
+    known = {*getattr(runtime_context, "_PLATFORM_PROBES", {}), *getattr(runtime_context, "_PLATFORM_VALUES", {})}
     return {k: v for k, v in facts.items() if not known or k in known}
 
 

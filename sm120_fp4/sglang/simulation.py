@@ -8,9 +8,6 @@ from __future__ import annotations
 import contextlib
 import dis
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import inspect
 import logging
 import sys
@@ -121,11 +118,8 @@ def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
 
 def ledger_rows() -> list[PatchSpec]:
     """Return every simulation stand-in, attribute or not, for the ledger (patches/LEDGER.md, doctor)."""
-    return (
-        [QUANTIZER, QUANTIZER_CT]
-        + specs()
-        + [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
-    )
+    rest = [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
+    return [QUANTIZER, QUANTIZER_CT, *specs(), *rest]
 
 
 def loaded_globals(module: Any, caller: str) -> set[str] | None:
@@ -213,8 +207,7 @@ class Simulation:
     """Hold the non-attribute stand-ins of one install (platform facts, the CPU op kernel) and their undo."""
 
     def __init__(self, capability: tuple[int, int], patcher: Patcher) -> None:
-        self.capability = capability
-        self.patcher = patcher
+        self.capability, self.patcher = capability, patcher
         self._undo: list[Callable[[], None]] = []
         self._lock = locks.lock()
 
@@ -228,14 +221,13 @@ class Simulation:
     def on_runtime_context(self, module: Any) -> None:
         """Make SGLang's platform checks see the simulated Blackwell SM12x device (0.5.19+)."""
         override = getattr(module, "override_platform", None)
-        spec = PLATFORM_FACTS
         if override is None:
-            self.patcher.note(spec, "skipped", "this SGLang release has no override_platform")
+            self.patcher.note(PLATFORM_FACTS, "skipped", "this SGLang release has no override_platform")
             return
         scope = override(**platform_facts(module, self.capability))
         scope.install()
         self._keep(scope.restore)
-        self.patcher.note(spec, "applied", None)
+        self.patcher.note(PLATFORM_FACTS, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: SGLang's platform facts now report sm_%d%d", *self.capability)
 
     def on_modelopt(self, module: Any) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from ..backends.flashinfer import is_mm_fp4
@@ -18,14 +18,13 @@ from .autotune import RUNNER as AUTOTUNE_RUNNER
 from .autotune import make_gate as make_autotune_gate
 from .hooks import (
     compressed_tensors_check,
-    make_after_hook,
-    make_update_hook,
+    make_call_hook,
     make_warmup_hook,
     make_weights_hook,
     modelopt_check,
 )
 from .idle import make_idle_hook
-from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, make_config_hook, moe_check
+from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, model_path, moe_check
 from .release import (
     AUTOTUNE,
     BASE_RUNNER,
@@ -53,25 +52,6 @@ DENSE_FLAG = "--fp4-gemm-backend flashinfer_cutlass"
 KNOWN_RUNNERS = frozenset(
     {"auto", "flashinfer_cudnn", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl", "marlin"}
 )
-
-
-@dataclass(frozen=True)
-class Wiring:
-    """Hold what one install's patches call into: its routing, decisions and verification."""
-
-    make_dispatch: Callable
-    before_dense: Callable[[str, object, object], object]
-    weights_scope: Callable
-    verify: Callable[[object], None]
-    recheck: Callable[[list[int]], object]
-    make_moe_seam: Callable
-    before_moe: Callable[[str, object, object], None]
-    pin_moe_runner: Callable[[str | None], None]
-    weights_update_begin: Callable[[], object] = lambda: None
-    weights_update_end: Callable[[], object] = lambda: None
-    make_decline: Callable = lambda original: original
-    tuned_families: Callable[[], list[str]] = lambda: []
-    retime: Callable[[], None] = lambda: None
 
 
 def _is_the_alias(original: object) -> str | None:
@@ -117,7 +97,7 @@ _UPDATE = _ledger(
     _NO_CHECK,
     "when SGLang verifies FP4 output after its weight updates on SM12x",
 )
-# The ledger text (and guard) of each kind of target, by what replaces it (a key of _makers).
+# The ledger text (and guard) of each kind of target, by what replaces it (a key of _makers; a weights hook: its class).
 _LEDGER = {
     "dispatch": _ledger(
         "SM120 FP4 GEMM through FlashInfer's mm_fp4: backend='auto' tried cuDNN first (CUDNN_STATUS_BAD_PARAM), "
@@ -144,8 +124,8 @@ _LEDGER = {
         "when SGLang's autotune gate asks the NVFP4 layers' resolved backends instead of the strings",
         check=_is_callable,
     ),
-    "modelopt-weights": _WEIGHTS,
-    "compressed-tensors-weights": _WEIGHTS,
+    "ModelOptFp4LinearMethod": _WEIGHTS,
+    "CompressedTensorsW4A4Fp4": _WEIGHTS,
     "recheck": _CAPTURE,
     "retime": _ledger(
         "SM120_FP4_SELECT=fastest: right after BaseRunner.warmup (FlashInfer's autotune has picked its tactics) "
@@ -167,11 +147,11 @@ _LEDGER = {
         "flashinfer PR 3533 (rows 64-127 of a tile zeroed on SM120), flashinfer#2723, #5446",
         _MOE_WEIGHTS["remove_when"],
     ),
-    "modelopt-moe-weights": _MOE_WEIGHTS,
-    "compressed-tensors-moe-weights": _MOE_WEIGHTS,
+    "ModelOptNvFp4FusedMoEMethod": _MOE_WEIGHTS,
+    "CompressedTensorsW4A4Nvfp4MoE": _MOE_WEIGHTS,
     "weights-update": _UPDATE,
-    "weights-update-begin": _UPDATE,
-    "weights-update-end": _UPDATE,
+    "update-begin": _UPDATE,
+    "update-end": _UPDATE,
     "idle": _ledger(
         "the serving canary (SM120_FP4_CANARY, opt-in) runs its bounded slices where the scheduler loop found no "
         "batch to run, on the scheduler thread, never inside graph capture; a refusal here stops the server",
@@ -187,7 +167,10 @@ def _target(makes: str, name: str, module: str, attribute: str, versions: str) -
     return makes, spec
 
 
-_PWAL = "process_weights_after_loading"
+def _weights(kind: str, name: str, module: str, versions: str) -> tuple[str, str, str, str, str]:
+    return kind, name, module, f"{kind}.process_weights_after_loading", versions
+
+
 _MIXIN = "SchedulerRuntimeCheckerMixin"
 _GATE = "should_run_flashinfer_autotune"
 # SGLang's weight-update calls: ModelRunner's up to 0.5.15, its WeightUpdater component's from 0.5.16.
@@ -202,6 +185,14 @@ _UPDATES = (
     (WEIGHT_UPDATER, "WeightUpdater", "update_weights_from_distributed", ">=0.5.16,<0.5.21"),
     (WEIGHT_UPDATER, "WeightUpdater", "load_weights_from_distributed", ">=0.5.21"),
 )
+
+
+def _update(module: str, owner: str, method: str, versions: str) -> tuple[str, str, str, str, str]:
+    component = "-component" if module == WEIGHT_UPDATER else ""
+    name = f"reverify-after-{method.replace('_', '-')}{component}"
+    return "weights-update", name, module, f"{owner}.{method}", versions
+
+
 _ROWS = (
     ("dispatch", "flashinfer-fp4-gemm-alias", MQ, "flashinfer_fp4_gemm", ">=0.5.8"),
     ("dispatch", "fp4-gemm-alias-legacy", MQ, "fp4_gemm", ">=0.5.3,<0.5.8"),
@@ -209,54 +200,30 @@ _ROWS = (
     ("autotune-gate", "flashinfer-autotune-gate", AUTOTUNE, _GATE, ">=0.5.15"),
     # base_runner imports the gate by name (BaseRunner._warmup calls it); the speculative draft, through the module.
     ("autotune-gate", "flashinfer-autotune-gate-base-runner", BASE_RUNNER, _GATE, ">=0.5.15"),
-    ("modelopt-weights", "modelopt-fp4-weights-hook", MQ, f"ModelOptFp4LinearMethod.{_PWAL}", ">=0.5.3"),
-    (
-        "compressed-tensors-weights",
-        "compressed-tensors-w4a4-weights-hook",
-        CT,
-        f"CompressedTensorsW4A4Fp4.{_PWAL}",
-        ">=0.5.7",
-    ),
+    _weights("ModelOptFp4LinearMethod", "modelopt-fp4-weights-hook", MQ, ">=0.5.3"),
+    _weights("CompressedTensorsW4A4Fp4", "compressed-tensors-w4a4-weights-hook", CT, ">=0.5.7"),
     ("retime", "post-autotune-retime", BASE_RUNNER, "BaseRunner.warmup", ">=0.5.15"),
     ("recheck", "post-warmup-recheck", MODEL_RUNNER, "ModelRunner.init_cuda_graphs", ">=0.5.14"),
     ("recheck", "post-warmup-recheck-legacy", MODEL_RUNNER, "ModelRunner.init_device_graphs", ">=0.5.3,<0.5.14"),
     ("moe-runner-config", "moe-runner-config-hook", MOE_UTILS, "initialize_moe_config", SEAM_VERSIONS),
     ("moe-seam", "fused-moe-kernel-seam", MOE_RUNNER_FC, "_flashinfer_cutlass_fused_moe", SEAM_VERSIONS),
-    ("modelopt-moe-weights", "modelopt-nvfp4-moe-weights-hook", MQ, f"ModelOptNvFp4FusedMoEMethod.{_PWAL}", ">=0.5.3"),
-    (
-        "compressed-tensors-moe-weights",
-        "compressed-tensors-nvfp4-moe-weights-hook",
-        CT_MOE,
-        f"CompressedTensorsW4A4Nvfp4MoE.{_PWAL}",
-        ">=0.5.9",
-    ),
+    _weights("ModelOptNvFp4FusedMoEMethod", "modelopt-nvfp4-moe-weights-hook", MQ, ">=0.5.3"),
+    _weights("CompressedTensorsW4A4Nvfp4MoE", "compressed-tensors-nvfp4-moe-weights-hook", CT_MOE, ">=0.5.9"),
     # The scheduler's capture calls, so that the draft model's graphs are re-checked too.
     ("recheck", "post-capture-recheck-all-graphs", SCHEDULER, "Scheduler.init_all_cuda_graphs", ">=0.5.14"),
     ("recheck", "post-capture-recheck-model-workers", SCHEDULER, "Scheduler.init_model_worker", ">=0.5.7,<0.5.14"),
-    *(
-        (
-            "weights-update",
-            f"reverify-after-{method.replace('_', '-')}{'-component' if module == WEIGHT_UPDATER else ''}",
-            module,
-            f"{owner}.{method}",
-            versions,
-        )
-        for module, owner, method, versions in _UPDATES
-    ),
-    (
-        "weights-update-begin",
-        "weight-update-session-begin",
-        WEIGHT_UPDATER,
-        "WeightUpdater.begin_weight_update",
-        ">=0.5.21",
-    ),
-    ("weights-update-end", "weight-update-session-end", WEIGHT_UPDATER, "WeightUpdater.end_weight_update", ">=0.5.21"),
+    *(_update(*row) for row in _UPDATES),
+    ("update-begin", "weight-update-session-begin", WEIGHT_UPDATER, "WeightUpdater.begin_weight_update", ">=0.5.21"),
+    ("update-end", "weight-update-session-end", WEIGHT_UPDATER, "WeightUpdater.end_weight_update", ">=0.5.21"),
 )
 # Every runtime patch target, in the order applied: (what replaces it, the target with its guard and ledger text).
 TARGETS: tuple[tuple[str, PatchSpec], ...] = tuple(_target(*row) for row in _ROWS)
 
 
-def _makers(w: Wiring) -> dict[str, Callable]:
+_DENSE_CHECKS = {"ModelOptFp4LinearMethod": modelopt_check, "CompressedTensorsW4A4Fp4": compressed_tensors_check}
+
+
+def _makers(w) -> dict[str, Callable]:
     """Return what replaces each kind of target, wired to one install's routing and verification."""
 
     def weights_hook(kind: str, before: Callable, check: Callable) -> Callable:
@@ -270,29 +237,26 @@ def _makers(w: Wiring) -> dict[str, Callable]:
     def moe_hook(kind: str) -> Callable:
         return weights_hook(kind, w.before_moe, lambda method, layer: moe_check(kind, layer))
 
-    update = functools.partial(make_update_hook, begin=w.weights_update_begin, end=w.weights_update_end)
+    begin = functools.partial(make_call_hook, before=lambda *args: w.weights_update_begin())
+    end = functools.partial(make_call_hook, end=w.weights_update_end)
     return {
         "dispatch": w.make_dispatch,
         "decline": w.make_decline,
         "autotune-gate": functools.partial(make_autotune_gate, served=w.tuned_families, said=set()),
-        "modelopt-weights": weights_hook("ModelOptFp4LinearMethod", w.before_dense, modelopt_check),
-        "compressed-tensors-weights": weights_hook(
-            "CompressedTensorsW4A4Fp4", w.before_dense, compressed_tensors_check
-        ),
-        "retime": functools.partial(make_after_hook, after=w.retime),
+        **{kind: weights_hook(kind, w.before_dense, check) for kind, check in _DENSE_CHECKS.items()},
+        "retime": functools.partial(make_call_hook, after=lambda *args: w.retime()),
         "recheck": functools.partial(make_warmup_hook, after=w.recheck),
-        "moe-runner-config": functools.partial(make_config_hook, pin=w.pin_moe_runner),
+        "moe-runner-config": functools.partial(make_call_hook, after=lambda *args: w.pin_moe_runner(model_path(args))),
         "moe-seam": w.make_moe_seam,
-        "modelopt-moe-weights": moe_hook("ModelOptNvFp4FusedMoEMethod"),
-        "compressed-tensors-moe-weights": moe_hook("CompressedTensorsW4A4Nvfp4MoE"),
-        "weights-update": update,
-        "weights-update-begin": functools.partial(update, end=None),
-        "weights-update-end": functools.partial(update, begin=None),
+        **{kind: moe_hook(kind) for kind in ("ModelOptNvFp4FusedMoEMethod", "CompressedTensorsW4A4Nvfp4MoE")},
+        "weights-update": functools.partial(begin, end=w.weights_update_end),
+        "update-begin": begin,
+        "update-end": end,
     }
 
 
-def specs(w: Wiring) -> list[PatchSpec]:
-    """Return the runtime patches for every supported release, each with what replaces it."""
+def specs(w) -> list[PatchSpec]:
+    """Return the runtime patches for every supported release, each with what replaces it (`w`: wiring._Install)."""
     makers = _makers(w)
     return [replace(spec, make=makers[makes]) for makes, spec in TARGETS]
 
@@ -408,9 +372,15 @@ def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[]
 
 def ledger_rows() -> list[PatchSpec]:
     """Return every runtime patch target, for the ledger and `doctor` (one source of truth)."""
-    noop = lambda *args, **kwargs: None  # noqa: E731
-    return (
-        specs(Wiring(noop, noop, noop, noop, noop, noop, noop, noop))
-        + [ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY]
-        + idle_specs(noop)
-    )
+    return specs(_Unwired()) + [ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY] + idle_specs(_noop)
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+class _Unwired:
+    """Stand in for an install in the ledger's rows: each of its calls does nothing."""
+
+    def __getattr__(self, name: str) -> Callable:
+        return _noop

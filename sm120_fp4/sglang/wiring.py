@@ -5,6 +5,7 @@ Nothing here imports SGLang: every step runs from a post-import hook when (or if
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -24,7 +25,6 @@ from .scales import checkpoint_scale_problem, layer_scales_problem, quant_mode_p
 from .simulation import Simulation, cuda_moves_stay_on_cpu
 from .simulation import specs as simulation_specs
 from .targets import (
-    Wiring,
     apply_env_knobs,
     idle_spec,
     idle_specs,
@@ -35,19 +35,25 @@ from .targets import (
 )
 from .targets import specs as target_specs
 
-__all__ = ["attach", "idle_point_problem"]
-
 _LOG = logging.getLogger("sm120_fp4")
 
 
 class _Install:
-    """Hold one install's decisions: what each patch calls into (targets.Wiring's fields)."""
+    """Hold one install's decisions: what each patch calls into (what targets.specs reads)."""
 
     def __init__(self, patcher, router, settings, sim) -> None:
         self.patcher, self.router, self.settings, self.sim = patcher, router, settings, sim
         self.declined_on: set[int] = set()
         self.idle = None  # the canary's idle spec, when the canary is on
         self.canary = None
+        self.make_dispatch = functools.partial(router.make_dispatch, unknown=self.unknown_backend)
+        self.make_decline = functools.partial(router.make_decline, declined=self.declined)
+        self.make_moe_seam = functools.partial(make_seam, make_front=router.make_moe_front, simulated=sim is not None)
+        self.weights_update_begin = serving.weights_update_begin
+        self.weights_update_end = lambda: serving.weights_update_end(settings)
+        self.weights_scope = functools.partial(cuda_moves_stay_on_cpu, sim is not None)
+        # After FlashInfer's autotune, before graph capture: SELECT=fastest times the tuned candidates again.
+        self.retime = lambda: serving.retime(settings)
 
     def refuse(self, what: str, problem: str | None) -> None:
         """Raise RefusedToServe (SELFTEST=strict), warn once (warn) or pass (off, or no problem)."""
@@ -102,9 +108,6 @@ class _Install:
         if check is not None:
             serving.verify_layer(check.device_index, check, self.settings)
 
-    def weights_scope(self):
-        return cuda_moves_stay_on_cpu(self.sim is not None)
-
     def pin_moe_runner(self, model_path: str | None) -> None:
         if not _serves_current_device(self.settings):
             return
@@ -119,10 +122,6 @@ class _Install:
             return
         if quant is not None and quant.nvfp4:
             pin_auto_runner(self.patcher)
-
-    def retime(self) -> None:
-        # After FlashInfer's autotune, before graph capture: SELECT=fastest times the tuned candidates again.
-        serving.retime(self.settings)
 
     def recheck(self, captured: list[int]) -> object:
         done = serving.recheck(self.settings, captured)
@@ -149,23 +148,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         raise ConfigError(
             f"invalid sm120_fp4 settings:\n  {idle_point_problem(settings) or 'the serving canary is not wired'}"
         )
-    specs = target_specs(
-        Wiring(
-            lambda original: router.make_dispatch(original, wired.unknown_backend),
-            wired.before_dense,
-            wired.weights_scope,
-            wired.verify,
-            wired.recheck,
-            lambda original: make_seam(original, router.make_moe_front, sim is not None),
-            wired.before_moe,
-            wired.pin_moe_runner,
-            serving.weights_update_begin,
-            lambda: serving.weights_update_end(settings),
-            make_decline=lambda original: router.make_decline(original, wired.declined),
-            tuned_families=wired.tuned_families,
-            retime=wired.retime,
-        )
-    )
+    specs = target_specs(wired)
     if wired.idle is not None:
         canary.configure(settings, f"{wired.idle.module}.{wired.idle.attribute}")
         undo.append(canary.stop)
@@ -217,7 +200,5 @@ def _current_index() -> int:
 
 def _serves_current_device(settings) -> bool:
     """Return whether this library serves the device this process computes on (CPU: only in simulation)."""
-    index = _current_index()
-    if index < 0 and settings.simulated_capability is None:
-        return False
-    return serves(get_device(index, settings.simulated_capability), settings)
+    index, simulated = _current_index(), settings.simulated_capability
+    return (index >= 0 or simulated is not None) and serves(get_device(index, simulated), settings)
