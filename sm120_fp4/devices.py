@@ -21,17 +21,6 @@ from typing import Callable, Iterator
 from . import locks
 from .errors import DeviceMappingError
 
-__all__ = [
-    "Device",
-    "list_devices",
-    "get_device",
-    "use_probe",
-    "clear_cache",
-    "is_sm12x",
-    "same_uuid",
-    "DeviceMappingError",
-]
-
 _LOG = logging.getLogger(__name__)
 CPU_INDEX = -1
 PCI_ORDER_FIX = (

@@ -12,8 +12,6 @@ from .backends import flashinfer
 from .config import Settings
 from .errors import InvalidArgument, describe
 
-__all__ = ["Router", "mm_fp4_front", "moe_front", "decline_front"]
-
 GemmFn = Callable[..., object]
 
 

@@ -2,22 +2,6 @@
 
 from __future__ import annotations
 
-__all__ = [
-    "Sm120Fp4Error",
-    "InvalidArgument",
-    "ConfigError",
-    "CheckpointError",
-    "RefusedToServe",
-    "SelfTestError",
-    "DeviceMappingError",
-    "describe",
-    "not_accepted",
-    "check_ranks",
-    "capped",
-    "say_once",
-    "EXIT_HUNG",
-]
-
 # The exit code the self-test's watchdog ends a process with when a checked call outlives its bound.
 EXIT_HUNG = 4
 

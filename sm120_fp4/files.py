@@ -19,20 +19,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = [
-    "UntrustedPath",
-    "LockTimeout",
-    "LOCK_TIMEOUT_S",
-    "make_private_dirs",
-    "write_json",
-    "read_json",
-    "locked",
-    "locked_directory",
-    "kind_of",
-    "DIR_MODE",
-    "FILE_MODE",
-]
-
 DIR_MODE, FILE_MODE = 0o700, 0o600
 _OPEN = os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW | os.O_NONBLOCK
 

@@ -11,8 +11,6 @@ from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["run", "no_capture", "captures_allowed", "clear", "stats", "MAX_INPUT_BYTES", "BUDGET_BYTES", "CAPTURE_AT"]
-
 _LOG = logging.getLogger("sm120_fp4")
 T = TypeVar("T")
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["find_spec_as_imported", "AfterExec"]
-
 
 def find_spec_as_imported(name: str, path=None, target=None, skip: object = None):
     """Return the spec the import system would find for `name` (the first finder but `skip` that has one)."""

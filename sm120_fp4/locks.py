@@ -10,8 +10,6 @@ import os
 import threading
 import weakref
 
-__all__ = ["lock", "rlock"]
-
 _made: weakref.WeakSet = weakref.WeakSet()
 _registered: list[bool] = []  # whether the fork() hook is registered: with the first lock, never at import
 

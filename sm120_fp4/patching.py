@@ -22,8 +22,6 @@ from . import locks
 from .imports import AfterExec, find_spec_as_imported
 from .versions import comparable, installed_version, version_in
 
-__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "MISSING", "dry_run"]
-
 _LOG = logging.getLogger("sm120_fp4")
 MISSING = object()
 State = Literal["pending", "applied", "skipped", "removed", "replaced"]

@@ -21,7 +21,6 @@ from . import files, locks
 if TYPE_CHECKING:
     from .config import Settings
 
-__all__ = ["write", "resolve", "update", "sections", "VERSION"]
 
 VERSION = 2
 _LOG = logging.getLogger("sm120_fp4")

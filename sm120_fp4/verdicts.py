@@ -15,20 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from . import files, locks
-from .files import write_json
-
-__all__ = [
-    "device_key",
-    "record",
-    "crash_of",
-    "note_crash",
-    "load",
-    "trouble",
-    "write_json",
-    "CRASHED",
-    "PASSED",
-    "FAILED",
-]
 
 _LOG = logging.getLogger("sm120_fp4")
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
@@ -136,7 +122,7 @@ def record(path: Path | None, key: dict, family: str, backend: str, verdict: str
             old = data.get("verdicts") if isinstance(data, dict) else None
             old = [e for e in old if isinstance(e, dict)] if isinstance(old, list) else []
             entries = [e for e in old if not _matches(e, key, family, backend)] + [entry]
-            write_json(path, {"version": 1, "verdicts": entries}, "verdict file")
+            files.write_json(path, {"version": 1, "verdicts": entries}, "verdict file")
 
 
 def note_crash(family: str, backend: str, reason: str) -> None:
