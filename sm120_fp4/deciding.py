@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, computed_field
 
 from . import backends, devices, verdicts, verify
 from .backends import flashinfer
-from .config import AUTO, Settings
+from .config import AUTO, Settings, env_name
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
 
@@ -84,15 +84,26 @@ class Family:
     """One kind of kernel this library verifies and routes: the dense FP4 GEMM or the NVFP4 fused MoE."""
 
     name: str  # "dense" | "moe"
-    what: str
-    backends_var: str
-    fallback_var: str
     names: Callable[[], tuple[str, ...]]
     is_supported: Callable[[str, Device], tuple[bool, str | None]]
     resolve: Callable[[str], Callable]
     candidates: Callable[[Settings, Device | None], tuple[str, ...]]
-    fallback: Callable[[Settings], str]
     self_test: Callable[[str, Device, Settings], verify.SelfTestReport]
+
+    @property
+    def what(self) -> str:
+        return backends.FAMILY_LABELS[self.name]
+
+    @property
+    def backends_var(self) -> str:
+        return env_name("backends" if self.name == "dense" else "moe_backends")
+
+    @property
+    def fallback_var(self) -> str:
+        return env_name("fallback" if self.name == "dense" else "moe_fallback")
+
+    def fallback(self, settings: Settings) -> str:
+        return settings.fallback if self.name == "dense" else settings.moe_fallback
 
 
 def _dense_self_test(name: str, device: Device, settings: Settings) -> verify.SelfTestReport:
@@ -115,18 +126,7 @@ def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, .
     return flashinfer.default_order(device.capability) if device is not None else flashinfer.DEFAULT_ORDER
 
 
-DENSE = Family(
-    "dense",
-    backends.FAMILY_LABELS["dense"],
-    "SM120_FP4_BACKENDS",
-    "SM120_FP4_FALLBACK",
-    backends.names,
-    backends.is_supported,
-    backends.resolve,
-    _dense_candidates,
-    lambda s: s.fallback,
-    _dense_self_test,
-)
+DENSE = Family("dense", backends.names, backends.is_supported, backends.resolve, _dense_candidates, _dense_self_test)
 
 
 def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
@@ -139,16 +139,7 @@ def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...
 
 
 MOE = Family(
-    "moe",
-    backends.FAMILY_LABELS["moe"],
-    "SM120_FP4_MOE_BACKENDS",
-    "SM120_FP4_MOE_FALLBACK",
-    backends.moe_names,
-    backends.is_moe_supported,
-    backends.resolve_moe,
-    _moe_candidates,
-    lambda s: s.moe_fallback,
-    _moe_self_test,
+    "moe", backends.moe_names, backends.is_moe_supported, backends.resolve_moe, _moe_candidates, _moe_self_test
 )
 FAMILIES = {"dense": DENSE, "moe": MOE}
 
@@ -164,11 +155,7 @@ def _announce(event: str, family: Family, device: Device, name: str) -> None:
 
 
 def refusal_message(
-    device: Device,
-    candidates: list[str],
-    rejected: dict[str, str],
-    config: str | None = None,
-    family: Family | None = None,
+    device: Device, candidates: list, rejected: dict[str, str], config: str | None = None, family: Family | None = None
 ) -> str:
     """Return the text of RefusedToServe: the device, each candidate and why, what the operator can do."""
     family = family or DENSE
@@ -342,17 +329,9 @@ def log_decision(decision: Decision) -> None:
     """Log `decision` once: device, FlashInfer version, backend, why, its self-test error, how long it took."""
     errs = [r.max_rel_err for r in decision.reports if r.backend == decision.backend and r.max_rel_err is not None]
     tested = f"self-test max rel error {errs[0]:.2e}" if errs else "no self-test of the chosen backend"
-    level = logging.INFO if decision.verified else logging.WARNING
-    _LOG.log(
-        level,
-        "sm120_fp4: %s, FlashInfer %s: using %s (%s); %s, decided in %.2f s",
-        decision.device,
-        decision.flashinfer_version or "not installed",
-        decision.backend,
-        decision.reason,
-        tested,
-        decision.duration_s,
-    )
+    d, msg = decision, "sm120_fp4: %s, FlashInfer %s: using %s (%s); %s, decided in %.2f s"
+    args = (d.device, d.flashinfer_version or "not installed", d.backend, d.reason, tested, d.duration_s)
+    _LOG.log(logging.INFO if d.verified else logging.WARNING, msg, *args)
 
 
 def candidate_names(
