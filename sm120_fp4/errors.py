@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 # The exit code the self-test's watchdog ends a process with when a checked call outlives its bound.
 EXIT_HUNG = 4
 
@@ -75,8 +77,6 @@ _said: set[str] = set()
 
 def say_once(level: int, message: str, *args: object) -> None:
     """Log `message % args` on the library's logger once per process (a worked-around failure)."""
-    import logging
-
     text = message % args if args else message
     if text in _said:
         return

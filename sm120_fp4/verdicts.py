@@ -16,12 +16,12 @@ from typing import Any
 
 from . import files, locks
 
-_LOG = logging.getLogger("sm120_fp4")
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
+_LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
+_warned: set[str] = set()
 # Crashes this process was told about (the preflight worker's --crashed), used with or without a file.
 _session: dict[tuple[str, str], str] = {}
-_warned: set[str] = set()
 
 
 def _driver_version() -> str | None:
@@ -74,6 +74,14 @@ def load(path: Path | None) -> list[dict]:
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
+def _warn_once(message: str) -> None:
+    with _lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    _LOG.warning("%s", message)
+
+
 def trouble(path: Path | None) -> str | None:
     """Return why the verdict store at `path` is neither read nor written, or None."""
     if path is None:
@@ -89,28 +97,13 @@ def trouble(path: Path | None) -> str | None:
     return None
 
 
-def _warn_once(message: str) -> None:
-    with _lock:
-        if message in _warned:
-            return
-        _warned.add(message)
-    _LOG.warning("%s", message)
-
-
 def record(path: Path | None, key: dict, family: str, backend: str, verdict: str, reason: str | None) -> None:
     """Record (replace) the verdict on `backend` of `family` for `key`, atomically under a file lock."""
     if path is None:
         return
     path = Path(path)
-    entry = {
-        "key": key,
-        "family": family,
-        "backend": backend,
-        "verdict": verdict,
-        "reason": reason,
-        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "recorded_by": "sm120-fp4 selftest",
-    }
+    entry = {"key": key, "family": family, "backend": backend, "verdict": verdict, "reason": reason}
+    entry |= {"recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "recorded_by": "sm120-fp4 selftest"}
     with _lock:
         files.make_private_dirs(path.parent)
         # Bounded (files.LockTimeout, an OSError the caller reports): the preflight never hangs on a lock.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import typing
 from pathlib import Path
@@ -11,28 +12,13 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from ..errors import ConfigError
+from ..errors import ConfigError, say_once
 from ..toggle import TOGGLE_VAR, parse_toggle
-from .values import (
-    AUTO,
-    DURATIONS,
-    ENV_PREFIX,
-    OFF,
-    capability_list,
-    default_verdicts_path,
-    duration,
-    on_filesystem,
-    parse_backends,
-    parse_canary,
-    parse_report,
-    parse_simulate,
-    parse_verdicts,
-    shown,
-    warn_once,
-)
+from . import values
+from .values import AUTO, ENV_PREFIX, OFF, shown
 
 # Each parser runs on the raw value, before pydantic's own type check.
-_Backends = Annotated[tuple[str, ...] | Literal["auto"], NoDecode, BeforeValidator(parse_backends)]
+_Backends = Annotated[tuple[str, ...] | Literal["auto"], NoDecode, BeforeValidator(values.parse_backends)]
 
 
 class Settings(BaseSettings):
@@ -77,7 +63,7 @@ class Settings(BaseSettings):
         "under SELFTEST=strict, and say so with exit 3 otherwise; serve-unverified: `launch` starts the server anyway, "
         "its NVFP4 layers served unverified (docs/operations.md).",
     )
-    selftest_timeout: Annotated[float, BeforeValidator(lambda v: duration("selftest_timeout", v))] = Field(
+    selftest_timeout: Annotated[float, BeforeValidator(lambda v: values.duration("selftest_timeout", v))] = Field(
         900.0,
         description="Seconds one candidate's whole self-test may take (a first FlashInfer call JIT-compiles for minutes); past it the candidate is rejected as hung.",
     )
@@ -85,23 +71,23 @@ class Settings(BaseSettings):
         "first",
         description="first: the first candidate that verifies; fastest: time every verified candidate at the served batch sizes (again after the engine's autotune), serve the fastest, or one per batch-size range where each is faster by at least 3% there.",
     )
-    simulate: Annotated[str | None, BeforeValidator(parse_simulate)] = Field(
+    simulate: Annotated[str | None, BeforeValidator(values.parse_simulate)] = Field(
         None,
         description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU.",
     )
-    report: Annotated[Path | None, BeforeValidator(parse_report)] = Field(
+    report: Annotated[Path | None, BeforeValidator(values.parse_report)] = Field(
         None,
         description="Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, "
         "or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md).",
     )
-    verdicts: Annotated[str | None, BeforeValidator(parse_verdicts)] = Field(
+    verdicts: Annotated[str | None, BeforeValidator(values.parse_verdicts)] = Field(
         None,
         description="The verdict file `sm120-fp4 selftest`/`launch` record each candidate's outcome in (crashes included) "
         "and workers read to skip a candidate that crashed; unset: $XDG_CACHE_HOME/sm120_fp4/verdicts.json "
         "(~/.cache/...; none without a home directory); off: none. Owner-only, and never read or written where another "
         "user could change it (docs/operations.md).",
     )
-    canary: Annotated[float | Literal["off"], BeforeValidator(parse_canary)] = Field(
+    canary: Annotated[float | Literal["off"], BeforeValidator(values.parse_canary)] = Field(
         OFF,
         description="The serving canary: off, or a period in seconds; every period each scheduler re-verifies one "
         "verified layer configuration per kernel (dense, MoE), one run per idle point (docs/operations.md).",
@@ -111,7 +97,7 @@ class Settings(BaseSettings):
         description="What a canary failure does: exit (write the refusal to the report and the log, stop the process "
         "non-zero so an orchestrator restarts it) or log (log once per configuration, count it, keep serving).",
     )
-    canary_slice_ms: Annotated[float, BeforeValidator(lambda v: duration("canary_slice_ms", v))] = Field(
+    canary_slice_ms: Annotated[float, BeforeValidator(lambda v: values.duration("canary_slice_ms", v))] = Field(
         5.0,
         description="Milliseconds of GPU time one canary run may hold the serving thread at an idle point: a run "
         "over it caps its configuration's larger batch sizes below the one it checked (listed in status); the "
@@ -130,7 +116,7 @@ class Settings(BaseSettings):
         # instead of creating a file at the directory's name.
         if self.report is not None:
             path = Path(str(self.report).replace("{pid}", "0"))
-            self._report_is_dir = bool(on_filesystem(path.is_dir))
+            self._report_is_dir = bool(values.on_filesystem(path.is_dir))
 
     @property
     def report_is_dir(self) -> bool:
@@ -142,7 +128,7 @@ class Settings(BaseSettings):
         """Return the verdict file, or None when SM120_FP4_VERDICTS=off."""
         if self.verdicts == OFF:
             return None
-        return Path(self.verdicts) if self.verdicts is not None else default_verdicts_path()
+        return Path(self.verdicts) if self.verdicts is not None else values.default_verdicts_path()
 
     @property
     def canary_period(self) -> float | None:
@@ -151,7 +137,7 @@ class Settings(BaseSettings):
 
     @property
     def simulated_capability(self) -> tuple[int, int] | None:
-        return None if self.simulate is None else capability_list(self.simulate)[0]
+        return None if self.simulate is None else values.capability_list(self.simulate)[0]
 
     @property
     def active(self) -> bool:
@@ -218,7 +204,8 @@ def load_settings(**overrides: Any) -> Settings:
             _check_unknown_env(dict(os.environ))
             Settings(**overrides)
         except ConfigError as exc:
-            warn_once(f"sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: {exc}")
+            ignored = f"sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: {exc}"
+            say_once(logging.WARNING, ignored)
         return Settings.model_construct(toggle=False)
     _check_unknown_env(dict(os.environ))
     return Settings(**overrides)
@@ -243,7 +230,7 @@ _ACCEPTED = {
     **{
         f: ("`off`, or " if f == "canary" else "")
         + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
-        for f, (least, most, unit) in DURATIONS.items()
+        for f, (least, most, unit) in values.DURATIONS.items()
     },
 }
 
