@@ -1,8 +1,7 @@
 """The public entry points: ``install()``, ``uninstall()``, ``status()`` and ``decide()``.
 
 ``install()`` is idempotent and thread-safe, works before or after the engine is imported, and exports
-``SM120_FP4=1`` (with any keyword overrides) so that spawned processes activate themselves.
-"""
+``SM120_FP4=1`` (with any keyword overrides) so that spawned processes activate themselves."""
 
 from __future__ import annotations
 
@@ -105,14 +104,9 @@ def _log_precedence(settings: Settings) -> None:
         return
     for var, value in (("SM120_FP4_FALLBACK", settings.fallback), ("SM120_FP4_MOE_FALLBACK", settings.moe_fallback)):
         if value == "emulated":
-            _log_once(
-                f"precedence {var}",
-                logging.WARNING,
-                "sm120_fp4: %s=emulated and SM120_FP4_SELFTEST=warn are both set: where no candidate verifies, "
-                "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)",
-                var,
-                var,
-            )
+            says = "sm120_fp4: %s=emulated and SM120_FP4_SELFTEST=warn are both set: where no candidate verifies, "
+            says += "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)"
+            _log_once(f"precedence {var}", logging.WARNING, says, var, var)
 
 
 def _supported_engines() -> list:
@@ -148,12 +142,8 @@ def _no_12x_gpu(settings: Settings) -> str | None:
             # its first layer loads, or refused there); whether any 12.x GPU may be visible is known now.
             simulate = settings.simulated_capability
             found = [replace(d, capability=simulate, simulated=True) if simulate else d for d in exc.candidates]
-            _log_once(
-                "mapping",
-                logging.INFO,
-                "%s (install() goes on: each GPU is mapped through CUDA when its first layer loads)",
-                exc,
-            )
+            goes_on = "%s (install() goes on: each GPU is mapped through CUDA when its first layer loads)"
+            _log_once("mapping", logging.INFO, goes_on, exc)
         if not any(devices.is_sm12x(d.capability) for d in found):
             seen = ", ".join(d.label() for d in found) or "no GPU"
             return f"no compute-capability 12.x GPU visible ({seen}): nothing to fix, SGLang left untouched (SM120_FP4_ENABLE=on forces it)"
@@ -244,12 +234,8 @@ def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], o
             "decision(s), layers verified with them), so they cannot change now. Set them before SGLang loads the model "
             f"(the environment: {', '.join(env_name(k) for k in changed)}), or call sm120_fp4.uninstall() first"
         )
-    _LOG.warning(
-        "sm120_fp4: install() with other settings than the ones in force, installed by %s (%s): nothing was "
-        "decided yet, so re-installing with them",
-        by,
-        shown,
-    )
+    again = "sm120_fp4: install() with other settings than the ones in force, installed by %s (%s): nothing was "
+    _LOG.warning(again + "decided yet, so re-installing with them", by, shown)
     _uninstall_locked()
 
 

@@ -1,10 +1,9 @@
 """The files this library creates and reads (the verdict store, its lock, the report). Stdlib only.
 
-Directories we create are 0700 and files 0600; a directory we use must be ours (or root's) and not
-writable by others unless sticky, and is used through one descriptor; a file we read or replace must
-be a regular file of ours: a link, FIFO, socket or device at its name is never followed, opened or
-renamed over (:class:`UntrustedPath`). Reads never block. docs/operations.md says more.
-"""
+Directories we create are 0700 and files 0600; a directory we use must be ours (or root's) and not writable by others
+unless sticky, and is used through one descriptor; a file we read or replace must be a regular file of ours: a link,
+FIFO, socket or device at its name is never followed, opened or renamed over (:class:`UntrustedPath`). Reads never
+block. docs/operations.md says more."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Finding a module as the import system does, and running code right after a module's own: a
-post-import hook independent of how the module is installed. Stdlib only, importing nothing of ours.
-"""
+"""Finding a module as the import system does, and running code right after a module's own: a post-import hook
+independent of how the module is installed. Stdlib only, importing nothing of ours."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Locks that a fork() child gets back unlocked (stdlib only).
 
-A child of a fork() while another thread held a lock would wait forever on it: every lock of this
-library is made here and re-initialised in the child (os.register_at_fork, at the first lock made).
-"""
+A child of a fork() while another thread held a lock would wait forever on it: every lock of this library is made
+here and re-initialised in the child (os.register_at_fork, at the first lock made)."""
 
 from __future__ import annotations
 

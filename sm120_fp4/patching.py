@@ -1,8 +1,7 @@
 """A generic patch engine: post-import hooks, version guards, idempotent apply, exact undo, a ledger.
 
-Knows nothing about SGLang (:mod:`sm120_fp4.sglang.targets` lists what to patch as :class:`PatchSpec`). A hook
-never raises into the import that triggered it: a failure leaves the target untouched and is recorded ``skipped``.
-"""
+Knows nothing about SGLang (:mod:`sm120_fp4.sglang.targets` lists what to patch as :class:`PatchSpec`). A hook never
+raises into the import that triggered it: a failure leaves the target untouched and is recorded ``skipped``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The report file (``SM120_FP4_REPORT``): one JSON file holding every process's decisions and refusals.
 
-Each write merges under a lock on the report's directory: this process's section replaces its
-previous one; other processes' sections are kept if of the same run (process group and leader) or
-still running. A directory, or a path with ``{pid}``, gets one file per process. The file holds
-``version``, ``pid``, ``updated_at``, ``processes`` and the ``decisions`` and ``refusals``, each
-with ``pid`` and ``role``.
-"""
+Each write merges under a lock on the report's directory: this process's section replaces its previous one; other
+processes' sections are kept if of the same run (process group and leader) or still running. A directory, or a path
+with ``{pid}``, gets one file per process. The file holds ``version``, ``pid``, ``updated_at``, ``processes`` and the
+``decisions`` and ``refusals``, each with ``pid`` and ``role``."""
 
 from __future__ import annotations
 

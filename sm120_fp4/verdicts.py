@@ -1,9 +1,8 @@
 """The verdict store: what the preflight (``sm120-fp4 selftest``/``launch``) saw each candidate do.
 
-A candidate that crashed a preflight worker (FlashInfer #3170) is recorded, keyed by GPU, capability,
-driver, CUDA, FlashInfer, family and backend, and serving workers skip it rather than crash; passed and
-failed verdicts are evidence only. The file is ``SM120_FP4_VERDICTS``, owner-only (:mod:`.files`).
-"""
+A candidate that crashed a preflight worker (FlashInfer #3170) is recorded, keyed by GPU, capability, driver, CUDA,
+FlashInfer, family and backend, and serving workers skip it rather than crash; passed and failed verdicts are
+evidence only. The file is ``SM120_FP4_VERDICTS``, owner-only (:mod:`.files`)."""
 
 from __future__ import annotations
 
