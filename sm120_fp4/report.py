@@ -92,14 +92,9 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
 
 def _merge(target: Path, section: dict, role: str) -> None:
     """Merge this process's `section` into `target`, under the report directory's lock."""
-    me = {
-        **{k: v for k, v in section.items() if k not in ("decisions", "refusals")},
-        "pid": os.getpid(),
-        "role": role,
-        "run": _run(),
-        "started": _started(os.getpid()),
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    me = {k: v for k, v in section.items() if k not in ("decisions", "refusals")}
+    me |= {"pid": os.getpid(), "role": role, "run": _run(), "started": _started(os.getpid())}
+    me["written_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     with files.locked_directory(target.parent, "report"):
         try:
             old = files.read_json(target, "report")
@@ -124,14 +119,8 @@ def _merge(target: Path, section: dict, role: str) -> None:
             ]
             return theirs + mine  # this process's last: the newest entry is at the end
 
-        payload = {
-            "version": VERSION,
-            "pid": me["pid"],
-            "updated_at": me["written_at"],
-            "processes": keep + [me],
-            "decisions": entries("decisions"),
-            "refusals": entries("refusals"),
-        }
+        payload = {"version": VERSION, "pid": me["pid"], "updated_at": me["written_at"], "processes": keep + [me]}
+        payload |= {"decisions": entries("decisions"), "refusals": entries("refusals")}
         files.write_json(target, payload, "report")
 
 

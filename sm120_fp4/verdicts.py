@@ -46,14 +46,9 @@ def device_key(device) -> dict[str, Any]:
         import torch
 
         cuda = torch.version.cuda
-    return {
-        "gpu": device.name,
-        "capability": f"{device.capability[0]}.{device.capability[1]}",
-        "simulated": device.simulated,
-        "driver": _driver_version() if device.is_cuda else None,
-        "cuda": cuda,
-        "flashinfer": flashinfer_version(),
-    }
+    key = {"gpu": device.name, "capability": f"{device.capability[0]}.{device.capability[1]}"}
+    key |= {"simulated": device.simulated, "driver": _driver_version() if device.is_cuda else None, "cuda": cuda}
+    return key | {"flashinfer": flashinfer_version()}
 
 
 def _matches(entry: dict, key: dict, family: str, backend: str) -> bool:

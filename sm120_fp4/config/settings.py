@@ -38,13 +38,11 @@ class Settings(BaseSettings):
     )
     backends: _Backends = Field(
         AUTO,
-        description="Ordered candidate backends (FlashInfer names, humming, emulated, or registered names), comma-separated; "
-        "auto: the order known to work for each GPU's compute capability (docs/operations.md).",
+        description="Ordered candidate backends (FlashInfer names, humming, emulated, or registered names), comma-separated; auto: the order known to work for each GPU's compute capability (docs/operations.md).",
     )
     moe_backends: _Backends = Field(
         AUTO,
-        description="Ordered candidate NVFP4 fused-MoE backends (FlashInfer's cutlass, humming, emulated, or names registered with "
-        "register_moe), comma-separated; auto: cutlass, then humming on 12.x (docs/operations.md).",
+        description="Ordered candidate NVFP4 fused-MoE backends (FlashInfer's cutlass, humming, emulated, or names registered with register_moe), comma-separated; auto: cutlass, then humming on 12.x (docs/operations.md).",
     )
     moe_fallback: Literal["none", "emulated"] = Field(
         "none", description="emulated: serve NVFP4 MoE layers with the slow pure-PyTorch emulation instead of refusing."
@@ -58,10 +56,7 @@ class Settings(BaseSettings):
     )
     unsupported_release: Literal["refuse", "serve-unverified"] = Field(
         "refuse",
-        description="An SGLang release outside the range this library supports, with the library asked for on a 12.x "
-        "GPU (nothing of SGLang is patched or verified there): refuse: `launch` and `selftest` refuse to start (exit 2) "
-        "under SELFTEST=strict, and say so with exit 3 otherwise; serve-unverified: `launch` starts the server anyway, "
-        "its NVFP4 layers served unverified (docs/operations.md).",
+        description="An SGLang release outside the range this library supports, with the library asked for on a 12.x GPU (nothing of SGLang is patched or verified there): refuse: `launch` and `selftest` refuse to start (exit 2) under SELFTEST=strict, and say so with exit 3 otherwise; serve-unverified: `launch` starts the server anyway, its NVFP4 layers served unverified (docs/operations.md).",
     )
     selftest_timeout: Annotated[float, BeforeValidator(lambda v: values.duration("selftest_timeout", v))] = Field(
         900.0,
@@ -77,31 +72,23 @@ class Settings(BaseSettings):
     )
     report: Annotated[Path | None, BeforeValidator(values.parse_report)] = Field(
         None,
-        description="Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, "
-        "or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md).",
+        description="Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md).",
     )
     verdicts: Annotated[str | None, BeforeValidator(values.parse_verdicts)] = Field(
         None,
-        description="The verdict file `sm120-fp4 selftest`/`launch` record each candidate's outcome in (crashes included) "
-        "and workers read to skip a candidate that crashed; unset: $XDG_CACHE_HOME/sm120_fp4/verdicts.json "
-        "(~/.cache/...; none without a home directory); off: none. Owner-only, and never read or written where another "
-        "user could change it (docs/operations.md).",
+        description="The verdict file `sm120-fp4 selftest`/`launch` record each candidate's outcome in (crashes included) and workers read to skip a candidate that crashed; unset: $XDG_CACHE_HOME/sm120_fp4/verdicts.json (~/.cache/...; none without a home directory); off: none. Owner-only, and never read or written where another user could change it (docs/operations.md).",
     )
     canary: Annotated[float | Literal["off"], BeforeValidator(values.parse_canary)] = Field(
         OFF,
-        description="The serving canary: off, or a period in seconds; every period each scheduler re-verifies one "
-        "verified layer configuration per kernel (dense, MoE), one run per idle point (docs/operations.md).",
+        description="The serving canary: off, or a period in seconds; every period each scheduler re-verifies one verified layer configuration per kernel (dense, MoE), one run per idle point (docs/operations.md).",
     )
     canary_action: Literal["exit", "log"] = Field(
         "exit",
-        description="What a canary failure does: exit (write the refusal to the report and the log, stop the process "
-        "non-zero so an orchestrator restarts it) or log (log once per configuration, count it, keep serving).",
+        description="What a canary failure does: exit (write the refusal to the report and the log, stop the process non-zero so an orchestrator restarts it) or log (log once per configuration, count it, keep serving).",
     )
     canary_slice_ms: Annotated[float, BeforeValidator(lambda v: values.duration("canary_slice_ms", v))] = Field(
         5.0,
-        description="Milliseconds of GPU time one canary run may hold the serving thread at an idle point: a run "
-        "over it caps its configuration's larger batch sizes below the one it checked (listed in status); the "
-        "smallest decode and larger sizes always run.",
+        description="Milliseconds of GPU time one canary run may hold the serving thread at an idle point: a run over it caps its configuration's larger batch sizes below the one it checked (listed in status); the smallest decode and larger sizes always run.",
     )
     _report_is_dir: bool = PrivateAttr(False)
 
