@@ -190,7 +190,9 @@ def install(**overrides: Any) -> Status:
             deciding.candidate_names(settings, family=deciding.MOE)
             _log_precedence(settings)
         if _state is not None:
-            changed = _changed(_state.settings, settings)
+            # install() itself exports SM120_FP4=1, so a toggle that became "on" is not a change.
+            before, after = _state.settings.model_dump(), settings.model_dump()
+            changed = {k: (before[k], after[k]) for k in before if k != "toggle" and before[k] != after[k]}
             if not changed:
                 _LOG.warning("sm120_fp4: install() called while already installed with these settings; nothing changed")
                 return status()
@@ -209,13 +211,6 @@ def install(**overrides: Any) -> Status:
             "installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump()
         )
         return status()
-
-
-def _changed(old: Settings, new: Settings) -> dict[str, tuple[Any, Any]]:
-    """Return each setting whose value differs: field -> (in force, asked)."""
-    # install() itself exports SM120_FP4=1, so a toggle that became "on" is not a change.
-    before, after = old.model_dump(), new.model_dump()
-    return {k: (before[k], after[k]) for k in before if k != "toggle" and before[k] != after[k]}
 
 
 def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], overrides: dict[str, Any]) -> None:

@@ -268,9 +268,7 @@ def _fastest(device: Device, passed: list[str], family: Family) -> tuple[str, st
     return best, why, timings
 
 
-def _unverified(
-    device: Device, candidates: list[str], settings: Settings, family: Family, supported, rejected, reports
-):
+def _unverified(device: Device, candidates: list, settings: Settings, family: Family, supported, rejected, reports):
     """Return (backend, verified, why) where no candidate passed (SELFTEST=off, FALLBACK, SELFTEST=warn), else refuse."""
     if settings.selftest == "off" and supported:
         return supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"

@@ -53,12 +53,6 @@ def _alive(pid: int, started: str | None) -> bool:
     return started is None or now is None or now == started  # a reused pid is not the same process
 
 
-def _run() -> str:
-    """Return this run: the process group and when its leader started."""
-    group = os.getpgid(0)
-    return f"{group}@{_started(group) or '?'}"
-
-
 def resolve(path: Path, directory: bool | None) -> Path:
     """Return the file to write for `path` ({pid} replaced; a directory holds one file per process)."""
     # `directory`: whether it named a directory when the settings were read (None: decide now); one
@@ -93,8 +87,9 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
 def _merge(target: Path, section: dict, role: str) -> None:
     """Merge this process's `section` into `target`, under the report directory's lock."""
     me = {k: v for k, v in section.items() if k not in ("decisions", "refusals")}
-    me |= {"pid": os.getpid(), "role": role, "run": _run(), "started": _started(os.getpid())}
-    me["written_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    group = os.getpgid(0)  # this run: the process group and when its leader started
+    me |= {"pid": os.getpid(), "role": role, "run": f"{group}@{_started(group) or '?'}"}
+    me["started"], me["written_at"] = _started(os.getpid()), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     with files.locked_directory(target.parent, "report"):
         try:
             old = files.read_json(target, "report")

@@ -56,10 +56,8 @@ def _home() -> tuple[str | None, str]:
         return None, f"{why}, and this user (uid {os.geteuid()}) has no entry in the password database"
     if entry and os.path.isabs(entry) and entry.rstrip("/") and os.path.isdir(entry):
         return entry, "the password database"
-    return (
-        None,
-        f"{why}, and the password database gives {entry!r} for uid {os.geteuid()} (not an existing directory other than /)",
-    )
+    gives = f"the password database gives {entry!r} for uid {os.geteuid()} (not an existing directory other than /)"
+    return None, f"{why}, and {gives}"
 
 
 def default_verdicts_path() -> Path | None:
