@@ -203,11 +203,8 @@ class Patcher:
             with self._lock:
                 again = [r.spec.name for r in self._reloadable(module.__name__) if self._reapply(r, module)]
             if again:
-                _LOG.warning(
-                    "sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s",
-                    module.__name__,
-                    ", ".join(again),
-                )
+                msg = "sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s"
+                _LOG.warning(msg, module.__name__, ", ".join(again))
         except Exception as exc:
             _LOG.warning("sm120_fp4: patching %s again after its reload failed: %s", module.__name__, exc)
 
@@ -311,10 +308,8 @@ class Patcher:
                     if _get(record.owner, leaf, None) is record.replacement:
                         setattr(record.owner, leaf, record.original)
                     else:
-                        _LOG.warning(
-                            "sm120_fp4: %s was replaced by someone else since we patched it; leaving it as is",
-                            record.spec.name,
-                        )
+                        msg = "sm120_fp4: %s was replaced by someone else since we patched it; leaving it as is"
+                        _LOG.warning(msg, record.spec.name)
                 record.state = "removed"
             self._records.clear()
 
@@ -333,9 +328,8 @@ class Patcher:
                 record = self._records[spec.name] = _Record(spec)
                 record.original = current
             record.owner, record.replacement, record.state, record.reason = owner, value, "applied", None
-            _LOG.info(
-                "sm120_fp4: pinned %s.%s from %s to %s (%s)", spec.module, spec.attribute, current, value, spec.name
-            )
+            msg = "sm120_fp4: pinned %s.%s from %s to %s (%s)"
+            _LOG.info(msg, spec.module, spec.attribute, current, value, spec.name)
             return True
 
     def note(self, spec: PatchSpec, state: State, reason: str | None) -> None:

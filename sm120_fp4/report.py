@@ -125,11 +125,9 @@ def update(settings: Settings) -> None:
     if settings.report is None:
         return
     if not _update_lock.acquire(timeout=files.LOCK_TIMEOUT_S):  # never an unbounded wait on a serving thread
+        msg = "sm120_fp4: skipped a report write to %s: another thread of this process has been writing it for "
         _LOG.warning(
-            "sm120_fp4: skipped a report write to %s: another thread of this process has been writing it for "
-            "more than %g s (the next write holds the latest state)",
-            settings.report,
-            files.LOCK_TIMEOUT_S,
+            msg + "more than %g s (the next write holds the latest state)", settings.report, files.LOCK_TIMEOUT_S
         )
         return
     try:

@@ -209,8 +209,7 @@ def sources(settings_kwargs: dict[str, Any], environ: dict[str, str] | None = No
 
 _ACCEPTED = {
     "toggle": "`1`, `on`, `0`, `off`",
-    "backends": "`auto` or comma-separated names",
-    "moe_backends": "`auto` or comma-separated names",
+    **dict.fromkeys(("backends", "moe_backends"), "`auto` or comma-separated names"),
     "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
     "report": "a path",
     "verdicts": "a file path, or `off`",
