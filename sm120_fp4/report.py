@@ -107,11 +107,8 @@ def _merge(target: Path, section: dict, role: str) -> None:
 
         def entries(name: str) -> list:
             mine = [{**e, "pid": me["pid"], "role": role} for e in section.get(name, [])]
-            theirs = [
-                e
-                for e in (old.get(name, []) if keep else [])
-                if isinstance(e, dict) and (e.get("pid"), e.get("role")) in kept
-            ]
+            olds = old.get(name, []) if keep else []
+            theirs = [e for e in olds if isinstance(e, dict) and (e.get("pid"), e.get("role")) in kept]
             return theirs + mine  # this process's last: the newest entry is at the end
 
         payload = {"version": VERSION, "pid": me["pid"], "updated_at": me["written_at"], "processes": keep + [me]}
