@@ -11,34 +11,15 @@ from importlib import import_module
 from ._version import __version__
 from .errors import CheckpointError, ConfigError, InvalidArgument, RefusedToServe, SelfTestError, Sm120Fp4Error
 
-__all__ = [
-    "__version__",
-    "install",
-    "uninstall",
-    "status",
-    "decide",
-    "Settings",
-    "Sm120Fp4Error",
-    "InvalidArgument",
-    "ConfigError",
-    "CheckpointError",
-    "RefusedToServe",
-    "SelfTestError",
-]
+__all__ = ["__version__", "install", "uninstall", "status", "decide", "Settings"]
+__all__ += ["Sm120Fp4Error", "InvalidArgument", "ConfigError", "CheckpointError", "RefusedToServe", "SelfTestError"]
 
-_LAZY = {
-    "install": ("sm120_fp4.api", "install"),
-    "uninstall": ("sm120_fp4.api", "uninstall"),
-    "status": ("sm120_fp4.api", "status"),
-    "decide": ("sm120_fp4.api", "decide"),
-    "Settings": ("sm120_fp4.config", "Settings"),
-}
+_LAZY = dict.fromkeys(("install", "uninstall", "status", "decide"), "sm120_fp4.api") | {"Settings": "sm120_fp4.config"}
 
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        module, attr = _LAZY[name]
-        value = getattr(import_module(module), attr)
+        value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'sm120_fp4' has no attribute {name!r}")

@@ -1,8 +1,7 @@
 """The public entry points: ``install()``, ``uninstall()``, ``status()`` and ``decide()``.
 
 ``install()`` is idempotent and thread-safe, works before or after the engine is imported, and exports
-``SM120_FP4=1`` (with any keyword overrides) so that spawned processes activate themselves.
-"""
+``SM120_FP4=1`` (with any keyword overrides) so that spawned processes activate themselves."""
 
 from __future__ import annotations
 
@@ -105,14 +104,9 @@ def _log_precedence(settings: Settings) -> None:
         return
     for var, value in (("SM120_FP4_FALLBACK", settings.fallback), ("SM120_FP4_MOE_FALLBACK", settings.moe_fallback)):
         if value == "emulated":
-            _log_once(
-                f"precedence {var}",
-                logging.WARNING,
-                "sm120_fp4: %s=emulated and SM120_FP4_SELFTEST=warn are both set: where no candidate verifies, "
-                "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)",
-                var,
-                var,
-            )
+            says = "sm120_fp4: %s=emulated and SM120_FP4_SELFTEST=warn are both set: where no candidate verifies, "
+            says += "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)"
+            _log_once(f"precedence {var}", logging.WARNING, says, var, var)
 
 
 def _supported_engines() -> list:
@@ -148,12 +142,8 @@ def _no_12x_gpu(settings: Settings) -> str | None:
             # its first layer loads, or refused there); whether any 12.x GPU may be visible is known now.
             simulate = settings.simulated_capability
             found = [replace(d, capability=simulate, simulated=True) if simulate else d for d in exc.candidates]
-            _log_once(
-                "mapping",
-                logging.INFO,
-                "%s (install() goes on: each GPU is mapped through CUDA when its first layer loads)",
-                exc,
-            )
+            goes_on = "%s (install() goes on: each GPU is mapped through CUDA when its first layer loads)"
+            _log_once("mapping", logging.INFO, goes_on, exc)
         if not any(devices.is_sm12x(d.capability) for d in found):
             seen = ", ".join(d.label() for d in found) or "no GPU"
             return f"no compute-capability 12.x GPU visible ({seen}): nothing to fix, SGLang left untouched (SM120_FP4_ENABLE=on forces it)"
@@ -200,7 +190,9 @@ def install(**overrides: Any) -> Status:
             deciding.candidate_names(settings, family=deciding.MOE)
             _log_precedence(settings)
         if _state is not None:
-            changed = _changed(_state.settings, settings)
+            # install() itself exports SM120_FP4=1, so a toggle that became "on" is not a change.
+            before, after = _state.settings.model_dump(), settings.model_dump()
+            changed = {k: (before[k], after[k]) for k in before if k != "toggle" and before[k] != after[k]}
             if not changed:
                 _LOG.warning("sm120_fp4: install() called while already installed with these settings; nothing changed")
                 return status()
@@ -221,13 +213,6 @@ def install(**overrides: Any) -> Status:
         return status()
 
 
-def _changed(old: Settings, new: Settings) -> dict[str, tuple[Any, Any]]:
-    """Return each setting whose value differs: field -> (in force, asked)."""
-    # install() itself exports SM120_FP4=1, so a toggle that became "on" is not a change.
-    before, after = old.model_dump(), new.model_dump()
-    return {k: (before[k], after[k]) for k in before if k != "toggle" and before[k] != after[k]}
-
-
 def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], overrides: dict[str, Any]) -> None:
     """Uninstall for other settings while nothing is decided, else raise ConfigError (never ignore them)."""
     shown = "; ".join(f"{k}: {old!r} in force, {new!r} asked" for k, (old, new) in changed.items())
@@ -244,12 +229,8 @@ def _reinstall_or_refuse(state: _Install, changed: dict[str, tuple[Any, Any]], o
             "decision(s), layers verified with them), so they cannot change now. Set them before SGLang loads the model "
             f"(the environment: {', '.join(env_name(k) for k in changed)}), or call sm120_fp4.uninstall() first"
         )
-    _LOG.warning(
-        "sm120_fp4: install() with other settings than the ones in force, installed by %s (%s): nothing was "
-        "decided yet, so re-installing with them",
-        by,
-        shown,
-    )
+    again = "sm120_fp4: install() with other settings than the ones in force, installed by %s (%s): nothing was "
+    _LOG.warning(again + "decided yet, so re-installing with them", by, shown)
     _uninstall_locked()
 
 
@@ -294,24 +275,17 @@ def status() -> Status:
             found = [d.label() for d in devices.list_devices(settings.simulated_capability)]
         except Exception as exc:
             found = [f"device probe failed: {exc}"]
-        return Status(
-            version=__version__,
-            installed=state is not None,
-            message=_message,
-            settings=settings.model_dump(mode="json"),
-            setting_sources=sources(kwargs),
-            sglang_version=sglang_support.sglang_version(),
-            sglang_supported=sglang_support.release_support()[0],
-            devices=found,
-            patches=state.patcher.ledger() if state else [],
-            routes=state.router.routes() if state else {},
-            moe_routes=serving.routes("moe") if state else {},
-            decisions=serving.decisions(),
-            refusals=serving.refusals(),
-            canary=canary.status(settings),
-            engines={engine.NAME: _engine_status(engine) for engine in ENGINES},
-            flashinfer_overrides=flashinfer_overrides(),
-        )
+        here = {"version": __version__, "installed": state is not None, "message": _message}
+        here |= {"settings": settings.model_dump(mode="json"), "setting_sources": sources(kwargs)}
+        here |= {
+            "sglang_version": sglang_support.sglang_version(),
+            "sglang_supported": sglang_support.release_support()[0],
+        }
+        here |= {"devices": found, "patches": state.patcher.ledger() if state else []}
+        here |= {"routes": state.router.routes() if state else {}, "moe_routes": serving.routes("moe") if state else {}}
+        here |= {"decisions": serving.decisions(), "refusals": serving.refusals(), "canary": canary.status(settings)}
+        here["engines"] = {engine.NAME: _engine_status(engine) for engine in ENGINES}
+        return Status(**here, flashinfer_overrides=flashinfer_overrides())
 
 
 def _engine_status(engine) -> dict[str, Any]:

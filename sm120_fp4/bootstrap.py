@@ -1,9 +1,8 @@
 """Start-up activation for every new interpreter (spawned SGLang schedulers included).
 
-The installed ``sm120_fp4.pth`` line calls :func:`activate` when ``SM120_FP4`` is on; that only puts a
-stdlib one-shot finder on ``sys.meta_path``, and ``install()`` runs right after SGLang is imported.
-With the toggle on, no failure of ours leaves a worker serving unverified: ``import sglang`` raises.
-"""
+The installed ``sm120_fp4.pth`` line calls :func:`activate` when ``SM120_FP4`` is on; that only puts a stdlib
+one-shot finder on ``sys.meta_path``, and ``install()`` runs right after SGLang is imported. With the toggle on, no
+failure of ours leaves a worker serving unverified: ``import sglang`` raises."""
 
 from __future__ import annotations
 

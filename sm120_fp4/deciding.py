@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, computed_field
 
 from . import backends, devices, verdicts, verify
 from .backends import flashinfer
-from .config import AUTO, Settings
+from .config import AUTO, Settings, env_name
 from .devices import Device
 from .errors import ConfigError, RefusedToServe, capped
 
@@ -84,15 +84,26 @@ class Family:
     """One kind of kernel this library verifies and routes: the dense FP4 GEMM or the NVFP4 fused MoE."""
 
     name: str  # "dense" | "moe"
-    what: str
-    backends_var: str
-    fallback_var: str
     names: Callable[[], tuple[str, ...]]
     is_supported: Callable[[str, Device], tuple[bool, str | None]]
     resolve: Callable[[str], Callable]
     candidates: Callable[[Settings, Device | None], tuple[str, ...]]
-    fallback: Callable[[Settings], str]
     self_test: Callable[[str, Device, Settings], verify.SelfTestReport]
+
+    @property
+    def what(self) -> str:
+        return backends.FAMILY_LABELS[self.name]
+
+    @property
+    def backends_var(self) -> str:
+        return env_name("backends" if self.name == "dense" else "moe_backends")
+
+    @property
+    def fallback_var(self) -> str:
+        return env_name("fallback" if self.name == "dense" else "moe_fallback")
+
+    def fallback(self, settings: Settings) -> str:
+        return settings.fallback if self.name == "dense" else settings.moe_fallback
 
 
 def _dense_self_test(name: str, device: Device, settings: Settings) -> verify.SelfTestReport:
@@ -115,18 +126,7 @@ def _dense_candidates(settings: Settings, device: Device | None) -> tuple[str, .
     return flashinfer.default_order(device.capability) if device is not None else flashinfer.DEFAULT_ORDER
 
 
-DENSE = Family(
-    "dense",
-    backends.FAMILY_LABELS["dense"],
-    "SM120_FP4_BACKENDS",
-    "SM120_FP4_FALLBACK",
-    backends.names,
-    backends.is_supported,
-    backends.resolve,
-    _dense_candidates,
-    lambda s: s.fallback,
-    _dense_self_test,
-)
+DENSE = Family("dense", backends.names, backends.is_supported, backends.resolve, _dense_candidates, _dense_self_test)
 
 
 def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...]:
@@ -139,16 +139,7 @@ def _moe_candidates(settings: Settings, device: Device | None) -> tuple[str, ...
 
 
 MOE = Family(
-    "moe",
-    backends.FAMILY_LABELS["moe"],
-    "SM120_FP4_MOE_BACKENDS",
-    "SM120_FP4_MOE_FALLBACK",
-    backends.moe_names,
-    backends.is_moe_supported,
-    backends.resolve_moe,
-    _moe_candidates,
-    lambda s: s.moe_fallback,
-    _moe_self_test,
+    "moe", backends.moe_names, backends.is_moe_supported, backends.resolve_moe, _moe_candidates, _moe_self_test
 )
 FAMILIES = {"dense": DENSE, "moe": MOE}
 
@@ -164,11 +155,7 @@ def _announce(event: str, family: Family, device: Device, name: str) -> None:
 
 
 def refusal_message(
-    device: Device,
-    candidates: list[str],
-    rejected: dict[str, str],
-    config: str | None = None,
-    family: Family | None = None,
+    device: Device, candidates: list, rejected: dict[str, str], config: str | None = None, family: Family | None = None
 ) -> str:
     """Return the text of RefusedToServe: the device, each candidate and why, what the operator can do."""
     family = family or DENSE
@@ -281,9 +268,7 @@ def _fastest(device: Device, passed: list[str], family: Family) -> tuple[str, st
     return best, why, timings
 
 
-def _unverified(
-    device: Device, candidates: list[str], settings: Settings, family: Family, supported, rejected, reports
-):
+def _unverified(device: Device, candidates: list, settings: Settings, family: Family, supported, rejected, reports):
     """Return (backend, verified, why) where no candidate passed (SELFTEST=off, FALLBACK, SELFTEST=warn), else refuse."""
     if settings.selftest == "off" and supported:
         return supported[0], False, "SM120_FP4_SELFTEST=off: first supported candidate, NOT verified"
@@ -316,25 +301,13 @@ def choose(device: Device, candidates: list[str], settings: Settings, family: Fa
         choice, verified, reason = passed[0], True, "first candidate to pass its self-test"
     else:
         choice, verified, reason = _unverified(device, candidates, settings, family, supported, rejected, reports)
-    decision = Decision(
-        device=device.label(),
-        device_index=device.index,
-        device_uuid=device.uuid,
-        device_pci_bus_id=device.pci_bus_id,
-        capability=f"{device.capability[0]}.{device.capability[1]}",
-        simulated=device.simulated,
-        candidates=candidates,
-        rejected=rejected,
-        reports=reports,
-        flashinfer_version=backends.flashinfer_version(),
-        backend=choice,
-        mode=backends.backend_of(family.name, choice).mode,
-        verified=verified,
-        reason=reason,
-        timings_ms=timings,
-        family=family.name,
-        duration_s=time.perf_counter() - start,
-    )
+    where = {"device": device.label(), "device_index": device.index, "device_uuid": device.uuid}
+    where |= {"device_pci_bus_id": device.pci_bus_id, "capability": f"{device.capability[0]}.{device.capability[1]}"}
+    found = {"candidates": candidates, "rejected": rejected, "reports": reports, "timings_ms": timings}
+    found |= {"simulated": device.simulated, "flashinfer_version": backends.flashinfer_version()}
+    mode = backends.backend_of(family.name, choice).mode
+    chosen = {"backend": choice, "mode": mode, "verified": verified, "reason": reason, "family": family.name}
+    decision = Decision(**where, **found, **chosen, duration_s=time.perf_counter() - start)
     return Choice(decision, family.resolve(choice))
 
 
@@ -342,17 +315,9 @@ def log_decision(decision: Decision) -> None:
     """Log `decision` once: device, FlashInfer version, backend, why, its self-test error, how long it took."""
     errs = [r.max_rel_err for r in decision.reports if r.backend == decision.backend and r.max_rel_err is not None]
     tested = f"self-test max rel error {errs[0]:.2e}" if errs else "no self-test of the chosen backend"
-    level = logging.INFO if decision.verified else logging.WARNING
-    _LOG.log(
-        level,
-        "sm120_fp4: %s, FlashInfer %s: using %s (%s); %s, decided in %.2f s",
-        decision.device,
-        decision.flashinfer_version or "not installed",
-        decision.backend,
-        decision.reason,
-        tested,
-        decision.duration_s,
-    )
+    d, msg = decision, "sm120_fp4: %s, FlashInfer %s: using %s (%s); %s, decided in %.2f s"
+    args = (d.device, d.flashinfer_version or "not installed", d.backend, d.reason, tested, d.duration_s)
+    _LOG.log(logging.INFO if d.verified else logging.WARNING, msg, *args)
 
 
 def candidate_names(

@@ -1,12 +1,11 @@
-"""Which GPUs exist, their compute capability, and which physical GPU each CUDA ordinal is: the one
-seam tests mock (``use_probe``).
+"""Which GPUs exist, their compute capability, and which physical GPU each CUDA ordinal is: the one seam tests mock
+(``use_probe``).
 
-The mapping is CUDA's own (through torch) where CUDA is initialised or about to be (``init_cuda``);
-else computed from NVML where it is determined (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, or GPUs all alike);
-else :class:`~sm120_fp4.errors.DeviceMappingError` names the problem and the fix. Nothing is guessed:
-CUDA's default FASTEST_FIRST heuristic is not documented well enough to reproduce from NVML.
-``simulate`` (``SM120_FP4_SIMULATE``) overrides every capability and supplies one CPU device when no GPU exists.
-"""
+The mapping is CUDA's own (through torch) where CUDA is initialised or about to be (``init_cuda``); else computed
+from NVML where it is determined (``CUDA_DEVICE_ORDER=PCI_BUS_ID``, or GPUs all alike); else
+:class:`~sm120_fp4.errors.DeviceMappingError` names the problem and the fix. Nothing is guessed: CUDA's default
+FASTEST_FIRST heuristic is not documented well enough to reproduce from NVML. ``simulate`` (``SM120_FP4_SIMULATE``)
+overrides every capability and supplies one CPU device when no GPU exists."""
 
 from __future__ import annotations
 
@@ -20,17 +19,6 @@ from typing import Callable, Iterator
 
 from . import locks
 from .errors import DeviceMappingError
-
-__all__ = [
-    "Device",
-    "list_devices",
-    "get_device",
-    "use_probe",
-    "clear_cache",
-    "is_sm12x",
-    "same_uuid",
-    "DeviceMappingError",
-]
 
 _LOG = logging.getLogger(__name__)
 CPU_INDEX = -1

@@ -12,8 +12,6 @@ from .backends import flashinfer
 from .config import Settings
 from .errors import InvalidArgument, describe
 
-__all__ = ["Router", "mm_fp4_front", "moe_front", "decline_front"]
-
 GemmFn = Callable[..., object]
 
 
@@ -32,13 +30,69 @@ class Router:
         return serving.routes(family)
 
     def make_dispatch(self, original: Callable, unknown: Callable[[int, str, object], None] | None = None) -> Callable:
-        """Return the replacement for a module-level ``mm_fp4`` alias (dense); see mm_fp4_front."""
-        names = serving.routes
-        return mm_fp4_front(original, serving.route_table().get, self.ensure, lambda i: names().get(i, "?"), unknown)
+        """Return the replacement for a module-level ``mm_fp4`` alias (dense), serving routable calls routed."""
+        # route: the hot-path lookup; ensure: decides on first use; unknown(index, name, value): told of an
+        # argument the routed backend was not verified for.
+        route, ensure, names = serving.route_table().get, self.ensure, serving.routes
+
+        def name_of(index: int) -> str:
+            return names().get(index, "?")
+
+        routed, neutral = flashinfer.ROUTED_BACKENDS, flashinfer.neutral_mm_fp4_keywords
+
+        def flashinfer_fp4_gemm(
+            a,
+            b,
+            a_descale,
+            b_descale,
+            alpha=None,
+            out_dtype=torch.bfloat16,
+            out=None,
+            block_size=16,
+            use_8x4_sf_layout=False,
+            backend="auto",
+            **kwargs,
+        ):
+            try:
+                index = a.get_device()
+            except AttributeError:
+                raise InvalidArgument(
+                    f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
+                ) from None
+            plain = backend in routed and block_size == 16 and not use_8x4_sf_layout and (not kwargs or neutral(kwargs))
+            fn = route(index)
+            if fn is not None and plain and alpha is not None:
+                return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
+            fn = ensure(index)  # first call on this device: decide (self-test) once
+            if fn is not None and unknown is not None and not plain:
+                _say_unknown(unknown, index, backend, block_size, use_8x4_sf_layout, kwargs)
+            if fn is None or not plain:  # not served here, or an argument the routed backend was not verified for
+                layout = {"block_size": block_size, "use_8x4_sf_layout": use_8x4_sf_layout, "backend": backend}
+                return original(a, b, a_descale, b_descale, alpha, out_dtype, out, **layout, **kwargs)
+            alpha = alpha if alpha is not None else _alpha_one(a.device)  # the SM120 kernel requires alpha; None: 1.0
+            return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
+
+        flashinfer_fp4_gemm.__wrapped__ = original
+        flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.dispatch.flashinfer_fp4_gemm"
+        return flashinfer_fp4_gemm
 
     def make_decline(self, original: Callable, declined: Callable[[int], None]) -> Callable:
-        """Return the replacement for an engine's own "this kernel, or None" gate; see decline_front."""
-        return decline_front(original, serving.route_table().get, self.ensure, declined)
+        """Return an engine's "my own FP4 GEMM, or None" gate answering None on a served device (the alias serves it)."""
+        route, ensure = serving.route_table().get, self.ensure
+
+        def declining(input, *args, **kwargs):
+            try:
+                index = input.get_device()
+            except AttributeError:
+                return original(input, *args, **kwargs)
+            if route(index) is not None or ensure(index) is not None:
+                declined(index)
+                return None
+            return original(input, *args, **kwargs)
+
+        declining.__wrapped__ = original
+        declining.__qualname__ = "sm120_fp4.dispatch.declining"
+        return declining
 
     def make_moe_front(self, original: Callable, activation_type: type) -> Callable:
         """Return the front over FlashInfer's ``cutlass_fused_moe`` that SGLang's MoE seam hands out."""
@@ -90,78 +144,6 @@ def _say_unknown(unknown: Callable[[int, str, object], None], index: int, backen
         unknown(index, "backend", backend)  # a backend added after this library: refused by name
     elif backend in flashinfer.ROUTED_BACKENDS:  # refused by name (or SELFTEST says serve it: the original does)
         unknown(index, *flashinfer.unrouted_mm_fp4_argument(block_size, use_8x4, kwargs))
-
-
-def mm_fp4_front(
-    original: GemmFn,
-    route: Callable[[int], GemmFn | None],
-    ensure: Callable[[int], GemmFn | None],
-    name_of: Callable[[int], str],
-    unknown: Callable[[int, str, object], None] | None = None,
-) -> GemmFn:
-    """Return a function with mm_fp4's signature that serves routable calls with the routed backend."""
-    # route: the hot-path lookup; ensure: decides on first use; unknown(index, name, value): told of an
-    # argument the routed backend was not verified for.
-    routed, neutral = flashinfer.ROUTED_BACKENDS, flashinfer.neutral_mm_fp4_keywords
-
-    def flashinfer_fp4_gemm(
-        a,
-        b,
-        a_descale,
-        b_descale,
-        alpha=None,
-        out_dtype=torch.bfloat16,
-        out=None,
-        block_size=16,
-        use_8x4_sf_layout=False,
-        backend="auto",
-        **kwargs,
-    ):
-        try:
-            index = a.get_device()
-        except AttributeError:
-            raise InvalidArgument(
-                f"mm_fp4: a={describe(a)} is not accepted; expected packed FP4 activations: a 2-D uint8 tensor (M, K/2)"
-            ) from None
-        plain = backend in routed and block_size == 16 and not use_8x4_sf_layout and (not kwargs or neutral(kwargs))
-        fn = route(index)
-        if fn is not None and plain and alpha is not None:
-            return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
-        fn = ensure(index)  # first call on this device: decide (self-test) once
-        if fn is not None and unknown is not None and not plain:
-            _say_unknown(unknown, index, backend, block_size, use_8x4_sf_layout, kwargs)
-        if fn is None or not plain:  # not served here, or an argument the routed backend was not verified for
-            layout = {"block_size": block_size, "use_8x4_sf_layout": use_8x4_sf_layout, "backend": backend}
-            return original(a, b, a_descale, b_descale, alpha, out_dtype, out, **layout, **kwargs)
-        alpha = alpha if alpha is not None else _alpha_one(a.device)  # the SM120 kernel requires alpha; None: 1.0
-        return _serve(fn, name_of, a, b, a_descale, b_descale, alpha, out_dtype, out)
-
-    flashinfer_fp4_gemm.__wrapped__ = original
-    flashinfer_fp4_gemm.__qualname__ = "sm120_fp4.dispatch.flashinfer_fp4_gemm"
-    return flashinfer_fp4_gemm
-
-
-def decline_front(
-    original: Callable,
-    route: Callable[[int], GemmFn | None],
-    ensure: Callable[[int], GemmFn | None],
-    declined: Callable[[int], None],
-) -> Callable:
-    """Return an engine's "my own FP4 GEMM, or None" gate answering None on a served device (the alias serves it)."""
-
-    def declining(input, *args, **kwargs):
-        try:
-            index = input.get_device()
-        except AttributeError:
-            return original(input, *args, **kwargs)
-        if route(index) is not None or ensure(index) is not None:
-            declined(index)
-            return None
-        return original(input, *args, **kwargs)
-
-    declining.__wrapped__ = original
-    declining.__qualname__ = "sm120_fp4.dispatch.declining"
-    return declining
 
 
 def moe_front(

@@ -2,21 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = [
-    "Sm120Fp4Error",
-    "InvalidArgument",
-    "ConfigError",
-    "CheckpointError",
-    "RefusedToServe",
-    "SelfTestError",
-    "DeviceMappingError",
-    "describe",
-    "not_accepted",
-    "check_ranks",
-    "capped",
-    "say_once",
-    "EXIT_HUNG",
-]
+import logging
 
 # The exit code the self-test's watchdog ends a process with when a checked call outlives its bound.
 EXIT_HUNG = 4
@@ -91,8 +77,6 @@ _said: set[str] = set()
 
 def say_once(level: int, message: str, *args: object) -> None:
     """Log `message % args` on the library's logger once per process (a worked-around failure)."""
-    import logging
-
     text = message % args if args else message
     if text in _said:
         return

@@ -1,10 +1,9 @@
 """The files this library creates and reads (the verdict store, its lock, the report). Stdlib only.
 
-Directories we create are 0700 and files 0600; a directory we use must be ours (or root's) and not
-writable by others unless sticky, and is used through one descriptor; a file we read or replace must
-be a regular file of ours: a link, FIFO, socket or device at its name is never followed, opened or
-renamed over (:class:`UntrustedPath`). Reads never block. docs/operations.md says more.
-"""
+Directories we create are 0700 and files 0600; a directory we use must be ours (or root's) and not writable by others
+unless sticky, and is used through one descriptor; a file we read or replace must be a regular file of ours: a link,
+FIFO, socket or device at its name is never followed, opened or renamed over (:class:`UntrustedPath`). Reads never
+block. docs/operations.md says more."""
 
 from __future__ import annotations
 
@@ -18,20 +17,6 @@ import stat
 import time
 from pathlib import Path
 from typing import Iterator
-
-__all__ = [
-    "UntrustedPath",
-    "LockTimeout",
-    "LOCK_TIMEOUT_S",
-    "make_private_dirs",
-    "write_json",
-    "read_json",
-    "locked",
-    "locked_directory",
-    "kind_of",
-    "DIR_MODE",
-    "FILE_MODE",
-]
 
 DIR_MODE, FILE_MODE = 0o700, 0o600
 _OPEN = os.O_CLOEXEC | os.O_NOCTTY | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -68,30 +53,20 @@ def _flock(fd: int, path: Path, what: str, timeout_s: float) -> None:
             pause = min(pause * 2, 0.05)
 
 
+_KINDS = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symbolic link"}
+_KINDS |= {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+_KINDS |= {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+
+
 def kind_of(mode: int) -> str:
     """Return what a stat mode is, in words ("a regular file", "a FIFO", ...)."""
-    for test, name in (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "a special file"
-
-
-def _me() -> int:
-    return os.geteuid()
+    return _KINDS.get(stat.S_IFMT(mode), "a special file")
 
 
 def dir_problem(st: os.stat_result) -> str | None:
     """Return why a directory (its stat) is not trusted, or None."""
-    if st.st_uid not in (_me(), 0):
-        return f"owned by uid {st.st_uid}, not by this user (uid {_me()}) or root"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root"
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
         return f"writable by others (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit)"
     return None
@@ -101,8 +76,8 @@ def file_problem(st: os.stat_result) -> str | None:
     """Return why a file (its lstat or fstat) is not ours to read or replace, or None."""
     if not stat.S_ISREG(st.st_mode):
         return f"is {kind_of(st.st_mode)}, not a regular file (never followed, read or replaced)"
-    if st.st_uid != _me():
-        return f"is owned by uid {st.st_uid}, not by this user (uid {_me()})"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
     if st.st_mode & 0o022:
         return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
@@ -124,7 +99,7 @@ def make_private_dirs(path: Path) -> None:
         # through a descriptor that refuses a link swapped in since.
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            if os.fstat(fd).st_uid == _me():
+            if os.fstat(fd).st_uid == os.geteuid():
                 os.fchmod(fd, DIR_MODE)
         finally:
             os.close(fd)
@@ -216,7 +191,7 @@ def locked(path: Path, what: str = "lock file", timeout_s: float = LOCK_TIMEOUT_
         fd = os.open(path.name, os.O_RDWR | os.O_CREAT | _OPEN, FILE_MODE, dir_fd=dfd)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != _me():
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise UntrustedPath(errno.EPERM, f"not using the {what} {path}: it {file_problem(st)}")
             if stat.S_IMODE(st.st_mode) != FILE_MODE:
                 os.fchmod(fd, FILE_MODE)

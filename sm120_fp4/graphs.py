@@ -11,8 +11,6 @@ from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["run", "no_capture", "captures_allowed", "clear", "stats", "MAX_INPUT_BYTES", "BUDGET_BYTES", "CAPTURE_AT"]
-
 _LOG = logging.getLogger("sm120_fp4")
 T = TypeVar("T")
 
@@ -164,12 +162,8 @@ def stats() -> dict[int, dict[str, int]]:
     """Return per CUDA device index: graphs kept, their input bytes, captures and replays."""
     with _devices_lock:
         devices = dict(_devices)
-    return {
-        i: {
-            "graphs": len(d.graphs),
-            "input_bytes": sum(g.size for g in d.graphs.values()),
-            "captures": d.captures,
-            "replays": d.replays,
-        }
-        for i, d in devices.items()
-    }
+    found = {}
+    for i, d in devices.items():
+        found[i] = {"graphs": len(d.graphs), "input_bytes": sum(g.size for g in d.graphs.values())}
+        found[i] |= {"captures": d.captures, "replays": d.replays}
+    return found

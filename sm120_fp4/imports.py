@@ -1,12 +1,9 @@
-"""Finding a module as the import system does, and running code right after a module's own: a
-post-import hook independent of how the module is installed. Stdlib only, importing nothing of ours.
-"""
+"""Finding a module as the import system does, and running code right after a module's own: a post-import hook
+independent of how the module is installed. Stdlib only, importing nothing of ours."""
 
 from __future__ import annotations
 
 import sys
-
-__all__ = ["find_spec_as_imported", "AfterExec"]
 
 
 def find_spec_as_imported(name: str, path=None, target=None, skip: object = None):

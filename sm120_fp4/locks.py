@@ -1,16 +1,13 @@
 """Locks that a fork() child gets back unlocked (stdlib only).
 
-A child of a fork() while another thread held a lock would wait forever on it: every lock of this
-library is made here and re-initialised in the child (os.register_at_fork, at the first lock made).
-"""
+A child of a fork() while another thread held a lock would wait forever on it: every lock of this library is made
+here and re-initialised in the child (os.register_at_fork, at the first lock made)."""
 
 from __future__ import annotations
 
 import os
 import threading
 import weakref
-
-__all__ = ["lock", "rlock"]
 
 _made: weakref.WeakSet = weakref.WeakSet()
 _registered: list[bool] = []  # whether the fork() hook is registered: with the first lock, never at import

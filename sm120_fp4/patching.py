@@ -1,11 +1,11 @@
 """A generic patch engine: post-import hooks, version guards, idempotent apply, exact undo, a ledger.
 
-Knows nothing about SGLang (:mod:`sm120_fp4.sglang.targets` lists what to patch as :class:`PatchSpec`). A hook
-never raises into the import that triggered it: a failure leaves the target untouched and is recorded ``skipped``.
-"""
+Knows nothing about SGLang (:mod:`sm120_fp4.sglang.targets` lists what to patch as :class:`PatchSpec`). A hook never
+raises into the import that triggered it: a failure leaves the target untouched and is recorded ``skipped``."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
@@ -22,8 +22,6 @@ from . import locks
 from .imports import AfterExec, find_spec_as_imported
 from .versions import comparable, installed_version, version_in
 
-__all__ = ["PatchSpec", "LedgerEntry", "Patcher", "MISSING", "dry_run"]
-
 _LOG = logging.getLogger("sm120_fp4")
 MISSING = object()
 State = Literal["pending", "applied", "skipped", "removed", "replaced"]
@@ -31,11 +29,9 @@ State = Literal["pending", "applied", "skipped", "removed", "replaced"]
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """Replace `module`.`attribute` (dotted) with `make(original)`, unless `check(original)` gives a reason.
+    """Replace `module`.`attribute` (dotted) with `make(original)`, unless `check(original)` gives a reason."""
 
-    `distribution`/`versions` guard the patch by installed version; `why`, `upstream` and `remove_when`
-    are the ledger: why it exists and when to delete it.
-    """
+    # `distribution`/`versions` guard the patch by installed version; `why`, `upstream`, `remove_when`: the ledger.
 
     name: str
     module: str
@@ -62,9 +58,6 @@ class LedgerEntry(BaseModel):
     versions: str | None = None
 
 
-_SPEC_FIELDS = ("name", "module", "attribute", "why", "upstream", "remove_when", "versions")
-
-
 @dataclass
 class _Record:
     spec: PatchSpec
@@ -84,11 +77,9 @@ def _version_reason(spec: PatchSpec) -> str | None:
     problem = comparable(found, spec.versions)
     if problem is not None:
         return f"cannot compare {spec.distribution} {found} with {spec.versions!r}: {problem}"
-    return (
-        None
-        if version_in(found, spec.versions)
-        else f"not needed in {spec.distribution} {found} (applies to {spec.versions})"
-    )
+    if not version_in(found, spec.versions):
+        return f"not needed in {spec.distribution} {found} (applies to {spec.versions})"
+    return None
 
 
 def _resolve_owner(module: ModuleType, dotted: str) -> tuple[object, str]:
@@ -97,6 +88,10 @@ def _resolve_owner(module: ModuleType, dotted: str) -> tuple[object, str]:
     for part in path:
         owner = getattr(owner, part)
     return owner, leaf
+
+
+def _get(owner: object, leaf: str, default: object) -> object:
+    return owner.__dict__.get(leaf, default) if isinstance(owner, type) else getattr(owner, leaf, default)
 
 
 def _target(module: ModuleType, dotted: str) -> tuple[object, str, object]:
@@ -194,32 +189,22 @@ class Patcher:
         self._records: dict[str, _Record] = {}
         self._generation = 0
 
+    def _reloadable(self, name: str) -> list[_Record]:
+        with self._lock:
+            return [r for r in self._records.values() if r.spec.module == name and r.state == "applied" and r.spec.make]
+
     def watches(self, module: str) -> bool:
         """Return whether `module` holds a patch of this Patcher that a reload would undo."""
-        with self._lock:
-            return any(
-                r.spec.module == module and r.state == "applied" and r.spec.make is not None
-                for r in self._records.values()
-            )
+        return bool(self._reloadable(module))
 
     def reapply(self, module: ModuleType) -> None:
         """Patch `module` again after a reload put its original objects back (never raises into it)."""
         try:
             with self._lock:
-                again = [
-                    r.spec.name
-                    for r in list(self._records.values())
-                    if r.spec.module == module.__name__
-                    and r.state == "applied"
-                    and r.spec.make is not None
-                    and self._reapply(r, module)
-                ]
+                again = [r.spec.name for r in self._reloadable(module.__name__) if self._reapply(r, module)]
             if again:
-                _LOG.warning(
-                    "sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s",
-                    module.__name__,
-                    ", ".join(again),
-                )
+                msg = "sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s"
+                _LOG.warning(msg, module.__name__, ", ".join(again))
         except Exception as exc:
             _LOG.warning("sm120_fp4: patching %s again after its reload failed: %s", module.__name__, exc)
 
@@ -255,38 +240,32 @@ class Patcher:
                     record.state, record.reason = "skipped", reason
                     _LOG.debug("sm120_fp4: not patching %s: %s", spec.name, reason)
                     continue
-                wrapt.register_post_import_hook(self._hook(spec.name, generation), spec.module)
+                apply = functools.partial(lambda name, module: self._apply(self._records[name], module), spec.name)
+                self._on_import(spec.module, generation, apply, functools.partial(self._failed, spec.name))
 
-    def _hook(self, name: str, generation: int) -> Callable[[ModuleType], None]:
-        def on_import(module: ModuleType) -> None:
+    def _failed(self, name: str, exc: Exception) -> None:
+        record = self._records.get(name)
+        if record is not None:
+            record.state, record.reason = "skipped", f"internal error: {type(exc).__name__}: {exc}"
+        _LOG.warning("sm120_fp4: patch %s failed, SGLang left unpatched there: %s", name, exc)
+
+    def _on_import(self, module: str, generation: int, fn: Callable, failed: Callable[[Exception], None]) -> None:
+        def on_import(mod: ModuleType) -> None:
             # Runs inside the target's import: never let an exception escape into it.
             try:
                 with self._lock:
-                    if generation != self._generation:
-                        return  # an uninstall happened since this hook was registered
-                    self._apply(self._records[name], module)
+                    if generation == self._generation:  # else remove_all came since it was registered
+                        fn(mod)
             except Exception as exc:
-                record = self._records.get(name)
-                if record is not None:
-                    record.state, record.reason = "skipped", f"internal error: {type(exc).__name__}: {exc}"
-                _LOG.warning("sm120_fp4: patch %s failed, SGLang left unpatched there: %s", name, exc)
+                failed(exc)
 
-        return on_import
+        wrapt.register_post_import_hook(on_import, module)
 
     def when_imported(self, module: str, fn: Callable[[ModuleType], None]) -> None:
         """Run `fn(module)` once `module` is imported (now if it is), unless remove_all came first; never raise."""
-        generation = self._generation
-
-        def on_import(mod: ModuleType) -> None:
-            try:
-                with self._lock:
-                    if generation != self._generation:
-                        return  # removed since this hook was registered
-                    fn(mod)
-            except Exception as exc:
-                _LOG.warning("sm120_fp4: step %s on import of %s failed: %s", getattr(fn, "__name__", fn), module, exc)
-
-        wrapt.register_post_import_hook(on_import, module)
+        step = getattr(fn, "__name__", fn)
+        failed = functools.partial(_LOG.warning, "sm120_fp4: step %s on import of %s failed: %s", step, module)
+        self._on_import(module, self._generation, fn, failed)
 
     def _apply(self, record: _Record, module: ModuleType) -> None:
         spec = record.spec
@@ -325,16 +304,12 @@ class Patcher:
             self._generation += 1
             for record in reversed(list(self._records.values())):
                 if record.state == "applied" and record.owner is not None and record.spec.module in sys.modules:
-                    owner = record.owner
                     leaf = record.spec.attribute.rsplit(".", 1)[-1]
-                    current = owner.__dict__.get(leaf) if isinstance(owner, type) else getattr(owner, leaf, None)
-                    if current is record.replacement:
-                        setattr(owner, leaf, record.original)
+                    if _get(record.owner, leaf, None) is record.replacement:
+                        setattr(record.owner, leaf, record.original)
                     else:
-                        _LOG.warning(
-                            "sm120_fp4: %s was replaced by someone else since we patched it; leaving it as is",
-                            record.spec.name,
-                        )
+                        msg = "sm120_fp4: %s was replaced by someone else since we patched it; leaving it as is"
+                        _LOG.warning(msg, record.spec.name)
                 record.state = "removed"
             self._records.clear()
 
@@ -353,9 +328,8 @@ class Patcher:
                 record = self._records[spec.name] = _Record(spec)
                 record.original = current
             record.owner, record.replacement, record.state, record.reason = owner, value, "applied", None
-            _LOG.info(
-                "sm120_fp4: pinned %s.%s from %s to %s (%s)", spec.module, spec.attribute, current, value, spec.name
-            )
+            msg = "sm120_fp4: pinned %s.%s from %s to %s (%s)"
+            _LOG.info(msg, spec.module, spec.attribute, current, value, spec.name)
             return True
 
     def note(self, spec: PatchSpec, state: State, reason: str | None) -> None:
@@ -375,8 +349,7 @@ class Patcher:
                 owner, leaf = _resolve_owner(sys.modules[record.spec.module], record.spec.attribute)
             except AttributeError:
                 return "replaced", f"{record.spec.module}.{record.spec.attribute} is gone since it was patched"
-        current = owner.__dict__.get(leaf, MISSING) if isinstance(owner, type) else getattr(owner, leaf, MISSING)
-        if current is record.replacement:
+        if _get(owner, leaf, MISSING) is record.replacement:
             return record.state, record.reason
         return "replaced", (
             f"{record.spec.module}.{record.spec.attribute} was replaced since it was patched (a reload that "
@@ -385,8 +358,8 @@ class Patcher:
 
     def ledger(self) -> list[LedgerEntry]:
         with self._lock:
-            truth = {name: self._truth(r) for name, r in self._records.items()}
+            fields = [f for f in LedgerEntry.model_fields if f not in ("state", "reason")]
             return [
-                LedgerEntry(**{f: getattr(r.spec, f) for f in _SPEC_FIELDS}, state=truth[n][0], reason=truth[n][1])
-                for n, r in self._records.items()
+                LedgerEntry(**{f: getattr(r.spec, f) for f in fields}, **dict(zip(("state", "reason"), self._truth(r))))
+                for r in self._records.values()
             ]

@@ -1,11 +1,9 @@
 """The report file (``SM120_FP4_REPORT``): one JSON file holding every process's decisions and refusals.
 
-Each write merges under a lock on the report's directory: this process's section replaces its
-previous one; other processes' sections are kept if of the same run (process group and leader) or
-still running. A directory, or a path with ``{pid}``, gets one file per process. The file holds
-``version``, ``pid``, ``updated_at``, ``processes`` and the ``decisions`` and ``refusals``, each
-with ``pid`` and ``role``.
-"""
+Each write merges under a lock on the report's directory: this process's section replaces its previous one; other
+processes' sections are kept if of the same run (process group and leader) or still running. A directory, or a path
+with ``{pid}``, gets one file per process. The file holds ``version``, ``pid``, ``updated_at``, ``processes`` and the
+``decisions`` and ``refusals``, each with ``pid`` and ``role``."""
 
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ from . import files, locks
 if TYPE_CHECKING:
     from .config import Settings
 
-__all__ = ["write", "resolve", "update", "sections", "VERSION"]
 
 VERSION = 2
 _LOG = logging.getLogger("sm120_fp4")
@@ -54,12 +51,6 @@ def _alive(pid: int, started: str | None) -> bool:
         pass  # another user's process: it exists
     now = _started(pid)
     return started is None or now is None or now == started  # a reused pid is not the same process
-
-
-def _run() -> str:
-    """Return this run: the process group and when its leader started."""
-    group = os.getpgid(0)
-    return f"{group}@{_started(group) or '?'}"
 
 
 def resolve(path: Path, directory: bool | None) -> Path:
@@ -95,14 +86,10 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
 
 def _merge(target: Path, section: dict, role: str) -> None:
     """Merge this process's `section` into `target`, under the report directory's lock."""
-    me = {
-        **{k: v for k, v in section.items() if k not in ("decisions", "refusals")},
-        "pid": os.getpid(),
-        "role": role,
-        "run": _run(),
-        "started": _started(os.getpid()),
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    me = {k: v for k, v in section.items() if k not in ("decisions", "refusals")}
+    group = os.getpgid(0)  # this run: the process group and when its leader started
+    me |= {"pid": os.getpid(), "role": role, "run": f"{group}@{_started(group) or '?'}"}
+    me["started"], me["written_at"] = _started(os.getpid()), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     with files.locked_directory(target.parent, "report"):
         try:
             old = files.read_json(target, "report")
@@ -120,21 +107,12 @@ def _merge(target: Path, section: dict, role: str) -> None:
 
         def entries(name: str) -> list:
             mine = [{**e, "pid": me["pid"], "role": role} for e in section.get(name, [])]
-            theirs = [
-                e
-                for e in (old.get(name, []) if keep else [])
-                if isinstance(e, dict) and (e.get("pid"), e.get("role")) in kept
-            ]
+            olds = old.get(name, []) if keep else []
+            theirs = [e for e in olds if isinstance(e, dict) and (e.get("pid"), e.get("role")) in kept]
             return theirs + mine  # this process's last: the newest entry is at the end
 
-        payload = {
-            "version": VERSION,
-            "pid": me["pid"],
-            "updated_at": me["written_at"],
-            "processes": keep + [me],
-            "decisions": entries("decisions"),
-            "refusals": entries("refusals"),
-        }
+        payload = {"version": VERSION, "pid": me["pid"], "updated_at": me["written_at"], "processes": keep + [me]}
+        payload |= {"decisions": entries("decisions"), "refusals": entries("refusals")}
         files.write_json(target, payload, "report")
 
 
@@ -144,11 +122,9 @@ def update(settings: Settings) -> None:
     if settings.report is None:
         return
     if not _update_lock.acquire(timeout=files.LOCK_TIMEOUT_S):  # never an unbounded wait on a serving thread
+        msg = "sm120_fp4: skipped a report write to %s: another thread of this process has been writing it for "
         _LOG.warning(
-            "sm120_fp4: skipped a report write to %s: another thread of this process has been writing it for "
-            "more than %g s (the next write holds the latest state)",
-            settings.report,
-            files.LOCK_TIMEOUT_S,
+            msg + "more than %g s (the next write holds the latest state)", settings.report, files.LOCK_TIMEOUT_S
         )
         return
     try:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-__all__ = ["markdown_table"]
-
 
 def _cell(value: object) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")

@@ -1,9 +1,8 @@
 """The verdict store: what the preflight (``sm120-fp4 selftest``/``launch``) saw each candidate do.
 
-A candidate that crashed a preflight worker (FlashInfer #3170) is recorded, keyed by GPU, capability,
-driver, CUDA, FlashInfer, family and backend, and serving workers skip it rather than crash; passed and
-failed verdicts are evidence only. The file is ``SM120_FP4_VERDICTS``, owner-only (:mod:`.files`).
-"""
+A candidate that crashed a preflight worker (FlashInfer #3170) is recorded, keyed by GPU, capability, driver, CUDA,
+FlashInfer, family and backend, and serving workers skip it rather than crash; passed and failed verdicts are
+evidence only. The file is ``SM120_FP4_VERDICTS``, owner-only (:mod:`.files`)."""
 
 from __future__ import annotations
 
@@ -15,27 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from . import files, locks
-from .files import write_json
 
-__all__ = [
-    "device_key",
-    "record",
-    "crash_of",
-    "note_crash",
-    "load",
-    "trouble",
-    "write_json",
-    "CRASHED",
-    "PASSED",
-    "FAILED",
-]
-
-_LOG = logging.getLogger("sm120_fp4")
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
+_LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
+_warned: set[str] = set()
 # Crashes this process was told about (the preflight worker's --crashed), used with or without a file.
 _session: dict[tuple[str, str], str] = {}
-_warned: set[str] = set()
 
 
 def _driver_version() -> str | None:
@@ -61,14 +46,9 @@ def device_key(device) -> dict[str, Any]:
         import torch
 
         cuda = torch.version.cuda
-    return {
-        "gpu": device.name,
-        "capability": f"{device.capability[0]}.{device.capability[1]}",
-        "simulated": device.simulated,
-        "driver": _driver_version() if device.is_cuda else None,
-        "cuda": cuda,
-        "flashinfer": flashinfer_version(),
-    }
+    key = {"gpu": device.name, "capability": f"{device.capability[0]}.{device.capability[1]}"}
+    key |= {"simulated": device.simulated, "driver": _driver_version() if device.is_cuda else None, "cuda": cuda}
+    return key | {"flashinfer": flashinfer_version()}
 
 
 def _matches(entry: dict, key: dict, family: str, backend: str) -> bool:
@@ -88,6 +68,14 @@ def load(path: Path | None) -> list[dict]:
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
+def _warn_once(message: str) -> None:
+    with _lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    _LOG.warning("%s", message)
+
+
 def trouble(path: Path | None) -> str | None:
     """Return why the verdict store at `path` is neither read nor written, or None."""
     if path is None:
@@ -103,28 +91,13 @@ def trouble(path: Path | None) -> str | None:
     return None
 
 
-def _warn_once(message: str) -> None:
-    with _lock:
-        if message in _warned:
-            return
-        _warned.add(message)
-    _LOG.warning("%s", message)
-
-
 def record(path: Path | None, key: dict, family: str, backend: str, verdict: str, reason: str | None) -> None:
     """Record (replace) the verdict on `backend` of `family` for `key`, atomically under a file lock."""
     if path is None:
         return
     path = Path(path)
-    entry = {
-        "key": key,
-        "family": family,
-        "backend": backend,
-        "verdict": verdict,
-        "reason": reason,
-        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "recorded_by": "sm120-fp4 selftest",
-    }
+    entry = {"key": key, "family": family, "backend": backend, "verdict": verdict, "reason": reason}
+    entry |= {"recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "recorded_by": "sm120-fp4 selftest"}
     with _lock:
         files.make_private_dirs(path.parent)
         # Bounded (files.LockTimeout, an OSError the caller reports): the preflight never hangs on a lock.
@@ -136,7 +109,7 @@ def record(path: Path | None, key: dict, family: str, backend: str, verdict: str
             old = data.get("verdicts") if isinstance(data, dict) else None
             old = [e for e in old if isinstance(e, dict)] if isinstance(old, list) else []
             entries = [e for e in old if not _matches(e, key, family, backend)] + [entry]
-            write_json(path, {"version": 1, "verdicts": entries}, "verdict file")
+            files.write_json(path, {"version": 1, "verdicts": entries}, "verdict file")
 
 
 def note_crash(family: str, backend: str, reason: str) -> None:

@@ -8,9 +8,6 @@ import threading
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-__all__ = ["installed_version", "version_in", "comparable", "clear_cache", "capped"]
-
-
 # name -> version (None: not installed), as read by the lookup _read_with: each read parses METADATA
 # (milliseconds) and guards ask thousands of times while a model loads; imported modules do not change
 # with a later pip run. A different lookup function (a test's) starts afresh.

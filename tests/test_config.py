@@ -284,9 +284,9 @@ def test_off_means_off_whatever_else_is_set(monkeypatch, caplog, way):
         "SM120_FP4_FOO": "1",
     }.items():
         monkeypatch.setenv(name, value)
-    from sm120_fp4.config import values
+    from sm120_fp4 import errors
 
-    monkeypatch.setattr(values, "_ignored_logged", set())
+    monkeypatch.setattr(errors, "_said", set())  # the once-per-process warnings' record
     first = sm120_fp4.install(**kwargs)
     second = sm120_fp4.install(**kwargs)
     assert not first.installed and not second.installed and "disabled" in first.message

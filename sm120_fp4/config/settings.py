@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import typing
 from pathlib import Path
@@ -11,28 +12,33 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from ..errors import ConfigError
+from ..errors import ConfigError, say_once
 from ..toggle import TOGGLE_VAR, parse_toggle
-from .values import (
-    AUTO,
-    DURATIONS,
-    ENV_PREFIX,
-    OFF,
-    capability_list,
-    default_verdicts_path,
-    duration,
-    on_filesystem,
-    parse_backends,
-    parse_canary,
-    parse_report,
-    parse_simulate,
-    parse_verdicts,
-    shown,
-    warn_once,
-)
+from . import values
+from .values import AUTO, ENV_PREFIX, OFF, shown
 
 # Each parser runs on the raw value, before pydantic's own type check.
-_Backends = Annotated[tuple[str, ...] | Literal["auto"], NoDecode, BeforeValidator(parse_backends)]
+_Backends = Annotated[tuple[str, ...] | Literal["auto"], NoDecode, BeforeValidator(values.parse_backends)]
+
+# What each setting means: Field descriptions, the README table's last column.
+_MEANING = {
+    "toggle": "Master switch for deployment manifests: 1 or on activates in every process, 0 or off makes every install a no-op.",
+    "enable": "auto: patch only where a 12.x GPU is visible; on: patch on any GPU; off: never patch.",
+    "backends": "Ordered candidate backends (FlashInfer names, humming, emulated, or registered names), comma-separated; auto: the order known to work for each GPU's compute capability (docs/operations.md).",
+    "moe_backends": "Ordered candidate NVFP4 fused-MoE backends (FlashInfer's cutlass, humming, emulated, or names registered with register_moe), comma-separated; auto: cutlass, then humming on 12.x (docs/operations.md).",
+    "moe_fallback": "emulated: serve NVFP4 MoE layers with the slow pure-PyTorch emulation instead of refusing.",
+    "selftest": "strict: refuse to serve when no backend verifies; warn: log and serve; off: skip the test.",
+    "fallback": "emulated: serve with the slow pure-PyTorch emulation instead of refusing.",
+    "unsupported_release": "An SGLang release outside the range this library supports, with the library asked for on a 12.x GPU (nothing of SGLang is patched or verified there): refuse: `launch` and `selftest` refuse to start (exit 2) under SELFTEST=strict, and say so with exit 3 otherwise; serve-unverified: `launch` starts the server anyway, its NVFP4 layers served unverified (docs/operations.md).",
+    "selftest_timeout": "Seconds one candidate's whole self-test may take (a first FlashInfer call JIT-compiles for minutes); past it the candidate is rejected as hung.",
+    "select": "first: the first candidate that verifies; fastest: time every verified candidate at the served batch sizes (again after the engine's autotune), serve the fastest, or one per batch-size range where each is faster by at least 3% there.",
+    "simulate": "Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU.",
+    "report": "Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md).",
+    "verdicts": "The verdict file `sm120-fp4 selftest`/`launch` record each candidate's outcome in (crashes included) and workers read to skip a candidate that crashed; unset: $XDG_CACHE_HOME/sm120_fp4/verdicts.json (~/.cache/...; none without a home directory); off: none. Owner-only, and never read or written where another user could change it (docs/operations.md).",
+    "canary": "The serving canary: off, or a period in seconds; every period each scheduler re-verifies one verified layer configuration per kernel (dense, MoE), one run per idle point (docs/operations.md).",
+    "canary_action": "What a canary failure does: exit (write the refusal to the report and the log, stop the process non-zero so an orchestrator restarts it) or log (log once per configuration, count it, keep serving).",
+    "canary_slice_ms": "Milliseconds of GPU time one canary run may hold the serving thread at an idle point: a run over it caps its configuration's larger batch sizes below the one it checked (listed in status); the smallest decode and larger sizes always run.",
+}
 
 
 class Settings(BaseSettings):
@@ -43,79 +49,34 @@ class Settings(BaseSettings):
     )
 
     toggle: Annotated[bool | None, BeforeValidator(parse_toggle)] = Field(
-        None,
-        validation_alias=AliasChoices("toggle", TOGGLE_VAR),
-        description="Master switch for deployment manifests: 1 or on activates in every process, 0 or off makes every install a no-op.",
+        None, validation_alias=AliasChoices("toggle", TOGGLE_VAR), description=_MEANING["toggle"]
     )
-    enable: Literal["auto", "on", "off"] = Field(
-        "auto", description="auto: patch only where a 12.x GPU is visible; on: patch on any GPU; off: never patch."
-    )
-    backends: _Backends = Field(
-        AUTO,
-        description="Ordered candidate backends (FlashInfer names, humming, emulated, or registered names), comma-separated; "
-        "auto: the order known to work for each GPU's compute capability (docs/operations.md).",
-    )
-    moe_backends: _Backends = Field(
-        AUTO,
-        description="Ordered candidate NVFP4 fused-MoE backends (FlashInfer's cutlass, humming, emulated, or names registered with "
-        "register_moe), comma-separated; auto: cutlass, then humming on 12.x (docs/operations.md).",
-    )
-    moe_fallback: Literal["none", "emulated"] = Field(
-        "none", description="emulated: serve NVFP4 MoE layers with the slow pure-PyTorch emulation instead of refusing."
-    )
-    selftest: Literal["strict", "warn", "off"] = Field(
-        "strict",
-        description="strict: refuse to serve when no backend verifies; warn: log and serve; off: skip the test.",
-    )
-    fallback: Literal["none", "emulated"] = Field(
-        "none", description="emulated: serve with the slow pure-PyTorch emulation instead of refusing."
-    )
+    enable: Literal["auto", "on", "off"] = Field("auto", description=_MEANING["enable"])
+    backends: _Backends = Field(AUTO, description=_MEANING["backends"])
+    moe_backends: _Backends = Field(AUTO, description=_MEANING["moe_backends"])
+    moe_fallback: Literal["none", "emulated"] = Field("none", description=_MEANING["moe_fallback"])
+    selftest: Literal["strict", "warn", "off"] = Field("strict", description=_MEANING["selftest"])
+    fallback: Literal["none", "emulated"] = Field("none", description=_MEANING["fallback"])
     unsupported_release: Literal["refuse", "serve-unverified"] = Field(
-        "refuse",
-        description="An SGLang release outside the range this library supports, with the library asked for on a 12.x "
-        "GPU (nothing of SGLang is patched or verified there): refuse: `launch` and `selftest` refuse to start (exit 2) "
-        "under SELFTEST=strict, and say so with exit 3 otherwise; serve-unverified: `launch` starts the server anyway, "
-        "its NVFP4 layers served unverified (docs/operations.md).",
+        "refuse", description=_MEANING["unsupported_release"]
     )
-    selftest_timeout: Annotated[float, BeforeValidator(lambda v: duration("selftest_timeout", v))] = Field(
-        900.0,
-        description="Seconds one candidate's whole self-test may take (a first FlashInfer call JIT-compiles for minutes); past it the candidate is rejected as hung.",
+    selftest_timeout: Annotated[float, BeforeValidator(lambda v: values.duration("selftest_timeout", v))] = Field(
+        900.0, description=_MEANING["selftest_timeout"]
     )
-    select: Literal["first", "fastest"] = Field(
-        "first",
-        description="first: the first candidate that verifies; fastest: time every verified candidate at the served batch sizes (again after the engine's autotune), serve the fastest, or one per batch-size range where each is faster by at least 3% there.",
+    select: Literal["first", "fastest"] = Field("first", description=_MEANING["select"])
+    simulate: Annotated[str | None, BeforeValidator(values.parse_simulate)] = Field(
+        None, description=_MEANING["simulate"]
     )
-    simulate: Annotated[str | None, BeforeValidator(parse_simulate)] = Field(
-        None,
-        description="Pretend every device has this capability (e.g. 12.0); supplies a CPU device when there is no GPU.",
+    report: Annotated[Path | None, BeforeValidator(values.parse_report)] = Field(None, description=_MEANING["report"])
+    verdicts: Annotated[str | None, BeforeValidator(values.parse_verdicts)] = Field(
+        None, description=_MEANING["verdicts"]
     )
-    report: Annotated[Path | None, BeforeValidator(parse_report)] = Field(
-        None,
-        description="Write the JSON report here: one file merging every process of the run ({pid} is replaced; a directory, "
-        "or a link to one, gets one file per process); a regular file or a new path, never a device, FIFO or link (docs/operations.md).",
+    canary: Annotated[float | Literal["off"], BeforeValidator(values.parse_canary)] = Field(
+        OFF, description=_MEANING["canary"]
     )
-    verdicts: Annotated[str | None, BeforeValidator(parse_verdicts)] = Field(
-        None,
-        description="The verdict file `sm120-fp4 selftest`/`launch` record each candidate's outcome in (crashes included) "
-        "and workers read to skip a candidate that crashed; unset: $XDG_CACHE_HOME/sm120_fp4/verdicts.json "
-        "(~/.cache/...; none without a home directory); off: none. Owner-only, and never read or written where another "
-        "user could change it (docs/operations.md).",
-    )
-    canary: Annotated[float | Literal["off"], BeforeValidator(parse_canary)] = Field(
-        OFF,
-        description="The serving canary: off, or a period in seconds; every period each scheduler re-verifies one "
-        "verified layer configuration per kernel (dense, MoE), one run per idle point (docs/operations.md).",
-    )
-    canary_action: Literal["exit", "log"] = Field(
-        "exit",
-        description="What a canary failure does: exit (write the refusal to the report and the log, stop the process "
-        "non-zero so an orchestrator restarts it) or log (log once per configuration, count it, keep serving).",
-    )
-    canary_slice_ms: Annotated[float, BeforeValidator(lambda v: duration("canary_slice_ms", v))] = Field(
-        5.0,
-        description="Milliseconds of GPU time one canary run may hold the serving thread at an idle point: a run "
-        "over it caps its configuration's larger batch sizes below the one it checked (listed in status); the "
-        "smallest decode and larger sizes always run.",
+    canary_action: Literal["exit", "log"] = Field("exit", description=_MEANING["canary_action"])
+    canary_slice_ms: Annotated[float, BeforeValidator(lambda v: values.duration("canary_slice_ms", v))] = Field(
+        5.0, description=_MEANING["canary_slice_ms"]
     )
     _report_is_dir: bool = PrivateAttr(False)
 
@@ -130,7 +91,7 @@ class Settings(BaseSettings):
         # instead of creating a file at the directory's name.
         if self.report is not None:
             path = Path(str(self.report).replace("{pid}", "0"))
-            self._report_is_dir = bool(on_filesystem(path.is_dir))
+            self._report_is_dir = bool(values.on_filesystem(path.is_dir))
 
     @property
     def report_is_dir(self) -> bool:
@@ -142,7 +103,7 @@ class Settings(BaseSettings):
         """Return the verdict file, or None when SM120_FP4_VERDICTS=off."""
         if self.verdicts == OFF:
             return None
-        return Path(self.verdicts) if self.verdicts is not None else default_verdicts_path()
+        return Path(self.verdicts) if self.verdicts is not None else values.default_verdicts_path()
 
     @property
     def canary_period(self) -> float | None:
@@ -151,7 +112,7 @@ class Settings(BaseSettings):
 
     @property
     def simulated_capability(self) -> tuple[int, int] | None:
-        return None if self.simulate is None else capability_list(self.simulate)[0]
+        return None if self.simulate is None else values.capability_list(self.simulate)[0]
 
     @property
     def active(self) -> bool:
@@ -218,7 +179,8 @@ def load_settings(**overrides: Any) -> Settings:
             _check_unknown_env(dict(os.environ))
             Settings(**overrides)
         except ConfigError as exc:
-            warn_once(f"sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: {exc}")
+            ignored = f"sm120_fp4: the library is off (SM120_FP4=0); ignoring the other settings, among them: {exc}"
+            say_once(logging.WARNING, ignored)
         return Settings.model_construct(toggle=False)
     _check_unknown_env(dict(os.environ))
     return Settings(**overrides)
@@ -235,15 +197,14 @@ def sources(settings_kwargs: dict[str, Any], environ: dict[str, str] | None = No
 
 _ACCEPTED = {
     "toggle": "`1`, `on`, `0`, `off`",
-    "backends": "`auto` or comma-separated names",
-    "moe_backends": "`auto` or comma-separated names",
+    **dict.fromkeys(("backends", "moe_backends"), "`auto` or comma-separated names"),
     "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
     "report": "a path",
     "verdicts": "a file path, or `off`",
     **{
         f: ("`off`, or " if f == "canary" else "")
         + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
-        for f, (least, most, unit) in DURATIONS.items()
+        for f, (least, most, unit) in values.DURATIONS.items()
     },
 }
 

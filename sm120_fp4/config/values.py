@@ -9,9 +9,8 @@ import re
 import stat
 from pathlib import Path
 
-from ..errors import capped, describe
+from ..errors import capped, describe, say_once
 
-_LOG = logging.getLogger("sm120_fp4")
 ENV_PREFIX = "SM120_FP4_"
 AUTO = "auto"
 OFF = "off"
@@ -39,7 +38,6 @@ def capability_list(text: str) -> tuple[tuple[int, int], ...]:
 # GPUs' (where SGLang is left untouched).
 SERVED_CAPABILITIES = capability_list("12.0 12.1")
 OTHER_CAPABILITIES = capability_list("7.0 7.2 7.5 8.0 8.6 8.7 8.9 9.0 10.0 10.1 10.3 11.0")
-_ignored_logged: set[str] = set()
 
 
 def _home() -> tuple[str | None, str]:
@@ -58,10 +56,8 @@ def _home() -> tuple[str | None, str]:
         return None, f"{why}, and this user (uid {os.geteuid()}) has no entry in the password database"
     if entry and os.path.isabs(entry) and entry.rstrip("/") and os.path.isdir(entry):
         return entry, "the password database"
-    return (
-        None,
-        f"{why}, and the password database gives {entry!r} for uid {os.geteuid()} (not an existing directory other than /)",
-    )
+    gives = f"the password database gives {entry!r} for uid {os.geteuid()} (not an existing directory other than /)"
+    return None, f"{why}, and {gives}"
 
 
 def default_verdicts_path() -> Path | None:
@@ -71,18 +67,13 @@ def default_verdicts_path() -> Path | None:
         return Path(xdg) / "sm120_fp4" / "verdicts.json"
     home, why = _home()
     if home is None:
-        warn_once(
+        say_once(
+            logging.WARNING,
             f"sm120_fp4: no verdict store: {why} (and XDG_CACHE_HOME is not an absolute path); crashes seen by "
-            "`sm120-fp4 selftest` are not remembered. Set SM120_FP4_VERDICTS to a file path (or off)"
+            "`sm120-fp4 selftest` are not remembered. Set SM120_FP4_VERDICTS to a file path (or off)",
         )
         return None
     return Path(home) / ".cache" / "sm120_fp4" / "verdicts.json"
-
-
-def warn_once(message: str) -> None:
-    if message not in _ignored_logged:
-        _ignored_logged.add(message)
-        _LOG.warning("%s", message)
 
 
 def on_filesystem(check):
