@@ -50,8 +50,7 @@ SIMULATE_ON_CPU = "SM120_FP4_SIMULATE=12.0 sm120-fp4 bench --backend emulated"
 def _sizes(given: list[int] | None) -> list[int] | str:
     if not given:
         return [*DECODE_SIZES, *PREFILL_SIZES]
-    bad = [m for m in given if m <= 0]
-    if bad:
+    if bad := [m for m in given if m <= 0]:
         return f"--sizes {bad[0]} is not a batch size; accepted: positive token counts, e.g. --sizes 1 8 512"
     return sorted(set(given))
 
@@ -63,8 +62,7 @@ def _backends(given: list[str] | None) -> list[str] | None | str:
     for family in ("dense", "moe"):
         backends.load_entry_points([n for n in given if n not in backends.names() + backends.moe_names()], family)
     known = dict.fromkeys(backends.names() + backends.moe_names())
-    unknown = [n for n in given if n not in known]
-    if unknown:
+    if unknown := [n for n in given if n not in known]:
         return f"--backend {unknown[0]!r} is not a known backend; accepted: {', '.join(known)}"
     return list(dict.fromkeys(given))
 

@@ -112,8 +112,7 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
         ids = {e for r in roles.values() for e in r}
         total = count if count is not None else max(ids) + 1
         accepted = f"accepted: every expert 0..{total - 1} with {', '.join(name[r] for r in need)}"
-        beyond = sorted(e for e in ids if e >= total)
-        if beyond:
+        if beyond := sorted(e for e in ids if e >= total):
             raise CheckpointError(
                 f"{where}: {prefix}.{beyond[0]} is beyond config.json's expert count {total}; {accepted}"
             )
@@ -122,8 +121,7 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
                 f"{where}: {prefix}.{e}.{name[role]}.{packed} is missing (expert {e} of {total}); {accepted}"
             )
         for role in need:
-            shapes = {checkpoint.modules[mod] for mod in roles[role].values()}
-            if len(shapes) > 1:
+            if len(shapes := {checkpoint.modules[mod] for mod in roles[role].values()}) > 1:
                 raise CheckpointError(
                     f"{where}: the experts of {prefix} have {name[role]} weights of different (N, K): "
                     f"{sorted(shapes)}; accepted: one shape for every expert"
@@ -190,8 +188,7 @@ def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
             for kind in (global_name, input_name):
                 name = f"{module}.{kind}"
                 info = checkpoint.tensors[name]
-                problem = scale_problem(name, read_scalar(read_bytes(files, opened, name, info), info.dtype))
-                if problem is not None:
+                if problem := scale_problem(name, read_scalar(read_bytes(files, opened, name, info), info.dtype)):
                     raise CheckpointError(f"{info.file}: {problem}")
             name = f"{module}.{block}"
             info = checkpoint.tensors[name]
@@ -209,8 +206,7 @@ def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
 def inspect(model_dir: str, values: bool = True) -> Checkpoint:
     """Validate the NVFP4 checkpoint in `model_dir` (its scales' values too with `values`), or raise CheckpointError."""
     quant = read_quantization(model_dir)
-    problem = group_size_problem(quant)
-    if problem is not None:
+    if (problem := group_size_problem(quant)) is not None:
         raise CheckpointError(problem)
     if quant.format not in NAMES or not quant.nvfp4:
         raise ConfigError(
@@ -225,8 +221,7 @@ def inspect(model_dir: str, values: bool = True) -> Checkpoint:
     for module in checkpoint.modules:
         m = _EXPERT.match(module)
         for name in (module, m["prefix"]) if m else (module,):
-            entry = ignored(quant, name)
-            if entry is not None:
+            if (entry := ignored(quant, name)) is not None:
                 carried = checkpoint.tensors[f"{module}.{NAMES[fmt][2]}"]
                 raise CheckpointError(
                     f"{quant.source}: the ignore list's entry {entry!r} names {name}, whose tensors "
@@ -234,8 +229,7 @@ def inspect(model_dir: str, values: bool = True) -> Checkpoint:
                     "unquantized; accepted: an ignore list naming only unquantized layers"
                 )
     _experts(checkpoint, fmt)
-    problem = _dims_problem(checkpoint, fmt)
-    if problem is not None:
+    if (problem := _dims_problem(checkpoint, fmt)) is not None:
         raise CheckpointError(problem)
     if values:
         _check_values(checkpoint, fmt)

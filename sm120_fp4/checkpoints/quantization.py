@@ -52,8 +52,7 @@ def read_quantization(model_dir: str) -> Quantization:
             f"model_dir={model_dir!r} is not a directory; expected a local checkpoint directory with config.json"
         )
     source = os.path.join(model_dir, "config.json")
-    config = read_json(source)
-    if config is None:
+    if (config := read_json(source)) is None:
         raise ConfigError(f"model_dir={model_dir!r} has no config.json; expected a Hugging Face checkpoint directory")
     quant = config.get("quantization_config") or text_config(config).get("quantization_config")
     if isinstance(quant, dict):

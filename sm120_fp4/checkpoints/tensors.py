@@ -105,8 +105,7 @@ def _header(path: str) -> dict[str, TensorInfo]:
 
 def read_tensors(model_dir: str) -> dict[str, TensorInfo]:
     """Return every tensor of the checkpoint's *.safetensors files, checked against its index file."""
-    names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-    if not names:
+    if not (names := sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))):
         raise CheckpointError(f"{model_dir}: no *.safetensors files; accepted: a safetensors checkpoint directory")
     found: dict[str, TensorInfo] = {}
     for name in names:

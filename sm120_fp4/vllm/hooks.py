@@ -68,9 +68,7 @@ def _positive(value: object) -> bool:
 
 
 def layer_device_index(layer: object) -> int:
-    for param in layer.parameters():  # type: ignore[attr-defined]
-        return param.get_device()
-    return -1
+    return next((p.get_device() for p in layer.parameters()), -1)  # type: ignore[attr-defined]
 
 
 def layer_name(layer: object) -> str:

@@ -1,6 +1,4 @@
-"""Every stand-in that lets vLLM's NVFP4 linear path run without an SM120 GPU (SM120_FP4_SIMULATE only),
-each recorded in the patch ledger and undone by ``uninstall()``.
-"""
+"""Stand-ins letting vLLM's NVFP4 linear path run without an SM120 GPU (SM120_FP4_SIMULATE), undone by uninstall()."""
 
 from __future__ import annotations
 
