@@ -143,8 +143,7 @@ _ESSENTIAL = frozenset(
 
 def _import_check(settings=None) -> dict:
     """Return whether each patch target of this SGLang (simulation stand-ins included) would apply, unpatched."""
-    # Simulating without CUDA, the import runs as the simulation's: with its stand-in for a kernel package
-    # that cannot load (0.5.3-0.5.10), reported as a row of its own.
+    # Simulating without CUDA: a kernel package that cannot load (0.5.3-0.5.10) gets a stand-in, reported as a row.
     import torch
 
     from .patching import dry_run

@@ -19,7 +19,6 @@ ENGINE_NAMES = ("sglang", "vllm")  # the NAMEs of api.ENGINES, listed here so th
 
 
 def _engine_home(name: str):
-    """Return the engine home of api.ENGINES named `name`."""
     from ..api import ENGINES
 
     return next(home for home in ENGINES if home.NAME == name)
@@ -209,8 +208,7 @@ def _preflight(index: int, family: str, backend_args: list[str], settings, env: 
     # An interruption records nothing and stops; SIGKILL records nothing and retries (SIGKILL_RETRIES).
     label = _where(index) + ("" if family == "dense" else " moe")
     crashed: dict[str, str] = {}
-    # Crashed candidates the verdict store does not hold: serving workers would load them.
-    unrecorded: dict[str, str] = {}
+    unrecorded: dict[str, str] = {}  # crashed, but not in the verdict store: serving workers would load them
     killed: dict[str, int] = {}
     while True:
         if stop.signal is not None:

@@ -1,8 +1,4 @@
-"""Write a tiny NVFP4 checkpoint in NVIDIA ModelOpt's export format (or llm-compressor's), for ``demo --server``.
-
-A two-layer Qwen3-MoE (NVFP4 attention projections, eight NVFP4 experts per layer, top-2) with random weights;
-a byte-level tokenizer (every text encodes).
-"""
+"""A tiny random NVFP4 Qwen3-MoE checkpoint (2 layers, 8 experts) in ModelOpt's or llm-compressor's format."""
 
 from __future__ import annotations
 

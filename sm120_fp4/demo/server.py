@@ -1,9 +1,4 @@
-"""``sm120-fp4 demo --server``: a real ``python -m sglang.launch_server`` behind ``sm120-fp4 launch``, on this CPU.
-
-The tiny checkpoint of :mod:`.checkpoint` (or ``--model-path DIR``) answers one ``/generate``; then a kernel
-wrong only at one of its layer shapes passes the preflight, is refused by the layer check, and the port
-never opens. Every server is stopped by its process group; its log is kept.
-"""
+"""``sm120-fp4 demo --server``: a real SGLang server behind ``sm120-fp4 launch`` on this CPU, then a refused kernel."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Synthetic NVFP4 checkpoints (one linear, one MoE layer; :mod:`sm120_fp4.nvfp4` alone) and what SGLang must compute.
-
-The references lay the checkpoint's bytes out as the kernel receives them, derive its constants as SGLang does,
-and call the nvfp4 oracle.
-"""
+"""Synthetic NVFP4 checkpoints (one linear, one MoE layer) and their nvfp4-oracle references, as SGLang computes."""
 
 from __future__ import annotations
 
