@@ -22,6 +22,7 @@ from helpers.common import patch_state, simulated_moe_skip_reason
 import sm120_fp4
 from sm120_fp4 import backends
 from sm120_fp4.demo import synthetic
+from sm120_fp4.sglang import autotune as gates
 from sm120_fp4.sglang import release
 from sm120_fp4.versions import version_in
 
@@ -186,40 +187,50 @@ REFUSALS = {
     "the gate says no, as SGLang does: the library adds tuning only where the runner string or the quantization "
     "name was SGLang's one reason",
 )
-def test_every_one_of_sglangs_own_refusals_stands(sm120, tuned_calls, refusal):
+def test_every_one_of_sglangs_own_refusals_stands(sm120, refusal):
+    # The gate itself (gates.make_gate) over SGLang's real one, with the served families stubbed: that the
+    # installed gate reads the families from the routes is the end-to-end test above.
     spec = REFUSALS[refusal]
-    sm120_fp4.install(simulate="12.0", backends="cutlass", moe_backends="cutlass")
-    assert [patch_state(name) for name in GATE_NAMES] == ["applied", "applied"]
+    gate = gates.make_gate(fa.should_run_flashinfer_autotune, lambda: ["dense:cutlass", "moe:cutlass"])
     with moe_layers.sglang_moe_context("auto", quantization=CT) as context:
-        _serve_layers(CT)
-        assert _gates(_runner(context)) == (True, True), "without the refusal, tuned"
+        assert gate(_runner(context)) is True, "without the refusal, tuned"
+        assert fa.should_run_flashinfer_autotune(_runner(context)) is False, "where SGLang alone says no"
     sm120["value"] = spec.get("capability", (12, 0))
     with (
         moe_layers.sglang_moe_context("auto", quantization=CT, server_args=spec.get("server_args")) as context,
         spec["scope"]() if "scope" in spec else contextlib.nullcontext(),
     ):
-        assert _gates(_runner(context, **spec.get("runner", {})), **spec.get("gate", {})) == (False, False)
+        mr, kwargs = _runner(context, **spec.get("runner", {})), spec.get("gate", {})
+        assert gate(mr, **kwargs) is False and fa.should_run_flashinfer_autotune(mr, **kwargs) is False
 
 
-@pytest.mark.parametrize(
-    "backend, layers, why",
-    [
-        ("emulated", True, "NVFP4 layers served with a backend FlashInfer does not tune"),
-        ("cutlass", False, "no NVFP4 layer served in this process"),
-    ],
-)
 @case(
     "configuration",
-    "SGLang's FlashInfer autotune gate with default flags for a compressed-tensors checkpoint on a 12.x device, {why}",
+    "SGLang's FlashInfer autotune gate with default flags for a compressed-tensors checkpoint on a 12.x device and "
+    "no NVFP4 layer served in this process",
     "SGLang's answer (no), unchanged",
 )
-def test_no_tuning_where_the_library_serves_nothing_tunable(sm120, tuned_calls, backend, layers, why):
-    sm120_fp4.install(simulate="12.0", backends=backend, moe_backends=backend)
+def test_no_tuning_where_the_library_serves_no_layer(sm120):
+    sm120_fp4.install(simulate="12.0", backends="cutlass", moe_backends="cutlass")
     assert [patch_state(name) for name in GATE_NAMES] == ["applied", "applied"]
     with moe_layers.sglang_moe_context("auto", quantization=CT) as context:
-        if layers:
-            _serve_layers(CT)
         assert _gates(_runner(context)) == (False, False)
+
+
+@case(
+    "configuration",
+    "SGLang's FlashInfer autotune gate where the NVFP4 layers are served with backends FlashInfer does not tune",
+    "SGLang's answer (no), unchanged: only the routed cutlass and b12x kernels consult FlashInfer's autotuner",
+)
+def test_no_tuning_where_the_served_backends_are_not_tunable(sm120):
+    routes = {"dense": {0: "emulated", 1: "b12x"}, "moe": {0: "humming", 1: "cutlass"}}
+    assert gates.tunable_backends(routes, 0) == [] and gates.tunable_backends(routes, 1) == [
+        "dense:b12x",
+        "moe:cutlass",
+    ]
+    gate = gates.make_gate(fa.should_run_flashinfer_autotune, lambda: gates.tunable_backends(routes, 0))
+    with moe_layers.sglang_moe_context("auto", quantization=CT) as context:
+        assert gate(_runner(context)) is False
 
 
 def test_uninstall_restores_both_of_sglangs_names_for_the_gate():

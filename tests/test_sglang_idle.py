@@ -4,11 +4,13 @@ canary on, restored by uninstall(); the canary refused at start-up where it coul
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import types
 
 import pytest
+import torch
 from helpers.cases import case
 
 import sm120_fp4
@@ -63,8 +65,15 @@ def test_the_serving_stream_is_the_current_one_unless_sglang_overlaps_on_a_cuda_
         types.SimpleNamespace(enable_overlap=True, forward_stream="cpu stream"),
         types.SimpleNamespace(enable_overlap=False, forward_stream=object()),
     ):
-        with idle.serving_stream(scheduler):
-            pass  # a null context: the loop's own stream stays current
+        assert isinstance(idle.serving_stream(scheduler), contextlib.nullcontext), "the loop's own stream stays"
+    if torch.cuda.is_available():  # the GPU run: an overlapping scheduler's forward stream is entered
+        forward = torch.cuda.Stream()
+        overlapped = types.SimpleNamespace(enable_overlap=True, forward_stream=forward)
+        with idle.serving_stream(overlapped):
+            assert torch.cuda.current_stream() == forward
+        assert torch.cuda.current_stream() != forward
+        with idle.serving_stream(types.SimpleNamespace(enable_overlap=False, forward_stream=forward)):
+            assert torch.cuda.current_stream() != forward, "no overlap: the forward stream is not entered"
 
 
 def test_every_supported_release_has_exactly_one_idle_point():
