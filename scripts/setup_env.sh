@@ -20,10 +20,15 @@ WITH_VLLM=0
 if [ "${1:-}" = "--with-vllm" ]; then WITH_VLLM=1; shift; fi
 VENV_DIR="${1:-$ROOT/.venv}"
 # vLLM's venv, when asked for: idempotent (a stamp of its own), run on every path out of this script.
+# The two are independent (each its own venv and torch) and mostly wait on unpacking: built side by side.
 vllm_too() {
   if [ "$WITH_VLLM" = 1 ]; then
-    bash "$ROOT/scripts/setup_vllm_env.sh"
-    bash "$ROOT/scripts/setup_vllm_env.sh" --cpu-server
+    bash "$ROOT/scripts/setup_vllm_env.sh" & local layers=$!
+    bash "$ROOT/scripts/setup_vllm_env.sh" --cpu-server & local server=$!
+    local failed=0
+    wait "$layers" || failed=1
+    wait "$server" || failed=1
+    [ "$failed" = 0 ] || { say "a vLLM environment failed to build (its lines above say which)"; exit 1; }
   fi
 }
 PYTHON_BIN="${PYTHON:-python3}"
