@@ -375,7 +375,7 @@ def _markdown(report: dict) -> str:
     lines += _section("Backends", bk, ("device", "family", "backend", "supported", "reason"), rows)
     lines += _canary_lines(report.get("canary", {}))
     rows = [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]] if "targets" in check else None
-    title = "SGLang import check (each target of this release, not patched)"
+    title = "SGLang import check (each target of this release: would it apply, or is it applied here)"
     lines += _section(title, check, ("target", "here", "reason"), rows)
     lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])
     return "\n".join(lines)

@@ -268,6 +268,19 @@ def test_doctor_strict_fails_on_a_bad_setting_but_never_crashes(monkeypatch, cap
     assert cli_in_process(monkeypatch, capsys, "doctor")[0] == 0
 
 
+@case(
+    "configuration",
+    "`SM120_FP4=1 sm120-fp4 doctor --strict` in the server's environment (the start-up hook has installed the library)",
+    "exit 0, no problem: the library's own patches show as applied, never as 'does not apply'",
+)
+@background(cli_job("doctor", "--strict", env={**SIM_OK, "SM120_FP4": "1"}))
+def test_doctor_in_the_servers_environment_is_healthy(background):
+    rc, stdout, stderr = background
+    assert rc == 0 and "does not apply" not in stdout, stdout.split("### Problems")[-1] + stderr
+    assert "| flashinfer-fp4-gemm-alias | applied | patched by this process's install of sm120_fp4" in stdout
+    assert stdout.split("### Problems")[1].strip() == "- none found"
+
+
 def test_doctor_works_without_sglang(monkeypatch, capsys):
     real_version = importlib.metadata.version
 
