@@ -92,7 +92,22 @@ def _settings() -> tuple[Any, dict]:
     from .config import load_settings, sources
 
     settings = load_settings()
-    return settings, {"values": settings.model_dump(mode="json"), "sources": sources({})}
+    found = {"values": settings.model_dump(mode="json"), "sources": sources({})}
+    return settings, {**found, "refused": _refused(settings)}
+
+
+def _refused(settings) -> list[str]:
+    """Return why install(), selftest and launch refuse these settings' backend names, by their own check."""
+    from .deciding import FAMILIES, candidate_names
+    from .errors import ConfigError
+
+    problems = []
+    for family in FAMILIES.values():
+        try:
+            candidate_names(settings, family=family)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _targets() -> dict:
@@ -182,12 +197,15 @@ def _canary(settings) -> dict:
     """Return the canary's settings, this SGLang's idle point, and each serving process's last reported counters."""
     import glob
 
+    from .api import ENGINES
     from .canary import settings_problem
-    from .sglang import idle_point_problem, release, targets
+    from .sglang import targets
 
     idle = targets.idle_spec(lambda stream: None)
     point = f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None
-    problem = settings_problem(settings) or (idle_point_problem(settings) if release.release_support()[0] else None)
+    # What launch refuses for each engine it may start (cli/launch.py's _canary_problem): every supported one here.
+    homes = [getattr(h, "canary_problem", h.idle_point_problem) for h in ENGINES if h.release_support()[0]]
+    problem = settings_problem(settings) or next((p for p in (home(settings) for home in homes) if p), None)
     out = dict(
         enabled=settings.canary_period is not None, period_s=settings.canary_period, action=settings.canary_action
     )
@@ -264,6 +282,8 @@ def _problems(report: dict) -> list[str]:
         )
     if sm12x and not any(d["simulated"] for d in sm12x) and not report.get("nvcc", {}).get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
+    settings = report.get("settings")
+    problems += settings.get("refused", []) if isinstance(settings, dict) else []
     for section, key, what in _SECTION_PROBLEMS:
         if report.get(section, {}).get(key):
             problems.append(f"{what}: {report[section][key]}")

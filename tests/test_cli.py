@@ -645,6 +645,31 @@ def test_launch_checks_its_command_before_the_preflight(monkeypatch, capsys, tmp
     assert repr(name) in err and "not running the preflight" in err, err
 
 
+REFUSED_SETTINGS = [
+    ({"SM120_FP4_BACKENDS": "nosuch"}, "SM120_FP4_BACKENDS names unknown backend(s) ['nosuch']"),
+    ({"SM120_FP4_MOE_BACKENDS": "cutlass,nosuch"}, "SM120_FP4_MOE_BACKENDS names unknown backend(s) ['nosuch']"),
+    ({"SM120_FP4_ENABLE": "maybe"}, "SM120_FP4_ENABLE='maybe' is not accepted"),
+    ({"SM120_FP4_CANARY": "60", "SM120_FP4_SELFTEST": "off"}, "but SM120_FP4_SELFTEST=off verifies none"),
+    ({"FLASHINFER_NVFP4_4OVER6": "1"}, "FLASHINFER_NVFP4_4OVER6='1' set"),
+]
+
+
+@case(
+    "configuration",
+    "`sm120-fp4 launch` refuses the settings {env} (exit 2); `sm120-fp4 doctor --strict` with the same settings",
+    "doctor lists the refusal, in the same words, under problems and exits 1: what launch refuses, doctor reports",
+)
+@pytest.mark.parametrize("env, says", REFUSED_SETTINGS, ids=[next(iter(e)) for e, _ in REFUSED_SETTINGS])
+def test_doctor_reports_every_setting_that_launch_refuses(monkeypatch, capsys, env, says):
+    command = [sys.executable, "-c", "print('started')"]
+    code, err, started = launch_in_process(monkeypatch, capsys, "--", *command, env={**SIM_BOTH, **env})
+    assert code == 2 and started is None and says in err, err
+    monkeypatch.delenv("SM120_FP4")  # as the operator runs doctor: the toggle unset
+    code, out, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--strict", "--json")
+    problems = json.loads(out)["problems"]
+    assert code == 1 and any(says in p for p in problems), problems
+
+
 def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, capsys):
     command = [sys.executable, "-c", "print('started')"]
     seen = []
