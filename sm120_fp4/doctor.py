@@ -14,7 +14,7 @@ import sys
 from typing import Any, Callable
 
 from .tables import markdown_table
-from .versions import installed_version
+from .versions import KERNEL_DISTRIBUTIONS, installed_version, kernel_mismatches, kernel_versions
 
 __all__ = ["collect", "run"]
 
@@ -233,9 +233,10 @@ def collect(deep: bool = True) -> dict:
     """Return every probe's result ({'error': ...} where one failed); `deep` also imports SGLang to check targets."""
     from . import __version__
 
-    names = ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")
+    names = ("torch", "flashinfer-python", *KERNEL_DISTRIBUTIONS, "sglang", "humming-kernels", "nvidia-ml-py")
     report: dict[str, Any] = {"sm120_fp4": __version__, "python": sys.version.split()[0]}
-    report |= {"platform": platform.platform(), "versions": {d: installed_version(d) for d in names}}
+    versions = {d: installed_version(d) for d in (*names, "pydantic", "wrapt")} | kernel_versions()
+    report |= {"platform": platform.platform(), "versions": versions}
     result = _probe(_settings)  # (settings, their section), or the probe's error
     settings, report["settings"] = result if isinstance(result, tuple) else (None, result)
     probes = {"torch": _torch, "nvcc": _nvcc, "toolchain": _toolchain, "flashinfer_env": _flashinfer_env}
@@ -271,6 +272,8 @@ def _problems(report: dict) -> list[str]:
     # Every error doctor shows, in any section (a probe that failed: the GPUs' numbering, NVML,
     # SGLang's import), is a problem: what the report shows and what --strict judges never differ.
     problems = [e for section, value in report.items() if section != "import_check" for e in _errors(value, section)]
+    versions = report["versions"]
+    problems += kernel_mismatches(versions["flashinfer-python"], {k: v for k, v in versions.items() if v})
     sg = report.get("sglang", {})
     if isinstance(sg, dict) and sg.get("sglang") and not sg.get("supported"):
         problems.append(sg.get("reason", "unsupported SGLang"))

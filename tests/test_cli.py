@@ -281,6 +281,54 @@ def test_doctor_in_the_servers_environment_is_healthy(background):
     assert stdout.split("### Problems")[1].strip() == "- none found"
 
 
+FI = importlib.metadata.version("flashinfer-python")
+KERNEL_PACKAGES = [
+    ({"flashinfer-jit-cache": f"{FI}+cu130", "flashinfer_jit_cache_sm120f": f"{FI}+cu130"}, None),
+    ({"flashinfer-cubin": FI, "nvidia-cutlass-dsl": "4.8.1"}, None),
+    (
+        {"flashinfer-jit-cache": "0.0.1+cu130"},
+        f"flashinfer-jit-cache 0.0.1+cu130 does not match flashinfer-python {FI}",
+    ),
+    (
+        {"flashinfer-jit-cache": f"{FI}+cu130", "flashinfer_jit_cache_sm120f": f"{FI}+cu129"},
+        f"flashinfer-jit-cache-sm120f {FI}+cu129 does not match flashinfer-jit-cache {FI}+cu130",
+    ),
+    ({"flashinfer_jit_cache_sm120f": f"{FI}+cu130"}, "flashinfer-jit-cache-sm120f"),
+    ({"flashinfer-cubin": "0.0.1"}, f"flashinfer-cubin 0.0.1 does not match flashinfer-python {FI}"),
+]
+
+
+@case(
+    "configuration",
+    "`sm120-fp4 doctor --json --strict` with the kernel packages {installed} installed beside flashinfer-python",
+    "each shows under versions; one whose version FlashInfer would not use with flashinfer-python is a problem "
+    "(exit 1) naming both versions",
+)
+@pytest.mark.parametrize("installed, problem", KERNEL_PACKAGES, ids=[",".join(i) for i, _ in KERNEL_PACKAGES])
+def test_doctor_shows_the_kernel_packages_and_a_mismatch_is_a_problem(
+    monkeypatch, capsys, tmp_path, installed, problem
+):
+    from helpers.plugins import installed_package
+
+    from sm120_fp4 import versions
+
+    for name, version in installed.items():
+        monkeypatch.syspath_prepend(str(installed_package(tmp_path / name, name, version)))
+    versions.clear_cache()
+    try:
+        code, out, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json", "--strict", env=SIM_OK)
+    finally:
+        versions.clear_cache()
+    report = json.loads(out)
+    shown = {versions.normalized(name): version for name, version in installed.items()}
+    assert shown.items() <= report["versions"].items(), report["versions"]
+    kernel = [p for p in report["problems"] if "flashinfer-" in p and "does not match" in p or "is unused" in p]
+    if problem is None:
+        assert code == 0 and not kernel, report["problems"]
+    else:
+        assert code == 1 and len(kernel) == 1 and problem in kernel[0], report["problems"]
+
+
 def test_doctor_works_without_sglang(monkeypatch, capsys):
     real_version = importlib.metadata.version
 
