@@ -608,6 +608,55 @@ def test_launch_with_an_sglang_outside_the_range_refuses_or_says_unverified(
         assert "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified" in err
 
 
+WRAPPED = [
+    "env vllm serve /m",
+    "/usr/bin/env -i FOO=1 vllm serve /m",
+    "bash -c 'VLLM_LOGGING_LEVEL=INFO exec vllm serve /m --port 8000'",
+    "uv run --with x vllm serve /m",
+    "uv run -m vllm.entrypoints.openai.api_server --model /m",
+    "numactl --interleave=all -N 0 vllm serve /m",
+    "taskset -c 0-3 vllm serve /m",
+    "nice -n 5 vllm serve /m",
+    "nohup timeout 3600 stdbuf -oL python -m vllm.entrypoints.openai.api_server",
+    "sh -c 'cd /srv && vllm serve /m'",  # shell syntax: which engine cannot be told
+    "bash serve.sh",  # a script: which engine cannot be told
+    "uv --directory /srv run vllm serve /m",  # an option launch does not know
+]
+
+
+@case(
+    "configuration",
+    "`sm120-fp4 launch -- {command}` (SELFTEST=strict) with vLLM 0.34.0 installed (outside the range), SGLang inside",
+    "exit 2, not started: launch looks through the wrapper to vLLM, or checks every installed engine's release when "
+    "it cannot tell which engine the command starts",
+)
+@pytest.mark.parametrize("command", WRAPPED)
+def test_launch_refuses_a_wrapped_command_of_an_engine_outside_the_range(monkeypatch, capsys, tmp_path, command):
+    import shlex
+
+    from sm120_fp4.vllm import release
+
+    monkeypatch.setattr(release, "engine_version", lambda: "0.34.0")
+    for name in ("vllm", "uv", "numactl", "taskset", "stdbuf", "timeout", "nohup", "nice"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{sys.prefix}/bin:/usr/bin:/bin")
+    code, err, started = launch_in_process(monkeypatch, capsys, "--", *shlex.split(command), env=SIM_BOTH)
+    assert code == cli.EXIT_USAGE and started is None and "self-testing" not in err, err
+    assert "vLLM 0.34.0 is installed, outside the releases" in err and "refusing to start" in err, err
+    wrapped = "which engine" in err
+    assert wrapped == any(w in command for w in ("&&", "serve.sh", "--directory")), err
+
+
+def test_launch_of_an_sglang_command_is_not_refused_for_another_engines_release(monkeypatch, capsys):
+    from sm120_fp4.vllm import release
+
+    monkeypatch.setattr(release, "engine_version", lambda: "0.34.0")
+    command = ["env", "FOO=1", sys.executable, "-m", "sglang.launch_server", "--help"]
+    code, err, started = launch_in_process(monkeypatch, capsys, "--", *command, env=SIM_BOTH)
+    assert code == 0 and started == (command, "1") and "preflight passed" in err, err
+
+
 @case("configuration", "`sm120-fp4 selftest {args}`", "exit 2; stderr names --backend and the name; no table row")
 @pytest.mark.parametrize("args", ["--backend bogus", "--moe --backend bogus"])
 def test_an_unknown_backend_on_the_command_line_names_the_option(monkeypatch, capsys, args):
