@@ -76,6 +76,7 @@ def _devices(settings) -> list[dict]:
 def _activation() -> dict:
     from .sglang.release import PLUGIN_GROUP
     from .toggle import enabled
+    from .vllm.allowlist import plugin_problem
 
     eps = importlib.metadata.entry_points(group=PLUGIN_GROUP)
     ours = [f"{ep.name} -> {ep.value}" for ep in eps if ep.value.startswith("sm120_fp4")]
@@ -85,6 +86,7 @@ def _activation() -> dict:
     allowed = any(o.split(" ")[0] in allow.split(",") for o in ours) if allow else None
     note = "both activate when SM120_FP4 is set (1 or on; any other value but 0/off is rejected loudly at install); the plugin needs SGLang >= 0.5.11, the .pth works for all releases"
     found = {"toggle": os.environ.get("SM120_FP4"), "active": enabled(), "plugin_entry_point": ours or None}
+    found |= {"vllm_plugin_problem": plugin_problem()}  # what launch refuses for vLLM (cli/launch.py)
     return {**found, "plugin_allowed_by_SGLANG_PLUGINS": allowed, "pth_bootstrap": pth or None, "note": note}
 
 
@@ -265,6 +267,7 @@ _SECTION_PROBLEMS = (
     ("flashinfer_env", "problem", "FlashInfer NVFP4 environment"),
     ("toolchain", "jit_problem", "JIT builds will fail"),
     ("canary", "problem", "serving canary"),
+    ("activation", "vllm_plugin_problem", "vLLM plugin not loaded"),
 )
 
 

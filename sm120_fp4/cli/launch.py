@@ -35,6 +35,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if name is None:
             _eprint(f"sm120-fp4 launch: {_UNATTRIBUTED % command[0]}")
         return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
+    problem = _plugin_problem(names) if indices else None
+    if problem is not None:  # the server would serve every NVFP4 layer without this library: refused now
+        _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
+        return EXIT_USAGE
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
     seen: list[tuple[str, dict]] = []
     preflight = argparse.Namespace(device=None, backend=None, json=False, moe=False, engine=name or names[0])
@@ -153,6 +157,13 @@ def _starts(top: str):
         return os.path.basename(command[0]) == top or any(m == top or m.startswith(top + ".") for m in modules)
 
     return launches
+
+
+def _plugin_problem(names: list[str]) -> str | None:
+    """Return why none of this library would run in the server of the engines `names`, or None."""
+    from ..vllm.allowlist import plugin_problem
+
+    return plugin_problem() if "vllm" in names else None  # SGLang: the .pth start-up hook activates it anyway
 
 
 def _installed_engines() -> list[str]:
