@@ -45,11 +45,6 @@ def clear_cache() -> None:
     """Forget the versions read so far (a distribution installed or removed since)."""
     with _read_lock:
         _read.clear()
-        _prefixed.clear()
-
-
-# prefix -> {name: version} of the installed distributions whose name starts with it (normalized, PEP 503).
-_prefixed: dict[str, dict[str, str]] = {}
 
 
 def normalized(name: str) -> str:
@@ -59,16 +54,12 @@ def normalized(name: str) -> str:
 
 def installed_with_prefix(prefix: str) -> dict[str, str]:
     """Return {name: version} of every installed distribution whose normalized name starts with `prefix`."""
-    with _read_lock:
-        if prefix in _prefixed:
-            return dict(_prefixed[prefix])
+    # Read afresh each time (not cached as installed_version is): asked once per verdict key, not per layer.
     found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
         name = normalized(dist.metadata["Name"] or "")
         if name.startswith(prefix) and name not in found:  # the first on the path is the one imported
             found[name] = dist.version
-    with _read_lock:
-        _prefixed[prefix] = found
     return dict(sorted(found.items()))
 
 
@@ -91,19 +82,16 @@ def kernel_mismatches(flashinfer: str | None, kernels: dict[str, str]) -> list[s
     shim = kernels.get(JIT_CACHE)
     problems = []
     for name, version in kernels.items():
-        if name == CUBIN or name == JIT_CACHE:
-            wanted, ok = (
-                flashinfer,
-                version == flashinfer or (name == JIT_CACHE and version.startswith(f"{flashinfer}+")),
-            )
-        elif name.startswith(JIT_CACHE):
-            wanted, ok = shim, version == shim
+        if name in (CUBIN, JIT_CACHE):
+            what, wanted = "flashinfer-python", flashinfer
+            ok = version == flashinfer or (name == JIT_CACHE and version.startswith(f"{flashinfer}+"))
+        elif name.startswith(JIT_CACHE + "-"):
+            what, wanted, ok = JIT_CACHE, shim, version == shim
         else:
             continue
-        if wanted is None and name.startswith(JIT_CACHE + "-"):
+        if wanted is None and what == JIT_CACHE:
             problems.append(f"{name} {version} is unused: FlashInfer finds it through {JIT_CACHE}, not installed")
         elif wanted is not None and not ok:
-            what = "flashinfer-python" if wanted is flashinfer else JIT_CACHE
             problems.append(
                 f"{name} {version} does not match {what} {wanted}: FlashInfer ignores its kernels (JIT-compiling "
                 "them instead), or runs another release's with FLASHINFER_DISABLE_VERSION_CHECK set; install the "
