@@ -177,7 +177,7 @@ def _installed_engines() -> list[str]:
 # options that take none, and how many arguments come before the wrapped command; an option it does not know,
 # or a wrapper it does not know, leaves the command unattributed (every installed engine is then checked).
 _WRAPPERS: dict[str, tuple[str, set[str], str, set[str], int]] = {
-    "env": ("uCS", {"unset", "chdir", "split-string"}, "i0v", {"ignore-environment", "null", "debug"}, 0),
+    "env": ("uC", {"unset", "chdir"}, "i0v", {"ignore-environment", "null", "debug"}, 0),  # not -S: env splits it
     "nice": ("n", {"adjustment"}, "", set(), 0),
     "nohup": ("", set(), "", set(), 0),
     "setsid": ("", set(), "cfw", {"ctty", "fork", "wait"}, 0),
@@ -237,14 +237,10 @@ def _after_options(args, short_values, long_values, short_flags, long_flags, pos
             i += 1
         elif arg.startswith("--"):
             name, eq, _ = arg[2:].partition("=")
-            if name == "split-string":
-                return None  # env -S: the command is a string env splits by its own rules
             if name not in long_values | long_flags or (name in long_flags and eq):
                 return None
             i += 1 if eq or name in long_flags else 2
         elif arg[1] in short_values:
-            if arg[1] == "S":
-                return None
             i += 1 if len(arg) > 2 else 2
         elif all(c in short_flags for c in arg[1:]):
             i += 1
