@@ -14,7 +14,7 @@ import sys
 from typing import Any, Callable
 
 from .tables import markdown_table
-from .versions import installed_version
+from .versions import KERNEL_DISTRIBUTIONS, installed_version, kernel_mismatches, kernel_versions
 
 __all__ = ["collect", "run"]
 
@@ -76,6 +76,7 @@ def _devices(settings) -> list[dict]:
 def _activation() -> dict:
     from .sglang.release import PLUGIN_GROUP
     from .toggle import enabled
+    from .vllm.allowlist import plugin_problem
 
     eps = importlib.metadata.entry_points(group=PLUGIN_GROUP)
     ours = [f"{ep.name} -> {ep.value}" for ep in eps if ep.value.startswith("sm120_fp4")]
@@ -85,6 +86,7 @@ def _activation() -> dict:
     allowed = any(o.split(" ")[0] in allow.split(",") for o in ours) if allow else None
     note = "both activate when SM120_FP4 is set (1 or on; any other value but 0/off is rejected loudly at install); the plugin needs SGLang >= 0.5.11, the .pth works for all releases"
     found = {"toggle": os.environ.get("SM120_FP4"), "active": enabled(), "plugin_entry_point": ours or None}
+    found |= {"vllm_plugin_problem": plugin_problem()}  # what launch refuses for vLLM (cli/launch.py)
     return {**found, "plugin_allowed_by_SGLANG_PLUGINS": allowed, "pth_bootstrap": pth or None, "note": note}
 
 
@@ -92,7 +94,22 @@ def _settings() -> tuple[Any, dict]:
     from .config import load_settings, sources
 
     settings = load_settings()
-    return settings, {"values": settings.model_dump(mode="json"), "sources": sources({})}
+    found = {"values": settings.model_dump(mode="json"), "sources": sources({})}
+    return settings, {**found, "refused": _refused(settings)}
+
+
+def _refused(settings) -> list[str]:
+    """Return why install(), selftest and launch refuse these settings' backend names, by their own check."""
+    from .deciding import FAMILIES, candidate_names
+    from .errors import ConfigError
+
+    problems = []
+    for family in FAMILIES.values():
+        try:
+            candidate_names(settings, family=family)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _targets() -> dict:
@@ -182,12 +199,15 @@ def _canary(settings) -> dict:
     """Return the canary's settings, this SGLang's idle point, and each serving process's last reported counters."""
     import glob
 
+    from .api import ENGINES
     from .canary import settings_problem
-    from .sglang import idle_point_problem, release, targets
+    from .sglang import targets
 
     idle = targets.idle_spec(lambda stream: None)
     point = f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None
-    problem = settings_problem(settings) or (idle_point_problem(settings) if release.release_support()[0] else None)
+    # What launch refuses for each engine it may start (cli/launch.py's _canary_problem): every supported one here.
+    homes = [getattr(h, "canary_problem", h.idle_point_problem) for h in ENGINES if h.release_support()[0]]
+    problem = settings_problem(settings) or next((p for p in (home(settings) for home in homes) if p), None)
     out = dict(
         enabled=settings.canary_period is not None, period_s=settings.canary_period, action=settings.canary_action
     )
@@ -215,9 +235,10 @@ def collect(deep: bool = True) -> dict:
     """Return every probe's result ({'error': ...} where one failed); `deep` also imports SGLang to check targets."""
     from . import __version__
 
-    names = ("torch", "flashinfer-python", "sglang", "humming-kernels", "nvidia-ml-py", "pydantic", "wrapt")
+    names = ("torch", "flashinfer-python", *KERNEL_DISTRIBUTIONS, "sglang", "humming-kernels", "nvidia-ml-py")
     report: dict[str, Any] = {"sm120_fp4": __version__, "python": sys.version.split()[0]}
-    report |= {"platform": platform.platform(), "versions": {d: installed_version(d) for d in names}}
+    versions = {d: installed_version(d) for d in (*names, "pydantic", "wrapt")} | kernel_versions()
+    report |= {"platform": platform.platform(), "versions": versions}
     result = _probe(_settings)  # (settings, their section), or the probe's error
     settings, report["settings"] = result if isinstance(result, tuple) else (None, result)
     probes = {"torch": _torch, "nvcc": _nvcc, "toolchain": _toolchain, "flashinfer_env": _flashinfer_env}
@@ -246,6 +267,7 @@ _SECTION_PROBLEMS = (
     ("flashinfer_env", "problem", "FlashInfer NVFP4 environment"),
     ("toolchain", "jit_problem", "JIT builds will fail"),
     ("canary", "problem", "serving canary"),
+    ("activation", "vllm_plugin_problem", "vLLM plugin not loaded"),
 )
 
 
@@ -253,6 +275,8 @@ def _problems(report: dict) -> list[str]:
     # Every error doctor shows, in any section (a probe that failed: the GPUs' numbering, NVML,
     # SGLang's import), is a problem: what the report shows and what --strict judges never differ.
     problems = [e for section, value in report.items() if section != "import_check" for e in _errors(value, section)]
+    versions = report["versions"]
+    problems += kernel_mismatches(versions["flashinfer-python"], {k: v for k, v in versions.items() if v})
     sg = report.get("sglang", {})
     if isinstance(sg, dict) and sg.get("sglang") and not sg.get("supported"):
         problems.append(sg.get("reason", "unsupported SGLang"))
@@ -264,6 +288,8 @@ def _problems(report: dict) -> list[str]:
         )
     if sm12x and not any(d["simulated"] for d in sm12x) and not report.get("nvcc", {}).get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
+    settings = report.get("settings")
+    problems += settings.get("refused", []) if isinstance(settings, dict) else []
     for section, key, what in _SECTION_PROBLEMS:
         if report.get(section, {}).get(key):
             problems.append(f"{what}: {report[section][key]}")
@@ -375,7 +401,7 @@ def _markdown(report: dict) -> str:
     lines += _section("Backends", bk, ("device", "family", "backend", "supported", "reason"), rows)
     lines += _canary_lines(report.get("canary", {}))
     rows = [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]] if "targets" in check else None
-    title = "SGLang import check (each target of this release, not patched)"
+    title = "SGLang import check (each target of this release: would it apply, or is it applied here)"
     lines += _section(title, check, ("target", "here", "reason"), rows)
     lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])
     return "\n".join(lines)

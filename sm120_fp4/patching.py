@@ -131,6 +131,9 @@ def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
         return "fails", f"{spec.module}.{spec.attribute} not found" + (
             f": {spec.when_missing}" if spec.when_missing else ""
         )
+    patched = getattr(original, "__sm120_fp4_patch__", None)
+    if patched is not None:  # SM120_FP4=1 here: this process's install() has patched it already
+        return "applied", f"patched by this process's install of sm120_fp4 ({patched})"
     try:
         problem = spec.check(original) if spec.check else None
     except Exception as exc:

@@ -1,8 +1,8 @@
 """The verdict store: what the preflight (``sm120-fp4 selftest``/``launch``) saw each candidate do.
 
 A candidate that crashed a preflight worker (FlashInfer #3170) is recorded, keyed by GPU, capability, driver, CUDA,
-FlashInfer, family and backend, and serving workers skip it rather than crash; passed and failed verdicts are
-evidence only. The file is ``SM120_FP4_VERDICTS``, owner-only (:mod:`.files`)."""
+FlashInfer and its kernel packages, family and backend, and serving workers skip it rather than crash; passed and
+failed verdicts are evidence only. The file is ``SM120_FP4_VERDICTS``, owner-only (:mod:`.files`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import files, locks
+from .versions import kernel_versions
 
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
 _LOG = logging.getLogger("sm120_fp4")
@@ -48,7 +49,8 @@ def device_key(device) -> dict[str, Any]:
         cuda = torch.version.cuda
     key = {"gpu": device.name, "capability": f"{device.capability[0]}.{device.capability[1]}"}
     key |= {"simulated": device.simulated, "driver": _driver_version() if device.is_cuda else None, "cuda": cuda}
-    return key | {"flashinfer": flashinfer_version()}
+    # FlashInfer's prebuilt kernels and the CuTe DSL decide which kernel runs as much as flashinfer-python does.
+    return key | {"flashinfer": flashinfer_version(), "kernels": kernel_versions()}
 
 
 def _matches(entry: dict, key: dict, family: str, backend: str) -> bool:
@@ -132,7 +134,7 @@ def crash_of(path: Path | None, device, family: str, backend: str) -> str | None
         if _matches(entry, key, family, backend) and entry.get("verdict") == CRASHED:
             return (
                 f"skipped: it crashed the self-test process of `sm120-fp4 selftest` ({entry.get('reason')}), recorded "
-                f"{entry.get('recorded_at')} in {path} for this GPU, driver, CUDA and FlashInfer; "
+                f"{entry.get('recorded_at')} in {path} for this GPU, driver, CUDA and FlashInfer (its kernel packages too); "
                 "delete that entry (or the file) to try it again"
             )
     return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import threading
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -44,6 +45,59 @@ def clear_cache() -> None:
     """Forget the versions read so far (a distribution installed or removed since)."""
     with _read_lock:
         _read.clear()
+
+
+def normalized(name: str) -> str:
+    """Return a distribution's name as PEP 503 compares it: lower case, runs of -_. as one -."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_with_prefix(prefix: str) -> dict[str, str]:
+    """Return {name: version} of every installed distribution whose normalized name starts with `prefix`."""
+    # Read afresh each time (not cached as installed_version is): asked once per verdict key, not per layer.
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = normalized(dist.metadata["Name"] or "")
+        if name.startswith(prefix) and name not in found:  # the first on the path is the one imported
+            found[name] = dist.version
+    return dict(sorted(found.items()))
+
+
+# What decides which kernel runs besides flashinfer-python: FlashInfer's prebuilt kernels (the jit-cache and its
+# per-architecture packages such as flashinfer-jit-cache-sm120f; the cubins) and the CuTe DSL b12x is built with.
+JIT_CACHE, CUBIN = "flashinfer-jit-cache", "flashinfer-cubin"
+KERNEL_DISTRIBUTIONS = (JIT_CACHE, CUBIN, "nvidia-cutlass-dsl")
+
+
+def kernel_versions() -> dict[str, str]:
+    """Return the installed version of each distribution that decides which kernel runs, by normalized name."""
+    return {name: v for prefix in KERNEL_DISTRIBUTIONS for name, v in installed_with_prefix(prefix).items()}
+
+
+def kernel_mismatches(flashinfer: str | None, kernels: dict[str, str]) -> list[str]:
+    """Return each of FlashInfer's kernel packages in `kernels` whose version does not match `flashinfer`'s."""
+    # FlashInfer's own rule (jit/env.py): the cubins match exactly, the jit-cache may add a CUDA local version
+    # (0.7.2+cu130), and each per-architecture package matches the jit-cache exactly. A mismatched one is ignored
+    # (its kernels JIT-compiled instead) or, with FLASHINFER_DISABLE_VERSION_CHECK set, runs another release's code.
+    shim = kernels.get(JIT_CACHE)
+    problems = []
+    for name, version in kernels.items():
+        if name in (CUBIN, JIT_CACHE):
+            what, wanted = "flashinfer-python", flashinfer
+            ok = version == flashinfer or (name == JIT_CACHE and version.startswith(f"{flashinfer}+"))
+        elif name.startswith(JIT_CACHE + "-"):
+            what, wanted, ok = JIT_CACHE, shim, version == shim
+        else:
+            continue
+        if wanted is None and what == JIT_CACHE:
+            problems.append(f"{name} {version} is unused: FlashInfer finds it through {JIT_CACHE}, not installed")
+        elif wanted is not None and not ok:
+            problems.append(
+                f"{name} {version} does not match {what} {wanted}: FlashInfer ignores its kernels (JIT-compiling "
+                "them instead), or runs another release's with FLASHINFER_DISABLE_VERSION_CHECK set; install the "
+                f"{name} of FlashInfer {flashinfer} (`flashinfer download-kernels`), or uninstall it"
+            )
+    return problems
 
 
 def comparable(version: str | None, specifier: str | None = None) -> str | None:

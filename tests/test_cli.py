@@ -268,6 +268,67 @@ def test_doctor_strict_fails_on_a_bad_setting_but_never_crashes(monkeypatch, cap
     assert cli_in_process(monkeypatch, capsys, "doctor")[0] == 0
 
 
+@case(
+    "configuration",
+    "`SM120_FP4=1 sm120-fp4 doctor --strict` in the server's environment (the start-up hook has installed the library)",
+    "exit 0, no problem: the library's own patches show as applied, never as 'does not apply'",
+)
+@background(cli_job("doctor", "--strict", env={**SIM_OK, "SM120_FP4": "1"}))
+def test_doctor_in_the_servers_environment_is_healthy(background):
+    rc, stdout, stderr = background
+    assert rc == 0 and "does not apply" not in stdout, stdout.split("### Problems")[-1] + stderr
+    assert "| flashinfer-fp4-gemm-alias | applied | patched by this process's install of sm120_fp4" in stdout
+    assert stdout.split("### Problems")[1].strip() == "- none found"
+
+
+FI = importlib.metadata.version("flashinfer-python")
+KERNEL_PACKAGES = [
+    ({"flashinfer-jit-cache": f"{FI}+cu130", "flashinfer_jit_cache_sm120f": f"{FI}+cu130"}, None),
+    ({"flashinfer-cubin": FI, "nvidia-cutlass-dsl": "4.8.1"}, None),
+    (
+        {"flashinfer-jit-cache": "0.0.1+cu130"},
+        f"flashinfer-jit-cache 0.0.1+cu130 does not match flashinfer-python {FI}",
+    ),
+    (
+        {"flashinfer-jit-cache": f"{FI}+cu130", "flashinfer_jit_cache_sm120f": f"{FI}+cu129"},
+        f"flashinfer-jit-cache-sm120f {FI}+cu129 does not match flashinfer-jit-cache {FI}+cu130",
+    ),
+    ({"flashinfer_jit_cache_sm120f": f"{FI}+cu130"}, "flashinfer-jit-cache-sm120f"),
+    ({"flashinfer-cubin": "0.0.1"}, f"flashinfer-cubin 0.0.1 does not match flashinfer-python {FI}"),
+]
+
+
+@case(
+    "configuration",
+    "`sm120-fp4 doctor --json --strict` with the kernel packages {installed} installed beside flashinfer-python",
+    "each shows under versions; one whose version FlashInfer would not use with flashinfer-python is a problem "
+    "(exit 1) naming both versions",
+)
+@pytest.mark.parametrize("installed, problem", KERNEL_PACKAGES, ids=[",".join(i) for i, _ in KERNEL_PACKAGES])
+def test_doctor_shows_the_kernel_packages_and_a_mismatch_is_a_problem(
+    monkeypatch, capsys, tmp_path, installed, problem
+):
+    from helpers.plugins import installed_package
+
+    from sm120_fp4 import versions
+
+    for name, version in installed.items():
+        monkeypatch.syspath_prepend(str(installed_package(tmp_path / name, name, version)))
+    versions.clear_cache()
+    try:
+        code, out, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json", "--strict", env=SIM_OK)
+    finally:
+        versions.clear_cache()
+    report = json.loads(out)
+    shown = {versions.normalized(name): version for name, version in installed.items()}
+    assert shown.items() <= report["versions"].items(), report["versions"]
+    kernel = [p for p in report["problems"] if "flashinfer-" in p and "does not match" in p or "is unused" in p]
+    if problem is None:
+        assert code == 0 and not kernel, report["problems"]
+    else:
+        assert code == 1 and len(kernel) == 1 and problem in kernel[0], report["problems"]
+
+
 def test_doctor_works_without_sglang(monkeypatch, capsys):
     real_version = importlib.metadata.version
 
@@ -547,6 +608,55 @@ def test_launch_with_an_sglang_outside_the_range_refuses_or_says_unverified(
         assert "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified" in err
 
 
+WRAPPED = [
+    "env vllm serve /m",
+    "/usr/bin/env -i FOO=1 vllm serve /m",
+    "bash -c 'VLLM_LOGGING_LEVEL=INFO exec vllm serve /m --port 8000'",
+    "uv run --with x vllm serve /m",
+    "uv run -m vllm.entrypoints.openai.api_server --model /m",
+    "numactl --interleave=all -N 0 vllm serve /m",
+    "taskset -c 0-3 vllm serve /m",
+    "nice -n 5 vllm serve /m",
+    "nohup timeout 3600 stdbuf -oL python -m vllm.entrypoints.openai.api_server",
+    "sh -c 'cd /srv && vllm serve /m'",  # shell syntax: which engine cannot be told
+    "bash serve.sh",  # a script: which engine cannot be told
+    "uv --directory /srv run vllm serve /m",  # an option launch does not know
+]
+
+
+@case(
+    "configuration",
+    "`sm120-fp4 launch -- {command}` (SELFTEST=strict) with vLLM 0.34.0 installed (outside the range), SGLang inside",
+    "exit 2, not started: launch looks through the wrapper to vLLM, or checks every installed engine's release when "
+    "it cannot tell which engine the command starts",
+)
+@pytest.mark.parametrize("command", WRAPPED)
+def test_launch_refuses_a_wrapped_command_of_an_engine_outside_the_range(monkeypatch, capsys, tmp_path, command):
+    import shlex
+
+    from sm120_fp4.vllm import release
+
+    monkeypatch.setattr(release, "engine_version", lambda: "0.34.0")
+    for name in ("vllm", "uv", "numactl", "taskset", "stdbuf", "timeout", "nohup", "nice"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{sys.prefix}/bin:/usr/bin:/bin")
+    code, err, started = launch_in_process(monkeypatch, capsys, "--", *shlex.split(command), env=SIM_BOTH)
+    assert code == cli.EXIT_USAGE and started is None and "self-testing" not in err, err
+    assert "vLLM 0.34.0 is installed, outside the releases" in err and "refusing to start" in err, err
+    wrapped = "which engine" in err
+    assert wrapped == any(w in command for w in ("&&", "serve.sh", "--directory")), err
+
+
+def test_launch_of_an_sglang_command_is_not_refused_for_another_engines_release(monkeypatch, capsys):
+    from sm120_fp4.vllm import release
+
+    monkeypatch.setattr(release, "engine_version", lambda: "0.34.0")
+    command = ["env", "FOO=1", sys.executable, "-m", "sglang.launch_server", "--help"]
+    code, err, started = launch_in_process(monkeypatch, capsys, "--", *command, env=SIM_BOTH)
+    assert code == 0 and started == (command, "1") and "preflight passed" in err, err
+
+
 @case("configuration", "`sm120-fp4 selftest {args}`", "exit 2; stderr names --backend and the name; no table row")
 @pytest.mark.parametrize("args", ["--backend bogus", "--moe --backend bogus"])
 def test_an_unknown_backend_on_the_command_line_names_the_option(monkeypatch, capsys, args):
@@ -630,6 +740,31 @@ def test_launch_checks_its_command_before_the_preflight(monkeypatch, capsys, tmp
     assert cli.main(["launch", "--", name, "--port", "30000"]) == 2
     err = capsys.readouterr().err
     assert repr(name) in err and "not running the preflight" in err, err
+
+
+REFUSED_SETTINGS = [
+    ({"SM120_FP4_BACKENDS": "nosuch"}, "SM120_FP4_BACKENDS names unknown backend(s) ['nosuch']"),
+    ({"SM120_FP4_MOE_BACKENDS": "cutlass,nosuch"}, "SM120_FP4_MOE_BACKENDS names unknown backend(s) ['nosuch']"),
+    ({"SM120_FP4_ENABLE": "maybe"}, "SM120_FP4_ENABLE='maybe' is not accepted"),
+    ({"SM120_FP4_CANARY": "60", "SM120_FP4_SELFTEST": "off"}, "but SM120_FP4_SELFTEST=off verifies none"),
+    ({"FLASHINFER_NVFP4_4OVER6": "1"}, "FLASHINFER_NVFP4_4OVER6='1' set"),
+]
+
+
+@case(
+    "configuration",
+    "`sm120-fp4 launch` refuses the settings {env} (exit 2); `sm120-fp4 doctor --strict` with the same settings",
+    "doctor lists the refusal, in the same words, under problems and exits 1: what launch refuses, doctor reports",
+)
+@pytest.mark.parametrize("env, says", REFUSED_SETTINGS, ids=[next(iter(e)) for e, _ in REFUSED_SETTINGS])
+def test_doctor_reports_every_setting_that_launch_refuses(monkeypatch, capsys, env, says):
+    command = [sys.executable, "-c", "print('started')"]
+    code, err, started = launch_in_process(monkeypatch, capsys, "--", *command, env={**SIM_BOTH, **env})
+    assert code == 2 and started is None and says in err, err
+    monkeypatch.delenv("SM120_FP4")  # as the operator runs doctor: the toggle unset
+    code, out, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--strict", "--json")
+    problems = json.loads(out)["problems"]
+    assert code == 1 and any(says in p for p in problems), problems
 
 
 def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, capsys):

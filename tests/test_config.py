@@ -211,6 +211,23 @@ def test_flashinfer_launch_knobs_are_verified_not_refused(monkeypatch, variable,
     assert sm120_fp4.install().installed and sm120_fp4.status().flashinfer_overrides == {}
 
 
+@case(
+    "configuration",
+    "FLASHINFER_NVFP4_4OVER6={value} (a value FlashInfer reads as off: only exactly 1 turns 4over6 on) at install()",
+    "installed: the standard recipe runs, the one the oracle models; a recipe knob beside it is still refused",
+)
+@pytest.mark.parametrize("value", ["0", "", "false", "off", "1 ", "01"])
+def test_flashinfer_4over6_switched_off_is_accepted(monkeypatch, value):
+    for name, setting in SIM_ENV.items():
+        monkeypatch.setenv(name, setting)
+    monkeypatch.setenv("FLASHINFER_NVFP4_4OVER6", value)
+    assert sm120_fp4.install().installed and sm120_fp4.status().flashinfer_overrides == {}
+    sm120_fp4.uninstall()
+    monkeypatch.setenv("FLASHINFER_NVFP4_4OVER6_E4M3_USE_256", "1")
+    with pytest.raises(ConfigError, match="FLASHINFER_NVFP4_4OVER6_E4M3_USE_256='1'"):
+        sm120_fp4.install()
+
+
 KEYWORD_GARBAGE = [
     ("simulate", 12, "MAJOR.MINOR"),
     ("simulate", 12.05, "MAJOR.MINOR"),

@@ -290,3 +290,36 @@ def test_an_empty_or_odd_home_never_puts_the_store_at_the_root(monkeypatch, capl
     caplog.set_level(logging.WARNING, "sm120_fp4")
     assert load_settings().verdicts_path is None
     assert any("no verdict store" in r.getMessage() and "SM120_FP4_VERDICTS" in r.getMessage() for r in caplog.records)
+
+
+@case(
+    "files and trust",
+    "a crash recorded in the verdict store under flashinfer_jit_cache_sm120f {before}; then {after} is installed",
+    "a serving process skips the candidate under the version it crashed with, and self-tests it (it serves) under "
+    "another: FlashInfer's kernel packages are part of the verdict's key",
+)
+@pytest.mark.parametrize("before, after", [("0.7.2+cu130", "0.7.1+cu130")])
+def test_a_crash_verdict_holds_only_for_the_kernel_packages_it_was_seen_with(tmp_path, monkeypatch, before, after):
+    from helpers.plugins import installed_package
+
+    from sm120_fp4 import versions
+    from sm120_fp4.errors import RefusedToServe
+
+    site = tmp_path / "site"
+    monkeypatch.syspath_prepend(str(installed_package(site, "flashinfer_jit_cache_sm120f", before)))
+    versions.clear_cache()
+    store = tmp_path / "verdicts.json"
+    _planted_crash(store)
+    monkeypatch.setenv("SM120_FP4_VERDICTS", str(store))
+    settings = load_settings(simulate="12.0", backends="emulated")
+    with pytest.raises(RefusedToServe, match="crashed the self-test process"):
+        sm120_fp4.decide(settings=settings)
+    for info in site.iterdir():  # pip install flashinfer_jit_cache_sm120f==AFTER
+        for file in info.iterdir():
+            file.unlink()
+        info.rmdir()
+    installed_package(site, "flashinfer_jit_cache_sm120f", after)
+    versions.clear_cache()
+    decision = sm120_fp4.decide(settings=settings)
+    assert decision.backend == "emulated" and decision.verified
+    versions.clear_cache()

@@ -20,8 +20,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _eprint(f"sm120-fp4 launch: {problem}; not running the preflight")
         return EXIT_USAGE
     os.environ["SM120_FP4"] = "1"
-    name = _engine_of(command)
-    problem = _canary_problem(name)
+    name = _engine_of(command)  # None: a command it cannot attribute, which may start any installed engine
+    names = [name] if name is not None else _installed_engines()
+    problem = next((p for p in map(_canary_problem, names) if p is not None), None)
     if problem is not None:  # refused now, not in every scheduler after the preflight
         _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
         return EXIT_USAGE
@@ -29,12 +30,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _engine_home(name).unverified_release() if indices else None
+    engine = next((e for e in (_engine_home(n).unverified_release() for n in names) if e), None) if indices else None
     if engine is not None:  # nothing of this library runs in that server: no preflight would mean anything
+        if name is None:
+            _eprint(f"sm120-fp4 launch: {_UNATTRIBUTED % command[0]}")
         return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
+    problem = _plugin_problem(names) if indices else None
+    if problem is not None:  # the server would serve every NVFP4 layer without this library: refused now
+        _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
+        return EXIT_USAGE
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
     seen: list[tuple[str, dict]] = []
-    preflight = argparse.Namespace(device=None, backend=None, json=False, moe=False, engine=name)
+    preflight = argparse.Namespace(device=None, backend=None, json=False, moe=False, engine=name or names[0])
     code = cmd_selftest(preflight, families=("dense", "moe"), seen=seen)
     unrecorded = _unrecorded_crashes(seen)
     if unrecorded is not None and code in (EXIT_OK, EXIT_UNVERIFIED):
@@ -125,11 +132,145 @@ def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, s
     return EXIT_UNVERIFIED
 
 
-def _engine_of(command: list[str]) -> str:
-    """Return the engine the command starts: the home whose ``launches(command)`` says so, else SGLang."""
+_UNATTRIBUTED = (
+    "which engine %r starts cannot be told (a script, or a wrapper or option launch does not know), so every "
+    "installed engine's release was checked; run the engine's own command (vllm serve, python -m sglang...) under "
+    "launch, through env, nice, nohup, numactl, taskset, timeout, stdbuf, uv run or sh -c, to check only its release"
+)
+
+
+def _engine_of(command: list[str]) -> str | None:
+    """Return the engine the command starts, its known wrappers unwrapped; None where it cannot be told."""
     from ..api import ENGINES
 
-    return next((h.NAME for h in ENGINES if getattr(h, "launches", None) and h.launches(command)), "sglang")
+    inner = _unwrapped(command)
+    if not inner:
+        return None
+    # Each engine home's NAME is its package and console script: `NAME ...` or `python -m NAME...`.
+    starts = [h.NAME for h in ENGINES if (h.launches if hasattr(h, "launches") else _starts(h.NAME))(inner)]
+    return starts[0] if len(starts) == 1 else None
+
+
+def _starts(top: str):
+    def launches(command: list[str]) -> bool:
+        modules = [after for before, after in zip(command, command[1:]) if before == "-m"]
+        return os.path.basename(command[0]) == top or any(m == top or m.startswith(top + ".") for m in modules)
+
+    return launches
+
+
+def _plugin_problem(names: list[str]) -> str | None:
+    """Return why none of this library would run in the server of the engines `names`, or None."""
+    from ..vllm.allowlist import plugin_problem
+
+    return plugin_problem() if "vllm" in names else None  # SGLang: the .pth start-up hook activates it anyway
+
+
+def _installed_engines() -> list[str]:
+    """Return the NAMEs of the installed engines (SGLang's where none is: nothing then to refuse)."""
+    from ..api import ENGINES
+
+    return [h.NAME for h in ENGINES if h.engine_version() is not None] or ["sglang"]
+
+
+# The wrappers launch looks through, each with the options that take a value (short letters, long names), the
+# options that take none, and how many arguments come before the wrapped command; an option it does not know,
+# or a wrapper it does not know, leaves the command unattributed (every installed engine is then checked).
+_WRAPPERS: dict[str, tuple[str, set[str], str, set[str], int]] = {
+    "env": ("uC", {"unset", "chdir"}, "i0v", {"ignore-environment", "null", "debug"}, 0),  # not -S: env splits it
+    "nice": ("n", {"adjustment"}, "", set(), 0),
+    "nohup": ("", set(), "", set(), 0),
+    "setsid": ("", set(), "cfw", {"ctty", "fork", "wait"}, 0),
+    "exec": ("a", set(), "cl", set(), 0),
+    "numactl": (
+        "imNCpPw",
+        {"interleave", "membind", "cpunodebind", "physcpubind", "preferred", "preferred-many", "weighted-interleave"},
+        "lab",
+        {"localalloc", "all", "balancing", "huge", "touch", "strict"},
+        0,
+    ),
+    "taskset": ("", set(), "ac", {"all-tasks", "cpu-list"}, 1),
+    "timeout": ("ks", {"kill-after", "signal"}, "v", {"preserve-status", "foreground", "verbose"}, 1),
+    "stdbuf": ("ioe", {"input", "output", "error"}, "", set(), 0),
+    "uv run": (
+        "pC",
+        {"python", "with", "with-editable", "with-requirements", "env-file", "package", "project", "directory"}
+        | {"extra", "group", "index", "index-url", "extra-index-url", "config-setting", "cache-dir", "config-file"},
+        "qv",
+        {"frozen", "locked", "no-sync", "isolated", "no-project", "no-dev", "all-extras", "active", "offline"}
+        | {"quiet", "verbose", "no-cache", "exact", "no-editable", "all-packages"},
+        0,
+    ),
+}
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
+_SHELL_SYNTAX = frozenset(";&|<>()$`{}\n")
+
+
+def _unwrapped(command: list[str], depth: int = 0) -> list[str] | None:
+    """Return the command its known wrappers run (`command` itself if none), or None where it cannot be told."""
+    while command and depth < 16:
+        depth += 1
+        head = os.path.basename(command[0])
+        head = "uv run" if head == "uv" and command[1:2] == ["run"] else head
+        if head in _SHELLS:
+            return _shell_command(command[1:], depth)
+        if head not in _WRAPPERS:
+            return command
+        rest = _after_options(command[2 if head == "uv run" else 1 :], *_WRAPPERS[head], head)
+        if rest is None:
+            return None
+        command = rest
+    return None
+
+
+def _after_options(args, short_values, long_values, short_flags, long_flags, positional, head):
+    """Return what follows a wrapper's options, NAME=VALUE assignments (env) and positional arguments, or None."""
+    i = 0
+    while i < len(args) and args[i].startswith("-") and (args[i] != "-" or head == "env"):
+        arg = args[i]
+        if arg == "--":
+            i += 1
+            break
+        if head == "uv run" and arg in ("-m", "--module"):  # uv run -m MODULE: python -m MODULE
+            return ["python", *args[i:]]
+        if arg == "-" or (head == "nice" and arg[1:].isdigit()):  # env - COMMAND; nice -10 COMMAND
+            i += 1
+        elif arg.startswith("--"):
+            name, eq, _ = arg[2:].partition("=")
+            if name not in long_values | long_flags or (name in long_flags and eq):
+                return None
+            i += 1 if eq or name in long_flags else 2
+        elif arg[1] in short_values:
+            i += 1 if len(arg) > 2 else 2
+        elif all(c in short_flags for c in arg[1:]):
+            i += 1
+        else:
+            return None
+    if head == "env":
+        while i < len(args) and "=" in args[i] and not args[i].startswith("="):
+            i += 1
+    return args[i + positional :] if len(args) > i + positional else None
+
+
+def _shell_command(args: list[str], depth: int) -> list[str] | None:
+    """Return the command ``sh -c STRING`` runs when STRING is one plain command (no shell syntax), else None."""
+    import shlex
+
+    i = 0
+    while i < len(args) and args[i].startswith("-") and "c" not in args[i][1:]:
+        i += 2 if args[i] == "-o" else 1  # set -o OPTION
+    if i + 1 >= len(args) or not args[i].startswith("-") or args[i].startswith("--") or "c" not in args[i]:
+        return None  # a script file, or stdin: what it starts cannot be told
+    text = args[i + 1]
+    if any(c in _SHELL_SYNTAX for c in text):  # ; && | $( ... : more than one plain command
+        return None
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        return None
+    while words and "=" in words[0] and not words[0].startswith("="):
+        words = words[1:]  # FOO=1 COMMAND
+    return _unwrapped(words, depth) if words else None
 
 
 def _canary_problem(name: str = "sglang") -> str | None:

@@ -14,6 +14,11 @@ from .values import shown
 # runs, not the recipe, and every check runs with them set.
 FLASHINFER_PREFIX = "FLASHINFER_NVFP4_"
 FLASHINFER_LAUNCH_KNOBS = frozenset({"FLASHINFER_NVFP4_PER_TOKEN_THREADS", "FLASHINFER_NVFP4_QUANTIZE_USE_TMA"})
+# The 4over6 switch is on only when exactly "1": FlashInfer reads it so in Python (`os.environ.get(name) == "1"`,
+# quantization/nvfp4_quantization_utils.py) and in C++ (getBoolEnv: "1" and nothing after it, envUtils.cpp), so
+# any other value -- "0", "", "false" -- leaves the standard recipe, the one the oracle models.
+FOUR_OVER_SIX = "FLASHINFER_NVFP4_4OVER6"
+FOUR_OVER_SIX_ON = "1"
 
 
 def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -22,7 +27,9 @@ def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str
     return {
         k: environ[k]
         for k in sorted(environ)
-        if k.upper().startswith(FLASHINFER_PREFIX) and k.upper() not in FLASHINFER_LAUNCH_KNOBS
+        if k.upper().startswith(FLASHINFER_PREFIX)
+        and k.upper() not in FLASHINFER_LAUNCH_KNOBS
+        and not (k == FOUR_OVER_SIX and environ[k] != FOUR_OVER_SIX_ON)
     }
 
 

@@ -22,3 +22,14 @@ def test_doctor_shows_vllms_release_plugin_and_targets(capsys):
     assert applies["vllm-flashinfer-scaled-fp4-mm-alias"] and applies["vllm-post-warmup-recheck"]
     assert cli.main(["doctor", "--quick"]) == 0
     assert "### vLLM patch targets" in capsys.readouterr().out
+
+
+def test_doctor_lists_vllm_plugins_without_the_library_as_a_problem(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_PLUGINS", "other_plugin")
+    assert cli.main(["doctor", "--quick", "--json", "--strict"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert any("VLLM_PLUGINS='other_plugin' does not name sm120_fp4" in p for p in problems), problems
+    monkeypatch.setenv("VLLM_PLUGINS", "other_plugin,sm120_fp4")
+    cli.main(["doctor", "--quick", "--json"])
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert not any("VLLM_PLUGINS" in p for p in problems), problems

@@ -68,3 +68,25 @@ def test_launch_refuses_the_canary_for_vllm_before_the_preflight(monkeypatch, ca
     code, err, execs = _launch(monkeypatch, capsys, ["vllm", "serve", "/m"], SM120_FP4_CANARY="60")
     assert code == 2 and not execs, err
     assert "SM120_FP4_CANARY=off" in err and "self-testing" not in err, err
+
+
+PLUGINS = [("other_plugin", False), ("", False), ("other_plugin, sm120_fp4", False), ("other_plugin,sm120_fp4", True)]
+
+
+@case(
+    "configuration",
+    "`sm120-fp4 launch -- vllm serve ...` with VLLM_PLUGINS={value!r} (the allow-list of vLLM's plugins)",
+    "where it does not name sm120_fp4 exactly (vLLM would load nothing of the library): exit 2 before the "
+    "preflight, one line naming VLLM_PLUGINS and the value to set; where it does: the preflight runs, vLLM starts",
+)
+@pytest.mark.parametrize("value, loads", PLUGINS, ids=[repr(v) for v, _ in PLUGINS])
+def test_launch_refuses_vllm_plugins_without_the_library(monkeypatch, capsys, value, loads):
+    code, err, execs = _launch(monkeypatch, capsys, ["vllm", "serve", "/m"], VLLM_PLUGINS=value)
+    if loads:
+        assert code == 0 and execs and "preflight passed" in err, err
+        return
+    assert code == 2 and not execs and "self-testing" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("sm120-fp4 launch: VLLM_PLUGINS=") and "not starting the server" in line, err
+    fix = "VLLM_PLUGINS=other_plugin,sm120_fp4" if "other" in value else "VLLM_PLUGINS=sm120_fp4"
+    assert fix in line and "unset VLLM_PLUGINS" in line, line

@@ -102,3 +102,12 @@ def distribution(root: Path, module: str, source: str, entry_points: str) -> Pat
 def plugin_site(root: Path) -> Path:
     """`root` holding this module's backends as an installed distribution; put it on PYTHONPATH."""
     return distribution(root, "sm120_fp4_test_plugins", MODULE, ENTRY_POINTS)
+
+
+def installed_package(root: Path, name: str, version: str) -> Path:
+    """`root` holding a dist-info of distribution `name` at `version` (no code), as pip leaves one; on sys.path,
+    importlib.metadata finds it installed."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return root
