@@ -175,7 +175,10 @@ def _wire_process() -> None:
 @functools.wraps(serving.decide)
 def decide(*args: Any, **kwargs: Any) -> deciding.Decision:
     _wire_process()
-    return serving.decide(*args, **kwargs)
+    try:
+        return serving.decide(*args, **kwargs)
+    finally:
+        report_file.flush()  # the caller's report file holds this decision (bounded; a refusal flushed already)
 
 
 def install(**overrides: Any) -> Status:

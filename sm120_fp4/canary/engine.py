@@ -244,7 +244,7 @@ class Canary:
                 "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
                 *(run.backend, run.config, run.device, run.reason),
             )
-        report_file.update(self.settings)
+        report_file.request(self.settings)  # written by the report's own thread: never waited for here
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         """Record the refusal in the report file, log it and raise RefusedToServe."""

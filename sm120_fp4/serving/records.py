@@ -233,7 +233,7 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
             raise
         record.store(key, choice)
     log_decision(choice.decision)
-    report_file.update(settings)
+    report_file.request(settings)
     return record, key, choice
 
 
@@ -241,7 +241,8 @@ def record_refusal(refusal: Refusal, settings: Settings) -> None:
     """Record a refusal (ours or the serving canary's) for status and the report file."""
     with _lock:
         _refusals.append(refusal)
-    report_file.update(settings)  # before the process exits: the record of why it refused
+    report_file.request(settings)
+    report_file.flush()  # before the process exits: the record of why it refused (bounded)
 
 
 def refusals() -> list[Refusal]:

@@ -64,7 +64,7 @@ def _verified(serving: _Serving, check: LayerCheck, report: verify.SelfTestRepor
     _LOG.info(f"sm120_fp4: {check.label} verified with {where} ({len(check.ms)} batch sizes, max rel error {err:.2e})")
     if settings.select == "fastest":
         measure(serving, [check], new=True)  # check and time every verified candidate on it, then route
-    report_file.update(settings)
+    report_file.request(settings)
 
 
 def _back_to(serving: _Serving, original: Choice) -> None:
@@ -137,7 +137,7 @@ def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: l
     layers._record_layer(serving, check, layers._fingerprint(check))
     what = f"{serving.device.label()}: {report.backend} failed {report.config}; serving with {decision.backend}"
     _LOG.warning(f"sm120_fp4: {what}, which passes every layer configuration and layer")
-    report_file.update(settings)
+    report_file.request(settings)
     return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
 
 
