@@ -444,7 +444,7 @@ def sglang_release(monkeypatch, version):
     """Make the library read `version` as the installed SGLang (its own version seam)."""
     from sm120_fp4.sglang import release
 
-    monkeypatch.setattr(release, "sglang_version", lambda: version)
+    monkeypatch.setattr(release.RELEASE, "version", lambda: version)
     return release
 
 

@@ -29,7 +29,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _engine_home(name).unverified_release() if indices else None
+    engine = _engine_home(name).release.unverified() if indices else None
     if engine is not None:  # nothing of this library runs in that server: no preflight would mean anything
         return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
     # Both families: the server may load NVFP4 MoE layers as well as linear ones.
@@ -104,7 +104,7 @@ def _unrecorded_crashes(seen: list[tuple[str, dict]]) -> str | None:
 
 def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, str], allow_unverified: bool) -> int:
     """Launch with an SGLang this library cannot patch only when the operator said so; else refuse."""
-    from ..sglang import OPT_OUT, OPT_OUT_SAYS
+    from ..engines import OPT_OUT, OPT_OUT_SAYS
 
     refused = _refuse_engine("launch", settings, engine)
     if refused is not None:
@@ -129,7 +129,7 @@ def _engine_of(command: list[str]) -> str:
     """Return the engine the command starts: the home whose ``launches(command)`` says so, else SGLang."""
     from ..api import ENGINES
 
-    return next((h.NAME for h in ENGINES if getattr(h, "launches", None) and h.launches(command)), "sglang")
+    return next((home.name for home in ENGINES if home.launches(command)), "sglang")
 
 
 def _canary_problem(name: str = "sglang") -> str | None:
@@ -143,5 +143,4 @@ def _canary_problem(name: str = "sglang") -> str | None:
     except ConfigError:
         return None
     home = _engine_home(name)
-    problem = getattr(home, "canary_problem", home.idle_point_problem)
-    return settings_problem(settings) or (problem(settings) if home.release_support()[0] else None)
+    return settings_problem(settings) or (home.canary_problem(settings) if home.release.support()[0] else None)

@@ -1,20 +1,53 @@
 """Everything this library knows about SGLang, in one package (ARCHITECTURE.md maps its modules).
 
-Importing it imports nothing else (the start-up hook reads :mod:`.names`); its functions load their module lazily.
-"""
+Importing it imports nothing else (the start-up hook reads :mod:`.names`); :data:`ENGINE` loads each module on first
+use."""
 
 from __future__ import annotations
 
-from importlib import import_module
-
-NAME = "sglang"
-_RELEASE = ["engine_version", "release_support", "carried_fix", "sglang_version", "unverified_release", "OPT_OUT"]
-_LAZY = {"attach": "wiring", "idle_point_problem": "wiring", **dict.fromkeys([*_RELEASE, "OPT_OUT_SAYS"], "release")}
-__all__ = ["NAME", *_LAZY]
+__all__ = ["ENGINE", "SGLang"]
 
 
-def __getattr__(name: str) -> object:
-    """Return `name` from the module that holds it, loaded on first use."""
-    if name in _LAZY:
-        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class SGLang:
+    """The SGLang engine home (:class:`sm120_fp4.engines.Engine`)."""
+
+    name = "sglang"
+
+    @property
+    def release(self):
+        from .release import RELEASE
+
+        return RELEASE
+
+    def attach(self, patcher, router, settings, canary) -> list:
+        from .wiring import attach
+
+        return attach(patcher, router, settings, canary)
+
+    def carried_fix(self) -> str | None:
+        from .release import carried_fix
+
+        return carried_fix()
+
+    def idle_point_problem(self, settings) -> str | None:
+        from .wiring import idle_point_problem
+
+        return idle_point_problem(settings)
+
+    canary_problem = idle_point_problem  # SGLang's canary runs wherever it is installed and its idle point exists
+
+    def doctor_rows(self) -> dict:
+        from .targets import doctor_rows
+
+        return doctor_rows()
+
+    def launches(self, command: list[str]) -> bool:
+        from ..engines import starts
+
+        return starts(command, self.name)
+
+    def ranks(self) -> dict:
+        return {}
+
+
+ENGINE = SGLang()

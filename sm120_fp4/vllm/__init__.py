@@ -2,19 +2,50 @@
 
 from __future__ import annotations
 
-from importlib import import_module
-
-NAME = "vllm"
-_LAZY = {
-    **dict.fromkeys("attach idle_point_problem canary_problem".split(), "wiring"),
-    **dict.fromkeys("launches release_support carried_fix engine_version unverified_release".split(), "release"),
-    **dict.fromkeys(("OPT_OUT", "OPT_OUT_SAYS"), "release"),
-    "doctor_section": "targets",
-}
-__all__ = ["NAME", *_LAZY]
+__all__ = ["ENGINE", "VLLM"]
 
 
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class VLLM:
+    """The vLLM engine home (:class:`sm120_fp4.engines.Engine`)."""
+
+    name = "vllm"
+
+    @property
+    def release(self):
+        from .release import RELEASE
+
+        return RELEASE
+
+    def attach(self, patcher, router, settings, canary) -> list:
+        from .wiring import attach
+
+        return attach(patcher, router, settings, canary)
+
+    def carried_fix(self) -> str | None:
+        """vLLM carries no patches/ diff of this library."""
+        return None
+
+    def idle_point_problem(self, settings) -> str | None:
+        """None: the canary is refused where vLLM serves (:meth:`canary_problem`), not merely if installed."""
+        return None
+
+    def canary_problem(self, settings) -> str | None:
+        from .wiring import canary_problem
+
+        return canary_problem(settings)
+
+    def doctor_rows(self) -> dict:
+        from .targets import doctor_rows
+
+        return doctor_rows()
+
+    def launches(self, command: list[str]) -> bool:
+        from ..engines import starts
+
+        return starts(command, self.name)
+
+    def ranks(self) -> dict:
+        return {}
+
+
+ENGINE = VLLM()

