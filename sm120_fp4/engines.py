@@ -1,15 +1,18 @@
 """The engine protocol: what every engine home (``sglang/``, ``vllm/``) gives install(), status, doctor and the CLI.
 
 The homes themselves are listed once, in :data:`sm120_fp4.api.ENGINES`; this module holds what they share: the
-protocol and the one :class:`Release` type (the supported range and the guard outside it). Stdlib only."""
+protocol (:class:`Engine`) and the one :class:`Release` type (the supported range and the guard outside it). Stdlib
+only at import: the start-up hook names the SGLang home in every interpreter."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from ._version import __version__
-from .versions import comparable, installed_version, version_in
+from . import locks
+from .errors import say_once
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -36,14 +39,20 @@ class Release:
 
     def distribution(self) -> str:
         """Return the installed distribution that provides the engine (the first named where none is)."""
+        from .versions import installed_version
+
         return next((d for d in self.distributions if installed_version(d) is not None), self.distributions[0])
 
     def version(self) -> str | None:
         """Return the installed engine's version, or None."""
+        from .versions import installed_version
+
         return installed_version(self.distribution())
 
     def support(self, version: str | None = None) -> tuple[bool, str]:
         """Return whether `version` (default: the installed one) is a release this library can patch, and why."""
+        from .versions import comparable, version_in
+
         version = version or self.version()
         if version is None:
             return False, f"{self.name} is not installed"
@@ -55,6 +64,9 @@ class Release:
 
     def unverified(self, version: str | None = None) -> tuple[str, str] | None:
         """Return (what it means, what makes it verified) for an installed release this library cannot patch."""
+        from ._version import __version__
+        from .versions import comparable
+
         version = version or self.version()
         if version is None or self.support(version)[0]:
             return None
@@ -76,6 +88,8 @@ class Release:
 
     def doctor_rows(self, version: str | None, targets: list) -> dict:
         """Return what doctor shows of the release and of each patch target (PatchSpec) at `version`."""
+        from .versions import version_in
+
         ok, why = self.support(version)
         if version is not None and (unverified := self.unverified(version)) is not None:
             why = "; ".join(unverified)
@@ -84,31 +98,97 @@ class Release:
         return {"supported": ok, "reason": why, "targets": rows}
 
 
-class Engine(Protocol):
-    """An engine home. Each member loads its own modules on first use (naming the home imports nothing)."""
+class Engine:
+    """An engine home (``sglang/``, ``vllm/``): what install(), status, doctor and the CLI use of it.
+
+    A home subclasses it in its package's ``__init__``, naming the engine, its :class:`Release` and its wiring
+    module (``attach``, and whatever else it overrides); each loads on first use, so naming a home imports
+    nothing. The defaults below stand where an engine has nothing of its own."""
 
     name: str  # "sglang", "vllm": the --engine value, status().engines' key
 
     @property
-    def release(self) -> Release: ...
+    def release(self) -> Release:
+        raise NotImplementedError
+
+    def wiring(self):
+        """Return the home's wiring module: its ``attach(patcher, router, settings, canary)`` returns the undo steps."""
+        raise NotImplementedError
 
     def attach(self, patcher, router, settings: Settings, canary) -> list[Callable[[], None]]:
         """Register this install's patches; return the undo steps that are not patches."""
-
-    def carried_fix(self) -> str | None:
-        """Return what the installed engine carries of a ``patches/`` diff, or None."""
-
-    def idle_point_problem(self, settings: Settings) -> str | None:
-        """Return why the canary asked for cannot run merely because this engine is installed (install()), or None."""
-
-    def canary_problem(self, settings: Settings) -> str | None:
-        """Return why the canary asked for cannot run in a process this engine serves (launch, its plugin), or None."""
+        return self.wiring().attach(patcher, router, settings, canary)
 
     def doctor_rows(self) -> dict:
         """Return what ``sm120-fp4 doctor`` shows of this engine, read without importing it."""
+        raise NotImplementedError
+
+    def carried_fix(self) -> str | None:
+        """Return what the installed engine carries of a ``patches/`` diff, or None."""
+        return None
+
+    def idle_point_problem(self, settings: Settings) -> str | None:
+        """Return why the canary asked for cannot run merely because this engine is installed (install()), or None."""
+        return None
+
+    def canary_problem(self, settings: Settings) -> str | None:
+        """Return why the canary asked for cannot run in a process this engine serves (launch, its plugin), or None."""
+        return self.idle_point_problem(settings)
 
     def launches(self, command: list[str]) -> bool:
         """Return whether `command` starts this engine's server."""
+        return starts(command, self.name)
 
     def ranks(self) -> dict[str, Any]:
         """Return this process's place in the engine's parallelism (tp/ep/pp), as far as it is known."""
+        return {}
+
+
+class Simulation:
+    """The scoped stand-ins of one install in simulation (either engine): kept in order, undone in reverse."""
+
+    def __init__(self, capability: tuple[int, int], patcher) -> None:
+        self.capability, self.patcher = capability, patcher
+        self._undo: list[Callable[[], None]] = []
+        self._lock = locks.lock()
+
+    def keep(self, step: Callable[[], None]) -> None:
+        """Keep `step`, run by :meth:`undo` (uninstall())."""
+        with self._lock:
+            self._undo.append(step)
+
+    def undo(self) -> None:
+        """Undo every stand-in, the last first; one that fails is logged once, the others are still undone."""
+        with self._lock:
+            steps, self._undo = self._undo, []
+        for step in reversed(steps):
+            try:
+                step()
+            except Exception as exc:
+                say_once(
+                    logging.WARNING,
+                    "sm120_fp4: SIMULATION: undoing %s failed (%s: %s); the other stand-ins were undone",
+                    getattr(step, "__qualname__", step),
+                    type(exc).__name__,
+                    exc,
+                )
+
+
+_cuda_lock = locks.lock()
+
+
+@contextlib.contextmanager
+def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
+    """Make ``Tensor.cuda()`` return the tensor itself in this scope (simulation without CUDA only: weights hooks)."""
+    import torch
+
+    if not active or torch.cuda.is_available():
+        yield
+        return
+    with _cuda_lock:
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.cuda = original  # type: ignore[method-assign]

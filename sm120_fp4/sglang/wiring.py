@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .. import serving
+from .. import engines, serving
 from ..checkpoints import read_quantization
 from ..deciding import serves
 from ..devices import get_device
@@ -22,7 +22,7 @@ from .hooks import layer_device_index, layer_name
 from .moe import SEAM_VERSIONS, gate_up_problem, make_seam, pin_auto_runner, refuse_unverifiable, runner_problem
 from .release import KERNEL_OPS_GEMM, sglang_version
 from .scales import checkpoint_scale_problem, layer_scales_problem, quant_mode_problem
-from .simulation import Simulation, cuda_moves_stay_on_cpu
+from .simulation import Simulation
 from .simulation import specs as simulation_specs
 from .targets import (
     apply_env_knobs,
@@ -51,7 +51,7 @@ class _Install:
         self.make_moe_seam = functools.partial(make_seam, make_front=router.make_moe_front, simulated=sim is not None)
         self.weights_update_begin = serving.weights_update_begin
         self.weights_update_end = lambda: serving.weights_update_end(settings)
-        self.weights_scope = functools.partial(cuda_moves_stay_on_cpu, sim is not None)
+        self.weights_scope = functools.partial(engines.cuda_moves_stay_on_cpu, sim is not None)
         # After FlashInfer's autotune, before graph capture: SELECT=fastest times the tuned candidates again.
         self.retime = lambda: serving.retime(settings)
 

@@ -1,12 +1,14 @@
-"""Everything this library knows about vLLM (the second engine home); importing it imports nothing else."""
+"""Everything this library knows about vLLM (the second engine home); importing it imports nothing heavy."""
 
 from __future__ import annotations
+
+from ..engines import Engine
 
 __all__ = ["ENGINE", "VLLM"]
 
 
-class VLLM:
-    """The vLLM engine home (:class:`sm120_fp4.engines.Engine`)."""
+class VLLM(Engine):
+    """The vLLM engine home: no patches/ diff; the canary is refused where vLLM serves, not merely if installed."""
 
     name = "vllm"
 
@@ -16,36 +18,18 @@ class VLLM:
 
         return RELEASE
 
-    def attach(self, patcher, router, settings, canary) -> list:
-        from .wiring import attach
-
-        return attach(patcher, router, settings, canary)
-
-    def carried_fix(self) -> str | None:
-        """vLLM carries no patches/ diff of this library."""
-        return None
-
-    def idle_point_problem(self, settings) -> str | None:
-        """None: the canary is refused where vLLM serves (:meth:`canary_problem`), not merely if installed."""
-        return None
-
     def canary_problem(self, settings) -> str | None:
-        from .wiring import canary_problem
+        return self.wiring().canary_problem(settings)
 
-        return canary_problem(settings)
+    def wiring(self):
+        from . import wiring
+
+        return wiring
 
     def doctor_rows(self) -> dict:
         from .targets import doctor_rows
 
         return doctor_rows()
-
-    def launches(self, command: list[str]) -> bool:
-        from ..engines import starts
-
-        return starts(command, self.name)
-
-    def ranks(self) -> dict:
-        return {}
 
 
 ENGINE = VLLM()

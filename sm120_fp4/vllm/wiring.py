@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .. import serving
+from .. import engines, serving
 from ..errors import ConfigError, RefusedToServe, say_once
 from . import hooks, moe, simulation, targets
 from .release import RELEASE
@@ -73,7 +73,7 @@ class _Wired:
             serving.verify_layer(check.device_index, check, self.settings)
 
     def weights_scope(self):
-        return simulation.cuda_moves_stay_on_cpu(self.simulated)
+        return engines.cuda_moves_stay_on_cpu(self.simulated)
 
     def recheck(self, sizes: list[int]) -> object:
         # kernel_warmup has just run FlashInfer's autotune; graph capture comes next: with SELECT=fastest the
