@@ -322,7 +322,7 @@ def test_a_healthy_kernel_passes_every_run_and_the_rotation_covers_configuration
     assert len(n96) == len(n64) == 4, "one configuration per period, in turn"
     assert n96 == [[1, 128], [2, 191], [3, 256], [4, 383]], "a decode M and a larger M, rotating"
     status = c.status()
-    assert status.runs == 8 and status.failures == 0 and status.busy_s > 0 and status.longest_slice
+    assert status.runs == 8 and status.failures == 0 and status.busy_s > 0 and status.longest_slice_ms > 0
     assert status.recent[-1] == runs[-1] and status.state.startswith("next run in")
 
 
@@ -453,7 +453,7 @@ def test_a_run_over_the_slice_caps_the_larger_sizes_and_every_later_run_fits():
     assert all(r.ms[1] < 383 and r.busy_ms <= 10.0 for r in runs[over[0] + 1 :]), runs
     assert {r.ms[0] for r in runs} == {m for m in sizes if m < canary.SMALL_M}, "every decode size is reached"
     status = c.status()
-    assert status.slices == 16 and status.longest_slice_ms == pytest.approx(runs[over[0]].busy_ms), status
+    assert status.runs == 16 and status.longest_slice_ms == pytest.approx(runs[over[0]].busy_ms), status
     [beyond] = status.beyond_slice
     assert "N=96 K=160" in beyond and "M>=383 is not re-checked while serving" in beyond, beyond
 
@@ -532,7 +532,7 @@ def test_no_step_runs_while_a_cuda_graph_is_being_captured(monkeypatch):
     c.clock.now += PERIOD
     for _ in range(3):
         canary.idle()
-    assert c.runs == 0 and c.slices == 0 and c.status().skipped_capturing == 3
+    assert c.runs == 0 and c.status().skipped_capturing == 3
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for _ in range(10):
@@ -571,7 +571,7 @@ def test_the_idle_point_runs_inside_the_serving_stream_it_is_given():
     assert entered == [], "nothing due: the serving stream is not even entered"
     c.clock.now += PERIOD
     canary.idle(Stream)
-    assert entered == ["in", "out"] and c.slices == 1
+    assert entered == ["in", "out"] and c.runs == 1
 
 
 # ---- what the canary re-checks, and where it cannot ---------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from .. import backends, verify
+from .. import backends, verdicts, verify
 from .. import report as report_file
 from ..config import Settings
 from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
@@ -147,7 +147,8 @@ def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) ->
     strict = settings.model_copy(update={"selftest": "strict", "fallback": "none", "moe_fallback": "none"})
     if remaining:
         with contextlib.suppress(RefusedToServe):
-            return choose(serving.device, remaining, strict, family)
+            crashed = verdicts.crashed(settings.verdicts_path, serving.device, family.name)
+            return choose(serving.device, remaining, strict, family, crashed)
     if family.fallback(settings) != "emulated" or backends.EMULATED in serving.failed:
         return None
     try:
