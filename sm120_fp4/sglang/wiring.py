@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .. import engines, serving
+from ..backends import b12x_moe
 from ..checkpoints import read_quantization
 from ..deciding import serves
 from ..devices import get_device
@@ -19,7 +20,15 @@ from ..errors import ConfigError, RefusedToServe, say_once
 from ..versions import version_in
 from .autotune import tunable_backends
 from .hooks import layer_device_index, layer_name
-from .moe import SEAM_VERSIONS, gate_up_problem, make_seam, pin_auto_runner, refuse_unverifiable, runner_problem
+from .moe import (
+    SEAM_VERSIONS,
+    b12x_problem,
+    gate_up_problem,
+    make_seam,
+    pin_auto_runner,
+    refuse_unverifiable,
+    runner_problem,
+)
 from .release import KERNEL_OPS_GEMM, sglang_version
 from .scales import checkpoint_scale_problem, layer_scales_problem, quant_mode_problem
 from .simulation import Simulation
@@ -159,6 +168,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         sim.arm()
         undo.append(sim.undo)
     undo.append(apply_env_knobs(patcher))
+    undo.append(b12x_moe.engine_check(b12x_problem))  # SGLang's server settings under which b12x cannot serve
     patcher.add(specs)
     return undo
 
