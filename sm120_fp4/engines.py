@@ -109,19 +109,17 @@ class Engine:
 
     @property
     def release(self) -> Release:
-        raise NotImplementedError
+        """Return the engine's :class:`Release` (each home's own)."""
 
     def wiring(self):
-        """Return the home's wiring module: its ``attach(patcher, router, settings, canary)`` returns the undo steps."""
-        raise NotImplementedError
+        """Return the home's wiring module (each home's own): its ``attach(patcher, router, settings, canary)``."""
 
     def attach(self, patcher, router, settings: Settings, canary) -> list[Callable[[], None]]:
         """Register this install's patches; return the undo steps that are not patches."""
         return self.wiring().attach(patcher, router, settings, canary)
 
     def doctor_rows(self) -> dict:
-        """Return what ``sm120-fp4 doctor`` shows of this engine, read without importing it."""
-        raise NotImplementedError
+        """Return what ``sm120-fp4 doctor`` shows of this engine, read without importing it (each home's own)."""
 
     def carried_fix(self) -> str | None:
         """Return what the installed engine carries of a ``patches/`` diff, or None."""
