@@ -660,7 +660,7 @@ def check_version(version: str, cache: Path = DEFAULT_CACHE) -> dict[str, tuple[
     rows = T.ledger_rows()
     result = {spec.name: check_spec(spec, version, src) for spec in rows}
     aliases = [s.name for s in rows if kind(s) == "alias" and Version(version) in SpecifierSet(s.versions)]
-    supported, why = R.release_support(version)
+    supported, why = R.RELEASE.support(version)
     if not supported:
         result["coverage"] = (FAIL, why)
     elif not aliases:
@@ -675,7 +675,7 @@ def check_version(version: str, cache: Path = DEFAULT_CACHE) -> dict[str, tuple[
 def check_outside(version: str) -> str | None:
     """None when nothing applies to `version` (a release outside SUPPORTED), else what does."""
     applying = [s.name for s in T.ledger_rows() if Version(version) in SpecifierSet(s.versions or R.SUPPORTED)]
-    if R.release_support(version)[0] or applying:
+    if R.RELEASE.support(version)[0] or applying:
         return f"{version} is outside {R.SUPPORTED} but is supported/covered by {applying}"
     return None
 

@@ -23,7 +23,7 @@ from typing import Literal
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sm120_fp4.sglang.release import FP4_UTILS_FILE, MQ_FILE, fix_marker, installed_root, release_support  # noqa: E402
+from sm120_fp4.sglang.release import FP4_UTILS_FILE, MQ_FILE, RELEASE, fix_marker, installed_root  # noqa: E402
 from sm120_fp4.versions import installed_version  # noqa: E402
 
 __all__ = ["Diff", "DIFFS", "CheckResult", "check", "apply", "main", "diff_for", "patch_path", "patches_dir"]
@@ -202,7 +202,7 @@ def check(site_dir: str | os.PathLike | None = None) -> CheckResult:
         return CheckResult("fixed", message, version, root, marker.group(1), diff)
     if version is None:
         return CheckResult("unsupported", f"cannot read the sglang version in {root}", None, root)
-    supported, reason = release_support(version)
+    supported, reason = RELEASE.support(version)
     if not supported:
         return CheckResult("unsupported", reason, version, root)
     remedy = (

@@ -15,20 +15,20 @@ from pydantic import BaseModel
 
 from . import __version__, canary, deciding, devices, locks, serving, verify
 from . import report as report_file
-from . import sglang as sglang_support
-from . import vllm as vllm_support
+from . import sglang as sglang_home
+from . import vllm as vllm_home
 from .canary import CanaryStatus
 from .config import Settings, check_flashinfer_env, env_name, flashinfer_overrides, load_settings, sources
 from .dispatch import Router
+from .engines import OPT_OUT, OPT_OUT_SAYS, Engine
 from .errors import ConfigError
 from .patching import LedgerEntry, Patcher
 
 __all__ = ["install", "uninstall", "status", "decide", "Status"]
 
 _LOG = logging.getLogger("sm120_fp4")
-# The engine homes install() wires into, in this order, each with the same small interface (NAME,
-# engine_version, release_support, unverified_release, carried_fix, attach, idle_point_problem, OPT_OUT*).
-ENGINES = (sglang_support, vllm_support)
+# The engine homes install() wires into, in this order; the CLI and doctor reach each through its name.
+ENGINES: tuple[Engine, ...] = (sglang_home.ENGINE, vllm_home.ENGINE)
 _lock = locks.rlock()
 _logged: set[str] = set()
 
@@ -109,26 +109,33 @@ def _log_precedence(settings: Settings) -> None:
             _log_once(f"precedence {var}", logging.WARNING, says, var, var)
 
 
-def _supported_engines() -> list:
+def engine(name: str) -> Engine:
+    """Return the engine home `name` (ValueError naming the homes for any other)."""
+    found = next((home for home in ENGINES if home.name == name), None)
+    if found is None:
+        raise ValueError(f"engine={name!r}: accepted: {', '.join(home.name for home in ENGINES)}")
+    return found
+
+
+def _supported_engines() -> list[Engine]:
     """Return the engine homes whose installed release this library knows how to patch."""
-    return [engine for engine in ENGINES if engine.release_support()[0]]
+    return [engine for engine in ENGINES if engine.release.support()[0]]
 
 
 def _nothing_to_fix(settings: Settings) -> str | None:
     if not settings.active:
         return "disabled (SM120_FP4=0 or SM120_FP4_ENABLE=off): SGLang left untouched"
     if not _supported_engines():
-        installed = [engine for engine in ENGINES if engine.engine_version() is not None]
-        why = "; ".join(engine.release_support()[1] for engine in installed or ENGINES)
-        engine = next((e for e in installed if e.unverified_release() is not None), None)
-        unverified = engine.unverified_release() if engine is not None else None
+        installed = [engine for engine in ENGINES if engine.release.version() is not None]
+        why = "; ".join(engine.release.support()[1] for engine in installed or ENGINES)
+        unverified = next((u for u in (e.release.unverified() for e in installed) if u is not None), None)
         no_gpu = _no_12x_gpu(settings)
         if unverified is None or no_gpu is not None:
             return why if no_gpu is None else f"{why}; {no_gpu}"
         means, remedy = unverified
         if settings.unsupported_release == "serve-unverified":
-            return f"{means} ({engine.OPT_OUT}: as asked)"
-        return f"{means}. To verify them: {remedy}; or {engine.OPT_OUT_SAYS}"
+            return f"{means} ({OPT_OUT}: as asked)"
+        return f"{means}. To verify them: {remedy}; or {OPT_OUT_SAYS}"
     return _no_12x_gpu(settings)
 
 
@@ -175,7 +182,10 @@ def _wire_process() -> None:
 @functools.wraps(serving.decide)
 def decide(*args: Any, **kwargs: Any) -> deciding.Decision:
     _wire_process()
-    return serving.decide(*args, **kwargs)
+    try:
+        return serving.decide(*args, **kwargs)
+    finally:
+        report_file.flush()  # the caller's report file holds this decision (bounded; a refusal flushed already)
 
 
 def install(**overrides: Any) -> Status:
@@ -205,7 +215,7 @@ def install(**overrides: Any) -> Status:
         _state = _install(settings, dict(overrides))
         engines = _supported_engines()
         carried = next((c for c in (engine.carried_fix() for engine in engines) if c), None)
-        served = ", ".join(f"{engine.NAME} {engine.engine_version()}" for engine in engines)
+        served = ", ".join(f"{engine.name} {engine.release.version()}" for engine in engines)
         _message = f"installed ({served})" + (f"; {carried}" if carried else "")
         _log_once(
             "installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump()
@@ -278,16 +288,16 @@ def status() -> Status:
         here = {"version": __version__, "installed": state is not None, "message": _message}
         here |= {"settings": settings.model_dump(mode="json"), "setting_sources": sources(kwargs)}
         here |= {
-            "sglang_version": sglang_support.sglang_version(),
-            "sglang_supported": sglang_support.release_support()[0],
+            "sglang_version": sglang_home.ENGINE.release.version(),
+            "sglang_supported": sglang_home.ENGINE.release.support()[0],
         }
         here |= {"devices": found, "patches": state.patcher.ledger() if state else []}
         here |= {"routes": state.router.routes() if state else {}, "moe_routes": serving.routes("moe") if state else {}}
         here |= {"decisions": serving.decisions(), "refusals": serving.refusals(), "canary": canary.status(settings)}
-        here["engines"] = {engine.NAME: _engine_status(engine) for engine in ENGINES}
+        here["engines"] = {engine.name: _engine_status(engine) for engine in ENGINES}
         return Status(**here, flashinfer_overrides=flashinfer_overrides())
 
 
-def _engine_status(engine) -> dict[str, Any]:
-    supported, reason = engine.release_support()
-    return {"version": engine.engine_version(), "supported": supported, "reason": reason}
+def _engine_status(engine: Engine) -> dict[str, Any]:
+    supported, reason = engine.release.support()
+    return {"version": engine.release.version(), "supported": supported, "reason": reason}

@@ -1,8 +1,9 @@
-"""Start-up activation for every new interpreter (spawned SGLang schedulers included).
+"""The one activation module: every engine entry point installs the library through it.
 
 The installed ``sm120_fp4.pth`` line calls :func:`activate` when ``SM120_FP4`` is on; that only puts a stdlib
 one-shot finder on ``sys.meta_path``, and ``install()`` runs right after SGLang is imported. With the toggle on, no
-failure of ours leaves a worker serving unverified: ``import sglang`` raises."""
+failure of ours leaves a worker serving unverified: ``import sglang`` raises. SGLang's plugin entry point
+(:func:`load_plugin`) and vLLM's (:func:`load_vllm_plugin`) install the same way in every process they load in."""
 
 from __future__ import annotations
 
@@ -114,7 +115,25 @@ def activate() -> None:
         sys.meta_path.insert(0, _finder)
 
 
+def _load(name: str) -> None:
+    """Install when the toggle is on, in a process the engine `name` serves; refuse a canary it cannot run there."""
+    if not enabled():
+        return
+    _install_once()
+    from .api import engine
+    from .config import load_settings
+    from .errors import ConfigError
+
+    problem = engine(name).canary_problem(load_settings())
+    if problem is not None:  # asked for, and it cannot run where this engine serves: refused, never silently off
+        raise ConfigError(f"invalid sm120_fp4 settings:\n  {problem}")
+
+
 def load_plugin() -> None:
-    """Install when the toggle is on: SGLang's plugin entry point (0.5.11+ loads it in every scheduler)."""
-    if enabled():
-        _install_once()
+    """SGLang's plugin entry point (group ``sglang.srt.plugins``; 0.5.11+ loads it in every scheduler)."""
+    _load("sglang")
+
+
+def load_vllm_plugin() -> None:
+    """vLLM's plugin entry point (group ``vllm.general_plugins``), loaded in every vLLM process."""
+    _load("vllm")

@@ -8,12 +8,12 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from pydantic import BaseModel, Field, computed_field
 
-from . import backends, devices, verdicts, verify
+from . import backends, devices, verify
 from .backends import flashinfer
 from .config import AUTO, Settings, env_name
 from .devices import Device
@@ -222,13 +222,13 @@ def _replay(call: Callable[[], object], device: torch.device) -> Callable[[], ob
     return graph.replay
 
 
-def _supported(device: Device, candidates: list[str], settings: Settings, family: Family) -> tuple[list, dict]:
-    """Return the candidates that may run (supported, not recorded as crashing) and why each other may not."""
+def _supported(device: Device, candidates: list[str], family: Family, crashed: Mapping[str, str]) -> tuple[list, dict]:
+    """Return the candidates that may run (supported, not `crashed` a preflight process) and why each other may not."""
     supported: list[str] = []
     rejected: dict[str, str] = {}
     for name in candidates:
         ok, why = family.is_supported(name, device)
-        crash = verdicts.crash_of(settings.verdicts_path, device, family.name, name) if ok else None
+        crash = crashed.get(name) if ok else None
         if ok and crash is None:
             supported.append(name)
         else:
@@ -287,11 +287,20 @@ def _unverified(device: Device, candidates: list, settings: Settings, family: Fa
     raise refused
 
 
-def choose(device: Device, candidates: list[str], settings: Settings, family: Family | None = None) -> Choice:
-    """Self-test `candidates` in order on `device` and choose one; RefusedToServe (with its reasons) when none may serve."""
+def choose(
+    device: Device,
+    candidates: list[str],
+    settings: Settings,
+    family: Family | None = None,
+    crashed: Mapping[str, str] | None = None,
+) -> Choice:
+    """Self-test `candidates` in order on `device` and choose one; RefusedToServe (with its reasons) when none may serve.
+
+    `crashed`: the candidates that crashed a preflight process on this device, and why (the caller reads the
+    verdict store: nothing here reads a file)."""
     family = family or DENSE
     start = time.perf_counter()
-    supported, rejected = _supported(device, candidates, settings, family)
+    supported, rejected = _supported(device, candidates, family, crashed or {})
     passed, reports = _self_tests(device, supported, settings, family, rejected)
     timings: dict[str, float] = {}
     if passed and settings.select == "fastest" and len(passed) > 1 and family is DENSE:

@@ -112,27 +112,17 @@ def _refused(settings) -> list[str]:
     return problems
 
 
-def _targets() -> dict:
-    from .sglang import release, targets
-    from .versions import version_in
-
-    version = release.sglang_version()
-    ok, why = release.release_support(version)
-    unverified = release.unverified_release(version) if version is not None else None
-    if unverified is not None:  # what the worker says: an NVFP4 layer there is served by SGLang's own calls
-        why = "; ".join(unverified)
-    rows = [(t, f"{t.module}.{t.attribute}", ok and version_in(version, t.versions)) for t in targets.ledger_rows()]
-    rows = [
-        {"name": t.name, "target": target, "versions": t.versions, "applies": applies} for t, target, applies in rows
-    ]
-    return {"sglang": version, "supported": ok, "reason": why, "targets": rows}
-
-
 def _engines() -> dict:
-    """Return each other engine's own ``doctor_section()``."""
+    """Return each engine's own rows but SGLang's (doctor's "sglang" section)."""
     from .api import ENGINES
 
-    return {engine.NAME: _probe(engine.doctor_section) for engine in ENGINES if hasattr(engine, "doctor_section")}
+    return {engine.name: _probe(engine.doctor_rows) for engine in ENGINES if engine.name != "sglang"}
+
+
+def _targets() -> dict:
+    from .api import engine
+
+    return engine("sglang").doctor_rows()
 
 
 def _backends(devs: list[dict]) -> list[dict]:
@@ -166,7 +156,7 @@ def _import_check(settings=None) -> dict:
     from .patching import dry_run
     from .sglang import release, simulation, targets
 
-    if not release.release_support()[0]:
+    if not release.RELEASE.support()[0]:
         return {"skipped": "no supported SGLang installed"}
     rows = []
     simulating = getattr(settings, "simulated_capability", None) is not None and not torch.cuda.is_available()
@@ -206,8 +196,10 @@ def _canary(settings) -> dict:
     idle = targets.idle_spec(lambda stream: None)
     point = f"{idle.module}.{idle.attribute} ({idle.versions})" if idle else None
     # What launch refuses for each engine it may start (cli/launch.py's _canary_problem): every supported one here.
-    homes = [getattr(h, "canary_problem", h.idle_point_problem) for h in ENGINES if h.release_support()[0]]
-    problem = settings_problem(settings) or next((p for p in (home(settings) for home in homes) if p), None)
+    homes = [home for home in ENGINES if home.release.support()[0]]
+    problem = settings_problem(settings) or next(
+        (p for p in (home.canary_problem(settings) for home in homes) if p), None
+    )
     out = dict(
         enabled=settings.canary_period is not None, period_s=settings.canary_period, action=settings.canary_action
     )

@@ -3,13 +3,16 @@
 Each write merges under a lock on the report's directory: this process's section replaces its previous one; other
 processes' sections are kept if of the same run (process group and leader) or still running. A directory, or a path
 with ``{pid}``, gets one file per process. The file holds ``version``, ``pid``, ``updated_at``, ``processes`` and the
-``decisions`` and ``refusals``, each with ``pid`` and ``role``."""
+``decisions`` and ``refusals``, each with ``pid`` and ``role``. One writer per process (:func:`request`): a serving
+thread asks, a daemon thread writes; a refusal waits for it, bounded (:func:`flush`)."""
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -23,7 +26,8 @@ if TYPE_CHECKING:
 VERSION = 2
 _LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
-_update_lock = locks.lock()
+# How long a refusal (or api.decide, or the exit) waits for the writes asked so far: both lock bounds of one write.
+FLUSH_S = 2 * files.LOCK_TIMEOUT_S + 1.0
 
 # This process's section: name -> a function returning its JSON value, called at each write (api
 # wires serving's "decisions" and "refusals", the canary's configure adds "canary").
@@ -70,7 +74,7 @@ def resolve(path: Path, directory: bool | None) -> Path:
 def write(path: Path, section: dict, directory: bool | None = None, role: str = "worker") -> Path:
     """Merge this process's `section` into the report at `path`; return the file written (OSError: not written)."""
     target = resolve(path, directory)
-    # Bounded, both the thread lock and the file lock: this runs on serving threads.
+    # Bounded, both the thread lock and the file lock: the writer thread's flush and the preflight wait on it.
     if not _lock.acquire(timeout=files.LOCK_TIMEOUT_S):
         raise files.LockTimeout(
             errno.EWOULDBLOCK,
@@ -116,24 +120,64 @@ def _merge(target: Path, section: dict, role: str) -> None:
         files.write_json(target, payload, "report")
 
 
-def update(settings: Settings) -> None:
+def _write_sections(settings: Settings) -> None:
     """Write every one of :data:`sections` to SM120_FP4_REPORT now; log a failure, never raise it."""
-    # Gathered and written under one lock: the newest report holds the latest state.
-    if settings.report is None:
-        return
-    if not _update_lock.acquire(timeout=files.LOCK_TIMEOUT_S):  # never an unbounded wait on a serving thread
-        msg = "sm120_fp4: skipped a report write to %s: another thread of this process has been writing it for "
-        _LOG.warning(
-            msg + "more than %g s (the next write holds the latest state)", settings.report, files.LOCK_TIMEOUT_S
-        )
-        return
+    payload = {name: section() for name, section in list(sections.items())}
     try:
-        payload = {name: section() for name, section in list(sections.items())}
-        try:
-            write(settings.report, payload, directory=settings.report_is_dir)
-        except files.LockTimeout as exc:
-            _LOG.warning("sm120_fp4: skipped a report write: %s (the next write holds the latest state)", exc)
-        except OSError as exc:
-            _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
-    finally:
-        _update_lock.release()
+        write(settings.report, payload, directory=settings.report_is_dir)
+    except files.LockTimeout as exc:
+        _LOG.warning("sm120_fp4: skipped a report write: %s (the next write holds the latest state)", exc)
+    except OSError as exc:
+        _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
+
+
+class _Writer:
+    """The one writer of this process's report: asking never waits; a daemon thread gathers and writes."""
+
+    # A serving thread only counts a request and wakes the thread (or starts it: the first request,
+    # and the first after a fork()); each write gathers every section then, so it holds the latest
+    # state. `flush` waits, bounded, for the requests made so far: a refusal, api.decide, the exit.
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(locks.lock())
+        self._asked = self._done = 0  # requests made; requests a finished write covers
+        self._pending: dict[tuple, Settings] = {}  # (path, is a directory) -> the settings naming it
+        self._thread: threading.Thread | None = None
+
+    def request(self, settings: Settings) -> None:
+        """Ask for this process's report to be written to SM120_FP4_REPORT (nothing when unset); never waits."""
+        if settings.report is None:
+            return
+        with self._cond:
+            self._asked += 1
+            self._pending[(str(settings.report), settings.report_is_dir)] = settings
+            if self._thread is None or not self._thread.is_alive():
+                if self._thread is None:
+                    atexit.register(self.flush)  # the last state, before the interpreter goes (bounded)
+                self._thread = threading.Thread(target=self._run, name="sm120_fp4-report", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float = FLUSH_S) -> bool:
+        """Wait at most `timeout_s` for every write asked so far; return whether they are done."""
+        with self._cond:
+            asked = self._asked
+            return self._cond.wait_for(lambda: self._done >= asked, timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._asked > self._done)
+                asked, pending, self._pending = self._asked, list(self._pending.values()), {}
+            for settings in pending:
+                try:
+                    _write_sections(settings)
+                except Exception as exc:  # a section that cannot be gathered: logged, the writer goes on
+                    _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
+            with self._cond:
+                self._done = asked
+                self._cond.notify_all()
+
+
+_writer = _Writer()
+request, flush = _writer.request, _writer.flush

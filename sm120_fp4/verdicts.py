@@ -120,21 +120,21 @@ def note_crash(family: str, backend: str, reason: str) -> None:
         _session[(family, backend)] = reason
 
 
-def crash_of(path: Path | None, device, family: str, backend: str) -> str | None:
-    """Return why `backend` must be skipped on `device` (it crashed a preflight process), or None."""
+def crashed(path: Path | None, device, family: str) -> dict[str, str]:
+    """Return each backend of `family` that must be skipped on `device` (it crashed a preflight process), and why."""
     with _lock:
-        told = _session.get((family, backend))
-    if told is not None:
-        return f"skipped: it crashed the preflight self-test process ({told})"
-    entries = load(path)
-    if not entries:
-        return None
-    key = device_key(device)
-    for entry in entries:
-        if _matches(entry, key, family, backend) and entry.get("verdict") == CRASHED:
-            return (
+        found = {
+            b: f"skipped: it crashed the preflight self-test process ({why})"
+            for (f, b), why in _session.items()
+            if f == family
+        }
+    key = device_key(device) if path is not None else None
+    for entry in load(path):
+        backend = entry.get("backend")
+        if _matches(entry, key, family, backend) and entry.get("verdict") == CRASHED and backend not in found:
+            found[backend] = (
                 f"skipped: it crashed the self-test process of `sm120-fp4 selftest` ({entry.get('reason')}), recorded "
                 f"{entry.get('recorded_at')} in {path} for this GPU, driver, CUDA and FlashInfer (its kernel packages too); "
                 "delete that entry (or the file) to try it again"
             )
-    return None
+    return found

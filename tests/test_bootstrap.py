@@ -468,3 +468,24 @@ def test_a_failed_first_import_of_sglang_is_hooked_again(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
     assert "first import failed: first try" in stdout and stdout.strip().endswith("true"), stdout + stderr
+
+
+def test_every_engine_entry_point_goes_through_the_one_activation_module():
+    """The .pth line, SGLang's plugin and vLLM's plugin all call into sm120_fp4.bootstrap (none into an engine home)."""
+    import tomllib
+
+    from sm120_fp4 import api, engines
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    groups = project["entry-points"]
+    values = [groups["sglang.srt.plugins"]["sm120_fp4"], groups["vllm.general_plugins"]["sm120_fp4"]]
+    assert values == ["sm120_fp4.bootstrap:load_plugin", "sm120_fp4.bootstrap:load_vllm_plugin"]
+    pth = (Path(__file__).parents[1] / "sm120_fp4" / "_pth" / "sm120_fp4.pth").read_text()
+    assert "sm120_fp4.bootstrap" in pth
+    # Each home is an Engine: every member the CLI, doctor and install() use is there, none looked up by hasattr.
+    assert [home.name for home in api.ENGINES] == ["sglang", "vllm"]
+    assert all(isinstance(home, engines.Engine) and isinstance(home.release, engines.Release) for home in api.ENGINES)
+    assert api.engine("vllm").launches(["vllm", "serve", "m"]) and not api.engine("sglang").launches(["vllm", "serve"])
+    assert api.engine("sglang").launches(["python", "-m", "sglang.launch_server"])
+    with pytest.raises(ValueError, match=r"engine='trt': accepted: sglang, vllm"):
+        api.engine("trt")

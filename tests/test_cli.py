@@ -505,7 +505,7 @@ def sglang_release(monkeypatch, version):
     """Make the library read `version` as the installed SGLang (its own version seam)."""
     from sm120_fp4.sglang import release
 
-    monkeypatch.setattr(release, "sglang_version", lambda: version)
+    monkeypatch.setattr(release.RELEASE, "version", lambda: version)
     return release
 
 
@@ -636,7 +636,7 @@ def test_launch_refuses_a_wrapped_command_of_an_engine_outside_the_range(monkeyp
 
     from sm120_fp4.vllm import release
 
-    monkeypatch.setattr(release, "engine_version", lambda: "0.34.0")
+    monkeypatch.setattr(release.RELEASE, "version", lambda: "0.34.0")
     for name in ("vllm", "uv", "numactl", "taskset", "stdbuf", "timeout", "nohup", "nice"):
         (tmp_path / name).write_text("#!/bin/sh\n")
         (tmp_path / name).chmod(0o755)
@@ -651,7 +651,7 @@ def test_launch_refuses_a_wrapped_command_of_an_engine_outside_the_range(monkeyp
 def test_launch_of_an_sglang_command_is_not_refused_for_another_engines_release(monkeypatch, capsys):
     from sm120_fp4.vllm import release
 
-    monkeypatch.setattr(release, "engine_version", lambda: "0.34.0")
+    monkeypatch.setattr(release.RELEASE, "version", lambda: "0.34.0")
     command = ["env", "FOO=1", sys.executable, "-m", "sglang.launch_server", "--help"]
     code, err, started = launch_in_process(monkeypatch, capsys, "--", *command, env=SIM_BOTH)
     assert code == 0 and started == (command, "1") and "preflight passed" in err, err

@@ -138,3 +138,27 @@ def test_the_selftest_timeout_bounds_a_whole_candidate(monkeypatch):
     decision = sm120_fp4.decide(candidates=["slow", "emulated"])
     assert decision.backend == "emulated" and "did not return within" in decision.rejected["slow"]
     assert len(calls) <= 3, f"{len(calls)} calls of 0.4 s: the bound is on the whole candidate, not per call"
+
+
+@case(
+    "own failures",
+    "a candidate recorded as crashed in the verdict store (a file), and one passed in as crashed by the caller",
+    "choose() skips what the caller passes with its reason and reads no file (the caller reads the store); "
+    "decide() reads the store and skips the recorded one",
+)
+def test_choose_takes_the_crashed_candidates_from_its_caller(tmp_path, monkeypatch):
+    from sm120_fp4 import verdicts
+
+    backends.register("crashy", faults.healthy)
+    device = devices.get_device(None, (12, 0))
+    store = tmp_path / "verdicts.json"
+    verdicts.record(store, verdicts.device_key(device), "dense", "crashy", verdicts.CRASHED, "SIGSEGV")
+    settings = Settings(simulate="12.0", verdicts=str(store))
+    read: list = []
+    monkeypatch.setattr(verdicts, "load", lambda path: read.append(path) or [])
+    choice = deciding.choose(device, ["crashy", "emulated"], settings, crashed={"crashy": "skipped: it crashed"})
+    assert choice.decision.backend == "emulated" and choice.decision.rejected == {"crashy": "skipped: it crashed"}
+    assert read == [], "choose() reads no verdict file"
+    monkeypatch.undo()
+    d = sm120_fp4.decide(device, ["crashy", "emulated"], settings=settings)
+    assert d.backend == "emulated" and "SIGSEGV" in d.rejected["crashy"]

@@ -31,7 +31,7 @@ from helpers.common import (
 from helpers.procs import REPO, Spawned, background, clean_env, python, with_repo_pth
 
 import sm120_fp4
-from sm120_fp4 import backends
+from sm120_fp4 import backends, engines
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.demo import synthetic
 from sm120_fp4.errors import ConfigError, RefusedToServe
@@ -406,21 +406,21 @@ def test_status_is_json_with_every_target_and_the_decision():
     "and how to proceed; with SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified it says so as asked",
 )
 def test_a_release_outside_the_range_is_left_untouched_with_one_warning(monkeypatch, caplog, version):
-    monkeypatch.setattr(release, "sglang_version", lambda: version)
+    monkeypatch.setattr(release.RELEASE, "version", lambda: version)
     caplog.set_level(logging.WARNING, "sm120_fp4")
     status = sm120_fp4.install(**SIM)
     assert not status.installed and f"SGLang {version} is installed, outside the releases" in status.message
     assert_not_patched()
     [warning] = [r.getMessage() for r in caplog.records if "outside the releases" in r.getMessage()]
     assert "NVFP4 layers on a 12.x GPU are served UNVERIFIED" in warning and release.SUPPORTED in warning
-    assert "pip install -U sm120-fp4" in warning and release.OPT_OUT in warning
+    assert "pip install -U sm120-fp4" in warning and engines.OPT_OUT in warning
     sm120_fp4.install(**SIM)
     assert sum("outside the releases" in r.getMessage() for r in caplog.records) == 1, "once per process"
     status = sm120_fp4.install(**SIM, unsupported_release="serve-unverified")
     assert (
         not status.installed
         and "served UNVERIFIED" in status.message
-        and f"{release.OPT_OUT}: as asked" in status.message
+        and f"{engines.OPT_OUT}: as asked" in status.message
     )
 
 
@@ -460,7 +460,7 @@ def test_bad_settings_fail_at_install_not_at_serve_time(monkeypatch):
     "install() changes nothing and says why in its status message, without raising",
 )
 def test_a_missing_or_unreadable_sglang_version_is_left_untouched(monkeypatch, version, message):
-    monkeypatch.setattr(release, "sglang_version", lambda: version)
+    monkeypatch.setattr(release.RELEASE, "version", lambda: version)
     status = sm120_fp4.install(**SIM)
     assert not status.installed and message in status.message
     assert_not_patched()
@@ -483,7 +483,7 @@ def test_the_plugin_entry_point_never_raises_without_sglang(monkeypatch):
     monkeypatch.setenv("SM120_FP4", "1")
     for name, value in SIM_ENV.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(release, "sglang_version", lambda: None)
+    monkeypatch.setattr(release.RELEASE, "version", lambda: None)
     sglang_plugin()()
     assert not sm120_fp4.status().installed
     assert_not_patched()

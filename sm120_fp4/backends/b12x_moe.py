@@ -35,12 +35,19 @@ _workspaces: dict[tuple, object] = {}  # (device, E, top-k, H, I, activation) ->
 _layers: dict[tuple, _Layer] = {}  # (config, the layer's weight pointers) -> its wrapper and scales
 
 
-def engine_check(check: Callable[[], str | None]) -> Callable[[], str | None]:
-    """Register `check() -> reason | None`: a setting of the serving engine under which b12x cannot serve."""
+def engine_check(check: Callable[[], str | None]) -> Callable[[], None]:
+    """Add `check() -> reason | None` (a setting of the serving engine under which b12x cannot serve); return its removal.
+
+    An engine home adds its own at install() and removes it at uninstall(): nothing is added at import."""
     with _lock:
-        if check not in _engine_checks:
-            _engine_checks.append(check)
-    return check
+        _engine_checks.append(check)
+
+    def remove() -> None:
+        with _lock:
+            if check in _engine_checks:
+                _engine_checks.remove(check)
+
+    return remove
 
 
 @contextlib.contextmanager

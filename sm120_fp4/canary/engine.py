@@ -26,7 +26,6 @@ SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from her
 RECENT = 16  # runs kept in status
 # The Canary attributes status reports under the same name.
 _COUNTERS = ("idle_point", "runs", "failures", "skipped_saturated", "skipped_capturing", "longest_wait_s", "busy_s")
-_COUNTERS += ("slices", "longest_slice")
 
 
 @dataclass
@@ -69,9 +68,8 @@ class Canary:
         self._stopped: str | None = None
         self._stopped_message = ""
         self._told_update = False  # the open weight update past WEIGHT_UPDATE_LIMIT_S was logged
-        self.runs = self.failures = self.slices = self.skipped_saturated = self.skipped_capturing = 0
+        self.runs = self.failures = self.skipped_saturated = self.skipped_capturing = 0
         self.busy_s = self.longest_wait_s = self.longest_slice_s = 0.0
-        self.longest_slice: str | None = None
 
     def on_warmup(self, captured: list[int]) -> None:
         """Add the batch sizes of the graphs the engine captured to the rotation."""
@@ -160,9 +158,7 @@ class Canary:
         finally:
             took = self.timer() - start
             self.busy_s += took
-            self.slices += 1
-            if took > self.longest_slice_s:
-                self.longest_slice_s, self.longest_slice = took, f"{job.served.check.label} M={job.ms}"
+            self.longest_slice_s = max(self.longest_slice_s, took)
         self._fit(job, took)
         self._finish(job, report, started_at, took)
 
@@ -244,7 +240,7 @@ class Canary:
                 "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
                 *(run.backend, run.config, run.device, run.reason),
             )
-        report_file.update(self.settings)
+        report_file.request(self.settings)  # written by the report's own thread: never waited for here
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         """Record the refusal in the report file, log it and raise RefusedToServe."""

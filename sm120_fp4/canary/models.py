@@ -67,9 +67,7 @@ class CanaryStatus(BaseModel):
     longest_wait_s: float = 0.0  # the longest a due run waited for an idle point
     busy_s: float = 0.0  # time the serving thread spent in the canary
     share: float | None = None  # busy_s over the time since the canary was armed
-    slices: int = 0  # idle points at which the canary ran (one run each)
-    longest_slice_ms: float = 0.0  # the longest pause the canary added at one idle point
-    longest_slice: str | None = None  # the run that took longest_slice_ms
+    longest_slice_ms: float = 0.0  # the longest pause the canary added at one idle point (its run: `recent`)
     # Per configuration whose run took longer than the slice: the batch sizes no longer re-checked
     # while serving (verified at load and after warm-up), or that its smallest run runs anyway.
     beyond_slice: list[str] = Field(default_factory=list)

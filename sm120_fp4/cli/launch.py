@@ -30,7 +30,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = next((e for e in (_engine_home(n).unverified_release() for n in names) if e), None) if indices else None
+    engine = next((e for e in (_engine_home(n).release.unverified() for n in names) if e), None) if indices else None
     if engine is not None:  # nothing of this library runs in that server: no preflight would mean anything
         if name is None:
             _eprint(f"sm120-fp4 launch: {_UNATTRIBUTED % command[0]}")
@@ -111,7 +111,7 @@ def _unrecorded_crashes(seen: list[tuple[str, dict]]) -> str | None:
 
 def _launch_unverified_engine(command: list[str], settings, engine: tuple[str, str], allow_unverified: bool) -> int:
     """Launch with an SGLang this library cannot patch only when the operator said so; else refuse."""
-    from ..sglang import OPT_OUT, OPT_OUT_SAYS
+    from ..engines import OPT_OUT, OPT_OUT_SAYS
 
     refused = _refuse_engine("launch", settings, engine)
     if refused is not None:
@@ -146,17 +146,8 @@ def _engine_of(command: list[str]) -> str | None:
     inner = _unwrapped(command)
     if not inner:
         return None
-    # Each engine home's NAME is its package and console script: `NAME ...` or `python -m NAME...`.
-    starts = [h.NAME for h in ENGINES if (h.launches if hasattr(h, "launches") else _starts(h.NAME))(inner)]
+    starts = [home.name for home in ENGINES if home.launches(inner)]
     return starts[0] if len(starts) == 1 else None
-
-
-def _starts(top: str):
-    def launches(command: list[str]) -> bool:
-        modules = [after for before, after in zip(command, command[1:]) if before == "-m"]
-        return os.path.basename(command[0]) == top or any(m == top or m.startswith(top + ".") for m in modules)
-
-    return launches
 
 
 def _plugin_problem(names: list[str]) -> str | None:
@@ -170,7 +161,7 @@ def _installed_engines() -> list[str]:
     """Return the NAMEs of the installed engines (SGLang's where none is: nothing then to refuse)."""
     from ..api import ENGINES
 
-    return [h.NAME for h in ENGINES if h.engine_version() is not None] or ["sglang"]
+    return [home.name for home in ENGINES if home.release.version() is not None] or ["sglang"]
 
 
 # The wrappers launch looks through, each with the options that take a value (short letters, long names), the
@@ -284,5 +275,4 @@ def _canary_problem(name: str = "sglang") -> str | None:
     except ConfigError:
         return None
     home = _engine_home(name)
-    problem = getattr(home, "canary_problem", home.idle_point_problem)
-    return settings_problem(settings) or (problem(settings) if home.release_support()[0] else None)
+    return settings_problem(settings) or (home.canary_problem(settings) if home.release.support()[0] else None)

@@ -14,21 +14,21 @@ from typing import Callable, Sequence
 from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _eprint, _where
 from .workers import INTERRUPTS, _died, _run_model_worker, _run_worker, _Stop
 
-# The engines selftest and launch verify for (api.ENGINES by name); unpatchable releases: refused or unverified.
-ENGINE_NAMES = ("sglang", "vllm")  # the NAMEs of api.ENGINES, listed here so that parsing imports no engine home
+# The engines selftest and launch verify for (api.engine(name)); unpatchable releases: refused or unverified.
+ENGINE_NAMES = ("sglang", "vllm")  # the names of api.ENGINES, listed here so that parsing imports no engine home
 
 
 def _engine_home(name: str):
-    from ..api import ENGINES
+    from ..api import engine
 
-    return next(home for home in ENGINES if home.NAME == name)
+    return engine(name)
 
 
 def _refuse_engine(command: str, settings, engine: tuple[str, str]) -> int | None:
     """Refuse to start under SELFTEST=strict unless opted out (exit 2, saying how to proceed); None: not refused."""
     if settings.selftest != "strict" or settings.unsupported_release != "refuse":
         return None
-    from ..sglang import OPT_OUT_SAYS
+    from ..engines import OPT_OUT_SAYS
 
     means, remedy = engine
     _eprint(f"sm120-fp4 {command}: refusing to start: {means}.\nTo proceed: {remedy}; or {OPT_OUT_SAYS}.")
@@ -44,10 +44,10 @@ def _say_unverified_engine(engine: tuple[str, str], what: str) -> int:
 
 def _model_engine_problem(name: str, settings) -> int | None:
     """The exit code when the engine `name` cannot build the checkpoint's layers verified here (None: it can)."""
-    if _engine_home(name).engine_version() is None:
+    if _engine_home(name).release.version() is None:
         _eprint(f"sm120-fp4 selftest: --engine {name}: {name} is not installed for {sys.executable}; run it there")
         return EXIT_USAGE
-    engine = _engine_home(name).unverified_release()  # (what it means, what makes it verified), or None
+    engine = _engine_home(name).release.unverified()  # (what it means, what makes it verified), or None
     if engine is not None:  # the checkpoint's layers are built through the engine's: nothing of it is patched
         return _refuse_engine("selftest", settings, engine) or _say_unverified_engine(engine, "nothing was verified")
     return None
@@ -321,7 +321,7 @@ def cmd_selftest(args: argparse.Namespace, families: Sequence[str] | None = None
     if isinstance(found, int):
         return found
     settings, indices = found
-    engine = _engine_home(getattr(args, "engine", "sglang")).unverified_release()
+    engine = _engine_home(getattr(args, "engine", "sglang")).release.unverified()
     refused = _refuse_engine("selftest", settings, engine) if engine is not None else None
     if refused is not None:
         return refused

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from .. import backends, devices, graphs, locks, verify
+from .. import backends, devices, graphs, locks, verdicts, verify
 from .. import report as report_file
 from ..config import Settings, check_flashinfer_env, load_settings
 from ..deciding import FAMILIES, Choice, Decision, Family, Refusal, candidate_names, choose, log_decision, serves
@@ -225,7 +225,9 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
                 "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first"
             )
         try:
-            choice = choose(device, names, settings, family)
+            choice = choose(
+                device, names, settings, family, verdicts.crashed(settings.verdicts_path, device, family.name)
+            )
         except RefusedToServe as exc:
             refusal = Refusal(device=device.label(), family=family.name, message=str(exc))
             refusal.rejected, refusal.reports = getattr(exc, "rejected", {}), getattr(exc, "reports", [])
@@ -233,7 +235,7 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
             raise
         record.store(key, choice)
     log_decision(choice.decision)
-    report_file.update(settings)
+    report_file.request(settings)
     return record, key, choice
 
 
@@ -241,7 +243,8 @@ def record_refusal(refusal: Refusal, settings: Settings) -> None:
     """Record a refusal (ours or the serving canary's) for status and the report file."""
     with _lock:
         _refusals.append(refusal)
-    report_file.update(settings)  # before the process exits: the record of why it refused
+    report_file.request(settings)
+    report_file.flush()  # before the process exits: the record of why it refused (bounded)
 
 
 def refusals() -> list[Refusal]:

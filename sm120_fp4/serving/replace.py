@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from .. import backends, verify
+from .. import backends, verdicts, verify
 from .. import report as report_file
 from ..config import Settings
 from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
@@ -64,7 +64,7 @@ def _verified(serving: _Serving, check: LayerCheck, report: verify.SelfTestRepor
     _LOG.info(f"sm120_fp4: {check.label} verified with {where} ({len(check.ms)} batch sizes, max rel error {err:.2e})")
     if settings.select == "fastest":
         measure(serving, [check], new=True)  # check and time every verified candidate on it, then route
-    report_file.update(settings)
+    report_file.request(settings)
 
 
 def _back_to(serving: _Serving, original: Choice) -> None:
@@ -137,7 +137,7 @@ def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: l
     layers._record_layer(serving, check, layers._fingerprint(check))
     what = f"{serving.device.label()}: {report.backend} failed {report.config}; serving with {decision.backend}"
     _LOG.warning(f"sm120_fp4: {what}, which passes every layer configuration and layer")
-    report_file.update(settings)
+    report_file.request(settings)
     return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
 
 
@@ -147,7 +147,8 @@ def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) ->
     strict = settings.model_copy(update={"selftest": "strict", "fallback": "none", "moe_fallback": "none"})
     if remaining:
         with contextlib.suppress(RefusedToServe):
-            return choose(serving.device, remaining, strict, family)
+            crashed = verdicts.crashed(settings.verdicts_path, serving.device, family.name)
+            return choose(serving.device, remaining, strict, family, crashed)
     if family.fallback(settings) != "emulated" or backends.EMULATED in serving.failed:
         return None
     try:

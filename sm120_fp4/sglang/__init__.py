@@ -1,20 +1,43 @@
 """Everything this library knows about SGLang, in one package (ARCHITECTURE.md maps its modules).
 
-Importing it imports nothing else (the start-up hook reads :mod:`.names`); its functions load their module lazily.
-"""
+Importing it imports nothing heavy (the start-up hook reads :mod:`.names`); :data:`ENGINE`'s members load their
+modules on first use."""
 
 from __future__ import annotations
 
-from importlib import import_module
+from ..engines import Engine
 
-NAME = "sglang"
-_RELEASE = ["engine_version", "release_support", "carried_fix", "sglang_version", "unverified_release", "OPT_OUT"]
-_LAZY = {"attach": "wiring", "idle_point_problem": "wiring", **dict.fromkeys([*_RELEASE, "OPT_OUT_SAYS"], "release")}
-__all__ = ["NAME", *_LAZY]
+__all__ = ["ENGINE", "SGLang"]
 
 
-def __getattr__(name: str) -> object:
-    """Return `name` from the module that holds it, loaded on first use."""
-    if name in _LAZY:
-        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class SGLang(Engine):
+    """The SGLang engine home."""
+
+    name = "sglang"
+
+    def wiring(self):
+        from . import wiring
+
+        return wiring
+
+    @property
+    def release(self):
+        from .release import RELEASE
+
+        return RELEASE
+
+    def carried_fix(self) -> str | None:
+        from .release import carried_fix
+
+        return carried_fix()
+
+    def idle_point_problem(self, settings) -> str | None:
+        return self.wiring().idle_point_problem(settings)
+
+    def doctor_rows(self) -> dict:
+        from .targets import doctor_rows
+
+        return doctor_rows()
+
+
+ENGINE = SGLang()

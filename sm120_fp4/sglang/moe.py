@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import backends, nvfp4, serving, verify
-from ..backends import b12x_moe, flashinfer
+from ..backends import flashinfer
 from ..errors import RefusedToServe
 from ..patching import Patcher, PatchSpec
 from ..serving import LayerCheck
@@ -361,6 +361,3 @@ def b12x_problem() -> str | None:
     if isinstance(ep, int) and ep > 1:
         return f"b12x MoE has no NVFP4 expert parallelism (FlashInfer raises): not with --ep-size {ep}"
     return None
-
-
-b12x_moe.engine_check(b12x_problem)

@@ -9,7 +9,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-from ..versions import capped, comparable, installed_version, version_in
+from ..engines import Release
+from ..versions import capped
 
 DISTRIBUTION = "sglang"
 # The one upper bound: raising the supported range is this line (and scripts/sglang_matrix.py's pins).
@@ -53,53 +54,17 @@ def platform_facts(runtime_context: object, capability: tuple[int, int]) -> dict
     return {k: v for k, v in facts.items() if not known or k in known}
 
 
+RELEASE = Release(
+    "SGLang",
+    (DISTRIBUTION,),
+    SUPPORTED,
+    "SGLang's own FP4 GEMM and fused-MoE calls; no self-test, layer check, re-check or canary of sm120_fp4 runs there",
+)
+
+
 def sglang_version() -> str | None:
     """Return the installed SGLang's version, or None."""
-    return installed_version(DISTRIBUTION)
-
-
-def engine_version() -> str | None:
-    """Return the installed SGLang's version (the engine homes' common name, api.ENGINES)."""
-    return sglang_version()
-
-
-def release_support(version: str | None = None) -> tuple[bool, str]:
-    """Return whether `version` (default: the installed one) is a release this library knows how to patch, and why."""
-    version = version or sglang_version()
-    if version is None:
-        return False, "sglang is not installed"
-    if comparable(version) is not None:
-        return False, f"sglang {version!r} is not a version this library can read"
-    if version_in(version, SUPPORTED):
-        return True, f"sglang {version} is supported ({SUPPORTED})"
-    return False, f"sglang {version} is outside the supported range {SUPPORTED}: left untouched"
-
-
-OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
-OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"
-
-
-def unverified_release(version: str | None = None) -> tuple[str, str] | None:
-    """Return (what it means, what makes it verified) for an installed SGLang this library cannot patch, else None."""
-    from .._version import __version__
-
-    version = version or sglang_version()
-    if version is None or release_support(version)[0]:
-        return None
-    what = (
-        f"SGLang {version!r} is installed, a version sm120_fp4 cannot read"
-        if comparable(version) is not None
-        else f"SGLang {version} is installed, outside the releases sm120_fp4 {__version__} supports ({SUPPORTED})"
-    )
-    means = (
-        f"{what}: sm120_fp4 patches nothing in it, so NVFP4 layers on a 12.x GPU are served UNVERIFIED (SGLang's "
-        "own FP4 GEMM and fused-MoE calls; no self-test, layer check, re-check or canary of sm120_fp4 runs there)"
-    )
-    remedy = (
-        f"upgrade sm120_fp4 to a release that supports SGLang {version} (pip install -U sm120-fp4), or install "
-        f"an SGLang in {SUPPORTED}"
-    )
-    return means, remedy
+    return RELEASE.version()
 
 
 def installed_root() -> Path | None:

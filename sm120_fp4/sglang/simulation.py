@@ -5,21 +5,19 @@ Each is in the patch ledger, logged as simulated and undone by ``uninstall()``.
 
 from __future__ import annotations
 
-import contextlib
 import dis
 import importlib
 import inspect
 import logging
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from .. import locks
+from .. import engines
 from ..backends.flashinfer import fp4_quantize_stand_in
-from ..errors import say_once
-from ..patching import Patcher, PatchSpec
+from ..patching import PatchSpec
 from .cpu_engine import KERNEL_PACKAGE, cpu_engine_selected, kernel_package_stand_in
 from .cpu_engine import OPS as CPU_ENGINE_OPS
 from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, platform_facts, sglang_version, supported
@@ -27,7 +25,6 @@ from .release import CT, CT_CONFIG, FP4_UTILS, MQ, RUNTIME_CONTEXT, platform_fac
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets SGLang's FP4 linear path run without an SM120 GPU"
 _NEVER = "never used outside simulation"
-_cuda_lock = locks.lock()
 OP_NAME = "sglang::fp4_gemm"
 
 
@@ -203,13 +200,8 @@ def _callable_check(name: str):
     return lambda original: None if callable(original) else f"{name} is {original!r}, not callable"
 
 
-class Simulation:
+class Simulation(engines.Simulation):
     """Hold the non-attribute stand-ins of one install (platform facts, the CPU op kernel) and their undo."""
-
-    def __init__(self, capability: tuple[int, int], patcher: Patcher) -> None:
-        self.capability, self.patcher = capability, patcher
-        self._undo: list[Callable[[], None]] = []
-        self._lock = locks.lock()
 
     def arm(self) -> None:
         """Run the non-attribute stand-ins when (or if) SGLang imports their modules."""
@@ -226,7 +218,7 @@ class Simulation:
             return
         scope = override(**platform_facts(module, self.capability))
         scope.install()
-        self._keep(scope.restore)
+        self.keep(scope.restore)
         self.patcher.note(PLATFORM_FACTS, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: SGLang's platform facts now report sm_%d%d", *self.capability)
 
@@ -261,7 +253,7 @@ class Simulation:
                 else:
                     module.scaled_fp4_quant = original
 
-        self._keep(undo)
+        self.keep(undo)
         self.patcher.note(spec, "applied", None)
 
     def fp4_gemm_cpu_kernel(self, module: Any) -> None:
@@ -288,7 +280,7 @@ class Simulation:
             return
         library = torch.library.Library("sglang", "IMPL")
         library.impl("fp4_gemm", body, "CPU")
-        self._keep(library._destroy)
+        self.keep(library._destroy)
         self.patcher.note(spec, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: registered a CPU kernel for sglang::fp4_gemm")
 
@@ -303,7 +295,7 @@ class Simulation:
             return
         serve = CPU_ENGINE_OPS if cpu_engine_selected() else None
         remove = kernel_package_stand_in(lambda reason: self._kernel_stand_in_used(spec, reason, serve), serve)
-        self._keep(remove)
+        self.keep(remove)
 
     def _kernel_stand_in_used(self, spec: PatchSpec, reason: str, serve: dict | None) -> None:
         self.patcher.note(spec, "applied", None)
@@ -315,25 +307,6 @@ class Simulation:
             reason,
             served,
         )
-
-    def _keep(self, step: Callable[[], None]) -> None:
-        with self._lock:
-            self._undo.append(step)
-
-    def undo(self) -> None:
-        with self._lock:
-            undo, self._undo = self._undo, []
-        for step in reversed(undo):
-            try:
-                step()
-            except Exception as exc:
-                say_once(
-                    logging.WARNING,
-                    "sm120_fp4: SIMULATION: undoing %s failed (%s: %s); the other stand-ins were undone",
-                    getattr(step, "__qualname__", step),
-                    type(exc).__name__,
-                    exc,
-                )
 
 
 def _has_cpu_kernel(name: str) -> bool:
@@ -386,18 +359,3 @@ def _scaled_fp4_quant_stand_in(original: Callable | None) -> Callable:
 
     scaled_fp4_quant.__wrapped__ = original
     return scaled_fp4_quant
-
-
-@contextlib.contextmanager
-def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
-    """Make ``Tensor.cuda()`` return the tensor itself, in this scope (simulation without CUDA only)."""
-    if not active or torch.cuda.is_available():
-        yield
-        return
-    with _cuda_lock:
-        original = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *args, **kwargs: self
-        try:
-            yield
-        finally:
-            torch.Tensor.cuda = original

@@ -37,6 +37,7 @@ from .release import (
     MOE_RUNNER_FC,
     MOE_UTILS,
     MQ,
+    RELEASE,
     SCHEDULER,
     SCHEDULER_CHECKER,
     WEIGHT_UPDATER,
@@ -384,3 +385,9 @@ class _Unwired:
 
     def __getattr__(self, name: str) -> Callable:
         return _noop
+
+
+def doctor_rows() -> dict:
+    """Return what ``sm120-fp4 doctor`` shows of SGLang (read without importing it), every patch target included."""
+    version = sglang_version()
+    return {"sglang": version, **RELEASE.doctor_rows(version, ledger_rows())}

@@ -11,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from .. import serving
+from .. import engines, serving
+from ..backends import b12x_moe
 from ..checkpoints import read_quantization
 from ..deciding import serves
 from ..devices import get_device
@@ -19,10 +20,18 @@ from ..errors import ConfigError, RefusedToServe, say_once
 from ..versions import version_in
 from .autotune import tunable_backends
 from .hooks import layer_device_index, layer_name
-from .moe import SEAM_VERSIONS, gate_up_problem, make_seam, pin_auto_runner, refuse_unverifiable, runner_problem
+from .moe import (
+    SEAM_VERSIONS,
+    b12x_problem,
+    gate_up_problem,
+    make_seam,
+    pin_auto_runner,
+    refuse_unverifiable,
+    runner_problem,
+)
 from .release import KERNEL_OPS_GEMM, sglang_version
 from .scales import checkpoint_scale_problem, layer_scales_problem, quant_mode_problem
-from .simulation import Simulation, cuda_moves_stay_on_cpu
+from .simulation import Simulation
 from .simulation import specs as simulation_specs
 from .targets import (
     apply_env_knobs,
@@ -51,7 +60,7 @@ class _Install:
         self.make_moe_seam = functools.partial(make_seam, make_front=router.make_moe_front, simulated=sim is not None)
         self.weights_update_begin = serving.weights_update_begin
         self.weights_update_end = lambda: serving.weights_update_end(settings)
-        self.weights_scope = functools.partial(cuda_moves_stay_on_cpu, sim is not None)
+        self.weights_scope = functools.partial(engines.cuda_moves_stay_on_cpu, sim is not None)
         # After FlashInfer's autotune, before graph capture: SELECT=fastest times the tuned candidates again.
         self.retime = lambda: serving.retime(settings)
 
@@ -159,6 +168,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         sim.arm()
         undo.append(sim.undo)
     undo.append(apply_env_knobs(patcher))
+    undo.append(b12x_moe.engine_check(b12x_problem))  # SGLang's server settings under which b12x cannot serve
     patcher.add(specs)
     return undo
 

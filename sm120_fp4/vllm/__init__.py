@@ -1,20 +1,35 @@
-"""Everything this library knows about vLLM (the second engine home); importing it imports nothing else."""
+"""Everything this library knows about vLLM (the second engine home); importing it imports nothing heavy."""
 
 from __future__ import annotations
 
-from importlib import import_module
+from ..engines import Engine
 
-NAME = "vllm"
-_LAZY = {
-    **dict.fromkeys("attach idle_point_problem canary_problem".split(), "wiring"),
-    **dict.fromkeys("launches release_support carried_fix engine_version unverified_release".split(), "release"),
-    **dict.fromkeys(("OPT_OUT", "OPT_OUT_SAYS"), "release"),
-    "doctor_section": "targets",
-}
-__all__ = ["NAME", *_LAZY]
+__all__ = ["ENGINE", "VLLM"]
 
 
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class VLLM(Engine):
+    """The vLLM engine home: no patches/ diff; the canary is refused where vLLM serves, not merely if installed."""
+
+    name = "vllm"
+
+    @property
+    def release(self):
+        from .release import RELEASE
+
+        return RELEASE
+
+    def canary_problem(self, settings) -> str | None:
+        return self.wiring().canary_problem(settings)
+
+    def wiring(self):
+        from . import wiring
+
+        return wiring
+
+    def doctor_rows(self) -> dict:
+        from .targets import doctor_rows
+
+        return doctor_rows()
+
+
+ENGINE = VLLM()

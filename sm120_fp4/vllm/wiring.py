@@ -7,10 +7,10 @@ from typing import Callable
 
 import torch
 
-from .. import serving
+from .. import engines, serving
 from ..errors import ConfigError, RefusedToServe, say_once
 from . import hooks, moe, simulation, targets
-from .release import engine_version
+from .release import RELEASE
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -73,7 +73,7 @@ class _Wired:
             serving.verify_layer(check.device_index, check, self.settings)
 
     def weights_scope(self):
-        return simulation.cuda_moves_stay_on_cpu(self.simulated)
+        return engines.cuda_moves_stay_on_cpu(self.simulated)
 
     def recheck(self, sizes: list[int]) -> object:
         # kernel_warmup has just run FlashInfer's autotune; graph capture comes next: with SELECT=fastest the
@@ -114,17 +114,12 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
     return undo
 
 
-def idle_point_problem(settings) -> str | None:
-    """None: the canary is refused where vLLM serves (:func:`canary_problem`), not merely if installed."""
-    return None
-
-
 def canary_problem(settings) -> str | None:
     """Why the serving canary cannot run with vLLM (no idle point is wired), or None when it is off."""
     if settings.canary_period is None:
         return None
     return (
-        f"SM120_FP4_CANARY={settings.canary_period:g} is not available with vLLM {engine_version()}: sm120_fp4 wires "
+        f"SM120_FP4_CANARY={settings.canary_period:g} is not available with vLLM {RELEASE.version()}: sm120_fp4 wires "
         "no idle point in vLLM's engine loop yet; set SM120_FP4_CANARY=off to serve without the serving canary"
     )
 

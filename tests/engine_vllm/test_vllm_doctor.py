@@ -17,7 +17,7 @@ def test_doctor_shows_vllms_release_plugin_and_targets(capsys):
     report = json.loads(capsys.readouterr().out)
     section = report["engines"]["vllm"]
     assert section["supported"] and section["version"].startswith("0.3")
-    assert section["plugin_entry_point"] == ["sm120_fp4 -> sm120_fp4.vllm.plugin:register"]
+    assert section["plugin_entry_point"] == ["sm120_fp4 -> sm120_fp4.bootstrap:load_vllm_plugin"]
     applies = {t["name"]: t["applies"] for t in section["targets"]}
     assert applies["vllm-flashinfer-scaled-fp4-mm-alias"] and applies["vllm-post-warmup-recheck"]
     assert cli.main(["doctor", "--quick"]) == 0

@@ -33,7 +33,7 @@ def test_the_plugin_is_declared_in_vllms_general_plugins_group():
     from importlib.metadata import entry_points
 
     [ours] = [e for e in entry_points(group="vllm.general_plugins") if e.name == "sm120_fp4"]
-    assert ours.value == "sm120_fp4.vllm.plugin:register"
+    assert ours.value == "sm120_fp4.bootstrap:load_vllm_plugin"
 
 
 @case(

