@@ -187,10 +187,10 @@ def test_the_canary_check_calls_every_serving_backend(clock):
 
 def test_plan_splits_only_where_each_range_is_separated_from_the_single_fastest():
     times = {"a": {1: 1.0, 8: 1.0, 2048: 10.0}, "b": {1: 2.0, 8: 2.0, 2048: 5.0}}
-    assert serving.fastest.plan(times, ["a", "b"]) == [(8, "a"), (None, "b")]
-    assert serving.fastest.plan(times, ["b"]) == [(None, "b")], "a backend that cannot split serves alone"
+    assert serving.fastest.plan(times) == [(8, "a"), (None, "b")]
+    assert serving.fastest.plan({"b": times["b"]}) == [(None, "b")]
     close = {"a": {1: 1.0, 2048: 1.02}, "b": {1: 1.02, 2048: 1.0}}
-    assert serving.fastest.plan(close, ["a", "b"]) == [(None, "a")]
+    assert serving.fastest.plan(close) == [(None, "a")]
 
 
 @case(
@@ -216,3 +216,47 @@ def test_retime_after_autotune_splits_the_route(clock):
     [decision] = serving.decisions()
     assert decision.ranges == [(BOUND, "decode"), (None, "prefill")]
     assert {("decode", BOUND), ("prefill", BOUND + 1)} <= set(calls), "the split is verified at its boundary"
+
+
+# ---- a converting candidate (humming, through its CPU stand-in) beside a non-converting one ----------------------
+
+
+@pytest.fixture
+def humming_clock(clock, monkeypatch):
+    """Humming's CPU stand-in in its place; its dense calls cost `humming_clock.cost(M)` on the stand-in clock."""
+    from helpers.humming_stand_in import StandInEngine, engine
+
+    with engine(StandInEngine()) as stand_in:
+        gemm, box = stand_in.gemm, types.SimpleNamespace(cost=decode_fast, calls=[])
+
+        def timed(prepared, x, scale_2, out):
+            box.calls.append(("humming", x.shape[0]))
+            clock[0] += box.cost(x.shape[0])
+            return gemm(prepared, x, scale_2, out)
+
+        monkeypatch.setattr(stand_in, "gemm", timed)
+        yield box
+
+
+@case(
+    "configuration",
+    "SELECT=fastest with humming (converts each layer to its own layout) first and a registered non-converting "
+    "kernel second, {faster} the faster",
+    "the faster one serves; both verified on their own prepared weights from the checkpoint's bytes, neither refused",
+)
+@pytest.mark.parametrize("faster", ["humming", "other"])
+def test_fastest_with_a_converting_candidate_verifies_each_on_its_own_weights(clock, humming_clock, faster):
+    calls = []
+    humming_clock.cost = (lambda m: 1.0) if faster == "humming" else (lambda m: 10.0)
+    kernel("other", clock, calls, lambda m: 5.0)
+    ckpt = synthetic.make_checkpoint(256, 512)  # Humming's alignment: converted in SGLang's own storage
+    sm120_fp4.install(simulate="12.0", backends="humming,other", select="fastest")
+    method, layer = layers.build_modelopt_layer(ckpt)
+    record = serving.records._records[("dense", -1)]
+    assert record.failed == {}, record.failed
+    [decision] = serving.decisions()
+    assert decision.backend == ("humming" if faster == "humming" else "other") and decision.verified
+    assert decision.layers and all(r.passed for r in decision.layers)
+    assert set(decision.timings_ms) == {"humming", "other"}
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
