@@ -11,11 +11,12 @@ import types
 
 import pytest
 import torch
+from helpers import fastest
 from helpers.cases import case
+from helpers.fastest import kernel
 
 import sm120_fp4
-from sm120_fp4 import backends, deciding, serving
-from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4 import serving
 from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER
@@ -34,31 +35,7 @@ def _uninstalled(sglang_unpatched):
 
 @pytest.fixture
 def clock(monkeypatch):
-    """A stand-in clock: each backend call advances it by its cost at that M; the seam reads it."""
-    now = [0.0]
-
-    def timer(call, device):
-        start = now[0]
-        call()
-        return now[0] - start
-
-    monkeypatch.setattr(serving.fastest, "timer", timer)
-    monkeypatch.setattr(deciding, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    return now
-
-
-def kernel(name, clock, calls, cost, wrong=lambda m: False):
-    """Register backend `name`: right (unless `wrong(M)`), costing `cost(M)`, logging (name, M)."""
-
-    def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
-        calls.append((name, a.shape[0]))
-        clock[0] += cost(a.shape[0])
-        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
-        if wrong(a.shape[0]):
-            out.mul_(0.5)
-        return out
-
-    backends.register(name, gemm)
+    return fastest.use_clock(monkeypatch)
 
 
 def decode_fast(m):
@@ -223,18 +200,7 @@ def test_retime_after_autotune_splits_the_route(clock):
 
 @pytest.fixture
 def humming_clock(clock, monkeypatch):
-    """Humming's CPU stand-in in its place; its dense calls cost `humming_clock.cost(M)` on the stand-in clock."""
-    from helpers.humming_stand_in import StandInEngine, engine
-
-    with engine(StandInEngine()) as stand_in:
-        gemm, box = stand_in.gemm, types.SimpleNamespace(cost=decode_fast, calls=[])
-
-        def timed(prepared, x, scale_2, out):
-            box.calls.append(("humming", x.shape[0]))
-            clock[0] += box.cost(x.shape[0])
-            return gemm(prepared, x, scale_2, out)
-
-        monkeypatch.setattr(stand_in, "gemm", timed)
+    with fastest.timed_humming(clock, monkeypatch, decode_fast) as box:
         yield box
 
 
@@ -260,3 +226,33 @@ def test_fastest_with_a_converting_candidate_verifies_each_on_its_own_weights(cl
     assert set(decision.timings_ms) == {"humming", "other"}
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+
+
+@case(
+    "configuration",
+    "SELECT=fastest with humming (converting) faster at decode sizes (M<=512) and a registered non-converting kernel "
+    "faster at prefill sizes",
+    "the route is split: humming below the boundary on its own layout next to the layer's (which keeps the "
+    "checkpoint's bytes for the other), verified at the boundary and boundary+1; status shows humming's extra memory",
+)
+def test_a_split_puts_a_converting_backend_on_one_side(clock, humming_clock):
+    calls = []
+    humming_clock.cost = decode_fast
+    kernel("prefill", clock, calls, prefill_fast)
+    ckpt = synthetic.make_checkpoint(256, 512)
+    sm120_fp4.install(simulate="12.0", backends="humming,prefill", select="fastest")
+    method, layer = layers.build_modelopt_layer(ckpt)
+    [decision] = serving.decisions()
+    assert decision.ranges == [(BOUND, "humming"), (None, "prefill")], decision.reason
+    [split] = [r for r in decision.layers if r.passed]
+    assert {BOUND, BOUND + 1} <= {s.m for s in split.shapes}, "verified at the boundary and just above it"
+    assert torch.equal(layer.weight, ckpt.weight), "the layer keeps the checkpoint's bytes"
+    humming_clock.calls.clear()
+    calls.clear()
+    for m in (BOUND, BOUND + 1):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+    assert humming_clock.calls == [("humming", BOUND)] and calls == [("prefill", BOUND + 1)]
+    status = sm120_fp4.status().model_dump(mode="json")
+    [memory] = status["decisions"][0]["backend_info"]["humming"]["memory"].values()
+    assert memory["layers"] == 1 and not memory["in_place"] and memory["extra_bytes"] > 0

@@ -18,18 +18,25 @@ import torch
 
 from ..errors import RefusedToServe
 
-# Each engine home's tensor-parallel CPU group, where its parallel state is up (None: not there).
-groups: list[Callable[[], object | None]] = []
+# Each engine home's tensor-parallel CPU group, where its parallel state is up (use_group).
+_groups: list[Callable[[], object]] = []
+
+
+def use_group(find: Callable[[], object]) -> Callable[[], None]:
+    """Share decisions in the process group `find()` returns (an engine's tensor-parallel CPU group) where it has one;
+    return the undo."""
+    _groups.append(find)
+    return lambda: _groups.remove(find) if find in _groups else None
 
 
 def _group() -> object | None:
     """Return the engine's tensor-parallel CPU group, or None (torch.distributed's default group)."""
-    for find in groups:
+    for find in _groups:
         try:
             group = find()
         except Exception:  # the engine's parallel state is not up (yet): the default group
-            group = None
-        if group is not None:
+            continue
+        if isinstance(group, torch.distributed.ProcessGroup):
             return group
     return None
 

@@ -17,7 +17,7 @@ from ..deciding import serves
 from ..devices import get_device
 from ..errors import ConfigError, RefusedToServe, say_once
 from ..versions import version_in
-from .autotune import tunable_backends
+from .autotune import tp_cpu_group, tunable_backends
 from .hooks import layer_device_index, layer_name
 from .moe import SEAM_VERSIONS, gate_up_problem, make_seam, pin_auto_runner, refuse_unverifiable, runner_problem
 from .release import KERNEL_OPS_GEMM, sglang_version
@@ -159,6 +159,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         sim.arm()
         undo.append(sim.undo)
     undo.append(apply_env_knobs(patcher))
+    undo.append(serving.use_group(tp_cpu_group))
     patcher.add(specs)
     return undo
 
