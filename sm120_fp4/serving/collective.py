@@ -53,7 +53,7 @@ def ranks() -> tuple[int, int]:
 def gather(point: str, facts: object, timeout_s: float) -> list:
     """Return every rank's `facts` at `point`, in rank order (`[facts]` on one rank); RefusedToServe where a rank does
     not reach `point` within `timeout_s` seconds, or reaches another point."""
-    rank, world = ranks()
+    world = ranks()[1]
     if world < 2:
         return [facts]
     dist, group = torch.distributed, _group()
@@ -61,7 +61,6 @@ def gather(point: str, facts: object, timeout_s: float) -> list:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     data = pickle.dumps((point, facts))
     deadline = time.monotonic() + timeout_s
-    where = f"sm120_fp4: refusing to serve NVFP4 on rank {rank} of {world}"
     try:
         sizes = _all_gather(torch.tensor([len(data)], device=device), group, world, deadline)
         mine = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
@@ -69,17 +68,27 @@ def gather(point: str, facts: object, timeout_s: float) -> list:
         found = _all_gather(mine.to(device), group, world, deadline)
     except RuntimeError as exc:  # gloo and NCCL: a wait past its timeout, or a peer gone
         raise RefusedToServe(
-            f"{where}: not every rank reached {point} within {timeout_s:g} s (SM120_FP4_SELFTEST_TIMEOUT): another "
-            f"rank stopped or is stuck ({type(exc).__name__}: {exc}); see the other ranks' logs for why"
+            refusal(
+                f"not every rank reached {point} within {timeout_s:g} s (SM120_FP4_SELFTEST_TIMEOUT): another rank "
+                f"stopped or is stuck ({type(exc).__name__}: {exc}); see the other ranks' logs for why"
+            )
         ) from exc
     gathered = [pickle.loads(t[: int(n)].cpu().numpy().tobytes()) for t, n in zip(found, sizes)]
     strays = [f"rank {r} was at {p}" for r, (p, _) in enumerate(gathered) if p != point]
     if strays:
         raise RefusedToServe(
-            f"{where}: the ranks' decisions diverged: this rank was at {point}, {', '.join(strays)}; the ranks must "
-            "verify the same layer configurations (see the other ranks' logs for which check failed there)"
+            refusal(
+                f"the ranks' decisions diverged: this rank was at {point}, {', '.join(strays)}; the ranks must verify "
+                "the same layer configurations (see the other ranks' logs for which check failed there)"
+            )
         )
     return [f for _, f in gathered]
+
+
+def refusal(problem: str) -> str:
+    """Return the message refusing to serve on this rank because of `problem` (a decision not shared)."""
+    rank, world = ranks()
+    return f"sm120_fp4: refusing to serve NVFP4 on rank {rank} of {world}: {problem}"
 
 
 def _all_gather(tensor: torch.Tensor, group, world: int, deadline: float) -> list[torch.Tensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
@@ -11,7 +11,7 @@ from .. import backends
 from ..config import Settings
 from ..deciding import Choice, Decision, Refusal, time_call
 from ..errors import RefusedToServe
-from .collective import gather, ranks
+from .collective import gather, ranks, refusal
 from .layers import _layer_check, _verify_everything
 from .records import LayerCheck, _served, _Serving, record_refusal, route_text
 
@@ -79,7 +79,7 @@ def retime(settings: Settings) -> None:
     served = [serving for serving in _served() if serving.checks]
     every = _shared(settings, "the retime after warm-up", sorted(s.family.name for s in served))
     if any(families != every[0] for families in every):
-        _refuse(settings, f"the ranks serve different kernel families after warm-up ({every})")
+        _refuse(settings, refusal(f"the ranks serve different kernel families after warm-up ({every})"))
     for serving in served:
         with serving.lock:
             measure(serving, list(serving.checks.values()), new=False)
@@ -128,16 +128,19 @@ def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice, point:
         bad, reports = None, []
         if choice is not first:  # a switch: every layer so far (and every configuration at a boundary)
             reports, bad = _verify_everything(serving, None, False, configurations=len(ranges) > 1)
-        failed = _agree(serving, f"the route checked on {point}", bad and (bad.backend, f"{bad.config}: {bad.reason}"))
-        if failed is None:
+        found = bad and (bad.backend, f"{bad.config}: {bad.reason}")
+        every = _shared(serving.settings, f"the route checked on {point}", found, serving)
+        failed = next(((rank, f) for rank, f in enumerate(every) if f is not None), None)
+        if failed is None:  # on every rank
             _describe(serving, choice, first, ranges, times, reports, len(keys))
             return
-        serving.failed.setdefault(failed[0], failed[1])
-        eligible.remove(failed[0])
+        rank, (name, why) = failed
+        serving.failed.setdefault(name, why if rank == ranks()[0] else f"{why} (on rank {rank})")
+        eligible.remove(name)
     serving.serve(first)
     if ranks()[1] > 1:  # the ranks' routes would differ
         problem = f"no {serving.family.what} route passes every check on every rank: {serving.failed}"
-        _refuse(serving.settings, problem, serving)
+        _refuse(serving.settings, refusal(problem), serving)
 
 
 def _everyone(serving: _Serving, point: str, times: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
@@ -157,32 +160,14 @@ def _shared(settings: Settings, point: str, facts: object, serving: _Serving | N
     try:
         return gather(point, facts, settings.selftest_timeout)
     except RefusedToServe as exc:
-        _record(settings, str(exc), serving)
-        raise
+        _refuse(settings, str(exc), serving)
 
 
-def _agree(serving: _Serving, point: str, failure: tuple | None) -> tuple | None:
-    """Return the first rank's failure at `point` ((backend, why) on it), or None where every rank passed."""
-    found = [(rank, f) for rank, f in enumerate(_shared(serving.settings, point, failure, serving)) if f is not None]
-    if not found:
-        return None
-    rank, (name, why) = found[0]
-    return name, (why if rank == ranks()[0] else f"{why} (on rank {rank})")
-
-
-def _refuse(settings: Settings, problem: str, serving: _Serving | None = None) -> None:
-    """Refuse (recorded, RefusedToServe): the ranks cannot take SELECT=fastest's decision alike."""
-    rank, world = ranks()
-    message = f"sm120_fp4: refusing to serve NVFP4 on rank {rank} of {world}: {problem}"
-    _record(settings, message, serving)
-    raise RefusedToServe(message)
-
-
-def _record(settings: Settings, message: str, serving: _Serving | None) -> None:
-    where = (
-        {"device": serving.device.label(), "family": serving.family.name} if serving is not None else {"device": "?"}
-    )
+def _refuse(settings: Settings, message: str, serving: _Serving | None = None) -> NoReturn:
+    """Record and raise the refusal of a decision the ranks cannot take alike."""
+    where = {"device": serving.device.label(), "family": serving.family.name} if serving else {"device": "?"}
     record_refusal(Refusal(**where, message=message), settings)
+    raise RefusedToServe(message)
 
 
 def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):
