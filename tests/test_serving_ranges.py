@@ -17,7 +17,9 @@ from helpers.fastest import kernel
 
 import sm120_fp4
 from sm120_fp4 import serving
+from sm120_fp4.config import Settings
 from sm120_fp4.demo import synthetic
+from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER
 
@@ -256,3 +258,8 @@ def test_a_split_puts_a_converting_backend_on_one_side(clock, humming_clock):
     status = sm120_fp4.status().model_dump(mode="json")
     [memory] = status["decisions"][0]["backend_info"]["humming"]["memory"].values()
     assert memory["layers"] == 1 and not memory["in_place"] and memory["extra_bytes"] > 0
+    # Humming's layout was made at load: new weights written by SGLang's update path are refused, saying so.
+    settings = Settings(simulate="12.0", backends="humming,prefill", select="fastest")
+    with pytest.raises(RefusedToServe, match="humming serves every layer from its own layout made at load"):
+        with serving.weights_updating(settings):
+            layer.weight.data.copy_(layer.weight.data.flip(0))
