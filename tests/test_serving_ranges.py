@@ -17,6 +17,7 @@ from helpers.fastest import kernel
 
 import sm120_fp4
 from sm120_fp4 import serving
+from sm120_fp4.backends import humming
 from sm120_fp4.config import Settings
 from sm120_fp4.demo import synthetic
 from sm120_fp4.errors import RefusedToServe
@@ -228,6 +229,17 @@ def test_fastest_with_a_converting_candidate_verifies_each_on_its_own_weights(cl
     assert set(decision.timings_ms) == {"humming", "other"}
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+    assert humming.startup()["memory"], "both layouts held while both may serve"
+    _autotune_warmup()  # the last decision before capture: humming's layout is freed where it does not serve
+    assert bool(humming.startup()["memory"]) == (faster == "humming")
+    assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+
+
+def _autotune_warmup() -> None:
+    """SGLang's BaseRunner.warmup, its own warm-up (the autotune) standing in: the library's hook retimes after it."""
+    from sglang.srt.model_executor.runner.base_runner import BaseRunner
+
+    BaseRunner.warmup(types.SimpleNamespace(model_context=contextlib.nullcontext, _warmup=lambda: None))
 
 
 @case(

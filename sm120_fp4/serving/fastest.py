@@ -13,7 +13,7 @@ from ..deciding import Choice, Decision, Refusal, time_call
 from ..errors import RefusedToServe
 from .collective import gather, ranks, refusal
 from .layers import _layer_check, _verify_everything
-from .records import LayerCheck, _served, _Serving, record_refusal, route_text
+from .records import LayerCheck, _release, _served, _Serving, record_refusal, route_text
 
 SEPARATION = 1.03  # a backend faster by less than this ratio of the range's time is within noise: no split
 timer: Callable[[Callable[[], object], torch.device], float] = time_call  # the timing seam (tests replace it)
@@ -83,6 +83,11 @@ def retime(settings: Settings) -> None:
     for serving in served:
         with serving.lock:
             measure(serving, list(serving.checks.values()), new=False)
+    # The last decision before capture: what a candidate serving no device prepared (its own layouts) is freed.
+    routes = {(s.family.name, n) for s in _served() for n in [n for _, n in s.decision.ranges] or [s.decision.backend]}
+    for serving in served:
+        for name in (n for n in serving.candidates if (serving.family.name, n) not in routes):
+            _release(serving, name)
 
 
 def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
