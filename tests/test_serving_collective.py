@@ -52,6 +52,7 @@ def test_every_rank_takes_the_same_route_whatever_its_own_timings(ranks):
     first, second = ranks["timings"]
     assert first["route"] == second["route"] == "b", (first, second)
     assert first["retimed"] == second["retimed"] == "a (M<=512), b (M>512)"
+    assert "the times of 2 ranks summed" in first["reason"]
 
 
 @case(

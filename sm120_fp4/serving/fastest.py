@@ -1,4 +1,5 @@
-"""SELECT=fastest: each M range served by the verified candidate fastest at its serving batch sizes and boundaries."""
+"""SELECT=fastest: each M range served by the verified candidate fastest at its serving batch sizes and boundaries,
+the same on every rank under tensor parallelism (every rank's timings and failures, through .collective)."""
 
 from __future__ import annotations
 
@@ -185,7 +186,9 @@ def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, ti
     elif choice is not first:
         decision.layers = list(serving.candidate_layers.get(decision.backend, []))
     decision.timings_ms = {name: sum(t.values()) for name, t in times.items()}
+    world = ranks()[1]
+    summed = f"; the times of {world} ranks summed" if world > 1 else ""
     decision.reason = (
         f"fastest of {len(times)} verified candidates on the served layer configurations at their serving batch "
-        f"sizes ({route_text(decision)}; {n} configuration(s))"
+        f"sizes ({route_text(decision)}; {n} configuration(s){summed})"
     )

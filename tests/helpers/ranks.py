@@ -67,6 +67,13 @@ def _retime() -> str:
     return sm120_fp4.status().routes[-1]
 
 
+def _reason() -> str:
+    from sm120_fp4 import serving
+
+    [decision] = serving.decisions()
+    return decision.reason
+
+
 def main(rank: int, port: int) -> None:
     import torch.distributed as dist
 
@@ -97,7 +104,7 @@ def main(rank: int, port: int) -> None:
     _register("b", clock, cost_b)
     found = _load(rank, "a,b")
     cost_a[0], cost_b[0] = _cost({0: (1.0, 1.0), 1: (1.0, 10.0)}, rank), _cost({0: (2.0, 2.0), 1: (2.0, 2.0)}, rank)
-    say("timings", {**found, "retimed": _retime()})
+    say("timings", {**found, "retimed": _retime(), "reason": _reason()})
 
     # 2. `b` (faster) wrong on rank 1 only, at the layer's width: rank 1 replaces it by `a`, rank 0 follows.
     cost_a[0], cost_b[0] = _cost({0: (2.0, 2.0), 1: (2.0, 2.0)}, rank), _cost({0: (1.0, 1.0), 1: (1.0, 1.0)}, rank)
