@@ -49,15 +49,22 @@ class Decision(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def backend_info(self) -> dict | None:
-        """Return what the serving backend says about itself now (humming), or None."""
-        names = backends.moe_names() if self.family == "moe" else backends.names()
-        if self.backend not in names:
-            return None  # unregistered since (a test's backend)
-        try:
-            describe = backends.backend_of(self.family, self.backend).describe
-            return describe() if describe is not None else None
-        except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"}
+        """Return what the serving backend says about itself now (humming), or None; a route split by batch size:
+        what each of its backends says, by name (a converting one's memory: its layout next to the checkpoint's)."""
+        if len(self.ranges) < 2:
+            return _describe(self.family, self.backend)
+        found = {name: _describe(self.family, name) for name in dict.fromkeys(n for _, n in self.ranges)}
+        return {name: info for name, info in found.items() if info is not None} or None
+
+
+def _describe(family: str, name: str) -> dict | None:
+    if name not in (backends.moe_names() if family == "moe" else backends.names()):
+        return None  # unregistered since (a test's backend)
+    try:
+        describe = backends.backend_of(family, name).describe
+        return describe() if describe is not None else None
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 class Refusal(BaseModel):
@@ -252,10 +259,11 @@ def _self_tests(device: Device, names: list[str], settings: Settings, family: Fa
     return passed, reports
 
 
-def _fastest(device: Device, passed: list[str], family: Family) -> tuple[str, str, dict[str, float]]:
-    """Return (the fastest of `passed` over the self-test shapes, why, each one's milliseconds)."""
+def _fastest(device: Device, passed: list[str], family: Family, rejected: dict, gather: Callable | None) -> tuple:
+    """Return (the candidates that passed on every rank, the fastest first, each one's milliseconds): dense ones timed
+    over the self-test shapes, summed over the ranks; a candidate that failed on another rank is `rejected` here."""
     tdev, timings = device.torch_device, {}
-    for name in passed:
+    for name in passed if family is DENSE and len(passed) > 1 else ():
         _announce("timing", family, device, name)
         fn, total = backends.resolve(name), 0.0
         for i, shape in enumerate(verify.DEFAULT_SHAPES):  # one call at each self-test shape, summed
@@ -263,9 +271,15 @@ def _fastest(device: Device, passed: list[str], family: Family) -> tuple[str, st
             out = torch.empty(shape[0], shape[1], dtype=torch.bfloat16, device=tdev)
             total += time_call(lambda: fn(*args, torch.bfloat16, out), tdev)
         timings[name] = total * 1e3
-    best = min(passed, key=timings.__getitem__)
-    why = f"fastest of {len(passed)} verified candidates ({timings[best]:.3g} ms over the self-test shapes)"
-    return best, why, timings
+    # `gather`: every rank the same choice from the same numbers.
+    every = gather(f"the {family.what} self-tests", (passed, timings)) if gather else [(passed, timings)]
+    for rank, (theirs, _) in enumerate(every):
+        for name in (n for n in passed if n not in theirs):
+            rejected.setdefault(name, f"passed its self-test here, but not on rank {rank}")
+    common = [n for n in passed if n not in rejected]
+    timed = len(common) > 1 and all(set(common) <= set(t) for _, t in every)
+    summed = {n: sum(t[n] for _, t in every) for n in common} if timed else {}
+    return sorted(common, key=lambda n: summed.get(n, 0.0)), summed
 
 
 def _unverified(device: Device, candidates: list, settings: Settings, family: Family, supported, rejected, reports):
@@ -293,19 +307,23 @@ def choose(
     settings: Settings,
     family: Family | None = None,
     crashed: Mapping[str, str] | None = None,
+    gather: Callable | None = None,
 ) -> Choice:
     """Self-test `candidates` in order on `device` and choose one; RefusedToServe (with its reasons) when none may serve.
 
     `crashed`: the candidates that crashed a preflight process on this device, and why (the caller reads the
-    verdict store: nothing here reads a file)."""
+    verdict store: nothing here reads a file). `gather(point, facts)` (a choice every rank makes): every rank's
+    facts, so that SELECT=fastest chooses alike."""
     family = family or DENSE
     start = time.perf_counter()
     supported, rejected = _supported(device, candidates, family, crashed or {})
     passed, reports = _self_tests(device, supported, settings, family, rejected)
     timings: dict[str, float] = {}
-    if passed and settings.select == "fastest" and len(passed) > 1 and family is DENSE:
-        choice, reason, timings = _fastest(device, passed, family)
-        verified = True
+    if settings.select == "fastest" and (gather or len(passed) > 1):
+        passed, timings = _fastest(device, passed, family, rejected, gather)
+    if timings:
+        choice, verified = passed[0], True
+        reason = f"fastest of {len(passed)} verified candidates ({timings[choice]:.3g} ms over the self-test shapes)"
     elif passed:
         choice, verified, reason = passed[0], True, "first candidate to pass its self-test"
     else:

@@ -11,12 +11,16 @@ import types
 
 import pytest
 import torch
+from helpers import fastest
 from helpers.cases import case
+from helpers.fastest import kernel
 
 import sm120_fp4
-from sm120_fp4 import backends, deciding, serving
-from sm120_fp4.backends import emulated_mm_fp4
+from sm120_fp4 import serving
+from sm120_fp4.backends import humming
+from sm120_fp4.config import Settings
 from sm120_fp4.demo import synthetic
+from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER
 
@@ -34,31 +38,7 @@ def _uninstalled(sglang_unpatched):
 
 @pytest.fixture
 def clock(monkeypatch):
-    """A stand-in clock: each backend call advances it by its cost at that M; the seam reads it."""
-    now = [0.0]
-
-    def timer(call, device):
-        start = now[0]
-        call()
-        return now[0] - start
-
-    monkeypatch.setattr(serving.fastest, "timer", timer)
-    monkeypatch.setattr(deciding, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    return now
-
-
-def kernel(name, clock, calls, cost, wrong=lambda m: False):
-    """Register backend `name`: right (unless `wrong(M)`), costing `cost(M)`, logging (name, M)."""
-
-    def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
-        calls.append((name, a.shape[0]))
-        clock[0] += cost(a.shape[0])
-        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
-        if wrong(a.shape[0]):
-            out.mul_(0.5)
-        return out
-
-    backends.register(name, gemm)
+    return fastest.use_clock(monkeypatch)
 
 
 def decode_fast(m):
@@ -187,10 +167,10 @@ def test_the_canary_check_calls_every_serving_backend(clock):
 
 def test_plan_splits_only_where_each_range_is_separated_from_the_single_fastest():
     times = {"a": {1: 1.0, 8: 1.0, 2048: 10.0}, "b": {1: 2.0, 8: 2.0, 2048: 5.0}}
-    assert serving.fastest.plan(times, ["a", "b"]) == [(8, "a"), (None, "b")]
-    assert serving.fastest.plan(times, ["b"]) == [(None, "b")], "a backend that cannot split serves alone"
+    assert serving.fastest.plan(times) == [(8, "a"), (None, "b")]
+    assert serving.fastest.plan({"b": times["b"]}) == [(None, "b")]
     close = {"a": {1: 1.0, 2048: 1.02}, "b": {1: 1.02, 2048: 1.0}}
-    assert serving.fastest.plan(close, ["a", "b"]) == [(None, "a")]
+    assert serving.fastest.plan(close) == [(None, "a")]
 
 
 @case(
@@ -216,3 +196,82 @@ def test_retime_after_autotune_splits_the_route(clock):
     [decision] = serving.decisions()
     assert decision.ranges == [(BOUND, "decode"), (None, "prefill")]
     assert {("decode", BOUND), ("prefill", BOUND + 1)} <= set(calls), "the split is verified at its boundary"
+
+
+# ---- a converting candidate (humming, through its CPU stand-in) beside a non-converting one ----------------------
+
+
+@pytest.fixture
+def humming_clock(clock, monkeypatch):
+    with fastest.timed_humming(clock, monkeypatch, decode_fast) as box:
+        yield box
+
+
+@case(
+    "configuration",
+    "SELECT=fastest with humming (converts each layer to its own layout) first and a registered non-converting "
+    "kernel second, {faster} the faster",
+    "the faster one serves; both verified on their own prepared weights from the checkpoint's bytes, neither refused",
+)
+@pytest.mark.parametrize("faster", ["humming", "other"])
+def test_fastest_with_a_converting_candidate_verifies_each_on_its_own_weights(clock, humming_clock, faster):
+    calls = []
+    humming_clock.cost = (lambda m: 1.0) if faster == "humming" else (lambda m: 10.0)
+    kernel("other", clock, calls, lambda m: 5.0)
+    ckpt = synthetic.make_checkpoint(256, 512)  # Humming's alignment: converted in SGLang's own storage
+    sm120_fp4.install(simulate="12.0", backends="humming,other", select="fastest")
+    method, layer = layers.build_modelopt_layer(ckpt)
+    record = serving.records._records[("dense", -1)]
+    assert record.failed == {}, record.failed
+    [decision] = serving.decisions()
+    assert decision.backend == ("humming" if faster == "humming" else "other") and decision.verified
+    assert decision.layers and all(r.passed for r in decision.layers)
+    assert set(decision.timings_ms) == {"humming", "other"}
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+    assert humming.startup()["memory"], "both layouts held while both may serve"
+    _autotune_warmup()  # the last decision before capture: humming's layout is freed where it does not serve
+    assert bool(humming.startup()["memory"]) == (faster == "humming")
+    assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+
+
+def _autotune_warmup() -> None:
+    """SGLang's BaseRunner.warmup, its own warm-up (the autotune) standing in: the library's hook retimes after it."""
+    from sglang.srt.model_executor.runner.base_runner import BaseRunner
+
+    BaseRunner.warmup(types.SimpleNamespace(model_context=contextlib.nullcontext, _warmup=lambda: None))
+
+
+@case(
+    "configuration",
+    "SELECT=fastest with humming (converting) faster at decode sizes (M<=512) and a registered non-converting kernel "
+    "faster at prefill sizes",
+    "the route is split: humming below the boundary on its own layout next to the layer's (which keeps the "
+    "checkpoint's bytes for the other), verified at the boundary and boundary+1; status shows humming's extra memory",
+)
+def test_a_split_puts_a_converting_backend_on_one_side(clock, humming_clock):
+    calls = []
+    humming_clock.cost = decode_fast
+    kernel("prefill", clock, calls, prefill_fast)
+    ckpt = synthetic.make_checkpoint(256, 512)
+    sm120_fp4.install(simulate="12.0", backends="humming,prefill", select="fastest")
+    method, layer = layers.build_modelopt_layer(ckpt)
+    [decision] = serving.decisions()
+    assert decision.ranges == [(BOUND, "humming"), (None, "prefill")], decision.reason
+    [split] = [r for r in decision.layers if r.passed]
+    assert {BOUND, BOUND + 1} <= {s.m for s in split.shapes}, "verified at the boundary and just above it"
+    assert torch.equal(layer.weight, ckpt.weight), "the layer keeps the checkpoint's bytes"
+    humming_clock.calls.clear()
+    calls.clear()
+    for m in (BOUND, BOUND + 1):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        assert torch.equal(method.apply(layer, x), synthetic.reference_output(ckpt, x))
+    assert humming_clock.calls == [("humming", BOUND)] and calls == [("prefill", BOUND + 1)]
+    status = sm120_fp4.status().model_dump(mode="json")
+    [memory] = status["decisions"][0]["backend_info"]["humming"]["memory"].values()
+    assert memory["layers"] == 1 and not memory["in_place"] and memory["extra_bytes"] > 0
+    # Humming's layout was made at load: new weights written by SGLang's update path are refused, saying so.
+    settings = Settings(simulate="12.0", backends="humming,prefill", select="fastest")
+    with pytest.raises(RefusedToServe, match="humming serves every layer from its own layout made at load"):
+        with serving.weights_updating(settings):
+            layer.weight.data.copy_(layer.weight.data.flip(0))

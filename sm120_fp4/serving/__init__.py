@@ -1,5 +1,7 @@
-"""Serving: records (.records), layer checks (.layers), replacing (.replace), SELECT=fastest, re-checks (.updates)."""
+"""Serving: records (.records), layer checks (.layers), replacing (.replace), SELECT=fastest (.fastest, shared by the
+ranks through .collective), re-checks (.updates)."""
 
+from .collective import use_group
 from .fastest import retime
 from .records import (
     LayerCheck,
@@ -33,4 +35,4 @@ from .updates import (
 __all__ = ["LayerCheck", "verify_layer", "recheck", "retime", "reverify", "weights_updating", "weights_update_begin"]
 __all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "clear"]
 __all__ += ["route", "route_table", "routes", "Served", "served_configurations", "served_layer", "check_served"]
-__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang"]
+__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang", "use_group"]

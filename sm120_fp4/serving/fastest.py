@@ -1,17 +1,20 @@
-"""SELECT=fastest: each M range served by the verified candidate fastest at its serving batch sizes and boundaries."""
+"""SELECT=fastest: each M range served by the verified candidate fastest at its serving batch sizes and boundaries,
+the same on every rank under tensor parallelism (every rank's timings and failures, through .collective)."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
 from .. import backends
 from ..config import Settings
-from ..deciding import Choice, Decision, time_call
+from ..deciding import Choice, Decision, Refusal, time_call
+from ..errors import RefusedToServe
+from .collective import gather, ranks, refusal
 from .layers import _layer_check, _verify_everything
-from .records import LayerCheck, _served, _Serving, route_text
+from .records import LayerCheck, _release, _served, _Serving, record_refusal, route_text
 
 SEPARATION = 1.03  # a backend faster by less than this ratio of the range's time is within noise: no split
 timer: Callable[[Callable[[], object], torch.device], float] = time_call  # the timing seam (tests replace it)
@@ -26,15 +29,15 @@ def ranged(bounds: tuple[int, ...], fns: tuple[Callable, ...]) -> Callable:
     return by_batch_size
 
 
-def plan(times: dict[str, dict[int, float]], splittable: list[str]) -> list[tuple[int | None, str]]:
+def plan(times: dict[str, dict[int, float]]) -> list[tuple[int | None, str]]:
     """Return [(largest M, backend), ..., (None, backend)]: one range unless a split beats noise."""
     sizes = sorted(set.intersection(*(set(t) for t in times.values())))
     total = {n: sum(t[m] for m in sizes) for n, t in times.items()}
     single = min(total, key=total.__getitem__)
     best, gain = [(None, single)], 0.0
-    for i in range(len(sizes) - 1 if single in splittable else 0):
+    for i in range(len(sizes) - 1):
         low, high = sizes[: i + 1], sizes[i + 1 :]
-        parts = [(part, min(splittable, key=lambda n: sum(times[n][m] for m in part))) for part in (low, high)]
+        parts = [(part, min(times, key=lambda n: sum(times[n][m] for m in part))) for part in (low, high)]
         if parts[0][1] == parts[1][1]:
             continue
         cost = {name: sum(times[name][m] for m in part) for part, name in parts}
@@ -71,18 +74,28 @@ def _time(serving: _Serving, check: LayerCheck) -> dict[int, float]:
 
 def retime(settings: Settings) -> None:
     """Time every verified candidate again on every configuration and route again (after autotune, before capture)."""
-    for serving in _served():
+    # Whether it runs depends on the settings alone: under tensor parallelism every rank takes part, or none.
+    if settings.select != "fastest":
+        return
+    served = [serving for serving in _served() if serving.checks]
+    every = _shared(settings, "the retime after warm-up", sorted(s.family.name for s in served))
+    if any(families != every[0] for families in every):
+        _refuse(settings, refusal(f"the ranks serve different kernel families after warm-up ({every})"))
+    for serving in served:
         with serving.lock:
-            if settings.select == "fastest" and serving.checks:
-                measure(serving, list(serving.checks.values()), new=False)
+            measure(serving, list(serving.checks.values()), new=False)
+    # The last decision before capture: what a candidate serving no device prepared (its own layouts) is freed.
+    routes = {(s.family.name, n) for s in _served() for n in [n for _, n in s.decision.ranges] or [s.decision.backend]}
+    for serving in served:
+        for name in (n for n in serving.candidates if (serving.family.name, n) not in routes):
+            _release(serving, name)
 
 
 def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
     """Time every candidate still eligible on `checks` (checking it first on a `new` configuration), then route."""
     first, base = serving.choice, serving.choice.decision
-    names = [r.backend for r in base.reports if r.passed] or [base.backend]
-    names = [n for n in dict.fromkeys([base.backend, *names]) if n not in serving.failed]
-    if len(names) < 2 and not base.ranges:
+    names = [n for n in serving.candidates if n not in serving.failed]
+    if len(names) < 2 and not base.ranges and ranks()[1] < 2:
         return
     singles = {n: first if n == base.backend and not base.ranges else _single(serving, base, n) for n in names}
     try:
@@ -98,33 +111,69 @@ def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
                     continue
                 serving.candidate_layers.setdefault(name, []).append(report)
             timings.update({c.key: _time(serving, c) for c in checks})
-        _settle(serving, singles, first)
+        _settle(serving, singles, first, f"{'a new' if new else 'the retimed'} {serving.family.what} configuration")
     except BaseException:
         serving.serve(first)
         raise
 
 
-def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice) -> None:
-    """Route to the fastest plan whose backends pass every check at their ranges, else back to `first`."""
+def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice, point: str) -> None:
+    """Route to the fastest plan whose backends pass every check at their ranges on every rank, else back to `first`."""
     keys = list(serving.checks)
     eligible = [n for n in singles if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
+    # milliseconds per batch size summed over the configurations (the sizes every one was timed at)
+    sizes = {n: set.intersection(*(set(serving.timings[n][k]) for k in keys)) for n in eligible}
+    times = _everyone(
+        serving, point, {n: {m: sum(serving.timings[n][k][m] for k in keys) for m in sizes[n]} for n in eligible}
+    )
+    eligible = list(times)
     while eligible:
-        # milliseconds per batch size summed over the configurations (the sizes every one was timed at)
-        sizes = {n: set.intersection(*(set(serving.timings[n][k]) for k in keys)) for n in eligible}
-        times = {n: {m: sum(serving.timings[n][k][m] for k in keys) for m in sizes[n]} for n in eligible}
-        splittable = [n for n in eligible if backends.backend_of(serving.family.name, n).converter is None]
-        ranges = plan(times, splittable)
+        ranges = plan({n: times[n] for n in eligible})
         choice = _split(serving, first.decision, ranges, singles)
         serving.serve(choice)
         bad, reports = None, []
         if choice is not first:  # a switch: every layer so far (and every configuration at a boundary)
             reports, bad = _verify_everything(serving, None, False, configurations=len(ranges) > 1)
-        if bad is None:
+        found = bad and (bad.backend, f"{bad.config}: {bad.reason}")
+        every = _shared(serving.settings, f"the route checked on {point}", found, serving)
+        failed = next(((rank, f) for rank, f in enumerate(every) if f is not None), None)
+        if failed is None:  # on every rank
             _describe(serving, choice, first, ranges, times, reports, len(keys))
             return
-        serving.failed[bad.backend] = f"{bad.config}: {bad.reason}"
-        eligible.remove(bad.backend)
+        rank, (name, why) = failed
+        serving.failed.setdefault(name, why if rank == ranks()[0] else f"{why} (on rank {rank})")
+        eligible.remove(name)
     serving.serve(first)
+    if ranks()[1] > 1:  # the ranks' routes would differ
+        problem = f"no {serving.family.what} route passes every check on every rank: {serving.failed}"
+        _refuse(serving.settings, refusal(problem), serving)
+
+
+def _everyone(serving: _Serving, point: str, times: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """Return the candidates timed on every rank and failed on none, with their times summed over the ranks (one rank:
+    `times`); a failure on another rank marks the candidate failed here too."""
+    every = _shared(serving.settings, point, (times, dict(serving.failed)), serving)
+    for rank, (_, failed) in enumerate(every):
+        for name, why in failed.items():
+            serving.failed.setdefault(name, f"{why} (on rank {rank})")
+    ranked = [n for n in every[0][0] if n not in serving.failed and all(n in t for t, _ in every)]
+    sizes = {n: set.intersection(*(set(t[n]) for t, _ in every)) for n in ranked}
+    return {n: {m: sum(t[n][m] for t, _ in every) for m in sizes[n]} for n in ranked}
+
+
+def _shared(settings: Settings, point: str, facts: object, serving: _Serving | None = None) -> list:
+    """Return every rank's `facts` at `point`; a rank missing or elsewhere is a recorded refusal (RefusedToServe)."""
+    try:
+        return gather(point, facts, settings.selftest_timeout)
+    except RefusedToServe as exc:
+        _refuse(settings, str(exc), serving)
+
+
+def _refuse(settings: Settings, message: str, serving: _Serving | None = None) -> NoReturn:
+    """Record and raise the refusal of a decision the ranks cannot take alike."""
+    where = {"device": serving.device.label(), "family": serving.family.name} if serving else {"device": "?"}
+    record_refusal(Refusal(**where, message=message), settings)
+    raise RefusedToServe(message)
 
 
 def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):
@@ -137,7 +186,9 @@ def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, ti
     elif choice is not first:
         decision.layers = list(serving.candidate_layers.get(decision.backend, []))
     decision.timings_ms = {name: sum(t.values()) for name, t in times.items()}
+    world = ranks()[1]
+    summed = f"; the times of {world} ranks summed" if world > 1 else ""
     decision.reason = (
         f"fastest of {len(times)} verified candidates on the served layer configurations at their serving batch "
-        f"sizes ({route_text(decision)}; {n} configuration(s))"
+        f"sizes ({route_text(decision)}; {n} configuration(s){summed})"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from ..config import Settings, check_flashinfer_env, load_settings
 from ..deciding import FAMILIES, Choice, Decision, Family, Refusal, candidate_names, choose, log_decision, serves
 from ..devices import Device
 from ..errors import ConfigError, RefusedToServe
+from .collective import gather
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -102,9 +104,23 @@ class _Serving:
         return route_text(self.decision) if self.serving is not None else "original"
 
     @property
+    def candidates(self) -> list[str]:
+        """Return the backends SELECT=fastest may move this device to: every verified candidate of its decision."""
+        base = self.decision
+        names = [r.backend for r in base.reports if r.passed and r.backend not in base.rejected]
+        return list(dict.fromkeys([base.backend, *names]))
+
+    @property
+    def beside(self) -> bool:
+        """Return whether a converting backend keeps its own layout next to each layer's (which keeps the
+        checkpoint's bytes): SELECT=fastest with several verified candidates, any of which may serve any range."""
+        return self.settings is not None and self.settings.select == "fastest" and len(self.candidates) > 1
+
+    @property
     def converter(self) -> backends.Converter | None:
-        """Return how the serving backend converts each layer's weights (humming), or None."""
-        return backends.backend_of(self.family.name, self.decision.backend).converter
+        """Return how the serving backend converts each layer's weights at load (humming), or None (also: beside)."""
+        converter = backends.backend_of(self.family.name, self.decision.backend).converter
+        return None if converter is not None and converter.in_place and self.beside else converter
 
     @property
     def fn(self) -> Callable | None:
@@ -225,8 +241,14 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
                 "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first"
             )
         try:
+            # Every rank decides here (its first layer): SELECT=fastest chooses alike on every rank.
             choice = choose(
-                device, names, settings, family, verdicts.crashed(settings.verdicts_path, device, family.name)
+                device,
+                names,
+                settings,
+                family,
+                crashed=verdicts.crashed(settings.verdicts_path, device, family.name),
+                gather=functools.partial(gather, timeout_s=settings.selftest_timeout),
             )
         except RefusedToServe as exc:
             refusal = Refusal(device=device.label(), family=family.name, message=str(exc))

@@ -129,7 +129,8 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report, settings: Set
 def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: list, settings: Settings):
     """Record the replacement `decision` that passed everything; return its report for `check`."""
     decision.layers = reports
-    if check.key not in serving.checks:
+    new = check.key not in serving.checks
+    if new:
         serving.checks[check.key] = check
     for tensors in serving.seen.values():
         layers._settle(serving, tensors)
@@ -137,6 +138,8 @@ def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: l
     layers._record_layer(serving, check, layers._fingerprint(check))
     what = f"{serving.device.label()}: {report.backend} failed {report.config}; serving with {decision.backend}"
     _LOG.warning(f"sm120_fp4: {what}, which passes every layer configuration and layer")
+    if new and settings.select == "fastest":  # as after any new configuration: on every rank alike
+        measure(serving, [check], new=True)
     report_file.request(settings)
     return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
 

@@ -142,13 +142,17 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
     for serving in _served():
         with serving.lock:
             changed = _changed_layers(serving)
-            if changed and serving.converter is not None and serving.converter.in_place:
+            route = [name for _, name in serving.decision.ranges] or [serving.decision.backend]
+            converting = [
+                n for n in route if getattr(backends.backend_of(serving.family.name, n).converter, "in_place", False)
+            ]
+            if changed and converting:
                 names = [record.label for _, record, _ in changed]
                 message = (
-                    f"SGLang updated the weights of {len(names)} layer(s) ({capped(names)}), but "
-                    f"{serving.decision.backend} converted every served layer to its own layout in place at load, "
-                    "and the new weights cannot be verified or served in that layout in this process; restart the "
-                    "server with the new weights"
+                    f"SGLang updated the weights of {len(names)} layer(s) ({capped(names)}), but {converting[0]} "
+                    "serves every layer from its own layout made at load (in place, or next to the checkpoint's bytes "
+                    "with SELECT=fastest), and the new weights cannot be verified or served in that layout in this "
+                    "process; restart the server with the new weights"
                 )
                 _refuse_now(serving, names[0], "weights updated in place", message, settings)
             for key, record, check in changed:

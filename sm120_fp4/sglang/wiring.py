@@ -18,7 +18,7 @@ from ..deciding import serves
 from ..devices import get_device
 from ..errors import ConfigError, RefusedToServe, say_once
 from ..versions import version_in
-from .autotune import tunable_backends
+from .autotune import tp_cpu_group, tunable_backends
 from .hooks import layer_device_index, layer_name
 from .moe import (
     SEAM_VERSIONS,
@@ -169,6 +169,7 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         undo.append(sim.undo)
     undo.append(apply_env_knobs(patcher))
     undo.append(b12x_moe.engine_check(b12x_problem))  # SGLang's server settings under which b12x cannot serve
+    undo.append(serving.use_group(tp_cpu_group))
     patcher.add(specs)
     return undo
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Callable
 
 import torch
@@ -110,8 +111,14 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         specs += simulation.specs()
         sim.arm()
         undo.append(sim.undo)
+    undo.append(serving.use_group(_tp_cpu_group))
     patcher.add(specs)
     return undo
+
+
+def _tp_cpu_group() -> object:
+    """Return vLLM's tensor-parallel CPU (gloo) group, where SELECT=fastest's ranks share their decisions."""
+    return sys.modules["vllm.distributed.parallel_state"].get_tp_group().cpu_group  # raises where it is not up
 
 
 def canary_problem(settings) -> str | None:

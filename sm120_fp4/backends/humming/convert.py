@@ -43,9 +43,17 @@ def forget() -> None:
 
 
 def memory() -> dict[str, dict]:
-    """Return the memory of converted layers against their NVFP4 tensors, per configuration."""
+    """Return the memory of converted layers against their NVFP4 tensors, per configuration: converted in place,
+    and (while their layers live) Humming's layouts held next to the checkpoint's bytes (SELECT=fastest)."""
     with lock:
-        return {k: dict(v) for k, v in _memory.items()}
+        found = {k: dict(v) for k, v in _memory.items()}
+        for (_, how), conv in converted.items():
+            if how != IN_PLACE and conv.owner() is not None:
+                fresh = {"layers": 0, "in_place": False, "extra_bytes": 0}
+                entry = found.setdefault(f"{conv.family} {conv.prepared.label} next to the checkpoint's bytes", fresh)
+                entry["layers"] += 1
+                entry["extra_bytes"] += conv.extra_bytes
+        return found
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -113,6 +121,7 @@ def _prepare(weight, sf, dtype, experts: int | None, family: str, keep: bool, la
         if key in converted:
             return
         conv = converted[key] = _convert(weight, sf, dtype, experts, family, True, keep)
+        converted.pop((key[0], dtype), None)  # a layout made next to it before (SELECT=fastest) is no longer read
         nvfp4_bytes = weight.nbytes + sf.nbytes
         fresh = {"layers": 0, "in_place": conv.in_place, "nvfp4_bytes": nvfp4_bytes, "extra_bytes": conv.extra_bytes}
         entry = _memory.setdefault(f"{label} {conv.prepared.label}", fresh)
