@@ -171,7 +171,7 @@ def test_launch_execs_the_command_with_the_toggle_after_a_passing_preflight(back
 def test_launch_refuses_to_start_the_server_when_preflight_fails(monkeypatch, capsys, tmp_path):
     marker = tmp_path / "started"
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
-    monkeypatch.setattr(cli.launch.os, "execvpe", lambda *args: pytest.fail(f"exec {args}"))
+    monkeypatch.setattr(cli.launch, "_spawn", lambda *args: pytest.fail(f"exec {args}"))
     code, _, err = cli_in_process(
         monkeypatch,
         capsys,
@@ -396,7 +396,7 @@ def launch_in_process(monkeypatch, capsys, *args, env):
     execs = []
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
     monkeypatch.setattr(
-        cli.launch.os, "execvpe", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4")))
+        cli.launch, "_spawn", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4")))
     )
     code, _, err = cli_in_process(monkeypatch, capsys, "launch", *args, env=env)
     return code, err, (execs[0] if execs else None)
@@ -604,7 +604,7 @@ def test_launch_never_starts_a_server_that_would_load_a_crash_it_could_not_recor
     with pytest.MonkeyPatch.context() as mp:
         execs = []
         mp.setenv("SM120_FP4", "0")
-        mp.setattr(cli.launch.os, "execvpe", lambda file, argv, environ: execs.append(argv))
+        mp.setattr(cli.launch, "_spawn", lambda file, argv, environ: execs.append(argv))
         for k, v in {**SIM_BOTH, "SM120_FP4_BACKENDS": "crash,emulated", "SM120_FP4_VERDICTS": verdicts}.items():
             mp.setenv(k, v)
         previous = cli.use_worker_runner(_crashing_first("crash"))
@@ -638,7 +638,7 @@ def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, caps
     monkeypatch.delenv(cli.COREDUMP_WAIT_VAR, raising=False)
     monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
     monkeypatch.setattr(
-        cli.launch.os, "execvpe", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR))
+        cli.launch, "_spawn", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR))
     )
     monkeypatch.setenv("SM120_FP4", "0")
     assert cli.main(["launch", "--", *command]) == 0

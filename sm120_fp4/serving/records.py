@@ -160,6 +160,8 @@ class _Process:
     updating: int = 0  # SGLang weight updates in progress (weights_updating)
     updating_since: float | None = None  # time.monotonic() when the open weight updates began (None: none open)
     last_settings: Settings | None = None  # the settings of the last decide() / verify_layer() (the watchdog's refusal)
+    rank: Callable[[], dict[str, int]] = dict  # the engine's ranks of this process (api wires the engine homes')
+    verifying: dict[tuple, str] = field(default_factory=dict)  # decide() key -> what it self-tests now (the report)
 
 
 _process = _Process()
@@ -224,13 +226,22 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
                 f"configuration(s) with {record.decision.backend}; a refreshed decision would serve them unchecked. "
                 "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first"
             )
+        mark = (family.name, device.index, key)
+        _process.verifying[mark] = f"{family.what} on {device.label()}"
+        report_file.update(settings)  # before the first check: a rank the engine stops meanwhile says so
         try:
             choice = choose(device, names, settings, family)
         except RefusedToServe as exc:
+            _process.verifying.pop(mark, None)
+            where = devices.rank_text(_process.rank())
+            if where:  # the engine's log names the rank that refused
+                exc.args = (f"{exc} ({where})", *exc.args[1:])
             refusal = Refusal(device=device.label(), family=family.name, message=str(exc))
             refusal.rejected, refusal.reports = getattr(exc, "rejected", {}), getattr(exc, "reports", [])
             record_refusal(refusal, settings)
             raise
+        finally:
+            _process.verifying.pop(mark, None)
         record.store(key, choice)
     log_decision(choice.decision)
     report_file.update(settings)
@@ -238,10 +249,19 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
 
 
 def record_refusal(refusal: Refusal, settings: Settings) -> None:
-    """Record a refusal (ours or the serving canary's) for status and the report file."""
+    """Record a refusal (ours or the serving canary's) for status and the report file, with this process's ranks."""
+    refusal.rank = refusal.rank or _process.rank()
+    where = devices.rank_text(refusal.rank)
+    if where and where not in refusal.message:
+        refusal.message = f"{refusal.message} ({where})"
     with _lock:
         _refusals.append(refusal)
     report_file.update(settings)  # before the process exits: the record of why it refused
+
+
+def use_rank(source: Callable[[], dict[str, int]]) -> None:
+    """Read this process's engine ranks from `source` from now on (api: the engine homes' ``rank()``)."""
+    _process.rank = source
 
 
 def refusals() -> list[Refusal]:
@@ -257,8 +277,10 @@ def decisions() -> list[Decision]:
 
 
 def report_sections() -> dict[str, Callable[[], object]]:
-    """Return this process's report-file sections: its decisions and refusals."""
+    """Return this process's report-file sections: its ranks, what it verifies now, its decisions and refusals."""
     return {
+        "rank": lambda: _process.rank(),
+        "verifying": lambda: sorted(_process.verifying.values()),
         "decisions": lambda: [d.model_dump(mode="json") for d in decisions()],
         "refusals": lambda: [r.model_dump(mode="json") for r in refusals()],
     }

@@ -123,7 +123,7 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report, settings: Set
     refusal = Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message)
     refusal.rejected, refusal.reports = rejected, failures
     record_refusal(refusal, settings)
-    raise RefusedToServe(message)
+    raise RefusedToServe(refusal.message)  # with the rank that refused, where the engine has several
 
 
 def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: list, settings: Settings):

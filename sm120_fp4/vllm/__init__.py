@@ -7,9 +7,10 @@ from importlib import import_module
 NAME = "vllm"
 _LAZY = {
     **dict.fromkeys("attach idle_point_problem canary_problem".split(), "wiring"),
-    **dict.fromkeys("launches release_support carried_fix engine_version unverified_release".split(), "release"),
+    **dict.fromkeys("launches release_support carried_fix engine_version unverified_release rank".split(), "release"),
     **dict.fromkeys(("OPT_OUT", "OPT_OUT_SAYS"), "release"),
     "doctor_section": "targets",
+    "cpu_tp_env": "simulation",
 }
 __all__ = ["NAME", *_LAZY]
 

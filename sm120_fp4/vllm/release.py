@@ -83,3 +83,13 @@ def launches(command: list[str]) -> bool:
 def carried_fix() -> str | None:
     """vLLM carries no patches/ diff of this library."""
     return None
+
+
+PARALLEL_STATE = "vllm.distributed.parallel_state"
+
+
+def rank() -> dict[str, int]:
+    """Return this process's ranks in vLLM's parallel groups (``tp_rank``, ``tp_size``, pp, ep), or {} before any."""
+    from ..devices import parallel_rank
+
+    return parallel_rank(PARALLEL_STATE, {"tp": "get_tp_group", "pp": "get_pp_group", "ep": "get_ep_group"})
