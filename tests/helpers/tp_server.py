@@ -8,6 +8,8 @@ nothing to ranks); each rank writes its own report file in FOLDER/reports.
   no ranks and passes it; rank 1 refuses in the server and the whole server must exit non-zero before its port opens.
 * ``rank1-hang``: a kernel that hangs on rank 1 only; SM120_FP4_SELFTEST_TIMEOUT=HANG_TIMEOUT_S: rank 1's watchdog
   must end it, and the server with it.
+
+A fourth argument GPUS runs SGLang at TP=GPUS on this host's GPUs instead (scripts/multi_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -31,13 +33,19 @@ HANG_TIMEOUT_S = 30  # the self-test bound in the hang scenario; the watchdog's 
 SMALL = ["--chunked-prefill-size", "256", "--cuda-graph-max-bs-decode", "8"]  # a short start on 2 cores
 
 
-def _command(engine: str, model: Path, port: int) -> list[str]:
+def _command(engine: str, model: Path, port: int, gpus: int = 0) -> list[str]:
     where = ["--host", "127.0.0.1", "--port", str(port)]
     if engine == "sglang":
         from sm120_fp4.demo.server import CPU_SERVER_ARGS
 
-        server = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *where, *CPU_SERVER_ARGS]
-        return [*server, "--tp", "2", *SMALL]
+        server = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), *where]
+        return [
+            *server,
+            *(CPU_SERVER_ARGS if not gpus else ["--mem-fraction-static", "0.5"]),
+            "--tp",
+            str(gpus or 2),
+            *SMALL,
+        ]
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *where]
     server += ["--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4", "--max-num-batched-tokens", "256"]
     return [*server, "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.1"]
@@ -66,7 +74,8 @@ def _ask(engine: str, model: Path, port: int) -> str:
     return answer["text"] if engine == "sglang" else answer["choices"][0]["text"]
 
 
-def run(engine: str, scenario: str, folder: Path) -> dict:
+def run(engine: str, scenario: str, folder: Path, gpus: int = 0) -> dict:
+    """Run one scenario; `gpus` > 0: SGLang at TP=`gpus` on this host's GPUs (scripts/multi_gpu_check.py), not the CPU."""
     model, port, reports = dense_checkpoint(folder / "ckpt"), free_port(), folder / "reports"
     reports.mkdir(mode=0o700)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SM120_FP4")}
@@ -83,11 +92,11 @@ def run(engine: str, scenario: str, folder: Path) -> dict:
     )
     if scenario == "rank1-hang":
         env["SM120_FP4_SELFTEST_TIMEOUT"] = str(HANG_TIMEOUT_S)
-    if engine == "sglang":
+    if engine == "sglang" and not gpus:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     else:
         env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-    launcher = [sys.executable, "-m", "sm120_fp4", "launch", "--", *_command(engine, model, port)]
+    launcher = [sys.executable, "-m", "sm120_fp4", "launch", "--", *_command(engine, model, port, gpus)]
     log = folder / "server.log"
     started = time.monotonic()
     with open(log, "w") as out:
@@ -130,4 +139,5 @@ def run(engine: str, scenario: str, folder: Path) -> dict:
 
 
 if __name__ == "__main__":
-    print("TP-RESULT " + json.dumps(run(sys.argv[1], sys.argv[2], Path(sys.argv[3]))), flush=True)
+    gpus = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    print("TP-RESULT " + json.dumps(run(sys.argv[1], sys.argv[2], Path(sys.argv[3]), gpus)), flush=True)
