@@ -648,6 +648,72 @@ def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, caps
 
 
 @case(
+    "configuration",
+    "`sm120-fp4 launch -- python -m sglang.launch_server ... --tp 2` in simulation with SGLang's CPU engine; then "
+    "with the operator's own SGLANG_CPU_OMP_THREADS_BIND; then without the CPU engine",
+    "the command gets SGLANG_CPU_OMP_THREADS_BIND: this process's cores split into one group per rank (`0|1` on 2 "
+    "cores), said on stderr; the operator's value is left as set; without the CPU engine nothing is set",
+)
+def test_launch_splits_the_cores_over_the_cpu_engines_ranks_unless_the_operator_did(monkeypatch, capsys):
+    import os
+
+    command = [sys.executable, "-c", "print('started')", "--tp", "2"]
+    seen = []
+    monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
+    monkeypatch.setattr(
+        cli.launch, "_spawn", lambda file, argv, env: seen.append(env.get("SGLANG_CPU_OMP_THREADS_BIND"))
+    )
+    for name, value in {"SM120_FP4": "0", "SM120_FP4_SIMULATE": "12.0", "SGLANG_USE_CPU_ENGINE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    assert cli.main(["launch", "--", *command]) == 0
+    cores = sorted(os.sched_getaffinity(0))
+    groups = seen[0].split("|")
+    assert len(groups) == 2 and ("0|1" == seen[0] or len(cores) != 2), seen
+    assert f"SGLANG_CPU_OMP_THREADS_BIND={seen[0]}" in capsys.readouterr().err
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert cli.main(["launch", "--", *command]) == 0
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND")
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")
+    assert cli.main(["launch", "--", *command]) == 0
+    assert seen[1:] == ["0-3|4-7", None]
+
+
+RANK_REFUSES = """
+import sm120_fp4
+from sm120_fp4 import serving
+sm120_fp4.decide(candidates=["emulated"])  # wires the report, as a server process's install does
+serving.use_rank(lambda: {"tp_rank": 1, "tp_size": 2})  # this process is TP rank 1 of 2, as the engine says
+serving.decide(candidates=["zeros"])  # refused: RefusedToServe ends the process, as in a server's rank
+"""
+
+
+@case(
+    "backend faults",
+    "`sm120-fp4 launch -- CMD` where CMD is TP rank 1 of 2 and refuses a zero-returning kernel (the report unset)",
+    "launch exits with the command's code and prints which rank refused and why, from the report its processes "
+    "wrote in launch's own private folder (removed afterwards)",
+)
+@pytest.mark.subprocess
+def test_launch_names_the_rank_that_refused_when_the_server_exits(monkeypatch, capsys, tmp_path):
+    import os
+
+    monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
+    env = {"SM120_FP4": "0", "SM120_FP4_SIMULATE": "12.0", "SM120_FP4_VERDICTS": "off"}
+    env["PYTHONPATH"] = f"{plugin_site(tmp_path / 'plugins')}{os.pathsep}{REPO}"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SM120_FP4_REPORT", raising=False)
+    assert cli.main(["launch", "--", sys.executable, "-c", RANK_REFUSES]) == 1
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("sm120-fp4 launch: TP rank 1/2 (pid ")]
+    assert said and "no FP4 GEMM backend passed verification. (TP rank 1/2)" in said[0], err
+    assert "(zeros: self-test failed: " in said[0] and "output is all zeros" in said[0], err
+    assert "sm120-fp4 launch: the server exited with code 1" in err
+    assert "SM120_FP4_REPORT" not in os.environ
+
+
+@case(
     "backend faults",
     "candidate that kills its process (SIGSEGV, as an illegal memory access does) in `sm120-fp4 selftest`, SELECT=fastest",
     "the preflight survives: the crash is recorded in the verdict file (GPU, capability, driver, CUDA, FlashInfer, family, backend), the worker re-runs without it and verifies the next candidate (exit 0); a serving process then skips it, naming the crash and when it was recorded",

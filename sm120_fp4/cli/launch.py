@@ -122,7 +122,9 @@ def _refusal_lines(report: str) -> list[str]:
         for proc in processes:
             who = f"{rank_text(proc.get('rank') or {}) or 'process'} (pid {proc.get('pid')})"
             mine = [r for r in payload.get("refusals", []) if r.get("pid") == proc.get("pid")]
-            lines += [f"{who} refused: {str(r.get('message', '')).splitlines()[0]}" for r in mine]
+            for r in mine:
+                why = "; ".join(f"{name}: {reason}" for name, reason in (r.get("rejected") or {}).items())
+                lines.append(f"{who} refused: {str(r.get('message', '')).splitlines()[0]}{f' ({why})' if why else ''}")
             if not mine and proc.get("verifying"):
                 stopped.append(f"{who} was stopped while verifying {', '.join(proc['verifying'])}")
     return lines + stopped

@@ -233,9 +233,7 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
             choice = choose(device, names, settings, family)
         except RefusedToServe as exc:
             _process.verifying.pop(mark, None)
-            where = devices.rank_text(_process.rank())
-            if where:  # the engine's log names the rank that refused
-                exc.args = (f"{exc} ({where})", *exc.args[1:])
+            exc.args = (_with_rank(str(exc), _process.rank()), *exc.args[1:])  # the engine's log names the rank
             refusal = Refusal(device=device.label(), family=family.name, message=str(exc))
             refusal.rejected, refusal.reports = getattr(exc, "rejected", {}), getattr(exc, "reports", [])
             record_refusal(refusal, settings)
@@ -251,12 +249,19 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
 def record_refusal(refusal: Refusal, settings: Settings) -> None:
     """Record a refusal (ours or the serving canary's) for status and the report file, with this process's ranks."""
     refusal.rank = refusal.rank or _process.rank()
-    where = devices.rank_text(refusal.rank)
-    if where and where not in refusal.message:
-        refusal.message = f"{refusal.message} ({where})"
+    refusal.message = _with_rank(refusal.message, refusal.rank)
     with _lock:
         _refusals.append(refusal)
     report_file.update(settings)  # before the process exits: the record of why it refused
+
+
+def _with_rank(message: str, rank: dict[str, int]) -> str:
+    """Return `message` with its first line ending in the rank of several that refused ("... (TP rank 1/2)")."""
+    where = devices.rank_text(rank)
+    if not where or f"({where})" in message:
+        return message
+    first, *rest = message.split("\n", 1)
+    return "\n".join([f"{first} ({where})", *rest])
 
 
 def use_rank(source: Callable[[], dict[str, int]]) -> None:
