@@ -8,21 +8,9 @@ from __future__ import annotations
 from importlib import import_module
 
 NAME = "sglang"
-_RELEASE = [
-    "engine_version",
-    "release_support",
-    "carried_fix",
-    "sglang_version",
-    "unverified_release",
-    "OPT_OUT",
-    "rank",
-]
-_LAZY = {
-    "attach": "wiring",
-    "idle_point_problem": "wiring",
-    "cpu_tp_env": "simulation",
-    **dict.fromkeys([*_RELEASE, "OPT_OUT_SAYS"], "release"),
-}
+_RELEASE = "engine_version release_support carried_fix sglang_version unverified_release OPT_OUT rank".split()
+_LAZY = {"attach": "wiring", "idle_point_problem": "wiring", "cpu_tp_env": "simulation"}
+_LAZY |= dict.fromkeys([*_RELEASE, "OPT_OUT_SAYS"], "release")
 __all__ = ["NAME", *_LAZY]
 
 
