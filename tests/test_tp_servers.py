@@ -138,5 +138,6 @@ def test_the_server_demo_at_tp2_answers_then_refuses_the_kernel_wrong_at_the_qkv
     assert re.search(r"POST /generate 'The capital of France is' -> '.*' \((\d+) tokens", out), out[-4000:]
     assert "fused qkv shape (N=256, K=256, each of 2 TP ranks' shard)" in out
     for rank in (0, 1):  # each rank verified its own shards
-        assert re.search(rf"\(TP rank {rank}/2\): \w+ ModelOptFp4LinearMethod N=256 K=128: verified with emulated", out)
+        for config in ("ModelOptFp4LinearMethod N=256 K=128 ", "ModelOptNvFp4FusedMoEMethod E=8 H=256 I=64 "):
+            assert re.search(rf"\(TP rank {rank}/2\): \w+ {config}.*: verified with emulated", out), (rank, config)
     assert re.search(r"\(TP rank \d/2\): REFUSED: .*ModelOptFp4LinearMethod N=256 K=256.*TP rank \d/2", out), out

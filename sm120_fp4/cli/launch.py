@@ -69,25 +69,21 @@ def _exec(command: list[str]) -> int:
         os.environ[COREDUMP_WAIT_VAR] = LAUNCH_COREDUMP_WAIT_S
     wait = f"{COREDUMP_WAIT_VAR}={os.environ[COREDUMP_WAIT_VAR]}"
     _eprint(f"sm120-fp4 launch: run {' '.join(command)} with SM120_FP4=1 and {wait}")
-    own_report = None
-    if not os.environ.get("SM120_FP4_REPORT"):  # where the ranks say which refused: a private folder of this run
-        own_report = tempfile.mkdtemp(prefix="sm120_fp4_launch_")
-        os.environ["SM120_FP4_REPORT"] = own_report
+    own_report = None if os.environ.get("SM120_FP4_REPORT") else tempfile.mkdtemp(prefix="sm120_fp4_launch_")
+    report = os.environ["SM120_FP4_REPORT"] = own_report or os.environ["SM120_FP4_REPORT"]  # where ranks say why
     try:
         code = _spawn(command[0], command, os.environ)
+        if code:
+            _eprint(f"sm120-fp4 launch: the server exited with code {code}")
+            for line in _refusal_lines(report):
+                _eprint(f"sm120-fp4 launch: {line}")
     except OSError as exc:
         _eprint(f"sm120-fp4 launch: cannot run {command[0]!r}: {exc}")
         return EXIT_USAGE
     finally:
-        report = os.environ["SM120_FP4_REPORT"]
-        if own_report is not None:
+        if own_report is not None:  # a private folder of this run: gone with it
             del os.environ["SM120_FP4_REPORT"]
-    if code:
-        _eprint(f"sm120-fp4 launch: the server exited with code {code}")
-        for line in _refusal_lines(report):
-            _eprint(f"sm120-fp4 launch: {line}")
-    if own_report is not None:
-        shutil.rmtree(own_report, ignore_errors=True)
+            shutil.rmtree(own_report, ignore_errors=True)
     return code or EXIT_OK
 
 
