@@ -409,18 +409,9 @@ def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
         size, extra = divmod(len(cores), ranks)
         bounds = [r * size + min(r, extra) for r in range(ranks + 1)]
         groups = [cores[bounds[r] : bounds[r + 1]] for r in range(ranks)]
-    return "|".join(",".join(_core_ranges(group)) for group in groups)
-
-
-def _core_ranges(cores: list[int]) -> list[str]:
-    """Return `cores` (sorted) as ranges: [0, 1, 2, 5] -> ["0-2", "5"]."""
-    out: list[list[int]] = []
-    for core in cores:
-        if out and core == out[-1][1] + 1:
-            out[-1][1] = core
-        else:
-            out.append([core, core])
-    return [f"{a}-{b}" if b > a else str(a) for a, b in out]
+    # A run of cores as "a-b", others listed ("0,2,4"): the form libnuma's cpu strings (both engines) read.
+    contiguous = lambda g: g == list(range(g[0], g[-1] + 1))  # noqa: E731
+    return "|".join(f"{g[0]}-{g[-1]}" if contiguous(g) and len(g) > 1 else ",".join(map(str, g)) for g in groups)
 
 
 def ranks_in(command: list[str], flags: dict[str, tuple[str, ...]]) -> int:
