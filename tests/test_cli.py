@@ -679,6 +679,37 @@ def test_launch_splits_the_cores_over_the_cpu_engines_ranks_unless_the_operator_
     assert seen[1:] == ["0-3|4-7", None]
 
 
+KILLED_LAUNCHER = """
+import os, signal, subprocess, sys, time
+server = "import os, time; open('server.pid', 'w').write(str(os.getpid())); time.sleep(120)"
+launch = subprocess.Popen([sys.executable, '-m', 'sm120_fp4', 'launch', '--', sys.executable, '-c', server])
+deadline = time.monotonic() + 120
+while not os.path.exists('server.pid') and time.monotonic() < deadline:
+    time.sleep(0.1)
+time.sleep(0.5)
+pid = int(open('server.pid').read())
+os.kill(launch.pid, signal.SIGKILL)  # no handler runs: as the out-of-memory killer or `kill -9` ends it
+launch.wait()
+deadline = time.monotonic() + 30
+while os.path.exists(f'/proc/{pid}') and time.monotonic() < deadline:
+    time.sleep(0.1)
+print('server gone' if not os.path.exists(f'/proc/{pid}') else 'server left running')
+"""
+
+
+@case(
+    "interrupts",
+    "`sm120-fp4 launch -- CMD` killed by SIGKILL while CMD serves (no GPU: nothing to verify, CMD started at once)",
+    "CMD, launch's child, gets SIGTERM and ends (its parent-death signal): no server is left running without launch",
+)
+@background(
+    lambda folder: Popen([sys.executable, "-c", KILLED_LAUNCHER], clean_env(PYTHONPATH=str(REPO)), folder, folder)
+)
+def test_the_server_ends_when_launch_is_killed(background):
+    rc, out, err = background
+    assert rc == 0 and out.strip().splitlines()[-1] == "server gone", (out, err)
+
+
 RANK_REFUSES = """
 import sm120_fp4
 from sm120_fp4 import serving

@@ -4,6 +4,7 @@ failure, which rank refused and why (from the report its processes wrote)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -89,7 +90,8 @@ def _exec(command: list[str]) -> int:
 
 def _spawn(file: str, argv: list[str], environ) -> int:
     """Run the server as this process's child, forwarding SIGTERM, SIGINT and SIGHUP; return its exit status."""
-    proc = subprocess.Popen(argv, executable=shutil.which(file, path=environ.get("PATH")) or file, env=environ)
+    executable = shutil.which(file, path=environ.get("PATH")) or file
+    proc = subprocess.Popen(argv, executable=executable, env=environ, preexec_fn=_end_with_launcher)
     forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     before = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
     try:
@@ -98,6 +100,14 @@ def _spawn(file: str, argv: list[str], environ) -> int:
         for s, handler in before.items():
             signal.signal(s, handler)
     return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
+
+
+def _end_with_launcher() -> None:
+    """In the server's process: SIGTERM it when launch ends (even by SIGKILL), as when launch was the server."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # Linux's prctl(PR_SET_PDEATHSIG); elsewhere nothing
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def _refusal_lines(report: str) -> list[str]:
