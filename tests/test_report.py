@@ -79,7 +79,7 @@ SERVER = (
 
 @case(
     "reports",
-    "`sm120-fp4 launch` that passes, then the server it starts (the same process, after exec) decides and writes the same report",
+    "`sm120-fp4 launch` that passes, then the server it starts (its child) decides and writes the same report",
     "the report holds the preflight's decisions and the server's: the server's write keeps the preflight's section",
 )
 @background(
@@ -93,8 +93,8 @@ def test_the_server_launch_starts_keeps_the_preflight_report(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
     report = _report(stdout)
-    roles = [(p["role"], p["pid"]) for p in report["processes"]]
-    assert [r for r, _ in roles] == ["preflight", "worker"] and roles[0][1] == roles[1][1]  # exec keeps the pid
+    roles = [(p["role"], p["run"]) for p in report["processes"]]
+    assert [r for r, _ in roles] == ["preflight", "worker"] and roles[0][1] == roles[1][1]  # one run: launch's group
     assert sorted(d["family"] for d in report["decisions"]) == ["dense", "dense", "moe"]
 
 

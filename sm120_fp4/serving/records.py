@@ -161,7 +161,7 @@ class _Process:
     updating_since: float | None = None  # time.monotonic() when the open weight updates began (None: none open)
     last_settings: Settings | None = None  # the settings of the last decide() / verify_layer() (the watchdog's refusal)
     rank: Callable[[], dict[str, int]] = dict  # the engine's ranks of this process (api wires the engine homes')
-    verifying: dict[tuple, str] = field(default_factory=dict)  # decide() key -> what it self-tests now (the report)
+    verifying: dict[object, str] = field(default_factory=dict)  # what it self-tests now (the report), by check
 
 
 _process = _Process()
@@ -285,7 +285,7 @@ def report_sections() -> dict[str, Callable[[], object]]:
     """Return this process's report-file sections: its ranks, what it verifies now, its decisions and refusals."""
     return {
         "rank": lambda: _process.rank(),
-        "verifying": lambda: sorted(_process.verifying.values()),
+        "verifying": lambda: sorted(_process.verifying.copy().values()),  # a copy: other threads' decides change it
         "decisions": lambda: [d.model_dump(mode="json") for d in decisions()],
         "refusals": lambda: [r.model_dump(mode="json") for r in refusals()],
     }

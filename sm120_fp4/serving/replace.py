@@ -39,7 +39,13 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         known = serving.checks.get(check.key)
         full = known is None
         if problem is None:
-            report, fingerprint = layers._layer_check(serving, check, full)
+            if full:  # said in the report before the check: a rank the engine stops meanwhile says so
+                _process.verifying[id(check)] = f"{check.named()} on {serving.device.label()}"
+                report_file.update(settings)
+            try:
+                report, fingerprint = layers._layer_check(serving, check, full)
+            finally:
+                _process.verifying.pop(id(check), None)
         else:
             report, fingerprint = verify.report_for(serving.decision.backend, serving.device, config=check.label), None
             report.reason = problem
