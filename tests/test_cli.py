@@ -391,8 +391,8 @@ def test_an_unverified_preflight_has_its_own_exit_code(monkeypatch, capsys, mode
 
 
 def launch_in_process(monkeypatch, capsys, *args, env):
-    """`sm120-fp4 launch ARGS` in this process, its workers too; exec recorded, not made:
-    (exit code, stderr, the exec'd argv and its SM120_FP4, or None)."""
+    """`sm120-fp4 launch ARGS` in this process, its workers too; the command's start recorded, not made:
+    (exit code, stderr, the started argv and its SM120_FP4, or None)."""
     execs = []
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
     monkeypatch.setattr(
