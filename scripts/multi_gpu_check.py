@@ -20,6 +20,10 @@ verified backend; everything else -- workers, device mapping, reports, NCCL, gra
 4. A backend wrong on the last GPU only (an entry-point backend, as a real kernel would be found):
    that GPU's worker refuses, the others verify, `launch` does not start the command, the report
    names that GPU.
+5. With two GPUs or more, real SGLang servers at TP=N through `launch` (tests/helpers/tp_server.py, as the CPU
+   suite's tests/test_tp_servers.py runs them at TP=2): one serves with every rank's layers verified (the report
+   lists them per rank, each process with its `rank`); one with a kernel wrong on TP rank 1 only exits non-zero
+   before its port opens, and `launch`'s output, the report and the refusal name `TP rank 1/N`.
 """
 
 from __future__ import annotations
@@ -254,6 +258,38 @@ def fault(out: Path, count: int) -> dict:
     }
 
 
+def tp_servers(out: Path, count: int) -> dict:
+    """Scenario 5: SGLang at TP=count on the GPUs: served (each rank's layers), then refused on TP rank 1 only."""
+    from helpers.tp_server import run as tp_run
+
+    result = {}
+    for scenario in ("served", "rank1-zeros"):
+        folder = out / f"tp-{scenario}"
+        folder.mkdir(exist_ok=True)
+        r = tp_run("sglang", scenario, folder, gpus=count)
+        procs = [p for report in r["reports"] for p in report["processes"] if "tp_rank" in (p.get("rank") or {})]
+        refusals = [x for report in r["reports"] for x in report.get("refusals", [])]
+        result[scenario] = {
+            "port_opened": r["port_opened"],
+            "returncode": r["returncode"],
+            "start_s": r.get("start_s"),
+            "ranks": sorted(p["rank"]["tp_rank"] for p in procs),
+            "refusal_ranks": [x.get("rank") for x in refusals],
+            "launcher": r["launcher"],
+            "log_tail": r["log"][-1500:],
+        }
+    said = f"TP rank 1/{count}"
+    result["ok"] = (
+        result["served"]["port_opened"]
+        and result["served"]["ranks"] == list(range(count))
+        and not result["rank1-zeros"]["port_opened"]
+        and result["rank1-zeros"]["returncode"] not in (0, None)
+        and any(said in line for line in result["rank1-zeros"]["launcher"])
+        and any((x or {}).get("tp_rank") == 1 for x in result["rank1-zeros"]["refusal_ranks"])
+    )
+    return result
+
+
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "multi-gpu-results").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -267,6 +303,7 @@ def main() -> int:
         ("mapping", lambda: mapping(found)),
         ("workers", lambda: workers(out, len(found))),
         ("fault", lambda: fault(out, len(found))),
+        *([("tp_servers", lambda: tp_servers(out, len(found)))] if len(found) >= 2 else []),
     ):
         try:
             summary[name] = step()
@@ -281,6 +318,7 @@ def main() -> int:
         else False,
         "workers": summary["workers"].get("ok", False),
         "fault": summary["fault"].get("ok", False),
+        **({"tp_servers": summary["tp_servers"].get("ok", False)} if "tp_servers" in summary else {}),
     }
     summary["ok"] = ok
     (out / "multi_gpu.json").write_text(json.dumps(summary, indent=2, default=str))

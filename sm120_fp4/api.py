@@ -50,6 +50,7 @@ class Status(BaseModel):
     decisions: list[deciding.Decision]
     refusals: list[deciding.Refusal]
     canary: CanaryStatus
+    rank: dict[str, int] = {}  # this process's ranks in its engine's parallel groups (tp_rank, tp_size, ...)
     engines: dict[str, dict[str, Any]] = {}  # each engine home: its installed version, supported or not, and why
     flashinfer_overrides: dict[str, str] = {}  # FLASHINFER_NVFP4_* set here: install() refuses while any is
 
@@ -174,9 +175,15 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
 
 def _wire_process() -> None:
     """Wire serving's report sections and the watchdog's hang hook (idempotent; never at import)."""
+    serving.use_rank(rank)
     report_file.sections.update(serving.report_sections())
     if serving.on_hang not in verify.hang_hooks:
         verify.hang_hooks.append(serving.on_hang)
+
+
+def rank() -> dict[str, int]:
+    """Return this process's ranks in its engine's parallel groups (``tp_rank``, ``tp_size``, ...), or {}."""
+    return next((r for r in (engine.rank() for engine in ENGINES) if r), {})
 
 
 @functools.wraps(serving.decide)
@@ -295,6 +302,7 @@ def status() -> Status:
         here |= {"routes": state.router.routes() if state else {}, "moe_routes": serving.routes("moe") if state else {}}
         here |= {"decisions": serving.decisions(), "refusals": serving.refusals(), "canary": canary.status(settings)}
         here["engines"] = {engine.name: _engine_status(engine) for engine in ENGINES}
+        here["rank"] = rank()
         return Status(**here, flashinfer_overrides=flashinfer_overrides())
 
 

@@ -74,6 +74,7 @@ class Refusal(BaseModel):
     config: str | None = None
     family: str = "dense"
     message: str
+    rank: dict[str, int] = Field(default_factory=dict)  # the engine's ranks of this process (tp_rank, tp_size, ...)
     rejected: dict[str, str] = Field(default_factory=dict)  # candidate -> why it was not served
     reports: list[verify.SelfTestReport] = Field(default_factory=list)
 

@@ -375,3 +375,54 @@ def use_probe(probe: Probe) -> Iterator[None]:
         with _lock:
             _probe_override = previous
             _cache.clear()
+
+
+def parallel_rank(module: str, groups: dict[str, str]) -> dict[str, int]:
+    """Return this process's ranks from an engine's parallel-state `module` (already imported), or {} (none yet).
+
+    `groups`: a prefix ("tp", "pp", "ep") -> the module's function returning that group (``rank_in_group``,
+    ``world_size``); a group not created in this process is left out.
+    """
+    state = sys.modules.get(module)
+    ranks: dict[str, int] = {}
+    for prefix, getter in groups.items():
+        try:
+            group = getattr(state, getter)()
+            ranks |= {f"{prefix}_rank": int(group.rank_in_group), f"{prefix}_size": int(group.world_size)}
+        except Exception:  # not imported, not initialised, or not this release: no such rank
+            continue
+    return ranks
+
+
+def rank_text(rank: dict[str, int], every: bool = False) -> str:
+    """Return ``"TP rank 1/2"`` (and PP, EP ranks where their size is above 1, or `every` one), or "" for none."""
+    shown = [p for p in ("tp", "pp", "ep") if f"{p}_size" in rank and (every or rank[f"{p}_size"] > 1)]
+    return ", ".join(f"{p.upper()} rank {rank[p + '_rank']}/{rank[p + '_size']}" for p in shown)
+
+
+def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
+    """Return the CPU engines' per-rank core list (``"0-7|8-15"``): this process's cores split over `ranks`."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if ranks > len(cores):  # fewer cores than ranks: they share (one each, in turn)
+        groups = [[cores[r % len(cores)]] for r in range(ranks)]
+    else:
+        size, extra = divmod(len(cores), ranks)
+        bounds = [r * size + min(r, extra) for r in range(ranks + 1)]
+        groups = [cores[bounds[r] : bounds[r + 1]] for r in range(ranks)]
+    # A run of cores as "a-b", others listed ("0,2,4"): the form libnuma's cpu strings (both engines) read.
+    contiguous = lambda g: g == list(range(g[0], g[-1] + 1))  # noqa: E731
+    return "|".join(f"{g[0]}-{g[-1]}" if contiguous(g) and len(g) > 1 else ",".join(map(str, g)) for g in groups)
+
+
+def ranks_in(command: list[str], flags: dict[str, tuple[str, ...]]) -> int:
+    """Return how many ranks `command` starts: the product of its parallel sizes (`flags`: a size -> its options)."""
+    total = 1
+    for options in flags.values():
+        size = 1
+        for i, arg in enumerate(command):
+            name, _, value = arg.partition("=")
+            if name in options:
+                value = value or (command[i + 1] if i + 1 < len(command) else "1")
+                size = int(value) if value.isdigit() and int(value) > 0 else 1
+        total *= size
+    return total

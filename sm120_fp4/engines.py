@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import locks
 from .errors import say_once
@@ -137,8 +137,12 @@ class Engine:
         """Return whether `command` starts this engine's server."""
         return starts(command, self.name)
 
-    def ranks(self) -> dict[str, Any]:
-        """Return this process's place in the engine's parallelism (tp/ep/pp), as far as it is known."""
+    def rank(self) -> dict[str, int]:
+        """Return this process's ranks in the engine's parallel groups (``tp_rank``, ``tp_size``, pp, ep), or {}."""
+        return {}
+
+    def cpu_tp_env(self, command: list[str]) -> dict[str, str]:
+        """Return the variables the engine's CPU ranks need for `command` in simulation (an operator's own kept)."""
         return {}
 
 

@@ -73,7 +73,7 @@ def test_a_kernel_worn_out_while_serving_stops_the_server_within_one_period(back
         summary
     )
     assert re.search(r"CompressedTensorsW4A4Fp4 N=512 K=256 .*: verified", summary), summary
-    # The launcher (SGLang's server process, exec'd by sm120-fp4 launch) exited by itself, non-zero,
+    # The launcher (sm120-fp4 launch, whose child is SGLang's server process) exited by itself, non-zero,
     # and nothing of the server is left or listening.
     assert r["rc"] is not None and r["rc"] != 0, r["log"][-3000:]
     assert not r["listening_after"] and r["left"] == [] and not [p for p in [r["pid"]] if group_members(p)]

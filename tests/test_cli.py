@@ -171,7 +171,7 @@ def test_launch_execs_the_command_with_the_toggle_after_a_passing_preflight(back
 def test_launch_refuses_to_start_the_server_when_preflight_fails(monkeypatch, capsys, tmp_path):
     marker = tmp_path / "started"
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
-    monkeypatch.setattr(cli.launch.os, "execvpe", lambda *args: pytest.fail(f"exec {args}"))
+    monkeypatch.setattr(cli.launch, "_spawn", lambda *args: pytest.fail(f"exec {args}"))
     code, _, err = cli_in_process(
         monkeypatch,
         capsys,
@@ -452,12 +452,12 @@ def test_an_unverified_preflight_has_its_own_exit_code(monkeypatch, capsys, mode
 
 
 def launch_in_process(monkeypatch, capsys, *args, env):
-    """`sm120-fp4 launch ARGS` in this process, its workers too; exec recorded, not made:
-    (exit code, stderr, the exec'd argv and its SM120_FP4, or None)."""
+    """`sm120-fp4 launch ARGS` in this process, its workers too; the command's start recorded, not made:
+    (exit code, stderr, the started argv and its SM120_FP4, or None)."""
     execs = []
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
     monkeypatch.setattr(
-        cli.launch.os, "execvpe", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4")))
+        cli.launch, "_spawn", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4")))
     )
     code, _, err = cli_in_process(monkeypatch, capsys, "launch", *args, env=env)
     return code, err, (execs[0] if execs else None)
@@ -714,7 +714,7 @@ def test_launch_never_starts_a_server_that_would_load_a_crash_it_could_not_recor
     with pytest.MonkeyPatch.context() as mp:
         execs = []
         mp.setenv("SM120_FP4", "0")
-        mp.setattr(cli.launch.os, "execvpe", lambda file, argv, environ: execs.append(argv))
+        mp.setattr(cli.launch, "_spawn", lambda file, argv, environ: execs.append(argv))
         for k, v in {**SIM_BOTH, "SM120_FP4_BACKENDS": "crash,emulated", "SM120_FP4_VERDICTS": verdicts}.items():
             mp.setenv(k, v)
         previous = cli.use_worker_runner(_crashing_first("crash"))
@@ -773,13 +773,110 @@ def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, caps
     monkeypatch.delenv(cli.COREDUMP_WAIT_VAR, raising=False)
     monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
     monkeypatch.setattr(
-        cli.launch.os, "execvpe", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR))
+        cli.launch, "_spawn", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR))
     )
     monkeypatch.setenv("SM120_FP4", "0")
     assert cli.main(["launch", "--", *command]) == 0
     monkeypatch.setenv(cli.COREDUMP_WAIT_VAR, "30")
     assert cli.main(["launch", "--", *command]) == 0
     assert seen == ["0", "30"]
+
+
+@case(
+    "configuration",
+    "`sm120-fp4 launch -- python -m sglang.launch_server ... --tp 2` in simulation with SGLang's CPU engine; then "
+    "with the operator's own SGLANG_CPU_OMP_THREADS_BIND; then without the CPU engine",
+    "the command gets SGLANG_CPU_OMP_THREADS_BIND: this process's cores split into one group per rank (`0|1` on 2 "
+    "cores), said on stderr; the operator's value is left as set; without the CPU engine nothing is set",
+)
+def test_launch_splits_the_cores_over_the_cpu_engines_ranks_unless_the_operator_did(monkeypatch, capsys):
+    import os
+
+    command = [sys.executable, "-c", "print('started')", "--tp", "2"]
+    seen = []
+    monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
+    monkeypatch.setattr(
+        cli.launch, "_spawn", lambda file, argv, env: seen.append(env.get("SGLANG_CPU_OMP_THREADS_BIND"))
+    )
+    for name, value in {"SM120_FP4": "0", "SM120_FP4_SIMULATE": "12.0", "SGLANG_USE_CPU_ENGINE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    assert cli.main(["launch", "--", *command]) == 0
+    cores = sorted(os.sched_getaffinity(0))
+    groups = seen[0].split("|")
+    assert len(groups) == 2 and ("0|1" == seen[0] or len(cores) != 2), seen
+    assert f"SGLANG_CPU_OMP_THREADS_BIND={seen[0]}" in capsys.readouterr().err
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert cli.main(["launch", "--", *command]) == 0
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND")
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")
+    assert cli.main(["launch", "--", *command]) == 0
+    assert seen[1:] == ["0-3|4-7", None]
+
+
+KILLED_LAUNCHER = """
+import os, signal, subprocess, sys, time
+server = "import os, time; open('server.pid', 'w').write(str(os.getpid())); time.sleep(120)"
+launch = subprocess.Popen([sys.executable, '-m', 'sm120_fp4', 'launch', '--', sys.executable, '-c', server])
+deadline = time.monotonic() + 120
+while not os.path.exists('server.pid') and time.monotonic() < deadline:
+    time.sleep(0.1)
+time.sleep(0.5)
+pid = int(open('server.pid').read())
+os.kill(launch.pid, signal.SIGKILL)  # no handler runs: as the out-of-memory killer or `kill -9` ends it
+launch.wait()
+deadline = time.monotonic() + 30
+while os.path.exists(f'/proc/{pid}') and time.monotonic() < deadline:
+    time.sleep(0.1)
+print('server gone' if not os.path.exists(f'/proc/{pid}') else 'server left running')
+"""
+
+
+@case(
+    "interrupts",
+    "`sm120-fp4 launch -- CMD` killed by SIGKILL while CMD serves (no GPU: nothing to verify, CMD started at once)",
+    "CMD, launch's child, gets SIGTERM and ends (its parent-death signal): no server is left running without launch",
+)
+@background(
+    lambda folder: Popen([sys.executable, "-c", KILLED_LAUNCHER], clean_env(PYTHONPATH=str(REPO)), folder, folder)
+)
+def test_the_server_ends_when_launch_is_killed(background):
+    rc, out, err = background
+    assert rc == 0 and out.strip().splitlines()[-1] == "server gone", (out, err)
+
+
+RANK_REFUSES = """
+import sm120_fp4
+from sm120_fp4 import serving
+sm120_fp4.decide(candidates=["emulated"])  # wires the report, as a server process's install does
+serving.use_rank(lambda: {"tp_rank": 1, "tp_size": 2})  # this process is TP rank 1 of 2, as the engine says
+serving.decide(candidates=["zeros"])  # refused: RefusedToServe ends the process, as in a server's rank
+"""
+
+
+@case(
+    "backend faults",
+    "`sm120-fp4 launch -- CMD` where CMD is TP rank 1 of 2 and refuses a zero-returning kernel (the report unset)",
+    "launch exits with the command's code and prints which rank refused and why, from the report its processes "
+    "wrote in launch's own private folder (removed afterwards)",
+)
+@pytest.mark.subprocess
+def test_launch_names_the_rank_that_refused_when_the_server_exits(monkeypatch, capsys, tmp_path):
+    import os
+
+    monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
+    env = {"SM120_FP4": "0", "SM120_FP4_SIMULATE": "12.0", "SM120_FP4_VERDICTS": "off"}
+    env["PYTHONPATH"] = f"{plugin_site(tmp_path / 'plugins')}{os.pathsep}{REPO}"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SM120_FP4_REPORT", raising=False)
+    assert cli.main(["launch", "--", sys.executable, "-c", RANK_REFUSES]) == 1
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("sm120-fp4 launch: TP rank 1/2 (pid ")]
+    assert said and "no FP4 GEMM backend passed verification. (TP rank 1/2)" in said[0], err
+    assert "(zeros: self-test failed: " in said[0] and "output is all zeros" in said[0], err
+    assert "sm120-fp4 launch: the server exited with code 1" in err
+    assert "SM120_FP4_REPORT" not in os.environ
 
 
 @case(

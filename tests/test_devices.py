@@ -286,3 +286,29 @@ def test_a_worker_refuses_a_gpu_other_than_the_one_named(monkeypatch, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["usage"] and "not self-testing a GPU other than the one named" in result["message"]
     assert B.removeprefix("GPU-") in result["message"] and A in result["message"]
+
+
+# ---- several ranks of one engine on this machine's CPU cores ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ranks, cores, binding",
+    [
+        (2, [0, 1], "0|1"),
+        (2, [0, 1, 2, 3, 4], "0-2|3-4"),  # the spare core to the first rank
+        (2, [0, 2, 4, 6], "0,2|4,6"),  # cores not in a run: listed
+        (3, [0, 1], "0|1|0"),  # fewer cores than ranks: shared, one each in turn
+        (1, [3, 4, 5], "3-5"),
+    ],
+)
+def test_the_cpu_ranks_binding_splits_the_cores_into_one_group_per_rank(ranks, cores, binding):
+    assert devices.cpu_thread_binding(ranks, cores) == binding
+
+
+def test_the_ranks_a_command_starts_are_the_product_of_its_parallel_sizes():
+    flags = {"tp": ("--tp", "--tp-size"), "pp": ("--pp-size",)}
+    assert devices.ranks_in(["serve", "--tp", "2", "--pp-size=2"], flags) == 4
+    assert devices.ranks_in(["serve", "--tp", "1", "--tp-size", "4"], flags) == 4  # the last one given, as argparse
+    assert devices.ranks_in(["serve", "--tp"], flags) == 1 and devices.ranks_in(["serve"], flags) == 1
+    assert devices.rank_text({"tp_rank": 1, "tp_size": 2, "pp_rank": 0, "pp_size": 1}) == "TP rank 1/2"
+    assert devices.rank_text({"tp_rank": 0, "tp_size": 1}) == "" and devices.rank_text({}) == ""

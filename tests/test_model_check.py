@@ -63,6 +63,7 @@ def test_selftest_model_verifies_each_distinct_layer_configuration(
     assert len(configs) == 3 and all(c.startswith(kind) for c in configs), configs
     assert any("N=512 K=256" in c for c in configs), "q, k and v are verified as the one fused GEMM SGLang serves"
     assert result["checked"]["layers"] == 6, "2 layers x (qkv, o_proj, experts)"
+    assert result["pid"] == os.getpid() and result["rank"] == {}, "the table's pid and rank (none: no engine ranks)"
 
 
 def test_selftest_model_exits_1_with_a_broken_dense_kernel(sglang_unpatched, tmp_path, monkeypatch, capsys):

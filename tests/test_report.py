@@ -79,7 +79,7 @@ SERVER = (
 
 @case(
     "reports",
-    "`sm120-fp4 launch` that passes, then the server it starts (the same process, after exec) decides and writes the same report",
+    "`sm120-fp4 launch` that passes, then the server it starts (its child) decides and writes the same report",
     "the report holds the preflight's decisions and the server's: the server's write keeps the preflight's section",
 )
 @background(
@@ -93,8 +93,8 @@ def test_the_server_launch_starts_keeps_the_preflight_report(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
     report = _report(stdout)
-    roles = [(p["role"], p["pid"]) for p in report["processes"]]
-    assert [r for r, _ in roles] == ["preflight", "worker"] and roles[0][1] == roles[1][1]  # exec keeps the pid
+    roles = [(p["role"], p["run"]) for p in report["processes"]]
+    assert [r for r, _ in roles] == ["preflight", "worker"] and roles[0][1] == roles[1][1]  # one run: launch's group
     assert sorted(d["family"] for d in report["decisions"]) == ["dense", "dense", "moe"]
 
 
@@ -312,3 +312,44 @@ def test_a_vanished_report_directory_is_not_replaced_by_a_file(tmp_path, caplog,
     assert not target.exists() and any(
         "report" in r.getMessage() and "no longer exists" in r.getMessage() for r in caplog.records
     )
+
+
+# ---- ranks: which of a server's ranks wrote, verified, refused ---------------------------------------------------
+
+
+@case(
+    "reports",
+    "decide() in a process that is TP rank 1 of 2 (the engine's rank as serving reads it), with a candidate that "
+    "returns zeros; the candidate reads the report during its own self-test",
+    "the report said `verifying` before the first check ran (a rank the engine stops meanwhile still says so); the "
+    "refusal's message names `TP rank 1/2`; its record in status() and the report carries tp_rank and tp_size, as "
+    "does the process's entry",
+)
+def test_a_rank_records_that_it_verifies_before_the_first_check_and_its_refusal_names_the_rank(tmp_path):
+    from helpers import faults
+
+    from sm120_fp4 import backends
+    from sm120_fp4.errors import RefusedToServe
+
+    path, seen = tmp_path / "report.json", []
+
+    def zeros_reading_the_report(*args):
+        seen.append(json.loads(path.read_text())["processes"][-1])
+        return faults.returns_zeros(*args)
+
+    backends.register("zeros-reading", zeros_reading_the_report)
+    sm120_fp4.decide(candidates=["emulated"], settings=Settings(simulate="12.0", selftest="off"))  # wires the report
+    serving.use_rank(lambda: {"tp_rank": 1, "tp_size": 2})
+    try:
+        with pytest.raises(RefusedToServe, match=r"\(TP rank 1/2\)"):
+            serving.decide(candidates=["zeros-reading"], settings=Settings(simulate="12.0", report=str(path)))
+        refusal = sm120_fp4.status().refusals[0]
+    finally:
+        serving.use_rank(dict)
+    assert seen and seen[0]["verifying"] == ["FP4 GEMM on cpu 'simulated (no GPU)' (sm_120, simulated)"]
+    assert seen[0]["rank"] == {"tp_rank": 1, "tp_size": 2}
+    assert refusal.rank == {"tp_rank": 1, "tp_size": 2}
+    assert refusal.message.splitlines()[0].endswith("passed verification. (TP rank 1/2)"), refusal.message
+    written = json.loads(path.read_text())
+    assert written["refusals"][0]["rank"] == {"tp_rank": 1, "tp_size": 2}
+    assert written["processes"][-1]["verifying"] == [] and written["processes"][-1]["rank"]["tp_rank"] == 1

@@ -135,9 +135,7 @@ def test_launch_refuses_a_canary_that_could_not_run_before_the_preflight(tmp_pat
     marker = tmp_path / "started"
     for name, value in {"SM120_FP4_CANARY": "60", "SM120_FP4_SELFTEST": "off", "SM120_FP4_SIMULATE": "12.0"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(
-        cli.launch.os, "execvpe", lambda *args: pytest.fail(f"exec {args}")
-    )  # never this process replaced
+    monkeypatch.setattr(cli.launch, "_spawn", lambda *args: pytest.fail(f"exec {args}"))  # never this process replaced
     code = cli.main(["launch", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
     err = capsys.readouterr().err
     assert code == 2, err

@@ -166,3 +166,51 @@ def test_the_fp4_gemm_op_gets_a_cpu_kernel_only_where_it_has_none(background, ev
     rc, stdout, stderr = background
     assert rc == 0, stderr
     assert json.loads(stdout.strip().splitlines()[-1]) == expected
+
+
+NCCL_CHILD = """
+import json, os, sys
+import sm120_fp4
+sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
+from sglang.srt.distributed.device_communicators.pynccl import PyNcclCommunicator
+from sglang.srt.distributed.utils import StatelessProcessGroup
+out = {}
+try:  # rank 0 of two, as each CPU rank of a TP=2 server builds it
+    comm = PyNcclCommunicator(StatelessProcessGroup(rank=0, world_size=2, store=None), device="cpu")
+    out["communicator"] = {"available": comm.available, "disabled": comm.disabled}
+except Exception as exc:
+    out["communicator"] = f"{type(exc).__name__}: {exc}"
+entry = next(p for p in sm120_fp4.status().patches if p.name == "sim-cpu-engine-nccl-off")
+out["ledger"] = [entry.state, entry.reason]
+print(json.dumps(out))
+"""
+
+
+@case(
+    "configuration",
+    "install(simulate) with SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1), then SGLang builds its NCCL communicator "
+    "for a TP rank of two (a CUDA-build torch finds libnccl); and the same with the operator's SGLANG_NCCL_SO_PATH",
+    "the communicator is built disabled (SGLang's own non-GPU branch: the ranks all-reduce over gloo), in the "
+    "ledger as applied; with the operator's SGLANG_NCCL_SO_PATH the stand-in stays out and says why",
+)
+@pytest.mark.parametrize("operator_path", [False, True], ids=["library", "operator"])
+@background(
+    lambda folder, operator_path: python(
+        NCCL_CHILD,
+        folder,
+        cwd=folder,
+        PYTHONPATH=str(REPO),
+        SGLANG_USE_CPU_ENGINE="1",
+        **({"SGLANG_NCCL_SO_PATH": str(folder / "operator-nccl.so")} if operator_path else {}),
+    )
+)
+def test_sglangs_nccl_communicator_is_off_for_its_cpu_engine_unless_the_operator_set_its_path(
+    background, operator_path
+):
+    rc, stdout, stderr = background
+    assert rc == 0, stderr
+    out = json.loads(stdout.strip().splitlines()[-1])
+    if operator_path:
+        assert out["ledger"] == ["skipped", "not needed: the operator's SGLANG_NCCL_SO_PATH is left as set"]
+    else:
+        assert out == {"communicator": {"available": False, "disabled": True}, "ledger": ["applied", None]}

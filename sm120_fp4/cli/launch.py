@@ -1,9 +1,17 @@
-"""``sm120-fp4 launch``: the preflight (dense and MoE), then exec the command with ``SM120_FP4=1``."""
+"""``sm120-fp4 launch``: the preflight (dense and MoE), then the command as a child with ``SM120_FP4=1``; on its
+failure, which rank refused and why (from the report its processes wrote)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
+import json
 import os
+import shutil
+import signal
+import subprocess
+import tempfile
 
 from .common import EXIT_OK, EXIT_UNVERIFIED, EXIT_USAGE, _eprint
 from .selftest import _engine_home, _refuse_engine, _settings_and_devices, cmd_selftest
@@ -55,6 +63,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return code
     else:
         _eprint("sm120-fp4 launch: preflight passed")
+    if settings.simulated_capability is not None:  # the engine's CPU ranks: each its share of the cores
+        for var, value in _engine_home(name).cpu_tp_env(command).items():
+            _eprint(f"sm120-fp4 launch: {var}={value} (this machine's cores split over the command's CPU ranks)")
+            os.environ[var] = value
     return _exec(command)
 
 
@@ -64,13 +76,71 @@ def _exec(command: list[str]) -> int:
         # when a scheduler fails -- a canary's exit among them -- while the port stays open: shortened here.
         os.environ[COREDUMP_WAIT_VAR] = LAUNCH_COREDUMP_WAIT_S
     wait = f"{COREDUMP_WAIT_VAR}={os.environ[COREDUMP_WAIT_VAR]}"
-    _eprint(f"sm120-fp4 launch: exec {' '.join(command)} with SM120_FP4=1 and {wait}")
+    _eprint(f"sm120-fp4 launch: run {' '.join(command)} with SM120_FP4=1 and {wait}")
+    own_report = None if os.environ.get("SM120_FP4_REPORT") else tempfile.mkdtemp(prefix="sm120_fp4_launch_")
+    report = os.environ["SM120_FP4_REPORT"] = own_report or os.environ["SM120_FP4_REPORT"]  # where ranks say why
     try:
-        os.execvpe(command[0], command, os.environ)
+        code = _spawn(command[0], command, os.environ)
+        if code:
+            _eprint(f"sm120-fp4 launch: the server exited with code {code}")
+            for line in _refusal_lines(report):
+                _eprint(f"sm120-fp4 launch: {line}")
     except OSError as exc:
         _eprint(f"sm120-fp4 launch: cannot run {command[0]!r}: {exc}")
         return EXIT_USAGE
-    return EXIT_OK  # pragma: no cover - exec does not return
+    finally:
+        if own_report is not None:  # a private folder of this run: gone with it
+            del os.environ["SM120_FP4_REPORT"]
+            shutil.rmtree(own_report, ignore_errors=True)
+    return code or EXIT_OK
+
+
+def _spawn(file: str, argv: list[str], environ) -> int:
+    """Run the server as this process's child, forwarding SIGTERM, SIGINT and SIGHUP; return its exit status."""
+    executable = shutil.which(file, path=environ.get("PATH")) or file
+    proc = subprocess.Popen(argv, executable=executable, env=environ, preexec_fn=_end_with_launcher)
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    before = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
+
+
+def _end_with_launcher() -> None:
+    """In the server's process: SIGTERM it when launch ends (even by SIGKILL), as when launch was the server."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # Linux's prctl(PR_SET_PDEATHSIG); elsewhere nothing
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def _refusal_lines(report: str) -> list[str]:
+    """Return, from the report the server's processes wrote, which rank refused and why, and which were stopped."""
+    from ..devices import rank_text
+
+    path = report.replace("{pid}", "*")
+    paths = glob.glob(os.path.join(path, "*.json")) if os.path.isdir(path) else glob.glob(path)
+    group = f"{os.getpgid(0)}@"
+    lines, stopped = [], []
+    for found in sorted(paths):
+        try:
+            with open(found, encoding="utf-8") as f:
+                payload = json.load(f)
+            processes = [p for p in payload.get("processes", []) if str(p.get("run", "")).startswith(group)]
+        except (OSError, ValueError, AttributeError):
+            continue
+        for proc in processes:
+            who = f"{rank_text(proc.get('rank') or {}) or 'process'} (pid {proc.get('pid')})"
+            mine = [r for r in payload.get("refusals", []) if r.get("pid") == proc.get("pid")]
+            for r in mine:
+                why = "; ".join(f"{name}: {reason}" for name, reason in (r.get("rejected") or {}).items())
+                lines.append(f"{who} refused: {str(r.get('message', '')).splitlines()[0]}{f' ({why})' if why else ''}")
+            if not mine and proc.get("verifying"):
+                stopped.append(f"{who} was stopped while verifying {', '.join(proc['verifying'])}")
+    return lines + stopped
 
 
 COREDUMP_WAIT_VAR = "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS"
@@ -79,8 +149,6 @@ LAUNCH_COREDUMP_WAIT_S = "0"  # what launch sets unless the operator did (docs/o
 
 def _command_problem(name: str) -> str | None:
     """Return why `name` cannot be executed as the launched command, or None."""
-    import shutil
-
     if shutil.which(name) is not None:
         return None
     if os.sep in name:

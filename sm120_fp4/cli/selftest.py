@@ -119,19 +119,21 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
 
 def _model_rows(results: dict[int, dict]) -> list[str]:
     """Return the table of ``selftest --model``: a row per device, kernel and layer configuration."""
+    from ..devices import rank_text
     from ..tables import markdown_table
 
     rows = []
     for index, r in results.items():
+        where = r.get("pid", "-"), rank_text(r.get("rank") or {}, every=True) or "-"
         for d in r.get("decisions", []):
-            fields = d["device"], d["family"]
+            fields = *where, d["device"], d["family"]
             rows += [
                 (*fields, c["config"], d["backend"], c["passed"] and d["verified"], len(c["shapes"]))
                 for c in d["layers"]
             ]
         if not r.get("ok") and not r.get("usage"):  # a usage error is no verdict: its message follows
-            rows.append((index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
-    header = ("device", "kernel", "layer configuration", "backend", "verified", "batch sizes")
+            rows.append((*where, index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
+    header = ("pid", "rank", "device", "kernel", "layer configuration", "backend", "verified", "batch sizes")
     return markdown_table(header, rows)
 
 

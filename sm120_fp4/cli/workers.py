@@ -82,6 +82,13 @@ def _decide_announcing(args: argparse.Namespace, settings, device, family: str, 
         deciding.candidate_hook = None
 
 
+def _where_am_i() -> dict:
+    """Return this worker's pid and its ranks in the engine's parallel groups (the table's columns)."""
+    from ..api import rank
+
+    return {"pid": os.getpid(), "rank": rank()}
+
+
 def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
     """Verify the checkpoint `args.model` on one device here; `emit` one JSON result."""
     import sm120_fp4
@@ -102,10 +109,10 @@ def _model_worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit
         emit({"ok": False, "usage": True, "message": str(exc)})
         return EXIT_USAGE
     except RefusedToServe as exc:
-        emit({"ok": False, "usage": False, "message": str(exc), "device": args.device})
+        emit({"ok": False, "usage": False, "message": str(exc), "device": args.device, **_where_am_i()})
         return EXIT_REFUSED
     decisions = [d.model_dump(mode="json") for d in serving.decisions() if d.device_index == args.device]
-    emit({"ok": True, "checked": checked, "decisions": decisions})
+    emit({"ok": True, "checked": checked, "decisions": decisions, **_where_am_i()})
     return EXIT_OK if all(d["verified"] for d in decisions) else EXIT_UNVERIFIED
 
 

@@ -35,14 +35,28 @@ START_TIMEOUT_S = 900.0
 PROMPT = "The capital of France is"
 
 
+QKV_N, QKV_K = 512, 256  # the demo checkpoint's fused qkv projection, whole (each of T TP ranks holds N / T)
+
+
 def wrong_at_qkv(a, b, a_sf, b_sf, alpha, out_dtype, out):
-    """Zero rows 64-127 at the demo checkpoint's fused qkv shape (N=512, K=256) only: the demo's broken kernel."""
+    """Zero rows 64-127 at the demo checkpoint's fused qkv shard (N=512/TP, K=256) only: the demo's broken kernel."""
+    import torch
+
     from ..backends import emulated_mm_fp4
 
     emulated_mm_fp4(a, b, a_sf, b_sf, alpha, out_dtype, out)
-    if b.shape[1] == 512 and a.shape[1] * 2 == 256:
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if b.shape[1] == QKV_N // ranks and a.shape[1] * 2 == QKV_K:
         out[64:128] = 0
     return out
+
+
+def tp_size(args: list[str]) -> int:
+    """Return the TP size SGLang's arguments `args` ask for (1 unless given)."""
+    from ..devices import ranks_in
+    from ..sglang.simulation import PARALLEL_FLAGS
+
+    return ranks_in(args, {"tp": PARALLEL_FLAGS["tp"]})
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -210,9 +224,12 @@ class Server:
 
 def summarize(reports: list[dict]) -> list[str]:
     """Return one line per verified layer configuration and per refusal, from SGLang's processes' report files."""
+    from ..devices import rank_text
+
     rows = []
     for report in reports:
-        pid = f"   pid {report.get('pid')}:"
+        ranks = {p.get("pid"): rank_text(p.get("rank") or {}) for p in report.get("processes", [])}
+        pid = f"   pid {report.get('pid')}{' (' + ranks[report.get('pid')] + ')' if ranks.get(report.get('pid')) else ''}:"
         for d in report.get("decisions", []):
             for layer in d.get("layers", []):
                 state = "verified" if layer.get("passed") else "FAILED"
@@ -222,6 +239,8 @@ def summarize(reports: list[dict]) -> list[str]:
         for refusal in report.get("refusals", []):
             reason = refusal.get("message") if isinstance(refusal, dict) else str(refusal)
             rows.append(f"{pid} REFUSED: {str(reason).splitlines()[0]}")
+        stopped = [p for p in report.get("processes", []) if p.get("verifying") and not report.get("refusals")]
+        rows += [f"{pid} stopped by the engine while verifying {', '.join(p['verifying'])}" for p in stopped]
     return rows
 
 
@@ -311,7 +330,9 @@ def main(model_path: str | None = None, extra_args: list[str] | None = None) -> 
     if first != 0:
         _say(f"\nThe healthy server did not answer. Logs and reports kept in {workdir}")
         return 1
-    _say("\n2. The same server with a kernel wrong only at this checkpoint's fused qkv shape (N=512, K=256),")
+    tp = tp_size(extra)
+    at = f"N={QKV_N // tp}, K={QKV_K}" + (f", each of {tp} TP ranks' shard" if tp > 1 else "")
+    _say(f"\n2. The same server with a kernel wrong only at this checkpoint's fused qkv shape ({at}),")
     _say("   registered by an entry-point plugin and named in SM120_FP4_BACKENDS:")
     plugin = _write_plugin(workdir)
     env = {

@@ -14,6 +14,7 @@ from .records import (
     route,
     route_table,
     routes,
+    use_rank,
 )
 from .replace import verify_layer
 from .updates import (
@@ -35,4 +36,4 @@ from .updates import (
 __all__ = ["LayerCheck", "verify_layer", "recheck", "retime", "reverify", "weights_updating", "weights_update_begin"]
 __all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "clear"]
 __all__ += ["route", "route_table", "routes", "Served", "served_configurations", "served_layer", "check_served"]
-__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang", "use_group"]
+__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang", "use_group", "use_rank"]

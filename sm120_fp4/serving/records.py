@@ -176,6 +176,8 @@ class _Process:
     updating: int = 0  # SGLang weight updates in progress (weights_updating)
     updating_since: float | None = None  # time.monotonic() when the open weight updates began (None: none open)
     last_settings: Settings | None = None  # the settings of the last decide() / verify_layer() (the watchdog's refusal)
+    rank: Callable[[], dict[str, int]] = dict  # the engine's ranks of this process (api wires the engine homes')
+    verifying: dict[object, str] = field(default_factory=dict)  # what it self-tests now (the report), by check
 
 
 _process = _Process()
@@ -240,6 +242,9 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
                 f"configuration(s) with {record.decision.backend}; a refreshed decision would serve them unchecked. "
                 "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first"
             )
+        mark = (family.name, device.index, key)
+        _process.verifying[mark] = f"{family.what} on {device.label()}"
+        report_file.update(settings)  # before the first check: a rank the engine stops meanwhile says so
         try:
             # Every rank decides here (its first layer): SELECT=fastest chooses alike on every rank.
             choice = choose(
@@ -251,10 +256,14 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
                 gather=functools.partial(gather, timeout_s=settings.selftest_timeout),
             )
         except RefusedToServe as exc:
+            _process.verifying.pop(mark, None)
+            exc.args = (_with_rank(str(exc), _process.rank()), *exc.args[1:])  # the engine's log names the rank
             refusal = Refusal(device=device.label(), family=family.name, message=str(exc))
             refusal.rejected, refusal.reports = getattr(exc, "rejected", {}), getattr(exc, "reports", [])
             record_refusal(refusal, settings)
             raise
+        finally:
+            _process.verifying.pop(mark, None)
         record.store(key, choice)
     log_decision(choice.decision)
     report_file.request(settings)
@@ -262,11 +271,27 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
 
 
 def record_refusal(refusal: Refusal, settings: Settings) -> None:
-    """Record a refusal (ours or the serving canary's) for status and the report file."""
+    """Record a refusal (ours or the serving canary's) for status and the report file, with this process's ranks."""
+    refusal.rank = refusal.rank or _process.rank()
+    refusal.message = _with_rank(refusal.message, refusal.rank)
     with _lock:
         _refusals.append(refusal)
     report_file.request(settings)
     report_file.flush()  # before the process exits: the record of why it refused (bounded)
+
+
+def _with_rank(message: str, rank: dict[str, int]) -> str:
+    """Return `message` with its first line ending in the rank of several that refused ("... (TP rank 1/2)")."""
+    where = devices.rank_text(rank)
+    if not where or f"({where})" in message:
+        return message
+    first, *rest = message.split("\n", 1)
+    return "\n".join([f"{first} ({where})", *rest])
+
+
+def use_rank(source: Callable[[], dict[str, int]]) -> None:
+    """Read this process's engine ranks from `source` from now on (api: the engine homes' ``rank()``)."""
+    _process.rank = source
 
 
 def refusals() -> list[Refusal]:
@@ -282,8 +307,10 @@ def decisions() -> list[Decision]:
 
 
 def report_sections() -> dict[str, Callable[[], object]]:
-    """Return this process's report-file sections: its decisions and refusals."""
+    """Return this process's report-file sections: its ranks, what it verifies now, its decisions and refusals."""
     return {
+        "rank": lambda: _process.rank(),
+        "verifying": lambda: sorted(_process.verifying.copy().values()),  # a copy: other threads' decides change it
         "decisions": lambda: [d.model_dump(mode="json") for d in decisions()],
         "refusals": lambda: [r.model_dump(mode="json") for r in refusals()],
     }

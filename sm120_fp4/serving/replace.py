@@ -39,7 +39,13 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         known = serving.checks.get(check.key)
         full = known is None
         if problem is None:
-            report, fingerprint = layers._layer_check(serving, check, full)
+            if full:  # said in the report before the check: a rank the engine stops meanwhile says so
+                _process.verifying[id(check)] = f"{check.named()} on {serving.device.label()}"
+                report_file.update(settings)
+            try:
+                report, fingerprint = layers._layer_check(serving, check, full)
+            finally:
+                _process.verifying.pop(id(check), None)
         else:
             report, fingerprint = verify.report_for(serving.decision.backend, serving.device, config=check.label), None
             report.reason = problem
@@ -123,7 +129,7 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report, settings: Set
     refusal = Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message)
     refusal.rejected, refusal.reports = rejected, failures
     record_refusal(refusal, settings)
-    raise RefusedToServe(message)
+    raise RefusedToServe(refusal.message)  # with the rank that refused, where the engine has several
 
 
 def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: list, settings: Settings):

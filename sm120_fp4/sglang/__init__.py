@@ -39,5 +39,15 @@ class SGLang(Engine):
 
         return doctor_rows()
 
+    def rank(self) -> dict[str, int]:
+        from .release import rank
+
+        return rank()
+
+    def cpu_tp_env(self, command: list[str]) -> dict[str, str]:
+        from .simulation import cpu_tp_env
+
+        return cpu_tp_env(command)
+
 
 ENGINE = SGLang()

@@ -98,3 +98,13 @@ def carried_fix() -> str | None:
         f"the installed SGLang at {root / 'sglang'} carries the patches/ diff {marker.group(1)} (the dense GEMM's "
         "routing and one start-up check); every runtime check stays on: layer checks, MoE, the re-check and the canary"
     )
+
+
+PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+
+
+def rank() -> dict[str, int]:
+    """Return this process's ranks in SGLang's parallel groups (``tp_rank``, ``tp_size``, pp, ep), or {} before any."""
+    from ..devices import parallel_rank
+
+    return parallel_rank(PARALLEL_STATE, {"tp": "get_tp_group", "pp": "get_pp_group", "ep": "get_moe_ep_group"})

@@ -9,6 +9,7 @@ import dis
 import importlib
 import inspect
 import logging
+import os
 import sys
 import types
 from typing import Any, Callable
@@ -17,6 +18,7 @@ import torch
 
 from .. import engines
 from ..backends.flashinfer import fp4_quantize_stand_in
+from ..devices import cpu_thread_binding, ranks_in
 from ..patching import PatchSpec
 from .cpu_engine import KERNEL_PACKAGE, cpu_engine_selected, kernel_package_stand_in
 from .cpu_engine import OPS as CPU_ENGINE_OPS
@@ -86,9 +88,71 @@ KERNEL_PACKAGE_STAND_IN = _sim(
 )
 
 
-def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
-    """Return the stand-ins guarded by version: compressed-tensors' capability check, the Blackwell check."""
+PYNCCL = "sglang.srt.distributed.device_communicators.pynccl"
+NCCL_PATH_VAR = "SGLANG_NCCL_SO_PATH"  # SGLang's own: which NCCL library its communicator loads
+
+
+def cpu_tp_specs() -> list[PatchSpec]:
+    """Return the stand-in that turns SGLang's NCCL communicator off for its CPU engine (several CPU ranks)."""
     return [
+        _sim(
+            "sim-cpu-engine-nccl-off",
+            PYNCCL,
+            "NCCLLibrary",
+            "with SGLang's CPU engine selected, its NCCL communicator does not load (a CUDA-build torch finds libnccl, "
+            "then fails 'Expected a cuda device, but got: cpu' at TP>1), so SGLang takes its own non-GPU branch "
+            "and its ranks all-reduce over gloo",
+            make=_nccl_off,
+            distribution="sglang",
+            versions=supported(">=0.5.3"),
+            check=_nccl_off_check,
+        )
+    ]
+
+
+def _nccl_off_check(original: Any) -> str | None:
+    """Return why NCCL stays as it is (a GPU engine, CUDA present, the operator's SGLANG_NCCL_SO_PATH), or None."""
+    if not cpu_engine_selected():
+        return "not needed: SGLang's CPU engine is not selected (SGLANG_USE_CPU_ENGINE)"
+    if torch.cuda.is_available():
+        return "not needed: CUDA is available, NCCL serves the ranks"
+    if os.environ.get(NCCL_PATH_VAR):
+        return f"not needed: the operator's {NCCL_PATH_VAR} is left as set"
+    return None if callable(original) else f"NCCLLibrary is {original!r}, not callable"
+
+
+def _nccl_off(original: Callable) -> Callable:
+    """Return an NCCLLibrary that never loads: PyNcclCommunicator catches it and stays disabled (SGLang's own branch)."""
+
+    def NCCLLibrary(*args, **kwargs):  # the name SGLang calls
+        raise OSError("sm120_fp4 simulation: NCCL is off for SGLang's CPU engine (its ranks all-reduce over gloo)")
+
+    NCCLLibrary.__wrapped__ = original
+    return NCCLLibrary
+
+
+THREADS_BIND_VAR = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's CPU engine: each rank's cores, "|" between ranks
+PARALLEL_FLAGS = {
+    "tp": ("--tp", "--tp-size", "--tensor-parallel-size"),
+    "pp": ("--pp", "--pp-size", "--pipeline-parallel-size"),
+    "dp": ("--dp", "--dp-size", "--data-parallel-size"),
+}
+
+
+def cpu_tp_env(command: list[str], environ=os.environ) -> dict[str, str]:
+    """Return what SGLang's CPU engine needs for `command`'s ranks here: this process's cores split over them.
+
+    Empty for one rank, without the CPU engine, or where the operator set SGLANG_CPU_OMP_THREADS_BIND (left alone).
+    """
+    ranks = ranks_in(command, PARALLEL_FLAGS)
+    if ranks < 2 or not cpu_engine_selected(environ) or environ.get(THREADS_BIND_VAR):
+        return {}
+    return {THREADS_BIND_VAR: cpu_thread_binding(ranks)}
+
+
+def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
+    """Return the stand-ins guarded by version: compressed-tensors' capability check, the Blackwell check, NCCL off."""
+    return cpu_tp_specs() + [
         _sim(
             "sim-ct-capability-check",
             CT_CONFIG,

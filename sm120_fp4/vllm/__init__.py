@@ -31,5 +31,15 @@ class VLLM(Engine):
 
         return doctor_rows()
 
+    def rank(self) -> dict[str, int]:
+        from .release import rank
+
+        return rank()
+
+    def cpu_tp_env(self, command: list[str]) -> dict[str, str]:
+        from .simulation import cpu_tp_env
+
+        return cpu_tp_env(command)
+
 
 ENGINE = VLLM()

@@ -27,3 +27,13 @@ TARGET_VERSIONS = capped(">=0.32", SUPPORTED)  # every patch target's range: all
 RELEASE = Release(
     "vLLM", DISTRIBUTIONS, SUPPORTED, "vLLM's own FP4 GEMM calls; no self-test or layer check of sm120_fp4 runs there"
 )
+
+
+PARALLEL_STATE = "vllm.distributed.parallel_state"
+
+
+def rank() -> dict[str, int]:
+    """Return this process's ranks in vLLM's parallel groups (``tp_rank``, ``tp_size``, pp, ep), or {} before any."""
+    from ..devices import parallel_rank
+
+    return parallel_rank(PARALLEL_STATE, {"tp": "get_tp_group", "pp": "get_pp_group", "ep": "get_ep_group"})

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .. import engines, nvfp4
+from ..devices import cpu_thread_binding, ranks_in
 from ..patching import PatchSpec
 from .release import CUSTOM_OPS, LINEAR_FLASHINFER, LINEAR_KERNELS, PLATFORMS, RELEASE, TARGET_VERSIONS
 
@@ -51,6 +52,21 @@ _CUBIN_WHY = f"vLLM's has_flashinfer() asks for the cubin package or {CUBIN_ENV}
 CUBIN = _stand_in("vllm-sim-flashinfer-cubin", "os.environ", CUBIN_ENV, _CUBIN_WHY)
 _QUANT_WHY = "the FlashInfer NVFP4 linear kernels quantize activations with scaled_fp4_quant (a CUDA op), bound by name"
 _OPS_WHY = "vllm._custom_ops.scaled_fp4_quant (a CUDA op) for its other callers"
+
+
+THREADS_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU build: each rank's cores, "|" between ranks
+PARALLEL_FLAGS = {"tp": ("-tp", "--tensor-parallel-size"), "pp": ("-pp", "--pipeline-parallel-size")}
+
+
+def cpu_tp_env(command: list[str], environ=os.environ) -> dict[str, str]:
+    """Return what vLLM's CPU build needs for `command`'s ranks here: this process's cores split over them.
+
+    Empty for one rank, outside vllm-cpu, or where the operator set VLLM_CPU_OMP_THREADS_BIND (left alone).
+    """
+    ranks = ranks_in(command, PARALLEL_FLAGS)
+    if ranks < 2 or RELEASE.distribution() != "vllm-cpu" or environ.get(THREADS_BIND_VAR):
+        return {}
+    return {THREADS_BIND_VAR: cpu_thread_binding(ranks)}
 
 
 def _quantizer_stand_in(original: Callable | None) -> Callable:

@@ -1,5 +1,5 @@
 """``sm120-fp4 launch -- vllm serve ...``: vLLM's commands recognised, the preflight run as for SGLang, the command
-exec'd with SM120_FP4=1; the serving canary (no idle point wired in vLLM) refused before the preflight."""
+run as launch's child with SM120_FP4=1; the serving canary (no idle point wired in vLLM) refused before the preflight."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--mod
 
 
 def _launch(monkeypatch, capsys, command: list[str], **env) -> tuple[int, str, list]:
-    """`sm120-fp4 launch -- COMMAND` in this process, its workers too; exec recorded, not made."""
+    """`sm120-fp4 launch -- COMMAND` in this process, its workers too; the start recorded, not made."""
     execs: list = []
     monkeypatch.setenv("SM120_FP4", "0")
     monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
     for name, value in {**SIM, **env}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cli.launch.os, "execvpe", lambda f, argv, environ: execs.append((argv, environ["SM120_FP4"])))
+    monkeypatch.setattr(cli.launch, "_spawn", lambda f, argv, environ: execs.append((argv, environ["SM120_FP4"])))
     with workers_in_process():
         code = cli.main(["launch", "--", *command])
     return code, capsys.readouterr().err, execs

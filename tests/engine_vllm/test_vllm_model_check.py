@@ -80,6 +80,10 @@ def test_selftest_model_with_vllm_refuses_a_broken_dense_kernel(tmp_path, monkey
     rc, result = _selftest_model(tmp_path, monkeypatch, capsys, MODELOPT, SM120_FP4_BACKENDS="zeros")
     assert rc == 1 and not result["ok"], result
     assert "no FP4 GEMM backend passed verification" in result["message"]
+    # The worker's ranks, as vLLM's parallel state gives them (its one-rank groups), for the table's rank column.
+    assert {k: result["rank"][k] for k in ("tp_rank", "tp_size", "pp_rank", "pp_size")} == dict.fromkeys(
+        ("tp_rank", "pp_rank"), 0
+    ) | dict.fromkeys(("tp_size", "pp_size"), 1), result["rank"]
 
 
 def test_engine_without_model_is_a_usage_error(capsys):

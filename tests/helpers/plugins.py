@@ -57,6 +57,26 @@ def hang(a, b, a_sf, b_sf, alpha, dtype, out):
     time.sleep(600)
 
 
+def _rank():
+    """This process's rank among a server's ranks (0 outside one: the preflight, a one-rank server)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rank1_zeros(a, b, a_sf, b_sf, alpha, dtype, out):
+    """Right on every rank but rank 1, where it returns zeros: a kernel broken on one GPU of several."""
+    good(a, b, a_sf, b_sf, alpha, dtype, out)
+    return out.zero_() if _rank() == 1 else out
+
+
+def rank1_hang(a, b, a_sf, b_sf, alpha, dtype, out):
+    """Right on every rank but rank 1, where it hangs (as `hang`)."""
+    if _rank() == 1:
+        hang(a, b, a_sf, b_sf, alpha, dtype, out)
+    return good(a, b, a_sf, b_sf, alpha, dtype, out)
+
+
 def oom(a, b, a_sf, b_sf, alpha, dtype, out):
     """Dies as the out-of-memory killer kills: SIGKILL."""
     os.kill(os.getpid(), signal.SIGKILL)
@@ -80,6 +100,8 @@ missing = sm120_fp4_no_such_module:fn
 hang = sm120_fp4_test_plugins:hang
 oom = sm120_fp4_test_plugins:oom
 oom-once = sm120_fp4_test_plugins:oom_once
+rank1-zeros = sm120_fp4_test_plugins:rank1_zeros
+rank1-hang = sm120_fp4_test_plugins:rank1_hang
 
 [sm120_fp4.moe_backends]
 moe-crash = sm120_fp4_test_plugins:moe_crash
