@@ -84,21 +84,13 @@ def reference_mm_fp4(
     alpha: torch.Tensor | None,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
-    *,
-    dequantized_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``alpha * (A @ B^T)`` with flashinfer.mm_fp4's arguments, exact in float32 before the cast."""
-    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has 1 or M
-    # elements; dequantized_b is a kept dequantize_unscaled(b.T, b_descale.T, gemm_operand_dtype(a)).
-    m, n, k, scale = _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out)
+    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has 1 or M elements.
+    _, _, _, scale = _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out)
     # E2M1 x E4M3 products are exact in bf16, float32 and TF32: only the summation order can differ.
     dtype = gemm_operand_dtype(a)
-    if dequantized_b is None:
-        dequantized_b = dequantize_unscaled(b.T, b_descale.T, dtype)
-    elif dequantized_b.dtype != dtype or tuple(dequantized_b.shape) != (n, k):
-        accepted = f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)"
-        raise not_accepted("reference_mm_fp4", "dequantized_b", dequantized_b, accepted)
-    acc = expert_mm(dequantize_unscaled(a, a_descale, dtype), dequantized_b, None)
+    acc = expert_mm(dequantize_unscaled(a, a_descale, dtype), dequantize_unscaled(b.T, b_descale.T, dtype), None)
     if scale is not None:
         acc.mul_(scale)  # in place: a prefill-sized float32 result is gigabytes (M=8192, N=57344: 1.9 GB)
     if out is None:
