@@ -7,6 +7,7 @@ output checked against the oracle of the same quantized inputs and its inputs ch
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -34,6 +35,7 @@ __all__ = [
     "rolled",
     "COPY_LIMIT",
     "refuse_inside_capture",
+    "free_memory",
     "lost_column_group",
 ]
 
@@ -97,6 +99,8 @@ class SelfTestReport(BaseModel):
     quantizer: QuantizerCheck | None = None
     max_rel_err: float | None = None
     duration_s: float = 0.0
+    # Why the check did not run (it could not get its GPU memory: freed, retried once); None when it ran.
+    skipped: str | None = None
     torch_version: str = torch.__version__
     flashinfer_version: str | None = None
 
@@ -420,6 +424,13 @@ def load_backend(report: SelfTestReport, resolve: Callable, what: str, name: str
     except Exception as exc:
         report.reason = f"could not load {what}: {type(exc).__name__}: {exc}"
         return None
+
+
+def free_memory(device: torch.device) -> None:
+    """Return what a check that ran out of memory held to the device (torch's cache included)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def refuse_inside_capture(what: str, when: str) -> None:

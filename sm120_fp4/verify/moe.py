@@ -11,7 +11,7 @@ import torch
 from pydantic import BaseModel
 
 from .. import backends, nvfp4
-from ..devices import Device
+from ..devices import CHECK_MEMORY_BYTES, Device
 from .data import structured_activations
 from .engine import Bounds, Case, SelfTestReport, finish, load_backend, refuse_inside_capture, report_for, rolled, sweep
 
@@ -165,19 +165,36 @@ def moe_routing(
 
 
 class ExpertCache(dict):
-    """A reference_moe_fp4 `weight_cache` that keeps only the experts in `keep`."""
+    """A reference_moe_fp4 `weight_cache` that keeps only the experts in `keep`, a quarter of a check's memory at most."""
 
     def __init__(self, keep) -> None:
         super().__init__()
-        self.keep = set(keep)
+        self.keep, self.bytes = set(keep), 0
 
     def __setitem__(self, key, value) -> None:
-        if key[1] in self.keep:
+        if key[1] in self.keep and self.bytes + value.nbytes <= CHECK_MEMORY_BYTES // 4:
+            self.bytes += value.nbytes
             super().__setitem__(key, value)
 
 
 def _moe_reference(routed: tuple, ref_w: nvfp4.MoeWeights, activation: str, mode: str, cache: dict) -> tuple:
-    """Return the oracle's float32 output for `routed` and its per-row slack (None for W4A16)."""
+    """Return the oracle's float32 output for `routed` and its per-row slack (None for W4A16), in slices of tokens."""
+    # Tokens are independent: slices whose working set (each slot's FC1 and FC2 rows, twice) stays below a
+    # quarter of the check's memory bound; the same numbers as one call.
+    x = routed[0]
+    per_token = routed[1].shape[1] * (4 * x.shape[1] + 8 * ref_w.w13.shape[1]) + 12 * x.shape[1]
+    step = max(1, CHECK_MEMORY_BYTES // 4 // per_token)
+    if x.shape[0] <= step:
+        return _moe_reference_rows(routed, ref_w, activation, mode, cache)
+    parts = [
+        _moe_reference_rows([t[lo : lo + step] for t in routed], ref_w, activation, mode, cache)
+        for lo in range(0, x.shape[0], step)
+    ]
+    refs, slacks = zip(*parts)
+    return torch.cat(refs), None if slacks[0] is None else torch.cat(slacks)
+
+
+def _moe_reference_rows(routed, ref_w: nvfp4.MoeWeights, activation: str, mode: str, cache: dict) -> tuple:
     if mode == "w4a16":
         # Each expert's alpha times the activation scale it was made for: 1 / the weight's global scale.
         alphas = dict(w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale, w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale)

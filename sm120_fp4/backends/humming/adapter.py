@@ -243,7 +243,14 @@ def describe_backend(family: str) -> dict:
     found = {"mode": DENSE_MODE if family == "dense" else MOE_MODE, **engine}
     configurations = {k: v for k, v in info["configurations"].items() if k.startswith(shown)}
     memory = {k: v for k, v in info["memory"].items() if k.startswith(family)}
-    return {**found, "converted_in_place": converted_layers(family), "configurations": configurations, "memory": memory}
+    kept = {"kept_original_bytes": convert.kept_bytes(family)}  # the oracle's copies of converted layers
+    return {
+        **found,
+        "converted_in_place": converted_layers(family),
+        "configurations": configurations,
+        "memory": memory,
+        **kept,
+    }
 
 
 def doctor_info() -> dict:
