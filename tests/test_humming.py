@@ -175,6 +175,9 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
         assert reports and all(r.passed for r in reports)
         status = sm120_fp4.status().model_dump(mode="json")
         assert status["decisions"][0]["mode"] == "w4a4" and status["decisions"][0]["backend_info"]["memory"]
+        # The first layer's original bytes, kept for the re-checks and the canary, counted where they live.
+        kept = status["decisions"][0]["backend_info"]["kept_original_bytes"]
+        assert kept == {"gpu": 0, "host": ckpt.weight.nbytes + layer.weight_scale_interleaved.nbytes}, kept
     finally:
         sm120_fp4.uninstall()
 
