@@ -179,11 +179,11 @@ class ExpertCache(dict):
 
 def _moe_reference(routed: tuple, ref_w: nvfp4.MoeWeights, activation: str, mode: str, cache: dict) -> tuple:
     """Return the oracle's float32 output for `routed` and its per-row slack (None for W4A16), in slices of tokens."""
-    # Tokens are independent: slices whose working set (each slot's FC1 and FC2 rows, twice) stays below a
-    # quarter of the check's memory bound; the same numbers as one call.
+    # Tokens are independent: slices whose working set (each slot's FC1 and FC2 rows, twice) stays below 3/8
+    # of the check's memory bound (the expert cache a quarter); the same numbers as one call.
     x = routed[0]
     per_token = routed[1].shape[1] * (4 * x.shape[1] + 8 * ref_w.w13.shape[1]) + 12 * x.shape[1]
-    step = max(1, CHECK_MEMORY_BYTES // 4 // per_token)
+    step = max(1, CHECK_MEMORY_BYTES * 3 // 8 // per_token)
     if x.shape[0] <= step:
         return _moe_reference_rows(routed, ref_w, activation, mode, cache)
     parts = [
