@@ -71,12 +71,9 @@ def main() -> int:
             t_emul = time_ms(
                 lambda: backends.emulated_mm_fp4(qx, qw.T, sx, sw.T, alpha, torch.bfloat16, out), device, reps
             )
-            t_cached = time_ms(
-                lambda: backends.emulated_cached_mm_fp4(qx, qw.T, sx, sw.T, alpha, torch.bfloat16, out), device, reps
-            )
             t_bf16 = time_ms(lambda: torch.matmul(x, w.T), device, reps)
             flops = 2 * m * n * k
-            rows.append([name, m, n, k, t_emul, t_cached, t_bf16, t_emul / t_bf16, t_cached / t_bf16])
+            rows.append([name, m, n, k, t_emul, t_bf16, t_emul / t_bf16])
             results.append(
                 {
                     "shape": name,
@@ -84,25 +81,15 @@ def main() -> int:
                     "n": n,
                     "k": k,
                     "emulated_ms": t_emul,
-                    "emulated_cached_ms": t_cached,
                     "bf16_matmul_ms": t_bf16,
                     "ratio": t_emul / t_bf16,
-                    "cached_ratio": t_cached / t_bf16,
                     "emulated_tflops": flops / t_emul / 1e9,
-                    "cached_weight_bytes": n * k * 2,
                     "packed_weight_bytes": n * k // 2 + n * k // 16,
                 }
             )
         w = qw = sw = None  # freed before the next shape (the timed lambdas read these names)
     print(f"emulated NVFP4 GEMM vs bf16 torch.matmul on {device} (median ms)\n")
-    print(
-        table(
-            ["projection", "M", "N", "K", "emulated ms", "emulated-cached ms", "bf16 ms", "ratio", "cached ratio"], rows
-        )
-    )
-    print(
-        "\nemulated-cached keeps a bf16 copy of each weight: 2 bytes/element, 3.6x the packed FP4 weight and its scales"
-    )
+    print(table(["projection", "M", "N", "K", "emulated ms", "bf16 ms", "ratio"], rows))
     write("emulated_gemm", {"device": str(device), "results": results})
     return 0
 

@@ -229,6 +229,7 @@ def moe_shape(tp: int, scale: int) -> tuple[int, int, int]:
     )
 
 
+PEAK_MIB: dict[str, float] = {}  # per family: the most extra GPU memory one layer check took (its peak)
 CONVERSION_S = [0.0]  # a backend's conversion of the layers' weights at load (humming), timed apart
 
 
@@ -242,7 +243,15 @@ def time_check(check, device, settings) -> tuple[float, verify.SelfTestReport]:
     if backend.converter is not None and check.tensors is not None:
         _, seconds = synced(device.torch_device, lambda: backend.converter.convert(check.tensors, True))
         CONVERSION_S[0] += seconds
-    report, seconds = synced(device.torch_device, lambda: serving.verify_layer(device.index, check, settings))
+    tdev = device.torch_device
+    if tdev.type == "cuda":
+        torch.cuda.synchronize(tdev)
+        torch.cuda.reset_peak_memory_stats(tdev)
+        before = torch.cuda.memory_allocated(tdev)
+    report, seconds = synced(tdev, lambda: serving.verify_layer(device.index, check, settings))
+    if tdev.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(tdev) - before) / 2**20
+        PEAK_MIB[check.family] = max(PEAK_MIB.get(check.family, 0.0), peak)
     return seconds, report
 
 
@@ -443,9 +452,12 @@ def main() -> int:
         f"re-check after capture at {len(CAPTURED)} graph sizes (dense: all four configurations; MoE: one layer): "
         + ", ".join(f"{k} {v:.2f} s" for k, v in rechecks.items())
     )
+    if PEAK_MIB:
+        print("peak extra GPU memory of one layer check: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in PEAK_MIB.items()))
     write(
         "selftest_cost",
         {
+            "check_peak_extra_mib": PEAK_MIB,
             "recheck_s": rechecks,
             "recheck_sizes": len(CAPTURED),
             "device": device.label(),

@@ -22,6 +22,10 @@ from .errors import DeviceMappingError
 
 _LOG = logging.getLogger(__name__)
 CPU_INDEX = -1
+# The extra GPU memory one check (a layer check at load, a canary run while serving) takes at most per GPU,
+# beyond the served call's own input and output: the oracle and the comparisons work in slices of rows,
+# experts or columns below it, and a converting backend keeps a layer's original bytes on the GPU only below it.
+CHECK_MEMORY_BYTES = 1 << 30
 PCI_ORDER_FIX = (
     "set CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA then numbers GPUs by PCI bus id, as `nvidia-smi` lists them), "
     "or name the GPUs by UUID in CUDA_VISIBLE_DEVICES (`nvidia-smi -L`)"

@@ -16,6 +16,7 @@ from helpers.common import CpuGpu
 import sm120_fp4
 from sm120_fp4 import backends, deciding, devices, verify
 from sm120_fp4.config import Settings
+from sm120_fp4.devices import Device
 from sm120_fp4.errors import ConfigError, RefusedToServe
 
 SIM = Settings(simulate="12.0")
@@ -77,8 +78,14 @@ def test_unknown_candidate_is_a_config_error_before_any_test():
         sm120_fp4.decide(candidates=["cutlas"], settings=SIM)
 
 
+@case(
+    "properties",
+    "SELECT=fastest on the CPU device path (time_call's eager timing, which reads perf_counter), on any machine",
+    "each verified candidate timed once per self-test shape; the fastest serves (CUDA's path: tests/test_gpu.py)",
+)
 def test_select_fastest_times_every_verified_candidate_and_records_it(monkeypatch):
     # An injected clock: each call of "slow" costs 1000 ms and of "fast" 1 ms, whatever the machine's load.
+    # The device is the simulated CPU one, also on a GPU machine: a CUDA device is timed by events instead.
     clock = [0.0]
     monkeypatch.setattr(deciding, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
@@ -97,7 +104,10 @@ def test_select_fastest_times_every_verified_candidate_and_records_it(monkeypatc
     backends.register("slow", costing(1.0))
     backends.register("fast", costing(0.001))
     backends.register("zeros", faults.returns_zeros)
-    d = sm120_fp4.decide(candidates=["zeros", "slow", "fast"], settings=Settings(simulate="12.0", select="fastest"))
+    cpu = Device(-1, "simulated (no GPU)", (12, 0), simulated=True, source="simulate")
+    d = sm120_fp4.decide(
+        cpu, candidates=["zeros", "slow", "fast"], settings=Settings(simulate="12.0", select="fastest")
+    )
     shapes = len(verify.DEFAULT_SHAPES)
     assert d.backend == "fast" and d.timings_ms == pytest.approx({"slow": 1000.0 * shapes, "fast": 1.0 * shapes})
     assert "zeros" in d.rejected and "fastest of 2 verified candidates" in d.reason

@@ -16,7 +16,6 @@ import pytest
 import torch
 from helpers.cases import case
 from helpers.humming_stand_in import StandInEngine, WrongScaleLayout, engine
-from helpers.procs import REPO, background, python, pythonpath
 
 import sm120_fp4
 from sm120_fp4 import backends, deciding, devices, dispatch, doctor, nvfp4, serving, verify
@@ -176,6 +175,9 @@ def test_served_dense_layers_are_converted_in_place_verified_and_rechecked(stand
         assert reports and all(r.passed for r in reports)
         status = sm120_fp4.status().model_dump(mode="json")
         assert status["decisions"][0]["mode"] == "w4a4" and status["decisions"][0]["backend_info"]["memory"]
+        # The first layer's original bytes, kept for the re-checks and the canary, counted where they live.
+        kept = status["decisions"][0]["backend_info"]["kept_original_bytes"]
+        assert kept == {"gpu": 0, "host": ckpt.weight.nbytes + layer.weight_scale_interleaved.nbytes}, kept
     finally:
         sm120_fp4.uninstall()
 
@@ -570,11 +572,11 @@ def test_real_humming_moe_front_captures_replays_and_never_syncs():
 @pytest.mark.gpu
 @ON_GPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_activation_dequantization_kernel_is_bitwise_the_oracles_decode(dtype):
-    """The served path (the CUDA C kernel where NVRTC builds it) and both kernels directly, the
-    Triton one too (the fallback), on NaN-poisoned outputs, codes at an odd byte offset included."""
+def test_activation_dequantization_kernel_is_bitwise_the_oracles_decode(dtype, monkeypatch):
+    """The served path (the CUDA C kernel where NVRTC builds it, else torch's decode, its reason reported) and
+    the kernel directly, on NaN-poisoned outputs, codes at an odd byte offset included."""
+    from sm120_fp4.backends.humming import adapter
     from sm120_fp4.backends.humming import cuda as _humming_cuda
-    from sm120_fp4.backends.humming import dequant as _humming_dequant
 
     device = torch.device("cuda", torch.cuda.current_device())
     _humming_cuda.load(device)  # NVRTC is there wherever Humming compiles with it (the H200's image)
@@ -585,11 +587,23 @@ def test_activation_dequantization_kernel_is_bitwise_the_oracles_decode(dtype):
         assert torch.equal(got, want), (m, k)
         kp = nvfp4.swizzled_scale_shape(m, k)[1]
         odd = torch.empty(qx.numel() + 1, dtype=torch.uint8, device=device)[1:].view(qx.shape).copy_(qx)
-        for launch, codes in ((_humming_cuda.launch, qx), (_humming_cuda.launch, odd), (_humming_dequant.launch, qx)):
+        for codes in (qx, odd):
             out = torch.full((m, k), float("nan"), dtype=dtype, device=device)
-            launch(codes, sx.view(torch.uint8), out, kp)
-            assert torch.equal(out, want), (launch.__module__, m, k, codes.data_ptr() % 8)
+            _humming_cuda.launch(codes, sx.view(torch.uint8), out, kp)
+            assert torch.equal(out, want), (m, k, codes.data_ptr() % 8)
     assert humming.startup()["configurations"]["dequant"]["engine"] == "cuda"
+
+    def no_nvrtc(device):
+        raise RuntimeError("NVRTC could not compile the dequantization kernel (injected)")
+
+    humming.clear()
+    monkeypatch.setattr(adapter, "load", no_nvrtc)
+    _, _, (qx, _, sx, _, _) = verify.quantized_inputs((129, 32, 1056), device, 3)
+    got = humming.dequantize_activations(qx, sx.view(torch.uint8), dtype)
+    assert torch.equal(got, nvfp4.dequantize_unscaled(qx, sx, torch.float32).to(dtype))
+    record = humming.startup()["configurations"]["dequant"]
+    assert record["engine"] == "torch" and "injected" in record["fallback_reason"]
+    humming.clear()
 
 
 @pytest.mark.gpu
@@ -631,25 +645,3 @@ def test_real_humming_layer_check_and_recheck_pass_through_the_routed_front():
         f"layer check {report.duration_s:.1f} s over {len(report.shapes)} calls-per-M, max rel {report.max_rel_err:.2e}; "
         f"memory {decision.backend_info['memory']}"
     )
-
-
-_TRITON_INTERPRETED = """
-import torch, triton
-from sm120_fp4 import nvfp4, verify
-from sm120_fp4.backends.humming.dequant import launch
-for m, k in ((1, 160), (7, 480), (129, 1056), (20, 1024)):
-    _, _, (qx, _, sx, _, _) = verify.quantized_inputs((m, 32, k), torch.device("cpu"), m)
-    out = torch.full((m, k), float("nan"), dtype=torch.float32)  # every element must be written
-    kp = nvfp4.swizzled_scale_shape(m, k)[1]
-    launch(qx, sx.view(torch.uint8), out, kp)
-    assert torch.equal(out, nvfp4.dequantize_unscaled(qx, sx, torch.float32)), (m, k)
-print("ok")
-"""
-
-
-@background(lambda folder: python(_TRITON_INTERPRETED, folder, TRITON_INTERPRET="1", PYTHONPATH=pythonpath(REPO)))
-def test_activation_dequantization_kernel_matches_the_oracle_in_tritons_interpreter(background):
-    """The Triton kernel, run by Triton's CPU interpreter in a subprocess (the GPU test compares it on CUDA)."""
-    pytest.importorskip("triton")
-    returncode, stdout, stderr = background
-    assert returncode == 0 and stdout.strip() == "ok", stderr[-2000:]

@@ -4,6 +4,7 @@ cutlass_fused_moe called the way SGLang calls it (with a recording stand-in: no 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -40,16 +41,144 @@ def test_run_moe_accepts_flashinfers_rounding_on_the_default_configuration():
     backends.register_moe("flashinfer-rounding", moe_faults.rounds_intermediate_first)
     report = verify.run_moe("flashinfer-rounding", SIM)
     assert report.passed, report.reason
-    # Two passes, the first calling each case twice in a row.
-    # every case, a repeat probe for each of at most REPEAT_MAX_TOKENS tokens, and the expert-0 poison probe
+    # Two passes, the first calling each case twice in a row; every case, a repeat probe for each of at most
+    # REPEAT_MAX_TOKENS tokens, and the expert-0 poison probe, both called in the first pass only.
     small = sum(c.tokens <= verify.REPEAT_MAX_TOKENS for c in verify.DEFAULT_MOE_CONFIG.cases)
     assert len(report.shapes) == len(verify.DEFAULT_MOE_CONFIG.cases) + small + 1
-    assert all(
-        s.calls == (2 if "in a row" in s.label else 3) for s in report.shapes
-    )  # a probe of 100 calls has no twin
-    assert sum("in a row" in s.label for s in report.shapes) == small and any(
-        "expert 0 non-finite" in s.label for s in report.shapes
+    probes = [s for s in report.shapes if "in a row" in s.label or "expert 0 non-finite" in s.label]
+    assert all(s.calls == (1 if s in probes else 3) for s in report.shapes)
+    assert sum("in a row" in s.label for s in probes) == small and any("expert 0" in s.label for s in probes)
+    assert all(verify.REPEAT_MIN <= s.repeats <= verify.REPEAT_CALLS for s in probes if "in a row" in s.label)
+
+
+# The simulation's first layer and decode batches of 1 and 5 tokens (repeat-probed) on a second one.
+SMALL = verify.MoeConfig(
+    cases=(
+        verify.SIMULATION_MOE_CONFIG.cases[0],
+        *(c.model_copy(update={"tokens": t}) for c, t in zip(verify.SIMULATION_MOE_CONFIG.cases[3:], (1, 5))),
     )
+)
+
+
+def _fast(kernel=backends.emulated_moe):
+    """`kernel`, each output computed once per distinct input and then copied (a CPU call as fast as a GPU's)."""
+    done = {}
+
+    def fast(x, ids, w, w13, w13_sf, w13_alpha, *rest):
+        key = tuple(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (x, ids, w, w13_alpha)) + (
+            tuple(w13.shape),
+            rest[-3],
+        )
+        if key not in done:
+            done[key] = kernel(x, ids, w, w13, w13_sf, w13_alpha, *rest).clone()
+        return rest[-1].copy_(done[key])
+
+    return fast
+
+
+def _loses_in_a_row(at=(37, 81)):
+    """Loses one 8-column group of row 0 at the 37th and 81st call in a row of the same inputs (2 in 100)."""
+    fast, last = _fast(), {"key": None, "run": 0}
+
+    def kernel(x, ids, *rest):
+        key = (x.data_ptr(), ids.data_ptr(), x._version, tuple(x.shape))
+        last["run"] = last["run"] + 1 if last["key"] == key else 1
+        last["key"] = key
+        out = fast(x, ids, *rest)
+        if last["run"] % 100 in at:
+            out[0, 8:16] = 0
+        return out
+
+    return kernel
+
+
+@case(
+    "backend faults",
+    "a fast MoE kernel that loses one 8-column group of row 0 at the 37th and 81st call in a row of one batch",
+    "refused by the repeat probe alone (every other case calls a batch at most twice in a row), whose report "
+    "says how many calls ran",
+)
+def test_the_repeat_probe_refuses_an_intermittent_loss_within_its_time_budget():
+    backends.register_moe("lossy", _loses_in_a_row())
+    report = verify.run_moe("lossy", SIM, SMALL)
+    assert not report.passed and "in a row (worst judged)" in report.reason, report.reason
+    [failed] = [s for s in report.shapes if not s.passed]
+    assert failed.repeats >= 37 and f"the worst of {failed.repeats} in a row" in failed.reason
+
+
+@case(
+    "properties",
+    "a slow MoE kernel (20 ms a call) under the default probe budget (Bounds.probe_s, 0.5 s per check)",
+    "each repeat probe makes fewer calls than REPEAT_CALLS, never fewer than REPEAT_MIN, and says how many",
+)
+def test_the_repeat_probe_bounds_its_time_by_the_check_budget():
+    fast = _fast()
+
+    def slow(*args):
+        time.sleep(0.02)
+        return fast(*args)
+
+    backends.register_moe("slow-moe", slow)
+    report = verify.run_moe("slow-moe", SIM, SMALL)
+    assert report.passed, report.reason
+    probes = [s for s in report.shapes if "in a row" in s.label]
+    assert probes and all(verify.REPEAT_MIN <= s.repeats < verify.REPEAT_CALLS for s in probes)
+    assert sum(s.duration_s for s in probes) < verify.MOE_BOUNDS.probe_s + 0.5 * len(probes)
+
+
+def _poisons_through_expert0(x, ids, w, w13, w13_sf, w13_alpha, *rest):
+    """Computes each -1 slot on expert 0 with weight 0, multiplied through: 0 x inf where expert 0 overflows."""
+    out = backends.emulated_moe(x, ids, w, w13, w13_sf, w13_alpha, *rest)
+    poisoned = (ids < 0).any(dim=1, keepdim=True) & ~torch.isfinite(w13_alpha[0])
+    return out.copy_(torch.where(poisoned, torch.full_like(out, float("nan")), out))
+
+
+@case(
+    "backend faults",
+    "a MoE kernel that computes SGLang's -1 slots on expert 0 with weight 0 (b12x's way), multiplied through",
+    "refused by the expert-0 poison probe alone, in its one call (expert 0 is finite in every other case)",
+)
+def test_the_expert0_probe_refuses_rows_poisoned_through_expert_0():
+    backends.register_moe("poisons", _poisons_through_expert0)
+    report = verify.run_moe("poisons", SIM, SMALL)
+    [failed] = [s for s in report.shapes if not s.passed]
+    assert "expert 0 non-finite" in failed.label and failed.calls == 1 and "non-finite" in failed.reason
+
+
+WIDE = verify.MoeCase(
+    experts=4,
+    hidden=8192,
+    intermediate=128,
+    activation="swiglu",
+    top_k=2,
+    tokens=64,
+    dtype="bfloat16",
+    routing="random",
+)
+
+
+def _loses_a_column_group(x, ids, *rest):
+    """Loses columns 8-15 of row 0 in batches of 16 tokens or more: 3% of an 8192-wide row, inside its bound."""
+    out = backends.emulated_moe(x, ids, *rest)
+    if x.shape[0] >= 16:
+        out[0, 8:16] = 0
+    return out
+
+
+@case(
+    "backend faults",
+    "a MoE kernel that loses one 8-column group of one row of an 8192-wide output",
+    "refused by the column-group check alone: with it off (Bounds.column_group=None) the same run passes",
+)
+def test_the_column_group_check_refuses_a_lost_group_inside_the_row_bound():
+    backends.register_moe("loses-group", _loses_a_column_group)
+    config = verify.MoeConfig(cases=(WIDE,))
+    report = verify.run_moe("loses-group", SIM, config)
+    assert not report.passed and "group(s) of 8 columns lost" in report.reason and "row 0" in report.reason
+    blind = verify.run_moe(
+        "loses-group", SIM, config, bounds=verify.MOE_BOUNDS.model_copy(update={"column_group": None})
+    )
+    assert blind.passed, blind.reason
 
 
 def test_run_moe_checks_every_call_returns_out_and_leaves_inputs_alone():

@@ -163,3 +163,21 @@ def test_architecture_md_says_what_each_folder_imports():
     """ARCHITECTURE.md's folder table has one row per part of the package, and its import column is
     exactly what that part's modules import (folder granularity, lazy imports included)."""
     assert _architecture_table() == _folder_imports()
+
+
+def test_count_statements_prints_the_packages_size_in_ast_statements(capsys, monkeypatch):
+    # What .ci/run prints: every statement of the package, a docstring (a bare string) not counted.
+    import runpy
+    import sys
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(sys, "argv", ["count_statements.py", str(root / "sm120_fp4" / "verify")])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(root / "scripts" / "count_statements.py"), run_name="__main__")
+    assert done.value.code == 0
+    files = sorted((root / "sm120_fp4" / "verify").rglob("*.py"))
+    nodes = [n for p in files for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.stmt)]
+    docstrings = [n for n in nodes if isinstance(n, ast.Expr) and isinstance(getattr(n.value, "value", None), str)]
+    assert int(capsys.readouterr().out) == len(nodes) - len(docstrings) > 0

@@ -1,56 +1,16 @@
-"""The ``emulated`` backends: the oracle's arithmetic, exact and slow, on any device; ``emulated-cached`` keeps the
-dequantized weight (decode-speed emulation)."""
+"""The ``emulated`` backends: the oracle's arithmetic, exact and slow, on any device."""
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from .. import locks, nvfp4
+from .. import nvfp4
 from .convention import MoeArgs
-
-# Dequantized bf16 weights for `emulated-cached` (2 bytes per element), valid while alive and unchanged. Never
-# made during CUDA-graph capture (its values would exist only at replay); dropped around SGLang's weight updates
-# (invalidate_caches), which write through ``param.data`` without bumping versions.
-_weights: dict[int, tuple] = {}
-_weights_lock = locks.lock()
 
 
 def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     """Run the nvfp4 reference GEMM (dequantize + float32 matmul)."""
     return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
-
-
-def _dequantized_weight(b, b_descale, dtype):
-    global _weights
-    base = b._base if b._base is not None else b
-    key = id(base)
-    version = (base._version, b_descale._version, b.data_ptr(), b_descale.data_ptr(), tuple(b.shape), dtype)
-    entry = _weights.get(key)
-    if entry is not None and entry[0]() is base and entry[1] == version:
-        return entry[2]
-    weight = nvfp4.dequantize_unscaled(b.T, b_descale.T, dtype)
-    if b.is_cuda and torch.cuda.is_current_stream_capturing():
-        return weight  # computed by the graph at every replay; never kept as if it held values now
-    with _weights_lock:
-        _weights = {k: v for k, v in _weights.items() if v[0]() is not None}
-        _weights[key] = (weakref.ref(base), version, weight)
-    return weight
-
-
-def invalidate_caches() -> None:
-    """Drop every kept copy of dequantized weights (SGLang is about to write, or has written, weights)."""
-    global _weights
-    with _weights_lock:
-        _weights = {}
-
-
-def emulated_cached_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
-    """Run `emulated` with the weight's bf16 dequantization cached (where the reference's GEMM is bf16)."""
-    dtype = nvfp4.gemm_operand_dtype(a)
-    cached = _dequantized_weight(b, b_descale, dtype) if dtype == torch.bfloat16 else None
-    return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out, dequantized_b=cached)
 
 
 def _quantized(values: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,8 +11,7 @@ from .. import locks
 from ..devices import Device
 from ..errors import ConfigError, InvalidArgument
 from . import b12x_moe as b12x
-from .emulated import emulated_cached_mm_fp4, emulated_mm_fp4, emulated_moe
-from .emulated import invalidate_caches as _drop_dequantized
+from .emulated import emulated_mm_fp4, emulated_moe
 from .flashinfer import BACKENDS as FLASHINFER_BACKENDS
 from .flashinfer import MOE_BACKENDS, GemmFn, mm_fp4_backend, moe_backend, moe_supported, quantizer, supported
 from .flashinfer import version as flashinfer_version  # noqa: F401  (re-exported: __all__)
@@ -21,14 +20,13 @@ from .humming import adapter as humming  # light: Humming itself is imported onl
 __all__ = (
     "Backend Converter FLASHINFER_BACKENDS register unregister load_entry_points ENTRY_POINT_GROUPS FAMILY_LABELS "
     "get names is_supported resolve quantizer_for flashinfer_version register_moe unregister_moe moe_names "
-    "get_moe is_moe_supported resolve_moe backend_of mode_of original HUMMING EMULATED EMULATED_CACHED GemmFn "
-    "SupportFn invalidate_caches emulated_mm_fp4 emulated_cached_mm_fp4 emulated_moe"
+    "get_moe is_moe_supported resolve_moe backend_of mode_of original HUMMING EMULATED GemmFn "
+    "SupportFn invalidate_caches emulated_mm_fp4 emulated_moe"
 ).split()
 
 SupportFn = Callable[[Device], "tuple[bool, str | None]"]
 
 EMULATED = "emulated"
-EMULATED_CACHED = "emulated-cached"
 HUMMING = "humming"
 # The two kernel families ("dense", "moe"): what messages call them, and their entry-point groups.
 FAMILY_LABELS = {"dense": "FP4 GEMM", "moe": "NVFP4 fused-MoE"}
@@ -173,7 +171,6 @@ class _Registry:
 def _dense_builtins() -> dict[str, Backend]:
     out = {name: Backend(name, "flashinfer", None, functools.partial(supported, name)) for name in FLASHINFER_BACKENDS}
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_mm_fp4, _always)
-    out[EMULATED_CACHED] = Backend(EMULATED_CACHED, "emulated", emulated_cached_mm_fp4, _always)
     out[HUMMING] = _humming("dense")
     return out
 
@@ -248,8 +245,7 @@ def quantizer_for(name: str, device: Device) -> tuple[str, GemmFn] | None:
 
 
 def invalidate_caches() -> None:
-    """Drop or refresh what backends derived from weights (SGLang is about to write, or has written, them)."""
-    _drop_dequantized()
+    """Refresh what backends derived from weights (SGLang is about to write, or has written, them)."""
     b12x.refresh_scales()  # in place: CUDA graphs captured before the update read the same tensors
 
 

@@ -25,7 +25,8 @@ _LOG = logging.getLogger("sm120_fp4")
 SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from here on the larger one
 RECENT = 16  # runs kept in status
 # The Canary attributes status reports under the same name.
-_COUNTERS = ("idle_point", "runs", "failures", "skipped_saturated", "skipped_capturing", "longest_wait_s", "busy_s")
+_COUNTERS = ("idle_point", "runs", "failures", "skipped_saturated", "skipped_capturing", "skipped_memory")
+_COUNTERS += ("longest_wait_s", "busy_s")
 
 
 @dataclass
@@ -36,6 +37,7 @@ class _Job:
     ms: list[int]
     late_s: float
     due_at: float  # the same, wall time
+    retried: bool = False  # skipped once for memory, queued again
 
     @property
     def key(self) -> tuple:
@@ -68,7 +70,7 @@ class Canary:
         self._stopped: str | None = None
         self._stopped_message = ""
         self._told_update = False  # the open weight update past WEIGHT_UPDATE_LIMIT_S was logged
-        self.runs = self.failures = self.skipped_saturated = self.skipped_capturing = 0
+        self.runs = self.failures = self.skipped_saturated = self.skipped_capturing = self.skipped_memory = 0
         self.busy_s = self.longest_wait_s = self.longest_slice_s = 0.0
 
     def on_warmup(self, captured: list[int]) -> None:
@@ -159,8 +161,25 @@ class Canary:
             took = self.timer() - start
             self.busy_s += took
             self.longest_slice_s = max(self.longest_slice_s, took)
+        if report.skipped is not None:
+            self._skip(job, report.skipped)
+            return
         self._fit(job, took)
         self._finish(job, report, started_at, took)
+
+    def _skip(self, job: _Job, why: str) -> None:
+        """Count and log (the first) a run whose check could not get its memory; queue it again once."""
+        self.skipped_memory += 1
+        if self.skipped_memory == 1:
+            _LOG.warning(
+                "sm120_fp4: the serving canary skipped its re-check of %s: %s (still serving; retried at the next "
+                "idle point, then in its turn; counted in skipped_memory, logged once)",
+                self._labels.get(job.key, job.served.check.label),
+                why,
+            )
+        if not job.retried:
+            job.retried = True
+            self._queue.insert(0, job)
 
     def _fit(self, job: _Job, took: float) -> None:
         """Cap the configuration's larger sizes below the one `job` checked where it took over the slice."""
@@ -192,6 +211,11 @@ class Canary:
             errors = [r.max_rel_err for r in reports if r.max_rel_err is not None]
             reports[-1].max_rel_err = max(errors) if errors else None
             return reports[-1]
+        except torch.OutOfMemoryError as exc:  # outside the check's own retry (its fingerprints): a skip too
+            verify.free_memory(served.device.torch_device)
+            report = self._failed_run(job, "the canary could not get its GPU memory")
+            report.skipped = f"out of GPU memory ({str(exc).splitlines()[0][:200]})"
+            return report
         except Exception as exc:
             return self._could_not(job, exc)
 

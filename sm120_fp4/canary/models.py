@@ -64,6 +64,7 @@ class CanaryStatus(BaseModel):
     recent: list[CanaryRun] = Field(default_factory=list)
     skipped_saturated: int = 0  # periods that passed with no idle point (the run waited)
     skipped_capturing: int = 0  # idle points skipped because a CUDA graph was being captured
+    skipped_memory: int = 0  # runs skipped because their check could not get its GPU memory (each retried)
     longest_wait_s: float = 0.0  # the longest a due run waited for an idle point
     busy_s: float = 0.0  # time the serving thread spent in the canary
     share: float | None = None  # busy_s over the time since the canary was armed

@@ -76,6 +76,23 @@ def _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out) -> tuple[i
     return m, n, k, scale
 
 
+_DEQUANT_ELEMENTS = 1 << 26  # FP4 values dequantized at a time by reference_mm_fp4 (128 MB of bf16)
+
+
+def _row_blocks(packed: torch.Tensor, scales: torch.Tensor) -> list[tuple[slice, tuple[torch.Tensor, torch.Tensor]]]:
+    """Return (rows, (packed rows, their swizzled scales)) blocks of whole 128-row scale tiles."""
+    rows, k = packed.shape[0], packed.shape[1] * 2
+    tile_rows = scales.reshape(-1, swizzled_scale_shape(1, k)[1])  # row tile t holds rows 128t..128t+127
+    step = max(128, _DEQUANT_ELEMENTS // max(k, 1) // 128 * 128)
+    if rows <= step:
+        return [(slice(0, rows), (packed, scales))]
+    blocks = []
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        blocks.append((slice(lo, hi), (packed[lo:hi], tile_rows[lo : lo + -(-(hi - lo) // 128) * 128])))
+    return blocks
+
+
 def reference_mm_fp4(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -84,21 +101,22 @@ def reference_mm_fp4(
     alpha: torch.Tensor | None,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
-    *,
-    dequantized_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``alpha * (A @ B^T)`` with flashinfer.mm_fp4's arguments, exact in float32 before the cast."""
-    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has 1 or M
-    # elements; dequantized_b is a kept dequantize_unscaled(b.T, b_descale.T, gemm_operand_dtype(a)).
-    m, n, k, scale = _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out)
+    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has 1 or M elements.
+    m, n, _, scale = _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out)
     # E2M1 x E4M3 products are exact in bf16, float32 and TF32: only the summation order can differ.
     dtype = gemm_operand_dtype(a)
-    if dequantized_b is None:
-        dequantized_b = dequantize_unscaled(b.T, b_descale.T, dtype)
-    elif dequantized_b.dtype != dtype or tuple(dequantized_b.shape) != (n, k):
-        accepted = f"a ({n}, {k}) {dtype} tensor (dequantize_unscaled of b)"
-        raise not_accepted("reference_mm_fp4", "dequantized_b", dequantized_b, accepted)
-    acc = expert_mm(dequantize_unscaled(a, a_descale, dtype), dequantized_b, None)
+    # Both operands dequantized in blocks of rows (a weight of 57344 x 8192 would take 0.9 GB, its lookup
+    # index twice that): the memory beyond the float32 result stays below a few _DEQUANT_ELEMENTS.
+    a_blocks, w_blocks = _row_blocks(a, a_descale), _row_blocks(b.T, b_descale.T)
+    if len(a_blocks) == 1 and len(w_blocks) == 1:
+        acc = expert_mm(dequantize_unscaled(a, a_descale, dtype), dequantize_unscaled(b.T, b_descale.T, dtype), None)
+    else:
+        acc = torch.empty((m, n), dtype=torch.float32, device=a.device)
+        for w_rows, w_values in ((rows, dequantize_unscaled(*block, dtype)) for rows, block in w_blocks):
+            for a_rows, block in a_blocks:
+                acc[a_rows, w_rows] = expert_mm(dequantize_unscaled(*block, dtype), w_values, None)
     if scale is not None:
         acc.mul_(scale)  # in place: a prefill-sized float32 result is gigabytes (M=8192, N=57344: 1.9 GB)
     if out is None:
@@ -159,12 +177,13 @@ class MoeWeights(NamedTuple):
         return MoeWeights(*(None if t is None else fn(t) for t in self))
 
 
-def _check_moe_tensor(param: str, value: object, dtypes: tuple, shape: tuple, what: str, device) -> None:
+def _check_moe_tensor(param: str, value: object, dtypes: tuple, shape: tuple, what: str, device, host=False) -> None:
     _check_tensor(_MOE, param, value, dtypes, ndim=len(shape))
     if tuple(value.shape) != shape:
         raise not_accepted(_MOE, param, value, f"shape {shape} ({what})")
-    if value.device != device:
-        raise not_accepted(_MOE, param, value, f"a tensor on {device} (where x is)")
+    if value.device != device and not (host and value.device.type == "cpu"):
+        where = " or in host memory (each expert read is copied)" if host else ""
+        raise not_accepted(_MOE, param, value, f"a tensor on {device} (where x is){where}")
 
 
 def _moe_gscale(param: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
@@ -217,8 +236,8 @@ def _check_moe_weights(x, weights: MoeWeights, activation: str) -> tuple[int, in
             f"I a positive multiple of {BLOCK_SIZE}"
         )
         raise not_accepted(_MOE, "w13", w13, accepted)
-    if w13.device != device:
-        raise not_accepted(_MOE, "w13", w13, f"a tensor on {device} (where x is)")
+    if w13.device != device and w13.device.type != "cpu":  # in host memory: each expert read is copied
+        raise not_accepted(_MOE, "w13", w13, f"a tensor on {device} (where x is) or in host memory")
     per_expert = f"one per expert, E={experts}"
     swizzled = "128x4 swizzled scales of {} rows and K={} per expert"
     checks = (
@@ -228,8 +247,8 @@ def _check_moe_weights(x, weights: MoeWeights, activation: str) -> tuple[int, in
         ("w2_sf", _SCALE_DTYPES, (experts, *swizzled_scale_shape(hidden, inter)), swizzled.format(hidden, inter)),
         ("w2_alpha", (torch.float32,), (experts,), per_expert),
     )
-    for param, dtypes, shape, what in checks:
-        _check_moe_tensor(param, getattr(weights, param), dtypes, shape, what, device)
+    for param, dtypes, shape, what in checks:  # packed weights and block scales may stay in host memory
+        _check_moe_tensor(param, getattr(weights, param), dtypes, shape, what, device, "alpha" not in param)
     return experts, inter
 
 
@@ -261,7 +280,8 @@ class _MoeRun:
             return self.cache[key]
         w = self.weights
         packed, scales = (w.w13, w.w13_sf) if which == "w13" else (w.w2, w.w2_sf)
-        weight = dequantize_unscaled(packed[expert], scales[expert], self.dtype)
+        device = self.x.device  # an expert of weights kept in host memory: copied here, one at a time
+        weight = dequantize_unscaled(packed[expert].to(device), scales[expert].to(device), self.dtype)
         if self.cache is not None:
             self.cache[key] = weight
         return weight

@@ -11,17 +11,42 @@ import torch
 
 from .. import verify
 from ..deciding import Decision
+from ..devices import CHECK_MEMORY_BYTES
 from .records import LayerCheck, _Layer, _layer_key, _Serving
 
 
 def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], light=False, passes=2, config=None, guard=False):
     """Run `check`'s calls at `ms`; return the report and (`guard`: fail where they wrote it) the weights' fingerprint."""
+    # A check that cannot get its memory (the engine filled the GPU) frees what it held and runs once more; then
+    # its report says it was skipped (a failure at load, named; the canary retries it later), never an OOM raised.
+    args = (serving, check, ms, light, passes, config, guard)
+    try:
+        return _run_check_once(*args)
+    except torch.OutOfMemoryError:
+        verify.free_memory(serving.device.torch_device)
+    try:
+        return _run_check_once(*args)
+    except torch.OutOfMemoryError as exc:
+        verify.free_memory(serving.device.torch_device)
+        report = verify.report_for(serving.decision.backend, serving.device, config=config or check.label)
+        report.skipped = f"out of GPU memory for the check ({str(exc).splitlines()[0][:200]})"
+        report.reason = (
+            f"{check.named()}: the check was skipped: {report.skipped}; freed and retried once. It takes at most "
+            f"{CHECK_MEMORY_BYTES >> 20} MiB beyond the served call's own: leave that much of the GPU outside the "
+            "engine's KV pool (SGLang's --mem-fraction-static, vLLM's --gpu-memory-utilization)"
+        )
+        return report, None
+
+
+def _run_check_once(serving: _Serving, check: LayerCheck, ms, light, passes, config, guard):
     device = serving.device
     start = time.perf_counter()
     report = verify.report_for(serving.decision.backend, device, config=config or check.label)
     ms = sorted(set(ms) | edges(serving.decision))  # a split route: every range and boundary, through its backend
     try:
         cases = check.cases(ms)  # first: the oracle's GPU work is queued, and the host's work below overlaps it
+    except torch.OutOfMemoryError:
+        raise
     except Exception as exc:  # building the served calls failed: that is a finding, not a crash
         report.reason = f"could not build the served calls: {type(exc).__name__}: {exc}"
         report.duration_s = time.perf_counter() - start

@@ -262,7 +262,8 @@ def _served_cases(
         raise not_accepted(
             "dense layer check", "input_gsf", input_gsf, "the layer's positive finite input global scale"
         )
-    x = verify.seeded_activations(max(ms), k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device).to(dtype)
+    # One row more than the largest M: each M's twin is the next M rows, views (no rolled copy of the reference).
+    x = verify.seeded_activations(max(ms) + 1, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device, dtype)
     # Finite by construction, its scale read above; at a decode batch size from a CUDA graph (launch-bound).
     qx, sx = graphs.run(
         "quantize", _quantize, (x, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())

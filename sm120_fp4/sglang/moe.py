@@ -276,7 +276,7 @@ def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, 
     for dtype in plan.dtypes:
         for m, routing, among in batches:
             ids, topk_weights = _routed(m, min(top_k, among.numel()), among, routing, gen)
-            x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)  # made where used
+            x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device, dtype)  # made where used
             every = " (every expert)" if among is plan.everyone else ""
             name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
             plans.append((name, x, ids.to(device), topk_weights.to(device)))

@@ -7,6 +7,7 @@ import threading
 import torch
 
 from .. import nvfp4
+from ..devices import CHECK_MEMORY_BYTES
 
 __all__ = ["Shape", "quantized_inputs", "structured_activations", "seeded_activations", "ROW_KINDS"]
 
@@ -69,23 +70,36 @@ _seeded: dict[tuple, torch.Tensor] = {}
 _seeded_lock = threading.Lock()
 
 
-def seeded_activations(rows: int, cols: int, amax: float, seed: int, device: torch.device) -> torch.Tensor:
-    """Return structured_activations seeded with `seed` on `device`, scaled to [-amax, amax]."""
+def seeded_activations(
+    rows: int, cols: int, amax: float, seed: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Return structured_activations seeded with `seed` on `device`, scaled to [-amax, amax], as `dtype`."""
     # A decode batch's unscaled rows are kept per (device, shape, seed): every layer's check scales the same.
     key = (torch.device(device), rows, cols, seed)
     with _seeded_lock:
         unit = _seeded.pop(key, None)
         if unit is not None:
             _seeded[key] = unit  # most recently used last
-    if unit is None:
-        gen = torch.Generator(device=device).manual_seed(seed)  # made where it is used: no host copy
-        unit = structured_activations(rows, cols, 1.0, gen, device)
-        if rows * cols <= _SEEDED_ELEMENTS:
-            with _seeded_lock:
-                _seeded[key] = unit
-                while sum(t.numel() for t in _seeded.values()) > _SEEDED_BUDGET:
-                    _seeded.pop(next(iter(_seeded)))
-    return unit * amax
+    if unit is not None:
+        return (unit * amax).to(dtype)
+    # Made where it is used (no host copy), in slices of rows whose float32 temporaries (about eight) stay
+    # within a quarter of the check's memory bound; each slice seeded on its own (the first with `seed`).
+    step = max(8, CHECK_MEMORY_BYTES // 4 // (32 * max(cols, 1)) // 8 * 8)
+    parts = []
+    for i, lo in enumerate(range(0, rows, step)):
+        gen = torch.Generator(device=device).manual_seed(seed + 7919 * i)
+        parts.append(structured_activations(min(step, rows - lo), cols, 1.0, gen, device))
+        if rows > step:
+            parts[-1] = (parts[-1] * amax).to(dtype)
+    if rows > step:
+        return torch.cat(parts)
+    unit = parts[0]
+    if rows * cols <= _SEEDED_ELEMENTS:
+        with _seeded_lock:
+            _seeded[key] = unit
+            while sum(t.numel() for t in _seeded.values()) > _SEEDED_BUDGET:
+                _seeded.pop(next(iter(_seeded)))
+    return (unit * amax).to(dtype)
 
 
 def quantized_inputs(shape: Shape, device: torch.device, seed: int):

@@ -7,6 +7,7 @@ output checked against the oracle of the same quantized inputs and its inputs ch
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -34,6 +35,7 @@ __all__ = [
     "rolled",
     "COPY_LIMIT",
     "refuse_inside_capture",
+    "free_memory",
     "lost_column_group",
 ]
 
@@ -48,6 +50,9 @@ class Bounds(BaseModel):
     timeout_s: float = 900.0
     # Columns checked together per row (None: not): 8 dropped columns move a row of 7168 by only 3%.
     column_group: int | None = None
+    # What the probes that repeat calls (the MoE repeat probe) may take together in one check, shared out
+    # as they run: a quarter of a MoE layer check's 2 s target. A fast kernel gets every call, a slow one fewer.
+    probe_s: float = 0.5
 
 
 class ShapeResult(BaseModel):
@@ -59,6 +64,7 @@ class ShapeResult(BaseModel):
     passed: bool
     label: str | None = None  # what m, n, k do not say (a MoE case: T, top-k, E, H, I, routing)
     calls: int = 0
+    repeats: int | None = None  # a repeat probe's calls in a row within its time budget (its last run)
     reason: str | None = None
     rel_err: float | None = None
     max_row_rel_err: float | None = None
@@ -93,6 +99,8 @@ class SelfTestReport(BaseModel):
     quantizer: QuantizerCheck | None = None
     max_rel_err: float | None = None
     duration_s: float = 0.0
+    # Why the check did not run (it could not get its GPU memory: freed, retried once); None when it ran.
+    skipped: str | None = None
     torch_version: str = torch.__version__
     flashinfer_version: str | None = None
 
@@ -255,6 +263,8 @@ class Case:
     slack: torch.Tensor | None = None  # per output row, relative error the oracle itself cannot decide
     # The same shape with other data, called right after: catches state carried between calls of a shape.
     twin: Callable[[], "Case"] | None = None
+    once: bool = False  # a probe: called in the first pass only
+    repeats: Callable[[], int] | None = None  # how many calls the last invoke made (a repeat probe)
 
 
 def rolled(case: Case, invoke: Callable[[], object], inputs: tuple[torch.Tensor, ...]) -> Case:
@@ -312,6 +322,8 @@ class Sweep:
             twins = self.repeat and self.passes == 0
             self.passes += 1
             for case, result in zip(self.cases, self.results):
+                if case.once and self.passes > 1:
+                    continue
                 reason = self._check_call(case, result, deadline, grace)
                 if reason is None and twins and case.twin is not None:
                     reason = self._call_twin(case, result, deadline, grace)
@@ -345,6 +357,8 @@ class Sweep:
         end = time.perf_counter()
         result.duration_s += end - start
         result.calls += 1
+        if case.repeats is not None:
+            result.repeats = case.repeats()
         if end > deadline:
             return f"call {result.calls} did not return within the self-test's time bound (a hung kernel?)"
         if isinstance(outcome, BaseException):
@@ -359,7 +373,9 @@ class Sweep:
         if reason is None and bounds.column_group:
             reason = lost_column_group(outcome, case.reference, bounds.column_group, case.slack)
         if reason is not None:
-            return f"call {result.calls}: {reason}"
+            return f"call {result.calls}: {reason}" + (
+                f" (the worst of {result.repeats} in a row)" if result.repeats else ""
+            )
         changed = [i for i, t in enumerate(case.inputs) if not _unchanged(t, self._snapshots[_input_key(t)])]
         if changed:
             return f"call {result.calls} changed its input(s) {changed} in place (every later call would be wrong)"
@@ -408,6 +424,13 @@ def load_backend(report: SelfTestReport, resolve: Callable, what: str, name: str
     except Exception as exc:
         report.reason = f"could not load {what}: {type(exc).__name__}: {exc}"
         return None
+
+
+def free_memory(device: torch.device) -> None:
+    """Return what a check that ran out of memory held to the device (torch's cache included)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def refuse_inside_capture(what: str, when: str) -> None:

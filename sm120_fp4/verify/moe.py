@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
 import torch
 from pydantic import BaseModel
 
 from .. import backends, nvfp4
-from ..devices import Device
+from ..devices import CHECK_MEMORY_BYTES, Device
 from .data import structured_activations
 from .engine import Bounds, Case, SelfTestReport, finish, load_backend, refuse_inside_capture, report_for, rolled, sweep
 
@@ -19,6 +20,8 @@ __all__ = [
     "MoeConfig",
     "MOE_BOUNDS",
     "REPEAT_CALLS",
+    "REPEAT_MIN",
+    "ProbeBudget",
     "REPEAT_MAX_TOKENS",
     "ExpertCache",
     "DEFAULT_MOE_CONFIG",
@@ -32,7 +35,8 @@ __all__ = [
 # rows by up to ~10%): each row's bound is widened by twice the oracle's two ways' difference there (its
 # "slack"). 8-column groups are checked too: one group lost in a wide row (H=7168) stays inside the row bound.
 MOE_BOUNDS = Bounds(max_rel_err=1e-2, max_row_rel_err=5e-2, column_group=8)
-REPEAT_CALLS = 100  # calls of one decode batch in a row, the worst judged (an atomic sum losing 2 in 100)
+REPEAT_CALLS = 100  # calls of one decode batch in a row at most, the worst judged (an atomic sum losing 2 in 100)
+REPEAT_MIN = 2  # ... and at least, whatever the time budget (Bounds.probe_s) says
 REPEAT_MAX_TOKENS = 8  # the batch sizes probed so (cheap: the oracle's answer is computed once)
 
 
@@ -161,19 +165,36 @@ def moe_routing(
 
 
 class ExpertCache(dict):
-    """A reference_moe_fp4 `weight_cache` that keeps only the experts in `keep`."""
+    """A reference_moe_fp4 `weight_cache` that keeps only the experts in `keep`, a quarter of a check's memory at most."""
 
     def __init__(self, keep) -> None:
         super().__init__()
-        self.keep = set(keep)
+        self.keep, self.bytes = set(keep), 0
 
     def __setitem__(self, key, value) -> None:
-        if key[1] in self.keep:
+        if key[1] in self.keep and self.bytes + value.nbytes <= CHECK_MEMORY_BYTES // 4:
+            self.bytes += value.nbytes
             super().__setitem__(key, value)
 
 
 def _moe_reference(routed: tuple, ref_w: nvfp4.MoeWeights, activation: str, mode: str, cache: dict) -> tuple:
-    """Return the oracle's float32 output for `routed` and its per-row slack (None for W4A16)."""
+    """Return the oracle's float32 output for `routed` and its per-row slack (None for W4A16), in slices of tokens."""
+    # Tokens are independent: slices whose working set (each slot's FC1 and FC2 rows, twice) stays below 3/8
+    # of the check's memory bound (the expert cache a quarter); the same numbers as one call.
+    x = routed[0]
+    per_token = routed[1].shape[1] * (4 * x.shape[1] + 8 * ref_w.w13.shape[1]) + 12 * x.shape[1]
+    step = max(1, CHECK_MEMORY_BYTES * 3 // 8 // per_token)
+    if x.shape[0] <= step:
+        return _moe_reference_rows(routed, ref_w, activation, mode, cache)
+    parts = [
+        _moe_reference_rows([t[lo : lo + step] for t in routed], ref_w, activation, mode, cache)
+        for lo in range(0, x.shape[0], step)
+    ]
+    refs, slacks = zip(*parts)
+    return torch.cat(refs), None if slacks[0] is None else torch.cat(slacks)
+
+
+def _moe_reference_rows(routed, ref_w: nvfp4.MoeWeights, activation: str, mode: str, cache: dict) -> tuple:
     if mode == "w4a16":
         # Each expert's alpha times the activation scale it was made for: 1 / the weight's global scale.
         alphas = dict(w13_alpha=ref_w.w13_alpha * ref_w.a1_gscale, w2_alpha=ref_w.w2_alpha * ref_w.a2_gscale)
@@ -203,12 +224,15 @@ def moe_cases(
     reference_weights: nvfp4.MoeWeights | None = None,
     repeat_tokens: int = 0,
     poison_expert0: bool = False,
+    budget: ProbeBudget | None = None,
 ) -> list[Case]:
     """Return the checked calls of `fn` with `weights`, one per plan (label, x, topk_ids, topk_weights)."""
     # Plan ids are SGLang's: global (this rank's are first_expert .. + E - 1), -1 drops. `fn` gets local ids,
     # -1 for every other slot, or the plan's with `served_ids`; the oracle computes this rank's slots only,
-    # from `reference_weights` (the checkpoint's bytes). Plans of <= `repeat_tokens` tokens are also repeated.
+    # from `reference_weights` (the checkpoint's bytes). Plans of <= `repeat_tokens` tokens are also repeated,
+    # within `budget` (default: one of `bounds.probe_s` for these plans). Probes run in the first pass only.
     cases = []
+    budget = budget or ProbeBudget(bounds.probe_s)
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
     ref_w = reference_weights or weights
     experts = weights.w13.shape[0]
@@ -227,14 +251,18 @@ def moe_cases(
         case.twin = functools.partial(_rolled_tokens, case, fn, args, activation, out)
         cases.append(case)
         if m <= repeat_tokens:
-            call = functools.partial(_repeated, fn, args, activation, out, ref)
-            label = f"{label} x{REPEAT_CALLS} in a row (worst judged)"
-            cases.append(Case(m, n, k, call, ref, inputs=inputs, out=out, label=label, bounds=bounds, slack=slack))
+            probe = _Repeat(fn, args, activation, out, ref, budget)
+            label = f"{label} up to x{REPEAT_CALLS} in a row (worst judged)"
+            extra = dict(once=True, repeats=lambda p=probe: p.ran)
+            cases.append(
+                Case(m, n, k, probe, ref, inputs=inputs, out=out, label=label, bounds=bounds, slack=slack, **extra)
+            )
     if poison_expert0 and plans:
         poisoned = _poisoned_expert0_plan(weights, plans[0][1], first_expert, served_ids)
         if poisoned is not None:
             kept = dict(first_expert=first_expert, served_ids=served_ids, mode=mode, reference_weights=ref_w)
-            cases += moe_cases(fn, poisoned[0], activation, [poisoned[1]], bounds, cache, **kept)
+            [probe] = moe_cases(fn, poisoned[0], activation, [poisoned[1]], bounds, cache, **kept)
+            cases.append(replace(probe, twin=None, once=True))  # one call: the poison is in the weights, not in state
     return cases
 
 
@@ -248,19 +276,64 @@ def _group_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(err, nan=float("inf")).amax()
 
 
-def _repeated(fn: Callable, args: tuple, activation: str, out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Return `out` holding the worst of REPEAT_CALLS calls in a row (by _group_error)."""
-    buf = torch.empty_like(out)
-    worst = torch.full((), -1.0, dtype=torch.float32, device=out.device)
-    for i in range(REPEAT_CALLS):
+@dataclass
+class ProbeBudget:
+    """The seconds the repeat probes of one check may take together, shared out as they run."""
+
+    seconds: float
+    probes: int = 0  # probes not run yet
+    spent: float = 0.0
+
+    def share(self) -> float:
+        """Return what the next probe may take: an equal part of what is left."""
+        return max(0.0, self.seconds - self.spent) / max(1, self.probes)
+
+
+class _Repeat:
+    """The repeat probe of one decode batch: calls in a row, the worst (by _group_error) left in `out`."""
+
+    def __init__(self, fn: Callable, args: tuple, activation: str, out: torch.Tensor, ref: torch.Tensor, budget):
+        self.fn, self.args, self.activation, self.out, self.ref, self.budget = fn, args, activation, out, ref, budget
+        self.ran, self.counted = 0, True  # calls made by the last run; whether the budget still counts this one
+        budget.probes += 1
+
+    def _call(self, i: int, buf: torch.Tensor) -> None:
         buf.fill_(float("nan"))
-        got = fn(*args, activation, args[0].dtype, buf)
-        if got is not buf:
-            raise RuntimeError(f"call {i + 1} of {REPEAT_CALLS} in a row returned a tensor other than `out`")
-        err = _group_error(buf, ref)
-        out.copy_(torch.where(err > worst, buf, out))
-        worst = torch.maximum(worst, err)
-    return out
+        if self.fn(*self.args, self.activation, self.args[0].dtype, buf) is not buf:
+            raise RuntimeError(f"call {i + 1} in a row returned a tensor other than `out`")
+
+    def __call__(self) -> torch.Tensor:
+        """Make REPEAT_CALLS calls, or as many as this probe's share of the budget holds (at least REPEAT_MIN)."""
+        # The second call is timed (the device synchronised around it): the first may include a first-use cost.
+        out, budget = self.out, self.budget
+        share, limit = budget.share(), REPEAT_CALLS
+        if self.counted:
+            self.counted, budget.probes = False, budget.probes - 1
+        buf = torch.empty_like(out)
+        worst = torch.full((), -1.0, dtype=torch.float32, device=out.device)
+        self.ran = 0
+        for i in range(REPEAT_CALLS):
+            if i == 1:
+                _synchronize(out.device)
+                start = time.perf_counter()
+            self._call(i, buf)
+            err = _group_error(buf, self.ref)
+            out.copy_(torch.where(err > worst, buf, out))
+            worst = torch.maximum(worst, err)
+            self.ran = i + 1
+            if i == 1:
+                _synchronize(out.device)
+                took = time.perf_counter() - start
+                limit = min(REPEAT_CALLS, max(REPEAT_MIN, int(share / max(took, 1e-9))))
+                budget.spent += took * limit
+            if self.ran >= limit:
+                break
+        return out
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _poisoned_expert0_plan(weights, x_like, first: int, served_ids: bool) -> tuple | None:
@@ -310,13 +383,14 @@ def _selftest_cases(fn: Callable, mode: str, config: MoeConfig, tdev, seed: int,
     gen = torch.Generator().manual_seed(seed)
     cases: list[Case] = []
     caches: dict[tuple, dict] = {}  # per layer shape: the same seeded weights
+    budget = ProbeBudget(bounds.probe_s)  # one check: its repeat probes share one budget
     for i, case in enumerate(config.cases):
         weights = _moe_weights(case.experts, case.hidden, case.intermediate, case.activation, tdev, seed + 17)
         ids, topk_weights = moe_routing(case.tokens, case.top_k, case.experts, case.routing, gen)
         x = structured_activations(case.tokens, case.hidden, 4.0, gen).to(getattr(torch, case.dtype)).to(tdev)
         cache = caches.setdefault((case.experts, case.hidden, case.intermediate, case.activation), {})
         plan = (case.label(), x, ids.to(tdev), topk_weights.to(tdev))
-        extra = dict(mode=mode, repeat_tokens=REPEAT_MAX_TOKENS, poison_expert0=i == 0)
+        extra = dict(mode=mode, repeat_tokens=REPEAT_MAX_TOKENS, poison_expert0=i == 0, budget=budget)
         cases += moe_cases(fn, weights, case.activation, [plan], bounds, cache, **extra)
     return cases
 

@@ -122,6 +122,8 @@ def _call(fn: Callable[[], object], device: torch.device, deadline: float, give_
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # the stream that serves, not the device
         return value
+    except torch.OutOfMemoryError:
+        raise  # the check could not get its memory: the caller's skip, not the kernel's finding
     except Exception as exc:
         return exc
     finally:

@@ -141,7 +141,8 @@ def _served_cases(serve: Callable, watched: tuple, n_out: int, k: int, ms: list[
     if not (math.isfinite(gsf) and gsf > 0):
         what = "the layer's positive finite input global scale"
         raise not_accepted("vLLM dense layer check", "input_global_scale_inv", input_gsf, what)
-    x = verify.seeded_activations(max(ms), k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device).to(dtype)
+    # One row more than the largest M: each M's twin is the next M rows, views (no rolled copy of the reference).
+    x = verify.seeded_activations(max(ms) + 1, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device, dtype)
     k_weight = weight.shape[1] * 2
     padded = torch.nn.functional.pad(x, (0, k_weight - k)) if k_weight > k else x
     qx, sx = graphs.run(

@@ -137,7 +137,7 @@ def _plans(ms, dtypes, subset, everyone, top_k: int, hidden: int, amax: float, d
         for m, routing, among in batches:
             ids, topk_weights = verify.moe_routing(m, min(top_k, among.numel()), among.numel(), routing, gen)
             ids = among[ids.long()].to(torch.int32)
-            x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device).to(dtype)
+            x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device, dtype)
             name = f"T={m} {routing} {str(dtype).removeprefix('torch.')}"
             plans.append((name, x, ids.to(device), topk_weights.to(device)))
     return plans

@@ -54,6 +54,7 @@ class StandIn:
         )
         self._folded_w1_alpha = self._folded_w1_alpha_key = None
         self.calls = 0
+        self._done: dict = {}
         self.top_k = top_k
         type(self).made.append(self)
 
@@ -79,7 +80,13 @@ class StandIn:
             a1.reshape(-1),
             a2.reshape(-1),
         )
-        emulated_moe(x, ids, weights, *args, self.activation, x.dtype, out)
+        if self.fault == "lossy":  # as fast as a GPU's call: each distinct input's output computed once
+            key = tuple(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (x, ids, weights, w13_alpha))
+            if key not in self._done:
+                self._done[key] = emulated_moe(x, ids, weights, *args, self.activation, x.dtype, out).clone()
+            out.copy_(self._done[key])
+        else:
+            emulated_moe(x, ids, weights, *args, self.activation, x.dtype, out)
         if self.fault == "poison":  # a -1 slot's row computed on expert 0, times weight 0: 0 x inf = NaN
             expert0_finite = torch.isfinite(w13_alpha[0])
             poisoned = (ids < 0).any(dim=1, keepdim=True) & ~expert0_finite

@@ -131,8 +131,8 @@ def mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
 
 def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
     """Return the activation-dequantization kernel for `device`, chosen at its first use (outside capture)."""
-    # The CUDA C kernel (NVRTC, a driver launch: a few us of host time per call), else Triton's (about
-    # 30 us per call on the H200); the reason is kept for the report.
+    # The CUDA C kernel (NVRTC, a driver launch: a few us of host time per call; humming-kernels requires
+    # cuda-bindings, whose NVRTC Humming compiles with too), else torch's (the oracle's decode, a few launches).
     index = device.index
     found = _dequant_engines.get(index)
     if found is not None:
@@ -151,19 +151,22 @@ def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
         found = ("cuda", cuda_launch)
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
-        from .dequant import launch as triton_launch
-
-        found = ("triton", lambda a, sf, out, kp: triton_launch(a, sf.view(torch.uint8), out, kp))
+        found = ("torch", _torch_launch)
         _LOG.info(
-            "sm120_fp4: Humming's activation dequantization runs as a Triton kernel on cuda:%s (%s)", index, reason
+            "sm120_fp4: Humming's activation dequantization runs as torch operations on cuda:%s (%s)", index, reason
         )
-    kind = "(CUDA C through NVRTC)" if found[0] == "cuda" else "(Triton's own cache)"
+    kind = "(CUDA C through NVRTC)" if found[0] == "cuda" else "(torch operations: NVRTC could not build it)"
     with lock:
         _dequant_engines[index] = found
         record = dict.fromkeys(("first_call_s", "kernels_compiled", "from_cache"))
         record.update(engine=found[0], version=f"the activation dequantization kernel {kind}", fallback_reason=reason)
         _startup.setdefault("dequant", record)
     return found
+
+
+def _torch_launch(a: torch.Tensor, sf: torch.Tensor, out: torch.Tensor, kp: int) -> None:
+    """Dequantize as the CUDA C kernel does, with torch operations (where NVRTC cannot build that kernel)."""
+    out.copy_(nvfp4.dequantize_unscaled(a, sf.reshape(-1), torch.float32))
 
 
 def dequantize_activations(a: torch.Tensor, a_descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -240,7 +243,14 @@ def describe_backend(family: str) -> dict:
     found = {"mode": DENSE_MODE if family == "dense" else MOE_MODE, **engine}
     configurations = {k: v for k, v in info["configurations"].items() if k.startswith(shown)}
     memory = {k: v for k, v in info["memory"].items() if k.startswith(family)}
-    return {**found, "converted_in_place": converted_layers(family), "configurations": configurations, "memory": memory}
+    kept = {"kept_original_bytes": convert.kept_bytes(family)}  # the oracle's copies of converted layers
+    return {
+        **found,
+        "converted_in_place": converted_layers(family),
+        "configurations": configurations,
+        "memory": memory,
+        **kept,
+    }
 
 
 def doctor_info() -> dict:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ... import nvfp4
+from ...devices import CHECK_MEMORY_BYTES
 from ...errors import InvalidArgument, SelfTestError
 from .engine import K_ALIGN, N_ALIGN, Prepared, current_engine, lock
 
@@ -107,8 +108,9 @@ def _convert(weight, sf_swizzled, dtype, experts: int | None, family: str, in_pl
             conv.extra_bytes += src.nbytes  # kept next to SGLang's (smaller) swizzled scales
             continue
         key = storage_key(target)
-        if keep:
-            conv.originals[key] = (target.detach().clone(), target)  # the oracle reads it during the check
+        if keep:  # the oracle reads it during the check: on the GPU below the check's memory bound, else the host's
+            small = target.nbytes <= CHECK_MEMORY_BYTES // 4
+            conv.originals[key] = (target.detach().clone() if small else _host_copy(target), target)
         new[name] = _write_into(src, target)
         conv.written.add(key)
     prepared.tensors = new
@@ -149,7 +151,9 @@ def original(t: torch.Tensor) -> torch.Tensor:
             kept = conv.originals.get(key)
             if kept is not None:
                 # On the device while checked; from pinned host memory for good (ordered on the current stream).
-                copy = kept[0].to(t.device, non_blocking=kept[0].is_pinned())
+                # A MoE layer's stays there: the oracle copies each expert it reads.
+                host = conv.family == "moe" and not kept[0].is_cuda
+                copy = kept[0] if host else kept[0].to(t.device, non_blocking=kept[0].is_pinned())
                 if copy.dtype != t.dtype or tuple(copy.shape) != tuple(t.shape):
                     copy = copy.reshape(-1).view(torch.uint8)[: t.nbytes].view(t.dtype).view(t.shape)
                 return copy
@@ -173,8 +177,19 @@ def drop_originals(tensors: dict, keep: bool = False) -> None:
                 conv.originals.clear()
                 continue
             for key, (copy, target) in [(k, v) for k, v in conv.originals.items() if v[0].is_cuda]:
-                host = torch.empty(copy.shape, dtype=copy.dtype, pin_memory=True)
-                conv.originals[key] = (host.copy_(copy), target)  # synchronous: the device copy is freed here
+                conv.originals[key] = (_host_copy(copy), target)  # synchronous: the device copy is freed here
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """Return a copy of `t` in (pinned, where CUDA is) host memory."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t)
+
+
+def kept_bytes(family: str) -> dict[str, int]:
+    """Return the original bytes kept of `family`'s converted layers, on the GPU and in host memory."""
+    with lock:
+        kept = [c for conv in converted.values() if conv.family == family for c, _ in conv.originals.values()]
+    return {"gpu": sum(c.nbytes for c in kept if c.is_cuda), "host": sum(c.nbytes for c in kept if not c.is_cuda)}
 
 
 def converted_layers(family: str) -> int:
