@@ -244,7 +244,8 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
             )
         mark = (family.name, device.index, key)
         _process.verifying[mark] = f"{family.what} on {device.label()}"
-        report_file.update(settings)  # before the first check: a rank the engine stops meanwhile says so
+        report_file.request(settings)  # before the first check: a rank the engine stops meanwhile says so
+        report_file.flush()
         try:
             # Every rank decides here (its first layer): SELECT=fastest chooses alike on every rank.
             choice = choose(

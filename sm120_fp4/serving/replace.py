@@ -41,7 +41,8 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         if problem is None:
             if full:  # said in the report before the check: a rank the engine stops meanwhile says so
                 _process.verifying[id(check)] = f"{check.named()} on {serving.device.label()}"
-                report_file.update(settings)
+                report_file.request(settings)
+                report_file.flush()  # bounded (report.FLUSH_S): on disk before a check the engine may cut short
             try:
                 report, fingerprint = layers._layer_check(serving, check, full)
             finally:
