@@ -576,13 +576,19 @@ def _no_cute():
         ("pdmux", None, "enable_pdmux", "12.0", r"--enable-pdmux"),
         ("deterministic inference", None, "enable_deterministic_inference", "12.0", r"deterministic-inference"),
         ("expert parallelism", None, "ep_size", "12.0", r"no NVFP4 expert parallelism"),
+        ("two ranks", None, "world_size", "12.0", r"refused with 2 ranks .*vLLM #47365"),
     ],
     ids=lambda v: v if isinstance(v, str) and " " not in v[:3] else None,
 )
-def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, why, toolchain, setting, capability, match):
+def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, request, why, toolchain, setting, capability, match):
     from sm120_fp4.sglang import hooks
 
-    if setting is not None:
+    if setting == "world_size":  # a TP=2 run: torch.distributed's world spans two ranks
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+        request.addfinalizer(torch.distributed.destroy_process_group)
+    elif setting is not None:
         monkeypatch.setattr(
             hooks, "server_setting", lambda name: (2 if name == "ep_size" else True) if name == setting else None
         )
@@ -600,8 +606,9 @@ def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, why, toolchain, setti
     [
         ((E, H, I, "swiglu", torch.float16), r"bf16 activations"),
         ((E, H, 96, "swiglu", torch.bfloat16), r"I % 128 == 0 \(this layer: I=96"),
+        ((E, H, 1024, "swiglu", torch.bfloat16), r"fails to launch on SM120 for I >= 1024 \(FlashInfer #3807"),
     ],
-    ids=["fp16", "I off 128"],
+    ids=["fp16", "I off 128", "I 1024"],
 )
 def test_b12x_layer_limits_are_named(sizes, match):
     assert __import__("re").search(match, b12x_moe.layer_problem(*sizes))
