@@ -50,6 +50,7 @@ class Status(BaseModel):
     decisions: list[deciding.Decision]
     refusals: list[deciding.Refusal]
     canary: CanaryStatus
+    unverified: list[serving.Unverified] = []  # what SM120_FP4_SELFTEST=warn lets serve that nothing verifies, and why
     engines: dict[str, dict[str, Any]] = {}  # each engine home: its installed version, supported or not, and why
     flashinfer_overrides: dict[str, str] = {}  # FLASHINFER_NVFP4_* set here: install() refuses while any is
 
@@ -284,6 +285,7 @@ def status() -> Status:
         here |= {"devices": found, "patches": state.patcher.ledger() if state else []}
         here |= {"routes": state.router.routes() if state else {}, "moe_routes": serving.routes("moe") if state else {}}
         here |= {"decisions": serving.decisions(), "refusals": serving.refusals(), "canary": canary.status(settings)}
+        here["unverified"] = serving.unverified()
         here["engines"] = {engine.NAME: _engine_status(engine) for engine in ENGINES}
         return Status(**here, flashinfer_overrides=flashinfer_overrides())
 

@@ -258,6 +258,50 @@ def test_warn_serves_an_unverified_runner_saying_so(caplog):
     )
 
 
+@dataclasses.dataclass
+class ClampedCheckpoint(synthetic.MoeCheckpoint):
+    """A MoE checkpoint whose model clamps its SwiGLU (config.json's swiglu_limit, as MiniMax-M3)."""
+
+    swiglu_limit: float = 7.0
+
+
+@case(
+    "configuration",
+    "an NVFP4 MoE layer whose model clamps its SwiGLU (swiglu_limit=7, SGLang passes it to the fused-MoE call), "
+    "SM120_FP4_SELFTEST={selftest}",
+    "strict: refused at load naming swiglu_limit (the oracle models SwiGLU without clamps); warn: loaded, "
+    "status().unverified names the layer and swiglu_limit",
+)
+@pytest.mark.parametrize("selftest", ["strict", "warn"])
+def test_a_clamped_swiglu_moe_layer_is_refused_or_shown_unverified(selftest):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest=selftest)
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=4)
+    clamped = ClampedCheckpoint(**{f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)})
+    unmodeled = r"swiglu_limit=a \(8,\) float32 tensor, which the MoE oracle does not model"
+    if selftest == "strict":
+        with pytest.raises(RefusedToServe, match=rf"NVFP4 MoE layer .*\(ModelOptNvFp4FusedMoEMethod\).*{unmodeled}"):
+            moe_layers.build_modelopt_moe_layer(clamped, TOP_K)
+        return
+    moe_layers.build_modelopt_moe_layer(clamped, TOP_K)
+    [entry] = sm120_fp4.status().unverified
+    assert "ModelOptNvFp4FusedMoEMethod" in entry.what and __import__("re").search(unmodeled, entry.reason)
+    assert not [d.layers for d in serving.decisions() if d.family == "moe" and d.layers], "nothing shown as verified"
+
+
+@case(
+    "configuration",
+    "a verified NVFP4 MoE layer later called through SGLang's seam with SwiGLU clamps it was not verified with",
+    "the call is refused by name (swiglu_alpha, swiglu_beta, swiglu_limit), never served by the routed backend",
+)
+def test_a_seam_call_with_arguments_the_oracle_does_not_model_is_refused_naming_them():
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    layer = moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=4), TOP_K)
+    layer._cutlass_swiglu_params = tuple(torch.full((E,), v) for v in (1.0, 0.0, 7.0))  # as SGLang sets a clamp
+    x, ids, weights = routing(4)
+    with pytest.raises(RefusedToServe, match=r"swiglu_alpha=a \(8,\) float32 tensor, swiglu_beta=.*swiglu_limit="):
+        moe_layers.moe_forward(layer, x, ids, weights)
+
+
 # ---- what serves: the layer's own top-k, every expert, expert-parallel calls as served ----------------
 
 

@@ -3,15 +3,18 @@
 from .fastest import retime
 from .records import (
     LayerCheck,
+    Unverified,
     clear,
     decide,
     decisions,
     record_refusal,
+    record_unverified,
     refusals,
     report_sections,
     route,
     route_table,
     routes,
+    unverified,
 )
 from .replace import verify_layer
 from .updates import (
@@ -30,7 +33,16 @@ from .updates import (
     weights_updating,
 )
 
-__all__ = ["LayerCheck", "verify_layer", "recheck", "retime", "reverify", "weights_updating", "weights_update_begin"]
+__all__ = [
+    "LayerCheck",
+    "Unverified",
+    "verify_layer",
+    "recheck",
+    "retime",
+    "reverify",
+    "weights_updating",
+    "weights_update_begin",
+]
 __all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "clear"]
 __all__ += ["route", "route_table", "routes", "Served", "served_configurations", "served_layer", "check_served"]
-__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang"]
+__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang", "record_unverified", "unverified"]

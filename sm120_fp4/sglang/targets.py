@@ -24,7 +24,7 @@ from .hooks import (
     modelopt_check,
 )
 from .idle import make_idle_hook
-from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, model_path, moe_check
+from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, model_path
 from .release import (
     AUTOTUNE,
     BASE_RUNNER,
@@ -235,7 +235,7 @@ def _makers(w) -> dict[str, Callable]:
         )
 
     def moe_hook(kind: str) -> Callable:
-        return weights_hook(kind, w.before_moe, lambda method, layer: moe_check(kind, layer))
+        return weights_hook(kind, w.before_moe, lambda method, layer: w.moe_check(kind, layer))
 
     begin = functools.partial(make_call_hook, before=lambda *args: w.weights_update_begin())
     end = functools.partial(make_call_hook, end=w.weights_update_end)

@@ -19,7 +19,16 @@ from ..errors import ConfigError, RefusedToServe, say_once
 from ..versions import version_in
 from .autotune import tunable_backends
 from .hooks import layer_device_index, layer_name
-from .moe import SEAM_VERSIONS, gate_up_problem, make_seam, pin_auto_runner, refuse_unverifiable, runner_problem
+from .moe import (
+    SEAM_VERSIONS,
+    call_problem,
+    gate_up_problem,
+    make_seam,
+    moe_check,
+    pin_auto_runner,
+    refuse_unverifiable,
+    runner_problem,
+)
 from .release import KERNEL_OPS_GEMM, sglang_version
 from .scales import checkpoint_scale_problem, layer_scales_problem, quant_mode_problem
 from .simulation import Simulation, cuda_moves_stay_on_cpu
@@ -48,7 +57,8 @@ class _Install:
         self.canary = None
         self.make_dispatch = functools.partial(router.make_dispatch, unknown=self.unknown_backend)
         self.make_decline = functools.partial(router.make_decline, declined=self.declined)
-        self.make_moe_seam = functools.partial(make_seam, make_front=router.make_moe_front, simulated=sim is not None)
+        front = functools.partial(router.make_moe_front, unknown=self.unmodeled_moe)
+        self.make_moe_seam = functools.partial(make_seam, make_front=front, simulated=sim is not None)
         self.weights_update_begin = serving.weights_update_begin
         self.weights_update_end = lambda: serving.weights_update_end(settings)
         self.weights_scope = functools.partial(cuda_moves_stay_on_cpu, sim is not None)
@@ -63,6 +73,7 @@ class _Install:
         if self.settings.selftest == "strict":
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
+        serving.record_unverified(what, problem)
 
     def before_dense(self, kind: str, method, layer) -> None:
         index = layer_device_index(layer)
@@ -88,6 +99,17 @@ class _Install:
             refuse_unverifiable(kind, self.settings)
             return
         self.refuse(f"the NVFP4 MoE layer ({kind})", runner_problem(kind, method) or gate_up_problem(layer))
+
+    def moe_check(self, kind: str, layer):
+        """Return the layer's MoE check, or None after refusing (warn: serving UNVERIFIED) a call the oracle cannot model."""
+        if serving.route(layer_device_index(layer), self.settings, "moe") is None:
+            return None
+        problem = call_problem(layer)
+        self.refuse(_layer_what(kind, layer, "MoE "), problem)
+        return moe_check(kind, layer) if problem is None else None
+
+    def unmodeled_moe(self, index: int, problem: str) -> None:
+        self.refuse(f"an NVFP4 fused-MoE call on device {index}", problem)
 
     def unknown_backend(self, index: int, name: str, value: object) -> None:
         backend = name == "backend"

@@ -98,7 +98,9 @@ def _makers(w) -> dict[str, Callable]:
         "flashinfer-scaled-fp4-mm-alias": w.make_alias,
         "modelopt-linear-weights-hook": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
         "compressed-tensors-w4a4-nvfp4-weights-hook": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
-        "flashinfer-cutlass-fused-moe-alias": functools.partial(make_alias, make_front=w.router.make_moe_front),
+        "flashinfer-cutlass-fused-moe-alias": functools.partial(
+            make_alias, make_front=functools.partial(w.router.make_moe_front, unknown=w.unmodeled_moe)
+        ),
         "flashinfer-moe-unquantized-inputs": functools.partial(make_defer, served=w.moe_served),
         "flashinfer-moe-output-shape": make_shapes,
         "modelopt-nvfp4-moe-weights-hook": moe_hook(MOE_KIND),
