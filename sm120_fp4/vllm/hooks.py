@@ -72,7 +72,8 @@ def layer_device_index(layer: object) -> int:
 
 
 def layer_name(layer: object) -> str:
-    prefix = getattr(layer, "prefix", None)
+    prefix = getattr(layer, "prefix", None)  # linear layers; MoE layers (RoutedExperts) name theirs layer_name
+    prefix = prefix if isinstance(prefix, str) else getattr(layer, "layer_name", None)
     return prefix if isinstance(prefix, str) else ""
 
 
