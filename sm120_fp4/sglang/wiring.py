@@ -108,6 +108,18 @@ class _Install:
         self.refuse(_layer_what(kind, layer, "MoE "), problem)
         return moe_check(kind, layer) if problem is None else None
 
+    def before_w4a16(self, kind: str, method, layer) -> None:
+        """Refuse (strict) or serve UNVERIFIED (warn) a weight-only NVFP4 layer: FP4 Marlin, called directly, serves it."""
+        family = "moe" if "MoE" in kind else "dense"
+        if serving.route(layer_device_index(layer), self.settings, family) is None:
+            return  # a device this library does not serve
+        problem = (
+            f"SGLang serves {kind} weight-only (W4A16) with FP4 Marlin (or FlashInfer's mm_bf16_fp4), called directly: "
+            "no W4A16 NVFP4 kernel is routed or verified by sm120_fp4 on this GPU. Serve a W4A4 NVFP4 checkpoint "
+            f"(without --fp4-gemm-backend marlin), or set SM120_FP4_SELFTEST=warn to serve it unverified"
+        )
+        self.refuse(_layer_what(kind, layer, "MoE " if family == "moe" else ""), problem)
+
     def unmodeled_moe(self, index: int, problem: str) -> None:
         self.refuse(f"an NVFP4 fused-MoE call on device {index}", problem)
 
