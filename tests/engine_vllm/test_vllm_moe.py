@@ -186,3 +186,33 @@ def test_a_moe_layer_the_check_cannot_cover_is_refused_or_shown_unverified(
     [entry] = sm120_fp4.status().unverified
     assert "model.layers.0.mlp.experts" in entry.what and re.search(match, entry.reason), entry
     assert not _moe_reports(), "nothing shown as verified"
+
+
+@case(
+    "configuration",
+    "a vLLM ModelOpt W4A16_NVFP4 (weight-only) {family} layer on a served device, SM120_FP4_SELFTEST={selftest}",
+    "strict: refused before vLLM processes its weights, naming W4A16; warn: status().unverified names it",
+)
+@pytest.mark.parametrize("selftest", ["strict", "warn"])
+@pytest.mark.parametrize("family", ["dense", "MoE"])
+def test_a_w4a16_layer_is_refused_or_shown_unverified(selftest, family):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest=selftest)
+    if family == "MoE":
+        build = functools.partial(
+            vllm_layers.build_modelopt_moe_layer, synthetic.make_moe_checkpoint(8, 128, 128, seed=3), top_k=2
+        )
+    else:
+        build = functools.partial(vllm_layers.build_modelopt_layer, synthetic.make_checkpoint(64, 128, seed=3))
+    with vllm_layers.vllm_context(**SIZES):
+        if selftest == "strict":
+            with pytest.raises(RefusedToServe, match=r"weight-only \(W4A16"):
+                build(quant_method="W4A16_NVFP4")
+            return
+        try:
+            build(quant_method="W4A16_NVFP4")
+        except RefusedToServe:  # pragma: no cover - warn serves it
+            raise
+        except Exception:
+            pass  # the weight-only kernel's weight processing needs CUDA: on a GPU it would serve, unverified
+    [entry] = sm120_fp4.status().unverified
+    assert "W4A16" in entry.reason and "unverified" in entry.reason, entry
