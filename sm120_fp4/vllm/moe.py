@@ -47,7 +47,7 @@ def backend_problem(kind: str, method: object) -> str | None:
 
 
 def served_options(experts: object, layer: object) -> dict:
-    """Return the keywords FlashInferExperts.apply passes for an NVFP4 layer beside its tensors (vLLM 0.32-0.33)."""
+    """Return the keywords FlashInferExperts.apply passes for an NVFP4 layer beside its tensors (vLLM 0.32-0.34)."""
     options = {"swiglu_limit": getattr(experts, "gemm1_clamp_limit", None)}  # SiLU: a clamp limit where set
     if str(getattr(getattr(layer, "activation", None), "value", "")).startswith("swigluoai"):
         options.update(

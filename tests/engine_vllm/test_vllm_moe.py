@@ -1,4 +1,4 @@
-"""vLLM's real NVFP4 fused-MoE layers (vLLM 0.32-0.33, ModelOpt and compressed-tensors) on a CPU with the device simulated as 12.0: its
+"""vLLM's real NVFP4 fused-MoE layers (vLLM 0.32-0.34, ModelOpt and compressed-tensors) on a CPU with the device simulated as 12.0: its
 FlashInfer kernel call routed to the verified MoE backend, each layer verified through its own apply (bf16 in)
 against the oracle from its processed weights; broken MoE kernels and backends the library cannot verify refused.
 """
