@@ -139,15 +139,12 @@ def _seam() -> tuple[Callable, type] | None:
     return seam()
 
 
-def served_options(layer: object, activation_type: type) -> dict:
+def served_options(layer: object) -> dict:
     """Return the keywords SGLang's cutlass runner passes for `layer` beside its tensors (activation, SwiGLU clamps)."""
-    swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
-    options = dict(zip(("swiglu_alpha", "swiglu_beta", "swiglu_limit"), swiglu))
-    config, mapping = (
-        getattr(layer, "moe_runner_config", None),
-        getattr(sys.modules.get(MOE_RUNNER_FC), "_activation_type", None),
-    )
-    if config is not None and mapping is not None:  # the runner's own mapping (0.5.23: _activation_type)
+    options = _swiglu(layer)
+    config = getattr(layer, "moe_runner_config", None)
+    mapping = getattr(sys.modules.get(MOE_RUNNER_FC), "_activation_type", None)  # the runner's own (0.5.23)
+    if config is not None and mapping is not None:
         try:
             options["activation_type"] = mapping(config)
         except Exception as exc:  # an activation SGLang's cutlass runner does not take (it asserts)
@@ -155,12 +152,15 @@ def served_options(layer: object, activation_type: type) -> dict:
     return options
 
 
+def _swiglu(layer: object) -> dict:
+    swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)  # all None: no clamp configured
+    return dict(zip(("swiglu_alpha", "swiglu_beta", "swiglu_limit"), swiglu))
+
+
 def call_problem(layer: object) -> str | None:
     """Return why the seam call that serves `layer` passes an argument the MoE oracle does not model, or None."""
     seam = _seam()
-    if seam is None:
-        return None
-    return flashinfer.unmodeled_moe_problem(served_options(layer, seam[1]), seam[1])
+    return flashinfer.unmodeled_moe_problem(served_options(layer), seam[1]) if seam is not None else None
 
 
 def gate_up_problem(layer: object) -> str | None:
@@ -341,7 +341,7 @@ def _served_convention(layer, processed: ProcessedMoe, x, ids, topk_weights, *re
     w, out = nvfp4.MoeWeights(*rest[:8]), rest[-1]  # `ids` global, -1 for a dropped slot
     scales = [_scalar(w.a1_gscale), w.w13_sf.view(torch.int32), w.w13_alpha]
     scales += [_scalar(w.a2_gscale), w.w2_sf.view(torch.int32), w.w2_alpha]
-    swiglu = {k: v for k, v in served_options(layer, activation_type).items() if k != "activation_type"}
+    swiglu = _swiglu(layer)
     ranks = dict(zip(("ep_size", "ep_rank", "tp_size", "tp_rank"), _ranks(layer)))
     out_dtype = dict(output=torch.empty(x.shape, dtype=x.dtype, device=x.device), output_dtype=x.dtype)
     tokens = dict(input=x, token_selected_experts=ids.to(torch.int32), token_final_scales=topk_weights, input_sf=None)
