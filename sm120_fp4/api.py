@@ -51,6 +51,7 @@ class Status(BaseModel):
     refusals: list[deciding.Refusal]
     canary: CanaryStatus
     rank: dict[str, int] = {}  # this process's ranks in its engine's parallel groups (tp_rank, tp_size, ...)
+    unverified: list[serving.Unverified] = []  # what SM120_FP4_SELFTEST=warn lets serve that nothing verifies, and why
     engines: dict[str, dict[str, Any]] = {}  # each engine home: its installed version, supported or not, and why
     flashinfer_overrides: dict[str, str] = {}  # FLASHINFER_NVFP4_* set here: install() refuses while any is
 
@@ -303,6 +304,7 @@ def status() -> Status:
         here |= {"decisions": serving.decisions(), "refusals": serving.refusals(), "canary": canary.status(settings)}
         here["engines"] = {engine.name: _engine_status(engine) for engine in ENGINES}
         here["rank"] = rank()
+        here["unverified"] = serving.unverified()
         return Status(**here, flashinfer_overrides=flashinfer_overrides())
 
 

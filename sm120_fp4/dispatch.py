@@ -94,10 +94,14 @@ class Router:
         declining.__qualname__ = "sm120_fp4.dispatch.declining"
         return declining
 
-    def make_moe_front(self, original: Callable, activation_type: type) -> Callable:
-        """Return the front over FlashInfer's ``cutlass_fused_moe`` that SGLang's MoE seam hands out."""
+    def make_moe_front(
+        self, original: Callable, activation_type: type, unknown: Callable[[int, str], None] | None = None
+    ) -> Callable:
+        """Return the front over FlashInfer's ``cutlass_fused_moe`` that the engines' MoE seams hand out."""
+        # unknown(index, problem): told of a served device's NVFP4 call with an argument the oracle does not model.
         names = serving.routes
-        return moe_front(original, activation_type, lambda i: self.ensure(i, "moe"), lambda i: names("moe").get(i, "?"))
+        route, name_of = lambda i: self.ensure(i, "moe"), lambda i: names("moe").get(i, "?")
+        return moe_front(original, activation_type, route, name_of, unknown)
 
 
 _alpha_cache: dict[torch.device, torch.Tensor] = {}
@@ -147,7 +151,11 @@ def _say_unknown(unknown: Callable[[int, str, object], None], index: int, backen
 
 
 def moe_front(
-    original: Callable, activation_type: type, route: Callable[[int], Callable | None], name_of: Callable[[int], str]
+    original: Callable,
+    activation_type: type,
+    route: Callable[[int], Callable | None],
+    name_of: Callable[[int], str],
+    unknown: Callable[[int, str], None] | None = None,
 ) -> Callable:
     """Return ``cutlass_fused_moe`` (as SGLang calls it) serving NVFP4 calls with the routed MoE backend."""
 
@@ -156,6 +164,10 @@ def moe_front(
         fn = route(x.get_device()) if isinstance(x, torch.Tensor) else None
         args = flashinfer.moe_call_to_convention(kwargs, activation_type) if fn is not None else None
         if args is None:
+            if fn is not None and unknown is not None and flashinfer.is_nvfp4_moe_call(kwargs):
+                problem = flashinfer.unmodeled_moe_problem(kwargs, activation_type)
+                if problem is not None:  # refused by name (SELFTEST=warn: the original serves it, unverified)
+                    unknown(x.get_device(), problem)
             return original(**kwargs)
         out = args[-1]
         if x.shape[0]:

@@ -361,6 +361,25 @@ def test_the_seam_front_maps_sglangs_call_and_expert_parallel_ids():
         **common,
     )
     assert len(original_calls) == 1
+    # Any argument the oracle does not model, a keyword added later included, is named to the engine's `unknown`
+    # (its refusal); the neutral ones (TP ranks, tuning, finalize) and defaults pass and are served.
+    told = []
+    front = dispatch.moe_front(original, ActivationType, lambda i: backend, lambda i: "test", lambda *a: told.append(a))
+    neutral = dict(tp_size=2, tp_rank=1, tune_max_num_tokens=8192, use_fused_finalize=True, enable_alltoall=False)
+    front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=ids, **neutral, **common)
+    assert not told and len(original_calls) == 1
+    unmodeled = dict(swiglu_limit=torch.full((4,), 7.0), fc2_expert_biases=torch.zeros(4, 256), a_new_flag=True)
+    for name, value in unmodeled.items():
+        front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=ids, **{name: value}, **common)
+    geglu = {**common, "activation_type": 4}
+    front(output=torch.empty(x.shape, dtype=torch.bfloat16), token_selected_experts=ids, **geglu)
+    assert [(index, problem.split(" passes ")[1].split(", which ")[0]) for index, problem in told] == [
+        (-1, "swiglu_limit=a (4,) float32 tensor"),
+        (-1, "fc2_expert_biases=a (4, 256) float32 tensor"),
+        (-1, "a_new_flag=True"),
+        (-1, "activation_type=4"),
+    ]
+    assert len(original_calls) == 5 and all("does not model" in problem for _, problem in told)
 
 
 class _HostSync(AssertionError):

@@ -865,3 +865,42 @@ def test_a_reload_of_modelopt_quant_is_patched_again_and_status_tells_the_truth(
     assert verified == [1], "the layer loaded after the reload went through the (re-applied) weights hook"
     assert replaced[alias_spec_name()] == "replaced" and replaced["modelopt-fp4-weights-hook"] == "applied"
     assert after_uninstall is None
+
+
+@case(
+    "configuration",
+    "an NVFP4 weight-only (W4A16) layer of SGLang's CompressedTensorsW4A16Fp4 (FP4 Marlin, called directly) on a "
+    "served device, SM120_FP4_SELFTEST={selftest}",
+    "strict: refused at process_weights_after_loading naming the class and W4A16; warn: status().unverified names "
+    "it (doctor lists the target that says so)",
+)
+@pytest.mark.parametrize("selftest", ["strict", "warn"])
+def test_a_w4a16_layer_is_refused_or_shown_unverified(selftest):
+    from sglang.srt.layers.quantization.compressed_tensors.schemes import compressed_tensors_w4a16_nvfp4 as w4a16
+
+    sm120_fp4.install(simulate="12.0", backends="emulated", selftest=selftest)
+    scheme, layer = w4a16.CompressedTensorsW4A16Fp4(), torch.nn.Module()
+    scheme.create_weights(layer, [64], 128, torch.bfloat16, weight_loader=None)
+    ckpt = synthetic.make_checkpoint(64, 128, seed=0)
+    with torch.no_grad():
+        layer.weight_packed.copy_(ckpt.weight)
+        layer.weight_scale.copy_(ckpt.weight_scale)
+        layer.weight_global_scale.copy_(1.0 / ckpt.weight_scale_2.reshape(1))
+    said = (
+        r"CompressedTensorsW4A16Fp4 weight-only \(W4A16\) with FP4 Marlin.*no W4A16 NVFP4 kernel is routed or verified"
+    )
+    if selftest == "strict":
+        with pytest.raises(
+            RefusedToServe, match=rf"the NVFP4 layer \(CompressedTensorsW4A16Fp4\): SGLang serves {said}"
+        ):
+            scheme.process_weights_after_loading(layer)
+        return
+    try:
+        scheme.process_weights_after_loading(layer)
+    except RefusedToServe:  # pragma: no cover - warn serves it
+        raise
+    except Exception:
+        pass  # FP4 Marlin's weight repack needs CUDA: the layer would be served unverified on a GPU
+    [entry] = sm120_fp4.status().unverified
+    assert "CompressedTensorsW4A16Fp4" in entry.what and re.search(said, entry.reason)
+    assert patch_state("compressed-tensors-w4a16-nvfp4-refused") == "applied"

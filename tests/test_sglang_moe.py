@@ -258,6 +258,50 @@ def test_warn_serves_an_unverified_runner_saying_so(caplog):
     )
 
 
+@dataclasses.dataclass
+class ClampedCheckpoint(synthetic.MoeCheckpoint):
+    """A MoE checkpoint whose model clamps its SwiGLU (config.json's swiglu_limit, as MiniMax-M3)."""
+
+    swiglu_limit: float = 7.0
+
+
+@case(
+    "configuration",
+    "an NVFP4 MoE layer whose model clamps its SwiGLU (swiglu_limit=7, SGLang passes it to the fused-MoE call), "
+    "SM120_FP4_SELFTEST={selftest}",
+    "strict: refused at load naming swiglu_limit (the oracle models SwiGLU without clamps); warn: loaded, "
+    "status().unverified names the layer and swiglu_limit",
+)
+@pytest.mark.parametrize("selftest", ["strict", "warn"])
+def test_a_clamped_swiglu_moe_layer_is_refused_or_shown_unverified(selftest):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest=selftest)
+    ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=4)
+    clamped = ClampedCheckpoint(**{f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)})
+    unmodeled = r"swiglu_limit=a \(8,\) float32 tensor, which the MoE oracle does not model"
+    if selftest == "strict":
+        with pytest.raises(RefusedToServe, match=rf"NVFP4 MoE layer .*\(ModelOptNvFp4FusedMoEMethod\).*{unmodeled}"):
+            moe_layers.build_modelopt_moe_layer(clamped, TOP_K)
+        return
+    moe_layers.build_modelopt_moe_layer(clamped, TOP_K)
+    [entry] = sm120_fp4.status().unverified
+    assert "ModelOptNvFp4FusedMoEMethod" in entry.what and __import__("re").search(unmodeled, entry.reason)
+    assert not [d.layers for d in serving.decisions() if d.family == "moe" and d.layers], "nothing shown as verified"
+
+
+@case(
+    "configuration",
+    "a verified NVFP4 MoE layer later called through SGLang's seam with SwiGLU clamps it was not verified with",
+    "the call is refused by name (swiglu_alpha, swiglu_beta, swiglu_limit), never served by the routed backend",
+)
+def test_a_seam_call_with_arguments_the_oracle_does_not_model_is_refused_naming_them():
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    layer = moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=4), TOP_K)
+    layer._cutlass_swiglu_params = tuple(torch.full((E,), v) for v in (1.0, 0.0, 7.0))  # as SGLang sets a clamp
+    x, ids, weights = routing(4)
+    with pytest.raises(RefusedToServe, match=r"swiglu_alpha=a \(8,\) float32 tensor, swiglu_beta=.*swiglu_limit="):
+        moe_layers.moe_forward(layer, x, ids, weights)
+
+
 # ---- what serves: the layer's own top-k, every expert, expert-parallel calls as served ----------------
 
 
@@ -576,13 +620,19 @@ def _no_cute():
         ("pdmux", None, "enable_pdmux", "12.0", r"--enable-pdmux"),
         ("deterministic inference", None, "enable_deterministic_inference", "12.0", r"deterministic-inference"),
         ("expert parallelism", None, "ep_size", "12.0", r"no NVFP4 expert parallelism"),
+        ("two ranks", None, "world_size", "12.0", r"refused with 2 ranks .*vLLM #47365"),
     ],
     ids=lambda v: v if isinstance(v, str) and " " not in v[:3] else None,
 )
-def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, why, toolchain, setting, capability, match):
+def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, request, why, toolchain, setting, capability, match):
     from sm120_fp4.sglang import hooks
 
-    if setting is not None:
+    if setting == "world_size":  # a TP=2 run: torch.distributed's world spans two ranks
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+        request.addfinalizer(torch.distributed.destroy_process_group)
+    elif setting is not None:
         monkeypatch.setattr(
             hooks, "server_setting", lambda name: (2 if name == "ep_size" else True) if name == setting else None
         )
@@ -603,8 +653,9 @@ def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, why, toolchain, setti
     [
         ((E, H, I, "swiglu", torch.float16), r"bf16 activations"),
         ((E, H, 96, "swiglu", torch.bfloat16), r"I % 128 == 0 \(this layer: I=96"),
+        ((E, H, 1024, "swiglu", torch.bfloat16), r"fails to launch on SM120 for I >= 1024 \(FlashInfer #3807"),
     ],
-    ids=["fp16", "I off 128"],
+    ids=["fp16", "I off 128", "I 1024"],
 )
 def test_b12x_layer_limits_are_named(sizes, match):
     assert __import__("re").search(match, b12x_moe.layer_problem(*sizes))

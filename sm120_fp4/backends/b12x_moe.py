@@ -21,6 +21,10 @@ NAME = "b12x"
 MIN_CUDA = (13, 0)  # B12xMoEWrapper raises below CUDA 13 (get_cuda_version())
 INTER_ALIGN = 128  # I % 128: the gate/up tile split (_LEVEL_TILE_N); below it 0.7.2 pads a private copy per layer
 HIDDEN_ALIGN_FROM = (0, 7, 4)  # 0.7.4 also requires H % 128
+# FlashInfer #3807: b12x MoE fails to launch on SM120 for intermediate sizes of 1024 and more.
+MAX_INTER = 1023
+# vLLM #47365: b12x MoE returns empty or garbage output at TP=2 / PP=2 while one GPU is correct.
+MULTI_RANK_ISSUE = "vLLM #47365"
 MAX_TOKENS = 1024  # tokens per wrapper call (the workspace's size); larger calls run in chunks of it
 ACTIVATIONS = {"swiglu": "silu", "relu2": "relu2"}  # the convention's name -> b12x's
 _BUFFERS = ("_static_workspace", "_dynamic_workspace", "_moe_output")  # a wrapper's, shared per configuration
@@ -76,6 +80,13 @@ def _wrapper_class() -> WrapperFactory:
     return B12xMoEWrapper
 
 
+def parallel_ranks() -> int:
+    """Return how many ranks serve the model with this process (torch.distributed's world size; 1 where none)."""
+    # Engine-neutral until each engine home reports its TP/PP sizes: the world spans TP x PP (x DP) ranks.
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def supported(device: Device) -> tuple[bool, str | None]:
     """Return whether b12x's MoE can serve on `device` in this process, and why not."""
     problem = toolchain_problem("b12x MoE", MIN_CUDA)
@@ -83,6 +94,12 @@ def supported(device: Device) -> tuple[bool, str | None]:
         with _lock:
             checks = list(_engine_checks)
         problem = next((r for r in (check() for check in checks) if r), None)
+    if problem is None and (ranks := parallel_ranks()) > 1:
+        problem = (
+            f"b12x MoE is refused with {ranks} ranks (torch.distributed world size {ranks}): {MULTI_RANK_ISSUE} "
+            "reports garbage output at TP=2 / PP=2 while one GPU is correct, and no multi-rank check of it exists "
+            "here yet; serve it on one GPU, or let cutlass serve"
+        )
     if problem is None and tuple(device.capability) not in ((12, 0), (12, 1)):
         problem = f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
     if problem is not None or _factory is not None:
@@ -103,6 +120,8 @@ def layer_problem(experts: int, hidden: int, inter: int, activation: str, dtype:
         return f"b12x MoE takes bf16 activations and output only (this layer: {str(dtype).removeprefix('torch.')})"
     if activation not in ACTIVATIONS:
         return f"b12x MoE serves SwiGLU without clamps and relu2 only (this layer: {activation})"
+    if inter > MAX_INTER:
+        return f"b12x MoE fails to launch on SM120 for I >= {MAX_INTER + 1} (FlashInfer #3807; this layer: I={inter})"
     if inter % INTER_ALIGN:
         return f"b12x MoE needs I % {INTER_ALIGN} == 0 (this layer: I={inter}; below it FlashInfer pads a private copy per layer)"
     version = _version_tuple()

@@ -14,8 +14,20 @@ from ..errors import not_accepted
 SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 MOE_ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2"}  # the convention's name -> FlashInfer's ActivationType
 _DTYPES = (torch.bfloat16, torch.float16)
-# cutlass_fused_moe keywords that ask for something the convention does not express (left to the original).
-_UNSERVED_KEYWORDS = ("fc1_expert_biases", "fc2_expert_biases", "swiglu_alpha", "swiglu_beta", "swiglu_limit")
+# cutlass_fused_moe's keywords by what the MoE convention (and so the oracle) does with them: mapped into it,
+# without effect on the numbers (TP ranks: the weights are this rank's shard already), or modeled only at the value
+# given here. Any other keyword with a value other than None or False (clamped SwiGLU limits, expert biases, a flag
+# added later) asks for math the oracle does not model: the call is not served, and named (unmodeled_moe_arguments).
+_MAPPED = {"input", "token_selected_experts", "token_final_scales", "fc1_expert_weights", "fc2_expert_weights"}
+_MAPPED |= {"quant_scales", "output", "output_dtype", "ep_size", "ep_rank", "activation_type"}
+_NEUTRAL = {"tp_size", "tp_rank", "tune_max_num_tokens", "use_fused_finalize", "enable_pdl"}
+_DEFAULTS = {
+    "input_sf": None,
+    "enable_alltoall": False,
+    "cluster_size": 1,
+    "cluster_rank": 0,
+    "min_latency_mode": False,
+}
 # One call of the MoE backend convention (reference_moe_fp4's; -1 ids: slots that are not this rank's): tensors but
 # activation (a str of MOE_ACTIVATIONS) and out_dtype (a torch.dtype).
 _MOE_FIELDS = (
@@ -118,13 +130,46 @@ def check_moe_args(*args) -> MoeArgs:
     return c
 
 
-def _served_call(kwargs: dict, scales, w13, activation) -> bool:
+def is_nvfp4_moe_call(kwargs: dict) -> bool:
+    """Return whether a ``cutlass_fused_moe(**kwargs)`` call is an NVFP4 one (packed weights, six scales)."""
+    scales, w13 = kwargs.get("quant_scales"), kwargs.get("fc1_expert_weights")
     shaped = isinstance(scales, (list, tuple)) and len(scales) == 6 and isinstance(w13, torch.Tensor)
-    if activation is None or not shaped or w13.dtype != torch.int64 or scales[1].dtype != torch.int32:
-        return False
-    unserved = kwargs.get("input_sf") is not None or kwargs.get("enable_alltoall")
-    unserved = unserved or any(kwargs.get(k) is not None for k in _UNSERVED_KEYWORDS)
-    return not (unserved or kwargs.get("cluster_size", 1) != 1 or kwargs.get("min_latency_mode"))
+    return (
+        shaped and w13.dtype == torch.int64 and isinstance(scales[1], torch.Tensor) and scales[1].dtype == torch.int32
+    )
+
+
+def unmodeled_moe_arguments(kwargs: dict, activation_type: type | None) -> dict[str, object]:
+    """Return the arguments of a ``cutlass_fused_moe(**kwargs)`` call that the MoE oracle does not model."""
+    found = {}
+    for name, value in kwargs.items():
+        if name == "activation_type":
+            if value not in {getattr(activation_type, v) for v in MOE_ACTIVATIONS.values()}:
+                found[name] = getattr(value, "name", value)
+        elif name in _DEFAULTS:
+            if isinstance(value, torch.Tensor) or value not in (None, _DEFAULTS[name]):
+                found[name] = value
+        elif name not in _MAPPED and name not in _NEUTRAL and value is not None and value is not False:
+            found[name] = value
+    return found
+
+
+def unmodeled_moe_problem(kwargs: dict, activation_type: type | None = None) -> str | None:
+    """Return why a call with these arguments cannot be served verified (naming each), or None."""
+    found = unmodeled_moe_arguments(kwargs, activation_type)
+    if not found:
+        return None
+    shown = ", ".join(f"{name}={_shown(value)}" for name, value in found.items())
+    return (
+        f"the fused-MoE call passes {shown}, which the MoE oracle does not model (it models SwiGLU without clamps "
+        "and ReLU², no expert biases, activations quantized by the kernel), so no backend's numbers can be checked"
+    )
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, torch.Tensor):  # its shape only: reading values would synchronise with the GPU
+        return f"a {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')} tensor"
+    return repr(value)
 
 
 def moe_call_to_convention(kwargs: dict, activation_type: type) -> MoeArgs | None:
@@ -133,7 +178,7 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> MoeArgs | Non
     w13, w2, x = kwargs.get("fc1_expert_weights"), kwargs.get("fc2_expert_weights"), kwargs.get("input")
     names = {getattr(activation_type, v): k for k, v in MOE_ACTIVATIONS.items()}
     activation = names.get(kwargs.get("activation_type", getattr(activation_type, "Swiglu")))
-    if not _served_call(kwargs, scales, w13, activation):
+    if activation is None or not is_nvfp4_moe_call(kwargs) or unmodeled_moe_arguments(kwargs, activation_type):
         return None
     w13_u8, w2_u8 = w13.view(torch.uint8), w2.view(torch.uint8)
     # SGLang's ids are global under expert parallelism (this rank's start at ep_rank * E), -1 for a dropped

@@ -22,9 +22,18 @@ from .. import nvfp4
 from ..devices import Device
 from ..errors import say_once
 from ..versions import installed_version
-from .convention import MOE_ACTIVATIONS, check_mm_fp4_args, check_moe_args, global_scale, moe_call_to_convention
+from .convention import (
+    MOE_ACTIVATIONS,
+    check_mm_fp4_args,
+    check_moe_args,
+    global_scale,
+    is_nvfp4_moe_call,
+    moe_call_to_convention,
+    unmodeled_moe_problem,
+)
 
 __all__ = ["check_mm_fp4_args", "check_moe_args", "global_scale", "moe_call_to_convention"]  # re-exported
+__all__ += ["is_nvfp4_moe_call", "unmodeled_moe_problem"]
 
 GemmFn = Callable[..., object]
 

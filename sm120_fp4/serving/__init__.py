@@ -5,15 +5,18 @@ from .collective import use_group
 from .fastest import retime
 from .records import (
     LayerCheck,
+    Unverified,
     clear,
     decide,
     decisions,
     record_refusal,
+    record_unverified,
     refusals,
     report_sections,
     route,
     route_table,
     routes,
+    unverified,
     use_rank,
 )
 from .replace import verify_layer
@@ -33,7 +36,17 @@ from .updates import (
     weights_updating,
 )
 
-__all__ = ["LayerCheck", "verify_layer", "recheck", "retime", "reverify", "weights_updating", "weights_update_begin"]
+__all__ = [
+    "LayerCheck",
+    "Unverified",
+    "verify_layer",
+    "recheck",
+    "retime",
+    "reverify",
+    "weights_updating",
+    "weights_update_begin",
+]
 __all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "clear"]
 __all__ += ["route", "route_table", "routes", "Served", "served_configurations", "served_layer", "check_served"]
 __all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang", "use_group", "use_rank"]
+__all__ += ["record_unverified", "unverified"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from pydantic import BaseModel
 
 from .. import backends, devices, graphs, locks, verdicts, verify
 from .. import report as report_file
@@ -19,6 +20,13 @@ from ..errors import ConfigError, RefusedToServe
 from .collective import gather
 
 _LOG = logging.getLogger("sm120_fp4")
+
+
+class Unverified(BaseModel):
+    """Something served UNVERIFIED (SM120_FP4_SELFTEST=warn): which layer or call, and why nothing verifies it."""
+
+    what: str
+    reason: str
 
 
 @dataclass
@@ -167,6 +175,7 @@ _records: dict[tuple[str, int], _Serving] = {}  # (family, device index) -> its 
 # forward pass, written by _publish alone, emptied (never replaced) by clear().
 _route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
 _refusals: list[Refusal] = []
+_unverified: list[Unverified] = []
 
 
 @dataclass
@@ -295,6 +304,19 @@ def use_rank(source: Callable[[], dict[str, int]]) -> None:
     _process.rank = source
 
 
+def record_unverified(what: str, reason: str) -> None:
+    """Record something served UNVERIFIED because SM120_FP4_SELFTEST=warn allowed it (status and the report show it)."""
+    with _lock:
+        if not any(u.what == what and u.reason == reason for u in _unverified):
+            _unverified.append(Unverified(what=what, reason=reason))
+
+
+def unverified() -> list[Unverified]:
+    """Return everything served UNVERIFIED in this process so far (SELFTEST=warn), with why."""
+    with _lock:
+        return list(_unverified)
+
+
 def refusals() -> list[Refusal]:
     """Return every refusal to serve in this process so far."""
     with _lock:
@@ -308,12 +330,14 @@ def decisions() -> list[Decision]:
 
 
 def report_sections() -> dict[str, Callable[[], object]]:
-    """Return this process's report-file sections: its ranks, what it verifies now, its decisions and refusals."""
+    """Return this process's report-file sections: its ranks, what it verifies now, its decisions and refusals, and
+    what it serves unverified."""
     return {
         "rank": lambda: _process.rank(),
         "verifying": lambda: sorted(_process.verifying.copy().values()),  # a copy: other threads' decides change it
         "decisions": lambda: [d.model_dump(mode="json") for d in decisions()],
         "refusals": lambda: [r.model_dump(mode="json") for r in refusals()],
+        "unverified": lambda: [u.model_dump(mode="json") for u in unverified()],
     }
 
 
@@ -324,6 +348,7 @@ def clear() -> None:
         dropped = list(_records.values())
         _records.clear()
         _refusals.clear()
+        _unverified.clear()
         for record in dropped:
             _publish(record)  # its entry goes with it
         served = [(record, record.decision.backend) for record in dropped if record.serving is not None]

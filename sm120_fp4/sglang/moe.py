@@ -139,6 +139,30 @@ def _seam() -> tuple[Callable, type] | None:
     return seam()
 
 
+def served_options(layer: object) -> dict:
+    """Return the keywords SGLang's cutlass runner passes for `layer` beside its tensors (activation, SwiGLU clamps)."""
+    options = _swiglu(layer)
+    config = getattr(layer, "moe_runner_config", None)
+    mapping = getattr(sys.modules.get(MOE_RUNNER_FC), "_activation_type", None)  # the runner's own (0.5.23)
+    if config is not None and mapping is not None:
+        try:
+            options["activation_type"] = mapping(config)
+        except Exception as exc:  # an activation SGLang's cutlass runner does not take (it asserts)
+            options["activation_type"] = f"{getattr(config, 'activation', None)} ({type(exc).__name__})"
+    return options
+
+
+def _swiglu(layer: object) -> dict:
+    swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)  # all None: no clamp configured
+    return dict(zip(("swiglu_alpha", "swiglu_beta", "swiglu_limit"), swiglu))
+
+
+def call_problem(layer: object) -> str | None:
+    """Return why the seam call that serves `layer` passes an argument the MoE oracle does not model, or None."""
+    seam = _seam()
+    return flashinfer.unmodeled_moe_problem(served_options(layer), seam[1]) if seam is not None else None
+
+
 def gate_up_problem(layer: object) -> str | None:
     """Return why gate and up global scales that differ would serve wrong numbers (the gate's serves both), or None."""
     scale_2 = getattr(layer, "w13_weight_scale_2", None)
@@ -317,8 +341,7 @@ def _served_convention(layer, processed: ProcessedMoe, x, ids, topk_weights, *re
     w, out = nvfp4.MoeWeights(*rest[:8]), rest[-1]  # `ids` global, -1 for a dropped slot
     scales = [_scalar(w.a1_gscale), w.w13_sf.view(torch.int32), w.w13_alpha]
     scales += [_scalar(w.a2_gscale), w.w2_sf.view(torch.int32), w.w2_alpha]
-    swiglu = getattr(layer, "_cutlass_swiglu_params", None) or (None, None, None)
-    swiglu = dict(zip(("swiglu_alpha", "swiglu_beta", "swiglu_limit"), swiglu))
+    swiglu = _swiglu(layer)
     ranks = dict(zip(("ep_size", "ep_rank", "tp_size", "tp_rank"), _ranks(layer)))
     out_dtype = dict(output=torch.empty(x.shape, dtype=x.dtype, device=x.device), output_dtype=x.dtype)
     tokens = dict(input=x, token_selected_experts=ids.to(torch.int32), token_final_scales=topk_weights, input_sf=None)

@@ -256,6 +256,9 @@ def _quant_config(quantization: str):
     return config
 
 
+_CLAMPS = ("swiglu_limit", "gemm1_alpha", "gemm1_clamp_limit")  # FusedMoE's SwiGLU clamp arguments (a model's config)
+
+
 def build_modelopt_moe_layer(ckpt, top_k: int, *, dtype: torch.dtype = torch.bfloat16, **ranks):
     """Return SGLang's FusedMoE + ModelOptFp4Config for a :class:`sm120_fp4.demo.synthetic.MoeCheckpoint`."""
     return build_moe_layer_from_tensors(ckpt, ckpt.tensors(), top_k, fmt="modelopt", dtype=dtype, **ranks)
@@ -297,9 +300,10 @@ def build_moe_layer_from_tensors(
         num_experts=spec.num_experts, hidden_size=spec.hidden, intermediate_size=spec.intermediate, top_k=top_k
     )
     how = dict(params_dtype=dtype, activation=act, is_gated=is_gated, layer_id=0, prefix=_PREFIX)
+    clamps = {k: getattr(spec, k) for k in _CLAMPS if getattr(spec, k, None) is not None}  # the model's, as it passes
     with _context_for(settings, strict=True) as ctx:
         with torch.no_grad():
-            layer = FusedMoE(**sizes, **how, quant_config=_quant_config(quantization))
+            layer = FusedMoE(**sizes, **how, **clamps, quant_config=_quant_config(quantization))
             _load_into(layer, spec, tensors)
             layer.quant_method.process_weights_after_loading(layer)
         _LAYER_SETTINGS[layer] = ctx.settings()

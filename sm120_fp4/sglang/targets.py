@@ -24,7 +24,7 @@ from .hooks import (
     modelopt_check,
 )
 from .idle import make_idle_hook
-from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, model_path, moe_check
+from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, model_path
 from .release import (
     AUTOTUNE,
     BASE_RUNNER,
@@ -85,6 +85,17 @@ _MOE_WEIGHTS = _ledger(
     "no upstream start-up check exists",
     "when SGLang verifies its fused-MoE output at start-up on SM12x",
 )
+_W4A16 = _ledger(
+    "SGLang serves NVFP4 weight-only (W4A16) layers with FP4 Marlin (or FlashInfer's mm_bf16_fp4) called directly, "
+    "past every call this library routes and verifies: on a served device refuse the layer (SM120_FP4_SELFTEST="
+    "strict), or serve it UNVERIFIED, said in the log and in status().unverified (warn)",
+    "no upstream check of FP4 Marlin's output on the device exists",
+    "when a W4A16 NVFP4 kernel is a verified candidate of this library",
+)
+# SGLang's W4A16 NVFP4 classes (compressed-tensors' from 0.5.22; ModelOpt's W4A16_NVFP4 linear method from 0.5.15).
+CT_W4A16 = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a16_nvfp4"
+CT_W4A16_MOE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a16_nvfp4_moe"
+W4A16_KINDS = ("ModelOptNvFp4A16LinearMethod", "CompressedTensorsW4A16Fp4", "CompressedTensorsW4A16Nvfp4MoE")
 _CAPTURE = _ledger(
     "after warm-up and CUDA-graph capture (the draft model's included; FlashInfer's autotuner has picked its "
     "tactics by then), re-run every verified layer configuration eagerly: a kernel that goes wrong only after "
@@ -148,6 +159,7 @@ _LEDGER = {
         "flashinfer PR 3533 (rows 64-127 of a tile zeroed on SM120), flashinfer#2723, #5446",
         _MOE_WEIGHTS["remove_when"],
     ),
+    **dict.fromkeys(W4A16_KINDS, _W4A16),
     "ModelOptNvFp4FusedMoEMethod": _MOE_WEIGHTS,
     "CompressedTensorsW4A4Nvfp4MoE": _MOE_WEIGHTS,
     "weights-update": _UPDATE,
@@ -210,6 +222,9 @@ _ROWS = (
     ("moe-seam", "fused-moe-kernel-seam", MOE_RUNNER_FC, "_flashinfer_cutlass_fused_moe", SEAM_VERSIONS),
     _weights("ModelOptNvFp4FusedMoEMethod", "modelopt-nvfp4-moe-weights-hook", MQ, ">=0.5.3"),
     _weights("CompressedTensorsW4A4Nvfp4MoE", "compressed-tensors-nvfp4-moe-weights-hook", CT_MOE, ">=0.5.9"),
+    _weights("ModelOptNvFp4A16LinearMethod", "modelopt-nvfp4-w4a16-refused", MQ, ">=0.5.15"),
+    _weights("CompressedTensorsW4A16Fp4", "compressed-tensors-w4a16-nvfp4-refused", CT_W4A16, ">=0.5.22"),
+    _weights("CompressedTensorsW4A16Nvfp4MoE", "compressed-tensors-w4a16-nvfp4-moe-refused", CT_W4A16_MOE, ">=0.5.22"),
     # The scheduler's capture calls, so that the draft model's graphs are re-checked too.
     ("recheck", "post-capture-recheck-all-graphs", SCHEDULER, "Scheduler.init_all_cuda_graphs", ">=0.5.14"),
     ("recheck", "post-capture-recheck-model-workers", SCHEDULER, "Scheduler.init_model_worker", ">=0.5.7,<0.5.14"),
@@ -236,7 +251,7 @@ def _makers(w) -> dict[str, Callable]:
         )
 
     def moe_hook(kind: str) -> Callable:
-        return weights_hook(kind, w.before_moe, lambda method, layer: moe_check(kind, layer))
+        return weights_hook(kind, w.before_moe, lambda method, layer: w.moe_check(kind, layer))
 
     begin = functools.partial(make_call_hook, before=lambda *args: w.weights_update_begin())
     end = functools.partial(make_call_hook, end=w.weights_update_end)
@@ -250,6 +265,7 @@ def _makers(w) -> dict[str, Callable]:
         "moe-runner-config": functools.partial(make_call_hook, after=lambda *args: w.pin_moe_runner(model_path(args))),
         "moe-seam": w.make_moe_seam,
         **{kind: moe_hook(kind) for kind in ("ModelOptNvFp4FusedMoEMethod", "CompressedTensorsW4A4Nvfp4MoE")},
+        **{kind: weights_hook(kind, w.before_w4a16, lambda method, layer: None) for kind in W4A16_KINDS},
         "weights-update": functools.partial(begin, end=w.weights_update_end),
         "update-begin": begin,
         "update-end": end,

@@ -23,8 +23,10 @@ from .hooks import layer_device_index, layer_name
 from .moe import (
     SEAM_VERSIONS,
     b12x_problem,
+    call_problem,
     gate_up_problem,
     make_seam,
+    moe_check,
     pin_auto_runner,
     refuse_unverifiable,
     runner_problem,
@@ -57,7 +59,8 @@ class _Install:
         self.canary = None
         self.make_dispatch = functools.partial(router.make_dispatch, unknown=self.unknown_backend)
         self.make_decline = functools.partial(router.make_decline, declined=self.declined)
-        self.make_moe_seam = functools.partial(make_seam, make_front=router.make_moe_front, simulated=sim is not None)
+        front = functools.partial(router.make_moe_front, unknown=self.unmodeled_moe)
+        self.make_moe_seam = functools.partial(make_seam, make_front=front, simulated=sim is not None)
         self.weights_update_begin = serving.weights_update_begin
         self.weights_update_end = lambda: serving.weights_update_end(settings)
         self.weights_scope = functools.partial(engines.cuda_moves_stay_on_cpu, sim is not None)
@@ -72,6 +75,7 @@ class _Install:
         if self.settings.selftest == "strict":
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
+        serving.record_unverified(what, problem)
 
     def before_dense(self, kind: str, method, layer) -> None:
         index = layer_device_index(layer)
@@ -97,6 +101,29 @@ class _Install:
             refuse_unverifiable(kind, self.settings)
             return
         self.refuse(f"the NVFP4 MoE layer ({kind})", runner_problem(kind, method) or gate_up_problem(layer))
+
+    def moe_check(self, kind: str, layer):
+        """Return the layer's MoE check, or None after refusing (warn: serving UNVERIFIED) a call the oracle cannot model."""
+        if serving.route(layer_device_index(layer), self.settings, "moe") is None:
+            return None
+        problem = call_problem(layer)
+        self.refuse(_layer_what(kind, layer, "MoE "), problem)
+        return moe_check(kind, layer) if problem is None else None
+
+    def before_w4a16(self, kind: str, method, layer) -> None:
+        """Refuse (strict) or serve UNVERIFIED (warn) a weight-only NVFP4 layer: FP4 Marlin, called directly, serves it."""
+        family = "moe" if "MoE" in kind else "dense"
+        if serving.route(layer_device_index(layer), self.settings, family) is None:
+            return  # a device this library does not serve
+        problem = (
+            f"SGLang serves {kind} weight-only (W4A16) with FP4 Marlin (or FlashInfer's mm_bf16_fp4), called directly: "
+            "no W4A16 NVFP4 kernel is routed or verified by sm120_fp4 on this GPU. Serve a W4A4 NVFP4 checkpoint "
+            f"(without --fp4-gemm-backend marlin), or set SM120_FP4_SELFTEST=warn to serve it unverified"
+        )
+        self.refuse(_layer_what(kind, layer, "MoE " if family == "moe" else ""), problem)
+
+    def unmodeled_moe(self, index: int, problem: str) -> None:
+        self.refuse(f"an NVFP4 fused-MoE call on device {index}", problem)
 
     def unknown_backend(self, index: int, name: str, value: object) -> None:
         backend = name == "backend"

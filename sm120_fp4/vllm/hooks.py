@@ -72,7 +72,8 @@ def layer_device_index(layer: object) -> int:
 
 
 def layer_name(layer: object) -> str:
-    prefix = getattr(layer, "prefix", None)
+    prefix = getattr(layer, "prefix", None)  # linear layers; MoE layers (RoutedExperts) name theirs layer_name
+    prefix = prefix if isinstance(prefix, str) else getattr(layer, "layer_name", None)
     return prefix if isinstance(prefix, str) else ""
 
 
@@ -91,7 +92,9 @@ def kernel_problem(kind: str, method: object) -> str | None:
     name = type(kernel).__name__
     if name in ROUTABLE_KERNELS:
         return None
-    if getattr(method, "use_a16", False) or "W4A16" in name:
+    spec = getattr(method, "spec", None)  # ModelOptLinearMethod's QuantSpec: no activation key for W4A16_NVFP4
+    weight_only = spec is not None and hasattr(spec, "activation") and spec.activation is None
+    if getattr(method, "use_a16", False) or weight_only or "W4A16" in name:
         return (
             f"vLLM serves {kind} weight-only (W4A16) with {name}: no kernel vLLM selects for W4A16 NVFP4 is routed "
             "or verified by sm120_fp4 on this GPU. Serve a W4A4 NVFP4 checkpoint (its layers run through the FP4 "

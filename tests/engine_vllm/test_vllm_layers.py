@@ -1,4 +1,4 @@
-"""vLLM's real NVFP4 linear layers (vLLM 0.32-0.33) on a CPU with the device simulated as 12.0: each layer
+"""vLLM's real NVFP4 linear layers (vLLM 0.32-0.34) on a CPU with the device simulated as 12.0: each layer
 configuration verified with its own weights through vLLM's own apply path, broken kernels and kernels this
 library cannot route refused. Run with vLLM's venv (scripts/setup_vllm_env.sh):
 ``PYTHONPATH=$PWD .venv-vllm/bin/python -m pytest tests/engine_vllm -q``; skipped where vLLM is not installed.

@@ -1,9 +1,12 @@
-"""vLLM's real NVFP4 fused-MoE layers (vLLM 0.32-0.33, ModelOpt and compressed-tensors) on a CPU with the device simulated as 12.0: its
+"""vLLM's real NVFP4 fused-MoE layers (vLLM 0.32-0.34, ModelOpt and compressed-tensors) on a CPU with the device simulated as 12.0: its
 FlashInfer kernel call routed to the verified MoE backend, each layer verified through its own apply (bf16 in)
 against the oracle from its processed weights; broken MoE kernels and backends the library cannot verify refused.
 """
 
 from __future__ import annotations
+
+import functools
+import re
 
 import pytest
 import torch
@@ -127,3 +130,89 @@ def test_a_moe_backend_the_library_cannot_verify_is_refused_naming_it_and_the_fl
         BUILDERS[kind](synthetic.make_moe_checkpoint(8, 128, 128, seed=2), top_k=2)
     message = str(refused.value)
     assert "'marlin'" in message and "--moe-backend flashinfer_cutlass" in message
+
+
+@case(
+    "configuration",
+    "a vLLM {kind_name} NVFP4 MoE layer that the layer check cannot cover ({what}), SM120_FP4_SELFTEST={selftest}",
+    "strict: refused at process_weights_after_loading naming what is not covered; warn: loaded, "
+    "status().unverified names the layer and why (never an INFO line only)",
+)
+@pytest.mark.parametrize("selftest", ["strict", "warn"])
+@pytest.mark.parametrize(
+    "kind_name, what, options, loaded, match",
+    [
+        (
+            "ModelOpt",
+            "the model clamps its SwiGLU: swiglu_limit=7",
+            {"swiglu_limit": 7.0},
+            None,
+            r"swiglu_limit=a \(8,\) float32 tensor, which the MoE oracle does not model",
+        ),
+        (
+            "ModelOpt",
+            "global_num_experts 16, this rank's 8",
+            {},
+            lambda layer: setattr(layer, "global_num_experts", 16),
+            r"expert parallelism \(this rank holds 8 of global_num_experts=16 experts",
+        ),
+        (
+            "ModelOpt",
+            "its expert map set (expert parallelism)",
+            {},
+            lambda layer: setattr(type(layer), "expert_map", property(lambda self: torch.arange(8))),
+            r"expert parallelism .*an expert map set",
+        ),
+    ],
+    ids=["swiglu-limit", "global-experts", "expert-map"],
+)
+def test_a_moe_layer_the_check_cannot_cover_is_refused_or_shown_unverified(
+    monkeypatch, selftest, kind_name, what, options, loaded, match
+):
+    if loaded is not None and "expert_map" in what:  # the class's property, put back after the test
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        monkeypatch.setattr(RoutedExperts, "expert_map", RoutedExperts.expert_map)
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest=selftest)
+    ckpt = synthetic.make_moe_checkpoint(8, 128, 128, seed=3)
+    build = functools.partial(vllm_layers.build_modelopt_moe_layer, ckpt, top_k=2, loaded=loaded, **options)
+    with vllm_layers.vllm_context(**SIZES) as config:
+        config.device_config.device = torch.device("cpu")  # where the simulation keeps the experts' clamp constants
+        if selftest == "strict":
+            with pytest.raises(RefusedToServe, match=rf"MoE layer model.layers.0.mlp.experts .*{match}"):
+                build()
+            return
+        build()
+    [entry] = sm120_fp4.status().unverified
+    assert "model.layers.0.mlp.experts" in entry.what and re.search(match, entry.reason), entry
+    assert not _moe_reports(), "nothing shown as verified"
+
+
+@case(
+    "configuration",
+    "a vLLM ModelOpt W4A16_NVFP4 (weight-only) {family} layer on a served device, SM120_FP4_SELFTEST={selftest}",
+    "strict: refused before vLLM processes its weights, naming W4A16; warn: status().unverified names it",
+)
+@pytest.mark.parametrize("selftest", ["strict", "warn"])
+@pytest.mark.parametrize("family", ["dense", "MoE"])
+def test_a_w4a16_layer_is_refused_or_shown_unverified(selftest, family):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated", selftest=selftest)
+    if family == "MoE":
+        build = functools.partial(
+            vllm_layers.build_modelopt_moe_layer, synthetic.make_moe_checkpoint(8, 128, 128, seed=3), top_k=2
+        )
+    else:
+        build = functools.partial(vllm_layers.build_modelopt_layer, synthetic.make_checkpoint(64, 128, seed=3))
+    with vllm_layers.vllm_context(**SIZES):
+        if selftest == "strict":
+            with pytest.raises(RefusedToServe, match=r"weight-only \(W4A16"):
+                build(quant_method="W4A16_NVFP4")
+            return
+        try:
+            build(quant_method="W4A16_NVFP4")
+        except RefusedToServe:  # pragma: no cover - warn serves it
+            raise
+        except Exception:
+            pass  # the weight-only kernel's weight processing needs CUDA: on a GPU it would serve, unverified
+    [entry] = sm120_fp4.status().unverified
+    assert "W4A16" in entry.reason and "unverified" in entry.reason, entry

@@ -73,7 +73,7 @@ def test_a_bad_setting_stops_vllms_plugin_loader(monkeypatch):
 
 @case(
     "configuration",
-    "SM120_FP4_CANARY on in a vLLM process (vLLM's plugin loader), where vLLM 0.32-0.33 has no idle "
+    "SM120_FP4_CANARY on in a vLLM process (vLLM's plugin loader), where vLLM 0.32-0.34 has no idle "
     "point the library uses",
     "the plugin raises the ConfigError naming SM120_FP4_CANARY=off: that vLLM process stops",
 )

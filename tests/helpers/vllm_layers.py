@@ -46,8 +46,14 @@ def vllm_context(max_tokens: int | None = None, max_batch: int | None = None, **
         yield config
 
 
-def build_modelopt_layer(ckpt, dtype: torch.dtype = torch.bfloat16, prefix: str = "model.layers.0.mlp.down_proj"):
-    """vLLM's ModelOpt NVFP4 linear layer loaded with `ckpt` (:func:`sm120_fp4.demo.synthetic.make_checkpoint`)."""
+def build_modelopt_layer(
+    ckpt,
+    dtype: torch.dtype = torch.bfloat16,
+    prefix: str = "model.layers.0.mlp.down_proj",
+    quant_method: str = "NVFP4",
+):
+    """vLLM's ModelOpt NVFP4 linear layer loaded with `ckpt` (:func:`sm120_fp4.demo.synthetic.make_checkpoint`);
+    `quant_method` "W4A16_NVFP4": the weight-only variant."""
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
@@ -56,7 +62,7 @@ def build_modelopt_layer(ckpt, dtype: torch.dtype = torch.bfloat16, prefix: str 
         k,
         n,
         bias=False,
-        quant_config=ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True),
+        quant_config=ModelOptNvFp4Config(quant_method, is_checkpoint_nvfp4_serialized=True),
         prefix=prefix,
         params_dtype=dtype,
     )
@@ -113,11 +119,20 @@ MOE_TENSORS = (
 
 
 def build_modelopt_moe_layer(
-    ckpt, top_k: int, dtype: torch.dtype = torch.bfloat16, prefix: str = "model.layers.0.mlp.experts"
+    ckpt,
+    top_k: int,
+    dtype: torch.dtype = torch.bfloat16,
+    prefix: str = "model.layers.0.mlp.experts",
+    loaded=None,
+    quant_method: str = "NVFP4",
+    **options,
 ):
     """vLLM's ModelOpt NVFP4 MoE layer (``FusedMoEFactory`` with ``ModelOptNvFp4Config``: ModelOptNvFp4FusedMoE)
     loaded with `ckpt` (:func:`sm120_fp4.demo.synthetic.make_moe_checkpoint`, swiglu: vLLM's w13 is [w1; w3] as
-    the checkpoint's rows) through process_weights_after_loading. Returns its routed experts (the layer)."""
+    the checkpoint's rows) through process_weights_after_loading. Returns its routed experts (the layer).
+    `options`: more of FusedMoEFactory's arguments (a model's ``swiglu_limit``); `loaded(layer)` runs after the
+    weights are loaded, before they are processed (what a parallel configuration sets on the layer);
+    `quant_method` "W4A16_NVFP4": the weight-only variant."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
@@ -128,12 +143,15 @@ def build_modelopt_moe_layer(
         intermediate_size=ckpt.intermediate,
         params_dtype=dtype,
         prefix=prefix,
-        quant_config=ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True),
+        quant_config=ModelOptNvFp4Config(quant_method, is_checkpoint_nvfp4_serialized=True),
+        **options,
     )
     [layer] = [m for m in runner.modules() if hasattr(m, "w13_weight")]
     with torch.no_grad():
         for name in MOE_TENSORS:
             getattr(layer, name).data.copy_(getattr(ckpt, name))
+    if loaded is not None:
+        loaded(layer)
     layer.quant_method.process_weights_after_loading(layer)
     return layer
 
