@@ -254,24 +254,29 @@ def test_a_kernel_wrong_only_inside_one_bucket_above_the_graph_batches_is_refuse
 def test_a_layer_served_by_a_converting_backend_is_checked_against_the_checkpoints_bytes(monkeypatch):
     from helpers.humming_stand_in import StandInEngine, engine
 
-    ckpt = synthetic.make_checkpoint(128, 256, seed=7)
+    ckpt = synthetic.make_checkpoint(256, 512, seed=7)
     with engine(StandInEngine()) as stand_in:
         sm120_fp4.install(simulate="12.0", backends="humming")
         with vllm_layers.vllm_context():
             layer = vllm_layers.build_modelopt_layer(ckpt)
-            x = torch.randn(5, 256, dtype=torch.bfloat16)
+            x = torch.randn(5, 512, dtype=torch.bfloat16)
             out = layer(x)[0]
         assert not torch.equal(layer.weight, ckpt.weight) and stand_in.prepared  # converted in place
         [report] = _layer_reports()
         assert report.passed and report.backend == "humming", report.reason
         assert torch.equal(out, synthetic.reference_output(ckpt, x))
         sm120_fp4.uninstall()
-        # Wrong only on this layer's shape (N=128), right on the self-test's: the layer check must see it.
-        gemm = stand_in.gemm
-        monkeypatch.setattr(stand_in, "gemm", lambda p, x, s, out: gemm(p, x, s, out).mul_(0.5 if p.n == 128 else 1))
+        # Wrong only on this layer's shape (N=256), right on the self-test's: the layer check must see it.
+        healthy = stand_in.gemm
+
+        def halved_at_n_256(prepared, x, scale_2, out):
+            healthy(prepared, x, scale_2, out)
+            return out.mul_(0.5) if prepared.n == 256 else out
+
+        monkeypatch.setattr(stand_in, "gemm", halved_at_n_256)
         sm120_fp4.install(simulate="12.0", backends="humming")
         with (
             vllm_layers.vllm_context(),
-            pytest.raises(RefusedToServe, match=r"humming: failed the served-layer .*N=128"),
+            pytest.raises(RefusedToServe, match=r"humming: failed the served-layer .*N=256 K=512"),
         ):
             vllm_layers.build_modelopt_layer(ckpt)
