@@ -455,7 +455,7 @@ def wrong_rows_between(low: int, high: int):
 @case(
     "backend faults",
     "a registered kernel wrong only for M in {low}-{high} (inside one autotuner bucket past the largest graph "
-    "batch), SGLang's server args: largest CUDA-graph batch 512, chunked prefill 8192",
+    "batch), the largest CUDA-graph batch 512 (a GPU's default) and SGLang's chunked_prefill_size 8192",
     "refused at load naming M={m}: the layer checks run an M in every power-of-two bucket up to the chunk",
 )
 @pytest.mark.parametrize("low, high, m", [(600, 1000, 767), (1100, 2000, 1535)])
