@@ -270,7 +270,8 @@ def _fastest(device: Device, passed: list[str], family: Family) -> tuple[str, st
 
 def refuse(settings: Settings, message: str, serving: str = "serving it UNVERIFIED", refused=None) -> None:
     """Apply SM120_FP4_SELFTEST to what cannot serve verified: strict raises `refused` (else RefusedToServe(message));
-    warn logs `message` once with what serves instead; off passes. Every refusal of the library goes through here."""
+    warn logs `message` once with what serves instead; off passes. The decision, a failed layer check and each
+    engine home's unverifiable paths all go through here."""
     if settings.selftest == "strict":
         raise refused or RefusedToServe(message)
     if settings.selftest == "warn":
