@@ -80,29 +80,30 @@ def kernel_problem(kind: str, method: object) -> str | None:
 
 def sizes() -> Sizes:
     """Return the batch sizes vLLM can pass a layer, from its current config (its defaults, said once, where none)."""
-    problem = None
     try:
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
+        problem = None if config is not None else "no current vLLM config"
     except Exception as exc:  # an older vLLM, or none importable here
         config, problem = None, f"{type(exc).__name__}: {exc}"
     compilation = getattr(config, "compilation_config", None)
-    batch = getattr(compilation, "max_cudagraph_capture_size", None)
-    tokens = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
-    if not (_positive(batch) and _positive(tokens)):
-        problem = problem or ("no current vLLM config" if config is None else f"{batch=}, {tokens=}")
+    found = {
+        "max_cudagraph_capture_size": getattr(compilation, "max_cudagraph_capture_size", None),
+        "max_num_batched_tokens": getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None),
+    }
+    defaults = {"max_cudagraph_capture_size": DEFAULT_MAX_BATCH, "max_num_batched_tokens": DEFAULT_MAX_TOKENS}
+    assumed = {name: default for name, default in defaults.items() if not _positive(found[name])}
+    if assumed:
         say_once(
             logging.WARNING,
-            "sm120_fp4: vLLM's batch sizes are not readable in this process (%s): layers are verified at batch sizes "
-            "up to %d, vLLM's default largest CUDA-graph batch, and prefill sizes up to %d, its default "
-            "max_num_batched_tokens; load them where vLLM's config is current (set_current_vllm_config, as vLLM's "
-            "workers do) to verify the engine's own sizes",
-            problem,
-            DEFAULT_MAX_BATCH,
-            DEFAULT_MAX_TOKENS,
+            "sm120_fp4: vLLM's batch sizes are not set in this process (%s): layers are verified assuming vLLM's "
+            "defaults %s; load them where vLLM's config is current (set_current_vllm_config, as vLLM's workers do), "
+            "with the --max-cudagraph-capture-size and --max-num-batched-tokens vLLM will serve with",
+            problem or ", ".join(f"{name}={found[name]!r}" for name in assumed),
+            ", ".join(f"{name}={value}" for name, value in assumed.items()),
         )
-        batch, tokens = DEFAULT_MAX_BATCH, DEFAULT_MAX_TOKENS
+    batch, tokens = ({**found, **assumed}[name] for name in defaults)
     graphs = tuple(s for s in getattr(compilation, "cudagraph_capture_sizes", None) or () if _positive(s))
     return Sizes(batch, tokens, tokens, graphs)
 

@@ -280,3 +280,20 @@ def test_a_layer_served_by_a_converting_backend_is_checked_against_the_checkpoin
             pytest.raises(RefusedToServe, match=r"humming: failed the served-layer .*N=256 K=512"),
         ):
             vllm_layers.build_modelopt_layer(ckpt)
+
+
+def test_vllms_batch_sizes_not_visible_are_assumed_and_said_once(monkeypatch, caplog):
+    import logging
+
+    from sm120_fp4 import errors
+    from sm120_fp4.vllm import hooks
+
+    monkeypatch.setattr(errors, "_said", set())  # "once per process": this test's process starts now
+    sm120_fp4.install(simulate="12.0", backends="emulated")  # vLLM's config reads the (simulated) platform
+    with caplog.at_level(logging.WARNING, logger="sm120_fp4"):
+        assert [tuple(hooks.sizes()[:3]) for _ in range(2)] == [(512, 8192, 8192)] * 2  # no current vLLM config
+        with vllm_layers.vllm_context(max_tokens=3000, max_batch=160):
+            assert hooks.sizes()[:3] == (160, 3000, 3000)
+    [said] = [r.getMessage() for r in caplog.records if "batch sizes are not set" in r.getMessage()]
+    assert "no current vLLM config" in said and "max_cudagraph_capture_size=512" in said, said
+    assert "max_num_batched_tokens=8192" in said and "--max-num-batched-tokens" in said, said
