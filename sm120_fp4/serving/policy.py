@@ -31,7 +31,9 @@ class Sizes(NamedTuple):
     max_batch: int  # the largest decode batch it captures in a CUDA graph
     prefill_chunk: int  # the chunk every long prompt is served in
     largest_prefill: int  # the largest M of one prefill batch
-    graph_sizes: tuple[int, ...] = ()  # the CUDA graphs' token counts, where the config says them before capture
+    # CUDA graphs' token counts known before capture (both engines leave them to the re-check after warm-up, which
+    # runs every graph captured: timing dozens of graph sizes at load would multiply SELECT=fastest's cost)
+    graph_sizes: tuple[int, ...] = ()
 
     def largest(self) -> int:
         """Return the largest M the engine can pass."""

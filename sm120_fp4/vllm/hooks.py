@@ -103,9 +103,9 @@ def sizes() -> Sizes:
             problem or ", ".join(f"{name}={found[name]!r}" for name in assumed),
             ", ".join(f"{name}={value}" for name, value in assumed.items()),
         )
+    # The CUDA graphs' sizes are left to the re-check after kernel_warmup, which runs every one captured.
     batch, tokens = ({**found, **assumed}[name] for name in defaults)
-    graphs = tuple(s for s in getattr(compilation, "cudagraph_capture_sizes", None) or () if _positive(s))
-    return Sizes(batch, tokens, tokens, graphs)
+    return Sizes(batch, tokens, tokens)
 
 
 def dense_check(kind: str, serve: Callable, layer: object, rebuild: Callable) -> LayerCheck | None:
