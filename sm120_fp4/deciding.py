@@ -17,7 +17,7 @@ from . import backends, devices, verify
 from .backends import flashinfer
 from .config import AUTO, Settings, env_name
 from .devices import Device
-from .errors import ConfigError, RefusedToServe, capped
+from .errors import ConfigError, RefusedToServe, capped, say_once
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -283,6 +283,16 @@ def _fastest(device: Device, passed: list[str], family: Family, rejected: dict, 
     return sorted(common, key=lambda n: summed.get(n, 0.0)), summed
 
 
+def refuse(settings: Settings, message: str, serving: str = "serving it UNVERIFIED", refused=None) -> None:
+    """Apply SM120_FP4_SELFTEST to what cannot serve verified: strict raises `refused` (else RefusedToServe(message));
+    warn logs `message` once with what serves instead; off passes. The decision, a failed layer check and each
+    engine home's unverifiable paths all go through here."""
+    if settings.selftest == "strict":
+        raise refused or RefusedToServe(message)
+    if settings.selftest == "warn":
+        say_once(logging.WARNING, "%s\nSM120_FP4_SELFTEST=warn: %s", message, serving)
+
+
 def _unverified(device: Device, candidates: list, settings: Settings, family: Family, supported, rejected, reports):
     """Return (backend, verified, why) where no candidate passed (SELFTEST=off, FALLBACK, SELFTEST=warn), else refuse."""
     if settings.selftest == "off" and supported:
@@ -294,11 +304,11 @@ def _unverified(device: Device, candidates: list, settings: Settings, family: Fa
         also = " (it takes precedence over SM120_FP4_SELFTEST=warn)" if settings.selftest == "warn" else ""
         _LOG.warning("%s\n%s=emulated%s: serving with the slow pure-PyTorch emulation instead", message, var, also)
         return backends.EMULATED, True, f"fallback: no candidate verified ({var}=emulated)"
-    if settings.selftest == "warn" and supported:
-        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving anyway with %s", message, supported[0])
-        return supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
     refused = RefusedToServe(message)
     refused.rejected, refused.reports = dict(rejected), list(reports)
+    if supported:  # SELFTEST=warn serves the first supported candidate; strict raises
+        refuse(settings, message, f"serving anyway with {supported[0]}", refused)
+        return supported[0], False, "SM120_FP4_SELFTEST=warn: self-test failed, serving UNVERIFIED"
     raise refused
 
 

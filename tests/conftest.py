@@ -53,8 +53,8 @@ def _prefill_chunk(request, monkeypatch):
     """Where no SGLang settings are visible, the layer checks run the prefill sizes up to SGLang's
     chunk on 90-160 GB GPUs (8192: hooks.DEFAULT_CHUNKED_PREFILL); on the CPU the sizes 4096-8192 were
     a quarter of the in-process tests' time. So the in-process tests run as on an SM120 GPU under
-    20 GB (an RTX 5080), where SGLang 0.5.23 picks a chunk of 2048: every batch size up to 2049 still
-    runs. The tests of the larger sizes and of the 8192 default are marked `default_prefill`; the
+    20 GB (an RTX 5080), where SGLang 0.5.23 picks a chunk of 2048: every power-of-two bucket up to 2048
+    still runs (serving.policy). The tests of the larger sizes and of the 8192 default are marked `default_prefill`; the
     real-server tests run SGLang's own choice, in processes of their own."""
     if request.node.get_closest_marker("default_prefill") is None:
         from sm120_fp4.sglang import hooks  # ours: imports no SGLang module

@@ -283,7 +283,7 @@ LATE_FAULTS = {
     "rows 64-127 zeroed": (zero_rows_64_127, r"M=128 .*rows 64-127"),
     "one NaN in one row": (nan_in_one_row, r"M=1 .*non-finite"),
     "two rows swapped (no zeros, no NaN)": (swap_two_rows, r"M=128 .*relative error"),
-    "zeros above M=1000 only": (zeros_above_1000_rows, r"M=2049 .*all zeros"),
+    "zeros above M=1000 only": (zeros_above_1000_rows, r"M=1024 .*all zeros"),
     "wrong at one of two configurations (N=64)": (wrong_at_n_64, r"N=64 K=160 .*norm is 0.9"),
 }
 
@@ -291,7 +291,7 @@ LATE_FAULTS = {
 @case(
     "backend faults",
     "a dense kernel that goes wrong after start-up in one way: {fault}, canary on (two layer configurations)",
-    "caught by the first run that reaches the broken configuration and batch size (M > 1000: the 11th here), refused while serving, naming them",
+    "caught by the first run that reaches the broken configuration and batch size (M > 1000: the 13th here), refused while serving, naming them",
 )
 @pytest.mark.parametrize(
     "fault", [pytest.param(f, marks=pytest.mark.default_prefill) if "M=1000" in f else f for f in LATE_FAULTS]
@@ -302,9 +302,7 @@ def test_each_way_of_going_wrong_later_is_caught_by_the_rotation(fault):
     c, _ = serve(wear, (96, 160), (64, 160))
     wear.armed = True
     with pytest.raises(RefusedToServe, match=r"(?s)while serving: .*" + reason):
-        for _ in range(
-            12
-        ):  # N=96 and N=64 in turn, each at (1, 128), (2, 191), (3, 256), (4, 383), (5, 512), (7, 2049)
+        for _ in range(13):  # N=96 and N=64 in turn, each at (1, 128), (2, 191), ..., (7, 767), (8, 1024)
             next_run(c)
 
 

@@ -11,7 +11,7 @@ import torch
 from sm120_fp4 import backends, devices, graphs, nvfp4, serving, verify
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import RefusedToServe
-from sm120_fp4.sglang import hooks
+from sm120_fp4.serving import policy
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,7 +35,7 @@ def test_replays_compute_what_eager_calls_do_with_each_calls_own_inputs():
     for i in range(graphs.CAPTURE_AT + 4):
         x = torch.randn(8, 4096, device="cuda", generator=gen).to(torch.bfloat16)
         gsf = torch.tensor(448.0 * 6 / (i + 1), device="cuda")
-        got = graphs.run("quantize", hooks._quantize, (x, gsf), lambda q: (q[0].clone(), q[1].clone()))
+        got = graphs.run("quantize", policy._quantize, (x, gsf), lambda q: (q[0].clone(), q[1].clone()))
         want = nvfp4.quantize(x, gsf, check_finite=False)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
     [stats] = graphs.stats().values()
@@ -147,9 +147,8 @@ def _layer(n: int, k: int, wrong_row: int | None = None):
             out[wrong_row] = -out[wrong_row]
         return out
 
-    return hooks.dense_check(
-        "graphed", serve, types.SimpleNamespace(params_dtype=torch.bfloat16), weight, weight_sf, alpha, input_gsf, n, k
-    )
+    layer, watched = types.SimpleNamespace(params_dtype=torch.bfloat16), (weight, weight_sf, alpha, input_gsf)
+    return policy.dense_check(policy.Sizes(512, 2048, 2048), "graphed", serve, layer, watched, n, k)
 
 
 @cuda

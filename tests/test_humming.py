@@ -609,10 +609,10 @@ def test_activation_dequantization_kernel_is_bitwise_the_oracles_decode(dtype, m
 @pytest.mark.gpu
 @ON_GPU
 def test_real_humming_layer_check_and_recheck_pass_through_the_routed_front():
-    """A dense layer's check as the weights hook makes it (its own weights, every batch-size bucket up
-    to 512 and 2049, two passes), converted in place first, then the re-check after "warm-up"."""
+    """A dense layer's check as the weights hook makes it (its own weights, every power-of-two bucket
+    up to 2048, two passes), converted in place first, then the re-check after "warm-up"."""
     from sm120_fp4.dispatch import Router
-    from sm120_fp4.sglang import hooks
+    from sm120_fp4.serving import policy
 
     settings = Settings(simulate="12.0", backends="humming")
     router = Router(settings)
@@ -633,7 +633,8 @@ def test_real_humming_layer_check_and_recheck_pass_through_the_routed_front():
         qx, sx = nvfp4.quantize(x, gx)
         return dispatch(qx, weight.T, sx.view(torch.uint8), weight_sf.T, alpha, torch.bfloat16, backend="cutlass")
 
-    check = hooks.dense_check("test layer", serve, layer, weight, weight_sf, alpha, gx.reshape(1), n, k)
+    watched, sizes = (weight, weight_sf, alpha, gx.reshape(1)), policy.Sizes(512, 2048, 2048)
+    check = policy.dense_check(sizes, "test layer", serve, layer, watched, n, k)
     report = serving.verify_layer(0, check, settings)
     assert report is not None and report.passed, report and report.reason
     assert not torch.equal(weight, kept)  # served from SGLang's storage, converted in place

@@ -99,6 +99,24 @@ def test_discover_groups_shards_as_sglang_fuses_them(tmp_path):
     assert len(layers.dense) == 4 and len(layers.moe) == 2
 
 
+def test_an_architecture_sglang_does_not_know_is_fused_as_most_models_are_and_said_once(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from sm120_fp4 import errors
+
+    monkeypatch.setattr(errors, "_said", set())  # "once per process": this test's process starts now
+    path = write_checkpoint(str(tmp_path / "m"), seed=1)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    with caplog.at_level(logging.WARNING, logger="sm120_fp4"):
+        for _ in range(2):
+            dense, _ = model_check.discover(path).distinct()
+    said = [r.getMessage() for r in caplog.records if "model class" in r.getMessage()]
+    assert len(said) == 1 and "['NoSuchForCausalLM']" in said[0] and "qkv_proj = q_proj + k_proj + v_proj" in said[0]
+    assert "set config.json's architectures" in said[0], said
+    assert dense[0].name == "model.layers.0.self_attn.qkv_proj"
+
+
 def test_discover_reads_mixtral_style_expert_names(tmp_path):
     path = write_checkpoint(str(tmp_path / "m"), seed=1)
     from safetensors.torch import load_file

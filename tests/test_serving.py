@@ -4,6 +4,8 @@ simulated or mocked (several 'GPUs' whose tensors live on the CPU)."""
 
 from __future__ import annotations
 
+import pathlib
+import re
 import threading
 import types
 
@@ -12,10 +14,12 @@ from helpers import faults
 from helpers.cases import case
 from helpers.common import CpuGpu, run_concurrently
 
+import sm120_fp4
 from sm120_fp4 import backends, deciding, serving, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import RefusedToServe
+from sm120_fp4.serving import policy
 
 SIM = Settings(simulate="12.0")
 
@@ -164,13 +168,13 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
     try:
         layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
         [decision] = serving.decisions()
-        sizes = hooks.recheck_sizes(hooks.max_capture_batch())
-        below = max(m for m in sizes if m < 4096)
+        sizes = policy.recheck_ms(hooks.sizes())
+        below, slow = max(m for m in sizes if m < 4096), sum(m >= 4096 for m in sizes)
         assert decision.ranges == [(below, "prefill-slow"), (None, "steady")]
         assert sm120_fp4.status().routes == {-1: f"prefill-slow (M<={below}), steady (M>{below})"}
         assert "served layer configurations at their serving batch sizes" in decision.reason
         assert 8192 in sizes and decision.timings_ms == pytest.approx(
-            {"steady": 10.0 * len(sizes), "prefill-slow": 1000.0 + 1.0 * (len(sizes) - 1)}
+            {"steady": 10.0 * len(sizes), "prefill-slow": 1000.0 * slow + 1.0 * (len(sizes) - slow)}
         )
     finally:
         sm120_fp4.uninstall()
@@ -208,3 +212,27 @@ def test_a_refresh_of_the_serving_decision_is_refused_once_layers_were_verified_
         assert serving.route_table()[-1] is served and sm120_fp4.status().routes == {-1: "emulated"}
     finally:
         sm120_fp4.uninstall()
+
+
+def test_both_engines_take_their_verified_sizes_from_the_one_policy():
+    """The engine homes read sizes and tensors; which M are verified is decided in serving.policy alone."""
+    root = pathlib.Path(sm120_fp4.__file__).parent
+    for home in ("sglang", "vllm"):
+        code = re.sub(r"\s+", "", "".join(p.read_text() for p in (root / home).glob("*.py")))
+        assert "dense_check(sizes()," in code and "layer_check(sizes()," in code, home
+        assert "LayerCheck(" not in code and "def batch_sizes" not in code and "recheck_ms" not in code, home
+    assert "LayerCheck(" in (root / "serving" / "policy.py").read_text()
+
+
+def test_the_verified_sizes_cover_every_power_of_two_bucket_with_an_odd_m_and_the_boundaries():
+    for max_batch, chunk in ((1, 2048), (8, 8192), (160, 8192), (512, 8192), (1024, 3000), (512, 256)):
+        sizes = policy.Sizes(max_batch, chunk, chunk)
+        top = max(max_batch, chunk)
+        for ms in (policy.load_ms(sizes), policy.recheck_ms(sizes)):
+            assert {m.bit_length() for m in ms} == set(range(1, top.bit_length() + 1)), (sizes, ms)
+            odd = {m.bit_length() for m in ms if m % 2}  # an odd M in every bucket that holds one below `top`
+            assert odd >= {b for b in range(1, top.bit_length() + 1) if (1 << (b - 1)) + 1 <= top or b == 1}, ms
+            assert {max_batch, chunk} <= set(ms) and max(ms) == top, (sizes, ms)
+    # SGLang's and vLLM's defaults: every bucket between the largest graph batch and the chunk is verified.
+    between = [m for m in policy.load_ms(policy.Sizes(512, 8192, 8192)) if 512 < m < 8192]
+    assert between == [767, 1024, 1535, 2048, 3071, 4096, 6143]

@@ -21,6 +21,7 @@ from sm120_fp4.backends import humming
 from sm120_fp4.config import Settings
 from sm120_fp4.demo import synthetic
 from sm120_fp4.errors import RefusedToServe
+from sm120_fp4.serving import policy
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER
 
@@ -52,7 +53,7 @@ def prefill_fast(m):
 def serve(calls, names="decode,prefill"):
     sm120_fp4.install(simulate="12.0", backends=names, select="fastest")
     built = layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
-    assert BOUND in hooks.recheck_sizes(hooks.max_capture_batch())
+    assert BOUND in policy.recheck_ms(hooks.sizes())
     return built
 
 
@@ -127,7 +128,7 @@ def test_a_backend_wrong_only_at_the_boundary_plus_one_is_refused(clock):
     kernel("decode", clock, calls, decode_fast)
     kernel("prefill", clock, calls, prefill_fast, wrong=lambda m: m == BOUND + 1)
     built = serve(calls)
-    assert BOUND + 1 not in hooks.batch_sizes(hooks.max_capture_batch())
+    assert BOUND + 1 not in policy.load_ms(hooks.sizes())
     [decision] = serving.decisions()
     assert decision.ranges == [] and sm120_fp4.status().routes == {-1: "decode"}
     assert "M=513 " in serving.records._records[("dense", -1)].failed["prefill"]

@@ -26,6 +26,7 @@ from sm120_fp4 import backends, nvfp4, serving, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.demo import synthetic
 from sm120_fp4.errors import RefusedToServe
+from sm120_fp4.serving import policy
 from sm120_fp4.sglang import hooks, layers
 from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
 from sm120_fp4.versions import version_in
@@ -167,17 +168,9 @@ def test_each_distinct_configuration_is_verified_once_per_process():
         "ModelOptFp4LinearMethod N=64 K=160 bfloat16 (weight scales float8_e4m3fn)",
     ]
     ms = [s.m for s in decision.layers[0].shapes]
-    assert ms == hooks.batch_sizes(512) and all(
+    assert ms == policy.load_ms(hooks.sizes()) and all(
         s.calls == 3 for s in decision.layers[0].shapes
     )  # M twice in a row, then again
-
-
-def test_batch_sizes_cover_every_power_of_two_bucket_and_a_large_prefill():
-    for top in (1, 8, 160, 512, 1024):
-        ms = hooks.batch_sizes(top)
-        buckets = {m.bit_length() for m in ms if m <= top}
-        assert buckets == set(range(1, top.bit_length() + 1)), (top, ms)
-        assert top in ms and max(ms) >= 2048 and any(m & (m - 1) for m in ms if m > 2)
 
 
 # ---- healthy kernels: rounding-level differences must serve in bf16 and fp16 ------------------
@@ -300,7 +293,7 @@ def test_the_recheck_runs_every_captured_graph_size(monkeypatch, tmp_path):
             out.zero_()
         return out
 
-    assert not {24, 96} & set(hooks.batch_sizes(hooks.max_capture_batch())), "the fault must be invisible at load"
+    assert not {24, 96} & set(policy.load_ms(hooks.sizes())), "the fault must be invisible at load"
     monkeypatch.setitem(sys.modules, MODEL_RUNNER, _model_runner_stand_in(lambda: None, **SPECULATIVE_GRAPHS))
     backends.register("captured", zeros_at_captured_sizes)
     report = tmp_path / "report.json"
@@ -440,11 +433,41 @@ def test_a_kernel_wrong_only_at_large_m_is_refused_at_load():
             out.mul_(0.25)
         return out
 
-    assert hooks.prefill_sizes() == (8192, 8192) and {4096, 8192} <= set(hooks.batch_sizes(512))
+    assert hooks.prefill_sizes() == (8192, 8192) and {4096, 8192} <= set(policy.load_ms(hooks.sizes()))
     backends.register("large-m", quarter_at_large_m)
     sm120_fp4.install(simulate="12.0", backends="large-m")
     with pytest.raises(RefusedToServe, match=r"N=96 K=160 .*M=4096 .*norm is 0.25x"):
         build(96, 160)
+
+
+def wrong_rows_between(low: int, high: int):
+    """A kernel right at every M but `low`..`high`, where it negates every other output row."""
+
+    def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if low <= a.shape[0] <= high:
+            out[1::2] = -out[1::2]
+        return out
+
+    return gemm
+
+
+@case(
+    "backend faults",
+    "a registered kernel wrong only for M in {low}-{high} (inside one autotuner bucket past the largest graph "
+    "batch), the largest CUDA-graph batch 512 (a GPU's default) and SGLang's chunked_prefill_size 8192",
+    "refused at load naming M={m}: the layer checks run an M in every power-of-two bucket up to the chunk",
+)
+@pytest.mark.parametrize("low, high, m", [(600, 1000, 767), (1100, 2000, 1535)])
+def test_a_kernel_wrong_only_inside_one_bucket_above_the_graph_batches_is_refused(monkeypatch, low, high, m):
+    backends.register("bucket-wrong", wrong_rows_between(low, high))
+    sm120_fp4.install(simulate="12.0", backends="bucket-wrong")
+    # SGLang resolves a CPU server's graph batch itself (32): a GPU's default 512 stands in, read where SGLang's is.
+    monkeypatch.setattr(hooks, "max_capture_batch", lambda: 512)
+    with published_server_args(chunked_prefill_size=8192):
+        assert hooks.sizes() == policy.Sizes(512, 8192, 8192)
+        with pytest.raises(RefusedToServe, match=rf"N=96 K=160 .*M={m} "):
+            build(96, 160)
 
 
 @contextlib.contextmanager
@@ -507,21 +530,21 @@ def published_server_args(**fields):
     "the layer checks and the re-check run M=3000 (the chunk every long prompt is served in), and no larger M",
 )
 def test_the_layer_checks_run_sglangs_own_chunked_prefill_size():
-    def wrong_above_2900(a, b, a_sf, b_sf, alpha, dtype, out):
+    def wrong_from_3000(a, b, a_sf, b_sf, alpha, dtype, out):
         emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
-        if a.shape[0] > 2900:
+        if a.shape[0] >= 3000:
             out[a.shape[0] // 2 :] = 0
         return out
 
-    backends.register("wrong-above-2900", wrong_above_2900)
-    sm120_fp4.install(simulate="12.0", backends="emulated,wrong-above-2900")
+    backends.register("wrong-from-3000", wrong_from_3000)
+    sm120_fp4.install(simulate="12.0", backends="emulated,wrong-from-3000")
     with published_server_args(chunked_prefill_size=3000):
-        assert hooks.prefill_sizes() == (3000, 3000) and 3000 in hooks.recheck_sizes(hooks.max_capture_batch())
+        assert hooks.prefill_sizes() == (3000, 3000) and 3000 in policy.recheck_ms(hooks.sizes())
         build(96, 160)
         [decision] = serving.decisions()
         assert max(s.m for s in decision.layers[0].shapes) == 3000
         sm120_fp4.uninstall()
-        sm120_fp4.install(simulate="12.0", backends="wrong-above-2900")
+        sm120_fp4.install(simulate="12.0", backends="wrong-from-3000")
         with pytest.raises(RefusedToServe, match=r"N=96 K=160 .*M=3000 .*row\(s\) all zero"):
             build(96, 160)
 

@@ -17,6 +17,7 @@ from .. import deciding, graphs, serving, verify
 from .. import report as report_file
 from ..config import Settings
 from ..errors import RefusedToServe
+from ..serving import policy
 from . import models
 from .models import SWEEP, CanaryFailure, CanaryRun, CanaryStatus, Over, over_text, update_text
 
@@ -132,9 +133,8 @@ class Canary:
 
     def _sizes(self, job: _Job) -> tuple[list[int], list[int]]:
         """Return the decode and the larger batch sizes of `job`'s configuration, below its cap."""
-        # Verified at load, the re-check's and the captured graph sizes; the smallest larger one always.
-        check = job.served.check
-        ms = sorted(set(check.ms) | set(check.recheck_ms) | self._captured)
+        # The verification policy's (load, re-check, captured graphs); the smallest larger one always.
+        ms = policy.canary_ms(job.served.check, self._captured)
         if not ms:
             return [], []
         decode = [m for m in ms if m < SMALL_M] or ms[:1]

@@ -8,7 +8,7 @@ import logging
 from .. import backends, verdicts, verify
 from .. import report as report_file
 from ..config import Settings
-from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message
+from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message, refuse
 from ..errors import RefusedToServe
 from . import layers
 from .fastest import measure
@@ -122,15 +122,18 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report, settings: Set
     _back_to(serving, original)
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
     message = refusal_message(serving.device, names, rejected, config=report.config, family=serving.family)
-    if settings.selftest == "warn":
-        _LOG.warning("%s\nSM120_FP4_SELFTEST=warn: serving UNVERIFIED with %s", message, serving.decision.backend)
-        serving.decision.verified = False
-        serving.unverified[check.key] = report
-        return report
-    refusal = Refusal(device=serving.device.label(), config=report.config, family=serving.family.name, message=message)
-    refusal.rejected, refusal.reports = rejected, failures
-    record_refusal(refusal, settings)
-    raise RefusedToServe(refusal.message)  # with the rank that refused, where the engine has several
+    refused = None
+    if settings.selftest == "strict":
+        refusal = Refusal(
+            device=serving.device.label(), config=report.config, family=serving.family.name, message=message
+        )
+        refusal.rejected, refusal.reports = rejected, failures
+        record_refusal(refusal, settings)
+        refused = RefusedToServe(refusal.message)  # with the rank that refused, where the engine has several
+    refuse(settings, message, f"serving UNVERIFIED with {serving.decision.backend}", refused)  # strict: raises
+    serving.decision.verified = False
+    serving.unverified[check.key] = report
+    return report
 
 
 def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: list, settings: Settings):

@@ -1,51 +1,24 @@
-"""The hooks SGLang's load path runs through: decide, then verify each NVFP4 layer configuration with the call
-that will serve it, at every batch-size bucket, before SGLang serves or captures CUDA graphs, and again after capture.
+"""The hooks SGLang's load path runs through: each NVFP4 layer's tensors and served call handed to the verification
+policy (serving.policy) before SGLang serves or captures CUDA graphs, again after capture; SGLang's batch sizes.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import sys
 import threading
 from typing import Callable
 
-import torch
-
-from .. import backends, graphs, nvfp4, verify
-from ..errors import not_accepted, say_once
+from ..errors import say_once
 from ..serving import LayerCheck
+from ..serving.policy import Sizes, dense_check
 from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
 
 _LOG = logging.getLogger("sm120_fp4")
-HALF = (torch.bfloat16, torch.float16)
 DEFAULT_MAX_BATCH = 512
-LARGE_BATCH = 2049  # one prefill-sized M >= 2048, not a power of two
 DEFAULT_CHUNKED_PREFILL = 8192  # SGLang 0.5.23's chunk on 90-160 GB GPUs, where no settings are visible
 DEFAULT_MAX_PREFILL = 16384  # SGLang's max_prefill_tokens default
-LIGHT_BATCH = 8  # every layer of an already verified configuration: one decode batch of its own weights
-
-
-def layer_device_index(layer: object) -> int:
-    """Return the CUDA ordinal of the layer's first parameter (-1: CPU, or none)."""
-    for param in layer.parameters():  # type: ignore[attr-defined]
-        return param.get_device()
-    return -1
-
-
-def make_weights_hook(original: Callable, before: Callable, scope: Callable, after: Callable) -> Callable:
-    """Wrap process_weights_after_loading: `before`, SGLang's processing inside `scope()`, then `after`."""
-
-    @functools.wraps(original)
-    def process_weights_after_loading(self, layer, *args, **kwargs):
-        before(self, layer)
-        with scope():
-            result = original(self, layer, *args, **kwargs)
-        after(self, layer)
-        return result
-
-    return process_weights_after_loading
 
 
 _graphs = threading.local()  # the token counts collected by the outermost capture hook running on this thread
@@ -207,120 +180,9 @@ def prefill_sizes() -> tuple[int, int]:
     return DEFAULT_CHUNKED_PREFILL, DEFAULT_CHUNKED_PREFILL
 
 
-def batch_sizes(max_batch: int, largest_prefill: int | None = None) -> list[int]:
-    """Return the first and an odd M of every power-of-two bucket up to `max_batch`, then up to the largest prefill."""
-    largest = prefill_sizes()[1] if largest_prefill is None else largest_prefill
-    ms = {1, 2, 3, max_batch, min(LARGE_BATCH, max(largest, max_batch))}
-    power = 4
-    while power <= max_batch:
-        ms.update({power, min(power + power // 2 - 1, max_batch)})
-        power *= 2
-    power = 2048
-    while power < largest:
-        if power > 2048:  # 2049 stands for the 2048 bucket
-            ms.add(power)
-        ms.add(min(power + power // 2 - 1, largest))
-        power *= 2
-    ms.add(max(largest, max_batch))
-    return sorted(ms)
-
-
-def recheck_sizes(max_batch: int) -> list[int]:
-    """Return the batch sizes every verified configuration runs again after warm-up, besides the graphs'."""
-    chunk, largest = prefill_sizes()
-    return sorted({1, 7, max_batch, LARGE_BATCH, chunk, largest})
-
-
-def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
-    """Return the activation dtype SGLang will pass (params_dtype, else the default dtype; both halves if neither)."""
-    for dtype in (getattr(layer, "params_dtype", None), torch.get_default_dtype()):
-        if dtype in HALF:
-            return (dtype,)
-    return HALF
-
-
-def layer_name(layer: object) -> str:
-    """Return the layer's name in the model (SGLang's `prefix`), else its layer id, else ""."""
-    prefix = getattr(layer, "prefix", None)
-    if isinstance(prefix, str) and prefix:
-        return prefix
-    layer_id = getattr(layer, "layer_id", None)
-    return f"layer {layer_id}" if isinstance(layer_id, int) else ""
-
-
-def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return nvfp4.quantize(x, gsf, check_finite=False)
-
-
-def _served_cases(
-    serve: Callable, watched: tuple, n_out: int, k: int, ms: list[int], dtype: torch.dtype, seed: int
-) -> list[verify.Case]:
-    """Return the served calls at batch sizes `ms` on seeded activations, each with its oracle result."""
-    weight, weight_sf, alpha, input_gsf = watched
-    gsf = float(input_gsf.float().reshape(-1)[0].cpu())
-    if not (math.isfinite(gsf) and gsf > 0):
-        raise not_accepted(
-            "dense layer check", "input_gsf", input_gsf, "the layer's positive finite input global scale"
-        )
-    # One row more than the largest M: each M's twin is the next M rows, views (no rolled copy of the reference).
-    x = verify.seeded_activations(max(ms) + 1, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device, dtype)
-    # Finite by construction, its scale read above; at a decode batch size from a CUDA graph (launch-bound).
-    qx, sx = graphs.run(
-        "quantize", _quantize, (x, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())
-    )
-    k_weight = weight.shape[1] * 2
-    if k_weight > k:  # SGLang pads K for the kernel's alignment: zero codes add nothing
-        qx = torch.nn.functional.pad(qx, (0, (k_weight - k) // 2))
-    # The checkpoint's bytes: where a backend converted the served storage in place (humming), its kept copy.
-    ref_weight, ref_sf = backends.original(weight), backends.original(weight_sf)
-    reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)
-    reference = reference[:, :n_out]
-    return verify.served_cases(ms, n_out, k, serve, x, reference, watched)
-
-
-def dense_check(
-    kind: str,
-    serve: Callable,
-    layer: object,
-    weight,
-    weight_sf,
-    alpha,
-    input_gsf,
-    n_out: int,
-    k: int,
-    weights: Callable[[], tuple] | None = None,
-    rebuild: Callable[[object], LayerCheck | None] | None = None,
-) -> LayerCheck | None:
-    """Return the LayerCheck of one dense NVFP4 layer: its own weights, its call path, its batch sizes."""
-    if weight.numel() == 0 or weight.dtype != torch.uint8 or weight_sf.dim() != 2:
-        _LOG.info(
-            "sm120_fp4: %s N=%d K=%d: weights not in the cutlass layout (a fused path); not verified here",
-            kind,
-            n_out,
-            k,
-        )
-        return None
-    dtypes = activation_dtypes(layer)
-    watched = (weight, weight_sf, alpha, input_gsf)
-    dtype_names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-    label = f"{kind} N={n_out} K={k} {dtype_names} (weight scales {str(weight_sf.dtype).removeprefix('torch.')})"
-    key = (kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
-
-    def cases(ms: list[int]) -> list[verify.Case]:
-        return [c for i, d in enumerate(dtypes) for c in _served_cases(serve, watched, n_out, k, ms, d, 1000 + i)]
-
-    tensors = {"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]}
-    return layer_check(
-        layer, weight.get_device(), key, label, "dense", cases, weights or (lambda: watched), rebuild, tensors
-    )
-
-
-def layer_check(layer, index: int, key: tuple, label: str, family: str, cases, weights, rebuild, tensors) -> LayerCheck:
-    """Return the LayerCheck of `layer`: every batch-size bucket, the re-check's sizes, one light decode batch."""
-    max_batch = max_capture_batch()
-    ms, name = (batch_sizes(max_batch), recheck_sizes(max_batch)), layer_name(layer)
-    kwargs = dict(layer=name, light_ms=[LIGHT_BATCH], weights=weights, rebuild=rebuild, owner=layer, tensors=tensors)
-    return LayerCheck(index, key, label, family, cases, *ms, **kwargs)
+def sizes() -> Sizes:
+    """Return the batch sizes SGLang can pass a layer in this process, from its server settings."""
+    return Sizes(max_capture_batch(), *prefill_sizes())
 
 
 # Each dense format's apply and the tensors it serves with after processing: weight, block scales, alpha, input scale.
@@ -332,19 +194,17 @@ DENSE = {
 
 def _format_check(kind: str, again: Callable, method: object, layer: object) -> LayerCheck | None:
     apply, *names = DENSE[kind]
-    weight = getattr(layer, names[0])
-    # ModelOpt may pad the weight's rows; compressed-tensors serves them all.
+    # ModelOpt may pad the weight's rows; compressed-tensors serves them all (None: the weight's).
     padded = kind == "ModelOptFp4LinearMethod"
-    n_out = getattr(layer, "output_size_per_partition", weight.shape[0]) if padded else weight.shape[0]
-    k = getattr(layer, "input_size_per_partition", weight.shape[1] * 2)
-    serve, tensors = functools.partial(getattr(method, apply), layer), [getattr(layer, name) for name in names]
+    n_out = getattr(layer, "output_size_per_partition", None) if padded else None
+    k = getattr(layer, "input_size_per_partition", None)
+    serve, tensors = functools.partial(getattr(method, apply), layer), tuple(getattr(layer, name) for name in names)
 
     def current() -> tuple:
         return tuple(getattr(layer, name) for name in names)
 
-    return dense_check(
-        kind, serve, layer, *tensors, n_out, k, weights=current, rebuild=functools.partial(again, method)
-    )
+    rebuild = functools.partial(again, method)
+    return dense_check(sizes(), kind, serve, layer, tensors, n_out, k, weights=current, rebuild=rebuild)
 
 
 def modelopt_check(method: object, layer: object) -> LayerCheck | None:

@@ -6,28 +6,41 @@ layers and verified by the patched weights hooks; a failure raises RefusedToServ
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import torch
 
 from .. import checkpoints
 from ..checkpoints import ModelLayers
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, say_once
 from .layers import build_linear_layer
 from .moe_layers import build_moe_layer_from_tensors
 
 
 def _packed_modules(config: dict) -> dict[str, list[str]]:
-    """Return the model class's packed_modules_mapping (SGLang's fusion of shards), or the common one."""
+    """Return the model class's packed_modules_mapping (SGLang's fusion of shards), else the common one (said once)."""
+    architectures = config.get("architectures") or []
     try:
         from sglang.srt.models.registry import ModelRegistry
 
-        cls, _ = ModelRegistry.resolve_model_cls(config.get("architectures") or [])
+        cls, _ = ModelRegistry.resolve_model_cls(architectures)
         mapping = getattr(cls, "packed_modules_mapping", None)
         if isinstance(mapping, dict) and mapping:
             return {k: list(v) for k, v in mapping.items()}
-    except Exception:
-        pass
+        problem = f"{cls.__name__} has no packed_modules_mapping"
+    except Exception as exc:  # no model class SGLang registers for these architectures, or none named
+        problem = f"{type(exc).__name__}: {exc}"
+    fused = "; ".join(f"{name} = {' + '.join(shards)}" for name, shards in checkpoints.DEFAULT_PACKED.items())
+    say_once(
+        logging.WARNING,
+        "sm120_fp4: SGLang's model class for config.json's architectures %s is not readable here (%s): shards are "
+        "fused as most models fuse them (%s), which may differ from how SGLang fuses this model's; set "
+        "config.json's architectures to the model class SGLang serves this checkpoint with",
+        architectures,
+        problem,
+        fused,
+    )
     return dict(checkpoints.DEFAULT_PACKED)
 
 

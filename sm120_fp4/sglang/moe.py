@@ -14,17 +14,17 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .. import backends, nvfp4, serving, verify
+from .. import nvfp4, verify
 from ..backends import flashinfer
-from ..errors import RefusedToServe
+from ..deciding import refuse
 from ..patching import Patcher, PatchSpec
 from ..serving import LayerCheck
-from .hooks import activation_dtypes, layer_check, layer_device_index
+from ..serving.policy import activation_dtypes, dtype_names, expert_subset, layer_check, layer_device_index, moe_cases
+from .hooks import sizes
 from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version, supported
 
 _LOG = logging.getLogger("sm120_fp4")
 SEAM_VERSIONS = supported(">=0.5.15")
-VERIFIED_EXPERTS = 8  # a few of this rank's experts: the oracle dequantizes only the ones it routes to
 VERIFIED_RUNNER = "flashinfer_cutlass"  # the one MoE runner whose kernel seam is routed and verified
 RUNNER_FLAG = f"--moe-runner-backend {VERIFIED_RUNNER}"
 _PIN_WHY = (
@@ -225,15 +225,6 @@ def _ranks(layer: object) -> tuple[int, int, int, int]:
     return tuple(getattr(layer, name, default) for name, default in zip(names, (1, 0, 1, 0)))
 
 
-def _expert_subset(experts: int, at_least: int = VERIFIED_EXPERTS) -> list[int]:
-    """Return max(VERIFIED_EXPERTS, `at_least`) of this rank's experts spread from first to last (or all)."""
-    count = min(experts, max(VERIFIED_EXPERTS, at_least))
-    if count >= experts:
-        return list(range(experts))
-    step = (experts - 1) / (count - 1)
-    return sorted({round(i * step) for i in range(count)})
-
-
 def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
     """Return verify.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
     ids, weights = verify.moe_routing(tokens, top_k, pool.numel(), routing, gen)
@@ -263,7 +254,7 @@ def _plan(kind: str, layer: object, processed: ProcessedMoe) -> _Plan:
             "sm120_fp4: %s: top_k=%d is more than its %d experts; verified with top_k=%d", kind, top_k, total, total
         )
         top_k = total
-    subset = _expert_subset(experts, top_k)
+    subset = expert_subset(experts, top_k)
     foreign = [
         e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total
     ]
@@ -276,7 +267,7 @@ def _label_and_key(kind: str, layer: object, processed: ProcessedMoe, plan: _Pla
     ep_size, ep_rank, tp_size, tp_rank = _ranks(layer)
     ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
     tp = f" TP rank {tp_rank}/{tp_size}" if tp_size > 1 else ""
-    dtypes = "/".join(str(d).removeprefix("torch.") for d in plan.dtypes)
+    dtypes = dtype_names(plan.dtypes)
     label = (
         f"{kind} E={processed.experts} H={processed.hidden} I={processed.inter} top_k={plan.top_k} "
         f"{processed.activation} {dtypes}{ep}{tp}"
@@ -305,15 +296,11 @@ def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, 
             name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
             plans.append((name, x, ids.to(device), topk_weights.to(device)))
     call = serve or functools.partial(_served_convention, layer, processed)
-    # What the serving backend computes (humming: W4A16); the oracle reads the checkpoint's own bytes.
-    mode = backends.mode_of("moe", serving.routes("moe").get(layer_device_index(layer), backends.EMULATED))
-    cache = verify.ExpertCache(plan.subset)  # every-expert batches dequantize the others per call
-    ours = dict(
-        first_expert=plan.first, served_ids=serve is None, mode=mode, reference_weights=weights.map(backends.original)
-    )
+    ours = dict(first_expert=plan.first, served_ids=serve is None)
     # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
     full = dict(repeat_tokens=verify.REPEAT_MAX_TOKENS if len(ms) > 1 else 0, poison_expert0=len(ms) > 1)
-    return verify.moe_cases(call, weights, processed.activation, plans, cache=cache, **ours, **full)
+    index = layer_device_index(layer)
+    return moe_cases(call, weights, processed.activation, plans, index, plan.subset, **ours, **full)
 
 
 def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
@@ -332,7 +319,8 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
     cases = functools.partial(_cases, layer, processed, serve, plan)
     tensors = {**processed.weights._asdict(), "dtype": plan.dtypes[0], "top_k": plan.top_k}
     rebuild = lambda owner: moe_check(kind, owner, serve)  # noqa: E731
-    return layer_check(layer, layer_device_index(layer), key, label, "moe", cases, current, rebuild, tensors)
+    fields = dict(weights=current, rebuild=rebuild, tensors=tensors)
+    return layer_check(sizes(), layer, layer_device_index(layer), key, label, "moe", cases, **fields)
 
 
 def _served_convention(layer, processed: ProcessedMoe, x, ids, topk_weights, *rest):
@@ -366,10 +354,7 @@ def refuse_unverifiable(kind: str, settings) -> None:
         f"cannot route or verify the fused-MoE kernel (its seam exists in SGLang {SEAM_VERSIONS}); "
         "upgrade SGLang, or set SM120_FP4_SELFTEST=warn to serve these experts UNVERIFIED"
     )
-    if settings.selftest == "strict":
-        raise RefusedToServe(message)
-    if settings.selftest == "warn":
-        _LOG.warning("%s", message)
+    refuse(settings, message, "serving these experts UNVERIFIED")
 
 
 def b12x_problem() -> str | None:

@@ -14,12 +14,12 @@ import torch
 from .. import engines, serving
 from ..backends import b12x_moe
 from ..checkpoints import read_quantization
-from ..deciding import serves
+from ..deciding import refuse, serves
 from ..devices import get_device
-from ..errors import ConfigError, RefusedToServe, say_once
+from ..errors import ConfigError, RefusedToServe
+from ..serving.policy import layer_device_index, layer_name
 from ..versions import version_in
 from .autotune import tp_cpu_group, tunable_backends
-from .hooks import layer_device_index, layer_name
 from .moe import (
     SEAM_VERSIONS,
     b12x_problem,
@@ -68,14 +68,11 @@ class _Install:
         self.retime = lambda: serving.retime(settings)
 
     def refuse(self, what: str, problem: str | None) -> None:
-        """Raise RefusedToServe (SELFTEST=strict), warn once (warn) or pass (off, or no problem)."""
-        if problem is None or self.settings.selftest == "off":
-            return
-        message = f"sm120_fp4: refusing to serve {what}: {problem}"
-        if self.settings.selftest == "strict":
-            raise RefusedToServe(message)
-        say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
-        serving.record_unverified(what, problem)
+        """Refuse to serve `what` for `problem` as SM120_FP4_SELFTEST says (deciding.refuse); None: nothing to refuse."""
+        if problem is not None:
+            refuse(self.settings, f"sm120_fp4: refusing to serve {what}: {problem}")
+            if self.settings.selftest == "warn":  # served: status() and the report list it unverified
+                serving.record_unverified(what, problem)
 
     def before_dense(self, kind: str, method, layer) -> None:
         index = layer_device_index(layer)

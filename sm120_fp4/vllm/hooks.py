@@ -1,22 +1,20 @@
-"""The weights hooks: each NVFP4 linear layer verified through vLLM's own apply before vLLM serves."""
+"""The weights hooks: each NVFP4 linear layer's tensors and vLLM's own apply handed to the verification policy
+(serving.policy) before vLLM serves; vLLM's batch sizes."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import sys
 from typing import Callable
 
-import torch
-
-from .. import graphs, nvfp4, verify
-from ..errors import not_accepted
+from ..errors import say_once
 from ..serving import LayerCheck
+from ..serving.policy import Sizes
+from ..serving.policy import dense_check as policy_dense_check
 from .release import NVFP4_BASE
 
 _LOG = logging.getLogger("sm120_fp4")
-HALF = (torch.bfloat16, torch.float16)
 # vLLM's NVFP4 linear kernels whose GEMM calls the FlashInfer alias this library routes, in the layout (the
 # 128x4 swizzled scales, K padded for cutlass) its backends are verified on. Every other kernel class (vLLM's own
 # CUTLASS, Marlin, b12x, Humming, emulation, FlashInfer's CuTe DSL, TRT-LLM or cuDNN kernels) is refused.
@@ -24,22 +22,6 @@ ROUTABLE_KERNELS = frozenset({"FlashInferCutlassNvFp4LinearKernel"})
 LINEAR_FLAG = "--linear-backend flashinfer_cutlass"
 DEFAULT_MAX_BATCH = 512  # vLLM's default largest CUDA-graph capture size
 DEFAULT_MAX_TOKENS = 8192  # vLLM's default max_num_batched_tokens (the prefill chunk) where no config is visible
-LARGE_BATCH = 2049
-LIGHT_BATCH = 8
-
-
-def make_weights_hook(original: Callable, before: Callable, scope: Callable, after: Callable) -> Callable:
-    """Wrap process_weights_after_loading: `before(method, layer)`, vLLM's processing inside `scope()`, then `after`."""
-
-    @functools.wraps(original)
-    def process_weights_after_loading(self, layer, *args, **kwargs):
-        before(self, layer)
-        with scope():
-            result = original(self, layer, *args, **kwargs)
-        after(self, layer)
-        return result
-
-    return process_weights_after_loading
 
 
 def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
@@ -65,16 +47,6 @@ def graph_sizes(worker: object) -> list[int]:
 
 def _positive(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def layer_device_index(layer: object) -> int:
-    return next((p.get_device() for p in layer.parameters()), -1)  # type: ignore[attr-defined]
-
-
-def layer_name(layer: object) -> str:
-    prefix = getattr(layer, "prefix", None)  # linear layers; MoE layers (RoutedExperts) name theirs layer_name
-    prefix = prefix if isinstance(prefix, str) else getattr(layer, "layer_name", None)
-    return prefix if isinstance(prefix, str) else ""
 
 
 def nvfp4_kernel(method: object) -> object | None:
@@ -108,97 +80,46 @@ def kernel_problem(kind: str, method: object) -> str | None:
     )
 
 
-def _vllm_sizes() -> tuple[int, int]:
-    """(largest CUDA-graph batch, prefill chunk) from vLLM's current config; vLLM's defaults where none is visible."""
+def sizes() -> Sizes:
+    """Return the batch sizes vLLM can pass a layer, from its current config (its defaults, said once, where none)."""
     try:
         from vllm.config import get_current_vllm_config_or_none
 
         config = get_current_vllm_config_or_none()
-    except Exception:
-        config = None
-    batch = getattr(getattr(config, "compilation_config", None), "max_cudagraph_capture_size", None)
-    tokens = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
-    return (batch if _positive(batch) else DEFAULT_MAX_BATCH, tokens if _positive(tokens) else DEFAULT_MAX_TOKENS)
-
-
-def batch_sizes(max_batch: int, largest: int) -> list[int]:
-    """At least one M in every power-of-two bucket up to `max_batch`, one M >= 2048, and the prefill sizes."""
-    ms = {1, 2, 3, max_batch, min(LARGE_BATCH, max(largest, max_batch))}
-    power = 4
-    while power <= max(max_batch, largest):
-        top = max_batch if power <= max_batch else largest
-        ms.update({power, min(power + power // 2 - 1, top)})
-        power *= 2
-    ms.add(max(largest, max_batch))
-    return sorted(m for m in ms if m <= max(largest, max_batch))
-
-
-def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return nvfp4.quantize(x, gsf, check_finite=False)
-
-
-def _served_cases(serve: Callable, watched: tuple, n_out: int, k: int, ms: list[int], dtype, seed: int) -> list:
-    """The served calls at batch sizes `ms` against the oracle on the layer's own processed weights."""
-    weight, weight_sf, alpha, input_gsf = watched
-    gsf = float(input_gsf.float().reshape(-1)[0].cpu())
-    if not (math.isfinite(gsf) and gsf > 0):
-        what = "the layer's positive finite input global scale"
-        raise not_accepted("vLLM dense layer check", "input_global_scale_inv", input_gsf, what)
-    # One row more than the largest M: each M's twin is the next M rows, views (no rolled copy of the reference).
-    x = verify.seeded_activations(max(ms) + 1, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device, dtype)
-    k_weight = weight.shape[1] * 2
-    padded = torch.nn.functional.pad(x, (0, k_weight - k)) if k_weight > k else x
-    qx, sx = graphs.run(
-        "quantize", _quantize, (padded, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())
-    )
-    reference = nvfp4.reference_mm_fp4(
-        qx, weight.t(), sx, weight_sf.view(torch.uint8).t(), alpha.float().reshape(1), torch.float32
-    )[:, :n_out]
-    return verify.served_cases(ms, n_out, k, serve, x, reference, watched)
-
-
-def activation_dtypes(layer: object) -> tuple[torch.dtype, ...]:
-    for dtype in (getattr(layer, "params_dtype", None), torch.get_default_dtype()):
-        if dtype in HALF:
-            return (dtype,)
-    return HALF
+        problem = None if config is not None else "no current vLLM config"
+    except Exception as exc:  # an older vLLM, or none importable here
+        config, problem = None, f"{type(exc).__name__}: {exc}"
+    compilation = getattr(config, "compilation_config", None)
+    found = {
+        "max_cudagraph_capture_size": getattr(compilation, "max_cudagraph_capture_size", None),
+        "max_num_batched_tokens": getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None),
+    }
+    defaults = {"max_cudagraph_capture_size": DEFAULT_MAX_BATCH, "max_num_batched_tokens": DEFAULT_MAX_TOKENS}
+    assumed = {name: default for name, default in defaults.items() if not _positive(found[name])}
+    if assumed:
+        say_once(
+            logging.WARNING,
+            "sm120_fp4: vLLM's batch sizes are not set in this process (%s): layers are verified assuming vLLM's "
+            "defaults %s; load them where vLLM's config is current (set_current_vllm_config, as vLLM's workers do), "
+            "with the --max-cudagraph-capture-size and --max-num-batched-tokens vLLM will serve with",
+            problem or ", ".join(f"{name}={found[name]!r}" for name in assumed),
+            ", ".join(f"{name}={value}" for name, value in assumed.items()),
+        )
+    # The CUDA graphs' sizes are left to the re-check after kernel_warmup, which runs every one captured.
+    batch, tokens = ({**found, **assumed}[name] for name in defaults)
+    return Sizes(batch, tokens, tokens)
 
 
 def dense_check(kind: str, serve: Callable, layer: object, rebuild: Callable) -> LayerCheck | None:
-    """The LayerCheck of one vLLM NVFP4 linear layer served by FlashInferCutlassNvFp4LinearKernel."""
-    weight, weight_sf = getattr(layer, "weight", None), getattr(layer, "weight_scale", None)
-    alpha, input_gsf = getattr(layer, "alpha", None), getattr(layer, "input_global_scale_inv", None)
-    watched = (weight, weight_sf, alpha, input_gsf)
-    if not all(isinstance(t, torch.Tensor) for t in watched) or weight.dtype != torch.uint8:
-        _LOG.info("sm120_fp4: %s: weights not in the FlashInfer cutlass layout; not verified here", kind)
-        return None
-    n_out = int(getattr(layer, "output_size_per_partition", weight.shape[0]))
-    k = int(getattr(layer, "input_size_per_partition", weight.shape[1] * 2))
-    dtypes = activation_dtypes(layer)
-    label = f"vLLM {kind} N={n_out} K={k} {dtype_names(dtypes)} (weight scales {dtype_names([weight_sf.dtype])})"
-    key = ("vllm", kind, tuple(weight.shape), n_out, k, dtypes, weight_sf.dtype, input_gsf.dtype)
-
-    def cases(ms: list[int]) -> list[verify.Case]:
-        return [c for i, d in enumerate(dtypes) for c in _served_cases(serve, watched, n_out, k, ms, d, 1000 + i)]
+    """Return the LayerCheck of one vLLM NVFP4 linear layer served by FlashInferCutlassNvFp4LinearKernel."""
+    names = ("weight", "weight_scale", "alpha", "input_global_scale_inv")
 
     def current() -> tuple:
-        return layer.weight, layer.weight_scale, layer.alpha, layer.input_global_scale_inv
+        return tuple(getattr(layer, name, None) for name in names)
 
-    tensors = {"weight": weight, "weight_sf": weight_sf, "dtype": dtypes[0]}
-    check = (weight.get_device(), key, label, "dense", cases)
-    return layer_check(layer, check, (LARGE_BATCH,), weights=current, rebuild=rebuild, tensors=tensors)
-
-
-def layer_check(layer: object, check: tuple, extra: tuple = (), **fields) -> LayerCheck:
-    """LayerCheck(*check, **fields), each batch-size bucket in full, vLLM's graph and prefill sizes again."""
-    max_batch, tokens = _vllm_sizes()
-    recheck = sorted({1, 7, max_batch, tokens, *extra})
-    ms = batch_sizes(max_batch, tokens)
-    return LayerCheck(*check, ms, recheck, layer_name(layer), [LIGHT_BATCH], owner=layer, **fields)
-
-
-def dtype_names(dtypes) -> str:
-    return "/".join(str(d).removeprefix("torch.") for d in dtypes)
+    n_out, k = (getattr(layer, f"{side}_size_per_partition", None) for side in ("output", "input"))
+    options = dict(weights=current, rebuild=rebuild, scale_name="input_global_scale_inv")
+    return policy_dense_check(sizes(), f"vLLM {kind}", serve, layer, current(), n_out, k, **options)
 
 
 def _routed_check(kind: str, apply: str, method: object, layer: object) -> LayerCheck | None:

@@ -8,14 +8,14 @@ from typing import Callable
 
 import torch
 
-from .. import backends, nvfp4, serving, verify
+from .. import backends, nvfp4, verify
 from ..serving import LayerCheck
-from .hooks import activation_dtypes, dtype_names, layer_check, layer_device_index
+from ..serving.policy import activation_dtypes, dtype_names, expert_subset, layer_check, layer_device_index, moe_cases
+from .hooks import sizes
 
 VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
 VERIFIED_EXPERTS_CLASS = "FlashInferExperts"
 MOE_FLAG = f"--moe-backend {VERIFIED_BACKEND}"
-VERIFIED_EXPERTS = 8  # a few of the layer's experts: the oracle keeps only these dequantized
 # vLLM's MoEActivation values -> the convention's activation names (FlashInfer's Swiglu / Relu2).
 ACTIVATIONS = {"silu": "swiglu", "relu2_no_mul": "relu2"}
 
@@ -151,14 +151,6 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
     return nvfp4.MoeWeights(w13, w13_sf, alpha1, w2, w2_sf, alpha2, a1, a2), activation
 
 
-def _subset(experts: int, at_least: int) -> list[int]:
-    count = min(experts, max(VERIFIED_EXPERTS, at_least))
-    if count >= experts:
-        return list(range(experts))
-    step = (experts - 1) / (count - 1)
-    return sorted({round(i * step) for i in range(count)})
-
-
 def _plans(ms, dtypes, subset, everyone, top_k: int, hidden: int, amax: float, device) -> list[tuple]:
     """(name, x, topk_ids, topk_weights) per batch; a full sweep adds skewed and balanced routing."""
     gen = torch.Generator().manual_seed(2024)
@@ -185,7 +177,7 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
     experts = weights.w13.shape[0]
     hidden, inter = weights.w13.shape[2] * 2, weights.w2.shape[2] * 2
     top_k = min(int(getattr(layer, "top_k", 2) or 2), experts)
-    subset = torch.tensor(_subset(experts, top_k))
+    subset = torch.tensor(expert_subset(experts, top_k))
     everyone = torch.arange(experts)
     dtypes = activation_dtypes(layer)
     label = f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} {dtype_names(dtypes)}"
@@ -200,9 +192,7 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
 
     def cases(ms: list[int]) -> list[verify.Case]:
         plans = _plans(ms, dtypes, subset, everyone, top_k, hidden, amax, device)
-        mode = backends.mode_of("moe", serving.routes("moe").get(index, backends.EMULATED))
-        reference = dict(cache=verify.ExpertCache(subset.tolist()), reference_weights=weights.map(backends.original))
-        return verify.moe_cases(serve, weights, activation, plans, served_ids=True, mode=mode, **reference)
+        return moe_cases(serve, weights, activation, plans, index, subset.tolist(), served_ids=True)
 
     def current() -> tuple:
         now = processed_weights(method, layer)
@@ -210,4 +200,6 @@ def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
 
     tensors = {**weights._asdict(), "dtype": dtypes[0], "top_k": top_k}
     rebuild = functools.partial(moe_check, kind, method)
-    return layer_check(layer, (index, key, label, "moe", cases), weights=current, rebuild=rebuild, tensors=tensors)
+    return layer_check(
+        sizes(), layer, index, key, label, "moe", cases, weights=current, rebuild=rebuild, tensors=tensors
+    )

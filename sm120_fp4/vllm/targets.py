@@ -8,8 +8,9 @@ from dataclasses import replace
 from typing import Callable
 
 from ..patching import PatchSpec
+from ..serving.policy import make_weights_hook
 from . import simulation
-from .hooks import compressed_tensors_check, make_warmup_hook, make_weights_hook, modelopt_check
+from .hooks import compressed_tensors_check, make_warmup_hook, modelopt_check
 from .moe import make_alias, make_defer, make_shapes
 from .release import CT, CT_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, PLUGIN_GROUP, RELEASE, TARGET_VERSIONS
 from .release import FI_CUTLASS_MOE as FI_MOE

@@ -9,7 +9,9 @@ from typing import Callable
 import torch
 
 from .. import engines, serving
-from ..errors import ConfigError, RefusedToServe, say_once
+from ..deciding import refuse
+from ..errors import ConfigError
+from ..serving.policy import layer_device_index, layer_name
 from . import hooks, moe, simulation, targets
 from .release import RELEASE
 
@@ -23,22 +25,19 @@ class _Wired:
         self.router, self.settings, self.simulated = router, settings, simulated
 
     def refuse(self, what: str, problem: str | None) -> None:
-        """Something this library cannot verify: RefusedToServe (SELFTEST=strict), logged once (warn), or nothing."""
-        if problem is None or self.settings.selftest == "off":
-            return
-        message = f"sm120_fp4: refusing to serve {what}: {problem}"
-        if self.settings.selftest == "strict":
-            raise RefusedToServe(message)
-        say_once(logging.WARNING, "%s (SM120_FP4_SELFTEST=warn: serving it UNVERIFIED)", message)
-        serving.record_unverified(what, problem)
+        """Refuse to serve `what` for `problem` as SM120_FP4_SELFTEST says (deciding.refuse); None: nothing to refuse."""
+        if problem is not None:
+            refuse(self.settings, f"sm120_fp4: refusing to serve {what}: {problem}")
+            if self.settings.selftest == "warn":  # served: status() and the report list it unverified
+                serving.record_unverified(what, problem)
 
     def before_dense(self, kind: str, method, layer) -> None:
         refuse_canary(self.settings)
         if hooks.nvfp4_kernel(method) is None:
             return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
-        if self.router.ensure(hooks.layer_device_index(layer)) is None:
+        if self.router.ensure(layer_device_index(layer)) is None:
             return  # a device this library does not serve
-        name = hooks.layer_name(layer)
+        name = layer_name(layer)
         self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
 
     def unknown(self, index: int, name: str, value: object) -> None:
@@ -89,16 +88,16 @@ class _Wired:
 
     def before_moe(self, kind: str, method, layer) -> None:
         refuse_canary(self.settings)
-        if self.router.ensure(hooks.layer_device_index(layer), "moe") is None:
+        if self.router.ensure(layer_device_index(layer), "moe") is None:
             return  # a device this library does not serve
-        name = hooks.layer_name(layer)
+        name = layer_name(layer)
         self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
 
     def verify_moe(self, kind: str, method, layer) -> None:
-        if not self.moe_served(hooks.layer_device_index(layer)) or moe.backend_problem(kind, method) is not None:
+        if not self.moe_served(layer_device_index(layer)) or moe.backend_problem(kind, method) is not None:
             return
         problem = moe.layer_problem(kind, method, layer)
-        name = hooks.layer_name(layer)
+        name = layer_name(layer)
         self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", problem)
         if problem is None:
             self.verify(moe.moe_check(kind, method, layer))

@@ -211,3 +211,89 @@ def test_a_modelopt_fp8_layer_is_left_alone():
         layer.quant_method.process_weights_after_loading(layer)
     status = sm120_fp4.status()
     assert not status.decisions and not status.refusals
+
+
+def wrong_rows_between(low: int, high: int):
+    """A kernel right at every M but `low`..`high`, where it negates every other output row."""
+
+    def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
+        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
+        if low <= a.shape[0] <= high:
+            out[1::2] = -out[1::2]
+        return out
+
+    return gemm
+
+
+@case(
+    "backend faults",
+    "vLLM 0.33 (simulated 12.0), largest CUDA-graph batch 512, max_num_batched_tokens 8192: a registered dense "
+    "kernel wrong only for M in {low}-{high} (inside one autotuner bucket past the graph batches)",
+    "refused at process_weights_after_loading naming M={m}: an M of every power-of-two bucket is verified",
+)
+@pytest.mark.parametrize("low, high, m", [(600, 1000, 767), (1100, 2000, 1535)])
+def test_a_kernel_wrong_only_inside_one_bucket_above_the_graph_batches_is_refused(low, high, m):
+    from sm120_fp4.serving import policy
+    from sm120_fp4.vllm import hooks
+
+    backends.register("bucket-wrong", wrong_rows_between(low, high))
+    sm120_fp4.install(simulate="12.0", backends="bucket-wrong")
+    with vllm_layers.vllm_context(max_tokens=8192, max_batch=512):
+        assert hooks.sizes()[:3] == policy.Sizes(512, 8192, 8192)[:3]
+        with pytest.raises(RefusedToServe, match=rf"N=128 K=256 .*M={m} "):
+            vllm_layers.build_modelopt_layer(synthetic.make_checkpoint(128, 256, seed=6))
+
+
+@case(
+    "backend faults",
+    "vLLM 0.33's ModelOpt NVFP4 layer served by a backend that converts the layer's weights in place "
+    "(humming, its CPU stand-in), healthy; then the same backend with a wrong kernel",
+    "the healthy one verifies against the checkpoint's bytes (never the converted layout) and serves the "
+    "oracle's numbers; the wrong one is refused at process_weights_after_loading",
+)
+def test_a_layer_served_by_a_converting_backend_is_checked_against_the_checkpoints_bytes(monkeypatch):
+    from helpers.humming_stand_in import StandInEngine, engine
+
+    ckpt = synthetic.make_checkpoint(256, 512, seed=7)
+    with engine(StandInEngine()) as stand_in:
+        sm120_fp4.install(simulate="12.0", backends="humming")
+        with vllm_layers.vllm_context():
+            layer = vllm_layers.build_modelopt_layer(ckpt)
+            x = torch.randn(5, 512, dtype=torch.bfloat16)
+            out = layer(x)[0]
+        assert not torch.equal(layer.weight, ckpt.weight) and stand_in.prepared  # converted in place
+        [report] = _layer_reports()
+        assert report.passed and report.backend == "humming", report.reason
+        assert torch.equal(out, synthetic.reference_output(ckpt, x))
+        sm120_fp4.uninstall()
+        # Wrong only on this layer's shape (N=256), right on the self-test's: the layer check must see it.
+        healthy = stand_in.gemm
+
+        def halved_at_n_256(prepared, x, scale_2, out):
+            healthy(prepared, x, scale_2, out)
+            return out.mul_(0.5) if prepared.n == 256 else out
+
+        monkeypatch.setattr(stand_in, "gemm", halved_at_n_256)
+        sm120_fp4.install(simulate="12.0", backends="humming")
+        with (
+            vllm_layers.vllm_context(),
+            pytest.raises(RefusedToServe, match=r"humming: failed the served-layer .*N=256 K=512"),
+        ):
+            vllm_layers.build_modelopt_layer(ckpt)
+
+
+def test_vllms_batch_sizes_not_visible_are_assumed_and_said_once(monkeypatch, caplog):
+    import logging
+
+    from sm120_fp4 import errors
+    from sm120_fp4.vllm import hooks
+
+    monkeypatch.setattr(errors, "_said", set())  # "once per process": this test's process starts now
+    sm120_fp4.install(simulate="12.0", backends="emulated")  # vLLM's config reads the (simulated) platform
+    with caplog.at_level(logging.WARNING, logger="sm120_fp4"):
+        assert [tuple(hooks.sizes()[:3]) for _ in range(2)] == [(512, 8192, 8192)] * 2  # no current vLLM config
+        with vllm_layers.vllm_context(max_tokens=3000, max_batch=160):
+            assert hooks.sizes()[:3] == (160, 3000, 3000)
+    [said] = [r.getMessage() for r in caplog.records if "batch sizes are not set" in r.getMessage()]
+    assert "no current vLLM config" in said and "max_cudagraph_capture_size=512" in said, said
+    assert "max_num_batched_tokens=8192" in said and "--max-num-batched-tokens" in said, said
