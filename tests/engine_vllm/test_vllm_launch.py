@@ -16,7 +16,9 @@ from helpers.cases import case  # noqa: E402
 from helpers.workers import workers_in_process  # noqa: E402
 
 from sm120_fp4 import backends, cli  # noqa: E402
-from sm120_fp4.vllm import launches  # noqa: E402
+from sm120_fp4.vllm import ENGINE  # noqa: E402
+
+launches = ENGINE.launches
 
 SIM = {"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "emulated", "SM120_FP4_MOE_BACKENDS": "emulated"}
 API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--port", "8000"]
