@@ -75,11 +75,12 @@ def _clean_library_state(monkeypatch):
     for name in list(os.environ):
         if name.startswith("SM120_FP4"):
             monkeypatch.delenv(name)
-    from sm120_fp4 import backends, devices, serving
+    from sm120_fp4 import backends, devices, errors, serving
 
     registered, registered_moe = set(backends.names()), set(backends.moe_names())
     serving.clear()
     devices.clear_cache()
+    errors._said.clear()  # each test sees the library's once-per-process warnings as a fresh process would
     yield
     for name in set(backends.names()) - registered:
         backends.unregister(name)

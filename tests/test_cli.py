@@ -626,7 +626,7 @@ WRAPPED = [
 
 @case(
     "configuration",
-    "`sm120-fp4 launch -- {command}` (SELFTEST=strict) with vLLM 0.34.0 installed (outside the range), SGLang inside",
+    "`sm120-fp4 launch -- {command}` (SELFTEST=strict) with vLLM 0.35.0 installed (outside the range), SGLang inside",
     "exit 2, not started: launch looks through the wrapper to vLLM, or checks every installed engine's release when "
     "it cannot tell which engine the command starts",
 )
@@ -636,14 +636,14 @@ def test_launch_refuses_a_wrapped_command_of_an_engine_outside_the_range(monkeyp
 
     from sm120_fp4.vllm import release
 
-    monkeypatch.setattr(release.RELEASE, "version", lambda: "0.34.0")
+    monkeypatch.setattr(release.RELEASE, "version", lambda: "0.35.0")
     for name in ("vllm", "uv", "numactl", "taskset", "stdbuf", "timeout", "nohup", "nice"):
         (tmp_path / name).write_text("#!/bin/sh\n")
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{sys.prefix}/bin:/usr/bin:/bin")
     code, err, started = launch_in_process(monkeypatch, capsys, "--", *shlex.split(command), env=SIM_BOTH)
     assert code == cli.EXIT_USAGE and started is None and "self-testing" not in err, err
-    assert "vLLM 0.34.0 is installed, outside the releases" in err and "refusing to start" in err, err
+    assert "vLLM 0.35.0 is installed, outside the releases" in err and "refusing to start" in err, err
     wrapped = "which engine" in err
     assert wrapped == any(w in command for w in ("&&", "serve.sh", "--directory")), err
 
@@ -651,7 +651,7 @@ def test_launch_refuses_a_wrapped_command_of_an_engine_outside_the_range(monkeyp
 def test_launch_of_an_sglang_command_is_not_refused_for_another_engines_release(monkeypatch, capsys):
     from sm120_fp4.vllm import release
 
-    monkeypatch.setattr(release.RELEASE, "version", lambda: "0.34.0")
+    monkeypatch.setattr(release.RELEASE, "version", lambda: "0.35.0")
     command = ["env", "FOO=1", sys.executable, "-m", "sglang.launch_server", "--help"]
     code, err, started = launch_in_process(monkeypatch, capsys, "--", *command, env=SIM_BOTH)
     assert code == 0 and started == (command, "1") and "preflight passed" in err, err

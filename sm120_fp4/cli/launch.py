@@ -64,7 +64,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     else:
         _eprint("sm120-fp4 launch: preflight passed")
     if settings.simulated_capability is not None:  # the engine's CPU ranks: each its share of the cores
-        for var, value in _engine_home(name).cpu_tp_env(command).items():
+        binding = {var: value for n in names for var, value in _engine_home(n).cpu_tp_env(command).items()}
+        for var, value in binding.items():
             _eprint(f"sm120-fp4 launch: {var}={value} (this machine's cores split over the command's CPU ranks)")
             os.environ[var] = value
     return _exec(command)
