@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, ConfigError
 from .quantization import GROUP_SIZE, NAMES, Quantization, group_size_problem, ignored, read_quantization, text_config
+from .scales import SCALE_NAMES, alpha_problem, block_scale_problem, scale_problem
 from .tensors import TensorInfo, read_bytes, read_json, read_scalar, read_tensors
 
 _PACKED_DTYPES = ("U8", "I8")
@@ -173,34 +174,25 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
     return None  # the expert count: checked by _experts
 
 
-def scale_problem(name: str, value: float) -> str | None:
-    """Return why a global or activation scale is unusable (NaN, infinite, zero, negative), or None."""
-    why = "a finite positive scale (the checkpoint's scale is wrong, not a kernel: requantize or recalibrate the layer)"
-    return None if math.isfinite(value) and value > 0 else f"{name} = {value!r}; accepted: {why}"
-
-
 def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
-    """Check every NVFP4 module's global and activation scales are finite and positive, and no block scale NaN."""
+    """Check every NVFP4 module's global and activation scales and its alpha, and its block scales' bytes."""
     _, block, global_name, input_name = NAMES[fmt]
     opened: dict = {}
     with contextlib.ExitStack() as files:
         for module in checkpoint.modules:
+            found = []
             for kind in (global_name, input_name):
                 name = f"{module}.{kind}"
                 info = checkpoint.tensors[name]
-                if problem := scale_problem(name, read_scalar(read_bytes(files, opened, name, info), info.dtype)):
+                found.append(read_scalar(read_bytes(files, opened, name, info), info.dtype))
+                if problem := scale_problem(name, found[-1]):
                     raise CheckpointError(f"{info.file}: {problem}")
+            if problem := alpha_problem(f"{info.file}: {module}", *found, encode=SCALE_NAMES[fmt][2]):
+                raise CheckpointError(problem)
             name = f"{module}.{block}"
             info = checkpoint.tensors[name]
-            data = read_bytes(files, opened, name, info)
-            at = min((i for i in (data.find(b"\x7f"), data.find(b"\xff")) if i >= 0), default=-1)
-            if at >= 0:
-                cols = info.shape[1]
-                raise CheckpointError(
-                    f"{info.file}: {name} holds a NaN block scale (E4M3 byte 0x{data[at]:02x} at row "
-                    f"{at // cols}, block {at % cols}); accepted: float8_e4m3fn block scales that are "
-                    "not NaN (any byte but 0x7f and 0xff): the checkpoint is corrupt, not a kernel"
-                )
+            if problem := block_scale_problem(name, read_bytes(files, opened, name, info), info.shape[1]):
+                raise CheckpointError(f"{info.file}: {problem}")
 
 
 def inspect(model_dir: str, values: bool = True) -> Checkpoint:

@@ -19,9 +19,9 @@ from ..errors import ConfigError, RefusedToServe, say_once
 from ..versions import version_in
 from .autotune import tunable_backends
 from .hooks import layer_device_index, layer_name
-from .moe import SEAM_VERSIONS, gate_up_problem, make_seam, pin_auto_runner, refuse_unverifiable, runner_problem
+from .moe import SEAM_VERSIONS, make_seam, pin_auto_runner, refuse_unverifiable, runner_problem
 from .release import KERNEL_OPS_GEMM, sglang_version
-from .scales import checkpoint_scale_problem, layer_scales_problem, quant_mode_problem
+from .scales import checkpoint_scale_problem, quant_mode_problem
 from .simulation import Simulation, cuda_moves_stay_on_cpu
 from .simulation import specs as simulation_specs
 from .targets import (
@@ -71,7 +71,6 @@ class _Install:
         self.refuse(f"NVFP4 dense layers on device {index}", runner_backend_problem())
         pin_runner_backend(self.patcher)
         self.check_scales(kind, method, layer)
-        self.refuse(_layer_what(kind, layer), layer_scales_problem(kind, method, layer))
 
     def check_scales(self, kind: str, method, layer, family: str = "dense") -> None:
         """Refuse a layer whose quant mode or checkpoint scales cannot serve, before any kernel is blamed."""
@@ -87,7 +86,7 @@ class _Install:
         if not version_in(sglang_version(), SEAM_VERSIONS):
             refuse_unverifiable(kind, self.settings)
             return
-        self.refuse(f"the NVFP4 MoE layer ({kind})", runner_problem(kind, method) or gate_up_problem(layer))
+        self.refuse(f"the NVFP4 MoE layer ({kind})", runner_problem(kind, method))
 
     def unknown_backend(self, index: int, name: str, value: object) -> None:
         backend = name == "backend"
