@@ -44,7 +44,7 @@ def alpha_problem(where: str, weight: float, activation: float, encode: bool) ->
         return None
     return (
         f"{where}: its global scales ({weight!r} and {activation!r}) give the GEMM an alpha of {alpha:.3g}, outside "
-        "float32's normal range (the kernels flush it to zero or overflow); accepted: global scales whose alpha is "
+        "float32's normal range (flushed to zero, or infinite); accepted: global scales whose alpha is "
         "a normal float32 (the checkpoint's scales are wrong, not a kernel: requantize the layer)"
     )
 
