@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 
-from .. import serving
+from .. import checkpoints, serving
+from ..checkpoints import scales
 from ..errors import ConfigError, RefusedToServe, say_once
 from . import hooks, moe, simulation, targets
 from .release import engine_version
@@ -38,6 +39,9 @@ class _Wired:
             return  # a device this library does not serve
         name = hooks.layer_name(layer)
         self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
+        # The checkpoint's scales, each shard's still apart (vLLM's processing serves the largest): as SGLang refuses.
+        fmt = checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
+        self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", scales.layer_problem(fmt, layer))
 
     def unknown(self, index: int, name: str, value: object) -> None:
         self.refuse(
@@ -91,6 +95,10 @@ class _Wired:
             return  # a device this library does not serve
         name = hooks.layer_name(layer)
         self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
+        fmt = checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
+        self.refuse(
+            f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", scales.layer_problem(fmt, layer, moe=True)
+        )
 
     def verify_moe(self, kind: str, method, layer) -> None:
         if self.moe_served(hooks.layer_device_index(layer)) and moe.backend_problem(kind, method) is None:
