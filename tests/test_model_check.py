@@ -571,3 +571,25 @@ def test_selftest_model_refuses_shards_with_different_global_scales(
         assert f"model.layers.1.self_attn.q_proj.{tensor} = 0.0" in captured.err and captured.err.count("\n") == 1, (
             captured.err
         )
+
+
+def test_an_unfused_layer_with_a_bad_scale_is_named_as_one_layer_not_as_shards(tmp_path):
+    """The model check's message for an unfused layer says what is wrong with its scale, not "the fused layer"."""
+    path = write_checkpoint(str(tmp_path / "ckpt"), seed=9)
+    _edit_tensors(path, _set(f"{ATTN}.o_proj.weight_scale_2", 0.0))
+    with pytest.raises(CheckpointError) as err:
+        model_check.check_model(path, torch.device("cpu"))
+    message = str(err.value)
+    assert f"the NVFP4 layer {ATTN}.o_proj: the checkpoint's weight_scale_2 of o_proj = 0.0; accepted" in message
+    assert "the fused layer" not in message and "largest" not in message and "shards" not in message, message
+
+
+def test_a_copy_of_the_model_in_another_layout_beside_the_index_is_left_alone(tmp_path):
+    """A file the index leaves out whose tensors are another layout's (Mistral's consolidated.safetensors) is not
+    the served model's: the engines never read it, and neither does the validation."""
+    path = tmp_path / "ckpt"
+    write_checkpoint(str(path), seed=9)
+    _write_index(path, lambda name: name)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(path / "consolidated.safetensors"))
+    (path / "broken.safetensors").write_bytes(b"not safetensors")
+    assert len(checkpoints.inspect(str(path)).linear()) == 8
