@@ -235,7 +235,7 @@ FAULTS = {
     "a NaN block-scale byte": (
         MODELOPT,
         lambda p: _edit_tensors(p, _nan_block_byte(f"{EXPERTS}.7.down_proj.weight_scale")),
-        f"{EXPERTS}.7.down_proj.weight_scale holds a NaN block scale (E4M3 byte 0xff at row 1, block 3)",
+        f"{EXPERTS}.7.down_proj.weight_scale[1, 3] is a NaN block scale (E4M3 byte 0xff)",
     ),
     "truncated safetensors": (
         MODELOPT,
@@ -409,7 +409,7 @@ FAULTS = {
     "a block-scale byte with the sign bit set": (
         MODELOPT,
         lambda p: _edit_tensors(p, _block_byte(f"{ATTN}.q_proj.weight_scale", 0xB8)),
-        f"{ATTN}.q_proj.weight_scale holds a negative block scale (the sign bit set) (E4M3 byte 0xb8 at row 1, block 3)",
+        f"{ATTN}.q_proj.weight_scale[1, 3] is a negative block scale (the sign bit set) (E4M3 byte 0xb8)",
     ),
 }
 

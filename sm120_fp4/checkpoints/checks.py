@@ -238,7 +238,7 @@ def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
                 raise CheckpointError(problem)
             name = f"{module}.{block}"
             info = checkpoint.tensors[name]
-            if problem := block_scale_problem(name, read_bytes(files, opened, name, info), info.shape[1]):
+            if problem := block_scale_problem(name, read_bytes(files, opened, name, info), info.shape):
                 raise CheckpointError(f"{info.file}: {problem}")
 
 

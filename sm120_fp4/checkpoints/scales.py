@@ -49,16 +49,18 @@ def alpha_problem(where: str, weight: float, activation: float, encode: bool) ->
     )
 
 
-def block_scale_problem(name: str, data: bytes, columns: int) -> str | None:
-    """Return why E4M3 block-scale bytes (rows of `columns`) hold a NaN or a negative scale, or None."""
+def block_scale_problem(name: str, data: bytes, shape: tuple) -> str | None:
+    """Return why E4M3 block-scale bytes (a tensor of `shape`) hold a NaN or a negative scale, or None."""
     if (found := _BAD_BLOCK.search(data)) is None:
         return None
-    at, byte = found.start(), data[found.start()]
+    flat, byte, index = found.start(), data[found.start()], []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.insert(0, str(i))
     what = "a NaN block scale" if byte in (0x7F, 0xFF) else "a negative block scale (the sign bit set)"
     return (
-        f"{name} holds {what} (E4M3 byte 0x{byte:02x} at row {at // columns}, block {at % columns}); accepted: "
-        "float8_e4m3fn block scales that are positive or zero and not NaN (bytes 0x00-0x7e): the checkpoint is "
-        "corrupt, not a kernel"
+        f"{name}[{', '.join(index)}] is {what} (E4M3 byte 0x{byte:02x}); accepted: float8_e4m3fn block scales that "
+        "are positive or zero and not NaN (bytes 0x00-0x7e): the checkpoint is corrupt, not a kernel"
     )
 
 
@@ -80,17 +82,10 @@ def loaded_scales_problem(scales: dict[str, torch.Tensor], blocks: dict[str, tor
             flat, at = _first(bad)
             return scale_problem(f"the checkpoint's {name}{at}", float(values.reshape(-1)[flat]))
     for name, tensor in blocks.items():
-        if tensor.dtype not in (torch.float8_e4m3fn, torch.uint8) or tensor.numel() == 0:
-            continue
-        bad = tensor.detach().cpu().view(torch.uint8) >= 0x7F
-        if bool(bad.any()):
-            flat, at = _first(bad)
-            byte = int(tensor.detach().cpu().view(torch.uint8).reshape(-1)[flat])
-            what = "a NaN block scale" if byte in (0x7F, 0xFF) else "a negative block scale (the sign bit set)"
-            return (
-                f"the checkpoint's {name}{at} is {what} (E4M3 byte 0x{byte:02x}); accepted: block scales that are "
-                "positive or zero and not NaN (the checkpoint is corrupt, not a kernel)"
-            )
+        if tensor.dtype in (torch.float8_e4m3fn, torch.uint8):
+            data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+            if problem := block_scale_problem(f"the checkpoint's {name}", data, tuple(tensor.shape)):
+                return problem
     return None
 
 

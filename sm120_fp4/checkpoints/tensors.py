@@ -39,10 +39,13 @@ class TensorInfo:
 def _open_regular(path: str, error: type[Exception]):
     """Return `path` opened for reading, or None where there is none; `error` where it is not a regular file.
 
-    Opened non-blocking and checked on the open file: a FIFO or device named like a checkpoint file is refused,
-    never read (reading a FIFO would block forever), and nothing can swap the file between check and read.
+    Checked before it is opened (a FIFO or device named like a checkpoint file is never opened: reading a FIFO
+    would block forever), and again on the open file, opened non-blocking, should it be swapped in between. A
+    link is followed (Hugging Face's cache links each file to its blob) and judged by what it points to.
     """
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise error(f"{path}: not a regular file; accepted: a readable regular file (or a link to one)")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None

@@ -57,3 +57,41 @@ def faulty_shards(fault: str) -> list[dict]:
     shards = fused_dense_shards(QKV, K)
     SHARD_FAULTS[fault][0](shards)
     return shards
+
+
+def _moe_scale(name: str, index: tuple, value: float | None = None, factor: float = 1.0):
+    def change(ckpt) -> None:
+        tensor = getattr(ckpt, name)
+        tensor[index] = value if value is not None else tensor[index] * factor
+
+    return change
+
+
+def _moe_block_byte(ckpt) -> None:
+    ckpt.w13_weight_scale.view(torch.uint8)[1, 2, 3] = 0x90
+
+
+# fault -> (edit of a synthetic.make_moe_checkpoint, a regular expression the refusal matches in both formats)
+MOE_FAULTS = {
+    "expert 2's w2 activation scale infinite": (
+        _moe_scale("w2_input_scale", (2,), float("inf")),
+        r"the checkpoint's w2_input(_global)?_scale\[2\] = (inf|0.0); accepted: a finite positive scale",
+    ),
+    "expert 3's gate and up weight global scales differ": (
+        _moe_scale("w13_weight_scale_2", (3, 1), factor=4.0),
+        r"expert 3's gate and up weight_(scale_2|global_scale) differ .* requantize the checkpoint",
+    ),
+    "a w13 block-scale byte with the sign bit set": (
+        _moe_block_byte,
+        r"the checkpoint's w13_weight_scale\[1, 2, 3\] is a negative block scale \(the sign bit set\)",
+    ),
+}
+
+
+def faulty_moe(fault: str, experts: int, hidden: int, inter: int, seed: int = 7):
+    """Return a synthetic MoE checkpoint with `fault` applied."""
+    from sm120_fp4.demo import synthetic
+
+    ckpt = synthetic.make_moe_checkpoint(experts, hidden, inter, seed=seed)
+    MOE_FAULTS[fault][0](ckpt)
+    return ckpt
