@@ -254,7 +254,7 @@ FAULTS = {
     "a NaN block-scale byte": (
         MODELOPT,
         lambda p: _edit_tensors(p, _nan_block_byte(f"{EXPERTS}.7.down_proj.weight_scale")),
-        f"{EXPERTS}.7.down_proj.weight_scale holds a NaN block scale (E4M3 byte 0xff at row 1, block 3)",
+        f"{EXPERTS}.7.down_proj.weight_scale[1, 3] is a NaN block scale (E4M3 byte 0xff)",
     ),
     "truncated safetensors": (
         MODELOPT,
@@ -264,7 +264,7 @@ FAULTS = {
     "a corrupt header": (
         COMPRESSED_TENSORS,
         lambda p: _overwrite(p / "model.safetensors", 8, b"\x00garbage{"),
-        "model.safetensors: its safetensors header is not valid JSON",
+        "model.safetensors: its safetensors header is invalid JSON",
     ),
     "a header length past the end": (
         MODELOPT,
@@ -315,7 +315,186 @@ FAULTS = {
         lambda p: _edit_config(p, lambda c: c.update(num_key_value_heads=4)),
         "num_key_value_heads * head_dim is 256",
     ),
+    # safetensors' own rules: the tensors cover the data exactly, metadata maps strings to strings
+    "trailing bytes after the tensors' data": (
+        MODELOPT,
+        lambda p: _append(p / "model.safetensors", b"\0" * 8),
+        "model.safetensors: its tensors cover",
+    ),
+    "a gap between two tensors' bytes": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_header(p / "model.safetensors", lambda h: _shift_last(h, 16), b"\0" * 16),
+        "(a gap or an overlap)",
+    ),
+    "two tensors' bytes overlapping": (
+        MODELOPT,
+        lambda p: _edit_header(p / "model.safetensors", lambda h: _shift_last(h, -2), b"\0\0"),
+        "(a gap or an overlap)",
+    ),
+    "a non-string __metadata__ value": (
+        MODELOPT,
+        lambda p: _edit_header(p / "model.safetensors", lambda h: h.update(__metadata__={"format": 1})),
+        "model.safetensors: its __metadata__ is",
+    ),
+    # files that are not what they are named: never opened for reading, never parsed past Python's recursion
+    "deeply nested JSON in config.json": (
+        MODELOPT,
+        lambda p: (p / "config.json").write_text("[" * 100_000 + "]" * 100_000),
+        "config.json: invalid JSON (nested too deeply)",
+    ),
+    "deeply nested JSON in a safetensors header": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_header(p / "model.safetensors", lambda h: h.update(__metadata__=_Nested())),
+        "model.safetensors: its safetensors header is invalid JSON (nested too deeply)",
+    ),
+    "a directory named model.safetensors": (
+        MODELOPT,
+        lambda p: (os.unlink(p / "model.safetensors"), os.mkdir(p / "model.safetensors")),
+        "model.safetensors: not a regular file",
+    ),
+    "config.json as a FIFO": (
+        MODELOPT,
+        lambda p: (os.unlink(p / "config.json"), os.mkfifo(p / "config.json")),
+        "config.json: not a regular file",
+    ),
+    "the index as a FIFO": (
+        COMPRESSED_TENSORS,
+        lambda p: os.mkfifo(p / "model.safetensors.index.json"),
+        "model.safetensors.index.json: not a regular file",
+    ),
+    # config.json values the engines reject when they build the model
+    "num_experts_per_tok 99 of 8 experts": (
+        MODELOPT,
+        lambda p: _edit_config(p, lambda c: c.update(num_experts_per_tok=99)),
+        "config.json: num_experts_per_tok = 99; accepted: 1 to the number of experts (8)",
+    ),
+    "num_experts_per_tok 0": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_config(p, lambda c: c.update(num_experts_per_tok=0)),
+        "config.json: num_experts_per_tok = 0; accepted: 1 to the number of experts",
+    ),
+    "num_key_value_heads not dividing num_attention_heads": (
+        MODELOPT,
+        lambda p: _edit_config(p, lambda c: c.update(num_key_value_heads=3)),
+        "config.json: num_key_value_heads = 3; accepted: a divisor of num_attention_heads",
+    ),
+    # a module the engines fuse with its siblings, missing as a whole
+    "layer 0's k_proj missing as a whole": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _drop("model.layers.0.self_attn.k_proj.")),
+        "model.layers.0.self_attn.k_proj is missing, while model.layers.0.self_attn.q_proj is NVFP4 (config.json "
+        "says 2 KV heads)",
+    ),
+    # the index: what it names is what the engines load
+    "layer 1's tensors only in a file the index leaves out": (
+        MODELOPT,
+        lambda p: _split_unlisted(p, "model.layers.1."),
+        "unlisted.safetensors: holds tensor model.layers.1.",
+    ),
+    "an index naming its file by an absolute path": (
+        COMPRESSED_TENSORS,
+        lambda p: _write_index(p, lambda name: str(p / name)),
+        "model.safetensors.index.json: names the file of tensor",
+    ),
+    # NVFP4's own limits
+    "ModelOpt config_groups group_size 32": (
+        MODELOPT,
+        lambda p: _edit_config(
+            p, lambda c: c["quantization_config"].update(config_groups={"group_0": {"weights": {"group_size": 32}}})
+        ),
+        "config.json: config_groups.group_0.weights.group_size = 32; accepted: 16",
+    ),
+    "hf_quant_config.json group_size 32 at its top level": (
+        MODELOPT,
+        lambda p: _legacy_group_size(p, 32),
+        "hf_quant_config.json: group_size = 32; accepted: 16",
+    ),
+    "a weight_scale_2 of 1e-45 (alpha underflows)": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _set(f"{ATTN}.o_proj.weight_scale_2", 1e-45)),
+        f"{ATTN}.o_proj.weight_scale_2 = 1.401298464324817e-45; accepted: a finite positive scale, a normal float32",
+    ),
+    "global scales whose alpha underflows (each one normal)": (
+        COMPRESSED_TENSORS,
+        lambda p: _edit_tensors(
+            p,
+            lambda t: (
+                _set(f"{ATTN}.o_proj.weight_global_scale", 1e30)(t),
+                _set(f"{ATTN}.o_proj.input_global_scale", 1e30)(t),
+            ),
+        ),
+        f"{ATTN}.o_proj: its global scales (1.0000000150474662e+30 and 1.0000000150474662e+30) give the GEMM an alpha",
+    ),
+    "a block-scale byte with the sign bit set": (
+        MODELOPT,
+        lambda p: _edit_tensors(p, _block_byte(f"{ATTN}.q_proj.weight_scale", 0xB8)),
+        f"{ATTN}.q_proj.weight_scale[1, 3] is a negative block scale (the sign bit set) (E4M3 byte 0xb8)",
+    ),
 }
+
+
+class _Nested(dict):
+    """A header value nested 100,000 levels deep as JSON (written by hand: json.dumps would recurse)."""
+
+
+def _header_bytes(header) -> bytes:
+    if isinstance(header.get("__metadata__"), _Nested):
+        rest = json.dumps({k: v for k, v in header.items() if k != "__metadata__"})
+        return ('{"__metadata__": ' + "[" * 100_000 + "]" * 100_000 + ", " + rest[1:]).encode()
+    return json.dumps(header).encode()
+
+
+def _edit_header(path, change, extra=b""):
+    """Rewrite a safetensors file's header (`change` edits its dict), its data kept, `extra` appended."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    change(header)
+    text = _header_bytes(header)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :] + extra)
+
+
+def _shift_last(header, by):
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    header[last]["data_offsets"] = [o + by for o in header[last]["data_offsets"]]
+
+
+def _append(path, data):
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def _block_byte(name, byte):
+    def change(tensors):
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(torch.uint8)[1, 3] = byte
+
+    return change
+
+
+def _write_index(path, file_name, files=None):
+    from safetensors import safe_open
+
+    weight_map = {}
+    for name in files or ["model.safetensors"]:
+        with safe_open(str(path / name), "pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), file_name(name)))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _split_unlisted(path, prefix):
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{path}/model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k.startswith(prefix)}, f"{path}/unlisted.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.startswith(prefix)}, f"{path}/model.safetensors")
+    _write_index(path, lambda name: name)
+
+
+def _legacy_group_size(path, size):
+    _edit_config(path, lambda c: c.pop("quantization_config"))
+    legacy = json.loads((path / "hf_quant_config.json").read_text())
+    (path / "hf_quant_config.json").write_text(json.dumps({**legacy, "group_size": size}))
 
 
 def _overwrite(path, offset, data):
@@ -411,3 +590,25 @@ def test_selftest_model_refuses_shards_with_different_global_scales(
         assert f"model.layers.1.self_attn.q_proj.{tensor} = 0.0" in captured.err and captured.err.count("\n") == 1, (
             captured.err
         )
+
+
+def test_an_unfused_layer_with_a_bad_scale_is_named_as_one_layer_not_as_shards(tmp_path):
+    """The model check's message for an unfused layer says what is wrong with its scale, not "the fused layer"."""
+    path = write_checkpoint(str(tmp_path / "ckpt"), seed=9)
+    _edit_tensors(path, _set(f"{ATTN}.o_proj.weight_scale_2", 0.0))
+    with pytest.raises(CheckpointError) as err:
+        model_check.check_model(path, torch.device("cpu"))
+    message = str(err.value)
+    assert f"the NVFP4 layer {ATTN}.o_proj: the checkpoint's weight_scale_2 of o_proj = 0.0; accepted" in message
+    assert "the fused layer" not in message and "largest" not in message and "shards" not in message, message
+
+
+def test_a_copy_of_the_model_in_another_layout_beside_the_index_is_left_alone(tmp_path):
+    """A file the index leaves out whose tensors are another layout's (Mistral's consolidated.safetensors) is not
+    the served model's: the engines never read it, and neither does the validation."""
+    path = tmp_path / "ckpt"
+    write_checkpoint(str(path), seed=9)
+    _write_index(path, lambda name: name)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(path / "consolidated.safetensors"))
+    (path / "broken.safetensors").write_bytes(b"not safetensors")
+    assert len(checkpoints.inspect(str(path)).linear()) == 8

@@ -8,6 +8,7 @@ registered with register_moe are refused there; healthy ones with rounding-level
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -466,6 +467,29 @@ def test_an_interrupted_moe_layer_check_is_checked_again():
 
 
 # ---- b12x (FlashInfer's B12xMoEWrapper) on SGLang's cutlass tensors, through a CPU stand-in ----------
+
+from helpers.scale_faults import MOE_FAULTS, faulty_moe  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("fault", list(MOE_FAULTS))
+@case(
+    "configuration",
+    "SGLang's {fmt} NVFP4 MoE layer whose checkpoint has {fault} (the same fault as vLLM's test)",
+    "refused at SGLang's weights hook before any kernel is checked, naming the tensor as vLLM does",
+)
+def test_sglang_refuses_the_moe_checkpoint_scales_vllm_refuses(fmt, fault):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    build = (
+        sglang_layers.build_compressed_tensors_moe_layer
+        if fmt == "compressed-tensors"
+        else moe_layers.build_modelopt_moe_layer
+    )
+    with pytest.raises(RefusedToServe) as err:
+        build(faulty_moe(fault, E, H, I), TOP_K)
+    assert re.search(MOE_FAULTS[fault][1], str(err.value)), str(err.value)
+    assert not any(d.layers for d in serving.decisions()), "no kernel was checked or blamed"
+
 
 from helpers import b12x_stand_in  # noqa: E402
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import tempfile
 import threading
@@ -859,6 +860,27 @@ def test_a_fused_layer_with_one_global_scale_serves_and_activation_scales_may_di
     method, layer = build_fused_dense_layer(_shards(input_k=2.0), fmt)
     assert sm120_fp4.status().refusals == []
     assert any(c.passed for d in serving.decisions() for c in d.layers), "the fused layer was verified"
+
+
+from helpers.scale_faults import SHARD_FAULTS, faulty_shards  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+@pytest.mark.parametrize("fault", list(SHARD_FAULTS))
+@case(
+    "configuration",
+    "SGLang's fused q/k/v layer ({fmt}) whose checkpoint has {fault} (the same fault as vLLM's test)",
+    "refused at SGLang's weights hook, before SGLang reduces the shards' scales to one, naming the layer and the "
+    "tensor as vLLM does; no kernel checked",
+)
+def test_sglang_refuses_the_checkpoint_scales_vllm_refuses(fmt, fault):
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    with pytest.raises(RefusedToServe) as err:
+        build_fused_dense_layer(faulty_shards(fault), fmt)
+    message = str(err.value)
+    assert "refusing to serve the NVFP4 layer model.layers.0.self_attn.qkv_proj" in message, message
+    assert re.search(SHARD_FAULTS[fault][1], message), message
+    assert not any(d.layers for d in serving.decisions()), "no kernel was checked or blamed"
 
 
 @case(

@@ -1,8 +1,9 @@
 """What a checkpoint directory says: ModelOpt or compressed-tensors, NVFP4 or not, its tensors checked once."""
 
-from .checks import ROLES, Checkpoint, inspect, scale_problem
+from .checks import ROLES, Checkpoint, inspect
 from .layers import DEFAULT_PACKED, EXPERT, ModelLayers, discover, dtype, load
 from .quantization import COMPRESSED_TENSORS, MODELOPT, NAMES, Quantization, read_quantization, text_config
+from .scales import SCALE_NAMES, scale_problem
 
 __all__ = [
     "Quantization",
@@ -13,6 +14,7 @@ __all__ = [
     "inspect",
     "NAMES",
     "ROLES",
+    "SCALE_NAMES",
     "scale_problem",
     "text_config",
     "DEFAULT_PACKED",

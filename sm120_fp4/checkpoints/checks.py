@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, ConfigError
 from .quantization import GROUP_SIZE, NAMES, Quantization, group_size_problem, ignored, read_quantization, text_config
+from .scales import SCALE_NAMES, alpha_problem, block_scale_problem, scale_problem
 from .tensors import TensorInfo, read_bytes, read_json, read_scalar, read_tensors
 
 _PACKED_DTYPES = ("U8", "I8")
@@ -128,6 +129,53 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
                 )
 
 
+_SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads")
+_SIZES += ("num_key_value_heads", "head_dim", "num_experts_per_tok", "moe_topk") + _EXPERT_COUNT
+
+
+def _check_config(checkpoint: Checkpoint) -> None:
+    """Refuse config.json sizes the engines would reject when they build the model (or build wrong)."""
+    text, source = text_config(checkpoint.config), os.path.join(checkpoint.dir, "config.json")
+
+    def refuse(key: str, accepted: str) -> CheckpointError:
+        return CheckpointError(f"{source}: {key} = {text[key]!r}; accepted: {accepted}")
+
+    for key in _SIZES:
+        value = text.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise refuse(key, "a non-negative integer (SGLang and vLLM build the model's layers from it)")
+    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    if heads and kv_heads is not None and (kv_heads == 0 or heads % kv_heads):
+        raise refuse("num_key_value_heads", f"a divisor of num_attention_heads ({heads}), at least 1")
+    if not checkpoint.experts:
+        return
+    counts = [text[k] for k in _EXPERT_COUNT if text.get(k)]
+    top_k = next((k for k in ("num_experts_per_tok", "moe_topk") if text.get(k) is not None), None)
+    if top_k is not None and not 1 <= text[top_k] <= (counts[0] if counts else text[top_k]):
+        raise refuse(top_k, f"1 to the number of experts ({counts[0] if counts else 'config.json names none'})")
+
+
+def _check_siblings(checkpoint: Checkpoint, fmt: str) -> None:
+    """Refuse a layer missing a module the engines fuse with its NVFP4 siblings (q/k/v, gate/up): never served apart."""
+    text = text_config(checkpoint.config)
+    mla = any(k in text for k in ("kv_lora_rank", "qk_nope_head_dim"))
+    linear = checkpoint.linear()
+    prefixes = {t.rpartition(".")[0] for t in checkpoint.tensors}
+    for module in linear:
+        parent, _, leaf = module.rpartition(".")
+        group = ("q_proj", "k_proj", "v_proj") if leaf in ("q_proj", "k_proj", "v_proj") and not mla else ()
+        group = ("gate_proj", "up_proj") if leaf == "gate_proj" else group  # up_proj alone: a non-gated MLP
+        for sibling in (f"{parent}.{p}" for p in group if f"{parent}.{p}" not in linear):
+            where = checkpoint.tensors[f"{module}.{NAMES[fmt][0]}"].file
+            state = "is not NVFP4" if sibling in prefixes else "is missing"
+            kv = text.get("num_key_value_heads") or text.get("num_attention_heads")
+            said = f" (config.json says {kv} KV heads)" if kv and "k_proj" in group else ""
+            raise CheckpointError(
+                f"{where}: {sibling} {state}, while {module} is NVFP4{said}; accepted: every module that SGLang and vLLM fuse with it ({', '.join(group)}) present "
+                "and NVFP4"
+            )
+
+
 def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
     """Return a shape that contradicts config.json (hidden, intermediate, heads * head_dim), or None."""
     text = text_config(checkpoint.config)
@@ -173,34 +221,25 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
     return None  # the expert count: checked by _experts
 
 
-def scale_problem(name: str, value: float) -> str | None:
-    """Return why a global or activation scale is unusable (NaN, infinite, zero, negative), or None."""
-    why = "a finite positive scale (the checkpoint's scale is wrong, not a kernel: requantize or recalibrate the layer)"
-    return None if math.isfinite(value) and value > 0 else f"{name} = {value!r}; accepted: {why}"
-
-
 def _check_values(checkpoint: Checkpoint, fmt: str) -> None:
-    """Check every NVFP4 module's global and activation scales are finite and positive, and no block scale NaN."""
+    """Check every NVFP4 module's global and activation scales and its alpha, and its block scales' bytes."""
     _, block, global_name, input_name = NAMES[fmt]
     opened: dict = {}
     with contextlib.ExitStack() as files:
         for module in checkpoint.modules:
+            found = []
             for kind in (global_name, input_name):
                 name = f"{module}.{kind}"
                 info = checkpoint.tensors[name]
-                if problem := scale_problem(name, read_scalar(read_bytes(files, opened, name, info), info.dtype)):
+                found.append(read_scalar(read_bytes(files, opened, name, info), info.dtype))
+                if problem := scale_problem(name, found[-1]):
                     raise CheckpointError(f"{info.file}: {problem}")
+            if problem := alpha_problem(f"{info.file}: {module}", *found, encode=SCALE_NAMES[fmt][2]):
+                raise CheckpointError(problem)
             name = f"{module}.{block}"
             info = checkpoint.tensors[name]
-            data = read_bytes(files, opened, name, info)
-            at = min((i for i in (data.find(b"\x7f"), data.find(b"\xff")) if i >= 0), default=-1)
-            if at >= 0:
-                cols = info.shape[1]
-                raise CheckpointError(
-                    f"{info.file}: {name} holds a NaN block scale (E4M3 byte 0x{data[at]:02x} at row "
-                    f"{at // cols}, block {at % cols}); accepted: float8_e4m3fn block scales that are "
-                    "not NaN (any byte but 0x7f and 0xff): the checkpoint is corrupt, not a kernel"
-                )
+            if problem := block_scale_problem(name, read_bytes(files, opened, name, info), info.shape):
+                raise CheckpointError(f"{info.file}: {problem}")
 
 
 def inspect(model_dir: str, values: bool = True) -> Checkpoint:
@@ -229,6 +268,8 @@ def inspect(model_dir: str, values: bool = True) -> Checkpoint:
                     "unquantized; accepted: an ignore list naming only unquantized layers"
                 )
     _experts(checkpoint, fmt)
+    _check_config(checkpoint)
+    _check_siblings(checkpoint, fmt)
     if (problem := _dims_problem(checkpoint, fmt)) is not None:
         raise CheckpointError(problem)
     if values:

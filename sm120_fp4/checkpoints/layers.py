@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import CheckpointError
 from .checks import _EXPERT, inspect
 from .quantization import text_config
+from .scales import SCALE_NAMES, shard_scales_problem
+from .tensors import TensorInfo, read_bytes, read_scalar
 
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 EXPERT = re.compile(_EXPERT.pattern.removesuffix("$") + r"\.(?P<kind>\w+)$")
@@ -82,11 +86,30 @@ def discover(model_dir: str, values: bool = False, packed: Callable[[dict], dict
         else:
             found.dense.append(DenseLayer(module, [module], [linear[module][0]], linear[module][1]))
             done.add(module)
+    _check_shard_scales(found, checkpoint.tensors)
     for prefix, roles in sorted(checkpoint.experts.items()):
         down = roles["down_proj"]
         hidden, inter = checkpoint.modules[down[min(down)]]
         found.moe.append(MoeLayer(prefix, len(down), hidden, inter, "gate_proj" in roles))
     return found
+
+
+def _check_shard_scales(found: ModelLayers, tensors: dict[str, TensorInfo]) -> None:
+    """Raise CheckpointError where the one global scale an engine serves a dense layer with is wrong for a shard."""
+    names = SCALE_NAMES[found.fmt]
+    opened: dict = {}
+    with contextlib.ExitStack() as files:
+
+        def value(name: str) -> float:
+            return read_scalar(read_bytes(files, opened, name, tensors[name]), tensors[name].dtype)
+
+        for layer in found.dense:
+            values = [[value(f"{s}.{kind}") for s in layer.shards] for kind in names[:2]]
+            problem = shard_scales_problem(names, [s.rpartition(".")[2] for s in layer.shards], *values)
+            if problem is not None:
+                where = tensors[f"{layer.shards[0]}.{names[0]}"].file
+                shards = f", shards {', '.join(layer.shards)}" if len(layer.shards) > 1 else ""
+                raise CheckpointError(f"{where}: the NVFP4 layer {layer.name}{shards}: {problem}")
 
 
 def load(layers: ModelLayers, names: list[str]) -> dict[str, torch.Tensor]:

@@ -68,7 +68,8 @@ def read_quantization(model_dir: str) -> Quantization:
     legacy = read_json(source)
     section = legacy.get("quantization") if isinstance(legacy, dict) else None
     if isinstance(section, dict):
-        return Quantization(MODELOPT, _modelopt_nvfp4(section), section, source)
+        # The file's top level may carry group_size and config_groups beside its "quantization" section.
+        return Quantization(MODELOPT, _modelopt_nvfp4(section), {**section, **legacy}, source)
     return Quantization(None, False, {})
 
 
@@ -86,7 +87,15 @@ def group_size_problem(quant: Quantization) -> str | None:
     config = quant.config
     if quant.format == MODELOPT:
         nvfp4 = "NVFP4" in str(config.get("quant_algo", "")).upper()
-        sizes = [("group_size", config.get("group_size"))] if nvfp4 else []
+        inner = config.get("quantization") if isinstance(config.get("quantization"), dict) else {}
+        sizes = [("group_size", config.get("group_size")), ("quantization.group_size", inner.get("group_size"))]
+        sizes = sizes if nvfp4 else []
+        groups = config.get("config_groups") if nvfp4 and isinstance(config.get("config_groups"), dict) else {}
+        for g, group in groups.items():  # SGLang and vLLM read a group's size, or its weights' (any part's)
+            parts = {"": group, **group} if isinstance(group, dict) else {}
+            for part, info in parts.items():
+                if isinstance(info, dict) and "group_size" in info:
+                    sizes.append((f"config_groups.{g}.{part + '.' if part else ''}group_size", info["group_size"]))
         layers = config.get("quantized_layers")
         for layer, info in layers.items() if isinstance(layers, dict) else ():
             if isinstance(info, dict) and "NVFP4" in str(info.get("quant_algo", "")).upper():

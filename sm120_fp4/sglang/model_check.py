@@ -13,7 +13,7 @@ import torch
 
 from .. import checkpoints
 from ..checkpoints import ModelLayers
-from ..errors import CheckpointError, ConfigError, say_once
+from ..errors import ConfigError, say_once
 from .layers import build_linear_layer
 from .moe_layers import build_moe_layer_from_tensors
 
@@ -57,27 +57,6 @@ def _build_dense(layers: ModelLayers, layer, device: torch.device) -> None:
     build_linear_layer(shards, layers.fmt, device, checkpoints.dtype(layers.config))
 
 
-def _check_shard_scales(layers: ModelLayers) -> None:
-    """Raise CheckpointError where one fused global scale would serve some dense layer's shard wrong."""
-    from .scales import shard_scales_problem
-
-    kind = "ModelOptFp4LinearMethod" if layers.fmt == checkpoints.MODELOPT else "CompressedTensorsW4A4Fp4"
-    _, _, global_name, input_name = checkpoints.NAMES[layers.fmt]
-    names = [f"{s}.{k}" for layer in layers.dense for s in layer.shards for k in (global_name, input_name)]
-    loaded = checkpoints.load(layers, [name for name in names if name in layers.files])
-    scales = {name: value.float().reshape(-1) for name, value in loaded.items()}
-    for layer in layers.dense:
-        values = [
-            [float(scales[f"{s}.{k}"][0]) for s in layer.shards if f"{s}.{k}" in scales]
-            for k in (global_name, input_name)
-        ]
-        if any(len(v) != len(layer.shards) for v in values):
-            continue  # a missing scale: said where the layer is built
-        problem = shard_scales_problem(kind, [s.rpartition(".")[2] for s in layer.shards], *values)
-        if problem is not None:
-            raise CheckpointError(f"the NVFP4 layer {layer.name} ({kind}, shards {', '.join(layer.shards)}): {problem}")
-
-
 def _build_moe(layers: ModelLayers, layer, device: torch.device) -> None:
     """Build SGLang's FusedMoE of this format from the layer's expert tensors (the hooks verify it)."""
     kinds = checkpoints.NAMES[layers.fmt]
@@ -102,7 +81,6 @@ def check_model(model_dir: str, device: torch.device) -> dict:
     dense, moe = layers.distinct()
     if not dense and not moe:
         raise ConfigError(f"model_dir={model_dir!r}: no NVFP4 linear or MoE layer found in its safetensors files")
-    _check_shard_scales(layers)
     for layer in dense:
         _build_dense(layers, layer, device)
     for layer in moe:

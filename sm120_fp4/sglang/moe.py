@@ -163,23 +163,6 @@ def call_problem(layer: object) -> str | None:
     return flashinfer.unmodeled_moe_problem(served_options(layer), seam[1]) if seam is not None else None
 
 
-def gate_up_problem(layer: object) -> str | None:
-    """Return why gate and up global scales that differ would serve wrong numbers (the gate's serves both), or None."""
-    scale_2 = getattr(layer, "w13_weight_scale_2", None)
-    if not isinstance(scale_2, torch.Tensor) or scale_2.dim() != 2 or scale_2.shape[1] != 2:
-        return None
-    gate, up = scale_2[:, 0].float(), scale_2[:, 1].float()
-    differ = (gate - up).abs() > 1e-6 * gate.abs().clamp_min(1e-30)
-    if not bool(differ.any()):
-        return None
-    expert = int(differ.nonzero()[0])
-    return (
-        f"expert {expert}'s gate and up weight_scale_2 differ ({float(gate[expert]):.6g} vs {float(up[expert]):.6g}): "
-        f"SGLang {sglang_version()}'s cutlass MoE applies the gate's scale to both halves, which serves wrong "
-        "numbers for every token routed there; requantize the checkpoint with one global scale for w1 and w3"
-    )
-
-
 class ProcessedMoe(NamedTuple):
     """Hold one NVFP4 MoE layer as SGLang passes it to the kernel: its eight tensors and their sizes."""
 

@@ -24,7 +24,6 @@ from .moe import (
     SEAM_VERSIONS,
     b12x_problem,
     call_problem,
-    gate_up_problem,
     make_seam,
     moe_check,
     pin_auto_runner,
@@ -32,7 +31,7 @@ from .moe import (
     runner_problem,
 )
 from .release import KERNEL_OPS_GEMM, sglang_version
-from .scales import checkpoint_scale_problem, layer_scales_problem, quant_mode_problem
+from .scales import checkpoint_scale_problem, quant_mode_problem
 from .simulation import Simulation
 from .simulation import specs as simulation_specs
 from .targets import (
@@ -81,7 +80,6 @@ class _Install:
         self.refuse(f"NVFP4 dense layers on device {index}", runner_backend_problem())
         pin_runner_backend(self.patcher)
         self.check_scales(kind, method, layer)
-        self.refuse(_layer_what(kind, layer), layer_scales_problem(kind, method, layer))
 
     def check_scales(self, kind: str, method, layer, family: str = "dense") -> None:
         """Refuse a layer whose quant mode or checkpoint scales cannot serve, before any kernel is blamed."""
@@ -97,7 +95,7 @@ class _Install:
         if not version_in(sglang_version(), SEAM_VERSIONS):
             refuse_unverifiable(kind, self.settings)
             return
-        self.refuse(f"the NVFP4 MoE layer ({kind})", runner_problem(kind, method) or gate_up_problem(layer))
+        self.refuse(f"the NVFP4 MoE layer ({kind})", runner_problem(kind, method))
 
     def moe_check(self, kind: str, layer):
         """Return the layer's MoE check, or None after refusing (warn: serving UNVERIFIED) a call the oracle cannot model."""

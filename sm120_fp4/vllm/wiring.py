@@ -8,7 +8,8 @@ from typing import Callable
 
 import torch
 
-from .. import engines, serving
+from .. import checkpoints, engines, serving
+from ..checkpoints import scales
 from ..deciding import refuse
 from ..errors import ConfigError
 from ..serving.policy import layer_device_index, layer_name
@@ -39,6 +40,9 @@ class _Wired:
             return  # a device this library does not serve
         name = layer_name(layer)
         self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
+        # The checkpoint's scales, each shard's still apart (vLLM's processing serves the largest): as SGLang refuses.
+        fmt = checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
+        self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", scales.layer_problem(fmt, layer))
 
     def unknown(self, index: int, name: str, value: object) -> None:
         self.refuse(
@@ -92,6 +96,10 @@ class _Wired:
             return  # a device this library does not serve
         name = layer_name(layer)
         self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
+        fmt = checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
+        self.refuse(
+            f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", scales.layer_problem(fmt, layer, moe=True)
+        )
 
     def verify_moe(self, kind: str, method, layer) -> None:
         if not self.moe_served(layer_device_index(layer)) or moe.backend_problem(kind, method) is not None:

@@ -6,6 +6,8 @@ library cannot route refused. Run with vLLM's venv (scripts/setup_vllm_env.sh):
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import vllm_layers
@@ -297,3 +299,24 @@ def test_vllms_batch_sizes_not_visible_are_assumed_and_said_once(monkeypatch, ca
     [said] = [r.getMessage() for r in caplog.records if "batch sizes are not set" in r.getMessage()]
     assert "no current vLLM config" in said and "max_cudagraph_capture_size=512" in said, said
     assert "max_num_batched_tokens=8192" in said and "--max-num-batched-tokens" in said, said
+
+
+from helpers.scale_faults import SHARD_FAULTS, faulty_shards  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+@pytest.mark.parametrize("fault", list(SHARD_FAULTS))
+@case(
+    "configuration",
+    "vLLM's fused q/k/v layer ({fmt}) whose checkpoint has {fault} (the same fault as SGLang's test)",
+    "refused at vLLM's weights hook, before vLLM reduces the shards' scales to one, naming the layer and the tensor "
+    "as SGLang does; no kernel checked",
+)
+def test_vllm_refuses_the_checkpoint_scales_sglang_refuses(fmt, fault):
+    sm120_fp4.install(simulate="12.0", backends="emulated")
+    with vllm_layers.vllm_context(), pytest.raises(RefusedToServe) as err:
+        vllm_layers.build_fused_layer(faulty_shards(fault), fmt)
+    message = str(err.value)
+    assert "refusing to serve the vLLM NVFP4 layer model.layers.0.self_attn.qkv_proj" in message, message
+    assert re.search(SHARD_FAULTS[fault][1], message), message
+    assert not _layer_reports(), "no kernel was checked or blamed"

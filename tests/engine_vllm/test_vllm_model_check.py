@@ -89,3 +89,32 @@ def test_selftest_model_with_vllm_refuses_a_broken_dense_kernel(tmp_path, monkey
 def test_engine_without_model_is_a_usage_error(capsys):
     assert cli.main(["selftest", "--engine", "vllm"]) == 2
     assert "--engine goes with --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt, tensor", [(MODELOPT, "weight_scale_2"), (COMPRESSED_TENSORS, "weight_global_scale")])
+@case(
+    "configuration",
+    "``selftest --model DIR --engine vllm`` on a checkpoint ({fmt}) whose second layer's q_proj {tensor} is 4 times "
+    "smaller than k_proj's and v_proj's",
+    "exit 2 naming the fused layer, its shards and the tensor, as with SGLang; no kernel blamed",
+)
+def test_selftest_model_with_vllm_refuses_shards_with_different_global_scales(
+    tmp_path, monkeypatch, capsys, fmt, tensor
+):
+    from safetensors.torch import load_file, save_file
+
+    path = write_checkpoint(str(tmp_path / "ckpt"), seed=9, fmt=fmt)
+    tensors = load_file(f"{path}/model.safetensors")
+    tensors[f"model.layers.1.self_attn.q_proj.{tensor}"] *= 0.25
+    save_file(tensors, f"{path}/model.safetensors")
+    for name, value in SIM.items():
+        monkeypatch.setenv(name, value)
+    with _runner(cli.use_model_worker_runner, _in_process):
+        rc = cli.main(["selftest", "--model", path, "--engine", "vllm", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 2, (captured.out, captured.err)
+    [result] = json.loads(captured.out).values()
+    message = result["message"]
+    assert not result["ok"] and "REFUSED" not in captured.out, result
+    assert "model.layers.1.self_attn.qkv_proj" in message and "q_proj" in message and tensor in message, message
+    assert "differ in the checkpoint" in message, message

@@ -216,3 +216,24 @@ def test_a_w4a16_layer_is_refused_or_shown_unverified(selftest, family):
             pass  # the weight-only kernel's weight processing needs CUDA: on a GPU it would serve, unverified
     [entry] = sm120_fp4.status().unverified
     assert "W4A16" in entry.reason and "unverified" in entry.reason, entry
+
+
+from helpers.scale_faults import MOE_FAULTS, faulty_moe  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+@pytest.mark.parametrize("fault", list(MOE_FAULTS))
+@case(
+    "configuration",
+    "vLLM's {kind} NVFP4 MoE layer whose checkpoint has {fault} (the same fault as SGLang's test)",
+    "refused at vLLM's weights hook before it processes the weights (vLLM itself only warns of gate/up scales), "
+    "naming the tensor as SGLang does; no kernel checked",
+)
+def test_vllm_refuses_the_moe_checkpoint_scales_sglang_refuses(kind, fault):
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
+    with vllm_layers.vllm_context(**SIZES), pytest.raises(RefusedToServe) as err:
+        BUILDERS[kind](faulty_moe(fault, 8, 128, 128), top_k=2)
+    message = str(err.value)
+    assert f"refusing to serve the vLLM NVFP4 MoE layer ({kind})" in message, message
+    assert re.search(MOE_FAULTS[fault][1], message), message
+    assert not _moe_reports(), "no kernel was checked or blamed"

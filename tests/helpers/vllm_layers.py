@@ -106,6 +106,42 @@ def build_compressed_tensors_layer(ckpt, dtype: torch.dtype = torch.bfloat16):
     return scheme, layer
 
 
+def build_fused_layer(shards: list[dict], fmt: str, prefix: str = "model.layers.0.self_attn.qkv_proj"):
+    """vLLM's fused linear layer (``MergedColumnParallelLinear``) of `fmt` over `shards` (ModelOpt's names, see
+    helpers.sglang_layers.fused_dense_shards; compressed-tensors gets the encode scales), each shard placed by
+    vLLM's own weight loader, then process_weights_after_loading (the patched hook). Returns the layer."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    from sm120_fp4.demo.synthetic import MODELOPT
+
+    sizes, k = [s["weight"].shape[0] for s in shards], shards[0]["weight"].shape[1] * 2
+    if fmt == MODELOPT:
+        config, names = ModelOptNvFp4Config(is_checkpoint_nvfp4_serialized=True), {}
+    else:
+        group = {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}
+        group |= {"input_activations": {**group["weights"], "dynamic": "local"}, "targets": ["Linear"]}
+        config = CompressedTensorsConfig.from_config(
+            {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": group}}
+        )
+        names = {
+            "weight": "weight_packed",
+            "weight_scale_2": "weight_global_scale",
+            "input_scale": "input_global_scale",
+        }
+    layer = MergedColumnParallelLinear(k, sizes, bias=False, quant_config=config, prefix=prefix)
+    with torch.no_grad():
+        for index, shard in enumerate(shards):
+            for key, value in shard.items():
+                name = names.get(key, key)
+                value = 1.0 / value.float() if name.endswith("global_scale") else value
+                param = getattr(layer, name)
+                param.weight_loader(param, value, index)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
 MOE_TENSORS = (
     "w13_weight",
     "w13_weight_scale",
