@@ -7,6 +7,7 @@ only at import: the start-up hook names the SGLang home in every interpreter."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -101,25 +102,34 @@ class Release:
 class Engine:
     """An engine home (``sglang/``, ``vllm/``): what install(), status, doctor and the CLI use of it.
 
-    A home subclasses it in its package's ``__init__``, naming the engine, its :class:`Release` and its wiring
-    module (``attach``, and whatever else it overrides); each loads on first use, so naming a home imports
-    nothing. The defaults below stand where an engine has nothing of its own."""
+    A home subclasses it in its package's ``__init__``, naming the engine and its package. Every home has the same
+    modules, each loaded on first use, so naming a home imports nothing: ``release`` (:data:`RELEASE`, ``rank()``),
+    ``wiring`` (``attach``), ``targets`` (``doctor_rows()``) and ``simulation`` (``cpu_tp_env()``). A home overrides
+    what it has of its own (a carried fix, the canary's problems)."""
 
     name: str  # "sglang", "vllm": the --engine value, status().engines' key
+    package: str  # the home's package, whose modules serve the members below
+
+    def module(self, name: str):
+        """Return the home's module `name` (imported on first use)."""
+        return importlib.import_module(f"{self.package}.{name}")
 
     @property
     def release(self) -> Release:
-        """Return the engine's :class:`Release` (each home's own)."""
+        """Return the engine's :class:`Release`."""
+        return self.module("release").RELEASE
 
     def wiring(self):
-        """Return the home's wiring module (each home's own): its ``attach(patcher, router, settings, canary)``."""
+        """Return the home's wiring module: its ``attach(patcher, router, settings, canary)``."""
+        return self.module("wiring")
 
     def attach(self, patcher, router, settings: Settings, canary) -> list[Callable[[], None]]:
         """Register this install's patches; return the undo steps that are not patches."""
         return self.wiring().attach(patcher, router, settings, canary)
 
     def doctor_rows(self) -> dict:
-        """Return what ``sm120-fp4 doctor`` shows of this engine, read without importing it (each home's own)."""
+        """Return what ``sm120-fp4 doctor`` shows of this engine, read without importing it."""
+        return self.module("targets").doctor_rows()
 
     def carried_fix(self) -> str | None:
         """Return what the installed engine carries of a ``patches/`` diff, or None."""
@@ -139,11 +149,11 @@ class Engine:
 
     def rank(self) -> dict[str, int]:
         """Return this process's ranks in the engine's parallel groups (``tp_rank``, ``tp_size``, pp, ep), or {}."""
-        return {}
+        return self.module("release").rank()
 
     def cpu_tp_env(self, command: list[str]) -> dict[str, str]:
         """Return the variables the engine's CPU ranks need for `command` in simulation (an operator's own kept)."""
-        return {}
+        return self.module("simulation").cpu_tp_env(command)
 
 
 class Simulation:

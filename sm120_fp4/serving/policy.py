@@ -15,8 +15,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import backends, graphs, nvfp4, verify
+from ..deciding import refuse
 from ..errors import not_accepted
-from .records import LayerCheck, routes
+from .records import LayerCheck, record_unverified, routes
 
 _LOG = logging.getLogger("sm120_fp4")
 HALF = (torch.bfloat16, torch.float16)
@@ -197,3 +198,12 @@ def moe_cases(serve, weights: nvfp4.MoeWeights, activation: str, plans, index: i
     return verify.moe_cases(
         serve, weights, activation, plans, cache=cache, mode=mode, reference_weights=reference, **options
     )
+
+
+def refuse_unverifiable(settings, what: str, problem: str | None) -> None:
+    """Refuse to serve `what` for `problem` as SM120_FP4_SELFTEST says (deciding.refuse); under warn it serves, and
+    status() and the report list it unverified. None: nothing to refuse. Both engine homes refuse through here."""
+    if problem is not None:
+        refuse(settings, f"sm120_fp4: refusing to serve {what}: {problem}")
+        if settings.selftest == "warn":
+            record_unverified(what, problem)

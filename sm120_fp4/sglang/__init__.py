@@ -11,43 +11,15 @@ __all__ = ["ENGINE", "SGLang"]
 
 
 class SGLang(Engine):
-    """The SGLang engine home."""
+    """The SGLang engine home: a carried patches/ diff, and an idle point for the canary in its scheduler loop."""
 
-    name = "sglang"
-
-    def wiring(self):
-        from . import wiring
-
-        return wiring
-
-    @property
-    def release(self):
-        from .release import RELEASE
-
-        return RELEASE
+    name, package = "sglang", __name__
 
     def carried_fix(self) -> str | None:
-        from .release import carried_fix
-
-        return carried_fix()
+        return self.module("release").carried_fix()
 
     def idle_point_problem(self, settings) -> str | None:
         return self.wiring().idle_point_problem(settings)
-
-    def doctor_rows(self) -> dict:
-        from .targets import doctor_rows
-
-        return doctor_rows()
-
-    def rank(self) -> dict[str, int]:
-        from .release import rank
-
-        return rank()
-
-    def cpu_tp_env(self, command: list[str]) -> dict[str, str]:
-        from .simulation import cpu_tp_env
-
-        return cpu_tp_env(command)
 
 
 ENGINE = SGLang()

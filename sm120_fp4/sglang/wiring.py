@@ -14,9 +14,10 @@ import torch
 from .. import engines, serving
 from ..backends import b12x_moe
 from ..checkpoints import read_quantization
-from ..deciding import refuse, serves
+from ..deciding import serves
 from ..devices import get_device
 from ..errors import ConfigError, RefusedToServe
+from ..serving import policy
 from ..serving.policy import layer_device_index, layer_name
 from ..versions import version_in
 from .autotune import tp_cpu_group, tunable_backends
@@ -67,11 +68,8 @@ class _Install:
         self.retime = lambda: serving.retime(settings)
 
     def refuse(self, what: str, problem: str | None) -> None:
-        """Refuse to serve `what` for `problem` as SM120_FP4_SELFTEST says (deciding.refuse); None: nothing to refuse."""
-        if problem is not None:
-            refuse(self.settings, f"sm120_fp4: refusing to serve {what}: {problem}")
-            if self.settings.selftest == "warn":  # served: status() and the report list it unverified
-                serving.record_unverified(what, problem)
+        """Refuse to serve `what` for `problem` as SM120_FP4_SELFTEST says (policy.refuse_unverifiable)."""
+        policy.refuse_unverifiable(self.settings, what, problem)
 
     def before_dense(self, kind: str, method, layer) -> None:
         index = layer_device_index(layer)

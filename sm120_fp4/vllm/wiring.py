@@ -10,8 +10,8 @@ import torch
 
 from .. import checkpoints, engines, serving
 from ..checkpoints import scales
-from ..deciding import refuse
 from ..errors import ConfigError
+from ..serving import policy
 from ..serving.policy import layer_device_index, layer_name
 from . import hooks, moe, simulation, targets
 from .release import RELEASE
@@ -26,11 +26,8 @@ class _Wired:
         self.router, self.settings, self.simulated = router, settings, simulated
 
     def refuse(self, what: str, problem: str | None) -> None:
-        """Refuse to serve `what` for `problem` as SM120_FP4_SELFTEST says (deciding.refuse); None: nothing to refuse."""
-        if problem is not None:
-            refuse(self.settings, f"sm120_fp4: refusing to serve {what}: {problem}")
-            if self.settings.selftest == "warn":  # served: status() and the report list it unverified
-                serving.record_unverified(what, problem)
+        """Refuse to serve `what` for `problem` as SM120_FP4_SELFTEST says (policy.refuse_unverifiable)."""
+        policy.refuse_unverifiable(self.settings, what, problem)
 
     def before_dense(self, kind: str, method, layer) -> None:
         refuse_canary(self.settings)
