@@ -234,6 +234,6 @@ def test_vllm_refuses_the_moe_checkpoint_scales_sglang_refuses(kind, fault):
     with vllm_layers.vllm_context(**SIZES), pytest.raises(RefusedToServe) as err:
         BUILDERS[kind](faulty_moe(fault, 8, 128, 128), top_k=2)
     message = str(err.value)
-    assert f"refusing to serve the vLLM NVFP4 MoE layer ({kind})" in message, message
+    assert f"refusing to serve the vLLM NVFP4 MoE layer model.layers.0.mlp.experts ({kind})" in message, message
     assert re.search(MOE_FAULTS[fault][1], message), message
     assert not _moe_reports(), "no kernel was checked or blamed"
