@@ -3,7 +3,7 @@ own shards. Served: every rank's layer configurations in the report, one answer 
 demo's first server, MoE included, to spend one server start less). A kernel wrong only on rank 1:
 refused there before the port opens, the whole server exits non-zero within REFUSAL_EXIT_S of the refusal, and the
 launcher's output, the report and the refusal record (status()'s) name the rank. A kernel that hangs on rank 1:
-rank 1's watchdog ends it and the server exits within the bound (SGLang). ``sm120-fp4 demo --server -- --tp 2``:
+rank 1's watchdog ends it and the server exits within the bound (both engines). ``sm120-fp4 demo --server -- --tp 2``:
 served, then refused at the qkv shard shape of TP=2, exit 0. Wall times on 2 cores: docs/development.md.
 """
 
@@ -103,9 +103,9 @@ def test_a_kernel_wrong_only_on_rank_1_is_refused_there_and_the_server_exits(bac
 
 
 @pytest.mark.timeout(3600)
-@SGLANG
-@background(_tp_server("sglang", "rank1-hang"), heavy=True)
-def test_a_kernel_hanging_on_rank_1_is_ended_by_its_watchdog_and_the_server_exits(background):
+@pytest.mark.parametrize("engine", ENGINES)
+@background(lambda folder, engine: _tp_server(engine, "rank1-hang")(folder), heavy=True)
+def test_a_kernel_hanging_on_rank_1_is_ended_by_its_watchdog_and_the_server_exits(background, engine):
     result = _result(background)
     assert not result["port_opened"] and result["returncode"] not in (0, None), result["log"]
     assert result["hang_started_at"] is not None, "rank 1 entered the hanging kernel"
