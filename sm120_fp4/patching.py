@@ -138,7 +138,10 @@ def dry_run(spec: PatchSpec) -> tuple[str, str | None]:
         problem = spec.check(original) if spec.check else None
     except Exception as exc:
         problem = f"check raised {type(exc).__name__}: {exc}"
-    return ("fails", problem) if problem is not None else ("applies", None)
+    if problem is None:
+        return "applies", None
+    # A check may say its patch is not needed here (a stand-in for another engine mode): not a failure.
+    return ("not needed" if problem.startswith("not needed") else "fails"), problem
 
 
 class _ReloadWatch:
