@@ -441,18 +441,6 @@ def test_a_kernel_wrong_only_at_large_m_is_refused_at_load():
         build(96, 160)
 
 
-def wrong_rows_between(low: int, high: int):
-    """A kernel right at every M but `low`..`high`, where it negates every other output row."""
-
-    def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
-        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
-        if low <= a.shape[0] <= high:
-            out[1::2] = -out[1::2]
-        return out
-
-    return gemm
-
-
 @case(
     "backend faults",
     "a registered kernel wrong only for M in {low}-{high} (inside one autotuner bucket past the largest graph "
@@ -461,7 +449,7 @@ def wrong_rows_between(low: int, high: int):
 )
 @pytest.mark.parametrize("low, high, m", [(600, 1000, 767), (1100, 2000, 1535)])
 def test_a_kernel_wrong_only_inside_one_bucket_above_the_graph_batches_is_refused(monkeypatch, low, high, m):
-    backends.register("bucket-wrong", wrong_rows_between(low, high))
+    backends.register("bucket-wrong", faults.wrong_rows_between(low, high))
     sm120_fp4.install(simulate="12.0", backends="bucket-wrong")
     # SGLang resolves a CPU server's graph batch itself (32): a GPU's default 512 stands in, read where SGLang's is.
     monkeypatch.setattr(hooks, "max_capture_batch", lambda: 512)

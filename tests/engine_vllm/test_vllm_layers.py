@@ -215,18 +215,6 @@ def test_a_modelopt_fp8_layer_is_left_alone():
     assert not status.decisions and not status.refusals
 
 
-def wrong_rows_between(low: int, high: int):
-    """A kernel right at every M but `low`..`high`, where it negates every other output row."""
-
-    def gemm(a, b, a_sf, b_sf, alpha, dtype, out):
-        emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
-        if low <= a.shape[0] <= high:
-            out[1::2] = -out[1::2]
-        return out
-
-    return gemm
-
-
 @case(
     "backend faults",
     "vLLM 0.33 (simulated 12.0), largest CUDA-graph batch 512, max_num_batched_tokens 8192: a registered dense "
@@ -238,7 +226,7 @@ def test_a_kernel_wrong_only_inside_one_bucket_above_the_graph_batches_is_refuse
     from sm120_fp4.serving import policy
     from sm120_fp4.vllm import hooks
 
-    backends.register("bucket-wrong", wrong_rows_between(low, high))
+    backends.register("bucket-wrong", faults.wrong_rows_between(low, high))
     sm120_fp4.install(simulate="12.0", backends="bucket-wrong")
     with vllm_layers.vllm_context(max_tokens=8192, max_batch=512):
         assert hooks.sizes()[:3] == policy.Sizes(512, 8192, 8192)[:3]
