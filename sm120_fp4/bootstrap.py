@@ -130,7 +130,7 @@ def _load(name: str) -> None:
 
 
 def load_plugin() -> None:
-    """SGLang's plugin entry point (group ``sglang.srt.plugins``; 0.5.11+ loads it in every scheduler)."""
+    """SGLang's plugin entry point (its plugin group, named in pyproject.toml; 0.5.11+ loads it in every scheduler)."""
     _load("sglang")
 
 
