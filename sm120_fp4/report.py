@@ -181,3 +181,9 @@ class _Writer:
 
 _writer = _Writer()
 request, flush = _writer.request, _writer.flush
+
+
+def write_now(settings: Settings) -> bool:
+    """Ask for a write and wait for it, bounded (FLUSH_S): on disk before what may stop the process; done or not."""
+    request(settings)
+    return flush()

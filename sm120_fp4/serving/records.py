@@ -253,8 +253,7 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
             )
         mark = (family.name, device.index, key)
         _process.verifying[mark] = f"{family.what} on {device.label()}"
-        report_file.request(settings)  # before the first check: a rank the engine stops meanwhile says so
-        report_file.flush()
+        report_file.write_now(settings)  # before the first check: a rank the engine stops meanwhile says so
         try:
             # Every rank decides here (its first layer): SELECT=fastest chooses alike on every rank.
             choice = choose(
@@ -286,8 +285,7 @@ def record_refusal(refusal: Refusal, settings: Settings) -> None:
     refusal.message = _with_rank(refusal.message, refusal.rank)
     with _lock:
         _refusals.append(refusal)
-    report_file.request(settings)
-    report_file.flush()  # before the process exits: the record of why it refused (bounded)
+    report_file.write_now(settings)  # before the process exits: the record of why it refused (bounded)
 
 
 def _with_rank(message: str, rank: dict[str, int]) -> str:

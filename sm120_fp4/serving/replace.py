@@ -41,8 +41,7 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         if problem is None:
             if full:  # said in the report before the check: a rank the engine stops meanwhile says so
                 _process.verifying[id(check)] = f"{check.named()} on {serving.device.label()}"
-                report_file.request(settings)
-                report_file.flush()  # bounded (report.FLUSH_S): on disk before a check the engine may cut short
+                report_file.write_now(settings)  # on disk before a check the engine may cut short
             try:
                 report, fingerprint = layers._layer_check(serving, check, full)
             finally:
