@@ -11,7 +11,7 @@ L2-cold over copies rotated so that they exceed the L2) and prefill (M = 1024, 4
 Every candidate's output at every M is checked against the W4A4 oracle (NaN-poisoned output,
 rel. error <= 0.01, finite) before it is timed; a wrong one is reported, never ranked.
 
-Also measured: the activation dequantization kernel against its memory floor (and bit for bit
+Also measured: the served activation dequantization kernel (CUDA C) against its memory floor (and bit for bit
 against nvfp4's decode), and the served call's host time by part. The JSON (under $BENCH_OUT)
 holds every number; the summary ranks the candidate families by their geometric mean over the
 shapes, per M bucket, which is how sm120_fp4/backends/humming/'s tuning table was chosen.
@@ -305,50 +305,13 @@ def shape_row(name: str, n: int, k: int, deadline: float) -> dict:
     return row
 
 
-_OLD_DEQUANT = None
-
-
-def _old_dequant_kernel():
-    """The first version of the dequantization kernel (one program per 256 bytes of a row), for the comparison."""
-    global _OLD_DEQUANT
-    if _OLD_DEQUANT is None:
-        import triton
-        import triton.language as tl
-
-        from sm120_fp4.backends.humming.dequant import _e2m1, _e4m3
-
-        @triton.jit
-        def old(a_ptr, sf_ptr, out_ptr, half_k, kp, BLOCK: tl.constexpr):
-            row = tl.program_id(0).to(tl.int64)
-            col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            mask = col < half_k
-            byte = tl.load(a_ptr + row * half_k + col, mask=mask, other=0).to(tl.int32)
-            g = col // 8
-            sf_off = (row // 128) * 128 * kp + (g // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + (g % 4)
-            scale = _e4m3(tl.load(sf_ptr + sf_off, mask=mask, other=0).to(tl.int32))
-            vals = tl.reshape(tl.join(_e2m1(byte & 15) * scale, _e2m1(byte >> 4) * scale), (2 * BLOCK,))
-            ocol = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-            tl.store(out_ptr + row * 2 * half_k + ocol, vals.to(out_ptr.dtype.element_ty), mask=ocol < 2 * half_k)
-
-        _OLD_DEQUANT = (triton, old)
-    return _OLD_DEQUANT
-
-
 def dequant_rows() -> list[dict]:
-    """The dequantization kernels (the served CUDA C one, the Triton fallback, the first Triton
-    version) against the memory floor, each checked bit for bit against nvfp4's decode first."""
+    """The served dequantization kernel (CUDA C) against the memory floor, checked bit for bit against nvfp4's
+    decode first. (The Triton fallback it was compared with was cut: ARCHITECTURE.md, "What was cut and why".)"""
     from sm120_fp4.backends.humming import cuda as _humming_cuda
-    from sm120_fp4.backends.humming import dequant as _humming_dequant
 
     _humming_cuda.load(DEV)
-    triton, old = _old_dequant_kernel()
-    kernels = {
-        "cuda": _humming_cuda.launch,
-        "triton": _humming_dequant.launch,
-        "triton (first version)": lambda a, sf, out, kp: old[(a.shape[0], triton.cdiv(a.shape[1], 256))](
-            a, sf, out, a.shape[1], kp, BLOCK=256
-        ),
-    }
+    kernels = {"cuda": _humming_cuda.launch}
     rows = []
     for m, k in ((1, 8192), (64, 28672), (1024, 1024), (1024, 8192), (4096, 8192), (8192, 8192), (8192, 28672)):
         x, gx, a, a_sf = activations(m, k, seed=3)
@@ -380,7 +343,6 @@ def host_rows() -> dict:
     out = torch.empty(m, n, dtype=BF16, device=DEV)
     humming.mm_fp4(a, w.T, a_sf, sf.T, alpha, BF16, out)
     from sm120_fp4.backends.humming import cuda as _humming_cuda
-    from sm120_fp4.backends.humming import dequant as _humming_dequant
 
     kp = nvfp4.swizzled_scale_shape(m, k)[1]
     dq_out = torch.empty(m, k, dtype=BF16, device=DEV)
@@ -403,7 +365,6 @@ def host_rows() -> dict:
         "dequantize_activations (served: CUDA C kernel, driver launch)": lambda: humming.dequantize_activations(
             a, a_sf, BF16
         ),
-        "Triton dequantization kernel launch": lambda: _humming_dequant.launch(a, a_sf, dq_out, kp),
         "CUDA C dequantization kernel launch": lambda: _humming_cuda.launch(a, a_sf, dq_out, kp),
         "gemm via ops.humming_gemm (before)": old_path,
         "gemm via the cached kernel table (now)": lambda: humming.engine.current_engine().gemm(prep, xq, alpha, out),
@@ -464,7 +425,7 @@ def main() -> int:
     payload: dict = {"humming": humming.doctor_info(), "errors": []}
     if "dequant" not in skip:
         payload["dequant"] = dequant_rows()
-        names = ("cuda", "triton", "triton (first version)")
+        names = ("cuda",)
         print(
             table(
                 ["M", "K", "floor ms"] + [f"{n} ms" for n in names] + ["all exact"],
