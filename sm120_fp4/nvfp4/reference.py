@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -12,7 +13,6 @@ from .format import (
     _SCALE_DTYPES,
     BLOCK_SIZE,
     _as_scale,
-    _check_packed_and_scales,
     _check_tensor,
     dequantize_unscaled,
     quantize,
@@ -20,6 +20,7 @@ from .format import (
 )
 
 __all__ = [
+    "check_mm_fp4_args",
     "gemm_operand_dtype",
     "reference_mm_fp4",
     "reference_moe_fp4",
@@ -29,19 +30,10 @@ __all__ = [
     "expert_activation",
 ]
 
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = (torch.bfloat16, torch.float16)  # what the FP4 GEMM kernels write
+_OUT_DTYPES = (*_DTYPES, torch.float32)  # ... and the oracle
 # torch.mm(..., out_dtype=) (bf16 in, float32 out) exists on CUDA from torch 2.8.
 _HAS_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "")
-
-
-def _check_alpha(alpha: object, m: int, device: torch.device) -> torch.Tensor | None:
-    if alpha is None:
-        return None
-    if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() not in (1, m):
-        raise not_accepted("reference_mm_fp4", "alpha", alpha, f"None or a float32 tensor of 1 or M={m} elements")
-    if alpha.device != device:
-        raise not_accepted("reference_mm_fp4", "alpha", alpha, f"a tensor on {device} (where a is)")
-    return alpha.reshape(-1, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
 
 
 def gemm_operand_dtype(a: torch.Tensor) -> torch.dtype:
@@ -49,31 +41,59 @@ def gemm_operand_dtype(a: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if a.is_cuda and _HAS_MM_OUT_DTYPE else torch.float32
 
 
-def _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out) -> tuple[int, int, int, torch.Tensor | None]:
-    func = "reference_mm_fp4"
-    _check_tensor(func, "b", b, (torch.uint8,), ndim=2)
-    if not b.T.is_contiguous():
-        raise not_accepted(func, "b", b, "the column-major (K/2, N) view w.T of a contiguous (N, K/2) weight")
-    m, k = _check_packed_and_scales(func, a, a_descale, "a", "a_descale")
-    if b.shape[0] != a.shape[1]:
-        raise not_accepted(func, "b", b, f"shape (K/2={a.shape[1]}, N) to match a={describe(a)}")
-    if b.device != a.device:
-        raise not_accepted(func, "b", b, f"a tensor on {a.device} (where a is)")
-    if not isinstance(b_descale, torch.Tensor) or b_descale.dim() != 2:
-        raise not_accepted(func, "b_descale", b_descale, "the 2-D .T view of the weight's swizzled scales")
+def _transposed_contiguous(t: torch.Tensor) -> bool:
+    """Return ``t.T.is_contiguous()`` for a 2-D `t` without making the view (microseconds per call)."""
+    (n0, n1), (s0, s1) = t.shape, t.stride()
+    if n0 == 0 or n1 == 0:
+        return True
+    return (n0 == 1 or s0 == 1) and (n1 == 1 or s1 == n0)
+
+
+def _bad_out(out, dtype, shape: tuple) -> bool:
+    return (
+        not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous()
+    )
+
+
+def check_mm_fp4_args(
+    a, b, a_descale, b_descale, alpha, out_dtype, out, align=(32, 8), *, func="mm_fp4", out_dtypes=_DTYPES
+) -> None:
+    """Validate mm_fp4 arguments from tensor metadata only (no host sync), as `func`.
+
+    `out` None: unchecked; `align`: the kernel's (K, N) alignment; `out_dtypes`: the output dtypes it writes.
+    """
+    bad = functools.partial(not_accepted, func)
+    if not isinstance(a, torch.Tensor) or a.dtype != torch.uint8 or a.dim() != 2:
+        raise bad("a", a, "packed FP4 activations: a 2-D uint8 tensor (M, K/2)")
+    m, k = a.shape[0], a.shape[1] * 2
+    if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.dim() != 2 or b.shape[0] != a.shape[1]:
+        raise bad("b", b, f"packed FP4 weights: a 2-D uint8 (K/2={a.shape[1]}, N) view")
     n = b.shape[1]
-    _check_packed_and_scales(func, b.T, b_descale.T, "b", "b_descale.T")
-    if not b_descale.T.is_contiguous():
-        accepted = "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor"
-        raise not_accepted(func, "b_descale", b_descale, accepted)
-    scale = _check_alpha(alpha, m, a.device)
-    if out_dtype not in _OUT_DTYPES:
-        raise not_accepted(func, "out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
-    if out is not None:
-        _check_tensor(func, "out", out, (out_dtype,), ndim=2)
-        if tuple(out.shape) != (m, n) or out.device != a.device:
-            raise not_accepted(func, "out", out, f"shape ({m}, {n}) on {a.device}")
-    return m, n, k, scale
+    if b.stride(0) != 1 or b.stride(1) != a.shape[1]:
+        raise bad("b", b, "the column-major view w.T of a contiguous (N, K/2) weight (strides (1, K/2))")
+    if k % align[0] or n % align[1]:
+        raise bad("b", b, f"K % {align[0]} == 0 and N % {align[1]} == 0 for this kernel (got K={k}, N={n})")
+    for name, sf, rows in (("a_descale", a_descale, m), ("b_descale", b_descale, n)):
+        rp, cp = swizzled_scale_shape(rows, k)
+        if not isinstance(sf, torch.Tensor) or sf.dtype not in _SCALE_DTYPES or sf.numel() != rp * cp:
+            accepted = f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of shape ({rp}, {cp}): {rp * cp} elements"
+            raise bad(name, sf, accepted)
+    if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() != 1:
+        raise bad("alpha", alpha, "a one-element float32 tensor (the SM120 kernel requires alpha)")
+    if out_dtype not in out_dtypes:
+        raise bad("out_dtype", out_dtype, " or ".join(map(str, out_dtypes)))
+    if out is not None and _bad_out(out, out_dtype, (m, n)):
+        raise bad("out", out, f"a contiguous ({m}, {n}) {out_dtype} tensor")
+    if not a.is_contiguous():
+        raise bad("a", a, "a contiguous tensor (row-major packed activations)")
+    if not a_descale.is_contiguous():
+        raise bad("a_descale", a_descale, "a contiguous tensor (the swizzled scale bytes in order)")
+    if b_descale.dim() != 2 or not _transposed_contiguous(b_descale):
+        raise bad("b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
+    others = (("b", b), ("a_descale", a_descale), ("b_descale", b_descale), ("alpha", alpha), ("out", out))
+    for name, t in others:
+        if t is not None and t.get_device() != a.get_device():
+            raise bad(name, t, f"a tensor on the same device as a ({a.device})")
 
 
 _DEQUANT_ELEMENTS = 1 << 26  # FP4 values dequantized at a time by reference_mm_fp4 (128 MB of bf16)
@@ -98,13 +118,15 @@ def reference_mm_fp4(
     b: torch.Tensor,
     a_descale: torch.Tensor,
     b_descale: torch.Tensor,
-    alpha: torch.Tensor | None,
+    alpha: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``alpha * (A @ B^T)`` with flashinfer.mm_fp4's arguments, exact in float32 before the cast."""
-    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has 1 or M elements.
-    m, n, _, scale = _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out)
+    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has one element.
+    args = (a, b, a_descale, b_descale, alpha, out_dtype, out, (BLOCK_SIZE, 1))
+    check_mm_fp4_args(*args, func="reference_mm_fp4", out_dtypes=_OUT_DTYPES)
+    m, n = a.shape[0], b.shape[1]
     # E2M1 x E4M3 products are exact in bf16, float32 and TF32: only the summation order can differ.
     dtype = gemm_operand_dtype(a)
     # Both operands dequantized in blocks of rows (a weight of 57344 x 8192 would take 0.9 GB, its lookup
@@ -117,8 +139,7 @@ def reference_mm_fp4(
         for w_rows, w_values in ((rows, dequantize_unscaled(*block, dtype)) for rows, block in w_blocks):
             for a_rows, block in a_blocks:
                 acc[a_rows, w_rows] = expert_mm(dequantize_unscaled(*block, dtype), w_values, None)
-    if scale is not None:
-        acc.mul_(scale)  # in place: a prefill-sized float32 result is gigabytes (M=8192, N=57344: 1.9 GB)
+    acc.mul_(alpha.reshape(()))  # in place: a prefill-sized float32 result is gigabytes (M=8192, N=57344: 1.9 GB)
     if out is None:
         return acc.to(out_dtype)
     out.copy_(acc)
