@@ -28,6 +28,7 @@ __all__ = [
     "MoeWeights",
     "expert_mm",
     "expert_activation",
+    "requantized",
 ]
 
 _DTYPES = (torch.bfloat16, torch.float16)  # what the FP4 GEMM kernels write
@@ -171,6 +172,12 @@ def expert_mm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor | None) -> t
     return acc if alpha is None else acc * alpha
 
 
+def requantized(values: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return `values` quantized with one-element encode scale `gscale`, dequantized unscaled as `dtype` (no host sync)."""
+    packed, scales = quantize(values, gscale.reshape(()), check_finite=False)
+    return dequantize_unscaled(packed, scales, dtype)
+
+
 def expert_activation(fc1: torch.Tensor, activation: str, inter: int) -> torch.Tensor:
     """Return the float32 activation of FC1's float32 output (rows [up; gate] for swiglu)."""
     if activation == "swiglu":
@@ -291,10 +298,6 @@ class _MoeRun:
         ends = itertools.accumulate(counts)
         self.spans = [(expert, end - count, end) for expert, (count, end) in enumerate(zip(counts, ends)) if count]
 
-    def quantized(self, values: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
-        packed, scales = quantize(values, gscale, check_finite=False)
-        return dequantize_unscaled(packed, scales, self.dtype)
-
     def dequantized(self, which: str, expert: int) -> torch.Tensor:
         key = (which, expert, self.dtype)
         if self.cache is not None and key in self.cache:
@@ -314,11 +317,11 @@ class _MoeRun:
         if a1 is None:
             acts = x.float()
         elif a1.dim() == 0:
-            acts = self.quantized(x, a1)
+            acts = requantized(x, a1, self.dtype)
         intermediate = torch.empty((token_of_row.numel(), inter), dtype=torch.float32, device=x.device)
         for expert, lo, hi in self.spans:
             rows = token_of_row[lo:hi]
-            rows = acts[rows] if a1 is None or a1.dim() == 0 else self.quantized(x[rows], a1[expert])
+            rows = acts[rows] if a1 is None or a1.dim() == 0 else requantized(x[rows], a1[expert], self.dtype)
             fc1 = expert_mm(rows, self.dequantized("w13", expert), self.weights.w13_alpha[expert])
             intermediate[lo:hi] = expert_activation(fc1.to(self.round_dtype).float(), activation, inter)
         if a1 is not None and not torch.isfinite(intermediate).all():
@@ -334,11 +337,11 @@ class _MoeRun:
             if intermediate_dtype is not None:
                 intermediate = intermediate.to(intermediate_dtype).float()
             if a2.dim() == 0:
-                intermediate = self.quantized(intermediate, a2)
+                intermediate = requantized(intermediate, a2, self.dtype)
             else:
                 intermediate = intermediate.clone()  # the per-expert writes must not reach the shared FC1
                 for expert, lo, hi in self.spans:
-                    intermediate[lo:hi] = self.quantized(intermediate[lo:hi], a2[expert]).float()
+                    intermediate[lo:hi] = requantized(intermediate[lo:hi], a2[expert], self.dtype).float()
                 intermediate = intermediate.to(self.dtype)  # exact: dequantized FP4 values fit bf16
         tokens, hidden = self.x.shape
         # Each routed row lands at its unsorted position token * k + slot, for the finalize.
