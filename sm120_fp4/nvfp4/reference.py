@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import NamedTuple
 
 import torch
@@ -21,6 +22,7 @@ from .format import (
 
 __all__ = [
     "check_mm_fp4_args",
+    "check_moe_layout",
     "gemm_operand_dtype",
     "reference_mm_fp4",
     "reference_moe_fp4",
@@ -159,8 +161,6 @@ def reference_mm_fp4(
 
 _MOE = "reference_moe_fp4"  # the function the MoE argument checks name
 _MOE_ACTIVATIONS = ("swiglu", "relu2")
-_MOE_X_DTYPES = (torch.bfloat16, torch.float16)
-_MOE_ID_DTYPES = (torch.int32, torch.int64)
 
 
 def expert_mm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
@@ -205,13 +205,63 @@ class MoeWeights(NamedTuple):
         return MoeWeights(*(None if t is None else fn(t) for t in self))
 
 
-def _check_moe_tensor(param: str, value: object, dtypes: tuple, shape: tuple, what: str, device, host=False) -> None:
-    _check_tensor(_MOE, param, value, dtypes, ndim=len(shape))
-    if tuple(value.shape) != shape:
-        raise not_accepted(_MOE, param, value, f"shape {shape} ({what})")
-    if value.device != device and not (host and value.device.type == "cpu"):
-        where = " or in host memory (each expert read is copied)" if host else ""
-        raise not_accepted(_MOE, param, value, f"a tensor on {device} (where x is){where}")
+def _check_sized(func: str, param: str, value: object, dtypes: tuple, shape: tuple, what: str, flat=False) -> None:
+    """Check `value` has one of `dtypes` and `shape` (`flat`: or shape[0] rows of its elements, contiguous)."""
+    _check_tensor(func, param, value, dtypes)
+    same = tuple(value.shape) == shape
+    if flat:  # the kernels read the bytes in order, whatever the shape after the expert dimension
+        same = value.is_contiguous() and value.dim() >= 1 and value.shape[0] == shape[0]
+        same = same and value.numel() == math.prod(shape)
+    if not same:
+        raise not_accepted(func, param, value, f"shape {shape} ({what})" + (", contiguous" if flat else ""))
+
+
+def check_moe_layout(func, x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, activation):
+    """Check one fused-MoE call's activation, x, routing and experts from metadata alone (no host sync); return (E, I)."""
+    if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
+        raise not_accepted(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
+    _check_tensor(func, "x", x, _DTYPES, ndim=2)
+    tokens, hidden = x.shape
+    if hidden == 0 or hidden % BLOCK_SIZE:
+        raise not_accepted(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
+    _check_tensor(func, "topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2)
+    if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
+        raise not_accepted(func, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
+    _check_sized(func, "topk_weights", topk_weights, (torch.float32,), tuple(topk_ids.shape), "that of topk_ids")
+    _check_tensor(func, "w13", w13, (torch.uint8,), ndim=3)
+    experts, rows13 = w13.shape[0], w13.shape[1]
+    gated = activation == "swiglu"
+    inter = rows13 // 2 if gated else rows13
+    if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
+        accepted = (
+            f"shape (E >= 1, {'2I' if gated else 'I'}, H/2={hidden // 2}) for activation={activation!r}, "
+            f"I a positive multiple of {BLOCK_SIZE}"
+        )
+        raise not_accepted(func, "w13", w13, accepted)
+    per_expert = f"one per expert, E={experts}"
+    swizzled = "128x4 swizzled scales of {} rows and K={} per expert"
+    checks = (
+        (
+            "w13_sf",
+            w13_sf,
+            _SCALE_DTYPES,
+            (experts, *swizzled_scale_shape(rows13, hidden)),
+            swizzled.format(rows13, hidden),
+        ),
+        ("w13_alpha", w13_alpha, (torch.float32,), (experts,), per_expert),
+        ("w2", w2, (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}"),
+        (
+            "w2_sf",
+            w2_sf,
+            _SCALE_DTYPES,
+            (experts, *swizzled_scale_shape(hidden, inter)),
+            swizzled.format(hidden, inter),
+        ),
+        ("w2_alpha", w2_alpha, (torch.float32,), (experts,), per_expert),
+    )
+    for param, value, dtypes, shape, what in checks:
+        _check_sized(func, param, value, dtypes, shape, what, flat=param != "w2")
+    return experts, inter
 
 
 def _moe_gscale(param: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
@@ -226,14 +276,8 @@ def _moe_gscale(param: str, value: object, experts: int, device: torch.device) -
     return _as_scale(_MOE, param, value, device, True)
 
 
-def _check_moe_options(x, topk_ids, topk_weights, activation, out_dtype, quantize_activations, dtypes) -> None:
-    """Check reference_moe_fp4's arguments other than the weights."""
-    _check_tensor(_MOE, "x", x, _MOE_X_DTYPES, ndim=2)
-    tokens, hidden = x.shape
-    if hidden == 0 or hidden % BLOCK_SIZE:
-        raise not_accepted(_MOE, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
-    if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
-        raise not_accepted(_MOE, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
+def _check_moe_options(x, weights: MoeWeights, topk: tuple, out_dtype, quantize_activations, dtypes) -> None:
+    """Check reference_moe_fp4's options, and where its tensors are (its experts' bytes may be in host memory)."""
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
         raise not_accepted(_MOE, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
     if not isinstance(quantize_activations, bool):
@@ -241,43 +285,12 @@ def _check_moe_options(x, topk_ids, topk_weights, activation, out_dtype, quantiz
     for dtype in dtypes:
         if dtype not in (None, torch.bfloat16, torch.float16):
             raise not_accepted(_MOE, "intermediate_dtype", dtype, "None, torch.bfloat16 or torch.float16")
-    _check_tensor(_MOE, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
-    if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
-        raise not_accepted(_MOE, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
-    if topk_ids.device != x.device:
-        raise not_accepted(_MOE, "topk_ids", topk_ids, f"a tensor on {x.device} (where x is)")
-    shape = tuple(topk_ids.shape)
-    _check_moe_tensor("topk_weights", topk_weights, (torch.float32,), shape, "that of topk_ids", x.device)
-
-
-def _check_moe_weights(x, weights: MoeWeights, activation: str) -> tuple[int, int]:
-    """Check the expert tensors against x and the activation; return (E, I)."""
-    hidden, device = x.shape[1], x.device
-    w13 = weights.w13
-    _check_tensor(_MOE, "w13", w13, (torch.uint8,), ndim=3)
-    experts, rows13 = w13.shape[0], w13.shape[1]
-    gated = activation == "swiglu"
-    inter = rows13 // 2 if gated else rows13
-    if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
-        accepted = (
-            f"shape (E >= 1, {'2I' if gated else 'I'}, H/2={hidden // 2}) for activation={activation!r}, "
-            f"I a positive multiple of {BLOCK_SIZE}"
-        )
-        raise not_accepted(_MOE, "w13", w13, accepted)
-    if w13.device != device and w13.device.type != "cpu":  # in host memory: each expert read is copied
-        raise not_accepted(_MOE, "w13", w13, f"a tensor on {device} (where x is) or in host memory")
-    per_expert = f"one per expert, E={experts}"
-    swizzled = "128x4 swizzled scales of {} rows and K={} per expert"
-    checks = (
-        ("w13_sf", _SCALE_DTYPES, (experts, *swizzled_scale_shape(rows13, hidden)), swizzled.format(rows13, hidden)),
-        ("w13_alpha", (torch.float32,), (experts,), per_expert),
-        ("w2", (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}"),
-        ("w2_sf", _SCALE_DTYPES, (experts, *swizzled_scale_shape(hidden, inter)), swizzled.format(hidden, inter)),
-        ("w2_alpha", (torch.float32,), (experts,), per_expert),
-    )
-    for param, dtypes, shape, what in checks:  # packed weights and block scales may stay in host memory
-        _check_moe_tensor(param, getattr(weights, param), dtypes, shape, what, device, "alpha" not in param)
-    return experts, inter
+    tensors = dict(zip(("topk_ids", "topk_weights", *MoeWeights._fields[:6]), (*topk, *weights[:6])))
+    for param, value in tensors.items():
+        host = param in ("w13", "w13_sf", "w2", "w2_sf")  # in host memory: each expert read is copied
+        if value.device != x.device and not (host and value.device.type == "cpu"):
+            where = " or in host memory (each expert read is copied)" if host else ""
+            raise not_accepted(_MOE, param, value, f"a tensor on {x.device} (where x is){where}")
 
 
 class _MoeRun:
@@ -381,8 +394,8 @@ def reference_moe_fp4_roundings(
         accepted = "a non-empty tuple of None, torch.bfloat16 or torch.float16"
         raise not_accepted("reference_moe_fp4_roundings", "intermediate_dtypes", intermediate_dtypes, accepted)
     weights = MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale)
-    _check_moe_options(x, topk_ids, topk_weights, activation, out_dtype, quantize_activations, intermediate_dtypes)
-    experts, inter = _check_moe_weights(x, weights, activation)
+    experts, inter = check_moe_layout(_MOE, x, topk_ids, topk_weights, *weights[:6], activation)
+    _check_moe_options(x, weights, (topk_ids, topk_weights), out_dtype, quantize_activations, intermediate_dtypes)
     a1 = a2 = None  # W4A16: x and the intermediate enter the GEMMs unquantized
     if quantize_activations:
         a1 = _moe_gscale("a1_gscale", a1_gscale, experts, x.device)
