@@ -58,10 +58,6 @@ class Device:
 
         return torch.device("cuda", self.index) if self.is_cuda else torch.device("cpu")
 
-    @property
-    def key(self) -> tuple[int, tuple[int, int], bool]:
-        return (self.index, self.capability, self.simulated)
-
     def label(self) -> str:
         where = f"cuda:{self.index}" if self.is_cuda else "cpu"
         sim = ", simulated" if self.simulated else ""
@@ -299,18 +295,12 @@ def _probe_torch() -> list[Device]:
         return []
 
 
-def _torch_has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
-
-
 def _probe(init_cuda: bool = False) -> list[Device]:
-    if _cuda_ready() or (init_cuda and _torch_has_cuda()):
-        return _probe_torch()
+    # `init_cuda` without a usable CUDA: torch finds nothing, NVML is asked.
+    if _cuda_ready() or init_cuda:
+        found = _probe_torch()
+        if found or _cuda_ready():
+            return found
     gpus = _nvml_gpus()
     if gpus is None:
         return _probe_torch()

@@ -70,7 +70,6 @@ def test_results_are_cached_until_refresh_or_a_new_probe():
 def test_label_and_sm():
     d = Device(3, "RTX PRO 6000", (12, 0))
     assert d.sm == 120 and d.is_cuda and d.label() == "cuda:3 'RTX PRO 6000' (sm_120)"
-    assert d.key == (3, (12, 0), False)
 
 
 # ---- CUDA's numbering, from NVML facts (no GPU here: a stand-in pynvml) ---------------------

@@ -295,11 +295,11 @@ def test_reference_mm_rejects_row_major_b_and_mismatched_shapes():
         nvfp4.reference_mm_fp4(qa[:, :16], b, nvfp4.swizzle_scales(torch.zeros(4, 2, dtype=torch.uint8)), b_sf, alpha)
     with pytest.raises(InvalidArgument, match=r"a_descale=.*\(128, 4\)"):
         nvfp4.reference_mm_fp4(qa, b, sa[:, :2].contiguous(), b_sf, alpha)
-    with pytest.raises(InvalidArgument, match=r"alpha=.*float32 tensor of 1 or M=4"):
+    with pytest.raises(InvalidArgument, match=r"alpha=.*one-element float32 tensor"):
         nvfp4.reference_mm_fp4(qa, b, sa, b_sf, torch.ones(3))
     with pytest.raises(InvalidArgument, match="out_dtype"):
         nvfp4.reference_mm_fp4(qa, b, sa, b_sf, alpha, torch.int8)
-    with pytest.raises(InvalidArgument, match=r"out=.*shape \(4, 32\)"):
+    with pytest.raises(InvalidArgument, match=r"out=.*\(4, 32\)"):
         nvfp4.reference_mm_fp4(qa, b, sa, b_sf, alpha, torch.bfloat16, torch.empty(4, 31, dtype=torch.bfloat16))
 
 

@@ -179,11 +179,12 @@ class _Layer:
     derived: _Derived
 
 
-def reset() -> None:
-    """Forget every wrapper and workspace (uninstall, a backend switch, tests)."""
+def reset() -> bool:
+    """Forget every wrapper and workspace (uninstall, a backend switch, tests); True: another backend can take over."""
     with _lock:
         _workspaces.clear()
         _layers.clear()
+    return True
 
 
 def _make_wrapper(config: tuple, owner: object | None) -> object:

@@ -10,8 +10,8 @@ import torch
 
 from .. import nvfp4
 from ..errors import not_accepted
+from ..nvfp4.reference import _bad_out, check_mm_fp4_args  # noqa: F401  (check_mm_fp4_args: re-exported)
 
-SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 MOE_ACTIVATIONS = {"swiglu": "Swiglu", "relu2": "Relu2"}  # the convention's name -> FlashInfer's ActivationType
 _DTYPES = (torch.bfloat16, torch.float16)
 # cutlass_fused_moe's keywords by what the MoE convention (and so the oracle) does with them: mapped into it,
@@ -36,95 +36,19 @@ _MOE_FIELDS = (
 MoeArgs = namedtuple("MoeArgs", _MOE_FIELDS)
 
 
-_bad = functools.partial(not_accepted, "mm_fp4")
 _bad_moe = functools.partial(not_accepted, "fused MoE")
 
 
-def _transposed_contiguous(t: torch.Tensor) -> bool:
-    """Return ``t.T.is_contiguous()`` for a 2-D `t` without making the view (microseconds per call)."""
-    (n0, n1), (s0, s1) = t.shape, t.stride()
-    if n0 == 0 or n1 == 0:
-        return True
-    return (n0 == 1 or s0 == 1) and (n1 == 1 or s1 == n0)
-
-
-def _bad_out(out, dtype, shape: tuple) -> bool:
-    return (
-        not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous()
-    )
-
-
-def check_mm_fp4_args(a, b, a_descale, b_descale, alpha, out_dtype, out, align=(32, 8)) -> None:
-    """Validate mm_fp4 arguments (`out` None: unchecked; `align`: the kernel's (K, N) alignment)."""
-    if not isinstance(a, torch.Tensor) or a.dtype != torch.uint8 or a.dim() != 2:
-        raise _bad("a", a, "packed FP4 activations: a 2-D uint8 tensor (M, K/2)")
-    m, k = a.shape[0], a.shape[1] * 2
-    if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.dim() != 2 or b.shape[0] != a.shape[1]:
-        raise _bad("b", b, f"packed FP4 weights: a 2-D uint8 (K/2={a.shape[1]}, N) view")
-    n = b.shape[1]
-    if b.stride(0) != 1 or b.stride(1) != a.shape[1]:
-        raise _bad("b", b, "the column-major view w.T of a contiguous (N, K/2) weight (strides (1, K/2))")
-    if k % align[0] or n % align[1]:
-        raise _bad("b", b, f"K % {align[0]} == 0 and N % {align[1]} == 0 for this kernel (got K={k}, N={n})")
-    for name, sf, rows in (("a_descale", a_descale, m), ("b_descale", b_descale, n)):
-        rp, cp = nvfp4.swizzled_scale_shape(rows, k)
-        if not isinstance(sf, torch.Tensor) or sf.dtype not in SCALE_DTYPES or sf.numel() != rp * cp:
-            raise _bad(name, sf, f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of {rp * cp} elements")
-    if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() != 1:
-        raise _bad("alpha", alpha, "a one-element float32 tensor (the SM120 kernel requires alpha)")
-    if out_dtype not in _DTYPES:
-        raise _bad("out_dtype", out_dtype, "torch.bfloat16 or torch.float16")
-    if out is not None and _bad_out(out, out_dtype, (m, n)):
-        raise _bad("out", out, f"a contiguous ({m}, {n}) {out_dtype} tensor")
-    if not a.is_contiguous():
-        raise _bad("a", a, "a contiguous tensor (row-major packed activations)")
-    if not a_descale.is_contiguous():
-        raise _bad("a_descale", a_descale, "a contiguous tensor (the swizzled scale bytes in order)")
-    if b_descale.dim() != 2 or not _transposed_contiguous(b_descale):
-        raise _bad("b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
-    others = (("b", b), ("a_descale", a_descale), ("b_descale", b_descale), ("alpha", alpha), ("out", out))
-    for name, t in others:
-        if t is not None and t.get_device() != a.get_device():
-            raise _bad(name, t, f"a tensor on the same device as a ({a.device})")
-
-
-def _bad_tensor(t, dtypes, shape: tuple | None = None, dim: int | None = None) -> bool:
-    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
-        return True
-    return (dim is not None and t.dim() != dim) or (shape is not None and tuple(t.shape) != shape)
-
-
 def check_moe_args(*args) -> MoeArgs:
-    """Validate one call of the MoE convention; return it as MoeArgs."""
+    """Validate one call of the MoE convention from metadata alone (no host sync); return it as MoeArgs."""
     c = MoeArgs(*args)
-    if c.activation not in MOE_ACTIVATIONS:
-        raise _bad_moe("activation", c.activation, f"one of {', '.join(MOE_ACTIVATIONS)}")
-    if _bad_tensor(c.x, _DTYPES, dim=2):
-        raise _bad_moe("x", c.x, "a 2-D bf16 or fp16 tensor (T, H)")
-    t, h = c.x.shape
-    if _bad_tensor(c.topk_ids, (torch.int32, torch.int64), dim=2) or c.topk_ids.shape[0] != t:
-        raise _bad_moe("topk_ids", c.topk_ids, f"an int32 (T={t}, k) tensor")
-    k = c.topk_ids.shape[1]
-    if _bad_tensor(c.topk_weights, (torch.float32,), (t, k)):
-        raise _bad_moe("topk_weights", c.topk_weights, f"a float32 ({t}, {k}) tensor")
-    if _bad_tensor(c.w13, (torch.uint8,), dim=3) or c.w13.shape[2] * 2 != h:
-        raise _bad_moe("w13", c.w13, f"packed FP4 (E, 2I or I, H/2={h // 2}) uint8")
-    e, rows = c.w13.shape[0], c.w13.shape[1]
-    inter = rows // 2 if c.activation == "swiglu" else rows
-    if _bad_tensor(c.w2, (torch.uint8,), (e, h, inter // 2)):
-        raise _bad_moe("w2", c.w2, f"packed FP4 ({e}, {h}, {inter // 2}) uint8")
-    for name, sf, r, cols in (("w13_sf", c.w13_sf, rows, h), ("w2_sf", c.w2_sf, h, inter)):
-        rp, cp = nvfp4.swizzled_scale_shape(r, cols)
-        if _bad_tensor(sf, SCALE_DTYPES) or sf.numel() != e * rp * cp or not sf.is_contiguous():
-            raise _bad_moe(name, sf, f"contiguous 128x4 swizzled E4M3 scales of ({e}, {rp}, {cp})")
-    for name, alpha in (("w13_alpha", c.w13_alpha), ("w2_alpha", c.w2_alpha)):
-        if _bad_tensor(alpha, (torch.float32,)) or alpha.numel() != e:
-            raise _bad_moe(name, alpha, f"a float32 tensor of E={e} elements")
+    e, _ = nvfp4.check_moe_layout("fused MoE", *c[:9], c.activation)
     for name, scale in (("a1_gscale", c.a1_gscale), ("a2_gscale", c.a2_gscale)):
-        if _bad_tensor(scale, (torch.float32,)) or scale.numel() not in (1, e):
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() not in (1, e):
             raise _bad_moe(name, scale, f"a float32 tensor of 1 or E={e} elements (global encode scales)")
     if c.out_dtype not in _DTYPES:
         raise _bad_moe("out_dtype", c.out_dtype, "torch.bfloat16 or torch.float16")
+    t, h = c.x.shape
     if _bad_out(c.out, c.out_dtype, (t, h)):
         raise _bad_moe("out", c.out, f"a contiguous ({t}, {h}) {c.out_dtype} tensor")
     return c

@@ -13,11 +13,6 @@ def emulated_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out):
     return nvfp4.reference_mm_fp4(a, b, a_descale, b_descale, alpha, out_dtype, out)
 
 
-def _quantized(values: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    packed, scales = nvfp4.quantize(values, gscale.reshape(()), check_finite=False)
-    return nvfp4.dequantize_unscaled(packed, scales, dtype)
-
-
 def emulated_moe(*args):
     """Run nvfp4.reference_moe_fp4's arithmetic into `out` (MoeArgs), with no host sync (capture-safe)."""
     # The oracle's rounding points, so its result is the oracle's (NVFP4 GEMM sums are exact in float32).
@@ -33,12 +28,12 @@ def emulated_moe(*args):
     valid = (ids >= 0) & (ids < experts)
     routed = torch.zeros((tokens, ids.shape[1], hidden), dtype=out_dtype, device=x.device)
     per_expert_a1, per_expert_a2 = a1_gscale.numel() > 1, a2_gscale.numel() > 1
-    acts = None if per_expert_a1 else _quantized(x, a1_gscale, dtype)
+    acts = None if per_expert_a1 else nvfp4.requantized(x, a1_gscale, dtype)
     for e in range(experts):
-        rows = _quantized(x, a1_gscale.reshape(-1)[e], dtype) if per_expert_a1 else acts
+        rows = nvfp4.requantized(x, a1_gscale.reshape(-1)[e], dtype) if per_expert_a1 else acts
         fc1 = nvfp4.expert_mm(rows, nvfp4.dequantize_unscaled(c.w13[e], c.w13_sf[e], dtype), c.w13_alpha[e])
         act = nvfp4.expert_activation(fc1.to(out_dtype).float(), c.activation, inter)
-        act = _quantized(act, a2_gscale.reshape(-1)[e] if per_expert_a2 else a2_gscale, dtype)
+        act = nvfp4.requantized(act, a2_gscale.reshape(-1)[e] if per_expert_a2 else a2_gscale, dtype)
         row = nvfp4.expert_mm(act, nvfp4.dequantize_unscaled(c.w2[e], c.w2_sf[e], dtype), c.w2_alpha[e])
         routed = torch.where((ids == e).unsqueeze(-1), row.to(out_dtype).unsqueeze(1), routed)
     total = torch.zeros((tokens, hidden), dtype=torch.float32, device=x.device)

@@ -177,12 +177,7 @@ def _dense_builtins() -> dict[str, Backend]:
 
 def _b12x() -> Backend:
     """Return FlashInfer's b12x fused MoE on SGLang's cutlass tensors (its workspace made at load, released by restore)."""
-
-    def release() -> bool:
-        b12x.reset()
-        return True
-
-    converter = Converter(b12x.prepare, lambda tensors, keep: None, release, in_place=False)
+    converter = Converter(b12x.prepare, lambda tensors, keep: None, b12x.reset, in_place=False)
     return Backend(
         b12x.NAME, "flashinfer", b12x.fused_moe, b12x.supported, "w4a4", converter, b12x.describe, b12x.layer_problem
     )

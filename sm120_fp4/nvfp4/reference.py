@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 from typing import NamedTuple
 
 import torch
@@ -12,7 +14,6 @@ from .format import (
     _SCALE_DTYPES,
     BLOCK_SIZE,
     _as_scale,
-    _check_packed_and_scales,
     _check_tensor,
     dequantize_unscaled,
     quantize,
@@ -20,6 +21,8 @@ from .format import (
 )
 
 __all__ = [
+    "check_mm_fp4_args",
+    "check_moe_layout",
     "gemm_operand_dtype",
     "reference_mm_fp4",
     "reference_moe_fp4",
@@ -27,21 +30,13 @@ __all__ = [
     "MoeWeights",
     "expert_mm",
     "expert_activation",
+    "requantized",
 ]
 
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = (torch.bfloat16, torch.float16)  # what the FP4 GEMM kernels write
+_OUT_DTYPES = (*_DTYPES, torch.float32)  # ... and the oracle
 # torch.mm(..., out_dtype=) (bf16 in, float32 out) exists on CUDA from torch 2.8.
 _HAS_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "")
-
-
-def _check_alpha(alpha: object, m: int, device: torch.device) -> torch.Tensor | None:
-    if alpha is None:
-        return None
-    if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() not in (1, m):
-        raise not_accepted("reference_mm_fp4", "alpha", alpha, f"None or a float32 tensor of 1 or M={m} elements")
-    if alpha.device != device:
-        raise not_accepted("reference_mm_fp4", "alpha", alpha, f"a tensor on {device} (where a is)")
-    return alpha.reshape(-1, 1) if alpha.numel() == m and m != 1 else alpha.reshape(())
 
 
 def gemm_operand_dtype(a: torch.Tensor) -> torch.dtype:
@@ -49,31 +44,59 @@ def gemm_operand_dtype(a: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if a.is_cuda and _HAS_MM_OUT_DTYPE else torch.float32
 
 
-def _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out) -> tuple[int, int, int, torch.Tensor | None]:
-    func = "reference_mm_fp4"
-    _check_tensor(func, "b", b, (torch.uint8,), ndim=2)
-    if not b.T.is_contiguous():
-        raise not_accepted(func, "b", b, "the column-major (K/2, N) view w.T of a contiguous (N, K/2) weight")
-    m, k = _check_packed_and_scales(func, a, a_descale, "a", "a_descale")
-    if b.shape[0] != a.shape[1]:
-        raise not_accepted(func, "b", b, f"shape (K/2={a.shape[1]}, N) to match a={describe(a)}")
-    if b.device != a.device:
-        raise not_accepted(func, "b", b, f"a tensor on {a.device} (where a is)")
-    if not isinstance(b_descale, torch.Tensor) or b_descale.dim() != 2:
-        raise not_accepted(func, "b_descale", b_descale, "the 2-D .T view of the weight's swizzled scales")
+def _transposed_contiguous(t: torch.Tensor) -> bool:
+    """Return ``t.T.is_contiguous()`` for a 2-D `t` without making the view (microseconds per call)."""
+    (n0, n1), (s0, s1) = t.shape, t.stride()
+    if n0 == 0 or n1 == 0:
+        return True
+    return (n0 == 1 or s0 == 1) and (n1 == 1 or s1 == n0)
+
+
+def _bad_out(out, dtype, shape: tuple) -> bool:
+    return (
+        not isinstance(out, torch.Tensor) or out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous()
+    )
+
+
+def check_mm_fp4_args(
+    a, b, a_descale, b_descale, alpha, out_dtype, out, align=(32, 8), *, func="mm_fp4", out_dtypes=_DTYPES
+) -> None:
+    """Validate mm_fp4 arguments from tensor metadata only (no host sync), as `func`.
+
+    `out` None: unchecked; `align`: the kernel's (K, N) alignment; `out_dtypes`: the output dtypes it writes.
+    """
+    bad = functools.partial(not_accepted, func)
+    if not isinstance(a, torch.Tensor) or a.dtype != torch.uint8 or a.dim() != 2:
+        raise bad("a", a, "packed FP4 activations: a 2-D uint8 tensor (M, K/2)")
+    m, k = a.shape[0], a.shape[1] * 2
+    if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.dim() != 2 or b.shape[0] != a.shape[1]:
+        raise bad("b", b, f"packed FP4 weights: a 2-D uint8 (K/2={a.shape[1]}, N) view")
     n = b.shape[1]
-    _check_packed_and_scales(func, b.T, b_descale.T, "b", "b_descale.T")
-    if not b_descale.T.is_contiguous():
-        accepted = "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor"
-        raise not_accepted(func, "b_descale", b_descale, accepted)
-    scale = _check_alpha(alpha, m, a.device)
-    if out_dtype not in _OUT_DTYPES:
-        raise not_accepted(func, "out_dtype", out_dtype, "torch.bfloat16, torch.float16 or torch.float32")
-    if out is not None:
-        _check_tensor(func, "out", out, (out_dtype,), ndim=2)
-        if tuple(out.shape) != (m, n) or out.device != a.device:
-            raise not_accepted(func, "out", out, f"shape ({m}, {n}) on {a.device}")
-    return m, n, k, scale
+    if b.stride(0) != 1 or b.stride(1) != a.shape[1]:
+        raise bad("b", b, "the column-major view w.T of a contiguous (N, K/2) weight (strides (1, K/2))")
+    if k % align[0] or n % align[1]:
+        raise bad("b", b, f"K % {align[0]} == 0 and N % {align[1]} == 0 for this kernel (got K={k}, N={n})")
+    for name, sf, rows in (("a_descale", a_descale, m), ("b_descale", b_descale, n)):
+        rp, cp = swizzled_scale_shape(rows, k)
+        if not isinstance(sf, torch.Tensor) or sf.dtype not in _SCALE_DTYPES or sf.numel() != rp * cp:
+            accepted = f"128x4 swizzled E4M3 scales (uint8 or float8_e4m3fn) of shape ({rp}, {cp}): {rp * cp} elements"
+            raise bad(name, sf, accepted)
+    if not isinstance(alpha, torch.Tensor) or alpha.dtype != torch.float32 or alpha.numel() != 1:
+        raise bad("alpha", alpha, "a one-element float32 tensor (the SM120 kernel requires alpha)")
+    if out_dtype not in out_dtypes:
+        raise bad("out_dtype", out_dtype, " or ".join(map(str, out_dtypes)))
+    if out is not None and _bad_out(out, out_dtype, (m, n)):
+        raise bad("out", out, f"a contiguous ({m}, {n}) {out_dtype} tensor")
+    if not a.is_contiguous():
+        raise bad("a", a, "a contiguous tensor (row-major packed activations)")
+    if not a_descale.is_contiguous():
+        raise bad("a_descale", a_descale, "a contiguous tensor (the swizzled scale bytes in order)")
+    if b_descale.dim() != 2 or not _transposed_contiguous(b_descale):
+        raise bad("b_descale", b_descale, "the .T view of a contiguous swizzled (ceil128(N), ceil4(K/16)) tensor")
+    others = (("b", b), ("a_descale", a_descale), ("b_descale", b_descale), ("alpha", alpha), ("out", out))
+    for name, t in others:
+        if t is not None and t.get_device() != a.get_device():
+            raise bad(name, t, f"a tensor on the same device as a ({a.device})")
 
 
 _DEQUANT_ELEMENTS = 1 << 26  # FP4 values dequantized at a time by reference_mm_fp4 (128 MB of bf16)
@@ -98,13 +121,15 @@ def reference_mm_fp4(
     b: torch.Tensor,
     a_descale: torch.Tensor,
     b_descale: torch.Tensor,
-    alpha: torch.Tensor | None,
+    alpha: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``alpha * (A @ B^T)`` with flashinfer.mm_fp4's arguments, exact in float32 before the cast."""
-    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has 1 or M elements.
-    m, n, _, scale = _check_mm_args(a, b, a_descale, b_descale, alpha, out_dtype, out)
+    # b is w.T of a contiguous (N, K/2) weight, b_descale the .T of its swizzled scales; alpha has one element.
+    args = (a, b, a_descale, b_descale, alpha, out_dtype, out, (BLOCK_SIZE, 1))
+    check_mm_fp4_args(*args, func="reference_mm_fp4", out_dtypes=_OUT_DTYPES)
+    m, n = a.shape[0], b.shape[1]
     # E2M1 x E4M3 products are exact in bf16, float32 and TF32: only the summation order can differ.
     dtype = gemm_operand_dtype(a)
     # Both operands dequantized in blocks of rows (a weight of 57344 x 8192 would take 0.9 GB, its lookup
@@ -117,8 +142,7 @@ def reference_mm_fp4(
         for w_rows, w_values in ((rows, dequantize_unscaled(*block, dtype)) for rows, block in w_blocks):
             for a_rows, block in a_blocks:
                 acc[a_rows, w_rows] = expert_mm(dequantize_unscaled(*block, dtype), w_values, None)
-    if scale is not None:
-        acc.mul_(scale)  # in place: a prefill-sized float32 result is gigabytes (M=8192, N=57344: 1.9 GB)
+    acc.mul_(alpha.reshape(()))  # in place: a prefill-sized float32 result is gigabytes (M=8192, N=57344: 1.9 GB)
     if out is None:
         return acc.to(out_dtype)
     out.copy_(acc)
@@ -137,8 +161,6 @@ def reference_mm_fp4(
 
 _MOE = "reference_moe_fp4"  # the function the MoE argument checks name
 _MOE_ACTIVATIONS = ("swiglu", "relu2")
-_MOE_X_DTYPES = (torch.bfloat16, torch.float16)
-_MOE_ID_DTYPES = (torch.int32, torch.int64)
 
 
 def expert_mm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
@@ -148,6 +170,12 @@ def expert_mm(a: torch.Tensor, w: torch.Tensor, alpha: torch.Tensor | None) -> t
     else:
         acc = a @ w.T
     return acc if alpha is None else acc * alpha
+
+
+def requantized(values: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return `values` quantized with one-element encode scale `gscale`, dequantized unscaled as `dtype` (no host sync)."""
+    packed, scales = quantize(values, gscale.reshape(()), check_finite=False)
+    return dequantize_unscaled(packed, scales, dtype)
 
 
 def expert_activation(fc1: torch.Tensor, activation: str, inter: int) -> torch.Tensor:
@@ -177,13 +205,63 @@ class MoeWeights(NamedTuple):
         return MoeWeights(*(None if t is None else fn(t) for t in self))
 
 
-def _check_moe_tensor(param: str, value: object, dtypes: tuple, shape: tuple, what: str, device, host=False) -> None:
-    _check_tensor(_MOE, param, value, dtypes, ndim=len(shape))
-    if tuple(value.shape) != shape:
-        raise not_accepted(_MOE, param, value, f"shape {shape} ({what})")
-    if value.device != device and not (host and value.device.type == "cpu"):
-        where = " or in host memory (each expert read is copied)" if host else ""
-        raise not_accepted(_MOE, param, value, f"a tensor on {device} (where x is){where}")
+def _check_sized(func: str, param: str, value: object, dtypes: tuple, shape: tuple, what: str, flat=False) -> None:
+    """Check `value` has one of `dtypes` and `shape` (`flat`: or shape[0] rows of its elements, contiguous)."""
+    _check_tensor(func, param, value, dtypes)
+    same = tuple(value.shape) == shape
+    if flat:  # the kernels read the bytes in order, whatever the shape after the expert dimension
+        same = value.is_contiguous() and value.dim() >= 1 and value.shape[0] == shape[0]
+        same = same and value.numel() == math.prod(shape)
+    if not same:
+        raise not_accepted(func, param, value, f"shape {shape} ({what})" + (", contiguous" if flat else ""))
+
+
+def check_moe_layout(func, x, topk_ids, topk_weights, w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, activation):
+    """Check one fused-MoE call's activation, x, routing and experts from metadata alone (no host sync); return (E, I)."""
+    if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
+        raise not_accepted(func, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
+    _check_tensor(func, "x", x, _DTYPES, ndim=2)
+    tokens, hidden = x.shape
+    if hidden == 0 or hidden % BLOCK_SIZE:
+        raise not_accepted(func, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
+    _check_tensor(func, "topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2)
+    if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
+        raise not_accepted(func, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
+    _check_sized(func, "topk_weights", topk_weights, (torch.float32,), tuple(topk_ids.shape), "that of topk_ids")
+    _check_tensor(func, "w13", w13, (torch.uint8,), ndim=3)
+    experts, rows13 = w13.shape[0], w13.shape[1]
+    gated = activation == "swiglu"
+    inter = rows13 // 2 if gated else rows13
+    if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
+        accepted = (
+            f"shape (E >= 1, {'2I' if gated else 'I'}, H/2={hidden // 2}) for activation={activation!r}, "
+            f"I a positive multiple of {BLOCK_SIZE}"
+        )
+        raise not_accepted(func, "w13", w13, accepted)
+    per_expert = f"one per expert, E={experts}"
+    swizzled = "128x4 swizzled scales of {} rows and K={} per expert"
+    checks = (
+        (
+            "w13_sf",
+            w13_sf,
+            _SCALE_DTYPES,
+            (experts, *swizzled_scale_shape(rows13, hidden)),
+            swizzled.format(rows13, hidden),
+        ),
+        ("w13_alpha", w13_alpha, (torch.float32,), (experts,), per_expert),
+        ("w2", w2, (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}"),
+        (
+            "w2_sf",
+            w2_sf,
+            _SCALE_DTYPES,
+            (experts, *swizzled_scale_shape(hidden, inter)),
+            swizzled.format(hidden, inter),
+        ),
+        ("w2_alpha", w2_alpha, (torch.float32,), (experts,), per_expert),
+    )
+    for param, value, dtypes, shape, what in checks:
+        _check_sized(func, param, value, dtypes, shape, what, flat=param != "w2")
+    return experts, inter
 
 
 def _moe_gscale(param: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
@@ -198,14 +276,8 @@ def _moe_gscale(param: str, value: object, experts: int, device: torch.device) -
     return _as_scale(_MOE, param, value, device, True)
 
 
-def _check_moe_options(x, topk_ids, topk_weights, activation, out_dtype, quantize_activations, dtypes) -> None:
-    """Check reference_moe_fp4's arguments other than the weights."""
-    _check_tensor(_MOE, "x", x, _MOE_X_DTYPES, ndim=2)
-    tokens, hidden = x.shape
-    if hidden == 0 or hidden % BLOCK_SIZE:
-        raise not_accepted(_MOE, "x", x, f"a hidden size H that is a positive multiple of {BLOCK_SIZE}, got H={hidden}")
-    if not isinstance(activation, str) or activation not in _MOE_ACTIVATIONS:
-        raise not_accepted(_MOE, "activation", activation, "one of " + ", ".join(repr(a) for a in _MOE_ACTIVATIONS))
+def _check_moe_options(x, weights: MoeWeights, topk: tuple, out_dtype, quantize_activations, dtypes) -> None:
+    """Check reference_moe_fp4's options, and where its tensors are (its experts' bytes may be in host memory)."""
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
         raise not_accepted(_MOE, "out_dtype", out_dtype, "None, torch.bfloat16, torch.float16 or torch.float32")
     if not isinstance(quantize_activations, bool):
@@ -213,43 +285,12 @@ def _check_moe_options(x, topk_ids, topk_weights, activation, out_dtype, quantiz
     for dtype in dtypes:
         if dtype not in (None, torch.bfloat16, torch.float16):
             raise not_accepted(_MOE, "intermediate_dtype", dtype, "None, torch.bfloat16 or torch.float16")
-    _check_tensor(_MOE, "topk_ids", topk_ids, _MOE_ID_DTYPES, ndim=2)
-    if topk_ids.shape[0] != tokens or topk_ids.shape[1] == 0:
-        raise not_accepted(_MOE, "topk_ids", topk_ids, f"shape ({tokens}, k) with k >= 1 (one row per token of x)")
-    if topk_ids.device != x.device:
-        raise not_accepted(_MOE, "topk_ids", topk_ids, f"a tensor on {x.device} (where x is)")
-    shape = tuple(topk_ids.shape)
-    _check_moe_tensor("topk_weights", topk_weights, (torch.float32,), shape, "that of topk_ids", x.device)
-
-
-def _check_moe_weights(x, weights: MoeWeights, activation: str) -> tuple[int, int]:
-    """Check the expert tensors against x and the activation; return (E, I)."""
-    hidden, device = x.shape[1], x.device
-    w13 = weights.w13
-    _check_tensor(_MOE, "w13", w13, (torch.uint8,), ndim=3)
-    experts, rows13 = w13.shape[0], w13.shape[1]
-    gated = activation == "swiglu"
-    inter = rows13 // 2 if gated else rows13
-    if experts == 0 or w13.shape[2] * 2 != hidden or (gated and rows13 % 2) or inter == 0 or inter % BLOCK_SIZE:
-        accepted = (
-            f"shape (E >= 1, {'2I' if gated else 'I'}, H/2={hidden // 2}) for activation={activation!r}, "
-            f"I a positive multiple of {BLOCK_SIZE}"
-        )
-        raise not_accepted(_MOE, "w13", w13, accepted)
-    if w13.device != device and w13.device.type != "cpu":  # in host memory: each expert read is copied
-        raise not_accepted(_MOE, "w13", w13, f"a tensor on {device} (where x is) or in host memory")
-    per_expert = f"one per expert, E={experts}"
-    swizzled = "128x4 swizzled scales of {} rows and K={} per expert"
-    checks = (
-        ("w13_sf", _SCALE_DTYPES, (experts, *swizzled_scale_shape(rows13, hidden)), swizzled.format(rows13, hidden)),
-        ("w13_alpha", (torch.float32,), (experts,), per_expert),
-        ("w2", (torch.uint8,), (experts, hidden, inter // 2), f"E, H, I/2 with I={inter}"),
-        ("w2_sf", _SCALE_DTYPES, (experts, *swizzled_scale_shape(hidden, inter)), swizzled.format(hidden, inter)),
-        ("w2_alpha", (torch.float32,), (experts,), per_expert),
-    )
-    for param, dtypes, shape, what in checks:  # packed weights and block scales may stay in host memory
-        _check_moe_tensor(param, getattr(weights, param), dtypes, shape, what, device, "alpha" not in param)
-    return experts, inter
+    tensors = dict(zip(("topk_ids", "topk_weights", *MoeWeights._fields[:6]), (*topk, *weights[:6])))
+    for param, value in tensors.items():
+        host = param in ("w13", "w13_sf", "w2", "w2_sf")  # in host memory: each expert read is copied
+        if value.device != x.device and not (host and value.device.type == "cpu"):
+            where = " or in host memory (each expert read is copied)" if host else ""
+            raise not_accepted(_MOE, param, value, f"a tensor on {x.device} (where x is){where}")
 
 
 class _MoeRun:
@@ -270,10 +311,6 @@ class _MoeRun:
         ends = itertools.accumulate(counts)
         self.spans = [(expert, end - count, end) for expert, (count, end) in enumerate(zip(counts, ends)) if count]
 
-    def quantized(self, values: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
-        packed, scales = quantize(values, gscale, check_finite=False)
-        return dequantize_unscaled(packed, scales, self.dtype)
-
     def dequantized(self, which: str, expert: int) -> torch.Tensor:
         key = (which, expert, self.dtype)
         if self.cache is not None and key in self.cache:
@@ -293,11 +330,11 @@ class _MoeRun:
         if a1 is None:
             acts = x.float()
         elif a1.dim() == 0:
-            acts = self.quantized(x, a1)
+            acts = requantized(x, a1, self.dtype)
         intermediate = torch.empty((token_of_row.numel(), inter), dtype=torch.float32, device=x.device)
         for expert, lo, hi in self.spans:
             rows = token_of_row[lo:hi]
-            rows = acts[rows] if a1 is None or a1.dim() == 0 else self.quantized(x[rows], a1[expert])
+            rows = acts[rows] if a1 is None or a1.dim() == 0 else requantized(x[rows], a1[expert], self.dtype)
             fc1 = expert_mm(rows, self.dequantized("w13", expert), self.weights.w13_alpha[expert])
             intermediate[lo:hi] = expert_activation(fc1.to(self.round_dtype).float(), activation, inter)
         if a1 is not None and not torch.isfinite(intermediate).all():
@@ -313,11 +350,11 @@ class _MoeRun:
             if intermediate_dtype is not None:
                 intermediate = intermediate.to(intermediate_dtype).float()
             if a2.dim() == 0:
-                intermediate = self.quantized(intermediate, a2)
+                intermediate = requantized(intermediate, a2, self.dtype)
             else:
                 intermediate = intermediate.clone()  # the per-expert writes must not reach the shared FC1
                 for expert, lo, hi in self.spans:
-                    intermediate[lo:hi] = self.quantized(intermediate[lo:hi], a2[expert]).float()
+                    intermediate[lo:hi] = requantized(intermediate[lo:hi], a2[expert], self.dtype).float()
                 intermediate = intermediate.to(self.dtype)  # exact: dequantized FP4 values fit bf16
         tokens, hidden = self.x.shape
         # Each routed row lands at its unsorted position token * k + slot, for the finalize.
@@ -357,8 +394,8 @@ def reference_moe_fp4_roundings(
         accepted = "a non-empty tuple of None, torch.bfloat16 or torch.float16"
         raise not_accepted("reference_moe_fp4_roundings", "intermediate_dtypes", intermediate_dtypes, accepted)
     weights = MoeWeights(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1_gscale, a2_gscale)
-    _check_moe_options(x, topk_ids, topk_weights, activation, out_dtype, quantize_activations, intermediate_dtypes)
-    experts, inter = _check_moe_weights(x, weights, activation)
+    experts, inter = check_moe_layout(_MOE, x, topk_ids, topk_weights, *weights[:6], activation)
+    _check_moe_options(x, weights, (topk_ids, topk_weights), out_dtype, quantize_activations, intermediate_dtypes)
     a1 = a2 = None  # W4A16: x and the intermediate enter the GEMMs unquantized
     if quantize_activations:
         a1 = _moe_gscale("a1_gscale", a1_gscale, experts, x.device)

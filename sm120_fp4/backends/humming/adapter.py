@@ -215,12 +215,8 @@ def fused_moe(*args):
     s2 = s2 if c2.prepared.scale_2 is None else s2 * c2.prepared.scale_2
     fc1 = torch.empty((rows.shape[0], c.w13.shape[1]), dtype=x.dtype, device=x.device)
     _first_call(c13.prepared, "moe", lambda: current_engine().grouped_gemm(c13.prepared, rows, s13, offsets, fc1))
-    if c.activation == "swiglu":
-        inter = c.w13.shape[1] // 2
-        up, gate = fc1[:, :inter].float(), fc1[:, inter:].float()
-        act = (gate * torch.sigmoid(gate) * up).to(x.dtype)
-    else:
-        act = torch.relu(fc1.float()).square().to(x.dtype)
+    inter = c.w13.shape[1] // 2 if c.activation == "swiglu" else c.w13.shape[1]
+    act = nvfp4.expert_activation(fc1.float(), c.activation, inter).to(x.dtype)
     fc2 = torch.empty((rows.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
     _first_call(c2.prepared, "moe", lambda: current_engine().grouped_gemm(c2.prepared, act, s2, offsets, fc2))
     routed = torch.empty_like(fc2).index_copy_(0, order, fc2).view(tokens, top_k, -1).float()
