@@ -267,8 +267,7 @@ def _problems(report: dict) -> list[str]:
         )
     if sm12x and not any(d["simulated"] for d in sm12x) and not report.get("nvcc", {}).get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
-    settings = report.get("settings")
-    problems += settings.get("refused", []) if isinstance(settings, dict) else []
+    problems += report["settings"].get("refused", [])  # the settings' section, or their probe's error
     for section, key, what in _SECTION_PROBLEMS:
         if report.get(section, {}).get(key):
             problems.append(f"{what}: {report[section][key]}")
