@@ -191,6 +191,11 @@ _FLUSH_MIN_BYTES = 256 << 20
 
 def time_call(call: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
     """Return the median seconds of `call`: a CUDA-graph replay with a cold L2 on CUDA, else eager."""
+    return timed(call, device, repeats)[0]
+
+
+def timed(call: Callable[[], object], device: torch.device, repeats: int = 5) -> tuple[float, str]:
+    """Return (the median seconds of `call`, how: "graph", "eager: <why not captured>", or "cpu")."""
     call()  # JIT, autotuner caches, workspaces
     if device.type != "cuda":
         samples = []
@@ -198,8 +203,8 @@ def time_call(call: Callable[[], object], device: torch.device, repeats: int = 5
             start = time.perf_counter()
             call()
             samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-    step = _replay(call, device)
+        return statistics.median(samples), "cpu"
+    step, how = _replay(call, device)
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
     flush = torch.empty(max(_FLUSH_MIN_BYTES, 2 * l2), dtype=torch.uint8, device=device)
     samples = []
@@ -211,11 +216,11 @@ def time_call(call: Callable[[], object], device: torch.device, repeats: int = 5
         end.record()
         end.synchronize()
         samples.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
+    return statistics.median(samples), how
 
 
-def _replay(call: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    """Return the replay of `call` captured in a CUDA graph, or `call` where it cannot be captured."""
+def _replay(call: Callable[[], object], device: torch.device) -> tuple[Callable[[], object], str]:
+    """Return (the replay of `call` captured in a CUDA graph, "graph"), or (`call`, "eager: <why>") where it cannot be."""
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
     try:
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -224,10 +229,11 @@ def _replay(call: Callable[[], object], device: torch.device) -> Callable[[], ob
         torch.cuda.current_stream(device).wait_stream(stream)
         with torch.cuda.graph(graph):
             call()
-    except Exception:  # not capturable: timed eagerly
+    except Exception as exc:  # not capturable: timed eagerly
         torch.cuda.synchronize(device)
-        return call
-    return graph.replay
+        why = str(exc).splitlines()[0] if str(exc) else ""
+        return call, f"eager: {type(exc).__name__}: {why}"[:120]
+    return graph.replay, "graph"
 
 
 def _supported(device: Device, candidates: list[str], family: Family, crashed: Mapping[str, str]) -> tuple[list, dict]:

@@ -125,19 +125,17 @@ def _targets() -> dict:
     return engine("sglang").doctor_rows()
 
 
-def _backends(devs: list[dict]) -> list[dict]:
-    from . import backends
-    from .devices import Device
+def _backends(settings) -> list[dict]:
+    """Return whether each backend of each family can run on each device, and why not."""
+    from . import backends, devices
 
-    out = []
     kinds = {"dense": (backends.names, backends.is_supported), "moe": (backends.moe_names, backends.is_moe_supported)}
-    for d in devs:
-        capability = tuple(int(p) for p in d["capability"].split("."))
-        device = Device(d["index"], d["name"], capability, d["simulated"], d["source"])
-        for family, (names, check) in kinds.items():
-            for name, (ok, reason) in ((n, check(n, device)) for n in names()):
-                out.append(dict(device=device.label(), family=family, backend=name, supported=ok, reason=reason))
-    return out
+    return [
+        dict(device=device.label(), family=family, backend=name, supported=ok, reason=reason)
+        for device in devices.list_devices(settings.simulated_capability if settings else None)
+        for family, (names, check) in kinds.items()
+        for name, (ok, reason) in ((n, check(n, device)) for n in names())
+    ]
 
 
 # Targets whose failure means the runtime patch (or the simulation) cannot do its job here; the
@@ -187,10 +185,9 @@ _CANARY_KEYS = ("state", "runs", "failures", "last_run", "busy_s", "share", "lon
 
 def _canary(settings) -> dict:
     """Return the canary's settings, this SGLang's idle point, and each serving process's last reported counters."""
-    import glob
-
     from .api import ENGINES
     from .canary import settings_problem
+    from .report import read_all
     from .sglang import targets
 
     idle = targets.idle_spec(lambda stream: None)
@@ -204,22 +201,13 @@ def _canary(settings) -> dict:
         enabled=settings.canary_period is not None, period_s=settings.canary_period, action=settings.canary_action
     )
     out |= dict(slice_ms=settings.canary_slice_ms, idle_point=point, problem=problem, processes=[])
-    if settings.report is not None:
-        report = str(settings.report)
-        pattern = os.path.join(report, "*.json") if os.path.isdir(report) else report.replace("{pid}", "*")
-        for path in sorted(glob.glob(pattern))[:64]:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                continue
-            # A report holds one section per process (report.py); each may carry its canary's counters.
-            procs = data.get("processes") if isinstance(data, dict) else None
-            for proc in procs if isinstance(procs, list) else [data]:
-                section = proc.get("canary") if isinstance(proc, dict) else None
-                if isinstance(section, dict) and section.get("enabled"):
-                    counters = {k: section.get(k) for k in _CANARY_KEYS}
-                    out["processes"].append({"pid": proc.get("pid"), "report": path, **counters})
+    for path, data in read_all(settings.report)[:64] if settings.report is not None else ():
+        for proc in data.get("processes", []):  # a section per process (report.py), each with its canary's counters
+            section = proc.get("canary") or {}
+            if section.get("enabled"):
+                out["processes"].append(
+                    {"pid": proc.get("pid"), "report": path, **{k: section.get(k) for k in _CANARY_KEYS}}
+                )
     return out
 
 
@@ -236,8 +224,7 @@ def collect(deep: bool = True) -> dict:
     probes = {"torch": _torch, "nvcc": _nvcc, "toolchain": _toolchain, "flashinfer_env": _flashinfer_env}
     probes |= {"humming": _humming, "devices": lambda: _devices(settings), "activation": _activation}
     report.update({key: _probe(probe) for key, probe in {**probes, "sglang": _targets, "engines": _engines}.items()})
-    devs = report["devices"] if isinstance(report["devices"], list) else []
-    report["backends"] = _probe(lambda: _backends(devs))
+    report["backends"] = _probe(lambda: _backends(settings))
     report["import_check"] = _probe(lambda: _import_check(settings)) if deep else {"skipped": "--quick"}
     report["canary"] = _probe(lambda: _canary(settings)) if settings is not None else {"skipped": "no valid settings"}
     report["problems"] = _problems(report)
@@ -280,8 +267,7 @@ def _problems(report: dict) -> list[str]:
         )
     if sm12x and not any(d["simulated"] for d in sm12x) and not report.get("nvcc", {}).get("found"):
         problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
-    settings = report.get("settings")
-    problems += settings.get("refused", []) if isinstance(settings, dict) else []
+    problems += report["settings"].get("refused", [])  # the settings' section, or their probe's error
     for section, key, what in _SECTION_PROBLEMS:
         if report.get(section, {}).get(key):
             problems.append(f"{what}: {report[section][key]}")
@@ -296,105 +282,52 @@ def _problems(report: dict) -> list[str]:
     return problems
 
 
-_TARGET_COLUMNS = ("patch", "target", "releases", "applies here")
+# The Markdown section of each probe (another engine's section is titled by the engine).
+_TITLES = {
+    "settings": "Settings",
+    "torch": "torch",
+    "nvcc": "nvcc (FlashInfer's JIT compiler)",
+    "toolchain": "Toolchain of JIT builds",
+    "flashinfer_env": "FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*)",
+    "humming": "humming-kernels",
+    "devices": "GPUs",
+    "activation": "Activation",
+    "sglang": "SGLang patch targets",
+    "backends": "Backends",
+    "import_check": "SGLang import check (each target of this release: would it apply, or is it applied here)",
+    "canary": "Serving canary (SM120_FP4_CANARY)",
+}
 
 
-def _block(value: Any) -> str:
-    return "```\n" + json.dumps(value, indent=2, default=str) + "\n```"
-
-
-def _section(title: str, value: Any, headers: tuple, rows: list | None, intro: tuple = ()) -> list[str]:
-    """Return a Markdown section: `intro` and a table of `rows`, or `value` as JSON where rows is None."""
-    return ["", f"### {title}", *([_block(value)] if rows is None else [*intro, *markdown_table(headers, rows)])]
-
-
-def _target_rows(section: dict) -> list | None:
-    if "targets" not in section:
-        return None
-    return [(t["name"], f"`{t['target']}`", t["versions"], t["applies"]) for t in section["targets"]]
-
-
-def _summary(report: dict) -> list[str]:
-    """Return the report's opening lines: versions, torch, nvcc, toolchain, FlashInfer variables, humming."""
-    lines = [f"## sm120-fp4 doctor ({report['sm120_fp4']})", "", f"- Python {report['python']} on {report['platform']}"]
-    lines += [f"- {k}: {v or 'not installed'}" for k, v in report["versions"].items()]
-    torch_info, nvcc, tc = report["torch"], report["nvcc"], report.get("toolchain", {})
-    if "error" not in torch_info:
-        lines.append(f"- torch CUDA build {torch_info['cuda_build']}, CUDA available: {torch_info['cuda_available']}")
-    lines.append(f"- nvcc: {nvcc.get('version', 'not found')} {nvcc.get('path', '')}".rstrip())
-    if "error" not in tc:
-        lines.append(
-            f"- toolchain: CUDA {tc.get('cuda') or 'unknown'} ({tc.get('cuda_source')}), glibc {tc.get('glibc') or 'unknown'}, "
-            f"CuTe DSL: {tc.get('cute_dsl')}; b12x: {tc.get('b12x_problem') or 'can run'}"
-        )
-    shown = ", ".join(f"{k}={v!r}" for k, v in report.get("flashinfer_env", {}).get("variables", {}).items())
-    lines.append(f"- FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*): {shown or 'none set'}")
-    hum = report.get("humming", {})
-    if "error" in hum:
-        return [*lines, f"- humming-kernels: probe failed: {hum['error']}"]
-    compiles = f"cannot compile here: {hum.get('compiler_detail')}"
-    if hum.get("can_compile"):
-        compiles = f"can compile here ({hum['compiler']}: {hum['compiler_detail']})"
-    version = hum.get("version") or "not installed"
-    return [*lines, f"- humming-kernels: {version}; {compiles}; kernel cache {hum.get('cache_dir')}"]
-
-
-def _canary_lines(canary: dict) -> list[str]:
-    lines = ["", "### Serving canary (SM120_FP4_CANARY)"]
-    if "enabled" not in canary:
-        return [*lines, _block(canary)]
-    on = "off"
-    if canary["enabled"]:
-        on = f"on, every {canary['period_s']:g} s, action {canary['action']}, slice {canary['slice_ms']:g} ms"
-    lines.append(f"- {on}; idle point here: {canary['idle_point'] or 'none (the canary cannot run on this SGLang)'}")
-    for p in canary["processes"]:
-        last = p.get("last_run") or {}
-        share = f"{p['share']:.3%}" if isinstance(p.get("share"), (int, float)) else "-"
-        lines.append(
-            f"- pid {p['pid']}: {p['state']}; runs {p['runs']}, failures {p['failures']}, last run "
-            f"{last.get('config', '-')} {'passed' if last.get('passed') else 'FAILED' if last else ''}, "
-            f"serving-thread time {p['busy_s']:.3f} s ({share}), longest slice {p['longest_slice_ms']:.1f} ms, "
-            f"skipped (saturated) {p['skipped_saturated']}"
-        )
-    if canary["enabled"] and not canary["processes"]:
-        lines.append(
-            "- no serving process has reported yet (set SM120_FP4_REPORT for the servers to see their counters here)"
-        )
+def _shown(value: Any) -> list[str]:
+    """Return a probe's value as Markdown: rows as a table, a dict's items as a list (its rows as a table), else JSON."""
+    if isinstance(value, list) and all(isinstance(row, dict) for row in value):
+        header = list(value[0]) if value else []
+        return markdown_table(header, [[row.get(k) for k in header] for row in value]) if value else ["- none"]
+    if not isinstance(value, dict):
+        return ["```", json.dumps(value, indent=2, default=str), "```"]
+    lines: list[str] = []
+    for key, item in value.items():
+        rows = isinstance(item, list) and item and all(isinstance(row, dict) for row in item)
+        lines += ["", *_shown(item)] if rows else [f"- {key}: {item}"]
     return lines
 
 
 def _markdown(report: dict) -> str:
-    lines = [*_summary(report), "", "### GPUs"]
-    devs = report["devices"]
-    if isinstance(devs, list):
-        lines += [
-            f"- {d['index']}: {d['name']} (sm_{d['capability'].replace('.', '')}{', simulated' if d['simulated'] else ''}, via {d['source']})"
-            for d in devs
-        ] or ["- none visible"]
-    else:
-        lines.append(_block(devs))
-    lines += ["", "### Activation", _block(report["activation"])]
-    settings, sg = report["settings"], report["sglang"]
-    values = settings.get("values") if "values" in settings else None
-    rows = None if values is None else [(k, v, settings["sources"][k]) for k, v in values.items()]
-    lines += _section("Settings", settings, ("setting", "value", "from"), rows)
-    lines += _section("SGLang patch targets", sg, _TARGET_COLUMNS, _target_rows(sg), (f"{sg.get('reason')}", ""))
-    for section in (report.get("engines") or {}).values():
-        if not isinstance(section, dict) or "targets" not in section:
-            lines += _section("Engine", section, (), None)
-            continue
-        version, entry = section["version"] or "not installed", ", ".join(section["plugin_entry_point"] or ["none"])
-        intro = (f"{section['engine']} {version}: {section['reason']}; plugin entry point: {entry}", "")
-        lines += _section(f"{section['engine']} patch targets", section, _TARGET_COLUMNS, _target_rows(section), intro)
-    bk, check = report["backends"], report["import_check"]
-    shown = bk if isinstance(bk, list) else []
-    rows = [(b["device"], b["family"], b["backend"], b["supported"], b["reason"] or "") for b in shown]
-    rows = rows if isinstance(bk, list) else None
-    lines += _section("Backends", bk, ("device", "family", "backend", "supported", "reason"), rows)
-    lines += _canary_lines(report.get("canary", {}))
-    rows = [(t["name"], t["state"], t["reason"] or "") for t in check["targets"]] if "targets" in check else None
-    title = "SGLang import check (each target of this release: would it apply, or is it applied here)"
-    lines += _section(title, check, ("target", "here", "reason"), rows)
+    """Return the report as Markdown: the versions, then a section per probe, the problems last."""
+    lines = [f"## sm120-fp4 doctor ({report['sm120_fp4']})", "", f"- Python {report['python']} on {report['platform']}"]
+    lines += [f"- {k}: {v or 'not installed'}" for k, v in report["versions"].items()]
+    sections = {k: v for k, v in report.items() if k not in ("sm120_fp4", "python", "platform", "versions", "problems")}
+    settings = sections["settings"]
+    if "values" in settings:  # a row per setting: its value and where it came from
+        rows = [{"setting": k, "value": v, "from": settings["sources"][k]} for k, v in settings["values"].items()]
+        sections["settings"] = {"settings": rows, "refused": settings["refused"]}
+    engines = sections.pop("engines")
+    for name, section in engines.items():  # each other engine's release and patch targets
+        title = section.get("engine", name) if isinstance(section, dict) else name
+        sections[f"{title} patch targets"] = section
+    for key, value in sections.items():
+        lines += ["", f"### {_TITLES.get(key, key)}", *_shown(value)]
     lines += ["", "### Problems"] + ([f"- {p}" for p in report["problems"]] or ["- none found"])
     return "\n".join(lines)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import errno
+import glob
+import json
 import logging
 import os
 import threading
@@ -86,6 +88,21 @@ def write(path: Path, section: dict, directory: bool | None = None, role: str = 
     finally:
         _lock.release()
     return target
+
+
+def read_all(path: str | Path) -> list[tuple[str, dict]]:
+    """Return (file, its JSON) of each report readable at `path`: a directory's files, every pid's for ``{pid}``."""
+    path = str(path).replace("{pid}", "*")
+    found = []
+    for name in sorted(glob.glob(os.path.join(path, "*.json") if os.path.isdir(path) else path)):
+        try:
+            with open(name, encoding="utf-8") as f:
+                payload = json.load(f)
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or being replaced: a report of a run, not of this command
+        if isinstance(payload, dict):
+            found.append((name, payload))
+    return found
 
 
 def _merge(target: Path, section: dict, role: str) -> None:

@@ -73,27 +73,24 @@ def _device(settings, index: int | None, any_gpu: bool) -> Device | int:
     from ..config import check_flashinfer_env
 
     found = devices.list_devices(settings.simulated_capability, init_cuda=True)
-    if index is not None:
-        chosen = [d for d in found if d.index == index]
-        if not chosen:
-            eprint(f"sm120-fp4 bench: --device {index} is not visible; visible: {[d.index for d in found]}")
-            return EXIT_USAGE
-        if not (devices.is_sm12x(chosen[0].capability) or any_gpu):
-            eprint(
-                f"sm120-fp4 bench: --device {index} is {chosen[0].label()}, not a compute-capability 12.x GPU; "
-                "accepted: a 12.x GPU, or any GPU with --allow-any-gpu"
-            )
-            return EXIT_USAGE
-        device = chosen[0]
-    else:
-        usable = [d for d in found if devices.is_sm12x(d.capability) or (any_gpu and d.is_cuda)]
-        if not usable:
-            eprint(
-                "sm120-fp4 bench: no compute-capability 12.x GPU visible; nothing to measure (--allow-any-gpu "
-                f"measures another GPU; to try it on this CPU, in simulation: {SIMULATE_ON_CPU})"
-            )
-            return EXIT_OK
-        device = usable[0]
+    usable = [d for d in found if devices.is_sm12x(d.capability) or (any_gpu and d.is_cuda)]
+    chosen = [d for d in found if d.index == index] if index is not None else usable[:1]
+    if index is not None and not chosen:
+        eprint(f"sm120-fp4 bench: --device {index} is not visible; visible: {[d.index for d in found]}")
+        return EXIT_USAGE
+    if not chosen:
+        eprint(
+            "sm120-fp4 bench: no compute-capability 12.x GPU visible; nothing to measure (--allow-any-gpu "
+            f"measures another GPU; to try it on this CPU, in simulation: {SIMULATE_ON_CPU})"
+        )
+        return EXIT_OK
+    device = chosen[0]
+    if not (devices.is_sm12x(device.capability) or any_gpu):
+        eprint(
+            f"sm120-fp4 bench: --device {index} is {device.label()}, not a compute-capability 12.x GPU; "
+            "accepted: a 12.x GPU, or any GPU with --allow-any-gpu"
+        )
+        return EXIT_USAGE
     if devices.is_sm12x(device.capability) and device.is_cuda:
         check_flashinfer_env()  # FlashInfer's own FP4 knobs would make every candidate fail its self-test
     return device

@@ -10,7 +10,7 @@ import torch
 from .. import backends, deciding, verify
 from ..devices import Device
 from ..verify.moe import _moe_weights as moe_weights
-from .timing import REPEATS, DenseShape, MoeShape, Timer, dense_bf16, dense_call, first_line, moe_bf16, moe_call
+from .timing import DenseShape, MoeShape, dense_bf16, dense_call, first_line, moe_bf16, moe_call, time_one
 
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_SIZES = (512, 1024, 2048, 4096, 8192)
@@ -91,11 +91,11 @@ def _verified(family: deciding.Family, names: list[str], config, sizes: list[int
     return rows, [*timed, (BF16, lambda m: yardstick(config, m, tdev), False)]
 
 
-def _timed(timer: Timer, base: dict, config, name: str, make: Callable, tune: bool, m: int) -> dict:
+def _timed(device, base: dict, config, name: str, make: Callable, tune: bool, m: int) -> dict:
     """Return the row of one timed call of backend `name` at batch size `m`."""
     row = {**base, "backend": name}
     try:
-        seconds, how = timer.time(make(m), tune)
+        seconds, how = time_one(make(m), tune, device)
     except Exception as exc:
         return {**row, "verdict": f"failed while timed: {type(exc).__name__}: {exc}"[:200], "m": m}
     verdict = "yardstick" if name == BF16 else "verified"
@@ -106,8 +106,6 @@ def _timed(timer: Timer, base: dict, config, name: str, make: Callable, tune: bo
 def run(device: Device, settings, dense: list, moe: list, sizes: list[int], wanted=None, log=None) -> dict:
     """Verify, then time, each candidate of each family on `device`; return JSON-ready rows."""
     log = log or eprint
-    tdev = device.torch_device
-    timer = Timer(tdev, REPEATS["cuda" if tdev.type == "cuda" else "cpu"])
     rows: list[dict] = []
     for family, configs in ((deciding.DENSE, dense), (deciding.MOE, moe)):
         names = _candidates(family, settings, device, wanted)
@@ -117,7 +115,7 @@ def run(device: Device, settings, dense: list, moe: list, sizes: list[int], want
             base = {"family": family.name, "config": config.label()}
             for name, make, tune in timed:
                 log(f"[{device.label()}] timing {family.name} {name} at {config.label()} ...")
-                rows += [_timed(timer, base, config, name, make, tune, m) for m in sizes]
+                rows += [_timed(device.torch_device, base, config, name, make, tune, m) for m in sizes]
     # each time beside the yardstick's at the same configuration and size
     yardstick = {
         (r["family"], r["config"], r["m"]): r["time_us"] for r in rows if r["backend"] == BF16 and r.get("time_us")

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .. import nvfp4, verify
+from .. import deciding, nvfp4, verify
 from ..backends import flashinfer
 
-REPEATS = {"cuda": 20, "cpu": 3}
-_FLUSH_MIN_BYTES = 256 << 20  # the L2 flush buffer: at least twice the largest L2 of these GPUs (128 MiB)
+REPEATS = 20  # samples on a GPU (3 on a CPU, where the times only show that the command works)
 
 
 @dataclass(frozen=True)
@@ -99,60 +96,12 @@ def moe_bf16(config: MoeShape, m: int, device: torch.device) -> Callable[[], obj
     return call
 
 
-class Timer:
-    """Median time of one call: a CUDA-graph replay per sample (else eager), L2 flushed; perf_counter on a CPU."""
-
-    def __init__(self, device: torch.device, repeats: int) -> None:
-        self.device, self.repeats, self._flush = device, repeats, None
-        if device.type == "cuda":
-            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
-            self._flush = torch.empty(max(_FLUSH_MIN_BYTES, 2 * l2), dtype=torch.uint8, device=device)
-
-    def time(self, call: Callable[[], object], tune: bool) -> tuple[float, str]:
-        """Return (median seconds, how: "graph", "eager: <why>" or "cpu")."""
-        if self.device.type != "cuda":
-            call()
-            return statistics.median(_elapsed(call) for _ in range(self.repeats)), "cpu"
-        with torch.cuda.device(self.device):
-            if tune:
-                with flashinfer.autotuning():
-                    call()  # FlashInfer profiles its tactics for this shape, as a server's warm-up does
-            call()
-            torch.cuda.synchronize(self.device)
-            step, how = self._captured(call)
-            step()
-            return statistics.median(self._sample(step) for _ in range(self.repeats)), how
-
-    def _captured(self, call: Callable[[], object]) -> tuple[Callable[[], object], str]:
-        """Return (a CUDA-graph replay of `call`, "graph"), or (`call`, "eager: <why>") where it cannot be captured."""
-        try:
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                call()  # warm on the side stream, as torch's capture recipe asks
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            with torch.cuda.graph(graph):
-                call()
-            return graph.replay, "graph"
-        except Exception as exc:
-            torch.cuda.synchronize(self.device)
-            return call, f"eager: {first_line(exc)}"[:120]
-
-    def _sample(self, step: Callable[[], object]) -> float:
-        self._flush.zero_()  # cold L2: the weights come from memory, as in a server's many layers
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
-
-
-def _elapsed(call: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
+def time_one(call: Callable[[], object], tune: bool, device: torch.device) -> tuple[float, str]:
+    """Return (median seconds, how) of `call` by the library's one timer, after FlashInfer's autotune where `tune`."""
+    if tune:
+        with flashinfer.autotuning():
+            call()  # FlashInfer profiles its tactics for this shape, as a server's warm-up does
+    return deciding.timed(call, device, REPEATS if device.type == "cuda" else 3)
 
 
 def first_line(exc: Exception) -> str:

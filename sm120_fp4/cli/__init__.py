@@ -7,9 +7,9 @@ interrupted by signal N, nothing recorded for the running candidates."""
 from .commands import _parser, main
 from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE
 from .launch import COREDUMP_WAIT_VAR
-from .selftest import use_model_worker_runner, use_worker_runner
+from .selftest import use_worker_runner
 from .workers import WorkerOutput, _model_worker, _worker, model_worker_argv, worker_argv
 
 __all__ = ["main", "EXIT_OK", "EXIT_REFUSED", "EXIT_USAGE", "EXIT_UNVERIFIED", "use_worker_runner", "worker_argv"]
-__all__ += ["WorkerOutput", "use_model_worker_runner", "model_worker_argv", "COREDUMP_WAIT_VAR", "_parser", "_worker"]
+__all__ += ["WorkerOutput", "model_worker_argv", "COREDUMP_WAIT_VAR", "_parser", "_worker"]
 __all__ += ["_model_worker"]

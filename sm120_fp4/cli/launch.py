@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
-import json
 import os
 import shutil
 import signal
@@ -121,18 +119,12 @@ def _end_with_launcher() -> None:
 def _refusal_lines(report: str) -> list[str]:
     """Return, from the report the server's processes wrote, which rank refused and why, and which were stopped."""
     from ..devices import rank_text
+    from ..report import read_all
 
-    path = report.replace("{pid}", "*")
-    paths = glob.glob(os.path.join(path, "*.json")) if os.path.isdir(path) else glob.glob(path)
     group = f"{os.getpgid(0)}@"
     lines, stopped = [], []
-    for found in sorted(paths):
-        try:
-            with open(found, encoding="utf-8") as f:
-                payload = json.load(f)
-            processes = [p for p in payload.get("processes", []) if str(p.get("run", "")).startswith(group)]
-        except (OSError, ValueError, AttributeError):
-            continue
+    for _, payload in read_all(report):
+        processes = [p for p in payload.get("processes", []) if str(p.get("run", "")).startswith(group)]
         for proc in processes:
             who = f"{rank_text(proc.get('rank') or {}) or 'process'} (pid {proc.get('pid')})"
             mine = [r for r in payload.get("refusals", []) if r.get("pid") == proc.get("pid")]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _eprint, _where
-from .workers import INTERRUPTS, _died, _run_model_worker, _run_worker, _Stop
+from .workers import INTERRUPTS, _died, _run_worker, _Stop, model_worker_argv, worker_argv
 
 # The engines selftest and launch verify for (api.engine(name)); unpatchable releases: refused or unverified.
 ENGINE_NAMES = ("sglang", "vllm")  # the names of api.ENGINES, listed here so that parsing imports no engine home
@@ -104,14 +104,18 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
         return refused
     env = {**os.environ, "SM120_FP4": "1"}
     model = os.path.abspath(args.model)
-    chosen = {} if name == "sglang" else {"engine": name}  # a runner seam of tests knows only SGLang's
+    stop = _Stop()
 
     def run(index: int) -> dict:
         _eprint(f"[{_where(index)}] building and verifying {model}'s NVFP4 layers through {name}'s layers ...")
-        return (_model_worker_runner or _run_model_worker)(index, model, env, **chosen)
+        argv = model_worker_argv(index, model, name)
+        result, _, code, stderr = (_worker_runner or _run_worker)(argv, _where(index), env, stop)
+        message = f"model check worker ({_where(index)}) {_died(code)} before a result:\n{stderr}"
+        return result or {"ok": False, "usage": False, "message": message}
 
-    with ThreadPoolExecutor(max_workers=len(indices)) as pool:
-        results = dict(zip(indices, pool.map(run, indices)))
+    results = _in_workers(indices, run, stop)
+    if stop.signal is not None:
+        return _interrupted(stop.signal, [])
     text = json.dumps({str(i): r for i, r in results.items()}, indent=2) if args.json else None
     print(text if text is not None else "\n".join(_model_rows(results)))
     return _model_outcome(results)
@@ -139,38 +143,55 @@ def _model_rows(results: dict[int, dict]) -> list[str]:
 
 def _model_outcome(results: dict[int, dict]) -> int:
     """Print each failure of ``selftest --model``; return its exit code."""
-    for r in results.values():
-        if not r.get("ok"):
-            _eprint("\n" + r["message"])
-    if any(r.get("usage") for r in results.values()):
-        return EXIT_USAGE
-    if any(not r.get("ok") for r in results.values()):
-        return EXIT_REFUSED
-    if any(not d["verified"] for r in results.values() for d in r["decisions"]):
+    failed = _failed(results.values())
+    if failed is None and any(not d["verified"] for r in results.values() for d in r["decisions"]):
         return EXIT_UNVERIFIED
-    return EXIT_OK
+    return EXIT_OK if failed is None else failed
 
 
-WorkerRunner = Callable[..., "tuple[dict | None, dict | None, int, str]"]
+def _failed(results) -> int | None:
+    """Print the message of each result that failed; return EXIT_USAGE (a usage error among them), EXIT_REFUSED, or
+    None where none failed."""
+    failed = [r for r in results if not r.get("ok")]
+    for r in failed:
+        _eprint("\n" + r["message"])
+    if any(r.get("usage") for r in failed):
+        return EXIT_USAGE
+    return EXIT_REFUSED if failed else None
+
+
+WorkerRunner = Callable[..., "tuple[dict | None, dict | None, int, str]"]  # (argv, label, env, stop) -> _run_worker's
 _worker_runner: WorkerRunner | None = None
 
 
 def use_worker_runner(runner: WorkerRunner | None) -> WorkerRunner | None:
-    """Run the preflight's workers through `runner` (None: own processes); return the previous one (a test seam)."""
+    """Run the workers of ``selftest`` (with ``--model`` too) and ``launch`` through `runner` (None: own processes);
+    return the previous one (a test seam)."""
     global _worker_runner
     previous, _worker_runner = _worker_runner, runner
     return previous
 
 
-ModelWorkerRunner = Callable[[int, str, "dict[str, str]"], dict]
-_model_worker_runner: ModelWorkerRunner | None = None
+def _in_workers(jobs: list, run: Callable, stop: _Stop) -> dict:
+    """Return {job: run(job)}, every job at once (each runs its own short-lived worker), in the jobs' order."""
+    restore = stop.handle_signals()  # a signal stops every worker (the second kills them)
+    try:
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            futures = {job: pool.submit(run, job) for job in jobs}
+            return {job: futures[job].result() for job in jobs}
+    finally:
+        restore()
 
 
-def use_model_worker_runner(runner: ModelWorkerRunner | None) -> ModelWorkerRunner | None:
-    """Run ``selftest --model``'s workers through `runner` (None: own processes); return the previous one."""
-    global _model_worker_runner
-    previous, _model_worker_runner = _model_worker_runner, runner
-    return previous
+def _interrupted(signum: int, results: list[dict]) -> int:
+    """Say which workers an interrupt by `signum` stopped (nothing recorded for them); return 128 + signum."""
+    for r in results:
+        _eprint(r["message"])
+    _eprint(
+        f"sm120-fp4 selftest: interrupted by {signal.Signals(signum).name}: the workers were stopped; "
+        f"nothing was recorded for the candidates they were running (exit {128 + signum})"
+    )
+    return 128 + signum
 
 
 # A worker killed by SIGKILL (out of memory, kill -9) is no verdict: re-run this many times, then exit 2.
@@ -215,8 +236,8 @@ def _preflight(index: int, family: str, backend_args: list[str], settings, env: 
     while True:
         if stop.signal is not None:
             return _stopped(label, stop.signal, None)
-        run = _worker_runner or _run_worker
-        result, event, code, stderr = run(index, family, backend_args, crashed, label, env, stop, uuid)
+        argv = worker_argv(index, family, backend_args, crashed, uuid)
+        result, event, code, stderr = (_worker_runner or _run_worker)(argv, label, env, stop)
         if result is not None:
             result["crashed"], result["unrecorded"] = dict(crashed), dict(unrecorded)
             _record(settings, family, result)
@@ -340,52 +361,36 @@ def cmd_selftest(args: argparse.Namespace, families: Sequence[str] | None = None
     for family, index in jobs:
         what = ", ".join(args.backend) if args.backend else f"the configured {deciding.FAMILIES[family].what} backends"
         _eprint(f"[{_where(index)}] self-testing {what} in a subprocess ...")
-    start = time.perf_counter()
-    stop = _Stop()
-    restore = stop.handle_signals()
-    try:
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:  # each its own short-lived process, all at once
-            futures = {
-                (f, i): pool.submit(_preflight, i, f, backend_args, settings, env, stop, uuids.get(i)) for f, i in jobs
-            }
-            results = {job: futures[job].result() for job in jobs}  # the table keeps device order
-    finally:
-        restore()
+    start, stop = time.perf_counter(), _Stop()
+
+    def run(job: tuple[str, int]) -> dict:
+        family, index = job
+        return _preflight(index, family, backend_args, settings, env, stop, uuids.get(index))
+
+    results = _in_workers(jobs, run, stop)
     if seen is not None:
         seen.extend((family, r) for (family, _), r in results.items())
     _eprint(f"sm120-fp4 selftest: done in {time.perf_counter() - start:.1f} s")
     _write_preflight_report(settings, results)
     interrupted = [r for r in results.values() if r.get("interrupted")]
     if stop.signal is not None or interrupted:
-        signum = stop.signal or interrupted[0]["signal"]
-        for r in interrupted:
-            _eprint(r["message"])
-        _eprint(
-            f"sm120-fp4 selftest: interrupted by {signal.Signals(signum).name}: the self-test workers were stopped; "
-            f"nothing was recorded for the candidates they were running (exit {128 + signum})"
-        )
-        return 128 + signum
+        return _interrupted(stop.signal or interrupted[0]["signal"], interrupted)
     return _outcome(args, results, families, settings, engine)
 
 
 def _outcome(args: argparse.Namespace, results: dict, families: list[str], settings, engine) -> int:
     """Print the preflight's table (or JSON) and each failure; return the exit code of ``selftest``."""
-    usage = [r for r in results.values() if not r.get("ok") and r.get("usage")]
-    refused = [r for r in results.values() if not r.get("ok") and not r.get("usage")]
-    unverified = [r for r in results.values() if r.get("ok") and not r["decision"]["verified"]]
     if args.json:
         key = (lambda f, i: str(i)) if len(families) == 1 else (lambda f, i: f"{f}:{i}")
         print(json.dumps({key(*job): v for job, v in results.items()}, indent=2))
     else:
         print("\n".join(_decision_rows(results)))
-    for r in usage + refused:
-        _eprint("\n" + r["message"])
-    if usage:
-        return EXIT_USAGE
-    if refused:
-        return EXIT_REFUSED
+    failed = _failed(results.values())
+    if failed is not None:
+        return failed
     if engine is not None:
         return _say_unverified_engine(engine, "the table verifies the kernels, not what SGLang will serve")
+    unverified = [r for r in results.values() if not r["decision"]["verified"]]
     if unverified:
         n, mode = len(unverified), f"SM120_FP4_SELFTEST={settings.selftest}"
         _eprint(f"sm120-fp4 selftest: {n} decision(s) would serve UNVERIFIED ({mode}): exit {EXIT_UNVERIFIED}")

@@ -1,4 +1,4 @@
-"""The self-test workers (``_selftest-worker``, ``_model-worker``): their arguments, running and stopping them."""
+"""The workers (``_selftest-worker``, ``_model-worker``): their arguments, running and stopping them."""
 
 from __future__ import annotations
 
@@ -147,19 +147,6 @@ def worker_argv(index: int, family: str, backend_args: list[str], crashed: dict,
     return argv + [a for name, why in crashed.items() for a in ("--crashed", f"{name}={why}")]
 
 
-def _run_model_worker(index: int, model: str, env: dict[str, str], engine: str = "sglang") -> dict:
-    """Run one model-check worker process; return its result line, or why it gave none."""
-    cmd = [sys.executable, "-m", "sm120_fp4", *model_worker_argv(index, model, engine)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    try:
-        return json.loads(lines[-1])
-    except (IndexError, ValueError):
-        died, stderr = _died(proc.returncode), proc.stderr[-2000:]
-        message = f"model check worker (device {index}) {died} before a result:\n{stderr}"
-        return {"ok": False, "usage": False, "message": message}
-
-
 def _died(code: int) -> str:
     from ..errors import EXIT_HUNG
 
@@ -242,9 +229,10 @@ class WorkerOutput:
             self.result = data
 
 
-def _run_worker(index: int, family: str, backend_args: list, crashed: dict, label: str, env: dict, stop: _Stop, uuid):
-    """Run one worker; return (result, last candidate event, returncode, stderr tail)."""
-    cmd = [sys.executable, "-m", "sm120_fp4", *worker_argv(index, family, backend_args, crashed, uuid)]
+def _run_worker(argv: list[str], label: str, env: dict, stop: _Stop):
+    """Run one worker process (`argv` after ``python -m sm120_fp4``, :func:`worker_argv` or :func:`model_worker_argv`);
+    return (result, last candidate event, returncode, stderr tail)."""
+    cmd = [sys.executable, "-m", "sm120_fp4", *argv]
     lines: queue.Queue = queue.Queue()
     output = WorkerOutput(label)
     with (

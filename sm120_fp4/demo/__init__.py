@@ -10,25 +10,28 @@ import torch
 from ..sglang.layers import build_modelopt_layer
 from .synthetic import make_checkpoint, make_moe_checkpoint, reference_moe_output, reference_output
 
-_say = functools.partial(print, flush=True)
+_say = functools.partial(print, sep="\n", flush=True)  # each argument a line
 _HEALTHY = {"backends": "cutlass,b12x,emulated", "moe_backends": "cutlass,emulated"}
 
 
 def _selftest_table(decision) -> list[str]:
+    """Return the self-test of `decision` as a table: a row per backend and shape, one per candidate skipped."""
+    from ..tables import markdown_table
+
+    def shown(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     rows = [
-        "  | backend | M | N | K | passed | rel. error | norm ratio | reason |",
-        "  |---|---|---|---|---|---|---|---|",
+        (r.backend, s.m, s.n, s.k, s.passed, shown(s.rel_err, ".2e"), shown(s.norm_ratio, ".3f"), s.reason or "")
+        for r in decision.reports
+        for s in r.shapes
     ]
-    for report in decision.reports:
-        for s in report.shapes:
-            err = "-" if s.rel_err is None else f"{s.rel_err:.2e}"
-            ratio = "-" if s.norm_ratio is None else f"{s.norm_ratio:.3f}"
-            cells = (report.backend, s.m, s.n, s.k, s.passed, err, ratio, s.reason or "")
-            rows.append("  | " + " | ".join(map(str, cells)) + " |")
-    for name, why in decision.rejected.items():
-        if not any(r.backend == name for r in decision.reports):
-            rows.append(f"  | {name} | - | - | - | skipped | - | - | {why} |")
-    return rows
+    tried = {r.backend for r in decision.reports}
+    rows += [
+        (name, "-", "-", "-", "skipped", "-", "-", why) for name, why in decision.rejected.items() if name not in tried
+    ]
+    header = ("backend", "M", "N", "K", "passed", "rel. error", "norm ratio", "reason")
+    return ["  " + line for line in markdown_table(header, rows)]
 
 
 def _quiet() -> None:
@@ -54,8 +57,7 @@ def _refuses(name: str, kernel: Callable, moe: bool, build: Callable, shown: str
     try:
         build()
     except RefusedToServe as exc:
-        _say(shown)
-        _say("\n".join("   | " + line for line in str(exc).splitlines()[:lines]))
+        _say(shown, *("   | " + line for line in str(exc).splitlines()[:lines]))
         return True
     finally:
         sm120_fp4.uninstall()
@@ -69,18 +71,23 @@ def _dense_layer(n: int, k: int):
     import sm120_fp4
     from sm120_fp4 import serving
 
-    _say(f"\n2. Build a real ModelOptFp4LinearMethod layer (N={n}, K={k}) from a synthetic NVFP4 checkpoint;")
-    _say("   its process_weights_after_loading runs the self-test on this device before serving:")
+    _say(
+        f"\n2. Build a real ModelOptFp4LinearMethod layer (N={n}, K={k}) from a synthetic NVFP4 checkpoint;",
+        "   its process_weights_after_loading runs the self-test on this device before serving:",
+    )
     ckpt = make_checkpoint(n, k, seed=7)
     method, layer = build_modelopt_layer(ckpt)
     decision = serving.decisions()[0]
-    _say(f"   decision: {decision.backend} ({decision.reason}), verified={decision.verified}")
-    _say("\n".join(_selftest_table(decision)))
+    _say(
+        f"   decision: {decision.backend} ({decision.reason}), verified={decision.verified}", *_selftest_table(decision)
+    )
     for report in decision.layers:
         ms = ", ".join(str(s.m) for s in report.shapes)
         calls = sum(s.calls for s in report.shapes)
-        _say(f"   then the layer itself: {report.config}, through SGLang's apply() at M = {ms}")
-        _say(f"   (two passes, {calls} calls): passed={report.passed}, max rel error {report.max_rel_err:.2e}")
+        _say(
+            f"   then the layer itself: {report.config}, through SGLang's apply() at M = {ms}",
+            f"   (two passes, {calls} calls): passed={report.passed}, max rel error {report.max_rel_err:.2e}",
+        )
     _say("\n3. What was patched (the ledger; targets of other SGLang releases left out):")
     for p in sm120_fp4.status().patches:
         if p.state == "skipped" and (p.reason or "").startswith("not needed"):
@@ -98,8 +105,10 @@ def _dense_forward(ckpt, method, layer, m: int) -> None:
     dense = x.float() @ ckpt.dense.float().T
     diff = (out.float() - reference_output(ckpt, x).float()).abs().max().item()
     q_err = ((out.float() - dense).norm() / dense.norm()).item()
-    _say(f"   output {tuple(out.shape)} {out.dtype}; max |SGLang - reference| = {diff:.3g} (bit-exact: {diff == 0})")
-    _say(f"   vs the unquantized bf16 layer: relative error {q_err:.3f} (the cost of 4-bit weights and activations)")
+    _say(
+        f"   output {tuple(out.shape)} {out.dtype}; max |SGLang - reference| = {diff:.3g} (bit-exact: {diff == 0})",
+        f"   vs the unquantized bf16 layer: relative error {q_err:.3f} (the cost of 4-bit weights and activations)",
+    )
 
 
 def _zero_band(a, b, a_sf, b_sf, alpha, out_dtype, out):
@@ -115,12 +124,14 @@ def main() -> int:
     import sm120_fp4
 
     _quiet()
-    _say("sm120_fp4 demo: SGLang's NVFP4 linear layer on a SIMULATED SM120 GPU (CPU only)")
-    _say("=" * 78)
-    _say("On a real RTX PRO 6000 / RTX 5090 the same steps run FlashInfer's kernels; here no such GPU")
-    _say("exists, so FlashInfer's backends are reported unsupported and the pure-PyTorch 'emulated'")
-    _say("backend (checked against the nvfp4 oracle like any kernel) stands in for them.\n")
-    _say("1. install(): patch SGLang (candidates cutlass, b12x, then emulated; MoE: cutlass, then emulated)")
+    _say(
+        "sm120_fp4 demo: SGLang's NVFP4 linear layer on a SIMULATED SM120 GPU (CPU only)",
+        "=" * 78,
+        "On a real RTX PRO 6000 / RTX 5090 the same steps run FlashInfer's kernels; here no such GPU",
+        "exists, so FlashInfer's backends are reported unsupported and the pure-PyTorch 'emulated'",
+        "backend (checked against the nvfp4 oracle like any kernel) stands in for them.\n",
+        "1. install(): patch SGLang (candidates cutlass, b12x, then emulated; MoE: cutlass, then emulated)",
+    )
     status = sm120_fp4.install(simulate="12.0", **_HEALTHY)
     if not status.installed:
         _say(f"   not installed: {status.message}")
@@ -153,8 +164,10 @@ def _moe_layer():
         if problem is not None:
             raise ImportError(problem + "; the MoE patches are applied, see `sm120-fp4 doctor`")
         ckpt = make_moe_checkpoint(8, 256, 128, seed=11)
-        _say("\n5. A real NVFP4 FusedMoE layer (ModelOptNvFp4FusedMoEMethod: 8 experts, H=256, I=128, top-2);")
-        _say("   its process_weights_after_loading runs the MoE self-test, then checks the layer's own experts:")
+        _say(
+            "\n5. A real NVFP4 FusedMoE layer (ModelOptNvFp4FusedMoEMethod: 8 experts, H=256, I=128, top-2);",
+            "   its process_weights_after_loading runs the MoE self-test, then checks the layer's own experts:",
+        )
         return ckpt, moe_layers.build_modelopt_moe_layer(ckpt, top_k=2)
     except ImportError as exc:
         _say(f"\n5-6. NVFP4 MoE: skipped on this SGLang ({exc})")
@@ -200,9 +213,11 @@ def _moe_part() -> bool | None:
     x = (torch.randn(64, 256, generator=gen) * 2).to(torch.bfloat16)
     out = moe_forward(layer, x, ids, weights)
     diff = (out.float() - reference_moe_output(ckpt, x, ids, weights).float()).abs().max().item()
-    _say(f"   SGLang's MoE forward (64 tokens) vs reference_moe_fp4: max diff {diff:.3g} (bit-exact: {diff == 0})")
-    _say("\n6. A broken MoE kernel: rows 64-127 of an expert's tile zeroed when it gets more than 64 rows")
-    _say("   (FlashInfer PR 3533 on SM120), registered with register_moe:")
+    _say(
+        f"   SGLang's MoE forward (64 tokens) vs reference_moe_fp4: max diff {diff:.3g} (bit-exact: {diff == 0})",
+        "\n6. A broken MoE kernel: rows 64-127 of an expert's tile zeroed when it gets more than 64 rows",
+        "   (FlashInfer PR 3533 on SM120), registered with register_moe:",
+    )
     build = lambda: build_modelopt_moe_layer(ckpt, top_k=2)  # noqa: E731
     if not _refuses("tile-drop", _drops_tile_rows, True, build, "   refused:", 3):
         return False

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import random
@@ -93,13 +92,7 @@ def _listening(port: int) -> bool:
 
 
 def group_members(pgid: int) -> list[int]:
-    """Return the live (not zombie) processes of process group `pgid` (without /proc: the leader, if alive)."""
-    if not os.path.isdir("/proc/self"):
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return []
-        return [pgid]
+    """Return the live (not zombie) processes of process group `pgid` (read from /proc: the servers run on Linux)."""
     members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -208,12 +201,9 @@ class Server:
         return code
 
     def reports(self) -> list[dict]:
-        out = []
-        for path in sorted(glob.glob(os.path.join(self.report_dir, "*.json"))):
-            with contextlib.suppress(OSError, ValueError):
-                with open(path, encoding="utf-8") as f:
-                    out.append(json.load(f))
-        return out
+        from ..report import read_all
+
+        return [payload for _, payload in read_all(self.report_dir)]
 
     def log_tail(self, lines: int = 25) -> str:
         with contextlib.suppress(OSError):
@@ -291,8 +281,7 @@ def serve_once(model_path: str, workdir: str, extra_args: list, env=None, expect
         _say(f"   ERROR: processes {left} of the server's process group are still running")
         return 1
     summary = summarize(server.reports())
-    _say("   what every SGLang process verified (SM120_FP4_REPORT files):")
-    _say("\n".join(summary) if summary else "   (no report written)")
+    _say("   what every SGLang process verified (SM120_FP4_REPORT files):", *(summary or ["   (no report written)"]))
     if still:
         _say(f"   ERROR: something still listens on 127.0.0.1:{server.port} after the server was stopped")
         return 1
@@ -313,8 +302,7 @@ def main(model_path: str | None = None, extra_args: list[str] | None = None) -> 
     """Run the server demo; with `model_path`, serve that checkpoint once instead (exit 0 on an answer)."""
     extra = list(extra_args or [])
     extra = extra[1:] if extra[:1] == ["--"] else extra
-    _say("sm120_fp4 demo --server: a real SGLang server on this CPU, SIMULATED SM120 (SGLang's CPU engine)")
-    _say("=" * 78)
+    _say("sm120_fp4 demo --server: a real SGLang server on this CPU, SIMULATED SM120 (SGLang's CPU engine)", "=" * 78)
     workdir = tempfile.mkdtemp(prefix="sm120_fp4_server_")
     if model_path is not None:
         _say(f"Serving {model_path} with SGLang's default flags{' + ' + ' '.join(extra) if extra else ''}:")
@@ -324,16 +312,20 @@ def main(model_path: str | None = None, extra_args: list[str] | None = None) -> 
     from .checkpoint import write_checkpoint
 
     ckpt = write_checkpoint(os.path.join(workdir, "tiny-nvfp4-moe"), seed=3)
-    _say(f"1. A tiny NVFP4 checkpoint (ModelOpt format: Qwen3-MoE, 2 layers, 8 experts, top-2) in {ckpt};")
-    _say("   sm120-fp4 launch -- python -m sglang.launch_server --model-path ... (MoE runner left at 'auto'):")
+    _say(
+        f"1. A tiny NVFP4 checkpoint (ModelOpt format: Qwen3-MoE, 2 layers, 8 experts, top-2) in {ckpt};",
+        "   sm120-fp4 launch -- python -m sglang.launch_server --model-path ... (MoE runner left at 'auto'):",
+    )
     first = serve_once(ckpt, workdir, extra)
     if first != 0:
         _say(f"\nThe healthy server did not answer. Logs and reports kept in {workdir}")
         return 1
     tp = tp_size(extra)
     at = f"N={QKV_N // tp}, K={QKV_K}" + (f", each of {tp} TP ranks' shard" if tp > 1 else "")
-    _say(f"\n2. The same server with a kernel wrong only at this checkpoint's fused qkv shape ({at}),")
-    _say("   registered by an entry-point plugin and named in SM120_FP4_BACKENDS:")
+    _say(
+        f"\n2. The same server with a kernel wrong only at this checkpoint's fused qkv shape ({at}),",
+        "   registered by an entry-point plugin and named in SM120_FP4_BACKENDS:",
+    )
     plugin = _write_plugin(workdir)
     env = {
         "SM120_FP4_BACKENDS": "demo-wrong-at-qkv",
@@ -343,6 +335,8 @@ def main(model_path: str | None = None, extra_args: list[str] | None = None) -> 
     if second != 0:
         _say(f"\nERROR: the broken kernel was not refused. Logs and reports kept in {workdir}")
         return 1
-    _say("\nDone: the healthy server answered; the broken kernel never reached a request (the port never opened).")
-    _say(f"Logs and reports: {workdir}")
+    _say(
+        "\nDone: the healthy server answered; the broken kernel never reached a request (the port never opened).",
+        f"Logs and reports: {workdir}",
+    )
     return 0

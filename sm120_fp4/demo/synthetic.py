@@ -108,16 +108,12 @@ class MoeCheckpoint:
     def gated(self) -> bool:
         return self.activation == "swiglu"
 
-    def shard_names(self) -> tuple[str, ...]:
-        """Return the checkpoint's names of the w13 shards, in row order."""
-        return ("gate_proj", "up_proj") if self.gated else ("up_proj",)
-
     def tensors(self) -> dict[str, torch.Tensor]:
         """Return the per-expert tensors as a ModelOpt safetensors file names them (``experts.{e}.{proj}.{kind}``)."""
         out: dict[str, torch.Tensor] = {}
         inter = self.intermediate
         for e in range(self.num_experts):
-            for s, proj in enumerate(self.shard_names()):
+            for s, proj in enumerate(("gate_proj", "up_proj") if self.gated else ("up_proj",)):  # w13's row order
                 rows = slice(s * inter, (s + 1) * inter)
                 p = f"experts.{e}.{proj}."
                 out[p + "weight"] = self.w13_weight[e, rows]
@@ -173,11 +169,6 @@ def make_moe_checkpoint(
         rows.append((*row, packed2, sf2, s2_2, (1.0 / h_gsf).reshape(()), gate, up, down))
     st = [torch.stack(v).contiguous() for v in zip(*rows)]  # the scales: float32 (nvfp4.global_scale's)
     return MoeCheckpoint(activation, *st[:8], st[8] if gated else None, st[9], st[10])
-
-
-def compressed_tensors_tensors(ckpt: MoeCheckpoint) -> dict[str, torch.Tensor]:
-    """Return the same quantized experts under compressed-tensors (llm-compressor NVFP4) names."""
-    return as_compressed_tensors(ckpt.tensors())
 
 
 def reference_moe_from_weights(weights: Mapping[str, Any], x, topk_ids, topk_weights) -> torch.Tensor:

@@ -31,24 +31,24 @@ def _vllm_imported():
         sm120_fp4.uninstall()
 
 
-def _in_process(index: int, model: str, env: dict[str, str], engine: str = "sglang") -> dict:
-    """A cli ModelWorkerRunner that runs the model-check worker of `engine` in this process."""
-    args = cli._parser().parse_args(cli.model_worker_argv(index, model, engine))
+def _in_process(argv: list[str], label: str, env: dict[str, str], stop=None) -> tuple:
+    """A cli WorkerRunner that runs the model-check worker (`argv`: its arguments, --engine vllm) in this process."""
+    args = cli._parser().parse_args(argv)
     results: list[dict] = []
     with _as_a_worker_process(env):
         try:
-            cli._model_worker(args, emit=results.append)
+            code = cli._model_worker(args, emit=results.append)
         finally:
             if sm120_fp4.status().installed:
                 sm120_fp4.uninstall()
-    return results[-1]
+    return results[-1], None, code, ""
 
 
 def _selftest_model(tmp_path, monkeypatch, capsys, fmt, **env) -> tuple[int, dict]:
     path = write_checkpoint(str(tmp_path / "ckpt"), seed=9, fmt=fmt)
     for name, value in {**SIM, **env}.items():
         monkeypatch.setenv(name, value)
-    with _runner(cli.use_model_worker_runner, _in_process):
+    with _runner(cli.use_worker_runner, _in_process):
         rc = cli.main(["selftest", "--model", path, "--engine", "vllm", "--json"])
     [result] = json.loads(capsys.readouterr().out).values()
     return rc, result
@@ -109,7 +109,7 @@ def test_selftest_model_with_vllm_refuses_shards_with_different_global_scales(
     save_file(tensors, f"{path}/model.safetensors")
     for name, value in SIM.items():
         monkeypatch.setenv(name, value)
-    with _runner(cli.use_model_worker_runner, _in_process):
+    with _runner(cli.use_worker_runner, _in_process):
         rc = cli.main(["selftest", "--model", path, "--engine", "vllm", "--json"])
     captured = capsys.readouterr()
     assert rc == 2, (captured.out, captured.err)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from sm120_fp4 import nvfp4
-from sm120_fp4.demo.synthetic import COMPRESSED_TENSORS, MODELOPT, MoeCheckpoint, compressed_tensors_tensors
+from sm120_fp4.demo.synthetic import COMPRESSED_TENSORS, MODELOPT, MoeCheckpoint, as_compressed_tensors
 from sm120_fp4.sglang import moe_layers
 
 __all__ = ["build_compressed_tensors_moe_layer", "moe_weights", "fused_dense_shards", "build_fused_dense_layer"]
@@ -29,11 +29,11 @@ def build_compressed_tensors_moe_layer(
     tp_rank: int = 0,
 ):
     """SGLang's FusedMoE + CompressedTensorsConfig (CompressedTensorsW4A4Nvfp4MoE) for rank (ep_rank, tp_rank),
-    the checkpoint converted by ``compressed_tensors_tensors``: ``build_moe_layer_from_tensors`` with
+    the checkpoint converted by ``as_compressed_tensors``: ``build_moe_layer_from_tensors`` with
     ``fmt="compressed-tensors"`` (its context has ``quantization="compressed-tensors"``)."""
     return moe_layers.build_moe_layer_from_tensors(
         ckpt,
-        compressed_tensors_tensors(ckpt),
+        as_compressed_tensors(ckpt.tensors()),
         top_k,
         fmt="compressed-tensors",
         dtype=dtype,

@@ -1,6 +1,6 @@
 """The preflight's self-test workers run in this process (cli.use_worker_runner), for the tests of
 what the preflight makes of their results: exit codes, the table, launch's gating; and so do
-``selftest --model``'s workers (cli.use_model_worker_runner).
+``selftest --model``'s workers (the same seam).
 
 The worker is the real one (``cli._worker``, the same arguments a worker process gets, the
 environment the parent gives it), one at a time, on the preflight's own thread; its JSON lines are
@@ -54,7 +54,7 @@ def _as_a_worker_process(env: dict[str, str]):
 
 @contextlib.contextmanager
 def _runner(use, runner):
-    """`use(runner)` for the block (a cli seam: use_worker_runner, use_model_worker_runner), then the previous one."""
+    """`use(runner)` for the block (the cli seam use_worker_runner), then the previous one."""
     previous = use(runner)
     try:
         yield
@@ -63,44 +63,28 @@ def _runner(use, runner):
 
 
 def in_process(
-    index: int,
-    family: str,
-    backend_args: list[str],
-    crashed: dict[str, str],
-    label: str,
-    env: dict[str, str],
-    stop=None,
-    uuid: str | None = None,
+    argv: list[str], label: str, env: dict[str, str], stop=None
 ) -> tuple[dict | None, dict | None, int, str]:
-    """A cli WorkerRunner: (result, last candidate event, exit code, stderr tail) of one worker."""
-    args = cli._parser().parse_args(cli.worker_argv(index, family, backend_args, crashed, uuid))
+    """A cli WorkerRunner: (result, last candidate event, exit code, stderr tail) of one worker, self-test or model
+    check. A model-check worker installs the library (a worker process then exits); here it is uninstalled after,
+    unless it was installed before."""
+    args = cli._parser().parse_args(argv)
+    worker = cli._model_worker if argv[0] == "_model-worker" else cli._worker
     output = cli.WorkerOutput(label)  # what the preflight makes of a worker process's lines
     with _as_a_worker_process(env):
-        code = cli._worker(args, emit=lambda payload: output.feed(json.dumps(payload)))
+        installed = sm120_fp4.status().installed
+        try:
+            code = worker(args, emit=lambda payload: output.feed(json.dumps(payload)))
+        finally:
+            if not installed and sm120_fp4.status().installed:
+                sm120_fp4.uninstall()
+    assert output.result is not None, f"the worker {argv} gave no result"
     return output.result, output.event, code, ""
 
 
 def workers_in_process():
-    """Every preflight of the block runs its workers in this process."""
+    """Every preflight and ``selftest --model`` of the block runs its workers in this process."""
     return _runner(cli.use_worker_runner, in_process)
 
 
-def model_in_process(index: int, model: str, env: dict[str, str]) -> dict:
-    """A cli ModelWorkerRunner: the result of one model-check worker. The worker installs the library
-    (a worker process then exits); here it is uninstalled after, unless it was installed before."""
-    args = cli._parser().parse_args(cli.model_worker_argv(index, model))
-    results: list[dict] = []
-    with _as_a_worker_process(env):
-        installed = sm120_fp4.status().installed
-        try:
-            cli._model_worker(args, emit=results.append)
-        finally:
-            if not installed and sm120_fp4.status().installed:
-                sm120_fp4.uninstall()
-    assert results, "the model-check worker gave no result"
-    return results[-1]
-
-
-def model_workers_in_process():
-    """Every ``selftest --model`` of the block runs its workers in this process."""
-    return _runner(cli.use_model_worker_runner, model_in_process)
+model_workers_in_process = workers_in_process  # the same seam runs ``selftest --model``'s workers
