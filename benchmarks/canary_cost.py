@@ -216,7 +216,7 @@ def main() -> int:
         prepare_quantizer(tdev, tps, scale)
 
     for tp in tps if args.part != "moe" else ():
-        serving.clear()
+        serving.STATE.reset()
         serving.route(device.index, settings)
         checks = []
         for name, (n, k) in tp_configs(tp, scale).items():
@@ -228,7 +228,7 @@ def main() -> int:
         results.append(measure(f"70B-class dense TP{tp}", settings, tdev, periods, captured))
 
     for tp in tps if args.part != "dense" else ():
-        serving.clear()
+        serving.STATE.reset()
         serving.route(device.index, settings, "moe")
         experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (32, 512, 256 // tp)
         layer = MoeLayer(experts, hidden, inter, 8, tdev)

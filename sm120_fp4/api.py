@@ -14,7 +14,6 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from . import __version__, canary, deciding, devices, locks, serving, verify
-from . import report as report_file
 from . import sglang as sglang_home
 from . import vllm as vllm_home
 from .canary import CanaryStatus
@@ -176,8 +175,8 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
 
 def _wire_process() -> None:
     """Wire serving's report sections and the watchdog's hang hook (idempotent; never at import)."""
-    serving.use_rank(rank)
-    report_file.sections.update(serving.report_sections())
+    serving.STATE.rank = rank
+    serving.STATE.report.sections.update(serving.report_sections())
     if serving.on_hang not in verify.hang_hooks:
         verify.hang_hooks.append(serving.on_hang)
 
@@ -193,7 +192,7 @@ def decide(*args: Any, **kwargs: Any) -> deciding.Decision:
     try:
         return serving.decide(*args, **kwargs)
     finally:
-        report_file.flush()  # the caller's report file holds this decision (bounded; a refusal flushed already)
+        serving.STATE.report.flush()  # the caller's report file holds this decision (bounded; a refusal flushed already)
 
 
 def install(**overrides: Any) -> Status:
@@ -273,7 +272,7 @@ def _uninstall_locked() -> None:
     state.patcher.remove_all()  # also disarms the hooks of steps not yet run
     for step in reversed(state.undo):
         step()
-    serving.clear()
+    serving.STATE.reset()  # every store of this process's serving, the canary and the report sections
     _message = "uninstalled"
     _logged.discard("installed")
 

@@ -19,7 +19,7 @@ import torch
 from helpers.cases import case
 
 import sm120_fp4
-from sm120_fp4 import backends, canary, graphs, report, serving
+from sm120_fp4 import backends, canary, graphs, serving
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.demo import synthetic
 from sm120_fp4.errors import ConfigError, RefusedToServe
@@ -134,8 +134,8 @@ def test_the_serving_thread_never_waits_on_the_report_lock(tmp_path):
     finally:
         released.set()
         holder.join()
-    report.request(c.settings)
-    assert report.flush()
+    serving.STATE.report.request(c.settings)
+    assert serving.STATE.report.flush()
     assert json.loads(path.read_text())["processes"][-1]["canary"]["runs"] == 1
 
 
@@ -707,7 +707,7 @@ def test_status_and_the_report_show_the_canary(tmp_path):
     report = tmp_path / "r.json"
     c, _ = serve(emulated_mm_fp4, (96, 160), report=str(report), canary_slice_ms="2.5")
     next_run(c)
-    assert sm120_fp4.report.flush()  # the report's own thread has written the run
+    assert serving.STATE.report.flush()  # the report's own thread has written the run
     shown = sm120_fp4.status().canary
     assert (shown.enabled, shown.period_s, shown.action, shown.slice_ms, shown.runs) == (True, PERIOD, "exit", 2.5, 1)
     assert shown.idle_point.endswith("on_idle") or shown.idle_point.endswith("self_check_during_idle")
@@ -724,7 +724,7 @@ def test_off_by_default_and_after_uninstall():
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="5")
     assert canary.active() is not None
     sm120_fp4.uninstall()
-    assert canary.active() is None and "canary" not in report.sections
+    assert canary.active() is None and "canary" not in serving.STATE.report.sections
 
 
 def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path, monkeypatch):
@@ -732,7 +732,7 @@ def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path
 
     c, _ = serve(emulated_mm_fp4, (96, 160), report=str(tmp_path))
     next_run(c)
-    assert sm120_fp4.report.flush()  # this process's report file now has a canary section
+    assert serving.STATE.report.flush()  # this process's report file now has a canary section
     for name, value in {
         "SM120_FP4_CANARY": "60",
         "SM120_FP4_REPORT": str(tmp_path),

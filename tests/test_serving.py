@@ -236,3 +236,36 @@ def test_the_verified_sizes_cover_every_power_of_two_bucket_with_an_odd_m_and_th
     # SGLang's and vLLM's defaults: every bucket between the largest graph batch and the chunk is verified.
     between = [m for m in policy.load_ms(policy.Sizes(512, 8192, 8192)) if 512 < m < 8192]
     assert between == [767, 1024, 1535, 2048, 3071, 4096, 6143]
+
+
+def test_uninstall_resets_the_one_owner_of_the_process_state_and_install_works_again(tmp_path):
+    """install -> a layer served in simulation (a refusal, the canary and the report too) -> uninstall: status() and
+    the one owner of the serving state (serving.STATE) show nothing left; the same again works."""
+    from sm120_fp4.demo import synthetic
+    from sm120_fp4.sglang import layers
+
+    backends.register("zeros", faults.returns_zeros)
+    for _ in range(2):
+        sm120_fp4.install(simulate="12.0", backends="emulated", canary="60", report=str(tmp_path / "r.json"))
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
+        with pytest.raises(RefusedToServe):
+            sm120_fp4.decide(candidates=["zeros"], settings=Settings(simulate="12.0"))
+        status = sm120_fp4.status()
+        assert status.routes and status.decisions and status.refusals and status.canary.enabled, status
+        assert serving.served_configurations() and "canary" in serving.STATE.report.sections
+
+        status = sm120_fp4.uninstall()
+        assert not status.installed and status.message == "uninstalled", status.message
+        assert (status.routes, status.moe_routes, status.decisions, status.refusals, status.unverified) == ({},) * 2 + (
+            [],
+        ) * 3
+        assert not status.canary.enabled and status.patches == [] and not serving.served_configurations()
+        state = serving.STATE
+        assert (state.records, state.route_tables, state.refusals, state.verifying, state.groups) == (
+            {},
+            {"dense": {}, "moe": {}},
+            [],
+            {},
+            [],
+        )
+        assert state.canary is None and state.report.sections == {} and state.updating == 0

@@ -14,7 +14,6 @@ from typing import Callable, ContextManager
 import torch
 
 from .. import deciding, graphs, serving, verify
-from .. import report as report_file
 from ..config import Settings
 from ..errors import RefusedToServe
 from ..serving import policy
@@ -264,7 +263,7 @@ class Canary:
                 "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
                 *(run.backend, run.config, run.device, run.reason),
             )
-        report_file.request(self.settings)  # written by the report's own thread: never waited for here
+        serving.STATE.report.request(self.settings)  # written by the report's own thread: never waited for here
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         """Record the refusal in the report file, log it and raise RefusedToServe."""

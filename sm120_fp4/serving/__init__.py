@@ -1,12 +1,12 @@
-"""Serving: records (.records), layer checks (.layers), replacing (.replace), SELECT=fastest (.fastest, shared by the
-ranks through .collective), re-checks (.updates)."""
+"""Serving: this process's state in one owner (.state: ``STATE``, which uninstall() resets), records (.records),
+layer checks (.layers), replacing (.replace), SELECT=fastest (.fastest, shared by the ranks through .collective),
+re-checks (.updates)."""
 
 from .collective import use_group
 from .fastest import retime
 from .records import (
     LayerCheck,
     Unverified,
-    clear,
     decide,
     decisions,
     record_refusal,
@@ -17,9 +17,9 @@ from .records import (
     route_table,
     routes,
     unverified,
-    use_rank,
 )
 from .replace import verify_layer
+from .state import STATE, State
 from .updates import (
     Served,
     check_served,
@@ -46,7 +46,7 @@ __all__ = [
     "weights_updating",
     "weights_update_begin",
 ]
-__all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "clear"]
+__all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "STATE"]
 __all__ += ["route", "route_table", "routes", "Served", "served_configurations", "served_layer", "check_served"]
-__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang", "use_group", "use_rank"]
+__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang", "use_group", "State"]
 __all__ += ["record_unverified", "unverified"]
