@@ -292,19 +292,26 @@ def status() -> Status:
             found = [d.label() for d in devices.list_devices(settings.simulated_capability)]
         except Exception as exc:
             found = [f"device probe failed: {exc}"]
-        here = {"version": __version__, "installed": state is not None, "message": _message}
-        here |= {"settings": settings.model_dump(mode="json"), "setting_sources": sources(kwargs)}
-        here |= {
-            "sglang_version": sglang_home.ENGINE.release.version(),
-            "sglang_supported": sglang_home.ENGINE.release.support()[0],
-        }
-        here |= {"devices": found, "patches": state.patcher.ledger() if state else []}
-        here |= {"routes": state.router.routes() if state else {}, "moe_routes": serving.routes("moe") if state else {}}
-        here |= {"decisions": serving.decisions(), "refusals": serving.refusals(), "canary": canary.status(settings)}
-        here["engines"] = {engine.name: _engine_status(engine) for engine in ENGINES}
-        here["rank"] = rank()
-        here["unverified"] = serving.unverified()
-        return Status(**here, flashinfer_overrides=flashinfer_overrides())
+        return Status(
+            version=__version__,
+            installed=state is not None,
+            message=_message,
+            settings=settings.model_dump(mode="json"),
+            setting_sources=sources(kwargs),
+            sglang_version=sglang_home.ENGINE.release.version(),
+            sglang_supported=sglang_home.ENGINE.release.support()[0],
+            devices=found,
+            patches=state.patcher.ledger() if state else [],
+            routes=state.router.routes() if state else {},
+            moe_routes=serving.routes("moe") if state else {},
+            decisions=serving.decisions(),
+            refusals=serving.refusals(),
+            canary=canary.status(settings),
+            engines={engine.name: _engine_status(engine) for engine in ENGINES},
+            rank=rank(),
+            unverified=serving.unverified(),
+            flashinfer_overrides=flashinfer_overrides(),
+        )
 
 
 def _engine_status(engine: Engine) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The serving canary (sm120_fp4.canary): in-process, through SGLang's real layers, driven at the
 serving loop's idle point (`canary.idle()`, what the scheduler's idle hook calls) with a controlled
-clock (when runs are due) and, where the slice bound is under test, a controlled run timer.
+clock (when runs are due and what a run costs; where the slice bound is under test, the kernel advances it).
 
 A kernel that goes wrong only after the process has verified and started serving (after a number of
 served calls, at one configuration, at large M only, in rows 64-127, ...) must be caught by the next
@@ -415,24 +415,18 @@ def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
 # ---- slices: one run per idle point, bounded by the slice; saturation; capture ---------------------
 
 
-class StepTimer:
-    """The canary's run timer, advanced by the kernel: a call with M rows costs 1 + M/128 ms."""
-
-    def __init__(self) -> None:
-        self.ms = 0.0
-
-    def __call__(self) -> float:
-        return self.ms / 1e3
+class StepClock(Clock):
+    """The canary's clock, advanced by the kernel too: a call with M rows costs 1 + M/128 ms."""
 
     def kernel(self, a, b, a_sf, b_sf, alpha, dtype, out):
-        self.ms += 1.0 + a.shape[0] / 128
+        self.now += (1.0 + a.shape[0] / 128) / 1e3
         return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
 
 def _timed(slice_ms: str, periods: int) -> tuple[canary.Canary, list[canary.CanaryRun], list[int]]:
-    timer = StepTimer()
-    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms=slice_ms)
-    c.timer = timer
+    clock = StepClock()
+    c, _ = serve(clock.kernel, (96, 160), canary_slice_ms=slice_ms)
+    clock.now, c.clock = c.clock.now, clock  # from the armed canary's time on, the kernel's calls cost time
     [served] = serving.served_configurations()
     sizes = sorted(set(served.check.ms) | set(served.check.recheck_ms))
     return c, [next_run(c) for _ in range(periods)], sizes
@@ -489,8 +483,9 @@ def test_a_larger_slice_re_checks_the_prefill_sizes_too():
 def test_a_weight_update_between_runs_is_checked_with_the_new_weights():
     c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_action="log")
     assert next_run(c).passed
-    with serving.weights_updating(c.settings):  # as SGLang's weight updates write: in place
-        layer.weight.data.copy_(layer.weight.data.flip(0))  # other valid NVFP4 weights: rows reversed, scales kept
+    serving.weights_update_begin()  # as SGLang's weight updates write: in place
+    layer.weight.data.copy_(layer.weight.data.flip(0))  # other valid NVFP4 weights: rows reversed, scales kept
+    serving.weights_update_end(c.settings)
     run = next_run(c)
     assert c.runs == 2 and run.passed and c.failures == 0, run
 
@@ -586,9 +581,9 @@ def test_with_nothing_verified_the_canary_runs_nothing_and_says_so():
 
 
 def test_a_weight_fingerprint_mismatch_from_serving_fails_the_run(monkeypatch):
-    """The canary asks serving.fingerprint_problem at every run: a reason fails the run."""
+    """The canary asks serving.fingerprints at every run: a reason fails the run."""
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
-    monkeypatch.setattr(serving, "fingerprint_problem", lambda check: "weight bytes 17-18 differ")
+    monkeypatch.setattr(serving, "fingerprints", lambda served, start, count: ("weight bytes 17-18 differ", 0))
     run = next_run(c)
     assert not run.passed and "weights changed since they were verified: weight bytes 17-18 differ" in run.reason
     assert c.status().fingerprints.startswith("compared")

@@ -180,40 +180,6 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
         sm120_fp4.uninstall()
 
 
-@case(
-    "configuration",
-    "decide(refresh=True) for the device whose decision serves, before and after a layer was verified with it",
-    "before: the refreshed decision serves (status and the route agree); after: ConfigError naming the device and the backend, the route unchanged",
-)
-def test_a_refresh_of_the_serving_decision_is_refused_once_layers_were_verified_with_it():
-    pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
-    import sm120_fp4
-    from sm120_fp4.demo import synthetic
-    from sm120_fp4.errors import ConfigError
-    from sm120_fp4.sglang import layers
-
-    sm120_fp4.install(simulate="12.0", backends="emulated")
-    try:
-        settings = sm120_fp4.config.load_settings()
-        serving.route(-1, settings)
-        [first] = serving.decisions()
-        refreshed = serving.decide(-1, settings=settings, refresh=True)
-        assert (
-            refreshed is not first
-            and serving.decisions() == [refreshed]
-            and sm120_fp4.status().routes == {-1: "emulated"}
-        )
-        layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
-        served = serving.route_table()[-1]
-        with pytest.raises(
-            ConfigError, match=r"simulated.*already serves 1 verified layer configuration\(s\) with emulated"
-        ):
-            serving.decide(-1, settings=settings, refresh=True)
-        assert serving.route_table()[-1] is served and sm120_fp4.status().routes == {-1: "emulated"}
-    finally:
-        sm120_fp4.uninstall()
-
-
 def test_both_engines_take_their_verified_sizes_from_the_one_policy():
     """The engine homes read sizes and tensors; which M are verified is decided in serving.policy alone."""
     root = pathlib.Path(sm120_fp4.__file__).parent

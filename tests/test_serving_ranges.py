@@ -274,5 +274,6 @@ def test_a_split_puts_a_converting_backend_on_one_side(clock, humming_clock):
     # Humming's layout was made at load: new weights written by SGLang's update path are refused, saying so.
     settings = Settings(simulate="12.0", backends="humming,prefill", select="fastest")
     with pytest.raises(RefusedToServe, match="humming serves every layer from its own layout made at load"):
-        with serving.weights_updating(settings):
-            layer.weight.data.copy_(layer.weight.data.flip(0))
+        serving.weights_update_begin()
+        layer.weight.data.copy_(layer.weight.data.flip(0))
+        serving.weights_update_end(settings)

@@ -9,8 +9,20 @@ from ..serving import STATE
 from .engine import SMALL_M, Canary
 from .models import CanaryFailure, CanaryRun, CanaryStatus
 
-__all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "Canary", "configure", "stop", "active", "idle", "on_warmup"]
-__all__ += ["status", "settings_problem", "SMALL_M"]
+__all__ = [
+    "CanaryRun",
+    "CanaryFailure",
+    "CanaryStatus",
+    "Canary",
+    "configure",
+    "stop",
+    "active",
+    "idle",
+    "on_warmup",
+    "status",
+    "settings_problem",
+    "SMALL_M",
+]
 
 
 def settings_problem(settings: Settings) -> str | None:

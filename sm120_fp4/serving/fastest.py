@@ -4,17 +4,17 @@ the same on every rank under tensor parallelism (every rank's timings and failur
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Callable, NoReturn
+from typing import Callable
 
 import torch
 
 from .. import backends
 from ..config import Settings
-from ..deciding import Choice, Decision, Refusal, time_call
+from ..deciding import Choice, Decision, time_call
 from ..errors import RefusedToServe
 from .collective import gather, ranks, refusal
 from .layers import check_layer, verify_everything
-from .records import LayerCheck, Record, record_refusal, route_text
+from .records import LayerCheck, Record, refuse_now, route_text
 from .state import STATE
 
 SEPARATION = 1.03  # a backend faster by less than this ratio of the range's time is within noise: no split
@@ -81,7 +81,7 @@ def retime(settings: Settings) -> None:
     served = [serving for serving in STATE.served() if serving.checks]
     every = _shared(settings, "the retime after warm-up", sorted(s.family.name for s in served))
     if any(families != every[0] for families in every):
-        _refuse(settings, refusal(f"the ranks serve different kernel families after warm-up ({every})"))
+        refuse_now(settings, refusal(f"the ranks serve different kernel families after warm-up ({every})"))
     for serving in served:
         with serving.lock:
             measure(serving, list(serving.checks.values()), new=False)
@@ -149,7 +149,7 @@ def _settle(serving: Record, singles: dict[str, Choice], first: Choice, point: s
     serving.serve(first)
     if ranks()[1] > 1:  # the ranks' routes would differ
         problem = f"no {serving.family.what} route passes every check on every rank: {serving.failed}"
-        _refuse(serving.settings, refusal(problem), serving)
+        refuse_now(serving.settings, refusal(problem), serving)
 
 
 def _everyone(serving: Record, point: str, times: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
@@ -169,14 +169,7 @@ def _shared(settings: Settings, point: str, facts: object, serving: Record | Non
     try:
         return gather(point, facts, settings.selftest_timeout)
     except RefusedToServe as exc:
-        _refuse(settings, str(exc), serving)
-
-
-def _refuse(settings: Settings, message: str, serving: Record | None = None) -> NoReturn:
-    """Record and raise the refusal of a decision the ranks cannot take alike."""
-    where = {"device": serving.device.label(), "family": serving.family.name} if serving else {"device": "?"}
-    record_refusal(Refusal(**where, message=message), settings)
-    raise RefusedToServe(message)
+        refuse_now(settings, str(exc), serving)
 
 
 def _describe(serving: Record, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):

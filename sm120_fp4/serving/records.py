@@ -6,7 +6,7 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
@@ -132,13 +132,6 @@ class Record:
         """Return the callable the hot path calls for this device, or None (the original kernel runs)."""
         return self.choice.fn if self.routed and self.serving is not None else None
 
-    def store(self, key: tuple, choice: Choice) -> None:
-        """Keep decide()'s choice for `key` (a refresh of the serving key routes to it)."""
-        with STATE.lock:
-            self.decided[key] = choice
-            if key == self.serving:
-                STATE.publish(self)
-
     def route_to(self, device: Device | None, key: tuple | None, settings: Settings | None) -> Callable | None:
         """Route the device once to the choice for `key` (None: the original) and return its callable."""
         with STATE.lock:
@@ -189,14 +182,13 @@ def decide(
     candidates: list[str] | tuple[str, ...] | None = None,
     *,
     settings: Settings | None = None,
-    refresh: bool = False,
     family: Family | str = "dense",
 ) -> Decision:
     """Return the verified backend for `device` (a Device, a CUDA ordinal, or None: the current one), cached."""
-    return _decide(device, candidates, settings, refresh, family)[2].decision
+    return _decide(device, candidates, settings, family)[2].decision
 
 
-def _decide(device, candidates, settings, refresh, family) -> tuple[Record, tuple, Choice]:
+def _decide(device, candidates, settings, family) -> tuple[Record, tuple, Choice]:
     """Return decide()'s record, cache key and choice (the arguments as decide()'s)."""
     settings = settings or load_settings()
     STATE.last_settings = settings
@@ -214,14 +206,8 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[Record, tupl
     with STATE.lock:
         key_lock = record.deciding.setdefault(key, locks.lock())
     with key_lock:
-        if not refresh and key in record.decided:
+        if key in record.decided:
             return record, key, record.decided[key]
-        if refresh and key == record.serving and record.checks:
-            raise ConfigError(
-                f"decide(refresh=True): {device.label()} already serves {len(record.checks)} verified layer "
-                f"configuration(s) with {record.decision.backend}; a refreshed decision would serve them unchecked. "
-                "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first"
-            )
         mark = (family.name, device.index, key)
         STATE.verifying[mark] = f"{family.what} on {device.label()}"
         STATE.report.write_now(settings)  # before the first check: a rank the engine stops meanwhile says so
@@ -232,19 +218,17 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[Record, tupl
                 names,
                 settings,
                 family,
-                crashed=verdicts.crashed(settings.verdicts_path, device, family.name),
+                crashed=crashed(settings, device, family.name),
                 gather=functools.partial(gather, timeout_s=settings.selftest_timeout),
             )
         except RefusedToServe as exc:
             STATE.verifying.pop(mark, None)
-            exc.args = (_with_rank(str(exc), STATE.rank()), *exc.args[1:])  # the engine's log names the rank
-            refusal = Refusal(device=device.label(), family=family.name, message=str(exc))
-            refusal.rejected, refusal.reports = getattr(exc, "rejected", {}), getattr(exc, "reports", [])
-            record_refusal(refusal, settings)
-            raise
+            found = {"rejected": getattr(exc, "rejected", {}), "reports": getattr(exc, "reports", [])}
+            refuse_now(settings, str(exc), device=device.label(), family=family.name, **found)
         finally:
             STATE.verifying.pop(mark, None)
-        record.store(key, choice)
+        with STATE.lock:
+            record.decided[key] = choice
     log_decision(choice.decision)
     STATE.report.request(settings)
     return record, key, choice
@@ -257,6 +241,29 @@ def record_refusal(refusal: Refusal, settings: Settings) -> None:
     with STATE.lock:
         STATE.refusals.append(refusal)
     STATE.report.write_now(settings)  # before the process exits: the record of why it refused (bounded)
+
+
+def crashed(settings: Settings, device: Device, family: str) -> dict[str, str]:
+    """Return each candidate of `family` to skip on `device`, and why: it crashed a preflight worker, as this process
+    was told (``STATE.crashes``) or the verdict store (SM120_FP4_VERDICTS) says."""
+    with STATE.lock:
+        told = [(b, why) for (f, b), why in STATE.crashes.items() if f == family]
+    found = {b: f"skipped: it crashed the preflight self-test process ({why})" for b, why in told}
+    return verdicts.crashed(settings.verdicts_path, device, family) | found
+
+
+def refuse_now(settings: Settings, message: str, serving: Record | None = None, **found) -> NoReturn:
+    """Record the refusal `message` on `serving`'s device (None: none named; `found`: more of Refusal's fields) for
+    status and the report file, then raise RefusedToServe with it (naming the rank where the engine has several;
+    carrying `rejected` and `reports` as the preflight worker reads them)."""
+    where = (
+        {"device": serving.device.label(), "family": serving.family.name} if serving is not None else {"device": "?"}
+    )
+    refusal = Refusal(**(where | found), message=message)
+    record_refusal(refusal, settings)
+    refused = RefusedToServe(refusal.message)  # the engine's log names the rank
+    refused.rejected, refused.reports = refusal.rejected, refusal.reports
+    raise refused from None  # its message says why: no second traceback in the engine's log
 
 
 def _with_rank(message: str, rank: dict[str, int]) -> str:
@@ -317,7 +324,7 @@ def route(index: int, settings: Settings, family: str = "dense") -> Callable | N
     device = devices.get_device(index, simulate)
     if not serves(device, settings):
         return _record(kind, index, device).route_to(device, None, None)
-    record, key, _ = _decide(device, None, settings, False, kind)
+    record, key, _ = _decide(device, None, settings, kind)
     return record.route_to(device, key, settings)
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from .. import backends, verdicts, verify
+from .. import backends, verify
 from ..config import Settings
-from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message, refuse
+from ..deciding import Choice, candidate_names, choose, refusal_message, refuse
 from ..errors import RefusedToServe
 from . import layers
 from .fastest import measure
-from .records import LayerCheck, Record, record_refusal, route
+from .records import LayerCheck, Record, crashed, refuse_now, route
 from .state import STATE
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -121,15 +121,9 @@ def _replace_backend(serving: Record, check: LayerCheck, report, settings: Setti
     _back_to(serving, original)
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
     message = refusal_message(serving.device, names, rejected, config=report.config, family=serving.family)
-    refused = None
     if settings.selftest == "strict":
-        refusal = Refusal(
-            device=serving.device.label(), config=report.config, family=serving.family.name, message=message
-        )
-        refusal.rejected, refusal.reports = rejected, failures
-        record_refusal(refusal, settings)
-        refused = RefusedToServe(refusal.message)  # with the rank that refused, where the engine has several
-    refuse(settings, message, f"serving UNVERIFIED with {serving.decision.backend}", refused)  # strict: raises
+        refuse_now(settings, message, serving, config=report.config, rejected=rejected, reports=failures)
+    refuse(settings, message, f"serving UNVERIFIED with {serving.decision.backend}")  # warn: said once; off: passes
     serving.decision.verified = False
     serving.unverified[check.key] = report
     return report
@@ -154,24 +148,12 @@ def _replaced(serving: Record, check: LayerCheck, decision, report, reports: lis
 
 
 def _next_choice(serving: Record, remaining: list[str], settings: Settings) -> Choice | None:
-    """Return the first of `remaining` that passes its self-test, else the emulation where FALLBACK allows it."""
-    family = serving.family
-    strict = settings.model_copy(update={"selftest": "strict", "fallback": "none", "moe_fallback": "none"})
-    if remaining:
-        with contextlib.suppress(RefusedToServe):
-            crashed = verdicts.crashed(settings.verdicts_path, serving.device, family.name)
-            return choose(serving.device, remaining, strict, family, crashed)
-    if family.fallback(settings) != "emulated" or backends.EMULATED in serving.failed:
-        return None
-    try:
-        choice = choose(serving.device, [backends.EMULATED], strict, family)
-    except RefusedToServe:
-        return None
-    choice.decision.reason = (
-        f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
-    )
-    _LOG.warning(
-        f"sm120_fp4: {serving.device.label()}: no {family.what} candidate passed every layer configuration; "
-        f"{family.fallback_var}=emulated: serving with the slow pure-PyTorch emulation"
-    )
-    return choice
+    """Return the first of `remaining` that passes its self-test, else the emulation where FALLBACK allows it (and it
+    has not failed here), else None."""
+    fallback = "none" if backends.EMULATED in serving.failed else serving.family.fallback(settings)
+    strict = settings.model_copy(update={"selftest": "strict", "fallback": fallback, "moe_fallback": fallback})
+    with contextlib.suppress(RefusedToServe):
+        return choose(
+            serving.device, remaining, strict, serving.family, crashed(settings, serving.device, serving.family.name)
+        )
+    return None

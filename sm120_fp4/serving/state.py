@@ -38,8 +38,10 @@ class State:
         self.unverified: list[Unverified] = []  # what SM120_FP4_SELFTEST=warn serves unverified
         self.verifying: dict[object, str] = {}  # what it self-tests now (the report), by check
         self.groups: list[Callable[[], object]] = []  # each engine home's tensor-parallel CPU group (use_group)
+        # (family, backend) -> why: the candidates this process was told crashed a preflight worker (its --crashed)
+        self.crashes: dict[tuple[str, str], str] = {}
         self.canary: Any = None  # this process's canary.Canary (SM120_FP4_CANARY), else None
-        self.updating = 0  # the engine's weight updates in progress (serving.weights_updating)
+        self.updating = 0  # the engine's weight updates in progress (weights_update_begin / _end)
         self.updating_since: float | None = None  # time.monotonic() when the open weight updates began
         self.last_settings: Settings | None = None  # the settings of the last decide() / verify_layer() (watchdog)
         self.rank: Callable[[], dict[str, int]] = dict  # the engine's ranks of this process (api wires the homes')
@@ -59,7 +61,8 @@ class State:
             return [r for r in self.records.values() if r.serving is not None]
 
     def reset(self) -> None:
-        """Forget every decision, route, refusal, pending check, canary and report section (uninstall), undoing what
+        """Forget every decision, route, refusal, check under way, crash told, canary and report section (uninstall),
+        undoing what
         a backend converted at load where it can; the report writes asked before land first (bounded)."""
         self.report.flush()
         with self.lock:
@@ -67,7 +70,8 @@ class State:
             self.records.clear()
             for table in self.route_tables.values():
                 table.clear()
-            self.refusals, self.unverified, self.verifying, self.groups, self.canary = [], [], {}, [], None
+            self.refusals, self.unverified, self.verifying, self.groups, self.crashes = [], [], {}, [], {}
+            self.canary = None
             self.updating, self.updating_since, self.last_settings, self.rank = 0, None, None, dict
         self.report.sections.clear()
         graphs.clear()  # the checks' graphs (their memory) go with the layers they checked

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -14,9 +13,9 @@ from .. import backends, verify
 from ..config import Settings
 from ..deciding import Refusal
 from ..devices import Device
-from ..errors import RefusedToServe, capped
+from ..errors import capped
 from .layers import check_layer, fail_if_written, fingerprint, record_layer, run_check
-from .records import LayerCheck, LayerRecord, Record, record_refusal
+from .records import LayerCheck, LayerRecord, Record, record_refusal, refuse_now
 from .state import STATE
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -53,12 +52,9 @@ def _changed_layers(serving: Record) -> list[tuple[int, LayerRecord, LayerCheck 
 
 def _refuse_now(serving: Record, config: str, why: str, message: str, settings: Settings, reports=(), backend=None):
     """Record the refusal of `serving`'s device (`backend` rejected for `why`) and raise RefusedToServe."""
-    label = serving.device.label()
-    message = f"sm120_fp4: refusing to serve NVFP4 on {label}: {message}"
-    refusal = Refusal(device=label, config=config, family=serving.family.name, message=message, reports=list(reports))
-    refusal.rejected = {backend or serving.route_name: why}
-    record_refusal(refusal, settings)
-    raise RefusedToServe(message)
+    message = f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: {message}"
+    rejected = {backend or serving.route_name: why}
+    refuse_now(settings, message, serving, config=config, rejected=rejected, reports=list(reports))
 
 
 def _refuse_changed(serving: Record, changed: list, settings: Settings) -> None:
@@ -127,16 +123,6 @@ def weights_update_open_s() -> float | None:
     """Return how long SGLang's open weight update has been open, or None when none is."""
     with STATE.lock:
         return None if STATE.updating_since is None else time.monotonic() - STATE.updating_since
-
-
-@contextlib.contextmanager
-def weights_updating(settings: Settings):
-    """Wrap one of SGLang's weight updates in weights_update_begin() and weights_update_end()."""
-    weights_update_begin()
-    try:
-        yield
-    finally:
-        weights_update_end(settings)
 
 
 def reverify(settings: Settings) -> list[verify.SelfTestReport]:
@@ -221,9 +207,11 @@ def served_layer(served: Served, turn: int) -> Served:
     return Served(served.family, served.device, check) if check is not None else served
 
 
-def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[str | None, int]:
-    """Compare `count` layers' fingerprints from the `start`-th on: (the first problem or None, the next start)."""
-    serving = STATE.records.get((family, index))
+def fingerprints(served: Served, start: int, count: int) -> tuple[str | None, int]:
+    """Compare the fingerprints of `served`'s layer and of `count` more layers of its family and device from the
+    `start`-th on, in one read: (the first that no longer has its verified weights and why, or None; the next start).
+    Nothing is compared while a weight update is open."""
+    serving = STATE.records.get((served.family, served.device.index))
     if serving is None or STATE.updating:
         return None, start
     with serving.lock:
@@ -231,8 +219,14 @@ def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[
         if not records:
             return None, 0
         chosen = [records[(start + i) % len(records)] for i in range(min(count, len(records)))]
-        compared = _compare_fingerprints([(record, None) for record in chosen])
-    problem = next((f"{record.label}: {why}" for record, (_, why) in zip(chosen, compared) if why is not None), None)
+        own = serving.layers.get(served.check.layer_key())
+        pairs = [(record, None) for record in chosen]
+        if own is not None and own.fingerprint is not None:
+            pairs.insert(0, (own, served.check))
+        compared = _compare_fingerprints(pairs)
+    problem = next(
+        (f"{record.label}: {why}" for (record, _), (_, why) in zip(pairs, compared) if why is not None), None
+    )
     return problem, (start + len(chosen)) % len(records)
 
 
@@ -245,17 +239,3 @@ def check_served(served: Served, m: int) -> verify.SelfTestReport:
         if record is not None and not STATE.updating:
             fail_if_written(report, served.check, record.fingerprint)
         return report
-
-
-def fingerprint_problem(check: LayerCheck) -> str | None:
-    """Return why `check`'s layer no longer has its verified weights, or None (always None during updates)."""
-    key = check.layer_key()
-    for serving in STATE.served():
-        with serving.lock:
-            record = serving.layers.get(key)
-            if record is None or record.fingerprint is None or STATE.updating:
-                continue
-            [(_, why)] = _compare_fingerprints([(record, check)])
-            if why is not None:
-                return f"{check.named()}: {why}"
-    return None
