@@ -86,9 +86,7 @@ def retime(settings: Settings) -> None:
         with serving.lock:
             measure(serving, list(serving.checks.values()), new=False)
     # The last decision before capture: what a candidate serving no device prepared (its own layouts) is freed.
-    routes = {
-        (s.family.name, n) for s in STATE.served() for n in [n for _, n in s.decision.ranges] or [s.decision.backend]
-    }
+    routes = {(s.family.name, n) for s in STATE.served() for n in s.route_backends}
     for serving in served:
         for name in (n for n in serving.candidates if (serving.family.name, n) not in routes):
             serving.release(name)

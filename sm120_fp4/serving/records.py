@@ -109,6 +109,11 @@ class Record:
         return route_text(self.decision) if self.serving is not None else "original"
 
     @property
+    def route_backends(self) -> list[str]:
+        """Return the backend(s) serving the device, in the order of their M ranges."""
+        return [name for _, name in self.decision.ranges] or [self.decision.backend]
+
+    @property
     def candidates(self) -> list[str]:
         """Return the backends SELECT=fastest may move this device to: every verified candidate of its decision."""
         base = self.decision

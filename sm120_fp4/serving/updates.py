@@ -131,9 +131,10 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
     for serving in STATE.served():
         with serving.lock:
             changed = _changed_layers(serving)
-            route = [name for _, name in serving.decision.ranges] or [serving.decision.backend]
             converting = [
-                n for n in route if getattr(backends.backend_of(serving.family.name, n).converter, "in_place", False)
+                n
+                for n in serving.route_backends
+                if getattr(backends.backend_of(serving.family.name, n).converter, "in_place", False)
             ]
             if changed and converting:
                 names = [record.label for _, record, _ in changed]
