@@ -37,12 +37,13 @@ def _uninstalled(sglang_unpatched):
 
 
 class Clock:
-    """The canary's clock: time moves only when the test says so."""
+    """The canary's clock: time moves when the test says so, and a microsecond at each read (a run costs time)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
 
     def __call__(self) -> float:
+        self.now += 1e-6
         return self.now
 
 
@@ -416,7 +417,10 @@ def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
 
 
 class StepClock(Clock):
-    """The canary's clock, advanced by the kernel too: a call with M rows costs 1 + M/128 ms."""
+    """The canary's clock, advanced by the kernel alone while it runs: a call with M rows costs 1 + M/128 ms."""
+
+    def __call__(self) -> float:
+        return self.now
 
     def kernel(self, a, b, a_sf, b_sf, alpha, dtype, out):
         self.now += (1.0 + a.shape[0] / 128) / 1e3
