@@ -47,11 +47,13 @@ SLICE_MS = 5.0
 
 
 class Clock:
+    """The canary's one clock: the real time (what a run costs), moved on a period at a time by drive()."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
     def __call__(self) -> float:
-        return self.now
+        return self.now + time.perf_counter()
 
 
 def drive(c: canary.Canary, periods: int) -> list[canary.CanaryRun]:
@@ -216,7 +218,7 @@ def main() -> int:
         prepare_quantizer(tdev, tps, scale)
 
     for tp in tps if args.part != "moe" else ():
-        serving.clear()
+        serving.STATE.reset()
         serving.route(device.index, settings)
         checks = []
         for name, (n, k) in tp_configs(tp, scale).items():
@@ -228,7 +230,7 @@ def main() -> int:
         results.append(measure(f"70B-class dense TP{tp}", settings, tdev, periods, captured))
 
     for tp in tps if args.part != "dense" else ():
-        serving.clear()
+        serving.STATE.reset()
         serving.route(device.index, settings, "moe")
         experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (32, 512, 256 // tp)
         layer = MoeLayer(experts, hidden, inter, 8, tdev)

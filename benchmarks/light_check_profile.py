@@ -131,7 +131,7 @@ def main() -> int:
             "steps_cpu_ms": dict(zip(LABELS, step_ms)),
         }
         del others
-        serving.clear()
+        serving.STATE.reset()
         serving.route(device.index, settings)
     print(
         f"on {device.label()}, {args.kernel} backend, {layers} light checks timed and {layers} profiled per configuration"

@@ -219,7 +219,7 @@ def warm_up(kernel: str, scale: int, device, settings, tps: tuple[int, ...]) -> 
         )
         assert report is not None and report.passed, report and report.reason
         del layer
-        serving.clear()
+        serving.STATE.reset()
     return time.perf_counter() - start
 
 
@@ -315,7 +315,7 @@ def main() -> int:
 
     runs = []
     for _ in range(3):  # the first includes one-off costs (CUDA context, cuBLAS handles, caches)
-        serving.clear()
+        serving.STATE.reset()
         _, seconds = synced(tdev, lambda: serving.route(device.index, settings))
         runs.append(seconds)
     dense_generic = statistics.median(runs[1:])
@@ -358,7 +358,7 @@ def main() -> int:
         rows.append([f"TP{tp} all four x {layers} layers", "", "", total * 1e3, "", ""])
         rechecks[f"dense_tp{tp}"], row = time_recheck(f"TP{tp}", tdev, settings)
         rows.append(row)
-        serving.clear()
+        serving.STATE.reset()
         serving.route(device.index, settings)
     serving.route(device.index, settings, "moe")  # decided before the layer checks are timed
 
@@ -394,7 +394,7 @@ def main() -> int:
         rechecks[f"moe_tp{tp}"], row = time_recheck(f"TP{tp}", tdev, settings)
         moe_rows.append(row)
         del layer, extra
-        serving.clear()  # the next TP's layer is re-checked on its own
+        serving.STATE.reset()  # the next TP's layer is re-checked on its own
         serving.route(device.index, settings, "moe")
 
     emulated_rows = []

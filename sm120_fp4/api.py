@@ -14,7 +14,6 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from . import __version__, canary, deciding, devices, locks, serving, verify
-from . import report as report_file
 from . import sglang as sglang_home
 from . import vllm as vllm_home
 from .canary import CanaryStatus
@@ -176,8 +175,8 @@ def _install(settings: Settings, kwargs: dict[str, Any]) -> _Install:
 
 def _wire_process() -> None:
     """Wire serving's report sections and the watchdog's hang hook (idempotent; never at import)."""
-    serving.use_rank(rank)
-    report_file.sections.update(serving.report_sections())
+    serving.STATE.rank = rank
+    serving.STATE.report.sections.update(serving.report_sections())
     if serving.on_hang not in verify.hang_hooks:
         verify.hang_hooks.append(serving.on_hang)
 
@@ -193,7 +192,7 @@ def decide(*args: Any, **kwargs: Any) -> deciding.Decision:
     try:
         return serving.decide(*args, **kwargs)
     finally:
-        report_file.flush()  # the caller's report file holds this decision (bounded; a refusal flushed already)
+        serving.STATE.report.flush()  # the caller's report file holds this decision (bounded; a refusal flushed already)
 
 
 def install(**overrides: Any) -> Status:
@@ -273,7 +272,7 @@ def _uninstall_locked() -> None:
     state.patcher.remove_all()  # also disarms the hooks of steps not yet run
     for step in reversed(state.undo):
         step()
-    serving.clear()
+    serving.STATE.reset()  # every store of this process's serving, the canary and the report sections
     _message = "uninstalled"
     _logged.discard("installed")
 
@@ -293,19 +292,26 @@ def status() -> Status:
             found = [d.label() for d in devices.list_devices(settings.simulated_capability)]
         except Exception as exc:
             found = [f"device probe failed: {exc}"]
-        here = {"version": __version__, "installed": state is not None, "message": _message}
-        here |= {"settings": settings.model_dump(mode="json"), "setting_sources": sources(kwargs)}
-        here |= {
-            "sglang_version": sglang_home.ENGINE.release.version(),
-            "sglang_supported": sglang_home.ENGINE.release.support()[0],
-        }
-        here |= {"devices": found, "patches": state.patcher.ledger() if state else []}
-        here |= {"routes": state.router.routes() if state else {}, "moe_routes": serving.routes("moe") if state else {}}
-        here |= {"decisions": serving.decisions(), "refusals": serving.refusals(), "canary": canary.status(settings)}
-        here["engines"] = {engine.name: _engine_status(engine) for engine in ENGINES}
-        here["rank"] = rank()
-        here["unverified"] = serving.unverified()
-        return Status(**here, flashinfer_overrides=flashinfer_overrides())
+        return Status(
+            version=__version__,
+            installed=state is not None,
+            message=_message,
+            settings=settings.model_dump(mode="json"),
+            setting_sources=sources(kwargs),
+            sglang_version=sglang_home.ENGINE.release.version(),
+            sglang_supported=sglang_home.ENGINE.release.support()[0],
+            devices=found,
+            patches=state.patcher.ledger() if state else [],
+            routes=state.router.routes() if state else {},
+            moe_routes=serving.routes("moe") if state else {},
+            decisions=serving.decisions(),
+            refusals=serving.refusals(),
+            canary=canary.status(settings),
+            engines={engine.name: _engine_status(engine) for engine in ENGINES},
+            rank=rank(),
+            unverified=serving.unverified(),
+            flashinfer_overrides=flashinfer_overrides(),
+        )
 
 
 def _engine_status(engine: Engine) -> dict[str, Any]:

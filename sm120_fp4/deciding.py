@@ -345,13 +345,25 @@ def choose(
         choice, verified, reason = passed[0], True, "first candidate to pass its self-test"
     else:
         choice, verified, reason = _unverified(device, candidates, settings, family, supported, rejected, reports)
-    where = {"device": device.label(), "device_index": device.index, "device_uuid": device.uuid}
-    where |= {"device_pci_bus_id": device.pci_bus_id, "capability": f"{device.capability[0]}.{device.capability[1]}"}
-    found = {"candidates": candidates, "rejected": rejected, "reports": reports, "timings_ms": timings}
-    found |= {"simulated": device.simulated, "flashinfer_version": backends.flashinfer_version()}
-    mode = backends.backend_of(family.name, choice).mode
-    chosen = {"backend": choice, "mode": mode, "verified": verified, "reason": reason, "family": family.name}
-    decision = Decision(**where, **found, **chosen, duration_s=time.perf_counter() - start)
+    decision = Decision(
+        device=device.label(),
+        device_index=device.index,
+        device_uuid=device.uuid,
+        device_pci_bus_id=device.pci_bus_id,
+        capability=f"{device.capability[0]}.{device.capability[1]}",
+        simulated=device.simulated,
+        candidates=candidates,
+        rejected=rejected,
+        reports=reports,
+        timings_ms=timings,
+        flashinfer_version=backends.flashinfer_version(),
+        backend=choice,
+        mode=backends.backend_of(family.name, choice).mode,
+        verified=verified,
+        reason=reason,
+        family=family.name,
+        duration_s=time.perf_counter() - start,
+    )
     return Choice(decision, family.resolve(choice))
 
 

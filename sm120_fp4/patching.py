@@ -207,29 +207,12 @@ class Patcher:
         """Patch `module` again after a reload put its original objects back (never raises into it)."""
         try:
             with self._lock:
-                again = [r.spec.name for r in self._reloadable(module.__name__) if self._reapply(r, module)]
+                again = [r.spec.name for r in self._reloadable(module.__name__) if self._apply(r, module, again=True)]
             if again:
                 msg = "sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s"
                 _LOG.warning(msg, module.__name__, ", ".join(again))
         except Exception as exc:
             _LOG.warning("sm120_fp4: patching %s again after its reload failed: %s", module.__name__, exc)
-
-    def _reapply(self, record: _Record, module: ModuleType) -> bool:
-        spec = record.spec
-        try:
-            owner, leaf, current = _target(module, spec.attribute)
-        except (AttributeError, KeyError):
-            _skip(record, f"{spec.module}.{spec.attribute} not found after a reload of {spec.module}", again=True)
-            return False
-        if current is record.replacement:
-            return False  # still ours (the name comes from another module)
-        reason = spec.check(current) if spec.check else None
-        if reason is not None:
-            _skip(record, f"after a reload of {spec.module}: {reason}", again=True)
-            return False
-        _replace(record, owner, leaf, current)
-        record.reason = f"patched again after a reload of {spec.module}"
-        return True
 
     def add(self, specs: list[PatchSpec]) -> None:
         """Register `specs`: each applies now if its module is imported, else when it is."""
@@ -273,35 +256,40 @@ class Patcher:
         failed = functools.partial(_LOG.warning, "sm120_fp4: step %s on import of %s failed: %s", step, module)
         self._on_import(module, self._generation, fn, failed)
 
-    def _apply(self, record: _Record, module: ModuleType) -> None:
+    def _apply(self, record: _Record, module: ModuleType, again: bool = False) -> bool:
+        """Patch `record`'s target in `module` (`again`: after a reload put the original back); return whether done."""
         spec = record.spec
-        if record.state == "applied":
-            return
+        if record.state == "applied" and not again:
+            return False
+        after = f" after a reload of {spec.module}" if again else ""
         try:
             owner, leaf, original = _target(module, spec.attribute)
         except (AttributeError, KeyError):
             missing = f": {spec.when_missing}" if spec.when_missing else " in this release"
-            _skip(record, f"{spec.module}.{spec.attribute} not found{missing}")
-            return
-        if getattr(original, "__sm120_fp4_patch__", None) is not None:
+            _skip(record, f"{spec.module}.{spec.attribute} not found{after or missing}", again)
+            return False
+        if again and original is record.replacement:
+            return False  # still ours (the name comes from another module)
+        if not again and getattr(original, "__sm120_fp4_patch__", None) is not None:
             source = next(
                 (r for r in self._records.values() if r.state == "applied" and r.replacement is original), None
             )
             if source is None:
                 record.state, record.reason = "skipped", "already patched by another install of sm120_fp4"
-                return
+                return False
             # This module imported the name from a module we had already patched: it holds our
             # replacement; remember the true original so uninstall restores it here too.
             record.owner, record.original, record.replacement = owner, source.original, original
             record.state, record.reason = "applied", f"imported already patched from {source.spec.module}"
-            return
+            return True
         reason = spec.check(original) if spec.check else None
         if reason is not None:
-            _skip(record, reason)
-            return
+            _skip(record, f"{after.strip()}: {reason}" if again else reason, again)
+            return False
         _replace(record, owner, leaf, original)
-        record.state, record.reason = "applied", None
-        _LOG.info("sm120_fp4: patched %s.%s (%s)", spec.module, spec.attribute, spec.name)
+        record.state, record.reason = "applied", f"patched again{after}" if again else None
+        _LOG.info("sm120_fp4: patched %s.%s (%s)%s", spec.module, spec.attribute, spec.name, after)
+        return True
 
     def remove_all(self) -> None:
         """Undo every applied patch (restoring the original objects) and disarm pending hooks."""

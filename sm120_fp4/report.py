@@ -3,8 +3,8 @@
 Each write merges under a lock on the report's directory: this process's section replaces its previous one; other
 processes' sections are kept if of the same run (process group and leader) or still running. A directory, or a path
 with ``{pid}``, gets one file per process. The file holds ``version``, ``pid``, ``updated_at``, ``processes`` and the
-``decisions`` and ``refusals``, each with ``pid`` and ``role``. One writer per process (:func:`request`): a serving
-thread asks, a daemon thread writes; a refusal waits for it, bounded (:func:`flush`)."""
+``decisions`` and ``refusals``, each with ``pid`` and ``role``. One writer per process (:class:`Writer`, owned by
+``serving.STATE``): a serving thread asks, a daemon thread writes; a refusal waits for it, bounded."""
 
 from __future__ import annotations
 
@@ -30,10 +30,6 @@ _LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
 # How long a refusal (or api.decide, or the exit) waits for the writes asked so far: both lock bounds of one write.
 FLUSH_S = 2 * files.LOCK_TIMEOUT_S + 1.0
-
-# This process's section: name -> a function returning its JSON value, called at each write (api
-# wires serving's "decisions" and "refusals", the canary's configure adds "canary").
-sections: dict[str, Callable[[], object]] = {}
 
 
 def _started(pid: int) -> str | None:
@@ -137,25 +133,18 @@ def _merge(target: Path, section: dict, role: str) -> None:
         files.write_json(target, payload, "report")
 
 
-def _write_sections(settings: Settings) -> None:
-    """Write every one of :data:`sections` to SM120_FP4_REPORT now; log a failure, never raise it."""
-    payload = {name: section() for name, section in list(sections.items())}
-    try:
-        write(settings.report, payload, directory=settings.report_is_dir)
-    except files.LockTimeout as exc:
-        _LOG.warning("sm120_fp4: skipped a report write: %s (the next write holds the latest state)", exc)
-    except OSError as exc:
-        _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
-
-
-class _Writer:
-    """The one writer of this process's report: asking never waits; a daemon thread gathers and writes."""
+class Writer:
+    """The one writer of a process's report (serving's state owns this process's): asking never waits; a daemon
+    thread gathers every one of :attr:`sections` and writes."""
 
     # A serving thread only counts a request and wakes the thread (or starts it: the first request,
     # and the first after a fork()); each write gathers every section then, so it holds the latest
     # state. `flush` waits, bounded, for the requests made so far: a refusal, api.decide, the exit.
 
     def __init__(self) -> None:
+        # This process's section: name -> a function returning its JSON value, called at each write (api
+        # wires serving's "decisions" and "refusals", the canary's configure adds "canary").
+        self.sections: dict[str, Callable[[], object]] = {}
         self._cond = threading.Condition(locks.lock())
         self._asked = self._done = 0  # requests made; requests a finished write covers
         self._pending: dict[tuple, Settings] = {}  # (path, is a directory) -> the settings naming it
@@ -188,19 +177,17 @@ class _Writer:
                 asked, pending, self._pending = self._asked, list(self._pending.values()), {}
             for settings in pending:
                 try:
-                    _write_sections(settings)
-                except Exception as exc:  # a section that cannot be gathered: logged, the writer goes on
+                    payload = {name: section() for name, section in list(self.sections.items())}
+                    write(settings.report, payload, directory=settings.report_is_dir)
+                except files.LockTimeout as exc:
+                    _LOG.warning("sm120_fp4: skipped a report write: %s (the next write holds the latest state)", exc)
+                except Exception as exc:  # not written, or a section that cannot be gathered: logged, it goes on
                     _LOG.warning("sm120_fp4: could not write the report to %s: %s", settings.report, exc)
             with self._cond:
                 self._done = asked
                 self._cond.notify_all()
 
-
-_writer = _Writer()
-request, flush = _writer.request, _writer.flush
-
-
-def write_now(settings: Settings) -> bool:
-    """Ask for a write and wait for it, bounded (FLUSH_S): on disk before what may stop the process; done or not."""
-    request(settings)
-    return flush()
+    def write_now(self, settings: Settings) -> bool:
+        """Ask for a write and wait for it, bounded (FLUSH_S): on disk before what may stop the process; done or not."""
+        self.request(settings)
+        return self.flush()

@@ -20,8 +20,6 @@ CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
 _LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
 _warned: set[str] = set()
-# Crashes this process was told about (the preflight worker's --crashed), used with or without a file.
-_session: dict[tuple[str, str], str] = {}
 
 
 def _driver_version() -> str | None:
@@ -114,20 +112,10 @@ def record(path: Path | None, key: dict, family: str, backend: str, verdict: str
             files.write_json(path, {"version": 1, "verdicts": entries}, "verdict file")
 
 
-def note_crash(family: str, backend: str, reason: str) -> None:
-    """Tell this process that `backend` of `family` crashed a preflight worker (no file needed)."""
-    with _lock:
-        _session[(family, backend)] = reason
-
-
 def crashed(path: Path | None, device, family: str) -> dict[str, str]:
-    """Return each backend of `family` that must be skipped on `device` (it crashed a preflight process), and why."""
-    with _lock:
-        found = {
-            b: f"skipped: it crashed the preflight self-test process ({why})"
-            for (f, b), why in _session.items()
-            if f == family
-        }
+    """Return each backend of `family` that the store at `path` says crashed a preflight process on `device`, and why
+    (what this process was told besides: ``serving.crashed``)."""
+    found: dict[str, str] = {}
     key = device_key(device) if path is not None else None
     for entry in load(path):
         backend = entry.get("backend")

@@ -78,7 +78,7 @@ def _clean_library_state(monkeypatch):
     from sm120_fp4 import backends, devices, errors, serving
 
     registered, registered_moe = set(backends.names()), set(backends.moe_names())
-    serving.clear()
+    serving.STATE.reset()
     devices.clear_cache()
     errors._said.clear()  # each test sees the library's once-per-process warnings as a fresh process would
     yield
@@ -86,7 +86,7 @@ def _clean_library_state(monkeypatch):
         backends.unregister(name)
     for name in set(backends.moe_names()) - registered_moe:
         backends.unregister_moe(name)
-    serving.clear()
+    serving.STATE.reset()
     devices.clear_cache()
 
 

@@ -1,6 +1,6 @@
 """The serving canary (sm120_fp4.canary): in-process, through SGLang's real layers, driven at the
 serving loop's idle point (`canary.idle()`, what the scheduler's idle hook calls) with a controlled
-clock (when runs are due) and, where the slice bound is under test, a controlled run timer.
+clock (when runs are due and what a run costs; where the slice bound is under test, the kernel advances it).
 
 A kernel that goes wrong only after the process has verified and started serving (after a number of
 served calls, at one configuration, at large M only, in rows 64-127, ...) must be caught by the next
@@ -19,7 +19,7 @@ import torch
 from helpers.cases import case
 
 import sm120_fp4
-from sm120_fp4 import backends, canary, graphs, report, serving
+from sm120_fp4 import backends, canary, graphs, serving
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.demo import synthetic
 from sm120_fp4.errors import ConfigError, RefusedToServe
@@ -37,12 +37,13 @@ def _uninstalled(sglang_unpatched):
 
 
 class Clock:
-    """The canary's clock: time moves only when the test says so."""
+    """The canary's clock: time moves when the test says so, and a microsecond at each read (a run costs time)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
 
     def __call__(self) -> float:
+        self.now += 1e-6
         return self.now
 
 
@@ -134,8 +135,8 @@ def test_the_serving_thread_never_waits_on_the_report_lock(tmp_path):
     finally:
         released.set()
         holder.join()
-    report.request(c.settings)
-    assert report.flush()
+    serving.STATE.report.request(c.settings)
+    assert serving.STATE.report.flush()
     assert json.loads(path.read_text())["processes"][-1]["canary"]["runs"] == 1
 
 
@@ -415,24 +416,21 @@ def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
 # ---- slices: one run per idle point, bounded by the slice; saturation; capture ---------------------
 
 
-class StepTimer:
-    """The canary's run timer, advanced by the kernel: a call with M rows costs 1 + M/128 ms."""
-
-    def __init__(self) -> None:
-        self.ms = 0.0
+class StepClock(Clock):
+    """The canary's clock, advanced by the kernel alone while it runs: a call with M rows costs 1 + M/128 ms."""
 
     def __call__(self) -> float:
-        return self.ms / 1e3
+        return self.now
 
     def kernel(self, a, b, a_sf, b_sf, alpha, dtype, out):
-        self.ms += 1.0 + a.shape[0] / 128
+        self.now += (1.0 + a.shape[0] / 128) / 1e3
         return emulated_mm_fp4(a, b, a_sf, b_sf, alpha, dtype, out)
 
 
 def _timed(slice_ms: str, periods: int) -> tuple[canary.Canary, list[canary.CanaryRun], list[int]]:
-    timer = StepTimer()
-    c, _ = serve(timer.kernel, (96, 160), canary_slice_ms=slice_ms)
-    c.timer = timer
+    clock = StepClock()
+    c, _ = serve(clock.kernel, (96, 160), canary_slice_ms=slice_ms)
+    clock.now, c.clock = c.clock.now, clock  # from the armed canary's time on, the kernel's calls cost time
     [served] = serving.served_configurations()
     sizes = sorted(set(served.check.ms) | set(served.check.recheck_ms))
     return c, [next_run(c) for _ in range(periods)], sizes
@@ -489,8 +487,9 @@ def test_a_larger_slice_re_checks_the_prefill_sizes_too():
 def test_a_weight_update_between_runs_is_checked_with_the_new_weights():
     c, [(_, layer)] = serve(emulated_mm_fp4, (96, 160), canary_action="log")
     assert next_run(c).passed
-    with serving.weights_updating(c.settings):  # as SGLang's weight updates write: in place
-        layer.weight.data.copy_(layer.weight.data.flip(0))  # other valid NVFP4 weights: rows reversed, scales kept
+    serving.weights_update_begin()  # as SGLang's weight updates write: in place
+    layer.weight.data.copy_(layer.weight.data.flip(0))  # other valid NVFP4 weights: rows reversed, scales kept
+    serving.weights_update_end(c.settings)
     run = next_run(c)
     assert c.runs == 2 and run.passed and c.failures == 0, run
 
@@ -586,9 +585,9 @@ def test_with_nothing_verified_the_canary_runs_nothing_and_says_so():
 
 
 def test_a_weight_fingerprint_mismatch_from_serving_fails_the_run(monkeypatch):
-    """The canary asks serving.fingerprint_problem at every run: a reason fails the run."""
+    """The canary asks serving.fingerprints at every run: a reason fails the run."""
     c, _ = serve(emulated_mm_fp4, (96, 160), canary_action="log")
-    monkeypatch.setattr(serving, "fingerprint_problem", lambda check: "weight bytes 17-18 differ")
+    monkeypatch.setattr(serving, "fingerprints", lambda served, start, count: ("weight bytes 17-18 differ", 0))
     run = next_run(c)
     assert not run.passed and "weights changed since they were verified: weight bytes 17-18 differ" in run.reason
     assert c.status().fingerprints.startswith("compared")
@@ -707,7 +706,7 @@ def test_status_and_the_report_show_the_canary(tmp_path):
     report = tmp_path / "r.json"
     c, _ = serve(emulated_mm_fp4, (96, 160), report=str(report), canary_slice_ms="2.5")
     next_run(c)
-    assert sm120_fp4.report.flush()  # the report's own thread has written the run
+    assert serving.STATE.report.flush()  # the report's own thread has written the run
     shown = sm120_fp4.status().canary
     assert (shown.enabled, shown.period_s, shown.action, shown.slice_ms, shown.runs) == (True, PERIOD, "exit", 2.5, 1)
     assert shown.idle_point.endswith("on_idle") or shown.idle_point.endswith("self_check_during_idle")
@@ -724,7 +723,7 @@ def test_off_by_default_and_after_uninstall():
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="5")
     assert canary.active() is not None
     sm120_fp4.uninstall()
-    assert canary.active() is None and "canary" not in report.sections
+    assert canary.active() is None and "canary" not in serving.STATE.report.sections
 
 
 def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path, monkeypatch):
@@ -732,7 +731,7 @@ def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path
 
     c, _ = serve(emulated_mm_fp4, (96, 160), report=str(tmp_path))
     next_run(c)
-    assert sm120_fp4.report.flush()  # this process's report file now has a canary section
+    assert serving.STATE.report.flush()  # this process's report file now has a canary section
     for name, value in {
         "SM120_FP4_CANARY": "60",
         "SM120_FP4_REPORT": str(tmp_path),

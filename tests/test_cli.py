@@ -849,7 +849,7 @@ RANK_REFUSES = """
 import sm120_fp4
 from sm120_fp4 import serving
 sm120_fp4.decide(candidates=["emulated"])  # wires the report, as a server process's install does
-serving.use_rank(lambda: {"tp_rank": 1, "tp_size": 2})  # this process is TP rank 1 of 2, as the engine says
+serving.STATE.rank = lambda: {"tp_rank": 1, "tp_size": 2}  # this process is TP rank 1 of 2, as the engine says
 serving.decide(candidates=["zeros"])  # refused: RefusedToServe ends the process, as in a server's rank
 """
 

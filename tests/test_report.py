@@ -339,13 +339,13 @@ def test_a_rank_records_that_it_verifies_before_the_first_check_and_its_refusal_
 
     backends.register("zeros-reading", zeros_reading_the_report)
     sm120_fp4.decide(candidates=["emulated"], settings=Settings(simulate="12.0", selftest="off"))  # wires the report
-    serving.use_rank(lambda: {"tp_rank": 1, "tp_size": 2})
+    serving.STATE.rank = lambda: {"tp_rank": 1, "tp_size": 2}
     try:
         with pytest.raises(RefusedToServe, match=r"\(TP rank 1/2\)"):
             serving.decide(candidates=["zeros-reading"], settings=Settings(simulate="12.0", report=str(path)))
         refusal = sm120_fp4.status().refusals[0]
     finally:
-        serving.use_rank(dict)
+        serving.STATE.rank = dict
     assert seen and seen[0]["verifying"] == ["FP4 GEMM on cpu 'simulated (no GPU)' (sm_120, simulated)"]
     assert seen[0]["rank"] == {"tp_rank": 1, "tp_size": 2}
     assert refusal.rank == {"tp_rank": 1, "tp_size": 2}

@@ -180,40 +180,6 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
         sm120_fp4.uninstall()
 
 
-@case(
-    "configuration",
-    "decide(refresh=True) for the device whose decision serves, before and after a layer was verified with it",
-    "before: the refreshed decision serves (status and the route agree); after: ConfigError naming the device and the backend, the route unchanged",
-)
-def test_a_refresh_of_the_serving_decision_is_refused_once_layers_were_verified_with_it():
-    pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
-    import sm120_fp4
-    from sm120_fp4.demo import synthetic
-    from sm120_fp4.errors import ConfigError
-    from sm120_fp4.sglang import layers
-
-    sm120_fp4.install(simulate="12.0", backends="emulated")
-    try:
-        settings = sm120_fp4.config.load_settings()
-        serving.route(-1, settings)
-        [first] = serving.decisions()
-        refreshed = serving.decide(-1, settings=settings, refresh=True)
-        assert (
-            refreshed is not first
-            and serving.decisions() == [refreshed]
-            and sm120_fp4.status().routes == {-1: "emulated"}
-        )
-        layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
-        served = serving.route_table()[-1]
-        with pytest.raises(
-            ConfigError, match=r"simulated.*already serves 1 verified layer configuration\(s\) with emulated"
-        ):
-            serving.decide(-1, settings=settings, refresh=True)
-        assert serving.route_table()[-1] is served and sm120_fp4.status().routes == {-1: "emulated"}
-    finally:
-        sm120_fp4.uninstall()
-
-
 def test_both_engines_take_their_verified_sizes_from_the_one_policy():
     """The engine homes read sizes and tensors; which M are verified is decided in serving.policy alone."""
     root = pathlib.Path(sm120_fp4.__file__).parent
@@ -236,3 +202,36 @@ def test_the_verified_sizes_cover_every_power_of_two_bucket_with_an_odd_m_and_th
     # SGLang's and vLLM's defaults: every bucket between the largest graph batch and the chunk is verified.
     between = [m for m in policy.load_ms(policy.Sizes(512, 8192, 8192)) if 512 < m < 8192]
     assert between == [767, 1024, 1535, 2048, 3071, 4096, 6143]
+
+
+def test_uninstall_resets_the_one_owner_of_the_process_state_and_install_works_again(tmp_path):
+    """install -> a layer served in simulation (a refusal, the canary and the report too) -> uninstall: status() and
+    the one owner of the serving state (serving.STATE) show nothing left; the same again works."""
+    from sm120_fp4.demo import synthetic
+    from sm120_fp4.sglang import layers
+
+    backends.register("zeros", faults.returns_zeros)
+    for _ in range(2):
+        sm120_fp4.install(simulate="12.0", backends="emulated", canary="60", report=str(tmp_path / "r.json"))
+        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
+        with pytest.raises(RefusedToServe):
+            sm120_fp4.decide(candidates=["zeros"], settings=Settings(simulate="12.0"))
+        status = sm120_fp4.status()
+        assert status.routes and status.decisions and status.refusals and status.canary.enabled, status
+        assert serving.served_configurations() and "canary" in serving.STATE.report.sections
+
+        status = sm120_fp4.uninstall()
+        assert not status.installed and status.message == "uninstalled", status.message
+        assert (status.routes, status.moe_routes, status.decisions, status.refusals, status.unverified) == ({},) * 2 + (
+            [],
+        ) * 3
+        assert not status.canary.enabled and status.patches == [] and not serving.served_configurations()
+        state = serving.STATE
+        assert (state.records, state.route_tables, state.refusals, state.verifying, state.groups) == (
+            {},
+            {"dense": {}, "moe": {}},
+            [],
+            {},
+            [],
+        )
+        assert state.canary is None and state.report.sections == {} and state.updating == 0

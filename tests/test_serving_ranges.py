@@ -113,7 +113,7 @@ def test_a_backend_wrong_beyond_the_boundary_never_serves_beyond_it(clock):
     kernel("prefill", clock, calls, prefill_fast, wrong=lambda m: BOUND < m <= 2048)  # the self-test's 2500 passes
     built = serve(calls)
     assert sm120_fp4.status().routes == {-1: "decode"}
-    failed = serving.records._records[("dense", -1)].failed["prefill"]
+    failed = serving.STATE.records[("dense", -1)].failed["prefill"]
     assert int(re.search(r"M=(\d+) ", failed).group(1)) > BOUND, failed
     assert {n for n, _ in eager(built, calls, [1, BOUND + 1, 2048])} == {"decode"}
 
@@ -131,7 +131,7 @@ def test_a_backend_wrong_only_at_the_boundary_plus_one_is_refused(clock):
     assert BOUND + 1 not in policy.load_ms(hooks.sizes())
     [decision] = serving.decisions()
     assert decision.ranges == [] and sm120_fp4.status().routes == {-1: "decode"}
-    assert "M=513 " in serving.records._records[("dense", -1)].failed["prefill"]
+    assert "M=513 " in serving.STATE.records[("dense", -1)].failed["prefill"]
     assert {n for n, _ in eager(built, calls, [BOUND + 1, 2048])} == {"decode"}
 
 
@@ -222,7 +222,7 @@ def test_fastest_with_a_converting_candidate_verifies_each_on_its_own_weights(cl
     ckpt = synthetic.make_checkpoint(256, 512)  # Humming's alignment: converted in SGLang's own storage
     sm120_fp4.install(simulate="12.0", backends="humming,other", select="fastest")
     method, layer = layers.build_modelopt_layer(ckpt)
-    record = serving.records._records[("dense", -1)]
+    record = serving.STATE.records[("dense", -1)]
     assert record.failed == {}, record.failed
     [decision] = serving.decisions()
     assert decision.backend == ("humming" if faster == "humming" else "other") and decision.verified
@@ -274,5 +274,6 @@ def test_a_split_puts_a_converting_backend_on_one_side(clock, humming_clock):
     # Humming's layout was made at load: new weights written by SGLang's update path are refused, saying so.
     settings = Settings(simulate="12.0", backends="humming,prefill", select="fastest")
     with pytest.raises(RefusedToServe, match="humming serves every layer from its own layout made at load"):
-        with serving.weights_updating(settings):
-            layer.weight.data.copy_(layer.weight.data.flip(0))
+        serving.weights_update_begin()
+        layer.weight.data.copy_(layer.weight.data.flip(0))
+        serving.weights_update_end(settings)

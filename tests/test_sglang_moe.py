@@ -562,8 +562,9 @@ def test_b12x_serves_the_new_scales_after_an_in_place_weight_update(b12x):
     before = moe_layers.moe_forward(layer, x, ids, weights)
     wrapper = b12x.made[-1]
     folded = wrapper._folded_w1_alpha
-    with serving.weights_updating(Settings(simulate="12.0")):
-        layer.g1_alphas.data.mul_(2)  # as SGLang's update_weights writes: in place, the version counter unchanged
+    serving.weights_update_begin()
+    layer.g1_alphas.data.mul_(2)  # as SGLang's update_weights writes: in place, the version counter unchanged
+    serving.weights_update_end(Settings(simulate="12.0"))
     after = moe_layers.moe_forward(layer, x, ids, weights)
     new = dataclasses.replace(ckpt, w13_weight_scale_2=ckpt.w13_weight_scale_2 * 2)
     assert torch.equal(after, synthetic.reference_moe_output(new, x, ids, weights)) and not torch.equal(after, before)

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 from typing import Callable, ContextManager
 
-from .. import report as report_file
 from ..config import Settings
+from ..serving import STATE
 from .engine import SMALL_M, Canary
 from .models import CanaryFailure, CanaryRun, CanaryStatus
 
-__all__ = ["CanaryRun", "CanaryFailure", "CanaryStatus", "Canary", "configure", "stop", "active", "idle", "on_warmup"]
-__all__ += ["status", "settings_problem", "SMALL_M"]
+__all__ = [
+    "CanaryRun",
+    "CanaryFailure",
+    "CanaryStatus",
+    "Canary",
+    "configure",
+    "stop",
+    "active",
+    "idle",
+    "on_warmup",
+    "status",
+    "settings_problem",
+    "SMALL_M",
+]
 
 
 def settings_problem(settings: Settings) -> str | None:
@@ -24,47 +36,42 @@ def settings_problem(settings: Settings) -> str | None:
     return None
 
 
-_active: Canary | None = None
-
-
 def configure(settings: Settings, idle_point: str | None = None) -> Canary | None:
-    """Start this process's canary (install): None, and nothing runs, with SM120_FP4_CANARY=off."""
-    global _active
+    """Start this process's canary (install; serving.STATE holds it): None, and nothing runs, with SM120_FP4_CANARY=off."""
     if settings.canary_period is None:
         return None
-    _active = Canary(settings, idle_point)
-    report_file.sections["canary"] = lambda: status(settings).model_dump(mode="json")
-    return _active
+    STATE.canary = Canary(settings, idle_point)
+    STATE.report.sections["canary"] = lambda: status(settings).model_dump(mode="json")
+    return STATE.canary
 
 
 def stop() -> None:
     """Forget this process's canary (uninstall)."""
-    global _active
-    _active = None
-    report_file.sections.pop("canary", None)
+    STATE.canary = None
+    STATE.report.sections.pop("canary", None)
 
 
 def active() -> Canary | None:
     """Return this process's canary, or None."""
-    return _active
+    return STATE.canary
 
 
 def idle(serving_stream: Callable[[], ContextManager] | None = None) -> None:
     """Run the canary's due run: the engine's serving loop is between forward passes; nothing when off."""
-    if _active is not None:
-        _active.idle(serving_stream)
+    if STATE.canary is not None:
+        STATE.canary.idle(serving_stream)
 
 
 def on_warmup(captured: list[int]) -> None:
     """Add the captured graphs' batch sizes to the rotation; nothing when off."""
-    if _active is not None:
-        _active.on_warmup(captured)
+    if STATE.canary is not None:
+        STATE.canary.on_warmup(captured)
 
 
 def status(settings: Settings | None = None) -> CanaryStatus:
     """Return this process's canary status, or what the settings say where none runs here."""
-    if _active is not None:
-        return _active.status()
+    if STATE.canary is not None:
+        return STATE.canary.status()
     period, action, slice_ms = None, "exit", 5.0
     if settings is not None:
         period, action, slice_ms = settings.canary_period, settings.canary_action, settings.canary_slice_ms

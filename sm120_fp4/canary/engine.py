@@ -14,7 +14,6 @@ from typing import Callable, ContextManager
 import torch
 
 from .. import deciding, graphs, serving, verify
-from .. import report as report_file
 from ..config import Settings
 from ..errors import RefusedToServe
 from ..serving import policy
@@ -26,8 +25,16 @@ _LOG = logging.getLogger("sm120_fp4")
 SMALL_M = 128  # batch sizes below this are decode sizes (one per run); from here on the larger one
 RECENT = 16  # runs kept in status
 # The Canary attributes status reports under the same name.
-_COUNTERS = ("idle_point", "runs", "failures", "skipped_saturated", "skipped_capturing", "skipped_memory")
-_COUNTERS += ("longest_wait_s", "busy_s")
+_COUNTERS = (
+    "idle_point",
+    "runs",
+    "failures",
+    "skipped_saturated",
+    "skipped_capturing",
+    "skipped_memory",
+    "longest_wait_s",
+    "busy_s",
+)
 
 
 @dataclass
@@ -53,8 +60,8 @@ class Canary:
             raise ValueError("Canary needs SM120_FP4_CANARY set to a period")
         self.settings, self.period, self.idle_point = settings, settings.canary_period, idle_point
         self.budget_s = settings.canary_slice_ms / 1e3
-        self.clock: Callable[[], float] = time.monotonic  # when runs are due (tests replace it)
-        self.timer: Callable[[], float] = time.perf_counter  # what a run costs the serving thread
+        # When runs are due and what a run costs the serving thread (tests replace it)
+        self.clock: Callable[[], float] = time.perf_counter
         self._lock = threading.Lock()
         self._armed_at: float | None = None
         self._due = math.inf
@@ -152,13 +159,13 @@ class Canary:
 
     def _run(self, job: _Job) -> None:
         """Run `job` whole at this idle point: its fingerprints, then its check at its batch sizes."""
-        started_at, start = time.time(), self.timer()
+        started_at, start = time.time(), self.clock()
         try:
             with graphs.no_capture():  # a graph capture costs several eager calls: never inside a run
                 report = self._check(job)
             report = self._wait(job, report)
         finally:
-            took = self.timer() - start
+            took = self.clock() - start
             self.busy_s += took
             self.longest_slice_s = max(self.longest_slice_s, took)
         if report.skipped is not None:
@@ -197,10 +204,8 @@ class Canary:
         try:
             # A weight corrupted in memory after start-up is invisible to the oracle, which reads the
             # same corrupted weight: the layer's fingerprint says whether it is what was verified.
-            problem = serving.fingerprint_problem(served.check)
-            if problem is None:
-                group = (served.family, served.device.index)
-                problem, self._sweep[group] = serving.fingerprint_sweep(*group, self._sweep.get(group, 0), SWEEP)
+            group = (served.family, served.device.index)
+            problem, self._sweep[group] = serving.fingerprints(served, self._sweep.get(group, 0), SWEEP)
             if problem is not None:
                 return self._failed_run(job, f"the layer's weights changed since they were verified: {problem}")
             reports = []
@@ -243,11 +248,20 @@ class Canary:
     def _finish(self, job: _Job, report: verify.SelfTestReport, started_at: float, took: float) -> None:
         """Record `job`'s run and act on a failure (exit or log, as SM120_FP4_CANARY_ACTION says)."""
         served, check = job.served, job.served.check
-        where = {"family": served.family, "device": served.device.label(), "config": check.label, "layer": check.layer}
-        outcome = report.model_dump(include={"backend", "passed", "max_rel_err"})
-        times = {"due_at": job.due_at, "started_at": started_at, "finished_at": time.time(), "late_s": job.late_s}
-        reason = None if report.passed else report.reason
-        run = CanaryRun(**where, **outcome, ms=job.ms, reason=reason, **times, busy_ms=took * 1e3)
+        run = CanaryRun(
+            family=served.family,
+            device=served.device.label(),
+            config=check.label,
+            layer=check.layer,
+            **report.model_dump(include={"backend", "passed", "max_rel_err"}),
+            ms=job.ms,
+            reason=None if report.passed else report.reason,
+            due_at=job.due_at,
+            started_at=started_at,
+            finished_at=time.time(),
+            late_s=job.late_s,
+            busy_ms=took * 1e3,
+        )
         with self._lock:
             self.runs += 1
             self._recent.append(run)
@@ -264,7 +278,7 @@ class Canary:
                 "(SM120_FP4_CANARY_ACTION=log: still serving; counted, logged once per configuration)",
                 *(run.backend, run.config, run.device, run.reason),
             )
-        report_file.request(self.settings)  # written by the report's own thread: never waited for here
+        serving.STATE.report.request(self.settings)  # written by the report's own thread: never waited for here
 
     def _exit(self, job: _Job, run: CanaryRun, report: verify.SelfTestReport) -> None:
         """Record the refusal in the report file, log it and raise RefusedToServe."""
@@ -278,12 +292,16 @@ class Canary:
             f"happens again, try another backend ({family.backends_var}), {family.fallback_var}=emulated, or check the GPU."
         )
         self._stopped, self._stopped_message = f"stopped the process: {run.config} failed while serving", message
-        config, rejected = f"{run.config} (while serving)", {run.backend: f"failed while serving: {run.reason}"}
-        where = dict(device=run.device, config=config, family=served.family)
-        refusal = deciding.Refusal(**where, message=message, rejected=rejected, reports=[report])
-        serving.record_refusal(refusal, self.settings)  # the report file, before the process goes
         _LOG.error("%s", message)
-        raise RefusedToServe(message)
+        serving.refuse_now(  # in the report file, before the process goes
+            self.settings,
+            message,
+            device=run.device,
+            config=f"{run.config} (while serving)",
+            family=served.family,
+            rejected={run.backend: f"failed while serving: {run.reason}"},
+            reports=[report],
+        )
 
     def _state(self) -> str:
         """Return what the canary is doing now, for status."""
@@ -311,15 +329,24 @@ class Canary:
         elapsed = time.time() - self._armed_at if self._armed_at is not None else None
         open_s = serving.weights_update_open_s()
         update = update_text(open_s) if open_s is not None else None
-        counters = {name: getattr(self, name) for name in _COUNTERS}
         fingerprints = {"fingerprints": f"not compared now: {update}"} if update else {}
-        last, share = recent[-1] if recent else None, self.busy_s / elapsed if elapsed else None
-        runs = dict(
-            armed_at=self._armed_at, failed=failed, last_run=last, recent=recent, share=share, beyond_slice=beyond
+        return CanaryStatus(
+            enabled=True,
+            period_s=self.period,
+            action=self.settings.canary_action,
+            state=self._state(),
+            slice_ms=self.budget_s * 1e3,
+            longest_slice_ms=self.longest_slice_s * 1e3,
+            armed_at=self._armed_at,
+            failed=failed,
+            last_run=recent[-1] if recent else None,
+            recent=recent,
+            share=self.busy_s / elapsed if elapsed else None,
+            beyond_slice=beyond,
+            weights_update=update,
+            **fingerprints,
+            **{name: getattr(self, name) for name in _COUNTERS},
         )
-        config = dict(enabled=True, period_s=self.period, action=self.settings.canary_action, state=self._state())
-        slices = dict(slice_ms=self.budget_s * 1e3, longest_slice_ms=self.longest_slice_s * 1e3)
-        return CanaryStatus(weights_update=update, **fingerprints, **counters, **config, **runs, **slices)
 
 
 def _nothing_to_check(settings: Settings) -> str | None:

@@ -21,7 +21,7 @@ from .common import EXIT_OK, EXIT_REFUSED, EXIT_UNVERIFIED, EXIT_USAGE, _emit, _
 
 def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> int:
     """Run decide() for one device and family here; `emit` one JSON event per candidate, then the result."""
-    from .. import deciding, verdicts
+    from .. import deciding, serving, verdicts
     from ..config import check_flashinfer_env, load_settings
     from ..errors import ConfigError, RefusedToServe
 
@@ -34,7 +34,7 @@ def _worker(args: argparse.Namespace, emit: Callable[[dict], None] = _emit) -> i
         key = verdicts.device_key(device)
         for item in args.crashed or []:
             name, _, why = item.partition("=")
-            verdicts.note_crash(family, name, why)
+            serving.STATE.crashes[(family, name)] = why  # this process was told: skipped with or without a file
         if args.backend:
             deciding.candidate_names(settings, args.backend, deciding.FAMILIES[family], device, source="--backend")
         decision = _decide_announcing(args, settings, device, family, key, emit)

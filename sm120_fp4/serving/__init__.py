@@ -1,30 +1,30 @@
-"""Serving: records (.records), layer checks (.layers), replacing (.replace), SELECT=fastest (.fastest, shared by the
-ranks through .collective), re-checks (.updates)."""
+"""Serving: this process's state in one owner (.state: ``STATE``, which uninstall() resets), records (.records),
+layer checks (.layers), replacing (.replace), SELECT=fastest (.fastest, shared by the ranks through .collective),
+re-checks (.updates)."""
 
 from .collective import use_group
 from .fastest import retime
 from .records import (
     LayerCheck,
     Unverified,
-    clear,
+    crashed,
     decide,
     decisions,
-    record_refusal,
     record_unverified,
     refusals,
+    refuse_now,
     report_sections,
     route,
     route_table,
     routes,
     unverified,
-    use_rank,
 )
 from .replace import verify_layer
+from .state import STATE, State
 from .updates import (
     Served,
     check_served,
-    fingerprint_problem,
-    fingerprint_sweep,
+    fingerprints,
     on_hang,
     recheck,
     reverify,
@@ -33,20 +33,36 @@ from .updates import (
     weights_update_begin,
     weights_update_end,
     weights_update_open_s,
-    weights_updating,
 )
 
 __all__ = [
     "LayerCheck",
+    "crashed",
     "Unverified",
     "verify_layer",
     "recheck",
     "retime",
     "reverify",
-    "weights_updating",
     "weights_update_begin",
+    "weights_update_end",
+    "weights_update_open_s",
+    "refusals",
+    "refuse_now",
+    "decide",
+    "decisions",
+    "STATE",
+    "route",
+    "route_table",
+    "routes",
+    "Served",
+    "served_configurations",
+    "served_layer",
+    "check_served",
+    "fingerprints",
+    "report_sections",
+    "on_hang",
+    "use_group",
+    "State",
+    "record_unverified",
+    "unverified",
 ]
-__all__ += ["weights_update_end", "weights_update_open_s", "refusals", "record_refusal", "decide", "decisions", "clear"]
-__all__ += ["route", "route_table", "routes", "Served", "served_configurations", "served_layer", "check_served"]
-__all__ += ["fingerprint_problem", "fingerprint_sweep", "report_sections", "on_hang", "use_group", "use_rank"]
-__all__ += ["record_unverified", "unverified"]

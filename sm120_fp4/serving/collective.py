@@ -17,21 +17,19 @@ from typing import Callable
 import torch
 
 from ..errors import RefusedToServe
-
-# Each engine home's tensor-parallel CPU group, where its parallel state is up (use_group).
-_groups: list[Callable[[], object]] = []
+from .state import STATE
 
 
 def use_group(find: Callable[[], object]) -> Callable[[], None]:
     """Share decisions in the process group `find()` returns (an engine's tensor-parallel CPU group) where it has one;
     return the undo."""
-    _groups.append(find)
-    return lambda: _groups.remove(find) if find in _groups else None
+    STATE.groups.append(find)
+    return lambda: STATE.groups.remove(find) if find in STATE.groups else None
 
 
 def _group() -> object | None:
     """Return the engine's tensor-parallel CPU group, or None (torch.distributed's default group)."""
-    for find in _groups:
+    for find in list(STATE.groups):
         try:
             group = find()
         except Exception:  # the engine's parallel state is not up (yet): the default group

@@ -4,17 +4,18 @@ the same on every rank under tensor parallelism (every rank's timings and failur
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Callable, NoReturn
+from typing import Callable
 
 import torch
 
 from .. import backends
 from ..config import Settings
-from ..deciding import Choice, Decision, Refusal, time_call
+from ..deciding import Choice, Decision, time_call
 from ..errors import RefusedToServe
 from .collective import gather, ranks, refusal
-from .layers import _layer_check, _verify_everything
-from .records import LayerCheck, _release, _served, _Serving, record_refusal, route_text
+from .layers import check_layer, verify_everything
+from .records import LayerCheck, Record, refuse_now, route_text
+from .state import STATE
 
 SEPARATION = 1.03  # a backend faster by less than this ratio of the range's time is within noise: no split
 timer: Callable[[Callable[[], object], torch.device], float] = time_call  # the timing seam (tests replace it)
@@ -49,13 +50,13 @@ def plan(times: dict[str, dict[int, float]]) -> list[tuple[int | None, str]]:
     return best
 
 
-def _single(serving: _Serving, base: Decision, name: str) -> Choice:
+def _single(serving: Record, base: Decision, name: str) -> Choice:
     """Return a Choice of backend `name` alone, with `base`'s device facts."""
     update = {"backend": name, "mode": backends.mode_of(serving.family.name, name), "layers": [], "ranges": []}
     return Choice(base.model_copy(update={**update, "timings_ms": {}}), serving.family.resolve(name))
 
 
-def _split(serving: _Serving, base: Decision, ranges: list, singles: dict[str, Choice]) -> Choice:
+def _split(serving: Record, base: Decision, ranges: list, singles: dict[str, Choice]) -> Choice:
     """Return the Choice serving each range of `ranges` with its backend (one Choice where one range)."""
     if len(ranges) == 1:
         return singles[ranges[0][1]]
@@ -66,7 +67,7 @@ def _split(serving: _Serving, base: Decision, ranges: list, singles: dict[str, C
     return Choice(decision, ranged(tuple(b for b, _ in ranges[:-1]), fns))
 
 
-def _time(serving: _Serving, check: LayerCheck) -> dict[int, float]:
+def _time(serving: Record, check: LayerCheck) -> dict[int, float]:
     """Return milliseconds per serving batch size of `check`'s served calls."""
     tdev = serving.device.torch_device
     return {case.m: timer(case.invoke, tdev) * 1e3 for case in check.cases(check.recheck_ms)}
@@ -77,21 +78,21 @@ def retime(settings: Settings) -> None:
     # Whether it runs depends on the settings alone: under tensor parallelism every rank takes part, or none.
     if settings.select != "fastest":
         return
-    served = [serving for serving in _served() if serving.checks]
+    served = [serving for serving in STATE.served() if serving.checks]
     every = _shared(settings, "the retime after warm-up", sorted(s.family.name for s in served))
     if any(families != every[0] for families in every):
-        _refuse(settings, refusal(f"the ranks serve different kernel families after warm-up ({every})"))
+        refuse_now(settings, refusal(f"the ranks serve different kernel families after warm-up ({every})"))
     for serving in served:
         with serving.lock:
             measure(serving, list(serving.checks.values()), new=False)
     # The last decision before capture: what a candidate serving no device prepared (its own layouts) is freed.
-    routes = {(s.family.name, n) for s in _served() for n in [n for _, n in s.decision.ranges] or [s.decision.backend]}
+    routes = {(s.family.name, n) for s in STATE.served() for n in s.route_backends}
     for serving in served:
         for name in (n for n in serving.candidates if (serving.family.name, n) not in routes):
-            _release(serving, name)
+            serving.release(name)
 
 
-def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
+def measure(serving: Record, checks: list[LayerCheck], new: bool) -> None:
     """Time every candidate still eligible on `checks` (checking it first on a `new` configuration), then route."""
     first, base = serving.choice, serving.choice.decision
     names = [n for n in serving.candidates if n not in serving.failed]
@@ -105,7 +106,7 @@ def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
                 continue  # not verified on every configuration: not a candidate
             serving.serve(choice)
             if new and choice is not first:
-                report, _ = _layer_check(serving, checks[0], True)
+                report, _ = check_layer(serving, checks[0], True)
                 if not report.passed:
                     serving.failed[name] = f"{report.config}: {report.reason}"
                     continue
@@ -117,7 +118,7 @@ def measure(serving: _Serving, checks: list[LayerCheck], new: bool) -> None:
         raise
 
 
-def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice, point: str) -> None:
+def _settle(serving: Record, singles: dict[str, Choice], first: Choice, point: str) -> None:
     """Route to the fastest plan whose backends pass every check at their ranges on every rank, else back to `first`."""
     keys = list(serving.checks)
     eligible = [n for n in singles if n not in serving.failed and all(k in serving.timings.get(n, {}) for k in keys)]
@@ -133,7 +134,7 @@ def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice, point:
         serving.serve(choice)
         bad, reports = None, []
         if choice is not first:  # a switch: every layer so far (and every configuration at a boundary)
-            reports, bad = _verify_everything(serving, None, False, configurations=len(ranges) > 1)
+            reports, bad = verify_everything(serving, None, False, configurations=len(ranges) > 1)
         found = bad and (bad.backend, f"{bad.config}: {bad.reason}")
         every = _shared(serving.settings, f"the route checked on {point}", found, serving)
         failed = next(((rank, f) for rank, f in enumerate(every) if f is not None), None)
@@ -146,10 +147,10 @@ def _settle(serving: _Serving, singles: dict[str, Choice], first: Choice, point:
     serving.serve(first)
     if ranks()[1] > 1:  # the ranks' routes would differ
         problem = f"no {serving.family.what} route passes every check on every rank: {serving.failed}"
-        _refuse(serving.settings, refusal(problem), serving)
+        refuse_now(serving.settings, refusal(problem), serving)
 
 
-def _everyone(serving: _Serving, point: str, times: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+def _everyone(serving: Record, point: str, times: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
     """Return the candidates timed on every rank and failed on none, with their times summed over the ranks (one rank:
     `times`); a failure on another rank marks the candidate failed here too."""
     every = _shared(serving.settings, point, (times, dict(serving.failed)), serving)
@@ -161,22 +162,15 @@ def _everyone(serving: _Serving, point: str, times: dict[str, dict[int, float]])
     return {n: {m: sum(t[n][m] for t, _ in every) for m in sizes[n]} for n in ranked}
 
 
-def _shared(settings: Settings, point: str, facts: object, serving: _Serving | None = None) -> list:
+def _shared(settings: Settings, point: str, facts: object, serving: Record | None = None) -> list:
     """Return every rank's `facts` at `point`; a rank missing or elsewhere is a recorded refusal (RefusedToServe)."""
     try:
         return gather(point, facts, settings.selftest_timeout)
     except RefusedToServe as exc:
-        _refuse(settings, str(exc), serving)
+        refuse_now(settings, str(exc), serving)
 
 
-def _refuse(settings: Settings, message: str, serving: _Serving | None = None) -> NoReturn:
-    """Record and raise the refusal of a decision the ranks cannot take alike."""
-    where = {"device": serving.device.label(), "family": serving.family.name} if serving else {"device": "?"}
-    record_refusal(Refusal(**where, message=message), settings)
-    raise RefusedToServe(message)
-
-
-def _describe(serving: _Serving, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):
+def _describe(serving: Record, choice: Choice, first: Choice, ranges: list, times: dict, reports: list, n: int):
     """Record on the serving decision its timings, its verified layers and why it was chosen."""
     decision = choice.decision
     if choice is not first and not first.decision.ranges:

@@ -1,4 +1,7 @@
-"""The layer checks: served calls against the oracle, weight fingerprints, layer records, conversion at load."""
+"""The layer checks: served calls against the oracle, weight fingerprints, layer records, conversion at load.
+
+Each function works on one :class:`~.records.Record` (a family on a device); .replace, .updates and .fastest call
+them."""
 
 from __future__ import annotations
 
@@ -12,10 +15,10 @@ import torch
 from .. import verify
 from ..deciding import Decision
 from ..devices import CHECK_MEMORY_BYTES
-from .records import LayerCheck, _Layer, _layer_key, _Serving
+from .records import LayerCheck, LayerRecord, Record
 
 
-def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], light=False, passes=2, config=None, guard=False):
+def run_check(serving: Record, check: LayerCheck, ms: list[int], light=False, passes=2, config=None, guard=False):
     """Run `check`'s calls at `ms`; return the report and (`guard`: fail where they wrote it) the weights' fingerprint."""
     # A check that cannot get its memory (the engine filled the GPU) frees what it held and runs once more; then
     # its report says it was skipped (a failure at load, named; the canary retries it later), never an OOM raised.
@@ -38,7 +41,7 @@ def _run_check(serving: _Serving, check: LayerCheck, ms: list[int], light=False,
         return report, None
 
 
-def _run_check_once(serving: _Serving, check: LayerCheck, ms, light, passes, config, guard):
+def _run_check_once(serving: Record, check: LayerCheck, ms, light, passes, config, guard):
     device = serving.device
     start = time.perf_counter()
     report = verify.report_for(serving.decision.backend, device, config=config or check.label)
@@ -61,9 +64,9 @@ def _run_check_once(serving: _Serving, check: LayerCheck, ms, light, passes, con
     bounds = verify.Bounds(timeout_s=serving.settings.selftest_timeout)
     sweep = verify.Sweep(cases, bounds, device.torch_device, where, repeat=not light)
     # After the oracle's work is queued, before the first served call: its launches overlap the oracle's.
-    before = _fingerprint(check) if guard else None
+    before = fingerprint(check) if guard else None
     report = _blame(serving.decision, verify.finish(report, sweep.run(passes), start))
-    _fail_if_written(report, check, before)
+    fail_if_written(report, check, before)
     return report, before
 
 
@@ -85,7 +88,8 @@ def _blame(decision: Decision, report: verify.SelfTestReport) -> verify.SelfTest
     return report
 
 
-def _fingerprint(check: LayerCheck) -> torch.Tensor | None:
+def fingerprint(check: LayerCheck) -> torch.Tensor | None:
+    """Return the fingerprint of the weights `check`'s layer serves with now (None: it names none)."""
     return verify.fingerprint(check.weights()) if check.weights is not None else None
 
 
@@ -97,30 +101,31 @@ def _owner_ref(check: LayerCheck) -> Callable[[], object] | None:
         return lambda: owner
 
 
-def _layer_check(serving: _Serving, check: LayerCheck, full: bool) -> tuple[verify.SelfTestReport, torch.Tensor | None]:
+def check_layer(serving: Record, check: LayerCheck, full: bool) -> tuple[verify.SelfTestReport, torch.Tensor | None]:
     """Run `check`'s full sweep or light check; return its report and the weights' fingerprint when checked."""
     if full:
-        return _run_check(serving, check, check.ms, guard=True)
-    return _run_check(serving, check, check.light_ms, True, 1, f"{check.label} (layer check)", guard=True)
+        return run_check(serving, check, check.ms, guard=True)
+    return run_check(serving, check, check.light_ms, True, 1, f"{check.label} (layer check)", guard=True)
 
 
-def _fail_if_written(report: verify.SelfTestReport, check: LayerCheck, before: torch.Tensor | None) -> None:
+def fail_if_written(report: verify.SelfTestReport, check: LayerCheck, before: torch.Tensor | None) -> None:
     """Fail a passing `report` whose calls wrote into the layer's weights (fingerprint no longer `before`)."""
-    if report.passed and before is not None and not torch.equal(before, _fingerprint(check)):
+    if report.passed and before is not None and not torch.equal(before, fingerprint(check)):
         report.passed = False
         report.reason = f"{check.named()}: the checked calls changed this layer's own weights in place"
 
 
-def _record_layer(serving: _Serving, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
+def record_layer(serving: Record, check: LayerCheck, fingerprint: torch.Tensor | None) -> None:
+    """Keep `check`'s layer in `serving`'s layers with its `fingerprint` (a weak reference where it can be rebuilt)."""
     if len(serving.layers) >= serving.prune_at:  # amortised: a model's hundreds of layers cost no quadratic walk
         serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
         serving.prune_at = max(64, 2 * len(serving.layers))
     owner = _owner_ref(check) if check.owner is not None else None
     kept = None if isinstance(owner, weakref.ref) and check.rebuild is not None else check  # else rebuilt when read
-    serving.layers[_layer_key(check)] = _Layer(check.named(), fingerprint, owner, check.rebuild, kept, check.key)
+    serving.layers[check.layer_key()] = LayerRecord(check.named(), fingerprint, owner, check.rebuild, kept, check.key)
 
 
-def _convert(serving: _Serving, tensors: dict | None, keep_original: bool) -> str | None:
+def convert(serving: Record, tensors: dict | None, keep_original: bool) -> str | None:
     """Let the serving backend convert one layer at load (humming); return None, or why it could not."""
     converter = serving.converter
     if converter is None or tensors is None:
@@ -132,38 +137,38 @@ def _convert(serving: _Serving, tensors: dict | None, keep_original: bool) -> st
     return None
 
 
-def _seen_key(tensors: dict) -> tuple:
+def seen_key(tensors: dict) -> tuple:
     """Return what identifies the layer `tensors` describe: its packed weight's storage, else the dict."""
     weight = tensors.get("weight", tensors.get("w13"))
     return ("storage", weight.data_ptr()) if isinstance(weight, torch.Tensor) else ("dict", id(tensors))
 
 
-def _representative(serving: _Serving, tensors: dict) -> bool:
+def representative(serving: Record, tensors: dict) -> bool:
     """Return whether `tensors` are a configuration's first layer (the one the re-checks compare)."""
-    key = _seen_key(tensors)
+    key = seen_key(tensors)
     return any(
-        c.tensors is tensors or (c.tensors is not None and _seen_key(c.tensors) == key) for c in serving.checks.values()
+        c.tensors is tensors or (c.tensors is not None and seen_key(c.tensors) == key) for c in serving.checks.values()
     )
 
 
-def _settle(serving: _Serving, tensors: dict | None) -> None:
+def settle(serving: Record, tensors: dict | None) -> None:
     """End a layer's check: the backend drops what it kept for it (a configuration's first layer: keeps it)."""
     converter = serving.converter
     if converter is not None and tensors is not None:
-        converter.settle(tensors, _representative(serving, tensors))
+        converter.settle(tensors, representative(serving, tensors))
 
 
-def _refingerprint(serving: _Serving) -> None:
+def refingerprint(serving: Record) -> None:
     """Take every layer's fingerprint anew (after a switch that converted or restored weights)."""
     for record in serving.layers.values():
         current = record.current() if record.alive() else None
         if current is not None:
-            record.fingerprint = _fingerprint(current)
+            record.fingerprint = fingerprint(current)
 
 
-def _verify_everything(serving: _Serving, extra: LayerCheck | None, extra_full: bool, configurations=True) -> tuple:
+def verify_everything(serving: Record, extra: LayerCheck | None, extra_full: bool, configurations=True) -> tuple:
     """Check every configuration (unless `configurations` is False), every layer and `extra` as routed now."""
-    reports, representatives = [], {_layer_key(c) for c in serving.checks.values()}
+    reports, representatives = [], {c.layer_key() for c in serving.checks.values()}
     layers = (
         (r.current() if r.alive() and k not in representatives else None) for k, r in list(serving.layers.items())
     )
@@ -171,7 +176,7 @@ def _verify_everything(serving: _Serving, extra: LayerCheck | None, extra_full: 
     for check, full in chain(checks, [(extra, extra_full)]):
         if check is None:
             continue
-        report, _ = _layer_check(serving, check, full)
+        report, _ = check_layer(serving, check, full)
         if not report.passed:
             return reports, report
         if full:  # the full sweeps' reports: every configuration's, and `extra`'s

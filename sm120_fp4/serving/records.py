@@ -1,4 +1,4 @@
-"""The serving records per (kernel family, device), and the route table the hot path reads (written by _publish)."""
+"""The serving records per (kernel family, device) in :data:`STATE`, and the route table the hot path reads."""
 
 from __future__ import annotations
 
@@ -6,27 +6,19 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
-from pydantic import BaseModel
 
-from .. import backends, devices, graphs, locks, verdicts, verify
-from .. import report as report_file
+from .. import backends, devices, locks, verdicts, verify
 from ..config import Settings, check_flashinfer_env, load_settings
 from ..deciding import FAMILIES, Choice, Decision, Family, Refusal, candidate_names, choose, log_decision, serves
 from ..devices import Device
 from ..errors import ConfigError, RefusedToServe
 from .collective import gather
+from .state import STATE, Unverified
 
 _LOG = logging.getLogger("sm120_fp4")
-
-
-class Unverified(BaseModel):
-    """Something served UNVERIFIED (SM120_FP4_SELFTEST=warn): which layer or call, and why nothing verifies it."""
-
-    what: str
-    reason: str
 
 
 @dataclass
@@ -52,9 +44,13 @@ class LayerCheck:
     def named(self) -> str:
         return f"{self.label} [{self.layer}]" if self.layer else self.label
 
+    def layer_key(self) -> int:
+        """Return the key of this check's layer in :attr:`Record.layers`."""
+        return id(self.owner) if self.owner is not None else id(self)
+
 
 @dataclass
-class _Layer:
+class LayerRecord:
     """One verified layer: its fingerprint when verified and how to check it again (rebuilt where it can be)."""
 
     label: str
@@ -75,8 +71,9 @@ class _Layer:
 
 
 @dataclass
-class _Serving:
-    """One kernel family on one device: decisions, what serves (changed only by serve/route_to), layers, failures."""
+class Record:
+    """One kernel family on one device: decisions, what serves (changed only by serve/route_to), layers, failures;
+    the object every serving module works on."""
 
     family: Family
     index: int
@@ -87,14 +84,14 @@ class _Serving:
     serving: tuple | None = None  # the key of the choice that serves (None: the original kernel runs)
     routed: bool = False  # whether route() has answered for this device
     checks: dict[tuple, LayerCheck] = field(default_factory=dict)  # one per configuration: its full sweep
-    layers: dict[int, _Layer] = field(default_factory=dict)  # id(layer) -> its record (light checks, fingerprints)
+    layers: dict[int, LayerRecord] = field(default_factory=dict)  # LayerCheck.layer_key() -> its record
     failed: dict[str, str] = field(default_factory=dict)  # backend -> why it failed a layer configuration
     timings: dict[str, dict[tuple, dict[int, float]]] = field(default_factory=dict)  # backend -> config -> M -> ms
     candidate_layers: dict[str, list] = field(default_factory=dict)  # SELECT=fastest: each candidate's reports
     unverified: dict[tuple, verify.SelfTestReport] = field(default_factory=dict)  # SELFTEST=warn: failed, served anyway
     # Every served layer's tensors (no copy) by weight storage: a converting backend taking over converts them.
     seen: dict[tuple, dict] = field(default_factory=dict)
-    prune_at: int = 64  # _record_layer drops dropped layers' records when this many are kept
+    prune_at: int = 64  # layers.record_layer drops dropped layers' records when this many are kept
     lock: threading.RLock = field(default_factory=locks.rlock)
 
     @property
@@ -110,6 +107,11 @@ class _Serving:
     def route_name(self) -> str:
         """Return the backend(s) the device is routed to, or "original"."""
         return route_text(self.decision) if self.serving is not None else "original"
+
+    @property
+    def route_backends(self) -> list[str]:
+        """Return the backend(s) serving the device, in the order of their M ranges."""
+        return [name for _, name in self.decision.ranges] or [self.decision.backend]
 
     @property
     def candidates(self) -> list[str]:
@@ -135,28 +137,35 @@ class _Serving:
         """Return the callable the hot path calls for this device, or None (the original kernel runs)."""
         return self.choice.fn if self.routed and self.serving is not None else None
 
-    def store(self, key: tuple, choice: Choice) -> None:
-        """Keep decide()'s choice for `key` (a refresh of the serving key routes to it)."""
-        with _lock:
-            self.decided[key] = choice
-            if key == self.serving:
-                _publish(self)
-
     def route_to(self, device: Device | None, key: tuple | None, settings: Settings | None) -> Callable | None:
         """Route the device once to the choice for `key` (None: the original) and return its callable."""
-        with _lock:
+        with STATE.lock:
             if not self.routed:
                 self.routed, self.serving = True, key
                 if key is not None:
                     self.device, self.settings = device, settings
-                _publish(self)
+                STATE.publish(self)
             return self.fn
 
     def serve(self, choice: Choice) -> None:
         """Serve the device with `choice` from now on, in the replaced decision's place."""
-        with _lock:
+        with STATE.lock:
             self.decided[self.serving] = choice
-            _publish(self)
+            STATE.publish(self)
+
+    def release(self, name: str) -> str | None:
+        """Undo what backend `name` converted on this device; return None, or why no other backend can take over."""
+        try:
+            backend = backends.backend_of(self.family.name, name)
+        except ConfigError:  # unregistered since (a test's backend): it converted nothing of ours
+            return None
+        if backend.converter is None or backend.converter.restore():
+            return None
+        return (
+            f"{name} converted served layers' weights to its own layout in place at load and kept the original bytes "
+            "of the checked layers only, so no other backend can serve them in this process; restart with "
+            f"{self.family.backends_var} naming a backend that verifies"
+        )
 
 
 def route_text(decision: Decision) -> str:
@@ -168,49 +177,9 @@ def route_text(decision: Decision) -> str:
     return ", ".join(f"{name} ({label})" for (_, name), label in zip(ranges, labels))
 
 
-_lock = locks.lock()
-_records: dict[tuple[str, int], _Serving] = {}  # (family, device index) -> its record: the one store
-
-# CUDA ordinal (-1: CPU in simulation) -> the callable serving it (None: the original); read on every
-# forward pass, written by _publish alone, emptied (never replaced) by clear().
-_route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
-_refusals: list[Refusal] = []
-_unverified: list[Unverified] = []
-
-
-@dataclass
-class _Process:
-    """This process's serving state outside the records."""
-
-    updating: int = 0  # SGLang weight updates in progress (weights_updating)
-    updating_since: float | None = None  # time.monotonic() when the open weight updates began (None: none open)
-    last_settings: Settings | None = None  # the settings of the last decide() / verify_layer() (the watchdog's refusal)
-    rank: Callable[[], dict[str, int]] = dict  # the engine's ranks of this process (api wires the engine homes')
-    verifying: dict[object, str] = field(default_factory=dict)  # what it self-tests now (the report), by check
-
-
-_process = _Process()
-
-
-def _publish(record: _Serving) -> None:
-    """Make `record`'s route table entry say what the store says now (under _lock)."""
-    table = _route_tables[record.family.name]
-    current = _records.get((record.family.name, record.index))
-    if current is not None and current.routed:
-        table[record.index] = current.fn
-    else:
-        table.pop(record.index, None)
-
-
-def _record(family: Family, index: int, device: Device | None = None) -> _Serving:
-    with _lock:
-        return _records.setdefault((family.name, index), _Serving(family, index, device))
-
-
-def _served() -> list[_Serving]:
-    """Return every record routed to a backend of ours, in the order made."""
-    with _lock:
-        return [r for r in _records.values() if r.serving is not None]
+def _record(family: Family, index: int, device: Device | None = None) -> Record:
+    with STATE.lock:
+        return STATE.records.setdefault((family.name, index), Record(family, index, device))
 
 
 def decide(
@@ -218,17 +187,16 @@ def decide(
     candidates: list[str] | tuple[str, ...] | None = None,
     *,
     settings: Settings | None = None,
-    refresh: bool = False,
     family: Family | str = "dense",
 ) -> Decision:
     """Return the verified backend for `device` (a Device, a CUDA ordinal, or None: the current one), cached."""
-    return _decide(device, candidates, settings, refresh, family)[2].decision
+    return _decide(device, candidates, settings, family)[2].decision
 
 
-def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tuple, Choice]:
+def _decide(device, candidates, settings, family) -> tuple[Record, tuple, Choice]:
     """Return decide()'s record, cache key and choice (the arguments as decide()'s)."""
     settings = settings or load_settings()
-    _process.last_settings = settings
+    STATE.last_settings = settings
     if not isinstance(device, Device):
         if device is None and torch.cuda.is_available() and not settings.simulate:
             device = torch.cuda.current_device()
@@ -240,20 +208,14 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
     fallback = family.fallback(settings)
     key = (device.capability, device.simulated, tuple(names), settings.selftest, fallback, settings.select)
     record = _record(family, device.index, device)
-    with _lock:
+    with STATE.lock:
         key_lock = record.deciding.setdefault(key, locks.lock())
     with key_lock:
-        if not refresh and key in record.decided:
+        if key in record.decided:
             return record, key, record.decided[key]
-        if refresh and key == record.serving and record.checks:
-            raise ConfigError(
-                f"decide(refresh=True): {device.label()} already serves {len(record.checks)} verified layer "
-                f"configuration(s) with {record.decision.backend}; a refreshed decision would serve them unchecked. "
-                "Accepted: refresh before the first layer loads, or uninstall() (or a new process) first"
-            )
         mark = (family.name, device.index, key)
-        _process.verifying[mark] = f"{family.what} on {device.label()}"
-        report_file.write_now(settings)  # before the first check: a rank the engine stops meanwhile says so
+        STATE.verifying[mark] = f"{family.what} on {device.label()}"
+        STATE.report.write_now(settings)  # before the first check: a rank the engine stops meanwhile says so
         try:
             # Every rank decides here (its first layer): SELECT=fastest chooses alike on every rank.
             choice = choose(
@@ -261,31 +223,52 @@ def _decide(device, candidates, settings, refresh, family) -> tuple[_Serving, tu
                 names,
                 settings,
                 family,
-                crashed=verdicts.crashed(settings.verdicts_path, device, family.name),
+                crashed=crashed(settings, device, family.name),
                 gather=functools.partial(gather, timeout_s=settings.selftest_timeout),
             )
         except RefusedToServe as exc:
-            _process.verifying.pop(mark, None)
-            exc.args = (_with_rank(str(exc), _process.rank()), *exc.args[1:])  # the engine's log names the rank
-            refusal = Refusal(device=device.label(), family=family.name, message=str(exc))
-            refusal.rejected, refusal.reports = getattr(exc, "rejected", {}), getattr(exc, "reports", [])
-            record_refusal(refusal, settings)
-            raise
+            STATE.verifying.pop(mark, None)
+            found = {"rejected": getattr(exc, "rejected", {}), "reports": getattr(exc, "reports", [])}
+            refuse_now(settings, str(exc), device=device.label(), family=family.name, **found)
         finally:
-            _process.verifying.pop(mark, None)
-        record.store(key, choice)
+            STATE.verifying.pop(mark, None)
+        with STATE.lock:
+            record.decided[key] = choice
     log_decision(choice.decision)
-    report_file.request(settings)
+    STATE.report.request(settings)
     return record, key, choice
 
 
 def record_refusal(refusal: Refusal, settings: Settings) -> None:
     """Record a refusal (ours or the serving canary's) for status and the report file, with this process's ranks."""
-    refusal.rank = refusal.rank or _process.rank()
+    refusal.rank = refusal.rank or STATE.rank()
     refusal.message = _with_rank(refusal.message, refusal.rank)
-    with _lock:
-        _refusals.append(refusal)
-    report_file.write_now(settings)  # before the process exits: the record of why it refused (bounded)
+    with STATE.lock:
+        STATE.refusals.append(refusal)
+    STATE.report.write_now(settings)  # before the process exits: the record of why it refused (bounded)
+
+
+def crashed(settings: Settings, device: Device, family: str) -> dict[str, str]:
+    """Return each candidate of `family` to skip on `device`, and why: it crashed a preflight worker, as this process
+    was told (``STATE.crashes``) or the verdict store (SM120_FP4_VERDICTS) says."""
+    with STATE.lock:
+        told = [(b, why) for (f, b), why in STATE.crashes.items() if f == family]
+    found = {b: f"skipped: it crashed the preflight self-test process ({why})" for b, why in told}
+    return verdicts.crashed(settings.verdicts_path, device, family) | found
+
+
+def refuse_now(settings: Settings, message: str, serving: Record | None = None, **found) -> NoReturn:
+    """Record the refusal `message` on `serving`'s device (None: none named; `found`: more of Refusal's fields) for
+    status and the report file, then raise RefusedToServe with it (naming the rank where the engine has several;
+    carrying `rejected` and `reports` as the preflight worker reads them)."""
+    where = (
+        {"device": serving.device.label(), "family": serving.family.name} if serving is not None else {"device": "?"}
+    )
+    refusal = Refusal(**(where | found), message=message)
+    record_refusal(refusal, settings)
+    refused = RefusedToServe(refusal.message)  # the engine's log names the rank
+    refused.rejected, refused.reports = refusal.rejected, refusal.reports
+    raise refused from None  # its message says why: no second traceback in the engine's log
 
 
 def _with_rank(message: str, rank: dict[str, int]) -> str:
@@ -297,84 +280,46 @@ def _with_rank(message: str, rank: dict[str, int]) -> str:
     return "\n".join([f"{first} ({where})", *rest])
 
 
-def use_rank(source: Callable[[], dict[str, int]]) -> None:
-    """Read this process's engine ranks from `source` from now on (api: the engine homes' ``rank()``)."""
-    _process.rank = source
-
-
 def record_unverified(what: str, reason: str) -> None:
     """Record something served UNVERIFIED because SM120_FP4_SELFTEST=warn allowed it (status and the report show it)."""
-    with _lock:
-        if not any(u.what == what and u.reason == reason for u in _unverified):
-            _unverified.append(Unverified(what=what, reason=reason))
+    with STATE.lock:
+        if not any(u.what == what and u.reason == reason for u in STATE.unverified):
+            STATE.unverified.append(Unverified(what=what, reason=reason))
 
 
 def unverified() -> list[Unverified]:
     """Return everything served UNVERIFIED in this process so far (SELFTEST=warn), with why."""
-    with _lock:
-        return list(_unverified)
+    with STATE.lock:
+        return list(STATE.unverified)
 
 
 def refusals() -> list[Refusal]:
     """Return every refusal to serve in this process so far."""
-    with _lock:
-        return list(_refusals)
+    with STATE.lock:
+        return list(STATE.refusals)
 
 
 def decisions() -> list[Decision]:
     """Return every decision made in this process so far."""
-    with _lock:
-        return [choice.decision for record in _records.values() for choice in record.decided.values()]
+    with STATE.lock:
+        return [choice.decision for record in STATE.records.values() for choice in record.decided.values()]
 
 
 def report_sections() -> dict[str, Callable[[], object]]:
     """Return this process's report-file sections: its ranks, what it verifies now, its decisions and refusals, and
     what it serves unverified."""
     return {
-        "rank": lambda: _process.rank(),
-        "verifying": lambda: sorted(_process.verifying.copy().values()),  # a copy: other threads' decides change it
+        "rank": lambda: STATE.rank(),
+        "verifying": lambda: sorted(STATE.verifying.copy().values()),  # a copy: other threads' decides change it
         "decisions": lambda: [d.model_dump(mode="json") for d in decisions()],
         "refusals": lambda: [r.model_dump(mode="json") for r in refusals()],
         "unverified": lambda: [u.model_dump(mode="json") for u in unverified()],
     }
 
 
-def clear() -> None:
-    """Forget every decision and route, undoing what a backend converted at load where it can."""
-    with _lock:
-        _process.updating, _process.updating_since = 0, None
-        dropped = list(_records.values())
-        _records.clear()
-        _refusals.clear()
-        _unverified.clear()
-        for record in dropped:
-            _publish(record)  # its entry goes with it
-        served = [(record, record.decision.backend) for record in dropped if record.serving is not None]
-    graphs.clear()  # the checks' graphs (their memory) go with the layers they checked
-    for record, backend in served:
-        stuck = _release(record, backend)
-        if stuck is not None:
-            _LOG.warning("sm120_fp4: %s: %s", record.device.label(), stuck)
-
-
-def _release(serving: _Serving, name: str) -> str | None:
-    """Undo what backend `name` converted on this device; return None, or why no other backend can take over."""
-    try:
-        backend = backends.backend_of(serving.family.name, name)
-    except ConfigError:  # unregistered since (a test's backend): it converted nothing of ours
-        return None
-    if backend.converter is None or backend.converter.restore():
-        return None
-    return (
-        f"{name} converted served layers' weights to its own layout in place at load and kept the original bytes "
-        "of the checked layers only, so no other backend can serve them in this process; restart with "
-        f"{serving.family.backends_var} naming a backend that verifies"
-    )
-
-
 def route(index: int, settings: Settings, family: str = "dense") -> Callable | None:
     """Return the callable serving CUDA ordinal `index` (-1: CPU in simulation), deciding on first use; None: not ours."""
-    table = _route_tables[family]
+    table = STATE.route_tables[family]
     if index in table:
         return table[index]
     kind = FAMILIES[family]
@@ -384,21 +329,16 @@ def route(index: int, settings: Settings, family: str = "dense") -> Callable | N
     device = devices.get_device(index, simulate)
     if not serves(device, settings):
         return _record(kind, index, device).route_to(device, None, None)
-    record, key, _ = _decide(device, None, settings, False, kind)
+    record, key, _ = _decide(device, None, settings, kind)
     return record.route_to(device, key, settings)
 
 
 def route_table(family: str = "dense") -> dict[int, Callable | None]:
     """Return the live route table of `family` (read it, never write it)."""
-    return _route_tables[family]
+    return STATE.route_tables[family]
 
 
 def routes(family: str = "dense") -> dict[int, str]:
     """Return device index -> the backend(s) it is routed to, or "original"."""
-    with _lock:
-        return {r.index: r.route_name for (fam, _), r in _records.items() if fam == family and r.routed}
-
-
-def _layer_key(check: LayerCheck) -> int:
-    """Return the key of `check`'s layer in _Serving.layers."""
-    return id(check.owner) if check.owner is not None else id(check)
+    with STATE.lock:
+        return {r.index: r.route_name for (fam, _), r in STATE.records.items() if fam == family and r.routed}

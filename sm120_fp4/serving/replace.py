@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from .. import backends, verdicts, verify
-from .. import report as report_file
+from .. import backends, verify
 from ..config import Settings
-from ..deciding import Choice, Refusal, candidate_names, choose, refusal_message, refuse
+from ..deciding import Choice, candidate_names, choose, refusal_message, refuse
 from ..errors import RefusedToServe
 from . import layers
 from .fastest import measure
-from .records import LayerCheck, _process, _records, _release, _Serving, record_refusal, route
+from .records import LayerCheck, Record, crashed, refuse_now, route
+from .state import STATE
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -21,17 +21,17 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
     """Verify one NVFP4 layer on CUDA ordinal `index` through the call that will serve it (None: nothing verified)."""
     # A configuration's first layer gets the full sweep, any other a light check; nothing is recorded
     # before it passes. A failure hands the device on (_replace_backend).
-    _process.last_settings = settings
+    STATE.last_settings = settings
     if route(index, settings, check.family) is None:
         return None
-    serving = _records[(check.family, index)]
+    serving = STATE.records[(check.family, index)]
     with serving.lock:
         checking = settings.selftest != "off"
         # A backend that serves converted weights converts this layer now (keeping its original
         # bytes while it is checked: the oracle reads them); every later backend switch converts it too.
-        problem = layers._convert(serving, check.tensors, keep_original=checking)
+        problem = layers.convert(serving, check.tensors, keep_original=checking)
         if check.tensors is not None:
-            serving.seen.setdefault(layers._seen_key(check.tensors), check.tensors)
+            serving.seen.setdefault(layers.seen_key(check.tensors), check.tensors)
         if not checking:
             return None
         if check.key in serving.unverified:  # SELFTEST=warn has already said so for this configuration
@@ -40,22 +40,22 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         full = known is None
         if problem is None:
             if full:  # said in the report before the check: a rank the engine stops meanwhile says so
-                _process.verifying[id(check)] = f"{check.named()} on {serving.device.label()}"
-                report_file.write_now(settings)  # on disk before a check the engine may cut short
+                STATE.verifying[id(check)] = f"{check.named()} on {serving.device.label()}"
+                STATE.report.write_now(settings)  # on disk before a check the engine may cut short
             try:
-                report, fingerprint = layers._layer_check(serving, check, full)
+                report, fingerprint = layers.check_layer(serving, check, full)
             finally:
-                _process.verifying.pop(id(check), None)
+                STATE.verifying.pop(id(check), None)
         else:
             report, fingerprint = verify.report_for(serving.decision.backend, serving.device, config=check.label), None
             report.reason = problem
         if not report.passed:
             return _replace_backend(serving, check, report, settings)
-        layers._record_layer(serving, check, fingerprint)
+        layers.record_layer(serving, check, fingerprint)
         if full:
             serving.checks[check.key] = check
         # after the line above: a configuration's first layer keeps its kept bytes
-        layers._settle(serving, check.tensors)
+        layers.settle(serving, check.tensors)
         if full:
             _verified(serving, check, report, settings)
         elif check.owner is not None and known.owner is check.owner:
@@ -63,47 +63,47 @@ def verify_layer(index: int, check: LayerCheck, settings: Settings) -> verify.Se
         return report
 
 
-def _verified(serving: _Serving, check: LayerCheck, report: verify.SelfTestReport, settings: Settings) -> None:
+def _verified(serving: Record, check: LayerCheck, report: verify.SelfTestReport, settings: Settings) -> None:
     """Record that a configuration's first layer passed its full sweep (SELECT=fastest then times the candidates)."""
     serving.decision.layers.append(report)
     where, err = f"{serving.route_name} on {serving.device.label()}", report.max_rel_err or 0.0
     _LOG.info(f"sm120_fp4: {check.label} verified with {where} ({len(check.ms)} batch sizes, max rel error {err:.2e})")
     if settings.select == "fastest":
         measure(serving, [check], new=True)  # check and time every verified candidate on it, then route
-    report_file.request(settings)
+    STATE.report.request(settings)
 
 
-def _back_to(serving: _Serving, original: Choice) -> None:
+def _back_to(serving: Record, original: Choice) -> None:
     """Route the device to `original` again, converting the layers again where that backend converts them."""
     serving.serve(original)
     if serving.converter is not None:
         for tensors in serving.seen.values():
-            layers._convert(serving, tensors, layers._representative(serving, tensors))
-        layers._refingerprint(serving)
+            layers.convert(serving, tensors, layers.representative(serving, tensors))
+        layers.refingerprint(serving)
 
 
-def _reject(serving: _Serving, report: verify.SelfTestReport) -> bool:
+def _reject(serving: Record, report: verify.SelfTestReport) -> bool:
     """Mark the backend of failed `report` as failed here; return whether another backend may still take over."""
     serving.failed[report.backend] = f"{report.config}: {report.reason}"
-    stuck = _release(serving, report.backend)
+    stuck = serving.release(report.backend)
     if stuck is not None:
         serving.failed[report.backend] += f" ({stuck})"
     return stuck is None
 
 
-def _try(serving: _Serving, choice: Choice, check: LayerCheck, full: bool) -> tuple[list, verify.SelfTestReport | None]:
+def _try(serving: Record, choice: Choice, check: LayerCheck, full: bool) -> tuple[list, verify.SelfTestReport | None]:
     """Serve with `choice` and check every configuration, layer and `check`: (the reports, the first failure)."""
     serving.serve(choice)
     # every layer served so far, converted by the backend now routed (originals kept while checked)
-    problem = next((p for p in (layers._convert(serving, t, True) for t in serving.seen.values()) if p), None)
+    problem = next((p for p in (layers.convert(serving, t, True) for t in serving.seen.values()) if p), None)
     if problem is None:
-        return layers._verify_everything(serving, check, full)
+        return layers.verify_everything(serving, check, full)
     bad = verify.report_for(choice.decision.backend, serving.device, config=check.label)
     bad.reason = problem
     return [], bad
 
 
-def _replace_backend(serving: _Serving, check: LayerCheck, report, settings: Settings) -> verify.SelfTestReport:
+def _replace_backend(serving: Record, check: LayerCheck, report, settings: Settings) -> verify.SelfTestReport:
     """Replace the backend that failed `check` with one that passes everything, or refuse (back to the original)."""
     original, full, failures = serving.choice, check.key not in serving.checks, [report]
     names = candidate_names(settings, family=serving.family, device=serving.device)
@@ -121,57 +121,39 @@ def _replace_backend(serving: _Serving, check: LayerCheck, report, settings: Set
     _back_to(serving, original)
     rejected = {n: f"failed the served-layer check: {why}" for n, why in serving.failed.items()}
     message = refusal_message(serving.device, names, rejected, config=report.config, family=serving.family)
-    refused = None
     if settings.selftest == "strict":
-        refusal = Refusal(
-            device=serving.device.label(), config=report.config, family=serving.family.name, message=message
-        )
-        refusal.rejected, refusal.reports = rejected, failures
-        record_refusal(refusal, settings)
-        refused = RefusedToServe(refusal.message)  # with the rank that refused, where the engine has several
-    refuse(settings, message, f"serving UNVERIFIED with {serving.decision.backend}", refused)  # strict: raises
+        refuse_now(settings, message, serving, config=report.config, rejected=rejected, reports=failures)
+    refuse(settings, message, f"serving UNVERIFIED with {serving.decision.backend}")  # warn: said once; off: passes
     serving.decision.verified = False
     serving.unverified[check.key] = report
     return report
 
 
-def _replaced(serving: _Serving, check: LayerCheck, decision, report, reports: list, settings: Settings):
+def _replaced(serving: Record, check: LayerCheck, decision, report, reports: list, settings: Settings):
     """Record the replacement `decision` that passed everything; return its report for `check`."""
     decision.layers = reports
     new = check.key not in serving.checks
     if new:
         serving.checks[check.key] = check
     for tensors in serving.seen.values():
-        layers._settle(serving, tensors)
-    layers._refingerprint(serving)
-    layers._record_layer(serving, check, layers._fingerprint(check))
+        layers.settle(serving, tensors)
+    layers.refingerprint(serving)
+    layers.record_layer(serving, check, layers.fingerprint(check))
     what = f"{serving.device.label()}: {report.backend} failed {report.config}; serving with {decision.backend}"
     _LOG.warning(f"sm120_fp4: {what}, which passes every layer configuration and layer")
     if new and settings.select == "fastest":  # as after any new configuration: on every rank alike
         measure(serving, [check], new=True)
-    report_file.request(settings)
+    STATE.report.request(settings)
     return next((r for r in reports if r.config == check.label), reports[-1] if reports else report)
 
 
-def _next_choice(serving: _Serving, remaining: list[str], settings: Settings) -> Choice | None:
-    """Return the first of `remaining` that passes its self-test, else the emulation where FALLBACK allows it."""
-    family = serving.family
-    strict = settings.model_copy(update={"selftest": "strict", "fallback": "none", "moe_fallback": "none"})
-    if remaining:
-        with contextlib.suppress(RefusedToServe):
-            crashed = verdicts.crashed(settings.verdicts_path, serving.device, family.name)
-            return choose(serving.device, remaining, strict, family, crashed)
-    if family.fallback(settings) != "emulated" or backends.EMULATED in serving.failed:
-        return None
-    try:
-        choice = choose(serving.device, [backends.EMULATED], strict, family)
-    except RefusedToServe:
-        return None
-    choice.decision.reason = (
-        f"fallback: no candidate verified on every layer configuration ({family.fallback_var}=emulated)"
-    )
-    _LOG.warning(
-        f"sm120_fp4: {serving.device.label()}: no {family.what} candidate passed every layer configuration; "
-        f"{family.fallback_var}=emulated: serving with the slow pure-PyTorch emulation"
-    )
-    return choice
+def _next_choice(serving: Record, remaining: list[str], settings: Settings) -> Choice | None:
+    """Return the first of `remaining` that passes its self-test, else the emulation where FALLBACK allows it (and it
+    has not failed here), else None."""
+    fallback = "none" if backends.EMULATED in serving.failed else serving.family.fallback(settings)
+    strict = settings.model_copy(update={"selftest": "strict", "fallback": fallback, "moe_fallback": fallback})
+    with contextlib.suppress(RefusedToServe):
+        return choose(
+            serving.device, remaining, strict, serving.family, crashed(settings, serving.device, serving.family.name)
+        )
+    return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -14,21 +13,24 @@ from .. import backends, verify
 from ..config import Settings
 from ..deciding import Refusal
 from ..devices import Device
-from ..errors import RefusedToServe, capped
-from .layers import _fail_if_written, _fingerprint, _layer_check, _record_layer, _run_check
-from .records import LayerCheck, _Layer, _layer_key, _lock, _process, _records, _served, _Serving, record_refusal
+from ..errors import capped
+from .layers import check_layer, fail_if_written, fingerprint, record_layer, run_check
+from .records import LayerCheck, LayerRecord, Record, record_refusal, refuse_now
+from .state import STATE
 
 _LOG = logging.getLogger("sm120_fp4")
 _CHANGED = "the layer's weights changed after they were verified, and not through SGLang's weight-update path"
 
 
-def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> list[tuple[LayerCheck | None, str | None]]:
+def _compare_fingerprints(
+    layers: list[tuple[LayerRecord, LayerCheck | None]],
+) -> list[tuple[LayerCheck | None, str | None]]:
     """Return per (record, check or None) the check and why its weights changed (None: unchanged), in one read."""
     results, pending = [], {}  # pending: the index in results -> whether the fingerprints are equal (read at once)
     for record, check in layers:
         try:
             check = check if check is not None else record.current()
-            now = _fingerprint(check) if check is not None else None
+            now = fingerprint(check) if check is not None else None
         except Exception as exc:
             results.append((None, f"its weights can no longer be read ({type(exc).__name__}: {exc})"))
             continue
@@ -40,7 +42,7 @@ def _compare_fingerprints(layers: list[tuple[_Layer, LayerCheck | None]]) -> lis
     return [(check, _CHANGED if same.get(i) is False else why) for i, (check, why) in enumerate(results)]
 
 
-def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | None]]:
+def _changed_layers(serving: Record) -> list[tuple[int, LayerRecord, LayerCheck | None]]:
     """Return (key, record, check now) of each recorded layer whose weights no longer match its fingerprint."""
     serving.layers = {k: v for k, v in serving.layers.items() if v.alive()}
     kept = [(key, record) for key, record in serving.layers.items() if record.fingerprint is not None]
@@ -48,17 +50,14 @@ def _changed_layers(serving: _Serving) -> list[tuple[int, _Layer, LayerCheck | N
     return [(key, record, check) for (key, record), (check, why) in zip(kept, compared) if why is not None]
 
 
-def _refuse_now(serving: _Serving, config: str, why: str, message: str, settings: Settings, reports=(), backend=None):
+def _refuse_now(serving: Record, config: str, why: str, message: str, settings: Settings, reports=(), backend=None):
     """Record the refusal of `serving`'s device (`backend` rejected for `why`) and raise RefusedToServe."""
-    label = serving.device.label()
-    message = f"sm120_fp4: refusing to serve NVFP4 on {label}: {message}"
-    refusal = Refusal(device=label, config=config, family=serving.family.name, message=message, reports=list(reports))
-    refusal.rejected = {backend or serving.route_name: why}
-    record_refusal(refusal, settings)
-    raise RefusedToServe(message)
+    message = f"sm120_fp4: refusing to serve NVFP4 on {serving.device.label()}: {message}"
+    rejected = {backend or serving.route_name: why}
+    refuse_now(settings, message, serving, config=config, rejected=rejected, reports=list(reports))
 
 
-def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> None:
+def _refuse_changed(serving: Record, changed: list, settings: Settings) -> None:
     names = [record.label for _, record, _ in changed]
     message = (
         f"the weights of {len(names)} verified layer(s) changed after they were verified, and not through SGLang's "
@@ -72,16 +71,16 @@ def _refuse_changed(serving: _Serving, changed: list, settings: Settings) -> Non
 def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.SelfTestReport]:
     """Compare every verified layer's fingerprint, then check every configuration at its re-check and `captured` sizes."""
     verify.refuse_inside_capture("re-check", "after")
-    if _process.updating:
+    if STATE.updating:
         reverify(settings)  # a capture inside a weight update: the new weights are verified first
     done = []
-    for serving in _served():
+    for serving in STATE.served():
         with serving.lock:
             changed = _changed_layers(serving)
             if changed:
                 _refuse_changed(serving, changed, settings)
             for check in list(serving.checks.values()):
-                report, _ = _run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
+                report, _ = run_check(serving, check, sorted(set(check.recheck_ms) | set(captured)))
                 report.config = f"{check.label} (re-check after warm-up)"
                 done.append(report)
                 if not report.passed:
@@ -104,47 +103,38 @@ def recheck(settings: Settings, captured: Sequence[int] = ()) -> list[verify.Sel
 def weights_update_begin() -> None:
     """Drop dequantized-weight caches and expect fingerprint changes until the matching end (SGLang writes weights)."""
     backends.invalidate_caches()
-    with _lock:
-        if not _process.updating:
-            _process.updating_since = time.monotonic()
-        _process.updating += 1
+    with STATE.lock:
+        if not STATE.updating:
+            STATE.updating_since = time.monotonic()
+        STATE.updating += 1
 
 
 def weights_update_end(settings: Settings) -> list[verify.SelfTestReport]:
     """Re-verify every changed layer when the last open weight update ends."""
-    with _lock:
-        _process.updating = max(0, _process.updating - 1)
-        last = _process.updating == 0
-        _process.updating_since = None if last else _process.updating_since
+    with STATE.lock:
+        STATE.updating = max(0, STATE.updating - 1)
+        last = STATE.updating == 0
+        STATE.updating_since = None if last else STATE.updating_since
     backends.invalidate_caches()
     return reverify(settings) if last else []
 
 
 def weights_update_open_s() -> float | None:
     """Return how long SGLang's open weight update has been open, or None when none is."""
-    with _lock:
-        return None if _process.updating_since is None else time.monotonic() - _process.updating_since
-
-
-@contextlib.contextmanager
-def weights_updating(settings: Settings):
-    """Wrap one of SGLang's weight updates in weights_update_begin() and weights_update_end()."""
-    weights_update_begin()
-    try:
-        yield
-    finally:
-        weights_update_end(settings)
+    with STATE.lock:
+        return None if STATE.updating_since is None else time.monotonic() - STATE.updating_since
 
 
 def reverify(settings: Settings) -> list[verify.SelfTestReport]:
     """Check again every recorded layer whose weights changed (a weight update) and renew its fingerprint."""
     done = []
-    for serving in _served():
+    for serving in STATE.served():
         with serving.lock:
             changed = _changed_layers(serving)
-            route = [name for _, name in serving.decision.ranges] or [serving.decision.backend]
             converting = [
-                n for n in route if getattr(backends.backend_of(serving.family.name, n).converter, "in_place", False)
+                n
+                for n in serving.route_backends
+                if getattr(backends.backend_of(serving.family.name, n).converter, "in_place", False)
             ]
             if changed and converting:
                 names = [record.label for _, record, _ in changed]
@@ -156,11 +146,11 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
                 )
                 _refuse_now(serving, names[0], "weights updated in place", message, settings)
             for key, record, check in changed:
-                config = next((k for k, c in serving.checks.items() if _layer_key(c) == key), None)
+                config = next((k for k, c in serving.checks.items() if c.layer_key() == key), None)
                 if check is None:  # no longer an NVFP4 layer in a layout this library serves
                     serving.layers.pop(key, None)
                     continue
-                report, fingerprint = _layer_check(serving, check, config is not None)
+                report, fingerprint = check_layer(serving, check, config is not None)
                 report.config = f"{check.named()} (after a weight update)"
                 done.append(report)
                 if not report.passed:
@@ -168,7 +158,7 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
                     _refuse_now(serving, report.config, report.reason or "", why, settings, [report], report.backend)
                 if config is not None:
                     serving.checks[config] = check
-                _record_layer(serving, check, fingerprint)
+                record_layer(serving, check, fingerprint)
     if done:
         _LOG.info("sm120_fp4: re-verified %d layer(s) after SGLang's weight update: all pass", len(done))
     return done
@@ -176,7 +166,7 @@ def reverify(settings: Settings) -> list[verify.SelfTestReport]:
 
 def on_hang(message: str) -> None:
     """Record the watchdog's refusal in the report before it ends the process (a verify.hang_hooks hook)."""
-    settings = _process.last_settings
+    settings = STATE.last_settings
     if settings is not None:
         record_refusal(Refusal(device="?", message=message), settings)
 
@@ -192,13 +182,13 @@ class Served:
     @property
     def backend(self) -> str:
         """Return the backend(s) serving this configuration now."""
-        return _records[(self.family, self.device.index)].route_name
+        return STATE.records[(self.family, self.device.index)].route_name
 
 
 def served_configurations() -> list[Served]:
     """Return every layer configuration verified (passed) in this process, in the order verified."""
     served = []
-    for s in _served():
+    for s in STATE.served():
         with s.lock:
             passed = {r.config for r in s.decision.layers if r.passed}
             served += [Served(s.family.name, s.device, c) for c in s.checks.values() if c.label in passed]
@@ -207,7 +197,7 @@ def served_configurations() -> list[Served]:
 
 def served_layer(served: Served, turn: int) -> Served:
     """Return the `turn`-th verified layer of `served`'s configuration (in rotation), else `served` itself."""
-    serving = _records[(served.family, served.device.index)]
+    serving = STATE.records[(served.family, served.device.index)]
     with serving.lock:
         if serving.converter is not None and serving.converter.in_place:
             return served  # a backend that converts layers in place keeps the checkpoint's bytes of the first one only
@@ -218,41 +208,35 @@ def served_layer(served: Served, turn: int) -> Served:
     return Served(served.family, served.device, check) if check is not None else served
 
 
-def fingerprint_sweep(family: str, index: int, start: int, count: int) -> tuple[str | None, int]:
-    """Compare `count` layers' fingerprints from the `start`-th on: (the first problem or None, the next start)."""
-    serving = _records.get((family, index))
-    if serving is None or _process.updating:
+def fingerprints(served: Served, start: int, count: int) -> tuple[str | None, int]:
+    """Compare the fingerprints of `served`'s layer and of `count` more layers of its family and device from the
+    `start`-th on, in one read: (the first that no longer has its verified weights and why, or None; the next start).
+    Nothing is compared while a weight update is open."""
+    serving = STATE.records.get((served.family, served.device.index))
+    if serving is None or STATE.updating:
         return None, start
     with serving.lock:
         records = [r for r in serving.layers.values() if r.fingerprint is not None and r.alive()]
         if not records:
             return None, 0
         chosen = [records[(start + i) % len(records)] for i in range(min(count, len(records)))]
-        compared = _compare_fingerprints([(record, None) for record in chosen])
-    problem = next((f"{record.label}: {why}" for record, (_, why) in zip(chosen, compared) if why is not None), None)
+        own = serving.layers.get(served.check.layer_key())
+        pairs = [(record, None) for record in chosen]
+        if own is not None and own.fingerprint is not None:
+            pairs.insert(0, (own, served.check))
+        compared = _compare_fingerprints(pairs)
+    problem = next(
+        (f"{record.label}: {why}" for (record, _), (_, why) in zip(pairs, compared) if why is not None), None
+    )
     return problem, (start + len(chosen)) % len(records)
 
 
 def check_served(served: Served, m: int) -> verify.SelfTestReport:
     """Return the canary's light check of `served` at batch size `m` (and every range boundary), two passes."""
-    serving = _records[(served.family, served.device.index)]
+    serving = STATE.records[(served.family, served.device.index)]
     with serving.lock:
-        report, _ = _run_check(serving, served.check, [m], light=True)
-        record = serving.layers.get(_layer_key(served.check))
-        if record is not None and not _process.updating:
-            _fail_if_written(report, served.check, record.fingerprint)
+        report, _ = run_check(serving, served.check, [m], light=True)
+        record = serving.layers.get(served.check.layer_key())
+        if record is not None and not STATE.updating:
+            fail_if_written(report, served.check, record.fingerprint)
         return report
-
-
-def fingerprint_problem(check: LayerCheck) -> str | None:
-    """Return why `check`'s layer no longer has its verified weights, or None (always None during updates)."""
-    key = _layer_key(check)
-    for serving in _served():
-        with serving.lock:
-            record = serving.layers.get(key)
-            if record is None or record.fingerprint is None or _process.updating:
-                continue
-            [(_, why)] = _compare_fingerprints([(record, check)])
-            if why is not None:
-                return f"{check.named()}: {why}"
-    return None

@@ -66,7 +66,7 @@ def test_fastest_with_a_converting_candidate_in_vllm(monkeypatch, costs, humming
         with vllm_layers.vllm_context(max_tokens=TOKENS, max_batch=BOUND):
             layer = vllm_layers.build_modelopt_layer(ckpt)
             [decision] = serving.decisions()
-            assert serving.records._records[("dense", -1)].failed == {}
+            assert serving.STATE.records[("dense", -1)].failed == {}
             assert (decision.ranges or [(None, decision.backend)]) == route and decision.verified
             assert decision.layers and all(r.passed for r in decision.layers)
             if len(route) > 1:

@@ -53,7 +53,7 @@ def _load(rank: int, names: str, **settings) -> dict:
         layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
     except RefusedToServe as exc:
         return {"refused": str(exc), "seconds": time.monotonic() - start}
-    failed = dict(serving.records._records[("dense", -1)].failed)
+    failed = dict(serving.STATE.records[("dense", -1)].failed)
     return {"route": sm120_fp4.status().routes[-1], "failed": failed, "seconds": time.monotonic() - start}
 
 

@@ -47,7 +47,7 @@ def _as_a_worker_process(env: dict[str, str]):
     """One worker at a time, in the environment its parent gives it, starting as a worker process
     does: nothing decided (its report is its own), no device cached."""
     with _one_at_a_time, _environment(env):
-        serving.clear()
+        serving.STATE.reset()
         devices.clear_cache()
         yield
 
