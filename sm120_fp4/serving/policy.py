@@ -24,6 +24,9 @@ HALF = (torch.bfloat16, torch.float16)
 LIGHT_BATCH = 8  # every other layer of a verified configuration: one decode batch of its own weights
 RECHECK_DECODE = (1, 7)  # after warm-up: one token, and an odd decode batch
 VERIFIED_EXPERTS = 8  # a few of a MoE layer's experts: the oracle keeps only the ones it routes to dequantized
+# What a MoE layer check's repeat probes take together (verify.ProbeBudget), of its 2 s target per GPU: a fast
+# kernel (Humming on an H100: ~0.4 ms a decode call) makes about 60 calls in a row per batch, a slow one fewer.
+LAYER_PROBE_S = 0.25
 
 
 class Sizes(NamedTuple):
@@ -202,11 +205,11 @@ def moe_cases(serve, weights: nvfp4.MoeWeights, activation: str, plans, index: i
     """Return a MoE layer's served calls of `plans` against the oracle on the checkpoint's bytes, in the mode
     (W4A4 or W4A16) of the backend that serves device `index`."""
     mode = backends.mode_of("moe", routes("moe").get(index, backends.EMULATED))
-    cache = verify.ExpertCache(list(subset))  # every-expert batches dequantize the others per call
-    reference = weights.map(backends.original)
-    return verify.moe_cases(
-        serve, weights, activation, plans, cache=cache, mode=mode, reference_weights=reference, **options
-    )
+    # The plans routed among `subset` read its experts from one device copy; an every-expert batch (and the
+    # expert-0 probe) each expert it reads, dequantized per read (a cache that keeps none: within the bound).
+    oracle = dict(cache=verify.ExpertCache(()), mode=mode, reference_weights=weights.map(backends.original))
+    budget = verify.ProbeBudget(LAYER_PROBE_S)
+    return verify.moe_cases(serve, weights, activation, plans, subset=list(subset), budget=budget, **oracle, **options)
 
 
 def refuse_unverifiable(settings, what: str, problem: str | None) -> None:
