@@ -45,6 +45,7 @@ from _common import table, write
 
 from sm120_fp4 import backends, devices, graphs, nvfp4, serving, verify
 from sm120_fp4.config import Settings
+from sm120_fp4.serving import policy
 from sm120_fp4.sglang import hooks, moe
 
 DENSE_TARGET_S = 1.5
@@ -214,8 +215,8 @@ def prepare_quantizer(device: torch.device, tps, scale: int) -> int:
     """The stand-in quantizer's graphs for every configuration's K at every batch size the checks
     use: the light check's, the full sweep's, the re-check's and the captured graph sizes (which
     the canary rotates through too)."""
-    max_batch = hooks.max_capture_batch()
-    ms = {hooks.LIGHT_BATCH, *CAPTURED, *hooks.batch_sizes(max_batch), *hooks.recheck_sizes(max_batch)}
+    sizes = hooks.sizes()  # the verification policy's batch sizes for SGLang's settings here
+    ms = {policy.LIGHT_BATCH, *CAPTURED, *policy.load_ms(sizes), *policy.recheck_ms(sizes)}
     return QUANTIZER.prepare(device, [k for tp in tps for _, k in tp_configs(tp, scale).values()], ms)
 
 
@@ -234,7 +235,8 @@ def dense_layer(n: int, k: int, device: torch.device, kernel: str = "emulated"):
         return fn(qx, weight.T, sx.view(torch.uint8), weight_sf.T, alpha, x.dtype, out)
 
     layer = types.SimpleNamespace(params_dtype=torch.bfloat16)
-    return hooks.dense_check("bench", PEAKS.wrap(serve), layer, weight, weight_sf, alpha, input_gsf, n, k)
+    watched = (weight, weight_sf, alpha, input_gsf)
+    return policy.dense_check(hooks.sizes(), "bench", PEAKS.wrap(serve), layer, watched, n, k)
 
 
 class MoeLayer(torch.nn.Module):

@@ -290,7 +290,7 @@ class Case:
     n: int
     k: int
     invoke: Callable[[], object]  # makes the call, returns what the caller would get
-    reference: torch.Tensor
+    reference: torch.Tensor | Rows  # float32 (M, N); Rows: too large to keep whole, computed a block at a time
     inputs: tuple[torch.Tensor, ...] = ()  # bitwise unchanged after every call
     out: torch.Tensor | None = None  # the tensor the call must write and return (None: any (M, N) result)
     label: str | None = None
