@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from _common import table, write
-from selftest_cost import CAPTURED, MoeLayer, dense_layer, prepare_quantizer, tp_configs
+from selftest_cost import CAPTURED, PEAKS, MoeLayer, dense_layer, prepare_quantizer, tp_configs
 
 from sm120_fp4 import backends, canary, devices, graphs, serving, verify
 from sm120_fp4.config import Settings
@@ -122,13 +122,13 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int, ca
     c.idle()  # armed
     if tdev.type == "cuda":
         torch.cuda.synchronize(tdev)
-        torch.cuda.reset_peak_memory_stats(tdev)
-        before = torch.cuda.memory_allocated(tdev)
+    PEAKS.start(tdev)  # the runs' peak, split at the served calls (selftest_cost.Peaks)
     start = time.perf_counter()
     PAUSES.clear()
     runs = drive(c, periods)
     wall = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated(tdev) - before) / 2**20 if tdev.type == "cuda" else None
+    peaks = PEAKS.stop()
+    peak = peaks.get("total")
     assert all(r.passed for r in runs), [r.reason for r in runs if not r.passed]
     status = c.status()
     pauses = [ms for ms, _, _ in PAUSES]
@@ -139,7 +139,13 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int, ca
     print(
         f"{label}: {len(runs)} runs, {per_period:.2f} ms per period ({per_period / 1e3 / PERIOD_S:.4%} of {PERIOD_S:g} s); "
         f"longest pause at an idle point {longest[0]:.1f} ms ({longest[1]:.1f} ms of it the backend's calls; {longest[2]}); "
-        f"pauses over the {SLICE_MS:g} ms slice: {sum(ms > SLICE_MS for ms in pauses)} of {len(pauses)}",
+        f"pauses over the {SLICE_MS:g} ms slice: {sum(ms > SLICE_MS for ms in pauses)} of {len(pauses)}"
+        + (
+            f"; peak extra GPU memory {peaks['total']:.0f} MiB: the runs' own {peaks['own']:.0f} MiB (bound "
+            f"{devices.CHECK_MEMORY_BYTES / 2**20:.0f} MiB), the largest served call's own {peaks['served']:.0f} MiB"
+            if peaks
+            else ""
+        ),
         flush=True,
     )
     return {
@@ -158,6 +164,9 @@ def measure(label: str, settings: Settings, tdev: torch.device, periods: int, ca
         "pauses_over_slice": sum(ms > SLICE_MS for ms in pauses),
         "pause_ms_p50_p99": [statistics.median(pauses), sorted(pauses)[int(0.99 * (len(pauses) - 1))]],
         "peak_extra_mib": peak,
+        "peak_own_mib": peaks.get("own"),
+        "peak_served_call_mib": peaks.get("served"),
+        "check_memory_bound_mib": devices.CHECK_MEMORY_BYTES / 2**20,
         "beyond_slice": status.beyond_slice,
         "larger_sizes_run": sorted({r.ms[-1] for r in runs}),
         "decode_sizes_run": sorted({r.ms[0] for r in runs}),
@@ -234,7 +243,7 @@ def main() -> int:
         serving.route(device.index, settings, "moe")
         experts, hidden, inter = (256, 7168, 2048 // tp) if scale == 1 else (32, 512, 256 // tp)
         layer = MoeLayer(experts, hidden, inter, 8, tdev)
-        check = moe.moe_check("bench-moe", layer, serve=backends.resolve_moe(args.kernel))
+        check = moe.moe_check("bench-moe", layer, serve=PEAKS.wrap(backends.resolve_moe(args.kernel)))
         report = serving.verify_layer(device.index, check, settings)
         assert report is not None and report.passed, report and report.reason
         periods = 3 if args.quick else rounds_needed([check])
@@ -258,6 +267,7 @@ def main() -> int:
                 r["longest_pause_second_half_ms"],
                 f"{r['pauses_over_slice']} of {r['pauses']}",
                 "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}",
+                "-" if r["peak_own_mib"] is None else f"{r['peak_own_mib']:.0f}",
             ]
         )
     print(
@@ -272,6 +282,7 @@ def main() -> int:
                 "longest pause, second half",
                 f"pauses over {SLICE_MS:g} ms",
                 "peak extra MiB",
+                "of it the runs' own",
             ],
             rows,
         )

@@ -45,6 +45,7 @@ from _common import table, write
 
 from sm120_fp4 import backends, devices, graphs, nvfp4, serving, verify
 from sm120_fp4.config import Settings
+from sm120_fp4.serving import policy
 from sm120_fp4.sglang import hooks, moe
 
 DENSE_TARGET_S = 1.5
@@ -152,12 +153,70 @@ class StandInQuantizer:
 QUANTIZER = StandInQuantizer()
 
 
+class Peaks:
+    """The GPU memory one check (or canary drive) takes beyond what was allocated when it began, split at the
+    served calls (torch's allocator counters, host-side: no synchronisation, nothing timed changes):
+    * `served`: the most one served call took above what was allocated just before it -- its output and working
+      memory, what serving that M costs the engine anyway (not the check's);
+    * `own`: the check's own -- the most allocated outside the calls, less the last call's output (held here until
+      the next call, so that it is subtracted exactly): check data, the oracle's reference and dequantization, the
+      comparisons, original bytes copied to the GPU for the oracle. The bound (devices.CHECK_MEMORY_BYTES) is on it;
+    * `total`: the most allocated at any time (what the earlier runs reported)."""
+
+    def __init__(self) -> None:
+        self.device = None
+        self.base = self.own = self.served = self.total = self.held_bytes = 0
+        self.held = None
+
+    def start(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.device, self.base = device, torch.cuda.memory_allocated(device)
+            self.own = self.served = self.total = self.held_bytes = 0
+
+    def _segment(self) -> None:
+        peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        self.own, self.total = max(self.own, peak - self.held_bytes), max(self.total, peak)
+
+    def wrap(self, serve):
+        """`serve`, measured while started."""
+
+        def measured(*args):
+            if self.device is None:
+                return serve(*args)
+            self._segment()
+            self.held, self.held_bytes = None, 0
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            out = serve(*args)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.served, self.total = max(self.served, peak - before), max(self.total, peak - self.base)
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in inputs:  # made by the call
+                self.held, self.held_bytes = out, out.untyped_storage().nbytes()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return out
+
+        return measured
+
+    def stop(self) -> dict[str, float]:
+        """The peaks in MiB since start() (empty off CUDA)."""
+        if self.device is None:
+            return {}
+        self._segment()
+        self.device, self.held = None, None
+        return {"total": self.total / 2**20, "own": self.own / 2**20, "served": self.served / 2**20}
+
+
+PEAKS = Peaks()
+
+
 def prepare_quantizer(device: torch.device, tps, scale: int) -> int:
     """The stand-in quantizer's graphs for every configuration's K at every batch size the checks
     use: the light check's, the full sweep's, the re-check's and the captured graph sizes (which
     the canary rotates through too)."""
-    max_batch = hooks.max_capture_batch()
-    ms = {hooks.LIGHT_BATCH, *CAPTURED, *hooks.batch_sizes(max_batch), *hooks.recheck_sizes(max_batch)}
+    sizes = hooks.sizes()  # the verification policy's batch sizes for SGLang's settings here
+    ms = {policy.LIGHT_BATCH, *CAPTURED, *policy.load_ms(sizes), *policy.recheck_ms(sizes)}
     return QUANTIZER.prepare(device, [k for tp in tps for _, k in tp_configs(tp, scale).values()], ms)
 
 
@@ -176,7 +235,8 @@ def dense_layer(n: int, k: int, device: torch.device, kernel: str = "emulated"):
         return fn(qx, weight.T, sx.view(torch.uint8), weight_sf.T, alpha, x.dtype, out)
 
     layer = types.SimpleNamespace(params_dtype=torch.bfloat16)
-    return hooks.dense_check("bench", serve, layer, weight, weight_sf, alpha, input_gsf, n, k)
+    watched = (weight, weight_sf, alpha, input_gsf)
+    return policy.dense_check(hooks.sizes(), "bench", PEAKS.wrap(serve), layer, watched, n, k)
 
 
 class MoeLayer(torch.nn.Module):
@@ -198,7 +258,7 @@ class MoeLayer(torch.nn.Module):
 
 def moe_serve(kernel: str):
     """Return the MoE layer's served call: the backend (`emulated`: the oracle's arithmetic, capture-safe)."""
-    return backends.resolve_moe(kernel)
+    return PEAKS.wrap(backends.resolve_moe(kernel))
 
 
 def warm_up(kernel: str, scale: int, device, settings, tps: tuple[int, ...]) -> float:
@@ -230,6 +290,8 @@ def moe_shape(tp: int, scale: int) -> tuple[int, int, int]:
 
 
 PEAK_MIB: dict[str, float] = {}  # per family: the most extra GPU memory one layer check took (its peak)
+# per family: the most of each Peaks part one layer check took, and the kept originals on the GPU during it
+PEAK_PARTS_MIB: dict[str, dict[str, float]] = {}
 CONVERSION_S = [0.0]  # a backend's conversion of the layers' weights at load (humming), timed apart
 
 
@@ -246,13 +308,25 @@ def time_check(check, device, settings) -> tuple[float, verify.SelfTestReport]:
     tdev = device.torch_device
     if tdev.type == "cuda":
         torch.cuda.synchronize(tdev)
-        torch.cuda.reset_peak_memory_stats(tdev)
-        before = torch.cuda.memory_allocated(tdev)
+    kept = _kept_gpu_bytes(check.family)  # what a converting backend kept on the GPU for the oracle, before
+    PEAKS.start(tdev)
     report, seconds = synced(tdev, lambda: serving.verify_layer(device.index, check, settings))
-    if tdev.type == "cuda":
-        peak = (torch.cuda.max_memory_allocated(tdev) - before) / 2**20
-        PEAK_MIB[check.family] = max(PEAK_MIB.get(check.family, 0.0), peak)
+    peaks = PEAKS.stop()
+    if peaks:
+        peaks["kept_originals"] = kept / 2**20
+        PEAK_MIB[check.family] = max(PEAK_MIB.get(check.family, 0.0), peaks["total"])
+        parts = PEAK_PARTS_MIB.setdefault(check.family, {})
+        parts.update({k: max(v, parts.get(k, 0.0)) for k, v in peaks.items()})
     return seconds, report
+
+
+def _kept_gpu_bytes(family: str) -> int:
+    """The original bytes Humming keeps on the GPU for `family`'s converted layers now (0 without Humming)."""
+    try:
+        from sm120_fp4.backends.humming import convert
+    except ImportError:
+        return 0
+    return convert.kept_bytes(family)["gpu"]
 
 
 def time_recheck(label: str, tdev: torch.device, settings) -> tuple[float, list]:
@@ -454,10 +528,21 @@ def main() -> int:
     )
     if PEAK_MIB:
         print("peak extra GPU memory of one layer check: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in PEAK_MIB.items()))
+        bound = devices.CHECK_MEMORY_BYTES / 2**20
+        for family, parts in PEAK_PARTS_MIB.items():
+            own = parts["own"] + parts["kept_originals"]  # both inside the bound
+            print(
+                f"  {family}: the check's own {own:.0f} MiB ({parts['own']:.0f} made by the check, "
+                f"{parts['kept_originals']:.0f} original bytes kept on the GPU for its oracle; bound {bound:.0f} MiB: "
+                f"{'within' if own <= bound else 'OVER'}); the largest served call's own {parts['served']:.0f} MiB "
+                "(its output and working memory, the engine's cost of serving that M)"
+            )
     write(
         "selftest_cost",
         {
             "check_peak_extra_mib": PEAK_MIB,
+            "check_peak_parts_mib": PEAK_PARTS_MIB,
+            "check_memory_bound_mib": devices.CHECK_MEMORY_BYTES / 2**20,
             "recheck_s": rechecks,
             "recheck_sizes": len(CAPTURED),
             "device": device.label(),

@@ -85,15 +85,14 @@ def seeded_activations(
     # Made where it is used (no host copy), in slices of rows whose float32 temporaries (about eight) stay
     # within a quarter of the check's memory bound; each slice seeded on its own (the first with `seed`).
     step = max(8, CHECK_MEMORY_BYTES // 4 // (32 * max(cols, 1)) // 8 * 8)
-    parts = []
+    whole = torch.empty((rows, cols), dtype=dtype, device=device) if rows > step else None  # slices written in
     for i, lo in enumerate(range(0, rows, step)):
         gen = torch.Generator(device=device).manual_seed(seed + 7919 * i)
-        parts.append(structured_activations(min(step, rows - lo), cols, 1.0, gen, device))
-        if rows > step:
-            parts[-1] = (parts[-1] * amax).to(dtype)
-    if rows > step:
-        return torch.cat(parts)
-    unit = parts[0]
+        unit = structured_activations(min(step, rows - lo), cols, 1.0, gen, device)
+        if whole is not None:
+            whole[lo : lo + step] = unit * amax
+    if whole is not None:
+        return whole
     if rows * cols <= _SEEDED_ELEMENTS:
         with _seeded_lock:
             _seeded[key] = unit
