@@ -570,16 +570,6 @@ def test_b12x_serves_the_new_scales_after_an_in_place_weight_update(b12x):
     assert wrapper._folded_w1_alpha is folded, "refolded in its own tensor (a captured graph reads that one)"
 
 
-def test_b12x_derived_scales_are_refreshed_in_place():
-    a1, a2 = torch.tensor([4.0]), torch.tensor([8.0])
-    w13_alpha, w2_alpha = torch.tensor([0.5, 0.25]), torch.tensor([2.0, 3.0])
-    s = b12x_moe.derived_scales(w13_alpha, w2_alpha, a1, a2)
-    assert torch.equal(s["input_global_scale"], torch.tensor([0.25])) and torch.equal(
-        s["fc2_input_scale"], torch.tensor([0.125])
-    )
-    assert torch.equal(s["w1_alpha"], torch.tensor([2.0, 1.0])) and torch.equal(s["w2_alpha"], w2_alpha)
-
-
 @case(
     "backend faults",
     "a b12x stand-in that reads its activation global scales in cutlass's direction (not 1/a1, 1/a2)",

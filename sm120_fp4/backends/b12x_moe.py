@@ -167,12 +167,6 @@ def _new_derived(w13_alpha, w2_alpha, a1, a2) -> _Derived:
     return d
 
 
-def derived_scales(w13_alpha, w2_alpha, a1, a2) -> dict[str, torch.Tensor]:
-    """Return b12x's scales from the convention's (a fresh set; the backend keeps one per layer)."""
-    d = _new_derived(w13_alpha, w2_alpha, a1, a2)
-    return {f.name: getattr(d, f.name) for f in fields(d) if f.name not in ("source", "made")}
-
-
 @dataclass
 class _Layer:
     wrapper: object
