@@ -4,38 +4,25 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import threading
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-# name -> version (None: not installed), as read by the lookup _read_with: each read parses METADATA
-# (milliseconds) and guards ask thousands of times while a model loads; imported modules do not change
-# with a later pip run. A different lookup function (a test's) starts afresh.
+# name -> version (None: not installed): each read parses METADATA (milliseconds) and guards ask thousands of
+# times while a model loads; imported modules do not change with a later pip run (clear_cache: they did).
 _read: dict[str, str | None] = {}
-_read_with = None
-_read_lock = threading.Lock()
 
 
 def installed_version(*distributions: str) -> str | None:
     """Return the installed version of the first of `distributions` installed (read once per process)."""
-    global _read_with
-    lookup = importlib.metadata.version
-    with _read_lock:
-        if _read_with is not lookup:
-            _read.clear()
-            _read_with = lookup
     for name in distributions:
-        if name in _read:
-            found = _read[name]
-        else:
+        found = _read.get(name, "")  # "": not read yet (threads reading at once each write the same)
+        if found == "":
             try:
-                found = lookup(name)
+                found = importlib.metadata.version(name)
             except importlib.metadata.PackageNotFoundError:
                 found = None
-            with _read_lock:
-                if _read_with is lookup:  # not a lookup replaced meanwhile
-                    _read[name] = found
+            _read[name] = found
         if found is not None:
             return found
     return None
@@ -43,8 +30,7 @@ def installed_version(*distributions: str) -> str | None:
 
 def clear_cache() -> None:
     """Forget the versions read so far (a distribution installed or removed since)."""
-    with _read_lock:
-        _read.clear()
+    _read.clear()
 
 
 def normalized(name: str) -> str:
