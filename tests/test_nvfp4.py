@@ -213,9 +213,7 @@ def test_dequantize_unscaled_is_code_value_times_scale_for_every_byte_and_scale_
     scales = nvfp4.swizzle_scales(sf_bytes)
     got = nvfp4.dequantize_unscaled(packed, scales, dtype)
     codes = nvfp4.unpack_nibbles(packed)
-    want = (decode(codes) * sf_bytes.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)).to(
-        dtype
-    )
+    want = (decode(codes) * sf_bytes.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)).to(dtype)
     assert got.dtype == dtype and got.shape == (rows, 512)
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and int(nan.any(dim=1).sum()) == 2  # the two NaN scale bytes, 0x7f and 0xff
