@@ -38,17 +38,6 @@ def normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def installed_with_prefix(prefix: str) -> dict[str, str]:
-    """Return {name: version} of every installed distribution whose normalized name starts with `prefix`."""
-    # Read afresh each time (not cached as installed_version is): asked once per verdict key, not per layer.
-    found: dict[str, str] = {}
-    for dist in importlib.metadata.distributions():
-        name = normalized(dist.metadata["Name"] or "")
-        if name.startswith(prefix) and name not in found:  # the first on the path is the one imported
-            found[name] = dist.version
-    return dict(sorted(found.items()))
-
-
 # What decides which kernel runs besides flashinfer-python: FlashInfer's prebuilt kernels (the jit-cache and its
 # per-architecture packages such as flashinfer-jit-cache-sm120f; the cubins) and the CuTe DSL b12x is built with.
 JIT_CACHE, CUBIN = "flashinfer-jit-cache", "flashinfer-cubin"
@@ -57,7 +46,13 @@ KERNEL_DISTRIBUTIONS = (JIT_CACHE, CUBIN, "nvidia-cutlass-dsl")
 
 def kernel_versions() -> dict[str, str]:
     """Return the installed version of each distribution that decides which kernel runs, by normalized name."""
-    return {name: v for prefix in KERNEL_DISTRIBUTIONS for name, v in installed_with_prefix(prefix).items()}
+    # Read afresh each time (not cached as installed_version is): asked once per verdict key, not per layer.
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = normalized(dist.metadata["Name"] or "")
+        if name.startswith(KERNEL_DISTRIBUTIONS) and name not in found:  # the first on the path is the one imported
+            found[name] = dist.version
+    return dict(sorted(found.items()))
 
 
 def kernel_mismatches(flashinfer: str | None, kernels: dict[str, str]) -> list[str]:

@@ -503,7 +503,8 @@ def b12x(monkeypatch):
     """b12x's wrapper is the stand-in (healthy unless a test sets its fault); CUDA 13 and the CuTe DSL present."""
     monkeypatch.setattr(b12x_stand_in.StandIn, "fault", None)
     monkeypatch.setattr(b12x_stand_in.StandIn, "made", [])
-    with flashinfer.use_toolchain(lambda: B12X_TOOLCHAIN), b12x_moe.use_wrapper(b12x_stand_in.StandIn):
+    monkeypatch.setattr(flashinfer, "toolchain", lambda: B12X_TOOLCHAIN)
+    with b12x_moe.use_wrapper(b12x_stand_in.StandIn):
         yield b12x_stand_in.StandIn
 
 
@@ -652,15 +653,15 @@ def test_b12x_skip_reasons_are_reported(b12x, monkeypatch, request, why, toolcha
         )
     major, minor = map(int, capability.split("."))
     dev = Device(-1, "simulated (no GPU)", (major, minor), simulated=True, source="simulate")
-    with flashinfer.use_toolchain(toolchain or (lambda: B12X_TOOLCHAIN)):
-        sglangs = setting not in (None, "world_size")  # SGLang's settings are checked where it is installed
-        if capability == "12.1" or sglangs:
-            sm120_fp4.install(simulate=capability, backends="emulated", moe_fallback="emulated", select="fastest")
-        ok, reason = backends.is_moe_supported("b12x", dev)
-        assert not ok and __import__("re").search(match, reason), reason
-        if sglangs:  # added by install(), removed by uninstall(): nothing registered at import
-            sm120_fp4.uninstall()
-            assert backends.is_moe_supported("b12x", dev) == (True, None)
+    monkeypatch.setattr(flashinfer, "toolchain", toolchain or (lambda: B12X_TOOLCHAIN))
+    sglangs = setting not in (None, "world_size")  # SGLang's settings are checked where it is installed
+    if capability == "12.1" or sglangs:
+        sm120_fp4.install(simulate=capability, backends="emulated", moe_fallback="emulated", select="fastest")
+    ok, reason = backends.is_moe_supported("b12x", dev)
+    assert not ok and __import__("re").search(match, reason), reason
+    if sglangs:  # added by install(), removed by uninstall(): nothing registered at import
+        sm120_fp4.uninstall()
+        assert backends.is_moe_supported("b12x", dev) == (True, None)
 
 
 @pytest.mark.parametrize(

@@ -80,13 +80,6 @@ def _wrapper_class() -> WrapperFactory:
     return B12xMoEWrapper
 
 
-def parallel_ranks() -> int:
-    """Return how many ranks serve the model with this process (torch.distributed's world size; 1 where none)."""
-    # Engine-neutral until each engine home reports its TP/PP sizes: the world spans TP x PP (x DP) ranks.
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def supported(device: Device) -> tuple[bool, str | None]:
     """Return whether b12x's MoE can serve on `device` in this process, and why not."""
     problem = toolchain_problem("b12x MoE", MIN_CUDA)
@@ -94,7 +87,11 @@ def supported(device: Device) -> tuple[bool, str | None]:
         with _lock:
             checks = list(_engine_checks)
         problem = next((r for r in (check() for check in checks) if r), None)
-    if problem is None and (ranks := parallel_ranks()) > 1:
+    # How many ranks serve the model with this process: torch.distributed's world size (1 where none), engine-neutral
+    # until each engine home reports its TP/PP sizes (the world spans TP x PP (x DP) ranks).
+    dist = torch.distributed
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if problem is None and ranks > 1:
         problem = (
             f"b12x MoE is refused with {ranks} ranks (torch.distributed world size {ranks}): {MULTI_RANK_ISSUE} "
             "reports garbage output at TP=2 / PP=2 while one GPU is correct, and no multi-rank check of it exists "

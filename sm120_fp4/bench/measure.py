@@ -70,7 +70,7 @@ def _candidates(family: deciding.Family, settings, device: Device, wanted: list[
     return [n for n in wanted if n in family.names()]
 
 
-def _verified(family: deciding.Family, names: list[str], config, sizes: list[int], device: Device, settings, log):
+def _verified(family: deciding.Family, names: list[str], config, sizes: list[int], device: Device, settings):
     """Return the rows of candidates not timed (unsupported, failed) and (name, make call, tune) for the rest."""
     tdev, base = device.torch_device, {"family": family.name, "config": config.label()}
     weights = None
@@ -81,7 +81,7 @@ def _verified(family: deciding.Family, names: list[str], config, sizes: list[int
     for name in names:
         ok, why = family.is_supported(name, device)
         if ok:
-            log(f"[{device.label()}] verifying {family.name} backend {name!r} at {config.label()} ...")
+            eprint(f"[{device.label()}] verifying {family.name} backend {name!r} at {config.label()} ...")
         verdict = _verify(family.name, name, config, sizes, device, settings) if ok else f"unsupported: {why}"
         if verdict != "verified":
             rows.append({**base, "backend": name, "verdict": verdict, "m": None})
@@ -103,18 +103,17 @@ def _timed(device, base: dict, config, name: str, make: Callable, tune: bool, m:
     return {**row, "verdict": verdict, "m": m, "time_us": seconds * 1e6, "tflops": tflops, "timing": how}
 
 
-def run(device: Device, settings, dense: list, moe: list, sizes: list[int], wanted=None, log=None) -> dict:
+def run(device: Device, settings, dense: list, moe: list, sizes: list[int], wanted=None) -> dict:
     """Verify, then time, each candidate of each family on `device`; return JSON-ready rows."""
-    log = log or eprint
     rows: list[dict] = []
     for family, configs in ((deciding.DENSE, dense), (deciding.MOE, moe)):
         names = _candidates(family, settings, device, wanted)
         for config in configs:
-            untimed, timed = _verified(family, names, config, sizes, device, settings, log)
+            untimed, timed = _verified(family, names, config, sizes, device, settings)
             rows += untimed
             base = {"family": family.name, "config": config.label()}
             for name, make, tune in timed:
-                log(f"[{device.label()}] timing {family.name} {name} at {config.label()} ...")
+                eprint(f"[{device.label()}] timing {family.name} {name} at {config.label()} ...")
                 rows += [_timed(device.torch_device, base, config, name, make, tune, m) for m in sizes]
     # each time beside the yardstick's at the same configuration and size
     yardstick = {
