@@ -158,12 +158,6 @@ def _stamp(*tensors: torch.Tensor) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in tensors)
 
 
-def _new_derived(w13_alpha, w2_alpha, a1, a2) -> _Derived:
-    d = _Derived(*(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (a1, w13_alpha, a2, w2_alpha)))
-    d.refresh(w13_alpha, w2_alpha, a1, a2)
-    return d
-
-
 @dataclass
 class _Layer:
     wrapper: object
@@ -201,7 +195,9 @@ def _layer(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, top_k: int, acti
             owner = _workspaces.get(config)
             wrapper = _make_wrapper(config, owner)
             _workspaces.setdefault(config, wrapper)
-            entry = _layers[key] = _Layer(wrapper, _new_derived(w13_alpha, w2_alpha, a1, a2))
+            made = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (a1, w13_alpha, a2, w2_alpha))
+            entry = _layers[key] = _Layer(wrapper, _Derived(*made))
+            entry.derived.refresh(w13_alpha, w2_alpha, a1, a2)
     if entry.derived.made != _stamp(w13_alpha, w2_alpha, a1, a2):  # the layer's scales changed (a weight update)
         entry.derived.refresh(w13_alpha, w2_alpha, a1, a2)
         _refold(entry)

@@ -38,16 +38,12 @@ def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], l
     return list(dense), list(moe)
 
 
-def _verify_sizes(sizes: list[int]) -> list[int]:
-    """Return the sizes the self-test checks: the smallest, the largest decode size, the smallest prefill size."""
-    decode = [m for m in sizes if m <= DECODE_SIZES[-1]]
-    prefill = [m for m in sizes if m > DECODE_SIZES[-1]]
-    return sorted({min(sizes), *(decode[-1:]), *(prefill[:1])})
-
-
 def _verify(family: str, name: str, config, sizes: list[int], device: Device, settings) -> str:
     """Return this backend's verdict on `device` at `config`: "verified", else why not."""
-    timeout, ms = settings.selftest_timeout, _verify_sizes(sizes)
+    # The sizes the self-test checks: the smallest, the largest decode size, the smallest prefill size.
+    decode = [m for m in sizes if m <= DECODE_SIZES[-1]]
+    prefill = [m for m in sizes if m > DECODE_SIZES[-1]]
+    timeout, ms = settings.selftest_timeout, sorted({min(sizes), *(decode[-1:]), *(prefill[:1])})
     try:
         if family == "dense":
             shapes = [(m, config.n, config.k) for m in ms]
@@ -62,12 +58,6 @@ def _verify(family: str, name: str, config, sizes: list[int], device: Device, se
     except Exception as exc:
         return f"failed: {first_line(exc)}"
     return "verified" if report.passed else f"failed: {(report.reason or 'did not pass').splitlines()[0]}"
-
-
-def _candidates(family: deciding.Family, settings, device: Device, wanted: list[str] | None) -> list[str]:
-    if wanted is None:
-        return deciding.candidate_names(settings, family=family, device=device)
-    return [n for n in wanted if n in family.names()]
 
 
 def _verified(family: deciding.Family, names: list[str], config, sizes: list[int], device: Device, settings):
@@ -107,7 +97,11 @@ def run(device: Device, settings, dense: list, moe: list, sizes: list[int], want
     """Verify, then time, each candidate of each family on `device`; return JSON-ready rows."""
     rows: list[dict] = []
     for family, configs in ((deciding.DENSE, dense), (deciding.MOE, moe)):
-        names = _candidates(family, settings, device, wanted)
+        names = (  # --backend's names of this family, else the configured candidates
+            deciding.candidate_names(settings, family=family, device=device)
+            if wanted is None
+            else [n for n in wanted if n in family.names()]
+        )
         for config in configs:
             untimed, timed = _verified(family, names, config, sizes, device, settings)
             rows += untimed
