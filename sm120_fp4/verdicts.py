@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from . import files, locks
+from .errors import say_once
 from .versions import kernel_versions
 
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
-_LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
-_warned: set[str] = set()
 # Crashes this process was told about (the preflight worker's --crashed), used with or without a file.
 _session: dict[tuple[str, str], str] = {}
 
@@ -64,18 +63,10 @@ def load(path: Path | None) -> list[dict]:
     try:
         data = files.read_json(Path(path), "verdict file")
     except (OSError, ValueError) as exc:
-        _warn_once(f"sm120_fp4: not reading the verdict file {path} ({exc}); treating it as empty")
+        say_once(logging.WARNING, f"sm120_fp4: not reading the verdict file {path} ({exc}); treating it as empty")
         return []
     entries = data.get("verdicts") if isinstance(data, dict) else None
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
-
-
-def _warn_once(message: str) -> None:
-    with _lock:
-        if message in _warned:
-            return
-        _warned.add(message)
-    _LOG.warning("%s", message)
 
 
 def trouble(path: Path | None) -> str | None:

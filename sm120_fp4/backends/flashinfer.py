@@ -9,7 +9,6 @@ import importlib.util
 import inspect
 import logging
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -170,13 +169,11 @@ def _cuda_toolkit() -> tuple[tuple[int, int] | None, str]:
 
 
 def _glibc() -> tuple[int, int] | None:
+    # platform.libc_ver() asks the same first; where it fails this is no glibc (musl), whose headers do not clash.
     try:
         text = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.41"
     except (AttributeError, ValueError, OSError):
         text = None
-    if not text:
-        lib, ver = platform.libc_ver()
-        text = ver if lib == "glibc" else None
     return _major_minor(text)
 
 
