@@ -10,7 +10,7 @@ import torch
 from .. import backends, deciding, verify
 from ..devices import Device
 from ..verify.moe import _moe_weights as moe_weights
-from .timing import DenseShape, MoeShape, dense_bf16, dense_call, first_line, moe_bf16, moe_call, time_one
+from .timing import DenseShape, MoeShape, dense_bf16, dense_call, moe_bf16, moe_call, time_one
 
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_SIZES = (512, 1024, 2048, 4096, 8192)
@@ -56,7 +56,7 @@ def _verify(family: str, name: str, config, sizes: list[int], device: Device, se
             bounds = verify.MOE_BOUNDS.model_copy(update={"timeout_s": timeout})
             report = verify.run_moe(name, device, verify.MoeConfig(cases=cases), bounds=bounds)
     except Exception as exc:
-        return f"failed: {first_line(exc)}"
+        return f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
     return "verified" if report.passed else f"failed: {(report.reason or 'did not pass').splitlines()[0]}"
 
 
