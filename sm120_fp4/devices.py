@@ -150,11 +150,9 @@ def _nvml_gpus() -> list[_Gpu] | None:
     """Return every GPU NVML sees (None without NVML or a driver)."""
     try:
         import pynvml
-    except ImportError:
-        return None
-    try:
+
         pynvml.nvmlInit()
-    except Exception:  # no driver: NVMLError_LibraryNotFound and friends
+    except Exception:  # no bindings (ImportError), or no driver: NVMLError_LibraryNotFound and friends
         return None
     try:
         return [_nvml_gpu(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]

@@ -6,10 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
-import shutil
 import site
-import subprocess
 import sys
 from typing import Any, Callable
 
@@ -30,17 +27,6 @@ def _torch() -> dict:
     import torch
 
     return {"version": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
-
-
-def _nvcc() -> dict:
-    home = os.environ.get("CUDA_HOME")
-    path = shutil.which("nvcc") or (os.path.join(home, "bin", "nvcc") if home else None)
-    if not path or not os.path.exists(path):
-        note = "FlashInfer JIT-compiles SM12x kernels with nvcc on first use: install the CUDA toolkit (>= 12.9 for sm_120f)"
-        return {"found": False, "note": note}
-    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
-    match = re.search(r"release (\d+\.\d+)", out)
-    return {"found": True, "path": path, "version": match.group(1) if match else out.strip()[-80:]}
 
 
 def _flashinfer_env() -> dict:
@@ -221,7 +207,7 @@ def collect(deep: bool = True) -> dict:
     report |= {"platform": platform.platform(), "versions": versions}
     result = _probe(_settings)  # (settings, their section), or the probe's error
     settings, report["settings"] = result if isinstance(result, tuple) else (None, result)
-    probes = {"torch": _torch, "nvcc": _nvcc, "toolchain": _toolchain, "flashinfer_env": _flashinfer_env}
+    probes = {"torch": _torch, "toolchain": _toolchain, "flashinfer_env": _flashinfer_env}
     probes |= {"humming": _humming, "devices": lambda: _devices(settings), "activation": _activation}
     report.update({key: _probe(probe) for key, probe in {**probes, "sglang": _targets, "engines": _engines}.items()})
     report["backends"] = _probe(lambda: _backends(settings))
@@ -265,8 +251,12 @@ def _problems(report: dict) -> list[str]:
         problems.append(
             "no compute-capability 12.x GPU visible: the library does nothing here (SM120_FP4_SIMULATE=12.0 to simulate)"
         )
-    if sm12x and not any(d["simulated"] for d in sm12x) and not report.get("nvcc", {}).get("found"):
-        problems.append("nvcc not found: FlashInfer cannot JIT-compile its SM12x kernels")
+    nvcc = str(report.get("toolchain", {}).get("cuda_source", "")).startswith("nvcc")  # the toolkit's, found
+    if sm12x and not any(d["simulated"] for d in sm12x) and not nvcc:
+        problems.append(
+            "nvcc not found: FlashInfer JIT-compiles its SM12x kernels with it on first use; install the CUDA toolkit "
+            "(>= 12.9 for sm_120f)"
+        )
     problems += report["settings"].get("refused", [])  # the settings' section, or their probe's error
     for section, key, what in _SECTION_PROBLEMS:
         if report.get(section, {}).get(key):
@@ -286,8 +276,7 @@ def _problems(report: dict) -> list[str]:
 _TITLES = {
     "settings": "Settings",
     "torch": "torch",
-    "nvcc": "nvcc (FlashInfer's JIT compiler)",
-    "toolchain": "Toolchain of JIT builds",
+    "toolchain": "Toolchain of JIT builds (cuda_source: the nvcc FlashInfer's JIT compiles with, where found)",
     "flashinfer_env": "FlashInfer NVFP4 variables (FLASHINFER_NVFP4_*)",
     "humming": "humming-kernels",
     "devices": "GPUs",

@@ -60,10 +60,6 @@ def captures_allowed() -> bool:
     return not getattr(_thread, "no_capture", False)
 
 
-def _key(name: str, inputs: tuple[torch.Tensor, ...], extra: tuple) -> tuple:
-    return (name, extra) + tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs)
-
-
 def _eligible(inputs: tuple[torch.Tensor, ...]) -> int | None:
     """Return the CUDA device index where a graph may run these inputs, else None."""
     if not inputs or not all(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
@@ -86,7 +82,7 @@ def run(
         return read(fn(*inputs))
     with _devices_lock:
         dev = _devices.setdefault(index, _Device())
-    key = _key(name, inputs, extra)
+    key = (name, extra) + tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs)
     with dev.lock:
         graph = dev.graphs.get(key)
         if graph is None and key not in dev.eager:

@@ -10,10 +10,7 @@ def _cell(value: object) -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    """Return the lines of a Markdown table (a "|" or line break in a cell is escaped or flattened)."""
+    """Return the lines of a Markdown table (a "|" or line break in a cell is escaped or flattened); every caller
+    builds each row from the header's columns."""
     lines = ["| " + " | ".join(map(_cell, header)) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        if len(row) != len(header):
-            raise ValueError(f"a table row has {len(row)} cells, its header {len(header)}: {row!r}")
-        lines.append("| " + " | ".join(map(_cell, row)) + " |")
-    return lines
+    return lines + ["| " + " | ".join(map(_cell, row)) + " |" for row in rows]

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from . import files, locks
+from .errors import say_once
 from .versions import kernel_versions
 
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
-_LOG = logging.getLogger("sm120_fp4")
 _lock = locks.lock()
-_warned: set[str] = set()
 
 
 def _driver_version() -> str | None:
@@ -62,18 +61,15 @@ def load(path: Path | None) -> list[dict]:
     try:
         data = files.read_json(Path(path), "verdict file")
     except (OSError, ValueError) as exc:
-        _warn_once(f"sm120_fp4: not reading the verdict file {path} ({exc}); treating it as empty")
+        say_once(logging.WARNING, f"sm120_fp4: not reading the verdict file {path} ({exc}); treating it as empty")
         return []
+    return _entries(data)
+
+
+def _entries(data: object) -> list[dict]:
+    """Return the verdicts of a verdict file's JSON (what is not one is left out)."""
     entries = data.get("verdicts") if isinstance(data, dict) else None
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
-
-
-def _warn_once(message: str) -> None:
-    with _lock:
-        if message in _warned:
-            return
-        _warned.add(message)
-    _LOG.warning("%s", message)
 
 
 def trouble(path: Path | None) -> str | None:
@@ -91,11 +87,9 @@ def trouble(path: Path | None) -> str | None:
     return None
 
 
-def record(path: Path | None, key: dict, family: str, backend: str, verdict: str, reason: str | None) -> None:
+def record(path: Path, key: dict, family: str, backend: str, verdict: str, reason: str | None) -> None:
     """Record (replace) the verdict on `backend` of `family` for `key`, atomically under a file lock."""
-    if path is None:
-        return
-    path = Path(path)
+    # `path`: the settings' verdicts_path, which the callers check is not None (off) first.
     entry = {"key": key, "family": family, "backend": backend, "verdict": verdict, "reason": reason}
     entry |= {"recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "recorded_by": "sm120-fp4 selftest"}
     with _lock:
@@ -106,9 +100,7 @@ def record(path: Path | None, key: dict, family: str, backend: str, verdict: str
                 data = files.read_json(path, "verdict file")
             except ValueError:
                 data = None  # not JSON: replaced by a valid file (it held nothing we can use)
-            old = data.get("verdicts") if isinstance(data, dict) else None
-            old = [e for e in old if isinstance(e, dict)] if isinstance(old, list) else []
-            entries = [e for e in old if not _matches(e, key, family, backend)] + [entry]
+            entries = [e for e in _entries(data) if not _matches(e, key, family, backend)] + [entry]
             files.write_json(path, {"version": 1, "verdicts": entries}, "verdict file")
 
 

@@ -4,38 +4,25 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import threading
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-# name -> version (None: not installed), as read by the lookup _read_with: each read parses METADATA
-# (milliseconds) and guards ask thousands of times while a model loads; imported modules do not change
-# with a later pip run. A different lookup function (a test's) starts afresh.
+# name -> version (None: not installed): each read parses METADATA (milliseconds) and guards ask thousands of
+# times while a model loads; imported modules do not change with a later pip run (clear_cache: they did).
 _read: dict[str, str | None] = {}
-_read_with = None
-_read_lock = threading.Lock()
 
 
 def installed_version(*distributions: str) -> str | None:
     """Return the installed version of the first of `distributions` installed (read once per process)."""
-    global _read_with
-    lookup = importlib.metadata.version
-    with _read_lock:
-        if _read_with is not lookup:
-            _read.clear()
-            _read_with = lookup
     for name in distributions:
-        if name in _read:
-            found = _read[name]
-        else:
+        found = _read.get(name, "")  # "": not read yet (threads reading at once each write the same)
+        if found == "":
             try:
-                found = lookup(name)
+                found = importlib.metadata.version(name)
             except importlib.metadata.PackageNotFoundError:
                 found = None
-            with _read_lock:
-                if _read_with is lookup:  # not a lookup replaced meanwhile
-                    _read[name] = found
+            _read[name] = found
         if found is not None:
             return found
     return None
@@ -43,24 +30,12 @@ def installed_version(*distributions: str) -> str | None:
 
 def clear_cache() -> None:
     """Forget the versions read so far (a distribution installed or removed since)."""
-    with _read_lock:
-        _read.clear()
+    _read.clear()
 
 
 def normalized(name: str) -> str:
     """Return a distribution's name as PEP 503 compares it: lower case, runs of -_. as one -."""
     return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def installed_with_prefix(prefix: str) -> dict[str, str]:
-    """Return {name: version} of every installed distribution whose normalized name starts with `prefix`."""
-    # Read afresh each time (not cached as installed_version is): asked once per verdict key, not per layer.
-    found: dict[str, str] = {}
-    for dist in importlib.metadata.distributions():
-        name = normalized(dist.metadata["Name"] or "")
-        if name.startswith(prefix) and name not in found:  # the first on the path is the one imported
-            found[name] = dist.version
-    return dict(sorted(found.items()))
 
 
 # What decides which kernel runs besides flashinfer-python: FlashInfer's prebuilt kernels (the jit-cache and its
@@ -71,7 +46,13 @@ KERNEL_DISTRIBUTIONS = (JIT_CACHE, CUBIN, "nvidia-cutlass-dsl")
 
 def kernel_versions() -> dict[str, str]:
     """Return the installed version of each distribution that decides which kernel runs, by normalized name."""
-    return {name: v for prefix in KERNEL_DISTRIBUTIONS for name, v in installed_with_prefix(prefix).items()}
+    # Read afresh each time (not cached as installed_version is): asked once per verdict key, not per layer.
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = normalized(dist.metadata["Name"] or "")
+        if name.startswith(KERNEL_DISTRIBUTIONS) and name not in found:  # the first on the path is the one imported
+            found[name] = dist.version
+    return dict(sorted(found.items()))
 
 
 def kernel_mismatches(flashinfer: str | None, kernels: dict[str, str]) -> list[str]:

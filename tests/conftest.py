@@ -75,11 +75,12 @@ def _clean_library_state(monkeypatch):
     for name in list(os.environ):
         if name.startswith("SM120_FP4"):
             monkeypatch.delenv(name)
-    from sm120_fp4 import backends, devices, errors, serving
+    from sm120_fp4 import backends, devices, errors, serving, versions
 
     registered, registered_moe = set(backends.names()), set(backends.moe_names())
     serving.STATE.reset()
     devices.clear_cache()
+    versions.clear_cache()  # a test's stand-in for importlib.metadata.version is asked afresh
     errors._said.clear()  # each test sees the library's once-per-process warnings as a fresh process would
     yield
     for name in set(backends.names()) - registered:
@@ -88,6 +89,7 @@ def _clean_library_state(monkeypatch):
         backends.unregister_moe(name)
     serving.STATE.reset()
     devices.clear_cache()
+    versions.clear_cache()
 
 
 @pytest.fixture(autouse=True)

@@ -68,10 +68,10 @@ def test_missing_flashinfer_makes_flashinfer_backends_unsupported_with_a_reason(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     flashinfer._mm_fp4.cache_clear()
     able = flashinfer.Toolchain((13, 0), "nvcc", (2, 39), None)  # b12x's own requirements met: the import is the reason
+    monkeypatch.setattr(flashinfer, "toolchain", lambda: able)
     try:
         for name in backends.FLASHINFER_BACKENDS:
-            with flashinfer.use_toolchain(lambda: able):
-                ok, reason = backends.is_supported(name, Device(0, "mocked RTX PRO 6000", (12, 0)))
+            ok, reason = backends.is_supported(name, Device(0, "mocked RTX PRO 6000", (12, 0)))
             # installed but unimportable (this environment), or not installed at all (the H200 image)
             assert not ok and re.search(
                 r"does not import: (ModuleNotFound|Import)Error|flashinfer-python is not installed", reason

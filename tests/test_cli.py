@@ -220,9 +220,9 @@ def test_doctor_says_jit_builds_will_fail_with_glibc_2_41_and_cuda_13_0_headers(
     from sm120_fp4.backends import flashinfer
 
     clash = flashinfer.Toolchain((13, 0), "nvcc /opt/cuda/bin/nvcc", (2, 41), None)
-    with flashinfer.use_toolchain(lambda: clash):
-        code, md, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--strict", env=SIM_OK)
-        data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
+    monkeypatch.setattr(flashinfer, "toolchain", lambda: clash)
+    code, md, _ = cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--strict", env=SIM_OK)
+    data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
     assert code == 1 and "- cuda: 13.0\n- cuda_source: nvcc /opt/cuda/bin/nvcc\n- glibc: 2.41" in md
     jit = [p for p in data["problems"] if p.startswith("JIT builds will fail")]
     assert jit and "glibc 2.41 with CUDA 13.0 headers" in jit[0] and "rsqrt/cospi" in jit[0], data["problems"]
@@ -230,8 +230,8 @@ def test_doctor_says_jit_builds_will_fail_with_glibc_2_41_and_cuda_13_0_headers(
     fixed = flashinfer.Toolchain((13, 1), "nvcc /opt/cuda/bin/nvcc", (2, 41), None)
     older_libc = flashinfer.Toolchain((12, 9), "torch.version.cuda", (2, 40), None)
     for tc in (fixed, older_libc):
-        with flashinfer.use_toolchain(lambda: tc):
-            data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
+        monkeypatch.setattr(flashinfer, "toolchain", lambda: tc)
+        data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
         assert not any(p.startswith("JIT builds") for p in data["problems"]), (tc, data["problems"])
 
 
@@ -253,7 +253,8 @@ def test_doctor_names_why_b12x_cannot_run_on_a_real_sm120(monkeypatch, capsys, t
 
     cuda, cute = tc
     probe = flashinfer.Toolchain(cuda, "nvcc /usr/local/cuda/bin/nvcc", (2, 36), cute)
-    with flashinfer.use_toolchain(lambda: probe), fake_devices(("NVIDIA RTX PRO 6000 Blackwell", (12, 0))):
+    monkeypatch.setattr(flashinfer, "toolchain", lambda: probe)
+    with fake_devices(("NVIDIA RTX PRO 6000 Blackwell", (12, 0))):
         data = json.loads(cli_in_process(monkeypatch, capsys, "doctor", "--quick", "--json")[1])
     rows = {(b["family"], b["backend"]): b for b in data["backends"]}
     assert rows[("dense", "b12x")]["supported"] is False and reason in rows[("dense", "b12x")]["reason"], rows[

@@ -662,7 +662,8 @@ def _mostly_zero_blocks_skipped(a, b, a_sf, b_sf, alpha, dtype, out):
     codes = nvfp4.unpack_nibbles(a)
     blocks = codes.view(codes.shape[0], -1, 16)
     sparse = ((blocks & 7) != 0).sum(dim=-1, keepdim=True) <= 4
-    kept = nvfp4.pack_nibbles(torch.where(sparse, torch.zeros_like(blocks), blocks).view_as(codes))
+    kept = torch.where(sparse, torch.zeros_like(blocks), blocks).view_as(codes)
+    kept = kept[:, 0::2] | (kept[:, 1::2] << 4)
     return emulated_mm_fp4(kept, b, a_sf, b_sf, alpha, dtype, out)
 
 

@@ -80,13 +80,6 @@ def _wrapper_class() -> WrapperFactory:
     return B12xMoEWrapper
 
 
-def parallel_ranks() -> int:
-    """Return how many ranks serve the model with this process (torch.distributed's world size; 1 where none)."""
-    # Engine-neutral until each engine home reports its TP/PP sizes: the world spans TP x PP (x DP) ranks.
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def supported(device: Device) -> tuple[bool, str | None]:
     """Return whether b12x's MoE can serve on `device` in this process, and why not."""
     problem = toolchain_problem("b12x MoE", MIN_CUDA)
@@ -94,7 +87,11 @@ def supported(device: Device) -> tuple[bool, str | None]:
         with _lock:
             checks = list(_engine_checks)
         problem = next((r for r in (check() for check in checks) if r), None)
-    if problem is None and (ranks := parallel_ranks()) > 1:
+    # How many ranks serve the model with this process: torch.distributed's world size (1 where none), engine-neutral
+    # until each engine home reports its TP/PP sizes (the world spans TP x PP (x DP) ranks).
+    dist = torch.distributed
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if problem is None and ranks > 1:
         problem = (
             f"b12x MoE is refused with {ranks} ranks (torch.distributed world size {ranks}): {MULTI_RANK_ISSUE} "
             "reports garbage output at TP=2 / PP=2 while one GPU is correct, and no multi-rank check of it exists "
@@ -161,18 +158,6 @@ def _stamp(*tensors: torch.Tensor) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in tensors)
 
 
-def _new_derived(w13_alpha, w2_alpha, a1, a2) -> _Derived:
-    d = _Derived(*(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (a1, w13_alpha, a2, w2_alpha)))
-    d.refresh(w13_alpha, w2_alpha, a1, a2)
-    return d
-
-
-def derived_scales(w13_alpha, w2_alpha, a1, a2) -> dict[str, torch.Tensor]:
-    """Return b12x's scales from the convention's (a fresh set; the backend keeps one per layer)."""
-    d = _new_derived(w13_alpha, w2_alpha, a1, a2)
-    return {f.name: getattr(d, f.name) for f in fields(d) if f.name not in ("source", "made")}
-
-
 @dataclass
 class _Layer:
     wrapper: object
@@ -210,7 +195,9 @@ def _layer(w13, w13_sf, w13_alpha, w2, w2_sf, w2_alpha, a1, a2, top_k: int, acti
             owner = _workspaces.get(config)
             wrapper = _make_wrapper(config, owner)
             _workspaces.setdefault(config, wrapper)
-            entry = _layers[key] = _Layer(wrapper, _new_derived(w13_alpha, w2_alpha, a1, a2))
+            made = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (a1, w13_alpha, a2, w2_alpha))
+            entry = _layers[key] = _Layer(wrapper, _Derived(*made))
+            entry.derived.refresh(w13_alpha, w2_alpha, a1, a2)
     if entry.derived.made != _stamp(w13_alpha, w2_alpha, a1, a2):  # the layer's scales changed (a weight update)
         entry.derived.refresh(w13_alpha, w2_alpha, a1, a2)
         _refold(entry)

@@ -9,12 +9,11 @@ import importlib.util
 import inspect
 import logging
 import os
-import platform
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -73,7 +72,6 @@ B12X_MIN_CUDA = (12, 9)
 # nvcc's crt/math_functions.h up to CUDA 13.0 clashes with glibc 2.41's rsqrt/cospi: JIT builds fail.
 GLIBC_CLASH = (2, 41)
 CUDA_HEADERS_CLASH = (13, 0)
-_toolchain_probe: Callable[[], Toolchain] | None = None  # a test's (use_toolchain); None: this machine's
 
 
 def default_order(capability: tuple[int, int]) -> tuple[str, ...]:
@@ -171,13 +169,11 @@ def _cuda_toolkit() -> tuple[tuple[int, int] | None, str]:
 
 
 def _glibc() -> tuple[int, int] | None:
+    # platform.libc_ver() asks the same first; where it fails this is no glibc (musl), whose headers do not clash.
     try:
         text = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.41"
     except (AttributeError, ValueError, OSError):
         text = None
-    if not text:
-        lib, ver = platform.libc_ver()
-        text = ver if lib == "glibc" else None
     return _major_minor(text)
 
 
@@ -193,23 +189,8 @@ def _cute_dsl() -> str | None:
 @functools.lru_cache(maxsize=1)
 def toolchain() -> Toolchain:
     """Return this machine's toolchain for FlashInfer's kernels (probed once per process)."""
-    if _toolchain_probe is not None:
-        return _toolchain_probe()
     cuda, source = _cuda_toolkit()
     return Toolchain(cuda, source, _glibc(), _cute_dsl())
-
-
-@contextlib.contextmanager
-def use_toolchain(probe: Callable[[], Toolchain]) -> Iterator[None]:
-    """Answer toolchain() with `probe` inside the block (tests)."""
-    global _toolchain_probe
-    previous, _toolchain_probe = _toolchain_probe, probe
-    toolchain.cache_clear()
-    try:
-        yield
-    finally:
-        _toolchain_probe = previous
-        toolchain.cache_clear()
 
 
 def _shown_version(version: tuple[int, int] | None) -> str:

@@ -175,17 +175,13 @@ def _dense_builtins() -> dict[str, Backend]:
     return out
 
 
-def _b12x() -> Backend:
-    """Return FlashInfer's b12x fused MoE on SGLang's cutlass tensors (its workspace made at load, released by restore)."""
-    converter = Converter(b12x.prepare, lambda tensors, keep: None, b12x.reset, in_place=False)
-    return Backend(
-        b12x.NAME, "flashinfer", b12x.fused_moe, b12x.supported, "w4a4", converter, b12x.describe, b12x.layer_problem
-    )
-
-
 def _moe_builtins() -> dict[str, Backend]:
     out = {name: Backend(name, "flashinfer", None, functools.partial(moe_supported, name)) for name in MOE_BACKENDS}
-    out["b12x"] = _b12x()
+    # FlashInfer's b12x fused MoE on SGLang's cutlass tensors (its workspace made at load, released by restore).
+    converter = Converter(b12x.prepare, lambda tensors, keep: None, b12x.reset, in_place=False)
+    out[b12x.NAME] = Backend(
+        b12x.NAME, "flashinfer", b12x.fused_moe, b12x.supported, "w4a4", converter, b12x.describe, b12x.layer_problem
+    )
     out[EMULATED] = Backend(EMULATED, "emulated", emulated_moe, _always)
     out[HUMMING] = _humming("moe")
     return out

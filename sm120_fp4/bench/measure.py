@@ -10,7 +10,7 @@ import torch
 from .. import backends, deciding, verify
 from ..devices import Device
 from ..verify.moe import _moe_weights as moe_weights
-from .timing import DenseShape, MoeShape, dense_bf16, dense_call, first_line, moe_bf16, moe_call, time_one
+from .timing import DenseShape, MoeShape, dense_bf16, dense_call, moe_bf16, moe_call, time_one
 
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_SIZES = (512, 1024, 2048, 4096, 8192)
@@ -38,16 +38,12 @@ def configurations(model: str | None, on_cpu: bool) -> tuple[list[DenseShape], l
     return list(dense), list(moe)
 
 
-def _verify_sizes(sizes: list[int]) -> list[int]:
-    """Return the sizes the self-test checks: the smallest, the largest decode size, the smallest prefill size."""
-    decode = [m for m in sizes if m <= DECODE_SIZES[-1]]
-    prefill = [m for m in sizes if m > DECODE_SIZES[-1]]
-    return sorted({min(sizes), *(decode[-1:]), *(prefill[:1])})
-
-
 def _verify(family: str, name: str, config, sizes: list[int], device: Device, settings) -> str:
     """Return this backend's verdict on `device` at `config`: "verified", else why not."""
-    timeout, ms = settings.selftest_timeout, _verify_sizes(sizes)
+    # The sizes the self-test checks: the smallest, the largest decode size, the smallest prefill size.
+    decode = [m for m in sizes if m <= DECODE_SIZES[-1]]
+    prefill = [m for m in sizes if m > DECODE_SIZES[-1]]
+    timeout, ms = settings.selftest_timeout, sorted({min(sizes), *(decode[-1:]), *(prefill[:1])})
     try:
         if family == "dense":
             shapes = [(m, config.n, config.k) for m in ms]
@@ -60,17 +56,11 @@ def _verify(family: str, name: str, config, sizes: list[int], device: Device, se
             bounds = verify.MOE_BOUNDS.model_copy(update={"timeout_s": timeout})
             report = verify.run_moe(name, device, verify.MoeConfig(cases=cases), bounds=bounds)
     except Exception as exc:
-        return f"failed: {first_line(exc)}"
+        return f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
     return "verified" if report.passed else f"failed: {(report.reason or 'did not pass').splitlines()[0]}"
 
 
-def _candidates(family: deciding.Family, settings, device: Device, wanted: list[str] | None) -> list[str]:
-    if wanted is None:
-        return deciding.candidate_names(settings, family=family, device=device)
-    return [n for n in wanted if n in family.names()]
-
-
-def _verified(family: deciding.Family, names: list[str], config, sizes: list[int], device: Device, settings, log):
+def _verified(family: deciding.Family, names: list[str], config, sizes: list[int], device: Device, settings):
     """Return the rows of candidates not timed (unsupported, failed) and (name, make call, tune) for the rest."""
     tdev, base = device.torch_device, {"family": family.name, "config": config.label()}
     weights = None
@@ -81,7 +71,7 @@ def _verified(family: deciding.Family, names: list[str], config, sizes: list[int
     for name in names:
         ok, why = family.is_supported(name, device)
         if ok:
-            log(f"[{device.label()}] verifying {family.name} backend {name!r} at {config.label()} ...")
+            eprint(f"[{device.label()}] verifying {family.name} backend {name!r} at {config.label()} ...")
         verdict = _verify(family.name, name, config, sizes, device, settings) if ok else f"unsupported: {why}"
         if verdict != "verified":
             rows.append({**base, "backend": name, "verdict": verdict, "m": None})
@@ -103,18 +93,21 @@ def _timed(device, base: dict, config, name: str, make: Callable, tune: bool, m:
     return {**row, "verdict": verdict, "m": m, "time_us": seconds * 1e6, "tflops": tflops, "timing": how}
 
 
-def run(device: Device, settings, dense: list, moe: list, sizes: list[int], wanted=None, log=None) -> dict:
+def run(device: Device, settings, dense: list, moe: list, sizes: list[int], wanted=None) -> dict:
     """Verify, then time, each candidate of each family on `device`; return JSON-ready rows."""
-    log = log or eprint
     rows: list[dict] = []
     for family, configs in ((deciding.DENSE, dense), (deciding.MOE, moe)):
-        names = _candidates(family, settings, device, wanted)
+        names = (  # --backend's names of this family, else the configured candidates
+            deciding.candidate_names(settings, family=family, device=device)
+            if wanted is None
+            else [n for n in wanted if n in family.names()]
+        )
         for config in configs:
-            untimed, timed = _verified(family, names, config, sizes, device, settings, log)
+            untimed, timed = _verified(family, names, config, sizes, device, settings)
             rows += untimed
             base = {"family": family.name, "config": config.label()}
             for name, make, tune in timed:
-                log(f"[{device.label()}] timing {family.name} {name} at {config.label()} ...")
+                eprint(f"[{device.label()}] timing {family.name} {name} at {config.label()} ...")
                 rows += [_timed(device.torch_device, base, config, name, make, tune, m) for m in sizes]
     # each time beside the yardstick's at the same configuration and size
     yardstick = {

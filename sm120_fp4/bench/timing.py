@@ -102,7 +102,3 @@ def time_one(call: Callable[[], object], tune: bool, device: torch.device) -> tu
         with flashinfer.autotuning():
             call()  # FlashInfer profiles its tactics for this shape, as a server's warm-up does
     return deciding.timed(call, device, REPEATS if device.type == "cuda" else 3)
-
-
-def first_line(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

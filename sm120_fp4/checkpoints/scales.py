@@ -64,13 +64,6 @@ def block_scale_problem(name: str, data: bytes, shape: tuple) -> str | None:
     )
 
 
-def _first(mask: torch.Tensor) -> tuple[int, str]:
-    """Return the flat index of the first True of `mask` and it as ``[i, j]`` (empty for a 0-dim tensor)."""
-    flat = int(mask.reshape(-1).nonzero()[0])
-    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape)] if mask.dim() else []
-    return flat, f"[{', '.join(map(str, index))}]" if index else ""
-
-
 def loaded_scales_problem(scales: dict[str, torch.Tensor], blocks: dict[str, torch.Tensor]) -> str | None:
     """Return why the global/activation `scales` or E4M3 `blocks` an engine loaded cannot serve (by name), or None."""
     for name, tensor in scales.items():
@@ -78,8 +71,10 @@ def loaded_scales_problem(scales: dict[str, torch.Tensor], blocks: dict[str, tor
             continue
         values = tensor.detach().float().cpu()
         bad = ~(torch.isfinite(values) & (values >= _TINY) & (values <= _F32_MAX))
-        if bool(bad.any()):
-            flat, at = _first(bad)
+        if bool(bad.any()):  # the first bad value, named by its index ``[i, j]`` (none for a 0-dim tensor)
+            flat = int(bad.reshape(-1).nonzero()[0])
+            index = [str(int(i)) for i in torch.unravel_index(torch.tensor(flat), bad.shape)] if bad.dim() else []
+            at = f"[{', '.join(index)}]" if index else ""
             return scale_problem(f"the checkpoint's {name}{at}", float(values.reshape(-1)[flat]))
     for name, tensor in blocks.items():
         if tensor.dtype in (torch.float8_e4m3fn, torch.uint8):

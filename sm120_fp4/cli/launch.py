@@ -26,8 +26,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         _eprint(f"sm120-fp4 launch: {problem}; not running the preflight")
         return EXIT_USAGE
     os.environ["SM120_FP4"] = "1"
+    from ..api import ENGINES
+    from ..vllm.allowlist import plugin_problem
+
     name = _engine_of(command)  # None: a command it cannot attribute, which may start any installed engine
-    names = [name] if name is not None else _installed_engines()
+    # else the installed engines' names (SGLang's where none is: nothing then to refuse)
+    names = [name] if name is not None else [h.name for h in ENGINES if h.release.version() is not None] or ["sglang"]
     problem = next((p for p in map(_canary_problem, names) if p is not None), None)
     if problem is not None:  # refused now, not in every scheduler after the preflight
         _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
@@ -41,7 +45,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if name is None:
             _eprint(f"sm120-fp4 launch: {_UNATTRIBUTED % command[0]}")
         return _launch_unverified_engine(command, settings, engine, args.allow_unverified)
-    problem = _plugin_problem(names) if indices else None
+    # SGLang: the .pth start-up hook activates this library anyway; vLLM only through its plugin
+    problem = plugin_problem() if indices and "vllm" in names else None
     if problem is not None:  # the server would serve every NVFP4 layer without this library: refused now
         _eprint(f"sm120-fp4 launch: {problem}; not starting the server")
         return EXIT_USAGE
@@ -209,20 +214,6 @@ def _engine_of(command: list[str]) -> str | None:
         return None
     starts = [home.name for home in ENGINES if home.launches(inner)]
     return starts[0] if len(starts) == 1 else None
-
-
-def _plugin_problem(names: list[str]) -> str | None:
-    """Return why none of this library would run in the server of the engines `names`, or None."""
-    from ..vllm.allowlist import plugin_problem
-
-    return plugin_problem() if "vllm" in names else None  # SGLang: the .pth start-up hook activates it anyway
-
-
-def _installed_engines() -> list[str]:
-    """Return the NAMEs of the installed engines (SGLang's where none is: nothing then to refuse)."""
-    from ..api import ENGINES
-
-    return [home.name for home in ENGINES if home.release.version() is not None] or ["sglang"]
 
 
 # The wrappers launch looks through, each with the options that take a value (short letters, long names), the

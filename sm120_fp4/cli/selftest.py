@@ -118,7 +118,10 @@ def cmd_selftest_model(args: argparse.Namespace) -> int:
         return _interrupted(stop.signal, [])
     text = json.dumps({str(i): r for i, r in results.items()}, indent=2) if args.json else None
     print(text if text is not None else "\n".join(_model_rows(results)))
-    return _model_outcome(results)
+    failed = _failed(results.values())  # each failure printed
+    if failed is None and any(not d["verified"] for r in results.values() for d in r["decisions"]):
+        return EXIT_UNVERIFIED
+    return EXIT_OK if failed is None else failed
 
 
 def _model_rows(results: dict[int, dict]) -> list[str]:
@@ -139,14 +142,6 @@ def _model_rows(results: dict[int, dict]) -> list[str]:
             rows.append((*where, index, "-", "-", "-", "REFUSED", r["message"].splitlines()[0]))
     header = ("pid", "rank", "device", "kernel", "layer configuration", "backend", "verified", "batch sizes")
     return markdown_table(header, rows)
-
-
-def _model_outcome(results: dict[int, dict]) -> int:
-    """Print each failure of ``selftest --model``; return its exit code."""
-    failed = _failed(results.values())
-    if failed is None and any(not d["verified"] for r in results.values() for d in r["decisions"]):
-        return EXIT_UNVERIFIED
-    return EXIT_OK if failed is None else failed
 
 
 def _failed(results) -> int | None:

@@ -21,21 +21,20 @@ FOUR_OVER_SIX = "FLASHINFER_NVFP4_4OVER6"
 FOUR_OVER_SIX_ON = "1"
 
 
-def flashinfer_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
+def flashinfer_overrides() -> dict[str, str]:
     """Return every FLASHINFER_NVFP4_* variable set that may change FlashInfer's FP4 recipe, by name."""
-    environ = os.environ if environ is None else environ
     return {
-        k: environ[k]
-        for k in sorted(environ)
+        k: os.environ[k]
+        for k in sorted(os.environ)
         if k.upper().startswith(FLASHINFER_PREFIX)
         and k.upper() not in FLASHINFER_LAUNCH_KNOBS
-        and not (k == FOUR_OVER_SIX and environ[k] != FOUR_OVER_SIX_ON)
+        and not (k == FOUR_OVER_SIX and os.environ[k] != FOUR_OVER_SIX_ON)
     }
 
 
-def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:
+def flashinfer_problem() -> str | None:
     """Return why FlashInfer's FP4 results cannot be verified in this environment, or None."""
-    found = flashinfer_overrides(environ)
+    found = flashinfer_overrides()
     if not found:
         return None
     listed = ", ".join(f"{k}={shown(v, 60)}" for k, v in found.items())
@@ -47,8 +46,8 @@ def flashinfer_problem(environ: dict[str, str] | None = None) -> str | None:
     )
 
 
-def check_flashinfer_env(environ: dict[str, str] | None = None) -> None:
+def check_flashinfer_env() -> None:
     """Raise ConfigError where FlashInfer's own NVFP4 knobs are set."""
-    problem = flashinfer_problem(environ)
+    problem = flashinfer_problem()
     if problem is not None:
         raise ConfigError(f"sm120_fp4 cannot verify FlashInfer's FP4 results here: {problem}")

@@ -186,11 +186,10 @@ def load_settings(**overrides: Any) -> Settings:
     return Settings(**overrides)
 
 
-def sources(settings_kwargs: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, str]:
+def sources(settings_kwargs: dict[str, Any]) -> dict[str, str]:
     """Return where each setting's value came from: 'keyword', the environment variable, or 'default'."""
-    environ = os.environ if environ is None else environ
     return {
-        f: "keyword" if f in settings_kwargs else f"env {env_name(f)}" if env_name(f) in environ else "default"
+        f: "keyword" if f in settings_kwargs else f"env {env_name(f)}" if env_name(f) in os.environ else "default"
         for f in Settings.model_fields
     }
 

@@ -18,9 +18,6 @@ __all__ = [
     "E2M1_MAX",
     "E4M3_MAX",
     "E2M1_VALUES",
-    "encode_e2m1",
-    "decode_e2m1",
-    "pack_nibbles",
     "unpack_nibbles",
     "swizzled_scale_shape",
     "swizzle_scales",
@@ -111,48 +108,22 @@ def _float32_code_table(device: torch.device) -> torch.Tensor:
 
 
 def _encode(x: torch.Tensor) -> torch.Tensor:
+    """Return the E2M1 codes (uint8 0..15) of float32 `x`: nearest, ties to even, saturating at 6."""
     # On CUDA two sorted searches (4 launches instead of 15: a decode quantize is launch-bound); on the
-    # CPU for float32 one lookup per element in _float32_code_table (3-4x faster than the comparisons).
+    # CPU one lookup per element in _float32_code_table (3-4x faster than the comparisons). quantize
+    # passes float32 only.
     if x.is_cuda:
         mag = x.abs()
         down, up = _constant(_ROUND_DOWN_AT, x.device, mag.dtype), _constant(_ROUND_UP_AT, x.device, mag.dtype)
         mag = mag.nan_to_num(nan=0.0)
         codes = torch.bucketize(mag, down, out_int32=True) + torch.bucketize(mag, up, out_int32=True, right=True)
         return _signed(x, codes.to(torch.uint8))
-    if x.dtype != torch.float32:
-        return _encode_by_comparison(x)
     bits = x.view(torch.int32)
     group = bits >> (_GROUP_SHIFT - 1)  # in place from here: each temporary costs as much as the lookup
     group &= (1 << (33 - _GROUP_SHIFT)) - 2  # the top 12 bits, times 2
     lower = bits & ((1 << _GROUP_SHIFT) - 1)
     group |= lower.ne_(0)  # + 1 where a lower bit is set
     return torch.index_select(_float32_code_table(x.device), 0, group.reshape(-1)).reshape(x.shape)
-
-
-def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Return the E2M1 codes (uint8 0..15) of `x`: nearest, ties to even, saturating at 6."""
-    _check_tensor("encode_e2m1", "x", x, _FLOAT_INPUTS + (torch.float64,))
-    if torch.isnan(x).any():
-        raise not_accepted("encode_e2m1", "x", x, "no NaN (E2M1 has no NaN encoding)")
-    return _encode(x)
-
-
-def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Return the float32 values of E2M1 codes (uint8 0..15)."""
-    _check_tensor("decode_e2m1", "codes", codes, (torch.uint8,))
-    if codes.numel() and int(codes.max()) > 15:
-        raise not_accepted("decode_e2m1", "codes", codes, "values in 0..15")
-    return _constant(E2M1_VALUES, codes.device)[codes.long()]
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Return codes (..., K) packed into bytes (..., K/2), element 2i in the low nibble."""
-    _check_tensor("pack_nibbles", "codes", codes, (torch.uint8,))
-    if codes.dim() == 0 or codes.shape[-1] % 2:
-        raise not_accepted("pack_nibbles", "codes", codes, "a last dimension of even length")
-    if codes.numel() and int(codes.max()) > 15:
-        raise not_accepted("pack_nibbles", "codes", codes, "values in 0..15")
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -248,7 +219,7 @@ def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True
     # The kernel's output scale: 1 / (float(sf) * (1 / gsf)), and 0 for an all-zero block.
     out_scale = torch.where(sf_f != 0, 1.0 / (sf_f * (1.0 / gsf)), torch.zeros_like(sf_f))
     codes = _encode(blocks * out_scale.unsqueeze(-1)).reshape(m, k)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), swizzle_scales(sf)  # pack_nibbles, without its host-side check
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), swizzle_scales(sf)  # element 2i in the low nibble
 
 
 def _check_packed_and_scales(

@@ -61,12 +61,6 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _fits(src: torch.Tensor, target: torch.Tensor) -> bool:
-    """Return whether `src`'s bytes fit in `target`'s own storage (target a contiguous tensor starting it)."""
-    fits = src.nbytes <= target.untyped_storage().nbytes()
-    return target.is_contiguous() and target.storage_offset() == 0 and src.is_contiguous() and fits
-
-
 def _write_into(src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Copy `src`'s bytes to the start of `target`'s storage; return a view of them with src's shape/dtype."""
     flat = torch.empty(0, dtype=torch.uint8, device=target.device).set_(target.untyped_storage())
@@ -100,7 +94,9 @@ def _convert(weight, sf_swizzled, dtype, experts: int | None, family: str, in_pl
     new = dict(prepared.tensors)
     for name, target in (("weight", weight), ("weight_scale", sf_swizzled)):
         src = new[name]
-        if not _fits(src, target):
+        # `src`'s bytes fit in `target`'s own storage (target a contiguous tensor starting it), or not
+        fits = src.nbytes <= target.untyped_storage().nbytes() and src.is_contiguous()
+        if not (fits and target.is_contiguous() and target.storage_offset() == 0):
             if name == "weight":
                 raise SelfTestError(
                     f"sm120_fp4: Humming's layout of a {tuple(weight.shape)} weight does not fit SGLang's storage of it"

@@ -74,16 +74,8 @@ _functions: dict[int, object] = {}  # device index -> CUfunction
 _ARG_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int)
 
 
-def _raw_stream(index: int) -> int:
-    """Return the current stream's handle on device `index` (PyTorch's raw accessor: no Stream object per call)."""
-    try:
-        return torch._C._cuda_getCurrentRawStream(index)
-    except AttributeError:  # a PyTorch without it
-        return torch.cuda.current_stream(index).cuda_stream
-
-
 class Unavailable(RuntimeError):
-    """This kernel cannot be built or loaded here (the caller uses the Triton kernel)."""
+    """This kernel cannot be built or loaded here (the caller dequantizes with torch operations)."""
 
 
 def _check(result, what: str) -> tuple:
@@ -152,13 +144,10 @@ def launch(a: torch.Tensor, sf_bytes: torch.Tensor, out: torch.Tensor, kp: int) 
     if torch.cuda.current_device() != index:  # a driver launch uses the current context: the tensors' device's
         with torch.cuda.device(index):
             return launch(a, sf_bytes, out, kp)
+    # K % 16 == 0 and `out` fresh (16-byte aligned): dequantize_activations' arguments passed mm_fp4's check.
     m, half_k = a.shape
-    if half_k % 8 or out.data_ptr() % 16:
-        raise ValueError(
-            f"the CUDA dequantization kernel needs K % 16 == 0 and a 16-byte aligned output (K={2 * half_k})"
-        )
     function = _functions[index]
-    stream = _raw_stream(index)
+    stream = torch._C._cuda_getCurrentRawStream(index)  # PyTorch's raw accessor: no Stream object per call
     blocks = (half_k // 8 + THREADS - 1) // THREADS
     values = (a.data_ptr(), sf_bytes.data_ptr(), out.data_ptr(), half_k, kp, 1 if out.dtype == torch.bfloat16 else 0)
     args = (values, _ARG_TYPES)
