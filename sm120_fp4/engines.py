@@ -66,11 +66,12 @@ class Release:
     def unverified(self, version: str | None = None) -> tuple[str, str] | None:
         """Return (what it means, what makes it verified) for an installed release this library cannot patch."""
         from ._version import __version__
-        from .versions import comparable
+        from .versions import comparable, version_in
 
         version = version or self.version()
         if version is None or self.support(version)[0]:
             return None
+        floor = next((bound[2:] for bound in self.supported.split(",") if bound.startswith(">=")), None)
         what = (
             f"{self.title} {version!r} is installed, a version sm120_fp4 cannot read"
             if comparable(version) is not None
@@ -85,6 +86,10 @@ class Release:
             f"upgrade sm120_fp4 to a release that supports {self.title} {version} (pip install -U sm120-fp4), or "
             f"install {self.title} in {self.supported}"
         )
+        if floor is not None and version_in(version, f"<{floor}"):  # below the floor: no later sm120_fp4 serves it
+            remedy = (
+                f"install {self.title} in {self.supported}: sm120_fp4 {__version__} supports no release before {floor}"
+            )
         return means, remedy
 
     def doctor_rows(self, version: str | None, targets: list) -> dict:
@@ -204,3 +209,4 @@ def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
             yield
         finally:
             torch.Tensor.cuda = original  # type: ignore[method-assign]
+

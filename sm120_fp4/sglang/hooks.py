@@ -92,7 +92,7 @@ _HOLDERS = "tp_worker model_runner draft_worker _draft_worker draft_runner draft
 
 def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
     """Return the M of every CUDA graph captured under `owner`, its workers and model runners (`depth` levels)."""
-    # 0.5.3-0.5.13: graph_runner (num_tokens_per_bs), piecewise_cuda_graph_runner; 0.5.14+: decode_ and
+    # up to 0.5.13: graph_runner (num_tokens_per_bs), piecewise_cuda_graph_runner; 0.5.14+: decode_ and
     # prefill_cuda_graph_runner (captured_req_width 0.5.16+); draft workers: cuda_graph_runner(_for_draft_extend).
     tokens: set[int] = set()
     seen: set[int] = set()

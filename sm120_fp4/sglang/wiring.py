@@ -36,7 +36,6 @@ from .scales import checkpoint_scale_problem, quant_mode_problem
 from .simulation import Simulation
 from .simulation import specs as simulation_specs
 from .targets import (
-    apply_env_knobs,
     idle_spec,
     idle_specs,
     pin_runner_backend,
@@ -187,7 +186,6 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         specs += simulation_specs(simulate)
         sim.arm()
         undo.append(sim.undo)
-    undo.append(apply_env_knobs(patcher))
     undo.append(b12x_moe.engine_check(b12x_problem))  # SGLang's server settings under which b12x cannot serve
     undo.append(serving.use_group(tp_cpu_group))
     patcher.add(specs)
