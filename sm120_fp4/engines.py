@@ -7,6 +7,7 @@ only at import: the start-up hook names the SGLang home in every interpreter."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -33,6 +34,25 @@ def starts(command: list[str], top: str) -> bool:
         return True
     modules = [after for before, after in zip(command, command[1:]) if before == "-m"]
     return any(m == top or m.startswith(top + ".") for m in modules)
+
+
+def make_call_hook(original: Callable, before=None, after=None, end: Callable | None = None) -> Callable:
+    """Wrap a call: `before(*args)` first, `after(*args)` once it has returned (not when it raised), `end()` always."""
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        if before is not None:
+            before(*args)
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            if end is not None:
+                end()
+        if after is not None:
+            after(*args)
+        return result
+
+    return hooked
 
 
 class Release:

@@ -48,25 +48,6 @@ def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -
     return init_cuda_graphs
 
 
-def make_call_hook(original: Callable, before=None, after=None, end: Callable | None = None) -> Callable:
-    """Wrap a call: `before(*args)` first, `after(*args)` once it has returned (not when it raised), `end()` always."""
-
-    @functools.wraps(original)
-    def hooked(*args, **kwargs):
-        if before is not None:
-            before(*args)
-        try:
-            result = original(*args, **kwargs)
-        finally:
-            if end is not None:
-                end()
-        if after is not None:
-            after(*args)
-        return result
-
-    return hooked
-
-
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 

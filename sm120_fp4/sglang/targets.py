@@ -11,12 +11,13 @@ from dataclasses import replace
 from typing import Callable
 
 from ..backends.flashinfer import is_mm_fp4
+from ..engines import make_call_hook
 from ..patching import Patcher, PatchSpec
 from ..serving.policy import make_weights_hook
 from ..versions import version_in
 from .autotune import RUNNER as AUTOTUNE_RUNNER
 from .autotune import make_gate as make_autotune_gate
-from .hooks import compressed_tensors_check, make_call_hook, make_warmup_hook, modelopt_check
+from .hooks import compressed_tensors_check, make_warmup_hook, modelopt_check
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, model_path
 from .release import (

@@ -35,11 +35,9 @@ class _Wired:
             return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
         if self.router.ensure(layer_device_index(layer)) is None:
             return  # a device this library does not serve
-        name = layer_name(layer)
-        self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
+        self.refuse(_what(kind, layer), hooks.kernel_problem(kind, method))
         # The checkpoint's scales, each shard's still apart (vLLM's processing serves the largest): as SGLang refuses.
-        fmt = checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
-        self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", scales.layer_problem(fmt, layer))
+        self.refuse(_what(kind, layer), scales.layer_problem(_format(kind), layer))
 
     def unknown(self, index: int, name: str, value: object) -> None:
         self.refuse(
@@ -91,24 +89,29 @@ class _Wired:
         refuse_canary(self.settings)
         if self.router.ensure(layer_device_index(layer), "moe") is None:
             return  # a device this library does not serve
-        name = layer_name(layer)
-        self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
-        fmt = checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
-        self.refuse(
-            f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", scales.layer_problem(fmt, layer, moe=True)
-        )
+        self.refuse(_what(kind, layer, "MoE "), moe.backend_problem(kind, method))
+        self.refuse(_what(kind, layer, "MoE "), scales.layer_problem(_format(kind), layer, moe=True))
 
     def verify_moe(self, kind: str, method, layer) -> None:
         if not self.moe_served(layer_device_index(layer)) or moe.backend_problem(kind, method) is not None:
             return
         problem = moe.layer_problem(kind, method, layer)
-        name = layer_name(layer)
-        self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", problem)
+        self.refuse(_what(kind, layer, "MoE "), problem)
         if problem is None:
             self.verify(moe.moe_check(kind, method, layer))
 
     def unmodeled_moe(self, index: int, problem: str) -> None:
         self.refuse(f"an NVFP4 fused-MoE call on device {index}", problem)
+
+
+def _what(kind: str, layer, family: str = "") -> str:
+    name = layer_name(layer)
+    return f"the vLLM NVFP4 {family}layer {name + ' ' if name else ''}({kind})"
+
+
+def _format(kind: str) -> str:
+    """Return the checkpoint format of a hooked layer kind (ModelOpt's, else compressed-tensors')."""
+    return checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
 
 
 def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
