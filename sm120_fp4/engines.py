@@ -36,6 +36,12 @@ def starts(command: list[str], top: str) -> bool:
     return any(m == top or m.startswith(top + ".") for m in modules)
 
 
+def tp_cpu_group(parallel_state: str) -> object:
+    """Return the engine's tensor-parallel CPU (gloo) group from its module `parallel_state`, where SELECT=fastest's
+    ranks share their decisions (KeyError/AssertionError where it is not up)."""
+    return sys.modules[parallel_state].get_tp_group().cpu_group
+
+
 def make_call_hook(original: Callable, before=None, after=None, end: Callable | None = None) -> Callable:
     """Wrap a call: `before(*args)` first, `after(*args)` once it has returned (not when it raised), `end()` always."""
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-import sys
 from typing import Callable
 
 import torch
@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..serving import policy
 from ..serving.policy import layer_device_index, layer_name
 from . import hooks, moe, simulation, targets
-from .release import RELEASE
+from .release import PARALLEL_STATE, RELEASE
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -127,14 +127,9 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         specs += simulation.specs()
         sim.arm()
         undo.append(sim.undo)
-    undo.append(serving.use_group(_tp_cpu_group))
+    undo.append(serving.use_group(functools.partial(engines.tp_cpu_group, PARALLEL_STATE)))
     patcher.add(specs)
     return undo
-
-
-def _tp_cpu_group() -> object:
-    """Return vLLM's tensor-parallel CPU (gloo) group, where SELECT=fastest's ranks share their decisions."""
-    return sys.modules["vllm.distributed.parallel_state"].get_tp_group().cpu_group  # raises where it is not up
 
 
 def canary_problem(settings) -> str | None:
