@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The SGLang release matrix: every patch target of sm120_fp4 checked against every release.
 
-    .venv/bin/python scripts/sglang_matrix.py [--cache DIR] [--versions 0.5.3,0.5.8] [--json OUT]
+    .venv/bin/python scripts/sglang_matrix.py [--cache DIR] [--versions 0.5.8,0.5.9] [--json OUT]
     .venv/bin/python scripts/sglang_matrix.py --import-check 0.5.22 [--demo] [--run-tests]
     .venv/bin/python scripts/sglang_matrix.py --import-check 0.5.23 --flashinfer 0.7.4 [--venv DIR] --demo --run-tests
     .venv/bin/python scripts/sglang_matrix.py --releases era --demo --run-tests --report docs/RELEASES.md
@@ -12,7 +12,7 @@ spec of the ledger (``ledger_rows()``) whose version range contains the release 
 there with the expected shape, and that every spec whose range excludes the release does *not*
 find it (a range that is too narrow would leave a release unpatched), and that each of the
 simulation's stand-ins finds its target where the simulation uses it (``check_stand_ins``: the
-activation quantizer the release's ``apply()`` calls, exactly in the ledger's range). Prints a
+activation quantizer the release's ``apply()`` calls, in every release of the ledger's range). Prints a
 table and exits 1 on any FAIL.
 
 Import check (``--import-check VERSION``): builds a CPU venv for that release under
@@ -24,7 +24,7 @@ quantizer are applied, then that ``uninstall()`` restores the originals and leav
 finder. ``--demo`` also runs ``python -m sm120_fp4 demo`` there (must be bit-exact), ``--run-tests``
 the test files that import the real SGLang (``TEST_FILES``). The venv (~7 GB) is kept: delete it.
 
-Several releases (``--releases 0.5.3,0.5.9``, ``era``, ``newest`` (the newest release of every
+Several releases (``--releases 0.5.8,0.5.9``, ``era``, ``newest`` (the newest release of every
 minor) or ``table`` (both: docs/RELEASES.md's rows)): the same, one release at a time, each venv
 deleted after its run (``--keep-venv`` keeps them); ``--report FILE`` writes the results as a
 Markdown table (release, pins, what was run and its outcome, date), rewritten after each release,
@@ -74,22 +74,6 @@ except ImportError as exc:  # pragma: no cover - environment problem, explained 
 
 # Every release on the index in the supported range (the index is not scanned: add new ones here).
 RELEASES = (
-    "0.5.3",
-    "0.5.3.post1",
-    "0.5.3.post2",
-    "0.5.3.post3",
-    "0.5.4",
-    "0.5.4.post1",
-    "0.5.4.post2",
-    "0.5.4.post3",
-    "0.5.5",
-    "0.5.5.post1",
-    "0.5.5.post2",
-    "0.5.5.post3",
-    "0.5.6",
-    "0.5.6.post1",
-    "0.5.6.post2",
-    "0.5.7",
     "0.5.8",
     "0.5.8.post1",
     "0.5.9",
@@ -113,7 +97,7 @@ RELEASES = (
     "0.5.23",
 )
 # Versions just outside SUPPORTED: no spec may apply to them (a specifier check, no download).
-OUTSIDE_PROBES = ("0.5.2", "0.5.2.post1", "0.5.3rc0", "0.5.24", "0.6.0")
+OUTSIDE_PROBES = ("0.5.2", "0.5.7", "0.5.7.post1", "0.5.8rc0", "0.5.24", "0.6.0")
 DEFAULT_CACHE = ROOT / ".cache" / "sglang-wheels"
 # Where 0.5.11+ wheels exist (cp311 manylinux_2_34; older ones are py3-none-any): pinned so the
 # download does not depend on the Python that runs this script.
@@ -339,18 +323,6 @@ def check_enum(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
     return True, None
 
 
-def check_knob(tree: ast.Module, attr: str) -> tuple[bool, str | None]:
-    """`<attr> = get_bool_env_var("SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM", ...)` at module level."""
-    reads = any(isinstance(n, ast.Constant) and n.value == T.LEGACY_KNOB for n in ast.walk(tree))
-    node = next((n for n in top_level(tree.body) if attr in assigns(n)), None)
-    if node is None:
-        return reads, f"no module global {attr}" + (f" (but {T.LEGACY_KNOB} is read elsewhere)" if reads else "")
-    args = [a.value for a in getattr(node.value, "args", []) if isinstance(a, ast.Constant)]
-    if T.LEGACY_KNOB not in args:
-        return True, f"{attr} is assigned at line {node.lineno} but not from env {T.LEGACY_KNOB}"
-    return True, None
-
-
 def check_moe_config(tree: ast.Module, name: str) -> tuple[bool, str | None]:
     """`def initialize_moe_config(...)` at module level that sets the MoE runner backend (the module
     global MOE_RUNNER_BACKEND or `<flags>.runner_backend`): the hook pins 'auto' right after it."""
@@ -421,8 +393,6 @@ def kind(spec) -> str:
         return "moe-global"
     if spec.module == R.MOE_UTILS and spec.attribute == "initialize_moe_config":
         return "moe-config"
-    if spec is T.LEGACY_KNOB_SPEC:
-        return "knob"
     if spec.name.startswith("scheduler-idle-canary"):
         return "idle"
     if spec.attribute.startswith(("ModelRunner.", "Scheduler.", "WeightUpdater.")):
@@ -469,7 +439,6 @@ CHECKS = {
     "function": check_function,
     "imported": check_imported,
     "enum": check_enum,
-    "knob": check_knob,
     "moe-config": check_moe_config,
     "moe-global": check_moe_global,
     "moe-flags": check_moe_flags,
@@ -565,7 +534,7 @@ def check_stand_in(spec, version: str, src: Path) -> tuple[str, str]:
         return FAIL, f"the simulation reads {caller}: {problem}"
     if not called:
         return FAIL, f"{caller} does not call {spec.attribute}: the stand-in cannot take effect (range too wide?)"
-    if spec is not S.LEGACY_QUANTIZER and not _binds(tree, spec.attribute):
+    if not _binds(tree, spec.attribute):
         return (
             FAIL,
             f"{caller} calls {spec.attribute}, but {spec.module} binds no module global of that name to replace",
@@ -690,17 +659,11 @@ def check_outside(version: str) -> str | None:
 #     was run with them (import, patches, demo, integration tests: docs/RELEASES.md): SGLang's FP4
 #     linear path and the modules it imports use no torch API that 2.14 removed. (0.5.18-0.5.21 pin
 #     torch 2.13.0, whose only local build is CPU-only with no matching torchvision: that was the
-#     old --torch 2.14.1 flag; 0.5.3-0.5.17 pin 2.8.0/2.9.1/2.11.0, none of them on disk.)
+#     old --torch 2.14.1 flag; 0.5.8-0.5.17 pin 2.9.1/2.11.0, none of them on disk.)
 #   flashinfer / transformers: None = the release's own pin, read from its wheel's METADATA.
 #   extra: distributions the release's import of modelopt_quant needs beyond setup_env.sh's lists
 #     (found by trial once, recorded here); each is installed at the release's own pin when its
 #     METADATA has one, unpinned otherwise.
-#   flashinfer_build: build requirements when the release's flashinfer-python pin has no wheel on the
-#     index (0.4.0, 0.4.1: sdist only). The sdist is built once into <cache>/built/ with
-#     `pip wheel --no-deps --no-build-isolation` in the release's venv after installing these: its own
-#     build pin apache-tvm-ffi==0.1.0b15 is not on the index (0.1.0 is, and builds and imports it),
-#     and setuptools>=77 is needed to read its pyproject's license field. The venv keeps the same
-#     apache-tvm-ffi at run time.
 #   kernel: the CUDA-only kernel package (sgl-kernel <= 0.5.10.post1, sglang-kernel from 0.5.11).
 #     "pinned": the release's own pin, --no-deps, as `pip install sglang==X` would bring it; on a
 #     CPU its import fails (libnvrtc.so.12/libcuda.so.1), which is the case the simulation's
@@ -708,29 +671,21 @@ def check_outside(version: str) -> str | None:
 TORCH_LOCAL = {"torch": "2.14.1", "torchvision": "0.29.1"}
 PINS: tuple[tuple[str, dict], ...] = (
     (
-        ">=0.5.3,<0.5.24",
+        ">=0.5.8,<0.5.24",
         dict(
             **TORCH_LOCAL,
             flashinfer=None,
             transformers=None,
             extra=(),
             kernel="absent",
-            flashinfer_build=(),
             why="torch 2.14.1: the local CUDA build; SGLang's FP4 path imports and runs with it",
         ),
     ),
-    # 0.5.3-0.5.10.post1 import sgl_kernel on the way to modelopt_quant (0.5.5-0.5.7 unguarded, in
+    # 0.5.8-0.5.10.post1 import sgl_kernel on the way to modelopt_quant (unguarded, in
     # moe_runner/deep_gemm.py): install the pinned one so the run sees what a user's CPU sees.
-    (">=0.5.3,<0.5.11", dict(kernel="pinned")),
-    # flashinfer-python 0.4.0 (0.5.3.post1-post3) and 0.4.1 (0.5.4-0.5.4.post2): no wheel on the index
-    (
-        ">=0.5.3.post1,<0.5.4.post3",
-        dict(flashinfer_build=("setuptools>=77", "packaging>=24.2", "wheel", "apache-tvm-ffi==0.1.0")),
-    ),
+    (">=0.5.8,<0.5.11", dict(kernel="pinned")),
     # Beyond setup_env.sh's lists, each era's modelopt_quant import reaches (found by the trial loop
-    # below on 0.5.3, 0.5.5-0.5.10, 0.5.12, 0.5.13, 0.5.15; releases in between take their era's row):
-    (">=0.5.3,<0.5.5", dict(extra=("fastapi", "openai", "partial-json-parser", "einops"))),
-    (">=0.5.5,<0.5.8", dict(extra=("fastapi", "openai", "partial-json-parser"))),
+    # below on 0.5.8-0.5.10, 0.5.12, 0.5.13, 0.5.15; releases in between take their era's row):
     (">=0.5.8,<0.5.11", dict(extra=("openai", "partial-json-parser"))),
     (">=0.5.11,<0.5.18", dict(extra=("openai", "partial-json-parser", "einops"))),
 )
@@ -865,7 +820,7 @@ def resolve(version: str, cache: Path, flashinfer: str | None = None) -> dict:
     plan["meta"] = meta
     plan["flashinfer_axis"] = flashinfer
     if flashinfer is not None:
-        plan["flashinfer"], plan["flashinfer_build"] = flashinfer, []  # the index's wheel
+        plan["flashinfer"] = flashinfer
     plan["deviations"] = [
         f"{name} {plan[field]} (release pins {meta.get(name)})"
         for field, name in (("torch", "torch"), ("torchvision", "torchvision"), ("flashinfer", "flashinfer-python"))
@@ -886,37 +841,9 @@ def release_of(key: str) -> str:
 def pins_summary(plan: dict) -> str:
     kernel = plan["kernel_req"] or "no kernel pkg"
     extra = f", +{'/'.join(plan['extra'])}" if plan["extra"] else ""
-    built = (
-        f" (built from its sdist, {next(r for r in plan['flashinfer_build'] if 'tvm' in r)})"
-        if plan["flashinfer_build"]
-        else ""
+    return (
+        f"torch {plan['torch']}, flashinfer {plan['flashinfer']}, transformers {plan['transformers']}, {kernel}{extra}"
     )
-    return f"torch {plan['torch']}, flashinfer {plan['flashinfer']}{built}, transformers {plan['transformers']}, {kernel}{extra}"
-
-
-def flashinfer_wheel(py: Path, cache: Path, plan: dict, pip) -> str:
-    """What to install for flashinfer-python: the index's wheel, or (flashinfer_build) a wheel built
-    from its sdist once and cached in <cache>/built/."""
-    version = plan["flashinfer"]
-    if not plan["flashinfer_build"]:
-        return f"flashinfer-python=={version}"
-    built = cache / "built"
-    found = sorted(built.glob(f"flashinfer_python-{version}-*.whl"))
-    if not found:
-        pip("flashinfer-build-deps", *plan["flashinfer_build"])
-        pip(
-            "flashinfer-build",
-            "--no-deps",
-            "--no-build-isolation",
-            f"flashinfer-python=={version}",
-            "-w",
-            str(built),
-            command="wheel",
-        )
-        found = sorted(built.glob(f"flashinfer_python-{version}-*.whl"))
-        if not found:
-            raise RuntimeError(f"pip wheel flashinfer-python=={version} wrote no wheel into {built}")
-    return str(found[0])
 
 
 def venv_dir(version: str, flashinfer: str | None = None) -> Path:
@@ -934,11 +861,11 @@ def build_venv(version: str, cache: Path, plan: dict) -> Path:
         "triton",
     ]  # in every call: pip never swaps torch
 
-    def pip(step: str, *args: str, command: str = "install") -> None:
-        print(f"[{version}] pip {command} {' '.join(args)}", flush=True)
+    def pip(step: str, *args: str) -> None:
+        print(f"[{version}] pip install {' '.join(args)}", flush=True)
         logs.mkdir(parents=True, exist_ok=True)
         run = subprocess.run(
-            [str(py), "-m", "pip", command, "--disable-pip-version-check", *args], capture_output=True, text=True
+            [str(py), "-m", "pip", "install", "--disable-pip-version-check", *args], capture_output=True, text=True
         )
         (logs / f"{step}.log").write_text(run.stdout + run.stderr)
         if run.returncode != 0:
@@ -948,24 +875,17 @@ def build_venv(version: str, cache: Path, plan: dict) -> Path:
     meta = plan["meta"]
     setup = (ROOT / "scripts" / "setup_env.sh").read_text()
     deps = []  # setup_env.sh's lists with this release's pins where it has them (else unpinned)
-    kept = {
-        canonicalize_name(Requirement(r).name): r for r in plan["flashinfer_build"]
-    }  # what the built flashinfer was built with
     for item in (
         bash_array(setup, "FLASHINFER_DEPS") + bash_array(setup, "SGLANG_DEPS") + bash_array(setup, "PROJECT_DEPS")
     ):
         name = canonicalize_name(Requirement(item).name)
-        deps.append(
-            f"transformers=={plan['transformers']}"
-            if name == "transformers"
-            else kept.get(name) or name + meta.get(name, "")
-        )
+        deps.append(f"transformers=={plan['transformers']}" if name == "transformers" else name + meta.get(name, ""))
     deps += [canonicalize_name(e) + meta.get(canonicalize_name(e), "") for e in plan["extra"]]
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip("pip", "--upgrade", "pip")
     pip("torch", *pinned)
-    pip("flashinfer", "--no-deps", flashinfer_wheel(py, cache, plan, pip))
+    pip("flashinfer", "--no-deps", f"flashinfer-python=={plan['flashinfer']}")
     pip("sglang", "--no-deps", str(wheel_for(version, cache)))
     if plan["kernel_req"]:
         pip("kernel", "--no-deps", plan["kernel_req"])
@@ -993,7 +913,7 @@ def run_import(version: str, py: Path, repo: Path, plan: dict) -> dict:
         "alias": alias,
         "targets": {s.name: (s.module, s.attribute) for s in rows},
         # the model runner and the scheduler are the GPU server's modules: some releases import
-        # server-only packages there (0.5.7: vllm). Their hooks are then source-checked only, and the
+        # server-only packages there. Their hooks are then source-checked only, and the
         # row says so.
         "optional": [R.MODEL_RUNNER, R.SCHEDULER, R.SCHEDULER_CHECKER],
     }
@@ -1305,8 +1225,7 @@ REPORT_HEAD = """# SGLang releases: what was run, and the outcome
 Generated by `scripts/sglang_matrix.py` (do not edit by hand). The rows: one release per era of
 SGLang's FP4 path and the newest release (last post release) of every minor, the one
 `pip install "sglang~=0.5.N.0"` gets (`--releases table`). For each, one CPU venv with the
-release's own wheel and the pins recorded in the script's `PINS` (the table's "pins" column; a
-flashinfer-python pin without a wheel on the index is built from its sdist), then, with
+release's own wheel and the pins recorded in the script's `PINS` (the table's "pins" column), then, with
 `sm120_fp4.install(simulate="12.0")`:
 
 - **import + patches + uninstall**: SGLang's real FP4 modules imported; every runtime patch of the
@@ -1318,8 +1237,8 @@ flashinfer-python pin without a wheel on the index is built from its sdist), the
   path, bit-exact with the oracle; the MoE part and the refusals);
 - **integration tests**: the four test files that import the real SGLang (`tests/test_sglang.py`,
   `test_sglang_verify.py`, `test_sglang_moe.py`, `test_sglang_moe_layers.py`) with that release; the
-  skipped ones and why are listed (expectations are read from the release: no runner enum before
-  0.5.8, no fused-MoE seam before 0.5.15, so its NVFP4 MoE layers are refused there; a simulated
+  skipped ones and why are listed (expectations are read from the release: no fused-MoE seam
+  before 0.5.15, so its NVFP4 MoE layers are refused there; a simulated
   FusedMoE layer needs SGLang's scoped runtime seams, which 0.5.22+ have, so on 0.5.15-0.5.21 the
   MoE seam and hooks are checked by the import step, not at a running layer). SGLang is installed
   `--no-deps` with what its FP4 modules import, not its server packages: where the scheduler or
@@ -1424,14 +1343,9 @@ def print_table(results: dict[str, dict[str, tuple[str, str]]]) -> None:
         print(f"FAIL {v} {c}: {r}")
 
 
-# One release per era of SGLang's FP4 path: alias name, op wrapper, enum members, activation
-# quantizer (fp4_quantize from 0.5.4.post2), platform checks and kernel package each change somewhere along it.
+# One release per era of SGLang's FP4 path: op wrapper, enum members, platform checks and kernel
+# package each change somewhere along it.
 ERA_RELEASES = (
-    "0.5.3",
-    "0.5.4.post2",
-    "0.5.5",
-    "0.5.6",
-    "0.5.7",
     "0.5.8",
     "0.5.9",
     "0.5.10",

@@ -127,14 +127,14 @@ def _backends(settings) -> list[dict]:
 # Targets whose failure means the runtime patch (or the simulation) cannot do its job here; the
 # model runner's post-warm-up seam is reported, but its module imports only on a GPU server.
 _ESSENTIAL = frozenset(
-    "flashinfer-fp4-gemm-alias fp4-gemm-alias-legacy modelopt-fp4-weights-hook compressed-tensors-w4a4-weights-hook "
+    "flashinfer-fp4-gemm-alias modelopt-fp4-weights-hook compressed-tensors-w4a4-weights-hook "
     "fused-moe-kernel-seam modelopt-nvfp4-moe-weights-hook".split()
 )
 
 
 def _import_check(settings=None) -> dict:
     """Return whether each patch target of this SGLang (simulation stand-ins included) would apply, unpatched."""
-    # Simulating without CUDA: a kernel package that cannot load (0.5.3-0.5.10) gets a stand-in, reported as a row.
+    # Simulating without CUDA: a kernel package that cannot load (0.5.8-0.5.10) gets a stand-in, reported as a row.
     import torch
 
     from .patching import dry_run
@@ -151,8 +151,6 @@ def _import_check(settings=None) -> dict:
             if spec.make is None:
                 continue  # pins and env knobs: decided at run time
             rows.append(_row(spec.name, *dry_run(spec), spec.name.startswith("sim-")))
-        # the activation quantizers: by what this release's linear path calls ("fails": none can take effect)
-        rows += [_row(spec.name, state, reason, True) for spec, state, reason in simulation.quantizer_check()]
     finally:
         if remove is not None:
             remove()

@@ -7,9 +7,15 @@ only at import: the start-up hook names the SGLang home in every interpreter."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import logging
 import os
+import sys
+import threading
+import types
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import locks
@@ -28,6 +34,31 @@ def starts(command: list[str], top: str) -> bool:
         return True
     modules = [after for before, after in zip(command, command[1:]) if before == "-m"]
     return any(m == top or m.startswith(top + ".") for m in modules)
+
+
+def tp_cpu_group(parallel_state: str) -> object:
+    """Return the engine's tensor-parallel CPU (gloo) group from its module `parallel_state`, where SELECT=fastest's
+    ranks share their decisions (KeyError/AssertionError where it is not up)."""
+    return sys.modules[parallel_state].get_tp_group().cpu_group
+
+
+def make_call_hook(original: Callable, before=None, after=None, end: Callable | None = None) -> Callable:
+    """Wrap a call: `before(*args)` first, `after(*args)` once it has returned (not when it raised), `end()` always."""
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        if before is not None:
+            before(*args)
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            if end is not None:
+                end()
+        if after is not None:
+            after(*args)
+        return result
+
+    return hooked
 
 
 class Release:
@@ -66,11 +97,12 @@ class Release:
     def unverified(self, version: str | None = None) -> tuple[str, str] | None:
         """Return (what it means, what makes it verified) for an installed release this library cannot patch."""
         from ._version import __version__
-        from .versions import comparable
+        from .versions import comparable, version_in
 
         version = version or self.version()
         if version is None or self.support(version)[0]:
             return None
+        floor = next((bound[2:] for bound in self.supported.split(",") if bound.startswith(">=")), None)
         what = (
             f"{self.title} {version!r} is installed, a version sm120_fp4 cannot read"
             if comparable(version) is not None
@@ -85,6 +117,10 @@ class Release:
             f"upgrade sm120_fp4 to a release that supports {self.title} {version} (pip install -U sm120-fp4), or "
             f"install {self.title} in {self.supported}"
         )
+        if floor is not None and version_in(version, f"<{floor}"):  # below the floor: no later sm120_fp4 serves it
+            remedy = (
+                f"install {self.title} in {self.supported}: sm120_fp4 {__version__} supports no release before {floor}"
+            )
         return means, remedy
 
     def doctor_rows(self, version: str | None, targets: list) -> dict:
@@ -204,3 +240,100 @@ def cuda_moves_stay_on_cpu(active: bool) -> Iterator[None]:
             yield
         finally:
             torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+STAND_IN = "__sm120_fp4_stand_in__"  # set on every module a StandInFinder made
+
+
+def stand_in_finder(
+    roots: tuple[str, ...], used: Callable[[str, str], None], serve: dict | None = None, missing: bool = False
+) -> Callable[[], None]:
+    """Put a :class:`StandInFinder` for `roots` first on sys.meta_path (simulation only); return its removal."""
+    finder = StandInFinder(roots, used, serve, missing)
+    sys.meta_path.insert(0, finder)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)
+        for name in [
+            n for n, m in list(sys.modules.items()) if getattr(m, STAND_IN, False) is True and m.__loader__ is finder
+        ]:
+            del sys.modules[name]
+
+    return remove
+
+
+class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Import an engine's CUDA-only module (one of `roots`) as it is where it loads, else as a stand-in.
+
+    A stand-in's names are `serve`'s functions and, for every other name, an :class:`Unavailable` that raises when
+    called; its submodules are stand-ins too. `used(name, why)` is told each one made. A root that is not installed
+    stays missing (the ImportError the engine expects) unless `missing`.
+    """
+
+    def __init__(self, roots: tuple[str, ...], used: Callable[[str, str], None], serve=None, missing=False) -> None:
+        self.roots, self.used, self.serve, self.missing = roots, used, serve or {}, missing
+        self._busy = threading.local()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if getattr(sys.modules.get(fullname.rpartition(".")[0]), STAND_IN, False) is True:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        if fullname not in self.roots or getattr(self._busy, "on", False):
+            return None
+        real = self._real(fullname)
+        if isinstance(real, types.ModuleType):  # imported already: handed over as it is (never run twice)
+            return importlib.machinery.ModuleSpec(
+                fullname, self, origin=getattr(real, "__file__", None), loader_state=real
+            )
+        if isinstance(real, ModuleNotFoundError) and real.name == fullname and not self.missing:
+            return None
+        lines = [line.strip() for line in str(real).splitlines() if line.strip()]
+        self.used(fullname, f"{type(real).__name__}: {lines[0] if lines else ''}"[:200])
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def _real(self, name: str) -> types.ModuleType | Exception:
+        """Return the real module, imported without this finder, or why it did not load (its half-loaded parts dropped)."""
+        before = set(sys.modules)
+        self._busy.on = True
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:
+            for half in [n for n in set(sys.modules) - before if n == name or n.startswith(name + ".")]:
+                del sys.modules[half]
+            return exc
+        finally:
+            self._busy.on = False
+
+    def create_module(self, spec):
+        if spec.loader_state is not None:
+            return spec.loader_state
+        module = types.ModuleType(spec.name, f"sm120_fp4 simulation stand-in for the CUDA-only {spec.name}")
+        setattr(module, STAND_IN, True)
+        module.__dict__.update(self.serve if spec.name in self.roots else {})
+        module.__path__ = []  # a package: `from root.x import y` finds the stand-in submodule
+        module.__getattr__ = Unavailable(spec.name).__getattr__  # module attributes are names of the stand-in
+        return module
+
+    def exec_module(self, module) -> None:
+        pass  # the real module ran its own code in _real; a stand-in has none
+
+
+class Unavailable:
+    """Stand in for a name of a stand-in module: its attributes are more of the same; calling it raises."""
+
+    def __init__(self, qualname: str) -> None:
+        self._qualname = qualname
+
+    def __getattr__(self, attr: str) -> "Unavailable":
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Unavailable(f"{self._qualname}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"sm120_fp4 simulation: {self._qualname} is CUDA-only and has no stand-in; the simulated path must not "
+            "call it (this is a bug in the simulation, never a result)"
+        )
+
+    def __repr__(self) -> str:
+        return f"<sm120_fp4 simulation stand-in {self._qualname}>"

@@ -25,7 +25,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # cores) make several times slower, and one thread makes every float reduction order the same.
 torch.set_num_threads(1)
 
-# The SGLang test files import SGLang's modules on a CPU. SGLang 0.5.3-0.5.10.post1 bring a CUDA-only
+# The SGLang test files import SGLang's modules on a CPU. SGLang 0.5.8-0.5.10.post1 bring a CUDA-only
 # kernel package (sgl_kernel) that cannot load here and import it on the way to the FP4 module
 # (every one scripts/sglang_matrix.py ran, docs/RELEASES.md): the simulation's stand-in covers it for the session, as install(simulate=...)
 # does for a process. Inert where no such package is installed (the pinned 0.5.23) or CUDA exists.

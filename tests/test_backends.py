@@ -220,7 +220,7 @@ from sm120_fp4.demo import synthetic
 from sm120_fp4.sglang import layers
 layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
 d = sm120_fp4.status().decisions[0]
-alias = getattr(mq, "flashinfer_fp4_gemm", None) or getattr(mq, "fp4_gemm", None)  # 0.5.8+ / 0.5.3-0.5.7
+alias = mq.flashinfer_fp4_gemm
 print(json.dumps([getattr(alias, '__sm120_fp4_patch__', None), d.backend, d.rejected]))
 """
 
@@ -253,7 +253,7 @@ def test_entry_point_backends_reach_spawned_workers(background):
     rc, stdout, stderr = background
     assert rc == 0, stderr
     patch, backend, rejected = json.loads(stdout.strip().splitlines()[-1])
-    assert patch in ("flashinfer-fp4-gemm-alias", "fp4-gemm-alias-legacy") and backend == "good"
+    assert patch == "flashinfer-fp4-gemm-alias" and backend == "good"
     assert "all zeros" in rejected["zeros"] and "unknown" not in stderr
 
 

@@ -514,7 +514,9 @@ def says_unverified(err: str, version: str) -> None:
     from sm120_fp4.sglang.release import SUPPORTED
 
     assert f"SGLang {version} is installed, outside the releases" in err and SUPPORTED in err, err
-    assert "served UNVERIFIED" in err and "pip install -U sm120-fp4" in err, err
+    floor = SUPPORTED.split(",")[0].removeprefix(">=")
+    remedy = f"supports no release before {floor}" if version == "0.5.2" else "pip install -U sm120-fp4"
+    assert "served UNVERIFIED" in err and remedy in err, err
 
 
 @case(

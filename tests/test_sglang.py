@@ -389,8 +389,6 @@ def test_status_is_json_with_every_target_and_the_decision():
     data = json.loads(sm120_fp4.status().model_dump_json())
     states = {p["name"]: p["state"] for p in data["patches"]}
     assert states[alias_spec_name()] == "applied"
-    other = {"flashinfer-fp4-gemm-alias", "fp4-gemm-alias-legacy"} - {alias_spec_name()}
-    assert states[other.pop()] == "skipped"  # the alias of the other era (0.5.3-0.5.7 / 0.5.8+)
     assert data["decisions"][0]["backend"] == "emulated" and data["settings"]["simulate"] == "12.0"
     assert data["setting_sources"]["simulate"] == "keyword"
 
@@ -398,7 +396,7 @@ def test_status_is_json_with_every_target_and_the_decision():
 # ---- fail closed ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["0.5.2", "0.5.24", "0.5.24.dev0", "0.6.0"])
+@pytest.mark.parametrize("version", ["0.5.2", "0.5.7", "0.5.24", "0.5.24.dev0", "0.6.0"])
 @case(
     "own failures",
     "install() with the toggle on, a 12.x GPU and SGLang {version} installed (outside the supported range)",
@@ -413,7 +411,10 @@ def test_a_release_outside_the_range_is_left_untouched_with_one_warning(monkeypa
     assert_not_patched()
     [warning] = [r.getMessage() for r in caplog.records if "outside the releases" in r.getMessage()]
     assert "NVFP4 layers on a 12.x GPU are served UNVERIFIED" in warning and release.SUPPORTED in warning
-    assert "pip install -U sm120-fp4" in warning and engines.OPT_OUT in warning
+    floor = release.SUPPORTED.split(",")[0].removeprefix(">=")
+    below = version in ("0.5.2", "0.5.7")  # no later sm120_fp4 serves it: the remedy is SGLang's upgrade
+    remedy = f"supports no release before {floor}" if below else "pip install -U sm120-fp4"
+    assert remedy in warning and engines.OPT_OUT in warning, warning
     sm120_fp4.install(**SIM)
     assert sum("outside the releases" in r.getMessage() for r in caplog.records) == 1, "once per process"
     status = sm120_fp4.install(**SIM, unsupported_release="serve-unverified")
@@ -674,114 +675,33 @@ def test_missing_flashinfer_leaves_sglang_importing_unpatched_with_one_warning(b
     data = json.loads(stdout)
     assert data["installed"] and data["sglang_has_mm_fp4"] in (False, None) and data["decision"] == "emulated"
     state, reason = data["patches"][alias_spec_name()]
-    # 0.5.8+ bind the alias only when FlashInfer imports; 0.5.3-0.5.7 bind it to None
+    # SGLang binds the alias only when FlashInfer imports
     assert state == "skipped" and (f"{alias_name()} not found" in reason or "found None" in reason), reason
-    # The served call fails as this release fails without FlashInfer (SGLang's own error, a None alias
-    # in 0.5.3-0.5.7, the kernel-less op or its unbound fallback in 0.5.8-0.5.10): refused either way
+    # The served call fails as this release fails without FlashInfer (SGLang's own error, the kernel-less op
+    # or its unbound fallback in 0.5.8-0.5.10): refused either way
     assert re.search(r"NVFP4 GEMM requires flashinfer's mm_fp4|call 1 raised", data["refused"]), data["refused"]
     assert len([message for message in data["ours"] if alias_spec_name() in message]) == 1, data["ours"]
 
 
-# ---- the activation quantizer: decided by what the release's linear path calls ------------------
+# ---- the activation quantizer stand-ins ---------------------------------------------------------
 
 
-def legacy_apply(self, layer, x, bias=None):
-    """0.5.3-0.5.4.post1's linear path: sgl_kernel's scaled_fp4_quant (bound only with CUDA)."""
-    x_fp4, x_scale = scaled_fp4_quant(x, layer.input_scale_inv)  # noqa: F821 - read as source text only
-    return x_fp4
-
-
-def other_apply(self, layer, x, bias=None):
-    """A release whose linear path quantizes with a function no stand-in covers."""
-    x_fp4, x_scale = some_new_quantizer(x, layer.input_scale_inv)  # noqa: F821 - read as source text only
-    return x_fp4
-
-
-def _quantizer_runs(caplog) -> dict:
-    """install(simulate) and uninstall() with ModelOptFp4LinearMethod.apply as this release has it,
-    as 0.5.3-0.5.4.post1 have it, and calling a quantizer no stand-in covers: what the ledger, the
-    module's names and doctor say each time."""
-    import inspect
-
+def test_the_activation_quantizer_stand_ins_replace_fp4_quantize_and_uninstall_restores_it(sglang_unpatched):
+    """install(simulate): the fp4_quantize that ModelOpt's and compressed-tensors' linear paths call (module
+    globals in every supported release) is the stand-in, doctor finds nothing wrong; uninstall() restores both."""
+    import sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4 as ct
     import sglang.srt.layers.quantization.modelopt_quant as mq
 
     from sm120_fp4 import doctor
 
-    method = mq.ModelOptFp4LinearMethod
-    real_apply = method.apply
-    had_scaled = mq.__dict__.get("scaled_fp4_quant")
-    out = {"apply_source": inspect.getsource(real_apply)}
-
-    def ledger():
-        return {
-            p.name: [p.state, p.reason]
-            for p in sm120_fp4.status().patches
-            if p.name.startswith("sim-activation-quantizer")
-        }
-
-    for name, apply in (("installed", real_apply), ("legacy", legacy_apply), ("unknown", other_apply)):
-        start = len(caplog.records)
-        method.apply = apply
-        try:
-            sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
-            out[name] = {
-                "ledger": ledger(),
-                "scaled_fp4_quant": repr(mq.__dict__.get("scaled_fp4_quant")),
-                "fp4_quantize_patched": getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None),
-            }
-            sm120_fp4.uninstall()
-            out[name]["after_uninstall"] = [
-                mq.__dict__.get("scaled_fp4_quant") is had_scaled,
-                getattr(mq.__dict__.get("fp4_quantize"), "__sm120_fp4_patch__", None),
-            ]
-            out[name]["problems"] = [p for p in doctor.collect()["problems"] if "sim-activation-quantizer" in p]
-            out[name]["warnings"] = [
-                r.getMessage() for r in caplog.records[start:] if "cannot take effect" in r.getMessage()
-            ]
-        finally:
-            method.apply = real_apply
-    return out
-
-
-def test_the_activation_quantizer_stand_in_is_the_one_the_linear_path_calls(sglang_unpatched, caplog):
-    """install(simulate) with ModelOptFp4LinearMethod.apply as this release has it, as 0.5.3-0.5.4.post1
-    have it (sgl_kernel's scaled_fp4_quant) and calling a quantizer no stand-in covers: the stand-in
-    that takes effect is the one apply calls (read here from apply's source text), the other is 'not
-    needed', and when none can, the ledger, one warning each and doctor's problems say so."""
-    caplog.set_level(logging.WARNING, "sm120_fp4")
-    out = _quantizer_runs(caplog)
-    legacy_release = "scaled_fp4_quant(" in out["apply_source"]  # 0.5.3-0.5.4.post1
-    assert legacy_release or "fp4_quantize(" in out["apply_source"], out["apply_source"]
-    used = "scaled_fp4_quant" if legacy_release else "fp4_quantize"
-    names = {"fp4_quantize": "sim-activation-quantizer", "scaled_fp4_quant": "sim-activation-quantizer-legacy"}
-
-    for run, called in (("installed", used), ("legacy", "scaled_fp4_quant")):
-        other = "fp4_quantize" if called == "scaled_fp4_quant" else "scaled_fp4_quant"
-        ledger = out[run]["ledger"]
-        assert ledger[names[called]] == ["applied", None], (run, ledger)
-        state, reason = ledger[names[other]]
-        assert state == "skipped" and reason.startswith("not needed:") and f"calls {called}, not {other}" in reason, (
-            run,
-            reason,
-        )
-        assert out[run]["fp4_quantize_patched"] == ("sim-activation-quantizer" if called == "fp4_quantize" else None), (
-            run
-        )
-        assert out[run]["after_uninstall"] == [True, None], (run, "uninstall() restores both names")
-        assert out[run]["problems"] == [], (run, out[run]["problems"])
-    assert "scaled_fp4_quant" in out["legacy"]["scaled_fp4_quant"], "bound to the oracle's quantizer"
-
-    unknown = out["unknown"]
-    for name in names.values():
-        state, reason = unknown["ledger"][name]
-        assert state == "skipped" and reason.startswith("cannot take effect:"), (name, reason)
-        assert "calls none of fp4_quantize, scaled_fp4_quant" in reason, reason
-    assert unknown["fp4_quantize_patched"] is None and unknown["after_uninstall"] == [True, None]
-    assert len(unknown["warnings"]) == 2, unknown["warnings"]
-    assert any(
-        p.startswith("simulation cannot run on this SGLang release: sim-activation-quantizer: cannot take effect")
-        for p in unknown["problems"]
-    ), unknown["problems"]
+    originals = [mq.__dict__["fp4_quantize"], ct.__dict__["fp4_quantize"]]
+    status = sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
+    states = {p.name: p.state for p in status.patches if p.name.startswith("sim-activation-quantizer")}
+    assert states == {"sim-activation-quantizer": "applied", "sim-activation-quantizer-ct": "applied"}, states
+    assert [mq.fp4_quantize.__wrapped__, ct.fp4_quantize.__wrapped__] == originals
+    assert not [p for p in doctor.collect()["problems"] if "sim-activation-quantizer" in p]
+    sm120_fp4.uninstall()
+    assert [mq.__dict__["fp4_quantize"], ct.__dict__["fp4_quantize"]] == originals
 
 
 # ---- install() after the start-up hook; reloads ----------------------------------------------

@@ -79,10 +79,10 @@ def test_the_serving_stream_is_the_current_one_unless_sglang_overlaps_on_a_cuda_
 def test_every_supported_release_has_exactly_one_idle_point():
     from sm120_fp4.versions import version_in
 
-    releases = ["0.5.3", "0.5.3.post3", "0.5.4", "0.5.8", "0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.13", "0.5.23"]
+    releases = ["0.5.8", "0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.13", "0.5.23"]
     found = {v: [s.name for s in targets.idle_specs(print) if version_in(v, s.versions)] for v in releases}
     assert all(len(names) == 1 for names in found.values()), found
-    assert targets.idle_spec(print, "0.5.24") is None and targets.idle_spec(print, "0.5.2") is None
+    assert targets.idle_spec(print, "0.5.24") is None and targets.idle_spec(print, "0.5.7") is None
 
 
 def test_the_idle_point_is_patched_only_with_the_canary_on_and_uninstall_restores_it():
@@ -113,12 +113,12 @@ def test_the_idle_point_is_patched_only_with_the_canary_on_and_uninstall_restore
     "install() raises ConfigError naming the variable, the release and the idle points known; nothing patched",
 )
 def test_a_release_without_an_idle_point_refuses_the_canary_at_install(monkeypatch):
-    legacy = [s for s in targets.idle_specs(print) if s.versions == ">=0.5.3,<0.5.4"]
+    legacy = [s for s in targets.idle_specs(print) if s.versions == ">=0.5.8,<0.5.11"]
     monkeypatch.setattr(targets, "idle_specs", lambda run: [dataclasses.replace(s, make=None) for s in legacy])
     with pytest.raises(
         ConfigError,
         match=rf"SM120_FP4_CANARY=60 is not available with SGLang {sglang_version()}: its "
-        r"scheduler loop has no idle point .*Scheduler.self_check_during_idle",
+        r"scheduler loop has no idle point .*SchedulerRuntimeCheckerMixin.self_check_during_idle",
     ):
         sm120_fp4.install(simulate="12.0", backends="emulated", canary="60")
     assert not sm120_fp4.status().installed

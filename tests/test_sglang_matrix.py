@@ -1,6 +1,5 @@
 """scripts/sglang_matrix.py without downloads: the source check of the simulation's stand-ins, the
-flashinfer builds for pins the index has no wheel for, the run list and the report, on release
-source trees written here (the check reads SGLang's source with ast; nothing is imported).
+FlashInfer axis, the run list and the report, on release source trees written here (the check reads SGLang's source with ast; nothing is imported).
 """
 
 from __future__ import annotations
@@ -16,14 +15,12 @@ _spec = importlib.util.spec_from_file_location("sglang_matrix", _SCRIPT)
 matrix = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(matrix)
 
-METADATA = "Metadata-Version: 2.1\nName: sglang\nVersion: {v}\nRequires-Dist: flashinfer_python=={fi}\nRequires-Dist: sgl-kernel==0.3.16.post4\nRequires-Dist: transformers==4.57.1\n"
+METADATA = "Metadata-Version: 2.1\nName: sglang\nVersion: {v}\nRequires-Dist: flashinfer_python=={fi}\nRequires-Dist: sgl-kernel==0.3.21\nRequires-Dist: transformers==4.57.1\n"
 MQ = """
 try:
     from flashinfer import fp4_quantize
 except ImportError:
     fp4_quantize = None
-if is_cuda():
-    from sgl_kernel import scaled_fp4_quant
 
 class ModelOptFp4LinearMethod:
     def process_weights_after_loading(self, layer):
@@ -35,7 +32,7 @@ class ModelOptFp4LinearMethod:
 """
 
 
-def release_tree(cache: Path, version: str, quantizer: str, flashinfer: str = "0.4.1") -> Path:
+def release_tree(cache: Path, version: str, quantizer: str, flashinfer: str = "0.6.1") -> Path:
     """A release's extracted sources as sources() leaves them: modelopt_quant with `quantizer` in apply()."""
     src = cache / "src" / version
     mq = src / matrix.module_path(matrix.R.MQ)
@@ -49,79 +46,46 @@ def release_tree(cache: Path, version: str, quantizer: str, flashinfer: str = "0
 @pytest.mark.parametrize(
     "version, quantizer, expected",
     [
-        ("0.5.4.post2", "fp4_quantize", {"sim-activation-quantizer": "ok", "sim-activation-quantizer-legacy": "n/a"}),
-        (
-            "0.5.4.post1",
-            "scaled_fp4_quant",
-            {"sim-activation-quantizer": "n/a", "sim-activation-quantizer-legacy": "ok"},
-        ),
-        # a ledger range that misses the release whose apply() calls the name (the 0.5.5 start of old)
-        (
-            "0.5.4.post1",
-            "fp4_quantize",
-            {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "FAIL"},
-        ),
-        ("0.5.5", "scaled_fp4_quant", {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "FAIL"}),
-        (
-            "0.5.4.post2",
-            "some_new_quantizer",
-            {"sim-activation-quantizer": "FAIL", "sim-activation-quantizer-legacy": "n/a"},
-        ),
+        ("0.5.8", "fp4_quantize", {"sim-activation-quantizer": "ok"}),
+        # a release whose apply() quantizes with a name the stand-in does not replace (as 0.5.3-0.5.4.post1 did)
+        ("0.5.8", "scaled_fp4_quant", {"sim-activation-quantizer": "FAIL"}),
+        ("0.5.9", "some_new_quantizer", {"sim-activation-quantizer": "FAIL"}),
+        # a ledger range that misses a release whose apply() calls the name
+        ("0.5.7", "fp4_quantize", {"sim-activation-quantizer": "FAIL"}),
     ],
 )
 def test_the_source_check_checks_the_quantizer_stand_ins_against_what_apply_calls(
     tmp_path, version, quantizer, expected
 ):
-    result = matrix.check_version(version, release_tree(tmp_path, version, quantizer))
+    cache = release_tree(tmp_path, version, quantizer)
+    if version == "0.5.7":  # outside SUPPORTED: only the stand-in's own check applies (no PINS row)
+        result = {
+            "sim-activation-quantizer": matrix.check_stand_in(matrix.S.QUANTIZER, version, cache / "src" / version)
+        }
+    else:
+        result = matrix.check_version(version, cache)
+        assert result["sim-kernel-package"] == ("ok", ""), (
+            "0.5.8-0.5.10 install the pinned sgl-kernel: METADATA names it"
+        )
+        assert result["sim-blackwell-check"][0] == "n/a"
     assert {name: result[name][0] for name in expected} == expected, {n: result[n] for n in expected}
     if expected["sim-activation-quantizer"] == "FAIL":
         assert (
             "range too" in result["sim-activation-quantizer"][1]
             or "does not call" in result["sim-activation-quantizer"][1]
         )
-    assert result["sim-kernel-package"] == ("ok", ""), "0.5.3-0.5.10 install the pinned sgl-kernel: METADATA names it"
-    assert result["sim-blackwell-check"][0] == "n/a"
 
 
 def test_the_stand_in_check_fails_where_apply_is_missing(tmp_path):
-    cache = release_tree(tmp_path, "0.5.4.post3", "fp4_quantize")
-    mq = cache / "src" / "0.5.4.post3" / matrix.module_path(matrix.R.MQ)
+    cache = release_tree(tmp_path, "0.5.10.post1", "fp4_quantize")
+    mq = cache / "src" / "0.5.10.post1" / matrix.module_path(matrix.R.MQ)
     mq.write_text(mq.read_text().replace("def apply(", "def forward("))
-    state, reason = matrix.check_version("0.5.4.post3", cache)["sim-activation-quantizer"]
+    state, reason = matrix.check_version("0.5.10.post1", cache)["sim-activation-quantizer"]
     assert state == "FAIL" and "ModelOptFp4LinearMethod defines no apply" in reason
 
 
-def test_flashinfer_without_a_wheel_is_built_once_from_its_sdist_with_the_recorded_build_requirements(tmp_path):
-    cache = release_tree(tmp_path, "0.5.4", "scaled_fp4_quant", flashinfer="0.4.1")
-    plan = matrix.resolve("0.5.4", cache)
-    assert "apache-tvm-ffi==0.1.0" in plan["flashinfer_build"] and "built from its sdist" in matrix.pins_summary(plan)
-    calls = []
-
-    def pip(step, *args, command="install"):
-        calls.append((step, command, args))
-        if command == "wheel":
-            (cache / "built").mkdir(exist_ok=True)
-            (cache / "built" / "flashinfer_python-0.4.1-py3-none-any.whl").write_bytes(b"")
-
-    first = matrix.flashinfer_wheel(Path("python"), cache, plan, pip)
-    assert first.endswith("flashinfer_python-0.4.1-py3-none-any.whl")
-    assert [c[:2] for c in calls] == [("flashinfer-build-deps", "install"), ("flashinfer-build", "wheel")]
-    assert "--no-build-isolation" in calls[1][2] and "flashinfer-python==0.4.1" in calls[1][2]
-    assert matrix.flashinfer_wheel(Path("python"), cache, plan, pip) == first and len(calls) == 2, (
-        "built once, then cached"
-    )
-
-    later = matrix.resolve(
-        "0.5.4.post3", release_tree(tmp_path / "b", "0.5.4.post3", "fp4_quantize", flashinfer="0.5.0")
-    )
-    assert (
-        later["flashinfer_build"] == ()
-        and matrix.flashinfer_wheel(Path("python"), cache, later, pip) == "flashinfer-python==0.5.0"
-    )
-
-
 def test_the_run_list_has_the_newest_release_of_every_minor():
-    assert "0.5.4.post3" in matrix.NEWEST_RELEASES and "0.5.4" not in matrix.NEWEST_RELEASES
+    assert "0.5.8.post1" in matrix.NEWEST_RELEASES and "0.5.8" not in matrix.NEWEST_RELEASES
     minors = {".".join(v.split(".")[:3]) for v in matrix.RELEASES}
     assert len(matrix.NEWEST_RELEASES) == len(minors)
     assert set(matrix.NEWEST_RELEASES) | set(matrix.ERA_RELEASES) == set(matrix.TABLE_RELEASES)
@@ -130,7 +94,7 @@ def test_the_run_list_has_the_newest_release_of_every_minor():
 def test_the_report_keeps_the_rows_of_releases_not_run_again(tmp_path):
     report = tmp_path / "RELEASES.md"
     row = {
-        "release": "0.5.4.post3",
+        "release": "0.5.8.post1",
         "repo": "r",
         "code": "r@abc1234",
         "pins": "p",
@@ -140,16 +104,16 @@ def test_the_report_keeps_the_rows_of_releases_not_run_again(tmp_path):
         "ok": False,
     }
     matrix.write_report(
-        report, [row, dict(row, release="0.5.5", code="r@0000001")], {"releases": {"0.5.3": {}}, "date": "d"}
+        report, [row, dict(row, release="0.5.9", code="r@0000001")], {"releases": {"0.5.8": {}}, "date": "d"}
     )
-    fixed = dict(row, release="0.5.4.post3", code="r@fffffff")
+    fixed = dict(row, release="0.5.8.post1", code="r@fffffff")
     (tmp_path / "r.json").write_text(json.dumps([fixed]))
     assert matrix.main(["--render", str(tmp_path / "r.json"), "--report", str(report)]) == 0
     text = report.read_text()
     rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| 0.5.")]
-    assert rows == [["| 0.5.4.post3", "fffffff"], ["| 0.5.5", "0000001"]], rows
+    assert rows == [["| 0.5.8.post1", "fffffff"], ["| 0.5.9", "0000001"]], rows
     assert matrix.SOURCE_TITLE in text, "the earlier source-check section is kept"
-    missing = [v for v in matrix.TABLE_RELEASES if v not in ("0.5.4.post3", "0.5.5")]
+    missing = [v for v in matrix.TABLE_RELEASES if v not in ("0.5.8.post1", "0.5.9")]
     assert f"Not run yet (of `--releases table`): {', '.join(missing)}." in text
 
 
@@ -185,13 +149,14 @@ OP_CUDA_TYPES = OP_EVERY_DEVICE.replace("mutates_args=()", 'mutates_args=(), dev
     "version, op, expected, says",
     [
         ("0.5.8", OP_GPU_ONLY, "ok", ""),
-        ("0.5.6", OP_EVERY_DEVICE, "n/a", ""),
-        ("0.5.5", "", "n/a", ""),
-        # 0.5.5.post3-0.5.7's op runs on every device: a range reaching them would claim a CPU kernel there
+        ("0.5.7", OP_EVERY_DEVICE, "n/a", ""),
+        ("0.5.7", "", "n/a", ""),
+        # 0.5.5.post3-0.5.7's op ran on every device: a range reaching such a release would claim a CPU kernel there
         ("0.5.9", OP_EVERY_DEVICE, "FAIL", "too wide"),
+        ("0.5.9", "", "FAIL", "too wide"),
         # a GPU-only op outside the range would leave the simulated GEMM without a CPU kernel
-        ("0.5.6", OP_GPU_ONLY, "FAIL", "too narrow"),
-        ("0.5.6", OP_CUDA_TYPES, "FAIL", "too narrow"),
+        ("0.5.7", OP_GPU_ONLY, "FAIL", "too narrow"),
+        ("0.5.7", OP_CUDA_TYPES, "FAIL", "too narrow"),
     ],
 )
 def test_the_cpu_kernel_check_follows_how_each_release_registers_the_op(tmp_path, version, op, expected, says):
@@ -199,7 +164,7 @@ def test_the_cpu_kernel_check_follows_how_each_release_registers_the_op(tmp_path
     cache = release_tree(tmp_path, version, "fp4_quantize")
     mq = cache / "src" / version / matrix.module_path(matrix.R.MQ)
     mq.write_text(mq.read_text() + op)
-    state, reason = matrix.check_version(version, cache)["sim-fp4-gemm-cpu-kernel"]
+    state, reason = matrix.check_cpu_kernel(version, cache / "src" / version)
     assert state == expected and says in reason, (state, reason)
 
 
@@ -269,7 +234,7 @@ def test_every_supported_release_has_one_alias_spec_and_no_target_of_unknown_kin
 
     assert Version(version) in SpecifierSet(release.SUPPORTED), f"{version} listed but outside {release.SUPPORTED}"
     spec = matrix.alias_spec(version)  # what run_import patches and checks there
-    assert spec.module == release.MQ and spec.attribute in ("flashinfer_fp4_gemm", "fp4_gemm")
+    assert spec.module == release.MQ and spec.attribute == "flashinfer_fp4_gemm"
     runtime = [s for s in targets.ledger_rows() if s.make is not None and Version(version) in SpecifierSet(s.versions)]
     assert [s.name for s in runtime if matrix.kind(s) == "unknown"] == []
 
@@ -280,19 +245,16 @@ def test_a_release_without_an_alias_spec_is_named_not_a_stop_iteration():
 
 
 def test_the_flashinfer_axis_replaces_the_pin_and_keeps_its_rows_beside_the_releases(tmp_path):
-    cache = release_tree(tmp_path, "0.5.4", "scaled_fp4_quant", flashinfer="0.4.1")
-    plan = matrix.resolve("0.5.4", cache, flashinfer="0.7.4")
-    assert plan["flashinfer"] == "0.7.4" and plan["flashinfer_build"] == [], (
-        "the index's wheel, not the release's sdist build"
-    )
-    assert "flashinfer 0.7.4" in matrix.pins_summary(plan)
-    assert any(d.startswith("flashinfer-python 0.7.4 (release pins ==0.4.1)") for d in plan["deviations"]), plan[
+    cache = release_tree(tmp_path, "0.5.8", "fp4_quantize", flashinfer="0.6.1")
+    plan = matrix.resolve("0.5.8", cache, flashinfer="0.7.4")
+    assert plan["flashinfer"] == "0.7.4" and "flashinfer 0.7.4" in matrix.pins_summary(plan)
+    assert any(d.startswith("flashinfer-python 0.7.4 (release pins ==0.6.1)") for d in plan["deviations"]), plan[
         "deviations"
     ]
-    assert matrix.venv_dir("0.5.4", "0.7.4") != matrix.venv_dir("0.5.4")
+    assert matrix.venv_dir("0.5.8", "0.7.4") != matrix.venv_dir("0.5.8")
     report = tmp_path / "RELEASES.md"
     row = {
-        "release": "0.5.5",
+        "release": "0.5.9",
         "repo": "r",
         "code": "r@abc1234",
         "pins": "p",
@@ -305,15 +267,15 @@ def test_the_flashinfer_axis_replaces_the_pin_and_keeps_its_rows_beside_the_rele
     matrix.write_report(
         report,
         [
-            dict(row, release=matrix.row_key("0.5.4", "0.7.4"), code="r@1111111"),
-            dict(row, release=matrix.row_key("0.5.5", "0.7.4"), code="r@2222222"),
+            dict(row, release=matrix.row_key("0.5.8", "0.7.4"), code="r@1111111"),
+            dict(row, release=matrix.row_key("0.5.9", "0.7.4"), code="r@2222222"),
         ],
     )
     rows = [line.split(" | ")[:2] for line in report.read_text().splitlines() if line.startswith("| 0.5.")]
     assert rows == [
-        ["| 0.5.4+flashinfer-0.7.4", "1111111"],
-        ["| 0.5.5", "abc1234"],
-        ["| 0.5.5+flashinfer-0.7.4", "2222222"],
+        ["| 0.5.8+flashinfer-0.7.4", "1111111"],
+        ["| 0.5.9", "abc1234"],
+        ["| 0.5.9+flashinfer-0.7.4", "2222222"],
     ], rows
 
 

@@ -1,5 +1,5 @@
 """sm120_fp4.sglang.simulation without SGLang: the import-time stand-in for a CUDA-only kernel
-package that is installed but cannot load (SGLang 0.5.3-0.5.10 bring sgl_kernel; on a CPU it fails
+package that is installed but cannot load (SGLang 0.5.8-0.5.10 bring sgl_kernel; on a CPU it fails
 on libcuda/libnvrtc). Each case runs in a fresh interpreter: the stand-in lives in sys.meta_path
 and sys.modules, which a test process must not share.
 """
@@ -61,7 +61,7 @@ def _kernel_child(folder, installed: bool):
 
 @case(
     "own failures",
-    "install(simulate) on a CPU, sgl_kernel installed but failing to load (libnvrtc missing), then `from sgl_kernel import ...` as SGLang 0.5.5-0.5.7 do unguarded",
+    "install(simulate) on a CPU, sgl_kernel installed but failing to load (libnvrtc missing), then `from sgl_kernel import ...` as SGLang 0.5.8 does unguarded",
     "the import succeeds with a stand-in whose names (and their attributes) raise NotImplementedError when called, never compute; in the ledger; uninstall() removes it and the real ImportError is back",
 )
 @background(lambda folder: _kernel_child(folder, installed=True))
@@ -123,16 +123,9 @@ def test_a_failing_undo_step_is_said_and_the_rest_still_undone(background):
     assert len(said) == 1 and "Library._destroy" in said[0] and "RuntimeError: boom" in said[0], said
 
 
-OP_FOR_EVERY_DEVICE = """
-import json, sys
-import torch
+OP_GPU_ONLY = """
+import json
 import sm120_fp4
-if {every_device}:
-    # sglang::fp4_gemm registered before SGLang's import, for every device, as 0.5.5.post3-0.5.7 register it
-    # (torch.library.custom_op without device types); SGLang's own registration then finds it and keeps it
-    @torch.library.custom_op("sglang::fp4_gemm", mutates_args=())
-    def fp4_gemm(input: torch.Tensor) -> torch.Tensor:
-        return input
 sm120_fp4.install(simulate="12.0", backends="emulated", enable="on")
 import sglang.srt.layers.quantization.modelopt_quant
 entry = next(p for p in sm120_fp4.status().patches if p.name == "sim-fp4-gemm-cpu-kernel")
@@ -140,32 +133,13 @@ print(json.dumps([entry.state, entry.reason]))
 """
 
 
-@pytest.mark.parametrize(
-    "every_device, expected",
-    [
-        (False, ["applied", None]),
-        (
-            True,
-            [
-                "skipped",
-                "not needed: SGLang registered sglang::fp4_gemm for every device (no device-specific kernel), "
-                "so its own Python body already runs on a CPU",
-            ],
-        ),
-    ],
-)
-@background(
-    lambda folder, every_device, expected: python(
-        OP_FOR_EVERY_DEVICE.format(every_device=every_device), folder, cwd=folder, PYTHONPATH=str(REPO)
-    )
-)
-def test_the_fp4_gemm_op_gets_a_cpu_kernel_only_where_it_has_none(background, every_device, expected):
-    """SGLang's register_custom_op (0.5.8+) registers sglang::fp4_gemm for the GPU only: the simulation
-    registers its Python body for CPU. An op registered for every device already runs its body on a
-    CPU: nothing is added, and the ledger says why (not that the op is missing)."""
+@background(lambda folder: python(OP_GPU_ONLY, folder, cwd=folder, PYTHONPATH=str(REPO)))
+def test_the_fp4_gemm_op_registered_for_the_gpu_only_gets_a_cpu_kernel(background):
+    """SGLang's register_custom_op registers sglang::fp4_gemm for the GPU only: the simulation registers its Python
+    body for CPU, and the ledger says so."""
     rc, stdout, stderr = background
     assert rc == 0, stderr
-    assert json.loads(stdout.strip().splitlines()[-1]) == expected
+    assert json.loads(stdout.strip().splitlines()[-1]) == ["applied", None]
 
 
 NCCL_CHILD = """

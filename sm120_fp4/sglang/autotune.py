@@ -17,14 +17,8 @@ from .release import RUNTIME_CONTEXT, sglang_version
 
 _LOG = logging.getLogger("sm120_fp4")
 RUNNER = "flashinfer_cutlass"  # the explicit configuration whose tuning the served layers get
-PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
 # The routed backends whose FlashInfer kernels consult its autotuner (mm_fp4's cutlass, b12x; cutlass_fused_moe).
 TUNABLE = {"dense": frozenset({"cutlass", "b12x"}), "moe": frozenset({"cutlass"})}
-
-
-def tp_cpu_group() -> object:
-    """Return SGLang's tensor-parallel CPU (gloo) group, where SELECT=fastest's ranks share their decisions."""
-    return sys.modules[PARALLEL_STATE].get_tp_group().cpu_group  # KeyError/AssertionError where it is not up
 
 
 def tunable_backends(routes: dict[str, dict[int, str]], index: int) -> list[str]:

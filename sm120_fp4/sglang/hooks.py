@@ -48,25 +48,6 @@ def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -
     return init_cuda_graphs
 
 
-def make_call_hook(original: Callable, before=None, after=None, end: Callable | None = None) -> Callable:
-    """Wrap a call: `before(*args)` first, `after(*args)` once it has returned (not when it raised), `end()` always."""
-
-    @functools.wraps(original)
-    def hooked(*args, **kwargs):
-        if before is not None:
-            before(*args)
-        try:
-            result = original(*args, **kwargs)
-        finally:
-            if end is not None:
-                end()
-        if after is not None:
-            after(*args)
-        return result
-
-    return hooked
-
-
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -92,7 +73,7 @@ _HOLDERS = "tp_worker model_runner draft_worker _draft_worker draft_runner draft
 
 def graph_token_counts(owner: object, depth: int = 3) -> list[int]:
     """Return the M of every CUDA graph captured under `owner`, its workers and model runners (`depth` levels)."""
-    # 0.5.3-0.5.13: graph_runner (num_tokens_per_bs), piecewise_cuda_graph_runner; 0.5.14+: decode_ and
+    # up to 0.5.13: graph_runner (num_tokens_per_bs), piecewise_cuda_graph_runner; 0.5.14+: decode_ and
     # prefill_cuda_graph_runner (captured_req_width 0.5.16+); draft workers: cuda_graph_runner(_for_draft_extend).
     tokens: set[int] = set()
     seen: set[int] = set()

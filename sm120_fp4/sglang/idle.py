@@ -12,7 +12,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from .hooks import make_call_hook
+from ..engines import make_call_hook
 
 
 def serving_stream(scheduler: object) -> ContextManager:

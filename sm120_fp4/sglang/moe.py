@@ -259,7 +259,7 @@ def _label_and_key(kind: str, layer: object, processed: ProcessedMoe, plan: _Pla
     return label, (*key, ep_size, tp_size)
 
 
-def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, ms: list[int]) -> list[verify.Case]:
+def _cases(layer, processed: ProcessedMoe, plan: _Plan, ms: list[int]) -> list[verify.Case]:
     """Return the check's served calls at batch sizes `ms` (the full sweep adds skewed, padded, balanced)."""
     weights, top_k, hidden = processed.weights, plan.top_k, processed.hidden
     device = weights.w13.device
@@ -278,16 +278,16 @@ def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, 
             every = " (every expert)" if among is plan.everyone else ""
             name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
             plans.append((name, x, ids.to(device), topk_weights.to(device)))
-    call = serve or functools.partial(_served_convention, layer, processed)
-    ours = dict(first_expert=plan.first, served_ids=serve is None)
+    call = functools.partial(_served_convention, layer, processed)
+    ours = dict(first_expert=plan.first, served_ids=True)
     # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
     full = dict(repeat_tokens=verify.REPEAT_MAX_TOKENS if len(ms) > 1 else 0, poison_expert0=len(ms) > 1)
     index = layer_device_index(layer)
     return moe_cases(call, weights, processed.activation, plans, index, plan.subset, **ours, **full)
 
 
-def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
-    """Return the LayerCheck of one NVFP4 MoE layer (None: not the cutlass layout); `serve` defaults to the seam."""
+def moe_check(kind: str, layer: object) -> LayerCheck | None:
+    """Return the LayerCheck of one NVFP4 MoE layer, served through the seam (None: not the cutlass layout)."""
     processed = processed_weights(layer)
     if processed is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
@@ -299,9 +299,9 @@ def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerC
         now = processed_weights(layer)
         return tuple(now.weights) if now is not None else ()
 
-    cases = functools.partial(_cases, layer, processed, serve, plan)
+    cases = functools.partial(_cases, layer, processed, plan)
     tensors = {**processed.weights._asdict(), "dtype": plan.dtypes[0], "top_k": plan.top_k}
-    rebuild = lambda owner: moe_check(kind, owner, serve)  # noqa: E731
+    rebuild = functools.partial(moe_check, kind)
     fields = dict(weights=current, rebuild=rebuild, tensors=tensors)
     return layer_check(sizes(), layer, layer_device_index(layer), key, label, "moe", cases, **fields)
 

@@ -14,7 +14,7 @@ from ..versions import capped
 
 DISTRIBUTION = "sglang"
 # The one upper bound: raising the supported range is this line (and scripts/sglang_matrix.py's pins).
-SUPPORTED = ">=0.5.3,<0.5.24"
+SUPPORTED = ">=0.5.8,<0.5.24"
 MQ = "sglang.srt.layers.quantization.modelopt_quant"
 FP4_UTILS = "sglang.srt.layers.quantization.fp4_utils"
 CT = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4"
@@ -32,7 +32,7 @@ AUTOTUNE = "sglang.srt.model_executor.runner.flashinfer_autotune"  # 0.5.15+: sh
 BASE_RUNNER = "sglang.srt.model_executor.runner.base_runner"  # imports that gate by name (its warm-up calls it)
 MOE_UTILS = "sglang.srt.layers.moe.utils"  # the MoE runner backend: initialize_moe_config, get_moe_runner_backend
 SCHEDULER = "sglang.srt.managers.scheduler"  # the scheduler loop (its idle point: the serving canary)
-SCHEDULER_CHECKER = "sglang.srt.managers.scheduler_runtime_checker_mixin"  # 0.5.4-0.5.12: the idle point's home
+SCHEDULER_CHECKER = "sglang.srt.managers.scheduler_runtime_checker_mixin"  # up to 0.5.12: the idle point's home
 PLUGIN_GROUP = "sglang.srt.plugins"  # the entry-point group SGLang's plugin loader reads
 MQ_FILE = "sglang/srt/layers/quantization/modelopt_quant.py"
 FP4_UTILS_FILE = "sglang/srt/layers/quantization/fp4_utils.py"

@@ -5,13 +5,9 @@ Each is in the patch ledger, logged as simulated and undone by ``uninstall()``.
 
 from __future__ import annotations
 
-import dis
-import importlib
-import inspect
 import logging
 import os
 import sys
-import types
 from typing import Any, Callable
 
 import torch
@@ -49,8 +45,8 @@ FP4_GEMM_CPU_KERNEL = _sim(
     "Python body, which calls the patched alias",
     versions=supported(">=0.5.8"),
 )
-# The activation quantizer stand-ins take effect where the release's code calls their name (the globals `caller`
-# loads); `versions` (no `distribution`: not a guard) is where that code is, checked by scripts/sglang_matrix.py.
+# The activation quantizer each linear path calls: the module global fp4_quantize in every supported release
+# (scripts/sglang_matrix.py checks each release's caller against it).
 QUANTIZER_CALLERS = {MQ: "ModelOptFp4LinearMethod.apply", CT: "CompressedTensorsW4A4Fp4.apply_weights"}
 QUANTIZER = _sim(
     "sim-activation-quantizer",
@@ -59,7 +55,8 @@ QUANTIZER = _sim(
     "ModelOptFp4LinearMethod.apply quantizes with fp4_quantize (FlashInfer's, SM100+ only; or sgl_kernel's "
     "scaled_fp4_quant under that name)",
     make=fp4_quantize_stand_in,
-    versions=supported(">=0.5.4.post2"),
+    distribution="sglang",
+    versions=supported(">=0.5.8"),
 )
 QUANTIZER_CT = _sim(
     "sim-activation-quantizer-ct",
@@ -67,22 +64,15 @@ QUANTIZER_CT = _sim(
     "fp4_quantize",
     "CompressedTensorsW4A4Fp4.apply_weights quantizes with fp4_quantize, imported by name",
     make=fp4_quantize_stand_in,
-    versions=supported(">=0.5.7"),
+    distribution="sglang",
+    versions=supported(">=0.5.8"),
 )
-LEGACY_QUANTIZER = _sim(
-    "sim-activation-quantizer-legacy",
-    MQ,
-    "scaled_fp4_quant",
-    "ModelOptFp4LinearMethod.apply quantizes with sgl_kernel's scaled_fp4_quant, bound only with CUDA: bound (or "
-    "replaced) by the oracle's quantizer, E4M3 scales in the 128x4 layout",
-    versions=">=0.5.3,<0.5.4.post2",
-)
-QUANTIZERS = (QUANTIZER, QUANTIZER_CT, LEGACY_QUANTIZER)
+QUANTIZERS = (QUANTIZER, QUANTIZER_CT)
 KERNEL_PACKAGE_STAND_IN = _sim(
     "sim-kernel-package",
     KERNEL_PACKAGE,
     "*",
-    f"without CUDA, an installed {KERNEL_PACKAGE} that cannot load (0.5.3-0.5.10.post1 may import it on the way to "
+    f"without CUDA, an installed {KERNEL_PACKAGE} that cannot load (0.5.8-0.5.10.post1 may import it on the way to "
     "the FP4 module) is replaced at import by a stand-in whose functions raise when called; with SGLang's CPU engine "
     "selected also a missing one, serving in pure PyTorch the one op a request calls",
 )
@@ -104,7 +94,7 @@ def cpu_tp_specs() -> list[PatchSpec]:
             "and its ranks all-reduce over gloo",
             make=_nccl_off,
             distribution="sglang",
-            versions=supported(">=0.5.3"),
+            versions=supported(">=0.5.8"),
             check=_nccl_off_check,
         )
     ]
@@ -151,8 +141,11 @@ def cpu_tp_env(command: list[str], environ=os.environ) -> dict[str, str]:
 
 
 def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
-    """Return the stand-ins guarded by version: compressed-tensors' capability check, the Blackwell check, NCCL off."""
-    return cpu_tp_specs() + [
+    """Return the stand-ins guarded by version: the activation quantizers, compressed-tensors' capability check, the
+    Blackwell check, NCCL off."""
+    return [
+        *QUANTIZERS,
+        *cpu_tp_specs(),
         _sim(
             "sim-ct-capability-check",
             CT_CONFIG,
@@ -161,7 +154,7 @@ def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
             "driver: the scheduler dies before any layer loads); answered from the simulated capability",
             make=lambda original: _scheme_check_stand_in(original, capability),
             distribution="sglang",
-            versions=supported(">=0.5.3"),
+            versions=supported(">=0.5.8"),
             check=_callable_check("_check_scheme_supported"),
         ),
         _sim(
@@ -179,68 +172,7 @@ def specs(capability: tuple[int, int] = (12, 0)) -> list[PatchSpec]:
 
 def ledger_rows() -> list[PatchSpec]:
     """Return every simulation stand-in, attribute or not, for the ledger (patches/LEDGER.md, doctor)."""
-    rest = [LEGACY_QUANTIZER, PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
-    return [QUANTIZER, QUANTIZER_CT, *specs(), *rest]
-
-
-def loaded_globals(module: Any, caller: str) -> set[str] | None:
-    """Return the global names `caller` (``Class.method`` of `module`) loads, nested functions included, or None."""
-    owner: Any = module
-    for part in caller.split("."):
-        owner = inspect.getattr_static(owner, part, None)
-    code = getattr(inspect.unwrap(owner), "__code__", None) if callable(owner) else None
-    if code is None:
-        return None
-    names, todo = set(), [code]
-    while todo:
-        code = todo.pop()
-        names |= {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return names
-
-
-def quantizer_plan(module: Any) -> list[tuple[PatchSpec, str, str | None]]:
-    """Return which quantizer stand-ins of `module` take effect: (spec, "applies" | "not needed" | "fails", reason)."""
-    caller = QUANTIZER_CALLERS[module.__name__]
-    mine = [spec for spec in QUANTIZERS if spec.module == module.__name__]
-    called = loaded_globals(module, caller)
-    known = sorted({spec.attribute for spec in mine})
-    if called is None:
-        why = f"cannot take effect: {module.__name__} has no {caller}, whose quantizer the simulation stands in for"
-        return [(spec, "fails", why) for spec in mine]
-    if not called & set(known):
-        why = (
-            f"cannot take effect: {caller} calls none of {', '.join(known)} (the quantizers this simulation stands "
-            "in for): a simulated call would reach SGLang's real, CUDA-only quantizer"
-        )
-        return [(spec, "fails", why) for spec in mine]
-    plan = []
-    for spec in mine:
-        if spec.attribute not in called:
-            other = ", ".join(sorted(called & set(known)))
-            plan.append((spec, "not needed", f"{caller} in this release calls {other}, not {spec.attribute}"))
-        elif spec.make is not None and spec.attribute not in vars(module):
-            why = f"cannot take effect: {caller} calls {spec.attribute}, but {module.__name__} binds no such module "
-            plan.append((spec, "fails", why + "global to replace"))
-        else:
-            plan.append((spec, "applies", None))
-    return plan
-
-
-def quantizer_check() -> list[tuple[PatchSpec, str, str | None]]:
-    """Return quantizer_plan() of every module of QUANTIZERS, imported here (nothing patched), for doctor."""
-    rows = []
-    for name in QUANTIZER_CALLERS:
-        mine = [spec for spec in QUANTIZERS if spec.module == name]
-        try:
-            module = importlib.import_module(name)
-        except Exception as exc:
-            missing = isinstance(exc, ModuleNotFoundError) and exc.name and name.startswith(exc.name)
-            why = f"this release has no {name}" if missing else f"cannot import {name}: {type(exc).__name__}: {exc}"
-            rows += [(spec, "not needed" if missing else "fails", why) for spec in mine]
-        else:
-            rows += quantizer_plan(module)
-    return rows
+    return [*specs(), PLATFORM_FACTS, FP4_GEMM_CPU_KERNEL, KERNEL_PACKAGE_STAND_IN]
 
 
 def _scheme_check_stand_in(original: Callable, capability: tuple[int, int]) -> Callable:
@@ -271,8 +203,7 @@ class Simulation(engines.Simulation):
         """Run the non-attribute stand-ins when (or if) SGLang imports their modules."""
         self.arm_kernel_package()
         self.patcher.when_imported(RUNTIME_CONTEXT, self.on_runtime_context)
-        self.patcher.when_imported(MQ, self.on_modelopt)
-        self.patcher.when_imported(CT, self.activation_quantizers)
+        self.patcher.when_imported(MQ, self.fp4_gemm_cpu_kernel)
 
     def on_runtime_context(self, module: Any) -> None:
         """Make SGLang's platform checks see the simulated Blackwell SM12x device (0.5.19+)."""
@@ -286,40 +217,6 @@ class Simulation(engines.Simulation):
         self.patcher.note(PLATFORM_FACTS, "applied", None)
         _LOG.warning("sm120_fp4: SIMULATION: SGLang's platform facts now report sm_%d%d", *self.capability)
 
-    def on_modelopt(self, module: Any) -> None:
-        self.activation_quantizers(module)
-        self.fp4_gemm_cpu_kernel(module)
-
-    def activation_quantizers(self, module: Any) -> None:
-        """Stand in for the quantizer(s) `module`'s linear path calls; note the others (warn for one that fails)."""
-        for spec, state, reason in quantizer_plan(module):
-            if state == "applies" and spec is LEGACY_QUANTIZER:
-                self.legacy_quantizer(module)
-            elif state == "applies":
-                self.patcher.add([spec])  # the module is imported: applies now (or "imported already patched")
-            else:
-                self.patcher.note(spec, "skipped", reason if state == "fails" else f"not needed: {reason}")
-                if state == "fails":
-                    _LOG.warning("sm120_fp4: SIMULATION: %s %s (sglang %s)", spec.name, reason, sglang_version())
-
-    def legacy_quantizer(self, module: Any) -> None:
-        """Bind (or replace) sgl_kernel's ``scaled_fp4_quant`` with the oracle's quantizer (E4M3 scales)."""
-        spec = LEGACY_QUANTIZER
-        missing = object()
-        original = module.__dict__.get("scaled_fp4_quant", missing)
-        standin = _scaled_fp4_quant_stand_in(None if original is missing else original)
-        module.scaled_fp4_quant = standin
-
-        def undo() -> None:
-            if module.__dict__.get("scaled_fp4_quant") is standin:
-                if original is missing:
-                    del module.scaled_fp4_quant
-                else:
-                    module.scaled_fp4_quant = original
-
-        self.keep(undo)
-        self.patcher.note(spec, "applied", None)
-
     def fp4_gemm_cpu_kernel(self, module: Any) -> None:
         """Without CUDA, give the op sglang::fp4_gemm a CPU kernel (its own Python body) when it has none."""
         spec = FP4_GEMM_CPU_KERNEL
@@ -328,10 +225,6 @@ class Simulation(engines.Simulation):
             return
         if not hasattr(torch.ops.sglang, "fp4_gemm"):
             self.patcher.note(spec, "skipped", "not needed: this release has no sglang::fp4_gemm custom op")
-            return
-        if _has_cpu_kernel(OP_NAME):
-            why = f"not needed: SGLang registered {OP_NAME} for every device (no device-specific kernel), so its own "
-            self.patcher.note(spec, "skipped", why + "Python body already runs on a CPU")
             return
         body = _op_body(module)
         if body is None:
@@ -373,18 +266,8 @@ class Simulation(engines.Simulation):
         )
 
 
-def _has_cpu_kernel(name: str) -> bool:
-    """Return whether the dispatcher has a kernel for op `name` on CPU (a CompositeExplicitAutograd one included)."""
-    try:
-        return bool(torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, "CPU"))
-    except (AttributeError, RuntimeError):  # a torch without that query, or no such op: register ours
-        return False
-
-
 def _op_body(module: Any) -> Callable | None:
     """Return the Python function behind sglang::fp4_gemm in `module` (several wrappers across releases)."""
-    if not hasattr(torch.ops.sglang, "fp4_gemm"):
-        return None
     handle = getattr(module, "fp4_gemm", None)
     seen = set()
     while handle is not None and id(handle) not in seen:
@@ -411,15 +294,3 @@ def _op_body_stand_in(module: Any) -> Callable:
         return module.flashinfer_fp4_gemm(input, weight, input_sf, weight_sf, alpha, out_dtype, backend=backend)
 
     return fp4_gemm
-
-
-def _scaled_fp4_quant_stand_in(original: Callable | None) -> Callable:
-    """Return sgl_kernel's ``scaled_fp4_quant(input, input_global_scale) -> (packed, E4M3 scales)``."""
-    quantize = fp4_quantize_stand_in(None)
-
-    def scaled_fp4_quant(input, input_global_scale):
-        packed, scales = quantize(input, input_global_scale)
-        return packed, scales.view(torch.float8_e4m3fn)
-
-    scaled_fp4_quant.__wrapped__ = original
-    return scaled_fp4_quant

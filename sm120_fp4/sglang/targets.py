@@ -6,18 +6,18 @@ Facts read from every release's wheel (docs/sglang-releases.md); ``patches/LEDGE
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from dataclasses import replace
 from typing import Callable
 
 from ..backends.flashinfer import is_mm_fp4
+from ..engines import make_call_hook
 from ..patching import Patcher, PatchSpec
 from ..serving.policy import make_weights_hook
 from ..versions import version_in
 from .autotune import RUNNER as AUTOTUNE_RUNNER
 from .autotune import make_gate as make_autotune_gate
-from .hooks import compressed_tensors_check, make_call_hook, make_warmup_hook, modelopt_check
+from .hooks import compressed_tensors_check, make_warmup_hook, modelopt_check
 from .idle import make_idle_hook
 from .moe import MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY, SEAM_VERSIONS, model_path
 from .release import (
@@ -40,7 +40,6 @@ from .release import (
     supported,
 )
 
-LEGACY_KNOB = "SGLANG_USE_CUTLASS_BACKEND_FOR_FP4_GEMM"
 DENSE_FLAG = "--fp4-gemm-backend flashinfer_cutlass"
 # The runner enum's values this library knows (0.5.8-0.5.23): AUTO and FLASHINFER_CUDNN are pinned to
 # FLASHINFER_CUTLASS; TRTLLM, CUTEDSL and MARLIN are the operator's choice, never changed. Any other value (a
@@ -183,10 +182,10 @@ _MIXIN = "SchedulerRuntimeCheckerMixin"
 _GATE = "should_run_flashinfer_autotune"
 # SGLang's weight-update calls: ModelRunner's up to 0.5.15, its WeightUpdater component's from 0.5.16.
 _UPDATES = (
-    (MODEL_RUNNER, "ModelRunner", "update_weights_from_disk", ">=0.5.3,<0.5.16"),
-    (MODEL_RUNNER, "ModelRunner", "update_weights_from_tensor", ">=0.5.3,<0.5.16"),
-    (MODEL_RUNNER, "ModelRunner", "update_weights_from_distributed", ">=0.5.3,<0.5.16"),
-    (MODEL_RUNNER, "ModelRunner", "update_weights_from_ipc", ">=0.5.4,<0.5.16"),
+    (MODEL_RUNNER, "ModelRunner", "update_weights_from_disk", ">=0.5.8,<0.5.16"),
+    (MODEL_RUNNER, "ModelRunner", "update_weights_from_tensor", ">=0.5.8,<0.5.16"),
+    (MODEL_RUNNER, "ModelRunner", "update_weights_from_distributed", ">=0.5.8,<0.5.16"),
+    (MODEL_RUNNER, "ModelRunner", "update_weights_from_ipc", ">=0.5.8,<0.5.16"),
     (WEIGHT_UPDATER, "WeightUpdater", "update_weights_from_disk", ">=0.5.16"),
     (WEIGHT_UPDATER, "WeightUpdater", "update_weights_from_tensor", ">=0.5.16"),
     (WEIGHT_UPDATER, "WeightUpdater", "update_weights_from_ipc", ">=0.5.16"),
@@ -203,26 +202,25 @@ def _update(module: str, owner: str, method: str, versions: str) -> tuple[str, s
 
 _ROWS = (
     ("dispatch", "flashinfer-fp4-gemm-alias", MQ, "flashinfer_fp4_gemm", ">=0.5.8"),
-    ("dispatch", "fp4-gemm-alias-legacy", MQ, "fp4_gemm", ">=0.5.3,<0.5.8"),
     ("decline", "kda-nvfp4-gemm-fast-path-declined", KERNEL_OPS_GEMM, "try_qwen3x_nvfp4_gemm", ">=0.5.20"),
     ("autotune-gate", "flashinfer-autotune-gate", AUTOTUNE, _GATE, ">=0.5.15"),
     # base_runner imports the gate by name (BaseRunner._warmup calls it); the speculative draft, through the module.
     ("autotune-gate", "flashinfer-autotune-gate-base-runner", BASE_RUNNER, _GATE, ">=0.5.15"),
-    _weights("ModelOptFp4LinearMethod", "modelopt-fp4-weights-hook", MQ, ">=0.5.3"),
-    _weights("CompressedTensorsW4A4Fp4", "compressed-tensors-w4a4-weights-hook", CT, ">=0.5.7"),
+    _weights("ModelOptFp4LinearMethod", "modelopt-fp4-weights-hook", MQ, ">=0.5.8"),
+    _weights("CompressedTensorsW4A4Fp4", "compressed-tensors-w4a4-weights-hook", CT, ">=0.5.8"),
     ("retime", "post-autotune-retime", BASE_RUNNER, "BaseRunner.warmup", ">=0.5.15"),
     ("recheck", "post-warmup-recheck", MODEL_RUNNER, "ModelRunner.init_cuda_graphs", ">=0.5.14"),
-    ("recheck", "post-warmup-recheck-legacy", MODEL_RUNNER, "ModelRunner.init_device_graphs", ">=0.5.3,<0.5.14"),
+    ("recheck", "post-warmup-recheck-legacy", MODEL_RUNNER, "ModelRunner.init_device_graphs", ">=0.5.8,<0.5.14"),
     ("moe-runner-config", "moe-runner-config-hook", MOE_UTILS, "initialize_moe_config", SEAM_VERSIONS),
     ("moe-seam", "fused-moe-kernel-seam", MOE_RUNNER_FC, "_flashinfer_cutlass_fused_moe", SEAM_VERSIONS),
-    _weights("ModelOptNvFp4FusedMoEMethod", "modelopt-nvfp4-moe-weights-hook", MQ, ">=0.5.3"),
+    _weights("ModelOptNvFp4FusedMoEMethod", "modelopt-nvfp4-moe-weights-hook", MQ, ">=0.5.8"),
     _weights("CompressedTensorsW4A4Nvfp4MoE", "compressed-tensors-nvfp4-moe-weights-hook", CT_MOE, ">=0.5.9"),
     _weights("ModelOptNvFp4A16LinearMethod", "modelopt-nvfp4-w4a16-refused", MQ, ">=0.5.15"),
     _weights("CompressedTensorsW4A16Fp4", "compressed-tensors-w4a16-nvfp4-refused", CT_W4A16, ">=0.5.22"),
     _weights("CompressedTensorsW4A16Nvfp4MoE", "compressed-tensors-w4a16-nvfp4-moe-refused", CT_W4A16_MOE, ">=0.5.22"),
     # The scheduler's capture calls, so that the draft model's graphs are re-checked too.
     ("recheck", "post-capture-recheck-all-graphs", SCHEDULER, "Scheduler.init_all_cuda_graphs", ">=0.5.14"),
-    ("recheck", "post-capture-recheck-model-workers", SCHEDULER, "Scheduler.init_model_worker", ">=0.5.7,<0.5.14"),
+    ("recheck", "post-capture-recheck-model-workers", SCHEDULER, "Scheduler.init_model_worker", ">=0.5.8,<0.5.14"),
     *(_update(*row) for row in _UPDATES),
     ("update-begin", "weight-update-session-begin", WEIGHT_UPDATER, "WeightUpdater.begin_weight_update", ">=0.5.21"),
     ("update-end", "weight-update-session-end", WEIGHT_UPDATER, "WeightUpdater.end_weight_update", ">=0.5.21"),
@@ -279,8 +277,7 @@ _IDLE_POINTS = tuple(
     for row in (
         ("scheduler-idle-canary", SCHEDULER, "Scheduler.on_idle", ">=0.5.13"),
         ("scheduler-idle-canary-mixin", SCHEDULER_CHECKER, f"{_MIXIN}.on_idle", ">=0.5.11,<0.5.13"),
-        ("scheduler-idle-canary-self-check", SCHEDULER_CHECKER, f"{_MIXIN}.self_check_during_idle", ">=0.5.4,<0.5.11"),
-        ("scheduler-idle-canary-legacy", SCHEDULER, "Scheduler.self_check_during_idle", ">=0.5.3,<0.5.4"),
+        ("scheduler-idle-canary-self-check", SCHEDULER_CHECKER, f"{_MIXIN}.self_check_during_idle", ">=0.5.8,<0.5.11"),
     )
 )
 
@@ -310,16 +307,6 @@ ENUM_PIN = PatchSpec(
     ),
     upstream="sglang#20043 / PR 20047 (auto -> cudnn on SM120), flashinfer auto order changes 0.6.9+",
     remove_when="when SGLang resolves auto to a verified backend on SM12x itself",
-)
-LEGACY_KNOB_SPEC = PatchSpec(
-    name="legacy-cutlass-env-knob",
-    module=MQ,
-    attribute="USE_CUTLASS_BACKEND_FOR_FP4_GEMM",
-    distribution=DISTRIBUTION,
-    versions=">=0.5.3,<0.5.5",
-    why=f"0.5.3-0.5.4 read {LEGACY_KNOB} at import (default false in 0.5.3.x: FlashInfer's default, cuDNN, runs)",
-    upstream="sglang 0.5.4 made the default true",
-    remove_when="when 0.5.3.x is no longer supported",
 )
 _UNKNOWN = (
     "which this sm120_fp4 does not know: neither the weight layout SGLang prepares for it nor the kernel is verified "
@@ -359,7 +346,7 @@ def pin_runner_backend(patcher: Patcher) -> None:
     """Pin fp4_utils.FP4_GEMM_RUNNER_BACKEND to FLASHINFER_CUTLASS when it is AUTO/FLASHINFER_CUDNN."""
     module = sys.modules.get(FP4_UTILS)
     if module is None:
-        return  # 0.5.3-0.5.7 have no enum; or SGLang has not imported it
+        return  # SGLang has not imported it
     enum = getattr(module, "Fp4GemmRunnerBackend", None)
     if enum is None or not all(hasattr(enum, m) for m in ("AUTO", "FLASHINFER_CUDNN", "FLASHINFER_CUTLASS")):
         patcher.note(ENUM_PIN, "skipped", "Fp4GemmRunnerBackend lacks AUTO/FLASHINFER_CUDNN/FLASHINFER_CUTLASS")
@@ -368,23 +355,9 @@ def pin_runner_backend(patcher: Patcher) -> None:
     patcher.pin(ENUM_PIN, module, enum.FLASHINFER_CUTLASS, lambda current: current in replaceable)
 
 
-def apply_env_knobs(patcher: Patcher, environ: dict = os.environ) -> Callable[[], None]:
-    """Ask 0.5.3-0.5.4 for cutlass through the env knob SGLang reads at import; return the undo."""
-    if not version_in(sglang_version(), LEGACY_KNOB_SPEC.versions):
-        return lambda: None
-    if LEGACY_KNOB in environ:
-        patcher.note(LEGACY_KNOB_SPEC, "skipped", f"{LEGACY_KNOB} already set by the operator; left as is")
-        return lambda: None
-    environ[LEGACY_KNOB] = "1"
-    state = "applied" if MQ not in sys.modules else "skipped"
-    reason = None if state == "applied" else "modelopt_quant was imported before install(); the dispatch routes anyway"
-    patcher.note(LEGACY_KNOB_SPEC, state, reason)
-    return lambda: environ.pop(LEGACY_KNOB, None)
-
-
 def ledger_rows() -> list[PatchSpec]:
     """Return every runtime patch target, for the ledger and `doctor` (one source of truth)."""
-    return specs(_Unwired()) + [ENUM_PIN, LEGACY_KNOB_SPEC, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY] + idle_specs(_noop)
+    return specs(_Unwired()) + [ENUM_PIN, MOE_RUNNER_PIN, MOE_RUNNER_PIN_LEGACY] + idle_specs(_noop)
 
 
 def _noop(*args, **kwargs) -> None:

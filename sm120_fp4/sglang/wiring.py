@@ -20,7 +20,7 @@ from ..errors import ConfigError, RefusedToServe
 from ..serving import policy
 from ..serving.policy import layer_device_index, layer_name
 from ..versions import version_in
-from .autotune import tp_cpu_group, tunable_backends
+from .autotune import tunable_backends
 from .moe import (
     SEAM_VERSIONS,
     b12x_problem,
@@ -31,12 +31,11 @@ from .moe import (
     refuse_unverifiable,
     runner_problem,
 )
-from .release import KERNEL_OPS_GEMM, sglang_version
+from .release import KERNEL_OPS_GEMM, PARALLEL_STATE, sglang_version
 from .scales import checkpoint_scale_problem, quant_mode_problem
 from .simulation import Simulation
 from .simulation import specs as simulation_specs
 from .targets import (
-    apply_env_knobs,
     idle_spec,
     idle_specs,
     pin_runner_backend,
@@ -187,9 +186,8 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         specs += simulation_specs(simulate)
         sim.arm()
         undo.append(sim.undo)
-    undo.append(apply_env_knobs(patcher))
     undo.append(b12x_moe.engine_check(b12x_problem))  # SGLang's server settings under which b12x cannot serve
-    undo.append(serving.use_group(tp_cpu_group))
+    undo.append(serving.use_group(functools.partial(engines.tp_cpu_group, PARALLEL_STATE)))
     patcher.add(specs)
     return undo
 

@@ -24,18 +24,6 @@ DEFAULT_MAX_BATCH = 512  # vLLM's default largest CUDA-graph capture size
 DEFAULT_MAX_TOKENS = 8192  # vLLM's default max_num_batched_tokens (the prefill chunk) where no config is visible
 
 
-def make_warmup_hook(original: Callable, after: Callable[[list[int]], object]) -> Callable:
-    """Wrap vLLM's ``kernel_warmup(worker)``: once it returns, `after(sizes)` with its graphs' batch sizes."""
-
-    @functools.wraps(original)
-    def kernel_warmup(worker, *args, **kwargs):
-        result = original(worker, *args, **kwargs)
-        after(graph_sizes(worker))
-        return result
-
-    return kernel_warmup
-
-
 def graph_sizes(worker: object) -> list[int]:
     """The batch sizes of the CUDA graphs `worker` captures after its warm-up ([] under enforce_eager)."""
     config = getattr(worker, "vllm_config", None)

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
+import importlib
 import logging
 import os
 import sys
-import threading
-import types
 from typing import Any, Callable
 
 import torch
@@ -115,9 +111,9 @@ class Simulation(engines.Simulation):
             for spec in (EXTENSION_STAND_INS, PROBES):
                 self.patcher.note(spec, "skipped", "CUDA is available: the real extensions load")
         else:
-            finder = _ExtensionFinder()
-            sys.meta_path.insert(0, finder)
-            self.keep(lambda: finder in sys.meta_path and sys.meta_path.remove(finder))
+            self.keep(
+                engines.stand_in_finder(EXTENSIONS, lambda name, why: _LOG.warning(_STUB_SAYS, name, why), missing=True)
+            )
             self.patcher.note(EXTENSION_STAND_INS, "applied", None)
             self.keep(_define_probes(self.capability))
             self.patcher.note(PROBES, "applied", None)
@@ -192,69 +188,3 @@ def _define_probes(capability: tuple[int, int]) -> Callable[[], None]:
         library.define(f"{name}(int cuda_device_capability) -> bool")
         library.impl(name, lambda c, _answer=answer: _answer and c >= 100, "CompositeExplicitAutograd")
     return library._destroy
-
-
-class _ExtensionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports the real extension module where it loads, else a stand-in whose names raise when called."""
-
-    def __init__(self) -> None:
-        self._busy = threading.local()
-        self._decided: dict[str, str | None] = {}  # name -> why it cannot load (None: it loads)
-        self._loaded: dict[str, types.ModuleType] = {}  # a real module the check executed, until it is imported
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in EXTENSIONS or getattr(self._busy, "on", False):
-            return None
-        if fullname not in self._decided:
-            why = self._decided[fullname] = self._why_not(fullname)
-            if why is not None:
-                _LOG.warning(_STUB_SAYS, fullname, why)
-        if self._decided[fullname] is None:
-            # The real one, already executed by the check: handed over as it is by create_module (never run twice).
-            real = self._loaded.pop(fullname, None)
-            if real is None:
-                return None
-            origin = getattr(real, "__file__", None)
-            return importlib.machinery.ModuleSpec(fullname, self, origin=origin, loader_state=real)
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "vllm.vllm_flash_attn")
-
-    def _why_not(self, name: str) -> str | None:
-        self._busy.on = True
-        try:
-            spec = importlib.util.find_spec(name)
-            if spec is None:
-                return "not installed"
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            self._loaded[name] = module
-            return None
-        except (ImportError, OSError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        finally:
-            self._busy.on = False
-
-    def create_module(self, spec):
-        if spec.loader_state is not None:
-            return spec.loader_state
-        module = types.ModuleType(spec.name, "sm120_fp4 SIMULATION stand-in: every name raises when called")
-
-        def __getattr__(attr: str, _module: str = spec.name):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-
-            def unavailable(*args, **kwargs):
-                raise RuntimeError(
-                    f"sm120_fp4 simulation: {_module}.{attr} is a stand-in (the real extension cannot load "
-                    "without CUDA); it is not simulated"
-                )
-
-            unavailable.__name__ = attr
-            return unavailable
-
-        module.__getattr__ = __getattr__
-        if spec.submodule_search_locations is not None:
-            module.__path__ = []
-        return module
-
-    def exec_module(self, module) -> None:
-        pass

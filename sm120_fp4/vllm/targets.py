@@ -7,10 +7,11 @@ import importlib.metadata
 from dataclasses import replace
 from typing import Callable
 
+from ..engines import make_call_hook
 from ..patching import PatchSpec
 from ..serving.policy import make_weights_hook
 from . import simulation
-from .hooks import compressed_tensors_check, make_warmup_hook, modelopt_check
+from .hooks import compressed_tensors_check, graph_sizes, modelopt_check
 from .moe import make_alias, make_defer, make_shapes
 from .release import CT, CT_MOE, GPU_WORKER, LINEAR_FLASHINFER, MODELOPT, PLUGIN_GROUP, RELEASE, TARGET_VERSIONS
 from .release import FI_CUTLASS_MOE as FI_MOE
@@ -111,7 +112,10 @@ def _makers(w) -> dict[str, Callable]:
         "flashinfer-moe-output-shape": make_shapes,
         "modelopt-nvfp4-moe-weights-hook": moe_hook(MOE_KIND),
         "compressed-tensors-nvfp4-moe-weights-hook": moe_hook(CT_MOE_KIND),
-        "post-warmup-recheck": functools.partial(make_warmup_hook, after=w.recheck),
+        # kernel_warmup(worker): once it returns, the re-check at its CUDA graphs' batch sizes
+        "post-warmup-recheck": functools.partial(
+            make_call_hook, after=lambda worker, *args: w.recheck(graph_sizes(worker))
+        ),
     }
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-import sys
 from typing import Callable
 
 import torch
@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..serving import policy
 from ..serving.policy import layer_device_index, layer_name
 from . import hooks, moe, simulation, targets
-from .release import RELEASE
+from .release import PARALLEL_STATE, RELEASE
 
 _LOG = logging.getLogger("sm120_fp4")
 
@@ -35,11 +35,9 @@ class _Wired:
             return  # not an NVFP4 layer (ModelOptLinearMethod serves FP8 and MXFP8 too): nothing of ours to decide
         if self.router.ensure(layer_device_index(layer)) is None:
             return  # a device this library does not serve
-        name = layer_name(layer)
-        self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", hooks.kernel_problem(kind, method))
+        self.refuse(_what(kind, layer), hooks.kernel_problem(kind, method))
         # The checkpoint's scales, each shard's still apart (vLLM's processing serves the largest): as SGLang refuses.
-        fmt = checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
-        self.refuse(f"the vLLM NVFP4 layer {name + ' ' if name else ''}({kind})", scales.layer_problem(fmt, layer))
+        self.refuse(_what(kind, layer), scales.layer_problem(_format(kind), layer))
 
     def unknown(self, index: int, name: str, value: object) -> None:
         self.refuse(
@@ -91,24 +89,29 @@ class _Wired:
         refuse_canary(self.settings)
         if self.router.ensure(layer_device_index(layer), "moe") is None:
             return  # a device this library does not serve
-        name = layer_name(layer)
-        self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", moe.backend_problem(kind, method))
-        fmt = checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
-        self.refuse(
-            f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", scales.layer_problem(fmt, layer, moe=True)
-        )
+        self.refuse(_what(kind, layer, "MoE "), moe.backend_problem(kind, method))
+        self.refuse(_what(kind, layer, "MoE "), scales.layer_problem(_format(kind), layer, moe=True))
 
     def verify_moe(self, kind: str, method, layer) -> None:
         if not self.moe_served(layer_device_index(layer)) or moe.backend_problem(kind, method) is not None:
             return
         problem = moe.layer_problem(kind, method, layer)
-        name = layer_name(layer)
-        self.refuse(f"the vLLM NVFP4 MoE layer {name + ' ' if name else ''}({kind})", problem)
+        self.refuse(_what(kind, layer, "MoE "), problem)
         if problem is None:
             self.verify(moe.moe_check(kind, method, layer))
 
     def unmodeled_moe(self, index: int, problem: str) -> None:
         self.refuse(f"an NVFP4 fused-MoE call on device {index}", problem)
+
+
+def _what(kind: str, layer, family: str = "") -> str:
+    name = layer_name(layer)
+    return f"the vLLM NVFP4 {family}layer {name + ' ' if name else ''}({kind})"
+
+
+def _format(kind: str) -> str:
+    """Return the checkpoint format of a hooked layer kind (ModelOpt's, else compressed-tensors')."""
+    return checkpoints.MODELOPT if kind.startswith("ModelOpt") else checkpoints.COMPRESSED_TENSORS
 
 
 def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
@@ -124,14 +127,9 @@ def attach(patcher, router, settings, canary=None) -> list[Callable[[], None]]:
         specs += simulation.specs()
         sim.arm()
         undo.append(sim.undo)
-    undo.append(serving.use_group(_tp_cpu_group))
+    undo.append(serving.use_group(functools.partial(engines.tp_cpu_group, PARALLEL_STATE)))
     patcher.add(specs)
     return undo
-
-
-def _tp_cpu_group() -> object:
-    """Return vLLM's tensor-parallel CPU (gloo) group, where SELECT=fastest's ranks share their decisions."""
-    return sys.modules["vllm.distributed.parallel_state"].get_tp_group().cpu_group  # raises where it is not up
 
 
 def canary_problem(settings) -> str | None:

@@ -83,14 +83,12 @@ def release_specs() -> dict:
 
 
 def alias_name() -> str:
-    """The installed release's name for FlashInfer's mm_fp4 in modelopt_quant (fp4_gemm before 0.5.8)."""
-    specs = release_specs()
-    return (specs.get("flashinfer-fp4-gemm-alias") or specs["fp4-gemm-alias-legacy"]).attribute
+    """The installed release's name for FlashInfer's mm_fp4 in modelopt_quant."""
+    return release_specs()["flashinfer-fp4-gemm-alias"].attribute
 
 
 def alias_spec_name() -> str:
-    specs = release_specs()
-    return "flashinfer-fp4-gemm-alias" if "flashinfer-fp4-gemm-alias" in specs else "fp4-gemm-alias-legacy"
+    return "flashinfer-fp4-gemm-alias"
 
 
 def sglang_alias():

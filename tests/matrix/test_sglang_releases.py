@@ -1,4 +1,4 @@
-"""Every SGLang release 0.5.3-0.5.23 against sm120_fp4's patch targets, from the release's source.
+"""Every SGLang release 0.5.8-0.5.23 against sm120_fp4's patch targets, from the release's source.
 
 Runs scripts/sglang_matrix.py's per-release check (ast only, SGLang is not imported). The wheel
 cache is SGLANG_MATRIX_CACHE or <repo>/.cache/sglang-wheels. Import-and-patch of the releases that
