@@ -132,6 +132,7 @@ def test_a_fault_in_what_the_layer_serves_is_refused_naming_configuration_and_m(
     assert status.refusals and status.refusals[-1].message.startswith("sm120_fp4: refusing to serve NVFP4")
 
 
+@pytest.mark.slow
 def test_a_backend_that_fails_one_layer_is_replaced_by_one_that_passes_every_layer(caplog):
     backends.register("wide-zeros", zeros_when_wide)
     sm120_fp4.install(simulate="12.0", backends="wide-zeros,emulated")
