@@ -97,6 +97,7 @@ PROJECT_DEPS=(
   pytest
   hypothesis
   pytest-timeout
+  pytest-xdist   # the inner loop's -n auto (docs/development.md)
   pyyaml
   "ruff==0.17.6"   # lint and format check (.ci/run, before the tests)
 )
@@ -192,7 +193,7 @@ want = dict(zip(["torch", "flashinfer-python", "sglang"], sys.argv[1:]))
 for dist, ver in want.items():
     assert version(dist) == ver, (dist, version(dist), ver)
 for dist in ["transformers", "compressed-tensors", "apache-tvm-ffi", "wrapt",
-             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout", "uvicorn", "xgrammar", "fastapi", "ruff"]:
+             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout", "pytest-xdist", "uvicorn", "xgrammar", "fastapi", "ruff"]:
     version(dist)
 EOF
 }

@@ -272,12 +272,12 @@ class JobPool:
         self._nice = nice
         self._items: list[Queued] = []
         self._slots = threading.BoundedSemaphore(max(1, limit))
-        self._timeout = timeout
+        self.timeout = timeout
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def add(self, start: Callable[[], object]) -> "Queued":
-        item = Queued(start, self._timeout, self._nice)
+        item = Queued(start, self.timeout, self._nice)
         self._items.append(item)
         return item
 
