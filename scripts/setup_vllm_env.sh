@@ -47,6 +47,15 @@ CPU_FLASHINFER_DEPS=(nvidia-ml-py "apache-tvm-ffi>=0.1.11,<0.2")
 
 say() { printf '[setup_vllm_env] %s\n' "$*"; }
 
+# One build of a venv at a time: a second run waits for the first, then finds its stamp current. The tests that
+# need the venv wait on the same lock (tests/helpers/procs.py, vllm_python). scripts/setup_env.sh --with-vllm
+# starts this in the background with the lock already taken for it (SETUP_VLLM_LOCK_HELD=1).
+if [ "${SETUP_VLLM_LOCK_HELD:-0}" != 1 ]; then
+  mkdir -p "$ROOT/.cache/vllm-setup"
+  exec 9>"$ROOT/.cache/vllm-setup/$(basename "$VENV_DIR").lock"
+  flock 9
+fi
+
 VENV_PY="$VENV_DIR/bin/python"
 LOG_DIR="$VENV_DIR/.setup_logs"
 STAMP_FILE="$VENV_DIR/.sm120_fp4_vllm_setup_stamp"

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers.cases import fields
 from helpers.procs import JOBS as _JOBS
-from helpers.procs import TIMEOUT, JobPool
+from helpers.procs import TIMEOUT, JobPool, Queued
 from helpers.tiers import Guard, tiers
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -131,7 +131,7 @@ def sglang_unpatched():
 @pytest.fixture(autouse=True)
 def _tier_marks_are_complete(request, monkeypatch):
     """A test not marked `subprocess` that starts a process anyway (through a library call the marks
-    cannot see) fails, naming the mark to add: the inner loop (-m "not server and not subprocess")
+    cannot see) fails, naming the mark to add: the inner loop (-m "not slow and not subprocess")
     stays free of process starts."""
     if request.node.get_closest_marker("subprocess") is not None:
         yield
@@ -197,10 +197,13 @@ _POOL = JobPool(limit=max(2, os.cpu_count() or 2), nice=5)
 # They run niced: they use what the main thread's in-process tests leave, and those ran last alone
 # (the session's critical path) when the servers took their share of its core.
 _HEAVY = JobPool(limit=2, timeout=None, nice=5)
+# Under pytest-xdist (`-n auto`: the inner loop, docs/development.md) each worker collects every test and runs
+# its share: a background job then runs inside its own test, on that worker, with its pool's bound.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 
 def pytest_collection_finish(session):
-    if session.config.option.collectonly:
+    if session.config.option.collectonly or _XDIST_WORKER:
         return
     root = Path(tempfile.mkdtemp(prefix="sm120-fp4-jobs-"))
     _FOLDER.append(root)
@@ -246,8 +249,16 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture
 def background(request) -> tuple[int, str, str]:
-    """(returncode, stdout, stderr) of this test's background job (started at session start)."""
+    """(returncode, stdout, stderr) of this test's background job (started at session start; under xdist, now)."""
     job = _JOBS.get(request.node.nodeid)
+    if job is None and _XDIST_WORKER and _job(request.node) is not None:
+        folder = Path(tempfile.mkdtemp(prefix="sm120-fp4-job-"))
+        _FOLDER.append(folder)
+        params = getattr(getattr(request.node, "callspec", None), "params", {})
+        start = functools.partial(_job(request.node), folder, **params)
+        job = _JOBS[request.node.nodeid] = Queued(start, (_HEAVY if _heavy(request.node) else _POOL).timeout)
+        job.folder = folder
+        job.start_and_finish()
     assert job is not None, f"{request.node.nodeid} has no @background job (or it was not selected)"
     return job.wait(TIMEOUT)
 

@@ -66,6 +66,7 @@ def test_bench_lists_a_candidate_that_fails_verification_and_does_not_time_it(mo
     assert "| dense | N=256 K=512 | zeros | failed: " in out
 
 
+@pytest.mark.slow
 def test_bench_times_the_checkpoints_layer_configurations(monkeypatch, capsys, tmp_path):
     from sm120_fp4.sglang import model_check
 

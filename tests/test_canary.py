@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from helpers.cases import case
+from helpers.common import slow_but_one
 
 import sm120_fp4
 from sm120_fp4 import backends, canary, graphs, serving
@@ -97,6 +98,7 @@ def scale(factor):
     "the serving thread's calls are delayed by no more than the canary's own measured run (busy_ms): the report is "
     "written by its own thread, after the holder lets go, and then holds the run",
 )
+@pytest.mark.slow
 def test_the_serving_thread_never_waits_on_the_report_lock(tmp_path):
     import fcntl
     import os
@@ -202,7 +204,7 @@ def test_a_weight_update_that_never_ends_is_said_in_status(monkeypatch, caplog):
     "a dense kernel right at start-up and after warm-up that returns results {factor}x too large after 20 calls made while serving, SM120_FP4_CANARY on, action exit",
     "the first canary run after the fault raises RefusedToServe 'while serving' out of the idle point, naming the configuration and M; the report file holds the refusal with the numbers; every later idle point raises again",
 )
-@pytest.mark.parametrize("factor", [1.06, 4.0])
+@pytest.mark.parametrize("factor", slow_but_one([1.06, 4.0]))
 def test_a_kernel_that_turns_wrong_while_serving_is_refused_at_the_next_run(tmp_path, factor):
     wear = Wear(scale(factor), after=20)
     report = tmp_path / "report.json"
@@ -332,6 +334,7 @@ def test_captured_graph_sizes_join_the_rotation():
     assert ms == [[1, 128], [2, 191], [3, 256], [4, 300], [5, 383], [6, 512]]
 
 
+@pytest.mark.slow
 def test_each_kernel_family_on_each_device_is_rechecked_every_period():
     from sm120_fp4.sglang import moe_layers
 
@@ -369,6 +372,7 @@ def serve_moe(name: str, kernel) -> canary.Canary:
     "an NVFP4 fused-MoE kernel (register_moe) that drops the second routed expert of every token once the process serves, canary on, a dense layer served too",
     "the MoE kernel's next run (every period re-checks each family) refuses while serving, naming the MoE configuration; the dense run passes",
 )
+@pytest.mark.slow
 def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run():
     state = {"worn": False}
 
@@ -395,6 +399,7 @@ def test_a_moe_kernel_that_goes_wrong_while_serving_is_caught_by_its_familys_run
     "an MoE kernel that, once serving, returns the right result and then doubles a row of its input activations x in place (the caller's hidden states)",
     "the canary's MoE run still compares the call's activations and routing bit for bit (only the layer's weights go by their fingerprint): refused, naming the changed input",
 )
+@pytest.mark.slow
 def test_an_moe_kernel_that_writes_into_its_activations_fails_the_canary_step():
     state = {"worn": False}
 
@@ -702,6 +707,7 @@ def test_the_canary_with_selftest_off_is_refused_at_install():
     assert not sm120_fp4.status().installed
 
 
+@pytest.mark.slow
 def test_status_and_the_report_show_the_canary(tmp_path):
     report = tmp_path / "r.json"
     c, _ = serve(emulated_mm_fp4, (96, 160), report=str(report), canary_slice_ms="2.5")
@@ -726,6 +732,7 @@ def test_off_by_default_and_after_uninstall():
     assert canary.active() is None and "canary" not in serving.STATE.report.sections
 
 
+@pytest.mark.slow
 def test_doctor_shows_the_canary_and_what_each_serving_process_reported(tmp_path, monkeypatch):
     from sm120_fp4 import doctor
 

@@ -90,6 +90,7 @@ class Clock:
     "the run is skipped (no failure, no exit), logged once, counted in skipped_memory and retried at the next "
     "idle point, where it passes",
 )
+@pytest.mark.slow
 def test_a_canary_run_that_cannot_get_its_memory_is_skipped_and_retried(sglang_unpatched, caplog):
     from sm120_fp4.sglang import layers
 

@@ -394,6 +394,7 @@ def test_every_error_doctor_shows_is_a_problem(monkeypatch, capsys, what):
 # ---- demo ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_runs_to_the_end_and_shows_the_refusal(capsys):
     # In process (the README runs it as `python -m sm120_fp4 demo`; the console path is tested above).
     assert cli.main(["demo"]) == 0

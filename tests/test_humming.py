@@ -240,6 +240,7 @@ def test_a_later_layer_of_a_verified_configuration_is_checked_with_its_own_weigh
     "the kept bytes are written back and the fallback (emulated) serves every configuration",
 )
 @pytest.mark.sglang
+@pytest.mark.slow
 def test_a_humming_failure_after_only_checked_layers_restores_them_for_the_fallback(stand_in, monkeypatch):
     sm120_fp4.install(simulate="12.0", backends="humming", fallback="emulated")
     try:
@@ -285,6 +286,7 @@ def test_a_humming_failure_after_unchecked_layers_were_converted_refuses_saying_
     "humming converts every layer seen so far (the checked ones keeping their bytes), passes every configuration and serves them all",
 )
 @pytest.mark.sglang
+@pytest.mark.slow
 def test_humming_taking_over_converts_the_layers_seen_before_and_serves_them(stand_in):
     from sm120_fp4.demo import synthetic
 
@@ -312,6 +314,7 @@ def test_humming_taking_over_converts_the_layers_seen_before_and_serves_them(sta
 
 
 @pytest.mark.sglang
+@pytest.mark.slow
 def test_served_moe_layer_is_converted_and_verified_in_w4a16(stand_in):
     from helpers.common import simulated_moe_skip_reason
 
@@ -361,6 +364,7 @@ def test_served_moe_layer_is_converted_and_verified_in_w4a16(stand_in):
     "the faster one serves and its decision says its own mode (w4a4), not the first candidate's",
 )
 @pytest.mark.sglang
+@pytest.mark.slow
 def test_select_fastest_across_modes_records_the_winners_own_mode(stand_in, monkeypatch):
     from helpers.common import simulated_moe_skip_reason
 

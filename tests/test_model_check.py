@@ -53,6 +53,7 @@ def _selftest_model_in_process(tmp_path, monkeypatch, capsys, fmt, **env) -> tup
 
 
 @pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
+@pytest.mark.slow
 def test_selftest_model_verifies_each_distinct_layer_configuration(
     sglang_unpatched, tmp_path, monkeypatch, capsys, fmt
 ):

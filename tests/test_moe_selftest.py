@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import moe_faults
 from helpers.cases import case
+from helpers.common import slow_but_one
 
 from sm120_fp4 import backends, dispatch, nvfp4, verify
 from sm120_fp4.backends import flashinfer
@@ -28,7 +29,7 @@ FAULTS = [
 ]
 
 
-@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fault", slow_but_one(FAULTS, keep=4), ids=lambda f: f.__name__)
 def test_run_moe_refuses_each_fault_on_the_default_configuration(fault):
     backends.register_moe("faulty", fault)
     report = verify.run_moe("faulty", SIM)
@@ -37,6 +38,7 @@ def test_run_moe_refuses_each_fault_on_the_default_configuration(fault):
     assert len(failed) == 1 and failed[0].label in report.reason
 
 
+@pytest.mark.slow
 def test_run_moe_accepts_flashinfers_rounding_on_the_default_configuration():
     backends.register_moe("flashinfer-rounding", moe_faults.rounds_intermediate_first)
     report = verify.run_moe("flashinfer-rounding", SIM)
@@ -170,6 +172,7 @@ def _loses_a_column_group(x, ids, *rest):
     "a MoE kernel that loses one 8-column group of one row of an 8192-wide output",
     "refused by the column-group check alone: with it off (Bounds.column_group=None) the same run passes",
 )
+@pytest.mark.slow
 def test_the_column_group_check_refuses_a_lost_group_inside_the_row_bound():
     backends.register_moe("loses-group", _loses_a_column_group)
     config = verify.MoeConfig(cases=(WIDE,))

@@ -246,6 +246,7 @@ def test_an_unwritable_report_does_not_stop_a_worker(tmp_path, caplog):
     "two decisions finish at once in one process, writers interleave",
     "the report lists both decisions (the last writer writes the latest state)",
 )
+@pytest.mark.slow
 def test_concurrent_report_writes_never_lose_a_decision(tmp_path, monkeypatch):
     path = tmp_path / "report.json"
     settings = Settings(simulate="12.0", report=str(path), selftest="off")

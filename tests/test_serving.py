@@ -139,6 +139,7 @@ def test_a_flashinfer_fp4_knob_set_after_install_is_named_at_the_decision(monkey
     "steady kernel serves the prefill range, the other only the sizes where it is faster; each time recorded",
 )
 @pytest.mark.default_prefill
+@pytest.mark.slow
 def test_select_fastest_times_the_served_layer_configurations_at_their_serving_batch_sizes(monkeypatch):
     pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant", reason="needs the pinned SGLang")
     import sm120_fp4

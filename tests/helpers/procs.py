@@ -8,6 +8,7 @@ selected test start together right after collection and run while the in-process
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -190,6 +191,33 @@ def python(code: str, folder: Path, cwd: Path | None = None, **env: str) -> Pope
 
 REPO = PACKAGE.parent
 PTH = PACKAGE / "_pth" / "sm120_fp4.pth"
+VLLM_SETUP = REPO / ".cache" / "vllm-setup"  # scripts/setup_vllm_env.sh's lock and log per venv
+_ENDING = threading.Event()  # set when the session stops its jobs: a job waiting for a vLLM build gives up
+
+
+def vllm_python(venv: Path) -> str:
+    """The Python of vLLM's venv `venv` (.venv-vllm or .venv-vllm-cpu) once it is built. The README's set-up
+    builds both in the background while the tests run (scripts/setup_env.sh): a build holds
+    .cache/vllm-setup/<venv>.lock until it ends, and this waits for it (polling, so that the session's end
+    is not held up by it), then needs the venv's stamp, which only a finished build writes."""
+    lock = VLLM_SETUP / f"{venv.name}.lock"
+    if lock.exists():
+        with open(lock) as held:
+            while True:
+                try:
+                    fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if _ENDING.wait(2.0):
+                        raise RuntimeError(f"the session ended while {venv} was still being built") from None
+    python = venv / "bin" / "python"
+    if not python.exists() or not (venv / ".sm120_fp4_vllm_setup_stamp").exists():
+        log = VLLM_SETUP / f"{venv.name}.log"
+        raise FileNotFoundError(
+            f"{venv} is not built: run bash scripts/setup_env.sh --with-vllm (it runs scripts/setup_vllm_env.sh)"
+            + (f"; the last build's log: {log}" if log.exists() else "")
+        )
+    return str(python)
 
 
 def with_repo_pth(code: str, folder: Path, cwd: Path | None = None, **env: str) -> Popen:
@@ -244,12 +272,12 @@ class JobPool:
         self._nice = nice
         self._items: list[Queued] = []
         self._slots = threading.BoundedSemaphore(max(1, limit))
-        self._timeout = timeout
+        self.timeout = timeout
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def add(self, start: Callable[[], object]) -> "Queued":
-        item = Queued(start, self._timeout, self._nice)
+        item = Queued(start, self.timeout, self._nice)
         self._items.append(item)
         return item
 
@@ -276,6 +304,7 @@ class JobPool:
 
     def stop(self) -> None:
         self._stop.set()
+        _ENDING.set()
         for item in self._items:
             item.kill()
 

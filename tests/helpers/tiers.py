@@ -8,7 +8,7 @@ helpers, not into the library). What this cannot see (a library call that starts
 in-process `cli.main(["selftest"])`) gets an explicit `@pytest.mark.subprocess`; `Guard` fails a test
 that started a Python interpreter, a fork or a multiprocessing child without the mark, naming the mark.
 
-The inner loop is `python -m pytest -m "not server and not subprocess"` (docs/development.md).
+The inner loop is `python -m pytest -m "not slow and not subprocess"` (docs/development.md; `slow` is explicit).
 """
 
 from __future__ import annotations
