@@ -259,7 +259,7 @@ def _label_and_key(kind: str, layer: object, processed: ProcessedMoe, plan: _Pla
     return label, (*key, ep_size, tp_size)
 
 
-def _cases(layer, processed: ProcessedMoe, plan: _Plan, ms: list[int]) -> list[verify.Case]:
+def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, ms: list[int]) -> list[verify.Case]:
     """Return the check's served calls at batch sizes `ms` (the full sweep adds skewed, padded, balanced)."""
     weights, top_k, hidden = processed.weights, plan.top_k, processed.hidden
     device = weights.w13.device
@@ -278,16 +278,17 @@ def _cases(layer, processed: ProcessedMoe, plan: _Plan, ms: list[int]) -> list[v
             every = " (every expert)" if among is plan.everyone else ""
             name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
             plans.append((name, x, ids.to(device), topk_weights.to(device)))
-    call = functools.partial(_served_convention, layer, processed)
-    ours = dict(first_expert=plan.first, served_ids=True)
+    call = serve or functools.partial(_served_convention, layer, processed)
+    ours = dict(first_expert=plan.first, served_ids=serve is None)
     # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
     full = dict(repeat_tokens=verify.REPEAT_MAX_TOKENS if len(ms) > 1 else 0, poison_expert0=len(ms) > 1)
     index = layer_device_index(layer)
     return moe_cases(call, weights, processed.activation, plans, index, plan.subset, **ours, **full)
 
 
-def moe_check(kind: str, layer: object) -> LayerCheck | None:
-    """Return the LayerCheck of one NVFP4 MoE layer, served through the seam (None: not the cutlass layout)."""
+def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
+    """Return the LayerCheck of one NVFP4 MoE layer (None: not the cutlass layout); `serve` defaults to the seam
+    (the cost benchmarks pass the backend's call, wrapped to meter its memory)."""
     processed = processed_weights(layer)
     if processed is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
@@ -299,9 +300,9 @@ def moe_check(kind: str, layer: object) -> LayerCheck | None:
         now = processed_weights(layer)
         return tuple(now.weights) if now is not None else ()
 
-    cases = functools.partial(_cases, layer, processed, plan)
+    cases = functools.partial(_cases, layer, processed, serve, plan)
     tensors = {**processed.weights._asdict(), "dtype": plan.dtypes[0], "top_k": plan.top_k}
-    rebuild = functools.partial(moe_check, kind)
+    rebuild = lambda owner: moe_check(kind, owner, serve)  # noqa: E731
     fields = dict(weights=current, rebuild=rebuild, tensors=tensors)
     return layer_check(sizes(), layer, layer_device_index(layer), key, label, "moe", cases, **fields)
 
