@@ -129,24 +129,15 @@ def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def _served_cases(serve, watched: tuple, n_out: int, k: int, ms: list[int], dtype, seed: int, scale_name: str):
     """Return the served calls at batch sizes `ms` on seeded activations, each with its oracle result."""
-    weight, _, _, input_gsf = watched
+    weight, weight_sf, alpha, input_gsf = watched
     gsf = float(input_gsf.float().reshape(-1)[0].cpu())
     if not (math.isfinite(gsf) and gsf > 0):
         what = "the layer's positive finite input global scale"
         raise not_accepted("dense layer check", scale_name, input_gsf, what)
     # One row more than the largest M: each M's twin is the next M rows, views (no rolled copy of the reference).
     x = verify.seeded_activations(max(ms) + 1, k, nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / gsf, seed, weight.device, dtype)
-    # Whole where it fits a quarter of the check's memory bound (M x N float32), else computed a block of rows
-    # at a time by each comparison: the served call still gets the whole M, the oracle never holds more.
-    reference = verify.reference_rows(functools.partial(_reference_rows, x, watched, n_out), x.shape[0], n_out)
-    return verify.served_cases(ms, n_out, k, serve, x, reference, watched)
-
-
-def _reference_rows(x: torch.Tensor, watched: tuple, n_out: int, lo: int, hi: int) -> torch.Tensor:
-    """Return the oracle's float32 rows lo..hi of `x` times the layer's checkpoint bytes (its first n_out columns)."""
-    weight, weight_sf, alpha, input_gsf = watched
-    k_weight, rows = weight.shape[1] * 2, x[lo:hi]
-    padded = torch.nn.functional.pad(rows, (0, k_weight - x.shape[1])) if k_weight > x.shape[1] else rows
+    k_weight = weight.shape[1] * 2
+    padded = torch.nn.functional.pad(x, (0, k_weight - k)) if k_weight > k else x  # zero codes add nothing
     # Finite by construction, its scale read above; at a decode batch size from a CUDA graph (launch-bound).
     qx, sx = graphs.run(
         "quantize", _quantize, (padded, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())
@@ -155,7 +146,7 @@ def _reference_rows(x: torch.Tensor, watched: tuple, n_out: int, lo: int, hi: in
     # (humming), its kept copy. The scales as E4M3 bytes, whichever dtype the engine keeps them in.
     ref_weight, ref_sf = backends.original(weight), backends.original(weight_sf).view(torch.uint8)
     reference = nvfp4.reference_mm_fp4(qx, ref_weight.T, sx, ref_sf.T, alpha.float().reshape(1), torch.float32)
-    return reference[:, :n_out]
+    return verify.served_cases(ms, n_out, k, serve, x, reference[:, :n_out], watched)
 
 
 def dense_check(
@@ -205,11 +196,10 @@ def moe_cases(serve, weights: nvfp4.MoeWeights, activation: str, plans, index: i
     """Return a MoE layer's served calls of `plans` against the oracle on the checkpoint's bytes, in the mode
     (W4A4 or W4A16) of the backend that serves device `index`."""
     mode = backends.mode_of("moe", routes("moe").get(index, backends.EMULATED))
-    # The plans routed among `subset` read its experts from one device copy; an every-expert batch (and the
-    # expert-0 probe) each expert it reads, dequantized per read (a cache that keeps none: within the bound).
-    oracle = dict(cache=verify.ExpertCache(()), mode=mode, reference_weights=weights.map(backends.original))
+    cache = verify.ExpertCache(list(subset))  # every-expert batches dequantize the others per call
+    oracle = dict(cache=cache, mode=mode, reference_weights=weights.map(backends.original))
     budget = verify.ProbeBudget(LAYER_PROBE_S)
-    return verify.moe_cases(serve, weights, activation, plans, subset=list(subset), budget=budget, **oracle, **options)
+    return verify.moe_cases(serve, weights, activation, plans, budget=budget, **oracle, **options)
 
 
 def refuse_unverifiable(settings, what: str, problem: str | None) -> None:

@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from .. import backends, graphs
-from ..devices import CHECK_MEMORY_BYTES, Device
+from ..devices import Device
 from ..errors import SelfTestError
 from .data import _row_ranges
 from .fingerprint import fingerprint
@@ -36,8 +36,6 @@ __all__ = [
     "COPY_LIMIT",
     "refuse_inside_capture",
     "free_memory",
-    "Rows",
-    "reference_rows",
     "lost_column_group",
 ]
 
@@ -126,49 +124,16 @@ def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]
     """Return per row non-finite count (summed), all-zero, reference, output and difference norms, max |diff|."""
     rows, cols = out.shape
     step = max(1, _COMPARE_ELEMENTS // max(cols, 1))  # a chunk at a time: a prefill costs no more memory
-    # Each chunk's rows freed before the next are made (a Rows reference: before its next block is computed).
-    parts = [_chunk_stats(out[lo : lo + step].float(), ref[lo : lo + step].float()) for lo in range(0, rows, step)]
+    parts = []
+    for lo in range(0, rows, step):
+        o, r = out[lo : lo + step].float(), ref[lo : lo + step].float()
+        diff = o - r
+        norms = (r.norm(dim=1), o.norm(dim=1), diff.norm(dim=1))
+        parts.append(((~torch.isfinite(o)).sum(), (o == 0).all(dim=1), *norms, diff.abs().amax()))
     if len(parts) == 1:
         return parts[0]
     nonfinite, *rows, max_abs = zip(*parts)
     return torch.stack(nonfinite).sum(), *map(torch.cat, rows), torch.stack(max_abs).amax()
-
-
-def _chunk_stats(o: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    diff = o - r
-    norms = (r.norm(dim=1), o.norm(dim=1), diff.norm(dim=1))
-    return ((~torch.isfinite(o)).sum(), (o == 0).all(dim=1), *norms, diff.abs().amax())
-
-
-class Rows:
-    """Rows `start`.. of a float32 (rows, cols) reference that `compute(lo, hi)` makes, too large to keep whole:
-    one block of rows kept at a time (a quarter of the check's memory bound, whole comparison chunks), each
-    comparison computing the blocks it reads again. Sliced as a tensor; `.float()` gives the rows themselves."""
-
-    def __init__(self, compute: Callable, rows: int, cols: int, start: int = 0, kept: list | None = None) -> None:
-        self.compute, self.shape, self.start = compute, (rows, cols), start
-        self.kept = [rows, 0, None] if kept is None else kept  # shared by its slices: all rows, first kept, block
-
-    def __getitem__(self, rows: slice) -> Rows:
-        lo, hi, _ = rows.indices(self.shape[0])
-        return Rows(self.compute, hi - lo, self.shape[1], self.start + lo, self.kept)
-
-    def float(self) -> torch.Tensor:
-        """Return these rows: from the block kept, else from a block computed from the first of them."""
-        (total, at, block), lo, hi = self.kept, self.start, self.start + self.shape[0]
-        if block is None or lo < at or hi > at + block.shape[0]:
-            self.kept[2] = block = None  # the old block goes first: two are never held
-            chunk = max(1, _COMPARE_ELEMENTS // self.shape[1])  # _row_stats's: a block holds whole chunks
-            step = max(hi - lo, CHECK_MEMORY_BYTES // 16 // self.shape[1] // chunk * chunk)  # a quarter, float32
-            at, block = lo, self.compute(lo, min(total, lo + step))
-            self.kept[1:] = at, block
-        return block[lo - at : hi - at]
-
-
-def reference_rows(compute: Callable, rows: int, cols: int) -> torch.Tensor | Rows:
-    """Return the float32 (rows, cols) reference `compute(lo, hi)` makes: whole where it fits in a quarter of the
-    check's memory bound, else as Rows (each comparison computes the rows it reads again: time for memory)."""
-    return compute(0, rows) if rows * cols * 16 <= CHECK_MEMORY_BYTES else Rows(compute, rows, cols)
 
 
 def _compare_stats(
@@ -290,7 +255,7 @@ class Case:
     n: int
     k: int
     invoke: Callable[[], object]  # makes the call, returns what the caller would get
-    reference: torch.Tensor | Rows  # float32 (M, N); Rows: too large to keep whole, computed a block at a time
+    reference: torch.Tensor  # float32 (M, N)
     inputs: tuple[torch.Tensor, ...] = ()  # bitwise unchanged after every call
     out: torch.Tensor | None = None  # the tensor the call must write and return (None: any (M, N) result)
     label: str | None = None

@@ -225,7 +225,6 @@ def moe_cases(
     repeat_tokens: int = 0,
     poison_expert0: bool = False,
     budget: ProbeBudget | None = None,
-    subset: list[int] | None = None,
 ) -> list[Case]:
     """Return the checked calls of `fn` with `weights`, one per plan (label, x, topk_ids, topk_weights)."""
     # Plan ids are SGLang's: global (this rank's are first_expert .. + E - 1), -1 drops. `fn` gets local ids,
@@ -237,17 +236,12 @@ def moe_cases(
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
     ref_w = reference_weights or weights
     experts = weights.w13.shape[0]
-    # The `subset` of experts most plans route among: copied to the device once, with a cache of their own (the
-    # oracle reads them there, never per read from host memory, where a converting backend keeps the layer's bytes).
-    near = None if subset is None else _on_device(ref_w, subset, weights.w13.device)
     for label, x, ids, topk_weights in plans:
         local = ids.long() - first_expert
         mine = (ids >= 0) & (local >= 0) & (local < experts)
         call_ids = ids if served_ids else torch.where(mine, local, -1).to(torch.int32)
-        routed, oracle = (x, torch.where(mine, local, 0), torch.where(mine, topk_weights, 0.0)), (ref_w, cache)
-        if near is not None and bool((near[1][routed[1]] >= 0).all()):  # one read back per plan, at build
-            routed, oracle = (x, near[1][routed[1]], routed[2]), (near[0], near[2])
-        ref, slack = _moe_reference(routed, oracle[0], activation, mode, oracle[1])
+        routed = (x, torch.where(mine, local, 0), torch.where(mine, topk_weights, 0.0))
+        ref, slack = _moe_reference(routed, ref_w, activation, mode, cache)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         args = (x, call_ids, topk_weights, *weights)
         inputs = tuple(a for a in args if isinstance(a, torch.Tensor))
@@ -270,16 +264,6 @@ def moe_cases(
             [probe] = moe_cases(fn, poisoned[0], activation, [poisoned[1]], bounds, cache, **kept)
             cases.append(replace(probe, twin=None, once=True))  # one call: the poison is in the weights, not in state
     return cases
-
-
-def _on_device(ref_w: nvfp4.MoeWeights, subset: list[int], device: torch.device) -> tuple:
-    """Return `ref_w`'s experts `subset` (in that order) on `device`, each expert's place there (-1: not), and
-    an ExpertCache of them (by place)."""
-    experts, index = ref_w.w13.shape[0], torch.tensor(subset, dtype=torch.long)
-    place = torch.full((experts,), -1, dtype=torch.long)
-    place[index] = torch.arange(len(subset))
-    near = ref_w.map(lambda t: t[index.to(t.device)].to(device) if t.dim() and len(t) == experts else t)
-    return near, place.to(device), ExpertCache(range(len(subset)))
 
 
 def _group_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
