@@ -266,7 +266,9 @@ def test_installed_versions_are_read_once_per_lookup_and_again_after_clear_cache
     assert asked == ["no-such-dist-sm120", "fakedist"], "each distribution's METADATA is read once"
     versions.clear_cache()
     assert versions.installed_version("fakedist") == "1.5" and asked[-1] == "fakedist" and len(asked) == 3
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0")  # another lookup: read afresh
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0")  # a later pip run: cached until cleared
+    assert versions.installed_version("fakedist") == "1.5"
+    versions.clear_cache()
     assert versions.installed_version("fakedist") == "2.0"
 
 
