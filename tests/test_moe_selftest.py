@@ -19,14 +19,7 @@ from sm120_fp4.errors import ConfigError, InvalidArgument
 
 SIM = Device(-1, "simulated (no GPU)", (12, 0), simulated=True, source="simulate")
 
-FAULTS = [
-    moe_faults.drops_tile_rows_64_127,
-    moe_faults.drops_one_expert,
-    moe_faults.ignores_routing_weights,
-    moe_faults.swaps_gate_and_up,
-    moe_faults.drops_second_slot,
-    moe_faults.make_stale_workspace(),
-]
+FAULTS = moe_faults.kernel_faults()
 
 
 @pytest.mark.parametrize("fault", slow_but_one(FAULTS, keep=4), ids=lambda f: f.__name__)

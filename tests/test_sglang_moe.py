@@ -73,14 +73,7 @@ def test_sglangs_moe_forward_through_the_patched_seam_matches_the_oracle():
 @pytest.mark.parametrize(
     "fault",
     slow_but_one(
-        [
-            moe_faults.drops_tile_rows_64_127,
-            moe_faults.drops_one_expert,
-            moe_faults.ignores_routing_weights,
-            moe_faults.swaps_gate_and_up,
-            moe_faults.drops_second_slot,
-            moe_faults.make_stale_workspace(),
-        ],
+        moe_faults.kernel_faults(),
         keep=2,  # the cheapest case at the real layer on 2 cores
     ),
     ids=lambda f: f.__name__,

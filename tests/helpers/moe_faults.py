@@ -105,3 +105,15 @@ def after_generic(fault):
         return (emulated_moe if calls["n"] <= generic else fault)(*args)
 
     return kernel
+
+
+def kernel_faults() -> list:
+    """One of each wrong MoE kernel above (a fresh stale-workspace kernel each call)."""
+    return [
+        drops_tile_rows_64_127,
+        drops_one_expert,
+        ignores_routing_weights,
+        swaps_gate_and_up,
+        drops_second_slot,
+        make_stale_workspace(),
+    ]
