@@ -34,6 +34,11 @@ class State:
         # forward pass, written by publish() alone, emptied (never replaced) by reset().
         self.route_tables: dict[str, dict[int, Callable | None]] = {"dense": {}, "moe": {}}
         self.report = report_file.Writer()  # this process's report sections and its one writer thread
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """Set every store but the lock, the records, the route tables and the report to its empty value (the one
+        list of them: __init__ and reset() alike)."""
         self.refusals: list[Refusal] = []
         self.unverified: list[Unverified] = []  # what SM120_FP4_SELFTEST=warn serves unverified
         self.verifying: dict[object, str] = {}  # what it self-tests now (the report), by check
@@ -62,17 +67,14 @@ class State:
 
     def reset(self) -> None:
         """Forget every decision, route, refusal, check under way, crash told, canary and report section (uninstall),
-        undoing what
-        a backend converted at load where it can; the report writes asked before land first (bounded)."""
+        undoing what a backend converted at load where it can; the report writes asked before land first (bounded)."""
         self.report.flush()
         with self.lock:
             dropped = [r for r in self.records.values() if r.serving is not None]
             self.records.clear()
             for table in self.route_tables.values():
                 table.clear()
-            self.refusals, self.unverified, self.verifying, self.groups, self.crashes = [], [], {}, [], {}
-            self.canary = None
-            self.updating, self.updating_since, self.last_settings, self.rank = 0, None, None, dict
+            self._fresh()
         self.report.sections.clear()
         graphs.clear()  # the checks' graphs (their memory) go with the layers they checked
         for record in dropped:
