@@ -1,5 +1,5 @@
 """The verification policy, the same for every engine: which batch sizes (M) are checked at load, after warm-up
-and by the canary, the dense layer check and the common part of the MoE one, and the weights hook.
+and by the canary, the dense and MoE layer checks, and the weights hook.
 
 An engine home supplies its layers' tensors, the call that serves them and its `Sizes`; what is checked, and
 against which weights (always the checkpoint's bytes), is decided here once.
@@ -192,14 +192,98 @@ def expert_subset(experts: int, at_least: int) -> list[int]:
     return sorted({round(i * step) for i in range(count)})
 
 
-def moe_cases(serve, weights: nvfp4.MoeWeights, activation: str, plans, index: int, subset, **options) -> list:
-    """Return a MoE layer's served calls of `plans` against the oracle on the checkpoint's bytes, in the mode
-    (W4A4 or W4A16) of the backend that serves device `index`."""
-    mode = backends.mode_of("moe", routes("moe").get(index, backends.EMULATED))
-    cache = verify.ExpertCache(list(subset))  # every-expert batches dequantize the others per call
-    oracle = dict(cache=cache, mode=mode, reference_weights=weights.map(backends.original))
-    budget = verify.ProbeBudget(LAYER_PROBE_S)
-    return verify.moe_cases(serve, weights, activation, plans, budget=budget, **oracle, **options)
+class MoeLayer(NamedTuple):
+    """One NVFP4 MoE layer's experts as its engine passes them to the kernel, read by the engine's home."""
+
+    weights: nvfp4.MoeWeights  # this rank's experts
+    activation: str  # "swiglu" or "relu2"
+    ranks: tuple[int, int, int, int] = (1, 0, 1, 0)  # ep_size, ep_rank, tp_size, tp_rank
+
+
+def moe_check(
+    sizes: Sizes,
+    kind: str,
+    layer: object,
+    read: Callable[[object], MoeLayer | None],
+    serve: Callable,
+    rebuild: Callable[[object], LayerCheck | None],
+    *,
+    served_ids: bool = True,
+    drops: bool = False,
+) -> LayerCheck | None:
+    """Return the LayerCheck of one NVFP4 MoE layer: the experts `read(layer)` finds (None: not this layout), served
+    through `serve` (the backend convention; it gets the plans' global ids where `served_ids`, else this rank's, -1
+    for every other slot), at the M of `sizes`. `drops`: the engine's calls carry -1 slots (SGLang: other ranks'
+    experts, padded graph rows); its full sweep adds a padded batch, the expert-0 poison probe and the repeat probes
+    (vLLM refuses expert parallelism: its check routes to real experts only)."""
+    moe = read(layer)
+    if moe is None:
+        _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
+        return None
+    w = moe.weights
+    experts, hidden, inter = w.w13.shape[0], w.w13.shape[2] * 2, w.w2.shape[2] * 2
+    ep_size, ep_rank, tp_size, tp_rank = moe.ranks
+    first, total = ep_rank * experts, experts * ep_size
+    top_k = int(getattr(layer, "top_k", 2) or 2)
+    if top_k > total:
+        _LOG.warning(
+            "sm120_fp4: %s: top_k=%d is more than its %d experts; verified with top_k=%d", kind, top_k, total, total
+        )
+        top_k = total
+    subset = expert_subset(experts, top_k)  # this rank's experts every batch routes among (kept dequantized)
+    # Their global ids, plus a few other ranks' experts (which must add nothing); balanced batches: every expert.
+    foreign = [
+        e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total
+    ]
+    pool, everyone = torch.tensor(sorted({first + e for e in subset} | set(foreign))), torch.arange(total)
+    dtypes = activation_dtypes(layer)
+    ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
+    tp = f" TP rank {tp_rank}/{tp_size}" if tp_size > 1 else ""
+    label = f"{kind} E={experts} H={hidden} I={inter} top_k={top_k} {moe.activation} {dtype_names(dtypes)}{ep}{tp}"
+    key = ("moe", kind, tuple(w.w13.shape), tuple(w.w2.shape), top_k, dtypes, w.a1_gscale.numel(), ep_size, tp_size)
+    index = layer_device_index(layer)
+
+    def cases(ms: list[int]) -> list[verify.Case]:
+        full = len(ms) > 1  # the full sweep (a light check is one decode batch)
+        plans = _moe_plans(ms, w, dtypes, top_k, pool, everyone, drops)
+        # The oracle on the checkpoint's bytes, in the mode (W4A4 or W4A16) of the backend that serves the device.
+        mode = backends.mode_of("moe", routes("moe").get(index, backends.EMULATED))
+        cache = verify.ExpertCache(subset)  # every-expert batches dequantize the others per call
+        oracle = dict(cache=cache, mode=mode, reference_weights=w.map(backends.original))
+        # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
+        probes = dict(repeat_tokens=verify.REPEAT_MAX_TOKENS if drops and full else 0, poison_expert0=drops and full)
+        ours = dict(first_expert=first, served_ids=served_ids, budget=verify.ProbeBudget(LAYER_PROBE_S), **probes)
+        return verify.moe_cases(serve, w, moe.activation, plans, **oracle, **ours)
+
+    def current() -> tuple:
+        now = read(layer)
+        return tuple(now.weights) if now is not None else ()
+
+    tensors = {**w._asdict(), "dtype": dtypes[0], "top_k": top_k}
+    return layer_check(sizes, layer, index, key, label, "moe", cases, weights=current, rebuild=rebuild, tensors=tensors)
+
+
+def _moe_plans(ms, w: nvfp4.MoeWeights, dtypes, top_k: int, pool, everyone, padded: bool) -> list[tuple]:
+    """Return (name, x, topk_ids, topk_weights) per batch: random routing among `pool` at each M of `ms`; a full
+    sweep adds skewed routing, a `padded` one (-1 slots), and balanced routing over `everyone`."""
+    device = w.w13.device
+    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / w.a1_gscale.float().max().cpu())
+    gen = torch.Generator().manual_seed(2024)
+    batches = [(m, "random", pool) for m in ms]
+    if len(ms) > 1:
+        batches.append((160, "skewed", pool))
+        batches += [(max(16, top_k), "padded", pool)] if padded else []
+        batches.append((max(8, 2 * everyone.numel()), "balanced", everyone))  # every expert leads two tokens
+    plans = []
+    for dtype in dtypes:
+        for m, routing, among in batches:
+            ids, topk_weights = verify.moe_routing(m, min(top_k, among.numel()), among.numel(), routing, gen)
+            ids = torch.where(ids >= 0, among[ids.long().clamp_min(0)], -1).to(torch.int32)  # served ids; -1 stays
+            x = verify.seeded_activations(m, w.w13.shape[2] * 2, amax, 2024 + len(plans), device, dtype)
+            every = " (every expert)" if among is everyone else ""
+            name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
+            plans.append((name, x, ids.to(device), topk_weights.to(device)))
+    return plans
 
 
 def refuse_unverifiable(settings, what: str, problem: str | None) -> None:

@@ -10,16 +10,16 @@ import dataclasses
 import functools
 import logging
 import sys
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
-from .. import nvfp4, verify
+from .. import nvfp4
 from ..backends import flashinfer
 from ..deciding import refuse
 from ..patching import Patcher, PatchSpec
-from ..serving import LayerCheck
-from ..serving.policy import activation_dtypes, dtype_names, expert_subset, layer_check, layer_device_index, moe_cases
+from ..serving import LayerCheck, policy
+from ..serving.policy import MoeLayer
 from .hooks import sizes
 from .release import DISTRIBUTION, MOE_RUNNER_FC, MOE_UTILS, RUNTIME_CONTEXT, sglang_version, supported
 
@@ -163,18 +163,8 @@ def call_problem(layer: object) -> str | None:
     return flashinfer.unmodeled_moe_problem(served_options(layer), seam[1]) if seam is not None else None
 
 
-class ProcessedMoe(NamedTuple):
-    """Hold one NVFP4 MoE layer as SGLang passes it to the kernel: its eight tensors and their sizes."""
-
-    weights: nvfp4.MoeWeights
-    activation: str  # "swiglu" or "relu2"
-    experts: int  # this rank's
-    hidden: int
-    inter: int
-
-
-def processed_weights(layer: object) -> ProcessedMoe | None:
-    """Return the tensors SGLang passes to the kernel (None: not the cutlass layout)."""
+def processed_weights(layer: object) -> MoeLayer | None:
+    """Return the tensors SGLang passes to the kernel, its activation and ranks (None: not the cutlass layout)."""
     w13, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
     if not (
         isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and w13.dtype == torch.uint8 and w13.dim() == 3
@@ -200,7 +190,7 @@ def processed_weights(layer: object) -> ProcessedMoe | None:
         a1_gscale=flashinfer.global_scale(layer.w13_input_scale_quant.float()),
         a2_gscale=flashinfer.global_scale(layer.w2_input_scale_quant.float()),
     )
-    return ProcessedMoe(weights, activation, experts, hidden, inter)
+    return MoeLayer(weights, activation, _ranks(layer))
 
 
 def _ranks(layer: object) -> tuple[int, int, int, int]:
@@ -208,109 +198,20 @@ def _ranks(layer: object) -> tuple[int, int, int, int]:
     return tuple(getattr(layer, name, default) for name, default in zip(names, (1, 0, 1, 0)))
 
 
-def _routed(tokens: int, top_k: int, pool: torch.Tensor, routing: str, gen: torch.Generator):
-    """Return verify.moe_routing over the expert ids in `pool` (served ids; -1 stays -1)."""
-    ids, weights = verify.moe_routing(tokens, top_k, pool.numel(), routing, gen)
-    return torch.where(ids >= 0, pool[ids.long().clamp_min(0)], torch.full_like(ids, -1, dtype=torch.long)).to(
-        torch.int32
-    ), weights
-
-
-class _Plan(NamedTuple):
-    """Hold which experts one MoE layer's check routes to, and in which dtypes."""
-
-    top_k: int
-    subset: list[int]  # this rank's experts every batch routes among (the oracle keeps them dequantized)
-    pool: torch.Tensor  # their global ids, plus a few other ranks' experts (which must add nothing)
-    everyone: torch.Tensor  # every expert of every rank
-    first: int  # this rank's first global expert id
-    dtypes: tuple
-
-
-def _plan(kind: str, layer: object, processed: ProcessedMoe) -> _Plan:
-    experts = processed.experts
-    ep_size, ep_rank, _, _ = _ranks(layer)
-    first, total = ep_rank * experts, experts * ep_size
-    top_k = int(getattr(layer, "top_k", 2) or 2)
-    if top_k > total:
-        _LOG.warning(
-            "sm120_fp4: %s: top_k=%d is more than its %d experts; verified with top_k=%d", kind, top_k, total, total
-        )
-        top_k = total
-    subset = expert_subset(experts, top_k)
-    foreign = [
-        e for e in (0, first - 1, first + experts, total - 1) if not first <= e < first + experts and 0 <= e < total
-    ]
-    pool = torch.tensor(sorted(set(first + e for e in subset) | set(foreign)))
-    return _Plan(top_k, subset, pool, torch.arange(total), first, activation_dtypes(layer))
-
-
-def _label_and_key(kind: str, layer: object, processed: ProcessedMoe, plan: _Plan) -> tuple[str, tuple]:
-    w = processed.weights
-    ep_size, ep_rank, tp_size, tp_rank = _ranks(layer)
-    ep = f" EP rank {ep_rank}/{ep_size}" if ep_size > 1 else ""
-    tp = f" TP rank {tp_rank}/{tp_size}" if tp_size > 1 else ""
-    dtypes = dtype_names(plan.dtypes)
-    label = (
-        f"{kind} E={processed.experts} H={processed.hidden} I={processed.inter} top_k={plan.top_k} "
-        f"{processed.activation} {dtypes}{ep}{tp}"
-    )
-    key = ("moe", kind, tuple(w.w13.shape), tuple(w.w2.shape), plan.top_k, plan.dtypes, w.a1_gscale.numel())
-    return label, (*key, ep_size, tp_size)
-
-
-def _cases(layer, processed: ProcessedMoe, serve: Callable | None, plan: _Plan, ms: list[int]) -> list[verify.Case]:
-    """Return the check's served calls at batch sizes `ms` (the full sweep adds skewed, padded, balanced)."""
-    weights, top_k, hidden = processed.weights, plan.top_k, processed.hidden
-    device = weights.w13.device
-    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
-    cover = max(8, 2 * plan.everyone.numel())  # tokens that let every expert (of every rank) lead two
-    gen = torch.Generator().manual_seed(2024)
-    plans = []
-    batches = [(m, "random", plan.pool) for m in ms]
-    if len(ms) > 1:  # the full sweep (a light check is one decode batch)
-        batches += [(160, "skewed", plan.pool), (max(16, top_k), "padded", plan.pool)]
-        batches.append((cover, "balanced", plan.everyone))
-    for dtype in plan.dtypes:
-        for m, routing, among in batches:
-            ids, topk_weights = _routed(m, min(top_k, among.numel()), among, routing, gen)
-            x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device, dtype)  # made where used
-            every = " (every expert)" if among is plan.everyone else ""
-            name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
-            plans.append((name, x, ids.to(device), topk_weights.to(device)))
-    call = serve or functools.partial(_served_convention, layer, processed)
-    ours = dict(first_expert=plan.first, served_ids=serve is None)
-    # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
-    full = dict(repeat_tokens=verify.REPEAT_MAX_TOKENS if len(ms) > 1 else 0, poison_expert0=len(ms) > 1)
-    index = layer_device_index(layer)
-    return moe_cases(call, weights, processed.activation, plans, index, plan.subset, **ours, **full)
-
-
 def moe_check(kind: str, layer: object, serve: Callable | None = None) -> LayerCheck | None:
     """Return the LayerCheck of one NVFP4 MoE layer (None: not the cutlass layout); `serve` defaults to the seam
     (the cost benchmarks pass the backend's call, wrapped to meter its memory)."""
-    processed = processed_weights(layer)
-    if processed is None:
-        _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
-        return None
-    plan = _plan(kind, layer, processed)
-    label, key = _label_and_key(kind, layer, processed, plan)
-
-    def current() -> tuple:
-        now = processed_weights(layer)
-        return tuple(now.weights) if now is not None else ()
-
-    cases = functools.partial(_cases, layer, processed, serve, plan)
-    tensors = {**processed.weights._asdict(), "dtype": plan.dtypes[0], "top_k": plan.top_k}
+    call = serve or functools.partial(_served_convention, layer)
     rebuild = lambda owner: moe_check(kind, owner, serve)  # noqa: E731
-    fields = dict(weights=current, rebuild=rebuild, tensors=tensors)
-    return layer_check(sizes(), layer, layer_device_index(layer), key, label, "moe", cases, **fields)
+    return policy.moe_check(
+        sizes(), kind, layer, processed_weights, call, rebuild, served_ids=serve is None, drops=True
+    )
 
 
-def _served_convention(layer, processed: ProcessedMoe, x, ids, topk_weights, *rest):
+def _served_convention(layer, x, ids, topk_weights, *rest):
     """Serve a backend-convention call (its weights) through the seam as SGLang's _run_flashinfer_cutlass does."""
     front, activation_type = _seam()
-    w, out = nvfp4.MoeWeights(*rest[:8]), rest[-1]  # `ids` global, -1 for a dropped slot
+    w, activation, out = nvfp4.MoeWeights(*rest[:8]), rest[8], rest[-1]  # `ids` global, -1 for a dropped slot
     scales = [_scalar(w.a1_gscale), w.w13_sf.view(torch.int32), w.w13_alpha]
     scales += [_scalar(w.a2_gscale), w.w2_sf.view(torch.int32), w.w2_alpha]
     swiglu = _swiglu(layer)
@@ -320,7 +221,7 @@ def _served_convention(layer, processed: ProcessedMoe, x, ids, topk_weights, *re
     experts = dict(
         fc1_expert_weights=w.w13.view(torch.long), fc2_expert_weights=w.w2.view(torch.long), quant_scales=scales
     )
-    act = getattr(activation_type, flashinfer.MOE_ACTIVATIONS[processed.activation])
+    act = getattr(activation_type, flashinfer.MOE_ACTIVATIONS[activation])
     fixed = dict(tune_max_num_tokens=8192, activation_type=act, enable_alltoall=False, use_fused_finalize=False)
     served = front(**out_dtype, **tokens, **experts, **swiglu, **ranks, **fixed)
     out.copy_(served[0])

@@ -8,9 +8,9 @@ from typing import Callable
 
 import torch
 
-from .. import backends, nvfp4, verify
-from ..serving import LayerCheck
-from ..serving.policy import activation_dtypes, dtype_names, expert_subset, layer_check, layer_device_index, moe_cases
+from .. import backends, nvfp4
+from ..serving import LayerCheck, policy
+from ..serving.policy import MoeLayer
 from .hooks import sizes
 
 VERIFIED_BACKEND = "flashinfer_cutlass"  # NvFp4MoeBackend.FLASHINFER_CUTLASS: its experts call the routed alias
@@ -69,7 +69,7 @@ def layer_problem(kind: str, method: object, layer: object) -> str | None:
             f"w13 and activation {' or '.join(ACTIVATIONS)}; found activation {activation!r}, w13 {shape}), so nothing "
             f"would check its numbers; {warn}"
         )
-    count = found[0].w13.shape[0]
+    count = found.weights.w13.shape[0]
     total = getattr(layer, "global_num_experts", count)
     if getattr(layer, "expert_map", None) is not None or total != count:
         return (
@@ -129,7 +129,7 @@ def make_alias(original: Callable, make_front: Callable[[Callable, type], Callab
     return flashinfer_cutlass_fused_moe
 
 
-def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, str] | None:
+def processed_weights(method: object, layer: object) -> MoeLayer | None:
     """The tensors vLLM's FlashInfer experts hand the kernel and the activation (None: another layout)."""
     experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
     if experts is None or type(experts).__name__ != VERIFIED_EXPERTS_CLASS:
@@ -148,58 +148,16 @@ def processed_weights(method: object, layer: object) -> tuple[nvfp4.MoeWeights, 
     w2_sf = experts.w2_scale.view(e4m3).reshape(count, *shape(hidden, inter))
     alpha1, alpha2 = (a.float().reshape(count) for a in (experts.g1_alphas, experts.g2_alphas))
     a1, a2 = (backends.flashinfer.global_scale(g.float()) for g in (experts.a1_gscale, experts.a2_gscale))
-    return nvfp4.MoeWeights(w13, w13_sf, alpha1, w2, w2_sf, alpha2, a1, a2), activation
-
-
-def _plans(ms, dtypes, subset, everyone, top_k: int, hidden: int, amax: float, device) -> list[tuple]:
-    """(name, x, topk_ids, topk_weights) per batch; a full sweep adds skewed and balanced routing."""
-    gen = torch.Generator().manual_seed(2024)
-    batches = [(m, "random", subset) for m in ms]
-    if len(ms) > 1:  # the full sweep (a light check is one decode batch)
-        batches += [(160, "skewed", subset), (max(8, 2 * everyone.numel()), "balanced", everyone)]
-    plans = []
-    for dtype in dtypes:
-        for m, routing, among in batches:
-            ids, topk_weights = verify.moe_routing(m, min(top_k, among.numel()), among.numel(), routing, gen)
-            ids = among[ids.long()].to(torch.int32)
-            x = verify.seeded_activations(m, hidden, amax, 2024 + len(plans), device, dtype)
-            name = f"T={m} {routing} {str(dtype).removeprefix('torch.')}"
-            plans.append((name, x, ids.to(device), topk_weights.to(device)))
-    return plans
+    return MoeLayer(nvfp4.MoeWeights(w13, w13_sf, alpha1, w2, w2_sf, alpha2, a1, a2), activation)
 
 
 def moe_check(kind: str, method: object, layer: object) -> LayerCheck | None:
     """The LayerCheck of one NVFP4 MoE layer on FlashInfer's experts, through ``method.apply``."""
-    found = processed_weights(method, layer)
-    if found is None or layer_problem(kind, method, layer) is not None:
+    if layer_problem(kind, method, layer) is not None:
         return None  # refused, or served unverified and shown in status() (the wiring asked layer_problem first)
-    weights, activation = found
-    experts = weights.w13.shape[0]
-    hidden, inter = weights.w13.shape[2] * 2, weights.w2.shape[2] * 2
-    top_k = min(int(getattr(layer, "top_k", 2) or 2), experts)
-    subset = torch.tensor(expert_subset(experts, top_k))
-    everyone = torch.arange(experts)
-    dtypes = activation_dtypes(layer)
-    label = f"vLLM {kind} E={experts} H={hidden} I={inter} top_k={top_k} {activation} {dtype_names(dtypes)}"
-    key = ("vllm-moe", kind, tuple(weights.w13.shape), tuple(weights.w2.shape), top_k, dtypes)
-    key += (weights.a1_gscale.numel(),)
-    device = weights.w13.device
-    amax = float(nvfp4.E4M3_MAX * nvfp4.E2M1_MAX / weights.a1_gscale.float().max().cpu())
-    index = layer_device_index(layer)
 
     def serve(x, ids, topk_weights, *rest):
         return rest[-1].copy_(method.apply(layer, x, topk_weights, ids, None, None))
 
-    def cases(ms: list[int]) -> list[verify.Case]:
-        plans = _plans(ms, dtypes, subset, everyone, top_k, hidden, amax, device)
-        return moe_cases(serve, weights, activation, plans, index, subset.tolist(), served_ids=True)
-
-    def current() -> tuple:
-        now = processed_weights(method, layer)
-        return tuple(now[0]) if now is not None else ()
-
-    tensors = {**weights._asdict(), "dtype": dtypes[0], "top_k": top_k}
-    rebuild = functools.partial(moe_check, kind, method)
-    return layer_check(
-        sizes(), layer, index, key, label, "moe", cases, weights=current, rebuild=rebuild, tensors=tensors
-    )
+    read, rebuild = functools.partial(processed_weights, method), functools.partial(moe_check, kind, method)
+    return policy.moe_check(sizes(), f"vLLM {kind}", layer, read, serve, rebuild)
