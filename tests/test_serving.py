@@ -186,7 +186,7 @@ def test_both_engines_take_their_verified_sizes_from_the_one_policy():
     root = pathlib.Path(sm120_fp4.__file__).parent
     for home in ("sglang", "vllm"):
         code = re.sub(r"\s+", "", "".join(p.read_text() for p in (root / home).glob("*.py")))
-        assert "dense_check(sizes()," in code and "policy.moe_check(sizes()," in code, home
+        assert "dense_layer_check(sizes()," in code and "policy.moe_check(sizes()," in code, home
         assert "LayerCheck(" not in code and "def batch_sizes" not in code and "recheck_ms" not in code, home
     assert "LayerCheck(" in (root / "serving" / "policy.py").read_text()
 

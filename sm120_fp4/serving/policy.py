@@ -183,6 +183,21 @@ def dense_check(
     return layer_check(sizes, layer, weight.get_device(), key, label, "dense", cases, tensors=tensors, **fields)
 
 
+def dense_layer_check(
+    sizes: Sizes, kind: str, method: object, apply: str, layer: object, names: tuple, n_out: int | None, again: Callable
+) -> LayerCheck | None:
+    """Return the dense_check of `layer` served through ``method.<apply>(layer, x)``, its (weight, block scales,
+    alpha, input scale) its attributes `names` (read again for each fingerprint), K its input_size_per_partition,
+    `n_out` its own where the engine pads its rows; rebuilt by ``again(method, layer)``."""
+
+    def current() -> tuple:
+        return tuple(getattr(layer, name) for name in names)
+
+    serve, k = functools.partial(getattr(method, apply), layer), getattr(layer, "input_size_per_partition", None)
+    options = dict(weights=current, rebuild=functools.partial(again, method), scale_name=names[3])
+    return dense_check(sizes, kind, serve, layer, current(), n_out, k, **options)
+
+
 def expert_subset(experts: int, at_least: int) -> list[int]:
     """Return max(VERIFIED_EXPERTS, `at_least`) of a layer's `experts` spread from first to last (or all)."""
     count = min(experts, max(VERIFIED_EXPERTS, at_least))

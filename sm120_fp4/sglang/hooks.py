@@ -12,7 +12,7 @@ from typing import Callable
 
 from ..errors import say_once
 from ..serving import LayerCheck
-from ..serving.policy import Sizes, dense_check
+from ..serving.policy import Sizes, dense_layer_check
 from .release import ARG_OVERRIDES, RUNTIME_CONTEXT, SERVER_ARGS
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -176,16 +176,8 @@ DENSE = {
 def _format_check(kind: str, again: Callable, method: object, layer: object) -> LayerCheck | None:
     apply, *names = DENSE[kind]
     # ModelOpt may pad the weight's rows; compressed-tensors serves them all (None: the weight's).
-    padded = kind == "ModelOptFp4LinearMethod"
-    n_out = getattr(layer, "output_size_per_partition", None) if padded else None
-    k = getattr(layer, "input_size_per_partition", None)
-    serve, tensors = functools.partial(getattr(method, apply), layer), tuple(getattr(layer, name) for name in names)
-
-    def current() -> tuple:
-        return tuple(getattr(layer, name) for name in names)
-
-    rebuild = functools.partial(again, method)
-    return dense_check(sizes(), kind, serve, layer, tensors, n_out, k, weights=current, rebuild=rebuild)
+    n_out = getattr(layer, "output_size_per_partition", None) if kind == "ModelOptFp4LinearMethod" else None
+    return dense_layer_check(sizes(), kind, method, apply, layer, tuple(names), n_out, again)
 
 
 def modelopt_check(method: object, layer: object) -> LayerCheck | None:

@@ -6,12 +6,10 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Callable
 
 from ..errors import say_once
 from ..serving import LayerCheck
-from ..serving.policy import Sizes
-from ..serving.policy import dense_check as policy_dense_check
+from ..serving.policy import Sizes, dense_layer_check
 from .release import NVFP4_BASE
 
 _LOG = logging.getLogger("sm120_fp4")
@@ -98,25 +96,14 @@ def sizes() -> Sizes:
     return Sizes(batch, tokens, tokens)
 
 
-def dense_check(kind: str, serve: Callable, layer: object, rebuild: Callable) -> LayerCheck | None:
-    """Return the LayerCheck of one vLLM NVFP4 linear layer served by FlashInferCutlassNvFp4LinearKernel."""
-    names = ("weight", "weight_scale", "alpha", "input_global_scale_inv")
-
-    def current() -> tuple:
-        return tuple(getattr(layer, name, None) for name in names)
-
-    n_out, k = (getattr(layer, f"{side}_size_per_partition", None) for side in ("output", "input"))
-    options = dict(weights=current, rebuild=rebuild, scale_name="input_global_scale_inv")
-    return policy_dense_check(sizes(), f"vLLM {kind}", serve, layer, current(), n_out, k, **options)
-
-
 def _routed_check(kind: str, apply: str, method: object, layer: object) -> LayerCheck | None:
     """`method` after process_weights_after_loading: NVFP4 W4A4 layers on the routed kernel only, through `apply`."""
     kernel = nvfp4_kernel(method)
     if kernel is None or type(kernel).__name__ not in ROUTABLE_KERNELS:
         return None
-    rebuild = functools.partial(_routed_check, kind, apply, method)
-    return dense_check(kind, functools.partial(getattr(method, apply), layer), layer, rebuild)
+    names = ("weight", "weight_scale", "alpha", "input_global_scale_inv")
+    again, n_out = functools.partial(_routed_check, kind, apply), getattr(layer, "output_size_per_partition", None)
+    return dense_layer_check(sizes(), f"vLLM {kind}", method, apply, layer, names, n_out, again)
 
 
 modelopt_check = functools.partial(_routed_check, "ModelOptLinearMethod (NVFP4)", "apply")
