@@ -7,15 +7,14 @@ from __future__ import annotations
 import pathlib
 import re
 import threading
-import types
 
 import pytest
-from helpers import faults
+from helpers import fastest, faults
 from helpers.cases import case
 from helpers.common import CpuGpu, run_concurrently
 
 import sm120_fp4
-from sm120_fp4 import backends, deciding, serving, verify
+from sm120_fp4 import backends, serving, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.config import Settings
 from sm120_fp4.errors import RefusedToServe
@@ -146,15 +145,7 @@ def test_select_fastest_times_the_served_layer_configurations_at_their_serving_b
     from sm120_fp4.demo import synthetic
     from sm120_fp4.sglang import hooks, layers
 
-    clock = [0.0]
-
-    def timer(call, device):  # the timing seam: seconds of one served call on the stand-in clock
-        start = clock[0]
-        call()
-        return clock[0] - start
-
-    monkeypatch.setattr(deciding, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))  # the self-test's
-    monkeypatch.setattr(serving.fastest, "timer", timer)
+    clock = fastest.use_clock(monkeypatch)  # the self-test's and the served calls' timings
 
     def costing(cost):
         def gemm(a, b, a_sf, b_sf, alpha, dtype, out):

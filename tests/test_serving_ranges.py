@@ -1,6 +1,6 @@
 """SELECT=fastest by batch size: one verified backend per M range (decode, prefill), through SGLang's
-real layer on a simulated SM120. Timings come from a stand-in clock through the timing seam
-(serving.fastest.timer); the fault backends are registered through sm120_fp4.backends.register."""
+real layer on a simulated SM120. Timings come from a stand-in clock through the library's one timer
+(deciding.timed); the fault backends are registered through sm120_fp4.backends.register."""
 
 from __future__ import annotations
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Callable
 
-import torch
-
 from .. import backends
 from ..config import Settings
 from ..deciding import Choice, Decision, time_call
@@ -18,7 +16,6 @@ from .records import LayerCheck, Record, refuse_now, route_text
 from .state import STATE
 
 SEPARATION = 1.03  # a backend faster by less than this ratio of the range's time is within noise: no split
-timer: Callable[[Callable[[], object], torch.device], float] = time_call  # the timing seam (tests replace it)
 
 
 def ranged(bounds: tuple[int, ...], fns: tuple[Callable, ...]) -> Callable:
@@ -70,7 +67,7 @@ def _split(serving: Record, base: Decision, ranges: list, singles: dict[str, Cho
 def _time(serving: Record, check: LayerCheck) -> dict[int, float]:
     """Return milliseconds per serving batch size of `check`'s served calls."""
     tdev = serving.device.torch_device
-    return {case.m: timer(case.invoke, tdev) * 1e3 for case in check.cases(check.recheck_ms)}
+    return {case.m: time_call(case.invoke, tdev) * 1e3 for case in check.cases(check.recheck_ms)}
 
 
 def retime(settings: Settings) -> None:

@@ -123,10 +123,6 @@ def make_weights_hook(original: Callable, before: Callable, scope: Callable, aft
     return process_weights_after_loading
 
 
-def _quantize(x: torch.Tensor, gsf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return nvfp4.quantize(x, gsf, check_finite=False)
-
-
 def _served_cases(serve, watched: tuple, n_out: int, k: int, ms: list[int], dtype, seed: int, scale_name: str):
     """Return the served calls at batch sizes `ms` on seeded activations, each with its oracle result."""
     weight, weight_sf, alpha, input_gsf = watched
@@ -139,8 +135,9 @@ def _served_cases(serve, watched: tuple, n_out: int, k: int, ms: list[int], dtyp
     k_weight = weight.shape[1] * 2
     padded = torch.nn.functional.pad(x, (0, k_weight - k)) if k_weight > k else x  # zero codes add nothing
     # Finite by construction, its scale read above; at a decode batch size from a CUDA graph (launch-bound).
+    quantize = functools.partial(nvfp4.quantize, check_finite=False)
     qx, sx = graphs.run(
-        "quantize", _quantize, (padded, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())
+        "quantize", quantize, (padded, input_gsf.float().reshape(())), lambda q: (q[0].clone(), q[1].clone())
     )
     # The checkpoint's bytes, never a converted layout: where a backend converted the served storage in place
     # (humming), its kept copy. The scales as E4M3 bytes, whichever dtype the engine keeps them in.

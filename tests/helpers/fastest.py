@@ -1,12 +1,13 @@
 """SELECT=fastest's timings from a stand-in clock: each backend call advances it by its cost at that M, and the
-timing seams (serving.fastest.timer, deciding's clock) read it, so that rankings never depend on the machine's load."""
+library's one timer (deciding.timed) reads it, so that rankings never depend on the machine's load."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
-from sm120_fp4 import backends, deciding, serving
+from sm120_fp4 import backends, deciding
 from sm120_fp4.backends import emulated_mm_fp4
 
 
@@ -14,14 +15,15 @@ def use_clock(monkeypatch) -> list[float]:
     """Return the stand-in clock ([seconds]) that SELECT=fastest's timings read from now on."""
     now = [0.0]
 
-    def timer(call, device):
-        start = now[0]
-        call()
-        return now[0] - start
-
-    monkeypatch.setattr(serving.fastest, "timer", timer)
-    monkeypatch.setattr(deciding, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(deciding, "timed", functools.partial(clock_timed, now))
     return now
+
+
+def clock_timed(clock: list[float], call, device, repeats: int = 5) -> tuple[float, str]:
+    """deciding.timed on the stand-in `clock`: the seconds one call of `call` advanced it."""
+    start = clock[0]
+    call()
+    return clock[0] - start, "stand-in clock"
 
 
 def kernel(name, clock, calls, cost, wrong=lambda m: False):

@@ -8,6 +8,7 @@ Run as ``python -m helpers.ranks RANK PORT`` from tests/ (importable without pyt
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -78,20 +79,14 @@ def main(rank: int, port: int) -> None:
     import torch.distributed as dist
 
     import sm120_fp4
-    from sm120_fp4 import deciding, serving
+    from helpers.fastest import clock_timed
+    from sm120_fp4 import deciding
     from sm120_fp4.sglang import hooks
 
     hooks.DEFAULT_CHUNKED_PREFILL = 2048  # as the in-process tests (tests/conftest.py): M up to 2049
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     clock = [0.0]
-
-    def timer(call, device):
-        start = clock[0]
-        call()
-        return clock[0] - start
-
-    serving.fastest.timer = timer
-    deciding.time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    deciding.timed = functools.partial(clock_timed, clock)
 
     def say(scenario: str, found: dict) -> None:
         print(json.dumps({"rank": rank, "scenario": scenario, **found}), flush=True)
