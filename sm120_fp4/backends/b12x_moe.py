@@ -13,6 +13,7 @@ import torch
 from .. import nvfp4
 from ..devices import Device
 from ..errors import not_accepted
+from ..versions import version_in
 from .convention import check_moe_args
 from .flashinfer import moe_supported, toolchain_problem
 from .flashinfer import version as flashinfer_version
@@ -20,7 +21,7 @@ from .flashinfer import version as flashinfer_version
 NAME = "b12x"
 MIN_CUDA = (13, 0)  # B12xMoEWrapper raises below CUDA 13 (get_cuda_version())
 INTER_ALIGN = 128  # I % 128: the gate/up tile split (_LEVEL_TILE_N); below it 0.7.2 pads a private copy per layer
-HIDDEN_ALIGN_FROM = (0, 7, 4)  # 0.7.4 also requires H % 128
+HIDDEN_ALIGN_FROM = ">=0.7.4.dev0"  # FlashInfer releases that also require H % 128 (0.7.4 on)
 # FlashInfer #3807: b12x MoE fails to launch on SM120 for intermediate sizes of 1024 and more.
 MAX_INTER = 1023
 # vLLM #47365: b12x MoE returns empty or garbage output at TP=2 / PP=2 while one GPU is correct.
@@ -65,13 +66,6 @@ def use_wrapper(factory: WrapperFactory) -> Iterator[None]:
     finally:
         _factory = previous
         reset()
-
-
-def _version_tuple() -> tuple[int, ...] | None:
-    found = flashinfer_version()
-    if found is None:
-        return None
-    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in found.split(".")[:3])
 
 
 def _wrapper_class() -> WrapperFactory:
@@ -121,8 +115,7 @@ def layer_problem(experts: int, hidden: int, inter: int, activation: str, dtype:
         return f"b12x MoE fails to launch on SM120 for I >= {MAX_INTER + 1} (FlashInfer #3807; this layer: I={inter})"
     if inter % INTER_ALIGN:
         return f"b12x MoE needs I % {INTER_ALIGN} == 0 (this layer: I={inter}; below it FlashInfer pads a private copy per layer)"
-    version = _version_tuple()
-    if version is not None and version >= HIDDEN_ALIGN_FROM and hidden % INTER_ALIGN:
+    if hidden % INTER_ALIGN and version_in(flashinfer_version(), HIDDEN_ALIGN_FROM):
         return f"b12x MoE in flashinfer {flashinfer_version()} needs H % {INTER_ALIGN} == 0 (this layer: H={hidden})"
     return None
 
