@@ -1,12 +1,11 @@
 """FlashInfer's b12x NVFP4 fused MoE (``B12xMoEWrapper``, 0.7.2+) on the tensors SGLang prepares for cutlass (no
-copy: block scales through a 6-D view), its scales derived here; tests use a CPU stand-in (:func:`use_wrapper`)."""
+copy: block scales through a 6-D view), its scales derived here; tests patch in a CPU stand-in (:func:`_wrapper_class`)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -33,7 +32,6 @@ _BUFFERS = ("_static_workspace", "_dynamic_workspace", "_moe_output")  # a wrapp
 WrapperFactory = Callable[..., object]
 
 _lock = threading.Lock()
-_factory: WrapperFactory | None = None  # a stand-in (tests); None: FlashInfer's B12xMoEWrapper
 # Settings of the serving engine under which b12x cannot serve (SGLang's pdmux, deterministic inference, EP).
 _engine_checks: list[Callable[[], str | None]] = []
 _workspaces: dict[tuple, object] = {}  # (device, E, top-k, H, I, activation) -> the first wrapper (owns the buffers)
@@ -53,19 +51,6 @@ def engine_check(check: Callable[[], str | None]) -> Callable[[], None]:
                 _engine_checks.remove(check)
 
     return remove
-
-
-@contextlib.contextmanager
-def use_wrapper(factory: WrapperFactory) -> Iterator[None]:
-    """Use `factory` as B12xMoEWrapper inside the block (tests: no GPU needed; every other check applies)."""
-    global _factory
-    previous, _factory = _factory, factory
-    reset()
-    try:
-        yield
-    finally:
-        _factory = previous
-        reset()
 
 
 def _wrapper_class() -> WrapperFactory:
@@ -93,8 +78,8 @@ def supported(device: Device) -> tuple[bool, str | None]:
         )
     if problem is None and tuple(device.capability) not in ((12, 0), (12, 1)):
         problem = f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
-    if problem is not None or _factory is not None:
-        return problem is None, problem
+    if problem is not None:
+        return False, problem
     ok, reason = moe_supported("cutlass", device)  # a real GPU, FlashInfer installed
     if not ok:
         return False, reason
@@ -172,7 +157,7 @@ def _make_wrapper(config: tuple, owner: object | None) -> object:
         names = ("shared_static_workspace", "shared_dynamic_workspace", "shared_output")
         shared = {name: getattr(owner, attr, None) for name, attr in zip(names, _BUFFERS)}
     shared.update(use_cuda_graph=True, max_num_tokens=MAX_TOKENS, output_dtype=torch.bfloat16, device=device)
-    return (_factory or _wrapper_class())(
+    return _wrapper_class()(
         experts, top_k, hidden, inter, activation=ACTIVATIONS[activation], quant_mode="nvfp4", **shared
     )
 
