@@ -507,12 +507,16 @@ B12X_TOOLCHAIN = flashinfer.Toolchain((13, 0), "test", (2, 39), None)
 
 @pytest.fixture
 def b12x(monkeypatch):
-    """b12x's wrapper is the stand-in (healthy unless a test sets its fault); CUDA 13 and the CuTe DSL present."""
+    """b12x's wrapper is the stand-in (healthy unless a test sets its fault; no GPU needed, every other check
+    applies); CUDA 13 and the CuTe DSL present."""
     monkeypatch.setattr(b12x_stand_in.StandIn, "fault", None)
     monkeypatch.setattr(b12x_stand_in.StandIn, "made", [])
     monkeypatch.setattr(flashinfer, "toolchain", lambda: B12X_TOOLCHAIN)
-    with b12x_moe.use_wrapper(b12x_stand_in.StandIn):
-        yield b12x_stand_in.StandIn
+    monkeypatch.setattr(b12x_moe, "moe_supported", lambda name, device: (True, None))  # a real GPU's answer
+    monkeypatch.setattr(b12x_moe, "_wrapper_class", lambda: b12x_stand_in.StandIn)
+    b12x_moe.reset()
+    yield b12x_stand_in.StandIn
+    b12x_moe.reset()
 
 
 @pytest.mark.slow

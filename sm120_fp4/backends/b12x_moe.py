@@ -1,18 +1,18 @@
 """FlashInfer's b12x NVFP4 fused MoE (``B12xMoEWrapper``, 0.7.2+) on the tensors SGLang prepares for cutlass (no
-copy: block scales through a 6-D view), its scales derived here; tests use a CPU stand-in (:func:`use_wrapper`)."""
+copy: block scales through a 6-D view), its scales derived here; tests patch in a CPU stand-in (:func:`_wrapper_class`)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from .. import nvfp4
 from ..devices import Device
 from ..errors import not_accepted
+from ..versions import version_in
 from .convention import check_moe_args
 from .flashinfer import moe_supported, toolchain_problem
 from .flashinfer import version as flashinfer_version
@@ -20,7 +20,7 @@ from .flashinfer import version as flashinfer_version
 NAME = "b12x"
 MIN_CUDA = (13, 0)  # B12xMoEWrapper raises below CUDA 13 (get_cuda_version())
 INTER_ALIGN = 128  # I % 128: the gate/up tile split (_LEVEL_TILE_N); below it 0.7.2 pads a private copy per layer
-HIDDEN_ALIGN_FROM = (0, 7, 4)  # 0.7.4 also requires H % 128
+HIDDEN_ALIGN_FROM = ">=0.7.4.dev0"  # FlashInfer releases that also require H % 128 (0.7.4 on)
 # FlashInfer #3807: b12x MoE fails to launch on SM120 for intermediate sizes of 1024 and more.
 MAX_INTER = 1023
 # vLLM #47365: b12x MoE returns empty or garbage output at TP=2 / PP=2 while one GPU is correct.
@@ -32,7 +32,6 @@ _BUFFERS = ("_static_workspace", "_dynamic_workspace", "_moe_output")  # a wrapp
 WrapperFactory = Callable[..., object]
 
 _lock = threading.Lock()
-_factory: WrapperFactory | None = None  # a stand-in (tests); None: FlashInfer's B12xMoEWrapper
 # Settings of the serving engine under which b12x cannot serve (SGLang's pdmux, deterministic inference, EP).
 _engine_checks: list[Callable[[], str | None]] = []
 _workspaces: dict[tuple, object] = {}  # (device, E, top-k, H, I, activation) -> the first wrapper (owns the buffers)
@@ -52,26 +51,6 @@ def engine_check(check: Callable[[], str | None]) -> Callable[[], None]:
                 _engine_checks.remove(check)
 
     return remove
-
-
-@contextlib.contextmanager
-def use_wrapper(factory: WrapperFactory) -> Iterator[None]:
-    """Use `factory` as B12xMoEWrapper inside the block (tests: no GPU needed; every other check applies)."""
-    global _factory
-    previous, _factory = _factory, factory
-    reset()
-    try:
-        yield
-    finally:
-        _factory = previous
-        reset()
-
-
-def _version_tuple() -> tuple[int, ...] | None:
-    found = flashinfer_version()
-    if found is None:
-        return None
-    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in found.split(".")[:3])
 
 
 def _wrapper_class() -> WrapperFactory:
@@ -99,8 +78,8 @@ def supported(device: Device) -> tuple[bool, str | None]:
         )
     if problem is None and tuple(device.capability) not in ((12, 0), (12, 1)):
         problem = f"b12x MoE runs on sm_120/sm_121 only (found sm_{device.sm})"
-    if problem is not None or _factory is not None:
-        return problem is None, problem
+    if problem is not None:
+        return False, problem
     ok, reason = moe_supported("cutlass", device)  # a real GPU, FlashInfer installed
     if not ok:
         return False, reason
@@ -121,8 +100,7 @@ def layer_problem(experts: int, hidden: int, inter: int, activation: str, dtype:
         return f"b12x MoE fails to launch on SM120 for I >= {MAX_INTER + 1} (FlashInfer #3807; this layer: I={inter})"
     if inter % INTER_ALIGN:
         return f"b12x MoE needs I % {INTER_ALIGN} == 0 (this layer: I={inter}; below it FlashInfer pads a private copy per layer)"
-    version = _version_tuple()
-    if version is not None and version >= HIDDEN_ALIGN_FROM and hidden % INTER_ALIGN:
+    if hidden % INTER_ALIGN and version_in(flashinfer_version(), HIDDEN_ALIGN_FROM):
         return f"b12x MoE in flashinfer {flashinfer_version()} needs H % {INTER_ALIGN} == 0 (this layer: H={hidden})"
     return None
 
@@ -179,7 +157,7 @@ def _make_wrapper(config: tuple, owner: object | None) -> object:
         names = ("shared_static_workspace", "shared_dynamic_workspace", "shared_output")
         shared = {name: getattr(owner, attr, None) for name, attr in zip(names, _BUFFERS)}
     shared.update(use_cuda_graph=True, max_num_tokens=MAX_TOKENS, output_dtype=torch.bfloat16, device=device)
-    return (_factory or _wrapper_class())(
+    return _wrapper_class()(
         experts, top_k, hidden, inter, activation=ACTIVATIONS[activation], quant_mode="nvfp4", **shared
     )
 

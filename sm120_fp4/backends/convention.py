@@ -125,4 +125,4 @@ def moe_call_to_convention(kwargs: dict, activation_type: type) -> MoeArgs | Non
 
 def global_scale(scale: torch.Tensor) -> torch.Tensor:
     """Return a global encode scale as the convention has it: (1,) for one scale, (E,) for one per expert."""
-    return scale.reshape(1) if scale.numel() == 1 else scale.reshape(-1)
+    return scale.reshape(-1)

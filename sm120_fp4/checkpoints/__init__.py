@@ -3,7 +3,6 @@
 from .checks import ROLES, Checkpoint, inspect
 from .layers import DEFAULT_PACKED, EXPERT, ModelLayers, discover, dtype, load
 from .quantization import COMPRESSED_TENSORS, MODELOPT, NAMES, Quantization, read_quantization, text_config
-from .scales import SCALE_NAMES, scale_problem
 
 __all__ = [
     "Quantization",
@@ -14,8 +13,6 @@ __all__ = [
     "inspect",
     "NAMES",
     "ROLES",
-    "SCALE_NAMES",
-    "scale_problem",
     "text_config",
     "DEFAULT_PACKED",
     "EXPERT",

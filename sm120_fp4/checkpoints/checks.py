@@ -96,9 +96,8 @@ def _check_module(fmt: str, module: str, tensors: dict[str, TensorInfo]) -> tupl
 
 def _experts(checkpoint: Checkpoint, fmt: str) -> None:
     """Group the expert modules by MoE layer; check every expert 0..E-1 carries every projection, all alike."""
-    text = text_config(checkpoint.config)
-    counts = [text[k] for k in _EXPERT_COUNT if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)]
-    count = counts[0] if counts else None
+    text = text_config(checkpoint.config)  # its sizes checked by _check_config: non-negative ints or absent
+    count = next((text[k] for k in _EXPERT_COUNT if text.get(k) is not None), None)
     packed = NAMES[fmt][0]
     for module in checkpoint.modules:
         m = _EXPERT.match(module)
@@ -127,6 +126,10 @@ def _experts(checkpoint: Checkpoint, fmt: str) -> None:
                     f"{where}: the experts of {prefix} have {name[role]} weights of different (N, K): "
                     f"{sorted(shapes)}; accepted: one shape for every expert"
                 )
+    top_k = next((k for k in ("num_experts_per_tok", "moe_topk") if text.get(k) is not None), None)
+    if checkpoint.experts and top_k is not None and not 1 <= text[top_k] <= (count or text[top_k]):
+        accepted = f"accepted: 1 to the number of experts ({count or 'config.json names none'})"
+        raise CheckpointError(f"{os.path.join(checkpoint.dir, 'config.json')}: {top_k} = {text[top_k]!r}; {accepted}")
 
 
 _SIZES = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -147,12 +150,6 @@ def _check_config(checkpoint: Checkpoint) -> None:
     heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
     if heads and kv_heads is not None and (kv_heads == 0 or heads % kv_heads):
         raise refuse("num_key_value_heads", f"a divisor of num_attention_heads ({heads}), at least 1")
-    if not checkpoint.experts:
-        return
-    counts = [text[k] for k in _EXPERT_COUNT if text.get(k)]
-    top_k = next((k for k in ("num_experts_per_tok", "moe_topk") if text.get(k) is not None), None)
-    if top_k is not None and not 1 <= text[top_k] <= (counts[0] if counts else text[top_k]):
-        raise refuse(top_k, f"1 to the number of experts ({counts[0] if counts else 'config.json names none'})")
 
 
 def _check_siblings(checkpoint: Checkpoint, fmt: str) -> None:
@@ -180,9 +177,8 @@ def _dims_problem(checkpoint: Checkpoint, fmt: str) -> str | None:
     """Return a shape that contradicts config.json (hidden, intermediate, heads * head_dim), or None."""
     text = text_config(checkpoint.config)
 
-    def num(key: str) -> int | None:
-        value = text.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    def num(key: str) -> int | None:  # a size _check_config found a non-negative int, or absent; 0 as absent
+        return text.get(key) or None
 
     hidden, heads, kv_heads = num("hidden_size"), num("num_attention_heads"), num("num_key_value_heads")
     head_dim = num("head_dim") or (hidden // heads if hidden and heads else None)
@@ -267,8 +263,8 @@ def inspect(model_dir: str, values: bool = True) -> Checkpoint:
                     f"in {carried.file} are NVFP4 ({module}.{NAMES[fmt][0]}, ...): SGLang would build it "
                     "unquantized; accepted: an ignore list naming only unquantized layers"
                 )
-    _experts(checkpoint, fmt)
     _check_config(checkpoint)
+    _experts(checkpoint, fmt)
     _check_siblings(checkpoint, fmt)
     if (problem := _dims_problem(checkpoint, fmt)) is not None:
         raise CheckpointError(problem)

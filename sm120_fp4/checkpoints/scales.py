@@ -49,17 +49,19 @@ def alpha_problem(where: str, weight: float, activation: float, encode: bool) ->
     )
 
 
+def _at(flat: int, shape: tuple) -> str:
+    """Return the index ``[i, j]`` of element `flat` of a tensor of `shape` (empty for a 0-dim tensor)."""
+    return f"[{', '.join(str(int(i)) for i in torch.unravel_index(torch.tensor(flat), shape))}]" if shape else ""
+
+
 def block_scale_problem(name: str, data: bytes, shape: tuple) -> str | None:
     """Return why E4M3 block-scale bytes (a tensor of `shape`) hold a NaN or a negative scale, or None."""
     if (found := _BAD_BLOCK.search(data)) is None:
         return None
-    flat, byte, index = found.start(), data[found.start()], []
-    for size in reversed(shape):
-        flat, i = divmod(flat, size)
-        index.insert(0, str(i))
+    byte = data[found.start()]
     what = "a NaN block scale" if byte in (0x7F, 0xFF) else "a negative block scale (the sign bit set)"
     return (
-        f"{name}[{', '.join(index)}] is {what} (E4M3 byte 0x{byte:02x}); accepted: float8_e4m3fn block scales that "
+        f"{name}{_at(found.start(), shape)} is {what} (E4M3 byte 0x{byte:02x}); accepted: float8_e4m3fn block scales that "
         "are positive or zero and not NaN (bytes 0x00-0x7e): the checkpoint is corrupt, not a kernel"
     )
 
@@ -71,11 +73,11 @@ def loaded_scales_problem(scales: dict[str, torch.Tensor], blocks: dict[str, tor
             continue
         values = tensor.detach().float().cpu()
         bad = ~(torch.isfinite(values) & (values >= _TINY) & (values <= _F32_MAX))
-        if bool(bad.any()):  # the first bad value, named by its index ``[i, j]`` (none for a 0-dim tensor)
+        if bool(bad.any()):  # the first bad value, named by its index
             flat = int(bad.reshape(-1).nonzero()[0])
-            index = [str(int(i)) for i in torch.unravel_index(torch.tensor(flat), bad.shape)] if bad.dim() else []
-            at = f"[{', '.join(index)}]" if index else ""
-            return scale_problem(f"the checkpoint's {name}{at}", float(values.reshape(-1)[flat]))
+            return scale_problem(
+                f"the checkpoint's {name}{_at(flat, tuple(bad.shape))}", float(values.reshape(-1)[flat])
+            )
     for name, tensor in blocks.items():
         if tensor.dtype in (torch.float8_e4m3fn, torch.uint8):
             data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()

@@ -22,7 +22,6 @@ from .engine import (
     load_backend,
     refuse_inside_capture,
     report_for,
-    rolled,
     sweep,
 )
 
@@ -32,24 +31,19 @@ __all__ = ["DEFAULT_SHAPES", "run", "served_cases"]
 def served_cases(
     ms: list[int], n_out: int, k: int, serve: Callable, x: torch.Tensor, reference: torch.Tensor, watched: tuple
 ) -> list[Case]:
-    """Return one served dense layer's cases: each M of `ms` through `serve` on the first M rows of `x`."""
-    # Each case's twin (other data, right after it): the next M rows where `x` has more, else these rolled.
+    """Return one served dense layer's cases: each M of `ms` through `serve` on the first M rows of `x`.
+
+    `x` (and `reference`) hold at least max(ms) + 1 rows: each case's twin (other data, right after it) is the
+    next M rows, views of the same tensors (no rolled copy of the reference)."""
     cases = []
     for m in ms:
         case = Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
-        if m < x.shape[0]:
-            again = functools.partial(serve, x[1 : m + 1])
-            case.twin = functools.partial(
-                dataclasses.replace, case, invoke=again, reference=reference[1 : m + 1], twin=None
-            )
-        else:
-            case.twin = functools.partial(_rolled_rows, case, serve, x[:m])
+        again = functools.partial(serve, x[1 : m + 1])
+        case.twin = functools.partial(
+            dataclasses.replace, case, invoke=again, reference=reference[1 : m + 1], twin=None
+        )
         cases.append(case)
     return cases
-
-
-def _rolled_rows(case: Case, serve: Callable, x: torch.Tensor) -> Case:
-    return rolled(case, functools.partial(serve, x.roll(1, 0)), case.inputs)
 
 
 # M: one token, an odd count, just above one 128-row tile, a prefill. N, K: multiples of 32, not of 128.

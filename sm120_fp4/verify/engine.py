@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -32,7 +32,6 @@ __all__ = [
     "sweep",
     "report_for",
     "finish",
-    "rolled",
     "COPY_LIMIT",
     "refuse_inside_capture",
     "free_memory",
@@ -130,8 +129,6 @@ def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]
         diff = o - r
         norms = (r.norm(dim=1), o.norm(dim=1), diff.norm(dim=1))
         parts.append(((~torch.isfinite(o)).sum(), (o == 0).all(dim=1), *norms, diff.abs().amax()))
-    if len(parts) == 1:
-        return parts[0]
     nonfinite, *rows, max_abs = zip(*parts)
     return torch.stack(nonfinite).sum(), *map(torch.cat, rows), torch.stack(max_abs).amax()
 
@@ -265,12 +262,6 @@ class Case:
     twin: Callable[[], "Case"] | None = None
     once: bool = False  # a probe: called in the first pass only
     repeats: Callable[[], int] | None = None  # how many calls the last invoke made (a repeat probe)
-
-
-def rolled(case: Case, invoke: Callable[[], object], inputs: tuple[torch.Tensor, ...]) -> Case:
-    """Return the twin of `case` whose `invoke` computes its rows rolled by one (rows are independent)."""
-    slack = case.slack.roll(1, 0) if case.slack is not None else None
-    return replace(case, invoke=invoke, reference=case.reference.roll(1, 0), inputs=inputs, slack=slack, twin=None)
 
 
 def _input_key(t: torch.Tensor) -> tuple:

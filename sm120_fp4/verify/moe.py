@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from .. import backends, nvfp4
 from ..devices import CHECK_MEMORY_BYTES, Device
 from .data import structured_activations
-from .engine import Bounds, Case, SelfTestReport, finish, load_backend, refuse_inside_capture, report_for, rolled, sweep
+from .engine import Bounds, Case, SelfTestReport, finish, load_backend, refuse_inside_capture, report_for, sweep
 
 __all__ = [
     "MoeCase",
@@ -361,9 +361,12 @@ def _poisoned_expert0_plan(weights, x_like, first: int, served_ids: bool) -> tup
 
 def _rolled_tokens(case: Case, fn: Callable, args: tuple, activation: str, out: torch.Tensor) -> Case:
     """Return the same MoE call with its tokens rolled by one (their activations, routing and weights)."""
+    # Tokens are independent: the reference's rows (and each row's slack) roll with them.
     moved = tuple(a.roll(1, 0) for a in args[:3]) + args[3:]
     invoke = functools.partial(fn, *moved, activation, args[0].dtype, out)
-    return rolled(case, invoke, tuple(a for a in moved if isinstance(a, torch.Tensor)))
+    inputs = tuple(a for a in moved if isinstance(a, torch.Tensor))
+    slack = case.slack.roll(1, 0) if case.slack is not None else None
+    return replace(case, invoke=invoke, reference=case.reference.roll(1, 0), inputs=inputs, slack=slack, twin=None)
 
 
 def _sizes(case: MoeCase) -> tuple:

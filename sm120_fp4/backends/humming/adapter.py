@@ -17,7 +17,7 @@ from ..convention import check_mm_fp4_args, check_moe_args
 from . import convert
 from .convert import converted_layers, drop_originals, original, prepare_dense, prepare_moe, prepared_for, restore
 from .cuda import launch as cuda_launch
-from .cuda import load, loaded
+from .cuda import load
 from .engine import DISTRIBUTION, Engine, Prepared, cache_dir, compiler, current_engine, lock, swap_engine, version
 
 __all__ = [
@@ -137,10 +137,7 @@ def _dequant_engine(device: torch.device) -> tuple[str, Callable]:
     found = _dequant_engines.get(index)
     if found is not None:
         return found
-    if torch.cuda.is_current_stream_capturing():
-        if loaded(device):  # built before (the records were cleared since): nothing to build now
-            with lock:
-                return _dequant_engines.setdefault(index, ("cuda", cuda_launch))
+    if torch.cuda.is_current_stream_capturing():  # chosen at load, by the layer check; only clear() forgets it
         raise SelfTestError(
             "sm120_fp4: Humming's activation dequantization kernel was never run on this GPU before "
             "CUDA-graph capture (it cannot be built inside capture); the layer check runs it at load"

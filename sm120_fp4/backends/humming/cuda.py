@@ -132,10 +132,6 @@ def load(device: torch.device) -> None:
         _functions[index] = function
 
 
-def loaded(device: torch.device) -> bool:
-    return device.index in _functions
-
-
 def launch(a: torch.Tensor, sf_bytes: torch.Tensor, out: torch.Tensor, kp: int) -> None:
     """Dequantize `a` (M, K/2) with its swizzled scale bytes into a fresh contiguous `out` (M, K) (after load())."""
     from cuda.bindings import driver
