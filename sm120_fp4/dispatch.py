@@ -25,10 +25,6 @@ class Router:
         """Decide `family` for CUDA ordinal `index` once; return its backend, or None where not served."""
         return serving.route(index, self.settings, family)
 
-    def routes(self, family: str = "dense") -> dict[int, str]:
-        """Return device index -> the backend(s) it is routed to, or "original"."""
-        return serving.routes(family)
-
     def make_dispatch(self, original: Callable, unknown: Callable[[int, str, object], None] | None = None) -> Callable:
         """Return the replacement for a module-level ``mm_fp4`` alias (dense), serving routable calls routed."""
         # route: the hot-path lookup; ensure: decides on first use; unknown(index, name, value): told of an
