@@ -209,7 +209,7 @@ def test_a_failed_report_write_leaves_the_previous_report_and_no_temp_file(tmp_p
     path = _decide_with_report(tmp_path / "report.json")
     before = path.read_text()
     with pytest.raises(TypeError):
-        report.write(path, {"bad": object()})
+        report.write(path, {"bad": object()}, directory=False)
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 
