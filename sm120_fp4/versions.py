@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
-import re
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 # name -> version (None: not installed): each read parses METADATA (milliseconds) and guards ask thousands of
@@ -33,11 +33,6 @@ def clear_cache() -> None:
     _read.clear()
 
 
-def normalized(name: str) -> str:
-    """Return a distribution's name as PEP 503 compares it: lower case, runs of -_. as one -."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 # What decides which kernel runs besides flashinfer-python: FlashInfer's prebuilt kernels (the jit-cache and its
 # per-architecture packages such as flashinfer-jit-cache-sm120f; the cubins) and the CuTe DSL b12x is built with.
 JIT_CACHE, CUBIN = "flashinfer-jit-cache", "flashinfer-cubin"
@@ -45,11 +40,11 @@ KERNEL_DISTRIBUTIONS = (JIT_CACHE, CUBIN, "nvidia-cutlass-dsl")
 
 
 def kernel_versions() -> dict[str, str]:
-    """Return the installed version of each distribution that decides which kernel runs, by normalized name."""
+    """Return the installed version of each distribution that decides which kernel runs, by canonical (PEP 503) name."""
     # Read afresh each time (not cached as installed_version is): asked once per verdict key, not per layer.
     found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
-        name = normalized(dist.metadata["Name"] or "")
+        name = canonicalize_name(dist.metadata["Name"] or "")  # PEP 503: lower case, runs of -_. as one -
         if name.startswith(KERNEL_DISTRIBUTIONS) and name not in found:  # the first on the path is the one imported
             found[name] = dist.version
     return dict(sorted(found.items()))

@@ -15,6 +15,7 @@ from helpers.common import SIM_ENV as SIM_OK
 from helpers.plugins import plugin_site
 from helpers.procs import REPO, Popen, background, clean_env
 from helpers.workers import workers_in_process
+from packaging.utils import canonicalize_name
 
 from sm120_fp4 import backends, cli, doctor
 from sm120_fp4.demo.checkpoint import write_checkpoint
@@ -321,7 +322,7 @@ def test_doctor_shows_the_kernel_packages_and_a_mismatch_is_a_problem(
     finally:
         versions.clear_cache()
     report = json.loads(out)
-    shown = {versions.normalized(name): version for name, version in installed.items()}
+    shown = {canonicalize_name(name): version for name, version in installed.items()}
     assert shown.items() <= report["versions"].items(), report["versions"]
     kernel = [p for p in report["problems"] if "flashinfer-" in p and "does not match" in p or "is unused" in p]
     if problem is None:
