@@ -120,8 +120,7 @@ _BUS = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)
 
 def _pci(info) -> tuple[int, int, int, int] | None:
     bus = getattr(info, "busId", None)
-    bus = bus.decode() if isinstance(bus, bytes) else bus
-    match = _BUS.fullmatch(bus.strip()) if isinstance(bus, str) else None
+    match = _BUS.fullmatch(_text(bus).strip()) if bus is not None else None
     return tuple(int(g, 16) for g in match.groups()) if match else None  # type: ignore[return-value]
 
 
