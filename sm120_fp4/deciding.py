@@ -163,10 +163,9 @@ def _announce(event: str, family: Family, device: Device, name: str) -> None:
 
 
 def refusal_message(
-    device: Device, candidates: list, rejected: dict[str, str], config: str | None = None, family: Family | None = None
+    device: Device, candidates: list, rejected: dict[str, str], family: Family, config: str | None = None
 ) -> str:
     """Return the text of RefusedToServe: the device, each candidate and why, what the operator can do."""
-    family = family or DENSE
     what = f" for {config}" if config else ""
     lines = [
         f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no {family.what} backend passed verification{what}.",
@@ -322,7 +321,7 @@ def choose(
     device: Device,
     candidates: list[str],
     settings: Settings,
-    family: Family | None = None,
+    family: Family,
     crashed: Mapping[str, str] | None = None,
     gather: Callable | None = None,
 ) -> Choice:
@@ -331,7 +330,6 @@ def choose(
     `crashed`: the candidates that crashed a preflight process on this device, and why (the caller reads the
     verdict store: nothing here reads a file). `gather(point, facts)` (a choice every rank makes): every rank's
     facts, so that SELECT=fastest chooses alike."""
-    family = family or DENSE
     start = time.perf_counter()
     supported, rejected = _supported(device, candidates, family, crashed or {})
     passed, reports = _self_tests(device, supported, settings, family, rejected)
