@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from . import locks
 from .errors import DeviceMappingError
@@ -68,7 +68,8 @@ def is_sm12x(capability: tuple[int, int]) -> bool:
     return capability[0] == 12
 
 
-def _text(value) -> str:
+def as_text(value) -> str:
+    """Return an NVML string (bytes in older bindings) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -76,7 +77,7 @@ def _uuid(value: object) -> str | None:
     """Normalise a UUID as NVML, CUDA_VISIBLE_DEVICES or torch write it."""
     if value is None:
         return None
-    text = _text(value).strip().lower()
+    text = as_text(value).strip().lower()
     for prefix in ("gpu-", "mig-"):
         text = text.removeprefix(prefix)
     return text or None
@@ -120,7 +121,7 @@ _BUS = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)
 
 def _pci(info) -> tuple[int, int, int, int] | None:
     bus = getattr(info, "busId", None)
-    match = _BUS.fullmatch(_text(bus).strip()) if bus is not None else None
+    match = _BUS.fullmatch(as_text(bus).strip()) if bus is not None else None
     return tuple(int(g, 16) for g in match.groups()) if match else None  # type: ignore[return-value]
 
 
@@ -140,13 +141,13 @@ def _nvml_gpu(pynvml, handle) -> _Gpu:
             sub = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
         except Exception:  # NotFound: an empty slot
             continue
-        name, sub_uuid = _text(pynvml.nvmlDeviceGetName(sub)), _uuid(pynvml.nvmlDeviceGetUUID(sub))
+        name, sub_uuid = as_text(pynvml.nvmlDeviceGetName(sub)), _uuid(pynvml.nvmlDeviceGetUUID(sub))
         migs.append(_Gpu(name, cc, sub_uuid, pci, parent=uuid))
-    return _Gpu(_text(pynvml.nvmlDeviceGetName(handle)), cc, uuid, pci, mig, tuple(migs))
+    return _Gpu(as_text(pynvml.nvmlDeviceGetName(handle)), cc, uuid, pci, mig, tuple(migs))
 
 
-def _nvml_gpus() -> list[_Gpu] | None:
-    """Return every GPU NVML sees (None without NVML or a driver)."""
+def nvml(read: Callable[[Any], Any]) -> Any:
+    """Return `read(pynvml)` between NVML's init and shutdown (None without NVML or a driver, or where it fails)."""
     try:
         import pynvml
 
@@ -154,13 +155,18 @@ def _nvml_gpus() -> list[_Gpu] | None:
     except Exception:  # no bindings (ImportError), or no driver: NVMLError_LibraryNotFound and friends
         return None
     try:
-        return [_nvml_gpu(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+        return read(pynvml)
     except Exception as exc:
         _LOG.debug("NVML probe failed: %s", exc)
         return None
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
+
+
+def _nvml_gpus() -> list[_Gpu] | None:
+    """Return every GPU NVML sees (None without NVML or a driver)."""
+    return nvml(lambda p: [_nvml_gpu(p, p.nvmlDeviceGetHandleByIndex(i)) for i in range(p.nvmlDeviceGetCount())])
 
 
 def _alike(gpus: list[_Gpu]) -> bool:

@@ -13,26 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import files, locks
+from . import devices, files, locks
 from .errors import say_once
 from .versions import kernel_versions
 
 CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
 _lock = locks.lock()
-
-
-def _driver_version() -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # no NVML, no driver
-        return None
 
 
 def device_key(device) -> dict[str, Any]:
@@ -45,7 +31,8 @@ def device_key(device) -> dict[str, Any]:
 
         cuda = torch.version.cuda
     key = {"gpu": device.name, "capability": f"{device.capability[0]}.{device.capability[1]}"}
-    key |= {"simulated": device.simulated, "driver": _driver_version() if device.is_cuda else None, "cuda": cuda}
+    driver = devices.nvml(lambda nvml: devices.as_text(nvml.nvmlSystemGetDriverVersion())) if device.is_cuda else None
+    key |= {"simulated": device.simulated, "driver": driver, "cuda": cuda}
     # FlashInfer's prebuilt kernels and the CuTe DSL decide which kernel runs as much as flashinfer-python does.
     return key | {"flashinfer": flashinfer_version(), "kernels": kernel_versions()}
 
