@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import errno
 import glob
-import json
 import logging
 import os
 import threading
@@ -90,10 +89,9 @@ def read_all(path: str | Path) -> list[tuple[str, dict]]:
     found = []
     for name in sorted(glob.glob(os.path.join(path, "*.json") if os.path.isdir(path) else path)):
         try:
-            with open(name, encoding="utf-8") as f:
-                payload = json.load(f)
+            payload = files.read_json(Path(name), "report")
         except (OSError, ValueError):
-            continue  # gone meanwhile, or being replaced: a report of a run, not of this command
+            continue  # being replaced, or not ours to read (files.py): a report of a run, not of this command
         if isinstance(payload, dict):
             found.append((name, payload))
     return found
