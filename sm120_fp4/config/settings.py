@@ -1,11 +1,10 @@
-"""``Settings``: keyword arguments > ``SM120_FP4_*`` environment variables > defaults; the README's table."""
+"""``Settings``: keyword arguments > ``SM120_FP4_*`` environment variables > defaults."""
 
 from __future__ import annotations
 
 import difflib
 import logging
 import os
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -192,36 +191,3 @@ def sources(settings_kwargs: dict[str, Any]) -> dict[str, str]:
         f: "keyword" if f in settings_kwargs else f"env {env_name(f)}" if env_name(f) in os.environ else "default"
         for f in Settings.model_fields
     }
-
-
-_ACCEPTED = {
-    "toggle": "`1`, `on`, `0`, `off`",
-    **dict.fromkeys(("backends", "moe_backends"), "`auto` or comma-separated names"),
-    "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
-    "report": "a path",
-    "verdicts": "a file path, or `off`",
-    **{
-        f: ("`off`, or " if f == "canary" else "")
-        + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
-        for f, (least, most, unit) in values.DURATIONS.items()
-    },
-}
-
-
-def _accepted(field: str) -> str:
-    choices = typing.get_args(Settings.model_fields[field].annotation)
-    if field not in _ACCEPTED and choices and all(isinstance(c, str) for c in choices):
-        return ", ".join(f"`{c}`" for c in choices)
-    return _ACCEPTED.get(field, "")
-
-
-def settings_table() -> str:
-    """Return the README's table of every setting, generated from Settings."""
-    from ..tables import markdown_table
-
-    rows = []
-    for field, info in Settings.model_fields.items():
-        default = info.default
-        given = "unset" if default is None else ",".join(default) if isinstance(default, tuple) else str(default)
-        rows.append((f"`{env_name(field)}`", f"`{given}`", _accepted(field), info.description))
-    return "\n".join(markdown_table(("variable", "default", "accepted", "meaning"), rows))
