@@ -385,11 +385,9 @@ def candidate_names(
     family = family or DENSE
     source = source or family.backends_var
     names = list(candidates if candidates is not None else family.candidates(settings, device))
-    unknown = [n for n in names if n not in family.names()]
-    if unknown:
-        backends.load_entry_points(unknown, family.name)
-        known = family.names()
-        unknown = [n for n in names if n not in known]
+    backends.load_entry_points(names, family.name)  # those not registered yet, each looked up once per process
+    known = family.names()
+    unknown = [n for n in names if n not in known]
     if unknown:
         register = "register" if family is DENSE else "register_moe"
         group = backends.ENTRY_POINT_GROUPS[family.name]
