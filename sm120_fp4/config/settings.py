@@ -11,10 +11,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from ..errors import ConfigError, say_once
+from ..errors import ConfigError, describe, say_once
 from ..toggle import TOGGLE_VAR, parse_toggle
 from . import values
-from .values import AUTO, ENV_PREFIX, OFF, shown
+from .values import AUTO, ENV_PREFIX, OFF
 
 # Each parser runs on the raw value, before pydantic's own type check.
 _Backends = Annotated[tuple[str, ...] | Literal["auto"], NoDecode, BeforeValidator(values.parse_backends)]
@@ -136,7 +136,7 @@ def _config_error(exc: ValidationError, kwargs: dict[str, Any]) -> ConfigError:
             continue
         where = f"keyword {field}=" if field in kwargs else f"{env_name(field)}="
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}{shown(err.get('input'))} is not accepted; {msg}")
+        lines.append(f"{where}{describe(err.get('input'), 200)} is not accepted; {msg}")
     return ConfigError("invalid sm120_fp4 settings:\n  " + "\n  ".join(lines))
 
 
@@ -153,7 +153,7 @@ def _check_unknown_env(environ: dict[str, str]) -> None:
     for name in unknown[:8]:
         upper = name.upper()
         close = [upper] if upper in known else difflib.get_close_matches(upper, sorted(known), n=1)
-        hints.append(f"{name}={shown(environ[name])}" + (f" (did you mean {close[0]}?)" if close else ""))
+        hints.append(f"{name}={describe(environ[name], 200)}" + (f" (did you mean {close[0]}?)" if close else ""))
     more = f", and {len(unknown) - 8} more" if len(unknown) > 8 else ""
     raise ConfigError(
         f"unknown sm120_fp4 environment variable(s): {', '.join(hints)}{more}; accepted: {', '.join(sorted(known))}"
