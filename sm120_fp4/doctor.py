@@ -113,14 +113,14 @@ def _targets() -> dict:
 
 def _backends(settings) -> list[dict]:
     """Return whether each backend of each family can run on each device, and why not."""
-    from . import backends, devices
+    from . import devices
+    from .deciding import FAMILIES
 
-    kinds = {"dense": (backends.names, backends.is_supported), "moe": (backends.moe_names, backends.is_moe_supported)}
     return [
-        dict(device=device.label(), family=family, backend=name, supported=ok, reason=reason)
+        dict(device=device.label(), family=family.name, backend=name, supported=ok, reason=reason)
         for device in devices.list_devices(settings.simulated_capability if settings else None)
-        for family, (names, check) in kinds.items()
-        for name, (ok, reason) in ((n, check(n, device)) for n in names())
+        for family in FAMILIES.values()
+        for name, (ok, reason) in ((n, family.is_supported(n, device)) for n in family.names())
     ]
 
 
