@@ -310,6 +310,11 @@ def _probe(init_cuda: bool = False) -> list[Device]:
     return _cuda_order(gpus, os.environ)
 
 
+def _simulated_cpu(simulate: tuple[int, int]) -> Device:
+    """Return the CPU device that stands for a simulated GPU."""
+    return Device(CPU_INDEX, "simulated (CPU)", simulate, simulated=True, source="simulate")
+
+
 def list_devices(
     simulate: tuple[int, int] | None = None, *, refresh: bool = False, init_cuda: bool = False
 ) -> list[Device]:
@@ -327,7 +332,7 @@ def list_devices(
     elif real:
         result = [replace(d, capability=simulate, simulated=True) for d in real]
     else:
-        result = [Device(CPU_INDEX, "simulated (no GPU)", simulate, simulated=True, source="simulate")]
+        result = [_simulated_cpu(simulate)]
     with _lock:
         _cache[key] = result
     return list(result)
@@ -336,13 +341,8 @@ def list_devices(
 def get_device(index: int | None, simulate: tuple[int, int] | None = None, *, init_cuda: bool = False) -> Device:
     """Return the Device for a CUDA ordinal (or the CPU stand-in, index -1/None, in simulation)."""
     if index == CPU_INDEX and simulate is not None:
-        try:
-            simulated_cpu = not any(d.index == CPU_INDEX for d in list_devices(simulate, init_cuda=init_cuda))
-        except DeviceMappingError:
-            simulated_cpu = True  # CPU tensors need no GPU numbering
-        if simulated_cpu:
-            # In simulation, CPU tensors stand for the simulated GPU even where real GPUs exist.
-            return Device(CPU_INDEX, "simulated (CPU tensors)", simulate, simulated=True, source="simulate")
+        # In simulation, CPU tensors stand for the simulated GPU, also where real GPUs exist (they need no numbering).
+        return _simulated_cpu(simulate)
     devices = list_devices(simulate, init_cuda=init_cuda)
     if index is None:
         if not devices:

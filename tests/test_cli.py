@@ -43,7 +43,7 @@ def cli_in_process(monkeypatch, capsys, *args, env=None):
 def test_selftest_passes_with_exit_0_a_table_and_progress(monkeypatch, capsys):
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=SIM_OK)
     assert code == 0, err
-    assert "| cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out
+    assert "| cpu 'simulated (CPU)' (sm_120, simulated) | emulated | True |" in out
     assert "self-testing" in err and "self-test of emulated" in err  # progress for long steps
     assert "JIT-compiles" not in err, "no FlashInfer backend is tested in simulation: no nvcc warning"
 
@@ -958,7 +958,7 @@ def test_selftest_moe_is_the_same_preflight_for_the_moe_family(monkeypatch, caps
         "--moe",
         env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_MOE_BACKENDS": "emulated"},
     )
-    assert code == 0 and "| moe | cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out, err
+    assert code == 0 and "| moe | cpu 'simulated (CPU)' (sm_120, simulated) | emulated | True |" in out, err
     code, out, err = cli_in_process(
         monkeypatch, capsys, "selftest", "--moe", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"}
     )
