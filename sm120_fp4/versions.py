@@ -2,35 +2,32 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-# name -> version (None: not installed): each read parses METADATA (milliseconds) and guards ask thousands of
-# times while a model loads; imported modules do not change with a later pip run (clear_cache: they did).
-_read: dict[str, str | None] = {}
+
+# Cached: each read parses METADATA (milliseconds) and guards ask thousands of times while a model loads;
+# imported modules do not change with a later pip run (clear_cache: they did).
+@functools.cache
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def installed_version(*distributions: str) -> str | None:
     """Return the installed version of the first of `distributions` installed (read once per process)."""
-    for name in distributions:
-        found = _read.get(name, "")  # "": not read yet (threads reading at once each write the same)
-        if found == "":
-            try:
-                found = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                found = None
-            _read[name] = found
-        if found is not None:
-            return found
-    return None
+    return next((found for found in map(_version, distributions) if found is not None), None)
 
 
 def clear_cache() -> None:
     """Forget the versions read so far (a distribution installed or removed since)."""
-    _read.clear()
+    _version.cache_clear()
 
 
 # What decides which kernel runs besides flashinfer-python: FlashInfer's prebuilt kernels (the jit-cache and its
