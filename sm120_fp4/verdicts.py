@@ -6,7 +6,6 @@ failed verdicts are evidence only. The file is ``SM120_FP4_VERDICTS``, owner-onl
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -23,16 +22,13 @@ _lock = locks.lock()
 
 def device_key(device) -> dict[str, Any]:
     """Return what a verdict about `device` is keyed by (besides family and backend)."""
+    import torch
+
     from .backends.flashinfer import version as flashinfer_version
 
-    cuda = None
-    with contextlib.suppress(Exception):
-        import torch
-
-        cuda = torch.version.cuda
     key = {"gpu": device.name, "capability": f"{device.capability[0]}.{device.capability[1]}"}
     driver = devices.nvml(lambda nvml: devices.as_text(nvml.nvmlSystemGetDriverVersion())) if device.is_cuda else None
-    key |= {"simulated": device.simulated, "driver": driver, "cuda": cuda}
+    key |= {"simulated": device.simulated, "driver": driver, "cuda": torch.version.cuda}
     # FlashInfer's prebuilt kernels and the CuTe DSL decide which kernel runs as much as flashinfer-python does.
     return key | {"flashinfer": flashinfer_version(), "kernels": kernel_versions()}
 
