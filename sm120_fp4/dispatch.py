@@ -95,8 +95,7 @@ class Router:
     ) -> Callable:
         """Return the front over FlashInfer's ``cutlass_fused_moe`` that the engines' MoE seams hand out."""
         # unknown(index, problem): told of a served device's NVFP4 call with an argument the oracle does not model.
-        names = serving.routes
-        route, name_of = lambda i: self.ensure(i, "moe"), lambda i: names("moe").get(i, "?")
+        route, name_of = lambda i: self.ensure(i, "moe"), lambda i: serving.routes("moe").get(i, "?")
         return moe_front(original, activation_type, route, name_of, unknown)
 
 
