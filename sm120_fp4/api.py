@@ -20,7 +20,7 @@ from .canary import CanaryStatus
 from .config import Settings, check_flashinfer_env, env_name, flashinfer_overrides, load_settings, sources
 from .dispatch import Router
 from .engines import OPT_OUT, OPT_OUT_SAYS, Engine
-from .errors import ConfigError
+from .errors import ConfigError, say_once
 from .patching import LedgerEntry, Patcher
 
 __all__ = ["install", "uninstall", "status", "decide", "Status"]
@@ -29,7 +29,6 @@ _LOG = logging.getLogger("sm120_fp4")
 # The engine homes install() wires into, in this order; the CLI and doctor reach each through its name.
 ENGINES: tuple[Engine, ...] = (sglang_home.ENGINE, vllm_home.ENGINE)
 _lock = locks.rlock()
-_logged: set[str] = set()
 
 
 class Status(BaseModel):
@@ -68,12 +67,6 @@ _state: _Install | None = None
 _message = "not installed"
 
 
-def _log_once(key: str, level: int, msg: str, *args: Any) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        _LOG.log(level, msg, *args)
-
-
 def _env_value(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
@@ -107,7 +100,7 @@ def _log_precedence(settings: Settings) -> None:
         if value == "emulated":
             says = "sm120_fp4: %s=emulated and SM120_FP4_SELFTEST=warn are both set: where no candidate verifies, "
             says += "%s=emulated wins (the slow, verified emulation serves; nothing is served unverified)"
-            _log_once(f"precedence {var}", logging.WARNING, says, var, var)
+            say_once(logging.WARNING, says, var, var)
 
 
 def engine(name: str) -> Engine:
@@ -151,7 +144,7 @@ def _no_12x_gpu(settings: Settings) -> str | None:
             simulate = settings.simulated_capability
             found = [replace(d, capability=simulate, simulated=True) if simulate else d for d in exc.candidates]
             goes_on = "%s (install() goes on: each GPU is mapped through CUDA when its first layer loads)"
-            _log_once("mapping", logging.INFO, goes_on, exc)
+            say_once(logging.INFO, goes_on, exc)
         if not any(devices.is_sm12x(d.capability) for d in found):
             seen = ", ".join(d.label() for d in found) or "no GPU"
             return f"no compute-capability 12.x GPU visible ({seen}): nothing to fix, SGLang left untouched (SM120_FP4_ENABLE=on forces it)"
@@ -217,16 +210,14 @@ def install(**overrides: Any) -> Status:
         reason = _nothing_to_fix(settings)
         if reason is not None:
             _message = reason
-            _log_once(reason, logging.INFO if not settings.active else logging.WARNING, "sm120_fp4: %s", reason)
+            say_once(logging.INFO if not settings.active else logging.WARNING, "sm120_fp4: %s", reason)
             return status()
         _state = _install(settings, dict(overrides))
         engines = _supported_engines()
         carried = next((c for c in (engine.carried_fix() for engine in engines) if c), None)
         served = ", ".join(f"{engine.name} {engine.release.version()}" for engine in engines)
         _message = f"installed ({served})" + (f"; {carried}" if carried else "")
-        _log_once(
-            "installed", logging.INFO, "sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump()
-        )
+        _LOG.info("sm120_fp4 %s: %s; settings %s", __version__, _message, settings.model_dump())
         return status()
 
 
@@ -274,7 +265,6 @@ def _uninstall_locked() -> None:
         step()
     serving.STATE.reset()  # every store of this process's serving, the canary and the report sections
     _message = "uninstalled"
-    _logged.discard("installed")
 
 
 def status() -> Status:
@@ -302,7 +292,7 @@ def status() -> Status:
             sglang_supported=sglang_home.ENGINE.release.support()[0],
             devices=found,
             patches=state.patcher.ledger() if state else [],
-            routes=state.router.routes() if state else {},
+            routes=serving.routes("dense") if state else {},
             moe_routes=serving.routes("moe") if state else {},
             decisions=serving.decisions(),
             refusals=serving.refusals(),

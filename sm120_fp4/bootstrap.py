@@ -30,8 +30,9 @@ def _install_once() -> None:
         api.install()
 
 
-def _on_sglang(module) -> None:
-    """Run install() after SGLang's import; any failure stops the import (ConfigError, else ActivationFailed)."""
+def _installed(module) -> None:
+    """Run install() after SGLang's import; any failure stops the import (ConfigError, else ActivationFailed). The
+    hook leaves sys.meta_path only once install() succeeded."""
     try:
         _install_once()
     except Exception as exc:
@@ -43,6 +44,8 @@ def _on_sglang(module) -> None:
             f"sm120_fp4: activation failed with {TOGGLE_VAR} on ({type(exc).__name__}: {exc}); stopping rather than "
             f"letting SGLang serve unpatched and unverified. Fix the install, or turn this library off: {TOGGLE_VAR}=0"
         ) from exc
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
 
 
 class _AfterSGLangImport:
@@ -93,13 +96,6 @@ class _HookedLoader(AfterExec):
             _finder.running -= 1
 
 
-def _installed(module) -> None:
-    """Run install() after SGLang's import; the hook leaves sys.meta_path only once that succeeded."""
-    _on_sglang(module)
-    if _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
-
-
 _finder = _AfterSGLangImport()
 
 
@@ -110,7 +106,7 @@ def activate() -> None:
         return
     _activated = True
     if SGLANG in sys.modules:
-        _on_sglang(sys.modules[SGLANG])
+        _installed(sys.modules[SGLANG])
     else:
         sys.meta_path.insert(0, _finder)
 

@@ -163,10 +163,9 @@ def _announce(event: str, family: Family, device: Device, name: str) -> None:
 
 
 def refusal_message(
-    device: Device, candidates: list, rejected: dict[str, str], config: str | None = None, family: Family | None = None
+    device: Device, candidates: list, rejected: dict[str, str], family: Family, config: str | None = None
 ) -> str:
     """Return the text of RefusedToServe: the device, each candidate and why, what the operator can do."""
-    family = family or DENSE
     what = f" for {config}" if config else ""
     lines = [
         f"sm120_fp4: refusing to serve NVFP4 on {device.label()}: no {family.what} backend passed verification{what}.",
@@ -322,7 +321,7 @@ def choose(
     device: Device,
     candidates: list[str],
     settings: Settings,
-    family: Family | None = None,
+    family: Family,
     crashed: Mapping[str, str] | None = None,
     gather: Callable | None = None,
 ) -> Choice:
@@ -331,7 +330,6 @@ def choose(
     `crashed`: the candidates that crashed a preflight process on this device, and why (the caller reads the
     verdict store: nothing here reads a file). `gather(point, facts)` (a choice every rank makes): every rank's
     facts, so that SELECT=fastest chooses alike."""
-    family = family or DENSE
     start = time.perf_counter()
     supported, rejected = _supported(device, candidates, family, crashed or {})
     passed, reports = _self_tests(device, supported, settings, family, rejected)
@@ -387,11 +385,9 @@ def candidate_names(
     family = family or DENSE
     source = source or family.backends_var
     names = list(candidates if candidates is not None else family.candidates(settings, device))
-    unknown = [n for n in names if n not in family.names()]
-    if unknown:
-        backends.load_entry_points(unknown, family.name)
-        known = family.names()
-        unknown = [n for n in names if n not in known]
+    backends.load_entry_points(names, family.name)  # those not registered yet, each looked up once per process
+    known = family.names()
+    unknown = [n for n in names if n not in known]
     if unknown:
         register = "register" if family is DENSE else "register_moe"
         group = backends.ENTRY_POINT_GROUPS[family.name]

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from . import locks
 from .errors import DeviceMappingError
@@ -68,7 +68,8 @@ def is_sm12x(capability: tuple[int, int]) -> bool:
     return capability[0] == 12
 
 
-def _text(value) -> str:
+def as_text(value) -> str:
+    """Return an NVML string (bytes in older bindings) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -76,7 +77,7 @@ def _uuid(value: object) -> str | None:
     """Normalise a UUID as NVML, CUDA_VISIBLE_DEVICES or torch write it."""
     if value is None:
         return None
-    text = _text(value).strip().lower()
+    text = as_text(value).strip().lower()
     for prefix in ("gpu-", "mig-"):
         text = text.removeprefix(prefix)
     return text or None
@@ -120,8 +121,7 @@ _BUS = re.compile(r"([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)
 
 def _pci(info) -> tuple[int, int, int, int] | None:
     bus = getattr(info, "busId", None)
-    bus = bus.decode() if isinstance(bus, bytes) else bus
-    match = _BUS.fullmatch(bus.strip()) if isinstance(bus, str) else None
+    match = _BUS.fullmatch(as_text(bus).strip()) if bus is not None else None
     return tuple(int(g, 16) for g in match.groups()) if match else None  # type: ignore[return-value]
 
 
@@ -141,13 +141,13 @@ def _nvml_gpu(pynvml, handle) -> _Gpu:
             sub = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
         except Exception:  # NotFound: an empty slot
             continue
-        name, sub_uuid = _text(pynvml.nvmlDeviceGetName(sub)), _uuid(pynvml.nvmlDeviceGetUUID(sub))
+        name, sub_uuid = as_text(pynvml.nvmlDeviceGetName(sub)), _uuid(pynvml.nvmlDeviceGetUUID(sub))
         migs.append(_Gpu(name, cc, sub_uuid, pci, parent=uuid))
-    return _Gpu(_text(pynvml.nvmlDeviceGetName(handle)), cc, uuid, pci, mig, tuple(migs))
+    return _Gpu(as_text(pynvml.nvmlDeviceGetName(handle)), cc, uuid, pci, mig, tuple(migs))
 
 
-def _nvml_gpus() -> list[_Gpu] | None:
-    """Return every GPU NVML sees (None without NVML or a driver)."""
+def nvml(read: Callable[[Any], Any]) -> Any:
+    """Return `read(pynvml)` between NVML's init and shutdown (None without NVML or a driver, or where it fails)."""
     try:
         import pynvml
 
@@ -155,13 +155,18 @@ def _nvml_gpus() -> list[_Gpu] | None:
     except Exception:  # no bindings (ImportError), or no driver: NVMLError_LibraryNotFound and friends
         return None
     try:
-        return [_nvml_gpu(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+        return read(pynvml)
     except Exception as exc:
         _LOG.debug("NVML probe failed: %s", exc)
         return None
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
+
+
+def _nvml_gpus() -> list[_Gpu] | None:
+    """Return every GPU NVML sees (None without NVML or a driver)."""
+    return nvml(lambda p: [_nvml_gpu(p, p.nvmlDeviceGetHandleByIndex(i)) for i in range(p.nvmlDeviceGetCount())])
 
 
 def _alike(gpus: list[_Gpu]) -> bool:
@@ -305,6 +310,11 @@ def _probe(init_cuda: bool = False) -> list[Device]:
     return _cuda_order(gpus, os.environ)
 
 
+def _simulated_cpu(simulate: tuple[int, int]) -> Device:
+    """Return the CPU device that stands for a simulated GPU."""
+    return Device(CPU_INDEX, "simulated (CPU)", simulate, simulated=True, source="simulate")
+
+
 def list_devices(
     simulate: tuple[int, int] | None = None, *, refresh: bool = False, init_cuda: bool = False
 ) -> list[Device]:
@@ -322,7 +332,7 @@ def list_devices(
     elif real:
         result = [replace(d, capability=simulate, simulated=True) for d in real]
     else:
-        result = [Device(CPU_INDEX, "simulated (no GPU)", simulate, simulated=True, source="simulate")]
+        result = [_simulated_cpu(simulate)]
     with _lock:
         _cache[key] = result
     return list(result)
@@ -331,13 +341,8 @@ def list_devices(
 def get_device(index: int | None, simulate: tuple[int, int] | None = None, *, init_cuda: bool = False) -> Device:
     """Return the Device for a CUDA ordinal (or the CPU stand-in, index -1/None, in simulation)."""
     if index == CPU_INDEX and simulate is not None:
-        try:
-            simulated_cpu = not any(d.index == CPU_INDEX for d in list_devices(simulate, init_cuda=init_cuda))
-        except DeviceMappingError:
-            simulated_cpu = True  # CPU tensors need no GPU numbering
-        if simulated_cpu:
-            # In simulation, CPU tensors stand for the simulated GPU even where real GPUs exist.
-            return Device(CPU_INDEX, "simulated (CPU tensors)", simulate, simulated=True, source="simulate")
+        # In simulation, CPU tensors stand for the simulated GPU, also where real GPUs exist (they need no numbering).
+        return _simulated_cpu(simulate)
     devices = list_devices(simulate, init_cuda=init_cuda)
     if index is None:
         if not devices:

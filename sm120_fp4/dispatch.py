@@ -25,10 +25,6 @@ class Router:
         """Decide `family` for CUDA ordinal `index` once; return its backend, or None where not served."""
         return serving.route(index, self.settings, family)
 
-    def routes(self, family: str = "dense") -> dict[int, str]:
-        """Return device index -> the backend(s) it is routed to, or "original"."""
-        return serving.routes(family)
-
     def make_dispatch(self, original: Callable, unknown: Callable[[int, str, object], None] | None = None) -> Callable:
         """Return the replacement for a module-level ``mm_fp4`` alias (dense), serving routable calls routed."""
         # route: the hot-path lookup; ensure: decides on first use; unknown(index, name, value): told of an
@@ -99,8 +95,7 @@ class Router:
     ) -> Callable:
         """Return the front over FlashInfer's ``cutlass_fused_moe`` that the engines' MoE seams hand out."""
         # unknown(index, problem): told of a served device's NVFP4 call with an argument the oracle does not model.
-        names = serving.routes
-        route, name_of = lambda i: self.ensure(i, "moe"), lambda i: names("moe").get(i, "?")
+        route, name_of = lambda i: self.ensure(i, "moe"), lambda i: serving.routes("moe").get(i, "?")
         return moe_front(original, activation_type, route, name_of, unknown)
 
 

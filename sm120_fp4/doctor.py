@@ -113,14 +113,14 @@ def _targets() -> dict:
 
 def _backends(settings) -> list[dict]:
     """Return whether each backend of each family can run on each device, and why not."""
-    from . import backends, devices
+    from . import devices
+    from .deciding import FAMILIES
 
-    kinds = {"dense": (backends.names, backends.is_supported), "moe": (backends.moe_names, backends.is_moe_supported)}
     return [
-        dict(device=device.label(), family=family, backend=name, supported=ok, reason=reason)
+        dict(device=device.label(), family=family.name, backend=name, supported=ok, reason=reason)
         for device in devices.list_devices(settings.simulated_capability if settings else None)
-        for family, (names, check) in kinds.items()
-        for name, (ok, reason) in ((n, check(n, device)) for n in names())
+        for family in FAMILIES.values()
+        for name, (ok, reason) in ((n, family.is_supported(n, device)) for n in family.names())
     ]
 
 
@@ -237,7 +237,7 @@ _SECTION_PROBLEMS = (
 def _problems(report: dict) -> list[str]:
     # Every error doctor shows, in any section (a probe that failed: the GPUs' numbering, NVML,
     # SGLang's import), is a problem: what the report shows and what --strict judges never differ.
-    problems = [e for section, value in report.items() if section != "import_check" for e in _errors(value, section)]
+    problems = [e for section, value in report.items() for e in _errors(value, section)]
     versions = report["versions"]
     problems += kernel_mismatches(versions["flashinfer-python"], {k: v for k, v in versions.items() if v})
     sg = report.get("sglang", {})
@@ -259,10 +259,7 @@ def _problems(report: dict) -> list[str]:
     for section, key, what in _SECTION_PROBLEMS:
         if report.get(section, {}).get(key):
             problems.append(f"{what}: {report[section][key]}")
-    check = report.get("import_check", {})
-    if isinstance(check.get("error"), str):
-        problems.append(f"SGLang import check failed: {check['error']}")
-    for row in (row for row in check.get("targets", []) if row["state"] == "fails"):
+    for row in (row for row in report.get("import_check", {}).get("targets", []) if row["state"] == "fails"):
         if row["simulation"]:
             problems.append(f"simulation cannot run on this SGLang release: {row['name']}: {row['reason']}")
         elif row["name"] in _ESSENTIAL:

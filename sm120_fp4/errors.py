@@ -32,15 +32,15 @@ class RefusedToServe(Sm120Fp4Error, RuntimeError):
     """No FP4 backend verified on this device, for this layer or while serving: serving would risk garbage."""
 
 
-def describe(value: object) -> str:
-    """Return a short repr for error messages: tensors by shape/dtype/device, the rest by repr."""
+def describe(value: object, limit: int = 80) -> str:
+    """Return a short repr for error messages: tensors by shape/dtype/device, the rest by repr cut at `limit` characters."""
     shape = getattr(value, "shape", None)
     dtype = getattr(value, "dtype", None)
     if shape is not None and dtype is not None:
         device = getattr(value, "device", "?")
         return f"tensor(shape={tuple(shape)}, dtype={dtype}, device={device})"
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def not_accepted(func: str, param: str, value: object, accepted: str) -> InvalidArgument:

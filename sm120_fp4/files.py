@@ -140,7 +140,6 @@ def write_json(path: Path, payload: dict, what: str = "file") -> None:
     # when that is absent or a regular file of ours; removed on any failure.
     path = Path(path)
     with _directory(path.parent, what) as dfd:
-        _check_name(dfd, path.name, path, what)
         tmp = f".{path.name}.{secrets.token_hex(6)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
         try:

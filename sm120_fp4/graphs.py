@@ -128,12 +128,12 @@ def _capture(dev: _Device, key: tuple, fn: Callable[..., tuple], inputs: tuple[t
                     outputs = fn(*buffers)
                 finally:
                     graph.capture_end()
-            current.wait_stream(side)
         except Exception as exc:
-            current.wait_stream(side)
             dev.eager.add(key)
             _LOG.debug("sm120_fp4: %s runs eagerly (capture failed: %s: %s)", key[0], type(exc).__name__, exc)
             return None
+        finally:
+            current.wait_stream(side)
         size = sum(b.numel() * b.element_size() for b in buffers)
         entry = _Graph(graph, buffers, tuple(outputs), size)
         dev.graphs[key] = entry

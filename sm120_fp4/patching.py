@@ -165,7 +165,7 @@ class _ReloadWatch:
         # reload passes the module as `target` to every finder; post-import hooks would not fire again.
         if target is None or getattr(self._busy, "on", False):
             return None
-        patchers = [p for p in list(self.patchers) if p.watches(name)]
+        patchers = [p for p in list(self.patchers) if p.reloadable(name)]
         if not patchers:
             return None
         self._busy.on = True
@@ -195,19 +195,16 @@ class Patcher:
         self._records: dict[str, _Record] = {}
         self._generation = 0
 
-    def _reloadable(self, name: str) -> list[_Record]:
+    def reloadable(self, name: str) -> list[_Record]:
+        """Return the patches of this Patcher in module `name` that a reload would undo."""
         with self._lock:
             return [r for r in self._records.values() if r.spec.module == name and r.state == "applied" and r.spec.make]
-
-    def watches(self, module: str) -> bool:
-        """Return whether `module` holds a patch of this Patcher that a reload would undo."""
-        return bool(self._reloadable(module))
 
     def reapply(self, module: ModuleType) -> None:
         """Patch `module` again after a reload put its original objects back (never raises into it)."""
         try:
             with self._lock:
-                again = [r.spec.name for r in self._reloadable(module.__name__) if self._apply(r, module, again=True)]
+                again = [r.spec.name for r in self.reloadable(module.__name__) if self._apply(r, module, again=True)]
             if again:
                 msg = "sm120_fp4: %s was reloaded, which put SGLang's originals back; patched again: %s"
                 _LOG.warning(msg, module.__name__, ", ".join(again))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import errno
 import glob
-import json
 import logging
 import os
 import threading
@@ -55,13 +54,11 @@ def _alive(pid: int, started: str | None) -> bool:
     return started is None or now is None or now == started  # a reused pid is not the same process
 
 
-def resolve(path: Path, directory: bool | None) -> Path:
+def resolve(path: Path, directory: bool) -> Path:
     """Return the file to write for `path` ({pid} replaced; a directory holds one file per process)."""
-    # `directory`: whether it named a directory when the settings were read (None: decide now); one
+    # `directory`: whether it named a directory when the settings were read (Settings.report_is_dir); one
     # that has disappeared since is an OSError, never a file created at its name.
     path = Path(str(path).replace("{pid}", str(os.getpid())))
-    if directory is None:
-        directory = path.is_dir() and not path.is_symlink()
     if directory:
         if not path.is_dir():
             raise FileNotFoundError(f"the report directory {path} no longer exists (not creating a file at its name)")
@@ -69,7 +66,7 @@ def resolve(path: Path, directory: bool | None) -> Path:
     return path
 
 
-def write(path: Path, section: dict, directory: bool | None = None, role: str = "worker") -> Path:
+def write(path: Path, section: dict, directory: bool, role: str = "worker") -> Path:
     """Merge this process's `section` into the report at `path`; return the file written (OSError: not written)."""
     target = resolve(path, directory)
     # Bounded, both the thread lock and the file lock: the writer thread's flush and the preflight wait on it.
@@ -92,10 +89,9 @@ def read_all(path: str | Path) -> list[tuple[str, dict]]:
     found = []
     for name in sorted(glob.glob(os.path.join(path, "*.json") if os.path.isdir(path) else path)):
         try:
-            with open(name, encoding="utf-8") as f:
-                payload = json.load(f)
+            payload = files.read_json(Path(name), "report")
         except (OSError, ValueError):
-            continue  # gone meanwhile, or being replaced: a report of a run, not of this command
+            continue  # being replaced, or not ours to read (files.py): a report of a run, not of this command
         if isinstance(payload, dict):
             found.append((name, payload))
     return found

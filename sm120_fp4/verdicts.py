@@ -6,14 +6,13 @@ failed verdicts are evidence only. The file is ``SM120_FP4_VERDICTS``, owner-onl
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from . import files, locks
+from . import devices, files, locks
 from .errors import say_once
 from .versions import kernel_versions
 
@@ -21,31 +20,15 @@ CRASHED, PASSED, FAILED = "crashed", "passed", "failed"
 _lock = locks.lock()
 
 
-def _driver_version() -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # no NVML, no driver
-        return None
-
-
 def device_key(device) -> dict[str, Any]:
     """Return what a verdict about `device` is keyed by (besides family and backend)."""
+    import torch
+
     from .backends.flashinfer import version as flashinfer_version
 
-    cuda = None
-    with contextlib.suppress(Exception):
-        import torch
-
-        cuda = torch.version.cuda
     key = {"gpu": device.name, "capability": f"{device.capability[0]}.{device.capability[1]}"}
-    key |= {"simulated": device.simulated, "driver": _driver_version() if device.is_cuda else None, "cuda": cuda}
+    driver = devices.nvml(lambda nvml: devices.as_text(nvml.nvmlSystemGetDriverVersion())) if device.is_cuda else None
+    key |= {"simulated": device.simulated, "driver": driver, "cuda": torch.version.cuda}
     # FlashInfer's prebuilt kernels and the CuTe DSL decide which kernel runs as much as flashinfer-python does.
     return key | {"flashinfer": flashinfer_version(), "kernels": kernel_versions()}
 

@@ -2,40 +2,32 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
-import re
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-# name -> version (None: not installed): each read parses METADATA (milliseconds) and guards ask thousands of
-# times while a model loads; imported modules do not change with a later pip run (clear_cache: they did).
-_read: dict[str, str | None] = {}
+
+# Cached: each read parses METADATA (milliseconds) and guards ask thousands of times while a model loads;
+# imported modules do not change with a later pip run (clear_cache: they did).
+@functools.cache
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def installed_version(*distributions: str) -> str | None:
     """Return the installed version of the first of `distributions` installed (read once per process)."""
-    for name in distributions:
-        found = _read.get(name, "")  # "": not read yet (threads reading at once each write the same)
-        if found == "":
-            try:
-                found = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                found = None
-            _read[name] = found
-        if found is not None:
-            return found
-    return None
+    return next((found for found in map(_version, distributions) if found is not None), None)
 
 
 def clear_cache() -> None:
     """Forget the versions read so far (a distribution installed or removed since)."""
-    _read.clear()
-
-
-def normalized(name: str) -> str:
-    """Return a distribution's name as PEP 503 compares it: lower case, runs of -_. as one -."""
-    return re.sub(r"[-_.]+", "-", name).lower()
+    _version.cache_clear()
 
 
 # What decides which kernel runs besides flashinfer-python: FlashInfer's prebuilt kernels (the jit-cache and its
@@ -45,11 +37,11 @@ KERNEL_DISTRIBUTIONS = (JIT_CACHE, CUBIN, "nvidia-cutlass-dsl")
 
 
 def kernel_versions() -> dict[str, str]:
-    """Return the installed version of each distribution that decides which kernel runs, by normalized name."""
+    """Return the installed version of each distribution that decides which kernel runs, by canonical (PEP 503) name."""
     # Read afresh each time (not cached as installed_version is): asked once per verdict key, not per layer.
     found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
-        name = normalized(dist.metadata["Name"] or "")
+        name = canonicalize_name(dist.metadata["Name"] or "")  # PEP 503: lower case, runs of -_. as one -
         if name.startswith(KERNEL_DISTRIBUTIONS) and name not in found:  # the first on the path is the one imported
             found[name] = dist.version
     return dict(sorted(found.items()))

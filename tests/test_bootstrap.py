@@ -93,12 +93,12 @@ def test_activate_before_sglang_puts_one_finder_that_removes_itself_after_instal
     assert sys.meta_path.count(bootstrap._finder) == 1 and sys.meta_path[0] is bootstrap._finder
     assert bootstrap._finder.find_spec("json") is None and bootstrap._finder in sys.meta_path
     calls = []
-    monkeypatch.setattr(bootstrap, "_on_sglang", calls.append)
+    monkeypatch.setattr(bootstrap, "_install_once", lambda: calls.append("install"))
     spec = bootstrap._finder.find_spec("sglang")
     assert bootstrap._finder in sys.meta_path, "in place until install() has run"
     module = type(sys)("sglang")
     spec.loader.exec_module(module)  # SGLang's own __init__ runs, then the hook
-    assert calls == [module] and bootstrap._finder not in sys.meta_path
+    assert calls == ["install"] and bootstrap._finder not in sys.meta_path
 
 
 # ---- new interpreters ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from helpers.common import SIM_ENV as SIM_OK
 from helpers.plugins import plugin_site
 from helpers.procs import REPO, Popen, background, clean_env
 from helpers.workers import workers_in_process
+from packaging.utils import canonicalize_name
 
 from sm120_fp4 import backends, cli, doctor
 from sm120_fp4.demo.checkpoint import write_checkpoint
@@ -42,7 +43,7 @@ def cli_in_process(monkeypatch, capsys, *args, env=None):
 def test_selftest_passes_with_exit_0_a_table_and_progress(monkeypatch, capsys):
     code, out, err = cli_in_process(monkeypatch, capsys, "selftest", env=SIM_OK)
     assert code == 0, err
-    assert "| cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out
+    assert "| cpu 'simulated (CPU)' (sm_120, simulated) | emulated | True |" in out
     assert "self-testing" in err and "self-test of emulated" in err  # progress for long steps
     assert "JIT-compiles" not in err, "no FlashInfer backend is tested in simulation: no nvcc warning"
 
@@ -321,7 +322,7 @@ def test_doctor_shows_the_kernel_packages_and_a_mismatch_is_a_problem(
     finally:
         versions.clear_cache()
     report = json.loads(out)
-    shown = {versions.normalized(name): version for name, version in installed.items()}
+    shown = {canonicalize_name(name): version for name, version in installed.items()}
     assert shown.items() <= report["versions"].items(), report["versions"]
     kernel = [p for p in report["problems"] if "flashinfer-" in p and "does not match" in p or "is unused" in p]
     if problem is None:
@@ -957,7 +958,7 @@ def test_selftest_moe_is_the_same_preflight_for_the_moe_family(monkeypatch, caps
         "--moe",
         env={"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_MOE_BACKENDS": "emulated"},
     )
-    assert code == 0 and "| moe | cpu 'simulated (no GPU)' (sm_120, simulated) | emulated | True |" in out, err
+    assert code == 0 and "| moe | cpu 'simulated (CPU)' (sm_120, simulated) | emulated | True |" in out, err
     code, out, err = cli_in_process(
         monkeypatch, capsys, "selftest", "--moe", "--backend", "cutlass", env={"SM120_FP4_SIMULATE": "12.0"}
     )

@@ -329,9 +329,6 @@ def test_an_int_toggle_is_accepted_by_install():
 )
 @pytest.mark.parametrize("which", ["FALLBACK", "MOE_FALLBACK"])
 def test_install_says_once_that_the_emulated_fallback_beats_selftest_warn(monkeypatch, caplog, which):
-    from sm120_fp4 import api
-
-    monkeypatch.setattr(api, "_logged", set())
     monkeypatch.setenv("SM120_FP4_SELFTEST", "warn")
     monkeypatch.setenv(f"SM120_FP4_{which}", "emulated")
     sm120_fp4.install(**SIM)

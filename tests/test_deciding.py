@@ -166,7 +166,9 @@ def test_choose_takes_the_crashed_candidates_from_its_caller(tmp_path, monkeypat
     settings = Settings(simulate="12.0", verdicts=str(store))
     read: list = []
     monkeypatch.setattr(verdicts, "load", lambda path: read.append(path) or [])
-    choice = deciding.choose(device, ["crashy", "emulated"], settings, crashed={"crashy": "skipped: it crashed"})
+    choice = deciding.choose(
+        device, ["crashy", "emulated"], settings, deciding.DENSE, crashed={"crashy": "skipped: it crashed"}
+    )
     assert choice.decision.backend == "emulated" and choice.decision.rejected == {"crashy": "skipped: it crashed"}
     assert read == [], "choose() reads no verdict file"
     monkeypatch.undo()

@@ -3,20 +3,53 @@
 from __future__ import annotations
 
 import re
+import typing
 from collections import Counter
 from pathlib import Path
 
-from sm120_fp4.config import settings_table
+from sm120_fp4.config import Settings, env_name
+from sm120_fp4.config.values import DURATIONS
+from sm120_fp4.tables import markdown_table
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+# The README's "accepted" column where a setting's type does not list its values.
+ACCEPTED = {
+    "toggle": "`1`, `on`, `0`, `off`",
+    **dict.fromkeys(("backends", "moe_backends"), "`auto` or comma-separated names"),
+    "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
+    "report": "a path",
+    "verdicts": "a file path, or `off`",
+    **{
+        f: ("`off`, or " if f == "canary" else "")
+        + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
+        for f, (least, most, unit) in DURATIONS.items()
+    },
+}
+
+
+def accepted(field: str) -> str:
+    choices = typing.get_args(Settings.model_fields[field].annotation)
+    if field not in ACCEPTED and choices and all(isinstance(c, str) for c in choices):
+        return ", ".join(f"`{c}`" for c in choices)
+    return ACCEPTED.get(field, "")
+
+
+def settings_table() -> str:
+    """Return the README's table of every setting, generated from Settings (its Field descriptions: the meaning)."""
+    rows = []
+    for field, info in Settings.model_fields.items():
+        default = info.default
+        given = "unset" if default is None else ",".join(default) if isinstance(default, tuple) else str(default)
+        rows.append((f"`{env_name(field)}`", f"`{given}`", accepted(field), info.description))
+    return "\n".join(markdown_table(("variable", "default", "accepted", "meaning"), rows))
 
 
 def test_readme_settings_table_is_generated_from_settings():
     block = re.search(r"<!-- settings-table:start -->\n(.*?)\n<!-- settings-table:end -->", README, re.S)
     assert block, "README lost its settings-table markers"
-    assert block.group(1) == settings_table(), (
-        "regenerate: python -c 'from sm120_fp4.config import settings_table; print(settings_table())'"
-    )
+    table = settings_table()
+    assert block.group(1) == table, f"put this table between the README's settings-table markers:\n{table}"
 
 
 def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one():

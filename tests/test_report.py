@@ -209,7 +209,7 @@ def test_a_failed_report_write_leaves_the_previous_report_and_no_temp_file(tmp_p
     path = _decide_with_report(tmp_path / "report.json")
     before = path.read_text()
     with pytest.raises(TypeError):
-        report.write(path, {"bad": object()})
+        report.write(path, {"bad": object()}, directory=False)
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 
@@ -347,7 +347,7 @@ def test_a_rank_records_that_it_verifies_before_the_first_check_and_its_refusal_
         refusal = sm120_fp4.status().refusals[0]
     finally:
         serving.STATE.rank = dict
-    assert seen and seen[0]["verifying"] == ["FP4 GEMM on cpu 'simulated (no GPU)' (sm_120, simulated)"]
+    assert seen and seen[0]["verifying"] == ["FP4 GEMM on cpu 'simulated (CPU)' (sm_120, simulated)"]
     assert seen[0]["rank"] == {"tp_rank": 1, "tp_size": 2}
     assert refusal.rank == {"tp_rank": 1, "tp_size": 2}
     assert refusal.message.splitlines()[0].endswith("passed verification. (TP rank 1/2)"), refusal.message

@@ -3,5 +3,5 @@ the settings are built (``install()`` or CLI start): a ConfigError names the var
 """
 
 from .flashinfer import check_flashinfer_env, flashinfer_overrides, flashinfer_problem  # noqa: F401
-from .settings import Settings, env_name, load_settings, settings_table, sources  # noqa: F401
+from .settings import Settings, env_name, load_settings, sources  # noqa: F401
 from .values import AUTO  # noqa: F401

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import ConfigError
+from ..errors import ConfigError, describe
 from ..toggle import TOGGLE_VAR
-from .values import shown
 
 # FlashInfer's fp4_quantize and cutlass_fused_moe read FLASHINFER_NVFP4_* knobs (4over6 block scales, scales
 # clamped at 256) when called as SGLang calls them; the oracle models the standard recipe only, so any such
@@ -37,7 +36,7 @@ def flashinfer_problem() -> str | None:
     found = flashinfer_overrides()
     if not found:
         return None
-    listed = ", ".join(f"{k}={shown(v, 60)}" for k, v in found.items())
+    listed = ", ".join(f"{k}={describe(v, 60)}" for k, v in found.items())
     return (
         f"{listed} set: this changes FlashInfer's FP4 quantization recipe (fp4_quantize, the activation quantizer "
         f"SGLang calls, and cutlass_fused_moe read the {FLASHINFER_PREFIX}* variables: 4over6 block scales, block "

@@ -1,21 +1,20 @@
-"""``Settings``: keyword arguments > ``SM120_FP4_*`` environment variables > defaults; the README's table."""
+"""``Settings``: keyword arguments > ``SM120_FP4_*`` environment variables > defaults."""
 
 from __future__ import annotations
 
 import difflib
 import logging
 import os
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BeforeValidator, Field, PrivateAttr, ValidationError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from ..errors import ConfigError, say_once
+from ..errors import ConfigError, describe, say_once
 from ..toggle import TOGGLE_VAR, parse_toggle
 from . import values
-from .values import AUTO, ENV_PREFIX, OFF, shown
+from .values import AUTO, ENV_PREFIX, OFF
 
 # Each parser runs on the raw value, before pydantic's own type check.
 _Backends = Annotated[tuple[str, ...] | Literal["auto"], NoDecode, BeforeValidator(values.parse_backends)]
@@ -137,7 +136,7 @@ def _config_error(exc: ValidationError, kwargs: dict[str, Any]) -> ConfigError:
             continue
         where = f"keyword {field}=" if field in kwargs else f"{env_name(field)}="
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}{shown(err.get('input'))} is not accepted; {msg}")
+        lines.append(f"{where}{describe(err.get('input'), 200)} is not accepted; {msg}")
     return ConfigError("invalid sm120_fp4 settings:\n  " + "\n  ".join(lines))
 
 
@@ -154,7 +153,7 @@ def _check_unknown_env(environ: dict[str, str]) -> None:
     for name in unknown[:8]:
         upper = name.upper()
         close = [upper] if upper in known else difflib.get_close_matches(upper, sorted(known), n=1)
-        hints.append(f"{name}={shown(environ[name])}" + (f" (did you mean {close[0]}?)" if close else ""))
+        hints.append(f"{name}={describe(environ[name], 200)}" + (f" (did you mean {close[0]}?)" if close else ""))
     more = f", and {len(unknown) - 8} more" if len(unknown) > 8 else ""
     raise ConfigError(
         f"unknown sm120_fp4 environment variable(s): {', '.join(hints)}{more}; accepted: {', '.join(sorted(known))}"
@@ -192,36 +191,3 @@ def sources(settings_kwargs: dict[str, Any]) -> dict[str, str]:
         f: "keyword" if f in settings_kwargs else f"env {env_name(f)}" if env_name(f) in os.environ else "default"
         for f in Settings.model_fields
     }
-
-
-_ACCEPTED = {
-    "toggle": "`1`, `on`, `0`, `off`",
-    **dict.fromkeys(("backends", "moe_backends"), "`auto` or comma-separated names"),
-    "simulate": "`MAJOR.MINOR`: `12.0`, `12.1`, or another NVIDIA GPU's (7.0 to 11.0; SGLang left untouched)",
-    "report": "a path",
-    "verdicts": "a file path, or `off`",
-    **{
-        f: ("`off`, or " if f == "canary" else "")
-        + f"{unit}, {least:g} <= {unit[0] if unit == 'seconds' else 'ms'} <= {most:g}"
-        for f, (least, most, unit) in values.DURATIONS.items()
-    },
-}
-
-
-def _accepted(field: str) -> str:
-    choices = typing.get_args(Settings.model_fields[field].annotation)
-    if field not in _ACCEPTED and choices and all(isinstance(c, str) for c in choices):
-        return ", ".join(f"`{c}`" for c in choices)
-    return _ACCEPTED.get(field, "")
-
-
-def settings_table() -> str:
-    """Return the README's table of every setting, generated from Settings."""
-    from ..tables import markdown_table
-
-    rows = []
-    for field, info in Settings.model_fields.items():
-        default = info.default
-        given = "unset" if default is None else ",".join(default) if isinstance(default, tuple) else str(default)
-        rows.append((f"`{env_name(field)}`", f"`{given}`", _accepted(field), info.description))
-    return "\n".join(markdown_table(("variable", "default", "accepted", "meaning"), rows))

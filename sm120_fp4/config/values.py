@@ -192,9 +192,3 @@ def parse_verdicts(value: object) -> object:
 
 def parse_canary(value: object) -> object:
     return OFF if value == OFF else duration("canary", value, "off, or the period in seconds: ")
-
-
-def shown(value: object, limit: int = 200) -> str:
-    """Return a rejected value's repr, cut at `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
