@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from helpers.checkpoints import as_compressed_tensors
 from sm120_fp4 import nvfp4
-from sm120_fp4.demo.synthetic import COMPRESSED_TENSORS, MODELOPT, MoeCheckpoint, as_compressed_tensors
+from sm120_fp4.demo.synthetic import COMPRESSED_TENSORS, MODELOPT, MoeCheckpoint
 from sm120_fp4.sglang import moe_layers
 
 __all__ = ["build_compressed_tensors_moe_layer", "moe_weights", "fused_dense_shards", "build_fused_dense_layer"]
