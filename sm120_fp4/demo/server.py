@@ -183,10 +183,8 @@ class Server:
             raise RuntimeError(f"/generate answered HTTP {status}: {body[:500]}")
         return json.loads(body)
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
-        """Stop the launcher and every process it started (its process group); return its exit code."""
-        if self.proc is None:
-            return None
+    def stop(self, grace_s: float = 20.0) -> int:
+        """Stop the started launcher and every process it started (its process group); return its exit code."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)

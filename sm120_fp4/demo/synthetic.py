@@ -23,22 +23,6 @@ def quantize_weight(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return packed, nvfp4.unswizzle_scales(swizzled, *dense.shape), (1.0 / gsf).reshape(())
 
 
-def as_compressed_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Return ModelOpt tensors under llm-compressor's names, the global scales as encode scales (shape (1,))."""
-    out = {}
-    for name, value in tensors.items():
-        stem, kind = name.rsplit(".", 1)
-        if kind == "weight" and value.dtype == torch.uint8:
-            out[stem + ".weight_packed"] = value
-        elif kind == "weight_scale_2":
-            out[stem + ".weight_global_scale"] = (1.0 / value.float()).reshape(1)
-        elif kind == "input_scale":
-            out[stem + ".input_global_scale"] = (1.0 / value.float()).reshape(1)
-        else:
-            out[name] = value
-    return out
-
-
 @dataclass
 class Checkpoint:
     """Hold ModelOpt NVFP4 tensors of one linear layer (N outputs, K inputs)."""
@@ -54,13 +38,12 @@ class Checkpoint:
         return {k: getattr(self, k) for k in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
 
 
-def make_checkpoint(n: int, k: int, seed: int = 0, calibration: torch.Tensor | None = None) -> Checkpoint:
+def make_checkpoint(n: int, k: int, seed: int = 0) -> Checkpoint:
     """Quantize a random (N, K) bf16 weight with nvfp4 into ModelOpt's checkpoint layout."""
     gen = torch.Generator().manual_seed(seed)
     dense = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
     packed, scales, scale_2 = quantize_weight(dense)
-    if calibration is None:
-        calibration = torch.randn(64, k, generator=gen).to(torch.bfloat16) * 2
+    calibration = torch.randn(64, k, generator=gen).to(torch.bfloat16) * 2
     input_scale = (1.0 / nvfp4.global_scale(calibration)).reshape(1)
     return Checkpoint(packed, scales, scale_2.reshape(1), input_scale, dense)
 
