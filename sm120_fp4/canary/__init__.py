@@ -16,7 +16,6 @@ __all__ = [
     "Canary",
     "configure",
     "stop",
-    "active",
     "idle",
     "on_warmup",
     "status",
@@ -49,11 +48,6 @@ def stop() -> None:
     """Forget this process's canary (uninstall)."""
     STATE.canary = None
     STATE.report.sections.pop("canary", None)
-
-
-def active() -> Canary | None:
-    """Return this process's canary, or None."""
-    return STATE.canary
 
 
 def idle(serving_stream: Callable[[], ContextManager] | None = None) -> None:
