@@ -70,7 +70,7 @@ def serve(kernel, *shapes, **settings):
     settings.setdefault("canary_slice_ms", "1000")  # every CPU run fits: the rotation under test, not the slice bound
     sm120_fp4.install(simulate="12.0", backends="wear", canary=str(settings.pop("period", PERIOD)), **settings)
     built = [layers.build_modelopt_layer(synthetic.make_checkpoint(n, k, seed=i)) for i, (n, k) in enumerate(shapes)]
-    c = canary.active()
+    c = serving.STATE.canary
     c.clock = Clock()
     canary.idle()  # the first idle point arms it
     return c, built
@@ -581,7 +581,7 @@ def test_the_idle_point_runs_inside_the_serving_stream_it_is_given():
 
 def test_with_nothing_verified_the_canary_runs_nothing_and_says_so():
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="5")
-    c = canary.active()
+    c = serving.STATE.canary
     c.clock = Clock()
     canary.idle()
     c.clock.now += 5
@@ -723,13 +723,13 @@ def test_status_and_the_report_show_the_canary(tmp_path):
 
 def test_off_by_default_and_after_uninstall():
     status = sm120_fp4.install(simulate="12.0", backends="emulated")
-    assert not status.canary.enabled and status.canary.state.startswith("off") and canary.active() is None
+    assert not status.canary.enabled and status.canary.state.startswith("off") and serving.STATE.canary is None
     assert "scheduler-idle-canary" not in {p.name for p in status.patches}, "nothing patched for it when off"
     sm120_fp4.uninstall()
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="5")
-    assert canary.active() is not None
+    assert serving.STATE.canary is not None
     sm120_fp4.uninstall()
-    assert canary.active() is None and "canary" not in serving.STATE.report.sections
+    assert serving.STATE.canary is None and "canary" not in serving.STATE.report.sections
 
 
 @pytest.mark.slow

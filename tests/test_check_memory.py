@@ -13,7 +13,7 @@ from helpers import moe_faults
 from helpers.cases import case
 
 import sm120_fp4
-from sm120_fp4 import backends, canary, nvfp4, verify
+from sm120_fp4 import backends, canary, nvfp4, serving, verify
 from sm120_fp4.backends import emulated_mm_fp4
 from sm120_fp4.demo import synthetic
 from sm120_fp4.devices import Device
@@ -93,7 +93,7 @@ def test_a_canary_run_that_cannot_get_its_memory_is_skipped_and_retried(sglang_u
     backends.register("no-memory", kernel)
     sm120_fp4.install(simulate="12.0", backends="no-memory", canary="30", canary_slice_ms="1000")
     layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160, seed=1))
-    c = canary.active()
+    c = serving.STATE.canary
     c.clock = Clock()
     canary.idle()  # armed
     kernel.failures = 2  # the check's first attempt and its retry

@@ -459,9 +459,7 @@ def launch_in_process(monkeypatch, capsys, *args, env):
     (exit code, stderr, the started argv and its SM120_FP4, or None)."""
     execs = []
     monkeypatch.setenv("SM120_FP4", "0")  # launch sets it to 1; monkeypatch restores it afterwards
-    monkeypatch.setattr(
-        cli.launch, "_spawn", lambda file, argv, environ: execs.append((argv, environ.get("SM120_FP4")))
-    )
+    monkeypatch.setattr(cli.launch, "_spawn", lambda argv, environ: execs.append((argv, environ.get("SM120_FP4"))))
     code, _, err = cli_in_process(monkeypatch, capsys, "launch", *args, env=env)
     return code, err, (execs[0] if execs else None)
 
@@ -719,7 +717,7 @@ def test_launch_never_starts_a_server_that_would_load_a_crash_it_could_not_recor
     with pytest.MonkeyPatch.context() as mp:
         execs = []
         mp.setenv("SM120_FP4", "0")
-        mp.setattr(cli.launch, "_spawn", lambda file, argv, environ: execs.append(argv))
+        mp.setattr(cli.launch, "_spawn", lambda argv, environ: execs.append(argv))
         for k, v in {**SIM_BOTH, "SM120_FP4_BACKENDS": "crash,emulated", "SM120_FP4_VERDICTS": verdicts}.items():
             mp.setenv(k, v)
         previous = cli.use_worker_runner(_crashing_first("crash"))
@@ -777,9 +775,7 @@ def test_launch_shortens_sglangs_wait_for_coredumps_unless_set(monkeypatch, caps
     seen = []
     monkeypatch.delenv(cli.COREDUMP_WAIT_VAR, raising=False)
     monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
-    monkeypatch.setattr(
-        cli.launch, "_spawn", lambda file, argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR))
-    )
+    monkeypatch.setattr(cli.launch, "_spawn", lambda argv, environ: seen.append(environ.get(cli.COREDUMP_WAIT_VAR)))
     monkeypatch.setenv("SM120_FP4", "0")
     assert cli.main(["launch", "--", *command]) == 0
     monkeypatch.setenv(cli.COREDUMP_WAIT_VAR, "30")
@@ -800,9 +796,7 @@ def test_launch_splits_the_cores_over_the_cpu_engines_ranks_unless_the_operator_
     command = [sys.executable, "-c", "print('started')", "--tp", "2"]
     seen = []
     monkeypatch.setattr(cli.launch, "cmd_selftest", lambda *a, **k: 0)
-    monkeypatch.setattr(
-        cli.launch, "_spawn", lambda file, argv, env: seen.append(env.get("SGLANG_CPU_OMP_THREADS_BIND"))
-    )
+    monkeypatch.setattr(cli.launch, "_spawn", lambda argv, env: seen.append(env.get("SGLANG_CPU_OMP_THREADS_BIND")))
     for name, value in {"SM120_FP4": "0", "SM120_FP4_SIMULATE": "12.0", "SGLANG_USE_CPU_ENGINE": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)

@@ -194,7 +194,7 @@ def test_the_canary_with_humming_rechecks_the_layer_whose_bytes_are_kept(stand_i
     sm120_fp4.install(simulate="12.0", backends="humming", canary="30", canary_action="log")
     try:
         served = [_served_layer(seed=seed) for seed in (1, 2, 3)]  # kept alive, as a model keeps its layers
-        c = canary.active()
+        c = serving.STATE.canary
         now = [1000.0]
         c.clock = lambda: now[0]
         canary.idle()  # arms it

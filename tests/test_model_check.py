@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import faults
 from helpers.cases import case
+from helpers.checkpoints import COMPRESSED_TENSORS, MODELOPT, write_checkpoint
 from helpers.common import simulated_moe_skip_reason
 from helpers.plugins import plugin_site
 from helpers.procs import Popen, background, clean_env
@@ -18,7 +19,6 @@ from helpers.workers import model_workers_in_process
 from safetensors.torch import save_file
 
 from sm120_fp4 import backends, checkpoints, cli
-from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, MODELOPT, write_checkpoint
 from sm120_fp4.errors import CheckpointError, ConfigError
 
 if simulated_moe_skip_reason() is not None:

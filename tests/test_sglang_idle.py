@@ -14,7 +14,7 @@ import torch
 from helpers.cases import case
 
 import sm120_fp4
-from sm120_fp4 import canary
+from sm120_fp4 import serving
 from sm120_fp4.demo import synthetic
 from sm120_fp4.errors import ConfigError, RefusedToServe
 from sm120_fp4.sglang import idle, layers, targets
@@ -207,4 +207,4 @@ def test_warmup_hands_the_captured_graph_sizes_to_the_canary(monkeypatch):
     sm120_fp4.install(simulate="12.0", backends="emulated", canary="60")
     layers.build_modelopt_layer(synthetic.make_checkpoint(96, 160))
     getattr(runner.ModelRunner(), name)()
-    assert canary.active()._captured == {1, 2, 4, 48}
+    assert serving.STATE.canary._captured == {1, 2, 4, 48}

@@ -417,7 +417,7 @@ def test_expert_parallel_calls_fold_nothing_onto_a_local_expert():
     seen.clear()
     with moe_layers.sglang_moe_context(ep_size=2, ep_rank=1):
         out = moe_layers.moe_forward(layer, x, ids, weights)
-        want = synthetic.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1)
+        want = sglang_layers.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1)
     assert torch.equal(out, want)
     [local] = seen
     real = ((ids >= 4) & (ids < 8)).sum()

@@ -262,7 +262,7 @@ def test_ranks_partials_sum_to_the_single_rank_output(ckpt, seam, ep_size, tp_si
             call = seam[-1]
             assert torch.equal(call["ids"], ids)  # global ids reach the kernel
             assert (call["ep_size"], call["ep_rank"], call["tp_size"], call["tp_rank"]) == tuple(ranks.values())
-            assert torch.equal(out, synthetic.reference_moe_output(ckpt, x, ids, weights, **ranks))
+            assert torch.equal(out, sglang_layers.reference_moe_output(ckpt, x, ids, weights, **ranks))
             assert torch.equal(out, synthetic.reference_moe_from_weights(w, x, ids, weights))
             total += out.float()
     # Partials are each rounded to bf16: the sum agrees with one rank to bf16 rounding, not bits.
@@ -295,7 +295,9 @@ def _compressed_tensors_layer(ckpt, seam):
     layer = sglang_layers.build_compressed_tensors_moe_layer(ckpt, K)
     assert type(layer.scheme).__name__ == "CompressedTensorsW4A4Nvfp4MoE"
     out = ml.moe_forward(layer, x, ids, weights)
-    assert torch.equal(out, synthetic.reference_moe_output(ckpt, x, ids, weights, quantization="compressed-tensors"))
+    assert torch.equal(
+        out, sglang_layers.reference_moe_output(ckpt, x, ids, weights, quantization="compressed-tensors")
+    )
     w = sglang_layers.moe_weights(layer)
     assert w["a1_gscale"].shape == (E,) and w["quantization"] == "compressed-tensors"
     assert seam[0]["quant_scales"][1].data_ptr() == layer.w13_weight_scale.data_ptr() == w["w13_sf"].data_ptr()
@@ -307,7 +309,9 @@ def _compressed_tensors_layer(ckpt, seam):
     assert sglang_layers.moe_weights(layer1)["a1_gscale"].shape == (E // 2,)
     assert torch.equal(
         out1,
-        synthetic.reference_moe_output(ckpt, x, ids, weights, ep_size=2, ep_rank=1, quantization="compressed-tensors"),
+        sglang_layers.reference_moe_output(
+            ckpt, x, ids, weights, ep_size=2, ep_rank=1, quantization="compressed-tensors"
+        ),
     )
 
 

@@ -29,6 +29,7 @@ from sm120_fp4.demo import synthetic
 from sm120_fp4.errors import RefusedToServe
 from sm120_fp4.serving import policy
 from sm120_fp4.sglang import hooks, layers
+from sm120_fp4.sglang.moe_layers import COMPRESSED_TENSORS, MODELOPT
 from sm120_fp4.sglang.release import MODEL_RUNNER, sglang_version
 from sm120_fp4.versions import version_in
 
@@ -818,7 +819,7 @@ def _shards(scale_q: float = 1.0, input_k: float = 1.0):
     return shards
 
 
-@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+@pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
 @pytest.mark.parametrize(
     "scale_q, expected",
     [
@@ -844,7 +845,7 @@ def test_a_fused_layer_whose_shards_global_scales_differ_is_refused_naming_them(
         build_fused_dense_layer(_shards(scale_q=scale_q), fmt)
 
 
-@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+@pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
 def test_a_fused_layer_with_one_global_scale_serves_and_activation_scales_may_differ(fmt):
     sm120_fp4.install(simulate="12.0", backends="emulated")
     method, layer = build_fused_dense_layer(_shards(input_k=2.0), fmt)
@@ -855,7 +856,7 @@ def test_a_fused_layer_with_one_global_scale_serves_and_activation_scales_may_di
 from helpers.scale_faults import SHARD_FAULTS, faulty_shards  # noqa: E402
 
 
-@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+@pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
 @pytest.mark.parametrize("fault", slow_but_one(SHARD_FAULTS))
 @case(
     "configuration",
@@ -881,7 +882,7 @@ def test_sglang_refuses_the_checkpoint_scales_vllm_refuses(fmt, fault):
 def test_different_shard_scales_under_warn_are_said_and_served(caplog):
     sm120_fp4.install(simulate="12.0", backends="emulated", selftest="warn")
     with caplog.at_level("WARNING", logger="sm120_fp4"):
-        build_fused_dense_layer(_shards(scale_q=0.25), synthetic.MODELOPT)
+        build_fused_dense_layer(_shards(scale_q=0.25), MODELOPT)
     assert any(
         "differ in the checkpoint" in r.getMessage() and "SELFTEST=warn" in r.getMessage() for r in caplog.records
     )

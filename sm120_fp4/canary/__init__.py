@@ -16,7 +16,6 @@ __all__ = [
     "Canary",
     "configure",
     "stop",
-    "active",
     "idle",
     "on_warmup",
     "status",
@@ -51,11 +50,6 @@ def stop() -> None:
     STATE.report.sections.pop("canary", None)
 
 
-def active() -> Canary | None:
-    """Return this process's canary, or None."""
-    return STATE.canary
-
-
 def idle(serving_stream: Callable[[], ContextManager] | None = None) -> None:
     """Run the canary's due run: the engine's serving loop is between forward passes; nothing when off."""
     if STATE.canary is not None:
@@ -68,13 +62,17 @@ def on_warmup(captured: list[int]) -> None:
         STATE.canary.on_warmup(captured)
 
 
-def status(settings: Settings | None = None) -> CanaryStatus:
-    """Return this process's canary status, or what the settings say where none runs here."""
+def status(settings: Settings) -> CanaryStatus:
+    """Return this process's canary status, or what the settings in force say where none runs here."""
     if STATE.canary is not None:
         return STATE.canary.status()
-    period, action, slice_ms = None, "exit", 5.0
-    if settings is not None:
-        period, action, slice_ms = settings.canary_period, settings.canary_action, settings.canary_slice_ms
     state, off = "not running: sm120_fp4 is not installed in this process", "not compared: the canary is off"
-    state = "off (SM120_FP4_CANARY=off)" if period is None else state
-    return CanaryStatus(enabled=False, period_s=period, action=action, slice_ms=slice_ms, state=state, fingerprints=off)
+    state = "off (SM120_FP4_CANARY=off)" if settings.canary_period is None else state
+    return CanaryStatus(
+        enabled=False,
+        period_s=settings.canary_period,
+        action=settings.canary_action,
+        slice_ms=settings.canary_slice_ms,
+        state=state,
+        fingerprints=off,
+    )

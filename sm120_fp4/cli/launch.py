@@ -84,7 +84,7 @@ def _exec(command: list[str]) -> int:
     own_report = None if os.environ.get("SM120_FP4_REPORT") else tempfile.mkdtemp(prefix="sm120_fp4_launch_")
     report = os.environ["SM120_FP4_REPORT"] = own_report or os.environ["SM120_FP4_REPORT"]  # where ranks say why
     try:
-        code = _spawn(command[0], command, os.environ)
+        code = _spawn(command, os.environ)
         if code:
             _eprint(f"sm120-fp4 launch: the server exited with code {code}")
             for line in _refusal_lines(report):
@@ -99,10 +99,9 @@ def _exec(command: list[str]) -> int:
     return code or EXIT_OK
 
 
-def _spawn(file: str, argv: list[str], environ) -> int:
+def _spawn(argv: list[str], environ) -> int:
     """Run the server as this process's child, forwarding SIGTERM, SIGINT and SIGHUP; return its exit status."""
-    executable = shutil.which(file, path=environ.get("PATH")) or file
-    proc = subprocess.Popen(argv, executable=executable, env=environ, preexec_fn=_end_with_launcher)
+    proc = subprocess.Popen(argv, env=environ, preexec_fn=_end_with_launcher)  # found on `environ`'s PATH
     forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     before = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in forwarded}
     try:

@@ -151,18 +151,13 @@ def main() -> int:
 
 def _moe_layer():
     """Step 5: build SGLang's NVFP4 FusedMoE (its MoE self-test runs); None, saying why, where this SGLang cannot."""
-    import sm120_fp4
-
     try:
         from ..sglang import moe_layers
-        from ..sglang.moe import SEAM_VERSIONS
-        from ..versions import version_in
 
-        if not version_in(sm120_fp4.status().sglang_version, SEAM_VERSIONS):
-            raise ImportError(f"the fused-MoE seam exists in SGLang {SEAM_VERSIONS}")
+        # Its scoped runtime seams (0.5.22+) come after the fused-MoE seam (0.5.15+): it says for both.
         problem = moe_layers.builder_problem()
         if problem is not None:
-            raise ImportError(problem + "; the MoE patches are applied, see `sm120-fp4 doctor`")
+            raise ImportError(problem + "; `sm120-fp4 doctor` lists which MoE patches apply")
         ckpt = make_moe_checkpoint(8, 256, 128, seed=11)
         _say(
             "\n5. A real NVFP4 FusedMoE layer (ModelOptNvFp4FusedMoEMethod: 8 experts, H=256, I=128, top-2);",

@@ -1,4 +1,4 @@
-"""A tiny random NVFP4 Qwen3-MoE checkpoint (2 layers, 8 experts) in ModelOpt's or llm-compressor's format."""
+"""A tiny random NVFP4 Qwen3-MoE checkpoint (2 layers, 8 experts) in ModelOpt's format (the server demo's)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 import torch
 
 from .. import nvfp4
-from ..checkpoints import COMPRESSED_TENSORS, MODELOPT
+from ..checkpoints import MODELOPT
 from ..errors import InvalidArgument
 from ..sglang.moe_layers import QUANT_CONFIGS, TINY_MODEL_CONFIG
-from .synthetic import as_compressed_tensors, quantize_weight
+from .synthetic import quantize_weight
 
 _SPECIAL = ["<s>", "</s>"]
 _CALIBRATION_AMAX = 8.0
@@ -87,27 +87,20 @@ def _write_json(path: str, value: dict) -> None:
         json.dump(value, f, indent=1)
 
 
-def write_checkpoint(root: str, seed: int = 0, fmt: str = MODELOPT) -> str:
-    """Write the tiny checkpoint in `fmt` into the new or empty directory `root` (made owner-only); return `root`."""
+def write_checkpoint(root: str, seed: int = 0) -> str:
+    """Write the tiny checkpoint into the new or empty directory `root` (made owner-only); return `root`."""
     from safetensors.torch import save_file
 
-    if fmt not in (MODELOPT, COMPRESSED_TENSORS):
-        raise InvalidArgument(f"write_checkpoint: fmt={fmt!r}; accepted: {MODELOPT!r}, {COMPRESSED_TENSORS!r}")
     os.makedirs(root, mode=0o700, exist_ok=True)
     if os.listdir(root):
         raise InvalidArgument(f"write_checkpoint: root={root!r} is not empty; accepted: a new or empty directory")
-    quant = QUANT_CONFIGS[fmt]
+    quant = QUANT_CONFIGS[MODELOPT]
     _write_json(os.path.join(root, "config.json"), {**TINY_MODEL_CONFIG, "quantization_config": quant})
-    tensors = _tensors(seed)
-    if fmt == MODELOPT:
-        hf_quant = dict(quant_algo="NVFP4", group_size=16, kv_cache_quant_algo=None, exclude_modules=["lm_head"])
-        path = os.path.join(root, "hf_quant_config.json")
-        _write_json(path, {"producer": quant["producer"], "quantization": hf_quant})
-    else:
-        tensors = as_compressed_tensors(tensors)
+    hf_quant = dict(quant_algo="NVFP4", group_size=16, kv_cache_quant_algo=None, exclude_modules=["lm_head"])
+    _write_json(os.path.join(root, "hf_quant_config.json"), {"producer": quant["producer"], "quantization": hf_quant})
     _write_json(os.path.join(root, "generation_config.json"), {"bos_token_id": 256, "eos_token_id": 257})
     path = os.path.join(root, "model.safetensors")
-    save_file(tensors, path, metadata={"format": "pt"})
+    save_file(_tensors(seed), path, metadata={"format": "pt"})
     os.chmod(path, 0o600)
     _write_tokenizer(root)
     return root

@@ -50,14 +50,6 @@ def wrong_at_qkv(a, b, a_sf, b_sf, alpha, out_dtype, out):
     return out
 
 
-def tp_size(args: list[str]) -> int:
-    """Return the TP size SGLang's arguments `args` ask for (1 unless given)."""
-    from ..devices import ranks_in
-    from ..sglang.simulation import PARALLEL_FLAGS
-
-    return ranks_in(args, {"tp": PARALLEL_FLAGS["tp"]})
-
-
 def _ephemeral_range() -> tuple[int, int]:
     """Return the kernel's range for ports it hands out by itself (outgoing connections, bind to port 0)."""
     try:
@@ -183,10 +175,8 @@ class Server:
             raise RuntimeError(f"/generate answered HTTP {status}: {body[:500]}")
         return json.loads(body)
 
-    def stop(self, grace_s: float = 20.0) -> int | None:
-        """Stop the launcher and every process it started (its process group); return its exit code."""
-        if self.proc is None:
-            return None
+    def stop(self, grace_s: float = 20.0) -> int:
+        """Stop the started launcher and every process it started (its process group); return its exit code."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -320,7 +310,10 @@ def main(model_path: str | None = None, extra_args: list[str] | None = None) -> 
     if first != 0:
         _say(f"\nThe healthy server did not answer. Logs and reports kept in {workdir}")
         return 1
-    tp = tp_size(extra)
+    from ..devices import ranks_in
+    from ..sglang.simulation import PARALLEL_FLAGS
+
+    tp = ranks_in(extra, {"tp": PARALLEL_FLAGS["tp"]})  # the TP size SGLang's arguments ask for (1 unless given)
     at = f"N={QKV_N // tp}, K={QKV_K}" + (f", each of {tp} TP ranks' shard" if tp > 1 else "")
     _say(
         f"\n2. The same server with a kernel wrong only at this checkpoint's fused qkv shape ({at}),",

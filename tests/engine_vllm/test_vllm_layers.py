@@ -22,6 +22,7 @@ from sm120_fp4 import backends  # noqa: E402
 from sm120_fp4.backends import emulated_mm_fp4  # noqa: E402
 from sm120_fp4.demo import synthetic  # noqa: E402
 from sm120_fp4.errors import RefusedToServe  # noqa: E402
+from sm120_fp4.sglang.moe_layers import COMPRESSED_TENSORS, MODELOPT  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -292,7 +293,7 @@ def test_vllms_batch_sizes_not_visible_are_assumed_and_said_once(monkeypatch, ca
 from helpers.scale_faults import SHARD_FAULTS, faulty_shards  # noqa: E402
 
 
-@pytest.mark.parametrize("fmt", [synthetic.MODELOPT, synthetic.COMPRESSED_TENSORS])
+@pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
 @pytest.mark.parametrize("fault", list(SHARD_FAULTS))
 @case(
     "configuration",

@@ -12,11 +12,11 @@ pytestmark = pytest.mark.skipif(vllm_layers.available() is not None, reason=str(
 
 from helpers import faults  # noqa: E402
 from helpers.cases import case  # noqa: E402
+from helpers.checkpoints import COMPRESSED_TENSORS, MODELOPT, write_checkpoint  # noqa: E402
 from helpers.workers import _as_a_worker_process, _runner  # noqa: E402
 
 import sm120_fp4  # noqa: E402
 from sm120_fp4 import backends, cli  # noqa: E402
-from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, MODELOPT, write_checkpoint  # noqa: E402
 
 SIM = {"SM120_FP4_SIMULATE": "12.0", "SM120_FP4_BACKENDS": "emulated", "SM120_FP4_MOE_BACKENDS": "emulated"}
 

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.checkpoints import COMPRESSED_TENSORS, write_checkpoint
 from helpers.plugins import distribution
-from sm120_fp4.demo.checkpoint import COMPRESSED_TENSORS, write_checkpoint
 from sm120_fp4.demo.server import PROMPT, Server, group_members, summarize
 
 PERIOD = 8.0  # seconds: a canary run every 8 s (each run a few steps, one per idle point)

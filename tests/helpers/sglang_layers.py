@@ -2,20 +2,26 @@
 
 :func:`build_compressed_tensors_moe_layer` builds the layer from a synthetic checkpoint in
 compressed-tensors' names; :func:`moe_weights` reads what SGLang hands the kernel, in
-``nvfp4.reference_moe_fp4``'s argument names. The runtime builder is
-:func:`sm120_fp4.sglang.moe_layers.build_moe_layer_from_tensors`; the checkpoints and the reference
-are :mod:`sm120_fp4.demo.synthetic`.
+``nvfp4.reference_moe_fp4``'s argument names; :func:`reference_moe_output` is the checkpoint's reference for
+any EP/TP rank and either format. The runtime builder is
+:func:`sm120_fp4.sglang.moe_layers.build_moe_layer_from_tensors`; the checkpoints and the one-rank ModelOpt
+reference (the demo's) are :mod:`sm120_fp4.demo.synthetic`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from helpers.checkpoints import as_compressed_tensors
 from sm120_fp4 import nvfp4
-from sm120_fp4.demo.synthetic import COMPRESSED_TENSORS, MODELOPT, MoeCheckpoint, as_compressed_tensors
+from sm120_fp4.demo import synthetic
+from sm120_fp4.demo.synthetic import MoeCheckpoint
+from sm120_fp4.errors import check_ranks, not_accepted
 from sm120_fp4.sglang import moe_layers
+from sm120_fp4.sglang.moe_layers import COMPRESSED_TENSORS, MODELOPT
 
 __all__ = ["build_compressed_tensors_moe_layer", "moe_weights", "fused_dense_shards", "build_fused_dense_layer"]
+__all__ += ["reference_moe_output"]
 
 
 def build_compressed_tensors_moe_layer(
@@ -42,6 +48,54 @@ def build_compressed_tensors_moe_layer(
         tp_size=tp_size,
         tp_rank=tp_rank,
     )
+
+
+def _check_reference(ckpt: MoeCheckpoint, ep_size, ep_rank, tp_size, tp_rank, quantization: str) -> None:
+    func = "reference_moe_output"
+    check_ranks(func, ep_size, ep_rank, tp_size, tp_rank)
+    if quantization not in (MODELOPT, COMPRESSED_TENSORS):
+        raise not_accepted(func, "quantization", quantization, f"one of {(MODELOPT, COMPRESSED_TENSORS)}")
+    if ckpt.num_experts % ep_size:
+        raise not_accepted(func, "ep_size", ep_size, f"a divisor of the checkpoint's {ckpt.num_experts} experts")
+    if ckpt.intermediate % (tp_size * nvfp4.BLOCK_SIZE):
+        why = f"a size that splits the intermediate {ckpt.intermediate} into {nvfp4.BLOCK_SIZE}-blocks"
+        raise not_accepted(func, "tp_size", tp_size, why)
+    if ckpt.gated and not torch.equal(ckpt.w13_weight_scale_2[:, 0], ckpt.w13_weight_scale_2[:, 1]):
+        why = (
+            "gate and up weight_scale_2 equal per expert (the cutlass path applies the gate's alpha to both "
+            "halves, and no single-alpha reference states what a checkpoint with unequal ones means)"
+        )
+        raise not_accepted(func, "ckpt", ckpt.w13_weight_scale_2, why)
+    if quantization == COMPRESSED_TENSORS and not ckpt.gated:
+        why = f"{MODELOPT!r} for a relu2 checkpoint (compressed-tensors NVFP4 MoE has gated (swiglu) experts only)"
+        raise not_accepted(func, "quantization", quantization, why)
+
+
+def _compressed_tensors_constants(ckpt: MoeCheckpoint, experts: slice) -> tuple[torch.Tensor, ...]:
+    """(a1_gscale, a2_gscale, w13_alpha, w2_alpha) of `experts` as SGLang's compressed-tensors cutlass path derives
+    them, in float32: the checkpoint stores encode scales (1 / ModelOpt's); per local expert a1 = min over its shards."""
+    a1 = (1.0 / ckpt.w13_input_scale[experts].float()).min(dim=1).values.to(torch.float32)
+    alpha1 = (1 / a1) * (1 / (1.0 / ckpt.w13_weight_scale_2[experts, 0].float()))
+    a2 = 1.0 / ckpt.w2_input_scale[experts].float()
+    alpha2 = ((1 / a2) * (1 / (1.0 / ckpt.w2_weight_scale_2[experts].float()))).to(torch.float32)
+    return a1, a2, alpha1, alpha2
+
+
+def reference_moe_output(
+    ckpt: MoeCheckpoint, x, topk_ids, topk_weights, *, ep_size=1, ep_rank=0, tp_size=1, tp_rank=0, quantization=MODELOPT
+) -> torch.Tensor:
+    """Rank (ep_rank, tp_rank)'s partial output (its experts, its I-slice) of `ckpt`'s layer in `quantization`, from
+    the checkpoint alone: ``synthetic.reference_moe_output`` (one rank, ModelOpt) for any rank and either format."""
+    _check_reference(ckpt, ep_size, ep_rank, tp_size, tp_rank, quantization)
+    e_loc, i_p = ckpt.num_experts // ep_size, ckpt.intermediate // tp_size
+    experts = slice(ep_rank * e_loc, (ep_rank + 1) * e_loc)
+    cols = slice(tp_rank * i_p, (tp_rank + 1) * i_p)
+    if quantization == MODELOPT:
+        constants = synthetic.modelopt_constants(ckpt, experts)
+    else:
+        constants = _compressed_tensors_constants(ckpt, experts)
+    weights = synthetic.rank_weights(ckpt, experts, cols, constants, x.device)
+    return synthetic.reference_moe_from_weights(weights, x, topk_ids, topk_weights)
 
 
 def _method_kind(layer) -> str:

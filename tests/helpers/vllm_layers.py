@@ -114,7 +114,7 @@ def build_fused_layer(shards: list[dict], fmt: str, prefix: str = "model.layers.
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
-    from sm120_fp4.demo.synthetic import MODELOPT
+    from sm120_fp4.sglang.moe_layers import MODELOPT
 
     sizes, k = [s["weight"].shape[0] for s in shards], shards[0]["weight"].shape[1] * 2
     if fmt == MODELOPT:
