@@ -488,3 +488,34 @@ def test_the_moe_self_test_runs_under_a_bf16_default_dtype():
     finally:
         torch.set_default_dtype(default)
     assert report.passed, report.reason
+
+
+def _wrong_past_token_16(x, ids, *rest):
+    """Scales every token past the 16th by 1.1: right for any batch of up to 16 tokens."""
+    out = backends.emulated_moe(x, ids, *rest)
+    out[16:] *= 1.1
+    return out
+
+
+@case(
+    "properties",
+    "MoE plans that are the leading tokens of one batch (T=1, 7, 16, 40 of one 40-token batch)",
+    "share one oracle run and one output buffer (views of the longest), with the numbers of separate plans; a "
+    "correct kernel passes and one wrong only past token 16 is refused at T=40",
+)
+def test_moe_plans_that_are_one_batchs_leading_tokens_share_its_oracle_run():
+    weights = verify.moe._moe_weights(8, 160, 96, "swiglu", torch.device("cpu"), 5)
+    gen = torch.Generator().manual_seed(3)
+    ids, tw = verify.moe_routing(40, 2, 8, "random", gen)
+    x = verify.structured_activations(40, 160, 4.0, gen).to(torch.bfloat16)
+    plans = [(f"T={m}", x[:m], ids[:m], tw[:m]) for m in (1, 7, 16, 40)]
+    cases = verify.moe_cases(backends.emulated_moe, weights, "swiglu", plans)
+    assert len({c.reference.untyped_storage().data_ptr() for c in cases}) == 1
+    assert len({c.out.untyped_storage().data_ptr() for c in cases}) == 1
+    for c, plan in zip(cases, plans):
+        [alone] = verify.moe_cases(backends.emulated_moe, weights, "swiglu", [plan])
+        torch.testing.assert_close(c.reference, alone.reference, rtol=1e-6, atol=1e-6)
+    assert all(r.passed for r in verify.sweep(cases, verify.MOE_BOUNDS, torch.device("cpu")))
+    wrong = verify.moe_cases(_wrong_past_token_16, weights, "swiglu", plans)
+    results = verify.sweep(wrong, verify.MOE_BOUNDS, torch.device("cpu"))
+    assert [r.m for r in results if not r.passed] == [40], [(r.m, r.reason) for r in results]
