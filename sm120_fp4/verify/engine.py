@@ -258,8 +258,10 @@ class Case:
     label: str | None = None
     bounds: Bounds | None = None  # this case's own bounds (MoE), else the sweep's
     slack: torch.Tensor | None = None  # per output row, relative error the oracle itself cannot decide
-    # The same shape with other data, called right after: catches state carried between calls of a shape.
-    twin: Callable[[], "Case"] | None = None
+    # The same shape with other data, called right after: catches state carried between calls of a shape. Made
+    # from this case when called (`twin(case)`): a twin that held its case would make a cycle, and a cycle keeps
+    # the oracle's result (gigabytes at a prefill M) on the GPU until the garbage collector runs.
+    twin: Callable[["Case"], "Case"] | None = None
     once: bool = False  # a probe: called in the first pass only
     repeats: Callable[[], int] | None = None  # how many calls the last invoke made (a repeat probe)
 
@@ -327,7 +329,7 @@ class Sweep:
     def _call_twin(self, case: Case, result: ShapeResult, deadline: float, grace: float) -> str | None:
         """Return why `case`'s twin, called right after it, failed, or None."""
         try:
-            twin = case.twin()
+            twin = case.twin(case)
         except Exception as exc:
             return f"could not build the repeated call: {type(exc).__name__}: {exc}"
         added = self._watch(twin.inputs)  # the twin's own inputs (its activations): for this one call

@@ -279,7 +279,7 @@ def moe_cases(
         m, n, k = x.shape[0], x.shape[1], weights.w2.shape[2] * 2
         call = functools.partial(fn, *args, activation, x.dtype, out)
         case = Case(m, n, k, call, ref, inputs=inputs, out=out, label=label, bounds=bounds, slack=slack)
-        case.twin = functools.partial(_rolled_tokens, case, fn, args, activation, out)
+        case.twin = functools.partial(_rolled_tokens, fn, args, activation, out)
         cases.append(case)
         if m <= repeat_tokens:
             probe = _Repeat(fn, args, activation, out, ref, budget)
@@ -390,7 +390,7 @@ def _poisoned_expert0_plan(weights, x_like, first: int, served_ids: bool) -> tup
     return weights._replace(w13_alpha=alpha), plan
 
 
-def _rolled_tokens(case: Case, fn: Callable, args: tuple, activation: str, out: torch.Tensor) -> Case:
+def _rolled_tokens(fn: Callable, args: tuple, activation: str, out: torch.Tensor, case: Case) -> Case:
     """Return the same MoE call with its tokens rolled by one (their activations, routing and weights)."""
     # Tokens are independent: the reference's rows (and each row's slack) roll with them.
     moved = tuple(a.roll(1, 0) for a in args[:3]) + args[3:]
