@@ -55,38 +55,6 @@ SMALL = verify.MoeConfig(
 )
 
 
-def _fast(kernel=backends.emulated_moe):
-    """`kernel`, each output computed once per distinct input and then copied (a CPU call as fast as a GPU's)."""
-    done = {}
-
-    def fast(x, ids, w, w13, w13_sf, w13_alpha, *rest):
-        key = tuple(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (x, ids, w, w13_alpha)) + (
-            tuple(w13.shape),
-            rest[-3],
-        )
-        if key not in done:
-            done[key] = kernel(x, ids, w, w13, w13_sf, w13_alpha, *rest).clone()
-        return rest[-1].copy_(done[key])
-
-    return fast
-
-
-def _loses_in_a_row(at=(37, 81)):
-    """Loses one 8-column group of row 0 at the 37th and 81st call in a row of the same inputs (2 in 100)."""
-    fast, last = _fast(), {"key": None, "run": 0}
-
-    def kernel(x, ids, *rest):
-        key = (x.data_ptr(), ids.data_ptr(), x._version, tuple(x.shape))
-        last["run"] = last["run"] + 1 if last["key"] == key else 1
-        last["key"] = key
-        out = fast(x, ids, *rest)
-        if last["run"] % 100 in at:
-            out[0, 8:16] = 0
-        return out
-
-    return kernel
-
-
 @case(
     "backend faults",
     "a fast MoE kernel that loses one 8-column group of row 0 at the 37th and 81st call in a row of one batch",
@@ -94,7 +62,7 @@ def _loses_in_a_row(at=(37, 81)):
     "says how many calls ran",
 )
 def test_the_repeat_probe_refuses_an_intermittent_loss_within_its_time_budget():
-    backends.register_moe("lossy", _loses_in_a_row())
+    backends.register_moe("lossy", moe_faults.loses_in_a_row())
     report = verify.run_moe("lossy", SIM, SMALL)
     assert not report.passed and "in a row (worst judged)" in report.reason, report.reason
     [failed] = [s for s in report.shapes if not s.passed]
@@ -107,7 +75,7 @@ def test_the_repeat_probe_refuses_an_intermittent_loss_within_its_time_budget():
     "each repeat probe makes fewer calls than REPEAT_CALLS, never fewer than REPEAT_MIN, and says how many",
 )
 def test_the_repeat_probe_bounds_its_time_by_the_check_budget():
-    fast = _fast()
+    fast = moe_faults.fast()
 
     def slow(*args):
         time.sleep(0.02)
