@@ -55,38 +55,6 @@ SMALL = verify.MoeConfig(
 )
 
 
-def _fast(kernel=backends.emulated_moe):
-    """`kernel`, each output computed once per distinct input and then copied (a CPU call as fast as a GPU's)."""
-    done = {}
-
-    def fast(x, ids, w, w13, w13_sf, w13_alpha, *rest):
-        key = tuple(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (x, ids, w, w13_alpha)) + (
-            tuple(w13.shape),
-            rest[-3],
-        )
-        if key not in done:
-            done[key] = kernel(x, ids, w, w13, w13_sf, w13_alpha, *rest).clone()
-        return rest[-1].copy_(done[key])
-
-    return fast
-
-
-def _loses_in_a_row(at=(37, 81)):
-    """Loses one 8-column group of row 0 at the 37th and 81st call in a row of the same inputs (2 in 100)."""
-    fast, last = _fast(), {"key": None, "run": 0}
-
-    def kernel(x, ids, *rest):
-        key = (x.data_ptr(), ids.data_ptr(), x._version, tuple(x.shape))
-        last["run"] = last["run"] + 1 if last["key"] == key else 1
-        last["key"] = key
-        out = fast(x, ids, *rest)
-        if last["run"] % 100 in at:
-            out[0, 8:16] = 0
-        return out
-
-    return kernel
-
-
 @case(
     "backend faults",
     "a fast MoE kernel that loses one 8-column group of row 0 at the 37th and 81st call in a row of one batch",
@@ -94,7 +62,7 @@ def _loses_in_a_row(at=(37, 81)):
     "says how many calls ran",
 )
 def test_the_repeat_probe_refuses_an_intermittent_loss_within_its_time_budget():
-    backends.register_moe("lossy", _loses_in_a_row())
+    backends.register_moe("lossy", moe_faults.loses_in_a_row())
     report = verify.run_moe("lossy", SIM, SMALL)
     assert not report.passed and "in a row (worst judged)" in report.reason, report.reason
     [failed] = [s for s in report.shapes if not s.passed]
@@ -107,7 +75,7 @@ def test_the_repeat_probe_refuses_an_intermittent_loss_within_its_time_budget():
     "each repeat probe makes fewer calls than REPEAT_CALLS, never fewer than REPEAT_MIN, and says how many",
 )
 def test_the_repeat_probe_bounds_its_time_by_the_check_budget():
-    fast = _fast()
+    fast = moe_faults.fast()
 
     def slow(*args):
         time.sleep(0.02)
@@ -488,3 +456,34 @@ def test_the_moe_self_test_runs_under_a_bf16_default_dtype():
     finally:
         torch.set_default_dtype(default)
     assert report.passed, report.reason
+
+
+def _wrong_past_token_16(x, ids, *rest):
+    """Scales every token past the 16th by 1.1: right for any batch of up to 16 tokens."""
+    out = backends.emulated_moe(x, ids, *rest)
+    out[16:] *= 1.1
+    return out
+
+
+@case(
+    "properties",
+    "MoE plans that are the leading tokens of one batch (T=1, 7, 16, 40 of one 40-token batch)",
+    "share one oracle run and one output buffer (views of the longest), with the numbers of separate plans; a "
+    "correct kernel passes and one wrong only past token 16 is refused at T=40",
+)
+def test_moe_plans_that_are_one_batchs_leading_tokens_share_its_oracle_run():
+    weights = verify.moe._moe_weights(8, 160, 96, "swiglu", torch.device("cpu"), 5)
+    gen = torch.Generator().manual_seed(3)
+    ids, tw = verify.moe_routing(40, 2, 8, "random", gen)
+    x = verify.structured_activations(40, 160, 4.0, gen).to(torch.bfloat16)
+    plans = [(f"T={m}", x[:m], ids[:m], tw[:m]) for m in (1, 7, 16, 40)]
+    cases = verify.moe_cases(backends.emulated_moe, weights, "swiglu", plans)
+    assert len({c.reference.untyped_storage().data_ptr() for c in cases}) == 1
+    assert len({c.out.untyped_storage().data_ptr() for c in cases}) == 1
+    for c, plan in zip(cases, plans):
+        [alone] = verify.moe_cases(backends.emulated_moe, weights, "swiglu", [plan])
+        torch.testing.assert_close(c.reference, alone.reference, rtol=1e-6, atol=1e-6)
+    assert all(r.passed for r in verify.sweep(cases, verify.MOE_BOUNDS, torch.device("cpu")))
+    wrong = verify.moe_cases(_wrong_past_token_16, weights, "swiglu", plans)
+    results = verify.sweep(wrong, verify.MOE_BOUNDS, torch.device("cpu"))
+    assert [r.m for r in results if not r.passed] == [40], [(r.m, r.reason) for r in results]

@@ -171,6 +171,26 @@ def test_quantize_is_bit_exact_with_the_documented_recipe(device, dtype, m, k):
         assert codes[r] == want_codes, f"codes of row {r}"
 
 
+@case(
+    "properties",
+    "an activation larger than quantize's block of values (300 rows of K=64, quantized 7 rows at a time)",
+    "the same bytes as quantized whole (rows are independent; the scales swizzled once), and a NaN in a later "
+    "block still refused naming x: a prefill's activation costs no more memory than one block",
+)
+def test_quantize_in_row_blocks_is_bit_exact_with_quantizing_whole(device, monkeypatch):
+    from sm120_fp4.nvfp4 import format as nvfp4_format
+
+    x = (torch.randn(300, 64) * torch.logspace(-3, 3, 300).unsqueeze(1)).to(torch.bfloat16).to(device)
+    gsf = nvfp4.global_scale(x)
+    whole = nvfp4.quantize(x, gsf)
+    monkeypatch.setattr(nvfp4_format, "_QUANTIZE_ELEMENTS", 64 * 7)
+    blocked = nvfp4.quantize(x, gsf)
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1].view(torch.uint8), whole[1].view(torch.uint8))
+    x[250, 3] = float("nan")
+    with pytest.raises(InvalidArgument, match="x=.*finite values"):
+        nvfp4.quantize(x, gsf)
+
+
 def test_quantize_saturates_scales_when_the_global_scale_is_too_large(device):
     x = torch.full((1, 16), 10.0, device=device)
     packed, scales = nvfp4.quantize(x, 1000.0)  # gsf * amax / 6 = 1666 > 448

@@ -3,8 +3,10 @@ must name, the activation-quantizer check and the bound on a hung kernel."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -314,3 +316,28 @@ def test_a_call_that_writes_into_a_large_input_is_caught_without_a_copy_of_it(wh
     index = 2 if where == "a scale in the tail" else 1
     assert [r.passed for r in results] == [False, True]
     assert f"call 2 changed its input(s) [{index}] in place" in results[0].reason
+
+
+@case(
+    "properties",
+    "the cases of a dense layer check and of a MoE check (each with its twin), dropped with the garbage collector off",
+    "their oracle results are freed at once: no case holds itself through its twin (a cycle would keep a prefill "
+    "M's reference, gigabytes on a GPU, until the collector runs)",
+)
+def test_checked_cases_hold_no_cycle_that_keeps_their_oracle_result():
+    x, ref = torch.randn(9, 64), torch.randn(9, 32)
+    dense = verify.served_cases([1, 4, 8], 32, 64, lambda a: a, x, ref, ())
+    weights = verify.moe._moe_weights(4, 64, 32, "swiglu", torch.device("cpu"), 1)
+    ids, tw = verify.moe_routing(6, 2, 4, "random", torch.Generator().manual_seed(0))
+    plan = ("T=6", torch.randn(6, 64).to(torch.bfloat16), ids, tw)
+    moe = verify.moe_cases(backends.emulated_moe, weights, "swiglu", [plan])
+    assert all(c.twin is not None for c in dense + moe)
+    twins = [c.twin(c) for c in dense + moe]  # made from their cases, as the sweep makes them
+    assert [t.m for t in twins] == [c.m for c in dense + moe]
+    kept = [weakref.ref(ref), weakref.ref(moe[0].reference)]
+    gc.disable()
+    try:
+        del ref, dense, moe, twins
+        assert [w() is None for w in kept] == [True, True]
+    finally:
+        gc.enable()

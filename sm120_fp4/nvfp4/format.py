@@ -198,6 +198,11 @@ def _as_scale(func: str, param: str, value: object, device: torch.device, check:
     return value.reshape(())
 
 
+# Values quantized at a time: a prefill-sized activation (M=8192, K=28672: 235M values) would otherwise take
+# several float32 and int32 temporaries of its own size at once (5 GB); rows are independent.
+_QUANTIZE_ELEMENTS = 1 << 24
+
+
 def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Return x (M, K) in NVFP4: packed uint8 (M, K/2) and 128x4 swizzled float8_e4m3fn scales."""
     # global_scale: the encode scale (SGLang passes 1 / input_scale). check_finite=False skips the host-syncing
@@ -208,18 +213,32 @@ def quantize(x: torch.Tensor, global_scale: object, *, check_finite: bool = True
     if m == 0:
         raise not_accepted("quantize", "x", x, "at least one row")
     gsf = _as_scale("quantize", "global_scale", global_scale, x.device, check_finite)
-    blocks = x.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    step = max(1, _QUANTIZE_ELEMENTS // k)
+    if m <= step:
+        packed, sf = _quantize_rows(x, gsf, check_finite, x)
+    else:
+        packed = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
+        sf = torch.empty((m, k // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=x.device)
+        for lo in range(0, m, step):
+            packed[lo : lo + step], sf[lo : lo + step] = _quantize_rows(x[lo : lo + step], gsf, check_finite, x)
+    return packed, swizzle_scales(sf)
+
+
+def _quantize_rows(rows: torch.Tensor, gsf: torch.Tensor, check_finite: bool, x: torch.Tensor) -> tuple:
+    """Return `rows` of quantize's `x` as packed codes and their (unswizzled) block scales."""
+    m, k = rows.shape
+    blocks = rows.float().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
     amax = blocks.abs().amax(dim=-1)
     # A block's amax is NaN or inf exactly where the block holds one: the check reads 16x fewer values.
     if check_finite and not torch.isfinite(amax).all():
         raise not_accepted("quantize", "x", x, "finite values (found NaN or inf)")
-    rcp6 = _constant(1.0 / E2M1_MAX, x.device)  # fl32(1/6)
+    rcp6 = _constant(1.0 / E2M1_MAX, rows.device)  # fl32(1/6)
     sf = torch.clamp(gsf * (amax * rcp6), max=E4M3_MAX).to(torch.float8_e4m3fn)
     sf_f = sf.float()
     # The kernel's output scale: 1 / (float(sf) * (1 / gsf)), and 0 for an all-zero block.
     out_scale = torch.where(sf_f != 0, 1.0 / (sf_f * (1.0 / gsf)), torch.zeros_like(sf_f))
     codes = _encode(blocks * out_scale.unsqueeze(-1)).reshape(m, k)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), swizzle_scales(sf)  # element 2i in the low nibble
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), sf  # element 2i in the low nibble
 
 
 def _check_packed_and_scales(

@@ -226,8 +226,8 @@ def moe_check(
     """Return the LayerCheck of one NVFP4 MoE layer: the experts `read(layer)` finds (None: not this layout), served
     through `serve` (the backend convention; it gets the plans' global ids where `served_ids`, else this rank's, -1
     for every other slot), at the M of `sizes`. `drops`: the engine's calls carry -1 slots (SGLang: other ranks'
-    experts, padded graph rows); its full sweep adds a padded batch, the expert-0 poison probe and the repeat probes
-    (vLLM refuses expert parallelism: its check routes to real experts only)."""
+    experts, padded graph rows); its full sweep adds a padded batch and the expert-0 poison probe (vLLM refuses expert
+    parallelism: its check routes to real experts only). Every full sweep has the repeat probes."""
     moe = read(layer)
     if moe is None:
         _LOG.info("sm120_fp4: %s: MoE weights not in the cutlass layout (another runner); not verified here", kind)
@@ -262,8 +262,9 @@ def moe_check(
         mode = backends.mode_of("moe", routes("moe").get(index, backends.EMULATED))
         cache = verify.ExpertCache(subset)  # every-expert batches dequantize the others per call
         oracle = dict(cache=cache, mode=mode, reference_weights=w.map(backends.original))
-        # An intermittent loss is the kernel's: the full sweep and the re-check probe it, a light check does not.
-        probes = dict(repeat_tokens=verify.REPEAT_MAX_TOKENS if drops and full else 0, poison_expert0=drops and full)
+        # An intermittent loss is the kernel's, whatever the engine: every full sweep and re-check probes it, a light
+        # check does not. The expert-0 probe's calls carry -1 slots: only where the engine's do.
+        probes = dict(repeat_tokens=verify.REPEAT_MAX_TOKENS if full else 0, poison_expert0=drops and full)
         ours = dict(first_expert=first, served_ids=served_ids, budget=verify.ProbeBudget(LAYER_PROBE_S), **probes)
         return verify.moe_cases(serve, w, moe.activation, plans, **oracle, **ours)
 
@@ -288,13 +289,20 @@ def _moe_plans(ms, w: nvfp4.MoeWeights, dtypes, top_k: int, pool, everyone, padd
         batches.append((max(8, 2 * everyone.numel()), "balanced", everyone))  # every expert leads two tokens
     plans = []
     for dtype in dtypes:
+        # The random batches are the leading M tokens of one batch of the largest M: the oracle runs once for them
+        # all (verify.moe_cases shares its result), and a check holds one reference, not one per M.
+        shared = None
         for m, routing, among in batches:
-            ids, topk_weights = verify.moe_routing(m, min(top_k, among.numel()), among.numel(), routing, gen)
-            ids = torch.where(ids >= 0, among[ids.long().clamp_min(0)], -1).to(torch.int32)  # served ids; -1 stays
-            x = verify.seeded_activations(m, w.w13.shape[2] * 2, amax, 2024 + len(plans), device, dtype)
+            if routing != "random" or shared is None:
+                n = max(ms) if routing == "random" else m
+                ids, topk_weights = verify.moe_routing(n, min(top_k, among.numel()), among.numel(), routing, gen)
+                ids = torch.where(ids >= 0, among[ids.long().clamp_min(0)], -1).to(torch.int32)  # served ids; -1 stays
+                x = verify.seeded_activations(n, w.w13.shape[2] * 2, amax, 2024 + len(plans), device, dtype)
+                made = (x, ids.to(device), topk_weights.to(device))
+                shared = made if routing == "random" else shared
             every = " (every expert)" if among is everyone else ""
             name = f"T={m} {routing}{every} {str(dtype).removeprefix('torch.')}"
-            plans.append((name, x, ids.to(device), topk_weights.to(device)))
+            plans.append((name, *(t[:m] for t in (shared if routing == "random" else made))))
     return plans
 
 

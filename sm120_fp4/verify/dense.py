@@ -35,15 +35,18 @@ def served_cases(
 
     `x` (and `reference`) hold at least max(ms) + 1 rows: each case's twin (other data, right after it) is the
     next M rows, views of the same tensors (no rolled copy of the reference)."""
+    # A twin is made from its case when called (it holds no reference to it: no cycle keeps the oracle's
+    # gigabytes alive after the check, until the garbage collector runs).
     cases = []
     for m in ms:
         case = Case(m, n_out, k, functools.partial(serve, x[:m]), reference[:m], inputs=watched)
-        again = functools.partial(serve, x[1 : m + 1])
-        case.twin = functools.partial(
-            dataclasses.replace, case, invoke=again, reference=reference[1 : m + 1], twin=None
-        )
+        case.twin = functools.partial(_next_rows, functools.partial(serve, x[1 : m + 1]), reference[1 : m + 1])
         cases.append(case)
     return cases
+
+
+def _next_rows(invoke: Callable, reference: torch.Tensor, case: Case) -> Case:
+    return dataclasses.replace(case, invoke=invoke, reference=reference, twin=None)
 
 
 # M: one token, an odd count, just above one 128-row tile, a prefill. N, K: multiples of 32, not of 128.
@@ -58,17 +61,17 @@ def _backend_cases(
         _, _, args = quantized_inputs((m, n, k), device, seed + i)
         ref = nvfp4.reference_mm_fp4(*args, out_dtype=torch.float32)
         out = torch.empty((m, n), dtype=dtype, device=device)
-        twin = functools.partial(_negated, fn, args, dtype, out, ref)
+        twin = functools.partial(_negated, fn)
         cases.append(Case(m, n, k, functools.partial(fn, *args, dtype, out), ref, inputs=args, out=out, twin=twin))
     return cases
 
 
-def _negated(fn: Callable, args: tuple, dtype: torch.dtype, out: torch.Tensor, ref: torch.Tensor) -> Case:
-    """Return the same call with the activation negated (every FP4 code's sign bit flipped): exactly -ref."""
-    a = args[0] ^ 0x88
-    m, n = out.shape
-    call = functools.partial(fn, a, *args[1:], dtype, out)
-    return Case(m, n, a.shape[1] * 2, call, -ref, inputs=(a, *args[1:]), out=out)
+def _negated(fn: Callable, case: Case) -> Case:
+    """Return `case`'s call with the activation negated (every FP4 code's sign bit flipped): exactly -reference."""
+    a, *rest = case.inputs
+    a = a ^ 0x88
+    call = functools.partial(fn, a, *rest, case.out.dtype, case.out)
+    return Case(case.m, case.n, case.k, call, -case.reference, inputs=(a, *rest), out=case.out)
 
 
 def check_quantizer(name: str, quantizer: Callable, device: torch.device, seed: int = 0) -> QuantizerCheck:

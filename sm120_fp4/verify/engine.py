@@ -120,24 +120,41 @@ def _resolution(dtype: torch.dtype, n: int) -> float:
 
 
 def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Return per row non-finite count (summed), all-zero, reference, output and difference norms, max |diff|."""
+    """Return per row the reference, output and difference norms, and the largest |difference|."""
+    # Few passes over memory (a prefill M of a wide layer is gigabytes): the difference made once in float32, each
+    # norm read straight from its tensor. A non-finite or all-zero row shows in its output norm (_compare_stats).
     rows, cols = out.shape
     step = max(1, _COMPARE_ELEMENTS // max(cols, 1))  # a chunk at a time: a prefill costs no more memory
     parts = []
     for lo in range(0, rows, step):
-        o, r = out[lo : lo + step].float(), ref[lo : lo + step].float()
-        diff = o - r
-        norms = (r.norm(dim=1), o.norm(dim=1), diff.norm(dim=1))
-        parts.append(((~torch.isfinite(o)).sum(), (o == 0).all(dim=1), *norms, diff.abs().amax()))
-    nonfinite, *rows, max_abs = zip(*parts)
-    return torch.stack(nonfinite).sum(), *map(torch.cat, rows), torch.stack(max_abs).amax()
+        o, r = out[lo : lo + step], ref[lo : lo + step].float()
+        diff = torch.sub(o, r)  # float32: the reference's dtype
+        norms = (torch.linalg.vector_norm(t, dim=1, dtype=torch.float32) for t in (r, o, diff))
+        parts.append((*norms, torch.linalg.vector_norm(diff, float("inf"))))
+    *rows, max_abs = zip(*parts)
+    return *map(torch.cat, rows), torch.stack(max_abs).amax()
+
+
+def _nonfinite(out: torch.Tensor) -> tuple[int, tuple[int, int] | None]:
+    """Return how many elements of `out` are not finite and where the first is (a chunk at a time)."""
+    step, count, first = max(1, _COMPARE_ELEMENTS // max(out.shape[1], 1)), 0, None
+    for lo in range(0, out.shape[0], step):
+        bad = ~torch.isfinite(out[lo : lo + step])
+        count += int(bad.sum())
+        if first is None and count:
+            r, c = bad.nonzero()[0].tolist()
+            first = (lo + r, c)
+    return count, first
 
 
 def _compare_stats(
     floor: float, max_row_rel_err: float, out: torch.Tensor, ref: torch.Tensor, slack: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Return _COUNTS and _NORMS as one float64 tensor, then the per-row tensors _judge reads on a failure."""
-    nonfinite, out_zero_rows, row_norms, out_norms, diff_norms, max_abs = _row_stats(out, ref)
+    row_norms, out_norms, diff_norms, max_abs = _row_stats(out, ref)
+    # A NaN or inf makes its row's norm one (so may finite values beyond the float32 square root of its range,
+    # which _judge tells apart); a row's norm is 0 only where it is all zeros (or below float32's smallest square).
+    nonfinite, out_zero_rows = (~torch.isfinite(out_norms)).sum(), out_norms == 0
     ref_zero_rows = row_norms <= floor  # rounding to the output dtype may leave nothing of such a row
     safe_norms = row_norms.clamp_min(1e-30)
     row_err = diff_norms / safe_norms
@@ -173,17 +190,13 @@ def _judge(out, bounds: Bounds, result: ShapeResult, floor: float, numbers, *row
     """Return _compare's verdict from its statistics (read here, while they are valid)."""
     zero_not_ref, out_norms, safe_norms, row_norms, row_err, allowed_rows = rows
     n = dict(zip(_COUNTS + _NORMS, numbers.tolist()))  # the one read-back of a passing call
-    result.nonfinite = int(n["nonfinite"])
-    if result.nonfinite == out.numel():
-        return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
-    if result.nonfinite:
-        step = max(1, _COMPARE_ELEMENTS // max(out.shape[1], 1))
-        for lo in range(0, out.shape[0], step):  # the failure path: read where, a chunk at a time
-            bad = (~torch.isfinite(out[lo : lo + step])).nonzero()
-            if bad.numel():
-                r, c = bad[0].tolist()
-                return f"{result.nonfinite} non-finite element(s), first at row {lo + r}, column {c}"
-        return f"{result.nonfinite} non-finite element(s)"
+    result.nonfinite = 0
+    if n["nonfinite"]:  # rows whose output norm is not finite: count the elements (the failure path)
+        result.nonfinite, first = _nonfinite(out)
+        if result.nonfinite == out.numel():
+            return "output left unwritten or all non-finite (every element is still the NaN poison or inf)"
+        if first is not None:
+            return f"{result.nonfinite} non-finite element(s), first at row {first[0]}, column {first[1]}"
     if n["ref_all_zero"] and n["out_all_zero"]:
         result.zero_rows = 0
         result.rel_err = result.max_row_rel_err = result.max_abs_err = 0.0
@@ -258,8 +271,10 @@ class Case:
     label: str | None = None
     bounds: Bounds | None = None  # this case's own bounds (MoE), else the sweep's
     slack: torch.Tensor | None = None  # per output row, relative error the oracle itself cannot decide
-    # The same shape with other data, called right after: catches state carried between calls of a shape.
-    twin: Callable[[], "Case"] | None = None
+    # The same shape with other data, called right after: catches state carried between calls of a shape. Made
+    # from this case when called (`twin(case)`): a twin that held its case would make a cycle, and a cycle keeps
+    # the oracle's result (gigabytes at a prefill M) on the GPU until the garbage collector runs.
+    twin: Callable[["Case"], "Case"] | None = None
     once: bool = False  # a probe: called in the first pass only
     repeats: Callable[[], int] | None = None  # how many calls the last invoke made (a repeat probe)
 
@@ -327,7 +342,7 @@ class Sweep:
     def _call_twin(self, case: Case, result: ShapeResult, deadline: float, grace: float) -> str | None:
         """Return why `case`'s twin, called right after it, failed, or None."""
         try:
-            twin = case.twin()
+            twin = case.twin(case)
         except Exception as exc:
             return f"could not build the repeated call: {type(exc).__name__}: {exc}"
         added = self._watch(twin.inputs)  # the twin's own inputs (its activations): for this one call

@@ -210,6 +210,22 @@ def _moe_reference_rows(routed, ref_w: nvfp4.MoeWeights, activation: str, mode: 
     return ref, (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
 
 
+def _local_ids(ids: torch.Tensor, first_expert: int, experts: int, served_ids: bool) -> torch.Tensor:
+    """Return the ids a rank's kernel gets: `ids` as served, or its own experts' local ids and -1 for any other slot."""
+    if served_ids:
+        return ids
+    local = ids.long() - first_expert
+    return torch.where((ids >= 0) & (local >= 0) & (local < experts), local, -1).to(torch.int32)
+
+
+def _batch_key(tensors) -> tuple:
+    """Return what plans that are the leading tokens of one batch share: their tensors' storages (each from its
+    start, contiguous); a plan with any other layout is its own batch."""
+    if all(t.is_contiguous() and t.storage_offset() == 0 for t in tensors):
+        return tuple(t.untyped_storage().data_ptr() for t in tensors)
+    return tuple(id(t) for t in tensors)
+
+
 def moe_cases(
     fn: Callable,
     weights: nvfp4.MoeWeights,
@@ -231,24 +247,39 @@ def moe_cases(
     # -1 for every other slot, or the plan's with `served_ids`; the oracle computes this rank's slots only,
     # from `reference_weights` (the checkpoint's bytes). Plans of <= `repeat_tokens` tokens are also repeated,
     # within `budget` (default: one of `bounds.probe_s` for these plans). Probes run in the first pass only.
+    # Plans whose x, ids and weights are the leading tokens of one batch (the same storages, from their start) share
+    # its oracle result and output buffer, views of the longest: tokens are independent, so a batch's first M tokens
+    # are a batch of M, and the oracle runs once (a layer check's sweep of every M to 8192: its memory and time).
     cases = []
     budget = budget or ProbeBudget(bounds.probe_s)
     cache = {} if cache is None else cache  # shared across plans: the weights are the same
     ref_w = reference_weights or weights
     experts = weights.w13.shape[0]
+    longest: dict[tuple, tuple] = {}  # batch key -> its longest plan's (x, ids, weights)
+    for _, *tensors in plans:
+        key = _batch_key(tensors)
+        if key not in longest or tensors[0].shape[0] > longest[key][0].shape[0]:
+            longest[key] = tuple(tensors)
+    shared: dict[tuple, tuple] = {}  # batch key -> the (reference, slack, out) of its longest plan
     for label, x, ids, topk_weights in plans:
-        local = ids.long() - first_expert
-        mine = (ids >= 0) & (local >= 0) & (local < experts)
-        call_ids = ids if served_ids else torch.where(mine, local, -1).to(torch.int32)
-        routed = (x, torch.where(mine, local, 0), torch.where(mine, topk_weights, 0.0))
-        ref, slack = _moe_reference(routed, ref_w, activation, mode, cache)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        call_ids = _local_ids(ids, first_expert, experts, served_ids)
+        key, m = _batch_key((x, ids, topk_weights)), x.shape[0]
+        if key not in shared:
+            whole, whole_ids, whole_weights = longest[key]
+            mine = _local_ids(whole_ids, first_expert, experts, False) >= 0
+            routed = (
+                whole,
+                torch.where(mine, whole_ids.long() - first_expert, 0),
+                torch.where(mine, whole_weights, 0.0),
+            )
+            shared[key] = (*_moe_reference(routed, ref_w, activation, mode, cache), torch.empty_like(whole))
+        ref, slack, out = (t if t is None else t[:m] for t in shared[key])
         args = (x, call_ids, topk_weights, *weights)
         inputs = tuple(a for a in args if isinstance(a, torch.Tensor))
         m, n, k = x.shape[0], x.shape[1], weights.w2.shape[2] * 2
         call = functools.partial(fn, *args, activation, x.dtype, out)
         case = Case(m, n, k, call, ref, inputs=inputs, out=out, label=label, bounds=bounds, slack=slack)
-        case.twin = functools.partial(_rolled_tokens, case, fn, args, activation, out)
+        case.twin = functools.partial(_rolled_tokens, fn, args, activation, out)
         cases.append(case)
         if m <= repeat_tokens:
             probe = _Repeat(fn, args, activation, out, ref, budget)
@@ -359,7 +390,7 @@ def _poisoned_expert0_plan(weights, x_like, first: int, served_ids: bool) -> tup
     return weights._replace(w13_alpha=alpha), plan
 
 
-def _rolled_tokens(case: Case, fn: Callable, args: tuple, activation: str, out: torch.Tensor) -> Case:
+def _rolled_tokens(fn: Callable, args: tuple, activation: str, out: torch.Tensor, case: Case) -> Case:
     """Return the same MoE call with its tokens rolled by one (their activations, routing and weights)."""
     # Tokens are independent: the reference's rows (and each row's slack) roll with them.
     moved = tuple(a.roll(1, 0) for a in args[:3]) + args[3:]

@@ -28,6 +28,7 @@ import sm120_fp4  # noqa: E402
 from sm120_fp4 import backends  # noqa: E402
 from sm120_fp4.demo import synthetic  # noqa: E402
 from sm120_fp4.errors import RefusedToServe  # noqa: E402
+from sm120_fp4.serving import policy  # noqa: E402
 
 SIZES = {"max_tokens": 256, "max_batch": 64}  # vLLM's prefill chunk and largest graph batch: a short sweep on a CPU
 
@@ -116,6 +117,31 @@ def test_a_broken_moe_kernel_is_refused_at_vllms_weight_processing(kind, fault, 
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="broken-moe")
     with vllm_layers.vllm_context(**SIZES), pytest.raises(RefusedToServe, match=reason):
         BUILDERS[kind](synthetic.make_moe_checkpoint(8, 128, 128, seed=1), top_k=2)
+
+
+def _lossy_at_the_layer():
+    """Loses one 8-column group at the 37th and 81st call in a row, at the layer's I=128 only (no generic case)."""
+    lossy = moe_faults.loses_in_a_row()
+
+    def kernel(x, ids, w, w13, *rest):
+        return (lossy if w13.shape[1] == 2 * 128 else backends.emulated_moe)(x, ids, w, w13, *rest)
+
+    return kernel
+
+
+@case(
+    "backend faults",
+    "vLLM 0.33's ModelOpt NVFP4 MoE layer with a fused-MoE kernel that loses one 8-column group 2 calls in 100 "
+    "in a row, at that layer's shape only",
+    "refused at process_weights_after_loading by the layer check's repeat probe, as SGLang's layer check refuses it "
+    "(the probes' time budget raised: vLLM's apply on a CPU takes milliseconds a call)",
+)
+def test_an_intermittent_moe_kernel_is_refused_by_vllms_layer_check(monkeypatch):
+    monkeypatch.setattr(policy, "LAYER_PROBE_S", 60.0)
+    backends.register_moe("lossy-moe", _lossy_at_the_layer())
+    sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="lossy-moe")
+    with vllm_layers.vllm_context(**SIZES), pytest.raises(RefusedToServe, match=r"in a row \(worst judged\)"):
+        BUILDERS["ModelOptNvFp4FusedMoE"](synthetic.make_moe_checkpoint(8, 128, 128, seed=1), top_k=2)
 
 
 @case(

@@ -91,6 +91,38 @@ def make_stale_workspace(mode: str = "previous"):
     return dense(emulated_moe, mode)
 
 
+def fast(kernel=emulated_moe):
+    """`kernel`, each output computed once per distinct input and then copied (a CPU call as fast as a GPU's)."""
+    done = {}
+
+    def once(x, ids, w, w13, w13_sf, w13_alpha, *rest):
+        key = tuple(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (x, ids, w, w13_alpha)) + (
+            tuple(w13.shape),
+            rest[-3],
+        )
+        if key not in done:
+            done[key] = kernel(x, ids, w, w13, w13_sf, w13_alpha, *rest).clone()
+        return rest[-1].copy_(done[key])
+
+    return once
+
+
+def loses_in_a_row(at=(37, 81)):
+    """Loses one 8-column group of row 0 at the 37th and 81st call in a row of the same inputs (2 in 100)."""
+    fast_kernel, last = fast(), {"key": None, "run": 0}
+
+    def kernel(x, ids, *rest):
+        key = tuple(t.contiguous().view(torch.uint8).numpy().tobytes() for t in (x, ids))  # an engine may copy them
+        last["run"] = last["run"] + 1 if last["key"] == key else 1
+        last["key"] = key
+        out = fast_kernel(x, ids, *rest)
+        if last["run"] % 100 in at:
+            out[0, 8:16] = 0
+        return out
+
+    return kernel
+
+
 def after_generic(fault):
     """`fault` on every call after the generic MoE self-test's (so only the layer check can see it)."""
     from sm120_fp4 import verify
