@@ -9,7 +9,8 @@
 #                suite; cold, about 5-8 minutes and 9.5 GB, then about 5 minutes (279 s) and 4 GB more. Built in
 #                the background (logs in .cache/vllm-setup/; SETUP_VLLM_WAIT=1 waits for them): see vllm_start.
 #
-# - Needs only python3 (3.11) and pip with this machine's index configuration.
+# - Needs only python3 (3.11) and pip with this machine's index configuration; installs with uv where pip can
+#   install it (its settings carried over; SETUP_ENV_PIP=1: pip only), see scripts/pip_or_uv.sh.
 # - No GPU needed; the torch wheel is the regular CUDA build (runs on CPU).
 # - Idempotent: a stamp file keyed on the hash of this script + pyproject.toml
 #   makes a re-run on a healthy venv a no-op (only a <1s version check runs).
@@ -141,22 +142,14 @@ vllm_start
 
 LOG_DIR="$VENV_DIR/.setup_logs"
 
-# Run pip quietly; keep the full output in a log and show its tail on failure.
+# Run pip (or uv) quietly; keep the full output in a log and show its tail on failure (scripts/pip_or_uv.sh).
 # (pip always prints "sglang requires X, which is not installed" conflicts
 # because sglang is installed --no-deps: those are expected and harmless.)
-pipq() {
-  local name="$1"; shift
-  local log="$LOG_DIR/$name.log"
-  if ! "$VENV_PY" -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
-    say "pip install failed ($name); last lines of $log:"
-    tail -n 30 "$log" >&2
-    exit 1
-  fi
-}
+source "$ROOT/scripts/pip_or_uv.sh"
 
 compute_stamp() {
   {
-    cat "${BASH_SOURCE[0]}"
+    cat "${BASH_SOURCE[0]}" "$ROOT/scripts/pip_or_uv.sh"
     if [ -f "$ROOT/pyproject.toml" ]; then cat "$ROOT/pyproject.toml"; fi
     if [ -f "$ROOT/sm120_fp4/_pth/sm120_fp4.pth" ]; then cat "$ROOT/sm120_fp4/_pth/sm120_fp4.pth"; fi
   } | sha256sum | cut -d' ' -f1
