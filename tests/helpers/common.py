@@ -8,7 +8,6 @@ from typing import Callable, Iterable
 
 import pytest
 import torch
-from _pytest.mark.structures import ParameterSet
 from hypothesis import HealthCheck
 
 from sm120_fp4 import devices
@@ -167,7 +166,7 @@ def slow_but_one(values: Iterable, keep: int = 0) -> list:
     tuple (the arguments of a parametrize of several names) or a pytest.param (its marks and id kept)."""
 
     def slow(value):
-        if isinstance(value, ParameterSet):
+        if isinstance(value, type(pytest.param())):  # pytest's ParameterSet
             return pytest.param(*value.values, marks=[*value.marks, pytest.mark.slow], id=value.id)
         return pytest.param(*value, marks=pytest.mark.slow) if isinstance(value, tuple) else slow(pytest.param(value))
 
