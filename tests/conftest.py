@@ -165,6 +165,11 @@ def _job(item):
     return getattr(getattr(item, "function", None), "background_job", None)
 
 
+def _shared(item) -> bool:
+    """Whether the item's background job is one run that every test with the same start function reads."""
+    return bool(getattr(getattr(item, "function", None), "background_shared", False))
+
+
 def _heavy(item) -> int:
     """How heavy the item's background job is: 0 (not heavy), or about how many real-server starts."""
     return int(getattr(getattr(item, "function", None), "background_heavy", False))
@@ -209,14 +214,19 @@ def pytest_collection_finish(session):
     _FOLDER.append(root)
     # Heavy jobs start the longest first (a job of two server starts before one of one), then in order.
     heavy_first = sorted(enumerate(session.items), key=lambda pair: -int(_heavy(pair[1])))
+    shared = {}  # start function -> its one job (@background(..., shared=True))
     for n, item in heavy_first:
         start = _job(item)
-        if start is not None:
+        if start is not None and _shared(item) and start in shared:
+            _JOBS[item.nodeid] = shared[start]
+        elif start is not None:
             folder = root / str(n)
             folder.mkdir()
             params = getattr(getattr(item, "callspec", None), "params", {})
             _JOBS[item.nodeid] = (_HEAVY if _heavy(item) else _POOL).add(functools.partial(start, folder, **params))
             _JOBS[item.nodeid].folder = folder
+            if _shared(item):
+                shared[start] = _JOBS[item.nodeid]
     _POOL.run()
     _HEAVY.run()
 
@@ -251,13 +261,17 @@ def pytest_sessionfinish(session):
 def background(request) -> tuple[int, str, str]:
     """(returncode, stdout, stderr) of this test's background job (started at session start; under xdist, now)."""
     job = _JOBS.get(request.node.nodeid)
+    if job is None and _XDIST_WORKER and _shared(request.node):  # a shared job this worker already ran
+        job = next((j for j in _JOBS.values() if getattr(j, "start_function", None) is _job(request.node)), None)
+        if job is not None:
+            _JOBS[request.node.nodeid] = job
     if job is None and _XDIST_WORKER and _job(request.node) is not None:
         folder = Path(tempfile.mkdtemp(prefix="sm120-fp4-job-"))
         _FOLDER.append(folder)
         params = getattr(getattr(request.node, "callspec", None), "params", {})
         start = functools.partial(_job(request.node), folder, **params)
         job = _JOBS[request.node.nodeid] = Queued(start, (_HEAVY if _heavy(request.node) else _POOL).timeout)
-        job.folder = folder
+        job.folder, job.start_function = folder, _job(request.node)
         job.start_and_finish()
     assert job is not None, f"{request.node.nodeid} has no @background job (or it was not selected)"
     return job.wait(TIMEOUT)

@@ -297,7 +297,11 @@ LATE_FAULTS = {
     "caught by the first run that reaches the broken configuration and batch size (M > 1000: the 13th here), refused while serving, naming them",
 )
 @pytest.mark.parametrize(
-    "fault", [pytest.param(f, marks=pytest.mark.default_prefill) if "M=1000" in f else f for f in LATE_FAULTS]
+    "fault",
+    slow_but_one(
+        [pytest.param(f, marks=pytest.mark.default_prefill) if "M=1000" in f else f for f in LATE_FAULTS],
+        keep=list(LATE_FAULTS).index("wrong at one of two configurations (N=64)"),
+    ),
 )
 def test_each_way_of_going_wrong_later_is_caught_by_the_rotation(fault):
     fn, reason = LATE_FAULTS[fault]

@@ -7,6 +7,8 @@ import typing
 from collections import Counter
 from pathlib import Path
 
+from helpers.procs import background
+
 from sm120_fp4.config import Settings, env_name
 from sm120_fp4.config.values import DURATIONS
 from sm120_fp4.tables import markdown_table
@@ -218,27 +220,63 @@ ELSEWHERE = {
 }
 
 
-def test_readme_cpu_commands_work_as_written(tmp_path):
-    """The README's cheap CPU command lines, run here as written (`sm120-fp4 X` as `python -m sm120_fp4 X`,
-    the same program; DIR a checkpoint); the others are listed in ELSEWHERE with where they are tested."""
-    from helpers.procs import run_cli, run_python
+def _ours_to_run() -> list[str]:
+    """README's command lines run below: every one not listed in ELSEWHERE."""
+    return [command for command in readme_commands() if command not in ELSEWHERE]
+
+
+# One child runs each command line after the other (a background job: it starts at the session's start and runs
+# beside the in-process tests, about a minute of CPU on 2 cores, most of it `doctor` importing SGLang) and prints
+# [argv, exit code, stdout, stderr] of each as JSON.
+_RUN_EACH = """
+import json, subprocess, sys
+runs = []
+for argv in json.loads(sys.argv[1]):
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=240)
+    runs.append([argv, done.returncode, done.stdout, done.stderr])
+print(json.dumps(runs))
+"""
+
+
+def _readme_commands_job(folder):
+    import json
+    import sys
+
+    from helpers.procs import Popen, clean_env
 
     from sm120_fp4.demo.checkpoint import write_checkpoint
 
-    ckpt = write_checkpoint(str(tmp_path / "ckpt"), seed=1)
-    ran = []
-    for command in readme_commands():
-        if command in ELSEWHERE:
-            continue
+    ckpt = write_checkpoint(str(folder / "ckpt"), seed=1)
+    argvs = [
+        ["-m", "sm120_fp4", *(ckpt if word == "DIR" else word for word in command.split()[1:])]
+        for command in _ours_to_run()
+        if command.split()[0] == "sm120-fp4"  # the test names any other
+    ]
+    block = re.search(r"```python\n(.*?)\n```", README, re.S).group(1)
+    return Popen(
+        [sys.executable, "-c", _RUN_EACH, json.dumps([*argvs, ["-c", block]])], clean_env(), folder, timeout=900
+    )
+
+
+@background(_readme_commands_job)
+def test_readme_cpu_commands_work_as_written(background):
+    """The README's cheap CPU command lines, run here as written (`sm120-fp4 X` as `python -m sm120_fp4 X`,
+    the same program; DIR a checkpoint); the others are listed in ELSEWHERE with where they are tested."""
+    import json
+
+    for command in _ours_to_run():
         words = command.split()
         assert words[0] == "sm120-fp4" and "=" not in words[0], (
             f"README command not run and not listed in ELSEWHERE: {command}"
         )
-        args = [ckpt if word == "DIR" else word for word in words[1:]]
-        done = run_cli(*args)
-        assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stderr[-2000:]}"
-        ran.append((command, done))
-    said = {command: done.stdout + done.stderr for command, done in ran}
+    rc, out, err = background
+    assert rc == 0, err[-3000:]
+    *ran, (_, block_rc, block_out, block_err) = json.loads(out)
+    assert len(ran) == len(_ours_to_run())
+    said = {}
+    for command, (argv, code, stdout, stderr) in zip(_ours_to_run(), ran):
+        assert code == 0, f"{command}: exit {code}\n{stderr[-2000:]}"
+        said[command] = stdout + stderr
     assert {"sm120-fp4 --version", "sm120-fp4 doctor", "sm120-fp4 selftest", "sm120-fp4 selftest --model DIR"} <= set(
         said
     )
@@ -249,6 +287,4 @@ def test_readme_cpu_commands_work_as_written(tmp_path):
     )
     assert f"sm120-fp4 {__import__('sm120_fp4').__version__}" in said["sm120-fp4 --version"]
     # The Python block, as written: on a CPU it installs nothing and says why.
-    block = re.search(r"```python\n(.*?)\n```", README, re.S).group(1)
-    done = run_python(block)
-    assert done.returncode == 0 and "no compute-capability 12.x GPU visible" in done.stdout, done.stderr[-2000:]
+    assert block_rc == 0 and "no compute-capability 12.x GPU visible" in block_out, block_err[-2000:]

@@ -12,7 +12,7 @@ import torch
 from helpers import faults
 from helpers.cases import case
 from helpers.checkpoints import COMPRESSED_TENSORS, MODELOPT, write_checkpoint
-from helpers.common import simulated_moe_skip_reason
+from helpers.common import simulated_moe_skip_reason, slow_but_one
 from helpers.plugins import plugin_site
 from helpers.procs import Popen, background, clean_env
 from helpers.workers import model_workers_in_process
@@ -510,7 +510,9 @@ def _overwrite(path, offset, data):
     "exit 2 before any worker or kernel runs; one line on stderr naming the file and the tensor (or config key) and what "
     "is accepted; no traceback, no REFUSED row",
 )
-@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize(
+    "fault", slow_but_one(FAULTS, keep=list(FAULTS).index("hf_quant_config.json group_size 32 at its top level"))
+)
 def test_a_checkpoint_fault_is_named_in_one_line_and_exits_2(tmp_path, monkeypatch, capsys, fault):
     fmt, damage, named = FAULTS[fault]
     path = tmp_path / "ckpt"

@@ -5,6 +5,7 @@ Read from the source (ast), top-level and lazy (function-level) imports alike.""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -19,11 +20,18 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+@functools.cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of the module's syntax tree (parsed once for the tests of this file: they walk the package
+    several times)."""
+    return tuple(ast.walk(ast.parse(path.read_text())))
+
+
 def _imports(name: str, path: Path) -> list[tuple[int, str]]:
     """(line, dotted name) of every import in the module, relative ones resolved."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -76,7 +84,7 @@ def test_only_the_sglang_subpackage_names_sglangs_modules():
         found += [(name, line, target) for line, target in _imports(name, path) if re.match(r"sglang(\.|$)", target)]
         found += [
             (name, node.lineno, node.value)
-            for node in ast.walk(ast.parse(path.read_text()))
+            for node in _nodes(path)
             if isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and re.fullmatch(r"sglang\.[a-z_.]+", node.value)
@@ -98,7 +106,7 @@ def test_only_the_vllm_subpackage_names_vllms_modules():
         found += [(name, line, target) for line, target in _imports(name, path) if re.match(r"vllm(\.|$)", target)]
         found += [
             (name, node.lineno, node.value)
-            for node in ast.walk(ast.parse(path.read_text()))
+            for node in _nodes(path)
             if isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and re.fullmatch(r"vllm\.[a-z_.]+", node.value)
@@ -120,7 +128,7 @@ def _folder_imports() -> dict[str, set[str]]:
     for name, path in modules.items():
         unit = _unit(name)
         targets = found.setdefault(unit, set())
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _nodes(path):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -27,6 +27,7 @@ from helpers.common import (
     patch_state,
     run_concurrently,
     sglang_alias,
+    slow_but_one,
 )
 from helpers.procs import REPO, Spawned, background, clean_env, python, with_repo_pth
 
@@ -208,13 +209,15 @@ def test_a_call_naming_an_unknown_backend_is_refused_not_served_unverified(backe
 )
 @pytest.mark.parametrize(
     "kwargs",
-    [
-        {"block_size": 32},
-        {"use_8x4_sf_layout": True},
-        {"batch_invariant": True},
-        {"use_nvfp4": False},
-        {"enable_pdl": True, "tactic": 3},
-    ],
+    slow_but_one(
+        [
+            {"block_size": 32},
+            {"use_8x4_sf_layout": True},
+            {"batch_invariant": True},
+            {"use_nvfp4": False},
+            {"enable_pdl": True, "tactic": 3},
+        ]
+    ),
 )
 def test_a_routed_call_with_an_argument_not_verified_is_refused_by_name(kwargs):
     sm120_fp4.install(**SIM)

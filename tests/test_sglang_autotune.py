@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import sglang_layers
 from helpers.cases import case
-from helpers.common import patch_state, simulated_moe_skip_reason
+from helpers.common import patch_state, simulated_moe_skip_reason, slow_but_one
 
 import sm120_fp4
 from sm120_fp4 import backends
@@ -180,7 +180,7 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("refusal", list(REFUSALS))
+@pytest.mark.parametrize("refusal", slow_but_one(REFUSALS))
 @case(
     "configuration",
     "SGLang's FlashInfer autotune gate with the library serving a compressed-tensors NVFP4 checkpoint "

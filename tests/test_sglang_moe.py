@@ -139,12 +139,14 @@ def test_unequal_gate_and_up_scales_are_refused():
 )
 @pytest.mark.parametrize(
     "fmt, fault",
-    [
-        ("ModelOpt", "expert 2's w2_input_scale infinite"),
-        ("ModelOpt", "expert 0's w13_weight_scale_2 zero (both shards)"),
-        ("compressed-tensors", "expert 5's w2 weight_global_scale NaN"),
-        ("compressed-tensors", "a NaN w13 block-scale byte (0xff)"),
-    ],
+    slow_but_one(
+        [
+            ("ModelOpt", "expert 2's w2_input_scale infinite"),
+            ("ModelOpt", "expert 0's w13_weight_scale_2 zero (both shards)"),
+            ("compressed-tensors", "expert 5's w2 weight_global_scale NaN"),
+            ("compressed-tensors", "a NaN w13 block-scale byte (0xff)"),
+        ]
+    ),
 )
 def test_a_moe_layer_with_bad_checkpoint_scales_is_refused_naming_the_tensor(fmt, fault):
     sm120_fp4.install(simulate="12.0", backends="emulated", moe_backends="emulated")

@@ -161,6 +161,13 @@ def extend_enum(monkeypatch, enum: type, name: str, value: str):
 
 
 def slow_but_one(values: Iterable, keep: int = 0) -> list:
-    """A sweep's cases for pytest.mark.parametrize (one argument each), every case but `values[keep]` marked
-    `slow`: the inner loop (docs/development.md) runs one case of the sweep, the full suite runs them all."""
-    return [v if i == keep else pytest.param(v, marks=pytest.mark.slow) for i, v in enumerate(values)]
+    """A sweep's cases for pytest.mark.parametrize, every case but `values[keep]` marked `slow`: the inner loop
+    (docs/development.md) runs one case of the sweep, the full suite runs them all. A case is one argument, a
+    tuple (the arguments of a parametrize of several names) or a pytest.param (its marks and id kept)."""
+
+    def slow(value):
+        if isinstance(value, type(pytest.param())):  # pytest's ParameterSet
+            return pytest.param(*value.values, marks=[*value.marks, pytest.mark.slow], id=value.id)
+        return pytest.param(*value, marks=pytest.mark.slow) if isinstance(value, tuple) else slow(pytest.param(value))
+
+    return [value if i == keep else slow(value) for i, value in enumerate(values)]

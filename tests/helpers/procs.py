@@ -241,19 +241,21 @@ def job_of(test: str) -> "Queued | None":
     return next((job for node, job in JOBS.items() if node.endswith(test)), None)
 
 
-def background(start: Callable[..., object], heavy: bool | int = False):
+def background(start: Callable[..., object], heavy: bool | int = False, shared: bool = False):
     """Start `start(folder, **params)` at session start for each selected case of the decorated test.
 
     `folder` is an empty directory for the job; `params` are the case's parameters. The test gets
     `(returncode, stdout, stderr)` from the `background` fixture. `heavy` (a real server, a minute of
     CPU and more; an int: about how many server starts): the job goes to the heavy pool, which runs
     two such jobs at a time from the session's start beside the other jobs, the heaviest first, and
-    the test runs after every other test.
+    the test runs after every other test. `shared` (a `start` without parameters): every selected test
+    decorated with this same `start` reads one run of it (several tests asserting on one run's output).
     """
 
     def mark(fn):
         fn.background_job = start
         fn.background_heavy = heavy
+        fn.background_shared = shared
         return fn
 
     return mark
