@@ -47,7 +47,7 @@ installer_init() {
   if [ -n "${pipconf[default-timeout]:-}" ]; then UV_ENV+=("UV_HTTP_TIMEOUT=${pipconf[default-timeout]}"); fi
   UV_BIN="$uv"
   INSTALLER=uv
-  say "installing with uv $UV_VERSION (pip's index settings carried over: ${UV_ARGS[*]:3})"
+  say "installing with uv $UV_VERSION (pip's index settings carried over: ${UV_ARGS[*]:2})"
 }
 
 pipq() {
