@@ -119,12 +119,17 @@ def _resolution(dtype: torch.dtype, n: int) -> float:
     return float(info.smallest_normal * info.eps) * n**0.5
 
 
+def _chunk_rows(cols: int) -> int:
+    """Return how many rows of `cols` columns are compared at a time (a prefill costs no more memory)."""
+    return max(1, _COMPARE_ELEMENTS // max(cols, 1))
+
+
 def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Return per row the reference, output and difference norms, and the largest |difference|."""
     # Few passes over memory (a prefill M of a wide layer is gigabytes): the difference made once in float32, each
     # norm read straight from its tensor. A non-finite or all-zero row shows in its output norm (_compare_stats).
     rows, cols = out.shape
-    step = max(1, _COMPARE_ELEMENTS // max(cols, 1))  # a chunk at a time: a prefill costs no more memory
+    step = _chunk_rows(cols)
     parts = []
     for lo in range(0, rows, step):
         o, r = out[lo : lo + step], ref[lo : lo + step].float()
@@ -137,7 +142,7 @@ def _row_stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, ...]
 
 def _nonfinite(out: torch.Tensor) -> tuple[int, tuple[int, int] | None]:
     """Return how many elements of `out` are not finite and where the first is (a chunk at a time)."""
-    step, count, first = max(1, _COMPARE_ELEMENTS // max(out.shape[1], 1)), 0, None
+    step, count, first = _chunk_rows(out.shape[1]), 0, None
     for lo in range(0, out.shape[0], step):
         bad = ~torch.isfinite(out[lo : lo + step])
         count += int(bad.sum())
@@ -238,7 +243,7 @@ def lost_column_group(
     rows, cols = out.shape
     if cols % group or rows == 0:
         return None
-    step = max(1, _COMPARE_ELEMENTS // max(cols, 1))
+    step = _chunk_rows(cols)
     floor = _resolution(out.dtype, group)
     for lo in range(0, rows, step):
         o = out[lo : lo + step].float().reshape(-1, cols // group, group)

@@ -210,12 +210,10 @@ def _moe_reference_rows(routed, ref_w: nvfp4.MoeWeights, activation: str, mode: 
     return ref, (kernel_rounding - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
 
 
-def _local_ids(ids: torch.Tensor, first_expert: int, experts: int, served_ids: bool) -> torch.Tensor:
-    """Return the ids a rank's kernel gets: `ids` as served, or its own experts' local ids and -1 for any other slot."""
-    if served_ids:
-        return ids
+def _local(ids: torch.Tensor, first_expert: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return `ids` as this rank's local expert ids, and where a slot is one of this rank's experts."""
     local = ids.long() - first_expert
-    return torch.where((ids >= 0) & (local >= 0) & (local < experts), local, -1).to(torch.int32)
+    return local, (ids >= 0) & (local >= 0) & (local < experts)
 
 
 def _batch_key(tensors) -> tuple:
@@ -262,21 +260,18 @@ def moe_cases(
             longest[key] = tuple(tensors)
     shared: dict[tuple, tuple] = {}  # batch key -> the (reference, slack, out) of its longest plan
     for label, x, ids, topk_weights in plans:
-        call_ids = _local_ids(ids, first_expert, experts, served_ids)
+        local, mine = _local(ids, first_expert, experts)
+        call_ids = ids if served_ids else torch.where(mine, local, -1).to(torch.int32)
         key, m = _batch_key((x, ids, topk_weights)), x.shape[0]
         if key not in shared:
             whole, whole_ids, whole_weights = longest[key]
-            mine = _local_ids(whole_ids, first_expert, experts, False) >= 0
-            routed = (
-                whole,
-                torch.where(mine, whole_ids.long() - first_expert, 0),
-                torch.where(mine, whole_weights, 0.0),
-            )
+            local, mine = _local(whole_ids, first_expert, experts)
+            routed = (whole, torch.where(mine, local, 0), torch.where(mine, whole_weights, 0.0))
             shared[key] = (*_moe_reference(routed, ref_w, activation, mode, cache), torch.empty_like(whole))
         ref, slack, out = (t if t is None else t[:m] for t in shared[key])
         args = (x, call_ids, topk_weights, *weights)
         inputs = tuple(a for a in args if isinstance(a, torch.Tensor))
-        m, n, k = x.shape[0], x.shape[1], weights.w2.shape[2] * 2
+        n, k = x.shape[1], weights.w2.shape[2] * 2
         call = functools.partial(fn, *args, activation, x.dtype, out)
         case = Case(m, n, k, call, ref, inputs=inputs, out=out, label=label, bounds=bounds, slack=slack)
         case.twin = functools.partial(_rolled_tokens, fn, args, activation, out)
