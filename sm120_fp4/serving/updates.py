@@ -187,11 +187,13 @@ class Served:
 
 def served_configurations() -> list[Served]:
     """Return every layer configuration verified (passed) in this process, in the order verified."""
+    # Read from copies, not under the record's lock: a layer check holds that lock for its whole run (seconds, a
+    # first compile minutes), and the report's writer reads this (the canary's section) while the checking thread
+    # waits for its write (the record that it verifies, on disk before the check).
     served = []
     for s in STATE.served():
-        with s.lock:
-            passed = {r.config for r in s.decision.layers if r.passed}
-            served += [Served(s.family.name, s.device, c) for c in s.checks.values() if c.label in passed]
+        passed = {r.config for r in list(s.decision.layers) if r.passed}
+        served += [Served(s.family.name, s.device, c) for c in list(s.checks.values()) if c.label in passed]
     return served
 
 
