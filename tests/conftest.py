@@ -10,10 +10,17 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+# Bytecode caches (the test modules' rewritten asserts, this package's and the helpers' modules) even where
+# PYTHONDONTWRITEBYTECODE is set: without them every run and every child process compiled them again, a third
+# of the inner loop's collection on 2 cores. They go in __pycache__ folders, which git ignores.
+sys.dont_write_bytecode = False  # before the imports below (ruff's E402 is off for them in pyproject.toml)
+
 import torch
 from helpers.cases import fields
 from helpers.procs import JOBS as _JOBS

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.common import slow_but_one
 
 from sm120_fp4 import nvfp4
 from sm120_fp4.sglang import release
@@ -253,7 +254,7 @@ def _ledger_states() -> dict[str, str]:
     "install() patches as on an unpatched tree (the same ledger), the status names the diff, and every dense and MoE layer "
     "is still checked: a kernel that turns wrong after the generic self-test is refused at the layer, naming it",
 )
-@pytest.mark.parametrize("kernel", ["dense", "MoE"])
+@pytest.mark.parametrize("kernel", slow_but_one(["dense", "MoE"]))  # the MoE case: 6 s of CPU
 def test_a_tree_patched_with_the_upstream_diff_keeps_every_check_on(tmp_path, monkeypatch, sglang_unpatched, kernel):
     from helpers import moe_faults
     from helpers.children import all_zeros
