@@ -1,11 +1,11 @@
-"""The generic patch engine (sm120_fp4.patching), with standard-library modules as its targets:
-`json` (imported already) and `colorsys` (imported only when a test imports it)."""
+"""The generic patch engine (sm120_fp4.patching), with standard-library modules as its targets: a copy of
+`json` of its own (imported already) and `colorsys` (imported only when a test imports it)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
+import importlib.util
 import logging
 import sys
 import types
@@ -14,10 +14,27 @@ import pytest
 
 from sm120_fp4.patching import Patcher, PatchSpec
 
+
+def _json_of_its_own() -> types.ModuleType:
+    """Return a copy of the json package loaded under a name of its own (its own functions and classes): the
+    standard one is every thread's, and other tests' background jobs write JSON in this process while these
+    tests patch it."""
+    found = importlib.util.find_spec("json")
+    name = "sm120_fp4_tests_json"
+    copy = importlib.util.spec_from_file_location(
+        name, found.origin, submodule_search_locations=found.submodule_search_locations
+    )
+    module = importlib.util.module_from_spec(copy)
+    sys.modules[name] = module
+    copy.loader.exec_module(module)
+    return module
+
+
+json = _json_of_its_own()
 LEDGER = dict(why="test", upstream="none", remove_when="never")
 
 
-def spec(name="dumps", module="json", attribute="dumps", **kwargs) -> PatchSpec:
+def spec(name="dumps", module=json.__name__, attribute="dumps", **kwargs) -> PatchSpec:
     def make(original):
         def replacement(*args, **kw):
             return "patched:" + original(*args, **kw)
@@ -60,7 +77,7 @@ def test_a_patch_on_an_imported_module_applies_at_once_and_undoes_to_the_same_ob
     (entry,) = patcher.ledger()
     assert (entry.name, entry.module, entry.attribute, entry.state, entry.reason, entry.why) == (
         "dumps",
-        "json",
+        json.__name__,
         "dumps",
         "applied",
         None,
@@ -106,7 +123,7 @@ def test_a_module_that_imported_the_patched_name_is_restored_too(patcher, monkey
     importer.dumps = json.dumps  # `from json import dumps` after the patch
     monkeypatch.setitem(sys.modules, importer.__name__, importer)
     patcher.add([spec(name="importer-dumps", module=importer.__name__)])
-    assert states(patcher)["importer-dumps"] == ("applied", "imported already patched from json")
+    assert states(patcher)["importer-dumps"] == ("applied", f"imported already patched from {json.__name__}")
     patcher.remove_all()
     assert json.dumps is original and importer.dumps is original
 
@@ -150,9 +167,9 @@ def test_a_hook_that_raises_never_escapes_the_import(patcher, late_colorsys, cap
 
 def test_when_imported_runs_a_step_now_or_at_import_and_never_raises_into_it(patcher, late_colorsys, caplog):
     seen = []
-    patcher.when_imported("json", lambda m: seen.append(m.__name__))
+    patcher.when_imported(json.__name__, lambda m: seen.append(m.__name__))
     patcher.when_imported("colorsys", lambda m: seen.append(m.__name__))
-    assert seen == ["json"]
+    assert seen == [json.__name__]
 
     def fails(module):
         raise ValueError("step failed")
@@ -161,7 +178,7 @@ def test_when_imported_runs_a_step_now_or_at_import_and_never_raises_into_it(pat
     caplog.set_level(logging.WARNING, "sm120_fp4")
     import colorsys  # noqa: F401
 
-    assert seen == ["json", "colorsys"]
+    assert seen == [json.__name__, "colorsys"]
     assert any("step fails on import of colorsys failed: step failed" in r.getMessage() for r in caplog.records)
 
 
@@ -191,8 +208,8 @@ def test_a_missing_attribute_is_skipped_with_the_likely_cause(patcher):
         ]
     )
     assert states(patcher) == {
-        "a": ("skipped", "json.no_such_name not found in this release"),
-        "b": ("skipped", "json.JSONDecoder.no_such not found: renamed upstream"),
+        "a": ("skipped", f"{json.__name__}.no_such_name not found in this release"),
+        "b": ("skipped", f"{json.__name__}.JSONDecoder.no_such not found: renamed upstream"),
     }
 
 

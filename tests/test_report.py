@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers.cases import case
@@ -19,7 +20,7 @@ from helpers.plugins import plugin_site
 from helpers.procs import REPO, Popen, background, clean_env
 
 import sm120_fp4
-from sm120_fp4 import report, serving
+from sm120_fp4 import files, report, serving
 from sm120_fp4.config import Settings
 
 
@@ -254,12 +255,14 @@ def test_concurrent_report_writes_never_lose_a_decision(tmp_path, monkeypatch):
     real_dump = json.dump
 
     def ordered_dump(payload, handle, **kwargs):
-        if len(payload["decisions"]) == 1:  # the first writer is held mid-write until the second decision exists
+        if len(payload.get("decisions", ())) == 1:  # the first writer is held mid-write until the second decision
             first_dumping.set()
             second_decided.wait(60)
         return real_dump(payload, handle, **kwargs)
 
-    monkeypatch.setattr(json, "dump", ordered_dump)  # the json module every writer uses (verdicts.write_json)
+    # The json of the package's one JSON writer (files.write_json) only: json.dump itself is every thread's, and
+    # a background job of another test may be writing JSON in this process meanwhile.
+    monkeypatch.setattr(files, "json", SimpleNamespace(**{**vars(json), "dump": ordered_dump}))
     decide = lambda index: sm120_fp4.decide(CpuGpu(index, f"gpu{index}", (12, 0)), ["emulated"], settings=settings)  # noqa: E731
     first = threading.Thread(target=decide, args=(0,))
     first.start()
