@@ -359,7 +359,7 @@ def test_a_rank_records_that_it_verifies_before_the_first_check_and_its_refusal_
     assert written["processes"][-1]["verifying"] == [] and written["processes"][-1]["rank"]["tp_rank"] == 1
 
 
-def test_a_layer_check_with_the_canary_on_is_in_the_report_before_it_runs_without_waiting(tmp_path):
+def test_a_layer_check_with_the_canary_on_is_in_the_report_before_it_runs_without_waiting(tmp_path, monkeypatch):
     """With the canary on, a layer's check is written to the report (`verifying`) before it runs, and the checking
     thread's write is done, not waited out: the canary's report section reads what is served without the record's
     lock, which the check holds (it did: each new configuration waited the write's whole bound, 5 s, and the report
@@ -378,11 +378,10 @@ def test_a_layer_check_with_the_canary_on_is_in_the_report_before_it_runs_withou
     backends.register("emulated-reading", emulated_reading_the_report)
     sm120_fp4.install(simulate="12.0", backends="emulated-reading", canary="60", report=str(path))
     write_now = serving.STATE.report.write_now
-    serving.STATE.report.write_now = lambda settings: writes.append(write_now(settings)) or writes[-1]
-    try:
-        layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
-    finally:
-        serving.STATE.report.write_now = write_now
+    monkeypatch.setattr(
+        serving.STATE.report, "write_now", lambda settings: writes.append(write_now(settings)) or writes[-1]
+    )
+    layers.build_modelopt_layer(synthetic.make_checkpoint(32, 64))
     assert writes and all(writes), writes  # every write the checking thread waited for was done
     layer = [v for entries in seen for v in entries if v.startswith("ModelOptFp4LinearMethod N=32 K=64 ")]
     assert layer and "cpu 'simulated (CPU)'" in layer[0], sorted({v for entries in seen for v in entries})
