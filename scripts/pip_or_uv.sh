@@ -28,10 +28,13 @@ installer_init() {
     say "uv $UV_VERSION could not be installed (log: $LOG_DIR/uv.log); installing with pip"
     return 0
   fi
-  # --compile-bytecode: as pip does at install. Without it no .pyc exists where PYTHONDONTWRITEBYTECODE is set (as
-  # on the CI machine), and every test subprocess compiled torch and SGLang from source: the full gate went from 14
-  # to 25 minutes.
-  UV_ARGS=(--python "$VENV_PY" --index-strategy unsafe-best-match --compile-bytecode)
+  # No --compile-bytecode (pip's default at install): compiling every module of the three venvs (torch three times,
+  # FlashInfer twice, vLLM's 28,000 files) was most of the set-up's time on 2 cores (in .venv: torch 45 s,
+  # FlashInfer 37 s and SGLang 26 s of its 145 s). The import checks of the set-up and the test processes write the
+  # bytecode of what they import, the only modules ever read (both with PYTHONDONTWRITEBYTECODE unset; where it
+  # stayed set, as on the CI machine, nothing was ever written and every test subprocess compiled torch and SGLang
+  # from source: the full gate went from 14 to 25 minutes).
+  UV_ARGS=(--python "$VENV_PY" --index-strategy unsafe-best-match)
   # `pip config list` prints key='value' lines, global files first and PIP_* variables last (the later one wins).
   declare -A pipconf=()
   while IFS= read -r line; do

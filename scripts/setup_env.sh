@@ -157,7 +157,8 @@ compute_stamp() {
 }
 
 import_check() {
-  "$VENV_PY" - <<'EOF'
+  # It writes the bytecode of what it imports (uv compiles none at install: scripts/pip_or_uv.sh).
+  env -u PYTHONDONTWRITEBYTECODE "$VENV_PY" - <<'EOF'
 import warnings
 warnings.simplefilter("ignore")
 import torch

@@ -115,7 +115,8 @@ pipq project-deps "${PROJECT_DEPS[@]}"
 pipq project --no-deps -e "$ROOT"
 
 say "verifying imports"
-"$VENV_PY" - <<'EOF'
+# It writes the bytecode of what it imports (uv compiles none at install: scripts/pip_or_uv.sh).
+env -u PYTHONDONTWRITEBYTECODE "$VENV_PY" - <<'EOF'
 import warnings
 warnings.simplefilter("ignore")
 import torch

@@ -20,6 +20,9 @@ import pytest
 # PYTHONDONTWRITEBYTECODE is set: without them every run and every child process compiled them again, a third
 # of the inner loop's collection on 2 cores. They go in __pycache__ folders, which git ignores.
 sys.dont_write_bytecode = False  # before the imports below (ruff's E402 is off for them in pyproject.toml)
+# The same for every process the tests start (helpers.procs reads the environment when imported): the set-up
+# compiles no bytecode at install (scripts/pip_or_uv.sh), so the first process to import a module writes its bytecode.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 import torch
 from helpers.cases import fields
