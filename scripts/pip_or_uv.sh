@@ -81,3 +81,9 @@ pipq_uninstall() {
     "$VENV_PY" -m pip uninstall -y "$@" >"$LOG_DIR/$name.log" 2>&1 || true
   fi
 }
+
+# `import_check_python ARGS...`: the venv's Python for a set-up's import check, writing the bytecode of what it imports
+# (uv compiles none at install, above) even where PYTHONDONTWRITEBYTECODE is set.
+import_check_python() {
+  env -u PYTHONDONTWRITEBYTECODE "$VENV_PY" "$@"
+}

@@ -157,8 +157,7 @@ compute_stamp() {
 }
 
 import_check() {
-  # It writes the bytecode of what it imports (uv compiles none at install: scripts/pip_or_uv.sh).
-  env -u PYTHONDONTWRITEBYTECODE "$VENV_PY" - <<'EOF'
+  import_check_python - <<'EOF'
 import warnings
 warnings.simplefilter("ignore")
 import torch

@@ -115,8 +115,7 @@ pipq project-deps "${PROJECT_DEPS[@]}"
 pipq project --no-deps -e "$ROOT"
 
 say "verifying imports"
-# It writes the bytecode of what it imports (uv compiles none at install: scripts/pip_or_uv.sh).
-env -u PYTHONDONTWRITEBYTECODE "$VENV_PY" - <<'EOF'
+import_check_python - <<'EOF'
 import warnings
 warnings.simplefilter("ignore")
 import torch
